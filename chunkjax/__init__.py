@@ -1,0 +1,23 @@
+"""chunkjax: chunk-based heterogeneous memory management for training transformers in JAX.
+
+A JAX reimplementation of PatrickStar (chunks placed by the memory tide) and Smart-Infinity
+(storage-offloaded optimizer updates). The data flows one way::
+
+    layout (pytree -> chunks) -> trace (non-model bytes per stage) -> plan (placement, accounting)
+        -> runtime (jitted step executing the placement) -> optim (optax update per chunk)
+"""
+from chunkjax.layout import ChunkLayout, LeafSlot, build_layout, first_use_order, search_chunk_size
+from chunkjax.memory import DEVICE, PINNED_HOST
+from chunkjax.optim import init_chunk_state, update_chunk
+from chunkjax.plan import (Accounting, ChunkBytes, Placement, PlanError, StageTrace, account, chunk_bytes,
+                           parse_bytes, plan_fixed)
+from chunkjax.runtime import ChunkedStep, TrainState, make_chunked_step
+from chunkjax.stages import Stage, compose_loss
+from chunkjax.trace import trace_stages
+
+__all__ = [
+    "Accounting", "ChunkBytes", "ChunkLayout", "ChunkedStep", "DEVICE", "LeafSlot", "PINNED_HOST", "Placement",
+    "PlanError", "Stage", "StageTrace", "TrainState", "account", "build_layout", "chunk_bytes", "compose_loss",
+    "first_use_order", "init_chunk_state", "make_chunked_step", "parse_bytes", "plan_fixed", "search_chunk_size",
+    "trace_stages", "update_chunk",
+]

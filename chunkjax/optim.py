@@ -1,0 +1,78 @@
+"""Any elementwise optax transformation, applied one chunk at a time.
+
+PatrickStar (section 5, "device-aware operator placement") updates each chunk where its
+optimizer state lives. chunkjax does the same with an unchanged optax ``GradientTransformation``:
+each chunk has its own optax state built by ``tx.init`` on that chunk, so the update of one chunk
+needs only that chunk's gradient, master params and state, and can run wherever the chunk is.
+
+Elementwise transformations (definitions.md: Adam, AdamW, Lion, SGD with momentum, and chains
+of them) give the same result chunk by chunk as on the whole pytree, except for one global
+quantity: the global gradient norm (``optax.clip_by_global_norm``). chunkjax computes the squared
+norm of every gradient chunk as it leaves the backward pass and hands each chunk's update a
+one-element *rest-of-model* leaf of magnitude ``sqrt(G^2 - |g_c|^2)``. The tree the optax chain
+sees then has exactly the global norm ``G``, so clipping scales chunk ``c`` as it would scale the
+whole model. The extra leaf's update is discarded.
+
+.. warning:: a global norm taken of *transformed* updates later in a chain (e.g.
+   ``chain(scale_by_adam(), clip_by_global_norm(1.0))``) is not reproduced: only norms of the
+   incoming gradients are global. Transformations that read parameter structure (masks by
+   leaf name, per-layer trust ratios) see chunks, not leaves, and are not supported.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+#: Master params and optimizer moments are kept in float32 (mixed precision rule).
+MASTER_DTYPE = jnp.float32
+
+
+class ChunkUpdate(NamedTuple):
+    """Result of updating one chunk.
+
+    Attributes:
+      params: (chunk_size,) compute-dtype params after the step.
+      master: (chunk_size,) float32 master params after the step.
+      opt_state: the chunk's optax state after the step.
+    """
+
+    params: jax.Array
+    master: jax.Array
+    opt_state: Any
+
+
+def init_chunk_state(tx: optax.GradientTransformation, master: jax.Array):
+    """optax state of one chunk: ``tx.init([master, rest_leaf])``. master: (chunk_size,) f32."""
+    return tx.init([master, jnp.zeros((), MASTER_DTYPE)])
+
+
+def update_chunk(tx: optax.GradientTransformation, grad: jax.Array, master: jax.Array, opt_state,
+                 grad_sq_total: jax.Array, grad_sq_chunk: jax.Array, compute_dtype) -> ChunkUpdate:
+    """One optimizer step for one chunk (pure; jit it where the chunk's update runs).
+
+    Args:
+      tx: any elementwise optax transformation.
+      grad: (chunk_size,) gradient in the compute dtype (padding entries are zero).
+      master: (chunk_size,) float32 master params.
+      opt_state: the chunk's state from :func:`init_chunk_state`.
+      grad_sq_total: () float32, squared global gradient norm over all chunks.
+      grad_sq_chunk: () float32, squared norm of ``grad`` (as float32).
+      compute_dtype: dtype of the returned compute params.
+
+    Returns:
+      :class:`ChunkUpdate`.
+    """
+    g = grad.astype(MASTER_DTYPE)
+    rest = jnp.sqrt(jnp.maximum(grad_sq_total - grad_sq_chunk, 0.0)).astype(MASTER_DTYPE)
+    updates, new_state = tx.update([g, rest], opt_state, [master, jnp.zeros((), MASTER_DTYPE)])
+    new_master = (master + updates[0]).astype(MASTER_DTYPE)
+    return ChunkUpdate(new_master.astype(compute_dtype), new_master, new_state)
+
+
+def state_bytes_per_chunk(tx: optax.GradientTransformation, chunk_size: int) -> int:
+    """Bytes of one chunk's optax state (abstract: nothing is allocated)."""
+    st = jax.eval_shape(lambda: init_chunk_state(tx, jnp.zeros((chunk_size,), MASTER_DTYPE)))
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(st))

@@ -1,0 +1,43 @@
+"""A model as a sequence of stages: the unit at which chunkjax fetches chunks and recomputes.
+
+PatrickStar hooks every submodule to learn which chunk is touched when (its *moments*). chunkjax
+asks the model instead for an explicit, static sequence of stages: each stage names the
+top-level parameter entries it reads and is a pure function ``apply(params_sub, x, batch) -> x``.
+The first stage receives ``x=None``; the last returns the scalar loss. The runtime fetches a
+stage's chunks just before it runs, keeps only each stage's input activation through the forward
+pass, and in the backward pass re-fetches the chunks and recomputes the stage with ``jax.vjp``
+(activation checkpointing per stage).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One step of a staged model.
+
+    Attributes:
+      name: label used in schedules and reports (e.g. ``"h_3"``).
+      param_keys: top-level keys of the params dict this stage reads (a key may be read by
+        several stages: a tied embedding is read by the first and the last).
+      apply: ``apply(params_sub: dict, x, batch) -> x``; ``params_sub`` holds exactly
+        ``param_keys``; the last stage returns a float32 scalar loss.
+    """
+
+    name: str
+    param_keys: tuple[str, ...]
+    apply: Callable
+
+    def __post_init__(self):
+        if not self.param_keys:
+            raise ValueError(f"stage {self.name!r} reads no parameters: merge it into a neighbour")
+
+
+def compose_loss(stages, params, batch):
+    """Run the stages in order on a full params dict: the plain (un-chunked) loss."""
+    x = None
+    for st in stages:
+        x = st.apply({k: params[k] for k in st.param_keys}, x, batch)
+    return x

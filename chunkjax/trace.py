@@ -1,0 +1,107 @@
+"""Tracing pass: the non-model memory of each stage, from abstract shapes only.
+
+For every stage the saved input activation (kept through the forward pass until the stage's
+backward) comes from ``jax.eval_shape``; the transient bytes of the stage's recompute + vjp come
+from the compiled program's ``memory_analysis()`` (temporaries plus the gradient outputs). No
+model memory is allocated. Identical stages (same function code and shapes, e.g. transformer
+blocks) are compiled once.
+"""
+from __future__ import annotations
+
+import jax
+import jax.extend.core as jex_core
+
+from chunkjax.layout import ChunkLayout
+from chunkjax.plan import StageTrace
+
+
+def _nbytes(tree) -> int:
+    return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def abstract_compute_params(layout: ChunkLayout, compute_dtype):
+    """The params pytree as ``ShapeDtypeStruct`` s in the compute dtype."""
+    leaves = [jax.ShapeDtypeStruct(s.shape, compute_dtype) for s in layout.slots]
+    return layout.treedef.unflatten(leaves)
+
+
+def _live_inputs(closed, n_inputs: int) -> list[bool]:
+    """Which of the first ``n_inputs`` inputs of a jaxpr the outputs depend on (a conservative
+    dead-code pass over the top-level equations; sub-programs count as reading all inputs)."""
+    jaxpr = closed.jaxpr
+    used = {v for v in jaxpr.outvars if not isinstance(v, jex_core.Literal)}
+    for eqn in reversed(jaxpr.eqns):
+        if eqn.effects or any(v in used for v in eqn.outvars):
+            used.update(v for v in eqn.invars if not isinstance(v, jex_core.Literal))
+    return [v in used for v in jaxpr.invars[:n_inputs]]
+
+
+def backward_reads(stage, layout: ChunkLayout, p_sub, x, batch) -> tuple[int, ...]:
+    """Chunk ids whose *values* the stage's backward (recompute + vjp) needs.
+
+    Some stages need no parameter values for their gradients (an embedding lookup's gradient is
+    a scatter-add of the cotangent), so their chunks need not be fetched in the backward pass.
+    """
+    def vjp_fn(p, x, ct, b):
+        if x is None:
+            return jax.vjp(lambda p: stage.apply(p, None, b), p)[1](ct)
+        return jax.vjp(lambda p, x: stage.apply(p, x, b), p, x)[1](ct)
+
+    out = jax.eval_shape(stage.apply, p_sub, x, batch)
+    closed = jax.make_jaxpr(vjp_fn)(p_sub, x, out, batch)
+    flat, _ = jax.tree_util.tree_flatten_with_path(p_sub)
+    live = _live_inputs(closed, len(flat))
+    paths = [jax.tree_util.keystr(k, simple=True, separator="/") for k, _ in flat]
+    return layout.chunks_of([pth for pth, l in zip(paths, live) if l])
+
+
+def stage_inputs(stages, layout: ChunkLayout, batch, compute_dtype):
+    """Abstract (params_sub, x) of every stage, in order."""
+    params = abstract_compute_params(layout, compute_dtype)
+    out, x = [], None
+    for st in stages:
+        p_sub = {k: params[k] for k in st.param_keys}
+        out.append((p_sub, x))
+        x = jax.eval_shape(st.apply, p_sub, x, batch)
+    return out
+
+
+def _stage_transient_bytes(st, p_sub, x, batch, is_first: bool) -> int:
+    def vjp_fn(p, x, ct, b):
+        if is_first:
+            y, pull = jax.vjp(lambda p: st.apply(p, None, b), p)
+        else:
+            y, pull = jax.vjp(lambda p, x: st.apply(p, x, b), p, x)
+        return pull(ct)
+
+    out = jax.eval_shape(st.apply, p_sub, x, batch)
+    ct = jax.ShapeDtypeStruct(out.shape, out.dtype)
+    compiled = jax.jit(vjp_fn).lower(p_sub, x, ct, batch).compile()
+    ma = compiled.memory_analysis()
+    grads = jax.eval_shape(vjp_fn, p_sub, x, ct, batch)
+    return int(ma.temp_size_in_bytes) + _nbytes(grads) + _nbytes(out)
+
+
+def trace_stages(stages, layout: ChunkLayout, batch: jax.ShapeDtypeStruct, compute_dtype) -> tuple[StageTrace, ...]:
+    """Per-stage chunk reads and non-model bytes for one step.
+
+    Args:
+      stages: the model's :class:`~chunkjax.Stage` sequence.
+      layout: chunk layout of the params.
+      batch: abstract batch (e.g. ``ShapeDtypeStruct((B, T+1), int32)``).
+      compute_dtype: dtype of the compute params (bf16 under mixed precision).
+
+    Returns:
+      one :class:`~chunkjax.plan.StageTrace` per stage.
+    """
+    out, cache = [], {}
+    for i, (st, (p_sub, x)) in enumerate(zip(stages, stage_inputs(stages, layout, batch, compute_dtype))):
+        sig = (getattr(st.apply, "__code__", st.apply), jax.tree.structure(p_sub),
+               tuple((a.shape, a.dtype) for a in jax.tree.leaves(p_sub)),
+               None if x is None else (x.shape, x.dtype))
+        if sig not in cache:
+            cache[sig] = _stage_transient_bytes(st, p_sub, x, batch, i == 0)
+        out.append(StageTrace(name=st.name, chunks=layout.chunks_of(st.param_keys),
+                              input_bytes=0 if x is None else _nbytes(x), temp_bytes=cache[sig],
+                              bwd_chunks=backward_reads(st, layout, p_sub, x, batch)))
+    return tuple(out)

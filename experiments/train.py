@@ -1,0 +1,360 @@
+"""The main job: train a GPT on real text (Shakespeare + King James Bible) with its model data in
+chunks spread over device and pinned-host memory.
+
+    python -m experiments.train                      # CPU default: tiny GPT, budget forcing >= half off-device
+    python -m experiments.train --model GPT2_1B --device-budget 8GiB --batch 16 --seq 1024   # a GPU node
+
+Every resolved setting is printed; the run folder ``runs/<time>-<model>/`` holds ``report.json``
+(keys in shared/guides/definitions.md: ``_accounted`` figures are chunkjax's own bookkeeping,
+``_measured`` ones come from the runtime and are null on the CPU), ``metrics.jsonl``,
+``loss.png`` and ``sample.txt``. The folder is written under a ``.partial`` name and renamed when
+the run completes, so a failed run leaves nothing behind. Bad input exits with status 2 and one
+line saying what to do.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+#: Environment variable marking a process already re-launched with the budget's memory settings.
+_LAUNCHED = "CHUNKJAX_LAUNCHED"
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Every knob of the main job, with defaults that run on a 2-core CPU in under 10 minutes."""
+
+    model: str = "tiny"            # name from models/gpt.py (case-insensitive)
+    steps: int = 600               # optimizer steps
+    batch: int = 8                 # sequences per step
+    seq: int = 128                 # tokens per sequence
+    lr: float = 3e-3               # peak AdamW learning rate
+    warmup: int = 30               # linear warm-up steps, then cosine decay to lr/10
+    weight_decay: float = 0.0      # AdamW weight decay
+    clip: float = 1.0              # global-norm clipping (0 disables)
+    device_budget: str = "auto"    # peak device bytes ("8GiB", "512MiB", ...); auto: all-host need + 40% of model data
+    chunk_size: int = 0            # elements per chunk; 0 searches (floored at the largest leaf)
+    min_chunks: int = 8            # the search prefers sizes giving at least this many chunks
+    prefetch: int = 1              # fetch distance in stages
+    compute_dtype: str = "auto"    # bfloat16 | float32; auto: bfloat16 on GPU, float32 on CPU
+    tokenizer: str = "gpt2"        # gpt2 | bpe<N>
+    data_cache: str = ".cache/data"  # token arrays cached here (copy this folder to a machine without the data packages)
+    eval_every: int = 100          # steps between validation losses
+    eval_batches: int = 8          # validation batches (of `batch` sequences)
+    sample_tokens: int = 80        # tokens generated at the end (0 disables)
+    out_dir: str = "runs"          # run folders go here
+    seed: int = 0                  # init and data order
+    progress: bool = True          # progress bar
+
+
+class UsageError(Exception):
+    """Bad input: printed as one line, exit status 2."""
+
+
+def parse_args(argv=None) -> TrainConfig:
+    ap = argparse.ArgumentParser(prog="python -m experiments.train", description=__doc__.split("\n\n")[0])
+    for f in dataclasses.fields(TrainConfig):
+        name = "--" + f.name.replace("_", "-")
+        if f.type in ("bool", bool):
+            ap.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default)
+        else:
+            typ = {"int": int, "float": float, "str": str}.get(str(f.type), str)
+            ap.add_argument(name, type=typ, default=f.default)
+    ns = ap.parse_args(argv)
+    return TrainConfig(**vars(ns))
+
+
+# ---- the launcher: memory settings must be in the environment before JAX starts ------------
+
+def _gpu_memory_bytes() -> int | None:
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30).stdout
+        return int(out.split()[0]) * 2**20
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return None
+
+
+def _host_memory_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 16 * 2**30
+
+
+def relaunch_with_budget(cfg: TrainConfig, budget_bytes: int | None) -> None:
+    """On a GPU, re-exec this process with ``XLA_PYTHON_CLIENT_MEM_FRACTION = budget / card`` and
+    the pinned-host cap lifted to 90 % of host RAM (definitions.md, "Device budget")."""
+    if os.environ.get(_LAUNCHED) or budget_bytes is None:
+        return
+    card = _gpu_memory_bytes()
+    if card is None:
+        return
+    env = dict(os.environ, **{_LAUNCHED: "1"})
+    env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{min(budget_bytes / card, 0.99):.4f}"
+    env.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", str(int(0.9 * _host_memory_bytes() / 2**30)))
+    os.execve(sys.executable, [sys.executable, "-m", "experiments.train", *sys.argv[1:]], env)
+
+
+# ---- the job ---------------------------------------------------------------------------------
+
+def run(cfg: TrainConfig) -> dict:
+    """Train and write the run folder. Returns the report dict.
+
+    Raises:
+      UsageError: bad model name, budget, data, or a non-finite loss.
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    import chunkjax as cj
+    from chunkjax.optim import state_bytes_per_chunk
+    from experiments import data as data_mod
+    from experiments.report import RunFolder, plot_losses
+    from models import gpt
+
+    t_start = time.time()
+    try:
+        mcfg = gpt.get_config(cfg.model)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if cfg.seq > mcfg.seq_len:
+        raise UsageError(f"--seq {cfg.seq} exceeds the model's {mcfg.seq_len} positions: use --seq <= {mcfg.seq_len}")
+    for name in ("steps", "batch", "seq", "prefetch", "eval_every", "eval_batches", "min_chunks"):
+        if getattr(cfg, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+    budget = None if cfg.device_budget == "auto" else _parse_budget(cfg.device_budget)
+    platform = jax.devices()[0].platform
+    cdt = {"auto": jnp.bfloat16 if platform == "gpu" else jnp.float32, "bfloat16": jnp.bfloat16,
+           "bf16": jnp.bfloat16, "float32": jnp.float32, "fp32": jnp.float32}.get(cfg.compute_dtype)
+    if cdt is None:
+        raise UsageError(f"--compute-dtype {cfg.compute_dtype!r}: use bfloat16, float32 or auto")
+
+    try:
+        td = data_mod.load_token_data(cfg.tokenizer, cfg.data_cache)
+    except data_mod.MissingDataError as e:
+        raise UsageError(str(e)) from None
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if td.vocab_size > mcfg.vocab_size:
+        raise UsageError(f"tokenizer {cfg.tokenizer} has {td.vocab_size} tokens but model {mcfg.name} only "
+                         f"{mcfg.vocab_size} rows: pick --tokenizer gpt2 with GPT-2 sized models")
+
+    # layout -> trace -> plan
+    stages = gpt.gpt_stages(mcfg)
+    aparams = gpt.abstract_params(mcfg)
+    abatch = jax.ShapeDtypeStruct((cfg.batch, cfg.seq + 1), jnp.int32)
+    order = cj.first_use_order(lambda p, b: cj.compose_loss(stages, p, b), aparams, abatch)
+    layout = cj.build_layout(aparams, cfg.chunk_size or None, order, min_chunks=cfg.min_chunks)
+    tx = _optimizer(cfg)
+    traces = cj.trace_stages(stages, layout, abatch, cdt)
+    cb = cj.chunk_bytes(layout, cdt, state_bytes_per_chunk(tx, layout.chunk_size))
+    model_chunk_bytes = layout.n_chunks * (cb.params + cb.state)
+    if budget is None:
+        all_host = cj.account(layout, cj.Placement.uniform(layout.n_chunks, cj.PINNED_HOST, cj.PINNED_HOST),
+                              traces, cb, cfg.prefetch)
+        budget = int(all_host.peak_device_bytes + 0.4 * model_chunk_bytes)
+    try:
+        placement, acc = cj.plan_fixed(layout, traces, cb, budget, cfg.prefetch)
+    except cj.PlanError as e:
+        raise UsageError(str(e)) from None
+
+    resolved = dataclasses.asdict(cfg) | {"device_budget_bytes": budget, "platform": platform,
+                                          "compute_dtype_resolved": jnp.dtype(cdt).name}
+    print("config: " + " ".join(f"{k}={v}" for k, v in resolved.items()), flush=True)
+    print(layout.summary().splitlines()[0], flush=True)
+    print(f"placement: {placement.counts()}  accounted peak {acc.peak_device_bytes / 2**20:.1f} MiB of "
+          f"budget {budget / 2**20:.1f} MiB; model data on device {acc.device_model_bytes / 2**20:.1f} of "
+          f"{model_chunk_bytes / 2**20:.1f} MiB; per step h2d {acc.h2d_bytes_per_step / 2**20:.1f} MiB, "
+          f"d2h {acc.d2h_bytes_per_step / 2**20:.1f} MiB", flush=True)
+
+    folder = RunFolder.create(cfg.out_dir, mcfg.name)
+    try:
+        report = _train(cfg, mcfg, stages, layout, placement, acc, tx, cdt, td, budget, model_chunk_bytes,
+                        folder, t_start)
+        report["config"] = resolved
+        folder.write_json("report.json", report)
+        plot_losses(folder.path / "loss.png", folder.path / "metrics.jsonl", title=f"{mcfg.name} (chunkjax)")
+        final = folder.commit()
+    except BaseException:
+        folder.discard()
+        raise
+    print(f"run folder: {final}", flush=True)
+    return report
+
+
+def _parse_budget(text: str) -> int:
+    import chunkjax as cj
+    try:
+        return cj.parse_bytes(text)
+    except ValueError as e:
+        raise UsageError(f"--device-budget: {e}") from None
+
+
+def _optimizer(cfg: TrainConfig):
+    import optax
+    sched = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, max(cfg.warmup, 1), max(cfg.steps, cfg.warmup + 1),
+                                               cfg.lr / 10)
+    adamw = optax.adamw(sched, weight_decay=cfg.weight_decay)
+    return optax.chain(optax.clip_by_global_norm(cfg.clip), adamw) if cfg.clip > 0 else adamw
+
+
+def _train(cfg, mcfg, stages, layout, placement, acc, tx, cdt, td, budget, model_chunk_bytes, folder, t_start):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from tqdm import tqdm
+
+    import chunkjax as cj
+    from experiments import data as data_mod
+    from models import gpt
+
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+        params = gpt.init_params(mcfg, jax.random.key(cfg.seed))
+        params = jax.tree.map(np.asarray, params)
+    step = cj.make_chunked_step(stages, layout, placement, tx, compute_dtype=cdt, prefetch=cfg.prefetch)
+    state = step.init(params)
+    del params
+
+    dev = jax.devices()[0]
+    batches = data_mod.sample_batches(td.train, cfg.batch, cfg.seq, cfg.seed)
+    val = [jax.device_put(b, dev) for b in data_mod.eval_batches(td.val, cfg.batch, cfg.seq, cfg.eval_batches)]
+
+    def val_loss(state):
+        return float(np.mean([float(step.eval_loss(state, b)) for b in val]))
+
+    tokens_per_step = cfg.batch * cfg.seq
+    metrics_path = folder.path / "metrics.jsonl"
+    records, losses = [], []
+    v0 = val_loss(state)
+    records.append({"step": 0, "tokens": 0, "val_loss": v0})
+    train_time, timed_steps = 0.0, 0
+    bar = tqdm(range(1, cfg.steps + 1), disable=not cfg.progress, unit="step", dynamic_ncols=True, file=sys.stdout)
+    with open(metrics_path, "w") as mf:
+        mf.write(json.dumps(records[0]) + "\n")
+        for i in bar:
+            b = jax.device_put(next(batches), dev)
+            t0 = time.perf_counter()
+            state, m = step(state, b)
+            loss = float(m["loss"])  # waits for the step
+            dt = time.perf_counter() - t0
+            if not math.isfinite(loss):
+                raise UsageError(f"loss became {loss} at step {i}: lower --lr (now {cfg.lr}) or keep --clip > 0")
+            if i > 1:  # step 1 compiles
+                train_time += dt
+                timed_steps += 1
+            losses.append(loss)
+            rec = {"step": i, "tokens": i * tokens_per_step, "loss": loss, "grad_norm": float(m["grad_norm"]),
+                   "step_s": dt}
+            if i % cfg.eval_every == 0 or i == cfg.steps:
+                rec["val_loss"] = val_loss(state)
+            mf.write(json.dumps(rec) + "\n")
+            records.append(rec)
+            tps = timed_steps * tokens_per_step / train_time if train_time else float("nan")
+            bar.set_postfix(loss=f"{loss:.3f}", val=f"{_last_val(records):.3f}", tok_s=f"{tps:,.0f}")
+    bar.close()
+
+    peak_measured = None
+    stats = jax.devices()[0].memory_stats() if jax.devices()[0].platform != "cpu" else None
+    if stats and "peak_bytes_in_use" in stats:
+        peak_measured = int(stats["peak_bytes_in_use"])
+    sample = _sample(step, state, mcfg, td, cfg) if cfg.sample_tokens else None
+    if sample is not None:
+        folder.write_text("sample.txt", sample + "\n")
+        print("sample:\n" + sample, flush=True)
+    tps = timed_steps * tokens_per_step / train_time if train_time else None
+    vals = [r["val_loss"] for r in records if "val_loss" in r]
+    return {
+        "model": mcfg.name, "n_params": mcfg.n_params, "steps": cfg.steps, "batch": cfg.batch, "seq": cfg.seq,
+        "tokens": cfg.steps * tokens_per_step, "tokens_per_s": tps,
+        "step_s_median": float(np.median([r["step_s"] for r in records[2:]])) if len(records) > 2 else None,
+        "tflops": tps * mcfg.flops_per_token(cfg.seq) / 1e12 if tps else None,
+        "loss_first": losses[0], "loss_last": losses[-1], "val_loss_first": vals[0], "val_loss_last": vals[-1],
+        "unigram_val_loss": data_mod.unigram_cross_entropy(td.train, td.val, td.vocab_size),
+        "device_budget_bytes": budget,
+        "peak_device_bytes_accounted": acc.peak_device_bytes, "peak_device_bytes_measured": peak_measured,
+        "model_bytes": 14 * mcfg.n_params,
+        "model_bytes_accounted": model_chunk_bytes,
+        "device_model_bytes_accounted": acc.device_model_bytes,
+        "device_model_fraction_accounted": acc.device_model_bytes / model_chunk_bytes,
+        "h2d_bytes_per_step_accounted": acc.h2d_bytes_per_step,
+        "d2h_bytes_per_step_accounted": acc.d2h_bytes_per_step,
+        "chunk_size": layout.chunk_size, "n_chunks": layout.n_chunks, "chunk_waste_bytes": layout.waste_bytes,
+        "placement_counts": placement.counts(), "update_locations": list(placement.update_locations),
+        "compute_dtype": jnp.dtype(cdt).name, "tokenizer": td.tokenizer.name, "vocab_size": td.vocab_size,
+        "train_tokens_available": int(td.train.size), "val_tokens": int(td.val.size),
+        "platform": jax.devices()[0].platform, "device_kind": jax.devices()[0].device_kind,
+        "jax_version": jax.__version__, "wall_s": time.time() - t_start, "sample": sample,
+    }
+
+
+def _last_val(records) -> float:
+    for r in reversed(records):
+        if "val_loss" in r:
+            return r["val_loss"]
+    return float("nan")
+
+
+#: Largest model sampled from at the end (generation runs un-chunked on the host CPU).
+_SAMPLE_MAX_PARAMS = 200_000_000
+
+
+def _sample(step, state, mcfg, td, cfg) -> str | None:
+    """A short continuation of a prompt, generated on the host CPU from the master params."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from models import gpt
+
+    if mcfg.n_params > _SAMPLE_MAX_PARAMS:
+        return None
+    cpu = jax.devices("cpu")[0]
+    masters = [np.asarray(jax.device_get(m)) for m in state.master]
+    with jax.default_device(cpu):
+        params = step.layout.unpack([jnp.asarray(m) for m in masters])
+        prompt = "ROMEO:\n"
+        ids = td.tokenizer.encode(prompt)
+        ctx = min(cfg.seq, mcfg.seq_len)
+        # fixed-length window (right-padded; attention is causal) so the forward compiles once
+        logits_fn = jax.jit(lambda p, t, pos: gpt.forward_logits(mcfg, p, t)[0, pos])
+        key = jax.random.key(cfg.seed + 1)
+        for _ in range(cfg.sample_tokens):
+            window = ids[-ctx:]
+            padded = jnp.asarray(window + [0] * (ctx - len(window)), jnp.int32)[None]
+            lg = logits_fn(params, padded, len(window) - 1)[: td.vocab_size] / 0.8
+            key, sub = jax.random.split(key)
+            ids.append(int(jax.random.categorical(sub, lg)))
+    return td.tokenizer.decode(ids)
+
+
+def main(argv=None) -> int:
+    cfg = parse_args(argv)
+    try:
+        budget = None if cfg.device_budget == "auto" else _parse_budget(cfg.device_budget)
+        relaunch_with_budget(cfg, budget)
+        run(cfg)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

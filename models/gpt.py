@@ -1,0 +1,253 @@
+"""GPT-2 style decoder in Flax (linen), with the PatrickStar size table.
+
+Architecture (identical to ``shared/probes/plain_jax_gpt.py``, so ``n_params`` and
+``flops_per_token`` are exactly that formula): learned token and position embeddings,
+pre-LayerNorm blocks (LayerNorm with scale only, no biases anywhere), causal multi-head
+attention, GELU MLP of width 4h, final LayerNorm, LM head tied to the token embedding.
+
+The model is also exposed as a sequence of :class:`chunkjax.Stage` s (``gpt_stages``): embedding,
+one stage per block, head. chunkjax's runtime executes a step stage by stage, fetching each
+stage's chunks just before it runs and recomputing a block's internals in the backward pass
+(activation checkpointing per block). ``loss_fn`` composes the very same stage functions, so the
+plain reference and the chunked step compute the same mathematics.
+
+Params pytree (a dict)::
+
+    wte (V, h)  wpe (S, h)
+    h_<i>: {ln_1: {scale (h,)}, attn_c_attn: {kernel (h, 3h)}, attn_c_proj: {kernel (h, h)},
+            ln_2: {scale (h,)}, mlp_c_fc: {kernel (h, 4h)}, mlp_c_proj: {kernel (4h, h)}}
+    ln_f: {scale (h,)}
+
+Compute runs in the dtype of the params handed in (bf16 compute copies under mixed precision);
+LayerNorm statistics and the loss are computed in float32.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from chunkjax.stages import Stage
+
+#: GPT-2 vocabulary padded to a multiple of 64 (as in the probes and Megatron).
+GPT2_VOCAB = 50304
+SEQ_LEN = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    """Model hyper-parameters.
+
+    Attributes:
+      name: config name (case-insensitive lookup in :data:`CONFIGS`).
+      d_model: hidden size h.
+      n_layers: number of blocks L.
+      n_heads: attention heads (``d_model % n_heads == 0``).
+      vocab_size: V (token embedding rows).
+      seq_len: S, maximum positions (rows of ``wpe``).
+      remat: activation checkpointing per block in the plain reference (chunkjax's staged step
+        always recomputes block internals in backward).
+    """
+
+    name: str
+    d_model: int
+    n_layers: int
+    n_heads: int
+    vocab_size: int = GPT2_VOCAB
+    seq_len: int = SEQ_LEN
+    remat: bool = True
+
+    def __post_init__(self):
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
+
+    @property
+    def n_params(self) -> int:
+        """All parameters, tied embedding counted once, positions included."""
+        return n_params(self.d_model, self.n_layers, self.vocab_size, self.seq_len)
+
+    def flops_per_token(self, seq: int | None = None) -> int:
+        """Training FLOPs per token, ``6N + 12 L S h`` (no recompute credit)."""
+        s = self.seq_len if seq is None else seq
+        return 6 * self.n_params + 12 * self.n_layers * s * self.d_model
+
+
+def n_params(h: int, L: int, V: int = GPT2_VOCAB, S: int = SEQ_LEN) -> int:
+    """Parameter count of this architecture (the formula of plain_jax_gpt.py)."""
+    return V * h + S * h + L * (12 * h * h + 2 * h) + h
+
+
+_TABLE = {  # name: (hidden, layers, heads) -- PatrickStar's table, seq 1024
+    "gpt2-small": (768, 12, 12),
+    "GPT2_1B": (2048, 20, 16),
+    "megatron_1.3B": (2048, 24, 32),
+    "GPT2_2B": (2048, 40, 16),
+    "megatron_3.9B": (2560, 48, 40),
+    "GPT2_4B": (2304, 64, 16),
+    "GPT3_6B": (3072, 53, 16),
+    "GPT3_8B": (3072, 72, 16),
+    "GPT3_10B": (4096, 50, 16),
+    "GPT3_12B": (4096, 60, 16),
+    "GPT3_15B": (4096, 78, 16),
+    "GPT3_18B": (4096, 90, 16),
+}
+
+CONFIGS: dict[str, GPTConfig] = {n: GPTConfig(n, *v) for n, v in _TABLE.items()}
+# CPU-sized configs. "tiny" is the demo model (GPT-2 BPE); "micro" uses a small vocabulary
+# (BPE trained on the training split) so that many chunks exist even with the chunk size floored
+# at the largest leaf.
+CONFIGS["tiny"] = GPTConfig("tiny", d_model=128, n_layers=4, n_heads=4, seq_len=256)
+CONFIGS["micro"] = GPTConfig("micro", d_model=64, n_layers=4, n_heads=4, vocab_size=512, seq_len=128)
+
+
+def get_config(name: str, **overrides) -> GPTConfig:
+    """Look up a config by name, case-insensitively.
+
+    Raises:
+      ValueError: unknown name (the message lists the known names).
+    """
+    for k, cfg in CONFIGS.items():
+        if k.lower() == name.lower():
+            return dataclasses.replace(cfg, **overrides) if overrides else cfg
+    raise ValueError(f"unknown model {name!r}: choose one of {', '.join(CONFIGS)}")
+
+
+def largest(names) -> str:
+    """The name with the most parameters (compares N, never names)."""
+    return max(names, key=lambda n: get_config(n).n_params)
+
+
+# ---- modules -------------------------------------------------------------------------------
+
+_init = nn.initializers.normal(0.02)
+
+
+class Block(nn.Module):
+    """One pre-LN transformer block: x + attn(ln_1(x)); x + mlp(ln_2(x)). x: (B, T, h)."""
+
+    cfg: GPTConfig
+
+    @nn.compact
+    def __call__(self, x):
+        cfg = self.cfg
+        B, T, h = x.shape
+        proj_init = nn.initializers.normal(0.02 / math.sqrt(2 * cfg.n_layers))
+        y = nn.LayerNorm(use_bias=False, name="ln_1")(x)
+        qkv = _Dense(3 * h, _init, name="attn_c_attn")(y)
+        q, k, v = jnp.split(qkv.reshape(B, T, 3, cfg.n_heads, h // cfg.n_heads), 3, axis=2)
+        a = jax.nn.dot_product_attention(q[:, :, 0], k[:, :, 0], v[:, :, 0], is_causal=True)
+        x = x + _Dense(h, proj_init, name="attn_c_proj")(a.reshape(B, T, h))
+        y = nn.LayerNorm(use_bias=False, name="ln_2")(x)
+        y = jax.nn.gelu(_Dense(4 * h, _init, name="mlp_c_fc")(y))
+        return x + _Dense(h, proj_init, name="mlp_c_proj")(y)
+
+
+class _Dense(nn.Module):
+    features: int
+    kernel_init: object
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features), jnp.float32)
+        return x @ kernel.astype(x.dtype) if kernel.dtype != x.dtype else x @ kernel
+
+
+def _layernorm_apply(scale, x):
+    return nn.LayerNorm(use_bias=False).apply({"params": {"scale": scale}}, x)
+
+
+# ---- stages (pure functions over param sub-dicts) ------------------------------------------
+
+def embed_apply(p, x, tokens):
+    """Stage 0. p: {wte (V,h), wpe (S,h)}; tokens: (B, T) int -> x (B, T, h) in p's dtype."""
+    del x
+    T = tokens.shape[1]
+    return p["wte"][tokens] + p["wpe"][:T]
+
+
+def block_apply(cfg: GPTConfig, p, x):
+    """A block stage. p: {h_i: block params}; x: (B, T, h)."""
+    (name, bp), = p.items()
+    return Block(cfg).apply({"params": bp}, x)
+
+
+def head_loss(p, x, targets):
+    """Last stage: mean next-token cross entropy in float32 nats.
+
+    p: {ln_f: {scale}, wte (V, h)} (the tied LM head); x: (B, T, h); targets: (B, T) int.
+    """
+    y = _layernorm_apply(p["ln_f"]["scale"], x)
+    logits = (y @ p["wte"].T).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+def head_logits(p, x):
+    y = _layernorm_apply(p["ln_f"]["scale"], x)
+    return (y @ p["wte"].T).astype(jnp.float32)
+
+
+def gpt_stages(cfg: GPTConfig) -> tuple[Stage, ...]:
+    """The model as chunkjax stages: embed, h_0 .. h_{L-1}, head.
+
+    Batch convention: ``batch`` is an int array (B, T+1); inputs are ``batch[:, :-1]`` and targets
+    ``batch[:, 1:]``.
+    """
+    stages = [Stage("embed", ("wte", "wpe"), lambda p, x, b: embed_apply(p, x, b[:, :-1]))]
+    for i in range(cfg.n_layers):
+        stages.append(Stage(f"h_{i}", (f"h_{i}",), lambda p, x, b, _c=cfg: block_apply(_c, p, x)))
+    stages.append(Stage("head", ("ln_f", "wte"), lambda p, x, b: head_loss(p, x, b[:, 1:])))
+    return tuple(stages)
+
+
+def _sub(params, keys):
+    return {k: params[k] for k in keys}
+
+
+def loss_fn(cfg: GPTConfig, params, batch, compute_dtype=None):
+    """Plain (un-chunked) loss: the stages composed, remat per block when ``cfg.remat``.
+
+    Args:
+      params: the full params dict (float32 master params).
+      batch: int (B, T+1).
+      compute_dtype: cast params to this dtype first (bf16 mixed precision); None keeps them.
+    """
+    if compute_dtype is not None:
+        params = jax.tree.map(lambda a: a.astype(compute_dtype), params)
+    x = None
+    for st in gpt_stages(cfg):
+        fn = st.apply
+        if cfg.remat and st.name.startswith("h_"):
+            fn = jax.checkpoint(fn)
+        x = fn(_sub(params, st.param_keys), x, batch)
+    return x
+
+
+def forward_logits(cfg: GPTConfig, params, tokens):
+    """Logits (B, T, V) float32 for int tokens (B, T)."""
+    x = embed_apply(_sub(params, ("wte", "wpe")), None, tokens)
+    for i in range(cfg.n_layers):
+        x = block_apply(cfg, {f"h_{i}": params[f"h_{i}"]}, x)
+    return head_logits(_sub(params, ("ln_f", "wte")), x)
+
+
+def init_params(cfg: GPTConfig, key: jax.Array, dtype=jnp.float32) -> dict:
+    """Random params (normal 0.02; residual projections scaled by 1/sqrt(2L); LN scales 1)."""
+    k_wte, k_wpe, *k_blocks = jax.random.split(key, 2 + cfg.n_layers)
+    x = jnp.zeros((1, 8, cfg.d_model), dtype)
+    params = {"wte": _init(k_wte, (cfg.vocab_size, cfg.d_model), dtype),
+              "wpe": _init(k_wpe, (cfg.seq_len, cfg.d_model), dtype)}
+    for i, k in enumerate(k_blocks):
+        bp = Block(cfg).init(k, x)["params"]
+        params[f"h_{i}"] = bp
+    params["ln_f"] = {"scale": jnp.ones((cfg.d_model,), dtype)}
+    return jax.tree.map(lambda a: a.astype(dtype), params)
+
+
+def abstract_params(cfg: GPTConfig, dtype=jnp.float32) -> dict:
+    """``jax.ShapeDtypeStruct`` params (nothing allocated)."""
+    return jax.eval_shape(lambda: init_params(cfg, jax.random.key(0), dtype))
+
