@@ -29,6 +29,12 @@ _MSG_INFEASIBLE = (
 )
 
 
+def _gib_ceil(n: int) -> float:
+    """``n`` bytes in GiB rounded *up* to the 3 decimals the message prints (rounding to nearest
+    could suggest a budget below ``n``, which then fails again)."""
+    return -(-n * 1000 // 2**30) / 1000
+
+
 class PlanError(ValueError):
     """No placement fits the device budget (the message gives the smallest budget that does)."""
 
@@ -247,7 +253,7 @@ def plan_fixed(layout: ChunkLayout, traces: tuple[StageTrace, ...], cb: ChunkByt
         fix = " or lower the batch / sequence length (activations are checkpointed per block)" if alone else ""
         need = acc_host.peak_device_bytes
         raise PlanError(_MSG_INFEASIBLE.format(budget=budget_bytes, need=need, act=act,
-                                               buf=need - act, why=why, need_gib=need / 2**30, fix=fix),
+                                               buf=need - act, why=why, need_gib=_gib_ceil(need), fix=fix),
                         need, alone)
     on_dev: list[int] = []
     best = (host, acc_host)

@@ -103,12 +103,12 @@ class ChunkedStep:
 
     def traces(self, batch) -> tuple:
         """Per-stage chunk reads, forward and backward, for a batch shape (abstract tracing)."""
-        key = (tuple(batch.shape), str(batch.dtype))
+        ab = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), batch)  # any pytree batch
+        key = (jax.tree.structure(ab), tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(ab)))
         cache = self.__dict__.setdefault("_traces_cache", {})
         if key not in cache:
             from chunkjax.plan import StageTrace
             from chunkjax.trace import backward_reads, stage_inputs
-            ab = jax.ShapeDtypeStruct(batch.shape, batch.dtype)
             ins = stage_inputs(self.stages, self.layout, ab, self.compute_dtype)
             cache[key] = tuple(StageTrace(st.name, r, 0, 0, backward_reads(st, self.layout, p, x, ab))
                                for st, r, (p, x) in zip(self.stages, self.reads, ins))
@@ -129,6 +129,8 @@ class ChunkedStep:
         order, chunks whose values the stage's gradient does not need are not fetched (their
         slot holds zeros, which the compiler removes).
         """
+        if not order:  # one-stage model: the backward pass ran fused with the forward
+            return anchor
         dev = sharding(DEVICE)
         new_fetch = self._fetch_plan(order, batch)
         backward = order[0] != 0
@@ -306,6 +308,19 @@ class ChunkedStep:
                            out_shardings=(sharding(param_kind), host, host), donate_argnums=(1, 2))
 
         return {k: make(k) for k in set(self.placement.param_kinds)}
+
+    def compiled_memory(self, batch) -> dict:
+        """Compiler's memory analysis of the forward/backward program for a batch shape, in bytes:
+        ``argument``, ``output``, ``temp``, ``alias`` (device memory) and ``host_*`` where the
+        runtime reports them, plus ``peak_device_bytes`` = argument + output + temp - alias."""
+        args = (tuple(jax.ShapeDtypeStruct((self.layout.chunk_size,), self.compute_dtype, sharding=s)
+                      for s in self._param_shardings),
+                jax.ShapeDtypeStruct(batch.shape, batch.dtype, sharding=sharding(DEVICE)))
+        ma = self.jit_fwd_bwd.lower(*args).compile().memory_analysis()
+        out = {k: int(getattr(ma, f"{k}_size_in_bytes", 0) or 0)
+               for k in ("argument", "output", "temp", "alias", "host_argument", "host_output", "host_temp")}
+        out["peak_device_bytes"] = out["argument"] + out["output"] + out["temp"] - out["alias"]
+        return out
 
     def __call__(self, state: TrainState, batch) -> tuple[TrainState, dict]:
         """One training step. batch: int (B, T+1) on the device. Returns (new state, metrics)."""

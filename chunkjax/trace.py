@@ -96,7 +96,8 @@ def trace_stages(stages, layout: ChunkLayout, batch: jax.ShapeDtypeStruct, compu
     """
     out, cache = [], {}
     for i, (st, (p_sub, x)) in enumerate(zip(stages, stage_inputs(stages, layout, batch, compute_dtype))):
-        sig = (getattr(st.apply, "__code__", st.apply), jax.tree.structure(p_sub),
+        # identical blocks differ only in their top-level key (h_0, h_1, ...): key on the values
+        sig = (getattr(st.apply, "__code__", st.apply), jax.tree.structure(list(p_sub.values())),
                tuple((a.shape, a.dtype) for a in jax.tree.leaves(p_sub)),
                None if x is None else (x.shape, x.dtype))
         if sig not in cache:

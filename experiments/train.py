@@ -32,7 +32,7 @@ class TrainConfig:
     """Every knob of the main job, with defaults that run on a 2-core CPU in under 10 minutes."""
 
     model: str = "tiny"            # name from models/gpt.py (case-insensitive)
-    steps: int = 600               # optimizer steps
+    steps: int = 450               # optimizer steps
     batch: int = 8                 # sequences per step
     seq: int = 128                 # tokens per sequence
     lr: float = 3e-3               # peak AdamW learning rate
@@ -170,7 +170,7 @@ def run(cfg: TrainConfig) -> dict:
                               traces, cb, cfg.prefetch)
         budget = int(all_host.peak_device_bytes + 0.4 * model_chunk_bytes)
     try:
-        placement, acc = cj.plan_fixed(layout, traces, cb, budget, cfg.prefetch)
+        placement, acc, compiled = _plan_checked(cfg, stages, layout, traces, cb, budget, tx, cdt, abatch, platform)
     except cj.PlanError as e:
         raise UsageError(str(e)) from None
 
@@ -185,8 +185,8 @@ def run(cfg: TrainConfig) -> dict:
 
     folder = RunFolder.create(cfg.out_dir, mcfg.name)
     try:
-        report = _train(cfg, mcfg, stages, layout, placement, acc, tx, cdt, td, budget, model_chunk_bytes,
-                        folder, t_start)
+        report = _train(cfg, mcfg, stages, layout, placement, acc, compiled, tx, cdt, td, budget,
+                        model_chunk_bytes, folder, t_start)
         report["config"] = resolved
         folder.write_json("report.json", report)
         plot_losses(folder.path / "loss.png", folder.path / "metrics.jsonl", title=f"{mcfg.name} (chunkjax)")
@@ -196,6 +196,42 @@ def run(cfg: TrainConfig) -> dict:
         raise
     print(f"run folder: {final}", flush=True)
     return report
+
+
+#: Re-plans allowed when the compiled program needs more device memory than the accounting says.
+_MAX_REPLANS = 4
+#: Fraction of the budget the compiled step may use (allocator fragmentation, batches, eval).
+_ALLOCATOR_HEADROOM = 0.95
+
+
+def _plan_checked(cfg, stages, layout, traces, cb, budget, tx, cdt, abatch, platform):
+    """Plan with the fixed rule, then check the plan against the compiler (GPU only: on the CPU
+    memory kinds share one memory and the compiled sizes say nothing about the device). When
+    the compiled forward/backward needs more than the budget, the shortfall is taken off the
+    budget given to the planner and it plans again."""
+    import chunkjax as cj
+
+    effective = budget
+    for attempt in range(_MAX_REPLANS + 1):
+        placement, acc = cj.plan_fixed(layout, traces, cb, effective, cfg.prefetch)
+        if platform != "gpu":
+            return placement, acc, None
+        step = cj.make_chunked_step(stages, layout, placement, tx, compute_dtype=cdt, prefetch=cfg.prefetch)
+        mem = step.compiled_memory(abatch)
+        # the program's arguments hold the device param chunks; master params and optimizer state
+        # of device-updated chunks stay resident beside it
+        state_dev = sum(cb.state for k in placement.state_kinds if k == cj.DEVICE)
+        need = mem["peak_device_bytes"] + state_dev
+        mem["peak_device_bytes_with_state"] = need
+        print(f"compiled fwd/bwd (attempt {attempt}): device argument {mem['argument'] / 2**20:.0f} MiB, temp "
+              f"{mem['temp'] / 2**20:.0f} MiB, output {mem['output'] / 2**20:.0f} MiB, resident state "
+              f"{state_dev / 2**20:.0f} MiB: peak {need / 2**20:.0f} MiB; accounted "
+              f"{acc.peak_device_bytes / 2**20:.0f} MiB", flush=True)
+        if need <= _ALLOCATOR_HEADROOM * budget:
+            return placement, acc, mem
+        effective -= need - int(_ALLOCATOR_HEADROOM * budget)
+    raise cj.PlanError(f"the compiled step needs {need} device bytes, above the budget {budget} even after "
+                       f"{_MAX_REPLANS} re-plans: raise --device-budget or lower --batch", need, False)
 
 
 def _parse_budget(text: str) -> int:
@@ -214,7 +250,8 @@ def _optimizer(cfg: TrainConfig):
     return optax.chain(optax.clip_by_global_norm(cfg.clip), adamw) if cfg.clip > 0 else adamw
 
 
-def _train(cfg, mcfg, stages, layout, placement, acc, tx, cdt, td, budget, model_chunk_bytes, folder, t_start):
+def _train(cfg, mcfg, stages, layout, placement, acc, compiled, tx, cdt, td, budget, model_chunk_bytes, folder,
+           t_start):
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -265,9 +302,13 @@ def _train(cfg, mcfg, stages, layout, placement, acc, tx, cdt, td, budget, model
             if i % cfg.eval_every == 0 or i == cfg.steps:
                 rec["val_loss"] = val_loss(state)
             mf.write(json.dumps(rec) + "\n")
+            mf.flush()
             records.append(rec)
             tps = timed_steps * tokens_per_step / train_time if train_time else float("nan")
             bar.set_postfix(loss=f"{loss:.3f}", val=f"{_last_val(records):.3f}", tok_s=f"{tps:,.0f}")
+            if not cfg.progress and "val_loss" in rec:
+                print(f"step {i}/{cfg.steps} loss {loss:.3f} val {rec['val_loss']:.3f} tokens/s {tps:,.0f} "
+                      f"step {dt:.3f}s", flush=True)
     bar.close()
 
     peak_measured = None
@@ -289,6 +330,7 @@ def _train(cfg, mcfg, stages, layout, placement, acc, tx, cdt, td, budget, model
         "unigram_val_loss": data_mod.unigram_cross_entropy(td.train, td.val, td.vocab_size),
         "device_budget_bytes": budget,
         "peak_device_bytes_accounted": acc.peak_device_bytes, "peak_device_bytes_measured": peak_measured,
+        "fwd_bwd_compiled_memory": compiled,
         "model_bytes": 14 * mcfg.n_params,
         "model_bytes_accounted": model_chunk_bytes,
         "device_model_bytes_accounted": acc.device_model_bytes,

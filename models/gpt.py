@@ -123,6 +123,15 @@ def largest(names) -> str:
 
 # ---- modules -------------------------------------------------------------------------------
 
+def attention_implementation(dtype, head_dim: int) -> str:
+    """``"cudnn"`` (fused flash attention: no (B, heads, T, T) score tensors) on a GPU for bf16/fp16
+    with head_dim <= 128, else ``"xla"``. Both compute the same function."""
+    if (jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+            and head_dim <= 128 and head_dim % 8 == 0):
+        return "cudnn"
+    return "xla"
+
+
 _init = nn.initializers.normal(0.02)
 
 
@@ -139,7 +148,8 @@ class Block(nn.Module):
         y = nn.LayerNorm(use_bias=False, name="ln_1")(x)
         qkv = _Dense(3 * h, _init, name="attn_c_attn")(y)
         q, k, v = jnp.split(qkv.reshape(B, T, 3, cfg.n_heads, h // cfg.n_heads), 3, axis=2)
-        a = jax.nn.dot_product_attention(q[:, :, 0], k[:, :, 0], v[:, :, 0], is_causal=True)
+        a = jax.nn.dot_product_attention(q[:, :, 0], k[:, :, 0], v[:, :, 0], is_causal=True,
+                                         implementation=attention_implementation(x.dtype, h // cfg.n_heads))
         x = x + _Dense(h, proj_init, name="attn_c_proj")(a.reshape(B, T, h))
         y = nn.LayerNorm(use_bias=False, name="ln_2")(x)
         y = jax.nn.gelu(_Dense(4 * h, _init, name="mlp_c_fc")(y))
@@ -175,14 +185,35 @@ def block_apply(cfg: GPTConfig, p, x):
     return Block(cfg).apply({"params": bp}, x)
 
 
-def head_loss(p, x, targets):
-    """Last stage: mean next-token cross entropy in float32 nats.
+#: Tokens per piece of the chunked cross-entropy: logits (piece, V) are materialised one piece at
+#: a time (and recomputed in the backward pass), never for the whole batch.
+LOSS_PIECE_TOKENS = 1024
+
+
+def head_loss(p, x, targets, piece_tokens: int = LOSS_PIECE_TOKENS):
+    """Last stage: mean next-token cross entropy in float32 nats (chunked over tokens).
 
     p: {ln_f: {scale}, wte (V, h)} (the tied LM head); x: (B, T, h); targets: (B, T) int.
+    The B*T tokens are split into pieces of ``piece_tokens`` (when it divides B*T); each piece's
+    logits are computed, reduced to a loss sum and dropped, and recomputed in the backward pass,
+    so the head holds (piece_tokens, V) float32 logits instead of (B*T, V).
     """
     y = _layernorm_apply(p["ln_f"]["scale"], x)
-    logits = (y @ p["wte"].T).astype(jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+    h = y.shape[-1]
+    y, t = y.reshape(-1, h), targets.reshape(-1)
+    n = y.shape[0]
+    wte = p["wte"]
+
+    def piece_sum(yi, ti):
+        logits = (yi @ wte.T).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, ti).sum()
+
+    if n <= piece_tokens or n % piece_tokens:
+        return piece_sum(y, t) / n
+    body = jax.checkpoint(lambda acc, yt: (acc + piece_sum(*yt), None))
+    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32),
+                            (y.reshape(n // piece_tokens, piece_tokens, h), t.reshape(-1, piece_tokens)))
+    return total / n
 
 
 def head_logits(p, x):
