@@ -339,6 +339,16 @@ class ChunkedStep:
         return TrainState(tuple(params), tuple(master), tuple(opt)), {
             "loss": loss, "grad_norm": jnp.sqrt(jnp.sum(grad_sq))}
 
+    def with_optimizer(self, tx: optax.GradientTransformation) -> "ChunkedStep":
+        """The same step with another optax transformation; the compiled forward/backward (which
+        does not depend on the optimizer) is shared, only the update programs are rebuilt."""
+        new = dataclasses.replace(self, tx=tx)
+        for k in ("reads", "first_reader", "_traces_cache", "_param_shardings", "_grad_shardings",
+                  "jit_fwd_bwd", "jit_loss"):
+            if k in self.__dict__:
+                new.__dict__[k] = self.__dict__[k]
+        return new
+
     # ---- state ---------------------------------------------------------------------------------
     def init(self, params) -> TrainState:
         """Chunk a params pytree (any float dtype; numpy or jax arrays) into a :class:`TrainState`.

@@ -32,7 +32,7 @@ class TrainConfig:
     """Every knob of the main job, with defaults that run on a 2-core CPU in under 10 minutes."""
 
     model: str = "tiny"            # name from models/gpt.py (case-insensitive)
-    steps: int = 450               # optimizer steps
+    steps: int = 400               # optimizer steps
     batch: int = 8                 # sequences per step
     seq: int = 128                 # tokens per sequence
     lr: float = 3e-3               # peak AdamW learning rate

@@ -70,7 +70,7 @@ def test_unknown_model(data_cache, tmp_path, capsys):
 @pytest.mark.parametrize("budget", ["lots", "-3GiB", "8XB"])
 def test_unparsable_budget(data_cache, tmp_path, capsys, budget):
     out = tmp_path / "runs"
-    _fails(capsys, _args(data_cache, out, "--device-budget", budget), out, "--device-budget")
+    _fails(capsys, _args(data_cache, out, f"--device-budget={budget}"), out, "--device-budget")
 
 
 def test_budget_below_one_chunk_plus_activations(data_cache, tmp_path, capsys):
