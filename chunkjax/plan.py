@@ -128,6 +128,9 @@ class Accounting:
     h2d_bytes_per_step: int
     d2h_bytes_per_step: int
     fetches_per_step: int
+    fwd_bwd_h2d_bytes: int = 0      # chunk fetches during forward/backward
+    fwd_bwd_d2h_bytes: int = 0      # gradient chunks leaving the backward pass
+    host_model_bytes: int = 0       # model data and gradient buffers in pinned host memory
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -184,7 +187,7 @@ def fetch_events(traces, placement: Placement, prefetch: int) -> tuple[list[list
 
 
 def account(layout: ChunkLayout, placement: Placement, traces: tuple[StageTrace, ...],
-            cb: ChunkBytes, prefetch: int = 1) -> Accounting:
+            cb: ChunkBytes, prefetch: int = 1, host_update: bool = False) -> Accounting:
     """Predict peak device bytes and per-step traffic for a placement.
 
     Peak = model data resident on the device + every saved stage input + the largest moment of
@@ -220,18 +223,25 @@ def account(layout: ChunkLayout, placement: Placement, traces: tuple[StageTrace,
     peak = dev_model + max(non_model, device_update, streamed_update)
     fwd, bwd = fetch_events(traces, placement, prefetch)
     n_fetch = sum(len(x) for x in fwd) + sum(len(x) for x in bwd)
-    h2d = n_fetch * cb.params
-    d2h = 0
+    fb_h2d = n_fetch * cb.params
+    fb_d2h = len(streamed) * cb.grad
+    h2d, d2h = fb_h2d, fb_d2h
     for c in streamed:
-        d2h += cb.grad + cb.state + (cb.params if placement.param_kinds[c] == PINNED_HOST else 0)
-        h2d += cb.grad + cb.state
+        if host_update:  # updated in place on the host: only new compute params come back up
+            h2d += cb.params if placement.param_kinds[c] == DEVICE else 0
+        else:  # streamed: grad and state up, state (and host-kind params) back down
+            d2h += cb.state + (cb.params if placement.param_kinds[c] == PINNED_HOST else 0)
+            h2d += cb.grad + cb.state
     # chunks whose params are on the host but state on the device: new params go back down
     for c in range(n):
         if placement.state_kinds[c] == DEVICE and placement.param_kinds[c] == PINNED_HOST:
             d2h += cb.params
+    host = sum((cb.params if placement.param_kinds[c] == PINNED_HOST else 0)
+               + (cb.state + cb.grad if placement.state_kinds[c] == PINNED_HOST else 0) for c in range(n))
     return Accounting(peak_device_bytes=int(peak), device_model_bytes=int(dev_model),
                       non_model_peak_bytes=int(non_model), h2d_bytes_per_step=int(h2d),
-                      d2h_bytes_per_step=int(d2h), fetches_per_step=int(n_fetch))
+                      d2h_bytes_per_step=int(d2h), fetches_per_step=int(n_fetch),
+                      fwd_bwd_h2d_bytes=int(fb_h2d), fwd_bwd_d2h_bytes=int(fb_d2h), host_model_bytes=int(host))
 
 
 def plan_fixed(layout: ChunkLayout, traces: tuple[StageTrace, ...], cb: ChunkBytes,
