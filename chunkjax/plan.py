@@ -246,8 +246,14 @@ def account(layout: ChunkLayout, placement: Placement, traces: tuple[StageTrace,
 
 def plan_fixed(layout: ChunkLayout, traces: tuple[StageTrace, ...], cb: ChunkBytes,
                budget_bytes: int, prefetch: int = 1) -> tuple[Placement, Accounting]:
-    """The fixed rule: whole chunks onto the device in first-use order while the accounted peak
-    fits ``budget_bytes``; the rest stay in pinned host memory.
+    """The fixed rule: first the compute params of chunks (in first-use order), then their master
+    params and optimizer state, go to the device while the accounted peak fits ``budget_bytes``;
+    everything else stays in pinned host memory.
+
+    Compute params first: a resident param chunk saves its fetch in forward and backward for
+    ``2 x compute-dtype`` bytes of device memory, the cheapest traffic saved per byte (ZeRO-Offload's
+    split when the budget holds all params); state placed on the device also moves the chunk's
+    update there (PatrickStar, section 5).
 
     Raises:
       PlanError: even the all-host placement exceeds the budget; the message gives the
@@ -265,14 +271,17 @@ def plan_fixed(layout: ChunkLayout, traces: tuple[StageTrace, ...], cb: ChunkByt
         raise PlanError(_MSG_INFEASIBLE.format(budget=budget_bytes, need=need, act=act,
                                                buf=need - act, why=why, need_gib=_gib_ceil(need), fix=fix),
                         need, alone)
-    on_dev: list[int] = []
+    pk, sk = [PINNED_HOST] * n, [PINNED_HOST] * n
     best = (host, acc_host)
-    for c in range(n):
-        trial = Placement.from_device_chunks(n, on_dev + [c])
-        acc = account(layout, trial, traces, cb, prefetch)
-        if acc.peak_device_bytes <= budget_bytes:
-            on_dev.append(c)
-            best = (trial, acc)
+    for kinds in (pk, sk):
+        for c in range(n):
+            kinds[c] = DEVICE
+            trial = Placement(tuple(pk), tuple(sk))
+            acc = account(layout, trial, traces, cb, prefetch)
+            if acc.peak_device_bytes <= budget_bytes:
+                best = (trial, acc)
+            else:
+                kinds[c] = PINNED_HOST
     return best
 
 
@@ -291,6 +300,8 @@ def parse_bytes(text: str) -> int:
         val = float(num)
     except ValueError:
         val = None
-    if val is None or unit not in units or not math.isfinite(val) or val <= 0:
+    if val is None or unit not in units or not math.isfinite(val):
         raise ValueError(f"cannot parse {text!r} as a byte size: use e.g. 8GiB, 512MiB, 24GB or a plain byte count")
+    if val <= 0:
+        raise ValueError(f"a byte size must be positive, got {text!r}: use e.g. 8GiB, 512MiB or 24GB")
     return int(val * units[unit])

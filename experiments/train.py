@@ -19,39 +19,50 @@ import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 #: Environment variable marking a process already re-launched with the budget's memory settings.
 _LAUNCHED = "CHUNKJAX_LAUNCHED"
 
 
+def _f(default, help_: str):
+    return dataclasses.field(default=default, metadata={"help": help_})
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """Every knob of the main job, with defaults that run on a 2-core CPU in under 10 minutes."""
 
-    model: str = "tiny"            # name from models/gpt.py (case-insensitive)
-    steps: int = 400               # optimizer steps
-    batch: int = 8                 # sequences per step
-    seq: int = 128                 # tokens per sequence
-    lr: float = 3e-3               # peak AdamW learning rate
-    warmup: int = 30               # linear warm-up steps, then cosine decay to lr/10
-    weight_decay: float = 0.0      # AdamW weight decay
-    clip: float = 1.0              # global-norm clipping (0 disables)
-    device_budget: str = "auto"    # peak device bytes ("8GiB", "512MiB", ...); auto: all-host need + 40% of model data
-    chunk_size: int = 0            # elements per chunk; 0 searches (floored at the largest leaf)
-    min_chunks: int = 8            # the search prefers sizes giving at least this many chunks
-    prefetch: int = 1              # fetch distance in stages
-    compute_dtype: str = "auto"    # bfloat16 | float32; auto: bfloat16 on GPU, float32 on CPU
-    tokenizer: str = "gpt2"        # gpt2 | bpe<N>
-    data_cache: str = ".cache/data"  # token arrays cached here (copy this folder to a machine without the data packages)
-    eval_every: int = 100          # steps between validation losses
-    eval_batches: int = 8          # validation batches (of `batch` sequences)
-    sample_tokens: int = 80        # tokens generated at the end (0 disables)
-    out_dir: str = "runs"          # run folders go here
-    seed: int = 0                  # init and data order
-    progress: bool = True          # progress bar
+    model: str = _f("tiny", 'name from models/gpt.py (case-insensitive)')
+    steps: int = _f(400, 'optimizer steps')
+    batch: int = _f(8, 'sequences per step')
+    seq: int = _f(128, 'tokens per sequence')
+    lr: float = _f(3e-3, 'peak AdamW learning rate')
+    warmup: int = _f(30, 'linear warm-up steps, then cosine decay to lr/10')
+    weight_decay: float = _f(0.0, 'AdamW weight decay')
+    clip: float = _f(1.0, 'global-norm clipping (0 disables)')
+    device_budget: str = _f("auto", 'peak device bytes ("8GiB", "512MiB", ...); auto: all-host need + 20% of the model\'s chunk bytes')
+    chunk_size: int = _f(0, 'elements per chunk; 0 searches (floored at the largest leaf)')
+    min_chunks: int = _f(8, 'the search prefers sizes giving at least this many chunks')
+    prefetch: int = _f(1, 'fetch distance in stages')
+    compute_dtype: str = _f("auto", 'bfloat16 | float32; auto: bfloat16 on GPU, float32 on CPU')
+    tokenizer: str = _f("gpt2", 'gpt2 | bpe<N>')
+    data_cache: str = _f(".cache/data", 'token arrays cached here (copy this folder to a machine without the data packages)')
+    eval_every: int = _f(100, 'steps between validation losses')
+    eval_batches: int = _f(8, 'validation batches (of `batch` sequences)')
+    sample_tokens: int = _f(80, 'tokens generated at the end (0 disables)')
+    out_dir: str = _f("runs", 'run folders go here')
+    seed: int = _f(0, 'init and data order')
+    progress: bool = _f(True, 'progress bar')
+
+
+#: The CPU default budget: what the all-host placement needs plus this fraction of the model's
+#: chunk bytes, so that most model data stays in pinned host memory.
+_AUTO_BUDGET_MODEL_FRACTION = 0.2
 
 
 class UsageError(Exception):
@@ -62,11 +73,12 @@ def parse_args(argv=None) -> TrainConfig:
     ap = argparse.ArgumentParser(prog="python -m experiments.train", description=__doc__.split("\n\n")[0])
     for f in dataclasses.fields(TrainConfig):
         name = "--" + f.name.replace("_", "-")
+        help_ = f"{f.metadata['help']} (default: {f.default})".replace("%", "%%")
         if f.type in ("bool", bool):
-            ap.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default)
+            ap.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
         else:
             typ = {"int": int, "float": float, "str": str}.get(str(f.type), str)
-            ap.add_argument(name, type=typ, default=f.default)
+            ap.add_argument(name, type=typ, default=f.default, help=help_)
     ns = ap.parse_args(argv)
     return TrainConfig(**vars(ns))
 
@@ -135,9 +147,7 @@ def run(cfg: TrainConfig) -> dict:
         raise UsageError(str(e)) from None
     if cfg.seq > mcfg.seq_len:
         raise UsageError(f"--seq {cfg.seq} exceeds the model's {mcfg.seq_len} positions: use --seq <= {mcfg.seq_len}")
-    for name in ("steps", "batch", "seq", "prefetch", "eval_every", "eval_batches", "min_chunks"):
-        if getattr(cfg, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+    _validate(cfg)
     budget = None if cfg.device_budget == "auto" else _parse_budget(cfg.device_budget)
     platform = jax.devices()[0].platform
     cdt = {"auto": jnp.bfloat16 if platform == "gpu" else jnp.float32, "bfloat16": jnp.bfloat16,
@@ -151,6 +161,8 @@ def run(cfg: TrainConfig) -> dict:
         raise UsageError(str(e)) from None
     except ValueError as e:
         raise UsageError(str(e)) from None
+    except OSError as e:
+        raise UsageError(f"--data-cache {cfg.data_cache!r}: {e.strerror}: pick a writable folder") from None
     if td.vocab_size > mcfg.vocab_size:
         raise UsageError(f"tokenizer {cfg.tokenizer} has {td.vocab_size} tokens but model {mcfg.name} only "
                          f"{mcfg.vocab_size} rows: pick --tokenizer gpt2 with GPT-2 sized models")
@@ -160,7 +172,10 @@ def run(cfg: TrainConfig) -> dict:
     aparams = gpt.abstract_params(mcfg)
     abatch = jax.ShapeDtypeStruct((cfg.batch, cfg.seq + 1), jnp.int32)
     order = cj.first_use_order(lambda p, b: cj.compose_loss(stages, p, b), aparams, abatch)
-    layout = cj.build_layout(aparams, cfg.chunk_size or None, order, min_chunks=cfg.min_chunks)
+    try:
+        layout = cj.build_layout(aparams, cfg.chunk_size or None, order, min_chunks=cfg.min_chunks)
+    except ValueError as e:
+        raise UsageError(f"--chunk-size: {e}") from None
     tx = _optimizer(cfg)
     traces = cj.trace_stages(stages, layout, abatch, cdt)
     cb = cj.chunk_bytes(layout, cdt, state_bytes_per_chunk(tx, layout.chunk_size))
@@ -168,7 +183,7 @@ def run(cfg: TrainConfig) -> dict:
     if budget is None:
         all_host = cj.account(layout, cj.Placement.uniform(layout.n_chunks, cj.PINNED_HOST, cj.PINNED_HOST),
                               traces, cb, cfg.prefetch)
-        budget = int(all_host.peak_device_bytes + 0.4 * model_chunk_bytes)
+        budget = int(all_host.peak_device_bytes + _AUTO_BUDGET_MODEL_FRACTION * model_chunk_bytes)
     try:
         placement, acc, compiled = _plan_checked(cfg, stages, layout, traces, cb, budget, tx, cdt, abatch, platform)
     except cj.PlanError as e:
@@ -187,6 +202,7 @@ def run(cfg: TrainConfig) -> dict:
     try:
         report = _train(cfg, mcfg, stages, layout, placement, acc, compiled, tx, cdt, td, budget,
                         model_chunk_bytes, folder, t_start)
+        report.update(_model_bytes_split(layout, placement, cb))
         report["config"] = resolved
         folder.write_json("report.json", report)
         plot_losses(folder.path / "loss.png", folder.path / "metrics.jsonl", title=f"{mcfg.name} (chunkjax)")
@@ -232,6 +248,28 @@ def _plan_checked(cfg, stages, layout, traces, cb, budget, tx, cdt, abatch, plat
         effective -= need - int(_ALLOCATOR_HEADROOM * budget)
     raise cj.PlanError(f"the compiled step needs {need} device bytes, above the budget {budget} even after "
                        f"{_MAX_REPLANS} re-plans: raise --device-budget or lower --batch", need, False)
+
+
+def _validate(cfg: TrainConfig) -> None:
+    """Reject bad numbers before anything is allocated (one line each)."""
+    for name in ("steps", "batch", "seq", "prefetch", "eval_every", "eval_batches", "min_chunks"):
+        if getattr(cfg, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+    for name in ("warmup", "sample_tokens", "chunk_size"):
+        if getattr(cfg, name) < 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(cfg, name)}")
+    if not (math.isfinite(cfg.lr) and cfg.lr > 0):
+        raise UsageError(f"--lr must be a positive finite number, got {cfg.lr}")
+    for name in ("weight_decay", "clip"):
+        v = getattr(cfg, name)
+        if not (math.isfinite(v) and v >= 0):
+            raise UsageError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {v}")
+    try:
+        os.makedirs(cfg.out_dir, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--out-dir {cfg.out_dir!r} cannot be created ({e.strerror}): pick a writable folder") from None
+    if not os.access(cfg.out_dir, os.W_OK):
+        raise UsageError(f"--out-dir {cfg.out_dir!r} is not writable: pick a writable folder")
 
 
 def _parse_budget(text: str) -> int:
@@ -301,11 +339,15 @@ def _train(cfg, mcfg, stages, layout, placement, acc, compiled, tx, cdt, td, bud
                    "step_s": dt}
             if i % cfg.eval_every == 0 or i == cfg.steps:
                 rec["val_loss"] = val_loss(state)
+                if not math.isfinite(rec["val_loss"]):
+                    raise UsageError(f"validation loss became {rec['val_loss']} at step {i}: lower --lr "
+                                     f"(now {cfg.lr}) or keep --clip > 0")
             mf.write(json.dumps(rec) + "\n")
             mf.flush()
             records.append(rec)
             tps = timed_steps * tokens_per_step / train_time if train_time else float("nan")
-            bar.set_postfix(loss=f"{loss:.3f}", val=f"{_last_val(records):.3f}", tok_s=f"{tps:,.0f}")
+            bar.set_postfix(loss=f"{loss:.3f}", val=f"{_last_val(records):.3f}",
+                            tok_s=f"{tps:,.0f}" if math.isfinite(tps) else "-")
             if not cfg.progress and "val_loss" in rec:
                 print(f"step {i}/{cfg.steps} loss {loss:.3f} val {rec['val_loss']:.3f} tokens/s {tps:,.0f} "
                       f"step {dt:.3f}s", flush=True)
@@ -332,9 +374,8 @@ def _train(cfg, mcfg, stages, layout, placement, acc, compiled, tx, cdt, td, bud
         "peak_device_bytes_accounted": acc.peak_device_bytes, "peak_device_bytes_measured": peak_measured,
         "fwd_bwd_compiled_memory": compiled,
         "model_bytes": 14 * mcfg.n_params,
-        "model_bytes_accounted": model_chunk_bytes,
-        "device_model_bytes_accounted": acc.device_model_bytes,
-        "device_model_fraction_accounted": acc.device_model_bytes / model_chunk_bytes,
+        "device_chunk_bytes_accounted": acc.device_model_bytes,
+        "chunk_bytes_accounted": model_chunk_bytes,
         "h2d_bytes_per_step_accounted": acc.h2d_bytes_per_step,
         "d2h_bytes_per_step_accounted": acc.d2h_bytes_per_step,
         "chunk_size": layout.chunk_size, "n_chunks": layout.n_chunks, "chunk_waste_bytes": layout.waste_bytes,
@@ -344,6 +385,22 @@ def _train(cfg, mcfg, stages, layout, placement, acc, compiled, tx, cdt, td, bud
         "platform": jax.devices()[0].platform, "device_kind": jax.devices()[0].device_kind,
         "jax_version": jax.__version__, "wall_s": time.time() - t_start, "sample": sample,
     }
+
+
+def _model_bytes_split(layout, placement, cb) -> dict:
+    """Model data (real elements, padding excluded) stored in total and placed on the device
+    between steps, in the dtypes actually kept (compute params, float32 master, optimizer state)."""
+    import chunkjax as cj
+    used = [0] * layout.n_chunks
+    for s in layout.slots:
+        used[s.chunk] += s.size
+    per_elem_params = cb.params / layout.chunk_size
+    per_elem_state = cb.state / layout.chunk_size
+    total = sum(u * (per_elem_params + per_elem_state) for u in used)
+    dev = sum(u * ((per_elem_params if placement.param_kinds[c] == cj.DEVICE else 0)
+                   + (per_elem_state if placement.state_kinds[c] == cj.DEVICE else 0)) for c, u in enumerate(used))
+    return {"model_bytes_stored_accounted": int(total), "device_model_bytes_accounted": int(dev),
+            "device_model_fraction_accounted": dev / total}
 
 
 def _last_val(records) -> float:
@@ -371,7 +428,7 @@ def _sample(step, state, mcfg, td, cfg) -> str | None:
     masters = [np.asarray(jax.device_get(m)) for m in state.master]
     with jax.default_device(cpu):
         params = step.layout.unpack([jnp.asarray(m) for m in masters])
-        prompt = "ROMEO:\n"
+        prompt = "**ROMEO**\n"  # the plays' speaker format
         ids = td.tokenizer.encode(prompt)
         ctx = min(cfg.seq, mcfg.seq_len)
         # fixed-length window (right-padded; attention is causal) so the forward compiles once
@@ -386,8 +443,20 @@ def _sample(step, state, mcfg, td, cfg) -> str | None:
     return td.tokenizer.decode(ids)
 
 
+class _Terminated(Exception):
+    """SIGTERM / SIGHUP arrived: unwind so the partial run folder is removed."""
+
+
+def _on_signal(signum, frame):
+    raise _Terminated(signal.Signals(signum).name)
+
+
 def main(argv=None) -> int:
     cfg = parse_args(argv)
+    handlers = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            handlers[sig] = signal.signal(sig, _on_signal)
     try:
         budget = None if cfg.device_budget == "auto" else _parse_budget(cfg.device_budget)
         relaunch_with_budget(cfg, budget)
@@ -395,6 +464,15 @@ def main(argv=None) -> int:
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted: the partial run folder was removed", file=sys.stderr, flush=True)
+        return 130
+    except _Terminated as e:
+        print(f"terminated by {e}: the partial run folder was removed", file=sys.stderr, flush=True)
+        return 143
+    finally:
+        for sig, h in handlers.items():
+            signal.signal(sig, h)
     return 0
 
 

@@ -266,14 +266,18 @@ def test_case8_plan_never_exceeds_budget(gpt_plan, prefetch):
         pl, acc = plan_fixed(lay, traces, cb, budget, prefetch)
         assert acc.peak_device_bytes <= budget
         assert acc == account(lay, pl, traces, cb, prefetch)  # the accounting of the placement returned
-        on = [c for c in range(n) if pl.state_kinds[c] == DEVICE]
-        assert acc.device_model_bytes == len(on) * (cb.params + cb.state)
+        p_on = [c for c in range(n) if pl.param_kinds[c] == DEVICE]
+        s_on = [c for c in range(n) if pl.state_kinds[c] == DEVICE]
+        assert acc.device_model_bytes == len(p_on) * cb.params + len(s_on) * cb.state
         assert acc.device_model_bytes >= prev, f"budget {budget}: fewer bytes on the device than a smaller budget"
         prev = acc.device_model_bytes
-        # the plan is maximal: no chunk left on the host would still fit
-        for c in set(range(n)) - set(on):
-            trial = Placement.from_device_chunks(n, on + [c])
-            assert account(lay, trial, traces, cb, prefetch).peak_device_bytes > budget
+        # the plan is maximal: no compute-param chunk or state chunk left on the host would still fit
+        for c in set(range(n)) - set(p_on):
+            pk = tuple(DEVICE if (k == DEVICE or j == c) else PINNED_HOST for j, k in enumerate(pl.param_kinds))
+            assert account(lay, Placement(pk, pl.state_kinds), traces, cb, prefetch).peak_device_bytes > budget
+        for c in set(range(n)) - set(s_on):
+            sk = tuple(DEVICE if (k == DEVICE or j == c) else PINNED_HOST for j, k in enumerate(pl.state_kinds))
+            assert account(lay, Placement(pl.param_kinds, sk), traces, cb, prefetch).peak_device_bytes > budget
         if budget >= dev_need:
             assert pl == Placement.uniform(n, DEVICE, DEVICE)
     assert prev > 0

@@ -39,8 +39,10 @@ def test_short_run_writes_complete_report(data_cache, tmp_path):
         assert k in rep, k
     assert rep["peak_device_bytes_measured"] is None  # the CPU cannot measure it
     assert rep["steps"] == 6 and rep["n_chunks"] == len(rep["update_locations"]) >= 2
-    # the default budget keeps at most half of the model data on the device
-    assert rep["device_model_bytes_accounted"] <= 0.5 * rep["model_bytes_accounted"]
+    # the default budget keeps at most half of the model data (real elements, not padding) on the device
+    assert 0 < rep["device_model_fraction_accounted"] <= 0.5
+    assert rep["device_model_bytes_accounted"] <= 0.5 * rep["model_bytes_stored_accounted"]
+    assert rep["device_model_bytes_accounted"] <= rep["device_chunk_bytes_accounted"]
     assert rep["peak_device_bytes_accounted"] <= rep["device_budget_bytes"]
     assert rep["h2d_bytes_per_step_accounted"] > 0 and rep["d2h_bytes_per_step_accounted"] > 0
     assert math.isfinite(rep["loss_last"]) and rep["tokens_per_s"] > 0
@@ -91,3 +93,39 @@ def test_missing_data_packages(tmp_path, capsys, monkeypatch):
 def test_non_finite_loss_leaves_no_run_folder(data_cache, tmp_path, capsys):
     out = tmp_path / "runs"
     _fails(capsys, _args(data_cache, out, "--lr", "1e9", "--clip", "0", "--warmup", "1"), out, "loss became")
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--chunk-size", "10"], "--chunk-size"),
+    (["--lr", "0"], "--lr must be"),
+    (["--lr", "nan"], "--lr must be"),
+    (["--weight-decay", "nan"], "--weight-decay"),
+    (["--clip", "-1"], "--clip"),
+    (["--warmup", "-5"], "--warmup"),
+    (["--sample-tokens", "-1"], "--sample-tokens"),
+    (["--device-budget", "0"], "must be positive"),
+])
+def test_bad_numbers_rejected_before_training(data_cache, tmp_path, capsys, extra, needle):
+    out = tmp_path / "runs"
+    _fails(capsys, _args(data_cache, out, *extra), out, needle)
+
+
+def test_unwritable_out_dir(data_cache, tmp_path, capsys):
+    blocker = tmp_path / "afile"
+    blocker.write_text("x")
+    rc = train.main(_args(data_cache, blocker / "runs"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "--out-dir" in err[0]
+
+
+def test_sigterm_removes_partial_run_folder(data_cache, tmp_path, capsys, monkeypatch):
+    import signal
+
+    def killed(*args, **kwargs):
+        signal.raise_signal(signal.SIGTERM)
+
+    monkeypatch.setattr(train, "_train", killed)
+    out = tmp_path / "runs"
+    assert train.main(_args(data_cache, out)) == 143
+    assert "terminated by SIGTERM" in capsys.readouterr().err
+    assert not any(out.iterdir())
