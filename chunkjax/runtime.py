@@ -228,12 +228,17 @@ class ChunkedStep:
         dx = self._run_pass(params_chunks, batch, list(range(n)), fwd_body, None)
 
         def bwd_body(pos, s, arrays, dx):
-            st, p = self.stages[s], self._sub(arrays, s)
+            st = self.stages[s]
+            # tie the recompute's inputs to the cotangent: otherwise XLA merges the recompute
+            # with the forward pass (common-subexpression elimination) and keeps every stage's
+            # internals alive, undoing the activation checkpointing (jax.checkpoint's prevent_cse)
+            dx, x_in, arrays = jax.lax.optimization_barrier((dx, saved.pop(s, None), arrays))
+            p = self._sub(arrays, s)
             if s == 0:
                 _, pull = jax.vjp(lambda p: st.apply(p, None, batch), p)
                 (dp,), dx = pull(dx), None
             else:
-                _, pull = jax.vjp(lambda p, x: st.apply(p, x, batch), p, saved.pop(s))
+                _, pull = jax.vjp(lambda p, x: st.apply(p, x, batch), p, x_in)
                 dp, dx = pull(dx)
             add_grads(s, dp)
             return emit(s, dx)
@@ -281,15 +286,16 @@ class ChunkedStep:
         dev = sharding(DEVICE)
         pk = tuple(sharding(self.placement.param_kinds[c]) for c in ids)
 
-        def upd(grads, masters, states, grad_sq):
+        def upd(grads, masters, states, grad_sq, old_params):
+            del old_params  # donated: the new compute params reuse their buffers (no fragmentation)
             total = jnp.sum(grad_sq)
             outs = [optim.update_chunk(self.tx, g, m, s, total, grad_sq[c], self.compute_dtype)
                     for c, g, m, s in zip(ids, grads, masters, states)]
             params = tuple(jax.device_put(o.params, k) for o, k in zip(outs, pk))
             return params, tuple(o.master for o in outs), tuple(o.opt_state for o in outs)
 
-        return jax.jit(upd, in_shardings=(dev, dev, dev, dev), out_shardings=(pk, dev, dev),
-                       donate_argnums=(1, 2))
+        return jax.jit(upd, in_shardings=(dev, dev, dev, dev, pk), out_shardings=(pk, dev, dev),
+                       donate_argnums=(1, 2, 4))
 
     @functools.cached_property
     def jit_update_streamed(self):
@@ -297,15 +303,16 @@ class ChunkedStep:
         dev, host = sharding(DEVICE), sharding(PINNED_HOST)
 
         def make(param_kind):
-            def upd(grad, master, state, grad_sq, c):
+            def upd(grad, master, state, grad_sq, c, old_params):
+                del old_params  # donated: the new compute params reuse its buffer
                 grad, master, state = jax.device_put((grad, master, state), dev)
                 o = optim.update_chunk(self.tx, grad, master, state, jnp.sum(grad_sq), grad_sq[c],
                                        self.compute_dtype)
                 return (jax.device_put(o.params, sharding(param_kind)),
                         jax.device_put(o.master, host), jax.device_put(o.opt_state, host))
 
-            return jax.jit(upd, in_shardings=(host, host, host, dev, dev),
-                           out_shardings=(sharding(param_kind), host, host), donate_argnums=(1, 2))
+            return jax.jit(upd, in_shardings=(host, host, host, dev, dev, sharding(param_kind)),
+                           out_shardings=(sharding(param_kind), host, host), donate_argnums=(1, 2, 5))
 
         return {k: make(k) for k in set(self.placement.param_kinds)}
 
@@ -323,19 +330,21 @@ class ChunkedStep:
         return out
 
     def __call__(self, state: TrainState, batch) -> tuple[TrainState, dict]:
-        """One training step. batch: int (B, T+1) on the device. Returns (new state, metrics)."""
+        """One training step. batch: int (B, T+1) on the device. Returns (new state, metrics).
+
+        ``state``'s buffers are donated to the update (updated in place): do not use it after."""
         loss, grads, grad_sq = self.jit_fwd_bwd(state.params, batch)
         params, master, opt = list(state.params), list(state.master), list(state.opt_state)
         ids = self._device_chunks
         if ids:
             p, m, o = self.jit_update_device(tuple(grads[c] for c in ids), tuple(master[c] for c in ids),
-                                             tuple(opt[c] for c in ids), grad_sq)
+                                             tuple(opt[c] for c in ids), grad_sq, tuple(params[c] for c in ids))
             for j, c in enumerate(ids):
                 params[c], master[c], opt[c] = p[j], m[j], o[j]
         for c in self._streamed_chunks:
             fn = self.jit_update_streamed[self.placement.param_kinds[c]]
             params[c], master[c], opt[c] = fn(grads[c], master[c], opt[c], grad_sq,
-                                              jnp.asarray(c, jnp.int32))
+                                              jnp.asarray(c, jnp.int32), params[c])
         return TrainState(tuple(params), tuple(master), tuple(opt)), {
             "loss": loss, "grad_norm": jnp.sqrt(jnp.sum(grad_sq))}
 
@@ -360,18 +369,26 @@ class ChunkedStep:
         leaves = lay.treedef.flatten_up_to(params)
         dev = sharding(DEVICE)
         init_state = jax.jit(lambda m: optim.init_chunk_state(self.tx, m), out_shardings=dev)
-        ps, ms, os_ = [], [], []
-        for c in range(lay.n_chunks):
+        def packed(c):
             buf = np.zeros((lay.chunk_size,), np.float32)
             for s, leaf in zip(lay.slots, leaves):
                 if s.chunk == c:
                     buf[s.offset:s.offset + s.size] = np.asarray(leaf, np.float32).ravel()
+            return buf
+
+        # pass 1: master params and optimizer state (device temporaries freed chunk by chunk);
+        # pass 2: compute params, allocated after every temporary is gone so that resident
+        # chunks sit together and do not fragment the device memory the step needs
+        ms, os_ = [], []
+        for c in range(lay.n_chunks):
             sk = sharding(self.placement.state_kinds[c])
-            m_dev = jax.device_put(buf, dev)
-            st = init_state(m_dev)
-            ps.append(jax.device_put(buf.astype(self.compute_dtype), sharding(self.placement.param_kinds[c])))
+            m_dev = jax.device_put(packed(c), dev)
+            os_.append(jax.device_put(init_state(m_dev), sk))
             ms.append(jax.device_put(m_dev, sk))
-            os_.append(jax.device_put(st, sk))
+            del m_dev
+        ps = [jax.device_put(packed(c).astype(self.compute_dtype), sharding(self.placement.param_kinds[c]))
+              for c in range(lay.n_chunks)]
+        jax.block_until_ready((ps, ms, os_))
         return TrainState(tuple(ps), tuple(ms), tuple(os_))
 
     def master_params(self, state: TrainState):
