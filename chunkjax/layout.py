@@ -164,8 +164,9 @@ class ChunkLayout:
         Returns:
           ``{key: subtree}`` with leaves sliced out of the chunk buffers.
         """
-        full = _StructView(self)
-        return {k: full.subtree(k, chunks) for k in keys}
+        leaves = [(_take(chunks[s.chunk], s) if _matches(s.path, keys) else None) for s in self.slots]
+        tree = self.treedef.unflatten(leaves)  # leaves outside ``keys`` stay None
+        return {k: tree[k] for k in keys}
 
     def scatter_add(self, acc: jax.Array, chunk: int, subtree_grads: Mapping[str, Any]) -> jax.Array:
         """Add the gradient leaves of ``subtree_grads`` (a ``{key: subtree}`` dict) into chunk
@@ -194,19 +195,6 @@ class ChunkLayout:
             lines.append(f"  chunk {c:3d} {np.dtype(self.chunk_dtypes[c]).name:8s} {len(ls):3d} leaves "
                          f"{used / self.chunk_size:6.1%} full  first={ls[0].path if ls else '-'}")
         return "\n".join(lines)
-
-
-class _StructView:
-    def __init__(self, layout: ChunkLayout):
-        self.layout = layout
-
-    def subtree(self, key: str, chunks):
-        lay = self.layout
-        # rebuild the whole tree lazily with placeholders, then take [key]
-        leaves = [(_take(chunks[s.chunk], s) if (s.path == key or s.path.startswith(key + "/")) else None)
-                  for s in lay.slots]
-        tree = lay.treedef.unflatten(leaves)
-        return tree[key]
 
 
 def _matches(path: str, prefixes: Sequence[str]) -> bool:
@@ -291,7 +279,6 @@ def _order_indices(info, order: Sequence[str] | None) -> list[int]:
     if order is None:
         return list(range(len(info)))
     pos = {p: k for k, p in enumerate(order)}
-    missing = [p for p, _, _ in info if p not in pos]
     # leaves the step never reads go last, in tree order
     return sorted(range(len(info)), key=lambda i: (pos.get(info[i][0], len(pos) + i)))
 
