@@ -322,7 +322,7 @@ class ChunkedStep:
         runtime reports them, plus ``peak_device_bytes`` = argument + output + temp - alias."""
         args = (tuple(jax.ShapeDtypeStruct((self.layout.chunk_size,), self.compute_dtype, sharding=s)
                       for s in self._param_shardings),
-                jax.ShapeDtypeStruct(batch.shape, batch.dtype, sharding=sharding(DEVICE)))
+                jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding(DEVICE)), batch))
         ma = self.jit_fwd_bwd.lower(*args).compile().memory_analysis()
         out = {k: int(getattr(ma, f"{k}_size_in_bytes", 0) or 0)
                for k in ("argument", "output", "temp", "alias", "host_argument", "host_output", "host_temp")}

@@ -106,3 +106,12 @@ def test_prefetch_distance_moves_fetches_earlier():
     a2 = re.findall(r"stablehlo.optimization_barrier (%[\w#]+), %arg\d+", t2)
     # the fetches issued at the very first anchor (the batch) grow with the distance
     assert a2.count(a2[0]) > a1.count(a1[0])
+
+
+def test_compiled_memory_reports_sizes():
+    """The compiler's memory analysis the GPU plan check uses: all fields present, sizes sane."""
+    step, _ = _export(PLACEMENTS["mixed"], 1)
+    mem = step.compiled_memory(jax.ShapeDtypeStruct((2, 33), jnp.int32))
+    assert mem["peak_device_bytes"] == mem["argument"] + mem["output"] + mem["temp"] - mem["alias"]
+    chunk_bytes = step.layout.chunk_size * 2  # bf16 compute chunks
+    assert mem["argument"] >= step.placement.n_chunks * chunk_bytes // 2 and mem["temp"] > 0
