@@ -68,3 +68,66 @@ def predict_step_time(flops_per_step: float, recompute_fraction: float, fwd_bwd_
     up = update_h2d / rates.h2d_bytes_per_s + update_d2h / rates.d2h_bytes_per_s
     upd = device_params * rates.device_update_s_per_param + host_params * rates.host_update_s_per_param
     return StepTime(compute, fb, up, upd)
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelinedStepTime:
+    """Predicted seconds of a pipelined step (:mod:`chunkjax.schedule`) and where they go.
+
+    Attributes:
+      forward_s: forward pass, max(compute, its fetches at one direction's rate).
+      backward_s: fused head + backward with recompute, max(compute, fetches + gradient
+        offloads at the one-program duplex rate).
+      host_update_s: the whole in-place host update.
+      host_update_exposed_s: the part of it that does not overlap the backward pass.
+      device_update_s / streamed_update_s: update programs after the backward.
+      compute_s: forward + backward + recompute FLOPs at the matmul rate.
+      transfer_s: all forward/backward transfers at their rates.
+    """
+
+    forward_s: float
+    backward_s: float
+    host_update_s: float
+    host_update_exposed_s: float
+    device_update_s: float
+    streamed_update_s: float
+    compute_s: float
+    transfer_s: float
+
+    @property
+    def step_s(self) -> float:
+        return (self.forward_s + self.backward_s + self.host_update_exposed_s + self.device_update_s
+                + self.streamed_update_s)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self) | {"step_s": self.step_s}
+
+
+def predict_pipelined_step(flops_per_step: float, *, fwd_h2d: int, bwd_h2d: int, bwd_d2h: int,
+                           streamed_bytes: int, device_params: int, streamed_params: int, host_params: int,
+                           host_tail_params: int, backward_overlap_fraction: float,
+                           rates: Rates = Rates()) -> PipelinedStepTime:
+    """Predict a pipelined step: forward, backward (with per-stage recompute: the forward's FLOPs
+    again), the host update overlapping the part of the backward after the first program, then
+    the update programs.
+
+    Args:
+      flops_per_step: training FLOPs (6N + 12LSh per token, times tokens); forward is 1/3.
+      fwd_h2d / bwd_h2d: chunk fetch bytes in the forward / fused head + backward.
+      bwd_d2h: gradient bytes offloaded during the backward.
+      streamed_bytes: bytes moved by streamed updates (both directions).
+      device_params / streamed_params / host_params: parameters per update location.
+      host_tail_params: host-updated parameters whose gradients complete in the last program.
+      backward_overlap_fraction: fraction of the backward left when the first program ends.
+    """
+    r = rates
+    c_fwd = flops_per_step / 3 / r.matmul_flops_per_s
+    c_bwd = flops_per_step / r.matmul_flops_per_s  # 2/3 backward + 1/3 recompute
+    fwd = max(c_fwd, fwd_h2d / r.h2d_bytes_per_s)
+    bwd = max(c_bwd, (bwd_h2d + bwd_d2h) / r.one_program_duplex_bytes_per_s)
+    host = host_params * r.host_update_s_per_param
+    exposed = max(host_tail_params * r.host_update_s_per_param, host - bwd * backward_overlap_fraction)
+    streamed = streamed_bytes / r.h2d_bytes_per_s + streamed_params * r.device_update_s_per_param
+    return PipelinedStepTime(fwd, bwd, host, max(0.0, exposed), device_params * r.device_update_s_per_param,
+                             streamed, c_fwd + c_bwd,
+                             fwd_h2d / r.h2d_bytes_per_s + (bwd_h2d + bwd_d2h) / r.one_program_duplex_bytes_per_s)

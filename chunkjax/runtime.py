@@ -22,6 +22,7 @@ update placement); gpu_probe6.py in shared/probes for the tied-fetch custom back
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 from typing import Any, NamedTuple
@@ -81,8 +82,15 @@ class ChunkedStep:
     tx: optax.GradientTransformation
     compute_dtype: Any
     prefetch: int = 1
+    schedule: Any = None
+    host_optimizer: Any = None
 
     def __post_init__(self):
+        if self.schedule is not None and self.schedule.placement != self.placement:
+            raise ValueError("placement differs from schedule.placement: pass the schedule's")
+        if self.host_chunks and self.host_optimizer is None:
+            raise ValueError("the schedule updates chunks on the host: pass host_optimizer "
+                             "(chunkjax.host_update.AdamW / Lion / SGDMomentum)")
         if self.placement.n_chunks != self.layout.n_chunks:
             raise ValueError(f"placement has {self.placement.n_chunks} chunks, layout {self.layout.n_chunks}")
         if self.prefetch < 1:
@@ -179,20 +187,77 @@ class ChunkedStep:
         self._run_pass(params_chunks, batch, list(range(n)), body, None)
         return out["loss"]
 
-    def fwd_bwd(self, params_chunks, batch):
-        """Loss, gradient chunks and their squared norms (see module docstring).
+    # ---- the moment walker (one step = moments in tide order, cut into programs) ----------------
+    @functools.cached_property
+    def moments(self) -> tuple[tuple[str, int], ...]:
+        """``(phase, stage)`` per moment: forward 0..n-2, the fused head, backward n-2..0."""
+        n = len(self.stages)
+        return (tuple(("forward", s) for s in range(n - 1)) + (("forward+backward", n - 1),)
+                + tuple(("backward", s) for s in range(n - 2, -1, -1)))
 
-        Returns:
-          (loss () f32, grads: tuple of (chunk_size,) compute-dtype arrays in
-          ``placement.grad_kind(c)``, grad_sq: (n_chunks,) f32).
+    def _fetch_lists(self, batch) -> tuple[tuple[int, ...], ...]:
+        """Chunk ids fetched for each moment: the schedule's, or the fixed rule's for a placement."""
+        if self.schedule is not None:
+            return self.schedule.fetch
+        fwd, bwd = fetch_events(self.traces(batch), self.placement, self.prefetch)
+        return tuple(tuple(fwd[s] if ph != "backward" else bwd[s]) for ph, s in self.moments)
+
+    def _reads_at(self, batch, t: int) -> tuple[int, ...]:
+        ph, s = self.moments[t]
+        return self.traces(batch)[s].backward_chunks if ph == "backward" else self.reads[s]
+
+    def _program_bounds(self) -> list[tuple[int, int]]:
+        segs = (self.schedule.segments if self.schedule is not None else (0,)) + (len(self.moments),)
+        return [(a, b) for a, b in zip(segs[:-1], segs[1:])]
+
+    def _plan_program(self, batch, t0: int, t1: int):
+        """Static facts of the program running moments [t0, t1): the fetches it issues
+        ((moment, chunk) pairs), the param chunks it reads as arguments, and the chunks it must
+        release after each moment (next read is a fresh fetch, or none)."""
+        fetch = self._fetch_lists(batch)
+        T = len(self.moments)
+        k = self.prefetch
+        def issued_by(a, b):
+            lo = 0 if a == 0 else a - 1 + k + 1
+            return [(u, c) for u in range(lo, min(T, b - 1 + k + 1)) for c in fetch[u]]
+        issues = issued_by(t0, t1)
+        args = {c for _, c in issues}
+        for t in range(t0, t1):
+            args |= {c for c in self._reads_at(batch, t) if self.placement.param_kinds[c] == DEVICE}
+        return issues, tuple(sorted(args))
+
+    def _run_moments(self, params: dict, batch, carry: dict, t0: int, t1: int):
+        """Run moments [t0, t1). ``params``: chunk id -> compute params (only the chunks this
+        program reads). ``carry`` holds what crosses program boundaries: ``x`` (activation or
+        cotangent), ``saved`` stage inputs, ``acc`` float32 gradient accumulators, ``held``
+        fetched chunks kept on the device, ``issued`` prefetched chunks keyed ``"t:c"``.
+
+        Returns (carry, grads {chunk: grad in its grad kind}, sq {chunk: () f32}, loss or None).
         """
         n, lay = len(self.stages), self.layout
-        host = sharding(PINNED_HOST)
-        saved: dict[int, Any] = {}
-        acc: dict[int, jax.Array] = {}
-        grads: dict[int, jax.Array] = {}
-        sq: dict[int, jax.Array] = {}
-        out: dict[str, Any] = {}
+        dev, host = sharding(DEVICE), sharding(PINNED_HOST)
+        T = len(self.moments)
+        fetch = self._fetch_lists(batch)
+        k = self.prefetch
+        x = carry.get("x")
+        saved = dict(carry.get("saved", {}))
+        acc = dict(carry.get("acc", {}))
+        held = dict(carry.get("held", {}))
+        issued = {tuple(int(v) for v in key.split(":")): a for key, a in carry.get("issued", {}).items()}
+        grads, sq, loss = {}, {}, None
+        # next read of each chunk after moment t comes from a fetch (or never): release it then
+        def released_after(t, c):
+            for u in range(t + 1, T):
+                if c in self._reads_at(batch, u):
+                    return c in fetch[u]
+            return True
+
+        def issue(t, anchor):
+            tie = batch if anchor is None else anchor  # the first fetches wait for the batch
+            for u in range(t, min(T, t + k + 1)):
+                for c in fetch[u]:
+                    if (u, c) not in issued:
+                        issued[(u, c)] = jax.device_put(_barrier(tie, params[c]), dev)
 
         def add_grads(s, dp):
             for c in self.reads[s]:
@@ -213,42 +278,71 @@ class ChunkedStep:
                 grads[c] = g
             return dx
 
-        def fwd_body(pos, s, arrays, x):
-            st, p = self.stages[s], self._sub(arrays, s)
-            if s < n - 1:
-                saved[s] = x
-                return st.apply(p, x, batch)
-            # last stage: forward and backward fused
-            loss, pull = jax.vjp(lambda p, x: st.apply(p, x, batch), p, x)
-            dp, dx = pull(jnp.ones_like(loss))
-            out["loss"] = loss
-            add_grads(s, dp)
-            return emit(s, dx)
-
-        dx = self._run_pass(params_chunks, batch, list(range(n)), fwd_body, None)
-
-        def bwd_body(pos, s, arrays, dx):
+        for t in range(t0, t1):
+            ph, s = self.moments[t]
+            issue(t, x)
+            reads = self._reads_at(batch, t)
+            arrays = {}
+            for c in self.reads[s]:
+                if c not in reads:  # value not needed by this backward: zeros (compiled away)
+                    arrays[c] = jnp.zeros((lay.chunk_size,), self.compute_dtype)
+                elif self.placement.param_kinds[c] == DEVICE:
+                    arrays[c] = params[c]
+                else:
+                    if (t, c) in issued:
+                        held[c] = issued.pop((t, c))
+                    arrays[c] = held[c]
             st = self.stages[s]
-            # tie the recompute's inputs to the cotangent: otherwise XLA merges the recompute
-            # with the forward pass (common-subexpression elimination) and keeps every stage's
-            # internals alive, undoing the activation checkpointing (jax.checkpoint's prevent_cse)
-            dx, x_in, arrays = jax.lax.optimization_barrier((dx, saved.pop(s, None), arrays))
-            p = self._sub(arrays, s)
-            if s == 0:
-                _, pull = jax.vjp(lambda p: st.apply(p, None, batch), p)
-                (dp,), dx = pull(dx), None
+            if ph == "forward":
+                saved[s] = x
+                x = st.apply(self._sub(arrays, s), x, batch)
+            elif ph == "forward+backward":
+                loss, pull = jax.vjp(lambda p, xx: st.apply(p, xx, batch), self._sub(arrays, s), x)
+                dp, dx = pull(jnp.ones_like(loss))
+                add_grads(s, dp)
+                x = emit(s, dx)
             else:
-                _, pull = jax.vjp(lambda p, x: st.apply(p, x, batch), p, x_in)
-                dp, dx = pull(dx)
-            add_grads(s, dp)
-            return emit(s, dx)
+                # tie the recompute's inputs to the cotangent: otherwise XLA merges the recompute
+                # with the forward pass (common-subexpression elimination) and keeps every stage's
+                # internals alive, undoing the activation checkpointing (jax.checkpoint's prevent_cse)
+                x, x_in, arrays = jax.lax.optimization_barrier((x, saved.pop(s, None), arrays))
+                p = self._sub(arrays, s)
+                if s == 0:
+                    _, pull = jax.vjp(lambda p: st.apply(p, None, batch), p)
+                    (dp,), dx = pull(x), None
+                else:
+                    _, pull = jax.vjp(lambda p, xx: st.apply(p, xx, batch), p, x_in)
+                    dp, dx = pull(x)
+                add_grads(s, dp)
+                x = emit(s, dx)
+            for c in reads:  # eviction: the device copy dies after its last use
+                if c in held and released_after(t, c):
+                    del held[c]
+        out = {"x": x, "saved": saved, "acc": acc, "held": held,
+               "issued": {f"{u}:{c}": a for (u, c), a in issued.items()}}
+        if t1 == T:
+            out = {}
+        return out, grads, sq, loss
 
-        self._run_pass(params_chunks, batch, list(range(n - 2, -1, -1)), bwd_body, dx)
+    def fwd_bwd(self, params_chunks, batch):
+        """The whole step's forward/backward as one program (see module docstring).
+
+        Returns:
+          (loss () f32, grads: tuple of (chunk_size,) compute-dtype arrays in
+          ``placement.grad_kind(c)``, grad_sq: (n_chunks,) f32).
+        """
+        lay = self.layout
+        params = dict(enumerate(params_chunks))
+        _, grads, sq, loss = self._run_moments(params, batch, {}, 0, len(self.moments))
+        return self._finish(loss, grads, sq)
+
+    def _finish(self, loss, grads, sq):
+        lay = self.layout
         for c in range(lay.n_chunks):  # chunks no stage reads: zero gradient
             if c not in grads:
                 grads[c] = jnp.zeros((lay.chunk_size,), self.compute_dtype)
                 sq[c] = jnp.zeros((), jnp.float32)
-        return (out["loss"], tuple(grads[c] for c in range(lay.n_chunks)),
+        return (loss, tuple(grads[c] for c in range(lay.n_chunks)),
                 jnp.stack([sq[c] for c in range(lay.n_chunks)]))
 
     # ---- jitted entry points -----------------------------------------------------------------
@@ -275,9 +369,6 @@ class ChunkedStep:
     def _device_chunks(self) -> tuple[int, ...]:
         return tuple(c for c in range(self.layout.n_chunks) if self.placement.state_kinds[c] == DEVICE)
 
-    @functools.cached_property
-    def _streamed_chunks(self) -> tuple[int, ...]:
-        return tuple(c for c in range(self.layout.n_chunks) if self.placement.state_kinds[c] == PINNED_HOST)
 
     @functools.cached_property
     def jit_update_device(self):
@@ -329,11 +420,145 @@ class ChunkedStep:
         out["peak_device_bytes"] = out["argument"] + out["output"] + out["temp"] - out["alias"]
         return out
 
+    # ---- the pipelined step -------------------------------------------------------------------
+    @functools.cached_property
+    def host_chunks(self) -> tuple[int, ...]:
+        """Chunks updated in place on the host (update location ``host``)."""
+        if self.schedule is None:
+            return ()
+        return tuple(c for c, u in enumerate(self.schedule.update_locations) if u == "host")
+
+    @functools.cached_property
+    def _streamed_chunks(self) -> tuple[int, ...]:
+        host = set(self.host_chunks)
+        return tuple(c for c in range(self.layout.n_chunks)
+                     if self.placement.state_kinds[c] == PINNED_HOST and c not in host)
+
+    def _program(self, batch, k: int):
+        """(jitted program k, param chunk ids it takes) for a batch shape."""
+        ab = jax.tree.map(lambda a: (a.shape, str(a.dtype)), batch)
+        key = (str(ab), k)
+        cache = self.__dict__.setdefault("_program_cache", {})
+        if key not in cache:
+            t0, t1 = self._program_bounds()[k]
+            _, args = self._plan_program(batch, t0, t1)
+            dev = sharding(DEVICE)
+            done = [c for t in range(t0, t1) if self.moments[t][0] != "forward"
+                    for c in self.reads[self.moments[t][1]] if self.first_reader[c] == self.moments[t][1]]
+            gsh = {c: sharding(self.placement.grad_kind(c)) for c in done}
+
+            def prog(params, batch, carry, acc):
+                out, grads, sq, loss = self._run_moments(params, batch, dict(carry, acc=acc), t0, t1)
+                return {k: v for k, v in out.items() if k != "acc"}, out.get("acc", {}), grads, sq, loss
+
+            # the carry (saved activations, held chunks) is donated so that XLA frees each piece
+            # after its last use; the gradient accumulators too, except on the CPU, where a moved
+            # gradient may alias its donated accumulator across memory kinds (an XLA abort)
+            donate = (2, 3) if jax.default_backend() != "cpu" else (2,)
+            fn = jax.jit(prog, out_shardings=(dev, dev, gsh, dev, dev), donate_argnums=donate)
+            cache[key] = (fn, args)
+        return cache[key]
+
+    def compiled_memory_programs(self, batch) -> list[dict]:
+        """Memory analysis of every program of the pipelined step (bytes), in order; the carry
+        of program k is program k-1's output."""
+        out, carry = [], {}
+        dev = sharding(DEVICE)
+        ab = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=dev), batch)
+        for k in range(len(self._program_bounds())):
+            fn, args = self._program(batch, k)
+            params = {c: jax.ShapeDtypeStruct((self.layout.chunk_size,), self.compute_dtype,
+                                              sharding=sharding(self.placement.param_kinds[c])) for c in args}
+            acc = carry.pop("acc", {}) if carry else {}
+            ma = fn.lower(params, ab, carry, acc).compile().memory_analysis()
+            d = {f: int(getattr(ma, f"{f}_size_in_bytes", 0) or 0)
+                 for f in ("argument", "output", "temp", "alias", "host_argument", "host_output", "host_temp")}
+            d["peak_device_bytes"] = d["argument"] + d["output"] + d["temp"] - d["alias"]
+            out.append(d)
+            res = jax.eval_shape(fn, params, ab, carry, acc)
+            carry = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=dev),
+                                 dict(res[0], acc=res[1]))
+        return out
+
+    def _executor(self):
+        ex = self.__dict__.get("_host_executor")
+        if ex is None:
+            ex = self.__dict__["_host_executor"] = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="chunkjax-host-update")
+        return ex
+
+    def _host_update(self, state: TrainState, grads: dict, grad_scale):
+        """Update host chunks in place (runs on the host-update thread): waits for each gradient
+        chunk, then updates master, state and the pinned compute params of the chunk."""
+        from chunkjax import host_update as hu
+        if callable(grad_scale):
+            grad_scale = grad_scale()
+        for c, g in grads.items():
+            if isinstance(g, jax.Array):
+                g.block_until_ready()
+            g_np = np.asarray(g)
+            p_arr = state.params[c]
+            if self.compute_dtype == jnp.bfloat16:
+                hu.host_update_(self.host_optimizer, state.opt_state[c], g_np.view(np.uint16), state.master[c],
+                                 hu.writable_view(p_arr, np.uint16), grad_scale)
+            else:
+                hu.host_update_(self.host_optimizer, state.opt_state[c], g_np.astype(np.float32, copy=False),
+                                 state.master[c], None, grad_scale)
+                np.copyto(hu.writable_view(p_arr, np.dtype(self.compute_dtype)),
+                          state.master[c].astype(self.compute_dtype))
+
+    def _warm_host_kernel(self) -> None:
+        """Compile the host kernel for this step's dtypes on the calling thread: numba's LLVM
+        must not compile while XLA compiles on another thread (the process aborts)."""
+        from chunkjax import host_update as hu
+        st = self.host_optimizer.host_state(1)
+        master = np.zeros((1,), np.float32)
+        if self.compute_dtype == jnp.bfloat16:
+            hu.host_update_(self.host_optimizer, st, np.zeros((1,), np.uint16), master, np.zeros((1,), np.uint16), 1.0)
+        else:
+            hu.host_update_(self.host_optimizer, st, np.zeros((1,), np.float32), master, None, 1.0)
+
+    def wait(self) -> None:
+        """Block until the host updates of the last step are done (before reading the state)."""
+        pending = self.__dict__.pop("_pending", ())
+        for f in pending:
+            f.result()
+
     def __call__(self, state: TrainState, batch) -> tuple[TrainState, dict]:
         """One training step. batch: int (B, T+1) on the device. Returns (new state, metrics).
 
-        ``state``'s buffers are donated to the update (updated in place): do not use it after."""
-        loss, grads, grad_sq = self.jit_fwd_bwd(state.params, batch)
+        The step runs the schedule's programs in order; the gradients of host-updated chunks are
+        handed to a host thread as each program finishes, which updates those chunks in place
+        while the device runs the rest of the backward. The next call (or :meth:`wait`) waits for
+        that thread. ``state``'s device buffers are donated to the update: use the returned state.
+        """
+        self.wait()
+        host = set(self.host_chunks)
+        clip = self.host_optimizer is not None and getattr(self.host_optimizer, "max_grad_norm", None) is not None
+        carry: dict = {}
+        acc: dict = {}
+        grads, sq, loss, pending = {}, {}, None, []
+        for k in range(len(self._program_bounds())):
+            fn, args = self._program(batch, k)
+            carry, acc, g, q, l = fn({c: state.params[c] for c in args}, batch, carry, acc)
+            grads.update(g)
+            sq.update(q)
+            loss = l if l is not None else loss
+            mine = {c: g[c] for c in g if c in host}
+            if mine and not clip:
+                pending.append(self._executor().submit(self._host_update, state, mine, 1.0))
+        lay = self.layout
+        for c in range(lay.n_chunks):  # chunks no stage reads: zero gradient
+            if c not in grads:
+                grads[c] = (np.zeros((lay.chunk_size,), self.compute_dtype) if c in host
+                            else jax.device_put(jnp.zeros((lay.chunk_size,), self.compute_dtype),
+                                                sharding(self.placement.grad_kind(c))))
+                sq[c] = jnp.zeros((), jnp.float32)
+        grad_sq = jnp.stack([sq[c] for c in range(lay.n_chunks)])
+        late = {c: grads[c] for c in host if clip or not isinstance(grads[c], jax.Array)}
+        if late:
+            scale = (lambda: self.host_optimizer.grad_scale(float(jnp.sqrt(jnp.sum(grad_sq))))) if clip else 1.0
+            pending.append(self._executor().submit(self._host_update, state, late, scale))
         params, master, opt = list(state.params), list(state.master), list(state.opt_state)
         ids = self._device_chunks
         if ids:
@@ -345,6 +570,7 @@ class ChunkedStep:
             fn = self.jit_update_streamed[self.placement.param_kinds[c]]
             params[c], master[c], opt[c] = fn(grads[c], master[c], opt[c], grad_sq,
                                               jnp.asarray(c, jnp.int32), params[c])
+        self.__dict__["_pending"] = tuple(pending)
         return TrainState(tuple(params), tuple(master), tuple(opt)), {
             "loss": loss, "grad_norm": jnp.sqrt(jnp.sum(grad_sq))}
 
@@ -360,47 +586,93 @@ class ChunkedStep:
 
     # ---- state ---------------------------------------------------------------------------------
     def init(self, params) -> TrainState:
-        """Chunk a params pytree (any float dtype; numpy or jax arrays) into a :class:`TrainState`.
+        """Chunk the initial params into a :class:`TrainState`.
 
-        Chunks are packed one at a time in host memory and moved to their memory kinds, so the
-        device never holds more than one chunk of initialisation data.
+        Args:
+          params: a params pytree (any float dtype; numpy or jax arrays), or a callable
+            ``leaf_init(i) -> array`` giving leaf ``i`` of ``layout.slots`` (shape
+            ``slots[i].shape``) so that a model larger than host memory twice over is never
+            materialised whole: chunks are built one at a time.
+
+        Host-updated chunks keep float32 master params and optimizer state as numpy arrays in host
+        memory and their compute params in pinned host memory; device and streamed chunks keep
+        theirs in ``placement``'s memory kinds. The device never holds more than one chunk of
+        initialisation data.
         """
         lay = self.layout
-        leaves = lay.treedef.flatten_up_to(params)
+        leaf_at = params if callable(params) else (lambda i, _l=lay.treedef.flatten_up_to(params): _l[i])
         dev = sharding(DEVICE)
         init_state = jax.jit(lambda m: optim.init_chunk_state(self.tx, m), out_shardings=dev)
+        host = set(self.host_chunks)
+
         def packed(c):
             buf = np.zeros((lay.chunk_size,), np.float32)
-            for s, leaf in zip(lay.slots, leaves):
+            for i, s in enumerate(lay.slots):
                 if s.chunk == c:
-                    buf[s.offset:s.offset + s.size] = np.asarray(leaf, np.float32).ravel()
+                    buf[s.offset:s.offset + s.size] = np.asarray(leaf_at(i), np.float32).ravel()
             return buf
 
-        # pass 1: master params and optimizer state (device temporaries freed chunk by chunk);
-        # pass 2: compute params, allocated after every temporary is gone so that resident
-        # chunks sit together and do not fragment the device memory the step needs
-        ms, os_ = [], []
+        # pass 1: master params and optimizer state (device temporaries freed chunk by chunk),
+        # and host chunks' compute params; pass 2: compute params of the other chunks, allocated
+        # after every temporary is gone so that resident chunks sit together and do not fragment
+        # the device memory the step needs
+        if host:
+            self._warm_host_kernel()
+        ms, os_, ps = [], [], [None] * lay.n_chunks
         for c in range(lay.n_chunks):
+            m_np = packed(c)
+            if c in host:
+                ms.append(m_np)
+                os_.append(self.host_optimizer.host_state(lay.chunk_size))
+                ps[c] = jax.device_put(m_np.astype(self.compute_dtype), sharding(PINNED_HOST))
+                continue
             sk = sharding(self.placement.state_kinds[c])
-            m_dev = jax.device_put(packed(c), dev)
+            m_dev = jax.device_put(m_np, dev)
             os_.append(jax.device_put(init_state(m_dev), sk))
             ms.append(jax.device_put(m_dev, sk))
             del m_dev
-        ps = [jax.device_put(packed(c).astype(self.compute_dtype), sharding(self.placement.param_kinds[c]))
-              for c in range(lay.n_chunks)]
-        jax.block_until_ready((ps, ms, os_))
+        for c in range(lay.n_chunks):
+            if ps[c] is None:
+                ps[c] = jax.device_put(packed(c).astype(self.compute_dtype),
+                                       sharding(self.placement.param_kinds[c]))
+        jax.block_until_ready((ps, [m for m in ms if isinstance(m, jax.Array)]))
         return TrainState(tuple(ps), tuple(ms), tuple(os_))
 
     def master_params(self, state: TrainState):
         """The float32 master params as a pytree (on the default device)."""
+        self.wait()
         return self.layout.unpack([jax.device_put(m, sharding(DEVICE)) for m in state.master])
 
     def eval_loss(self, state: TrainState, batch) -> jax.Array:
         """Validation loss of ``batch`` (float32 scalar), params fetched by the same rule."""
+        self.wait()
         return self.jit_loss(state.params, batch)
 
 
-def make_chunked_step(stages, layout: ChunkLayout, placement: Placement, tx: optax.GradientTransformation,
-                      compute_dtype=jnp.bfloat16, prefetch: int = 1) -> ChunkedStep:
-    """Build the chunked step (see :class:`ChunkedStep`). Nothing is compiled until first use."""
-    return ChunkedStep(tuple(stages), layout, placement, tx, jnp.dtype(compute_dtype), prefetch)
+def make_chunked_step(stages, layout: ChunkLayout, placement, tx: optax.GradientTransformation | None = None,
+                      compute_dtype=jnp.bfloat16, prefetch: int | None = None, host_optimizer=None) -> ChunkedStep:
+    """Build the chunked step (see :class:`ChunkedStep`). Nothing is compiled until first use.
+
+    Args:
+      stages: the model's stages.
+      layout: the chunk layout.
+      placement: a :class:`~chunkjax.plan.Placement` (fixed fetch rule, one program) or a
+        :class:`~chunkjax.schedule.Schedule` (its fetches, evictions, programs and update
+        locations).
+      tx: the optax transformation; may be omitted when ``host_optimizer`` is given (its
+        ``optax()`` is used for device and streamed chunks).
+      compute_dtype: dtype of compute params and gradients.
+      prefetch: fetch distance (moments); defaults to the schedule's, else 1.
+      host_optimizer: the host kernel spec (:mod:`chunkjax.host_update`) for ``host`` chunks.
+    """
+    from chunkjax.schedule import Schedule
+    schedule = placement if isinstance(placement, Schedule) else None
+    if schedule is not None:
+        placement = schedule.placement
+        prefetch = schedule.prefetch if prefetch is None else prefetch
+    if tx is None:
+        if host_optimizer is None:
+            raise ValueError("pass tx (an optax transformation) or host_optimizer")
+        tx = host_optimizer.optax()
+    return ChunkedStep(tuple(stages), layout, placement, tx, jnp.dtype(compute_dtype),
+                       1 if prefetch is None else prefetch, schedule, host_optimizer)

@@ -1,0 +1,165 @@
+"""The static schedule (issue 3): the planner on traced stages, and the pipelined step that
+carries it out (Belady fetches/evictions, programs cut at backward moments, host updates in a
+thread) equals plain optax training.
+
+On the CPU memory kinds compile to nothing, so these check numerics and bookkeeping; placement,
+bytes moved and speed are checked on the GPU (experiments/bench.py, docs/benchmarks.md).
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import chunkjax as cj
+from chunkjax.host_update import AdamW
+from chunkjax.optim import state_bytes_per_chunk
+from chunkjax.plan import StageTrace
+from chunkjax.schedule import auto_segments, plan_schedule
+from chunkjax.tide import memory_tide
+from models import gpt
+
+B, T = 2, 16
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg = gpt.get_config("micro", n_layers=3)
+    rng = np.random.default_rng(int(np.random.SeedSequence().entropy % (1 << 31)))
+    params = gpt.init_params(cfg, jax.random.key(int(rng.integers(1 << 30))))
+    batches = [jnp.asarray(rng.integers(0, cfg.vocab_size, (B, T + 1)), jnp.int32) for _ in range(STEPS)]
+    stages = gpt.gpt_stages(cfg)
+    order = cj.first_use_order(lambda p, b: cj.compose_loss(stages, p, b), params, batches[0])
+    layout = cj.build_layout(params, None, order, min_chunks=6)
+    ab = jax.ShapeDtypeStruct(batches[0].shape, jnp.int32)
+    traces = cj.trace_stages(stages, layout, ab, jnp.bfloat16)
+    return cfg, params, batches, stages, layout, traces
+
+
+def _cb(layout, tx):
+    return cj.chunk_bytes(layout, jnp.bfloat16, state_bytes_per_chunk(tx, layout.chunk_size))
+
+
+def _reference(cfg, params, batches, tx, dtype=jnp.bfloat16):
+    @jax.jit
+    def step(p, o, b):
+        l, g = jax.value_and_grad(lambda p: gpt.loss_fn(cfg, p, b, dtype))(p)
+        u, o = tx.update(g, o, p)
+        return optax.apply_updates(p, u), o, l
+
+    p, o, losses = params, tx.init(params), []
+    for b in batches:
+        p, o, l = step(p, o, b)
+        losses.append(float(l))
+    return p, np.asarray(losses)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("spec", [AdamW(3e-3, weight_decay=0.1), AdamW(3e-3, weight_decay=0.0, max_grad_norm=0.05)],
+                         ids=["adamw", "adamw_clipped"])
+def test_pipelined_host_update_matches_optax(setup, spec, dtype):
+    """A schedule with resident chunks and host-updated chunks, three programs, a budget tight
+    enough that Belady re-fetches: same losses as plain optax on the device (fp32 compute: and the
+    same master params to fp32 rounding; bf16 compute: losses to bf16 tolerance)."""
+    cfg, params, batches, stages, layout, traces = setup
+    tx = spec.optax()
+    cb = _cb(layout, tx)
+    flops = cfg.flops_per_token(T) * B * T
+    roomy = plan_schedule(layout, traces, cb, 10**12, flops_per_step=flops, resident=[0])
+    sched = plan_schedule(layout, traces, cb, roomy.predicted.peak_device_bytes, flops_per_step=flops,
+                          resident=[0], segments=(0, len(stages) + 1, len(roomy.moments) - 1))
+    assert set(sched.update_locations) == {"device", "host"}
+    assert len(sched.segments) == 3
+    assert sched.predicted.n_fetches > len(sched.fetch[0])
+    step = cj.make_chunked_step(stages, layout, sched, host_optimizer=spec, compute_dtype=dtype)
+    state = step.init(params)
+    losses = []
+    for b in batches:
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
+    ref_p, ref_losses = _reference(cfg, params, batches, tx, dtype)
+    if dtype == jnp.float32:
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+        got = step.master_params(state)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref_p)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-6)
+    else:
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-2)
+
+
+def test_program_split_equals_one_program(setup):
+    """Cutting the step into programs changes nothing numerically (fp32 compute)."""
+    cfg, params, batches, stages, layout, traces = setup
+    spec = AdamW(1e-3)
+    cb = _cb(layout, spec.optax())
+    flops = cfg.flops_per_token(T) * B * T
+    kw = dict(flops_per_step=flops, resident=[])
+    one = plan_schedule(layout, traces, cb, 10**12, segments=None, **kw)
+    many = plan_schedule(layout, traces, cb, 10**12, segments=auto_segments(len(one.moments), len(stages)), **kw)
+    assert len(many.segments) > 2
+    out = []
+    for s in (one, many):
+        step = cj.make_chunked_step(stages, layout, s, host_optimizer=spec, compute_dtype=jnp.float32)
+        st = step.init(params)
+        ls = []
+        for b in batches[:3]:
+            st, m = step(st, b)
+            ls.append(float(m["loss"]))
+        out.append((ls, step.master_params(st)))
+    np.testing.assert_allclose(out[0][0], out[1][0], rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(out[0][1]), jax.tree.leaves(out[1][1])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
+def _synthetic(n_stages, chunks_per_stage, n_chunks, rng, tied=False):
+    traces = []
+    for s in range(n_stages):
+        cs = tuple(sorted(rng.choice(n_chunks, size=chunks_per_stage, replace=False).tolist()))
+        if tied and s == n_stages - 1:
+            cs = tuple(sorted(set(cs) | {0}))
+        traces.append(StageTrace(f"s{s}", cs, int(rng.integers(1, 50)) * 1000, int(rng.integers(1, 80)) * 1000,
+                                 None))
+    return tuple(traces)
+
+
+class _Lay:
+    def __init__(self, n, cs):
+        self.n_chunks, self.chunk_size = n, cs
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_plan_never_exceeds_budget(seed):
+    """Random stage traces (tied chunk, repeated chunk use): for every budget at which a plan
+    exists, the predicted device bytes at every moment stay within it and the fetches cover
+    every read of an offloaded chunk."""
+    rng = np.random.default_rng(seed)
+    n_chunks, cs = int(rng.integers(3, 8)), 1000
+    traces = _synthetic(int(rng.integers(3, 7)), 2, n_chunks, rng, tied=True)
+    cb = cj.ChunkBytes(params=2 * cs, grad=2 * cs, master=4 * cs, opt=8 * cs)
+    lay = _Lay(n_chunks, cs)
+    tide = memory_tide(traces, cs)
+    feasible = 0
+    for budget in np.linspace(tide.peak_non_model_bytes, tide.peak_non_model_bytes + 30 * 16 * cs, 12).astype(int):
+        try:
+            s = plan_schedule(lay, traces, cb, int(budget), flops_per_step=1e9)
+        except cj.PlanError as e:
+            assert e.min_budget_bytes > budget
+            continue
+        feasible += 1
+        assert s.predicted.peak_device_bytes <= budget
+        assert max(s.predicted.device_bytes_per_moment) <= budget
+        res = s.residency()
+        for t, m in enumerate(tide.moments):
+            for c in m.chunks:
+                assert res[c][t], (t, c)
+    assert feasible > 0
+
+
+def test_infeasible_budget_names_the_smallest(setup):
+    cfg, params, batches, stages, layout, traces = setup
+    cb = _cb(layout, optax.adamw(1e-3))
+    with pytest.raises(cj.PlanError, match="use --device-budget >=") as e:
+        plan_schedule(layout, traces, cb, 1000, flops_per_step=1e9)
+    ok = plan_schedule(layout, traces, cb, e.value.min_budget_bytes, flops_per_step=1e9)
+    assert ok.predicted.peak_device_bytes <= e.value.min_budget_bytes
