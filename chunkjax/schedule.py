@@ -188,6 +188,8 @@ def _schedule_one(layout: ChunkLayout, traces, tide: Tide, cb: ChunkBytes, budge
     pk = tuple(DEVICE if c in resident else PINNED_HOST for c in range(n))
     loc = tuple(DEVICE_UPDATE if c in resident else (HOST_UPDATE if host_update else STREAMED_UPDATE)
                 for c in range(n))
+    if HOST_UPDATE not in loc:  # nothing for a host thread to overlap: one program
+        segments = (0,)
     dev_model = sum(cb.params + cb.state for c in resident)
     # gradients of resident chunks wait on the device for the update program
     first_reader = {}

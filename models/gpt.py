@@ -24,6 +24,7 @@ LayerNorm statistics and the loss are computed in float32.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import flax.linen as nn
@@ -282,3 +283,28 @@ def abstract_params(cfg: GPTConfig, dtype=jnp.float32) -> dict:
     """``jax.ShapeDtypeStruct`` params (nothing allocated)."""
     return jax.eval_shape(lambda: init_params(cfg, jax.random.key(0), dtype))
 
+
+
+def leaf_initializer(cfg: GPTConfig, key: jax.Array, layout):
+    """Initialise leaf ``i`` of ``layout.slots`` on its own, with the rule of :func:`init_params`
+    (normal 0.02; ``attn_c_proj``/``mlp_c_proj`` kernels normal 0.02/sqrt(2L); LayerNorm scales 1).
+
+    For models whose params do not fit host memory twice over: chunkjax builds chunks one at a
+    time from it (``ChunkedStep.init(leaf_fn)``). Each leaf draws from ``fold_in(key, i)``, so the
+    values differ from :func:`init_params`' (same distribution). Returns ``fn(i) -> f32 array``
+    on the default device; one compiled program per distinct (shape, rule).
+    """
+    proj_std = 0.02 / math.sqrt(2 * cfg.n_layers)
+
+    @functools.partial(jax.jit, static_argnums=(1, 2))
+    def draw(k, shape, std):
+        return jax.random.normal(k, shape, jnp.float32) * std
+
+    def fn(i: int):
+        s = layout.slots[i]
+        if s.path.endswith("scale"):
+            return jnp.ones(s.shape, jnp.float32)
+        std = proj_std if ("c_proj" in s.path) else 0.02
+        return draw(jax.random.fold_in(key, i), tuple(s.shape), std)
+
+    return fn

@@ -1,0 +1,158 @@
+"""The ``chunkjax`` system of the benchmark (experiments/bench.py): plan, check, run.
+
+1. Trace the stages for the batch shape on this backend (GPU: the GPU compiler's transient
+   bytes) and plan a :class:`chunkjax.schedule.Schedule` for the device budget with the host
+   AdamW kernel (updates of offloaded chunks run in place on the host, overlapping the backward).
+2. Compile every program of the step and check the compiled peak (largest program's arguments +
+   outputs + temporaries, plus the resident master params and optimizer state) against the
+   budget less a headroom for the runtime's workspaces; while over, re-plan for a smaller
+   effective budget (the tide underestimates what XLA keeps alive; docs/design.md).
+3. Initialise chunk by chunk (no full params pytree anywhere), then measure with the same
+   protocol as the baselines (:func:`experiments.bench.measure_system`).
+
+The record adds the schedule's predictions (``*_accounted``) next to the measured figures.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+#: fraction of the budget the compiled step may use; the rest is for cuDNN/cuBLAS workspaces
+HEADROOM = 0.90
+
+
+class ChunkjaxSystem:
+    """The BaselineSystem interface (experiments/baselines.py) over a chunked step."""
+
+    name = "chunkjax"
+
+    def __init__(self, cfg, budget_bytes: int, batch: int, seq: int, lr: float = 1e-4,
+                 segments="auto", host_update: bool = True, prefetch: int = 1):
+        import jax
+        import jax.numpy as jnp
+        import optax
+
+        import chunkjax as cj
+        from chunkjax.host_update import AdamW
+        from chunkjax.memory import DEVICE, sharding
+        from chunkjax.optim import state_bytes_per_chunk
+        from models import gpt
+
+        self.cfg, self.budget, self.notes = cfg, int(budget_bytes), []
+        self.last_update_s, self.last_timings = None, {}
+        self.dev_sh = sharding(DEVICE)
+        self.spec = AdamW(lr, weight_decay=1e-4)
+        t0 = time.perf_counter()
+        stages = gpt.gpt_stages(cfg)
+        ap = gpt.abstract_params(cfg)
+        ab = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32)
+        order = cj.first_use_order(lambda p, b: cj.compose_loss(stages, p, b), ap, ab)
+        self.layout = cj.build_layout(ap, None, order, min_chunks=8)
+        self.traces = cj.trace_stages(stages, self.layout, ab, jnp.bfloat16)
+        self.trace_s = time.perf_counter() - t0
+        cb = cj.chunk_bytes(self.layout, jnp.bfloat16,
+                            state_bytes_per_chunk(self.spec.optax(), self.layout.chunk_size))
+        self.cb = cb
+        flops = cfg.flops_per_token(seq) * batch * seq
+        from chunkjax.schedule import plan_schedule
+        self._plan = lambda b: plan_schedule(self.layout, self.traces, cb, int(b), flops_per_step=flops,
+                                             host_update=host_update, prefetch=prefetch, segments=segments)
+        self.stages = stages
+        self.effective_budget = int(self.budget)
+        self.schedule = self._plan(self.effective_budget)
+        self.step_fn = cj.make_chunked_step(stages, self.layout, self.schedule, host_optimizer=self.spec)
+        self.plan_history = []
+
+    # -- the BaselineSystem interface --------------------------------------------------------
+    def compiled_memory(self, batch) -> dict:
+        """Compile every program; re-plan until the compiled peak fits HEADROOM x budget."""
+        import chunkjax as cj
+
+        for attempt in range(4):
+            progs = self.step_fn.compiled_memory_programs(batch)
+            resident_state = sum(self.cb.state for u in self.schedule.update_locations if u == "device")
+            peak = max(p["peak_device_bytes"] for p in progs) + resident_state
+            self.plan_history.append({"effective_budget_bytes": self.effective_budget,
+                                      "compiled_peak_bytes": peak,
+                                      "predicted_peak_bytes": self.schedule.predicted.peak_device_bytes,
+                                      "counts": self.schedule.counts()})
+            if peak <= HEADROOM * self.budget:
+                break
+            # shrink the planning budget by the overshoot and try again
+            self.effective_budget = int(self.effective_budget * HEADROOM * self.budget / peak) - self.cb.params
+            try:
+                self.schedule = self._plan(self.effective_budget)
+            except cj.PlanError as e:
+                self.notes.append(f"re-plan failed: {e}")
+                break
+            self.step_fn = cj.make_chunked_step(self.stages, self.layout, self.schedule, host_optimizer=self.spec)
+        largest = max(progs, key=lambda p: p["peak_device_bytes"])
+        return {"peak_bytes": int(peak), "argument_bytes": largest["argument"], "output_bytes": largest["output"],
+                "temp_bytes": largest["temp"], "alias_bytes": largest["alias"],
+                "resident_state_bytes": int(resident_state), "programs": progs}
+
+    def init(self, key):
+        import jax
+        import numpy as np
+
+        from chunkjax.memory import PINNED_HOST, sharding
+        from models import gpt
+
+        leaf = gpt.leaf_initializer(self.cfg, key, self.layout)
+        pinned = sharding(PINNED_HOST)
+
+        def leaf_np(i):  # generated on the device, read through pinned host memory (fast path)
+            return np.asarray(jax.device_put(leaf(i), pinned))
+
+        return self.step_fn.init(leaf_np)
+
+    def step(self, state, batch):
+        state, m = self.step_fn(state, batch)
+        self.step_fn.wait()
+        return state, m["loss"]
+
+    def host_bytes(self, state) -> int:
+        import numpy as np
+
+        n = 0
+        for c, u in enumerate(self.schedule.update_locations):
+            if u == "device":
+                continue
+            n += self.cb.params + self.cb.grad  # pinned compute params + the gradient chunk
+            m = state.master[c]
+            n += m.nbytes if isinstance(m, np.ndarray) else self.cb.master
+            st = state.opt_state[c]
+            n += getattr(st, "nbytes", self.cb.opt) if not callable(getattr(st, "nbytes", None)) else st.nbytes()
+        return int(n)
+
+
+def run_chunkjax(args) -> dict:
+    """Measure chunkjax for ``args`` (model, batch, seq, steps, seed, budget_bytes, compile_only);
+    returns the record of :func:`experiments.bench.measure_system` plus the schedule's
+    predictions."""
+    from experiments.bench import measure_system
+    from models import gpt
+
+    cfg = gpt.get_config(args.model)
+    segments = getattr(args, "segments", "auto")
+    sys_ = ChunkjaxSystem(cfg, args.budget_bytes, args.batch, args.seq, segments=segments)
+    rec = measure_system(sys_, args)
+    p = sys_.schedule.predicted
+    rec.update({
+        "peak_device_bytes_accounted": p.peak_device_bytes,
+        "h2d_bytes_per_step_accounted": p.h2d_bytes_per_step,
+        "d2h_bytes_per_step_accounted": p.d2h_bytes_per_step,
+        "step_s_predicted": p.time.step_s,
+        "predicted_time": p.time.to_dict(),
+        "schedule_counts": sys_.schedule.counts(),
+        "segments": list(sys_.schedule.segments),
+        "n_chunks": sys_.layout.n_chunks, "chunk_size": sys_.layout.chunk_size,
+        "n_fetches": p.n_fetches,
+        "effective_budget_bytes": sys_.effective_budget, "plan_history": sys_.plan_history,
+        "trace_s": sys_.trace_s,
+        "stage_temp_bytes": sorted({t.temp_bytes for t in sys_.traces}),
+        "schedule": sys_.schedule.to_dict(),
+    })
+    if rec.get("step_s_median") and p.time.step_s:
+        rec["step_time_ratio_measured_over_predicted"] = rec["step_s_median"] / p.time.step_s
+    return rec
