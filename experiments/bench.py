@@ -1,0 +1,846 @@
+"""Issue-4 benchmark: chunkjax side by side with plain JAX and the static offloads users run today.
+
+    python -m experiments.bench --model GPT3_6B --batch 32 --seq 1024 --device-budget 24GiB \\
+        --systems plain_jax,maxtext_style,zero_offload_style,chunkjax --steps 5 --run-id g36b_24g
+    python -m experiments.bench --largest --systems chunkjax --device-budget 100GiB --run-id largest1 \\
+        [--largest-models GPT3_10B,GPT3_12B,GPT3_15B]
+    python -m experiments.bench --report experiments/results/bench_g36b_24g.json   # tables + plot
+
+The driver runs the matmul-rate probe in its own subprocess, then every system in its own
+subprocess (a clean ``peak_bytes_in_use`` and its own memory settings), with
+``XLA_PYTHON_CLIENT_MEM_FRACTION = budget / card memory``, ``XLA_PYTHON_CLIENT_PREALLOCATE=false``
+and ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`` lifted (``--host-limit-gb``). A system first compiles its
+step and compares the compiled peak (argument + output + temp - alias bytes of the device program)
+with the budget: above it, the system is recorded ``feasible: false`` with the compiled bytes and
+is not run. Otherwise: one warm-up step, ``--steps`` timed steps (each waited for), one extra step
+under the profiler (bytes moved each way; GPU only), ``peak_bytes_in_use``, the host bytes the
+system keeps, and ``update_s`` where the update is timed separately (``zero_offload_style``).
+A crashed or killed worker (out of memory included) is recorded ``feasible: false`` with the tail
+of its stderr; the driver never crashes on it.
+
+Results go to ``<results-dir>/bench_<run_id>.json``. A run may span several driver calls with
+the same ``--run-id`` (one call per GPU-machine command): systems are merged into the file, the
+matmul probe is repeated in each call and recorded per call, and each system's MFU uses the rate
+measured in its own call. Settings are identical for every system (issue 4, item 2): AdamW lr
+1e-4, no clipping or loss scaling, bf16 compute with fp32 master params, remat per block, random
+tokens (``jax.random.randint`` over the vocabulary, fixed seed; the same batch every step), the
+batch as one micro-batch.
+
+The ``chunkjax`` system is ``experiments/bench_chunkjax.py: run_chunkjax(args) -> dict`` (imported
+lazily; ``args`` is the worker's namespace: model, batch, seq, steps, seed, budget_bytes,
+host_limit_gb, compile_only, run_id, and any ``--set KEY=VALUE`` given to the driver). It returns the same keys as the baselines; the easiest way
+is to wrap chunkjax in an object with the :class:`experiments.baselines.BaselineSystem` interface
+(``init``, ``step``, ``compiled_memory``, ``host_bytes``) and call :func:`measure_system`.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+SYSTEMS_ALL = ("plain_jax", "maxtext_style", "zero_offload_style", "chunkjax")
+BASELINES = ("plain_jax", "maxtext_style", "zero_offload_style")
+STATIC_OFFLOADS = ("maxtext_style", "zero_offload_style")
+
+#: Per-system keys required by issue 4 (every worker returns all of them; null where unknown).
+REQUIRED_KEYS = ("tokens_per_s", "mfu", "tflops", "peak_device_bytes_measured", "h2d_bytes_per_step_measured",
+                 "d2h_bytes_per_step_measured", "update_s", "host_bytes", "feasible")
+#: Per-system keys of a run.
+RUN_KEYS = ("losses", "step_s_median", "step_s_all", "error")
+#: Further keys every record carries (null where not applicable).
+EXTRA_KEYS = ("system", "model", "batch", "seq", "device_budget_bytes", "mfu_datasheet", "matmul_tflops", "call",
+              "losses_finite", "loss_falling", "compiled_memory", "infeasible_reason", "compile_s", "init_s",
+              "device_state_bytes", "timings", "transfer_source", "transfer_detail",
+              "h2d_bytes_per_step_nvml_estimate", "d2h_bytes_per_step_nvml_estimate", "bytes_limit_measured",
+              "mem_fraction", "host_rss_peak_bytes_measured", "platform", "device_kind", "notes", "wall_s")
+ALL_KEYS = REQUIRED_KEYS + RUN_KEYS + EXTRA_KEYS
+
+#: Configs tried by ``--largest`` when ``--largest-models`` is not given (sorted by N there).
+DEFAULT_LARGEST_MODELS = ("GPT3_6B", "GPT3_8B", "GPT3_10B", "GPT3_12B", "GPT3_15B", "GPT3_18B")
+
+DEFAULT_HOST_LIMIT_GB = 110
+DEFAULT_MEM_FRACTION = 0.75  # XLA's default device pool fraction
+_STDERR_TAIL_LINES = 40
+
+
+class UsageError(Exception):
+    """Bad command-line input: printed as one line, exit status 2."""
+
+
+def parse_bytes(text: str) -> int:
+    """``"24GiB"``, ``"512MiB"``, ``"24GB"``, ``"1e9"`` or ``"123456"`` -> bytes.
+
+    Raises:
+      ValueError: unparsable or not positive.
+    """
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+    t = str(text).strip().lower().replace(" ", "")
+    m = re.fullmatch(r"([0-9.eE+\-]+?)([a-z]*)", t)
+    try:
+        val = float(m.group(1)) if m else None
+    except ValueError:
+        val = None
+    unit = m.group(2) if m else None
+    if val is None or unit not in units or not math.isfinite(val) or val <= 0:
+        raise ValueError(f"cannot parse {text!r} as a positive byte size: use e.g. 24GiB, 512MiB, 24GB or a byte count")
+    return int(val * units[unit])
+
+
+# ---- records -------------------------------------------------------------------------------
+
+def empty_record(system: str) -> dict:
+    """A record with every key of :data:`ALL_KEYS`, nothing measured, ``feasible: false``."""
+    rec = {k: None for k in ALL_KEYS}
+    rec.update(system=system, feasible=False, notes=[])
+    return rec
+
+
+def normalize_record(rec: dict, system: str) -> dict:
+    """Exactly :data:`ALL_KEYS` (missing ones null) plus ``extra`` holding any other keys."""
+    out = empty_record(system)
+    extra = dict(rec.get("extra") or {})
+    for k, v in rec.items():
+        if k == "extra":
+            continue
+        if k in out:
+            out[k] = v
+        else:
+            extra[k] = v
+    out["system"] = system
+    out["feasible"] = bool(out["feasible"])
+    out["notes"] = list(out["notes"] or [])
+    out["extra"] = extra
+    return out
+
+
+def finalize_record(rec: dict, flops_per_token: int, matmul_tflops: float | None, call: int | None) -> dict:
+    """Fill ``tflops``, ``mfu`` (against the call's matmul rate) and ``mfu_datasheet`` (990 TFLOP/s)
+    from ``tokens_per_s``; record the rate and call index used."""
+    from experiments.gpu_measure import DATASHEET_BF16_FLOPS
+
+    tps = rec.get("tokens_per_s")
+    rec["matmul_tflops"] = matmul_tflops
+    rec["call"] = call
+    if tps:
+        flops = flops_per_token * tps
+        rec["tflops"] = flops / 1e12
+        rec["mfu"] = flops / (matmul_tflops * 1e12) if matmul_tflops else None
+        rec["mfu_datasheet"] = flops / DATASHEET_BF16_FLOPS
+    return rec
+
+
+# ---- the worker (one system, one process) --------------------------------------------------
+
+def make_batch(cfg, batch: int, seq: int, seed: int, sharding=None):
+    """Random tokens int32 (batch, seq + 1) over the vocabulary, fixed by ``seed``."""
+    import jax
+    import jax.numpy as jnp
+
+    b = jax.random.randint(jax.random.key(seed + 1), (batch, seq + 1), 0, cfg.vocab_size, dtype=jnp.int32)
+    return jax.device_put(b, sharding) if sharding is not None else b
+
+
+def _host_rss_peak_bytes() -> int | None:
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def measure_system(system, args) -> dict:
+    """The measurement protocol for any object with the BaselineSystem interface.
+
+    Compiles (``system.compiled_memory``) and stops with ``feasible: false`` if the compiled peak
+    exceeds ``args.budget_bytes`` (or after compiling when ``args.compile_only``). Otherwise
+    ``init``, one warm-up step, ``args.steps`` timed steps (``block_until_ready`` each), then on a
+    GPU one profiled step (bytes moved) and ``peak_bytes_in_use``. Returns a partial record
+    (keys of :data:`ALL_KEYS`); the caller normalises it.
+
+    ``args`` needs: model, batch, seq, steps, seed, budget_bytes, compile_only.
+    """
+    import jax
+    import numpy as np
+
+    from experiments import gpu_measure as gm
+
+    dev = jax.devices()[0]
+    platform = dev.platform
+    rec: dict = {"platform": platform, "device_kind": dev.device_kind,
+                 "mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"), "notes": []}
+    stats = gm.memory_stats()
+    if stats and "bytes_limit" in stats:
+        rec["bytes_limit_measured"] = int(stats["bytes_limit"])
+    sharding = getattr(system, "dev_sh", None)
+    batch = make_batch(system.cfg, args.batch, args.seq, args.seed, sharding)
+
+    t0 = time.perf_counter()
+    mem = system.compiled_memory(batch)
+    rec["compile_s"] = time.perf_counter() - t0
+    rec["compiled_memory"] = mem
+    rec["notes"] += list(getattr(system, "notes", []))
+    if mem["peak_bytes"] > args.budget_bytes:
+        rec["feasible"] = False
+        rec["infeasible_reason"] = (f"compiled peak {mem['peak_bytes']} B (argument {mem['argument_bytes']} + output "
+                                    f"{mem['output_bytes']} + temp {mem['temp_bytes']} - alias {mem['alias_bytes']}) "
+                                    f"> budget {args.budget_bytes} B")
+        return rec
+    if getattr(args, "compile_only", False):
+        rec["feasible"] = True
+        rec["notes"].append("compile only: fits the budget by the compiled memory analysis; not run")
+        return rec
+
+    t0 = time.perf_counter()
+    state = system.init(jax.random.key(args.seed))
+    jax.block_until_ready(state)
+    rec["init_s"] = time.perf_counter() - t0
+    rec["host_bytes"] = int(system.host_bytes(state))
+    if hasattr(system, "device_state_bytes"):
+        rec["device_state_bytes"] = int(system.device_state_bytes(state))
+
+    losses = []
+    state, loss = system.step(state, batch)  # warm-up
+    jax.block_until_ready((state, loss))
+    losses.append(float(loss))
+    step_s, update_s, timings = [], [], []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        state, loss = system.step(state, batch)
+        jax.block_until_ready((state, loss))
+        step_s.append(time.perf_counter() - t0)
+        losses.append(float(loss))
+        if getattr(system, "last_update_s", None) is not None:
+            update_s.append(system.last_update_s)
+        if getattr(system, "last_timings", None):
+            timings.append(dict(system.last_timings))
+    med = statistics.median(step_s)
+    rec.update(step_s_all=step_s, step_s_median=med, tokens_per_s=args.batch * args.seq / med,
+               update_s=statistics.median(update_s) if update_s else None)
+    if timings:
+        rec["timings"] = {k: statistics.median(t[k] for t in timings) for k in timings[0]}
+
+    if platform != "cpu":
+        box = {"state": state}
+
+        def one_step():
+            s, l = system.step(box["state"], batch)
+            jax.block_until_ready((s, l))
+            box["state"] = s
+            return float(l)
+
+        prof = gm.profile_transfer_bytes(one_step)
+        state = box["state"]
+        losses.append(prof["result"])
+        nv = prof.get("nvml") or {}
+        rec["h2d_bytes_per_step_nvml_estimate"] = nv.get("h2d_bytes_estimate")
+        rec["d2h_bytes_per_step_nvml_estimate"] = nv.get("d2h_bytes_estimate")
+        if prof["n_device_events"] > 0 and not prof["profiler_error"]:
+            rec["transfer_source"] = "profiler"
+            rec["h2d_bytes_per_step_measured"] = prof["h2d_bytes"]
+            rec["d2h_bytes_per_step_measured"] = prof["d2h_bytes"]
+        elif nv.get("available"):
+            rec["transfer_source"] = f"nvml_estimate ({nv.get('method')})"
+            rec["h2d_bytes_per_step_measured"] = nv.get("h2d_bytes_estimate")
+            rec["d2h_bytes_per_step_measured"] = nv.get("d2h_bytes_estimate")
+        rec["transfer_detail"] = {k: prof.get(k) for k in (
+            "n_h2d", "n_d2h", "other_bytes", "n_other", "n_device_events", "gpu_processes", "n_unrecognized",
+            "unrecognized", "n_api_skipped", "events", "copy_kernel_samples", "profiler_error", "nvml")}
+        rec["transfer_detail"]["events"] = (prof.get("events") or [])[:4]
+    rec["peak_device_bytes_measured"] = gm.peak_device_bytes()
+    rec["host_rss_peak_bytes_measured"] = _host_rss_peak_bytes()
+    rec["losses"] = losses
+    rec["losses_finite"] = all(math.isfinite(x) for x in losses)
+    rec["loss_falling"] = bool(losses[-1] < losses[0]) if len(losses) > 1 else None
+    rec["feasible"] = True
+    if not rec["losses_finite"]:
+        rec["error"] = f"non-finite loss: {losses}"
+    rec["notes"] = list(dict.fromkeys(rec["notes"] + list(getattr(system, "notes", []))))
+    del state
+    return rec
+
+
+def _import_run_chunkjax():
+    try:
+        from experiments.bench_chunkjax import run_chunkjax
+    except ModuleNotFoundError as e:
+        if e.name in ("experiments.bench_chunkjax",):
+            raise RuntimeError("the chunkjax system needs experiments/bench_chunkjax.py defining "
+                               "run_chunkjax(args) -> dict (same keys as the baselines; see "
+                               "experiments.bench.measure_system): the file does not exist yet") from None
+        raise RuntimeError(f"experiments/bench_chunkjax.py failed to import: {type(e).__name__}: {e}") from e
+    except ImportError as e:
+        raise RuntimeError(f"experiments/bench_chunkjax.py has no usable run_chunkjax(args): {e}") from e
+    return run_chunkjax
+
+
+def run_worker(args) -> dict:
+    """Measure one system (``args.worker``) in this process; returns a normalised record.
+
+    Never raises for a failure of the system itself: an exception (out of memory included) gives
+    ``feasible: false`` and ``error`` with the traceback's last lines.
+    """
+    system = args.worker
+    t_start = time.time()
+    rec: dict = {}
+    try:
+        from models import gpt
+        cfg = gpt.get_config(args.model)
+        if system == "chunkjax":
+            rec = dict(_import_run_chunkjax()(args) or {})
+        else:
+            from experiments import baselines
+            kw = {}
+            if system == "zero_offload_style" and getattr(args, "zero_h2d_path", None):
+                kw["h2d_path"] = args.zero_h2d_path
+            rec = measure_system(baselines.build(system, cfg, **kw), args)
+    except Exception as e:
+        tb = traceback.format_exc().strip().splitlines()
+        rec = dict(rec, feasible=False, error=f"{type(e).__name__}: {e}"[:2000],
+                   extra={"traceback_tail": tb[-_STDERR_TAIL_LINES:]})
+    rec = normalize_record(rec, system)
+    rec.update(model=args.model, batch=args.batch, seq=args.seq, device_budget_bytes=args.budget_bytes,
+               wall_s=time.time() - t_start)
+    try:
+        from models import gpt
+        finalize_record(rec, gpt.get_config(args.model).flops_per_token(args.seq), None, None)
+    except Exception:
+        pass
+    return rec
+
+
+def run_probe(args) -> dict:
+    """The matmul rate and the card: ``matmul_tflops``, ``matmul_n``, ``platform``,
+    ``device_kind``, ``jax_version``, ``bytes_limit`` (device pool at this process's fraction),
+    ``card_bytes`` (nvidia-smi's total, else bytes_limit / fraction), ``host_mem_bytes``."""
+    import jax
+
+    from experiments import gpu_measure as gm
+
+    d = jax.devices()[0]
+    out = {"platform": d.platform, "device_kind": d.device_kind, "jax_version": jax.__version__,
+           "host_mem_bytes": _host_memory_bytes()}
+    n = args.matmul_n if d.platform != "cpu" else min(args.matmul_n, 1024)
+    stats = gm.memory_stats() or {}
+    frac = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", DEFAULT_MEM_FRACTION))
+    out["bytes_limit"] = int(stats["bytes_limit"]) if "bytes_limit" in stats else None
+    out["card_bytes_from_limit"] = int(out["bytes_limit"] / frac) if out["bytes_limit"] else None
+    out["card_bytes_nvidia_smi"] = _nvidia_smi_total_bytes() if d.platform == "gpu" else None
+    out["card_bytes"] = out["card_bytes_nvidia_smi"] or out["card_bytes_from_limit"]
+    out["matmul_n"] = n
+    out["matmul_tflops"] = gm.matmul_tflops(n)
+    return out
+
+
+def _nvidia_smi_total_bytes() -> int | None:
+    try:
+        r = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                           capture_output=True, text=True, timeout=30)
+        return int(r.stdout.split()[0]) * 2 ** 20
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return None
+
+
+def _host_memory_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+# ---- the driver ----------------------------------------------------------------------------
+
+def worker_env(budget_bytes: int, card_bytes: int | None, host_limit_gb: int) -> dict:
+    """Environment of a system's subprocess: the budget as the device memory fraction (when the
+    card's size is known), no preallocation, the pinned-host cap lifted."""
+    env = dict(os.environ)
+    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    env["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] = str(int(host_limit_gb))
+    if card_bytes:
+        env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{min(budget_bytes / card_bytes, 0.99):.6f}"
+    return env
+
+
+def subprocess_runner(argv: list[str], env: dict, timeout: float | None) -> dict:
+    """Run ``python -m experiments.bench <argv> --out FILE``; returns ``{"rc", "json" (the parsed
+    FILE or None), "stderr_tail", "stdout_tail", "timed_out", "wall_s"}``. Never raises for a
+    failure of the child."""
+    fd, out_path = tempfile.mkstemp(prefix="bench_", suffix=".json")
+    os.close(fd)
+    os.unlink(out_path)
+    cmd = [sys.executable, "-m", "experiments.bench", *argv, "--out", out_path]
+    t0 = time.time()
+    timed_out = False
+    try:
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout or None,
+                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        rc, out, err = p.returncode, p.stdout, p.stderr
+    except subprocess.TimeoutExpired as e:
+        timed_out, rc = True, 124
+        out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+    data = None
+    if os.path.exists(out_path):
+        try:
+            with open(out_path) as fh:
+                data = json.load(fh)
+        except (OSError, ValueError):
+            data = None
+        os.unlink(out_path)
+    tail = lambda s: s.strip().splitlines()[-_STDERR_TAIL_LINES:]
+    return {"rc": rc, "json": data, "stderr_tail": tail(err), "stdout_tail": tail(out)[-10:],
+            "timed_out": timed_out, "wall_s": time.time() - t0}
+
+
+def _worker_argv(args, system: str, model: str, batch: int, seq: int, steps: int, compile_only: bool) -> list[str]:
+    argv = ["--worker", system, "--model", model, "--batch", str(batch), "--seq", str(seq), "--steps", str(steps),
+            "--budget-bytes", str(args.budget_bytes), "--seed", str(args.seed), "--host-limit-gb",
+            str(args.host_limit_gb), "--run-id", args.run_id]
+    if compile_only:
+        argv.append("--compile-only")
+    for kv in args.set:
+        argv += ["--set", kv]
+    if args.zero_h2d_path:
+        argv += ["--zero-h2d-path", args.zero_h2d_path]
+    return argv
+
+
+def _run_system(args, runner, probe: dict, system: str, model: str, batch: int, seq: int, steps: int,
+                compile_only: bool, call: int) -> dict:
+    from models import gpt
+
+    env = worker_env(args.budget_bytes, probe.get("card_bytes"), args.host_limit_gb)
+    print(f"[bench] {system}: {model} batch {batch} x {seq}, budget {args.budget_bytes} B, "
+          f"fraction {env.get('XLA_PYTHON_CLIENT_MEM_FRACTION', '(default)')}", flush=True)
+    res = runner(_worker_argv(args, system, model, batch, seq, steps, compile_only), env, args.worker_timeout)
+    if res.get("json") is not None and res["rc"] == 0:
+        rec = normalize_record(res["json"], system)
+    else:
+        rec = empty_record(system)
+        why = (f"worker timed out after {args.worker_timeout} s" if res.get("timed_out")
+               else f"worker exited with status {res['rc']}")
+        if res.get("json") is not None:  # wrote a record, then died
+            rec = normalize_record(res["json"], system)
+            rec["feasible"] = False
+        rec["error"] = why + ": " + "\n".join(res.get("stderr_tail") or [])[-4000:]
+        rec = normalize_record(rec, system)
+        rec.update(model=model, batch=batch, seq=seq, device_budget_bytes=args.budget_bytes)
+    rec["mem_fraction"] = rec.get("mem_fraction") or env.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    finalize_record(rec, gpt.get_config(model).flops_per_token(seq), probe.get("matmul_tflops"), call)
+    status = ("feasible" if rec["feasible"] else "INFEASIBLE") + (f", error: {rec['error'][:160]!r}" if rec.get("error") else "")
+    tps = rec.get("tokens_per_s")
+    print(f"[bench] {system}: {status}; tokens/s {tps:,.0f}" if tps else f"[bench] {system}: {status}", flush=True)
+    return rec
+
+
+def results_path(results_dir: str, run_id: str) -> str:
+    return os.path.join(results_dir, f"bench_{run_id}.json")
+
+
+def load_results(path: str) -> dict | None:
+    if not os.path.exists(path):
+        return None
+    with open(path) as fh:
+        return json.load(fh)
+
+
+def write_json_atomic(path: str, obj) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        json.dump(obj, fh, indent=1, default=str)
+        fh.write("\n")
+    os.replace(tmp, path)
+
+
+def merge_call(results: dict | None, *, run_id: str, call_info: dict, run_fields: dict | None,
+               systems: dict, largest: dict | None) -> dict:
+    """Merge one driver call into a run's results (``results`` None: a new run).
+
+    ``run_fields`` (model, n_params, batch, seq, device_budget_bytes) must equal the run's where
+    both are set. Systems replace earlier records of the same name; ``largest`` merges per system
+    and model. ``matmul_tflops`` is the median over the calls' probes.
+
+    Raises:
+      UsageError: the run already holds a different model, batch, seq or budget.
+    """
+    res = results or {"run_id": run_id, "model": None, "n_params": None, "batch": None, "seq": None,
+                      "device_budget_bytes": None, "matmul_tflops": None, "jax_version": None, "device_kind": None,
+                      "commands": [], "calls": [], "systems": {}, "largest": {}}
+    if run_fields:
+        for k, v in run_fields.items():
+            if res.get(k) is not None and res[k] != v:
+                raise UsageError(f"run {run_id!r} already holds {k}={res[k]!r} (this call: {v!r}): "
+                                 "use a new --run-id for a different setting")
+        for k, v in run_fields.items():
+            res[k] = v
+    res["calls"].append(call_info)
+    if call_info.get("command") and call_info["command"] not in res["commands"]:
+        res["commands"].append(call_info["command"])
+    rates = [c["matmul_tflops"] for c in res["calls"] if c.get("matmul_tflops")]
+    res["matmul_tflops"] = statistics.median(rates) if rates else None
+    res["jax_version"] = call_info.get("jax_version") or res.get("jax_version")
+    res["device_kind"] = call_info.get("device_kind") or res.get("device_kind")
+    res["systems"].update(systems)
+    for system, block in (largest or {}).items():
+        cur = res["largest"].setdefault(system, {"tried": {}})
+        for k, v in block.items():
+            if k != "tried":
+                cur[k] = v
+        cur["tried"].update(block.get("tried", {}))
+        _summarize_largest(cur)
+    return res
+
+
+def _summarize_largest(block: dict) -> None:
+    from models import gpt
+
+    ok = [m for m, r in block["tried"].items() if r.get("ok")]
+    best = max(ok, key=lambda m: gpt.get_config(m).n_params) if ok else None
+    block["largest"] = best
+    block["largest_n_params"] = gpt.get_config(best).n_params if best else None
+    block["largest_model_bytes"] = 14 * block["largest_n_params"] if best else None
+
+
+def run_largest(args, runner, probe: dict, call: int) -> dict:
+    """For each system of ``--systems``, try the configs of ``--largest-models`` in increasing N at
+    ``--largest-batch`` x ``--largest-seq`` for ``--largest-steps`` steps; a config is ``ok`` when
+    it is feasible with finite, falling loss (``--compile-only``: when it compiles within the
+    budget). Stops at a system's first failure unless ``--largest-keep-going``.
+
+    Returns ``{system: {"batch", "seq", "steps", "device_budget_bytes", "compile_only",
+    "tried": {model: summary}}}``.
+    """
+    from models import gpt
+
+    names = args.largest_models.split(",") if args.largest_models else list(DEFAULT_LARGEST_MODELS)
+    models = sorted((gpt.get_config(n).name for n in names), key=lambda n: gpt.get_config(n).n_params)
+    out = {}
+    for system in args.systems:
+        block = {"batch": args.largest_batch, "seq": args.largest_seq, "steps": args.largest_steps,
+                 "device_budget_bytes": args.budget_bytes, "compile_only": args.compile_only, "tried": {}}
+        for m in models:
+            rec = _run_system(args, runner, probe, system, m, args.largest_batch, args.largest_seq,
+                              args.largest_steps, args.compile_only, call)
+            if args.compile_only:
+                ok = bool(rec["feasible"]) and not rec.get("error")
+            else:
+                ok = bool(rec["feasible"] and rec.get("losses_finite") and rec.get("loss_falling"))
+            block["tried"][m] = {"ok": ok, "n_params": gpt.get_config(m).n_params, "feasible": rec["feasible"],
+                                 "losses": rec.get("losses"), "tokens_per_s": rec.get("tokens_per_s"),
+                                 "peak_device_bytes_measured": rec.get("peak_device_bytes_measured"),
+                                 "compiled_peak_bytes": (rec.get("compiled_memory") or {}).get("peak_bytes"),
+                                 "host_bytes": rec.get("host_bytes"),
+                                 "host_rss_peak_bytes_measured": rec.get("host_rss_peak_bytes_measured"),
+                                 "infeasible_reason": rec.get("infeasible_reason"),
+                                 "error": (rec.get("error") or None) and rec["error"][:2000], "call": call}
+            if not ok and not args.largest_keep_going:
+                break
+        out[system] = block
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m experiments.bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="GPT2_1B", help="config name from models/gpt.py (default: GPT2_1B)")
+    ap.add_argument("--batch", type=int, default=16, help="sequences per step, one micro-batch (default: 16)")
+    ap.add_argument("--seq", type=int, default=1024, help="tokens per sequence (default: 1024)")
+    ap.add_argument("--device-budget", default="24GiB", help="peak device bytes, e.g. 24GiB (default: 24GiB)")
+    ap.add_argument("--systems", default=",".join(SYSTEMS_ALL),
+                    help=f"comma-separated subset of {','.join(SYSTEMS_ALL)}, or 'none' (default: all)")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps after one warm-up (default: 5)")
+    ap.add_argument("--run-id", default=None, help="results go to bench_<run-id>.json; calls with one id merge")
+    ap.add_argument("--results-dir", default="experiments/results", help="(default: experiments/results)")
+    ap.add_argument("--seed", type=int, default=0, help="init and token seed (default: 0)")
+    ap.add_argument("--matmul-n", type=int, default=8192, help="matmul probe size (default: 8192; capped at 1024 on a CPU)")
+    ap.add_argument("--host-limit-gb", type=int, default=DEFAULT_HOST_LIMIT_GB,
+                    help=f"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB for every system (default: {DEFAULT_HOST_LIMIT_GB})")
+    ap.add_argument("--worker-timeout", type=float, default=0, help="seconds per system subprocess, 0: none (default: 0)")
+    ap.add_argument("--compile-only", action="store_true", help="only compile and check the budget (no steps)")
+    ap.add_argument("--zero-h2d-path", choices=("via_pinned", "numpy", "direct"), default=None,
+                    help="zero_offload_style: how new bf16 params reach the device (default: via_pinned)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra worker setting (repeatable), e.g. --set segments=2: becomes args.KEY in the worker "
+                         "(VALUE parsed as JSON when it parses, else kept as text); run_chunkjax reads what it knows")
+    ap.add_argument("--largest", action="store_true", help="largest-model mode (see run_largest)")
+    ap.add_argument("--largest-models", default=None, help=f"comma-separated configs (default: {','.join(DEFAULT_LARGEST_MODELS)})")
+    ap.add_argument("--largest-batch", type=int, default=8)
+    ap.add_argument("--largest-seq", type=int, default=1024)
+    ap.add_argument("--largest-steps", type=int, default=5)
+    ap.add_argument("--largest-keep-going", action="store_true", help="try every config even after a failure")
+    ap.add_argument("--update-docs", action="store_true", help="also rewrite this run's section of docs/benchmarks.md")
+    ap.add_argument("--docs", default="docs/benchmarks.md", help="(default: docs/benchmarks.md)")
+    ap.add_argument("--report", default=None, metavar="JSON", help="only (re)write docs tables and plot from a results JSON")
+    # internal: one subprocess per system / probe
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--budget-bytes", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    return ap
+
+
+def _validate(args) -> None:
+    from models import gpt
+
+    try:
+        cfg = gpt.get_config(args.model)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    args.model = cfg.name
+    for name in ("batch", "seq", "steps", "largest_batch", "largest_seq", "largest_steps", "matmul_n"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not args.largest and args.seq > cfg.seq_len:
+        raise UsageError(f"--seq {args.seq} exceeds {cfg.name}'s {cfg.seq_len} positions")
+    if args.budget_bytes is None:
+        try:
+            args.budget_bytes = parse_bytes(args.device_budget)
+        except ValueError as e:
+            raise UsageError(f"--device-budget: {e}") from None
+    systems = [] if args.systems.strip().lower() in ("", "none") else [s.strip() for s in args.systems.split(",")]
+    bad = [s for s in systems if s not in SYSTEMS_ALL]
+    if bad:
+        raise UsageError(f"unknown system(s) {', '.join(bad)}: choose from {', '.join(SYSTEMS_ALL)}")
+    args.systems = systems
+    if args.largest_models:
+        for n in args.largest_models.split(","):
+            try:
+                gpt.get_config(n)
+            except ValueError as e:
+                raise UsageError(f"--largest-models: {e}") from None
+    if args.run_id is None:
+        args.run_id = f"{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}-{cfg.name}"
+    if not re.fullmatch(r"[A-Za-z0-9_.\-]+", args.run_id):
+        raise UsageError(f"--run-id {args.run_id!r}: use letters, digits, '_', '-', '.'")
+
+
+def drive(args, argv: list[str], runner=subprocess_runner) -> dict:
+    """One driver call: probe, each system (or the largest-model mode), merge into the run's JSON.
+    Returns the merged results."""
+    from models import gpt
+
+    path = results_path(args.results_dir, args.run_id)
+    existing = load_results(path)
+    call = len(existing["calls"]) if existing else 0
+    command = "python -m experiments.bench " + shlex.join(argv)
+    print(f"[bench] run {args.run_id} call {call}: {command}", flush=True)
+    pres = runner(["--probe", "--matmul-n", str(args.matmul_n)], dict(os.environ), args.worker_timeout)
+    probe = pres.get("json") or {}
+    if not probe:
+        print("[bench] matmul probe failed: " + "\n".join(pres.get("stderr_tail") or []), file=sys.stderr, flush=True)
+    print(f"[bench] matmul {probe.get('matmul_tflops')} TFLOP/s, card {probe.get('card_bytes')} B, "
+          f"{probe.get('device_kind')}", flush=True)
+    call_info = {"call": call, "time": datetime.datetime.now().isoformat(timespec="seconds"), "command": command,
+                 "systems": list(args.systems), "largest": bool(args.largest), **probe}
+    systems, largest, run_fields = {}, None, None
+    if args.largest:
+        largest = run_largest(args, runner, probe, call)
+    else:
+        cfg = gpt.get_config(args.model)
+        run_fields = {"model": cfg.name, "n_params": cfg.n_params, "batch": args.batch, "seq": args.seq,
+                      "device_budget_bytes": args.budget_bytes}
+        if existing:  # refuse a mismatched run before spending device time
+            merge_call(json.loads(json.dumps(existing)), run_id=args.run_id, call_info={}, run_fields=run_fields,
+                       systems={}, largest=None)
+        for system in args.systems:
+            systems[system] = _run_system(args, runner, probe, system, cfg.name, args.batch, args.seq, args.steps,
+                                          args.compile_only, call)
+    results = merge_call(load_results(path), run_id=args.run_id, call_info=call_info, run_fields=run_fields,
+                         systems=systems, largest=largest)
+    write_json_atomic(path, results)
+    print(f"[bench] wrote {path}", flush=True)
+    if args.update_docs:
+        update_docs(path, args.docs)
+    return results
+
+
+def main(argv=None, runner=subprocess_runner) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    for kv in args.set:
+        key, sep, val = kv.partition("=")
+        if not sep or not key.isidentifier() or hasattr(args, key):
+            print(f"error: --set {kv!r}: use KEY=VALUE with a new identifier KEY", file=sys.stderr)
+            return 2
+        try:
+            setattr(args, key, json.loads(val))
+        except ValueError:
+            setattr(args, key, val)
+    if args.worker or args.probe:
+        if args.worker:
+            if args.budget_bytes is None:
+                args.budget_bytes = parse_bytes(args.device_budget)
+            rec = run_worker(args)
+        else:
+            rec = run_probe(args)
+        if args.out:
+            write_json_atomic(args.out, rec)
+        else:
+            print(json.dumps(rec, default=str))
+        return 0
+    try:
+        if args.report:
+            if not os.path.exists(args.report):
+                raise UsageError(f"--report {args.report}: no such file")
+            update_docs(args.report, args.docs)
+            return 0
+        _validate(args)
+        if not args.systems:
+            raise UsageError("--systems is empty: name at least one system")
+        drive(args, argv, runner)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+# ---- docs: tables and plot -----------------------------------------------------------------
+
+def _fmt(v, scale=1.0, digits=2, suffix=""):
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "-"
+    return f"{v / scale:,.{digits}f}{suffix}"
+
+
+def _ratio(a, b):
+    return a / b if a and b else None
+
+
+def render_markdown(results: dict, results_file: str, plot_file: str | None) -> str:
+    """The markdown section of one run: a table per run with ratios vs plain_jax and vs the best
+    static offload (the better of maxtext_style and zero_offload_style that ran), the exact
+    commands, and the largest-model results."""
+    rid = results["run_id"]
+    lines = [f"<!-- bench:{rid}:start -->", f"## Benchmark run `{rid}`"]
+    sysd = results.get("systems") or {}
+    if sysd:
+        gib = 2 ** 30
+        lines += ["", f"{results['model']} (N = {results['n_params']:,}), batch {results['batch']} x {results['seq']}, "
+                      f"device budget {_fmt(results['device_budget_bytes'], gib)} GiB "
+                      f"({results['device_budget_bytes']:,} B); {results.get('device_kind')}, jax "
+                      f"{results.get('jax_version')}; matmul rate (median over calls) "
+                      f"{_fmt(results.get('matmul_tflops'), digits=1)} TFLOP/s. AdamW lr 1e-4, no clipping, bf16 "
+                      f"compute with fp32 master, remat per block, random tokens. Results: `{results_file}`."]
+        plain = sysd.get("plain_jax", {})
+        plain_tps = plain.get("tokens_per_s") if plain.get("feasible") else None
+        static = [sysd[s].get("tokens_per_s") for s in STATIC_OFFLOADS
+                  if s in sysd and sysd[s].get("feasible") and sysd[s].get("tokens_per_s")]
+        best_static = max(static) if static else None
+        lines += ["", "| system | feasible | tokens/s | step s | TFLOP/s | MFU | MFU (990T) | peak device GiB "
+                      "(measured) | compiled peak GiB | H2D GB/step | D2H GB/step | update s | host GiB | "
+                      "x plain_jax | x best static offload |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        order = [s for s in SYSTEMS_ALL if s in sysd] + [s for s in sysd if s not in SYSTEMS_ALL]
+        for s in order:
+            r = sysd[s]
+            tps = r.get("tokens_per_s") if r.get("feasible") else None
+            cm = (r.get("compiled_memory") or {}).get("peak_bytes")
+            lines.append("| " + " | ".join([
+                s, "yes" if r.get("feasible") else "**no**", _fmt(tps, digits=0), _fmt(r.get("step_s_median"), digits=3),
+                _fmt(r.get("tflops"), digits=1), _fmt(r.get("mfu"), digits=3), _fmt(r.get("mfu_datasheet"), digits=3),
+                _fmt(r.get("peak_device_bytes_measured"), gib), _fmt(cm, gib),
+                _fmt(r.get("h2d_bytes_per_step_measured"), 1e9), _fmt(r.get("d2h_bytes_per_step_measured"), 1e9),
+                _fmt(r.get("update_s"), digits=3), _fmt(r.get("host_bytes"), gib),
+                _fmt(_ratio(tps, plain_tps), digits=2, suffix="x"), _fmt(_ratio(tps, best_static), digits=2, suffix="x"),
+            ]) + " |")
+        notes = []
+        for s in order:
+            r = sysd[s]
+            why = r.get("infeasible_reason") or r.get("error")
+            if why:
+                notes.append(f"- `{s}`: {why.strip().splitlines()[0][:300]}")
+            if r.get("transfer_source") and r["transfer_source"] != "profiler":
+                notes.append(f"- `{s}`: bytes moved from {r['transfer_source']} (an estimate)")
+        if notes:
+            lines += ["", *notes]
+        if plot_file:
+            lines += ["", f"![tokens/s per system]({plot_file})"]
+    largest = results.get("largest") or {}
+    for system, block in largest.items():
+        lines += ["", f"Largest model for `{system}` (batch {block.get('batch')} x {block.get('seq')}, "
+                      f"{block.get('steps')} steps, budget {block.get('device_budget_bytes'):,} B"
+                      f"{', compile only' if block.get('compile_only') else ''}): **{block.get('largest') or 'none'}**"
+                      + (f" (N = {block['largest_n_params']:,}, model data {block['largest_model_bytes'] / 2**30:.1f} GiB)"
+                         if block.get("largest") else ""),
+                  "", "| model | N | ok | tokens/s | peak device GiB | host GiB | losses / reason |", "|---|---|---|---|---|---|---|"]
+        from models import gpt
+        for m in sorted(block["tried"], key=lambda n: gpt.get_config(n).n_params):
+            t = block["tried"][m]
+            why = t.get("infeasible_reason") or t.get("error") or ""
+            losses = t.get("losses")
+            info = (" -> ".join(f"{x:.3f}" for x in (losses[0], losses[-1])) if losses else why.splitlines()[0][:200] if why else "-")
+            lines.append(f"| {m} | {t['n_params']:,} | {'yes' if t['ok'] else 'no'} | {_fmt(t.get('tokens_per_s'), digits=0)} "
+                         f"| {_fmt(t.get('peak_device_bytes_measured'), 2**30)} | {_fmt(t.get('host_bytes'), 2**30)} | {info} |")
+    lines += ["", "Commands:", "", "```", *results.get("commands", []), "```", f"<!-- bench:{rid}:end -->"]
+    return "\n".join(lines) + "\n"
+
+
+def plot_tokens(results: dict, png_path: str) -> str | None:
+    """Bar plot of tokens/s per system (infeasible systems drawn at 0 and labelled). Returns the
+    path, or None when the run has no systems."""
+    sysd = results.get("systems") or {}
+    if not sysd:
+        return None
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    order = [s for s in SYSTEMS_ALL if s in sysd] + [s for s in sysd if s not in SYSTEMS_ALL]
+    vals = [(sysd[s].get("tokens_per_s") or 0) if sysd[s].get("feasible") else 0 for s in order]
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    bars = ax.bar(order, vals, color=["#4c72b0" if v else "#cccccc" for v in vals])
+    for b, v, s in zip(bars, vals, order):
+        ax.annotate(f"{v:,.0f}" if v else ("infeasible" if not sysd[s].get("feasible") else "n/a"),
+                    (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("tokens/s")
+    ax.set_title(f"{results['model']}, batch {results['batch']} x {results['seq']}, budget "
+                 f"{results['device_budget_bytes'] / 2**30:.0f} GiB ({results.get('device_kind')})", fontsize=9)
+    ax.tick_params(axis="x", labelsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(png_path)), exist_ok=True)
+    fig.savefig(png_path, dpi=120)
+    plt.close(fig)
+    return png_path
+
+
+def update_docs(results_file: str, docs_path: str = "docs/benchmarks.md") -> str:
+    """Write (or replace) the run's section in ``docs_path`` and its plot next to it
+    (``bench_<run_id>_tokens.png``). Returns the section text."""
+    results = load_results(results_file)
+    rid = results["run_id"]
+    docs_dir = os.path.dirname(os.path.abspath(docs_path))
+    png = plot_tokens(results, os.path.join(docs_dir, f"bench_{rid}_tokens.png"))
+    rel_results = os.path.relpath(os.path.abspath(results_file), os.path.dirname(docs_dir))
+    section = render_markdown(results, rel_results, os.path.basename(png) if png else None)
+    text = open(docs_path).read() if os.path.exists(docs_path) else "# Benchmarks and recorded GPU runs\n"
+    start, end = f"<!-- bench:{rid}:start -->", f"<!-- bench:{rid}:end -->"
+    if start in text and end in text:
+        i, j = text.index(start), text.index(end) + len(end)
+        text = text[:i] + section.rstrip("\n") + text[j:]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    os.makedirs(docs_dir, exist_ok=True)
+    with open(docs_path, "w") as fh:
+        fh.write(text)
+    return section
+
+
+if __name__ == "__main__":
+    sys.exit(main())

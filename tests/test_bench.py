@@ -1,0 +1,375 @@
+"""The issue-4 benchmark harness on the CPU: baselines reproduce the plain optax reference, the
+worker returns every key, an infeasible budget is refused before running, driver calls under one
+run_id merge, crashed workers are recorded, and the profiler-trace parser reads every format
+variant it claims to.
+
+The worker subprocess is started when the module's first test runs and checked at the end, so
+its compile overlaps the in-process tests.
+"""
+import gzip
+import json
+import math
+import os
+import subprocess
+import sys
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from experiments import baselines as bl
+from experiments import bench
+from experiments import gpu_measure as gm
+from models import gpt
+
+CFG = gpt.get_config("micro")
+BATCH, SEQ = 4, 32
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ---- two subprocesses started first (their compiles overlap the in-process tests) -----------
+
+_REFERENCE_SCRIPT = """
+import sys, jax, jax.numpy as jnp, numpy as np
+from experiments import baselines as bl
+from models import gpt
+cfg = gpt.get_config("micro")
+batches = [jax.random.randint(jax.random.key(10 + i), (%d, %d + 1), 0, cfg.vocab_size, dtype=jnp.int32)
+           for i in range(3)]
+losses, master = bl.reference_losses(cfg, jax.random.key(0), batches)
+np.savez(sys.argv[1], losses=np.asarray(losses), *[np.asarray(a) for a in jax.tree.leaves(master)])
+"""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def subprocesses(tmp_path_factory):
+    """The plain optax reference (3 steps on micro) and one worker (zero_offload_style on micro),
+    each in its own process, started before the in-process tests run."""
+    d = tmp_path_factory.mktemp("bench")
+    ref_out, worker_out = d / "reference.npz", d / "worker.json"
+    ref = subprocess.Popen([sys.executable, "-c", _REFERENCE_SCRIPT % (BATCH, SEQ), str(ref_out)], cwd=REPO,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    worker = subprocess.Popen([sys.executable, "-m", "experiments.bench", "--worker", "zero_offload_style", "--model",
+                               "micro", "--batch", "2", "--seq", "16", "--steps", "2", "--budget-bytes", str(2**30),
+                               "--out", str(worker_out)],
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs = {"reference": (ref, ref_out), "worker": (worker, worker_out)}
+    yield procs
+    for p, _ in procs.values():
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+
+
+def _wait(procs, name):
+    p, out = procs[name]
+    _, stderr = p.communicate(timeout=600)
+    assert p.returncode == 0, stderr[-3000:]
+    return out
+
+
+# ---- baselines vs the plain optax reference -------------------------------------------------
+
+def _batches():
+    return [jax.random.randint(jax.random.key(10 + i), (BATCH, SEQ + 1), 0, CFG.vocab_size, dtype=jnp.int32)
+            for i in range(3)]
+
+
+@pytest.mark.parametrize("name", bl.SYSTEMS)
+def test_baseline_matches_plain_optax_reference(name, subprocesses):
+    system = bl.build(name, CFG)
+    state = system.init(jax.random.key(0))
+    losses = []
+    for b in _batches():
+        state, loss = system.step(state, b)
+        losses.append(float(loss))
+    master = jax.device_get(state["master"])
+    mem = system.compiled_memory(_batches()[0])
+    assert mem["peak_bytes"] == mem["argument_bytes"] + mem["output_bytes"] + mem["temp_bytes"] - mem["alias_bytes"] > 0
+    if name == "plain_jax":
+        assert system.host_bytes(state) == 0
+    else:  # fp32 master + Adam m and v = 12 B/param (+ int32 step counts)
+        assert 12 * CFG.n_params <= system.host_bytes(state) <= 12 * CFG.n_params + 4 * 64
+    if name == "zero_offload_style":
+        assert system.last_update_s is not None and system.last_update_s > 0
+        assert set(system.last_timings) == {"fwd_bwd_s", "d2h_s", "update_s", "h2d_s"}
+        assert jax.tree.leaves(state["params"])[0].dtype == jnp.bfloat16
+
+    ref_losses, ref_master = _reference(subprocesses)
+    # same math, separately compiled programs: bf16 compute tolerance
+    np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=2e-3)
+    assert losses[-1] != losses[0]
+    leaves = jax.tree.leaves(master)
+    assert len(leaves) == len(ref_master)
+    for a, r in zip(leaves, ref_master):
+        np.testing.assert_allclose(np.asarray(a), r, rtol=0, atol=1e-5)
+
+
+_REF_CACHE = {}
+
+
+def _reference(procs):
+    if "ref" not in _REF_CACHE:
+        z = np.load(_wait(procs, "reference"))
+        _REF_CACHE["ref"] = (list(z["losses"]), [z[f"arr_{i}"] for i in range(len(z.files) - 1)])
+    return _REF_CACHE["ref"]
+
+
+def test_zero_opt_state_equals_optax_init():
+    tx = bl.make_optimizer()
+    params = jax.tree.map(jnp.ones_like, gpt.abstract_params(CFG))
+    built = bl.zeros_opt_state(tx, gpt.abstract_params(CFG), lambda s, d: jnp.zeros(s, d))
+    ref = tx.init(params)
+    assert jax.tree.structure(built) == jax.tree.structure(ref)
+    for a, b in zip(jax.tree.leaves(built), jax.tree.leaves(ref)):
+        assert a.dtype == b.dtype and a.shape == b.shape and not np.any(np.asarray(b))
+
+
+# ---- worker: infeasible budget, chunkjax import ---------------------------------------------
+
+def _worker_args(system, budget, **kw):
+    a = dict(worker=system, model="micro", batch=BATCH, seq=SEQ, steps=1, seed=0, budget_bytes=budget,
+             compile_only=False, zero_h2d_path=None, host_limit_gb=110, run_id="t")
+    a.update(kw)
+    return types.SimpleNamespace(**a)
+
+
+def test_infeasible_budget_is_refused_before_running():
+    system = bl.build("plain_jax", CFG)
+
+    def boom(*a, **k):
+        raise AssertionError("an infeasible system must not be initialised or stepped")
+
+    system.init = system.step = boom
+    rec = bench.measure_system(system, _worker_args("plain_jax", 2**20))
+    assert rec["feasible"] is False
+    assert "> budget 1048576" in rec["infeasible_reason"]
+    assert rec["compiled_memory"]["peak_bytes"] > 2**20
+    full = bench.run_worker(_worker_args("plain_jax", 2**20))
+    assert set(bench.ALL_KEYS) <= set(full) and full["feasible"] is False and full["losses"] is None
+
+
+def test_chunkjax_without_its_module_gives_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "experiments.bench_chunkjax", None)
+    rec = bench.run_worker(_worker_args("chunkjax", 2**30))
+    assert rec["feasible"] is False
+    assert "experiments/bench_chunkjax.py" in rec["error"] and "run_chunkjax" in rec["error"]
+    assert set(bench.ALL_KEYS) <= set(rec)
+
+
+# ---- the driver: merging calls, crashed workers, docs ---------------------------------------
+
+def _fake_record(system, tps):
+    rec = bench.empty_record(system)
+    rec.update(feasible=True, tokens_per_s=tps, losses=[6.2, 6.1], step_s_median=0.5, step_s_all=[0.5],
+               host_bytes=123, compiled_memory={"peak_bytes": 1000}, update_s=None)
+    return rec
+
+
+def _fake_runner(rate, log):
+    def runner(argv, env, timeout):
+        log.append((argv, env))
+        if "--probe" in argv:
+            return {"rc": 0, "json": {"matmul_tflops": rate, "card_bytes": 100 * 2**30, "device_kind": "fake",
+                                      "jax_version": jax.__version__, "platform": "gpu"}, "stderr_tail": []}
+        system = argv[argv.index("--worker") + 1]
+        if system == "maxtext_style":  # killed by the kernel: no record
+            return {"rc": -9, "json": None, "stderr_tail": ["...", "RESOURCE_EXHAUSTED: out of memory"]}
+        return {"rc": 0, "json": _fake_record(system, {"plain_jax": 1000.0, "chunkjax": 800.0,
+                                                       "zero_offload_style": 200.0}[system]), "stderr_tail": []}
+    return runner
+
+
+def test_driver_calls_merge_under_one_run_id(tmp_path, capsys):
+    log = []
+    common = ["--model", "micro", "--batch", "2", "--seq", "16", "--device-budget", "24GiB", "--run-id", "r1",
+              "--results-dir", str(tmp_path)]
+    assert bench.main(common + ["--systems", "plain_jax,maxtext_style", "--set", "segments=2"],
+                      runner=_fake_runner(100.0, log)) == 0
+    assert all("segments=2" in argv for argv, _ in log if "--worker" in argv)  # --set reaches the workers
+    assert bench.main(common + ["--systems", "zero_offload_style,chunkjax"], runner=_fake_runner(50.0, log)) == 0
+    res = json.loads((tmp_path / "bench_r1.json").read_text())
+    assert set(res["systems"]) == {"plain_jax", "maxtext_style", "zero_offload_style", "chunkjax"}
+    assert [c["matmul_tflops"] for c in res["calls"]] == [100.0, 50.0] and res["matmul_tflops"] == 75.0
+    assert len(res["commands"]) == 2 and all(c.startswith("python -m experiments.bench ") for c in res["commands"])
+    for k in ("model", "n_params", "batch", "seq", "device_budget_bytes", "matmul_tflops", "run_id",
+              "jax_version", "device_kind", "commands"):
+        assert res[k] is not None, k
+    fpt = CFG.flops_per_token(16)
+    p, c = res["systems"]["plain_jax"], res["systems"]["chunkjax"]
+    assert math.isclose(p["mfu"], fpt * 1000.0 / 100e12) and p["call"] == 0  # its own call's rate
+    assert math.isclose(c["mfu"], fpt * 800.0 / 50e12) and c["call"] == 1
+    assert math.isclose(c["mfu_datasheet"], fpt * 800.0 / 990e12)
+    crashed = res["systems"]["maxtext_style"]
+    assert crashed["feasible"] is False and "RESOURCE_EXHAUSTED" in crashed["error"]
+    for rec in res["systems"].values():
+        assert set(bench.ALL_KEYS) <= set(rec)
+    # every system subprocess got the budget as the memory fraction and the pinned cap lifted
+    envs = [env for argv, env in log if "--worker" in argv]
+    assert all(env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == f"{24 / 100:.6f}" for env in envs)
+    assert all(env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false" and env["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] == "110"
+               for env in envs)
+    # a different setting under the same run_id is refused before any worker runs
+    n = len(log)
+    assert bench.main(["--model", "micro", "--batch", "4", "--seq", "16", "--device-budget", "24GiB", "--run-id", "r1",
+                       "--results-dir", str(tmp_path), "--systems", "plain_jax"], runner=_fake_runner(1.0, log)) == 2
+    assert "already holds batch=2" in capsys.readouterr().err
+    assert all("--worker" not in argv for argv, _ in log[n:])
+
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text("# Benchmarks\n\nearlier text\n")
+    section = bench.update_docs(str(tmp_path / "bench_r1.json"), str(docs))
+    bench.update_docs(str(tmp_path / "bench_r1.json"), str(docs))  # replaces its own section
+    text = docs.read_text()
+    assert text.count("<!-- bench:r1:start -->") == 1 and "earlier text" in text
+    assert "| chunkjax | yes | 800 |" in section and "0.80x" in section and "4.00x" in section  # vs plain, vs zero
+    assert "python -m experiments.bench --model micro" in section
+    assert (tmp_path / "bench_r1_tokens.png").stat().st_size > 1000
+
+
+def test_largest_mode_records_the_largest_ok_config(tmp_path):
+    ok = {"micro": True, "tiny": True, "gpt2-small": False}
+
+    def runner(argv, env, timeout):
+        if "--probe" in argv:
+            return {"rc": 0, "json": {"matmul_tflops": 10.0}, "stderr_tail": []}
+        m = argv[argv.index("--model") + 1]
+        rec = _fake_record("chunkjax", 10.0)
+        rec.update(losses=[6.0, 5.0] if ok[m] else [6.0, 7.0], losses_finite=True, loss_falling=ok[m])
+        return {"rc": 0, "json": rec, "stderr_tail": []}
+
+    argv = ["--largest", "--systems", "chunkjax", "--largest-models", "gpt2-small,micro,tiny", "--largest-seq", "16",
+            "--run-id", "L", "--results-dir", str(tmp_path), "--largest-keep-going"]
+    assert bench.main(argv, runner=runner) == 0
+    block = json.loads((tmp_path / "bench_L.json").read_text())["largest"]["chunkjax"]
+    assert block["largest"] == "tiny" and block["largest_n_params"] == gpt.get_config("tiny").n_params
+    assert set(block["tried"]) == {"micro", "tiny", "gpt2-small"} and not block["tried"]["gpt2-small"]["ok"]
+
+
+def test_bad_input_exits_2(tmp_path, capsys):
+    for argv in (["--model", "nope"], ["--systems", "plain_jax,foo"], ["--device-budget", "lots"],
+                 ["--model", "micro", "--seq", "4096"]):
+        assert bench.main(argv + ["--results-dir", str(tmp_path)], runner=None) == 2
+        assert capsys.readouterr().err.startswith("error: ")
+    assert not list(tmp_path.iterdir())
+
+
+# ---- measurements ---------------------------------------------------------------------------
+
+def test_matmul_probe_and_peak_on_cpu():
+    assert gm.matmul_tflops(n=64, warmup=1, reps=3) > 0
+    assert gm.peak_device_bytes() is None
+
+
+def test_profile_transfer_bytes_runs_on_cpu():
+    f = jax.jit(lambda a: a * 2)
+    r = gm.profile_transfer_bytes(lambda: float(f(jnp.ones(8)).sum()), nvml=False)
+    assert r["result"] == 16.0 and r["profiler_error"] is None
+    assert r["h2d_bytes"] == r["d2h_bytes"] == 0 and r["n_device_events"] == 0 and r["gpu_processes"] == []
+
+
+def _meta(pid, name):
+    return {"ph": "M", "pid": pid, "name": "process_name", "args": {"name": name}}
+
+
+def _x(pid, name, args=None, tid=1):
+    return {"ph": "X", "pid": pid, "tid": tid, "ts": 1.0, "dur": 2.0, "name": name, "args": args or {}}
+
+
+def test_parser_xla_cupti_format(tmp_path):
+    """openxla/xla cupti_collector.cc: MemcpyH2D/D2H activity events on /device:GPU:0 with a
+    memcpy_details stat; host-side events (python tracer, API callbacks) are not counted."""
+    trace = {"displayTimeUnit": "ns", "traceEvents": [
+        _meta(1, "/host:CPU"), _meta(1001, "/device:GPU:0"),
+        _x(1, "$bench.py:10 memcpy_helper"),  # python tracer: host process, never counted
+        _x(1001, "MemcpyH2D", {"memcpy_details": "kind_src:pinned kind_dst:device size:1048576 dest:0 async:1",
+                               "correlation_id": "7"}),
+        _x(1001, "MemcpyH2D", {"memcpy_details": "kind_src:pinned kind_dst:device size:1024 dest:0 async:1"}),
+        _x(1001, "MemcpyD2H", {"memcpy_details": "kind_src:device kind_dst:pinned size:4096 dest:0 async:1"}),
+        _x(1001, "MemcpyD2D", {"memcpy_details": "kind_src:device kind_dst:device size:999 dest:0 async:1"}),
+        _x(1001, "cuMemcpyHtoDAsync_v2", {"memcpy_details": "kind_src:pinned kind_dst:device size:1048576"}),
+        _x(1001, "fusion_3", {"kernel_details": "regs:32"}),
+        _x(1001, "copy_fusion.2"),
+    ]}
+    path = tmp_path / "plugins" / "profile" / "run1" / "perfetto_trace.json.gz"
+    path.parent.mkdir(parents=True)
+    with gzip.open(path, "wt") as fh:
+        json.dump(trace, fh)
+    assert gm.find_trace_file(str(tmp_path)) == str(path)
+    r = gm.parse_trace_transfers(str(path))
+    assert (r["h2d_bytes"], r["n_h2d"], r["d2h_bytes"], r["n_d2h"]) == (1048576 + 1024, 2, 4096, 1)
+    assert (r["other_bytes"], r["n_other"], r["n_api_skipped"], r["n_unrecognized"]) == (999, 1, 1, 0)
+    assert r["n_device_events"] == 7 and r["gpu_processes"] == ["/device:GPU:0"]
+    assert [e["name"] for e in r["copy_kernel_samples"]] == ["copy_fusion.2"]
+    assert len(r["events"]) == 3
+
+
+def test_parser_older_and_nsight_variants():
+    trace = {"traceEvents": [
+        _meta(7, "/device:GPU:0 (Stream #14)"),
+        _x(7, "MemcpyH2D bytes:2048"),                       # TF timeline label
+        _x(7, "MemcpyD2H", {"bytes": "512"}),                # bytes arg
+        _x(7, "[CUDA memcpy HtoD]", {"size": 100}),          # nvprof name
+        _x(7, "Memcpy DtoH (Device -> Pinned)", {"Bytes": "1,000"}),  # Nsight name
+        _x(7, "MemcpyH2D", {"memcpy_details": "kind_src:unknown kind_dst:unknown size:8 dest:0 async:0"}),
+    ]}
+    r = gm.parse_trace_transfers(trace)
+    assert (r["h2d_bytes"], r["n_h2d"]) == (2048 + 100 + 8, 3)
+    assert (r["d2h_bytes"], r["n_d2h"]) == (512 + 1000, 2)
+    # no GPU process at all (e.g. an Nsight export): every process counts
+    flat = gm.parse_trace_transfers([_x(3, "Memcpy HtoD", {"bytes": 5}), _x(4, "Memcpy DtoH", {"bytes": 6})])
+    assert (flat["h2d_bytes"], flat["d2h_bytes"]) == (5, 6)
+
+
+def test_parser_keeps_unrecognized_samples():
+    trace = {"traceEvents": [_meta(2, "/device:GPU:0")] + [
+        _x(2, "MemcpyOther", {"memcpy_details": "kind_src:array kind_dst:array dest:0"}) for _ in range(8)]
+        + [_x(2, "Memcpy", {"note": "no size"})]}
+    r = gm.parse_trace_transfers(trace, max_samples=3)
+    assert r["h2d_bytes"] == r["d2h_bytes"] == 0
+    assert r["n_unrecognized"] == 9 and len(r["unrecognized"]) == 3
+    assert r["unrecognized"][0]["name"] == "MemcpyOther"
+
+
+def test_nvml_sampler_field_counters(monkeypatch):
+    class Val:
+        def __init__(self, v):
+            self.nvmlReturn, self.valueType = 0, 1
+            self.value = types.SimpleNamespace(uiVal=v % 2**32, ullVal=v)
+
+    counters = {"tx": 2**32 - 100, "rx": 5}
+
+    def get_fields(handle, ids):
+        counters["tx"] += 1000  # wraps the 32-bit counter on the first poll
+        counters["rx"] += 3000
+        return [Val(counters["tx"]), Val(counters["rx"])]
+
+    fake = types.SimpleNamespace(nvmlInit=lambda: None, nvmlShutdown=lambda: None,
+                                 nvmlDeviceGetHandleByIndex=lambda i: "h", nvmlDeviceGetFieldValues=get_fields)
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    s = gm.NvmlPcieSampler(interval_s=0.001).start()
+    r = s.stop()
+    assert r["available"] and r["estimate"] and r["method"] == "field_counters"
+    n = r["samples"]
+    assert n >= 1 and r["d2h_bytes_estimate"] == 1000 * n and r["h2d_bytes_estimate"] == 3000 * n
+
+
+def test_nvml_absent_is_reported_not_raised(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    r = gm.NvmlPcieSampler().start().stop()
+    assert r["available"] is False and "pynvml" in r["error"]
+
+
+# ---- last: the worker subprocess started at the top ------------------------------------------
+
+def test_worker_subprocess_returns_every_key(subprocesses):
+    rec = json.loads(_wait(subprocesses, "worker").read_text())
+    assert set(bench.ALL_KEYS) <= set(rec)
+    assert rec["feasible"] is True and rec["error"] is None
+    for k in ("peak_device_bytes_measured", "h2d_bytes_per_step_measured", "d2h_bytes_per_step_measured"):
+        assert rec[k] is None, k  # the CPU cannot measure them
+    assert len(rec["losses"]) == 3 and rec["losses_finite"] and len(rec["step_s_all"]) == 2
+    assert rec["tokens_per_s"] > 0 and rec["tflops"] > 0 and rec["update_s"] > 0
+    assert rec["host_bytes"] >= 12 * CFG.n_params
