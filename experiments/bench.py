@@ -6,6 +6,11 @@
         [--largest-models GPT3_10B,GPT3_12B,GPT3_15B]
     python -m experiments.bench --report experiments/results/bench_g36b_24g.json   # tables + plot
 
+Baseline knobs (``--set``): ``maxtext_donate=false`` (no state donation in maxtext_style),
+``zero_grads_to_host=false`` (zero_offload_style's gradients leave the program in device memory
+and are copied afterwards). ``BENCH_KEEP_TRACE_DIR=<dir>`` in the environment keeps each system's
+profiler trace (``<system>_<model>_b<batch>.perfetto_trace.json.gz``) for inspection.
+
 The driver runs the matmul-rate probe in its own subprocess, then every system in its own
 subprocess (a clean ``peak_bytes_in_use`` and its own memory settings), with
 ``XLA_PYTHON_CLIENT_MEM_FRACTION = budget / card memory``, ``XLA_PYTHON_CLIENT_PREALLOCATE=false``
@@ -171,10 +176,10 @@ def measure_system(system, args) -> dict:
     GPU one profiled step (bytes moved) and ``peak_bytes_in_use``. Returns a partial record
     (keys of :data:`ALL_KEYS`); the caller normalises it.
 
-    ``args`` needs: model, batch, seq, steps, seed, budget_bytes, compile_only.
+    ``args`` needs: model, batch, seq, steps, seed, budget_bytes, compile_only (and optionally
+    profile_on_cpu: run the profiled step on a CPU too, for tests).
     """
     import jax
-    import numpy as np
 
     from experiments import gpu_measure as gm
 
@@ -233,7 +238,7 @@ def measure_system(system, args) -> dict:
     if timings:
         rec["timings"] = {k: statistics.median(t[k] for t in timings) for k in timings[0]}
 
-    if platform != "cpu":
+    if platform != "cpu" or getattr(args, "profile_on_cpu", False):
         box = {"state": state}
 
         def one_step():
@@ -242,9 +247,15 @@ def measure_system(system, args) -> dict:
             box["state"] = s
             return float(l)
 
-        prof = gm.profile_transfer_bytes(one_step)
+        keep = os.environ.get("BENCH_KEEP_TRACE_DIR")
+        keep = os.path.join(keep, f"{getattr(system, 'name', 'system')}_{args.model}_b{args.batch}.perfetto_trace.json.gz") \
+            if keep else None
+        prof = gm.profile_transfer_bytes(one_step, keep_trace_to=keep)
         state = box["state"]
         losses.append(prof["result"])
+        if prof.get("calls", 1) > 1:
+            rec["notes"].append(f"profiled {prof['calls']} steps (no GPU events with the tracers off; "
+                                "retried with the profiler's default options)")
         nv = prof.get("nvml") or {}
         rec["h2d_bytes_per_step_nvml_estimate"] = nv.get("h2d_bytes_estimate")
         rec["d2h_bytes_per_step_nvml_estimate"] = nv.get("d2h_bytes_estimate")
@@ -258,7 +269,8 @@ def measure_system(system, args) -> dict:
             rec["d2h_bytes_per_step_measured"] = nv.get("d2h_bytes_estimate")
         rec["transfer_detail"] = {k: prof.get(k) for k in (
             "n_h2d", "n_d2h", "other_bytes", "n_other", "n_device_events", "gpu_processes", "n_unrecognized",
-            "unrecognized", "n_api_skipped", "events", "copy_kernel_samples", "profiler_error", "nvml")}
+            "unrecognized", "n_api_skipped", "events", "copy_kernel_samples", "profiler_error", "nvml", "attempts",
+            "trace_file")}
         rec["transfer_detail"]["events"] = (prof.get("events") or [])[:4]
     rec["peak_device_bytes_measured"] = gm.peak_device_bytes()
     rec["host_rss_peak_bytes_measured"] = _host_rss_peak_bytes()
@@ -306,6 +318,10 @@ def run_worker(args) -> dict:
             kw = {}
             if system == "zero_offload_style" and getattr(args, "zero_h2d_path", None):
                 kw["h2d_path"] = args.zero_h2d_path
+            if system == "zero_offload_style" and hasattr(args, "zero_grads_to_host"):
+                kw["grads_to_host"] = bool(args.zero_grads_to_host)
+            if system == "maxtext_style" and hasattr(args, "maxtext_donate"):
+                kw["donate"] = bool(args.maxtext_donate)
             rec = measure_system(baselines.build(system, cfg, **kw), args)
     except Exception as e:
         tb = traceback.format_exc().strip().splitlines()
@@ -445,7 +461,7 @@ def _run_system(args, runner, probe: dict, system: str, model: str, batch: int, 
     rec["mem_fraction"] = rec.get("mem_fraction") or env.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
     finalize_record(rec, gpt.get_config(model).flops_per_token(seq), probe.get("matmul_tflops"), call)
     status = ("feasible" if rec["feasible"] else "INFEASIBLE") + (f", error: {rec['error'][:160]!r}" if rec.get("error") else "")
-    tps = rec.get("tokens_per_s")
+    tps = rec.get("tokens_per_s") if rec["feasible"] else None
     print(f"[bench] {system}: {status}; tokens/s {tps:,.0f}" if tps else f"[bench] {system}: {status}", flush=True)
     return rec
 
@@ -779,15 +795,18 @@ def render_markdown(results: dict, results_file: str, plot_file: str | None) -> 
                       f"{', compile only' if block.get('compile_only') else ''}): **{block.get('largest') or 'none'}**"
                       + (f" (N = {block['largest_n_params']:,}, model data {block['largest_model_bytes'] / 2**30:.1f} GiB)"
                          if block.get("largest") else ""),
-                  "", "| model | N | ok | tokens/s | peak device GiB | host GiB | losses / reason |", "|---|---|---|---|---|---|---|"]
+                  "", "| model | N | ok | tokens/s | peak device GiB (measured) | compiled peak GiB | host GiB | "
+                      "losses (first -> last) / reason |", "|---|---|---|---|---|---|---|---|"]
         from models import gpt
         for m in sorted(block["tried"], key=lambda n: gpt.get_config(n).n_params):
             t = block["tried"][m]
             why = t.get("infeasible_reason") or t.get("error") or ""
             losses = t.get("losses")
-            info = (" -> ".join(f"{x:.3f}" for x in (losses[0], losses[-1])) if losses else why.splitlines()[0][:200] if why else "-")
+            loss_text = " -> ".join(f"{x:.3f}" for x in (losses[0], losses[-1])) if losses else ""
+            info = loss_text if (t["ok"] or not why) else why.strip().splitlines()[0][:200]
             lines.append(f"| {m} | {t['n_params']:,} | {'yes' if t['ok'] else 'no'} | {_fmt(t.get('tokens_per_s'), digits=0)} "
-                         f"| {_fmt(t.get('peak_device_bytes_measured'), 2**30)} | {_fmt(t.get('host_bytes'), 2**30)} | {info} |")
+                         f"| {_fmt(t.get('peak_device_bytes_measured'), 2**30)} | {_fmt(t.get('compiled_peak_bytes'), 2**30)} "
+                         f"| {_fmt(t.get('host_bytes'), 2**30)} | {info or '-'} |")
     lines += ["", "Commands:", "", "```", *results.get("commands", []), "```", f"<!-- bench:{rid}:end -->"]
     return "\n".join(lines) + "\n"
 

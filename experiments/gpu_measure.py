@@ -373,33 +373,62 @@ def _profiler_options():
 
 
 def profile_transfer_bytes(fn: Callable[[], object], *, nvml: bool = True, log_dir: str | None = None,
-                           max_samples: int = 5) -> dict:
+                           max_samples: int = 5, keep_trace_to: str | None = None,
+                           retry_default_options: bool = True) -> dict:
     """Run ``fn()`` (one training step that waits for itself) under ``jax.profiler.trace`` and
     count the GPU's host<->device copies from the trace; NVML PCIe counters sample alongside.
 
+    The trace is taken with the Python and host tracers off (``ProfileOptions``); if a GPU is
+    present and that trace holds no GPU events, ``fn`` runs once more under the profiler's
+    default options (``retry_default_options``) and that second call is the one reported.
+
     Args:
-      fn: called once; must ``block_until_ready`` its results so the copies fall in the trace.
+      fn: called once per attempt; must ``block_until_ready`` its results so the copies fall in
+        the trace.
       nvml: also run :class:`NvmlPcieSampler` during the call.
       log_dir: where the trace goes (default: a temporary folder, removed afterwards).
       max_samples: raw events kept (see :func:`parse_trace_transfers`).
+      keep_trace_to: copy the trace file to this path (e.g. to bring it back from the GPU).
+      retry_default_options: see above.
 
-    Returns :func:`parse_trace_transfers`'s dict plus ``result`` (what ``fn`` returned),
-    ``trace_file``, ``profiler_error`` (str or None: the trace failed or could not be parsed) and
-    ``nvml`` (:meth:`NvmlPcieSampler.stop`'s dict, or None).
+    Returns :func:`parse_trace_transfers`'s dict plus ``result`` (what the last ``fn`` call
+    returned), ``trace_file``, ``profiler_error`` (str or None: the trace failed or could not be
+    parsed), ``nvml`` (:meth:`NvmlPcieSampler.stop`'s dict for the reported call, or None),
+    ``calls`` (how many times ``fn`` ran) and ``attempts`` (options, device events, error each).
+
+    Raises:
+      whatever ``fn`` raises.
     """
+    import jax
+
+    params = inspect.signature(jax.profiler.trace).parameters
+    base_kw = {"create_perfetto_trace": True} if "create_perfetto_trace" in params else {}
+    opts = _profiler_options() if "profiler_options" in params else None
+    plans = [("tracers off", dict(base_kw, profiler_options=opts))] if opts is not None else []
+    if not plans or retry_default_options:
+        plans.append(("default", dict(base_kw)))
+    on_gpu = any(d.platform == "gpu" for d in jax.devices())
+    attempts, out = [], None
+    for label, kw in plans:
+        out = _trace_once(fn, kw, nvml, log_dir, max_samples, keep_trace_to)
+        attempts.append({"options": label, "n_device_events": out["n_device_events"],
+                         "profiler_error": out["profiler_error"]})
+        if out["n_device_events"] > 0 or not on_gpu:
+            break
+    out["attempts"] = attempts
+    out["calls"] = len(attempts)
+    return out
+
+
+def _trace_once(fn, kw, nvml, log_dir, max_samples, keep_trace_to) -> dict:
+    import shutil
+
     import jax
 
     tmp = None
     if log_dir is None:
         tmp = tempfile.TemporaryDirectory(prefix="bench_trace_")
         log_dir = tmp.name
-    params = inspect.signature(jax.profiler.trace).parameters
-    kw = {}
-    if "create_perfetto_trace" in params:
-        kw["create_perfetto_trace"] = True
-    opts = _profiler_options()
-    if opts is not None and "profiler_options" in params:
-        kw["profiler_options"] = opts
     sampler = NvmlPcieSampler().start() if nvml else None
     result, error, trace_file = None, None, None
     state = {"inside": False, "ran": False}
@@ -424,9 +453,14 @@ def profile_transfer_bytes(fn: Callable[[], object], *, nvml: bool = True, log_d
                 parsed = parse_trace_transfers(trace_file, max_samples)
             except Exception as e:
                 error = f"parse failed: {type(e).__name__}: {e}"
+            if keep_trace_to:
+                os.makedirs(os.path.dirname(os.path.abspath(keep_trace_to)), exist_ok=True)
+                shutil.copyfile(trace_file, keep_trace_to)
     finally:
         nv = sampler.stop() if sampler is not None else None
         if tmp is not None:
             tmp.cleanup()
             trace_file = None if trace_file is None else f"(removed) {trace_file}"
+    if keep_trace_to and trace_file is not None:
+        trace_file = keep_trace_to
     return {**parsed, "result": result, "trace_file": trace_file, "profiler_error": error, "nvml": nv}

@@ -263,11 +263,45 @@ def test_matmul_probe_and_peak_on_cpu():
     assert gm.peak_device_bytes() is None
 
 
-def test_profile_transfer_bytes_runs_on_cpu():
+def test_profile_transfer_bytes_runs_on_cpu(tmp_path):
     f = jax.jit(lambda a: a * 2)
-    r = gm.profile_transfer_bytes(lambda: float(f(jnp.ones(8)).sum()), nvml=False)
-    assert r["result"] == 16.0 and r["profiler_error"] is None
+    keep = tmp_path / "kept" / "trace.json.gz"
+    r = gm.profile_transfer_bytes(lambda: float(f(jnp.ones(8)).sum()), nvml=False, keep_trace_to=str(keep))
+    assert r["result"] == 16.0 and r["profiler_error"] is None and r["calls"] == 1
     assert r["h2d_bytes"] == r["d2h_bytes"] == 0 and r["n_device_events"] == 0 and r["gpu_processes"] == []
+    assert r["trace_file"] == str(keep) and gm.parse_trace_transfers(str(keep))["n_h2d"] == 0
+
+
+class _FakeSystem:
+    """The BaselineSystem interface without a model: a scalar state, a falling loss."""
+
+    name = "fake"
+
+    def __init__(self):
+        self.cfg, self.dev_sh, self.notes = CFG, None, ["a note"]
+        self.last_update_s, self.last_timings = None, {}
+
+    def compiled_memory(self, batch):
+        return {"peak_bytes": 10, "argument_bytes": 4, "output_bytes": 4, "temp_bytes": 2, "alias_bytes": 0}
+
+    def init(self, key):
+        return jnp.zeros(())
+
+    def step(self, state, batch):
+        self.last_update_s, self.last_timings = 0.001, {"update_s": 0.001}
+        return state + 1, 6.0 - state
+
+    def host_bytes(self, state):
+        return 4
+
+
+def test_measure_system_protocol_with_the_profiled_step():
+    rec = bench.measure_system(_FakeSystem(), _worker_args("fake", 100, steps=3, profile_on_cpu=True))
+    assert rec["feasible"] and rec["losses"] == [6.0, 5.0, 4.0, 3.0, 2.0]  # warm-up, 3 timed, profiled
+    assert len(rec["step_s_all"]) == 3 and rec["tokens_per_s"] > 0 and rec["update_s"] == 0.001
+    assert rec["loss_falling"] and rec["losses_finite"] and rec["host_bytes"] == 4 and rec["notes"] == ["a note"]
+    assert rec.get("transfer_source") is None and rec.get("h2d_bytes_per_step_measured") is None  # no GPU/NVML
+    assert rec["transfer_detail"]["n_device_events"] == 0
 
 
 def _meta(pid, name):
