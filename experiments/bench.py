@@ -186,7 +186,7 @@ def measure_system(system, args) -> dict:
     dev = jax.devices()[0]
     platform = dev.platform
     rec: dict = {"platform": platform, "device_kind": dev.device_kind,
-                 "mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"), "notes": []}
+                 "mem_fraction": _mem_fraction_env(), "notes": []}
     stats = gm.memory_stats()
     if stats and "bytes_limit" in stats:
         rec["bytes_limit_measured"] = int(stats["bytes_limit"])
@@ -351,7 +351,7 @@ def run_probe(args) -> dict:
            "host_mem_bytes": _host_memory_bytes()}
     n = args.matmul_n if d.platform != "cpu" else min(args.matmul_n, 1024)
     stats = gm.memory_stats() or {}
-    frac = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", DEFAULT_MEM_FRACTION))
+    frac = float(_mem_fraction_env() or DEFAULT_MEM_FRACTION)
     out["bytes_limit"] = int(stats["bytes_limit"]) if "bytes_limit" in stats else None
     out["card_bytes_from_limit"] = int(out["bytes_limit"] / frac) if out["bytes_limit"] else None
     out["card_bytes_nvidia_smi"] = _nvidia_smi_total_bytes() if d.platform == "gpu" else None
@@ -383,13 +383,30 @@ def _host_memory_bytes() -> int | None:
 
 # ---- the driver ----------------------------------------------------------------------------
 
+def _mem_fraction_env() -> str | None:
+    return os.environ.get("XLA_CLIENT_MEM_FRACTION") or os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
+
+
+def probe_env() -> dict:
+    """Environment of the probe subprocess: the default fraction made explicit (so bytes_limit /
+    0.75 is the card; without a fraction variable newer XLA may apply a growth policy)."""
+    env = dict(os.environ)
+    env.pop("XLA_CLIENT_MEM_FRACTION", None)  # jaxlib refuses both names at once
+    env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(DEFAULT_MEM_FRACTION)
+    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    return env
+
+
 def worker_env(budget_bytes: int, card_bytes: int | None, host_limit_gb: int) -> dict:
     """Environment of a system's subprocess: the budget as the device memory fraction (when the
-    card's size is known), no preallocation, the pinned-host cap lifted."""
+    card's size is known), no preallocation, the pinned-host cap lifted. The fraction goes in
+    ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (the name train.py uses); ``XLA_CLIENT_MEM_FRACTION`` (the
+    newer name) is removed because jaxlib refuses both at once."""
     env = dict(os.environ)
     env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     env["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] = str(int(host_limit_gb))
     if card_bytes:
+        env.pop("XLA_CLIENT_MEM_FRACTION", None)
         env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{min(budget_bytes / card_bytes, 0.99):.6f}"
     return env
 
@@ -657,7 +674,7 @@ def drive(args, argv: list[str], runner=subprocess_runner) -> dict:
     call = len(existing["calls"]) if existing else 0
     command = "python -m experiments.bench " + shlex.join(argv)
     print(f"[bench] run {args.run_id} call {call}: {command}", flush=True)
-    pres = runner(["--probe", "--matmul-n", str(args.matmul_n)], dict(os.environ), args.worker_timeout)
+    pres = runner(["--probe", "--matmul-n", str(args.matmul_n)], probe_env(), args.worker_timeout)
     probe = pres.get("json") or {}
     if not probe:
         print("[bench] matmul probe failed: " + "\n".join(pres.get("stderr_tail") or []), file=sys.stderr, flush=True)

@@ -207,6 +207,7 @@ def test_driver_calls_merge_under_one_run_id(tmp_path, capsys):
     for rec in res["systems"].values():
         assert set(bench.ALL_KEYS) <= set(rec)
     # every system subprocess got the budget as the memory fraction and the pinned cap lifted
+    assert all(env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.75" for argv, env in log if "--probe" in argv)
     envs = [env for argv, env in log if "--worker" in argv]
     assert all(env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == f"{24 / 100:.6f}" for env in envs)
     assert all(env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false" and env["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] == "110"
