@@ -152,17 +152,20 @@ class Schedule:
                 "budget_bytes": self.budget_bytes, "predicted": self.predicted.to_dict()}
 
 
-def auto_segments(n_moments: int, n_stages: int, max_programs: int = 6) -> tuple[int, ...]:
-    """Program starts for a pipelined step: backward moments cut from the end in sizes 1, 2, 4,
-    ... (at most ``max_programs`` programs); the first program holds the forward pass, the
-    fused head and the rest of the backward."""
+def auto_segments(n_moments: int, n_stages: int, max_programs: int = 8) -> tuple[int, ...]:
+    """Program starts for a pipelined step: the first program holds the forward pass and the
+    fused head; the backward is cut from its end in sizes 1, 2, 4, ... (at most ``max_programs``
+    programs), the rest of it being one program. The host thread updates a program's chunks
+    while the next ones run; the last program's are the update that cannot overlap."""
     starts, size, end = [], 1, n_moments
     first_bwd = n_stages  # moments 0..n-2 forward, n-1 fused, n.. backward
-    while len(starts) < max_programs - 1 and end - size >= first_bwd:
+    while len(starts) < max_programs - 2 and end - size >= first_bwd:
         starts.append(end - size)
         end -= size
         size *= 2
-    return tuple([0] + sorted(starts))
+    if end > first_bwd:  # the host starts on the head's gradients while the backward runs
+        starts.append(first_bwd)
+    return tuple([0] + sorted(set(starts)))
 
 
 def _evictions(fetch, accesses, T) -> list[tuple[int, ...]]:
@@ -312,7 +315,9 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
             continue
         if host_budget_bytes is not None and s.predicted.host_model_bytes > host_budget_bytes:
             continue
-        if best is None or s.predicted.time.step_s < best.predicted.time.step_s:
+        # near-ties go to the more resident placement (fewer bytes moved, PatrickStar's rule of
+        # keeping chunks on the device while memory allows)
+        if best is None or s.predicted.time.step_s <= best.predicted.time.step_s * 1.001:
             best = s
     if best is None:
         _raise_infeasible(layout, traces, tide, cb, budget_bytes, prefetch, host_budget_bytes, *rest)

@@ -14,7 +14,7 @@ The record adds the schedule's predictions (``*_accounted``) next to the measure
 """
 from __future__ import annotations
 
-import math
+import dataclasses
 import time
 
 #: fraction of the budget the compiled step may use; the rest is for cuDNN/cuBLAS workspaces
@@ -54,9 +54,16 @@ class ChunkjaxSystem:
                             state_bytes_per_chunk(self.spec.optax(), self.layout.chunk_size))
         self.cb = cb
         flops = cfg.flops_per_token(seq) * batch * seq
+        from chunkjax.cost import Rates
         from chunkjax.schedule import plan_schedule
+        self.rates = Rates()
+        if jax.default_backend() == "gpu":  # calibrate the cost model on this machine
+            from chunkjax.host_update import measure_host_update_rate
+            from experiments.gpu_measure import matmul_tflops
+            self.rates = Rates.calibrated(matmul_tflops() * 1e12, measure_host_update_rate(2**26))
         self._plan = lambda b: plan_schedule(self.layout, self.traces, cb, int(b), flops_per_step=flops,
-                                             host_update=host_update, prefetch=prefetch, segments=segments)
+                                             host_update=host_update, prefetch=prefetch, segments=segments,
+                                             rates=self.rates)
         self.stages = stages
         self.effective_budget = int(self.budget)
         self.schedule = self._plan(self.effective_budget)
@@ -149,7 +156,7 @@ def run_chunkjax(args) -> dict:
         "n_chunks": sys_.layout.n_chunks, "chunk_size": sys_.layout.chunk_size,
         "n_fetches": p.n_fetches,
         "effective_budget_bytes": sys_.effective_budget, "plan_history": sys_.plan_history,
-        "trace_s": sys_.trace_s,
+        "trace_s": sys_.trace_s, "rates": dataclasses.asdict(sys_.rates),
         "stage_temp_bytes": sorted({t.temp_bytes for t in sys_.traces}),
         "schedule": sys_.schedule.to_dict(),
     })
