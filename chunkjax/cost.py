@@ -9,6 +9,7 @@ The defaults are the H200 figures measured on the lent machine; pass measured va
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,30 +117,33 @@ class PipelinedStepTime:
 
 
 def predict_pipelined_step(flops_per_step: float, *, fwd_h2d: int, bwd_h2d: int, bwd_d2h: int,
-                           streamed_bytes: int, device_params: int, streamed_params: int, host_params: int,
-                           host_tail_params: int, backward_overlap_fraction: float,
-                           rates: Rates = Rates()) -> PipelinedStepTime:
+                           streamed_bytes: int, device_params: int, streamed_params: int,
+                           host_ready: Sequence[tuple[float, int]], rates: Rates = Rates()) -> PipelinedStepTime:
     """Predict a pipelined step: forward, backward (with per-stage recompute: the forward's FLOPs
-    again), the host update overlapping the part of the backward after the first program, then
-    the update programs.
+    again), a host thread that updates each program's host chunks once that program has finished
+    (in program order, one at a time), then the update programs.
 
     Args:
       flops_per_step: training FLOPs (6N + 12LSh per token, times tokens); forward is 1/3.
       fwd_h2d / bwd_h2d: chunk fetch bytes in the forward / fused head + backward.
       bwd_d2h: gradient bytes offloaded during the backward.
       streamed_bytes: bytes moved by streamed updates (both directions).
-      device_params / streamed_params / host_params: parameters per update location.
-      host_tail_params: host-updated parameters whose gradients complete in the last program.
-      backward_overlap_fraction: fraction of the backward left when the first program ends.
+      device_params / streamed_params: parameters updated on the device / streamed.
+      host_ready: per program, (fraction of the backward done when it ends, host-updated
+        parameters whose gradients it completes).
     """
     r = rates
     c_fwd = flops_per_step / 3 / r.matmul_flops_per_s
     c_bwd = flops_per_step / r.matmul_flops_per_s  # 2/3 backward + 1/3 recompute
     fwd = max(c_fwd, fwd_h2d / r.h2d_bytes_per_s)
     bwd = max(c_bwd, (bwd_h2d + bwd_d2h) / r.one_program_duplex_bytes_per_s)
-    host = host_params * r.host_update_s_per_param
-    exposed = max(host_tail_params * r.host_update_s_per_param, host - bwd * backward_overlap_fraction)
+    t_host, host = 0.0, 0.0
+    for frac, params in sorted(host_ready):
+        dt = params * r.host_update_s_per_param
+        t_host = max(t_host, fwd + frac * bwd) + dt
+        host += dt
+    exposed = max(0.0, t_host - (fwd + bwd)) if host else 0.0
     streamed = streamed_bytes / r.h2d_bytes_per_s + streamed_params * r.device_update_s_per_param
-    return PipelinedStepTime(fwd, bwd, host, max(0.0, exposed), device_params * r.device_update_s_per_param,
+    return PipelinedStepTime(fwd, bwd, host, exposed, device_params * r.device_update_s_per_param,
                              streamed, c_fwd + c_bwd,
                              fwd_h2d / r.h2d_bytes_per_s + (bwd_h2d + bwd_d2h) / r.one_program_duplex_bytes_per_s)

@@ -44,6 +44,8 @@ from chunkjax.tide import BACKWARD, Tide, memory_tide
 
 DEVICE_UPDATE, STREAMED_UPDATE, HOST_UPDATE = "device", "streamed", "host"
 UPDATE_LOCATIONS = (DEVICE_UPDATE, STREAMED_UPDATE, HOST_UPDATE)
+#: predicted step times within this fraction of the fastest count as a tie
+NEAR_TIE = 0.02
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,20 +244,19 @@ def _schedule_one(layout: ChunkLayout, traces, tide: Tide, cb: ChunkBytes, budge
     # where the fetch bytes fall (forward vs fused/backward), for the cost model
     n_stages = len(traces)
     fwd_fetch = sum(len(fetch[t]) for t in range(n_stages - 1)) * cb.params
-    host_params = len([c for c in offloaded if loc[c] == HOST_UPDATE]) * layout.chunk_size
-    # host-updated params whose gradients complete in the last program cannot overlap backward
-    last = segments[-1]
-    tail_params = sum(layout.chunk_size for c in offloaded
-                      if loc[c] == HOST_UPDATE and grad_done_at.get(c, T) >= last) if len(segments) > 1 else host_params
-    bwd_moments = T - n_stages + 1
-    # the host starts when the first program's gradients are out; it overlaps the rest
-    overlap_frac = max(0.0, (T - segments[1]) / bwd_moments) if len(segments) > 1 else 0.0
+    # the host thread takes each program's host chunks when that program ends
+    bounds = list(segments) + [T]
+    bwd_moments = T - (n_stages - 1)
+    host_ready = []
+    for p0, p1 in zip(bounds[:-1], bounds[1:]):
+        params = sum(layout.chunk_size for c in offloaded if loc[c] == HOST_UPDATE and p0 <= grad_done_at.get(c, T - 1) < p1)
+        if params:
+            host_ready.append((min(1.0, max(0.0, (p1 - (n_stages - 1)) / bwd_moments)), params))
     time = predict_pipelined_step(
         flops_per_step, fwd_h2d=fwd_fetch, bwd_h2d=fetch_b - fwd_fetch, bwd_d2h=len(offloaded) * cb.grad,
         streamed_bytes=sum(2 * cb.state + cb.grad + cb.params for c in streamed),
         device_params=len(resident) * layout.chunk_size,
-        streamed_params=len(streamed) * layout.chunk_size, host_params=host_params,
-        host_tail_params=tail_params, backward_overlap_fraction=overlap_frac, rates=rates)
+        streamed_params=len(streamed) * layout.chunk_size, host_ready=host_ready, rates=rates)
     pred = Prediction(int(peak), int(dev_model), int(host), int(h2d), int(d2h), int(fetch_b), int(n_fetch),
                       tuple(int(b) for b in per_moment), time)
     return Schedule(pk, loc, tuple(fetch), tuple(_evictions(fetch, accesses, T)), segments, prefetch,
@@ -306,7 +307,7 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
             raise PlanError(f"the forced resident chunks {list(resident)} do not fit {budget_bytes} bytes: "
                             "lower the resident set or raise the device budget", budget_bytes, False)
         return s
-    best = None
+    cands = []
     for k in range(n + 1):  # the first k chunks (first-use order) resident
         s = _schedule_one(*args, set(range(k)), *rest)
         if s is None:
@@ -315,10 +316,13 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
             continue
         if host_budget_bytes is not None and s.predicted.host_model_bytes > host_budget_bytes:
             continue
-        # near-ties go to the more resident placement (fewer bytes moved, PatrickStar's rule of
-        # keeping chunks on the device while memory allows)
-        if best is None or s.predicted.time.step_s <= best.predicted.time.step_s * 1.001:
-            best = s
+        cands.append(s)
+    best = None
+    if cands:
+        # near-ties (within the cost model's resolution) go to the most resident placement:
+        # fewer bytes moved, PatrickStar's rule of keeping chunks on the device while memory allows
+        fastest = min(c.predicted.time.step_s for c in cands)
+        best = [c for c in cands if c.predicted.time.step_s <= fastest * (1 + NEAR_TIE)][-1]
     if best is None:
         _raise_infeasible(layout, traces, tide, cb, budget_bytes, prefetch, host_budget_bytes, *rest)
     return best
