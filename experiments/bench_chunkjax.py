@@ -157,7 +157,7 @@ def run_chunkjax(args) -> dict:
         "n_fetches": p.n_fetches,
         "effective_budget_bytes": sys_.effective_budget, "plan_history": sys_.plan_history,
         "trace_s": sys_.trace_s, "rates": dataclasses.asdict(sys_.rates),
-        "stage_temp_bytes": sorted({t.temp_bytes for t in sys_.traces}),
+        "stage_temp_bytes": {t.name: t.temp_bytes for t in sys_.traces if t.name in ("embed", "h_0", "head")},
         "schedule": sys_.schedule.to_dict(),
     })
     if rec.get("step_s_median") and p.time.step_s:
