@@ -15,6 +15,7 @@ The record adds the schedule's predictions (``*_accounted``) next to the measure
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 
 #: fraction of the budget the compiled step may use; the rest is for cuDNN/cuBLAS workspaces
@@ -61,9 +62,12 @@ class ChunkjaxSystem:
             from chunkjax.host_update import measure_host_update_rate
             from experiments.gpu_measure import matmul_tflops
             self.rates = Rates.calibrated(matmul_tflops() * 1e12, measure_host_update_rate(2**26))
+        # host memory for offloaded model data: 80 % of this machine's RAM (the rest: the
+        # process, XLA's host buffers, the page cache)
+        self.host_budget = int(0.8 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
         self._plan = lambda b: plan_schedule(self.layout, self.traces, cb, int(b), flops_per_step=flops,
                                              host_update=host_update, prefetch=prefetch, segments=segments,
-                                             rates=self.rates)
+                                             rates=self.rates, host_budget_bytes=self.host_budget)
         self.stages = stages
         self.effective_budget = int(self.budget)
         self.schedule = self._plan(self.effective_budget)
@@ -155,7 +159,7 @@ def run_chunkjax(args) -> dict:
         "segments": list(sys_.schedule.segments),
         "n_chunks": sys_.layout.n_chunks, "chunk_size": sys_.layout.chunk_size,
         "n_fetches": p.n_fetches,
-        "effective_budget_bytes": sys_.effective_budget, "plan_history": sys_.plan_history,
+        "effective_budget_bytes": sys_.effective_budget, "host_budget_bytes": sys_.host_budget, "plan_history": sys_.plan_history,
         "trace_s": sys_.trace_s, "rates": dataclasses.asdict(sys_.rates),
         "stage_temp_bytes": {t.name: t.temp_bytes for t in sys_.traces if t.name in ("embed", "h_0", "head")},
         "schedule": sys_.schedule.to_dict(),
