@@ -372,21 +372,26 @@ class ChunkedStep:
 
     @functools.cached_property
     def jit_update_device(self):
-        """All device-state chunks in one program (master and state donated)."""
-        ids = self._device_chunks
+        """One device-state chunk per call (``c`` is traced, so one compiled program serves every
+        chunk): master and state donated and updated in place, the new compute params reuse the
+        old ones' buffer. One chunk at a time keeps the update's temporaries to one chunk (all
+        chunks in one program let XLA schedule every chunk's float32 temporaries at once: out of
+        memory for GPT3_12B on the whole card)."""
         dev = sharding(DEVICE)
-        pk = tuple(sharding(self.placement.param_kinds[c]) for c in ids)
 
-        def upd(grads, masters, states, grad_sq, old_params):
-            del old_params  # donated: the new compute params reuse their buffers (no fragmentation)
-            total = jnp.sum(grad_sq)
-            outs = [optim.update_chunk(self.tx, g, m, s, total, grad_sq[c], self.compute_dtype)
-                    for c, g, m, s in zip(ids, grads, masters, states)]
-            params = tuple(jax.device_put(o.params, k) for o, k in zip(outs, pk))
-            return params, tuple(o.master for o in outs), tuple(o.opt_state for o in outs)
+        def make(param_kind):
+            pk = sharding(param_kind)
 
-        return jax.jit(upd, in_shardings=(dev, dev, dev, dev, pk), out_shardings=(pk, dev, dev),
-                       donate_argnums=(1, 2, 4))
+            def upd(grad, master, state, grad_sq, c, old_params):
+                del old_params  # donated
+                o = optim.update_chunk(self.tx, grad, master, state, jnp.sum(grad_sq), grad_sq[c],
+                                       self.compute_dtype)
+                return jax.device_put(o.params, pk), o.master, o.opt_state
+
+            return jax.jit(upd, in_shardings=(dev, dev, dev, dev, dev, pk), out_shardings=(pk, dev, dev),
+                           donate_argnums=(1, 2, 5))
+
+        return {k: make(k) for k in set(self.placement.param_kinds)}
 
     @functools.cached_property
     def jit_update_streamed(self):
@@ -560,12 +565,10 @@ class ChunkedStep:
             scale = (lambda: self.host_optimizer.grad_scale(float(jnp.sqrt(jnp.sum(grad_sq))))) if clip else 1.0
             pending.append(self._executor().submit(self._host_update, state, late, scale))
         params, master, opt = list(state.params), list(state.master), list(state.opt_state)
-        ids = self._device_chunks
-        if ids:
-            p, m, o = self.jit_update_device(tuple(grads[c] for c in ids), tuple(master[c] for c in ids),
-                                             tuple(opt[c] for c in ids), grad_sq, tuple(params[c] for c in ids))
-            for j, c in enumerate(ids):
-                params[c], master[c], opt[c] = p[j], m[j], o[j]
+        for c in self._device_chunks:
+            fn = self.jit_update_device[self.placement.param_kinds[c]]
+            params[c], master[c], opt[c] = fn(grads[c], master[c], opt[c], grad_sq,
+                                              jnp.asarray(c, jnp.int32), params[c])
         for c in self._streamed_chunks:
             fn = self.jit_update_streamed[self.placement.param_kinds[c]]
             params[c], master[c], opt[c] = fn(grads[c], master[c], opt[c], grad_sq,
