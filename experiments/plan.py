@@ -202,7 +202,7 @@ def prepare(model: str, batch: int, seq: int, *, chunk_size: int | None = None, 
 
 # ---- baselines: fixed schedules over the same tide ---------------------------------------------
 
-def _grad_done_at(traces, tide) -> dict[int, int]:
+def grad_done_at(traces, tide) -> dict[int, int]:
     """Chunk -> moment its gradient is complete (its first reader's backward)."""
     first_reader: dict[int, int] = {}
     for s, t in enumerate(traces):
@@ -241,7 +241,7 @@ def fixed_schedule(kind: str, layout, traces, tide, cb, budget_bytes: int, *, fl
     rates = Rates() if rates is None else rates
     n, T, cs = layout.n_chunks, len(tide.moments), layout.chunk_size
     n_stages = len(traces)
-    done = _grad_done_at(traces, tide)
+    done = grad_done_at(traces, tide)
     moments = tuple((m.phase, m.stage) for m in tide.moments)
     loc = (HOST_UPDATE,) * n
     if kind == "all_host":
@@ -283,6 +283,42 @@ def fixed_schedule(kind: str, layout, traces, tide, cb, budget_bytes: int, *, fl
                           tuple(int(b) for b in per_moment), time_)
         return Schedule((DEVICE,) * n, loc, empty, empty, (0,), prefetch, moments, pred, int(budget_bytes))
     raise ValueError(f"unknown baseline {kind!r}: use one of {BASELINES}")
+
+
+def device_bytes_by_kind(s, inp: PlanInputs) -> dict[str, list[int]]:
+    """Split a schedule's predicted device bytes per moment by kind (for plots).
+
+    Returns lists (one entry per moment) keyed ``resident model data`` (model data placed on the
+    device between steps), ``non-model (tide)``, ``gradients held`` (gradients of chunks whose
+    compute params stay on the device, waiting for the update) and ``fetched chunk buffers``
+    (the rest: fetched copies and fetches in flight).
+    """
+    from chunkjax.memory import DEVICE
+
+    done = grad_done_at(inp.traces, inp.tide)
+    kept = [c for c in range(s.n_chunks) if s.param_kinds[c] == DEVICE]
+    model = s.predicted.device_model_bytes
+    out = {"resident model data": [], "non-model (tide)": [], "gradients held": [], "fetched chunk buffers": []}
+    for t, (m, total) in enumerate(zip(inp.tide.moments, s.predicted.device_bytes_per_moment)):
+        held = sum(inp.cb.grad for c in kept if done.get(c, len(inp.tide.moments)) <= t)
+        for k, v in zip(out, (model, m.non_model_bytes, held, total - model - m.non_model_bytes - held)):
+            out[k].append(int(v))
+    return out
+
+
+def schedule_from_dict(d: dict):
+    """The :class:`chunkjax.schedule.Schedule` of ``Schedule.to_dict()`` (e.g. one recorded in a
+    results JSON)."""
+    from chunkjax.cost import PipelinedStepTime
+    from chunkjax.schedule import Prediction, Schedule
+
+    p = dict(d["predicted"])
+    t = {f.name: p["time"][f.name] for f in dataclasses.fields(PipelinedStepTime)}
+    p["time"] = PipelinedStepTime(**t)
+    p["device_bytes_per_moment"] = tuple(p["device_bytes_per_moment"])
+    return Schedule(tuple(d["param_kinds"]), tuple(d["update_locations"]), tuple(tuple(f) for f in d["fetch"]),
+                    tuple(tuple(e) for e in d["evict"]), tuple(d["segments"]), int(d["prefetch"]),
+                    tuple(tuple(m) for m in d["moments"]), Prediction(**p), int(d["budget_bytes"]))
 
 
 # ---- the report ------------------------------------------------------------------------------

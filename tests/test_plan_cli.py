@@ -73,6 +73,11 @@ def test_baselines_are_fixed_schedules():
     assert zo.predicted.time.host_update_exposed_s == pytest.approx(zo.predicted.time.host_update_s)
     assert min(zo.predicted.device_bytes_per_moment[t] - m.non_model_bytes
                for t, m in enumerate(tide.moments)) == n * cb.params
+    for s in (ah, zo, belady):  # the split by kind adds up and has no negative part
+        kinds = plan.device_bytes_by_kind(s, inp)
+        assert all(min(v) >= 0 for v in kinds.values())
+        assert [sum(x) for x in zip(*kinds.values())] == list(s.predicted.device_bytes_per_moment)
+    assert plan.device_bytes_by_kind(zo, inp)["fetched chunk buffers"] == [0] * len(tide.moments)
 
 
 def test_plan_infeasible_exits_2_and_names_budgets_that_work(capsys):
@@ -128,4 +133,8 @@ def test_recorded_gpt3_6b_schedule_reproduced():
     assert inp.tide_source.startswith("recorded on gpu")
     sched, base = plan.plan_schedules(inp, rec["effective_budget_bytes"])
     assert sched.to_dict() == rec["schedule"]
+    assert plan.schedule_from_dict(rec["schedule"]) == sched
+    kinds = plan.device_bytes_by_kind(sched, inp)
+    assert all(min(v) >= 0 for v in kinds.values())
+    assert [sum(x) for x in zip(*kinds.values())] == list(sched.predicted.device_bytes_per_moment)
     assert base["all_host"].predicted.h2d_bytes_per_step > sched.predicted.h2d_bytes_per_step
