@@ -8,7 +8,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("name", ["memory_tide.ipynb"])
+@pytest.mark.parametrize("name", ["memory_tide.ipynb", "schedule_explorer.ipynb"])
 def test_notebook_executes(name, monkeypatch):
     monkeypatch.setenv("NB_MODEL", "micro")
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
