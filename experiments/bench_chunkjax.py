@@ -147,7 +147,12 @@ def run_chunkjax(args) -> dict:
     cfg = gpt.get_config(args.model)
     segments = getattr(args, "segments", "auto")
     sys_ = ChunkjaxSystem(cfg, args.budget_bytes, args.batch, args.seq, segments=segments)
-    rec = measure_system(sys_, args)
+    try:
+        rec = measure_system(sys_, args)
+    except Exception as e:  # keep the plan next to the failure (e.g. out of memory at run time)
+        import traceback
+        rec = {"feasible": False, "error": f"{type(e).__name__}: {e}"[:2000],
+               "traceback_tail": traceback.format_exc().strip().splitlines()[-8:]}
     p = sys_.schedule.predicted
     rec.update({
         "peak_device_bytes_accounted": p.peak_device_bytes,
