@@ -1,25 +1,47 @@
 """The three baselines of the issue-4 benchmark: what JAX users run today, on chunkjax's model.
 
-Every baseline trains the *same* model as chunkjax (``models/gpt.py``: ``gpt.loss_fn`` composes
-the very stage functions chunkjax runs, with ``jax.checkpoint`` per block) with the same
-settings: bf16 compute params derived from fp32 master params, gradients taken with respect to
-the bf16 compute params (bf16 gradients), ``optax.adamw(1e-4)`` on the fp32 master params, no
-clipping, no loss scaling. They differ only in where model data lives and where the update runs:
+Every baseline trains the *same* model as chunkjax (``models/gpt.py``'s stage functions: embed,
+one block per layer, head) with the same settings: bf16 compute params derived from fp32 master
+params, gradients taken with respect to the bf16 compute params (bf16 gradients),
+``optax.adamw(1e-4)`` on the fp32 master params, no clipping, no loss scaling. They differ only in
+where model data lives and where the update runs.
+
+The layers run as ``jax.lax.scan`` over the blocks' params stacked along a leading layer axis,
+with ``jax.checkpoint`` on the scanned block (:func:`scanned_loss`): how large JAX models are
+trained (MaxText's default ``scan_layers=True``, Levanter, ``carry/plain_jax_gpt.py``). The
+backward pass is then a loop whose every iteration recomputes one block and takes its gradients,
+so the compiled program saves one block input per layer plus one block's temporaries, whatever
+XLA's scheduler does. The unrolled form (``gpt.loss_fn``: a Python loop over blocks, each under
+``jax.checkpoint``) leaves the order to the scheduler, and the GPU's latency-hiding scheduler
+defers each block's weight-gradient matmuls towards the end of the program whenever asynchronous
+copies follow them (the gradients' device -> pinned_host copies of zero_offload_style, the state
+copies of maxtext_style), keeping every block's recomputed activations and incoming gradients
+alive (openxla/xla#45753, #45929; jax-ml/jax#20763). That compiled GPT3_6B at batch 32 x 1024 to
+155 GB of temporaries for zero_offload_style and 126 GB for maxtext_style on the H200
+(``experiments/results/bench_s3c_gpt3_6b_24g_static.json``); on the CPU backend the unrolled
+form's recompute is merged into the forward pass outright (XLA:CPU drops the optimization
+barriers before scheduling), so temporaries grow by whole blocks' internals per layer there too
+(tests/test_bench.py checks the growth per layer of every baseline's compiled program).
+:func:`reference_losses` still uses the unrolled ``gpt.loss_fn`` (the same mathematics).
 
 ``plain_jax``
     Everything on the device; one ``jax.jit`` step (value_and_grad + optax update), state donated.
 ``maxtext_style``
     fp32 master params and optimizer state live in ``pinned_host`` shardings between steps. One
-    jitted step moves them to the device with ``jax.device_put(x, device_sharding)``, runs the
-    forward/backward and the update there, and moves the results back to ``pinned_host`` (how
-    MaxText offloads parameters and optimizer state). Output shardings are ``pinned_host``.
+    jitted step moves them to the device with ``jax.device_put(x, device_sharding)`` (the master
+    params first, for the bf16 compute copies; the optimizer state after the backward pass, as
+    MaxText's train step does), runs the forward/backward and the update there, and moves the
+    results back to ``pinned_host`` (how MaxText offloads parameters and optimizer state). Output
+    shardings are ``pinned_host``. The whole fp32 master and Adam state are on the device during
+    the update (16 B/param), as in MaxText.
 ``zero_offload_style``
-    bf16 compute params live on the device; fp32 master params and optimizer state are arrays of
-    the JAX CPU backend (``jax.devices("cpu")[0]``). A jitted forward/backward on the device emits
-    the bf16 gradients (into ``pinned_host`` by default, so the device -> host copy happens inside
-    the program); they are handed to the CPU backend, the AdamW update is jitted there (state
-    donated) and returns the new bf16 params, which are copied back to the device (how
-    ZeRO-Offload runs its CPU Adam).
+    bf16 compute params live on the device (the blocks' leaves stacked along the layer axis, as
+    the scanned program takes them); fp32 master params and optimizer state are arrays of the JAX
+    CPU backend (``jax.devices("cpu")[0]``), one per parameter leaf of ``gpt.init_params``'s tree.
+    A jitted forward/backward on the device emits the bf16 gradients (into ``pinned_host`` by
+    default, so the device -> host copy happens inside the program); they are handed to the CPU
+    backend, the AdamW update is jitted there (state donated) and returns the new bf16 params,
+    which are copied back to the device (how ZeRO-Offload runs its CPU Adam).
 
 On the CPU backend, memory kinds exist but moves between them compile to nothing, and the "CPU
 backend" is the default device itself: everything still runs (numerics are testable), nothing
@@ -65,6 +87,53 @@ def loss_and_grads(cfg: gpt.GPTConfig, compute_params, batch):
     """``(loss float32 scalar, grads)`` of ``gpt.loss_fn`` with respect to the compute params
     (grads have the compute params' dtype and structure)."""
     return jax.value_and_grad(lambda p: gpt.loss_fn(cfg, p, batch))(compute_params)
+
+
+def _is_block_key(k: str) -> bool:
+    return k.startswith("h_") and k[2:].isdigit()
+
+
+def stack_blocks(params: dict, n_layers: int) -> dict:
+    """``gpt.init_params``' tree with the blocks' leaves stacked: ``{"wte", "wpe", "ln_f",
+    "blocks": <one block's tree, each leaf (L, ...)>}`` (block ``i`` at index ``i``). Works on
+    arrays (traced or not) and on ``jax.ShapeDtypeStruct`` trees."""
+    out = {k: v for k, v in params.items() if not _is_block_key(k)}
+    blocks = [params[f"h_{i}"] for i in range(n_layers)]
+    if all(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(blocks)):
+        out["blocks"] = jax.tree.map(lambda a: jax.ShapeDtypeStruct((n_layers, *a.shape), a.dtype), blocks[0])
+    else:
+        out["blocks"] = jax.tree.map(lambda *xs: jnp.stack(xs), *blocks)
+    return out
+
+
+def scanned_loss(cfg: gpt.GPTConfig, params: dict, batch) -> jax.Array:
+    """The loss of ``gpt.loss_fn`` (same stage functions: ``gpt.gpt_stages``), with the blocks run
+    by ``jax.lax.scan`` over ``params["blocks"]`` (:func:`stack_blocks` layout) and each scanned
+    block under ``jax.checkpoint`` when ``cfg.remat`` (``prevent_cse=False``: the loop already
+    keeps the recompute apart from the forward pass, as MaxText sets it with ``scan_layers``).
+
+    Saved for the backward pass: the (L, B, T, h) stack of block inputs; the backward loop
+    recomputes one block and takes its gradients per iteration.
+    """
+    stages = gpt.gpt_stages(cfg)
+    embed, block, head = stages[0], stages[1], stages[-1]
+    x = embed.apply({k: params[k] for k in embed.param_keys}, None, batch)
+
+    def body(x, block_params):
+        return block.apply({block.param_keys[0]: block_params}, x, batch), None
+
+    if cfg.remat:
+        body = jax.checkpoint(body, prevent_cse=False)
+    x, _ = jax.lax.scan(body, x, params["blocks"])
+    return head.apply({k: params[k] for k in head.param_keys}, x, batch)
+
+
+def scanned_loss_and_grads(cfg: gpt.GPTConfig, compute_params: dict, batch):
+    """``(loss, grads)`` of :func:`scanned_loss` with respect to compute params in
+    ``gpt.init_params``' tree (per-block leaves; stacked inside, so the gradients come back in the
+    same per-block tree). For params already stacked use ``jax.value_and_grad(scanned_loss)``."""
+    L = cfg.n_layers
+    return jax.value_and_grad(lambda p: scanned_loss(cfg, stack_blocks(p, L), batch))(compute_params)
 
 
 def reference_losses(cfg: gpt.GPTConfig, key: jax.Array, batches) -> tuple[list[float], dict]:
@@ -294,18 +363,29 @@ class BaselineSystem:
         raise NotImplementedError
 
 
-def _train_math(cfg, tx, master, opt, batch):
-    compute = to_compute(master)
-    loss, grads = loss_and_grads(cfg, compute, batch)
+def _loss_and_grads_of_master(cfg, master, batch):
+    """bf16 compute copies of the fp32 master params (per leaf, then stacked inside
+    :func:`scanned_loss`: XLA fuses the cast into the stacking), loss and bf16 gradients."""
+    return scanned_loss_and_grads(cfg, to_compute(master), batch)
+
+
+def _apply_update(tx, grads, opt, master):
     updates, opt = tx.update(grads, opt, master)
-    return optax.apply_updates(master, updates), opt, loss
+    return optax.apply_updates(master, updates), opt
+
+
+def _train_math(cfg, tx, master, opt, batch):
+    loss, grads = _loss_and_grads_of_master(cfg, master, batch)
+    master, opt = _apply_update(tx, grads, opt, master)
+    return master, opt, loss
 
 
 class PlainJax(BaselineSystem):
     """Everything on the device, one jitted step with the state donated.
 
     State: ``{"master": fp32 params, "opt": adamw state}``, all in device memory (12 B/param
-    plus the optimizer's count); the bf16 compute copies are made inside the step.
+    plus the optimizer's count); the bf16 compute copies are made inside the step and the blocks
+    run as a scan (:func:`scanned_loss`).
     """
 
     name = "plain_jax"
@@ -346,8 +426,10 @@ class PlainJax(BaselineSystem):
 
 class MaxTextStyle(BaselineSystem):
     """Master params and optimizer state in ``pinned_host`` between steps; one jitted step moves
-    them to the device (``jax.device_put(x, device_sharding)``), computes forward, backward and
-    the update there, and moves the results back to ``pinned_host``.
+    them to the device (``jax.device_put(x, device_sharding)``: the master params at the start,
+    the optimizer state after the backward pass), computes forward (scanned blocks, see
+    :func:`scanned_loss`), backward and the update there, and moves the results back to
+    ``pinned_host``.
 
     State: ``{"master", "opt"}`` all in pinned_host. The step donates its state (input and output
     are both pinned_host, so the buffers can alias); if the compiler refuses the donation the step
@@ -377,8 +459,9 @@ class MaxTextStyle(BaselineSystem):
 
         def step(state, batch):
             master = to(state["master"], dev_sh)
-            opt = to(state["opt"], dev_sh)
-            master, opt, loss = _train_math(cfg, tx, master, opt, batch)
+            loss, grads = _loss_and_grads_of_master(cfg, master, batch)
+            opt = to(state["opt"], dev_sh)  # after the backward pass, as MaxText's train step
+            master, opt = _apply_update(tx, grads, opt, master)
             return {"master": to(master, host_sh), "opt": to(opt, host_sh)}, loss
 
         args = (_abstract(abstract, shardings), batch_abstract)
@@ -417,27 +500,33 @@ class ZeroOffloadStyle(BaselineSystem):
     """bf16 compute params on the device; fp32 master params and AdamW state on the JAX CPU
     backend, updated there after the backward pass, leaf by leaf.
 
-    A step: (1) jitted forward/backward on the device -> loss and bf16 gradients (written to
+    A step: (1) jitted forward/backward on the device (scanned blocks, :func:`scanned_loss`) ->
+    loss and bf16 gradients in the stacked layout of the device params (written to
     ``pinned_host`` inside the program when ``grads_to_host`` and the device has pinned memory);
-    the old compute params are deleted once the gradients exist; then for each parameter leaf in
-    turn: (2) its gradient handed to the CPU backend (``jax.device_put(g, cpu)``; zero-copy from
-    pinned_host per gpu_facts.md); (3) the AdamW update of that leaf jitted on the CPU backend
-    (master and state donated), returning the new bf16 leaf; (4) the bf16 leaf copied to the
-    device along ``h2d_path``:
+    the old compute params are deleted once the gradients exist; then for each device leaf in turn
+    (``wte``, ``wpe``, ``ln_f`` and each stacked block leaf): (2) its gradient handed to the CPU
+    backend (``jax.device_put(g, cpu)``; zero-copy from pinned_host per gpu_facts.md); (3) for each
+    parameter leaf of ``gpt.init_params``' tree in it (one per layer for a stacked leaf), the AdamW
+    update of that leaf jitted on the CPU backend (master and state donated), returning the new
+    bf16 leaf; (4) the new bf16 device leaf (a stacked leaf: the layers' new leaves stacked on the
+    host) copied to the device along ``h2d_path``:
 
     - ``"via_pinned"`` (default): CPU array -> numpy view -> pinned_host -> device;
     - ``"numpy"``: CPU array -> numpy view -> device (pageable, ~7 GB/s on the H200 machine);
     - ``"direct"``: ``jax.device_put(cpu_array, device)`` (~1 GB/s on the H200 machine).
 
-    Leaf by leaf keeps the host's transient copies to one leaf (a whole-tree update would hold the
-    bf16 copy and its staging copy of every parameter at once: 25 GB more for GPT3_6B). Each leaf
-    has its own AdamW state (its own step count, all equal), which is the whole-tree update for an
-    elementwise optimizer. The phases run one after another (no overlap); ``last_timings`` sums
-    each phase over the leaves and ``last_update_s`` is the CPU update time.
+    Leaf by leaf keeps the host's transient copies to one device leaf (at most one stacked block
+    leaf: 4.0 GB of bf16 for GPT3_6B's ``mlp_c_fc``, plus its staging copy; a whole-tree update
+    would hold the bf16 copy and its staging copy of every parameter at once: 25 GB more for
+    GPT3_6B). Each master leaf has its own AdamW state (its own step count, all equal), which is
+    the whole-tree update for an elementwise optimizer. The phases run one after another (no
+    overlap); ``last_timings`` sums each phase over the leaves and ``last_update_s`` is the CPU
+    update time.
 
-    State: ``{"params": bf16 tree on the device, "master": fp32 tree on CPU, "opt": list of
-    per-leaf AdamW states on CPU (leaf order of the params tree)}``. When the default backend is
-    the CPU, "the CPU backend" is the default device itself.
+    State: ``{"params": bf16 tree on the device in the :func:`stack_blocks` layout, "master": fp32
+    tree on CPU (``gpt.init_params``' per-block tree), "opt": list of per-leaf AdamW states on CPU
+    (leaf order of the master tree)}``. When the default backend is the CPU, "the CPU backend" is
+    the default device itself.
     """
 
     name = "zero_offload_style"
@@ -458,19 +547,40 @@ class ZeroOffloadStyle(BaselineSystem):
         self.grad_sh = self.host_sh if self.grads_to_host else self.dev_sh
         self.h2d_path = h2d_path if (h2d_path != "via_pinned" or self.host_sh is not None) else "numpy"
         self._treedef = jax.tree.structure(self.abstract_master)
+        self.abstract_params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, COMPUTE_DTYPE),
+                                            stack_blocks(self.abstract_master, cfg.n_layers))
+        self._params_treedef = jax.tree.structure(self.abstract_params)
+        self._groups = self._leaf_groups()
         self._update = None
+
+    def _leaf_groups(self) -> list[list[tuple[int, int | None]]]:
+        """For each leaf of the device params (leaf order of ``abstract_params``), the master
+        leaves it holds: ``[(master leaf index, layer or None), ...]`` (a stacked block leaf: one
+        per layer, in layer order)."""
+        index = {}
+        for i, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(self.abstract_master)[0]):
+            keys = tuple(k.key for k in path)
+            if _is_block_key(keys[0]):
+                index[("blocks",) + keys[1:], int(keys[0][2:])] = i
+            else:
+                index[keys, None] = i
+        groups = []
+        for path, _ in jax.tree_util.tree_flatten_with_path(self.abstract_params)[0]:
+            keys = tuple(k.key for k in path)
+            layers = range(self.cfg.n_layers) if keys[0] == "blocks" else [None]
+            groups.append([(index[keys, layer], layer) for layer in layers])
+        return groups
 
     def _options(self) -> tuple:
         return (("grads_to_host", self.grads_to_host),)
 
     def _compile(self, batch_abstract):
         cfg = self.cfg
-        compute_abs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, COMPUTE_DTYPE), self.abstract_master)
-        p_sh = jax.tree.map(lambda _: self.dev_sh, compute_abs)
-        g_sh = jax.tree.map(lambda _: self.grad_sh, compute_abs)
-        fn = jax.jit(lambda p, b: loss_and_grads(cfg, p, b), in_shardings=(p_sh, self.dev_sh),
-                     out_shardings=(self.dev_sh, g_sh))
-        return fn.lower(_abstract(compute_abs, p_sh), batch_abstract).compile()
+        p_sh = jax.tree.map(lambda _: self.dev_sh, self.abstract_params)
+        g_sh = jax.tree.map(lambda _: self.grad_sh, self.abstract_params)
+        fn = jax.jit(lambda p, b: jax.value_and_grad(lambda q: scanned_loss(cfg, q, b))(p),
+                     in_shardings=(p_sh, self.dev_sh), out_shardings=(self.dev_sh, g_sh))
+        return fn.lower(_abstract(self.abstract_params, p_sh), batch_abstract).compile()
 
     def _update_fn(self):
         """The per-leaf CPU update, jitted (one compile per leaf shape), master and state donated."""
@@ -492,11 +602,20 @@ class ZeroOffloadStyle(BaselineSystem):
         return self._update
 
     def _leaf_to_device(self, a):
+        """A bf16 leaf (CPU-backend array, or numpy for a stacked leaf) to the device."""
         if self.h2d_path == "direct":
             return jax.device_put(a, self.dev_sh)
         if self.h2d_path == "numpy":
             return jax.device_put(np.asarray(a), self.dev_sh)
         return jax.device_put(jax.device_put(np.asarray(a), self.host_sh), self.dev_sh)
+
+    @staticmethod
+    def _joined(pieces, group):
+        """The device leaf's host value from its layers' new bf16 leaves (numpy stack when
+        stacked; the one leaf otherwise)."""
+        if group[0][1] is None:
+            return pieces[0]
+        return np.stack([np.asarray(c) for c in pieces])
 
     def _to_cpu(self, tree):
         return jax.tree.map(lambda a: jax.device_put(a, self.cpu_sh), tree)
@@ -504,7 +623,8 @@ class ZeroOffloadStyle(BaselineSystem):
     def init(self, key):
         """Master params built piecewise on the device and moved to the CPU backend (through
         pinned_host where it exists); zero per-leaf AdamW state on the CPU backend; bf16 compute
-        params derived on the CPU backend and copied to the device along ``h2d_path``."""
+        params derived on the CPU backend, stacked per block leaf on the host and copied to the
+        device along ``h2d_path``."""
         if self.host_sh is not None and self.cpu != self.device:
             place = lambda t: self._to_cpu(jax.tree.map(lambda a: jax.device_put(a, self.host_sh), t))
         else:
@@ -513,17 +633,19 @@ class ZeroOffloadStyle(BaselineSystem):
         zeros = lambda s, d: jax.device_put(np.zeros(s, d), self.cpu_sh)
         opt = [zeros_opt_state(self.tx, leaf, zeros) for leaf in jax.tree.leaves(self.abstract_master)]
         cast = jax.jit(lambda a: a.astype(COMPUTE_DTYPE))
+        masters = jax.tree.leaves(master)
         params = []
-        for m in jax.tree.leaves(master):
-            params.append(self._leaf_to_device(cast(m)))
+        for group in self._groups:
+            params.append(self._leaf_to_device(self._joined([cast(masters[i]) for i, _ in group], group)))
             jax.block_until_ready(params[-1])
-        return {"params": jax.tree.unflatten(self._treedef, params), "master": master, "opt": opt}
+        return {"params": jax.tree.unflatten(self._params_treedef, params), "master": master, "opt": opt}
 
     def step(self, state, batch):
-        """One training step (host-driven: device fwd/bwd, then per leaf: gradient to the CPU,
-        CPU update, bf16 leaf back). Returns ``(new state, loss)``; sets ``last_update_s`` (the
-        CPU update, summed over leaves) and ``last_timings`` (fwd_bwd_s, d2h_s, update_s, h2d_s:
-        wall seconds of each phase, waited on, summed over leaves)."""
+        """One training step (host-driven: device fwd/bwd, then per device leaf: gradient to the
+        CPU, CPU update of each master leaf in it, new bf16 leaf back). Returns ``(new state,
+        loss)``; sets ``last_update_s`` (the CPU update, summed over leaves) and ``last_timings``
+        (fwd_bwd_s, d2h_s, update_s, h2d_s: wall seconds of each phase, waited on, summed over
+        leaves)."""
         batch = self.put_batch(batch)
         t0 = time.perf_counter()
         loss, grads = self._executable(batch)(state["params"], batch)
@@ -532,28 +654,31 @@ class ZeroOffloadStyle(BaselineSystem):
         for a in jax.tree.leaves(state["params"]):
             a.delete()
         update = self._update_fn()
-        masters, params, opts = [], [], []
+        masters, opts = list(jax.tree.leaves(state["master"])), list(state["opt"])
+        params = []
         t_d2h = t_upd = t_h2d = 0.0
-        for m, o, g in zip(jax.tree.leaves(state["master"]), state["opt"], jax.tree.leaves(grads)):
+        for group, g in zip(self._groups, jax.tree.leaves(grads)):
             t0 = time.perf_counter()
             g_cpu = jax.device_put(g, self.cpu_sh)
-            jax.block_until_ready(g_cpu)
+            g_layers = [g_cpu if layer is None else g_cpu[layer] for _, layer in group]
+            jax.block_until_ready(g_layers)
             t1 = time.perf_counter()
-            m, o, c = update(m, o, g_cpu)
-            jax.block_until_ready(c)
+            pieces = []
+            for (i, _), g_i in zip(group, g_layers):
+                masters[i], opts[i], c = update(masters[i], opts[i], g_i)
+                pieces.append(c)
+            jax.block_until_ready(pieces)
             t2 = time.perf_counter()
-            p = self._leaf_to_device(c)
+            p = self._leaf_to_device(self._joined(pieces, group))
             jax.block_until_ready(p)
             t3 = time.perf_counter()
-            del g_cpu, c
+            del g_cpu, g_layers, pieces
             t_d2h, t_upd, t_h2d = t_d2h + t1 - t0, t_upd + t2 - t1, t_h2d + t3 - t2
-            masters.append(m)
-            opts.append(o)
             params.append(p)
         del grads
         self.last_update_s = t_upd
         self.last_timings = {"fwd_bwd_s": t_fb, "d2h_s": t_d2h, "update_s": t_upd, "h2d_s": t_h2d}
-        return {"params": jax.tree.unflatten(self._treedef, params),
+        return {"params": jax.tree.unflatten(self._params_treedef, params),
                 "master": jax.tree.unflatten(self._treedef, masters), "opt": opts}, loss
 
     def host_bytes(self, state) -> int:
