@@ -456,10 +456,11 @@ class ChunkedStep:
                 out, grads, sq, loss = self._run_moments(params, batch, dict(carry, acc=acc), t0, t1)
                 return {k: v for k, v in out.items() if k != "acc"}, out.get("acc", {}), grads, sq, loss
 
-            # the carry (saved activations, held chunks) is donated so that XLA frees each piece
-            # after its last use; the gradient accumulators too, except on the CPU, where a moved
-            # gradient may alias its donated accumulator across memory kinds (an XLA abort)
-            donate = (2, 3) if jax.default_backend() != "cpu" else (2,)
+            # the carry (saved activations, held chunks, gradient accumulators) is donated so that
+            # XLA frees each piece after its last use. Not on the CPU: there device memory is host
+            # memory, and a moved gradient may alias its donated accumulator across memory kinds
+            # (an XLA abort)
+            donate = (2, 3) if jax.default_backend() != "cpu" else ()
             fn = jax.jit(prog, out_shardings=(dev, dev, gsh, dev, dev), donate_argnums=donate)
             cache[key] = (fn, args)
         return cache[key]
