@@ -81,8 +81,13 @@ class ChunkjaxSystem:
 
         for attempt in range(4):
             progs = self.step_fn.compiled_memory_programs(batch)
-            resident_state = sum(self.cb.state for u in self.schedule.update_locations if u == "device")
-            peak = max(p["peak_device_bytes"] for p in progs) + resident_state
+            n_res = sum(u == "device" for u in self.schedule.update_locations)
+            resident_state = n_res * self.cb.state
+            # the update phase holds every resident chunk (params and state) and all their
+            # gradients, plus one chunk's float32 temporaries: it must fit the headroom too
+            # (GPT3_12B on the whole card ran out of memory there when only the fwd/bwd was checked)
+            update_phase = n_res * (self.cb.params + self.cb.state + self.cb.grad) + 2 * 4 * self.layout.chunk_size
+            peak = max(max(p["peak_device_bytes"] for p in progs) + resident_state, update_phase)
             self.plan_history.append({"effective_budget_bytes": self.effective_budget,
                                       "compiled_peak_bytes": peak,
                                       "predicted_peak_bytes": self.schedule.predicted.peak_device_bytes,
