@@ -36,12 +36,16 @@ def _live_inputs(closed, n_inputs: int) -> list[bool]:
     return [v in used for v in jaxpr.invars[:n_inputs]]
 
 
-def backward_reads(stage, layout: ChunkLayout, p_sub, x, batch) -> tuple[int, ...]:
-    """Chunk ids whose *values* the stage's backward (recompute + vjp) needs.
+def _signature(st, p_sub, x):
+    """Stages with equal signatures trace alike: identical blocks differ only in their top-level
+    key (h_0, h_1, ...), so key on the function and the values' structure and shapes."""
+    return (getattr(st.apply, "__code__", st.apply), jax.tree.structure(list(p_sub.values())),
+            tuple((a.shape, a.dtype) for a in jax.tree.leaves(p_sub)),
+            None if x is None else (x.shape, x.dtype))
 
-    Some stages need no parameter values for their gradients (an embedding lookup's gradient is
-    a scatter-add of the cotangent), so their chunks need not be fetched in the backward pass.
-    """
+
+def _backward_live(stage, p_sub, x, batch) -> list[bool]:
+    """Per leaf of ``p_sub`` (flattening order): does the stage's backward read its value."""
     def vjp_fn(p, x, ct, b):
         if x is None:
             return jax.vjp(lambda p: stage.apply(p, None, b), p)[1](ct)
@@ -49,20 +53,35 @@ def backward_reads(stage, layout: ChunkLayout, p_sub, x, batch) -> tuple[int, ..
 
     out = jax.eval_shape(stage.apply, p_sub, x, batch)
     closed = jax.make_jaxpr(vjp_fn)(p_sub, x, out, batch)
+    return _live_inputs(closed, len(jax.tree.leaves(p_sub)))
+
+
+def _chunks_of_live(layout: ChunkLayout, p_sub, live) -> tuple[int, ...]:
     flat, _ = jax.tree_util.tree_flatten_with_path(p_sub)
-    live = _live_inputs(closed, len(flat))
     paths = [jax.tree_util.keystr(k, simple=True, separator="/") for k, _ in flat]
     return layout.chunks_of([pth for pth, l in zip(paths, live) if l])
 
 
+def backward_reads(stage, layout: ChunkLayout, p_sub, x, batch) -> tuple[int, ...]:
+    """Chunk ids whose *values* the stage's backward (recompute + vjp) needs.
+
+    Some stages need no parameter values for their gradients (an embedding lookup's gradient is
+    a scatter-add of the cotangent), so their chunks need not be fetched in the backward pass.
+    """
+    return _chunks_of_live(layout, p_sub, _backward_live(stage, p_sub, x, batch))
+
+
 def stage_inputs(stages, layout: ChunkLayout, batch, compute_dtype):
-    """Abstract (params_sub, x) of every stage, in order."""
+    """Abstract (params_sub, x) of every stage, in order (identical stages are shaped once)."""
     params = abstract_compute_params(layout, compute_dtype)
-    out, x = [], None
+    out, x, shapes = [], None, {}
     for st in stages:
         p_sub = {k: params[k] for k in st.param_keys}
         out.append((p_sub, x))
-        x = jax.eval_shape(st.apply, p_sub, x, batch)
+        sig = _signature(st, p_sub, x)
+        if sig not in shapes:
+            shapes[sig] = jax.eval_shape(st.apply, p_sub, x, batch)
+        x = shapes[sig]
     return out
 
 
@@ -94,15 +113,13 @@ def trace_stages(stages, layout: ChunkLayout, batch: jax.ShapeDtypeStruct, compu
     Returns:
       one :class:`~chunkjax.plan.StageTrace` per stage.
     """
-    out, cache = [], {}
+    out, cache, live = [], {}, {}
     for i, (st, (p_sub, x)) in enumerate(zip(stages, stage_inputs(stages, layout, batch, compute_dtype))):
-        # identical blocks differ only in their top-level key (h_0, h_1, ...): key on the values
-        sig = (getattr(st.apply, "__code__", st.apply), jax.tree.structure(list(p_sub.values())),
-               tuple((a.shape, a.dtype) for a in jax.tree.leaves(p_sub)),
-               None if x is None else (x.shape, x.dtype))
+        sig = _signature(st, p_sub, x)
         if sig not in cache:
             cache[sig] = _stage_transient_bytes(st, p_sub, x, batch, i == 0)
+            live[sig] = _backward_live(st, p_sub, x, batch)
         out.append(StageTrace(name=st.name, chunks=layout.chunks_of(st.param_keys),
                               input_bytes=0 if x is None else _nbytes(x), temp_bytes=cache[sig],
-                              bwd_chunks=backward_reads(st, layout, p_sub, x, batch)))
+                              bwd_chunks=_chunks_of_live(layout, p_sub, live[sig])))
     return tuple(out)
