@@ -329,6 +329,14 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
 
 
 def _raise_infeasible(layout, traces, tide, cb, budget, prefetch, host_budget, *rest):
+    fits = _schedule_one(layout, traces, tide, cb, budget, set(), *rest)
+    if fits is not None and host_budget is not None:  # the device fits; the host does not
+        need = min(s.predicted.host_model_bytes for s in
+                   (_schedule_one(layout, traces, tide, cb, budget, set(range(k)), *rest)
+                    for k in range(layout.n_chunks + 1)) if s is not None)
+        raise PlanError(f"host budget {host_budget} bytes is below the {need} bytes of model data that must "
+                        f"stay on the host at this device budget: raise --host-budget to >= "
+                        f"{_gib_ceil(need):.3f}GiB or the device budget", budget, False)
     # smallest budget with every chunk offloaded: bisect on the all-offloaded schedule
     lo, hi = budget, max(budget, 1) * 2
     while _schedule_one(layout, traces, tide, cb, hi, set(), *rest) is None:

@@ -235,3 +235,12 @@ def test_tied_repeated_and_unused_weights_host_updated():
     # the unread parameter moved by weight decay only
     np.testing.assert_allclose(np.asarray(got["unused"]), np.asarray(p["unused"]), rtol=1e-6)
     assert not np.allclose(np.asarray(got["unused"]), np.asarray(params["unused"]))
+
+
+def test_host_budget_too_small_names_the_host(setup):
+    cfg, params, batches, stages, layout, traces = setup
+    cb = _cb(layout, optax.adamw(1e-3))
+    offloaded = plan_schedule(layout, traces, cb, 10**12, flops_per_step=1e9, resident=[])
+    budget = offloaded.predicted.peak_device_bytes  # every chunk offloaded fits, all resident does not
+    with pytest.raises(cj.PlanError, match="--host-budget to >="):
+        plan_schedule(layout, traces, cb, budget, flops_per_step=1e9, host_budget_bytes=1000)
