@@ -1,0 +1,394 @@
+"""ZeRO data parallelism over chunks (Gemini style), with XLA collectives.
+
+Every chunk of ``chunk_size`` elements is split evenly over the ``N`` ranks of a 1-D ``data``
+mesh axis: rank ``r`` owns elements ``[r * chunk_size/N, (r+1) * chunk_size/N)`` of every chunk,
+and keeps and updates only that slice of the float32 master params and of the chunk's optax
+state. The batch is split over the same axis (each rank its ``B/N`` rows) and the loss is the
+mean over ranks (equal token counts per rank, so it equals the full-batch mean).
+
+Stages (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+Models", SC 2020; PatrickStar, Fang et al., arXiv 2108.05818, section 6; Colossal-AI's Gemini,
+which shards PatrickStar's chunks the same way):
+
+* ``stage=1``: compute params replicated; gradients all-reduced (``psum``) chunk by chunk, each
+  rank updates its slice of master/state; the new compute params are all-gathered.
+* ``stage=2``: as 1, but gradients are reduce-scattered (``psum_scatter``): each rank receives
+  only the summed gradient of its own slice.
+* ``stage=3``: compute params sharded too. Before a stage runs, the chunks it reads are
+  all-gathered (``all_gather``), tied to the stage's input activation so that XLA cannot hoist
+  the gather to the program start; the full chunk dies after its last use. The backward pass
+  gathers again (tied to the incoming cotangent, so XLA cannot merge it with the forward gather
+  and keep every full chunk alive). Gradients are reduce-scattered chunk by chunk as the
+  backward completes each chunk.
+
+Collectives are XLA's (``jax.shard_map`` with ``all_gather`` / ``psum_scatter`` / ``psum``);
+there is no home-made transport. The global gradient norm is ``psum`` of per-shard squared
+norms, handed to each shard's update through :mod:`chunkjax.optim`'s rest-of-model leaf, so
+``clip_by_global_norm`` sees the true global norm.
+
+A step is two kinds of jitted program: ``fwd_bwd`` (one shard_map program: gathers, forward,
+backward with per-stage recompute, reduce of gradients) and ``update`` (one shard_map program per
+chunk, one compilation for all chunks, as :class:`chunkjax.runtime.ChunkedStep`'s device update).
+Master params and optimizer state may live in ``pinned_host`` memory (``state_kind``): the
+per-chunk update then moves that chunk's shard to the device, updates it and moves it back
+(*streamed*, one chunk's shard on the device at a time).
+
+Not yet here (issue 5): the schedule's per-moment fetch/eviction of host-resident compute params
+and host (numba) updates, multi-host ``jax.distributed``, per-rank plan accounting.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from chunkjax import optim
+from chunkjax.layout import CHUNK_ALIGN_ELEMS, ChunkLayout, build_layout, search_chunk_size
+from chunkjax.memory import DEVICE, MEMORY_KINDS, PINNED_HOST
+
+#: Name of the data-parallel mesh axis.
+AXIS = "data"
+
+
+def data_mesh(devices=None) -> Mesh:
+    """A 1-D mesh with axis ``"data"`` over ``devices`` (default: all of ``jax.devices()``)."""
+    devs = np.asarray(jax.devices() if devices is None else devices)
+    return Mesh(devs.reshape(-1), (AXIS,))
+
+
+def build_zero_layout(params, n_ranks: int, chunk_size: int | None = None, order=None) -> ChunkLayout:
+    """:func:`chunkjax.build_layout` with ``chunk_size`` rounded up to a multiple of
+    ``lcm(n_ranks, CHUNK_ALIGN_ELEMS)`` so every chunk splits evenly over the ranks.
+
+    Args:
+      params: params pytree (arrays or ``ShapeDtypeStruct``).
+      n_ranks: data-parallel ranks N (>= 1).
+      chunk_size: elements per chunk before rounding; ``None`` searches (``search_chunk_size``).
+      order: leaf paths in first-use order.
+
+    Raises:
+      ValueError: ``n_ranks < 1``, or the errors of :func:`chunkjax.build_layout`.
+    """
+    if n_ranks < 1:
+        raise ValueError(f"n_ranks must be >= 1, got {n_ranks}")
+    if chunk_size is None:
+        chunk_size = search_chunk_size(params, order)
+    m = math.lcm(n_ranks, CHUNK_ALIGN_ELEMS)
+    return build_layout(params, -(-int(chunk_size) // m) * m, order)
+
+
+class ZeroState(NamedTuple):
+    """Model data of a ZeRO run (global ``jax.Array`` s over the mesh).
+
+    Attributes:
+      params: per chunk, compute-dtype params: stage 3: (chunk_size,) sharded ``P("data")`` (each
+        rank chunk_size/N elements); stages 1/2: (chunk_size,) replicated ``P()``.
+      master: per chunk, (chunk_size,) float32 sharded ``P("data")``, in ``state_kind`` memory.
+      opt_state: per chunk, the optax state of each rank's shard, every leaf given a leading rank
+        axis: a leaf of per-shard shape ``s`` is a global (N, *s) array sharded ``P("data")``
+        (per-rank scalars such as the step count become (N,); the rest-of-model leaf's moments
+        differ per rank, which is why the axis is kept), in ``state_kind`` memory.
+    """
+
+    params: tuple
+    master: tuple
+    opt_state: tuple
+
+
+def _barrier(anchor, x):
+    if anchor is None:
+        return x
+    _, x = jax.lax.optimization_barrier((anchor, x))
+    return x
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroStep:
+    """A ZeRO-sharded chunked training step. Build with :func:`make_zero_step`.
+
+    ``step(state, batch) -> (state, metrics)``: ``batch`` int (B, T+1) with ``B % N == 0``
+    (placed ``P("data")`` by the call); ``metrics``: ``loss`` (() float32 nats, mean over the
+    whole batch) and ``grad_norm`` (() float32, global).
+
+    Attributes:
+      stages: the model's stages (:class:`chunkjax.Stage`).
+      layout: chunk layout with ``chunk_size % N == 0`` (see :func:`build_zero_layout`).
+      mesh: a 1-D mesh with axis ``"data"`` (:func:`data_mesh`).
+      tx: an elementwise optax transformation (as :mod:`chunkjax.optim`).
+      stage: ZeRO stage, 1, 2 or 3.
+      compute_dtype: dtype of compute params and of the gradients communicated.
+      state_kind: memory kind of master params and optimizer state ("device" or "pinned_host").
+    """
+
+    stages: tuple
+    layout: ChunkLayout
+    mesh: Mesh
+    tx: optax.GradientTransformation
+    stage: int = 3
+    compute_dtype: Any = jnp.float32
+    state_kind: str = DEVICE
+
+    def __post_init__(self):
+        if self.stage not in (1, 2, 3):
+            raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {self.stage!r}")
+        if tuple(self.mesh.axis_names) != (AXIS,):
+            raise ValueError(f"mesh must be 1-D with axis {AXIS!r}, got axes {self.mesh.axis_names}")
+        if self.layout.chunk_size % self.n_ranks:
+            raise ValueError(f"chunk_size={self.layout.chunk_size} is not a multiple of the {self.n_ranks} "
+                             f"ranks: build the layout with chunkjax.zero.build_zero_layout")
+        if self.state_kind not in MEMORY_KINDS:
+            raise ValueError(f"state_kind {self.state_kind!r} is not one of {MEMORY_KINDS}")
+
+    # ---- static structure ------------------------------------------------------------------
+    @property
+    def n_ranks(self) -> int:
+        return int(self.mesh.devices.size)
+
+    @property
+    def shard_size(self) -> int:
+        """Elements of one chunk held by one rank (chunk_size / N)."""
+        return self.layout.chunk_size // self.n_ranks
+
+    @functools.cached_property
+    def reads(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(self.layout.chunks_of(st.param_keys) for st in self.stages)
+
+    @functools.cached_property
+    def first_reader(self) -> dict[int, int]:
+        out = {}
+        for s, cs in enumerate(self.reads):
+            for c in cs:
+                out.setdefault(c, s)
+        return out
+
+    def _ns(self, spec, kind=DEVICE) -> NamedSharding:
+        return NamedSharding(self.mesh, spec, memory_kind=kind)
+
+    @property
+    def _param_spec(self):
+        return P(AXIS) if self.stage == 3 else P()
+
+    # ---- the forward/backward program --------------------------------------------------------
+    def _local_fwd_bwd(self, params, batch):
+        """Per-rank body (inside shard_map). params: per chunk, the rank's shard (stage 3) or the
+        full chunk; batch: the rank's (B/N, T+1) rows.
+
+        Returns (loss () f32 mean over ranks, grads: per chunk the rank's reduced gradient shard
+        (shard_size,) compute dtype, sq: (1, n_chunks) f32 squared norms of those shards)."""
+        lay, n = self.layout, len(self.stages)
+        cdt = self.compute_dtype
+
+        def gather(c, anchor):
+            p = params[c]
+            if self.stage != 3:
+                return p
+            # tie to the activation/cotangent: no hoisting to the program start, no CSE between the
+            # forward and the backward gather
+            return jax.lax.all_gather(_barrier(anchor, p), AXIS, axis=0, tiled=True)
+
+        def sub(s, arrays):
+            return lay.unpack_subtree(arrays, self.stages[s].param_keys)
+
+        acc, grads, sq = {}, {}, {}
+        rank = jax.lax.axis_index(AXIS)
+
+        def add_grads(s, dp):
+            for c in self.reads[s]:
+                if c not in acc:
+                    acc[c] = jnp.zeros((lay.chunk_size,), jnp.float32)
+                acc[c] = lay.scatter_add(acc[c], c, dp)
+
+        def emit(s, dx):
+            for c in self.reads[s]:
+                if self.first_reader[c] != s:
+                    continue
+                g = acc.pop(c).astype(cdt)
+                if self.stage == 1:  # all-reduce, then keep the own slice for the sharded update
+                    g = jax.lax.psum(g, AXIS)
+                    g = jax.lax.dynamic_slice(g, (rank * self.shard_size,), (self.shard_size,))
+                else:  # reduce-scatter: each rank receives the sum of its slice only
+                    g = jax.lax.psum_scatter(g, AXIS, scatter_dimension=0, tiled=True)
+                sq[c] = jnp.sum(jnp.square(g.astype(jnp.float32)))
+                if dx is not None:  # the reduction happens as the chunk completes, not at the end
+                    dx, g = jax.lax.optimization_barrier((dx, g))
+                grads[c] = g
+            return dx
+
+        # forward: save stage inputs only
+        x, saved, loss = None, {}, None
+        scale = 1.0 / self.n_ranks  # d(mean over ranks of the local mean loss)
+        for s in range(n):
+            st = self.stages[s]
+            arrays = {c: gather(c, batch if x is None else x) for c in self.reads[s]}
+            if s < n - 1:
+                saved[s] = x
+                x = st.apply(sub(s, arrays), x, batch)
+            else:
+                loss, pull = jax.vjp(lambda p, xx: st.apply(p, xx, batch), sub(s, arrays), x)
+                dp, dx = pull(jnp.full_like(loss, scale))
+                add_grads(s, dp)
+                x = emit(s, dx)
+        # backward: re-gather, recompute, vjp
+        for s in range(n - 2, -1, -1):
+            st = self.stages[s]
+            x, x_in = jax.lax.optimization_barrier((x, saved.pop(s)))
+            arrays = {c: gather(c, x) for c in self.reads[s]}
+            if s == 0:
+                _, pull = jax.vjp(lambda p: st.apply(p, None, batch), sub(s, arrays))
+                (dp,), dx = pull(x), None
+            else:
+                _, pull = jax.vjp(lambda p, xx: st.apply(p, xx, batch), sub(s, arrays), x_in)
+                dp, dx = pull(x)
+            add_grads(s, dp)
+            x = emit(s, dx)
+        for c in range(lay.n_chunks):  # chunks no stage reads
+            if c not in grads:
+                grads[c] = jnp.zeros((self.shard_size,), cdt)
+                sq[c] = jnp.zeros((), jnp.float32)
+        loss = jax.lax.pmean(loss.astype(jnp.float32), AXIS)
+        return (loss, tuple(grads[c] for c in range(lay.n_chunks)),
+                jnp.stack([sq[c] for c in range(lay.n_chunks)])[None])
+
+    @functools.cached_property
+    def jit_fwd_bwd(self):
+        """jit(shard_map(fwd_bwd)): (params, batch) -> (loss, grad shards (chunk_size,) P("data")
+        each, sq (N, n_chunks) f32 per-rank per-chunk squared norms)."""
+        nc = self.layout.n_chunks
+        pspec = (self._param_spec,) * nc
+        fn = jax.shard_map(self._local_fwd_bwd, mesh=self.mesh, in_specs=(pspec, P(AXIS)),
+                           out_specs=(P(), (P(AXIS),) * nc, P(AXIS)), check_vma=False)
+        return jax.jit(fn, out_shardings=(self._ns(P()), (self._ns(P(AXIS)),) * nc, self._ns(P(AXIS))))
+
+    # ---- the per-chunk update program --------------------------------------------------------
+    def _local_update(self, grad, master, state, sq, c, old_params):
+        """Per-rank update of one chunk's shard. grad, master: (shard_size,); state leaves (1, ...);
+        sq: (1, n_chunks) this rank's squared shard norms; c: () int32 chunk id."""
+        del old_params
+        g_sq_total = jax.lax.psum(jnp.sum(sq), AXIS)
+        state = jax.tree.map(lambda a: a[0], state)
+        o = optim.update_chunk(self.tx, grad, master, state, g_sq_total, sq[0, c], self.compute_dtype)
+        p = o.params
+        if self.stage != 3:  # replicated compute params: all-gather the updated slices
+            p = jax.lax.all_gather(p, AXIS, axis=0, tiled=True)
+        return p, o.master, jax.tree.map(lambda a: a[None], o.opt_state)
+
+    @functools.cached_property
+    def _state_specs(self):
+        st = jax.eval_shape(lambda: optim.init_chunk_state(self.tx, jnp.zeros((self.shard_size,), jnp.float32)))
+        return jax.tree.map(lambda _: P(AXIS), st)
+
+    @functools.cached_property
+    def jit_update(self):
+        """One chunk per call (``c`` traced: one compilation serves all chunks). Master and state
+        in ``state_kind`` memory are moved to the device, updated and moved back (streamed when
+        ``pinned_host``); master, state and the old compute params are donated off the CPU."""
+        dspec = P(AXIS)
+        sspec = self._state_specs
+        body = jax.shard_map(self._local_update, mesh=self.mesh,
+                             in_specs=(dspec, dspec, sspec, dspec, P(), self._param_spec),
+                             out_specs=(self._param_spec, dspec, sspec), check_vma=False)
+        kind = self.state_kind
+        dev_d, k_d = self._ns(dspec), self._ns(dspec, kind)
+        dev_s = jax.tree.map(lambda sp: self._ns(sp), sspec)
+        k_s = jax.tree.map(lambda sp: self._ns(sp, kind), sspec)
+
+        def upd(grad, master, state, sq, c, old_params):
+            if kind != DEVICE:
+                master, state = jax.device_put(master, dev_d), jax.device_put(state, dev_s)
+            p, m, s = body(grad, master, state, sq, c, old_params)
+            if kind != DEVICE:
+                m, s = jax.device_put(m, k_d), jax.device_put(s, k_s)
+            return p, m, s
+
+        ps = self._ns(self._param_spec)
+        donate = (1, 2, 5) if jax.default_backend() != "cpu" else ()
+        return jax.jit(upd, in_shardings=(dev_d, k_d, k_s, dev_d, self._ns(P()), ps),
+                       out_shardings=(ps, k_d, k_s), donate_argnums=donate)
+
+    # ---- state and the step -------------------------------------------------------------------
+    def init(self, params) -> ZeroState:
+        """Chunk a params pytree (float32 or any float dtype) into a sharded :class:`ZeroState`.
+
+        Chunks are packed on the host one at a time and placed with ``NamedSharding`` s; each
+        rank's optimizer state is built by ``tx.init`` on its own shard (inside shard_map)."""
+        lay = self.layout
+        leaves = lay.treedef.flatten_up_to(params)
+        sspec = self._state_specs
+        init_state = jax.jit(jax.shard_map(
+            lambda m: jax.tree.map(lambda a: a[None], optim.init_chunk_state(self.tx, m)),
+            mesh=self.mesh, in_specs=P(AXIS), out_specs=sspec, check_vma=False),
+            out_shardings=jax.tree.map(lambda sp: self._ns(sp, self.state_kind), sspec))
+        ps, ms, os_ = [], [], []
+        for c in range(lay.n_chunks):
+            buf = np.zeros((lay.chunk_size,), np.float32)
+            for s, leaf in zip(lay.slots, leaves):
+                if s.chunk == c:
+                    buf[s.offset:s.offset + s.size] = np.asarray(leaf, np.float32).ravel()
+            m_dev = jax.device_put(buf, self._ns(P(AXIS)))
+            os_.append(init_state(m_dev))
+            ms.append(jax.device_put(m_dev, self._ns(P(AXIS), self.state_kind)))
+            ps.append(jax.device_put(buf.astype(self.compute_dtype), self._ns(self._param_spec)))
+        jax.block_until_ready((ps, ms, os_))
+        return ZeroState(tuple(ps), tuple(ms), tuple(os_))
+
+    def __call__(self, state: ZeroState, batch) -> tuple[ZeroState, dict]:
+        """One training step. batch: int (B, T+1), ``B % N == 0``.
+
+        Raises:
+          ValueError: the batch does not split evenly over the ranks.
+        """
+        if batch.shape[0] % self.n_ranks:
+            raise ValueError(f"batch of {batch.shape[0]} rows does not split over {self.n_ranks} ranks: "
+                             f"use a multiple of {self.n_ranks}")
+        batch = jax.device_put(batch, self._ns(P(AXIS)))
+        loss, grads, sq = self.jit_fwd_bwd(state.params, batch)
+        params, master, opt = list(state.params), list(state.master), list(state.opt_state)
+        for c in range(self.layout.n_chunks):
+            params[c], master[c], opt[c] = self.jit_update(grads[c], master[c], opt[c], sq,
+                                                           jnp.asarray(c, jnp.int32), params[c])
+        return ZeroState(tuple(params), tuple(master), tuple(opt)), {
+            "loss": loss, "grad_norm": jnp.sqrt(jnp.sum(sq))}
+
+    def master_params(self, state: ZeroState):
+        """The float32 master params as a pytree of numpy arrays (gathered to the host)."""
+        return self.layout.unpack([np.asarray(m) for m in state.master])
+
+    def device_bytes(self, state: ZeroState) -> dict[str, dict[Any, int]]:
+        """Bytes each device holds, from ``addressable_shards``: ``{"params": {device: bytes},
+        "master": ..., "opt_state": ...}`` (every memory kind counted)."""
+        out = {}
+        for name, tree in (("params", state.params), ("master", state.master), ("opt_state", state.opt_state)):
+            per = {d: 0 for d in self.mesh.devices.flat}
+            for a in jax.tree.leaves(tree):
+                for sh in a.addressable_shards:
+                    per[sh.device] += sh.data.size * sh.data.dtype.itemsize
+            out[name] = per
+        return out
+
+
+def make_zero_step(stages, layout: ChunkLayout, mesh: Mesh, tx: optax.GradientTransformation, *,
+                   stage: int = 3, compute_dtype=jnp.float32, state_kind: str = DEVICE) -> ZeroStep:
+    """Build a :class:`ZeroStep` (nothing is compiled until first use).
+
+    Args:
+      stages: the model's stages.
+      layout: a layout whose ``chunk_size`` is a multiple of the mesh size
+        (:func:`build_zero_layout`).
+      mesh: 1-D ``"data"`` mesh (:func:`data_mesh`).
+      tx: elementwise optax transformation.
+      stage: ZeRO stage 1, 2 or 3.
+      compute_dtype: compute params / gradient dtype (float32 or bfloat16).
+      state_kind: "device" or "pinned_host" for master params and optimizer state.
+
+    Raises:
+      ValueError: bad stage, mesh, chunk size or memory kind (see :class:`ZeroStep`).
+    """
+    return ZeroStep(tuple(stages), layout, mesh, tx, int(stage), jnp.dtype(compute_dtype), state_kind)

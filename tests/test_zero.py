@@ -1,0 +1,136 @@
+"""ZeRO stages 1/2/3 over chunks on 8 forced CPU devices equal single-device plain optax.
+
+Issue 5, first slice: the micro GPT (2 blocks), batch 8 split over a 1-D ``data`` mesh of 8
+devices, 5 steps of clip + AdamW in float32. Losses and final float32 master params must match
+``jax.value_and_grad(gpt.loss_fn)`` on the full batch + optax on one device; per-device bytes of
+master + optimizer state are 1/8 of the single-device total (plus per-rank scalars) for every
+stage, and the compute params 1/8 for stage 3 (counted from ``addressable_shards``). Fresh random
+params and batches each run (the seed is printed on failure).
+"""
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import chunkjax as cj
+from chunkjax import optim, zero
+from models import gpt
+
+STEPS = 5
+B, T = 8, 16
+N = 8
+
+
+@pytest.fixture(scope="module")
+def setup():
+    assert len(jax.devices()) >= N, "needs XLA_FLAGS=--xla_force_host_platform_device_count=8"
+    seed = int(np.random.default_rng().integers(1 << 30))
+    rng = np.random.default_rng(seed)
+    cfg = gpt.get_config("micro", n_layers=2)
+    params = gpt.init_params(cfg, jax.random.key(seed))
+    # two distinct batches, cycled: step 5 sees step 1's batch again, so the loss must have fallen
+    distinct = [jnp.asarray(rng.integers(0, cfg.vocab_size, (B, T + 1)), jnp.int32) for _ in range(2)]
+    batches = [distinct[i % 2] for i in range(STEPS)]
+    stages = gpt.gpt_stages(cfg)
+    order = cj.first_use_order(lambda p, b: cj.compose_loss(stages, p, b), params, batches[0])
+    # the floor chunk size (the tied embedding) gives 6 chunks: several per stage, one read twice
+    layout = zero.build_zero_layout(params, N, cfg.vocab_size * cfg.d_model, order)
+    ref = _reference(cfg, params, batches, _tx())
+    return dict(seed=seed, cfg=cfg, params=params, batches=batches, stages=stages, layout=layout, ref=ref,
+                mesh=zero.data_mesh(jax.devices()[:N]))
+
+
+def _tx():
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(2e-3, weight_decay=0.1))
+
+
+def _reference(cfg, params, batches, tx):
+    """Single device, full batch, plain optax, float32 compute."""
+    @jax.jit
+    def step(p, o, b):
+        l, g = jax.value_and_grad(lambda p: gpt.loss_fn(cfg, p, b))(p)
+        u, o = tx.update(g, o, p)
+        return optax.apply_updates(p, u), o, l
+
+    p, o, losses = params, tx.init(params), []
+    for b in batches:
+        p, o, l = step(p, o, b)
+        losses.append(float(l))
+    return p, np.asarray(losses)
+
+
+@pytest.mark.parametrize("stage,state_kind", [(1, "device"), (2, "device"), (3, "device"), (3, "pinned_host")])
+def test_zero_matches_single_device(setup, stage, state_kind):
+    lay, seed = setup["layout"], setup["seed"]
+    step = zero.make_zero_step(setup["stages"], lay, setup["mesh"], _tx(), stage=stage, state_kind=state_kind)
+    state = step.init(setup["params"])
+    losses = []
+    for b in setup["batches"]:
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
+    ref_params, ref_losses = setup["ref"]
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, err_msg=f"seed {seed}")
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(step.master_params(state)),
+                            jax.tree.leaves(ref_params)):
+        a, b = np.asarray(a), np.asarray(b)
+        rel = np.linalg.norm(a - b) / np.linalg.norm(b)
+        assert rel < 1e-5, (jax.tree_util.keystr(path), rel, seed)
+    assert losses[-1] < losses[0]
+
+    # ---- per-device bytes, from addressable_shards --------------------------------------------
+    nb = step.device_bytes(state)
+    total_master = lay.n_chunks * lay.chunk_size * 4
+    total_state = lay.n_chunks * optim.state_bytes_per_chunk(_tx(), lay.chunk_size)
+    total_params = lay.n_chunks * lay.chunk_size * np.dtype(step.compute_dtype).itemsize
+    shard_state = lay.n_chunks * optim.state_bytes_per_chunk(_tx(), lay.chunk_size // N)
+    for d in setup["mesh"].devices.flat:
+        assert nb["master"][d] == total_master // N
+        assert nb["opt_state"][d] == shard_state  # per shard: moments of chunk_size/N + scalars
+        assert nb["opt_state"][d] <= total_state / N * 1.001
+        assert nb["params"][d] == (total_params // N if stage == 3 else total_params)
+    for m in state.master:
+        assert m.sharding.memory_kind == state_kind
+        assert {s.data.shape for s in m.addressable_shards} == {(lay.chunk_size // N,)}
+    for leaf in jax.tree.leaves(state.opt_state):
+        assert leaf.sharding.memory_kind == state_kind
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_collectives_issued(setup, stage):
+    """The program issues XLA collectives chunk by chunk: stage 3 all-gathers every chunk a stage
+    reads before the forward and again before the backward recompute; stages 2/3 reduce-scatter
+    and stage 1 all-reduces each gradient chunk once (jaxpr of the jitted step, nothing run)."""
+    lay = setup["layout"]
+    step = zero.make_zero_step(setup["stages"], lay, setup["mesh"], _tx(), stage=stage)
+    pspec = zero.P(zero.AXIS) if stage == 3 else zero.P()
+    params = tuple(jax.ShapeDtypeStruct((lay.chunk_size,), jnp.float32, sharding=step._ns(pspec))
+                   for _ in range(lay.n_chunks))
+    batch = jax.ShapeDtypeStruct((B, T + 1), jnp.int32, sharding=step._ns(zero.P(zero.AXIS)))
+    text = str(jax.make_jaxpr(step.jit_fwd_bwd)(params, batch))
+    count = lambda prim: len(re.findall(rf"\b{prim}\[", text))  # noqa: E731
+    n_read = len({c for r in step.reads for c in r})
+    fwd = sum(len(r) for r in step.reads)
+    bwd = sum(len(r) for r in step.reads[:-1])  # the head's backward is fused with its forward
+    assert count("all_gather") == (fwd + bwd if stage == 3 else 0)
+    assert count("reduce_scatter") == (n_read if stage != 1 else 0)
+    assert count("psum") == (n_read if stage == 1 else 0) + 1  # + the loss's pmean
+
+
+def test_layout_padding_and_errors(setup):
+    params, stages, mesh = setup["params"], setup["stages"], setup["mesh"]
+    lay3 = zero.build_zero_layout(params, 3, 33000)  # 33000 -> 33024 = 86 * lcm(3, 128)
+    assert lay3.chunk_size == 33024
+    assert lay3.chunk_size >= max(s.size for s in lay3.slots)
+    bad = cj.build_layout(params, setup["layout"].chunk_size + 4)
+    with pytest.raises(ValueError, match="not a multiple"):
+        zero.make_zero_step(stages, bad, mesh, _tx())
+    with pytest.raises(ValueError, match="stage must be"):
+        zero.make_zero_step(stages, setup["layout"], mesh, _tx(), stage=4)
+    with pytest.raises(ValueError, match="memory kind|state_kind"):
+        zero.make_zero_step(stages, setup["layout"], mesh, _tx(), state_kind="disk")
+    step = zero.make_zero_step(stages, setup["layout"], mesh, _tx())
+    with pytest.raises(ValueError, match="does not split"):
+        step(None, jnp.zeros((N + 1, T + 1), jnp.int32))
