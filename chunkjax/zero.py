@@ -313,6 +313,31 @@ class ZeroStep:
         return jax.jit(upd, in_shardings=(dev_d, k_d, k_s, dev_d, self._ns(P()), ps),
                        out_shardings=(ps, k_d, k_s), donate_argnums=donate)
 
+    # ---- communication ------------------------------------------------------------------------
+    def comm_bytes_per_step(self) -> dict[str, int]:
+        """Bytes one rank sends per step, by collective, for ring algorithms (what NCCL uses for
+        large messages): an all-gather or a reduce-scatter of a C-byte chunk moves ``(N-1)/N * C``
+        per rank, an all-reduce ``2 (N-1)/N * C``. Gradients travel in the compute dtype; the
+        scalar reductions (loss, squared norms) are left out.
+
+        Returns ``{"all_gather": bytes, "reduce_scatter": bytes, "all_reduce": bytes, "total": bytes}``.
+        Stage 3 gathers each stage's chunks in the forward and again in the backward recompute
+        (not the head's, fused); stages 1/2 gather every chunk once after the update.
+        """
+        n, lay = self.n_ranks, self.layout
+        cb = lay.chunk_size * np.dtype(self.compute_dtype).itemsize
+        part = lambda k: (k * (n - 1) * cb) // n  # noqa: E731
+        read = len({c for r in self.reads for c in r})
+        if self.stage == 3:
+            gathers = sum(len(r) for r in self.reads) + sum(len(r) for r in self.reads[:-1])
+        else:
+            gathers = lay.n_chunks
+        out = {"all_gather": part(gathers),
+               "reduce_scatter": part(read) if self.stage != 1 else 0,
+               "all_reduce": 2 * part(read) if self.stage == 1 else 0}
+        out["total"] = sum(out.values())
+        return out
+
     # ---- state and the step -------------------------------------------------------------------
     def init(self, params) -> ZeroState:
         """Chunk a params pytree (float32 or any float dtype) into a sharded :class:`ZeroState`.
