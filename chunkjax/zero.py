@@ -28,13 +28,19 @@ norms, handed to each shard's update through :mod:`chunkjax.optim`'s rest-of-mod
 
 A step is two kinds of jitted program: ``fwd_bwd`` (one shard_map program: gathers, forward,
 backward with per-stage recompute, reduce of gradients) and ``update`` (one shard_map program per
-chunk, one compilation for all chunks, as :class:`chunkjax.runtime.ChunkedStep`'s device update).
-Master params and optimizer state may live in ``pinned_host`` memory (``state_kind``): the
-per-chunk update then moves that chunk's shard to the device, updates it and moves it back
-(*streamed*, one chunk's shard on the device at a time).
+chunk, one compilation per (param kind, state kind) serving all chunks, as
+:class:`chunkjax.runtime.ChunkedStep`'s device update).
 
-Not yet here (issue 5): the schedule's per-moment fetch/eviction of host-resident compute params
-and host (numba) updates, multi-host ``jax.distributed``, per-rank plan accounting.
+Memory kinds follow a :class:`chunkjax.Placement` (per chunk): the sharded master params and
+optimizer state of a ``pinned_host`` chunk stay in pinned host memory and its update is
+*streamed* (that chunk's shard moved to the device, updated, moved back, one chunk per call);
+``pinned_host`` compute params (each rank's shard in stage 3, the replicated chunk in stages 1/2)
+are fetched inside the program with ``device_put(optimization_barrier((anchor, shard))[1],
+Space.Device)`` (the runtime's rule 1), then all-gathered. Gradient shards leave ``fwd_bwd`` on
+the device (1/N of a chunk each) and go to the update from there.
+
+Not yet here (issue 5): the schedule's per-moment fetch/eviction (fetch distance, Belady) and
+host (numba) updates, multi-host ``jax.distributed``, per-rank plan accounting.
 """
 from __future__ import annotations
 
@@ -52,7 +58,8 @@ from jax.sharding import PartitionSpec as P
 
 from chunkjax import optim
 from chunkjax.layout import CHUNK_ALIGN_ELEMS, ChunkLayout, build_layout, search_chunk_size
-from chunkjax.memory import DEVICE, MEMORY_KINDS, PINNED_HOST
+from chunkjax.memory import DEVICE, PINNED_HOST
+from chunkjax.plan import Placement
 
 #: Name of the data-parallel mesh axis.
 AXIS = "data"
@@ -90,12 +97,13 @@ class ZeroState(NamedTuple):
 
     Attributes:
       params: per chunk, compute-dtype params: stage 3: (chunk_size,) sharded ``P("data")`` (each
-        rank chunk_size/N elements); stages 1/2: (chunk_size,) replicated ``P()``.
-      master: per chunk, (chunk_size,) float32 sharded ``P("data")``, in ``state_kind`` memory.
+        rank chunk_size/N elements); stages 1/2: (chunk_size,) replicated ``P()``; in
+        ``placement.param_kinds[c]`` memory.
+      master: per chunk, (chunk_size,) float32 sharded ``P("data")``, in ``placement.state_kinds[c]``.
       opt_state: per chunk, the optax state of each rank's shard, every leaf given a leading rank
         axis: a leaf of per-shard shape ``s`` is a global (N, *s) array sharded ``P("data")``
         (per-rank scalars such as the step count become (N,); the rest-of-model leaf's moments
-        differ per rank, which is why the axis is kept), in ``state_kind`` memory.
+        differ per rank, which is why the axis is kept), in ``placement.state_kinds[c]``.
     """
 
     params: tuple
@@ -125,7 +133,7 @@ class ZeroStep:
       tx: an elementwise optax transformation (as :mod:`chunkjax.optim`).
       stage: ZeRO stage, 1, 2 or 3.
       compute_dtype: dtype of compute params and of the gradients communicated.
-      state_kind: memory kind of master params and optimizer state ("device" or "pinned_host").
+      placement: per chunk, memory kind of compute params and of master + optimizer state.
     """
 
     stages: tuple
@@ -134,7 +142,7 @@ class ZeroStep:
     tx: optax.GradientTransformation
     stage: int = 3
     compute_dtype: Any = jnp.float32
-    state_kind: str = DEVICE
+    placement: Placement | None = None
 
     def __post_init__(self):
         if self.stage not in (1, 2, 3):
@@ -144,8 +152,10 @@ class ZeroStep:
         if self.layout.chunk_size % self.n_ranks:
             raise ValueError(f"chunk_size={self.layout.chunk_size} is not a multiple of the {self.n_ranks} "
                              f"ranks: build the layout with chunkjax.zero.build_zero_layout")
-        if self.state_kind not in MEMORY_KINDS:
-            raise ValueError(f"state_kind {self.state_kind!r} is not one of {MEMORY_KINDS}")
+        if self.placement is None:
+            object.__setattr__(self, "placement", Placement.uniform(self.layout.n_chunks, DEVICE, DEVICE))
+        if self.placement.n_chunks != self.layout.n_chunks:
+            raise ValueError(f"placement has {self.placement.n_chunks} chunks, layout {self.layout.n_chunks}")
 
     # ---- static structure ------------------------------------------------------------------
     @property
@@ -169,6 +179,19 @@ class ZeroStep:
                 out.setdefault(c, s)
         return out
 
+    def backward_reads(self, batch) -> tuple[tuple[int, ...], ...]:
+        """Per stage, the chunks whose *values* its backward needs (``chunkjax.trace.backward_reads``
+        on one rank's batch slice): only these are gathered again (an embedding lookup's gradient
+        needs no parameter values). ``batch``: the global (B, T+1) array or its shape/dtype."""
+        loc = jax.ShapeDtypeStruct((batch.shape[0] // self.n_ranks,) + tuple(batch.shape[1:]), batch.dtype)
+        key = (loc.shape, str(loc.dtype))
+        cache = self.__dict__.setdefault("_bwd_reads", {})
+        if key not in cache:
+            from chunkjax.trace import backward_reads, stage_inputs
+            ins = stage_inputs(self.stages, self.layout, loc, self.compute_dtype)
+            cache[key] = tuple(backward_reads(st, self.layout, p, x, loc) for st, (p, x) in zip(self.stages, ins))
+        return cache[key]
+
     def _ns(self, spec, kind=DEVICE) -> NamedSharding:
         return NamedSharding(self.mesh, spec, memory_kind=kind)
 
@@ -188,11 +211,17 @@ class ZeroStep:
 
         def gather(c, anchor):
             p = params[c]
-            if self.stage != 3:
+            host = self.placement.param_kinds[c] == PINNED_HOST
+            if self.stage != 3 and not host:
                 return p
             # tie to the activation/cotangent: no hoisting to the program start, no CSE between the
             # forward and the backward gather
-            return jax.lax.all_gather(_barrier(anchor, p), AXIS, axis=0, tiled=True)
+            p = _barrier(anchor, p)
+            if host:  # fetch this rank's shard (stage 3) or the chunk (stages 1/2)
+                p = jax.device_put(p, jax.memory.Space.Device)
+            if self.stage != 3:
+                return p
+            return jax.lax.all_gather(p, AXIS, axis=0, tiled=True)
 
         def sub(s, arrays):
             return lay.unpack_subtree(arrays, self.stages[s].param_keys)
@@ -236,11 +265,13 @@ class ZeroStep:
                 dp, dx = pull(jnp.full_like(loss, scale))
                 add_grads(s, dp)
                 x = emit(s, dx)
-        # backward: re-gather, recompute, vjp
+        # backward: re-gather (only chunks whose values the gradient needs), recompute, vjp
+        bwd_reads = self.backward_reads(batch)
         for s in range(n - 2, -1, -1):
             st = self.stages[s]
             x, x_in = jax.lax.optimization_barrier((x, saved.pop(s)))
-            arrays = {c: gather(c, x) for c in self.reads[s]}
+            arrays = {c: gather(c, x) if c in bwd_reads[s] else jnp.zeros((lay.chunk_size,), cdt)
+                      for c in self.reads[s]}
             if s == 0:
                 _, pull = jax.vjp(lambda p: st.apply(p, None, batch), sub(s, arrays))
                 (dp,), dx = pull(x), None
@@ -265,7 +296,12 @@ class ZeroStep:
         pspec = (self._param_spec,) * nc
         fn = jax.shard_map(self._local_fwd_bwd, mesh=self.mesh, in_specs=(pspec, P(AXIS)),
                            out_specs=(P(), (P(AXIS),) * nc, P(AXIS)), check_vma=False)
-        return jax.jit(fn, out_shardings=(self._ns(P()), (self._ns(P(AXIS)),) * nc, self._ns(P(AXIS))))
+        return jax.jit(fn, in_shardings=(self._param_shardings, self._ns(P(AXIS))),
+                       out_shardings=(self._ns(P()), (self._ns(P(AXIS)),) * nc, self._ns(P(AXIS))))
+
+    @functools.cached_property
+    def _param_shardings(self):
+        return tuple(self._ns(self._param_spec, k) for k in self.placement.param_kinds)
 
     # ---- the per-chunk update program --------------------------------------------------------
     def _local_update(self, grad, master, state, sq, c, old_params):
@@ -286,50 +322,59 @@ class ZeroStep:
         return jax.tree.map(lambda _: P(AXIS), st)
 
     @functools.cached_property
-    def jit_update(self):
-        """One chunk per call (``c`` traced: one compilation serves all chunks). Master and state
-        in ``state_kind`` memory are moved to the device, updated and moved back (streamed when
-        ``pinned_host``); master, state and the old compute params are donated off the CPU."""
+    def jit_update(self) -> dict:
+        """``{(param_kind, state_kind): jitted update}``: one chunk per call (``c`` traced: one
+        compilation serves all chunks of a kind pair). Master and state in ``pinned_host`` are
+        moved to the device, updated and moved back (streamed); the new compute params go to
+        ``param_kind``; master, state and the old compute params are donated off the CPU."""
+        return {(pk, sk): self._make_update(pk, sk)
+                for pk, sk in set(zip(self.placement.param_kinds, self.placement.state_kinds))}
+
+    def _make_update(self, param_kind, state_kind):
         dspec = P(AXIS)
         sspec = self._state_specs
         body = jax.shard_map(self._local_update, mesh=self.mesh,
                              in_specs=(dspec, dspec, sspec, dspec, P(), self._param_spec),
                              out_specs=(self._param_spec, dspec, sspec), check_vma=False)
-        kind = self.state_kind
-        dev_d, k_d = self._ns(dspec), self._ns(dspec, kind)
+        dev_d, k_d = self._ns(dspec), self._ns(dspec, state_kind)
         dev_s = jax.tree.map(lambda sp: self._ns(sp), sspec)
-        k_s = jax.tree.map(lambda sp: self._ns(sp, kind), sspec)
+        k_s = jax.tree.map(lambda sp: self._ns(sp, state_kind), sspec)
+        dev_p, k_p = self._ns(self._param_spec), self._ns(self._param_spec, param_kind)
 
         def upd(grad, master, state, sq, c, old_params):
-            if kind != DEVICE:
+            if state_kind != DEVICE:
                 master, state = jax.device_put(master, dev_d), jax.device_put(state, dev_s)
+            if param_kind != DEVICE:
+                old_params = jax.device_put(old_params, dev_p)
             p, m, s = body(grad, master, state, sq, c, old_params)
-            if kind != DEVICE:
+            if state_kind != DEVICE:
                 m, s = jax.device_put(m, k_d), jax.device_put(s, k_s)
+            if param_kind != DEVICE:
+                p = jax.device_put(p, k_p)
             return p, m, s
 
-        ps = self._ns(self._param_spec)
         donate = (1, 2, 5) if jax.default_backend() != "cpu" else ()
-        return jax.jit(upd, in_shardings=(dev_d, k_d, k_s, dev_d, self._ns(P()), ps),
-                       out_shardings=(ps, k_d, k_s), donate_argnums=donate)
+        return jax.jit(upd, in_shardings=(dev_d, k_d, k_s, dev_d, self._ns(P()), k_p),
+                       out_shardings=(k_p, k_d, k_s), donate_argnums=donate)
 
     # ---- communication ------------------------------------------------------------------------
-    def comm_bytes_per_step(self) -> dict[str, int]:
+    def comm_bytes_per_step(self, batch) -> dict[str, int]:
         """Bytes one rank sends per step, by collective, for ring algorithms (what NCCL uses for
         large messages): an all-gather or a reduce-scatter of a C-byte chunk moves ``(N-1)/N * C``
         per rank, an all-reduce ``2 (N-1)/N * C``. Gradients travel in the compute dtype; the
         scalar reductions (loss, squared norms) are left out.
 
         Returns ``{"all_gather": bytes, "reduce_scatter": bytes, "all_reduce": bytes, "total": bytes}``.
-        Stage 3 gathers each stage's chunks in the forward and again in the backward recompute
-        (not the head's, fused); stages 1/2 gather every chunk once after the update.
+        Stage 3 gathers each stage's chunks in the forward and, in the backward recompute, those
+        of :meth:`backward_reads` (``batch``: the global batch or its shape; the head's backward is
+        fused with its forward); stages 1/2 gather every chunk once after the update.
         """
         n, lay = self.n_ranks, self.layout
         cb = lay.chunk_size * np.dtype(self.compute_dtype).itemsize
         part = lambda k: (k * (n - 1) * cb) // n  # noqa: E731
         read = len({c for r in self.reads for c in r})
         if self.stage == 3:
-            gathers = sum(len(r) for r in self.reads) + sum(len(r) for r in self.reads[:-1])
+            gathers = sum(len(r) for r in self.reads) + sum(len(r) for r in self.backward_reads(batch)[:-1])
         else:
             gathers = lay.n_chunks
         out = {"all_gather": part(gathers),
@@ -350,17 +395,19 @@ class ZeroStep:
         init_state = jax.jit(jax.shard_map(
             lambda m: jax.tree.map(lambda a: a[None], optim.init_chunk_state(self.tx, m)),
             mesh=self.mesh, in_specs=P(AXIS), out_specs=sspec, check_vma=False),
-            out_shardings=jax.tree.map(lambda sp: self._ns(sp, self.state_kind), sspec))
+            out_shardings=jax.tree.map(lambda sp: self._ns(sp), sspec))
         ps, ms, os_ = [], [], []
         for c in range(lay.n_chunks):
             buf = np.zeros((lay.chunk_size,), np.float32)
             for s, leaf in zip(lay.slots, leaves):
                 if s.chunk == c:
                     buf[s.offset:s.offset + s.size] = np.asarray(leaf, np.float32).ravel()
+            sk = self.placement.state_kinds[c]
             m_dev = jax.device_put(buf, self._ns(P(AXIS)))
-            os_.append(init_state(m_dev))
-            ms.append(jax.device_put(m_dev, self._ns(P(AXIS), self.state_kind)))
-            ps.append(jax.device_put(buf.astype(self.compute_dtype), self._ns(self._param_spec)))
+            os_.append(jax.device_put(init_state(m_dev), jax.tree.map(lambda sp: self._ns(sp, sk), sspec)))
+            ms.append(jax.device_put(m_dev, self._ns(P(AXIS), sk)))
+            del m_dev
+            ps.append(jax.device_put(buf.astype(self.compute_dtype), self._param_shardings[c]))
         jax.block_until_ready((ps, ms, os_))
         return ZeroState(tuple(ps), tuple(ms), tuple(os_))
 
@@ -376,9 +423,10 @@ class ZeroStep:
         batch = jax.device_put(batch, self._ns(P(AXIS)))
         loss, grads, sq = self.jit_fwd_bwd(state.params, batch)
         params, master, opt = list(state.params), list(state.master), list(state.opt_state)
+        pl = self.placement
         for c in range(self.layout.n_chunks):
-            params[c], master[c], opt[c] = self.jit_update(grads[c], master[c], opt[c], sq,
-                                                           jnp.asarray(c, jnp.int32), params[c])
+            fn = self.jit_update[(pl.param_kinds[c], pl.state_kinds[c])]
+            params[c], master[c], opt[c] = fn(grads[c], master[c], opt[c], sq, jnp.asarray(c, jnp.int32), params[c])
         return ZeroState(tuple(params), tuple(master), tuple(opt)), {
             "loss": loss, "grad_norm": jnp.sqrt(jnp.sum(sq))}
 
@@ -400,7 +448,8 @@ class ZeroStep:
 
 
 def make_zero_step(stages, layout: ChunkLayout, mesh: Mesh, tx: optax.GradientTransformation, *,
-                   stage: int = 3, compute_dtype=jnp.float32, state_kind: str = DEVICE) -> ZeroStep:
+                   stage: int = 3, compute_dtype=jnp.float32, placement: Placement | None = None,
+                   param_kind: str = DEVICE, state_kind: str = DEVICE) -> ZeroStep:
     """Build a :class:`ZeroStep` (nothing is compiled until first use).
 
     Args:
@@ -411,9 +460,13 @@ def make_zero_step(stages, layout: ChunkLayout, mesh: Mesh, tx: optax.GradientTr
       tx: elementwise optax transformation.
       stage: ZeRO stage 1, 2 or 3.
       compute_dtype: compute params / gradient dtype (float32 or bfloat16).
-      state_kind: "device" or "pinned_host" for master params and optimizer state.
+      placement: per-chunk memory kinds (a :class:`chunkjax.Placement`); when omitted, every chunk
+        gets ``param_kind`` for its compute params and ``state_kind`` for master + state.
+      param_kind, state_kind: "device" or "pinned_host" (used only without ``placement``).
 
     Raises:
-      ValueError: bad stage, mesh, chunk size or memory kind (see :class:`ZeroStep`).
+      ValueError: bad stage, mesh, chunk size, placement or memory kind (see :class:`ZeroStep`).
     """
-    return ZeroStep(tuple(stages), layout, mesh, tx, int(stage), jnp.dtype(compute_dtype), state_kind)
+    if placement is None:
+        placement = Placement.uniform(layout.n_chunks, param_kind, state_kind)
+    return ZeroStep(tuple(stages), layout, mesh, tx, int(stage), jnp.dtype(compute_dtype), placement)
