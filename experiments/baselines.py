@@ -12,17 +12,19 @@ trained (MaxText's default ``scan_layers=True``, Levanter, ``carry/plain_jax_gpt
 backward pass is then a loop whose every iteration recomputes one block and takes its gradients,
 so the compiled program saves one block input per layer plus one block's temporaries, whatever
 XLA's scheduler does. The unrolled form (``gpt.loss_fn``: a Python loop over blocks, each under
-``jax.checkpoint``) leaves the order to the scheduler, and the GPU's latency-hiding scheduler
-defers each block's weight-gradient matmuls towards the end of the program whenever asynchronous
-copies follow them (the gradients' device -> pinned_host copies of zero_offload_style, the state
-copies of maxtext_style), keeping every block's recomputed activations and incoming gradients
-alive (openxla/xla#45753, #45929; jax-ml/jax#20763). That compiled GPT3_6B at batch 32 x 1024 to
-155 GB of temporaries for zero_offload_style and 126 GB for maxtext_style on the H200
-(``experiments/results/bench_s3c_gpt3_6b_24g_static.json``); on the CPU backend the unrolled
-form's recompute is merged into the forward pass outright (XLA:CPU drops the optimization
-barriers before scheduling), so temporaries grow by whole blocks' internals per layer there too
-(tests/test_bench.py checks the growth per layer of every baseline's compiled program).
-:func:`reference_losses` still uses the unrolled ``gpt.loss_fn`` (the same mathematics).
+``jax.checkpoint``) leaves the order to the scheduler. The GPU's latency-hiding scheduler is
+known to defer the weight-gradient matmuls of an unrolled backward pass towards the end of the
+program when asynchronous work depends on them (here: the gradients' device -> pinned_host copies
+of zero_offload_style, the state copies of maxtext_style), which keeps every block's recomputed
+activations and incoming gradients alive (openxla/xla#45753 and #45929: 290 GB unrolled vs 62 GB
+scanned for MaxText Llama3-8B; jax-ml/jax#20763). With the unrolled form GPT3_6B at batch
+32 x 1024 compiled to 155 GB of temporaries for zero_offload_style and 126 GB for maxtext_style
+on the H200 (``experiments/results/bench_s3c_gpt3_6b_24g_static.json``; plain_jax, with no
+asynchronous copies, compiled as expected on GPT2_1B). On the CPU backend the unrolled form's
+recompute is scheduled into the forward pass (XLA:CPU removes the optimization barriers before
+scheduling), so the temporaries grow by whole blocks' internals per layer there too:
+tests/test_bench.py checks every baseline's growth of compiled temporaries per layer on the CPU.
+The unrolled form stays available as :func:`loss_and_grads` (the same mathematics: tested).
 
 ``plain_jax``
     Everything on the device; one ``jax.jit`` step (value_and_grad + optax update), state donated.
@@ -32,8 +34,8 @@ barriers before scheduling), so temporaries grow by whole blocks' internals per 
     params first, for the bf16 compute copies; the optimizer state after the backward pass, as
     MaxText's train step does), runs the forward/backward and the update there, and moves the
     results back to ``pinned_host`` (how MaxText offloads parameters and optimizer state). Output
-    shardings are ``pinned_host``. The whole fp32 master and Adam state are on the device during
-    the update (16 B/param), as in MaxText.
+    shardings are ``pinned_host``. The whole fp32 master and Adam state (12 B/param) are on the
+    device during the update, as in MaxText.
 ``zero_offload_style``
     bf16 compute params live on the device (the blocks' leaves stacked along the layer axis, as
     the scanned program takes them); fp32 master params and optimizer state are arrays of the JAX
@@ -84,8 +86,10 @@ def to_compute(master):
 
 
 def loss_and_grads(cfg: gpt.GPTConfig, compute_params, batch):
-    """``(loss float32 scalar, grads)`` of ``gpt.loss_fn`` with respect to the compute params
-    (grads have the compute params' dtype and structure)."""
+    """``(loss float32 scalar, grads)`` of the unrolled ``gpt.loss_fn`` (a Python loop over the
+    blocks, each under ``jax.checkpoint``) with respect to the compute params (grads have the
+    compute params' dtype and structure). The same mathematics as
+    :func:`scanned_loss_and_grads`, which the baselines run (see the module docstring for why)."""
     return jax.value_and_grad(lambda p: gpt.loss_fn(cfg, p, batch))(compute_params)
 
 
@@ -138,7 +142,9 @@ def scanned_loss_and_grads(cfg: gpt.GPTConfig, compute_params: dict, batch):
 
 def reference_losses(cfg: gpt.GPTConfig, key: jax.Array, batches) -> tuple[list[float], dict]:
     """The plain optax reference the baselines must reproduce: for each batch, the loss of the
-    bf16 compute copies, then ``optax.adamw(1e-4)`` on the fp32 master params.
+    bf16 compute copies (:func:`scanned_loss_and_grads`, the baselines' formulation; that it
+    equals the unrolled ``gpt.loss_fn`` is tested separately), then ``optax.adamw(1e-4)`` on the
+    fp32 master params.
 
     Returns ``(losses, final fp32 master params)``. Runs on the default device; the initial
     params are ``jax.jit(gpt.init_params)``'s (which :func:`init_master_piecewise` reproduces).
@@ -146,7 +152,7 @@ def reference_losses(cfg: gpt.GPTConfig, key: jax.Array, batches) -> tuple[list[
     tx = make_optimizer()
     master = jax.jit(gpt.init_params, static_argnums=0)(cfg, key)
     opt = tx.init(master)
-    grad_fn = jax.jit(lambda p, b: loss_and_grads(cfg, p, b))
+    grad_fn = jax.jit(lambda p, b: scanned_loss_and_grads(cfg, p, b))
 
     @jax.jit
     def update(grads, opt, master):
@@ -516,9 +522,9 @@ class ZeroOffloadStyle(BaselineSystem):
     - ``"direct"``: ``jax.device_put(cpu_array, device)`` (~1 GB/s on the H200 machine).
 
     Leaf by leaf keeps the host's transient copies to one device leaf (at most one stacked block
-    leaf: 4.0 GB of bf16 for GPT3_6B's ``mlp_c_fc``, plus its staging copy; a whole-tree update
-    would hold the bf16 copy and its staging copy of every parameter at once: 25 GB more for
-    GPT3_6B). Each master leaf has its own AdamW state (its own step count, all equal), which is
+    leaf: its gradient, its new bf16 values and their staging copy, 4.0 GB each for GPT3_6B's
+    ``mlp_c_fc``; a whole-tree update would hold the bf16 copy and its staging copy of every
+    parameter at once: 25 GB more for GPT3_6B). Each master leaf has its own AdamW state (its own step count, all equal), which is
     the whole-tree update for an elementwise optimizer. The phases run one after another (no
     overlap); ``last_timings`` sums each phase over the leaves and ``last_update_s`` is the CPU
     update time.
@@ -550,6 +556,7 @@ class ZeroOffloadStyle(BaselineSystem):
         self.abstract_params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, COMPUTE_DTYPE),
                                             stack_blocks(self.abstract_master, cfg.n_layers))
         self._params_treedef = jax.tree.structure(self.abstract_params)
+        self._param_leaves = jax.tree.leaves(self.abstract_params)
         self._groups = self._leaf_groups()
         self._update = None
 
@@ -609,13 +616,17 @@ class ZeroOffloadStyle(BaselineSystem):
             return jax.device_put(np.asarray(a), self.dev_sh)
         return jax.device_put(jax.device_put(np.asarray(a), self.host_sh), self.dev_sh)
 
-    @staticmethod
-    def _joined(pieces, group):
-        """The device leaf's host value from its layers' new bf16 leaves (numpy stack when
-        stacked; the one leaf otherwise)."""
+    def _host_leaf(self, k: int, leaf_fn: Callable):
+        """The host value of device leaf ``k``: ``leaf_fn(master index, layer)`` (a bf16 CPU-backend
+        array) for a plain leaf; for a stacked block leaf, each layer's ``leaf_fn`` result written
+        into one numpy buffer (L, ...), one layer at a time."""
+        group = self._groups[k]
         if group[0][1] is None:
-            return pieces[0]
-        return np.stack([np.asarray(c) for c in pieces])
+            return leaf_fn(*group[0])
+        out = np.empty(self._param_leaves[k].shape, np.dtype(COMPUTE_DTYPE))
+        for i, layer in group:
+            out[layer] = np.asarray(leaf_fn(i, layer))
+        return out
 
     def _to_cpu(self, tree):
         return jax.tree.map(lambda a: jax.device_put(a, self.cpu_sh), tree)
@@ -635,8 +646,8 @@ class ZeroOffloadStyle(BaselineSystem):
         cast = jax.jit(lambda a: a.astype(COMPUTE_DTYPE))
         masters = jax.tree.leaves(master)
         params = []
-        for group in self._groups:
-            params.append(self._leaf_to_device(self._joined([cast(masters[i]) for i, _ in group], group)))
+        for k in range(len(self._groups)):
+            params.append(self._leaf_to_device(self._host_leaf(k, lambda i, _: cast(masters[i]))))
             jax.block_until_ready(params[-1])
         return {"params": jax.tree.unflatten(self._params_treedef, params), "master": master, "opt": opt}
 
@@ -657,22 +668,22 @@ class ZeroOffloadStyle(BaselineSystem):
         masters, opts = list(jax.tree.leaves(state["master"])), list(state["opt"])
         params = []
         t_d2h = t_upd = t_h2d = 0.0
-        for group, g in zip(self._groups, jax.tree.leaves(grads)):
+        for k, g in enumerate(jax.tree.leaves(grads)):
             t0 = time.perf_counter()
             g_cpu = jax.device_put(g, self.cpu_sh)
-            g_layers = [g_cpu if layer is None else g_cpu[layer] for _, layer in group]
-            jax.block_until_ready(g_layers)
+            jax.block_until_ready(g_cpu)
             t1 = time.perf_counter()
-            pieces = []
-            for (i, _), g_i in zip(group, g_layers):
-                masters[i], opts[i], c = update(masters[i], opts[i], g_i)
-                pieces.append(c)
-            jax.block_until_ready(pieces)
+
+            def leaf_update(i, layer):
+                masters[i], opts[i], c = update(masters[i], opts[i], g_cpu if layer is None else g_cpu[layer])
+                return jax.block_until_ready(c)
+
+            host = self._host_leaf(k, leaf_update)
             t2 = time.perf_counter()
-            p = self._leaf_to_device(self._joined(pieces, group))
+            p = self._leaf_to_device(host)
             jax.block_until_ready(p)
             t3 = time.perf_counter()
-            del g_cpu, g_layers, pieces
+            del g_cpu, host
             t_d2h, t_upd, t_h2d = t_d2h + t1 - t0, t_upd + t2 - t1, t_h2d + t3 - t2
             params.append(p)
         del grads

@@ -25,7 +25,7 @@ from experiments import gpu_measure as gm
 from models import gpt
 
 CFG = gpt.get_config("micro")
-BATCH, SEQ = 4, 32
+BATCH, SEQ = 8, 128  # activations outweigh a block's params: the per-layer memory test below can tell
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -96,6 +96,7 @@ def test_baseline_matches_plain_optax_reference(name, subprocesses):
         assert system.last_update_s is not None and system.last_update_s > 0
         assert set(system.last_timings) == {"fwd_bwd_s", "d2h_s", "update_s", "h2d_s"}
         assert jax.tree.leaves(state["params"])[0].dtype == jnp.bfloat16
+        assert state["params"]["blocks"]["mlp_c_fc"]["kernel"].shape == (CFG.n_layers, 64, 256)  # stacked
 
     ref_losses, ref_master = _reference(subprocesses)
     # same math, separately compiled programs: bf16 compute tolerance
@@ -105,6 +106,86 @@ def test_baseline_matches_plain_optax_reference(name, subprocesses):
     assert len(leaves) == len(ref_master)
     for a, r in zip(leaves, ref_master):
         np.testing.assert_allclose(np.asarray(a), r, rtol=0, atol=1e-5)
+
+
+def test_baseline_memory_per_layer_is_one_saved_block_input():
+    """A block more may cost its saved input and its params' bf16 copies, never its internals.
+
+    Compiled temp bytes of the baselines' steps on micro with 2 and with 4 blocks (4: compiled
+    by the test above). Per extra block a step holds the saved block input (B, T, h) bf16 and
+    the block's bf16 gradient (and, for plain_jax and maxtext_style, its bf16 compute copy); on
+    the CPU, XLA runs bf16 arithmetic in f32, so the backward loop carries the input stack and
+    the gradient accumulators in f32 (measured: 2 inputs + 2 param sizes per block for
+    zero_offload_style, 2 + 3 for plain_jax). Allowed: 3 inputs + 4 param sizes (787 KB). The
+    unrolled ``gpt.loss_fn`` the baselines ran before grew by 12.7 MB per block here (the
+    blocks' attention scores and activations kept alive; on the H200 the unrolled step compiled
+    to 155 GB of temporaries for zero_offload_style and 126 GB for maxtext_style at GPT3_6B
+    b32). maxtext_style's step is plain_jax's on the CPU (memory kinds compile to nothing):
+    equal temps, one compile saved.
+    """
+    x_bytes = BATCH * SEQ * CFG.d_model * 2
+    p_bytes = (12 * CFG.d_model ** 2 + 2 * CFG.d_model) * 2
+    scores_f32 = BATCH * CFG.n_heads * SEQ * SEQ * 4
+
+    def temp(name, n_layers):
+        system = bl.build(name, gpt.get_config("micro", n_layers=n_layers))
+        return system.compiled_memory(_batches()[0])["temp_bytes"]
+
+    assert temp("maxtext_style", CFG.n_layers) == temp("plain_jax", CFG.n_layers)
+    for name in ("plain_jax", "zero_offload_style"):
+        t2, t4 = temp(name, 2), temp(name, CFG.n_layers)
+        growth = (t4 - t2) / (CFG.n_layers - 2)
+        assert growth <= 3 * x_bytes + 4 * p_bytes, (name, growth, t2, t4, x_bytes, p_bytes)
+        assert growth < scores_f32  # not even one block's attention scores per block
+
+
+def test_scanned_loss_is_gpt_loss_fn():
+    """The baselines' scanned formulation computes ``gpt.loss_fn`` (f32 params, 2 blocks: the
+    stacking keeps the blocks' order); the gradients are autodiff of the same function."""
+    cfg = gpt.get_config("micro", n_layers=2)
+    rng = np.random.default_rng(1)
+    params = jax.tree.map(lambda a: jnp.asarray(rng.normal(0.0, 0.1, a.shape), jnp.float32), gpt.abstract_params(cfg))
+    batch = _batches()[0][:2, :17]
+    both = jax.jit(lambda p, b: (gpt.loss_fn(cfg, p, b), bl.scanned_loss(cfg, bl.stack_blocks(p, 2), b)))
+    both = both.lower(params, batch).compile({"xla_backend_optimization_level": 0})  # faster CPU compile
+    ref, got = both(params, batch)
+    np.testing.assert_allclose(float(got), float(ref), rtol=1e-6)
+    swapped = dict(params, h_0=params["h_1"], h_1=params["h_0"])
+    assert abs(float(both(swapped, batch)[1]) - float(ref)) > 1e-4  # the test can tell the order
+
+
+def _dot_operand_dtypes(jaxpr) -> set:
+    out = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            out |= {str(v.aval.dtype) for v in eqn.invars}
+        for v in eqn.params.values():
+            for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+                sub = getattr(sub, "jaxpr", sub)  # ClosedJaxpr -> Jaxpr
+                if hasattr(sub, "eqns"):
+                    out |= _dot_operand_dtypes(sub)
+    return out
+
+
+def test_baselines_compute_in_bf16():
+    """Every matmul of the baselines' forward pass (attention included) takes bf16 operands: the
+    compute copies are bf16 before the embedding, so no f32 activation reaches attention (XLA's
+    attention would then materialise f32 scores, and cuDNN's flash attention needs bf16). The
+    forward and backward run as a scan over the blocks."""
+    L = CFG.n_layers
+    master = gpt.abstract_params(CFG)
+    batch = jax.ShapeDtypeStruct((BATCH, SEQ + 1), jnp.int32)
+    stacked = bl.build("zero_offload_style", CFG).abstract_params  # zero_offload_style's device params
+    forwards = [
+        jax.make_jaxpr(lambda m, b: bl.scanned_loss(CFG, bl.stack_blocks(bl.to_compute(m), L), b))(master, batch),
+        jax.make_jaxpr(lambda p, b: bl.scanned_loss(CFG, p, b))(stacked, batch)]
+    for j in forwards:
+        assert _dot_operand_dtypes(j.jaxpr) == {"bfloat16"}
+    steps = [
+        jax.make_jaxpr(lambda m, b: bl._loss_and_grads_of_master(CFG, m, b))(master, batch),
+        jax.make_jaxpr(lambda p, b: jax.value_and_grad(lambda q: bl.scanned_loss(CFG, q, b))(p))(stacked, batch)]
+    for j in steps:
+        assert sum(e.primitive.name == "scan" for e in j.jaxpr.eqns) == 2  # forward and backward loops
 
 
 _REF_CACHE = {}
