@@ -431,8 +431,16 @@ class ZeroStep:
             "loss": loss, "grad_norm": jnp.sqrt(jnp.sum(sq))}
 
     def master_params(self, state: ZeroState):
-        """The float32 master params as a pytree of numpy arrays (gathered to the host)."""
-        return self.layout.unpack([np.asarray(m) for m in state.master])
+        """The float32 master params as a pytree of numpy arrays, gathered to this host (from every
+        process under ``jax.distributed``; every process must call it then)."""
+        from jax.experimental import multihost_utils
+
+        def whole(m):
+            if m.is_fully_addressable:
+                return np.asarray(m)
+            return np.asarray(multihost_utils.process_allgather(m, tiled=True))
+
+        return self.layout.unpack([whole(m) for m in state.master])
 
     def device_bytes(self, state: ZeroState) -> dict[str, dict[Any, int]]:
         """Bytes each device holds, from ``addressable_shards``: ``{"params": {device: bytes},
