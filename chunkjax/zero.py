@@ -17,9 +17,10 @@ which shards PatrickStar's chunks the same way):
 * ``stage=3``: compute params sharded too. Before a stage runs, the chunks it reads are
   all-gathered (``all_gather``), tied to the stage's input activation so that XLA cannot hoist
   the gather to the program start; the full chunk dies after its last use. The backward pass
-  gathers again (tied to the incoming cotangent, so XLA cannot merge it with the forward gather
-  and keep every full chunk alive). Gradients are reduce-scattered chunk by chunk as the
-  backward completes each chunk.
+  gathers again the chunks whose values the stage's gradient needs (:meth:`ZeroStep.backward_reads`),
+  tied to the incoming cotangent, so XLA cannot merge it with the forward gather and keep every
+  full chunk alive. Gradients are reduce-scattered chunk by chunk as the backward completes each
+  chunk (tied to the next cotangent).
 
 Collectives are XLA's (``jax.shard_map`` with ``all_gather`` / ``psum_scatter`` / ``psum``);
 there is no home-made transport. The global gradient norm is ``psum`` of per-shard squared
@@ -39,8 +40,21 @@ are fetched inside the program with ``device_put(optimization_barrier((anchor, s
 Space.Device)`` (the runtime's rule 1), then all-gathered. Gradient shards leave ``fwd_bwd`` on
 the device (1/N of a chunk each) and go to the update from there.
 
+Multi-host: the mesh may span processes (``jax.distributed.initialize`` before building it;
+``data_mesh()`` takes every process's devices). Every process passes the same global batch and
+params (each device takes its rows / slices); :meth:`ZeroStep.master_params` gathers across
+processes. ``tests/zero_multiprocess_worker.py`` is the launch recipe (2 processes on localhost,
+CPU collectives through gloo); on a cluster, set the coordinator address, process count and id
+per node, or call ``jax.distributed.initialize()`` without arguments under SLURM.
+
+Known limits: on the CPU, XLA turns optimization barriers into control dependencies early and
+then merges the forward and backward gathers of a chunk (same values; CPU memory is not the
+point), so the tie is only checked in the CUDA lowering (tests) until a GPU run; stage 1 holds
+every full gradient chunk on each rank until its slice is taken (by definition of ZeRO-1);
+gradient shards all wait on the device until the update programs run.
+
 Not yet here (issue 5): the schedule's per-moment fetch/eviction (fetch distance, Belady) and
-host (numba) updates, multi-host ``jax.distributed``, per-rank plan accounting.
+host (numba) updates, per-rank plan accounting, a GPU run.
 """
 from __future__ import annotations
 
