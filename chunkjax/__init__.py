@@ -3,8 +3,11 @@
 A JAX reimplementation of PatrickStar (chunks placed by the memory tide) and Smart-Infinity
 (storage-offloaded optimizer updates). The data flows one way::
 
-    layout (pytree -> chunks) -> trace (non-model bytes per stage) -> plan (placement, accounting)
-        -> runtime (jitted step executing the placement) -> optim (optax update per chunk)
+    layout (pytree -> chunks) -> trace (non-model bytes per stage) -> tide (bytes per moment)
+        -> schedule (placement, fetches/evictions, update locations, programs, predictions)
+        -> runtime (jitted programs + host-update thread) -> optim / host_update (the update per chunk)
+
+``zero`` shards chunks over a data mesh (ZeRO stages 1-3 with XLA collectives).
 """
 from chunkjax.layout import ChunkLayout, LeafSlot, build_layout, first_use_order, search_chunk_size
 from chunkjax.memory import DEVICE, PINNED_HOST
@@ -12,12 +15,13 @@ from chunkjax.optim import init_chunk_state, update_chunk
 from chunkjax.plan import (Accounting, ChunkBytes, Placement, PlanError, StageTrace, account, chunk_bytes,
                            parse_bytes, plan_fixed)
 from chunkjax.runtime import ChunkedStep, TrainState, make_chunked_step
+from chunkjax.schedule import Schedule, plan_schedule
 from chunkjax.stages import Stage, compose_loss
 from chunkjax.trace import trace_stages
 
 __all__ = [
     "Accounting", "ChunkBytes", "ChunkLayout", "ChunkedStep", "DEVICE", "LeafSlot", "PINNED_HOST", "Placement",
-    "PlanError", "Stage", "StageTrace", "TrainState", "account", "build_layout", "chunk_bytes", "compose_loss",
-    "first_use_order", "init_chunk_state", "make_chunked_step", "parse_bytes", "plan_fixed", "search_chunk_size",
+    "PlanError", "Schedule", "Stage", "StageTrace", "TrainState", "account", "build_layout", "chunk_bytes", "compose_loss",
+    "first_use_order", "init_chunk_state", "make_chunked_step", "parse_bytes", "plan_fixed", "plan_schedule", "search_chunk_size",
     "trace_stages", "update_chunk",
 ]
