@@ -39,3 +39,15 @@ def put(x, kind: str, device: jax.Device | None = None):
 def kind_of(x: jax.Array) -> str:
     """Memory kind of a concrete array."""
     return x.sharding.memory_kind
+
+
+def ordered_after(anchor, x):
+    """Return ``x`` ordered after ``anchor`` is computed (``jax.lax.optimization_barrier``).
+
+    Tying a fetch ``device_put(ordered_after(anchor, chunk), device)`` to the activation of an
+    earlier stage keeps XLA from hoisting every fetch to the program start (gpu_facts.md).
+    ``anchor=None`` returns ``x`` unchanged."""
+    if anchor is None:
+        return x
+    _, x = jax.lax.optimization_barrier((anchor, x))
+    return x

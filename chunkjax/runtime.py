@@ -34,7 +34,7 @@ import optax
 
 from chunkjax import optim
 from chunkjax.layout import ChunkLayout
-from chunkjax.memory import DEVICE, PINNED_HOST, sharding
+from chunkjax.memory import DEVICE, PINNED_HOST, ordered_after, sharding
 from chunkjax.plan import Placement, fetch_events
 
 
@@ -52,12 +52,6 @@ class TrainState(NamedTuple):
     opt_state: tuple
 
 
-def _barrier(anchor, x):
-    """Return ``x`` ordered after ``anchor`` is computed."""
-    if anchor is None:
-        return x
-    _, x = jax.lax.optimization_barrier((anchor, x))
-    return x
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +146,7 @@ class ChunkedStep:
             for p in range(upto, min(len(order), upto + k + 1)):
                 for c in new_fetch[p]:
                     if (p, c) not in issued:
-                        issued[(p, c)] = jax.device_put(_barrier(tie, params_chunks[c]), dev)
+                        issued[(p, c)] = jax.device_put(ordered_after(tie, params_chunks[c]), dev)
 
         for pos, s in enumerate(order):
             issue(pos, anchor)
@@ -257,7 +251,7 @@ class ChunkedStep:
             for u in range(t, min(T, t + k + 1)):
                 for c in fetch[u]:
                     if (u, c) not in issued:
-                        issued[(u, c)] = jax.device_put(_barrier(tie, params[c]), dev)
+                        issued[(u, c)] = jax.device_put(ordered_after(tie, params[c]), dev)
 
         def add_grads(s, dp):
             for c in self.reads[s]:

@@ -72,7 +72,7 @@ from jax.sharding import PartitionSpec as P
 
 from chunkjax import optim
 from chunkjax.layout import CHUNK_ALIGN_ELEMS, ChunkLayout, build_layout, search_chunk_size
-from chunkjax.memory import DEVICE, PINNED_HOST
+from chunkjax.memory import DEVICE, PINNED_HOST, ordered_after
 from chunkjax.plan import Placement
 
 #: Name of the data-parallel mesh axis.
@@ -125,11 +125,6 @@ class ZeroState(NamedTuple):
     opt_state: tuple
 
 
-def _barrier(anchor, x):
-    if anchor is None:
-        return x
-    _, x = jax.lax.optimization_barrier((anchor, x))
-    return x
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,7 +225,7 @@ class ZeroStep:
                 return p
             # tie to the activation/cotangent: no hoisting to the program start, no CSE between the
             # forward and the backward gather
-            p = _barrier(anchor, p)
+            p = ordered_after(anchor, p)
             if host:  # fetch this rank's shard (stage 3) or the chunk (stages 1/2)
                 p = jax.device_put(p, jax.memory.Space.Device)
             if self.stage != 3:
