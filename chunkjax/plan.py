@@ -15,8 +15,6 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from chunkjax.layout import ChunkLayout

@@ -228,7 +228,7 @@ class ChunkedStep:
 
         Returns (carry, grads {chunk: grad in its grad kind}, sq {chunk: () f32}, loss or None).
         """
-        n, lay = len(self.stages), self.layout
+        lay = self.layout
         dev, host = sharding(DEVICE), sharding(PINNED_HOST)
         T = len(self.moments)
         fetch = self._fetch_lists(batch)
@@ -325,7 +325,6 @@ class ChunkedStep:
           (loss () f32, grads: tuple of (chunk_size,) compute-dtype arrays in
           ``placement.grad_kind(c)``, grad_sq: (n_chunks,) f32).
         """
-        lay = self.layout
         params = dict(enumerate(params_chunks))
         _, grads, sq, loss = self._run_moments(params, batch, {}, 0, len(self.moments))
         return self._finish(loss, grads, sq)

@@ -40,7 +40,7 @@ from chunkjax.eviction import CapacityError, belady
 from chunkjax.layout import ChunkLayout
 from chunkjax.memory import DEVICE, PINNED_HOST
 from chunkjax.plan import ChunkBytes, Placement, PlanError, StageTrace, _gib_ceil
-from chunkjax.tide import BACKWARD, Tide, memory_tide
+from chunkjax.tide import Tide, memory_tide
 
 DEVICE_UPDATE, STREAMED_UPDATE, HOST_UPDATE = "device", "streamed", "host"
 UPDATE_LOCATIONS = (DEVICE_UPDATE, STREAMED_UPDATE, HOST_UPDATE)

@@ -31,7 +31,6 @@ class ChunkjaxSystem:
                  segments="auto", host_update: bool = True, prefetch: int = 1):
         import jax
         import jax.numpy as jnp
-        import optax
 
         import chunkjax as cj
         from chunkjax.host_update import AdamW
