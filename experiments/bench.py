@@ -401,10 +401,16 @@ def worker_env(budget_bytes: int, card_bytes: int | None, host_limit_gb: int) ->
     """Environment of a system's subprocess: the budget as the device memory fraction (when the
     card's size is known), no preallocation, the pinned-host cap lifted. The fraction goes in
     ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (the name train.py uses); ``XLA_CLIENT_MEM_FRACTION`` (the
-    newer name) is removed because jaxlib refuses both at once."""
+    newer name) is removed because jaxlib refuses both at once. jax's persistent compilation cache
+    is on (``JAX_COMPILATION_CACHE_DIR``, unless set) so that a program compiled for the memory
+    check is not compiled again for the first step."""
     env = dict(os.environ)
     env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     env["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] = str(int(host_limit_gb))
+    # the compile-check (lower().compile()) and the first call compile the same programs: let
+    # the second hit jax's persistent compilation cache
+    env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "chunkjax_xla_cache"))
+    env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     if card_bytes:
         env.pop("XLA_CLIENT_MEM_FRACTION", None)
         env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{min(budget_bytes / card_bytes, 0.99):.6f}"

@@ -56,11 +56,12 @@ class ChunkjaxSystem:
         flops = cfg.flops_per_token(seq) * batch * seq
         from chunkjax.cost import Rates
         from chunkjax.schedule import plan_schedule
-        self.rates = Rates()
+        self.rates, self.matmul_tflops = Rates(), None
         if jax.default_backend() == "gpu":  # calibrate the cost model on this machine
             from chunkjax.host_update import measure_host_update_rate
             from experiments.gpu_measure import matmul_tflops
-            self.rates = Rates.calibrated(matmul_tflops() * 1e12, measure_host_update_rate(2**26))
+            self.matmul_tflops = matmul_tflops()
+            self.rates = Rates.calibrated(self.matmul_tflops * 1e12, measure_host_update_rate(2**26))
         # host memory for offloaded model data: 80 % of this machine's RAM (the rest: the
         # process, XLA's host buffers, the page cache)
         self.host_budget = int(0.8 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
@@ -68,10 +69,23 @@ class ChunkjaxSystem:
                                              host_update=host_update, prefetch=prefetch, segments=segments,
                                              rates=self.rates, host_budget_bytes=self.host_budget)
         self.stages = stages
-        self.effective_budget = int(self.budget)
-        self.schedule = self._plan(self.effective_budget)
-        self.step_fn = cj.make_chunked_step(stages, self.layout, self.schedule, host_optimizer=self.spec)
+        self.use_budget(self.budget)
+
+    def use_budget(self, budget_bytes: int) -> None:
+        """Plan for another device budget (the traces and calibrated rates are kept);
+        :meth:`compiled_memory` re-checks the compiled peak against it."""
+        self.budget = self.effective_budget = int(budget_bytes)
+        self.use_schedule(self._plan(self.budget))
+        self.replan = True
+
+    def use_schedule(self, schedule) -> None:
+        """Run a given :class:`chunkjax.schedule.Schedule` (e.g. a static baseline of
+        experiments/plan.py) with this system's layout and host optimizer."""
+        import chunkjax as cj
+        self.schedule = schedule
+        self.step_fn = cj.make_chunked_step(self.stages, self.layout, schedule, host_optimizer=self.spec)
         self.plan_history = []
+        self.replan = False  # a given schedule is checked, never replaced
 
     # -- the BaselineSystem interface --------------------------------------------------------
     def compiled_memory(self, batch) -> dict:
@@ -91,7 +105,7 @@ class ChunkjaxSystem:
                                       "compiled_peak_bytes": peak,
                                       "predicted_peak_bytes": self.schedule.predicted.peak_device_bytes,
                                       "counts": self.schedule.counts()})
-            if peak <= HEADROOM * self.budget:
+            if peak <= HEADROOM * self.budget or not self.replan:
                 break
             # shrink the planning budget by the overshoot and try again
             self.effective_budget = int(self.effective_budget * HEADROOM * self.budget / peak) - self.cb.params

@@ -13,9 +13,10 @@ tide with the same accounting and cost model (:func:`fixed_schedule`):
     reads it and released after it (the fixed fetch rule: no chunk is held between uses);
     gradients go down as they complete and the host updates in place, overlapping the backward.
 ``zero_offload``
-    compute params resident on the device, their gradients kept there until the backward ends;
-    master params and optimizer state on the host, updated there after the backward (no
-    overlap), then the new compute params go up (ZeRO-Offload, arXiv 2101.06840).
+    compute params on the device for the whole step (all uploaded at its start), gradients
+    offloaded as they complete, master params and optimizer state on the host, updated there
+    after the backward with no overlap (ZeRO-Offload, arXiv 2101.06840; its upload of the new
+    params here overlaps the next forward).
 
 An infeasible budget exits 2 and names the smallest budget that works and whether activations
 alone are the cause (:class:`chunkjax.PlanError`).
@@ -226,8 +227,8 @@ def fixed_schedule(kind: str, layout, traces, tide, cb, budget_bytes: int, *, fl
     Args:
       kind: ``"all_host"`` (every chunk offloaded, fetched at every moment that reads it, released
         after it, host updates overlapping the backward in :func:`auto_segments` programs) or
-        ``"zero_offload"`` (compute params resident, gradients kept on the device until the
-        backward ends, host update after it, then the new compute params go up).
+        ``"zero_offload"`` (every chunk fetched at the step's start and held to its last read,
+        gradients offloaded as they complete, the host update of every chunk after the backward).
       layout, traces, tide, cb: as for ``plan_schedule``.
       budget_bytes: recorded in the schedule.
       flops_per_step: training FLOPs of one step.
@@ -235,7 +236,7 @@ def fixed_schedule(kind: str, layout, traces, tide, cb, budget_bytes: int, *, fl
       rates: cost-model rates.
     """
     from chunkjax.cost import Rates, predict_pipelined_step
-    from chunkjax.memory import DEVICE, PINNED_HOST
+    from chunkjax.memory import PINNED_HOST
     from chunkjax.schedule import HOST_UPDATE, Prediction, Schedule, auto_segments
 
     rates = Rates() if rates is None else rates
@@ -269,19 +270,30 @@ def fixed_schedule(kind: str, layout, traces, tide, cb, budget_bytes: int, *, fl
                           tuple(int(b) for b in per_moment), time_)
         return Schedule((PINNED_HOST,) * n, loc, fetch, evict, segments, prefetch, moments, pred, int(budget_bytes))
     if kind == "zero_offload":
+        # every chunk's compute params go up at the start of the step (all fetches issued at the
+        # first moment: prefetch = T) and stay until their last read; gradients go down as they
+        # complete; the host update of all chunks waits for the end of the backward (one
+        # program, no overlap): ZeRO-Offload's order, with the param upload of step k+1 (after
+        # the update of step k) overlapping step k+1's forward
         params_b = n * cb.params
-        per_moment = [params_b + m.non_model_bytes + sum(cb.grad for c in range(n) if done.get(c, T) <= t)
-                      for t, m in enumerate(tide.moments)]
-        # gradients leave during the backward (duplex rate); the update waits for all of them;
-        # the new compute params go up after it ("streamed_update_s" carries that upload)
-        time_ = predict_pipelined_step(flops_per_step, fwd_h2d=0, bwd_h2d=0, bwd_d2h=n * cb.grad,
-                                       streamed_bytes=params_b, device_params=0, streamed_params=0,
+        first: dict[int, int] = {}
+        last: dict[int, int] = {}
+        for t, m in enumerate(tide.moments):
+            for c in m.chunks:
+                first.setdefault(c, t)
+                last[c] = t
+        fetch = tuple(tuple(sorted(c for c in first if first[c] == t)) for t in range(T))
+        evict = tuple(tuple(sorted(c for c in last if last[c] == t)) for t in range(T))
+        unread = n - len(first)  # chunks no moment reads are never fetched
+        per_moment = [m.non_model_bytes + sum(cb.params for c in last if last[c] >= t) for t, m in enumerate(tide.moments)]
+        n_fetch = n - unread
+        time_ = predict_pipelined_step(flops_per_step, fwd_h2d=n_fetch * cb.params, bwd_h2d=0, bwd_d2h=n * cb.grad,
+                                       streamed_bytes=0, device_params=0, streamed_params=0,
                                        host_ready=[(1.0, n * cs)], rates=rates)
-        empty = ((),) * T
-        pred = Prediction(int(max(per_moment + [params_b + n * cb.grad])), int(params_b),
-                          int(n * (cb.state + cb.grad)), int(params_b), int(n * cb.grad), 0, 0,
+        pred = Prediction(int(max(per_moment)), 0, int(n * (cb.params + cb.state + cb.grad)),
+                          int(n_fetch * cb.params), int(n * cb.grad), int(n_fetch * cb.params), int(n_fetch),
                           tuple(int(b) for b in per_moment), time_)
-        return Schedule((DEVICE,) * n, loc, empty, empty, (0,), prefetch, moments, pred, int(budget_bytes))
+        return Schedule((PINNED_HOST,) * n, loc, fetch, evict, (0,), max(T, 1), moments, pred, int(budget_bytes))
     raise ValueError(f"unknown baseline {kind!r}: use one of {BASELINES}")
 
 
@@ -357,12 +369,10 @@ def plan_schedules(inp: PlanInputs, device_budget: int, host_budget: int | None 
     return sched, base
 
 
-def figures(s, device_budget: int, host_budget: int | None, chunk_size: int, upload_is_params: bool = False) -> dict:
+def figures(s, device_budget: int, host_budget: int | None, chunk_size: int) -> dict:
     """The report figures of one schedule (bytes, seconds)."""
     p = s.predicted
     t = p.time.to_dict()
-    if upload_is_params:  # zero_offload: the "streamed" phase is the compute-param upload
-        t["param_upload_s"] = t.pop("streamed_update_s")
     return {"feasible": p.peak_device_bytes <= device_budget
             and (host_budget is None or p.host_model_bytes <= host_budget),
             "predicted_peak_device_bytes": p.peak_device_bytes, "device_budget_bytes": device_budget,
@@ -388,7 +398,7 @@ def plan_report(model: str, device_budget: int, host_budget: int | None, batch: 
     sched, base = plan_schedules(inp, device_budget, host_budget, prefetch)
     cs = inp.layout.chunk_size
     out = figures(sched, device_budget, host_budget, cs)
-    out["baselines"] = {k: figures(b, device_budget, host_budget, cs, upload_is_params=(k == "zero_offload"))
+    out["baselines"] = {k: figures(b, device_budget, host_budget, cs)
                         for k, b in base.items()}
     out.update({"model": inp.cfg.name, "n_params": inp.cfg.n_params, "batch": inp.batch, "seq": inp.seq,
                 "host_budget_bytes": host_budget, "model_bytes": 14 * inp.cfg.n_params,
@@ -406,8 +416,7 @@ def _time_unit(step_s: float) -> tuple[str, float]:
 
 
 def _where(t: dict, k: float) -> str:
-    other = ("param upload", t["param_upload_s"]) if "param_upload_s" in t else ("streamed update",
-                                                                                t["streamed_update_s"])
+    other = ("streamed update", t["streamed_update_s"])
     return (f"forward {t['forward_s'] * k:.3f} + backward {t['backward_s'] * k:.3f} + exposed host update "
             f"{t['host_update_exposed_s'] * k:.3f} (of {t['host_update_s'] * k:.3f}) + device update "
             f"{t['device_update_s'] * k:.3f}" + (f" + {other[0]} {other[1] * k:.3f}" if other[1] else ""))

@@ -44,16 +44,16 @@ def test_plan_json_and_baselines(capsys):
     ah, zo = r["baselines"]["all_host"], r["baselines"]["zero_offload"]
     assert r["feasible"] and r["predicted_peak_device_bytes"] <= r["device_budget_bytes"]
     assert r["h2d_bytes_per_step"] <= ah["h2d_bytes_per_step"]
-    # zero-offload keeps compute params on the device: no fetches, only grads down / params up
-    assert zo["h2d_bytes_per_step"] == zo["d2h_bytes_per_step"] > 0 and zo["n_fetches"] == 0
+    # zero-offload: every chunk up once per step, every gradient down once
+    assert zo["h2d_bytes_per_step"] == zo["d2h_bytes_per_step"] > 0 and zo["n_fetches"] == r["n_chunks"]
     # all_host: every chunk offloaded, updated on the host
     assert ah["placement_counts"] == {"params_pinned_host/update_host": r["n_chunks"]}
 
 
 def test_baselines_are_fixed_schedules():
     """all_host fetches every chunk at every moment that reads it (no holding), so it moves
-    at least as many bytes as the Belady plan with nothing resident; zero_offload holds all
-    compute params and the completed gradients on the device."""
+    at least as many bytes as the Belady plan with nothing resident; zero_offload fetches every
+    chunk at the step's start and holds it to its last read, its host update exposed."""
     inp = plan.prepare("micro", 2, 64)
     tide, cb, n = inp.tide, inp.cb, inp.layout.n_chunks
     big = 10**12
@@ -68,16 +68,21 @@ def test_baselines_are_fixed_schedules():
     belady = plan_schedule(inp.layout, inp.traces, cb, big, flops_per_step=inp.flops_per_step, resident=[])
     assert ah.predicted.h2d_bytes_per_step >= belady.predicted.h2d_bytes_per_step
     zo = plan.fixed_schedule("zero_offload", inp.layout, inp.traces, tide, cb, big, flops_per_step=inp.flops_per_step)
-    assert zo.predicted.device_model_bytes == n * cb.params and zo.predicted.n_fetches == 0
-    assert zo.predicted.peak_device_bytes >= n * (cb.params + cb.grad)
+    read = {c for m in tide.moments for c in m.chunks}
+    assert zo.predicted.n_fetches == len(read) and zo.predicted.h2d_bytes_per_step == len(read) * cb.params
+    assert zo.prefetch >= len(tide.moments) - 1  # every fetch issued at the first moment
+    res = zo.residency()
+    for c in read:  # held from its first read to its last (issued at the step's start)
+        ts = [t for t, m in enumerate(tide.moments) if c in m.chunks]
+        assert res[c] == [False] * ts[0] + [True] * (ts[-1] + 1 - ts[0]) + [False] * (len(tide.moments) - ts[-1] - 1)
+    assert zo.predicted.peak_device_bytes >= len(read) * cb.params
     assert zo.predicted.time.host_update_exposed_s == pytest.approx(zo.predicted.time.host_update_s)
-    assert min(zo.predicted.device_bytes_per_moment[t] - m.non_model_bytes
-               for t, m in enumerate(tide.moments)) == n * cb.params
+    assert zo.segments == (0,)
     for s in (ah, zo, belady):  # the split by kind adds up and has no negative part
         kinds = plan.device_bytes_by_kind(s, inp)
         assert all(min(v) >= 0 for v in kinds.values())
         assert [sum(x) for x in zip(*kinds.values())] == list(s.predicted.device_bytes_per_moment)
-    assert plan.device_bytes_by_kind(zo, inp)["fetched chunk buffers"] == [0] * len(tide.moments)
+    assert plan.device_bytes_by_kind(zo, inp)["resident model data"] == [0] * len(tide.moments)
 
 
 def test_plan_infeasible_exits_2_and_names_budgets_that_work(capsys):

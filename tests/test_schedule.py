@@ -244,3 +244,28 @@ def test_host_budget_too_small_names_the_host(setup):
     budget = offloaded.predicted.peak_device_bytes  # every chunk offloaded fits, all resident does not
     with pytest.raises(cj.PlanError, match="--host-budget to >="):
         plan_schedule(layout, traces, cb, budget, flops_per_step=1e9, host_budget_bytes=1000)
+
+
+@pytest.mark.parametrize("kind", ["all_host", "zero_offload"])
+def test_baseline_schedules_run_and_match_optax(setup, kind):
+    """The static baselines of the planner CLI are schedules the runtime carries out: all_host
+    (fetch at every read, release after it) and zero_offload (every chunk fetched at the step's
+    start, held to its last read, host update after the backward) train exactly like plain optax
+    (fp32 compute: same losses and master params to fp32 rounding)."""
+    from experiments.plan import fixed_schedule
+    cfg, params, batches, stages, layout, traces = setup
+    spec = AdamW(2e-3, weight_decay=0.05)
+    tx = spec.optax()
+    cb = _cb(layout, tx)
+    tide = memory_tide(traces, layout.chunk_size)
+    sched = fixed_schedule(kind, layout, traces, tide, cb, 10**12, flops_per_step=1.0)
+    step = cj.make_chunked_step(stages, layout, sched, host_optimizer=spec, compute_dtype=jnp.float32)
+    state = step.init(params)
+    losses = []
+    for b in batches[:4]:
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
+    ref_p, ref_losses = _reference(cfg, params, batches[:4], tx, jnp.float32)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(step.master_params(state)), jax.tree.leaves(ref_p)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-6)

@@ -1,0 +1,286 @@
+"""Budget sweep of issue 3: the tide plan against the static baselines, measured in one process.
+
+    python -m experiments.sweep --model GPT3_6B --batch 32 --seq 1024 \\
+        --budgets 32GiB,64GiB,96GiB --rounds 2 --steps 4 --run-id s4_sweep
+
+For each device budget, chunkjax's own plan (:func:`chunkjax.schedule.plan_schedule`, checked and
+re-planned against the compiled peak as in experiments/bench_chunkjax.py); and the two static
+partitions of experiments/plan.py, run by the same runtime: ``all_host`` (every chunk fetched at
+every read) and ``zero_offload`` (every chunk up at the step's start, host update after the
+backward). A baseline's schedule does not depend on the budget, so it runs once and is marked
+``feasible`` at each budget its compiled peak fits.
+
+One process, one initialisation: the model is initialised with every chunk on the host (the
+all_host state); each configuration uses those host chunks in place and copies the chunks its
+plan keeps on the device (their optimizer moments start fresh: timing does not depend on them).
+The device memory fraction is set for the largest budget; a smaller budget is enforced by the
+planner and checked against the compiled peak of every program (``compiled_peak_bytes``), the
+measured peak being the process's. Configurations run ``--rounds`` times in turn, ``--steps``
+timed steps each time, so the spread (``step_s_std``) covers drift over the run; bytes moved each
+way come from one profiled step (CUPTI memcpy events, experiments/gpu_measure.py).
+
+Writes ``sweep_<run-id>.json`` under ``--results-dir``; ``--report JSON`` writes its table into
+docs/benchmarks.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+KINDS = ("tide", "all_host", "zero_offload")
+
+
+def _set_env(max_budget: int, host_limit_gb: int) -> None:
+    """Memory fraction for the largest budget and the lifted pinned cap; before jax imports."""
+    from experiments.bench import _nvidia_smi_total_bytes, worker_env
+    card = _nvidia_smi_total_bytes()
+    os.environ.update(worker_env(max_budget, card, host_limit_gb))
+
+
+def _state_for(system, base):
+    """The TrainState ``system``'s schedule runs on: ``base``'s host chunks in place; chunks the
+    schedule updates on the device copied there (fresh optimizer state)."""
+    import jax
+
+    from chunkjax import optim
+    from chunkjax.memory import DEVICE, sharding
+    from chunkjax.runtime import TrainState
+
+    dev = sharding(DEVICE)
+    init_state = jax.jit(lambda m: optim.init_chunk_state(system.step_fn.tx, m), out_shardings=dev)
+    ps, ms, os_ = list(base.params), list(base.master), list(base.opt_state)
+    for c, u in enumerate(system.schedule.update_locations):
+        if u == "host":
+            continue
+        if u != "device":
+            raise ValueError(f"chunk {c}: update location {u!r} is not swept (host or device only)")
+        ms[c] = jax.device_put(base.master[c], dev)
+        os_[c] = init_state(ms[c])
+        ps[c] = jax.device_put(base.params[c], sharding(system.schedule.param_kinds[c]))
+    return TrainState(tuple(ps), tuple(ms), tuple(os_))
+
+
+def _timed(system, state, batch, steps: int):
+    import jax
+    out, losses = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        state, loss = system.step(state, batch)
+        jax.block_until_ready((state, loss))
+        out.append(time.perf_counter() - t0)
+        losses.append(float(loss))
+    return state, out, losses
+
+
+def run(args, save=lambda res: None) -> dict:
+    """Measure every configuration; returns the results dict (see module docstring). ``save`` is
+    called with the partial results after every measured configuration."""
+    import jax
+
+    from chunkjax.tide import memory_tide
+    from experiments import gpu_measure as gm
+    from experiments.bench import make_batch, parse_bytes
+    from experiments.bench_chunkjax import ChunkjaxSystem
+    from experiments.plan import fixed_schedule
+    from models import gpt
+
+    cfg = gpt.get_config(args.model)
+    budgets = [parse_bytes(b) for b in args.budgets.split(",")]
+    on_gpu = jax.default_backend() == "gpu"
+    t_start = time.time()
+    sys_ = ChunkjaxSystem(cfg, max(budgets), args.batch, args.seq)
+    batch = make_batch(cfg, args.batch, args.seq, args.seed, sys_.dev_sh)
+    tide = memory_tide(sys_.traces, sys_.layout.chunk_size)
+    flops = cfg.flops_per_token(args.seq) * args.batch * args.seq
+
+    def baseline(kind):
+        return fixed_schedule(kind, sys_.layout, sys_.traces, tide, sys_.cb, max(budgets), flops_per_step=flops,
+                              rates=sys_.rates)
+
+    def result(done=False):
+        for name, rec in recs.items():
+            ts = rec["step_s_all"]
+            if ts:
+                med = statistics.median(ts)
+                rec.update(step_s_median=med, step_s_mean=statistics.fmean(ts),
+                           step_s_std=statistics.stdev(ts) if len(ts) > 1 else 0.0,
+                           tokens_per_s=args.batch * args.seq / med,
+                           mfu=flops / med / (sys_.matmul_tflops * 1e12) if sys_.matmul_tflops else None,
+                           losses_finite=all(x == x and abs(x) != float("inf") for x in rec["losses"]))
+        d = jax.devices()[0]
+        return {"run_id": args.run_id, "model": args.model, "n_params": cfg.n_params, "batch": args.batch,
+                "seq": args.seq, "budgets_bytes": budgets, "device_kind": d.device_kind,
+                "jax_version": jax.__version__, "matmul_tflops": sys_.matmul_tflops, "rates": sys_.rates.__dict__,
+                "n_chunks": sys_.layout.n_chunks, "chunk_size": sys_.layout.chunk_size, "init_s": init_s,
+                "wall_s": time.time() - t_start, "peak_device_bytes_measured": gm.peak_device_bytes(),
+                "rounds": args.rounds, "steps": args.steps, "complete": done,
+                "command": "python -m experiments.sweep " + " ".join(sys.argv[1:]), "configs": recs}
+
+    init_s = None
+    configs = [("tide", b) for b in budgets] + [(k, None) for k in KINDS[1:] if k in args.kinds.split(",")]
+    recs, schedules = {}, {}
+    for kind, b in configs:  # plan and compile-check every configuration first
+        name = f"tide@{b / 2**30:g}GiB" if kind == "tide" else kind
+        if kind == "tide":
+            sys_.use_budget(b)
+        else:
+            sys_.use_schedule(baseline(kind))
+        mem = sys_.compiled_memory(batch)
+        p = sys_.schedule.predicted
+        schedules[name] = (sys_.schedule, sys_.budget if kind == "tide" else None)
+        recs[name] = {
+            "kind": kind, "device_budget_bytes": b, "compiled_peak_bytes": mem["peak_bytes"],
+            "predicted_peak_device_bytes": p.peak_device_bytes, "h2d_bytes_per_step_predicted": p.h2d_bytes_per_step,
+            "d2h_bytes_per_step_predicted": p.d2h_bytes_per_step, "step_s_predicted": p.time.step_s,
+            "predicted_time": p.time.to_dict(), "schedule_counts": sys_.schedule.counts(),
+            "segments": list(sys_.schedule.segments), "n_fetches": p.n_fetches,
+            "plan_history": sys_.plan_history,
+            "feasible_at": {str(x): bool(mem["peak_bytes"] <= x) for x in budgets},
+            "step_s_all": [], "losses": []}
+        print(f"[sweep] {time.time() - t_start:.0f} s {name}: compiled peak {mem['peak_bytes'] / 2**30:.2f} GiB, predicted "
+              f"{p.time.step_s:.3f} s, h2d {p.h2d_bytes_per_step / 1e9:.2f} GB", flush=True)
+
+    save(result())
+    # one initialisation, every chunk on the host
+    sys_.use_schedule(baseline("all_host"))
+    t0 = time.perf_counter()
+    base = sys_.init(jax.random.key(args.seed))
+    init_s = time.perf_counter() - t0
+    for r in range(args.rounds):
+        for name, (sched, budget) in schedules.items():
+            rec = recs[name]
+            if rec["kind"] != "tide" and not any(rec["feasible_at"].values()):
+                continue
+            sys_.use_schedule(sched)
+            state = _state_for(sys_, base)
+            if r == 0:  # warm-up (compiles), then one profiled step for the bytes moved
+                state, _, losses = _timed(sys_, state, batch, 1)
+                rec["losses"] += losses
+                if on_gpu or args.profile_on_cpu:
+                    box = {"state": state}
+
+                    def one_step():
+                        s, l = sys_.step(box["state"], batch)
+                        jax.block_until_ready((s, l))
+                        box["state"] = s
+                        return float(l)
+
+                    prof = gm.profile_transfer_bytes(one_step)
+                    state = box["state"]
+                    rec["transfer_source"] = "profiler" if prof["n_device_events"] and not prof["profiler_error"] else None
+                    rec["h2d_bytes_per_step_measured"] = prof["h2d_bytes"] if rec["transfer_source"] else None
+                    rec["d2h_bytes_per_step_measured"] = prof["d2h_bytes"] if rec["transfer_source"] else None
+            state, ts, losses = _timed(sys_, state, batch, args.steps)
+            rec["step_s_all"] += ts
+            rec["losses"] += losses
+            sys_.step_fn.wait()
+            del state
+            print(f"[sweep] {time.time() - t_start:.0f} s round {r} {name}: median {statistics.median(ts):.3f} s", flush=True)
+            save(result())  # a run cut short keeps what it measured
+    return result(done=True)
+
+
+# ---- the report --------------------------------------------------------------------------------
+
+def render_markdown(res: dict, results_file: str) -> str:
+    """The docs section of a sweep: per budget, the tide plan and each baseline that fits."""
+    rid = res["run_id"]
+    gib, gb = 2**30, 1e9
+    f = lambda v, s=1.0, d=2: "-" if v is None else f"{v / s:,.{d}f}"
+    lines = [f"<!-- sweep:{rid}:start -->", f"## Budget sweep `{rid}` (issue 3)", "",
+             f"{res['model']} (N = {res['n_params']:,}), batch {res['batch']} x {res['seq']}, {res['n_chunks']} chunks "
+             f"of {res['chunk_size']:,} params; {res['device_kind']}, jax {res['jax_version']}; matmul probe "
+             f"{f(res['matmul_tflops'], d=1)} TFLOP/s. {res['rounds']} rounds x {res['steps']} timed steps per "
+             f"configuration, in turn; +-2 sd is over those steps. Results: `{results_file}`.", "",
+             "| budget GiB | schedule | fits | compiled peak GiB | H2D GB/step measured (predicted) | "
+             "D2H GB/step measured (predicted) | step s median +- 2 sd | predicted s | tokens/s | MFU |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    cf = res["configs"]
+    for b in res["budgets_bytes"]:
+        tide = cf.get(f"tide@{b / gib:g}GiB")
+        for name, r in [(f"tide@{b / gib:g}GiB", tide)] + [(k, cf[k]) for k in KINDS[1:] if k in cf]:
+            if r is None:
+                continue
+            fits = r["feasible_at"].get(str(b))
+            lines.append("| " + " | ".join([
+                f"{b / gib:g}", "chunkjax (tide plan)" if r["kind"] == "tide" else r["kind"], "yes" if fits else "**no**",
+                f(r["compiled_peak_bytes"], gib),
+                f"{f(r.get('h2d_bytes_per_step_measured'), gb)} ({f(r['h2d_bytes_per_step_predicted'], gb)})",
+                f"{f(r.get('d2h_bytes_per_step_measured'), gb)} ({f(r['d2h_bytes_per_step_predicted'], gb)})",
+                f"{f(r.get('step_s_median'), d=3)} +- {f(2 * r['step_s_std'] if 'step_s_std' in r else None, d=3)}"
+                if fits else "-",
+                f(r["step_s_predicted"], d=3), f(r.get("tokens_per_s") if fits else None, d=0),
+                f(r.get("mfu") if fits else None, d=3)]) + " |")
+    lines += ["", "Command:", "", "```", res["command"], "```", f"<!-- sweep:{rid}:end -->"]
+    return "\n".join(lines) + "\n"
+
+
+def update_docs(results_file: str, docs_path: str = "docs/benchmarks.md") -> str:
+    """Write (or replace) the sweep's section in ``docs_path``."""
+    with open(results_file) as fh:
+        res = json.load(fh)
+    rel = os.path.relpath(os.path.abspath(results_file), os.path.dirname(os.path.dirname(os.path.abspath(docs_path))))
+    section = render_markdown(res, rel)
+    text = open(docs_path).read() if os.path.exists(docs_path) else "# Benchmarks and recorded GPU runs\n"
+    start, end = f"<!-- sweep:{res['run_id']}:start -->", f"<!-- sweep:{res['run_id']}:end -->"
+    if start in text and end in text:
+        text = text[:text.index(start)] + section.rstrip("\n") + text[text.index(end) + len(end):]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    with open(docs_path, "w") as fh:
+        fh.write(text)
+    return section
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m experiments.sweep", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="GPT3_6B")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--budgets", default="32GiB,64GiB,96GiB", help="comma-separated device budgets")
+    ap.add_argument("--kinds", default="all_host,zero_offload", help="baselines to run next to the tide plan")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=4, help="timed steps per configuration per round")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--run-id", default="sweep")
+    ap.add_argument("--results-dir", default="experiments/results")
+    ap.add_argument("--host-limit-gb", type=int, default=110)
+    ap.add_argument("--profile-on-cpu", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--report", metavar="JSON", help="only write JSON's table into docs/benchmarks.md")
+    ap.add_argument("--docs", default="docs/benchmarks.md")
+    args = ap.parse_args(argv)
+    if args.report:
+        print(update_docs(args.report, args.docs))
+        return 0
+    from experiments.bench import UsageError, parse_bytes
+    try:
+        budgets = [parse_bytes(b) for b in args.budgets.split(",")]
+    except (UsageError, ValueError) as e:
+        print(f"error: --budgets: {e}", file=sys.stderr)
+        return 2
+    bad = set(args.kinds.split(",")) - set(KINDS[1:]) - {""}
+    if bad or args.rounds < 1 or args.steps < 2:
+        print(f"error: --kinds takes {','.join(KINDS[1:])}; --rounds >= 1; --steps >= 2", file=sys.stderr)
+        return 2
+    _set_env(max(budgets), args.host_limit_gb)
+    os.makedirs(args.results_dir, exist_ok=True)
+    path = os.path.join(args.results_dir, f"sweep_{args.run_id}.json")
+
+    def save(res):
+        tmp = path + ".tmp"
+        with open(tmp, "w") as fh:
+            json.dump(res, fh, indent=1)
+        os.replace(tmp, path)
+
+    res = run(args, save)
+    save(res)
+    print(render_markdown(res, path))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
