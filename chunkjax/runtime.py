@@ -25,6 +25,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import time
 from typing import Any, NamedTuple
 
 import jax
@@ -492,9 +493,11 @@ class ChunkedStep:
         from chunkjax import host_update as hu
         if callable(grad_scale):
             grad_scale = grad_scale()
+        spent = self.__dict__.setdefault("_host_update_times", [])
         for c, g in grads.items():
             if isinstance(g, jax.Array):
                 g.block_until_ready()
+            t0 = time.perf_counter()
             g_np = np.asarray(g)
             p_arr = state.params[c]
             if self.compute_dtype == jnp.bfloat16:
@@ -505,6 +508,7 @@ class ChunkedStep:
                                  state.master[c], None, grad_scale)
                 np.copyto(hu.writable_view(p_arr, np.dtype(self.compute_dtype)),
                           state.master[c].astype(self.compute_dtype))
+            spent.append(time.perf_counter() - t0)
 
     def _warm_host_kernel(self) -> None:
         """Compile the host kernel for this step's dtypes on the calling thread: numba's LLVM
@@ -518,10 +522,15 @@ class ChunkedStep:
             hu.host_update_(self.host_optimizer, st, np.zeros((1,), np.float32), master, None, 1.0)
 
     def wait(self) -> None:
-        """Block until the host updates of the last step are done (before reading the state)."""
+        """Block until the host updates of the last step are done (before reading the state).
+        Afterwards ``last_host_update_s`` holds the seconds the host thread spent updating (the
+        kernels, not the waits for gradients) in that step."""
         pending = self.__dict__.pop("_pending", ())
         for f in pending:
             f.result()
+        if pending:
+            times = self.__dict__.pop("_host_update_times", [])
+            self.__dict__["last_host_update_s"] = float(sum(times))
 
     def __call__(self, state: TrainState, batch) -> tuple[TrainState, dict]:
         """One training step. batch: int (B, T+1) on the device. Returns (new state, metrics).

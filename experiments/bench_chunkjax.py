@@ -138,6 +138,7 @@ class ChunkjaxSystem:
     def step(self, state, batch):
         state, m = self.step_fn(state, batch)
         self.step_fn.wait()
+        self.last_update_s = getattr(self.step_fn, "last_host_update_s", None)  # host thread's kernel seconds
         return state, m["loss"]
 
     def host_bytes(self, state) -> int:

@@ -64,7 +64,7 @@ def _state_for(system, base):
     return TrainState(tuple(ps), tuple(ms), tuple(os_))
 
 
-def _timed(system, state, batch, steps: int):
+def _timed(system, state, batch, steps: int, host_s: list | None = None):
     import jax
     out, losses = [], []
     for _ in range(steps):
@@ -73,12 +73,15 @@ def _timed(system, state, batch, steps: int):
         jax.block_until_ready((state, loss))
         out.append(time.perf_counter() - t0)
         losses.append(float(loss))
+        if host_s is not None and system.last_update_s is not None:
+            host_s.append(system.last_update_s)
     return state, out, losses
 
 
-def run(args, save=lambda res: None) -> dict:
+def run(args, save=lambda res: None, prior: dict | None = None, prior_commands=None, prior_budgets=None) -> dict:
     """Measure every configuration; returns the results dict (see module docstring). ``save`` is
-    called with the partial results after every measured configuration."""
+    called with the partial results after every measured configuration; ``prior``: configurations
+    of an earlier call with the same run id, kept unless measured again."""
     import jax
 
     from chunkjax.tide import memory_tide
@@ -104,8 +107,10 @@ def run(args, save=lambda res: None) -> dict:
     def result(done=False):
         for name, rec in recs.items():
             ts = rec["step_s_all"]
-            if ts:
+            if ts and name in schedules:
                 med = statistics.median(ts)
+                hs = rec["host_update_s_all"]
+                rec["host_update_s_median"] = statistics.median(hs) if hs else None
                 rec.update(step_s_median=med, step_s_mean=statistics.fmean(ts),
                            step_s_std=statistics.stdev(ts) if len(ts) > 1 else 0.0,
                            tokens_per_s=args.batch * args.seq / med,
@@ -113,16 +118,19 @@ def run(args, save=lambda res: None) -> dict:
                            losses_finite=all(x == x and abs(x) != float("inf") for x in rec["losses"]))
         d = jax.devices()[0]
         return {"run_id": args.run_id, "model": args.model, "n_params": cfg.n_params, "batch": args.batch,
-                "seq": args.seq, "budgets_bytes": budgets, "device_kind": d.device_kind,
+                "seq": args.seq, "budgets_bytes": sorted(set(budgets) | set(prior_budgets or [])), "device_kind": d.device_kind,
                 "jax_version": jax.__version__, "matmul_tflops": sys_.matmul_tflops, "rates": sys_.rates.__dict__,
                 "n_chunks": sys_.layout.n_chunks, "chunk_size": sys_.layout.chunk_size, "init_s": init_s,
                 "wall_s": time.time() - t_start, "peak_device_bytes_measured": gm.peak_device_bytes(),
                 "rounds": args.rounds, "steps": args.steps, "complete": done,
-                "command": "python -m experiments.sweep " + " ".join(sys.argv[1:]), "configs": recs}
+                "commands": commands + [command], "configs": recs}
 
     init_s = None
-    configs = [("tide", b) for b in budgets] + [(k, None) for k in KINDS[1:] if k in args.kinds.split(",")]
-    recs, schedules = {}, {}
+    command = args.command
+    commands = [c for c in (prior_commands or []) if c != command]
+    plans = args.plans.split(",")
+    configs = ([("tide", b) for b in budgets] if "tide" in plans else []) + [(k, None) for k in KINDS[1:] if k in plans]
+    recs, schedules = dict(prior or {}), {}
     for kind, b in configs:  # plan and compile-check every configuration first
         name = f"tide@{b / 2**30:g}GiB" if kind == "tide" else kind
         if kind == "tide":
@@ -138,9 +146,10 @@ def run(args, save=lambda res: None) -> dict:
             "d2h_bytes_per_step_predicted": p.d2h_bytes_per_step, "step_s_predicted": p.time.step_s,
             "predicted_time": p.time.to_dict(), "schedule_counts": sys_.schedule.counts(),
             "segments": list(sys_.schedule.segments), "n_fetches": p.n_fetches,
-            "plan_history": sys_.plan_history,
+            "plan_history": sys_.plan_history, "rounds": args.rounds, "steps": args.steps,
+            "matmul_tflops": sys_.matmul_tflops, "host_update_s_per_param_calibrated": sys_.rates.host_update_s_per_param,
             "feasible_at": {str(x): bool(mem["peak_bytes"] <= x) for x in budgets},
-            "step_s_all": [], "losses": []}
+            "step_s_all": [], "host_update_s_all": [], "losses": []}
         print(f"[sweep] {time.time() - t_start:.0f} s {name}: compiled peak {mem['peak_bytes'] / 2**30:.2f} GiB, predicted "
               f"{p.time.step_s:.3f} s, h2d {p.h2d_bytes_per_step / 1e9:.2f} GB", flush=True)
 
@@ -174,7 +183,7 @@ def run(args, save=lambda res: None) -> dict:
                     rec["transfer_source"] = "profiler" if prof["n_device_events"] and not prof["profiler_error"] else None
                     rec["h2d_bytes_per_step_measured"] = prof["h2d_bytes"] if rec["transfer_source"] else None
                     rec["d2h_bytes_per_step_measured"] = prof["d2h_bytes"] if rec["transfer_source"] else None
-            state, ts, losses = _timed(sys_, state, batch, args.steps)
+            state, ts, losses = _timed(sys_, state, batch, args.steps, rec["host_update_s_all"])
             rec["step_s_all"] += ts
             rec["losses"] += losses
             sys_.step_fn.wait()
@@ -197,8 +206,9 @@ def render_markdown(res: dict, results_file: str) -> str:
              f"{f(res['matmul_tflops'], d=1)} TFLOP/s. {res['rounds']} rounds x {res['steps']} timed steps per "
              f"configuration, in turn; +-2 sd is over those steps. Results: `{results_file}`.", "",
              "| budget GiB | schedule | fits | compiled peak GiB | H2D GB/step measured (predicted) | "
-             "D2H GB/step measured (predicted) | step s median +- 2 sd | predicted s | tokens/s | MFU |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "D2H GB/step measured (predicted) | step s median +- 2 sd | predicted s | host update s measured "
+             "(predicted) | tokens/s | MFU |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     cf = res["configs"]
     for b in res["budgets_bytes"]:
         tide = cf.get(f"tide@{b / gib:g}GiB")
@@ -213,9 +223,11 @@ def render_markdown(res: dict, results_file: str) -> str:
                 f"{f(r.get('d2h_bytes_per_step_measured'), gb)} ({f(r['d2h_bytes_per_step_predicted'], gb)})",
                 f"{f(r.get('step_s_median'), d=3)} +- {f(2 * r['step_s_std'] if 'step_s_std' in r else None, d=3)}"
                 if fits else "-",
-                f(r["step_s_predicted"], d=3), f(r.get("tokens_per_s") if fits else None, d=0),
+                f(r["step_s_predicted"], d=3),
+                f"{f(r.get('host_update_s_median'), d=3)} ({f(r['predicted_time']['host_update_s'], d=3)})",
+                f(r.get("tokens_per_s") if fits else None, d=0),
                 f(r.get("mfu") if fits else None, d=3)]) + " |")
-    lines += ["", "Command:", "", "```", res["command"], "```", f"<!-- sweep:{rid}:end -->"]
+    lines += ["", "Commands (one process each):", "", "```", *res["commands"], "```", f"<!-- sweep:{rid}:end -->"]
     return "\n".join(lines) + "\n"
 
 
@@ -242,7 +254,10 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--budgets", default="32GiB,64GiB,96GiB", help="comma-separated device budgets")
-    ap.add_argument("--kinds", default="all_host,zero_offload", help="baselines to run next to the tide plan")
+    ap.add_argument("--plans", default=",".join(KINDS),
+                    help="schedules to run: tide (chunkjax's plan at each budget), all_host, zero_offload; a later "
+                         "call with the same --run-id adds its configurations to the file (e.g. each baseline in "
+                         "a process of its own)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4, help="timed steps per configuration per round")
     ap.add_argument("--seed", type=int, default=0)
@@ -253,6 +268,7 @@ def main(argv=None) -> int:
     ap.add_argument("--report", metavar="JSON", help="only write JSON's table into docs/benchmarks.md")
     ap.add_argument("--docs", default="docs/benchmarks.md")
     args = ap.parse_args(argv)
+    args.command = "python -m experiments.sweep " + " ".join(sys.argv[1:] if argv is None else argv)
     if args.report:
         print(update_docs(args.report, args.docs))
         return 0
@@ -262,9 +278,9 @@ def main(argv=None) -> int:
     except (UsageError, ValueError) as e:
         print(f"error: --budgets: {e}", file=sys.stderr)
         return 2
-    bad = set(args.kinds.split(",")) - set(KINDS[1:]) - {""}
+    bad = set(args.plans.split(",")) - set(KINDS)
     if bad or args.rounds < 1 or args.steps < 2:
-        print(f"error: --kinds takes {','.join(KINDS[1:])}; --rounds >= 1; --steps >= 2", file=sys.stderr)
+        print(f"error: --plans takes {','.join(KINDS)}; --rounds >= 1; --steps >= 2", file=sys.stderr)
         return 2
     _set_env(max(budgets), args.host_limit_gb)
     os.makedirs(args.results_dir, exist_ok=True)
@@ -276,7 +292,15 @@ def main(argv=None) -> int:
             json.dump(res, fh, indent=1)
         os.replace(tmp, path)
 
-    res = run(args, save)
+    prior = None
+    if os.path.exists(path):
+        with open(path) as fh:
+            prior = json.load(fh)
+        if (prior.get("model"), prior.get("batch"), prior.get("seq")) != (args.model, args.batch, args.seq):
+            print(f"error: {path} holds {prior.get('model')} batch {prior.get('batch')} x {prior.get('seq')}: "
+                  "use another --run-id", file=sys.stderr)
+            return 2
+    res = run(args, save, (prior or {}).get("configs"), (prior or {}).get("commands"), (prior or {}).get("budgets_bytes"))
     save(res)
     print(render_markdown(res, path))
     return 0

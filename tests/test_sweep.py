@@ -12,9 +12,12 @@ from experiments import sweep
 def test_sweep_micro(tmp_path):
     out = tmp_path / "res"
     docs = tmp_path / "bench.md"
-    rc = sweep.main(["--model", "micro", "--batch", "2", "--seq", "32", "--budgets", "64MiB,2GiB",
-                     "--rounds", "2", "--steps", "2", "--run-id", "t", "--results-dir", str(out)])
-    assert rc == 0
+    common = ["--model", "micro", "--batch", "2", "--seq", "32", "--budgets", "64MiB,2GiB", "--rounds", "2",
+              "--steps", "2", "--run-id", "t", "--results-dir", str(out)]
+    # the tide plans in one process, the baselines in another: one file
+    assert sweep.main(common + ["--plans", "tide"]) == 0
+    assert set(json.loads((out / "sweep_t.json").read_text())["configs"]) == {"tide@0.0625GiB", "tide@2GiB"}
+    assert sweep.main(common + ["--plans", "all_host,zero_offload"]) == 0
     res = json.loads((out / "sweep_t.json").read_text())
     cf = res["configs"]
     assert set(cf) == {"tide@0.0625GiB", "tide@2GiB", "all_host", "zero_offload"}
@@ -24,6 +27,8 @@ def test_sweep_micro(tmp_path):
         assert all(math.isfinite(x) for x in r["losses"])
         assert r["step_s_std"] >= 0 and r["tokens_per_s"] > 0
         assert r["predicted_peak_device_bytes"] > 0 and r["compiled_peak_bytes"] > 0
+        if r["schedule_counts"].get("params_pinned_host/update_host"):  # the host thread's time is measured
+            assert len(r["host_update_s_all"]) == 4 and r["host_update_s_median"] > 0
     # all_host fetches at every read: never fewer bytes than chunkjax's plan
     for b in ("tide@0.0625GiB", "tide@2GiB"):
         assert cf[b]["h2d_bytes_per_step_predicted"] <= cf["all_host"]["h2d_bytes_per_step_predicted"]
@@ -34,10 +39,11 @@ def test_sweep_micro(tmp_path):
     assert ah[-1] < ah[0]
     assert sweep.main(["--report", str(out / "sweep_t.json"), "--docs", str(docs)]) == 0
     text = docs.read_text()
+    assert len(res["commands"]) == 2
     assert "Budget sweep `t`" in text and text.count("| 0.0625 |") == 3 and text.count("| 2 |") == 3
 
 
 def test_sweep_bad_input(capsys):
     assert sweep.main(["--budgets", "lots"]) == 2
     assert "--budgets" in capsys.readouterr().err
-    assert sweep.main(["--kinds", "all_device"]) == 2
+    assert sweep.main(["--plans", "all_device"]) == 2
