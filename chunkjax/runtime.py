@@ -382,8 +382,10 @@ class ChunkedStep:
                                        self.compute_dtype)
                 return jax.device_put(o.params, pk), o.master, o.opt_state
 
+            # keep_unused: old_params is unused, and jit would prune it, dropping its donation
+            # (every updated chunk would then hold two compute-param buffers until the step ends)
             return jax.jit(upd, in_shardings=(dev, dev, dev, dev, dev, pk), out_shardings=(pk, dev, dev),
-                           donate_argnums=(1, 2, 5))
+                           donate_argnums=(1, 2, 5), keep_unused=True)
 
         return {k: make(k) for k in set(self.placement.param_kinds)}
 
@@ -402,7 +404,8 @@ class ChunkedStep:
                         jax.device_put(o.master, host), jax.device_put(o.opt_state, host))
 
             return jax.jit(upd, in_shardings=(host, host, host, dev, dev, sharding(param_kind)),
-                           out_shardings=(sharding(param_kind), host, host), donate_argnums=(1, 2, 5))
+                           out_shardings=(sharding(param_kind), host, host), donate_argnums=(1, 2, 5),
+                           keep_unused=True)
 
         return {k: make(k) for k in set(self.placement.param_kinds)}
 

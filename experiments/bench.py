@@ -198,6 +198,10 @@ def measure_system(system, args) -> dict:
     rec["compile_s"] = time.perf_counter() - t0
     rec["compiled_memory"] = mem
     rec["notes"] += list(getattr(system, "notes", []))
+    if mem.get("fits") is False:  # the system's own check (e.g. chunkjax's headroom) failed
+        rec["feasible"] = False
+        rec["infeasible_reason"] = mem.get("why") or "the system's compiled-memory check failed"
+        return rec
     if mem["peak_bytes"] > args.budget_bytes:
         rec["feasible"] = False
         rec["infeasible_reason"] = (f"compiled peak {mem['peak_bytes']} B (argument {mem['argument_bytes']} + output "

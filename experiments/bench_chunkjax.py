@@ -116,9 +116,17 @@ class ChunkjaxSystem:
                 break
             self.step_fn = cj.make_chunked_step(self.stages, self.layout, self.schedule, host_optimizer=self.spec)
         largest = max(progs, key=lambda p: p["peak_device_bytes"])
-        return {"peak_bytes": int(peak), "argument_bytes": largest["argument"], "output_bytes": largest["output"],
-                "temp_bytes": largest["temp"], "alias_bytes": largest["alias"],
-                "resident_state_bytes": int(resident_state), "programs": progs}
+        out = {"peak_bytes": int(peak), "argument_bytes": largest["argument"], "output_bytes": largest["output"],
+               "temp_bytes": largest["temp"], "alias_bytes": largest["alias"],
+               "resident_state_bytes": int(resident_state), "programs": progs}
+        if peak > HEADROOM * self.budget and self.replan:
+            # no plan fits under the headroom: running the last one would run out of memory
+            # (GPT3_12B at 100 GiB did, after a failed re-plan)
+            out["fits"] = False
+            out["why"] = (f"compiled peak {peak} B exceeds {HEADROOM:.0%} of the budget {self.budget} B after "
+                          f"{len(self.plan_history)} plan(s)" + (f"; {self.notes[-1]}" if self.notes else ""))
+        self.last_compiled_memory = out
+        return out
 
     def init(self, key):
         import jax
@@ -171,7 +179,8 @@ def run_chunkjax(args) -> dict:
     except Exception as e:  # keep the plan next to the failure (e.g. out of memory at run time)
         import traceback
         rec = {"feasible": False, "error": f"{type(e).__name__}: {e}"[:2000],
-               "traceback_tail": traceback.format_exc().strip().splitlines()[-8:]}
+               "traceback_tail": traceback.format_exc().strip().splitlines()[-8:],
+               "notes": list(sys_.notes), "compiled_memory": getattr(sys_, "last_compiled_memory", None)}
     p = sys_.schedule.predicted
     rec.update({
         "peak_device_bytes_accounted": p.peak_device_bytes,

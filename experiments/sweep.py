@@ -148,8 +148,9 @@ def run(args, save=lambda res: None, prior: dict | None = None, prior_commands=N
             "segments": list(sys_.schedule.segments), "n_fetches": p.n_fetches,
             "plan_history": sys_.plan_history, "rounds": args.rounds, "steps": args.steps,
             "matmul_tflops": sys_.matmul_tflops, "host_update_s_per_param_calibrated": sys_.rates.host_update_s_per_param,
-            "feasible_at": {str(x): bool(mem["peak_bytes"] <= x) for x in budgets},
-            "step_s_all": [], "host_update_s_all": [], "losses": []}
+            "feasible_at": {str(x): bool(mem.get("fits", True) and mem["peak_bytes"] <= x) for x in budgets},
+            "infeasible_reason": mem.get("why"),
+            "step_s_all": [], "step_s_warmup": [], "host_update_s_all": [], "losses": []}
         print(f"[sweep] {time.time() - t_start:.0f} s {name}: compiled peak {mem['peak_bytes'] / 2**30:.2f} GiB, predicted "
               f"{p.time.step_s:.3f} s, h2d {p.h2d_bytes_per_step / 1e9:.2f} GB", flush=True)
 
@@ -159,16 +160,25 @@ def run(args, save=lambda res: None, prior: dict | None = None, prior_commands=N
     t0 = time.perf_counter()
     base = sys_.init(jax.random.key(args.seed))
     init_s = time.perf_counter() - t0
+    steps = {}  # one step object per configuration: its compiled programs are reused every round
     for r in range(args.rounds):
         for name, (sched, budget) in schedules.items():
             rec = recs[name]
-            if rec["kind"] != "tide" and not any(rec["feasible_at"].values()):
+            if not any(rec["feasible_at"].values()):
                 continue
-            sys_.use_schedule(sched)
+            if name in steps:
+                sys_.schedule, sys_.step_fn = sched, steps[name]
+            else:
+                sys_.use_schedule(sched)
+                steps[name] = sys_.step_fn
             state = _state_for(sys_, base)
-            if r == 0:  # warm-up (compiles), then one profiled step for the bytes moved
-                state, _, losses = _timed(sys_, state, batch, 1)
-                rec["losses"] += losses
+            jax.block_until_ready(state)
+            # an untimed warm-up step every round (round 0: compiles; later rounds: the first
+            # step after another configuration's)
+            state, warm, losses = _timed(sys_, state, batch, 1)
+            rec["step_s_warmup"] += warm
+            rec["losses"] += losses
+            if r == 0:  # one profiled step for the bytes moved
                 if on_gpu or args.profile_on_cpu:
                     box = {"state": state}
 
@@ -227,6 +237,8 @@ def render_markdown(res: dict, results_file: str) -> str:
                 f"{f(r.get('host_update_s_median'), d=3)} ({f(r['predicted_time']['host_update_s'], d=3)})",
                 f(r.get("tokens_per_s") if fits else None, d=0),
                 f(r.get("mfu") if fits else None, d=3)]) + " |")
+    if res.get("notes"):
+        lines += [""] + [f"- {n}" for n in res["notes"]]
     lines += ["", "Commands (one process each):", "", "```", *res["commands"], "```", f"<!-- sweep:{rid}:end -->"]
     return "\n".join(lines) + "\n"
 

@@ -489,3 +489,23 @@ def test_worker_subprocess_returns_every_key(subprocesses):
     assert len(rec["losses"]) == 3 and rec["losses_finite"] and len(rec["step_s_all"]) == 2
     assert rec["tokens_per_s"] > 0 and rec["tflops"] > 0 and rec["update_s"] > 0
     assert rec["host_bytes"] >= 12 * CFG.n_params
+
+
+def test_chunkjax_refuses_a_plan_over_its_headroom(monkeypatch):
+    """When the compiled peak stays above the headroom and re-planning fails, chunkjax reports
+    infeasible before initialising (it once ran the over-headroom plan: GPT3_12B at 100 GiB ran
+    out of memory in the step)."""
+    import chunkjax as cj
+    from chunkjax.runtime import ChunkedStep
+    from experiments.bench_chunkjax import HEADROOM, ChunkjaxSystem
+    system = ChunkjaxSystem(CFG, 2**30, BATCH, SEQ)
+    real = ChunkedStep.compiled_memory_programs
+    # every program compiles to 2x the budget, and no smaller plan exists
+    monkeypatch.setattr(ChunkedStep, "compiled_memory_programs",
+                        lambda self, b: [dict(p, peak_device_bytes=2**31) for p in real(self, b)])
+    system._plan = lambda b: (_ for _ in ()).throw(cj.PlanError("no smaller plan", b, False))
+    system.init = system.step = None  # must not be reached
+    rec = bench.measure_system(system, _worker_args("chunkjax", 2**30))
+    assert rec["feasible"] is False
+    assert f"exceeds {HEADROOM:.0%} of the budget" in rec["infeasible_reason"]
+    assert "no smaller plan" in rec["infeasible_reason"]

@@ -23,7 +23,7 @@ def test_sweep_micro(tmp_path):
     assert set(cf) == {"tide@0.0625GiB", "tide@2GiB", "all_host", "zero_offload"}
     for name, r in cf.items():
         assert len(r["step_s_all"]) == 4, name  # 2 rounds x 2 timed steps
-        assert r["losses_finite"] and len(r["losses"]) == 5
+        assert r["losses_finite"] and len(r["losses"]) == 6 and len(r["step_s_warmup"]) == 2
         assert all(math.isfinite(x) for x in r["losses"])
         assert r["step_s_std"] >= 0 and r["tokens_per_s"] > 0
         assert r["predicted_peak_device_bytes"] > 0 and r["compiled_peak_bytes"] > 0
