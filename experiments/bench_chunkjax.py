@@ -181,6 +181,12 @@ def run_chunkjax(args) -> dict:
         rec = {"feasible": False, "error": f"{type(e).__name__}: {e}"[:2000],
                "traceback_tail": traceback.format_exc().strip().splitlines()[-8:],
                "notes": list(sys_.notes), "compiled_memory": getattr(sys_, "last_compiled_memory", None)}
+        if "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower():
+            from experiments.gpu_measure import live_arrays_summary
+            try:  # what held the device memory when the allocation failed
+                rec["live_arrays_at_failure"] = live_arrays_summary()
+            except Exception as e2:
+                rec["live_arrays_at_failure"] = {"error": f"{type(e2).__name__}: {e2}"}
     p = sys_.schedule.predicted
     rec.update({
         "peak_device_bytes_accounted": p.peak_device_bytes,

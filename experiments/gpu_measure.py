@@ -83,6 +83,31 @@ def memory_stats() -> dict | None:
         return None
 
 
+def live_arrays_summary(top: int = 12) -> dict:
+    """What holds device memory now (for an out-of-memory report): ``jax.live_arrays()`` grouped
+    by (shape, dtype, memory kind), the ``top`` groups by bytes, plus totals per memory kind
+    (bytes) and the allocator's ``memory_stats()``."""
+    import jax
+
+    groups: dict = {}
+    per_kind: dict = {}
+    for a in jax.live_arrays():
+        try:
+            kind = a.sharding.memory_kind or "device"
+            n = int(a.nbytes)
+        except Exception:
+            continue
+        k = (str(a.shape), str(a.dtype), kind)
+        c, b = groups.get(k, (0, 0))
+        groups[k] = (c + 1, b + n)
+        per_kind[kind] = per_kind.get(kind, 0) + n
+    rows = sorted(groups.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"bytes_per_memory_kind": per_kind,
+            "largest_groups": [{"shape": k[0], "dtype": k[1], "memory_kind": k[2], "count": c, "bytes": b}
+                               for k, (c, b) in rows],
+            "memory_stats": memory_stats()}
+
+
 def peak_device_bytes() -> int | None:
     """``peak_bytes_in_use`` of the first device since the process started (None on the CPU)."""
     s = memory_stats()

@@ -509,3 +509,20 @@ def test_chunkjax_refuses_a_plan_over_its_headroom(monkeypatch):
     assert rec["feasible"] is False
     assert f"exceeds {HEADROOM:.0%} of the budget" in rec["infeasible_reason"]
     assert "no smaller plan" in rec["infeasible_reason"]
+
+
+def test_chunkjax_out_of_memory_records_what_held_the_memory(monkeypatch):
+    """A run-time out-of-memory keeps the plan and adds the live arrays grouped by shape, dtype
+    and memory kind (the GPT3_12B failures left nothing to diagnose them with)."""
+    from experiments import bench_chunkjax
+
+    def oom(system, args):
+        raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 515.81MiB")
+
+    monkeypatch.setattr(bench, "measure_system", oom)
+    keep = jnp.ones((123, 457), jnp.float32)  # a live array the summary must list
+    rec = bench_chunkjax.run_chunkjax(_worker_args("chunkjax", 2**30))
+    assert rec["feasible"] is False and "RESOURCE_EXHAUSTED" in rec["error"]
+    live = rec["live_arrays_at_failure"]
+    assert any(g["shape"] == "(123, 457)" and g["bytes"] >= keep.nbytes for g in live["largest_groups"])
+    assert rec["schedule_counts"] and rec["n_chunks"] > 0
