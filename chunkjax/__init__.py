@@ -9,6 +9,8 @@ A JAX reimplementation of PatrickStar (chunks placed by the memory tide) and Sma
 
 ``zero`` shards chunks over a data mesh (ZeRO stages 1-3 with XLA collectives).
 """
+from chunkjax.checkpoint import (CheckpointError, CheckpointWriteError, export_params, latest_step,
+                                 restore_checkpoint, save_checkpoint)
 from chunkjax.layout import ChunkLayout, LeafSlot, build_layout, first_use_order, search_chunk_size
 from chunkjax.memory import DEVICE, PINNED_HOST
 from chunkjax.optim import init_chunk_state, update_chunk
@@ -20,6 +22,7 @@ from chunkjax.stages import Stage, compose_loss
 from chunkjax.trace import trace_stages
 
 __all__ = [
+    "CheckpointError", "CheckpointWriteError", "export_params", "latest_step", "restore_checkpoint", "save_checkpoint",
     "Accounting", "ChunkBytes", "ChunkLayout", "ChunkedStep", "DEVICE", "LeafSlot", "PINNED_HOST", "Placement",
     "PlanError", "Schedule", "Stage", "StageTrace", "TrainState", "account", "build_layout", "chunk_bytes", "compose_loss",
     "first_use_order", "init_chunk_state", "make_chunked_step", "parse_bytes", "plan_fixed", "plan_schedule", "search_chunk_size",

@@ -1,0 +1,604 @@
+"""Checkpoints of a chunked training run: saved chunk by chunk, atomic, placement-independent.
+
+A checkpoint of step ``N`` is one directory ``<directory>/step_<N:08d>/`` holding
+
+* ``chunk_<c:05d>/``: an orbax-checkpoint PyTree checkpoint per chunk ``c`` with the arrays
+  ``params`` ((chunk_size,) compute dtype), ``master`` ((chunk_size,) float32) and one
+  (chunk_size,) float32 array per optimizer moment, named by the optax field (``mu``, ``nu`` for
+  AdamW/Adam, ``mu`` for Lion, ``trace`` for SGD with momentum);
+* ``meta.json``: format version, step number, the chunk layout and its fingerprint, the compute
+  dtype, per chunk the optimizer step count, the moment names, the scalars of optax's
+  *rest-of-model* leaf (:mod:`chunkjax.optim`) and the update location it was saved from, and the
+  user's ``extra`` dict (numbers, strings, lists, dicts, numpy/jax arrays and typed PRNG keys).
+
+The form is independent of placement: a chunk saved from the device (optax state) restores onto
+the host (``Host*State`` of :mod:`chunkjax.host_update`) and back, so a run can resume under
+another schedule or device budget with the same layout. A different layout (chunk size, number
+of chunks, or any leaf's chunk/offset/shape/dtype) is refused with a one-line error.
+
+**Bounded host memory.** Saving copies one chunk at a time to host memory (device chunks) or
+writes the host buffers directly (host chunks), so at most one chunk's ``params + master +
+moments`` is in flight beyond what the state already holds; restoring reads and places one chunk
+at a time the same way.
+
+**Atomicity.** Everything is written into a hidden temporary directory
+``<directory>/.tmp_step_<N:08d>_<pid>_<random>/`` which is renamed to ``step_<N:08d>`` only
+after every chunk and ``meta.json`` are written and fsynced (POSIX rename is atomic within one
+filesystem). A crash (SIGKILL, power loss after the fsync) during a save therefore leaves the
+previous checkpoints usable and nothing that :func:`latest_step` or :func:`restore_checkpoint`
+would pick up; a write error removes the temporary directory before raising
+:class:`CheckpointWriteError`. Temporaries left by a killed process are removed by the next
+:func:`save_checkpoint` into the same directory (those of live processes are left alone).
+
+Saves are synchronous: the state's device buffers are donated by the next training step, so an
+asynchronous save would have to copy the whole state first, which the memory bound forbids.
+"""
+from __future__ import annotations
+
+import base64
+import dataclasses
+import functools
+import errno as _errno
+import hashlib
+import json
+import os
+import re
+import shutil
+import uuid
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from chunkjax import optim
+from chunkjax.memory import PINNED_HOST, sharding
+
+FORMAT = "chunkjax-checkpoint"
+VERSION = 1
+META = "meta.json"
+_STEP_RE = re.compile(r"^step_(\d{8,})$")
+_TMP_PREFIX = ".tmp_step_"
+_TMP_RE = re.compile(r"^\.tmp_step_(\d+)_(\d+)_[0-9a-f]+$")
+
+
+
+@functools.cache
+def _host_moments() -> dict:
+    """Host state dataclass -> ((host field, optax moment name), ...). The optax names are the
+    field names of optax's states: ScaleByAdamState.mu/nu, ScaleByLionState.mu, TraceState.trace.
+    (chunkjax.host_update, which loads numba, is imported on first use only.)"""
+    from chunkjax import host_update as hu
+    return {hu.HostAdamState: (("m", "mu"), ("v", "nu")),
+            hu.HostLionState: (("m", "mu"),),
+            hu.HostMomentumState: (("trace", "trace"),)}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be restored into this step (layout or optimizer mismatch, a missing or
+    malformed checkpoint)."""
+
+
+class CheckpointWriteError(OSError):
+    """Writing a checkpoint failed (full disk, I/O error, ...). The previous checkpoints are
+    intact and the temporary directory of the failed save has been removed. ``errno`` is the
+    underlying error's, when it had one."""
+
+
+# ---- directory listing ----------------------------------------------------------------------
+
+def _step_dir(directory, step: int) -> str:
+    return os.path.join(os.fspath(directory), f"step_{step:08d}")
+
+
+def all_steps(directory) -> list[int]:
+    """Step numbers of the complete checkpoints in ``directory``, ascending ([] if none or if the
+    directory does not exist). Temporaries of unfinished saves are never listed."""
+    d = os.fspath(directory)
+    if not os.path.isdir(d):
+        return []
+    out = []
+    for name in os.listdir(d):
+        m = _STEP_RE.match(name)
+        if m and os.path.isfile(os.path.join(d, name, META)):
+            out.append(int(m.group(1)))
+    return sorted(out)
+
+
+def latest_step(directory) -> int | None:
+    """The largest step number with a complete checkpoint in ``directory``, or None."""
+    steps = all_steps(directory)
+    return steps[-1] if steps else None
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temporaries(directory) -> list[str]:
+    """Remove temporary directories of saves whose process has died (a crash mid-save).
+
+    Returns the removed paths. Temporaries of live processes (a save in progress) are kept.
+    """
+    d = os.fspath(directory)
+    removed = []
+    if not os.path.isdir(d):
+        return removed
+    for name in os.listdir(d):
+        m = _TMP_RE.match(name)
+        if m and not _pid_alive(int(m.group(2))):
+            shutil.rmtree(os.path.join(d, name), ignore_errors=True)
+            removed.append(os.path.join(d, name))
+    return removed
+
+
+# ---- layout fingerprint ---------------------------------------------------------------------
+
+def layout_spec(layout) -> dict:
+    """JSON form of a :class:`~chunkjax.layout.ChunkLayout`: chunk_size (elements), n_chunks,
+    chunk dtypes and every leaf slot as ``[path, chunk, offset, shape, dtype]``."""
+    return {
+        "chunk_size": int(layout.chunk_size),
+        "n_chunks": int(layout.n_chunks),
+        "chunk_dtypes": [np.dtype(d).name for d in layout.chunk_dtypes],
+        "slots": [[s.path, int(s.chunk), int(s.offset), [int(x) for x in s.shape], np.dtype(s.dtype).name]
+                  for s in layout.slots],
+    }
+
+
+def layout_fingerprint(layout) -> str:
+    """sha256 (hex) of :func:`layout_spec`: equal fingerprints mean identical chunk layouts."""
+    return hashlib.sha256(json.dumps(layout_spec(layout), sort_keys=True).encode()).hexdigest()
+
+
+def _layout_difference(saved: dict, here: dict) -> str | None:
+    """One line saying how two layout specs differ, or None if they are equal."""
+    for key in ("chunk_size", "n_chunks"):
+        if saved[key] != here[key]:
+            return f"{key} is {saved[key]} in the checkpoint but {here[key]} in this step"
+    if saved["chunk_dtypes"] != here["chunk_dtypes"]:
+        c = next(i for i, (a, b) in enumerate(zip(saved["chunk_dtypes"], here["chunk_dtypes"])) if a != b)
+        return f"chunk {c} has dtype {saved['chunk_dtypes'][c]} in the checkpoint but {here['chunk_dtypes'][c]} here"
+    if len(saved["slots"]) != len(here["slots"]):
+        return f"the checkpoint has {len(saved['slots'])} leaves but this step's params have {len(here['slots'])}"
+    for a, b in zip(saved["slots"], here["slots"]):
+        if a != b:
+            fmt = lambda s: f"{s[0]} (chunk {s[1]}, offset {s[2]}, shape {tuple(s[3])}, {s[4]})"  # noqa: E731
+            return f"leaf {fmt(a)} in the checkpoint is {fmt(b)} in this step"
+    return None
+
+
+# ---- optimizer state: optax tree <-> placement-independent form ------------------------------
+
+def _optax_leaf_role(path) -> tuple[str, int | None]:
+    """(field name, index) of an optax state leaf of a chunk: ``("count", None)``, or
+    ``("mu", 0)`` for the chunk's moment and ``("mu", 1)`` for the rest-of-model leaf's."""
+    name, idx = None, None
+    for k in path:
+        if isinstance(k, jax.tree_util.GetAttrKey):
+            name, idx = k.name, None
+        elif isinstance(k, jax.tree_util.DictKey):
+            name, idx = str(k.key), None
+        elif isinstance(k, jax.tree_util.SequenceKey) and name is not None:
+            idx = k.idx
+    return name, idx
+
+
+def _optax_to_portable(opt_state, chunk_size: int) -> tuple[int | None, dict, dict]:
+    """Split one chunk's optax state into (count, {moment: (chunk_size,) float32 numpy},
+    {moment: rest-leaf float}).
+
+    Raises:
+      CheckpointError: a leaf that is neither a step count nor a per-element moment (e.g. a
+        transformation with non-elementwise state), two moments of one name, or step counts that
+        disagree.
+    """
+    counts, moments, rest = set(), {}, {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
+        name, idx = _optax_leaf_role(path)
+        shape = tuple(np.shape(leaf))
+        where = jax.tree_util.keystr(path)
+        if name == "count" and shape == ():
+            counts.add(int(np.asarray(leaf)))
+        elif name is not None and idx == 0 and shape == (chunk_size,):
+            if name in moments:
+                raise CheckpointError(f"optax state has two moments named {name!r} (at {where}): a chain of two "
+                                      "stateful optimizers has no per-chunk checkpoint form")
+            moments[name] = np.asarray(leaf, np.float32)
+        elif name is not None and idx == 1 and shape == ():
+            rest[name] = float(np.asarray(leaf))
+        else:
+            raise CheckpointError(f"optax state leaf {where} (shape {shape}) is neither a step count nor a "
+                                  "per-element moment: only elementwise optimizers (Adam/AdamW/Lion/SGD) are supported")
+    if len(counts) > 1:
+        raise CheckpointError(f"optax state holds differing step counts {sorted(counts)}")
+    return (counts.pop() if counts else None), moments, rest
+
+
+def _portable_to_optax(template, count: int | None, moments: dict, rest: dict, chunk: int):
+    """Fill the structure ``template`` (``jax.eval_shape`` of the chunk's optax init) with saved
+    values as numpy arrays. Raises CheckpointError if the moment names differ."""
+    _check_optax_moments(template, moments, chunk)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(template)
+    out = []
+    for path, leaf in leaves:
+        name, idx = _optax_leaf_role(path)
+        if name == "count" and leaf.shape == ():
+            out.append(np.asarray(0 if count is None else count, leaf.dtype))
+        elif idx == 0 and leaf.ndim == 1:
+            out.append(np.asarray(moments[name], leaf.dtype))
+        elif idx == 1 and leaf.shape == ():
+            out.append(np.asarray(rest.get(name, 0.0), leaf.dtype))
+        else:
+            raise CheckpointError(f"this step's optax state leaf {jax.tree_util.keystr(path)} (shape {leaf.shape}) "
+                                  "has no checkpoint form: only elementwise optimizers are supported")
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _check_optax_moments(template, names, chunk: int) -> None:
+    need = sorted(_moment_names(template))
+    if need != sorted(names):
+        raise CheckpointError(f"chunk {chunk}: the checkpoint's optimizer moments {sorted(names)} do not match "
+                              f"this step's optax state {need}: restore with the optimizer the checkpoint was saved with")
+
+
+def _host_to_portable(st) -> tuple[int, dict]:
+    table = _host_moments().get(type(st))
+    if table is None:
+        raise CheckpointError(f"host optimizer state {type(st).__name__} has no checkpoint form "
+                              f"(supported: {', '.join(t.__name__ for t in _host_moments())})")
+    return int(st.count), {name: getattr(st, field) for field, name in table}
+
+
+def _portable_to_host(cls, count: int | None, moments: dict, chunk: int):
+    _check_host_moments(cls, moments, chunk)
+    table = _host_moments()[cls]
+    kw = {field: np.require(moments[name], np.float32, ["C", "W", "O"]) for field, name in table}
+    return cls(count=0 if count is None else int(count), **kw)
+
+
+def _is_host_state(st) -> bool:
+    return dataclasses.is_dataclass(st) and not isinstance(st, type)
+
+
+# ---- extra: JSON with tagged arrays -----------------------------------------------------------
+
+def _encode(x, where="extra"):
+    if isinstance(x, dict):
+        for k in x:
+            if not isinstance(k, str):
+                raise TypeError(f"{where}: dict keys must be strings, got {k!r}")
+        return {k: _encode(v, f"{where}[{k!r}]") for k, v in x.items()}
+    if isinstance(x, tuple):
+        return {"__tuple__": [_encode(v, f"{where}[{i}]") for i, v in enumerate(x)]}
+    if isinstance(x, list):
+        return [_encode(v, f"{where}[{i}]") for i, v in enumerate(x)]
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return {"__prng_key__": str(jax.random.key_impl(x)), "data": _encode(np.asarray(jax.random.key_data(x)))}
+    if isinstance(x, (np.ndarray, np.generic, jax.Array)):
+        a = np.ascontiguousarray(np.asarray(x))
+        if a.dtype == object:
+            raise TypeError(f"{where}: object arrays cannot be saved")
+        return {"__ndarray__": a.dtype.name, "shape": list(a.shape), "data": base64.b64encode(a.tobytes()).decode()}
+    raise TypeError(f"{where}: {type(x).__name__} cannot be saved in extra (use numbers, strings, lists, "
+                    "dicts, numpy/jax arrays or PRNG keys)")
+
+
+def _decode(x):
+    if isinstance(x, list):
+        return [_decode(v) for v in x]
+    if isinstance(x, dict):
+        if "__tuple__" in x:
+            return tuple(_decode(v) for v in x["__tuple__"])
+        if "__ndarray__" in x:
+            dt = jnp.dtype(x["__ndarray__"])  # knows bfloat16 etc. (ml_dtypes)
+            return np.frombuffer(base64.b64decode(x["data"]), dt).reshape(x["shape"]).copy()
+        if "__prng_key__" in x:
+            return jax.random.wrap_key_data(_decode(x["data"]), impl=x["__prng_key__"])
+        return {k: _decode(v) for k, v in x.items()}
+    return x
+
+
+# ---- chunk I/O (module-level so tests can inject faults) -------------------------------------
+
+def _checkpointer():
+    import orbax.checkpoint as ocp
+    return ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
+
+
+def _write_chunk(ckptr, path: str, arrays: dict[str, np.ndarray]) -> None:
+    """Write one chunk's arrays (numpy) as an orbax PyTree checkpoint at ``path``."""
+    import orbax.checkpoint as ocp
+    ckptr.save(path, args=ocp.args.PyTreeSave(arrays))
+
+
+def _read_chunk(ckptr, path: str, names) -> dict[str, np.ndarray]:
+    """Read one chunk's arrays (numpy, writable) from ``path``."""
+    import orbax.checkpoint as ocp
+    ra = {n: ocp.RestoreArgs(restore_type=np.ndarray) for n in names}
+    item = {n: np.zeros((), np.float32) for n in names}  # structure only (a subset of the saved arrays)
+    return ckptr.restore(path, args=ocp.args.PyTreeRestore(item=item, restore_args=ra, partial_restore=True))
+
+
+def _fsync_tree(root: str) -> None:
+    for d, _, files in os.walk(root):
+        for f in files:
+            fd = os.open(os.path.join(d, f), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(d)
+
+
+def _fsync_dir(d: str) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _one_line(e: BaseException) -> str:
+    s = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {s[0] if s else ''}"
+
+
+# ---- public API -------------------------------------------------------------------------------
+
+def save_checkpoint(directory, step_number: int, step_fn, state, extra: dict | None = None) -> str:
+    """Save the whole training state of ``step_fn`` as checkpoint ``step_number``, atomically.
+
+    Waits for the step's host updates (``step_fn.wait()``), then writes chunk by chunk: each
+    chunk's compute params ((chunk_size,) ``step_fn.compute_dtype``), float32 master params and
+    float32 optimizer moments, plus the step count of its optimizer; then ``meta.json`` with the
+    layout fingerprint and ``extra``. Host memory beyond the state itself: one chunk's params,
+    master and moments (about ``chunk_size * (2 + 4 + 8)`` bytes for bf16 AdamW).
+
+    Args:
+      directory: the checkpoint root (created if missing).
+      step_number: the training step (int >= 0); the checkpoint goes to ``step_<N:08d>``.
+      step_fn: the :class:`~chunkjax.runtime.ChunkedStep` that owns ``state``.
+      state: its :class:`~chunkjax.runtime.TrainState` (any placement). It stays usable.
+      extra: a JSON-like dict saved with the state (RNG keys, data position, configuration):
+        numbers, strings, None, lists, tuples, dicts with string keys, numpy or jax arrays and
+        typed PRNG key arrays (``jax.random.key``).
+
+    Returns:
+      The path of the new checkpoint directory.
+
+    Raises:
+      FileExistsError: a checkpoint of ``step_number`` already exists.
+      TypeError: ``extra`` holds something that cannot be saved.
+      CheckpointError: the optimizer state has no per-chunk form (not elementwise).
+      CheckpointWriteError: writing failed (e.g. ENOSPC); the previous checkpoints are intact and
+        the partial write has been removed.
+    """
+    step_number = int(step_number)
+    if step_number < 0:
+        raise ValueError(f"step_number must be >= 0, got {step_number}")
+    directory = os.fspath(directory)
+    final = _step_dir(directory, step_number)
+    if os.path.exists(final):
+        raise FileExistsError(f"checkpoint step {step_number} already exists at {final}: delete it or save another step")
+    extra_json = _encode(dict(extra or {}))  # fail on bad extra before writing anything
+    lay = step_fn.layout
+    os.makedirs(directory, exist_ok=True)
+    remove_stale_temporaries(directory)
+    step_fn.wait()
+    tmp = os.path.join(directory, f"{_TMP_PREFIX}{step_number:08d}_{os.getpid()}_{uuid.uuid4().hex[:12]}")
+    host_chunks = set(step_fn.host_chunks)
+    locations = [("host" if c in host_chunks else step_fn.placement.update_locations[c]) for c in range(lay.n_chunks)]
+    chunks_meta = []
+    stage = "creating the temporary directory"
+    try:
+        os.makedirs(tmp)
+        ckptr = _checkpointer()
+        for c in range(lay.n_chunks):
+            st = state.opt_state[c]
+            if _is_host_state(st):
+                count, moments = _host_to_portable(st)
+                rest = {}
+            else:
+                count, moments, rest = _optax_to_portable(st, lay.chunk_size)
+            arrays = {"params": np.asarray(state.params[c]), "master": np.asarray(state.master[c], np.float32), **moments}
+            stage = f"writing chunk {c} of {lay.n_chunks}"
+            _write_chunk(ckptr, os.path.join(tmp, f"chunk_{c:05d}"), arrays)
+            del arrays, moments
+            chunks_meta.append({"count": count, "moments": sorted(set(_moment_names(st))), "rest": rest,
+                                "saved_from": locations[c]})
+        meta = {"format": FORMAT, "version": VERSION, "step": step_number,
+                "compute_dtype": np.dtype(step_fn.compute_dtype).name,
+                "layout": layout_spec(lay), "layout_fingerprint": layout_fingerprint(lay),
+                "chunks": chunks_meta, "optimizer": repr(step_fn.host_optimizer or step_fn.tx),
+                "extra": extra_json}
+        stage = f"writing {META}"
+        _write_meta(os.path.join(tmp, META), meta)
+        stage = "syncing to disk"
+        _fsync_tree(tmp)
+        stage = "renaming the temporary directory into place"
+        os.rename(tmp, final)
+        _fsync_dir(directory)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not isinstance(e, Exception) or isinstance(e, (CheckpointError, TypeError)):
+            raise
+        prev = latest_step(directory)
+        code = getattr(e, "errno", None)
+        tag = f" [{_errno.errorcode.get(code, code)}]" if code else ""
+        msg = (f"saving checkpoint step {step_number} to {directory} failed while {stage}{tag}: {_one_line(e)}; "
+               f"nothing was written" + (f", the previous checkpoint (step {prev}) is intact" if prev is not None else ""))
+        raise CheckpointWriteError(code, msg) if code else CheckpointWriteError(msg) from e
+    return final
+
+
+def _moment_names(st) -> list[str]:
+    if _is_host_state(st):
+        return [name for _, name in _host_moments()[type(st)]]
+    return [_optax_leaf_role(p)[0] for p, l in jax.tree_util.tree_flatten_with_path(st)[0]
+            if _optax_leaf_role(p)[1] == 0 and np.ndim(l) == 1]
+
+
+def _write_meta(path: str, meta: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(meta, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_meta(directory, step_number: int | None = None) -> dict:
+    """``meta.json`` of a checkpoint (the latest when ``step_number`` is None).
+
+    Raises:
+      FileNotFoundError: no complete checkpoint of that step (or none at all) in ``directory``.
+      CheckpointError: the file is not a chunkjax checkpoint of a known version.
+    """
+    if step_number is None:
+        step_number = latest_step(directory)
+        if step_number is None:
+            raise FileNotFoundError(f"no complete checkpoint in {os.fspath(directory)}")
+    path = os.path.join(_step_dir(directory, step_number), META)
+    if not os.path.isfile(path):
+        have = all_steps(directory)
+        raise FileNotFoundError(f"no complete checkpoint of step {step_number} in {os.fspath(directory)} "
+                                f"(complete steps: {have})")
+    with open(path) as f:
+        meta = json.load(f)
+    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise CheckpointError(f"{path} is not a {FORMAT} version {VERSION} file "
+                              f"(format {meta.get('format')!r}, version {meta.get('version')!r})")
+    return meta
+
+
+def restore_checkpoint(directory, step_fn, step_number: int | None = None):
+    """Restore a checkpoint into ``step_fn``'s placement, chunk by chunk.
+
+    The checkpoint may come from any placement or schedule with the same chunk layout: each chunk
+    is placed where ``step_fn`` keeps it (device / pinned host jax arrays with an optax state, or
+    numpy master and ``Host*State`` for host-updated chunks). If the compute dtype differs from
+    the saved one, compute params are recast from the float32 master params.
+
+    Args:
+      directory: the checkpoint root.
+      step_fn: the :class:`~chunkjax.runtime.ChunkedStep` to restore into.
+      step_number: which step; None for :func:`latest_step`.
+
+    Returns:
+      ``(state, extra)``: a :class:`~chunkjax.runtime.TrainState` for ``step_fn`` and the saved
+      ``extra`` dict (arrays come back as numpy arrays, PRNG keys as typed key arrays, tuples as
+      tuples).
+
+    Raises:
+      FileNotFoundError: no complete checkpoint (of that step).
+      CheckpointError: the chunk layout differs (the one-line message says what differs), or the
+        optimizer's moments cannot be converted into this step's optimizer state.
+    """
+    from chunkjax.runtime import TrainState
+    meta = read_meta(directory, step_number)
+    root = _step_dir(directory, meta["step"])
+    lay = step_fn.layout
+    diff = _layout_difference(meta["layout"], layout_spec(lay))
+    if diff is not None:
+        raise CheckpointError(f"checkpoint step {meta['step']} in {os.fspath(directory)} has another chunk layout: {diff}")
+    host = set(step_fn.host_chunks)
+    host_cls = type(step_fn.host_optimizer.host_state(1)) if host else None
+    template = jax.eval_shape(lambda m: optim.init_chunk_state(step_fn.tx, m),
+                              jax.ShapeDtypeStruct((lay.chunk_size,), jnp.float32))
+    # check every chunk's optimizer form before reading any array
+    for c, cm in enumerate(meta["chunks"]):
+        if c in host:
+            _check_host_moments(host_cls, cm["moments"], c)
+        else:
+            _check_optax_moments(template, cm["moments"], c)
+    if host:
+        step_fn._warm_host_kernel()  # as init does: numba must not compile while XLA compiles
+    cdt = np.dtype(step_fn.compute_dtype)
+    same_dtype = meta["compute_dtype"] == cdt.name
+    ckptr = _checkpointer()
+    ps, ms, os_ = [], [], []
+    for c, cm in enumerate(meta["chunks"]):
+        names = ["params", "master", *cm["moments"]] if same_dtype else ["master", *cm["moments"]]
+        arrs = _read_chunk(ckptr, os.path.join(root, f"chunk_{c:05d}"), names)
+        master = np.require(arrs.pop("master"), np.float32, ["C", "W", "O"])
+        params = arrs.pop("params") if same_dtype else master.astype(cdt)
+        moments = {n: arrs.pop(n) for n in cm["moments"]}
+        if c in host:
+            ms.append(master)
+            os_.append(_portable_to_host(host_cls, cm["count"], moments, c))
+            ps.append(jax.device_put(np.require(params, cdt, ["C", "W", "O"]), sharding(PINNED_HOST)))
+        else:
+            sk = sharding(step_fn.placement.state_kinds[c])
+            opt = _portable_to_optax(template, cm["count"], moments, cm.get("rest", {}), c)
+            os_.append(jax.device_put(opt, sk))
+            ms.append(jax.device_put(master, sk))
+            ps.append(jax.device_put(params.astype(cdt, copy=False), sharding(step_fn.placement.param_kinds[c])))
+        del arrs, master, params, moments
+    jax.block_until_ready([x for x in ps + ms if isinstance(x, jax.Array)])
+    return TrainState(tuple(ps), tuple(ms), tuple(os_)), _decode(meta["extra"])
+
+
+def _check_host_moments(cls, names, chunk):
+    table = _host_moments().get(cls)
+    if table is None:
+        raise CheckpointError(f"host optimizer state {cls.__name__} has no checkpoint form")
+    need = sorted(n for _, n in table)
+    if sorted(names) != need:
+        raise CheckpointError(f"chunk {chunk}: the checkpoint's optimizer moments {sorted(names)} cannot restore "
+                              f"into {cls.__name__} (needs {need}): restore with the optimizer it was saved with")
+
+
+def export_params(step_fn, state):
+    """The float32 master params as a plain pytree of numpy arrays (the model's structure and
+    leaf shapes), built one chunk at a time: host memory holds the result plus one chunk.
+
+    Raises nothing beyond what reading the state raises; waits for pending host updates first.
+    """
+    step_fn.wait()
+    lay = step_fn.layout
+    leaves = [None] * len(lay.slots)
+    by_chunk: dict[int, list[int]] = {}
+    for i, s in enumerate(lay.slots):
+        by_chunk.setdefault(s.chunk, []).append(i)
+    for c, idx in by_chunk.items():
+        m = np.asarray(state.master[c], np.float32)
+        for i in idx:
+            s = lay.slots[i]
+            leaves[i] = np.array(m[s.offset:s.offset + s.size].reshape(s.shape), np.float32)
+        del m
+    return lay.treedef.unflatten(leaves)
+
+
+def export_checkpoint_params(directory, layout, step_number: int | None = None):
+    """Like :func:`export_params`, read from a checkpoint instead of a live state (no step
+    object, nothing placed on a device). ``layout`` must be the checkpoint's chunk layout.
+
+    Raises:
+      FileNotFoundError / CheckpointError: as :func:`restore_checkpoint`.
+    """
+    meta = read_meta(directory, step_number)
+    diff = _layout_difference(meta["layout"], layout_spec(layout))
+    if diff is not None:
+        raise CheckpointError(f"checkpoint step {meta['step']} has another chunk layout: {diff}")
+    root = _step_dir(directory, meta["step"])
+    ckptr = _checkpointer()
+    leaves = [None] * len(layout.slots)
+    for c in range(layout.n_chunks):
+        m = _read_chunk(ckptr, os.path.join(root, f"chunk_{c:05d}"), ["master"])["master"]
+        for i, s in enumerate(layout.slots):
+            if s.chunk == c:
+                leaves[i] = np.array(m[s.offset:s.offset + s.size].reshape(s.shape), np.float32)
+    return layout.treedef.unflatten(leaves)

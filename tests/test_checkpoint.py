@@ -1,0 +1,318 @@
+"""Checkpoints (issue 8, part 1): exact resume, restore into another schedule, refusal of another
+layout, optimizer-state conversion, and faults (SIGKILL in the middle of a save, a full disk).
+
+fp32 compute throughout, so "exact" can be checked bit for bit: resuming under the same schedule
+gives the same losses and master params as the uninterrupted run; resuming under another schedule
+(device AdamW through optax <-> host AdamW kernel) agrees to float32 rounding.
+"""
+import errno
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import chunkjax as cj
+from chunkjax import checkpoint as ck
+from chunkjax import host_update as hu
+from chunkjax.host_update import AdamW
+from chunkjax.optim import init_chunk_state, state_bytes_per_chunk
+from chunkjax.plan import Placement
+from chunkjax.schedule import plan_schedule
+from models import gpt
+
+B, T = 2, 16
+N = 3  # save after N steps, compare steps N+1..2N
+SPEC = AdamW(3e-3, weight_decay=0.1)
+SEED = 1234
+
+
+def build_setup(min_chunks=6):
+    """Model, layout, batches and abstract stage traces (nothing compiled: params come from numpy,
+    the traces' byte figures are zero, which a roomy budget does not need)."""
+    cfg = gpt.get_config("micro", n_layers=3)
+    rng = np.random.default_rng(SEED)
+    shapes = jax.eval_shape(lambda: gpt.init_params(cfg, jax.random.key(0)))
+    params = jax.tree.map(lambda s: (0.02 * rng.standard_normal(s.shape)).astype(np.float32), shapes)
+    batches = [jnp.asarray(rng.integers(0, cfg.vocab_size, (B, T + 1)), jnp.int32) for _ in range(2 * N)]
+    stages = gpt.gpt_stages(cfg)
+    order = cj.first_use_order(lambda p, b: cj.compose_loss(stages, p, b), params, batches[0])
+    layout = cj.build_layout(params, None, order, min_chunks=min_chunks)
+    n = layout.n_chunks
+    probe = cj.make_chunked_step(stages, layout, Placement(("device",) * n, ("device",) * n), tx=SPEC.optax())
+    traces = probe.traces(batches[0])
+    return cfg, params, batches, stages, layout, traces
+
+
+def make_step(setup, resident, spec=SPEC):
+    _, _, _, stages, layout, traces = setup
+    cb = cj.chunk_bytes(layout, jnp.float32, state_bytes_per_chunk(spec.optax(), layout.chunk_size))
+    sched = plan_schedule(layout, traces, cb, 10**12, flops_per_step=1, resident=resident)
+    return cj.make_chunked_step(stages, layout, sched, host_optimizer=spec, compute_dtype=jnp.float32)
+
+
+def run(step, state, batches):
+    losses = []
+    for b in batches:
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
+    step.wait()
+    return state, losses
+
+
+def assert_trees(a, b, **tol):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        if tol:
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), **tol)
+        else:
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.fixture(scope="module")
+def setup():
+    return build_setup()
+
+
+@pytest.fixture(scope="module")
+def mixed_run(setup, tmp_path_factory):
+    """Schedule with chunks 0, 1 resident (device AdamW) and the rest host-updated: trained 2N
+    steps from the start, checkpoint saved after step N."""
+    params, batches = setup[1], setup[2]
+    step = make_step(setup, [0, 1])
+    assert set(step.schedule.update_locations) == {"device", "host"}
+    d = tmp_path_factory.mktemp("mixed")
+    state = step.init(params)
+    state, l1 = run(step, state, batches[:N])
+    extra = {"rng": jax.random.key(7), "data_position": N, "config": {"model": "micro", "lr": 3e-3}}
+    ck.save_checkpoint(d, N, step, state, extra)
+    state, l2 = run(step, state, batches[N:])
+    return step, d, state, l1 + l2, extra
+
+
+@pytest.fixture(scope="module")
+def host_run(setup, tmp_path_factory):
+    """All chunks host-updated: the same 2N steps, checkpoint after step N."""
+    params, batches = setup[1], setup[2]
+    step = make_step(setup, [])
+    assert set(step.schedule.update_locations) == {"host"}
+    d = tmp_path_factory.mktemp("host")
+    state = step.init(params)
+    state, l1 = run(step, state, batches[:N])
+    ck.save_checkpoint(d, N, step, state, {"data_position": N})
+    state, l2 = run(step, state, batches[N:])
+    return step, d, state, l1 + l2
+
+
+def test_resume_is_exact(setup, mixed_run):
+    """Restore step N into a fresh step object of the same schedule and continue to 2N: the same
+    losses and master params, bit for bit; extra comes back (PRNG key typed)."""
+    step, d, state, losses, extra = mixed_run
+    assert ck.latest_step(d) == N and ck.all_steps(d) == [N]
+    fresh = make_step(setup, [0, 1])
+    restored, got_extra = ck.restore_checkpoint(d, fresh)
+    assert got_extra["data_position"] == N and got_extra["config"] == extra["config"]
+    np.testing.assert_array_equal(jax.random.key_data(got_extra["rng"]), jax.random.key_data(extra["rng"]))
+    restored, l2 = run(fresh, restored, setup[2][N:])
+    assert l2 == losses[N:]
+    assert_trees(ck.export_params(fresh, restored), ck.export_params(step, state))
+
+
+def test_restore_into_other_schedule(setup, mixed_run, host_run):
+    """Device chunks restored onto the host (optax -> HostAdamState) and host chunks onto the
+    device (HostAdamState -> optax): the continued runs agree to float32 rounding."""
+    m_step, m_dir, m_state, m_losses, _ = mixed_run
+    h_step, h_dir, h_state, h_losses = host_run
+    np.testing.assert_allclose(m_losses, h_losses, rtol=1e-5)  # the two schedules agree at all
+    # mixed checkpoint -> all-host schedule
+    st, _ = ck.restore_checkpoint(m_dir, h_step)
+    assert all(isinstance(o, hu.HostAdamState) for o in st.opt_state)
+    assert [o.count for o in st.opt_state] == [N] * len(st.opt_state)
+    st, l2 = run(h_step, st, setup[2][N:])
+    np.testing.assert_allclose(l2, m_losses[N:], rtol=1e-6)
+    assert_trees(ck.export_params(h_step, st), ck.export_params(m_step, m_state), rtol=1e-5, atol=1e-7)
+    # all-host checkpoint -> mixed schedule
+    st, extra = ck.restore_checkpoint(h_dir, m_step)
+    assert extra == {"data_position": N}
+    assert not isinstance(st.opt_state[0], hu.HostAdamState) and isinstance(st.opt_state[2], hu.HostAdamState)
+    st, l2 = run(m_step, st, setup[2][N:])
+    np.testing.assert_allclose(l2, h_losses[N:], rtol=1e-6)
+    assert_trees(ck.export_params(m_step, st), ck.export_params(h_step, h_state), rtol=1e-5, atol=1e-7)
+
+
+def test_export_params(setup, mixed_run):
+    """export_params is the master params pytree in float32 numpy; the checkpoint export equals it."""
+    step, d, state, _, _ = mixed_run
+    out = ck.export_params(step, state)
+    assert jax.tree.structure(out) == jax.tree.structure(setup[1])
+    assert all(isinstance(x, np.ndarray) and x.dtype == np.float32 for x in jax.tree.leaves(out))
+    assert_trees(out, step.master_params(state))
+    restored, _ = ck.restore_checkpoint(d, step)
+    assert_trees(ck.export_checkpoint_params(d, step.layout), ck.export_params(step, restored))
+
+
+def test_other_layout_refused(setup, mixed_run):
+    """A different chunk layout is refused with one line saying what differs."""
+    _, d, _, _, _ = mixed_run
+    other = build_setup(min_chunks=3)
+    n = other[4].n_chunks
+    step = cj.make_chunked_step(other[3], other[4], Placement(("device",) * n, ("device",) * n), tx=SPEC.optax())
+    with pytest.raises(ck.CheckpointError) as e:
+        ck.restore_checkpoint(d, step)
+    msg = str(e.value)
+    assert "\n" not in msg and "chunk_size is" in msg and "in this step" in msg, msg
+
+
+def test_other_optimizer_refused(setup, mixed_run):
+    """AdamW moments cannot become Lion state (device or host): a clear error before any read."""
+    _, d, _, _, _ = mixed_run
+    for resident in ([], [0]):
+        step = make_step(setup, resident, spec=hu.Lion(1e-3))
+        with pytest.raises(ck.CheckpointError, match=r"moments \['mu', 'nu'\].*Lion|moments \['mu', 'nu'\].*\['mu'\]"):
+            ck.restore_checkpoint(d, step)
+
+
+@pytest.mark.parametrize("spec", [AdamW(optax.linear_schedule(1e-3, 0.0, 10), max_grad_norm=1.0), hu.Lion(1e-3),
+                                  hu.SGDMomentum(1e-2, weight_decay=1e-4)], ids=["adamw_sched_clip", "lion", "sgdm"])
+def test_optax_host_state_conversion(spec):
+    """optax chunk state -> portable -> host dataclass -> portable -> optax keeps every value
+    (counts of every stage, the chunk's moments, the rest-of-model scalars)."""
+    n = 256
+    rng = np.random.default_rng(0)
+    tx = spec.optax()
+    st = init_chunk_state(tx, jnp.zeros((n,), jnp.float32))
+    leaves, tdef = jax.tree.flatten(st)
+    st = jax.tree.unflatten(tdef, [np.full(np.shape(x), 5, np.asarray(x).dtype) if np.ndim(x) == 0 and
+                                   np.asarray(x).dtype == np.int32 else rng.standard_normal(np.shape(x)).astype(np.float32)
+                                   for x in leaves])
+    count, moments, rest = ck._optax_to_portable(st, n)
+    host = ck._portable_to_host(type(spec.host_state(1)), count, moments, 0)
+    if hasattr(host, "count") and count is not None:
+        assert host.count == 5
+    c2, m2 = ck._host_to_portable(host)
+    template = jax.eval_shape(lambda m: init_chunk_state(tx, m), jax.ShapeDtypeStruct((n,), jnp.float32))
+    back = ck._portable_to_optax(template, count, m2, rest, 0)
+    assert jax.tree.structure(back) == jax.tree.structure(st)
+    assert_trees(back, st)
+
+
+def test_extra_roundtrip(tmp_path):
+    enc = ck._encode({"a": (1, 2.5, "x", None), "k": jax.random.key(3), "arr": np.arange(6, dtype=np.int64).reshape(2, 3),
+                      "bf": jnp.ones((2,), jnp.bfloat16), "nest": [{"b": True}]})
+    import json
+    dec = ck._decode(json.loads(json.dumps(enc)))
+    assert dec["a"] == (1, 2.5, "x", None) and dec["nest"] == [{"b": True}]
+    assert dec["arr"].dtype == np.int64 and dec["arr"].tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert dec["bf"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(jax.random.key_data(dec["k"]), jax.random.key_data(jax.random.key(3)))
+    with pytest.raises(TypeError, match="extra\\['bad'\\]"):
+        ck._encode({"bad": object()})
+
+
+@pytest.mark.parametrize("where", ["chunk", "meta"])
+def test_write_failure_keeps_previous(setup, mixed_run, tmp_path, monkeypatch, where):
+    """ENOSPC in the middle of a save: one-line CheckpointWriteError naming the errno and the
+    stage, the previous checkpoint restores, no temporary is left behind."""
+    step, src, state, _, _ = mixed_run
+    d = tmp_path / "ckpts"
+    restored, _ = ck.restore_checkpoint(src, step)
+    ck.save_checkpoint(d, 1, step, restored, {"tag": "good"})
+    before = sorted(os.listdir(d))
+    calls = []
+    real_chunk = ck._write_chunk
+
+    def failing_chunk(ckptr, path, arrays):
+        calls.append(path)
+        if len(calls) == 3:
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        real_chunk(ckptr, path, arrays)
+
+    def failing_meta(path, meta):
+        with open(path, "w") as f:
+            f.write('{"format": "chunk')  # a torn write
+        raise OSError(errno.ENOSPC, "No space left on device", path)
+
+    if where == "chunk":
+        monkeypatch.setattr(ck, "_write_chunk", failing_chunk)
+    else:
+        monkeypatch.setattr(ck, "_write_meta", failing_meta)
+    with pytest.raises(ck.CheckpointWriteError) as e:
+        ck.save_checkpoint(d, 2, step, restored, {"tag": "bad"})
+    msg = str(e.value)
+    assert e.value.errno == errno.ENOSPC
+    assert "\n" not in msg and "ENOSPC" in msg and "step 1) is intact" in msg, msg
+    assert ("writing chunk 2 of" in msg) if where == "chunk" else ("meta.json" in msg), msg
+    assert sorted(os.listdir(d)) == before == ["step_00000001"]
+    assert ck.latest_step(d) == 1
+    monkeypatch.undo()
+    st, extra = ck.restore_checkpoint(d, step)
+    assert extra == {"tag": "good"}
+    assert_trees(ck.export_params(step, st), ck.export_params(step, restored))
+    with pytest.raises(FileExistsError):
+        ck.save_checkpoint(d, 1, step, st, {})
+
+
+CHILD = """
+import os, sys, time
+sys.path[:0] = [{repo!r}, {tests!r}]
+import test_checkpoint as tc
+from chunkjax import checkpoint as ck
+setup = tc.build_setup()
+step = tc.make_step(setup, [])
+state = step.init(setup[1])
+ck.save_checkpoint({d!r}, 1, step, state, {{"tag": "first"}})
+real = ck._write_chunk
+n = [0]
+def slow(ckptr, path, arrays):
+    real(ckptr, path, arrays)
+    n[0] += 1
+    if n[0] == 3:
+        print("MIDSAVE", flush=True)
+        time.sleep(120)
+ck._write_chunk = slow
+ck.save_checkpoint({d!r}, 2, step, state, {{"tag": "second"}})
+print("SAVED", flush=True)
+"""
+
+
+def test_sigkill_during_save(setup, host_run, tmp_path):
+    """A process SIGKILLed in the middle of saving step 2: step 1 is still the latest complete
+    checkpoint and restores exactly; the partial save is not listed and the next save removes it."""
+    d = str(tmp_path / "ckpts")
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = CHILD.format(repo=os.path.dirname(here), tests=here, d=d)
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, env=env, text=True)
+    try:
+        deadline = time.time() + 90
+        line = ""
+        while time.time() < deadline:
+            line = proc.stdout.readline()
+            if not line or line.startswith("MIDSAVE"):
+                break
+        assert line.startswith("MIDSAVE"), f"child did not reach the middle of the save (rc={proc.poll()})"
+        tmps = [n for n in os.listdir(d) if n.startswith(".tmp_step_00000002")]
+        assert len(tmps) == 1 and any(n.startswith("chunk_") for n in os.listdir(os.path.join(d, tmps[0])))
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert ck.all_steps(d) == [1] and ck.latest_step(d) == 1
+    step = host_run[0]  # same layout as the child's (deterministic construction)
+    st, extra = ck.restore_checkpoint(d, step)
+    assert extra == {"tag": "first"}
+    assert_trees(ck.export_params(step, st), setup[1])
+    assert all(o.count == 0 for o in st.opt_state)
+    with pytest.raises(FileNotFoundError, match="complete steps: \\[1\\]"):
+        ck.restore_checkpoint(d, step, step_number=2)
+    ck.save_checkpoint(d, 2, step, st, {"tag": "again"})  # removes the dead process's temporary
+    assert sorted(os.listdir(d)) == ["step_00000001", "step_00000002"]
