@@ -316,3 +316,70 @@ def test_sigkill_during_save(setup, host_run, tmp_path):
         ck.restore_checkpoint(d, step, step_number=2)
     ck.save_checkpoint(d, 2, step, st, {"tag": "again"})  # removes the dead process's temporary
     assert sorted(os.listdir(d)) == ["step_00000001", "step_00000002"]
+
+
+def test_restore_into_streamed_placement(setup, mixed_run):
+    """A Placement without a schedule (state in pinned host memory, update streamed through the
+    device): optax state restored in the placement's memory kinds, same values."""
+    step, d, _, _, _ = mixed_run
+    layout = setup[4]
+    n = layout.n_chunks
+    kinds = ("device",) * 2 + ("pinned_host",) * (n - 2)
+    streamed = cj.make_chunked_step(setup[3], layout, Placement(kinds, kinds), tx=SPEC.optax(), compute_dtype=jnp.float32)
+    st, _ = ck.restore_checkpoint(d, streamed)
+    ref, _ = ck.restore_checkpoint(d, step)
+    for c in range(n):
+        assert st.master[c].sharding.memory_kind == kinds[c] == st.params[c].sharding.memory_kind
+        assert all(x.sharding.memory_kind == kinds[c] for x in jax.tree.leaves(st.opt_state[c]))
+        count, moments, _ = ck._optax_to_portable(st.opt_state[c], layout.chunk_size)
+        if c >= 2:  # saved from the host kernel's state
+            assert count == ref.opt_state[c].count == N
+            np.testing.assert_array_equal(moments["mu"], ref.opt_state[c].m)
+            np.testing.assert_array_equal(moments["nu"], ref.opt_state[c].v)
+    assert_trees(ck.export_params(streamed, st), ck.export_params(step, ref))
+
+
+def test_bf16_resume_and_dtype_change(setup, mixed_run, tmp_path):
+    """bf16 compute: resuming reproduces the losses bit for bit; a bf16 checkpoint restored into
+    an fp32-compute step recasts its compute params from the fp32 master params."""
+    params, batches = setup[1], setup[2]
+    sched = make_step(setup, [0, 1]).schedule
+    step = cj.make_chunked_step(setup[3], setup[4], sched, host_optimizer=SPEC, compute_dtype=jnp.bfloat16)
+    state, l1 = run(step, step.init(params), batches[:N])
+    ck.save_checkpoint(tmp_path, N, step, state, {})
+    state, l2 = run(step, state, batches[N:])
+    st, _ = ck.restore_checkpoint(tmp_path, step)
+    assert st.params[0].dtype == jnp.bfloat16
+    st, l2b = run(step, st, batches[N:])
+    assert l2b == l2
+    assert_trees(ck.export_params(step, st), ck.export_params(step, state))
+    f32_step = mixed_run[0]
+    st32, _ = ck.restore_checkpoint(tmp_path, f32_step)
+    for p, m in zip(st32.params, st32.master):
+        assert p.dtype == jnp.float32
+        np.testing.assert_array_equal(np.asarray(p), np.asarray(m))
+
+
+def test_host_memory_bounded(setup, host_run, tmp_path):
+    """Saving and restoring allocate (numpy, traced) at most about two chunks beyond the state:
+    never a second copy of the model."""
+    import tracemalloc
+    step, _, state, _ = host_run
+    lay = step.layout
+    total = 4 * lay.chunk_size * lay.n_chunks * 4  # params, master, m, v (fp32)
+    per_chunk = 4 * lay.chunk_size * 4
+    assert lay.n_chunks >= 6
+    ck.save_checkpoint(tmp_path, 0, step, state, {})  # warm orbax
+    tracemalloc.start()
+    try:
+        ck.save_checkpoint(tmp_path, 1, step, state, {})
+        _, save_peak = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        base, _ = tracemalloc.get_traced_memory()
+        restored, _ = ck.restore_checkpoint(tmp_path, step)
+        held, restore_peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert save_peak < 2 * per_chunk < total / 2, (save_peak, per_chunk, total)
+    assert held - base > 0.7 * total  # the restored host state itself (numpy master, moments)
+    assert restore_peak - held < 2 * per_chunk, (restore_peak, held, per_chunk)
