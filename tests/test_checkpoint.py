@@ -5,13 +5,14 @@ fp32 compute throughout, so "exact" can be checked bit for bit: resuming under t
 gives the same losses and master params as the uninterrupted run; resuming under another schedule
 (device AdamW through optax <-> host AdamW kernel) agrees to float32 rounding.
 """
+import contextlib
 import errno
 import os
 import signal
 import subprocess
 import sys
 import textwrap
-import time
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -286,26 +287,9 @@ def test_sigkill_during_save(setup, host_run, tmp_path):
     checkpoint and restores exactly; the partial save is not listed and the next save removes it."""
     d = str(tmp_path / "ckpts")
     here = os.path.dirname(os.path.abspath(__file__))
-    code = CHILD.format(repo=os.path.dirname(here), tests=here, d=d)
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, env=env, text=True)
-    try:
-        deadline = time.time() + 90
-        line = ""
-        while time.time() < deadline:
-            line = proc.stdout.readline()
-            if not line or line.startswith("MIDSAVE"):
-                break
-        assert line.startswith("MIDSAVE"), f"child did not reach the middle of the save (rc={proc.poll()})"
+    with _child_at(CHILD.format(repo=os.path.dirname(here), tests=here, d=d), "MIDSAVE"):
         tmps = [n for n in os.listdir(d) if n.startswith(".tmp_step_00000002")]
         assert len(tmps) == 1 and any(n.startswith("chunk_") for n in os.listdir(os.path.join(d, tmps[0])))
-        os.kill(proc.pid, signal.SIGKILL)
-        assert proc.wait(timeout=30) == -signal.SIGKILL
-    finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
     assert ck.all_steps(d) == [1] and ck.latest_step(d) == 1
     step = host_run[0]  # same layout as the child's (deterministic construction)
     st, extra = ck.restore_checkpoint(d, step)
@@ -383,3 +367,74 @@ def test_host_memory_bounded(setup, host_run, tmp_path):
     assert save_peak < 2 * per_chunk < total / 2, (save_peak, per_chunk, total)
     assert held - base > 0.7 * total  # the restored host state itself (numpy master, moments)
     assert restore_peak - held < 2 * per_chunk, (restore_peak, held, per_chunk)
+
+
+CHILD_TRAIN = """
+import os, sys, time
+sys.path[:0] = [{repo!r}, {tests!r}]
+import test_checkpoint as tc
+from chunkjax import checkpoint as ck
+setup = tc.build_setup()
+step = tc.make_step(setup, [])
+state = step.init(setup[1])
+real = step._host_update
+stall = [False]
+def host_update(st, grads, scale):
+    if stall[0]:  # update some chunks in place, then stall inside the step
+        items = list(grads.items())
+        real(st, dict(items[:len(items) // 2]), scale)
+        print("INSTEP", flush=True)
+        time.sleep(120)
+    return real(st, grads, scale)
+step.__dict__["_host_update"] = host_update
+losses = []
+for i, b in enumerate(setup[2]):
+    stall[0] = i == tc.N
+    state, m = step(state, b)
+    losses.append(float(m["loss"]))
+    ck.save_checkpoint({d!r}, i + 1, step, state, {{"data_position": i + 1, "losses": losses}})
+print("DONE", flush=True)
+"""
+
+
+@contextlib.contextmanager
+def _child_at(code: str, marker: str, timeout: float = 90):
+    """Run ``code`` in a child python until it prints ``marker``; SIGKILL it when the block ends
+    (and on any failure)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, env=env, text=True)
+    timer = threading.Timer(timeout, proc.kill)  # a hung child ends readline below
+    timer.start()
+    try:
+        line = "-"
+        while line and not line.startswith(marker):
+            line = proc.stdout.readline()
+        timer.cancel()
+        assert line.startswith(marker), f"child did not reach {marker} within {timeout} s (rc={proc.poll()})"
+        yield proc
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        timer.cancel()
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_sigkill_during_step_resumes_with_nothing_lost(setup, host_run, tmp_path):
+    """Training with a checkpoint after every step, SIGKILLed inside step N+1 (host update half
+    done in place): the last complete checkpoint is step N, and resuming from it reproduces the
+    uninterrupted run's losses N+1..2N and final master params exactly."""
+    d = str(tmp_path / "ckpts")
+    here = os.path.dirname(os.path.abspath(__file__))
+    with _child_at(CHILD_TRAIN.format(repo=os.path.dirname(here), tests=here, d=d), "INSTEP"):
+        pass  # killed inside step N+1
+    step, _, ref_state, ref_losses = host_run
+    assert ck.all_steps(d) == list(range(1, N + 1))
+    st, extra = ck.restore_checkpoint(d, step)
+    assert extra["data_position"] == N
+    np.testing.assert_allclose(extra["losses"], ref_losses[:N], rtol=1e-6)
+    st, l2 = run(step, st, setup[2][extra["data_position"]:])
+    assert l2 == ref_losses[N:]
+    assert_trees(ck.export_params(step, st), ck.export_params(step, ref_state))
