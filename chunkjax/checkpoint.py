@@ -405,10 +405,11 @@ def save_checkpoint(directory, step_number: int, step_fn, state, extra: dict | N
     locations = [("host" if c in host_chunks else step_fn.placement.update_locations[c]) for c in range(lay.n_chunks)]
     chunks_meta = []
     stage = "creating the temporary directory"
+    ckptr = _checkpointer()
     try:
         os.makedirs(tmp)
-        ckptr = _checkpointer()
         for c in range(lay.n_chunks):
+            stage = f"reading chunk {c} of {lay.n_chunks} from the state"
             st = state.opt_state[c]
             if _is_host_state(st):
                 count, moments = _host_to_portable(st)
@@ -441,8 +442,11 @@ def save_checkpoint(directory, step_number: int, step_fn, state, extra: dict | N
         code = getattr(e, "errno", None)
         tag = f" [{_errno.errorcode.get(code, code)}]" if code else ""
         msg = (f"saving checkpoint step {step_number} to {directory} failed while {stage}{tag}: {_one_line(e)}; "
-               f"nothing was written" + (f", the previous checkpoint (step {prev}) is intact" if prev is not None else ""))
+               "the partial write was removed" +
+               (f" and the existing checkpoints are intact (latest: step {prev})" if prev is not None else ""))
         raise CheckpointWriteError(code, msg) if code else CheckpointWriteError(msg) from e
+    finally:
+        ckptr.close()
     return final
 
 
@@ -530,6 +534,17 @@ def restore_checkpoint(directory, step_fn, step_number: int | None = None):
     same_dtype = meta["compute_dtype"] == cdt.name
     ckptr = _checkpointer()
     ps, ms, os_ = [], [], []
+    try:
+        _restore_chunks(ckptr, root, meta, step_fn, host, host_cls, template, same_dtype, ps, ms, os_)
+    finally:
+        ckptr.close()
+    jax.block_until_ready([x for x in ps + ms if isinstance(x, jax.Array)])
+    return TrainState(tuple(ps), tuple(ms), tuple(os_)), _decode(meta["extra"])
+
+
+def _restore_chunks(ckptr, root, meta, step_fn, host, host_cls, template, same_dtype, ps, ms, os_):
+    """Read and place chunk after chunk (appending to ``ps``, ``ms``, ``os_``)."""
+    cdt = np.dtype(step_fn.compute_dtype)
     for c, cm in enumerate(meta["chunks"]):
         names = ["params", "master", *cm["moments"]] if same_dtype else ["master", *cm["moments"]]
         arrs = _read_chunk(ckptr, os.path.join(root, f"chunk_{c:05d}"), names)
@@ -547,8 +562,6 @@ def restore_checkpoint(directory, step_fn, step_number: int | None = None):
             ms.append(jax.device_put(master, sk))
             ps.append(jax.device_put(params.astype(cdt, copy=False), sharding(step_fn.placement.param_kinds[c])))
         del arrs, master, params, moments
-    jax.block_until_ready([x for x in ps + ms if isinstance(x, jax.Array)])
-    return TrainState(tuple(ps), tuple(ms), tuple(os_)), _decode(meta["extra"])
 
 
 def _check_host_moments(cls, names, chunk):
@@ -596,9 +609,12 @@ def export_checkpoint_params(directory, layout, step_number: int | None = None):
     root = _step_dir(directory, meta["step"])
     ckptr = _checkpointer()
     leaves = [None] * len(layout.slots)
-    for c in range(layout.n_chunks):
-        m = _read_chunk(ckptr, os.path.join(root, f"chunk_{c:05d}"), ["master"])["master"]
-        for i, s in enumerate(layout.slots):
-            if s.chunk == c:
-                leaves[i] = np.array(m[s.offset:s.offset + s.size].reshape(s.shape), np.float32)
+    try:
+        for c in range(layout.n_chunks):
+            m = _read_chunk(ckptr, os.path.join(root, f"chunk_{c:05d}"), ["master"])["master"]
+            for i, s in enumerate(layout.slots):
+                if s.chunk == c:
+                    leaves[i] = np.array(m[s.offset:s.offset + s.size].reshape(s.shape), np.float32)
+    finally:
+        ckptr.close()
     return layout.treedef.unflatten(leaves)

@@ -247,7 +247,7 @@ def test_write_failure_keeps_previous(setup, mixed_run, tmp_path, monkeypatch, w
         ck.save_checkpoint(d, 2, step, restored, {"tag": "bad"})
     msg = str(e.value)
     assert e.value.errno == errno.ENOSPC
-    assert "\n" not in msg and "ENOSPC" in msg and "step 1) is intact" in msg, msg
+    assert "\n" not in msg and "ENOSPC" in msg and "checkpoints are intact (latest: step 1)" in msg, msg
     assert ("writing chunk 2 of" in msg) if where == "chunk" else ("meta.json" in msg), msg
     assert sorted(os.listdir(d)) == before == ["step_00000001"]
     assert ck.latest_step(d) == 1
