@@ -30,15 +30,25 @@ would pick up; a write error removes the temporary directory before raising
 :class:`CheckpointWriteError`. Temporaries left by a killed process are removed by the next
 :func:`save_checkpoint` into the same directory (those of live processes are left alone).
 
-Saves are synchronous: the state's device buffers are donated by the next training step, so an
-asynchronous save would have to copy the whole state first, which the memory bound forbids.
+Saves are synchronous: the next training step donates the state's device buffers and updates the
+host chunks in place, so an asynchronous save would have to copy the whole state first, which the
+memory bound forbids. One process writes a checkpoint directory at a time; states sharded over
+several devices (:mod:`chunkjax.zero`) are not covered yet.
+
+Usage::
+
+    step = make_chunked_step(...); state = step.init(params)
+    ...train...
+    save_checkpoint(ckpt_dir, n, step, state, {"rng": key, "data_position": n, "config": cfg})
+    # later, in a fresh process, possibly with another schedule over the same layout:
+    state, extra = restore_checkpoint(ckpt_dir, other_step)   # the latest_step(ckpt_dir)
 """
 from __future__ import annotations
 
 import base64
 import dataclasses
-import functools
 import errno as _errno
+import functools
 import hashlib
 import json
 import os
@@ -59,7 +69,6 @@ META = "meta.json"
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
 _TMP_PREFIX = ".tmp_step_"
 _TMP_RE = re.compile(r"^\.tmp_step_(\d+)_(\d+)_[0-9a-f]+$")
-
 
 
 @functools.cache
@@ -575,10 +584,17 @@ def _check_host_moments(cls, names, chunk):
 
 
 def export_params(step_fn, state):
-    """The float32 master params as a plain pytree of numpy arrays (the model's structure and
-    leaf shapes), built one chunk at a time: host memory holds the result plus one chunk.
+    """The float32 master params as a plain params pytree.
 
-    Raises nothing beyond what reading the state raises; waits for pending host updates first.
+    Args:
+      step_fn: the :class:`~chunkjax.runtime.ChunkedStep` that owns ``state`` (its pending host
+        updates are waited for first).
+      state: a :class:`~chunkjax.runtime.TrainState` in any placement.
+
+    Returns:
+      The pytree of ``step_fn.layout`` (the model's structure) with one float32 numpy array of
+      the leaf's shape per leaf. Built one chunk at a time: host memory holds the result (4 bytes
+      per parameter) plus one (chunk_size,) float32 chunk; nothing is placed on the device.
     """
     step_fn.wait()
     lay = step_fn.layout

@@ -438,3 +438,13 @@ def test_sigkill_during_step_resumes_with_nothing_lost(setup, host_run, tmp_path
     st, l2 = run(step, st, setup[2][extra["data_position"]:])
     assert l2 == ref_losses[N:]
     assert_trees(ck.export_params(step, st), ck.export_params(step, ref_state))
+
+
+@pytest.mark.parametrize("tx,match", [(optax.chain(optax.scale_by_adam(), optax.scale_by_adam()), "two moments named 'mu'"),
+                                      (optax.adafactor(1e-3, min_dim_size_to_factor=8), "neither a step count nor")],
+                         ids=["two_adams", "adafactor"])
+def test_unsupported_optax_state(tx, match):
+    """Optimizer states with no per-chunk, per-element form are refused with a clear error."""
+    st = init_chunk_state(tx, jnp.zeros((64,), jnp.float32))
+    with pytest.raises(ck.CheckpointError, match=match):
+        ck._optax_to_portable(st, 64)
