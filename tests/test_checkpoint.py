@@ -77,7 +77,10 @@ def assert_trees(a, b, **tol):
 
 
 @pytest.fixture(scope="module")
-def setup():
+def setup(request):
+    if "training_child" in request.fixturenames or any(
+            "training_child" in getattr(i, "fixturenames", ()) for i in request.session.items):
+        request.getfixturevalue("training_child")  # start the child first (see training_child)
     return build_setup()
 
 
@@ -261,13 +264,13 @@ def test_write_failure_keeps_previous(setup, mixed_run, tmp_path, monkeypatch, w
 
 CHILD = """
 import os, sys, time
-sys.path[:0] = [{repo!r}, {tests!r}]
+sys.path[:0] = [{repo}, {tests}]
 import test_checkpoint as tc
 from chunkjax import checkpoint as ck
 setup = tc.build_setup()
 step = tc.make_step(setup, [])
 state = step.init(setup[1])
-ck.save_checkpoint({d!r}, 1, step, state, {{"tag": "first"}})
+ck.save_checkpoint({d}, 1, step, state, {"tag": "first"})
 real = ck._write_chunk
 n = [0]
 def slow(ckptr, path, arrays):
@@ -275,9 +278,9 @@ def slow(ckptr, path, arrays):
     n[0] += 1
     if n[0] == 3:
         print("MIDSAVE", flush=True)
-        time.sleep(120)
+        time.sleep(900)
 ck._write_chunk = slow
-ck.save_checkpoint({d!r}, 2, step, state, {{"tag": "second"}})
+ck.save_checkpoint({d}, 2, step, state, {"tag": "second"})
 print("SAVED", flush=True)
 """
 
@@ -286,8 +289,7 @@ def test_sigkill_during_save(setup, host_run, tmp_path):
     """A process SIGKILLed in the middle of saving step 2: step 1 is still the latest complete
     checkpoint and restores exactly; the partial save is not listed and the next save removes it."""
     d = str(tmp_path / "ckpts")
-    here = os.path.dirname(os.path.abspath(__file__))
-    with _child_at(CHILD.format(repo=os.path.dirname(here), tests=here, d=d), "MIDSAVE"):
+    with _child_at(_start_child(CHILD.replace("{d}", repr(d))), "MIDSAVE"):
         tmps = [n for n in os.listdir(d) if n.startswith(".tmp_step_00000002")]
         assert len(tmps) == 1 and any(n.startswith("chunk_") for n in os.listdir(os.path.join(d, tmps[0])))
     assert ck.all_steps(d) == [1] and ck.latest_step(d) == 1
@@ -371,7 +373,7 @@ def test_host_memory_bounded(setup, host_run, tmp_path):
 
 CHILD_TRAIN = """
 import os, sys, time
-sys.path[:0] = [{repo!r}, {tests!r}]
+sys.path[:0] = [{repo}, {tests}]
 import test_checkpoint as tc
 from chunkjax import checkpoint as ck
 setup = tc.build_setup()
@@ -384,7 +386,7 @@ def host_update(st, grads, scale):
         items = list(grads.items())
         real(st, dict(items[:len(items) // 2]), scale)
         print("INSTEP", flush=True)
-        time.sleep(120)
+        time.sleep(900)
     return real(st, grads, scale)
 step.__dict__["_host_update"] = host_update
 losses = []
@@ -392,18 +394,28 @@ for i, b in enumerate(setup[2]):
     stall[0] = i == tc.N
     state, m = step(state, b)
     losses.append(float(m["loss"]))
-    ck.save_checkpoint({d!r}, i + 1, step, state, {{"data_position": i + 1, "losses": losses}})
+    ck.save_checkpoint({d}, i + 1, step, state, {"data_position": i + 1, "losses": losses})
 print("DONE", flush=True)
 """
 
 
+def _start_child(code: str) -> subprocess.Popen:
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = textwrap.dedent(code).replace("{repo}", repr(os.path.dirname(here))).replace("{tests}", repr(here))
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            env=dict(os.environ, JAX_PLATFORMS="cpu"), text=True)
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
 @contextlib.contextmanager
-def _child_at(code: str, marker: str, timeout: float = 90):
-    """Run ``code`` in a child python until it prints ``marker``; SIGKILL it when the block ends
-    (and on any failure)."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, env=env, text=True)
+def _child_at(proc: subprocess.Popen, marker: str, timeout: float = 90):
+    """Wait until the child prints ``marker``; SIGKILL it when the block ends (and on any failure,
+    or after ``timeout`` seconds without the marker)."""
     timer = threading.Timer(timeout, proc.kill)  # a hung child ends readline below
     timer.start()
     try:
@@ -417,18 +429,25 @@ def _child_at(code: str, marker: str, timeout: float = 90):
         assert proc.wait(timeout=30) == -signal.SIGKILL
     finally:
         timer.cancel()
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _kill(proc)
 
 
-def test_sigkill_during_step_resumes_with_nothing_lost(setup, host_run, tmp_path):
+@pytest.fixture(scope="module")
+def training_child(tmp_path_factory):
+    """The child of the kill-during-a-step test, started with the module's first fixture so that
+    it compiles on another core while this process compiles its own steps."""
+    d = str(tmp_path_factory.mktemp("killed_in_step"))
+    proc = _start_child(CHILD_TRAIN.replace("{d}", repr(d)))
+    yield proc, d
+    _kill(proc)
+
+
+def test_sigkill_during_step_resumes_with_nothing_lost(setup, host_run, training_child):
     """Training with a checkpoint after every step, SIGKILLed inside step N+1 (host update half
     done in place): the last complete checkpoint is step N, and resuming from it reproduces the
     uninterrupted run's losses N+1..2N and final master params exactly."""
-    d = str(tmp_path / "ckpts")
-    here = os.path.dirname(os.path.abspath(__file__))
-    with _child_at(CHILD_TRAIN.format(repo=os.path.dirname(here), tests=here, d=d), "INSTEP"):
+    proc, d = training_child
+    with _child_at(proc, "INSTEP"):
         pass  # killed inside step N+1
     step, _, ref_state, ref_losses = host_run
     assert ck.all_steps(d) == list(range(1, N + 1))
