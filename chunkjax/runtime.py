@@ -221,6 +221,39 @@ class ChunkedStep:
             args |= {c for c in self._reads_at(batch, t) if self.placement.param_kinds[c] == DEVICE}
         return issues, tuple(sorted(args))
 
+    # hooks of the moment walker: one device here; chunkjax.zero_schedule shards them over a mesh
+    def _to_device(self, x):
+        """A fetch: host chunk (or this rank's shard of it) to device memory, inside a program."""
+        return jax.device_put(x, sharding(DEVICE))
+
+    def _to_host(self, g):
+        """A gradient chunk (or shard) offloaded to pinned host memory, inside a program."""
+        return jax.device_put(g, sharding(PINNED_HOST))
+
+    def _gather(self, x):
+        """The full chunk from what a fetch brought (identity on one device)."""
+        return x
+
+    def _resident(self, x, anchor):
+        """The full chunk of a device-resident chunk at a moment that reads it (identity here)."""
+        return x
+
+    def _reduce_grad(self, g):
+        """(gradient to keep (chunk or this rank's shard), () f32 squared norm of the chunk's
+        whole reduced gradient)."""
+        return g, jnp.sum(jnp.square(g.astype(jnp.float32)))
+
+    def _loss_cotangent(self, loss):
+        return jnp.ones_like(loss)
+
+    def _zeros_grad(self, c):
+        """The gradient of a chunk no stage reads (outside programs)."""
+        return jax.device_put(jnp.zeros((self.layout.chunk_size,), self.compute_dtype),
+                              sharding(self.placement.grad_kind(c)))
+
+    def _zeros_sq(self):
+        return jnp.zeros((), jnp.float32)
+
     def _run_moments(self, params: dict, batch, carry: dict, t0: int, t1: int):
         """Run moments [t0, t1). ``params``: chunk id -> compute params (only the chunks this
         program reads). ``carry`` holds what crosses program boundaries: ``x`` (activation or
@@ -230,7 +263,6 @@ class ChunkedStep:
         Returns (carry, grads {chunk: grad in its grad kind}, sq {chunk: () f32}, loss or None).
         """
         lay = self.layout
-        dev, host = sharding(DEVICE), sharding(PINNED_HOST)
         T = len(self.moments)
         fetch = self._fetch_lists(batch)
         k = self.prefetch
@@ -252,7 +284,7 @@ class ChunkedStep:
             for u in range(t, min(T, t + k + 1)):
                 for c in fetch[u]:
                     if (u, c) not in issued:
-                        issued[(u, c)] = jax.device_put(ordered_after(tie, params[c]), dev)
+                        issued[(u, c)] = self._to_device(ordered_after(tie, params[c]))
 
         def add_grads(s, dp):
             for c in self.reads[s]:
@@ -264,10 +296,9 @@ class ChunkedStep:
             for c in self.reads[s]:
                 if self.first_reader[c] != s:
                     continue
-                g = acc.pop(c).astype(self.compute_dtype)
-                sq[c] = jnp.sum(jnp.square(g.astype(jnp.float32)))
+                g, sq[c] = self._reduce_grad(acc.pop(c).astype(self.compute_dtype))
                 if self.placement.grad_kind(c) == PINNED_HOST:
-                    g = jax.device_put(g, host)
+                    g = self._to_host(g)
                     if dx is not None:
                         dx, g = jax.lax.optimization_barrier((dx, g))
                 grads[c] = g
@@ -282,10 +313,10 @@ class ChunkedStep:
                 if c not in reads:  # value not needed by this backward: zeros (compiled away)
                     arrays[c] = jnp.zeros((lay.chunk_size,), self.compute_dtype)
                 elif self.placement.param_kinds[c] == DEVICE:
-                    arrays[c] = params[c]
+                    arrays[c] = self._resident(params[c], batch if x is None else x)
                 else:
                     if (t, c) in issued:
-                        held[c] = issued.pop((t, c))
+                        held[c] = self._gather(issued.pop((t, c)))
                     arrays[c] = held[c]
             st = self.stages[s]
             if ph == "forward":
@@ -293,7 +324,7 @@ class ChunkedStep:
                 x = st.apply(self._sub(arrays, s), x, batch)
             elif ph == "forward+backward":
                 loss, pull = jax.vjp(lambda p, xx: st.apply(p, xx, batch), self._sub(arrays, s), x)
-                dp, dx = pull(jnp.ones_like(loss))
+                dp, dx = pull(self._loss_cotangent(loss))
                 add_grads(s, dp)
                 x = emit(s, dx)
             else:
@@ -343,6 +374,10 @@ class ChunkedStep:
     @functools.cached_property
     def _param_shardings(self):
         return tuple(sharding(k) for k in self.placement.param_kinds)
+
+    @property
+    def _batch_sharding(self):
+        return sharding(DEVICE)
 
     @functools.cached_property
     def _grad_shardings(self):
@@ -444,43 +479,49 @@ class ChunkedStep:
         if key not in cache:
             t0, t1 = self._program_bounds()[k]
             _, args = self._plan_program(batch, t0, t1)
-            dev = sharding(DEVICE)
             done = [c for t in range(t0, t1) if self.moments[t][0] != "forward"
                     for c in self.reads[self.moments[t][1]] if self.first_reader[c] == self.moments[t][1]]
-            gsh = {c: sharding(self.placement.grad_kind(c)) for c in done}
 
             def prog(params, batch, carry, acc):
                 out, grads, sq, loss = self._run_moments(params, batch, dict(carry, acc=acc), t0, t1)
                 return {k: v for k, v in out.items() if k != "acc"}, out.get("acc", {}), grads, sq, loss
 
-            # the carry (saved activations, held chunks, gradient accumulators) is donated so that
-            # XLA frees each piece after its last use. Not on the CPU: there device memory is host
-            # memory, and a moved gradient may alias its donated accumulator across memory kinds
-            # (an XLA abort)
-            donate = (2, 3) if jax.default_backend() != "cpu" else ()
-            fn = jax.jit(prog, out_shardings=(dev, dev, gsh, dev, dev), donate_argnums=donate)
-            cache[key] = (fn, args)
+            cache[key] = (self._jit_program(prog, done, t1 == len(self.moments)), args)
         return cache[key]
+
+    def _jit_program(self, prog, done, last: bool):
+        """jit one program ``prog(params, batch, carry, acc) -> (carry, acc, grads, sq, loss)``;
+        ``done``: chunk ids whose gradients it emits; ``last``: it ends the step."""
+        dev = sharding(DEVICE)
+        gsh = {c: sharding(self.placement.grad_kind(c)) for c in done}
+        # the carry (saved activations, held chunks, gradient accumulators) is donated so that
+        # XLA frees each piece after its last use. Not on the CPU: there device memory is host
+        # memory, and a moved gradient may alias its donated accumulator across memory kinds
+        # (an XLA abort)
+        donate = (2, 3) if jax.default_backend() != "cpu" else ()
+        return jax.jit(prog, out_shardings=(dev, dev, gsh, dev, dev), donate_argnums=donate)
 
     def compiled_memory_programs(self, batch) -> list[dict]:
         """Memory analysis of every program of the pipelined step (bytes), in order; the carry
         of program k is program k-1's output."""
         out, carry = [], {}
-        dev = sharding(DEVICE)
-        ab = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=dev), batch)
+        bsh = self._batch_sharding
+        ab = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=bsh), batch)
         for k in range(len(self._program_bounds())):
             fn, args = self._program(batch, k)
             params = {c: jax.ShapeDtypeStruct((self.layout.chunk_size,), self.compute_dtype,
-                                              sharding=sharding(self.placement.param_kinds[c])) for c in args}
+                                              sharding=self._param_shardings[c]) for c in args}
             acc = carry.pop("acc", {}) if carry else {}
-            ma = fn.lower(params, ab, carry, acc).compile().memory_analysis()
+            compiled = fn.lower(params, ab, carry, acc).compile()
+            ma = compiled.memory_analysis()
             d = {f: int(getattr(ma, f"{f}_size_in_bytes", 0) or 0)
                  for f in ("argument", "output", "temp", "alias", "host_argument", "host_output", "host_temp")}
             d["peak_device_bytes"] = d["argument"] + d["output"] + d["temp"] - d["alias"]
             out.append(d)
             res = jax.eval_shape(fn, params, ab, carry, acc)
-            carry = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=dev),
-                                 dict(res[0], acc=res[1]))
+            osh = compiled.output_shardings
+            carry = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                                 dict(res[0], acc=res[1]), dict(osh[0], acc=osh[1]))
         return out
 
     def _executor(self):
@@ -561,10 +602,8 @@ class ChunkedStep:
         lay = self.layout
         for c in range(lay.n_chunks):  # chunks no stage reads: zero gradient
             if c not in grads:
-                grads[c] = (np.zeros((lay.chunk_size,), self.compute_dtype) if c in host
-                            else jax.device_put(jnp.zeros((lay.chunk_size,), self.compute_dtype),
-                                                sharding(self.placement.grad_kind(c))))
-                sq[c] = jnp.zeros((), jnp.float32)
+                grads[c] = np.zeros((lay.chunk_size,), self.compute_dtype) if c in host else self._zeros_grad(c)
+                sq[c] = self._zeros_sq()
         grad_sq = jnp.stack([sq[c] for c in range(lay.n_chunks)])
         late = {c: grads[c] for c in host if clip or not isinstance(grads[c], jax.Array)}
         if late:
