@@ -437,3 +437,214 @@ def load_smollm2_135m(dtype=np.float32):
         }
     params["final_norm"] = {"scale": W["output_norm.weight"].astype(dtype)}
     return cfg, params, _smollm2_tokenizer(r)
+
+
+# ---- Hugging Face checkpoints (export and load) ----------------------------------------------
+
+#: Our block param names -> transformers' ``LlamaDecoderLayer`` sub-module names.
+_HF_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
+    "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
+    "down_proj": "mlp.down_proj",
+}
+
+
+def _block_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Our block leaves' shapes (kernels (in, out), scales (d,))."""
+    d, hd = cfg.d_model, cfg.head_dim
+    return {"attn_norm": (d,), "ffn_norm": (d,), "q_proj": (d, cfg.n_heads * hd), "k_proj": (d, cfg.n_kv_heads * hd),
+            "v_proj": (d, cfg.n_kv_heads * hd), "o_proj": (cfg.n_heads * hd, d), "gate_proj": (d, cfg.d_ff),
+            "up_proj": (d, cfg.d_ff), "down_proj": (cfg.d_ff, d)}
+
+
+def _hf_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Hugging Face tensor name -> shape (torch layout) for ``cfg``."""
+    out = {"model.embed_tokens.weight": (cfg.vocab_size, cfg.d_model), "model.norm.weight": (cfg.d_model,)}
+    for i in range(cfg.n_layers):
+        for ours, shape in _block_shapes(cfg).items():
+            out[f"model.layers.{i}.{_HF_BLOCK_NAMES[ours]}.weight"] = shape[::-1]
+    return out
+
+
+def hf_state_dict(cfg: LlamaConfig, params) -> dict[str, np.ndarray]:
+    """Our params as a transformers ``LlamaForCausalLM`` state dict of float32 numpy arrays.
+
+    Names: ``model.embed_tokens.weight`` (V, d), ``model.layers.<i>.input_layernorm.weight`` (d,),
+    ``model.layers.<i>.self_attn.{q,k,v,o}_proj.weight``, ``model.layers.<i>.post_attention_layernorm
+    .weight``, ``model.layers.<i>.mlp.{gate,up,down}_proj.weight``, ``model.norm.weight``. Linear
+    weights are torch's (out, in), i.e. our kernels transposed; q/k rows are already in the
+    Hugging Face RoPE layout (no permutation). No ``lm_head.weight``: the head is tied
+    (``tie_word_embeddings``), and transformers' own ``save_pretrained`` omits it too.
+
+    Raises:
+      ValueError: a param is missing or its shape does not match ``cfg``.
+    """
+    d = cfg.d_model
+    want = _block_shapes(cfg)
+
+    def get(path, shape):
+        node = params
+        for k in path:
+            if not isinstance(node, dict) or k not in node:
+                raise ValueError(f"params lack {'/'.join(path)}: expected the layout of models/llama.py")
+            node = node[k]
+        a = np.asarray(node, np.float32)
+        if a.shape != shape:
+            raise ValueError(f"params {'/'.join(path)} has shape {a.shape}, config {cfg.name} needs {shape}")
+        return a
+
+    out = {"model.embed_tokens.weight": get(("embed",), (cfg.vocab_size, d))}
+    for i in range(cfg.n_layers):
+        for ours, theirs in _HF_BLOCK_NAMES.items():
+            leaf = "scale" if ours.endswith("norm") else "kernel"
+            a = get((f"layer_{i}", ours, leaf), want[ours])
+            out[f"model.layers.{i}.{theirs}.weight"] = np.ascontiguousarray(a.T if leaf == "kernel" else a)
+    out["model.norm.weight"] = get(("final_norm", "scale"), (d,))
+    return out
+
+
+def hf_config_dict(cfg: LlamaConfig, bos_token_id: int | None = 1, eos_token_id: int | None = 2) -> dict:
+    """transformers ``LlamaConfig`` fields for ``cfg`` (float32 weights, tied embeddings).
+
+    bos/eos default to SmolLM2's ids (``<|im_start|>`` = 1, ``<|im_end|>`` = 2)."""
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff,
+        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.rms_eps, "rope_theta": cfg.rope_theta,
+        "rope_scaling": None, "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False,
+        "tie_word_embeddings": True, "torch_dtype": "float32", "initializer_range": 0.02, "pretraining_tp": 1,
+        "use_cache": True, "bos_token_id": bos_token_id, "eos_token_id": eos_token_id,
+        "chunkjax_name": cfg.name,
+    }
+
+
+def export_hf_checkpoint(cfg: LlamaConfig, params, out_dir, tokenizer=None, overwrite: bool = False,
+                         bos_token_id: int | None = 1, eos_token_id: int | None = 2):
+    """Write a Hugging Face ``LlamaForCausalLM`` checkpoint folder, atomically.
+
+    Files: ``model.safetensors`` (float32, names and (out, in) layout of :func:`hf_state_dict`,
+    metadata ``{"format": "pt"}``), ``config.json`` (:func:`hf_config_dict`) and, when
+    ``tokenizer`` (a ``tokenizers.Tokenizer``) is given, ``tokenizer.json`` plus a
+    ``tokenizer_config.json`` naming ``PreTrainedTokenizerFast``. Everything is written into a
+    temporary folder beside ``out_dir`` that is renamed to ``out_dir`` at the end, so a failure
+    leaves no half-written checkpoint. ``transformers.LlamaForCausalLM.from_pretrained(out_dir)``
+    and :func:`load_hf_checkpoint` read it back.
+
+    Args:
+      cfg: the model config. params: the params pytree (numpy or jax arrays, any float dtype;
+        written as float32). out_dir: folder to create (its parent must exist or is created).
+      tokenizer: optional ``tokenizers.Tokenizer`` saved with the weights.
+      overwrite: replace an existing ``out_dir`` (the old one is removed only after the new one
+        is in place).
+      bos_token_id, eos_token_id: written to config.json (SmolLM2's by default).
+    Returns:
+      ``pathlib.Path`` of ``out_dir``.
+    Raises:
+      FileExistsError: ``out_dir`` exists and ``overwrite`` is False.
+      ValueError: params do not match ``cfg`` (see :func:`hf_state_dict`).
+      OSError: the folder cannot be written (nothing is left behind).
+    """
+    import json
+    import pathlib
+    import shutil
+    import tempfile
+
+    from safetensors.numpy import save_file
+
+    out = pathlib.Path(out_dir)
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"{out} exists: pass overwrite=True or pick another folder")
+    sd = hf_state_dict(cfg, params)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    try:
+        save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(hf_config_dict(cfg, bos_token_id, eos_token_id), indent=2) + "\n")
+        if tokenizer is not None:
+            tokenizer.save(str(tmp / "tokenizer.json"))
+            tc = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.max_seq_len,
+                  "clean_up_tokenization_spaces": False}
+            for key, i in (("bos_token", bos_token_id), ("eos_token", eos_token_id), ("unk_token", 0)):
+                if i is not None and tokenizer.id_to_token(i) is not None:
+                    tc[key] = tokenizer.id_to_token(i)
+            (tmp / "tokenizer_config.json").write_text(json.dumps(tc, indent=2) + "\n")
+        os.chmod(tmp, 0o755)
+        old = None
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            os.replace(out, old)
+        os.replace(tmp, out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def load_hf_checkpoint(path, dtype=np.float32):
+    """Read a Hugging Face ``LlamaForCausalLM`` checkpoint folder with numpy (no torch).
+
+    Reads ``config.json`` and ``model.safetensors`` (a single file; tied embeddings, no biases,
+    no rope scaling), as :func:`export_hf_checkpoint` writes them or transformers'
+    ``save_pretrained`` does for tied Llama models.
+
+    Args:
+      path: the checkpoint folder. dtype: numpy dtype of the returned arrays.
+    Returns:
+      ``(cfg, params)``: a :class:`LlamaConfig` and the params dict of numpy arrays (layout in the
+      module docstring; kernels (in, out)).
+    Raises:
+      FileNotFoundError: config.json or model.safetensors is missing.
+      ValueError: not a Llama config, untied embeddings, biases or rope scaling, or a missing /
+        mis-shaped tensor.
+    """
+    import json
+    import pathlib
+
+    from safetensors.numpy import load_file
+
+    p = pathlib.Path(path)
+    for f in ("config.json", "model.safetensors"):
+        if not (p / f).is_file():
+            raise FileNotFoundError(f"{p / f} is missing: not a single-file Hugging Face checkpoint")
+    hc = json.loads((p / "config.json").read_text())
+    if hc.get("model_type") != "llama":
+        raise ValueError(f"{p}/config.json has model_type={hc.get('model_type')!r}, expected 'llama'")
+    if not hc.get("tie_word_embeddings", False):
+        raise ValueError(f"{p}: tie_word_embeddings is false; this model ties the LM head to the embedding")
+    if hc.get("rope_scaling") or hc.get("attention_bias") or hc.get("mlp_bias"):
+        raise ValueError(f"{p}: rope_scaling / attention_bias / mlp_bias are not supported")
+    n_heads = int(hc["num_attention_heads"])
+    cfg = LlamaConfig(
+        name=hc.get("chunkjax_name", p.name), vocab_size=int(hc["vocab_size"]), d_model=int(hc["hidden_size"]),
+        n_layers=int(hc["num_hidden_layers"]), n_heads=n_heads,
+        n_kv_heads=int(hc.get("num_key_value_heads", n_heads)),
+        head_dim=int(hc.get("head_dim") or hc["hidden_size"] // n_heads), d_ff=int(hc["intermediate_size"]),
+        rope_theta=float(hc.get("rope_theta", 10000.0)), rms_eps=float(hc.get("rms_norm_eps", 1e-6)),
+        max_seq_len=int(hc.get("max_position_embeddings", 2048)))
+    sd = load_file(str(p / "model.safetensors"))
+    if "lm_head.weight" in sd and not np.array_equal(sd["lm_head.weight"], sd.get("model.embed_tokens.weight")):
+        raise ValueError(f"{p}: lm_head.weight differs from the embedding; untied heads are not supported")
+    expect = _hf_shapes(cfg)
+
+    def get(name):
+        if name not in sd:
+            raise ValueError(f"{p}/model.safetensors lacks {name}")
+        if sd[name].shape != expect[name]:
+            raise ValueError(f"{p}/model.safetensors: {name} has shape {sd[name].shape}, config needs {expect[name]}")
+        return sd[name]
+
+    params = {"embed": get("model.embed_tokens.weight").astype(dtype)}
+    for i in range(cfg.n_layers):
+        blk = {}
+        for ours, theirs in _HF_BLOCK_NAMES.items():
+            w = get(f"model.layers.{i}.{theirs}.weight")
+            blk[ours] = ({"scale": w.astype(dtype)} if ours.endswith("norm")
+                         else {"kernel": np.ascontiguousarray(w.T).astype(dtype)})
+        params[f"layer_{i}"] = blk
+    params["final_norm"] = {"scale": get("model.norm.weight").astype(dtype)}
+    return cfg, params
