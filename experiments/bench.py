@@ -139,9 +139,11 @@ def finalize_record(rec: dict, flops_per_token: int, matmul_tflops: float | None
     rec["call"] = call
     if tps:
         flops = flops_per_token * tps
+        # several devices (ZeRO over a host's GPUs): MFU per device against one device's rate
+        nd = rec.get("n_devices") or (rec.get("extra") or {}).get("n_devices") or 1
         rec["tflops"] = flops / 1e12
-        rec["mfu"] = flops / (matmul_tflops * 1e12) if matmul_tflops else None
-        rec["mfu_datasheet"] = flops / DATASHEET_BF16_FLOPS
+        rec["mfu"] = flops / nd / (matmul_tflops * 1e12) if matmul_tflops else None
+        rec["mfu_datasheet"] = flops / nd / DATASHEET_BF16_FLOPS
     return rec
 
 

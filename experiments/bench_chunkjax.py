@@ -28,7 +28,7 @@ class ChunkjaxSystem:
     name = "chunkjax"
 
     def __init__(self, cfg, budget_bytes: int, batch: int, seq: int, lr: float = 1e-4,
-                 segments="auto", host_update: bool = True, prefetch: int = 1):
+                 segments="auto", host_update: bool = True, prefetch: int = 1, zero_stage: int = 0):
         import jax
         import jax.numpy as jnp
 
@@ -41,6 +41,19 @@ class ChunkjaxSystem:
         self.cfg, self.budget, self.notes = cfg, int(budget_bytes), []
         self.last_update_s, self.last_timings = None, {}
         self.dev_sh = sharding(DEVICE)
+        # ZeRO over every local device (chunkjax/zero_schedule.py): the budget is each rank's
+        self.zero_stage = int(zero_stage or 0)
+        self.mesh, self.n_ranks = None, 1
+        if self.zero_stage:
+            from jax.sharding import NamedSharding
+            from jax.sharding import PartitionSpec as P
+
+            from chunkjax.zero import AXIS, data_mesh
+            self.mesh = data_mesh()
+            self.n_ranks = int(self.mesh.devices.size)
+            if batch % self.n_ranks:
+                raise ValueError(f"batch {batch} does not split over {self.n_ranks} devices: use a multiple")
+            self.dev_sh = NamedSharding(self.mesh, P(AXIS))
         self.spec = AdamW(lr, weight_decay=1e-4)
         t0 = time.perf_counter()
         stages = gpt.gpt_stages(cfg)
@@ -48,12 +61,20 @@ class ChunkjaxSystem:
         ab = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32)
         order = cj.first_use_order(lambda p, b: cj.compose_loss(stages, p, b), ap, ab)
         self.layout = cj.build_layout(ap, None, order, min_chunks=8)
+        if self.zero_stage:  # chunks that split over the ranks; each rank traces its rows
+            from chunkjax.zero import build_zero_layout
+            self.layout = build_zero_layout(ap, self.n_ranks, self.layout.chunk_size, order)
+            ab = jax.ShapeDtypeStruct((batch // self.n_ranks, seq + 1), jnp.int32)
         self.traces = cj.trace_stages(stages, self.layout, ab, jnp.bfloat16)
         self.trace_s = time.perf_counter() - t0
         cb = cj.chunk_bytes(self.layout, jnp.bfloat16,
                             state_bytes_per_chunk(self.spec.optax(), self.layout.chunk_size))
         self.cb = cb
-        flops = cfg.flops_per_token(seq) * batch * seq
+        self.cb_rank = cb
+        if self.zero_stage:
+            from chunkjax.zero_schedule import rank_chunk_bytes
+            self.cb_rank = rank_chunk_bytes(cb, self.n_ranks, self.zero_stage)
+        flops = cfg.flops_per_token(seq) * batch * seq // self.n_ranks  # one rank's
         from chunkjax.cost import Rates
         from chunkjax.schedule import plan_schedule
         self.rates, self.matmul_tflops = Rates(), None
@@ -65,9 +86,14 @@ class ChunkjaxSystem:
         # host memory for offloaded model data: 80 % of this machine's RAM (the rest: the
         # process, XLA's host buffers, the page cache)
         self.host_budget = int(0.8 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-        self._plan = lambda b: plan_schedule(self.layout, self.traces, cb, int(b), flops_per_step=flops,
-                                             host_update=host_update, prefetch=prefetch, segments=segments,
-                                             rates=self.rates, host_budget_bytes=self.host_budget)
+        kw = dict(flops_per_step=flops, host_update=host_update, prefetch=prefetch, segments=segments,
+                  rates=self.rates, host_budget_bytes=self.host_budget // self.n_ranks)
+        if self.zero_stage:
+            from chunkjax.zero_schedule import plan_zero_schedule
+            self._plan = lambda b: plan_zero_schedule(self.layout, self.traces, cb, int(b), self.n_ranks,
+                                                      self.zero_stage, **kw)
+        else:
+            self._plan = lambda b: plan_schedule(self.layout, self.traces, cb, int(b), **kw)
         self.stages = stages
         self.use_budget(self.budget)
 
@@ -81,11 +107,18 @@ class ChunkjaxSystem:
     def use_schedule(self, schedule) -> None:
         """Run a given :class:`chunkjax.schedule.Schedule` (e.g. a static baseline of
         experiments/plan.py) with this system's layout and host optimizer."""
-        import chunkjax as cj
         self.schedule = schedule
-        self.step_fn = cj.make_chunked_step(self.stages, self.layout, schedule, host_optimizer=self.spec)
+        self.step_fn = self._make_step(schedule)
         self.plan_history = []
         self.replan = False  # a given schedule is checked, never replaced
+
+    def _make_step(self, schedule):
+        import chunkjax as cj
+        if self.zero_stage:
+            from chunkjax.zero_schedule import make_zero_scheduled_step
+            return make_zero_scheduled_step(self.stages, self.layout, schedule, self.mesh,
+                                            zero_stage=self.zero_stage, host_optimizer=self.spec)
+        return cj.make_chunked_step(self.stages, self.layout, schedule, host_optimizer=self.spec)
 
     # -- the BaselineSystem interface --------------------------------------------------------
     def compiled_memory(self, batch) -> dict:
@@ -95,11 +128,12 @@ class ChunkjaxSystem:
         for attempt in range(4):
             progs = self.step_fn.compiled_memory_programs(batch)
             n_res = sum(u == "device" for u in self.schedule.update_locations)
-            resident_state = n_res * self.cb.state
+            cb = self.cb_rank  # one rank's bytes (the whole chunk without ZeRO)
+            resident_state = n_res * cb.state
             # the update phase holds every resident chunk (params and state) and all their
             # gradients, plus one chunk's float32 temporaries: it must fit the headroom too
             # (GPT3_12B on the whole card ran out of memory there when only the fwd/bwd was checked)
-            update_phase = n_res * (self.cb.params + self.cb.state + self.cb.grad) + 2 * 4 * self.layout.chunk_size
+            update_phase = n_res * (cb.params + cb.state + cb.grad) + 2 * 4 * self.layout.chunk_size
             peak = max(max(p["peak_device_bytes"] for p in progs) + resident_state, update_phase)
             self.plan_history.append({"effective_budget_bytes": self.effective_budget,
                                       "compiled_peak_bytes": peak,
@@ -114,7 +148,7 @@ class ChunkjaxSystem:
             except cj.PlanError as e:
                 self.notes.append(f"re-plan failed: {e}")
                 break
-            self.step_fn = cj.make_chunked_step(self.stages, self.layout, self.schedule, host_optimizer=self.spec)
+            self.step_fn = self._make_step(self.schedule)
         largest = max(progs, key=lambda p: p["peak_device_bytes"])
         out = {"peak_bytes": int(peak), "argument_bytes": largest["argument"], "output_bytes": largest["output"],
                "temp_bytes": largest["temp"], "alias_bytes": largest["alias"],
@@ -173,7 +207,8 @@ def run_chunkjax(args) -> dict:
 
     cfg = gpt.get_config(args.model)
     segments = getattr(args, "segments", "auto")
-    sys_ = ChunkjaxSystem(cfg, args.budget_bytes, args.batch, args.seq, segments=segments)
+    sys_ = ChunkjaxSystem(cfg, args.budget_bytes, args.batch, args.seq, segments=segments,
+                          zero_stage=getattr(args, "zero_stage", 0))
     try:
         rec = measure_system(sys_, args)
     except Exception as e:  # keep the plan next to the failure (e.g. out of memory at run time)
@@ -202,7 +237,13 @@ def run_chunkjax(args) -> dict:
         "trace_s": sys_.trace_s, "rates": dataclasses.asdict(sys_.rates),
         "stage_temp_bytes": {t.name: t.temp_bytes for t in sys_.traces if t.name in ("embed", "h_0", "head")},
         "schedule": sys_.schedule.to_dict(),
+        "n_devices": sys_.n_ranks, "zero_stage": sys_.zero_stage,
     })
+    if sys_.zero_stage:  # bytes each rank sends through collectives per step (ring algorithms)
+        import jax
+        import jax.numpy as jnp
+        ab = jax.ShapeDtypeStruct((args.batch, args.seq + 1), jnp.int32)
+        rec["comm_bytes_per_step_per_rank_accounted"] = sys_.step_fn.comm_bytes_per_step(ab)
     if rec.get("step_s_median") and p.time.step_s:
         rec["step_time_ratio_measured_over_predicted"] = rec["step_s_median"] / p.time.step_s
     return rec

@@ -127,3 +127,43 @@ def test_bad_inputs(setup):
             make_zero_scheduled_step(stages, odd, s2, data_mesh(), host_optimizer=SPEC)
     with pytest.raises(ValueError, match="zero_stage"):
         make_zero_scheduled_step(stages, layout, sched, data_mesh(), zero_stage=4, host_optimizer=SPEC)
+
+
+def test_plan_per_rank(setup):
+    """Each rank's plan (item 4): the peak predicted with one rank's bytes fits its budget; more
+    ranks leave room for more resident chunks at the same budget; bytes moved are one rank's
+    shards."""
+    from chunkjax.zero_schedule import plan_zero_schedule, rank_chunk_bytes
+    cfg, params, batches, stages, layout, traces, cb, refs = setup
+    local = cj.trace_stages(stages, layout, jax.ShapeDtypeStruct((B // N, T + 1), jnp.int32), jnp.bfloat16)
+    budget = plan_schedule(layout, traces, cb, 10**12, flops_per_step=1.0, resident=[0]).predicted.peak_device_bytes
+    one = plan_schedule(layout, traces, cb, budget, flops_per_step=1.0)
+    z = plan_zero_schedule(layout, local, cb, budget, N, 3, flops_per_step=1.0)
+    assert z.predicted.peak_device_bytes <= budget
+    assert z.counts().get("params_device/update_device", 0) > one.counts().get("params_device/update_device", 0)
+    rcb = rank_chunk_bytes(cb, N, 3)
+    assert rcb.master == cb.master // N and rcb.params == cb.params + cb.params // N
+    off = sum(u != "device" for u in z.update_locations)
+    assert z.predicted.h2d_bytes_per_step == z.predicted.n_fetches * (cb.params // N)
+    assert z.predicted.d2h_bytes_per_step == off * (cb.grad // N)
+
+
+def test_bench_system_under_zero(monkeypatch):
+    """experiments/bench's chunkjax system with ``--set zero_stage=3`` shards over every local
+    device: it plans per rank, trains (finite, falling loss) and reports MFU per device and the
+    collective bytes per rank."""
+    import types
+
+    from experiments import bench
+    from experiments.bench_chunkjax import run_chunkjax
+    args = types.SimpleNamespace(worker="chunkjax", model="micro", batch=16, seq=16, steps=2, seed=0,
+                                 budget_bytes=2**30, compile_only=False, zero_h2d_path=None, host_limit_gb=110,
+                                 run_id="t", zero_stage=3)
+    rec = run_chunkjax(args)
+    assert rec["feasible"], rec.get("error")
+    assert rec["losses_finite"] and rec["loss_falling"]
+    assert rec["n_devices"] == N and rec["zero_stage"] == 3
+    comm = rec["comm_bytes_per_step_per_rank_accounted"]
+    assert comm["all_gather"] > 0 and comm["reduce_scatter"] > 0 and comm["all_reduce"] == 0
+    out = bench.finalize_record(dict(rec), 1000, 1.0, 0)
+    assert out["mfu"] == pytest.approx(1000 * rec["tokens_per_s"] / N / 1e12)
