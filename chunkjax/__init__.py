@@ -7,7 +7,9 @@ A JAX reimplementation of PatrickStar (chunks placed by the memory tide) and Sma
         -> schedule (placement, fetches/evictions, update locations, programs, predictions)
         -> runtime (jitted programs + host-update thread) -> optim / host_update (the update per chunk)
 
-``zero`` shards chunks over a data mesh (ZeRO stages 1-3 with XLA collectives).
+``zero_schedule`` runs the schedule with every chunk sharded over a data mesh (ZeRO stages 1-3
+with XLA collectives, host updates per rank shard); ``zero`` is the one-program ZeRO step that
+also runs across processes (docs/multihost.md).
 """
 from chunkjax.checkpoint import (CheckpointError, CheckpointWriteError, export_params, latest_step,
                                  restore_checkpoint, save_checkpoint)
@@ -20,6 +22,8 @@ from chunkjax.runtime import ChunkedStep, TrainState, make_chunked_step
 from chunkjax.schedule import Schedule, plan_schedule
 from chunkjax.stages import Stage, compose_loss
 from chunkjax.trace import trace_stages
+from chunkjax.zero import build_zero_layout, data_mesh
+from chunkjax.zero_schedule import ZeroScheduledStep, make_zero_scheduled_step, plan_zero_schedule
 
 __all__ = [
     "CheckpointError", "CheckpointWriteError", "export_params", "latest_step", "restore_checkpoint", "save_checkpoint",
@@ -27,4 +31,5 @@ __all__ = [
     "PlanError", "Schedule", "Stage", "StageTrace", "TrainState", "account", "build_layout", "chunk_bytes", "compose_loss",
     "first_use_order", "init_chunk_state", "make_chunked_step", "parse_bytes", "plan_fixed", "plan_schedule", "search_chunk_size",
     "trace_stages", "update_chunk",
+    "ZeroScheduledStep", "build_zero_layout", "data_mesh", "make_zero_scheduled_step", "plan_zero_schedule",
 ]
