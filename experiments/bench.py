@@ -278,6 +278,7 @@ def measure_system(system, args) -> dict:
             "unrecognized", "n_api_skipped", "events", "copy_kernel_samples", "profiler_error", "nvml", "attempts",
             "trace_file")}
         rec["transfer_detail"]["events"] = (prof.get("events") or [])[:4]
+        rec["transfer_phases"] = prof.get("transfer_phases")  # GB/s per program, transfer-bound ones
     rec["peak_device_bytes_measured"] = gm.peak_device_bytes()
     rec["host_rss_peak_bytes_measured"] = _host_rss_peak_bytes()
     rec["losses"] = losses

@@ -261,6 +261,97 @@ def parse_trace_transfers(trace: dict | str, max_samples: int = 5) -> dict:
     return out
 
 
+def _union_us(intervals) -> float:
+    """Length of the union of (start, end) intervals (microseconds)."""
+    total, end = 0.0, None
+    for a, b in sorted(intervals):
+        if end is None or a > end:
+            total += b - a
+            end = b
+        elif b > end:
+            total += b - end
+            end = b
+    return total
+
+
+def transfer_phases(trace: dict | str, bound_fraction: float = 0.9, link_gb_s: float = 54.0) -> dict:
+    """Bytes and rates of host<->device copies per program (phase) of a profiled step.
+
+    Phases are the XLA module executions on the GPU (events on a thread named "XLA Modules"); a
+    copy belongs to the phase that contains its midpoint, else to ``"outside programs"``. Per
+    phase: ``duration_s``, ``h2d_bytes`` / ``d2h_bytes``, ``h2d_busy_s`` / ``d2h_busy_s`` (union
+    of that direction's copy intervals), ``h2d_gb_s`` / ``d2h_gb_s`` (bytes over the phase's
+    duration), ``h2d_gb_s_while_busy`` / ``d2h_...`` (bytes over busy time), and
+    ``transfer_bound``: a direction's copies were busy for at least ``bound_fraction`` of the
+    phase (the compute waited on PCIe). Also the whole step's ``span_s`` and average rates, with
+    ``link_gb_s`` (54 GB/s per direction on the H200: gpu_facts.md) for reference.
+
+    Returns ``{"phases": [...], "step": {...}}``; empty phases when the trace has no module events.
+    """
+    data = _load_trace(trace) if isinstance(trace, (str, os.PathLike)) else trace
+    events = data.get("traceEvents", []) if isinstance(data, dict) else list(data)
+    procs, threads = {}, {}
+    for ev in events:
+        if ev.get("ph") == "M" and ev.get("name") == "process_name":
+            procs[ev.get("pid")] = str((ev.get("args") or {}).get("name", ""))
+        if ev.get("ph") == "M" and ev.get("name") == "thread_name":
+            threads[(ev.get("pid"), ev.get("tid"))] = str((ev.get("args") or {}).get("name", ""))
+    gpu = {pid for pid, n in procs.items() if re.search(r"/device:GPU|\bGPU\b|cuda", n, re.I)}
+    modules, copies, all_x = [], [], []
+    for ev in events:
+        if ev.get("ph") != "X" or (gpu and ev.get("pid") not in gpu) or "dur" not in ev:
+            continue
+        t0, t1 = float(ev["ts"]), float(ev["ts"]) + float(ev["dur"])
+        all_x.append((t0, t1))
+        tname = threads.get((ev.get("pid"), ev.get("tid")), "")
+        if "XLA Modules" in tname:
+            modules.append((t0, t1, str(ev.get("name", ""))))
+            continue
+        name = str(ev.get("name", ""))
+        args = ev.get("args") or {}
+        if not (_MEMCPY_LIKE.search(name) or (isinstance(args, dict) and "memcpy_details" in args)):
+            continue
+        if _API_NAME.match(name):
+            continue
+        d, nb = _event_direction(ev), _event_bytes(ev)
+        if d in ("h2d", "d2h") and nb is not None:
+            copies.append((t0, t1, d, nb))
+    modules.sort()
+
+    def summary(name, t0, t1, cps):
+        dur = max(t1 - t0, 1e-9)
+        out = {"phase": name, "start_us": t0, "duration_s": dur / 1e6}
+        bound = []
+        for d in ("h2d", "d2h"):
+            mine = [(max(a, t0), min(b, t1)) for a, b, dd, _ in cps if dd == d]
+            nbytes = sum(nb for a, b, dd, nb in cps if dd == d)
+            busy = _union_us([iv for iv in mine if iv[1] > iv[0]])
+            out[f"{d}_bytes"] = int(nbytes)
+            out[f"{d}_busy_s"] = busy / 1e6
+            out[f"{d}_gb_s"] = nbytes / (dur / 1e6) / 1e9
+            out[f"{d}_gb_s_while_busy"] = nbytes / (busy / 1e6) / 1e9 if busy else None
+            if busy >= bound_fraction * dur:
+                bound.append(d)
+        out["transfer_bound"] = bound
+        return out
+
+    phases, taken = [], set()
+    for t0, t1, name in modules:
+        cps = [c for i, c in enumerate(copies) if i not in taken and t0 <= (c[0] + c[1]) / 2 <= t1]
+        taken |= {i for i, c in enumerate(copies) if t0 <= (c[0] + c[1]) / 2 <= t1}
+        phases.append(summary(name, t0, t1, cps))
+    rest = [c for i, c in enumerate(copies) if i not in taken]
+    if rest and modules:
+        ph = summary("outside programs", min(c[0] for c in rest), max(c[1] for c in rest), rest)
+        ph["transfer_bound"] = []  # not a phase of computation: nothing waits on it here
+        phases.append(ph)
+    step = {}
+    if all_x:
+        step = summary("step", min(a for a, _ in all_x), max(b for _, b in all_x), copies)
+        step["link_gb_s"] = link_gb_s
+    return {"phases": phases, "step": step}
+
+
 # ---- NVML PCIe counters (an estimate) ------------------------------------------------------
 
 #: nvmlFieldValue ids of the cumulative PCIe byte counters (nvml.h; NVML 12.x and later).
@@ -476,6 +567,7 @@ def _trace_once(fn, kw, nvml, log_dir, max_samples, keep_trace_to) -> dict:
         else:
             try:
                 parsed = parse_trace_transfers(trace_file, max_samples)
+                parsed["transfer_phases"] = transfer_phases(trace_file)
             except Exception as e:
                 error = f"parse failed: {type(e).__name__}: {e}"
             if keep_trace_to:

@@ -193,6 +193,7 @@ def run(args, save=lambda res: None, prior: dict | None = None, prior_commands=N
                     rec["transfer_source"] = "profiler" if prof["n_device_events"] and not prof["profiler_error"] else None
                     rec["h2d_bytes_per_step_measured"] = prof["h2d_bytes"] if rec["transfer_source"] else None
                     rec["d2h_bytes_per_step_measured"] = prof["d2h_bytes"] if rec["transfer_source"] else None
+                    rec["transfer_phases"] = prof.get("transfer_phases")
             state, ts, losses = _timed(sys_, state, batch, args.steps, rec["host_update_s_all"])
             rec["step_s_all"] += ts
             rec["losses"] += losses

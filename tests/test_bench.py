@@ -526,3 +526,37 @@ def test_chunkjax_out_of_memory_records_what_held_the_memory(monkeypatch):
     live = rec["live_arrays_at_failure"]
     assert any(g["shape"] == "(123, 457)" and g["bytes"] >= keep.nbytes for g in live["largest_groups"])
     assert rec["schedule_counts"] and rec["n_chunks"] > 0
+
+
+def test_transfer_phases_per_program():
+    """Per program (XLA module) of a profiled step: bytes and GB/s each way, and which programs
+    are transfer-bound (a direction busy >= 90 % of the program): a synthetic trace with one
+    compute-bound forward, one PCIe-bound update and a copy outside any program."""
+    def ev(ts, dur, name, tid, args=None):
+        return {"ph": "X", "pid": 1001, "tid": tid, "ts": ts, "dur": dur, "name": name, "args": args or {}}
+
+    def thread(tid, name):
+        return {"ph": "M", "pid": 1001, "tid": tid, "name": "thread_name", "args": {"name": name}}
+
+    h2d = {"memcpy_details": "kind_src:pinned kind_dst:device size:54000000"}  # 54 MB
+    d2h = {"memcpy_details": "kind_src:device kind_dst:pinned size:27000000"}
+    trace = {"traceEvents": [
+        _meta(1001, "/device:GPU:0"), thread(1, "XLA Modules"), thread(2, "Stream #1(MemcpyH2D)"),
+        thread(3, "Stream #2(MemcpyD2H)"), thread(4, "XLA Ops"),
+        ev(0, 10_000, "jit_prog(1)", 1), ev(100, 9_000, "fusion", 4),
+        ev(1_000, 1_000, "MemcpyH2D", 2, h2d),                       # 1 ms of a 10 ms program
+        ev(20_000, 2_000, "jit_upd(2)", 1),
+        ev(20_000, 1_000, "MemcpyH2D", 2, h2d), ev(21_000, 950, "MemcpyH2D", 2, h2d),  # busy 97.5 %
+        ev(20_500, 500, "MemcpyD2H", 3, d2h),
+        ev(30_000, 1_000, "MemcpyD2H", 3, d2h),                      # outside any program
+    ]}
+    r = gm.transfer_phases(trace)
+    by = {p["phase"]: p for p in r["phases"]}
+    assert set(by) == {"jit_prog(1)", "jit_upd(2)", "outside programs"}
+    fwd, upd = by["jit_prog(1)"], by["jit_upd(2)"]
+    assert fwd["h2d_bytes"] == 54_000_000 and fwd["transfer_bound"] == []
+    assert fwd["h2d_gb_s"] == pytest.approx(5.4) and fwd["h2d_gb_s_while_busy"] == pytest.approx(54.0)
+    assert upd["h2d_bytes"] == 108_000_000 and upd["d2h_bytes"] == 27_000_000
+    assert upd["transfer_bound"] == ["h2d"] and upd["h2d_busy_s"] == pytest.approx(1.95e-3)
+    assert by["outside programs"]["d2h_bytes"] == 27_000_000
+    assert r["step"]["h2d_bytes"] == 162_000_000 and r["step"]["duration_s"] == pytest.approx(0.031)
