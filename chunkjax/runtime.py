@@ -37,6 +37,7 @@ from chunkjax import optim
 from chunkjax.layout import ChunkLayout
 from chunkjax.memory import DEVICE, PINNED_HOST, ordered_after, sharding
 from chunkjax.plan import Placement, fetch_events
+from chunkjax.stages import first_readers, stage_reads
 
 
 class TrainState(NamedTuple):
@@ -94,15 +95,11 @@ class ChunkedStep:
     # ---- static structure ------------------------------------------------------------------
     @functools.cached_property
     def reads(self) -> tuple[tuple[int, ...], ...]:
-        return tuple(self.layout.chunks_of(st.param_keys) for st in self.stages)
+        return stage_reads(self.stages, self.layout)
 
     @functools.cached_property
     def first_reader(self) -> dict[int, int]:
-        out = {}
-        for s, cs in enumerate(self.reads):
-            for c in cs:
-                out.setdefault(c, s)
-        return out
+        return first_readers(self.reads)
 
     def traces(self, batch) -> tuple:
         """Per-stage chunk reads, forward and backward, for a batch shape (abstract tracing)."""

@@ -40,6 +40,7 @@ from chunkjax.eviction import CapacityError, belady
 from chunkjax.layout import ChunkLayout
 from chunkjax.memory import DEVICE, PINNED_HOST
 from chunkjax.plan import ChunkBytes, Placement, PlanError, StageTrace, _gib_ceil
+from chunkjax.stages import first_readers
 from chunkjax.tide import Tide, memory_tide
 
 DEVICE_UPDATE, STREAMED_UPDATE, HOST_UPDATE = "device", "streamed", "host"
@@ -184,6 +185,19 @@ def _evictions(fetch, accesses, T) -> list[tuple[int, ...]]:
     return [tuple(sorted(e)) for e in evict]
 
 
+def grad_done_moments(traces, tide: Tide) -> dict[int, int]:
+    """Chunk id -> index of the moment its gradient is complete: the backward (or fused) moment
+    of the first stage that reads it."""
+    first = first_readers([t.chunks for t in traces])
+    done = {}
+    for i, m in enumerate(tide.moments):
+        if m.phase != "forward":
+            for c, s in first.items():
+                if s == m.stage:
+                    done[c] = i
+    return done
+
+
 def _schedule_one(layout: ChunkLayout, traces, tide: Tide, cb: ChunkBytes, budget: int, resident: set[int],
                   host_update: bool, prefetch: int, segments: tuple[int, ...], rates: Rates,
                   flops_per_step: float):
@@ -197,16 +211,7 @@ def _schedule_one(layout: ChunkLayout, traces, tide: Tide, cb: ChunkBytes, budge
         segments = (0,)
     dev_model = sum(cb.params + cb.state for c in resident)
     # gradients of resident chunks wait on the device for the update program
-    first_reader = {}
-    for s, t in enumerate(traces):
-        for c in t.chunks:
-            first_reader[c] = min(first_reader.get(c, s), s)
-    grad_done_at = {}  # chunk -> moment its gradient is complete
-    for t, m in enumerate(tide.moments):
-        if m.phase != "forward":
-            for c, s in first_reader.items():
-                if s == m.stage:
-                    grad_done_at[c] = t
+    grad_done_at = grad_done_moments(traces, tide)
     waiting = [sum(cb.grad for c in resident if grad_done_at.get(c, T) <= t) for t in range(T)]
     accesses = [tuple(c for c in m.chunks if pk[c] == PINNED_HOST) for m in tide.moments]
     max_reads = max((len(a) for a in accesses), default=0)

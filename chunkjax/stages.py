@@ -41,3 +41,19 @@ def compose_loss(stages, params, batch):
     for st in stages:
         x = st.apply({k: params[k] for k in st.param_keys}, x, batch)
     return x
+
+
+def stage_reads(stages, layout) -> tuple[tuple[int, ...], ...]:
+    """Per stage, the chunk ids it reads (its ``param_keys``' chunks in ``layout``, a
+    :class:`chunkjax.layout.ChunkLayout`)."""
+    return tuple(layout.chunks_of(st.param_keys) for st in stages)
+
+
+def first_readers(reads) -> dict[int, int]:
+    """Chunk id -> the first stage that reads it: the backward completes a chunk's gradient
+    there (the last backward moment to touch it)."""
+    out: dict[int, int] = {}
+    for s, cs in enumerate(reads):
+        for c in cs:
+            out.setdefault(c, s)
+    return out

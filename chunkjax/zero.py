@@ -74,6 +74,7 @@ from chunkjax import optim
 from chunkjax.layout import CHUNK_ALIGN_ELEMS, ChunkLayout, build_layout, search_chunk_size
 from chunkjax.memory import DEVICE, PINNED_HOST, ordered_after
 from chunkjax.plan import Placement
+from chunkjax.stages import first_readers, stage_reads
 
 #: Name of the data-parallel mesh axis.
 AXIS = "data"
@@ -178,15 +179,11 @@ class ZeroStep:
 
     @functools.cached_property
     def reads(self) -> tuple[tuple[int, ...], ...]:
-        return tuple(self.layout.chunks_of(st.param_keys) for st in self.stages)
+        return stage_reads(self.stages, self.layout)
 
     @functools.cached_property
     def first_reader(self) -> dict[int, int]:
-        out = {}
-        for s, cs in enumerate(self.reads):
-            for c in cs:
-                out.setdefault(c, s)
-        return out
+        return first_readers(self.reads)
 
     def backward_reads(self, batch) -> tuple[tuple[int, ...], ...]:
         """Per stage, the chunks whose *values* its backward needs (``chunkjax.trace.backward_reads``

@@ -204,18 +204,9 @@ def prepare(model: str, batch: int, seq: int, *, chunk_size: int | None = None, 
 # ---- baselines: fixed schedules over the same tide ---------------------------------------------
 
 def grad_done_at(traces, tide) -> dict[int, int]:
-    """Chunk -> moment its gradient is complete (its first reader's backward)."""
-    first_reader: dict[int, int] = {}
-    for s, t in enumerate(traces):
-        for c in t.chunks:
-            first_reader[c] = min(first_reader.get(c, s), s)
-    done = {}
-    for i, m in enumerate(tide.moments):
-        if m.phase != "forward":
-            for c, s in first_reader.items():
-                if s == m.stage:
-                    done[c] = i
-    return done
+    """Chunk -> moment its gradient is complete (:func:`chunkjax.schedule.grad_done_moments`)."""
+    from chunkjax.schedule import grad_done_moments
+    return grad_done_moments(traces, tide)
 
 
 def fixed_schedule(kind: str, layout, traces, tide, cb, budget_bytes: int, *, flops_per_step: float,
