@@ -153,7 +153,12 @@ def shakespeare_tokens(tokenizer, val_fraction: float = 0.1, seed: int = 0):
 
 def host_adamw(lr: float, steps: int, warmup: int, weight_decay: float, clip: float):
     """The optimizer: :class:`chunkjax.host_update.AdamW` with a warm-up + cosine schedule
-    (0 -> lr over ``warmup`` steps, then down to lr/10 at ``steps``), clipping when clip > 0."""
+    (0 -> lr over ``warmup`` steps, then down to lr/10 at ``steps``), clipping to global L2 norm
+    ``clip`` when clip > 0. ``spec.optax()`` is the same math for plain optax / device chunks.
+
+    Raises:
+      ValueError: weight_decay or clip out of range (from AdamW).
+    """
     import optax
 
     from chunkjax.host_update import AdamW

@@ -2,7 +2,8 @@
 
 * The chunked, offloaded step of experiments/finetune.py (plan_schedule with host updates, host
   AdamW kernel, warm-up + cosine schedule, clipping) equals plain optax fine-tuning in float32:
-  20 steps of a tiny random Llama, and 3 steps of the real SmolLM2-135M weights.
+  20 steps of a tiny random Llama, and 3 steps of the real SmolLM2-135M weights (first 6 blocks
+  by default, all 30 with SMOLLM2_TEST_BLOCKS=30).
 * ``export_hf_checkpoint`` -> ``load_hf_checkpoint`` gives back identical params (pure numpy,
   the CI test), and transformers' ``LlamaForCausalLM`` loads the export with our logits (needs
   the reference environment /tmp/refenv with torch + transformers; skipped elsewhere).
@@ -94,11 +95,16 @@ def test_chunked_finetune_equals_optax_20_steps():
 
 @needs_smollm2
 def test_chunked_finetune_equals_optax_smollm2():
-    """The real weights (all 30 blocks), 3 steps of batch 1 x 16 tokens, all chunks but the first
-    host-updated."""
-    from experiments.finetune import shakespeare_tokens  # noqa: F401  (import check only)
+    """The real weights, 3 steps of batch 1 x 16 tokens, all chunks but the first host-updated.
+
+    The first SMOLLM2_TEST_BLOCKS blocks (default 6, with the real tied embedding and final
+    norm) keep the test inside the CPU time budget; ``SMOLLM2_TEST_BLOCKS=30`` runs the whole
+    model (measured 2.8e-7 relative, about 4 minutes on a loaded 2-core CPU)."""
     cfg, params, tok = llama.load_smollm2_135m()
-    cfg = dataclasses.replace(cfg, remat=False)
+    n = min(int(os.environ.get("SMOLLM2_TEST_BLOCKS", "6")), cfg.n_layers)
+    for i in range(n, cfg.n_layers):
+        del params[f"layer_{i}"]
+    cfg = dataclasses.replace(cfg, n_layers=n, remat=False)
     text = "**ROMEO**\nBut soft, what light through yonder window breaks? It is the east, and Juliet is the sun."
     ids = np.asarray(tok.encode(text).ids, np.int32)
     batches = [jnp.asarray(ids[None, i:i + 17]) for i in (0, 4, 8)]
@@ -107,7 +113,7 @@ def test_chunked_finetune_equals_optax_smollm2():
     _, l_ch, locs = chunked(cfg, params, batches, spec, resident=[0])
     assert "host" in locs
     err = np.max(np.abs(np.array(l_ch) - l_ref) / np.array(l_ref))
-    print(f"SmolLM2 3 steps: losses {l_ref}; max relative difference {err:.2e}")
+    print(f"SmolLM2 ({n} blocks) 3 steps: losses {l_ref}; max relative difference {err:.2e}")
     assert err <= LOSS_RTOL
 
 
