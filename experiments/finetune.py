@@ -27,6 +27,7 @@ status 2 and one line saying what to do.
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import math
@@ -281,7 +282,7 @@ def run(cfg: FinetuneConfig) -> dict:
                                           "compute_dtype_resolved": jnp.dtype(cdt).name}
     print("config: " + " ".join(f"{k}={v}" for k, v in resolved.items()), flush=True)
     print(layout.summary().splitlines()[0], flush=True)
-    print(f"schedule: {schedule.counts()}  update locations {dict(zip(*np.unique(schedule.update_locations, return_counts=True)))}; "
+    print(f"schedule: {schedule.counts()}  update locations {dict(collections.Counter(schedule.update_locations))}; "
           f"accounted peak {pred.peak_device_bytes / 2**20:.1f} MiB of budget {budget / 2**20:.1f} MiB; model data "
           f"{info['model_chunk_bytes'] / 2**20:.1f} MiB; per step h2d {pred.h2d_bytes_per_step / 2**20:.1f} MiB, "
           f"d2h {pred.d2h_bytes_per_step / 2**20:.1f} MiB", flush=True)
