@@ -12,15 +12,15 @@ from experiments import sweep
 def test_sweep_micro(tmp_path):
     out = tmp_path / "res"
     docs = tmp_path / "bench.md"
-    common = ["--model", "micro", "--batch", "2", "--seq", "32", "--budgets", "64MiB,2GiB", "--rounds", "2",
-              "--steps", "2", "--run-id", "t", "--results-dir", str(out)]
-    # the tide plans in one process, the baselines in another: one file
-    assert sweep.main(common + ["--plans", "tide"]) == 0
+    common = ["--model", "micro", "--batch", "2", "--seq", "32", "--rounds", "2", "--steps", "2", "--run-id", "t",
+              "--results-dir", str(out)]
+    # the tide plans in one call, the baselines in another: one file, budgets merged
+    assert sweep.main(common + ["--plans", "tide", "--budgets", "64MiB,2GiB"]) == 0
     assert set(json.loads((out / "sweep_t.json").read_text())["configs"]) == {"tide@0.0625GiB", "tide@2GiB"}
-    assert sweep.main(common + ["--plans", "all_host,zero_offload"]) == 0
+    assert sweep.main(common + ["--plans", "all_host", "--budgets", "64MiB,2GiB"]) == 0
     res = json.loads((out / "sweep_t.json").read_text())
     cf = res["configs"]
-    assert set(cf) == {"tide@0.0625GiB", "tide@2GiB", "all_host", "zero_offload"}
+    assert set(cf) == {"tide@0.0625GiB", "tide@2GiB", "all_host"}
     for name, r in cf.items():
         assert len(r["step_s_all"]) == 4, name  # 2 rounds x 2 timed steps
         assert r["losses_finite"] and len(r["losses"]) == 6 and len(r["step_s_warmup"]) == 2
@@ -40,7 +40,7 @@ def test_sweep_micro(tmp_path):
     assert sweep.main(["--report", str(out / "sweep_t.json"), "--docs", str(docs)]) == 0
     text = docs.read_text()
     assert len(res["commands"]) == 2
-    assert "Budget sweep `t`" in text and text.count("| 0.0625 |") == 3 and text.count("| 2 |") == 3
+    assert "Budget sweep `t`" in text and text.count("| 0.0625 |") == 2 and text.count("| 2 |") == 2
 
 
 def test_sweep_bad_input(capsys):
