@@ -31,12 +31,10 @@ import collections
 import dataclasses
 import json
 import math
-import signal
 import sys
-import threading
 import time
 
-from experiments.train import UsageError, _f, _last_val, _model_bytes_split, _on_signal, _parse_budget, _Terminated
+from experiments.train import UsageError, _f, _last_val, _model_bytes_split, _parse_budget, run_guarded
 
 #: Models this script can load (name -> loader in models/llama.py).
 MODELS = ("smollm2-135m",)
@@ -402,25 +400,7 @@ def _peak_measured():
 def main(argv=None) -> int:
     """Entry point: 0 on success, 2 on bad input (one line on stderr), 130/143 when interrupted."""
     cfg = parse_args(argv)
-    handlers = {}
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGHUP):
-            handlers[sig] = signal.signal(sig, _on_signal)
-    try:
-        run(cfg)
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted: the partial run folder was removed", file=sys.stderr, flush=True)
-        return 130
-    except _Terminated as e:
-        print(f"terminated by {e}: the partial run folder was removed", file=sys.stderr, flush=True)
-        return 143
-    finally:
-        for sig, h in handlers.items():
-            signal.signal(sig, h)
-    return 0
+    return run_guarded(lambda: run(cfg))
 
 
 if __name__ == "__main__":

@@ -131,8 +131,6 @@ def run(cfg: TrainConfig) -> dict:
     """
     import jax
     import jax.numpy as jnp
-    import numpy as np
-    import optax
 
     import chunkjax as cj
     from chunkjax.optim import state_bytes_per_chunk
@@ -464,16 +462,17 @@ def _on_signal(signum, frame):
     raise _Terminated(signal.Signals(signum).name)
 
 
-def main(argv=None) -> int:
-    cfg = parse_args(argv)
+def run_guarded(job) -> int:
+    """Run ``job()`` (a whole run that writes its folder under ``.partial`` and renames it at the
+    end) with SIGTERM/SIGHUP turned into an unwind; returns the exit status: 0 done, 2 bad input
+    (one line on stderr), 130 interrupted, 143 terminated (the partial folder removed by ``job``'s
+    own cleanup). Shared by the main job and experiments/finetune.py."""
     handlers = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGHUP):
             handlers[sig] = signal.signal(sig, _on_signal)
     try:
-        budget = None if cfg.device_budget == "auto" else _parse_budget(cfg.device_budget)
-        relaunch_with_budget(cfg, budget)
-        run(cfg)
+        job()
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
@@ -487,6 +486,17 @@ def main(argv=None) -> int:
         for sig, h in handlers.items():
             signal.signal(sig, h)
     return 0
+
+
+def main(argv=None) -> int:
+    cfg = parse_args(argv)
+
+    def job():
+        budget = None if cfg.device_budget == "auto" else _parse_budget(cfg.device_budget)
+        relaunch_with_budget(cfg, budget)
+        run(cfg)
+
+    return run_guarded(job)
 
 
 if __name__ == "__main__":
