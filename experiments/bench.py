@@ -169,6 +169,25 @@ def _host_rss_peak_bytes() -> int | None:
     return None
 
 
+def profile_one_step(system, state, batch, keep_trace_to: str | None = None):
+    """One ``system.step`` under the profiler (:func:`experiments.gpu_measure.profile_transfer_bytes`);
+    returns (the new state, the profile dict; its ``result`` is the step's loss as a float)."""
+    import jax
+
+    from experiments import gpu_measure as gm
+
+    box = {"state": state}
+
+    def one_step():
+        s, l = system.step(box["state"], batch)
+        jax.block_until_ready((s, l))
+        box["state"] = s
+        return float(l)
+
+    prof = gm.profile_transfer_bytes(one_step, keep_trace_to=keep_trace_to)
+    return box["state"], prof
+
+
 def measure_system(system, args) -> dict:
     """The measurement protocol for any object with the BaselineSystem interface.
 
@@ -245,19 +264,10 @@ def measure_system(system, args) -> dict:
         rec["timings"] = {k: statistics.median(t[k] for t in timings) for k in timings[0]}
 
     if platform != "cpu" or getattr(args, "profile_on_cpu", False):
-        box = {"state": state}
-
-        def one_step():
-            s, l = system.step(box["state"], batch)
-            jax.block_until_ready((s, l))
-            box["state"] = s
-            return float(l)
-
         keep = os.environ.get("BENCH_KEEP_TRACE_DIR")
         keep = os.path.join(keep, f"{getattr(system, 'name', 'system')}_{args.model}_b{args.batch}.perfetto_trace.json.gz") \
             if keep else None
-        prof = gm.profile_transfer_bytes(one_step, keep_trace_to=keep)
-        state = box["state"]
+        state, prof = profile_one_step(system, state, batch, keep)
         losses.append(prof["result"])
         if prof.get("calls", 1) > 1:
             rec["notes"].append(f"profiled {prof['calls']} steps (no GPU events with the tracers off; "

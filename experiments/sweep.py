@@ -86,7 +86,7 @@ def run(args, save=lambda res: None, prior: dict | None = None, prior_commands=N
 
     from chunkjax.tide import memory_tide
     from experiments import gpu_measure as gm
-    from experiments.bench import make_batch, parse_bytes
+    from experiments.bench import make_batch, parse_bytes, profile_one_step
     from experiments.bench_chunkjax import ChunkjaxSystem
     from experiments.plan import fixed_schedule
     from models import gpt
@@ -180,16 +180,7 @@ def run(args, save=lambda res: None, prior: dict | None = None, prior_commands=N
             rec["losses"] += losses
             if r == 0:  # one profiled step for the bytes moved
                 if on_gpu or args.profile_on_cpu:
-                    box = {"state": state}
-
-                    def one_step():
-                        s, l = sys_.step(box["state"], batch)
-                        jax.block_until_ready((s, l))
-                        box["state"] = s
-                        return float(l)
-
-                    prof = gm.profile_transfer_bytes(one_step)
-                    state = box["state"]
+                    state, prof = profile_one_step(sys_, state, batch)
                     rec["transfer_source"] = "profiler" if prof["n_device_events"] and not prof["profiler_error"] else None
                     rec["h2d_bytes_per_step_measured"] = prof["h2d_bytes"] if rec["transfer_source"] else None
                     rec["d2h_bytes_per_step_measured"] = prof["d2h_bytes"] if rec["transfer_source"] else None
