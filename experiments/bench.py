@@ -169,6 +169,46 @@ def _host_rss_peak_bytes() -> int | None:
     return None
 
 
+PROGRESS_TAG = "[bench-progress]"
+
+
+def _progress(**kw) -> None:
+    """One JSON line on stderr per finished phase of the worker (compile, init, each step), so a
+    worker killed by ``--worker-timeout`` still leaves what it measured (:func:`partial_from_progress`)."""
+    print(PROGRESS_TAG, json.dumps(kw, default=float), file=sys.stderr, flush=True)
+
+
+def partial_from_progress(lines: list[str], batch: int, seq: int) -> dict:
+    """What a timed-out worker measured, from its :func:`_progress` lines: ``compile_s``,
+    ``init_s``, the losses, and when at least one timed step finished, ``step_s_all``,
+    ``step_s_median``, ``tokens_per_s`` (batch * seq / median step seconds) and ``update_s``.
+    Returns {} when no line is found."""
+    rec: dict = {}
+    steps, updates, losses = [], [], []
+    for line in lines:
+        if not line.startswith(PROGRESS_TAG):
+            continue
+        try:
+            d = json.loads(line[len(PROGRESS_TAG):])
+        except ValueError:
+            continue
+        if "loss" in d:
+            losses.append(d["loss"])
+        if d.get("phase") in ("compile", "init"):
+            rec[d["phase"] + "_s"] = d["seconds"]
+        elif d.get("phase") == "step":
+            steps.append(d["seconds"])
+            if d.get("update_s") is not None:
+                updates.append(d["update_s"])
+    if losses:
+        rec["losses"] = losses
+    if steps:
+        med = statistics.median(steps)
+        rec.update(step_s_all=steps, step_s_median=med, tokens_per_s=batch * seq / med,
+                   update_s=statistics.median(updates) if updates else None)
+    return rec
+
+
 def profile_one_step(system, state, batch, keep_trace_to: str | None = None):
     """One ``system.step`` under the profiler (:func:`experiments.gpu_measure.profile_transfer_bytes`);
     returns (the new state, the profile dict; its ``result`` is the step's loss as a float)."""
@@ -217,6 +257,7 @@ def measure_system(system, args) -> dict:
     t0 = time.perf_counter()
     mem = system.compiled_memory(batch)
     rec["compile_s"] = time.perf_counter() - t0
+    _progress(phase="compile", seconds=rec["compile_s"])
     rec["compiled_memory"] = mem
     rec["notes"] += list(getattr(system, "notes", []))
     if mem.get("fits") is False:  # the system's own check (e.g. chunkjax's headroom) failed
@@ -238,6 +279,7 @@ def measure_system(system, args) -> dict:
     state = system.init(jax.random.key(args.seed))
     jax.block_until_ready(state)
     rec["init_s"] = time.perf_counter() - t0
+    _progress(phase="init", seconds=rec["init_s"])
     rec["host_bytes"] = int(system.host_bytes(state))
     if hasattr(system, "device_state_bytes"):
         rec["device_state_bytes"] = int(system.device_state_bytes(state))
@@ -246,6 +288,7 @@ def measure_system(system, args) -> dict:
     state, loss = system.step(state, batch)  # warm-up
     jax.block_until_ready((state, loss))
     losses.append(float(loss))
+    _progress(phase="warmup", loss=losses[-1])
     step_s, update_s, timings = [], [], []
     for _ in range(args.steps):
         t0 = time.perf_counter()
@@ -257,6 +300,7 @@ def measure_system(system, args) -> dict:
             update_s.append(system.last_update_s)
         if getattr(system, "last_timings", None):
             timings.append(dict(system.last_timings))
+        _progress(phase="step", seconds=step_s[-1], loss=losses[-1], update_s=getattr(system, "last_update_s", None))
     med = statistics.median(step_s)
     rec.update(step_s_all=step_s, step_s_median=med, tokens_per_s=args.batch * args.seq / med,
                update_s=statistics.median(update_s) if update_s else None)
@@ -436,7 +480,8 @@ def worker_env(budget_bytes: int, card_bytes: int | None, host_limit_gb: int) ->
 
 def subprocess_runner(argv: list[str], env: dict, timeout: float | None) -> dict:
     """Run ``python -m experiments.bench <argv> --out FILE``; returns ``{"rc", "json" (the parsed
-    FILE or None), "stderr_tail", "stdout_tail", "timed_out", "wall_s"}``. Never raises for a
+    FILE or None), "stderr_tail", "stdout_tail", "progress" (the worker's progress lines),
+    "timed_out", "wall_s"}``. Never raises for a
     failure of the child."""
     fd, out_path = tempfile.mkstemp(prefix="bench_", suffix=".json")
     os.close(fd)
@@ -462,6 +507,7 @@ def subprocess_runner(argv: list[str], env: dict, timeout: float | None) -> dict
         os.unlink(out_path)
     tail = lambda s: s.strip().splitlines()[-_STDERR_TAIL_LINES:]
     return {"rc": rc, "json": data, "stderr_tail": tail(err), "stdout_tail": tail(out)[-10:],
+            "progress": [l for l in err.splitlines() if l.startswith(PROGRESS_TAG)],
             "timed_out": timed_out, "wall_s": time.time() - t0}
 
 
@@ -495,7 +541,16 @@ def _run_system(args, runner, probe: dict, system: str, model: str, batch: int, 
         if res.get("json") is not None:  # wrote a record, then died
             rec = normalize_record(res["json"], system)
             rec["feasible"] = False
-        rec["error"] = why + ": " + "\n".join(res.get("stderr_tail") or [])[-4000:]
+        part = partial_from_progress(res.get("progress") or res.get("stderr_tail") or [], batch, seq) if res.get("timed_out") else {}
+        if part.get("tokens_per_s"):  # it trained: keep the steps it finished, say so
+            rec.update(part, feasible=True)
+            rec["notes"] = list(rec.get("notes") or []) + [
+                f"worker timed out after {args.worker_timeout} s having finished {len(part['step_s_all'])} timed "
+                "step(s): tokens/s from those; no profiled step (bytes moved, peak not measured)"]
+        else:
+            rec.update(part)
+        rec["error"] = None if part.get("tokens_per_s") else why + ": " + "\n".join(
+            l for l in (res.get("stderr_tail") or []) if not l.startswith(PROGRESS_TAG))[-4000:]
         rec = normalize_record(rec, system)
         rec.update(model=model, batch=batch, seq=seq, device_budget_bytes=args.budget_bytes)
     rec["mem_fraction"] = rec.get("mem_fraction") or env.get("XLA_PYTHON_CLIENT_MEM_FRACTION")

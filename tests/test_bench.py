@@ -311,6 +311,31 @@ def test_driver_calls_merge_under_one_run_id(tmp_path, capsys):
     assert (tmp_path / "bench_r1_tokens.png").stat().st_size > 1000
 
 
+def test_timed_out_worker_keeps_the_steps_it_finished(tmp_path):
+    def line(**kw):
+        return bench.PROGRESS_TAG + " " + json.dumps(kw)
+
+    tails = {"zero_offload_style": [line(phase="compile", seconds=9.0), line(phase="init", seconds=30.0),
+                                    line(phase="warmup", loss=7.0), line(phase="step", seconds=40.0, loss=6.9,
+                                                                         update_s=31.0), "Killed"],
+             "maxtext_style": [line(phase="compile", seconds=9.0), "still compiling"]}
+
+    def runner(argv, env, timeout):
+        if "--probe" in argv:
+            return {"rc": 0, "json": {"matmul_tflops": 10.0}, "stderr_tail": []}
+        system = argv[argv.index("--worker") + 1]
+        return {"rc": 124, "json": None, "timed_out": True, "stderr_tail": tails[system]}
+
+    assert bench.main(["--model", "micro", "--batch", "2", "--seq", "16", "--run-id", "T", "--results-dir",
+                       str(tmp_path), "--systems", "zero_offload_style,maxtext_style", "--worker-timeout", "60"],
+                      runner=runner) == 0
+    res = json.loads((tmp_path / "bench_T.json").read_text())["systems"]
+    zo, mx = res["zero_offload_style"], res["maxtext_style"]
+    assert zo["feasible"] and zo["step_s_all"] == [40.0] and zo["tokens_per_s"] == 2 * 16 / 40.0
+    assert zo["update_s"] == 31.0 and zo["error"] is None and any("timed out" in n for n in zo["notes"])
+    assert not mx["feasible"] and mx["error"].startswith("worker timed out after 60") and mx["tokens_per_s"] is None
+
+
 def test_largest_mode_records_the_largest_ok_config(tmp_path):
     ok = {"micro": True, "tiny": True, "gpt2-small": False}
 
@@ -377,8 +402,13 @@ class _FakeSystem:
         return 4
 
 
-def test_measure_system_protocol_with_the_profiled_step():
+def test_measure_system_protocol_with_the_profiled_step(capsys):
     rec = bench.measure_system(_FakeSystem(), _worker_args("fake", 100, steps=3, profile_on_cpu=True))
+    # the progress lines on stderr carry what a worker killed by --worker-timeout measured
+    args = _worker_args("fake", 100, steps=3)
+    part = bench.partial_from_progress(capsys.readouterr().err.splitlines(), args.batch, args.seq)
+    assert part["step_s_all"] == rec["step_s_all"] and part["losses"] == rec["losses"][:4]
+    assert part["tokens_per_s"] == rec["tokens_per_s"] and part["update_s"] == 0.001
     assert rec["feasible"] and rec["losses"] == [6.0, 5.0, 4.0, 3.0, 2.0]  # warm-up, 3 timed, profiled
     assert len(rec["step_s_all"]) == 3 and rec["tokens_per_s"] > 0 and rec["update_s"] == 0.001
     assert rec["loss_falling"] and rec["losses_finite"] and rec["host_bytes"] == 4 and rec["notes"] == ["a note"]
