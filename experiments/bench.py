@@ -458,7 +458,7 @@ def probe_env() -> dict:
     return env
 
 
-def worker_env(budget_bytes: int, card_bytes: int | None, host_limit_gb: int) -> dict:
+def worker_env(budget_bytes: int, card_bytes: int | None, host_limit_gb: int, preallocate: bool = False) -> dict:
     """Environment of a system's subprocess: the budget as the device memory fraction (when the
     card's size is known), no preallocation, the pinned-host cap lifted. The fraction goes in
     ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (the name train.py uses); ``XLA_CLIENT_MEM_FRACTION`` (the
@@ -466,7 +466,9 @@ def worker_env(budget_bytes: int, card_bytes: int | None, host_limit_gb: int) ->
     is on (``JAX_COMPILATION_CACHE_DIR``, unless set) so that a program compiled for the memory
     check is not compiled again for the first step."""
     env = dict(os.environ)
-    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    # preallocate: the whole budget reserved as one allocator region at start-up, so that a
+    # program's temp buffer (one contiguous allocation) cannot fail on a pool grown in pieces
+    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "true" if preallocate else "false"
     env["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] = str(int(host_limit_gb))
     # the compile-check (lower().compile()) and the first call compile the same programs: let
     # the second hit jax's persistent compilation cache
@@ -528,7 +530,7 @@ def _run_system(args, runner, probe: dict, system: str, model: str, batch: int, 
                 compile_only: bool, call: int) -> dict:
     from models import gpt
 
-    env = worker_env(args.budget_bytes, probe.get("card_bytes"), args.host_limit_gb)
+    env = worker_env(args.budget_bytes, probe.get("card_bytes"), args.host_limit_gb, getattr(args, "preallocate", False))
     print(f"[bench] {system}: {model} batch {batch} x {seq}, budget {args.budget_bytes} B, "
           f"fraction {env.get('XLA_PYTHON_CLIENT_MEM_FRACTION', '(default)')}", flush=True)
     res = runner(_worker_argv(args, system, model, batch, seq, steps, compile_only), env, args.worker_timeout)
@@ -684,6 +686,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--host-limit-gb", type=int, default=DEFAULT_HOST_LIMIT_GB,
                     help=f"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB for every system (default: {DEFAULT_HOST_LIMIT_GB})")
     ap.add_argument("--worker-timeout", type=float, default=0, help="seconds per system subprocess, 0: none (default: 0)")
+    ap.add_argument("--preallocate", action="store_true",
+                    help="reserve each worker's budget as one allocator region at start-up "
+                         "(XLA_PYTHON_CLIENT_PREALLOCATE=true; default: grow on demand)")
     ap.add_argument("--compile-only", action="store_true", help="only compile and check the budget (no steps)")
     ap.add_argument("--zero-h2d-path", choices=("via_pinned", "numpy", "direct"), default=None,
                     help="zero_offload_style: how new bf16 params reach the device (default: via_pinned)")
@@ -759,7 +764,8 @@ def drive(args, argv: list[str], runner=subprocess_runner) -> dict:
     print(f"[bench] matmul {probe.get('matmul_tflops')} TFLOP/s, card {probe.get('card_bytes')} B, "
           f"{probe.get('device_kind')}", flush=True)
     call_info = {"call": call, "time": datetime.datetime.now().isoformat(timespec="seconds"), "command": command,
-                 "systems": list(args.systems), "largest": bool(args.largest), **probe}
+                 "systems": list(args.systems), "largest": bool(args.largest),
+                 "preallocate": bool(getattr(args, "preallocate", False)), **probe}
     systems, largest, run_fields = {}, None, None
     if args.largest:
         largest = run_largest(args, runner, probe, call)
