@@ -1,0 +1,365 @@
+"""Chunked, offloaded optimizer state for an ordinary Flax (NNX or linen) training loop.
+
+The full chunked step (:func:`chunkjax.make_chunked_step`) needs the model cut into
+:class:`~chunkjax.Stage` s. Most users have an ordinary loop instead: a jitted function computes
+the loss and the gradients of the whole model, and an optax optimizer applies them. For that loop
+this module offloads what dominates the memory of mixed-precision Adam training, the float32
+master params and the optimizer state (12 of the 16 bytes per parameter of Adam with bf16
+params; PatrickStar, arXiv 2108.05818, section 3), in the ZeRO-Offload manner:
+
+* the params pytree is flattened into chunks (:func:`chunkjax.build_layout`); every chunk keeps
+  its float32 master params and its own optax state (:func:`chunkjax.optim.init_chunk_state`);
+* chunks are kept on the device in layout order while the predicted device bytes fit
+  ``device_budget``; the others keep theirs in ``pinned_host`` memory and are *streamed*: one
+  chunk at a time goes to the device, is updated there and goes back
+  (the runtime's streamed update, :meth:`chunkjax.ChunkedStep.jit_update_streamed`);
+* :meth:`ChunkedOptimizer.update` applies the user's optax transformation chunk by chunk
+  (:func:`chunkjax.optim.update_chunk`, which reproduces ``clip_by_global_norm`` of the incoming
+  gradients exactly by handing every chunk the global norm) and returns the new params pytree
+  in the params' own dtypes.
+
+What is *not* offloaded: the params and gradients pytrees that the training loop itself holds on
+the device (the forward/backward is the user's, unchanged). For models whose params do not fit
+on the device, use the staged step.
+
+On the CPU backend ``pinned_host`` and ``device`` are the same memory; placement is only proven
+on a GPU (:mod:`chunkjax.memory`).
+
+Changed lines of an NNX loop::
+
+    opt = chunkjax.NnxOptimizer(model, optax.adamw(1e-3), device_budget="2GiB")  # was nnx.Optimizer
+    grads = grad_fn(model, batch)     # jitted: nnx.value_and_grad, without opt.update inside
+    opt.update(model, grads)          # outside jit: chunk by chunk
+
+and of a linen loop::
+
+    opt = chunkjax.ChunkedOptimizer(params, optax.adamw(1e-3), device_budget="2GiB")
+    grads = grad_fn(params, batch)    # jitted
+    params = opt.update(grads)        # replaces tx.update + optax.apply_updates
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from chunkjax import optim
+from chunkjax.layout import ChunkLayout, LeafSlot, build_layout
+from chunkjax.memory import DEVICE, PINNED_HOST, sharding
+from chunkjax.plan import Placement, PlanError, parse_bytes
+
+#: Default of ``min_chunks``: the chunk-size search prefers sizes giving at least this many chunks
+#: (finer chunks let more of the state stay on the device under a budget).
+DEFAULT_MIN_CHUNKS = 8
+#: Probe tolerance (relative) when checking that ``tx`` is elementwise.
+PROBE_RTOL = 1e-4
+
+_MSG_NOT_FLOAT = ("leaf {path!r} has dtype {dtype}: ChunkedOptimizer trains floating-point leaves only; "
+                  "pass only the trainable params (nnx.state(model, nnx.Param), or variables['params'] of linen)")
+_MSG_NOT_ELEMENTWISE = (
+    "the optax transformation gives different updates chunk by chunk than on the whole pytree ({why}): "
+    "it is not elementwise. Per-leaf quantities are not supported (lamb / lars trust ratios, "
+    "adaptive_grad_clip, masks by leaf name or ndim such as adamw(mask=...), a global norm of "
+    "transformed updates such as chain(scale_by_adam(), clip_by_global_norm(...))); "
+    "clip_by_global_norm of the incoming gradients is supported. Pass check_tx=False to skip this check")
+_MSG_STRUCTURE = "grads do not have the params' structure ({n} leaves expected): {err}"
+
+
+def _budget_bytes(device_budget: int | str) -> int:
+    if isinstance(device_budget, bool) or not isinstance(device_budget, (int, str)):
+        raise TypeError(f"device_budget must be a byte count (int) or a string such as '2GiB', "
+                        f"got {type(device_budget).__name__}")
+    if isinstance(device_budget, int):
+        if device_budget < 0:
+            raise ValueError(f"device_budget must be >= 0 bytes, got {device_budget}")
+        return device_budget
+    return parse_bytes(device_budget)
+
+
+def _sub_layout(layout: ChunkLayout, c: int) -> tuple[ChunkLayout, tuple[int, ...]]:
+    """Chunk ``c`` as a one-chunk layout over the list of its leaves (offset order), and the
+    indices of those leaves in ``layout.slots``. Paths are dropped so that chunks holding the same
+    shapes at the same offsets (e.g. repeated blocks) compare equal and share compiled programs."""
+    idx = tuple(sorted((i for i, s in enumerate(layout.slots) if s.chunk == c),
+                       key=lambda i: layout.slots[i].offset))
+    slots = tuple(LeafSlot(path=str(k), chunk=0, offset=layout.slots[i].offset, shape=layout.slots[i].shape,
+                           dtype=layout.slots[i].dtype) for k, i in enumerate(idx))
+    sub = ChunkLayout(treedef=jax.tree.structure([0] * len(idx)), slots=slots, chunk_size=layout.chunk_size,
+                      chunk_dtypes=(layout.chunk_dtypes[c],))
+    return sub, idx
+
+
+def _probe_elementwise(tx: optax.GradientTransformation) -> None:
+    """Raise ValueError if ``tx`` does not give the same updates chunk by chunk as on a whole
+    pytree: a three-leaf tree (2x3, 5 and 4 elements, params ~ N(0, 100^2) so that weight decay
+    shows) in two chunks ([a, b] and [c]), 3 steps with gradients of norm ~ 40 (above usual
+    clipping thresholds). Each chunk's update is called as :func:`optim.update_chunk` calls it
+    (the chunk plus a rest-of-model leaf carrying the global norm); the updates are compared
+    before they are added to the params (adding them to params ~ 100 would round them)."""
+    rng = np.random.default_rng(0)
+    shapes = {"a": (2, 3), "b": (5,), "c": (4,)}
+    groups = (("a", "b"), ("c",))
+    params = {k: jnp.asarray(100 * rng.normal(size=s), jnp.float32) for k, s in shapes.items()}
+    zero = jnp.zeros((), optim.MASTER_DTYPE)
+
+    def cat(tree, ks):
+        return jnp.concatenate([jnp.ravel(tree[k]) for k in ks])
+
+    grads = [{k: jnp.asarray(10 * rng.normal(size=s), jnp.float32) for k, s in shapes.items()} for _ in range(3)]
+
+    @jax.jit  # one compilation instead of one per eager op
+    def run(params, grads):
+        state = tx.init(params)
+        chunks = [cat(params, ks) for ks in groups]
+        cstate = [optim.init_chunk_state(tx, m) for m in chunks]
+        whole, chunked = [], []
+        for g_tree in grads:
+            upd, state = tx.update(g_tree, state, params)
+            params = optax.apply_updates(params, upd)
+            total = sum(jnp.sum(jnp.square(g)) for g in g_tree.values())
+            whole.append([cat(upd, ks) for ks in groups])
+            row = []
+            for j, ks in enumerate(groups):
+                g = cat(g_tree, ks)
+                rest = jnp.sqrt(jnp.maximum(total - jnp.sum(jnp.square(g)), 0.0))
+                u, cstate[j] = tx.update([g, rest], cstate[j], [chunks[j], zero])
+                chunks[j] = chunks[j] + u[0]
+                row.append(u[0])
+            chunked.append(row)
+        return whole, chunked
+
+    try:
+        whole, chunked = jax.device_get(run(params, grads))
+    except Exception as e:  # noqa: BLE001 - any failure on a foreign tree means tx reads structure
+        raise ValueError(_MSG_NOT_ELEMENTWISE.format(why=f"it fails on a probe tree: {type(e).__name__}: {e}")) from e
+    for step, (w_row, c_row) in enumerate(zip(whole, chunked)):
+        for j, (want, got) in enumerate(zip(w_row, c_row)):
+            scale = float(np.max(np.abs(want))) + 1e-30
+            if not np.allclose(got, want, rtol=PROBE_RTOL, atol=PROBE_RTOL * scale):
+                raise ValueError(_MSG_NOT_ELEMENTWISE.format(
+                    why=f"probe chunk {j} update differs by {float(np.max(np.abs(got - want))):.3g} "
+                        f"(updates up to {scale:.3g}) at step {step + 1}"))
+
+
+@dataclasses.dataclass(frozen=True)
+class _ChunkProgram:
+    """The update of one chunk shape (one :func:`_sub_layout`) in one state memory kind."""
+
+    sub: ChunkLayout
+    state_kind: str
+    tx: Any
+
+    @property
+    def jitted(self):
+        dev = sharding(DEVICE)
+        sk = sharding(self.state_kind)
+        sub, tx = self.sub, self.tx
+        dt = sub.chunk_dtypes[0]
+
+        def upd(grad_leaves, master, state, grad_sq, c):
+            g = sub.pack(list(grad_leaves), dtype=optim.MASTER_DTYPE)[0]
+            master, state = jax.device_put((master, state), dev)  # a no-op for device chunks
+            o = optim.update_chunk(tx, g, master, state, jnp.sum(grad_sq), grad_sq[c], dt)
+            return tuple(sub.unpack([o.params])), jax.device_put(o.master, sk), jax.device_put(o.opt_state, sk)
+
+        return jax.jit(upd, in_shardings=(dev, sk, sk, dev, dev), out_shardings=(dev, sk, sk), donate_argnums=(1, 2))
+
+
+class ChunkedOptimizer:
+    """Any (elementwise) optax transformation applied chunk by chunk, with float32 master params
+    and optimizer state kept per chunk on the device or in pinned host memory.
+
+    Args:
+      params: the trainable params pytree (linen ``variables["params"]``, an ``nnx.State``, any
+        pytree of floating-point arrays, any shapes; bf16 / f16 / f32 leaves). Its values
+        initialise the float32 master params; the object keeps no reference to it.
+      tx: an optax ``GradientTransformation``. Elementwise ones (adam, adamw without a mask, lion,
+        sgd, chains of them, schedules, ``clip_by_global_norm`` of the incoming gradients) give
+        the same result as on the whole pytree; see ``check_tx``.
+      device_budget: device bytes the optimizer may use (int bytes, or ``"512MiB"``, ``"2GiB"``,
+        ``"1e9"``: :func:`chunkjax.parse_bytes`). Counted: the master params (4 bytes/element) and
+        optax state of device-resident chunks, plus the working set of one chunk's update (its
+        float32 gradient, master and state, new params, two float32 temporaries). Not counted:
+        the params and gradients pytrees of the training loop. Chunks stay on the device in
+        layout order while the prediction fits; the rest go to pinned host memory.
+      chunk_size: elements per chunk (>= the largest leaf); ``None`` searches the size with the
+        least padding bytes (:func:`chunkjax.search_chunk_size`).
+      min_chunks: with ``chunk_size=None``, prefer sizes giving at least this many chunks.
+      order: leaf paths in the order chunks should be filled (default: tree order), e.g. from
+        :func:`chunkjax.first_use_order`; earlier chunks are kept on the device first.
+      check_tx: run a 3-step probe on a tiny two-leaf tree comparing ``tx`` chunk by chunk with
+        ``tx`` on the whole tree; it catches per-leaf transforms (lamb, lars, masks by leaf name
+        or ndim, adaptive_grad_clip, clipping of transformed updates). A probe, not a proof.
+
+    Attributes:
+      layout: the :class:`chunkjax.ChunkLayout` of ``params``.
+      placement: a :class:`chunkjax.Placement`; ``state_kinds[c]`` is where chunk ``c``'s master
+        params and optax state live (``"device"`` or ``"pinned_host"``).
+      device_state_bytes: predicted device bytes of resident master params + optax state.
+      working_bytes: predicted device bytes of one chunk's update (transient).
+      host_state_bytes: bytes of master params + optax state in pinned host memory.
+      step: number of :meth:`update` calls done.
+
+    Raises:
+      TypeError: a non-floating leaf (the message names its path), ``device_budget`` of another type.
+      ValueError: ``device_budget`` unparsable or negative; ``chunk_size`` smaller than the largest
+        leaf; ``tx`` fails the elementwise probe (the message lists what is not supported).
+      chunkjax.PlanError: the budget is below one chunk's update working set (the message gives
+        the smallest budget that works; ``.min_budget_bytes``).
+    """
+
+    def __init__(self, params, tx: optax.GradientTransformation, *, device_budget: int | str,
+                 chunk_size: int | None = None, min_chunks: int = DEFAULT_MIN_CHUNKS,
+                 order: list[str] | None = None, check_tx: bool = True):
+        budget = _budget_bytes(device_budget)
+        if not isinstance(tx, optax.GradientTransformation):
+            raise TypeError(f"tx must be an optax.GradientTransformation, got {type(tx).__name__}")
+        flat, _ = jax.tree_util.tree_flatten_with_path(params)
+        for p, x in flat:
+            dt = np.dtype(getattr(x, "dtype", np.asarray(x).dtype))
+            if not jnp.issubdtype(dt, jnp.floating):
+                raise TypeError(_MSG_NOT_FLOAT.format(path=jax.tree_util.keystr(p, simple=True, separator="/"),
+                                                      dtype=dt))
+        if check_tx:
+            _probe_elementwise(tx)
+        self.tx = tx
+        self.layout = build_layout(params, chunk_size, order, min_chunks=min_chunks)
+        lay = self.layout
+        state_b = optim.state_bytes_per_chunk(tx, lay.chunk_size) + lay.chunk_size * 4
+        self._state_bytes = state_b
+        item = max(np.dtype(d).itemsize for d in lay.chunk_dtypes)
+        self.working_bytes = int(lay.chunk_size * 4 * 3 + state_b + lay.chunk_size * item)
+        if budget < self.working_bytes:
+            raise PlanError(f"device_budget {budget} bytes is below the {self.working_bytes} bytes one chunk's "
+                            f"update needs (chunk_size {lay.chunk_size} elements): use device_budget >= "
+                            f"{self.working_bytes} or a smaller chunk_size", self.working_bytes, False)
+        n_dev = min(lay.n_chunks, (budget - self.working_bytes) // state_b)
+        kinds = tuple(DEVICE if c < n_dev else PINNED_HOST for c in range(lay.n_chunks))
+        self.placement = Placement((DEVICE,) * lay.n_chunks, kinds)
+        self.device_state_bytes = int(n_dev * state_b)
+        self.host_state_bytes = int((lay.n_chunks - n_dev) * state_b)
+        self.step = 0
+        subs = [_sub_layout(lay, c) for c in range(lay.n_chunks)]
+        self._leaf_idx = [idx for _, idx in subs]
+        self._programs = {}
+        for c, (sub, _) in enumerate(subs):
+            key = (sub, kinds[c])
+            if key not in self._programs:
+                self._programs[key] = _ChunkProgram(sub, kinds[c], tx).jitted
+        self._program_of = [self._programs[(sub, kinds[c])] for c, (sub, _) in enumerate(subs)]
+        # master params and state, one chunk at a time (the device holds one chunk of temporaries)
+        leaves = lay.treedef.flatten_up_to(params)
+        init = jax.jit(lambda m: optim.init_chunk_state(tx, m))
+        masters, states = [], []
+        for c, (sub, idx) in enumerate(subs):
+            m = jax.device_put(sub.pack([leaves[i] for i in idx], dtype=optim.MASTER_DTYPE)[0], sharding(DEVICE))
+            sk = sharding(kinds[c])
+            states.append(jax.device_put(init(m), sk))
+            masters.append(jax.device_put(m, sk))
+            del m
+        self._master, self._opt_state = masters, states
+        self._sq = jax.jit(self._grad_sq)
+
+    # ---- the update ------------------------------------------------------------------------------
+    def _grad_sq(self, grad_leaves):
+        per_leaf = [jnp.sum(jnp.square(g.astype(jnp.float32))) for g in grad_leaves]
+        return jnp.stack([sum((per_leaf[i] for i in idx), jnp.zeros((), jnp.float32)) for idx in self._leaf_idx])
+
+    def update(self, grads):
+        """One optimizer step. Call it outside ``jax.jit`` (it dispatches one jitted program per chunk).
+
+        Args:
+          grads: gradients with the params' pytree structure and leaf shapes (any float dtype;
+            the update computes in float32), e.g. from ``jax.grad`` / ``nnx.grad`` of a loss.
+
+        Returns:
+          the new params pytree (the params' structure; each leaf in its original dtype, on the
+          device), rounded from the float32 master params.
+
+        Raises:
+          ValueError: ``grads`` has another structure or leaf shapes (the message says which).
+        """
+        lay = self.layout
+        try:
+            leaves = lay.treedef.flatten_up_to(grads)
+        except (ValueError, TypeError) as e:
+            raise ValueError(_MSG_STRUCTURE.format(n=len(lay.slots), err=e)) from e
+        for s, g in zip(lay.slots, leaves):
+            if tuple(np.shape(g)) != s.shape:
+                raise ValueError(f"gradient of {s.path!r} has shape {tuple(np.shape(g))}, the params' is {s.shape}")
+        grad_sq = self._sq(leaves)
+        out: list[Any] = [None] * len(lay.slots)
+        for c in range(lay.n_chunks):
+            idx = self._leaf_idx[c]
+            new, self._master[c], self._opt_state[c] = self._program_of[c](
+                tuple(leaves[i] for i in idx), self._master[c], self._opt_state[c], grad_sq, jnp.asarray(c, jnp.int32))
+            for i, x in zip(idx, new):
+                out[i] = x
+        self.step += 1
+        return lay.treedef.unflatten(out)
+
+    # ---- state -----------------------------------------------------------------------------------
+    def master_params(self):
+        """The float32 master params as a pytree with the params' structure (on the device)."""
+        dev = sharding(DEVICE)
+        return self.layout.unpack([jax.device_put(m, dev) for m in self._master])
+
+    @property
+    def opt_state(self) -> tuple:
+        """Per chunk, the chunk's optax state (``tx.init([master_chunk, rest_leaf])``), in its memory kind."""
+        return tuple(self._opt_state)
+
+    def summary(self) -> str:
+        """One line: chunks, where their state lives, predicted bytes."""
+        n_dev = self.placement.state_kinds.count(DEVICE)
+        return (f"ChunkedOptimizer: {self.layout.n_chunks} chunks x {self.layout.chunk_size} elements; "
+                f"state of {n_dev} on the device ({self.device_state_bytes / 2**20:.2f} MiB), "
+                f"{self.layout.n_chunks - n_dev} in pinned host memory ({self.host_state_bytes / 2**20:.2f} MiB); "
+                f"update working set {self.working_bytes / 2**20:.2f} MiB")
+
+
+class NnxOptimizer:
+    """Drop-in for ``nnx.Optimizer(model, tx, wrt=...)`` with the optimizer state chunked and
+    offloaded (:class:`ChunkedOptimizer` over ``nnx.state(model, wrt)``).
+
+    Unlike ``nnx.Optimizer``, :meth:`update` runs outside ``nnx.jit``: jit the function that
+    returns the gradients (``nnx.value_and_grad``), then call ``opt.update(model, grads)``.
+
+    Args:
+      model: an ``nnx.Module``; its ``wrt`` state (float arrays) initialises the master params.
+      tx: an optax transformation (see :class:`ChunkedOptimizer`).
+      wrt: the nnx filter of trainable variables (default ``nnx.Param``); the grads passed to
+        :meth:`update` must have the structure of ``nnx.state(model, wrt)`` (what ``nnx.grad``
+        returns for ``wrt=nnx.Param``).
+      **kwargs: ``device_budget`` (required), ``chunk_size``, ``min_chunks``, ``order``,
+        ``check_tx``: as :class:`ChunkedOptimizer`.
+
+    Attributes:
+      chunked: the underlying :class:`ChunkedOptimizer`. step: updates done.
+
+    Raises:
+      as :class:`ChunkedOptimizer`.
+    """
+
+    def __init__(self, model, tx: optax.GradientTransformation, *, wrt: Any = None, **kwargs):
+        from flax import nnx
+        self.wrt = nnx.Param if wrt is None else wrt
+        self.chunked = ChunkedOptimizer(nnx.state(model, self.wrt), tx, **kwargs)
+
+    @property
+    def step(self) -> int:
+        return self.chunked.step
+
+    def update(self, model, grads) -> None:
+        """Apply one step to ``model`` in place (``nnx.update``). grads: ``nnx.State`` of the
+        ``wrt`` variables (e.g. from ``nnx.grad(loss_fn)(model, ...)``)."""
+        from flax import nnx
+        nnx.update(model, self.chunked.update(grads))
+
+    def summary(self) -> str:
+        return self.chunked.summary()

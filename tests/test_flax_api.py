@@ -1,0 +1,182 @@
+"""The Flax API: an ordinary NNX / linen loop with ChunkedOptimizer equals the same loop with plain optax."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+from flax import nnx
+
+import chunkjax as cj
+from chunkjax.memory import DEVICE, PINNED_HOST
+
+STEPS = 10
+TXS = {
+    "adamw": lambda: optax.adamw(3e-3, weight_decay=0.1),
+    "clip+adam": lambda: optax.chain(optax.clip_by_global_norm(0.5), optax.adam(3e-3)),
+}
+
+
+class Block(nnx.Module):
+    def __init__(self, d, rngs):
+        self.ln = nnx.LayerNorm(d, rngs=rngs)
+        # no biases: the key bias has a zero gradient in exact arithmetic (softmax is shift
+        # invariant), so Adam would amplify rounding noise there and no two runs would agree
+        self.attn = nnx.MultiHeadAttention(num_heads=2, in_features=d, decode=False, use_bias=False, rngs=rngs)
+        self.mlp = nnx.Sequential(nnx.Linear(d, 2 * d, rngs=rngs), nnx.gelu, nnx.Linear(2 * d, d, rngs=rngs))
+
+    def __call__(self, x):
+        h = self.ln(x)
+        x = x + self.attn(h, mask=nnx.make_causal_mask(x[..., 0]))
+        return x + self.mlp(x)
+
+
+class TinyTransformer(nnx.Module):
+    def __init__(self, vocab=17, d=16, layers=1, rngs=None):
+        self.emb = nnx.Embed(vocab, d, rngs=rngs)
+        self.blocks = nnx.List([Block(d, rngs) for _ in range(layers)])
+        self.head = nnx.Linear(d, vocab, rngs=rngs)
+
+    def __call__(self, tok):
+        x = self.emb(tok)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def nnx_loss(model, tok):
+    logits = model(tok[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tok[:, 1:]).mean()
+
+
+def batches(seed, n=STEPS):
+    rng = np.random.default_rng(seed)
+    return [jnp.asarray(rng.integers(0, 17, size=(4, 9)), jnp.int32) for _ in range(n)]
+
+
+def assert_trees_close(a, b, tol=2e-5):
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("name", sorted(TXS))
+def test_nnx_loop_equals_plain_optax(name):
+    # the ordinary loop: nnx.Optimizer inside nnx.jit
+    ref = TinyTransformer(rngs=nnx.Rngs(0))
+    ref_opt = nnx.Optimizer(ref, TXS[name](), wrt=nnx.Param)
+
+    @nnx.jit
+    def ref_step(model, opt, tok):
+        loss, g = nnx.value_and_grad(nnx_loss)(model, tok)
+        opt.update(model, g)
+        return loss
+
+    # the changed loop: grads jitted, the chunked update outside; a budget that keeps some chunks
+    # on the device and streams the others from pinned host memory
+    model = TinyTransformer(rngs=nnx.Rngs(0))
+    probe = cj.ChunkedOptimizer(nnx.state(model, nnx.Param), TXS[name](), device_budget="1GiB", chunk_size=1152,
+                               check_tx=False)
+    budget = probe.working_bytes + probe.device_state_bytes // probe.layout.n_chunks
+    opt = cj.NnxOptimizer(model, TXS[name](), device_budget=budget, chunk_size=1152)
+    kinds = opt.chunked.placement.state_kinds
+    assert kinds.count(DEVICE) == 1 and kinds.count(PINNED_HOST) >= 2, kinds
+    grad_fn = nnx.jit(nnx.value_and_grad(nnx_loss))
+
+    losses = []
+    for tok in batches(1):
+        l_ref = ref_step(ref, ref_opt, tok)
+        loss, grads = grad_fn(model, tok)
+        opt.update(model, grads)
+        losses.append(float(loss))
+        np.testing.assert_allclose(float(loss), float(l_ref), rtol=1e-5)
+    assert opt.step == STEPS
+    assert losses[-1] < losses[0] - 0.1  # it trains
+    assert_trees_close(nnx.state(model, nnx.Param), nnx.state(ref, nnx.Param))
+    assert_trees_close(opt.chunked.master_params(), nnx.state(ref, nnx.Param))
+
+
+class LinenMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.gelu(nn.Dense(32)(x))
+        x = nn.LayerNorm()(x)
+        return nn.Dense(3)(x)
+
+
+@pytest.mark.parametrize("name", sorted(TXS))
+def test_linen_loop_equals_plain_optax(name):
+    model = LinenMLP()
+    rng = np.random.default_rng(2)
+    data = [(jnp.asarray(rng.normal(size=(8, 5)), jnp.float32), jnp.asarray(rng.normal(size=(8, 3)), jnp.float32))
+            for _ in range(STEPS)]
+    params = model.init(jax.random.key(0), data[0][0])["params"]
+
+    @jax.jit
+    def grad_fn(p, x, y):
+        return jax.value_and_grad(lambda p: jnp.mean((model.apply({"params": p}, x) - y) ** 2))(p)
+
+    tx = TXS[name]()
+    ref_p, ref_s = params, tx.init(params)
+    opt = cj.ChunkedOptimizer(params, TXS[name](), device_budget=0 + 10**9, chunk_size=256, min_chunks=2)
+    host = cj.ChunkedOptimizer(params, TXS[name](), device_budget=opt.working_bytes, chunk_size=256)
+    assert set(host.placement.state_kinds) == {PINNED_HOST}
+    p, ph = params, params
+    for x, y in data:
+        _, g = grad_fn(ref_p, x, y)
+        u, ref_s = tx.update(g, ref_s, ref_p)
+        ref_p = optax.apply_updates(ref_p, u)
+        p = opt.update(grad_fn(p, x, y)[1])
+        ph = host.update(grad_fn(ph, x, y)[1])
+    assert jax.tree.structure(p) == jax.tree.structure(params)
+    assert opt.layout.n_chunks >= 2
+    assert_trees_close(p, ref_p)
+    assert_trees_close(ph, ref_p)
+    assert not np.allclose(np.asarray(ref_p["Dense_0"]["kernel"]), np.asarray(params["Dense_0"]["kernel"]))
+
+
+def test_bf16_params_keep_float32_master():
+    params = {"w": jnp.ones((4, 4), jnp.bfloat16)}
+    opt = cj.ChunkedOptimizer(params, optax.sgd(1e-3), device_budget="1MiB")
+    new = params
+    for _ in range(3):
+        new = opt.update({"w": jnp.ones((4, 4), jnp.bfloat16)})
+    assert new["w"].dtype == jnp.bfloat16
+    # 1 - 3e-3 is not representable in bf16 (spacing 2^-7 near 1); the master keeps it
+    np.testing.assert_allclose(np.asarray(opt.master_params()["w"]), 1 - 3e-3, rtol=1e-6)
+    assert float(new["w"][0, 0]) == float(jnp.asarray(1 - 3e-3, jnp.bfloat16))
+
+
+def test_bad_input_errors():
+    p = {"w": jnp.zeros((3,)), "count": jnp.zeros((), jnp.int32)}
+    with pytest.raises(TypeError, match=r"'count' has dtype int32.*floating-point"):
+        cj.ChunkedOptimizer(p, optax.adam(1e-3), device_budget="1GiB")
+    ok = {"w": jnp.zeros((3,))}
+    with pytest.raises(ValueError, match=r"cannot parse 'lots'"):
+        cj.ChunkedOptimizer(ok, optax.adam(1e-3), device_budget="lots")
+    with pytest.raises(TypeError, match=r"device_budget must be"):
+        cj.ChunkedOptimizer(ok, optax.adam(1e-3), device_budget=1.5)
+    with pytest.raises(cj.PlanError, match=r"below the \d+ bytes one chunk's update needs") as e:
+        cj.ChunkedOptimizer(ok, optax.adam(1e-3), device_budget=100)
+    assert e.value.min_budget_bytes > 100
+    with pytest.raises(TypeError, match=r"optax.GradientTransformation"):
+        cj.ChunkedOptimizer(ok, lambda g: g, device_budget="1GiB")
+    with pytest.raises(ValueError, match=r"chunk_size=128 elements is smaller than the largest leaf big"):
+        cj.ChunkedOptimizer({"big": jnp.zeros((300,))}, optax.adam(1e-3), device_budget="1GiB", chunk_size=128)
+    opt = cj.ChunkedOptimizer(ok, optax.adam(1e-3), device_budget="1GiB")
+    with pytest.raises(ValueError, match=r"structure"):
+        opt.update({"v": jnp.zeros((3,))})
+    with pytest.raises(ValueError, match=r"gradient of 'w' has shape \(4,\)"):
+        opt.update({"w": jnp.zeros((4,))})
+
+
+@pytest.mark.parametrize("tx", [
+    optax.lamb(1e-3),
+    optax.adamw(1e-3, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)),
+    optax.chain(optax.scale_by_adam(), optax.clip_by_global_norm(1.0)),
+], ids=["lamb", "adamw-ndim-mask", "clip-after-adam"])
+def test_non_elementwise_tx_is_refused(tx):
+    with pytest.raises(ValueError, match=r"not elementwise"):
+        cj.ChunkedOptimizer({"w": jnp.zeros((3, 3))}, tx, device_budget="1GiB")
+    cj.ChunkedOptimizer({"w": jnp.zeros((3, 3))}, tx, device_budget="1GiB", check_tx=False)  # opt-out works
