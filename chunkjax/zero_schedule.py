@@ -42,7 +42,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from chunkjax import optim
-from chunkjax.memory import DEVICE, ordered_after
+from chunkjax.memory import DEVICE, PINNED_HOST, ordered_after
 from chunkjax.plan import ChunkBytes
 from chunkjax.runtime import ChunkedStep, TrainState
 from chunkjax.schedule import Schedule, plan_schedule
@@ -60,6 +60,8 @@ class ZeroScheduledStep(ChunkedStep):
       params: (chunk_size,) compute dtype, ``P("data")`` (stage 3) or replicated, in the
         schedule's param kind.
       master: device-updated chunks: (chunk_size,) float32 ``P("data")`` on the device;
+        streamed chunks: the same in pinned host memory (each rank's shard moved to its device,
+        updated there and moved back, inside one jitted program);
         host-updated chunks: a tuple of N numpy (chunk_size / N,) float32 slices, one per rank.
       opt_state: device-updated: the optax state of each rank's shard with a leading rank axis
         (a leaf of per-shard shape ``s`` is a global (N, *s) array ``P("data")``, as
@@ -68,8 +70,7 @@ class ZeroScheduledStep(ChunkedStep):
 
     Raises (at construction):
       ValueError: no schedule, a mesh that is not 1-D ``"data"``, a stage other than 1/2/3,
-        ``chunk_size`` not a multiple of the ranks (use :func:`chunkjax.zero.build_zero_layout`),
-        or a streamed update location (only ``device`` and ``host`` are sharded here).
+        or ``chunk_size`` not a multiple of the ranks (use :func:`chunkjax.zero.build_zero_layout`).
     """
 
     mesh: Any = None
@@ -86,10 +87,6 @@ class ZeroScheduledStep(ChunkedStep):
         if self.layout.chunk_size % self.n_ranks:
             raise ValueError(f"chunk_size {self.layout.chunk_size} does not split over {self.n_ranks} ranks: "
                              "build the layout with chunkjax.zero.build_zero_layout")
-        bad = [c for c, u in enumerate(self.schedule.update_locations) if u not in ("device", "host")]
-        if bad:
-            raise ValueError(f"chunks {bad[:5]} have a streamed update: plan with host_update=True "
-                             "(device or host updates only under ZeRO)")
 
     # ---- shapes and shardings ------------------------------------------------------------------
     @property
@@ -188,9 +185,9 @@ class ZeroScheduledStep(ChunkedStep):
         return jax.tree.map(lambda _: P(AXIS), st)
 
     @functools.cached_property
-    def jit_update_device(self):
-        """``{param_kind: jitted update}`` of one device-state chunk's shards (``c`` traced: one
-        compilation per param kind). Master, state and old params donated off the CPU."""
+    def _update_body(self):
+        """The per-rank update of one chunk's shards (shard_map over ``data``): each rank updates
+        its slice; stages 1/2 all-gather the new compute params."""
         sspec = self._state_specs
 
         def local(grad, master, state, grad_sq, c, old_params):
@@ -201,9 +198,15 @@ class ZeroScheduledStep(ChunkedStep):
             p = o.params if self.zero_stage == 3 else jax.lax.all_gather(o.params, AXIS, axis=0, tiled=True)
             return p, o.master, jax.tree.map(lambda a: a[None], o.opt_state)
 
-        body = jax.shard_map(local, mesh=self.mesh,
+        return jax.shard_map(local, mesh=self.mesh,
                              in_specs=(P(AXIS), P(AXIS), sspec, P(), P(), self._pspec),
                              out_specs=(self._pspec, P(AXIS), sspec), check_vma=False)
+
+    @functools.cached_property
+    def jit_update_device(self):
+        """``{param_kind: jitted update}`` of one device-state chunk's shards (``c`` traced: one
+        compilation per param kind). Master, state and old params donated off the CPU."""
+        sspec, body = self._state_specs, self._update_body
         d = self._ns(P(AXIS))
         ssh = jax.tree.map(lambda sp: self._ns(sp), sspec)
         donate = (1, 2, 5) if jax.default_backend() != "cpu" else ()
@@ -219,6 +222,36 @@ class ZeroScheduledStep(ChunkedStep):
 
             return jax.jit(upd, in_shardings=(d, d, ssh, self._ns(P()), self._ns(P()), psh),
                            out_shardings=(psh, d, ssh), donate_argnums=donate, keep_unused=True)
+
+        return {k: make(k) for k in set(self.placement.param_kinds)}
+
+    @functools.cached_property
+    def jit_update_streamed(self):
+        """``{param_kind: jitted update}`` of one streamed chunk: its gradient, master and state
+        shards (pinned host, ``P("data")``) moved to their ranks' devices, updated there by
+        :attr:`_update_body` and the master and state moved back, in one program (PatrickStar's
+        device-side update of a host chunk, per rank). Master, state and old params donated off
+        the CPU."""
+        sspec, body = self._state_specs, self._update_body
+        d, h = self._ns(P(AXIS)), self._ns(P(AXIS), PINNED_HOST)
+        ssh_d = jax.tree.map(lambda sp: self._ns(sp), sspec)
+        ssh_h = jax.tree.map(lambda sp: self._ns(sp, PINNED_HOST), sspec)
+        donate = (1, 2, 5) if jax.default_backend() != "cpu" else ()
+
+        def make(pk):
+            psh = self._ns(self._pspec, pk)
+
+            def upd(grad, master, state, grad_sq, c, old_params):
+                grad, master = jax.device_put(grad, d), jax.device_put(master, d)
+                state = jax.device_put(state, ssh_d)
+                if pk != DEVICE:
+                    old_params = jax.device_put(old_params, self._ns(self._pspec))
+                p, m, st = body(grad, master, state, grad_sq, c, old_params)
+                return ((jax.device_put(p, psh) if pk != DEVICE else p), jax.device_put(m, h),
+                        jax.device_put(st, ssh_h))
+
+            return jax.jit(upd, in_shardings=(h, h, ssh_h, self._ns(P()), self._ns(P()), psh),
+                           out_shardings=(psh, h, ssh_h), donate_argnums=donate, keep_unused=True)
 
         return {k: make(k) for k in set(self.placement.param_kinds)}
 
@@ -305,7 +338,11 @@ class ZeroScheduledStep(ChunkedStep):
                 os_.append(tuple(self.host_optimizer.host_state(self.shard_size) for _ in range(self.n_ranks)))
             else:
                 m_dev = jax.device_put(buf, self._ns(P(AXIS)))
-                os_.append(init_state(m_dev))
+                st = init_state(m_dev)
+                if self.schedule.update_locations[c] == "streamed":  # kept in pinned host memory
+                    m_dev = jax.device_put(m_dev, self._ns(P(AXIS), PINNED_HOST))
+                    st = jax.tree.map(lambda a: jax.device_put(a, self._ns(a.sharding.spec, PINNED_HOST)), st)
+                os_.append(st)
                 ms.append(m_dev)
             ps.append(jax.device_put(buf.astype(self.compute_dtype), self._param_shardings[c]))
         jax.block_until_ready((ps, [m for m in ms if isinstance(m, jax.Array)]))
@@ -327,7 +364,7 @@ class ZeroScheduledStep(ChunkedStep):
         rank, an all-reduce ``2 (N-1)/N * C``; scalar reductions are left out.
 
         Stage 3 gathers a fetched chunk once per fetch and a device-resident chunk at every
-        moment that reads it; stages 1/2 gather each device-updated chunk's new params once
+        moment that reads it; stages 1/2 gather each device- or streamed-updated chunk's new params once
         (host-updated slices are written into every local replica on the host). Returns
         ``{"all_gather", "reduce_scatter", "all_reduce", "total"}`` in bytes.
         """
@@ -341,7 +378,7 @@ class ZeroScheduledStep(ChunkedStep):
                 gathers += sum(1 for c in reads if self.placement.param_kinds[c] == DEVICE)
                 gathers += len(self.schedule.fetch[t])
         else:
-            gathers = len(self._device_chunks)
+            gathers = len(self._device_chunks) + len(self._streamed_chunks)
         graded = len(self.first_reader)
         out = {"all_gather": part(gathers), "reduce_scatter": part(graded) if self.zero_stage != 1 else 0,
                "all_reduce": 2 * part(graded) if self.zero_stage == 1 else 0}

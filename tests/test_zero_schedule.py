@@ -1,7 +1,7 @@
 """ZeRO inside the static schedule (issue 5, chunkjax/zero_schedule.py) on 8 forced CPU devices:
 the sharded pipelined step (Belady fetches, programs cut at backward moments, host updates per
 rank shard on the host thread) trains exactly like single-device optax, for ZeRO stages 1/2/3 and
-all-device / mixed / all-host schedules, and each rank holds 1/8 of the model data.
+all-device / mixed / all-host / streamed-update schedules, and each rank holds 1/8 of the model data.
 
 On the CPU memory kinds compile to nothing; the GPU run is the benchmark's (docs/benchmarks.md).
 """
@@ -58,6 +58,10 @@ def _schedule(setup, placement):
     cfg, params, batches, stages, layout, traces, cb, refs = setup
     if placement == "all-device":
         return plan_schedule(layout, traces, cb, 10**12, flops_per_step=1.0, resident=range(layout.n_chunks))
+    if placement == "streamed":  # one resident chunk, the others updated on the device from pinned host
+        s = plan_schedule(layout, traces, cb, 10**12, flops_per_step=1.0, resident=[0], host_update=False)
+        assert set(s.update_locations) == {"device", "streamed"}
+        return s
     if placement == "all-host":
         return plan_schedule(layout, traces, cb, 10**12, flops_per_step=1.0, resident=[])
     # mixed: one resident chunk, a budget tight enough for re-fetches, three programs
@@ -74,14 +78,16 @@ def _schedule(setup, placement):
 # all-host is the mixed schedule without its one resident chunk: the mixed cases cover its paths
 @pytest.mark.parametrize("stage,placement,dtype", [
     (3, "all-device", jnp.float32), (2, "mixed", jnp.float32), (1, "mixed", jnp.float32),
-    (3, "mixed", jnp.bfloat16)],
-    ids=["z3-device-fp32", "z2-mixed-fp32", "z1-mixed-fp32", "z3-mixed-bf16"])
+    (3, "mixed", jnp.bfloat16), (3, "streamed", jnp.float32), (1, "streamed", jnp.float32)],
+    ids=["z3-device-fp32", "z2-mixed-fp32", "z1-mixed-fp32", "z3-mixed-bf16", "z3-streamed-fp32", "z1-streamed-fp32"])
 def test_sharded_schedule_equals_single_device_optax(setup, stage, placement, dtype):
     cfg, params, batches, stages, layout, traces, cb, refs = setup
     sched = _schedule(setup, placement)
     step = make_zero_scheduled_step(stages, layout, sched, data_mesh(), zero_stage=stage, host_optimizer=SPEC,
                                     compute_dtype=dtype)
     state = step.init(params)
+    if placement == "streamed":  # the streamed update program runs for every non-resident chunk
+        assert step._streamed_chunks == tuple(range(1, layout.n_chunks)) and not step.host_chunks
     # every rank holds 1/N of the master params and optimizer state (and of the params in stage 3)
     ss = layout.chunk_size // N
     for c, u in enumerate(sched.update_locations):
