@@ -34,7 +34,7 @@ import math
 import sys
 import time
 
-from experiments.train import UsageError, _f, _last_val, _model_bytes_split, _parse_budget, run_guarded
+from experiments.train import UsageError, config_field, last_validation, model_bytes_split, parse_budget, run_guarded
 
 #: Models this script can load (name -> loader in models/llama.py).
 MODELS = ("smollm2-135m",)
@@ -46,27 +46,27 @@ AUTO_BUDGET_MODEL_FRACTION = 0.2
 class FinetuneConfig:
     """Every knob of the fine-tuning job; defaults run on a 2-core CPU."""
 
-    model: str = _f("smollm2-135m", "pre-trained model: smollm2-135m")
-    steps: int = _f(200, "optimizer steps")
-    batch: int = _f(8, "sequences per step")
-    seq: int = _f(256, "tokens per sequence")
-    lr: float = _f(2e-4, "peak AdamW learning rate")
-    warmup: int = _f(20, "linear warm-up steps, then cosine decay to lr/10")
-    weight_decay: float = _f(0.0, "AdamW weight decay (decoupled)")
-    clip: float = _f(1.0, "global-norm clipping (0 disables)")
-    device_budget: str = _f("auto", 'peak device bytes ("400MiB", "2GiB", ...); auto: all-host need + 20% of the '
+    model: str = config_field("smollm2-135m", "pre-trained model: smollm2-135m")
+    steps: int = config_field(200, "optimizer steps")
+    batch: int = config_field(8, "sequences per step")
+    seq: int = config_field(256, "tokens per sequence")
+    lr: float = config_field(2e-4, "peak AdamW learning rate")
+    warmup: int = config_field(20, "linear warm-up steps, then cosine decay to lr/10")
+    weight_decay: float = config_field(0.0, "AdamW weight decay (decoupled)")
+    clip: float = config_field(1.0, "global-norm clipping (0 disables)")
+    device_budget: str = config_field("auto", 'peak device bytes ("400MiB", "2GiB", ...); auto: all-host need + 20% of the '
                                     "model's chunk bytes; must leave some chunks host-updated")
-    chunk_size: int = _f(0, "elements per chunk; 0 searches (floored at the largest leaf)")
-    min_chunks: int = _f(8, "the search prefers sizes giving at least this many chunks")
-    prefetch: int = _f(1, "fetch distance (moments)")
-    compute_dtype: str = _f("auto", "bfloat16 | float32; auto: bfloat16 on GPU, float32 on CPU")
-    eval_windows: int = _f(32, "held-out windows (of --seq tokens, fixed) for validation perplexity")
-    eval_every: int = _f(50, "steps between validation perplexities (also measured before and after)")
-    sample_tokens: int = _f(40, "greedy tokens generated after '**ROMEO**' at the end (0 disables)")
-    out_dir: str = _f("runs", "run folders go here")
-    export: bool = _f(True, "write the fine-tuned weights as a Hugging Face checkpoint into <run>/hf")
-    seed: int = _f(0, "data order")
-    progress: bool = _f(True, "progress bar")
+    chunk_size: int = config_field(0, "elements per chunk; 0 searches (floored at the largest leaf)")
+    min_chunks: int = config_field(8, "the search prefers sizes giving at least this many chunks")
+    prefetch: int = config_field(1, "fetch distance (moments)")
+    compute_dtype: str = config_field("auto", "bfloat16 | float32; auto: bfloat16 on GPU, float32 on CPU")
+    eval_windows: int = config_field(32, "held-out windows (of --seq tokens, fixed) for validation perplexity")
+    eval_every: int = config_field(50, "steps between validation perplexities (also measured before and after)")
+    sample_tokens: int = config_field(40, "greedy tokens generated after '**ROMEO**' at the end (0 disables)")
+    out_dir: str = config_field("runs", "run folders go here")
+    export: bool = config_field(True, "write the fine-tuned weights as a Hugging Face checkpoint into <run>/hf")
+    seed: int = config_field(0, "data order")
+    progress: bool = config_field(True, "progress bar")
 
 
 def parse_args(argv=None) -> FinetuneConfig:
@@ -101,7 +101,7 @@ def validate(cfg: FinetuneConfig) -> None:
         if not (math.isfinite(v) and v >= 0):
             raise UsageError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {v}")
     if cfg.device_budget != "auto":
-        _parse_budget(cfg.device_budget)
+        parse_budget(cfg.device_budget)
     if cfg.compute_dtype not in ("auto", "bfloat16", "bf16", "float32", "fp32"):
         raise UsageError(f"--compute-dtype {cfg.compute_dtype!r}: use bfloat16, float32 or auto")
     try:
@@ -249,7 +249,7 @@ def run(cfg: FinetuneConfig) -> dict:
 
     t_start = time.time()
     validate(cfg)
-    budget = None if cfg.device_budget == "auto" else _parse_budget(cfg.device_budget)
+    budget = None if cfg.device_budget == "auto" else parse_budget(cfg.device_budget)
     platform = jax.devices()[0].platform
     cdt = {"auto": jnp.bfloat16 if platform == "gpu" else jnp.float32, "bfloat16": jnp.bfloat16,
            "bf16": jnp.bfloat16, "float32": jnp.float32, "fp32": jnp.float32}[cfg.compute_dtype]
@@ -332,10 +332,10 @@ def run(cfg: FinetuneConfig) -> dict:
                 mf.flush()
                 records.append(rec)
                 tps = timed * tokens_per_step / train_time if train_time else float("nan")
-                bar.set_postfix(loss=f"{loss:.3f}", val_ppl=f"{math.exp(_last_val(records)):.2f}",
+                bar.set_postfix(loss=f"{loss:.3f}", val_ppl=f"{math.exp(last_validation(records)):.2f}",
                                 tok_s=f"{tps:,.0f}" if math.isfinite(tps) else "-")
                 if not cfg.progress and ("val_loss" in rec or i == 1):
-                    print(f"step {i}/{cfg.steps} loss {loss:.3f} val ppl {math.exp(_last_val(records)):.2f} "
+                    print(f"step {i}/{cfg.steps} loss {loss:.3f} val ppl {math.exp(last_validation(records)):.2f} "
                           f"tokens/s {tps:,.0f} step {dt:.2f}s", flush=True)
         bar.close()
         v1 = records[-1]["val_loss"]
@@ -377,7 +377,7 @@ def run(cfg: FinetuneConfig) -> dict:
             "platform": platform, "device_kind": jax.devices()[0].device_kind, "jax_version": jax.__version__,
             "sample": sample, "export_dir": None if export_dir is None else str(folder.final / "hf"),
         }
-        report.update(_model_bytes_split(layout, schedule.placement, info["cb"]))
+        report.update(model_bytes_split(layout, schedule.placement, info["cb"]))
         report["config"] = resolved
         report["wall_s"] = time.time() - t_start
         folder.write_json("report.json", report)

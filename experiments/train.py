@@ -29,7 +29,8 @@ import time
 _LAUNCHED = "CHUNKJAX_LAUNCHED"
 
 
-def _f(default, help_: str):
+def config_field(default, help_: str):
+    """A dataclass field of a job configuration with its ``--help`` text (read by the CLI)."""
     return dataclasses.field(default=default, metadata={"help": help_})
 
 
@@ -37,27 +38,27 @@ def _f(default, help_: str):
 class TrainConfig:
     """Every knob of the main job, with defaults that run on a 2-core CPU in under 10 minutes."""
 
-    model: str = _f("tiny", 'name from models/gpt.py (case-insensitive)')
-    steps: int = _f(300, 'optimizer steps (300: the CPU demo stays under 10 minutes on a loaded 2-core machine)')
-    batch: int = _f(8, 'sequences per step')
-    seq: int = _f(128, 'tokens per sequence')
-    lr: float = _f(3e-3, 'peak AdamW learning rate')
-    warmup: int = _f(30, 'linear warm-up steps, then cosine decay to lr/10')
-    weight_decay: float = _f(0.0, 'AdamW weight decay')
-    clip: float = _f(1.0, 'global-norm clipping (0 disables)')
-    device_budget: str = _f("auto", 'peak device bytes ("8GiB", "512MiB", ...); auto: all-host need + 20% of the model\'s chunk bytes')
-    chunk_size: int = _f(0, 'elements per chunk; 0 searches (floored at the largest leaf)')
-    min_chunks: int = _f(8, 'the search prefers sizes giving at least this many chunks')
-    prefetch: int = _f(1, 'fetch distance in stages')
-    compute_dtype: str = _f("auto", 'bfloat16 | float32; auto: bfloat16 on GPU, float32 on CPU')
-    tokenizer: str = _f("gpt2", 'gpt2 | bpe<N>')
-    data_cache: str = _f(".cache/data", 'token arrays cached here (copy this folder to a machine without the data packages)')
-    eval_every: int = _f(100, 'steps between validation losses')
-    eval_batches: int = _f(8, 'validation batches (of `batch` sequences)')
-    sample_tokens: int = _f(80, 'tokens generated at the end (0 disables)')
-    out_dir: str = _f("runs", 'run folders go here')
-    seed: int = _f(0, 'init and data order')
-    progress: bool = _f(True, 'progress bar')
+    model: str = config_field("tiny", 'name from models/gpt.py (case-insensitive)')
+    steps: int = config_field(300, 'optimizer steps (300: the CPU demo stays under 10 minutes on a loaded 2-core machine)')
+    batch: int = config_field(8, 'sequences per step')
+    seq: int = config_field(128, 'tokens per sequence')
+    lr: float = config_field(3e-3, 'peak AdamW learning rate')
+    warmup: int = config_field(30, 'linear warm-up steps, then cosine decay to lr/10')
+    weight_decay: float = config_field(0.0, 'AdamW weight decay')
+    clip: float = config_field(1.0, 'global-norm clipping (0 disables)')
+    device_budget: str = config_field("auto", 'peak device bytes ("8GiB", "512MiB", ...); auto: all-host need + 20% of the model\'s chunk bytes')
+    chunk_size: int = config_field(0, 'elements per chunk; 0 searches (floored at the largest leaf)')
+    min_chunks: int = config_field(8, 'the search prefers sizes giving at least this many chunks')
+    prefetch: int = config_field(1, 'fetch distance in stages')
+    compute_dtype: str = config_field("auto", 'bfloat16 | float32; auto: bfloat16 on GPU, float32 on CPU')
+    tokenizer: str = config_field("gpt2", 'gpt2 | bpe<N>')
+    data_cache: str = config_field(".cache/data", 'token arrays cached here (copy this folder to a machine without the data packages)')
+    eval_every: int = config_field(100, 'steps between validation losses')
+    eval_batches: int = config_field(8, 'validation batches (of `batch` sequences)')
+    sample_tokens: int = config_field(80, 'tokens generated at the end (0 disables)')
+    out_dir: str = config_field("runs", 'run folders go here')
+    seed: int = config_field(0, 'init and data order')
+    progress: bool = config_field(True, 'progress bar')
 
 
 #: The CPU default budget: what the all-host placement needs plus this fraction of the model's
@@ -146,7 +147,7 @@ def run(cfg: TrainConfig) -> dict:
     if cfg.seq > mcfg.seq_len:
         raise UsageError(f"--seq {cfg.seq} exceeds the model's {mcfg.seq_len} positions: use --seq <= {mcfg.seq_len}")
     _validate(cfg)
-    budget = None if cfg.device_budget == "auto" else _parse_budget(cfg.device_budget)
+    budget = None if cfg.device_budget == "auto" else parse_budget(cfg.device_budget)
     platform = jax.devices()[0].platform
     cdt = {"auto": jnp.bfloat16 if platform == "gpu" else jnp.float32, "bfloat16": jnp.bfloat16,
            "bf16": jnp.bfloat16, "float32": jnp.float32, "fp32": jnp.float32}.get(cfg.compute_dtype)
@@ -200,7 +201,7 @@ def run(cfg: TrainConfig) -> dict:
     try:
         report = _train(cfg, mcfg, stages, layout, placement, acc, compiled, tx, cdt, td, budget,
                         model_chunk_bytes, folder, t_start)
-        report.update(_model_bytes_split(layout, placement, cb))
+        report.update(model_bytes_split(layout, placement, cb))
         report["config"] = resolved
         folder.write_json("report.json", report)
         plot_losses(folder.path / "loss.png", folder.path / "metrics.jsonl", title=f"{mcfg.name} (chunkjax)")
@@ -283,7 +284,12 @@ def _validate(cfg: TrainConfig) -> None:
         raise UsageError(f"--out-dir {cfg.out_dir!r} is not writable: pick a writable folder")
 
 
-def _parse_budget(text: str) -> int:
+def parse_budget(text: str) -> int:
+    """A byte count from ``"8GiB"`` / ``"500MB"`` / ``"1e9"`` (:func:`chunkjax.parse_bytes`).
+
+    Raises:
+      UsageError: the text is not a byte count (one line that says the accepted forms).
+    """
     import chunkjax as cj
     try:
         return cj.parse_bytes(text)
@@ -357,7 +363,7 @@ def _train(cfg, mcfg, stages, layout, placement, acc, compiled, tx, cdt, td, bud
             mf.flush()
             records.append(rec)
             tps = timed_steps * tokens_per_step / train_time if train_time else float("nan")
-            bar.set_postfix(loss=f"{loss:.3f}", val=f"{_last_val(records):.3f}",
+            bar.set_postfix(loss=f"{loss:.3f}", val=f"{last_validation(records):.3f}",
                             tok_s=f"{tps:,.0f}" if math.isfinite(tps) else "-")
             if not cfg.progress and "val_loss" in rec:
                 print(f"step {i}/{cfg.steps} loss {loss:.3f} val {rec['val_loss']:.3f} tokens/s {tps:,.0f} "
@@ -398,7 +404,7 @@ def _train(cfg, mcfg, stages, layout, placement, acc, compiled, tx, cdt, td, bud
     }
 
 
-def _model_bytes_split(layout, placement, cb) -> dict:
+def model_bytes_split(layout, placement, cb) -> dict:
     """Model data (real elements, padding excluded) stored in total and placed on the device
     between steps, in the dtypes actually kept (compute params, float32 master, optimizer state)."""
     import chunkjax as cj
@@ -414,7 +420,8 @@ def _model_bytes_split(layout, placement, cb) -> dict:
             "device_model_fraction_accounted": dev / total}
 
 
-def _last_val(records) -> float:
+def last_validation(records) -> float:
+    """The newest ``val_loss`` (nats per token) among the metric records (dicts), NaN if none."""
     for r in reversed(records):
         if "val_loss" in r:
             return r["val_loss"]
@@ -492,7 +499,7 @@ def main(argv=None) -> int:
     cfg = parse_args(argv)
 
     def job():
-        budget = None if cfg.device_budget == "auto" else _parse_budget(cfg.device_budget)
+        budget = None if cfg.device_budget == "auto" else parse_budget(cfg.device_budget)
         relaunch_with_budget(cfg, budget)
         run(cfg)
 
