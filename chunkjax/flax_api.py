@@ -350,6 +350,9 @@ class NnxOptimizer:
         from flax import nnx
         self.wrt = nnx.Param if wrt is None else wrt
         self.chunked = ChunkedOptimizer(nnx.state(model, self.wrt), tx, **kwargs)
+        # commit the params to the device now: update() returns committed arrays, and a jitted
+        # step that first saw uncommitted ones would compile a second time
+        nnx.update(model, jax.device_put(nnx.state(model, self.wrt), sharding(DEVICE)))
 
     @property
     def step(self) -> int:
