@@ -23,7 +23,8 @@ the device (the forward/backward is the user's, unchanged). For models whose par
 on the device, use the staged step.
 
 On the CPU backend ``pinned_host`` and ``device`` are the same memory; placement is only proven
-on a GPU (:mod:`chunkjax.memory`).
+on a GPU (:mod:`chunkjax.memory`). One device: everything is placed on ``jax.devices()[0]``
+(for data-parallel training use :mod:`chunkjax.zero_schedule`).
 
 Changed lines of an NNX loop::
 

@@ -92,6 +92,8 @@ def test_nnx_loop_equals_plain_optax(name):
         losses.append(float(loss))
         np.testing.assert_allclose(float(loss), float(l_ref), rtol=1e-5)
     assert opt.step == STEPS
+    for c, kind in enumerate(kinds):  # the state stayed in its memory kind through the updates
+        assert {x.sharding.memory_kind for x in jax.tree.leaves(opt.chunked.opt_state[c])} == {kind}
     assert losses[-1] < losses[0] - 0.1  # it trains
     assert_trees_close(nnx.state(model, nnx.Param), nnx.state(ref, nnx.Param))
     assert_trees_close(opt.chunked.master_params(), nnx.state(ref, nnx.Param))
