@@ -95,25 +95,28 @@ def test_chunked_finetune_equals_optax_20_steps():
 
 @needs_smollm2
 def test_chunked_finetune_equals_optax_smollm2():
-    """The real weights, 3 steps of batch 1 x 16 tokens, all chunks but the first host-updated.
+    """The real weights, SMOLLM2_TEST_STEPS (default 3) steps of batch 1 x 16 tokens, all chunks
+    but the first host-updated.
 
     The first SMOLLM2_TEST_BLOCKS blocks (default 6, with the real tied embedding and final
-    norm) keep the test inside the CPU time budget; ``SMOLLM2_TEST_BLOCKS=30`` runs the whole
-    model (measured 2.8e-7 relative, about 4 minutes on a loaded 2-core CPU)."""
+    norm) keep the test inside the CPU time budget; ``SMOLLM2_TEST_BLOCKS=30
+    SMOLLM2_TEST_STEPS=20`` runs the whole model for 20 steps (issue 7's criterion; a 20-step
+    whole-model run with warm-up and weight decay is recorded in docs/finetune.md)."""
     cfg, params, tok = llama.load_smollm2_135m()
+    steps = int(os.environ.get("SMOLLM2_TEST_STEPS", "3"))
     n = min(int(os.environ.get("SMOLLM2_TEST_BLOCKS", "6")), cfg.n_layers)
     for i in range(n, cfg.n_layers):
         del params[f"layer_{i}"]
     cfg = dataclasses.replace(cfg, n_layers=n, remat=False)
     text = "**ROMEO**\nBut soft, what light through yonder window breaks? It is the east, and Juliet is the sun."
     ids = np.asarray(tok.encode(text).ids, np.int32)
-    batches = [jnp.asarray(ids[None, i:i + 17]) for i in (0, 4, 8)]
-    spec = ft.host_adamw(1e-4, steps=3, warmup=0, weight_decay=0.0, clip=1.0)
+    batches = [jnp.asarray(ids[None, i:i + 17]) for i in [(0, 4, 8)[k % 3] for k in range(steps)]]
+    spec = ft.host_adamw(1e-4, steps=steps, warmup=0, weight_decay=0.0, clip=1.0)
     _, l_ref = plain_optax(cfg, params, batches, spec.optax())
     _, l_ch, locs = chunked(cfg, params, batches, spec, resident=[0])
     assert "host" in locs
     err = np.max(np.abs(np.array(l_ch) - l_ref) / np.array(l_ref))
-    print(f"SmolLM2 ({n} blocks) 3 steps: losses {l_ref}; max relative difference {err:.2e}")
+    print(f"SmolLM2 ({n} blocks) {steps} steps: losses {l_ref}; max relative difference {err:.2e}")
     assert err <= LOSS_RTOL
 
 
