@@ -117,7 +117,8 @@ def test_chunked_finetune_equals_optax_smollm2():
     assert "host" in locs
     err = np.max(np.abs(np.array(l_ch) - l_ref) / np.array(l_ref))
     print(f"SmolLM2 ({n} blocks) {steps} steps: losses {l_ref}; max relative difference {err:.2e}")
-    assert err <= LOSS_RTOL
+    # float32: relative, with an absolute floor for the near-zero losses of a memorised batch
+    np.testing.assert_allclose(l_ch, l_ref, rtol=LOSS_RTOL, atol=1e-6)
 
 
 def test_export_roundtrip(tmp_path):
