@@ -202,58 +202,49 @@ class ZeroScheduledStep(ChunkedStep):
                              in_specs=(P(AXIS), P(AXIS), sspec, P(), P(), self._pspec),
                              out_specs=(self._pspec, P(AXIS), sspec), check_vma=False)
 
-    @functools.cached_property
-    def jit_update_device(self):
-        """``{param_kind: jitted update}`` of one device-state chunk's shards (``c`` traced: one
-        compilation per param kind). Master, state and old params donated off the CPU."""
-        sspec, body = self._state_specs, self._update_body
-        d = self._ns(P(AXIS))
-        ssh = jax.tree.map(lambda sp: self._ns(sp), sspec)
-        donate = (1, 2, 5) if jax.default_backend() != "cpu" else ()
-
-        def make(pk):
-            psh = self._ns(self._pspec, pk)
-
-            def upd(grad, master, state, grad_sq, c, old_params):
-                if pk != DEVICE:
-                    old_params = jax.device_put(old_params, self._ns(self._pspec))
-                p, m, s = body(grad, master, state, grad_sq, c, old_params)
-                return (jax.device_put(p, psh) if pk != DEVICE else p), m, s
-
-            return jax.jit(upd, in_shardings=(d, d, ssh, self._ns(P()), self._ns(P()), psh),
-                           out_shardings=(psh, d, ssh), donate_argnums=donate, keep_unused=True)
-
-        return {k: make(k) for k in set(self.placement.param_kinds)}
-
-    @functools.cached_property
-    def jit_update_streamed(self):
-        """``{param_kind: jitted update}`` of one streamed chunk: its gradient, master and state
-        shards (pinned host, ``P("data")``) moved to their ranks' devices, updated there by
-        :attr:`_update_body` and the master and state moved back, in one program (PatrickStar's
-        device-side update of a host chunk, per rank). Master, state and old params donated off
+    def _jit_updates(self, state_kind: str) -> dict:
+        """``{param_kind: jitted update}`` of one chunk whose gradient, master and state shards
+        live in ``state_kind`` (``P("data")``): moved to their ranks' devices (a no-op for
+        ``device``), updated by :attr:`_update_body`, master and state moved back, in one program
+        (``c`` traced: one compilation per param kind). Master, state and old params donated off
         the CPU."""
         sspec, body = self._state_specs, self._update_body
-        d, h = self._ns(P(AXIS)), self._ns(P(AXIS), PINNED_HOST)
+        d, k = self._ns(P(AXIS)), self._ns(P(AXIS), state_kind)
         ssh_d = jax.tree.map(lambda sp: self._ns(sp), sspec)
-        ssh_h = jax.tree.map(lambda sp: self._ns(sp, PINNED_HOST), sspec)
+        ssh_k = jax.tree.map(lambda sp: self._ns(sp, state_kind), sspec)
         donate = (1, 2, 5) if jax.default_backend() != "cpu" else ()
+        moved = state_kind != DEVICE
 
         def make(pk):
             psh = self._ns(self._pspec, pk)
 
             def upd(grad, master, state, grad_sq, c, old_params):
-                grad, master = jax.device_put(grad, d), jax.device_put(master, d)
-                state = jax.device_put(state, ssh_d)
+                if moved:
+                    grad, master = jax.device_put(grad, d), jax.device_put(master, d)
+                    state = jax.device_put(state, ssh_d)
                 if pk != DEVICE:
                     old_params = jax.device_put(old_params, self._ns(self._pspec))
                 p, m, st = body(grad, master, state, grad_sq, c, old_params)
-                return ((jax.device_put(p, psh) if pk != DEVICE else p), jax.device_put(m, h),
-                        jax.device_put(st, ssh_h))
+                if moved:
+                    m, st = jax.device_put(m, k), jax.device_put(st, ssh_k)
+                return (jax.device_put(p, psh) if pk != DEVICE else p), m, st
 
-            return jax.jit(upd, in_shardings=(h, h, ssh_h, self._ns(P()), self._ns(P()), psh),
-                           out_shardings=(psh, h, ssh_h), donate_argnums=donate, keep_unused=True)
+            return jax.jit(upd, in_shardings=(k, k, ssh_k, self._ns(P()), self._ns(P()), psh),
+                           out_shardings=(psh, k, ssh_k), donate_argnums=donate, keep_unused=True)
 
-        return {k: make(k) for k in set(self.placement.param_kinds)}
+        return {pk: make(pk) for pk in set(self.placement.param_kinds)}
+
+    @functools.cached_property
+    def jit_update_device(self):
+        """``{param_kind: jitted update}`` of one device-state chunk's shards (:meth:`_jit_updates`)."""
+        return self._jit_updates(DEVICE)
+
+    @functools.cached_property
+    def jit_update_streamed(self):
+        """``{param_kind: jitted update}`` of one streamed chunk: shards kept in pinned host
+        memory, updated on their ranks' devices (PatrickStar's device-side update of a host
+        chunk, per rank; :meth:`_jit_updates`)."""
+        return self._jit_updates(PINNED_HOST)
 
     def _host_update(self, state: TrainState, grads: dict, grad_scale):
         """Per rank and chunk: the numba kernel on the rank's gradient shard, master slice and

@@ -460,7 +460,8 @@ def probe_env() -> dict:
 
 def worker_env(budget_bytes: int, card_bytes: int | None, host_limit_gb: int, preallocate: bool = False) -> dict:
     """Environment of a system's subprocess: the budget as the device memory fraction (when the
-    card's size is known), no preallocation, the pinned-host cap lifted. The fraction goes in
+    card's size is known), no preallocation unless ``preallocate`` (then the budget is reserved as
+    one allocator region at start-up), the pinned-host cap lifted. The fraction goes in
     ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (the name train.py uses); ``XLA_CLIENT_MEM_FRACTION`` (the
     newer name) is removed because jaxlib refuses both at once. jax's persistent compilation cache
     is on (``JAX_COMPILATION_CACHE_DIR``, unless set) so that a program compiled for the memory
