@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test env clean
+.PHONY: demo test env clean peer-wheels
 
 env: $(STAMP)
 
@@ -22,6 +22,17 @@ demo: $(STAMP)
 test: $(STAMP)
 	@XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu $(PY) -m pytest -q --durations=15 tests; \
 	rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest ran no tests: failing"; exit 1; fi; exit $$rc
+
+# Issue 9 only (needs network): DeepSpeed 0.19.8 and the dependencies the GPU image lacks, as
+# wheels under carry/peer_wheels (git-ignored), for experiments/peers on the GPU machine.
+PEER_WHEELS := carry/peer_wheels
+PEER_PLATFORM := --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64
+peer-wheels:
+	mkdir -p $(PEER_WHEELS) && cd $(PEER_WHEELS) && \
+	$(PYTHON) -m pip download -q --no-deps --no-binary=:all: deepspeed==0.19.8 && \
+	DS_BUILD_OPS=0 $(PYTHON) -m pip wheel -q --no-deps deepspeed-0.19.8.tar.gz && rm deepspeed-0.19.8.tar.gz && \
+	$(PYTHON) -m pip download -q --no-deps $(PEER_PLATFORM) hjson==3.1.0 pydantic==2.14.4 pydantic-core==2.50.5 \
+	  annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions
 
 clean:
 	rm -rf $(VENV) .cache runs

@@ -514,9 +514,14 @@ def subprocess_runner(argv: list[str], env: dict, timeout: float | None) -> dict
             "timed_out": timed_out, "wall_s": time.time() - t0}
 
 
+def system_budget(args, system: str) -> int:
+    """The device budget of ``system``: its ``--system-budget`` override, else ``--device-budget``."""
+    return int((getattr(args, "system_budgets", None) or {}).get(system, args.budget_bytes))
+
+
 def _worker_argv(args, system: str, model: str, batch: int, seq: int, steps: int, compile_only: bool) -> list[str]:
     argv = ["--worker", system, "--model", model, "--batch", str(batch), "--seq", str(seq), "--steps", str(steps),
-            "--budget-bytes", str(args.budget_bytes), "--seed", str(args.seed), "--host-limit-gb",
+            "--budget-bytes", str(system_budget(args, system)), "--seed", str(args.seed), "--host-limit-gb",
             str(args.host_limit_gb), "--run-id", args.run_id]
     if compile_only:
         argv.append("--compile-only")
@@ -531,8 +536,9 @@ def _run_system(args, runner, probe: dict, system: str, model: str, batch: int, 
                 compile_only: bool, call: int) -> dict:
     from models import gpt
 
-    env = worker_env(args.budget_bytes, probe.get("card_bytes"), args.host_limit_gb, getattr(args, "preallocate", False))
-    print(f"[bench] {system}: {model} batch {batch} x {seq}, budget {args.budget_bytes} B, "
+    budget = system_budget(args, system)
+    env = worker_env(budget, probe.get("card_bytes"), args.host_limit_gb, getattr(args, "preallocate", False))
+    print(f"[bench] {system}: {model} batch {batch} x {seq}, budget {budget} B, "
           f"fraction {env.get('XLA_PYTHON_CLIENT_MEM_FRACTION', '(default)')}", flush=True)
     res = runner(_worker_argv(args, system, model, batch, seq, steps, compile_only), env, args.worker_timeout)
     if res.get("json") is not None and res["rc"] == 0:
@@ -555,7 +561,7 @@ def _run_system(args, runner, probe: dict, system: str, model: str, batch: int, 
         rec["error"] = None if part.get("tokens_per_s") else why + ": " + "\n".join(
             l for l in (res.get("stderr_tail") or []) if not l.startswith(PROGRESS_TAG))[-4000:]
         rec = normalize_record(rec, system)
-        rec.update(model=model, batch=batch, seq=seq, device_budget_bytes=args.budget_bytes)
+        rec.update(model=model, batch=batch, seq=seq, device_budget_bytes=budget)
     rec["mem_fraction"] = rec.get("mem_fraction") or env.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
     finalize_record(rec, gpt.get_config(model).flops_per_token(seq), probe.get("matmul_tflops"), call)
     status = ("feasible" if rec["feasible"] else "INFEASIBLE") + (f", error: {rec['error'][:160]!r}" if rec.get("error") else "")
@@ -613,6 +619,7 @@ def merge_call(results: dict | None, *, run_id: str, call_info: dict, run_fields
     res["jax_version"] = call_info.get("jax_version") or res.get("jax_version")
     res["device_kind"] = call_info.get("device_kind") or res.get("device_kind")
     res["systems"].update(systems)
+    res["losses_vs_plain_jax"] = compare_losses(res["systems"])
     for system, block in (largest or {}).items():
         cur = res["largest"].setdefault(system, {"tried": {}})
         for k, v in block.items():
@@ -621,6 +628,28 @@ def merge_call(results: dict | None, *, run_id: str, call_info: dict, run_fields
         cur["tried"].update(block.get("tried", {}))
         _summarize_largest(cur)
     return res
+
+
+def compare_losses(systems: dict, reference: str = "plain_jax") -> dict:
+    """Step-by-step loss agreement of each system with ``reference``, where both start from the
+    same params: the baselines always do (``init_master_piecewise``); chunkjax when run with
+    ``--set init=init_params`` (its record's ``init``). Returns ``{system: {"steps",
+    "max_abs_diff", "max_rel_diff"}}`` over the steps both recorded; ``{}`` without a reference.
+    bf16 compute gives differences of order 1e-3 relative; a wrong update gives far more.
+    """
+    ref = (systems.get(reference) or {}).get("losses") or []
+    out = {}
+    for name, rec in systems.items():
+        losses = (rec or {}).get("losses") or []
+        if name == reference or not ref or not losses:
+            continue
+        if name == "chunkjax" and rec.get("init") != "init_params":
+            continue  # leaf-wise init: other params, not comparable step by step
+        n = min(len(ref), len(losses))
+        diffs = [abs(a - b) for a, b in zip(losses[:n], ref[:n])]
+        out[name] = {"steps": n, "max_abs_diff": max(diffs),
+                     "max_rel_diff": max(d / max(abs(r), 1e-30) for d, r in zip(diffs, ref[:n]))}
+    return out
 
 
 def _summarize_largest(block: dict) -> None:
@@ -696,6 +725,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="extra worker setting (repeatable), e.g. --set segments=2: becomes args.KEY in the worker "
                          "(VALUE parsed as JSON when it parses, else kept as text); run_chunkjax reads what it knows")
+    ap.add_argument("--system-budget", action="append", default=[], metavar="SYSTEM=BYTES",
+                    help="a device budget for one system (repeatable), e.g. chunkjax=8GiB beside plain_jax at the "
+                         "run's --device-budget: with --set init=init_params the losses compare step by step")
     ap.add_argument("--largest", action="store_true", help="largest-model mode (see run_largest)")
     ap.add_argument("--largest-models", default=None, help=f"comma-separated configs (default: {','.join(DEFAULT_LARGEST_MODELS)})")
     ap.add_argument("--largest-batch", type=int, default=8)
@@ -721,6 +753,12 @@ def _validate(args) -> None:
     except ValueError as e:
         raise UsageError(str(e)) from None
     args.model = cfg.name
+    args.system_budgets = {}
+    for kv in args.system_budget:
+        name, sep, val = kv.partition("=")
+        if not sep or name not in SYSTEMS_ALL:
+            raise UsageError(f"--system-budget {kv!r}: use SYSTEM=BYTES with SYSTEM one of {', '.join(SYSTEMS_ALL)}")
+        args.system_budgets[name] = parse_bytes(val)
     for name in ("batch", "seq", "steps", "largest_batch", "largest_seq", "largest_steps", "matmul_n"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")

@@ -28,7 +28,8 @@ class ChunkjaxSystem:
     name = "chunkjax"
 
     def __init__(self, cfg, budget_bytes: int, batch: int, seq: int, lr: float = 1e-4,
-                 segments="auto", host_update: bool = True, prefetch: int = 1, zero_stage: int = 0):
+                 segments="auto", host_update: bool = True, prefetch: int = 1, zero_stage: int = 0,
+                 init: str = "leafwise"):
         import jax
         import jax.numpy as jnp
 
@@ -38,7 +39,9 @@ class ChunkjaxSystem:
         from chunkjax.optim import state_bytes_per_chunk
         from models import gpt
 
-        self.cfg, self.budget, self.notes = cfg, int(budget_bytes), []
+        if init not in ("leafwise", "init_params"):
+            raise ValueError(f"init={init!r}: use 'leafwise' or 'init_params'")
+        self.cfg, self.budget, self.notes, self.init_rule = cfg, int(budget_bytes), [], init
         self.last_update_s, self.last_timings = None, {}
         self.dev_sh = sharding(DEVICE)
         # ZeRO over every local device (chunkjax/zero_schedule.py): the budget is each rank's
@@ -163,17 +166,36 @@ class ChunkjaxSystem:
         return out
 
     def init(self, key):
+        """fp32 master params from ``key``, chunked into the step's state.
+
+        ``init="leafwise"`` (default): :func:`models.gpt.leaf_initializer`, one leaf at a time
+        (host memory stays bounded; values differ from the baselines'). ``init="init_params"``:
+        the baselines' values (:func:`experiments.baselines.init_master_piecewise`, held whole in
+        pinned host memory), so losses compare step by step with ``plain_jax`` (bench
+        ``--set init=init_params``).
+        """
         import jax
         import numpy as np
 
         from chunkjax.memory import PINNED_HOST, sharding
         from models import gpt
 
-        leaf = gpt.leaf_initializer(self.cfg, key, self.layout)
         pinned = sharding(PINNED_HOST)
+        if self.init_rule == "init_params":
+            from experiments.baselines import init_master_piecewise
 
-        def leaf_np(i):  # generated on the device, read through pinned host memory (fast path)
-            return np.asarray(jax.device_put(leaf(i), pinned))
+            params = init_master_piecewise(self.cfg, key, lambda t: jax.device_put(t, pinned), jax.devices()[0])
+
+            def leaf_np(i):
+                node = params
+                for part in self.layout.slots[i].path.split("/"):
+                    node = node[part]
+                return np.asarray(node)
+        else:
+            leaf = gpt.leaf_initializer(self.cfg, key, self.layout)
+
+            def leaf_np(i):  # generated on the device, read through pinned host memory (fast path)
+                return np.asarray(jax.device_put(leaf(i), pinned))
 
         return self.step_fn.init(leaf_np)
 
@@ -208,7 +230,7 @@ def run_chunkjax(args) -> dict:
     cfg = gpt.get_config(args.model)
     segments = getattr(args, "segments", "auto")
     sys_ = ChunkjaxSystem(cfg, args.budget_bytes, args.batch, args.seq, segments=segments,
-                          zero_stage=getattr(args, "zero_stage", 0))
+                          zero_stage=getattr(args, "zero_stage", 0), init=getattr(args, "init", "leafwise"))
     try:
         rec = measure_system(sys_, args)
     except Exception as e:  # keep the plan next to the failure (e.g. out of memory at run time)
@@ -237,7 +259,7 @@ def run_chunkjax(args) -> dict:
         "trace_s": sys_.trace_s, "rates": dataclasses.asdict(sys_.rates),
         "stage_temp_bytes": {t.name: t.temp_bytes for t in sys_.traces if t.name in ("embed", "h_0", "head")},
         "schedule": sys_.schedule.to_dict(),
-        "n_devices": sys_.n_ranks, "zero_stage": sys_.zero_stage,
+        "n_devices": sys_.n_ranks, "zero_stage": sys_.zero_stage, "init": sys_.init_rule,
     })
     if sys_.zero_stage:  # bytes each rank sends through collectives per step (ring algorithms)
         import jax

@@ -274,7 +274,21 @@ def _union_us(intervals) -> float:
     return total
 
 
-def transfer_phases(trace: dict | str, bound_fraction: float = 0.9, link_gb_s: float = 54.0) -> dict:
+def _module_runs(tagged) -> list:
+    """Program intervals from kernel/copy events tagged with ``args.hlo_module`` (GPU traces
+    without an "XLA Modules" thread): each maximal run of consecutive events of one module, in
+    start order, is one execution ``(start, end, name)``."""
+    runs = []
+    for t0, t1, name in sorted(tagged):
+        if runs and runs[-1][2] == name:
+            runs[-1][1] = max(runs[-1][1], t1)
+        else:
+            runs.append([t0, t1, name])
+    return [tuple(r) for r in runs]
+
+
+def transfer_phases(trace: dict | str, bound_fraction: float = 0.9, link_gb_s: float = 54.0,
+                    exposed_fraction: float = 0.5) -> dict:
     """Bytes and rates of host<->device copies per program (phase) of a profiled step.
 
     Phases are the XLA module executions on the GPU (events on a thread named "XLA Modules"); a
@@ -282,8 +296,11 @@ def transfer_phases(trace: dict | str, bound_fraction: float = 0.9, link_gb_s: f
     phase: ``duration_s``, ``h2d_bytes`` / ``d2h_bytes``, ``h2d_busy_s`` / ``d2h_busy_s`` (union
     of that direction's copy intervals), ``h2d_gb_s`` / ``d2h_gb_s`` (bytes over the phase's
     duration), ``h2d_gb_s_while_busy`` / ``d2h_...`` (bytes over busy time), and
+    ``copy_only_s`` / ``copy_only_fraction`` (copies running while no kernel computes), and
     ``transfer_bound``: a direction's copies were busy for at least ``bound_fraction`` of the
-    phase (the compute waited on PCIe). Also the whole step's ``span_s`` and average rates, with
+    phase, or copies ran with no kernel computing for at least ``exposed_fraction`` of it (the
+    compute waited on PCIe). Without an "XLA Modules" thread, programs are the runs of events
+    tagged with one ``args.hlo_module``. Also the whole step's ``span_s`` and average rates, with
     ``link_gb_s`` (54 GB/s per direction on the H200: gpu_facts.md) for reference.
 
     Returns ``{"phases": [...], "step": {...}}``; empty phases when the trace has no module events.
@@ -297,7 +314,7 @@ def transfer_phases(trace: dict | str, bound_fraction: float = 0.9, link_gb_s: f
         if ev.get("ph") == "M" and ev.get("name") == "thread_name":
             threads[(ev.get("pid"), ev.get("tid"))] = str((ev.get("args") or {}).get("name", ""))
     gpu = {pid for pid, n in procs.items() if re.search(r"/device:GPU|\bGPU\b|cuda", n, re.I)}
-    modules, copies, all_x = [], [], []
+    modules, copies, all_x, compute, tagged = [], [], [], [], []
     for ev in events:
         if ev.get("ph") != "X" or (gpu and ev.get("pid") not in gpu) or "dur" not in ev:
             continue
@@ -309,13 +326,21 @@ def transfer_phases(trace: dict | str, bound_fraction: float = 0.9, link_gb_s: f
             continue
         name = str(ev.get("name", ""))
         args = ev.get("args") or {}
-        if not (_MEMCPY_LIKE.search(name) or (isinstance(args, dict) and "memcpy_details" in args)):
+        module = args.get("hlo_module") if isinstance(args, dict) else None
+        if module:
+            tagged.append((t0, t1, str(module)))
+        is_copy = _MEMCPY_LIKE.search(name) or (isinstance(args, dict) and "memcpy_details" in args)
+        if not is_copy:
+            if "XLA Ops" in tname or module or not tname:
+                compute.append((t0, t1))
             continue
         if _API_NAME.match(name):
             continue
         d, nb = _event_direction(ev), _event_bytes(ev)
         if d in ("h2d", "d2h") and nb is not None:
             copies.append((t0, t1, d, nb))
+    if not modules and tagged:
+        modules = _module_runs(tagged)
     modules.sort()
 
     def summary(name, t0, t1, cps):
@@ -332,6 +357,16 @@ def transfer_phases(trace: dict | str, bound_fraction: float = 0.9, link_gb_s: f
             out[f"{d}_gb_s_while_busy"] = nbytes / (busy / 1e6) / 1e9 if busy else None
             if busy >= bound_fraction * dur:
                 bound.append(d)
+        # copies running while no kernel computes: time the program waited on PCIe
+        copying = [(max(a, t0), min(b, t1)) for a, b, _, _ in cps if min(b, t1) > max(a, t0)]
+        busy_any = _union_us(copying)
+        inside = [(max(a, t0), min(b, t1)) for a, b in compute if min(b, t1) > max(a, t0)]
+        overlap = _union_us(copying + inside) - _union_us(inside)  # copy time outside compute
+        out["copy_busy_s"] = busy_any / 1e6
+        out["copy_only_s"] = max(overlap, 0.0) / 1e6
+        out["copy_only_fraction"] = out["copy_only_s"] / (dur / 1e6)
+        if not bound and compute and out["copy_only_fraction"] >= exposed_fraction:
+            bound.append("h2d" if out.get("h2d_bytes", 0) >= out.get("d2h_bytes", 0) else "d2h")
         out["transfer_bound"] = bound
         return out
 

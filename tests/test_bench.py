@@ -270,7 +270,11 @@ def test_driver_calls_merge_under_one_run_id(tmp_path, capsys):
     assert bench.main(common + ["--systems", "plain_jax,maxtext_style", "--set", "segments=2"],
                       runner=_fake_runner(100.0, log)) == 0
     assert all("segments=2" in argv for argv, _ in log if "--worker" in argv)  # --set reaches the workers
-    assert bench.main(common + ["--systems", "zero_offload_style,chunkjax"], runner=_fake_runner(50.0, log)) == 0
+    assert bench.main(common + ["--systems", "zero_offload_style,chunkjax", "--system-budget", "chunkjax=8GiB"],
+                      runner=_fake_runner(50.0, log)) == 0
+    cj_argv, cj_env = [(a, e) for a, e in log if "chunkjax" in a][-1]  # its own budget and memory fraction
+    assert cj_argv[cj_argv.index("--budget-bytes") + 1] == str(8 * 2**30)
+    assert cj_env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == f"{8 / 100:.6f}"
     res = json.loads((tmp_path / "bench_r1.json").read_text())
     assert set(res["systems"]) == {"plain_jax", "maxtext_style", "zero_offload_style", "chunkjax"}
     assert [c["matmul_tflops"] for c in res["calls"]] == [100.0, 50.0] and res["matmul_tflops"] == 75.0
@@ -290,7 +294,8 @@ def test_driver_calls_merge_under_one_run_id(tmp_path, capsys):
     # every system subprocess got the budget as the memory fraction and the pinned cap lifted
     assert all(env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.75" for argv, env in log if "--probe" in argv)
     envs = [env for argv, env in log if "--worker" in argv]
-    assert all(env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == f"{24 / 100:.6f}" for env in envs)
+    assert all(env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == f"{24 / 100:.6f}" for argv, env in log
+               if "--worker" in argv and "chunkjax" not in argv)
     assert all(env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false" and env["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] == "110"
                for env in envs)
     # a different setting under the same run_id is refused before any worker runs
@@ -298,6 +303,8 @@ def test_driver_calls_merge_under_one_run_id(tmp_path, capsys):
     assert bench.main(["--model", "micro", "--batch", "4", "--seq", "16", "--device-budget", "24GiB", "--run-id", "r1",
                        "--results-dir", str(tmp_path), "--systems", "plain_jax"], runner=_fake_runner(1.0, log)) == 2
     assert "already holds batch=2" in capsys.readouterr().err
+    assert bench.main(common + ["--systems", "plain_jax", "--system-budget", "cj=1GiB"], runner=_fake_runner(1.0, log)) == 2
+    assert "--system-budget 'cj=1GiB'" in capsys.readouterr().err
     assert all("--worker" not in argv for argv, _ in log[n:])
 
     docs = tmp_path / "benchmarks.md"
@@ -590,3 +597,55 @@ def test_transfer_phases_per_program():
     assert upd["transfer_bound"] == ["h2d"] and upd["h2d_busy_s"] == pytest.approx(1.95e-3)
     assert by["outside programs"]["d2h_bytes"] == 27_000_000
     assert r["step"]["h2d_bytes"] == 162_000_000 and r["step"]["duration_s"] == pytest.approx(0.031)
+
+
+def test_transfer_phases_from_hlo_module_tags():
+    """GPU traces without an "XLA Modules" thread: programs are the runs of kernels tagged with
+    one ``hlo_module``; a program whose copies run while no kernel computes is transfer-bound."""
+    def ev(ts, dur, name, tid, args):
+        return {"ph": "X", "pid": 7, "tid": tid, "ts": ts, "dur": dur, "name": name, "args": args}
+
+    h2d = {"memcpy_details": "kind_src:pinned kind_dst:device size:10000000", "hlo_module": "jit_upd"}
+    trace = {"traceEvents": [
+        _meta(7, "/device:GPU:0"),
+        ev(0, 5_000, "fusion.1", 1, {"hlo_module": "jit_fwd"}),
+        ev(5_000, 5_000, "fusion.2", 1, {"hlo_module": "jit_fwd"}),
+        ev(12_000, 100, "fusion.3", 1, {"hlo_module": "jit_upd"}),
+        ev(12_100, 600, "MemcpyH2D", 2, h2d),    # no kernel runs meanwhile: exposed
+        ev(12_700, 300, "fusion.4", 1, {"hlo_module": "jit_upd"}),
+    ]}
+    r = gm.transfer_phases(trace)
+    by = {p["phase"]: p for p in r["phases"]}
+    assert list(by) == ["jit_fwd", "jit_upd"]
+    assert by["jit_fwd"]["duration_s"] == pytest.approx(0.010) and by["jit_fwd"]["transfer_bound"] == []
+    upd = by["jit_upd"]
+    assert upd["duration_s"] == pytest.approx(0.001) and upd["h2d_bytes"] == 10_000_000
+    assert upd["copy_only_s"] == pytest.approx(0.0006) and upd["transfer_bound"] == ["h2d"]
+
+
+def test_chunkjax_init_params_losses_match_plain_jax_step_by_step():
+    """``--set init=init_params``: chunkjax starts from the baselines' params, so its losses equal
+    plain_jax's step by step (the GPU check of a big model's arithmetic, bench
+    ``losses_vs_plain_jax``); a budget that forces host chunks keeps the host update in the path."""
+    from experiments.bench_chunkjax import ChunkjaxSystem
+    batch, seq = 2, 32
+
+    def losses(system):
+        b = bench.make_batch(CFG, batch, seq, 0, getattr(system, "dev_sh", None))
+        state, out = system.init(jax.random.key(0)), []
+        for _ in range(3):
+            state, loss = system.step(state, b)
+            out.append(float(loss))
+        return out
+
+    plain = {"losses": losses(bl.build("plain_jax", CFG))}
+    system = ChunkjaxSystem(CFG, 2_500_000, batch, seq, init="init_params")
+    assert {"host", "device"} <= set(system.schedule.update_locations)
+    rec = {"losses": losses(system), "init": system.init_rule}
+    cmp = bench.compare_losses({"plain_jax": plain, "chunkjax": rec})
+    assert cmp["chunkjax"]["steps"] == 3 and plain["losses"][-1] < plain["losses"][0] - 0.05
+    # bf16 compute: ~2e-5 relative; one skipped or doubled update moves the loss by ~1e-2
+    assert cmp["chunkjax"]["max_rel_diff"] < 5e-4, (plain["losses"], rec["losses"])
+    assert bench.compare_losses({"plain_jax": plain, "chunkjax": dict(rec, init="leafwise")}) == {}
+    with pytest.raises(ValueError, match="init="):
+        ChunkjaxSystem(CFG, 2_500_000, batch, seq, init="zeros")
