@@ -1,0 +1,632 @@
+"""Near-storage optimizer updates (SmartUpdate), top-k gradient compression, and the baseline.
+
+Smart-Infinity (Jang et al., HPCA 2024, arXiv 2403.06664) observes that with the optimizer state
+on storage (ZeRO-Infinity's NVMe offload), the shared host <-> storage link carries the whole state
+every step: read fp32 master, m, v (12 bytes/param) and write them back (12), plus the gradients
+and params. Its *SmartUpdate* (section "SmartUpdate") runs the update next to each storage device
+(on an FPGA in the paper), so the shared link carries only gradients in and updated
+compute-dtype params out (bf16 + bf16 = 4 bytes/param here), while each device's own link carries
+its shard of the state. Its *gradient compression* (section "Gradient Compression") sends only the
+top-k gradient entries of each chunk (indices + values), decompressed next to storage.
+
+This module implements, on CPU processes:
+
+* :class:`NearStorageOptimizer`: one worker process per storage directory (the "SmartSSD"): it
+  owns the directory's chunk files (a :class:`chunkjax.storage.DiskTier` over that directory
+  only, with the data transfer handler's fixed staging buffers) and runs AdamW there. The trainer
+  computes the global gradient norm (for ``clip_by_global_norm``) and the overflow / non-finite
+  check *before* sending; a non-finite step changes no state. Steps use a two-phase commit: every
+  worker writes step N to new files and reports, then the trainer tells all to commit; a worker
+  that dies (or a full disk) raises :class:`StorageError` and every shard stays at (or recovers
+  to) the last step all completed. A new optimizer over the same directories resumes from there.
+* :func:`topk_compress` (jax.numpy, runs where the gradient is, e.g. the accelerator) and
+  :func:`topk_decompress` (numpy, in the worker); optional error feedback (the paper has none):
+  the residual ``g - decompress(compress(g))`` of each chunk stays on the trainer and is added to
+  the next step's gradient.
+* :class:`BaselineOptimizer` (ZeRO-Infinity style): the trainer reads master, m, v of each chunk
+  from storage into host staging buffers, updates on the host, writes them back.
+
+Accounting (per step, bytes): the shared link (trainer <-> workers: gradient payload in, i.e. the
+gradient, or top-k indices (int32) + values; params out; in the baseline: every state byte read
+from and written to storage) and each storage device's own link (its directory's reads + writes).
+:class:`chunkjax.storage.LinkModel` throttles both to given rates; such results are an emulation
+and are labelled ``emulated: True``. Here the shared link is throttled in the trainer process
+(all its traffic passes there, one transfer at a time) and each device link in its worker.
+
+The AdamW arithmetic is the one of :class:`chunkjax.host_update.AdamW` (optax's ``adamw``:
+``scale_by_adam``, ``add_decayed_weights``, ``scale_by_learning_rate``), in float32 numpy with the
+same operations in the same order, so results equal eager optax to float32 rounding.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import multiprocessing
+import os
+import time
+from collections.abc import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from chunkjax.host_update import INT32_MAX, AdamW, learning_rate_at
+from chunkjax.storage import DiskTier, Link, LinkModel, StorageError, committed_step
+
+__all__ = ["AdamW", "BaselineOptimizer", "LinkModel", "NearStorageOptimizer", "StepResult", "StorageError",
+           "adamw_hyper", "adamw_numpy_", "clip_args", "topk_compress", "topk_decompress", "topk_k"]
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+F32 = np.dtype(np.float32)
+
+
+# ----------------------------------------------------------------------------------------------
+# AdamW in float32 numpy (matches chunkjax.host_update's kernel and eager optax).
+# ----------------------------------------------------------------------------------------------
+
+def adamw_hyper(spec: AdamW, count: int) -> tuple[np.float32, ...]:
+    """Float32 scalars of the AdamW step taken when the state's count is ``count`` (the count
+    before the step, 0 at the first): (b1, 1-b1, b2, 1-b2, 1/(1-b1^t), 1/(1-b2^t), eps, wd, -lr)."""
+    f32 = np.float32
+    t = min(count + 1, INT32_MAX)
+    return (f32(spec.b1), f32(1 - spec.b1), f32(spec.b2), f32(1 - spec.b2),
+            f32(1) / (f32(1) - f32(spec.b1) ** f32(t)), f32(1) / (f32(1) - f32(spec.b2) ** f32(t)),
+            f32(spec.eps), f32(spec.weight_decay), -learning_rate_at(spec.learning_rate, count))
+
+
+def adamw_numpy_(master: np.ndarray, m: np.ndarray, v: np.ndarray, grad: np.ndarray, clip: tuple | None,
+                 hp: tuple) -> None:
+    """One AdamW step in place on (n,) float32 ``master``, ``m``, ``v`` with (n,) float32 ``grad``;
+    ``hp`` from :func:`adamw_hyper`. Same float32 operations, in the same order, as
+    ``chunkjax.host_update``'s kernel (optax's bias-correction divisions as multiplies by the
+    float32 reciprocal, as XLA does).
+
+    ``clip``: None (no clipping), or ``(global_norm, max_norm)`` (float32) from :func:`clip_args`:
+    the gradient becomes ``(g / global_norm) * max_norm``, as ``optax.clip_by_global_norm``."""
+    b1, omb1, b2, omb2, inv_bc1, inv_bc2, eps, wd, neg_lr = hp
+    if clip is None:
+        g = grad.copy()
+    else:
+        g = grad / np.float32(clip[0])
+        g *= np.float32(clip[1])
+    m *= b1
+    m += omb1 * g  # (1-b1) g + b1 m: one rounding per op, a+b == b+a
+    g *= g
+    v *= b2
+    v += omb2 * g
+    u = m * inv_bc1
+    d = v * inv_bc2
+    np.sqrt(d, out=d)
+    d += eps
+    u /= d
+    if wd != 0:  # optax skips a zero weight decay
+        u += wd * master
+    u *= neg_lr
+    master += u
+
+
+def clip_args(spec: AdamW, global_norm: float) -> tuple | None:
+    """The ``clip`` argument of :func:`adamw_numpy_`: None when ``spec.max_grad_norm`` is None or
+    ``global_norm < max_grad_norm`` (optax keeps the gradient), else float32 (global_norm, max_norm)."""
+    if spec.max_grad_norm is None or global_norm < spec.max_grad_norm:
+        return None
+    return (np.float32(global_norm), np.float32(spec.max_grad_norm))
+
+
+def _f32_of(payload: np.ndarray) -> np.ndarray:
+    """float32 values of a gradient payload: float32, or bf16 carried as uint16 bits (exact)."""
+    if payload.dtype == np.uint16:
+        return (payload.astype(np.uint32) << 16).view(F32)
+    return payload.astype(F32, copy=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# Top-k compression.
+# ----------------------------------------------------------------------------------------------
+
+def topk_k(n: int, ratio: float) -> int:
+    """Entries kept of an n-element chunk: ``max(1, ceil(ratio * n))``, at most n."""
+    if not 0 < ratio <= 1:
+        raise ValueError(f"top-k ratio must be in (0, 1], got {ratio!r}")
+    return min(n, max(1, math.ceil(ratio * n)))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _topk(g, k):
+    _, idx = jax.lax.top_k(jnp.abs(g), k)
+    return idx.astype(jnp.int32), g[idx]
+
+
+def topk_compress(grad, ratio: float = 0.01):
+    """Top-k compression of one gradient chunk (Smart-Infinity, "Gradient Compression"), in jax.numpy:
+    runs on the device that holds ``grad``.
+
+    Args:
+      grad: (n,) gradient (any float dtype; a jax or numpy array).
+      ratio: fraction of entries kept; k = :func:`topk_k` (n, ratio).
+
+    Returns:
+      (indices, values): (k,) int32 positions of the k largest ``|grad|`` (``jax.lax.top_k``, ties
+      to the lower index), and (k,) ``grad[indices]`` in grad's dtype. Wire size: k*(4 + itemsize).
+    """
+    g = jnp.asarray(grad).reshape(-1)
+    return _topk(g, topk_k(g.size, ratio))
+
+
+def topk_decompress(indices: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
+    """(n,) float32 array, zero except ``values`` (float32, bf16, or bf16 bits as uint16) at
+    ``indices`` (int32). Inverse of :func:`topk_compress` on the kept entries."""
+    out = np.zeros(n, F32)
+    values = np.asarray(values)
+    if values.dtype == BF16:
+        values = values.view(np.uint16)
+    out[np.asarray(indices, np.int64)] = _f32_of(values)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Step results and the trainer-side common part.
+# ----------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class StepResult:
+    """What one optimizer step did.
+
+    Attributes:
+      step: the committed step after this call (unchanged when skipped).
+      params: per chunk, the (n_c,) updated params in the compute dtype (ml_dtypes.bfloat16
+        numpy arrays); None when skipped.
+      skipped: True when the gradient was not finite (nothing was sent or changed).
+      grad_norm: global L2 norm of the (uncompressed) gradient.
+      shared_link_bytes: bytes on the shared link this step (see module docstring).
+      shared_link_in / shared_link_out: its two directions (to storage side / back), bytes.
+      storage_link_bytes: per storage directory, bytes read + written on its own link.
+      update_s: wall seconds of the update phase (send, update, receive, commit).
+      n_params: parameters updated (for bytes per param).
+      emulated: True when a LinkModel throttled the links (times are an emulation).
+    """
+
+    step: int
+    params: list | None
+    skipped: bool
+    grad_norm: float
+    shared_link_bytes: int = 0
+    shared_link_in: int = 0
+    shared_link_out: int = 0
+    storage_link_bytes: dict = dataclasses.field(default_factory=dict)
+    update_s: float = 0.0
+    n_params: int = 0
+    emulated: bool = False
+
+    @property
+    def shared_link_bytes_per_param(self) -> float:
+        return self.shared_link_bytes / max(self.n_params, 1)
+
+    @property
+    def storage_link_bytes_per_param(self) -> float:
+        return sum(self.storage_link_bytes.values()) / max(self.n_params, 1)
+
+
+def _sizes_of(chunk_sizes) -> dict[int, int]:
+    sizes = dict(chunk_sizes) if isinstance(chunk_sizes, Mapping) else dict(enumerate(chunk_sizes))
+    if sorted(sizes) != list(range(len(sizes))):
+        raise ValueError("chunk ids must be 0..n_chunks-1")
+    return {int(c): int(n) for c, n in sorted(sizes.items())}
+
+
+class _Trainer:
+    """Shared part: global norm, overflow check, clip scale, hyperparameters."""
+
+    def _init_common(self, chunk_sizes, spec: AdamW, link_model: LinkModel | None):
+        if not isinstance(spec, AdamW):
+            raise ValueError(f"spec must be chunkjax.host_update.AdamW, got {type(spec).__name__}")
+        self.spec = spec
+        self.chunk_sizes = _sizes_of(chunk_sizes)
+        self.n_params = sum(self.chunk_sizes.values())
+        self.link_model = link_model or LinkModel()
+
+    def _check_grads(self, grads):
+        if len(grads) != len(self.chunk_sizes):
+            raise ValueError(f"need {len(self.chunk_sizes)} gradient chunks, got {len(grads)}")
+        out = []
+        for c, g in enumerate(grads):
+            g = jnp.asarray(g).reshape(-1)
+            if g.size != self.chunk_sizes[c]:
+                raise ValueError(f"gradient chunk {c} has {g.size} elements, chunk size is {self.chunk_sizes[c]}")
+            out.append(g)
+        # optax.global_norm: sqrt of the sum of per-leaf sums of squares, in leaf order.
+        norm = float(jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in out)))
+        return out, norm
+
+
+# ----------------------------------------------------------------------------------------------
+# The near-storage worker.
+# ----------------------------------------------------------------------------------------------
+
+def _worker_main(conn, cfg: dict):
+    """One storage directory's worker: owns its DiskTier and runs AdamW next to it."""
+    tier = None
+    try:
+        tier = DiskTier([cfg["dir"]], cfg["sizes"], dir_indices=[cfg["index"]], n_dirs_total=cfg["n_dirs"],
+                        n_buffers=cfg["n_buffers"], io_mode=cfg["io_mode"], fsync=cfg["fsync"],
+                        link_model=LinkModel(disk_bytes_per_s=cfg["disk_bytes_per_s"]),
+                        target_step=cfg["target_step"])
+        conn.send(("ready", tier.committed_step, tier.io_mode))
+    except Exception as e:  # noqa: BLE001 - reported to the trainer
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        return
+    fault = cfg.get("fault") or {}
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            break
+        kind = msg[0]
+        try:
+            if kind == "close":
+                break
+            if kind == "init":
+                tier.initialize(msg[1])
+                conn.send(("ok", tier.committed_step))
+            elif kind == "step":
+                _, step, scale, hp, grads = msg
+                if step != tier.committed_step + 1:
+                    raise StorageError(f"asked for step {step}, committed step is {tier.committed_step}")
+                out, done = {}, [0]
+
+                def fn(c, views, grads=grads, out=out, done=done, step=step, scale=scale, hp=hp):
+                    p = grads.pop(c)
+                    g = topk_decompress(p[1], p[2], tier.chunk_sizes[c]) if p[0] == "topk" else _f32_of(p[1])
+                    adamw_numpy_(views[0], views[1], views[2], g, scale, hp)
+                    out[c] = views[0].astype(BF16).view(np.uint16)
+                    done[0] += 1
+                    if fault.get("step") == step and done[0] == fault.get("after_chunks", 1):
+                        with open(fault["marker"], "w") as f:  # test hook: wait here to be killed
+                            f.write(str(os.getpid()))
+                        time.sleep(fault.get("sleep_s", 3600))
+
+                if fault.get("fsize_limit_at_step") == step:  # test hook: a full disk from this step on
+                    import resource
+                    import signal
+                    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+                    resource.setrlimit(resource.RLIMIT_FSIZE, (fault["fsize_limit"], fault["fsize_limit"]))
+                io = tier.update(fn, commit=False)
+                conn.send(("prepared", step, out, io.read, io.written))
+            elif kind == "commit":
+                tier.commit()
+                conn.send(("committed", tier.committed_step))
+            elif kind == "abort":
+                tier.abort()
+                conn.send(("aborted", tier.committed_step))
+            elif kind == "read":
+                conn.send(("state", {c: tier.read_chunk(c) for c in tier.chunk_sizes}))
+            else:
+                raise ValueError(f"unknown message {kind!r}")
+        except Exception as e:  # noqa: BLE001 - reported to the trainer
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+    tier.close()
+
+
+class NearStorageOptimizer(_Trainer):
+    """AdamW with the state on storage and the update next to it (Smart-Infinity's SmartUpdate).
+
+    One worker process (multiprocessing, "spawn") per directory owns that directory's chunk files
+    (chunk c in ``dirs[c % len(dirs)]``, layout in :mod:`chunkjax.storage`) and updates its chunks;
+    the trainer sends gradients (bf16 or fp32, dense or top-k) and receives updated bf16 params.
+
+    Args:
+      dirs: one directory per storage device (created if missing). If they hold a committed run,
+        it is resumed at the last step all directories completed (``init_params`` is then ignored).
+      chunk_sizes: (n_chunks,) elements per chunk (or ``{c: n}`` with ids 0..n_chunks-1).
+      spec: :class:`chunkjax.host_update.AdamW` (learning rate float or schedule, b1, b2, eps,
+        weight_decay, max_grad_norm for global-norm clipping).
+      init_params: per chunk, the (n_c,) initial fp32 master params (for a fresh run).
+      compression: None (dense gradients) or "topk".
+      topk_ratio: fraction of each chunk's entries sent with "topk" (default 0.01).
+      error_feedback: keep each chunk's compression residual (float32, on the gradient's device)
+        and add it to the next step's gradient (off by default, as in the paper). Not persisted.
+      link_model: emulated rates (bytes/s) of the shared link and of each device link.
+      io_mode, n_buffers, fsync: passed to each worker's :class:`DiskTier`.
+      timeout_s: longest wait for one worker reply, seconds (a dead worker is detected at once).
+
+    Raises:
+      StorageError: a worker failed to start, the directories are inconsistent, or (from
+        :meth:`step`) a worker died or a disk is full; the message names the worker and the last
+        committed step.
+    """
+
+    def __init__(self, dirs: Sequence[str], chunk_sizes, spec: AdamW, *, init_params=None,
+                 compression: str | None = None, topk_ratio: float = 0.01, error_feedback: bool = False,
+                 link_model: LinkModel | None = None, io_mode: str = "auto", n_buffers: int = 3, fsync: bool = True,
+                 timeout_s: float = 300.0, _fault: dict | None = None):
+        self._init_common(chunk_sizes, spec, link_model)
+        if compression not in (None, "topk"):
+            raise ValueError(f"compression must be None or 'topk', got {compression!r}")
+        topk_k(1, topk_ratio)  # validates the ratio
+        self.dirs = [os.fspath(d) for d in dirs]
+        self.compression, self.topk_ratio, self.error_feedback = compression, topk_ratio, error_feedback
+        self.timeout_s = timeout_s
+        self.shared_link = Link(self.link_model.shared_bytes_per_s, "shared")
+        self._residual: dict[int, jax.Array] = {}
+        self._broken: str | None = None
+        for d in self.dirs:
+            os.makedirs(d, exist_ok=True)
+        target = committed_step(self.dirs)
+        n = len(self.dirs)
+        ctx = multiprocessing.get_context("spawn")
+        self.workers, self._conns, self.io_mode = [], [], {}
+        self.owned = [[c for c in self.chunk_sizes if c % n == i] for i in range(n)]
+        try:
+            for i, d in enumerate(self.dirs):
+                parent, child = ctx.Pipe()
+                cfg = dict(dir=d, index=i, n_dirs=n, sizes={c: self.chunk_sizes[c] for c in self.owned[i]},
+                           n_buffers=n_buffers, io_mode=io_mode, fsync=fsync, target_step=target,
+                           disk_bytes_per_s=self.link_model.disk_bytes_per_s,
+                           fault=_fault if _fault and _fault.get("worker") == i else None)
+                p = ctx.Process(target=_worker_main, args=(child, cfg), name=f"near_storage_{i}", daemon=True)
+                p.start()
+                child.close()
+                self.workers.append(p)
+                self._conns.append(parent)
+            for i in range(n):
+                _, step, mode = self._expect(i, "ready", "starting")
+                self.io_mode.update(mode)
+            self._step = target
+            if target is None:
+                if init_params is None:
+                    raise StorageError(f"{self.dirs} hold no committed run: pass init_params")
+                for i in range(n):
+                    self._conns[i].send(("init", {c: np.asarray(init_params[c], F32).reshape(-1) for c in self.owned[i]}))
+                for i in range(n):
+                    self._expect(i, "ok", "initialising")
+                self._step = 0
+        except BaseException:
+            self._kill_all()
+            raise
+
+    @property
+    def committed_step(self) -> int:
+        """The last step every worker committed (0: initial params)."""
+        return self._step
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self.workers]
+
+    # -- messaging ---------------------------------------------------------------------------
+    def _expect(self, i: int, kind: str, doing: str):
+        conn, proc = self._conns[i], self.workers[i]
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                if conn.poll(0.05):
+                    msg = conn.recv()
+                    break
+            except (EOFError, OSError):
+                msg = None
+                break
+            if not proc.is_alive() and not conn.poll(0):
+                msg = None
+                break
+            if time.monotonic() > deadline:
+                raise self._fail(f"near-storage worker {i} (pid {proc.pid}, {self.dirs[i]}) gave no reply within "
+                                 f"{self.timeout_s} s while {doing}")
+        if msg is None:
+            proc.join(1)
+            raise self._fail(f"near-storage worker {i} (pid {proc.pid}, {self.dirs[i]}) died (exit code "
+                             f"{proc.exitcode}) while {doing}")
+        if msg[0] == "error":
+            raise StorageError(f"near-storage worker {i} ({self.dirs[i]}) failed while {doing}: {msg[1]}; "
+                               f"last committed step {getattr(self, '_step', None)}")
+        if msg[0] != kind:
+            raise self._fail(f"near-storage worker {i} answered {msg[0]!r}, expected {kind!r} while {doing}")
+        return msg
+
+    def _fail(self, why: str) -> StorageError:
+        self._kill_all()
+        step = getattr(self, "_step", None)
+        self._broken = (f"{why}; every shard is at the last committed step {step}: open a new "
+                        "NearStorageOptimizer on the same directories to resume")
+        return StorageError(self._broken)
+
+    def _kill_all(self):
+        for p in getattr(self, "workers", []):
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+
+    def _check_usable(self):
+        if self._broken:
+            raise StorageError(self._broken)
+
+    # -- the step ----------------------------------------------------------------------------
+    def _payload(self, c: int, g: jax.Array):
+        """(wire message part, bytes) for chunk c's gradient."""
+        if self.compression != "topk":
+            a = np.asarray(g)
+            a = a.view(np.uint16) if a.dtype == BF16 else a.astype(F32, copy=False)
+            return ("dense", a), a.nbytes
+        if self.error_feedback:
+            ge = g.astype(jnp.float32) + self._residual.get(c, 0.0)
+            idx, vals = topk_compress(ge, self.topk_ratio)
+            vals = vals.astype(g.dtype)
+            self._residual[c] = ge.at[idx].add(-vals.astype(jnp.float32))
+        else:
+            idx, vals = topk_compress(g, self.topk_ratio)
+        idx, vals = np.asarray(idx), np.asarray(vals)
+        vals = vals.view(np.uint16) if vals.dtype == BF16 else vals.astype(F32, copy=False)
+        return ("topk", idx, vals), idx.nbytes + vals.nbytes
+
+    def step(self, grads: Sequence) -> StepResult:
+        """One AdamW step of every chunk.
+
+        Args:
+          grads: per chunk c, the (n_c,) gradient (jax or numpy; bfloat16 or float32).
+
+        Returns:
+          :class:`StepResult` with the new bf16 params per chunk and the byte accounting.
+
+        Raises:
+          StorageError: a worker died, timed out or failed (e.g. its disk is full). The step is not
+            committed; after a dead worker this object is unusable (open a new one to resume).
+        """
+        self._check_usable()
+        grads, norm = self._check_grads(grads)
+        if not math.isfinite(norm):
+            return StepResult(self._step, None, True, norm, n_params=self.n_params, emulated=self.link_model.emulated)
+        t0 = time.perf_counter()
+        scale = clip_args(self.spec, norm)
+        hp = adamw_hyper(self.spec, self._step)
+        step = self._step + 1
+        n = len(self.dirs)
+        sent = 0
+        for i in range(n):
+            parts, nbytes = {}, 0
+            for c in self.owned[i]:
+                parts[c], b = self._payload(c, grads[c])
+                nbytes += b
+            with self.shared_link.transfer(nbytes):
+                try:
+                    self._conns[i].send(("step", step, scale, hp, parts))
+                except (BrokenPipeError, OSError):
+                    raise self._fail(f"near-storage worker {i} (pid {self.workers[i].pid}, {self.dirs[i]}) died "
+                                     f"(exit code {self.workers[i].exitcode}) before step {step}") from None
+            sent += nbytes
+        params: dict[int, np.ndarray] = {}
+        storage: dict[str, int] = {}
+        received = 0
+        failure = None
+        for i in range(n):
+            try:
+                _, _, out, rd, wr = self._expect(i, "prepared", f"preparing step {step}")
+            except StorageError as e:
+                failure = failure or e
+                continue
+            nbytes = sum(a.nbytes for a in out.values())
+            with self.shared_link.transfer(nbytes):
+                params.update({c: a.view(BF16) for c, a in out.items()})
+            received += nbytes
+            storage.update({d: rd[d] + wr[d] for d in rd})
+        if failure is not None:
+            if not self._broken:  # a worker reported an error (e.g. a full disk): abort the others
+                for i in range(n):
+                    with _suppress_storage():
+                        self._conns[i].send(("abort", step))
+                        self._expect(i, "aborted", f"aborting step {step}")
+            raise failure
+        for i in range(n):
+            self._conns[i].send(("commit", step))
+        for i in range(n):
+            self._expect(i, "committed", f"committing step {step}")
+        self._step = step
+        return StepResult(step, [params[c] for c in self.chunk_sizes], False, norm, sent + received, sent, received,
+                          storage, time.perf_counter() - t0, self.n_params, self.link_model.emulated)
+
+    def read_state(self) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """``{c: (master, m, v)}`` float32 copies at the committed step, read by the workers."""
+        self._check_usable()
+        out = {}
+        for i in range(len(self.dirs)):
+            self._conns[i].send(("read",))
+            out.update(self._expect(i, "state", "reading state")[1])
+        return dict(sorted(out.items()))
+
+    def close(self):
+        """Stop the workers (committed state stays on storage)."""
+        for i, conn in enumerate(getattr(self, "_conns", [])):
+            if self.workers[i].is_alive():
+                with _suppress_storage():
+                    conn.send(("close",))
+        for p in getattr(self, "workers", []):
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class _suppress_storage:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, et, e, tb):
+        return et is not None and issubclass(et, (StorageError, OSError, EOFError))
+
+
+# ----------------------------------------------------------------------------------------------
+# The ZeRO-Infinity-style baseline.
+# ----------------------------------------------------------------------------------------------
+
+class BaselineOptimizer(_Trainer):
+    """AdamW with the state on storage, updated on the host (the ZeRO-Infinity baseline that
+    Smart-Infinity compares against): each step reads master, m, v of every chunk from storage into
+    the host staging buffers, updates them on the host and writes them back, so every state byte
+    crosses the shared host <-> storage link twice (>= 24 bytes/param/step; the gradient itself is
+    already on the host and is not counted on that link).
+
+    Args: as :class:`NearStorageOptimizer` (no compression); ``io_threads`` I/O threads and
+    ``n_buffers`` staging buffers in this process (defaults grow with the number of directories).
+    With a ``link_model``, ``shared_bytes_per_s`` throttles all storage traffic together and
+    ``disk_bytes_per_s`` each directory.
+    """
+
+    def __init__(self, dirs: Sequence[str], chunk_sizes, spec: AdamW, *, init_params=None,
+                 link_model: LinkModel | None = None, io_mode: str = "auto", n_buffers: int | None = None,
+                 io_threads: int | None = None, fsync: bool = True):
+        self._init_common(chunk_sizes, spec, link_model)
+        n = len(dirs)
+        self.tier = DiskTier(dirs, self.chunk_sizes, n_buffers=n_buffers or n + 2, io_threads=io_threads or 2 * n,
+                             io_mode=io_mode, link_model=self.link_model, fsync=fsync)
+        self.dirs = self.tier.dirs
+        if self.tier.committed_step is None:
+            if init_params is None:
+                raise StorageError(f"{self.dirs} hold no committed run: pass init_params")
+            self.tier.initialize(init_params)
+
+    @property
+    def committed_step(self) -> int:
+        return self.tier.committed_step
+
+    def step(self, grads: Sequence) -> StepResult:
+        """One AdamW step of every chunk, on the host; arguments and result as
+        :meth:`NearStorageOptimizer.step`. Raises StorageError (e.g. a full disk; nothing committed)."""
+        grads, norm = self._check_grads(grads)
+        count = self.tier.committed_step
+        if not math.isfinite(norm):
+            return StepResult(count, None, True, norm, n_params=self.n_params, emulated=self.link_model.emulated)
+        t0 = time.perf_counter()
+        scale, hp = clip_args(self.spec, norm), adamw_hyper(self.spec, count)
+        host = [np.asarray(g) for g in grads]
+        params = {}
+
+        def fn(c, views):
+            g = host[c]
+            g = _f32_of(g.view(np.uint16)) if g.dtype == BF16 else g.astype(F32, copy=False)
+            adamw_numpy_(views[0], views[1], views[2], g, scale, hp)
+            params[c] = views[0].astype(BF16)
+
+        io = self.tier.update(fn)
+        storage = {d: io.read[d] + io.written[d] for d in io.read}
+        total = sum(storage.values())
+        return StepResult(self.tier.committed_step, [params[c] for c in self.chunk_sizes], False, norm, total,
+                          sum(io.read.values()), sum(io.written.values()), storage, time.perf_counter() - t0,
+                          self.n_params, self.link_model.emulated)
+
+    def read_state(self):
+        return {c: self.tier.read_chunk(c) for c in self.chunk_sizes}
+
+    def close(self):
+        self.tier.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

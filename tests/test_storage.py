@@ -1,0 +1,460 @@
+"""The storage tier (chunkjax.storage) and near-storage updates (chunkjax.near_storage), issue 6.
+
+Smart-Infinity (Jang et al., HPCA 2024): SmartUpdate, the data transfer handler, top-k gradient
+compression; the ZeRO-Infinity baseline. Small sizes: the whole file runs in well under 90 s on
+2 CPU cores (each near-storage optimizer spawns one process per directory).
+"""
+import errno
+import math
+import os
+import signal
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+
+from chunkjax import storage
+from chunkjax.host_update import AdamW
+from chunkjax.near_storage import (BaselineOptimizer, NearStorageOptimizer, adamw_hyper, adamw_numpy_, topk_compress,
+                                   topk_decompress, topk_k)
+from chunkjax.storage import DiskTier, Link, LinkModel, StorageError, committed_step, read_manifest
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def random_bits(rng, n):
+    """float32 arrays of arbitrary bit patterns (NaNs with payloads, infs, subnormals, -0)."""
+    return rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32).view(np.float32)
+
+
+def same_bits(a, b):
+    return np.array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
+
+
+# ----------------------------------------------------------------------------------------------
+# Disk tier.
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [1, 511, 513, 10**6 + 3])
+def test_roundtrip_bit_exact(tmp_path, n):
+    rng = np.random.default_rng(n)
+    sizes = [n, n + 1, 3]  # chunks 0, 2 in dir a; chunk 1 in dir b
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    masters = [random_bits(rng, k) for k in sizes]
+    later = {c: tuple(random_bits(rng, k) for _ in range(3)) for c, k in enumerate(sizes)}
+    with DiskTier(dirs, sizes) as tier:
+        assert set(tier.io_mode.values()) <= {"direct", "buffered"}
+        tier.initialize(masters)
+        for c in range(3):
+            got = tier.read_chunk(c)
+            assert same_bits(got[0], masters[c]) and not got[1].any() and not got[2].any()
+
+        def fn(c, views):
+            for v, x in zip(views, later[c]):
+                assert v.dtype == np.float32 and v.shape == (sizes[c],)
+                v[:] = x
+
+        io = tier.update(fn)
+        assert tier.committed_step == 1
+        want = {str(d): sum(3 * storage.section_bytes(sizes[c]) for c in range(3) if c % 2 == i)
+                for i, d in enumerate(dirs)}
+        assert io.read == want and io.written == want and io.emulated is False
+    # buffered I/O reads the O_DIRECT (or buffered) files back identically after a reopen
+    with DiskTier(dirs, sizes, io_mode="buffered") as tier:
+        assert tier.committed_step == 1
+        for c in range(3):
+            assert all(same_bits(g, w) for g, w in zip(tier.read_chunk(c), later[c]))
+    names = sorted(os.listdir(dirs[0]))
+    assert names == ["chunk0000000.step000000001.bin", "chunk0000002.step000000001.bin", "manifest.json"]
+    assert os.path.getsize(dirs[0] / names[0]) == 3 * storage.section_bytes(n)
+
+
+def test_staging_pool_fixed_and_pipeline_overlaps(tmp_path, monkeypatch):
+    """Staging memory does not grow with the number of chunks; reads run ahead of the update."""
+    small = DiskTier([tmp_path / "s"], [4096] * 2)
+    big = DiskTier([tmp_path / "b"], [4096] * 40)
+    assert small.staging_bytes == big.staging_bytes == 3 * 3 * 4096 * 4
+    small.close()
+    big.initialize(lambda c: np.full(4096, c, np.float32))
+    events = []
+    read_into = storage._Shard.read_into
+
+    def traced_read(self, c, buf):
+        read_into(self, c, buf)
+        events.append(("read", c))
+
+    monkeypatch.setattr(storage._Shard, "read_into", traced_read)
+
+    def fn(c, views):
+        time.sleep(0.005)
+        events.append(("update", c))
+        views[0][:] += 1
+
+    big.update(fn)
+    # while chunk k is updated, the read of chunk k+1 has been issued and finishes before update k+1
+    for k in range(39):
+        assert events.index(("read", k + 1)) < events.index(("update", k + 1))
+    assert sum(1 for e in events if e[0] == "read" and events.index(e) < events.index(("update", 5))) >= 6
+    assert np.array_equal(big.read_chunk(7)[0], np.full(4096, 8, np.float32))
+    big.close()
+
+
+def test_interrupted_commit_rolls_back_to_last_common_step(tmp_path):
+    """Two directories (two workers); step 2 committed in one only: reopening goes back to step 1."""
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    sizes = {0: 100, 1: 200, 2: 300}
+    with DiskTier(dirs, sizes) as t:
+        t.initialize(lambda c: np.arange(sizes[c], dtype=np.float32))
+        t.update(lambda c, v: v[0].__iadd__(1))
+    t0 = DiskTier([dirs[0]], {0: 100, 2: 300}, dir_indices=[0], n_dirs_total=2, target_step=1)
+    t1 = DiskTier([dirs[1]], {1: 200}, dir_indices=[1], n_dirs_total=2, target_step=1)
+    for t in (t0, t1):
+        t.update(lambda c, v: v[0].__iadd__(100), commit=False)
+    t0.commit()  # worker 1 "dies" before its commit
+    t0.close(), t1.close()
+    assert read_manifest(dirs[0])["step"] == 2 and read_manifest(dirs[1])["step"] == 1
+    assert committed_step(dirs) == 1
+    with DiskTier(dirs, sizes) as t:
+        assert t.committed_step == 1
+        for c in sizes:
+            assert np.array_equal(t.read_chunk(c)[0], np.arange(sizes[c], dtype=np.float32) + 1)
+    assert read_manifest(dirs[0])["step"] == 1
+    assert not any("step000000002" in f for d in dirs for f in os.listdir(d))
+
+
+def test_full_disk_gives_storage_error_and_keeps_previous_step(tmp_path, monkeypatch):
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    sizes = [1000, 1000, 513]
+    tier = DiskTier(dirs, sizes)
+    tier.initialize(lambda c: np.full(sizes[c], 1.0, np.float32))
+    tier.update(lambda c, v: v[0].__imul__(2))  # step 1: params 2.0
+    real = storage._pwrite
+
+    def full_on_b(fd, data, offset):
+        if os.readlink(f"/proc/self/fd/{fd}").startswith(str(dirs[1])):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(storage, "_pwrite", full_on_b)
+    with pytest.raises(StorageError) as e:
+        tier.update(lambda c, v: v[0].__imul__(2))
+    msg = str(e.value)
+    assert "\n" not in msg and str(dirs[1]) in msg and "full" in msg and "ENOSPC" in msg and "step 1" in msg
+    assert tier.committed_step == 1
+    monkeypatch.setattr(storage, "_pwrite", real)
+    for c in range(3):
+        assert np.array_equal(tier.read_chunk(c)[0], np.full(sizes[c], 2.0, np.float32))
+    # the partial step left no files behind, and the tier keeps working
+    assert not any("step000000002" in f for d in dirs for f in os.listdir(d))
+    tier.update(lambda c, v: v[0].__iadd__(1))
+    tier.close()
+    with DiskTier(dirs, sizes) as t:
+        assert t.committed_step == 2 and np.array_equal(t.read_chunk(1)[0], np.full(1000, 3.0, np.float32))
+
+
+def test_file_size_limit_in_subprocess_gives_storage_error(tmp_path):
+    """A real write failure (RLIMIT_FSIZE: EFBIG) in a child process: one-line StorageError."""
+    import subprocess
+    import sys
+    code = f"""
+import resource, signal, numpy as np
+from chunkjax.storage import DiskTier, StorageError
+t = DiskTier([{str(tmp_path / 'a')!r}], [1000])
+t.initialize([np.ones(1000, np.float32)])
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+try:
+    t.update(lambda c, v: v[0].__iadd__(1))
+except StorageError as e:
+    print("ERR", e)
+print("STEP", t.committed_step, t.read_chunk(0)[0][0])
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "ERR storage directory" in r.stdout and "full (EFBIG)" in r.stdout, r.stdout
+    assert "STEP 0 1.0" in r.stdout
+
+
+def test_link_model_throttles_and_serialises():
+    link = Link(1e6, "shared")  # 1 MB/s
+    t0 = time.monotonic()
+
+    def send():
+        with link.transfer(50_000):
+            pass
+
+    ths = [threading.Thread(target=send) for _ in range(4)]
+    [t.start() for t in ths]
+    [t.join() for t in ths]
+    dt = time.monotonic() - t0
+    assert 0.2 <= dt < 1.0 and link.bytes == 200_000  # 4 x 0.05 s, one after another
+    assert LinkModel(16e9, 3e9).emulated and not LinkModel().emulated
+    with pytest.raises(ValueError):
+        LinkModel(shared_bytes_per_s=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Top-k compression.
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_topk_compress_decompress(dtype):
+    rng = np.random.default_rng(0)
+    n = 10_007
+    g = rng.permutation(np.arange(1, n + 1, dtype=np.float32)) * rng.choice([-1, 1], n)  # distinct |g| in f32
+    g = jnp.asarray(g / n, dtype)
+    idx, vals = topk_compress(g, 0.01)
+    k = math.ceil(0.01 * n)
+    assert k == topk_k(n, 0.01) == 101 and idx.dtype == jnp.int32 and idx.shape == (k,) and vals.dtype == dtype
+    mags = np.abs(np.asarray(g, np.float32))
+    assert np.sort(np.abs(np.asarray(vals, np.float32)))[0] >= np.sort(mags)[-k]  # exactly the k largest |g|
+    assert np.sort(mags[np.asarray(idx)]).tolist() == np.sort(mags)[-k:].tolist()
+    assert len(set(np.asarray(idx).tolist())) == k
+    np.testing.assert_array_equal(np.asarray(vals), np.asarray(g)[np.asarray(idx)])
+    vals_np = np.asarray(vals)
+    dense = topk_decompress(np.asarray(idx), vals_np.view(np.uint16) if vals_np.dtype == BF16 else vals_np, n)
+    want = np.zeros(n, np.float32)
+    want[np.asarray(idx)] = np.asarray(g, np.float32)[np.asarray(idx)]
+    assert dense.dtype == np.float32 and same_bits(dense, want)
+    assert np.count_nonzero(dense) == k
+    assert topk_compress(jnp.ones(5), 1e-6)[0].shape == (1,)
+    with pytest.raises(ValueError):
+        topk_k(10, 0.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Near-storage updates.
+# ----------------------------------------------------------------------------------------------
+
+def reference_adamw(spec, init, grads_per_step):
+    """Plain optax (clip_by_global_norm + adamw, eager) on the list of chunks: (params, mu, nu)."""
+    tx = spec.optax()
+    p = [jnp.asarray(x) for x in init]
+    s = tx.init(p)
+    for g in grads_per_step:
+        u, s = tx.update([jnp.asarray(x) for x in g], s, p)
+        p = optax.apply_updates(p, u)
+    adam = next(x for x in jax.tree.leaves(s, is_leaf=lambda x: hasattr(x, "mu")) if hasattr(x, "mu"))
+    return [np.asarray(x) for x in p], [np.asarray(x) for x in adam.mu], [np.asarray(x) for x in adam.nu]
+
+
+def test_near_storage_equals_optax_after_20_steps(tmp_path):
+    sizes = [1, 511, 513, 10**6 + 3]
+    rng = np.random.default_rng(1)
+    init = [rng.standard_normal(n, dtype=np.float32) for n in sizes]
+    grads = [[rng.standard_normal(n, dtype=np.float32) * (0.05 if s % 3 else 5.0) for n in sizes] for s in range(20)]
+    spec = AdamW(optax.linear_schedule(1e-2, 1e-3, 20), weight_decay=0.05, max_grad_norm=1000.0)
+    # the clip is active on the large steps only (norm about 5 * 1000), inactive on the others (about 50)
+    want_p, want_m, want_v = reference_adamw(spec, init, grads)
+    dirs = [tmp_path / "d0", tmp_path / "d1"]
+    with NearStorageOptimizer(dirs, sizes, spec, init_params=init) as opt:
+        for s in range(20):
+            r = opt.step([jnp.asarray(g) for g in grads[s]])
+            assert not r.skipped and r.step == s + 1
+        state = opt.read_state()
+    assert committed_step(dirs) == 20
+    for c in range(len(sizes)):
+        master, m, v = state[c]
+        np.testing.assert_allclose(master, want_p[c], rtol=1e-6, atol=1e-7, err_msg=f"master {c}")
+        # moments: elementwise rtol 1e-6 plus 1e-6 of the largest moment (m is a difference of
+        # rounded terms: near-zero entries carry the absolute rounding error of the big ones)
+        np.testing.assert_allclose(m, want_m[c], rtol=1e-6, atol=1e-6 * np.abs(want_m[c]).max(), err_msg=f"m {c}")
+        np.testing.assert_allclose(v, want_v[c], rtol=1e-6, atol=1e-6 * np.abs(want_v[c]).max(), err_msg=f"v {c}")
+        assert r.params[c].dtype == BF16
+        np.testing.assert_array_equal(r.params[c], master.astype(BF16))  # compute-dtype params out
+    assert not np.allclose(state[3][0], init[3], atol=1e-3)  # it did train
+
+
+def _grads(sizes, step, dtype=np.float32):
+    rng = np.random.default_rng(1000 + step)
+    return [jnp.asarray(rng.standard_normal(n, dtype=np.float32) * 0.1, dtype) for n in sizes]
+
+
+def test_shared_link_accounting_and_baseline(tmp_path):
+    """bf16 gradients in and bf16 params out: 4 bytes/param on the shared link (near_storage); the
+    baseline moves master, m, v both ways (24 bytes/param); top-k at 1 % is about 2.06 bytes/param.
+    All three reach the same state (top-k: the state of AdamW on the decompressed gradients)."""
+    sizes = [4096] * 6  # multiples of 1024 elements: no padding in the files
+    n_params = sum(sizes)
+    spec = AdamW(1e-3, weight_decay=0.01, max_grad_norm=0.5)
+    init = [np.random.default_rng(c).standard_normal(n, dtype=np.float32) for c, n in enumerate(sizes)]
+    steps = 3
+    with NearStorageOptimizer([tmp_path / "n0", tmp_path / "n1"], sizes, spec, init_params=init) as ns:
+        for s in range(steps):
+            r = ns.step(_grads(sizes, s, jnp.bfloat16))
+            assert r.shared_link_in == 2 * n_params and r.shared_link_out == 2 * n_params
+            assert r.shared_link_bytes_per_param == 4.0
+            assert r.storage_link_bytes == {str(tmp_path / f"n{i}"): 24 * n_params // 2 for i in range(2)}
+            assert r.storage_link_bytes_per_param == 24.0 and r.emulated is False
+        bad = _grads(sizes, 99, jnp.bfloat16)
+        bad[4] = bad[4].at[7].set(jnp.inf)
+        r_bad = ns.step(bad)  # overflow: skipped, nothing sent, nothing changed
+        assert r_bad.skipped and r_bad.step == steps and r_bad.shared_link_bytes == 0 and r_bad.params is None
+        ns_state = ns.read_state()
+    with BaselineOptimizer([tmp_path / "b0", tmp_path / "b1"], sizes, spec, init_params=init) as base:
+        for s in range(steps):
+            rb = base.step(_grads(sizes, s, jnp.bfloat16))
+            assert rb.shared_link_bytes_per_param >= 24.0
+            assert sum(rb.storage_link_bytes.values()) == 24 * n_params
+        base_state = base.read_state()
+    for c in range(len(sizes)):  # same float32 kernel on the same bf16 gradients: identical bits
+        assert all(same_bits(a, b) for a, b in zip(ns_state[c], base_state[c]))
+        np.testing.assert_array_equal(rb.params[c], r.params[c])
+
+    with NearStorageOptimizer([tmp_path / "t0", tmp_path / "t1"], sizes, spec, init_params=init,
+                              compression="topk") as tk:
+        for s in range(steps):
+            rt = tk.step(_grads(sizes, s, jnp.bfloat16))
+            k = topk_k(4096, 0.01)
+            assert rt.shared_link_in == len(sizes) * k * (4 + 2)
+            assert rt.shared_link_bytes_per_param == pytest.approx((len(sizes) * k * 6 + 2 * n_params) / n_params)
+            assert rt.shared_link_bytes_per_param < 2.5
+        tk_state = tk.read_state()
+    # reference: AdamW on the decompressed top-k gradients, clip scale from the full gradient's norm
+    master = [x.copy() for x in init]
+    m = [np.zeros(n, np.float32) for n in sizes]
+    v = [np.zeros(n, np.float32) for n in sizes]
+    for s in range(steps):
+        g = _grads(sizes, s, jnp.bfloat16)
+        norm = float(jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in g)))
+        clip = None if norm < 0.5 else (np.float32(norm), np.float32(0.5))
+        for c in range(len(sizes)):
+            idx, vals = topk_compress(g[c], 0.01)
+            adamw_numpy_(master[c], m[c], v[c], topk_decompress(np.asarray(idx), np.asarray(vals), sizes[c]), clip,
+                         adamw_hyper(spec, s))
+    for c in range(len(sizes)):
+        assert same_bits(tk_state[c][0], master[c]) and same_bits(tk_state[c][2], v[c])
+    assert not same_bits(tk_state[0][0], ns_state[0][0])
+
+
+def test_topk_error_feedback_keeps_residual(tmp_path):
+    sizes = [1000, 3000, 17]
+    spec = AdamW(1e-3)
+    init = [np.zeros(n, np.float32) for n in sizes]
+    with NearStorageOptimizer([tmp_path / "e0", tmp_path / "e1"], sizes, spec, init_params=init,
+                              compression="topk", topk_ratio=0.05, error_feedback=True) as opt:
+        g1 = _grads(sizes, 1)
+        opt.step(g1)
+        for c in range(len(sizes)):
+            idx, vals = topk_compress(g1[c], 0.05)
+            want = np.asarray(g1[c]) - topk_decompress(np.asarray(idx), np.asarray(vals), sizes[c])
+            assert same_bits(np.asarray(opt._residual[c]), want)
+            assert np.count_nonzero(want) == sizes[c] - topk_k(sizes[c], 0.05)
+        g2 = _grads(sizes, 2)
+        res1 = [np.asarray(opt._residual[c]) for c in range(len(sizes))]
+        opt.step(g2)
+        state = opt.read_state()
+        for c in range(len(sizes)):  # step 2 compressed g2 + residual of step 1
+            eff = np.asarray(g2[c]) + res1[c]
+            idx, vals = topk_compress(jnp.asarray(eff), 0.05)
+            assert same_bits(np.asarray(opt._residual[c]), eff - topk_decompress(np.asarray(idx), np.asarray(vals), sizes[c]))
+    # the worker state is AdamW on the two decompressed gradients
+    master, m, v = init[1].copy(), np.zeros(3000, np.float32), np.zeros(3000, np.float32)
+    eff = np.asarray(g1[1])
+    for s, g in enumerate([g1, g2]):
+        eff = np.asarray(g[1]) + (0 if s == 0 else res1[1])
+        idx, vals = topk_compress(jnp.asarray(eff), 0.05)
+        adamw_numpy_(master, m, v, topk_decompress(np.asarray(idx), np.asarray(vals), 3000), None, adamw_hyper(spec, s))
+    assert same_bits(state[1][0], master) and same_bits(state[1][1], m)
+
+
+def test_worker_killed_mid_step_then_resume(tmp_path):
+    sizes = [1000, 1001, 513, 7]
+    spec = AdamW(optax.linear_schedule(1e-2, 1e-3, 6), weight_decay=0.1, max_grad_norm=1.0)
+    init = [np.random.default_rng(c).standard_normal(n, dtype=np.float32) for c, n in enumerate(sizes)]
+    # uninterrupted run
+    with NearStorageOptimizer([tmp_path / "u0", tmp_path / "u1"], sizes, spec, init_params=init) as opt:
+        for s in range(3):
+            opt.step(_grads(sizes, s))
+        at3 = opt.read_state()
+        for s in range(3, 6):
+            last = opt.step(_grads(sizes, s))
+        final = opt.read_state()
+    # run killed in step 4 (worker 1, after it updated its first chunk)
+    dirs = [tmp_path / "k0", tmp_path / "k1"]
+    marker = tmp_path / "worker1_in_step4"
+    opt = NearStorageOptimizer(dirs, sizes, spec, init_params=init, timeout_s=60,
+                               _fault=dict(worker=1, step=4, after_chunks=1, marker=str(marker)))
+    for s in range(3):
+        opt.step(_grads(sizes, s))
+
+    def killer():
+        while not marker.exists():
+            time.sleep(0.01)
+        os.kill(int(marker.read_text()), signal.SIGKILL)
+
+    th = threading.Thread(target=killer, daemon=True)
+    th.start()
+    t0 = time.monotonic()
+    with pytest.raises(StorageError) as e:
+        opt.step(_grads(sizes, 3))
+    th.join(10)
+    assert time.monotonic() - t0 < 30
+    msg = str(e.value)
+    assert "worker 1" in msg and "died" in msg and "last committed step 3" in msg and "\n" not in msg
+    with pytest.raises(StorageError):
+        opt.step(_grads(sizes, 3))  # broken: clear error, no hang
+    opt.close()
+    assert committed_step(dirs) == 3
+    with DiskTier(dirs, sizes) as t:  # every shard readable at step 3
+        assert t.committed_step == 3
+        for c in range(len(sizes)):
+            assert all(same_bits(a, b) for a, b in zip(t.read_chunk(c), at3[c]))
+    assert not any("step000000004" in f for d in dirs for f in os.listdir(d))
+    # resume: a new trainer and workers on the same directories continue from step 3
+    with NearStorageOptimizer(dirs, sizes, spec) as opt2:
+        assert opt2.committed_step == 3
+        for s in range(3, 6):
+            r = opt2.step(_grads(sizes, s))
+        resumed = opt2.read_state()
+    for c in range(len(sizes)):
+        assert all(same_bits(a, b) for a, b in zip(resumed[c], final[c]))
+        np.testing.assert_array_equal(r.params[c], last.params[c])
+
+
+def test_near_storage_full_disk_in_worker(tmp_path):
+    """Worker 0's disk fills (RLIMIT_FSIZE in the worker: EFBIG) in step 3: StorageError naming the
+    directory, the other worker's prepared step is aborted, both shards stay at step 2."""
+    sizes = [2000, 2000, 100]
+    spec = AdamW(1e-3)
+    init = [np.ones(n, np.float32) for n in sizes]
+    dirs = [tmp_path / "f0", tmp_path / "f1"]
+    with NearStorageOptimizer(dirs, sizes, spec, init_params=init,
+                              _fault=dict(worker=0, fsize_limit_at_step=3, fsize_limit=4096)) as opt:
+        for s in range(2):
+            opt.step(_grads(sizes, s))
+        at2 = opt.read_state()
+        with pytest.raises(StorageError) as e:
+            opt.step(_grads(sizes, 2))
+        msg = str(e.value)
+        assert "worker 0" in msg and str(dirs[0]) in msg and "full (EFBIG)" in msg and "\n" not in msg
+        assert "last committed step 2" in msg
+        assert opt.committed_step == 2
+        now = opt.read_state()  # the workers are alive and still serve step 2
+    assert committed_step(dirs) == 2
+    for c in range(len(sizes)):
+        assert all(same_bits(a, b) for a, b in zip(now[c], at2[c]))
+    assert not any("step000000003" in f for d in dirs for f in os.listdir(d))
+
+
+def test_o_direct_refused_falls_back_to_buffered(tmp_path, monkeypatch):
+    real_open = os.open
+
+    def no_direct(path, flags, *a):
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(storage.os, "open", no_direct)
+    x = random_bits(np.random.default_rng(5), 513)
+    with DiskTier([tmp_path / "a"], [513]) as t:
+        assert t.io_mode == {str(tmp_path / "a"): "buffered"}
+        t.initialize([x])
+        assert same_bits(t.read_chunk(0)[0], x)
+    with pytest.raises(ValueError):
+        DiskTier([tmp_path / "b"], [5], io_mode="fast")
