@@ -458,3 +458,22 @@ def test_o_direct_refused_falls_back_to_buffered(tmp_path, monkeypatch):
         assert same_bits(t.read_chunk(0)[0], x)
     with pytest.raises(ValueError):
         DiskTier([tmp_path / "b"], [5], io_mode="fast")
+
+
+def test_emulated_link_model_baseline_and_near_storage(tmp_path):
+    """Throttled links: a step lasts at least (bytes on the slowest link) / rate, labelled emulated."""
+    sizes = [4096] * 4
+    n = sum(sizes)
+    spec = AdamW(1e-3)
+    init = [np.zeros(k, np.float32) for k in sizes]
+    model = LinkModel(shared_bytes_per_s=4e6, disk_bytes_per_s=8e6)
+    with BaselineOptimizer([tmp_path / "b0", tmp_path / "b1"], sizes, spec, init_params=init, link_model=model) as b:
+        r = b.step(_grads(sizes, 0, jnp.bfloat16))
+    assert r.emulated and r.shared_link_bytes == 24 * n
+    assert r.update_s >= 24 * n / 4e6 * 0.95  # all state traffic through the 4 MB/s shared link
+    with NearStorageOptimizer([tmp_path / "n0", tmp_path / "n1"], sizes, spec, init_params=init,
+                              link_model=model) as ns:
+        r = ns.step(_grads(sizes, 0, jnp.bfloat16))
+    assert r.emulated and r.shared_link_bytes == 4 * n
+    # each worker moves 12 n bytes on its own 8 MB/s link (in parallel) and 4 n go over the shared link
+    assert r.update_s >= max(4 * n / 4e6, 12 * n / 8e6) * 0.95
