@@ -4,6 +4,7 @@ Smart-Infinity (Jang et al., HPCA 2024): SmartUpdate, the data transfer handler,
 compression; the ZeRO-Infinity baseline. Small sizes: the whole file runs in well under 90 s on
 2 CPU cores (each near-storage optimizer spawns one process per directory).
 """
+import collections
 import errno
 import math
 import os
@@ -75,31 +76,36 @@ def test_roundtrip_bit_exact(tmp_path, n):
 
 
 def test_staging_pool_fixed_and_pipeline_overlaps(tmp_path, monkeypatch):
-    """Staging memory does not grow with the number of chunks; reads run ahead of the update."""
+    """Staging memory does not grow with the number of chunks; the read of chunk k+1, the update of
+    chunk k and the write of chunk k-1 run at the same time (the data transfer handler)."""
     small = DiskTier([tmp_path / "s"], [4096] * 2)
     big = DiskTier([tmp_path / "b"], [4096] * 40)
     assert small.staging_bytes == big.staging_bytes == 3 * 3 * 4096 * 4
     small.close()
     big.initialize(lambda c: np.full(4096, c, np.float32))
-    events = []
-    read_into = storage._Shard.read_into
+    lock, active, seen = threading.Lock(), collections.Counter(), []
 
-    def traced_read(self, c, buf):
-        read_into(self, c, buf)
-        events.append(("read", c))
+    def timed(what, fn):
+        def run(*a):
+            with lock:
+                active[what] += 1
+                seen.append({k for k, v in active.items() if v})
+            time.sleep(0.01)  # every phase lasts 10 ms
+            try:
+                return fn(*a)
+            finally:
+                with lock:
+                    active[what] -= 1
+        return run
 
-    monkeypatch.setattr(storage._Shard, "read_into", traced_read)
-
-    def fn(c, views):
-        time.sleep(0.005)
-        events.append(("update", c))
-        views[0][:] += 1
-
-    big.update(fn)
-    # while chunk k is updated, the read of chunk k+1 has been issued and finishes before update k+1
-    for k in range(39):
-        assert events.index(("read", k + 1)) < events.index(("update", k + 1))
-    assert sum(1 for e in events if e[0] == "read" and events.index(e) < events.index(("update", 5))) >= 6
+    read_into, write_from = storage._Shard.read_into, storage._Shard.write_from
+    monkeypatch.setattr(storage._Shard, "read_into", timed("read", read_into))
+    monkeypatch.setattr(storage._Shard, "write_from", timed("write", write_from))
+    t0 = time.perf_counter()
+    big.update(timed("update", lambda c, views: views[0].__iadd__(1)))
+    dt = time.perf_counter() - t0
+    assert sum(1 for a in seen if a == {"read", "update", "write"}) >= 20  # all three phases at once
+    assert dt < 0.8 * 40 * 3 * 0.01  # far below the serial 1.2 s
     assert np.array_equal(big.read_chunk(7)[0], np.full(4096, 8, np.float32))
     big.close()
 
