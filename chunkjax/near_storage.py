@@ -39,6 +39,7 @@ same operations in the same order, so results equal eager optax to float32 round
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -378,7 +379,8 @@ class NearStorageOptimizer(_Trainer):
                 if init_params is None:
                     raise StorageError(f"{self.dirs} hold no committed run: pass init_params")
                 for i in range(n):
-                    self._conns[i].send(("init", {c: np.asarray(init_params[c], F32).reshape(-1) for c in self.owned[i]}))
+                    masters = {c: np.asarray(init_params[c], F32).reshape(-1) for c in self.owned[i]}
+                    self._conns[i].send(("init", masters))
                 for i in range(n):
                     self._expect(i, "ok", "initialising")
                 self._step = 0
@@ -512,7 +514,7 @@ class NearStorageOptimizer(_Trainer):
         if failure is not None:
             if not self._broken:  # a worker reported an error (e.g. a full disk): abort the others
                 for i in range(n):
-                    with _suppress_storage():
+                    with contextlib.suppress(StorageError, OSError, EOFError):
                         self._conns[i].send(("abort", step))
                         self._expect(i, "aborted", f"aborting step {step}")
             raise failure
@@ -537,7 +539,7 @@ class NearStorageOptimizer(_Trainer):
         """Stop the workers (committed state stays on storage)."""
         for i, conn in enumerate(getattr(self, "_conns", [])):
             if self.workers[i].is_alive():
-                with _suppress_storage():
+                with contextlib.suppress(StorageError, OSError, EOFError):
                     conn.send(("close",))
         for p in getattr(self, "workers", []):
             p.join(10)
@@ -550,14 +552,6 @@ class NearStorageOptimizer(_Trainer):
 
     def __exit__(self, *exc):
         self.close()
-
-
-class _suppress_storage:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, et, e, tb):
-        return et is not None and issubclass(et, (StorageError, OSError, EOFError))
 
 
 # ----------------------------------------------------------------------------------------------

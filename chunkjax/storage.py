@@ -399,7 +399,8 @@ class _Shard:
             self._new_files[c] = name
         with self.disk_link.transfer(nbytes, self.shared_link):
             try:
-                fd = os.open(os.path.join(self.path, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | self._oflag, 0o644)
+                flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | self._oflag
+                fd = os.open(os.path.join(self.path, name), flags, 0o644)
                 try:
                     done = 0
                     while done < nbytes:
