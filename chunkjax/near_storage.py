@@ -296,6 +296,8 @@ def _worker_main(conn, cfg: dict):
                 io = tier.update(fn, commit=False)
                 conn.send(("prepared", step, out, io.read, io.written))
             elif kind == "commit":
+                if fault.get("exit_on_commit") == msg[1]:  # test hook: die between the two phases
+                    os._exit(9)
                 tier.commit()
                 conn.send(("committed", tier.committed_step))
             elif kind == "abort":
@@ -427,8 +429,15 @@ class NearStorageOptimizer(_Trainer):
         return msg
 
     def _fail(self, why: str) -> StorageError:
+        """Stop every worker and return the error; the step named is where a resume starts (read
+        from the manifests once the workers are stopped: a worker may have died mid-commit)."""
         self._kill_all()
-        step = getattr(self, "_step", None)
+        if self._broken:
+            return StorageError(self._broken)
+        try:
+            step = committed_step(self.dirs)
+        except StorageError:
+            step = getattr(self, "_step", None)
         self._broken = (f"{why}; every shard is at the last committed step {step}: open a new "
                         "NearStorageOptimizer on the same directories to resume")
         return StorageError(self._broken)
@@ -505,6 +514,8 @@ class NearStorageOptimizer(_Trainer):
                 _, _, out, rd, wr = self._expect(i, "prepared", f"preparing step {step}")
             except StorageError as e:
                 failure = failure or e
+                if self._broken:  # a dead worker: every worker is stopped
+                    break
                 continue
             nbytes = sum(a.nbytes for a in out.values())
             with self.shared_link.transfer(nbytes):

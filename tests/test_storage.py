@@ -484,3 +484,26 @@ def test_emulated_link_model_baseline_and_near_storage(tmp_path):
     assert r.emulated and r.shared_link_bytes == 4 * n
     # each worker moves 12 n bytes on its own 8 MB/s link (in parallel) and 4 n go over the shared link
     assert r.update_s >= max(4 * n / 4e6, 12 * n / 8e6) * 0.95
+
+
+def test_worker_dies_between_prepare_and_commit(tmp_path):
+    """Worker 0 commits step 2, worker 1 dies before committing it: the error names worker 1 and
+    step 1, the directories recover to step 1 (worker 0 rolls back), and training resumes."""
+    sizes = [300, 200, 100]
+    spec = AdamW(1e-2, weight_decay=0.1)
+    init = [np.full(n, 0.5, np.float32) for n in sizes]
+    dirs = [tmp_path / "c0", tmp_path / "c1"]
+    opt = NearStorageOptimizer(dirs, sizes, spec, init_params=init, _fault=dict(worker=1, exit_on_commit=2))
+    opt.step(_grads(sizes, 0))
+    at1 = opt.read_state()
+    with pytest.raises(StorageError, match=r"worker 1 .*died .*committing step 2.*last committed step 1"):
+        opt.step(_grads(sizes, 1))
+    opt.close()
+    assert read_manifest(dirs[0])["step"] == 2 and read_manifest(dirs[1])["step"] == 1
+    with NearStorageOptimizer(dirs, sizes, spec) as opt2:
+        assert opt2.committed_step == 1 and read_manifest(dirs[0])["step"] == 1
+        state = opt2.read_state()
+        for c in range(len(sizes)):
+            assert all(same_bits(a, b) for a, b in zip(state[c], at1[c]))
+        r = opt2.step(_grads(sizes, 1))
+        assert r.step == 2
