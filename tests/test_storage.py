@@ -254,14 +254,17 @@ def test_near_storage_equals_optax_after_20_steps(tmp_path):
     rng = np.random.default_rng(1)
     init = [rng.standard_normal(n, dtype=np.float32) for n in sizes]
     grads = [[rng.standard_normal(n, dtype=np.float32) * (0.05 if s % 3 else 5.0) for n in sizes] for s in range(20)]
+    # odd steps send bf16 gradients (2 bytes/param); the reference sees their exact float32 values
+    grads = [[jnp.asarray(g, jnp.bfloat16) if s % 2 else jnp.asarray(g) for g in gs] for s, gs in enumerate(grads)]
     spec = AdamW(optax.linear_schedule(1e-2, 1e-3, 20), weight_decay=0.05, max_grad_norm=1000.0)
     # the clip is active on the large steps only (norm about 5 * 1000), inactive on the others (about 50)
-    want_p, want_m, want_v = reference_adamw(spec, init, grads)
+    want_p, want_m, want_v = reference_adamw(spec, init, [[g.astype(jnp.float32) for g in gs] for gs in grads])
     dirs = [tmp_path / "d0", tmp_path / "d1"]
     with NearStorageOptimizer(dirs, sizes, spec, init_params=init) as opt:
         for s in range(20):
-            r = opt.step([jnp.asarray(g) for g in grads[s]])
+            r = opt.step(grads[s])
             assert not r.skipped and r.step == s + 1
+            assert r.shared_link_in == (2 if s % 2 else 4) * sum(sizes) and r.shared_link_out == 2 * sum(sizes)
         state = opt.read_state()
     assert committed_step(dirs) == 20
     for c in range(len(sizes)):
