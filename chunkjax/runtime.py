@@ -483,6 +483,8 @@ class ChunkedStep:
                 out, grads, sq, loss = self._run_moments(params, batch, dict(carry, acc=acc), t0, t1)
                 return {k: v for k, v in out.items() if k != "acc"}, out.get("acc", {}), grads, sq, loss
 
+            # the XLA module is named after the program (profiles tell the programs apart)
+            prog.__name__ = prog.__qualname__ = f"chunkjax_program_{k}"
             cache[key] = (self._jit_program(prog, done, t1 == len(self.moments)), args)
         return cache[key]
 

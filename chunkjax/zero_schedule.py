@@ -172,6 +172,7 @@ class ZeroScheduledStep(ChunkedStep):
                                check_vma=False)
             return fn(params, batch, carry, acc)
 
+        program.__name__ = program.__qualname__ = getattr(prog, "__name__", "chunkjax_program")
         carry_sh = {k: self._ns(s) for k, s in self._carry_spec(carry_keys).items()}
         gsh = {c: self._ns(P(AXIS), self.placement.grad_kind(c)) for c in done}
         donate = (2, 3) if jax.default_backend() != "cpu" else ()

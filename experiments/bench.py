@@ -643,7 +643,8 @@ def compare_losses(systems: dict, reference: str = "plain_jax") -> dict:
         losses = (rec or {}).get("losses") or []
         if name == reference or not ref or not losses:
             continue
-        if name == "chunkjax" and rec.get("init") != "init_params":
+        init = rec.get("init") or (rec.get("extra") or {}).get("init")  # normalised records keep it in extra
+        if name == "chunkjax" and init != "init_params":
             continue  # leaf-wise init: other params, not comparable step by step
         n = min(len(ref), len(losses))
         diffs = [abs(a - b) for a, b in zip(losses[:n], ref[:n])]
@@ -926,6 +927,15 @@ def render_markdown(results: dict, results_file: str, plot_file: str | None) -> 
                 notes.append(f"- `{s}`: bytes moved from {r['transfer_source']} (an estimate)")
         if notes:
             lines += ["", *notes]
+        lines += _phase_lines(sysd, order)
+        cmp = results.get("losses_vs_plain_jax") or {}
+        if cmp:
+            lines += ["", "Losses step by step against plain_jax (same initial params):", ""]
+            lines += [f"- `{s}`: {c['steps']} steps, largest difference {c['max_abs_diff']:.4f} "
+                      f"({c['max_rel_diff']:.1e} relative)" for s, c in cmp.items()]
+            for s in ("plain_jax", *cmp):
+                ls = (sysd.get(s) or {}).get("losses") or []
+                lines.append(f"- `{s}` losses: " + ", ".join(f"{x:.4f}" for x in ls))
         if plot_file:
             lines += ["", f"![tokens/s per system]({plot_file})"]
     largest = results.get("largest") or {}
@@ -949,6 +959,27 @@ def render_markdown(results: dict, results_file: str, plot_file: str | None) -> 
                          f"| {_fmt(t.get('host_bytes'), 2**30)} | {info or '-'} |")
     lines += ["", "Commands:", "", "```", *results.get("commands", []), "```", f"<!-- bench:{rid}:end -->"]
     return "\n".join(lines) + "\n"
+
+
+def _phase_lines(sysd: dict, order) -> list[str]:
+    """Per program of the profiled step (:func:`experiments.gpu_measure.transfer_phases`): time,
+    bytes and GB/s each way, the copy-only share (copies running while no kernel computes) and
+    whether the program is transfer-bound."""
+    lines = []
+    for s in order:
+        tp = ((sysd[s].get("extra") or {}).get("transfer_phases") or sysd[s].get("transfer_phases") or {})
+        phases = [p for p in tp.get("phases") or [] if p["duration_s"] >= 1e-3 or p["h2d_bytes"] or p["d2h_bytes"]]
+        if not phases:
+            continue
+        lines += ["", f"Transfers per program of `{s}`'s profiled step (PCIe 54 GB/s per direction):", "",
+                  "| program | s | H2D GB | D2H GB | H2D GB/s (avg / while busy) | D2H GB/s (avg / while busy) | "
+                  "copy-only share | transfer-bound |", "|---|---|---|---|---|---|---|---|"]
+        for p in phases + ([dict(tp["step"], phase="whole step")] if tp.get("step") else []):
+            lines.append(f"| {p['phase']} | {p['duration_s']:.3f} | {p['h2d_bytes'] / 1e9:.2f} | {p['d2h_bytes'] / 1e9:.2f} | "
+                         f"{p['h2d_gb_s']:.1f} / {_fmt(p.get('h2d_gb_s_while_busy'), digits=1)} | "
+                         f"{p['d2h_gb_s']:.1f} / {_fmt(p.get('d2h_gb_s_while_busy'), digits=1)} | "
+                         f"{_fmt(p.get('copy_only_fraction'), digits=3)} | {', '.join(p.get('transfer_bound') or []) or 'no'} |")
+    return lines
 
 
 def plot_tokens(results: dict, png_path: str) -> str | None:

@@ -95,7 +95,8 @@ def measure(args) -> dict:
     card = torch.cuda.get_device_properties(0).total_memory
     frac = min(1.0, args.budget_bytes / card)
     torch.cuda.set_per_process_memory_fraction(frac)
-    rec.update(card_bytes=card, mem_fraction=frac, torch_version=torch.__version__)
+    rec.update(card_bytes=card, mem_fraction=frac, torch_version=torch.__version__,
+               pytorch_cuda_alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
     rec["torch_matmul_tflops"] = torch_matmul_tflops(args.matmul_n)
     import deepspeed
     import transformers
