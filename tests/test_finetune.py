@@ -2,7 +2,7 @@
 
 * The chunked, offloaded step of experiments/finetune.py (plan_schedule with host updates, host
   AdamW kernel, warm-up + cosine schedule, clipping) equals plain optax fine-tuning in float32:
-  20 steps of a tiny random Llama, and 3 steps of the real SmolLM2-135M weights (first 6 blocks
+  20 steps of a tiny random Llama, and 3 steps of the real SmolLM2-135M weights (first 2 blocks
   by default, all 30 with SMOLLM2_TEST_BLOCKS=30).
 * ``export_hf_checkpoint`` -> ``load_hf_checkpoint`` gives back identical params (pure numpy,
   the CI test), and transformers' ``LlamaForCausalLM`` loads the export with our logits (needs
@@ -98,13 +98,13 @@ def test_chunked_finetune_equals_optax_smollm2():
     """The real weights, SMOLLM2_TEST_STEPS (default 3) steps of batch 1 x 16 tokens, all chunks
     but the first host-updated.
 
-    The first SMOLLM2_TEST_BLOCKS blocks (default 6, with the real tied embedding and final
+    The first SMOLLM2_TEST_BLOCKS blocks (default 2, with the real tied embedding and final
     norm) keep the test inside the CPU time budget; ``SMOLLM2_TEST_BLOCKS=30
     SMOLLM2_TEST_STEPS=20`` runs the whole model for 20 steps (issue 7's criterion; a 20-step
     whole-model run with warm-up and weight decay is recorded in docs/finetune.md)."""
     cfg, params, tok = llama.load_smollm2_135m()
     steps = int(os.environ.get("SMOLLM2_TEST_STEPS", "3"))
-    n = min(int(os.environ.get("SMOLLM2_TEST_BLOCKS", "6")), cfg.n_layers)
+    n = min(int(os.environ.get("SMOLLM2_TEST_BLOCKS", "2")), cfg.n_layers)
     for i in range(n, cfg.n_layers):
         del params[f"layer_{i}"]
     cfg = dataclasses.replace(cfg, n_layers=n, remat=False)
