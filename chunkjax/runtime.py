@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from chunkjax import optim
+from chunkjax import memory, optim
 from chunkjax.layout import ChunkLayout
 from chunkjax.memory import DEVICE, PINNED_HOST, ordered_after, sharding
 from chunkjax.plan import Placement, fetch_events
@@ -641,12 +641,19 @@ class ChunkedStep:
             ``slots[i].shape``) so that a model larger than host memory twice over is never
             materialised whole: chunks are built one at a time.
 
+        Raises:
+          PlanError: on a GPU, the pinned host bytes (:meth:`pinned_host_bytes`) exceed the
+            runtime's pinned-host cap (:func:`chunkjax.memory.check_pinned_host`); nothing has
+            been allocated.
+
         Host-updated chunks keep float32 master params and optimizer state as numpy arrays in host
         memory and their compute params in pinned host memory; device and streamed chunks keep
         theirs in ``placement``'s memory kinds. The device never holds more than one chunk of
         initialisation data.
         """
         lay = self.layout
+        # the GPU runtime's pinned-host pool is capped (64 GiB by default): say so before allocating
+        memory.check_pinned_host(self.pinned_host_bytes(), jax.default_backend())
         leaf_at = params if callable(params) else (lambda i, _l=lay.treedef.flatten_up_to(params): _l[i])
         dev = sharding(DEVICE)
         init_state = jax.jit(lambda m: optim.init_chunk_state(self.tx, m), out_shardings=dev)
@@ -684,6 +691,24 @@ class ChunkedStep:
                                        sharding(self.placement.param_kinds[c]))
         jax.block_until_ready((ps, [m for m in ms if isinstance(m, jax.Array)]))
         return TrainState(tuple(ps), tuple(ms), tuple(os_))
+
+    def pinned_host_bytes(self) -> int:
+        """Bytes this step's state and gradients keep in ``pinned_host`` memory: compute params
+        and gradient chunks in that kind (host-updated chunks: both), master params and
+        optimizer state kept there (streamed chunks). Host-updated chunks' master params and
+        optimizer state are pageable numpy arrays and do not count."""
+        cs, it = self.layout.chunk_size, np.dtype(self.compute_dtype).itemsize
+        opt = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(jax.eval_shape(
+            lambda m: optim.init_chunk_state(self.tx, m), jax.ShapeDtypeStruct((cs,), jnp.float32))))
+        host, n = set(self.host_chunks), 0
+        for c in range(self.layout.n_chunks):
+            if c in host:
+                n += 2 * cs * it
+                continue
+            n += cs * it * (self.placement.param_kinds[c] == PINNED_HOST)
+            n += cs * it * (self.placement.grad_kind(c) == PINNED_HOST)
+            n += (4 * cs + opt) * (self.placement.state_kinds[c] == PINNED_HOST)
+        return int(n)
 
     def master_params(self, state: TrainState):
         """The float32 master params as a pytree (on the default device)."""

@@ -463,3 +463,40 @@ def test_parse_bytes_rejects(text):
         parse_bytes(text)
     msg = str(ei.value)
     assert "\n" not in msg and repr(text) in msg and "GiB" in msg
+
+
+# ---- case 10: pinned host memory is budgeted, reported and checked against the runtime's cap -------
+
+def test_case10_pinned_host_cap_detected_and_explained():
+    """The GPU runtime caps pinned host memory at 64 GiB unless XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB
+    says otherwise; a plan above the cap is refused before anything is allocated, with the value
+    to set. On the CPU pinned_host is ordinary memory: no cap."""
+    from chunkjax import memory
+    assert memory.pinned_host_limit_bytes("gpu", {}) == 64 * 2**30
+    assert memory.pinned_host_limit_bytes("gpu", {"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": "200"}) == 200 * 2**30
+    assert memory.pinned_host_limit_bytes("cpu", {}) is None
+    memory.check_pinned_host(64 * 2**30, "gpu", {})  # at the cap: fits
+    memory.check_pinned_host(10**15, "cpu", {})      # no cap on the CPU
+    with pytest.raises(PlanError) as e:
+        memory.check_pinned_host(80 * 2**30, "gpu", {})
+    msg = str(e.value)
+    assert "cap of 64 GiB (the default, XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB unset)" in msg
+    assert "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=88 " in msg and "\n" not in msg  # 80 GiB + 10 % headroom
+    with pytest.raises(PlanError, match="XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=100\\)"):
+        memory.check_pinned_host(101 * 2**30, "gpu", {"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": "100"})
+
+
+def test_case10_step_counts_its_pinned_bytes_and_refuses_before_allocating(gpt, gpt_mixed_step, monkeypatch):
+    from chunkjax import memory
+    lay, pl, step = gpt["layout"], gpt_mixed_step.placement, gpt_mixed_step
+    cs = lay.chunk_size
+    opt = state_bytes_per_chunk(optax.adam(1e-3), cs)
+    want = sum(cs * 4 * (pl.param_kinds[c] == PINNED_HOST) + cs * 4 * (pl.grad_kind(c) == PINNED_HOST)
+               + (4 * cs + opt) * (pl.state_kinds[c] == PINNED_HOST) for c in range(lay.n_chunks))
+    assert want > 0 and step.pinned_host_bytes() == want
+    allocated = []
+    monkeypatch.setattr(memory, "pinned_host_limit_bytes", lambda platform, env=None: want - 1)
+    monkeypatch.setattr(jax, "device_put", lambda *a, **k: allocated.append(a) or (_ for _ in ()).throw(AssertionError))
+    with pytest.raises(PlanError, match="pinned host memory"):
+        step.init(gpt["params"])
+    assert allocated == []
