@@ -50,7 +50,8 @@ def init_chunk_state(tx: optax.GradientTransformation, master: jax.Array):
 
 
 def update_chunk(tx: optax.GradientTransformation, grad: jax.Array, master: jax.Array, opt_state,
-                 grad_sq_total: jax.Array, grad_sq_chunk: jax.Array, compute_dtype) -> ChunkUpdate:
+                 grad_sq_total: jax.Array, grad_sq_chunk: jax.Array, compute_dtype,
+                 skip_nonfinite: bool = False) -> ChunkUpdate:
     """One optimizer step for one chunk (pure; jit it where the chunk's update runs).
 
     Args:
@@ -61,6 +62,9 @@ def update_chunk(tx: optax.GradientTransformation, grad: jax.Array, master: jax.
       grad_sq_total: () float32, squared global gradient norm over all chunks.
       grad_sq_chunk: () float32, squared norm of ``grad`` (as float32).
       compute_dtype: dtype of the returned compute params.
+      skip_nonfinite: when ``grad_sq_total`` is not finite (a NaN or inf anywhere in the
+        model's gradients), return ``master`` and ``opt_state`` unchanged (the step is skipped,
+        as ``optax.apply_if_finite`` does; the optax step count does not advance either).
 
     Returns:
       :class:`ChunkUpdate`.
@@ -69,6 +73,10 @@ def update_chunk(tx: optax.GradientTransformation, grad: jax.Array, master: jax.
     rest = jnp.sqrt(jnp.maximum(grad_sq_total - grad_sq_chunk, 0.0)).astype(MASTER_DTYPE)
     updates, new_state = tx.update([g, rest], opt_state, [master, jnp.zeros((), MASTER_DTYPE)])
     new_master = (master + updates[0]).astype(MASTER_DTYPE)
+    if skip_nonfinite:
+        ok = jnp.isfinite(grad_sq_total)
+        new_master = jnp.where(ok, new_master, master)
+        new_state = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_state, opt_state)
     return ChunkUpdate(new_master.astype(compute_dtype), new_master, new_state)
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import math
 import time
 from typing import Any, NamedTuple
 
@@ -70,6 +71,14 @@ class ChunkedStep:
       tx: the optax transformation (elementwise).
       compute_dtype: dtype of compute params and gradients (bf16 for mixed precision).
       prefetch: fetch distance in stages (>= 1).
+      micro_batches: gradient accumulation: each call splits the batch's leading axis into this
+        many equal micro-batches, runs the forward/backward on each, and applies one update with
+        the mean gradient (the same update as the whole batch at once, to the compute dtype's
+        rounding; reported case 3). Host updates then wait for the last micro-batch.
+      nonfinite: ``"ignore"`` (default: no check, as plain bf16 training), or ``"skip"``: a step
+        whose gradients hold a NaN or inf (global norm not finite) changes no state (params,
+        master params, optimizer state and its step count) and reports ``metrics["skipped"]``
+        True. ``"skip"`` makes host updates wait for the global norm, as clipping does.
     """
 
     stages: tuple
@@ -80,8 +89,14 @@ class ChunkedStep:
     prefetch: int = 1
     schedule: Any = None
     host_optimizer: Any = None
+    micro_batches: int = 1
+    nonfinite: str = "ignore"
 
     def __post_init__(self):
+        if not (isinstance(self.micro_batches, int) and self.micro_batches >= 1):
+            raise ValueError(f"micro_batches must be an int >= 1, got {self.micro_batches!r}")
+        if self.nonfinite not in ("ignore", "skip"):
+            raise ValueError(f"nonfinite={self.nonfinite!r}: use 'ignore' or 'skip'")
         if self.schedule is not None and self.schedule.placement != self.placement:
             raise ValueError("placement differs from schedule.placement: pass the schedule's")
         if self.host_chunks and self.host_optimizer is None:
@@ -411,7 +426,7 @@ class ChunkedStep:
             def upd(grad, master, state, grad_sq, c, old_params):
                 del old_params  # donated
                 o = optim.update_chunk(self.tx, grad, master, state, jnp.sum(grad_sq), grad_sq[c],
-                                       self.compute_dtype)
+                                       self.compute_dtype, self.nonfinite == "skip")
                 return jax.device_put(o.params, pk), o.master, o.opt_state
 
             # keep_unused: old_params is unused, and jit would prune it, dropping its donation
@@ -431,7 +446,7 @@ class ChunkedStep:
                 del old_params  # donated: the new compute params reuse its buffer
                 grad, master, state = jax.device_put((grad, master, state), dev)
                 o = optim.update_chunk(self.tx, grad, master, state, jnp.sum(grad_sq), grad_sq[c],
-                                       self.compute_dtype)
+                                       self.compute_dtype, self.nonfinite == "skip")
                 return (jax.device_put(o.params, sharding(param_kind)),
                         jax.device_put(o.master, host), jax.device_put(o.opt_state, host))
 
@@ -536,6 +551,8 @@ class ChunkedStep:
         from chunkjax import host_update as hu
         if callable(grad_scale):
             grad_scale = grad_scale()
+        if grad_scale is None:  # a skipped step (non-finite gradients): nothing changes
+            return
         spent = self.__dict__.setdefault("_host_update_times", [])
         for c, g in grads.items():
             if isinstance(g, jax.Array):
@@ -582,31 +599,28 @@ class ChunkedStep:
         handed to a host thread as each program finishes, which updates those chunks in place
         while the device runs the rest of the backward. The next call (or :meth:`wait`) waits for
         that thread. ``state``'s device buffers are donated to the update: use the returned state.
+        With ``micro_batches > 1`` the programs run once per micro-batch first (see the class).
+
+        Raises:
+          ValueError: the batch does not split into ``micro_batches`` equal parts.
         """
         self.wait()
         host = set(self.host_chunks)
         clip = self.host_optimizer is not None and getattr(self.host_optimizer, "max_grad_norm", None) is not None
-        carry: dict = {}
-        acc: dict = {}
-        grads, sq, loss, pending = {}, {}, None, []
-        for k in range(len(self._program_bounds())):
-            fn, args = self._program(batch, k)
-            carry, acc, g, q, l = fn({c: state.params[c] for c in args}, batch, carry, acc)
-            grads.update(g)
-            sq.update(q)
-            loss = l if l is not None else loss
-            mine = {c: g[c] for c in g if c in host}
-            if mine and not clip:
-                pending.append(self._executor().submit(self._host_update, state, mine, 1.0))
-        lay = self.layout
-        for c in range(lay.n_chunks):  # chunks no stage reads: zero gradient
-            if c not in grads:
-                grads[c] = np.zeros((lay.chunk_size,), self.compute_dtype) if c in host else self._zeros_grad(c)
-                sq[c] = self._zeros_sq()
-        grad_sq = jnp.stack([sq[c] for c in range(lay.n_chunks)])
-        late = {c: grads[c] for c in host if clip or not isinstance(grads[c], jax.Array)}
+        skip = self.nonfinite == "skip"
+        if self.micro_batches == 1:
+            grads, sq, loss, pending = self._run_programs(state, batch, submit=not (clip or skip))
+        else:
+            grads, sq, loss = self._accumulate(state, batch)
+            pending = []
+        grad_sq = jnp.stack([sq[c] for c in range(self.layout.n_chunks)])
+        late = {c: grads[c] for c in host if clip or skip or not isinstance(grads[c], jax.Array)}
         if late:
-            scale = (lambda: self.host_optimizer.grad_scale(float(jnp.sqrt(jnp.sum(grad_sq))))) if clip else 1.0
+            def scale():
+                norm = float(jnp.sqrt(jnp.sum(grad_sq)))
+                if skip and not math.isfinite(norm):
+                    return None
+                return self.host_optimizer.grad_scale(norm) if clip else 1.0
             pending.append(self._executor().submit(self._host_update, state, late, scale))
         params, master, opt = list(state.params), list(state.master), list(state.opt_state)
         for c in self._device_chunks:
@@ -618,8 +632,83 @@ class ChunkedStep:
             params[c], master[c], opt[c] = fn(grads[c], master[c], opt[c], grad_sq,
                                               jnp.asarray(c, jnp.int32), params[c])
         self.__dict__["_pending"] = tuple(pending)
-        return TrainState(tuple(params), tuple(master), tuple(opt)), {
-            "loss": loss, "grad_norm": jnp.sqrt(jnp.sum(grad_sq))}
+        metrics = {"loss": loss, "grad_norm": jnp.sqrt(jnp.sum(grad_sq))}
+        if skip:
+            metrics["skipped"] = ~jnp.isfinite(jnp.sum(grad_sq))
+        return TrainState(tuple(params), tuple(master), tuple(opt)), metrics
+
+    def _run_programs(self, state: TrainState, batch, submit: bool):
+        """Run every program of the step on ``batch``: returns ``(grads, sq, loss, pending)``,
+        a gradient and squared norm for every chunk (zero for chunks no stage reads); with
+        ``submit``, host chunks' updates are handed to the host thread as their gradients
+        appear (``pending``: their futures)."""
+        host = set(self.host_chunks)
+        carry: dict = {}
+        acc: dict = {}
+        grads, sq, loss, pending = {}, {}, None, []
+        for k in range(len(self._program_bounds())):
+            fn, args = self._program(batch, k)
+            carry, acc, g, q, l = fn({c: state.params[c] for c in args}, batch, carry, acc)
+            grads.update(g)
+            sq.update(q)
+            loss = l if l is not None else loss
+            mine = {c: g[c] for c in g if c in host}
+            if mine and submit:
+                pending.append(self._executor().submit(self._host_update, state, mine, 1.0))
+        lay = self.layout
+        for c in range(lay.n_chunks):  # chunks no stage reads: zero gradient
+            if c not in grads:
+                grads[c] = np.zeros((lay.chunk_size,), self.compute_dtype) if c in host else self._zeros_grad(c)
+                sq[c] = self._zeros_sq()
+        return grads, sq, loss, pending
+
+    @functools.cached_property
+    def _jit_accumulate(self):
+        """(first, add, finish) for device gradients: float32 sums, then the mean in the compute
+        dtype and its squared norm (as the programs compute it)."""
+        first = jax.jit(lambda g: g.astype(jnp.float32))
+        add = jax.jit(lambda a, g: a + g.astype(jnp.float32), donate_argnums=(0,))
+
+        def finish(a, inv):
+            g = (a * inv).astype(self.compute_dtype)
+            return g, jnp.sum(jnp.square(g.astype(jnp.float32)))
+
+        return first, add, jax.jit(finish)
+
+    def _accumulate(self, state: TrainState, batch):
+        """Gradient accumulation over ``micro_batches`` equal parts of ``batch``: returns the
+        mean gradients, their squared norms and the mean loss. Device gradients are summed in
+        float32 on the device; gradients in pinned host memory in float32 numpy."""
+        n = self.micro_batches
+        lead = {a.shape[0] for a in jax.tree.leaves(batch)}
+        if len(lead) != 1 or next(iter(lead)) % n:
+            raise ValueError(f"batch leading size {sorted(lead)} does not split into micro_batches={n} equal parts: "
+                             f"use a batch size that is a multiple of {n}")
+        size = next(iter(lead)) // n
+        first, add, finish = self._jit_accumulate
+        total, losses = {}, []
+        for i in range(n):
+            part = jax.tree.map(lambda a: a[i * size:(i + 1) * size], batch)
+            grads, _, loss, _ = self._run_programs(state, part, submit=False)
+            losses.append(loss)
+            for c, g in grads.items():
+                on_device = isinstance(g, jax.Array) and g.sharding.memory_kind in (None, DEVICE)
+                if on_device:
+                    total[c] = first(g) if c not in total else add(total[c], g)
+                else:
+                    g32 = np.asarray(g).astype(np.float32)
+                    total[c] = g32 if c not in total else np.add(total[c], g32, out=total[c])
+        host = set(self.host_chunks)
+        cd = np.dtype(self.compute_dtype)
+        grads, sq = {}, {}
+        for c, a in total.items():
+            if isinstance(a, np.ndarray):
+                g = (a * np.float32(1.0 / n)).astype(cd)
+                sq[c] = jnp.asarray(np.sum(np.square(g.astype(np.float32)), dtype=np.float32))
+                grads[c] = g if c in host else jax.device_put(g, sharding(self.placement.grad_kind(c)))
+            else:
+                grads[c], sq[c] = finish(a, jnp.float32(1.0 / n))
+        return grads, sq, jnp.mean(jnp.stack([jnp.asarray(l, jnp.float32) for l in losses]))
 
     def with_optimizer(self, tx: optax.GradientTransformation) -> "ChunkedStep":
         """The same step with another optax transformation; the compiled forward/backward (which
@@ -722,7 +811,8 @@ class ChunkedStep:
 
 
 def make_chunked_step(stages, layout: ChunkLayout, placement, tx: optax.GradientTransformation | None = None,
-                      compute_dtype=jnp.bfloat16, prefetch: int | None = None, host_optimizer=None) -> ChunkedStep:
+                      compute_dtype=jnp.bfloat16, prefetch: int | None = None, host_optimizer=None,
+                      micro_batches: int = 1, nonfinite: str = "ignore") -> ChunkedStep:
     """Build the chunked step (see :class:`ChunkedStep`). Nothing is compiled until first use.
 
     Args:
@@ -736,6 +826,12 @@ def make_chunked_step(stages, layout: ChunkLayout, placement, tx: optax.Gradient
       compute_dtype: dtype of compute params and gradients.
       prefetch: fetch distance (moments); defaults to the schedule's, else 1.
       host_optimizer: the host kernel spec (:mod:`chunkjax.host_update`) for ``host`` chunks.
+      micro_batches: gradient accumulation over this many equal parts of each batch.
+      nonfinite: ``"ignore"`` or ``"skip"`` (a step with non-finite gradients changes no state).
+
+    Raises:
+      ValueError: a bad ``micro_batches`` or ``nonfinite``, a placement that differs from the
+        schedule's, or host-updated chunks without ``host_optimizer``.
     """
     from chunkjax.schedule import Schedule
     schedule = placement if isinstance(placement, Schedule) else None
@@ -747,4 +843,4 @@ def make_chunked_step(stages, layout: ChunkLayout, placement, tx: optax.Gradient
             raise ValueError("pass tx (an optax transformation) or host_optimizer")
         tx = host_optimizer.optax()
     return ChunkedStep(tuple(stages), layout, placement, tx, jnp.dtype(compute_dtype),
-                       1 if prefetch is None else prefetch, schedule, host_optimizer)
+                       1 if prefetch is None else prefetch, schedule, host_optimizer, micro_batches, nonfinite)

@@ -78,6 +78,9 @@ class ZeroScheduledStep(ChunkedStep):
 
     def __post_init__(self):
         super().__post_init__()
+        if self.micro_batches != 1 or self.nonfinite != "ignore":
+            raise ValueError("ZeRO steps support micro_batches=1 and nonfinite='ignore' only: accumulate or skip "
+                             "with the single-device ChunkedStep, or check the loss in your loop")
         if self.schedule is None:
             raise ValueError("ZeroScheduledStep runs a chunkjax.schedule.Schedule: pass one")
         if not isinstance(self.mesh, Mesh) or tuple(self.mesh.axis_names) != (AXIS,):
@@ -467,4 +470,4 @@ def make_zero_scheduled_step(stages, layout, schedule, mesh: Mesh, *, zero_stage
             raise ValueError("pass tx (an optax transformation) or host_optimizer")
         tx = host_optimizer.optax()
     return ZeroScheduledStep(tuple(stages), layout, schedule.placement, tx, jnp.dtype(compute_dtype),
-                             schedule.prefetch, schedule, host_optimizer, mesh, int(zero_stage))
+                             schedule.prefetch, schedule, host_optimizer, mesh=mesh, zero_stage=int(zero_stage))

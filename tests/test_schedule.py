@@ -291,3 +291,94 @@ def test_device_update_donates_params_master_and_state(setup):
         assert state.params[c].is_deleted() and state.master[c].is_deleted(), c
         assert all(a.is_deleted() for a in jax.tree.leaves(state.opt_state[c])), c
         assert not new.params[c].is_deleted()
+
+
+# ---- gradient accumulation (reported case 3) and skipping non-finite steps (issue 8) ----------
+
+def _host_device_schedule(setup, spec):
+    cfg, params, batches, stages, layout, traces = setup
+    cb = _cb(layout, spec.optax())
+    flops = cfg.flops_per_token(T) * B * T
+    roomy = plan_schedule(layout, traces, cb, 10**12, flops_per_step=flops, resident=[0])
+    sched = plan_schedule(layout, traces, cb, roomy.predicted.peak_device_bytes, flops_per_step=flops,
+                          resident=[0], segments=(0, len(stages) + 1, len(roomy.moments) - 1))
+    assert set(sched.update_locations) == {"device", "host"}
+    return sched
+
+
+def _run(step, params, batches):
+    state, losses = step.init(params), []
+    for b in batches:
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
+    step.wait()
+    return state, np.asarray(losses)
+
+
+@pytest.mark.parametrize("where", ["host_and_device", "streamed"])
+def test_case3_micro_batches_equal_one_big_batch(setup, where):
+    """N micro-batches of b sequences give the update of one batch of N*b (float32 compute):
+    host-updated, device-updated and streamed chunks, with clipping so the global norm of the
+    accumulated gradient matters."""
+    cfg, params, batches, stages, layout, traces = setup
+    spec = AdamW(3e-3, weight_decay=0.1, max_grad_norm=0.05)
+    if where == "host_and_device":
+        plan = _host_device_schedule(setup, spec)
+        make = lambda n: cj.make_chunked_step(stages, layout, plan, host_optimizer=spec, compute_dtype=jnp.float32,
+                                              micro_batches=n)
+    else:
+        plan = cj.Placement.from_device_chunks(layout.n_chunks, range(0, layout.n_chunks, 2))
+        make = lambda n: cj.make_chunked_step(stages, layout, plan, spec.optax(), compute_dtype=jnp.float32,
+                                              micro_batches=n)
+    big = [jnp.concatenate(batches[i:i + 3]) for i in (0, 3)]  # 2 steps of 3 x B sequences
+    s1, l1 = _run(make(1), params, big)
+    s3, l3 = _run(make(3), params, big)
+    np.testing.assert_allclose(l3, l1, rtol=2e-6)
+
+    def off(sa, sb):  # share of master params further apart than fp32 summation order explains
+        a = np.concatenate([np.asarray(x) for x in sa.master])
+        b = np.concatenate([np.asarray(x) for x in sb.master])
+        return float(np.mean(np.abs(a - b) > 1e-6 + 1e-5 * np.abs(b))), float(np.max(np.abs(a - b)))
+
+    # Adam normalises each gradient entry: where an entry is ~0 its rounding decides the update,
+    # so a few entries (~1e-3 of them) differ by a fraction of lr; a wrong accumulation moves most
+    share, worst = off(s3, s1)
+    assert share < 2e-3 and worst < 2 * 3e-3 * len(big), (share, worst)
+    s_ref, _ = _run(make(1), params, [batches[0], batches[3]])  # the first micro-batches only
+    assert off(s3, s_ref)[0] > 0.3
+    with pytest.raises(ValueError, match="does not split into micro_batches=3"):
+        make(3)(s3, batches[0])
+    with pytest.raises(ValueError, match="micro_batches must be"):
+        make(0)
+
+
+def test_nonfinite_skip_changes_no_state(setup):
+    """nonfinite="skip": a step whose gradients hold NaN changes no master params or optimizer
+    state (host, device and the step count) and says so; the next step is the one an
+    uninterrupted run would take."""
+    cfg, params, batches, stages, layout, traces = setup
+    spec = AdamW(3e-3, weight_decay=0.1)
+    plan = _host_device_schedule(setup, spec)
+    step = cj.make_chunked_step(stages, layout, plan, host_optimizer=spec, compute_dtype=jnp.float32,
+                                nonfinite="skip")
+    state, m = step(step.init(params), batches[0])
+    step.wait()
+    assert not bool(m["skipped"])
+    before = [np.array(a, copy=True) for a in state.master]
+    dev = next(c for c, u in enumerate(plan.update_locations) if u == "device")
+    bad = list(state.params)
+    bad[dev] = jnp.full_like(bad[dev], jnp.nan)
+    state2, m = step(cj.TrainState(tuple(bad), state.master, state.opt_state), batches[1])
+    step.wait()
+    assert bool(m["skipped"]) and not np.isfinite(float(m["grad_norm"]))
+    for a, b in zip(state2.master, before):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    # the skipped step left the compute params of device chunks as the cast master params again
+    np.testing.assert_array_equal(np.asarray(state2.params[dev]), before[dev])
+    # continuing equals a run that never saw the bad step
+    ref = cj.make_chunked_step(stages, layout, plan, host_optimizer=spec, compute_dtype=jnp.float32)
+    _, l_ref = _run(ref, params, [batches[0], batches[2]])
+    state3, m3 = step(state2, batches[2])
+    assert float(m3["loss"]) == pytest.approx(l_ref[1], rel=1e-6)
+    with pytest.raises(ValueError, match="nonfinite="):
+        cj.make_chunked_step(stages, layout, plan, host_optimizer=spec, nonfinite="raise")
