@@ -59,6 +59,8 @@ class TrainConfig:
     out_dir: str = config_field("runs", 'run folders go here')
     seed: int = config_field(0, 'init and data order')
     progress: bool = config_field(True, 'progress bar')
+    micro_batches: int = config_field(1, 'gradient accumulation: each step\'s --batch sequences run as this many equal micro-batches (activation memory of one micro-batch), one update')
+    nonfinite: str = config_field("error", 'a NaN/inf loss or gradient: error (stop, say what to change) | skip (the step changes no state; counted in the report)')
 
 
 #: The CPU default budget: what the all-host placement needs plus this fraction of the model's
@@ -169,7 +171,7 @@ def run(cfg: TrainConfig) -> dict:
     # layout -> trace -> plan
     stages = gpt.gpt_stages(mcfg)
     aparams = gpt.abstract_params(mcfg)
-    abatch = jax.ShapeDtypeStruct((cfg.batch, cfg.seq + 1), jnp.int32)
+    abatch = jax.ShapeDtypeStruct((cfg.batch // cfg.micro_batches, cfg.seq + 1), jnp.int32)  # one micro-batch
     order = cj.first_use_order(lambda p, b: cj.compose_loss(stages, p, b), aparams, abatch)
     try:
         layout = cj.build_layout(aparams, cfg.chunk_size or None, order, min_chunks=cfg.min_chunks)
@@ -267,6 +269,10 @@ def _validate(cfg: TrainConfig) -> None:
     for name in ("steps", "batch", "seq", "prefetch", "eval_every", "eval_batches", "min_chunks"):
         if getattr(cfg, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.micro_batches < 1 or cfg.batch % cfg.micro_batches:
+        raise UsageError(f"--micro-batches {cfg.micro_batches} must be >= 1 and divide --batch {cfg.batch}")
+    if cfg.nonfinite not in ("error", "skip"):
+        raise UsageError(f"--nonfinite {cfg.nonfinite!r}: use error or skip")
     for name in ("warmup", "sample_tokens", "chunk_size"):
         if getattr(cfg, name) < 0:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(cfg, name)}")
@@ -320,7 +326,8 @@ def _train(cfg, mcfg, stages, layout, placement, acc, compiled, tx, cdt, td, bud
     with jax.default_device(cpu):
         params = gpt.init_params(mcfg, jax.random.key(cfg.seed))
         params = jax.tree.map(np.asarray, params)
-    step = cj.make_chunked_step(stages, layout, placement, tx, compute_dtype=cdt, prefetch=cfg.prefetch)
+    step = cj.make_chunked_step(stages, layout, placement, tx, compute_dtype=cdt, prefetch=cfg.prefetch,
+                                micro_batches=cfg.micro_batches, nonfinite="skip" if cfg.nonfinite == "skip" else "ignore")
     state = step.init(params)
     del params
 
@@ -333,7 +340,7 @@ def _train(cfg, mcfg, stages, layout, placement, acc, compiled, tx, cdt, td, bud
 
     tokens_per_step = cfg.batch * cfg.seq
     metrics_path = folder.path / "metrics.jsonl"
-    records, losses = [], []
+    records, losses, skipped = [], [], []
     v0 = val_loss(state)
     records.append({"step": 0, "tokens": 0, "val_loss": v0})
     train_time, timed_steps = 0.0, 0
@@ -346,14 +353,19 @@ def _train(cfg, mcfg, stages, layout, placement, acc, compiled, tx, cdt, td, bud
             state, m = step(state, b)
             loss = float(m["loss"])  # waits for the step
             dt = time.perf_counter() - t0
-            if not math.isfinite(loss):
+            skip = cfg.nonfinite == "skip" and bool(m["skipped"])
+            if skip:
+                skipped.append(i)
+                print(f"step {i}: non-finite gradients (loss {loss}): skipped, no state changed", flush=True)
+            elif not math.isfinite(loss):
                 raise UsageError(f"loss became {loss} at step {i}: lower --lr (now {cfg.lr}) or keep --clip > 0")
             if i > 1:  # step 1 compiles
                 train_time += dt
                 timed_steps += 1
-            losses.append(loss)
-            rec = {"step": i, "tokens": i * tokens_per_step, "loss": loss, "grad_norm": float(m["grad_norm"]),
-                   "step_s": dt}
+            if not skip:
+                losses.append(loss)
+            rec = {"step": i, "tokens": i * tokens_per_step, "loss": loss if not skip else None,
+                   "grad_norm": float(m["grad_norm"]) if not skip else None, "step_s": dt, "skipped": skip}
             if i % cfg.eval_every == 0 or i == cfg.steps:
                 rec["val_loss"] = val_loss(state)
                 if not math.isfinite(rec["val_loss"]):
@@ -385,7 +397,7 @@ def _train(cfg, mcfg, stages, layout, placement, acc, compiled, tx, cdt, td, bud
         "tokens": cfg.steps * tokens_per_step, "tokens_per_s": tps,
         "step_s_median": float(np.median([r["step_s"] for r in records[2:]])) if len(records) > 2 else None,
         "tflops": tps * mcfg.flops_per_token(cfg.seq) / 1e12 if tps else None,
-        "loss_first": losses[0], "loss_last": losses[-1], "val_loss_first": vals[0], "val_loss_last": vals[-1],
+        "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None, "val_loss_first": vals[0], "val_loss_last": vals[-1],
         "unigram_val_loss": data_mod.unigram_cross_entropy(td.train, td.val, td.vocab_size),
         "device_budget_bytes": budget,
         "peak_device_bytes_accounted": acc.peak_device_bytes, "peak_device_bytes_measured": peak_measured,
@@ -401,6 +413,7 @@ def _train(cfg, mcfg, stages, layout, placement, acc, compiled, tx, cdt, td, bud
         "train_tokens_available": int(td.train.size), "val_tokens": int(td.val.size),
         "platform": jax.devices()[0].platform, "device_kind": jax.devices()[0].device_kind,
         "jax_version": jax.__version__, "wall_s": time.time() - t_start, "sample": sample,
+        "micro_batches": cfg.micro_batches, "nonfinite": cfg.nonfinite, "skipped_steps": skipped,
     }
 
 

@@ -104,6 +104,8 @@ def test_non_finite_loss_leaves_no_run_folder(data_cache, tmp_path, capsys):
     (["--warmup", "-5"], "--warmup"),
     (["--sample-tokens", "-1"], "--sample-tokens"),
     (["--device-budget", "0"], "must be positive"),
+    (["--micro-batches", "3"], "--micro-batches 3 must be >= 1 and divide --batch 4"),
+    (["--nonfinite", "maybe"], "--nonfinite 'maybe'"),
 ])
 def test_bad_numbers_rejected_before_training(data_cache, tmp_path, capsys, extra, needle):
     out = tmp_path / "runs"
@@ -129,3 +131,19 @@ def test_sigterm_removes_partial_run_folder(data_cache, tmp_path, capsys, monkey
     assert train.main(_args(data_cache, out)) == 143
     assert "terminated by SIGTERM" in capsys.readouterr().err
     assert not any(out.iterdir())
+
+
+def test_micro_batches_give_the_same_run(data_cache, tmp_path):
+    """--micro-batches 2 (gradient accumulation, case 3) trains the same model as one batch of 4:
+    float32 compute on the CPU, losses equal to fp32 summation order."""
+    runs = {}
+    for n in ("1", "2"):
+        out = tmp_path / f"runs{n}"
+        assert train.main(_args(data_cache, out, "--lr", "1e-2", "--micro-batches", n, "--sample-tokens", "0")) == 0
+        (run,) = list(out.iterdir())
+        runs[n] = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+        assert json.loads((run / "report.json").read_text())["micro_batches"] == int(n)
+    l1 = [r["loss"] for r in runs["1"] if r.get("loss") is not None]
+    l2 = [r["loss"] for r in runs["2"] if r.get("loss") is not None]
+    assert len(l1) == len(l2) == 6 and l1[-1] < l1[0]
+    assert max(abs(a - b) / a for a, b in zip(l1, l2)) < 1e-5, (l1, l2)
