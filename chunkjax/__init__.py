@@ -15,6 +15,7 @@ from chunkjax.checkpoint import (CheckpointError, CheckpointWriteError, export_p
                                  restore_checkpoint, save_checkpoint)
 from chunkjax.flax_api import ChunkedOptimizer, NnxOptimizer
 from chunkjax.layout import ChunkLayout, LeafSlot, build_layout, first_use_order, search_chunk_size
+from chunkjax.loss_scale import DynamicLossScale
 from chunkjax.memory import DEVICE, PINNED_HOST
 from chunkjax.optim import init_chunk_state, update_chunk
 from chunkjax.plan import (Accounting, ChunkBytes, Placement, PlanError, StageTrace, account, chunk_bytes,
@@ -32,6 +33,6 @@ __all__ = [
     "PlanError", "Schedule", "Stage", "StageTrace", "TrainState", "account", "build_layout", "chunk_bytes", "compose_loss",
     "first_use_order", "init_chunk_state", "make_chunked_step", "parse_bytes", "plan_fixed", "plan_schedule", "search_chunk_size",
     "trace_stages", "update_chunk",
-    "ChunkedOptimizer", "NnxOptimizer",
+    "ChunkedOptimizer", "NnxOptimizer", "DynamicLossScale",
     "ZeroScheduledStep", "build_zero_layout", "data_mesh", "make_zero_scheduled_step", "plan_zero_schedule",
 ]

@@ -51,7 +51,7 @@ def init_chunk_state(tx: optax.GradientTransformation, master: jax.Array):
 
 def update_chunk(tx: optax.GradientTransformation, grad: jax.Array, master: jax.Array, opt_state,
                  grad_sq_total: jax.Array, grad_sq_chunk: jax.Array, compute_dtype,
-                 skip_nonfinite: bool = False) -> ChunkUpdate:
+                 skip_nonfinite: bool = False, inv_scale: jax.Array | None = None) -> ChunkUpdate:
     """One optimizer step for one chunk (pure; jit it where the chunk's update runs).
 
     Args:
@@ -65,11 +65,16 @@ def update_chunk(tx: optax.GradientTransformation, grad: jax.Array, master: jax.
       skip_nonfinite: when ``grad_sq_total`` is not finite (a NaN or inf anywhere in the
         model's gradients), return ``master`` and ``opt_state`` unchanged (the step is skipped,
         as ``optax.apply_if_finite`` does; the optax step count does not advance either).
+      inv_scale: () float32, 1 / loss scale: ``grad`` and both squared norms are of the scaled
+        loss's gradient and are unscaled here (exact for power-of-two scales).
 
     Returns:
       :class:`ChunkUpdate`.
     """
     g = grad.astype(MASTER_DTYPE)
+    if inv_scale is not None:
+        inv = jnp.asarray(inv_scale, MASTER_DTYPE)
+        g, grad_sq_total, grad_sq_chunk = g * inv, grad_sq_total * inv * inv, grad_sq_chunk * inv * inv
     rest = jnp.sqrt(jnp.maximum(grad_sq_total - grad_sq_chunk, 0.0)).astype(MASTER_DTYPE)
     updates, new_state = tx.update([g, rest], opt_state, [master, jnp.zeros((), MASTER_DTYPE)])
     new_master = (master + updates[0]).astype(MASTER_DTYPE)

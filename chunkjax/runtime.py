@@ -79,6 +79,10 @@ class ChunkedStep:
         whose gradients hold a NaN or inf (global norm not finite) changes no state (params,
         master params, optimizer state and its step count) and reports ``metrics["skipped"]``
         True. ``"skip"`` makes host updates wait for the global norm, as clipping does.
+      loss_scaling: fp16 dynamic loss scaling: each call takes ``loss_scale`` (a float; keep it
+        in a :class:`chunkjax.DynamicLossScale`), seeds the backward with it, unscales the
+        gradients in the update and skips a step whose scaled gradients overflowed (as
+        ``nonfinite="skip"``: no state changes; ``metrics["skipped"]``).
     """
 
     stages: tuple
@@ -91,6 +95,7 @@ class ChunkedStep:
     host_optimizer: Any = None
     micro_batches: int = 1
     nonfinite: str = "ignore"
+    loss_scaling: bool = False
 
     def __post_init__(self):
         if not (isinstance(self.micro_batches, int) and self.micro_batches >= 1):
@@ -283,6 +288,7 @@ class ChunkedStep:
         acc = dict(carry.get("acc", {}))
         held = dict(carry.get("held", {}))
         issued = {tuple(int(v) for v in key.split(":")): a for key, a in carry.get("issued", {}).items()}
+        loss_scale = carry.get("loss_scale")
         grads, sq, loss = {}, {}, None
         # next read of each chunk after moment t comes from a fetch (or never): release it then
         def released_after(t, c):
@@ -336,7 +342,10 @@ class ChunkedStep:
                 x = st.apply(self._sub(arrays, s), x, batch)
             elif ph == "forward+backward":
                 loss, pull = jax.vjp(lambda p, xx: st.apply(p, xx, batch), self._sub(arrays, s), x)
-                dp, dx = pull(self._loss_cotangent(loss))
+                ct = self._loss_cotangent(loss)
+                if loss_scale is not None:  # fp16 loss scaling: the backward carries scaled values
+                    ct = ct * loss_scale.astype(ct.dtype)
+                dp, dx = pull(ct)
                 add_grads(s, dp)
                 x = emit(s, dx)
             else:
@@ -358,6 +367,8 @@ class ChunkedStep:
                     del held[c]
         out = {"x": x, "saved": saved, "acc": acc, "held": held,
                "issued": {f"{u}:{c}": a for (u, c), a in issued.items()}}
+        if loss_scale is not None:
+            out["loss_scale"] = loss_scale
         if t1 == T:
             out = {}
         return out, grads, sq, loss
@@ -411,6 +422,10 @@ class ChunkedStep:
         return tuple(c for c in range(self.layout.n_chunks) if self.placement.state_kinds[c] == DEVICE)
 
 
+    @property
+    def _skip_nonfinite(self) -> bool:
+        return self.nonfinite == "skip" or self.loss_scaling
+
     @functools.cached_property
     def jit_update_device(self):
         """One device-state chunk per call (``c`` is traced, so one compiled program serves every
@@ -423,15 +438,16 @@ class ChunkedStep:
         def make(param_kind):
             pk = sharding(param_kind)
 
-            def upd(grad, master, state, grad_sq, c, old_params):
+            def upd(grad, master, state, grad_sq, c, old_params, inv_scale):
                 del old_params  # donated
                 o = optim.update_chunk(self.tx, grad, master, state, jnp.sum(grad_sq), grad_sq[c],
-                                       self.compute_dtype, self.nonfinite == "skip")
+                                       self.compute_dtype, self._skip_nonfinite,
+                                       inv_scale if self.loss_scaling else None)
                 return jax.device_put(o.params, pk), o.master, o.opt_state
 
             # keep_unused: old_params is unused, and jit would prune it, dropping its donation
             # (every updated chunk would then hold two compute-param buffers until the step ends)
-            return jax.jit(upd, in_shardings=(dev, dev, dev, dev, dev, pk), out_shardings=(pk, dev, dev),
+            return jax.jit(upd, in_shardings=(dev, dev, dev, dev, dev, pk, dev), out_shardings=(pk, dev, dev),
                            donate_argnums=(1, 2, 5), keep_unused=True)
 
         return {k: make(k) for k in set(self.placement.param_kinds)}
@@ -442,15 +458,16 @@ class ChunkedStep:
         dev, host = sharding(DEVICE), sharding(PINNED_HOST)
 
         def make(param_kind):
-            def upd(grad, master, state, grad_sq, c, old_params):
+            def upd(grad, master, state, grad_sq, c, old_params, inv_scale):
                 del old_params  # donated: the new compute params reuse its buffer
                 grad, master, state = jax.device_put((grad, master, state), dev)
                 o = optim.update_chunk(self.tx, grad, master, state, jnp.sum(grad_sq), grad_sq[c],
-                                       self.compute_dtype, self.nonfinite == "skip")
+                                       self.compute_dtype, self._skip_nonfinite,
+                                       inv_scale if self.loss_scaling else None)
                 return (jax.device_put(o.params, sharding(param_kind)),
                         jax.device_put(o.master, host), jax.device_put(o.opt_state, host))
 
-            return jax.jit(upd, in_shardings=(host, host, host, dev, dev, sharding(param_kind)),
+            return jax.jit(upd, in_shardings=(host, host, host, dev, dev, sharding(param_kind), dev),
                            out_shardings=(sharding(param_kind), host, host), donate_argnums=(1, 2, 5),
                            keep_unused=True)
 
@@ -592,7 +609,7 @@ class ChunkedStep:
             times = self.__dict__.pop("_host_update_times", [])
             self.__dict__["last_host_update_s"] = float(sum(times))
 
-    def __call__(self, state: TrainState, batch) -> tuple[TrainState, dict]:
+    def __call__(self, state: TrainState, batch, loss_scale=None) -> tuple[TrainState, dict]:
         """One training step. batch: int (B, T+1) on the device. Returns (new state, metrics).
 
         The step runs the schedule's programs in order; the gradients of host-updated chunks are
@@ -601,49 +618,60 @@ class ChunkedStep:
         that thread. ``state``'s device buffers are donated to the update: use the returned state.
         With ``micro_batches > 1`` the programs run once per micro-batch first (see the class).
 
+        Args:
+          loss_scale: with ``loss_scaling`` only: the loss scale of this step (a float, best a
+            power of two; see :class:`chunkjax.DynamicLossScale`).
+
         Raises:
-          ValueError: the batch does not split into ``micro_batches`` equal parts.
+          ValueError: the batch does not split into ``micro_batches`` equal parts, or
+            ``loss_scale`` given without ``loss_scaling`` (or missing with it).
         """
+        if self.loss_scaling != (loss_scale is not None):
+            raise ValueError("pass loss_scale exactly when the step was built with loss_scaling=True "
+                             f"(loss_scaling={self.loss_scaling}, loss_scale={loss_scale!r})")
         self.wait()
         host = set(self.host_chunks)
         clip = self.host_optimizer is not None and getattr(self.host_optimizer, "max_grad_norm", None) is not None
-        skip = self.nonfinite == "skip"
+        skip = self._skip_nonfinite
+        scale = None if loss_scale is None else jnp.asarray(loss_scale, jnp.float32)
+        inv = 1.0 if loss_scale is None else 1.0 / float(loss_scale)
         if self.micro_batches == 1:
-            grads, sq, loss, pending = self._run_programs(state, batch, submit=not (clip or skip))
+            grads, sq, loss, pending = self._run_programs(state, batch, submit=not (clip or skip), scale=scale)
         else:
-            grads, sq, loss = self._accumulate(state, batch)
+            grads, sq, loss = self._accumulate(state, batch, scale)
             pending = []
         grad_sq = jnp.stack([sq[c] for c in range(self.layout.n_chunks)])
         late = {c: grads[c] for c in host if clip or skip or not isinstance(grads[c], jax.Array)}
         if late:
-            def scale():
-                norm = float(jnp.sqrt(jnp.sum(grad_sq)))
+            def host_scale():
+                norm = float(jnp.sqrt(jnp.sum(grad_sq))) * inv
                 if skip and not math.isfinite(norm):
                     return None
-                return self.host_optimizer.grad_scale(norm) if clip else 1.0
-            pending.append(self._executor().submit(self._host_update, state, late, scale))
+                return float(np.float32((self.host_optimizer.grad_scale(norm) if clip else 1.0) * inv))
+            pending.append(self._executor().submit(self._host_update, state, late, host_scale))
+        inv_arr = jnp.asarray(inv, jnp.float32)
         params, master, opt = list(state.params), list(state.master), list(state.opt_state)
         for c in self._device_chunks:
             fn = self.jit_update_device[self.placement.param_kinds[c]]
             params[c], master[c], opt[c] = fn(grads[c], master[c], opt[c], grad_sq,
-                                              jnp.asarray(c, jnp.int32), params[c])
+                                              jnp.asarray(c, jnp.int32), params[c], inv_arr)
         for c in self._streamed_chunks:
             fn = self.jit_update_streamed[self.placement.param_kinds[c]]
             params[c], master[c], opt[c] = fn(grads[c], master[c], opt[c], grad_sq,
-                                              jnp.asarray(c, jnp.int32), params[c])
+                                              jnp.asarray(c, jnp.int32), params[c], inv_arr)
         self.__dict__["_pending"] = tuple(pending)
-        metrics = {"loss": loss, "grad_norm": jnp.sqrt(jnp.sum(grad_sq))}
+        metrics = {"loss": loss, "grad_norm": jnp.sqrt(jnp.sum(grad_sq)) * inv_arr}
         if skip:
             metrics["skipped"] = ~jnp.isfinite(jnp.sum(grad_sq))
         return TrainState(tuple(params), tuple(master), tuple(opt)), metrics
 
-    def _run_programs(self, state: TrainState, batch, submit: bool):
+    def _run_programs(self, state: TrainState, batch, submit: bool, scale=None):
         """Run every program of the step on ``batch``: returns ``(grads, sq, loss, pending)``,
         a gradient and squared norm for every chunk (zero for chunks no stage reads); with
         ``submit``, host chunks' updates are handed to the host thread as their gradients
         appear (``pending``: their futures)."""
         host = set(self.host_chunks)
-        carry: dict = {}
+        carry: dict = {} if scale is None else {"loss_scale": scale}  # carried to the loss's program
         acc: dict = {}
         grads, sq, loss, pending = {}, {}, None, []
         for k in range(len(self._program_bounds())):
@@ -675,7 +703,7 @@ class ChunkedStep:
 
         return first, add, jax.jit(finish)
 
-    def _accumulate(self, state: TrainState, batch):
+    def _accumulate(self, state: TrainState, batch, scale=None):
         """Gradient accumulation over ``micro_batches`` equal parts of ``batch``: returns the
         mean gradients, their squared norms and the mean loss. Device gradients are summed in
         float32 on the device; gradients in pinned host memory in float32 numpy."""
@@ -689,7 +717,7 @@ class ChunkedStep:
         total, losses = {}, []
         for i in range(n):
             part = jax.tree.map(lambda a: a[i * size:(i + 1) * size], batch)
-            grads, _, loss, _ = self._run_programs(state, part, submit=False)
+            grads, _, loss, _ = self._run_programs(state, part, submit=False, scale=scale)
             losses.append(loss)
             for c, g in grads.items():
                 on_device = isinstance(g, jax.Array) and g.sharding.memory_kind in (None, DEVICE)
@@ -812,7 +840,7 @@ class ChunkedStep:
 
 def make_chunked_step(stages, layout: ChunkLayout, placement, tx: optax.GradientTransformation | None = None,
                       compute_dtype=jnp.bfloat16, prefetch: int | None = None, host_optimizer=None,
-                      micro_batches: int = 1, nonfinite: str = "ignore") -> ChunkedStep:
+                      micro_batches: int = 1, nonfinite: str = "ignore", loss_scaling: bool = False) -> ChunkedStep:
     """Build the chunked step (see :class:`ChunkedStep`). Nothing is compiled until first use.
 
     Args:
@@ -828,6 +856,7 @@ def make_chunked_step(stages, layout: ChunkLayout, placement, tx: optax.Gradient
       host_optimizer: the host kernel spec (:mod:`chunkjax.host_update`) for ``host`` chunks.
       micro_batches: gradient accumulation over this many equal parts of each batch.
       nonfinite: ``"ignore"`` or ``"skip"`` (a step with non-finite gradients changes no state).
+      loss_scaling: fp16 dynamic loss scaling (each call takes ``loss_scale``).
 
     Raises:
       ValueError: a bad ``micro_batches`` or ``nonfinite``, a placement that differs from the
@@ -843,4 +872,5 @@ def make_chunked_step(stages, layout: ChunkLayout, placement, tx: optax.Gradient
             raise ValueError("pass tx (an optax transformation) or host_optimizer")
         tx = host_optimizer.optax()
     return ChunkedStep(tuple(stages), layout, placement, tx, jnp.dtype(compute_dtype),
-                       1 if prefetch is None else prefetch, schedule, host_optimizer, micro_batches, nonfinite)
+                       1 if prefetch is None else prefetch, schedule, host_optimizer, micro_batches, nonfinite,
+                       loss_scaling)

@@ -78,8 +78,9 @@ class ZeroScheduledStep(ChunkedStep):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.micro_batches != 1 or self.nonfinite != "ignore":
-            raise ValueError("ZeRO steps support micro_batches=1 and nonfinite='ignore' only: accumulate or skip "
+        if self.micro_batches != 1 or self.nonfinite != "ignore" or self.loss_scaling:
+            raise ValueError("ZeRO steps support micro_batches=1, nonfinite='ignore' and no loss scaling: accumulate, "
+                             "skip or scale the loss "
                              "with the single-device ChunkedStep, or check the loss in your loop")
         if self.schedule is None:
             raise ValueError("ZeroScheduledStep runs a chunkjax.schedule.Schedule: pass one")
@@ -222,7 +223,8 @@ class ZeroScheduledStep(ChunkedStep):
         def make(pk):
             psh = self._ns(self._pspec, pk)
 
-            def upd(grad, master, state, grad_sq, c, old_params):
+            def upd(grad, master, state, grad_sq, c, old_params, inv_scale):
+                del inv_scale  # 1: ZeRO steps refuse loss scaling
                 if moved:
                     grad, master = jax.device_put(grad, d), jax.device_put(master, d)
                     state = jax.device_put(state, ssh_d)
@@ -233,7 +235,7 @@ class ZeroScheduledStep(ChunkedStep):
                     m, st = jax.device_put(m, k), jax.device_put(st, ssh_k)
                 return (jax.device_put(p, psh) if pk != DEVICE else p), m, st
 
-            return jax.jit(upd, in_shardings=(k, k, ssh_k, self._ns(P()), self._ns(P()), psh),
+            return jax.jit(upd, in_shardings=(k, k, ssh_k, self._ns(P()), self._ns(P()), psh, self._ns(P())),
                            out_shardings=(psh, k, ssh_k), donate_argnums=donate, keep_unused=True)
 
         return {pk: make(pk) for pk in set(self.placement.param_kinds)}

@@ -152,8 +152,13 @@ class Block(nn.Module):
         y = nn.LayerNorm(use_bias=False, name="ln_1")(x)
         qkv = _Dense(3 * h, _init, name="attn_c_attn")(y)
         q, k, v = jnp.split(qkv.reshape(B, T, 3, cfg.n_heads, h // cfg.n_heads), 3, axis=2)
-        a = jax.nn.dot_product_attention(q[:, :, 0], k[:, :, 0], v[:, :, 0], is_causal=True,
+        q, k, v = q[:, :, 0], k[:, :, 0], v[:, :, 0]
+        if x.dtype == jnp.float16 and jax.default_backend() == "cpu":
+            # XLA:CPU has no float16 x float16 -> float32 dot (the attention's): widen there
+            q, k, v = q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32)
+        a = jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                          implementation=attention_implementation(x.dtype, h // cfg.n_heads))
+        a = a.astype(x.dtype)
         x = x + _Dense(h, proj_init, name="attn_c_proj")(a.reshape(B, T, h))
         y = nn.LayerNorm(use_bias=False, name="ln_2")(x)
         y = jax.nn.gelu(_Dense(4 * h, _init, name="mlp_c_fc")(y))
@@ -235,6 +240,14 @@ def fused_linear_cross_entropy(y, w, t, piece: int):
     return jax.lax.fori_loop(0, y.shape[0] // piece, body, jnp.zeros((), jnp.float32))
 
 
+def _dot_f32(a, b):
+    """``a @ b`` accumulated in float32. XLA's CPU backend has no float16 x float16 -> float32
+    dot: there float16 operands are widened first (same values, exact)."""
+    if a.dtype == jnp.float16 and jax.default_backend() == "cpu":
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return jnp.dot(a, b, preferred_element_type=jnp.float32)
+
+
 def _flce_fwd(y, w, t, piece):
     return fused_linear_cross_entropy(y, w, t, piece), (y, w, t)
 
@@ -249,7 +262,7 @@ def _flce_bwd(piece, res, g):
         dl = (prob - jax.nn.one_hot(ti, logits.shape[-1], dtype=prob.dtype)) * g
         dl = dl.astype(y.dtype)
         dy = jax.lax.dynamic_update_slice_in_dim(dy, (dl @ w).astype(y.dtype), i * piece, 0)
-        dw = dw + jnp.dot(dl.T, yi, preferred_element_type=jnp.float32)
+        dw = dw + _dot_f32(dl.T, yi)
         return dy, dw
 
     dy, dw = jax.lax.fori_loop(0, y.shape[0] // piece, body,

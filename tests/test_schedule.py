@@ -382,3 +382,58 @@ def test_nonfinite_skip_changes_no_state(setup):
     assert float(m3["loss"]) == pytest.approx(l_ref[1], rel=1e-6)
     with pytest.raises(ValueError, match="nonfinite="):
         cj.make_chunked_step(stages, layout, plan, host_optimizer=spec, nonfinite="raise")
+
+
+def test_fp16_dynamic_loss_scaling(setup):
+    """float16 compute with loss scaling: an overflowed step (scale too large) changes no state
+    and halves the scale; scaled steps train like the float32 reference (to float16 rounding),
+    on host-, device- and streamed-updated chunks."""
+    cfg, params, batches, stages, layout, traces = setup
+    spec = AdamW(3e-3, weight_decay=0.1, max_grad_norm=1.0)
+    plan = _host_device_schedule(setup, spec)
+    step = cj.make_chunked_step(stages, layout, plan, host_optimizer=spec, compute_dtype=jnp.float16,
+                                loss_scaling=True)
+    ls = cj.DynamicLossScale(scale=2.0 ** 40, growth_interval=2)
+    state = step.init(params)
+    before = [np.array(a, copy=True) for a in state.master]
+    host_opt = [np.array(x, copy=True) for x in jax.tree.leaves(state.opt_state[plan.update_locations.index("host")])]
+    state, m = step(state, batches[0], loss_scale=ls.scale)  # 2**40 overflows float16 gradients
+    step.wait()
+    assert bool(m["skipped"])
+    ls = ls.adjust(not bool(m["skipped"]))
+    assert ls.scale == 2.0 ** 39 and ls.counter == 0
+    for a, b in zip(state.master, before):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    for a, b in zip(jax.tree.leaves(state.opt_state[plan.update_locations.index("host")]), host_opt):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    # a sane scale trains; losses follow the float32 reference to float16 rounding
+    ls = cj.DynamicLossScale(scale=2.0 ** 10, growth_interval=2)
+    losses = []
+    for b in batches[:3]:
+        state, m = step(state, b, loss_scale=ls.scale)
+        assert not bool(m["skipped"])
+        ls = ls.adjust(True)
+        losses.append(float(m["loss"]))
+    step.wait()
+    assert ls.scale == 2.0 ** 11 and ls.counter == 1  # grew once after 2 finite steps
+    _, ref = _reference(cfg, params, batches[:3], spec.optax(), jnp.float32)
+    np.testing.assert_allclose(losses, ref, rtol=3e-3)
+    with pytest.raises(ValueError, match="loss_scale exactly"):
+        step(state, batches[0])
+    with pytest.raises(ValueError, match="factor must be > 1"):
+        cj.DynamicLossScale(factor=1.0)
+    # SGD is not scale-invariant as Adam is: a missing unscale would take 1024x steps
+    from chunkjax.host_update import SGDMomentum
+    sgd = SGDMomentum(0.5, momentum=0.9)
+    plan = _host_device_schedule(setup, sgd)
+    step = cj.make_chunked_step(stages, layout, plan, host_optimizer=sgd, compute_dtype=jnp.float16, loss_scaling=True)
+    state, losses, norms = step.init(params), [], []
+    for b in batches[:3]:
+        state, m = step(state, b, loss_scale=2.0 ** 10)
+        losses.append(float(m["loss"]))
+        norms.append(float(m["grad_norm"]))
+    step.wait()
+    _, ref = _reference(cfg, params, batches[:3], sgd.optax(), jnp.float32)
+    np.testing.assert_allclose(losses, ref, rtol=3e-3)
+    g0 = jax.grad(lambda p: gpt.loss_fn(cfg, p, batches[0], jnp.float32))(params)
+    assert norms[0] == pytest.approx(float(optax.global_norm(g0)), rel=1e-2)  # reported unscaled
