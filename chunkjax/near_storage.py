@@ -319,6 +319,38 @@ def _worker_main(conn, cfg: dict):
     tier.close()
 
 
+def validate_storage_dirs(dirs) -> None:
+    """Check a list of storage directories (one per storage device) before anything is created:
+    at least one, no two the same, each an existing directory or creatable (its nearest existing
+    parent is a writable directory), none a file (reported case 16: a bad offload target once
+    failed deep inside the first step).
+
+    Raises:
+      ValueError: one line naming the directory and what to change.
+    """
+    if isinstance(dirs, (str, bytes, os.PathLike)):
+        raise ValueError(f"dirs={os.fspath(dirs)!r}: pass a list of directories (one per storage device)")
+    dirs = [os.fspath(d) for d in dirs]
+    if not dirs:
+        raise ValueError("no storage directories: pass one per storage device")
+    real = [os.path.realpath(d) for d in dirs]
+    for i, r in enumerate(real):
+        if r in real[:i]:
+            raise ValueError(f"storage directory {dirs[i]!r} is given twice: give each storage device once")
+    for d in dirs:
+        if os.path.exists(d):
+            if not os.path.isdir(d):
+                raise ValueError(f"storage directory {d!r} is a file: give a directory")
+            if not os.access(d, os.W_OK | os.X_OK):
+                raise ValueError(f"storage directory {d!r} is not writable: give a writable directory")
+            continue
+        parent = os.path.dirname(os.path.abspath(d))
+        while not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+            raise ValueError(f"storage directory {d!r} cannot be created ({parent!r} is not a writable directory)")
+
+
 class NearStorageOptimizer(_Trainer):
     """AdamW with the state on storage and the update next to it (Smart-Infinity's SmartUpdate).
 
@@ -351,6 +383,12 @@ class NearStorageOptimizer(_Trainer):
                  compression: str | None = None, topk_ratio: float = 0.01, error_feedback: bool = False,
                  link_model: LinkModel | None = None, io_mode: str = "auto", n_buffers: int = 3, fsync: bool = True,
                  timeout_s: float = 300.0, _fault: dict | None = None):
+        validate_storage_dirs(dirs)  # the whole configuration before any file or process
+        if n_buffers < 3:
+            raise ValueError(f"n_buffers={n_buffers}: the data transfer handler needs >= 3 staging buffers "
+                             "(read k+1, update k, write k-1)")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s={timeout_s}: must be > 0 seconds")
         self._init_common(chunk_sizes, spec, link_model)
         if compression not in (None, "topk"):
             raise ValueError(f"compression must be None or 'topk', got {compression!r}")
@@ -594,6 +632,7 @@ class BaselineOptimizer(_Trainer):
     def __init__(self, dirs: Sequence[str], chunk_sizes, spec: AdamW, *, init_params=None,
                  link_model: LinkModel | None = None, io_mode: str = "auto", n_buffers: int | None = None,
                  io_threads: int | None = None, fsync: bool = True):
+        validate_storage_dirs(dirs)
         self._init_common(chunk_sizes, spec, link_model)
         n = len(dirs)
         self.tier = DiskTier(dirs, self.chunk_sizes, n_buffers=n_buffers or n + 2, io_threads=io_threads or 2 * n,

@@ -4,6 +4,7 @@ Small models only (CPU, 2 cores): a 4-layer MLP written as stages and the ``micr
 input is drawn fresh from a seeded generator. On the CPU backend both memory kinds exist and moves
 compile to nothing, so placement tests prove the programs are well-formed and the values right.
 """
+import os
 import re
 
 import jax
@@ -500,3 +501,99 @@ def test_case10_step_counts_its_pinned_bytes_and_refuses_before_allocating(gpt, 
     with pytest.raises(PlanError, match="pinned host memory"):
         step.init(gpt["params"])
     assert allocated == []
+
+
+# ---- case 14: a staging-buffer pool that runs dry: back-pressure or a clear error, never a hang ------
+
+def test_case14_staging_pool_runs_dry_without_hanging(tmp_path, monkeypatch):
+    """The disk tier's fixed pool (3 buffers) serves 64 chunks whose writes are slow: readers wait
+    for a free buffer (back-pressure) and every chunk is right; a write that fails while every
+    buffer is taken raises StorageError promptly (no thread left waiting); too small a pool is
+    refused at construction."""
+    import errno
+    import threading
+    import time
+
+    from chunkjax import storage
+    from chunkjax.storage import DiskTier, StorageError
+
+    sizes = [257] * 64
+    tier = DiskTier([tmp_path / "a", tmp_path / "b"], sizes, n_buffers=3)
+    tier.initialize(lambda c: np.full(257, float(c), np.float32))
+    real = storage._pwrite
+
+    def slow(fd, data, offset):
+        time.sleep(0.002)
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(storage, "_pwrite", slow)
+    tier.update(lambda c, v: v[0].__iadd__(1.0))
+    assert tier.staging_bytes == 3 * 3 * storage.section_bytes(257)
+    for c in (0, 31, 63):
+        np.testing.assert_array_equal(tier.read_chunk(c)[0], np.full(257, c + 1.0, np.float32))
+    calls = {"n": 0}
+
+    def fail_later(fd, data, offset):
+        calls["n"] += 1
+        if calls["n"] > 10:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(storage, "_pwrite", fail_later)
+    box = {}
+    t = threading.Thread(target=lambda: box.update(r=_raises(lambda: tier.update(lambda c, v: v[0].__iadd__(1.0)))))
+    t.start()
+    t.join(timeout=60)
+    assert not t.is_alive(), "the update hung with a failed write and a dry pool"
+    assert isinstance(box["r"], StorageError) and "\n" not in str(box["r"])
+    assert tier.committed_step == 1
+    monkeypatch.setattr(storage, "_pwrite", real)
+    np.testing.assert_array_equal(tier.read_chunk(5)[0], np.full(257, 6.0, np.float32))
+    tier.close()
+    with pytest.raises(ValueError, match="n_buffers >= read_ahead \\+ 2"):
+        DiskTier([tmp_path / "c"], [8], n_buffers=2)
+
+
+def _raises(fn):
+    try:
+        fn()
+    except Exception as e:  # returned for the assertion in the main thread
+        return e
+    return None
+
+
+# ---- case 16: the whole storage configuration is validated before anything is allocated ------------
+
+def test_case16_storage_configuration_validated_before_anything_starts(tmp_path):
+    import multiprocessing
+
+    from chunkjax.host_update import AdamW
+    from chunkjax.near_storage import BaselineOptimizer, NearStorageOptimizer
+
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    spec, sizes, init = AdamW(1e-3), [8, 8], {0: np.zeros(8), 1: np.zeros(8)}
+    ok = str(tmp_path / "new" / "d0")
+    cases = [
+        (dict(dirs=[]), "no storage directories"),
+        (dict(dirs=str(tmp_path / "d")), "pass a list of directories"),
+        (dict(dirs=[ok, ok]), "is given twice"),
+        (dict(dirs=[str(a_file)]), "is a file"),
+        (dict(dirs=[str(a_file / "sub")]), "cannot be created"),
+        (dict(dirs=[ok], n_buffers=2), ">= 3 staging buffers"),
+        (dict(dirs=[ok], compression="zstd"), "compression must be"),
+        (dict(dirs=[ok], compression="topk", topk_ratio=0.0), "ratio"),
+    ]
+    if os.geteuid() != 0:  # root writes anywhere
+        cases.append((dict(dirs=[str(ro / "d")]), "cannot be created"))
+    for kw, needle in cases:
+        with pytest.raises(ValueError, match=needle) as e:
+            NearStorageOptimizer(kw.pop("dirs"), sizes, spec, init_params=init, **kw)
+        assert "\n" not in str(e.value)
+        assert multiprocessing.active_children() == []  # no worker was started
+        assert not (tmp_path / "new").exists()  # nothing was created
+    with pytest.raises(ValueError, match="is a file"):
+        BaselineOptimizer([str(a_file)], sizes, spec, init_params=init)
