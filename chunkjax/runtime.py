@@ -83,6 +83,10 @@ class ChunkedStep:
         in a :class:`chunkjax.DynamicLossScale`), seeds the backward with it, unscales the
         gradients in the update and skips a step whose scaled gradients overflowed (as
         ``nonfinite="skip"``: no state changes; ``metrics["skipped"]``).
+      donate: donate the programs' carries (saved activations, gradient accumulators) and, in
+        ZeRO steps, the updates' inputs. None (default): on accelerators, not on the CPU (there a
+        gradient moved between memory kinds may alias its donated accumulator, an XLA abort);
+        True on the CPU is for tests of all-device placements (reported case 19).
     """
 
     stages: tuple
@@ -96,6 +100,7 @@ class ChunkedStep:
     micro_batches: int = 1
     nonfinite: str = "ignore"
     loss_scaling: bool = False
+    donate: bool | None = None
 
     def __post_init__(self):
         if not (isinstance(self.micro_batches, int) and self.micro_batches >= 1):
@@ -529,8 +534,12 @@ class ChunkedStep:
         # XLA frees each piece after its last use. Not on the CPU: there device memory is host
         # memory, and a moved gradient may alias its donated accumulator across memory kinds
         # (an XLA abort)
-        donate = (2, 3) if jax.default_backend() != "cpu" else ()
+        donate = (2, 3) if self._donates else ()
         return jax.jit(prog, out_shardings=(dev, dev, gsh, dev, dev), donate_argnums=donate)
+
+    @property
+    def _donates(self) -> bool:
+        return jax.default_backend() != "cpu" if self.donate is None else bool(self.donate)
 
     def compiled_memory_programs(self, batch) -> list[dict]:
         """Memory analysis of every program of the pipelined step (bytes), in order; the carry

@@ -179,7 +179,7 @@ class ZeroScheduledStep(ChunkedStep):
         program.__name__ = program.__qualname__ = getattr(prog, "__name__", "chunkjax_program")
         carry_sh = {k: self._ns(s) for k, s in self._carry_spec(carry_keys).items()}
         gsh = {c: self._ns(P(AXIS), self.placement.grad_kind(c)) for c in done}
-        donate = (2, 3) if jax.default_backend() != "cpu" else ()
+        donate = (2, 3) if self._donates else ()
         return jax.jit(program, out_shardings=(carry_sh, self._ns(P(AXIS)), gsh, self._ns(P()), self._ns(P())),
                        donate_argnums=donate)
 
@@ -217,7 +217,7 @@ class ZeroScheduledStep(ChunkedStep):
         d, k = self._ns(P(AXIS)), self._ns(P(AXIS), state_kind)
         ssh_d = jax.tree.map(lambda sp: self._ns(sp), sspec)
         ssh_k = jax.tree.map(lambda sp: self._ns(sp, state_kind), sspec)
-        donate = (1, 2, 5) if jax.default_backend() != "cpu" else ()
+        donate = (1, 2, 5) if self._donates else ()
         moved = state_kind != DEVICE
 
         def make(pk):
