@@ -597,3 +597,34 @@ def test_case16_storage_configuration_validated_before_anything_starts(tmp_path)
         assert not (tmp_path / "new").exists()  # nothing was created
     with pytest.raises(ValueError, match="is a file"):
         BaselineOptimizer([str(a_file)], sizes, spec, init_params=init)
+
+
+# ---- case 13: state on disk over many steps: stable names, no orphan files ----------------------------
+
+def test_case13_disk_state_keeps_stable_names_and_no_orphans(tmp_path):
+    """25 steps of the disk tier: each directory holds its manifest and at most two generations of
+    its chunk files (the committed step and the one before, kept until the next step starts), all
+    named chunk<c>.step<s>.bin; reopening continues bit-exactly (resume with state on disk is
+    tests/test_storage.py::test_worker_killed_mid_step_then_resume)."""
+    import re as _re
+
+    from chunkjax.storage import DiskTier
+
+    dirs, sizes = [tmp_path / "a", tmp_path / "b"], [300, 7, 511, 1]
+    tier = DiskTier(dirs, sizes)
+    tier.initialize(lambda c: np.full(sizes[c], 0.5, np.float32))
+    for _ in range(25):
+        tier.update(lambda c, v: v[0].__iadd__(1.0))
+    tier.close()
+    for i, d in enumerate(dirs):
+        files = sorted(os.listdir(d))
+        chunks = [f for f in files if f != "manifest.json"]
+        assert "manifest.json" in files
+        assert all(_re.fullmatch(r"chunk\d{7}\.step\d{9}\.bin", f) for f in chunks), chunks
+        steps = {int(f.split(".step")[1][:9]) for f in chunks}
+        assert steps <= {24, 25} and 25 in steps, steps
+        assert len(chunks) <= 2 * sum(1 for c in range(len(sizes)) if c % 2 == i)
+    with DiskTier(dirs, sizes) as t:
+        assert t.committed_step == 25
+        for c, n in enumerate(sizes):
+            np.testing.assert_array_equal(t.read_chunk(c)[0], np.full(n, 25.5, np.float32))
