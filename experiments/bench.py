@@ -1019,16 +1019,9 @@ def update_docs(results_file: str, docs_path: str = "docs/benchmarks.md") -> str
     png = plot_tokens(results, os.path.join(docs_dir, f"bench_{rid}_tokens.png"))
     rel_results = os.path.relpath(os.path.abspath(results_file), os.path.dirname(docs_dir))
     section = render_markdown(results, rel_results, os.path.basename(png) if png else None)
-    text = open(docs_path).read() if os.path.exists(docs_path) else "# Benchmarks and recorded GPU runs\n"
-    start, end = f"<!-- bench:{rid}:start -->", f"<!-- bench:{rid}:end -->"
-    if start in text and end in text:
-        i, j = text.index(start), text.index(end) + len(end)
-        text = text[:i] + section.rstrip("\n") + text[j:]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
+    from experiments.report import replace_marked_section
     os.makedirs(docs_dir, exist_ok=True)
-    with open(docs_path, "w") as fh:
-        fh.write(text)
+    replace_marked_section(docs_path, f"<!-- bench:{rid}:start -->", f"<!-- bench:{rid}:end -->", section)
     return section
 
 

@@ -606,15 +606,9 @@ def parse_args(argv=None):
 
 def write_docs_section(path: str, key: str, body: str):
     """Replace (or append) the section between ``<!-- bench_storage:key -->`` markers of ``path``."""
+    from experiments.report import replace_marked_section
     start, end = f"<!-- bench_storage:{key} -->", f"<!-- /bench_storage:{key} -->"
-    text = open(path).read() if os.path.exists(path) else "# Storage tier (issue 6)\n"
-    block = f"{start}\n{body.rstrip()}\n{end}"
-    if start in text and end in text:
-        text = text[:text.index(start)] + block + text[text.index(end) + len(end):]
-    else:
-        text = text.rstrip() + "\n\n" + block + "\n"
-    with open(path, "w") as f:
-        f.write(text)
+    replace_marked_section(path, start, end, f"{start}\n{body.rstrip()}\n{end}", "# Storage tier (issue 6)\n")
 
 
 def main(argv=None) -> int:

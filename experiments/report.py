@@ -96,3 +96,19 @@ def plot_losses(png: os.PathLike, metrics_jsonl: os.PathLike, title: str = "") -
     fig.tight_layout()
     fig.savefig(png)
     plt.close(fig)
+
+
+def replace_marked_section(path: os.PathLike, start: str, end: str, block: str,
+                           new_file_title: str = "# Benchmarks and recorded GPU runs\n") -> None:
+    """Write ``block`` (which begins with the marker ``start`` and ends with ``end``) into the
+    markdown file ``path``: it replaces the text between an earlier run's markers, or is appended
+    (the file is created with ``new_file_title`` if missing). Every benchmark's docs section goes
+    through here, so rerunning a run rewrites its section and nothing else."""
+    text = open(path).read() if os.path.exists(path) else new_file_title
+    block = block.rstrip("\n")
+    if start in text and end in text:
+        text = text[:text.index(start)] + block + text[text.index(end) + len(end):]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    with open(path, "w") as fh:
+        fh.write(text)

@@ -241,14 +241,9 @@ def update_docs(results_file: str, docs_path: str = "docs/benchmarks.md") -> str
         res = json.load(fh)
     rel = os.path.relpath(os.path.abspath(results_file), os.path.dirname(os.path.dirname(os.path.abspath(docs_path))))
     section = render_markdown(res, rel)
-    text = open(docs_path).read() if os.path.exists(docs_path) else "# Benchmarks and recorded GPU runs\n"
-    start, end = f"<!-- sweep:{res['run_id']}:start -->", f"<!-- sweep:{res['run_id']}:end -->"
-    if start in text and end in text:
-        text = text[:text.index(start)] + section.rstrip("\n") + text[text.index(end) + len(end):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    with open(docs_path, "w") as fh:
-        fh.write(text)
+    from experiments.report import replace_marked_section
+    rid = res["run_id"]
+    replace_marked_section(docs_path, f"<!-- sweep:{rid}:start -->", f"<!-- sweep:{rid}:end -->", section)
     return section
 
 

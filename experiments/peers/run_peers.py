@@ -153,14 +153,9 @@ def update_docs(results_file: str, docs_path: str = "docs/benchmarks.md") -> str
     results = load_results(results_file)
     rel = os.path.relpath(os.path.abspath(results_file), REPO)
     section = render_markdown(results, rel)
-    text = open(docs_path).read() if os.path.exists(docs_path) else "# Benchmarks and recorded GPU runs\n"
-    start, end = f"<!-- peers:{results['run_id']}:start -->", f"<!-- peers:{results['run_id']}:end -->"
-    if start in text and end in text:
-        text = text[:text.index(start)] + section.rstrip("\n") + text[text.index(end) + len(end):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    with open(docs_path, "w") as fh:
-        fh.write(text)
+    from experiments.report import replace_marked_section
+    rid = results["run_id"]
+    replace_marked_section(docs_path, f"<!-- peers:{rid}:start -->", f"<!-- peers:{rid}:end -->", section)
     return section
 
 
