@@ -282,13 +282,18 @@ def _worker_main(conn, cfg: dict):
                 _, step, scale, hp, grads = msg
                 if step != tier.committed_step + 1:
                     raise StorageError(f"asked for step {step}, committed step is {tier.committed_step}")
-                out, done = {}, [0]
+                done, box = [0], {"grads": grads}
 
-                def fn(c, views, grads=grads, out=out, done=done, step=step, scale=scale, hp=hp):
-                    p = grads.pop(c)
+                def fn(c, views, box=box, done=done, step=step, scale=scale, hp=hp):
+                    if box["grads"] is None:  # the header came first: the state reads have started
+                        m = conn.recv()
+                        if m[0] != "grads" or m[1] != step:
+                            raise StorageError(f"expected the gradients of step {step}, got {m[0]!r}")
+                        box["grads"] = m[2]
+                    p = box["grads"].pop(c)
                     g = topk_decompress(p[1], p[2], tier.chunk_sizes[c]) if p[0] == "topk" else _f32_of(p[1])
                     adamw_numpy_(views[0], views[1], views[2], g, scale, hp)
-                    out[c] = views[0].astype(BF16).view(np.uint16)
+                    conn.send(("param", c, views[0].astype(BF16).view(np.uint16)))  # streamed back at once
                     done[0] += 1
                     if fault.get("step") == step and done[0] == fault.get("after_chunks", 1):
                         with open(fault["marker"], "w") as f:  # test hook: wait here to be killed
@@ -301,7 +306,7 @@ def _worker_main(conn, cfg: dict):
                     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
                     resource.setrlimit(resource.RLIMIT_FSIZE, (fault["fsize_limit"], fault["fsize_limit"]))
                 io = tier.update(fn, commit=False)
-                conn.send(("prepared", step, out, io.read, io.written))
+                conn.send(("prepared", step, io.read, io.written))
             elif kind == "commit":
                 if fault.get("exit_on_commit") == msg[1]:  # test hook: die between the two phases
                     os._exit(9)
@@ -473,6 +478,63 @@ class NearStorageOptimizer(_Trainer):
             raise self._fail(f"near-storage worker {i} answered {msg[0]!r}, expected {kind!r} while {doing}")
         return msg
 
+    def _collect(self, step: int):
+        """Receive every worker's updated params, streamed chunk by chunk as each is updated (the
+        shared link carries them while the workers still read and write their state), then its
+        "prepared". Returns ``(params, storage_bytes, received_bytes, failure)``; ``failure`` is the
+        first :class:`StorageError` (a worker's error, death or silence past ``timeout_s``)."""
+        from multiprocessing.connection import wait
+        params: dict[int, np.ndarray] = {}
+        storage: dict[str, int] = {}
+        received, failure = 0, None
+        pending = {self._conns[i]: i for i in range(len(self.dirs))}
+        deadline = time.monotonic() + self.timeout_s
+        doing = f"preparing step {step}"
+        while pending and not self._broken:
+            ready = wait(list(pending), timeout=0.05)
+            if not ready:
+                for conn, i in list(pending.items()):
+                    if not self.workers[i].is_alive() and not conn.poll(0):
+                        failure = failure or self._dead(i, doing)
+                if time.monotonic() > deadline:
+                    i = next(iter(pending.values()))
+                    failure = failure or self._fail(f"near-storage worker {i} (pid {self.workers[i].pid}, "
+                                                    f"{self.dirs[i]}) gave no reply within {self.timeout_s} s "
+                                                    f"while {doing}")
+                continue
+            for conn in ready:
+                i = pending.get(conn)
+                if i is None:
+                    continue
+                try:
+                    msg = conn.recv()
+                except (EOFError, OSError):
+                    failure = failure or self._dead(i, doing)
+                    break
+                if msg[0] == "param":
+                    with self.shared_link.transfer(msg[2].nbytes):
+                        params[msg[1]] = msg[2].view(BF16)
+                    received += msg[2].nbytes
+                    deadline = time.monotonic() + self.timeout_s
+                elif msg[0] == "prepared":
+                    storage.update({d: msg[2][d] + msg[3][d] for d in msg[2]})
+                    del pending[conn]
+                elif msg[0] == "error":
+                    failure = failure or StorageError(
+                        f"near-storage worker {i} ({self.dirs[i]}) failed while {doing}: {msg[1]}; "
+                        f"last committed step {self._step}")
+                    del pending[conn]
+                else:
+                    failure = failure or self._fail(f"near-storage worker {i} answered {msg[0]!r}, "
+                                                    f"expected 'param' or 'prepared' while {doing}")
+        return params, storage, received, failure
+
+    def _dead(self, i: int, doing: str) -> StorageError:
+        proc = self.workers[i]
+        proc.join(1)
+        return self._fail(f"near-storage worker {i} (pid {proc.pid}, {self.dirs[i]}) died (exit code "
+                          f"{proc.exitcode}) while {doing}")
+
     def _fail(self, why: str) -> StorageError:
         """Stop every worker and return the error; the step named is where a resume starts (read
         from the manifests once the workers are stopped: a worker may have died mid-commit)."""
@@ -538,35 +600,30 @@ class NearStorageOptimizer(_Trainer):
         step = self._step + 1
         n = len(self.dirs)
         sent = 0
+
+        def send(i, msg):
+            try:
+                self._conns[i].send(msg)
+            except (BrokenPipeError, OSError):
+                raise self._fail(f"near-storage worker {i} (pid {self.workers[i].pid}, {self.dirs[i]}) died "
+                                 f"(exit code {self.workers[i].exitcode}) before step {step}") from None
+
+        # the step's header first: every worker starts reading its state while the gradients are
+        # compressed and sent (the header is a few bytes: not counted on the shared link)
+        for i in range(n):
+            send(i, ("step", step, scale, hp, None))
         for i in range(n):
             parts, nbytes = {}, 0
-            for c in self.owned[i]:
-                parts[c], b = self._payload(c, grads[c])
-                nbytes += b
-            with self.shared_link.transfer(nbytes):
-                try:
-                    self._conns[i].send(("step", step, scale, hp, parts))
-                except (BrokenPipeError, OSError):
-                    raise self._fail(f"near-storage worker {i} (pid {self.workers[i].pid}, {self.dirs[i]}) died "
-                                     f"(exit code {self.workers[i].exitcode}) before step {step}") from None
-            sent += nbytes
-        params: dict[int, np.ndarray] = {}
-        storage: dict[str, int] = {}
-        received = 0
-        failure = None
-        for i in range(n):
             try:
-                _, _, out, rd, wr = self._expect(i, "prepared", f"preparing step {step}")
-            except StorageError as e:
-                failure = failure or e
-                if self._broken:  # a dead worker: every worker is stopped
-                    break
-                continue
-            nbytes = sum(a.nbytes for a in out.values())
+                for c in self.owned[i]:
+                    parts[c], b = self._payload(c, grads[c])
+                    nbytes += b
+            except BaseException as e:  # the workers wait for these gradients: stop them
+                raise self._fail(f"preparing the gradients of step {step} failed ({type(e).__name__}: {e})") from e
             with self.shared_link.transfer(nbytes):
-                params.update({c: a.view(BF16) for c, a in out.items()})
-            received += nbytes
-            storage.update({d: rd[d] + wr[d] for d in rd})
+                send(i, ("grads", step, parts))
+            sent += nbytes
+        params, storage, received, failure = self._collect(step)
         if failure is not None:
             if not self._broken:  # a worker reported an error (e.g. a full disk): abort the others
                 for i in range(n):
