@@ -163,6 +163,28 @@ def topk_compress(grad, ratio: float = 0.01):
     return _topk(g, topk_k(g.size, ratio))
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def _topk_rows(g, k):
+    _, idx = jax.lax.top_k(jnp.abs(g), k)
+    return idx.astype(jnp.int32), jnp.take_along_axis(g, idx, axis=1)
+
+
+def topk_compress_many(grads, ratio: float = 0.01) -> list:
+    """:func:`topk_compress` of many chunks, equal-sized ones in one batched call (one dispatch per
+    size instead of one per chunk). Returns ``[(indices, values), ...]`` in the order given, each
+    equal to ``topk_compress`` of that chunk."""
+    flat = [jnp.asarray(g).reshape(-1) for g in grads]
+    out: list = [None] * len(flat)
+    groups: dict = {}
+    for j, g in enumerate(flat):
+        groups.setdefault((g.size, str(g.dtype)), []).append(j)
+    for (n, _), js in groups.items():
+        idx, vals = _topk_rows(jnp.stack([flat[j] for j in js]), topk_k(n, ratio))
+        for r, j in enumerate(js):
+            out[j] = (idx[r], vals[r])
+    return out
+
+
 def topk_decompress(indices: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
     """(n,) float32 array, zero except ``values`` (float32, bf16, or bf16 bits as uint16) at
     ``indices`` (int32). Inverse of :func:`topk_compress` on the kept entries."""
@@ -560,13 +582,16 @@ class NearStorageOptimizer(_Trainer):
             raise StorageError(self._broken)
 
     # -- the step ----------------------------------------------------------------------------
-    def _payload(self, c: int, g: jax.Array):
-        """(wire message part, bytes) for chunk c's gradient."""
+    def _payload(self, c: int, g: jax.Array, compressed=None):
+        """(wire message part, bytes) for chunk c's gradient (``compressed``: its top-k, already
+        computed by :func:`topk_compress_many`)."""
         if self.compression != "topk":
             a = np.asarray(g)
             a = a.view(np.uint16) if a.dtype == BF16 else a.astype(F32, copy=False)
             return ("dense", a), a.nbytes
-        if self.error_feedback:
+        if compressed is not None:
+            idx, vals = compressed
+        elif self.error_feedback:
             ge = g.astype(jnp.float32) + self._residual.get(c, 0.0)
             idx, vals = topk_compress(ge, self.topk_ratio)
             vals = vals.astype(g.dtype)
@@ -612,11 +637,15 @@ class NearStorageOptimizer(_Trainer):
         # compressed and sent (the header is a few bytes: not counted on the shared link)
         for i in range(n):
             send(i, ("step", step, scale, hp, None))
+        batched = {}
+        if self.compression == "topk" and not self.error_feedback:  # one batched top-k per size
+            cs = [c for i in range(n) for c in self.owned[i]]
+            batched = dict(zip(cs, topk_compress_many([grads[c] for c in cs], self.topk_ratio)))
         for i in range(n):
             parts, nbytes = {}, 0
             try:
                 for c in self.owned[i]:
-                    parts[c], b = self._payload(c, grads[c])
+                    parts[c], b = self._payload(c, grads[c], batched.get(c))
                     nbytes += b
             except BaseException as e:  # the workers wait for these gradients: stop them
                 raise self._fail(f"preparing the gradients of step {step} failed ({type(e).__name__}: {e})") from e

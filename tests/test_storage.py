@@ -231,6 +231,12 @@ def test_topk_compress_decompress(dtype):
     assert topk_compress(jnp.ones(5), 1e-6)[0].shape == (1,)
     with pytest.raises(ValueError):
         topk_k(10, 0.0)
+    # the batched form (one call per chunk size) equals the per-chunk one, chunk by chunk
+    from chunkjax.near_storage import topk_compress_many
+    chunks = [g, g[::-1] * 3, g[:513], jnp.asarray(rng.standard_normal(513), dtype), g[:1]]
+    for (i1, v1), (i2, v2) in zip(topk_compress_many(chunks, 0.01), [topk_compress(x, 0.01) for x in chunks]):
+        np.testing.assert_array_equal(np.asarray(i1), np.asarray(i2))
+        np.testing.assert_array_equal(np.asarray(v1), np.asarray(v2))
 
 
 # ----------------------------------------------------------------------------------------------
