@@ -566,6 +566,14 @@ def parse_args(argv=None):
     a = ap.parse_args(argv)
     if a.mode not in ("links", "train"):
         raise UsageError(f"--mode {a.mode!r}: use links or train")
+    if a.model is not None:
+        from models import gpt
+        try:
+            gpt.get_config(a.model)
+        except ValueError as e:
+            raise UsageError(f"--model: {e}") from None
+    if a.data_cache is not None and not os.path.isdir(os.path.dirname(os.path.abspath(a.data_cache))):
+        raise UsageError(f"--data-cache {a.data_cache!r}: its parent folder does not exist")
     try:
         a.workers = [int(w) for w in a.workers.split(",")]
     except ValueError:

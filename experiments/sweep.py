@@ -272,6 +272,12 @@ def main(argv=None) -> int:
         print(update_docs(args.report, args.docs))
         return 0
     from experiments.bench import UsageError, parse_bytes
+    from models import gpt
+    try:
+        gpt.get_config(args.model)
+    except ValueError as e:
+        print(f"error: --model: {e}", file=sys.stderr)
+        return 2
     try:
         budgets = [parse_bytes(b) for b in args.budgets.split(",")]
     except (UsageError, ValueError) as e:

@@ -75,6 +75,8 @@ def test_train_tiny_equals_optax_and_has_three_runs(tmp_path):
     (["--workers", "1,x"], "--workers"),
     (["--params", "-5"], "--params"),
     (["--topk", "2"], "--topk"),
+    (["--mode", "train", "--model", "nope"], "unknown model 'nope'"),
+    (["--mode", "train", "--data-cache", "/nonexistent/x"], "parent folder does not exist"),
 ])
 def test_bad_input_exits_2_with_one_line(argv, needle):
     p = subprocess.run([sys.executable, "-m", "experiments.bench_storage", *argv], capture_output=True, text=True,

@@ -65,6 +65,7 @@ def test_reference_and_ratios(tmp_path):
     (["--systems", "ds_zero_offload"], "--run-id is required"),
     (["--run-id", "a", "--device-budget", "lots"], ""),
     (["--report", "/nonexistent.json"], "no such file"),
+    (["--model", "nope"], "unknown model 'nope'"),
 ])
 def test_bad_input_exits_2(argv, msg):
     p = subprocess.run([sys.executable, "-m", "experiments.peers.run_peers", *argv], capture_output=True, text=True)

@@ -61,3 +61,9 @@ def test_sweep_bad_input(capsys):
     assert sweep.main(["--budgets", "lots"]) == 2
     assert "--budgets" in capsys.readouterr().err
     assert sweep.main(["--plans", "all_device"]) == 2
+
+
+def test_unknown_model_exits_2(tmp_path, capsys):
+    assert sweep.main(["--model", "nope", "--results-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unknown model 'nope'" in err[0]

@@ -183,14 +183,16 @@ def main(argv=None) -> int:
                 raise ValueError(f"--report {args.report}: no such file")
             print(update_docs(args.report, args.docs))
             return 0
+        from models import gpt
+        gpt.get_config(args.model)  # an unknown model: ValueError naming the known ones
         systems = [s for s in args.systems.split(",") if s]
         bad = [s for s in systems if s not in PEERS]
         if bad or not systems:
             raise ValueError(f"--systems {args.systems!r}: choose from {', '.join(PEERS)}")
-        if not args.run_id:
-            raise ValueError("--run-id is required (results go to peers_<run_id>.json)")
         budget = parse_bytes(args.device_budget)
         ref = reference_rows(args.chunkjax_json, args.model, args.batch, args.seq, budget)
+        if not args.run_id:
+            raise ValueError("--run-id is required (results go to peers_<run_id>.json)")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
