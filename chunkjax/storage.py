@@ -89,6 +89,17 @@ _pwrite = os.pwrite
 _preadv = os.preadv
 
 
+def _whole(op, mv: memoryview, short: str) -> None:
+    """Call ``op(rest_of_mv, offset) -> bytes done`` until all of ``mv`` is read or written (pread
+    and pwrite may do part); a call that does nothing raises ``OSError(EIO, short)``."""
+    done = 0
+    while done < len(mv):
+        k = op(mv[done:], done)
+        if k == 0:
+            raise OSError(errno.EIO, short)
+        done += k
+
+
 class StorageError(RuntimeError):
     """A storage-tier failure with a one-line explanation: a full disk, a dead near-storage worker,
     an inconsistent directory. The committed state on storage is intact when it is raised."""
@@ -378,12 +389,7 @@ class _Shard:
             try:
                 fd = os.open(os.path.join(self.path, name), os.O_RDONLY | self._oflag)
                 try:
-                    done = 0
-                    while done < nbytes:
-                        k = _preadv(fd, [mv[done:]], done)
-                        if k == 0:
-                            raise OSError(errno.EIO, f"{name} is shorter than {nbytes} bytes")
-                        done += k
+                    _whole(lambda m, off: _preadv(fd, [m], off), mv, f"{name} is shorter than {nbytes} bytes")
                 finally:
                     os.close(fd)
             except OSError as e:
@@ -402,12 +408,7 @@ class _Shard:
                 flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | self._oflag
                 fd = os.open(os.path.join(self.path, name), flags, 0o644)
                 try:
-                    done = 0
-                    while done < nbytes:
-                        k = _pwrite(fd, mv[done:], done)
-                        if k == 0:
-                            raise OSError(errno.EIO, f"short write to {name}")
-                        done += k
+                    _whole(lambda m, off: _pwrite(fd, m, off), mv, f"short write to {name}")
                     if self.fsync:
                         os.fsync(fd)
                 finally:
