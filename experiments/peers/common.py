@@ -43,6 +43,7 @@ def peer_record(rec: dict, jax_matmul_tflops: float | None = None) -> dict:
     ``mfu`` (against ``jax_matmul_tflops``, the bench's probe in the same call, if given),
     ``mfu_torch_matmul`` (against the record's ``torch_matmul_tflops``), ``losses_finite`` and
     ``loss_falling``. Returns ``rec`` (changed in place)."""
+    from experiments.bench import finalize_record
     from models import gpt
     steps = rec.get("step_s_all") or []
     if steps and rec.get("model"):
@@ -50,13 +51,10 @@ def peer_record(rec: dict, jax_matmul_tflops: float | None = None) -> dict:
         med = statistics.median(steps)
         rec["step_s_median"] = med
         rec["tokens_per_s"] = rec["batch"] * rec["seq"] / med
-        rec["tflops"] = rec["tokens_per_s"] * cfg.flops_per_token(rec["seq"]) / 1e12
         rec["n_params"] = cfg.n_params
+        finalize_record(rec, cfg.flops_per_token(rec["seq"]), jax_matmul_tflops, None)  # the bench's MFU
         if rec.get("torch_matmul_tflops"):
             rec["mfu_torch_matmul"] = rec["tflops"] / rec["torch_matmul_tflops"]
-        if jax_matmul_tflops:
-            rec["mfu"] = rec["tflops"] / jax_matmul_tflops
-            rec["matmul_tflops"] = jax_matmul_tflops
     losses = rec.get("losses") or []
     if losses:
         rec["losses_finite"] = all(x == x and abs(x) != float("inf") for x in losses)
