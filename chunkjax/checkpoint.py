@@ -405,13 +405,13 @@ def save_checkpoint(directory, step_number: int, step_fn, state, extra: dict | N
     if os.path.exists(final):
         raise FileExistsError(f"checkpoint step {step_number} already exists at {final}: delete it or save another step")
     extra_json = _encode(dict(extra or {}))  # fail on bad extra before writing anything
+    kind = _step_kind(step_fn)
     lay = step_fn.layout
     os.makedirs(directory, exist_ok=True)
     remove_stale_temporaries(directory)
-    step_fn.wait()
+    if kind == "chunked":
+        step_fn.wait()
     tmp = os.path.join(directory, f"{_TMP_PREFIX}{step_number:08d}_{os.getpid()}_{uuid.uuid4().hex[:12]}")
-    host_chunks = set(step_fn.host_chunks)
-    locations = [("host" if c in host_chunks else step_fn.placement.update_locations[c]) for c in range(lay.n_chunks)]
     chunks_meta = []
     stage = "creating the temporary directory"
     ckptr = _checkpointer()
@@ -419,22 +419,17 @@ def save_checkpoint(directory, step_number: int, step_fn, state, extra: dict | N
         os.makedirs(tmp)
         for c in range(lay.n_chunks):
             stage = f"reading chunk {c} of {lay.n_chunks} from the state"
-            st = state.opt_state[c]
-            if _is_host_state(st):
-                count, moments = _host_to_portable(st)
-                rest = {}
-            else:
-                count, moments, rest = _optax_to_portable(st, lay.chunk_size)
-            arrays = {"params": np.asarray(state.params[c]), "master": np.asarray(state.master[c], np.float32), **moments}
+            arrays, cm = (_zero_chunk_portable if kind == "zero" else _chunked_chunk_portable)(step_fn, state, c)
             stage = f"writing chunk {c} of {lay.n_chunks}"
             _write_chunk(ckptr, os.path.join(tmp, f"chunk_{c:05d}"), arrays)
-            del arrays, moments
-            chunks_meta.append({"count": count, "moments": sorted(set(_moment_names(st))), "rest": rest,
-                                "saved_from": locations[c]})
+            del arrays
+            chunks_meta.append(cm)
         meta = {"format": FORMAT, "version": VERSION, "step": step_number,
                 "compute_dtype": np.dtype(step_fn.compute_dtype).name,
                 "layout": layout_spec(lay), "layout_fingerprint": layout_fingerprint(lay),
-                "chunks": chunks_meta, "optimizer": repr(step_fn.host_optimizer or step_fn.tx),
+                "chunks": chunks_meta, "optimizer": repr(getattr(step_fn, "host_optimizer", None) or step_fn.tx),
+                "saved_from": ({"step": "ZeroStep", "n_ranks": step_fn.n_ranks, "zero_stage": step_fn.stage}
+                               if kind == "zero" else {"step": "ChunkedStep", "n_ranks": 1}),
                 "extra": extra_json}
         stage = f"writing {META}"
         _write_meta(os.path.join(tmp, META), meta)
@@ -457,6 +452,94 @@ def save_checkpoint(directory, step_number: int, step_fn, state, extra: dict | N
     finally:
         ckptr.close()
     return final
+
+
+def _step_kind(step_fn) -> str:
+    """``"zero"`` for a :class:`chunkjax.zero.ZeroStep`, ``"chunked"`` for a single-device
+    :class:`~chunkjax.runtime.ChunkedStep`.
+
+    Raises:
+      CheckpointError: a :class:`chunkjax.zero_schedule.ZeroScheduledStep` (not covered yet) or
+        an object that is neither.
+    """
+    from chunkjax.runtime import ChunkedStep
+    from chunkjax.zero import ZeroStep
+    from chunkjax.zero_schedule import ZeroScheduledStep
+    if isinstance(step_fn, ZeroStep):
+        return "zero"
+    if isinstance(step_fn, ZeroScheduledStep):
+        raise CheckpointError("checkpoints of a ZeroScheduledStep (per-rank host states) are not covered yet: "
+                              "save from a chunkjax.zero.ZeroStep or a single-device ChunkedStep")
+    if isinstance(step_fn, ChunkedStep):
+        return "chunked"
+    raise CheckpointError(f"cannot checkpoint a {type(step_fn).__name__}: pass a ChunkedStep or a chunkjax.zero.ZeroStep")
+
+
+def _chunked_chunk_portable(step_fn, state, c: int) -> tuple[dict, dict]:
+    """Chunk ``c`` of a single-device :class:`~chunkjax.runtime.TrainState`:
+    ``({"params", "master", moments...: (chunk_size,) numpy}, its meta.json entry)``."""
+    st = state.opt_state[c]
+    if _is_host_state(st):
+        count, moments = _host_to_portable(st)
+        rest = {}
+    else:
+        count, moments, rest = _optax_to_portable(st, step_fn.layout.chunk_size)
+    loc = "host" if c in set(step_fn.host_chunks) else step_fn.placement.update_locations[c]
+    arrays = {"params": np.asarray(state.params[c]), "master": np.asarray(state.master[c], np.float32), **moments}
+    return arrays, {"count": count, "moments": sorted(set(_moment_names(st))), "rest": rest, "saved_from": loc}
+
+
+def _whole(a, what: str) -> np.ndarray:
+    """The whole global array ``a`` as numpy (every shard of it lives in this process).
+
+    Raises:
+      CheckpointError: ``a`` spans devices of other processes (multi-process ZeRO).
+    """
+    if not a.is_fully_addressable:
+        raise CheckpointError(f"{what} spans devices of other processes: multi-process ZeRO checkpoints are not "
+                              "covered yet (save from a single-process mesh)")
+    return np.asarray(a)
+
+
+def _zero_chunk_portable(step_fn, state, c: int) -> tuple[dict, dict]:
+    """Chunk ``c`` of a :class:`chunkjax.zero.ZeroState` in the single-device form: the sharded
+    (chunk_size,) params and master gathered to whole numpy arrays, each rank's (chunk_size/N,)
+    moment slice concatenated in rank order (rank r owns elements [r*chunk_size/N, (r+1)*...)).
+
+    The per-rank step counts must agree; the per-rank moments of the rest-of-model leaf (which
+    never reach a parameter update, :mod:`chunkjax.optim`) are taken from rank 0.
+
+    Raises:
+      CheckpointError: counts that differ over the ranks, a state leaf without the leading rank
+        axis, or any error of :func:`_optax_to_portable`.
+    """
+    n, cs = step_fn.n_ranks, step_fn.layout.chunk_size
+    st = _zero_optax_unshard(state.opt_state[c], n, c)
+    count, moments, rest = _optax_to_portable(st, cs)
+    del st
+    arrays = {"params": _whole(state.params[c], f"chunk {c}'s params"),
+              "master": _whole(state.master[c], f"chunk {c}'s master params").astype(np.float32, copy=False), **moments}
+    return arrays, {"count": count, "moments": sorted(moments), "rest": rest,
+                    "saved_from": f"zero{step_fn.stage}:{step_fn.placement.state_kinds[c]}"}
+
+
+def _zero_optax_unshard(opt_state, n_ranks: int, chunk: int):
+    """A ZeRO chunk's optax state (every leaf with a leading rank axis) as the optax state of the
+    whole chunk (numpy): (N,) counts -> (), (N, chunk_size/N) moments -> (chunk_size,), other
+    (N,) per-rank scalars -> rank 0's."""
+    def one(path, leaf):
+        a = _whole(leaf, f"chunk {chunk}'s optimizer state")
+        where = jax.tree_util.keystr(path)
+        if a.ndim == 0 or a.shape[0] != n_ranks or a.ndim > 2:
+            raise CheckpointError(f"chunk {chunk}: ZeRO optimizer state leaf {where} has shape {a.shape}, not "
+                                  f"({n_ranks}, ...) with one row per rank")
+        name, idx = _optax_leaf_role(path)
+        if a.ndim == 2:
+            return a.reshape(-1)
+        if name == "count" and np.any(a != a[0]):
+            raise CheckpointError(f"chunk {chunk}: the ranks' optimizer step counts differ ({sorted(set(a.tolist()))})")
+        return a[0]
+    return jax.tree_util.tree_map_with_path(one, opt_state)
 
 
 def _moment_names(st) -> list[str]:
@@ -498,79 +581,210 @@ def read_meta(directory, step_number: int | None = None) -> dict:
 
 
 def restore_checkpoint(directory, step_fn, step_number: int | None = None):
-    """Restore a checkpoint into ``step_fn``'s placement, chunk by chunk.
+    """Restore a checkpoint into ``step_fn``'s placement, layout and devices, chunk by chunk.
 
-    The checkpoint may come from any placement or schedule with the same chunk layout: each chunk
-    is placed where ``step_fn`` keeps it (device / pinned host jax arrays with an optax state, or
-    numpy master and ``Host*State`` for host-updated chunks). If the compute dtype differs from
-    the saved one, compute params are recast from the float32 master params.
+    ``step_fn`` is a single-device :class:`~chunkjax.runtime.ChunkedStep` (any placement or
+    schedule: device / pinned host jax arrays with an optax state, or numpy master and
+    ``Host*State`` for host-updated chunks) or a :class:`chunkjax.zero.ZeroStep` (any stage,
+    device count and placement: every chunk sharded over its mesh). The checkpoint may come from
+    either kind. If the compute dtype differs from the saved one, compute params are recast from
+    the float32 master params.
+
+    When the chunk layouts are equal each chunk is read and placed as it was saved. Otherwise
+    (another chunk size, e.g. a ZeRO layout padded to another rank count, or another packing)
+    every leaf is moved by its path: each new chunk is assembled from the saved chunks holding
+    its leaves (params, master params and every optimizer moment element by element), reading
+    saved chunks lazily with at most two held; padding is zero. The parameter tree (leaf paths,
+    shapes, dtypes) must be the same, every saved chunk must hold the same moments and, when
+    remapping, the same optimizer step count (the remapped chunks take it).
+
+    Host memory beyond the restored state: one chunk (equal layouts) or two saved chunks plus
+    the new chunk being assembled (remapping), each ``params + master + moments``.
 
     Args:
       directory: the checkpoint root.
-      step_fn: the :class:`~chunkjax.runtime.ChunkedStep` to restore into.
+      step_fn: the :class:`~chunkjax.runtime.ChunkedStep` or :class:`chunkjax.zero.ZeroStep` to
+        restore into.
       step_number: which step; None for :func:`latest_step`.
 
     Returns:
-      ``(state, extra)``: a :class:`~chunkjax.runtime.TrainState` for ``step_fn`` and the saved
-      ``extra`` dict (arrays come back as numpy arrays, PRNG keys as typed key arrays, tuples as
-      tuples).
+      ``(state, extra)``: a :class:`~chunkjax.runtime.TrainState` (ChunkedStep) or
+      :class:`chunkjax.zero.ZeroState` (ZeroStep), and the saved ``extra`` dict (arrays come back
+      as numpy arrays, PRNG keys as typed key arrays, tuples as tuples).
 
     Raises:
       FileNotFoundError: no complete checkpoint (of that step).
-      CheckpointError: the chunk layout differs (the one-line message says what differs), or the
-        optimizer's moments cannot be converted into this step's optimizer state.
+      CheckpointError: another parameter tree (the one-line message names the first leaf that
+        differs), optimizer moments that cannot be converted into this step's optimizer state,
+        step counts that differ over the chunks when the layout changes, or a step kind that is
+        not covered (see :func:`save_checkpoint`).
     """
-    from chunkjax.runtime import TrainState
+    kind = _step_kind(step_fn)
     meta = read_meta(directory, step_number)
     root = _step_dir(directory, meta["step"])
     lay = step_fn.layout
-    diff = _layout_difference(meta["layout"], layout_spec(lay))
-    if diff is not None:
-        raise CheckpointError(f"checkpoint step {meta['step']} in {os.fspath(directory)} has another chunk layout: {diff}")
-    host = set(step_fn.host_chunks)
-    host_cls = type(step_fn.host_optimizer.host_state(1)) if host else None
-    template = jax.eval_shape(lambda m: optim.init_chunk_state(step_fn.tx, m),
-                              jax.ShapeDtypeStruct((lay.chunk_size,), jnp.float32))
+    saved, here = meta["layout"], layout_spec(lay)
+    remap = _layout_difference(saved, here) is not None
+    where = f"checkpoint step {meta['step']} in {os.fspath(directory)}"
+    if remap:
+        diff = _tree_difference(saved, here)
+        if diff is not None:
+            raise CheckpointError(f"{where} holds another parameter tree: {diff}")
+    moments, count, rest = _common_optimizer(meta, where, need_one_count=remap)
+    place = _Placer(step_fn, kind)
     # check every chunk's optimizer form before reading any array
-    for c, cm in enumerate(meta["chunks"]):
-        if c in host:
-            _check_host_moments(host_cls, cm["moments"], c)
-        else:
-            _check_optax_moments(template, cm["moments"], c)
-    if host:
-        step_fn._warm_host_kernel()  # as init does: numba must not compile while XLA compiles
+    for c in range(lay.n_chunks):
+        place.check(c, moments if remap else meta["chunks"][c]["moments"])
     cdt = np.dtype(step_fn.compute_dtype)
     same_dtype = meta["compute_dtype"] == cdt.name
+    names = (["params"] if same_dtype else []) + ["master", *moments]
     ckptr = _checkpointer()
     ps, ms, os_ = [], [], []
     try:
-        _restore_chunks(ckptr, root, meta, step_fn, host, host_cls, template, same_dtype, ps, ms, os_)
+        src = _SavedChunks(ckptr, root, names, keep=2 if remap else 1)
+        for c in range(lay.n_chunks):
+            if remap:
+                arrs = _assemble_chunk(src, saved, lay, c, names)
+                cm = {"count": count, "rest": rest}
+            else:
+                arrs = src.take(c)
+                cm = meta["chunks"][c]
+            master = np.require(arrs.pop("master"), np.float32, ["C", "W", "O"])
+            params = arrs.pop("params") if same_dtype else master.astype(cdt)
+            p, m, o = place(c, params, master, cm["count"], arrs, cm.get("rest", {}))
+            ps.append(p), ms.append(m), os_.append(o)
+            del arrs, master, params, p, m, o
     finally:
         ckptr.close()
     jax.block_until_ready([x for x in ps + ms if isinstance(x, jax.Array)])
-    return TrainState(tuple(ps), tuple(ms), tuple(os_)), _decode(meta["extra"])
+    return place.state(ps, ms, os_), _decode(meta["extra"])
 
 
-def _restore_chunks(ckptr, root, meta, step_fn, host, host_cls, template, same_dtype, ps, ms, os_):
-    """Read and place chunk after chunk (appending to ``ps``, ``ms``, ``os_``)."""
-    cdt = np.dtype(step_fn.compute_dtype)
-    for c, cm in enumerate(meta["chunks"]):
-        names = ["params", "master", *cm["moments"]] if same_dtype else ["master", *cm["moments"]]
-        arrs = _read_chunk(ckptr, os.path.join(root, f"chunk_{c:05d}"), names)
-        master = np.require(arrs.pop("master"), np.float32, ["C", "W", "O"])
-        params = arrs.pop("params") if same_dtype else master.astype(cdt)
-        moments = {n: arrs.pop(n) for n in cm["moments"]}
-        if c in host:
-            ms.append(master)
-            os_.append(_portable_to_host(host_cls, cm["count"], moments, c))
-            ps.append(jax.device_put(np.require(params, cdt, ["C", "W", "O"]), sharding(PINNED_HOST)))
+def _tree_difference(saved: dict, here: dict) -> str | None:
+    """One line naming the first leaf whose path, shape or dtype differs between two layout
+    specs (the parameter trees), or None if the trees match (chunk placement may differ)."""
+    a = {s[0]: (tuple(s[3]), s[4]) for s in saved["slots"]}
+    b = {s[0]: (tuple(s[3]), s[4]) for s in here["slots"]}
+    for path in a:
+        if path not in b:
+            return f"leaf {path} is in the checkpoint but not in this step's params ({len(a)} vs {len(b)} leaves)"
+    for path in b:
+        if path not in a:
+            return f"leaf {path} of this step's params is not in the checkpoint ({len(a)} vs {len(b)} leaves)"
+    for path, (shape, dt) in a.items():
+        if b[path] != (shape, dt):
+            return f"leaf {path} is {shape} {dt} in the checkpoint but {b[path][0]} {b[path][1]} in this step"
+    return None
+
+
+def _common_optimizer(meta: dict, where: str, need_one_count: bool) -> tuple[list[str], int | None, dict]:
+    """(moment names, step count, rest scalars) shared by the checkpoint's chunks.
+
+    Raises:
+      CheckpointError: chunks saved with different moments, or (``need_one_count``) different
+        optimizer step counts, which a changed chunk layout could not keep apart.
+    """
+    chunks = meta["chunks"]
+    names = {tuple(sorted(cm["moments"])) for cm in chunks}
+    if len(names) != 1:
+        raise CheckpointError(f"{where}: its chunks hold different optimizer moments {sorted(names)}")
+    counts = {cm["count"] for cm in chunks}
+    if need_one_count and len(counts) != 1:
+        raise CheckpointError(f"{where}: its chunks hold different optimizer step counts {sorted(counts, key=str)}, "
+                              "so they cannot be remapped into another chunk layout: restore with the saved layout")
+    return list(names.pop()), chunks[0]["count"], chunks[0].get("rest", {})
+
+
+class _SavedChunks:
+    """The saved chunks of one checkpoint, read lazily by index with at most ``keep`` held."""
+
+    def __init__(self, ckptr, root: str, names, keep: int):
+        self.ckptr, self.root, self.names, self.keep = ckptr, root, list(names), keep
+        self.held: dict[int, dict] = {}  # insertion order = least recently used first
+
+    def get(self, c: int) -> dict[str, np.ndarray]:
+        """Chunk ``c``'s arrays (held for later calls; the least recently used is dropped)."""
+        if c in self.held:
+            self.held[c] = self.held.pop(c)
+            return self.held[c]
+        while len(self.held) >= self.keep:
+            del self.held[next(iter(self.held))]
+        self.held[c] = _read_chunk(self.ckptr, os.path.join(self.root, f"chunk_{c:05d}"), self.names)
+        return self.held[c]
+
+    def take(self, c: int) -> dict[str, np.ndarray]:
+        """Chunk ``c``'s arrays, not held (the caller owns them)."""
+        out = self.held.pop(c, None)
+        return out if out is not None else _read_chunk(self.ckptr, os.path.join(self.root, f"chunk_{c:05d}"), self.names)
+
+
+def _assemble_chunk(src: _SavedChunks, saved: dict, lay, c: int, names) -> dict[str, np.ndarray]:
+    """New chunk ``c`` of ``lay``: ``{name: (lay.chunk_size,) numpy}`` for every saved array
+    name, each leaf copied from its (chunk, offset) in the saved layout spec; zero padding.
+    Leaves are visited in saved (chunk, offset) order, so each saved chunk is read once per new
+    chunk."""
+    where = {s[0]: (s[1], s[2]) for s in saved["slots"]}
+    slots = sorted(lay.chunk_leaves(c), key=lambda s: where[s.path])
+    out: dict[str, np.ndarray] = {}
+    for s in slots:
+        sc, so = where[s.path]
+        arrs = src.get(sc)
+        for n in names:
+            if n not in out:
+                out[n] = np.zeros((lay.chunk_size,), arrs[n].dtype)
+            out[n][s.offset:s.offset + s.size] = arrs[n][so:so + s.size]
+    if not slots:  # a chunk without leaves (not built by build_layout): zeros
+        out = {n: np.zeros((lay.chunk_size,), np.float32) for n in names}
+    return out
+
+
+class _Placer:
+    """Places restored chunks (whole (chunk_size,) numpy arrays in the portable form) where a
+    step keeps them: ``ChunkedStep`` device/host/streamed chunks, or ``ZeroStep`` shards."""
+
+    def __init__(self, step_fn, kind: str):
+        self.step, self.kind = step_fn, kind
+        lay = step_fn.layout
+        self.template = jax.eval_shape(lambda m: optim.init_chunk_state(step_fn.tx, m),
+                                       jax.ShapeDtypeStruct((lay.chunk_size,), jnp.float32))
+        self.host = set(step_fn.host_chunks) if kind == "chunked" else set()
+        self.host_cls = type(step_fn.host_optimizer.host_state(1)) if self.host else None
+        if self.host:
+            step_fn._warm_host_kernel()  # as init does: numba must not compile while XLA compiles
+
+    def check(self, c: int, moments) -> None:
+        """Raise CheckpointError if chunk ``c`` cannot take these moment names."""
+        if c in self.host:
+            _check_host_moments(self.host_cls, moments, c)
         else:
-            sk = sharding(step_fn.placement.state_kinds[c])
-            opt = _portable_to_optax(template, cm["count"], moments, cm.get("rest", {}), c)
-            os_.append(jax.device_put(opt, sk))
-            ms.append(jax.device_put(master, sk))
-            ps.append(jax.device_put(params.astype(cdt, copy=False), sharding(step_fn.placement.param_kinds[c])))
-        del arrs, master, params, moments
+            _check_optax_moments(self.template, moments, c)
+
+    def __call__(self, c, params, master, count, moments, rest):
+        """(params, master, opt_state) of chunk ``c``, placed."""
+        step, cdt = self.step, np.dtype(self.step.compute_dtype)
+        if self.kind == "zero":
+            from jax.sharding import PartitionSpec as P
+            from chunkjax.zero import AXIS
+            n, sk = step.n_ranks, step.placement.state_kinds[c]
+            full = _portable_to_optax(self.template, count, moments, rest, c)
+            per_rank = jax.tree.map(lambda a: a.reshape(n, -1) if a.ndim == 1 else np.full((n,), a, a.dtype), full)
+            sh = step._ns(P(AXIS), sk)
+            return (jax.device_put(params.astype(cdt, copy=False), step._param_shardings[c]),
+                    jax.device_put(master, sh), jax.device_put(per_rank, jax.tree.map(lambda _: sh, per_rank)))
+        if c in self.host:
+            return (jax.device_put(np.require(params, cdt, ["C", "W", "O"]), sharding(PINNED_HOST)), master,
+                    _portable_to_host(self.host_cls, count, moments, c))
+        sk = sharding(step.placement.state_kinds[c])
+        opt = _portable_to_optax(self.template, count, moments, rest, c)
+        return (jax.device_put(params.astype(cdt, copy=False), sharding(step.placement.param_kinds[c])),
+                jax.device_put(master, sk), jax.device_put(opt, sk))
+
+    def state(self, ps, ms, os_):
+        if self.kind == "zero":
+            from chunkjax.zero import ZeroState
+            return ZeroState(tuple(ps), tuple(ms), tuple(os_))
+        from chunkjax.runtime import TrainState
+        return TrainState(tuple(ps), tuple(ms), tuple(os_))
 
 
 def _check_host_moments(cls, names, chunk):
@@ -613,24 +827,38 @@ def export_params(step_fn, state):
 
 def export_checkpoint_params(directory, layout, step_number: int | None = None):
     """Like :func:`export_params`, read from a checkpoint instead of a live state (no step
-    object, nothing placed on a device). ``layout`` must be the checkpoint's chunk layout.
+    object, nothing placed on a device).
+
+    Args:
+      directory: the checkpoint root.
+      layout: a :class:`~chunkjax.layout.ChunkLayout` of the checkpoint's parameter tree (same
+        leaf paths, shapes and dtypes; its chunking may differ from the saved one).
+      step_number: which step; None for :func:`latest_step`.
+
+    Returns:
+      The pytree of ``layout`` with one float32 numpy array of the leaf's shape per leaf, read
+      one saved chunk at a time.
 
     Raises:
-      FileNotFoundError / CheckpointError: as :func:`restore_checkpoint`.
+      FileNotFoundError: no complete checkpoint (of that step).
+      CheckpointError: another parameter tree (the message names the first leaf that differs).
     """
     meta = read_meta(directory, step_number)
-    diff = _layout_difference(meta["layout"], layout_spec(layout))
+    diff = _tree_difference(meta["layout"], layout_spec(layout))
     if diff is not None:
-        raise CheckpointError(f"checkpoint step {meta['step']} has another chunk layout: {diff}")
+        raise CheckpointError(f"checkpoint step {meta['step']} holds another parameter tree: {diff}")
     root = _step_dir(directory, meta["step"])
+    index = {s.path: i for i, s in enumerate(layout.slots)}
     ckptr = _checkpointer()
     leaves = [None] * len(layout.slots)
     try:
-        for c in range(layout.n_chunks):
+        for c in range(meta["layout"]["n_chunks"]):
             m = _read_chunk(ckptr, os.path.join(root, f"chunk_{c:05d}"), ["master"])["master"]
-            for i, s in enumerate(layout.slots):
-                if s.chunk == c:
-                    leaves[i] = np.array(m[s.offset:s.offset + s.size].reshape(s.shape), np.float32)
+            for path, chunk, off, shape, _ in meta["layout"]["slots"]:
+                if chunk == c:
+                    size = int(np.prod(shape, dtype=np.int64))
+                    leaves[index[path]] = np.array(m[off:off + size].reshape(shape), np.float32)
+            del m
     finally:
         ckptr.close()
     return layout.treedef.unflatten(leaves)

@@ -1,0 +1,228 @@
+"""Checkpoints of ZeRO states and restore into another layout (issue 8, item 1).
+
+A ZeRO-3 run over 8 forced CPU devices and a single-device ChunkedStep run (another chunk size)
+train the micro GPT (2 blocks) with clip + AdamW in float32 from the same fresh random params on
+fresh random batches (seed printed on failure); each saves after step N and goes on to 2N.
+
+* resuming the ZeRO run on the same 8 devices repeats its losses and master params bit for bit:
+  every restored value is the saved one (the per-rank moments of the rest-of-model leaf come
+  back as rank 0's, but they never reach an update, chunkjax.optim);
+* restoring 8 -> 4 devices, 8 -> one device (ChunkedStep, another chunk size) and 1 -> 8 devices
+  (another chunk size) continues within float32 rounding of the uninterrupted run: the state is
+  the same, only the summation order of the gradients (over ranks, over chunk boundaries)
+  changes, which the single-device and ZeRO references already differ by (LOSS_RTOL);
+* another chunk size restores every leaf's params, master params and moments bit for bit;
+* another parameter tree or optimizer is refused with one line.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import chunkjax as cj
+from chunkjax import checkpoint as ck
+from chunkjax import zero
+from chunkjax.plan import Placement
+from models import gpt
+
+B, T = 8, 16
+N = 2  # save after N steps, compare steps N+1..2N
+#: float32 rounding of a different gradient summation order (8 ranks vs 4 vs one device, other
+#: chunk boundaries), grown through 2N Adam steps: the two uninterrupted references (ZeRO on 8
+#: devices, one device) differ by up to this much (test_zero.py holds them to 2e-5 over 5 steps).
+LOSS_RTOL = 2e-5
+
+
+def _tx():
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(2e-3, weight_decay=0.1))
+
+
+def _params(cfg, rng):
+    """gpt.init_params' shapes drawn with numpy (normal 0.02, LayerNorm scales 1)."""
+    def draw(path, a):
+        if jax.tree_util.keystr(path).endswith("['scale']"):
+            return np.ones(a.shape, np.float32)
+        return rng.normal(0.0, 0.02, a.shape).astype(np.float32)
+    return jax.tree_util.tree_map_with_path(draw, gpt.abstract_params(cfg))
+
+
+def _run(step, state, batches):
+    losses = []
+    for b in batches:
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
+    return state, losses
+
+
+def _leafwise(step, state) -> dict:
+    """{(leaf path, array name): float32/compute numpy} of every leaf's params, master and
+    moments, from the state's portable per-chunk form (ZeroStep or single-device ChunkedStep)."""
+    port = ck._zero_chunk_portable if isinstance(step, zero.ZeroStep) else ck._chunked_chunk_portable
+    out = {}
+    for c in range(step.layout.n_chunks):
+        arrays, cm = port(step, state, c)
+        out[("count", c)] = cm["count"]
+        for s in step.layout.chunk_leaves(c):
+            for name, a in arrays.items():
+                out[(s.path, name)] = np.array(a[s.offset:s.offset + s.size])
+    return out
+
+
+def _assert_same_leaves(a: dict, b: dict):
+    leaves = lambda d: {k: v for k, v in d.items() if k[0] != "count"}  # noqa: E731
+    assert leaves(a).keys() == leaves(b).keys()
+    for k, v in leaves(a).items():
+        np.testing.assert_array_equal(v, b[k], err_msg=str(k))
+    assert {v for k, v in a.items() if k[0] == "count"} == {v for k, v in b.items() if k[0] == "count"} == {N}
+
+
+@pytest.fixture(scope="module")
+def setup():
+    assert len(jax.devices()) >= 8, "needs XLA_FLAGS=--xla_force_host_platform_device_count=8"
+    seed = int(np.random.default_rng().integers(1 << 30))
+    rng = np.random.default_rng(seed)
+    cfg = gpt.get_config("micro", n_layers=2)
+    params = _params(cfg, rng)
+    # two distinct batches, cycled: step N+1 sees step 1's batch again, so its loss must be lower
+    distinct = [jnp.asarray(rng.integers(0, cfg.vocab_size, (B, T + 1)), jnp.int32) for _ in range(N)]
+    batches = [distinct[i % N] for i in range(2 * N)]
+    stages = gpt.gpt_stages(cfg)
+    order = cj.first_use_order(lambda p, b: cj.compose_loss(stages, p, b), params, batches[0])
+    lay8 = zero.build_zero_layout(params, 8, cfg.vocab_size * cfg.d_model, order)  # 6 chunks of 32768
+    lay1 = cj.build_layout(params, 45000, order)  # not a multiple of 8 ranks: leaves packed otherwise
+    assert lay8.chunk_size == 32768 and lay1.chunk_size == 45000 and lay1.n_chunks != lay8.n_chunks
+    return dict(seed=seed, cfg=cfg, params=params, batches=batches, stages=stages, order=order, lay8=lay8, lay1=lay1)
+
+
+def _zero_step(setup, n_dev, layout=None, stage=3, **kw):
+    return zero.make_zero_step(setup["stages"], layout or setup["lay8"], zero.data_mesh(jax.devices()[:n_dev]),
+                               _tx(), stage=stage, **kw)
+
+
+def _single_step(setup):
+    n = setup["lay1"].n_chunks
+    return cj.make_chunked_step(setup["stages"], setup["lay1"], Placement.uniform(n, cj.DEVICE, cj.DEVICE), _tx(),
+                                compute_dtype=jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def zero_run(setup, tmp_path_factory):
+    """ZeRO-3 on 8 devices: 2N steps, checkpoint after step N."""
+    step = _zero_step(setup, 8)
+    d = tmp_path_factory.mktemp("zero8")
+    state, l1 = _run(step, step.init(setup["params"]), setup["batches"][:N])
+    ck.save_checkpoint(d, N, step, state, {"data_position": N})
+    state, l2 = _run(step, state, setup["batches"][N:])
+    return step, d, state, l1 + l2
+
+
+@pytest.fixture(scope="module")
+def single_run(setup, tmp_path_factory):
+    """The single-device ChunkedStep (chunk size 45000): 2N steps, checkpoint after step N."""
+    step = _single_step(setup)
+    d = tmp_path_factory.mktemp("single")
+    state, l1 = _run(step, step.init(setup["params"]), setup["batches"][:N])
+    ck.save_checkpoint(d, N, step, state, {"data_position": N})
+    state, l2 = _run(step, state, setup["batches"][N:])
+    return step, d, state, l1 + l2
+
+
+def test_zero_resume_is_exact(setup, zero_run):
+    """Save on 8 devices at step N, restore, continue: the uninterrupted run's losses and final
+    master params, bit for bit."""
+    step, d, ref_state, ref_losses = zero_run
+    meta = ck.read_meta(d)
+    assert meta["saved_from"] == {"step": "ZeroStep", "n_ranks": 8, "zero_stage": 3}
+    assert meta["layout"]["chunk_size"] == 32768 and [c["count"] for c in meta["chunks"]] == [N] * 6
+    state, extra = ck.restore_checkpoint(d, step)
+    assert extra == {"data_position": N}
+    assert {s.data.shape for s in state.master[0].addressable_shards} == {(32768 // 8,)}
+    state, losses = _run(step, state, setup["batches"][N:])
+    assert losses == ref_losses[N:], f"seed {setup['seed']}"
+    got, ref = step.master_params(state), step.master_params(ref_state)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_array_equal(a, b, err_msg=f"seed {setup['seed']}")
+    assert ref_losses[N] < ref_losses[0]
+
+
+def test_zero_restore_on_4_devices(setup, zero_run):
+    """8 -> 4 devices (ZeRO-2, the same layout re-sharded): continues within float32 rounding."""
+    _, d, _, ref_losses = zero_run
+    step = _zero_step(setup, 4, stage=2)
+    state, _ = ck.restore_checkpoint(d, step)
+    assert {s.data.shape for s in state.master[0].addressable_shards} == {(32768 // 4,)}
+    assert {len(a.addressable_shards) for a in jax.tree.leaves(state.opt_state)} == {4}
+    _, losses = _run(step, state, setup["batches"][N:])
+    np.testing.assert_allclose(losses, ref_losses[N:], rtol=LOSS_RTOL, err_msg=f"seed {setup['seed']}")
+
+
+def test_zero_restore_into_single_device(setup, zero_run, single_run):
+    """8 devices (chunks of 32768) -> one device (ChunkedStep, chunks of 45000): leaves remapped,
+    continues within float32 rounding of the ZeRO run; the references agree to the same bound."""
+    _, d, _, ref_losses = zero_run
+    step, _, _, single_losses = single_run
+    np.testing.assert_allclose(single_losses, ref_losses, rtol=LOSS_RTOL, err_msg=f"seed {setup['seed']}")
+    state, _ = ck.restore_checkpoint(d, step)
+    assert len(state.master) == setup["lay1"].n_chunks
+    _, losses = _run(step, state, setup["batches"][N:])
+    np.testing.assert_allclose(losses, ref_losses[N:], rtol=LOSS_RTOL, err_msg=f"seed {setup['seed']}")
+
+
+def test_single_device_restore_into_zero(setup, zero_run, single_run):
+    """One device (chunks of 45000) -> ZeRO-3 on 8 devices (chunks of 32768): continues within
+    float32 rounding of the single-device run."""
+    step = zero_run[0]
+    _, d, _, single_losses = single_run
+    state, extra = ck.restore_checkpoint(d, step)
+    assert extra == {"data_position": N}
+    _, losses = _run(step, state, setup["batches"][N:])
+    np.testing.assert_allclose(losses, single_losses[N:], rtol=LOSS_RTOL, err_msg=f"seed {setup['seed']}")
+
+
+def test_other_chunk_size_keeps_every_value(setup, zero_run, single_run, tmp_path):
+    """The ZeRO checkpoint restored into another chunk size (70016 = 547 * 128, state in pinned
+    host memory) holds every leaf's params, master params and Adam moments bit for bit; saved
+    from there and restored into one device, still bit for bit (nothing trained here)."""
+    _, d, _, _ = zero_run
+    ref_step = _zero_step(setup, 8)
+    ref = _leafwise(ref_step, ck.restore_checkpoint(d, ref_step)[0])
+    lay = zero.build_zero_layout(setup["params"], 8, 70000, setup["order"])
+    assert lay.chunk_size == 70016 and lay.n_chunks != setup["lay8"].n_chunks
+    step = _zero_step(setup, 8, lay, state_kind=cj.PINNED_HOST)
+    state, _ = ck.restore_checkpoint(d, step)
+    assert {a.sharding.memory_kind for a in state.master + tuple(jax.tree.leaves(state.opt_state))} == {cj.PINNED_HOST}
+    _assert_same_leaves(_leafwise(step, state), ref)
+    ck.save_checkpoint(tmp_path, N, step, state, {})
+    single = single_run[0]
+    _assert_same_leaves(_leafwise(single, ck.restore_checkpoint(tmp_path, single)[0]), ref)
+    np.testing.assert_array_equal(ck.export_checkpoint_params(tmp_path, setup["lay8"])["wte"],
+                                  ref[("wte", "master")].reshape(setup["params"]["wte"].shape))
+
+
+@pytest.mark.parametrize("change", ["n_layers", "vocab"])
+def test_other_tree_refused(setup, zero_run, change):
+    """Another parameter tree (a leaf missing, a leaf of another shape) is refused with one line
+    naming the leaf, before anything is read."""
+    _, d, _, _ = zero_run
+    cfg = gpt.get_config("micro", n_layers=3) if change == "n_layers" else gpt.get_config("micro", n_layers=2, vocab_size=256)
+    params = gpt.abstract_params(cfg)
+    step = zero.make_zero_step(gpt.gpt_stages(cfg), zero.build_zero_layout(params, 8, 32768),
+                               zero.data_mesh(jax.devices()[:8]), _tx())
+    with pytest.raises(ck.CheckpointError) as e:
+        ck.restore_checkpoint(d, step)
+    msg = str(e.value)
+    assert "\n" not in msg and "another parameter tree" in msg, msg
+    if change == "n_layers":
+        assert "h_2/" in msg and "not in the checkpoint" in msg, msg
+    else:
+        assert "leaf wte is (512, 64) float32 in the checkpoint but (256, 64) float32" in msg, msg
+
+
+def test_other_optimizer_refused(setup, zero_run, single_run):
+    """AdamW moments cannot become Lion state, with or without remapping: a clear error before
+    any array is read."""
+    for d in (zero_run[1], single_run[1]):
+        step = zero.make_zero_step(setup["stages"], setup["lay8"], zero.data_mesh(jax.devices()[:8]), optax.lion(1e-4))
+        with pytest.raises(ck.CheckpointError, match=r"moments \['mu', 'nu'\] do not match .*\['mu'\]"):
+            ck.restore_checkpoint(d, step)
