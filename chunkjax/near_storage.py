@@ -20,9 +20,12 @@ This module implements, on CPU processes:
   that dies (or a full disk) raises :class:`StorageError` and every shard stays at (or recovers
   to) the last step all completed. A new optimizer over the same directories resumes from there.
 * :func:`topk_compress` (jax.numpy, runs where the gradient is, e.g. the accelerator) and
-  :func:`topk_decompress` (numpy, in the worker); optional error feedback (the paper has none):
-  the residual ``g - decompress(compress(g))`` of each chunk stays on the trainer and is added to
-  the next step's gradient.
+  :func:`topk_decompress` (numpy, in the worker); the selection unit is each chunk (the paper)
+  or the whole gradient (:func:`topk_compress_global`), with optional sparsity warm-up
+  (:func:`topk_ratio_at`, Deep Gradient Compression); optional error feedback (the paper has
+  none): the residual ``g - decompress(compress(g))`` of each chunk stays on the trainer
+  (optionally decayed) and is added to the next step's gradient; it is written to storage with
+  each committed step, so a resumed run continues exactly.
 * :class:`BaselineOptimizer` (ZeRO-Infinity style): the trainer reads master, m, v of each chunk
   from storage into host staging buffers, updates on the host, writes them back.
 
@@ -41,8 +44,7 @@ bit or two of some master params (20 steps, ``tests/test_storage.py``: within rt
 Clipping divides by the global norm then multiplies by ``max_norm``, as
 ``optax.clip_by_global_norm``; the norm is taken over the uncompressed gradient.
 
-Not persisted: the error-feedback residuals (a resumed run restarts them at zero). Params leave
-the workers as bf16 only (the compute dtype of this project).
+Params leave the workers as bf16 only (the compute dtype of this project).
 """
 from __future__ import annotations
 
@@ -64,7 +66,8 @@ from chunkjax.host_update import INT32_MAX, AdamW, learning_rate_at
 from chunkjax.storage import DiskTier, Link, LinkModel, StorageError, committed_step
 
 __all__ = ["AdamW", "BaselineOptimizer", "LinkModel", "NearStorageOptimizer", "StepResult", "StorageError",
-           "adamw_hyper", "adamw_numpy_", "clip_args", "topk_compress", "topk_decompress", "topk_k"]
+           "adamw_hyper", "adamw_numpy_", "clip_args", "topk_compress", "topk_compress_global", "topk_compress_many",
+           "topk_decompress", "topk_k", "topk_ratio_at"]
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
@@ -185,6 +188,44 @@ def topk_compress_many(grads, ratio: float = 0.01) -> list:
     return out
 
 
+def topk_compress_global(grads, ratio: float = 0.01) -> list:
+    """Top-k over *all* chunks together (one selection unit for the whole model, as top-k
+    sparsification over the full flattened gradient in Aji & Heafield 2017 / Lin et al. 2018)
+    instead of ``ratio`` of every chunk: k = :func:`topk_k` (total elements, ratio) entries of
+    largest ``|grad|`` overall, so a chunk with large gradients sends more entries and one with
+    small gradients fewer (possibly none). Same wire format and total size as per-chunk top-k
+    (int32 index within its chunk + value per kept entry).
+
+    The selection is ``numpy.argpartition`` on the host (the values go there to be sent anyway;
+    ``jax.lax.top_k`` of 7.3M entries took ~1 s on this CPU, argpartition ~0.1 s). Among entries
+    of equal ``|grad|`` at the cut, which are kept is unspecified (deterministic for equal input).
+
+    Returns ``[(indices, values), ...]`` per chunk: indices int32 ascending, values in the
+    chunk's dtype."""
+    flat = [np.asarray(g).reshape(-1) for g in grads]
+    bounds = np.cumsum([0] + [g.size for g in flat])
+    total = int(bounds[-1])
+    k = topk_k(total, ratio)
+    a = np.concatenate([np.abs(g.astype(F32, copy=False)) for g in flat])
+    idx = np.sort(np.argpartition(a, total - k)[total - k:]) if k < total else np.arange(total)
+    cut = np.searchsorted(idx, bounds)
+    out = []
+    for c, g in enumerate(flat):
+        loc = (idx[cut[c]:cut[c + 1]] - bounds[c]).astype(np.int32)
+        out.append((loc, g[loc]))
+    return out
+
+
+def topk_ratio_at(step: int, ratio: float, warmup_steps: int = 0, start: float = 0.25) -> float:
+    """Density of step ``step`` (1 = the first) with Deep Gradient Compression's sparsity warm-up
+    (Lin et al., ICLR 2018, section 3.3): over the first ``warmup_steps`` steps the kept fraction
+    falls exponentially from ``start`` to ``ratio`` (``start * (ratio/start)^((step-1)/warmup_steps)``),
+    then stays at ``ratio``. ``warmup_steps=0``: always ``ratio``."""
+    if warmup_steps <= 0 or step > warmup_steps or start <= ratio:
+        return ratio
+    return float(start * (ratio / start) ** ((step - 1) / warmup_steps))
+
+
 def topk_decompress(indices: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
     """(n,) float32 array, zero except ``values`` (float32, bf16, or bf16 bits as uint16) at
     ``indices`` (int32). Inverse of :func:`topk_compress` on the kept entries."""
@@ -216,6 +257,8 @@ class StepResult:
       update_s: wall seconds of the update phase (send, update, receive, commit).
       n_params: parameters updated (for bytes per param).
       emulated: True when a LinkModel throttled the links (times are an emulation).
+      residual_bytes: bytes of error-feedback residuals the trainer wrote to ``residual_dir``
+        (not part of ``shared_link_bytes``).
     """
 
     step: int
@@ -229,6 +272,7 @@ class StepResult:
     update_s: float = 0.0
     n_params: int = 0
     emulated: bool = False
+    residual_bytes: int = 0
 
     @property
     def shared_link_bytes_per_param(self) -> float:
@@ -393,9 +437,22 @@ class NearStorageOptimizer(_Trainer):
         weight_decay, max_grad_norm for global-norm clipping).
       init_params: per chunk, the (n_c,) initial fp32 master params (for a fresh run).
       compression: None (dense gradients) or "topk".
-      topk_ratio: fraction of each chunk's entries sent with "topk" (default 0.01).
+      topk_ratio: fraction of the entries sent with "topk" (default 0.01).
+      topk_scope: "chunk" (default, as the paper: ``topk_ratio`` of every chunk) or "global" (the
+        ``topk_ratio`` largest entries of the whole gradient, :func:`topk_compress_global`; same
+        total bytes, spread over the chunks by gradient size).
+      topk_warmup_steps: Deep Gradient Compression's sparsity warm-up (:func:`topk_ratio_at`,
+        starting at ``topk_warmup_start``); 0 (default): ``topk_ratio`` from the first step.
       error_feedback: keep each chunk's compression residual (float32, on the gradient's device)
-        and add it to the next step's gradient (off by default, as in the paper). Not persisted.
+        and add it to the next step's gradient (off by default, as in the paper).
+      ef_decay: the kept residual is multiplied by this each step (1.0, default: classic error
+        feedback; < 1 forgets old residual, bounding how large an entry's burst can grow).
+      residual_dir: with error feedback, where the trainer writes each committed step's residuals
+        (``ef_residual.step<N>.npy``, float32, 4 bytes/param/step: :attr:`StepResult.residual_bytes`,
+        not counted on the shared link; put it on the trainer's own disk to keep them off it).
+        Default: ``dirs[0]``. Written before the workers commit, the previous one removed after, so
+        a resume (a new optimizer with ``error_feedback=True``) restores the residuals of the
+        step it resumes at and continues exactly as an uninterrupted run.
       link_model: emulated rates (bytes/s) of the shared link and of each device link.
       io_mode, n_buffers, fsync: passed to each worker's :class:`DiskTier`.
       timeout_s: longest wait for one worker reply, seconds (a dead worker is detected at once).
@@ -407,8 +464,9 @@ class NearStorageOptimizer(_Trainer):
     """
 
     def __init__(self, dirs: Sequence[str], chunk_sizes, spec: AdamW, *, init_params=None,
-                 compression: str | None = None, topk_ratio: float = 0.01, error_feedback: bool = False,
-                 link_model: LinkModel | None = None, io_mode: str = "auto", n_buffers: int = 3, fsync: bool = True,
+                 compression: str | None = None, topk_ratio: float = 0.01, topk_scope: str = "chunk",
+                 topk_warmup_steps: int = 0, topk_warmup_start: float = 0.25, error_feedback: bool = False,
+                 ef_decay: float = 1.0, residual_dir: str | None = None, link_model: LinkModel | None = None, io_mode: str = "auto", n_buffers: int = 3, fsync: bool = True,
                  timeout_s: float = 300.0, _fault: dict | None = None):
         validate_storage_dirs(dirs)  # the whole configuration before any file or process
         if n_buffers < 3:
@@ -420,8 +478,17 @@ class NearStorageOptimizer(_Trainer):
         if compression not in (None, "topk"):
             raise ValueError(f"compression must be None or 'topk', got {compression!r}")
         topk_k(1, topk_ratio)  # validates the ratio
+        topk_k(1, topk_warmup_start)
+        if topk_scope not in ("chunk", "global"):
+            raise ValueError(f"topk_scope must be 'chunk' or 'global', got {topk_scope!r}")
+        if not 0 < ef_decay <= 1:
+            raise ValueError(f"ef_decay={ef_decay}: must be in (0, 1]")
         self.dirs = [os.fspath(d) for d in dirs]
         self.compression, self.topk_ratio, self.error_feedback = compression, topk_ratio, error_feedback
+        self.topk_scope, self.ef_decay = topk_scope, float(ef_decay)
+        self.topk_warmup_steps, self.topk_warmup_start = int(topk_warmup_steps), float(topk_warmup_start)
+        self.fsync = fsync
+        self.residual_dir = os.fspath(residual_dir) if residual_dir is not None else self.dirs[0]
         self.timeout_s = timeout_s
         self.shared_link = Link(self.link_model.shared_bytes_per_s, "shared")
         self._residual: dict[int, jax.Array] = {}
@@ -458,9 +525,73 @@ class NearStorageOptimizer(_Trainer):
                 for i in range(n):
                     self._expect(i, "ok", "initialising")
                 self._step = 0
+            if self.error_feedback and self.compression == "topk":
+                self._load_residual(self._step)
         except BaseException:
             self._kill_all()
             raise
+
+    # -- error-feedback residuals on storage -------------------------------------------------
+    def _residual_path(self, step: int) -> str:
+        return os.path.join(self.residual_dir, f"ef_residual.step{step:09d}.npy")
+
+    def _residual_files(self) -> dict[int, str]:
+        out = {}
+        with contextlib.suppress(FileNotFoundError):
+            for name in os.listdir(self.residual_dir):
+                if name.startswith("ef_residual.step") and name.endswith(".npy"):
+                    with contextlib.suppress(ValueError):
+                        out[int(name[len("ef_residual.step"):-4])] = os.path.join(self.residual_dir, name)
+        return out
+
+    def _load_residual(self, step: int):
+        """Restore the residuals of committed step ``step`` (zero at step 0) and remove the files of
+        other steps (a step written but not committed everywhere, or one already superseded)."""
+        os.makedirs(self.residual_dir, exist_ok=True)
+        files = self._residual_files()
+        if step > 0:
+            if step not in files:
+                raise StorageError(f"error feedback: no residual file for the committed step {step} in "
+                                   f"{self.residual_dir} (the run was written without error_feedback, or with "
+                                   "another residual_dir): resume with the same settings")
+            flat = np.load(files[step])
+            if flat.dtype != F32 or flat.shape != (self.n_params,):
+                raise StorageError(f"{files[step]} holds {flat.dtype} {flat.shape}, expected float32 "
+                                   f"({self.n_params},)")
+            o = 0
+            for c, n in self.chunk_sizes.items():
+                self._residual[c] = jnp.asarray(flat[o:o + n])
+                o += n
+        for s, f in files.items():
+            if s != step:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(f)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(self.residual_dir, "ef_residual.tmp.npy"))
+
+    def _save_residual(self, step: int, residual: dict) -> int:
+        """Write the residuals after ``step`` (before the workers commit it); returns the bytes."""
+        flat = np.concatenate([np.asarray(residual[c], F32).reshape(-1) for c in self.chunk_sizes])
+        tmp = os.path.join(self.residual_dir, "ef_residual.tmp.npy")
+        try:
+            with open(tmp, "wb") as f:
+                np.save(f, flat)
+                f.flush()
+                if self.fsync:
+                    os.fsync(f.fileno())
+            os.replace(tmp, self._residual_path(step))
+            if self.fsync:
+                fd = os.open(self.residual_dir, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise StorageError(f"writing the error-feedback residuals of step {step} to {self.residual_dir} "
+                               f"failed ({e}); last committed step {self._step}") from e
+        return flat.nbytes
 
     @property
     def committed_step(self) -> int:
@@ -582,22 +713,37 @@ class NearStorageOptimizer(_Trainer):
             raise StorageError(self._broken)
 
     # -- the step ----------------------------------------------------------------------------
+    def _compress(self, grads: list, step: int) -> tuple[dict, dict]:
+        """Top-k of every chunk for ``step`` (1 = first): ``({c: (indices, values)}, new residuals)``;
+        with error feedback the residual is added first and the new one (``ef_decay`` times what was
+        not sent) only replaces the kept one once the step is committed."""
+        ratio = topk_ratio_at(step, self.topk_ratio, self.topk_warmup_steps, self.topk_warmup_start)
+        cs = list(self.chunk_sizes)
+        if not self.error_feedback:
+            fn = topk_compress_global if self.topk_scope == "global" else topk_compress_many
+            return dict(zip(cs, fn([grads[c] for c in cs], ratio))), {}
+        ge = {c: grads[c].astype(jnp.float32) + self._residual.get(c, 0.0) for c in cs}
+        if self.topk_scope == "global":
+            comp = dict(zip(cs, topk_compress_global([ge[c] for c in cs], ratio)))
+        else:
+            comp = {c: topk_compress(ge[c], ratio) for c in cs}
+        out, residual = {}, {}
+        for c in cs:
+            idx, vals = comp[c]
+            vals = jnp.asarray(vals).astype(grads[c].dtype)
+            r = ge[c].at[jnp.asarray(idx)].add(-vals.astype(jnp.float32))
+            residual[c] = r if self.ef_decay == 1.0 else r * jnp.float32(self.ef_decay)
+            out[c] = (idx, vals)
+        return out, residual
+
     def _payload(self, c: int, g: jax.Array, compressed=None):
-        """(wire message part, bytes) for chunk c's gradient (``compressed``: its top-k, already
-        computed by :func:`topk_compress_many`)."""
+        """(wire message part, bytes) for chunk c's gradient (``compressed``: its top-k from
+        :meth:`_compress`)."""
         if self.compression != "topk":
             a = np.asarray(g)
             a = a.view(np.uint16) if a.dtype == BF16 else a.astype(F32, copy=False)
             return ("dense", a), a.nbytes
-        if compressed is not None:
-            idx, vals = compressed
-        elif self.error_feedback:
-            ge = g.astype(jnp.float32) + self._residual.get(c, 0.0)
-            idx, vals = topk_compress(ge, self.topk_ratio)
-            vals = vals.astype(g.dtype)
-            self._residual[c] = ge.at[idx].add(-vals.astype(jnp.float32))
-        else:
-            idx, vals = topk_compress(g, self.topk_ratio)
+        idx, vals = compressed
         idx, vals = np.asarray(idx), np.asarray(vals)
         vals = vals.view(np.uint16) if vals.dtype == BF16 else vals.astype(F32, copy=False)
         return ("topk", idx, vals), idx.nbytes + vals.nbytes
@@ -637,10 +783,13 @@ class NearStorageOptimizer(_Trainer):
         # compressed and sent (the header is a few bytes: not counted on the shared link)
         for i in range(n):
             send(i, ("step", step, scale, hp, None))
-        batched = {}
-        if self.compression == "topk" and not self.error_feedback:  # one batched top-k per size
-            cs = [c for i in range(n) for c in self.owned[i]]
-            batched = dict(zip(cs, topk_compress_many([grads[c] for c in cs], self.topk_ratio)))
+        batched, residual = {}, {}
+        if self.compression == "topk":  # one batched top-k per size (or one global one)
+            try:
+                batched, residual = self._compress(grads, step)
+            except BaseException as e:  # the workers wait for these gradients: stop them
+                raise self._fail(f"compressing the gradients of step {step} failed ({type(e).__name__}: {e})") \
+                    from e
         for i in range(n):
             parts, nbytes = {}, 0
             try:
@@ -660,13 +809,28 @@ class NearStorageOptimizer(_Trainer):
                         self._conns[i].send(("abort", step))
                         self._expect(i, "aborted", f"aborting step {step}")
             raise failure
+        residual_bytes = 0
+        if residual:  # error feedback: the residuals of this step on storage before anyone commits it
+            try:
+                residual_bytes = self._save_residual(step, residual)
+            except StorageError:
+                for i in range(n):
+                    with contextlib.suppress(StorageError, OSError, EOFError):
+                        self._conns[i].send(("abort", step))
+                        self._expect(i, "aborted", f"aborting step {step}")
+                raise
         for i in range(n):
             self._conns[i].send(("commit", step))
         for i in range(n):
             self._expect(i, "committed", f"committing step {step}")
         self._step = step
+        if residual:
+            self._residual = residual
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._residual_path(step - 1))
         return StepResult(step, [params[c] for c in self.chunk_sizes], False, norm, sent + received, sent, received,
-                          storage, time.perf_counter() - t0, self.n_params, self.link_model.emulated)
+                          storage, time.perf_counter() - t0, self.n_params, self.link_model.emulated,
+                          residual_bytes)
 
     def read_state(self) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """``{c: (master, m, v)}`` float32 copies at the committed step, read by the workers."""

@@ -412,9 +412,37 @@ def run_optax_reference(model: _Model, steps: int) -> dict:
     return {"losses": losses, "master": flat}
 
 
+def variant_options(variant: str) -> dict:
+    """NearStorageOptimizer options of a train variant: ``uncompressed``, or
+    ``topk[_global][_ef[<decay>]]``: top-k per chunk (the paper) or over the whole gradient
+    (``_global``), with error feedback (``_ef``), its residual decayed by ``<decay>`` each step
+    (``_ef0.9``; default 1, classic error feedback). Raises UsageError for other names."""
+    if variant == "uncompressed":
+        return {"compression": None}
+    rest, out = variant, {"compression": "topk"}
+    if not rest.startswith("topk"):
+        raise UsageError(f"--variants: unknown variant {variant!r}")
+    rest = rest[4:]
+    if rest.startswith("_global"):
+        out["topk_scope"], rest = "global", rest[7:]
+    if rest.startswith("_ef"):
+        out["error_feedback"], rest = True, rest[3:]
+        if rest:
+            try:
+                out["ef_decay"] = float(rest)
+            except ValueError:
+                raise UsageError(f"--variants: unknown variant {variant!r}") from None
+            if not 0 < out["ef_decay"] <= 1:
+                raise UsageError(f"--variants {variant!r}: the residual decay must be in (0, 1]")
+            rest = ""
+    if rest:
+        raise UsageError(f"--variants: unknown variant {variant!r} (uncompressed or topk[_global][_ef[<decay>]])")
+    return out
+
+
 def run_near_storage_train(model: _Model, variant: str, args, root: str, compare_at: int | None = None) -> dict:
-    """One training run with the update in NearStorageOptimizer workers. ``variant``: uncompressed,
-    topk, topk_ef. Returns losses, validation losses and (at ``compare_at``) the master params."""
+    """One training run with the update in NearStorageOptimizer workers. ``variant``: see
+    :func:`variant_options`. Returns losses, validation losses and (at ``compare_at``) the master params."""
     import jax.numpy as jnp
     import numpy as np
 
@@ -427,8 +455,7 @@ def run_near_storage_train(model: _Model, variant: str, args, root: str, compare
     init = [model.init_flat[bounds[i]:bounds[i + 1]] for i in range(len(sizes))]
     base = tempfile.mkdtemp(prefix=f"train_{variant}_", dir=root)
     dirs = [os.path.join(base, f"dev{i}") for i in range(args.train_workers)]
-    opt = NearStorageOptimizer(dirs, sizes, spec, init_params=init, compression=None if variant == "uncompressed"
-                               else "topk", topk_ratio=args.topk, error_feedback=variant == "topk_ef",
+    opt = NearStorageOptimizer(dirs, sizes, spec, init_params=init, topk_ratio=args.topk, **variant_options(variant),
                                n_buffers=args.ns_buffers, fsync=args.fsync)
     flat = _bf16_round(model.init_flat)
     batches = model.batches()
@@ -460,6 +487,7 @@ def run_near_storage_train(model: _Model, variant: str, args, root: str, compare
         shutil.rmtree(base, ignore_errors=True)
     return {"variant": variant, "losses": losses, "val": vals, "val_loss": vals[-1]["val_loss"],
             "val_loss_fp32_master": val_master, "shared_link_bytes_per_param": float(np.median(shared)),
+            "shared_link_bytes_per_param_mean": float(np.mean(shared)), "options": variant_options(variant),
             "wall_s": time.perf_counter() - t0, "n_chunks": len(sizes), "master_at_compare": master_at}
 
 
@@ -558,7 +586,9 @@ def parse_args(argv=None):
     ap.add_argument("--train-chunk", default="65536", help="train: elements per chunk")
     ap.add_argument("--train-workers", default="2", help="train: near-storage workers (directories)")
     ap.add_argument("--compare-steps", default="20", help="train: steps compared with in-memory optax (0: skip)")
-    ap.add_argument("--variants", default="uncompressed,topk,topk_ef", help="train: runs")
+    ap.add_argument("--variants", default="uncompressed,topk,topk_ef",
+                    help="train: runs, comma-separated: uncompressed, or topk[_global][_ef[<decay>]] (top-k per "
+                         "chunk or over the whole gradient, error feedback with its residual decayed by <decay>)")
     ap.add_argument("--storage-dir", default=None, help="where chunk files go (default: the system temp folder)")
     ap.add_argument("--run-id", default=None, help="results file suffix (default: UTC time)")
     ap.add_argument("--results-dir", default="experiments/results", help="JSON goes here")
@@ -598,9 +628,10 @@ def parse_args(argv=None):
         if getattr(a, what) is not None:
             setattr(a, what, _num(getattr(a, what), f"--{what}", 0, integer=True))
     a.variants = [v for v in a.variants.split(",") if v]
-    bad = [v for v in a.variants if v not in ("uncompressed", "topk", "topk_ef")]
-    if bad or not a.variants:
-        raise UsageError(f"--variants {','.join(a.variants)!r}: choose from uncompressed,topk,topk_ef")
+    if not a.variants:
+        raise UsageError("--variants: name at least one run (uncompressed, topk, topk_ef, topk_global, ...)")
+    for v in a.variants:
+        variant_options(v)
     if a.params < a.chunk and a.mode == "links":
         a.chunk = a.params
     if a.storage_dir is not None and not os.path.isdir(a.storage_dir):

@@ -22,7 +22,7 @@ import pytest
 from chunkjax import storage
 from chunkjax.host_update import AdamW
 from chunkjax.near_storage import (BaselineOptimizer, NearStorageOptimizer, adamw_hyper, adamw_numpy_, topk_compress,
-                                   topk_decompress, topk_k)
+                                   topk_compress_global, topk_decompress, topk_k, topk_ratio_at)
 from chunkjax.storage import DiskTier, Link, LinkModel, StorageError, committed_step, read_manifest
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -377,6 +377,64 @@ def test_topk_error_feedback_keeps_residual(tmp_path):
         dense = topk_decompress(np.asarray(idx), np.asarray(vals), 3000)
         adamw_numpy_(master, m, v, dense, None, adamw_hyper(spec, s))
     assert same_bits(state[1][0], master) and same_bits(state[1][1], m)
+
+
+def test_topk_global_selection_and_sparsity_warmup():
+    """Global top-k keeps the k largest |g| of all chunks together (chunks with large gradients
+    send more entries), split per chunk with chunk-local int32 indices; DGC's warm-up density
+    falls exponentially from the start value to the ratio and then stays there."""
+    rng = np.random.default_rng(3)
+    sizes, scales = [1000, 37, 2000], [1.0, 10.0, 0.1]
+    g = [rng.standard_normal(n).astype(np.float32) * np.float32(s) for n, s in zip(sizes, scales)]
+    out = topk_compress_global(g, 0.02)
+    flat = np.concatenate(g)
+    k = topk_k(flat.size, 0.02)
+    want = np.sort(np.argsort(-np.abs(flat), kind="stable")[:k])
+    got = np.concatenate([np.asarray(i) + o for (i, _), o in zip(out, np.cumsum([0] + sizes))])
+    np.testing.assert_array_equal(got, want)
+    for (idx, vals), x in zip(out, g):
+        assert idx.dtype == np.int32 and same_bits(vals, x[idx])
+    assert len(out[1][0]) > topk_k(37, 0.02) and len(out[2][0]) < topk_k(2000, 0.02)
+    dens = [topk_ratio_at(s, 0.01, 10, 0.25) for s in range(1, 14)]
+    assert dens[0] == 0.25 and all(a > b for a, b in zip(dens[:10], dens[1:11])) and dens[10:] == [0.01] * 3
+    assert topk_ratio_at(1, 0.01) == 0.01
+
+
+def test_error_feedback_residuals_resume_exactly(tmp_path):
+    """With error feedback the residuals are written with each committed step: a run whose worker 1
+    dies between prepare and commit of step 3 (worker 0 committed it, its residual file was
+    written) resumes at step 2 with step 2's residuals and ends bit-equal to an uninterrupted run."""
+    sizes = [300, 200, 100]
+    spec = AdamW(1e-2, weight_decay=0.1, max_grad_norm=1.0)
+    init = [np.full(n, 0.5, np.float32) for n in sizes]
+    kw = dict(compression="topk", topk_ratio=0.05, topk_scope="global", error_feedback=True, ef_decay=0.5)
+    with NearStorageOptimizer([tmp_path / "u0", tmp_path / "u1"], sizes, spec, init_params=init, **kw) as opt:
+        for s in range(5):
+            last = opt.step(_grads(sizes, s))
+        assert last.residual_bytes == 4 * sum(sizes)
+        final, res_u = opt.read_state(), {c: np.asarray(r) for c, r in opt._residual.items()}
+    assert [f for f in os.listdir(tmp_path / "u0") if f.startswith("ef_")] == ["ef_residual.step000000005.npy"]
+    dirs = [tmp_path / "k0", tmp_path / "k1"]
+    opt = NearStorageOptimizer(dirs, sizes, spec, init_params=init, _fault=dict(worker=1, exit_on_commit=3), **kw)
+    for s in range(2):
+        opt.step(_grads(sizes, s))
+    with pytest.raises(StorageError, match="last committed step 2"):
+        opt.step(_grads(sizes, 2))
+    opt.close()
+    assert (dirs[0] / "ef_residual.step000000003.npy").exists()  # written, but step 3 is not committed
+    with NearStorageOptimizer(dirs, sizes, spec, **kw) as opt2:
+        assert opt2.committed_step == 2
+        assert sorted(f for f in os.listdir(dirs[0]) if f.startswith("ef_")) == ["ef_residual.step000000002.npy"]
+        for s in range(2, 5):
+            r = opt2.step(_grads(sizes, s))
+        resumed = opt2.read_state()
+        for c in range(len(sizes)):
+            assert same_bits(np.asarray(opt2._residual[c]), res_u[c])
+            assert all(same_bits(a, b) for a, b in zip(resumed[c], final[c]))
+            np.testing.assert_array_equal(r.params[c], last.params[c])
+    with pytest.raises(StorageError, match="no residual file"):  # the residuals are needed to resume
+        os.unlink(dirs[0] / "ef_residual.step000000005.npy")
+        NearStorageOptimizer(dirs, sizes, spec, **kw)
 
 
 def test_worker_killed_mid_step_then_resume(tmp_path):
