@@ -1,25 +1,46 @@
 """Checkpoints of a chunked training run: saved chunk by chunk, atomic, placement-independent.
 
+Covered: the single-device :class:`~chunkjax.runtime.ChunkedStep` (any placement or schedule,
+device or host updates) and the ZeRO step :class:`chunkjax.zero.ZeroStep` (stages 1-3, master
+params and optimizer state sharded over a 1-D ``data`` mesh in one process). Not covered yet:
+:class:`chunkjax.zero_schedule.ZeroScheduledStep` and ZeRO meshes spanning several processes
+(both refused with a one-line :class:`CheckpointError`).
+
 A checkpoint of step ``N`` is one directory ``<directory>/step_<N:08d>/`` holding
 
 * ``chunk_<c:05d>/``: an orbax-checkpoint PyTree checkpoint per chunk ``c`` with the arrays
   ``params`` ((chunk_size,) compute dtype), ``master`` ((chunk_size,) float32) and one
   (chunk_size,) float32 array per optimizer moment, named by the optax field (``mu``, ``nu`` for
-  AdamW/Adam, ``mu`` for Lion, ``trace`` for SGD with momentum);
-* ``meta.json``: format version, step number, the chunk layout and its fingerprint, the compute
-  dtype, per chunk the optimizer step count, the moment names, the scalars of optax's
-  *rest-of-model* leaf (:mod:`chunkjax.optim`) and the update location it was saved from, and the
-  user's ``extra`` dict (numbers, strings, lists, dicts, numpy/jax arrays and typed PRNG keys).
+  AdamW/Adam, ``mu`` for Lion, ``trace`` for SGD with momentum). Always whole, unsharded chunks:
+  a ZeRO chunk's rank shards are concatenated in rank order (rank ``r`` owns elements
+  ``[r * chunk_size/N, (r+1) * chunk_size/N)``);
+* ``meta.json``: format version, step number, the chunk layout (every leaf's path, chunk,
+  offset, shape, dtype) and its fingerprint, the compute dtype, per chunk the optimizer step
+  count, the moment names, the scalars of optax's *rest-of-model* leaf (:mod:`chunkjax.optim`;
+  rank 0's for ZeRO, they never reach an update) and where it was saved from, the step kind and
+  rank count it was saved from (``saved_from``), and the user's ``extra`` dict (numbers,
+  strings, lists, dicts, numpy/jax arrays and typed PRNG keys).
 
-The form is independent of placement: a chunk saved from the device (optax state) restores onto
-the host (``Host*State`` of :mod:`chunkjax.host_update`) and back, so a run can resume under
-another schedule or device budget with the same layout. A different layout (chunk size, number
-of chunks, or any leaf's chunk/offset/shape/dtype) is refused with a one-line error.
+**Restore anywhere.** The form is independent of placement, device count and chunking:
 
-**Bounded host memory.** Saving copies one chunk at a time to host memory (device chunks) or
-writes the host buffers directly (host chunks), so at most one chunk's ``params + master +
-moments`` is in flight beyond what the state already holds; restoring reads and places one chunk
-at a time the same way.
+* same chunk layout: each chunk is read and placed as it was saved; a chunk saved from the
+  device (optax state) restores onto the host (``Host*State`` of :mod:`chunkjax.host_update`)
+  and back, a ZeRO chunk onto one device or another rank count (the chunk size of a ZeRO layout
+  is a multiple of the rank count, :func:`chunkjax.zero.build_zero_layout`, so e.g. 8 -> 4 ranks
+  can keep the layout);
+* another chunk layout (another chunk size, e.g. padded for another rank count, or another
+  packing): every leaf moves by its path from its saved (chunk, offset) to its new one, params,
+  master params and each per-element moment alike; each new chunk is assembled from the saved
+  chunks holding its leaves, read lazily with at most two held. The parameter tree (leaf paths,
+  shapes, dtypes) must be the same, every chunk must hold the same moments and the same
+  optimizer step count; otherwise, and for another optimizer, a one-line :class:`CheckpointError`
+  says what differs.
+
+**Bounded host memory.** Saving copies one chunk at a time to host memory (device chunks, ZeRO
+shards gathered to the whole chunk) or writes the host buffers directly (host chunks), so at most
+one chunk's ``params + master + moments`` is in flight beyond what the state already holds;
+restoring reads and places one chunk at a time the same way (two saved chunks and the new one
+when remapping).
 
 **Atomicity.** Everything is written into a hidden temporary directory
 ``<directory>/.tmp_step_<N:08d>_<pid>_<random>/`` which is renamed to ``step_<N:08d>`` only
@@ -32,15 +53,15 @@ would pick up; a write error removes the temporary directory before raising
 
 Saves are synchronous: the next training step donates the state's device buffers and updates the
 host chunks in place, so an asynchronous save would have to copy the whole state first, which the
-memory bound forbids. One process writes a checkpoint directory at a time; states sharded over
-several devices (:mod:`chunkjax.zero`) are not covered yet.
+memory bound forbids. One process writes a checkpoint directory at a time.
 
 Usage::
 
-    step = make_chunked_step(...); state = step.init(params)
+    step = make_chunked_step(...)            # or chunkjax.zero.make_zero_step(...) on 8 devices
+    state = step.init(params)
     ...train...
     save_checkpoint(ckpt_dir, n, step, state, {"rng": key, "data_position": n, "config": cfg})
-    # later, in a fresh process, possibly with another schedule over the same layout:
+    # later, in a fresh process, with another schedule, chunk size or device count:
     state, extra = restore_checkpoint(ckpt_dir, other_step)   # the latest_step(ckpt_dir)
 """
 from __future__ import annotations
@@ -372,17 +393,21 @@ def _one_line(e: BaseException) -> str:
 def save_checkpoint(directory, step_number: int, step_fn, state, extra: dict | None = None) -> str:
     """Save the whole training state of ``step_fn`` as checkpoint ``step_number``, atomically.
 
-    Waits for the step's host updates (``step_fn.wait()``), then writes chunk by chunk: each
-    chunk's compute params ((chunk_size,) ``step_fn.compute_dtype``), float32 master params and
-    float32 optimizer moments, plus the step count of its optimizer; then ``meta.json`` with the
-    layout fingerprint and ``extra``. Host memory beyond the state itself: one chunk's params,
-    master and moments (about ``chunk_size * (2 + 4 + 8)`` bytes for bf16 AdamW).
+    Waits for the step's host updates (``step_fn.wait()``, ChunkedStep), then writes chunk by
+    chunk: each chunk's compute params ((chunk_size,) ``step_fn.compute_dtype``), float32 master
+    params and float32 optimizer moments, plus the step count of its optimizer; then
+    ``meta.json`` with the layout and ``extra``. ZeRO chunks are written whole: the rank shards
+    of params, master params and moments are gathered into (chunk_size,) arrays (rank order).
+    Host memory beyond the state itself: one chunk's params, master and moments (about
+    ``chunk_size * (2 + 4 + 8)`` bytes for bf16 AdamW).
 
     Args:
       directory: the checkpoint root (created if missing).
       step_number: the training step (int >= 0); the checkpoint goes to ``step_<N:08d>``.
-      step_fn: the :class:`~chunkjax.runtime.ChunkedStep` that owns ``state``.
-      state: its :class:`~chunkjax.runtime.TrainState` (any placement). It stays usable.
+      step_fn: the :class:`~chunkjax.runtime.ChunkedStep` or :class:`chunkjax.zero.ZeroStep`
+        that owns ``state``.
+      state: its :class:`~chunkjax.runtime.TrainState` (any placement) or
+        :class:`chunkjax.zero.ZeroState` (any stage and placement, one process). It stays usable.
       extra: a JSON-like dict saved with the state (RNG keys, data position, configuration):
         numbers, strings, None, lists, tuples, dicts with string keys, numpy or jax arrays and
         typed PRNG key arrays (``jax.random.key``).
@@ -393,7 +418,9 @@ def save_checkpoint(directory, step_number: int, step_fn, state, extra: dict | N
     Raises:
       FileExistsError: a checkpoint of ``step_number`` already exists.
       TypeError: ``extra`` holds something that cannot be saved.
-      CheckpointError: the optimizer state has no per-chunk form (not elementwise).
+      CheckpointError: the optimizer state has no per-chunk form (not elementwise), the ranks of
+        a ZeRO chunk hold different step counts, the state spans several processes, or the step
+        is a :class:`chunkjax.zero_schedule.ZeroScheduledStep` (not covered yet).
       CheckpointWriteError: writing failed (e.g. ENOSPC); the previous checkpoints are intact and
         the partial write has been removed.
     """
