@@ -10,6 +10,27 @@ Every resolved setting is printed; the run folder ``runs/<time>-<model>/`` holds
 ``loss.png`` and ``sample.txt``. The folder is written under a ``.partial`` name and renamed when
 the run completes, so a failed run leaves nothing behind. Bad input exits with status 2 and one
 line saying what to do.
+
+Checkpoints and resuming (for runs of days: crashes, full disks, bad steps):
+
+    python -m experiments.train --checkpoint-every 500 --keep-checkpoints 3 ...
+    python -m experiments.train <the same settings> --resume runs/<time>-<model>.partial
+
+``--checkpoint-every N`` saves a chunkjax checkpoint (:mod:`chunkjax.checkpoint`: atomic, chunk by
+chunk) into ``<run folder>/checkpoints/`` every N steps and after the last step; the default (-1)
+saves at each evaluation (``--eval-every``) and at the end, 0 saves none. Only the newest
+``--keep-checkpoints`` (default 2) are kept. A checkpoint holds the whole training state plus the
+data position, the RNG key, the settings and the report's running totals. Once a checkpoint
+exists, a run that fails (crash, SIGKILL, SIGTERM, Ctrl-C, a non-finite loss) keeps its
+``.partial`` folder, and ``--resume <that folder or its checkpoints folder>`` continues it in
+place from the newest complete checkpoint: the data stream continues where it was and the losses
+equal those of an uninterrupted run (bit for bit on the CPU). Settings that change the training
+(model, steps, batch, seq, lr, warmup, weight decay, clip, seed, tokenizer, eval batches, compute
+dtype, chunk layout) must equal the checkpoint's: a difference exits with status 2, one line, and
+nothing written. ``--device-budget``, ``--prefetch``, ``--micro-batches`` and the output settings may
+differ (the checkpoint restores into any placement of the same chunk layout). A checkpoint that
+cannot be written (full disk) stops the run with status 1 and one line; the previous checkpoints
+stay intact and resumable. ``report.json`` says ``resumed_from_step``.
 """
 from __future__ import annotations
 
@@ -61,6 +82,9 @@ class TrainConfig:
     progress: bool = config_field(True, 'progress bar')
     micro_batches: int = config_field(1, 'gradient accumulation: each step\'s --batch sequences run as this many equal micro-batches (activation memory of one micro-batch), one update')
     nonfinite: str = config_field("error", 'a NaN/inf loss or gradient: error (stop, say what to change) | skip (the step changes no state; counted in the report)')
+    checkpoint_every: int = config_field(-1, 'steps between checkpoints in <run folder>/checkpoints, plus one after the last step; -1: at each evaluation (--eval-every); 0: none')
+    keep_checkpoints: int = config_field(2, 'newest checkpoints kept (older ones are deleted)')
+    resume: str = config_field("", 'continue a run from its newest complete checkpoint: its run folder (runs/<name>.partial) or checkpoints folder; the settings that change training must be the run\'s')
 
 
 #: The CPU default budget: what the all-host placement needs plus this fraction of the model's
@@ -70,6 +94,79 @@ _AUTO_BUDGET_MODEL_FRACTION = 0.2
 
 class UsageError(Exception):
     """Bad input: printed as one line, exit status 2."""
+
+
+class JobFailed(Exception):
+    """The run failed for a reason outside its input (a checkpoint that cannot be written):
+    printed as one line, exit status 1."""
+
+
+#: Resolved settings that change the training: a checkpoint resumes only when they are equal.
+#: (device_budget, prefetch, micro_batches, eval_every, checkpointing, sampling and output
+#: settings may differ; the chunk layout is compared separately.)
+RESUME_MUST_MATCH = ("model", "steps", "batch", "seq", "lr", "warmup", "weight_decay", "clip", "seed",
+                     "tokenizer", "eval_batches", "compute_dtype_resolved")
+CHECKPOINT_DIR = "checkpoints"
+
+
+@dataclasses.dataclass
+class ResumePoint:
+    """Where ``--resume`` continues: the run folder, its checkpoint folder, the step and its meta."""
+
+    run_dir: "os.PathLike"
+    ckpt_dir: "os.PathLike"
+    step: int
+    meta: dict
+
+
+def find_resume_point(path: str) -> ResumePoint:
+    """The newest complete checkpoint of ``--resume path`` (a run folder or its checkpoints folder).
+
+    Raises:
+      UsageError: no such folder, no complete checkpoint, a finished run, an unreadable checkpoint.
+    """
+    import pathlib
+
+    from chunkjax import checkpoint as ck
+    from experiments.report import PARTIAL_SUFFIX
+
+    p = pathlib.Path(path)
+    if not p.exists() and pathlib.Path(str(p) + PARTIAL_SUFFIX).is_dir():
+        p = pathlib.Path(str(p) + PARTIAL_SUFFIX)
+    if (p / CHECKPOINT_DIR).is_dir():
+        run_dir, ckpt_dir = p, p / CHECKPOINT_DIR
+    elif p.is_dir() and (p.name == CHECKPOINT_DIR or ck.all_steps(p)):
+        run_dir, ckpt_dir = p.parent, p
+    else:
+        raise UsageError(f"--resume {path}: not a run folder with a {CHECKPOINT_DIR}/ folder, nor a checkpoints folder")
+    step = ck.latest_step(ckpt_dir)
+    if step is None:
+        raise UsageError(f"--resume {path}: no complete checkpoint in {ckpt_dir}")
+    try:
+        meta = ck.read_meta(ckpt_dir, step)
+    except (ck.CheckpointError, OSError, ValueError) as e:
+        raise UsageError(f"--resume {path}: checkpoint step {step} cannot be read: {e}") from None
+    extra = meta.get("extra", {})
+    if not isinstance(extra.get("config"), dict) or "data_position" not in extra:
+        raise UsageError(f"--resume {path}: checkpoint step {step} was not written by experiments.train")
+    if not run_dir.name.endswith(PARTIAL_SUFFIX):
+        raise UsageError(f"--resume {path}: {run_dir} is a finished run (checkpoint step {step} of "
+                         f"{extra['config'].get('steps')}): start a new run instead")
+    if not (run_dir / "metrics.jsonl").is_file():
+        raise UsageError(f"--resume {path}: {run_dir} has no metrics.jsonl: pass the run folder the checkpoints belong to")
+    if not os.access(run_dir, os.W_OK) or not os.access(ckpt_dir, os.W_OK):
+        raise UsageError(f"--resume {path}: {run_dir} is not writable")
+    return ResumePoint(run_dir, ckpt_dir, step, meta)
+
+
+def check_resume_config(rp: ResumePoint, resolved: dict) -> None:
+    """Refuse (one line) when a setting in :data:`RESUME_MUST_MATCH` differs from the checkpoint's."""
+    saved = rp.meta["extra"]["config"]
+    diffs = [f"--{k.replace('_resolved', '').replace('_', '-')} {resolved[k]} (checkpoint: {saved.get(k)})"
+             for k in RESUME_MUST_MATCH if saved.get(k) != resolved[k]]
+    if diffs:
+        raise UsageError(f"--resume {rp.run_dir}: settings differ from checkpoint step {rp.step}: {', '.join(diffs)}; "
+                         "resume with the run's settings")
 
 
 def parse_args(argv=None) -> TrainConfig:
@@ -155,6 +252,10 @@ def run(cfg: TrainConfig) -> dict:
            "bf16": jnp.bfloat16, "float32": jnp.float32, "fp32": jnp.float32}.get(cfg.compute_dtype)
     if cdt is None:
         raise UsageError(f"--compute-dtype {cfg.compute_dtype!r}: use bfloat16, float32 or auto")
+    resume = None
+    if cfg.resume:  # refuse a mismatch before anything is loaded or written
+        resume = find_resume_point(cfg.resume)
+        check_resume_config(resume, dataclasses.asdict(cfg) | {"compute_dtype_resolved": jnp.dtype(cdt).name})
 
     try:
         td = data_mod.load_token_data(cfg.tokenizer, cfg.data_cache)
@@ -177,6 +278,11 @@ def run(cfg: TrainConfig) -> dict:
         layout = cj.build_layout(aparams, cfg.chunk_size or None, order, min_chunks=cfg.min_chunks)
     except ValueError as e:
         raise UsageError(f"--chunk-size: {e}") from None
+    if resume is not None and resume.meta["layout_fingerprint"] != cj.checkpoint.layout_fingerprint(layout):
+        saved = resume.meta["layout"]
+        raise UsageError(f"--resume {resume.run_dir}: the chunk layout differs from checkpoint step {resume.step}'s "
+                         f"(chunk size {layout.chunk_size} x {layout.n_chunks} chunks here, {saved['chunk_size']} x "
+                         f"{saved['n_chunks']} there): use the run's --chunk-size, --min-chunks and --micro-batches")
     tx = _optimizer(cfg)
     traces = cj.trace_stages(stages, layout, abatch, cdt)
     cb = cj.chunk_bytes(layout, cdt, state_bytes_per_chunk(tx, layout.chunk_size))
@@ -199,20 +305,48 @@ def run(cfg: TrainConfig) -> dict:
           f"{model_chunk_bytes / 2**20:.1f} MiB; per step h2d {acc.h2d_bytes_per_step / 2**20:.1f} MiB, "
           f"d2h {acc.d2h_bytes_per_step / 2**20:.1f} MiB", flush=True)
 
-    folder = RunFolder.create(cfg.out_dir, mcfg.name)
+    folder = _resumed_folder(resume.run_dir) if resume is not None else RunFolder.create(cfg.out_dir, mcfg.name)
     try:
         report = _train(cfg, mcfg, stages, layout, placement, acc, compiled, tx, cdt, td, budget,
-                        model_chunk_bytes, folder, t_start)
+                        model_chunk_bytes, folder, t_start, resolved, resume)
         report.update(model_bytes_split(layout, placement, cb))
         report["config"] = resolved
         folder.write_json("report.json", report)
         plot_losses(folder.path / "loss.png", folder.path / "metrics.jsonl", title=f"{mcfg.name} (chunkjax)")
         final = folder.commit()
-    except BaseException:
-        folder.discard()
-        raise
+    except BaseException as e:
+        kept = cj.checkpoint.latest_step(folder.path / CHECKPOINT_DIR)
+        if kept is None and resume is None:
+            folder.discard()
+            raise
+        _note_kept(e, f"{folder.path} keeps checkpoint step {kept}: continue with --resume {folder.path}")
     print(f"run folder: {final}", flush=True)
     return report
+
+
+def _resumed_folder(run_dir):
+    """The RunFolder of a ``.partial`` run folder being resumed (committed to its final name)."""
+    import pathlib
+
+    from experiments.report import PARTIAL_SUFFIX, RunFolder
+    path = pathlib.Path(run_dir)
+    base = path.with_name(path.name[:-len(PARTIAL_SUFFIX)])
+    final, k = base, 1
+    while final.exists():
+        final, k = base.with_name(f"{base.name}-{k}"), k + 1
+    return RunFolder(path, final)
+
+
+def _note_kept(e: BaseException, note: str):
+    """Re-raise ``e`` saying that the run folder was kept with a checkpoint to resume from (one
+    line for UsageError / JobFailed; run_guarded prints ``kept_note`` for signals)."""
+    if isinstance(e, (UsageError, JobFailed)):
+        raise type(e)(f"{e}; {note}") from None
+    if isinstance(e, (KeyboardInterrupt, _Terminated)):
+        e.kept_note = note
+    else:
+        print(f"the run failed: {note}", file=sys.stderr, flush=True)
+    raise e
 
 
 #: Re-plans allowed when the compiled program needs more device memory than the accounting says.
@@ -282,6 +416,12 @@ def _validate(cfg: TrainConfig) -> None:
         v = getattr(cfg, name)
         if not (math.isfinite(v) and v >= 0):
             raise UsageError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {v}")
+    if cfg.checkpoint_every < -1:
+        raise UsageError(f"--checkpoint-every must be >= -1 (-1: at each evaluation, 0: none), got {cfg.checkpoint_every}")
+    if cfg.keep_checkpoints < 1:
+        raise UsageError(f"--keep-checkpoints must be >= 1, got {cfg.keep_checkpoints}")
+    if cfg.resume:
+        return  # the run folder being resumed is written, not --out-dir
     try:
         os.makedirs(cfg.out_dir, exist_ok=True)
     except OSError as e:
@@ -312,43 +452,98 @@ def _optimizer(cfg: TrainConfig):
 
 
 def _train(cfg, mcfg, stages, layout, placement, acc, compiled, tx, cdt, td, budget, model_chunk_bytes, folder,
-           t_start):
+           t_start, resolved, resume=None):
+    import zlib
+
     import jax
     import jax.numpy as jnp
     import numpy as np
     from tqdm import tqdm
 
     import chunkjax as cj
+    from chunkjax import checkpoint as ck
     from experiments import data as data_mod
     from models import gpt
 
-    cpu = jax.devices("cpu")[0]
-    with jax.default_device(cpu):
-        params = gpt.init_params(mcfg, jax.random.key(cfg.seed))
-        params = jax.tree.map(np.asarray, params)
     step = cj.make_chunked_step(stages, layout, placement, tx, compute_dtype=cdt, prefetch=cfg.prefetch,
                                 micro_batches=cfg.micro_batches, nonfinite="skip" if cfg.nonfinite == "skip" else "ignore")
-    state = step.init(params)
-    del params
+    ckpt_dir = folder.path / CHECKPOINT_DIR
+    every = cfg.eval_every if cfg.checkpoint_every < 0 else cfg.checkpoint_every
+    batches = data_mod.sample_batches(td.train, cfg.batch, cfg.seq, cfg.seed)
+    metrics_path = folder.path / "metrics.jsonl"
+    if resume is None:
+        cpu = jax.devices("cpu")[0]
+        with jax.default_device(cpu):
+            params = gpt.init_params(mcfg, jax.random.key(cfg.seed))
+            params = jax.tree.map(np.asarray, params)
+        state = step.init(params)
+        del params
+        start, saved = 0, {"train_time": 0.0, "timed_steps": 0, "resumed_from": [], "wall_s_total": 0.0}
+    else:
+        # nothing is written until the state, the data position and the metrics are known good
+        try:
+            state, saved = ck.restore_checkpoint(ckpt_dir, step, resume.step)
+        except (ck.CheckpointError, OSError, ValueError) as e:
+            raise UsageError(f"--resume {resume.run_dir}: checkpoint step {resume.step} cannot be restored: "
+                             f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        start = int(saved["step"])
+        nb = None
+        for _ in range(int(saved["data_position"])):  # the data stream continues where it stopped
+            nb = next(batches)
+        if nb is not None and zlib.crc32(nb.tobytes()) != saved["data_check"]:
+            raise UsageError(f"--resume {resume.run_dir}: the training data differ from the run's (batch "
+                             f"{saved['data_position']} does not match): use the run's --data-cache and --tokenizer")
+        kept = _metrics_upto(metrics_path, start)
+        if [r["step"] for r in kept] != list(range(start + 1)):
+            print(f"warning: {metrics_path} lacks records of some steps <= {start}; the loss curve has gaps", flush=True)
+        saved["resumed_from"] = list(saved["resumed_from"]) + [start]
+        print(f"resumed from checkpoint step {start} of {cfg.steps} in {ckpt_dir}", flush=True)
 
     dev = jax.devices()[0]
-    batches = data_mod.sample_batches(td.train, cfg.batch, cfg.seq, cfg.seed)
     val = [jax.device_put(b, dev) for b in data_mod.eval_batches(td.val, cfg.batch, cfg.seq, cfg.eval_batches)]
 
     def val_loss(state):
         return float(np.mean([float(step.eval_loss(state, b)) for b in val]))
 
     tokens_per_step = cfg.batch * cfg.seq
-    metrics_path = folder.path / "metrics.jsonl"
-    records, losses, skipped = [], [], []
-    v0 = val_loss(state)
-    records.append({"step": 0, "tokens": 0, "val_loss": v0})
-    train_time, timed_steps = 0.0, 0
-    bar = tqdm(range(1, cfg.steps + 1), disable=not cfg.progress, unit="step", dynamic_ncols=True, file=sys.stdout)
-    with open(metrics_path, "w") as mf:
+    train_time, timed_steps = float(saved["train_time"]), int(saved["timed_steps"])
+    ckpt_s, ckpt_saved = 0.0, 0
+    t_process = time.time()
+
+    def save_checkpoint(i, state, last_batch):
+        nonlocal ckpt_s, ckpt_saved
+        t0 = time.perf_counter()
+        extra = {"rng": jax.random.key(cfg.seed), "data_position": i, "data_check": zlib.crc32(last_batch.tobytes()),
+                 "config": resolved, "step": i, "train_time": train_time, "timed_steps": timed_steps,
+                 "resumed_from": saved["resumed_from"],
+                 "wall_s_total": float(saved["wall_s_total"]) + time.time() - t_process}
+        try:
+            ck.save_checkpoint(ckpt_dir, i, step, state, extra)
+        except ck.CheckpointWriteError as e:
+            if isinstance(e.__cause__, (KeyboardInterrupt, _Terminated)):
+                raise e.__cause__ from None
+            raise JobFailed(f"checkpoint of step {i} not written: {e}") from None
+        prune_checkpoints(ckpt_dir, cfg.keep_checkpoints)
+        ckpt_s += time.perf_counter() - t0
+        ckpt_saved += 1
+
+    if resume is None:
+        records = [{"step": 0, "tokens": 0, "val_loss": val_loss(state)}]
+        mf = open(metrics_path, "w")
         mf.write(json.dumps(records[0]) + "\n")
+    else:
+        records = kept
+        _rewrite_metrics(metrics_path, records)  # drop the records of steps after the checkpoint
+        ck.remove_stale_temporaries(ckpt_dir)  # a save cut short by the crash
+        mf = open(metrics_path, "a")
+    losses = [r["loss"] for r in records if r.get("loss") is not None]
+    skipped = [r["step"] for r in records if r.get("skipped")]
+    bar = tqdm(range(start + 1, cfg.steps + 1), initial=start, total=cfg.steps, disable=not cfg.progress,
+               unit="step", dynamic_ncols=True, file=sys.stdout)
+    with mf:
         for i in bar:
-            b = jax.device_put(next(batches), dev)
+            nb = next(batches)
+            b = jax.device_put(nb, dev)
             t0 = time.perf_counter()
             state, m = step(state, b)
             loss = float(m["loss"])  # waits for the step
@@ -359,7 +554,7 @@ def _train(cfg, mcfg, stages, layout, placement, acc, compiled, tx, cdt, td, bud
                 print(f"step {i}: non-finite gradients (loss {loss}): skipped, no state changed", flush=True)
             elif not math.isfinite(loss):
                 raise UsageError(f"loss became {loss} at step {i}: lower --lr (now {cfg.lr}) or keep --clip > 0")
-            if i > 1:  # step 1 compiles
+            if i > start + 1:  # the first step of a process compiles
                 train_time += dt
                 timed_steps += 1
             if not skip:
@@ -374,6 +569,9 @@ def _train(cfg, mcfg, stages, layout, placement, acc, compiled, tx, cdt, td, bud
             mf.write(json.dumps(rec) + "\n")
             mf.flush()
             records.append(rec)
+            if every and (i % every == 0 or i == cfg.steps):
+                os.fsync(mf.fileno())  # the metrics up to a checkpoint outlive a crash
+                save_checkpoint(i, state, nb)
             tps = timed_steps * tokens_per_step / train_time if train_time else float("nan")
             bar.set_postfix(loss=f"{loss:.3f}", val=f"{last_validation(records):.3f}",
                             tok_s=f"{tps:,.0f}" if math.isfinite(tps) else "-")
@@ -392,10 +590,11 @@ def _train(cfg, mcfg, stages, layout, placement, acc, compiled, tx, cdt, td, bud
         print("sample:\n" + sample, flush=True)
     tps = timed_steps * tokens_per_step / train_time if train_time else None
     vals = [r["val_loss"] for r in records if "val_loss" in r]
+    step_s = [r["step_s"] for r in records if r["step"] >= 2 and "step_s" in r]
     return {
         "model": mcfg.name, "n_params": mcfg.n_params, "steps": cfg.steps, "batch": cfg.batch, "seq": cfg.seq,
         "tokens": cfg.steps * tokens_per_step, "tokens_per_s": tps,
-        "step_s_median": float(np.median([r["step_s"] for r in records[2:]])) if len(records) > 2 else None,
+        "step_s_median": float(np.median(step_s)) if step_s else None,
         "tflops": tps * mcfg.flops_per_token(cfg.seq) / 1e12 if tps else None,
         "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None, "val_loss_first": vals[0], "val_loss_last": vals[-1],
         "unigram_val_loss": data_mod.unigram_cross_entropy(td.train, td.val, td.vocab_size),
@@ -412,9 +611,55 @@ def _train(cfg, mcfg, stages, layout, placement, acc, compiled, tx, cdt, td, bud
         "compute_dtype": jnp.dtype(cdt).name, "tokenizer": td.tokenizer.name, "vocab_size": td.vocab_size,
         "train_tokens_available": int(td.train.size), "val_tokens": int(td.val.size),
         "platform": jax.devices()[0].platform, "device_kind": jax.devices()[0].device_kind,
-        "jax_version": jax.__version__, "wall_s": time.time() - t_start, "sample": sample,
+        "jax_version": jax.__version__, "wall_s": time.time() - t_start,
+        "wall_s_total": float(saved["wall_s_total"]) + time.time() - t_start, "sample": sample,
         "micro_batches": cfg.micro_batches, "nonfinite": cfg.nonfinite, "skipped_steps": skipped,
+        "resumed_from_step": saved["resumed_from"][-1] if saved["resumed_from"] else None,
+        "resumed_from_steps": list(saved["resumed_from"]),
+        "checkpoint_every": every, "checkpoints_kept": ck.all_steps(ckpt_dir),
+        "checkpoints_saved": ckpt_saved, "checkpoint_save_s": ckpt_s,
     }
+
+
+def prune_checkpoints(ckpt_dir, keep: int) -> list[int]:
+    """Delete all but the newest ``keep`` complete checkpoints of ``ckpt_dir``; returns the deleted
+    steps. Each is first renamed to a temporary name of :mod:`chunkjax.checkpoint` (which
+    ``latest_step`` never lists and the next save removes if this process dies), then removed, so
+    a crash mid-delete leaves neither a half-deleted checkpoint that looks complete nor an orphan."""
+    import uuid
+
+    from chunkjax import checkpoint as ck
+    gone = ck.all_steps(ckpt_dir)[:-keep]
+    for s in gone:
+        src = os.path.join(ckpt_dir, f"step_{s:08d}")
+        tmp = os.path.join(ckpt_dir, f"{ck._TMP_PREFIX}{s:08d}_{os.getpid()}_{uuid.uuid4().hex[:12]}")
+        os.rename(src, tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
+    return gone
+
+
+def _metrics_upto(path, step: int) -> list[dict]:
+    """The records of ``metrics.jsonl`` up to ``step`` (a line cut short by a crash ends the file)."""
+    out = []
+    with open(path) as fh:
+        for line in fh:
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                break
+            if r.get("step", -1) > step:
+                break
+            out.append(r)
+    return out
+
+
+def _rewrite_metrics(path, records) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as fh:
+        fh.writelines(json.dumps(r) + "\n" for r in records)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
 
 
 def model_bytes_split(layout, placement, cb) -> dict:
@@ -485,8 +730,8 @@ def _on_signal(signum, frame):
 def run_guarded(job) -> int:
     """Run ``job()`` (a whole run that writes its folder under ``.partial`` and renames it at the
     end) with SIGTERM/SIGHUP turned into an unwind; returns the exit status: 0 done, 2 bad input
-    (one line on stderr), 130 interrupted, 143 terminated (the partial folder removed by ``job``'s
-    own cleanup). Shared by the main job and experiments/finetune.py."""
+    (one line on stderr), 1 failed (:class:`JobFailed`, one line), 130 interrupted, 143 terminated
+    (the partial folder removed by ``job``'s own cleanup, or kept when it holds a checkpoint). Shared by the main job and experiments/finetune.py."""
     handlers = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGHUP):
@@ -496,11 +741,15 @@ def run_guarded(job) -> int:
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted: the partial run folder was removed", file=sys.stderr, flush=True)
+    except JobFailed as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt as e:
+        print(f"interrupted: {getattr(e, 'kept_note', 'the partial run folder was removed')}", file=sys.stderr, flush=True)
         return 130
     except _Terminated as e:
-        print(f"terminated by {e}: the partial run folder was removed", file=sys.stderr, flush=True)
+        print(f"terminated by {e}: {getattr(e, 'kept_note', 'the partial run folder was removed')}", file=sys.stderr,
+              flush=True)
         return 143
     finally:
         for sig, h in handlers.items():
