@@ -495,7 +495,9 @@ class NearStorageOptimizer(_Trainer):
         self._broken: str | None = None
         for d in self.dirs:
             os.makedirs(d, exist_ok=True)
-        target = committed_step(self.dirs)
+        target = committed_step(self.dirs)  # the step every worker recovers to
+        if self.error_feedback and compression == "topk":  # before any process: a missing file fails fast
+            self._load_residual(target or 0)
         n = len(self.dirs)
         ctx = multiprocessing.get_context("spawn")
         self.workers, self._conns, self.io_mode = [], [], {}
@@ -525,8 +527,6 @@ class NearStorageOptimizer(_Trainer):
                 for i in range(n):
                     self._expect(i, "ok", "initialising")
                 self._step = 0
-            if self.error_feedback and self.compression == "topk":
-                self._load_residual(self._step)
         except BaseException:
             self._kill_all()
             raise
