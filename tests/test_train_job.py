@@ -147,3 +147,196 @@ def test_micro_batches_give_the_same_run(data_cache, tmp_path):
     l2 = [r["loss"] for r in runs["2"] if r.get("loss") is not None]
     assert len(l1) == len(l2) == 6 and l1[-1] < l1[0]
     assert max(abs(a - b) / a for a, b in zip(l1, l2)) < 1e-5, (l1, l2)
+
+
+# ---- checkpoints and --resume (issue 8) ------------------------------------------------------
+# One 6-step run saving every 2 steps is the reference; the others stop it (Ctrl-C, SIGKILL, a
+# failed checkpoint write) and resume. Float32 compute on the CPU: losses must be bit-identical.
+
+import errno
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+from chunkjax import checkpoint as ck
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _ck_args(data_cache, out, *extra):
+    return _args(data_cache, out, "--lr", "1e-2", "--sample-tokens", "0", "--checkpoint-every", "2", *extra)
+
+
+def _records(run):
+    return [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _curve(run):
+    """(step, loss, val_loss) of every metrics record."""
+    return [(r["step"], r.get("loss"), r.get("val_loss")) for r in _records(run)]
+
+
+def _only(out):
+    (run,) = list(pathlib.Path(out).iterdir())
+    return run
+
+
+def _ckpt_names(run):
+    return sorted(p.name for p in (run / "checkpoints").iterdir())
+
+
+def _snapshot(root):
+    return sorted((str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*"))
+
+
+@pytest.fixture(scope="module")
+def reference(data_cache, tmp_path_factory):
+    """The uninterrupted 6-step run: checkpoints at 2, 4, 6; the newest two kept, nothing else."""
+    out = tmp_path_factory.mktemp("reference")
+    assert train.main(_ck_args(data_cache, out)) == 0
+    run = _only(out)
+    assert _ckpt_names(run) == ["step_00000004", "step_00000006"]
+    rep = json.loads((run / "report.json").read_text())
+    assert rep["resumed_from_step"] is None and rep["checkpoints_kept"] == [4, 6] and rep["checkpoints_saved"] == 3
+    curve = _curve(run)
+    assert [s for s, l, _ in curve if l is not None] == list(range(1, 7))
+    return run, curve
+
+
+@pytest.fixture(scope="module")
+def stopped(data_cache, tmp_path_factory):
+    """The same run stopped by Ctrl-C while fetching step 5's batch (after the checkpoint of step 4):
+    exit 130 and its .partial folder kept, with the checkpoints of steps 2 and 4."""
+    out = tmp_path_factory.mktemp("stopped")
+    real = data_mod.sample_batches
+
+    def stop_at_5(*a, **k):
+        for n, b in enumerate(real(*a, **k), start=1):
+            if n == 5:
+                raise KeyboardInterrupt
+            yield b
+
+    data_mod.sample_batches = stop_at_5
+    try:
+        assert train.main(_ck_args(data_cache, out)) == 130
+    finally:
+        data_mod.sample_batches = real
+    run = _only(out)
+    assert run.name.endswith(".partial") and _ckpt_names(run) == ["step_00000002", "step_00000004"]
+    return run
+
+
+def _resume_copy(src, tmp_path):
+    dst = tmp_path / "runs" / src.name
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_resume_after_stop_equals_uninterrupted_run(data_cache, tmp_path, capsys, reference, stopped):
+    """Stopped after step 4, resumed with another device budget (another placement of the same
+    layout) and the progress bar on: the losses of steps 5 and 6 equal the uninterrupted run's bit
+    for bit; the folder is committed under its final name with the report saying where it resumed."""
+    ref_run, ref_curve = reference
+    part = _resume_copy(stopped, tmp_path)
+    assert [s for s, l, _ in _curve(part) if l is not None] == [1, 2, 3, 4]
+    capsys.readouterr()
+    rc = train.main(_ck_args(data_cache, tmp_path / "unused", "--resume", str(part), "--device-budget", "64MiB",
+                             "--keep-checkpoints", "1", "--progress"))
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "resumed from checkpoint step 4 of 6" in out and "6/6" in out
+    assert not part.exists() and not (tmp_path / "unused").exists()
+    run = _only(tmp_path / "runs")
+    assert run.name == part.name[:-len(".partial")]
+    assert _curve(run) == ref_curve  # every step's loss and every validation loss, exactly
+    rep = json.loads((run / "report.json").read_text())
+    ref_rep = json.loads((ref_run / "report.json").read_text())
+    assert rep["resumed_from_step"] == 4 and rep["resumed_from_steps"] == [4]
+    assert rep["placement_counts"] != ref_rep["placement_counts"]  # really another placement
+    for k in ("loss_first", "loss_last", "val_loss_first", "val_loss_last", "steps", "tokens"):
+        assert rep[k] == ref_rep[k], k
+    assert rep["checkpoints_saved"] == 1 and _ckpt_names(run) == ["step_00000006"]  # keep 1: step 4 deleted
+    assert (run / "loss.png").stat().st_size > 1000
+
+
+# The job in a subprocess, killed with SIGKILL right after step 5 has been dispatched (mid-step).
+_KILL_SCRIPT = """
+import os, signal, sys
+from chunkjax.runtime import ChunkedStep
+real, calls = ChunkedStep.__call__, []
+
+def call(self, *a, **k):
+    out = real(self, *a, **k)
+    calls.append(1)
+    if len(calls) == int(sys.argv[1]):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return out
+
+ChunkedStep.__call__ = call
+from experiments import train
+sys.exit(train.main(sys.argv[2:]))
+"""
+
+
+def test_sigkill_mid_step_then_resume(data_cache, tmp_path, reference):
+    _, ref_curve = reference
+    out = tmp_path / "runs"
+    res = subprocess.run([sys.executable, "-c", _KILL_SCRIPT, "5", *_ck_args(data_cache, out)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == -9, res.stderr[-2000:]
+    part = _only(out)
+    assert part.name.endswith(".partial") and ck.latest_step(part / "checkpoints") == 4
+    assert max(s for s, _, _ in _curve(part)) == 4  # killed inside step 5
+    assert train.main(_ck_args(data_cache, tmp_path / "unused", "--resume", str(part))) == 0
+    run = _only(out)
+    assert not run.name.endswith(".partial")
+    assert _curve(run) == ref_curve
+    assert _ckpt_names(run) == ["step_00000004", "step_00000006"]  # no temporaries, no orphans
+    assert json.loads((run / "report.json").read_text())["resumed_from_step"] == 4
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--batch", "8"], "--batch 8 (checkpoint: 4)"),
+    (["--lr", "2e-2"], "--lr 0.02 (checkpoint: 0.01)"),
+    (["--seed", "1", "--steps", "7"], "--steps 7 (checkpoint: 6), --seed 1 (checkpoint: 0)"),
+    (["--chunk-size", "40000"], "chunk layout differs"),
+])
+def test_resume_with_other_settings_is_refused(data_cache, tmp_path, capsys, stopped, extra, needle):
+    part = _resume_copy(stopped, tmp_path)
+    before = _snapshot(part)
+    _fails(capsys, _ck_args(data_cache, tmp_path / "unused", "--resume", str(part), *extra), tmp_path / "unused", needle)
+    assert _snapshot(part) == before  # nothing written
+
+
+def test_resume_of_a_finished_run_or_no_checkpoint_is_refused(data_cache, tmp_path, capsys, reference):
+    run, _ = reference
+    _fails(capsys, _ck_args(data_cache, tmp_path / "o", "--resume", str(run)), tmp_path / "o", "finished run")
+    _fails(capsys, _ck_args(data_cache, tmp_path / "o", "--resume", str(tmp_path)), tmp_path / "o", "not a run folder")
+
+
+def test_checkpoint_write_failure_keeps_the_previous_checkpoint(data_cache, tmp_path, capsys, monkeypatch, reference):
+    """The disk fills up while the checkpoint of step 4 is written: the job stops with status 1 and
+    one line, the checkpoint of step 2 is intact (nothing half-written beside it) and resuming from
+    it reproduces the uninterrupted run."""
+    _, ref_curve = reference
+    real = ck._write_chunk
+
+    def full_disk(ckptr, path, arrays):
+        if "_00000004_" in os.path.basename(os.path.dirname(path)) and path.endswith("chunk_00001"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(ckptr, path, arrays)
+
+    monkeypatch.setattr(ck, "_write_chunk", full_disk)
+    out = tmp_path / "runs"
+    rc = train.main(_ck_args(data_cache, out))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and len(err) == 1, err
+    assert "checkpoint of step 4 not written" in err[0] and "ENOSPC" in err[0] and "latest: step 2" in err[0], err[0]
+    part = _only(out)
+    assert part.name.endswith(".partial") and f"--resume {part}" in err[0]
+    assert _ckpt_names(part) == ["step_00000002"]
+    monkeypatch.setattr(ck, "_write_chunk", real)
+    assert train.main(_ck_args(data_cache, tmp_path / "unused", "--resume", str(part))) == 0
+    assert _curve(_only(out)) == ref_curve
