@@ -59,8 +59,11 @@ may therefore differ from the bound in either direction by the payload time (p /
 pipeline and validation loss) with the AdamW update (main job's schedule, weight decay, clipping)
 running in :class:`NearStorageOptimizer` workers: gradients from ``jax.value_and_grad`` of the GPT
 loss in float32 on the CPU, flattened into chunks and sent as float32; the workers' bf16 params
-are the next step's params (the forward runs on them, upcast to float32). Three runs with the same
-seed and steps: uncompressed, top-k without error feedback, top-k with error feedback. The
+are the next step's params (the forward runs on them, upcast to float32). Runs with the same seed
+and steps (``--variants``, default three): ``uncompressed``, ``topk`` (1 % of every chunk, the
+paper), ``topk_ef`` (with error feedback), and ``topk_global`` / ``topk_global_ef<decay>`` (1 % of
+the whole gradient, :func:`chunkjax.near_storage.topk_compress_global`; error feedback with the
+residual decayed by ``<decay>`` per step). The
 reference is the same loop in memory with the main job's optax optimizer
 (``experiments.train._optimizer``) on float32 master params, the forward on their bf16 rounding;
 the uncompressed run is compared against it for the first ``--compare-steps`` steps.
@@ -538,12 +541,13 @@ def run_train(args) -> dict:
 
 def train_table(res: dict) -> str:
     lines = ["| run | val loss (nats, bf16 params) | val loss (fp32 master) | rel. diff to uncompressed | "
-             "shared B/param | wall s |", "|---|---|---|---|---|---|"]
+             "shared B/param (median) | shared B/param (mean over run) | wall s |", "|---|---|---|---|---|---|---|"]
     for v, r in res["runs"].items():
         rd = r.get("val_loss_rel_diff_to_uncompressed")
+        mean = r.get("shared_link_bytes_per_param_mean")
         lines.append(f"| {v} | {r['val_loss']:.4f} | {r['val_loss_fp32_master']:.4f} | "
                      f"{'-' if rd is None else f'{rd * 100:+.2f} %'} | {r['shared_link_bytes_per_param']:.2f} | "
-                     f"{r['wall_s']:.0f} |")
+                     f"{'-' if mean is None else f'{mean:.2f}'} | {r['wall_s']:.0f} |")
     return "\n".join(lines)
 
 

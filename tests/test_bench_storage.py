@@ -70,6 +70,17 @@ def test_train_tiny_equals_optax_and_has_three_runs(tmp_path):
     assert vo["max_abs_loss_diff"] < 1e-5
 
 
+def test_train_variant_names():
+    assert bs.variant_options("uncompressed") == {"compression": None}
+    assert bs.variant_options("topk_ef") == {"compression": "topk", "error_feedback": True}
+    assert bs.variant_options("topk_global") == {"compression": "topk", "topk_scope": "global"}
+    assert bs.variant_options("topk_global_ef0.9") == {"compression": "topk", "topk_scope": "global",
+                                                       "error_feedback": True, "ef_decay": 0.9}
+    for bad in ("topk_glob", "topk_ef2", "topk_efx", "dense"):
+        with pytest.raises(bs.UsageError):
+            bs.variant_options(bad)
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["--mode", "nope"], "--mode"),
     (["--workers", "1,x"], "--workers"),
@@ -77,6 +88,7 @@ def test_train_tiny_equals_optax_and_has_three_runs(tmp_path):
     (["--topk", "2"], "--topk"),
     (["--mode", "train", "--model", "nope"], "unknown model 'nope'"),
     (["--mode", "train", "--data-cache", "/nonexistent/x"], "parent folder does not exist"),
+    (["--mode", "train", "--variants", "topk,topk_glob"], "unknown variant 'topk_glob'"),
 ])
 def test_bad_input_exits_2_with_one_line(argv, needle):
     p = subprocess.run([sys.executable, "-m", "experiments.bench_storage", *argv], capture_output=True, text=True,
