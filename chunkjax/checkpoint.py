@@ -1,10 +1,11 @@
 """Checkpoints of a chunked training run: saved chunk by chunk, atomic, placement-independent.
 
 Covered: the single-device :class:`~chunkjax.runtime.ChunkedStep` (any placement or schedule,
-device or host updates) and the ZeRO step :class:`chunkjax.zero.ZeroStep` (stages 1-3, master
-params and optimizer state sharded over a 1-D ``data`` mesh in one process). Not covered yet:
-:class:`chunkjax.zero_schedule.ZeroScheduledStep` and ZeRO meshes spanning several processes
-(both refused with a one-line :class:`CheckpointError`).
+device or host updates), the ZeRO step :class:`chunkjax.zero.ZeroStep` (stages 1-3, master params
+and optimizer state sharded over a 1-D ``data`` mesh) and the scheduled ZeRO step
+:class:`chunkjax.zero_schedule.ZeroScheduledStep` (device, streamed and per-rank host-updated
+chunks), all within one process. Not covered yet: ZeRO meshes spanning several processes
+(refused with a one-line :class:`CheckpointError`).
 
 A checkpoint of step ``N`` is one directory ``<directory>/step_<N:08d>/`` holding
 
@@ -82,7 +83,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from chunkjax import optim
-from chunkjax.memory import PINNED_HOST, sharding
+from chunkjax.memory import DEVICE, PINNED_HOST, sharding
 
 FORMAT = "chunkjax-checkpoint"
 VERSION = 1
@@ -393,7 +394,7 @@ def _one_line(e: BaseException) -> str:
 def save_checkpoint(directory, step_number: int, step_fn, state, extra: dict | None = None) -> str:
     """Save the whole training state of ``step_fn`` as checkpoint ``step_number``, atomically.
 
-    Waits for the step's host updates (``step_fn.wait()``, ChunkedStep), then writes chunk by
+    Waits for the step's host updates (``step_fn.wait()``, scheduled steps), then writes chunk by
     chunk: each chunk's compute params ((chunk_size,) ``step_fn.compute_dtype``), float32 master
     params and float32 optimizer moments, plus the step count of its optimizer; then
     ``meta.json`` with the layout and ``extra``. ZeRO chunks are written whole: the rank shards
@@ -404,10 +405,11 @@ def save_checkpoint(directory, step_number: int, step_fn, state, extra: dict | N
     Args:
       directory: the checkpoint root (created if missing).
       step_number: the training step (int >= 0); the checkpoint goes to ``step_<N:08d>``.
-      step_fn: the :class:`~chunkjax.runtime.ChunkedStep` or :class:`chunkjax.zero.ZeroStep`
-        that owns ``state``.
+      step_fn: the :class:`~chunkjax.runtime.ChunkedStep`, :class:`chunkjax.zero.ZeroStep` or
+        :class:`chunkjax.zero_schedule.ZeroScheduledStep` that owns ``state``.
       state: its :class:`~chunkjax.runtime.TrainState` (any placement) or
-        :class:`chunkjax.zero.ZeroState` (any stage and placement, one process). It stays usable.
+        :class:`chunkjax.zero.ZeroState` (any stage and placement); ZeRO states must live in
+        this process. It stays usable.
       extra: a JSON-like dict saved with the state (RNG keys, data position, configuration):
         numbers, strings, None, lists, tuples, dicts with string keys, numpy or jax arrays and
         typed PRNG key arrays (``jax.random.key``).
@@ -419,8 +421,7 @@ def save_checkpoint(directory, step_number: int, step_fn, state, extra: dict | N
       FileExistsError: a checkpoint of ``step_number`` already exists.
       TypeError: ``extra`` holds something that cannot be saved.
       CheckpointError: the optimizer state has no per-chunk form (not elementwise), the ranks of
-        a ZeRO chunk hold different step counts, the state spans several processes, or the step
-        is a :class:`chunkjax.zero_schedule.ZeroScheduledStep` (not covered yet).
+        a ZeRO chunk hold different step counts, or the state spans several processes.
       CheckpointWriteError: writing failed (e.g. ENOSPC); the previous checkpoints are intact and
         the partial write has been removed.
     """
@@ -436,7 +437,7 @@ def save_checkpoint(directory, step_number: int, step_fn, state, extra: dict | N
     lay = step_fn.layout
     os.makedirs(directory, exist_ok=True)
     remove_stale_temporaries(directory)
-    if kind == "chunked":
+    if kind != "zero":
         step_fn.wait()
     tmp = os.path.join(directory, f"{_TMP_PREFIX}{step_number:08d}_{os.getpid()}_{uuid.uuid4().hex[:12]}")
     chunks_meta = []
@@ -446,7 +447,7 @@ def save_checkpoint(directory, step_number: int, step_fn, state, extra: dict | N
         os.makedirs(tmp)
         for c in range(lay.n_chunks):
             stage = f"reading chunk {c} of {lay.n_chunks} from the state"
-            arrays, cm = (_zero_chunk_portable if kind == "zero" else _chunked_chunk_portable)(step_fn, state, c)
+            arrays, cm = _PORTABLE[kind](step_fn, state, c)
             stage = f"writing chunk {c} of {lay.n_chunks}"
             _write_chunk(ckptr, os.path.join(tmp, f"chunk_{c:05d}"), arrays)
             del arrays
@@ -455,8 +456,7 @@ def save_checkpoint(directory, step_number: int, step_fn, state, extra: dict | N
                 "compute_dtype": np.dtype(step_fn.compute_dtype).name,
                 "layout": layout_spec(lay), "layout_fingerprint": layout_fingerprint(lay),
                 "chunks": chunks_meta, "optimizer": repr(getattr(step_fn, "host_optimizer", None) or step_fn.tx),
-                "saved_from": ({"step": "ZeroStep", "n_ranks": step_fn.n_ranks, "zero_stage": step_fn.stage}
-                               if kind == "zero" else {"step": "ChunkedStep", "n_ranks": 1}),
+                "saved_from": _saved_from(step_fn, kind),
                 "extra": extra_json}
         stage = f"writing {META}"
         _write_meta(os.path.join(tmp, META), meta)
@@ -482,12 +482,12 @@ def save_checkpoint(directory, step_number: int, step_fn, state, extra: dict | N
 
 
 def _step_kind(step_fn) -> str:
-    """``"zero"`` for a :class:`chunkjax.zero.ZeroStep`, ``"chunked"`` for a single-device
+    """``"zero"`` for a :class:`chunkjax.zero.ZeroStep`, ``"zero_scheduled"`` for a
+    :class:`chunkjax.zero_schedule.ZeroScheduledStep`, ``"chunked"`` for a single-device
     :class:`~chunkjax.runtime.ChunkedStep`.
 
     Raises:
-      CheckpointError: a :class:`chunkjax.zero_schedule.ZeroScheduledStep` (not covered yet) or
-        an object that is neither.
+      CheckpointError: an object that is none of them.
     """
     from chunkjax.runtime import ChunkedStep
     from chunkjax.zero import ZeroStep
@@ -495,11 +495,20 @@ def _step_kind(step_fn) -> str:
     if isinstance(step_fn, ZeroStep):
         return "zero"
     if isinstance(step_fn, ZeroScheduledStep):
-        raise CheckpointError("checkpoints of a ZeroScheduledStep (per-rank host states) are not covered yet: "
-                              "save from a chunkjax.zero.ZeroStep or a single-device ChunkedStep")
+        return "zero_scheduled"
     if isinstance(step_fn, ChunkedStep):
         return "chunked"
-    raise CheckpointError(f"cannot checkpoint a {type(step_fn).__name__}: pass a ChunkedStep or a chunkjax.zero.ZeroStep")
+    raise CheckpointError(f"cannot checkpoint a {type(step_fn).__name__}: pass a ChunkedStep, a "
+                          "chunkjax.zero.ZeroStep or a chunkjax.zero_schedule.ZeroScheduledStep")
+
+
+def _saved_from(step_fn, kind: str) -> dict:
+    """meta.json's ``saved_from``: the step kind, its rank count and ZeRO stage."""
+    if kind == "zero":
+        return {"step": "ZeroStep", "n_ranks": step_fn.n_ranks, "zero_stage": step_fn.stage}
+    if kind == "zero_scheduled":
+        return {"step": "ZeroScheduledStep", "n_ranks": step_fn.n_ranks, "zero_stage": step_fn.zero_stage}
+    return {"step": "ChunkedStep", "n_ranks": 1}
 
 
 def _chunked_chunk_portable(step_fn, state, c: int) -> tuple[dict, dict]:
@@ -547,7 +556,8 @@ def _zero_chunk_portable(step_fn, state, c: int) -> tuple[dict, dict]:
     arrays = {"params": _whole(state.params[c], f"chunk {c}'s params"),
               "master": _whole(state.master[c], f"chunk {c}'s master params").astype(np.float32, copy=False), **moments}
     return arrays, {"count": count, "moments": sorted(moments), "rest": rest,
-                    "saved_from": f"zero{step_fn.stage}:{step_fn.placement.state_kinds[c]}"}
+                    "saved_from": f"zero{getattr(step_fn, 'stage', None) or step_fn.zero_stage}:"
+                                  f"{step_fn.placement.state_kinds[c]}"}
 
 
 def _zero_optax_unshard(opt_state, n_ranks: int, chunk: int):
@@ -567,6 +577,36 @@ def _zero_optax_unshard(opt_state, n_ranks: int, chunk: int):
             raise CheckpointError(f"chunk {chunk}: the ranks' optimizer step counts differ ({sorted(set(a.tolist()))})")
         return a[0]
     return jax.tree_util.tree_map_with_path(one, opt_state)
+
+
+def _zero_scheduled_chunk_portable(step_fn, state, c: int) -> tuple[dict, dict]:
+    """Chunk ``c`` of a :class:`chunkjax.zero_schedule.ZeroScheduledStep`'s state in the
+    single-device form: device and streamed chunks as :func:`_zero_chunk_portable`; host-updated
+    chunks (a tuple of N numpy master slices and N ``Host*State``) concatenated in rank order.
+
+    Raises:
+      CheckpointError: step counts that differ over the ranks, or the errors of
+        :func:`_zero_chunk_portable`.
+    """
+    st = state.opt_state[c]
+    loc = step_fn.schedule.update_locations[c]
+    if not (isinstance(st, tuple) and st and _is_host_state(st[0])):
+        arrays, cm = _zero_chunk_portable(step_fn, state, c)
+        return arrays, dict(cm, saved_from=f"zero{step_fn.zero_stage}:{loc}")
+    ports = [_host_to_portable(x) for x in st]
+    counts = sorted({count for count, _ in ports})
+    if len(counts) > 1:
+        raise CheckpointError(f"chunk {c}: the ranks' host optimizer step counts differ ({counts})")
+    moments = {n: np.concatenate([m[n] for _, m in ports]) for n in ports[0][1]}
+    del ports
+    arrays = {"params": _whole(state.params[c], f"chunk {c}'s params"),
+              "master": np.concatenate(state.master[c]).astype(np.float32, copy=False), **moments}
+    return arrays, {"count": counts[0], "moments": sorted(moments), "rest": {},
+                    "saved_from": f"zero{step_fn.zero_stage}:{loc}"}
+
+
+_PORTABLE = {"chunked": _chunked_chunk_portable, "zero": _zero_chunk_portable,
+             "zero_scheduled": _zero_scheduled_chunk_portable}
 
 
 def _moment_names(st) -> list[str]:
@@ -612,10 +652,11 @@ def restore_checkpoint(directory, step_fn, step_number: int | None = None):
 
     ``step_fn`` is a single-device :class:`~chunkjax.runtime.ChunkedStep` (any placement or
     schedule: device / pinned host jax arrays with an optax state, or numpy master and
-    ``Host*State`` for host-updated chunks) or a :class:`chunkjax.zero.ZeroStep` (any stage,
-    device count and placement: every chunk sharded over its mesh). The checkpoint may come from
-    either kind. If the compute dtype differs from the saved one, compute params are recast from
-    the float32 master params.
+    ``Host*State`` for host-updated chunks), a :class:`chunkjax.zero.ZeroStep` (any stage,
+    device count and placement: every chunk sharded over its mesh) or a
+    :class:`chunkjax.zero_schedule.ZeroScheduledStep` (host-updated chunks as one numpy slice
+    and one ``Host*State`` per rank). The checkpoint may come from any of them. If the compute
+    dtype differs from the saved one, compute params are recast from the float32 master params.
 
     When the chunk layouts are equal each chunk is read and placed as it was saved. Otherwise
     (another chunk size, e.g. a ZeRO layout padded to another rank count, or another packing)
@@ -630,21 +671,21 @@ def restore_checkpoint(directory, step_fn, step_number: int | None = None):
 
     Args:
       directory: the checkpoint root.
-      step_fn: the :class:`~chunkjax.runtime.ChunkedStep` or :class:`chunkjax.zero.ZeroStep` to
-        restore into.
+      step_fn: the :class:`~chunkjax.runtime.ChunkedStep`, :class:`chunkjax.zero.ZeroStep` or
+        :class:`chunkjax.zero_schedule.ZeroScheduledStep` to restore into.
       step_number: which step; None for :func:`latest_step`.
 
     Returns:
-      ``(state, extra)``: a :class:`~chunkjax.runtime.TrainState` (ChunkedStep) or
-      :class:`chunkjax.zero.ZeroState` (ZeroStep), and the saved ``extra`` dict (arrays come back
-      as numpy arrays, PRNG keys as typed key arrays, tuples as tuples).
+      ``(state, extra)``: a :class:`~chunkjax.runtime.TrainState` (ChunkedStep,
+      ZeroScheduledStep) or :class:`chunkjax.zero.ZeroState` (ZeroStep), and the saved ``extra``
+      dict (arrays come back as numpy arrays, PRNG keys as typed key arrays, tuples as tuples).
 
     Raises:
       FileNotFoundError: no complete checkpoint (of that step).
       CheckpointError: another parameter tree (the one-line message names the first leaf that
         differs), optimizer moments that cannot be converted into this step's optimizer state,
-        step counts that differ over the chunks when the layout changes, or a step kind that is
-        not covered (see :func:`save_checkpoint`).
+        step counts that differ over the chunks when the layout changes, or a step of another
+        kind.
     """
     kind = _step_kind(step_fn)
     meta = read_meta(directory, step_number)
@@ -742,7 +783,9 @@ class _SavedChunks:
     def take(self, c: int) -> dict[str, np.ndarray]:
         """Chunk ``c``'s arrays, not held (the caller owns them)."""
         out = self.held.pop(c, None)
-        return out if out is not None else _read_chunk(self.ckptr, os.path.join(self.root, f"chunk_{c:05d}"), self.names)
+        if out is None:
+            out = _read_chunk(self.ckptr, os.path.join(self.root, f"chunk_{c:05d}"), self.names)
+        return out
 
 
 def _assemble_chunk(src: _SavedChunks, saved: dict, lay, c: int, names) -> dict[str, np.ndarray]:
@@ -767,14 +810,15 @@ def _assemble_chunk(src: _SavedChunks, saved: dict, lay, c: int, names) -> dict[
 
 class _Placer:
     """Places restored chunks (whole (chunk_size,) numpy arrays in the portable form) where a
-    step keeps them: ``ChunkedStep`` device/host/streamed chunks, or ``ZeroStep`` shards."""
+    step keeps them: ``ChunkedStep`` device/host/streamed chunks, ``ZeroStep`` shards, or
+    ``ZeroScheduledStep`` shards and per-rank host slices."""
 
     def __init__(self, step_fn, kind: str):
         self.step, self.kind = step_fn, kind
         lay = step_fn.layout
         self.template = jax.eval_shape(lambda m: optim.init_chunk_state(step_fn.tx, m),
                                        jax.ShapeDtypeStruct((lay.chunk_size,), jnp.float32))
-        self.host = set(step_fn.host_chunks) if kind == "chunked" else set()
+        self.host = set(step_fn.host_chunks) if kind != "zero" else set()
         self.host_cls = type(step_fn.host_optimizer.host_state(1)) if self.host else None
         if self.host:
             step_fn._warm_host_kernel()  # as init does: numba must not compile while XLA compiles
@@ -789,10 +833,20 @@ class _Placer:
     def __call__(self, c, params, master, count, moments, rest):
         """(params, master, opt_state) of chunk ``c``, placed."""
         step, cdt = self.step, np.dtype(self.step.compute_dtype)
-        if self.kind == "zero":
+        if self.kind == "zero_scheduled" and c in self.host:  # per rank: a numpy slice and a host state
+            sl = [step._rank_slice(r) for r in range(step.n_ranks)]
+            hosts = tuple(_portable_to_host(self.host_cls, count, {k: v[x] for k, v in moments.items()}, c)
+                          for x in sl)
+            return (jax.device_put(params.astype(cdt, copy=False), step._param_shardings[c]),
+                    tuple(master[x].copy() for x in sl), hosts)
+        if self.kind != "chunked":
             from jax.sharding import PartitionSpec as P
             from chunkjax.zero import AXIS
-            n, sk = step.n_ranks, step.placement.state_kinds[c]
+            n = step.n_ranks
+            if self.kind == "zero":
+                sk = step.placement.state_kinds[c]
+            else:  # as ZeroScheduledStep.init: streamed chunks in pinned host memory
+                sk = PINNED_HOST if step.schedule.update_locations[c] == "streamed" else DEVICE
             full = _portable_to_optax(self.template, count, moments, rest, c)
             per_rank = jax.tree.map(lambda a: a.reshape(n, -1) if a.ndim == 1 else np.full((n,), a, a.dtype), full)
             sh = step._ns(P(AXIS), sk)
