@@ -684,8 +684,8 @@ def restore_checkpoint(directory, step_fn, step_number: int | None = None):
       FileNotFoundError: no complete checkpoint (of that step).
       CheckpointError: another parameter tree (the one-line message names the first leaf that
         differs), optimizer moments that cannot be converted into this step's optimizer state,
-        step counts that differ over the chunks when the layout changes, or a step of another
-        kind.
+        step counts that differ over the chunks when the layout changes, a ZeRO mesh spanning
+        several processes, or a step of another kind.
     """
     kind = _step_kind(step_fn)
     meta = read_meta(directory, step_number)
@@ -816,6 +816,9 @@ class _Placer:
     def __init__(self, step_fn, kind: str):
         self.step, self.kind = step_fn, kind
         lay = step_fn.layout
+        if kind != "chunked" and any(d.process_index != jax.process_index() for d in step_fn.mesh.devices.flat):
+            raise CheckpointError("the mesh spans devices of other processes: multi-process ZeRO checkpoints are not "
+                                  "covered yet (restore into a single-process mesh)")
         self.template = jax.eval_shape(lambda m: optim.init_chunk_state(step_fn.tx, m),
                                        jax.ShapeDtypeStruct((lay.chunk_size,), jnp.float32))
         self.host = set(step_fn.host_chunks) if kind != "zero" else set()
