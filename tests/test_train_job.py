@@ -241,6 +241,10 @@ def test_resume_after_stop_equals_uninterrupted_run(data_cache, tmp_path, capsys
     ref_run, ref_curve = reference
     part = _resume_copy(stopped, tmp_path)
     assert [s for s, l, _ in _curve(part) if l is not None] == [1, 2, 3, 4]
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    leftover = part / "checkpoints" / f".tmp_step_00000006_{dead.pid}_0123abcd"  # a save cut short by a crash
+    (leftover / "chunk_00000").mkdir(parents=True)
     capsys.readouterr()
     rc = train.main(_ck_args(data_cache, tmp_path / "unused", "--resume", str(part), "--device-budget", "64MiB",
                              "--keep-checkpoints", "1", "--progress"))
@@ -257,7 +261,8 @@ def test_resume_after_stop_equals_uninterrupted_run(data_cache, tmp_path, capsys
     assert rep["placement_counts"] != ref_rep["placement_counts"]  # really another placement
     for k in ("loss_first", "loss_last", "val_loss_first", "val_loss_last", "steps", "tokens"):
         assert rep[k] == ref_rep[k], k
-    assert rep["checkpoints_saved"] == 1 and _ckpt_names(run) == ["step_00000006"]  # keep 1: step 4 deleted
+    # keep 1: step 4 deleted; the dead save's temporary removed
+    assert rep["checkpoints_saved"] == 1 and _ckpt_names(run) == ["step_00000006"]
     assert (run / "loss.png").stat().st_size > 1000
 
 
