@@ -8,8 +8,8 @@ Every resolved setting is printed; the run folder ``runs/<time>-<model>/`` holds
 (keys in shared/guides/definitions.md: ``_accounted`` figures are chunkjax's own bookkeeping,
 ``_measured`` ones come from the runtime and are null on the CPU), ``metrics.jsonl``,
 ``loss.png`` and ``sample.txt``. The folder is written under a ``.partial`` name and renamed when
-the run completes, so a failed run leaves nothing behind. Bad input exits with status 2 and one
-line saying what to do.
+the run completes, so a failed run leaves nothing behind (unless it has a checkpoint, below). Bad
+input exits with status 2 and one line saying what to do.
 
 Checkpoints and resuming (for runs of days: crashes, full disks, bad steps):
 
@@ -24,13 +24,15 @@ data position, the RNG key, the settings and the report's running totals. Once a
 exists, a run that fails (crash, SIGKILL, SIGTERM, Ctrl-C, a non-finite loss) keeps its
 ``.partial`` folder, and ``--resume <that folder or its checkpoints folder>`` continues it in
 place from the newest complete checkpoint: the data stream continues where it was and the losses
-equal those of an uninterrupted run (bit for bit on the CPU). Settings that change the training
-(model, steps, batch, seq, lr, warmup, weight decay, clip, seed, tokenizer, eval batches, compute
-dtype, chunk layout) must equal the checkpoint's: a difference exits with status 2, one line, and
-nothing written. ``--device-budget``, ``--prefetch``, ``--micro-batches`` and the output settings may
-differ (the checkpoint restores into any placement of the same chunk layout). A checkpoint that
-cannot be written (full disk) stops the run with status 1 and one line; the previous checkpoints
-stay intact and resumable. ``report.json`` says ``resumed_from_step``.
+equal those of an uninterrupted run (bit for bit on the CPU; so after a non-finite loss, resume
+with ``--nonfinite skip``). Settings that change the training (model, steps, batch, seq, lr,
+warmup, weight decay, clip, seed, tokenizer, eval batches, compute dtype, chunk layout) must equal
+the checkpoint's: a difference exits with status 2, one line, and nothing written.
+``--device-budget``, ``--prefetch``, ``--micro-batches`` (which changes only the float summation
+order), ``--nonfinite`` and the output settings may differ: the checkpoint restores into any
+placement of the same chunk layout. A checkpoint that cannot be written (full disk) stops the run
+with status 1 and one line; the previous checkpoints stay intact and resumable. ``report.json``
+says ``resumed_from_step``.
 """
 from __future__ import annotations
 
