@@ -26,11 +26,12 @@ exists, a run that fails (crash, SIGKILL, SIGTERM, Ctrl-C, a non-finite loss) ke
 place from the newest complete checkpoint: the data stream continues where it was and the losses
 equal those of an uninterrupted run (bit for bit on the CPU; so after a non-finite loss, resume
 with ``--nonfinite skip``). Settings that change the training (model, steps, batch, seq, lr,
-warmup, weight decay, clip, seed, tokenizer, eval batches, compute dtype, chunk layout) must equal
-the checkpoint's: a difference exits with status 2, one line, and nothing written.
+warmup, weight decay, clip, seed, tokenizer, eval batches, compute dtype) must equal the
+checkpoint's: a difference exits with status 2, one line, and nothing written.
 ``--device-budget``, ``--prefetch``, ``--micro-batches`` (which changes only the float summation
-order), ``--nonfinite`` and the output settings may differ: the checkpoint restores into any
-placement of the same chunk layout. A checkpoint that cannot be written (full disk) stops the run
+order), ``--nonfinite``, ``--chunk-size`` / ``--min-chunks`` and the output settings may differ:
+the checkpoint restores into any placement, and into another chunk layout by moving every leaf
+to its new chunk (:func:`chunkjax.checkpoint.restore_checkpoint`). A checkpoint that cannot be written (full disk) stops the run
 with status 1 and one line; the previous checkpoints stay intact and resumable. ``report.json``
 says ``resumed_from_step``.
 """
@@ -104,8 +105,9 @@ class JobFailed(Exception):
 
 
 #: Resolved settings that change the training: a checkpoint resumes only when they are equal.
-#: (device_budget, prefetch, micro_batches, eval_every, checkpointing, sampling and output
-#: settings may differ; the chunk layout is compared separately.)
+#: (device_budget, prefetch, micro_batches, chunk_size, min_chunks, eval_every, nonfinite,
+#: checkpointing, sampling and output settings may differ: restore_checkpoint places the state
+#: into any placement and moves the leaves into another chunk layout.)
 RESUME_MUST_MATCH = ("model", "steps", "batch", "seq", "lr", "warmup", "weight_decay", "clip", "seed",
                      "tokenizer", "eval_batches", "compute_dtype_resolved")
 CHECKPOINT_DIR = "checkpoints"
@@ -282,9 +284,9 @@ def run(cfg: TrainConfig) -> dict:
         raise UsageError(f"--chunk-size: {e}") from None
     if resume is not None and resume.meta["layout_fingerprint"] != cj.checkpoint.layout_fingerprint(layout):
         saved = resume.meta["layout"]
-        raise UsageError(f"--resume {resume.run_dir}: the chunk layout differs from checkpoint step {resume.step}'s "
-                         f"(chunk size {layout.chunk_size} x {layout.n_chunks} chunks here, {saved['chunk_size']} x "
-                         f"{saved['n_chunks']} there): use the run's --chunk-size, --min-chunks and --micro-batches")
+        print(f"note: chunk layout {layout.chunk_size} x {layout.n_chunks} chunks differs from checkpoint step "
+              f"{resume.step}'s ({saved['chunk_size']} x {saved['n_chunks']}): its leaves are moved to the new "
+              "chunks (losses equal up to float summation order)", flush=True)
     tx = _optimizer(cfg)
     traces = cj.trace_stages(stages, layout, abatch, cdt)
     cb = cj.chunk_bytes(layout, cdt, state_bytes_per_chunk(tx, layout.chunk_size))
