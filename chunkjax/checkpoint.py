@@ -68,14 +68,17 @@ Usage::
 from __future__ import annotations
 
 import base64
+import collections
 import dataclasses
 import errno as _errno
 import functools
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
+import threading
 import uuid
 
 import jax
@@ -242,7 +245,7 @@ def _optax_to_portable(opt_state, chunk_size: int) -> tuple[int | None, dict, di
             if name in moments:
                 raise CheckpointError(f"optax state has two moments named {name!r} (at {where}): a chain of two "
                                       "stateful optimizers has no per-chunk checkpoint form")
-            moments[name] = np.asarray(leaf, np.float32)
+            moments[name] = _host_value(leaf, np.float32)
         elif name is not None and idx == 1 and shape == ():
             rest[name] = float(np.asarray(leaf))
         else:
@@ -400,7 +403,9 @@ def save_checkpoint(directory, step_number: int, step_fn, state, extra: dict | N
     ``meta.json`` with the layout and ``extra``. ZeRO chunks are written whole: the rank shards
     of params, master params and moments are gathered into (chunk_size,) arrays (rank order).
     Host memory beyond the state itself: one chunk's params, master and moments (about
-    ``chunk_size * (2 + 4 + 8)`` bytes for bf16 AdamW).
+    ``chunk_size * (2 + 4 + 8)`` bytes for bf16 AdamW). If a :func:`save_checkpoint_async` into
+    the same directory is still running, it is waited for first. See
+    :func:`save_checkpoint_async` for a save that lets training continue while it writes.
 
     Args:
       directory: the checkpoint root (created if missing).
@@ -423,62 +428,370 @@ def save_checkpoint(directory, step_number: int, step_fn, state, extra: dict | N
       CheckpointError: the optimizer state has no per-chunk form (not elementwise), the ranks of
         a ZeRO chunk hold different step counts, or the state spans several processes.
       CheckpointWriteError: writing failed (e.g. ENOSPC); the previous checkpoints are intact and
-        the partial write has been removed.
+        the partial write has been removed. Also the unreported failure of an earlier
+        :func:`save_checkpoint_async` into ``directory`` whose :meth:`AsyncSave.wait` was never
+        called (nothing new is saved then).
     """
-    step_number = int(step_number)
-    if step_number < 0:
-        raise ValueError(f"step_number must be >= 0, got {step_number}")
-    directory = os.fspath(directory)
-    final = _step_dir(directory, step_number)
-    if os.path.exists(final):
-        raise FileExistsError(f"checkpoint step {step_number} already exists at {final}: delete it or save another step")
-    extra_json = _encode(dict(extra or {}))  # fail on bad extra before writing anything
-    kind = _step_kind(step_fn)
-    lay = step_fn.layout
-    os.makedirs(directory, exist_ok=True)
-    remove_stale_temporaries(directory)
-    if kind != "zero":
-        step_fn.wait()
-    tmp = os.path.join(directory, f"{_TMP_PREFIX}{step_number:08d}_{os.getpid()}_{uuid.uuid4().hex[:12]}")
-    chunks_meta = []
+    _previous_save(directory)
+    job = _SaveJob(directory, step_number, step_fn, state, extra)
     stage = "creating the temporary directory"
-    ckptr = _checkpointer()
     try:
-        os.makedirs(tmp)
-        for c in range(lay.n_chunks):
-            stage = f"reading chunk {c} of {lay.n_chunks} from the state"
-            arrays, cm = _PORTABLE[kind](step_fn, state, c)
-            stage = f"writing chunk {c} of {lay.n_chunks}"
-            _write_chunk(ckptr, os.path.join(tmp, f"chunk_{c:05d}"), arrays)
+        job.open()
+        for c in range(job.n_chunks):
+            stage = f"reading chunk {c} of {job.n_chunks} from the state"
+            arrays = job.snapshot(c, copy=False)  # host chunks: the state's own buffers, written directly
+            stage = f"writing chunk {c} of {job.n_chunks}"
+            job.write(c, arrays)
             del arrays
-            chunks_meta.append(cm)
-        meta = {"format": FORMAT, "version": VERSION, "step": step_number,
+        stage = job.finalize()
+    except BaseException as e:
+        err = job.failed(e, getattr(job, "stage", None) or stage)
+        if err is e:
+            raise
+        raise err from e
+    finally:
+        job.close()
+    return job.final
+
+
+#: Default of :func:`save_checkpoint_async`'s ``max_inflight_bytes``: 1 GiB.
+DEFAULT_MAX_INFLIGHT_BYTES = 1 << 30
+
+
+def save_checkpoint_async(directory, step_number: int, step_fn, state, extra: dict | None = None, *,
+                          max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES) -> "AsyncSave":
+    """Start saving checkpoint ``step_number`` in the background; training may go on as soon as
+    this returns.
+
+    The call waits for the step's host updates (``step_fn.wait()``), then snapshots the state
+    chunk by chunk into host memory, in the calling thread: device chunks copied device -> host
+    (ZeRO shards gathered), host-updated chunks copied with numpy (the next step updates them in
+    place; device buffers are donated), ``extra`` encoded. Each snapshot is handed to one
+    background writer thread, which writes it exactly as :func:`save_checkpoint` does (orbax
+    PyTree per chunk) and drops it; after the last chunk the writer writes ``meta.json``, fsyncs
+    and renames the temporary directory into place. The result is the same checkpoint, file for
+    file, as :func:`save_checkpoint` of the same state would write.
+
+    **Back-pressure.** Before handing a snapshot over, the call blocks while the snapshots not yet
+    written plus this one would exceed ``max_inflight_bytes``, so host memory held by the save
+    stays within ``max_inflight_bytes`` plus one chunk (``params + master + moments``) at all
+    times (:attr:`AsyncSave.peak_inflight_bytes`). With a bound at least the state's size the
+    call returns as soon as everything is snapshotted; with 0 it returns once all but the last
+    chunk have been written.
+
+    **One save per directory.** Starting a save (this or :func:`save_checkpoint`) into a
+    directory whose previous asynchronous save is still running waits for that one first. Calls
+    for one directory are expected from one thread.
+
+    The writer is a non-daemon thread: a normal interpreter exit finishes the save first. A
+    SIGKILL or crash during the background write leaves the previous checkpoints usable and a
+    temporary directory that the next save into the directory removes (module docstring,
+    *Atomicity*).
+
+    Args:
+      directory, step_number, step_fn, state, extra: as :func:`save_checkpoint`. ``state`` may be
+        donated to / updated by the next training step as soon as the call returns.
+      max_inflight_bytes: bound (bytes, int >= 0) on the snapshots held at once that the
+        background writer has not written yet, beyond the one chunk being taken. Default 1 GiB.
+
+    Returns:
+      An :class:`AsyncSave`: ``.wait()`` (the path, or the write error), ``.done()``, ``.path``.
+
+    Raises (in the call; nothing is left on disk then):
+      ValueError: ``step_number`` < 0 or ``max_inflight_bytes`` < 0.
+      FileExistsError, TypeError, CheckpointError: as :func:`save_checkpoint`, before anything is
+        written or while reading the state.
+      CheckpointWriteError: the temporary directory cannot be created, reading the state failed,
+        or an earlier asynchronous save into ``directory`` failed and was never waited for
+        (nothing new is saved then). Errors of the background write are raised by
+        :meth:`AsyncSave.wait` (or, if it is never called, by the next save into the directory).
+    """
+    max_inflight_bytes = int(max_inflight_bytes)
+    if max_inflight_bytes < 0:
+        raise ValueError(f"max_inflight_bytes must be >= 0, got {max_inflight_bytes}")
+    _previous_save(directory)
+    job = _SaveJob(directory, step_number, step_fn, state, extra)
+    try:
+        job.open()
+    except BaseException as e:
+        job.close()
+        err = job.failed(e, "creating the temporary directory")
+        if err is e:
+            raise
+        raise err from e
+    handle = AsyncSave(job, max_inflight_bytes)
+    with _INFLIGHT_LOCK:
+        _INFLIGHT[job.key] = handle
+    handle._thread.start()
+    stage = None
+    try:
+        for c in range(job.n_chunks):
+            stage = f"reading chunk {c} of {job.n_chunks} from the state"
+            arrays = job.snapshot(c, copy=True)
+            if not handle._put((c, arrays), sum(a.nbytes for a in arrays.values())):
+                return handle  # the writer failed: its error comes at wait()
+            del arrays
+        stage = None
+        job.state = None  # everything is snapshotted: the writer must not keep the state alive
+        handle._put(_FINAL, 0)
+    except BaseException as e:
+        handle._abort()  # stop and join the writer before removing its temporary directory
+        handle._reported = True
+        err = job.failed(e, stage or "handing the chunks to the writer")
+        if err is e:
+            raise
+        raise err from e
+    return handle
+
+
+_FINAL = object()  # the writer's last item: finalize
+_INFLIGHT: dict = {}  # realpath of a checkpoint root -> its latest AsyncSave
+_INFLIGHT_LOCK = threading.Lock()
+_log = logging.getLogger(__name__)
+
+
+def _previous_save(directory) -> None:
+    """Wait for the asynchronous save into ``directory`` still running, if any; raise its
+    CheckpointWriteError if it failed and nobody has seen the error through ``wait()``."""
+    key = os.path.realpath(os.fspath(directory))
+    with _INFLIGHT_LOCK:
+        prev = _INFLIGHT.get(key)
+    if prev is None:
+        return
+    prev._done.wait()
+    with _INFLIGHT_LOCK:
+        if _INFLIGHT.get(key) is prev:
+            del _INFLIGHT[key]
+    if prev._error is not None and not prev._reported:
+        prev._reported = True
+        raise prev._error
+
+
+class AsyncSave:
+    """A checkpoint being written in the background, from :func:`save_checkpoint_async`.
+
+    Attributes:
+      path: the checkpoint directory it creates (``<directory>/step_<N:08d>``), once complete.
+      step: its step number.
+      peak_inflight_bytes: the most bytes of snapshots held at once by this save (taken but not
+        yet written); at most ``max_inflight_bytes`` plus one chunk.
+    """
+
+    def __init__(self, job: "_SaveJob", max_inflight_bytes: int):
+        self._job = job
+        self.path, self.step = job.final, job.step_number
+        self.max_inflight_bytes = max_inflight_bytes
+        self.peak_inflight_bytes = 0
+        self._cv = threading.Condition()
+        self._queue: collections.deque = collections.deque()
+        self._inflight = 0
+        self._error: BaseException | None = None
+        self._reported = False
+        self._stop = False
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"chunkjax-checkpoint-{job.step_number}", daemon=False)
+
+    def done(self) -> bool:
+        """True once the background write has finished, successfully or not."""
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> str:
+        """Block until the checkpoint is complete (renamed into place and fsynced).
+
+        Args:
+          timeout: seconds to wait at most; None waits as long as it takes.
+
+        Returns:
+          :attr:`path`.
+
+        Raises:
+          CheckpointWriteError: the background write failed (e.g. ENOSPC): the previous
+            checkpoints are intact and the temporary directory has been removed.
+          TimeoutError: ``timeout`` passed first (the save goes on).
+        """
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"checkpoint step {self.step} is still being written after {timeout} s")
+        if self._error is not None:
+            self._reported = True
+            raise self._error
+        return self.path
+
+    def __repr__(self) -> str:
+        state = "failed" if self._error is not None else "done" if self.done() else "writing"
+        return f"AsyncSave(step={self.step}, path={self.path!r}, {state})"
+
+    def _put(self, item, nbytes: int) -> bool:
+        """Hand ``item`` to the writer once ``nbytes`` more fit under the bound (or nothing else
+        is in flight). False if the writer has failed (the item is dropped)."""
+        with self._cv:
+            self.peak_inflight_bytes = max(self.peak_inflight_bytes, self._inflight + nbytes)
+            while (self._error is None and self._inflight > 0
+                   and self._inflight + nbytes > self.max_inflight_bytes):
+                self._cv.wait()
+            if self._error is not None:
+                return False
+            self._queue.append((item, nbytes))
+            self._inflight += nbytes
+            self._cv.notify_all()
+            return True
+
+    def _abort(self) -> None:
+        """Stop the writer (after the chunk it is writing) and join it."""
+        with self._cv:
+            self._stop = True
+            self._queue.clear()
+            self._cv.notify_all()
+        self._thread.join()
+
+    def _run(self) -> None:
+        job, stage = self._job, None
+        try:
+            while True:
+                with self._cv:
+                    while not self._queue and not self._stop:
+                        self._cv.wait()
+                    if self._stop:
+                        return
+                    item, nbytes = self._queue.popleft()
+                if item is _FINAL:
+                    stage = job.finalize()
+                    return
+                c, arrays = item
+                del item
+                stage = f"writing chunk {c} of {job.n_chunks}"
+                job.write(c, arrays)
+                del arrays
+                with self._cv:
+                    self._inflight -= nbytes
+                    self._cv.notify_all()
+        except BaseException as e:  # noqa: BLE001 - kept for wait()
+            err = job.failed(e, getattr(job, "stage", None) or stage)
+            if err is not e:
+                err.__cause__ = e
+            _log.error("background checkpoint save failed: %s", err)
+            with self._cv:
+                self._error = err
+                self._queue.clear()
+                self._inflight = 0
+                self._cv.notify_all()
+        finally:
+            job.close()
+            self._done.set()
+
+
+class _SaveJob:
+    """One save, in the pieces both :func:`save_checkpoint` and :func:`save_checkpoint_async`
+    use: checks and ``step_fn.wait()`` (constructor), ``open`` (temporary directory),
+    ``snapshot`` (a chunk's arrays from the state), ``write`` (one chunk to disk), ``finalize``
+    (meta.json, fsync, rename) and ``failed`` (cleanup, the error to raise)."""
+
+    def __init__(self, directory, step_number: int, step_fn, state, extra):
+        step_number = int(step_number)
+        if step_number < 0:
+            raise ValueError(f"step_number must be >= 0, got {step_number}")
+        self.directory = directory = os.fspath(directory)
+        self.key = os.path.realpath(directory)
+        self.step_number = step_number
+        self.final = _step_dir(directory, step_number)
+        if os.path.exists(self.final):
+            raise FileExistsError(f"checkpoint step {step_number} already exists at {self.final}: "
+                                  "delete it or save another step")
+        self.extra_json = _encode(dict(extra or {}))  # fail on bad extra before writing anything
+        self.kind = _step_kind(step_fn)
+        self.step_fn, self.state = step_fn, state
+        self.n_chunks = step_fn.layout.n_chunks
+        self.chunks_meta: list = [None] * self.n_chunks
+        self.ckptr = None
+        self.stage = None  # set by finalize (the writer's stage)
+        os.makedirs(directory, exist_ok=True)
+        remove_stale_temporaries(directory)
+        if self.kind != "zero":
+            step_fn.wait()
+        self.tmp = os.path.join(directory, f"{_TMP_PREFIX}{step_number:08d}_{os.getpid()}_{uuid.uuid4().hex[:12]}")
+
+    def open(self) -> None:
+        os.makedirs(self.tmp)
+        self.ckptr = _checkpointer()
+
+    def snapshot(self, c: int, copy: bool) -> dict[str, np.ndarray]:
+        """Chunk ``c``'s arrays in the portable form (its meta.json entry is kept). With
+        ``copy`` every array is host memory of its own: nothing aliases the state, which the
+        next step may update in place or donate."""
+        arrays, self.chunks_meta[c] = _PORTABLE[self.kind](self.step_fn, self.state, c)
+        if copy:
+            live = _numpy_leaves((self.state.master[c], self.state.opt_state[c]))
+            for name, a in arrays.items():
+                if not a.flags.owndata or any(np.may_share_memory(a, x) for x in live):
+                    arrays[name] = np.array(a, copy=True)  # views of jax buffers, the host chunk's own arrays
+                    del a
+        return arrays
+
+    def write(self, c: int, arrays: dict[str, np.ndarray]) -> None:
+        _write_chunk(self.ckptr, os.path.join(self.tmp, f"chunk_{c:05d}"), arrays)
+
+    def finalize(self) -> str:
+        """Write meta.json, fsync, rename the temporary into place; returns the last stage."""
+        step_fn, lay = self.step_fn, self.step_fn.layout
+        meta = {"format": FORMAT, "version": VERSION, "step": self.step_number,
                 "compute_dtype": np.dtype(step_fn.compute_dtype).name,
                 "layout": layout_spec(lay), "layout_fingerprint": layout_fingerprint(lay),
-                "chunks": chunks_meta, "optimizer": repr(getattr(step_fn, "host_optimizer", None) or step_fn.tx),
-                "saved_from": _saved_from(step_fn, kind),
-                "extra": extra_json}
-        stage = f"writing {META}"
-        _write_meta(os.path.join(tmp, META), meta)
-        stage = "syncing to disk"
-        _fsync_tree(tmp)
-        stage = "renaming the temporary directory into place"
-        os.rename(tmp, final)
-        _fsync_dir(directory)
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not isinstance(e, Exception) or isinstance(e, (CheckpointError, TypeError)):
-            raise
-        prev = latest_step(directory)
+                "chunks": self.chunks_meta,
+                "optimizer": repr(getattr(step_fn, "host_optimizer", None) or step_fn.tx),
+                "saved_from": _saved_from(step_fn, self.kind),
+                "extra": self.extra_json}
+        self.stage = f"writing {META}"
+        _write_meta(os.path.join(self.tmp, META), meta)
+        self.stage = "syncing to disk"
+        _fsync_tree(self.tmp)
+        self.stage = "renaming the temporary directory into place"
+        os.rename(self.tmp, self.final)
+        _fsync_dir(self.directory)
+        self.stage = None
+        self.state = None  # the snapshot is on disk: do not keep the state alive
+        return "done"
+
+    def failed(self, e: BaseException, stage: str) -> BaseException:
+        """Remove the temporary directory; the exception to raise for ``e`` (``e`` itself for
+        interrupts, CheckpointError and TypeError, else a one-line CheckpointWriteError)."""
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        self.state = None
+        if not isinstance(e, Exception) or isinstance(e, (CheckpointError, TypeError, CheckpointWriteError)):
+            return e
+        prev = latest_step(self.directory)
         code = getattr(e, "errno", None)
         tag = f" [{_errno.errorcode.get(code, code)}]" if code else ""
-        msg = (f"saving checkpoint step {step_number} to {directory} failed while {stage}{tag}: {_one_line(e)}; "
-               "the partial write was removed" +
+        msg = (f"saving checkpoint step {self.step_number} to {self.directory} failed while {stage}{tag}: "
+               f"{_one_line(e)}; the partial write was removed" +
                (f" and the existing checkpoints are intact (latest: step {prev})" if prev is not None else ""))
-        raise CheckpointWriteError(code, msg) if code else CheckpointWriteError(msg) from e
-    finally:
-        ckptr.close()
-    return final
+        return CheckpointWriteError(code, msg) if code else CheckpointWriteError(msg)
+
+    def close(self) -> None:
+        if self.ckptr is not None:
+            self.ckptr.close()
+            self.ckptr = None
+
+
+def _numpy_leaves(x) -> list[np.ndarray]:
+    """The numpy arrays inside tuples, lists, dicts and dataclasses (host optimizer states)."""
+    if isinstance(x, np.ndarray):
+        return [x]
+    if isinstance(x, (tuple, list)):
+        return [a for v in x for a in _numpy_leaves(v)]
+    if isinstance(x, dict):
+        return [a for v in x.values() for a in _numpy_leaves(v)]
+    if _is_host_state(x):
+        return [a for f in dataclasses.fields(x) for a in _numpy_leaves(getattr(x, f.name))]
+    return []
+
+
+def _host_value(a, dtype=None) -> np.ndarray:
+    """``np.asarray(a, dtype)`` without leaving the host copy cached on ``a``: jax keeps
+    np.asarray's device -> host copy on the jax.Array for the array's lifetime, which would hold
+    every saved device chunk in host memory until the state is donated. A temporary Array over
+    the same device buffers takes the cache and is dropped with it."""
+    if isinstance(a, jax.Array) and not a.is_deleted():
+        a = jax.make_array_from_single_device_arrays(a.shape, a.sharding, [s.data for s in a.addressable_shards])
+    return np.asarray(a, dtype)
 
 
 def _step_kind(step_fn) -> str:
@@ -521,7 +834,7 @@ def _chunked_chunk_portable(step_fn, state, c: int) -> tuple[dict, dict]:
     else:
         count, moments, rest = _optax_to_portable(st, step_fn.layout.chunk_size)
     loc = "host" if c in set(step_fn.host_chunks) else step_fn.placement.update_locations[c]
-    arrays = {"params": np.asarray(state.params[c]), "master": np.asarray(state.master[c], np.float32), **moments}
+    arrays = {"params": _host_value(state.params[c]), "master": _host_value(state.master[c], np.float32), **moments}
     return arrays, {"count": count, "moments": sorted(set(_moment_names(st))), "rest": rest, "saved_from": loc}
 
 
@@ -534,7 +847,7 @@ def _whole(a, what: str) -> np.ndarray:
     if not a.is_fully_addressable:
         raise CheckpointError(f"{what} spans devices of other processes: multi-process ZeRO checkpoints are not "
                               "covered yet (save from a single-process mesh)")
-    return np.asarray(a)
+    return _host_value(a)
 
 
 def _zero_chunk_portable(step_fn, state, c: int) -> tuple[dict, dict]:
