@@ -11,8 +11,8 @@ A JAX reimplementation of PatrickStar (chunks placed by the memory tide) and Sma
 with XLA collectives, host updates per rank shard); ``zero`` is the one-program ZeRO step that
 also runs across processes (docs/multihost.md).
 """
-from chunkjax.checkpoint import (CheckpointError, CheckpointWriteError, export_params, latest_step,
-                                 restore_checkpoint, save_checkpoint)
+from chunkjax.checkpoint import (AsyncSave, CheckpointError, CheckpointWriteError, export_params, latest_step,
+                                 restore_checkpoint, save_checkpoint, save_checkpoint_async)
 from chunkjax.flax_api import ChunkedOptimizer, NnxOptimizer
 from chunkjax.layout import ChunkLayout, LeafSlot, build_layout, first_use_order, search_chunk_size
 from chunkjax.loss_scale import DynamicLossScale
@@ -29,6 +29,7 @@ from chunkjax.zero_schedule import ZeroScheduledStep, make_zero_scheduled_step, 
 
 __all__ = [
     "CheckpointError", "CheckpointWriteError", "export_params", "latest_step", "restore_checkpoint", "save_checkpoint",
+    "save_checkpoint_async", "AsyncSave",
     "Accounting", "ChunkBytes", "ChunkLayout", "ChunkedStep", "DEVICE", "LeafSlot", "PINNED_HOST", "Placement",
     "PlanError", "Schedule", "Stage", "StageTrace", "TrainState", "account", "build_layout", "chunk_bytes", "compose_loss",
     "first_use_order", "init_chunk_state", "make_chunked_step", "parse_bytes", "plan_fixed", "plan_schedule", "search_chunk_size",

@@ -41,7 +41,8 @@ A checkpoint of step ``N`` is one directory ``<directory>/step_<N:08d>/`` holdin
 shards gathered to the whole chunk) or writes the host buffers directly (host chunks), so at most
 one chunk's ``params + master + moments`` is in flight beyond what the state already holds;
 restoring reads and places one chunk at a time the same way (two saved chunks and the new one
-when remapping).
+when remapping). Device -> host copies are never left cached on the state's jax arrays (jax
+keeps ``np.asarray``'s copy on the array otherwise).
 
 **Atomicity.** Everything is written into a hidden temporary directory
 ``<directory>/.tmp_step_<N:08d>_<pid>_<random>/`` which is renamed to ``step_<N:08d>`` only
@@ -50,11 +51,27 @@ filesystem). A crash (SIGKILL, power loss after the fsync) during a save therefo
 previous checkpoints usable and nothing that :func:`latest_step` or :func:`restore_checkpoint`
 would pick up; a write error removes the temporary directory before raising
 :class:`CheckpointWriteError`. Temporaries left by a killed process are removed by the next
-:func:`save_checkpoint` into the same directory (those of live processes are left alone).
+save (:func:`save_checkpoint`, :func:`save_checkpoint_async`) into the same directory (those of live processes are left alone).
 
-Saves are synchronous: the next training step donates the state's device buffers and updates the
-host chunks in place, so an asynchronous save would have to copy the whole state first, which the
-memory bound forbids. One process writes a checkpoint directory at a time.
+**Asynchronous saves.** :func:`save_checkpoint` is synchronous. :func:`save_checkpoint_async`
+returns as soon as the state is *snapshotted* and lets training continue while one background
+thread writes: the call waits for the step's host updates, then copies the state chunk by chunk
+into host memory (device chunks device -> host, host-updated chunks with numpy, since the next
+step updates them in place and donates the device buffers) and hands each copy to the writer,
+which writes it with the same per-chunk orbax write as the synchronous save and then does the
+same finalize (``meta.json``, fsync, atomic rename). The snapshots not yet written are bounded by
+``max_inflight_bytes`` (bytes): the call blocks while one more would exceed it (back-pressure),
+so the save holds at most ``max_inflight_bytes`` plus one chunk of host memory, never a copy of
+the whole state unless the bound allows it. It returns an :class:`AsyncSave`; a background write
+error is raised as :class:`CheckpointWriteError` by :meth:`AsyncSave.wait` (or, if never waited
+for, by the next save into that directory) after the temporary directory has been removed, so
+the previous checkpoints stay intact; a crash during the background write leaves them usable as
+above. One save per directory is in flight: a save into a directory whose asynchronous save is
+still running waits for it first. orbax's own ``AsyncCheckpointer`` is not used: it commits one
+pytree per call with its own finalize, while a checkpoint here is many per-chunk pytrees plus
+``meta.json`` under one rename, and it would copy a whole pytree to the host at once; a plain
+thread around the synchronous per-chunk writes keeps one code path. Works for every step kind
+above. One process writes a checkpoint directory at a time.
 
 Usage::
 
@@ -62,6 +79,10 @@ Usage::
     state = step.init(params)
     ...train...
     save_checkpoint(ckpt_dir, n, step, state, {"rng": key, "data_position": n, "config": cfg})
+    # or, training on while it writes (host memory: at most 256 MiB of snapshots + one chunk):
+    pending = save_checkpoint_async(ckpt_dir, n, step, state, extra, max_inflight_bytes=256 << 20)
+    ...train...
+    pending.wait()                           # raises CheckpointWriteError if the write failed
     # later, in a fresh process, with another schedule, chunk size or device count:
     state, extra = restore_checkpoint(ckpt_dir, other_step)   # the latest_step(ckpt_dir)
 """

@@ -9,7 +9,8 @@ each step donates) and host-updated chunks (updated in place by the next step):
   went on (donating and updating that state) while the writer was held back;
 * it equals a synchronous save of the same state file for file (meta.json, every chunk array);
 * with a small ``max_inflight_bytes`` the call blocks (back-pressure) and the snapshots held at
-  once, counted and traced with tracemalloc, stay within the bound plus about one chunk;
+  once stay within the bound plus one chunk (all host allocations, traced: plus three);
+* a ZeRO-3 state sharded over 8 devices saves asynchronously to the same files as synchronously;
 * a failure of the background write (ENOSPC in a chunk or in meta.json) surfaces as a
   CheckpointWriteError at wait(), or at the next save when nobody waited, leaving the previous
   checkpoint and no temporary; a SIGKILL during the background write leaves the previous
@@ -147,7 +148,15 @@ def test_async_equals_sync(setup, trained, tmp_path):
     ck.save_checkpoint(tmp_path / "sync", N, step, state, extra)
     h = ck.save_checkpoint_async(tmp_path / "async", N, step, state, extra, max_inflight_bytes=0)
     assert h.wait() == os.path.join(tmp_path / "async", f"step_{N:08d}")
-    a, b = (os.path.join(tmp_path, x, f"step_{N:08d}") for x in ("sync", "async"))
+    _assert_same_files(*(os.path.join(tmp_path, x, f"step_{N:08d}") for x in ("sync", "async")), seed)
+    ra, _ = ck.restore_checkpoint(tmp_path / "sync", step)
+    rb, eb = ck.restore_checkpoint(tmp_path / "async", step)
+    _assert_portable_equal(_portable(step, ra), _portable(step, rb), seed)
+    np.testing.assert_array_equal(jax.random.key_data(eb["rng"]), jax.random.key_data(extra["rng"]))
+
+
+def _assert_same_files(a, b, seed):
+    """Two checkpoint directories hold the same files, meta.json and chunk arrays."""
     assert sorted(os.listdir(a)) == sorted(os.listdir(b))
     with open(os.path.join(a, ck.META)) as fa, open(os.path.join(b, ck.META)) as fb:
         meta = json.load(fa)
@@ -155,23 +164,50 @@ def test_async_equals_sync(setup, trained, tmp_path):
     names = ["params", "master", *meta["chunks"][0]["moments"]]
     ckptr = ck._checkpointer()
     try:
-        for c in range(step.layout.n_chunks):
+        for c in range(meta["layout"]["n_chunks"]):
             xa, xb = (ck._read_chunk(ckptr, os.path.join(r, f"chunk_{c:05d}"), names) for r in (a, b))
             for n in names:
+                assert xa[n].shape == (meta["layout"]["chunk_size"],)
                 np.testing.assert_array_equal(xa[n], xb[n], err_msg=f"chunk {c} {n}, seed {seed}")
     finally:
         ckptr.close()
-    ra, _ = ck.restore_checkpoint(tmp_path / "sync", step)
-    rb, eb = ck.restore_checkpoint(tmp_path / "async", step)
-    _assert_portable_equal(_portable(step, ra), _portable(step, rb), seed)
-    np.testing.assert_array_equal(jax.random.key_data(eb["rng"]), jax.random.key_data(extra["rng"]))
+
+
+def test_zero_state_async_equals_sync(setup, tmp_path):
+    """A ZeRO-3 state sharded over 8 devices (random params, moments and step counts, not
+    trained: nothing to compile) saves asynchronously to the same files as synchronously, and
+    restores to the same sharded values."""
+    from chunkjax import zero
+    (s, seed) = setup
+    rng = np.random.default_rng(seed + 1)
+    lay = zero.build_zero_layout(s[1], 8, 32768, None)
+    step = zero.make_zero_step(s[3], lay, zero.data_mesh(jax.devices()[:8]), tc.SPEC.optax(), stage=3)
+    st = step.init(s[1])
+
+    def rand(x):
+        v = (np.full(x.shape, 5, x.dtype) if jnp.issubdtype(x.dtype, jnp.integer)
+             else rng.standard_normal(x.shape).astype(x.dtype))
+        return jax.device_put(v, x.sharding)
+    st = type(st)(st.params, tuple(rand(m) for m in st.master), jax.tree.map(rand, st.opt_state))
+    ck.save_checkpoint(tmp_path / "sync", 7, step, st, {})
+    h = ck.save_checkpoint_async(tmp_path / "async", 7, step, st, {}, max_inflight_bytes=_chunk_bytes(step))
+    h.wait()
+    _assert_same_files(*(os.path.join(tmp_path, x, "step_00000007") for x in ("sync", "async")), seed)
+    back, _ = ck.restore_checkpoint(tmp_path / "async", step)
+    n_moments = 0
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(st), strict=True):
+        if a.ndim == 2:  # the moments' rank shards (the per-rank rest-of-model scalars come back as rank 0's)
+            n_moments += 1
+        if a.shape != (8,) or jnp.issubdtype(a.dtype, jnp.integer):  # params, master, moments, counts
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"seed {seed}")
+    assert n_moments == 2 * lay.n_chunks
 
 
 def test_backpressure_bounds_memory(trained, tmp_path, monkeypatch):
     """With max_inflight_bytes of 1.5 chunks and a slow writer the call waits for the writer: it
     returns only when all but the last chunk are written, the snapshots held at once never
-    exceed the bound plus one chunk, and the traced host allocations stay near that (far below
-    a copy of the state)."""
+    exceed the bound plus one chunk, and all traced host allocations (snapshots, orbax's
+    buffers) stay within the bound plus three chunks, below a copy of the state."""
     step, state = trained
     n, per_chunk = step.layout.n_chunks, _chunk_bytes(step)
     total = n * per_chunk
@@ -188,7 +224,7 @@ def test_backpressure_bounds_memory(trained, tmp_path, monkeypatch):
         tracemalloc.stop()
     assert written_at_return >= n - 1, (written_at_return, n)
     assert per_chunk <= h.peak_inflight_bytes <= bound + per_chunk, (h.peak_inflight_bytes, bound, per_chunk)
-    assert peak < bound + 2 * per_chunk < total, (peak, bound, per_chunk, total)
+    assert peak < bound + 3 * per_chunk < total, (peak, bound, per_chunk, total)  # observed: bound + 1.8 chunks
     restored, _ = ck.restore_checkpoint(tmp_path, step, 1)
     tc.assert_trees(ck.export_params(step, restored), ck.export_params(step, state))
 
