@@ -51,7 +51,8 @@ filesystem). A crash (SIGKILL, power loss after the fsync) during a save therefo
 previous checkpoints usable and nothing that :func:`latest_step` or :func:`restore_checkpoint`
 would pick up; a write error removes the temporary directory before raising
 :class:`CheckpointWriteError`. Temporaries left by a killed process are removed by the next
-save (:func:`save_checkpoint`, :func:`save_checkpoint_async`) into the same directory (those of live processes are left alone).
+save (:func:`save_checkpoint`, :func:`save_checkpoint_async`) into the same directory (those of
+live processes are left alone).
 
 **Asynchronous saves.** :func:`save_checkpoint` is synchronous. :func:`save_checkpoint_async`
 returns as soon as the state is *snapshotted* and lets training continue while one background
