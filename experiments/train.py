@@ -70,7 +70,7 @@ class TrainConfig:
     warmup: int = config_field(30, 'linear warm-up steps, then cosine decay to lr/10')
     weight_decay: float = config_field(0.0, 'AdamW weight decay')
     clip: float = config_field(1.0, 'global-norm clipping (0 disables)')
-    device_budget: str = config_field("auto", 'peak device bytes ("8GiB", "512MiB", ...); auto: all-host need + 20% of the model\'s chunk bytes')
+    device_budget: str = config_field("auto", 'peak device bytes ("8GiB", "512MiB", ...); auto: all-host need + 20% of the model\'s chunk bytes, raised on a GPU to what the compiled step needs')
     chunk_size: int = config_field(0, 'elements per chunk; 0 searches (floored at the largest leaf)')
     min_chunks: int = config_field(8, 'the search prefers sizes giving at least this many chunks')
     prefetch: int = config_field(1, 'fetch distance in stages')
@@ -291,12 +291,14 @@ def run(cfg: TrainConfig) -> dict:
     traces = cj.trace_stages(stages, layout, abatch, cdt)
     cb = cj.chunk_bytes(layout, cdt, state_bytes_per_chunk(tx, layout.chunk_size))
     model_chunk_bytes = layout.n_chunks * (cb.params + cb.state)
-    if budget is None:
+    auto = budget is None
+    if auto:
         all_host = cj.account(layout, cj.Placement.uniform(layout.n_chunks, cj.PINNED_HOST, cj.PINNED_HOST),
                               traces, cb, cfg.prefetch)
         budget = int(all_host.peak_device_bytes + _AUTO_BUDGET_MODEL_FRACTION * model_chunk_bytes)
     try:
-        placement, acc, compiled = _plan_checked(cfg, stages, layout, traces, cb, budget, tx, cdt, abatch, platform)
+        placement, acc, compiled, budget = _plan_checked(cfg, stages, layout, traces, cb, budget, tx, cdt, abatch,
+                                                          platform, auto)
     except cj.PlanError as e:
         raise UsageError(str(e)) from None
 
@@ -362,11 +364,16 @@ _MAX_REPLANS = 4
 _ALLOCATOR_HEADROOM = 0.75
 
 
-def _plan_checked(cfg, stages, layout, traces, cb, budget, tx, cdt, abatch, platform):
+def _plan_checked(cfg, stages, layout, traces, cb, budget, tx, cdt, abatch, platform, auto=False):
     """Plan with the fixed rule, then check the plan against the compiler (GPU only: on the CPU
     memory kinds share one memory and the compiled sizes say nothing about the device). When
     the compiled forward/backward needs more than the budget, the shortfall is taken off the
-    budget given to the planner and it plans again."""
+    budget given to the planner and it plans again; with an ``auto`` budget (chosen by this job,
+    not the user) the budget is raised instead to the smallest one the compiled step fits, so the
+    default run never fails on a GPU whose compiler needs more temp than the trace accounts (the
+    placement is kept: the budget only decides what may go on the device).
+
+    Returns (placement, accounting, compiled memory or None, budget in bytes)."""
     import chunkjax as cj
 
     effective = budget
@@ -381,7 +388,7 @@ def _plan_checked(cfg, stages, layout, traces, cb, budget, tx, cdt, abatch, plat
             acc = cj.account(layout, placement, traces, cb, cfg.prefetch)
             effective = acc.peak_device_bytes
         if platform != "gpu":
-            return placement, acc, None
+            return placement, acc, None, budget
         step = cj.make_chunked_step(stages, layout, placement, tx, compute_dtype=cdt, prefetch=cfg.prefetch)
         mem = step.compiled_memory(abatch)
         # the program's arguments hold the device param chunks; master params and optimizer state
@@ -394,7 +401,12 @@ def _plan_checked(cfg, stages, layout, traces, cb, budget, tx, cdt, abatch, plat
               f"{state_dev / 2**20:.0f} MiB: peak {need / 2**20:.0f} MiB; accounted "
               f"{acc.peak_device_bytes / 2**20:.0f} MiB", flush=True)
         if need <= _ALLOCATOR_HEADROOM * budget:
-            return placement, acc, mem
+            return placement, acc, mem, budget
+        if auto:  # keep the placement, raise the budget to the smallest one its compiled step fits
+            budget = int(math.ceil(need / _ALLOCATOR_HEADROOM)) + 1
+            print(f"auto budget raised to {budget / 2**20:.1f} MiB (the compiled step needs {need / 2**20:.0f} MiB)",
+                  flush=True)
+            return placement, acc, mem, budget
         # ask the planner for a placement whose accounted peak is lower by the shortfall
         effective = min(effective, acc.peak_device_bytes) - (need - int(_ALLOCATOR_HEADROOM * budget)) - 1
     raise cj.PlanError(f"the compiled step needs {need} device bytes, above {_ALLOCATOR_HEADROOM:.0%} of the "
