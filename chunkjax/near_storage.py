@@ -730,10 +730,17 @@ class NearStorageOptimizer(_Trainer):
         out, residual = {}, {}
         for c in cs:
             idx, vals = comp[c]
-            vals = jnp.asarray(vals).astype(grads[c].dtype)
-            r = ge[c].at[jnp.asarray(idx)].add(-vals.astype(jnp.float32))
-            residual[c] = r if self.ef_decay == 1.0 else r * jnp.float32(self.ef_decay)
-            out[c] = (idx, vals)
+            if self.topk_scope == "global":  # on the host: the kept count varies per chunk and step
+                vals = np.asarray(vals).astype(np.dtype(grads[c].dtype))  # (a jax scatter would recompile)
+                r = np.array(ge[c], F32)
+                r[np.asarray(idx, np.int64)] -= vals.astype(F32)
+                if self.ef_decay != 1.0:
+                    r *= np.float32(self.ef_decay)
+            else:
+                vals = jnp.asarray(vals).astype(grads[c].dtype)
+                r = ge[c].at[jnp.asarray(idx)].add(-vals.astype(jnp.float32))
+                r = r if self.ef_decay == 1.0 else r * jnp.float32(self.ef_decay)
+            residual[c], out[c] = r, (idx, vals)
         return out, residual
 
     def _payload(self, c: int, g: jax.Array, compressed=None):
