@@ -84,9 +84,9 @@ class ChunkedStep:
         gradients in the update and skips a step whose scaled gradients overflowed (as
         ``nonfinite="skip"``: no state changes; ``metrics["skipped"]``).
       donate: donate the programs' carries (saved activations, gradient accumulators) and, in
-        ZeRO steps, the updates' inputs. None (default): on accelerators, not on the CPU (there a
-        gradient moved between memory kinds may alias its donated accumulator, an XLA abort);
-        True on the CPU is for tests of all-device placements (reported case 19).
+        ZeRO steps, the updates' inputs. None (default): on accelerators, not on the CPU; True on
+        the CPU is for tests (reported case 19). An accumulator is never donated to a program that
+        moves its gradient to another memory kind (jax would alias the two across memory kinds).
     """
 
     stages: tuple
@@ -531,10 +531,13 @@ class ChunkedStep:
         dev = sharding(DEVICE)
         gsh = {c: sharding(self.placement.grad_kind(c)) for c in done}
         # the carry (saved activations, held chunks, gradient accumulators) is donated so that
-        # XLA frees each piece after its last use. Not on the CPU: there device memory is host
-        # memory, and a moved gradient may alias its donated accumulator across memory kinds
-        # (an XLA abort)
-        donate = (2, 3) if self._donates else ()
+        # XLA frees each piece after its last use. The accumulators (argument 3) are not donated
+        # to a program that emits a gradient to another memory kind: jax would alias the donated
+        # device accumulator with that pinned_host output, and the executable then expects the
+        # accumulator in host memory (GPU: "RuntimeProgramInputMismatch ... parameter in an
+        # unexpected memory space 'device'"; CPU: "PjRtBuffer's memory kind does not match")
+        moved = any(gsh[c].memory_kind != DEVICE for c in done)
+        donate = ((2,) if moved else (2, 3)) if self._donates else ()
         return jax.jit(prog, out_shardings=(dev, dev, gsh, dev, dev), donate_argnums=donate)
 
     @property
