@@ -632,8 +632,7 @@ def test_case13_disk_state_keeps_stable_names_and_no_orphans(tmp_path):
 
 # ---- donation across memory kinds (the kind of cases 18 and 19) --------------------------------
 
-@pytest.mark.parametrize("resident", [[], [0, 1]], ids=["all_host", "mixed"])
-def test_donated_accumulator_with_gradient_to_pinned_host(resident):
+def test_donated_accumulator_with_gradient_to_pinned_host():
     """A program that emits a host chunk's gradient to pinned_host from a cross-program accumulator
     (the tied embedding: read by the first and the last stage) must not donate that accumulator:
     jax aliased the donated device buffer with the pinned_host output and the executable then
@@ -655,7 +654,7 @@ def test_donated_accumulator_with_gradient_to_pinned_host(resident):
     spec = AdamW(learning_rate=3e-3)
     probe = make_chunked_step(stages, lay, Placement.uniform(lay.n_chunks, DEVICE, DEVICE), spec.optax(), F32)
     cb = chunk_bytes(lay, F32, state_bytes_per_chunk(spec.optax(), lay.chunk_size))
-    sched = plan_schedule(lay, probe.traces(batches[0]), cb, 10**12, flops_per_step=1, resident=resident)
+    sched = plan_schedule(lay, probe.traces(batches[0]), cb, 10**12, flops_per_step=1, resident=[])  # all host
     runs = {}
     for donate in (False, True):
         step = dataclasses.replace(make_chunked_step(stages, lay, sched, host_optimizer=spec, compute_dtype=F32),
