@@ -264,29 +264,11 @@ def test_background_failure_keeps_previous(trained, tmp_path, monkeypatch):
     assert ck.all_steps(d) == [1, 4]
 
 
-CHILD = """
-import os, sys, time
-sys.path[:0] = [{repo}, {tests}]
-import test_checkpoint as tc
-from chunkjax import checkpoint as ck
-setup = tc.build_setup()
-step = tc.make_step(setup, [])
-state = step.init(setup[1])
-ck.save_checkpoint({d}, 1, step, state, {"tag": "first"})
-real = ck._write_chunk
-n = [0]
-def slow(ckptr, path, arrays):
-    real(ckptr, path, arrays)
-    n[0] += 1
-    if n[0] == 3:
-        print("MIDSAVE", flush=True)
-        time.sleep(900)
-ck._write_chunk = slow
-h = ck.save_checkpoint_async({d}, 2, step, state, {"tag": "second"})
-print("RETURNED", flush=True)
-h.wait()
-print("SAVED", flush=True)
-"""
+# test_checkpoint's child (a save whose third chunk write stalls), saving in the background instead
+_SYNC_SAVE = 'ck.save_checkpoint({d}, 2, step, state, {"tag": "second"})\n'
+assert _SYNC_SAVE in tc.CHILD
+CHILD = tc.CHILD.replace(_SYNC_SAVE, 'h = ck.save_checkpoint_async({d}, 2, step, state, {"tag": "second"})\n'
+                         'print("RETURNED", flush=True)\nh.wait()\n')
 
 
 def test_sigkill_during_background_write(tmp_path):
