@@ -426,7 +426,7 @@ def save_checkpoint(directory, step_number: int, step_fn, state, extra: dict | N
     of params, master params and moments are gathered into (chunk_size,) arrays (rank order).
     Host memory beyond the state itself: one chunk's params, master and moments (about
     ``chunk_size * (2 + 4 + 8)`` bytes for bf16 AdamW). If a :func:`save_checkpoint_async` into
-    the same directory is still running, it is waited for first. See
+    the same directory through the same ``step_fn`` is still running, it is waited for first. See
     :func:`save_checkpoint_async` for a save that lets training continue while it writes.
 
     Args:
@@ -454,7 +454,7 @@ def save_checkpoint(directory, step_number: int, step_fn, state, extra: dict | N
         :func:`save_checkpoint_async` into ``directory`` whose :meth:`AsyncSave.wait` was never
         called (nothing new is saved then).
     """
-    _previous_save(directory)
+    _previous_save(directory, step_fn)
     job = _SaveJob(directory, step_number, step_fn, state, extra)
     stage = "creating the temporary directory"
     try:
@@ -502,8 +502,9 @@ def save_checkpoint_async(directory, step_number: int, step_fn, state, extra: di
     chunk have been written.
 
     **One save per directory.** Starting a save (this or :func:`save_checkpoint`) into a
-    directory whose previous asynchronous save is still running waits for that one first. Calls
-    for one directory are expected from one thread.
+    directory whose previous asynchronous save through the same ``step_fn`` is still running
+    waits for that one first (the step object keeps track of its saves). Calls for one directory
+    are expected from one thread and one step object.
 
     The writer is a non-daemon thread: a normal interpreter exit finishes the save first. A
     SIGKILL or crash during the background write leaves the previous checkpoints usable and a
@@ -531,7 +532,7 @@ def save_checkpoint_async(directory, step_number: int, step_fn, state, extra: di
     max_inflight_bytes = int(max_inflight_bytes)
     if max_inflight_bytes < 0:
         raise ValueError(f"max_inflight_bytes must be >= 0, got {max_inflight_bytes}")
-    _previous_save(directory)
+    _previous_save(directory, step_fn)
     job = _SaveJob(directory, step_number, step_fn, state, extra)
     try:
         job.open()
@@ -542,8 +543,7 @@ def save_checkpoint_async(directory, step_number: int, step_fn, state, extra: di
             raise
         raise err from e
     handle = AsyncSave(job, max_inflight_bytes)
-    with _INFLIGHT_LOCK:
-        _INFLIGHT[job.key] = handle
+    _async_saves(step_fn)[job.key] = handle
     handle._thread.start()
     stage = None
     try:
@@ -567,23 +567,26 @@ def save_checkpoint_async(directory, step_number: int, step_fn, state, extra: di
 
 
 _FINAL = object()  # the writer's last item: finalize
-_INFLIGHT: dict = {}  # realpath of a checkpoint root -> its latest AsyncSave
-_INFLIGHT_LOCK = threading.Lock()
 _log = logging.getLogger(__name__)
 
 
-def _previous_save(directory) -> None:
-    """Wait for the asynchronous save into ``directory`` still running, if any; raise its
-    CheckpointWriteError if it failed and nobody has seen the error through ``wait()``."""
+def _async_saves(step_fn) -> dict:
+    """The step object's asynchronous saves still tracked: realpath of a checkpoint root -> its
+    latest :class:`AsyncSave` (kept on the step the caller passes to every save: no module state)."""
+    return vars(step_fn).setdefault("_checkpoint_async_saves", {})
+
+
+def _previous_save(directory, step_fn) -> None:
+    """Wait for the asynchronous save into ``directory`` (through ``step_fn``) still running, if
+    any; raise its CheckpointWriteError if it failed and nobody has seen it through ``wait()``."""
+    saves = _async_saves(step_fn)
     key = os.path.realpath(os.fspath(directory))
-    with _INFLIGHT_LOCK:
-        prev = _INFLIGHT.get(key)
+    prev = saves.get(key)
     if prev is None:
         return
     prev._done.wait()
-    with _INFLIGHT_LOCK:
-        if _INFLIGHT.get(key) is prev:
-            del _INFLIGHT[key]
+    if saves.get(key) is prev:
+        del saves[key]
     if prev._error is not None and not prev._reported:
         prev._reported = True
         raise prev._error
