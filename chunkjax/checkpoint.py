@@ -374,7 +374,7 @@ def _checkpointer():
 def _write_chunk(ckptr, path: str, arrays: dict[str, np.ndarray]) -> None:
     """Write one chunk's arrays (numpy) as an orbax PyTree checkpoint at ``path``."""
     import orbax.checkpoint as ocp
-    ckptr.save(path, args=ocp.args.PyTreeSave(arrays))
+    ckptr.save(os.path.abspath(path), args=ocp.args.PyTreeSave(arrays))  # orbax refuses relative paths
 
 
 def _read_chunk(ckptr, path: str, names) -> dict[str, np.ndarray]:
@@ -382,7 +382,8 @@ def _read_chunk(ckptr, path: str, names) -> dict[str, np.ndarray]:
     import orbax.checkpoint as ocp
     ra = {n: ocp.RestoreArgs(restore_type=np.ndarray) for n in names}
     item = {n: np.zeros((), np.float32) for n in names}  # structure only (a subset of the saved arrays)
-    return ckptr.restore(path, args=ocp.args.PyTreeRestore(item=item, restore_args=ra, partial_restore=True))
+    return ckptr.restore(os.path.abspath(path),
+                         args=ocp.args.PyTreeRestore(item=item, restore_args=ra, partial_restore=True))
 
 
 def _fsync_tree(root: str) -> None:

@@ -471,3 +471,16 @@ def test_unsupported_optax_state(tx, match):
     st = init_chunk_state(tx, jnp.zeros((64,), jnp.float32))
     with pytest.raises(ck.CheckpointError, match=match):
         ck._optax_to_portable(st, 64)
+
+
+def test_relative_directory(setup, mixed_run, tmp_path, monkeypatch):
+    """A checkpoint directory relative to the working directory (the main job's default run
+    folder is ``runs/...``; orbax itself refuses relative paths) saves, lists and restores."""
+    step, _, state, _, _ = mixed_run
+    monkeypatch.chdir(tmp_path)
+    assert ck.save_checkpoint(os.path.join("runs", "ckpts"), 3, step, state, {"n": 3}) == os.path.join("runs", "ckpts", "step_00000003")
+    assert ck.save_checkpoint_async(os.path.join("runs", "ckpts"), 4, step, state).wait().endswith("step_00000004")
+    assert ck.latest_step("runs/ckpts") == 4
+    st, extra = ck.restore_checkpoint("runs/ckpts", step, 3)
+    assert extra == {"n": 3}
+    assert_trees(ck.export_params(step, st), ck.export_params(step, state))
