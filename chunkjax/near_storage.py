@@ -63,7 +63,7 @@ import ml_dtypes
 import numpy as np
 
 from chunkjax.host_update import INT32_MAX, AdamW, learning_rate_at
-from chunkjax.storage import DiskTier, Link, LinkModel, StorageError, committed_step
+from chunkjax.storage import DiskTier, Link, LinkModel, StorageError, committed_step, replace_file
 
 __all__ = ["AdamW", "BaselineOptimizer", "LinkModel", "NearStorageOptimizer", "StepResult", "StorageError",
            "adamw_hyper", "adamw_numpy_", "clip_args", "topk_compress", "topk_compress_global", "topk_compress_many",
@@ -572,23 +572,10 @@ class NearStorageOptimizer(_Trainer):
     def _save_residual(self, step: int, residual: dict) -> int:
         """Write the residuals after ``step`` (before the workers commit it); returns the bytes."""
         flat = np.concatenate([np.asarray(residual[c], F32).reshape(-1) for c in self.chunk_sizes])
-        tmp = os.path.join(self.residual_dir, "ef_residual.tmp.npy")
         try:
-            with open(tmp, "wb") as f:
-                np.save(f, flat)
-                f.flush()
-                if self.fsync:
-                    os.fsync(f.fileno())
-            os.replace(tmp, self._residual_path(step))
-            if self.fsync:
-                fd = os.open(self.residual_dir, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+            replace_file(self._residual_path(step), os.path.join(self.residual_dir, "ef_residual.tmp.npy"),
+                         lambda f: np.save(f, flat), self.fsync)
         except OSError as e:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
             raise StorageError(f"writing the error-feedback residuals of step {step} to {self.residual_dir} "
                                f"failed ({e}); last committed step {self._step}") from e
         return flat.nbytes

@@ -233,6 +233,24 @@ def _fsync_dir(path: str):
         os.close(fd)
 
 
+def replace_file(final: str, tmp: str, write, fsync: bool) -> None:
+    """Write a file atomically: ``write(f)`` into ``tmp`` (binary), flush (and fsync), rename over
+    ``final``, fsync the directory; on OSError ``tmp`` is removed and the error re-raised."""
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            if fsync:
+                os.fsync(f.fileno())
+        os.replace(tmp, final)
+        if fsync:
+            _fsync_dir(os.path.dirname(final) or ".")
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
 def read_manifest(path: str) -> dict | None:
     """The committed manifest of directory ``path`` (a dict), or None if it has none."""
     try:
@@ -286,19 +304,10 @@ class _Shard:
 
     # -- manifest ----------------------------------------------------------------------------
     def _write_manifest(self, m: dict):
-        tmp = os.path.join(self.path, MANIFEST + ".tmp")
         try:
-            with open(tmp, "w") as f:
-                json.dump(m, f)
-                f.flush()
-                if self.fsync:
-                    os.fsync(f.fileno())
-            os.replace(tmp, os.path.join(self.path, MANIFEST))
-            if self.fsync:
-                _fsync_dir(self.path)
+            replace_file(os.path.join(self.path, MANIFEST), os.path.join(self.path, MANIFEST + ".tmp"),
+                         lambda f: f.write(json.dumps(m).encode()), self.fsync)
         except OSError as e:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
             raise self._error(e, f"writing {MANIFEST} for step {m['step']}") from e
         self.manifest = m
 
