@@ -178,6 +178,25 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _tmp_dir(directory, step: int) -> str:
+    """A fresh temporary name for step ``step`` in ``directory`` (``_TMP_RE``: never listed by
+    :func:`all_steps`, removed by :func:`remove_stale_temporaries` once this process is gone)."""
+    return os.path.join(os.fspath(directory), f"{_TMP_PREFIX}{step:08d}_{os.getpid()}_{uuid.uuid4().hex[:12]}")
+
+
+def delete_checkpoint(directory, step_number: int) -> None:
+    """Delete checkpoint ``step_number`` of ``directory``: renamed first to a temporary name, then
+    removed, so a crash mid-delete leaves neither a half-deleted checkpoint that looks complete
+    nor an orphan (the next save removes the temporary).
+
+    Raises:
+      FileNotFoundError: there is no such checkpoint.
+    """
+    tmp = _tmp_dir(directory, step_number)
+    os.rename(_step_dir(directory, step_number), tmp)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
 def remove_stale_temporaries(directory) -> list[str]:
     """Remove temporary directories of saves whose process has died (a crash mid-save).
 
@@ -733,7 +752,7 @@ class _SaveJob:
         remove_stale_temporaries(directory)
         if self.kind != "zero":
             step_fn.wait()
-        self.tmp = os.path.join(directory, f"{_TMP_PREFIX}{step_number:08d}_{os.getpid()}_{uuid.uuid4().hex[:12]}")
+        self.tmp = _tmp_dir(directory, step_number)
 
     def open(self) -> None:
         os.makedirs(self.tmp)

@@ -638,19 +638,13 @@ def _train(cfg, mcfg, stages, layout, placement, acc, compiled, tx, cdt, td, bud
 
 
 def prune_checkpoints(ckpt_dir, keep: int) -> list[int]:
-    """Delete all but the newest ``keep`` complete checkpoints of ``ckpt_dir``; returns the deleted
-    steps. Each is first renamed to a temporary name of :mod:`chunkjax.checkpoint` (which
-    ``latest_step`` never lists and the next save removes if this process dies), then removed, so
-    a crash mid-delete leaves neither a half-deleted checkpoint that looks complete nor an orphan."""
-    import uuid
-
+    """Delete all but the newest ``keep`` complete checkpoints of ``ckpt_dir``
+    (:func:`chunkjax.checkpoint.delete_checkpoint`: a crash mid-delete leaves nothing that looks
+    complete and no orphan); returns the deleted steps."""
     from chunkjax import checkpoint as ck
     gone = ck.all_steps(ckpt_dir)[:-keep]
     for s in gone:
-        src = os.path.join(ckpt_dir, f"step_{s:08d}")
-        tmp = os.path.join(ckpt_dir, f"{ck._TMP_PREFIX}{s:08d}_{os.getpid()}_{uuid.uuid4().hex[:12]}")
-        os.rename(src, tmp)
-        shutil.rmtree(tmp, ignore_errors=True)
+        ck.delete_checkpoint(ckpt_dir, s)
     return gone
 
 
