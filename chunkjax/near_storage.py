@@ -118,6 +118,23 @@ def adamw_numpy_(master: np.ndarray, m: np.ndarray, v: np.ndarray, grad: np.ndar
     master += u
 
 
+def adamw_lazy_(master: np.ndarray, m: np.ndarray, v: np.ndarray, indices: np.ndarray, values: np.ndarray,
+                clip: tuple | None, hp: tuple) -> None:
+    """Lazy AdamW on a top-k gradient (as ``tf.keras`` LazyAdam / ``torch.optim.SparseAdam``): only
+    the entries at ``indices`` (int32, (k,)) take a step, with float32 ``values`` (or bf16 bits);
+    the others keep their master, m and v unchanged (no moment decay, no weight decay) instead of
+    taking the dense step on a zero gradient. Bias correction uses the global step count ``hp``."""
+    idx = np.asarray(indices, np.int64)
+    if idx.size == 0:
+        return
+    values = np.asarray(values)
+    if values.dtype == BF16:
+        values = values.view(np.uint16)
+    mp, ms, vs = master[idx], m[idx], v[idx]
+    adamw_numpy_(mp, ms, vs, _f32_of(values), clip, hp)
+    master[idx], m[idx], v[idx] = mp, ms, vs
+
+
 def clip_args(spec: AdamW, global_norm: float) -> tuple | None:
     """The ``clip`` argument of :func:`adamw_numpy_`: None when ``spec.max_grad_norm`` is None or
     ``global_norm < max_grad_norm`` (optax keeps the gradient), else float32 (global_norm, max_norm)."""
@@ -357,8 +374,11 @@ def _worker_main(conn, cfg: dict):
                             raise StorageError(f"expected the gradients of step {step}, got {m[0]!r}")
                         box["grads"] = m[2]
                     p = box["grads"].pop(c)
-                    g = topk_decompress(p[1], p[2], tier.chunk_sizes[c]) if p[0] == "topk" else _f32_of(p[1])
-                    adamw_numpy_(views[0], views[1], views[2], g, scale, hp)
+                    if p[0] == "topk" and cfg.get("sparse_update") == "lazy":
+                        adamw_lazy_(views[0], views[1], views[2], p[1], p[2], scale, hp)
+                    else:
+                        g = topk_decompress(p[1], p[2], tier.chunk_sizes[c]) if p[0] == "topk" else _f32_of(p[1])
+                        adamw_numpy_(views[0], views[1], views[2], g, scale, hp)
                     conn.send(("param", c, views[0].astype(BF16).view(np.uint16)))  # streamed back at once
                     done[0] += 1
                     if fault.get("step") == step and done[0] == fault.get("after_chunks", 1):
@@ -445,6 +465,9 @@ class NearStorageOptimizer(_Trainer):
         starting at ``topk_warmup_start``); 0 (default): ``topk_ratio`` from the first step.
       error_feedback: keep each chunk's compression residual (float32, on the gradient's device)
         and add it to the next step's gradient (off by default, as in the paper).
+      sparse_update: with "topk", how a worker applies a sparse gradient: "dense" (default: the
+        AdamW step on the decompressed gradient, zeros included, so every m and v decays) or
+        "lazy" (:func:`adamw_lazy_`: only the kept entries step).
       ef_decay: the kept residual is multiplied by this each step (1.0, default: classic error
         feedback; < 1 forgets old residual, bounding how large an entry's burst can grow).
       residual_dir: with error feedback, where the trainer writes each committed step's residuals
@@ -466,7 +489,8 @@ class NearStorageOptimizer(_Trainer):
     def __init__(self, dirs: Sequence[str], chunk_sizes, spec: AdamW, *, init_params=None,
                  compression: str | None = None, topk_ratio: float = 0.01, topk_scope: str = "chunk",
                  topk_warmup_steps: int = 0, topk_warmup_start: float = 0.25, error_feedback: bool = False,
-                 ef_decay: float = 1.0, residual_dir: str | None = None, link_model: LinkModel | None = None, io_mode: str = "auto", n_buffers: int = 3, fsync: bool = True,
+                 ef_decay: float = 1.0, sparse_update: str = "dense", residual_dir: str | None = None,
+                 link_model: LinkModel | None = None, io_mode: str = "auto", n_buffers: int = 3, fsync: bool = True,
                  timeout_s: float = 300.0, _fault: dict | None = None):
         validate_storage_dirs(dirs)  # the whole configuration before any file or process
         if n_buffers < 3:
@@ -483,6 +507,9 @@ class NearStorageOptimizer(_Trainer):
             raise ValueError(f"topk_scope must be 'chunk' or 'global', got {topk_scope!r}")
         if not 0 < ef_decay <= 1:
             raise ValueError(f"ef_decay={ef_decay}: must be in (0, 1]")
+        if sparse_update not in ("dense", "lazy"):
+            raise ValueError(f"sparse_update must be 'dense' or 'lazy', got {sparse_update!r}")
+        self.sparse_update = sparse_update
         self.dirs = [os.fspath(d) for d in dirs]
         self.compression, self.topk_ratio, self.error_feedback = compression, topk_ratio, error_feedback
         self.topk_scope, self.ef_decay = topk_scope, float(ef_decay)
@@ -507,7 +534,7 @@ class NearStorageOptimizer(_Trainer):
                 parent, child = ctx.Pipe()
                 cfg = dict(dir=d, index=i, n_dirs=n, sizes={c: self.chunk_sizes[c] for c in self.owned[i]},
                            n_buffers=n_buffers, io_mode=io_mode, fsync=fsync, target_step=target,
-                           disk_bytes_per_s=self.link_model.disk_bytes_per_s,
+                           disk_bytes_per_s=self.link_model.disk_bytes_per_s, sparse_update=sparse_update,
                            fault=_fault if _fault and _fault.get("worker") == i else None)
                 p = ctx.Process(target=_worker_main, args=(child, cfg), name=f"near_storage_{i}", daemon=True)
                 p.start()

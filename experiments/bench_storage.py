@@ -417,9 +417,10 @@ def run_optax_reference(model: _Model, steps: int) -> dict:
 
 def variant_options(variant: str) -> dict:
     """NearStorageOptimizer options of a train variant: ``uncompressed``, or
-    ``topk[_global][_ef[<decay>]]``: top-k per chunk (the paper) or over the whole gradient
+    ``topk[_global][_ef[<decay>]][_lazy]``: top-k per chunk (the paper) or over the whole gradient
     (``_global``), with error feedback (``_ef``), its residual decayed by ``<decay>`` each step
-    (``_ef0.9``; default 1, classic error feedback). Raises UsageError for other names."""
+    (``_ef0.9``; default 1, classic error feedback), applied by lazy AdamW (``_lazy``: only the
+    kept entries step, ``sparse_update="lazy"``). Raises UsageError for other names."""
     if variant == "uncompressed":
         return {"compression": None}
     rest, out = variant, {"compression": "topk"}
@@ -428,6 +429,8 @@ def variant_options(variant: str) -> dict:
     rest = rest[4:]
     if rest.startswith("_global"):
         out["topk_scope"], rest = "global", rest[7:]
+    if rest.endswith("_lazy"):
+        out["sparse_update"], rest = "lazy", rest[:-5]
     if rest.startswith("_ef"):
         out["error_feedback"], rest = True, rest[3:]
         if rest:
@@ -439,7 +442,8 @@ def variant_options(variant: str) -> dict:
                 raise UsageError(f"--variants {variant!r}: the residual decay must be in (0, 1]")
             rest = ""
     if rest:
-        raise UsageError(f"--variants: unknown variant {variant!r} (uncompressed or topk[_global][_ef[<decay>]])")
+        raise UsageError(f"--variants: unknown variant {variant!r} (uncompressed or "
+                         "topk[_global][_ef[<decay>]][_lazy])")
     return out
 
 
@@ -498,7 +502,7 @@ def run_train(args) -> dict:
     import numpy as np
 
     from experiments.train import TrainConfig
-    over = {k: v for k, v in (("model", args.model), ("steps", args.steps), ("seq", args.seq),
+    over = {k: v for k, v in (("model", args.model), ("steps", args.steps), ("seq", args.seq), ("seed", args.seed),
                               ("batch", args.batch), ("tokenizer", args.tokenizer),
                               ("data_cache", args.data_cache)) if v is not None}
     cfg = dataclasses.replace(TrainConfig(), **over)
@@ -539,6 +543,73 @@ def run_train(args) -> dict:
     return out
 
 
+SUMMARY_SAME = ("model", "steps", "batch", "seq", "lr", "warmup", "weight_decay", "clip", "train_chunk", "topk")
+
+
+def run_summary(paths: list[str]) -> dict:
+    """Merge train results of several seeds (one ``storage_train_*.json`` per run, any variants):
+    per variant, the validation loss of each seed, their mean and sample standard deviation, and
+    the relative difference of the mean to the uncompressed mean and of each seed to its own
+    seed's uncompressed run (paired). Raises UsageError if a file is missing or not a train result,
+    or if the files differ in anything but the seed and the variants."""
+    import numpy as np
+    files = []
+    for p in paths:
+        try:
+            with open(p) as f:
+                r = json.load(f)
+        except (OSError, ValueError) as e:
+            raise UsageError(f"--inputs {p!r}: {e}") from None
+        if r.get("kind") != "storage_train":
+            raise UsageError(f"--inputs {p!r} is not a --mode train result")
+        files.append((p, r))
+    base = {k: files[0][1]["config"].get(k) for k in SUMMARY_SAME}
+    for p, r in files[1:]:
+        diff = [k for k in SUMMARY_SAME if r["config"].get(k) != base[k]]
+        if diff:
+            raise UsageError(f"--inputs {p!r} differs from {files[0][0]!r} in {', '.join(diff)}: "
+                             "merge only runs that differ in seed and variants")
+    per: dict = {}
+    for p, r in files:
+        seed = r["config"]["seed"]
+        for v, run in r["runs"].items():
+            if seed in per.setdefault(v, {}):
+                raise UsageError(f"--inputs: variant {v!r} seed {seed} appears twice ({p!r})")
+            per[v][seed] = {"val_loss": run["val_loss"], "shared_link_bytes_per_param":
+                            run["shared_link_bytes_per_param"], "file": os.path.basename(p)}
+    u = per.get("uncompressed", {})
+    umean = float(np.mean([x["val_loss"] for x in u.values()])) if u else None
+    out = {"kind": "storage_train_summary", "config": base, "variants": {}}
+    for v, seeds in sorted(per.items(), key=lambda kv: (kv[0] != "uncompressed", kv[0])):
+        vals = [seeds[s]["val_loss"] for s in sorted(seeds)]
+        mean = float(np.mean(vals))
+        row = {"seeds": sorted(seeds), "val_loss": vals, "val_loss_mean": mean,
+               "val_loss_std": float(np.std(vals, ddof=1)) if len(vals) > 1 else None,
+               "shared_link_bytes_per_param": float(np.median([x["shared_link_bytes_per_param"]
+                                                               for x in seeds.values()])),
+               "files": [seeds[s]["file"] for s in sorted(seeds)]}
+        if umean is not None:
+            row["mean_rel_diff_to_uncompressed"] = (mean - umean) / umean
+            row["within_3pct"] = abs(row["mean_rel_diff_to_uncompressed"]) <= 0.03
+            paired = [(seeds[s]["val_loss"] - u[s]["val_loss"]) / u[s]["val_loss"] for s in sorted(seeds) if s in u]
+            row["paired_rel_diff"] = paired
+            row["paired_rel_diff_max"] = max(paired) if paired else None
+        out["variants"][v] = row
+    return out
+
+
+def summary_table(res: dict) -> str:
+    lines = ["| run | seeds | val loss per seed (nats) | mean | std | mean vs uncompressed | "
+             "per seed vs its uncompressed | shared B/param |", "|---|---|---|---|---|---|---|---|"]
+    for v, r in res["variants"].items():
+        rd, pr, sd = r.get("mean_rel_diff_to_uncompressed"), r.get("paired_rel_diff") or [], r["val_loss_std"]
+        lines.append(f"| {v} | {','.join(map(str, r['seeds']))} | {', '.join(f'{x:.4f}' for x in r['val_loss'])} | "
+                     f"{r['val_loss_mean']:.4f} | {'-' if sd is None else f'{sd:.4f}'} | "
+                     f"{'-' if rd is None else f'{rd * 100:+.2f} %'} | {', '.join(f'{x * 100:+.2f} %' for x in pr)} | "
+                     f"{r['shared_link_bytes_per_param']:.2f} |")
+    return "\n".join(lines)
+
+
 def train_table(res: dict) -> str:
     lines = ["| run | val loss (nats, bf16 params) | val loss (fp32 master) | rel. diff to uncompressed | "
              "shared B/param (median) | shared B/param (mean over run) | wall s |", "|---|---|---|---|---|---|---|"]
@@ -568,7 +639,9 @@ def _num(text: str, what: str, lo: float = 0, integer: bool = False):
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m experiments.bench_storage", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mode", default="links", help="links (default) | train")
+    ap.add_argument("--mode", default="links", help="links (default) | train | summary (merge train results of "
+                                                    "several seeds, --inputs)")
+    ap.add_argument("--inputs", default="", help="summary: storage_train_*.json files, comma-separated")
     ap.add_argument("--workers", default="1,2,4,8", help="links: worker (storage directory) counts, comma-separated")
     ap.add_argument("--params", default="4e6", help="links: synthetic model size (float32 params)")
     ap.add_argument("--chunk", default="65536", help="links: elements per chunk")
@@ -581,7 +654,8 @@ def parse_args(argv=None):
     ap.add_argument("--ns-buffers", default="3", help="staging buffers per near-storage worker")
     ap.add_argument("--fsync", action=argparse.BooleanOptionalAction, default=True,
                     help="fsync chunk files and manifests at each commit (default on)")
-    ap.add_argument("--seed", default="0", help="links: random init/gradients seed")
+    ap.add_argument("--seed", default="0", help="links: random init/gradients seed; train: the main job's seed "
+                                                 "(init and data order)")
     ap.add_argument("--model", default=None, help="train: model (default: the main job's)")
     ap.add_argument("--seq", default=None, help="train: tokens per sequence (default: the main job's)")
     ap.add_argument("--batch", default=None, help="train: sequences per step (default: the main job's)")
@@ -591,15 +665,19 @@ def parse_args(argv=None):
     ap.add_argument("--train-workers", default="2", help="train: near-storage workers (directories)")
     ap.add_argument("--compare-steps", default="20", help="train: steps compared with in-memory optax (0: skip)")
     ap.add_argument("--variants", default="uncompressed,topk,topk_ef",
-                    help="train: runs, comma-separated: uncompressed, or topk[_global][_ef[<decay>]] (top-k per "
-                         "chunk or over the whole gradient, error feedback with its residual decayed by <decay>)")
+                    help="train: runs, comma-separated: uncompressed, or topk[_global][_ef[<decay>]][_lazy] (top-k "
+                         "per chunk or over the whole gradient, error feedback with its residual decayed by "
+                         "<decay>, lazy AdamW on the kept entries only)")
     ap.add_argument("--storage-dir", default=None, help="where chunk files go (default: the system temp folder)")
     ap.add_argument("--run-id", default=None, help="results file suffix (default: UTC time)")
     ap.add_argument("--results-dir", default="experiments/results", help="JSON goes here")
     ap.add_argument("--docs", default=DOCS, help="markdown file whose section is (re)written ('' to skip)")
     a = ap.parse_args(argv)
-    if a.mode not in ("links", "train"):
-        raise UsageError(f"--mode {a.mode!r}: use links or train")
+    if a.mode not in ("links", "train", "summary"):
+        raise UsageError(f"--mode {a.mode!r}: use links, train or summary")
+    a.inputs = [x for x in a.inputs.split(",") if x]
+    if a.mode == "summary" and not a.inputs:
+        raise UsageError("--mode summary needs --inputs a.json,b.json (results of --mode train)")
     if a.model is not None:
         from models import gpt
         try:
@@ -668,18 +746,19 @@ def main(argv=None) -> int:
     cmd = "python -m experiments.bench_storage " + " ".join(sys.argv[1:] if argv is None else argv)
     t0 = time.time()
     try:
-        res = run_links(args) if args.mode == "links" else run_train(args)
+        res = {"links": run_links, "train": run_train, "summary": lambda a: run_summary(a.inputs)}[args.mode](args)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     import platform
     res.update({"command": cmd, "run_id": args.run_id, "wall_s": time.time() - t0, "cpu_count": os.cpu_count(),
                 "host": platform.node(), "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat()})
-    name = f"storage_{args.run_id}.json" if args.mode == "links" else f"storage_train_{args.run_id}.json"
+    name = {"links": f"storage_{args.run_id}.json", "train": f"storage_train_{args.run_id}.json",
+            "summary": f"storage_train_summary_{args.run_id}.json"}[args.mode]
     path = os.path.join(args.results_dir, name)
     with open(path, "w") as f:
         json.dump(res, f, indent=1)
-    table = links_table(res) if args.mode == "links" else train_table(res)
+    table = {"links": links_table, "train": train_table, "summary": summary_table}[args.mode](res)
     print(table)
     print(f"results: {path}")
     if args.docs:
@@ -692,6 +771,13 @@ def main(argv=None) -> int:
                     f"{em['scale']:g}); *real disk* rows are unthrottled on this machine's disk "
                     f"({os.cpu_count()} CPU cores). speedup = baseline update_s / this update_s at the same "
                     f"worker count; bound = `{res['bound_formula']}`. Results: `{path}`.\n\n{table}\n")
+        elif args.mode == "summary":
+            c = res["config"]
+            body = (f"### Top-k over several seeds ({args.run_id})\n\n`{cmd}`\n\n"
+                    f"Model {c['model']}, {c['steps']} steps, batch {c['batch']}, seq {c['seq']}, top-k ratio "
+                    f"{c['topk']}; one `--mode train` run per seed, merged. \"mean vs uncompressed\" compares "
+                    f"the means over seeds; \"per seed\" compares each run with the uncompressed run of its own "
+                    f"seed (same init and data). Results: `{path}`.\n\n{table}\n")
         else:
             vo = res.get("vs_optax")
             body = (f"### Training with the optimizer on storage ({args.run_id})\n\n`{cmd}`\n\n"

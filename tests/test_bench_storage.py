@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from experiments import bench_storage as bs
@@ -76,7 +77,9 @@ def test_train_variant_names():
     assert bs.variant_options("topk_global") == {"compression": "topk", "topk_scope": "global"}
     assert bs.variant_options("topk_global_ef0.9") == {"compression": "topk", "topk_scope": "global",
                                                        "error_feedback": True, "ef_decay": 0.9}
-    for bad in ("topk_glob", "topk_ef2", "topk_efx", "dense"):
+    assert bs.variant_options("topk_global_lazy") == {"compression": "topk", "topk_scope": "global",
+                                                      "sparse_update": "lazy"}
+    for bad in ("topk_glob", "topk_ef2", "topk_efx", "dense", "uncompressed_lazy", "topk_lazy_global"):
         with pytest.raises(bs.UsageError):
             bs.variant_options(bad)
 
@@ -96,3 +99,34 @@ def test_bad_input_exits_2_with_one_line(argv, needle):
     assert p.returncode == 2
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0]
+
+
+def test_summary_merges_seeds_and_refuses_mixed_configs(tmp_path):
+    """--mode summary: per variant the mean over seeds and each seed against its own uncompressed
+    run; files that differ in more than seed and variants are refused with exit 2."""
+    rng = np.random.default_rng()
+    vals = {s: (float(rng.uniform(4, 6)), float(rng.uniform(4, 6))) for s in (0, 1, 2)}
+    paths = []
+    for s, (u, t) in vals.items():
+        cfg = {k: 1 for k in bs.SUMMARY_SAME} | {"seed": s, "model": "tiny", "topk": 0.01}
+        runs = {"uncompressed": {"val_loss": u, "shared_link_bytes_per_param": 6.0},
+                "topk_global": {"val_loss": t, "shared_link_bytes_per_param": 2.08}}
+        p = tmp_path / f"storage_train_s{s}.json"
+        p.write_text(json.dumps({"kind": "storage_train", "config": cfg, "runs": runs}))
+        paths.append(str(p))
+    assert bs.main(["--mode", "summary", "--inputs", ",".join(paths), "--run-id", "m", "--results-dir",
+                    str(tmp_path), "--docs", ""]) == 0
+    res = json.loads((tmp_path / "storage_train_summary_m.json").read_text())
+    um, tm = np.mean([v[0] for v in vals.values()]), np.mean([v[1] for v in vals.values()])
+    row = res["variants"]["topk_global"]
+    assert row["val_loss_mean"] == pytest.approx(tm) and row["seeds"] == [0, 1, 2]
+    assert row["mean_rel_diff_to_uncompressed"] == pytest.approx((tm - um) / um)
+    assert row["paired_rel_diff"] == pytest.approx([(t - u) / u for u, t in vals.values()])
+    assert row["within_3pct"] == (abs(tm - um) / um <= 0.03)
+    bad = json.loads(open(paths[1]).read())
+    bad["config"]["steps"] = 2
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    p = subprocess.run([sys.executable, "-m", "experiments.bench_storage", "--mode", "summary", "--inputs",
+                        f"{paths[0]},{tmp_path / 'bad.json'}", "--results-dir", str(tmp_path), "--docs", ""],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "differs" in p.stderr and len(p.stderr.strip().splitlines()) == 1

@@ -400,6 +400,43 @@ def test_topk_global_selection_and_sparsity_warmup():
     assert topk_ratio_at(1, 0.01) == 0.01
 
 
+def test_lazy_sparse_update_steps_only_kept_entries(tmp_path):
+    """sparse_update="lazy": each step only the top-k kept entries take an AdamW step (float64
+    reference of LazyAdam with the global step's bias correction, clipping and weight decay); the
+    other entries keep master, m and v bit for bit."""
+    rng = np.random.default_rng(11)
+    sizes = [513, 1000]
+    spec = AdamW(3e-2, weight_decay=0.1, max_grad_norm=0.5)
+    init = [rng.standard_normal(n).astype(np.float32) for n in sizes]
+    grads = [[rng.standard_normal(n).astype(np.float32) for n in sizes] for _ in range(4)]
+    with NearStorageOptimizer([tmp_path / "l0", tmp_path / "l1"], sizes, spec, init_params=init, compression="topk",
+                              topk_ratio=0.05, topk_scope="global", sparse_update="lazy") as opt:
+        for g in grads:
+            opt.step(g)
+        state = opt.read_state()
+    x = np.concatenate(init).astype(np.float64)
+    m, v = np.zeros_like(x), np.zeros_like(x)
+    touched = np.zeros(x.size, bool)
+    for t, g in enumerate(grads, start=1):
+        flat = np.concatenate(g).astype(np.float64)
+        norm = np.sqrt(np.sum(flat ** 2))
+        gc = flat * (spec.max_grad_norm / norm) if norm >= spec.max_grad_norm else flat
+        k = topk_k(flat.size, 0.05)
+        idx = np.argsort(-np.abs(flat), kind="stable")[:k]
+        touched[idx] = True
+        m[idx] = 0.9 * m[idx] + 0.1 * gc[idx]
+        v[idx] = 0.999 * v[idx] + 0.001 * gc[idx] ** 2
+        u = (m[idx] / (1 - 0.9 ** t)) / (np.sqrt(v[idx] / (1 - 0.999 ** t)) + spec.eps) + 0.1 * x[idx]
+        x[idx] -= 3e-2 * u
+    got = np.concatenate([state[c][0] for c in range(len(sizes))])
+    got_v = np.concatenate([state[c][2] for c in range(len(sizes))])
+    np.testing.assert_allclose(got, x, rtol=2e-6, atol=2e-6)
+    assert 0 < touched.sum() < x.size
+    assert same_bits(got[~touched], np.concatenate(init)[~touched]) and not np.any(got_v[~touched])
+    with pytest.raises(ValueError, match="sparse_update"):
+        NearStorageOptimizer([tmp_path / "bad"], sizes, spec, init_params=init, sparse_update="lazyy")
+
+
 def test_error_feedback_residuals_resume_exactly(tmp_path):
     """With error feedback the residuals are written with each committed step: a run whose worker 1
     dies between prepare and commit of step 3 (worker 0 committed it, its residual file was
