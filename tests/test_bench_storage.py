@@ -51,9 +51,8 @@ def test_links_tiny_emulated_run(tmp_path):
 
 
 def test_train_tiny_equals_optax_and_has_three_runs(tmp_path):
-    from experiments import data as data_mod
-    cache = tmp_path / "data"
-    data_mod.load_token_data("bpe512", str(cache))
+    from _shared_data import bpe512_cache
+    cache = bpe512_cache()
     rc = bs.main(["--mode", "train", "--model", "micro", "--tokenizer", "bpe512", "--data-cache", str(cache),
                   "--seq", "32", "--batch", "4", "--steps", "4", "--compare-steps", "4", "--train-chunk", "50000",
                   "--no-fsync", "--run-id", "t", "--results-dir", str(tmp_path), "--docs", ""])

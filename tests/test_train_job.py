@@ -2,6 +2,7 @@
 exits 2 with one line and leaves no run folder."""
 import json
 import math
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +10,8 @@ import pytest
 
 from experiments import data as data_mod
 from experiments import train
+
+from _shared_data import bpe512_cache
 
 REQUIRED_KEYS = [
     "model", "n_params", "steps", "tokens_per_s", "loss_first", "loss_last", "val_loss_first", "val_loss_last",
@@ -19,10 +22,8 @@ REQUIRED_KEYS = [
 
 
 @pytest.fixture(scope="module")
-def data_cache(tmp_path_factory):
-    d = tmp_path_factory.mktemp("data")
-    data_mod.load_token_data("bpe512", d)  # build once (trains a small BPE on the training split)
-    return d
+def data_cache():
+    return pathlib.Path(bpe512_cache())  # built once per session (trains a small BPE on the training split)
 
 
 def _args(data_cache, out, *extra):
