@@ -32,10 +32,17 @@ def _args(data_cache, out, *extra):
             "--sample-tokens", "8", "--no-progress", *extra]
 
 
-def test_short_run_writes_complete_report(data_cache, tmp_path):
-    out = tmp_path / "runs"
+@pytest.fixture(scope="module")
+def short_run(data_cache, tmp_path_factory):
+    """The folder of one 6-step run (one batch of 4, sampling after the last step); read only."""
+    out = tmp_path_factory.mktemp("short") / "runs"
     assert train.main(_args(data_cache, out, "--lr", "1e-2")) == 0
     (run,) = list(out.iterdir())
+    return run
+
+
+def test_short_run_writes_complete_report(short_run):
+    run = short_run
     assert not run.name.endswith(".partial")
     rep = json.loads((run / "report.json").read_text())
     for k in REQUIRED_KEYS:
@@ -136,14 +143,18 @@ def test_sigterm_removes_partial_run_folder(data_cache, tmp_path, capsys, monkey
     assert not any(out.iterdir())
 
 
-def test_micro_batches_give_the_same_run(data_cache, tmp_path):
-    """--micro-batches 2 (gradient accumulation, case 3) trains the same model as one batch of 4:
-    float32 compute on the CPU, losses equal to fp32 summation order."""
+def test_micro_batches_give_the_same_run(data_cache, tmp_path, short_run):
+    """--micro-batches 2 (gradient accumulation, case 3) trains the same model as one batch of 4
+    (the short run above: the same settings, its sampling comes after the last step): float32
+    compute on the CPU, losses equal to fp32 summation order."""
     runs = {}
     for n in ("1", "2"):
-        out = tmp_path / f"runs{n}"
-        assert train.main(_args(data_cache, out, "--lr", "1e-2", "--micro-batches", n, "--sample-tokens", "0")) == 0
-        (run,) = list(out.iterdir())
+        if n == "1":
+            run = short_run
+        else:
+            out = tmp_path / f"runs{n}"
+            assert train.main(_args(data_cache, out, "--lr", "1e-2", "--micro-batches", n, "--sample-tokens", "0")) == 0
+            (run,) = list(out.iterdir())
         runs[n] = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
         assert json.loads((run / "report.json").read_text())["micro_batches"] == int(n)
     l1 = [r["loss"] for r in runs["1"] if r.get("loss") is not None]
