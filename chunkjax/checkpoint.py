@@ -4,8 +4,11 @@ Covered: the single-device :class:`~chunkjax.runtime.ChunkedStep` (any placement
 device or host updates), the ZeRO step :class:`chunkjax.zero.ZeroStep` (stages 1-3, master params
 and optimizer state sharded over a 1-D ``data`` mesh) and the scheduled ZeRO step
 :class:`chunkjax.zero_schedule.ZeroScheduledStep` (device, streamed and per-rank host-updated
-chunks), all within one process. Not covered yet: ZeRO meshes spanning several processes
-(refused with a one-line :class:`CheckpointError`).
+chunks), all within one process, and the storage tier
+(:class:`chunkjax.near_storage.NearStorageOptimizer`: AdamW state in chunk files on disk) through
+:func:`save_storage_checkpoint` / :func:`restore_storage_checkpoint`, in the same format, so a
+checkpoint moves between disk and memory in both directions. Not covered yet: ZeRO meshes
+spanning several processes (refused with a one-line :class:`CheckpointError`).
 
 A checkpoint of step ``N`` is one directory ``<directory>/step_<N:08d>/`` holding
 
@@ -784,6 +787,8 @@ class _SaveJob:
                 "optimizer": repr(getattr(step_fn, "host_optimizer", None) or step_fn.tx),
                 "saved_from": _saved_from(step_fn, self.kind),
                 "extra": self.extra_json}
+        if self.kind == "storage" and _ef_active(step_fn.opt):
+            meta[EF_RESIDUAL] = True
         self.stage = f"writing {META}"
         _write_meta(os.path.join(self.tmp, META), meta)
         self.stage = "syncing to disk"
@@ -850,6 +855,8 @@ def _step_kind(step_fn) -> str:
     from chunkjax.runtime import ChunkedStep
     from chunkjax.zero import ZeroStep
     from chunkjax.zero_schedule import ZeroScheduledStep
+    if isinstance(step_fn, _StorageView):
+        return "storage"
     if isinstance(step_fn, ZeroStep):
         return "zero"
     if isinstance(step_fn, ZeroScheduledStep):
@@ -866,6 +873,8 @@ def _saved_from(step_fn, kind: str) -> dict:
         return {"step": "ZeroStep", "n_ranks": step_fn.n_ranks, "zero_stage": step_fn.stage}
     if kind == "zero_scheduled":
         return {"step": "ZeroScheduledStep", "n_ranks": step_fn.n_ranks, "zero_stage": step_fn.zero_stage}
+    if kind == "storage":
+        return {"step": type(step_fn.opt).__name__, "n_ranks": 1, "storage_dirs": len(step_fn.opt.dirs)}
     return {"step": "ChunkedStep", "n_ranks": 1}
 
 
@@ -963,8 +972,45 @@ def _zero_scheduled_chunk_portable(step_fn, state, c: int) -> tuple[dict, dict]:
                     "saved_from": f"zero{step_fn.zero_stage}:{loc}"}
 
 
+@dataclasses.dataclass
+class _StorageView:
+    """A storage-tier optimizer seen as a step object by :class:`_SaveJob`: its layout, compute
+    dtype and optimizer (for meta.json); nothing to wait for (its steps commit synchronously)."""
+    opt: object
+    layout: object
+    compute_dtype: object
+
+    @property
+    def tx(self):
+        return self.opt.spec
+
+    def wait(self) -> None:
+        pass
+
+
+def _ef_active(opt) -> bool:
+    return bool(getattr(opt, "error_feedback", False)) and getattr(opt, "compression", None) == "topk"
+
+
+def _storage_chunk_portable(view: _StorageView, state, c: int) -> tuple[dict, dict]:
+    """Chunk ``c`` of a storage-tier optimizer at its committed step, read by its worker:
+    master, AdamW ``mu``/``nu``, compute params = master cast to the compute dtype (what the
+    workers send back), and with error feedback the residual ``ef_residual``."""
+    opt = view.opt
+    master, m, v = opt.read_chunk(c)
+    arrays = {"params": master.astype(np.dtype(view.compute_dtype)), "master": master, "mu": m, "nu": v}
+    if _ef_active(opt) and c in opt._residual:
+        arrays[EF_RESIDUAL] = np.asarray(opt._residual[c], np.float32)
+    elif _ef_active(opt):
+        arrays[EF_RESIDUAL] = np.zeros_like(master)
+    return arrays, {"count": opt.committed_step, "moments": ["mu", "nu"], "rest": {}, "saved_from": "storage"}
+
+
 _PORTABLE = {"chunked": _chunked_chunk_portable, "zero": _zero_chunk_portable,
-             "zero_scheduled": _zero_scheduled_chunk_portable}
+             "zero_scheduled": _zero_scheduled_chunk_portable, "storage": _storage_chunk_portable}
+
+#: Name of the optional per-chunk error-feedback residual array of a storage-tier checkpoint.
+EF_RESIDUAL = "ef_residual"
 
 
 def _moment_names(st) -> list[str]:
@@ -1304,3 +1350,149 @@ def export_checkpoint_params(directory, layout, step_number: int | None = None):
     finally:
         ckptr.close()
     return layout.treedef.unflatten(leaves)
+
+
+# ---- the storage tier (chunkjax.near_storage) -------------------------------------------------
+
+def _check_storage_layout(opt, layout) -> None:
+    sizes = list(opt.chunk_sizes.values())
+    if len(sizes) != layout.n_chunks or any(n != layout.chunk_size for n in sizes):
+        raise CheckpointError(f"the optimizer's {len(sizes)} chunks of {sorted(set(sizes))} elements do not match the "
+                              f"layout's {layout.n_chunks} chunks of {layout.chunk_size}: pass the layout whose "
+                              "pack() made the optimizer's chunks")
+
+
+def save_storage_checkpoint(directory, step_number: int, opt, layout, extra: dict | None = None, *,
+                            compute_dtype=jnp.bfloat16) -> str:
+    """Save the state of a storage-tier optimizer (optimizer state on disk, Smart-Infinity
+    section 4) as a chunkjax checkpoint, chunk by chunk and atomically, in the same format as
+    :func:`save_checkpoint` (so :func:`restore_checkpoint` can bring it into memory, any
+    placement, device count or chunk size, and :func:`restore_storage_checkpoint` back onto
+    storage).
+
+    Each chunk's float32 master, AdamW ``mu`` and ``nu`` at the committed step are read by the
+    worker that owns the chunk (:meth:`~chunkjax.near_storage.NearStorageOptimizer.read_chunk`),
+    so host memory holds one chunk (``12 * chunk_size`` bytes plus its compute params) at a time;
+    with error feedback the chunk's residual (trainer memory) is saved with it as
+    ``ef_residual``. The optimizer step count is the committed step. Atomicity, the temporary
+    directory and the errors are those of :func:`save_checkpoint`.
+
+    Args:
+      directory: the checkpoint root (created if missing).
+      step_number: the training step (int >= 0), usually ``opt.committed_step``.
+      opt: a :class:`chunkjax.near_storage.NearStorageOptimizer` (AdamW) with no step in flight.
+      layout: the :class:`~chunkjax.layout.ChunkLayout` whose ``pack`` made the optimizer's
+        chunks: ``layout.n_chunks`` chunks of ``layout.chunk_size`` elements.
+      extra: as in :func:`save_checkpoint` (data position, RNG keys, configuration).
+      compute_dtype: dtype of the saved compute params (the master cast), default bfloat16.
+
+    Returns:
+      The path of the new checkpoint directory.
+
+    Raises:
+      CheckpointError: the optimizer's chunks do not match ``layout``.
+      FileExistsError, TypeError, CheckpointWriteError: as :func:`save_checkpoint`.
+      chunkjax.storage.StorageError: a worker is dead or failed to read a chunk (nothing is
+        left behind: the partial write is removed first).
+    """
+    _check_storage_layout(opt, layout)
+    job = _SaveJob(directory, step_number, _StorageView(opt, layout, compute_dtype), None, extra)
+    stage = "creating the temporary directory"
+    try:
+        job.open()
+        for c in range(job.n_chunks):
+            stage = f"reading chunk {c} of {job.n_chunks} from storage"
+            arrays = job.snapshot(c, copy=False)
+            stage = f"writing chunk {c} of {job.n_chunks}"
+            job.write(c, arrays)
+            del arrays
+        stage = job.finalize()
+    except BaseException as e:
+        from chunkjax.storage import StorageError
+        if isinstance(e, StorageError):
+            job.failed(e, stage)
+            raise
+        err = job.failed(e, getattr(job, "stage", None) or stage)
+        if err is e:
+            raise
+        raise err from e
+    finally:
+        job.close()
+    return job.final
+
+
+def restore_storage_checkpoint(directory, dirs, spec, layout, step_number: int | None = None, **opt_kwargs):
+    """Restore a checkpoint onto storage: a new
+    :class:`chunkjax.near_storage.NearStorageOptimizer` over ``dirs`` whose chunk files hold the
+    checkpoint's master params and AdamW moments, committed at the checkpoint's optimizer step.
+
+    The checkpoint may come from a storage-tier run (:func:`save_storage_checkpoint`, any number
+    of storage directories) or from memory (:func:`save_checkpoint` of a ``ChunkedStep``,
+    ``ZeroStep`` or ``ZeroScheduledStep`` with AdamW, any placement). ``layout`` may chunk the
+    same parameter tree differently (another chunk size): leaves are then moved by path as in
+    :func:`restore_checkpoint`. Chunks are read, assembled and streamed to their worker one at a
+    time (host memory: one chunk, two saved chunks plus the new one when remapping). With
+    ``error_feedback=True`` the saved residuals are restored (zeros when the checkpoint has
+    none, e.g. one saved from memory).
+
+    Args:
+      directory: the checkpoint root.
+      dirs: the storage directories for the new optimizer (one per storage device); they must
+        hold no committed run.
+      spec: the :class:`chunkjax.host_update.AdamW` to continue with (learning-rate schedule,
+        betas, weight decay, clipping); the step count comes from the checkpoint.
+      layout: the :class:`~chunkjax.layout.ChunkLayout` the caller packs gradients with.
+      step_number: which step; None for :func:`latest_step`.
+      **opt_kwargs: further ``NearStorageOptimizer`` arguments (compression, topk_ratio,
+        error_feedback, link_model, fsync, ...).
+
+    Returns:
+      ``(opt, extra)``: the optimizer (its ``committed_step`` is the saved optimizer step count)
+      and the checkpoint's ``extra`` dict.
+
+    Raises:
+      FileNotFoundError: no complete checkpoint (of that step).
+      CheckpointError: another parameter tree, an optimizer other than Adam/AdamW (moments other
+        than ``mu``, ``nu``), chunks with different step counts, or ``dirs`` that already hold a
+        committed run (restore into empty directories; nothing is written then).
+      chunkjax.storage.StorageError: a worker failed (e.g. a full disk); no step is committed.
+    """
+    from chunkjax.near_storage import NearStorageOptimizer
+    from chunkjax.storage import read_manifest
+    meta = read_meta(directory, step_number)
+    where = f"checkpoint step {meta['step']} in {os.fspath(directory)}"
+    saved, here = meta["layout"], layout_spec(layout)
+    remap = _layout_difference(saved, here) is not None
+    if remap:
+        diff = _tree_difference(saved, here)
+        if diff is not None:
+            raise CheckpointError(f"{where} holds another parameter tree: {diff}")
+    moments, count, _ = _common_optimizer(meta, where, need_one_count=True)
+    if sorted(moments) != ["mu", "nu"] or count is None:
+        raise CheckpointError(f"{where} holds optimizer moments {sorted(moments)}: the storage tier runs AdamW "
+                              "(mu, nu); restore it into memory with restore_checkpoint instead")
+    dirs = [os.fspath(d) for d in dirs]
+    used = [d for d in dirs if read_manifest(d) is not None]
+    if used:
+        raise CheckpointError(f"{used} already hold a storage-tier run: restore into empty directories")
+    root = _step_dir(directory, meta["step"])
+    names = ["master", "mu", "nu"]
+    ckptr = _checkpointer()
+    try:
+        residual = None
+        if opt_kwargs.get("error_feedback") and opt_kwargs.get("compression") == "topk" and meta.get(EF_RESIDUAL):
+            rsrc = _SavedChunks(ckptr, root, [EF_RESIDUAL], keep=2 if remap else 1)
+            residual = {c: (_assemble_chunk(rsrc, saved, layout, c, [EF_RESIDUAL]) if remap
+                            else rsrc.take(c))[EF_RESIDUAL] for c in range(layout.n_chunks)}
+            del rsrc
+        src = _SavedChunks(ckptr, root, names, keep=2 if remap else 1)
+
+        def state_of(c):
+            arrs = _assemble_chunk(src, saved, layout, c, names) if remap else src.take(c)
+            return tuple(np.asarray(arrs[n], np.float32) for n in names)
+
+        opt = NearStorageOptimizer(dirs, [layout.chunk_size] * layout.n_chunks, spec, init_state=state_of,
+                                   init_step=int(count), init_residual=residual, **opt_kwargs)
+    finally:
+        ckptr.close()
+    return opt, _decode(meta["extra"])

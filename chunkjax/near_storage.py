@@ -361,6 +361,18 @@ def _worker_main(conn, cfg: dict):
             if kind == "init":
                 tier.initialize(msg[1])
                 conn.send(("ok", tier.committed_step))
+            elif kind == "init_stream":  # a restored state: (master, m, v) per chunk, one message each
+
+                def take(c, step=msg[1]):
+                    m = conn.recv()
+                    if m[0] != "init_chunk" or m[1] != c:
+                        raise StorageError(f"restoring step {step}: expected chunk {c}, got {m[0]!r} {m[1]!r}")
+                    return tuple(m[2])
+
+                tier.initialize(take, step=msg[1])
+                conn.send(("ok", tier.committed_step))
+            elif kind == "read_chunk":
+                conn.send(("chunk", msg[1], tier.read_chunk(msg[1])))
             elif kind == "step":
                 _, step, scale, hp, grads = msg
                 if step != tier.committed_step + 1:
@@ -465,6 +477,15 @@ class NearStorageOptimizer(_Trainer):
         starting at ``topk_warmup_start``); 0 (default): ``topk_ratio`` from the first step.
       error_feedback: keep each chunk's compression residual (float32, on the gradient's device)
         and add it to the next step's gradient (off by default, as in the paper).
+      init_state: instead of ``init_params``, a restored state (what
+        :func:`chunkjax.checkpoint.restore_storage_checkpoint` passes): a callable ``c -> (master,
+        m, v)``, each (n_c,) float32, called once per chunk in id order and streamed to its worker
+        (host memory: one chunk), committed as step ``init_step``. Ignored, like ``init_params``,
+        when ``dirs`` hold a committed run.
+      init_step: the committed step (= AdamW step count) of ``init_state`` (default 0).
+      init_residual: with error feedback and ``init_state``, the residual per chunk ``{c: (n_c,)
+        float32}`` at ``init_step`` (written to ``residual_dir`` before the workers commit);
+        default zeros.
       sparse_update: with "topk", how a worker applies a sparse gradient: "dense" (default: the
         AdamW step on the decompressed gradient, zeros included, so every m and v decays) or
         "lazy" (:func:`adamw_lazy_`: only the kept entries step).
@@ -487,6 +508,7 @@ class NearStorageOptimizer(_Trainer):
     """
 
     def __init__(self, dirs: Sequence[str], chunk_sizes, spec: AdamW, *, init_params=None,
+                 init_state=None, init_step: int = 0, init_residual=None,
                  compression: str | None = None, topk_ratio: float = 0.01, topk_scope: str = "chunk",
                  topk_warmup_steps: int = 0, topk_warmup_start: float = 0.25, error_feedback: bool = False,
                  ef_decay: float = 1.0, sparse_update: str = "dense", residual_dir: str | None = None,
@@ -545,7 +567,9 @@ class NearStorageOptimizer(_Trainer):
                 _, step, mode = self._expect(i, "ready", "starting")
                 self.io_mode.update(mode)
             self._step = target
-            if target is None:
+            if target is None and init_state is not None:
+                self._init_restored(init_state, int(init_step), init_residual)
+            elif target is None:
                 if init_params is None:
                     raise StorageError(f"{self.dirs} hold no committed run: pass init_params")
                 for i in range(n):
@@ -557,6 +581,42 @@ class NearStorageOptimizer(_Trainer):
         except BaseException:
             self._kill_all()
             raise
+
+    def _init_restored(self, init_state, step: int, init_residual) -> None:
+        """Commit a restored state as step ``step``: the residual file first (error feedback), then
+        every chunk's (master, m, v) streamed to its worker, one chunk in flight per call."""
+        if step < 0:
+            raise ValueError(f"init_step must be >= 0, got {step}")
+        if self.error_feedback and self.compression == "topk" and step > 0:
+            res = {c: np.asarray(init_residual[c], F32).reshape(-1) if init_residual is not None
+                   else np.zeros(n, F32) for c, n in self.chunk_sizes.items()}
+            self._save_residual(step, res)
+            self._residual = {c: jnp.asarray(r) for c, r in res.items()}
+        n = len(self.dirs)
+        for i in range(n):
+            self._conns[i].send(("init_stream", step))
+        for c, size in self.chunk_sizes.items():
+            kinds = tuple(np.asarray(a, F32).reshape(-1) for a in init_state(c))
+            if len(kinds) != 3 or any(a.size != size for a in kinds):
+                raise ValueError(f"init_state({c}) must give (master, m, v) of {size} elements each, got "
+                                 f"{[a.size for a in kinds]}")
+            self._conns[c % n].send(("init_chunk", c, kinds))
+            del kinds
+        for i in range(n):
+            self._expect(i, "ok", f"restoring step {step}")
+        self._step = step
+
+    def read_chunk(self, c: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Chunk ``c``'s (master, m, v), (n_c,) float32 copies at the committed step, read by its
+        worker (host memory: one chunk; :func:`chunkjax.checkpoint.save_storage_checkpoint`
+        saves chunk by chunk with it)."""
+        self._check_usable()
+        if c not in self.chunk_sizes:
+            raise ValueError(f"no chunk {c} (chunks 0..{len(self.chunk_sizes) - 1})")
+        i = c % len(self.dirs)
+        self._conns[i].send(("read_chunk", c))
+        _, got, arrays = self._expect(i, "chunk", f"reading chunk {c}")
+        return arrays
 
     # -- error-feedback residuals on storage -------------------------------------------------
     def _residual_path(self, step: int) -> str:

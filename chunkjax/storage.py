@@ -585,27 +585,41 @@ class DiskTier:
         return tuple(buf[i * sec:i * sec + n * STATE_DTYPE.itemsize].view(STATE_DTYPE) for i in range(self.n_kinds))
 
     # -- writing -----------------------------------------------------------------------------
-    def initialize(self, values: Callable[[int], np.ndarray] | Mapping[int, np.ndarray] | Sequence[np.ndarray]):
-        """Write and commit step 0: the first kind (master) from ``values[c]`` (or ``values(c)``),
-        an (n_c,) float32-convertible array per chunk; the other kinds zero.
+    def initialize(self, values: Callable[[int], np.ndarray] | Mapping[int, np.ndarray] | Sequence[np.ndarray],
+                   step: int = 0):
+        """Write and commit step ``step`` (default 0, a fresh run; a restored checkpoint's step
+        otherwise). ``values[c]`` (or ``values(c)``, called once per chunk in id order, so a
+        caller can stream chunks one at a time) is either an (n_c,) float32-convertible array,
+        the first kind (master), the other kinds zero; or a tuple of ``n_kinds`` such arrays
+        (master, m, v), every kind given.
 
         Raises:
           StorageError: already initialised, or a write failed (nothing is committed then).
+          ValueError: a tuple of another length than ``n_kinds``, or ``step < 0``.
         """
         if self._step is not None:
             raise StorageError(f"{self.dirs} already hold committed step {self._step}")
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
         get = values if callable(values) else (lambda c: values[c])
 
         def fill(c, views):
-            views[0][:] = np.asarray(get(c), STATE_DTYPE).reshape(-1)
-            for v in views[1:]:
+            x = get(c)
+            kinds = x if isinstance(x, tuple) else (x,)
+            if len(kinds) > len(views):
+                raise ValueError(f"chunk {c}: {len(kinds)} arrays given, the tier holds {len(views)} kinds")
+            if isinstance(x, tuple) and len(kinds) != len(views):
+                raise ValueError(f"chunk {c}: a tuple of {len(kinds)} arrays given, the tier holds {len(views)} kinds")
+            for v, a in zip(views, kinds):
+                v[:] = np.asarray(a, STATE_DTYPE).reshape(-1)
+            for v in views[len(kinds):]:
                 v[:] = 0
 
-        self._pipeline(0, fill, read=False)
+        self._pipeline(step, fill, read=False)
         for s in self.shards:
-            s.initialize_manifest(0, s._new_files)
+            s.initialize_manifest(step, s._new_files)
             s._new_files = {}
-        self._step = 0
+        self._step = step
 
     def update(self, fn: Callable[[int, tuple[np.ndarray, ...]], None], *, chunk_ids: Iterable[int] | None = None,
                commit: bool = True) -> StepIO:
