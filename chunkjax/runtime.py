@@ -745,10 +745,14 @@ class ChunkedStep:
             if isinstance(a, np.ndarray):
                 g = (a * np.float32(1.0 / n)).astype(cd)
                 sq[c] = jnp.asarray(np.sum(np.square(g.astype(np.float32)), dtype=np.float32))
-                grads[c] = g if c in host else jax.device_put(g, sharding(self.placement.grad_kind(c)))
+                grads[c] = g if c in host else jax.device_put(g, self._grad_put_sharding(c))
             else:
                 grads[c], sq[c] = finish(a, jnp.float32(1.0 / n))
         return grads, sq, jnp.mean(jnp.stack([jnp.asarray(l, jnp.float32) for l in losses]))
+
+    def _grad_put_sharding(self, c: int):
+        """Where an accumulated gradient of chunk ``c`` goes back to (ZeRO: sharded over ranks)."""
+        return sharding(self.placement.grad_kind(c))
 
     def with_optimizer(self, tx: optax.GradientTransformation) -> "ChunkedStep":
         """The same step with another optax transformation; the compiled forward/backward (which

@@ -78,10 +78,6 @@ class ZeroScheduledStep(ChunkedStep):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.micro_batches != 1 or self.nonfinite != "ignore" or self.loss_scaling:
-            raise ValueError("ZeRO steps support micro_batches=1, nonfinite='ignore' and no loss scaling: accumulate, "
-                             "skip or scale the loss "
-                             "with the single-device ChunkedStep, or check the loss in your loop")
         if self.schedule is None:
             raise ValueError("ZeroScheduledStep runs a chunkjax.schedule.Schedule: pass one")
         if not isinstance(self.mesh, Mesh) or tuple(self.mesh.axis_names) != (AXIS,):
@@ -157,11 +153,11 @@ class ZeroScheduledStep(ChunkedStep):
     # ---- programs --------------------------------------------------------------------------------
     def _carry_spec(self, keys):
         spec = {"x": P(AXIS), "saved": P(AXIS), "held": P(),
-                "issued": P(AXIS) if self.zero_stage == 3 else P()}
+                "issued": P(AXIS) if self.zero_stage == 3 else P(), "loss_scale": P()}
         return {k: spec[k] for k in keys}
 
     def _jit_program(self, prog, done, last: bool):
-        carry_keys = () if last else ("x", "saved", "held", "issued")
+        carry_keys = () if last else ("x", "saved", "held", "issued") + (("loss_scale",) if self.loss_scaling else ())
 
         def program(params, batch, carry, acc):
             def local(params, batch, carry, acc):
@@ -195,16 +191,17 @@ class ZeroScheduledStep(ChunkedStep):
         its slice; stages 1/2 all-gather the new compute params."""
         sspec = self._state_specs
 
-        def local(grad, master, state, grad_sq, c, old_params):
+        def local(grad, master, state, grad_sq, c, old_params, inv_scale):
             del old_params
             own = jnp.sum(jnp.square(grad.astype(jnp.float32)))
             state = jax.tree.map(lambda a: a[0], state)
-            o = optim.update_chunk(self.tx, grad, master, state, jnp.sum(grad_sq), own, self.compute_dtype)
+            o = optim.update_chunk(self.tx, grad, master, state, jnp.sum(grad_sq), own, self.compute_dtype,
+                                   self._skip_nonfinite, inv_scale if self.loss_scaling else None)
             p = o.params if self.zero_stage == 3 else jax.lax.all_gather(o.params, AXIS, axis=0, tiled=True)
             return p, o.master, jax.tree.map(lambda a: a[None], o.opt_state)
 
         return jax.shard_map(local, mesh=self.mesh,
-                             in_specs=(P(AXIS), P(AXIS), sspec, P(), P(), self._pspec),
+                             in_specs=(P(AXIS), P(AXIS), sspec, P(), P(), self._pspec, P()),
                              out_specs=(self._pspec, P(AXIS), sspec), check_vma=False)
 
     def _jit_updates(self, state_kind: str) -> dict:
@@ -224,13 +221,12 @@ class ZeroScheduledStep(ChunkedStep):
             psh = self._ns(self._pspec, pk)
 
             def upd(grad, master, state, grad_sq, c, old_params, inv_scale):
-                del inv_scale  # 1: ZeRO steps refuse loss scaling
                 if moved:
                     grad, master = jax.device_put(grad, d), jax.device_put(master, d)
                     state = jax.device_put(state, ssh_d)
                 if pk != DEVICE:
                     old_params = jax.device_put(old_params, self._ns(self._pspec))
-                p, m, st = body(grad, master, state, grad_sq, c, old_params)
+                p, m, st = body(grad, master, state, grad_sq, c, old_params, inv_scale)
                 if moved:
                     m, st = jax.device_put(m, k), jax.device_put(st, ssh_k)
                 return (jax.device_put(p, psh) if pk != DEVICE else p), m, st
@@ -260,6 +256,8 @@ class ZeroScheduledStep(ChunkedStep):
         from chunkjax import host_update as hu
         if callable(grad_scale):
             grad_scale = grad_scale()
+        if grad_scale is None:  # a skipped step (non-finite gradients): nothing changes
+            return
         spent = self.__dict__.setdefault("_host_update_times", [])
         bf16 = self.compute_dtype == jnp.bfloat16
         for c, g in grads.items():
@@ -298,18 +296,23 @@ class ZeroScheduledStep(ChunkedStep):
         return [hu.writable_view(sh.data, dt)[self._rank_slice(r)] for sh in p_arr.addressable_shards]
 
     # ---- state ---------------------------------------------------------------------------------
-    def __call__(self, state: TrainState, batch) -> tuple[TrainState, dict]:
-        """One training step. batch: int (B, T+1), ``B % N == 0``; see
-        :meth:`chunkjax.runtime.ChunkedStep.__call__`.
+    def __call__(self, state: TrainState, batch, loss_scale=None) -> tuple[TrainState, dict]:
+        """One training step. batch: int (B, T+1), ``B`` a multiple of ``N * micro_batches``;
+        see :meth:`chunkjax.runtime.ChunkedStep.__call__` (micro-batches, ``nonfinite="skip"``
+        and fp16 loss scaling work as there: the skip decision and the clipping use the global
+        norm over every rank's shard).
 
         Raises:
-          ValueError: the batch does not split over the ranks.
+          ValueError: the batch (or each micro-batch) does not split over the ranks.
         """
         rows = jax.tree.leaves(batch)[0].shape[0]
-        if rows % self.n_ranks:
-            raise ValueError(f"batch of {rows} rows does not split over {self.n_ranks} ranks: "
-                             f"use a multiple of {self.n_ranks}")
-        return super().__call__(state, jax.device_put(batch, self._batch_sharding))
+        if rows % (self.n_ranks * self.micro_batches):
+            raise ValueError(f"batch of {rows} rows does not split over {self.n_ranks} ranks x {self.micro_batches} "
+                             f"micro-batches: use a multiple of {self.n_ranks * self.micro_batches}")
+        return super().__call__(state, jax.device_put(batch, self._batch_sharding), loss_scale)
+
+    def _grad_put_sharding(self, c: int):
+        return self._ns(P(AXIS), self.placement.grad_kind(c))
 
     def init(self, params) -> TrainState:
         """Chunk the initial params (pytree, or ``leaf_init(i)`` callable as
@@ -449,7 +452,8 @@ def plan_zero_schedule(layout, traces, cb: ChunkBytes, device_budget_bytes: int,
 
 
 def make_zero_scheduled_step(stages, layout, schedule, mesh: Mesh, *, zero_stage: int = 3, host_optimizer=None,
-                             tx=None, compute_dtype=jnp.bfloat16) -> ZeroScheduledStep:
+                             tx=None, compute_dtype=jnp.bfloat16, micro_batches: int = 1, nonfinite: str = "ignore",
+                             loss_scaling: bool = False) -> ZeroScheduledStep:
     """Build a :class:`ZeroScheduledStep` (nothing is compiled until first use).
 
     Args:
@@ -463,6 +467,8 @@ def make_zero_scheduled_step(stages, layout, schedule, mesh: Mesh, *, zero_stage
         device chunks when ``tx`` is omitted).
       tx: optax transformation for device-updated chunks.
       compute_dtype: compute params / gradient dtype.
+      micro_batches, nonfinite, loss_scaling: gradient accumulation, the non-finite-step policy
+        and fp16 dynamic loss scaling, as :func:`chunkjax.runtime.make_chunked_step`.
 
     Raises:
       ValueError: see :class:`ZeroScheduledStep`.
@@ -472,4 +478,5 @@ def make_zero_scheduled_step(stages, layout, schedule, mesh: Mesh, *, zero_stage
             raise ValueError("pass tx (an optax transformation) or host_optimizer")
         tx = host_optimizer.optax()
     return ZeroScheduledStep(tuple(stages), layout, schedule.placement, tx, jnp.dtype(compute_dtype),
-                             schedule.prefetch, schedule, host_optimizer, mesh=mesh, zero_stage=int(zero_stage))
+                             schedule.prefetch, schedule, host_optimizer, micro_batches=micro_batches,
+                             nonfinite=nonfinite, loss_scaling=loss_scaling, mesh=mesh, zero_stage=int(zero_stage))
