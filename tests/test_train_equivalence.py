@@ -34,16 +34,31 @@ def _tx():
     return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(2e-3, weight_decay=0.1))
 
 
-def _reference(cfg, params, batches, tx, compute_dtype):
-    @jax.jit
-    def step(p, o, b):
-        l, g = jax.value_and_grad(lambda p: gpt.loss_fn(cfg, p, b, compute_dtype))(p)
-        u, o = tx.update(g, o, p)
-        return optax.apply_updates(p, u), o, l
+_VALUE_AND_GRAD = {}
 
-    p, o, losses = params, tx.init(params), []
+
+def _value_and_grad(cfg, compute_dtype):
+    """The plain model's jitted loss and gradient, compiled once per compute dtype for the module
+    (every reference run below shares it; only the optax update is compiled per transformation)."""
+    key = (cfg, None if compute_dtype is None else jnp.dtype(compute_dtype).name)
+    if key not in _VALUE_AND_GRAD:
+        _VALUE_AND_GRAD[key] = jax.jit(
+            lambda p, b: jax.value_and_grad(lambda p: gpt.loss_fn(cfg, p, b, compute_dtype))(p))
+    return _VALUE_AND_GRAD[key]
+
+
+def _reference(cfg, params, batches, tx, compute_dtype):
+    value_and_grad = _value_and_grad(cfg, compute_dtype)
+
+    @jax.jit
+    def update(p, o, g):
+        u, o = tx.update(g, o, p)
+        return optax.apply_updates(p, u), o
+
+    p, o, losses = params, jax.jit(tx.init)(params), []
     for b in batches:
-        p, o, l = step(p, o, b)
+        l, g = value_and_grad(p, b)
+        p, o = update(p, o, g)
         losses.append(float(l))
     return p, np.asarray(losses)
 
@@ -65,7 +80,7 @@ _REF_CACHE = {}
 @pytest.mark.parametrize("chunk_size", ["searched", "floor"])
 @pytest.mark.parametrize("placement", ["all_device", "all_host", "mixed"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_matches_plain_optax(setup, chunk_size, placement, dtype):
+def test_matches_plain_optax(setup, chunk_size, placement, dtype, request):
     cfg, params, batches, stages, order = setup
     cdt = jnp.dtype(dtype)
     if (dtype,) not in _REF_CACHE:
@@ -76,7 +91,11 @@ def test_matches_plain_optax(setup, chunk_size, placement, dtype):
     layout = cj.build_layout(params, cs, order)
     if chunk_size == "floor":
         assert layout.n_chunks >= 5
-    step = cj.make_chunked_step(stages, layout, _placement(placement, layout.n_chunks), _tx(), cdt)
+    if (dtype, placement, chunk_size) == ("float32", "mixed", "floor"):
+        step = request.getfixturevalue("mixed_step")  # the same step, built (and compiled) once for the module
+        assert (step.layout, step.placement, step.compute_dtype) == (layout, _placement(placement, layout.n_chunks), cdt)
+    else:
+        step = cj.make_chunked_step(stages, layout, _placement(placement, layout.n_chunks), _tx(), cdt)
     state = step.init(params)
     losses = []
     for b in batches:
@@ -146,7 +165,7 @@ def test_global_norm_clipping_is_global(setup, mixed_step):
     cfg, params, batches, stages, order = setup
     step = mixed_step.with_optimizer(optax.chain(optax.clip_by_global_norm(1e-3), optax.sgd(1.0)))
     state, m = step(step.init(params), batches[0])
-    g = jax.tree.map(np.asarray, jax.jit(jax.grad(lambda p: gpt.loss_fn(cfg, p, batches[0])))(params))
+    g = jax.tree.map(np.asarray, _value_and_grad(cfg, None)(params, batches[0])[1])
     gn = np.sqrt(sum(float(np.sum(np.square(x.astype(np.float64)))) for x in jax.tree.leaves(g)))
     np.testing.assert_allclose(float(m["grad_norm"]), gn, rtol=1e-5)
     for a, p0, g0 in zip(jax.tree.leaves(step.master_params(state)), jax.tree.leaves(params), jax.tree.leaves(g)):
