@@ -644,7 +644,7 @@ def test_donated_accumulator_with_gradient_to_pinned_host():
 
     from chunkjax.host_update import AdamW
     from chunkjax.schedule import plan_schedule
-    cfg = get_config("micro", n_layers=3)
+    cfg = get_config("micro", n_layers=2)
     rng = np.random.default_rng(int(np.random.default_rng().integers(1 << 30)))
     params = jax.tree.map(lambda s: (0.02 * rng.standard_normal(s.shape)).astype(np.float32), abstract_params(cfg))
     batches = [jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 17)), jnp.int32) for _ in range(3)]
