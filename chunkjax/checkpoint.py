@@ -4,11 +4,14 @@ Covered: the single-device :class:`~chunkjax.runtime.ChunkedStep` (any placement
 device or host updates), the ZeRO step :class:`chunkjax.zero.ZeroStep` (stages 1-3, master params
 and optimizer state sharded over a 1-D ``data`` mesh) and the scheduled ZeRO step
 :class:`chunkjax.zero_schedule.ZeroScheduledStep` (device, streamed and per-rank host-updated
-chunks), all within one process, and the storage tier
+chunks), and the storage tier
 (:class:`chunkjax.near_storage.NearStorageOptimizer`: AdamW state in chunk files on disk) through
 :func:`save_storage_checkpoint` / :func:`restore_storage_checkpoint`, in the same format, so a
-checkpoint moves between disk and memory in both directions. Not covered yet: ZeRO meshes
-spanning several processes (refused with a one-line :class:`CheckpointError`).
+checkpoint moves between disk and memory in both directions. A ``ZeroStep`` whose mesh spans
+several processes (``jax.distributed``) saves with every process calling :func:`save_checkpoint`
+(each chunk all-gathered, process 0 writes; the directory must be visible to every process) and
+restores with every process calling :func:`restore_checkpoint` (each reads the files and places
+its own shards); asynchronous saves of such a state are refused.
 
 A checkpoint of step ``N`` is one directory ``<directory>/step_<N:08d>/`` holding
 
@@ -389,8 +392,13 @@ def _decode(x):
 # ---- chunk I/O (module-level so tests can inject faults) -------------------------------------
 
 def _checkpointer():
+    """An orbax checkpointer for this process's own file I/O: under ``jax.distributed`` each
+    process is its own primary host with no barriers to the others (the per-chunk arrays are
+    numpy; chunkjax coordinates the processes itself, :func:`_save_multiprocess`)."""
     import orbax.checkpoint as ocp
-    return ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
+    me = jax.process_index()
+    mp = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
+    return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(multiprocessing_options=mp), multiprocessing_options=mp)
 
 
 def _write_chunk(ckptr, path: str, arrays: dict[str, np.ndarray]) -> None:
@@ -478,6 +486,8 @@ def save_checkpoint(directory, step_number: int, step_fn, state, extra: dict | N
         called (nothing new is saved then).
     """
     _previous_save(directory, step_fn)
+    if _multiprocess(step_fn):
+        return _save_multiprocess(directory, step_number, step_fn, state, extra)
     job = _SaveJob(directory, step_number, step_fn, state, extra)
     stage = "creating the temporary directory"
     try:
@@ -496,6 +506,56 @@ def save_checkpoint(directory, step_number: int, step_fn, state, extra: dict | N
         raise err from e
     finally:
         job.close()
+    return job.final
+
+
+def _multiprocess(step_fn) -> bool:
+    """True when ``step_fn``'s mesh has devices of other processes (``jax.distributed``)."""
+    mesh = getattr(step_fn, "mesh", None)
+    return mesh is not None and any(d.process_index != jax.process_index() for d in mesh.devices.flat)
+
+
+def _save_multiprocess(directory, step_number: int, step_fn, state, extra) -> str:
+    """:func:`save_checkpoint` of a state sharded over several processes (``jax.distributed``;
+    ``directory`` on a filesystem every process sees). Every process takes part in each chunk's
+    all-gather, in chunk order; process 0 alone writes the files and renames the checkpoint into
+    place. A write failure on process 0 does not stop the gathers (no process hangs); afterwards
+    process 0's outcome is broadcast and every process raises if it failed."""
+    from jax.experimental import multihost_utils
+    writer = jax.process_index() == 0
+    job = _SaveJob(directory, step_number, step_fn, state, extra, writer=writer)
+    failure, stage = None, "creating the temporary directory"
+    try:
+        if writer:
+            try:
+                job.open()
+            except Exception as e:  # noqa: BLE001 - reported after the collectives
+                failure = (e, stage)
+        for c in range(job.n_chunks):
+            stage = f"reading chunk {c} of {job.n_chunks} from the state"
+            arrays = job.snapshot(c, copy=False)  # collective on every process
+            if writer and failure is None:
+                stage = f"writing chunk {c} of {job.n_chunks}"
+                try:
+                    job.write(c, arrays)
+                except Exception as e:  # noqa: BLE001
+                    failure = (e, stage)
+            del arrays
+        if writer and failure is None:
+            try:
+                job.finalize()
+            except Exception as e:  # noqa: BLE001
+                failure = (e, job.stage or "finalizing")
+    finally:
+        job.close()
+    ok = int(multihost_utils.broadcast_one_to_all(np.int32(failure is None)))
+    if failure is not None:
+        err = job.failed(*failure)
+        raise err from failure[0]
+    if not ok:
+        raise CheckpointWriteError(f"saving checkpoint step {step_number} to {os.fspath(directory)} failed on process "
+                                   "0 (its error says why); the partial write was removed and the existing "
+                                   "checkpoints are intact")
     return job.final
 
 
@@ -556,6 +616,9 @@ def save_checkpoint_async(directory, step_number: int, step_fn, state, extra: di
     if max_inflight_bytes < 0:
         raise ValueError(f"max_inflight_bytes must be >= 0, got {max_inflight_bytes}")
     _previous_save(directory, step_fn)
+    if _multiprocess(step_fn):
+        raise CheckpointError("asynchronous saves of a state over several processes are not supported: use "
+                              "save_checkpoint (every process calls it)")
     job = _SaveJob(directory, step_number, step_fn, state, extra)
     try:
         job.open()
@@ -733,7 +796,7 @@ class _SaveJob:
     ``snapshot`` (a chunk's arrays from the state), ``write`` (one chunk to disk), ``finalize``
     (meta.json, fsync, rename) and ``failed`` (cleanup, the error to raise)."""
 
-    def __init__(self, directory, step_number: int, step_fn, state, extra):
+    def __init__(self, directory, step_number: int, step_fn, state, extra, writer: bool = True):
         step_number = int(step_number)
         if step_number < 0:
             raise ValueError(f"step_number must be >= 0, got {step_number}")
@@ -751,8 +814,9 @@ class _SaveJob:
         self.chunks_meta: list = [None] * self.n_chunks
         self.ckptr = None
         self.stage = None  # set by finalize (the writer's stage)
-        os.makedirs(directory, exist_ok=True)
-        remove_stale_temporaries(directory)
+        if writer:  # under jax.distributed only process 0 touches the directory
+            os.makedirs(directory, exist_ok=True)
+            remove_stale_temporaries(directory)
         if self.kind != "zero":
             step_fn.wait()
         self.tmp = _tmp_dir(directory, step_number)
@@ -893,14 +957,13 @@ def _chunked_chunk_portable(step_fn, state, c: int) -> tuple[dict, dict]:
 
 
 def _whole(a, what: str) -> np.ndarray:
-    """The whole global array ``a`` as numpy (every shard of it lives in this process).
-
-    Raises:
-      CheckpointError: ``a`` spans devices of other processes (multi-process ZeRO).
-    """
+    """The whole global array ``a`` as numpy. Under ``jax.distributed`` (a mesh over several
+    processes) the shards are all-gathered to every process (a collective: every process saves
+    the same chunks in the same order)."""
+    del what
     if not a.is_fully_addressable:
-        raise CheckpointError(f"{what} spans devices of other processes: multi-process ZeRO checkpoints are not "
-                              "covered yet (save from a single-process mesh)")
+        from jax.experimental import multihost_utils
+        return np.asarray(multihost_utils.process_allgather(a, tiled=True))
     return _host_value(a)
 
 
@@ -1220,9 +1283,10 @@ class _Placer:
     def __init__(self, step_fn, kind: str):
         self.step, self.kind = step_fn, kind
         lay = step_fn.layout
-        if kind != "chunked" and any(d.process_index != jax.process_index() for d in step_fn.mesh.devices.flat):
-            raise CheckpointError("the mesh spans devices of other processes: multi-process ZeRO checkpoints are not "
-                                  "covered yet (restore into a single-process mesh)")
+        if kind == "zero_scheduled" and any(d.process_index != jax.process_index()
+                                            for d in step_fn.mesh.devices.flat):
+            raise CheckpointError("ZeroScheduledStep over several processes is not supported: restore into "
+                                  "chunkjax.zero.ZeroStep (which runs under jax.distributed) or a single-process mesh")
         self.template = jax.eval_shape(lambda m: optim.init_chunk_state(step_fn.tx, m),
                                        jax.ShapeDtypeStruct((lay.chunk_size,), jnp.float32))
         self.host = set(step_fn.host_chunks) if kind != "zero" else set()

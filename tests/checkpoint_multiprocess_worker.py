@@ -1,0 +1,58 @@
+"""One process of the 2-process ZeRO checkpoint test (tests/test_checkpoint_multiprocess.py); not
+a test itself.
+
+``python tests/checkpoint_multiprocess_worker.py PROCESS_ID N_PROCESSES PORT SEED CKPT_DIR OUT.npz``
+with ``XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu``: joins the
+``jax.distributed`` job, trains the micro GPT with ZeRO stage 3 over the 8-device mesh of both
+processes (the model and data of tests/zero_multiprocess_worker.py), saves a checkpoint after
+step 2 (every process calls save_checkpoint), trains to step 4, then restores the checkpoint into
+a fresh state (every process calls restore_checkpoint) and trains steps 3-4 again. Process 0
+writes both loss curves and the master params at step 2 to OUT.npz.
+"""
+import os
+import sys
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def main(pid: int, n_proc: int, port: int, seed: int, ckpt: str, out: str) -> None:
+    import jax
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"localhost:{port}", num_processes=n_proc, process_id=pid)
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("zmw", os.path.join(HERE, "zero_multiprocess_worker.py"))
+    zmw = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(zmw)
+    from chunkjax import checkpoint as ck
+    from chunkjax import zero
+    from models import gpt
+    cfg, params, batches, tx = zmw.draw(seed)
+    n = len(jax.devices())
+    layout = zero.build_zero_layout(params, n, cfg.vocab_size * cfg.d_model)
+    step = zero.make_zero_step(gpt.gpt_stages(cfg), layout, zero.data_mesh(), tx, stage=3)
+    state = step.init(params)
+    losses = []
+    for i, b in enumerate(batches):
+        if i == 2:
+            ck.save_checkpoint(ckpt, 2, step, state, {"data_position": 2})
+            master2 = step.master_params(state)
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
+    state, extra = ck.restore_checkpoint(ckpt, step)
+    resumed = []
+    for b in batches[extra["data_position"]:]:
+        state, m = step(state, b)
+        resumed.append(float(m["loss"]))
+    if pid == 0:
+        leaves = jax.tree.leaves(master2)
+        np.savez(out, losses=np.asarray(losses), resumed=np.asarray(resumed), n_devices=n,
+                 n_processes=jax.process_count(), **{f"p{i}": a for i, a in enumerate(leaves)})
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(HERE))
+    a = sys.argv[1:]
+    main(int(a[0]), int(a[1]), int(a[2]), int(a[3]), a[4], a[5])
