@@ -488,13 +488,19 @@ def save_checkpoint(directory, step_number: int, step_fn, state, extra: dict | N
     _previous_save(directory, step_fn)
     if _multiprocess(step_fn):
         return _save_multiprocess(directory, step_number, step_fn, state, extra)
-    job = _SaveJob(directory, step_number, step_fn, state, extra)
+    return _run_save(_SaveJob(directory, step_number, step_fn, state, extra), "the state")
+
+
+def _run_save(job: "_SaveJob", source: str) -> str:
+    """A synchronous save: every chunk snapshotted (no copies: host chunks' own buffers are
+    written directly) and written, then finalized; on failure the partial write is removed and
+    the error raised (:meth:`_SaveJob.failed`). Returns the checkpoint's path."""
     stage = "creating the temporary directory"
     try:
         job.open()
         for c in range(job.n_chunks):
-            stage = f"reading chunk {c} of {job.n_chunks} from the state"
-            arrays = job.snapshot(c, copy=False)  # host chunks: the state's own buffers, written directly
+            stage = f"reading chunk {c} of {job.n_chunks} from {source}"
+            arrays = job.snapshot(c, copy=False)
             stage = f"writing chunk {c} of {job.n_chunks}"
             job.write(c, arrays)
             del arrays
@@ -866,10 +872,13 @@ class _SaveJob:
 
     def failed(self, e: BaseException, stage: str) -> BaseException:
         """Remove the temporary directory; the exception to raise for ``e`` (``e`` itself for
-        interrupts, CheckpointError and TypeError, else a one-line CheckpointWriteError)."""
+        interrupts, CheckpointError, TypeError and a storage worker's StorageError, else a one-line
+        CheckpointWriteError)."""
+        from chunkjax.storage import StorageError  # a storage-tier worker's own one-line error
         shutil.rmtree(self.tmp, ignore_errors=True)
         self.state = None
-        if not isinstance(e, Exception) or isinstance(e, (CheckpointError, TypeError, CheckpointWriteError)):
+        if not isinstance(e, Exception) or isinstance(e, (CheckpointError, TypeError, CheckpointWriteError,
+                                                           StorageError)):
             return e
         prev = latest_step(self.directory)
         code = getattr(e, "errno", None)
@@ -1460,29 +1469,8 @@ def save_storage_checkpoint(directory, step_number: int, opt, layout, extra: dic
         left behind: the partial write is removed first).
     """
     _check_storage_layout(opt, layout)
-    job = _SaveJob(directory, step_number, _StorageView(opt, layout, compute_dtype), None, extra)
-    stage = "creating the temporary directory"
-    try:
-        job.open()
-        for c in range(job.n_chunks):
-            stage = f"reading chunk {c} of {job.n_chunks} from storage"
-            arrays = job.snapshot(c, copy=False)
-            stage = f"writing chunk {c} of {job.n_chunks}"
-            job.write(c, arrays)
-            del arrays
-        stage = job.finalize()
-    except BaseException as e:
-        from chunkjax.storage import StorageError
-        if isinstance(e, StorageError):
-            job.failed(e, stage)
-            raise
-        err = job.failed(e, getattr(job, "stage", None) or stage)
-        if err is e:
-            raise
-        raise err from e
-    finally:
-        job.close()
-    return job.final
+    return _run_save(_SaveJob(directory, step_number, _StorageView(opt, layout, compute_dtype), None, extra),
+                     "storage")
 
 
 def restore_storage_checkpoint(directory, dirs, spec, layout, step_number: int | None = None, **opt_kwargs):

@@ -3,8 +3,6 @@ forced CPU devices each): saved with every process calling save_checkpoint, rest
 (the continued losses equal the uninterrupted run bit for bit) and in this single process on its
 own 8-device mesh (master params equal; the continued losses agree to float32 rounding)."""
 import os
-import socket
-import subprocess
 import sys
 
 import jax
@@ -17,30 +15,13 @@ from models import gpt
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import zero_multiprocess_worker as zmw  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
+from _multiprocess import run_processes  # noqa: E402
 
 
 def test_two_process_zero_checkpoint_resumes_exactly_and_restores_on_one_process(tmp_path):
     seed = int(np.random.default_rng().integers(1 << 30))
-    port, out, ckpt = _free_port(), tmp_path / "out.npz", tmp_path / "ckpt"
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "checkpoint_multiprocess_worker.py"), str(i), "2",
-                               str(port), str(seed), str(ckpt), str(out)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=300)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert all(p.returncode == 0 for p in procs), "\n".join(l[-3000:] for l in logs)
+    out, ckpt = tmp_path / "out.npz", tmp_path / "ckpt"
+    run_processes("checkpoint_multiprocess_worker.py", lambda i: (seed, ckpt, out))
     got = np.load(out)
     assert int(got["n_devices"]) == 8 and int(got["n_processes"]) == 2
     np.testing.assert_array_equal(got["resumed"], got["losses"][2:])  # same processes: bit for bit

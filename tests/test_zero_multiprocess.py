@@ -4,27 +4,19 @@ master params equal the single-device plain optax run (issue 5, item 3)."""
 import dataclasses
 import importlib.util
 import os
-import socket
-import subprocess
-import sys
 
 import jax
 import numpy as np
 import optax
 import pytest
 
+from _multiprocess import run_processes  # tests/ is on sys.path under pytest
 from models import gpt
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 _spec = importlib.util.spec_from_file_location("zero_multiprocess_worker", os.path.join(HERE, "zero_multiprocess_worker.py"))
 worker = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(worker)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 def _reference(cfg, params, batches, tx):
@@ -46,20 +38,8 @@ def _reference(cfg, params, batches, tx):
 @pytest.mark.parametrize("stage", [3])
 def test_two_processes_equal_single_device(tmp_path, stage):
     seed = int(np.random.default_rng().integers(1 << 30))
-    port, out = _free_port(), tmp_path / "out.npz"
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "zero_multiprocess_worker.py"), str(i), "2",
-                               str(port), str(seed), str(stage), str(out)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=300)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert all(p.returncode == 0 for p in procs), "\n".join(l[-3000:] for l in logs)
+    out = tmp_path / "out.npz"
+    run_processes("zero_multiprocess_worker.py", lambda i: (seed, stage, out))
 
     cfg, params, batches, tx = worker.draw(seed)
     ref_params, ref_losses = _reference(cfg, params, batches, tx)

@@ -1,0 +1,30 @@
+"""Launching a localhost ``jax.distributed`` job for the multi-process tests (not a test itself)."""
+import os
+import socket
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def run_processes(script: str, args_of, n: int = 2, devices_each: int = 4, timeout: float = 300) -> None:
+    """Run ``tests/<script>`` as ``n`` processes on CPU (``devices_each`` forced devices each),
+    process ``i`` with argv ``[i, n, port, *args_of(i)]`` (strings) and a free localhost port;
+    waits for all, kills any still running on error, and asserts every exit status is 0 (the
+    failure message holds the tail of each process's output)."""
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_each}", JAX_PLATFORMS="cpu")
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, script), str(i), str(n), str(port),
+                               *map(str, args_of(i))], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for i in range(n)]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=timeout)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
