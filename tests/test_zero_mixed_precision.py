@@ -38,8 +38,10 @@ def _state_numpy(step, state):
     return out
 
 
-@pytest.mark.parametrize("zero_stage", [3, 1])
-def test_zero_micro_batches_loss_scaling_and_skip(zero_stage):
+@pytest.fixture(scope="module")
+def setup():
+    """What both ZeRO stages share: params, batches, layout, traces, the schedule and the
+    single-device optax reference (none of them depends on the stage)."""
     assert jax.device_count() >= N, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
     cfg = gpt.get_config("micro", n_layers=2)
     rng = np.random.default_rng()
@@ -52,20 +54,8 @@ def test_zero_micro_batches_loss_scaling_and_skip(zero_stage):
     cb = cj.chunk_bytes(layout, jnp.float32, state_bytes_per_chunk(SPEC.optax(), layout.chunk_size))
     sched = plan_schedule(layout, traces, cb, 10**12, flops_per_step=1.0, resident=[0])  # device + host chunks
     assert set(sched.update_locations) == {"device", "host"}
-    step = make_zero_scheduled_step(stages, layout, sched, data_mesh(), zero_stage=zero_stage, host_optimizer=SPEC,
-                                    compute_dtype=jnp.float32, micro_batches=MB, loss_scaling=True)
-    state = step.init(params)
 
-    # an overflowed step (infinite loss scale): skipped, nothing changes on any rank
-    before = _state_numpy(step, state)
-    state, m = step(state, batches[0], loss_scale=float("inf"))
-    assert bool(m["skipped"])
-    after = _state_numpy(step, state)
-    for a, b in zip(before, after, strict=True):
-        for x, y in zip(a, b, strict=True):
-            np.testing.assert_array_equal(x, y)
-
-    # then scaled (2^12, exact in float32), accumulated steps: single-device optax on the whole batch
+    # single-device optax on the whole batch
     tx = SPEC.optax()
 
     @jax.jit
@@ -80,6 +70,26 @@ def test_zero_micro_batches_loss_scaling_and_skip(zero_stage):
         want.append(float(l))
         want_norm.append(float(gn))
     assert min(want_norm) > SPEC.max_grad_norm  # clipping acts
+    return params, batches, stages, layout, sched, (p, want, want_norm)
+
+
+@pytest.mark.parametrize("zero_stage", [3, 1])
+def test_zero_micro_batches_loss_scaling_and_skip(zero_stage, setup):
+    params, batches, stages, layout, sched, (p, want, want_norm) = setup
+    step = make_zero_scheduled_step(stages, layout, sched, data_mesh(), zero_stage=zero_stage, host_optimizer=SPEC,
+                                    compute_dtype=jnp.float32, micro_batches=MB, loss_scaling=True)
+    state = step.init(params)
+
+    # an overflowed step (infinite loss scale): skipped, nothing changes on any rank
+    before = _state_numpy(step, state)
+    state, m = step(state, batches[0], loss_scale=float("inf"))
+    assert bool(m["skipped"])
+    after = _state_numpy(step, state)
+    for a, b in zip(before, after, strict=True):
+        for x, y in zip(a, b, strict=True):
+            np.testing.assert_array_equal(x, y)
+
+    # then scaled (2^12, exact in float32), accumulated steps: single-device optax on the whole batch
     got, got_norm = [], []
     for b in batches:
         state, m = step(state, b, loss_scale=2.0 ** 12)
