@@ -60,14 +60,26 @@ def test_reference_and_ratios(tmp_path):
     assert "| 2.50x |" in md and "CUDA out of memory" in md and md.startswith("<!-- peers:p:start -->")
 
 
-@pytest.mark.parametrize("argv, msg", [
+BAD_INPUT = [
     (["--systems", "colossal", "--run-id", "a"], "choose from"),
     (["--systems", "ds_zero_offload"], "--run-id is required"),
     (["--run-id", "a", "--device-budget", "lots"], ""),
     (["--report", "/nonexistent.json"], "no such file"),
     (["--model", "nope"], "unknown model 'nope'"),
-])
-def test_bad_input_exits_2(argv, msg):
+]
+
+
+@pytest.mark.parametrize("argv, msg", BAD_INPUT)
+def test_bad_input_exits_2(argv, msg, capsys):
+    """Each bad input: exit status 2 and the message, no traceback (main() in this process: the
+    command-line entry point itself is run once, below)."""
+    assert run_peers.main(argv) == 2
+    err = capsys.readouterr().err
+    assert msg in err and "Traceback" not in err
+
+
+def test_bad_input_exits_2_subprocess():
+    argv, msg = BAD_INPUT[-1]
     p = subprocess.run([sys.executable, "-m", "experiments.peers.run_peers", *argv], capture_output=True, text=True)
     assert p.returncode == 2, p.stderr
     assert msg in p.stderr and "Traceback" not in p.stderr
