@@ -1,6 +1,6 @@
 """Token data shared by the tests that only read it: the bpe512 cache (training the small BPE and
 tokenizing the plays takes ~10 s on the CI machine) is built once per pytest process, in a
-temporary folder removed at exit. tests/test_data.py builds its own caches: it tests the building.
+temporary folder removed at exit. tests/test_data.py checks that build (and builds its gpt2 cache).
 The SmolLM2-135M weights (reading the GGUF takes ~10 s) are loaded once per pytest process too."""
 import atexit
 import functools
@@ -9,13 +9,19 @@ import tempfile
 
 
 @functools.lru_cache(maxsize=None)
-def bpe512_cache() -> str:
-    """The folder of a complete ``load_token_data("bpe512", ...)`` cache (read-only for tests)."""
+def bpe512_build():
+    """``(folder, token data)``: the folder of a complete ``load_token_data("bpe512", ...)`` cache
+    (read-only for tests) and what that call returned when it built the folder from the documents
+    (``meta["cached"]`` false), for tests/test_data.py to check the building on."""
     from experiments import data as data_mod
     d = tempfile.mkdtemp(prefix="chunkjax_test_bpe512_")
     atexit.register(shutil.rmtree, d, True)
-    data_mod.load_token_data("bpe512", d)
-    return d
+    return d, data_mod.load_token_data("bpe512", d)
+
+
+def bpe512_cache() -> str:
+    """The folder of a complete ``load_token_data("bpe512", ...)`` cache (read-only for tests)."""
+    return bpe512_build()[0]
 
 
 @functools.lru_cache(maxsize=None)

@@ -77,17 +77,20 @@ def test_gpt2_token_data_and_cache(gpt2_cache, monkeypatch):
     assert again.tokenizer.encode("Hello world") == [15496, 995]
 
 
-def test_bpe512_token_data_and_cache(tmp_path, monkeypatch):
-    d = D.load_token_data("bpe512", tmp_path)
+def test_bpe512_token_data_and_cache(monkeypatch):
+    # load_token_data("bpe512", <empty folder>) as built once per pytest process for the tests that
+    # read it (tests/_shared_data.py): here its result and its folder are checked
+    from _shared_data import bpe512_build
+    path, d = bpe512_build()
     assert not d.meta["cached"] and d.vocab_size <= 512 and d.train.dtype == np.uint16
     assert int(max(d.train.max(), d.val.max())) < d.vocab_size
     assert int((d.train == d.tokenizer.eot_id).sum()) == len(d.meta["train_docs"]) - 1
     assert not set(d.meta["train_docs"]) & set(d.meta["val_docs"])
-    assert not [f for f in os.listdir(tmp_path) if f.startswith(".tmp")]   # atomic writes left no temp files
+    assert not [f for f in os.listdir(path) if f.startswith(".tmp")]   # atomic writes left no temp files
     # second call: from the cache, with no data packages and no document loading
     _hide_data_packages(monkeypatch)
     monkeypatch.setattr(D, "load_documents", _no_documents)
-    again = D.load_token_data("bpe512", tmp_path)
+    again = D.load_token_data("bpe512", path)
     assert again.meta["cached"] and np.array_equal(again.train, d.train) and np.array_equal(again.val, d.val)
     assert again.tokenizer.eot_id == d.tokenizer.eot_id and again.vocab_size == d.vocab_size
     text = again.tokenizer.decode(again.val[5000:5600])
