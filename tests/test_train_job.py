@@ -33,12 +33,11 @@ def _args(data_cache, out, *extra):
 
 
 @pytest.fixture(scope="module")
-def short_run(data_cache, tmp_path_factory):
-    """The folder of one 6-step run (one batch of 4, sampling after the last step); read only."""
-    out = tmp_path_factory.mktemp("short") / "runs"
-    assert train.main(_args(data_cache, out, "--lr", "1e-2")) == 0
-    (run,) = list(out.iterdir())
-    return run
+def short_run(reference):
+    """The folder of one 6-step run (one batch of 4, sampling after the last step); read only.
+    It is the checkpoint tests' uninterrupted reference run below (the same settings; sampling
+    after the last step and the checkpoints change no loss), so the job trains it once."""
+    return reference[0]
 
 
 def test_short_run_writes_complete_report(short_run):
@@ -207,9 +206,11 @@ def _snapshot(root):
 
 @pytest.fixture(scope="module")
 def reference(data_cache, tmp_path_factory):
-    """The uninterrupted 6-step run: checkpoints at 2, 4, 6; the newest two kept, nothing else."""
+    """The uninterrupted 6-step run: checkpoints at 2, 4, 6; the newest two kept, nothing else.
+    It samples 8 tokens after the last step (it is also ``short_run``); the runs compared with it
+    do not (sampling comes after the last step's metrics)."""
     out = tmp_path_factory.mktemp("reference")
-    assert train.main(_ck_args(data_cache, out)) == 0
+    assert train.main(_ck_args(data_cache, out, "--sample-tokens", "8")) == 0
     run = _only(out)
     assert _ckpt_names(run) == ["step_00000004", "step_00000006"]
     rep = json.loads((run / "report.json").read_text())
