@@ -7,7 +7,9 @@ with ``XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu``: j
 processes (the model and data of tests/zero_multiprocess_worker.py), saves a checkpoint after
 step 2 (every process calls save_checkpoint), trains to step 4, then restores the checkpoint into
 a fresh state (every process calls restore_checkpoint) and trains steps 3-4 again. Process 0
-writes both loss curves and the master params at step 2 to OUT.npz.
+writes both loss curves, the master params at step 2 and those after step 4 to OUT.npz. The
+run is also tests/test_zero_multiprocess.py's (ZeRO-3 over 2 processes against one device): it
+is launched once per pytest process (the ``zero3_two_process_run`` fixture in tests/conftest.py).
 """
 import os
 import sys
@@ -40,15 +42,17 @@ def main(pid: int, n_proc: int, port: int, seed: int, ckpt: str, out: str) -> No
             master2 = step.master_params(state)
         state, m = step(state, b)
         losses.append(float(m["loss"]))
+    final = step.master_params(state)  # collective: every process calls it
     state, extra = ck.restore_checkpoint(ckpt, step)
     resumed = []
     for b in batches[extra["data_position"]:]:
         state, m = step(state, b)
         resumed.append(float(m["loss"]))
     if pid == 0:
-        leaves = jax.tree.leaves(master2)
+        leaves, final_leaves = jax.tree.leaves(master2), jax.tree.leaves(final)
         np.savez(out, losses=np.asarray(losses), resumed=np.asarray(resumed), n_devices=n,
-                 n_processes=jax.process_count(), **{f"p{i}": a for i, a in enumerate(leaves)})
+                 n_processes=jax.process_count(), **{f"p{i}": a for i, a in enumerate(leaves)},
+                 **{f"final{i}": a for i, a in enumerate(final_leaves)})
     jax.distributed.shutdown()
 
 

@@ -5,6 +5,8 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -19,3 +21,18 @@ else:
 def pytest_sessionfinish(session, exitstatus):
     if _CACHE:
         shutil.rmtree(_CACHE, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def zero3_two_process_run(tmp_path_factory):
+    """tests/checkpoint_multiprocess_worker.py run once as a 2-process ``jax.distributed`` job (4
+    forced CPU devices each; ZeRO-3 on the micro GPT of tests/zero_multiprocess_worker.py, a
+    checkpoint after step 2, resumed): ``(seed, out.npz, checkpoint folder)``, read only. Shared by
+    tests/test_checkpoint_multiprocess.py and tests/test_zero_multiprocess.py."""
+    import numpy as np
+    from _multiprocess import run_processes
+    seed = int(np.random.default_rng().integers(1 << 30))
+    d = tmp_path_factory.mktemp("zero3_two_processes")
+    out, ckpt = d / "out.npz", d / "ckpt"
+    run_processes("checkpoint_multiprocess_worker.py", lambda i: (seed, ckpt, out))
+    return seed, out, ckpt

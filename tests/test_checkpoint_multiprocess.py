@@ -15,13 +15,10 @@ from models import gpt
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import zero_multiprocess_worker as zmw  # noqa: E402
-from _multiprocess import run_processes  # noqa: E402
 
 
-def test_two_process_zero_checkpoint_resumes_exactly_and_restores_on_one_process(tmp_path):
-    seed = int(np.random.default_rng().integers(1 << 30))
-    out, ckpt = tmp_path / "out.npz", tmp_path / "ckpt"
-    run_processes("checkpoint_multiprocess_worker.py", lambda i: (seed, ckpt, out))
+def test_two_process_zero_checkpoint_resumes_exactly_and_restores_on_one_process(zero3_two_process_run):
+    seed, out, ckpt = zero3_two_process_run  # tests/checkpoint_multiprocess_worker.py, 2 processes
     got = np.load(out)
     assert int(got["n_devices"]) == 8 and int(got["n_processes"]) == 2
     np.testing.assert_array_equal(got["resumed"], got["losses"][2:])  # same processes: bit for bit
