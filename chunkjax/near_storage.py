@@ -205,7 +205,46 @@ def topk_compress_many(grads, ratio: float = 0.01) -> list:
     return out
 
 
-def topk_compress_global(grads, ratio: float = 0.01) -> list:
+def chunk_ranges(start: int, stop: int, chunk_sizes: Sequence[int]) -> list[tuple[int, int, int]]:
+    """The elements [start, stop) of the flattened model (chunks laid end to end, ``chunk_sizes``
+    elements each, in order) as ``[(chunk, start_in_chunk, stop_in_chunk), ...]``: the form
+    ``topk_groups`` takes. Raises ValueError when the range is empty or beyond the last chunk."""
+    bounds = np.cumsum([0] + [int(n) for n in chunk_sizes])
+    if not 0 <= start < stop <= bounds[-1]:
+        raise ValueError(f"elements [{start}, {stop}) are not a non-empty range of the {bounds[-1]} elements")
+    out = []
+    for c in range(len(chunk_sizes)):
+        lo, hi = max(start, bounds[c]), min(stop, bounds[c + 1])
+        if lo < hi:
+            out.append((c, int(lo - bounds[c]), int(hi - bounds[c])))
+    return out
+
+
+def validate_topk_groups(groups, chunk_sizes: Sequence[int]) -> None:
+    """Check ``topk_groups`` (see :func:`topk_compress_global`) against (n_chunks,) ``chunk_sizes``.
+    Raises ValueError naming the bad share or range (shares in (0, 1] summing to <= 1; ranges
+    ``(chunk, start, stop)`` inside their chunk and not overlapping)."""
+    total = 0.0
+    seen: dict[int, list[tuple[int, int]]] = {}
+    for share, ranges in groups:
+        if not 0 < share <= 1:
+            raise ValueError(f"topk_groups: share {share!r} must be in (0, 1]")
+        total += share
+        if not ranges:
+            raise ValueError("topk_groups: a group with no element range")
+        for c, lo, hi in ranges:
+            if not (0 <= c < len(chunk_sizes) and 0 <= lo < hi <= chunk_sizes[c]):
+                raise ValueError(f"topk_groups: range {(c, lo, hi)} is not inside a chunk "
+                                 f"(chunk {c} of {len(chunk_sizes)})")
+            for a, b in seen.get(c, []):
+                if lo < b and a < hi:
+                    raise ValueError(f"topk_groups: ranges {(c, a, b)} and {(c, lo, hi)} overlap")
+            seen.setdefault(c, []).append((lo, hi))
+    if total > 1 + 1e-9:
+        raise ValueError(f"topk_groups: the shares sum to {total:g} (> 1)")
+
+
+def topk_compress_global(grads, ratio: float = 0.01, groups=()) -> list:
     """Top-k over *all* chunks together (one selection unit for the whole model, as top-k
     sparsification over the full flattened gradient in Aji & Heafield 2017 / Lin et al. 2018)
     instead of ``ratio`` of every chunk: k = :func:`topk_k` (total elements, ratio) entries of
@@ -213,18 +252,43 @@ def topk_compress_global(grads, ratio: float = 0.01) -> list:
     small gradients fewer (possibly none). Same wire format and total size as per-chunk top-k
     (int32 index within its chunk + value per kept entry).
 
+    ``groups``: optional fixed shares of the k entries, ``[(share, [(j, start, stop), ...]), ...]``
+    (``j``: position in ``grads``; :func:`chunk_ranges` builds the ranges of a flat interval):
+    each group sends its ``round(share * k)`` largest entries (at most its size), and the elements
+    in no group send the remaining ones, again the largest. The total stays k. Used to give the
+    token embedding a fixed part of the budget: without it the embedding's share of a global
+    top-k swings from step to step with the scale of its gradient (docs/storage.md, "Top-k: a fixed
+    share for the embedding").
+
     The selection is ``numpy.argpartition`` on the host (the values go there to be sent anyway;
     ``jax.lax.top_k`` of 7.3M entries took ~1 s on this CPU, argpartition ~0.1 s). Among entries
     of equal ``|grad|`` at the cut, which are kept is unspecified (deterministic for equal input).
 
     Returns ``[(indices, values), ...]`` per chunk: indices int32 ascending, values in the
-    chunk's dtype."""
+    chunk's dtype. Raises ValueError for bad ``groups`` (:func:`validate_topk_groups`)."""
     flat = [np.asarray(g).reshape(-1) for g in grads]
     bounds = np.cumsum([0] + [g.size for g in flat])
     total = int(bounds[-1])
     k = topk_k(total, ratio)
     a = np.concatenate([np.abs(g.astype(F32, copy=False)) for g in flat])
-    idx = np.sort(np.argpartition(a, total - k)[total - k:]) if k < total else np.arange(total)
+    if not groups:
+        idx = np.sort(np.argpartition(a, total - k)[total - k:]) if k < total else np.arange(total)
+    else:
+        validate_topk_groups(groups, [g.size for g in flat])
+        gid = np.zeros(total, np.int32)  # 0: in no group
+        for g, (_, ranges) in enumerate(groups, 1):
+            for j, lo, hi in ranges:
+                gid[bounds[j] + lo:bounds[j] + hi] = g
+        members = [np.flatnonzero(gid == g) for g in range(len(groups) + 1)]
+        ks = [0] + [min(members[g].size, round(share * k)) for g, (share, _) in enumerate(groups, 1)]
+        ks[0] = min(members[0].size, k - sum(ks))
+        picks = []
+        for pos, kg in zip(members, ks):
+            if 0 < kg < pos.size:
+                picks.append(pos[np.argpartition(a[pos], pos.size - kg)[pos.size - kg:]])
+            elif kg > 0:
+                picks.append(pos)
+        idx = np.sort(np.concatenate(picks)) if picks else np.zeros(0, np.int64)
     cut = np.searchsorted(idx, bounds)
     out = []
     for c, g in enumerate(flat):
@@ -473,6 +537,10 @@ class NearStorageOptimizer(_Trainer):
       topk_scope: "chunk" (default, as the paper: ``topk_ratio`` of every chunk) or "global" (the
         ``topk_ratio`` largest entries of the whole gradient, :func:`topk_compress_global`; same
         total bytes, spread over the chunks by gradient size).
+      topk_groups: with ``topk_scope="global"``, fixed shares of the kept entries,
+        ``[(share, [(chunk, start, stop), ...]), ...]`` (:func:`chunk_ranges` builds the ranges of
+        a leaf; :func:`topk_compress_global`), e.g. ``[(0.5, <the token embedding>)]``; the
+        elements in no group share the rest. Default: none.
       topk_warmup_steps: Deep Gradient Compression's sparsity warm-up (:func:`topk_ratio_at`,
         starting at ``topk_warmup_start``); 0 (default): ``topk_ratio`` from the first step.
       error_feedback: keep each chunk's compression residual (float32, on the gradient's device)
@@ -510,8 +578,9 @@ class NearStorageOptimizer(_Trainer):
     def __init__(self, dirs: Sequence[str], chunk_sizes, spec: AdamW, *, init_params=None,
                  init_state=None, init_step: int = 0, init_residual=None,
                  compression: str | None = None, topk_ratio: float = 0.01, topk_scope: str = "chunk",
-                 topk_warmup_steps: int = 0, topk_warmup_start: float = 0.25, error_feedback: bool = False,
-                 ef_decay: float = 1.0, sparse_update: str = "dense", residual_dir: str | None = None,
+                 topk_groups=(), topk_warmup_steps: int = 0, topk_warmup_start: float = 0.25,
+                 error_feedback: bool = False, ef_decay: float = 1.0, sparse_update: str = "dense",
+                 residual_dir: str | None = None,
                  link_model: LinkModel | None = None, io_mode: str = "auto", n_buffers: int = 3, fsync: bool = True,
                  timeout_s: float = 300.0, _fault: dict | None = None):
         validate_storage_dirs(dirs)  # the whole configuration before any file or process
@@ -529,6 +598,12 @@ class NearStorageOptimizer(_Trainer):
             raise ValueError(f"topk_scope must be 'chunk' or 'global', got {topk_scope!r}")
         if not 0 < ef_decay <= 1:
             raise ValueError(f"ef_decay={ef_decay}: must be in (0, 1]")
+        self.topk_groups = tuple((float(share), tuple(tuple(int(x) for x in r) for r in ranges))
+                                 for share, ranges in topk_groups)
+        if self.topk_groups:
+            if compression != "topk" or topk_scope != "global":
+                raise ValueError("topk_groups needs compression='topk' and topk_scope='global'")
+            validate_topk_groups(self.topk_groups, list(self.chunk_sizes.values()))
         if sparse_update not in ("dense", "lazy"):
             raise ValueError(f"sparse_update must be 'dense' or 'lazy', got {sparse_update!r}")
         self.sparse_update = sparse_update
@@ -794,11 +869,12 @@ class NearStorageOptimizer(_Trainer):
         ratio = topk_ratio_at(step, self.topk_ratio, self.topk_warmup_steps, self.topk_warmup_start)
         cs = list(self.chunk_sizes)
         if not self.error_feedback:
-            fn = topk_compress_global if self.topk_scope == "global" else topk_compress_many
-            return dict(zip(cs, fn([grads[c] for c in cs], ratio))), {}
+            if self.topk_scope == "global":
+                return dict(zip(cs, topk_compress_global([grads[c] for c in cs], ratio, self.topk_groups))), {}
+            return dict(zip(cs, topk_compress_many([grads[c] for c in cs], ratio))), {}
         ge = {c: grads[c].astype(jnp.float32) + self._residual.get(c, 0.0) for c in cs}
         if self.topk_scope == "global":
-            comp = dict(zip(cs, topk_compress_global([ge[c] for c in cs], ratio)))
+            comp = dict(zip(cs, topk_compress_global([ge[c] for c in cs], ratio, self.topk_groups)))
         else:
             comp = {c: topk_compress(ge[c], ratio) for c in cs}
         out, residual = {}, {}

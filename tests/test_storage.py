@@ -22,7 +22,7 @@ import pytest
 from chunkjax import storage
 from chunkjax.host_update import AdamW
 from chunkjax.near_storage import (BaselineOptimizer, NearStorageOptimizer, adamw_hyper, adamw_numpy_, topk_compress,
-                                   topk_compress_global, topk_decompress, topk_k, topk_ratio_at)
+                                   chunk_ranges, topk_compress_global, topk_decompress, topk_k, topk_ratio_at)
 from chunkjax.storage import DiskTier, Link, LinkModel, StorageError, committed_step, read_manifest
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -398,6 +398,75 @@ def test_topk_global_selection_and_sparsity_warmup():
     dens = [topk_ratio_at(s, 0.01, 10, 0.25) for s in range(1, 14)]
     assert dens[0] == 0.25 and all(a > b for a, b in zip(dens[:10], dens[1:11])) and dens[10:] == [0.01] * 3
     assert topk_ratio_at(1, 0.01) == 0.01
+
+
+def test_topk_global_groups_get_fixed_shares():
+    """topk_groups: each group sends the round(share*k) largest |g| of its own elements, the
+    elements in no group the remaining ones (total k); a group spanning chunk edges and a group
+    smaller than its share (all of it sent, the rest to the ungrouped) on fresh random inputs,
+    against a numpy argsort reference; bad groups are refused with one line."""
+    rng = np.random.default_rng()
+    sizes = [700, 513, 1, 1200]
+    g = [rng.standard_normal(n).astype(np.float32) * np.float32(rng.uniform(0.01, 10)) for n in sizes]
+    flat = np.concatenate(g)
+    off = np.cumsum([0] + sizes)
+    emb = chunk_ranges(650, 1500, sizes)  # chunk 0's tail, chunk 1, chunk 2, chunk 3's head
+    assert emb == [(0, 650, 700), (1, 0, 513), (2, 0, 1), (3, 0, 286)]
+    small = [(3, 1000, 1010)]
+    ratio = 0.05
+    k = topk_k(flat.size, ratio)
+    out = topk_compress_global(g, ratio, [(0.4, emb), (0.3, small)])
+    got = np.concatenate([np.asarray(i) + o for (i, _), o in zip(out, off)])
+    member = np.zeros(flat.size, int)
+    member[650:1500], member[off[3] + 1000:off[3] + 1010] = 1, 2
+
+    def largest(mask, n):
+        pos = np.flatnonzero(mask)
+        return pos[np.argsort(-np.abs(flat[pos]), kind="stable")[:n]]
+    k1, k2 = round(0.4 * k), 10  # group 2 has 10 elements, fewer than round(0.3 * k)
+    want = np.sort(np.concatenate([largest(member == 1, k1), largest(member == 2, k2),
+                                   largest(member == 0, k - k1 - k2)]))
+    np.testing.assert_array_equal(got, want)
+    assert got.size == k
+    for (idx, vals), x in zip(out, g):
+        assert idx.dtype == np.int32 and same_bits(vals, x[idx])
+    for bad, needle in [([(0.6, emb), (0.5, small)], "sum to 1.1"), ([(0.0, emb)], "share 0.0"),
+                        ([(0.5, [(1, 500, 514)])], "not inside a chunk"),
+                        ([(0.3, [(3, 0, 20)]), (0.3, [(3, 10, 30)])], "overlap")]:
+        with pytest.raises(ValueError, match=needle):
+            topk_compress_global(g, ratio, bad)
+    with pytest.raises(ValueError, match="not a non-empty range"):
+        chunk_ranges(5, 5, sizes)
+
+
+def test_topk_groups_in_the_optimizer(tmp_path):
+    """NearStorageOptimizer(topk_groups=...): the workers' state equals AdamW (float32, bit for bit)
+    on the decompressed grouped global top-k of each step, clip scale from the full gradient; the
+    option is refused without global top-k and for a range outside the chunks, before any worker."""
+    sizes = [600, 1000, 37]
+    spec = AdamW(1e-2, max_grad_norm=0.5)
+    init = [np.random.default_rng(c).standard_normal(n, dtype=np.float32) for c, n in enumerate(sizes)]
+    groups = [(0.5, chunk_ranges(500, 1400, sizes))]
+    with NearStorageOptimizer([tmp_path / "g0"], sizes, spec, init_params=init, compression="topk", topk_ratio=0.05,
+                              topk_scope="global", topk_groups=groups) as opt:
+        for s in range(2):
+            opt.step(_grads(sizes, s))
+        state = opt.read_state()
+    master, m, v = [x.copy() for x in init], [np.zeros(n, np.float32) for n in sizes], [np.zeros(n, np.float32)
+                                                                                        for n in sizes]
+    for s in range(2):
+        g = _grads(sizes, s)
+        norm = float(jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in g)))
+        clip = None if norm < 0.5 else (np.float32(norm), np.float32(0.5))
+        for c, (idx, vals) in enumerate(topk_compress_global([np.asarray(x) for x in g], 0.05, groups)):
+            adamw_numpy_(master[c], m[c], v[c], topk_decompress(idx, vals, sizes[c]), clip, adamw_hyper(spec, s))
+    for c in range(len(sizes)):
+        assert same_bits(state[c][0], master[c]) and same_bits(state[c][1], m[c]) and same_bits(state[c][2], v[c])
+    with pytest.raises(ValueError, match="topk_scope='global'"):
+        NearStorageOptimizer([tmp_path / "bad"], sizes, spec, init_params=init, compression="topk", topk_groups=groups)
+    with pytest.raises(ValueError, match="not inside a chunk"):
+        NearStorageOptimizer([tmp_path / "bad"], sizes, spec, init_params=init, compression="topk",
+                             topk_scope="global", topk_groups=[(0.5, [(3, 0, 1)])])
 
 
 def test_lazy_sparse_update_steps_only_kept_entries(tmp_path):
