@@ -60,10 +60,11 @@ pipeline and validation loss) with the AdamW update (main job's schedule, weight
 running in :class:`NearStorageOptimizer` workers: gradients from ``jax.value_and_grad`` of the GPT
 loss in float32 on the CPU, flattened into chunks and sent as float32; the workers' bf16 params
 are the next step's params (the forward runs on them, upcast to float32). Runs with the same seed
-and steps (``--variants``, default three): ``uncompressed``, ``topk`` (1 % of every chunk, the
-paper), ``topk_ef`` (with error feedback), and ``topk_global`` / ``topk_global_ef<decay>`` (1 % of
+and steps (``--variants``, default ``uncompressed,topk_global_emb0.5,topk_global_emb0.5_ef0.9``):
+``uncompressed``, ``topk`` (1 % of every chunk, the paper), ``topk_ef`` (with error feedback), and ``topk_global`` / ``topk_global_ef<decay>`` (1 % of
 the whole gradient, :func:`chunkjax.near_storage.topk_compress_global`; error feedback with the
-residual decayed by ``<decay>`` per step). The
+residual decayed by ``<decay>`` per step), ``topk_global_emb<share>`` (the same with ``<share>`` of
+the kept entries reserved for the token embedding, ``topk_groups``). The
 reference is the same loop in memory with the main job's optax optimizer
 (``experiments.train._optimizer``) on float32 master params, the forward on their bf16 rounding;
 the uncompressed run is compared against it for the first ``--compare-steps`` steps.
@@ -351,6 +352,11 @@ class _Model:
         leaves, self.treedef = jax.tree.flatten(params)
         self.shapes = [lf.shape for lf in leaves]
         self.sizes = [int(np.prod(s)) for s in self.shapes]
+        names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+        offsets = np.cumsum([0] + self.sizes)
+        j = next(i for i, nm in enumerate(names) if nm.endswith("['wte']"))
+        #: the token embedding's elements [start, stop) in the flat params (the tied LM head too)
+        self.embedding_range = (int(offsets[j]), int(offsets[j + 1]))
         self.init_flat = np.concatenate([np.asarray(lf, np.float32).ravel() for lf in leaves])
         self.val = data_mod.eval_batches(self.td.val, cfg.batch, cfg.seq, cfg.eval_batches)
         mcfg = self.mcfg
@@ -421,8 +427,10 @@ def run_optax_reference(model: _Model, steps: int) -> dict:
 
 def variant_options(variant: str) -> dict:
     """NearStorageOptimizer options of a train variant: ``uncompressed``, or
-    ``topk[_global][_ef[<decay>]][_lazy]``: top-k per chunk (the paper) or over the whole gradient
-    (``_global``), with error feedback (``_ef``), its residual decayed by ``<decay>`` each step
+    ``topk[_global[_emb<share>]][_ef[<decay>]][_lazy]``: top-k per chunk (the paper) or over the
+    whole gradient (``_global``; ``_emb0.5``: half of the kept entries reserved for the token
+    embedding, returned as ``embedding_share`` and turned into ``topk_groups`` by the caller), with
+    error feedback (``_ef``), its residual decayed by ``<decay>`` each step
     (``_ef0.9``; default 1, classic error feedback), applied by lazy AdamW (``_lazy``: only the
     kept entries step, ``sparse_update="lazy"``). Raises UsageError for other names."""
     if variant == "uncompressed":
@@ -433,6 +441,15 @@ def variant_options(variant: str) -> dict:
     rest = rest[4:]
     if rest.startswith("_global"):
         out["topk_scope"], rest = "global", rest[7:]
+        if rest.startswith("_emb"):
+            num, _, tail = rest[4:].partition("_")
+            try:
+                out["embedding_share"] = float(num)
+            except ValueError:
+                raise UsageError(f"--variants: unknown variant {variant!r}") from None
+            if not 0 < out["embedding_share"] < 1:
+                raise UsageError(f"--variants {variant!r}: the embedding's share must be in (0, 1)")
+            rest = "_" + tail if tail else ""
     if rest.endswith("_lazy"):
         out["sparse_update"], rest = "lazy", rest[:-5]
     if rest.startswith("_ef"):
@@ -447,7 +464,7 @@ def variant_options(variant: str) -> dict:
             rest = ""
     if rest:
         raise UsageError(f"--variants: unknown variant {variant!r} (uncompressed or "
-                         "topk[_global][_ef[<decay>]][_lazy])")
+                         "topk[_global[_emb<share>]][_ef[<decay>]][_lazy])")
     return out
 
 
@@ -458,7 +475,7 @@ def run_near_storage_train(model: _Model, variant: str, args, root: str, compare
     import numpy as np
 
     from chunkjax.host_update import AdamW
-    from chunkjax.near_storage import NearStorageOptimizer
+    from chunkjax.near_storage import NearStorageOptimizer, chunk_ranges
     cfg = model.cfg
     spec = AdamW(_schedule(cfg), weight_decay=cfg.weight_decay, max_grad_norm=cfg.clip if cfg.clip > 0 else None)
     sizes = _chunk_sizes(model.init_flat.size, args.train_chunk)
@@ -466,7 +483,11 @@ def run_near_storage_train(model: _Model, variant: str, args, root: str, compare
     init = [model.init_flat[bounds[i]:bounds[i + 1]] for i in range(len(sizes))]
     base = tempfile.mkdtemp(prefix=f"train_{variant}_", dir=root)
     dirs = [os.path.join(base, f"dev{i}") for i in range(args.train_workers)]
-    opt = NearStorageOptimizer(dirs, sizes, spec, init_params=init, topk_ratio=args.topk, **variant_options(variant),
+    options = variant_options(variant)
+    share = options.pop("embedding_share", None)
+    if share is not None:
+        options["topk_groups"] = [(share, chunk_ranges(*model.embedding_range, sizes))]
+    opt = NearStorageOptimizer(dirs, sizes, spec, init_params=init, topk_ratio=args.topk, **options,
                                n_buffers=args.ns_buffers, fsync=args.fsync)
     flat = _bf16_round(model.init_flat)
     batches = model.batches()
@@ -499,6 +520,7 @@ def run_near_storage_train(model: _Model, variant: str, args, root: str, compare
     return {"variant": variant, "losses": losses, "val": vals, "val_loss": vals[-1]["val_loss"],
             "val_loss_fp32_master": val_master, "shared_link_bytes_per_param": float(np.median(shared)),
             "shared_link_bytes_per_param_mean": float(np.mean(shared)), "options": variant_options(variant),
+            "topk_groups": [[sh, [list(r) for r in rs]] for sh, rs in options.get("topk_groups", [])],
             "wall_s": time.perf_counter() - t0, "n_chunks": len(sizes), "master_at_compare": master_at}
 
 
@@ -553,8 +575,8 @@ SUMMARY_SAME = ("model", "steps", "batch", "seq", "lr", "warmup", "weight_decay"
 def run_summary(paths: list[str]) -> dict:
     """Merge train results of several seeds (one ``storage_train_*.json`` per run, any variants):
     per variant, the validation loss of each seed, their mean and sample standard deviation, and
-    the relative difference of the mean to the uncompressed mean and of each seed to its own
-    seed's uncompressed run (paired). Raises UsageError if a file is missing or not a train result,
+    the relative difference of the mean to the uncompressed mean *over the same seeds* and of each
+    seed to its own seed's uncompressed run (paired). Raises UsageError if a file is missing or not a train result,
     or if the files differ in anything but the seed and the variants."""
     import numpy as np
     files = []
@@ -582,7 +604,6 @@ def run_summary(paths: list[str]) -> dict:
             per[v][seed] = {"val_loss": run["val_loss"], "shared_link_bytes_per_param":
                             run["shared_link_bytes_per_param"], "file": os.path.basename(p)}
     u = per.get("uncompressed", {})
-    umean = float(np.mean([x["val_loss"] for x in u.values()])) if u else None
     out = {"kind": "storage_train_summary", "config": base, "variants": {}}
     for v, seeds in sorted(per.items(), key=lambda kv: (kv[0] != "uncompressed", kv[0])):
         vals = [seeds[s]["val_loss"] for s in sorted(seeds)]
@@ -592,8 +613,12 @@ def run_summary(paths: list[str]) -> dict:
                "shared_link_bytes_per_param": float(np.median([x["shared_link_bytes_per_param"]
                                                                for x in seeds.values()])),
                "files": [seeds[s]["file"] for s in sorted(seeds)]}
-        if umean is not None:
-            row["mean_rel_diff_to_uncompressed"] = (mean - umean) / umean
+        both = [s for s in sorted(seeds) if s in u]
+        if both:  # the means over the seeds both have
+            umean = float(np.mean([u[s]["val_loss"] for s in both]))
+            vmean = float(np.mean([seeds[s]["val_loss"] for s in both]))
+            row["mean_rel_diff_to_uncompressed"] = (vmean - umean) / umean
+            row["mean_compared_over_seeds"] = both
             row["within_3pct"] = abs(row["mean_rel_diff_to_uncompressed"]) <= 0.03
             paired = [(seeds[s]["val_loss"] - u[s]["val_loss"]) / u[s]["val_loss"] for s in sorted(seeds) if s in u]
             row["paired_rel_diff"] = paired
@@ -668,10 +693,11 @@ def parse_args(argv=None):
     ap.add_argument("--train-chunk", default="65536", help="train: elements per chunk")
     ap.add_argument("--train-workers", default="2", help="train: near-storage workers (directories)")
     ap.add_argument("--compare-steps", default="20", help="train: steps compared with in-memory optax (0: skip)")
-    ap.add_argument("--variants", default="uncompressed,topk,topk_ef",
-                    help="train: runs, comma-separated: uncompressed, or topk[_global][_ef[<decay>]][_lazy] (top-k "
-                         "per chunk or over the whole gradient, error feedback with its residual decayed by "
-                         "<decay>, lazy AdamW on the kept entries only)")
+    ap.add_argument("--variants", default="uncompressed,topk_global_emb0.5,topk_global_emb0.5_ef0.9",
+                    help="train: runs, comma-separated: uncompressed, or "
+                         "topk[_global[_emb<share>]][_ef[<decay>]][_lazy] (top-k per chunk or over the whole "
+                         "gradient, <share> of the kept entries for the token embedding, error feedback with its "
+                         "residual decayed by <decay>, lazy AdamW on the kept entries only)")
     ap.add_argument("--storage-dir", default=None, help="where chunk files go (default: the system temp folder)")
     ap.add_argument("--run-id", default=None, help="results file suffix (default: UTC time)")
     ap.add_argument("--results-dir", default="experiments/results", help="JSON goes here")
@@ -780,7 +806,8 @@ def main(argv=None) -> int:
             body = (f"### Top-k over several seeds ({args.run_id})\n\n`{cmd}`\n\n"
                     f"Model {c['model']}, {c['steps']} steps, batch {c['batch']}, seq {c['seq']}, top-k ratio "
                     f"{c['topk']}; one `--mode train` run per seed, merged. \"mean vs uncompressed\" compares "
-                    f"the means over seeds; \"per seed\" compares each run with the uncompressed run of its own "
+                    f"the means over the seeds both ran; \"per seed\" compares each run with the uncompressed run "
+                    f"of its own "
                     f"seed (same init and data). Results: `{path}`.\n\n{table}\n")
         else:
             vo = res.get("vs_optax")

@@ -58,12 +58,20 @@ def test_train_tiny_equals_optax_and_has_three_runs(tmp_path):
                   "--no-fsync", "--run-id", "t", "--results-dir", str(tmp_path), "--docs", ""])
     assert rc == 0
     res = json.loads((tmp_path / "storage_train_t.json").read_text())
-    assert set(res["runs"]) == {"uncompressed", "topk", "topk_ef"}
+    runs = res["runs"]
+    assert set(runs) == {"uncompressed", "topk_global_emb0.5", "topk_global_emb0.5_ef0.9"}  # the defaults
+    for v in ("topk_global_emb0.5", "topk_global_emb0.5_ef0.9"):  # half the budget for the token embedding:
+        [[share, ranges]] = runs[v]["topk_groups"]  # micro's wte, (512, 64), is the flat params' last leaf
+        n = res["n_params"]
+        assert share == 0.5
+        covered = sum(hi - lo for _, lo, hi in ranges)
+        start, stop = min(c * 50000 + lo for c, lo, _ in ranges), max(c * 50000 + hi for c, _, hi in ranges)
+        assert covered == 512 * 64 and (start, stop) == (n - 512 * 64, n)
     for r in res["runs"].values():
         assert len(r["losses"]) == 4 and r["val"][-1]["step"] == 4
         assert "val_loss_rel_diff_to_uncompressed" in r
     assert res["runs"]["uncompressed"]["val_loss_rel_diff_to_uncompressed"] == 0
-    assert res["runs"]["topk"]["shared_link_bytes_per_param"] < 2.5 < res["runs"]["uncompressed"][
+    assert runs["topk_global_emb0.5"]["shared_link_bytes_per_param"] < 2.5 < runs["uncompressed"][
         "shared_link_bytes_per_param"]
     vo = res["vs_optax"]
     assert vo["steps"] == 4 and vo["allclose_rtol1e-5_atol1e-6"]
@@ -78,7 +86,13 @@ def test_train_variant_names():
                                                        "error_feedback": True, "ef_decay": 0.9}
     assert bs.variant_options("topk_global_lazy") == {"compression": "topk", "topk_scope": "global",
                                                       "sparse_update": "lazy"}
-    for bad in ("topk_glob", "topk_ef2", "topk_efx", "dense", "uncompressed_lazy", "topk_lazy_global"):
+    assert bs.variant_options("topk_global_emb0.5") == {"compression": "topk", "topk_scope": "global",
+                                                        "embedding_share": 0.5}
+    assert bs.variant_options("topk_global_emb0.25_ef0.9") == {"compression": "topk", "topk_scope": "global",
+                                                               "embedding_share": 0.25, "error_feedback": True,
+                                                               "ef_decay": 0.9}
+    for bad in ("topk_glob", "topk_ef2", "topk_efx", "dense", "uncompressed_lazy", "topk_lazy_global",
+                "topk_emb0.5", "topk_global_emb", "topk_global_emb1.5", "topk_global_embx_ef"):
         with pytest.raises(bs.UsageError):
             bs.variant_options(bad)
 
@@ -110,6 +124,8 @@ def test_summary_merges_seeds_and_refuses_mixed_configs(tmp_path):
         cfg = {k: 1 for k in bs.SUMMARY_SAME} | {"seed": s, "model": "tiny", "topk": 0.01}
         runs = {"uncompressed": {"val_loss": u, "shared_link_bytes_per_param": 6.0},
                 "topk_global": {"val_loss": t, "shared_link_bytes_per_param": 2.08}}
+        if s < 2:  # a variant run on seeds 0 and 1 only
+            runs["topk_ef"] = {"val_loss": t + 0.5, "shared_link_bytes_per_param": 2.08}
         p = tmp_path / f"storage_train_s{s}.json"
         p.write_text(json.dumps({"kind": "storage_train", "config": cfg, "runs": runs}))
         paths.append(str(p))
@@ -122,6 +138,9 @@ def test_summary_merges_seeds_and_refuses_mixed_configs(tmp_path):
     assert row["mean_rel_diff_to_uncompressed"] == pytest.approx((tm - um) / um)
     assert row["paired_rel_diff"] == pytest.approx([(t - u) / u for u, t in vals.values()])
     assert row["within_3pct"] == (abs(tm - um) / um <= 0.03)
+    ef = res["variants"]["topk_ef"]  # its mean against the uncompressed mean over the same two seeds
+    u01, t01 = np.mean([vals[0][0], vals[1][0]]), np.mean([vals[0][1], vals[1][1]]) + 0.5
+    assert ef["seeds"] == [0, 1] and ef["mean_rel_diff_to_uncompressed"] == pytest.approx((t01 - u01) / u01)
     bad = json.loads(open(paths[1]).read())
     bad["config"]["steps"] = 2
     (tmp_path / "bad.json").write_text(json.dumps(bad))
