@@ -244,7 +244,40 @@ def validate_topk_groups(groups, chunk_sizes: Sequence[int]) -> None:
         raise ValueError(f"topk_groups: the shares sum to {total:g} (> 1)")
 
 
-def topk_compress_global(grads, ratio: float = 0.01, groups=()) -> list:
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _global_topk_device(x, ks: tuple[int, ...], spans: tuple[tuple[tuple[int, int], ...], ...]):
+    """On x's device: the ``ks[g]`` largest |x| among the elements of group g (group 0: those in no
+    span of ``spans``; group g >= 1: ``spans[g-1]``, flat (lo, hi) ranges). Returns (k,) int32
+    ascending flat indices and x at them."""
+    a = jnp.abs(x.astype(jnp.float32))
+    gid = jnp.zeros(x.shape[0], jnp.int8)
+    for g, group in enumerate(spans, 1):
+        for lo, hi in group:
+            gid = gid.at[lo:hi].set(g)
+    picks = []
+    for g, k in enumerate(ks):
+        if k:
+            picks.append(jax.lax.top_k(jnp.where(gid == g, a, -1.0), k)[1])  # |x| >= 0 > -1: members first
+    idx = jnp.sort(jnp.concatenate(picks)).astype(jnp.int32)
+    return idx, x[idx]
+
+
+def _group_counts(k: int, groups, sizes: list[int]) -> list[int]:
+    """Entries kept per group: ``[rest, group 1, ...]``; group g gets ``round(share * k)``, at most
+    its ``sizes[g]`` elements and what earlier groups left of k; the rest (``sizes[0]`` elements in
+    no group) gets what remains, at most its size."""
+    ks = [0]
+    for g, (share, _) in enumerate(groups, 1):
+        ks.append(min(sizes[g], round(share * k), k - sum(ks)))
+    ks[0] = min(sizes[0], k - sum(ks))
+    return ks
+
+
+def _on_accelerator(g) -> bool:
+    return isinstance(g, jax.Array) and any(d.platform != "cpu" for d in g.devices())
+
+
+def topk_compress_global(grads, ratio: float = 0.01, groups=(), device: bool | None = None) -> list:
     """Top-k over *all* chunks together (one selection unit for the whole model, as top-k
     sparsification over the full flattened gradient in Aji & Heafield 2017 / Lin et al. 2018)
     instead of ``ratio`` of every chunk: k = :func:`topk_k` (total elements, ratio) entries of
@@ -260,28 +293,45 @@ def topk_compress_global(grads, ratio: float = 0.01, groups=()) -> list:
     top-k swings from step to step with the scale of its gradient (docs/storage.md, "Top-k: a fixed
     share for the embedding").
 
-    The selection is ``numpy.argpartition`` on the host (the values go there to be sent anyway;
-    ``jax.lax.top_k`` of 7.3M entries took ~1 s on this CPU, argpartition ~0.1 s). Among entries
-    of equal ``|grad|`` at the cut, which are kept is unspecified (deterministic for equal input).
+    ``device``: where the selection runs. True: ``jax.lax.top_k`` on the gradients' device (one per
+    group), and only the k kept indices and values move to the host. False: ``numpy.argpartition``
+    on the host, which needs the whole gradient there (``jax.lax.top_k`` of 7.3M entries took ~1 s
+    on this 2-core CPU, argpartition ~0.1 s). None (default): True when the gradients are jax arrays
+    on an accelerator. Both keep the same entries, except which of several equal ``|grad|`` at the
+    cut are kept (unspecified; deterministic for equal input).
 
     Returns ``[(indices, values), ...]`` per chunk: indices int32 ascending, values in the
-    chunk's dtype. Raises ValueError for bad ``groups`` (:func:`validate_topk_groups`)."""
-    flat = [np.asarray(g).reshape(-1) for g in grads]
-    bounds = np.cumsum([0] + [g.size for g in flat])
+    chunk's dtype (numpy arrays). Raises ValueError for bad ``groups`` (:func:`validate_topk_groups`)."""
+    sizes = [int(np.prod(np.shape(g))) for g in grads]
+    bounds = np.cumsum([0] + sizes)
     total = int(bounds[-1])
     k = topk_k(total, ratio)
+    if groups:
+        validate_topk_groups(groups, sizes)
+    if device is None:
+        device = all(_on_accelerator(g) for g in grads)
+    if device:
+        flat = [jnp.asarray(g).reshape(-1) for g in grads]
+        n_in = [sum(hi - lo for _, lo, hi in ranges) for _, ranges in groups]
+        ks = tuple(_group_counts(k, groups, [total - sum(n_in), *n_in]))
+        spans = tuple(tuple((int(bounds[j] + lo), int(bounds[j] + hi)) for j, lo, hi in ranges)
+                      for _, ranges in groups)
+        x = jnp.concatenate(flat) if len(flat) > 1 else flat[0]
+        idx, vals = (np.asarray(a) for a in _global_topk_device(x, ks, spans))
+        cut = np.searchsorted(idx, bounds)
+        return [((idx[cut[c]:cut[c + 1]] - bounds[c]).astype(np.int32),
+                 vals[cut[c]:cut[c + 1]].astype(np.dtype(flat[c].dtype))) for c in range(len(flat))]
+    flat = [np.asarray(g).reshape(-1) for g in grads]
     a = np.concatenate([np.abs(g.astype(F32, copy=False)) for g in flat])
     if not groups:
         idx = np.sort(np.argpartition(a, total - k)[total - k:]) if k < total else np.arange(total)
     else:
-        validate_topk_groups(groups, [g.size for g in flat])
         gid = np.zeros(total, np.int32)  # 0: in no group
         for g, (_, ranges) in enumerate(groups, 1):
             for j, lo, hi in ranges:
                 gid[bounds[j] + lo:bounds[j] + hi] = g
         members = [np.flatnonzero(gid == g) for g in range(len(groups) + 1)]
-        ks = [0] + [min(members[g].size, round(share * k)) for g, (share, _) in enumerate(groups, 1)]
-        ks[0] = min(members[0].size, k - sum(ks))
+        ks = _group_counts(k, groups, [m.size for m in members])
         picks = []
         for pos, kg in zip(members, ks):
             if 0 < kg < pos.size:

@@ -415,21 +415,35 @@ def test_topk_global_groups_get_fixed_shares():
     small = [(3, 1000, 1010)]
     ratio = 0.05
     k = topk_k(flat.size, ratio)
-    out = topk_compress_global(g, ratio, [(0.4, emb), (0.3, small)])
-    got = np.concatenate([np.asarray(i) + o for (i, _), o in zip(out, off)])
     member = np.zeros(flat.size, int)
     member[650:1500], member[off[3] + 1000:off[3] + 1010] = 1, 2
 
-    def largest(mask, n):
+    def largest(x, mask, n):
         pos = np.flatnonzero(mask)
-        return pos[np.argsort(-np.abs(flat[pos]), kind="stable")[:n]]
+        return pos[np.argsort(-np.abs(x[pos]), kind="stable")[:n]]
     k1, k2 = round(0.4 * k), 10  # group 2 has 10 elements, fewer than round(0.3 * k)
-    want = np.sort(np.concatenate([largest(member == 1, k1), largest(member == 2, k2),
-                                   largest(member == 0, k - k1 - k2)]))
-    np.testing.assert_array_equal(got, want)
-    assert got.size == k
-    for (idx, vals), x in zip(out, g):
-        assert idx.dtype == np.int32 and same_bits(vals, x[idx])
+    # on the host (numpy), and with jax.lax.top_k on the gradients' device (here the CPU), also with
+    # the chunks as jax arrays in mixed dtypes (bf16 values come back as bf16, exactly)
+    gj = [jnp.asarray(x, jnp.bfloat16 if c == 1 else jnp.float32) for c, x in enumerate(g)]
+    for grads, device in [(g, False), (g, True), (gj, True), (gj, False)]:
+        x = np.concatenate([np.asarray(a, np.float32) for a in grads])
+        want = [largest(x, member == 1, k1), largest(x, member == 2, k2), largest(x, member == 0, k - k1 - k2)]
+        out = topk_compress_global(grads, ratio, [(0.4, emb), (0.3, small)], device=device)
+        got = np.concatenate([np.asarray(i) + o for (i, _), o in zip(out, off)])
+        assert got.size == k and np.all(np.diff(got) > 0)
+        for grp, w in zip((1, 2, 0), want):  # each group keeps its largest |g| (bf16 may tie at the cut)
+            mine = got[member[got] == grp]
+            np.testing.assert_array_equal(np.sort(np.abs(x[mine])), np.sort(np.abs(x[w])))
+        if grads is g:  # float32 random values: no ties, the very same entries
+            np.testing.assert_array_equal(got, np.sort(np.concatenate(want)))
+        for (idx, vals), a in zip(out, grads):
+            assert idx.dtype == np.int32 and vals.dtype == np.asarray(a).dtype
+            assert np.array_equal(vals.view(np.uint8), np.asarray(a)[idx].view(np.uint8))  # same bits
+    out = topk_compress_global(g, ratio)  # no groups: both paths keep the k largest overall
+    dev = topk_compress_global(g, ratio, device=True)
+    for (i1, v1), (i2, v2) in zip(out, dev):
+        np.testing.assert_array_equal(i1, i2)
+        assert same_bits(v1, v2)
     for bad, needle in [([(0.6, emb), (0.5, small)], "sum to 1.1"), ([(0.0, emb)], "share 0.0"),
                         ([(0.5, [(1, 500, 514)])], "not inside a chunk"),
                         ([(0.3, [(3, 0, 20)]), (0.3, [(3, 10, 30)])], "overlap")]:
