@@ -11,29 +11,44 @@ A JAX reimplementation of PatrickStar (chunks placed by the memory tide) and Sma
 with XLA collectives, host updates per rank shard); ``zero`` is the one-program ZeRO step that
 also runs across processes (docs/multihost.md).
 """
-from chunkjax.checkpoint import (AsyncSave, CheckpointError, CheckpointWriteError, export_params, latest_step,
-                                 restore_checkpoint, save_checkpoint, save_checkpoint_async)
-from chunkjax.flax_api import ChunkedOptimizer, NnxOptimizer
-from chunkjax.layout import ChunkLayout, LeafSlot, build_layout, first_use_order, search_chunk_size
-from chunkjax.loss_scale import DynamicLossScale
-from chunkjax.memory import DEVICE, PINNED_HOST
-from chunkjax.optim import init_chunk_state, update_chunk
-from chunkjax.plan import (Accounting, ChunkBytes, Placement, PlanError, StageTrace, account, chunk_bytes,
-                           parse_bytes, plan_fixed)
-from chunkjax.runtime import ChunkedStep, TrainState, make_chunked_step
-from chunkjax.schedule import Schedule, plan_schedule
-from chunkjax.stages import Stage, compose_loss
-from chunkjax.trace import trace_stages
-from chunkjax.zero import build_zero_layout, data_mesh
-from chunkjax.zero_schedule import ZeroScheduledStep, make_zero_scheduled_step, plan_zero_schedule
+import importlib
+import importlib.util
 
-__all__ = [
-    "CheckpointError", "CheckpointWriteError", "export_params", "latest_step", "restore_checkpoint", "save_checkpoint",
-    "save_checkpoint_async", "AsyncSave",
-    "Accounting", "ChunkBytes", "ChunkLayout", "ChunkedStep", "DEVICE", "LeafSlot", "PINNED_HOST", "Placement",
-    "PlanError", "Schedule", "Stage", "StageTrace", "TrainState", "account", "build_layout", "chunk_bytes", "compose_loss",
-    "first_use_order", "init_chunk_state", "make_chunked_step", "parse_bytes", "plan_fixed", "plan_schedule", "search_chunk_size",
-    "trace_stages", "update_chunk",
-    "ChunkedOptimizer", "NnxOptimizer", "DynamicLossScale",
-    "ZeroScheduledStep", "build_zero_layout", "data_mesh", "make_zero_scheduled_step", "plan_zero_schedule",
-]
+#: public name -> the module that defines it. Imported on first use (PEP 562), so that
+#: ``import chunkjax.storage`` (e.g. in a near-storage worker process) does not pull in jax, flax
+#: and orbax.
+_EXPORTS = {
+    **dict.fromkeys(["AsyncSave", "CheckpointError", "CheckpointWriteError", "export_params", "latest_step",
+                     "restore_checkpoint", "save_checkpoint", "save_checkpoint_async"], "checkpoint"),
+    **dict.fromkeys(["ChunkedOptimizer", "NnxOptimizer"], "flax_api"),
+    **dict.fromkeys(["ChunkLayout", "LeafSlot", "build_layout", "first_use_order", "search_chunk_size"], "layout"),
+    "DynamicLossScale": "loss_scale",
+    **dict.fromkeys(["DEVICE", "PINNED_HOST"], "memory"),
+    **dict.fromkeys(["init_chunk_state", "update_chunk"], "optim"),
+    **dict.fromkeys(["Accounting", "ChunkBytes", "Placement", "PlanError", "StageTrace", "account", "chunk_bytes",
+                     "parse_bytes", "plan_fixed"], "plan"),
+    **dict.fromkeys(["ChunkedStep", "TrainState", "make_chunked_step"], "runtime"),
+    **dict.fromkeys(["Schedule", "plan_schedule"], "schedule"),
+    **dict.fromkeys(["Stage", "compose_loss"], "stages"),
+    "trace_stages": "trace",
+    **dict.fromkeys(["build_zero_layout", "data_mesh"], "zero"),
+    **dict.fromkeys(["ZeroScheduledStep", "make_zero_scheduled_step", "plan_zero_schedule"], "zero_schedule"),
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    """A public name (imported from its module on first use) or a submodule (``chunkjax.checkpoint``)."""
+    module = _EXPORTS.get(name)
+    if module is not None:
+        value = getattr(importlib.import_module(f"chunkjax.{module}"), name)
+        globals()[name] = value
+        return value
+    if importlib.util.find_spec(f"chunkjax.{name}") is not None:
+        return importlib.import_module(f"chunkjax.{name}")
+    raise AttributeError(f"module 'chunkjax' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
