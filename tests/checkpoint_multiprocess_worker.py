@@ -10,6 +10,8 @@ a fresh state (every process calls restore_checkpoint) and trains steps 3-4 agai
 writes both loss curves, the master params at step 2 and those after step 4 to OUT.npz. The
 run is also tests/test_zero_multiprocess.py's (ZeRO-3 over 2 processes against one device): it
 is launched once per pytest process (the ``zero3_two_process_run`` fixture in tests/conftest.py).
+The same launch works on a cluster: set the coordinator address, process count and id per node
+(or let ``jax.distributed.initialize()`` read them from SLURM) and drop the gloo line on GPUs.
 """
 import os
 import sys
