@@ -2,7 +2,7 @@
 partitions users know, all planned by the same engine on abstract shapes (runs on a CPU).
 
     python -m experiments.plan --model GPT3_10B --device-budget 24GiB --host-budget 120GiB \\
-        --batch 8 --seq 1024 [--json] [--tide-from RESULTS_JSON]
+        --batch 8 --seq 1024 [--json] [--tide-from RESULTS_JSON] [--ranks N [--zero-stage 3]]
 
 The plan is :func:`chunkjax.schedule.plan_schedule` with the host AdamW kernel (offloaded chunks
 update in place on the host, overlapping the backward pass). Baselines, scheduled over the same
@@ -28,6 +28,23 @@ that is an *estimate* of the GPU's, and a high one: XLA CPU's attention material
 GPU run of experiments/bench.py (``stage_temp_bytes`` of the chunkjax system) when model, batch
 and sequence match, and the cost-model rates that run calibrated; otherwise the plan is labelled
 "estimated on cpu".
+
+ZeRO over N GPUs of one node (``--ranks N``, N > 1; ``--zero-stage`` 1, 2 or 3, default 3): the
+plan of every rank of :class:`chunkjax.zero_schedule.ZeroScheduledStep`, as
+experiments/bench_chunkjax.py plans it on N real devices, here on abstract shapes (no mesh, no
+devices: it runs on a one-device CPU). ``--batch`` is the *global* batch (rows per step, split
+evenly: each rank traces ``batch / N`` rows), ``--device-budget`` is each GPU's (bytes), and
+``--host-budget`` is the node's host memory for model data (bytes; each rank gets 1/N of it).
+The layout is :func:`chunkjax.zero.build_zero_layout` (chunks split evenly over the ranks) and
+the schedule :func:`chunkjax.zero_schedule.plan_zero_schedule`: per-rank chunk bytes
+(:func:`~chunkjax.zero_schedule.rank_chunk_bytes`), one rank's FLOPs (1/N of the step's). The
+report gives per rank the peak device bytes, the host bytes of model data, the H2D / D2H bytes
+per step and the predicted step (seconds), the collective bytes one rank sends per step
+(accounted, ring algorithms), and per node the host bytes (N x a rank's) and tokens/s (global
+batch x seq / predicted step). The predicted step does *not* include collectives: the cost model
+(:func:`chunkjax.cost.predict_pipelined_step`) times compute, PCIe transfers (each rank its own
+link), host and device updates, and nothing of the all-gathers / reduce-scatters (see
+:data:`ZERO_TIME_NOTE`). No baselines are planned for N > 1 (they are single-device schedules).
 """
 from __future__ import annotations
 
@@ -40,6 +57,22 @@ import time
 from typing import Sequence
 
 BASELINES = ("all_host", "zero_offload")
+ZERO_STAGES = (1, 2, 3)
+#: what the predicted step of a ZeRO plan counts and leaves out (printed and in the JSON)
+ZERO_TIME_NOTE = (
+    "predicted step = one rank's step by chunkjax.cost.predict_pipelined_step: compute (1/N of the step's FLOPs "
+    "at rates.matmul_flops_per_s, with recompute), the rank's PCIe fetches/offloads (each rank its own link; "
+    "host memory bandwidth shared by the N links is not modeled; a ZeRO-3 fetch is timed at the full chunk plus "
+    "the rank's shard, rank_chunk_bytes' figure, though only the shard crosses PCIe), the host AdamW of every "
+    "offloaded chunk's full chunk_size (one process's host thread updates the slices of all N ranks, at "
+    "rates.host_update_s_per_param) and device updates (timed for full chunks; a rank updates its 1/N). "
+    "NOT included: collective time (all-gather of params, "
+    "reduce-scatter / all-reduce of gradients over NVLink), neither its duration nor its overlap with compute; "
+    "their bytes are given (collective_bytes_per_step_per_rank, accounted, not timed)")
+_MSG_HOST_ZERO = ("node host budget {host} bytes ({host_rank} per rank over {n} ranks) is below the {need_node} bytes "
+                  "({need} per rank) of model data the host must hold at a device budget of {dev} bytes per GPU "
+                  "(every chunk that fits stays on the device): use --host-budget >= {need_gib:.3f}GiB (the node's) "
+                  "or a larger --device-budget")
 _MSG_HOST = ("host budget {host} bytes is below the {need} bytes of model data and gradient buffers the host "
              "must hold at a device budget of {dev} bytes (every chunk that fits stays on the device): use "
              "--host-budget >= {need_gib:.3f}GiB or a larger --device-budget")
@@ -53,15 +86,19 @@ class PlanInputs:
 
     Attributes:
       cfg: the model config (models/gpt.py).
-      batch, seq: batch shape (tokens per step = batch * seq).
-      layout: chunk layout (chunk ids in first-use order).
-      traces: per-stage traces (temporaries from the backend, or from a recorded GPU run).
-      tide: the memory tide over ``traces``.
-      cb: bytes of one chunk per chunk list (AdamW state).
-      flops_per_step: training FLOPs of one step.
+      batch, seq: batch shape, rows x tokens (tokens per step = batch * seq); with ``n_ranks`` > 1
+        the global batch (each rank runs ``batch / n_ranks`` rows).
+      layout: chunk layout (chunk ids in first-use order; with ``n_ranks`` > 1 a ZeRO layout whose
+        ``chunk_size`` splits evenly over the ranks).
+      traces: per-stage traces of one rank's rows (temporaries from the backend, or from a
+        recorded GPU run).
+      tide: the memory tide over ``traces`` (one rank's non-model bytes).
+      cb: bytes of one whole chunk per chunk list (AdamW state).
+      flops_per_step: training FLOPs of one step of one rank (FLOPs).
       rates: cost-model rates.
       tide_source: where the non-model bytes come from ("estimated on cpu", "recorded on gpu ...").
       rates_source: where the rates come from.
+      n_ranks: data-parallel ranks (GPUs) the step is split over (1: one device, no ZeRO).
     """
 
     cfg: object
@@ -75,6 +112,12 @@ class PlanInputs:
     rates: object
     tide_source: str
     rates_source: str
+    n_ranks: int = 1
+
+    @property
+    def rank_batch(self) -> int:
+        """Rows one rank runs per step."""
+        return self.batch // self.n_ranks
 
 
 def _recorded(path: str | pathlib.Path) -> tuple[dict, dict]:
@@ -91,7 +134,9 @@ def recorded_stage_temps(path, model: str, batch: int, seq: int, stage_names: Se
     """Per-stage temporaries recorded by a GPU run, when its model, batch and seq match.
 
     Block stages (``h_<i>``) take the recorded ``h_0`` figure (identical blocks compile to one
-    program). Returns (``{stage name: bytes}`` or None, a one-line reason when None).
+    program). ``batch`` is rows per device; a recorded ZeRO run (``extra.zero_stage`` over
+    ``extra.n_devices``) traced ``batch / n_devices`` rows per device, which is what it is compared
+    with. Returns (``{stage name: bytes}`` or None, a one-line reason when None).
     """
     from models import gpt
 
@@ -101,6 +146,10 @@ def recorded_stage_temps(path, model: str, batch: int, seq: int, stage_names: Se
         return None, f"{path} records no stage_temp_bytes (a chunkjax run of experiments/bench.py does)"
     r_model = s.get("model", rec.get("model"))
     r_batch, r_seq = s.get("batch", rec.get("batch")), s.get("seq", rec.get("seq"))
+    extra = s.get("extra") or {}
+    r_dev = int(extra.get("n_devices") or 1) if extra.get("zero_stage") else 1
+    if r_dev > 1 and isinstance(r_batch, int):
+        r_batch //= r_dev  # a ZeRO run traced each device's rows
     try:
         same_model = gpt.get_config(str(r_model)).name == gpt.get_config(model).name
     except ValueError:
@@ -130,18 +179,22 @@ def recorded_rates(path):
 
 
 def trace_inputs(model: str, batch: int, seq: int, *, chunk_size: int | None = None,
-                 min_chunks: int = 8) -> PlanInputs:
+                 min_chunks: int = 8, n_ranks: int = 1) -> PlanInputs:
     """Trace a model's stages for a batch shape on this backend (abstract shapes only) and build
     its tide, with the default rates.
 
     Args:
       model: a name of models/gpt.py's table (case-insensitive).
-      batch, seq: batch shape.
+      batch, seq: batch shape (rows, tokens per row); with ``n_ranks`` > 1 the global batch.
       chunk_size: elements per chunk (None: chunkjax's search, as experiments/bench.py uses).
       min_chunks: passed to the chunk-size search.
+      n_ranks: ZeRO ranks (> 1: the layout of :func:`chunkjax.zero.build_zero_layout`, each rank's
+        ``batch / n_ranks`` rows traced and 1/n_ranks of the FLOPs, as
+        experiments/bench_chunkjax.py plans a ZeRO run; no devices are needed).
 
     Raises:
-      ValueError: unknown model, or ``seq`` beyond the model's positions.
+      ValueError: unknown model, ``seq`` beyond the model's positions, ``n_ranks < 1`` or a batch
+        that does not split over the ranks.
     """
     import jax
     import jax.numpy as jnp
@@ -158,19 +211,39 @@ def trace_inputs(model: str, batch: int, seq: int, *, chunk_size: int | None = N
         raise ValueError(f"--seq {seq} exceeds the model's {cfg.seq_len} positions")
     if batch < 1 or seq < 1:
         raise ValueError("--batch and --seq must be >= 1")
+    check_ranks(batch, n_ranks)
     stages = gpt.gpt_stages(cfg)
     ap = gpt.abstract_params(cfg)
     ab = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32)
     order = cj.first_use_order(lambda p, b: cj.compose_loss(stages, p, b), ap, ab)
     layout = cj.build_layout(ap, chunk_size, order, min_chunks=min_chunks)
+    if n_ranks > 1:  # chunks that split over the ranks; each rank traces its rows
+        from chunkjax.zero import build_zero_layout
+        layout = build_zero_layout(ap, n_ranks, layout.chunk_size, order)
+        ab = jax.ShapeDtypeStruct((batch // n_ranks, seq + 1), jnp.int32)
     traces = cj.trace_stages(stages, layout, ab, jnp.bfloat16)
     backend = jax.default_backend()
     spec = AdamW(1e-4, weight_decay=1e-4)  # what experiments/bench.py's chunkjax system runs
     cb = cj.chunk_bytes(layout, jnp.bfloat16, state_bytes_per_chunk(spec.optax(), layout.chunk_size))
     return PlanInputs(cfg, batch, seq, layout, traces, memory_tide(traces, layout.chunk_size), cb,
-                      float(cfg.flops_per_token(seq) * batch * seq), Rates(),
+                      float(cfg.flops_per_token(seq) * batch * seq // n_ranks), Rates(),
                       f"estimated on {backend}" if backend != "gpu" else "traced on gpu",
-                      "chunkjax.cost.Rates() defaults (H200)")
+                      "chunkjax.cost.Rates() defaults (H200)", n_ranks)
+
+
+def check_ranks(batch: int, n_ranks: int, zero_stage: int = 3) -> None:
+    """Raise ValueError (one line naming what to use) unless ``n_ranks >= 1``, ``zero_stage`` is
+    1, 2 or 3 and the global ``batch`` (rows) splits evenly over the ranks."""
+    if not isinstance(n_ranks, int) or n_ranks < 1:
+        raise ValueError(f"--ranks must be >= 1 (GPUs the step is split over), got {n_ranks}: "
+                         "use --ranks 1 for one GPU")
+    if zero_stage not in ZERO_STAGES:
+        raise ValueError(f"--zero-stage must be 1, 2 or 3, got {zero_stage}: use 3 (params, gradients and "
+                         "optimizer state sharded), 2 or 1")
+    if batch % n_ranks:
+        up = -(-batch // n_ranks) * n_ranks
+        raise ValueError(f"--batch {batch} (the global batch) does not split over {n_ranks} ranks: use a "
+                         f"multiple of {n_ranks}, e.g. --batch {up}")
 
 
 def with_recorded(inp: PlanInputs, path, warn=None) -> PlanInputs:
@@ -179,7 +252,7 @@ def with_recorded(inp: PlanInputs, path, warn=None) -> PlanInputs:
     stays) and the rates that run calibrated (when recorded: they describe the machine)."""
     from chunkjax.tide import memory_tide
 
-    temps, why = recorded_stage_temps(path, inp.cfg.name, inp.batch, inp.seq, [t.name for t in inp.traces])
+    temps, why = recorded_stage_temps(path, inp.cfg.name, inp.rank_batch, inp.seq, [t.name for t in inp.traces])
     if temps is None:
         if warn:
             warn(f"--tide-from: {why}; the tide is {inp.tide_source}")
@@ -194,10 +267,11 @@ def with_recorded(inp: PlanInputs, path, warn=None) -> PlanInputs:
 
 
 def prepare(model: str, batch: int, seq: int, *, chunk_size: int | None = None, min_chunks: int = 8,
-            tide_from: str | None = None, warn=None) -> PlanInputs:
+            tide_from: str | None = None, warn=None, n_ranks: int = 1) -> PlanInputs:
     """:func:`trace_inputs`, then :func:`with_recorded` when ``tide_from`` (a results JSON of a GPU
     run of experiments/bench.py) is given."""
-    inp = trace_inputs(model, batch, seq, chunk_size=chunk_size, min_chunks=min_chunks)
+    kw = {"n_ranks": n_ranks} if n_ranks != 1 else {}
+    inp = trace_inputs(model, batch, seq, chunk_size=chunk_size, min_chunks=min_chunks, **kw)
     return with_recorded(inp, tide_from, warn) if tide_from else inp
 
 
@@ -326,14 +400,112 @@ def schedule_from_dict(d: dict):
 
 # ---- the report ------------------------------------------------------------------------------
 
-def plan_schedules(inp: PlanInputs, device_budget: int, host_budget: int | None = None, prefetch: int = 1):
-    """(chunkjax schedule, {baseline name: schedule}) for one budget.
+def plan_zero(inp: PlanInputs, device_budget: int, host_budget: int | None = None, prefetch: int = 1,
+              zero_stage: int = 3):
+    """The ZeRO schedule of every rank (:func:`chunkjax.zero_schedule.plan_zero_schedule`) for
+    ``inp`` (traced with ``n_ranks`` > 1), on abstract shapes (no mesh, no devices).
+
+    Args:
+      inp: from :func:`prepare` with ``n_ranks`` > 1.
+      device_budget: each GPU's device budget (bytes).
+      host_budget: the node's host memory for model data (bytes; None: unbounded); a rank may
+        hold ``host_budget // n_ranks``.
+      prefetch: moments between a fetch and its use.
+      zero_stage: 1, 2 or 3.
+
+    The host budget is checked against the rank's host bytes as ``plan_zero_schedule`` reports
+    them (the rank's shards); ``plan_zero_schedule(host_budget_bytes=...)`` would pass it to
+    ``plan_schedule``, which compares it with the per-rank *device* figure of a stage-3 chunk (the
+    gathered chunk plus the shard), twice the host need at 8 ranks. So the device budget alone is
+    planned first, and when the rank's host bytes exceed its share, every resident prefix (the
+    first k chunks in first-use order, plan_schedule's candidates) is planned and the fastest
+    that fits the host is kept (near-ties, within ``chunkjax.schedule.NEAR_TIE``, to the most
+    resident, plan_schedule's rule).
+
+    Raises:
+      chunkjax.PlanError: no schedule fits a rank's device budget (the message names the smallest
+        per-GPU budget) or the node's host budget (the message names the node budget needed).
+    """
+    from chunkjax.plan import PlanError, _gib_ceil
+    from chunkjax.schedule import NEAR_TIE
+    from chunkjax.zero_schedule import plan_zero_schedule
+
+    n = inp.n_ranks
+
+    def plan(resident=None):
+        return plan_zero_schedule(inp.layout, inp.traces, inp.cb, device_budget, n, zero_stage,
+                                  flops_per_step=inp.flops_per_step, host_update=True, prefetch=prefetch,
+                                  rates=inp.rates, resident=resident)
+
+    sched = plan()  # the device budget alone (raises with the smallest device budget)
+    if host_budget is None or sched.predicted.host_model_bytes <= host_budget // n:
+        return sched
+    cands = []
+    for k in range(inp.layout.n_chunks + 1):  # the first k chunks resident
+        try:
+            cands.append(plan(range(k)))
+        except PlanError:
+            continue
+    fits = [c for c in cands if c.predicted.host_model_bytes <= host_budget // n]
+    if not fits:
+        need = min(c.predicted.host_model_bytes for c in cands)
+        raise PlanError(_MSG_HOST_ZERO.format(host=host_budget, host_rank=host_budget // n, n=n, need_node=need * n,
+                                              need=need, dev=device_budget, need_gib=_gib_ceil(need * n)),
+                        device_budget, False)
+    fastest = min(c.predicted.time.step_s for c in fits)
+    return [c for c in fits if c.predicted.time.step_s <= fastest * (1 + NEAR_TIE)][-1]
+
+
+def zero_comm_bytes(s, inp: PlanInputs, zero_stage: int = 3, itemsize: int = 2) -> dict[str, int]:
+    """Bytes one rank sends per step by collective for the ZeRO schedule ``s``, accounted as
+    :meth:`chunkjax.zero_schedule.ZeroScheduledStep.comm_bytes_per_step` does (without building
+    the step: no mesh): ring algorithms, an all-gather or reduce-scatter of a C-byte chunk moves
+    ``(N-1)/N * C`` per rank, an all-reduce twice that; scalar reductions left out. Stage 3
+    gathers a chunk at every fetch and a device-resident chunk at every moment that reads it;
+    stages 1/2 gather the new params of each device- or streamed-updated chunk once. Every chunk
+    a stage reads has its gradient reduce-scattered (stages 2/3) or all-reduced (stage 1).
+
+    Args:
+      s: the schedule (:func:`plan_zero`).
+      inp: its inputs (``n_ranks`` > 1).
+      zero_stage: 1, 2 or 3.
+      itemsize: bytes per compute-dtype element (bf16: 2).
+
+    Returns:
+      ``{"all_gather", "reduce_scatter", "all_reduce", "total"}`` (bytes per step per rank).
+    """
+    from chunkjax.memory import DEVICE
+    from chunkjax.schedule import DEVICE_UPDATE, STREAMED_UPDATE
+
+    n, cbytes = inp.n_ranks, inp.layout.chunk_size * itemsize
+    part = lambda k: (k * (n - 1) * cbytes) // n  # noqa: E731
+    if zero_stage == 3:
+        gathers = sum(sum(1 for c in m.chunks if s.param_kinds[c] == DEVICE) + len(s.fetch[t])
+                      for t, m in enumerate(inp.tide.moments))
+    else:
+        gathers = sum(u in (DEVICE_UPDATE, STREAMED_UPDATE) for u in s.update_locations)
+    graded = len({c for t in inp.traces for c in t.chunks})
+    out = {"all_gather": part(gathers), "reduce_scatter": part(graded) if zero_stage != 1 else 0,
+           "all_reduce": 2 * part(graded) if zero_stage == 1 else 0}
+    out["total"] = sum(out.values())
+    return out
+
+
+def plan_schedules(inp: PlanInputs, device_budget: int, host_budget: int | None = None, prefetch: int = 1,
+                   zero_stage: int = 3):
+    """(chunkjax schedule, {baseline name: schedule}) for one budget (bytes).
+
+    With ``inp.n_ranks`` > 1 the schedule is :func:`plan_zero`'s (each rank's; ``device_budget``
+    per GPU, ``host_budget`` the node's) and there are no baselines (``{}``).
 
     Raises:
       chunkjax.PlanError: no chunkjax schedule fits the budgets.
     """
     from chunkjax.plan import PlanError, _gib_ceil
     from chunkjax.schedule import plan_schedule
+
+    if inp.n_ranks > 1:
+        return plan_zero(inp, device_budget, host_budget, prefetch, zero_stage), {}
 
     def plan(host, resident=None):
         return plan_schedule(inp.layout, inp.traces, inp.cb, device_budget, flops_per_step=inp.flops_per_step,
@@ -376,19 +548,34 @@ def figures(s, device_budget: int, host_budget: int | None, chunk_size: int) -> 
 
 def plan_report(model: str, device_budget: int, host_budget: int | None, batch: int, seq: int,
                 prefetch: int = 1, chunk_size: int | None = None, min_chunks: int = 8,
-                tide_from: str | None = None, inputs: PlanInputs | None = None, warn=None) -> dict:
+                tide_from: str | None = None, inputs: PlanInputs | None = None, warn=None,
+                n_ranks: int = 1, zero_stage: int = 3) -> dict:
     """Plan a step and its baselines; returns the JSON report (bytes, seconds).
 
     ``inputs`` (from :func:`prepare`) skips the tracing (budget sweeps).
 
+    With ``n_ranks`` > 1 (ZeRO ``zero_stage`` over that many GPUs of one node): ``batch`` is the
+    global batch (rows), ``device_budget`` each GPU's and ``host_budget`` the node's (bytes). The
+    top-level figures are then one rank's (as in ``per_rank``), ``baselines`` is empty, and the
+    report adds ``n_ranks``, ``zero_stage``, ``batch_per_rank``, ``per_rank`` (bytes, bytes per
+    step, seconds), ``node`` (bytes, bytes per step, tokens/s), ``collective_bytes_per_step_per_rank``
+    (bytes, accounted, not timed) and ``predicted_time_note`` (:data:`ZERO_TIME_NOTE`). With
+    ``n_ranks`` == 1 the report is the single-device one (no ZeRO keys).
+
     Raises:
-      ValueError: unknown model; chunkjax.PlanError: the budget cannot hold the step.
+      ValueError: unknown model, bad ranks / stage / batch split; chunkjax.PlanError: the budget
+        cannot hold the step.
     """
+    check_ranks(batch, n_ranks, zero_stage)
     inp = inputs or prepare(model, batch, seq, chunk_size=chunk_size, min_chunks=min_chunks,
-                            tide_from=tide_from, warn=warn)
-    sched, base = plan_schedules(inp, device_budget, host_budget, prefetch)
+                            tide_from=tide_from, warn=warn, n_ranks=n_ranks)
+    if inp.n_ranks != n_ranks:
+        raise ValueError(f"inputs were traced for {inp.n_ranks} ranks, not {n_ranks}")
+    sched, base = plan_schedules(inp, device_budget, host_budget, prefetch, zero_stage)
     cs = inp.layout.chunk_size
-    out = figures(sched, device_budget, host_budget, cs)
+    # with ZeRO the figures are one rank's: its share of the node's host budget
+    out = figures(sched, device_budget, host_budget if n_ranks == 1 or host_budget is None else host_budget // n_ranks,
+                  cs)
     out["baselines"] = {k: figures(b, device_budget, host_budget, cs)
                         for k, b in base.items()}
     out.update({"model": inp.cfg.name, "n_params": inp.cfg.n_params, "batch": inp.batch, "seq": inp.seq,
@@ -399,7 +586,37 @@ def plan_report(model: str, device_budget: int, host_budget: int | None, batch: 
                 "stage_temp_bytes": {t.name: t.temp_bytes for t in inp.traces
                                      if t.name in ("embed", _BLOCK_REF, "head")},
                 "schedule": sched.to_dict()})
+    if n_ranks > 1:
+        out.update(zero_figures(out, inp, sched, zero_stage))
     return out
+
+
+def zero_figures(r: dict, inp: PlanInputs, sched, zero_stage: int) -> dict:
+    """The ZeRO keys of a :func:`plan_report` ``r`` (whose figures are one rank's).
+
+    Returns ``n_ranks``, ``zero_stage``, ``batch_per_rank`` (rows), ``per_rank`` (``peak_device_bytes``,
+    ``device_model_bytes``, ``host_bytes`` (model data in host memory), ``h2d_bytes_per_step``,
+    ``d2h_bytes_per_step``, ``n_fetches``, ``predicted_step_s`` (seconds, collectives excluded),
+    ``tokens_per_s`` (the rank's rows x seq / step)), ``node`` (``n_ranks`` x the per-rank bytes:
+    ``host_bytes``, ``h2d_bytes_per_step``, ``d2h_bytes_per_step``, ``device_budget_bytes``; and
+    ``tokens_per_s`` = global batch x seq / predicted step), ``collective_bytes_per_step_per_rank``
+    (:func:`zero_comm_bytes`) and ``predicted_time_note``.
+    """
+    n, step = inp.n_ranks, r["predicted_step_s"]
+    per = {"peak_device_bytes": r["predicted_peak_device_bytes"], "device_budget_bytes": r["device_budget_bytes"],
+           "device_model_bytes": r["device_model_bytes"], "host_bytes": r["host_bytes"],
+           "host_budget_bytes": None if r["host_budget_bytes"] is None else r["host_budget_bytes"] // n,
+           "h2d_bytes_per_step": r["h2d_bytes_per_step"], "d2h_bytes_per_step": r["d2h_bytes_per_step"],
+           "n_fetches": r["n_fetches"], "predicted_step_s": step,
+           "tokens_per_s": inp.rank_batch * inp.seq / step if step else None}
+    node = {"n_ranks": n, "host_bytes": n * r["host_bytes"], "host_budget_bytes": r["host_budget_bytes"],
+            "h2d_bytes_per_step": n * r["h2d_bytes_per_step"], "d2h_bytes_per_step": n * r["d2h_bytes_per_step"],
+            "device_budget_bytes": n * r["device_budget_bytes"],
+            "tokens_per_step": inp.batch * inp.seq,
+            "tokens_per_s": inp.batch * inp.seq / step if step else None}
+    return {"n_ranks": n, "zero_stage": zero_stage, "batch_per_rank": inp.rank_batch, "per_rank": per, "node": node,
+            "collective_bytes_per_step_per_rank": zero_comm_bytes(sched, inp, zero_stage),
+            "predicted_time_note": ZERO_TIME_NOTE}
 
 
 def _time_unit(step_s: float) -> tuple[str, float]:
@@ -413,8 +630,48 @@ def _where(t: dict, k: float) -> str:
             f"{t['device_update_s'] * k:.3f}" + (f" + {other[0]} {other[1] * k:.3f}" if other[1] else ""))
 
 
+def _summary_zero(r: dict) -> str:
+    """The readable form of a ZeRO :func:`plan_report` (``n_ranks`` > 1)."""
+    big = r["device_budget_bytes"] >= 2**30
+    bu, B, du, D = ("GiB", 2**30, "GB", 1e9) if big else ("MiB", 2**20, "MB", 1e6)
+    tu, k = _time_unit(r["predicted_step_s"])
+    n, pr, nd, cm = r["n_ranks"], r["per_rank"], r["node"], r["collective_bytes_per_step_per_rank"]
+    hb = ("unbounded" if r["host_budget_bytes"] is None else
+          f"{r['host_budget_bytes'] / B:.2f} {bu} per node ({pr['host_budget_bytes'] / B:.2f} {bu} per rank)")
+    counts = "; ".join(f"{v} with params on {c.split('/')[0][len('params_'):]}, update on "
+                       f"{c.split('/')[1][len('update_'):]}" for c, v in r["placement_counts"].items())
+    fb = r["first_backward_moment"]
+    return "\n".join([
+        f"{r['model']}: N={r['n_params'] / 1e9:.3g}B, model data {r['model_bytes'] / B:.2f} {bu} (14 B/param), "
+        f"{r['n_chunks']} chunks x {r['chunk_size']} elements, each split over {n} ranks",
+        f"ZeRO-{r['zero_stage']} over {n} ranks (planned on abstract shapes, no devices used); global batch "
+        f"{r['batch']}x{r['seq']} = {r['batch_per_rank']}x{r['seq']} per rank",
+        f"device budget {r['device_budget_bytes'] / B:.2f} {bu} per GPU, host budget {hb}",
+        f"tide (per rank): peak non-model {r['peak_non_model_bytes'] / B:.2f} {bu} over {r['n_moments']} moments, "
+        f"{r['tide_source']}; rates {r['rates_source']}",
+        "",
+        f"per rank: feasible {r['feasible']}, peak device {pr['peak_device_bytes'] / B:.2f} {bu}, device model "
+        f"{pr['device_model_bytes'] / B:.2f} {bu}, host {pr['host_bytes'] / B:.2f} {bu}, h2d "
+        f"{pr['h2d_bytes_per_step'] / D:.2f} {du}, d2h {pr['d2h_bytes_per_step'] / D:.2f} {du} per step, "
+        f"{pr['n_fetches']} fetches, predicted step {pr['predicted_step_s'] * k:.3f} {tu} (no collectives)",
+        f"node ({n} ranks): host {nd['host_bytes'] / B:.2f} {bu}, h2d {nd['h2d_bytes_per_step'] / D:.2f} {du}, "
+        f"d2h {nd['d2h_bytes_per_step'] / D:.2f} {du} per step, {nd['tokens_per_s']:,.0f} tokens/s predicted "
+        f"(global batch x seq / step; no collectives)",
+        f"collectives per rank per step (accounted, NOT timed): all-gather {cm['all_gather'] / D:.2f} {du}, "
+        f"reduce-scatter {cm['reduce_scatter'] / D:.2f} {du}, all-reduce {cm['all_reduce'] / D:.2f} {du}",
+        "",
+        f"where the time goes, one rank ({tu}): {_where(r['time'], k)}",
+        f"note: {r['predicted_time_note']}",
+        "",
+        f"chunks (each rank): {counts}",
+        f"programs: {len(r['segments'])}, starting at moments {r['segments']} "
+        f"(fused head at moment {fb - 1}, backward from {fb}); no baselines for --ranks > 1"])
+
+
 def _summary(r: dict) -> str:
     """The readable form of a :func:`plan_report`."""
+    if r.get("n_ranks", 1) > 1:
+        return _summary_zero(r)
     big = r["device_budget_bytes"] >= 2**30
     bu, B, du, D = ("GiB", 2**30, "GB", 1e9) if big else ("MiB", 2**20, "MB", 1e6)
     tu, k = _time_unit(r["predicted_step_s"])
@@ -447,22 +704,32 @@ def _summary(r: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m experiments.plan", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="a name of models/gpt.py's table (case-insensitive)")
-    ap.add_argument("--device-budget", required=True, help="peak device bytes, e.g. 24GiB")
-    ap.add_argument("--host-budget", default=None, help="host memory for model data (default: unbounded)")
-    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--device-budget", required=True, help="peak device bytes (per GPU with --ranks), e.g. 24GiB")
+    ap.add_argument("--host-budget", default=None,
+                    help="host memory for model data, bytes (the node's with --ranks; default: unbounded)")
+    ap.add_argument("--batch", type=int, default=8, help="rows per step (the global batch with --ranks)")
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--prefetch", type=int, default=1, help="moments between a fetch and its use")
     ap.add_argument("--tide-from", default=None, metavar="RESULTS_JSON",
                     help="stage temporaries (and calibrated rates) recorded by a GPU run of experiments/bench.py")
+    ap.add_argument("--ranks", type=int, default=1,
+                    help="GPUs of one node the step is split over with ZeRO (default 1: one device, no ZeRO)")
+    ap.add_argument("--zero-stage", type=int, default=3, help="ZeRO stage 1, 2 or 3 with --ranks > 1 (default 3)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
+    try:
+        check_ranks(a.batch, a.ranks, a.zero_stage)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     import chunkjax as cj
     try:
         budget = cj.parse_bytes(a.device_budget)
         host = cj.parse_bytes(a.host_budget) if a.host_budget else None
         t0 = time.time()
         r = plan_report(a.model, budget, host, a.batch, a.seq, a.prefetch, tide_from=a.tide_from,
-                        warn=lambda m: print(f"note: {m}", file=sys.stderr))
+                        warn=lambda m: print(f"note: {m}", file=sys.stderr), n_ranks=a.ranks,
+                        zero_stage=a.zero_stage)
         r["plan_s"] = time.time() - t0
     except (cj.PlanError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1,5 +1,6 @@
 """Planner CLI (issue 3, items 4-5): JSON keys, baselines planned over the same tide, the
-infeasible-budget errors, the GPU-recorded tide, and the recorded GPT3_6B schedule reproduced."""
+infeasible-budget errors, the GPU-recorded tide, and the recorded GPT3_6B schedule reproduced;
+ZeRO over N ranks (issue 10: --ranks, --zero-stage) against plan_zero_schedule called directly."""
 import json
 import pathlib
 import re
@@ -22,7 +23,7 @@ _trace = plan.trace_inputs
 def cached_trace(monkeypatch):
     """Trace each (model, batch, seq) once for the whole module (tracing is the slow part)."""
     def trace_inputs(model, batch, seq, **kw):
-        key = (model, batch, seq, kw.get("chunk_size"), kw.get("min_chunks", 8))
+        key = (model, batch, seq, kw.get("chunk_size"), kw.get("min_chunks", 8), kw.get("n_ranks", 1))
         if key not in _CACHE:
             _CACHE[key] = _trace(model, batch, seq, **kw)
         return _CACHE[key]
@@ -143,3 +144,176 @@ def test_recorded_gpt3_6b_schedule_reproduced():
     assert all(min(v) >= 0 for v in kinds.values())
     assert [sum(x) for x in zip(*kinds.values())] == list(sched.predicted.device_bytes_per_moment)
     assert base["all_host"].predicted.h2d_bytes_per_step > sched.predicted.h2d_bytes_per_step
+
+
+# ---- ZeRO over N ranks (--ranks, --zero-stage; issue 10) -------------------------------------
+
+ZMICRO = ["--model", "micro", "--batch", "8", "--seq", "64"]  # global batch 8: 4 rows per rank at 2, 1 at 8
+
+
+def _reference_zero(n_ranks: int, zero_stage: int = 3, batch: int = 8, seq: int = 64):
+    """(layout, traces, cb, flops of one rank) built here, as experiments/bench_chunkjax.py builds a
+    ZeRO run's inputs (not through experiments.plan)."""
+    import jax
+    import jax.numpy as jnp
+
+    import chunkjax as cj
+    from chunkjax.host_update import AdamW
+    from chunkjax.optim import state_bytes_per_chunk
+    from chunkjax.zero import build_zero_layout
+    from models import gpt
+
+    cfg = gpt.get_config("micro")
+    stages, ap = gpt.gpt_stages(cfg), gpt.abstract_params(cfg)
+    ab = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32)
+    order = cj.first_use_order(lambda p, b: cj.compose_loss(stages, p, b), ap, ab)
+    cs = cj.build_layout(ap, None, order, min_chunks=8).chunk_size
+    layout = build_zero_layout(ap, n_ranks, cs, order)
+    traces = cj.trace_stages(stages, layout, jax.ShapeDtypeStruct((batch // n_ranks, seq + 1), jnp.int32),
+                             jnp.bfloat16)
+    cb = cj.chunk_bytes(layout, jnp.bfloat16, state_bytes_per_chunk(AdamW(1e-4, weight_decay=1e-4).optax(),
+                                                                    layout.chunk_size))
+    return layout, traces, cb, cfg.flops_per_token(seq) * batch * seq // n_ranks
+
+
+def _min_budget(plan_fn) -> int:
+    from chunkjax import PlanError
+    with pytest.raises(PlanError) as e:
+        plan_fn(1000)
+    return e.value.min_budget_bytes
+
+
+@pytest.mark.parametrize("n_ranks", [2, 8])
+def test_zero_plan_matches_plan_zero_schedule(n_ranks, capsys):
+    """--ranks N: per-rank host, H2D and D2H bytes, peak and step are those of
+    plan_zero_schedule on the same inputs built independently; node figures are N x a rank's."""
+    from chunkjax.cost import Rates
+    from chunkjax.zero_schedule import plan_zero_schedule
+
+    layout, traces, cb, flops = _reference_zero(n_ranks)
+
+    def ref(budget):
+        return plan_zero_schedule(layout, traces, cb, budget, n_ranks, 3, flops_per_step=flops, host_update=True,
+                                  prefetch=1, rates=Rates())
+
+    budget = _min_budget(ref)  # the smallest per-GPU budget: chunks offloaded, bytes move
+    want = ref(budget).predicted
+    assert want.host_model_bytes > 0 and want.h2d_bytes_per_step > 0
+    assert plan.main(ZMICRO + ["--ranks", str(n_ranks), "--device-budget", str(budget), "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert (r["n_ranks"], r["zero_stage"], r["batch"], r["batch_per_rank"]) == (n_ranks, 3, 8, 8 // n_ranks)
+    assert r["chunk_size"] == layout.chunk_size and r["chunk_size"] % n_ranks == 0
+    pr, node = r["per_rank"], r["node"]
+    assert pr["host_bytes"] == r["host_bytes"] == want.host_model_bytes
+    assert pr["h2d_bytes_per_step"] == want.h2d_bytes_per_step
+    assert pr["d2h_bytes_per_step"] == want.d2h_bytes_per_step
+    assert pr["peak_device_bytes"] == want.peak_device_bytes <= budget
+    assert pr["predicted_step_s"] == pytest.approx(want.time.step_s)
+    assert node["host_bytes"] == n_ranks * want.host_model_bytes
+    assert node["h2d_bytes_per_step"] == n_ranks * want.h2d_bytes_per_step
+    assert node["tokens_per_s"] == pytest.approx(8 * 64 / want.time.step_s)
+    assert r["baselines"] == {} and "collective" in r["predicted_time_note"]
+    # collectives accounted (not timed): stage 3 gathers each fetched chunk, reduce-scatters each gradient
+    part = (n_ranks - 1) * layout.chunk_size * 2 // n_ranks
+    cm = r["collective_bytes_per_step_per_rank"]
+    assert cm["reduce_scatter"] == part * len({c for t in traces for c in t.chunks})
+    if all(k.startswith("params_pinned_host") for k in r["placement_counts"]):
+        assert cm["all_gather"] == part * want.n_fetches
+    assert cm["total"] == cm["all_gather"] + cm["reduce_scatter"] and cm["all_reduce"] == 0
+
+
+def test_zero3_rank_model_bytes_about_1_over_n(capsys):
+    """At the smallest budget (everything offloaded), a ZeRO-3 rank holds about 1/N of the
+    model data --ranks 1 holds on the host (chunk rounding apart)."""
+    def at_min(extra):
+        assert plan.main(ZMICRO + extra + ["--device-budget", "1KiB", "--json"]) == 2
+        need = json.loads(capsys.readouterr().out)["min_device_budget_bytes"]
+        assert plan.main(ZMICRO + extra + ["--device-budget", str(need), "--json"]) == 0
+        r = json.loads(capsys.readouterr().out)
+        assert r["placement_counts"] == {"params_pinned_host/update_host": r["n_chunks"]}
+        return r
+
+    one = at_min([])
+    for n in (2, 8):
+        r = at_min(["--ranks", str(n)])
+        assert r["host_bytes"] / one["host_bytes"] == pytest.approx(1 / n, rel=0.15)
+        assert r["node"]["host_bytes"] == pytest.approx(one["host_bytes"], rel=0.15)
+
+
+def test_ranks_1_output_unchanged(capsys):
+    """--ranks 1 (with any stage) is the single-device plan: same JSON, same text, no ZeRO keys."""
+    outs = []
+    for extra in ([], ["--ranks", "1"], ["--ranks", "1", "--zero-stage", "2"]):
+        assert plan.main(MICRO + ["--device-budget", "8MiB", "--json"] + extra) == 0
+        r = json.loads(capsys.readouterr().out)
+        r.pop("plan_s")
+        outs.append(r)
+    assert outs[0] == outs[1] == outs[2]
+    assert not {"n_ranks", "zero_stage", "per_rank", "node"} & set(outs[0])
+    assert set(outs[0]["baselines"]) == set(plan.BASELINES)
+    texts = []
+    for extra in ([], ["--ranks", "1"]):
+        assert plan.main(MICRO + ["--device-budget", "8MiB"] + extra) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] and "zero_offload" in texts[0]
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--batch", "6", "--ranks", "4"], ["--batch 6", "multiple of 4", "--batch 8"]),
+    (["--ranks", "0"], ["--ranks must be >= 1", "--ranks 1"]),
+    (["--ranks", "-2"], ["--ranks must be >= 1"]),
+    (["--ranks", "2", "--zero-stage", "4"], ["--zero-stage must be 1, 2 or 3", "use 3"]),
+    (["--zero-stage", "0"], ["--zero-stage must be 1, 2 or 3"]),
+])
+def test_bad_ranks_input_exits_2_with_one_line(extra, words, capsys):
+    assert plan.main(["--model", "micro", "--seq", "64", "--device-budget", "8MiB"] + extra + ["--json"]) == 2
+    cap = capsys.readouterr()
+    err = cap.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    for w in words:
+        assert w in err[0], (w, err[0])
+    assert cap.out == ""
+
+
+def test_zero_host_budget_is_the_nodes(capsys):
+    """--host-budget with --ranks is the node's: too small exits 2 with one line naming the node
+    budget needed, and that budget plans; each rank keeps within its 1/N share."""
+    args = ZMICRO + ["--ranks", "2", "--device-budget", "1KiB", "--json"]
+    assert plan.main(args) == 2
+    need = json.loads(capsys.readouterr().out)["min_device_budget_bytes"]
+    args = ZMICRO + ["--ranks", "2", "--device-budget", str(need)]
+    assert plan.main(args + ["--host-budget", "1000"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "use --host-budget >=" in err[0] and "per rank" in err[0], err
+    host = re.search(r"--host-budget >= (\S+GiB)", err[0]).group(1)
+    assert plan.main(args + ["--host-budget", host, "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["feasible"] and r["per_rank"]["host_bytes"] <= r["per_rank"]["host_budget_bytes"]
+    assert r["node"]["host_bytes"] <= r["node"]["host_budget_bytes"] == r["host_budget_bytes"]
+
+
+def test_zero_readable_summary(capsys):
+    assert plan.main(ZMICRO + ["--ranks", "2", "--device-budget", "64MiB"]) == 0
+    out = capsys.readouterr().out
+    for word in ("ZeRO-3 over 2 ranks", "per rank:", "node (2 ranks)", "tokens/s", "NOT timed",
+                 "no collectives", "NOT included: collective time", "no baselines"):
+        assert word in out, word
+
+
+def test_recorded_2gpu_zero3_schedule_reproduced():
+    """The 2-GPU ZeRO-3 run (bench_s6b_zero3_2gpu, GPT3_6B, global batch 64): planned here on
+    abstract shapes (one CPU device) with its recorded per-rank stage temporaries (32 rows each)
+    and rates, at the budget it planned for, the planner gives the schedule that run executed,
+    its accounted H2D / D2H, peak, predicted step and collective bytes per rank."""
+    path = ROOT / "experiments" / "results" / "bench_s6b_zero3_2gpu.json"
+    rec = json.loads(path.read_text())["systems"]["chunkjax"]["extra"]
+    inp = plan.prepare("GPT3_6B", 64, 1024, tide_from=str(path), n_ranks=2)
+    assert inp.tide_source.startswith("recorded on gpu") and inp.rank_batch == 32
+    r = plan.plan_report("GPT3_6B", rec["effective_budget_bytes"], rec["host_budget_bytes"], 64, 1024,
+                         inputs=inp, n_ranks=2, zero_stage=rec["zero_stage"])
+    assert r["schedule"] == rec["schedule"]
+    assert r["h2d_bytes_per_step"] == rec["h2d_bytes_per_step_accounted"]
+    assert r["d2h_bytes_per_step"] == rec["d2h_bytes_per_step_accounted"]
+    assert r["predicted_peak_device_bytes"] == rec["peak_device_bytes_accounted"]
+    assert r["predicted_step_s"] == pytest.approx(rec["step_s_predicted"])
+    assert r["collective_bytes_per_step_per_rank"] == rec["comm_bytes_per_step_per_rank_accounted"]
