@@ -53,6 +53,7 @@ import dataclasses
 import functools
 import math
 import multiprocessing
+import numbers
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -68,7 +69,7 @@ from chunkjax.storage_worker import BF16, F32, _f32_of, _worker_main, adamw_lazy
 __all__ = ["AdamW", "BaselineOptimizer", "LinkModel", "NearStorageOptimizer", "StepResult", "StorageError",
            "adamw_hyper", "adamw_lazy_", "adamw_numpy_", "chunk_ranges", "clip_args", "topk_compress",
            "topk_compress_global", "topk_compress_many", "topk_decompress", "topk_k", "topk_ratio_at",
-           "validate_topk_groups"]
+           "normalize_topk_groups", "validate_topk_groups"]
 
 
 
@@ -164,13 +165,39 @@ def chunk_ranges(start: int, stop: int, chunk_sizes: Sequence[int]) -> list[tupl
     return out
 
 
+_GROUPS_FORM = "[(share, [(chunk, start, stop), ...]), ...] with integer chunk, start and stop"
+
+
+def normalize_topk_groups(groups) -> tuple:
+    """``topk_groups`` as ``((share: float, ((chunk, start, stop): ints, ...)), ...)``. Raises
+    ValueError (one line giving the expected form) for anything else, e.g. a range of two numbers
+    or non-integer bounds."""
+    try:
+        out = []
+        for group in groups:
+            share, ranges = group
+            rs = []
+            for r in ranges:
+                c, lo, hi = r
+                if not all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in (c, lo, hi)):
+                    raise TypeError
+                rs.append((int(c), int(lo), int(hi)))
+            if isinstance(share, bool) or not isinstance(share, numbers.Real):
+                raise TypeError
+            out.append((float(share), tuple(rs)))
+        return tuple(out)
+    except (TypeError, ValueError):
+        raise ValueError(f"topk_groups: expected {_GROUPS_FORM}, got {groups!r}"[:400]) from None
+
+
 def validate_topk_groups(groups, chunk_sizes: Sequence[int]) -> None:
     """Check ``topk_groups`` (see :func:`topk_compress_global`) against (n_chunks,) ``chunk_sizes``.
-    Raises ValueError naming the bad share or range (shares in (0, 1] summing to <= 1; ranges
-    ``(chunk, start, stop)`` inside their chunk and not overlapping)."""
+    Raises ValueError naming the bad share or range (the form of :func:`normalize_topk_groups`;
+    shares in (0, 1] summing to <= 1; ranges ``(chunk, start, stop)`` inside their chunk and not
+    overlapping)."""
     total = 0.0
     seen: dict[int, list[tuple[int, int]]] = {}
-    for share, ranges in groups:
+    for share, ranges in normalize_topk_groups(groups):
         if not 0 < share <= 1:
             raise ValueError(f"topk_groups: share {share!r} must be in (0, 1]")
         total += share
@@ -251,6 +278,7 @@ def topk_compress_global(grads, ratio: float = 0.01, groups=(), device: bool | N
     total = int(bounds[-1])
     k = topk_k(total, ratio)
     if groups:
+        groups = normalize_topk_groups(groups)
         validate_topk_groups(groups, sizes)
     if device is None:
         device = all(_on_accelerator(g) for g in grads)
@@ -491,8 +519,7 @@ class NearStorageOptimizer(_Trainer):
             raise ValueError(f"topk_scope must be 'chunk' or 'global', got {topk_scope!r}")
         if not 0 < ef_decay <= 1:
             raise ValueError(f"ef_decay={ef_decay}: must be in (0, 1]")
-        self.topk_groups = tuple((float(share), tuple(tuple(int(x) for x in r) for r in ranges))
-                                 for share, ranges in topk_groups)
+        self.topk_groups = normalize_topk_groups(topk_groups)
         if self.topk_groups:
             if compression != "topk" or topk_scope != "global":
                 raise ValueError("topk_groups needs compression='topk' and topk_scope='global'")

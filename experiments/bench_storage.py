@@ -61,8 +61,8 @@ running in :class:`NearStorageOptimizer` workers: gradients from ``jax.value_and
 loss in float32 on the CPU, flattened into chunks and sent as float32; the workers' bf16 params
 are the next step's params (the forward runs on them, upcast to float32). Runs with the same seed
 and steps (``--variants``, default ``uncompressed,topk_global_emb0.5,topk_global_emb0.5_ef0.9``):
-``uncompressed``, ``topk`` (1 % of every chunk, the paper), ``topk_ef`` (with error feedback), and ``topk_global`` / ``topk_global_ef<decay>`` (1 % of
-the whole gradient, :func:`chunkjax.near_storage.topk_compress_global`; error feedback with the
+``uncompressed``, ``topk`` (1 % of every chunk, the paper), ``topk_ef`` (with error feedback),
+and ``topk_global`` / ``topk_global_ef<decay>`` (1 % of the whole gradient, :func:`chunkjax.near_storage.topk_compress_global`; error feedback with the
 residual decayed by ``<decay>`` per step), ``topk_global_emb<share>`` (the same with ``<share>`` of
 the kept entries reserved for the token embedding, ``topk_groups``). The
 reference is the same loop in memory with the main job's optax optimizer
@@ -437,7 +437,10 @@ def variant_options(variant: str) -> dict:
         return {"compression": None}
     rest, out = variant, {"compression": "topk"}
     if not rest.startswith("topk"):
-        raise UsageError(f"--variants: unknown variant {variant!r}")
+        raise UsageError(f"--variants: unknown variant {variant!r} (uncompressed or "
+                         "topk[_global[_emb<share>]][_ef[<decay>]][_lazy])")
+    if "_emb" in rest and not rest.startswith("topk_global_emb"):
+        raise UsageError(f"--variants {variant!r}: _emb<share> needs global top-k: topk_global_emb<share>...")
     rest = rest[4:]
     if rest.startswith("_global"):
         out["topk_scope"], rest = "global", rest[7:]
@@ -447,8 +450,8 @@ def variant_options(variant: str) -> dict:
                 out["embedding_share"] = float(num)
             except ValueError:
                 raise UsageError(f"--variants: unknown variant {variant!r}") from None
-            if not 0 < out["embedding_share"] < 1:
-                raise UsageError(f"--variants {variant!r}: the embedding's share must be in (0, 1)")
+            if not 0 < out["embedding_share"] <= 1:
+                raise UsageError(f"--variants {variant!r}: the embedding's share must be in (0, 1]")
             rest = "_" + tail if tail else ""
     if rest.endswith("_lazy"):
         out["sparse_update"], rest = "lazy", rest[:-5]
@@ -739,7 +742,9 @@ def parse_args(argv=None):
     for what in ("seq", "batch"):
         if getattr(a, what) is not None:
             setattr(a, what, _num(getattr(a, what), f"--{what}", 0, integer=True))
-    a.variants = [v for v in a.variants.split(",") if v]
+    a.variants = [v.strip() for v in a.variants.split(",") if v.strip()]
+    if len(set(a.variants)) < len(a.variants):
+        raise UsageError(f"--variants {','.join(a.variants)}: a variant is named twice (each runs once)")
     if not a.variants:
         raise UsageError("--variants: name at least one run (uncompressed, topk, topk_ef, topk_global, ...)")
     for v in a.variants:

@@ -92,7 +92,7 @@ def test_train_variant_names():
                                                                "embedding_share": 0.25, "error_feedback": True,
                                                                "ef_decay": 0.9}
     for bad in ("topk_glob", "topk_ef2", "topk_efx", "dense", "uncompressed_lazy", "topk_lazy_global",
-                "topk_emb0.5", "topk_global_emb", "topk_global_emb1.5", "topk_global_embx_ef"):
+                "topk_emb0.5", "topk_global_emb", "topk_global_emb1.5", "topk_global_embx_ef", "topk_global_emb0"):
         with pytest.raises(bs.UsageError):
             bs.variant_options(bad)
 
@@ -105,6 +105,8 @@ def test_train_variant_names():
     (["--mode", "train", "--model", "nope"], "unknown model 'nope'"),
     (["--mode", "train", "--data-cache", "/nonexistent/x"], "parent folder does not exist"),
     (["--mode", "train", "--variants", "topk,topk_glob"], "unknown variant 'topk_glob'"),
+    (["--mode", "train", "--variants", "topk,topk"], "named twice"),
+    (["--mode", "train", "--variants", "topk_emb0.5"], "needs global top-k"),
 ])
 def test_bad_input_exits_2_with_one_line(argv, needle):
     p = subprocess.run([sys.executable, "-m", "experiments.bench_storage", *argv], capture_output=True, text=True,

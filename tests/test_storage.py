@@ -446,7 +446,9 @@ def test_topk_global_groups_get_fixed_shares():
         assert same_bits(v1, v2)
     for bad, needle in [([(0.6, emb), (0.5, small)], "sum to 1.1"), ([(0.0, emb)], "share 0.0"),
                         ([(0.5, [(1, 500, 514)])], "not inside a chunk"),
-                        ([(0.3, [(3, 0, 20)]), (0.3, [(3, 10, 30)])], "overlap")]:
+                        ([(0.3, [(3, 0, 20)]), (0.3, [(3, 10, 30)])], "overlap"),
+                        ([(0.5, [(0, 100)])], "expected"), ([(0.5, (0, 0, 100))], "expected"), ([0.5], "expected"),
+                        ([(0.5, [(0, 0.5, 99.7)])], "integer"), ([("half", emb)], "expected")]:
         with pytest.raises(ValueError, match=needle):
             topk_compress_global(g, ratio, bad)
     with pytest.raises(ValueError, match="not a non-empty range"):
