@@ -62,9 +62,10 @@ loss in float32 on the CPU, flattened into chunks and sent as float32; the worke
 are the next step's params (the forward runs on them, upcast to float32). Runs with the same seed
 and steps (``--variants``, default ``uncompressed,topk_global_emb0.5,topk_global_emb0.5_ef0.9``):
 ``uncompressed``, ``topk`` (1 % of every chunk, the paper), ``topk_ef`` (with error feedback),
-and ``topk_global`` / ``topk_global_ef<decay>`` (1 % of the whole gradient, :func:`chunkjax.near_storage.topk_compress_global`; error feedback with the
-residual decayed by ``<decay>`` per step), ``topk_global_emb<share>`` (the same with ``<share>`` of
-the kept entries reserved for the token embedding, ``topk_groups``). The
+and ``topk_global`` / ``topk_global_ef<decay>`` (1 % of the whole gradient,
+:func:`chunkjax.near_storage.topk_compress_global`; error feedback with the residual decayed by
+``<decay>`` per step), ``topk_global_emb<share>`` (the same with ``<share>`` of the kept entries
+reserved for the token embedding, ``topk_groups``). The
 reference is the same loop in memory with the main job's optax optimizer
 (``experiments.train._optimizer``) on float32 master params, the forward on their bf16 rounding;
 the uncompressed run is compared against it for the first ``--compare-steps`` steps.
