@@ -714,10 +714,14 @@ def main(argv=None) -> int:
                     help="stage temporaries (and calibrated rates) recorded by a GPU run of experiments/bench.py")
     ap.add_argument("--ranks", type=int, default=1,
                     help="GPUs of one node the step is split over with ZeRO (default 1: one device, no ZeRO)")
-    ap.add_argument("--zero-stage", type=int, default=3, help="ZeRO stage 1, 2 or 3 with --ranks > 1 (default 3)")
+    ap.add_argument("--zero-stage", type=int, default=None, help="ZeRO stage 1, 2 or 3 with --ranks > 1 (default 3)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     try:
+        if a.zero_stage is not None and a.ranks == 1:
+            raise ValueError(f"--zero-stage {a.zero_stage} needs --ranks N > 1 (one GPU has nothing to shard): "
+                             "add --ranks or drop --zero-stage")
+        a.zero_stage = 3 if a.zero_stage is None else a.zero_stage
         check_ranks(a.batch, a.ranks, a.zero_stage)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
