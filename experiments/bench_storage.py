@@ -426,6 +426,17 @@ def run_optax_reference(model: _Model, steps: int) -> dict:
     return {"losses": losses, "master": flat}
 
 
+def _variant_fraction(text: str, variant: str, what: str) -> float:
+    """A number in (0, 1] inside a variant name; UsageError (one line) otherwise."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise UsageError(f"--variants: unknown variant {variant!r}") from None
+    if not 0 < x <= 1:
+        raise UsageError(f"--variants {variant!r}: {what} must be in (0, 1]")
+    return x
+
+
 def variant_options(variant: str) -> dict:
     """NearStorageOptimizer options of a train variant: ``uncompressed``, or
     ``topk[_global[_emb<share>]][_ef[<decay>]][_lazy]``: top-k per chunk (the paper) or over the
@@ -447,25 +458,14 @@ def variant_options(variant: str) -> dict:
         out["topk_scope"], rest = "global", rest[7:]
         if rest.startswith("_emb"):
             num, _, tail = rest[4:].partition("_")
-            try:
-                out["embedding_share"] = float(num)
-            except ValueError:
-                raise UsageError(f"--variants: unknown variant {variant!r}") from None
-            if not 0 < out["embedding_share"] <= 1:
-                raise UsageError(f"--variants {variant!r}: the embedding's share must be in (0, 1]")
+            out["embedding_share"] = _variant_fraction(num, variant, "the embedding's share")
             rest = "_" + tail if tail else ""
     if rest.endswith("_lazy"):
         out["sparse_update"], rest = "lazy", rest[:-5]
     if rest.startswith("_ef"):
         out["error_feedback"], rest = True, rest[3:]
         if rest:
-            try:
-                out["ef_decay"] = float(rest)
-            except ValueError:
-                raise UsageError(f"--variants: unknown variant {variant!r}") from None
-            if not 0 < out["ef_decay"] <= 1:
-                raise UsageError(f"--variants {variant!r}: the residual decay must be in (0, 1]")
-            rest = ""
+            out["ef_decay"], rest = _variant_fraction(rest, variant, "the residual decay"), ""
     if rest:
         raise UsageError(f"--variants: unknown variant {variant!r} (uncompressed or "
                          "topk[_global[_emb<share>]][_ef[<decay>]][_lazy])")
