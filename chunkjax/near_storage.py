@@ -72,7 +72,6 @@ __all__ = ["AdamW", "BaselineOptimizer", "LinkModel", "NearStorageOptimizer", "S
            "normalize_topk_groups", "validate_topk_groups"]
 
 
-
 # ----------------------------------------------------------------------------------------------
 # AdamW in float32 numpy (matches chunkjax.host_update's kernel and eager optax).
 # ----------------------------------------------------------------------------------------------

@@ -43,8 +43,6 @@ DEFAULT_VARIANTS = ("none", "global", "global_dense1d", "perleaf", "leafnorm", "
 
 
 def parse(variant: str) -> dict:
-    if variant.split("_")[0][:5] in ("alloc", "split"):  # alloc0.5_..., split0.8_...
-        pass
     out = {"rule": variant.split("_")[0], "dense1d": "_dense1d" in variant, "ef": None, "hold": None,
            "ratio": None}
     for part in variant.split("_")[1:]:
