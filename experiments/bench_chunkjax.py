@@ -79,7 +79,7 @@ class ChunkjaxSystem:
             self.cb_rank = rank_chunk_bytes(cb, self.n_ranks, self.zero_stage)
         flops = cfg.flops_per_token(seq) * batch * seq // self.n_ranks  # one rank's
         from chunkjax.cost import Rates
-        from chunkjax.schedule import plan_schedule
+        from chunkjax.plan import plan_schedule
         self.rates, self.matmul_tflops = Rates(), None
         if jax.default_backend() == "gpu":  # calibrate the cost model on this machine
             from chunkjax.host_update import measure_host_update_rate
