@@ -296,9 +296,7 @@ def _fixed(layout, traces, tide, cb, budget, prefetch, rates, flops) -> Schedule
     n, cs = layout.n_chunks, layout.chunk_size
 
     def peak(pk, sk):
-        loc = Placement(tuple(pk), tuple(sk)).update_locations
-        per = pr.fixed_rule_moment_bytes(cs, traces, cb, pk, loc, prefetch)
-        return max(max(per), pr.device_model_bytes(cb, pk, loc) + pr.update_phase_bytes(cs, cb, loc))
+        return pr.fixed_rule_peak(cs, traces, cb, Placement(tuple(pk), tuple(sk)), prefetch)
 
     pk, sk = [PINNED_HOST] * n, [PINNED_HOST] * n
     need = peak(pk, sk)

@@ -28,7 +28,7 @@ import numpy as np
 
 from chunkjax.cost import Rates, predict_pipelined_step
 from chunkjax.memory import DEVICE, PINNED_HOST
-from chunkjax.schedule import DEVICE_UPDATE, HOST_UPDATE, STREAMED_UPDATE, Prediction, Schedule
+from chunkjax.schedule import DEVICE_UPDATE, HOST_UPDATE, STREAMED_UPDATE, Placement, Prediction, Schedule
 from chunkjax.stages import first_readers
 from chunkjax.tide import Tide
 from chunkjax.trace import StageTrace
@@ -185,6 +185,15 @@ def update_phase_bytes(chunk_size: int, cb: ChunkBytes, update_locations) -> int
     device = dev_grads + 2 * chunk_size * F32_BYTES if DEVICE_UPDATE in update_locations else 0
     streamed = cb.grad + cb.state + 2 * cb.params if STREAMED_UPDATE in update_locations else 0
     return max(device, streamed)
+
+
+def fixed_rule_peak(chunk_size: int, traces: Sequence[StageTrace], cb: ChunkBytes, placement: Placement,
+                    prefetch: int) -> int:
+    """Peak device bytes of ``placement`` under the fixed rule: the largest of
+    :func:`fixed_rule_moment_bytes` and the update phase (bytes)."""
+    pk, loc = placement.param_kinds, placement.update_locations
+    per = fixed_rule_moment_bytes(chunk_size, traces, cb, pk, loc, prefetch)
+    return max(max(per), device_model_bytes(cb, pk, loc) + update_phase_bytes(chunk_size, cb, loc))
 
 
 def update_working_bytes(chunk_size: int, cb: ChunkBytes) -> int:

@@ -378,6 +378,7 @@ def test_auto_budget_grows_to_the_compiled_need():
     compiler's sizes (``platform="gpu"``)."""
     import chunkjax as cj
     from chunkjax.optim import state_bytes_per_chunk
+    from chunkjax.predict import fixed_rule_peak
     from models import gpt
     cfg = train.TrainConfig(model="micro", batch=4, seq=32)
     mcfg = gpt.get_config("micro")
@@ -389,7 +390,7 @@ def test_auto_budget_grows_to_the_compiled_need():
     traces = cj.trace_stages(stages, layout, abatch, jnp.float32)
     cb = cj.chunk_bytes(layout, jnp.float32, state_bytes_per_chunk(tx, layout.chunk_size))
     all_host = cj.Placement.uniform(layout.n_chunks, cj.PINNED_HOST, cj.PINNED_HOST)
-    tight = cj.account(layout, all_host, traces, cb, 1).peak_device_bytes
+    tight = fixed_rule_peak(layout.chunk_size, traces, cb, all_host, 1)
     args = (cfg, stages, layout, traces, cb, tight, tx, jnp.float32, abatch, "gpu")
     with pytest.raises(cj.PlanError, match="raise --device-budget"):
         train._plan_checked(*args, auto=False)
