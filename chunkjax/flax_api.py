@@ -10,8 +10,9 @@ params; PatrickStar, arXiv 2108.05818, section 3), in the ZeRO-Offload manner:
 * the params pytree is flattened into chunks (:func:`chunkjax.build_layout`); every chunk keeps
   its float32 master params and its own optax state (:func:`chunkjax.optim.init_chunk_state`);
 * chunks are kept on the device in layout order while the predicted device bytes fit
-  ``device_budget``; the others keep theirs in ``pinned_host`` memory and are *streamed*: one
-  chunk at a time goes to the device, is updated there and goes back
+  ``device_budget`` (:func:`chunkjax.plan_schedule`'s ``"optimizer_only"`` policy); the others
+  keep theirs in ``pinned_host`` memory and are *streamed*: one chunk at a time goes to the
+  device, is updated there and goes back
   (the runtime's streamed update, :meth:`chunkjax.ChunkedStep.jit_update_streamed`);
 * :meth:`ChunkedOptimizer.update` applies the user's optax transformation chunk by chunk
   (:func:`chunkjax.optim.update_chunk`, which reproduces ``clip_by_global_norm`` of the incoming
