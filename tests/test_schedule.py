@@ -260,14 +260,14 @@ def test_host_budget_too_small_names_the_host(setup):
         plan_schedule(layout, traces, cb, budget, flops_per_step=1e9, host_budget_bytes=1000)
 
 
-@pytest.mark.parametrize("kind, where", [("all_host", None), ("zero_offload", None), ("fixed", 0.05), ("fixed", 0.5)])
+@pytest.mark.parametrize("kind, where", [("all_host", None), ("zero_offload", None), ("fixed", 0.05)])
 def test_baseline_schedules_run_and_match_optax(setup, kind, where):
     """The static baselines of the planner CLI are schedules the runtime carries out: all_host
     (fetch at every read, release after it) and zero_offload (every chunk fetched at the step's
     start, held to its last read, host update after the backward) train exactly like plain optax
-    (fp32 compute: same losses and master params to fp32 rounding); so do the fixed rule's
-    schedules at budgets ``where`` of the way from its smallest to all resident (0.05: host params
-    fetched, every update streamed; 0.5: params resident, updates on the device and streamed)."""
+    (fp32 compute: same losses and master params to fp32 rounding); so does the fixed rule's
+    schedule at a budget ``where`` of the way from its smallest to all resident (host params
+    fetched, resident params, every update streamed)."""
     cfg, params, batches, stages, layout, traces = setup
     spec = AdamW(2e-3, weight_decay=0.05)
     tx = spec.optax()
@@ -281,10 +281,8 @@ def test_baseline_schedules_run_and_match_optax(setup, kind, where):
         budget = int(lo + where * (hi - lo))
     sched = plan_schedule(layout, traces, cb, budget, policy=kind, flops_per_step=1.0)
     if kind == "fixed":
-        want = {"params_device/update_streamed", "params_pinned_host/update_streamed"} if where < 0.1 else \
-            {"params_device/update_streamed", "params_device/update_device"}
-        assert set(sched.counts()) == want, sched.counts()
-        assert sched.segments == (0,) and (sched.predicted.n_fetches > 0) == (where < 0.1)
+        assert set(sched.counts()) == {"params_device/update_streamed", "params_pinned_host/update_streamed"}
+        assert sched.segments == (0,) and sched.predicted.n_fetches > 0
     step = cj.make_chunked_step(stages, layout, sched, host_optimizer=spec, compute_dtype=jnp.float32)
     state = step.init(params)
     losses = []
