@@ -1509,7 +1509,7 @@ def restore_storage_checkpoint(directory, dirs, spec, layout, step_number: int |
         committed run (restore into empty directories; nothing is written then).
       chunkjax.storage.StorageError: a worker failed (e.g. a full disk); no step is committed.
     """
-    from chunkjax.near_storage import NearStorageOptimizer
+    from chunkjax.storage.near import NearStorageOptimizer
     from chunkjax.storage import read_manifest
     meta = read_meta(directory, step_number)
     where = f"checkpoint step {meta['step']} in {os.fspath(directory)}"

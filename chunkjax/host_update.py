@@ -91,13 +91,14 @@ _MOMENT_FIELDS = {HostAdamState: ("m", "v"), HostLionState: ("m",), HostMomentum
 
 
 def host_update_(spec: HostOptimizer, state, grad: np.ndarray, master: np.ndarray,
-                 params_bits_out: np.ndarray | None = None, grad_scale: float = 1.0) -> None:
+                 params_bits_out: np.ndarray | None = None, grad_scale: float | tuple[float, float] = 1.0) -> None:
     """One optimizer step of one chunk, in place on host buffers.
 
     Mutates ``master``, the moments in ``state`` and ``state.count`` (+1, saturating at int32 max),
     and writes ``params_bits_out`` if given. Equals one ``spec.optax()`` update followed by
-    ``optax.apply_updates`` to float32 rounding (the clipping scale :func:`chunkjax.kernels.clip_scale`
-    is applied as one multiply; optax multiplies by ``1/norm``, then by ``max_norm``). Padding elements (gradient 0, master 0, moments 0) stay exactly 0.
+    ``optax.apply_updates`` (bit for bit against eager optax on the JAX CPU backend when ``grad_scale``
+    is 1 or the pair of :func:`chunkjax.kernels.clip_scale`; a single float factor is one rounding
+    away from optax's two). Padding elements (gradient 0, master 0, moments 0) stay exactly 0.
 
     Safe to call from any Python thread (the GIL is released while the kernel runs); launches from
     several threads run one at a time.
@@ -110,7 +111,10 @@ def host_update_(spec: HostOptimizer, state, grad: np.ndarray, master: np.ndarra
       params_bits_out: (n,) np.uint16, receives the new params as bf16 bits (round to nearest
         even, as ``jnp.astype(jnp.bfloat16)``), e.g. a :func:`writable_view` of the chunk's bf16
         pinned_host buffer; None to skip.
-      grad_scale: multiplies the gradient: 1.0, or ``spec.grad_scale(global_norm)`` for clipping.
+      grad_scale: multiplies the gradient: 1.0; for clipping the pair
+        ``chunkjax.kernels.clip_scale(spec.max_grad_norm, global_norm)`` (optax's rounding, the
+        storage tier's arithmetic: bit-identical tiers), or one float such as
+        ``spec.grad_scale(global_norm)`` times a loss-scale inverse.
 
     Raises:
       ValueError: an array is not a 1-D C-contiguous numpy array of the right dtype and size, an

@@ -8,8 +8,9 @@ share:
 
 * the optimizer specs (:class:`AdamW`, :class:`Lion`, :class:`SGDMomentum`), with their optax
   equivalent (:meth:`AdamW.optax`) and their host state (``Host*State``);
-* ONE clipping arithmetic: :func:`clip_scale` turns the global gradient norm into one float32
-  factor, and the kernels multiply every gradient element by it once;
+* ONE clipping arithmetic: :func:`clip_scale` turns the global gradient norm into the float32
+  factors ``(1 / norm, max_norm)``, and the kernels multiply every gradient element by the first,
+  then the second, as eager optax does (a single float ``grad_scale`` is the pair ``(s, 1)``);
 * ONE computation of the per-step scalars: :func:`step_hyper` (bias corrections, the learning
   rate, the float32 constants), given the learning rate at the step's count;
 * ONE set of multithreaded numba kernels: :func:`update_`.
@@ -20,8 +21,7 @@ So one spec gives bit-identical master params and moments on the host tier and t
 The arithmetic is optax's, in float32, the same operations in the same order, IEEE (no fast-math,
 no fused multiply-add); eager optax on the JAX CPU backend gives the same bits (XLA there turns
 optax's division by the bias correction into a multiply by its float32 reciprocal, and so do the
-kernels), except that clipping multiplies by one factor where optax multiplies by ``1/norm`` and
-then by ``max_norm`` (float32 rounding apart). Jitted optax fuses a*b+c into FMAs and differs in
+kernels), clipping included. Jitted optax fuses a*b+c into FMAs and differs in
 the last bits, as optax on the GPU may.
 
 The kernels read the gradient as bf16 bits (``np.uint16``) or float32, optionally write the new
@@ -83,24 +83,42 @@ def _check_decay(obj, field, value):
                                            rule="must be in [0, 1)"))
 
 
-def clip_scale(max_grad_norm: float | None, global_norm: float) -> float:
-    """The gradient factor of global-norm clipping (``optax.clip_by_global_norm``): 1.0 when
-    ``max_grad_norm`` is None or ``global_norm < max_grad_norm`` (optax keeps the gradient), else
-    ``max_grad_norm / global_norm`` rounded once to float32. The kernels multiply each gradient
-    element by it (one rounding; optax multiplies by ``1/norm`` and then by ``max_norm``, two).
+def clip_scale(max_grad_norm: float | None, global_norm: float) -> tuple[np.float32, np.float32]:
+    """The two gradient factors of global-norm clipping, as ``optax.clip_by_global_norm`` rounds
+    them: (1, 1) when ``max_grad_norm`` is None or ``global_norm < max_grad_norm`` (optax keeps the
+    gradient), else ``(1 / global_norm, max_grad_norm)`` in float32. The kernels multiply each
+    gradient element by the first, then by the second: the bits of eager optax on the JAX CPU
+    backend (XLA turns optax's ``t / norm`` into ``t * (1 / norm)``).
 
-    This is the one clipping arithmetic of the host and storage tiers.
+    This is the one clipping arithmetic of the host and storage tiers: pass it as ``grad_scale``
+    of :func:`update_` / :func:`chunkjax.host_update.host_update_`.
 
     Args:
       max_grad_norm: the clipping threshold (L2 norm), or None for no clipping.
-      global_norm: the L2 norm of the whole model's gradient (all chunks), not of one chunk.
+      global_norm: the L2 norm of the whole model's gradient (all chunks), not of one chunk; a
+        float32 value (optax computes it in float32).
 
     Returns:
-      a Python float holding a float32 value in (0, 1].
+      ``(a, b)``: np.float32 factors; the gradient becomes ``(g * a) * b``.
     """
+    one = np.float32(1)
     if max_grad_norm is None or global_norm < max_grad_norm:
-        return 1.0
-    return float(np.float32(max_grad_norm / global_norm))
+        return one, one
+    return one / np.float32(global_norm), np.float32(max_grad_norm)
+
+
+def _scale_factors(grad_scale) -> tuple[np.float32, np.float32]:
+    """``grad_scale`` as the kernels' two factors: a float s is ``(s, 1)`` (one multiply: times 1 is
+    exact), a pair from :func:`clip_scale` is itself."""
+    if isinstance(grad_scale, tuple):
+        a, b = grad_scale
+        return np.float32(a), np.float32(b)
+    return np.float32(grad_scale), np.float32(1)
+
+
+def _single_scale(max_grad_norm: float | None, global_norm: float) -> float:
+    a, b = clip_scale(max_grad_norm, global_norm)
+    return float(a * b)
 
 
 def _with_clipping(tx, max_grad_norm: float | None):
@@ -206,10 +224,12 @@ class AdamW:
         return HostAdamState(0, np.zeros(chunk_size, MASTER_DTYPE), np.zeros(chunk_size, MASTER_DTYPE))
 
     def grad_scale(self, global_norm: float) -> float:
-        """Factor to pass as ``grad_scale``: 1 without clipping or when ``global_norm`` < max_grad_norm,
-        else max_grad_norm / global_norm (rounded to float32). ``global_norm`` is the L2 norm of the
-        whole model's gradient, not of one chunk."""
-        return clip_scale(self.max_grad_norm, global_norm)
+        """The clipping factor as one float, for callers that fold another factor in (a loss-scale
+        inverse): 1 without clipping or when ``global_norm`` < max_grad_norm, else the float32
+        product of the two factors of :func:`clip_scale` (one rounding more than optax; pass
+        ``clip_scale(spec.max_grad_norm, global_norm)`` itself for optax's bits, as the storage tier
+        does). ``global_norm`` is the L2 norm of the whole model's gradient, not of one chunk."""
+        return _single_scale(self.max_grad_norm, global_norm)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,7 +264,7 @@ class Lion:
 
     def grad_scale(self, global_norm: float) -> float:
         """See :meth:`AdamW.grad_scale`."""
-        return clip_scale(self.max_grad_norm, global_norm)
+        return _single_scale(self.max_grad_norm, global_norm)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,7 +299,7 @@ class SGDMomentum:
 
     def grad_scale(self, global_norm: float) -> float:
         """See :meth:`AdamW.grad_scale`."""
-        return clip_scale(self.max_grad_norm, global_norm)
+        return _single_scale(self.max_grad_norm, global_norm)
 
 
 HostOptimizer = AdamW | Lion | SGDMomentum
@@ -343,7 +363,7 @@ _BLOCK = 4096
 def _adamw_range(lo, hi, master, m, v, grad, out, grad_scale, hp):
     b1, one_minus_b1, b2, one_minus_b2, inv_bc1, inv_bc2, eps, wd, neg_lr = hp
     for i in range(np.uint64(lo), np.uint64(hi)):
-        g = _as_f32(grad[i]) * grad_scale
+        g = (_as_f32(grad[i]) * grad_scale[0]) * grad_scale[1]
         mi = one_minus_b1 * g + b1 * m[i]
         vi = one_minus_b2 * (g * g) + b2 * v[i]
         u = (mi * inv_bc1) / (np.sqrt(vi * inv_bc2) + eps)
@@ -373,7 +393,7 @@ def _adamw_kernel(master, m, v, grad_bits, grad_f32, is_bf16, out, grad_scale, h
 def _lion_range(lo, hi, master, m, grad, out, grad_scale, hp):
     b1, one_minus_b1, b2, one_minus_b2, wd, neg_lr = hp
     for i in range(np.uint64(lo), np.uint64(hi)):
-        g = _as_f32(grad[i]) * grad_scale
+        g = (_as_f32(grad[i]) * grad_scale[0]) * grad_scale[1]
         mo = m[i]
         x = one_minus_b1 * g + b1 * mo
         u = np.float32(1.0) if x > 0 else (np.float32(-1.0) if x < 0 else x)  # jnp.sign (0, -0, NaN kept)
@@ -402,7 +422,7 @@ def _lion_kernel(master, m, grad_bits, grad_f32, is_bf16, out, grad_scale, hp):
 def _momentum_range(lo, hi, master, trace, grad, out, grad_scale, nesterov, hp):
     momentum, wd, neg_lr = hp
     for i in range(np.uint64(lo), np.uint64(hi)):
-        g = _as_f32(grad[i]) * grad_scale
+        g = (_as_f32(grad[i]) * grad_scale[0]) * grad_scale[1]
         p = master[i]
         if wd != 0:
             g = g + wd * p
@@ -535,7 +555,8 @@ _MOMENTS = {AdamWStep: ("state.m", "state.v"), LionStep: ("state.m",), MomentumS
 
 
 def update_(hyper: StepHyper, master: np.ndarray, moments: tuple[np.ndarray, ...], grad: np.ndarray,
-            params_bits_out: np.ndarray | None = None, grad_scale: float = 1.0) -> None:
+            params_bits_out: np.ndarray | None = None,
+            grad_scale: float | tuple[float, float] = 1.0) -> None:
     """One optimizer step of one chunk, in place: the kernel both tiers run.
 
     Args:
@@ -546,8 +567,9 @@ def update_(hyper: StepHyper, master: np.ndarray, moments: tuple[np.ndarray, ...
       grad: (n,) gradient, bf16 bits as np.uint16 or np.float32.
       params_bits_out: (n,) np.uint16, receives the new params as bf16 bits (round to nearest
         even); None to skip.
-      grad_scale: multiplies every gradient element: 1.0, or :func:`clip_scale` (times any
-        loss-scale inverse the caller folds in), rounded to float32.
+      grad_scale: multiplies every gradient element: a float (rounded to float32; 1.0 for none,
+        or one factor with a loss-scale inverse folded in), or the two factors of
+        :func:`clip_scale`, applied one after the other (optax's rounding).
 
     Raises:
       ValueError: an array is not a 1-D C-contiguous numpy array of the right dtype and size, an
@@ -567,7 +589,7 @@ def update_(hyper: StepHyper, master: np.ndarray, moments: tuple[np.ndarray, ...
     _check_distinct({"master": master, **dict(zip(names, moments)), "grad": grad, "params_bits_out": params_bits_out})
     is_bf16 = grad.dtype == BF16_BITS_DTYPE
     grads = (grad, np.empty(0, MASTER_DTYPE), True) if is_bf16 else (np.empty(0, BF16_BITS_DTYPE), grad, False)
-    scale = np.float32(grad_scale)
+    scale = _scale_factors(grad_scale)
     with _LAUNCH_LOCK:
         if isinstance(hyper, AdamWStep):
             _adamw_kernel(master, *moments, *grads, params_bits_out, scale, tuple(hyper))

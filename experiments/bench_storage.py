@@ -14,7 +14,7 @@ elements (random gradients, fixed seed), ``--steps`` timed steps after one warm-
   through the shared host <-> storage link and the device's own link. (Here the gradient
   swap-out is the write of the 4th section in the same pipeline as the update, so it is counted
   in ``update_s``; the update uses the host copy of the gradient, equal to what is written.)
-* ``near_storage`` (SmartUpdate): :class:`chunkjax.near_storage.NearStorageOptimizer`, one worker
+* ``near_storage`` (SmartUpdate): :class:`chunkjax.storage.near.NearStorageOptimizer`, one worker
   process per directory; bf16 gradients in, bf16 params out over the shared link (4 bytes/param),
   the state (24 bytes/param) only on each device's own link.
 * ``near_storage_topk``: the same with top-k compression of each gradient chunk (``--topk``, 1 %
@@ -63,7 +63,7 @@ are the next step's params (the forward runs on them, upcast to float32). Runs w
 and steps (``--variants``, default ``uncompressed,topk_global_emb0.5,topk_global_emb0.5_ef0.9``):
 ``uncompressed``, ``topk`` (1 % of every chunk, the paper), ``topk_ef`` (with error feedback),
 and ``topk_global`` / ``topk_global_ef<decay>`` (1 % of the whole gradient,
-:func:`chunkjax.near_storage.topk_compress_global`; error feedback with the residual decayed by
+:func:`chunkjax.storage.topk.topk_compress_global`; error feedback with the residual decayed by
 ``<decay>`` per step), ``topk_global_emb<share>`` (the same with ``<share>`` of the kept entries
 reserved for the token embedding, ``topk_groups``). The
 reference is the same loop in memory with the main job's optax optimizer
@@ -160,19 +160,24 @@ class GradOffloadBaseline:
         import jax.numpy as jnp
         import numpy as np
 
-        from chunkjax.near_storage import BF16, StepResult, adamw_hyper, adamw_numpy_, clip_args
+        from chunkjax.host_update import learning_rate_at
+        from chunkjax.kernels import clip_scale, step_hyper, update_
+        from chunkjax.storage.near import BF16
+        from chunkjax.storage.trainer import StepResult
         host = [np.asarray(g, np.float32) for g in grads]
         norm = float(jnp.sqrt(sum(jnp.sum(jnp.square(jnp.asarray(g))) for g in host)))
         t0 = time.perf_counter()
         count = self.tier.committed_step
-        scale, hp = clip_args(self.spec, norm), adamw_hyper(self.spec, count)
+        scale = clip_scale(self.spec.max_grad_norm, norm)
+        hyper = step_hyper(self.spec, count, learning_rate_at(self.spec.learning_rate, count))
         params = {}
 
         def fn(c, views):
             g = host[c]
             views[3][:] = g  # the fp32 gradient swapped out to storage (read back at the next step's slot)
-            adamw_numpy_(views[0], views[1], views[2], g, scale, hp)
-            params[c] = views[0].astype(BF16)
+            out = np.empty(g.size, np.uint16)
+            update_(hyper, views[0], views[1:3], np.ascontiguousarray(g), out, scale)
+            params[c] = out.view(BF16)
 
         io = self.tier.update(fn)
         storage = {d: io.read[d] + io.written[d] for d in io.read}
@@ -194,7 +199,7 @@ def _chunk_sizes(n_params: int, chunk: int) -> list[int]:
 
 
 def _make_opt(mode, dirs, sizes, spec, init, link_model, args):
-    from chunkjax.near_storage import NearStorageOptimizer
+    from chunkjax.storage.near import NearStorageOptimizer
     if mode == "baseline":
         # Read-ahead n/2 (n_dirs + read_ahead + 1 buffers): under the emulated links (4e5 params,
         # 8192-element chunks, scale 2500) 8 dirs took 2.94 s with read-ahead 1, 2.11 s with 4,
@@ -239,7 +244,7 @@ def run_one(mode: str, n: int, link_model, args, root: str) -> dict:
     if mode == "near_storage_topk":  # the trainer-side top-k (on the accelerator in the design; CPU here)
         import jax
 
-        from chunkjax.near_storage import topk_compress_many
+        from chunkjax.storage.topk import topk_compress_many
         t0 = time.perf_counter()  # as the optimizer does it: one batched top-k per chunk size
         jax.block_until_ready(topk_compress_many(g, args.topk))
         compress_s = time.perf_counter() - t0
@@ -479,7 +484,8 @@ def run_near_storage_train(model: _Model, variant: str, args, root: str, compare
     import numpy as np
 
     from chunkjax.host_update import AdamW
-    from chunkjax.near_storage import NearStorageOptimizer, chunk_ranges
+    from chunkjax.storage.near import NearStorageOptimizer
+    from chunkjax.storage.topk import chunk_ranges
     cfg = model.cfg
     spec = AdamW(_schedule(cfg), weight_decay=cfg.weight_decay, max_grad_norm=cfg.clip if cfg.clip > 0 else None)
     sizes = _chunk_sizes(model.init_flat.size, args.train_chunk)

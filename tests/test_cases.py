@@ -521,7 +521,7 @@ def test_case14_staging_pool_runs_dry_without_hanging(tmp_path, monkeypatch):
     import threading
     import time
 
-    from chunkjax import storage
+    from chunkjax.storage import files as storage
     from chunkjax.storage import DiskTier, StorageError
 
     sizes = [257] * 64
@@ -575,7 +575,8 @@ def test_case16_storage_configuration_validated_before_anything_starts(tmp_path)
     import multiprocessing
 
     from chunkjax.host_update import AdamW
-    from chunkjax.near_storage import BaselineOptimizer, NearStorageOptimizer
+    from chunkjax.storage.baseline import BaselineOptimizer
+    from chunkjax.storage.near import NearStorageOptimizer
 
     a_file = tmp_path / "file"
     a_file.write_text("x")

@@ -20,7 +20,7 @@ from test_checkpoint import N, SPEC, build_setup, make_step, run
 
 import chunkjax as cj
 from chunkjax import checkpoint as ck
-from chunkjax.near_storage import NearStorageOptimizer
+from chunkjax.storage.near import NearStorageOptimizer
 
 
 @pytest.fixture(scope="module")

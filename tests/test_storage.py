@@ -1,4 +1,4 @@
-"""The storage tier (chunkjax.storage) and near-storage updates (chunkjax.near_storage), issue 6.
+"""The storage tier (chunkjax.storage: the disk tier, near-storage updates, top-k), issues 6 and 21.
 
 Smart-Infinity (Jang et al., HPCA 2024): SmartUpdate, the data transfer handler, top-k gradient
 compression; the ZeRO-Infinity baseline. Small sizes: the whole file runs in well under 90 s on
@@ -19,10 +19,14 @@ import numpy as np
 import optax
 import pytest
 
-from chunkjax import storage
-from chunkjax.host_update import AdamW
-from chunkjax.near_storage import (BaselineOptimizer, NearStorageOptimizer, adamw_hyper, adamw_numpy_, topk_compress,
-                                   chunk_ranges, topk_compress_global, topk_decompress, topk_k, topk_ratio_at)
+from chunkjax.host_update import AdamW, learning_rate_at
+from chunkjax.kernels import clip_scale, step_hyper, update_
+from chunkjax.storage import files as storage
+from chunkjax.storage.baseline import BaselineOptimizer
+from chunkjax.storage.near import NearStorageOptimizer
+from chunkjax.storage.topk import (topk_compress,
+                                   chunk_ranges, topk_compress_global, topk_k, topk_ratio_at)
+from chunkjax.storage.worker import topk_decompress
 from chunkjax.storage import DiskTier, Link, LinkModel, StorageError, committed_step, read_manifest
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -35,6 +39,11 @@ def random_bits(rng, n):
 
 def same_bits(a, b):
     return np.array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
+
+
+def adamw_(spec, count, master, m, v, grad, scale=1.0):
+    """One AdamW step at ``count`` in place, with the kernel and scalars both tiers use."""
+    update_(step_hyper(spec, count, learning_rate_at(spec.learning_rate, count)), master, (m, v), grad, None, scale)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -232,7 +241,7 @@ def test_topk_compress_decompress(dtype):
     with pytest.raises(ValueError):
         topk_k(10, 0.0)
     # the batched form (one call per chunk size) equals the per-chunk one, chunk by chunk
-    from chunkjax.near_storage import topk_compress_many
+    from chunkjax.storage.topk import topk_compress_many
     chunks = [g, g[::-1] * 3, g[:513], jnp.asarray(rng.standard_normal(513), dtype), g[:1]]
     for (i1, v1), (i2, v2) in zip(topk_compress_many(chunks, 0.01), [topk_compress(x, 0.01) for x in chunks]):
         np.testing.assert_array_equal(np.asarray(i1), np.asarray(i2))
@@ -337,11 +346,10 @@ def test_shared_link_accounting_and_baseline(tmp_path):
     for s in range(steps):
         g = _grads(sizes, s, jnp.bfloat16)
         norm = float(jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in g)))
-        clip = None if norm < 0.5 else (np.float32(norm), np.float32(0.5))
+        scale = clip_scale(spec.max_grad_norm, norm)
         for c in range(len(sizes)):
             idx, vals = topk_compress(g[c], 0.01)
-            adamw_numpy_(master[c], m[c], v[c], topk_decompress(np.asarray(idx), np.asarray(vals), sizes[c]), clip,
-                         adamw_hyper(spec, s))
+            adamw_(spec, s, master[c], m[c], v[c], topk_decompress(np.asarray(idx), np.asarray(vals), sizes[c]), scale)
     for c in range(len(sizes)):
         assert same_bits(tk_state[c][0], master[c]) and same_bits(tk_state[c][2], v[c])
     assert not same_bits(tk_state[0][0], ns_state[0][0])
@@ -375,7 +383,7 @@ def test_topk_error_feedback_keeps_residual(tmp_path):
         eff = np.asarray(g[1]) + (0 if s == 0 else res1[1])
         idx, vals = topk_compress(jnp.asarray(eff), 0.05)
         dense = topk_decompress(np.asarray(idx), np.asarray(vals), 3000)
-        adamw_numpy_(master, m, v, dense, None, adamw_hyper(spec, s))
+        adamw_(spec, s, master, m, v, dense)
     assert same_bits(state[1][0], master) and same_bits(state[1][1], m)
 
 
@@ -473,9 +481,9 @@ def test_topk_groups_in_the_optimizer(tmp_path):
     for s in range(2):
         g = _grads(sizes, s)
         norm = float(jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in g)))
-        clip = None if norm < 0.5 else (np.float32(norm), np.float32(0.5))
+        scale = clip_scale(spec.max_grad_norm, norm)
         for c, (idx, vals) in enumerate(topk_compress_global([np.asarray(x) for x in g], 0.05, groups)):
-            adamw_numpy_(master[c], m[c], v[c], topk_decompress(idx, vals, sizes[c]), clip, adamw_hyper(spec, s))
+            adamw_(spec, s, master[c], m[c], v[c], topk_decompress(idx, vals, sizes[c]), scale)
     for c in range(len(sizes)):
         assert same_bits(state[c][0], master[c]) and same_bits(state[c][1], m[c]) and same_bits(state[c][2], v[c])
     with pytest.raises(ValueError, match="topk_scope='global'"):

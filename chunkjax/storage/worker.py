@@ -1,93 +1,74 @@
 """The near-storage worker process (Smart-Infinity's SmartUpdate): one per storage directory.
 
-It owns that directory's chunk files (:class:`chunkjax.storage.DiskTier`) and applies AdamW to each
-chunk next to the storage, in float32 numpy. It takes gradients (dense, or top-k index + value
-pairs) from the trainer (:class:`chunkjax.near_storage.NearStorageOptimizer`) over a pipe and
-returns bf16 params. This module imports only numpy, ml_dtypes and :mod:`chunkjax.storage`, not jax,
-so a spawned worker starts in a fraction of a second.
+It owns that directory's chunk files (:class:`chunkjax.storage.tier.DiskTier`) and applies the
+optimizer step to each chunk next to the storage, with the kernels of :mod:`chunkjax.kernels` (the
+host tier's, so both tiers give the same bits for one spec). It takes gradients (dense, or top-k
+index + value pairs) and the step's scalars (:func:`chunkjax.kernels.step_hyper`,
+:func:`chunkjax.kernels.clip_scale`) from the trainer
+(:class:`chunkjax.storage.near.NearStorageOptimizer`) over a pipe and returns bf16 params as bits.
+This module imports numpy, numba and :mod:`chunkjax.storage`, not jax or ml_dtypes, so a spawned
+worker starts in about 0.5 s (docs/storage.md, "Worker start").
 """
 from __future__ import annotations
 
 import os
 import time
 
-import ml_dtypes
 import numpy as np
 
-from chunkjax.storage import DiskTier, LinkModel, StorageError
-
-BF16 = np.dtype(ml_dtypes.bfloat16)
-F32 = np.dtype(np.float32)
-
-
-def adamw_numpy_(master: np.ndarray, m: np.ndarray, v: np.ndarray, grad: np.ndarray, clip: tuple | None,
-                 hp: tuple) -> None:
-    """One AdamW step in place on (n,) float32 ``master``, ``m``, ``v`` with (n,) float32 ``grad``;
-    ``hp`` from :func:`adamw_hyper`. Same float32 operations, in the same order, as
-    ``chunkjax.host_update``'s kernel (optax's bias-correction divisions as multiplies by the
-    float32 reciprocal, as XLA does).
-
-    ``clip``: None (no clipping), or ``(global_norm, max_norm)`` (float32) from :func:`clip_args`:
-    the gradient becomes ``(g / global_norm) * max_norm``, as ``optax.clip_by_global_norm``."""
-    b1, omb1, b2, omb2, inv_bc1, inv_bc2, eps, wd, neg_lr = hp
-    if clip is None:
-        g = grad.copy()
-    else:
-        g = grad / np.float32(clip[0])
-        g *= np.float32(clip[1])
-    m *= b1
-    m += omb1 * g  # (1-b1) g + b1 m: one rounding per op, a+b == b+a
-    g *= g
-    v *= b2
-    v += omb2 * g
-    u = m * inv_bc1
-    d = v * inv_bc2
-    np.sqrt(d, out=d)
-    d += eps
-    u /= d
-    if wd != 0:  # optax skips a zero weight decay
-        u += wd * master
-    u *= neg_lr
-    master += u
+from chunkjax.kernels import BF16_BITS_DTYPE, MASTER_DTYPE, StepHyper, bf16_round_bits, update_
+from chunkjax.storage.files import StorageError
+from chunkjax.storage.links import LinkModel
+from chunkjax.storage.tier import DiskTier
 
 
-def adamw_lazy_(master: np.ndarray, m: np.ndarray, v: np.ndarray, indices: np.ndarray, values: np.ndarray,
-                clip: tuple | None, hp: tuple) -> None:
-    """Lazy AdamW on a top-k gradient (as ``tf.keras`` LazyAdam / ``torch.optim.SparseAdam``): only
-    the entries at ``indices`` (int32, (k,)) take a step, with float32 ``values`` (or bf16 bits);
-    the others keep their master, m and v unchanged (no moment decay, no weight decay) instead of
-    taking the dense step on a zero gradient. Bias correction uses the global step count ``hp``."""
-    idx = np.asarray(indices, np.int64)
-    if idx.size == 0:
-        return
+def _bits_or_f32(values: np.ndarray) -> np.ndarray:
+    """A gradient payload as the kernels read it: bf16 (ml_dtypes, or its bits as uint16) as uint16
+    bits, anything else as float32."""
     values = np.asarray(values)
-    if values.dtype == BF16:
-        values = values.view(np.uint16)
-    mp, ms, vs = master[idx], m[idx], v[idx]
-    adamw_numpy_(mp, ms, vs, _f32_of(values), clip, hp)
-    master[idx], m[idx], v[idx] = mp, ms, vs
+    if values.dtype == BF16_BITS_DTYPE:
+        return values
+    if values.dtype.name == "bfloat16":
+        return values.view(BF16_BITS_DTYPE)
+    return values.astype(MASTER_DTYPE, copy=False)
 
 
-def _f32_of(payload: np.ndarray) -> np.ndarray:
-    """float32 values of a gradient payload: float32, or bf16 carried as uint16 bits (exact)."""
-    if payload.dtype == np.uint16:
-        return (payload.astype(np.uint32) << 16).view(F32)
-    return payload.astype(F32, copy=False)
+def f32_of(values: np.ndarray) -> np.ndarray:
+    """float32 values of a gradient payload: float32, or bf16 (ml_dtypes, or bits as uint16; exact)."""
+    values = _bits_or_f32(values)
+    if values.dtype == BF16_BITS_DTYPE:
+        return (values.astype(np.uint32) << 16).view(MASTER_DTYPE)
+    return values
 
 
 def topk_decompress(indices: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
     """(n,) float32 array, zero except ``values`` (float32, bf16, or bf16 bits as uint16) at
-    ``indices`` (int32). Inverse of :func:`topk_compress` on the kept entries."""
-    out = np.zeros(n, F32)
-    values = np.asarray(values)
-    if values.dtype == BF16:
-        values = values.view(np.uint16)
-    out[np.asarray(indices, np.int64)] = _f32_of(values)
+    ``indices`` ((k,) int32). Inverse of :func:`chunkjax.storage.topk.topk_compress` on the kept
+    entries."""
+    out = np.zeros(n, MASTER_DTYPE)
+    out[np.asarray(indices, np.int64)] = f32_of(values)
     return out
 
 
+def lazy_update_(hyper: StepHyper, master: np.ndarray, moments: tuple[np.ndarray, ...], indices: np.ndarray,
+                 values: np.ndarray, grad_scale: float = 1.0) -> None:
+    """Lazy update on a top-k gradient (as ``tf.keras`` LazyAdam / ``torch.optim.SparseAdam``): only
+    the entries at ``indices`` ((k,) int32) take a step, with ``values`` (float32 or bf16 bits);
+    the others keep their master and moments unchanged (no moment decay, no weight decay) instead
+    of taking the dense step on a zero gradient. Bias correction uses the global step count in
+    ``hyper``. Same kernel as the dense step (:func:`chunkjax.kernels.update_`)."""
+    idx = np.asarray(indices, np.int64)
+    if idx.size == 0:
+        return
+    mp, ms = master[idx], tuple(a[idx] for a in moments)
+    update_(hyper, mp, ms, np.ascontiguousarray(_bits_or_f32(values)), None, grad_scale)
+    master[idx] = mp
+    for a, x in zip(moments, ms):
+        a[idx] = x
+
+
 def _worker_main(conn, cfg: dict):
-    """One storage directory's worker: owns its DiskTier and runs AdamW next to it."""
+    """One storage directory's worker: owns its DiskTier and runs the optimizer step next to it."""
     tier = None
     try:
         tier = DiskTier([cfg["dir"]], cfg["sizes"], dir_indices=[cfg["index"]], n_dirs_total=cfg["n_dirs"],
@@ -124,12 +105,12 @@ def _worker_main(conn, cfg: dict):
             elif kind == "read_chunk":
                 conn.send(("chunk", msg[1], tier.read_chunk(msg[1])))
             elif kind == "step":
-                _, step, scale, hp, grads = msg
+                _, step, scale, hyper, grads = msg
                 if step != tier.committed_step + 1:
                     raise StorageError(f"asked for step {step}, committed step is {tier.committed_step}")
                 done, box = [0], {"grads": grads}
 
-                def fn(c, views, box=box, done=done, step=step, scale=scale, hp=hp):
+                def fn(c, views, box=box, done=done, step=step, scale=scale, hyper=hyper):
                     if box["grads"] is None:  # the header came first: the state reads have started
                         m = conn.recv()
                         if m[0] != "grads" or m[1] != step:
@@ -137,11 +118,13 @@ def _worker_main(conn, cfg: dict):
                         box["grads"] = m[2]
                     p = box["grads"].pop(c)
                     if p[0] == "topk" and cfg.get("sparse_update") == "lazy":
-                        adamw_lazy_(views[0], views[1], views[2], p[1], p[2], scale, hp)
+                        lazy_update_(hyper, views[0], views[1:], p[1], p[2], scale)
+                        out = bf16_round_bits(views[0])
                     else:
-                        g = topk_decompress(p[1], p[2], tier.chunk_sizes[c]) if p[0] == "topk" else _f32_of(p[1])
-                        adamw_numpy_(views[0], views[1], views[2], g, scale, hp)
-                    conn.send(("param", c, views[0].astype(BF16).view(np.uint16)))  # streamed back at once
+                        g = topk_decompress(p[1], p[2], tier.chunk_sizes[c]) if p[0] == "topk" else _bits_or_f32(p[1])
+                        out = np.empty(views[0].size, BF16_BITS_DTYPE)
+                        update_(hyper, views[0], views[1:], g, out, scale)  # bf16 bits of the new params
+                    conn.send(("param", c, out))  # streamed back at once
                     done[0] += 1
                     if fault.get("step") == step and done[0] == fault.get("after_chunks", 1):
                         with open(fault["marker"], "w") as f:  # test hook: wait here to be killed

@@ -1,4 +1,4 @@
-"""Near-storage optimizer updates (SmartUpdate), top-k gradient compression, and the baseline.
+"""Near-storage optimizer updates: Smart-Infinity's SmartUpdate, one worker process per storage device.
 
 Smart-Infinity (Jang et al., HPCA 2024, arXiv 2403.06664) observes that with the optimizer state
 on storage (ZeRO-Infinity's NVMe offload), the shared host <-> storage link carries the whole state
@@ -7,438 +7,66 @@ and params. Its *SmartUpdate* (section "SmartUpdate") runs the update next to ea
 (on an FPGA in the paper), so the shared link carries only gradients in and updated
 compute-dtype params out (bf16 + bf16 = 4 bytes/param here), while each device's own link carries
 its shard of the state. Its *gradient compression* (section "Gradient Compression") sends only the
-top-k gradient entries of each chunk (indices + values), decompressed next to storage.
+top-k gradient entries of each chunk (:mod:`chunkjax.storage.topk`).
 
-This module implements, on CPU processes:
-
-* :class:`NearStorageOptimizer`: one worker process per storage directory (the "SmartSSD"): it
-  owns the directory's chunk files (a :class:`chunkjax.storage.DiskTier` over that directory
-  only, with the data transfer handler's fixed staging buffers) and runs AdamW there. The trainer
-  computes the global gradient norm (for ``clip_by_global_norm``) and the overflow / non-finite
-  check *before* sending; a non-finite step changes no state. Steps use a two-phase commit: every
-  worker writes step N to new files and reports, then the trainer tells all to commit; a worker
-  that dies (or a full disk) raises :class:`StorageError` and every shard stays at (or recovers
-  to) the last step all completed. A new optimizer over the same directories resumes from there.
-* :func:`topk_compress` (jax.numpy, runs where the gradient is, e.g. the accelerator) and
-  :func:`topk_decompress` (numpy, in the worker); the selection unit is each chunk (the paper)
-  or the whole gradient (:func:`topk_compress_global`), with optional sparsity warm-up
-  (:func:`topk_ratio_at`, Deep Gradient Compression); optional error feedback (the paper has
-  none): the residual ``g - decompress(compress(g))`` of each chunk stays on the trainer
-  (optionally decayed) and is added to the next step's gradient; it is written to storage with
-  each committed step, so a resumed run continues exactly.
-* :class:`BaselineOptimizer` (ZeRO-Infinity style): the trainer reads master, m, v of each chunk
-  from storage into host staging buffers, updates on the host, writes them back.
+:class:`NearStorageOptimizer`, on CPU processes: one worker process per storage directory (the
+"SmartSSD", :mod:`chunkjax.storage.worker`) owns the directory's chunk files (a
+:class:`~chunkjax.storage.tier.DiskTier` over that directory only, with the data transfer handler's
+fixed staging buffers) and runs AdamW there. The trainer computes the global gradient norm (for
+``clip_by_global_norm``) and the overflow / non-finite check *before* sending; a non-finite step
+changes no state. Steps use a two-phase commit: every worker writes step N to new files and
+reports, then the trainer tells all to commit; a worker that dies, stops answering or taking
+messages (every send and receive has a deadline), or fails (a full disk, a corrupt chunk file)
+raises :class:`StorageError` with one line naming it and every shard stays at (or recovers to)
+the last step all completed. A new optimizer over the same directories resumes from there.
+Optional error feedback (the paper has none): the residual ``g - decompress(compress(g))`` of each
+chunk stays on the trainer (optionally decayed) and is added to the next step's gradient; it is
+written to storage with each committed step, so a resumed run continues exactly.
 
 Accounting (per step, bytes): the shared link (trainer <-> workers: gradient payload in, i.e. the
-gradient, or top-k indices (int32) + values; params out; in the baseline: every state byte read
-from and written to storage) and each storage device's own link (its directory's reads + writes).
-:class:`chunkjax.storage.LinkModel` throttles both to given rates; such results are an emulation
-and are labelled ``emulated: True``. Here the shared link is throttled in the trainer process
-(all its traffic passes there, one transfer at a time) and each device link in its worker.
+gradient, or top-k indices (int32) + values; params out) and each storage device's own link (its
+directory's reads + writes). :class:`~chunkjax.storage.links.LinkModel` throttles both to given
+rates; such results are an emulation and are labelled ``emulated: True``. Here the shared link is
+throttled in the trainer process (all its traffic passes there, one transfer at a time) and each
+device link in its worker.
 
-The AdamW arithmetic is the one of :class:`chunkjax.host_update.AdamW` (optax's ``adamw``:
-``scale_by_adam``, ``add_decayed_weights``, ``scale_by_learning_rate``), in float32 numpy with the
-same operations in the same order (the numba kernel of ``host_update`` gives the same bits).
-Against eager optax it is bit-exact on one array; on a list of chunks optax differed in the last
-bit or two of some master params (20 steps, ``tests/test_storage.py``: within rtol 1e-6).
-Clipping divides by the global norm then multiplies by ``max_norm``, as
-``optax.clip_by_global_norm``; the norm is taken over the uncompressed gradient.
+The AdamW arithmetic is :mod:`chunkjax.kernels` (optax's ``adamw``: ``scale_by_adam``,
+``add_decayed_weights``, ``scale_by_learning_rate``), the kernels and scalars the host tier runs:
+for one spec the two tiers give bit-identical master params and moments. Against eager optax the
+unclipped step is bit-exact on one array; on a list of chunks optax differed in the last bit or two
+of some master params (20 steps, ``tests/test_storage.py``: within rtol 1e-6). Clipping multiplies
+by one float32 factor (:func:`chunkjax.kernels.clip_scale`); the norm is taken over the
+uncompressed gradient.
 
 Params leave the workers as bf16 only (the compute dtype of this project).
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
-import dataclasses
-import functools
 import math
 import multiprocessing
-import numbers
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
-from chunkjax.host_update import INT32_MAX, AdamW, learning_rate_at
-from chunkjax.storage import DiskTier, Link, LinkModel, StorageError, committed_step, replace_file
-from chunkjax.storage_worker import BF16, F32, _f32_of, _worker_main, adamw_lazy_, adamw_numpy_, topk_decompress
+from chunkjax.kernels import AdamW
+from chunkjax.storage.files import StorageError, committed_step, replace_file
+from chunkjax.storage.links import Link, LinkModel
+from chunkjax.storage.topk import (normalize_topk_groups, topk_compress, topk_compress_global, topk_compress_many,
+                                   topk_k, topk_ratio_at, validate_topk_groups)
+from chunkjax.storage.trainer import StepResult, TierTrainer, validate_storage_dirs
+from chunkjax.storage.worker import _worker_main
 
-__all__ = ["AdamW", "BaselineOptimizer", "LinkModel", "NearStorageOptimizer", "StepResult", "StorageError",
-           "adamw_hyper", "adamw_lazy_", "adamw_numpy_", "chunk_ranges", "clip_args", "topk_compress",
-           "topk_compress_global", "topk_compress_many", "topk_decompress", "topk_k", "topk_ratio_at",
-           "normalize_topk_groups", "validate_topk_groups"]
+BF16 = np.dtype(ml_dtypes.bfloat16)
+F32 = np.dtype(np.float32)
 
-
-# ----------------------------------------------------------------------------------------------
-# AdamW in float32 numpy (matches chunkjax.host_update's kernel and eager optax).
-# ----------------------------------------------------------------------------------------------
-
-def adamw_hyper(spec: AdamW, count: int) -> tuple[np.float32, ...]:
-    """Float32 scalars of the AdamW step taken when the state's count is ``count`` (the count
-    before the step, 0 at the first): (b1, 1-b1, b2, 1-b2, 1/(1-b1^t), 1/(1-b2^t), eps, wd, -lr)."""
-    f32 = np.float32
-    t = min(count + 1, INT32_MAX)
-    return (f32(spec.b1), f32(1 - spec.b1), f32(spec.b2), f32(1 - spec.b2),
-            f32(1) / (f32(1) - f32(spec.b1) ** f32(t)), f32(1) / (f32(1) - f32(spec.b2) ** f32(t)),
-            f32(spec.eps), f32(spec.weight_decay), -learning_rate_at(spec.learning_rate, count))
-
-
-def clip_args(spec: AdamW, global_norm: float) -> tuple | None:
-    """The ``clip`` argument of :func:`adamw_numpy_`: None when ``spec.max_grad_norm`` is None or
-    ``global_norm < max_grad_norm`` (optax keeps the gradient), else float32 (global_norm, max_norm)."""
-    if spec.max_grad_norm is None or global_norm < spec.max_grad_norm:
-        return None
-    return (np.float32(global_norm), np.float32(spec.max_grad_norm))
-
-
-# ----------------------------------------------------------------------------------------------
-# Top-k compression.
-# ----------------------------------------------------------------------------------------------
-
-def topk_k(n: int, ratio: float) -> int:
-    """Entries kept of an n-element chunk: ``max(1, ceil(ratio * n))``, at most n."""
-    if not 0 < ratio <= 1:
-        raise ValueError(f"top-k ratio must be in (0, 1], got {ratio!r}")
-    return min(n, max(1, math.ceil(ratio * n)))
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _topk(g, k):
-    _, idx = jax.lax.top_k(jnp.abs(g), k)
-    return idx.astype(jnp.int32), g[idx]
-
-
-def topk_compress(grad, ratio: float = 0.01):
-    """Top-k compression of one gradient chunk (Smart-Infinity, "Gradient Compression"), in jax.numpy:
-    runs on the device that holds ``grad``.
-
-    Args:
-      grad: (n,) gradient (any float dtype; a jax or numpy array).
-      ratio: fraction of entries kept; k = :func:`topk_k` (n, ratio).
-
-    Returns:
-      (indices, values): (k,) int32 positions of the k largest ``|grad|`` (``jax.lax.top_k``, ties
-      to the lower index), and (k,) ``grad[indices]`` in grad's dtype. Wire size: k*(4 + itemsize).
-    """
-    g = jnp.asarray(grad).reshape(-1)
-    return _topk(g, topk_k(g.size, ratio))
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _topk_rows(g, k):
-    _, idx = jax.lax.top_k(jnp.abs(g), k)
-    return idx.astype(jnp.int32), jnp.take_along_axis(g, idx, axis=1)
-
-
-def topk_compress_many(grads, ratio: float = 0.01) -> list:
-    """:func:`topk_compress` of many chunks, equal-sized ones in one batched call (one dispatch per
-    size instead of one per chunk). Returns ``[(indices, values), ...]`` in the order given, each
-    equal to ``topk_compress`` of that chunk."""
-    flat = [jnp.asarray(g).reshape(-1) for g in grads]
-    out: list = [None] * len(flat)
-    groups: dict = {}
-    for j, g in enumerate(flat):
-        groups.setdefault((g.size, str(g.dtype)), []).append(j)
-    for (n, _), js in groups.items():
-        idx, vals = _topk_rows(jnp.stack([flat[j] for j in js]), topk_k(n, ratio))
-        for r, j in enumerate(js):
-            out[j] = (idx[r], vals[r])
-    return out
-
-
-def chunk_ranges(start: int, stop: int, chunk_sizes: Sequence[int]) -> list[tuple[int, int, int]]:
-    """The elements [start, stop) of the flattened model (chunks laid end to end, ``chunk_sizes``
-    elements each, in order) as ``[(chunk, start_in_chunk, stop_in_chunk), ...]``: the form
-    ``topk_groups`` takes. Raises ValueError when the range is empty or beyond the last chunk."""
-    bounds = np.cumsum([0] + [int(n) for n in chunk_sizes])
-    if not 0 <= start < stop <= bounds[-1]:
-        raise ValueError(f"elements [{start}, {stop}) are not a non-empty range of the {bounds[-1]} elements")
-    out = []
-    for c in range(len(chunk_sizes)):
-        lo, hi = max(start, bounds[c]), min(stop, bounds[c + 1])
-        if lo < hi:
-            out.append((c, int(lo - bounds[c]), int(hi - bounds[c])))
-    return out
-
-
-_GROUPS_FORM = "[(share, [(chunk, start, stop), ...]), ...] with integer chunk, start and stop"
-
-
-def normalize_topk_groups(groups) -> tuple:
-    """``topk_groups`` as ``((share: float, ((chunk, start, stop): ints, ...)), ...)``. Raises
-    ValueError (one line giving the expected form) for anything else, e.g. a range of two numbers
-    or non-integer bounds."""
-    try:
-        out = []
-        for group in groups:
-            share, ranges = group
-            rs = []
-            for r in ranges:
-                c, lo, hi = r
-                if not all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in (c, lo, hi)):
-                    raise TypeError
-                rs.append((int(c), int(lo), int(hi)))
-            if isinstance(share, bool) or not isinstance(share, numbers.Real):
-                raise TypeError
-            out.append((float(share), tuple(rs)))
-        return tuple(out)
-    except (TypeError, ValueError):
-        raise ValueError(f"topk_groups: expected {_GROUPS_FORM}, got {groups!r}"[:400]) from None
-
-
-def validate_topk_groups(groups, chunk_sizes: Sequence[int]) -> None:
-    """Check ``topk_groups`` (see :func:`topk_compress_global`) against (n_chunks,) ``chunk_sizes``.
-    Raises ValueError naming the bad share or range (the form of :func:`normalize_topk_groups`;
-    shares in (0, 1] summing to <= 1; ranges ``(chunk, start, stop)`` inside their chunk and not
-    overlapping)."""
-    total = 0.0
-    seen: dict[int, list[tuple[int, int]]] = {}
-    for share, ranges in normalize_topk_groups(groups):
-        if not 0 < share <= 1:
-            raise ValueError(f"topk_groups: share {share!r} must be in (0, 1]")
-        total += share
-        if not ranges:
-            raise ValueError("topk_groups: a group with no element range")
-        for c, lo, hi in ranges:
-            if not (0 <= c < len(chunk_sizes) and 0 <= lo < hi <= chunk_sizes[c]):
-                raise ValueError(f"topk_groups: range {(c, lo, hi)} is not inside a chunk "
-                                 f"(chunk {c} of {len(chunk_sizes)})")
-            for a, b in seen.get(c, []):
-                if lo < b and a < hi:
-                    raise ValueError(f"topk_groups: ranges {(c, a, b)} and {(c, lo, hi)} overlap")
-            seen.setdefault(c, []).append((lo, hi))
-    if total > 1 + 1e-9:
-        raise ValueError(f"topk_groups: the shares sum to {total:g} (> 1)")
-
-
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def _global_topk_device(x, ks: tuple[int, ...], spans: tuple[tuple[tuple[int, int], ...], ...]):
-    """On x's device: the ``ks[g]`` largest |x| among the elements of group g (group 0: those in no
-    span of ``spans``; group g >= 1: ``spans[g-1]``, flat (lo, hi) ranges). Returns (k,) int32
-    ascending flat indices and x at them."""
-    a = jnp.abs(x.astype(jnp.float32))
-    gid = jnp.zeros(x.shape[0], jnp.int8)
-    for g, group in enumerate(spans, 1):
-        for lo, hi in group:
-            gid = gid.at[lo:hi].set(g)
-    picks = []
-    for g, k in enumerate(ks):
-        if k:
-            picks.append(jax.lax.top_k(jnp.where(gid == g, a, -1.0), k)[1])  # |x| >= 0 > -1: members first
-    idx = jnp.sort(jnp.concatenate(picks)).astype(jnp.int32)
-    return idx, x[idx]
-
-
-def _group_counts(k: int, groups, sizes: list[int]) -> list[int]:
-    """Entries kept per group: ``[rest, group 1, ...]``; group g gets ``round(share * k)``, at most
-    its ``sizes[g]`` elements and what earlier groups left of k; the rest (``sizes[0]`` elements in
-    no group) gets what remains, at most its size."""
-    ks = [0]
-    for g, (share, _) in enumerate(groups, 1):
-        ks.append(min(sizes[g], round(share * k), k - sum(ks)))
-    ks[0] = min(sizes[0], k - sum(ks))
-    return ks
-
-
-def _on_accelerator(g) -> bool:
-    return isinstance(g, jax.Array) and any(d.platform != "cpu" for d in g.devices())
-
-
-def topk_compress_global(grads, ratio: float = 0.01, groups=(), device: bool | None = None) -> list:
-    """Top-k over *all* chunks together (one selection unit for the whole model, as top-k
-    sparsification over the full flattened gradient in Aji & Heafield 2017 / Lin et al. 2018)
-    instead of ``ratio`` of every chunk: k = :func:`topk_k` (total elements, ratio) entries of
-    largest ``|grad|`` overall, so a chunk with large gradients sends more entries and one with
-    small gradients fewer (possibly none). Same wire format and total size as per-chunk top-k
-    (int32 index within its chunk + value per kept entry).
-
-    ``groups``: optional fixed shares of the k entries, ``[(share, [(j, start, stop), ...]), ...]``
-    (``j``: position in ``grads``; :func:`chunk_ranges` builds the ranges of a flat interval):
-    each group sends its ``round(share * k)`` largest entries (at most its size), and the elements
-    in no group send the remaining ones, again the largest. The total stays k. Used to give the
-    token embedding a fixed part of the budget: without it the embedding's share of a global
-    top-k swings from step to step with the scale of its gradient (docs/storage.md, "Top-k: a fixed
-    share for the embedding").
-
-    ``device``: where the selection runs. True: ``jax.lax.top_k`` on the gradients' device (one per
-    group), and only the k kept indices and values move to the host. False: ``numpy.argpartition``
-    on the host, which needs the whole gradient there (``jax.lax.top_k`` of 7.3M entries took ~1 s
-    on this 2-core CPU, argpartition ~0.1 s). None (default): True when the gradients are jax arrays
-    on an accelerator. Both keep the same entries, except which of several equal ``|grad|`` at the
-    cut are kept (unspecified; deterministic for equal input).
-
-    Returns ``[(indices, values), ...]`` per chunk: indices int32 ascending, values in the
-    chunk's dtype (numpy arrays). Raises ValueError for bad ``groups`` (:func:`validate_topk_groups`)."""
-    sizes = [int(np.prod(np.shape(g))) for g in grads]
-    bounds = np.cumsum([0] + sizes)
-    total = int(bounds[-1])
-    k = topk_k(total, ratio)
-    if groups:
-        groups = normalize_topk_groups(groups)
-        validate_topk_groups(groups, sizes)
-    if device is None:
-        device = all(_on_accelerator(g) for g in grads)
-    if device:
-        flat = [jnp.asarray(g).reshape(-1) for g in grads]
-        n_in = [sum(hi - lo for _, lo, hi in ranges) for _, ranges in groups]
-        ks = tuple(_group_counts(k, groups, [total - sum(n_in), *n_in]))
-        spans = tuple(tuple((int(bounds[j] + lo), int(bounds[j] + hi)) for j, lo, hi in ranges)
-                      for _, ranges in groups)
-        x = jnp.concatenate(flat) if len(flat) > 1 else flat[0]
-        idx, vals = (np.asarray(a) for a in _global_topk_device(x, ks, spans))
-        cut = np.searchsorted(idx, bounds)
-        return [((idx[cut[c]:cut[c + 1]] - bounds[c]).astype(np.int32),
-                 vals[cut[c]:cut[c + 1]].astype(np.dtype(flat[c].dtype))) for c in range(len(flat))]
-    flat = [np.asarray(g).reshape(-1) for g in grads]
-    a = np.concatenate([np.abs(g.astype(F32, copy=False)) for g in flat])
-    if not groups:
-        idx = np.sort(np.argpartition(a, total - k)[total - k:]) if k < total else np.arange(total)
-    else:
-        gid = np.zeros(total, np.int32)  # 0: in no group
-        for g, (_, ranges) in enumerate(groups, 1):
-            for j, lo, hi in ranges:
-                gid[bounds[j] + lo:bounds[j] + hi] = g
-        members = [np.flatnonzero(gid == g) for g in range(len(groups) + 1)]
-        ks = _group_counts(k, groups, [m.size for m in members])
-        picks = []
-        for pos, kg in zip(members, ks):
-            if 0 < kg < pos.size:
-                picks.append(pos[np.argpartition(a[pos], pos.size - kg)[pos.size - kg:]])
-            elif kg > 0:
-                picks.append(pos)
-        idx = np.sort(np.concatenate(picks)) if picks else np.zeros(0, np.int64)
-    cut = np.searchsorted(idx, bounds)
-    out = []
-    for c, g in enumerate(flat):
-        loc = (idx[cut[c]:cut[c + 1]] - bounds[c]).astype(np.int32)
-        out.append((loc, g[loc]))
-    return out
-
-
-def topk_ratio_at(step: int, ratio: float, warmup_steps: int = 0, start: float = 0.25) -> float:
-    """Density of step ``step`` (1 = the first) with Deep Gradient Compression's sparsity warm-up
-    (Lin et al., ICLR 2018, section 3.3): over the first ``warmup_steps`` steps the kept fraction
-    falls exponentially from ``start`` to ``ratio`` (``start * (ratio/start)^((step-1)/warmup_steps)``),
-    then stays at ``ratio``. ``warmup_steps=0``: always ``ratio``."""
-    if warmup_steps <= 0 or step > warmup_steps or start <= ratio:
-        return ratio
-    return float(start * (ratio / start) ** ((step - 1) / warmup_steps))
-
-
-# ----------------------------------------------------------------------------------------------
-# Step results and the trainer-side common part.
-# ----------------------------------------------------------------------------------------------
-
-@dataclasses.dataclass
-class StepResult:
-    """What one optimizer step did.
-
-    Attributes:
-      step: the committed step after this call (unchanged when skipped).
-      params: per chunk, the (n_c,) updated params in the compute dtype (ml_dtypes.bfloat16
-        numpy arrays); None when skipped.
-      skipped: True when the gradient was not finite (nothing was sent or changed).
-      grad_norm: global L2 norm of the (uncompressed) gradient.
-      shared_link_bytes: bytes on the shared link this step (see module docstring).
-      shared_link_in / shared_link_out: its two directions (to storage side / back), bytes.
-      storage_link_bytes: per storage directory, bytes read + written on its own link.
-      update_s: wall seconds of the update phase (send, update, receive, commit).
-      n_params: parameters updated (for bytes per param).
-      emulated: True when a LinkModel throttled the links (times are an emulation).
-      residual_bytes: bytes of error-feedback residuals the trainer wrote to ``residual_dir``
-        (not part of ``shared_link_bytes``).
-    """
-
-    step: int
-    params: list | None
-    skipped: bool
-    grad_norm: float
-    shared_link_bytes: int = 0
-    shared_link_in: int = 0
-    shared_link_out: int = 0
-    storage_link_bytes: dict = dataclasses.field(default_factory=dict)
-    update_s: float = 0.0
-    n_params: int = 0
-    emulated: bool = False
-    residual_bytes: int = 0
-
-    @property
-    def shared_link_bytes_per_param(self) -> float:
-        return self.shared_link_bytes / max(self.n_params, 1)
-
-    @property
-    def storage_link_bytes_per_param(self) -> float:
-        return sum(self.storage_link_bytes.values()) / max(self.n_params, 1)
-
-
-def _sizes_of(chunk_sizes) -> dict[int, int]:
-    sizes = dict(chunk_sizes) if isinstance(chunk_sizes, Mapping) else dict(enumerate(chunk_sizes))
-    if sorted(sizes) != list(range(len(sizes))):
-        raise ValueError("chunk ids must be 0..n_chunks-1")
-    return {int(c): int(n) for c, n in sorted(sizes.items())}
-
-
-class _Trainer:
-    """Shared part: global norm, overflow check, clip scale, hyperparameters."""
-
-    def _init_common(self, chunk_sizes, spec: AdamW, link_model: LinkModel | None):
-        if not isinstance(spec, AdamW):
-            raise ValueError(f"spec must be chunkjax.host_update.AdamW, got {type(spec).__name__}")
-        self.spec = spec
-        self.chunk_sizes = _sizes_of(chunk_sizes)
-        self.n_params = sum(self.chunk_sizes.values())
-        self.link_model = link_model or LinkModel()
-
-    def _check_grads(self, grads):
-        if len(grads) != len(self.chunk_sizes):
-            raise ValueError(f"need {len(self.chunk_sizes)} gradient chunks, got {len(grads)}")
-        out = []
-        for c, g in enumerate(grads):
-            g = jnp.asarray(g).reshape(-1)
-            if g.size != self.chunk_sizes[c]:
-                raise ValueError(f"gradient chunk {c} has {g.size} elements, chunk size is {self.chunk_sizes[c]}")
-            out.append(g)
-        # optax.global_norm: sqrt of the sum of per-leaf sums of squares, in leaf order.
-        norm = float(jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in out)))
-        return out, norm
-
-
-def validate_storage_dirs(dirs) -> None:
-    """Check a list of storage directories (one per storage device) before anything is created:
-    at least one, no two the same, each an existing directory or creatable (its nearest existing
-    parent is a writable directory), none a file (reported case 16: a bad offload target once
-    failed deep inside the first step).
-
-    Raises:
-      ValueError: one line naming the directory and what to change.
-    """
-    if isinstance(dirs, (str, bytes, os.PathLike)):
-        raise ValueError(f"dirs={os.fspath(dirs)!r}: pass a list of directories (one per storage device)")
-    dirs = [os.fspath(d) for d in dirs]
-    if not dirs:
-        raise ValueError("no storage directories: pass one per storage device")
-    real = [os.path.realpath(d) for d in dirs]
-    for i, r in enumerate(real):
-        if r in real[:i]:
-            raise ValueError(f"storage directory {dirs[i]!r} is given twice: give each storage device once")
-    for d in dirs:
-        if os.path.exists(d):
-            if not os.path.isdir(d):
-                raise ValueError(f"storage directory {d!r} is a file: give a directory")
-            if not os.access(d, os.W_OK | os.X_OK):
-                raise ValueError(f"storage directory {d!r} is not writable: give a writable directory")
-            continue
-        parent = os.path.dirname(os.path.abspath(d))
-        while not os.path.exists(parent):
-            parent = os.path.dirname(parent)
-        if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-            raise ValueError(f"storage directory {d!r} cannot be created ({parent!r} is not a writable directory)")
-
-
-class NearStorageOptimizer(_Trainer):
+class NearStorageOptimizer(TierTrainer):
     """AdamW with the state on storage and the update next to it (Smart-Infinity's SmartUpdate).
 
     One worker process (multiprocessing, "spawn") per directory owns that directory's chunk files
@@ -487,7 +115,12 @@ class NearStorageOptimizer(_Trainer):
         step it resumes at and continues exactly as an uninterrupted run.
       link_model: emulated rates (bytes/s) of the shared link and of each device link.
       io_mode, n_buffers, fsync: passed to each worker's :class:`DiskTier`.
-      timeout_s: longest wait for one worker reply, seconds (a dead worker is detected at once).
+      timeout_s: longest wait on one worker, seconds: for a reply, and for a message to be taken
+        (a send blocks while a stopped or hung worker does not read a payload larger than the pipe's
+        buffer). On expiry every worker is stopped and :class:`StorageError` names the worker
+        (index, pid, directory) and what it was doing; the state stays at the last committed step.
+        A dead worker is detected at once. Set it above the longest step phase (the first reply
+        waits for the reads of one chunk; a resume first reads and checks every chunk file).
 
     Raises:
       StorageError: a worker failed to start, the directories are inconsistent, or (from
@@ -536,6 +169,8 @@ class NearStorageOptimizer(_Trainer):
         self.shared_link = Link(self.link_model.shared_bytes_per_s, "shared")
         self._residual: dict[int, jax.Array] = {}
         self._broken: str | None = None
+        # sends run on this thread, so that a send blocked on a stopped worker has a deadline too
+        self._sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="near_storage_send")
         for d in self.dirs:
             os.makedirs(d, exist_ok=True)
         target = committed_step(self.dirs)  # the step every worker recovers to
@@ -568,7 +203,7 @@ class NearStorageOptimizer(_Trainer):
                     raise StorageError(f"{self.dirs} hold no committed run: pass init_params")
                 for i in range(n):
                     masters = {c: np.asarray(init_params[c], F32).reshape(-1) for c in self.owned[i]}
-                    self._conns[i].send(("init", masters))
+                    self._send(i, ("init", masters), "initialising")
                 for i in range(n):
                     self._expect(i, "ok", "initialising")
                 self._step = 0
@@ -588,13 +223,13 @@ class NearStorageOptimizer(_Trainer):
             self._residual = {c: jnp.asarray(r) for c, r in res.items()}
         n = len(self.dirs)
         for i in range(n):
-            self._conns[i].send(("init_stream", step))
+            self._send(i, ("init_stream", step), f"restoring step {step}")
         for c, size in self.chunk_sizes.items():
             kinds = tuple(np.asarray(a, F32).reshape(-1) for a in init_state(c))
             if len(kinds) != 3 or any(a.size != size for a in kinds):
                 raise ValueError(f"init_state({c}) must give (master, m, v) of {size} elements each, got "
                                  f"{[a.size for a in kinds]}")
-            self._conns[c % n].send(("init_chunk", c, kinds))
+            self._send(c % n, ("init_chunk", c, kinds), f"restoring chunk {c} of step {step}")
             del kinds
         for i in range(n):
             self._expect(i, "ok", f"restoring step {step}")
@@ -608,7 +243,7 @@ class NearStorageOptimizer(_Trainer):
         if c not in self.chunk_sizes:
             raise ValueError(f"no chunk {c} (chunks 0..{len(self.chunk_sizes) - 1})")
         i = c % len(self.dirs)
-        self._conns[i].send(("read_chunk", c))
+        self._send(i, ("read_chunk", c), f"reading chunk {c}")
         _, got, arrays = self._expect(i, "chunk", f"reading chunk {c}")
         return arrays
 
@@ -671,6 +306,28 @@ class NearStorageOptimizer(_Trainer):
         return [p.pid for p in self.workers]
 
     # -- messaging ---------------------------------------------------------------------------
+    def _send(self, i: int, msg: tuple, doing: str, nbytes: int = 0) -> None:
+        """Send ``msg`` to worker ``i`` within ``timeout_s`` (on the sender thread: a payload larger
+        than the pipe's buffer blocks until the worker reads it). Raises StorageError (and stops
+        every worker) when the worker dies or does not take the message in time."""
+        conn, proc = self._conns[i], self.workers[i]
+        fut = self._sender.submit(conn.send, msg)
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                fut.result(timeout=0.05)
+                return
+            except concurrent.futures.TimeoutError:
+                pass
+            except (OSError, EOFError, ValueError):  # BrokenPipeError: the worker is gone
+                raise self._dead(i, doing) from None
+            if not proc.is_alive():
+                raise self._dead(i, doing)
+            if time.monotonic() > deadline:
+                size = f" ({nbytes} bytes)" if nbytes else ""
+                raise self._fail(f"near-storage worker {i} (pid {proc.pid}, {self.dirs[i]}) took no message within "
+                                 f"{self.timeout_s} s while {doing}{size}: it is stopped or hung")
+
     def _expect(self, i: int, kind: str, doing: str):
         conn, proc = self._conns[i], self.workers[i]
         deadline = time.monotonic() + self.timeout_s
@@ -771,10 +428,16 @@ class NearStorageOptimizer(_Trainer):
         return StorageError(self._broken)
 
     def _kill_all(self):
+        """Kill every worker (SIGKILL also ends a stopped one, which unblocks a send to it), then
+        close the pipes and the sender thread."""
         for p in getattr(self, "workers", []):
             if p.is_alive():
                 p.kill()
             p.join(5)
+        if getattr(self, "_sender", None) is not None:
+            self._sender.shutdown(wait=True)
+        for conn in getattr(self, "_conns", []):
+            conn.close()
 
     def _check_usable(self):
         if self._broken:
@@ -842,23 +505,14 @@ class NearStorageOptimizer(_Trainer):
         if not math.isfinite(norm):
             return StepResult(self._step, None, True, norm, n_params=self.n_params, emulated=self.link_model.emulated)
         t0 = time.perf_counter()
-        scale = clip_args(self.spec, norm)
-        hp = adamw_hyper(self.spec, self._step)
+        scale, hyper = self._step_scalars(self._step, norm)
         step = self._step + 1
         n = len(self.dirs)
         sent = 0
-
-        def send(i, msg):
-            try:
-                self._conns[i].send(msg)
-            except (BrokenPipeError, OSError):
-                raise self._fail(f"near-storage worker {i} (pid {self.workers[i].pid}, {self.dirs[i]}) died "
-                                 f"(exit code {self.workers[i].exitcode}) before step {step}") from None
-
         # the step's header first: every worker starts reading its state while the gradients are
         # compressed and sent (the header is a few bytes: not counted on the shared link)
         for i in range(n):
-            send(i, ("step", step, scale, hp, None))
+            self._send(i, ("step", step, scale, hyper, None), f"starting step {step}")
         batched, residual = {}, {}
         if self.compression == "topk":  # one batched top-k per size (or one global one)
             try:
@@ -875,14 +529,14 @@ class NearStorageOptimizer(_Trainer):
             except BaseException as e:  # the workers wait for these gradients: stop them
                 raise self._fail(f"preparing the gradients of step {step} failed ({type(e).__name__}: {e})") from e
             with self.shared_link.transfer(nbytes):
-                send(i, ("grads", step, parts))
+                self._send(i, ("grads", step, parts), f"taking the gradients of step {step}", nbytes)
             sent += nbytes
         params, storage, received, failure = self._collect(step)
         if failure is not None:
             if not self._broken:  # a worker reported an error (e.g. a full disk): abort the others
                 for i in range(n):
                     with contextlib.suppress(StorageError, OSError, EOFError):
-                        self._conns[i].send(("abort", step))
+                        self._send(i, ("abort", step), f"aborting step {step}")
                         self._expect(i, "aborted", f"aborting step {step}")
             raise failure
         residual_bytes = 0
@@ -892,11 +546,11 @@ class NearStorageOptimizer(_Trainer):
             except StorageError:
                 for i in range(n):
                     with contextlib.suppress(StorageError, OSError, EOFError):
-                        self._conns[i].send(("abort", step))
+                        self._send(i, ("abort", step), f"aborting step {step}")
                         self._expect(i, "aborted", f"aborting step {step}")
                 raise
         for i in range(n):
-            self._conns[i].send(("commit", step))
+            self._send(i, ("commit", step), f"committing step {step}")
         for i in range(n):
             self._expect(i, "committed", f"committing step {step}")
         self._step = step
@@ -913,21 +567,22 @@ class NearStorageOptimizer(_Trainer):
         self._check_usable()
         out = {}
         for i in range(len(self.dirs)):
-            self._conns[i].send(("read",))
+            self._send(i, ("read",), "reading state")
             out.update(self._expect(i, "state", "reading state")[1])
         return dict(sorted(out.items()))
 
     def close(self):
         """Stop the workers (committed state stays on storage)."""
-        for i, conn in enumerate(getattr(self, "_conns", [])):
-            if self.workers[i].is_alive():
-                with contextlib.suppress(StorageError, OSError, EOFError):
-                    conn.send(("close",))
+        for i in range(len(getattr(self, "_conns", []))):
+            if self.workers[i].is_alive() and not self._broken:
+                with contextlib.suppress(StorageError):
+                    self._send(i, ("close",), "closing")
         for p in getattr(self, "workers", []):
             p.join(10)
             if p.is_alive():
                 p.kill()
                 p.join(5)
+        self._kill_all()
 
     def __enter__(self):
         return self
@@ -936,76 +591,3 @@ class NearStorageOptimizer(_Trainer):
         self.close()
 
 
-# ----------------------------------------------------------------------------------------------
-# The ZeRO-Infinity-style baseline.
-# ----------------------------------------------------------------------------------------------
-
-class BaselineOptimizer(_Trainer):
-    """AdamW with the state on storage, updated on the host (the ZeRO-Infinity baseline that
-    Smart-Infinity compares against): each step reads master, m, v of every chunk from storage into
-    the host staging buffers, updates them on the host and writes them back, so every state byte
-    crosses the shared host <-> storage link twice (>= 24 bytes/param/step; the gradient itself is
-    already on the host and is not counted on that link).
-
-    Args: as :class:`NearStorageOptimizer` (no compression); ``io_threads`` I/O threads (default
-    2 per directory) and ``n_buffers`` staging buffers (default n_dirs + 2, so that a write per
-    directory can be in flight: 1.13 s against 1.46 s with 3 buffers for 4 directories under an
-    emulated 3 MB/s per directory, 16 MB/s shared, where the bound is 1.05 s) in this process.
-    With a ``link_model``, ``shared_bytes_per_s`` throttles all storage traffic together and
-    ``disk_bytes_per_s`` each directory.
-    """
-
-    def __init__(self, dirs: Sequence[str], chunk_sizes, spec: AdamW, *, init_params=None,
-                 link_model: LinkModel | None = None, io_mode: str = "auto", n_buffers: int | None = None,
-                 io_threads: int | None = None, fsync: bool = True):
-        validate_storage_dirs(dirs)
-        self._init_common(chunk_sizes, spec, link_model)
-        n = len(dirs)
-        self.tier = DiskTier(dirs, self.chunk_sizes, n_buffers=n_buffers or n + 2, io_threads=io_threads or 2 * n,
-                             io_mode=io_mode, link_model=self.link_model, fsync=fsync)
-        self.dirs = self.tier.dirs
-        if self.tier.committed_step is None:
-            if init_params is None:
-                raise StorageError(f"{self.dirs} hold no committed run: pass init_params")
-            self.tier.initialize(init_params)
-
-    @property
-    def committed_step(self) -> int:
-        return self.tier.committed_step
-
-    def step(self, grads: Sequence) -> StepResult:
-        """One AdamW step of every chunk, on the host; arguments and result as
-        :meth:`NearStorageOptimizer.step`. Raises StorageError (e.g. a full disk; nothing committed)."""
-        grads, norm = self._check_grads(grads)
-        count = self.tier.committed_step
-        if not math.isfinite(norm):
-            return StepResult(count, None, True, norm, n_params=self.n_params, emulated=self.link_model.emulated)
-        t0 = time.perf_counter()
-        scale, hp = clip_args(self.spec, norm), adamw_hyper(self.spec, count)
-        host = [np.asarray(g) for g in grads]
-        params = {}
-
-        def fn(c, views):
-            g = host[c]
-            g = _f32_of(g.view(np.uint16)) if g.dtype == BF16 else g.astype(F32, copy=False)
-            adamw_numpy_(views[0], views[1], views[2], g, scale, hp)
-            params[c] = views[0].astype(BF16)
-
-        io = self.tier.update(fn)
-        storage = {d: io.read[d] + io.written[d] for d in io.read}
-        total = sum(storage.values())
-        return StepResult(self.tier.committed_step, [params[c] for c in self.chunk_sizes], False, norm, total,
-                          sum(io.read.values()), sum(io.written.values()), storage, time.perf_counter() - t0,
-                          self.n_params, self.link_model.emulated)
-
-    def read_state(self):
-        return {c: self.tier.read_chunk(c) for c in self.chunk_sizes}
-
-    def close(self):
-        self.tier.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
