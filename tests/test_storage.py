@@ -5,6 +5,7 @@ compression; the ZeRO-Infinity baseline. Small sizes: the whole file runs in wel
 2 CPU cores (each near-storage optimizer spawns one process per directory).
 """
 import collections
+import contextlib
 import errno
 import math
 import os
@@ -704,3 +705,99 @@ def test_worker_dies_between_prepare_and_commit(tmp_path):
             assert all(same_bits(a, b) for a, b in zip(state[c], at1[c]))
         r = opt2.step(_grads(sizes, 1))
         assert r.step == 2
+
+
+# ----------------------------------------------------------------------------------------------
+# Issue 21: a stopped worker, corrupt chunk files, bytes on disk a function of the state.
+# ----------------------------------------------------------------------------------------------
+
+def test_stopped_worker_with_large_payload_times_out(tmp_path):
+    """A SIGSTOPped worker and a gradient payload (8 MB) larger than the pipe's buffer: the send
+    has a deadline too, so step() fails within the deadline with one line naming the worker (index,
+    pid, directory) and what it was doing; the committed state is intact and resumable; no worker
+    process or uncommitted file is left."""
+    sizes = [1 << 20] * 4  # 2 chunks per worker: 8 MB of float32 gradients to each
+    spec = AdamW(1e-3, max_grad_norm=1.0)
+    init = [np.full(n, 0.5, np.float32) for n in sizes]
+    dirs = [tmp_path / "s0", tmp_path / "s1"]
+    opt = NearStorageOptimizer(dirs, sizes, spec, init_params=init, timeout_s=3, fsync=False)
+    opt.step(_grads(sizes, 0))
+    at1 = opt.read_state()
+    pid = opt.worker_pids[1]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(StorageError) as e:
+            opt.step(_grads(sizes, 1))
+        took = time.monotonic() - t0
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+    msg = str(e.value)
+    assert took < 3 + 10, took
+    assert "\n" not in msg and f"worker 1 (pid {pid}, {dirs[1]})" in msg, msg
+    assert "took no message within 3 s while taking the gradients of step 2" in msg, msg
+    assert "last committed step 1" in msg, msg
+    opt.close()
+    assert all(not p.is_alive() for p in opt.workers)
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    assert committed_step(dirs) == 1
+    with NearStorageOptimizer(dirs, sizes, spec, fsync=False) as again:  # a resume removes any step-2 file
+        assert again.committed_step == 1
+        assert not any("step000000002" in f for d in dirs for f in os.listdir(d))
+        state = again.read_state()
+    for c in range(len(sizes)):
+        assert all(same_bits(a, b) for a, b in zip(state[c], at1[c]))
+
+
+def test_corrupt_chunk_file_is_one_line_naming_it(tmp_path):
+    """Bytes flipped in a chunk file (data or padding), or a truncated manifest: one-line
+    StorageError naming the file, on a read and when a run is resumed (tier or workers)."""
+    sizes = [1000, 513, 3000]
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    rng = np.random.default_rng()
+    with DiskTier(dirs, sizes, fsync=False) as t:
+        t.initialize([rng.standard_normal(n, dtype=np.float32) for n in sizes])
+        t.update(lambda c, v: v[0].__iadd__(1))
+        name = os.path.join(dirs[0], read_manifest(dirs[0])["files"]["2"])
+        for where in (rng.integers(0, 3000 * 4), 3000 * 4 + 7):  # in the data, in the padding
+            with open(name, "r+b") as f:
+                f.seek(int(where))
+                b = f.read(16)
+                f.seek(int(where))
+                f.write(bytes(x ^ 0xFF for x in b))
+            with pytest.raises(StorageError) as e:
+                t.read_chunk(2)
+            assert str(e.value).startswith(f"{name}: checksum mismatch") and "\n" not in str(e.value)
+            np.testing.assert_array_equal(t.read_chunk(0)[0].size, 1000)  # the others still read
+    with pytest.raises(StorageError, match=f"^{name}: checksum mismatch"):
+        DiskTier(dirs, sizes)  # a resume checks every file first
+    with pytest.raises(StorageError) as e:
+        NearStorageOptimizer(dirs, sizes, AdamW(1e-3), fsync=False)
+    assert name in str(e.value) and "checksum mismatch" in str(e.value) and "\n" not in str(e.value)
+    manifest = dirs[1] / "manifest.json"
+    manifest.write_bytes(manifest.read_bytes()[:40])
+    with pytest.raises(StorageError, match=f"^{manifest} is unreadable"):
+        committed_step(dirs)
+
+
+def test_same_state_gives_byte_identical_files(tmp_path):
+    """The padding of every 4096-byte section is zeroed: the same state saved twice, with the
+    staging buffers dirtied differently before each, gives byte-identical chunk files and manifests."""
+    sizes = [1000, 513, 1, 3000]  # none a multiple of 1024 elements: every section has padding
+    rng = np.random.default_rng()
+    init = [rng.standard_normal(n, dtype=np.float32) for n in sizes]
+    for d, junk in (("x", 0xA5), ("y", 0x5A)):
+        with DiskTier([tmp_path / d / "0", tmp_path / d / "1"], sizes, fsync=False) as t:
+            for b in t._pool.buffers:
+                b[:] = junk
+            t.initialize(init)
+            for b in t._pool.buffers:
+                b[:] = junk ^ 0xFF
+            t.update(lambda c, v: v[1].__iadd__(0.25))
+    for sub in ("0", "1"):
+        names = sorted(os.listdir(tmp_path / "x" / sub))
+        assert names == sorted(os.listdir(tmp_path / "y" / sub)) and len(names) > 1
+        for f in names:
+            assert (tmp_path / "x" / sub / f).read_bytes() == (tmp_path / "y" / sub / f).read_bytes(), f
