@@ -587,9 +587,18 @@ def update_(hyper: StepHyper, master: np.ndarray, moments: tuple[np.ndarray, ...
     if params_bits_out is not None:
         _check_vec("params_bits_out", params_bits_out, [BF16_BITS_DTYPE], n, True)
     _check_distinct({"master": master, **dict(zip(names, moments)), "grad": grad, "params_bits_out": params_bits_out})
+    scale = _scale_factors(grad_scale)
+    if n <= _BLOCK:  # one block: the per-range loop on this thread (a parallel launch costs more)
+        if isinstance(hyper, AdamWStep):
+            _adamw_range(0, n, master, *moments, grad, params_bits_out, scale, tuple(hyper))
+        elif isinstance(hyper, LionStep):
+            _lion_range(0, n, master, *moments, grad, params_bits_out, scale, tuple(hyper))
+        else:
+            _momentum_range(0, n, master, *moments, grad, params_bits_out, scale, bool(hyper.nesterov),
+                            tuple(hyper)[:3])
+        return
     is_bf16 = grad.dtype == BF16_BITS_DTYPE
     grads = (grad, np.empty(0, MASTER_DTYPE), True) if is_bf16 else (np.empty(0, BF16_BITS_DTYPE), grad, False)
-    scale = _scale_factors(grad_scale)
     with _LAUNCH_LOCK:
         if isinstance(hyper, AdamWStep):
             _adamw_kernel(master, *moments, *grads, params_bits_out, scale, tuple(hyper))
@@ -598,6 +607,18 @@ def update_(hyper: StepHyper, master: np.ndarray, moments: tuple[np.ndarray, ...
         else:
             _momentum_kernel(master, *moments, *grads, params_bits_out, scale, bool(hyper.nesterov),
                              tuple(hyper)[:3])
+
+
+def load_adamw_kernels() -> None:
+    """Load (from numba's cache, or compile) the AdamW kernels a dense step runs: bf16-bits and
+    float32 gradients, bf16 params out, one block and many. The first call of a kernel in a process
+    costs about 0.5-1 s (LLVM start and the cached code's load); a near-storage worker runs this on
+    a thread at start, so that the load overlaps the trainer's own start."""
+    hyper = step_hyper(AdamW(0.0), 0, 0.0)
+    for n in (1, _BLOCK + 1):
+        for dtype in (BF16_BITS_DTYPE, MASTER_DTYPE):
+            z = [np.zeros(n, MASTER_DTYPE) for _ in range(3)]
+            update_(hyper, z[0], (z[1], z[2]), np.zeros(n, dtype), np.empty(n, BF16_BITS_DTYPE))
 
 
 def bf16_round_bits(x: np.ndarray) -> np.ndarray:
@@ -617,5 +638,5 @@ def bf16_round_bits(x: np.ndarray) -> np.ndarray:
 
 
 __all__ = ["AdamW", "AdamWStep", "HostAdamState", "HostLionState", "HostMomentumState", "HostOptimizer", "Lion",
-           "LionStep", "MomentumStep", "SGDMomentum", "bf16_round_bits", "clip_scale", "next_count", "step_hyper",
-           "update_"]
+           "LionStep", "MomentumStep", "SGDMomentum", "bf16_round_bits", "clip_scale", "load_adamw_kernels",
+           "next_count", "step_hyper", "update_"]

@@ -12,11 +12,13 @@ worker starts in about 0.5 s (docs/storage.md, "Worker start").
 from __future__ import annotations
 
 import os
+import threading
 import time
 
+import numba
 import numpy as np
 
-from chunkjax.kernels import BF16_BITS_DTYPE, MASTER_DTYPE, StepHyper, bf16_round_bits, update_
+from chunkjax.kernels import BF16_BITS_DTYPE, MASTER_DTYPE, StepHyper, bf16_round_bits, load_adamw_kernels, update_
 from chunkjax.storage.files import StorageError
 from chunkjax.storage.links import LinkModel
 from chunkjax.storage.tier import DiskTier
@@ -70,6 +72,9 @@ def lazy_update_(hyper: StepHyper, master: np.ndarray, moments: tuple[np.ndarray
 def _worker_main(conn, cfg: dict):
     """One storage directory's worker: owns its DiskTier and runs the optimizer step next to it."""
     tier = None
+    # the workers share the machine's cores: each kernel launch here uses this worker's share
+    numba.set_num_threads(max(1, min(numba.config.NUMBA_NUM_THREADS, (os.cpu_count() or 1) // cfg["n_dirs"])))
+    threading.Thread(target=load_adamw_kernels, name="load_kernels", daemon=True).start()
     try:
         tier = DiskTier([cfg["dir"]], cfg["sizes"], dir_indices=[cfg["index"]], n_dirs_total=cfg["n_dirs"],
                         n_buffers=cfg["n_buffers"], io_mode=cfg["io_mode"], fsync=cfg["fsync"],
