@@ -7,7 +7,8 @@ A JAX reimplementation of PatrickStar (chunks placed by the memory tide) and Sma
         -> plan (``plan_schedule``: one planner, policies tide / fixed / all_host / zero_offload /
            optimizer_only, ZeRO ranks) -> schedule (placement, fetches/evictions, update locations,
            programs; its prediction from ``predict``, the one accounting)
-        -> runtime (jitted programs + host-update thread) -> optim / host_update (the update per chunk)
+        -> runtime (jitted programs + host-update thread) -> optim / host_update (the update per chunk;
+           its float32 arithmetic is ``kernels``, shared with the storage tier ``storage``)
 
 ``zero_schedule`` runs the schedule with every chunk sharded over a data mesh (ZeRO stages 1-3
 with XLA collectives, host updates per rank shard); ``zero`` is the one-program ZeRO step that
@@ -17,7 +18,7 @@ import importlib
 import importlib.util
 
 #: public name -> the module that defines it. Imported on first use (PEP 562), so that
-#: ``import chunkjax.storage`` (e.g. in a near-storage worker process) does not pull in jax, flax
+#: ``import chunkjax.storage.worker`` (a near-storage worker process) does not pull in jax, flax
 #: and orbax.
 _EXPORTS = {
     **dict.fromkeys(["AsyncSave", "CheckpointError", "CheckpointWriteError", "export_params", "latest_step",
@@ -32,6 +33,7 @@ _EXPORTS = {
     **dict.fromkeys(["ChunkBytes", "chunk_bytes"], "predict"),
     **dict.fromkeys(["ChunkedStep", "TrainState", "make_chunked_step"], "runtime"),
     **dict.fromkeys(["Placement", "Prediction", "Schedule"], "schedule"),
+    "NearStorageOptimizer": "storage.near",
     **dict.fromkeys(["Stage", "compose_loss"], "stages"),
     **dict.fromkeys(["StageTrace", "trace_stages"], "trace"),
     **dict.fromkeys(["build_zero_layout", "data_mesh"], "zero"),

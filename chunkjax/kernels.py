@@ -1,37 +1,28 @@
 """The float32 optimizer kernels: AdamW, Lion and SGD with momentum, updated in place on one chunk.
 
-One module holds the optimizer arithmetic of every tier that updates chunks outside XLA: the host
-tier (:func:`chunkjax.host_update.host_update_`, PatrickStar's "host" update location, Fang et al.,
+The optimizer arithmetic of every tier that updates chunks outside XLA: the host tier
+(:func:`chunkjax.host_update.host_update_`, PatrickStar's "host" update location, Fang et al.,
 arXiv 2108.05818, section 5) and the storage tier's near-storage workers
-(:mod:`chunkjax.storage.worker`, Smart-Infinity's SmartUpdate, Jang et al., arXiv 2403.06664). They
-share:
-
-* the optimizer specs (:class:`AdamW`, :class:`Lion`, :class:`SGDMomentum`), with their optax
-  equivalent (:meth:`AdamW.optax`) and their host state (``Host*State``);
-* ONE clipping arithmetic: :func:`clip_scale` turns the global gradient norm into the float32
-  factors ``(1 / norm, max_norm)``, and the kernels multiply every gradient element by the first,
-  then the second, as eager optax does (a single float ``grad_scale`` is the pair ``(s, 1)``);
-* ONE computation of the per-step scalars: :func:`step_hyper` (bias corrections, the learning
-  rate, the float32 constants), given the learning rate at the step's count;
-* ONE set of multithreaded numba kernels: :func:`update_`.
-
-So one spec gives bit-identical master params and moments on the host tier and the storage tier
+(:mod:`chunkjax.storage.worker`, Smart-Infinity's SmartUpdate, Jang et al., arXiv 2403.06664).
+Both use the specs (:class:`AdamW`, :class:`Lion`, :class:`SGDMomentum`, with ``.optax()`` and
+``.host_state(n)``), ONE clipping arithmetic (:func:`clip_scale`: the float32 factors
+``(1 / norm, max_norm)``, applied one after the other as eager optax does; a single float
+``grad_scale`` is the pair ``(s, 1)``), ONE computation of the step's scalars (:func:`step_hyper`:
+bias corrections, learning rate) and ONE set of numba kernels (:func:`update_`). So one spec gives
+bit-identical master params and moments on both tiers
 (``tests/test_host_update.py::test_host_and_storage_tiers_bit_identical``).
 
 The arithmetic is optax's, in float32, the same operations in the same order, IEEE (no fast-math,
-no fused multiply-add); eager optax on the JAX CPU backend gives the same bits (XLA there turns
-optax's division by the bias correction into a multiply by its float32 reciprocal, and so do the
-kernels), clipping included. Jitted optax fuses a*b+c into FMAs and differs in
-the last bits, as optax on the GPU may.
+no fused multiply-add): eager optax on the JAX CPU backend gives the same bits, clipping included
+(XLA there turns a division by a scalar into a multiply by its float32 reciprocal, and so do the
+kernels). Jitted optax fuses a*b+c into FMAs and differs in the last bits, as optax on the GPU may.
 
 The kernels read the gradient as bf16 bits (``np.uint16``) or float32, optionally write the new
-params as bf16 bits (round to nearest even, NaN stays NaN), and release the GIL (``nogil=True``).
-Launches are serialised by a lock, because numba's ``workqueue`` threading layer aborts the process
-on concurrent parallel launches (each launch already uses every numba thread).
-
-This module imports numpy and numba only (not jax, optax or ml_dtypes; :meth:`AdamW.optax` imports
-optax when called), so a near-storage worker process starts fast (docs/storage.md, "Worker start").
-Kernels are compiled once per machine and cached in ``__pycache__`` (numba ``cache=True``).
+params as bf16 bits (round to nearest even, NaN stays NaN), and release the GIL. Parallel launches
+are serialised by a lock (numba's ``workqueue`` threading layer aborts the process on concurrent
+ones; each launch already uses every numba thread). Imports numpy and numba only (``.optax()``
+imports optax when called): a near-storage worker imports no jax (docs/storage.md, "Worker
+start"). Kernels are compiled once per machine and cached in ``__pycache__`` (numba ``cache=True``).
 """
 from __future__ import annotations
 
@@ -86,12 +77,9 @@ def _check_decay(obj, field, value):
 def clip_scale(max_grad_norm: float | None, global_norm: float) -> tuple[np.float32, np.float32]:
     """The two gradient factors of global-norm clipping, as ``optax.clip_by_global_norm`` rounds
     them: (1, 1) when ``max_grad_norm`` is None or ``global_norm < max_grad_norm`` (optax keeps the
-    gradient), else ``(1 / global_norm, max_grad_norm)`` in float32. The kernels multiply each
-    gradient element by the first, then by the second: the bits of eager optax on the JAX CPU
-    backend (XLA turns optax's ``t / norm`` into ``t * (1 / norm)``).
-
-    This is the one clipping arithmetic of the host and storage tiers: pass it as ``grad_scale``
-    of :func:`update_` / :func:`chunkjax.host_update.host_update_`.
+    gradient), else ``(1 / global_norm, max_grad_norm)`` in float32; the kernels multiply by the
+    first, then the second (eager optax's bits: XLA turns ``t / norm`` into ``t * (1 / norm)``).
+    The one clipping arithmetic of the host and storage tiers: pass it as ``grad_scale``.
 
     Args:
       max_grad_norm: the clipping threshold (L2 norm), or None for no clipping.
@@ -128,7 +116,7 @@ def _with_clipping(tx, max_grad_norm: float | None):
 
 @dataclasses.dataclass
 class HostAdamState:
-    """AdamW state of one chunk in host memory (mutated in place by :func:`host_update_`).
+    """AdamW state of one chunk in host memory (mutated in place by :func:`update_`).
 
     Attributes:
       count: updates done so far (optax ``ScaleByAdamState.count``; int32 range, saturating).
@@ -454,38 +442,14 @@ _LAUNCH_LOCK = threading.Lock()
 # ----------------------------------------------------------------------------------------------
 
 
-class AdamWStep(NamedTuple):
-    """The float32 scalars of one AdamW step (see :func:`step_hyper`)."""
-
-    b1: np.float32
-    one_minus_b1: np.float32
-    b2: np.float32
-    one_minus_b2: np.float32
-    inv_bc1: np.float32  # 1 / (1 - b1^t)
-    inv_bc2: np.float32  # 1 / (1 - b2^t)
-    eps: np.float32
-    weight_decay: np.float32
-    neg_lr: np.float32  # -learning_rate(t - 1)
-
-
-class LionStep(NamedTuple):
-    """The float32 scalars of one Lion step (see :func:`step_hyper`)."""
-
-    b1: np.float32
-    one_minus_b1: np.float32
-    b2: np.float32
-    one_minus_b2: np.float32
-    weight_decay: np.float32
-    neg_lr: np.float32
-
-
-class MomentumStep(NamedTuple):
-    """The float32 scalars of one SGD-with-momentum step (see :func:`step_hyper`)."""
-
-    momentum: np.float32
-    weight_decay: np.float32
-    neg_lr: np.float32
-    nesterov: bool
+#: The np.float32 scalars of one step (:func:`step_hyper`), in the order the kernels unpack them;
+#: ``inv_bc1``/``inv_bc2`` are ``1 / (1 - b^t)``, ``neg_lr`` is ``-learning_rate(t - 1)``.
+AdamWStep = NamedTuple("AdamWStep", [(f, np.float32) for f in (
+    "b1", "one_minus_b1", "b2", "one_minus_b2", "inv_bc1", "inv_bc2", "eps", "weight_decay", "neg_lr")])
+LionStep = NamedTuple("LionStep", [(f, np.float32) for f in (
+    "b1", "one_minus_b1", "b2", "one_minus_b2", "weight_decay", "neg_lr")])
+MomentumStep = NamedTuple("MomentumStep", [("momentum", np.float32), ("weight_decay", np.float32),
+                                           ("neg_lr", np.float32), ("nesterov", bool)])
 
 
 StepHyper = AdamWStep | LionStep | MomentumStep
@@ -610,10 +574,9 @@ def update_(hyper: StepHyper, master: np.ndarray, moments: tuple[np.ndarray, ...
 
 
 def load_adamw_kernels() -> None:
-    """Load (from numba's cache, or compile) the AdamW kernels a dense step runs: bf16-bits and
-    float32 gradients, bf16 params out, one block and many. The first call of a kernel in a process
-    costs about 0.5-1 s (LLVM start and the cached code's load); a near-storage worker runs this on
-    a thread at start, so that the load overlaps the trainer's own start."""
+    """Load (from numba's cache, or compile) the AdamW kernels of a dense step (bf16 or float32
+    gradients, one block or many): the first call in a process costs 0.5-1 s (LLVM start, cache
+    load); a near-storage worker runs this on a thread at start, overlapping the trainer's start."""
     hyper = step_hyper(AdamW(0.0), 0, 0.0)
     for n in (1, _BLOCK + 1):
         for dtype in (BF16_BITS_DTYPE, MASTER_DTYPE):

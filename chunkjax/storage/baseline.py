@@ -32,7 +32,7 @@ class BaselineOptimizer(TierTrainer):
     crosses the shared host <-> storage link twice (>= 24 bytes/param/step; the gradient itself is
     already on the host and is not counted on that link).
 
-    Args: as :class:`NearStorageOptimizer` (no compression); ``io_threads`` I/O threads (default
+    Args: as :class:`chunkjax.storage.near.NearStorageOptimizer` (no compression); ``io_threads`` I/O threads (default
     2 per directory) and ``n_buffers`` staging buffers (default n_dirs + 2, so that a write per
     directory can be in flight: 1.13 s against 1.46 s with 3 buffers for 4 directories under an
     emulated 3 MB/s per directory, 16 MB/s shared, where the bound is 1.05 s) in this process.

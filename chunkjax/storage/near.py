@@ -70,26 +70,28 @@ class NearStorageOptimizer(TierTrainer):
     """AdamW with the state on storage and the update next to it (Smart-Infinity's SmartUpdate).
 
     One worker process (multiprocessing, "spawn") per directory owns that directory's chunk files
-    (chunk c in ``dirs[c % len(dirs)]``, layout in :mod:`chunkjax.storage`) and updates its chunks;
+    (chunk c in ``dirs[c % len(dirs)]``, layout in :mod:`chunkjax.storage.files`) and updates its chunks;
     the trainer sends gradients (bf16 or fp32, dense or top-k) and receives updated bf16 params.
 
     Args:
       dirs: one directory per storage device (created if missing). If they hold a committed run,
         it is resumed at the last step all directories completed (``init_params`` is then ignored).
       chunk_sizes: (n_chunks,) elements per chunk (or ``{c: n}`` with ids 0..n_chunks-1).
-      spec: :class:`chunkjax.host_update.AdamW` (learning rate float or schedule, b1, b2, eps,
+      spec: :class:`chunkjax.kernels.AdamW` (learning rate float or schedule, b1, b2, eps,
         weight_decay, max_grad_norm for global-norm clipping).
       init_params: per chunk, the (n_c,) initial fp32 master params (for a fresh run).
       compression: None (dense gradients) or "topk".
       topk_ratio: fraction of the entries sent with "topk" (default 0.01).
       topk_scope: "chunk" (default, as the paper: ``topk_ratio`` of every chunk) or "global" (the
-        ``topk_ratio`` largest entries of the whole gradient, :func:`topk_compress_global`; same
-        total bytes, spread over the chunks by gradient size).
+        ``topk_ratio`` largest entries of the whole gradient,
+        :func:`~chunkjax.storage.topk.topk_compress_global`; same total bytes, spread over the chunks
+        by gradient size).
       topk_groups: with ``topk_scope="global"``, fixed shares of the kept entries,
-        ``[(share, [(chunk, start, stop), ...]), ...]`` (:func:`chunk_ranges` builds the ranges of
-        a leaf; :func:`topk_compress_global`), e.g. ``[(0.5, <the token embedding>)]``; the
-        elements in no group share the rest. Default: none.
-      topk_warmup_steps: Deep Gradient Compression's sparsity warm-up (:func:`topk_ratio_at`,
+        ``[(share, [(chunk, start, stop), ...]), ...]`` (:func:`~chunkjax.storage.topk.chunk_ranges`
+        builds the ranges of a leaf; :func:`~chunkjax.storage.topk.topk_compress_global`), e.g.
+        ``[(0.5, <the token embedding>)]``; the elements in no group share the rest. Default: none.
+      topk_warmup_steps: Deep Gradient Compression's sparsity warm-up
+        (:func:`~chunkjax.storage.topk.topk_ratio_at`,
         starting at ``topk_warmup_start``); 0 (default): ``topk_ratio`` from the first step.
       error_feedback: keep each chunk's compression residual (float32, on the gradient's device)
         and add it to the next step's gradient (off by default, as in the paper).
@@ -104,7 +106,7 @@ class NearStorageOptimizer(TierTrainer):
         default zeros.
       sparse_update: with "topk", how a worker applies a sparse gradient: "dense" (default: the
         AdamW step on the decompressed gradient, zeros included, so every m and v decays) or
-        "lazy" (:func:`adamw_lazy_`: only the kept entries step).
+        "lazy" (:func:`~chunkjax.storage.worker.lazy_update_`: only the kept entries step).
       ef_decay: the kept residual is multiplied by this each step (1.0, default: classic error
         feedback; < 1 forgets old residual, bounding how large an entry's burst can grow).
       residual_dir: with error feedback, where the trainer writes each committed step's residuals

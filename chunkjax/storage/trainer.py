@@ -74,7 +74,7 @@ class TierTrainer:
 
     def _init_common(self, chunk_sizes, spec: AdamW, link_model: LinkModel | None):
         if not isinstance(spec, AdamW):
-            raise ValueError(f"spec must be chunkjax.host_update.AdamW, got {type(spec).__name__}")
+            raise ValueError(f"spec must be chunkjax.kernels.AdamW, got {type(spec).__name__}")
         self.spec = spec
         self.chunk_sizes = _sizes_of(chunk_sizes)
         self.n_params = sum(self.chunk_sizes.values())
