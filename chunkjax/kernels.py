@@ -52,9 +52,7 @@ _MSG_OVERLAP = "{a} and {b} share memory: each buffer of an in-place update must
 _MSG_FIELD = "{cls}.{field} = {value!r}: {rule}"
 
 
-# ----------------------------------------------------------------------------------------------
 # Optimizer specifications, their host state, and the one clipping arithmetic.
-# ----------------------------------------------------------------------------------------------
 
 def _check_common(obj, learning_rate, max_grad_norm, weight_decay):
     cls = type(obj).__name__
@@ -292,9 +290,7 @@ class SGDMomentum:
 
 HostOptimizer = AdamW | Lion | SGDMomentum
 
-# ----------------------------------------------------------------------------------------------
 # numba kernels (float32 throughout: every scalar argument is passed as np.float32).
-# ----------------------------------------------------------------------------------------------
 
 
 def _jit(fn=None, *, parallel=True):
@@ -437,9 +433,7 @@ def _momentum_kernel(master, trace, grad_bits, grad_f32, is_bf16, out, grad_scal
 # Parallel launches are serialised: the 'workqueue' threading layer aborts on concurrent launches.
 _LAUNCH_LOCK = threading.Lock()
 
-# ----------------------------------------------------------------------------------------------
 # The per-step scalars (the one place they are computed) and the update.
-# ----------------------------------------------------------------------------------------------
 
 
 #: The np.float32 scalars of one step (:func:`step_hyper`), in the order the kernels unpack them;

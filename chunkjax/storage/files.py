@@ -191,7 +191,8 @@ def read_manifest(path: str) -> dict | None:
                            "the storage directory is damaged; restore it from a checkpoint") from None
     if not isinstance(m, dict) or m.get("format") != FORMAT:
         fmt = m.get("format") if isinstance(m, dict) else None
-        raise StorageError(f"{name} is not a {FORMAT} manifest (format={fmt!r})")
+        raise StorageError(f"{name} is not a {FORMAT} manifest (format={fmt!r}): open it with the chunkjax that "
+                           "wrote it and move the run through a checkpoint (save_storage_checkpoint)")
     return m
 
 
