@@ -567,12 +567,12 @@ def update_(hyper: StepHyper, master: np.ndarray, moments: tuple[np.ndarray, ...
                              tuple(hyper)[:3])
 
 
-def load_adamw_kernels() -> None:
-    """Load (from numba's cache, or compile) the AdamW kernels of a dense step (bf16 or float32
-    gradients, one block or many): the first call in a process costs 0.5-1 s (LLVM start, cache
+def load_adamw_kernels(chunk_sizes=(1, _BLOCK + 1)) -> None:
+    """Load (from numba's cache, or compile) the AdamW kernels of a dense step on chunks of these
+    sizes (bf16 or float32 gradients): the first call in a process costs 0.5-1 s (LLVM start, cache
     load); a near-storage worker runs this on a thread at start, overlapping the trainer's start."""
     hyper = step_hyper(AdamW(0.0), 0, 0.0)
-    for n in (1, _BLOCK + 1):
+    for n in sorted({1 if n <= _BLOCK else _BLOCK + 1 for n in chunk_sizes}):
         for dtype in (BF16_BITS_DTYPE, MASTER_DTYPE):
             z = [np.zeros(n, MASTER_DTYPE) for _ in range(3)]
             update_(hyper, z[0], (z[1], z[2]), np.zeros(n, dtype), np.empty(n, BF16_BITS_DTYPE))

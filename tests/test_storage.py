@@ -712,11 +712,11 @@ def test_worker_dies_between_prepare_and_commit(tmp_path):
 # ----------------------------------------------------------------------------------------------
 
 def test_stopped_worker_with_large_payload_times_out(tmp_path):
-    """A SIGSTOPped worker and a gradient payload (8 MB) larger than the pipe's buffer: the send
+    """A SIGSTOPped worker and a gradient payload (4 MB) larger than the pipe's buffer: the send
     has a deadline too, so step() fails within the deadline with one line naming the worker (index,
     pid, directory) and what it was doing; the committed state is intact and resumable; no worker
     process or uncommitted file is left."""
-    sizes = [1 << 20] * 4  # 2 chunks per worker: 8 MB of float32 gradients to each
+    sizes = [1 << 20] * 2  # one chunk per worker: 4 MB of float32 gradients to each
     spec = AdamW(1e-3, max_grad_norm=1.0)
     init = [np.full(n, 0.5, np.float32) for n in sizes]
     dirs = [tmp_path / "s0", tmp_path / "s1"]

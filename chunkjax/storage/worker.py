@@ -74,7 +74,8 @@ def _worker_main(conn, cfg: dict):
     tier = None
     # the workers share the machine's cores: each kernel launch here uses this worker's share
     numba.set_num_threads(max(1, min(numba.config.NUMBA_NUM_THREADS, (os.cpu_count() or 1) // cfg["n_dirs"])))
-    threading.Thread(target=load_adamw_kernels, name="load_kernels", daemon=True).start()
+    threading.Thread(target=load_adamw_kernels, args=(cfg["sizes"].values(),), name="load_kernels",
+                     daemon=True).start()
     try:
         tier = DiskTier([cfg["dir"]], cfg["sizes"], dir_indices=[cfg["index"]], n_dirs_total=cfg["n_dirs"],
                         n_buffers=cfg["n_buffers"], io_mode=cfg["io_mode"], fsync=cfg["fsync"],
