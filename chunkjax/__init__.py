@@ -5,11 +5,12 @@ A JAX reimplementation of PatrickStar (chunks placed by the memory tide) and Sma
 
     layout (pytree -> chunks) -> trace (non-model bytes per stage) -> tide (bytes per moment)
         -> schedule (placement, fetches/evictions, update locations, programs, predictions)
-        -> runtime (jitted programs + host-update thread) -> optim / host_update (the update per chunk)
+        -> step (walker + topology: jitted programs, host-update thread) -> updaters (the update
+        per chunk and location: optim on the device, host_update on the host)
 
-``zero_schedule`` runs the schedule with every chunk sharded over a data mesh (ZeRO stages 1-3
-with XLA collectives, host updates per rank shard); ``zero`` is the one-program ZeRO step that
-also runs across processes (docs/multihost.md).
+One step class, :class:`ChunkedStep`, runs on one device or over a ``data`` mesh with ZeRO stage
+1/2/3 (``make_chunked_step(..., mesh=data_mesh(), zero_stage=3)``), in one process or across
+processes through ``jax.distributed`` (docs/multihost.md).
 """
 import importlib
 import importlib.util
@@ -27,12 +28,12 @@ _EXPORTS = {
     **dict.fromkeys(["init_chunk_state", "update_chunk"], "optim"),
     **dict.fromkeys(["Accounting", "ChunkBytes", "Placement", "PlanError", "StageTrace", "account", "chunk_bytes",
                      "parse_bytes", "plan_fixed"], "plan"),
-    **dict.fromkeys(["ChunkedStep", "TrainState", "make_chunked_step"], "runtime"),
+    **dict.fromkeys(["ChunkedStep", "TrainState", "make_chunked_step"], "step"),
     **dict.fromkeys(["Schedule", "plan_schedule"], "schedule"),
     **dict.fromkeys(["Stage", "compose_loss"], "stages"),
     "trace_stages": "trace",
-    **dict.fromkeys(["build_zero_layout", "data_mesh"], "zero"),
-    **dict.fromkeys(["ZeroScheduledStep", "make_zero_scheduled_step", "plan_zero_schedule"], "zero_schedule"),
+    **dict.fromkeys(["build_zero_layout", "data_mesh"], "topology"),
+    "plan_zero_schedule": "zero_schedule",
 }
 
 __all__ = sorted(_EXPORTS)
