@@ -29,13 +29,14 @@ def main(pid: int, n_proc: int, port: int, seed: int, ckpt: str, out: str) -> No
     spec = importlib.util.spec_from_file_location("zmw", os.path.join(HERE, "zero_multiprocess_worker.py"))
     zmw = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(zmw)
+    import chunkjax as cj
     from chunkjax import checkpoint as ck
-    from chunkjax import zero
+    from chunkjax.topology import build_zero_layout, data_mesh
     from models import gpt
     cfg, params, batches, tx = zmw.draw(seed)
     n = len(jax.devices())
-    layout = zero.build_zero_layout(params, n, cfg.vocab_size * cfg.d_model)
-    step = zero.make_zero_step(gpt.gpt_stages(cfg), layout, zero.data_mesh(), tx, stage=3)
+    layout = build_zero_layout(params, n, cfg.vocab_size * cfg.d_model)
+    step = zmw.make_step(cj, gpt.gpt_stages(cfg), layout, tx, data_mesh())
     state = step.init(params)
     losses = []
     for i, b in enumerate(batches):
