@@ -112,7 +112,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from chunkjax import optim
-from chunkjax.memory import DEVICE, PINNED_HOST, sharding
 
 FORMAT = "chunkjax-checkpoint"
 VERSION = 1

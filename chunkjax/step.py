@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from chunkjax import memory, optim
+from chunkjax import accumulate, footprint, memory
 from chunkjax import updaters as upd
 from chunkjax.layout import ChunkLayout
 from chunkjax.memory import DEVICE, PINNED_HOST, sharding
@@ -41,9 +41,6 @@ from chunkjax.stages import first_readers, stage_reads
 from chunkjax.topology import SingleDevice, make_topology
 from chunkjax.updaters import HostWork
 from chunkjax.walker import Walk, moments_of
-
-_MEM_FIELDS = ("argument", "output", "temp", "alias", "host_argument", "host_output", "host_temp")
-
 
 class TrainState(NamedTuple):
     """Model data of a chunked run: PatrickStar's chunk lists on one offset layout.
@@ -255,7 +252,7 @@ class ChunkedStep:
                 return {k: v for k, v in out.items() if k != "acc"}, out.get("acc", {}), grads, sq, loss
 
             last = t1 == len(self.moments)
-            carry_out = () if last else ("x", "saved", "held", "issued") + (("loss_scale",) if self.loss_scaling else ())
+            carry_out = () if last else ("x", "saved", "held", "issued") + ("loss_scale",) * self.loss_scaling
             gk = {c: self.placement.grad_kind(c) for c in done}
             # the carry (saved activations, held chunks, gradient accumulators) is donated so that
             # XLA frees each piece after its last use. On one device the accumulators (argument 3)
@@ -280,7 +277,8 @@ class ChunkedStep:
         _, grads, sq, loss = self._walk(batch).run(dict(enumerate(params_chunks)), batch, {}, 0, len(self.moments))
         for c in range(lay.n_chunks):  # chunks no stage reads: zero gradient
             if c not in grads:
-                grads[c] = jnp.zeros((self.shard_size if self.mesh is not None else lay.chunk_size,), self.compute_dtype)
+                size = self.shard_size if self.mesh is not None else lay.chunk_size
+                grads[c] = jnp.zeros((size,), self.compute_dtype)
                 sq[c] = jnp.zeros((), jnp.float32)
         sq, loss = self.topology.reduce_scalars(sq, loss)
         return (loss, tuple(grads[c] for c in range(lay.n_chunks)), jnp.stack([sq[c] for c in range(lay.n_chunks)]))
@@ -299,32 +297,24 @@ class ChunkedStep:
                                       self.placement.param_kinds)
 
     def compiled_memory(self, batch) -> dict:
-        """Compiler's memory analysis of :attr:`jit_fwd_bwd` for a batch shape, in bytes:
-        ``argument``, ``output``, ``temp``, ``alias`` and ``host_*`` where the runtime reports
-        them, plus ``peak_device_bytes`` = argument + output + temp - alias."""
-        topo = self.topology
-        args = (tuple(jax.ShapeDtypeStruct((self.layout.chunk_size,), self.compute_dtype, sharding=topo.param_sharding(k))
-                      for k in self.placement.param_kinds),
-                jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=topo.batch_sharding()), batch))
-        return _memory(self.jit_fwd_bwd.lower(*args).compile())
+        """:func:`chunkjax.footprint.compiled_memory` of this step (bytes)."""
+        return footprint.compiled_memory(self, batch)
 
     def compiled_memory_programs(self, batch) -> list[dict]:
-        """Memory analysis of every program of the pipelined step (bytes), in order; the carry
-        of program k is program k-1's output."""
-        out, carry, topo = [], {}, self.topology
-        ab = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=topo.batch_sharding()), batch)
-        for k in range(len(self._program_bounds())):
-            fn, args = self._program(batch, k)
-            params = {c: jax.ShapeDtypeStruct((self.layout.chunk_size,), self.compute_dtype,
-                                              sharding=topo.param_sharding(self.placement.param_kinds[c])) for c in args}
-            acc = carry.pop("acc", {}) if carry else {}
-            compiled = fn.lower(params, ab, carry, acc).compile()
-            out.append(_memory(compiled))
-            res = jax.eval_shape(fn, params, ab, carry, acc)
-            osh = compiled.output_shardings
-            carry = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
-                                 dict(res[0], acc=res[1]), dict(osh[0], acc=osh[1]))
-        return out
+        """:func:`chunkjax.footprint.compiled_memory_programs` of this step (bytes)."""
+        return footprint.compiled_memory_programs(self, batch)
+
+    def pinned_host_bytes(self) -> int:
+        """:func:`chunkjax.footprint.pinned_host_bytes` of this step (bytes)."""
+        return footprint.pinned_host_bytes(self)
+
+    def comm_bytes_per_step(self, batch) -> dict[str, int]:
+        """:func:`chunkjax.footprint.comm_bytes_per_step` of this step (bytes per rank)."""
+        return footprint.comm_bytes_per_step(self, batch)
+
+    def device_bytes(self, state: TrainState) -> dict[str, dict[Any, int]]:
+        """:func:`chunkjax.footprint.device_bytes` of ``state`` (bytes per local device)."""
+        return footprint.device_bytes(self, state)
 
     # ---- update locations ----------------------------------------------------------------------------
     @functools.cached_property
@@ -394,7 +384,7 @@ class ChunkedStep:
                              f"(loss_scaling={self.loss_scaling}, loss_scale={loss_scale!r})")
         lead = {a.shape[0] for a in jax.tree.leaves(batch)}
         if len(lead) != 1:
-            raise ValueError(f"batch leaves have different leading sizes {sorted(lead)}: give every leaf the batch axis")
+            raise ValueError(f"batch leaves have leading sizes {sorted(lead)}: give every leaf the batch axis")
         self.topology.check_rows(next(iter(lead)), self.micro_batches)
         self.wait(state)
         state = state._replace(pending=None)
@@ -408,7 +398,7 @@ class ChunkedStep:
             grads, sq, loss = self._run_programs(state, self.topology.put_batch(batch), scale,
                                                  work if not (clip or skip) else None)
         else:
-            grads, sq, loss = self._accumulate(state, batch, scale)
+            grads, sq, loss = accumulate.mean_gradients(self, state, batch, scale)
         grad_sq = jnp.stack([sq[c] for c in range(self.layout.n_chunks)])
         norm = jnp.sqrt(jnp.sum(grad_sq))
         late = {c: grads[c] for c in host if clip or skip or not isinstance(grads[c], jax.Array)}
@@ -463,47 +453,8 @@ class ChunkedStep:
 
     @functools.cached_property
     def _jit_accumulate(self):
-        """(first, add, finish) for device gradients: float32 sums, then the mean in the compute
-        dtype and its squared norm (as the programs compute it)."""
-        first = jax.jit(lambda g: g.astype(jnp.float32))
-        add = jax.jit(lambda a, g: a + g.astype(jnp.float32), donate_argnums=(0,))
-
-        def finish(a, inv):
-            g = (a * inv).astype(self.compute_dtype)
-            return g, jnp.sum(jnp.square(g.astype(jnp.float32)))
-
-        return first, add, jax.jit(finish)
-
-    def _accumulate(self, state: TrainState, batch, scale=None):
-        """Gradient accumulation over ``micro_batches`` equal parts of ``batch``: the mean
-        gradients, their squared norms and the mean loss. Device gradients are summed in float32
-        on the device; gradients in pinned host memory in float32 numpy."""
-        n = self.micro_batches
-        size = jax.tree.leaves(batch)[0].shape[0] // n
-        first, add, finish = self._jit_accumulate
-        total, losses = {}, []
-        for i in range(n):
-            part = self.topology.put_batch(jax.tree.map(lambda a: a[i * size:(i + 1) * size], batch))
-            grads, _, loss = self._run_programs(state, part, scale, None)
-            losses.append(loss)
-            for c, g in grads.items():
-                if isinstance(g, jax.Array) and g.sharding.memory_kind in (None, DEVICE):
-                    total[c] = first(g) if c not in total else add(total[c], g)
-                else:
-                    g32 = self.topology.whole(g).astype(np.float32)
-                    total[c] = g32 if c not in total else np.add(total[c], g32, out=total[c])
-        host = set(self.host_chunks)
-        cd = np.dtype(self.compute_dtype)
-        grads, sq = {}, {}
-        for c, a in total.items():
-            if isinstance(a, np.ndarray):
-                g = (a * np.float32(1.0 / n)).astype(cd)
-                sq[c] = jnp.asarray(np.sum(np.square(g.astype(np.float32)), dtype=np.float32))
-                grads[c] = g if c in host else self.topology.put(g, self.topology.grad_sharding(
-                    self.placement.grad_kind(c)))
-            else:
-                grads[c], sq[c] = finish(a, jnp.float32(1.0 / n))
-        return grads, sq, jnp.mean(jnp.stack([jnp.asarray(l, jnp.float32) for l in losses]))
+        """The jitted sums of :func:`chunkjax.accumulate.mean_gradients` (compiled once per step)."""
+        return accumulate.jit_sums(self.compute_dtype)
 
     def with_optimizer(self, tx: optax.GradientTransformation) -> "ChunkedStep":
         """The same step with another optax transformation; the compiled forward/backward (which
@@ -552,27 +503,11 @@ class ChunkedStep:
         for c in range(lay.n_chunks):
             m, o = self.updaters[self._location(c)].init(packed(c), c)
             ms.append(m), os_.append(o)
-        ps = [self.topology.put(packed(c).astype(self.compute_dtype),
-                                self.topology.param_sharding(self.placement.param_kinds[c])) for c in range(lay.n_chunks)]
+        topo = self.topology
+        ps = [topo.put(packed(c).astype(self.compute_dtype), topo.param_sharding(self.placement.param_kinds[c]))
+              for c in range(lay.n_chunks)]
         jax.block_until_ready((ps, [m for m in ms if isinstance(m, jax.Array)]))
         return TrainState(tuple(ps), tuple(ms), tuple(os_))
-
-    def pinned_host_bytes(self) -> int:
-        """Bytes this step's state and gradients keep in ``pinned_host`` memory (whole chunks):
-        compute params and gradient chunks in that kind (host-updated chunks: both), master params
-        and optimizer state kept there (streamed chunks). Host-updated chunks' master params and
-        optimizer state are pageable numpy arrays and do not count."""
-        cs, it = self.layout.chunk_size, np.dtype(self.compute_dtype).itemsize
-        opt = optim.state_bytes_per_chunk(self.tx, cs)
-        host, n = set(self.host_chunks), 0
-        for c in range(self.layout.n_chunks):
-            if c in host:
-                n += 2 * cs * it
-                continue
-            n += cs * it * (self.placement.param_kinds[c] == PINNED_HOST)
-            n += cs * it * (self.placement.grad_kind(c) == PINNED_HOST)
-            n += (4 * cs + opt) * (self.placement.state_kinds[c] == PINNED_HOST)
-        return int(n)
 
     def master_params(self, state: TrainState):
         """The float32 master params as a pytree: on one device jax arrays on the default device;
@@ -607,54 +542,6 @@ class ChunkedStep:
         self.wait(state)
         self.topology.check_rows(jax.tree.leaves(batch)[0].shape[0], 1)
         return self.jit_loss(state.params, self.topology.put_batch(batch))
-
-    def comm_bytes_per_step(self, batch) -> dict[str, int]:
-        """Bytes one rank sends per step by collective, for ring algorithms (NCCL's for large
-        messages): an all-gather or reduce-scatter of a C-byte chunk moves ``(N-1)/N * C`` per
-        rank, an all-reduce ``2 (N-1)/N * C``; scalar reductions are left out (zero on one device).
-
-        Stage 3 gathers a fetched chunk once per fetch and a device-resident chunk at every
-        moment that reads it; stages 1/2 gather each device- or streamed-updated chunk's new
-        params once (host-updated slices are written into every local replica on the host).
-        Returns ``{"all_gather", "reduce_scatter", "all_reduce", "total"}`` in bytes.
-        """
-        n, lay = self.n_ranks, self.layout
-        cbytes = lay.chunk_size * np.dtype(self.compute_dtype).itemsize
-        part = lambda k: (k * (n - 1) * cbytes) // n  # noqa: E731
-        if self.zero_stage == 3:
-            walk = self._walk(self._local(batch))
-            gathers = sum(sum(1 for c in walk.reads_at(t) if self.placement.param_kinds[c] == DEVICE)
-                          + len(walk.fetch[t]) for t in range(len(self.moments)))
-        else:
-            gathers = len(self._device_chunks) + len(self._streamed_chunks)
-        graded = len(self.first_reader)
-        out = {"all_gather": part(gathers), "reduce_scatter": part(graded) if self.zero_stage != 1 else 0,
-               "all_reduce": 2 * part(graded) if self.zero_stage == 1 else 0}
-        out["total"] = sum(out.values())
-        return out
-
-    def device_bytes(self, state: TrainState) -> dict[str, dict[Any, int]]:
-        """Bytes each local device holds of the state's jax arrays, from ``addressable_shards``
-        (every memory kind): ``{"params"|"master"|"opt_state": {device: bytes}}`` (host-updated
-        numpy arrays are not device memory and are not counted)."""
-        devices = list(self.mesh.devices.flat) if self.mesh is not None else [jax.devices()[0]]
-        out = {}
-        for name, tree in (("params", state.params), ("master", state.master), ("opt_state", state.opt_state)):
-            per = {d: 0 for d in devices}
-            for a in jax.tree.leaves(tree):
-                if isinstance(a, jax.Array):
-                    for sh in a.addressable_shards:
-                        per[sh.device] += sh.data.size * sh.data.dtype.itemsize
-            out[name] = per
-        return out
-
-
-def _memory(compiled) -> dict:
-    ma = compiled.memory_analysis()
-    d = {f: int(getattr(ma, f"{f}_size_in_bytes", 0) or 0) for f in _MEM_FIELDS}
-    d["peak_device_bytes"] = d["argument"] + d["output"] + d["temp"] - d["alias"]
-    return d
-
 
 def make_chunked_step(stages, layout: ChunkLayout, placement, tx: optax.GradientTransformation | None = None,
                       compute_dtype=jnp.bfloat16, prefetch: int | None = None, host_optimizer=None,

@@ -1,7 +1,8 @@
 """ZeRO stages 1/2/3 over chunks on 8 forced CPU devices equal single-device plain optax.
 
 The one step (:class:`chunkjax.ChunkedStep` over a ``data`` mesh) with a plain placement (the
-fixed fetch rule, one program, device and streamed updates). Issue 5, first slice: the micro GPT (2 blocks), batch 8 split over a 1-D ``data`` mesh of 8
+fixed fetch rule, one program, device and streamed updates). Issue 5, first slice: the micro GPT
+(2 blocks), batch 8 split over a 1-D ``data`` mesh of 8
 devices, 5 steps of clip + AdamW in float32. Losses and final float32 master params must match
 ``jax.value_and_grad(gpt.loss_fn)`` on the full batch + optax on one device; per-device bytes of
 master + optimizer state are 1/8 of the single-device total (plus per-rank scalars) for every
