@@ -218,7 +218,7 @@ def trace_inputs(model: str, batch: int, seq: int, *, chunk_size: int | None = N
     order = cj.first_use_order(lambda p, b: cj.compose_loss(stages, p, b), ap, ab)
     layout = cj.build_layout(ap, chunk_size, order, min_chunks=min_chunks)
     if n_ranks > 1:  # chunks that split over the ranks; each rank traces its rows
-        from chunkjax.zero import build_zero_layout
+        from chunkjax.topology import build_zero_layout
         layout = build_zero_layout(ap, n_ranks, layout.chunk_size, order)
         ab = jax.ShapeDtypeStruct((batch // n_ranks, seq + 1), jnp.int32)
     traces = cj.trace_stages(stages, layout, ab, jnp.bfloat16)
