@@ -42,6 +42,7 @@ from chunkjax.topology import SingleDevice, make_topology
 from chunkjax.updaters import HostWork
 from chunkjax.walker import Walk, moments_of
 
+
 class TrainState(NamedTuple):
     """Model data of a chunked run: PatrickStar's chunk lists on one offset layout.
 
@@ -343,7 +344,7 @@ class ChunkedStep:
         out = {"device": upd.device_updater(*args, **kw), "streamed": upd.streamed_updater(*args, **kw)}
         if self.host_optimizer is not None:
             out["host"] = upd.host_updater(self.topology, self.host_optimizer, self.layout.chunk_size,
-                                                self.compute_dtype)
+                                           self.compute_dtype)
         return out
 
     def _host_update(self, state: TrainState, grads: dict, grad_scale) -> float:
@@ -542,6 +543,7 @@ class ChunkedStep:
         self.wait(state)
         self.topology.check_rows(jax.tree.leaves(batch)[0].shape[0], 1)
         return self.jit_loss(state.params, self.topology.put_batch(batch))
+
 
 def make_chunked_step(stages, layout: ChunkLayout, placement, tx: optax.GradientTransformation | None = None,
                       compute_dtype=jnp.bfloat16, prefetch: int | None = None, host_optimizer=None,
