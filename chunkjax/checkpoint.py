@@ -461,8 +461,8 @@ def save_checkpoint(directory, step_number: int, step_fn, state, extra: dict | N
       directory: the checkpoint root (created if missing).
       step_number: the training step (int >= 0); the checkpoint goes to ``step_<N:08d>``.
       step_fn: the :class:`chunkjax.ChunkedStep` that owns ``state``.
-      state: its :class:`chunkjax.TrainState` (any placement, topology and ZeRO stage); ZeRO
-        states with host-updated chunks must live in this process. It stays usable.
+      state: its :class:`chunkjax.TrainState` (any placement, topology and ZeRO stage). It stays
+        usable.
       extra: a JSON-like dict saved with the state (RNG keys, data position, configuration):
         numbers, strings, None, lists, tuples, dicts with string keys, numpy or jax arrays and
         typed PRNG key arrays (``jax.random.key``).
@@ -941,8 +941,8 @@ def _chunked_chunk_portable(step_fn, state, c: int) -> tuple[dict, dict]:
     slices concatenated in rank order.
 
     Raises:
-      CheckpointError: step counts that differ over the ranks, host-updated chunks of a mesh over
-        several processes, or the errors of :func:`_optax_to_portable`.
+      CheckpointError: step counts that differ over the ranks (of this process), or the errors of
+        :func:`_optax_to_portable`.
     """
     loc = "host" if c in set(step_fn.host_chunks) else step_fn.placement.update_locations[c]
     st = state.opt_state[c]
@@ -951,17 +951,17 @@ def _chunked_chunk_portable(step_fn, state, c: int) -> tuple[dict, dict]:
         if loc != "host":
             arrays, cm = _zero_chunk_portable(step_fn, state, c)
             return arrays, dict(cm, saved_from=where)
-        if any(x is None for x in st):
-            raise CheckpointError(f"chunk {c} is updated on the host over several processes: saving such a state is "
-                                  "not supported yet (plan the run without host updates)")
-        ports = [_host_to_portable(x) for x in st]
-        counts = sorted({count for count, _ in ports})
+        # this process's ranks (the others' slices are None under jax.distributed: gathered below)
+        ports = [None if x is None else _host_to_portable(x) for x in st]
+        counts = sorted({p[0] for p in ports if p is not None})
         if len(counts) > 1:
             raise CheckpointError(f"chunk {c}: the ranks' host optimizer step counts differ ({counts})")
-        moments = {n: np.concatenate([m[n] for _, m in ports]) for n in ports[0][1]}
+        names = next(p[1] for p in ports if p is not None)
+        gather = step_fn.topology.gather_slices  # a collective under jax.distributed
+        moments = {n: gather(tuple(None if p is None else p[1][n] for p in ports)) for n in names}
         del ports
         arrays = {"params": _whole(state.params[c], f"chunk {c}'s params"),
-                  "master": np.concatenate(state.master[c]).astype(np.float32, copy=False), **moments}
+                  "master": gather(state.master[c]).astype(np.float32, copy=False), **moments}
         return arrays, {"count": counts[0], "moments": sorted(moments), "rest": {}, "saved_from": where}
     if _is_host_state(st):
         count, moments = _host_to_portable(st)

@@ -513,24 +513,14 @@ class ChunkedStep:
     def master_params(self, state: TrainState):
         """The float32 master params as a pytree: on one device jax arrays on the default device;
         on a mesh numpy, gathered from every process under ``jax.distributed`` (a collective:
-        every process calls it). Waits for the state's host updates.
-
-        Raises:
-          ValueError: host-updated chunks of a mesh spanning several processes (not gathered yet).
-        """
+        every process calls it; host-updated chunks' rank slices too). Waits for the state's host
+        updates."""
         self.wait(state)
         if self.mesh is None:
             return self.layout.unpack([jax.device_put(m, sharding(DEVICE)) for m in state.master])
-        whole = []
-        for m in state.master:
-            if isinstance(m, tuple):
-                if any(x is None for x in m):
-                    raise ValueError("master_params of host-updated chunks over several processes is not written: "
-                                     "read each process's slices from state.master")
-                whole.append(np.concatenate(m))
-            else:
-                whole.append(self.topology.whole(m))
-        return self.layout.unpack(whole)
+        topo = self.topology
+        return self.layout.unpack([topo.gather_slices(m) if isinstance(m, tuple) else topo.whole(m)
+                                   for m in state.master])
 
     def eval_loss(self, state: TrainState, batch) -> jax.Array:
         """Validation loss of ``batch`` (() float32, mean over the whole batch): the walker's

@@ -419,6 +419,23 @@ class DataMesh:
                     if self.rank_of(sh.index, n) == r]
         return [hu.writable_view(sh.data, dtype)[self.rank_slice(r, n)] for sh in p_arr.addressable_shards]
 
+    def gather_slices(self, slices: tuple) -> np.ndarray:
+        """A host-updated chunk's per-rank numpy slices (None for other processes' ranks) as the
+        whole chunk, in rank order: under ``jax.distributed`` each process's contiguous ranks are
+        all-gathered (a collective: every process calls it).
+
+        Raises:
+          ValueError: a process whose ranks are not contiguous in the mesh.
+        """
+        mine = [r for r, x in enumerate(slices) if x is not None]
+        if mine != list(range(mine[0], mine[-1] + 1)):
+            raise ValueError(f"this process holds ranks {mine}, not a contiguous run: build the mesh with data_mesh()")
+        local = np.concatenate([slices[r] for r in mine])
+        if len(mine) == len(slices):
+            return local
+        from jax.experimental import multihost_utils
+        return np.asarray(multihost_utils.process_allgather(local, tiled=True))
+
     def whole(self, a) -> np.ndarray:
         """A global array as numpy, gathered from every process under ``jax.distributed`` (a
         collective then: every process calls it)."""

@@ -8,8 +8,9 @@ processes (the model and data of tests/zero_multiprocess_worker.py; the one step
 ``chunkjax.make_chunked_step(..., mesh=data_mesh())``), saves a checkpoint after step 2 (every
 process calls save_checkpoint), trains to step 4, then restores the checkpoint into a fresh state
 (every process calls restore_checkpoint) and trains steps 3-4 again; then trains the 4 steps once
-more with host-updated chunks (each process updates its own ranks' shards). Process 0 writes the
-loss curves, the master params at step 2 and those after step 4 to OUT.npz. The
+more with host-updated chunks (each process updates its own ranks' shards), saving and restoring
+that state too. Process 0 writes the loss curves, the master params at step 2 and those after step
+4 to OUT.npz. The
 run is also tests/test_zero_multiprocess.py's (ZeRO-3 over 2 processes against one device): it
 is launched once per pytest process (the ``zero3_two_process_run`` fixture in tests/conftest.py).
 The same launch works on a cluster: set the coordinator address, process count and id per node
@@ -53,20 +54,23 @@ def main(pid: int, n_proc: int, port: int, seed: int, ckpt: str, out: str) -> No
     for b in batches[extra["data_position"]:]:
         state, m = step(state, b)
         resumed.append(float(m["loss"]))
-    host_losses = _host_updated_run(cj, gpt.gpt_stages(cfg), layout, params, batches, data_mesh())
+    host_losses, host_final, host_restored = _host_updated_run(cj, ck, gpt.gpt_stages(cfg), layout, params, batches,
+                                                               data_mesh(), ckpt + "_host")
     if pid == 0:
         leaves, final_leaves = jax.tree.leaves(master2), jax.tree.leaves(final)
         np.savez(out, losses=np.asarray(losses), resumed=np.asarray(resumed), n_devices=n,
-                 host_losses=np.asarray(host_losses),
+                 host_losses=np.asarray(host_losses), host_restored=host_restored, **{f"host{i}": a for i, a in enumerate(host_final)},
                  n_processes=jax.process_count(), **{f"p{i}": a for i, a in enumerate(leaves)},
                  **{f"final{i}": a for i, a in enumerate(final_leaves)})
     jax.distributed.shutdown()
 
 
-def _host_updated_run(cj, stages, layout, params, batches, mesh) -> list[float]:
+def _host_updated_run(cj, ck, stages, layout, params, batches, mesh, ckpt) -> tuple[list, list, bool]:
     """The same training with a schedule that keeps chunk 0 on the device and updates every other
     chunk on the host (AdamW kernel, clipping at 1.0 as the optax chain), each process updating
-    the shards of its own devices: the losses."""
+    the shards of its own devices: the losses, the final master params' leaves (gathered from
+    both processes), and whether a checkpoint of the final state (every process saving, then
+    restoring into a fresh state) holds the same master params bit for bit."""
     import jax
     import jax.numpy as jnp
 
@@ -86,8 +90,10 @@ def _host_updated_run(cj, stages, layout, params, batches, mesh) -> list[float]:
     for b in batches:
         state, m = step(state, b)
         losses.append(float(m["loss"]))
-    step.wait(state)
-    return losses
+    final = jax.tree.leaves(step.master_params(state))  # collective: every process calls it
+    ck.save_checkpoint(ckpt, len(batches), step, state, {})
+    back = jax.tree.leaves(step.master_params(ck.restore_checkpoint(ckpt, step)[0]))
+    return losses, final, all(np.array_equal(a, b) for a, b in zip(final, back, strict=True))
 
 
 if __name__ == "__main__":

@@ -47,6 +47,10 @@ def test_two_processes_equal_single_device(zero3_two_process_run):
     # the same run with every chunk but one updated on the host, per rank shard, in each process
     # (the AdamW kernel: tests/test_zero_schedule.py holds it to the same tolerance)
     np.testing.assert_allclose(got["host_losses"], ref_losses, rtol=2e-5, err_msg=f"seed {seed}")
+    for i, b in enumerate(jax.tree.leaves(ref_params)):  # master params gathered from both processes
+        a, b = got[f"host{i}"], np.asarray(b)
+        assert np.linalg.norm(a - b) / np.linalg.norm(b) < 3e-4, (i, seed)  # see test_zero.PARAM_RTOL
     for i, b in enumerate(jax.tree.leaves(ref_params)):
         a, b = got[f"final{i}"], np.asarray(b)
         assert np.linalg.norm(a - b) / np.linalg.norm(b) < 3e-4, (i, seed)  # see test_zero.PARAM_RTOL
+    assert bool(got["host_restored"])  # its checkpoint (host slices gathered, placed per process) round-trips
