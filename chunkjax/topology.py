@@ -300,7 +300,9 @@ class DataMesh:
         return rows // self.n_ranks
 
     def put(self, x, sh):
-        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        """``x`` placed with ``sh``: ``device_put`` in one process; across processes each process
+        builds its own shards from ``x`` (the whole value, the same in every process)."""
+        if jax.process_count() == 1 or (isinstance(x, jax.Array) and not x.is_fully_addressable):
             return jax.device_put(x, sh)
         return _host_put(np.asarray(x), sh)
 
