@@ -7,12 +7,13 @@ A JAX reimplementation of PatrickStar (chunks placed by the memory tide) and Sma
         -> plan (``plan_schedule``: one planner, policies tide / fixed / all_host / zero_offload /
            optimizer_only, ZeRO ranks) -> schedule (placement, fetches/evictions, update locations,
            programs; its prediction from ``predict``, the one accounting)
-        -> runtime (jitted programs + host-update thread) -> optim / host_update (the update per chunk;
-           its float32 arithmetic is ``kernels``, shared with the storage tier ``storage``)
+        -> step (walker + topology: jitted programs, host-update thread) -> updaters (the update
+           per chunk and location: optim on the device, host_update on the host; its float32
+           arithmetic is ``kernels``, shared with the storage tier ``storage``)
 
-``zero_schedule`` runs the schedule with every chunk sharded over a data mesh (ZeRO stages 1-3
-with XLA collectives, host updates per rank shard); ``zero`` is the one-program ZeRO step that
-also runs across processes (docs/multihost.md).
+One step class, :class:`ChunkedStep`, runs on one device or over a ``data`` mesh with ZeRO stage
+1/2/3 (``make_chunked_step(..., mesh=data_mesh(), zero_stage=3)``), in one process or across
+processes through ``jax.distributed`` (docs/multihost.md).
 """
 import importlib
 import importlib.util
@@ -31,13 +32,12 @@ _EXPORTS = {
     "PlanError": "errors",
     **dict.fromkeys(["parse_bytes", "plan_schedule"], "plan"),
     **dict.fromkeys(["ChunkBytes", "chunk_bytes"], "predict"),
-    **dict.fromkeys(["ChunkedStep", "TrainState", "make_chunked_step"], "runtime"),
+    **dict.fromkeys(["ChunkedStep", "TrainState", "make_chunked_step"], "step"),
     **dict.fromkeys(["Placement", "Prediction", "Schedule"], "schedule"),
     "NearStorageOptimizer": "storage.near",
     **dict.fromkeys(["Stage", "compose_loss"], "stages"),
     **dict.fromkeys(["StageTrace", "trace_stages"], "trace"),
-    **dict.fromkeys(["build_zero_layout", "data_mesh"], "zero"),
-    **dict.fromkeys(["ZeroScheduledStep", "make_zero_scheduled_step"], "zero_schedule"),
+    **dict.fromkeys(["build_zero_layout", "data_mesh"], "topology"),
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,13 +1,11 @@
 """Checkpoints of a chunked training run: saved chunk by chunk, atomic, placement-independent.
 
-Covered: the single-device :class:`~chunkjax.runtime.ChunkedStep` (any placement or schedule,
-device or host updates), the ZeRO step :class:`chunkjax.zero.ZeroStep` (stages 1-3, master params
-and optimizer state sharded over a 1-D ``data`` mesh) and the scheduled ZeRO step
-:class:`chunkjax.zero_schedule.ZeroScheduledStep` (device, streamed and per-rank host-updated
-chunks), and the storage tier
+Covered: :class:`chunkjax.ChunkedStep` on one device (any placement or schedule, device, streamed
+or host updates) and over a ZeRO ``data`` mesh (stages 1-3, master params and optimizer state
+sharded; device, streamed and per-rank host-updated chunks), and the storage tier
 (:class:`chunkjax.near_storage.NearStorageOptimizer`: AdamW state in chunk files on disk) through
 :func:`save_storage_checkpoint` / :func:`restore_storage_checkpoint`, in the same format, so a
-checkpoint moves between disk and memory in both directions. A ``ZeroStep`` whose mesh spans
+checkpoint moves between disk and memory in both directions. A ZeRO step whose mesh spans
 several processes (``jax.distributed``) saves with every process calling :func:`save_checkpoint`
 (each chunk all-gathered, process 0 writes; the directory must be visible to every process) and
 restores with every process calling :func:`restore_checkpoint` (each reads the files and places
@@ -82,7 +80,7 @@ above. One process writes a checkpoint directory at a time.
 
 Usage::
 
-    step = make_chunked_step(...)            # or chunkjax.zero.make_zero_step(...) on 8 devices
+    step = make_chunked_step(...)            # or make_chunked_step(..., mesh=data_mesh()) on 8 devices
     state = step.init(params)
     ...train...
     save_checkpoint(ckpt_dir, n, step, state, {"rng": key, "data_position": n, "config": cfg})
@@ -114,7 +112,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from chunkjax import optim
-from chunkjax.memory import DEVICE, PINNED_HOST, sharding
 
 FORMAT = "chunkjax-checkpoint"
 VERSION = 1
@@ -463,11 +460,9 @@ def save_checkpoint(directory, step_number: int, step_fn, state, extra: dict | N
     Args:
       directory: the checkpoint root (created if missing).
       step_number: the training step (int >= 0); the checkpoint goes to ``step_<N:08d>``.
-      step_fn: the :class:`~chunkjax.runtime.ChunkedStep`, :class:`chunkjax.zero.ZeroStep` or
-        :class:`chunkjax.zero_schedule.ZeroScheduledStep` that owns ``state``.
-      state: its :class:`~chunkjax.runtime.TrainState` (any placement) or
-        :class:`chunkjax.zero.ZeroState` (any stage and placement); ZeRO states must live in
-        this process. It stays usable.
+      step_fn: the :class:`chunkjax.ChunkedStep` that owns ``state``.
+      state: its :class:`chunkjax.TrainState` (any placement, topology and ZeRO stage). It stays
+        usable.
       extra: a JSON-like dict saved with the state (RNG keys, data position, configuration):
         numbers, strings, None, lists, tuples, dicts with string keys, numpy or jax arrays and
         typed PRNG key arrays (``jax.random.key``).
@@ -823,8 +818,7 @@ class _SaveJob:
         if writer:  # under jax.distributed only process 0 touches the directory
             os.makedirs(directory, exist_ok=True)
             remove_stale_temporaries(directory)
-        if self.kind != "zero":
-            step_fn.wait()
+        step_fn.wait(state)
         self.tmp = _tmp_dir(directory, step_number)
 
     def open(self) -> None:
@@ -918,49 +912,62 @@ def _host_value(a, dtype=None) -> np.ndarray:
 
 
 def _step_kind(step_fn) -> str:
-    """``"zero"`` for a :class:`chunkjax.zero.ZeroStep`, ``"zero_scheduled"`` for a
-    :class:`chunkjax.zero_schedule.ZeroScheduledStep`, ``"chunked"`` for a single-device
-    :class:`~chunkjax.runtime.ChunkedStep`.
+    """``"chunked"`` for a :class:`chunkjax.ChunkedStep` (one device or a ZeRO mesh: its
+    ``topology``), ``"storage"`` for a storage-tier optimizer's view.
 
     Raises:
-      CheckpointError: an object that is none of them.
+      CheckpointError: an object that is neither.
     """
-    from chunkjax.runtime import ChunkedStep
-    from chunkjax.zero import ZeroStep
-    from chunkjax.zero_schedule import ZeroScheduledStep
     if isinstance(step_fn, _StorageView):
         return "storage"
-    if isinstance(step_fn, ZeroStep):
-        return "zero"
-    if isinstance(step_fn, ZeroScheduledStep):
-        return "zero_scheduled"
-    if isinstance(step_fn, ChunkedStep):
+    if all(hasattr(step_fn, a) for a in ("layout", "placement", "topology", "host_chunks")):
         return "chunked"
-    raise CheckpointError(f"cannot checkpoint a {type(step_fn).__name__}: pass a ChunkedStep, a "
-                          "chunkjax.zero.ZeroStep or a chunkjax.zero_schedule.ZeroScheduledStep")
+    raise CheckpointError(f"cannot checkpoint a {type(step_fn).__name__}: pass a chunkjax.ChunkedStep")
 
 
 def _saved_from(step_fn, kind: str) -> dict:
     """meta.json's ``saved_from``: the step kind, its rank count and ZeRO stage."""
-    if kind == "zero":
-        return {"step": "ZeroStep", "n_ranks": step_fn.n_ranks, "zero_stage": step_fn.stage}
-    if kind == "zero_scheduled":
-        return {"step": "ZeroScheduledStep", "n_ranks": step_fn.n_ranks, "zero_stage": step_fn.zero_stage}
     if kind == "storage":
         return {"step": type(step_fn.opt).__name__, "n_ranks": 1, "storage_dirs": len(step_fn.opt.dirs)}
+    if step_fn.mesh is not None:
+        return {"step": "ChunkedStep", "n_ranks": step_fn.n_ranks, "zero_stage": step_fn.zero_stage}
     return {"step": "ChunkedStep", "n_ranks": 1}
 
 
 def _chunked_chunk_portable(step_fn, state, c: int) -> tuple[dict, dict]:
-    """Chunk ``c`` of a single-device :class:`~chunkjax.runtime.TrainState`:
-    ``({"params", "master", moments...: (chunk_size,) numpy}, its meta.json entry)``."""
+    """Chunk ``c`` of a :class:`chunkjax.ChunkedStep`'s state in the portable (single-device)
+    form: ``({"params", "master", moments...: (chunk_size,) numpy}, its meta.json entry)``. On a
+    mesh, ZeRO shards are gathered (:func:`_zero_chunk_portable`) and host-updated chunks' per-rank
+    slices concatenated in rank order.
+
+    Raises:
+      CheckpointError: step counts that differ over the ranks (of this process), or the errors of
+        :func:`_optax_to_portable`.
+    """
+    loc = "host" if c in set(step_fn.host_chunks) else step_fn.placement.update_locations[c]
     st = state.opt_state[c]
+    if step_fn.mesh is not None:
+        where = f"zero{step_fn.zero_stage}:{loc}"
+        if loc != "host":
+            arrays, cm = _zero_chunk_portable(step_fn, state, c)
+            return arrays, dict(cm, saved_from=where)
+        # this process's ranks (the others' slices are None under jax.distributed: gathered below)
+        ports = [None if x is None else _host_to_portable(x) for x in st]
+        counts = sorted({p[0] for p in ports if p is not None})
+        if len(counts) > 1:
+            raise CheckpointError(f"chunk {c}: the ranks' host optimizer step counts differ ({counts})")
+        names = next(p[1] for p in ports if p is not None)
+        gather = step_fn.topology.gather_slices  # a collective under jax.distributed
+        moments = {n: gather(tuple(None if p is None else p[1][n] for p in ports)) for n in names}
+        del ports
+        arrays = {"params": _whole(state.params[c], f"chunk {c}'s params"),
+                  "master": gather(state.master[c]).astype(np.float32, copy=False), **moments}
+        return arrays, {"count": counts[0], "moments": sorted(moments), "rest": {}, "saved_from": where}
     if _is_host_state(st):
         count, moments = _host_to_portable(st)
         rest = {}
     else:
         count, moments, rest = _optax_to_portable(st, step_fn.layout.chunk_size)
-    loc = "host" if c in set(step_fn.host_chunks) else step_fn.placement.update_locations[c]
     arrays = {"params": _host_value(state.params[c]), "master": _host_value(state.master[c], np.float32), **moments}
     return arrays, {"count": count, "moments": sorted(set(_moment_names(st))), "rest": rest, "saved_from": loc}
 
@@ -977,9 +984,10 @@ def _whole(a, what: str) -> np.ndarray:
 
 
 def _zero_chunk_portable(step_fn, state, c: int) -> tuple[dict, dict]:
-    """Chunk ``c`` of a :class:`chunkjax.zero.ZeroState` in the single-device form: the sharded
-    (chunk_size,) params and master gathered to whole numpy arrays, each rank's (chunk_size/N,)
-    moment slice concatenated in rank order (rank r owns elements [r*chunk_size/N, (r+1)*...)).
+    """Chunk ``c`` (device- or stream-updated) of a ZeRO state in the single-device form: the
+    sharded (chunk_size,) params and master gathered to whole numpy arrays, each rank's
+    (chunk_size/N,) moment slice concatenated in rank order (rank r owns elements
+    [r*chunk_size/N, (r+1)*...)).
 
     The per-rank step counts must agree; the per-rank moments of the rest-of-model leaf (which
     never reach a parameter update, :mod:`chunkjax.optim`) are taken from rank 0.
@@ -994,9 +1002,7 @@ def _zero_chunk_portable(step_fn, state, c: int) -> tuple[dict, dict]:
     del st
     arrays = {"params": _whole(state.params[c], f"chunk {c}'s params"),
               "master": _whole(state.master[c], f"chunk {c}'s master params").astype(np.float32, copy=False), **moments}
-    return arrays, {"count": count, "moments": sorted(moments), "rest": rest,
-                    "saved_from": f"zero{getattr(step_fn, 'stage', None) or step_fn.zero_stage}:"
-                                  f"{step_fn.placement.state_kinds[c]}"}
+    return arrays, {"count": count, "moments": sorted(moments), "rest": rest}
 
 
 def _zero_optax_unshard(opt_state, n_ranks: int, chunk: int):
@@ -1018,32 +1024,6 @@ def _zero_optax_unshard(opt_state, n_ranks: int, chunk: int):
     return jax.tree_util.tree_map_with_path(one, opt_state)
 
 
-def _zero_scheduled_chunk_portable(step_fn, state, c: int) -> tuple[dict, dict]:
-    """Chunk ``c`` of a :class:`chunkjax.zero_schedule.ZeroScheduledStep`'s state in the
-    single-device form: device and streamed chunks as :func:`_zero_chunk_portable`; host-updated
-    chunks (a tuple of N numpy master slices and N ``Host*State``) concatenated in rank order.
-
-    Raises:
-      CheckpointError: step counts that differ over the ranks, or the errors of
-        :func:`_zero_chunk_portable`.
-    """
-    st = state.opt_state[c]
-    loc = step_fn.schedule.update_locations[c]
-    if not (isinstance(st, tuple) and st and _is_host_state(st[0])):
-        arrays, cm = _zero_chunk_portable(step_fn, state, c)
-        return arrays, dict(cm, saved_from=f"zero{step_fn.zero_stage}:{loc}")
-    ports = [_host_to_portable(x) for x in st]
-    counts = sorted({count for count, _ in ports})
-    if len(counts) > 1:
-        raise CheckpointError(f"chunk {c}: the ranks' host optimizer step counts differ ({counts})")
-    moments = {n: np.concatenate([m[n] for _, m in ports]) for n in ports[0][1]}
-    del ports
-    arrays = {"params": _whole(state.params[c], f"chunk {c}'s params"),
-              "master": np.concatenate(state.master[c]).astype(np.float32, copy=False), **moments}
-    return arrays, {"count": counts[0], "moments": sorted(moments), "rest": {},
-                    "saved_from": f"zero{step_fn.zero_stage}:{loc}"}
-
-
 @dataclasses.dataclass
 class _StorageView:
     """A storage-tier optimizer seen as a step object by :class:`_SaveJob`: its layout, compute
@@ -1056,8 +1036,8 @@ class _StorageView:
     def tx(self):
         return self.opt.spec
 
-    def wait(self) -> None:
-        pass
+    def wait(self, state=None) -> None:
+        del state  # its steps commit synchronously
 
 
 def _ef_active(opt) -> bool:
@@ -1078,8 +1058,7 @@ def _storage_chunk_portable(view: _StorageView, state, c: int) -> tuple[dict, di
     return arrays, {"count": opt.committed_step, "moments": ["mu", "nu"], "rest": {}, "saved_from": "storage"}
 
 
-_PORTABLE = {"chunked": _chunked_chunk_portable, "zero": _zero_chunk_portable,
-             "zero_scheduled": _zero_scheduled_chunk_portable, "storage": _storage_chunk_portable}
+_PORTABLE = {"chunked": _chunked_chunk_portable, "storage": _storage_chunk_portable}
 
 #: Name of the optional per-chunk error-feedback residual array of a storage-tier checkpoint.
 EF_RESIDUAL = "ef_residual"
@@ -1126,12 +1105,12 @@ def read_meta(directory, step_number: int | None = None) -> dict:
 def restore_checkpoint(directory, step_fn, step_number: int | None = None):
     """Restore a checkpoint into ``step_fn``'s placement, layout and devices, chunk by chunk.
 
-    ``step_fn`` is a single-device :class:`~chunkjax.runtime.ChunkedStep` (any placement or
+    ``step_fn`` is a :class:`chunkjax.ChunkedStep` on one device (any placement or
     schedule: device / pinned host jax arrays with an optax state, or numpy master and
-    ``Host*State`` for host-updated chunks), a :class:`chunkjax.zero.ZeroStep` (any stage,
-    device count and placement: every chunk sharded over its mesh) or a
-    :class:`chunkjax.zero_schedule.ZeroScheduledStep` (host-updated chunks as one numpy slice
-    and one ``Host*State`` per rank). The checkpoint may come from any of them. If the compute
+    ``Host*State`` for host-updated chunks) or over a ZeRO mesh (any stage, device count,
+    process count and placement: every chunk sharded over its mesh, each process placing its own
+    shards; host-updated chunks as one numpy slice and one ``Host*State`` per local rank). The
+    checkpoint may come from any of them. If the compute
     dtype differs from the saved one, compute params are recast from the float32 master params.
 
     When the chunk layouts are equal each chunk is read and placed as it was saved. Otherwise
@@ -1147,21 +1126,19 @@ def restore_checkpoint(directory, step_fn, step_number: int | None = None):
 
     Args:
       directory: the checkpoint root.
-      step_fn: the :class:`~chunkjax.runtime.ChunkedStep`, :class:`chunkjax.zero.ZeroStep` or
-        :class:`chunkjax.zero_schedule.ZeroScheduledStep` to restore into.
+      step_fn: the :class:`chunkjax.ChunkedStep` to restore into (any topology).
       step_number: which step; None for :func:`latest_step`.
 
     Returns:
-      ``(state, extra)``: a :class:`~chunkjax.runtime.TrainState` (ChunkedStep,
-      ZeroScheduledStep) or :class:`chunkjax.zero.ZeroState` (ZeroStep), and the saved ``extra``
+      ``(state, extra)``: a :class:`chunkjax.TrainState`, and the saved ``extra``
       dict (arrays come back as numpy arrays, PRNG keys as typed key arrays, tuples as tuples).
 
     Raises:
       FileNotFoundError: no complete checkpoint (of that step).
       CheckpointError: another parameter tree (the one-line message names the first leaf that
         differs), optimizer moments that cannot be converted into this step's optimizer state,
-        step counts that differ over the chunks when the layout changes, a ZeRO mesh spanning
-        several processes, or a step of another kind.
+        step counts that differ over the chunks when the layout changes, or a step of another
+        kind.
     """
     kind = _step_kind(step_fn)
     meta = read_meta(directory, step_number)
@@ -1286,22 +1263,20 @@ def _assemble_chunk(src: _SavedChunks, saved: dict, lay, c: int, names) -> dict[
 
 class _Placer:
     """Places restored chunks (whole (chunk_size,) numpy arrays in the portable form) where a
-    step keeps them: ``ChunkedStep`` device/host/streamed chunks, ``ZeroStep`` shards, or
-    ``ZeroScheduledStep`` shards and per-rank host slices."""
+    :class:`chunkjax.ChunkedStep` keeps them, through its topology: device / pinned host jax
+    arrays (ZeRO shards on a mesh, each process building only its own shards), or numpy master
+    and ``Host*State`` for host-updated chunks (on a mesh one slice and state per local rank)."""
 
     def __init__(self, step_fn, kind: str):
         self.step, self.kind = step_fn, kind
         lay = step_fn.layout
-        if kind == "zero_scheduled" and any(d.process_index != jax.process_index()
-                                            for d in step_fn.mesh.devices.flat):
-            raise CheckpointError("ZeroScheduledStep over several processes is not supported: restore into "
-                                  "chunkjax.zero.ZeroStep (which runs under jax.distributed) or a single-process mesh")
         self.template = jax.eval_shape(lambda m: optim.init_chunk_state(step_fn.tx, m),
                                        jax.ShapeDtypeStruct((lay.chunk_size,), jnp.float32))
-        self.host = set(step_fn.host_chunks) if kind != "zero" else set()
+        self.host = set(step_fn.host_chunks)
         self.host_cls = type(step_fn.host_optimizer.host_state(1)) if self.host else None
-        if self.host:
-            step_fn._warm_host_kernel()  # as init does: numba must not compile while XLA compiles
+        if self.host:  # as init does: numba must not compile while XLA compiles
+            from chunkjax.updaters import warm_host_kernel
+            warm_host_kernel(step_fn.host_optimizer, step_fn.compute_dtype)
 
     def check(self, c: int, moments) -> None:
         """Raise CheckpointError if chunk ``c`` cannot take these moment names."""
@@ -1313,38 +1288,28 @@ class _Placer:
     def __call__(self, c, params, master, count, moments, rest):
         """(params, master, opt_state) of chunk ``c``, placed."""
         step, cdt = self.step, np.dtype(self.step.compute_dtype)
-        if self.kind == "zero_scheduled" and c in self.host:  # per rank: a numpy slice and a host state
-            sl = [step._rank_slice(r) for r in range(step.n_ranks)]
-            hosts = tuple(_portable_to_host(self.host_cls, count, {k: v[x] for k, v in moments.items()}, c)
-                          for x in sl)
-            return (jax.device_put(params.astype(cdt, copy=False), step._param_shardings[c]),
-                    tuple(master[x].copy() for x in sl), hosts)
-        if self.kind != "chunked":
-            from jax.sharding import PartitionSpec as P
-            from chunkjax.zero import AXIS
-            n = step.n_ranks
-            if self.kind == "zero":
-                sk = step.placement.state_kinds[c]
-            else:  # as ZeroScheduledStep.init: streamed chunks in pinned host memory
-                sk = PINNED_HOST if step.schedule.update_locations[c] == "streamed" else DEVICE
-            full = _portable_to_optax(self.template, count, moments, rest, c)
-            per_rank = jax.tree.map(lambda a: a.reshape(n, -1) if a.ndim == 1 else np.full((n,), a, a.dtype), full)
-            sh = step._ns(P(AXIS), sk)
-            return (jax.device_put(params.astype(cdt, copy=False), step._param_shardings[c]),
-                    jax.device_put(master, sh), jax.device_put(per_rank, jax.tree.map(lambda _: sh, per_rank)))
+        topo, pl = step.topology, step.placement
+        p = topo.put(np.require(params, cdt, ["C", "W", "O"]), topo.param_sharding(pl.param_kinds[c]))
         if c in self.host:
-            return (jax.device_put(np.require(params, cdt, ["C", "W", "O"]), sharding(PINNED_HOST)), master,
-                    _portable_to_host(self.host_cls, count, moments, c))
-        sk = sharding(step.placement.state_kinds[c])
+            if step.mesh is None:
+                return p, master, _portable_to_host(self.host_cls, count, moments, c)
+            local = set(topo.local_ranks())
+            sl = [topo.rank_slice(r, step.layout.chunk_size) if r in local else None for r in range(step.n_ranks)]
+            return (p, tuple(None if x is None else master[x].copy() for x in sl),
+                    tuple(None if x is None else _portable_to_host(self.host_cls, count,
+                                                                   {k: v[x] for k, v in moments.items()}, c)
+                          for x in sl))
+        sk = pl.state_kinds[c]
         opt = _portable_to_optax(self.template, count, moments, rest, c)
-        return (jax.device_put(params.astype(cdt, copy=False), sharding(step.placement.param_kinds[c])),
-                jax.device_put(master, sk), jax.device_put(opt, sk))
+        if step.mesh is not None:  # every leaf with a leading rank axis (chunkjax.topology)
+            n = step.n_ranks
+            opt = jax.tree.map(lambda a: a.reshape(n, -1) if a.ndim == 1 else np.full((n,), a, a.dtype), opt)
+        ssh = topo.state_shardings(opt, sk)
+        return (p, topo.put(master, topo.shard_sharding(sk)),
+                jax.tree.map(lambda a, sh: topo.put(np.asarray(a), sh), opt, ssh))
 
     def state(self, ps, ms, os_):
-        if self.kind == "zero":
-            from chunkjax.zero import ZeroState
-            return ZeroState(tuple(ps), tuple(ms), tuple(os_))
-        from chunkjax.runtime import TrainState
+        from chunkjax.step import TrainState
         return TrainState(tuple(ps), tuple(ms), tuple(os_))
 
 
@@ -1362,23 +1327,24 @@ def export_params(step_fn, state):
     """The float32 master params as a plain params pytree.
 
     Args:
-      step_fn: the :class:`~chunkjax.runtime.ChunkedStep` that owns ``state`` (its pending host
-        updates are waited for first).
-      state: a :class:`~chunkjax.runtime.TrainState` in any placement.
+      step_fn: the :class:`chunkjax.ChunkedStep` that owns ``state`` (its pending host updates are
+        waited for first).
+      state: a :class:`chunkjax.TrainState` in any placement (on a mesh of one process).
 
     Returns:
       The pytree of ``step_fn.layout`` (the model's structure) with one float32 numpy array of
       the leaf's shape per leaf. Built one chunk at a time: host memory holds the result (4 bytes
       per parameter) plus one (chunk_size,) float32 chunk; nothing is placed on the device.
     """
-    step_fn.wait()
+    step_fn.wait(state)
     lay = step_fn.layout
     leaves = [None] * len(lay.slots)
     by_chunk: dict[int, list[int]] = {}
     for i, s in enumerate(lay.slots):
         by_chunk.setdefault(s.chunk, []).append(i)
     for c, idx in by_chunk.items():
-        m = np.asarray(state.master[c], np.float32)
+        m = state.master[c]
+        m = np.concatenate(m) if isinstance(m, tuple) else np.asarray(m, np.float32)  # tuple: ZeRO rank slices
         for i in idx:
             s = lay.slots[i]
             leaves[i] = np.array(m[s.offset:s.offset + s.size].reshape(s.shape), np.float32)
@@ -1480,7 +1446,7 @@ def restore_storage_checkpoint(directory, dirs, spec, layout, step_number: int |
 
     The checkpoint may come from a storage-tier run (:func:`save_storage_checkpoint`, any number
     of storage directories) or from memory (:func:`save_checkpoint` of a ``ChunkedStep``,
-    ``ZeroStep`` or ``ZeroScheduledStep`` with AdamW, any placement). ``layout`` may chunk the
+    any topology with AdamW, any placement). ``layout`` may chunk the
     same parameter tree differently (another chunk size): leaves are then moved by path as in
     :func:`restore_checkpoint`. Chunks are read, assembled and streamed to their worker one at a
     time (host memory: one chunk, two saved chunks plus the new one when remapping). With

@@ -13,7 +13,7 @@ params; PatrickStar, arXiv 2108.05818, section 3), in the ZeRO-Offload manner:
   ``device_budget`` (:func:`chunkjax.plan_schedule`'s ``"optimizer_only"`` policy); the others
   keep theirs in ``pinned_host`` memory and are *streamed*: one chunk at a time goes to the
   device, is updated there and goes back
-  (the runtime's streamed update, :meth:`chunkjax.ChunkedStep.jit_update_streamed`);
+  (the step's streamed update, :func:`chunkjax.updaters.streamed_updater`);
 * :meth:`ChunkedOptimizer.update` applies the user's optax transformation chunk by chunk
   (:func:`chunkjax.optim.update_chunk`, which reproduces ``clip_by_global_norm`` of the incoming
   gradients exactly by handing every chunk the global norm) and returns the new params pytree
@@ -25,7 +25,7 @@ on the device, use the staged step.
 
 On the CPU backend ``pinned_host`` and ``device`` are the same memory; placement is only proven
 on a GPU (:mod:`chunkjax.memory`). One device: everything is placed on ``jax.devices()[0]``
-(for data-parallel training use :mod:`chunkjax.zero_schedule`).
+(for data-parallel training use :func:`chunkjax.make_chunked_step` with ``mesh=``).
 
 Changed lines of an NNX loop::
 

@@ -379,7 +379,7 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
 
     Args:
       layout: the chunk layout (chunk ids in first-use order; under ZeRO a layout whose
-        ``chunk_size`` splits over the ranks, :func:`chunkjax.zero.build_zero_layout`).
+        ``chunk_size`` splits over the ranks, :func:`chunkjax.topology.build_zero_layout`).
       traces: per-stage traces (:func:`chunkjax.trace_stages`; under ZeRO of one rank's rows).
         ``policy="optimizer_only"`` accepts ``()`` (the training loop is the user's).
       cb: bytes of one whole chunk in each chunk list (:func:`chunkjax.chunk_bytes`).

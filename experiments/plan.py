@@ -31,12 +31,12 @@ and sequence match, and the cost-model rates that run calibrated; otherwise the 
 "estimated on cpu".
 
 ZeRO over N GPUs of one node (``--ranks N``, N > 1; ``--zero-stage`` 1, 2 or 3, default 3): the
-plan of every rank of :class:`chunkjax.zero_schedule.ZeroScheduledStep`, as
+plan of every rank of :class:`chunkjax.ChunkedStep` over a data mesh, as
 experiments/bench_chunkjax.py plans it on N real devices, here on abstract shapes (no mesh, no
 devices: it runs on a one-device CPU). ``--batch`` is the *global* batch (rows per step, split
 evenly: each rank traces ``batch / N`` rows), ``--device-budget`` is each GPU's (bytes), and
 ``--host-budget`` is the node's host memory for model data (bytes; each rank gets 1/N of it).
-The layout is :func:`chunkjax.zero.build_zero_layout` (chunks split evenly over the ranks) and
+The layout is :func:`chunkjax.topology.build_zero_layout` (chunks split evenly over the ranks) and
 the schedule ``chunkjax.plan_schedule(..., ranks=N, zero_stage=...)``: per-rank chunk bytes
 (:meth:`chunkjax.ChunkBytes.per_rank`), one rank's FLOPs (1/N of the step's). The
 report gives per rank the peak device bytes, the host bytes of model data, the H2D / D2H bytes
@@ -182,7 +182,7 @@ def trace_inputs(model: str, batch: int, seq: int, *, chunk_size: int | None = N
       batch, seq: batch shape (rows, tokens per row); with ``n_ranks`` > 1 the global batch.
       chunk_size: elements per chunk (None: chunkjax's search, as experiments/bench.py uses).
       min_chunks: passed to the chunk-size search.
-      n_ranks: ZeRO ranks (> 1: the layout of :func:`chunkjax.zero.build_zero_layout`, each rank's
+      n_ranks: ZeRO ranks (> 1: the layout of :func:`chunkjax.topology.build_zero_layout`, each rank's
         ``batch / n_ranks`` rows traced and 1/n_ranks of the FLOPs, as
         experiments/bench_chunkjax.py plans a ZeRO run; no devices are needed).
 
@@ -212,7 +212,7 @@ def trace_inputs(model: str, batch: int, seq: int, *, chunk_size: int | None = N
     order = cj.first_use_order(lambda p, b: cj.compose_loss(stages, p, b), ap, ab)
     layout = cj.build_layout(ap, chunk_size, order, min_chunks=min_chunks)
     if n_ranks > 1:  # chunks that split over the ranks; each rank traces its rows
-        from chunkjax.zero import build_zero_layout
+        from chunkjax.topology import build_zero_layout
         layout = build_zero_layout(ap, n_ranks, layout.chunk_size, order)
         ab = jax.ShapeDtypeStruct((batch // n_ranks, seq + 1), jnp.int32)
     traces = cj.trace_stages(stages, layout, ab, jnp.bfloat16)

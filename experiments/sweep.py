@@ -48,7 +48,7 @@ def _state_for(system, base):
 
     from chunkjax import optim
     from chunkjax.memory import DEVICE, sharding
-    from chunkjax.runtime import TrainState
+    from chunkjax.step import TrainState
 
     dev = sharding(DEVICE)
     init_state = jax.jit(lambda m: optim.init_chunk_state(system.step_fn.tx, m), out_shardings=dev)
@@ -186,7 +186,7 @@ def run(args, save=lambda res: None, prior: dict | None = None, prior_commands=N
             state, ts, losses = _timed(sys_, state, batch, args.steps, rec["host_update_s_all"])
             rec["step_s_all"] += ts
             rec["losses"] += losses
-            sys_.step_fn.wait()
+            sys_.step_fn.wait(state)
             del state
             print(f"[sweep] {time.time() - t_start:.0f} s round {r} {name}: median {statistics.median(ts):.3f} s", flush=True)
             save(result())  # a run cut short keeps what it measured

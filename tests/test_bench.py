@@ -533,7 +533,7 @@ def test_chunkjax_refuses_a_plan_over_its_headroom(monkeypatch):
     infeasible before initialising (it once ran the over-headroom plan: GPT3_12B at 100 GiB ran
     out of memory in the step)."""
     import chunkjax as cj
-    from chunkjax.runtime import ChunkedStep
+    from chunkjax.step import ChunkedStep
     from experiments.bench_chunkjax import HEADROOM, ChunkjaxSystem
     system = ChunkjaxSystem(CFG, 2**30, BATCH, SEQ)
     real = ChunkedStep.compiled_memory_programs

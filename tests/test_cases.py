@@ -672,7 +672,7 @@ def test_donated_accumulator_with_gradient_to_pinned_host():
         for b in batches:
             state, m = step(state, b)
             losses.append(float(m["loss"]))
-        step.wait()
+        step.wait(state)
         runs[donate] = (losses, [np.asarray(x) for x in state.master])
     assert len(step._program_bounds()) > 1  # gradients cross programs through the accumulators
     assert runs[True][0] == runs[False][0]

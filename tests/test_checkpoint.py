@@ -64,7 +64,7 @@ def run(step, state, batches):
     for b in batches:
         state, m = step(state, b)
         losses.append(float(m["loss"]))
-    step.wait()
+    step.wait(state)
     return state, losses
 
 

@@ -177,11 +177,12 @@ def test_zero_state_async_equals_sync(setup, tmp_path):
     """A ZeRO-3 state sharded over 8 devices (random params, moments and step counts, not
     trained: nothing to compile) saves asynchronously to the same files as synchronously, and
     restores to the same sharded values."""
-    from chunkjax import zero
+    from chunkjax.topology import build_zero_layout, data_mesh
     (s, seed) = setup
     rng = np.random.default_rng(seed + 1)
-    lay = zero.build_zero_layout(s[1], 8, 32768, None)
-    step = zero.make_zero_step(s[3], lay, zero.data_mesh(jax.devices()[:8]), tc.SPEC.optax(), stage=3)
+    lay = build_zero_layout(s[1], 8, 32768, None)
+    step = cj.make_chunked_step(s[3], lay, cj.Placement.uniform(lay.n_chunks, cj.DEVICE, cj.DEVICE), tc.SPEC.optax(),
+                                jnp.float32, mesh=data_mesh(jax.devices()[:8]), zero_stage=3)
     st = step.init(s[1])
 
     def rand(x):

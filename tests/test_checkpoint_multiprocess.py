@@ -8,8 +8,9 @@ import sys
 import jax
 import numpy as np
 
+import chunkjax as cj
 from chunkjax import checkpoint as ck
-from chunkjax import zero
+from chunkjax.topology import build_zero_layout, data_mesh
 from models import gpt
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -28,8 +29,8 @@ def test_two_process_zero_checkpoint_resumes_exactly_and_restores_on_one_process
 
     # the 2-process checkpoint restored in this one process (8 local devices)
     cfg, params, batches, tx = zmw.draw(seed)
-    layout = zero.build_zero_layout(params, 8, cfg.vocab_size * cfg.d_model)
-    step = zero.make_zero_step(gpt.gpt_stages(cfg), layout, zero.data_mesh(), tx, stage=3)
+    layout = build_zero_layout(params, 8, cfg.vocab_size * cfg.d_model)
+    step = zmw.make_step(cj, gpt.gpt_stages(cfg), layout, tx, data_mesh())
     state, extra = ck.restore_checkpoint(ckpt, step)
     for i, a in enumerate(jax.tree.leaves(step.master_params(state))):
         np.testing.assert_array_equal(a, got[f"p{i}"])

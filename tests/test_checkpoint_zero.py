@@ -22,8 +22,8 @@ import pytest
 
 import chunkjax as cj
 from chunkjax import checkpoint as ck
-from chunkjax import zero
 from chunkjax.schedule import Placement
+from chunkjax.topology import build_zero_layout, data_mesh
 from models import gpt
 
 B, T = 8, 16
@@ -58,11 +58,10 @@ def _run(step, state, batches):
 
 def _leafwise(step, state) -> dict:
     """{(leaf path, array name): float32/compute numpy} of every leaf's params, master and
-    moments, from the state's portable per-chunk form (ZeroStep or single-device ChunkedStep)."""
-    port = ck._zero_chunk_portable if isinstance(step, zero.ZeroStep) else ck._chunked_chunk_portable
+    moments, from the state's portable per-chunk form (any topology and update location)."""
     out = {}
     for c in range(step.layout.n_chunks):
-        arrays, cm = port(step, state, c)
+        arrays, cm = ck._chunked_chunk_portable(step, state, c)
         out[("count", c)] = cm["count"]
         for s in step.layout.chunk_leaves(c):
             for name, a in arrays.items():
@@ -90,15 +89,18 @@ def setup():
     batches = [distinct[i % N] for i in range(2 * N)]
     stages = gpt.gpt_stages(cfg)
     order = cj.first_use_order(lambda p, b: cj.compose_loss(stages, p, b), params, batches[0])
-    lay8 = zero.build_zero_layout(params, 8, cfg.vocab_size * cfg.d_model, order)  # 6 chunks of 32768
+    lay8 = build_zero_layout(params, 8, cfg.vocab_size * cfg.d_model, order)  # 6 chunks of 32768
     lay1 = cj.build_layout(params, 45000, order)  # not a multiple of 8 ranks: leaves packed otherwise
     assert lay8.chunk_size == 32768 and lay1.chunk_size == 45000 and lay1.n_chunks != lay8.n_chunks
     return dict(seed=seed, cfg=cfg, params=params, batches=batches, stages=stages, order=order, lay8=lay8, lay1=lay1)
 
 
-def _zero_step(setup, n_dev, layout=None, stage=3, **kw):
-    return zero.make_zero_step(setup["stages"], layout or setup["lay8"], zero.data_mesh(jax.devices()[:n_dev]),
-                               _tx(), stage=stage, **kw)
+def _zero_step(setup, n_dev, layout=None, stage=3, state_kind=cj.DEVICE, stages=None, tx=None):
+    """The one step over ``n_dev`` devices, every chunk's params on the device, state in
+    ``state_kind`` (fixed fetch rule, one program)."""
+    lay = layout or setup["lay8"]
+    return cj.make_chunked_step(stages or setup["stages"], lay, Placement.uniform(lay.n_chunks, cj.DEVICE, state_kind),
+                                tx or _tx(), jnp.float32, mesh=data_mesh(jax.devices()[:n_dev]), zero_stage=stage)
 
 
 def _single_step(setup):
@@ -134,7 +136,7 @@ def test_zero_resume_is_exact(setup, zero_run):
     master params, bit for bit."""
     step, d, ref_state, ref_losses = zero_run
     meta = ck.read_meta(d)
-    assert meta["saved_from"] == {"step": "ZeroStep", "n_ranks": 8, "zero_stage": 3}
+    assert meta["saved_from"] == {"step": "ChunkedStep", "n_ranks": 8, "zero_stage": 3}
     assert meta["layout"]["chunk_size"] == 32768 and [c["count"] for c in meta["chunks"]] == [N] * 6
     state, extra = ck.restore_checkpoint(d, step)
     assert extra == {"data_position": N}
@@ -188,7 +190,7 @@ def test_other_chunk_size_keeps_every_value(setup, zero_run, single_run, tmp_pat
     _, d, _, _ = zero_run
     ref_step = _zero_step(setup, 8)
     ref = _leafwise(ref_step, ck.restore_checkpoint(d, ref_step)[0])
-    lay = zero.build_zero_layout(setup["params"], 8, 70000, setup["order"])
+    lay = build_zero_layout(setup["params"], 8, 70000, setup["order"])
     assert lay.chunk_size == 70016 and lay.n_chunks != setup["lay8"].n_chunks
     step = _zero_step(setup, 8, lay, state_kind=cj.PINNED_HOST)
     state, _ = ck.restore_checkpoint(d, step)
@@ -208,8 +210,7 @@ def test_other_tree_refused(setup, zero_run, change):
     _, d, _, _ = zero_run
     cfg = gpt.get_config("micro", **({"n_layers": 3} if change == "n_layers" else {"n_layers": 2, "vocab_size": 256}))
     params = gpt.abstract_params(cfg)
-    step = zero.make_zero_step(gpt.gpt_stages(cfg), zero.build_zero_layout(params, 8, 32768),
-                               zero.data_mesh(jax.devices()[:8]), _tx())
+    step = _zero_step(setup, 8, build_zero_layout(params, 8, 32768), stages=gpt.gpt_stages(cfg))
     with pytest.raises(ck.CheckpointError) as e:
         ck.restore_checkpoint(d, step)
     msg = str(e.value)
@@ -224,7 +225,7 @@ def test_other_optimizer_refused(setup, zero_run, single_run):
     """AdamW moments cannot become Lion state, with or without remapping: a clear error before
     any array is read."""
     for d in (zero_run[1], single_run[1]):
-        step = zero.make_zero_step(setup["stages"], setup["lay8"], zero.data_mesh(jax.devices()[:8]), optax.lion(1e-4))
+        step = _zero_step(setup, 8, tx=optax.lion(1e-4))
         with pytest.raises(ck.CheckpointError, match=r"moments \['mu', 'nu'\] do not match .*\['mu'\]"):
             ck.restore_checkpoint(d, step)
 
@@ -247,7 +248,7 @@ def test_remap_refuses_differing_step_counts(setup, zero_run, single_run, tmp_pa
     msg = str(e.value)
     assert "\n" not in msg and f"different optimizer step counts [{N}, {N + 1}]" in msg, msg
     st, _ = ck.restore_checkpoint(tmp_path, zero_run[0])
-    assert [ck._zero_chunk_portable(zero_run[0], st, c)[1]["count"] for c in (0, 1, 2)] == [N, N + 1, N]
+    assert [ck._chunked_chunk_portable(zero_run[0], st, c)[1]["count"] for c in (0, 1, 2)] == [N, N + 1, N]
 
 
 def test_remap_host_memory_bounded(setup, zero_run, single_run):
@@ -274,14 +275,13 @@ def test_remap_host_memory_bounded(setup, zero_run, single_run):
 
 
 def test_zero_scheduled_step_roundtrip(setup, zero_run, tmp_path):
-    """The ZeRO checkpoint restored into a ZeroScheduledStep on 8 devices (chunks 0, 1 updated on
-    the device through optax, the rest per rank by the host AdamW kernel): every value bit for
+    """The ZeRO checkpoint restored into a scheduled ZeRO step on 8 devices (chunks 0, 1 updated
+    on the device through optax, the rest per rank by the host AdamW kernel): every value bit for
     bit, and training continues within float32 rounding; saved from there after N more steps and
-    restored into the ZeroStep, bit for bit again."""
+    restored into the all-device ZeRO step, bit for bit again."""
     from chunkjax.host_update import AdamW, HostAdamState
     from chunkjax.optim import state_bytes_per_chunk
     from chunkjax.plan import plan_schedule
-    from chunkjax.zero_schedule import make_zero_scheduled_step
     zstep, d, _, ref_losses = zero_run
     lay, spec = setup["lay8"], AdamW(2e-3, weight_decay=0.1, max_grad_norm=1.0)
     ab = jax.ShapeDtypeStruct((B // 8, T + 1), jnp.int32)  # one rank's rows
@@ -289,33 +289,23 @@ def test_zero_scheduled_step_roundtrip(setup, zero_run, tmp_path):
     cb = cj.chunk_bytes(lay, jnp.float32, state_bytes_per_chunk(spec.optax(), lay.chunk_size))
     sched = plan_schedule(lay, traces, cb, 10**12, flops_per_step=1.0, resident=[0, 1])
     assert set(sched.update_locations) == {"device", "host"}
-    step = make_zero_scheduled_step(setup["stages"], lay, sched, zero.data_mesh(jax.devices()[:8]), zero_stage=3,
-                                    host_optimizer=spec, compute_dtype=jnp.float32)
+    step = cj.make_chunked_step(setup["stages"], lay, sched, host_optimizer=spec, compute_dtype=jnp.float32,
+                                mesh=data_mesh(jax.devices()[:8]), zero_stage=3)
     ref = _leafwise(zstep, ck.restore_checkpoint(d, zstep)[0])
     state, _ = ck.restore_checkpoint(d, step)
     assert isinstance(state.opt_state[2][0], HostAdamState) and len(state.opt_state[2]) == 8
     assert {m.shape for m in state.master[2]} == {(lay.chunk_size // 8,)}
-    step.wait()
-    got = {k: v for k, v in _leafwise_scheduled(step, state).items()}
+    step.wait(state)
+    got = {k: v for k, v in _leafwise(step, state).items()}
     _assert_same_leaves(got, ref)
     state, losses = _run(step, state, setup["batches"][N:])
-    step.wait()
+    step.wait(state)
     np.testing.assert_allclose(losses, ref_losses[N:], rtol=LOSS_RTOL, err_msg=f"seed {setup['seed']}")
     ck.save_checkpoint(tmp_path, 2 * N, step, state, {})
-    assert ck.read_meta(tmp_path)["saved_from"] == {"step": "ZeroScheduledStep", "n_ranks": 8, "zero_stage": 3}
-    after = _leafwise_scheduled(step, state)
+    assert ck.read_meta(tmp_path)["saved_from"] == {"step": "ChunkedStep", "n_ranks": 8, "zero_stage": 3}
+    after = _leafwise(step, state)
     back = _leafwise(zstep, ck.restore_checkpoint(tmp_path, zstep)[0])
     assert after.keys() == back.keys()
     for k, v in after.items():
         np.testing.assert_array_equal(v, back[k], err_msg=str(k))
 
-
-def _leafwise_scheduled(step, state) -> dict:
-    out = {}
-    for c in range(step.layout.n_chunks):
-        arrays, cm = ck._zero_scheduled_chunk_portable(step, state, c)
-        out[("count", c)] = cm["count"]
-        for s in step.layout.chunk_leaves(c):
-            for name, a in arrays.items():
-                out[(s.path, name)] = np.array(a[s.offset:s.offset + s.size])
-    return out

@@ -73,7 +73,7 @@ def chunked(cfg, params, batches, spec, resident):
     for b in batches:
         state, m = step(state, b)
         losses.append(float(m["loss"]))
-    step.wait()
+    step.wait(state)
     return step.master_params(state), losses, locs
 
 

@@ -162,7 +162,7 @@ def _reference_zero(n_ranks: int, zero_stage: int = 3, batch: int = 8, seq: int 
     import chunkjax as cj
     from chunkjax.host_update import AdamW
     from chunkjax.optim import state_bytes_per_chunk
-    from chunkjax.zero import build_zero_layout
+    from chunkjax.topology import build_zero_layout
     from models import gpt
 
     cfg = gpt.get_config("micro")

@@ -310,7 +310,7 @@ def test_device_update_donates_params_master_and_state(setup):
     dev = [c for c, u in enumerate(sched.update_locations) if u == "device"]
     assert dev
     new, _ = step(state, batches[0])
-    step.wait()
+    step.wait(new)
     for c in dev:
         assert state.params[c].is_deleted() and state.master[c].is_deleted(), c
         assert all(a.is_deleted() for a in jax.tree.leaves(state.opt_state[c])), c
@@ -335,7 +335,7 @@ def _run(step, params, batches):
     for b in batches:
         state, m = step(state, b)
         losses.append(float(m["loss"]))
-    step.wait()
+    step.wait(state)
     return state, np.asarray(losses)
 
 
@@ -386,14 +386,14 @@ def test_nonfinite_skip_changes_no_state(setup):
     step = cj.make_chunked_step(stages, layout, plan, host_optimizer=spec, compute_dtype=jnp.float32,
                                 nonfinite="skip")
     state, m = step(step.init(params), batches[0])
-    step.wait()
+    step.wait(state)
     assert not bool(m["skipped"])
     before = [np.array(a, copy=True) for a in state.master]
     dev = next(c for c, u in enumerate(plan.update_locations) if u == "device")
     bad = list(state.params)
     bad[dev] = jnp.full_like(bad[dev], jnp.nan)
     state2, m = step(cj.TrainState(tuple(bad), state.master, state.opt_state), batches[1])
-    step.wait()
+    step.wait(state2)
     assert bool(m["skipped"]) and not np.isfinite(float(m["grad_norm"]))
     for a, b in zip(state2.master, before):
         np.testing.assert_array_equal(np.asarray(a), b)
@@ -422,7 +422,7 @@ def test_fp16_dynamic_loss_scaling(setup):
     before = [np.array(a, copy=True) for a in state.master]
     host_opt = [np.array(x, copy=True) for x in jax.tree.leaves(state.opt_state[plan.update_locations.index("host")])]
     state, m = step(state, batches[0], loss_scale=ls.scale)  # 2**40 overflows float16 gradients
-    step.wait()
+    step.wait(state)
     assert bool(m["skipped"])
     ls = ls.adjust(not bool(m["skipped"]))
     assert ls.scale == 2.0 ** 39 and ls.counter == 0
@@ -438,7 +438,7 @@ def test_fp16_dynamic_loss_scaling(setup):
         assert not bool(m["skipped"])
         ls = ls.adjust(True)
         losses.append(float(m["loss"]))
-    step.wait()
+    step.wait(state)
     assert ls.scale == 2.0 ** 11 and ls.counter == 1  # grew once after 2 finite steps
     _, ref, _ = _reference(cfg, params, batches[:3], spec, jnp.float32)
     np.testing.assert_allclose(losses, ref, rtol=3e-3)
@@ -456,7 +456,7 @@ def test_fp16_dynamic_loss_scaling(setup):
         state, m = step(state, b, loss_scale=2.0 ** 10)
         losses.append(float(m["loss"]))
         norms.append(float(m["grad_norm"]))
-    step.wait()
+    step.wait(state)
     _, ref, ref_norms = _reference(cfg, params, batches[:3], sgd, jnp.float32)
     np.testing.assert_allclose(losses, ref, rtol=3e-3)
     # the float32 reference's first gradient is the gradient at the initial params on batches[0]

@@ -284,7 +284,7 @@ def test_resume_after_stop_equals_uninterrupted_run(data_cache, tmp_path, capsys
 # The job in a subprocess, killed with SIGKILL right after step 5 has been dispatched (mid-step).
 _KILL_SCRIPT = """
 import os, signal, sys
-from chunkjax.runtime import ChunkedStep
+from chunkjax.step import ChunkedStep
 real, calls = ChunkedStep.__call__, []
 
 def call(self, *a, **k):

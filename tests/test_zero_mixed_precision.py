@@ -1,5 +1,5 @@
-"""ZeRO (ZeroScheduledStep, 8 forced CPU devices) with gradient accumulation over micro-batches,
-fp16-style dynamic loss scaling and the skip policy (issue 8, part 2): an overflowed step changes
+"""ZeRO (the one step over a ``data`` mesh, 8 forced CPU devices) with gradient accumulation over
+micro-batches, fp16-style dynamic loss scaling and the skip policy (issue 8, part 2): an overflowed step changes
 no state on any rank (device and host-updated shards), and accumulated, scaled steps train like
 single-device optax on the whole batch, with global-norm clipping over every rank's shard.
 """
@@ -13,8 +13,8 @@ import chunkjax as cj
 from chunkjax.host_update import AdamW
 from chunkjax.optim import state_bytes_per_chunk
 from chunkjax.plan import plan_schedule
-from chunkjax.zero import build_zero_layout, data_mesh
-from chunkjax.zero_schedule import make_zero_scheduled_step
+from chunkjax.step import make_chunked_step
+from chunkjax.topology import build_zero_layout, data_mesh
 from models import gpt
 
 N, MB, T = 8, 2, 16
@@ -24,7 +24,7 @@ SPEC = AdamW(2e-3, weight_decay=0.05, max_grad_norm=0.05)  # small: clipping is 
 
 def _state_numpy(step, state):
     """Copies of every chunk's master params and optimizer state (host shards and device arrays)."""
-    step.wait()
+    step.wait(state)
     out = []
     for m, o in zip(state.master, state.opt_state):
         leaves = jax.tree.leaves((m, o), is_leaf=lambda x: hasattr(x, "m") and hasattr(x, "v"))
@@ -76,7 +76,7 @@ def setup():
 @pytest.mark.parametrize("zero_stage", [3, 1])
 def test_zero_micro_batches_loss_scaling_and_skip(zero_stage, setup):
     params, batches, stages, layout, sched, (p, want, want_norm) = setup
-    step = make_zero_scheduled_step(stages, layout, sched, data_mesh(), zero_stage=zero_stage, host_optimizer=SPEC,
+    step = make_chunked_step(stages, layout, sched, mesh=data_mesh(), zero_stage=zero_stage, host_optimizer=SPEC,
                                     compute_dtype=jnp.float32, micro_batches=MB, loss_scaling=True)
     state = step.init(params)
 

@@ -1,6 +1,7 @@
 """ZeRO over 2 processes on localhost (``jax.distributed``, CPU collectives through gloo), 4
 forced CPU devices each: the 8-device ``data`` mesh spans both processes. Losses and final
-master params equal the single-device plain optax run (issue 5, item 3). The run is
+master params equal the single-device plain optax run (issue 5, item 3), with every chunk updated
+on the device and with host-updated chunks (issue 20, item 3). The run is
 tests/checkpoint_multiprocess_worker.py's (the model, data and launch of
 tests/zero_multiprocess_worker.py, plus a checkpoint), launched once per pytest process."""
 import dataclasses
@@ -43,6 +44,13 @@ def test_two_processes_equal_single_device(zero3_two_process_run):
     got = np.load(out)
     assert int(got["n_devices"]) == 8 and int(got["n_processes"]) == 2
     np.testing.assert_allclose(got["losses"], ref_losses, rtol=2e-5, err_msg=f"seed {seed}")
+    # the same run with every chunk but one updated on the host, per rank shard, in each process
+    # (the AdamW kernel: tests/test_zero_schedule.py holds it to the same tolerance)
+    np.testing.assert_allclose(got["host_losses"], ref_losses, rtol=2e-5, err_msg=f"seed {seed}")
+    for i, b in enumerate(jax.tree.leaves(ref_params)):  # master params gathered from both processes
+        a, b = got[f"host{i}"], np.asarray(b)
+        assert np.linalg.norm(a - b) / np.linalg.norm(b) < 3e-4, (i, seed)  # see test_zero.PARAM_RTOL
     for i, b in enumerate(jax.tree.leaves(ref_params)):
         a, b = got[f"final{i}"], np.asarray(b)
         assert np.linalg.norm(a - b) / np.linalg.norm(b) < 3e-4, (i, seed)  # see test_zero.PARAM_RTOL
+    assert bool(got["host_restored"])  # its checkpoint (host slices gathered, placed per process) round-trips

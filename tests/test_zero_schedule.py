@@ -1,5 +1,5 @@
-"""ZeRO inside the static schedule (issue 5, chunkjax/zero_schedule.py) on 8 forced CPU devices:
-the sharded pipelined step (Belady fetches, programs cut at backward moments, host updates per
+"""ZeRO inside the static schedule (issue 5; the one step over a ``data`` mesh, chunkjax/topology.py)
+on 8 forced CPU devices: the sharded pipelined step (Belady fetches, programs cut at backward moments, host updates per
 rank shard on the host thread) trains exactly like single-device optax, for ZeRO stages 1/2/3 and
 all-device / mixed / all-host / streamed-update schedules, and each rank holds 1/8 of the model data.
 
@@ -17,8 +17,8 @@ import chunkjax as cj
 from chunkjax.host_update import AdamW
 from chunkjax.optim import state_bytes_per_chunk
 from chunkjax.plan import plan_schedule
-from chunkjax.zero import build_zero_layout, data_mesh
-from chunkjax.zero_schedule import make_zero_scheduled_step
+from chunkjax.step import make_chunked_step
+from chunkjax.topology import build_zero_layout, data_mesh
 from models import gpt
 
 B, T, STEPS, N = 8, 16, 3, 8
@@ -90,7 +90,7 @@ if os.environ.get("CHUNKJAX_ZERO_FULL"):
 def test_sharded_schedule_equals_single_device_optax(setup, stage, placement, dtype):
     cfg, params, batches, stages, layout, traces, cb, refs = setup
     sched = _schedule(setup, placement)
-    step = make_zero_scheduled_step(stages, layout, sched, data_mesh(), zero_stage=stage, host_optimizer=SPEC,
+    step = make_chunked_step(stages, layout, sched, mesh=data_mesh(), zero_stage=stage, host_optimizer=SPEC,
                                     compute_dtype=dtype)
     state = step.init(params)
     if placement == "streamed":  # the streamed update program runs for every non-resident chunk
@@ -129,7 +129,7 @@ def test_sharded_schedule_equals_single_device_optax(setup, stage, placement, dt
 def test_bad_inputs(setup):
     cfg, params, batches, stages, layout, traces, cb, refs = setup
     sched = _schedule(setup, "all-host")
-    step = make_zero_scheduled_step(stages, layout, sched, data_mesh(), host_optimizer=SPEC)
+    step = make_chunked_step(stages, layout, sched, mesh=data_mesh(), host_optimizer=SPEC)
     with pytest.raises(ValueError, match="multiple of 8"):
         step(step.init(params), batches[0][:6])
     odd = cj.build_layout(params, None, None, min_chunks=3)
@@ -138,9 +138,9 @@ def test_bad_inputs(setup):
     s2 = plan_schedule(odd, odd_traces, cb2, 10**12, flops_per_step=1.0, resident=[])
     if odd.chunk_size % N:
         with pytest.raises(ValueError, match="build_zero_layout"):
-            make_zero_scheduled_step(stages, odd, s2, data_mesh(), host_optimizer=SPEC)
+            make_chunked_step(stages, odd, s2, mesh=data_mesh(), host_optimizer=SPEC)
     with pytest.raises(ValueError, match="zero_stage"):
-        make_zero_scheduled_step(stages, layout, sched, data_mesh(), zero_stage=4, host_optimizer=SPEC)
+        make_chunked_step(stages, layout, sched, mesh=data_mesh(), zero_stage=4, host_optimizer=SPEC)
 
 
 def test_plan_per_rank(setup):
@@ -189,7 +189,7 @@ def test_case19_donated_sharded_step_equals_undonated(setup):
     import dataclasses
     cfg, params, batches, stages, layout, traces, cb, refs = setup
     sched = _schedule(setup, "all-device")
-    base = make_zero_scheduled_step(stages, layout, sched, data_mesh(), zero_stage=3, host_optimizer=SPEC,
+    base = make_chunked_step(stages, layout, sched, mesh=data_mesh(), zero_stage=3, host_optimizer=SPEC,
                                     compute_dtype=jnp.float32)
     out = {}
     for donate in (False, True):

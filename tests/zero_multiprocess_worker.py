@@ -21,3 +21,11 @@ def draw(seed: int):
     distinct = [rng.integers(0, cfg.vocab_size, (B, T + 1)).astype(np.int32) for _ in range(2)]
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(2e-3, weight_decay=0.1))
     return cfg, params, [distinct[i % 2] for i in range(STEPS)], tx
+
+
+def make_step(cj, stages, layout, tx, mesh):
+    """The one step over ``mesh`` (ZeRO stage 3, float32, every chunk on the device: the fixed
+    rule's one program); the same in every process and in the single-process restore."""
+    import jax.numpy as jnp
+    placement = cj.Placement.uniform(layout.n_chunks, cj.DEVICE, cj.DEVICE)
+    return cj.make_chunked_step(stages, layout, placement, tx, jnp.float32, mesh=mesh, zero_stage=3)

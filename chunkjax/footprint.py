@@ -1,0 +1,116 @@
+"""What a chunked step costs, read from the step and the compiler (no run): compiled memory of
+its programs, pinned host bytes of its state, collective bytes per rank and device bytes held.
+
+Every figure is in bytes. ``*_accounted`` figures of the reports come from here; the compiler's
+memory analysis is what XLA reports for the programs that will run (definitions.md).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from chunkjax import optim
+from chunkjax.memory import DEVICE, PINNED_HOST
+
+_MEM_FIELDS = ("argument", "output", "temp", "alias", "host_argument", "host_output", "host_temp")
+
+
+def _memory(compiled) -> dict:
+    """The compiled program's memory analysis (bytes) and its device peak."""
+    ma = compiled.memory_analysis()
+    d = {f: int(getattr(ma, f"{f}_size_in_bytes", 0) or 0) for f in _MEM_FIELDS}
+    d["peak_device_bytes"] = d["argument"] + d["output"] + d["temp"] - d["alias"]
+    return d
+
+
+def compiled_memory(step, batch) -> dict:
+    """Compiler's memory analysis of ``step.jit_fwd_bwd`` (the whole step as one program) for a
+    batch shape, in bytes:
+    ``argument``, ``output``, ``temp``, ``alias`` and ``host_*`` where the runtime reports
+    them, plus ``peak_device_bytes`` = argument + output + temp - alias."""
+    topo = step.topology
+    args = (tuple(jax.ShapeDtypeStruct((step.layout.chunk_size,), step.compute_dtype, sharding=topo.param_sharding(k))
+                  for k in step.placement.param_kinds),
+            jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=topo.batch_sharding()), batch))
+    return _memory(step.jit_fwd_bwd.lower(*args).compile())
+
+
+def compiled_memory_programs(step, batch) -> list[dict]:
+    """Memory analysis of every program of the pipelined step (bytes), in order; the carry
+    of program k is program k-1's output."""
+    out, carry, topo = [], {}, step.topology
+    ab = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=topo.batch_sharding()), batch)
+    for k in range(len(step._program_bounds())):
+        fn, args = step._program(batch, k)
+        params = {c: jax.ShapeDtypeStruct((step.layout.chunk_size,), step.compute_dtype,
+                                          sharding=topo.param_sharding(step.placement.param_kinds[c])) for c in args}
+        acc = carry.pop("acc", {}) if carry else {}
+        compiled = fn.lower(params, ab, carry, acc).compile()
+        out.append(_memory(compiled))
+        res = jax.eval_shape(fn, params, ab, carry, acc)
+        osh = compiled.output_shardings
+        carry = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                             dict(res[0], acc=res[1]), dict(osh[0], acc=osh[1]))
+    return out
+
+
+def pinned_host_bytes(step) -> int:
+    """Bytes this step's state and gradients keep in ``pinned_host`` memory (whole chunks):
+    compute params and gradient chunks in that kind (host-updated chunks: both), master params
+    and optimizer state kept there (streamed chunks). Host-updated chunks' master params and
+    optimizer state are pageable numpy arrays and do not count."""
+    cs, it = step.layout.chunk_size, np.dtype(step.compute_dtype).itemsize
+    opt = optim.state_bytes_per_chunk(step.tx, cs)
+    host, n = set(step.host_chunks), 0
+    for c in range(step.layout.n_chunks):
+        if c in host:
+            n += 2 * cs * it
+            continue
+        n += cs * it * (step.placement.param_kinds[c] == PINNED_HOST)
+        n += cs * it * (step.placement.grad_kind(c) == PINNED_HOST)
+        n += (4 * cs + opt) * (step.placement.state_kinds[c] == PINNED_HOST)
+    return int(n)
+
+
+def comm_bytes_per_step(step, batch) -> dict[str, int]:
+    """Bytes one rank sends per step by collective, for ring algorithms (NCCL's for large
+    messages): an all-gather or reduce-scatter of a C-byte chunk moves ``(N-1)/N * C`` per
+    rank, an all-reduce ``2 (N-1)/N * C``; scalar reductions are left out (zero on one device).
+
+    Stage 3 gathers a fetched chunk once per fetch and a device-resident chunk at every
+    moment that reads it; stages 1/2 gather each device- or streamed-updated chunk's new
+    params once (host-updated slices are written into every local replica on the host).
+    Returns ``{"all_gather", "reduce_scatter", "all_reduce", "total"}`` in bytes.
+    """
+    n, lay = step.n_ranks, step.layout
+    cbytes = lay.chunk_size * np.dtype(step.compute_dtype).itemsize
+    part = lambda k: (k * (n - 1) * cbytes) // n  # noqa: E731
+    if step.zero_stage == 3:
+        walk = step._walk(step._local(batch))
+        gathers = sum(sum(1 for c in walk.reads_at(t) if step.placement.param_kinds[c] == DEVICE)
+                      + len(walk.fetch[t]) for t in range(len(step.moments)))
+    else:
+        gathers = len(step._device_chunks) + len(step._streamed_chunks)
+    graded = len(step.first_reader)
+    out = {"all_gather": part(gathers), "reduce_scatter": part(graded) if step.zero_stage != 1 else 0,
+           "all_reduce": 2 * part(graded) if step.zero_stage == 1 else 0}
+    out["total"] = sum(out.values())
+    return out
+
+
+def device_bytes(step, state) -> dict[str, dict[Any, int]]:
+    """Bytes each local device holds of the state's jax arrays, from ``addressable_shards``
+    (every memory kind): ``{"params"|"master"|"opt_state": {device: bytes}}`` (host-updated
+    numpy arrays are not device memory and are not counted)."""
+    devices = list(step.mesh.devices.flat) if step.mesh is not None else [jax.devices()[0]]
+    out = {}
+    for name, tree in (("params", state.params), ("master", state.master), ("opt_state", state.opt_state)):
+        per = {d: 0 for d in devices}
+        for a in jax.tree.leaves(tree):
+            if isinstance(a, jax.Array):
+                for sh in a.addressable_shards:
+                    per[sh.device] += sh.data.size * sh.data.dtype.itemsize
+        out[name] = per
+    return out

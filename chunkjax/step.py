@@ -1,0 +1,580 @@
+"""The chunked training step: one class for one device and for a ZeRO data mesh.
+
+One step is a short host-driven pipeline of jitted programs (definitions.md, "a step"):
+
+1. the step's moments (:mod:`chunkjax.walker`: forward, the fused head, backward with per-stage
+   recompute) cut into programs at the schedule's segments (one program for a plain
+   :class:`~chunkjax.plan.Placement`); gradient chunks leave each program as they complete,
+   reduced over the ranks on a mesh, with their squared norms for global-norm clipping;
+2. updates where each chunk's update runs (:mod:`chunkjax.updaters`): device and streamed
+   chunks by one jitted program per chunk after the last program; host chunks by a host thread
+   that takes each program's gradients as that program ends, while the device runs the rest of
+   the backward. The thread's pending work is returned in the state
+   (:attr:`TrainState.pending`); the next call or :meth:`ChunkedStep.wait` joins it.
+
+The topology (:mod:`chunkjax.topology`: one device, or a ``data`` mesh with ZeRO stage 1/2/3, in
+one process or many through ``jax.distributed``) supplies the walker's hooks, the shardings and
+the ``shard_map`` wrapping. Gradient accumulation over micro-batches, the non-finite policy and
+fp16 loss scaling work the same in every topology.
+
+References: PatrickStar (arXiv 2108.05818) sections 4-6 (chunks, fetch before use,
+device-aware update placement, data parallelism over chunks); ZeRO (Rajbhandari et al., SC 2020).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from chunkjax import accumulate, footprint, memory
+from chunkjax import updaters as upd
+from chunkjax.layout import ChunkLayout
+from chunkjax.memory import DEVICE, PINNED_HOST, sharding
+from chunkjax.plan import Placement, fetch_events
+from chunkjax.stages import first_readers, stage_reads
+from chunkjax.topology import SingleDevice, make_topology
+from chunkjax.updaters import HostWork
+from chunkjax.walker import Walk, moments_of
+
+
+class TrainState(NamedTuple):
+    """Model data of a chunked run: PatrickStar's chunk lists on one offset layout.
+
+    Attributes:
+      params: per chunk, (chunk_size,) compute-dtype params in the placement's param kind; on a
+        mesh ``P("data")`` (stage 3) or replicated.
+      master: per chunk, (chunk_size,) float32 master params in the chunk's state kind (on a
+        mesh ``P("data")``); host-updated chunks: numpy (one device) or a tuple with one
+        (chunk_size / N,) numpy slice per rank (None for ranks of other processes).
+      opt_state: per chunk, the chunk's optax state (on a mesh every leaf with a leading rank
+        axis, ``P("data")``); host-updated chunks: a ``Host*State`` (:mod:`chunkjax.host_update`)
+        or one per rank.
+      pending: the host thread's work of the step that returned this state
+        (:class:`chunkjax.updaters.HostWork`), or None.
+    """
+
+    params: tuple
+    master: tuple
+    opt_state: tuple
+    pending: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkedStep:
+    """A chunked training step for one (model, layout, placement or schedule, optimizer, topology).
+
+    Build it with :func:`make_chunked_step`. ``step(state, batch) -> (state, metrics)``;
+    ``metrics`` holds ``loss`` (float32 scalar, nats, mean over the whole batch) and
+    ``grad_norm`` (global, float32).
+
+    Attributes:
+      stages, layout: the model's stages and chunk layout (on a mesh ``chunk_size`` is a multiple
+        of the ranks: :func:`chunkjax.topology.build_zero_layout`).
+      placement: where every chunk lives between steps.
+      tx: the optax transformation (elementwise) of device and streamed chunks.
+      compute_dtype: dtype of compute params and gradients (bf16 for mixed precision).
+      prefetch: fetch distance in moments (>= 1).
+      schedule: the :class:`~chunkjax.schedule.Schedule` run (fetches, programs, update
+        locations), or None: a placement's fixed fetch rule (:func:`chunkjax.plan.fetch_events`),
+        one program.
+      host_optimizer: the host kernel spec of ``host`` chunks.
+      micro_batches: gradient accumulation: each call splits the batch's leading axis into this
+        many equal micro-batches and applies one update with the mean gradient (the same update
+        as the whole batch at once, to the compute dtype's rounding; reported case 3). Host
+        updates then wait for the last micro-batch.
+      nonfinite: ``"ignore"`` (default: no check), or ``"skip"``: a step whose gradients hold a
+        NaN or inf changes no state and reports ``metrics["skipped"]`` True (host updates then
+        wait for the global norm, as clipping does).
+      loss_scaling: fp16 dynamic loss scaling: each call takes ``loss_scale``, seeds the backward
+        with it, unscales the gradients in the update and skips an overflowed step.
+      donate: donate the programs' carries (and, on a mesh, the updates' inputs). None: on
+        accelerators, not on the CPU; True on the CPU is for tests (reported case 19).
+      topology: :class:`~chunkjax.topology.SingleDevice` or :class:`~chunkjax.topology.DataMesh`.
+
+    Raises (at construction):
+      ValueError: a bad ``micro_batches``, ``nonfinite`` or ``prefetch``, a placement that
+        differs from the schedule's or has another chunk count, host-updated chunks without
+        ``host_optimizer``, or a ``chunk_size`` that does not split over the ranks.
+    """
+
+    stages: tuple
+    layout: ChunkLayout
+    placement: Placement
+    tx: optax.GradientTransformation
+    compute_dtype: Any
+    prefetch: int = 1
+    schedule: Any = None
+    host_optimizer: Any = None
+    micro_batches: int = 1
+    nonfinite: str = "ignore"
+    loss_scaling: bool = False
+    donate: bool | None = None
+    topology: Any = SingleDevice()
+
+    def __post_init__(self):
+        if not (isinstance(self.micro_batches, int) and self.micro_batches >= 1):
+            raise ValueError(f"micro_batches must be an int >= 1, got {self.micro_batches!r}")
+        if self.nonfinite not in ("ignore", "skip"):
+            raise ValueError(f"nonfinite={self.nonfinite!r}: use 'ignore' or 'skip'")
+        if self.schedule is not None and self.schedule.placement != self.placement:
+            raise ValueError("placement differs from schedule.placement: pass the schedule's")
+        if self.host_chunks and self.host_optimizer is None:
+            raise ValueError("the schedule updates chunks on the host: pass host_optimizer "
+                             "(chunkjax.host_update.AdamW / Lion / SGDMomentum)")
+        if self.placement.n_chunks != self.layout.n_chunks:
+            raise ValueError(f"placement has {self.placement.n_chunks} chunks, layout {self.layout.n_chunks}")
+        if self.prefetch < 1:
+            raise ValueError(f"prefetch must be >= 1 stage, got {self.prefetch}")
+        if self.layout.chunk_size % self.n_ranks:
+            raise ValueError(f"chunk_size {self.layout.chunk_size} is not a multiple of the {self.n_ranks} ranks: "
+                             "build the layout with chunkjax.topology.build_zero_layout")
+
+    # ---- topology ------------------------------------------------------------------------------
+    @property
+    def n_ranks(self) -> int:
+        return self.topology.n_ranks
+
+    @property
+    def mesh(self):
+        return self.topology.mesh
+
+    @property
+    def zero_stage(self) -> int | None:
+        return self.topology.zero_stage
+
+    @property
+    def shard_size(self) -> int:
+        """Elements of one chunk held by one rank (chunk_size / N)."""
+        return self.layout.chunk_size // self.n_ranks
+
+    # ---- static structure ------------------------------------------------------------------------
+    @functools.cached_property
+    def reads(self) -> tuple[tuple[int, ...], ...]:
+        return stage_reads(self.stages, self.layout)
+
+    @functools.cached_property
+    def first_reader(self) -> dict[int, int]:
+        return first_readers(self.reads)
+
+    @functools.cached_property
+    def moments(self) -> tuple[tuple[str, int], ...]:
+        """``(phase, stage)`` per moment (:func:`chunkjax.walker.moments_of`)."""
+        return moments_of(len(self.stages))
+
+    @functools.cached_property
+    def _cache(self) -> dict:
+        """Traces and compiled programs per batch shape (filled on first use)."""
+        return {}
+
+    def _traces_local(self, ab) -> tuple:
+        key = ("traces", jax.tree.structure(ab), tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(ab)))
+        if key not in self._cache:
+            from chunkjax.plan import StageTrace
+            from chunkjax.trace import backward_reads, stage_inputs
+            ins = stage_inputs(self.stages, self.layout, ab, self.compute_dtype)
+            self._cache[key] = tuple(StageTrace(st.name, r, 0, 0, backward_reads(st, self.layout, p, x, ab))
+                                     for st, r, (p, x) in zip(self.stages, self.reads, ins))
+        return self._cache[key]
+
+    def _local(self, batch):
+        """Abstract per-rank batch of a global batch."""
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct((self.topology.local_rows(a.shape[0]),) + tuple(a.shape[1:]),
+                                                           a.dtype), batch)
+
+    def traces(self, batch) -> tuple:
+        """Per-stage chunk reads, forward and backward, for a (global) batch shape: one rank's."""
+        return self._traces_local(self._local(batch))
+
+    def _fetch_lists_local(self, ab) -> tuple[tuple[int, ...], ...]:
+        """Chunk ids fetched for each moment: the schedule's, or the fixed rule's for a placement."""
+        if self.schedule is not None:
+            return self.schedule.fetch
+        fwd, bwd = fetch_events(self._traces_local(ab), self.placement, self.prefetch)
+        return tuple(tuple(fwd[s] if ph != "backward" else bwd[s]) for ph, s in self.moments)
+
+    def _fetch_lists(self, batch):
+        return self._fetch_lists_local(self._local(batch))
+
+    def _fetch_plan(self, order: list[int], batch) -> list[list[int]]:
+        """For each stage in ``order`` (forward or backward): chunk ids fetched there (fixed rule)."""
+        fwd, bwd = fetch_events(self.traces(batch), self.placement, self.prefetch)
+        src = fwd if order[0] == 0 else bwd
+        return [src[s] for s in order]
+
+    def _walk(self, local_batch) -> Walk:
+        """The walker for a per-rank batch (called inside programs, with the traced batch)."""
+        ab = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), local_batch)
+        return Walk(self.stages, self.layout, self.topology, self.compute_dtype, self.prefetch,
+                    self.placement.param_kinds, tuple(self.placement.grad_kind(c) for c in range(self.layout.n_chunks)),
+                    self.reads, tuple(t.backward_chunks for t in self._traces_local(ab)),
+                    self._fetch_lists_local(ab), self.first_reader)
+
+    def _program_bounds(self) -> list[tuple[int, int]]:
+        segs = (self.schedule.segments if self.schedule is not None else (0,)) + (len(self.moments),)
+        return [(a, b) for a, b in zip(segs[:-1], segs[1:])]
+
+    def _program_args(self, batch, t0: int, t1: int) -> tuple[int, ...]:
+        """The param chunks program [t0, t1) takes: the ones it fetches (issued up to ``prefetch``
+        moments ahead) and the device-resident ones it reads."""
+        walk = self._walk(self._local(batch))
+        T, k = len(self.moments), self.prefetch
+        lo = 0 if t0 == 0 else t0 - 1 + k + 1
+        args = {c for u in range(lo, min(T, t1 - 1 + k + 1)) for c in walk.fetch[u]}
+        for t in range(t0, t1):
+            args |= {c for c in walk.reads_at(t) if self.placement.param_kinds[c] == DEVICE}
+        return tuple(sorted(args))
+
+    # ---- programs --------------------------------------------------------------------------------
+    @property
+    def _donates(self) -> bool:
+        return jax.default_backend() != "cpu" if self.donate is None else bool(self.donate)
+
+    @property
+    def _skip_nonfinite(self) -> bool:
+        return self.nonfinite == "skip" or self.loss_scaling
+
+    def _program(self, batch, k: int):
+        """(jitted program k, param chunk ids it takes) for a (global) batch shape."""
+        key = ("program", str(jax.tree.map(lambda a: (a.shape, str(a.dtype)), batch)), k)
+        if key not in self._cache:
+            t0, t1 = self._program_bounds()[k]
+            args = self._program_args(batch, t0, t1)
+            done = [c for t in range(t0, t1) if self.moments[t][0] != "forward"
+                    for c in self.reads[self.moments[t][1]] if self.first_reader[c] == self.moments[t][1]]
+
+            def prog(params, batch, carry, acc):
+                out, grads, sq, loss = self._walk(batch).run(params, batch, dict(carry, acc=acc), t0, t1)
+                return {k: v for k, v in out.items() if k != "acc"}, out.get("acc", {}), grads, sq, loss
+
+            last = t1 == len(self.moments)
+            carry_out = () if last else ("x", "saved", "held", "issued") + ("loss_scale",) * self.loss_scaling
+            gk = {c: self.placement.grad_kind(c) for c in done}
+            # the carry (saved activations, held chunks, gradient accumulators) is donated so that
+            # XLA frees each piece after its last use. On one device the accumulators (argument 3)
+            # are not donated to a program that emits a gradient to another memory kind: jax
+            # would alias the donated device accumulator with that pinned_host output (GPU:
+            # "RuntimeProgramInputMismatch"; CPU: "PjRtBuffer's memory kind does not match")
+            moved = self.mesh is None and any(v != DEVICE for v in gk.values())
+            donate = ((2,) if moved else (2, 3)) if self._donates else ()
+            fn = self.topology.jit_program(prog, carry_out=carry_out, grad_kinds=gk, donate=donate,
+                                           name=f"chunkjax_program_{k}")
+            self._cache[key] = (fn, args)
+        return self._cache[key]
+
+    def fwd_bwd(self, params_chunks, batch):
+        """The whole step's forward/backward as one program, per rank (see module docstring).
+
+        Returns:
+          (loss () f32, grads: per chunk the (rank's) gradient in ``placement.grad_kind(c)``,
+          grad_sq: (n_chunks,) f32 squared norms of the whole reduced gradients).
+        """
+        lay = self.layout
+        _, grads, sq, loss = self._walk(batch).run(dict(enumerate(params_chunks)), batch, {}, 0, len(self.moments))
+        for c in range(lay.n_chunks):  # chunks no stage reads: zero gradient
+            if c not in grads:
+                size = self.shard_size if self.mesh is not None else lay.chunk_size
+                grads[c] = jnp.zeros((size,), self.compute_dtype)
+                sq[c] = jnp.zeros((), jnp.float32)
+        sq, loss = self.topology.reduce_scalars(sq, loss)
+        return (loss, tuple(grads[c] for c in range(lay.n_chunks)), jnp.stack([sq[c] for c in range(lay.n_chunks)]))
+
+    @functools.cached_property
+    def jit_fwd_bwd(self):
+        """jit of :meth:`fwd_bwd` (``shard_map`` over the mesh): ``(params tuple, batch) ->
+        (loss, grads tuple, grad_sq)``."""
+        return self.topology.jit_whole(self.fwd_bwd, self.placement.param_kinds,
+                                       [self.placement.grad_kind(c) for c in range(self.layout.n_chunks)])
+
+    @functools.cached_property
+    def jit_loss(self):
+        """jit of the forward moments (evaluation): ``(params tuple, batch) -> loss``."""
+        return self.topology.jit_eval(lambda p, b: self._walk(b).forward(dict(enumerate(p)), b),
+                                      self.placement.param_kinds)
+
+    def compiled_memory(self, batch) -> dict:
+        """:func:`chunkjax.footprint.compiled_memory` of this step (bytes)."""
+        return footprint.compiled_memory(self, batch)
+
+    def compiled_memory_programs(self, batch) -> list[dict]:
+        """:func:`chunkjax.footprint.compiled_memory_programs` of this step (bytes)."""
+        return footprint.compiled_memory_programs(self, batch)
+
+    def pinned_host_bytes(self) -> int:
+        """:func:`chunkjax.footprint.pinned_host_bytes` of this step (bytes)."""
+        return footprint.pinned_host_bytes(self)
+
+    def comm_bytes_per_step(self, batch) -> dict[str, int]:
+        """:func:`chunkjax.footprint.comm_bytes_per_step` of this step (bytes per rank)."""
+        return footprint.comm_bytes_per_step(self, batch)
+
+    def device_bytes(self, state: TrainState) -> dict[str, dict[Any, int]]:
+        """:func:`chunkjax.footprint.device_bytes` of ``state`` (bytes per local device)."""
+        return footprint.device_bytes(self, state)
+
+    # ---- update locations ----------------------------------------------------------------------------
+    @functools.cached_property
+    def host_chunks(self) -> tuple[int, ...]:
+        """Chunks updated in place on the host (update location ``host``)."""
+        if self.schedule is None:
+            return ()
+        return tuple(c for c, u in enumerate(self.schedule.update_locations) if u == "host")
+
+    @functools.cached_property
+    def _device_chunks(self) -> tuple[int, ...]:
+        return tuple(c for c in range(self.layout.n_chunks) if self.placement.state_kinds[c] == DEVICE)
+
+    @functools.cached_property
+    def _streamed_chunks(self) -> tuple[int, ...]:
+        host = set(self.host_chunks)
+        return tuple(c for c in range(self.layout.n_chunks)
+                     if self.placement.state_kinds[c] == PINNED_HOST and c not in host)
+
+    @functools.cached_property
+    def updaters(self) -> dict[str, upd.Updater]:
+        """``{"device", "streamed", "host"}`` -> the location's :class:`~chunkjax.updaters.Updater`."""
+        kw = dict(skip=self._skip_nonfinite, loss_scaling=self.loss_scaling,
+                  donate=self.mesh is None or self._donates)
+        args = (self.topology, self.tx, self.layout.chunk_size, self.compute_dtype, set(self.placement.param_kinds))
+        out = {"device": upd.device_updater(*args, **kw), "streamed": upd.streamed_updater(*args, **kw)}
+        if self.host_optimizer is not None:
+            out["host"] = upd.host_updater(self.topology, self.host_optimizer, self.layout.chunk_size,
+                                           self.compute_dtype)
+        return out
+
+    def _host_update(self, state: TrainState, grads: dict, grad_scale) -> float:
+        """Update host chunks in place (runs on the host-update thread): returns kernel seconds."""
+        return self.updaters["host"].update(state, grads, grad_scale)
+
+    def _location(self, c: int) -> str:
+        return "host" if c in set(self.host_chunks) else self.placement.update_locations[c]
+
+    # ---- the step ----------------------------------------------------------------------------------
+    def wait(self, state: TrainState) -> float | None:
+        """Block until the host updates of the step that returned ``state`` are done (before
+        reading its host chunks). Returns the seconds the host thread spent in the kernels (not
+        the waits for gradients), or None when it had nothing to do. Raises what the host thread
+        raised."""
+        return state.pending.join() if state.pending is not None else None
+
+    def __call__(self, state: TrainState, batch, loss_scale=None) -> tuple[TrainState, dict]:
+        """One training step. batch: int (B, T+1), the global batch (every process passes the
+        same one; on a mesh ``B`` a multiple of ``N * micro_batches``). Returns (new state,
+        metrics).
+
+        The programs run in order; host-updated chunks' gradients go to a host thread as each
+        program finishes, which updates those chunks in place while the device runs the rest of
+        the backward; the returned state's ``pending`` holds that work. ``state``'s device
+        buffers are donated to the update: use the returned state.
+
+        Args:
+          loss_scale: with ``loss_scaling`` only: this step's loss scale (a float, best a power of
+            two; see :class:`chunkjax.DynamicLossScale`).
+
+        Raises:
+          ValueError: the batch does not split over the ranks and micro-batches, or
+            ``loss_scale`` given without ``loss_scaling`` (or missing with it).
+        """
+        if self.loss_scaling != (loss_scale is not None):
+            raise ValueError("pass loss_scale exactly when the step was built with loss_scaling=True "
+                             f"(loss_scaling={self.loss_scaling}, loss_scale={loss_scale!r})")
+        lead = {a.shape[0] for a in jax.tree.leaves(batch)}
+        if len(lead) != 1:
+            raise ValueError(f"batch leaves have leading sizes {sorted(lead)}: give every leaf the batch axis")
+        self.topology.check_rows(next(iter(lead)), self.micro_batches)
+        self.wait(state)
+        state = state._replace(pending=None)
+        work = HostWork()
+        host = set(self.host_chunks)
+        clip = self.host_optimizer is not None and getattr(self.host_optimizer, "max_grad_norm", None) is not None
+        skip = self._skip_nonfinite
+        scale = None if loss_scale is None else jnp.asarray(loss_scale, jnp.float32)
+        inv = 1.0 if loss_scale is None else 1.0 / float(loss_scale)
+        if self.micro_batches == 1:
+            grads, sq, loss = self._run_programs(state, self.topology.put_batch(batch), scale,
+                                                 work if not (clip or skip) else None)
+        else:
+            grads, sq, loss = accumulate.mean_gradients(self, state, batch, scale)
+        grad_sq = jnp.stack([sq[c] for c in range(self.layout.n_chunks)])
+        norm = jnp.sqrt(jnp.sum(grad_sq))
+        late = {c: grads[c] for c in host if clip or skip or not isinstance(grads[c], jax.Array)}
+        if late:
+            def host_scale():
+                n = float(norm) * inv
+                if skip and not math.isfinite(n):
+                    return None
+                return float(np.float32((self.host_optimizer.grad_scale(n) if clip else 1.0) * inv))
+            work.submit(self._host_update, state, late, host_scale)
+        inv_arr = jnp.asarray(inv, jnp.float32)
+        params, master, opt = list(state.params), list(state.master), list(state.opt_state)
+        for where, chunks in (("device", self._device_chunks), ("streamed", self._streamed_chunks)):
+            for c in chunks:
+                fn = self.updaters[where].update(self.placement.param_kinds[c])
+                params[c], master[c], opt[c] = fn(grads[c], master[c], opt[c], grad_sq, jnp.asarray(c, jnp.int32),
+                                                  params[c], inv_arr)
+        metrics = {"loss": loss, "grad_norm": norm * inv_arr}
+        if skip:
+            metrics["skipped"] = ~jnp.isfinite(jnp.sum(grad_sq))
+        return TrainState(tuple(params), tuple(master), tuple(opt), work), metrics
+
+    def _zeros_grad(self, c: int):
+        """The gradient of a chunk no stage reads (outside programs)."""
+        if c in set(self.host_chunks):
+            return np.zeros((self.layout.chunk_size,), self.compute_dtype)
+        return self.topology.put(np.zeros((self.layout.chunk_size,), self.compute_dtype),
+                                 self.topology.grad_sharding(self.placement.grad_kind(c)))
+
+    def _run_programs(self, state: TrainState, batch, scale, work: HostWork | None):
+        """Run every program of the step on ``batch`` (placed): returns ``(grads, sq, loss)``, a
+        gradient and squared norm for every chunk (zero for chunks no stage reads); with ``work``,
+        host chunks' updates are handed to the host thread as their gradients appear."""
+        host = set(self.host_chunks)
+        carry: dict = {} if scale is None else {"loss_scale": scale}  # carried to the loss's program
+        acc: dict = {}
+        grads, sq, loss = {}, {}, None
+        for k in range(len(self._program_bounds())):
+            fn, args = self._program(batch, k)
+            carry, acc, g, q, l = fn({c: state.params[c] for c in args}, batch, carry, acc)
+            grads.update(g)
+            sq.update(q)
+            loss = l if l is not None else loss
+            mine = {c: g[c] for c in g if c in host}
+            if mine and work is not None:
+                work.submit(self._host_update, state, mine, 1.0)
+        for c in range(self.layout.n_chunks):
+            if c not in grads:
+                grads[c] = self._zeros_grad(c)
+                sq[c] = self.topology.put(np.zeros((), np.float32), self.topology.scalar_sharding())
+        return grads, sq, loss
+
+    @functools.cached_property
+    def _jit_accumulate(self):
+        """The jitted sums of :func:`chunkjax.accumulate.mean_gradients` (compiled once per step)."""
+        return accumulate.jit_sums(self.compute_dtype)
+
+    def with_optimizer(self, tx: optax.GradientTransformation) -> "ChunkedStep":
+        """The same step with another optax transformation; the compiled forward/backward (which
+        does not depend on the optimizer) is shared, only the update programs are rebuilt."""
+        new = dataclasses.replace(self, tx=tx)
+        for k in ("reads", "first_reader", "_cache", "jit_fwd_bwd", "jit_loss"):
+            if k in self.__dict__:
+                new.__dict__[k] = self.__dict__[k]
+        return new
+
+    # ---- state ---------------------------------------------------------------------------------
+    def init(self, params) -> TrainState:
+        """Chunk the initial params into a :class:`TrainState`, one chunk at a time.
+
+        Args:
+          params: a params pytree (any float dtype; numpy or jax arrays; on a mesh identical in
+            every process), or a callable ``leaf_init(i) -> array`` giving leaf ``i`` of
+            ``layout.slots`` (shape ``slots[i].shape``) so that a model larger than host memory
+            twice over is never materialised whole.
+
+        Raises:
+          PlanError: on a GPU, the pinned host bytes (:meth:`pinned_host_bytes`) exceed the
+            runtime's pinned-host cap (:func:`chunkjax.memory.check_pinned_host`); nothing has
+            been allocated.
+
+        Each chunk's master params and optimizer state are placed by its update location's
+        updater (:mod:`chunkjax.updaters`; on a mesh every array is built shard by shard from
+        callbacks, so each process places only its own shards); compute params are allocated
+        after every temporary is gone, so that resident chunks sit together.
+        """
+        lay = self.layout
+        if self.mesh is None:  # the GPU runtime's pinned-host pool is capped (64 GiB by default)
+            memory.check_pinned_host(self.pinned_host_bytes(), jax.default_backend())
+        leaf_at = params if callable(params) else (lambda i, _l=lay.treedef.flatten_up_to(params): _l[i])
+        if self.host_chunks:
+            upd.warm_host_kernel(self.host_optimizer, self.compute_dtype)
+
+        def packed(c):
+            buf = np.zeros((lay.chunk_size,), np.float32)
+            for i, s in enumerate(lay.slots):
+                if s.chunk == c:
+                    buf[s.offset:s.offset + s.size] = np.asarray(leaf_at(i), np.float32).ravel()
+            return buf
+
+        ms, os_ = [], []
+        for c in range(lay.n_chunks):
+            m, o = self.updaters[self._location(c)].init(packed(c), c)
+            ms.append(m), os_.append(o)
+        topo = self.topology
+        ps = [topo.put(packed(c).astype(self.compute_dtype), topo.param_sharding(self.placement.param_kinds[c]))
+              for c in range(lay.n_chunks)]
+        jax.block_until_ready((ps, [m for m in ms if isinstance(m, jax.Array)]))
+        return TrainState(tuple(ps), tuple(ms), tuple(os_))
+
+    def master_params(self, state: TrainState):
+        """The float32 master params as a pytree: on one device jax arrays on the default device;
+        on a mesh numpy, gathered from every process under ``jax.distributed`` (a collective:
+        every process calls it; host-updated chunks' rank slices too). Waits for the state's host
+        updates."""
+        self.wait(state)
+        if self.mesh is None:
+            return self.layout.unpack([jax.device_put(m, sharding(DEVICE)) for m in state.master])
+        topo = self.topology
+        return self.layout.unpack([topo.gather_slices(m) if isinstance(m, tuple) else topo.whole(m)
+                                   for m in state.master])
+
+    def eval_loss(self, state: TrainState, batch) -> jax.Array:
+        """Validation loss of ``batch`` (() float32, mean over the whole batch): the walker's
+        forward moments with the step's fetches, on every topology (on a mesh ``B`` a multiple
+        of the ranks). Waits for the state's host updates first.
+
+        Raises:
+          ValueError: the batch does not split over the ranks.
+        """
+        self.wait(state)
+        self.topology.check_rows(jax.tree.leaves(batch)[0].shape[0], 1)
+        return self.jit_loss(state.params, self.topology.put_batch(batch))
+
+
+def make_chunked_step(stages, layout: ChunkLayout, placement, tx: optax.GradientTransformation | None = None,
+                      compute_dtype=jnp.bfloat16, prefetch: int | None = None, host_optimizer=None,
+                      micro_batches: int = 1, nonfinite: str = "ignore", loss_scaling: bool = False, *,
+                      mesh=None, zero_stage: int | None = None, donate: bool | None = None) -> ChunkedStep:
+    """Build the chunked step (see :class:`ChunkedStep`). Nothing is compiled until first use.
+
+    Args:
+      stages: the model's stages.
+      layout: the chunk layout (with a mesh: :func:`chunkjax.topology.build_zero_layout`).
+      placement: a :class:`~chunkjax.plan.Placement` (fixed fetch rule, one program) or a
+        :class:`~chunkjax.schedule.Schedule` (its fetches, evictions, programs and update
+        locations; with a mesh, one rank's plan).
+      tx: the optax transformation; may be omitted when ``host_optimizer`` is given (its
+        ``optax()`` is used for device and streamed chunks).
+      compute_dtype: dtype of compute params and gradients.
+      prefetch: fetch distance (moments); defaults to the schedule's, else 1.
+      host_optimizer: the host kernel spec (:mod:`chunkjax.host_update`) for ``host`` chunks.
+      micro_batches: gradient accumulation over this many equal parts of each batch.
+      nonfinite: ``"ignore"`` or ``"skip"`` (a step with non-finite gradients changes no state).
+      loss_scaling: fp16 dynamic loss scaling (each call takes ``loss_scale``).
+      mesh: a 1-D ``"data"`` mesh (:func:`chunkjax.topology.data_mesh`) for ZeRO data
+        parallelism, in one process or across processes (``jax.distributed``); None: one device.
+      zero_stage: 1, 2 or 3 with a mesh (default 3).
+      donate: see :class:`ChunkedStep`.
+
+    Raises:
+      ValueError: a bad ``micro_batches``, ``nonfinite`` or ``zero_stage``, a mesh that is not 1-D
+        ``"data"``, a placement that differs from the schedule's, host-updated chunks without
+        ``host_optimizer``, ``zero_stage`` without a mesh, or neither ``tx`` nor
+        ``host_optimizer``.
+    """
+    from chunkjax.schedule import Schedule
+    schedule = placement if isinstance(placement, Schedule) else None
+    if schedule is not None:
+        placement = schedule.placement
+        prefetch = schedule.prefetch if prefetch is None else prefetch
+    if tx is None:
+        if host_optimizer is None:
+            raise ValueError("pass tx (an optax transformation) or host_optimizer")
+        tx = host_optimizer.optax()
+    return ChunkedStep(tuple(stages), layout, placement, tx, jnp.dtype(compute_dtype),
+                       1 if prefetch is None else prefetch, schedule, host_optimizer, micro_batches, nonfinite,
+                       loss_scaling, donate, make_topology(mesh, zero_stage))

@@ -1,0 +1,253 @@
+"""Per-location chunk updaters, shaped like optax's ``(init, update)`` pairs.
+
+An update location (definitions.md) says where a chunk's optimizer step runs; each has one
+updater here, written once for every topology (:mod:`chunkjax.topology` wraps the per-rank body
+for a mesh):
+
+* :func:`device_updater`: master params and optimizer state live on the device; one jitted
+  program per param kind serves every chunk (the chunk id is traced), master, state and the old
+  compute params donated and updated in place;
+* :func:`streamed_updater`: state kept in pinned host memory, moved to the device, updated there
+  and moved back inside one program (PatrickStar's device-side update of a host chunk, per rank
+  on a mesh);
+* :func:`host_updater`: float32 master params and optimizer state are numpy arrays updated in
+  place by the host kernel (:mod:`chunkjax.host_update`) on a host thread, writing the new
+  compute params straight into the pinned buffer (each rank's slice on a mesh);
+* :class:`StorageUpdater`: the slot for the storage tier's near-storage update (not wired in).
+
+``init(buf, c) -> (master, opt_state)`` places one chunk's float32 master params ``buf``
+((chunk_size,) numpy) and its fresh optimizer state; ``update`` performs one step. Both device
+updaters run an unchanged elementwise optax transformation chunk by chunk
+(:func:`chunkjax.optim.update_chunk`). :class:`HostWork` is the host thread's pending work of one
+step, carried in the returned :class:`~chunkjax.step.TrainState` (explicit state, no attributes
+written on the step).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from typing import Any, Callable, NamedTuple, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from chunkjax import optim
+from chunkjax.memory import DEVICE, PINNED_HOST
+
+
+class Updater(NamedTuple):
+    """An update location's pair of functions (as optax's ``GradientTransformation``).
+
+    Attributes:
+      init: ``init(buf, c) -> (master, opt_state)``: chunk ``c``'s float32 master params
+        (``buf``: (chunk_size,) numpy) and optimizer state, placed where this location keeps them.
+      update: the step; for the device locations ``update(param_kind) -> jitted
+        fn(grad, master, opt_state, grad_sq, c, old_params, inv_scale) -> (params, master,
+        opt_state)``; for the host ``update(state, grads, grad_scale) -> seconds``.
+    """
+
+    init: Callable
+    update: Callable
+
+
+def _chunk_body(tx, compute_dtype, skip: bool, loss_scaling: bool):
+    def body(grad, master, state, grad_sq_total, grad_sq_own, inv_scale):
+        o = optim.update_chunk(tx, grad, master, state, grad_sq_total, grad_sq_own, compute_dtype, skip,
+                               inv_scale if loss_scaling else None)
+        return o.params, o.master, o.opt_state
+    return body
+
+
+def state_template(tx, chunk_size: int):
+    """The abstract optax state of one chunk (``ShapeDtypeStruct`` leaves)."""
+    return jax.eval_shape(lambda: optim.init_chunk_state(tx, jnp.zeros((chunk_size,), jnp.float32)))
+
+
+def _device_side(topology, tx, chunk_size: int, compute_dtype, state_kind: str, param_kinds, *, skip: bool,
+                 loss_scaling: bool, donate: bool) -> Updater:
+    template = state_template(tx, chunk_size)
+    body = topology.per_rank_update(_chunk_body(tx, compute_dtype, skip, loss_scaling), template)
+    d, k = topology.shard_sharding(DEVICE), topology.shard_sharding(state_kind)
+    ssh_d, ssh_k = topology.state_shardings(template, DEVICE), topology.state_shardings(template, state_kind)
+    scalar = topology.scalar_sharding()
+    moved = state_kind != DEVICE
+
+    def make(pk):
+        psh = topology.param_sharding(pk)
+
+        def upd(grad, master, state, grad_sq, c, old_params, inv_scale):
+            del old_params  # donated: the new compute params reuse its buffer
+            if moved:
+                grad, master, state = jax.device_put(grad, d), jax.device_put(master, d), jax.device_put(state, ssh_d)
+            p, m, st = body(grad, master, state, grad_sq, c, inv_scale)
+            if moved:
+                m, st = jax.device_put(m, k), jax.device_put(st, ssh_k)
+            return jax.device_put(p, psh), m, st
+
+        # keep_unused: old_params is unused, and jit would prune it, dropping its donation (every
+        # updated chunk would then hold two compute-param buffers until the step ends)
+        return jax.jit(upd, in_shardings=(k, k, ssh_k, scalar, scalar, psh, scalar), out_shardings=(psh, k, ssh_k),
+                       donate_argnums=(1, 2, 5) if donate else (), keep_unused=True)
+
+    programs = {pk: make(pk) for pk in set(param_kinds)}
+    init_state = jax.jit(topology.per_rank_init(lambda m: optim.init_chunk_state(tx, m), template),
+                         out_shardings=ssh_d)
+
+    def init(buf, c):
+        del c
+        m = topology.put(np.asarray(buf, np.float32), d)
+        st = init_state(m)
+        if moved:
+            m, st = jax.device_put(m, k), jax.device_put(st, ssh_k)
+        return m, st
+
+    return Updater(init, programs.__getitem__)
+
+
+def device_updater(topology, tx, chunk_size: int, compute_dtype, param_kinds, *, skip: bool = False,
+                   loss_scaling: bool = False, donate: bool = True) -> Updater:
+    """Chunks whose master params and optimizer state live on the device (one program per
+    compute-param kind in ``param_kinds``; one chunk per call keeps the update's float32
+    temporaries to one chunk: all chunks in one program let XLA schedule them at once).
+
+    Args:
+      topology: :class:`chunkjax.topology.SingleDevice` or :class:`~chunkjax.topology.DataMesh`.
+      tx: an elementwise optax transformation.
+      chunk_size: elements per chunk.
+      compute_dtype: dtype of the new compute params.
+      param_kinds: the compute-param memory kinds the programs serve.
+      skip: a non-finite global norm leaves the chunk unchanged (``nonfinite="skip"``).
+      loss_scaling: gradients and norms are unscaled by ``inv_scale``.
+      donate: donate master, state and the old compute params.
+    """
+    return _device_side(topology, tx, chunk_size, compute_dtype, DEVICE, param_kinds, skip=skip,
+                        loss_scaling=loss_scaling, donate=donate)
+
+
+def streamed_updater(topology, tx, chunk_size: int, compute_dtype, param_kinds, *, skip: bool = False,
+                     loss_scaling: bool = False, donate: bool = True) -> Updater:
+    """Chunks whose master params and optimizer state live in pinned host memory: moved to the
+    device, updated, moved back, in one program (arguments as :func:`device_updater`)."""
+    return _device_side(topology, tx, chunk_size, compute_dtype, PINNED_HOST, param_kinds, skip=skip,
+                        loss_scaling=loss_scaling, donate=donate)
+
+
+def host_updater(topology, host_optimizer, chunk_size: int, compute_dtype) -> Updater:
+    """Chunks updated in place on the host by the numba kernel of ``host_optimizer``
+    (:class:`chunkjax.host_update.AdamW` / ``Lion`` / ``SGDMomentum``).
+
+    ``init(buf, c)``: master params and host state as numpy; on a mesh a tuple over the ranks,
+    one (chunk_size / N,) slice and one host state per rank of this process (``None`` for the
+    ranks of other processes). ``update(state, grads, grad_scale) -> seconds``: for each chunk of
+    ``grads`` (``{c: gradient}``, a jax array or numpy) waits for the gradient, then runs the
+    kernel on each local rank's shard, writing the new compute params into ``state.params[c]``'s
+    buffer (stages 1/2: into that slice of every local replica). ``grad_scale`` (float, a
+    callable returning one, or None for a skipped step) multiplies the gradients. Returns the
+    kernel seconds (not the waits for gradients).
+    """
+    from chunkjax import host_update as hu
+    bf16 = jnp.dtype(compute_dtype) == jnp.bfloat16
+    view_dt = np.uint16 if bf16 else np.dtype(compute_dtype)
+    mesh = topology.mesh is not None
+
+    def init(buf, c):
+        del c
+        buf = np.asarray(buf, np.float32)
+        if not mesh:
+            return buf, host_optimizer.host_state(chunk_size)
+        local = set(topology.local_ranks())
+        sl = [topology.rank_slice(r, chunk_size) for r in range(topology.n_ranks)]
+        return (tuple(buf[s].copy() if r in local else None for r, s in enumerate(sl)),
+                tuple(host_optimizer.host_state(chunk_size // topology.n_ranks) if r in local else None
+                      for r in range(topology.n_ranks)))
+
+    def update(state, grads: dict, grad_scale) -> float:
+        if callable(grad_scale):
+            grad_scale = grad_scale()
+        if grad_scale is None:  # a skipped step (non-finite gradients): nothing changes
+            return 0.0
+        spent = 0.0
+        for c, g in grads.items():
+            if isinstance(g, jax.Array):
+                g.block_until_ready()
+            t0 = time.perf_counter()
+            p_arr = state.params[c]
+            for r, g_r in topology.grad_shards(g).items():
+                g_np = np.asarray(g_r)
+                outs = topology.param_views(p_arr, r, view_dt)
+                master = state.master[c][r] if mesh else state.master[c]
+                st = state.opt_state[c][r] if mesh else state.opt_state[c]
+                if bf16:
+                    hu.host_update_(host_optimizer, st, g_np.view(np.uint16), master, outs[0], grad_scale)
+                else:
+                    hu.host_update_(host_optimizer, st, g_np.astype(np.float32, copy=False), master, None, grad_scale)
+                    np.copyto(outs[0], master.astype(compute_dtype).view(outs[0].dtype))
+                for o in outs[1:]:  # stages 1/2: the other replicas get the same slice
+                    np.copyto(o, outs[0])
+            spent += time.perf_counter() - t0
+        return spent
+
+    return Updater(init, update)
+
+
+def warm_host_kernel(host_optimizer, compute_dtype) -> None:
+    """Compile the host kernel for these dtypes on the calling thread: numba's LLVM must not
+    compile while XLA compiles on another thread (the process aborts)."""
+    from chunkjax import host_update as hu
+    st = host_optimizer.host_state(1)
+    master = np.zeros((1,), np.float32)
+    if jnp.dtype(compute_dtype) == jnp.bfloat16:
+        hu.host_update_(host_optimizer, st, np.zeros((1,), np.uint16), master, np.zeros((1,), np.uint16), 1.0)
+    else:
+        hu.host_update_(host_optimizer, st, np.zeros((1,), np.float32), master, None, 1.0)
+
+
+class StorageUpdater(Protocol):
+    """The slot for the storage tier's update location (Smart-Infinity's near-storage update):
+    the chunk's master params and optimizer state live in files next to the disk and a worker
+    updates them there. Same shape as the others: ``init(buf, c)`` writes the chunk's initial
+    state to its storage directory; ``update(state, grads, grad_scale) -> seconds`` sends each
+    gradient to its worker and writes the returned compute params into ``state.params[c]``.
+    Not wired into the step yet: the storage tier runs as
+    :class:`chunkjax.storage.near.NearStorageOptimizer`."""
+
+    init: Callable[[np.ndarray, int], Any]
+    update: Callable[[Any, dict, Any], float]
+
+
+class HostWork:
+    """The host thread's pending work of one step: the chunks it updates in place while the
+    device runs the rest of the backward. Carried in the returned state (``TrainState.pending``);
+    :meth:`join` (``step.wait(state)``, or the next step) waits for it and returns the seconds the
+    thread spent in the kernels.
+
+    Registered as a pytree node without leaves (it is not array data: ``jax.tree`` functions
+    over a state pass it through unchanged).
+    """
+
+    def __init__(self):
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._futures: list = []
+        self.seconds: float | None = None
+
+    def submit(self, fn, *args) -> None:
+        """Run ``fn(*args) -> seconds`` on this step's host thread (one thread, in order)."""
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="chunkjax-host-update")
+        self._futures.append(self._pool.submit(fn, *args))
+
+    def join(self) -> float | None:
+        """Wait for every update submitted; re-raises a failure of the host thread. Returns the
+        kernel seconds (None when nothing was submitted)."""
+        if self._futures:
+            spent = [f.result() for f in self._futures]
+            self._futures = []
+            self.seconds = float(sum(spent)) + (self.seconds or 0.0)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        return self.seconds
+
+
+jax.tree_util.register_pytree_node(HostWork, lambda h: ((), h), lambda h, _: h)

@@ -1,0 +1,218 @@
+"""The one forward/backward walker: a step is a sequence of *moments* in tide order.
+
+Moments (definitions.md): forward of stages ``0..n-2``, the fused head (forward + backward of the
+last stage), backward of stages ``n-2..0``. :meth:`Walk.run` executes a range of them inside one
+program (the step cuts the moments into programs at the schedule's segments):
+
+* chunks whose params live in pinned host memory are fetched ``prefetch`` moments ahead of the
+  moment that reads them, each fetch tied by ``jax.lax.optimization_barrier`` to the activation
+  (or cotangent) of the moment it is issued at (without the tie XLA hoists every fetch to the
+  program start: gpu_facts.md); a fetched chunk is held until the moment after which its next
+  read is a fresh fetch (eviction);
+* only stage inputs are saved; the backward re-fetches each stage's chunks tied to the incoming
+  cotangent, recomputes the stage with ``jax.vjp`` (activation checkpointing per stage) and
+  accumulates float32 gradient chunks; a chunk whose gradient is complete leaves through the
+  topology's ``reduce_grad`` (one device: as is; a mesh: all-reduce or reduce-scatter), moved to
+  pinned host memory at once when its update does not run on the device (tied to the next
+  cotangent so it cannot be postponed);
+* in the backward, chunks whose values the stage's gradient does not need are not fetched
+  (their slot holds zeros, which the compiler removes).
+
+:meth:`Walk.forward` runs the forward moments only, with the same fetches: evaluation.
+
+References: PatrickStar (arXiv 2108.05818) sections 4-5 (chunks, fetch before use, moments);
+gpu_probe6.py in shared/probes for the tied-fetch custom backward.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from chunkjax.layout import ChunkLayout
+from chunkjax.memory import DEVICE, PINNED_HOST, ordered_after
+
+
+def moments_of(n_stages: int) -> tuple[tuple[str, int], ...]:
+    """``(phase, stage)`` per moment: forward 0..n-2, the fused head, backward n-2..0."""
+    n = n_stages
+    return (tuple(("forward", s) for s in range(n - 1)) + (("forward+backward", n - 1),)
+            + tuple(("backward", s) for s in range(n - 2, -1, -1)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Walk:
+    """The static facts of one step's moments for one batch shape.
+
+    Attributes:
+      stages: the model's stages.
+      layout: the chunk layout.
+      topology: :class:`chunkjax.topology.SingleDevice` or :class:`~chunkjax.topology.DataMesh`
+        (the hooks ``to_device``, ``to_host``, ``gather``, ``resident``, ``reduce_grad``,
+        ``loss_cotangent``).
+      compute_dtype: dtype of compute params and gradients.
+      prefetch: fetch distance in moments (>= 1).
+      param_kinds, grad_kinds: per chunk, the memory kind of its compute params between steps
+        and the kind its gradient leaves the backward into.
+      reads: per stage, the chunks it reads; bwd_reads: per stage, those whose values its
+        backward needs.
+      fetch: per moment, the chunk ids fetched for it.
+      first_reader: chunk -> the first stage reading it (its gradient completes there).
+    """
+
+    stages: tuple
+    layout: ChunkLayout
+    topology: Any
+    compute_dtype: Any
+    prefetch: int
+    param_kinds: tuple
+    grad_kinds: tuple
+    reads: tuple
+    bwd_reads: tuple
+    fetch: tuple
+    first_reader: dict
+
+    @property
+    def moments(self):
+        return moments_of(len(self.stages))
+
+    def reads_at(self, t: int) -> tuple[int, ...]:
+        ph, s = self.moments[t]
+        return self.bwd_reads[s] if ph == "backward" else self.reads[s]
+
+    def _sub(self, arrays, s):
+        return self.layout.unpack_subtree(arrays, self.stages[s].param_keys)
+
+    def _arrays(self, t, x, batch, params, held, issued):
+        """The chunk arrays moment ``t`` reads (fetched, resident or zeros)."""
+        lay, topo = self.layout, self.topology
+        s = self.moments[t][1]
+        reads = self.reads_at(t)
+        arrays = {}
+        for c in self.reads[s]:
+            if c not in reads:  # value not needed by this backward: zeros (compiled away)
+                arrays[c] = jnp.zeros((lay.chunk_size,), self.compute_dtype)
+            elif self.param_kinds[c] == DEVICE:
+                arrays[c] = topo.resident(params[c], batch if x is None else x)
+            else:
+                if (t, c) in issued:
+                    held[c] = topo.gather(issued.pop((t, c)))
+                arrays[c] = held[c]
+        return arrays
+
+    def _issue(self, t, anchor, batch, params, issued, horizon):
+        tie = batch if anchor is None else anchor  # the first fetches wait for the batch
+        for u in range(t, min(horizon, t + self.prefetch + 1)):
+            for c in self.fetch[u]:
+                if (u, c) not in issued:
+                    issued[(u, c)] = self.topology.to_device(ordered_after(tie, params[c]))
+
+    def _release(self, t, held, horizon):
+        """Eviction: a held chunk dies after the moment whose next read of it is a fresh fetch."""
+        for c in self.reads_at(t):
+            if c not in held:
+                continue
+            for u in range(t + 1, horizon):
+                if c in self.reads_at(u):
+                    if c in self.fetch[u]:
+                        del held[c]
+                    break
+            else:
+                del held[c]
+
+    def run(self, params: dict, batch, carry: dict, t0: int, t1: int):
+        """Run moments [t0, t1) (inside a program; per-rank values on a mesh).
+
+        Args:
+          params: chunk id -> compute params (only the chunks this program reads).
+          batch: the (rank's) batch.
+          carry: what crosses program boundaries: ``x`` (activation or cotangent), ``saved``
+            stage inputs, ``acc`` float32 gradient accumulators, ``held`` fetched chunks kept on
+            the device, ``issued`` prefetched chunks keyed ``"t:c"``, ``loss_scale`` (fp16 loss
+            scaling: the backward is seeded with it).
+
+        Returns:
+          ``(carry, grads {chunk: grad in its grad kind}, sq {chunk: () f32}, loss or None)``;
+          the carry is empty after the last moment.
+        """
+        lay, topo = self.layout, self.topology
+        T = len(self.moments)
+        x = carry.get("x")
+        saved = dict(carry.get("saved", {}))
+        acc = dict(carry.get("acc", {}))
+        held = dict(carry.get("held", {}))
+        issued = {tuple(int(v) for v in key.split(":")): a for key, a in carry.get("issued", {}).items()}
+        loss_scale = carry.get("loss_scale")
+        grads, sq, loss = {}, {}, None
+
+        def add_grads(s, dp):
+            for c in self.reads[s]:
+                if c not in acc:
+                    acc[c] = jnp.zeros((lay.chunk_size,), jnp.float32)
+                acc[c] = lay.scatter_add(acc[c], c, dp)
+
+        def emit(s, dx):
+            for c in self.reads[s]:
+                if self.first_reader[c] != s:
+                    continue
+                g, sq[c] = topo.reduce_grad(acc.pop(c).astype(self.compute_dtype))
+                if self.grad_kinds[c] == PINNED_HOST:
+                    g = topo.to_host(g)
+                    if dx is not None:
+                        dx, g = jax.lax.optimization_barrier((dx, g))
+                grads[c] = g
+            return dx
+
+        for t in range(t0, t1):
+            ph, s = self.moments[t]
+            self._issue(t, x, batch, params, issued, T)
+            arrays = self._arrays(t, x, batch, params, held, issued)
+            st = self.stages[s]
+            if ph == "forward":
+                saved[s] = x
+                x = st.apply(self._sub(arrays, s), x, batch)
+            elif ph == "forward+backward":
+                loss, pull = jax.vjp(lambda p, xx: st.apply(p, xx, batch), self._sub(arrays, s), x)
+                ct = topo.loss_cotangent(loss)
+                if loss_scale is not None:  # fp16 loss scaling: the backward carries scaled values
+                    ct = ct * loss_scale.astype(ct.dtype)
+                dp, dx = pull(ct)
+                add_grads(s, dp)
+                x = emit(s, dx)
+            else:
+                # tie the recompute's inputs to the cotangent: otherwise XLA merges the recompute
+                # with the forward pass (common-subexpression elimination) and keeps every stage's
+                # internals alive, undoing the activation checkpointing (jax.checkpoint's prevent_cse)
+                x, x_in, arrays = jax.lax.optimization_barrier((x, saved.pop(s, None), arrays))
+                p = self._sub(arrays, s)
+                if s == 0:
+                    _, pull = jax.vjp(lambda p: st.apply(p, None, batch), p)
+                    (dp,), dx = pull(x), None
+                else:
+                    _, pull = jax.vjp(lambda p, xx: st.apply(p, xx, batch), p, x_in)
+                    dp, dx = pull(x)
+                add_grads(s, dp)
+                x = emit(s, dx)
+            self._release(t, held, T)
+        if t1 == T:
+            return {}, grads, sq, loss
+        out = {"x": x, "saved": saved, "acc": acc, "held": held,
+               "issued": {f"{u}:{c}": a for (u, c), a in issued.items()}}
+        if loss_scale is not None:
+            out["loss_scale"] = loss_scale
+        return out, grads, sq, loss
+
+    def forward(self, params: dict, batch):
+        """The forward moments only (evaluation): the loss (() f32, this rank's mean), params
+        fetched by the same rule as the step's forward."""
+        n = len(self.stages)
+        x, held, issued = None, {}, {}
+        for t in range(n):
+            s = self.moments[t][1]
+            self._issue(t, x, batch, params, issued, n)
+            arrays = self._arrays(t, x, batch, params, held, issued)
+            x = self.stages[s].apply(self._sub(arrays, s), x, batch)
+            self._release(t, held, n)
+        return x.astype(jnp.float32)
