@@ -1,0 +1,178 @@
+"""Corrupted and incomplete checkpoints (issue 21, item 2): every file a save writes has its size
+and crc32 in ``checksums.json``; 16 bytes flipped in any kind of file (orbax's data files, its
+metadata, our meta.json, the checksums themselves) or a truncated meta.json give one line
+naming the file on restore, and ``latest_step`` and the main job's resume path
+(``experiments/train.py:find_resume_point``) fall back to the checkpoint before it with a
+warning."""
+import os
+import re
+import shutil
+import sys
+
+import numpy as np
+import pytest
+
+from chunkjax import checkpoint as ck
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import test_checkpoint as tc  # noqa: E402
+
+STEPS = (1, 2)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A ChunkedStep with device- and host-updated chunks, checkpoints of steps 1 and 2 (step 2
+    is the one the tests break), written with the main job's ``extra``."""
+    setup = tc.build_setup()
+    step = tc.make_step(setup, [0, 1])
+    state = step.init(setup[1])
+    d = tmp_path_factory.mktemp("intact")
+    for s in STEPS:
+        state, _ = tc.run(step, state, setup[2][s - 1:s])
+        ck.save_checkpoint(d, s, step, state, {"data_position": s, "config": {"model": "micro", "steps": 6}})
+    return step, d, state
+
+
+def _kind(rel: str) -> str:
+    """A file's kind: its path in the chunk with hash names replaced (``ocdbt.process_0/d/<hash>``)."""
+    rel = re.sub(r"^chunk_\d{5}/", "", rel)
+    return re.sub(r"[0-9a-f]{32}", "<hash>", rel)
+
+
+def _files_by_kind(root) -> dict[str, str]:
+    """One file per kind (the largest), relative to ``root``."""
+    out: dict[str, tuple[int, str]] = {}
+    for d, _, files in os.walk(root):
+        for f in files:
+            rel = os.path.relpath(os.path.join(d, f), root)
+            size = os.path.getsize(os.path.join(root, rel))
+            k = _kind(rel)
+            if k not in out or size > out[k][0]:
+                out[k] = (size, rel)
+    return {k: rel for k, (_, rel) in out.items()}
+
+
+def _copy(saved, tmp_path):
+    d = tmp_path / "ckpt"
+    shutil.copytree(saved[1], d)
+    return d
+
+
+def _flip(path, n=16):
+    b = bytearray(path.read_bytes())
+    at = len(b) // 2
+    for i in range(at, min(at + n, len(b))):
+        b[i] ^= 0xFF
+    path.write_bytes(bytes(b))
+
+
+def _assert_one_line_naming(err, path):
+    msg = str(err.value)
+    assert "\n" not in msg and str(path) in msg, msg
+
+
+KINDS = ["meta.json", "checksums.json", "_METADATA", "_CHECKPOINT_METADATA", "commit_success.txt", "manifest.ocdbt",
+         "d/<hash>", "ocdbt.process_0/manifest.ocdbt", "ocdbt.process_0/d/<hash>"]
+
+
+def test_every_file_kind_is_covered(saved):
+    """The kinds below are all the kinds a save writes (a new orbax file kind fails here)."""
+    assert sorted(_files_by_kind(saved[1] / "step_00000002")) == sorted(KINDS)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_flipped_bytes_in_each_file_kind_refused(saved, tmp_path, kind):
+    step, _, _ = saved
+    d = _copy(saved, tmp_path)
+    root = d / "step_00000002"
+    bad = root / _files_by_kind(root)[kind]
+    _flip(bad)
+    with pytest.raises(ck.CheckpointError) as err:
+        ck.restore_checkpoint(d, step, 2)
+    _assert_one_line_naming(err, bad)
+    with pytest.raises(ck.CheckpointError) as err:
+        ck.verify_checkpoint(d, 2)
+    _assert_one_line_naming(err, bad)
+    with pytest.warns(RuntimeWarning, match=re.escape(str(bad))):
+        assert ck.latest_step(d) == 1
+    restored, extra = ck.restore_checkpoint(d, step)  # the latest intact one: step 1
+    assert extra["data_position"] == 1
+    ref, _ = ck.restore_checkpoint(saved[1], step, 1)
+    tc.assert_trees(ck.export_params(step, restored), ck.export_params(step, ref))
+
+
+def test_truncated_meta_json(saved, tmp_path):
+    step, _, _ = saved
+    d = _copy(saved, tmp_path)
+    meta = d / "step_00000002" / ck.META
+    meta.write_bytes(meta.read_bytes()[:100])
+    for call in (lambda: ck.read_meta(d, 2), lambda: ck.restore_checkpoint(d, step, 2)):
+        with pytest.raises(ck.CheckpointError) as err:
+            call()
+        _assert_one_line_naming(err, meta)
+    with pytest.warns(RuntimeWarning, match="step 2"):
+        assert ck.latest_step(d) == 1 and ck.read_meta(d)["step"] == 1
+
+
+def test_truncated_meta_json_without_checksums(saved, tmp_path):
+    """Even with checksums.json gone too, an unreadable meta.json is one line naming it."""
+    d = _copy(saved, tmp_path)
+    root = d / "step_00000002"
+    (root / ck.CHECKSUMS).unlink()
+    (root / ck.META).write_text('{"format": "chunkjax-checkpoint", "vers')
+    with pytest.raises(ck.CheckpointError) as err:
+        ck.read_meta(d, 2)
+    _assert_one_line_naming(err, root / ck.META)
+
+
+def test_missing_files_are_incomplete(saved, tmp_path):
+    """A newest checkpoint without its checksums, a data file or its meta.json is skipped."""
+    d = _copy(saved, tmp_path)
+    root = d / "step_00000002"
+    (root / ck.CHECKSUMS).unlink()
+    with pytest.warns(RuntimeWarning, match=re.escape(str(root / ck.CHECKSUMS))):
+        assert ck.latest_step(d) == 1
+    d = _copy(saved, tmp_path / "b")
+    root = d / "step_00000002"
+    gone = root / _files_by_kind(root)["ocdbt.process_0/d/<hash>"]
+    gone.unlink()
+    with pytest.raises(ck.CheckpointError) as err:
+        ck.restore_checkpoint(d, saved[0], 2)
+    _assert_one_line_naming(err, gone)
+    (root / ck.META).unlink()
+    with pytest.warns(RuntimeWarning, match="incomplete"):
+        assert ck.latest_step(d) == 1
+    assert ck.all_steps(d) == [1]
+
+
+def test_resume_falls_back_to_the_previous_checkpoint(saved, tmp_path):
+    """The main job's --resume finds the newest intact checkpoint (train.py is unchanged: it
+    calls latest_step and read_meta)."""
+    from experiments import train
+    run = tmp_path / "micro_run.partial"
+    shutil.copytree(saved[1], run / train.CHECKPOINT_DIR)
+    (run / "metrics.jsonl").write_text("")
+    assert train.find_resume_point(str(run)).step == 2
+    root = run / train.CHECKPOINT_DIR / "step_00000002"
+    bad = root / _files_by_kind(root)["ocdbt.process_0/d/<hash>"]
+    _flip(bad)
+    with pytest.warns(RuntimeWarning, match=re.escape(str(bad))):
+        rp = train.find_resume_point(str(run))
+    assert rp.step == 1 and rp.meta["extra"]["data_position"] == 1
+
+
+def test_checksums_cost_little(saved, tmp_path):
+    """Checksumming (crc32 of every file, read back from the page cache) is a small part of a
+    save: measured here on the save's own files."""
+    import time
+    step, _, state = saved
+    t = time.perf_counter()
+    path = ck.save_checkpoint(tmp_path, 3, step, state, {})
+    save_s = time.perf_counter() - t
+    t = time.perf_counter()
+    sums = ck._tree_checksums(path, "")
+    crc_s = time.perf_counter() - t
+    assert set(sums) == set(ck._read_checksums(path)) | {ck.CHECKSUMS}
+    assert crc_s < 0.1 * save_s, (crc_s, save_s)
+    assert np.isfinite(save_s)
