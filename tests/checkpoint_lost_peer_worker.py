@@ -1,0 +1,60 @@
+"""One process of the lost-peer test (tests/test_checkpoint_integrity.py); not a test itself.
+
+``python tests/checkpoint_lost_peer_worker.py PROCESS_ID N_PROCESSES PORT SEED CKPT_DIR OUT.npz HOW``
+with ``XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu``: joins the
+``jax.distributed`` job, builds the micro GPT's ZeRO-3 state over the 8-device mesh of both
+processes (the model of tests/zero_multiprocess_worker.py; no training step is compiled), saves
+checkpoint 1 (every process calls save_checkpoint), then starts checkpoint 2, during which the
+last process SIGKILLs (HOW=kill) or SIGSTOPs (HOW=stop) itself as it reaches chunk 1's gather. Process 0 prints the one-line error
+of save_checkpoint after ``LOST:`` and writes the master params of checkpoint 1 to OUT.npz.
+"""
+import os
+import signal
+import sys
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def main(pid: int, n_proc: int, port: int, seed: int, ckpt: str, out: str, how: str) -> None:
+    import jax
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"localhost:{port}", num_processes=n_proc, process_id=pid)
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("zmw", os.path.join(HERE, "zero_multiprocess_worker.py"))
+    zmw = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(zmw)
+    from chunkjax import checkpoint as ck
+    from chunkjax import zero
+    from models import gpt
+    cfg, params, _, tx = zmw.draw(seed)
+    layout = zero.build_zero_layout(params, len(jax.devices()), cfg.vocab_size * cfg.d_model)
+    step = zero.make_zero_step(gpt.gpt_stages(cfg), layout, zero.data_mesh(), tx, stage=3)
+    state = step.init(params)
+    ck.save_checkpoint(ckpt, 1, step, state, {"data_position": 1})
+    master1 = step.master_params(state)  # collective
+    if pid == 0:
+        np.savez(out, **{f"p{i}": a for i, a in enumerate(jax.tree.leaves(master1))})
+    if pid == n_proc - 1:
+        real = ck._SaveJob.snapshot
+
+        def snapshot(job, c, copy):
+            if c == 1:
+                print(f"{how.upper()}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+            return real(job, c, copy)
+        ck._SaveJob.snapshot = snapshot
+    try:
+        ck.save_checkpoint(ckpt, 2, step, state, {"data_position": 2}, peer_timeout_s=5)
+    except ck.CheckpointWriteError as e:
+        print(f"LOST: {e}", flush=True)
+        os._exit(0)  # the job has lost a process: no orderly jax.distributed shutdown
+    print("SAVED", flush=True)
+    os._exit(1)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(HERE))
+    a = sys.argv[1:]
+    main(int(a[0]), int(a[1]), int(a[2]), int(a[3]), a[4], a[5], a[6])
