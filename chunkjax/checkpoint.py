@@ -887,13 +887,16 @@ def save_checkpoint_async(directory, step_number: int, step_fn, state, extra: di
     handle = AsyncSave(job, max_inflight_bytes)
     _async_saves(step_fn)[job.key] = handle
     handle._thread.start()
-    stage = None
+    stage, nbytes = None, 0
     try:
         for c in range(job.n_chunks):
+            if not handle._reserve(nbytes):  # the chunks are of one size: the last one's bytes
+                return handle  # the writer failed: its error comes at wait()
             stage = f"reading chunk {c} of {job.n_chunks} from the state"
             arrays = job.snapshot(c, copy=True)
-            if not handle._put((c, arrays), sum(a.nbytes for a in arrays.values())):
-                return handle  # the writer failed: its error comes at wait()
+            nbytes = sum(a.nbytes for a in arrays.values())
+            if not handle._put((c, arrays), nbytes):
+                return handle
             del arrays
         stage = None
         job.state = None  # everything is snapshotted: the writer must not keep the state alive
@@ -987,20 +990,29 @@ class AsyncSave:
         state = "failed" if self._error is not None else "done" if self.done() else "writing"
         return f"AsyncSave(step={self.step}, path={self.path!r}, {state})"
 
-    def _put(self, item, nbytes: int) -> bool:
-        """Hand ``item`` to the writer once ``nbytes`` more fit under the bound (or nothing else
-        is in flight). False if the writer has failed (the item is dropped)."""
+    def _reserve(self, nbytes: int) -> bool:
+        """Block, before a snapshot is taken, until ``nbytes`` more fit under the bound (or
+        nothing is in flight). False if the writer has failed."""
         with self._cv:
-            self.peak_inflight_bytes = max(self.peak_inflight_bytes, self._inflight + nbytes)
             while (self._error is None and self._inflight > 0
                    and self._inflight + nbytes > self.max_inflight_bytes):
                 self._cv.wait()
+            return self._error is None
+
+    def _put(self, item, nbytes: int) -> bool:
+        """Hand ``item`` (a snapshot of ``nbytes``, reserved) to the writer. False if the writer
+        has failed (the item is dropped)."""
+        with self._cv:
             if self._error is not None:
                 return False
             self._queue.append((item, nbytes))
-            self._inflight += nbytes
+            self._add(nbytes)
             self._cv.notify_all()
             return True
+
+    def _add(self, nbytes: int) -> None:
+        self._inflight += nbytes
+        self.peak_inflight_bytes = max(self.peak_inflight_bytes, self._inflight)
 
     def _abort(self) -> None:
         """Stop the writer (after the chunk it is writing) and join it."""
@@ -1026,10 +1038,12 @@ class AsyncSave:
                 c, arrays = item
                 del item
                 stage = f"writing chunk {c} of {job.n_chunks}"
+                with self._cv:
+                    self._add(nbytes)  # orbax's encoded copy while it writes (tensorstore)
                 job.write(c, arrays)
                 del arrays
                 with self._cv:
-                    self._inflight -= nbytes
+                    self._inflight -= 2 * nbytes
                     self._cv.notify_all()
         except BaseException as e:  # noqa: BLE001 - kept for wait()
             err = job.failed(e, getattr(job, "stage", None) or stage)
