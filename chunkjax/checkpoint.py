@@ -19,6 +19,9 @@ A checkpoint of step ``N`` is one directory ``<directory>/step_<N:08d>/`` holdin
   AdamW/Adam, ``mu`` for Lion, ``trace`` for SGD with momentum). Always whole, unsharded chunks:
   a ZeRO chunk's rank shards are concatenated in rank order (rank ``r`` owns elements
   ``[r * chunk_size/N, (r+1) * chunk_size/N)``);
+* ``checksums.json``: the size (bytes) and zlib crc32 of every other file, with its own crc32;
+  written last, checked on every read (a mismatch is a one-line :class:`CheckpointError` naming
+  the file; :func:`latest_step` skips such a checkpoint with a warning);
 * ``meta.json``: format version, step number, the chunk layout (every leaf's path, chunk,
   offset, shape, dtype) and its fingerprint, the compute dtype, per chunk the optimizer step
   count, the moment names, the scalars of optax's *rest-of-model* leaf (:mod:`chunkjax.optim`;
@@ -41,12 +44,17 @@ A checkpoint of step ``N`` is one directory ``<directory>/step_<N:08d>/`` holdin
   optimizer step count; otherwise, and for another optimizer, a one-line :class:`CheckpointError`
   says what differs.
 
-**Bounded host memory.** Saving copies one chunk at a time to host memory (device chunks, ZeRO
-shards gathered to the whole chunk) or writes the host buffers directly (host chunks), so at most
-one chunk's ``params + master + moments`` is in flight beyond what the state already holds;
-restoring reads and places one chunk at a time the same way (two saved chunks and the new one
-when remapping). Device -> host copies are never left cached on the state's jax arrays (jax
-keeps ``np.asarray``'s copy on the array otherwise).
+**Bounded host memory** (a "chunk" is one chunk's ``params + master + moments`` in bytes).
+Saving copies one chunk at a time to host memory (device chunks, ZeRO shards gathered to the
+whole chunk) or writes the host buffers directly (host chunks), and orbax (tensorstore) holds an
+encoded copy of the chunk while it writes it: at most two chunks beyond the state (one for host
+chunks). Restoring reads one chunk and places it: at most two chunks beyond the restored state
+(remapping: two saved chunks, the new one and its placed copy). Measured as peak RSS growth by
+``tests/test_checkpoint_memory.py`` (1.5 GiB state, 256 MiB chunks: save 0.75-1.0 chunks,
+asynchronous save with a one-chunk bound 1.8-2.2, restore 0.75-1.3 beyond the state); the C
+allocator may keep up to about half a chunk more after a process's first save. Device -> host
+copies are never left cached on the state's jax arrays (jax keeps ``np.asarray``'s copy on the
+array otherwise).
 
 **Atomicity.** Everything is written into a hidden temporary directory
 ``<directory>/.tmp_step_<N:08d>_<pid>_<random>/`` which is renamed to ``step_<N:08d>`` only
@@ -64,10 +72,12 @@ thread writes: the call waits for the step's host updates, then copies the state
 into host memory (device chunks device -> host, host-updated chunks with numpy, since the next
 step updates them in place and donates the device buffers) and hands each copy to the writer,
 which writes it with the same per-chunk orbax write as the synchronous save and then does the
-same finalize (``meta.json``, fsync, atomic rename). The snapshots not yet written are bounded by
-``max_inflight_bytes`` (bytes): the call blocks while one more would exceed it (back-pressure),
-so the save holds at most ``max_inflight_bytes`` plus one chunk of host memory, never a copy of
-the whole state unless the bound allows it. It returns an :class:`AsyncSave`; a background write
+same finalize (``meta.json``, fsync, atomic rename). The host memory the save holds (snapshots
+not yet written, and the chunk being written counted twice: its snapshot and orbax's encoded
+copy) is bounded by ``max_inflight_bytes`` (bytes): before taking a snapshot the call blocks
+while it would exceed the bound (back-pressure), so the save holds at most
+``max(max_inflight_bytes, 2 chunks)``, never a copy of the whole state unless the bound allows
+it. It returns an :class:`AsyncSave`; a background write
 error is raised as :class:`CheckpointWriteError` by :meth:`AsyncSave.wait` (or, if never waited
 for, by the next save into that directory) after the temporary directory has been removed, so
 the previous checkpoints stay intact; a crash during the background write leaves them usable as
@@ -84,7 +94,7 @@ Usage::
     state = step.init(params)
     ...train...
     save_checkpoint(ckpt_dir, n, step, state, {"rng": key, "data_position": n, "config": cfg})
-    # or, training on while it writes (host memory: at most 256 MiB of snapshots + one chunk):
+    # or, training on while it writes (host memory: at most max(256 MiB, two chunks)):
     pending = save_checkpoint_async(ckpt_dir, n, step, state, extra, max_inflight_bytes=256 << 20)
     ...train...
     pending.wait()                           # raises CheckpointWriteError if the write failed
@@ -119,7 +129,7 @@ FORMAT = "chunkjax-checkpoint"
 VERSION = 2  # 2: with checksums.json; version 1 checkpoints (no checksums) still restore, unverified
 META = "meta.json"
 CHECKSUMS = "checksums.json"
-_CHECKSUM_BLOCK = 8 << 20  # bytes read at a time when checksumming a file
+_CHECKSUM_BLOCK = 256 << 10  # bytes read at a time when checksumming a file
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
 _TMP_PREFIX = ".tmp_step_"
 _TMP_RE = re.compile(r"^\.tmp_step_(\d+)_(\d+)_[0-9a-f]+$")
@@ -196,7 +206,7 @@ def latest_step(directory, *, verify: bool = True) -> int | None:
 
 def verify_checkpoint(directory, step_number: int) -> dict:
     """Check every file of checkpoint ``step_number`` against the size and crc32 recorded when it
-    was saved (``checksums.json``), reading each file once in 8 MiB blocks.
+    was saved (``checksums.json``), reading each file once in 256 KiB blocks.
 
     Returns:
       The checkpoint's ``meta.json`` (as :func:`read_meta`).
@@ -225,8 +235,8 @@ def _chunk_name(c: int) -> str:
 def _file_checksum(path: str) -> list[int]:
     """``[size in bytes, zlib crc32]`` of the file at ``path``, read in blocks (bounded memory)."""
     crc, n = 0, 0
-    buf = memoryview(bytearray(_CHECKSUM_BLOCK))
     with open(path, "rb", buffering=0) as f:
+        buf = memoryview(bytearray(max(1, min(_CHECKSUM_BLOCK, os.fstat(f.fileno()).st_size))))
         while True:
             k = f.readinto(buf)
             if not k:
@@ -579,8 +589,10 @@ def save_checkpoint(directory, step_number: int, step_fn, state, extra: dict | N
     params and float32 optimizer moments, plus the step count of its optimizer; then
     ``meta.json`` with the layout and ``extra``. ZeRO chunks are written whole: the rank shards
     of params, master params and moments are gathered into (chunk_size,) arrays (rank order).
-    Host memory beyond the state itself: one chunk's params, master and moments (about
-    ``chunk_size * (2 + 4 + 8)`` bytes for bf16 AdamW). If a :func:`save_checkpoint_async` into
+    Host memory beyond the state itself: at most two chunks' params, master and moments (about
+    ``2 * chunk_size * (2 + 4 + 8)`` bytes for bf16 AdamW: a device chunk's host copy and orbax's
+    encoded copy while it writes; one chunk for host-updated chunks). Every file's size and crc32
+    go to ``checksums.json`` (read back while cached: about 4 GB/s). If a :func:`save_checkpoint_async` into
     the same directory through the same ``step_fn`` is still running, it is waited for first. See
     :func:`save_checkpoint_async` for a save that lets training continue while it writes.
 
@@ -833,12 +845,14 @@ def save_checkpoint_async(directory, step_number: int, step_fn, state, extra: di
     and renames the temporary directory into place. The result is the same checkpoint, file for
     file, as :func:`save_checkpoint` of the same state would write.
 
-    **Back-pressure.** Before handing a snapshot over, the call blocks while the snapshots not yet
-    written plus this one would exceed ``max_inflight_bytes``, so host memory held by the save
-    stays within ``max_inflight_bytes`` plus one chunk (``params + master + moments``) at all
-    times (:attr:`AsyncSave.peak_inflight_bytes`). With a bound at least the state's size the
-    call returns as soon as everything is snapshotted; with 0 it returns once all but the last
-    chunk have been written.
+    **Back-pressure.** The host memory held by the save counts each snapshot not yet written and,
+    twice, the chunk being written (its snapshot and orbax's encoded copy). Before taking a
+    snapshot the call blocks while one more chunk would exceed ``max_inflight_bytes`` (unless
+    nothing is held), so the save holds at most ``max(max_inflight_bytes, 2 chunks)`` at all
+    times (a chunk: ``params + master + moments`` bytes; :attr:`AsyncSave.peak_inflight_bytes`).
+    With a bound of the state's size plus a chunk the call returns as soon as everything is
+    snapshotted; with less than 3 chunks it returns once all but the last chunk have been
+    written.
 
     **One save per directory.** Starting a save (this or :func:`save_checkpoint`) into a
     directory whose previous asynchronous save through the same ``step_fn`` is still running
@@ -853,8 +867,9 @@ def save_checkpoint_async(directory, step_number: int, step_fn, state, extra: di
     Args:
       directory, step_number, step_fn, state, extra: as :func:`save_checkpoint`. ``state`` may be
         donated to / updated by the next training step as soon as the call returns.
-      max_inflight_bytes: bound (bytes, int >= 0) on the snapshots held at once that the
-        background writer has not written yet, beyond the one chunk being taken. Default 1 GiB.
+      max_inflight_bytes: bound (bytes, int >= 0) on the host memory the save holds: snapshots
+        not yet written plus orbax's copy of the chunk being written; at least two chunks are
+        always allowed. Default 1 GiB.
 
     Returns:
       An :class:`AsyncSave`: ``.wait()`` (the path, or the write error), ``.done()``, ``.path``.
@@ -943,8 +958,8 @@ class AsyncSave:
     Attributes:
       path: the checkpoint directory it creates (``<directory>/step_<N:08d>``), once complete.
       step: its step number.
-      peak_inflight_bytes: the most bytes of snapshots held at once by this save (taken but not
-        yet written); at most ``max_inflight_bytes`` plus one chunk.
+      peak_inflight_bytes: the most bytes held at once by this save (snapshots not yet written,
+        the chunk being written counted twice); at most ``max(max_inflight_bytes, 2 chunks)``.
     """
 
     def __init__(self, job: "_SaveJob", max_inflight_bytes: int):
@@ -1418,8 +1433,10 @@ def restore_checkpoint(directory, step_fn, step_number: int | None = None):
     shapes, dtypes) must be the same, every saved chunk must hold the same moments and, when
     remapping, the same optimizer step count (the remapped chunks take it).
 
-    Host memory beyond the restored state: one chunk (equal layouts) or two saved chunks plus
-    the new chunk being assembled (remapping), each ``params + master + moments``.
+    Host memory beyond the restored state: two chunks (equal layouts: the chunk read and its
+    placed copy) or four (remapping: two saved chunks, the new chunk being assembled and its
+    placed copy), each ``params + master + moments``. Every file is checked against its
+    recorded crc32 (``checksums.json``) just before it is read.
 
     Args:
       directory: the checkpoint root.
@@ -1432,7 +1449,9 @@ def restore_checkpoint(directory, step_fn, step_number: int | None = None):
 
     Raises:
       FileNotFoundError: no complete checkpoint (of that step).
-      CheckpointError: another parameter tree (the one-line message names the first leaf that
+      CheckpointError: a file of the checkpoint missing, unreadable or corrupt (one line naming
+        it; with ``step_number`` None such a newest checkpoint is skipped with a warning),
+        another parameter tree (the one-line message names the first leaf that
         differs), optimizer moments that cannot be converted into this step's optimizer state,
         step counts that differ over the chunks when the layout changes, or a step of another
         kind.
