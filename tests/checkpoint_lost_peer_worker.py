@@ -4,9 +4,10 @@
 with ``XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu``: joins the
 ``jax.distributed`` job, builds the micro GPT's ZeRO-3 state over the 8-device mesh of both
 processes (the model of tests/zero_multiprocess_worker.py; no training step is compiled), saves
-checkpoint 1 (every process calls save_checkpoint), then starts checkpoint 2, during which the
-last process SIGKILLs (HOW=kill) or SIGSTOPs (HOW=stop) itself as it reaches chunk 1's gather. Process 0 prints the one-line error
-of save_checkpoint after ``LOST:`` and writes the master params of checkpoint 1 to OUT.npz.
+checkpoint 1 (every process calls save_checkpoint), then starts checkpoint 2 (peer deadline
+5 s), during which the last process SIGKILLs (HOW=kill) or SIGSTOPs (HOW=stop) itself as it
+reaches chunk 1's gather. Process 0 prints the one-line error of save_checkpoint after
+``LOST:`` and writes the master params of checkpoint 1 to OUT.npz.
 """
 import os
 import signal

@@ -3,7 +3,8 @@ fresh process (tests/test_checkpoint_memory.py); not a test itself.
 
 ``python tests/checkpoint_memory_worker.py CKPT_DIR`` with ``JAX_PLATFORMS=cpu``: builds a
 ChunkedStep over a GPT (d_model 1024, 6 blocks: 76M parameters, fp32 compute: 16 bytes per
-parameter, 1.5 GiB in 6 chunks of 16M elements, 256 MiB each), the first half device-updated (optax state in jax arrays, host memory on the CPU),
+parameter, 1.5 GiB in 6 chunks of 16M elements, 256 MiB each), the first half device-updated
+(optax state in jax arrays, host memory on the CPU),
 the rest host-updated (numpy master params and AdamW moments), then saves it (``save``), saves
 it asynchronously with ``max_inflight_bytes`` of one chunk (``async``), drops it and restores
 the first checkpoint (``restore``). The high-water mark is reset just before each measured call

@@ -3,7 +3,8 @@ and crc32 in ``checksums.json``; 16 bytes flipped in any kind of file (orbax's d
 metadata, our meta.json, the checksums themselves) or a truncated meta.json give one line
 naming the file on restore, and ``latest_step`` and the main job's resume path
 (``experiments/train.py:find_resume_point``) fall back to the checkpoint before it with a
-warning."""
+warning. And a peer lost during a 2-process save (issue 21, item 6): one line naming it, no
+temporary left, the previous checkpoint intact."""
 import os
 import re
 import shutil
@@ -96,7 +97,8 @@ def test_flipped_bytes_in_each_file_kind_refused(saved, tmp_path, kind):
     _assert_one_line_naming(err, bad)
     with pytest.warns(RuntimeWarning, match=re.escape(str(bad))):
         assert ck.latest_step(d) == 1
-    restored, extra = ck.restore_checkpoint(d, step)  # the latest intact one: step 1
+    with pytest.warns(RuntimeWarning, match="step 2 skipped"):
+        restored, extra = ck.restore_checkpoint(d, step)  # the latest intact one: step 1
     assert extra["data_position"] == 1
     ref, _ = ck.restore_checkpoint(saved[1], step, 1)
     tc.assert_trees(ck.export_params(step, restored), ck.export_params(step, ref))
@@ -112,7 +114,9 @@ def test_truncated_meta_json(saved, tmp_path):
             call()
         _assert_one_line_naming(err, meta)
     with pytest.warns(RuntimeWarning, match="step 2"):
-        assert ck.latest_step(d) == 1 and ck.read_meta(d)["step"] == 1
+        assert ck.latest_step(d) == 1
+    with pytest.warns(RuntimeWarning, match="step 2"):
+        assert ck.read_meta(d)["step"] == 1
 
 
 def test_truncated_meta_json_without_checksums(saved, tmp_path):
@@ -174,8 +178,7 @@ def test_checksums_cost_little(saved, tmp_path):
     sums = ck._tree_checksums(path, "")
     crc_s = time.perf_counter() - t
     assert set(sums) == set(ck._read_checksums(path)) | {ck.CHECKSUMS}
-    assert crc_s < 0.1 * save_s, (crc_s, save_s)
-    assert np.isfinite(save_s)
+    assert crc_s < 0.1 * save_s, (crc_s, save_s)  # observed: 0.005 s of 0.8 s
 
 
 @pytest.mark.parametrize("how", ["kill", "stop"])
