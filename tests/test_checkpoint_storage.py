@@ -202,6 +202,9 @@ def test_storage_checkpoint_refusals_and_write_failure(setup, storage_run, tmp_p
     for cm in meta["chunks"]:
         cm["moments"] = ["trace"]
     mpath.write_text(json.dumps(meta))
+    sums = ck._read_checksums(str(mpath.parent))  # re-sealed: an intact checkpoint of another optimizer
+    sums[ck.META] = ck._file_checksum(str(mpath))
+    ck._write_checksums(str(mpath.parent), sums)
     with pytest.raises(ck.CheckpointError, match=r"moments \['trace'\].*AdamW"):
         ck.restore_storage_checkpoint(bad, [tmp_path / "n"], SPEC, layout)
     assert not os.path.exists(tmp_path / "n") or not os.listdir(tmp_path / "n")

@@ -243,6 +243,9 @@ def test_remap_refuses_differing_step_counts(setup, zero_run, single_run, tmp_pa
     meta["chunks"][1]["count"] = N + 1
     with open(f"{dst}/meta.json", "w") as f:
         json.dump(meta, f)
+    sums = ck._read_checksums(dst)  # re-sealed: an intact checkpoint with differing counts
+    sums[ck.META] = ck._file_checksum(f"{dst}/meta.json")
+    ck._write_checksums(dst, sums)
     with pytest.raises(ck.CheckpointError) as e:
         ck.restore_checkpoint(tmp_path, single_run[0])
     msg = str(e.value)
