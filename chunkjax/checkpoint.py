@@ -9,7 +9,9 @@ checkpoint moves between disk and memory in both directions. A ZeRO step whose m
 several processes (``jax.distributed``) saves with every process calling :func:`save_checkpoint`
 (each chunk all-gathered, process 0 writes; the directory must be visible to every process) and
 restores with every process calling :func:`restore_checkpoint` (each reads the files and places
-its own shards); asynchronous saves of such a state are refused.
+its own shards); every wait on another process has a deadline (``peer_timeout_s``), and a
+process killed or stuck during the save is named in one line by the others while process 0
+removes its temporary directory; asynchronous saves of such a state are refused.
 
 A checkpoint of step ``N`` is one directory ``<directory>/step_<N:08d>/`` holding
 
@@ -182,7 +184,7 @@ def latest_step(directory, *, verify: bool = True) -> int | None:
     """The largest step number with a complete, intact checkpoint in ``directory``, or None.
 
     With ``verify`` (the default) the newest checkpoint is checked file by file
-    (:func:`verify_checkpoint`: reads every file once, at about 4 GB/s from the page cache); an
+    (:func:`verify_checkpoint`: reads every file once, 1-4 GB/s from the page cache); an
     incomplete one (no ``meta.json``) or a corrupt one is skipped with a ``RuntimeWarning`` that
     names it and the file at fault, and the one before it is tried. ``verify=False`` returns the
     newest :func:`all_steps` entry unchecked.
@@ -591,10 +593,11 @@ def save_checkpoint(directory, step_number: int, step_fn, state, extra: dict | N
     of params, master params and moments are gathered into (chunk_size,) arrays (rank order).
     Host memory beyond the state itself: at most two chunks' params, master and moments (about
     ``2 * chunk_size * (2 + 4 + 8)`` bytes for bf16 AdamW: a device chunk's host copy and orbax's
-    encoded copy while it writes; one chunk for host-updated chunks). Every file's size and crc32
-    go to ``checksums.json`` (read back while cached: about 4 GB/s). If a :func:`save_checkpoint_async` into
-    the same directory through the same ``step_fn`` is still running, it is waited for first. See
-    :func:`save_checkpoint_async` for a save that lets training continue while it writes.
+    encoded copy while it writes; one chunk for host-updated chunks). Every file's size and zlib
+    crc32 go to ``checksums.json`` (read back while cached: a few percent of the save). If a
+    :func:`save_checkpoint_async` into the same directory through the same ``step_fn`` is still
+    running, it is waited for first. See :func:`save_checkpoint_async` for a save that lets
+    training continue while it writes.
 
     Args:
       directory: the checkpoint root (created if missing).
