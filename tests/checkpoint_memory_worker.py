@@ -50,8 +50,8 @@ def build():
     import chunkjax as cj
     from chunkjax.host_update import AdamW
     from chunkjax.optim import state_bytes_per_chunk
-    from chunkjax.plan import Placement
-    from chunkjax.schedule import plan_schedule
+    from chunkjax.plan import plan_schedule
+    from chunkjax.schedule import Placement
     from models import gpt
     cfg = gpt.get_config("micro", d_model=1024, n_layers=6, n_heads=8)
     rng = np.random.default_rng(0)
