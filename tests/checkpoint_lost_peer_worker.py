@@ -3,7 +3,7 @@
 ``python tests/checkpoint_lost_peer_worker.py PROCESS_ID N_PROCESSES PORT SEED CKPT_DIR OUT.npz HOW``
 with ``XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu``: joins the
 ``jax.distributed`` job, builds the micro GPT's ZeRO-3 state over the 8-device mesh of both
-processes (the model of tests/zero_multiprocess_worker.py; no training step is compiled), saves
+processes (the model and step of tests/zero_multiprocess_worker.py; no training step runs), saves
 checkpoint 1 (every process calls save_checkpoint), then starts checkpoint 2 (peer deadline
 5 s), during which the last process SIGKILLs (HOW=kill) or SIGSTOPs (HOW=stop) itself as it
 reaches chunk 1's gather. Process 0 prints the one-line error of save_checkpoint after
@@ -26,12 +26,13 @@ def main(pid: int, n_proc: int, port: int, seed: int, ckpt: str, out: str, how: 
     spec = importlib.util.spec_from_file_location("zmw", os.path.join(HERE, "zero_multiprocess_worker.py"))
     zmw = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(zmw)
+    import chunkjax as cj
     from chunkjax import checkpoint as ck
-    from chunkjax import zero
+    from chunkjax.topology import build_zero_layout, data_mesh
     from models import gpt
     cfg, params, _, tx = zmw.draw(seed)
-    layout = zero.build_zero_layout(params, len(jax.devices()), cfg.vocab_size * cfg.d_model)
-    step = zero.make_zero_step(gpt.gpt_stages(cfg), layout, zero.data_mesh(), tx, stage=3)
+    layout = build_zero_layout(params, len(jax.devices()), cfg.vocab_size * cfg.d_model)
+    step = zmw.make_step(cj, gpt.gpt_stages(cfg), layout, tx, data_mesh())
     state = step.init(params)
     ck.save_checkpoint(ckpt, 1, step, state, {"data_position": 1})
     master1 = step.master_params(state)  # collective

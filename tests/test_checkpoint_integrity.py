@@ -192,7 +192,7 @@ def test_peer_lost_during_two_process_save(tmp_path, how):
 
     import jax
 
-    from chunkjax import zero
+    from chunkjax.topology import build_zero_layout
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import zero_multiprocess_worker as zmw
     seed, ckpt, out = 0, tmp_path / "ckpt", tmp_path / "out.npz"
@@ -217,7 +217,7 @@ def test_peer_lost_during_two_process_save(tmp_path, how):
     assert sorted(os.listdir(ckpt)) == ["step_00000001"]  # no temporary left
     ck.verify_checkpoint(ckpt, 1)
     cfg, params, _, _ = zmw.draw(seed)
-    layout = zero.build_zero_layout(params, 8, cfg.vocab_size * cfg.d_model)
+    layout = build_zero_layout(params, 8, cfg.vocab_size * cfg.d_model)
     got, ref = np.load(out), ck.export_checkpoint_params(ckpt, layout)
     for i, a in enumerate(jax.tree.leaves(ref)):
         np.testing.assert_array_equal(a, got[f"p{i}"])
