@@ -582,8 +582,9 @@ def describe(report: FitReport, problem: FitProblem) -> str:
     off = sum(k != "device" for k in s.param_kinds)
     comp = "" if report.compiled is None else f" (compiled {mib(report.compiled['peak_bytes']):.1f} MiB)"
     ranks = f" per rank x {problem.n_ranks} (ZeRO-{problem.zero_stage})" if problem.zero_stage else ""
+    model = problem.layout.n_chunks * (problem.cb_rank.params + problem.cb_rank.state)  # one rank's
     return (f"plan: {s.counts()}; {off} of {s.n_chunks} param chunks in pinned_host; accounted peak "
             f"{mib(p.peak_device_bytes):.1f} MiB{comp} of budget {mib(report.budget_bytes):.1f} MiB{ranks}; model data "
-            f"on device {mib(p.device_model_bytes):.1f} of {mib(problem.model_chunk_bytes):.1f} MiB; per step h2d "
+            f"on device {mib(p.device_model_bytes):.1f} of {mib(model):.1f} MiB; per step h2d "
             f"{mib(p.h2d_bytes_per_step):.1f} MiB, d2h {mib(p.d2h_bytes_per_step):.1f} MiB; predicted step "
             f"{p.time.step_s * 1e3:.1f} ms")

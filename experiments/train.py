@@ -573,6 +573,7 @@ def _train(cfg, mcfg, fitted, td, folder, t_start, resolved, resume=None):
         "chunk_bytes_accounted": problem.model_chunk_bytes,
         "h2d_bytes_per_step_accounted": pred.h2d_bytes_per_step,
         "d2h_bytes_per_step_accounted": pred.d2h_bytes_per_step,
+        "n_fetches_per_step_accounted": pred.n_fetches,
         "host_bytes_accounted": fit_report.host,
         "step_s_predicted": pred.time.step_s,
         "chunk_size": layout.chunk_size, "n_chunks": layout.n_chunks, "chunk_waste_bytes": layout.waste_bytes,
