@@ -4,7 +4,9 @@ A JAX reimplementation of PatrickStar (chunks placed by the memory tide) and Sma
 (storage-offloaded optimizer updates). The data flows one way::
 
     layout (pytree -> chunks) -> trace (non-model bytes per stage) -> tide (bytes per moment)
-        -> schedule (placement, fetches/evictions, update locations, programs, predictions)
+        -> plan (``plan_schedule``: one planner, policies tide / fixed / all_host / zero_offload /
+           optimizer_only, ZeRO ranks) -> schedule (placement, fetches/evictions, update locations,
+           programs; its prediction from ``predict``, the one accounting)
         -> runtime (jitted programs + host-update thread) -> optim / host_update (the update per chunk)
 
 ``zero_schedule`` runs the schedule with every chunk sharded over a data mesh (ZeRO stages 1-3
@@ -26,14 +28,15 @@ _EXPORTS = {
     "DynamicLossScale": "loss_scale",
     **dict.fromkeys(["DEVICE", "PINNED_HOST"], "memory"),
     **dict.fromkeys(["init_chunk_state", "update_chunk"], "optim"),
-    **dict.fromkeys(["Accounting", "ChunkBytes", "Placement", "PlanError", "StageTrace", "account", "chunk_bytes",
-                     "parse_bytes", "plan_fixed"], "plan"),
+    "PlanError": "errors",
+    **dict.fromkeys(["parse_bytes", "plan_schedule"], "plan"),
+    **dict.fromkeys(["ChunkBytes", "chunk_bytes"], "predict"),
     **dict.fromkeys(["ChunkedStep", "TrainState", "make_chunked_step"], "runtime"),
-    **dict.fromkeys(["Schedule", "plan_schedule"], "schedule"),
+    **dict.fromkeys(["Placement", "Prediction", "Schedule"], "schedule"),
     **dict.fromkeys(["Stage", "compose_loss"], "stages"),
-    "trace_stages": "trace",
+    **dict.fromkeys(["StageTrace", "trace_stages"], "trace"),
     **dict.fromkeys(["build_zero_layout", "data_mesh"], "zero"),
-    **dict.fromkeys(["ZeroScheduledStep", "make_zero_scheduled_step", "plan_zero_schedule"], "zero_schedule"),
+    **dict.fromkeys(["ZeroScheduledStep", "make_zero_scheduled_step"], "zero_schedule"),
 }
 
 __all__ = sorted(_EXPORTS)

@@ -29,9 +29,11 @@ import jax
 import jax.numpy as jnp
 
 from chunkjax.cost import Rates
+from chunkjax.errors import PlanError
 from chunkjax.layout import ChunkLayout, build_layout, first_use_order
 from chunkjax.optim import state_bytes_per_chunk
-from chunkjax.plan import ChunkBytes, PlanError, chunk_bytes, parse_bytes
+from chunkjax.plan import parse_bytes, plan_schedule
+from chunkjax.predict import ChunkBytes, chunk_bytes
 from chunkjax.stages import compose_loss
 from chunkjax.trace import trace_stages
 
@@ -52,8 +54,6 @@ AUTO_BUDGET_MODEL_FRACTION = 0.2
 #: compiler's working memory (a CPU process training the tiny demo peaks about 0.8 GiB above its
 #: model data). Initialising the state adds two float32 chunks (see :func:`host_need`).
 PROCESS_HOST_BYTES = 2**30
-#: The planning policies. Today's one: the tide plan (:func:`chunkjax.schedule.plan_schedule`).
-POLICIES = ("tide",)
 
 _MSG_HOST = ("host memory: {what} needs {need_gib:.1f} GiB ({parts}) but this machine has {avail_gib:.1f} GiB "
              "available (MemAvailable in /proc/meminfo): {fix}")
@@ -93,7 +93,7 @@ class FitProblem:
       mesh, zero_stage: a 1-D ``"data"`` mesh and the ZeRO stage (1/2/3), or None and 0.
       flops_per_step: training FLOPs of one rank's step (cost model).
       rates: the cost model's rates.
-      host_budget_bytes: host memory one rank's model data may use (planner bound), or None.
+      host_budget_bytes: host memory the model data of all ranks may use (planner bound), or None.
       platform: ``jax.default_backend()``.
     """
 
@@ -281,10 +281,7 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
         from chunkjax.zero import build_zero_layout
         layout = build_zero_layout(aparams, n_ranks, layout.chunk_size, order)
     cb = chunk_bytes(layout, compute_dtype, state_bytes_per_chunk(tx, layout.chunk_size))
-    cb_rank = cb
-    if zero_stage:
-        from chunkjax.zero_schedule import rank_chunk_bytes
-        cb_rank = rank_chunk_bytes(cb, n_ranks, zero_stage)
+    cb_rank = cb.per_rank(n_ranks, zero_stage) if zero_stage else cb
     platform = jax.default_backend()
     avail = host_memory_available_bytes()
     device_budget = None if device_budget is None else resolve_budget(device_budget)
@@ -302,7 +299,7 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
     return FitProblem(tuple(stages), layout, traces, cb, cb_rank, gbatch, tx, host_optimizer, jnp.dtype(compute_dtype),
                       int(prefetch), segments, int(micro_batches), nonfinite, bool(loss_scaling), mesh, zero_stage,
                       float(flops_per_step) / n_ranks, rates or Rates(),
-                      None if host_budget is None else int(host_budget) // n_ranks, platform)
+                      None if host_budget is None else int(host_budget), platform)
 
 
 # ---- the one planning call -------------------------------------------------------------------
@@ -313,23 +310,17 @@ def plan(problem: FitProblem, budget_bytes: int, *, policy: str = "tide", reside
     Args:
       problem: from :func:`prepare`.
       budget_bytes: each rank's device budget (bytes).
-      policy: ``"tide"`` (:data:`POLICIES`).
-      resident: force exactly these chunks resident (device-updated); None searches.
+      policy: one of :data:`chunkjax.plan.POLICIES` (default ``"tide"``: the tide plan).
+      resident: ``"tide"``: force exactly these chunks resident (device-updated); None searches.
 
     Raises:
-      ValueError: an unknown policy.
       chunkjax.PlanError: nothing fits (the message gives the smallest budget that does).
     """
-    if policy not in POLICIES:
-        raise ValueError(f"policy {policy!r}: use one of {POLICIES}")
     p = problem
-    kw = dict(flops_per_step=p.flops_per_step, host_update=p.host_optimizer is not None, prefetch=p.prefetch,
-              segments=p.segments, rates=p.rates, host_budget_bytes=p.host_budget_bytes, resident=resident)
-    if p.zero_stage:
-        from chunkjax.zero_schedule import plan_zero_schedule
-        return plan_zero_schedule(p.layout, p.traces, p.cb, int(budget_bytes), p.n_ranks, p.zero_stage, **kw)
-    from chunkjax.schedule import plan_schedule
-    return plan_schedule(p.layout, p.traces, p.cb, int(budget_bytes), **kw)
+    return plan_schedule(p.layout, p.traces, p.cb, int(budget_bytes), policy=policy, ranks=p.n_ranks,
+                         zero_stage=p.zero_stage or None, host_budget_bytes=p.host_budget_bytes,
+                         prefetch=p.prefetch, segments=p.segments, flops_per_step=p.flops_per_step, rates=p.rates,
+                         host_update=p.host_optimizer is not None, resident=resident)
 
 
 def build_step(problem: FitProblem, schedule):

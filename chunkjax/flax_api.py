@@ -10,8 +10,9 @@ params; PatrickStar, arXiv 2108.05818, section 3), in the ZeRO-Offload manner:
 * the params pytree is flattened into chunks (:func:`chunkjax.build_layout`); every chunk keeps
   its float32 master params and its own optax state (:func:`chunkjax.optim.init_chunk_state`);
 * chunks are kept on the device in layout order while the predicted device bytes fit
-  ``device_budget``; the others keep theirs in ``pinned_host`` memory and are *streamed*: one
-  chunk at a time goes to the device, is updated there and goes back
+  ``device_budget`` (:func:`chunkjax.plan_schedule`'s ``"optimizer_only"`` policy); the others
+  keep theirs in ``pinned_host`` memory and are *streamed*: one chunk at a time goes to the
+  device, is updated there and goes back
   (the runtime's streamed update, :meth:`chunkjax.ChunkedStep.jit_update_streamed`);
 * :meth:`ChunkedOptimizer.update` applies the user's optax transformation chunk by chunk
   (:func:`chunkjax.optim.update_chunk`, which reproduces ``clip_by_global_norm`` of the incoming
@@ -51,8 +52,9 @@ import optax
 
 from chunkjax import optim
 from chunkjax.layout import ChunkLayout, LeafSlot, build_layout
-from chunkjax.memory import DEVICE, PINNED_HOST, sharding
-from chunkjax.plan import Placement, PlanError, parse_bytes
+from chunkjax.memory import DEVICE, sharding
+from chunkjax.plan import parse_bytes, plan_schedule
+from chunkjax.predict import chunk_bytes
 
 #: Default of ``min_chunks``: the chunk-size search prefers sizes giving at least this many chunks
 #: (finer chunks let more of the state stay on the device under a budget).
@@ -231,19 +233,17 @@ class ChunkedOptimizer:
         self.tx = tx
         self.layout = build_layout(params, chunk_size, order, min_chunks=min_chunks)
         lay = self.layout
-        state_b = optim.state_bytes_per_chunk(tx, lay.chunk_size) + lay.chunk_size * 4
-        self._state_bytes = state_b
-        item = max(np.dtype(d).itemsize for d in lay.chunk_dtypes)
-        self.working_bytes = int(lay.chunk_size * 4 * 3 + state_b + lay.chunk_size * item)
-        if budget < self.working_bytes:
-            raise PlanError(f"device_budget {budget} bytes is below the {self.working_bytes} bytes one chunk's "
-                            f"update needs (chunk_size {lay.chunk_size} elements): use device_budget >= "
-                            f"{self.working_bytes} or a smaller chunk_size", self.working_bytes, False)
-        n_dev = min(lay.n_chunks, (budget - self.working_bytes) // state_b)
-        kinds = tuple(DEVICE if c < n_dev else PINNED_HOST for c in range(lay.n_chunks))
-        self.placement = Placement((DEVICE,) * lay.n_chunks, kinds)
-        self.device_state_bytes = int(n_dev * state_b)
-        self.host_state_bytes = int((lay.n_chunks - n_dev) * state_b)
+        # the drop-in optimizer's placement (plan_schedule's "optimizer_only" policy): the state of
+        # the first chunks on the device while it fits next to one chunk's update, the rest streamed
+        widest = max(lay.chunk_dtypes, key=lambda d: np.dtype(d).itemsize)
+        cb = chunk_bytes(lay, widest, optim.state_bytes_per_chunk(tx, lay.chunk_size))
+        plan = plan_schedule(lay, (), cb, budget, policy="optimizer_only")
+        self._state_bytes = cb.state
+        self.working_bytes = int(plan.predicted.peak_device_bytes - plan.predicted.device_model_bytes)
+        self.placement = plan.placement
+        kinds = self.placement.state_kinds
+        self.device_state_bytes = int(plan.predicted.device_model_bytes)
+        self.host_state_bytes = int(plan.predicted.host_model_bytes)
         self.step = 0
         subs = [_sub_layout(lay, c) for c in range(lay.n_chunks)]
         self._leaf_idx = [idx for _, idx in subs]

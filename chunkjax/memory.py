@@ -96,8 +96,9 @@ def check_pinned_host(need_bytes: int, platform: str, env=None) -> None:
       chunkjax.PlanError: ``need_bytes`` exceeds :func:`pinned_host_limit_bytes`; the message
         names the cap, where it comes from, and the value of the variable to set.
     """
-    from chunkjax.plan import PlanError
     import os
+
+    from chunkjax.errors import PlanError
     limit = pinned_host_limit_bytes(platform, env)
     if limit is None or need_bytes <= limit:
         return

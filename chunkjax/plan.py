@@ -1,157 +1,121 @@
-"""Placement of chunks and the memory/transfer accounting of a step (pure: allocates nothing).
+"""The planner: one :func:`plan_schedule`, five policies, every one returning a
+:class:`~chunkjax.schedule.Schedule` accounted by :mod:`chunkjax.predict` (pure: allocates nothing).
 
-A :class:`Placement` says, per chunk, where its compute params live between steps and where its
-master params and optimizer state live (so where its update runs: *device* when the state is on
-the device, *streamed* when the state is in pinned host memory and is moved through the device
-for the update). :func:`account` turns (layout, placement, stage activation trace) into predicted
-peak device bytes and bytes moved each way per step; :func:`plan_fixed` is the simple fixed rule
-of the foundation issue: whole chunks go to the device in first-use order while the accounted
-peak stays under the budget (PatrickStar, section 4.2: chunks that do not fit stay on the CPU).
+Policies (``policy=``):
 
-The traced memory tide and Belady eviction of the full planner build on the same accounting.
+``"tide"`` (default)
+    The traced-tide plan (PatrickStar, arXiv 2108.05818, sections 4.2-4.3 and 5, decided before
+    the first step). Placement chunk by chunk in first-use order: a chunk is *resident* (compute
+    params, master params and optimizer state on the device; update ``device``) or its compute
+    params live in pinned host memory and its update runs ``host`` (in place, overlapping the
+    backward) or ``streamed`` (state moved through the device) when no host kernel exists. The
+    device memory the tide leaves at each moment bounds the chunk buffers there; Belady's rule
+    (:func:`chunkjax.eviction.belady`) fetches the rest ``prefetch`` moments ahead. The step is
+    cut into programs at backward moments (:func:`auto_segments`) so a host thread updates
+    finished chunks while the backward runs. Every resident prefix is scheduled and predicted;
+    the fastest that fits is returned (near-ties, within :data:`NEAR_TIE`, to the most resident).
+``"fixed"``
+    The foundation's fixed rule: first the compute params of chunks (first-use order), then
+    their master params and optimizer state, go to the device while the stage-window bound
+    (:func:`chunkjax.predict.fixed_rule_moment_bytes`) fits; host-param chunks are fetched by
+    :func:`fetch_events`; updates ``device`` or ``streamed``; one program.
+``"all_host"``
+    Every chunk's model data in pinned host memory, fetched at every moment that reads it and
+    released after it; gradients go down as they complete, host updates overlap the backward.
+``"zero_offload"``
+    Every chunk's compute params fetched at the step's start and held to their last read,
+    gradients offloaded as they complete, master params and optimizer state updated on the host
+    after the backward with no overlap (ZeRO-Offload, arXiv 2101.06840).
+``"optimizer_only"``
+    The drop-in optimizer's rule (:class:`chunkjax.ChunkedOptimizer`): params and gradients on
+    the device (the training loop's, not counted), master params and optimizer state on the
+    device in layout order while they fit next to one chunk's update working set, the rest in
+    pinned host memory and streamed (ZeRO-Offload's split of the optimizer state).
+
+``ranks > 1`` plans one rank of a ZeRO run (``zero_stage`` 1, 2 or 3): every chunk split over the
+ranks, each rank's device budget, per-rank bytes (:mod:`chunkjax.predict`).
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Sequence
 
-import numpy as np
-
+from chunkjax import predict as pr
+from chunkjax.cost import Rates
+from chunkjax.errors import PlanError, gib_ceil
+from chunkjax.eviction import CapacityError, belady
 from chunkjax.layout import ChunkLayout
 from chunkjax.memory import DEVICE, PINNED_HOST
+from chunkjax.predict import ChunkBytes
+from chunkjax.schedule import DEVICE_UPDATE, HOST_UPDATE, STREAMED_UPDATE, Placement, Schedule
+from chunkjax.tide import Tide, memory_tide
+from chunkjax.trace import StageTrace
 
-_MSG_INFEASIBLE = (
+POLICIES = ("tide", "fixed", "all_host", "zero_offload", "optimizer_only")
+#: policies whose decisions do not depend on the budget (``must_fit=False`` returns them anyway)
+STATIC_POLICIES = ("all_host", "zero_offload")
+#: predicted step times within this fraction of the fastest count as a tie
+NEAR_TIE = 0.02
+
+_MSG_FIXED_INFEASIBLE = (
     "device budget {budget} bytes is below the {need} bytes this step needs with every chunk in "
     "pinned host memory (activations and temporaries {act} bytes, chunk buffers {buf} bytes){why}: "
-    "use --device-budget >= {need_gib:.3f}GiB{fix}"
-)
+    "use --device-budget >= {need_gib:.3f}GiB{fix}")
+_MSG_OFFLOADED_INFEASIBLE = (
+    "device budget {budget} bytes is below the {need} bytes this step needs with every chunk offloaded "
+    "(non-model peak {act} bytes){why}: use --device-budget >= {need_gib:.3f}GiB{fix}")
+_MSG_STATIC_INFEASIBLE = ("the {policy} schedule needs {need} device bytes, above the budget of {budget} bytes: "
+                          "use --device-budget >= {need_gib:.3f}GiB or another policy")
+_MSG_HOST = ("host budget {host} bytes is below the {need} bytes of model data and gradient buffers the host "
+             "must hold at a device budget of {dev} bytes (every chunk that fits stays on the device): use "
+             "--host-budget >= {need_gib:.3f}GiB or a larger --device-budget")
+_MSG_HOST_ZERO = ("node host budget {host} bytes ({host_rank} per rank over {n} ranks) is below the {need_node} bytes "
+                  "({need} per rank) of model data the host must hold at a device budget of {dev} bytes per GPU "
+                  "(every chunk that fits stays on the device): use --host-budget >= {need_gib:.3f}GiB (the node's) "
+                  "or a larger --device-budget")
+_MSG_UPDATE = ("device budget {budget} bytes is below the {need} bytes one chunk's update needs (chunk_size "
+               "{cs} elements): use a device budget >= {need} bytes or a smaller chunk_size")
+_WHY_ACT = "; activations alone exceed the budget"
+_FIX_ACT = " or lower the batch / sequence length (activations are checkpointed per block)"
 
 
-def _gib_ceil(n: int) -> float:
-    """``n`` bytes in GiB rounded *up* to the 3 decimals the message prints (rounding to nearest
-    could suggest a budget below ``n``, which then fails again)."""
-    return -(-n * 1000 // 2**30) / 1000
+def parse_bytes(text: str) -> int:
+    """Parse ``"8GiB"``, ``"512MiB"``, ``"24GB"``, ``"1e9"`` or ``"123456"`` into bytes.
 
-
-class PlanError(ValueError):
-    """No placement fits the device budget (the message gives the smallest budget that does)."""
-
-    def __init__(self, msg: str, min_budget_bytes: int, activations_alone: bool):
-        super().__init__(msg)
-        self.min_budget_bytes = min_budget_bytes
-        self.activations_alone = activations_alone
-
-
-@dataclasses.dataclass(frozen=True)
-class Placement:
-    """Where each chunk lives between steps.
-
-    Attributes:
-      param_kinds: per chunk, memory kind of the compute-dtype params.
-      state_kinds: per chunk, memory kind of the float32 master params and optimizer state.
+    Raises:
+      ValueError: unparsable or not positive (one line naming the accepted forms).
     """
-
-    param_kinds: tuple[str, ...]
-    state_kinds: tuple[str, ...]
-
-    def __post_init__(self):
-        if len(self.param_kinds) != len(self.state_kinds):
-            raise ValueError("param_kinds and state_kinds must have one entry per chunk")
-        for k in self.param_kinds + self.state_kinds:
-            if k not in (DEVICE, PINNED_HOST):
-                raise ValueError(f"memory kind {k!r} is not 'device' or 'pinned_host'")
-
-    @property
-    def n_chunks(self) -> int:
-        return len(self.param_kinds)
-
-    @property
-    def update_locations(self) -> tuple[str, ...]:
-        """Per chunk: ``"device"`` or ``"streamed"``."""
-        return tuple("device" if k == DEVICE else "streamed" for k in self.state_kinds)
-
-    def grad_kind(self, c: int) -> str:
-        """Memory kind a gradient chunk leaves the backward pass into."""
-        return DEVICE if self.state_kinds[c] == DEVICE else PINNED_HOST
-
-    @classmethod
-    def uniform(cls, n_chunks: int, param_kind: str, state_kind: str) -> "Placement":
-        return cls((param_kind,) * n_chunks, (state_kind,) * n_chunks)
-
-    @classmethod
-    def from_device_chunks(cls, n_chunks: int, on_device) -> "Placement":
-        """Whole chunks (params and state) on the device for ids in ``on_device``, rest on host."""
-        ks = tuple(DEVICE if c in set(on_device) else PINNED_HOST for c in range(n_chunks))
-        return cls(ks, ks)
-
-    def counts(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for p, s in zip(self.param_kinds, self.state_kinds):
-            key = f"params_{p}/state_{s}"
-            out[key] = out.get(key, 0) + 1
-        return out
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+    t = str(text).strip().lower().replace(" ", "")
+    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = t[len(num):]
+    try:
+        val = float(num)
+    except ValueError:
+        val = None
+    if val is None or unit not in units or not math.isfinite(val):
+        raise ValueError(f"cannot parse {text!r} as a byte size: use e.g. 8GiB, 512MiB, 24GB or a plain byte count")
+    if val <= 0:
+        raise ValueError(f"a byte size must be positive, got {text!r}: use e.g. 8GiB, 512MiB or 24GB")
+    return int(val * units[unit])
 
 
-@dataclasses.dataclass(frozen=True)
-class StageTrace:
-    """Non-model memory of one stage, from tracing it on abstract inputs.
-
-    Attributes:
-      name: the stage's name.
-      chunks: chunk ids the stage reads.
-      input_bytes: bytes of the activation saved at the stage's input (kept until its backward).
-      temp_bytes: peak transient bytes of the stage's recompute + vjp (compiled memory analysis).
-      bwd_chunks: chunk ids whose values the stage's backward needs (a subset of ``chunks``;
-        an embedding lookup's gradient needs none). ``None`` means all of ``chunks``.
-    """
-
-    name: str
-    chunks: tuple[int, ...]
-    input_bytes: int
-    temp_bytes: int
-    bwd_chunks: tuple[int, ...] | None = None
-
-    @property
-    def backward_chunks(self) -> tuple[int, ...]:
-        return self.chunks if self.bwd_chunks is None else self.bwd_chunks
-
-
-@dataclasses.dataclass(frozen=True)
-class Accounting:
-    """Predicted memory and traffic of one training step (all bytes)."""
-
-    peak_device_bytes: int
-    device_model_bytes: int
-    non_model_peak_bytes: int
-    h2d_bytes_per_step: int
-    d2h_bytes_per_step: int
-    fetches_per_step: int
-    fwd_bwd_h2d_bytes: int = 0      # chunk fetches during forward/backward
-    fwd_bwd_d2h_bytes: int = 0      # gradient chunks leaving the backward pass
-    host_model_bytes: int = 0       # model data and gradient buffers in pinned host memory
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-@dataclasses.dataclass(frozen=True)
-class ChunkBytes:
-    """Bytes of one chunk in each chunk list."""
-
-    params: int   # compute dtype
-    grad: int     # compute dtype
-    master: int   # float32
-    opt: int      # optimizer state (all leaves of the chunk's optax state)
-
-    @property
-    def state(self) -> int:
-        return self.master + self.opt
-
-
-def chunk_bytes(layout: ChunkLayout, compute_dtype, opt_state_bytes: int) -> ChunkBytes:
-    cs = layout.chunk_size
-    it = np.dtype(compute_dtype).itemsize
-    return ChunkBytes(params=cs * it, grad=cs * it, master=cs * 4, opt=opt_state_bytes)
+def auto_segments(n_moments: int, n_stages: int, max_programs: int = 8) -> tuple[int, ...]:
+    """Program starts for a pipelined step: the first program holds the forward pass and the
+    fused head; the backward is cut from its end in sizes 1, 2, 4, ... (at most ``max_programs``
+    programs), the rest of it being one program. The host thread updates a program's chunks
+    while the next ones run; the last program's are the update that cannot overlap."""
+    starts, size, end = [], 1, n_moments
+    first_bwd = n_stages  # moments 0..n-2 forward, n-1 fused, n.. backward
+    while len(starts) < max_programs - 2 and end - size >= first_bwd:
+        starts.append(end - size)
+        end -= size
+        size *= 2
+    if end > first_bwd:  # the host starts on the head's gradients while the backward runs
+        starts.append(first_bwd)
+    return tuple([0] + sorted(set(starts)))
 
 
 def fetch_events(traces, placement: Placement, prefetch: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -184,122 +148,332 @@ def fetch_events(traces, placement: Placement, prefetch: int) -> tuple[list[list
     return fwd, bwd
 
 
-def account(layout: ChunkLayout, placement: Placement, traces: tuple[StageTrace, ...],
-            cb: ChunkBytes, prefetch: int = 1, host_update: bool = False) -> Accounting:
-    """Predict peak device bytes and per-step traffic for a placement.
-
-    Peak = model data resident on the device + every saved stage input + the largest moment of
-    (chunk buffers fetched for the prefetch window + gradient accumulators (float32) alive +
-    gradients of device-updated chunks waiting for the update + the stage's temporaries), or the
-    update phase (one streamed chunk's grad, master, state and params on the device), whichever
-    is larger.
-    """
-    n = placement.n_chunks
-    dev_model = sum((cb.params if placement.param_kinds[c] == DEVICE else 0)
-                    + (cb.state if placement.state_kinds[c] == DEVICE else 0) for c in range(n))
-    saved = sum(t.input_bytes for t in traces[1:])
-    # first (forward order) stage reading each chunk: its gradient is complete after that stage's
-    # backward; last reader: its accumulator opens at that stage's backward
-    first = {c: min(s for s, t in enumerate(traces) if c in t.chunks) for c in range(n)
-             if any(c in t.chunks for t in traces)}
-    last = {c: max(s for s, t in enumerate(traces) if c in t.chunks) for c in first}
-    window = max(prefetch, 1)
-    worst = 0
-    for s, t in enumerate(traces):
-        near = {c for s2 in range(s, min(len(traces), s + window + 1)) for c in traces[s2].chunks}
-        fetched = sum(cb.params for c in near if placement.param_kinds[c] == PINNED_HOST)
-        acc = sum(layout.chunk_size * 4 for c in first if first[c] <= s <= last[c])
-        waiting = sum(cb.grad for c in first if placement.state_kinds[c] == DEVICE and first[c] >= s)
-        worst = max(worst, fetched + acc + waiting + t.temp_bytes)
-    streamed = [c for c in range(n) if placement.state_kinds[c] == PINNED_HOST]
-    all_dev_grads = sum(cb.grad for c in range(n) if placement.state_kinds[c] == DEVICE)
-    # update phase: the device group first (its gradients plus float32 temporaries of one chunk),
-    # then one streamed chunk at a time (grad, master, state and old/new params on the device)
-    device_update = all_dev_grads + 2 * layout.chunk_size * 4 if all_dev_grads else 0
-    streamed_update = (cb.grad + cb.state + 2 * cb.params) if streamed else 0
-    non_model = saved + worst
-    peak = dev_model + max(non_model, device_update, streamed_update)
-    fwd, bwd = fetch_events(traces, placement, prefetch)
-    n_fetch = sum(len(x) for x in fwd) + sum(len(x) for x in bwd)
-    fb_h2d = n_fetch * cb.params
-    fb_d2h = len(streamed) * cb.grad
-    h2d, d2h = fb_h2d, fb_d2h
-    for c in streamed:
-        if host_update:  # updated in place on the host: only new compute params come back up
-            h2d += cb.params if placement.param_kinds[c] == DEVICE else 0
-        else:  # streamed: grad and state up, state (and host-kind params) back down
-            d2h += cb.state + (cb.params if placement.param_kinds[c] == PINNED_HOST else 0)
-            h2d += cb.grad + cb.state
-    # chunks whose params are on the host but state on the device: new params go back down
-    for c in range(n):
-        if placement.state_kinds[c] == DEVICE and placement.param_kinds[c] == PINNED_HOST:
-            d2h += cb.params
-    host = sum((cb.params if placement.param_kinds[c] == PINNED_HOST else 0)
-               + (cb.state + cb.grad if placement.state_kinds[c] == PINNED_HOST else 0) for c in range(n))
-    return Accounting(peak_device_bytes=int(peak), device_model_bytes=int(dev_model),
-                      non_model_peak_bytes=int(non_model), h2d_bytes_per_step=int(h2d),
-                      d2h_bytes_per_step=int(d2h), fetches_per_step=int(n_fetch),
-                      fwd_bwd_h2d_bytes=int(fb_h2d), fwd_bwd_d2h_bytes=int(fb_d2h), host_model_bytes=int(host))
+def _evictions(fetch, accesses, T) -> list[tuple[int, ...]]:
+    """After each moment, release the chunks whose next read is a fresh fetch (or never)."""
+    evict: list[list[int]] = [[] for _ in range(T)]
+    last_read: dict[int, int] = {}
+    for t in range(T):
+        for c in accesses[t]:
+            if c in fetch[t] and c in last_read:
+                evict[last_read[c]].append(c)
+            last_read[c] = t
+    for c, t in last_read.items():
+        evict[t].append(c)
+    return [tuple(sorted(e)) for e in evict]
 
 
-def plan_fixed(layout: ChunkLayout, traces: tuple[StageTrace, ...], cb: ChunkBytes,
-               budget_bytes: int, prefetch: int = 1) -> tuple[Placement, Accounting]:
-    """The fixed rule: first the compute params of chunks (in first-use order), then their master
-    params and optimizer state, go to the device while the accounted peak fits ``budget_bytes``;
-    everything else stays in pinned host memory.
+def _moments(tide: Tide) -> tuple[tuple[str, int], ...]:
+    return tuple((m.phase, m.stage) for m in tide.moments)
 
-    Compute params first: a resident param chunk saves its fetch in forward and backward for
-    ``2 x compute-dtype`` bytes of device memory, the cheapest traffic saved per byte (ZeRO-Offload's
-    split when the budget holds all params); state placed on the device also moves the chunk's
-    update there (PatrickStar, section 5).
 
-    Raises:
-      PlanError: even the all-host placement exceeds the budget; the message gives the
-        smallest budget that works and says whether activations alone exceed the budget.
-    """
+# ---- the tide policy ----------------------------------------------------------------------------
+
+def _tide_one(layout: ChunkLayout, traces, tide: Tide, cb: ChunkBytes, budget: int, resident: set[int],
+              host_update: bool, prefetch: int, segments: tuple[int, ...], rates: Rates, flops_per_step: float):
+    """Schedule one placement (``resident`` chunks fully on the device); None if it cannot fit."""
     n = layout.n_chunks
-    host = Placement.uniform(n, PINNED_HOST, PINNED_HOST)
-    acc_host = account(layout, host, traces, cb, prefetch)
-    if acc_host.peak_device_bytes > budget_bytes:
-        act = sum(t.input_bytes for t in traces[1:]) + max(t.temp_bytes for t in traces)
-        alone = act > budget_bytes
-        why = "; activations alone exceed the budget" if alone else ""
-        fix = " or lower the batch / sequence length (activations are checkpointed per block)" if alone else ""
-        need = acc_host.peak_device_bytes
-        raise PlanError(_MSG_INFEASIBLE.format(budget=budget_bytes, need=need, act=act,
-                                               buf=need - act, why=why, need_gib=_gib_ceil(need), fix=fix),
-                        need, alone)
+    T = len(tide.moments)
+    pk = tuple(DEVICE if c in resident else PINNED_HOST for c in range(n))
+    loc = tuple(DEVICE_UPDATE if c in resident else (HOST_UPDATE if host_update else STREAMED_UPDATE)
+                for c in range(n))
+    if HOST_UPDATE not in loc:  # nothing for a host thread to overlap: one program
+        segments = (0,)
+    model = pr.device_model_bytes(cb, pk, loc)
+    grad_done = pr.grad_done_moments(traces, tide)
+    waiting = pr.waiting_grad_bytes(cb, loc, grad_done, T)
+    accesses = [tuple(c for c in m.chunks if pk[c] == PINNED_HOST) for m in tide.moments]
+    max_reads = max((len(a) for a in accesses), default=0)
+    caps = []
+    for t, m in enumerate(tide.moments):
+        avail = budget - model - m.non_model_bytes - waiting[t]
+        cap = math.floor(avail / cb.params) - prefetch * max_reads if cb.params else 0
+        if cap < len(accesses[t]):
+            return None
+        caps.append(cap)
+    try:
+        ev = belady(accesses, caps)
+    except CapacityError:
+        return None
+    held = [len(r) for r in ev.resident_after]
+    per_moment = pr.tide_moment_bytes(tide, cb, pk, loc, ev.fetch, prefetch, held, grad_done)
+    pred = pr.predict(layout.chunk_size, traces, tide, cb, pk, loc, ev.fetch, segments, per_moment,
+                      flops_per_step=flops_per_step, rates=rates)
+    if pred.peak_device_bytes > budget:
+        return None
+    return Schedule(pk, loc, tuple(ev.fetch), tuple(_evictions(ev.fetch, accesses, T)), segments, prefetch,
+                    _moments(tide), pred, int(budget))
+
+
+def _tide(one, n_chunks: int, budget: int, host_fits, resident) -> Schedule:
+    """The fastest candidate (first k chunks resident, k = 0..n) that fits; ``one(budget,
+    resident)`` schedules one placement (None: does not fit the device)."""
+    if resident is not None:
+        s = one(budget, set(resident))
+        if s is None:
+            raise PlanError(f"the forced resident chunks {list(resident)} do not fit {budget} bytes: "
+                            "lower the resident set or raise the device budget", budget, False)
+        return s
+    cands = []
+    for k in range(n_chunks + 1):  # the first k chunks (first-use order) resident
+        s = one(budget, set(range(k)))
+        if s is None:
+            if k == 0:
+                break
+            continue
+        if host_fits(s):
+            cands.append(s)
+    if not cands:
+        return None
+    # near-ties (within the cost model's resolution) go to the most resident placement:
+    # fewer bytes moved, PatrickStar's rule of keeping chunks on the device while memory allows
+    fastest = min(c.predicted.time.step_s for c in cands)
+    return [c for c in cands if c.predicted.time.step_s <= fastest * (1 + NEAR_TIE)][-1]
+
+
+def _host_error(host_budget: int, need: int, device_budget: int, ranks: int) -> PlanError:
+    """The host budget cannot hold ``need`` bytes (one rank's) of host model data."""
+    if ranks == 1:
+        msg = _MSG_HOST.format(host=host_budget, need=need, dev=device_budget, need_gib=gib_ceil(need))
+    else:
+        msg = _MSG_HOST_ZERO.format(host=host_budget, host_rank=host_budget // ranks, n=ranks, need_node=need * ranks,
+                                    need=need, dev=device_budget, need_gib=gib_ceil(need * ranks))
+    return PlanError(msg, device_budget, False)
+
+
+def _tide_infeasible(one, n_chunks: int, tide: Tide, cb: ChunkBytes, budget: int, host_budget, ranks: int):
+    """Raise the PlanError of a tide plan that found no candidate: the host budget needed when
+    the device fits, else the smallest device budget (bisected on the all-offloaded schedule)."""
+    if one(budget, set()) is not None and host_budget is not None:  # the device fits; the host does not
+        need = min(s.predicted.host_model_bytes for s in
+                   (one(budget, set(range(k))) for k in range(n_chunks + 1)) if s is not None)
+        raise _host_error(host_budget, need, budget, ranks)
+    lo, hi = budget, max(budget, 1) * 2
+    while one(hi, set()) is None:
+        lo, hi = hi, hi * 2
+        if hi > 2**50:
+            raise PlanError("no device budget fits this step", hi, True)
+    while hi - lo > max(1, cb.params // 64):
+        mid = (lo + hi) // 2
+        if one(mid, set()) is None:
+            lo = mid
+        else:
+            hi = mid
+    s = one(hi, set())
+    if s is not None and budget >= hi and host_budget is not None:
+        raise _host_error(host_budget, s.predicted.host_model_bytes, hi, ranks)
+    act = tide.peak_non_model_bytes
+    alone = act > budget
+    raise PlanError(_MSG_OFFLOADED_INFEASIBLE.format(budget=budget, need=hi, act=act, why=_WHY_ACT if alone else "",
+                                                     need_gib=gib_ceil(hi), fix=_FIX_ACT if alone else ""), hi, alone)
+
+
+# ---- the fixed rule -----------------------------------------------------------------------------
+
+def _fixed_fetch(traces, placement: Placement, prefetch: int) -> tuple[tuple[int, ...], ...]:
+    """The fixed rule's fetches per moment (tide order)."""
+    fwd, bwd = fetch_events(traces, placement, prefetch)
+    n = len(traces)
+    return tuple(tuple(x) for x in fwd + [bwd[s] for s in range(n - 2, -1, -1)])
+
+
+def _fixed_schedule(layout, traces, tide, cb, budget, placement: Placement, prefetch, rates, flops) -> Schedule:
+    pk, loc = placement.param_kinds, placement.update_locations
+    fetch = _fixed_fetch(traces, placement, prefetch)
+    accesses = [tuple(c for c in m.chunks if pk[c] == PINNED_HOST) for m in tide.moments]
+    per_moment = pr.fixed_rule_moment_bytes(layout.chunk_size, traces, cb, pk, loc, prefetch)
+    pred = pr.predict(layout.chunk_size, traces, tide, cb, pk, loc, fetch, (0,), per_moment,
+                      flops_per_step=flops, rates=rates)
+    return Schedule(pk, loc, fetch, tuple(_evictions(fetch, accesses, len(tide.moments))), (0,), prefetch,
+                    _moments(tide), pred, int(budget))
+
+
+def _fixed(layout, traces, tide, cb, budget, prefetch, rates, flops) -> Schedule:
+    """Compute params first (a resident param chunk saves its fetch in forward and backward for
+    ``2 x compute-dtype`` bytes of device memory, the cheapest traffic saved per byte:
+    ZeRO-Offload's split when the budget holds all params), then master params and optimizer state
+    (which moves the chunk's update to the device: PatrickStar, section 5), chunk by chunk in
+    first-use order, each kept while the peak fits."""
+    n, cs = layout.n_chunks, layout.chunk_size
+
+    def peak(pk, sk):
+        return pr.fixed_rule_peak(cs, traces, cb, Placement(tuple(pk), tuple(sk)), prefetch)
+
     pk, sk = [PINNED_HOST] * n, [PINNED_HOST] * n
-    best = (host, acc_host)
+    need = peak(pk, sk)
+    if need > budget:
+        act = sum(t.input_bytes for t in traces[1:]) + max(t.temp_bytes for t in traces)
+        alone = act > budget
+        raise PlanError(_MSG_FIXED_INFEASIBLE.format(budget=budget, need=need, act=act, buf=need - act,
+                                                     why=_WHY_ACT if alone else "", need_gib=gib_ceil(need),
+                                                     fix=_FIX_ACT if alone else ""), need, alone)
     for kinds in (pk, sk):
         for c in range(n):
             kinds[c] = DEVICE
-            trial = Placement(tuple(pk), tuple(sk))
-            acc = account(layout, trial, traces, cb, prefetch)
-            if acc.peak_device_bytes <= budget_bytes:
-                best = (trial, acc)
-            else:
+            if peak(pk, sk) > budget:
                 kinds[c] = PINNED_HOST
-    return best
+    return _fixed_schedule(layout, traces, tide, cb, budget, Placement(tuple(pk), tuple(sk)), prefetch, rates, flops)
 
 
-def parse_bytes(text: str) -> int:
-    """Parse ``"8GiB"``, ``"512MiB"``, ``"24GB"``, ``"1e9"`` or ``"123456"`` into bytes.
+# ---- static baselines ---------------------------------------------------------------------------
+
+def _all_host(layout, traces, tide, cb, budget, prefetch, segments, rates, flops) -> Schedule:
+    n, T = layout.n_chunks, len(tide.moments)
+    pk, loc = (PINNED_HOST,) * n, (HOST_UPDATE,) * n
+    fetch = tuple(tuple(sorted(set(m.chunks))) for m in tide.moments)
+    evict = fetch  # released after every read: the next read is a fresh fetch
+    segs = auto_segments(T, len(traces)) if segments == "auto" else segments
+    per_moment = pr.tide_moment_bytes(tide, cb, pk, loc, fetch, prefetch, pr.held_buffers(fetch, evict),
+                                      pr.grad_done_moments(traces, tide))
+    pred = pr.predict(layout.chunk_size, traces, tide, cb, pk, loc, fetch, segs, per_moment,
+                      flops_per_step=flops, rates=rates)
+    return Schedule(pk, loc, fetch, evict, segs, prefetch, _moments(tide), pred, int(budget))
+
+
+def _zero_offload(layout, traces, tide, cb, budget, rates, flops) -> Schedule:
+    # every chunk's compute params go up at the start of the step (all fetches issued at the
+    # first moment: prefetch = T) and stay until their last read; gradients go down as they
+    # complete; the host update of all chunks waits for the end of the backward (one program,
+    # no overlap): ZeRO-Offload's order, with the param upload of step k+1 (after the update of
+    # step k) overlapping step k+1's forward
+    n, T = layout.n_chunks, len(tide.moments)
+    pk, loc = (PINNED_HOST,) * n, (HOST_UPDATE,) * n
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for t, m in enumerate(tide.moments):
+        for c in m.chunks:
+            first.setdefault(c, t)
+            last[c] = t
+    fetch = tuple(tuple(sorted(c for c in first if first[c] == t)) for t in range(T))
+    evict = tuple(tuple(sorted(c for c in last if last[c] == t)) for t in range(T))
+    prefetch = max(T, 1)
+    per_moment = pr.tide_moment_bytes(tide, cb, pk, loc, fetch, prefetch, pr.held_buffers(fetch, evict),
+                                      pr.grad_done_moments(traces, tide))
+    pred = pr.predict(layout.chunk_size, traces, tide, cb, pk, loc, fetch, (0,), per_moment,
+                      flops_per_step=flops, rates=rates, forward_fetches=len(first))
+    return Schedule(pk, loc, fetch, evict, (0,), prefetch, _moments(tide), pred, int(budget))
+
+
+# ---- the drop-in optimizer's rule -----------------------------------------------------------------
+
+def _optimizer_only(layout, traces, tide, cb, budget, rates, flops) -> Schedule:
+    n, cs = layout.n_chunks, layout.chunk_size
+    working = pr.update_working_bytes(cs, cb)
+    if budget < working:
+        raise PlanError(_MSG_UPDATE.format(budget=budget, need=working, cs=cs), working, False)
+    n_dev = min(n, (budget - working) // cb.state) if cb.state else n
+    loc = tuple(DEVICE_UPDATE if c < n_dev else STREAMED_UPDATE for c in range(n))
+    T = 0 if tide is None else len(tide.moments)
+    return Schedule((DEVICE,) * n, loc, ((),) * T, ((),) * T, (0,), 1, () if tide is None else _moments(tide),
+                    pr.predict_optimizer_only(cs, cb, loc, flops_per_step=flops, rates=rates), int(budget))
+
+
+# ---- the entry point ----------------------------------------------------------------------------
+
+def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBytes, budget_bytes: int, *,
+                  policy: str = "tide", ranks: int = 1, zero_stage: int | None = None,
+                  host_budget_bytes: int | None = None, prefetch: int = 1,
+                  segments: Sequence[int] | str | None = "auto", flops_per_step: float = 0.0,
+                  rates: Rates = Rates(), host_update: bool = True, resident: Sequence[int] | None = None,
+                  must_fit: bool = True) -> Schedule:
+    """Plan one training step under a device budget: the one entry point for every policy.
+
+    Args:
+      layout: the chunk layout (chunk ids in first-use order; under ZeRO a layout whose
+        ``chunk_size`` splits over the ranks, :func:`chunkjax.zero.build_zero_layout`).
+      traces: per-stage traces (:func:`chunkjax.trace_stages`; under ZeRO of one rank's rows).
+        ``policy="optimizer_only"`` accepts ``()`` (the training loop is the user's).
+      cb: bytes of one whole chunk in each chunk list (:func:`chunkjax.chunk_bytes`).
+      budget_bytes: device budget, the peak of all device bytes during the step (bytes; each
+        rank's under ZeRO). For ``"optimizer_only"``: the optimizer's device bytes (resident
+        master params and state plus one chunk's update), not the loop's params and gradients.
+      policy: one of :data:`POLICIES` (see the module docstring).
+      ranks: data-parallel ranks each chunk is split over (1: one device, no ZeRO).
+      zero_stage: 1, 2 or 3 with ``ranks > 1`` (default 3); must be None with one rank.
+      host_budget_bytes: host memory for model data (bytes; under ZeRO the node's, each rank
+        holding 1/ranks of it); None: unbounded.
+      prefetch: moments between a fetch and its use (>= 1).
+      segments: program starts (moment indices), ``"auto"`` (:func:`auto_segments` when host
+        updates can overlap the backward, else one program) or None (one program). Used by the
+        host-updating policies ``"tide"`` and ``"all_host"``; the others run one program.
+      flops_per_step: training FLOPs of one step of one rank (6N + 12LSh per token, times
+        tokens), for the step time; 0 times transfers and updates only.
+      rates: cost-model rates (:class:`chunkjax.cost.Rates`).
+      host_update: ``"tide"``: a host kernel exists for the optimizer (offloaded chunks update
+        ``host``; otherwise ``streamed``).
+      resident: ``"tide"``: force exactly these chunks resident (skips the search).
+      must_fit: False returns a static baseline (``"all_host"``, ``"zero_offload"``) even when
+        its predicted peak exceeds the budgets (for reports that compare them).
+
+    Returns:
+      the :class:`~chunkjax.schedule.Schedule` with its :class:`~chunkjax.schedule.Prediction`
+      (one rank's figures under ZeRO; :func:`chunkjax.predict.collective_bytes` gives the rank's
+      collective bytes).
 
     Raises:
-      ValueError: unparsable (one line naming the accepted forms).
+      PlanError: no schedule of the policy fits the device budget (the message names the
+        smallest budget that works and whether activations alone are the cause;
+        ``.min_budget_bytes``) or the host budget (the message names the host budget needed).
+      ValueError: an unknown policy, ``prefetch < 1``, bad ``ranks`` / ``zero_stage``, no traces,
+        or an option the policy does not take.
     """
-    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-    t = str(text).strip().lower().replace(" ", "")
-    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = t[len(num):]
-    try:
-        val = float(num)
-    except ValueError:
-        val = None
-    if val is None or unit not in units or not math.isfinite(val):
-        raise ValueError(f"cannot parse {text!r} as a byte size: use e.g. 8GiB, 512MiB, 24GB or a plain byte count")
-    if val <= 0:
-        raise ValueError(f"a byte size must be positive, got {text!r}: use e.g. 8GiB, 512MiB or 24GB")
-    return int(val * units[unit])
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}: use one of {', '.join(POLICIES)}")
+    if prefetch < 1:
+        raise ValueError(f"prefetch must be >= 1 moment, got {prefetch}")
+    if not isinstance(ranks, int) or ranks < 1:
+        raise ValueError(f"ranks must be an int >= 1, got {ranks!r}: use 1 for one device")
+    if ranks == 1 and zero_stage is not None:
+        raise ValueError(f"zero_stage={zero_stage} needs ranks > 1 (one device has nothing to shard)")
+    stage = 3 if zero_stage is None else zero_stage
+    if ranks > 1 and stage not in (1, 2, 3):
+        raise ValueError(f"zero_stage must be 1, 2 or 3, got {zero_stage}")
+    if ranks > 1 and policy == "optimizer_only":
+        raise ValueError("policy='optimizer_only' plans one device: use ranks=1")
+    if resident is not None and policy != "tide":
+        raise ValueError(f"resident= forces the tide plan's resident set: policy={policy!r} takes none")
+    if not must_fit and policy not in STATIC_POLICIES:
+        raise ValueError(f"must_fit=False returns the static baselines {STATIC_POLICIES}, not {policy!r}")
+    if not traces and policy != "optimizer_only":
+        raise ValueError(f"policy={policy!r} needs the stage traces (chunkjax.trace_stages)")
+    traces = tuple(traces)
+    tide = memory_tide(traces, layout.chunk_size) if traces else None
+    budget = int(budget_bytes)
+    plan_cb = cb.per_rank(ranks, stage) if ranks > 1 else cb
+
+    def finish(s: Schedule) -> Schedule:  # one rank's bytes moved and held under ZeRO
+        if ranks == 1:
+            return s
+        return dataclasses.replace(s, predicted=pr.per_rank(s.predicted, cb, ranks, stage, s.update_locations))
+
+    def host_fits(s: Schedule) -> bool:
+        return host_budget_bytes is None or ranks * s.predicted.host_model_bytes <= host_budget_bytes
+
+    if policy == "tide":
+        T = len(tide.moments)
+        segs = ((auto_segments(T, len(traces)) if host_update else (0,)) if segments == "auto"
+                else (0,) if segments is None else tuple(segments))
+
+        def one(b, res):
+            s = _tide_one(layout, traces, tide, plan_cb, b, res, host_update, prefetch, segs, rates, flops_per_step)
+            return None if s is None else finish(s)
+
+        best = _tide(one, layout.n_chunks, budget, host_fits, resident)
+        if best is None:
+            _tide_infeasible(one, layout.n_chunks, tide, plan_cb, budget, host_budget_bytes, ranks)
+        return best
+    if policy == "fixed":
+        s = finish(_fixed(layout, traces, tide, plan_cb, budget, prefetch, rates, flops_per_step))
+    elif policy == "all_host":
+        segs = (0,) if segments is None else segments if segments == "auto" else tuple(segments)
+        s = finish(_all_host(layout, traces, tide, plan_cb, budget, prefetch, segs, rates, flops_per_step))
+    elif policy == "zero_offload":
+        s = finish(_zero_offload(layout, traces, tide, plan_cb, budget, rates, flops_per_step))
+    else:
+        s = _optimizer_only(layout, traces, tide, cb, budget, rates, flops_per_step)
+    if must_fit and s.predicted.peak_device_bytes > budget:  # the static baselines
+        need = s.predicted.peak_device_bytes
+        raise PlanError(_MSG_STATIC_INFEASIBLE.format(policy=policy, need=need, budget=budget,
+                                                      need_gib=gib_ceil(need)), need, False)
+    if must_fit and not host_fits(s):
+        raise _host_error(host_budget_bytes, s.predicted.host_model_bytes, budget, ranks)
+    return s

@@ -37,7 +37,8 @@ import optax
 from chunkjax import memory, optim
 from chunkjax.layout import ChunkLayout
 from chunkjax.memory import DEVICE, PINNED_HOST, ordered_after, sharding
-from chunkjax.plan import Placement, fetch_events
+from chunkjax.plan import fetch_events
+from chunkjax.schedule import Placement
 from chunkjax.stages import first_readers, stage_reads
 
 
@@ -132,8 +133,7 @@ class ChunkedStep:
         key = (jax.tree.structure(ab), tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(ab)))
         cache = self.__dict__.setdefault("_traces_cache", {})
         if key not in cache:
-            from chunkjax.plan import StageTrace
-            from chunkjax.trace import backward_reads, stage_inputs
+            from chunkjax.trace import StageTrace, backward_reads, stage_inputs
             ins = stage_inputs(self.stages, self.layout, ab, self.compute_dtype)
             cache[key] = tuple(StageTrace(st.name, r, 0, 0, backward_reads(st, self.layout, p, x, ab))
                                for st, r, (p, x) in zip(self.stages, self.reads, ins))

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from chunkjax.plan import StageTrace
+from chunkjax.trace import StageTrace
 
 FORWARD, FUSED, BACKWARD = "forward", "forward+backward", "backward"
 
@@ -73,7 +73,7 @@ def memory_tide(traces: tuple[StageTrace, ...], chunk_size: int) -> Tide:
     """Build the tide from per-stage traces.
 
     Args:
-      traces: one :class:`~chunkjax.plan.StageTrace` per stage, in stage order.
+      traces: one :class:`~chunkjax.trace.StageTrace` per stage, in stage order.
       chunk_size: elements per chunk (a gradient accumulator is ``4 * chunk_size`` bytes).
 
     Returns:

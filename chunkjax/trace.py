@@ -8,11 +8,36 @@ blocks) are compiled once.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.extend.core as jex_core
 
 from chunkjax.layout import ChunkLayout
-from chunkjax.plan import StageTrace
+
+
+@dataclasses.dataclass(frozen=True)
+class StageTrace:
+    """Non-model memory of one stage, from tracing it on abstract inputs.
+
+    Attributes:
+      name: the stage's name.
+      chunks: chunk ids the stage reads.
+      input_bytes: bytes of the activation saved at the stage's input (kept until its backward).
+      temp_bytes: peak transient bytes of the stage's recompute + vjp (compiled memory analysis).
+      bwd_chunks: chunk ids whose values the stage's backward needs (a subset of ``chunks``;
+        an embedding lookup's gradient needs none). ``None`` means all of ``chunks``.
+    """
+
+    name: str
+    chunks: tuple[int, ...]
+    input_bytes: int
+    temp_bytes: int
+    bwd_chunks: tuple[int, ...] | None = None
+
+    @property
+    def backward_chunks(self) -> tuple[int, ...]:
+        return self.chunks if self.bwd_chunks is None else self.bwd_chunks
 
 
 def _nbytes(tree) -> int:
@@ -111,7 +136,7 @@ def trace_stages(stages, layout: ChunkLayout, batch: jax.ShapeDtypeStruct, compu
       compute_dtype: dtype of the compute params (bf16 under mixed precision).
 
     Returns:
-      one :class:`~chunkjax.plan.StageTrace` per stage.
+      one :class:`StageTrace` per stage.
     """
     out, cache, live = [], {}, {}
     for i, (st, (p_sub, x)) in enumerate(zip(stages, stage_inputs(stages, layout, batch, compute_dtype))):

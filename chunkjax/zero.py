@@ -73,7 +73,7 @@ from jax.sharding import PartitionSpec as P
 from chunkjax import optim
 from chunkjax.layout import CHUNK_ALIGN_ELEMS, ChunkLayout, build_layout, search_chunk_size
 from chunkjax.memory import DEVICE, PINNED_HOST, ordered_after
-from chunkjax.plan import Placement
+from chunkjax.schedule import Placement
 from chunkjax.stages import first_readers, stage_reads
 
 #: Name of the data-parallel mesh axis.

@@ -64,7 +64,7 @@ class ChunkjaxSystem:
         self.stages, self.layout, self.traces, self.cb, self.cb_rank = p.stages, p.layout, p.traces, p.cb, p.cb_rank
         self.dev_sh = p.batch_sharding
         # host memory for offloaded model data (this process, all ranks): what MemAvailable leaves
-        self.host_budget = None if p.host_budget_bytes is None else p.host_budget_bytes * self.n_ranks
+        self.host_budget = p.host_budget_bytes
         self.use_budget(self.budget)
 
     def use_budget(self, budget_bytes: int) -> None:

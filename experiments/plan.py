@@ -4,9 +4,10 @@ partitions users know, all planned by the same engine on abstract shapes (runs o
     python -m experiments.plan --model GPT3_10B --device-budget 24GiB --host-budget 120GiB \\
         --batch 8 --seq 1024 [--json] [--tide-from RESULTS_JSON] [--ranks N [--zero-stage 3]]
 
-The plan is :func:`chunkjax.schedule.plan_schedule` with the host AdamW kernel (offloaded chunks
-update in place on the host, overlapping the backward pass). Baselines, scheduled over the same
-tide with the same accounting and cost model (:func:`fixed_schedule`):
+The plan is :func:`chunkjax.plan_schedule` (policy ``"tide"``) with the host AdamW kernel
+(offloaded chunks update in place on the host, overlapping the backward pass). Baselines are the
+same planner's static policies, scheduled over the same tide with the same accounting and cost
+model (:mod:`chunkjax.predict`):
 
 ``all_host``
     every chunk's model data in pinned host memory; each chunk is fetched at *every* moment that
@@ -36,8 +37,8 @@ devices: it runs on a one-device CPU). ``--batch`` is the *global* batch (rows p
 evenly: each rank traces ``batch / N`` rows), ``--device-budget`` is each GPU's (bytes), and
 ``--host-budget`` is the node's host memory for model data (bytes; each rank gets 1/N of it).
 The layout is :func:`chunkjax.zero.build_zero_layout` (chunks split evenly over the ranks) and
-the schedule :func:`chunkjax.zero_schedule.plan_zero_schedule`: per-rank chunk bytes
-(:func:`~chunkjax.zero_schedule.rank_chunk_bytes`), one rank's FLOPs (1/N of the step's). The
+the schedule ``chunkjax.plan_schedule(..., ranks=N, zero_stage=...)``: per-rank chunk bytes
+(:meth:`chunkjax.ChunkBytes.per_rank`), one rank's FLOPs (1/N of the step's). The
 report gives per rank the peak device bytes, the host bytes of model data, the H2D / D2H bytes
 per step and the predicted step (seconds), the collective bytes one rank sends per step
 (accounted, ring algorithms), and per node the host bytes (N x a rank's) and tokens/s (global
@@ -63,19 +64,12 @@ ZERO_TIME_NOTE = (
     "predicted step = one rank's step by chunkjax.cost.predict_pipelined_step: compute (1/N of the step's FLOPs "
     "at rates.matmul_flops_per_s, with recompute), the rank's PCIe fetches/offloads (each rank its own link; "
     "host memory bandwidth shared by the N links is not modeled; a ZeRO-3 fetch is timed at the full chunk plus "
-    "the rank's shard, rank_chunk_bytes' figure, though only the shard crosses PCIe), the host AdamW of every "
+    "the rank's shard, ChunkBytes.per_rank's figure, though only the shard crosses PCIe), the host AdamW of every "
     "offloaded chunk's full chunk_size (one process's host thread updates the slices of all N ranks, at "
     "rates.host_update_s_per_param) and device updates (timed for full chunks; a rank updates its 1/N). "
     "NOT included: collective time (all-gather of params, "
     "reduce-scatter / all-reduce of gradients over NVLink), neither its duration nor its overlap with compute; "
     "their bytes are given (collective_bytes_per_step_per_rank, accounted, not timed)")
-_MSG_HOST_ZERO = ("node host budget {host} bytes ({host_rank} per rank over {n} ranks) is below the {need_node} bytes "
-                  "({need} per rank) of model data the host must hold at a device budget of {dev} bytes per GPU "
-                  "(every chunk that fits stays on the device): use --host-budget >= {need_gib:.3f}GiB (the node's) "
-                  "or a larger --device-budget")
-_MSG_HOST = ("host budget {host} bytes is below the {need} bytes of model data and gradient buffers the host "
-             "must hold at a device budget of {dev} bytes (every chunk that fits stays on the device): use "
-             "--host-budget >= {need_gib:.3f}GiB or a larger --device-budget")
 #: recorded stage names whose temporaries stand for a group of identical stages
 _BLOCK_PREFIX, _BLOCK_REF = "h_", "h_0"
 
@@ -275,259 +269,29 @@ def prepare(model: str, batch: int, seq: int, *, chunk_size: int | None = None, 
     return with_recorded(inp, tide_from, warn) if tide_from else inp
 
 
-# ---- baselines: fixed schedules over the same tide ---------------------------------------------
-
-def grad_done_at(traces, tide) -> dict[int, int]:
-    """Chunk -> moment its gradient is complete (:func:`chunkjax.schedule.grad_done_moments`)."""
-    from chunkjax.schedule import grad_done_moments
-    return grad_done_moments(traces, tide)
-
-
-def fixed_schedule(kind: str, layout, traces, tide, cb, budget_bytes: int, *, flops_per_step: float,
-                   prefetch: int = 1, rates=None):
-    """A baseline as a :class:`chunkjax.schedule.Schedule` with its :class:`Prediction`, accounted
-    the way :func:`chunkjax.schedule.plan_schedule` accounts its own (pure; the schedule may
-    exceed ``budget_bytes``: compare ``predicted.peak_device_bytes``).
-
-    Args:
-      kind: ``"all_host"`` (every chunk offloaded, fetched at every moment that reads it, released
-        after it, host updates overlapping the backward in :func:`auto_segments` programs) or
-        ``"zero_offload"`` (every chunk fetched at the step's start and held to its last read,
-        gradients offloaded as they complete, the host update of every chunk after the backward).
-      layout, traces, tide, cb: as for ``plan_schedule``.
-      budget_bytes: recorded in the schedule.
-      flops_per_step: training FLOPs of one step.
-      prefetch: moments between issuing a fetch and its use (fetch buffers in flight count).
-      rates: cost-model rates.
-    """
-    from chunkjax.cost import Rates, predict_pipelined_step
-    from chunkjax.memory import PINNED_HOST
-    from chunkjax.schedule import HOST_UPDATE, Prediction, Schedule, auto_segments
-
-    rates = Rates() if rates is None else rates
-    n, T, cs = layout.n_chunks, len(tide.moments), layout.chunk_size
-    n_stages = len(traces)
-    done = grad_done_at(traces, tide)
-    moments = tuple((m.phase, m.stage) for m in tide.moments)
-    loc = (HOST_UPDATE,) * n
-    if kind == "all_host":
-        fetch = tuple(tuple(sorted(set(m.chunks))) for m in tide.moments)
-        evict = fetch  # released after every read: the next read is a fresh fetch
-        per_moment = []
-        for t, m in enumerate(tide.moments):
-            inflight = sum(len(fetch[u]) for u in range(t + 1, min(T, t + 1 + prefetch)))
-            per_moment.append(m.non_model_bytes + (len(fetch[t]) + inflight) * cb.params)
-        n_fetch = sum(len(f) for f in fetch)
-        fwd_fetch = sum(len(fetch[t]) for t in range(n_stages - 1)) * cb.params
-        segments = auto_segments(T, n_stages)
-        bounds = list(segments) + [T]
-        bwd_moments = T - (n_stages - 1)
-        host_ready = []
-        for p0, p1 in zip(bounds[:-1], bounds[1:]):
-            params = sum(cs for c in range(n) if p0 <= done.get(c, T - 1) < p1)
-            if params:
-                host_ready.append((min(1.0, max(0.0, (p1 - (n_stages - 1)) / bwd_moments)), params))
-        time_ = predict_pipelined_step(flops_per_step, fwd_h2d=fwd_fetch, bwd_h2d=n_fetch * cb.params - fwd_fetch,
-                                       bwd_d2h=n * cb.grad, streamed_bytes=0, device_params=0, streamed_params=0,
-                                       host_ready=host_ready, rates=rates)
-        pred = Prediction(int(max(per_moment)), 0, int(n * (cb.params + cb.state + cb.grad)),
-                          int(n_fetch * cb.params), int(n * cb.grad), int(n_fetch * cb.params), int(n_fetch),
-                          tuple(int(b) for b in per_moment), time_)
-        return Schedule((PINNED_HOST,) * n, loc, fetch, evict, segments, prefetch, moments, pred, int(budget_bytes))
-    if kind == "zero_offload":
-        # every chunk's compute params go up at the start of the step (all fetches issued at the
-        # first moment: prefetch = T) and stay until their last read; gradients go down as they
-        # complete; the host update of all chunks waits for the end of the backward (one
-        # program, no overlap): ZeRO-Offload's order, with the param upload of step k+1 (after
-        # the update of step k) overlapping step k+1's forward
-        params_b = n * cb.params
-        first: dict[int, int] = {}
-        last: dict[int, int] = {}
-        for t, m in enumerate(tide.moments):
-            for c in m.chunks:
-                first.setdefault(c, t)
-                last[c] = t
-        fetch = tuple(tuple(sorted(c for c in first if first[c] == t)) for t in range(T))
-        evict = tuple(tuple(sorted(c for c in last if last[c] == t)) for t in range(T))
-        unread = n - len(first)  # chunks no moment reads are never fetched
-        per_moment = [m.non_model_bytes + sum(cb.params for c in last if last[c] >= t) for t, m in enumerate(tide.moments)]
-        n_fetch = n - unread
-        time_ = predict_pipelined_step(flops_per_step, fwd_h2d=n_fetch * cb.params, bwd_h2d=0, bwd_d2h=n * cb.grad,
-                                       streamed_bytes=0, device_params=0, streamed_params=0,
-                                       host_ready=[(1.0, n * cs)], rates=rates)
-        pred = Prediction(int(max(per_moment)), 0, int(n * (cb.params + cb.state + cb.grad)),
-                          int(n_fetch * cb.params), int(n * cb.grad), int(n_fetch * cb.params), int(n_fetch),
-                          tuple(int(b) for b in per_moment), time_)
-        return Schedule((PINNED_HOST,) * n, loc, fetch, evict, (0,), max(T, 1), moments, pred, int(budget_bytes))
-    raise ValueError(f"unknown baseline {kind!r}: use one of {BASELINES}")
-
-
-def device_bytes_by_kind(s, inp: PlanInputs) -> dict[str, list[int]]:
-    """Split a schedule's predicted device bytes per moment by kind (for plots).
-
-    Returns lists (one entry per moment) keyed ``resident model data`` (model data placed on the
-    device between steps), ``non-model (tide)``, ``gradients held`` (gradients of chunks whose
-    compute params stay on the device, waiting for the update) and ``fetched chunk buffers``
-    (the rest: fetched copies and fetches in flight).
-    """
-    from chunkjax.memory import DEVICE
-
-    done = grad_done_at(inp.traces, inp.tide)
-    kept = [c for c in range(s.n_chunks) if s.param_kinds[c] == DEVICE]
-    model = s.predicted.device_model_bytes
-    out = {"resident model data": [], "non-model (tide)": [], "gradients held": [], "fetched chunk buffers": []}
-    for t, (m, total) in enumerate(zip(inp.tide.moments, s.predicted.device_bytes_per_moment)):
-        held = sum(inp.cb.grad for c in kept if done.get(c, len(inp.tide.moments)) <= t)
-        for k, v in zip(out, (model, m.non_model_bytes, held, total - model - m.non_model_bytes - held)):
-            out[k].append(int(v))
-    return out
-
-
-def schedule_from_dict(d: dict):
-    """The :class:`chunkjax.schedule.Schedule` of ``Schedule.to_dict()`` (e.g. one recorded in a
-    results JSON)."""
-    from chunkjax.cost import PipelinedStepTime
-    from chunkjax.schedule import Prediction, Schedule
-
-    p = dict(d["predicted"])
-    t = {f.name: p["time"][f.name] for f in dataclasses.fields(PipelinedStepTime)}
-    p["time"] = PipelinedStepTime(**t)
-    p["device_bytes_per_moment"] = tuple(p["device_bytes_per_moment"])
-    return Schedule(tuple(d["param_kinds"]), tuple(d["update_locations"]), tuple(tuple(f) for f in d["fetch"]),
-                    tuple(tuple(e) for e in d["evict"]), tuple(d["segments"]), int(d["prefetch"]),
-                    tuple(tuple(m) for m in d["moments"]), Prediction(**p), int(d["budget_bytes"]))
-
-
-# ---- the report ------------------------------------------------------------------------------
-
-def plan_zero(inp: PlanInputs, device_budget: int, host_budget: int | None = None, prefetch: int = 1,
-              zero_stage: int = 3):
-    """The ZeRO schedule of every rank (:func:`chunkjax.zero_schedule.plan_zero_schedule`) for
-    ``inp`` (traced with ``n_ranks`` > 1), on abstract shapes (no mesh, no devices).
-
-    Args:
-      inp: from :func:`prepare` with ``n_ranks`` > 1.
-      device_budget: each GPU's device budget (bytes).
-      host_budget: the node's host memory for model data (bytes; None: unbounded); a rank may
-        hold ``host_budget // n_ranks``.
-      prefetch: moments between a fetch and its use.
-      zero_stage: 1, 2 or 3.
-
-    The host budget is checked against the rank's host bytes as ``plan_zero_schedule`` reports
-    them (the rank's shards); ``plan_zero_schedule(host_budget_bytes=...)`` would pass it to
-    ``plan_schedule``, which compares it with the per-rank *device* figure of a stage-3 chunk (the
-    gathered chunk plus the shard), twice the host need at 8 ranks. So the device budget alone is
-    planned first, and when the rank's host bytes exceed its share, every resident prefix (the
-    first k chunks in first-use order, plan_schedule's candidates) is planned and the fastest
-    that fits the host is kept (near-ties, within ``chunkjax.schedule.NEAR_TIE``, to the most
-    resident, plan_schedule's rule).
-
-    Raises:
-      chunkjax.PlanError: no schedule fits a rank's device budget (the message names the smallest
-        per-GPU budget) or the node's host budget (the message names the node budget needed).
-    """
-    from chunkjax.plan import PlanError, _gib_ceil
-    from chunkjax.schedule import NEAR_TIE
-    from chunkjax.zero_schedule import plan_zero_schedule
-
-    n = inp.n_ranks
-
-    def plan(resident=None):
-        return plan_zero_schedule(inp.layout, inp.traces, inp.cb, device_budget, n, zero_stage,
-                                  flops_per_step=inp.flops_per_step, host_update=True, prefetch=prefetch,
-                                  rates=inp.rates, resident=resident)
-
-    sched = plan()  # the device budget alone (raises with the smallest device budget)
-    if host_budget is None or sched.predicted.host_model_bytes <= host_budget // n:
-        return sched
-    cands = []
-    for k in range(inp.layout.n_chunks + 1):  # the first k chunks resident
-        try:
-            cands.append(plan(range(k)))
-        except PlanError:
-            continue
-    fits = [c for c in cands if c.predicted.host_model_bytes <= host_budget // n]
-    if not fits:
-        need = min(c.predicted.host_model_bytes for c in cands)
-        raise PlanError(_MSG_HOST_ZERO.format(host=host_budget, host_rank=host_budget // n, n=n, need_node=need * n,
-                                              need=need, dev=device_budget, need_gib=_gib_ceil(need * n)),
-                        device_budget, False)
-    fastest = min(c.predicted.time.step_s for c in fits)
-    return [c for c in fits if c.predicted.time.step_s <= fastest * (1 + NEAR_TIE)][-1]
-
-
-def zero_comm_bytes(s, inp: PlanInputs, zero_stage: int = 3, itemsize: int = 2) -> dict[str, int]:
-    """Bytes one rank sends per step by collective for the ZeRO schedule ``s``, accounted as
-    :meth:`chunkjax.zero_schedule.ZeroScheduledStep.comm_bytes_per_step` does (without building
-    the step: no mesh): ring algorithms, an all-gather or reduce-scatter of a C-byte chunk moves
-    ``(N-1)/N * C`` per rank, an all-reduce twice that; scalar reductions left out. Stage 3
-    gathers a chunk at every fetch and a device-resident chunk at every moment that reads it;
-    stages 1/2 gather the new params of each device- or streamed-updated chunk once. Every chunk
-    a stage reads has its gradient reduce-scattered (stages 2/3) or all-reduced (stage 1).
-
-    Args:
-      s: the schedule (:func:`plan_zero`).
-      inp: its inputs (``n_ranks`` > 1).
-      zero_stage: 1, 2 or 3.
-      itemsize: bytes per compute-dtype element (bf16: 2).
-
-    Returns:
-      ``{"all_gather", "reduce_scatter", "all_reduce", "total"}`` (bytes per step per rank).
-    """
-    from chunkjax.memory import DEVICE
-    from chunkjax.schedule import DEVICE_UPDATE, STREAMED_UPDATE
-
-    n, cbytes = inp.n_ranks, inp.layout.chunk_size * itemsize
-    part = lambda k: (k * (n - 1) * cbytes) // n  # noqa: E731
-    if zero_stage == 3:
-        gathers = sum(sum(1 for c in m.chunks if s.param_kinds[c] == DEVICE) + len(s.fetch[t])
-                      for t, m in enumerate(inp.tide.moments))
-    else:
-        gathers = sum(u in (DEVICE_UPDATE, STREAMED_UPDATE) for u in s.update_locations)
-    graded = len({c for t in inp.traces for c in t.chunks})
-    out = {"all_gather": part(gathers), "reduce_scatter": part(graded) if zero_stage != 1 else 0,
-           "all_reduce": 2 * part(graded) if zero_stage == 1 else 0}
-    out["total"] = sum(out.values())
-    return out
-
+# ---- the schedules -----------------------------------------------------------------------------
 
 def plan_schedules(inp: PlanInputs, device_budget: int, host_budget: int | None = None, prefetch: int = 1,
                    zero_stage: int = 3):
-    """(chunkjax schedule, {baseline name: schedule}) for one budget (bytes).
+    """(chunkjax schedule, {baseline name: schedule}) for one budget (bytes), all from
+    :func:`chunkjax.plan_schedule`: the tide plan (host AdamW kernel) and the static baselines
+    (``must_fit=False``: they are reported even when they do not fit).
 
-    With ``inp.n_ranks`` > 1 the schedule is :func:`plan_zero`'s (each rank's; ``device_budget``
+    With ``inp.n_ranks`` > 1 the schedule is every rank's ZeRO ``zero_stage`` plan (``device_budget``
     per GPU, ``host_budget`` the node's) and there are no baselines (``{}``).
 
     Raises:
       chunkjax.PlanError: no chunkjax schedule fits the budgets.
     """
-    from chunkjax.plan import PlanError, _gib_ceil
-    from chunkjax.schedule import plan_schedule
+    import chunkjax as cj
 
+    kw = dict(flops_per_step=inp.flops_per_step, prefetch=prefetch, rates=inp.rates)
+    zero = dict(ranks=inp.n_ranks, zero_stage=zero_stage) if inp.n_ranks > 1 else {}
+    sched = cj.plan_schedule(inp.layout, inp.traces, inp.cb, device_budget, host_budget_bytes=host_budget,
+                             host_update=True, **zero, **kw)
     if inp.n_ranks > 1:
-        return plan_zero(inp, device_budget, host_budget, prefetch, zero_stage), {}
-
-    def plan(host, resident=None):
-        return plan_schedule(inp.layout, inp.traces, inp.cb, device_budget, flops_per_step=inp.flops_per_step,
-                             host_update=True, prefetch=prefetch, rates=inp.rates, host_budget_bytes=host,
-                             resident=resident)
-
-    sched = plan(None)  # the device budget alone (raises with the smallest device budget)
-    if host_budget is not None and sched.predicted.host_model_bytes > host_budget:
-        try:
-            sched = plan(host_budget)
-        except PlanError:  # the device budget fits; the host budget does not: name the host budget needed
-            least = None
-            for k in range(inp.layout.n_chunks, -1, -1):  # most resident first: least on the host
-                try:
-                    least = plan(None, resident=range(k)).predicted.host_model_bytes
-                    break
-                except PlanError:
-                    continue
-            raise PlanError(_MSG_HOST.format(host=host_budget, need=least, dev=device_budget,
-                                             need_gib=_gib_ceil(least)), device_budget, False) from None
-    base = {k: fixed_schedule(k, inp.layout, inp.traces, inp.tide, inp.cb, device_budget,
-                              flops_per_step=inp.flops_per_step, prefetch=prefetch, rates=inp.rates)
+        return sched, {}
+    base = {k: cj.plan_schedule(inp.layout, inp.traces, inp.cb, device_budget, policy=k, must_fit=False, **kw)
             for k in BASELINES}
     return sched, base
 
@@ -600,8 +364,10 @@ def zero_figures(r: dict, inp: PlanInputs, sched, zero_stage: int) -> dict:
     ``tokens_per_s`` (the rank's rows x seq / step)), ``node`` (``n_ranks`` x the per-rank bytes:
     ``host_bytes``, ``h2d_bytes_per_step``, ``d2h_bytes_per_step``, ``device_budget_bytes``; and
     ``tokens_per_s`` = global batch x seq / predicted step), ``collective_bytes_per_step_per_rank``
-    (:func:`zero_comm_bytes`) and ``predicted_time_note``.
+    (:func:`chunkjax.predict.collective_bytes`, bf16 chunks) and ``predicted_time_note``.
     """
+    from chunkjax.predict import collective_bytes
+
     n, step = inp.n_ranks, r["predicted_step_s"]
     per = {"peak_device_bytes": r["predicted_peak_device_bytes"], "device_budget_bytes": r["device_budget_bytes"],
            "device_model_bytes": r["device_model_bytes"], "host_bytes": r["host_bytes"],
@@ -615,7 +381,8 @@ def zero_figures(r: dict, inp: PlanInputs, sched, zero_stage: int) -> dict:
             "tokens_per_step": inp.batch * inp.seq,
             "tokens_per_s": inp.batch * inp.seq / step if step else None}
     return {"n_ranks": n, "zero_stage": zero_stage, "batch_per_rank": inp.rank_batch, "per_rank": per, "node": node,
-            "collective_bytes_per_step_per_rank": zero_comm_bytes(sched, inp, zero_stage),
+            "collective_bytes_per_step_per_rank": collective_bytes(sched, inp.traces, inp.tide, inp.layout.chunk_size,
+                                                                   n, zero_stage),
             "predicted_time_note": ZERO_TIME_NOTE}
 
 

@@ -3,9 +3,9 @@
     python -m experiments.sweep --model GPT3_6B --batch 32 --seq 1024 \\
         --budgets 32GiB,64GiB,96GiB --rounds 2 --steps 4 --run-id s4_sweep
 
-For each device budget, chunkjax's own plan (:func:`chunkjax.schedule.plan_schedule`, checked and
-re-planned against the compiled peak as in experiments/bench_chunkjax.py); and the two static
-partitions of experiments/plan.py, run by the same runtime: ``all_host`` (every chunk fetched at
+For each device budget, chunkjax's own plan (:func:`chunkjax.plan_schedule`, checked and
+re-planned against the compiled peak as in experiments/bench_chunkjax.py); and the same planner's
+two static policies, run by the same runtime: ``all_host`` (every chunk fetched at
 every read) and ``zero_offload`` (every chunk up at the step's start, host update after the
 backward). A baseline's schedule does not depend on the budget, so it runs once and is marked
 ``feasible`` at each budget its compiled peak fits.
@@ -84,11 +84,10 @@ def run(args, save=lambda res: None, prior: dict | None = None, prior_commands=N
     of an earlier call with the same run id, kept unless measured again."""
     import jax
 
-    from chunkjax.tide import memory_tide
+    import chunkjax as cj
     from experiments import gpu_measure as gm
     from experiments.bench import make_batch, parse_bytes, profile_one_step
     from experiments.bench_chunkjax import ChunkjaxSystem
-    from experiments.plan import fixed_schedule
     from models import gpt
 
     cfg = gpt.get_config(args.model)
@@ -97,12 +96,11 @@ def run(args, save=lambda res: None, prior: dict | None = None, prior_commands=N
     t_start = time.time()
     sys_ = ChunkjaxSystem(cfg, max(budgets), args.batch, args.seq)
     batch = make_batch(cfg, args.batch, args.seq, args.seed, sys_.dev_sh)
-    tide = memory_tide(sys_.traces, sys_.layout.chunk_size)
     flops = cfg.flops_per_token(args.seq) * args.batch * args.seq
 
     def baseline(kind):
-        return fixed_schedule(kind, sys_.layout, sys_.traces, tide, sys_.cb, max(budgets), flops_per_step=flops,
-                              rates=sys_.rates)
+        return cj.plan_schedule(sys_.layout, sys_.traces, sys_.cb, max(budgets), policy=kind, must_fit=False,
+                                flops_per_step=flops, rates=sys_.rates)
 
     def result(done=False):
         for name, rec in recs.items():

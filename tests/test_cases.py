@@ -13,10 +13,11 @@ import numpy as np
 import optax
 import pytest
 
-from chunkjax import (DEVICE, PINNED_HOST, Placement, PlanError, Stage, account, build_layout, chunk_bytes,
-                      compose_loss, first_use_order, make_chunked_step, parse_bytes, plan_fixed, trace_stages)
+from chunkjax import (DEVICE, PINNED_HOST, Placement, PlanError, Stage, build_layout, chunk_bytes, compose_loss,
+                      first_use_order, make_chunked_step, parse_bytes, plan_schedule, trace_stages)
 from chunkjax.memory import sharding
 from chunkjax.optim import state_bytes_per_chunk
+from chunkjax.predict import fixed_rule_peak
 from models.gpt import abstract_params, get_config, gpt_stages, loss_fn
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -248,7 +249,13 @@ def gpt_plan(gpt):
 
 def _need(lay, traces, cb, kind, prefetch):
     pl = Placement.uniform(lay.n_chunks, kind, kind)
-    return account(lay, pl, traces, cb, prefetch).peak_device_bytes
+    return fixed_rule_peak(lay.chunk_size, traces, cb, pl, prefetch)
+
+
+def fixed_rule(lay, traces, cb, budget, prefetch=1):
+    """The fixed rule (plan_schedule's ``"fixed"`` policy): (placement, prediction)."""
+    s = plan_schedule(lay, traces, cb, budget, policy="fixed", prefetch=prefetch)
+    return s.placement, s.predicted
 
 
 @pytest.mark.parametrize("prefetch", [1, 2])
@@ -264,9 +271,9 @@ def test_case8_plan_never_exceeds_budget(gpt_plan, prefetch):
                       *rng.integers(host_need, dev_need, size=12).tolist()})
     prev = -1
     for budget in budgets:
-        pl, acc = plan_fixed(lay, traces, cb, budget, prefetch)
+        pl, acc = fixed_rule(lay, traces, cb, budget, prefetch)
         assert acc.peak_device_bytes <= budget
-        assert acc == account(lay, pl, traces, cb, prefetch)  # the accounting of the placement returned
+        assert acc.peak_device_bytes == fixed_rule_peak(lay.chunk_size, traces, cb, pl, prefetch)  # of the placement returned
         p_on = [c for c in range(n) if pl.param_kinds[c] == DEVICE]
         s_on = [c for c in range(n) if pl.state_kinds[c] == DEVICE]
         assert acc.device_model_bytes == len(p_on) * cb.params + len(s_on) * cb.state
@@ -275,10 +282,10 @@ def test_case8_plan_never_exceeds_budget(gpt_plan, prefetch):
         # the plan is maximal: no compute-param chunk or state chunk left on the host would still fit
         for c in set(range(n)) - set(p_on):
             pk = tuple(DEVICE if (k == DEVICE or j == c) else PINNED_HOST for j, k in enumerate(pl.param_kinds))
-            assert account(lay, Placement(pk, pl.state_kinds), traces, cb, prefetch).peak_device_bytes > budget
+            assert fixed_rule_peak(lay.chunk_size, traces, cb, Placement(pk, pl.state_kinds), prefetch) > budget
         for c in set(range(n)) - set(s_on):
             sk = tuple(DEVICE if (k == DEVICE or j == c) else PINNED_HOST for j, k in enumerate(pl.state_kinds))
-            assert account(lay, Placement(pl.param_kinds, sk), traces, cb, prefetch).peak_device_bytes > budget
+            assert fixed_rule_peak(lay.chunk_size, traces, cb, Placement(pl.param_kinds, sk), prefetch) > budget
         if budget >= dev_need:
             assert pl == Placement.uniform(n, DEVICE, DEVICE)
     assert prev > 0
@@ -288,10 +295,10 @@ def test_case8_plan_never_exceeds_budget(gpt_plan, prefetch):
 def test_case8_infeasible_budget_names_smallest(gpt_plan, prefetch):
     lay, traces, cb = gpt_plan
     host_need = _need(lay, traces, cb, PINNED_HOST, prefetch)
-    plan_fixed(lay, traces, cb, host_need, prefetch)  # exactly the need: fits
+    fixed_rule(lay, traces, cb, host_need, prefetch)  # exactly the need: fits
     for budget in (host_need - 1, host_need * 3 // 4):
         with pytest.raises(PlanError) as ei:
-            plan_fixed(lay, traces, cb, budget, prefetch)
+            fixed_rule(lay, traces, cb, budget, prefetch)
         e = ei.value
         assert e.min_budget_bytes == host_need
         assert not e.activations_alone
@@ -303,7 +310,7 @@ def test_case8_infeasible_budget_names_smallest(gpt_plan, prefetch):
         assert m, msg
         suggested = parse_bytes(m.group(1))
         assert suggested >= host_need, (m.group(1), host_need)
-        plan_fixed(lay, traces, cb, suggested, prefetch)
+        fixed_rule(lay, traces, cb, suggested, prefetch)
 
 
 def test_case9_activations_alone_exceed_budget(gpt_plan):
@@ -312,7 +319,7 @@ def test_case9_activations_alone_exceed_budget(gpt_plan):
     assert act > 0
     for budget in (act - 1, act // 3, 1):
         with pytest.raises(PlanError) as ei:
-            plan_fixed(lay, traces, cb, budget)
+            fixed_rule(lay, traces, cb, budget)
         e = ei.value
         assert e.activations_alone
         assert e.min_budget_bytes == _need(lay, traces, cb, PINNED_HOST, 1)
@@ -643,7 +650,7 @@ def test_donated_accumulator_with_gradient_to_pinned_host():
     import dataclasses
 
     from chunkjax.host_update import AdamW
-    from chunkjax.schedule import plan_schedule
+    from chunkjax.plan import plan_schedule
     cfg = get_config("micro", n_layers=2)
     rng = np.random.default_rng(int(np.random.default_rng().integers(1 << 30)))
     params = jax.tree.map(lambda s: (0.02 * rng.standard_normal(s.shape)).astype(np.float32), abstract_params(cfg))

@@ -25,8 +25,8 @@ from chunkjax import checkpoint as ck
 from chunkjax import host_update as hu
 from chunkjax.host_update import AdamW
 from chunkjax.optim import init_chunk_state, state_bytes_per_chunk
-from chunkjax.plan import Placement
-from chunkjax.schedule import plan_schedule
+from chunkjax.schedule import Placement
+from chunkjax.plan import plan_schedule
 from models import gpt
 
 B, T = 2, 16

@@ -32,7 +32,7 @@ import chunkjax as cj
 import test_checkpoint as tc
 from chunkjax import checkpoint as ck
 from chunkjax import host_update as hu
-from chunkjax.plan import Placement
+from chunkjax.schedule import Placement
 from models import gpt
 
 N = 2  # save after N steps, train on to 2N

@@ -23,7 +23,7 @@ import pytest
 import chunkjax as cj
 from chunkjax import checkpoint as ck
 from chunkjax import zero
-from chunkjax.plan import Placement
+from chunkjax.schedule import Placement
 from models import gpt
 
 B, T = 8, 16
@@ -280,7 +280,7 @@ def test_zero_scheduled_step_roundtrip(setup, zero_run, tmp_path):
     restored into the ZeroStep, bit for bit again."""
     from chunkjax.host_update import AdamW, HostAdamState
     from chunkjax.optim import state_bytes_per_chunk
-    from chunkjax.schedule import plan_schedule
+    from chunkjax.plan import plan_schedule
     from chunkjax.zero_schedule import make_zero_scheduled_step
     zstep, d, _, ref_losses = zero_run
     lay, spec = setup["lay8"], AdamW(2e-3, weight_decay=0.1, max_grad_norm=1.0)

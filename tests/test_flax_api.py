@@ -185,3 +185,27 @@ def test_non_elementwise_tx_is_refused(tx):
     with pytest.raises(ValueError, match=r"not elementwise"):
         cj.ChunkedOptimizer({"w": jnp.zeros((3, 3))}, tx, device_budget="1GiB")
     cj.ChunkedOptimizer({"w": jnp.zeros((3, 3))}, tx, device_budget="1GiB", check_tx=False)  # opt-out works
+
+
+def test_placement_is_the_optimizer_only_policy():
+    """The drop-in optimizer places by plan_schedule's "optimizer_only" policy: the float32 master
+    params (4 B per element) and Adam's two float32 moments (each with the rest-of-model scalar of
+    chunkjax.optim) plus its int32 count of the first chunks stay on the device while they fit next to one chunk's update (float32 gradient and two
+    temporaries, master and state, new params in the widest leaf dtype); the rest are streamed."""
+    params = {k: jnp.zeros((600,), dt) for k, dt in
+              zip("abcde", (jnp.float32, jnp.bfloat16, jnp.float32, jnp.bfloat16, jnp.float32))}
+    cs = 640
+    state = 4 * cs + (2 * 4 * (cs + 1) + 4)
+    working = 3 * 4 * cs + state + 4 * cs
+    for n_dev in (0, 2, 5):
+        opt = cj.ChunkedOptimizer(params, optax.adam(1e-3), device_budget=working + n_dev * state + state - 1,
+                                  chunk_size=cs, check_tx=False)
+        n = opt.layout.n_chunks
+        assert n == 5
+        assert opt.placement.state_kinds == (DEVICE,) * n_dev + (PINNED_HOST,) * (n - n_dev)
+        assert opt.placement.param_kinds == (DEVICE,) * n
+        assert (opt.working_bytes, opt.device_state_bytes, opt.host_state_bytes) == (
+            working, n_dev * state, (n - n_dev) * state)
+        cb = cj.chunk_bytes(opt.layout, jnp.float32, state - 4 * cs)
+        plan = cj.plan_schedule(opt.layout, (), cb, working + n_dev * state + state - 1, policy="optimizer_only")
+        assert plan.placement == opt.placement

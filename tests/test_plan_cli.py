@@ -1,13 +1,15 @@
 """Planner CLI (issue 3, items 4-5): JSON keys, baselines planned over the same tide, the
 infeasible-budget errors, the GPU-recorded tide, and the recorded GPT3_6B schedule reproduced;
-ZeRO over N ranks (issue 10: --ranks, --zero-stage) against plan_zero_schedule called directly."""
+ZeRO over N ranks (issue 10: --ranks, --zero-stage) against plan_schedule(ranks=N) called directly."""
 import json
 import pathlib
 import re
 
 import pytest
 
-from chunkjax.schedule import HOST_UPDATE, plan_schedule
+from chunkjax.plan import plan_schedule
+from chunkjax.predict import device_bytes_by_kind
+from chunkjax.schedule import HOST_UPDATE, Schedule
 from experiments import plan
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -58,7 +60,7 @@ def test_baselines_are_fixed_schedules():
     inp = plan.prepare("micro", 2, 64)
     tide, cb, n = inp.tide, inp.cb, inp.layout.n_chunks
     big = 10**12
-    ah = plan.fixed_schedule("all_host", inp.layout, inp.traces, tide, cb, big, flops_per_step=inp.flops_per_step)
+    ah = plan_schedule(inp.layout, inp.traces, cb, big, policy="all_host", flops_per_step=inp.flops_per_step)
     assert [set(f) for f in ah.fetch] == [set(m.chunks) for m in tide.moments]
     assert ah.predicted.n_fetches == sum(len(set(m.chunks)) for m in tide.moments)
     assert ah.update_locations == (HOST_UPDATE,) * n
@@ -68,7 +70,7 @@ def test_baselines_are_fixed_schedules():
         assert ah.predicted.device_bytes_per_moment[t] >= m.non_model_bytes + len(set(m.chunks)) * cb.params
     belady = plan_schedule(inp.layout, inp.traces, cb, big, flops_per_step=inp.flops_per_step, resident=[])
     assert ah.predicted.h2d_bytes_per_step >= belady.predicted.h2d_bytes_per_step
-    zo = plan.fixed_schedule("zero_offload", inp.layout, inp.traces, tide, cb, big, flops_per_step=inp.flops_per_step)
+    zo = plan_schedule(inp.layout, inp.traces, cb, big, policy="zero_offload", flops_per_step=inp.flops_per_step)
     read = {c for m in tide.moments for c in m.chunks}
     assert zo.predicted.n_fetches == len(read) and zo.predicted.h2d_bytes_per_step == len(read) * cb.params
     assert zo.prefetch >= len(tide.moments) - 1  # every fetch issued at the first moment
@@ -80,10 +82,10 @@ def test_baselines_are_fixed_schedules():
     assert zo.predicted.time.host_update_exposed_s == pytest.approx(zo.predicted.time.host_update_s)
     assert zo.segments == (0,)
     for s in (ah, zo, belady):  # the split by kind adds up and has no negative part
-        kinds = plan.device_bytes_by_kind(s, inp)
+        kinds = device_bytes_by_kind(s, inp.traces, tide, cb)
         assert all(min(v) >= 0 for v in kinds.values())
         assert [sum(x) for x in zip(*kinds.values())] == list(s.predicted.device_bytes_per_moment)
-    assert plan.device_bytes_by_kind(zo, inp)["resident model data"] == [0] * len(tide.moments)
+    assert device_bytes_by_kind(zo, inp.traces, tide, cb)["resident model data"] == [0] * len(tide.moments)
 
 
 def test_plan_infeasible_exits_2_and_names_budgets_that_work(capsys):
@@ -139,8 +141,8 @@ def test_recorded_gpt3_6b_schedule_reproduced():
     assert inp.tide_source.startswith("recorded on gpu")
     sched, base = plan.plan_schedules(inp, rec["effective_budget_bytes"])
     assert sched.to_dict() == rec["schedule"]
-    assert plan.schedule_from_dict(rec["schedule"]) == sched
-    kinds = plan.device_bytes_by_kind(sched, inp)
+    assert Schedule.from_dict(rec["schedule"]) == sched
+    kinds = device_bytes_by_kind(sched, inp.traces, inp.tide, inp.cb)
     assert all(min(v) >= 0 for v in kinds.values())
     assert [sum(x) for x in zip(*kinds.values())] == list(sched.predicted.device_bytes_per_moment)
     assert base["all_host"].predicted.h2d_bytes_per_step > sched.predicted.h2d_bytes_per_step
@@ -184,21 +186,29 @@ def _min_budget(plan_fn) -> int:
 
 
 @pytest.mark.parametrize("n_ranks", [2, 8])
-def test_zero_plan_matches_plan_zero_schedule(n_ranks, capsys):
+def test_zero_plan_matches_plan_schedule(n_ranks, capsys):
     """--ranks N: per-rank host, H2D and D2H bytes, peak and step are those of
-    plan_zero_schedule on the same inputs built independently; node figures are N x a rank's."""
+    plan_schedule(ranks=N, zero_stage=3) on the same inputs built independently; node figures are
+    N x a rank's."""
     from chunkjax.cost import Rates
-    from chunkjax.zero_schedule import plan_zero_schedule
 
     layout, traces, cb, flops = _reference_zero(n_ranks)
 
     def ref(budget):
-        return plan_zero_schedule(layout, traces, cb, budget, n_ranks, 3, flops_per_step=flops, host_update=True,
-                                  prefetch=1, rates=Rates())
+        return plan_schedule(layout, traces, cb, budget, ranks=n_ranks, zero_stage=3, flops_per_step=flops,
+                             host_update=True, prefetch=1, rates=Rates())
 
     budget = _min_budget(ref)  # the smallest per-GPU budget: chunks offloaded, bytes move
-    want = ref(budget).predicted
+    s = ref(budget)
+    want = s.predicted
     assert want.host_model_bytes > 0 and want.h2d_bytes_per_step > 0
+    # one rank's bytes: a fetch moves the rank's shard (stage 3), an offloaded chunk's gradient
+    # leaves as its shard, the host holds the shard of params, state and gradient
+    share = lambda b: -(-b // n_ranks)  # noqa: E731
+    off = sum(u != "device" for u in s.update_locations)
+    assert want.h2d_bytes_per_step == want.n_fetches * share(cb.params)
+    assert want.d2h_bytes_per_step == off * share(cb.grad)
+    assert want.host_model_bytes == off * (share(cb.params) + share(cb.master + cb.opt) + share(cb.grad))
     assert plan.main(ZMICRO + ["--ranks", str(n_ranks), "--device-budget", str(budget), "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert (r["n_ranks"], r["zero_stage"], r["batch"], r["batch_per_rank"]) == (n_ranks, 3, 8, 8 // n_ranks)

@@ -12,11 +12,12 @@ import optax
 import pytest
 
 import chunkjax as cj
+from chunkjax.cost import Rates
 from chunkjax.host_update import AdamW
 from chunkjax.optim import state_bytes_per_chunk
-from chunkjax.plan import StageTrace
-from chunkjax.schedule import auto_segments, plan_schedule
+from chunkjax.plan import auto_segments, fetch_events, plan_schedule
 from chunkjax.tide import memory_tide
+from chunkjax.trace import StageTrace
 from models import gpt
 
 B, T = 2, 16
@@ -255,23 +256,33 @@ def test_host_budget_too_small_names_the_host(setup):
     cb = _cb(layout, optax.adamw(1e-3))
     offloaded = plan_schedule(layout, traces, cb, 10**12, flops_per_step=1e9, resident=[])
     budget = offloaded.predicted.peak_device_bytes  # every chunk offloaded fits, all resident does not
-    with pytest.raises(cj.PlanError, match="--host-budget to >="):
+    with pytest.raises(cj.PlanError, match="--host-budget >="):
         plan_schedule(layout, traces, cb, budget, flops_per_step=1e9, host_budget_bytes=1000)
 
 
-@pytest.mark.parametrize("kind", ["all_host", "zero_offload"])
-def test_baseline_schedules_run_and_match_optax(setup, kind):
+@pytest.mark.parametrize("kind, where", [("all_host", None), ("zero_offload", None), ("fixed", 0.05)])
+def test_baseline_schedules_run_and_match_optax(setup, kind, where):
     """The static baselines of the planner CLI are schedules the runtime carries out: all_host
     (fetch at every read, release after it) and zero_offload (every chunk fetched at the step's
     start, held to its last read, host update after the backward) train exactly like plain optax
-    (fp32 compute: same losses and master params to fp32 rounding)."""
-    from experiments.plan import fixed_schedule
+    (fp32 compute: same losses and master params to fp32 rounding); so does the fixed rule's
+    schedule at a budget ``where`` of the way from its smallest to all resident (host params
+    fetched, resident params, every update streamed)."""
     cfg, params, batches, stages, layout, traces = setup
     spec = AdamW(2e-3, weight_decay=0.05)
     tx = spec.optax()
     cb = _cb(layout, tx)
-    tide = memory_tide(traces, layout.chunk_size)
-    sched = fixed_schedule(kind, layout, traces, tide, cb, 10**12, flops_per_step=1.0)
+    budget = 10**12
+    if kind == "fixed":
+        with pytest.raises(cj.PlanError) as e:
+            plan_schedule(layout, traces, cb, 1, policy="fixed")
+        lo = e.value.min_budget_bytes
+        hi = plan_schedule(layout, traces, cb, budget, policy="fixed").predicted.peak_device_bytes
+        budget = int(lo + where * (hi - lo))
+    sched = plan_schedule(layout, traces, cb, budget, policy=kind, flops_per_step=1.0)
+    if kind == "fixed":
+        assert set(sched.counts()) == {"params_device/update_streamed", "params_pinned_host/update_streamed"}
+        assert sched.segments == (0,) and sched.predicted.n_fetches > 0
     step = cj.make_chunked_step(stages, layout, sched, host_optimizer=spec, compute_dtype=jnp.float32)
     state = step.init(params)
     losses = []
@@ -450,3 +461,147 @@ def test_fp16_dynamic_loss_scaling(setup):
     np.testing.assert_allclose(losses, ref, rtol=3e-3)
     # the float32 reference's first gradient is the gradient at the initial params on batches[0]
     assert norms[0] == pytest.approx(ref_norms[0], rel=1e-2)  # reported unscaled
+
+
+# ---- one planner: each policy's prediction against independent arithmetic ---------------------
+
+def _micro_plan_inputs(setup):
+    cfg, params, batches, stages, layout, traces = setup
+    cb = _cb(layout, optax.adamw(1e-3))
+    return layout, traces, cb, memory_tide(traces, layout.chunk_size), cfg.flops_per_token(T) * B * T
+
+
+def test_fixed_policy_predicts_the_fixed_rule(setup):
+    """policy="fixed" at its smallest budget (every chunk in pinned host memory, updates
+    streamed): the fetch count of the fixed rule (a chunk read by the previous stage is held, the
+    backward starting afresh), the bytes moved, the host bytes and the stage-window peak (every
+    saved input + the prefetch window's buffers + open float32 accumulators + the stage's
+    temporaries, or one streamed update) are what the fixed rule's accounting gives."""
+    layout, traces, cb, tide, flops = _micro_plan_inputs(setup)
+    n, cs = layout.n_chunks, layout.chunk_size
+    with pytest.raises(cj.PlanError, match="use --device-budget >=") as e:
+        plan_schedule(layout, traces, cb, 1000, policy="fixed")
+    s = plan_schedule(layout, traces, cb, e.value.min_budget_bytes, policy="fixed", flops_per_step=flops)
+    assert s.counts() == {"params_pinned_host/update_streamed": n} and s.segments == (0,)
+    p = s.predicted
+    fwd = sum(len(set(t.chunks) - set(traces[s_ - 1].chunks if s_ else ())) for s_, t in enumerate(traces))
+    order = list(range(len(traces) - 2, -1, -1))
+    bwd = sum(len(set(traces[s_].backward_chunks) - set(traces[order[i - 1]].backward_chunks if i else ()))
+              for i, s_ in enumerate(order))
+    assert p.n_fetches == fwd + bwd and p.fetch_bytes_per_step == p.n_fetches * cb.params
+    assert p.h2d_bytes_per_step == p.n_fetches * cb.params + n * (cb.grad + cb.master + cb.opt)
+    assert p.d2h_bytes_per_step == n * cb.grad + n * (cb.master + cb.opt + cb.params)
+    assert p.host_model_bytes == n * (cb.params + cb.master + cb.opt + cb.grad) and p.device_model_bytes == 0
+    saved = sum(t.input_bytes for t in traces[1:])
+    readers = {c: [i for i, t in enumerate(traces) if c in t.chunks] for c in range(n)}
+    stage_peak = [saved + len(set(traces[i].chunks) | set(traces[i + 1].chunks if i + 1 < len(traces) else ()))
+                  * cb.params + 4 * cs * sum(min(r) <= i <= max(r) for r in readers.values() if r) + t.temp_bytes
+                  for i, t in enumerate(traces)]
+    update = cb.grad + cb.master + cb.opt + 2 * cb.params
+    assert p.peak_device_bytes == max(max(stage_peak), update) == e.value.min_budget_bytes
+    # the schedule's fetch lists are the fixed rule's, moment by moment
+    f, b = fetch_events(traces, s.placement, 1)
+    assert [list(x) for x in s.fetch] == f + [b[i] for i in order]
+    # with room, the compute params go to the device first, then the state
+    roomy = plan_schedule(layout, traces, cb, 10**12, policy="fixed").predicted
+    assert roomy.n_fetches == 0 and roomy.device_model_bytes == n * (cb.params + cb.master + cb.opt)
+
+
+def test_static_policies_predict_their_fetch_rules(setup):
+    """all_host: every read is a fetch released after its moment (prefetch 1: this moment's and
+    the next one's buffers); zero_offload: every chunk read is fetched once at the step's start
+    and held to its last read, the whole host update exposed. Bytes by arithmetic on the tide."""
+    layout, traces, cb, tide, flops = _micro_plan_inputs(setup)
+    n, cs, ms = layout.n_chunks, layout.chunk_size, tide.moments
+    rates = Rates()
+    ah = plan_schedule(layout, traces, cb, 10**12, policy="all_host", flops_per_step=flops).predicted
+    reads = [set(m.chunks) for m in ms]
+    per = [m.non_model_bytes + (len(reads[t]) + (len(reads[t + 1]) if t + 1 < len(ms) else 0)) * cb.params
+           for t, m in enumerate(ms)]
+    assert list(ah.device_bytes_per_moment) == per and ah.peak_device_bytes == max(per)
+    assert ah.n_fetches == sum(map(len, reads)) and ah.h2d_bytes_per_step == ah.n_fetches * cb.params
+    assert ah.d2h_bytes_per_step == n * cb.grad and ah.host_model_bytes == n * (cb.params + cb.master + cb.opt + cb.grad)
+    assert ah.time.host_update_s == pytest.approx(n * cs * rates.host_update_s_per_param)
+    zo = plan_schedule(layout, traces, cb, 10**12, policy="zero_offload", flops_per_step=flops).predicted
+    read = set().union(*reads)
+    last = {c: max(t for t in range(len(ms)) if c in reads[t]) for c in read}
+    assert list(zo.device_bytes_per_moment) == [m.non_model_bytes + sum(last[c] >= t for c in read) * cb.params
+                                                for t, m in enumerate(ms)]
+    assert zo.h2d_bytes_per_step == len(read) * cb.params and zo.d2h_bytes_per_step == n * cb.grad
+    assert zo.time.forward_s == pytest.approx(max(flops / 3 / rates.matmul_flops_per_s,
+                                                  len(read) * cb.params / rates.h2d_bytes_per_s))
+    assert zo.time.host_update_exposed_s == pytest.approx(n * cs * rates.host_update_s_per_param)
+    # must_fit (the default) refuses a baseline above the budget, naming what it needs
+    with pytest.raises(cj.PlanError, match="all_host schedule needs") as e:
+        plan_schedule(layout, traces, cb, ah.peak_device_bytes - 1, policy="all_host")
+    assert e.value.min_budget_bytes == ah.peak_device_bytes
+
+
+def test_tide_policy_prediction_adds_up(setup):
+    """policy="tide" (the default): model data of resident chunks, host bytes of offloaded ones,
+    bytes moved by fetches and gradient offloads, and a peak that bounds every moment and the
+    update phase (resident gradients plus two float32 temporaries)."""
+    layout, traces, cb, tide, flops = _micro_plan_inputs(setup)
+    n, cs = layout.n_chunks, layout.chunk_size
+    roomy = plan_schedule(layout, traces, cb, 10**12, flops_per_step=flops, resident=[0, 1])
+    s = plan_schedule(layout, traces, cb, roomy.predicted.peak_device_bytes, policy="tide", flops_per_step=flops)
+    k = sum(u == "device" for u in s.update_locations)
+    p = s.predicted
+    assert p.device_model_bytes == k * (cb.params + cb.master + cb.opt)
+    assert p.host_model_bytes == (n - k) * (cb.params + cb.master + cb.opt + cb.grad)
+    assert p.h2d_bytes_per_step == p.n_fetches * cb.params and p.d2h_bytes_per_step == (n - k) * cb.grad
+    assert p.peak_device_bytes == max(max(p.device_bytes_per_moment),
+                                      p.device_model_bytes + (k * cb.grad + 2 * 4 * cs if k else 0))
+    assert p.peak_device_bytes <= roomy.predicted.peak_device_bytes
+
+
+def test_optimizer_only_policy_is_the_drop_in_rule(setup):
+    """policy="optimizer_only": params on the device, the state of the first chunks on the device
+    while it fits next to one chunk's update working set (float32 gradient and two temporaries,
+    master and state, new params), the rest streamed; no traces needed."""
+    layout, traces, cb, tide, flops = _micro_plan_inputs(setup)
+    n, cs = layout.n_chunks, layout.chunk_size
+    state = cb.master + cb.opt
+    working = 3 * 4 * cs + state + cb.params
+    for n_dev in (0, 1, n - 1, n):
+        budget = working + n_dev * state + state // 2
+        s = plan_schedule(layout, (), cb, budget, policy="optimizer_only")
+        assert s.param_kinds == (cj.DEVICE,) * n and s.moments == () and s.segments == (0,)
+        assert s.update_locations == ("device",) * n_dev + ("streamed",) * (n - n_dev)
+        p = s.predicted
+        assert p.peak_device_bytes == n_dev * state + working <= budget
+        assert p.host_model_bytes == p.h2d_bytes_per_step == p.d2h_bytes_per_step == (n - n_dev) * state
+    with pytest.raises(cj.PlanError, match=r"below the \d+ bytes one chunk's update needs") as e:
+        plan_schedule(layout, (), cb, working - 1, policy="optimizer_only")
+    assert e.value.min_budget_bytes == working
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(policy="belady"), "unknown policy 'belady'"),
+    (dict(zero_stage=3), "needs ranks > 1"),
+    (dict(ranks=2, zero_stage=4), "zero_stage must be 1, 2 or 3"),
+    (dict(ranks=0), "ranks must be an int >= 1"),
+    (dict(policy="fixed", resident=[0]), "takes none"),
+    (dict(must_fit=False), "static baselines"),
+    (dict(prefetch=0), "prefetch must be >= 1"),
+    (dict(policy="optimizer_only", ranks=2), "plans one device"),
+])
+def test_plan_schedule_refuses_bad_options(setup, kw, words):
+    layout, traces, cb, tide, flops = _micro_plan_inputs(setup)
+    with pytest.raises(ValueError, match=words):
+        plan_schedule(layout, traces, cb, 10**12, **kw)
+    with pytest.raises(ValueError, match="needs the stage traces"):
+        plan_schedule(layout, (), cb, 10**12)
+
+
+def test_planning_modules_import_no_planner():
+    """Data flows one way: the trace, the tide, memory kinds, the schedule data and the accounting
+    import nothing from chunkjax.plan (the planner imports them)."""
+    import ast
+    import pathlib
+    root = pathlib.Path(cj.__file__).parent
+    for name in ("trace", "tide", "memory", "schedule", "predict", "errors", "eviction", "cost", "stages"):
+        tree = ast.parse((root / f"{name}.py").read_text())
+        mods = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        mods |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        assert "chunkjax.plan" not in mods, name

@@ -12,7 +12,7 @@ import pytest
 import chunkjax as cj
 from chunkjax.host_update import AdamW
 from chunkjax.optim import state_bytes_per_chunk
-from chunkjax.schedule import plan_schedule
+from chunkjax.plan import plan_schedule
 from chunkjax.zero import build_zero_layout, data_mesh
 from chunkjax.zero_schedule import make_zero_scheduled_step
 from models import gpt

@@ -16,7 +16,7 @@ import pytest
 import chunkjax as cj
 from chunkjax.host_update import AdamW
 from chunkjax.optim import state_bytes_per_chunk
-from chunkjax.schedule import plan_schedule
+from chunkjax.plan import plan_schedule
 from chunkjax.zero import build_zero_layout, data_mesh
 from chunkjax.zero_schedule import make_zero_scheduled_step
 from models import gpt
@@ -147,15 +147,14 @@ def test_plan_per_rank(setup):
     """Each rank's plan (item 4): the peak predicted with one rank's bytes fits its budget; more
     ranks leave room for more resident chunks at the same budget; bytes moved are one rank's
     shards."""
-    from chunkjax.zero_schedule import plan_zero_schedule, rank_chunk_bytes
     cfg, params, batches, stages, layout, traces, cb, refs = setup
     local = cj.trace_stages(stages, layout, jax.ShapeDtypeStruct((B // N, T + 1), jnp.int32), jnp.bfloat16)
     budget = plan_schedule(layout, traces, cb, 10**12, flops_per_step=1.0, resident=[0]).predicted.peak_device_bytes
     one = plan_schedule(layout, traces, cb, budget, flops_per_step=1.0)
-    z = plan_zero_schedule(layout, local, cb, budget, N, 3, flops_per_step=1.0)
+    z = plan_schedule(layout, local, cb, budget, ranks=N, zero_stage=3, flops_per_step=1.0)
     assert z.predicted.peak_device_bytes <= budget
     assert z.counts().get("params_device/update_device", 0) > one.counts().get("params_device/update_device", 0)
-    rcb = rank_chunk_bytes(cb, N, 3)
+    rcb = cb.per_rank(N, 3)
     assert rcb.master == cb.master // N and rcb.params == cb.params + cb.params // N
     off = sum(u != "device" for u in z.update_locations)
     assert z.predicted.h2d_bytes_per_step == z.predicted.n_fetches * (cb.params // N)

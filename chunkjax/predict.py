@@ -1,0 +1,353 @@
+"""The one accounting: what a schedule costs per step, in device bytes, bytes moved and seconds.
+
+Every policy of :func:`chunkjax.plan.plan_schedule` decides a :class:`~chunkjax.schedule.Schedule`
+(placement, fetches per moment, update locations, programs) and gets its
+:class:`~chunkjax.schedule.Prediction` from :func:`predict`, with the same rules for the model data
+on the device, the update phase, the bytes moved each way, the host bytes and the step time
+(:func:`chunkjax.cost.predict_pipelined_step`). Policies differ only in how the device bytes at
+each moment are bounded:
+
+* :func:`tide_moment_bytes`: model data on the device + the memory tide (:mod:`chunkjax.tide`) +
+  gradients waiting on the device for their update + chunk buffers held or in flight (the tide
+  plan, the ``all_host`` and ``zero_offload`` baselines);
+* :func:`fixed_rule_moment_bytes`: the stage-window bound the fixed rule is planned with (every
+  saved stage input, chunk buffers of the prefetch window, open float32 gradient accumulators and
+  the stage's temporaries), PatrickStar's section 4.2 rule in its first, coarse form.
+
+ZeRO (Rajbhandari et al., SC 2020) is accounted per rank: :meth:`ChunkBytes.per_rank` gives one
+rank's chunk bytes for planning, :func:`per_rank` one rank's bytes moved and held, and
+:func:`collective_bytes` the all-gather / reduce-scatter / all-reduce bytes one rank sends.
+Pure functions of shapes: nothing is allocated.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from chunkjax.cost import Rates, predict_pipelined_step
+from chunkjax.memory import DEVICE, PINNED_HOST
+from chunkjax.schedule import DEVICE_UPDATE, HOST_UPDATE, STREAMED_UPDATE, Placement, Prediction, Schedule
+from chunkjax.stages import first_readers
+from chunkjax.tide import Tide
+from chunkjax.trace import StageTrace
+
+#: float32 bytes per element: master params, gradient accumulators, update temporaries
+F32_BYTES = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkBytes:
+    """Bytes of one chunk in each chunk list.
+
+    Attributes:
+      params: compute-dtype params of one chunk (bytes).
+      grad: compute-dtype gradient (bytes).
+      master: float32 master params (bytes).
+      opt: optimizer state, all leaves of the chunk's optax state (bytes).
+    """
+
+    params: int
+    grad: int
+    master: int
+    opt: int
+
+    @property
+    def state(self) -> int:
+        """Master params + optimizer state (bytes)."""
+        return self.master + self.opt
+
+    def per_rank(self, ranks: int, zero_stage: int) -> "ChunkBytes":
+        """One rank's bytes of a chunk split over ``ranks`` (ZeRO ``zero_stage``), for planning a
+        rank's device memory: master params, optimizer state and gradients are the rank's 1/N
+        (rounded up); compute params are, at stage 3, the gathered full chunk plus the rank's
+        shard (a conservative figure: a resident chunk holds only its shard between reads), at
+        stages 1/2 the full chunk (what a fetched or resident chunk occupies while read).
+
+        Raises:
+          ValueError: ``ranks < 1`` or a stage other than 1/2/3.
+        """
+        if ranks < 1 or zero_stage not in (1, 2, 3):
+            raise ValueError(f"need ranks >= 1 and zero_stage in 1/2/3, got {ranks}, {zero_stage}")
+        params = self.params + _shard(self.params, ranks) if zero_stage == 3 else self.params
+        return ChunkBytes(params=params, grad=_shard(self.grad, ranks), master=_shard(self.master, ranks),
+                          opt=_shard(self.opt, ranks))
+
+
+def _shard(b: int, ranks: int) -> int:
+    return -(-int(b) // ranks)
+
+
+def chunk_bytes(layout, compute_dtype, opt_state_bytes: int) -> ChunkBytes:
+    """Bytes of one chunk of ``layout`` (a :class:`chunkjax.ChunkLayout`) per chunk list.
+
+    Args:
+      layout: its ``chunk_size`` (elements) is used.
+      compute_dtype: dtype of compute params and gradients (bf16: 2 bytes per element).
+      opt_state_bytes: bytes of one chunk's optimizer state
+        (:func:`chunkjax.optim.state_bytes_per_chunk`).
+    """
+    cs = layout.chunk_size
+    it = np.dtype(compute_dtype).itemsize
+    return ChunkBytes(params=cs * it, grad=cs * it, master=cs * F32_BYTES, opt=opt_state_bytes)
+
+
+def grad_done_moments(traces: Sequence[StageTrace], tide: Tide) -> dict[int, int]:
+    """Chunk id -> index of the moment its gradient is complete: the backward (or fused) moment
+    of the first stage that reads it."""
+    first = first_readers([t.chunks for t in traces])
+    done = {}
+    for i, m in enumerate(tide.moments):
+        if m.phase != "forward":
+            for c, s in first.items():
+                if s == m.stage:
+                    done[c] = i
+    return done
+
+
+def device_model_bytes(cb: ChunkBytes, param_kinds, update_locations) -> int:
+    """Model data on the device between steps: compute params of device-kind chunks plus master
+    params and optimizer state of device-updated chunks (bytes)."""
+    return (sum(cb.params for k in param_kinds if k == DEVICE)
+            + sum(cb.state for u in update_locations if u == DEVICE_UPDATE))
+
+
+def waiting_grad_bytes(cb: ChunkBytes, update_locations, grad_done: dict[int, int], n_moments: int) -> list[int]:
+    """Per moment, bytes of the gradients of device-updated chunks that are complete and wait on
+    the device for the update program."""
+    dev = [c for c, u in enumerate(update_locations) if u == DEVICE_UPDATE]
+    return [sum(cb.grad for c in dev if grad_done.get(c, n_moments) <= t) for t in range(n_moments)]
+
+
+def held_buffers(fetch, evict) -> list[int]:
+    """Per moment, fetched chunk copies on the device (fetched and not yet released)."""
+    out, live = [], set()
+    for f, e in zip(fetch, evict):
+        live |= set(f)
+        out.append(len(live))
+        live -= set(e)
+    return out
+
+
+def tide_moment_bytes(tide: Tide, cb: ChunkBytes, param_kinds, update_locations, fetch, prefetch: int,
+                      held: Sequence[int], grad_done: dict[int, int]) -> list[int]:
+    """Device bytes at each moment: model data on the device + the tide's non-model bytes +
+    waiting gradients + (chunk buffers held + fetches in flight for the next ``prefetch``
+    moments) x one chunk's compute params.
+
+    Args:
+      held: per moment, fetched chunk copies on the device (the eviction plan's cache, or
+        :func:`held_buffers`).
+    """
+    T = len(tide.moments)
+    model = device_model_bytes(cb, param_kinds, update_locations)
+    waiting = waiting_grad_bytes(cb, update_locations, grad_done, T)
+    out = []
+    for t, m in enumerate(tide.moments):
+        inflight = sum(len(fetch[u]) for u in range(t + 1, min(T, t + 1 + prefetch)))
+        out.append(model + m.non_model_bytes + waiting[t] + (held[t] + inflight) * cb.params)
+    return out
+
+
+def fixed_rule_moment_bytes(chunk_size: int, traces: Sequence[StageTrace], cb: ChunkBytes, param_kinds,
+                            update_locations, prefetch: int) -> list[int]:
+    """Device bytes at each moment as the fixed rule bounds them, per stage: model data on the
+    device + every saved stage input + chunk buffers of host-param chunks read within the prefetch
+    window + float32 gradient accumulators open at the stage + gradients of device-updated chunks
+    waiting for the update + the stage's temporaries. A stage's forward and backward moments share
+    its figure (moments in tide order)."""
+    n = len(param_kinds)
+    model = device_model_bytes(cb, param_kinds, update_locations)
+    saved = sum(t.input_bytes for t in traces[1:])
+    # first (forward order) stage reading each chunk: its gradient is complete after that stage's
+    # backward; last reader: its accumulator opens at that stage's backward
+    first = {c: min(s for s, t in enumerate(traces) if c in t.chunks) for c in range(n)
+             if any(c in t.chunks for t in traces)}
+    last = {c: max(s for s, t in enumerate(traces) if c in t.chunks) for c in first}
+    window = max(prefetch, 1)
+    per_stage = []
+    for s, t in enumerate(traces):
+        near = {c for s2 in range(s, min(len(traces), s + window + 1)) for c in traces[s2].chunks}
+        fetched = sum(cb.params for c in near if param_kinds[c] == PINNED_HOST)
+        acc = sum(chunk_size * F32_BYTES for c in first if first[c] <= s <= last[c])
+        waiting = sum(cb.grad for c in first if update_locations[c] == DEVICE_UPDATE and first[c] >= s)
+        per_stage.append(model + saved + fetched + acc + waiting + t.temp_bytes)
+    k = len(traces)
+    return [per_stage[s] for s in list(range(k)) + list(range(k - 2, -1, -1))]
+
+
+def update_phase_bytes(chunk_size: int, cb: ChunkBytes, update_locations) -> int:
+    """Device bytes of the update phase above the resident model data: the device group first
+    (every device-updated chunk's gradient plus two float32 temporaries of one chunk), then one
+    streamed chunk at a time (its gradient, master params, state and old/new compute params)."""
+    dev_grads = sum(cb.grad for u in update_locations if u == DEVICE_UPDATE)
+    device = dev_grads + 2 * chunk_size * F32_BYTES if DEVICE_UPDATE in update_locations else 0
+    streamed = cb.grad + cb.state + 2 * cb.params if STREAMED_UPDATE in update_locations else 0
+    return max(device, streamed)
+
+
+def fixed_rule_peak(chunk_size: int, traces: Sequence[StageTrace], cb: ChunkBytes, placement: Placement,
+                    prefetch: int) -> int:
+    """Peak device bytes of ``placement`` under the fixed rule: the largest of
+    :func:`fixed_rule_moment_bytes` and the update phase (bytes)."""
+    pk, loc = placement.param_kinds, placement.update_locations
+    per = fixed_rule_moment_bytes(chunk_size, traces, cb, pk, loc, prefetch)
+    return max(max(per), device_model_bytes(cb, pk, loc) + update_phase_bytes(chunk_size, cb, loc))
+
+
+def update_working_bytes(chunk_size: int, cb: ChunkBytes) -> int:
+    """Device bytes of one chunk's update outside the staged step (the drop-in optimizer): its
+    float32 gradient and two float32 temporaries, master params and state, new compute params."""
+    return 3 * chunk_size * F32_BYTES + cb.state + cb.params
+
+
+def _host_ready(chunk_size, traces, n_moments, update_locations, segments, grad_done):
+    """Per program: (fraction of the backward done when it ends, host-updated params it completes)."""
+    n_stages, T = len(traces), n_moments
+    bounds = list(segments) + [T]
+    bwd_moments = T - (n_stages - 1)
+    out = []
+    for p0, p1 in zip(bounds[:-1], bounds[1:]):
+        params = sum(chunk_size for c, u in enumerate(update_locations)
+                     if u == HOST_UPDATE and p0 <= grad_done.get(c, T - 1) < p1)
+        if params:
+            out.append((min(1.0, max(0.0, (p1 - (n_stages - 1)) / bwd_moments)), params))
+    return out
+
+
+def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: ChunkBytes, param_kinds,
+            update_locations, fetch, segments, moment_bytes: Sequence[int], *, flops_per_step: float,
+            rates: Rates = Rates(), forward_fetches: int | None = None) -> Prediction:
+    """The :class:`~chunkjax.schedule.Prediction` of a schedule's decisions.
+
+    Args:
+      chunk_size: elements per chunk.
+      traces, tide: the stage traces and their memory tide.
+      cb: one chunk's bytes (one rank's under ZeRO).
+      param_kinds, update_locations: per chunk, as in :class:`~chunkjax.schedule.Schedule`.
+      fetch: per moment, chunk ids fetched for it.
+      segments: program starts (moments).
+      moment_bytes: device bytes at each moment (:func:`tide_moment_bytes` or
+        :func:`fixed_rule_moment_bytes`).
+      flops_per_step: training FLOPs of one step.
+      rates: cost-model rates.
+      forward_fetches: fetches timed in the forward pass (default: those of forward moments;
+        a schedule that issues every fetch at the step's start passes all of them).
+
+    Bytes moved per step: every fetch brings one chunk's compute params up; every chunk not
+    updated on the device sends its gradient down during the backward; a host-updated chunk whose
+    params live on the device gets its new params back up; a streamed chunk moves its gradient and
+    state up and its state (and host-kind params) down; a device-updated chunk whose params live on
+    the host sends the new params down.
+    """
+    T = len(tide.moments)
+    n_stages = len(traces)
+    model = device_model_bytes(cb, param_kinds, update_locations)
+    peak = max(max(moment_bytes, default=0), model + update_phase_bytes(chunk_size, cb, update_locations))
+    n_fetch = sum(len(f) for f in fetch)
+    fetch_b = n_fetch * cb.params
+    off = [c for c, u in enumerate(update_locations) if u != DEVICE_UPDATE]
+    h2d, d2h = fetch_b, len(off) * cb.grad
+    streamed_bytes = 0
+    for c, (k, u) in enumerate(zip(param_kinds, update_locations)):
+        if u == HOST_UPDATE:
+            h2d += cb.params if k == DEVICE else 0
+        elif u == STREAMED_UPDATE:
+            up, down = cb.grad + cb.state, cb.state + (cb.params if k == PINNED_HOST else 0)
+            h2d, d2h, streamed_bytes = h2d + up, d2h + down, streamed_bytes + up + down
+        elif k == PINNED_HOST:
+            d2h += cb.params
+    host = sum((cb.params if k == PINNED_HOST else 0) + (cb.state + cb.grad if u != DEVICE_UPDATE else 0)
+               for k, u in zip(param_kinds, update_locations))
+    fwd = (sum(len(fetch[t]) for t in range(n_stages - 1)) if forward_fetches is None else forward_fetches)
+    grad_done = grad_done_moments(traces, tide)
+    time = predict_pipelined_step(
+        flops_per_step, fwd_h2d=fwd * cb.params, bwd_h2d=fetch_b - fwd * cb.params, bwd_d2h=len(off) * cb.grad,
+        streamed_bytes=streamed_bytes,
+        device_params=sum(u == DEVICE_UPDATE for u in update_locations) * chunk_size,
+        streamed_params=sum(u == STREAMED_UPDATE for u in update_locations) * chunk_size,
+        host_ready=_host_ready(chunk_size, traces, T, update_locations, segments, grad_done), rates=rates)
+    return Prediction(int(peak), int(model), int(host), int(h2d), int(d2h), int(fetch_b), int(n_fetch),
+                      tuple(int(b) for b in moment_bytes), time)
+
+
+def predict_optimizer_only(chunk_size: int, cb: ChunkBytes, update_locations, *, flops_per_step: float = 0.0,
+                           rates: Rates = Rates()) -> Prediction:
+    """The prediction of the drop-in optimizer's placement (params and gradients on the device,
+    held by the training loop and not counted; master params and optimizer state of
+    ``"device"`` chunks on the device, of ``"streamed"`` chunks in pinned host memory, moved up and
+    back for each update). Peak = resident state + :func:`update_working_bytes`; no moments."""
+    n_dev = sum(u == DEVICE_UPDATE for u in update_locations)
+    n_str = sum(u == STREAMED_UPDATE for u in update_locations)
+    model = n_dev * cb.state
+    moved = n_str * cb.state
+    time = predict_pipelined_step(flops_per_step, fwd_h2d=0, bwd_h2d=0, bwd_d2h=0, streamed_bytes=2 * moved,
+                                  device_params=n_dev * chunk_size, streamed_params=n_str * chunk_size,
+                                  host_ready=[], rates=rates)
+    return Prediction(int(model + update_working_bytes(chunk_size, cb)), int(model), int(moved), int(moved),
+                      int(moved), 0, 0, (), time)
+
+
+def per_rank(pred: Prediction, cb: ChunkBytes, ranks: int, zero_stage: int, update_locations) -> Prediction:
+    """One rank's bytes moved and held for a schedule planned with ``cb.per_rank(ranks, zero_stage)``
+    (whose peak and step time are already the rank's): a fetch moves the rank's shard (stage 3) or
+    the whole chunk (stages 1/2), an offloaded chunk's gradient leaves as the rank's shard, and
+    the host holds the rank's shard of state and gradient (bytes; ``cb`` is the whole chunk's)."""
+    unit = _shard(cb.params, ranks) if zero_stage == 3 else cb.params
+    off = sum(u != DEVICE_UPDATE for u in update_locations)
+    return dataclasses.replace(pred, h2d_bytes_per_step=pred.n_fetches * unit,
+                               fetch_bytes_per_step=pred.n_fetches * unit,
+                               d2h_bytes_per_step=off * _shard(cb.grad, ranks),
+                               host_model_bytes=off * (unit + _shard(cb.state, ranks) + _shard(cb.grad, ranks)))
+
+
+def collective_bytes(s: Schedule, traces: Sequence[StageTrace], tide: Tide, chunk_size: int, ranks: int,
+                     zero_stage: int = 3, itemsize: int = 2) -> dict[str, int]:
+    """Bytes one rank sends per step by collective for a ZeRO schedule, for ring algorithms (an
+    all-gather or reduce-scatter of a C-byte chunk moves ``(N-1)/N * C`` per rank, an all-reduce
+    twice that; scalar reductions left out). Stage 3 gathers a chunk at every fetch and a
+    device-resident chunk at every moment that reads it; stages 1/2 gather the new params of each
+    device- or streamed-updated chunk once. Every chunk a stage reads has its gradient
+    reduce-scattered (stages 2/3) or all-reduced (stage 1). Accounted, not timed.
+
+    Args:
+      s: the schedule; traces, tide: its stage traces and tide.
+      chunk_size: elements per chunk; ranks: N; zero_stage: 1, 2 or 3.
+      itemsize: bytes per compute-dtype element (bf16: 2).
+
+    Returns:
+      ``{"all_gather", "reduce_scatter", "all_reduce", "total"}`` (bytes per step per rank).
+    """
+    cbytes = chunk_size * itemsize
+    part = lambda k: (k * (ranks - 1) * cbytes) // ranks  # noqa: E731
+    if zero_stage == 3:
+        gathers = sum(sum(1 for c in m.chunks if s.param_kinds[c] == DEVICE) + len(s.fetch[t])
+                      for t, m in enumerate(tide.moments))
+    else:
+        gathers = sum(u in (DEVICE_UPDATE, STREAMED_UPDATE) for u in s.update_locations)
+    graded = len({c for t in traces for c in t.chunks})
+    out = {"all_gather": part(gathers), "reduce_scatter": part(graded) if zero_stage != 1 else 0,
+           "all_reduce": 2 * part(graded) if zero_stage == 1 else 0}
+    out["total"] = sum(out.values())
+    return out
+
+
+def device_bytes_by_kind(s: Schedule, traces: Sequence[StageTrace], tide: Tide, cb: ChunkBytes) -> dict[str, list[int]]:
+    """Split a schedule's predicted device bytes per moment by kind (for plots).
+
+    Returns lists (one entry per moment, bytes) keyed ``resident model data`` (model data placed
+    on the device between steps), ``non-model (tide)``, ``gradients held`` (gradients of chunks
+    whose compute params stay on the device, waiting for the update) and ``fetched chunk
+    buffers`` (the rest: fetched copies and fetches in flight).
+    """
+    done = grad_done_moments(traces, tide)
+    kept = [c for c in range(s.n_chunks) if s.param_kinds[c] == DEVICE]
+    model = s.predicted.device_model_bytes
+    out = {"resident model data": [], "non-model (tide)": [], "gradients held": [], "fetched chunk buffers": []}
+    for t, (m, total) in enumerate(zip(tide.moments, s.predicted.device_bytes_per_moment)):
+        held = sum(cb.grad for c in kept if done.get(c, len(tide.moments)) <= t)
+        for k, v in zip(out, (model, m.non_model_bytes, held, total - model - m.non_model_bytes - held)):
+            out[k].append(int(v))
+    return out
+
