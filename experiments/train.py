@@ -512,7 +512,10 @@ def _train(cfg, mcfg, fitted, td, folder, t_start, resolved, resume=None):
             b = jax.device_put(nb, dev)
             t0 = time.perf_counter()
             state, m = step(state, b)
-            loss = float(m["loss"])  # waits for the step
+            # the loss is ready at the head of the step; the global gradient norm only when the
+            # whole backward is done: wait for both, so that dt is the step's (the host updates
+            # still running are joined at the start of the next step, inside its dt)
+            loss, grad_norm = float(m["loss"]), float(m["grad_norm"])
             dt = time.perf_counter() - t0
             skip = cfg.nonfinite == "skip" and bool(m["skipped"])
             if skip:
@@ -526,7 +529,7 @@ def _train(cfg, mcfg, fitted, td, folder, t_start, resolved, resume=None):
             if not skip:
                 losses.append(loss)
             rec = {"step": i, "tokens": i * tokens_per_step, "loss": loss if not skip else None,
-                   "grad_norm": float(m["grad_norm"]) if not skip else None, "step_s": dt, "skipped": skip}
+                   "grad_norm": grad_norm if not skip else None, "step_s": dt, "skipped": skip}
             if i % cfg.eval_every == 0 or i == cfg.steps:
                 rec["val_loss"] = val_loss(state)
                 if not math.isfinite(rec["val_loss"]):
