@@ -8,7 +8,7 @@ import logging
 import os
 import threading
 
-from chunkjax.checkpoint.job import SaveJob, engine_info
+from chunkjax.checkpoint.job import SaveJob, chunk_nbytes, engine_info
 from chunkjax.checkpoint.protocol import CheckpointError
 
 
@@ -72,8 +72,9 @@ def save_checkpoint_async(directory, step_number: int, step_fn, state=None, extr
     max_inflight_bytes = int(max_inflight_bytes)
     if max_inflight_bytes < 0:
         raise ValueError(f"max_inflight_bytes must be >= 0, got {max_inflight_bytes}")
+    info = engine_info(step_fn)  # a ChunkIO engine, or a one-line CheckpointError
     previous_save(directory, step_fn)
-    if engine_info(step_fn)["multiprocess"]:
+    if info["multiprocess"]:
         raise CheckpointError("asynchronous saves of a state over several processes are not supported: use "
                               "save_checkpoint (every process calls it)")
     job = SaveJob(directory, step_number, step_fn, state, extra)
@@ -88,10 +89,10 @@ def save_checkpoint_async(directory, step_number: int, step_fn, state=None, extr
     handle = AsyncSave(job, max_inflight_bytes)
     _async_saves(step_fn)[job.key] = handle
     handle._thread.start()
-    stage, nbytes = None, 0
+    stage = None
     try:
         for c in range(job.n_chunks):
-            if not handle._reserve(nbytes):  # the chunks are of one size: the last one's bytes
+            if not handle._reserve(chunk_nbytes(step_fn, c)):  # its bytes, before the snapshot
                 return handle  # the writer failed: its error comes at wait()
             stage = f"reading chunk {c} of {job.n_chunks} from the state"
             arrays = job.snapshot(c, copy=True)

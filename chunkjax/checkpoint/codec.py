@@ -11,6 +11,8 @@ import numpy as np
 
 
 def encode(x, where="extra"):
+    """``x`` as JSON-serialisable data (arrays and PRNG keys tagged). Raises a one-line TypeError
+    naming the path ``where`` of a value that cannot be saved (an object, a dict key not a string)."""
     if isinstance(x, dict):
         for k in x:
             if not isinstance(k, str):
@@ -35,6 +37,8 @@ def encode(x, where="extra"):
 
 
 def decode(x):
+    """The inverse of :func:`encode`: arrays as numpy (writable), PRNG keys as typed key arrays,
+    tuples as tuples."""
     if isinstance(x, list):
         return [decode(v) for v in x]
     if isinstance(x, dict):

@@ -40,6 +40,12 @@ def engine_info(engine) -> dict:
     return engine.checkpoint_info()
 
 
+def chunk_nbytes(engine, c: int) -> int:
+    """Bytes of chunk ``c``'s portable arrays (``engine.checkpoint_arrays(c)``), before reading them."""
+    return sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize
+               for shape, dt in engine.checkpoint_arrays(c).values())
+
+
 def run_save(job: "SaveJob", source: str) -> str:
     """A synchronous save: every chunk snapshotted (no copies: host chunks' own buffers are
     written directly) and written, then finalized; on failure the partial write is removed and

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 import chunkjax.checkpoint.files as files
-from chunkjax.checkpoint.job import SaveJob
+from chunkjax.checkpoint.job import SaveJob, chunk_nbytes
 from chunkjax.checkpoint.protocol import CheckpointError, CheckpointWriteError
 
 
@@ -120,7 +120,7 @@ def peer_deadline(step_fn, timeout_s: float | None) -> float:
         if not timeout_s > 0:
             raise ValueError(f"peer_timeout_s must be > 0, got {timeout_s}")
         return float(timeout_s)
-    chunk_bytes = 14 * int(step_fn.layout.chunk_size)  # bf16 params, master, two moments
+    chunk_bytes = chunk_nbytes(step_fn, 0)  # params, master and moments of one chunk
     return max(DEFAULT_PEER_TIMEOUT_S, 60.0 + chunk_bytes / (100 << 20))
 
 

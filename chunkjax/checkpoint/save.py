@@ -59,8 +59,9 @@ def save_checkpoint(directory, step_number: int, step_fn, state=None, extra: dic
         :func:`save_checkpoint_async` into ``directory`` whose :meth:`AsyncSave.wait` was never
         called (nothing new is saved then).
     """
+    info = engine_info(step_fn)  # a ChunkIO engine, or a one-line CheckpointError
     previous_save(directory, step_fn)
-    if engine_info(step_fn)["multiprocess"]:
+    if info["multiprocess"]:
         return save_multiprocess(directory, step_number, step_fn, state, extra, peer_timeout_s)
     return run_save(SaveJob(directory, step_number, step_fn, state, extra), "the state")
 
