@@ -33,7 +33,6 @@ def optax_leaf_role(path) -> tuple[str, int | None]:
     return name, idx
 
 
-
 def optax_to_portable(opt_state, chunk_size: int) -> tuple[int | None, dict, dict]:
     """Split one chunk's optax state into (count, {moment: (chunk_size,) float32 numpy},
     {moment: rest-leaf float}).
@@ -65,7 +64,6 @@ def optax_to_portable(opt_state, chunk_size: int) -> tuple[int | None, dict, dic
     return (counts.pop() if counts else None), moments, rest
 
 
-
 def portable_to_optax(template, count: int | None, moments: dict, rest: dict, chunk: int):
     """Fill the structure ``template`` (``jax.eval_shape`` of the chunk's optax init) with saved
     values as numpy arrays. Raises CheckpointError if the moment names differ."""
@@ -86,15 +84,14 @@ def portable_to_optax(template, count: int | None, moments: dict, rest: dict, ch
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-
 def check_optax_moments(template, names, chunk: int) -> None:
     """Raise a one-line CheckpointError if chunk ``chunk``'s optax state ``template`` has other
     per-element moments than ``names``."""
     need = sorted(moment_names(template))
     if need != sorted(names):
         raise CheckpointError(f"chunk {chunk}: the checkpoint's optimizer moments {sorted(names)} do not match "
-                              f"this step's optax state {need}: restore with the optimizer the checkpoint was saved with")
-
+                              f"this step's optax state {need}: restore with the optimizer the checkpoint was saved "
+                              "with")
 
 
 def host_to_portable(st) -> tuple[int, dict]:
@@ -107,7 +104,6 @@ def host_to_portable(st) -> tuple[int, dict]:
     return int(st.count), {name: getattr(st, field) for field, name in table}
 
 
-
 def portable_to_host(cls, count: int | None, moments: dict, chunk: int):
     """A ``cls`` host state (``Host*State``) holding ``count`` and the float32 ``moments``.
     Raises CheckpointError if the moment names do not fit ``cls``."""
@@ -115,7 +111,6 @@ def portable_to_host(cls, count: int | None, moments: dict, chunk: int):
     table = host_moments()[cls]
     kw = {field: np.require(moments[name], np.float32, ["C", "W", "O"]) for field, name in table}
     return cls(count=0 if count is None else int(count), **kw)
-
 
 
 def check_host_moments(cls, names, chunk):
@@ -129,11 +124,9 @@ def check_host_moments(cls, names, chunk):
                               f"into {cls.__name__} (needs {need}): restore with the optimizer it was saved with")
 
 
-
 def is_host_state(st) -> bool:
     """True for a ``Host*State`` (a dataclass instance), False for an optax state."""
     return dataclasses.is_dataclass(st) and not isinstance(st, type)
-
 
 
 def moment_names(st) -> list[str]:
@@ -144,7 +137,6 @@ def moment_names(st) -> list[str]:
             if optax_leaf_role(p)[1] == 0 and np.ndim(l) == 1]
 
 
-
 def host_value(a, dtype=None) -> np.ndarray:
     """``np.asarray(a, dtype)`` without leaving the host copy cached on ``a``: jax keeps
     np.asarray's device -> host copy on the jax.Array for the array's lifetime, which would hold
@@ -153,7 +145,6 @@ def host_value(a, dtype=None) -> np.ndarray:
     if isinstance(a, jax.Array) and not a.is_deleted():
         a = jax.make_array_from_single_device_arrays(a.shape, a.sharding, [s.data for s in a.addressable_shards])
     return np.asarray(a, dtype)
-
 
 
 def numpy_leaves(x) -> list[np.ndarray]:

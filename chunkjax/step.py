@@ -72,7 +72,8 @@ class ChunkedStep(StepChunkIO):
 
     Build it with :func:`make_chunked_step`. ``step(state, batch) -> (state, metrics)``;
     ``metrics`` holds ``loss`` (float32 scalar, nats, mean over the whole batch) and
-    ``grad_norm`` (global, float32).
+    ``grad_norm`` (global, float32). Checkpointable: the checkpoint protocol's methods
+    (:class:`chunkjax.step_checkpoint.StepChunkIO`; :mod:`chunkjax.checkpoint`).
 
     Attributes:
       stages, layout: the model's stages and chunk layout (on a mesh ``chunk_size`` is a multiple

@@ -130,7 +130,8 @@ def chunk_portable(step_fn, state, c: int) -> tuple[dict, dict]:
         rest = {}
     else:
         count, moments, rest = portable.optax_to_portable(st, step_fn.layout.chunk_size)
-    arrays = {"params": portable.host_value(state.params[c]), "master": portable.host_value(state.master[c], np.float32), **moments}
+    arrays = {"params": portable.host_value(state.params[c]),
+              "master": portable.host_value(state.master[c], np.float32), **moments}
     return arrays, {"count": count, "moments": sorted(set(portable.moment_names(st))), "rest": rest, "saved_from": loc}
 
 

@@ -16,7 +16,6 @@ from chunkjax.checkpoint.protocol import CheckpointError
 DEFAULT_MAX_INFLIGHT_BYTES = 1 << 30
 
 
-
 def save_checkpoint_async(directory, step_number: int, step_fn, state=None, extra: dict | None = None, *,
                           max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES) -> "AsyncSave":
     """Start saving checkpoint ``step_number`` in the background; training may go on as soon as
@@ -119,12 +118,10 @@ _FINAL = object()  # the writer's last item: finalize
 _log = logging.getLogger(__name__)
 
 
-
 def _async_saves(step_fn) -> dict:
     """The step object's asynchronous saves still tracked: realpath of a checkpoint root -> its
     latest :class:`AsyncSave` (kept on the step the caller passes to every save: no module state)."""
     return vars(step_fn).setdefault("_checkpoint_async_saves", {})
-
 
 
 def previous_save(directory, step_fn) -> None:
@@ -141,7 +138,6 @@ def previous_save(directory, step_fn) -> None:
     if prev._error is not None and not prev._reported:
         prev._reported = True
         raise prev._error
-
 
 
 class AsyncSave:

@@ -35,7 +35,6 @@ def encode(x, where="extra"):
                     "dicts, numpy/jax arrays or PRNG keys)")
 
 
-
 def decode(x):
     """The inverse of :func:`encode`: arrays as numpy (writable), PRNG keys as typed key arrays,
     tuples as tuples."""

@@ -58,7 +58,6 @@ def step_dir(directory, step: int) -> str:
     return os.path.join(os.fspath(directory), f"step_{step:08d}")
 
 
-
 def _step_numbers(directory) -> list[int]:
     """Step numbers of every ``step_<N>`` directory in ``directory``, complete or not, ascending."""
     d = os.fspath(directory)
@@ -67,13 +66,11 @@ def _step_numbers(directory) -> list[int]:
     return sorted(int(m.group(1)) for m in map(_STEP_RE.match, os.listdir(d)) if m)
 
 
-
 def all_steps(directory) -> list[int]:
     """Step numbers of the complete checkpoints in ``directory`` (a ``step_<N>`` directory with
     its ``meta.json``), ascending ([] if none or if the directory does not exist). Temporaries of
     unfinished saves are never listed; the files are not verified (:func:`verify_checkpoint`)."""
     return [s for s in _step_numbers(directory) if os.path.isfile(os.path.join(step_dir(directory, s), META))]
-
 
 
 def latest_step(directory, *, verify: bool = True) -> int | None:
@@ -102,7 +99,6 @@ def latest_step(directory, *, verify: bool = True) -> int | None:
     return None
 
 
-
 def verify_checkpoint(directory, step_number: int) -> dict:
     """Check every file of checkpoint ``step_number`` against the size and crc32 recorded when it
     was saved (``checksums.json``), reading each file once in 256 KiB blocks.
@@ -125,12 +121,10 @@ def verify_checkpoint(directory, step_number: int) -> dict:
     return meta
 
 
-
 # ---- checksums: every file's size and crc32, recorded at save, checked on read ----------------
 
 def chunk_name(c: int) -> str:
     return f"chunk_{c:05d}"
-
 
 
 def file_checksum(path: str) -> list[int]:
@@ -146,7 +140,6 @@ def file_checksum(path: str) -> list[int]:
     return [n, crc]
 
 
-
 def tree_checksums(root: str, sub: str) -> dict[str, list[int]]:
     """``{path relative to root ('/'-separated): [size, crc32]}`` of every file under ``root/sub``."""
     out = {}
@@ -157,17 +150,14 @@ def tree_checksums(root: str, sub: str) -> dict[str, list[int]]:
     return out
 
 
-
 def _sums_crc(files: dict) -> int:
     return zlib.crc32(json.dumps(files, sort_keys=True).encode())
-
 
 
 def write_checksums(root: str, files: dict) -> None:
     body = {"format": FORMAT, "algorithm": "crc32", "files": dict(sorted(files.items()))}
     body["crc32"] = _sums_crc(body["files"])  # the manifest's own checksum
     write_meta(os.path.join(root, CHECKSUMS), body)
-
 
 
 def read_checksums(root: str) -> dict | None:
@@ -190,7 +180,6 @@ def read_checksums(root: str) -> dict | None:
     return files
 
 
-
 def verify_files(root: str, sums: dict, sub: str) -> None:
     """Check the recorded files at ``sub`` (a file) or under it (a directory) of checkpoint
     ``root``. Raises a one-line CheckpointError naming the first bad file."""
@@ -211,7 +200,6 @@ def verify_files(root: str, sums: dict, sub: str) -> None:
                                   f"crc32 {want[1]:08x}): restore an earlier step")
 
 
-
 def _pid_alive(pid: int) -> bool:
     if pid == os.getpid():
         return True
@@ -224,12 +212,10 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-
 def tmp_dir(directory, step: int) -> str:
     """A fresh temporary name for step ``step`` in ``directory`` (``_TMP_RE``: never listed by
     :func:`all_steps`, removed by :func:`remove_stale_temporaries` once this process is gone)."""
     return os.path.join(os.fspath(directory), f"{_TMP_PREFIX}{step:08d}_{os.getpid()}_{uuid.uuid4().hex[:12]}")
-
 
 
 def delete_checkpoint(directory, step_number: int) -> None:
@@ -243,7 +229,6 @@ def delete_checkpoint(directory, step_number: int) -> None:
     tmp = tmp_dir(directory, step_number)
     os.rename(step_dir(directory, step_number), tmp)
     shutil.rmtree(tmp, ignore_errors=True)
-
 
 
 def remove_stale_temporaries(directory) -> list[str]:
@@ -263,7 +248,6 @@ def remove_stale_temporaries(directory) -> list[str]:
     return removed
 
 
-
 # ---- layout fingerprint ---------------------------------------------------------------------
 
 def layout_spec(layout) -> dict:
@@ -278,11 +262,9 @@ def layout_spec(layout) -> dict:
     }
 
 
-
 def layout_fingerprint(layout) -> str:
     """sha256 (hex) of :func:`layout_spec`: equal fingerprints mean identical chunk layouts."""
     return hashlib.sha256(json.dumps(layout_spec(layout), sort_keys=True).encode()).hexdigest()
-
 
 
 def layout_difference(saved: dict, here: dict) -> str | None:
@@ -302,7 +284,6 @@ def layout_difference(saved: dict, here: dict) -> str | None:
     return None
 
 
-
 def tree_difference(saved: dict, here: dict) -> str | None:
     """One line naming the first leaf whose path, shape or dtype differs between two layout
     specs (the parameter trees), or None if the trees match (chunk placement may differ)."""
@@ -318,7 +299,6 @@ def tree_difference(saved: dict, here: dict) -> str | None:
         if b[path] != (shape, dt):
             return f"leaf {path} is {shape} {dt} in the checkpoint but {b[path][0]} {b[path][1]} in this step"
     return None
-
 
 
 def common_optimizer(meta: dict, where: str, need_one_count: bool) -> tuple[list[str], int | None, dict]:
@@ -339,7 +319,6 @@ def common_optimizer(meta: dict, where: str, need_one_count: bool) -> tuple[list
     return list(names.pop()), chunks[0]["count"], chunks[0].get("rest", {})
 
 
-
 # ---- meta.json ------------------------------------------------------------------------------
 
 def write_meta(path: str, meta: dict) -> None:
@@ -347,7 +326,6 @@ def write_meta(path: str, meta: dict) -> None:
         json.dump(meta, f)
         f.flush()
         os.fsync(f.fileno())
-
 
 
 def read_meta(directory, step_number: int | None = None) -> dict:
@@ -364,7 +342,6 @@ def read_meta(directory, step_number: int | None = None) -> dict:
         if step_number is None:
             raise FileNotFoundError(f"no complete checkpoint in {os.fspath(directory)}")
     return load_meta(directory, step_number)[0]
-
 
 
 def load_meta(directory, step_number: int) -> tuple[dict, dict | None]:
@@ -397,7 +374,6 @@ def load_meta(directory, step_number: int) -> tuple[dict, dict | None]:
     return meta, sums
 
 
-
 # ---- chunk I/O (module-level so tests can inject faults) -------------------------------------
 
 def checkpointer():
@@ -410,12 +386,10 @@ def checkpointer():
     return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(multiprocessing_options=mp), multiprocessing_options=mp)
 
 
-
 def write_chunk(ckptr, path: str, arrays: dict[str, np.ndarray]) -> None:
     """Write one chunk's arrays (numpy) as an orbax PyTree checkpoint at ``path``."""
     import orbax.checkpoint as ocp
     ckptr.save(os.path.abspath(path), args=ocp.args.PyTreeSave(arrays))  # orbax refuses relative paths
-
 
 
 def read_chunk(ckptr, path: str, names) -> dict[str, np.ndarray]:
@@ -425,7 +399,6 @@ def read_chunk(ckptr, path: str, names) -> dict[str, np.ndarray]:
     item = {n: np.zeros((), np.float32) for n in names}  # structure only (a subset of the saved arrays)
     return ckptr.restore(os.path.abspath(path),
                          args=ocp.args.PyTreeRestore(item=item, restore_args=ra, partial_restore=True))
-
 
 
 def fsync_tree(root: str) -> None:
@@ -439,7 +412,6 @@ def fsync_tree(root: str) -> None:
         fsync_dir(d)
 
 
-
 def fsync_dir(d: str) -> None:
     try:
         fd = os.open(d, os.O_RDONLY)
@@ -451,7 +423,6 @@ def fsync_dir(d: str) -> None:
         pass
     finally:
         os.close(fd)
-
 
 
 def one_line(e: BaseException) -> str:

@@ -20,7 +20,6 @@ from chunkjax.checkpoint.protocol import CheckpointError, CheckpointWriteError
 DEFAULT_PEER_TIMEOUT_S = 300.0
 
 
-
 class Peers:
     """The other processes of a multi-process save, met with a deadline through the
     ``jax.distributed`` coordination service's key-value store: before each collective every
@@ -103,7 +102,6 @@ class Peers:
                 pass
 
 
-
 class _PeerLost(Exception):
     """Processes that failed to meet the others in a multi-process save."""
 
@@ -114,7 +112,6 @@ class _PeerLost(Exception):
         super().__init__(f"{who} lost while {doing} ({why})")
 
 
-
 def peer_deadline(step_fn, timeout_s: float | None) -> float:
     if timeout_s is not None:
         if not timeout_s > 0:
@@ -122,7 +119,6 @@ def peer_deadline(step_fn, timeout_s: float | None) -> float:
         return float(timeout_s)
     chunk_bytes = chunk_nbytes(step_fn, 0)  # params, master and moments of one chunk
     return max(DEFAULT_PEER_TIMEOUT_S, 60.0 + chunk_bytes / (100 << 20))
-
 
 
 def save_multiprocess(directory, step_number: int, step_fn, state, extra, peer_timeout_s=None) -> str:

@@ -188,7 +188,6 @@ class _SavedChunks:
         return out
 
 
-
 def _assemble_chunk(src: _SavedChunks, saved: dict, lay, c: int, names) -> dict[str, np.ndarray]:
     """New chunk ``c`` of ``lay``: ``{name: (lay.chunk_size,) numpy}`` for every saved array
     name, each leaf copied from its (chunk, offset) in the saved layout spec; zero padding.
@@ -207,7 +206,6 @@ def _assemble_chunk(src: _SavedChunks, saved: dict, lay, c: int, names) -> dict[
     if not slots:  # a chunk without leaves (not built by build_layout): zeros
         out = {n: np.zeros((lay.chunk_size,), np.float32) for n in names}
     return out
-
 
 
 def export_params(step_fn, state=None):

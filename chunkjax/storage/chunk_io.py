@@ -39,9 +39,9 @@ class StorageChunks:
     def __init__(self, opt, layout, compute_dtype):
         sizes = list(opt.chunk_sizes.values())
         if len(sizes) != layout.n_chunks or any(n != layout.chunk_size for n in sizes):
-            raise CheckpointError(f"the optimizer's {len(sizes)} chunks of {sorted(set(sizes))} elements do not match "
-                                  f"the layout's {layout.n_chunks} chunks of {layout.chunk_size}: pass the layout whose "
-                                  "pack() made the optimizer's chunks")
+            raise CheckpointError(f"the optimizer's {len(sizes)} chunks of {sorted(set(sizes))} elements do not "
+                                  f"match the layout's {layout.n_chunks} chunks of {layout.chunk_size}: pass the "
+                                  "layout whose pack() made the optimizer's chunks")
         self.opt, self.layout, self.compute_dtype = opt, layout, np.dtype(compute_dtype)
         self.ef = bool(getattr(opt, "error_feedback", False)) and getattr(opt, "compression", None) == "topk"
 

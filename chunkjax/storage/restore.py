@@ -23,7 +23,8 @@ def restore_storage_checkpoint(directory, dirs, spec, layout, step_number: int |
     from memory (:func:`chunkjax.checkpoint.save_checkpoint` of a ``ChunkedStep``, any topology
     with AdamW, any placement). ``layout`` may chunk the same parameter tree differently (another
     chunk size): leaves are then moved by path as in :func:`chunkjax.checkpoint.restore_checkpoint`.
-    Chunks are read, assembled and streamed to their worker one at a time (host memory: one chunk, two saved chunks plus the new one when remapping). With
+    Chunks are read, assembled and streamed to their worker one at a time (host memory: one
+    chunk, two saved chunks plus the new one when remapping). With
     ``error_feedback=True`` the saved residuals are restored (zeros when the checkpoint has
     none, e.g. one saved from memory).
 
