@@ -34,6 +34,7 @@ class StepChunkIO:
         else:
             saved_from = {"step": "ChunkedStep", "n_ranks": 1}
         return {"optimizer": repr(getattr(self, "host_optimizer", None) or self.tx), "saved_from": saved_from,
+                "needs_state": True,
                 "multiprocess": mesh is not None and any(d.process_index != jax.process_index()
                                                          for d in mesh.devices.flat)}
 

@@ -485,3 +485,15 @@ def test_relative_directory(setup, mixed_run, tmp_path, monkeypatch):
     st, extra = ck.restore_checkpoint("runs/ckpts", step, 3)
     assert extra == {"n": 3}
     assert_trees(ck.export_params(step, st), ck.export_params(step, state))
+
+
+def test_step_without_state_is_refused(mixed_run, tmp_path):
+    """A step keeps no state of its own: saving or exporting it without one is one line."""
+    step = mixed_run[0]
+    with pytest.raises(TypeError, match="pass the state it returned"):
+        ck.save_checkpoint(tmp_path, 1, step)
+    with pytest.raises(TypeError, match="pass the state it returned"):
+        ck.save_checkpoint_async(tmp_path, 1, step)
+    with pytest.raises(TypeError, match="pass the state it returned"):
+        ck.export_params(step)
+    assert not os.listdir(tmp_path)

@@ -71,7 +71,7 @@ def save_checkpoint_async(directory, step_number: int, step_fn, state=None, extr
     max_inflight_bytes = int(max_inflight_bytes)
     if max_inflight_bytes < 0:
         raise ValueError(f"max_inflight_bytes must be >= 0, got {max_inflight_bytes}")
-    info = engine_info(step_fn)  # a ChunkIO engine, or a one-line CheckpointError
+    info = engine_info(step_fn, state)  # a ChunkIO engine (and its state), or one line
     previous_save(directory, step_fn)
     if info["multiprocess"]:
         raise CheckpointError("asynchronous saves of a state over several processes are not supported: use "

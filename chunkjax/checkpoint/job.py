@@ -27,17 +27,26 @@ from chunkjax.checkpoint.codec import encode
 from chunkjax.checkpoint.protocol import ChunkIO, CheckpointError, CheckpointWriteError
 
 
-def engine_info(engine) -> dict:
+_UNCHECKED = object()  # engine_info's state default: no state to check (a restore)
+
+
+def engine_info(engine, state=_UNCHECKED) -> dict:
     """``engine.checkpoint_info()`` of an engine implementing
-    :class:`~chunkjax.checkpoint.protocol.ChunkIO`.
+    :class:`~chunkjax.checkpoint.protocol.ChunkIO`, and when ``state`` is given, a check that it
+    is there for an engine whose state is passed in.
 
     Raises:
       CheckpointError: ``engine`` does not implement the protocol.
+      TypeError: ``state`` is None for an engine whose state is passed in (a step).
     """
     if not isinstance(engine, ChunkIO):
         raise CheckpointError(f"cannot checkpoint a {type(engine).__name__}: pass a chunkjax.ChunkedStep, "
                               "ChunkedOptimizer, NnxOptimizer or another chunkjax.checkpoint.ChunkIO")
-    return engine.checkpoint_info()
+    info = engine.checkpoint_info()
+    if state is None and info.get("needs_state"):
+        raise TypeError(f"a {type(engine).__name__} keeps no state of its own: pass the state it returned "
+                        "(save_checkpoint(directory, n, step, state, extra))")
+    return info
 
 
 def chunk_nbytes(engine, c: int) -> int:
@@ -88,7 +97,7 @@ class SaveJob:
             raise FileExistsError(f"checkpoint step {step_number} already exists at {self.final}: "
                                   "delete it or save another step")
         self.extra_json = encode(dict(extra or {}))  # fail on bad extra before writing anything
-        self.info = engine_info(engine)
+        self.info = engine_info(engine, state)
         self.engine, self.state = engine, state
         self.n_chunks = engine.layout.n_chunks
         self.chunks_meta: list = [None] * self.n_chunks

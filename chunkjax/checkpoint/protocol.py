@@ -78,7 +78,7 @@ class ChunkIO(Protocol):
         (the engine kind and its rank count), "multiprocess": bool (a state spanning several
         processes: every process calls save/restore), "meta": dict (further top-level meta.json
         entries), "passthrough": tuple of exception types the engine raises itself (passed through
-        unwrapped)}``."""
+        unwrapped), "needs_state": bool (``state`` must not be None)}``; the last three optional."""
 
     def checkpoint_arrays(self, c: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
         """``{name: (shape, dtype)}`` of chunk ``c``'s portable arrays (without reading them)."""

@@ -222,7 +222,11 @@ def export_params(step_fn, state=None):
       The pytree of ``step_fn.layout`` (the model's structure) with one float32 numpy array of
       the leaf's shape per leaf. Built one chunk at a time: host memory holds the result (4 bytes
       per parameter) plus one (chunk_size,) float32 chunk; nothing is placed on the device.
+
+    Raises:
+      CheckpointError: ``step_fn`` is no ChunkIO engine. TypeError: ``state`` None for a step.
     """
+    engine_info(step_fn, state)
     step_fn.wait(state)
     lay = step_fn.layout
     leaves = [None] * len(lay.slots)

@@ -49,7 +49,7 @@ def save_checkpoint(directory, step_number: int, step_fn, state=None, extra: dic
 
     Raises:
       FileExistsError: a checkpoint of ``step_number`` already exists.
-      TypeError: ``extra`` holds something that cannot be saved.
+      TypeError: ``extra`` holds something that cannot be saved, or ``state`` is None for a step.
       CheckpointError: the optimizer state has no per-chunk form (not elementwise), the ranks of
         a ZeRO chunk hold different step counts, or ``step_fn`` is no ChunkIO engine.
       CheckpointWriteError: writing failed (e.g. ENOSPC); the previous checkpoints are intact and
@@ -59,7 +59,7 @@ def save_checkpoint(directory, step_number: int, step_fn, state=None, extra: dic
         :func:`save_checkpoint_async` into ``directory`` whose :meth:`AsyncSave.wait` was never
         called (nothing new is saved then).
     """
-    info = engine_info(step_fn)  # a ChunkIO engine, or a one-line CheckpointError
+    info = engine_info(step_fn, state)  # a ChunkIO engine (and its state), or one line
     previous_save(directory, step_fn)
     if info["multiprocess"]:
         return save_multiprocess(directory, step_number, step_fn, state, extra, peer_timeout_s)
