@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from chunkjax import optim, portable
-from chunkjax.updaters import warm_host_kernel
 from chunkjax.checkpoint.protocol import CheckpointError
+from chunkjax.updaters import warm_host_kernel
 
 
 class StepChunkIO:
