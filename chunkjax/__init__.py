@@ -25,6 +25,7 @@ _EXPORTS = {
     **dict.fromkeys(["AsyncSave", "CheckpointError", "CheckpointWriteError", "export_params", "latest_step",
                      "restore_checkpoint", "save_checkpoint", "save_checkpoint_async"], "checkpoint"),
     **dict.fromkeys(["ChunkedOptimizer", "NnxOptimizer"], "flax_api"),
+    **dict.fromkeys(["FitReport", "HostMemoryError", "fit_step"], "fit"),
     **dict.fromkeys(["ChunkLayout", "LeafSlot", "build_layout", "first_use_order", "search_chunk_size"], "layout"),
     "DynamicLossScale": "loss_scale",
     **dict.fromkeys(["DEVICE", "PINNED_HOST"], "memory"),

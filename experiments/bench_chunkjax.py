@@ -1,12 +1,12 @@
-"""The ``chunkjax`` system of the benchmark (experiments/bench.py): plan, check, run.
+"""The ``chunkjax`` system of the benchmark (experiments/bench.py): the one fit path, then measure.
 
-1. Trace the stages for the batch shape on this backend (GPU: the GPU compiler's transient
-   bytes) and plan a :class:`chunkjax.schedule.Schedule` for the device budget with the host
-   AdamW kernel (updates of offloaded chunks run in place on the host, overlapping the backward).
-2. Compile every program of the step and check the compiled peak (largest program's arguments +
-   outputs + temporaries, plus the resident master params and optimizer state) against the
-   budget less a headroom for the runtime's workspaces; while over, re-plan for a smaller
-   effective budget (the tide underestimates what XLA keeps alive; docs/design.md).
+1. :func:`chunkjax.fit.prepare`: layout, stage traces for the batch shape on this backend (GPU:
+   the GPU compiler's transient bytes), the cost model calibrated on this machine
+   (:func:`experiments.gpu_measure.calibrated_rates`), host AdamW updates.
+2. :func:`chunkjax.fit.fit_problem` (in :meth:`ChunkjaxSystem.compiled_memory`): the tide plan,
+   the host-memory check, every program of the step compiled, re-planned while the compiled peak
+   exceeds :data:`chunkjax.fit.HEADROOM` of the budget. The main job (experiments/train.py) runs
+   the same path, so the two plan alike.
 3. Initialise chunk by chunk (no full params pytree anywhere), then measure with the same
    protocol as the baselines (:func:`experiments.bench.measure_system`).
 
@@ -15,15 +15,16 @@ The record adds the schedule's predictions (``*_accounted``) next to the measure
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
-
-#: fraction of the budget the compiled step may use; the rest is for cuDNN/cuBLAS workspaces
-HEADROOM = 0.90
 
 
 class ChunkjaxSystem:
-    """The BaselineSystem interface (experiments/baselines.py) over a chunked step."""
+    """The BaselineSystem interface (experiments/baselines.py) over the fit path's step.
+
+    Attributes read by experiments/sweep.py: ``layout``, ``traces``, ``cb`` (whole-chunk bytes),
+    ``rates``, ``matmul_tflops``, ``schedule``, ``step_fn``, ``budget``, ``plan_history``,
+    ``dev_sh`` (the batch's sharding); :meth:`use_budget` / :meth:`use_schedule` switch plans.
+    """
 
     name = "chunkjax"
 
@@ -34,134 +35,75 @@ class ChunkjaxSystem:
         import jax.numpy as jnp
 
         import chunkjax as cj
+        from chunkjax import fit
         from chunkjax.host_update import AdamW
-        from chunkjax.memory import DEVICE, sharding
-        from chunkjax.optim import state_bytes_per_chunk
+        from experiments.gpu_measure import calibrated_rates
         from models import gpt
 
         if init not in ("leafwise", "init_params"):
             raise ValueError(f"init={init!r}: use 'leafwise' or 'init_params'")
         self.cfg, self.budget, self.notes, self.init_rule = cfg, int(budget_bytes), [], init
         self.last_update_s, self.last_timings = None, {}
-        self.dev_sh = sharding(DEVICE)
-        # ZeRO over every local device (chunkjax/zero_schedule.py): the budget is each rank's
+        # ZeRO over every local device (make_chunked_step(..., mesh=, zero_stage=)): the budget is each rank's
         self.zero_stage = int(zero_stage or 0)
-        self.mesh, self.n_ranks = None, 1
-        if self.zero_stage:
-            from jax.sharding import NamedSharding
-            from jax.sharding import PartitionSpec as P
-
-            from chunkjax.zero import AXIS, data_mesh
-            self.mesh = data_mesh()
-            self.n_ranks = int(self.mesh.devices.size)
-            if batch % self.n_ranks:
-                raise ValueError(f"batch {batch} does not split over {self.n_ranks} devices: use a multiple")
-            self.dev_sh = NamedSharding(self.mesh, P(AXIS))
+        self.mesh = cj.data_mesh() if self.zero_stage else None
+        self.n_ranks = 1 if self.mesh is None else int(self.mesh.devices.size)
+        if batch % self.n_ranks:
+            raise ValueError(f"batch {batch} does not split over {self.n_ranks} devices: use a multiple")
         self.spec = AdamW(lr, weight_decay=1e-4)
+        self.rates, self.matmul_tflops = calibrated_rates()
         t0 = time.perf_counter()
-        stages = gpt.gpt_stages(cfg)
-        ap = gpt.abstract_params(cfg)
-        ab = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32)
-        order = cj.first_use_order(lambda p, b: cj.compose_loss(stages, p, b), ap, ab)
-        self.layout = cj.build_layout(ap, None, order, min_chunks=8)
-        if self.zero_stage:  # chunks that split over the ranks; each rank traces its rows
-            from chunkjax.zero import build_zero_layout
-            self.layout = build_zero_layout(ap, self.n_ranks, self.layout.chunk_size, order)
-            ab = jax.ShapeDtypeStruct((batch // self.n_ranks, seq + 1), jnp.int32)
-        self.traces = cj.trace_stages(stages, self.layout, ab, jnp.bfloat16)
+        self.problem = fit.prepare(gpt.gpt_stages(cfg), gpt.abstract_params(cfg),
+                                   jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32), tx=self.spec.optax(),
+                                   host_optimizer=self.spec if host_update else None, compute_dtype=jnp.bfloat16,
+                                   prefetch=prefetch, segments=segments, mesh=self.mesh, zero_stage=self.zero_stage,
+                                   flops_per_step=cfg.flops_per_token(seq) * batch * seq, rates=self.rates,
+                                   device_budget=self.budget)
         self.trace_s = time.perf_counter() - t0
-        cb = cj.chunk_bytes(self.layout, jnp.bfloat16,
-                            state_bytes_per_chunk(self.spec.optax(), self.layout.chunk_size))
-        self.cb = cb
-        self.cb_rank = cb
-        if self.zero_stage:
-            from chunkjax.zero_schedule import rank_chunk_bytes
-            self.cb_rank = rank_chunk_bytes(cb, self.n_ranks, self.zero_stage)
-        flops = cfg.flops_per_token(seq) * batch * seq // self.n_ranks  # one rank's
-        from chunkjax.cost import Rates
-        from chunkjax.plan import plan_schedule
-        self.rates, self.matmul_tflops = Rates(), None
-        if jax.default_backend() == "gpu":  # calibrate the cost model on this machine
-            from chunkjax.host_update import measure_host_update_rate
-            from experiments.gpu_measure import matmul_tflops
-            self.matmul_tflops = matmul_tflops()
-            self.rates = Rates.calibrated(self.matmul_tflops * 1e12, measure_host_update_rate(2**26))
-        # host memory for offloaded model data: 80 % of this machine's RAM (the rest: the
-        # process, XLA's host buffers, the page cache)
-        self.host_budget = int(0.8 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-        kw = dict(flops_per_step=flops, host_update=host_update, prefetch=prefetch, segments=segments,
-                  rates=self.rates, host_budget_bytes=self.host_budget // self.n_ranks)
-        if self.zero_stage:
-            from chunkjax.zero_schedule import plan_zero_schedule
-            self._plan = lambda b: plan_zero_schedule(self.layout, self.traces, cb, int(b), self.n_ranks,
-                                                      self.zero_stage, **kw)
-        else:
-            self._plan = lambda b: plan_schedule(self.layout, self.traces, cb, int(b), **kw)
-        self.stages = stages
+        p = self.problem
+        self.stages, self.layout, self.traces, self.cb, self.cb_rank = p.stages, p.layout, p.traces, p.cb, p.cb_rank
+        self.dev_sh = p.batch_sharding
+        # host memory for offloaded model data (this process, all ranks): what MemAvailable leaves
+        self.host_budget = p.host_budget_bytes
         self.use_budget(self.budget)
 
     def use_budget(self, budget_bytes: int) -> None:
         """Plan for another device budget (the traces and calibrated rates are kept);
-        :meth:`compiled_memory` re-checks the compiled peak against it."""
+        :meth:`compiled_memory` re-checks the compiled peak against it and re-plans."""
+        from chunkjax import fit
         self.budget = self.effective_budget = int(budget_bytes)
-        self.use_schedule(self._plan(self.budget))
+        self.use_schedule(fit.plan(self.problem, self.budget))
         self.replan = True
 
     def use_schedule(self, schedule) -> None:
         """Run a given :class:`chunkjax.schedule.Schedule` (e.g. a static baseline of
         experiments/plan.py) with this system's layout and host optimizer."""
+        from chunkjax import fit
         self.schedule = schedule
-        self.step_fn = self._make_step(schedule)
+        self.step_fn = fit.build_step(self.problem, schedule)
         self.plan_history = []
         self.replan = False  # a given schedule is checked, never replaced
 
-    def _make_step(self, schedule):
-        import chunkjax as cj
-        if self.zero_stage:
-            from chunkjax.zero_schedule import make_zero_scheduled_step
-            return make_zero_scheduled_step(self.stages, self.layout, schedule, self.mesh,
-                                            zero_stage=self.zero_stage, host_optimizer=self.spec)
-        return cj.make_chunked_step(self.stages, self.layout, schedule, host_optimizer=self.spec)
-
     # -- the BaselineSystem interface --------------------------------------------------------
     def compiled_memory(self, batch) -> dict:
-        """Compile every program; re-plan until the compiled peak fits HEADROOM x budget."""
-        import chunkjax as cj
-
-        for attempt in range(4):
-            progs = self.step_fn.compiled_memory_programs(batch)
-            n_res = sum(u == "device" for u in self.schedule.update_locations)
-            cb = self.cb_rank  # one rank's bytes (the whole chunk without ZeRO)
-            resident_state = n_res * cb.state
-            # the update phase holds every resident chunk (params and state) and all their
-            # gradients, plus one chunk's float32 temporaries: it must fit the headroom too
-            # (GPT3_12B on the whole card ran out of memory there when only the fwd/bwd was checked)
-            update_phase = n_res * (cb.params + cb.state + cb.grad) + 2 * 4 * self.layout.chunk_size
-            peak = max(max(p["peak_device_bytes"] for p in progs) + resident_state, update_phase)
-            self.plan_history.append({"effective_budget_bytes": self.effective_budget,
-                                      "compiled_peak_bytes": peak,
-                                      "predicted_peak_bytes": self.schedule.predicted.peak_device_bytes,
-                                      "counts": self.schedule.counts()})
-            if peak <= HEADROOM * self.budget or not self.replan:
-                break
-            # shrink the planning budget by the overshoot and try again
-            self.effective_budget = int(self.effective_budget * HEADROOM * self.budget / peak) - self.cb.params
-            try:
-                self.schedule = self._plan(self.effective_budget)
-            except cj.PlanError as e:
-                self.notes.append(f"re-plan failed: {e}")
-                break
-            self.step_fn = self._make_step(self.schedule)
-        largest = max(progs, key=lambda p: p["peak_device_bytes"])
-        out = {"peak_bytes": int(peak), "argument_bytes": largest["argument"], "output_bytes": largest["output"],
-               "temp_bytes": largest["temp"], "alias_bytes": largest["alias"],
-               "resident_state_bytes": int(resident_state), "programs": progs}
-        if peak > HEADROOM * self.budget and self.replan:
-            # no plan fits under the headroom: running the last one would run out of memory
-            # (GPT3_12B at 100 GiB did, after a failed re-plan)
-            out["fits"] = False
-            out["why"] = (f"compiled peak {peak} B exceeds {HEADROOM:.0%} of the budget {self.budget} B after "
-                          f"{len(self.plan_history)} plan(s)" + (f"; {self.notes[-1]}" if self.notes else ""))
+        """The fit path's compiled check (:func:`chunkjax.fit.fit_problem`): every program
+        compiled, re-planned (after :meth:`use_budget`) until the compiled peak fits
+        ``HEADROOM`` x budget; ``fits: False`` and ``why`` when it never does."""
+        from chunkjax import fit
+        del batch  # the fit path compiles for the problem's batch shape
+        f = fit.fit_problem(self.problem, self.budget, schedule=None if self.replan else self.schedule,
+                            check_compiled=True, strict=False)
+        rep = f.report
+        self.schedule, self.step_fn = rep.schedule, f.step
+        self.effective_budget, self.plan_history = rep.effective_budget_bytes, list(rep.plans)
+        self.notes += list(rep.notes)
+        mem = rep.compiled
+        out = {"peak_bytes": mem["peak_bytes"], "argument_bytes": mem["argument_bytes"],
+               "output_bytes": mem["output_bytes"], "temp_bytes": mem["temp_bytes"], "alias_bytes": mem["alias_bytes"],
+               "resident_state_bytes": mem["resident_state_bytes"], "update_phase_bytes": mem["update_phase_bytes"],
+               "programs": mem["programs"]}
+        if not rep.fits:  # no plan fits under the headroom: running the last one would run out of memory
+            out["fits"], out["why"] = False, rep.why
         self.last_compiled_memory = out
         return out
 
@@ -201,8 +143,7 @@ class ChunkjaxSystem:
 
     def step(self, state, batch):
         state, m = self.step_fn(state, batch)
-        self.step_fn.wait()
-        self.last_update_s = getattr(self.step_fn, "last_host_update_s", None)  # host thread's kernel seconds
+        self.last_update_s = self.step_fn.wait(state)  # host thread's kernel seconds (None: no host chunks)
         return state, m["loss"]
 
     def host_bytes(self, state) -> int:

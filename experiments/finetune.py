@@ -11,11 +11,11 @@ main job's held-out plays; tokenised with the SmolLM2 tokenizer, plays joined wi
 ``<|endoftext|>`` (id 0). Validation perplexity is ``exp(mean next-token loss)`` over a fixed set
 of held-out windows (:func:`experiments.data.eval_batches`), measured before and after.
 
-The step is built as experiments/bench_chunkjax.py builds it: first-use order, layout, stage
-traces, ``plan_schedule(..., host_update=True)`` under the device budget, and
-``make_chunked_step(..., host_optimizer=AdamW(...))``. A plan that keeps every chunk on the
-device is refused: the budget must be smaller than the model data (``auto``: what the all-host
-schedule needs plus 20 % of the model's chunk bytes). On the CPU the memory kinds compile to the
+The step comes from the one fit path (:func:`chunkjax.fit_step`, as in the main job and the
+benchmark): first-use order, layout, stage traces, the tide plan with host updates under the
+device budget, the host-memory check, and on a GPU the compiled check. A plan that keeps every
+chunk on the device is refused: the budget must be smaller than the model data (``auto``: the
+smallest budget with every chunk offloaded plus 20 % of the model's chunk bytes). On the CPU the memory kinds compile to the
 same memory, but the schedule, host-updated chunks and host AdamW kernel are the real ones.
 
 The run folder ``runs/<time>-smollm2-135m-ft/`` (written under ``.partial`` and renamed when
@@ -38,8 +38,6 @@ from experiments.train import UsageError, config_field, last_validation, model_b
 
 #: Models this script can load (name -> loader in models/llama.py).
 MODELS = ("smollm2-135m",)
-#: The ``auto`` budget: the all-host schedule's peak plus this fraction of the model's chunk bytes.
-AUTO_BUDGET_MODEL_FRACTION = 0.2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,8 +52,9 @@ class FinetuneConfig:
     warmup: int = config_field(20, "linear warm-up steps, then cosine decay to lr/10")
     weight_decay: float = config_field(0.0, "AdamW weight decay (decoupled)")
     clip: float = config_field(1.0, "global-norm clipping (0 disables)")
-    device_budget: str = config_field("auto", 'peak device bytes ("400MiB", "2GiB", ...); auto: all-host need + 20% of the '
-                                    "model's chunk bytes; must leave some chunks host-updated")
+    device_budget: str = config_field("auto", 'peak device bytes ("400MiB", "2GiB", ...); auto: the smallest budget with '
+                                    "every chunk offloaded + 20% of the model's chunk bytes; must leave some chunks "
+                                    "host-updated")
     chunk_size: int = config_field(0, "elements per chunk; 0 searches (floored at the largest leaf)")
     min_chunks: int = config_field(8, "the search prefers sizes giving at least this many chunks")
     prefetch: int = config_field(1, "fetch distance (moments)")
@@ -168,7 +167,8 @@ def host_adamw(lr: float, steps: int, warmup: int, weight_decay: float, clip: fl
 def build_chunked_step(mcfg, batch: int, seq: int, spec, compute_dtype, budget_bytes: int | None,
                        chunk_size: int = 0, min_chunks: int = 8, prefetch: int = 1,
                        resident=None, require_offload: bool = True):
-    """Plan and build the chunked, offloaded step of a Llama model (bench_chunkjax.py's recipe).
+    """Plan and build the chunked, offloaded step of a Llama model through the one fit path
+    (:func:`chunkjax.fit_step`, as the main job and the benchmark).
 
     Args:
       mcfg: a :class:`models.llama.LlamaConfig`.
@@ -176,57 +176,41 @@ def build_chunked_step(mcfg, batch: int, seq: int, spec, compute_dtype, budget_b
       spec: the host optimizer (:class:`chunkjax.host_update.AdamW`); device chunks use
         ``spec.optax()``, the same math.
       compute_dtype: dtype of compute params and gradients (jnp.float32 / jnp.bfloat16).
-      budget_bytes: device budget in bytes; None: the all-host schedule's peak plus
-        :data:`AUTO_BUDGET_MODEL_FRACTION` of the model's chunk bytes.
+      budget_bytes: device budget in bytes; None: ``"auto"`` (:func:`chunkjax.fit.auto_budget`).
       chunk_size: elements per chunk (0: searched). min_chunks, prefetch: as chunkjax.
       resident: force these chunks resident (device-updated), skipping the search (tests).
       require_offload: refuse a plan with no host-updated chunk.
     Returns:
       ``(step, info)``: the :class:`chunkjax.ChunkedStep` and a dict (``layout``, ``schedule``,
-      ``budget_bytes``, ``model_chunk_bytes``, ``cb``, ``traces``).
+      ``budget_bytes``, ``model_chunk_bytes``, ``cb``, ``traces``, ``fit``: the fit report).
     Raises:
-      UsageError: no plan fits the budget, or the budget holds the whole model.
+      UsageError: no plan fits the budget or host memory, or the budget holds the whole model.
     """
     import jax
     import jax.numpy as jnp
 
     import chunkjax as cj
-    from chunkjax.optim import state_bytes_per_chunk
-    from chunkjax.schedule import plan_schedule
     from models import llama
 
-    stages = llama.llama_stages(mcfg)
-    aparams = jax.eval_shape(lambda: llama.init_params(mcfg, jax.random.key(0)))
-    abatch = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32)
-    order = cj.first_use_order(lambda p, b: cj.compose_loss(stages, p, b), aparams, abatch)
+    flops = (6 * mcfg.n_params + 12 * mcfg.n_layers * seq * mcfg.d_model) * batch * seq
     try:
-        layout = cj.build_layout(aparams, chunk_size or None, order, min_chunks=min_chunks)
-    except ValueError as e:
-        raise UsageError(f"--chunk-size: {e}") from None
-    traces = cj.trace_stages(stages, layout, abatch, compute_dtype)
-    cb = cj.chunk_bytes(layout, compute_dtype, state_bytes_per_chunk(spec.optax(), layout.chunk_size))
-    model_chunk_bytes = layout.n_chunks * (cb.params + cb.state)
-    tokens = batch * seq
-    flops = (6 * mcfg.n_params + 12 * mcfg.n_layers * seq * mcfg.d_model) * tokens
-
-    def plan(b, res=None):
-        return plan_schedule(layout, traces, cb, int(b), flops_per_step=flops, host_update=True,
-                             prefetch=prefetch, resident=res)
-
-    if budget_bytes is None:
-        all_host = plan(10**15, [])
-        budget_bytes = int(all_host.predicted.peak_device_bytes + AUTO_BUDGET_MODEL_FRACTION * model_chunk_bytes)
-    try:
-        schedule = plan(budget_bytes, resident)
+        step, rep, problem = cj.fit_step(
+            llama.llama_stages(mcfg), lambda: llama.init_params(mcfg, jax.random.key(0)),
+            jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32), device_budget="auto" if budget_bytes is None else budget_bytes,
+            resident=resident, host_optimizer=spec, compute_dtype=compute_dtype, chunk_size=chunk_size or None,
+            min_chunks=min_chunks, prefetch=prefetch, flops_per_step=flops)
     except cj.PlanError as e:
         raise UsageError(str(e)) from None
+    except ValueError as e:
+        raise UsageError(f"--chunk-size: {e}" if chunk_size else str(e)) from None
+    schedule, layout = rep.schedule, problem.layout
     if require_offload and "host" not in schedule.update_locations:
-        raise UsageError(f"--device-budget {budget_bytes} B holds all {layout.n_chunks} chunks "
-                         f"({model_chunk_bytes} B of model data) on the device: give a budget below the model "
+        raise UsageError(f"--device-budget {rep.budget_bytes} B holds all {layout.n_chunks} chunks "
+                         f"({problem.model_chunk_bytes} B of model data) on the device: give a budget below the model "
                          f"data so that some chunks are offloaded (or use auto)")
-    step = cj.make_chunked_step(stages, layout, schedule, host_optimizer=spec, compute_dtype=compute_dtype)
-    return step, {"layout": layout, "schedule": schedule, "budget_bytes": int(budget_bytes),
-                  "model_chunk_bytes": int(model_chunk_bytes), "cb": cb, "traces": traces}
+    return step, {"layout": layout, "schedule": schedule, "budget_bytes": int(rep.budget_bytes),
+                  "model_chunk_bytes": int(problem.model_chunk_bytes), "cb": problem.cb, "traces": problem.traces,
+                  "fit": rep}
 
 
 # ---- the job -----------------------------------------------------------------------------------
@@ -315,7 +299,7 @@ def run(cfg: FinetuneConfig) -> dict:
                 t0 = time.perf_counter()
                 state, m = step(state, b)
                 loss = float(m["loss"])
-                step.wait()
+                host_s = step.wait(state)
                 dt = time.perf_counter() - t0
                 if not math.isfinite(loss):
                     raise UsageError(f"loss became {loss} at step {i}: lower --lr (now {cfg.lr}) or keep --clip > 0")
@@ -324,7 +308,7 @@ def run(cfg: FinetuneConfig) -> dict:
                     timed += 1
                 losses.append(loss)
                 rec = {"step": i, "tokens": i * tokens_per_step, "loss": loss, "grad_norm": float(m["grad_norm"]),
-                       "step_s": dt, "host_update_s": getattr(step, "last_host_update_s", None)}
+                       "step_s": dt, "host_update_s": host_s}
                 if i % cfg.eval_every == 0 or i == cfg.steps:
                     rec["val_loss"] = val_loss(state)
                     rec["val_ppl"] = math.exp(rec["val_loss"])
@@ -343,7 +327,7 @@ def run(cfg: FinetuneConfig) -> dict:
         print(f"after {cfg.steps} steps: held-out loss {v1:.4f} perplexity {ppl1:.2f} "
               f"(before {ppl0:.2f}: {100 * (ppl1 / ppl0 - 1):+.1f} %)", flush=True)
 
-        step.wait()
+        step.wait(state)
         tuned = jax.tree.map(np.asarray, step.master_params(state))
         sample = None
         if cfg.sample_tokens:

@@ -42,6 +42,24 @@ DATASHEET_BF16_FLOPS = 990e12
 
 # ---- matmul rate ---------------------------------------------------------------------------
 
+#: Parameters of the host-kernel timing that calibrates the cost model (2**26: 1 GiB of buffers).
+HOST_RATE_PARAMS = 2**26
+
+
+def calibrated_rates():
+    """``(rates, matmul TFLOP/s)``: the planner's :class:`chunkjax.cost.Rates` calibrated on this
+    machine (the matmul probe and the host AdamW kernel's seconds per parameter) on a GPU; the
+    default rates and None elsewhere. The main job and the benchmark plan with the same rates."""
+    import jax
+
+    from chunkjax.cost import Rates
+    if jax.default_backend() != "gpu":
+        return Rates(), None
+    from chunkjax.host_update import measure_host_update_rate
+    tflops = matmul_tflops()
+    return Rates.calibrated(tflops * 1e12, measure_host_update_rate(HOST_RATE_PARAMS)), tflops
+
+
 
 def matmul_tflops(n: int = 8192, warmup: int = 3, reps: int = 10) -> float:
     """bf16 ``jnp.dot`` of two (n, n) standard-normal matrices: ``2 n^3 / median seconds / 1e12``

@@ -63,14 +63,14 @@ class TrainConfig:
     """Every knob of the main job, with defaults that run on a 2-core CPU in under 10 minutes."""
 
     model: str = config_field("tiny", 'name from models/gpt.py (case-insensitive)')
-    steps: int = config_field(300, 'optimizer steps (300: the CPU demo stays under 10 minutes on a loaded 2-core machine)')
+    steps: int = config_field(400, 'optimizer steps (400: the CPU demo ends at validation loss 4.98 nats; measured 0.43 s a step at the 10th percentile on a shared 2-core machine, under 10 minutes in all)')
     batch: int = config_field(8, 'sequences per step')
     seq: int = config_field(128, 'tokens per sequence')
     lr: float = config_field(3e-3, 'peak AdamW learning rate')
     warmup: int = config_field(30, 'linear warm-up steps, then cosine decay to lr/10')
     weight_decay: float = config_field(0.0, 'AdamW weight decay')
     clip: float = config_field(1.0, 'global-norm clipping (0 disables)')
-    device_budget: str = config_field("auto", 'peak device bytes ("8GiB", "512MiB", ...); auto: all-host need + 20% of the model\'s chunk bytes, raised on a GPU to what the compiled step needs')
+    device_budget: str = config_field("auto", 'peak device bytes per device ("8GiB", "512MiB", ...); auto: the smallest budget with every chunk offloaded + 20% of the model\'s chunk bytes (chunkjax.fit), raised on a GPU to what the compiled step needs')
     chunk_size: int = config_field(0, 'elements per chunk; 0 searches (floored at the largest leaf)')
     min_chunks: int = config_field(8, 'the search prefers sizes giving at least this many chunks')
     prefetch: int = config_field(1, 'fetch distance in stages')
@@ -87,12 +87,8 @@ class TrainConfig:
     nonfinite: str = config_field("error", 'a NaN/inf loss or gradient: error (stop, say what to change) | skip (the step changes no state; counted in the report)')
     checkpoint_every: int = config_field(-1, 'steps between checkpoints in <run folder>/checkpoints, plus one after the last step; -1: at each evaluation (--eval-every); 0: none')
     keep_checkpoints: int = config_field(2, 'newest checkpoints kept (older ones are deleted)')
+    zero_stage: int = config_field(0, 'ZeRO stage 1 | 2 | 3 over all local devices (every chunk split over them; --batch a multiple of the device count); 0: one device')
     resume: str = config_field("", 'continue a run from its newest complete checkpoint: its run folder (runs/<name>.partial) or checkpoints folder; the settings that change training must be the run\'s')
-
-
-#: The CPU default budget: what the all-host placement needs plus this fraction of the model's
-#: chunk bytes, so that most model data stays in pinned host memory.
-_AUTO_BUDGET_MODEL_FRACTION = 0.2
 
 
 class UsageError(Exception):
@@ -237,7 +233,7 @@ def run(cfg: TrainConfig) -> dict:
     import jax.numpy as jnp
 
     import chunkjax as cj
-    from chunkjax.optim import state_bytes_per_chunk
+    from chunkjax.fit import describe as describe_fit
     from experiments import data as data_mod
     from experiments.report import RunFolder, plot_losses
     from models import gpt
@@ -252,6 +248,10 @@ def run(cfg: TrainConfig) -> dict:
     _validate(cfg)
     budget = None if cfg.device_budget == "auto" else parse_budget(cfg.device_budget)
     platform = jax.devices()[0].platform
+    n_dev = jax.local_device_count() if cfg.zero_stage else 1
+    if cfg.batch % (n_dev * cfg.micro_batches):
+        raise UsageError(f"--batch {cfg.batch} does not split over {n_dev} devices x {cfg.micro_batches} micro-batches: "
+                         f"use a multiple of {n_dev * cfg.micro_batches}")
     cdt = {"auto": jnp.bfloat16 if platform == "gpu" else jnp.float32, "bfloat16": jnp.bfloat16,
            "bf16": jnp.bfloat16, "float32": jnp.float32, "fp32": jnp.float32}.get(cfg.compute_dtype)
     if cdt is None:
@@ -273,49 +273,50 @@ def run(cfg: TrainConfig) -> dict:
         raise UsageError(f"tokenizer {cfg.tokenizer} has {td.vocab_size} tokens but model {mcfg.name} only "
                          f"{mcfg.vocab_size} rows: pick --tokenizer gpt2 with GPT-2 sized models")
 
-    # layout -> trace -> plan
+    # the one fit path: layout -> host-memory bound -> trace -> plan -> host check -> step -> compiled check
+    mesh = cj.data_mesh() if cfg.zero_stage else None
+    rates = None
+    if platform == "gpu":  # the cost model calibrated on this machine, as the benchmark plans
+        from experiments.gpu_measure import calibrated_rates
+        rates, _ = calibrated_rates()
     stages = gpt.gpt_stages(mcfg)
-    aparams = gpt.abstract_params(mcfg)
-    abatch = jax.ShapeDtypeStruct((cfg.batch // cfg.micro_batches, cfg.seq + 1), jnp.int32)  # one micro-batch
-    order = cj.first_use_order(lambda p, b: cj.compose_loss(stages, p, b), aparams, abatch)
     try:
-        layout = cj.build_layout(aparams, cfg.chunk_size or None, order, min_chunks=cfg.min_chunks)
+        fitted = cj.fit_step(stages, gpt.abstract_params(mcfg), jax.ShapeDtypeStruct((cfg.batch, cfg.seq + 1), jnp.int32),
+                             device_budget="auto" if budget is None else budget, host_optimizer=host_spec(cfg),
+                             compute_dtype=cdt, chunk_size=cfg.chunk_size or None, min_chunks=cfg.min_chunks,
+                             prefetch=cfg.prefetch, micro_batches=cfg.micro_batches,
+                             nonfinite="skip" if cfg.nonfinite == "skip" else "ignore", mesh=mesh,
+                             zero_stage=cfg.zero_stage, flops_per_step=mcfg.flops_per_token(cfg.seq) * cfg.batch * cfg.seq,
+                             rates=rates)
+    except cj.PlanError as e:
+        raise UsageError(str(e)) from None
     except ValueError as e:
-        raise UsageError(f"--chunk-size: {e}") from None
+        raise UsageError(f"--chunk-size: {e}" if cfg.chunk_size else str(e)) from None
+    step, fit_report, problem = fitted
+    layout, schedule = step.layout, fit_report.schedule
     if resume is not None and resume.meta["layout_fingerprint"] != cj.checkpoint.layout_fingerprint(layout):
         saved = resume.meta["layout"]
         print(f"note: chunk layout {layout.chunk_size} x {layout.n_chunks} chunks differs from checkpoint step "
               f"{resume.step}'s ({saved['chunk_size']} x {saved['n_chunks']}): its leaves are moved to the new "
               "chunks (losses equal up to float summation order)", flush=True)
-    tx = _optimizer(cfg)
-    traces = cj.trace_stages(stages, layout, abatch, cdt)
-    cb = cj.chunk_bytes(layout, cdt, state_bytes_per_chunk(tx, layout.chunk_size))
-    model_chunk_bytes = layout.n_chunks * (cb.params + cb.state)
-    auto = budget is None
-    if auto:
-        all_host = cj.account(layout, cj.Placement.uniform(layout.n_chunks, cj.PINNED_HOST, cj.PINNED_HOST),
-                              traces, cb, cfg.prefetch)
-        budget = int(all_host.peak_device_bytes + _AUTO_BUDGET_MODEL_FRACTION * model_chunk_bytes)
-    try:
-        placement, acc, compiled, budget = _plan_checked(cfg, stages, layout, traces, cb, budget, tx, cdt, abatch,
-                                                          platform, auto)
-    except cj.PlanError as e:
-        raise UsageError(str(e)) from None
+    budget = fit_report.budget_bytes
 
     resolved = dataclasses.asdict(cfg) | {"device_budget_bytes": budget, "platform": platform,
-                                          "compute_dtype_resolved": jnp.dtype(cdt).name}
+                                          "n_devices": problem.n_ranks, "compute_dtype_resolved": jnp.dtype(cdt).name}
     print("config: " + " ".join(f"{k}={v}" for k, v in resolved.items()), flush=True)
     print(layout.summary().splitlines()[0], flush=True)
-    print(f"placement: {placement.counts()}  accounted peak {acc.peak_device_bytes / 2**20:.1f} MiB of "
-          f"budget {budget / 2**20:.1f} MiB; model data on device {acc.device_model_bytes / 2**20:.1f} of "
-          f"{model_chunk_bytes / 2**20:.1f} MiB; per step h2d {acc.h2d_bytes_per_step / 2**20:.1f} MiB, "
-          f"d2h {acc.d2h_bytes_per_step / 2**20:.1f} MiB", flush=True)
+    for k, h in enumerate(fit_report.plans):
+        print(f"compiled check {k}: plan for {h['effective_budget_bytes'] / 2**20:.1f} MiB {h['counts']}: compiled peak "
+              f"{h['compiled_peak_bytes'] / 2**20:.1f} MiB, accounted {h['predicted_peak_bytes'] / 2**20:.1f} MiB "
+              f"(headroom {fit_report.headroom:.0%} of {budget / 2**20:.1f} MiB)", flush=True)
+    for note in fit_report.notes:
+        print(f"note: {note}", flush=True)
+    print(describe_fit(fit_report, problem), flush=True)
 
     folder = _resumed_folder(resume.run_dir) if resume is not None else RunFolder.create(cfg.out_dir, mcfg.name)
     try:
-        report = _train(cfg, mcfg, stages, layout, placement, acc, compiled, tx, cdt, td, budget,
-                        model_chunk_bytes, folder, t_start, resolved, resume)
-        report.update(model_bytes_split(layout, placement, cb))
+        report = _train(cfg, mcfg, fitted, td, folder, t_start, resolved, resume)
+        report.update(model_bytes_split(layout, schedule.placement, problem.cb))
         report["config"] = resolved
         folder.write_json("report.json", report)
         plot_losses(folder.path / "loss.png", folder.path / "metrics.jsonl", title=f"{mcfg.name} (chunkjax)")
@@ -355,65 +356,6 @@ def _note_kept(e: BaseException, note: str):
     raise e
 
 
-#: Re-plans allowed when the compiled program needs more device memory than the accounting says.
-_MAX_REPLANS = 4
-#: Fraction of the budget the compiled fwd/bwd plus resident state may use: the rest absorbs the
-#: update phase (old and new param chunks side by side), batches, evaluation and fragmentation
-#: (on the H200 a 4.4 GiB temp block failed to allocate with the compiled step at 0.78 of an
-#: 8 GiB budget; runtime workspaces (cuDNN, cuBLAS) come from the same pool).
-_ALLOCATOR_HEADROOM = 0.75
-
-
-def _plan_checked(cfg, stages, layout, traces, cb, budget, tx, cdt, abatch, platform, auto=False):
-    """Plan with the fixed rule, then check the plan against the compiler (GPU only: on the CPU
-    memory kinds share one memory and the compiled sizes say nothing about the device). When
-    the compiled forward/backward needs more than the budget, the shortfall is taken off the
-    budget given to the planner and it plans again; with an ``auto`` budget (chosen by this job,
-    not the user) the budget is raised instead to the smallest one the compiled step fits, so the
-    default run never fails on a GPU whose compiler needs more temp than the trace accounts (the
-    placement is kept: the budget only decides what may go on the device).
-
-    Returns (placement, accounting, compiled memory or None, budget in bytes)."""
-    import chunkjax as cj
-
-    effective = budget
-    for attempt in range(_MAX_REPLANS + 1):
-        try:
-            placement, acc = cj.plan_fixed(layout, traces, cb, effective, cfg.prefetch)
-        except cj.PlanError:
-            if attempt == 0:
-                raise
-            # the shortfall pushed the planner's budget below its all-host need: try all-host
-            placement = cj.Placement.uniform(layout.n_chunks, cj.PINNED_HOST, cj.PINNED_HOST)
-            acc = cj.account(layout, placement, traces, cb, cfg.prefetch)
-            effective = acc.peak_device_bytes
-        if platform != "gpu":
-            return placement, acc, None, budget
-        step = cj.make_chunked_step(stages, layout, placement, tx, compute_dtype=cdt, prefetch=cfg.prefetch)
-        mem = step.compiled_memory(abatch)
-        # the program's arguments hold the device param chunks; master params and optimizer state
-        # of device-updated chunks stay resident beside it
-        state_dev = sum(cb.state for k in placement.state_kinds if k == cj.DEVICE)
-        need = mem["peak_device_bytes"] + state_dev
-        mem["peak_device_bytes_with_state"] = need
-        print(f"compiled fwd/bwd (attempt {attempt}): device argument {mem['argument'] / 2**20:.0f} MiB, temp "
-              f"{mem['temp'] / 2**20:.0f} MiB, output {mem['output'] / 2**20:.0f} MiB, resident state "
-              f"{state_dev / 2**20:.0f} MiB: peak {need / 2**20:.0f} MiB; accounted "
-              f"{acc.peak_device_bytes / 2**20:.0f} MiB", flush=True)
-        if need <= _ALLOCATOR_HEADROOM * budget:
-            return placement, acc, mem, budget
-        if auto:  # keep the placement, raise the budget to the smallest one its compiled step fits
-            budget = int(math.ceil(need / _ALLOCATOR_HEADROOM)) + 1
-            print(f"auto budget raised to {budget / 2**20:.1f} MiB (the compiled step needs {need / 2**20:.0f} MiB)",
-                  flush=True)
-            return placement, acc, mem, budget
-        # ask the planner for a placement whose accounted peak is lower by the shortfall
-        effective = min(effective, acc.peak_device_bytes) - (need - int(_ALLOCATOR_HEADROOM * budget)) - 1
-    raise cj.PlanError(f"the compiled step needs {need} device bytes, above {_ALLOCATOR_HEADROOM:.0%} of the "
-                       f"budget {budget} even after {_MAX_REPLANS} re-plans: raise --device-budget or lower --batch",
-                       need, False)
-
-
 def _validate(cfg: TrainConfig) -> None:
     """Reject bad numbers before anything is allocated (one line each)."""
     for name in ("steps", "batch", "seq", "prefetch", "eval_every", "eval_batches", "min_chunks"):
@@ -421,6 +363,8 @@ def _validate(cfg: TrainConfig) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
     if cfg.micro_batches < 1 or cfg.batch % cfg.micro_batches:
         raise UsageError(f"--micro-batches {cfg.micro_batches} must be >= 1 and divide --batch {cfg.batch}")
+    if cfg.zero_stage not in (0, 1, 2, 3):
+        raise UsageError(f"--zero-stage {cfg.zero_stage}: use 1, 2 or 3 (ZeRO over the local devices) or 0 (one device)")
     if cfg.nonfinite not in ("error", "skip"):
         raise UsageError(f"--nonfinite {cfg.nonfinite!r}: use error or skip")
     for name in ("warmup", "sample_tokens", "chunk_size"):
@@ -459,16 +403,27 @@ def parse_budget(text: str) -> int:
         raise UsageError(f"--device-budget: {e}") from None
 
 
-def _optimizer(cfg: TrainConfig):
+def host_spec(cfg: TrainConfig):
+    """The job's optimizer as a host kernel spec (:class:`chunkjax.host_update.AdamW`): the
+    warm-up + cosine schedule (0 -> lr over ``warmup`` steps, then down to lr/10 at ``steps``),
+    ``weight_decay``, and global-norm clipping to ``clip`` (none when 0). Host-updated chunks run
+    its numba kernel, device chunks its ``optax()`` twin (the same math)."""
     import optax
+
+    from chunkjax.host_update import AdamW
     sched = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, max(cfg.warmup, 1), max(cfg.steps, cfg.warmup + 1),
                                                cfg.lr / 10)
-    adamw = optax.adamw(sched, weight_decay=cfg.weight_decay)
-    return optax.chain(optax.clip_by_global_norm(cfg.clip), adamw) if cfg.clip > 0 else adamw
+    return AdamW(sched, weight_decay=cfg.weight_decay, max_grad_norm=cfg.clip if cfg.clip > 0 else None)
 
 
-def _train(cfg, mcfg, stages, layout, placement, acc, compiled, tx, cdt, td, budget, model_chunk_bytes, folder,
-           t_start, resolved, resume=None):
+def _optimizer(cfg: TrainConfig):
+    """The job's optimizer as optax (``clip_by_global_norm`` then ``adamw``): :func:`host_spec`'s twin."""
+    return host_spec(cfg).optax()
+
+
+def _train(cfg, mcfg, fitted, td, folder, t_start, resolved, resume=None):
+    """Initialise (or restore) the state of ``fitted.step``, train, evaluate, checkpoint and
+    sample; returns the report (the run folder's ``report.json`` without the layout figures)."""
     import zlib
 
     import jax
@@ -476,24 +431,19 @@ def _train(cfg, mcfg, stages, layout, placement, acc, compiled, tx, cdt, td, bud
     import numpy as np
     from tqdm import tqdm
 
-    import chunkjax as cj
     from chunkjax import checkpoint as ck
     from experiments import data as data_mod
     from models import gpt
 
-    step = cj.make_chunked_step(stages, layout, placement, tx, compute_dtype=cdt, prefetch=cfg.prefetch,
-                                micro_batches=cfg.micro_batches, nonfinite="skip" if cfg.nonfinite == "skip" else "ignore")
+    step, fit_report, problem = fitted
+    layout, schedule = step.layout, fit_report.schedule
+    pred = schedule.predicted
     ckpt_dir = folder.path / CHECKPOINT_DIR
     every = cfg.eval_every if cfg.checkpoint_every < 0 else cfg.checkpoint_every
     batches = data_mod.sample_batches(td.train, cfg.batch, cfg.seq, cfg.seed)
     metrics_path = folder.path / "metrics.jsonl"
-    if resume is None:
-        cpu = jax.devices("cpu")[0]
-        with jax.default_device(cpu):
-            params = gpt.init_params(mcfg, jax.random.key(cfg.seed))
-            params = jax.tree.map(np.asarray, params)
-        state = step.init(params)
-        del params
+    if resume is None:  # leaf by leaf into chunks: no whole params pytree in host memory
+        state = step.init(gpt.leaf_initializer(mcfg, jax.random.key(cfg.seed), layout))
         start, saved = 0, {"train_time": 0.0, "timed_steps": 0, "resumed_from": [], "wall_s_total": 0.0}
     else:
         # nothing is written until the state, the data position and the metrics are known good
@@ -515,7 +465,7 @@ def _train(cfg, mcfg, stages, layout, placement, acc, compiled, tx, cdt, td, bud
         saved["resumed_from"] = list(saved["resumed_from"]) + [start]
         print(f"resumed from checkpoint step {start} of {cfg.steps} in {ckpt_dir}", flush=True)
 
-    dev = jax.devices()[0]
+    dev = problem.batch_sharding  # the first device, or split over the ZeRO ranks
     val = [jax.device_put(b, dev) for b in data_mod.eval_batches(td.val, cfg.batch, cfg.seq, cfg.eval_batches)]
 
     def val_loss(state):
@@ -595,6 +545,7 @@ def _train(cfg, mcfg, stages, layout, placement, acc, compiled, tx, cdt, td, bud
                 print(f"step {i}/{cfg.steps} loss {loss:.3f} val {rec['val_loss']:.3f} tokens/s {tps:,.0f} "
                       f"step {dt:.3f}s", flush=True)
     bar.close()
+    step.wait(state)  # the last step's host updates
 
     peak_measured = None
     stats = jax.devices()[0].memory_stats() if jax.devices()[0].platform != "cpu" else None
@@ -614,17 +565,23 @@ def _train(cfg, mcfg, stages, layout, placement, acc, compiled, tx, cdt, td, bud
         "tflops": tps * mcfg.flops_per_token(cfg.seq) / 1e12 if tps else None,
         "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None, "val_loss_first": vals[0], "val_loss_last": vals[-1],
         "unigram_val_loss": data_mod.unigram_cross_entropy(td.train, td.val, td.vocab_size),
-        "device_budget_bytes": budget,
-        "peak_device_bytes_accounted": acc.peak_device_bytes, "peak_device_bytes_measured": peak_measured,
-        "fwd_bwd_compiled_memory": compiled,
+        "device_budget_bytes": fit_report.budget_bytes,
+        "peak_device_bytes_accounted": pred.peak_device_bytes, "peak_device_bytes_measured": peak_measured,
+        "compiled_memory": fit_report.compiled,
         "model_bytes": 14 * mcfg.n_params,
-        "device_chunk_bytes_accounted": acc.device_model_bytes,
-        "chunk_bytes_accounted": model_chunk_bytes,
-        "h2d_bytes_per_step_accounted": acc.h2d_bytes_per_step,
-        "d2h_bytes_per_step_accounted": acc.d2h_bytes_per_step,
+        "device_chunk_bytes_accounted": pred.device_model_bytes,
+        "chunk_bytes_accounted": problem.model_chunk_bytes,
+        "h2d_bytes_per_step_accounted": pred.h2d_bytes_per_step,
+        "d2h_bytes_per_step_accounted": pred.d2h_bytes_per_step,
+        "n_fetches_per_step_accounted": pred.n_fetches,
+        "host_bytes_accounted": fit_report.host,
+        "step_s_predicted": pred.time.step_s,
         "chunk_size": layout.chunk_size, "n_chunks": layout.n_chunks, "chunk_waste_bytes": layout.waste_bytes,
-        "placement_counts": placement.counts(), "update_locations": list(placement.update_locations),
-        "compute_dtype": jnp.dtype(cdt).name, "tokenizer": td.tokenizer.name, "vocab_size": td.vocab_size,
+        "placement_counts": schedule.counts(), "update_locations": list(schedule.update_locations),
+        "param_kinds": list(schedule.param_kinds),
+        "param_chunks_pinned_host": sum(k != "device" for k in schedule.param_kinds),
+        "zero_stage": cfg.zero_stage, "n_devices": problem.n_ranks, "fit": fit_report.to_dict(),
+        "compute_dtype": jnp.dtype(problem.compute_dtype).name, "tokenizer": td.tokenizer.name, "vocab_size": td.vocab_size,
         "train_tokens_available": int(td.train.size), "val_tokens": int(td.val.size),
         "platform": jax.devices()[0].platform, "device_kind": jax.devices()[0].device_kind,
         "jax_version": jax.__version__, "wall_s": time.time() - t_start,
@@ -711,7 +668,11 @@ def _sample(step, state, mcfg, td, cfg) -> str | None:
     if mcfg.n_params > _SAMPLE_MAX_PARAMS:
         return None
     cpu = jax.devices("cpu")[0]
-    masters = [np.asarray(jax.device_get(m)) for m in state.master]
+    step.wait(state)
+    # per chunk: a device / pinned host array, a numpy array (host-updated), or under ZeRO one
+    # numpy slice per rank (host-updated) or a sharded array
+    masters = [np.concatenate([np.asarray(x) for x in m]) if isinstance(m, tuple) else np.asarray(jax.device_get(m))
+               for m in state.master]
     with jax.default_device(cpu):
         params = step.layout.unpack([jnp.asarray(m) for m in masters])
         prompt = "**ROMEO**\n"  # the plays' speaker format

@@ -531,16 +531,26 @@ def test_worker_subprocess_returns_every_key(subprocesses):
 def test_chunkjax_refuses_a_plan_over_its_headroom(monkeypatch):
     """When the compiled peak stays above the headroom and re-planning fails, chunkjax reports
     infeasible before initialising (it once ran the over-headroom plan: GPT3_12B at 100 GiB ran
-    out of memory in the step)."""
+    out of memory in the step). The check is the fit path's (chunkjax.fit), shared with the main job."""
     import chunkjax as cj
+    from chunkjax import fit
+    from chunkjax.fit import HEADROOM
     from chunkjax.step import ChunkedStep
-    from experiments.bench_chunkjax import HEADROOM, ChunkjaxSystem
+    from experiments.bench_chunkjax import ChunkjaxSystem
     system = ChunkjaxSystem(CFG, 2**30, BATCH, SEQ)
     real = ChunkedStep.compiled_memory_programs
     # every program compiles to 2x the budget, and no smaller plan exists
     monkeypatch.setattr(ChunkedStep, "compiled_memory_programs",
                         lambda self, b: [dict(p, peak_device_bytes=2**31) for p in real(self, b)])
-    system._plan = lambda b: (_ for _ in ()).throw(cj.PlanError("no smaller plan", b, False))
+    real_plan, calls = fit.plan, []
+
+    def plan_once(problem, b, **kw):  # the first plan, then none
+        calls.append(b)
+        if len(calls) > 1:
+            raise cj.PlanError("no smaller plan", b, False)
+        return real_plan(problem, b, **kw)
+
+    monkeypatch.setattr(fit, "plan", plan_once)
     system.init = system.step = None  # must not be reached
     rec = bench.measure_system(system, _worker_args("chunkjax", 2**30))
     assert rec["feasible"] is False

@@ -22,7 +22,7 @@ def test_sweep_micro(tmp_path, monkeypatch):
             traced[key] = real_trace(stages, layout, batch, compute_dtype)
         return traced[key]
 
-    monkeypatch.setattr(cj, "trace_stages", trace_once)
+    monkeypatch.setattr(cj.fit, "trace_stages", trace_once)  # the sweep traces through the fit path
     out = tmp_path / "res"
     docs = tmp_path / "bench.md"
     common = ["--model", "micro", "--batch", "2", "--seq", "32", "--rounds", "2", "--steps", "2", "--run-id", "t",

@@ -1,0 +1,581 @@
+"""The one fit path: a budget in, a step that fits it out (issue 20, item 2; issue 21, item 4).
+
+Every entry point that builds a step from a budget (the main job, fine-tuning, the benchmark, the
+sweep) goes through here, so that they all plan, check and re-plan by one rule::
+
+    prepare:  params -> layout (first-use order) -> host-memory lower bound -> stage traces
+    fit:      budget ("auto" or bytes) -> plan (the tide schedule) -> host-memory check
+              -> step -> compile the programs that will run -> re-plan within HEADROOM
+
+Planning is PatrickStar's (Fang et al., arXiv 2108.05818, sections 4.2-4.3 and 5) as
+:mod:`chunkjax.schedule` implements it; ZeRO stages 1-3 over a data mesh (Rajbhandari et al., SC
+2020) plan each rank's memory (``plan_schedule(..., ranks=, zero_stage=)``). Nothing here allocates model data:
+the caller initialises the returned step (``step.init(params or leaf_init)``) once the plan is
+known to fit the device and the host.
+
+Why compile: the tide accounts what the traced stages keep alive, but XLA may keep more (fusion
+buffers, the order it frees temporaries in). On an accelerator the compiled programs' memory
+analysis plus the state kept beside them is checked against :data:`HEADROOM` of the budget; when
+over, the budget given to the planner shrinks by the overshoot and the plan is made again. An
+``"auto"`` budget (chosen here, not by the user) is raised to what the compiled step needs instead.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from chunkjax.cost import Rates
+from chunkjax.errors import PlanError
+from chunkjax.layout import ChunkLayout, build_layout, first_use_order
+from chunkjax.optim import state_bytes_per_chunk
+from chunkjax.plan import parse_bytes, plan_schedule
+from chunkjax.predict import ChunkBytes, chunk_bytes
+from chunkjax.stages import compose_loss
+from chunkjax.trace import trace_stages
+
+#: Fraction of the device budget the compiled step may use: its largest program (arguments +
+#: outputs + temporaries - aliased) plus the master params and optimizer state resident beside it,
+#: and the update phase (every resident chunk with its gradient, plus one chunk's float32
+#: temporaries). The rest is for what no program reports: cuDNN/cuBLAS workspaces, the batch,
+#: allocator fragmentation. 0.90 is the benchmark's figure (GPT2_1B to GPT3_12B on the H200
+#: trained under it); the main job's earlier 0.75 guarded an unchecked update phase, now checked.
+HEADROOM = 0.90
+#: Re-plans after the first plan when the compiled step exceeds the headroom.
+MAX_REPLANS = 4
+#: The ``"auto"`` device budget: the smallest budget with every chunk offloaded plus this fraction
+#: of the model's chunk bytes (compute params, master params, optimizer state), so that most model
+#: data stays in host memory and the plan still keeps what fits of the rest on the device.
+AUTO_BUDGET_MODEL_FRACTION = 0.2
+#: Host memory the process needs beyond the planned model data: the JAX runtime and the XLA
+#: compiler's working memory (measured: the CPU demo, ``python -m experiments.train``, peaked at
+#: 1.61 GiB RSS, 0.91 GiB above its 0.70 GiB of chunks and accounted device bytes). Initialising
+#: the state adds two float32 chunks (see :func:`host_need`).
+PROCESS_HOST_BYTES = 2**30
+
+_MSG_HOST = ("host memory: {what} needs {need_gib:.1f} GiB ({parts}) but this machine has {avail_gib:.1f} GiB "
+             "available (MemAvailable in /proc/meminfo): {fix}")
+
+
+class HostMemoryError(PlanError):
+    """The plan's host memory exceeds what the machine has available; nothing was allocated.
+
+    Attributes:
+      need_bytes: host bytes the run needs (model data in host memory, device memory that is host
+        memory on the CPU, the process's own need).
+      available_bytes: ``MemAvailable`` when checked.
+    """
+
+    def __init__(self, msg: str, need_bytes: int, available_bytes: int):
+        super().__init__(msg, 0, False)
+        self.need_bytes, self.available_bytes = int(need_bytes), int(available_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class FitProblem:
+    """What is fitted, everything but the device budget (from :func:`prepare`; allocates nothing).
+
+    Attributes:
+      stages: the model's stages.
+      layout: the chunk layout (ZeRO: ``chunk_size`` a multiple of the ranks).
+      traces: per-stage traces of one rank's micro-batch.
+      cb: bytes of one whole chunk in each chunk list.
+      cb_rank: bytes of one chunk on one rank (``cb`` without ZeRO).
+      batch: the step's batch argument, ``ShapeDtypeStruct`` (B, T+1) int32, global over ranks.
+      tx: the optax transformation of device (and streamed) updates.
+      host_optimizer: the host kernel spec (:mod:`chunkjax.host_update`) or None (offloaded chunks
+        then update ``streamed``).
+      compute_dtype: compute params / gradients dtype.
+      prefetch, segments: fetch distance (moments) and program starts of the schedule.
+      micro_batches, nonfinite, loss_scaling: as :func:`chunkjax.make_chunked_step`.
+      mesh, zero_stage: a 1-D ``"data"`` mesh and the ZeRO stage (1/2/3), or None and 0.
+      flops_per_step: training FLOPs of one rank's step (cost model).
+      rates: the cost model's rates.
+      host_budget_bytes: host memory the model data of all ranks may use (planner bound), or None.
+      platform: ``jax.default_backend()``.
+    """
+
+    stages: tuple
+    layout: ChunkLayout
+    traces: tuple
+    cb: ChunkBytes
+    cb_rank: ChunkBytes
+    batch: jax.ShapeDtypeStruct
+    tx: Any
+    host_optimizer: Any
+    compute_dtype: Any
+    prefetch: int
+    segments: Any
+    micro_batches: int
+    nonfinite: str
+    loss_scaling: bool
+    mesh: Any
+    zero_stage: int
+    flops_per_step: float
+    rates: Rates
+    host_budget_bytes: int | None
+    platform: str
+
+    @property
+    def n_ranks(self) -> int:
+        return 1 if self.mesh is None else int(self.mesh.devices.size)
+
+    @property
+    def model_chunk_bytes(self) -> int:
+        """Compute params, master params and optimizer state of every chunk (padding included)."""
+        return self.layout.n_chunks * (self.cb.params + self.cb.state)
+
+    @property
+    def batch_sharding(self):
+        """Where the step's batch goes: the first device, or split over the mesh's ranks."""
+        from chunkjax.memory import DEVICE, sharding
+        if self.mesh is None:
+            return sharding(DEVICE)
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+        return NamedSharding(self.mesh, P(self.mesh.axis_names[0]))
+
+
+@dataclasses.dataclass(frozen=True)
+class FitReport:
+    """What :func:`fit_problem` decided (bytes; ``_accounted`` = chunkjax's figures).
+
+    Attributes:
+      schedule: the :class:`chunkjax.schedule.Schedule` the step runs.
+      budget_bytes: the device budget in force (an ``"auto"`` one after any raise), per rank.
+      requested: the budget as given (``"auto"`` or bytes).
+      effective_budget_bytes: the budget the last plan was made for (below ``budget_bytes`` after
+        re-plans).
+      headroom: :data:`HEADROOM`.
+      compiled: the compiled check of the last plan (``peak_bytes``, ``programs``,
+        ``resident_state_bytes``, ``update_phase_bytes``), None when not compiled.
+      plans: one entry per plan tried (effective budget, predicted and compiled peak, counts).
+      host: :func:`host_need` of the schedule plus ``available_bytes`` (None: unknown).
+      fits: the compiled step fits the headroom (True when not compiled).
+      why: when it does not, one line saying so.
+      notes: re-plans that failed, budgets raised.
+    """
+
+    schedule: Any
+    budget_bytes: int
+    requested: Any
+    effective_budget_bytes: int
+    headroom: float
+    compiled: dict | None
+    plans: tuple
+    host: dict
+    fits: bool
+    why: str | None
+    notes: tuple
+
+    @property
+    def predicted_peak_bytes(self) -> int:
+        return int(self.schedule.predicted.peak_device_bytes)
+
+    def to_dict(self) -> dict:
+        """JSON-ready: the plan's counts and predictions, the budgets and the compiled figures."""
+        p = self.schedule.predicted
+        return {"device_budget_bytes": self.budget_bytes, "device_budget_requested": self.requested,
+                "effective_budget_bytes": self.effective_budget_bytes, "headroom": self.headroom,
+                "peak_device_bytes_accounted": p.peak_device_bytes,
+                "compiled_peak_bytes": None if self.compiled is None else self.compiled["peak_bytes"],
+                "schedule_counts": self.schedule.counts(), "step_s_predicted": p.time.step_s,
+                "plans": list(self.plans), "host": dict(self.host), "fits": self.fits, "why": self.why,
+                "notes": list(self.notes)}
+
+
+class Fitted(NamedTuple):
+    """What :func:`fit_step` returns: the step (not initialised), its report and the problem."""
+
+    step: Any
+    report: FitReport
+    problem: FitProblem
+
+
+# ---- inputs ----------------------------------------------------------------------------------
+
+def resolve_budget(budget) -> int | str:
+    """``"auto"``, an int of bytes, or a string such as ``"8GiB"`` -> ``"auto"`` or bytes.
+
+    Raises:
+      ValueError: not a positive byte count (one line naming the accepted forms).
+    """
+    if isinstance(budget, str) and budget.strip().lower() == "auto":
+        return "auto"
+    if isinstance(budget, bool) or not isinstance(budget, (int, str)):
+        raise ValueError(f"device budget {budget!r}: pass bytes (int), a size such as '8GiB', or 'auto'")
+    n = parse_bytes(budget) if isinstance(budget, str) else int(budget)
+    if n <= 0:
+        raise ValueError(f"a byte size must be positive, got {budget!r}: use e.g. 8GiB, 512MiB or 24GB")
+    return n
+
+
+def host_memory_available_bytes() -> int | None:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes (what the kernel can give without swapping),
+    None where it cannot be read (the host check is then skipped)."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtype=jnp.bfloat16,
+            chunk_size: int | None = None, min_chunks: int = 8, prefetch: int = 1, segments="auto",
+            micro_batches: int = 1, nonfinite: str = "ignore", loss_scaling: bool = False, mesh=None,
+            zero_stage: int = 0, flops_per_step: float | None = None, rates: Rates | None = None,
+            host_budget="auto", device_budget=None) -> FitProblem:
+    """Layout and traces for a step (no allocation; the budget comes later).
+
+    Args:
+      stages: the model's stages (:class:`chunkjax.Stage`).
+      params: the params pytree: arrays or ``jax.ShapeDtypeStruct`` (only shapes are read), or
+        a callable ``() -> params`` (evaluated abstractly with ``jax.eval_shape``).
+      batch: the step's batch: an int32 (B, T+1) array or ``ShapeDtypeStruct``, B over all ranks.
+      tx, host_optimizer: the optax transformation and/or the host kernel spec
+        (``chunkjax.host_update.AdamW / Lion / SGDMomentum``; its ``optax()`` is ``tx`` when
+        omitted). With a host spec offloaded chunks update ``host``, else ``streamed``.
+      compute_dtype: dtype of compute params and gradients.
+      chunk_size: elements per chunk; None searches (at least ``min_chunks`` chunks if it can).
+      prefetch, segments: passed to the planner.
+      micro_batches, nonfinite, loss_scaling: as :func:`chunkjax.make_chunked_step`.
+      mesh, zero_stage: a 1-D ``"data"`` mesh (:func:`chunkjax.data_mesh`) and ZeRO stage 1/2/3
+        (ZeRO, Rajbhandari et al. 2020: every chunk split over the ranks); None and 0: one device.
+      flops_per_step: training FLOPs of the whole step (all ranks); None: 6 x params x tokens.
+      rates: cost-model rates (default :class:`chunkjax.cost.Rates`).
+      host_budget: bytes of host memory for model data, ``"auto"`` (what ``MemAvailable`` leaves
+        after the process's own need, and on the CPU after the device budget too) or None.
+      device_budget: the budget when known (bytes or "auto"): bounds the host need checked before
+        tracing (:func:`check_host_lower_bound`).
+
+    Raises:
+      ValueError: no optimizer, a bad ZeRO stage or mesh, a batch that does not split over
+        ranks x micro-batches, a chunk size below the largest leaf.
+      HostMemoryError: even the least host memory any plan needs exceeds what is available.
+    """
+    if tx is None and host_optimizer is None:
+        raise ValueError("pass tx (an optax transformation) and/or host_optimizer (chunkjax.host_update spec)")
+    tx = host_optimizer.optax() if tx is None else tx
+    zero_stage = int(zero_stage or 0)
+    if zero_stage not in (0, 1, 2, 3) or (zero_stage > 0) != (mesh is not None):
+        raise ValueError(f"zero_stage={zero_stage} with mesh={mesh}: pass a data mesh and zero_stage 1, 2 or 3, "
+                         "or neither")
+    n_ranks = 1 if mesh is None else int(mesh.devices.size)
+    if callable(params):
+        params = jax.eval_shape(params)
+    aparams = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
+    rows, t1 = batch.shape
+    if rows % (n_ranks * micro_batches):
+        raise ValueError(f"batch of {rows} rows does not split over {n_ranks} rank(s) x {micro_batches} micro-batches: "
+                         f"use a multiple of {n_ranks * micro_batches}")
+    gbatch = jax.ShapeDtypeStruct((rows, t1), batch.dtype)
+    tbatch = jax.ShapeDtypeStruct((rows // (n_ranks * micro_batches), t1), batch.dtype)  # what one rank traces
+    order = first_use_order(lambda p, b: compose_loss(stages, p, b), aparams, tbatch)
+    layout = build_layout(aparams, chunk_size, order, min_chunks=min_chunks)
+    if zero_stage:
+        from chunkjax.topology import build_zero_layout
+        layout = build_zero_layout(aparams, n_ranks, layout.chunk_size, order)
+    cb = chunk_bytes(layout, compute_dtype, state_bytes_per_chunk(tx, layout.chunk_size))
+    cb_rank = cb.per_rank(n_ranks, zero_stage) if zero_stage else cb
+    platform = jax.default_backend()
+    avail = host_memory_available_bytes()
+    device_budget = None if device_budget is None else resolve_budget(device_budget)
+    check_host_lower_bound(layout, cb, platform, n_ranks, device_budget, avail)
+    if host_budget == "auto":
+        host_budget = None
+        if avail is not None:
+            on_cpu = n_ranks * device_budget if platform == "cpu" and isinstance(device_budget, int) else 0
+            host_budget = max(0, avail - _process_bytes(layout) - on_cpu)
+    elif host_budget is not None:
+        host_budget = resolve_budget(host_budget)
+    if flops_per_step is None:
+        flops_per_step = 6 * sum(math.prod(s.shape) for s in layout.slots) * rows * (t1 - 1)
+    traces = trace_stages(stages, layout, tbatch, compute_dtype)
+    return FitProblem(tuple(stages), layout, traces, cb, cb_rank, gbatch, tx, host_optimizer, jnp.dtype(compute_dtype),
+                      int(prefetch), segments, int(micro_batches), nonfinite, bool(loss_scaling), mesh, zero_stage,
+                      float(flops_per_step) / n_ranks, rates or Rates(),
+                      None if host_budget is None else int(host_budget), platform)
+
+
+# ---- the one planning call -------------------------------------------------------------------
+
+def plan(problem: FitProblem, budget_bytes: int, *, policy: str = "tide", resident=None):
+    """The schedule for one (per-rank) device budget: the only place the fit path plans.
+
+    Args:
+      problem: from :func:`prepare`.
+      budget_bytes: each rank's device budget (bytes).
+      policy: one of :data:`chunkjax.plan.POLICIES` (default ``"tide"``: the tide plan).
+      resident: ``"tide"``: force exactly these chunks resident (device-updated); None searches.
+
+    Raises:
+      chunkjax.PlanError: nothing fits (the message gives the smallest budget that does).
+    """
+    p = problem
+    return plan_schedule(p.layout, p.traces, p.cb, int(budget_bytes), policy=policy, ranks=p.n_ranks,
+                         zero_stage=p.zero_stage or None, host_budget_bytes=p.host_budget_bytes,
+                         prefetch=p.prefetch, segments=p.segments, flops_per_step=p.flops_per_step, rates=p.rates,
+                         host_update=p.host_optimizer is not None, resident=resident)
+
+
+def build_step(problem: FitProblem, schedule):
+    """The step running ``schedule`` (nothing compiled or allocated yet)."""
+    p = problem
+    kw = dict(host_optimizer=p.host_optimizer, tx=p.tx, compute_dtype=p.compute_dtype, micro_batches=p.micro_batches,
+              nonfinite=p.nonfinite, loss_scaling=p.loss_scaling)
+    from chunkjax.step import make_chunked_step
+    if p.zero_stage:
+        kw.update(mesh=p.mesh, zero_stage=p.zero_stage)
+    return make_chunked_step(p.stages, p.layout, schedule, **kw)
+
+
+def auto_budget(problem: FitProblem, *, policy: str = "tide") -> int:
+    """The ``"auto"`` per-rank device budget: the smallest budget with every chunk offloaded
+    (the planner's ``PlanError.min_budget_bytes``) plus :data:`AUTO_BUDGET_MODEL_FRACTION` of one
+    rank's model chunk bytes."""
+    try:
+        plan(problem, 1, policy=policy)
+        floor = 1
+    except PlanError as e:
+        floor = e.min_budget_bytes
+    cb = problem.cb_rank
+    return int(floor + AUTO_BUDGET_MODEL_FRACTION * problem.layout.n_chunks * (cb.params + cb.state))
+
+
+# ---- checks ----------------------------------------------------------------------------------
+
+def compiled_peak(problem: FitProblem, step, schedule) -> dict:
+    """Compile every program of ``step`` for one micro-batch and return its device peak (bytes):
+    ``peak_bytes`` = max(largest program's argument + output + temp - alias + the master params
+    and optimizer state of device-updated chunks, the update phase: every resident chunk's params,
+    state and gradient plus one chunk's float32 temporaries), per rank."""
+    rows, t1 = problem.batch.shape
+    mb = jax.ShapeDtypeStruct((rows // problem.micro_batches, t1), problem.batch.dtype)
+    progs = step.compiled_memory_programs(mb)
+    n_res = sum(u == "device" for u in schedule.update_locations)
+    cb = problem.cb_rank
+    resident_state = n_res * cb.state
+    # the update phase holds every resident chunk and all their gradients (GPT3_12B on the whole
+    # card ran out of memory there when only the forward/backward was checked)
+    update_phase = n_res * (cb.params + cb.state + cb.grad) + 2 * 4 * problem.layout.chunk_size
+    largest = max(progs, key=lambda q: q["peak_device_bytes"])
+    return {"peak_bytes": int(max(largest["peak_device_bytes"] + resident_state, update_phase)),
+            "argument_bytes": largest["argument"], "output_bytes": largest["output"], "temp_bytes": largest["temp"],
+            "alias_bytes": largest["alias"], "resident_state_bytes": int(resident_state),
+            "update_phase_bytes": int(update_phase), "programs": progs}
+
+
+def _process_bytes(layout: ChunkLayout) -> int:
+    # the runtime and compiler, plus initialisation's two float32 chunk buffers
+    return PROCESS_HOST_BYTES + 2 * 4 * layout.chunk_size
+
+
+def host_need(problem: FitProblem, schedule) -> dict:
+    """Host bytes a run of ``schedule`` needs, all ranks of this process together.
+
+    ``pinned_host_bytes``: compute params and gradient chunks of offloaded chunks (ZeRO stages 1/2:
+    each local device's replica of the params), master params and optimizer state of ``streamed``
+    chunks. ``pageable_bytes``: master params and optimizer state of ``host``-updated chunks (numpy).
+    ``device_on_host_bytes``: on the CPU the device's memory is host memory (each rank's predicted
+    peak). ``process_bytes``: :data:`PROCESS_HOST_BYTES` plus two float32 chunks. ``need_bytes``:
+    their sum.
+    """
+    p, cb = problem, problem.cb
+    reps = p.n_ranks if p.zero_stage in (1, 2) else 1
+    pinned = pageable = 0
+    for u in schedule.update_locations:
+        if u == "device":
+            continue
+        pinned += reps * cb.params + cb.grad
+        if u == "host":
+            pageable += cb.state
+        else:
+            pinned += cb.state
+    dev = p.n_ranks * schedule.predicted.peak_device_bytes if p.platform == "cpu" else 0
+    proc = _process_bytes(p.layout)
+    return {"pinned_host_bytes": int(pinned), "pageable_bytes": int(pageable), "device_on_host_bytes": int(dev),
+            "process_bytes": int(proc), "need_bytes": int(pinned + pageable + dev + proc)}
+
+
+def _refuse_host(need: dict, avail: int, what: str, fix: str):
+    gib = lambda b: b / 2**30  # noqa: E731
+    parts = [f"{gib(need['pinned_host_bytes']):.1f} GiB pinned", f"{gib(need['pageable_bytes']):.1f} GiB pageable"]
+    if need.get("device_on_host_bytes"):
+        parts.append(f"{gib(need['device_on_host_bytes']):.1f} GiB of device memory, host memory on the CPU")
+    parts.append(f"{gib(need['process_bytes']):.1f} GiB for the process")
+    raise HostMemoryError(_MSG_HOST.format(what=what, need_gib=gib(need["need_bytes"]), parts=" + ".join(parts),
+                                           avail_gib=gib(avail), fix=fix), need["need_bytes"], avail)
+
+
+def _host_fix(platform: str) -> str:
+    if platform == "cpu":
+        return "train a smaller model (on the CPU all model data is host memory) or free host memory"
+    return "give the device a larger budget, train a smaller model, or free host memory"
+
+
+def check_host_lower_bound(layout: ChunkLayout, cb: ChunkBytes, platform: str, n_ranks: int = 1,
+                           device_budget=None, available: int | None = None) -> None:
+    """Refuse before tracing when even the best plan cannot fit host memory: on the CPU every
+    chunk's compute params, master params and optimizer state are host memory; elsewhere what the
+    devices' budgets cannot hold is.
+
+    Raises:
+      HostMemoryError: the lower bound plus the process's own need exceeds ``available``.
+    """
+    if available is None:
+        return
+    model = layout.n_chunks * (cb.params + cb.state)
+    if platform == "cpu":
+        low = model
+    elif isinstance(device_budget, int):
+        low = max(0, model - n_ranks * device_budget)
+    else:
+        return
+    need = {"pinned_host_bytes": 0, "pageable_bytes": int(low), "device_on_host_bytes": 0,
+            "process_bytes": _process_bytes(layout)}
+    need["need_bytes"] = int(low) + need["process_bytes"]
+    if need["need_bytes"] > available:
+        _refuse_host(need, available, f"the model data alone ({model / 2**30:.1f} GiB in {layout.n_chunks} chunks)",
+                     _host_fix(platform))
+
+
+def check_host_memory(problem: FitProblem, schedule, available: int | None = None) -> dict:
+    """:func:`host_need` of ``schedule`` against ``available`` bytes (default
+    :func:`host_memory_available_bytes`); returns the need with ``available_bytes``.
+
+    Raises:
+      HostMemoryError: the need exceeds what is available (one line: what to change).
+    """
+    need = host_need(problem, schedule)
+    avail = host_memory_available_bytes() if available is None else available
+    if avail is not None and need["need_bytes"] > avail:
+        _refuse_host(need, avail, "this plan", _host_fix(problem.platform))
+    return dict(need, available_bytes=avail)
+
+
+# ---- plan, compile, re-plan ------------------------------------------------------------------
+
+def fit_problem(problem: FitProblem, device_budget="auto", *, policy: str = "tide", resident=None, schedule=None,
+                check_compiled: bool | None = None, strict: bool = True) -> Fitted:
+    """Plan for ``device_budget``, check host memory, build the step and (on an accelerator)
+    compile its programs and re-plan until they fit :data:`HEADROOM` of the budget.
+
+    Args:
+      problem: from :func:`prepare`.
+      device_budget: each rank's device budget: bytes, a size string or ``"auto"``
+        (:func:`auto_budget`; raised, with the plan kept, to what the compiled step needs).
+      policy, resident: see :func:`plan`. A forced ``resident`` set is checked, never re-planned.
+      schedule: run this schedule (e.g. a static baseline) instead of planning; checked, never
+        replaced.
+      check_compiled: compile and check; None: on accelerators only (on the CPU the memory kinds
+        share one memory and the compiled sizes say nothing about a device).
+      strict: raise when the compiled step stays over the headroom; False returns the step with
+        ``report.fits`` False and ``report.why``.
+
+    Raises:
+      chunkjax.PlanError: no plan fits the budget, or (``strict``) the compiled step exceeds the
+        headroom after :data:`MAX_REPLANS` re-plans (one line: what to change).
+      HostMemoryError: the plan's host memory exceeds what the machine has available.
+    """
+    requested = resolve_budget(device_budget)
+    auto = requested == "auto"
+    budget = auto_budget(problem, policy=policy) if auto else requested
+    if check_compiled is None:
+        check_compiled = problem.platform != "cpu"
+    fixed = schedule is not None or resident is not None
+    effective = budget
+    sched = schedule if schedule is not None else plan(problem, effective, policy=policy, resident=resident)
+    host = check_host_memory(problem, sched)
+    history, notes, mem, floor_tried = [], [], None, False
+    for attempt in range(MAX_REPLANS + 1):
+        step = build_step(problem, sched)
+        if not check_compiled:
+            break
+        mem = compiled_peak(problem, step, sched)
+        history.append({"effective_budget_bytes": int(effective), "compiled_peak_bytes": mem["peak_bytes"],
+                        "predicted_peak_bytes": int(sched.predicted.peak_device_bytes), "counts": sched.counts()})
+        if mem["peak_bytes"] <= HEADROOM * budget:
+            break
+        if auto and schedule is None:  # the job chose the budget: keep the plan, raise the budget
+            budget = int(math.ceil(mem["peak_bytes"] / HEADROOM)) + 1
+            notes.append(f"auto budget raised to {budget} bytes (the compiled step needs {mem['peak_bytes']})")
+            break
+        if fixed or attempt == MAX_REPLANS:
+            break
+        # shrink the planning budget by the overshoot (and a chunk) and plan again
+        effective = int(effective * HEADROOM * budget / mem["peak_bytes"]) - problem.cb_rank.params
+        try:
+            sched = plan(problem, effective, policy=policy)
+        except PlanError as e:
+            notes.append(f"re-plan for {effective} bytes failed: {e}")
+            if floor_tried or e.min_budget_bytes <= effective:
+                break
+            # the accounting's smallest plan (every chunk offloaded) may still compile under the headroom
+            floor_tried, effective = True, e.min_budget_bytes
+            sched = plan(problem, effective, policy=policy)
+        host = check_host_memory(problem, sched)
+    fits = mem is None or mem["peak_bytes"] <= HEADROOM * budget
+    why = None
+    if not fits:
+        why = (f"compiled peak {mem['peak_bytes']} B exceeds {HEADROOM:.0%} of the budget {budget} B after "
+               f"{len(history)} plan(s)" + (f"; {notes[-1]}" if notes else ""))
+        if strict:
+            raise PlanError(f"{why}: raise the device budget or lower the batch",
+                            int(math.ceil(mem["peak_bytes"] / HEADROOM)), False)
+    report = FitReport(sched, int(budget), requested, int(effective), HEADROOM, mem, tuple(history), host, fits, why,
+                       tuple(notes))
+    return Fitted(step, report, problem)
+
+
+def fit_step(stages, params, batch, *, device_budget="auto", policy: str = "tide", resident=None,
+             check_compiled: bool | None = None, strict: bool = True, **prepare_kw) -> Fitted:
+    """The one fit path: ``(step, report, problem)`` for ``stages`` within ``device_budget``.
+
+    :func:`prepare` (layout, host-memory lower bound, traces) then :func:`fit_problem` (plan,
+    host-memory check, step, compiled check, re-plans). Nothing is allocated: initialise with
+    ``state = step.init(params)`` (a params pytree, or ``leaf_init(i)`` giving leaf ``i`` of
+    ``step.layout.slots``).
+
+    Args:
+      stages, params, batch: see :func:`prepare`.
+      device_budget: each device's budget: bytes, ``"8GiB"`` or ``"auto"``.
+      policy, resident, check_compiled, strict: see :func:`fit_problem`.
+      **prepare_kw: the rest of :func:`prepare` (tx, host_optimizer, compute_dtype, chunk_size,
+        min_chunks, prefetch, segments, micro_batches, nonfinite, loss_scaling, mesh, zero_stage,
+        flops_per_step, rates, host_budget).
+
+    Example::
+
+        spec = AdamW(3e-4, weight_decay=0.1, max_grad_norm=1.0)
+        step, report, _ = cj.fit_step(stages, params, batch, host_optimizer=spec, device_budget="4MiB")
+        print(report.schedule.counts(), report.predicted_peak_bytes)
+        state = step.init(params)
+
+    Raises:
+      ValueError, chunkjax.PlanError, HostMemoryError: see :func:`prepare` and :func:`fit_problem`.
+    """
+    problem = prepare(stages, params, batch, device_budget=device_budget, **prepare_kw)
+    return fit_problem(problem, device_budget, policy=policy, resident=resident, check_compiled=check_compiled,
+                       strict=strict)
+
+
+def describe(report: FitReport, problem: FitProblem) -> str:
+    """One line: chunks per (params kind, update location), param chunks off the device, the
+    predicted peak against the budget, model data on the device, bytes moved and step time."""
+    s, p = report.schedule, report.schedule.predicted
+    mib = lambda b: b / 2**20  # noqa: E731
+    off = sum(k != "device" for k in s.param_kinds)
+    comp = "" if report.compiled is None else f" (compiled {mib(report.compiled['peak_bytes']):.1f} MiB)"
+    ranks = f" per rank x {problem.n_ranks} (ZeRO-{problem.zero_stage})" if problem.zero_stage else ""
+    model = problem.layout.n_chunks * (problem.cb_rank.params + problem.cb_rank.state)  # one rank's
+    return (f"plan: {s.counts()}; {off} of {s.n_chunks} param chunks in pinned_host; accounted peak "
+            f"{mib(p.peak_device_bytes):.1f} MiB{comp} of budget {mib(report.budget_bytes):.1f} MiB{ranks}; model data "
+            f"on device {mib(p.device_model_bytes):.1f} of {mib(model):.1f} MiB; per step h2d "
+            f"{mib(p.h2d_bytes_per_step):.1f} MiB, d2h {mib(p.d2h_bytes_per_step):.1f} MiB; predicted step "
+            f"{p.time.step_s * 1e3:.1f} ms")
