@@ -38,6 +38,7 @@ from chunkjax.layout import ChunkLayout
 from chunkjax.memory import DEVICE, PINNED_HOST, sharding
 from chunkjax.plan import Placement, fetch_events
 from chunkjax.stages import first_readers, stage_reads
+from chunkjax.step_checkpoint import StepChunkIO, restore_chunks
 from chunkjax.topology import SingleDevice, make_topology
 from chunkjax.updaters import HostWork
 from chunkjax.walker import Walk, moments_of
@@ -66,12 +67,13 @@ class TrainState(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class ChunkedStep:
+class ChunkedStep(StepChunkIO):
     """A chunked training step for one (model, layout, placement or schedule, optimizer, topology).
 
     Build it with :func:`make_chunked_step`. ``step(state, batch) -> (state, metrics)``;
     ``metrics`` holds ``loss`` (float32 scalar, nats, mean over the whole batch) and
-    ``grad_norm`` (global, float32).
+    ``grad_norm`` (global, float32). Checkpointable: the checkpoint protocol's methods
+    (:class:`chunkjax.step_checkpoint.StepChunkIO`; :mod:`chunkjax.checkpoint`).
 
     Attributes:
       stages, layout: the model's stages and chunk layout (on a mesh ``chunk_size`` is a multiple
@@ -509,6 +511,10 @@ class ChunkedStep:
               for c in range(lay.n_chunks)]
         jax.block_until_ready((ps, [m for m in ms if isinstance(m, jax.Array)]))
         return TrainState(tuple(ps), tuple(ms), tuple(os_))
+
+    def checkpoint_restore(self, saved) -> TrainState:
+        """A state from a checkpoint (:mod:`chunkjax.checkpoint`; :func:`chunkjax.step_checkpoint.restore_chunks`)."""
+        return TrainState(*restore_chunks(self, saved))
 
     def master_params(self, state: TrainState):
         """The float32 master params as a pytree: on one device jax arrays on the default device;
