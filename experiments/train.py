@@ -314,8 +314,12 @@ def run(cfg: TrainConfig) -> dict:
     print(describe_fit(fit_report, problem), flush=True)
 
     folder = _resumed_folder(resume.run_dir) if resume is not None else RunFolder.create(cfg.out_dir, mcfg.name)
+    from chunkjax.updaters import HostDeadlineError
     try:
-        report = _train(cfg, mcfg, fitted, td, folder, t_start, resolved, resume)
+        try:
+            report = _train(cfg, mcfg, fitted, td, folder, t_start, resolved, resume)
+        except HostDeadlineError as e:  # a stalled host-update thread: one line, exit 1
+            raise JobFailed(str(e)) from None
         report.update(model_bytes_split(layout, schedule.placement, problem.cb))
         report["config"] = resolved
         folder.write_json("report.json", report)
