@@ -214,6 +214,8 @@ class ChunkedOptimizer:
         leaf; ``tx`` fails the elementwise probe (the message lists what is not supported).
       chunkjax.PlanError: the budget is below one chunk's update working set (the message gives
         the smallest budget that works; ``.min_budget_bytes``).
+      chunkjax.HostMemoryError: the offloaded optimizer state (plus, on the CPU, the device's
+        share) does not fit the host's available memory; nothing has been allocated.
     """
 
     def __init__(self, params, tx: optax.GradientTransformation, *, device_budget: int | str,
@@ -244,6 +246,15 @@ class ChunkedOptimizer:
         kinds = self.placement.state_kinds
         self.device_state_bytes = int(plan.predicted.device_model_bytes)
         self.host_state_bytes = int(plan.predicted.host_model_bytes)
+        # issue 21: refuse before allocating when host memory cannot hold the offloaded state (on
+        # the CPU the device's share is host memory too)
+        from chunkjax.fit import PROCESS_HOST_BYTES, check_host_need
+        on_cpu = jax.default_backend() == "cpu"
+        need = {"pinned_host_bytes": self.host_state_bytes, "pageable_bytes": 0,
+                "device_on_host_bytes": self.device_state_bytes if on_cpu else 0,
+                "process_bytes": PROCESS_HOST_BYTES + 2 * 4 * lay.chunk_size}
+        need["need_bytes"] = sum(need.values())
+        check_host_need(need, "the optimizer state", jax.default_backend())
         self.step = 0
         subs = [_sub_layout(lay, c) for c in range(lay.n_chunks)]
         self._leaf_idx = [idx for _, idx in subs]
