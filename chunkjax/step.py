@@ -40,6 +40,7 @@ from chunkjax.plan import Placement, fetch_events
 from chunkjax.stages import first_readers, stage_reads
 from chunkjax.step_checkpoint import StepChunkIO, restore_chunks
 from chunkjax.topology import SingleDevice, make_topology
+from chunkjax.kernels import clip_scale
 from chunkjax.updaters import HostWork, host_deadline_s
 from chunkjax.walker import Walk, moments_of
 
@@ -421,6 +422,8 @@ class ChunkedStep(StepChunkIO):
                 n = float(norm) * inv
                 if skip and not math.isfinite(n):
                     return None
+                if clip and inv == 1.0:  # optax's clipping arithmetic, the device path's bits
+                    return clip_scale(self.host_optimizer.max_grad_norm, np.float32(n))
                 return float(np.float32((self.host_optimizer.grad_scale(n) if clip else 1.0) * inv))
             work.submit(self._host_update, state, late, host_scale)
         inv_arr = jnp.asarray(inv, jnp.float32)

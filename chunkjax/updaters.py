@@ -144,8 +144,9 @@ def host_updater(topology, host_optimizer, chunk_size: int, compute_dtype) -> Up
     ranks of other processes). ``update(state, grads, grad_scale) -> seconds``: for each chunk of
     ``grads`` (``{c: gradient}``, a jax array or numpy) waits for the gradient, then runs the
     kernel on each local rank's shard, writing the new compute params into ``state.params[c]``'s
-    buffer (stages 1/2: into that slice of every local replica). ``grad_scale`` (float, a
-    callable returning one, or None for a skipped step) multiplies the gradients. Returns the
+    buffer (stages 1/2: into that slice of every local replica). ``grad_scale`` (a float, the
+    clipping pair of :func:`chunkjax.kernels.clip_scale`, a callable returning one, or None for a
+    skipped step) multiplies the gradients. Returns the
     kernel seconds (not the waits for gradients).
     """
     from chunkjax import host_update as hu
