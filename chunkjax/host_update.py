@@ -53,7 +53,7 @@ _MSG_VIEW = "writable_view: {why}"
 @functools.cache
 def _cpu_device():
     try:
-        return jax.devices("cpu")[0]
+        return jax.local_devices(backend="cpu")[0]  # this process's (under jax.distributed)
     except RuntimeError:  # the CPU backend is disabled (JAX_PLATFORMS without cpu)
         return None
 

@@ -235,6 +235,7 @@ def run(cfg: TrainConfig) -> dict:
     import chunkjax as cj
     from chunkjax.fit import describe as describe_fit
     from experiments import data as data_mod
+    from experiments import distributed
     from experiments.report import RunFolder, plot_losses
     from models import gpt
 
@@ -248,7 +249,7 @@ def run(cfg: TrainConfig) -> dict:
     _validate(cfg)
     budget = None if cfg.device_budget == "auto" else parse_budget(cfg.device_budget)
     platform = jax.devices()[0].platform
-    n_dev = jax.local_device_count() if cfg.zero_stage else 1
+    n_dev = jax.device_count() if cfg.zero_stage else 1  # every process's devices under jax.distributed
     if cfg.batch % (n_dev * cfg.micro_batches):
         raise UsageError(f"--batch {cfg.batch} does not split over {n_dev} devices x {cfg.micro_batches} micro-batches: "
                          f"use a multiple of {n_dev * cfg.micro_batches}")
@@ -313,7 +314,8 @@ def run(cfg: TrainConfig) -> dict:
         print(f"note: {note}", flush=True)
     print(describe_fit(fit_report, problem), flush=True)
 
-    folder = _resumed_folder(resume.run_dir) if resume is not None else RunFolder.create(cfg.out_dir, mcfg.name)
+    folder = distributed.scratch_folder(resume, CHECKPOINT_DIR) or (  # process 0 alone writes the run folder
+        _resumed_folder(resume.run_dir) if resume is not None else RunFolder.create(cfg.out_dir, mcfg.name))
     from chunkjax.updaters import HostDeadlineError
     try:
         try:
@@ -555,7 +557,7 @@ def _train(cfg, mcfg, fitted, td, folder, t_start, resolved, resume=None):
     step.wait(state)  # the last step's host updates
 
     peak_measured = None
-    stats = jax.devices()[0].memory_stats() if jax.devices()[0].platform != "cpu" else None
+    stats = jax.local_devices()[0].memory_stats() if jax.devices()[0].platform != "cpu" else None
     if stats and "peak_bytes_in_use" in stats:
         peak_measured = int(stats["peak_bytes_in_use"])
     sample = _sample(step, state, mcfg, td, cfg) if cfg.sample_tokens else None
@@ -674,14 +676,14 @@ def _sample(step, state, mcfg, td, cfg) -> str | None:
 
     if mcfg.n_params > _SAMPLE_MAX_PARAMS:
         return None
-    cpu = jax.devices("cpu")[0]
+    cpu = jax.local_devices(backend="cpu")[0]
     step.wait(state)
-    # per chunk: a device / pinned host array, a numpy array (host-updated), or under ZeRO one
-    # numpy slice per rank (host-updated) or a sharded array
-    masters = [np.concatenate([np.asarray(x) for x in m]) if isinstance(m, tuple) else np.asarray(jax.device_get(m))
-               for m in state.master]
+    # per chunk: a device / pinned host array or a numpy array (host-updated); under ZeRO numpy,
+    # gathered from every process's shards and slices (master_params: a collective)
+    masters = None if step.mesh is not None else [np.asarray(jax.device_get(m)) for m in state.master]
     with jax.default_device(cpu):
-        params = step.layout.unpack([jnp.asarray(m) for m in masters])
+        params = (jax.tree.map(jnp.asarray, step.master_params(state)) if masters is None
+                  else step.layout.unpack([jnp.asarray(m) for m in masters]))
         prompt = "**ROMEO**\n"  # the plays' speaker format
         ids = td.tokenizer.encode(prompt)
         ctx = min(cfg.seq, mcfg.seq_len)
@@ -741,6 +743,11 @@ def main(argv=None) -> int:
     def job():
         budget = None if cfg.device_budget == "auto" else parse_budget(cfg.device_budget)
         relaunch_with_budget(cfg, budget)
+        from experiments import distributed
+        try:  # several processes (srun, or JAX_COORDINATOR_ADDRESS ...): join them before any other JAX call
+            distributed.start(cfg.zero_stage)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
         run(cfg)
 
     return run_guarded(job)
