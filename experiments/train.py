@@ -87,7 +87,7 @@ class TrainConfig:
     nonfinite: str = config_field("error", 'a NaN/inf loss or gradient: error (stop, say what to change) | skip (the step changes no state; counted in the report)')
     checkpoint_every: int = config_field(-1, 'steps between checkpoints in <run folder>/checkpoints, plus one after the last step; -1: at each evaluation (--eval-every); 0: none')
     keep_checkpoints: int = config_field(2, 'newest checkpoints kept (older ones are deleted)')
-    zero_stage: int = config_field(0, 'ZeRO stage 1 | 2 | 3 over all local devices (every chunk split over them; --batch a multiple of the device count); 0: one device')
+    zero_stage: int = config_field(0, 'ZeRO stage 1 | 2 | 3 over all devices (every chunk split over them; --batch a multiple of the device count), those of all processes when started as several (srun, or JAX_COORDINATOR_ADDRESS + JAX_NUM_PROCESSES + JAX_PROCESS_ID: docs/multihost.md); 0: one device')
     resume: str = config_field("", 'continue a run from its newest complete checkpoint: its run folder (runs/<name>.partial) or checkpoints folder; the settings that change training must be the run\'s')
 
 
@@ -370,7 +370,7 @@ def _validate(cfg: TrainConfig) -> None:
     if cfg.micro_batches < 1 or cfg.batch % cfg.micro_batches:
         raise UsageError(f"--micro-batches {cfg.micro_batches} must be >= 1 and divide --batch {cfg.batch}")
     if cfg.zero_stage not in (0, 1, 2, 3):
-        raise UsageError(f"--zero-stage {cfg.zero_stage}: use 1, 2 or 3 (ZeRO over the local devices) or 0 (one device)")
+        raise UsageError(f"--zero-stage {cfg.zero_stage}: use 1, 2 or 3 (ZeRO over the devices) or 0 (one device)")
     if cfg.nonfinite not in ("error", "skip"):
         raise UsageError(f"--nonfinite {cfg.nonfinite!r}: use error or skip")
     for name in ("warmup", "sample_tokens", "chunk_size"):
