@@ -36,8 +36,8 @@ KINDS = ("tide", "all_host", "zero_offload")
 
 def _set_env(max_budget: int, host_limit_gb: int) -> None:
     """Memory fraction for the largest budget and the lifted pinned cap; before jax imports."""
-    from experiments.bench import _nvidia_smi_total_bytes, worker_env
-    card = _nvidia_smi_total_bytes()
+    from experiments.bench import nvidia_smi_total_bytes, worker_env
+    card = nvidia_smi_total_bytes()
     os.environ.update(worker_env(max_budget, card, host_limit_gb))
 
 
@@ -86,7 +86,8 @@ def run(args, save=lambda res: None, prior: dict | None = None, prior_commands=N
 
     import chunkjax as cj
     from experiments import gpu_measure as gm
-    from experiments.bench import make_batch, parse_bytes, profile_one_step
+    from experiments.bench import parse_bytes
+    from experiments.measure import make_batch, profile_one_step
     from experiments.bench_chunkjax import ChunkjaxSystem
     from models import gpt
 
