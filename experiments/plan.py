@@ -451,7 +451,7 @@ def _summary_zero(r: dict) -> str:
         f"(fused head at moment {fb - 1}, backward from {fb}); no baselines for --ranks > 1"])
 
 
-def _summary(r: dict) -> str:
+def summary(r: dict) -> str:
     """The readable form of a :func:`plan_report`."""
     if r.get("n_ranks", 1) > 1:
         return _summary_zero(r)
@@ -527,7 +527,7 @@ def main(argv=None) -> int:
     if a.json:
         print(json.dumps(r, indent=1))
     else:
-        print(_summary(r))
+        print(summary(r))
     return 0
 
 
