@@ -4,9 +4,11 @@ partitions users know, all planned by the same engine on abstract shapes (runs o
     python -m experiments.plan --model GPT3_10B --device-budget 24GiB --host-budget 120GiB \\
         --batch 8 --seq 1024 [--json] [--tide-from RESULTS_JSON] [--ranks N [--zero-stage 3]]
 
-The plan is :func:`chunkjax.plan_schedule` (policy ``"tide"``) with the host AdamW kernel
-(offloaded chunks update in place on the host, overlapping the backward pass). Baselines are the
-same planner's static policies, scheduled over the same tide with the same accounting and cost
+The plan is the one fit path's, on abstract shapes: :func:`chunkjax.fit.prepare` (first-use
+order, layout, stage traces; no devices, no compile of the step, this machine's host memory not
+checked) then :func:`chunkjax.fit.plan` (``chunkjax.plan_schedule``, policy ``"tide"``) with the
+host AdamW kernel (offloaded chunks update in place on the host, overlapping the backward pass).
+Baselines are the same planner's static policies (``must_fit=False``), scheduled over the same tide with the same accounting and cost
 model (:mod:`chunkjax.predict`):
 
 ``all_host``

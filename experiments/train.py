@@ -31,7 +31,7 @@ exists, a run that fails (crash, SIGKILL, SIGTERM, Ctrl-C, a non-finite loss) ke
 ``.partial`` folder, and ``--resume <that folder or its checkpoints folder>`` continues it in
 place from the newest complete checkpoint: the data stream continues where it was and the losses
 equal those of an uninterrupted run (bit for bit on the CPU; so after a non-finite loss, resume
-with ``--nonfinite skip``). Settings that change the training (model, steps, batch, seq, lr,
+with ``--nonfinite skip``). Settings that change the training (model, init-from, steps, batch, seq, lr,
 warmup, weight decay, clip, seed, tokenizer, eval batches, compute dtype) must equal the
 checkpoint's: a difference exits with status 2, one line, and nothing written.
 ``--device-budget``, ``--prefetch``, ``--micro-batches`` (which changes only the float summation
