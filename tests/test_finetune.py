@@ -264,3 +264,36 @@ def test_cli_bad_input_subprocess():
     assert res.returncode == 2
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and msg in lines[0], res.stderr
+
+
+def test_preset_runs_the_main_job_loop(tmp_path, monkeypatch):
+    """``--init-from`` end to end through the main job's one loop (a tiny random Llama standing in
+    for SmolLM2, the bpe512 corpus standing in for the SmolLM2-tokenised plays): perplexity and
+    samples before and after, checkpoints, and a Hugging Face export of the trained master params."""
+    from _shared_data import bpe512_cache
+    from experiments import data as data_mod
+    td = data_mod.load_token_data("bpe512", bpe512_cache())  # already tokenised (the main job's tests share it)
+    tok = td.tokenizer
+    cfg = dataclasses.replace(TINY, name="tiny-llama", vocab_size=tok.vocab_size)
+    shapes = jax.eval_shape(lambda: llama.init_params(cfg, jax.random.key(0)))
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda a: (0.02 * rng.standard_normal(a.shape)).astype(np.float32), shapes)
+    monkeypatch.setattr(job_model, "load_pretrained", lambda name: (job_model.llama_model(cfg, params), tok))
+    # the corpus as tokenised ids (shakespeare_tokens would tokenise the plays again: 12 s)
+    monkeypatch.setattr(job_model, "shakespeare_tokens", lambda t: dataclasses.replace(
+        td, meta={"train_plays": ["(all training documents)"], "val_plays": ["(all held-out documents)"]}))
+    out = tmp_path / "runs"
+    rc = train.main(["--init-from", "smollm2-135m", "--steps", "3", "--batch", "2", "--seq", "32", "--eval-every", "3",
+                     "--eval-batches", "2", "--sample-tokens", "4", "--lr", "3e-3", "--warmup", "0", "--no-progress",
+                     "--out-dir", str(out)])
+    assert rc == 0
+    (run,) = out.iterdir()
+    assert run.name.endswith("-tiny-llama-ft")
+    rep = json.loads((run / "report.json").read_text())
+    assert rep["init_from"] == "smollm2-135m" and rep["tokenizer"] == "bpe512"
+    assert rep["val_ppl_after"] < rep["val_ppl_before"]  # 3 steps at 3e-3 from a random init
+    assert rep["sample_before"].startswith("**ROMEO**") and rep["sample"].startswith("**ROMEO**")
+    assert rep["val_plays"] and rep["checkpoints_kept"] == [3]
+    _, exported = llama.load_hf_checkpoint(run / "hf")
+    moved = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(exported), jax.tree.leaves(params), strict=True)]
+    assert all(moved)  # every tensor trained and exported
