@@ -419,6 +419,21 @@ def _refuse_host(need: dict, avail: int, what: str, fix: str):
                                            avail_gib=gib(avail), fix=fix), need["need_bytes"], avail)
 
 
+def check_host_need(need: dict, what: str, platform: str, available: int | None = None) -> dict:
+    """Refuse ``need`` (a :func:`host_need`-shaped dict of bytes: ``pinned_host_bytes``,
+    ``pageable_bytes``, ``device_on_host_bytes``, ``process_bytes``, ``need_bytes``) when it
+    exceeds ``available`` (default :func:`host_memory_available_bytes`); returns it with
+    ``available_bytes``. Used by every path that builds a step or optimizer from a budget.
+
+    Raises:
+      HostMemoryError: one line saying what to change.
+    """
+    avail = host_memory_available_bytes() if available is None else available
+    if avail is not None and need["need_bytes"] > avail:
+        _refuse_host(need, avail, what, _host_fix(platform))
+    return dict(need, available_bytes=avail)
+
+
 def _host_fix(platform: str) -> str:
     if platform == "cpu":
         return "train a smaller model (on the CPU all model data is host memory) or free host memory"
@@ -458,11 +473,7 @@ def check_host_memory(problem: FitProblem, schedule, available: int | None = Non
     Raises:
       HostMemoryError: the need exceeds what is available (one line: what to change).
     """
-    need = host_need(problem, schedule)
-    avail = host_memory_available_bytes() if available is None else available
-    if avail is not None and need["need_bytes"] > avail:
-        _refuse_host(need, avail, "this plan", _host_fix(problem.platform))
-    return dict(need, available_bytes=avail)
+    return check_host_need(host_need(problem, schedule), "this plan", problem.platform, available)
 
 
 # ---- plan, compile, re-plan ------------------------------------------------------------------

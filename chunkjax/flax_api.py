@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from chunkjax import optim
+from chunkjax import optim, portable
 from chunkjax.layout import ChunkLayout, LeafSlot, build_layout
 from chunkjax.memory import DEVICE, sharding
 from chunkjax.plan import parse_bytes, plan_schedule
@@ -214,6 +214,8 @@ class ChunkedOptimizer:
         leaf; ``tx`` fails the elementwise probe (the message lists what is not supported).
       chunkjax.PlanError: the budget is below one chunk's update working set (the message gives
         the smallest budget that works; ``.min_budget_bytes``).
+      chunkjax.HostMemoryError: the offloaded optimizer state (plus, on the CPU, the device's
+        share) does not fit the host's available memory; nothing has been allocated.
     """
 
     def __init__(self, params, tx: optax.GradientTransformation, *, device_budget: int | str,
@@ -244,6 +246,15 @@ class ChunkedOptimizer:
         kinds = self.placement.state_kinds
         self.device_state_bytes = int(plan.predicted.device_model_bytes)
         self.host_state_bytes = int(plan.predicted.host_model_bytes)
+        # issue 21: refuse before allocating when host memory cannot hold the offloaded state (on
+        # the CPU the device's share is host memory too)
+        from chunkjax.fit import PROCESS_HOST_BYTES, check_host_need
+        on_cpu = jax.default_backend() == "cpu"
+        need = {"pinned_host_bytes": self.host_state_bytes, "pageable_bytes": 0,
+                "device_on_host_bytes": self.device_state_bytes if on_cpu else 0,
+                "process_bytes": PROCESS_HOST_BYTES + 2 * 4 * lay.chunk_size}
+        need["need_bytes"] = sum(need.values())
+        check_host_need(need, "the optimizer state", jax.default_backend())
         self.step = 0
         subs = [_sub_layout(lay, c) for c in range(lay.n_chunks)]
         self._leaf_idx = [idx for _, idx in subs]
@@ -315,6 +326,72 @@ class ChunkedOptimizer:
         """Per chunk, the chunk's optax state (``tx.init([master_chunk, rest_leaf])``), in its memory kind."""
         return tuple(self._opt_state)
 
+    # ---- checkpoints: chunkjax.checkpoint.protocol.ChunkIO (the optimizer keeps its own state) ----
+    @property
+    def compute_dtype(self) -> np.dtype:
+        """dtype of the params a checkpoint saves per chunk (the chunks' dtype; float32 if they differ)."""
+        dts = {np.dtype(d) for d in self.layout.chunk_dtypes}
+        return dts.pop() if len(dts) == 1 else np.dtype(np.float32)
+
+    def wait(self, state=None) -> None:
+        """Block until the dispatched updates are done (``state`` is ignored: None)."""
+        del state
+        jax.block_until_ready((self._master, self._opt_state))
+
+    def checkpoint_info(self) -> dict:
+        """The optax transformation, ``saved_from`` and the number of updates done (``optimizer_steps``)."""
+        return {"optimizer": repr(self.tx), "saved_from": {"step": type(self).__name__, "n_ranks": 1},
+                "multiprocess": False, "meta": {"optimizer_steps": self.step}}
+
+    def checkpoint_arrays(self, c: int) -> dict:
+        """``{name: ((chunk_size,), dtype)}``: params (compute dtype), float32 master and moments."""
+        n, f32 = (self.layout.chunk_size,), np.dtype(np.float32)
+        moments = portable.moment_names(self._opt_state[c])
+        return {"params": (n, self.compute_dtype), "master": (n, f32), **{m: (n, f32) for m in moments}}
+
+    def checkpoint_chunk(self, state, c: int, *, copy: bool) -> tuple[dict, dict]:
+        """Chunk ``c``'s portable arrays (params = the master cast to the compute dtype) and its
+        meta.json entry. Raises CheckpointError for a transformation that is not elementwise."""
+        del state
+        count, moments, rest = portable.optax_to_portable(self._opt_state[c], self.layout.chunk_size)
+        master = portable.host_value(self._master[c], np.float32)
+        arrays = {"params": master.astype(self.compute_dtype), "master": master, **moments}
+        if copy:  # np.asarray of a jax array may be a view of its buffer, which the next update donates
+            arrays = {k: a if a.flags.owndata else np.array(a, copy=True) for k, a in arrays.items()}
+        return arrays, {"count": count, "moments": sorted(moments), "rest": rest,
+                        "saved_from": self.placement.state_kinds[c]}
+
+    def checkpoint_master(self, state, c: int) -> np.ndarray:
+        """Chunk ``c``'s (chunk_size,) float32 master params."""
+        del state
+        return np.asarray(self._master[c], np.float32)
+
+    def checkpoint_restore(self, saved):
+        """Replace the master params, optax state and step count with a checkpoint's (each chunk
+        placed in its state memory kind) and return the new params pytree (params' structure and
+        dtypes, on the device: what :meth:`update` returns). Raises CheckpointError for another
+        optimizer (moments)."""
+        lay = self.layout
+        template = jax.eval_shape(lambda m: optim.init_chunk_state(self.tx, m),
+                                  jax.ShapeDtypeStruct((lay.chunk_size,), jnp.float32))
+        for c in range(lay.n_chunks):
+            portable.check_optax_moments(template, saved.moments(c), c)
+        masters, states, params, dev = [], [], [], sharding(DEVICE)
+        for c in range(lay.n_chunks):
+            arrs, cm = saved.chunk(c)
+            master = arrs.pop("master")
+            arrs.pop("params", None)
+            opt = portable.portable_to_optax(template, cm["count"], arrs, cm["rest"], c)
+            sk = sharding(self.placement.state_kinds[c])
+            params.append(jax.device_put(master.astype(lay.chunk_dtypes[c]), dev))  # own buffer: master is donated
+            masters.append(jax.device_put(master, sk))
+            states.append(jax.device_put(opt, sk))
+            count = cm["count"]
+            del arrs, master, opt
+        self._master, self._opt_state = masters, states
+        self.step = int(saved.meta.get("optimizer_steps", count or 0))
+        return lay.unpack(params)
+
     def summary(self) -> str:
         """One line: chunks, where their state lives, predicted bytes."""
         n_dev = self.placement.state_kinds.count(DEVICE)
@@ -364,6 +441,35 @@ class NnxOptimizer:
         ``wrt`` variables (e.g. from ``nnx.grad(loss_fn)(model, ...)``)."""
         from flax import nnx
         nnx.update(model, self.chunked.update(grads))
+
+    # ---- checkpoints: chunkjax.checkpoint.protocol.ChunkIO of the underlying ChunkedOptimizer ----
+    @property
+    def layout(self) -> ChunkLayout:
+        return self.chunked.layout
+
+    @property
+    def compute_dtype(self) -> np.dtype:
+        return self.chunked.compute_dtype
+
+    def wait(self, state=None) -> None:
+        self.chunked.wait(state)
+
+    def checkpoint_info(self) -> dict:
+        return self.chunked.checkpoint_info()
+
+    def checkpoint_arrays(self, c: int) -> dict:
+        return self.chunked.checkpoint_arrays(c)
+
+    def checkpoint_chunk(self, state, c: int, *, copy: bool) -> tuple[dict, dict]:
+        return self.chunked.checkpoint_chunk(state, c, copy=copy)
+
+    def checkpoint_master(self, state, c: int) -> np.ndarray:
+        return self.chunked.checkpoint_master(state, c)
+
+    def checkpoint_restore(self, saved):
+        """As :meth:`ChunkedOptimizer.checkpoint_restore`; returns the ``nnx.State`` of the ``wrt``
+        variables for ``nnx.update(model, params)``."""
+        return self.chunked.checkpoint_restore(saved)
 
     def summary(self) -> str:
         return self.chunked.summary()

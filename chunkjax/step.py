@@ -38,8 +38,9 @@ from chunkjax.layout import ChunkLayout
 from chunkjax.memory import DEVICE, PINNED_HOST, sharding
 from chunkjax.plan import Placement, fetch_events
 from chunkjax.stages import first_readers, stage_reads
+from chunkjax.step_checkpoint import StepChunkIO, restore_chunks
 from chunkjax.topology import SingleDevice, make_topology
-from chunkjax.updaters import HostWork
+from chunkjax.updaters import HostWork, host_deadline_s
 from chunkjax.walker import Walk, moments_of
 
 
@@ -66,12 +67,13 @@ class TrainState(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class ChunkedStep:
+class ChunkedStep(StepChunkIO):
     """A chunked training step for one (model, layout, placement or schedule, optimizer, topology).
 
     Build it with :func:`make_chunked_step`. ``step(state, batch) -> (state, metrics)``;
     ``metrics`` holds ``loss`` (float32 scalar, nats, mean over the whole batch) and
-    ``grad_norm`` (global, float32).
+    ``grad_norm`` (global, float32). Checkpointable: the checkpoint protocol's methods
+    (:class:`chunkjax.step_checkpoint.StepChunkIO`; :mod:`chunkjax.checkpoint`).
 
     Attributes:
       stages, layout: the model's stages and chunk layout (on a mesh ``chunk_size`` is a multiple
@@ -96,6 +98,9 @@ class ChunkedStep:
       donate: donate the programs' carries (and, on a mesh, the updates' inputs). None: on
         accelerators, not on the CPU; True on the CPU is for tests (reported case 19).
       topology: :class:`~chunkjax.topology.SingleDevice` or :class:`~chunkjax.topology.DataMesh`.
+      host_deadline: seconds a step's host updates may take before :meth:`wait` (or the next
+        call) raises :class:`chunkjax.updaters.HostDeadlineError`; None: the larger of 300 s and
+        50 predicted step times (:func:`chunkjax.updaters.host_deadline_s`).
 
     Raises (at construction):
       ValueError: a bad ``micro_batches``, ``nonfinite`` or ``prefetch``, a placement that
@@ -116,6 +121,7 @@ class ChunkedStep:
     loss_scaling: bool = False
     donate: bool | None = None
     topology: Any = SingleDevice()
+    host_deadline: float | None = None
 
     def __post_init__(self):
         if not (isinstance(self.micro_batches, int) and self.micro_batches >= 1):
@@ -134,6 +140,13 @@ class ChunkedStep:
         if self.layout.chunk_size % self.n_ranks:
             raise ValueError(f"chunk_size {self.layout.chunk_size} is not a multiple of the {self.n_ranks} ranks: "
                              "build the layout with chunkjax.topology.build_zero_layout")
+
+    @property
+    def host_deadline_s(self) -> float:
+        """The deadline of one step's host updates, seconds (see ``host_deadline``)."""
+        if self.host_deadline is not None:
+            return float(self.host_deadline)
+        return host_deadline_s(self.schedule.predicted.time.step_s if self.schedule is not None else None)
 
     # ---- topology ------------------------------------------------------------------------------
     @property
@@ -389,7 +402,7 @@ class ChunkedStep:
         self.topology.check_rows(next(iter(lead)), self.micro_batches)
         self.wait(state)
         state = state._replace(pending=None)
-        work = HostWork()
+        work = HostWork(self.host_deadline_s)
         host = set(self.host_chunks)
         clip = self.host_optimizer is not None and getattr(self.host_optimizer, "max_grad_norm", None) is not None
         skip = self._skip_nonfinite
@@ -510,6 +523,10 @@ class ChunkedStep:
         jax.block_until_ready((ps, [m for m in ms if isinstance(m, jax.Array)]))
         return TrainState(tuple(ps), tuple(ms), tuple(os_))
 
+    def checkpoint_restore(self, saved) -> TrainState:
+        """A state from a checkpoint (:mod:`chunkjax.checkpoint`; :func:`chunkjax.step_checkpoint.restore_chunks`)."""
+        return TrainState(*restore_chunks(self, saved))
+
     def master_params(self, state: TrainState):
         """The float32 master params as a pytree: on one device jax arrays on the default device;
         on a mesh numpy, gathered from every process under ``jax.distributed`` (a collective:
@@ -538,7 +555,8 @@ class ChunkedStep:
 def make_chunked_step(stages, layout: ChunkLayout, placement, tx: optax.GradientTransformation | None = None,
                       compute_dtype=jnp.bfloat16, prefetch: int | None = None, host_optimizer=None,
                       micro_batches: int = 1, nonfinite: str = "ignore", loss_scaling: bool = False, *,
-                      mesh=None, zero_stage: int | None = None, donate: bool | None = None) -> ChunkedStep:
+                      mesh=None, zero_stage: int | None = None, donate: bool | None = None,
+                      host_deadline: float | None = None) -> ChunkedStep:
     """Build the chunked step (see :class:`ChunkedStep`). Nothing is compiled until first use.
 
     Args:
@@ -558,7 +576,7 @@ def make_chunked_step(stages, layout: ChunkLayout, placement, tx: optax.Gradient
       mesh: a 1-D ``"data"`` mesh (:func:`chunkjax.topology.data_mesh`) for ZeRO data
         parallelism, in one process or across processes (``jax.distributed``); None: one device.
       zero_stage: 1, 2 or 3 with a mesh (default 3).
-      donate: see :class:`ChunkedStep`.
+      donate, host_deadline: see :class:`ChunkedStep`.
 
     Raises:
       ValueError: a bad ``micro_batches``, ``nonfinite`` or ``zero_stage``, a mesh that is not 1-D
@@ -577,4 +595,4 @@ def make_chunked_step(stages, layout: ChunkLayout, placement, tx: optax.Gradient
         tx = host_optimizer.optax()
     return ChunkedStep(tuple(stages), layout, placement, tx, jnp.dtype(compute_dtype),
                        1 if prefetch is None else prefetch, schedule, host_optimizer, micro_batches, nonfinite,
-                       loss_scaling, donate, make_topology(mesh, zero_stage))
+                       loss_scaling, donate, make_topology(mesh, zero_stage), host_deadline)

@@ -25,6 +25,8 @@ written on the step).
 from __future__ import annotations
 
 import concurrent.futures
+import queue
+import threading
 import time
 from typing import Any, Callable, NamedTuple, Protocol
 
@@ -216,37 +218,96 @@ class StorageUpdater(Protocol):
     update: Callable[[Any, dict, Any], float]
 
 
+#: The host thread's deadline is at least this many seconds ...
+HOST_DEADLINE_MIN_S = 300.0
+#: ... and at least this many predicted step times (a host update waits for its gradients, so a
+#: slow device step delays it too).
+HOST_DEADLINE_STEPS = 50.0
+
+_MSG_HOST_DEADLINE = ("the host-update thread did not finish {what} within {deadline:.0f} s ({done} of {n} batches "
+                      "of chunk updates done): the host is stalled or far slower than planned; the state "
+                      "after the last completed step is in the last checkpoint (resume from it)")
+
+
+class HostDeadlineError(TimeoutError):
+    """The host-update thread missed its deadline (:data:`HOST_DEADLINE_MIN_S`)."""
+
+
+def host_deadline_s(predicted_step_s: float | None) -> float:
+    """The host thread's deadline for one step's updates (seconds): the larger of
+    :data:`HOST_DEADLINE_MIN_S` and :data:`HOST_DEADLINE_STEPS` predicted step times."""
+    return max(HOST_DEADLINE_MIN_S, HOST_DEADLINE_STEPS * float(predicted_step_s or 0.0))
+
+
 class HostWork:
     """The host thread's pending work of one step: the chunks it updates in place while the
     device runs the rest of the backward. Carried in the returned state (``TrainState.pending``);
     :meth:`join` (``step.wait(state)``, or the next step) waits for it and returns the seconds the
     thread spent in the kernels.
 
+    The work runs on one daemon thread, in submission order, so a stalled update can neither hang
+    the caller past ``deadline_s`` nor keep the process alive at exit.
+
     Registered as a pytree node without leaves (it is not array data: ``jax.tree`` functions
     over a state pass it through unchanged).
+
+    Args:
+      deadline_s: seconds :meth:`join` waits at most (None: forever).
     """
 
-    def __init__(self):
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+    def __init__(self, deadline_s: float | None = None):
+        self._queue: queue.SimpleQueue | None = None
         self._futures: list = []
+        self.deadline_s = deadline_s
         self.seconds: float | None = None
+
+    @staticmethod
+    def _serve(q: queue.SimpleQueue) -> None:
+        while True:
+            item = q.get()
+            if item is None:
+                return
+            fut, fn, args = item
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(*args))
+                except BaseException as e:  # handed to join()
+                    fut.set_exception(e)
 
     def submit(self, fn, *args) -> None:
         """Run ``fn(*args) -> seconds`` on this step's host thread (one thread, in order)."""
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="chunkjax-host-update")
-        self._futures.append(self._pool.submit(fn, *args))
+        if self._queue is None:
+            self._queue = queue.SimpleQueue()
+            threading.Thread(target=self._serve, args=(self._queue,), name="chunkjax-host-update",
+                             daemon=True).start()
+        fut = concurrent.futures.Future()
+        self._futures.append(fut)
+        self._queue.put((fut, fn, args))
 
     def join(self) -> float | None:
         """Wait for every update submitted; re-raises a failure of the host thread. Returns the
-        kernel seconds (None when nothing was submitted)."""
+        kernel seconds (None when nothing was submitted).
+
+        Raises:
+          HostDeadlineError: the work did not finish within ``deadline_s`` (one line; the thread
+            is abandoned, the state that held this work must not be used).
+        """
         if self._futures:
-            spent = [f.result() for f in self._futures]
+            end = None if self.deadline_s is None else time.monotonic() + self.deadline_s
+            spent = []
+            for i, f in enumerate(self._futures):
+                left = None if end is None else max(0.0, end - time.monotonic())
+                try:
+                    spent.append(f.result(timeout=left))
+                except concurrent.futures.TimeoutError:
+                    raise HostDeadlineError(_MSG_HOST_DEADLINE.format(
+                        what="this step's host updates", deadline=self.deadline_s, done=i,
+                        n=len(self._futures))) from None
             self._futures = []
             self.seconds = float(sum(spent)) + (self.seconds or 0.0)
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        if self._queue is not None:
+            self._queue.put(None)
+            self._queue = None
         return self.seconds
 
 

@@ -347,8 +347,12 @@ def run(cfg: TrainConfig) -> dict:
               f"held-out tokens ({len(td.meta['val_plays'])} plays: {', '.join(td.meta['val_plays'])})", flush=True)
 
     folder = _resumed_folder(resume.run_dir) if resume is not None else RunFolder.create(cfg.out_dir, model.run_name)
+    from chunkjax.updaters import HostDeadlineError
     try:
-        report = _train(cfg, model, fitted, td, folder, t_start, resolved, resume)
+        try:
+            report = _train(cfg, model, fitted, td, folder, t_start, resolved, resume)
+        except HostDeadlineError as e:  # a stalled host-update thread: one line, exit 1
+            raise JobFailed(str(e)) from None
         report.update(model_bytes_split(layout, schedule.placement, problem.cb))
         report["config"] = resolved
         folder.write_json("report.json", report)
@@ -595,7 +599,10 @@ def _train(cfg, model, fitted, td, folder, t_start, resolved, resume=None):
             b = jax.device_put(nb, dev)
             t0 = time.perf_counter()
             state, m = step(state, b)
-            loss = float(m["loss"])  # waits for the step
+            # the loss is ready at the head of the step; the global gradient norm only when the
+            # whole backward is done: wait for both, so that dt is the step's (the host updates
+            # still running are joined at the start of the next step, inside its dt)
+            loss, grad_norm = float(m["loss"]), float(m["grad_norm"])
             dt = time.perf_counter() - t0
             skip = cfg.nonfinite == "skip" and bool(m["skipped"])
             if skip:
@@ -609,7 +616,7 @@ def _train(cfg, model, fitted, td, folder, t_start, resolved, resume=None):
             if not skip:
                 losses.append(loss)
             rec = {"step": i, "tokens": i * tokens_per_step, "loss": loss if not skip else None,
-                   "grad_norm": float(m["grad_norm"]) if not skip else None, "step_s": dt, "skipped": skip}
+                   "grad_norm": grad_norm if not skip else None, "step_s": dt, "skipped": skip}
             if i % cfg.eval_every == 0 or i == cfg.steps:
                 rec["val_loss"] = val_loss(state)
                 if not math.isfinite(rec["val_loss"]):

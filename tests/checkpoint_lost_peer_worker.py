@@ -39,14 +39,14 @@ def main(pid: int, n_proc: int, port: int, seed: int, ckpt: str, out: str, how: 
     if pid == 0:
         np.savez(out, **{f"p{i}": a for i, a in enumerate(jax.tree.leaves(master1))})
     if pid == n_proc - 1:
-        real = ck._SaveJob.snapshot
+        real = ck.job.SaveJob.snapshot
 
         def snapshot(job, c, copy):
             if c == 1:
                 print(f"{how.upper()}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
             return real(job, c, copy)
-        ck._SaveJob.snapshot = snapshot
+        ck.job.SaveJob.snapshot = snapshot
     try:
         ck.save_checkpoint(ckpt, 2, step, state, {"data_position": 2}, peer_timeout_s=5)
     except ck.CheckpointWriteError as e:

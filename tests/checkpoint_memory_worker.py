@@ -86,8 +86,8 @@ def _warm(ckpt: str, chunk_size: int) -> None:
     arrays = {k: rng.random(chunk_size, np.float32) for k in ("params", "master", "mu", "nu")}
 
     def write(name):
-        w = ck._checkpointer()
-        ck._write_chunk(w, os.path.join(ckpt, name), arrays)
+        w = ck.files.checkpointer()
+        ck.files.write_chunk(w, os.path.join(ckpt, name), arrays)
         w.close()
     write("warm0")
     t = threading.Thread(target=write, args=("warm1",))

@@ -22,6 +22,7 @@ import pytest
 
 import chunkjax as cj
 from chunkjax import checkpoint as ck
+from chunkjax import portable
 from chunkjax import host_update as hu
 from chunkjax.host_update import AdamW
 from chunkjax.optim import init_chunk_state, state_bytes_per_chunk
@@ -173,7 +174,7 @@ def test_other_layout_remapped(setup, mixed_run):
                                 compute_dtype=jnp.float32)
     st, extra = ck.restore_checkpoint(d, step)
     assert extra["data_position"] == N and len(st.master) == n
-    assert [ck._optax_to_portable(o, other[4].chunk_size)[0] for o in st.opt_state] == [N] * n
+    assert [portable.optax_to_portable(o, other[4].chunk_size)[0] for o in st.opt_state] == [N] * n
     assert_trees(ck.export_params(step, st), ck.export_checkpoint_params(d, setup[4]))
 
 
@@ -199,28 +200,28 @@ def test_optax_host_state_conversion(spec):
     st = jax.tree.unflatten(tdef, [np.full(np.shape(x), 5, np.asarray(x).dtype) if np.ndim(x) == 0 and
                                    np.asarray(x).dtype == np.int32 else rng.standard_normal(np.shape(x)).astype(np.float32)
                                    for x in leaves])
-    count, moments, rest = ck._optax_to_portable(st, n)
-    host = ck._portable_to_host(type(spec.host_state(1)), count, moments, 0)
+    count, moments, rest = portable.optax_to_portable(st, n)
+    host = portable.portable_to_host(type(spec.host_state(1)), count, moments, 0)
     if hasattr(host, "count") and count is not None:
         assert host.count == 5
-    c2, m2 = ck._host_to_portable(host)
+    c2, m2 = portable.host_to_portable(host)
     template = jax.eval_shape(lambda m: init_chunk_state(tx, m), jax.ShapeDtypeStruct((n,), jnp.float32))
-    back = ck._portable_to_optax(template, count, m2, rest, 0)
+    back = portable.portable_to_optax(template, count, m2, rest, 0)
     assert jax.tree.structure(back) == jax.tree.structure(st)
     assert_trees(back, st)
 
 
 def test_extra_roundtrip(tmp_path):
-    enc = ck._encode({"a": (1, 2.5, "x", None), "k": jax.random.key(3), "arr": np.arange(6, dtype=np.int64).reshape(2, 3),
+    enc = ck.codec.encode({"a": (1, 2.5, "x", None), "k": jax.random.key(3), "arr": np.arange(6, dtype=np.int64).reshape(2, 3),
                       "bf": jnp.ones((2,), jnp.bfloat16), "nest": [{"b": True}]})
     import json
-    dec = ck._decode(json.loads(json.dumps(enc)))
+    dec = ck.codec.decode(json.loads(json.dumps(enc)))
     assert dec["a"] == (1, 2.5, "x", None) and dec["nest"] == [{"b": True}]
     assert dec["arr"].dtype == np.int64 and dec["arr"].tolist() == [[0, 1, 2], [3, 4, 5]]
     assert dec["bf"].dtype == jnp.bfloat16
     np.testing.assert_array_equal(jax.random.key_data(dec["k"]), jax.random.key_data(jax.random.key(3)))
     with pytest.raises(TypeError, match="extra\\['bad'\\]"):
-        ck._encode({"bad": object()})
+        ck.codec.encode({"bad": object()})
 
 
 @pytest.mark.parametrize("where", ["chunk", "meta"])
@@ -233,7 +234,7 @@ def test_write_failure_keeps_previous(setup, mixed_run, tmp_path, monkeypatch, w
     ck.save_checkpoint(d, 1, step, restored, {"tag": "good"})
     before = sorted(os.listdir(d))
     calls = []
-    real_chunk = ck._write_chunk
+    real_chunk = ck.files.write_chunk
 
     def failing_chunk(ckptr, path, arrays):
         calls.append(path)
@@ -247,9 +248,9 @@ def test_write_failure_keeps_previous(setup, mixed_run, tmp_path, monkeypatch, w
         raise OSError(errno.ENOSPC, "No space left on device", path)
 
     if where == "chunk":
-        monkeypatch.setattr(ck, "_write_chunk", failing_chunk)
+        monkeypatch.setattr(ck.files, "write_chunk", failing_chunk)
     else:
-        monkeypatch.setattr(ck, "_write_meta", failing_meta)
+        monkeypatch.setattr(ck.files, "write_meta", failing_meta)
     with pytest.raises(ck.CheckpointWriteError) as e:
         ck.save_checkpoint(d, 2, step, restored, {"tag": "bad"})
     msg = str(e.value)
@@ -275,7 +276,7 @@ setup = tc.build_setup()
 step = tc.make_step(setup, [])
 state = step.init(setup[1])
 ck.save_checkpoint({d}, 1, step, state, {"tag": "first"})
-real = ck._write_chunk
+real = ck.files.write_chunk
 n = [0]
 def slow(ckptr, path, arrays):
     real(ckptr, path, arrays)
@@ -283,7 +284,7 @@ def slow(ckptr, path, arrays):
     if n[0] == 3:
         print("MIDSAVE", flush=True)
         time.sleep(900)
-ck._write_chunk = slow
+ck.files.write_chunk = slow
 ck.save_checkpoint({d}, 2, step, state, {"tag": "second"})
 print("SAVED", flush=True)
 """
@@ -321,7 +322,7 @@ def test_restore_into_streamed_placement(setup, mixed_run):
     for c in range(n):
         assert st.master[c].sharding.memory_kind == kinds[c] == st.params[c].sharding.memory_kind
         assert all(x.sharding.memory_kind == kinds[c] for x in jax.tree.leaves(st.opt_state[c]))
-        count, moments, _ = ck._optax_to_portable(st.opt_state[c], layout.chunk_size)
+        count, moments, _ = portable.optax_to_portable(st.opt_state[c], layout.chunk_size)
         if c >= 2:  # saved from the host kernel's state
             assert count == ref.opt_state[c].count == N
             np.testing.assert_array_equal(moments["mu"], ref.opt_state[c].m)
@@ -470,7 +471,7 @@ def test_unsupported_optax_state(tx, match):
     """Optimizer states with no per-chunk, per-element form are refused with a clear error."""
     st = init_chunk_state(tx, jnp.zeros((64,), jnp.float32))
     with pytest.raises(ck.CheckpointError, match=match):
-        ck._optax_to_portable(st, 64)
+        portable.optax_to_portable(st, 64)
 
 
 def test_relative_directory(setup, mixed_run, tmp_path, monkeypatch):
@@ -484,3 +485,15 @@ def test_relative_directory(setup, mixed_run, tmp_path, monkeypatch):
     st, extra = ck.restore_checkpoint("runs/ckpts", step, 3)
     assert extra == {"n": 3}
     assert_trees(ck.export_params(step, st), ck.export_params(step, state))
+
+
+def test_step_without_state_is_refused(mixed_run, tmp_path):
+    """A step keeps no state of its own: saving or exporting it without one is one line."""
+    step = mixed_run[0]
+    with pytest.raises(TypeError, match="pass the state it returned"):
+        ck.save_checkpoint(tmp_path, 1, step)
+    with pytest.raises(TypeError, match="pass the state it returned"):
+        ck.save_checkpoint_async(tmp_path, 1, step)
+    with pytest.raises(TypeError, match="pass the state it returned"):
+        ck.export_params(step)
+    assert not os.listdir(tmp_path)

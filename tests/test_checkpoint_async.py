@@ -71,7 +71,7 @@ def _portable(step, state) -> dict:
     {(chunk, "count"): step count}."""
     out = {}
     for c in range(step.layout.n_chunks):
-        arrays, cm = ck._chunked_chunk_portable(step, state, c)
+        arrays, cm = step.checkpoint_chunk(state, c, copy=False)
         out.update({(c, k): np.array(v, copy=True) for k, v in arrays.items()})
         out[(c, "count")] = cm["count"]
     return out
@@ -89,7 +89,7 @@ def _chunk_bytes(step) -> int:
 
 
 class _Gate:
-    """Patches ck._write_chunk: each write waits for ``open`` (if given) and sleeps ``delay``
+    """Patches ck.files.write_chunk: each write waits for ``open`` (if given) and sleeps ``delay``
     seconds; counts the writes done and can fail the ``fail_at``-th with ENOSPC."""
 
     def __init__(self, monkeypatch, closed=False, delay=0.0, fail_at=None):
@@ -97,7 +97,7 @@ class _Gate:
         if not closed:
             self.open.set()
         self.delay, self.fail_at, self.written, self.calls = delay, fail_at, 0, 0
-        real = ck._write_chunk
+        real = ck.files.write_chunk
 
         def write(ckptr, path, arrays):
             self.calls += 1
@@ -107,7 +107,7 @@ class _Gate:
                 raise OSError(errno.ENOSPC, "No space left on device", path)
             real(ckptr, path, arrays)
             self.written += 1
-        monkeypatch.setattr(ck, "_write_chunk", write)
+        monkeypatch.setattr(ck.files, "write_chunk", write)
 
 
 def test_taken_at_step_n_while_training_continues(setup, trained, tmp_path, monkeypatch):
@@ -121,7 +121,7 @@ def test_taken_at_step_n_while_training_continues(setup, trained, tmp_path, monk
     gate = _Gate(monkeypatch, closed=True)
     h = ck.save_checkpoint_async(tmp_path / "a", N, step, state, {"data_position": N},
                                  max_inflight_bytes=10 * _chunk_bytes(step) * step.layout.n_chunks)
-    assert not h.done() and gate.written == 0 and h.path == ck._step_dir(tmp_path / "a", N)
+    assert not h.done() and gate.written == 0 and h.path == ck.files.step_dir(tmp_path / "a", N)
     assert ck.all_steps(tmp_path / "a") == []
     state2, losses = tc.run(step, state, s[2][N:])  # training goes on while the writer waits
     assert state.master[RESIDENT[0]].is_deleted()  # the device chunk's buffers were donated
@@ -162,10 +162,10 @@ def _assert_same_files(a, b, seed):
         meta = json.load(fa)
         assert meta == json.load(fb)
     names = ["params", "master", *meta["chunks"][0]["moments"]]
-    ckptr = ck._checkpointer()
+    ckptr = ck.files.checkpointer()
     try:
         for c in range(meta["layout"]["n_chunks"]):
-            xa, xb = (ck._read_chunk(ckptr, os.path.join(r, f"chunk_{c:05d}"), names) for r in (a, b))
+            xa, xb = (ck.files.read_chunk(ckptr, os.path.join(r, f"chunk_{c:05d}"), names) for r in (a, b))
             for n in names:
                 assert xa[n].shape == (meta["layout"]["chunk_size"],)
                 np.testing.assert_array_equal(xa[n], xb[n], err_msg=f"chunk {c} {n}, seed {seed}")
@@ -252,7 +252,7 @@ def test_background_failure_keeps_previous(trained, tmp_path, monkeypatch):
         with open(path, "w") as f:
             f.write('{"format": "chunk')  # a torn write
         raise OSError(errno.ENOSPC, "No space left on device", path)
-    monkeypatch.setattr(ck, "_write_meta", failing_meta)
+    monkeypatch.setattr(ck.files, "write_meta", failing_meta)
     h = ck.save_checkpoint_async(d, 3, step, state, {"tag": "bad"})
     assert h._done.wait(60)
     monkeypatch.undo()
@@ -262,7 +262,7 @@ def test_background_failure_keeps_previous(trained, tmp_path, monkeypatch):
     st, extra = ck.restore_checkpoint(d, step)
     assert extra == {"tag": "good"}
     tc.assert_trees(ck.export_params(step, st), ck.export_params(step, state))
-    assert ck.save_checkpoint_async(d, 4, step, state, {"tag": "again"}).wait() == ck._step_dir(d, 4)
+    assert ck.save_checkpoint_async(d, 4, step, state, {"tag": "again"}).wait() == ck.files.step_dir(d, 4)
     assert ck.all_steps(d) == [1, 4]
 
 

@@ -1,6 +1,6 @@
 """Host-memory bounds of checkpoints (issue 21, item 5), measured as peak RSS growth in a fresh
 process (tests/checkpoint_memory_worker.py: a 1.5 GiB ChunkedStep state in 6 chunks of 256 MiB,
-half device-, half host-updated) against the bounds documented in chunkjax/checkpoint.py:
+half device-, half host-updated) against the bounds documented in chunkjax/checkpoint (the package docstring):
 
 * save_checkpoint: at most two chunks beyond the state (a device chunk's host copy and orbax's
   encoded copy of it while it writes);

@@ -20,7 +20,9 @@ from test_checkpoint import N, SPEC, build_setup, make_step, run
 
 import chunkjax as cj
 from chunkjax import checkpoint as ck
+from chunkjax import portable
 from chunkjax.storage.near import NearStorageOptimizer
+from chunkjax.storage.restore import restore_storage_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +76,7 @@ def test_storage_resume_on_other_directories_is_exact(setup, storage_run, tmp_pa
     meta = ck.read_meta(ckpt)
     assert meta["saved_from"] == {"step": "NearStorageOptimizer", "n_ranks": 1, "storage_dirs": 1}
     assert [cm["count"] for cm in meta["chunks"]] == [N] * layout.n_chunks
-    opt, extra = ck.restore_storage_checkpoint(ckpt, [tmp_path / "a", tmp_path / "b"], SPEC, layout, fsync=False)
+    opt, extra = restore_storage_checkpoint(ckpt, [tmp_path / "a", tmp_path / "b"], SPEC, layout, fsync=False)
     with opt:
         assert opt.committed_step == N and extra["data_position"] == N
         assert jax.random.key_data(extra["rng"]).tolist() == jax.random.key_data(jax.random.key(3)).tolist()
@@ -93,7 +95,7 @@ def test_storage_restore_into_other_chunk_size_is_exact(setup, storage_run, tmp_
     ckpt, final, _ = storage_run
     other = cj.build_layout(params, layout.chunk_size * 2)
     assert other.n_chunks != layout.n_chunks
-    opt, _ = ck.restore_storage_checkpoint(ckpt, [tmp_path / "x"], SPEC, other, fsync=False)
+    opt, _ = restore_storage_checkpoint(ckpt, [tmp_path / "x"], SPEC, other, fsync=False)
     with opt:
         for s in range(N + 1, 2 * N + 1):
             opt.step(grad_chunks(other, params, s))
@@ -114,7 +116,7 @@ def test_storage_checkpoint_into_memory_and_memory_onto_storage(setup, tmp_path)
     mem_final = ck.export_params(step, state)
 
     loss_grad = jax.jit(jax.value_and_grad(lambda p, b: cj.compose_loss(stages, p, b)))
-    opt, extra = ck.restore_storage_checkpoint(tmp_path / "mem", [tmp_path / "d0", tmp_path / "d1"], SPEC, layout,
+    opt, extra = restore_storage_checkpoint(tmp_path / "mem", [tmp_path / "d0", tmp_path / "d1"], SPEC, layout,
                                                fsync=False)
     with opt:
         assert opt.committed_step == N and extra == {"data_position": N}
@@ -132,7 +134,7 @@ def test_storage_checkpoint_into_memory_and_memory_onto_storage(setup, tmp_path)
     dev_step = make_step(setup, list(range(layout.n_chunks)))
     restored, _ = ck.restore_checkpoint(tmp_path / "back", dev_step)
     same_bits_tree(ck.export_params(dev_step, restored), st["master"])
-    port = [ck._optax_to_portable(o, layout.chunk_size) for o in restored.opt_state]  # (count, moments, rest)
+    port = [portable.optax_to_portable(o, layout.chunk_size) for o in restored.opt_state]  # (count, moments, rest)
     same_bits_tree(layout.unpack([jnp.asarray(p[1]["mu"]) for p in port]), st["mu"])
     same_bits_tree(layout.unpack([jnp.asarray(p[1]["nu"]) for p in port]), st["nu"])
     assert {int(p[0]) for p in port} == {2 * N}
@@ -151,7 +153,7 @@ def test_error_feedback_residuals_travel_with_the_checkpoint(setup, tmp_path):
         final = opt.read_state()
     assert any(np.any(r) for r in saved_res.values())
     assert ck.read_meta(tmp_path / "ck")["ef_residual"] is True
-    opt, _ = ck.restore_storage_checkpoint(tmp_path / "ck", [tmp_path / "r"], SPEC, layout, fsync=False, **kw)
+    opt, _ = restore_storage_checkpoint(tmp_path / "ck", [tmp_path / "r"], SPEC, layout, fsync=False, **kw)
     with opt:
         for c, r in saved_res.items():
             np.testing.assert_array_equal(np.asarray(opt._residual[c]), r)
@@ -167,31 +169,31 @@ def test_storage_checkpoint_refusals_and_write_failure(setup, storage_run, tmp_p
     params, layout = setup[1], setup[4]
     ckpt = storage_run[0]
     # directories holding a run are refused before anything is written
-    opt, _ = ck.restore_storage_checkpoint(ckpt, [tmp_path / "used"], SPEC, layout, fsync=False)
+    opt, _ = restore_storage_checkpoint(ckpt, [tmp_path / "used"], SPEC, layout, fsync=False)
     with opt:
         before = sorted(os.listdir(tmp_path / "used"))
         with pytest.raises(ck.CheckpointError, match="already hold a storage-tier run"):
-            ck.restore_storage_checkpoint(ckpt, [tmp_path / "used"], SPEC, layout)
+            restore_storage_checkpoint(ckpt, [tmp_path / "used"], SPEC, layout)
         assert sorted(os.listdir(tmp_path / "used")) == before
         # a layout that did not make the optimizer's chunks
         with pytest.raises(ck.CheckpointError, match="do not match the layout"):
             ck.save_storage_checkpoint(tmp_path / "c", N, opt, cj.build_layout(params, layout.chunk_size * 2))
         # a full disk while writing chunk 2: one-line error, nothing left, older checkpoint intact
         ck.save_storage_checkpoint(tmp_path / "c", N, opt, layout)
-        real = ck._write_chunk
+        real = ck.files.write_chunk
 
         def full(ckptr, path, arrays):
             if path.endswith("chunk_00002"):
                 raise OSError(errno.ENOSPC, "No space left on device")
             real(ckptr, path, arrays)
 
-        monkeypatch.setattr(ck, "_write_chunk", full)
+        monkeypatch.setattr(ck.files, "write_chunk", full)
         opt.step(grad_chunks(layout, params, N + 1))
         with pytest.raises(ck.CheckpointWriteError, match="ENOSPC.*intact") as e:
             ck.save_storage_checkpoint(tmp_path / "c", N + 1, opt, layout)
         assert len(str(e.value).splitlines()) == 1
         assert sorted(os.listdir(tmp_path / "c")) == [f"step_{N:08d}"]
-        monkeypatch.setattr(ck, "_write_chunk", real)
+        monkeypatch.setattr(ck.files, "write_chunk", real)
         opt.step(grad_chunks(layout, params, N + 2))  # the optimizer is still usable
         assert opt.committed_step == N + 2
     # another optimizer's moments are refused
@@ -202,9 +204,9 @@ def test_storage_checkpoint_refusals_and_write_failure(setup, storage_run, tmp_p
     for cm in meta["chunks"]:
         cm["moments"] = ["trace"]
     mpath.write_text(json.dumps(meta))
-    sums = ck._read_checksums(str(mpath.parent))  # re-sealed: an intact checkpoint of another optimizer
-    sums[ck.META] = ck._file_checksum(str(mpath))
-    ck._write_checksums(str(mpath.parent), sums)
+    sums = ck.files.read_checksums(str(mpath.parent))  # re-sealed: an intact checkpoint of another optimizer
+    sums[ck.META] = ck.files.file_checksum(str(mpath))
+    ck.files.write_checksums(str(mpath.parent), sums)
     with pytest.raises(ck.CheckpointError, match=r"moments \['trace'\].*AdamW"):
-        ck.restore_storage_checkpoint(bad, [tmp_path / "n"], SPEC, layout)
+        restore_storage_checkpoint(bad, [tmp_path / "n"], SPEC, layout)
     assert not os.path.exists(tmp_path / "n") or not os.listdir(tmp_path / "n")

@@ -61,7 +61,7 @@ def _leafwise(step, state) -> dict:
     moments, from the state's portable per-chunk form (any topology and update location)."""
     out = {}
     for c in range(step.layout.n_chunks):
-        arrays, cm = ck._chunked_chunk_portable(step, state, c)
+        arrays, cm = step.checkpoint_chunk(state, c, copy=False)
         out[("count", c)] = cm["count"]
         for s in step.layout.chunk_leaves(c):
             for name, a in arrays.items():
@@ -235,23 +235,23 @@ def test_remap_refuses_differing_step_counts(setup, zero_run, single_run, tmp_pa
     (a new chunk would mix them): one line; the saved layout itself still restores them."""
     import json
     import shutil
-    src = ck._step_dir(zero_run[1], N)
-    dst = ck._step_dir(tmp_path, N)
+    src = ck.files.step_dir(zero_run[1], N)
+    dst = ck.files.step_dir(tmp_path, N)
     shutil.copytree(src, dst)
     with open(f"{dst}/meta.json") as f:
         meta = json.load(f)
     meta["chunks"][1]["count"] = N + 1
     with open(f"{dst}/meta.json", "w") as f:
         json.dump(meta, f)
-    sums = ck._read_checksums(dst)  # re-sealed: an intact checkpoint with differing counts
-    sums[ck.META] = ck._file_checksum(f"{dst}/meta.json")
-    ck._write_checksums(dst, sums)
+    sums = ck.files.read_checksums(dst)  # re-sealed: an intact checkpoint with differing counts
+    sums[ck.META] = ck.files.file_checksum(f"{dst}/meta.json")
+    ck.files.write_checksums(dst, sums)
     with pytest.raises(ck.CheckpointError) as e:
         ck.restore_checkpoint(tmp_path, single_run[0])
     msg = str(e.value)
     assert "\n" not in msg and f"different optimizer step counts [{N}, {N + 1}]" in msg, msg
     st, _ = ck.restore_checkpoint(tmp_path, zero_run[0])
-    assert [ck._chunked_chunk_portable(zero_run[0], st, c)[1]["count"] for c in (0, 1, 2)] == [N, N + 1, N]
+    assert [zero_run[0].checkpoint_chunk(st, c, copy=False)[1]["count"] for c in (0, 1, 2)] == [N, N + 1, N]
 
 
 def test_remap_host_memory_bounded(setup, zero_run, single_run):

@@ -209,3 +209,17 @@ def test_placement_is_the_optimizer_only_policy():
         cb = cj.chunk_bytes(opt.layout, jnp.float32, state - 4 * cs)
         plan = cj.plan_schedule(opt.layout, (), cb, working + n_dev * state + state - 1, policy="optimizer_only")
         assert plan.placement == opt.placement
+
+
+def test_host_memory_refused_before_allocation(monkeypatch):
+    """Issue 21, item 4 on the drop-in path: an optimizer whose state cannot fit the host's
+    available memory is refused in one line before any chunk is allocated."""
+    import chunkjax.fit as fit_mod
+
+    params = {"w": np.zeros((256, 256), np.float32), "b": np.zeros((256,), np.float32)}
+    monkeypatch.setattr(fit_mod, "host_memory_available_bytes", lambda: 2**20)  # 1 MiB "free"
+    with pytest.raises(cj.HostMemoryError, match=r"host memory: the optimizer state needs .* GiB .* but this machine has"):
+        cj.ChunkedOptimizer(params, optax.adam(1e-3), device_budget="1GiB")
+    monkeypatch.setattr(fit_mod, "host_memory_available_bytes", lambda: 64 * 2**30)
+    opt = cj.ChunkedOptimizer(params, optax.adam(1e-3), device_budget="1GiB")
+    assert opt.layout.n_chunks >= 1

@@ -349,14 +349,14 @@ def test_checkpoint_write_failure_keeps_the_previous_checkpoint(data_cache, tmp_
     it, even into another chunk layout (leaves moved to new chunks), reproduces the uninterrupted
     run (to float summation order; bit for bit in practice)."""
     _, ref_curve = reference
-    real = ck._write_chunk
+    real = ck.files.write_chunk
 
     def full_disk(ckptr, path, arrays):
         if "_00000004_" in os.path.basename(os.path.dirname(path)) and path.endswith("chunk_00001"):
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(ckptr, path, arrays)
 
-    monkeypatch.setattr(ck, "_write_chunk", full_disk)
+    monkeypatch.setattr(ck.files, "write_chunk", full_disk)
     out = tmp_path / "runs"
     rc = train.main(_ck_args(data_cache, out))
     err = capsys.readouterr().err.strip().splitlines()
@@ -365,7 +365,7 @@ def test_checkpoint_write_failure_keeps_the_previous_checkpoint(data_cache, tmp_
     part = _only(out)
     assert part.name.endswith(".partial") and f"--resume {part}" in err[0]
     assert _ckpt_names(part) == ["step_00000002"]
-    monkeypatch.setattr(ck, "_write_chunk", real)
+    monkeypatch.setattr(ck.files, "write_chunk", real)
     assert train.main(_ck_args(data_cache, tmp_path / "unused", "--resume", str(part), "--chunk-size", "40000")) == 0
     run = _only(out)
     rep = json.loads((run / "report.json").read_text())

@@ -56,6 +56,7 @@ import ml_dtypes
 import numpy as np
 
 from chunkjax.kernels import AdamW
+from chunkjax.storage.chunk_io import StorageChunks
 from chunkjax.storage.files import StorageError, committed_step, replace_file
 from chunkjax.storage.links import Link, LinkModel
 from chunkjax.storage.topk import (normalize_topk_groups, topk_compress, topk_compress_global, topk_compress_many,
@@ -96,7 +97,7 @@ class NearStorageOptimizer(TierTrainer):
       error_feedback: keep each chunk's compression residual (float32, on the gradient's device)
         and add it to the next step's gradient (off by default, as in the paper).
       init_state: instead of ``init_params``, a restored state (what
-        :func:`chunkjax.checkpoint.restore_storage_checkpoint` passes): a callable ``c -> (master,
+        :func:`chunkjax.storage.restore.restore_storage_checkpoint` passes): a callable ``c -> (master,
         m, v)``, each (n_c,) float32, called once per chunk in id order and streamed to its worker
         (host memory: one chunk), committed as step ``init_step``. Ignored, like ``init_params``,
         when ``dirs`` hold a committed run.
@@ -236,6 +237,10 @@ class NearStorageOptimizer(TierTrainer):
         for i in range(n):
             self._expect(i, "ok", f"restoring step {step}")
         self._step = step
+
+    def chunk_io(self, layout, compute_dtype) -> StorageChunks:
+        """The chunks through the checkpoint protocol (:class:`~chunkjax.storage.chunk_io.StorageChunks`)."""
+        return StorageChunks(self, layout, compute_dtype)
 
     def read_chunk(self, c: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Chunk ``c``'s (master, m, v), (n_c,) float32 copies at the committed step, read by its

@@ -1,0 +1,431 @@
+"""The files of a checkpoint: directory listing, temporaries, checksums, meta.json, chunk files.
+
+A checkpoint of step ``N`` is one directory ``<directory>/step_<N:08d>/`` holding
+
+* ``chunk_<c:05d>/``: an orbax-checkpoint PyTree checkpoint per chunk ``c`` with the portable
+  arrays of :mod:`chunkjax.checkpoint.protocol` (whole (chunk_size,) chunks);
+* ``checksums.json``: the size (bytes) and zlib crc32 of every other file, with its own crc32;
+  written last, checked on every read (a mismatch is a one-line :class:`CheckpointError` naming
+  the file; :func:`latest_step` skips such a checkpoint with a warning);
+* ``meta.json``: format version, step number, the chunk layout (every leaf's path, chunk,
+  offset, shape, dtype) and its fingerprint, the compute dtype, per chunk the optimizer step
+  count, the moment names, the scalars of optax's *rest-of-model* leaf (:mod:`chunkjax.optim`)
+  and where it was saved from, the engine it was saved from (``saved_from``) and the user's
+  ``extra`` dict (:mod:`chunkjax.checkpoint.codec`).
+
+Saves write into a hidden temporary ``<directory>/.tmp_step_<N:08d>_<pid>_<random>/`` renamed
+into place at the end (:mod:`chunkjax.checkpoint.save`); temporaries of dead processes are
+removed by :func:`remove_stale_temporaries`.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import uuid
+import warnings
+import zlib
+
+import jax
+import numpy as np
+
+from chunkjax.checkpoint.protocol import CheckpointError
+
+FORMAT = "chunkjax-checkpoint"
+
+VERSION = 2  # 2: with checksums.json; version 1 checkpoints (no checksums) still restore, unverified
+
+META = "meta.json"
+
+CHECKSUMS = "checksums.json"
+
+_CHECKSUM_BLOCK = 256 << 10  # bytes read at a time when checksumming a file
+
+_STEP_RE = re.compile(r"^step_(\d{8,})$")
+
+_TMP_PREFIX = ".tmp_step_"
+
+_TMP_RE = re.compile(r"^\.tmp_step_(\d+)_(\d+)_[0-9a-f]+$")
+_log = logging.getLogger(__name__)
+
+
+# ---- directory listing ----------------------------------------------------------------------
+
+def step_dir(directory, step: int) -> str:
+    return os.path.join(os.fspath(directory), f"step_{step:08d}")
+
+
+def _step_numbers(directory) -> list[int]:
+    """Step numbers of every ``step_<N>`` directory in ``directory``, complete or not, ascending."""
+    d = os.fspath(directory)
+    if not os.path.isdir(d):
+        return []
+    return sorted(int(m.group(1)) for m in map(_STEP_RE.match, os.listdir(d)) if m)
+
+
+def all_steps(directory) -> list[int]:
+    """Step numbers of the complete checkpoints in ``directory`` (a ``step_<N>`` directory with
+    its ``meta.json``), ascending ([] if none or if the directory does not exist). Temporaries of
+    unfinished saves are never listed; the files are not verified (:func:`verify_checkpoint`)."""
+    return [s for s in _step_numbers(directory) if os.path.isfile(os.path.join(step_dir(directory, s), META))]
+
+
+def latest_step(directory, *, verify: bool = True) -> int | None:
+    """The largest step number with a complete, intact checkpoint in ``directory``, or None.
+
+    With ``verify`` (the default) the newest checkpoint is checked file by file
+    (:func:`verify_checkpoint`: reads every file once, 1-4 GB/s from the page cache); an
+    incomplete one (no ``meta.json``) or a corrupt one is skipped with a ``RuntimeWarning`` that
+    names it and the file at fault, and the one before it is tried. ``verify=False`` returns the
+    newest :func:`all_steps` entry unchecked.
+    """
+    for s in reversed(_step_numbers(directory)):
+        where = step_dir(directory, s)
+        if not os.path.isfile(os.path.join(where, META)):
+            warnings.warn(f"checkpoint step {s} at {where} is incomplete (no {META}): skipped, using an earlier step",
+                          RuntimeWarning, stacklevel=2)
+            continue
+        if not verify:
+            return s
+        try:
+            verify_checkpoint(directory, s)
+        except CheckpointError as e:
+            warnings.warn(f"checkpoint step {s} skipped, using an earlier step: {e}", RuntimeWarning, stacklevel=2)
+            continue
+        return s
+    return None
+
+
+def verify_checkpoint(directory, step_number: int) -> dict:
+    """Check every file of checkpoint ``step_number`` against the size and crc32 recorded when it
+    was saved (``checksums.json``), reading each file once in 256 KiB blocks.
+
+    Returns:
+      The checkpoint's ``meta.json`` (as :func:`read_meta`).
+
+    Raises:
+      FileNotFoundError: no complete checkpoint of that step.
+      CheckpointError: a one-line message naming the first file that is missing, unreadable, of
+        another size or another checksum, or unreadable metadata (``meta.json``,
+        ``checksums.json``). Version-1 checkpoints (saved before checksums) pass unverified with
+        a warning.
+    """
+    meta, sums = load_meta(directory, step_number)
+    if sums is not None:
+        root = step_dir(directory, step_number)
+        for c in range(int(meta["layout"]["n_chunks"])):
+            verify_files(root, sums, chunk_name(c))
+    return meta
+
+
+# ---- checksums: every file's size and crc32, recorded at save, checked on read ----------------
+
+def chunk_name(c: int) -> str:
+    return f"chunk_{c:05d}"
+
+
+def file_checksum(path: str) -> list[int]:
+    """``[size in bytes, zlib crc32]`` of the file at ``path``, read in blocks (bounded memory)."""
+    crc, n = 0, 0
+    with open(path, "rb", buffering=0) as f:
+        buf = memoryview(bytearray(max(1, min(_CHECKSUM_BLOCK, os.fstat(f.fileno()).st_size))))
+        while True:
+            k = f.readinto(buf)
+            if not k:
+                break
+            crc, n = zlib.crc32(buf[:k], crc), n + k
+    return [n, crc]
+
+
+def tree_checksums(root: str, sub: str) -> dict[str, list[int]]:
+    """``{path relative to root ('/'-separated): [size, crc32]}`` of every file under ``root/sub``."""
+    out = {}
+    for d, _, files in os.walk(os.path.join(root, sub)):
+        for f in files:
+            path = os.path.join(d, f)
+            out[os.path.relpath(path, root).replace(os.sep, "/")] = file_checksum(path)
+    return out
+
+
+def _sums_crc(files: dict) -> int:
+    return zlib.crc32(json.dumps(files, sort_keys=True).encode())
+
+
+def write_checksums(root: str, files: dict) -> None:
+    body = {"format": FORMAT, "algorithm": "crc32", "files": dict(sorted(files.items()))}
+    body["crc32"] = _sums_crc(body["files"])  # the manifest's own checksum
+    write_meta(os.path.join(root, CHECKSUMS), body)
+
+
+def read_checksums(root: str) -> dict | None:
+    """The recorded ``{relative path: [size, crc32]}`` of a checkpoint, or None if it has no
+    ``checksums.json`` (version 1). Raises CheckpointError if the file is unreadable or corrupt."""
+    path = os.path.join(root, CHECKSUMS)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path, "rb") as f:
+            body = json.loads(f.read())
+        files, crc = body["files"], body["crc32"]
+        ok = _sums_crc(files) == crc and all(len(v) == 2 for v in files.values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{path} is unreadable ({one_line(e)}): the checkpoint is corrupt, "
+                              "restore an earlier step") from None
+    if not ok:
+        raise CheckpointError(f"{path} does not match its own checksum: the checkpoint is corrupt, "
+                              "restore an earlier step")
+    return files
+
+
+def verify_files(root: str, sums: dict, sub: str) -> None:
+    """Check the recorded files at ``sub`` (a file) or under it (a directory) of checkpoint
+    ``root``. Raises a one-line CheckpointError naming the first bad file."""
+    mine = [r for r in sums if r == sub or r.startswith(sub + "/")]
+    if not mine:
+        raise CheckpointError(f"{os.path.join(root, sub)}: {CHECKSUMS} records no such file: the checkpoint is "
+                              "corrupt, restore an earlier step")
+    for rel in mine:
+        path = os.path.join(root, *rel.split("/"))
+        try:
+            got = file_checksum(path)
+        except OSError as e:
+            raise CheckpointError(f"{path} cannot be read ({one_line(e)}): the checkpoint is corrupt, "
+                                  "restore an earlier step") from None
+        want = [int(x) for x in sums[rel]]
+        if got != want:
+            raise CheckpointError(f"{path} is corrupt ({got[0]} bytes, crc32 {got[1]:08x}; saved: {want[0]} bytes, "
+                                  f"crc32 {want[1]:08x}): restore an earlier step")
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def tmp_dir(directory, step: int) -> str:
+    """A fresh temporary name for step ``step`` in ``directory`` (``_TMP_RE``: never listed by
+    :func:`all_steps`, removed by :func:`remove_stale_temporaries` once this process is gone)."""
+    return os.path.join(os.fspath(directory), f"{_TMP_PREFIX}{step:08d}_{os.getpid()}_{uuid.uuid4().hex[:12]}")
+
+
+def delete_checkpoint(directory, step_number: int) -> None:
+    """Delete checkpoint ``step_number`` of ``directory``: renamed first to a temporary name, then
+    removed, so a crash mid-delete leaves neither a half-deleted checkpoint that looks complete
+    nor an orphan (the next save removes the temporary).
+
+    Raises:
+      FileNotFoundError: there is no such checkpoint.
+    """
+    tmp = tmp_dir(directory, step_number)
+    os.rename(step_dir(directory, step_number), tmp)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def remove_stale_temporaries(directory) -> list[str]:
+    """Remove temporary directories of saves whose process has died (a crash mid-save).
+
+    Returns the removed paths. Temporaries of live processes (a save in progress) are kept.
+    """
+    d = os.fspath(directory)
+    removed = []
+    if not os.path.isdir(d):
+        return removed
+    for name in os.listdir(d):
+        m = _TMP_RE.match(name)
+        if m and not _pid_alive(int(m.group(2))):
+            shutil.rmtree(os.path.join(d, name), ignore_errors=True)
+            removed.append(os.path.join(d, name))
+    return removed
+
+
+# ---- layout fingerprint ---------------------------------------------------------------------
+
+def layout_spec(layout) -> dict:
+    """JSON form of a :class:`~chunkjax.layout.ChunkLayout`: chunk_size (elements), n_chunks,
+    chunk dtypes and every leaf slot as ``[path, chunk, offset, shape, dtype]``."""
+    return {
+        "chunk_size": int(layout.chunk_size),
+        "n_chunks": int(layout.n_chunks),
+        "chunk_dtypes": [np.dtype(d).name for d in layout.chunk_dtypes],
+        "slots": [[s.path, int(s.chunk), int(s.offset), [int(x) for x in s.shape], np.dtype(s.dtype).name]
+                  for s in layout.slots],
+    }
+
+
+def layout_fingerprint(layout) -> str:
+    """sha256 (hex) of :func:`layout_spec`: equal fingerprints mean identical chunk layouts."""
+    return hashlib.sha256(json.dumps(layout_spec(layout), sort_keys=True).encode()).hexdigest()
+
+
+def layout_difference(saved: dict, here: dict) -> str | None:
+    """One line saying how two layout specs differ, or None if they are equal."""
+    for key in ("chunk_size", "n_chunks"):
+        if saved[key] != here[key]:
+            return f"{key} is {saved[key]} in the checkpoint but {here[key]} in this step"
+    if saved["chunk_dtypes"] != here["chunk_dtypes"]:
+        c = next(i for i, (a, b) in enumerate(zip(saved["chunk_dtypes"], here["chunk_dtypes"])) if a != b)
+        return f"chunk {c} has dtype {saved['chunk_dtypes'][c]} in the checkpoint but {here['chunk_dtypes'][c]} here"
+    if len(saved["slots"]) != len(here["slots"]):
+        return f"the checkpoint has {len(saved['slots'])} leaves but this step's params have {len(here['slots'])}"
+    for a, b in zip(saved["slots"], here["slots"]):
+        if a != b:
+            fmt = lambda s: f"{s[0]} (chunk {s[1]}, offset {s[2]}, shape {tuple(s[3])}, {s[4]})"  # noqa: E731
+            return f"leaf {fmt(a)} in the checkpoint is {fmt(b)} in this step"
+    return None
+
+
+def tree_difference(saved: dict, here: dict) -> str | None:
+    """One line naming the first leaf whose path, shape or dtype differs between two layout
+    specs (the parameter trees), or None if the trees match (chunk placement may differ)."""
+    a = {s[0]: (tuple(s[3]), s[4]) for s in saved["slots"]}
+    b = {s[0]: (tuple(s[3]), s[4]) for s in here["slots"]}
+    for path in a:
+        if path not in b:
+            return f"leaf {path} is in the checkpoint but not in this step's params ({len(a)} vs {len(b)} leaves)"
+    for path in b:
+        if path not in a:
+            return f"leaf {path} of this step's params is not in the checkpoint ({len(a)} vs {len(b)} leaves)"
+    for path, (shape, dt) in a.items():
+        if b[path] != (shape, dt):
+            return f"leaf {path} is {shape} {dt} in the checkpoint but {b[path][0]} {b[path][1]} in this step"
+    return None
+
+
+def common_optimizer(meta: dict, where: str, need_one_count: bool) -> tuple[list[str], int | None, dict]:
+    """(moment names, step count, rest scalars) shared by the checkpoint's chunks.
+
+    Raises:
+      CheckpointError: chunks saved with different moments, or (``need_one_count``) different
+        optimizer step counts, which a changed chunk layout could not keep apart.
+    """
+    chunks = meta["chunks"]
+    names = {tuple(sorted(cm["moments"])) for cm in chunks}
+    if len(names) != 1:
+        raise CheckpointError(f"{where}: its chunks hold different optimizer moments {sorted(names)}")
+    counts = {cm["count"] for cm in chunks}
+    if need_one_count and len(counts) != 1:
+        raise CheckpointError(f"{where}: its chunks hold different optimizer step counts {sorted(counts, key=str)}, "
+                              "so they cannot be remapped into another chunk layout: restore with the saved layout")
+    return list(names.pop()), chunks[0]["count"], chunks[0].get("rest", {})
+
+
+# ---- meta.json ------------------------------------------------------------------------------
+
+def write_meta(path: str, meta: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(meta, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_meta(directory, step_number: int | None = None) -> dict:
+    """``meta.json`` of a checkpoint, checked against its recorded checksum (the latest intact
+    checkpoint, :func:`latest_step`, when ``step_number`` is None).
+
+    Raises:
+      FileNotFoundError: no complete checkpoint of that step (or none at all) in ``directory``.
+      CheckpointError: one line naming the file: ``meta.json`` or ``checksums.json`` unreadable
+        or corrupt, or not a chunkjax checkpoint of a known version.
+    """
+    if step_number is None:
+        step_number = latest_step(directory)
+        if step_number is None:
+            raise FileNotFoundError(f"no complete checkpoint in {os.fspath(directory)}")
+    return load_meta(directory, step_number)[0]
+
+
+def load_meta(directory, step_number: int) -> tuple[dict, dict | None]:
+    """(meta.json, the recorded checksums or None for a version-1 checkpoint), meta.json verified."""
+    root = step_dir(directory, step_number)
+    path = os.path.join(root, META)
+    if not os.path.isfile(path):
+        have = all_steps(directory)
+        raise FileNotFoundError(f"no complete checkpoint of step {step_number} in {os.fspath(directory)} "
+                                f"(complete steps: {have})")
+    sums = read_checksums(root)
+    if sums is not None:
+        verify_files(root, sums, META)
+    try:
+        with open(path, "rb") as f:
+            meta = json.loads(f.read())
+        if not isinstance(meta, dict):
+            raise ValueError(f"a JSON {type(meta).__name__}, not an object")
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path} is unreadable ({one_line(e)}): the checkpoint is corrupt, "
+                              "restore an earlier step") from None
+    if meta.get("format") != FORMAT or meta.get("version") not in (1, VERSION):
+        raise CheckpointError(f"{path} is not a {FORMAT} version {VERSION} file "
+                              f"(format {meta.get('format')!r}, version {meta.get('version')!r})")
+    if sums is None and meta["version"] >= 2:
+        raise CheckpointError(f"{os.path.join(root, CHECKSUMS)} is missing: the checkpoint is incomplete, "
+                              "restore an earlier step")
+    if sums is None:
+        _log.warning("checkpoint %s has no %s (saved before version 2): restored unverified", root, CHECKSUMS)
+    return meta, sums
+
+
+# ---- chunk I/O (module-level so tests can inject faults) -------------------------------------
+
+def checkpointer():
+    """An orbax checkpointer for this process's own file I/O: under ``jax.distributed`` each
+    process is its own primary host with no barriers to the others (the per-chunk arrays are
+    numpy; chunkjax coordinates the processes itself, :func:`_save_multiprocess`)."""
+    import orbax.checkpoint as ocp
+    me = jax.process_index()
+    mp = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
+    return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(multiprocessing_options=mp), multiprocessing_options=mp)
+
+
+def write_chunk(ckptr, path: str, arrays: dict[str, np.ndarray]) -> None:
+    """Write one chunk's arrays (numpy) as an orbax PyTree checkpoint at ``path``."""
+    import orbax.checkpoint as ocp
+    ckptr.save(os.path.abspath(path), args=ocp.args.PyTreeSave(arrays))  # orbax refuses relative paths
+
+
+def read_chunk(ckptr, path: str, names) -> dict[str, np.ndarray]:
+    """Read one chunk's arrays (numpy, writable) from ``path``."""
+    import orbax.checkpoint as ocp
+    ra = {n: ocp.RestoreArgs(restore_type=np.ndarray) for n in names}
+    item = {n: np.zeros((), np.float32) for n in names}  # structure only (a subset of the saved arrays)
+    return ckptr.restore(os.path.abspath(path),
+                         args=ocp.args.PyTreeRestore(item=item, restore_args=ra, partial_restore=True))
+
+
+def fsync_tree(root: str) -> None:
+    for d, _, files in os.walk(root):
+        for f in files:
+            fd = os.open(os.path.join(d, f), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(d)
+
+
+def fsync_dir(d: str) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def one_line(e: BaseException) -> str:
+    s = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {s[0] if s else ''}"
+

@@ -1,0 +1,283 @@
+"""Restoring: a checkpoint opened for one chunk layout (:class:`SavedState`: checks, remap by leaf
+path, chunks read lazily and verified), :func:`restore_checkpoint` into any engine implementing
+:class:`~chunkjax.checkpoint.protocol.ChunkIO`, and the export of float32 params."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+import chunkjax.checkpoint.files as files
+from chunkjax.checkpoint.codec import decode
+from chunkjax.checkpoint.job import engine_info
+from chunkjax.checkpoint.protocol import CheckpointError
+
+
+def restore_checkpoint(directory, step_fn, step_number: int | None = None):
+    """Restore a checkpoint into ``step_fn``'s placement, layout and devices, chunk by chunk.
+
+    ``step_fn`` is any engine implementing :class:`~chunkjax.checkpoint.protocol.ChunkIO`, which
+    builds the state (:meth:`~chunkjax.checkpoint.protocol.ChunkIO.checkpoint_restore` of a
+    :class:`SavedState`): a :class:`chunkjax.ChunkedStep` on one device (any placement or
+    schedule: device / pinned host jax arrays with an optax state, or numpy master and
+    ``Host*State`` for host-updated chunks) or over a ZeRO mesh (any stage, device count,
+    process count and placement: every chunk sharded over its mesh, each process placing its own
+    shards; host-updated chunks as one numpy slice and one ``Host*State`` per local rank), or a
+    drop-in optimizer (:class:`chunkjax.ChunkedOptimizer`, :class:`chunkjax.NnxOptimizer`: its
+    master params, optax state and step count are replaced). The checkpoint may come from any of
+    them (and from the storage tier). If the compute
+    dtype differs from the saved one, compute params are recast from the float32 master params.
+
+    When the chunk layouts are equal each chunk is read and placed as it was saved. Otherwise
+    (another chunk size, e.g. a ZeRO layout padded to another rank count, or another packing)
+    every leaf is moved by its path: each new chunk is assembled from the saved chunks holding
+    its leaves (params, master params and every optimizer moment element by element), reading
+    saved chunks lazily with at most two held; padding is zero. The parameter tree (leaf paths,
+    shapes, dtypes) must be the same, every saved chunk must hold the same moments and, when
+    remapping, the same optimizer step count (the remapped chunks take it).
+
+    Host memory beyond the restored state: two chunks (equal layouts: the chunk read and its
+    placed copy) or four (remapping: two saved chunks, the new chunk being assembled and its
+    placed copy), each ``params + master + moments``. Every file is checked against its
+    recorded crc32 (``checksums.json``) just before it is read.
+
+    Args:
+      directory: the checkpoint root.
+      step_fn: the engine to restore into: a :class:`chunkjax.ChunkedStep` (any topology) or a
+        drop-in optimizer.
+      step_number: which step; None for :func:`latest_step`.
+
+    Returns:
+      ``(state, extra)``: a :class:`chunkjax.TrainState` (a step), or the new params pytree in
+      the params' dtypes on the device (a drop-in optimizer: what its ``update`` returns; for
+      :class:`chunkjax.NnxOptimizer` an ``nnx.State`` for ``nnx.update(model, ...)``); and the
+      saved ``extra`` dict (arrays come back as numpy arrays, PRNG keys as typed key arrays, tuples as tuples).
+
+    Raises:
+      FileNotFoundError: no complete checkpoint (of that step).
+      CheckpointError: a file of the checkpoint missing, unreadable or corrupt (one line naming
+        it; with ``step_number`` None such a newest checkpoint is skipped with a warning),
+        another parameter tree (the one-line message names the first leaf that
+        differs), optimizer moments that cannot be converted into this step's optimizer state,
+        step counts that differ over the chunks when the layout changes, or an object that is
+        no ChunkIO engine.
+    """
+    engine_info(step_fn)  # a ChunkIO engine, or a one-line CheckpointError
+    with SavedState(directory, step_fn.layout, step_fn.compute_dtype, step_number) as saved:
+        state = step_fn.checkpoint_restore(saved)
+    return state, saved.extra
+
+
+class SavedState:
+    """A checkpoint opened for restoring into the chunk layout ``layout`` (the
+    :class:`~chunkjax.checkpoint.protocol.SavedChunks` an engine's ``checkpoint_restore`` reads).
+
+    Opening reads and verifies ``meta.json`` and checks the parameter tree; chunks are read on
+    :meth:`chunk` (each file checked against its crc32 first), remapped by leaf path when
+    ``layout`` chunks the tree differently, with at most two saved chunks held. Use it as a
+    context manager (the orbax checkpointer is closed on exit).
+
+    Args:
+      directory: the checkpoint root.
+      layout: the :class:`~chunkjax.layout.ChunkLayout` to restore into.
+      compute_dtype: the dtype of the ``params`` :meth:`chunk` returns (saved params when the
+        dtype is the saved one, else recast from the float32 master); None: no ``params``.
+      step_number: which step; None for :func:`~chunkjax.checkpoint.latest_step`.
+      names: the saved arrays to read (default: ``params`` when the compute dtype is the saved
+        one, ``master`` and the moments).
+
+    Attributes:
+      meta: ``meta.json``. where: ``"checkpoint step N in <directory>"``. remap: True when the
+      saved chunk layout differs from ``layout``. count, rest: the optimizer step count and
+      rest-of-model scalars of the first chunk (the remapped chunks take them).
+
+    Raises:
+      FileNotFoundError: no complete checkpoint (of that step).
+      CheckpointError: corrupt metadata, another parameter tree, chunks with different moments,
+        or (remapping) different step counts.
+    """
+
+    def __init__(self, directory, layout, compute_dtype, step_number: int | None = None, *, names=None):
+        meta = files.read_meta(directory, step_number)
+        self.meta, self.layout = meta, layout
+        self.root = files.step_dir(directory, meta["step"])
+        self.where = where = f"checkpoint step {meta['step']} in {os.fspath(directory)}"
+        saved, here = meta["layout"], files.layout_spec(layout)
+        self.remap = files.layout_difference(saved, here) is not None
+        if self.remap:
+            diff = files.tree_difference(saved, here)
+            if diff is not None:
+                raise CheckpointError(f"{where} holds another parameter tree: {diff}")
+        self.common_moments, self.count, self.rest = files.common_optimizer(meta, where, need_one_count=self.remap)
+        self.cdt = None if compute_dtype is None else np.dtype(compute_dtype)
+        self.same_dtype = self.cdt is not None and meta["compute_dtype"] == self.cdt.name
+        self.names = list(names) if names is not None else (
+            (["params"] if self.same_dtype else []) + ["master", *self.common_moments])
+        self.ckptr = files.checkpointer()
+        self.src = _SavedChunks(self.ckptr, self.root, self.names, keep=2 if self.remap else 1)
+
+    @property
+    def extra(self):
+        """The saved ``extra`` dict (arrays as numpy, PRNG keys as typed key arrays, tuples as tuples)."""
+        return decode(self.meta["extra"])
+
+    def moments(self, c: int) -> list[str]:
+        """The optimizer moment names chunk ``c`` will have."""
+        return list(self.common_moments) if self.remap else list(self.meta["chunks"][c]["moments"])
+
+    def arrays(self, c: int) -> dict[str, np.ndarray]:
+        """Chunk ``c``'s saved arrays ``names`` ((layout.chunk_size,) numpy), remapped if needed."""
+        if self.remap:
+            return _assemble_chunk(self.src, self.meta["layout"], self.layout, c, self.names)
+        return self.src.take(c)
+
+    def chunk(self, c: int) -> tuple[dict[str, np.ndarray], dict]:
+        """Chunk ``c`` in the portable form: ``({"master" (float32, writable), "params" (if a
+        compute dtype was given), moment...}, {"count", "rest"})``."""
+        arrs = self.arrays(c)
+        cm = {"count": self.count, "rest": self.rest} if self.remap else self.meta["chunks"][c]
+        master = np.require(arrs.pop("master"), np.float32, ["C", "W", "O"])
+        out = {"master": master}
+        if self.cdt is not None:
+            out["params"] = arrs.pop("params") if self.same_dtype else master.astype(self.cdt)
+        out.update(arrs)
+        return out, {"count": cm["count"], "rest": cm.get("rest", {})}
+
+    def close(self) -> None:
+        if self.ckptr is not None:
+            self.ckptr.close()
+            self.ckptr = self.src = None
+
+    def __enter__(self) -> "SavedState":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _SavedChunks:
+    """The saved chunks of one checkpoint, read lazily by index with at most ``keep`` held."""
+
+    def __init__(self, ckptr, root: str, names, keep: int):
+        self.ckptr, self.root, self.names, self.keep = ckptr, root, list(names), keep
+        self.held: dict[int, dict] = {}  # insertion order = least recently used first
+        self.sums = files.read_checksums(root)  # None: a version-1 checkpoint, read unverified
+
+    def _read(self, c: int) -> dict[str, np.ndarray]:
+        """Chunk ``c``'s files checked against their checksums, then read (CheckpointError
+        naming the first bad file)."""
+        if self.sums is not None:
+            files.verify_files(self.root, self.sums, files.chunk_name(c))
+        return files.read_chunk(self.ckptr, os.path.join(self.root, files.chunk_name(c)), self.names)
+
+    def get(self, c: int) -> dict[str, np.ndarray]:
+        """Chunk ``c``'s arrays (held for later calls; the least recently used is dropped)."""
+        if c in self.held:
+            self.held[c] = self.held.pop(c)
+            return self.held[c]
+        while len(self.held) >= self.keep:
+            del self.held[next(iter(self.held))]
+        self.held[c] = self._read(c)
+        return self.held[c]
+
+    def take(self, c: int) -> dict[str, np.ndarray]:
+        """Chunk ``c``'s arrays, not held (the caller owns them)."""
+        out = self.held.pop(c, None)
+        if out is None:
+            out = self._read(c)
+        return out
+
+
+def _assemble_chunk(src: _SavedChunks, saved: dict, lay, c: int, names) -> dict[str, np.ndarray]:
+    """New chunk ``c`` of ``lay``: ``{name: (lay.chunk_size,) numpy}`` for every saved array
+    name, each leaf copied from its (chunk, offset) in the saved layout spec; zero padding.
+    Leaves are visited in saved (chunk, offset) order, so each saved chunk is read once per new
+    chunk."""
+    where = {s[0]: (s[1], s[2]) for s in saved["slots"]}
+    slots = sorted(lay.chunk_leaves(c), key=lambda s: where[s.path])
+    out: dict[str, np.ndarray] = {}
+    for s in slots:
+        sc, so = where[s.path]
+        arrs = src.get(sc)
+        for n in names:
+            if n not in out:
+                out[n] = np.zeros((lay.chunk_size,), arrs[n].dtype)
+            out[n][s.offset:s.offset + s.size] = arrs[n][so:so + s.size]
+    if not slots:  # a chunk without leaves (not built by build_layout): zeros
+        out = {n: np.zeros((lay.chunk_size,), np.float32) for n in names}
+    return out
+
+
+def export_params(step_fn, state=None):
+    """The float32 master params as a plain params pytree.
+
+    Args:
+      step_fn: the engine (:class:`~chunkjax.checkpoint.protocol.ChunkIO`): the
+        :class:`chunkjax.ChunkedStep` that owns ``state`` (its pending host updates are waited
+        for first), or a drop-in optimizer.
+      state: a :class:`chunkjax.TrainState` in any placement (on a mesh of one process); None
+        for a drop-in optimizer.
+
+    Returns:
+      The pytree of ``step_fn.layout`` (the model's structure) with one float32 numpy array of
+      the leaf's shape per leaf. Built one chunk at a time: host memory holds the result (4 bytes
+      per parameter) plus one (chunk_size,) float32 chunk; nothing is placed on the device.
+
+    Raises:
+      CheckpointError: ``step_fn`` is no ChunkIO engine. TypeError: ``state`` None for a step.
+    """
+    engine_info(step_fn, state)
+    step_fn.wait(state)
+    lay = step_fn.layout
+    leaves = [None] * len(lay.slots)
+    by_chunk: dict[int, list[int]] = {}
+    for i, s in enumerate(lay.slots):
+        by_chunk.setdefault(s.chunk, []).append(i)
+    for c, idx in by_chunk.items():
+        m = step_fn.checkpoint_master(state, c)
+        for i in idx:
+            s = lay.slots[i]
+            leaves[i] = np.array(m[s.offset:s.offset + s.size].reshape(s.shape), np.float32)
+        del m
+    return lay.treedef.unflatten(leaves)
+
+
+def export_checkpoint_params(directory, layout, step_number: int | None = None):
+    """Like :func:`export_params`, read from a checkpoint instead of a live state (no step
+    object, nothing placed on a device).
+
+    Args:
+      directory: the checkpoint root.
+      layout: a :class:`~chunkjax.layout.ChunkLayout` of the checkpoint's parameter tree (same
+        leaf paths, shapes and dtypes; its chunking may differ from the saved one).
+      step_number: which step; None for :func:`latest_step`.
+
+    Returns:
+      The pytree of ``layout`` with one float32 numpy array of the leaf's shape per leaf, read
+      one saved chunk at a time.
+
+    Raises:
+      FileNotFoundError: no complete checkpoint (of that step).
+      CheckpointError: another parameter tree (the message names the first leaf that differs).
+    """
+    meta = files.read_meta(directory, step_number)
+    diff = files.tree_difference(meta["layout"], files.layout_spec(layout))
+    if diff is not None:
+        raise CheckpointError(f"checkpoint step {meta['step']} holds another parameter tree: {diff}")
+    root = files.step_dir(directory, meta["step"])
+    index = {s.path: i for i, s in enumerate(layout.slots)}
+    ckptr = files.checkpointer()
+    leaves = [None] * len(layout.slots)
+    try:
+        src = _SavedChunks(ckptr, root, ["master"], keep=1)
+        for c in range(meta["layout"]["n_chunks"]):
+            m = src.take(c)["master"]
+            for path, chunk, off, shape, _ in meta["layout"]["slots"]:
+                if chunk == c:
+                    size = int(np.prod(shape, dtype=np.int64))
+                    leaves[index[path]] = np.array(m[off:off + size].reshape(shape), np.float32)
+            del m
+    finally:
+        ckptr.close()
+    return layout.treedef.unflatten(leaves)
+

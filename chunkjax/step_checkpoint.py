@@ -1,0 +1,232 @@
+"""The :class:`chunkjax.ChunkedStep`'s side of the checkpoint protocol
+(:class:`chunkjax.checkpoint.protocol.ChunkIO`): its chunks in the portable form and back.
+
+A chunk of a step lives where the placement and topology put it: device or pinned-host jax
+arrays with an optax state, numpy master and a ``Host*State`` for host-updated chunks, and on a
+``data`` mesh ZeRO shards (every optax leaf with a leading rank axis) or one host slice and state
+per rank, across processes under ``jax.distributed``. Saving gathers each chunk whole (a
+collective on a mesh of several processes); restoring places each whole chunk through the
+topology, every process building only its own shards. :class:`StepChunkIO` holds the protocol's
+methods; :class:`chunkjax.ChunkedStep` inherits it and builds its ``TrainState`` from
+:func:`restore_chunks`.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from chunkjax import optim, portable
+from chunkjax.checkpoint.protocol import CheckpointError
+from chunkjax.updaters import warm_host_kernel
+
+
+class StepChunkIO:
+    """The checkpoint protocol's methods of :class:`chunkjax.ChunkedStep` (a mixin: ``self`` is
+    the step; ``state`` its :class:`chunkjax.TrainState`)."""
+
+    def checkpoint_info(self) -> dict:
+        """The optimizer, the step kind with its rank count and ZeRO stage, whether the mesh
+        spans several processes (:meth:`chunkjax.checkpoint.protocol.ChunkIO.checkpoint_info`)."""
+        mesh = self.mesh
+        if mesh is not None:
+            saved_from = {"step": "ChunkedStep", "n_ranks": self.n_ranks, "zero_stage": self.zero_stage}
+        else:
+            saved_from = {"step": "ChunkedStep", "n_ranks": 1}
+        return {"optimizer": repr(getattr(self, "host_optimizer", None) or self.tx), "saved_from": saved_from,
+                "needs_state": True,
+                "multiprocess": mesh is not None and any(d.process_index != jax.process_index()
+                                                         for d in mesh.devices.flat)}
+
+    def checkpoint_arrays(self, c: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        """``{name: ((chunk_size,), dtype)}`` of chunk ``c``'s portable arrays: compute-dtype
+        params, float32 master and moments."""
+        n = (self.layout.chunk_size,)
+        if c in set(self.host_chunks):
+            names = [name for _, name in portable.host_moments()[type(self.host_optimizer.host_state(1))]]
+        else:
+            names = portable.moment_names(_optax_template(self))
+        f32 = np.dtype(np.float32)
+        return {"params": (n, np.dtype(self.compute_dtype)), "master": (n, f32), **{m: (n, f32) for m in names}}
+
+    def checkpoint_chunk(self, state, c: int, *, copy: bool) -> tuple[dict, dict]:
+        """Chunk ``c`` of ``state`` whole, in the portable form, and its meta.json entry
+        (:func:`chunk_portable`). With ``copy`` every array is host memory of its own: nothing
+        aliases the state, which the next step may update in place or donate."""
+        arrays, cm = chunk_portable(self, state, c)
+        if copy:
+            live = portable.numpy_leaves((state.master[c], state.opt_state[c]))
+            for name, a in arrays.items():
+                if not a.flags.owndata or any(np.may_share_memory(a, x) for x in live):
+                    arrays[name] = np.array(a, copy=True)  # views of jax buffers, the host chunk's own arrays
+                    del a
+        return arrays, cm
+
+    def checkpoint_master(self, state, c: int) -> np.ndarray:
+        """Chunk ``c``'s (chunk_size,) float32 master params (rank slices concatenated; one process)."""
+        m = state.master[c]
+        return np.concatenate(m) if isinstance(m, tuple) else np.asarray(m, np.float32)
+
+
+def _optax_template(step_fn):
+    """``jax.eval_shape`` of a chunk's optax state under ``step_fn.tx``."""
+    return jax.eval_shape(lambda m: optim.init_chunk_state(step_fn.tx, m),
+                          jax.ShapeDtypeStruct((step_fn.layout.chunk_size,), jnp.float32))
+
+
+def restore_chunks(step_fn, saved) -> tuple[tuple, tuple, tuple]:
+    """``(params, master, opt_state)`` per chunk of ``step_fn``, built from ``saved`` (a
+    :class:`chunkjax.checkpoint.protocol.SavedChunks` in ``step_fn.layout``) and placed where the
+    step keeps them (:class:`_Placer`). Every chunk's moments are checked before any array is
+    read; one chunk is read and placed at a time.
+
+    Raises:
+      CheckpointError: moments that do not fit a chunk's optimizer state (another optimizer).
+    """
+    place = _Placer(step_fn)
+    for c in range(step_fn.layout.n_chunks):
+        place.check(c, saved.moments(c))
+    ps, ms, os_ = [], [], []
+    for c in range(step_fn.layout.n_chunks):
+        arrs, cm = saved.chunk(c)
+        master, params = arrs.pop("master"), arrs.pop("params")
+        p, m, o = place(c, params, master, cm["count"], arrs, cm["rest"])
+        ps.append(p), ms.append(m), os_.append(o)
+        del arrs, master, params, p, m, o
+    jax.block_until_ready([x for x in ps + ms if isinstance(x, jax.Array)])
+    return tuple(ps), tuple(ms), tuple(os_)
+
+
+def chunk_portable(step_fn, state, c: int) -> tuple[dict, dict]:
+    """Chunk ``c`` of a :class:`chunkjax.ChunkedStep`'s state in the portable (single-device)
+    form: ``({"params", "master", moments...: (chunk_size,) numpy}, its meta.json entry)``. On a
+    mesh, ZeRO shards are gathered (:func:`_zero_chunk_portable`) and host-updated chunks' per-rank
+    slices concatenated in rank order.
+
+    Raises:
+      CheckpointError: step counts that differ over the ranks (of this process), or the errors of
+        :func:`portable.optax_to_portable`.
+    """
+    loc = "host" if c in set(step_fn.host_chunks) else step_fn.placement.update_locations[c]
+    st = state.opt_state[c]
+    if step_fn.mesh is not None:
+        where = f"zero{step_fn.zero_stage}:{loc}"
+        if loc != "host":
+            arrays, cm = _zero_chunk_portable(step_fn, state, c)
+            return arrays, dict(cm, saved_from=where)
+        # this process's ranks (the others' slices are None under jax.distributed: gathered below)
+        ports = [None if x is None else portable.host_to_portable(x) for x in st]
+        counts = sorted({p[0] for p in ports if p is not None})
+        if len(counts) > 1:
+            raise CheckpointError(f"chunk {c}: the ranks' host optimizer step counts differ ({counts})")
+        names = next(p[1] for p in ports if p is not None)
+        gather = step_fn.topology.gather_slices  # a collective under jax.distributed
+        moments = {n: gather(tuple(None if p is None else p[1][n] for p in ports)) for n in names}
+        del ports
+        arrays = {"params": _whole(state.params[c], f"chunk {c}'s params"),
+                  "master": gather(state.master[c]).astype(np.float32, copy=False), **moments}
+        return arrays, {"count": counts[0], "moments": sorted(moments), "rest": {}, "saved_from": where}
+    if portable.is_host_state(st):
+        count, moments = portable.host_to_portable(st)
+        rest = {}
+    else:
+        count, moments, rest = portable.optax_to_portable(st, step_fn.layout.chunk_size)
+    arrays = {"params": portable.host_value(state.params[c]),
+              "master": portable.host_value(state.master[c], np.float32), **moments}
+    return arrays, {"count": count, "moments": sorted(set(portable.moment_names(st))), "rest": rest, "saved_from": loc}
+
+
+def _whole(a, what: str) -> np.ndarray:
+    """The whole global array ``a`` as numpy. Under ``jax.distributed`` (a mesh over several
+    processes) the shards are all-gathered to every process (a collective: every process saves
+    the same chunks in the same order)."""
+    del what
+    if not a.is_fully_addressable:
+        from jax.experimental import multihost_utils
+        return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+    return portable.host_value(a)
+
+
+def _zero_chunk_portable(step_fn, state, c: int) -> tuple[dict, dict]:
+    """Chunk ``c`` (device- or stream-updated) of a ZeRO state in the single-device form: the
+    sharded (chunk_size,) params and master gathered to whole numpy arrays, each rank's
+    (chunk_size/N,) moment slice concatenated in rank order (rank r owns elements
+    [r*chunk_size/N, (r+1)*...)).
+
+    The per-rank step counts must agree; the per-rank moments of the rest-of-model leaf (which
+    never reach a parameter update, :mod:`chunkjax.optim`) are taken from rank 0.
+
+    Raises:
+      CheckpointError: counts that differ over the ranks, a state leaf without the leading rank
+        axis, or any error of :func:`portable.optax_to_portable`.
+    """
+    n, cs = step_fn.n_ranks, step_fn.layout.chunk_size
+    st = _zero_optax_unshard(state.opt_state[c], n, c)
+    count, moments, rest = portable.optax_to_portable(st, cs)
+    del st
+    arrays = {"params": _whole(state.params[c], f"chunk {c}'s params"),
+              "master": _whole(state.master[c], f"chunk {c}'s master params").astype(np.float32, copy=False), **moments}
+    return arrays, {"count": count, "moments": sorted(moments), "rest": rest}
+
+
+def _zero_optax_unshard(opt_state, n_ranks: int, chunk: int):
+    """A ZeRO chunk's optax state (every leaf with a leading rank axis) as the optax state of the
+    whole chunk (numpy): (N,) counts -> (), (N, chunk_size/N) moments -> (chunk_size,), other
+    (N,) per-rank scalars -> rank 0's."""
+    def one(path, leaf):
+        a = _whole(leaf, f"chunk {chunk}'s optimizer state")
+        where = jax.tree_util.keystr(path)
+        if a.ndim == 0 or a.shape[0] != n_ranks or a.ndim > 2:
+            raise CheckpointError(f"chunk {chunk}: ZeRO optimizer state leaf {where} has shape {a.shape}, not "
+                                  f"({n_ranks}, ...) with one row per rank")
+        name, idx = portable.optax_leaf_role(path)
+        if a.ndim == 2:
+            return a.reshape(-1)
+        if name == "count" and np.any(a != a[0]):
+            raise CheckpointError(f"chunk {chunk}: the ranks' optimizer step counts differ ({sorted(set(a.tolist()))})")
+        return a[0]
+    return jax.tree_util.tree_map_with_path(one, opt_state)
+
+
+class _Placer:
+    """Places restored chunks (whole (chunk_size,) numpy arrays in the portable form) where a
+    :class:`chunkjax.ChunkedStep` keeps them, through its topology: device / pinned host jax
+    arrays (ZeRO shards on a mesh, each process building only its own shards), or numpy master
+    and ``Host*State`` for host-updated chunks (on a mesh one slice and state per local rank)."""
+
+    def __init__(self, step_fn):
+        self.step = step_fn
+        self.template = _optax_template(step_fn)
+        self.host = set(step_fn.host_chunks)
+        self.host_cls = type(step_fn.host_optimizer.host_state(1)) if self.host else None
+        if self.host:  # as init does: numba must not compile while XLA compiles
+            warm_host_kernel(step_fn.host_optimizer, step_fn.compute_dtype)
+
+    def check(self, c: int, moments) -> None:
+        """Raise CheckpointError if chunk ``c`` cannot take these moment names."""
+        if c in self.host:
+            portable.check_host_moments(self.host_cls, moments, c)
+        else:
+            portable.check_optax_moments(self.template, moments, c)
+
+    def __call__(self, c, params, master, count, moments, rest):
+        """(params, master, opt_state) of chunk ``c``, placed."""
+        step, cdt = self.step, np.dtype(self.step.compute_dtype)
+        topo, pl = step.topology, step.placement
+        p = topo.put(np.require(params, cdt, ["C", "W", "O"]), topo.param_sharding(pl.param_kinds[c]))
+        if c in self.host:
+            if step.mesh is None:
+                return p, master, portable.portable_to_host(self.host_cls, count, moments, c)
+            local = set(topo.local_ranks())
+            sl = [topo.rank_slice(r, step.layout.chunk_size) if r in local else None for r in range(step.n_ranks)]
+            return (p, tuple(None if x is None else master[x].copy() for x in sl),
+                    tuple(None if x is None else portable.portable_to_host(
+                        self.host_cls, count, {k: v[x] for k, v in moments.items()}, c) for x in sl))
+        sk = pl.state_kinds[c]
+        opt = portable.portable_to_optax(self.template, count, moments, rest, c)
+        if step.mesh is not None:  # every leaf with a leading rank axis (chunkjax.topology)
+            n = step.n_ranks
+            opt = jax.tree.map(lambda a: a.reshape(n, -1) if a.ndim == 1 else np.full((n,), a, a.dtype), opt)
+        ssh = topo.state_shardings(opt, sk)
+        return (p, topo.put(master, topo.shard_sharding(sk)),
+                jax.tree.map(lambda a, sh: topo.put(np.asarray(a), sh), opt, ssh))
