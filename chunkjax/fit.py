@@ -121,7 +121,7 @@ class FitProblem:
 
     @property
     def n_ranks(self) -> int:
-        return 1 if self.mesh is None else int(self.mesh.devices.size)
+        return 1 if self.mesh is None else int(self.mesh.size)
 
     @property
     def model_chunk_bytes(self) -> int:
@@ -230,7 +230,7 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
             chunk_size: int | None = None, min_chunks: int = 8, prefetch: int = 1, segments="auto",
             micro_batches: int = 1, nonfinite: str = "ignore", loss_scaling: bool = False, mesh=None,
             zero_stage: int = 0, flops_per_step: float | None = None, rates: Rates | None = None,
-            host_budget="auto", device_budget=None) -> FitProblem:
+            host_budget="auto", device_budget=None, check_host: bool = True) -> FitProblem:
     """Layout and traces for a step (no allocation; the budget comes later).
 
     Args:
@@ -253,6 +253,10 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
         after the process's own need, and on the CPU after the device budget too) or None.
       device_budget: the budget when known (bytes or "auto"): bounds the host need checked before
         tracing (:func:`check_host_lower_bound`).
+      check_host: False plans for another machine (the planner CLI: a GPU node planned from a
+        laptop): this machine's ``MemAvailable`` is not read (pass ``host_budget`` as bytes or
+        None). With it, ``mesh`` may be a ``jax.sharding.AbstractMesh`` (ranks without devices:
+        the problem plans, but :func:`build_step` needs a real mesh).
 
     Raises:
       ValueError: no optimizer, a bad ZeRO stage or mesh, a batch that does not split over
@@ -266,7 +270,7 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
     if zero_stage not in (0, 1, 2, 3) or (zero_stage > 0) != (mesh is not None):
         raise ValueError(f"zero_stage={zero_stage} with mesh={mesh}: pass a data mesh and zero_stage 1, 2 or 3, "
                          "or neither")
-    n_ranks = 1 if mesh is None else int(mesh.devices.size)
+    n_ranks = 1 if mesh is None else int(mesh.size)
     if callable(params):
         params = jax.eval_shape(params)
     aparams = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
@@ -284,7 +288,7 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
     cb = chunk_bytes(layout, compute_dtype, state_bytes_per_chunk(tx, layout.chunk_size))
     cb_rank = cb.per_rank(n_ranks, zero_stage) if zero_stage else cb
     platform = jax.default_backend()
-    avail = host_memory_available_bytes()
+    avail = host_memory_available_bytes() if check_host else None
     device_budget = None if device_budget is None else resolve_budget(device_budget)
     check_host_lower_bound(layout, cb, platform, n_ranks, device_budget, avail)
     if host_budget == "auto":
@@ -305,7 +309,7 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
 
 # ---- the one planning call -------------------------------------------------------------------
 
-def plan(problem: FitProblem, budget_bytes: int, *, policy: str = "tide", resident=None):
+def plan(problem: FitProblem, budget_bytes: int, *, policy: str = "tide", resident=None, must_fit: bool = True):
     """The schedule for one (per-rank) device budget: the only place the fit path plans.
 
     Args:
@@ -313,6 +317,8 @@ def plan(problem: FitProblem, budget_bytes: int, *, policy: str = "tide", reside
       budget_bytes: each rank's device budget (bytes).
       policy: one of :data:`chunkjax.plan.POLICIES` (default ``"tide"``: the tide plan).
       resident: ``"tide"``: force exactly these chunks resident (device-updated); None searches.
+      must_fit: False returns a static policy's schedule even over the budget (to report a
+        baseline that does not fit).
 
     Raises:
       chunkjax.PlanError: nothing fits (the message gives the smallest budget that does).
@@ -321,7 +327,7 @@ def plan(problem: FitProblem, budget_bytes: int, *, policy: str = "tide", reside
     return plan_schedule(p.layout, p.traces, p.cb, int(budget_bytes), policy=policy, ranks=p.n_ranks,
                          zero_stage=p.zero_stage or None, host_budget_bytes=p.host_budget_bytes,
                          prefetch=p.prefetch, segments=p.segments, flops_per_step=p.flops_per_step, rates=p.rates,
-                         host_update=p.host_optimizer is not None, resident=resident)
+                         host_update=p.host_optimizer is not None, resident=resident, must_fit=must_fit)
 
 
 def build_step(problem: FitProblem, schedule):

@@ -145,9 +145,8 @@ class ChunkedStep(StepChunkIO):
     @property
     def host_deadline_s(self) -> float:
         """The deadline of one step's host updates, seconds (see ``host_deadline``)."""
-        if self.host_deadline is not None:
-            return float(self.host_deadline)
-        return host_deadline_s(self.schedule.predicted.time.step_s if self.schedule is not None else None)
+        predicted = self.schedule.predicted.time.step_s if self.schedule is not None else None
+        return float(self.host_deadline) if self.host_deadline is not None else host_deadline_s(predicted)
 
     # ---- topology ------------------------------------------------------------------------------
     @property
@@ -422,7 +421,7 @@ class ChunkedStep(StepChunkIO):
                 n = float(norm) * inv
                 if skip and not math.isfinite(n):
                     return None
-                if clip and inv == 1.0:  # optax's clipping arithmetic, the device path's bits
+                if clip and inv == 1.0:  # optax's clipping arithmetic (kernels.clip_scale): the device path's bits
                     return clip_scale(self.host_optimizer.max_grad_norm, np.float32(n))
                 return float(np.float32((self.host_optimizer.grad_scale(n) if clip else 1.0) * inv))
             work.submit(self._host_update, state, late, host_scale)

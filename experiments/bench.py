@@ -35,7 +35,8 @@ The ``chunkjax`` system is ``experiments/bench_chunkjax.py: run_chunkjax(args) -
 lazily; ``args`` is the worker's namespace: model, batch, seq, steps, seed, budget_bytes,
 host_limit_gb, compile_only, run_id, and any ``--set KEY=VALUE`` given to the driver). It returns the same keys as the baselines; the easiest way
 is to wrap chunkjax in an object with the :class:`experiments.baselines.BaselineSystem` interface
-(``init``, ``step``, ``compiled_memory``, ``host_bytes``) and call :func:`measure_system`.
+(``init``, ``step``, ``compiled_memory``, ``host_bytes``) and call
+:func:`experiments.measure.measure_system`.
 """
 from __future__ import annotations
 
@@ -52,6 +53,8 @@ import sys
 import tempfile
 import time
 import traceback
+
+from experiments.measure import PROGRESS_TAG, measure_system, mem_fraction_env, partial_from_progress
 
 SYSTEMS_ALL = ("plain_jax", "maxtext_style", "zero_offload_style", "chunkjax")
 BASELINES = ("plain_jax", "maxtext_style", "zero_offload_style")
@@ -147,203 +150,7 @@ def finalize_record(rec: dict, flops_per_token: int, matmul_tflops: float | None
     return rec
 
 
-# ---- the worker (one system, one process) --------------------------------------------------
-
-def make_batch(cfg, batch: int, seq: int, seed: int, sharding=None):
-    """Random tokens int32 (batch, seq + 1) over the vocabulary, fixed by ``seed``."""
-    import jax
-    import jax.numpy as jnp
-
-    b = jax.random.randint(jax.random.key(seed + 1), (batch, seq + 1), 0, cfg.vocab_size, dtype=jnp.int32)
-    return jax.device_put(b, sharding) if sharding is not None else b
-
-
-def _host_rss_peak_bytes() -> int | None:
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-PROGRESS_TAG = "[bench-progress]"
-
-
-def _progress(**kw) -> None:
-    """One JSON line on stderr per finished phase of the worker (compile, init, each step), so a
-    worker killed by ``--worker-timeout`` still leaves what it measured (:func:`partial_from_progress`)."""
-    print(PROGRESS_TAG, json.dumps(kw, default=float), file=sys.stderr, flush=True)
-
-
-def partial_from_progress(lines: list[str], batch: int, seq: int) -> dict:
-    """What a timed-out worker measured, from its :func:`_progress` lines: ``compile_s``,
-    ``init_s``, the losses, and when at least one timed step finished, ``step_s_all``,
-    ``step_s_median``, ``tokens_per_s`` (batch * seq / median step seconds) and ``update_s``.
-    Returns {} when no line is found."""
-    rec: dict = {}
-    steps, updates, losses = [], [], []
-    for line in lines:
-        if not line.startswith(PROGRESS_TAG):
-            continue
-        try:
-            d = json.loads(line[len(PROGRESS_TAG):])
-        except ValueError:
-            continue
-        if "loss" in d:
-            losses.append(d["loss"])
-        if d.get("phase") in ("compile", "init"):
-            rec[d["phase"] + "_s"] = d["seconds"]
-        elif d.get("phase") == "step":
-            steps.append(d["seconds"])
-            if d.get("update_s") is not None:
-                updates.append(d["update_s"])
-    if losses:
-        rec["losses"] = losses
-    if steps:
-        med = statistics.median(steps)
-        rec.update(step_s_all=steps, step_s_median=med, tokens_per_s=batch * seq / med,
-                   update_s=statistics.median(updates) if updates else None)
-    return rec
-
-
-def profile_one_step(system, state, batch, keep_trace_to: str | None = None):
-    """One ``system.step`` under the profiler (:func:`experiments.gpu_measure.profile_transfer_bytes`);
-    returns (the new state, the profile dict; its ``result`` is the step's loss as a float)."""
-    import jax
-
-    from experiments import gpu_measure as gm
-
-    box = {"state": state}
-
-    def one_step():
-        s, l = system.step(box["state"], batch)
-        jax.block_until_ready((s, l))
-        box["state"] = s
-        return float(l)
-
-    prof = gm.profile_transfer_bytes(one_step, keep_trace_to=keep_trace_to)
-    return box["state"], prof
-
-
-def measure_system(system, args) -> dict:
-    """The measurement protocol for any object with the BaselineSystem interface.
-
-    Compiles (``system.compiled_memory``) and stops with ``feasible: false`` if the compiled peak
-    exceeds ``args.budget_bytes`` (or after compiling when ``args.compile_only``). Otherwise
-    ``init``, one warm-up step, ``args.steps`` timed steps (``block_until_ready`` each), then on a
-    GPU one profiled step (bytes moved) and ``peak_bytes_in_use``. Returns a partial record
-    (keys of :data:`ALL_KEYS`); the caller normalises it.
-
-    ``args`` needs: model, batch, seq, steps, seed, budget_bytes, compile_only (and optionally
-    profile_on_cpu: run the profiled step on a CPU too, for tests).
-    """
-    import jax
-
-    from experiments import gpu_measure as gm
-
-    dev = jax.devices()[0]
-    platform = dev.platform
-    rec: dict = {"platform": platform, "device_kind": dev.device_kind,
-                 "mem_fraction": _mem_fraction_env(), "notes": []}
-    stats = gm.memory_stats()
-    if stats and "bytes_limit" in stats:
-        rec["bytes_limit_measured"] = int(stats["bytes_limit"])
-    sharding = getattr(system, "dev_sh", None)
-    batch = make_batch(system.cfg, args.batch, args.seq, args.seed, sharding)
-
-    t0 = time.perf_counter()
-    mem = system.compiled_memory(batch)
-    rec["compile_s"] = time.perf_counter() - t0
-    _progress(phase="compile", seconds=rec["compile_s"])
-    rec["compiled_memory"] = mem
-    rec["notes"] += list(getattr(system, "notes", []))
-    if mem.get("fits") is False:  # the system's own check (e.g. chunkjax's headroom) failed
-        rec["feasible"] = False
-        rec["infeasible_reason"] = mem.get("why") or "the system's compiled-memory check failed"
-        return rec
-    if mem["peak_bytes"] > args.budget_bytes:
-        rec["feasible"] = False
-        rec["infeasible_reason"] = (f"compiled peak {mem['peak_bytes']} B (argument {mem['argument_bytes']} + output "
-                                    f"{mem['output_bytes']} + temp {mem['temp_bytes']} - alias {mem['alias_bytes']}) "
-                                    f"> budget {args.budget_bytes} B")
-        return rec
-    if getattr(args, "compile_only", False):
-        rec["feasible"] = True
-        rec["notes"].append("compile only: fits the budget by the compiled memory analysis; not run")
-        return rec
-
-    t0 = time.perf_counter()
-    state = system.init(jax.random.key(args.seed))
-    jax.block_until_ready(state)
-    rec["init_s"] = time.perf_counter() - t0
-    _progress(phase="init", seconds=rec["init_s"])
-    rec["host_bytes"] = int(system.host_bytes(state))
-    if hasattr(system, "device_state_bytes"):
-        rec["device_state_bytes"] = int(system.device_state_bytes(state))
-
-    losses = []
-    state, loss = system.step(state, batch)  # warm-up
-    jax.block_until_ready((state, loss))
-    losses.append(float(loss))
-    _progress(phase="warmup", loss=losses[-1])
-    step_s, update_s, timings = [], [], []
-    for _ in range(args.steps):
-        t0 = time.perf_counter()
-        state, loss = system.step(state, batch)
-        jax.block_until_ready((state, loss))
-        step_s.append(time.perf_counter() - t0)
-        losses.append(float(loss))
-        if getattr(system, "last_update_s", None) is not None:
-            update_s.append(system.last_update_s)
-        if getattr(system, "last_timings", None):
-            timings.append(dict(system.last_timings))
-        _progress(phase="step", seconds=step_s[-1], loss=losses[-1], update_s=getattr(system, "last_update_s", None))
-    med = statistics.median(step_s)
-    rec.update(step_s_all=step_s, step_s_median=med, tokens_per_s=args.batch * args.seq / med,
-               update_s=statistics.median(update_s) if update_s else None)
-    if timings:
-        rec["timings"] = {k: statistics.median(t[k] for t in timings) for k in timings[0]}
-
-    if platform != "cpu" or getattr(args, "profile_on_cpu", False):
-        keep = os.environ.get("BENCH_KEEP_TRACE_DIR")
-        keep = os.path.join(keep, f"{getattr(system, 'name', 'system')}_{args.model}_b{args.batch}.perfetto_trace.json.gz") \
-            if keep else None
-        state, prof = profile_one_step(system, state, batch, keep)
-        losses.append(prof["result"])
-        if prof.get("calls", 1) > 1:
-            rec["notes"].append(f"profiled {prof['calls']} steps (no GPU events with the tracers off; "
-                                "retried with the profiler's default options)")
-        nv = prof.get("nvml") or {}
-        rec["h2d_bytes_per_step_nvml_estimate"] = nv.get("h2d_bytes_estimate")
-        rec["d2h_bytes_per_step_nvml_estimate"] = nv.get("d2h_bytes_estimate")
-        if prof["n_device_events"] > 0 and not prof["profiler_error"]:
-            rec["transfer_source"] = "profiler"
-            rec["h2d_bytes_per_step_measured"] = prof["h2d_bytes"]
-            rec["d2h_bytes_per_step_measured"] = prof["d2h_bytes"]
-        elif nv.get("available"):
-            rec["transfer_source"] = f"nvml_estimate ({nv.get('method')})"
-            rec["h2d_bytes_per_step_measured"] = nv.get("h2d_bytes_estimate")
-            rec["d2h_bytes_per_step_measured"] = nv.get("d2h_bytes_estimate")
-        rec["transfer_detail"] = {k: prof.get(k) for k in (
-            "n_h2d", "n_d2h", "other_bytes", "n_other", "n_device_events", "gpu_processes", "n_unrecognized",
-            "unrecognized", "n_api_skipped", "events", "copy_kernel_samples", "profiler_error", "nvml", "attempts",
-            "trace_file")}
-        rec["transfer_detail"]["events"] = (prof.get("events") or [])[:4]
-        rec["transfer_phases"] = prof.get("transfer_phases")  # GB/s per program, transfer-bound ones
-    rec["peak_device_bytes_measured"] = gm.peak_device_bytes()
-    rec["host_rss_peak_bytes_measured"] = _host_rss_peak_bytes()
-    rec["losses"] = losses
-    rec["losses_finite"] = all(math.isfinite(x) for x in losses)
-    rec["loss_falling"] = bool(losses[-1] < losses[0]) if len(losses) > 1 else None
-    rec["feasible"] = True
-    if not rec["losses_finite"]:
-        rec["error"] = f"non-finite loss: {losses}"
-    rec["notes"] = list(dict.fromkeys(rec["notes"] + list(getattr(system, "notes", []))))
-    del state
-    return rec
+# ---- the worker (one system, one process): the protocol is experiments/measure.py
 
 
 def _import_run_chunkjax():
@@ -353,7 +160,7 @@ def _import_run_chunkjax():
         if e.name in ("experiments.bench_chunkjax",):
             raise RuntimeError("the chunkjax system needs experiments/bench_chunkjax.py defining "
                                "run_chunkjax(args) -> dict (same keys as the baselines; see "
-                               "experiments.bench.measure_system): the file does not exist yet") from None
+                               "experiments.measure.measure_system): the file does not exist yet") from None
         raise RuntimeError(f"experiments/bench_chunkjax.py failed to import: {type(e).__name__}: {e}") from e
     except ImportError as e:
         raise RuntimeError(f"experiments/bench_chunkjax.py has no usable run_chunkjax(args): {e}") from e
@@ -412,17 +219,18 @@ def run_probe(args) -> dict:
            "host_mem_bytes": _host_memory_bytes()}
     n = args.matmul_n if d.platform != "cpu" else min(args.matmul_n, 1024)
     stats = gm.memory_stats() or {}
-    frac = float(_mem_fraction_env() or DEFAULT_MEM_FRACTION)
+    frac = float(mem_fraction_env() or DEFAULT_MEM_FRACTION)
     out["bytes_limit"] = int(stats["bytes_limit"]) if "bytes_limit" in stats else None
     out["card_bytes_from_limit"] = int(out["bytes_limit"] / frac) if out["bytes_limit"] else None
-    out["card_bytes_nvidia_smi"] = _nvidia_smi_total_bytes() if d.platform == "gpu" else None
+    out["card_bytes_nvidia_smi"] = nvidia_smi_total_bytes() if d.platform == "gpu" else None
     out["card_bytes"] = out["card_bytes_nvidia_smi"] or out["card_bytes_from_limit"]
     out["matmul_n"] = n
     out["matmul_tflops"] = gm.matmul_tflops(n)
     return out
 
 
-def _nvidia_smi_total_bytes() -> int | None:
+def nvidia_smi_total_bytes() -> int | None:
+    """The first GPU's memory in bytes as nvidia-smi reports it, None without nvidia-smi."""
     try:
         r = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
                            capture_output=True, text=True, timeout=30)
@@ -443,10 +251,6 @@ def _host_memory_bytes() -> int | None:
 
 
 # ---- the driver ----------------------------------------------------------------------------
-
-def _mem_fraction_env() -> str | None:
-    return os.environ.get("XLA_CLIENT_MEM_FRACTION") or os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
-
 
 def probe_env() -> dict:
     """Environment of the probe subprocess: the default fraction made explicit (so bytes_limit /

@@ -8,7 +8,7 @@
    exceeds :data:`chunkjax.fit.HEADROOM` of the budget. The main job (experiments/train.py) runs
    the same path, so the two plan alike.
 3. Initialise chunk by chunk (no full params pytree anywhere), then measure with the same
-   protocol as the baselines (:func:`experiments.bench.measure_system`).
+   protocol as the baselines (:func:`experiments.measure.measure_system`).
 
 The record adds the schedule's predictions (``*_accounted``) next to the measured figures.
 """
@@ -163,9 +163,9 @@ class ChunkjaxSystem:
 
 def run_chunkjax(args) -> dict:
     """Measure chunkjax for ``args`` (model, batch, seq, steps, seed, budget_bytes, compile_only);
-    returns the record of :func:`experiments.bench.measure_system` plus the schedule's
+    returns the record of :func:`experiments.measure.measure_system` plus the schedule's
     predictions."""
-    from experiments.bench import measure_system
+    from experiments.measure import measure_system
     from models import gpt
 
     cfg = gpt.get_config(args.model)

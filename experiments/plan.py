@@ -4,9 +4,11 @@ partitions users know, all planned by the same engine on abstract shapes (runs o
     python -m experiments.plan --model GPT3_10B --device-budget 24GiB --host-budget 120GiB \\
         --batch 8 --seq 1024 [--json] [--tide-from RESULTS_JSON] [--ranks N [--zero-stage 3]]
 
-The plan is :func:`chunkjax.plan_schedule` (policy ``"tide"``) with the host AdamW kernel
-(offloaded chunks update in place on the host, overlapping the backward pass). Baselines are the
-same planner's static policies, scheduled over the same tide with the same accounting and cost
+The plan is the one fit path's, on abstract shapes: :func:`chunkjax.fit.prepare` (first-use
+order, layout, stage traces; no devices, no compile of the step, this machine's host memory not
+checked) then :func:`chunkjax.fit.plan` (``chunkjax.plan_schedule``, policy ``"tide"``) with the
+host AdamW kernel (offloaded chunks update in place on the host, overlapping the backward pass).
+Baselines are the same planner's static policies (``must_fit=False``), scheduled over the same tide with the same accounting and cost
 model (:mod:`chunkjax.predict`):
 
 ``all_host``
@@ -82,31 +84,51 @@ class PlanInputs:
       cfg: the model config (models/gpt.py).
       batch, seq: batch shape, rows x tokens (tokens per step = batch * seq); with ``n_ranks`` > 1
         the global batch (each rank runs ``batch / n_ranks`` rows).
-      layout: chunk layout (chunk ids in first-use order; with ``n_ranks`` > 1 a ZeRO layout whose
-        ``chunk_size`` splits evenly over the ranks).
-      traces: per-stage traces of one rank's rows (temporaries from the backend, or from a
-        recorded GPU run).
-      tide: the memory tide over ``traces`` (one rank's non-model bytes).
-      cb: bytes of one whole chunk per chunk list (AdamW state).
-      flops_per_step: training FLOPs of one step of one rank (FLOPs).
-      rates: cost-model rates.
+      problem: the one fit path's problem (:func:`chunkjax.fit.prepare` on abstract shapes: the
+        layout in first-use order, with ``n_ranks`` > 1 a ZeRO layout over an abstract mesh; the
+        per-stage traces of one rank's rows; the chunk bytes; one rank's FLOPs; the rates).
+      tide: the memory tide over the traces (one rank's non-model bytes).
       tide_source: where the non-model bytes come from ("estimated on cpu", "recorded on gpu ...").
       rates_source: where the rates come from.
-      n_ranks: data-parallel ranks (GPUs) the step is split over (1: one device, no ZeRO).
     """
 
     cfg: object
     batch: int
     seq: int
-    layout: object
-    traces: tuple
+    problem: object
     tide: object
-    cb: object
-    flops_per_step: float
-    rates: object
     tide_source: str
     rates_source: str
-    n_ranks: int = 1
+
+    @property
+    def layout(self):
+        """The chunk layout (ids in first-use order)."""
+        return self.problem.layout
+
+    @property
+    def traces(self) -> tuple:
+        """Per-stage traces of one rank's rows (temporaries from the backend or a recorded GPU run)."""
+        return self.problem.traces
+
+    @property
+    def cb(self):
+        """Bytes of one whole chunk per chunk list (AdamW state)."""
+        return self.problem.cb
+
+    @property
+    def flops_per_step(self) -> float:
+        """Training FLOPs of one step of one rank."""
+        return self.problem.flops_per_step
+
+    @property
+    def rates(self):
+        """The cost model's rates."""
+        return self.problem.rates
+
+    @property
+    def n_ranks(self) -> int:
+        """Data-parallel ranks (GPUs) the step is split over (1: one device, no ZeRO)."""
+        return self.problem.n_ranks
 
     @property
     def rank_batch(self) -> int:
@@ -192,12 +214,12 @@ def trace_inputs(model: str, batch: int, seq: int, *, chunk_size: int | None = N
     """
     import jax
     import jax.numpy as jnp
+    from jax.sharding import AbstractMesh
 
-    import chunkjax as cj
-    from chunkjax.cost import Rates
+    from chunkjax.fit import prepare as fit_prepare
     from chunkjax.host_update import AdamW
-    from chunkjax.optim import state_bytes_per_chunk
     from chunkjax.tide import memory_tide
+    from chunkjax.topology import AXIS
     from models import gpt
 
     cfg = gpt.get_config(model)
@@ -206,23 +228,18 @@ def trace_inputs(model: str, batch: int, seq: int, *, chunk_size: int | None = N
     if batch < 1 or seq < 1:
         raise ValueError("--batch and --seq must be >= 1")
     check_ranks(batch, n_ranks)
-    stages = gpt.gpt_stages(cfg)
-    ap = gpt.abstract_params(cfg)
-    ab = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32)
-    order = cj.first_use_order(lambda p, b: cj.compose_loss(stages, p, b), ap, ab)
-    layout = cj.build_layout(ap, chunk_size, order, min_chunks=min_chunks)
-    if n_ranks > 1:  # chunks that split over the ranks; each rank traces its rows
-        from chunkjax.topology import build_zero_layout
-        layout = build_zero_layout(ap, n_ranks, layout.chunk_size, order)
-        ab = jax.ShapeDtypeStruct((batch // n_ranks, seq + 1), jnp.int32)
-    traces = cj.trace_stages(stages, layout, ab, jnp.bfloat16)
+    # the one fit path on abstract shapes: ranks without devices, the target machine's host memory
+    # is not this one's (the host budget is given per plan)
+    zero = dict(mesh=AbstractMesh((n_ranks,), (AXIS,)), zero_stage=3) if n_ranks > 1 else {}
+    problem = fit_prepare(gpt.gpt_stages(cfg), gpt.abstract_params(cfg), jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32),
+                          host_optimizer=AdamW(1e-4, weight_decay=1e-4),  # what experiments/bench.py's chunkjax system runs
+                          compute_dtype=jnp.bfloat16, chunk_size=chunk_size, min_chunks=min_chunks,
+                          flops_per_step=float(cfg.flops_per_token(seq) * batch * seq), host_budget=None,
+                          check_host=False, **zero)
     backend = jax.default_backend()
-    spec = AdamW(1e-4, weight_decay=1e-4)  # what experiments/bench.py's chunkjax system runs
-    cb = cj.chunk_bytes(layout, jnp.bfloat16, state_bytes_per_chunk(spec.optax(), layout.chunk_size))
-    return PlanInputs(cfg, batch, seq, layout, traces, memory_tide(traces, layout.chunk_size), cb,
-                      float(cfg.flops_per_token(seq) * batch * seq // n_ranks), Rates(),
+    return PlanInputs(cfg, batch, seq, problem, memory_tide(problem.traces, problem.layout.chunk_size),
                       f"estimated on {backend}" if backend != "gpu" else "traced on gpu",
-                      "chunkjax.cost.Rates() defaults (H200)", n_ranks)
+                      "chunkjax.cost.Rates() defaults (H200)")
 
 
 def check_ranks(batch: int, n_ranks: int, zero_stage: int = 3) -> None:
@@ -252,11 +269,13 @@ def with_recorded(inp: PlanInputs, path, warn=None) -> PlanInputs:
             warn(f"--tide-from: {why}; the tide is {inp.tide_source}")
     else:
         traces = tuple(dataclasses.replace(t, temp_bytes=temps[t.name]) for t in inp.traces)
-        inp = dataclasses.replace(inp, traces=traces, tide=memory_tide(traces, inp.layout.chunk_size),
+        inp = dataclasses.replace(inp, problem=dataclasses.replace(inp.problem, traces=traces),
+                                  tide=memory_tide(traces, inp.layout.chunk_size),
                                   tide_source=f"recorded on gpu ({path}: stage temporaries)")
     rates = recorded_rates(path)
     if rates is not None:
-        inp = dataclasses.replace(inp, rates=rates, rates_source=f"recorded in {path}")
+        inp = dataclasses.replace(inp, problem=dataclasses.replace(inp.problem, rates=rates),
+                                  rates_source=f"recorded in {path}")
     return inp
 
 
@@ -283,17 +302,16 @@ def plan_schedules(inp: PlanInputs, device_budget: int, host_budget: int | None 
     Raises:
       chunkjax.PlanError: no chunkjax schedule fits the budgets.
     """
-    import chunkjax as cj
+    from chunkjax.fit import plan
 
-    kw = dict(flops_per_step=inp.flops_per_step, prefetch=prefetch, rates=inp.rates)
-    zero = dict(ranks=inp.n_ranks, zero_stage=zero_stage) if inp.n_ranks > 1 else {}
-    sched = cj.plan_schedule(inp.layout, inp.traces, inp.cb, device_budget, host_budget_bytes=host_budget,
-                             host_update=True, **zero, **kw)
+    stage = zero_stage if inp.n_ranks > 1 else 0
+    problem = dataclasses.replace(inp.problem, prefetch=prefetch, host_budget_bytes=host_budget, zero_stage=stage,
+                                  cb_rank=inp.cb.per_rank(inp.n_ranks, stage) if stage else inp.cb)
+    sched = plan(problem, device_budget)  # the tide plan, host AdamW kernel
     if inp.n_ranks > 1:
         return sched, {}
-    base = {k: cj.plan_schedule(inp.layout, inp.traces, inp.cb, device_budget, policy=k, must_fit=False, **kw)
-            for k in BASELINES}
-    return sched, base
+    base = dataclasses.replace(problem, host_budget_bytes=None)  # reported against the host budget, not planned in it
+    return sched, {k: plan(base, device_budget, policy=k, must_fit=False) for k in BASELINES}
 
 
 def figures(s, device_budget: int, host_budget: int | None, chunk_size: int) -> dict:
@@ -435,7 +453,7 @@ def _summary_zero(r: dict) -> str:
         f"(fused head at moment {fb - 1}, backward from {fb}); no baselines for --ranks > 1"])
 
 
-def _summary(r: dict) -> str:
+def summary(r: dict) -> str:
     """The readable form of a :func:`plan_report`."""
     if r.get("n_ranks", 1) > 1:
         return _summary_zero(r)
@@ -511,7 +529,7 @@ def main(argv=None) -> int:
     if a.json:
         print(json.dumps(r, indent=1))
     else:
-        print(_summary(r))
+        print(summary(r))
     return 0
 
 

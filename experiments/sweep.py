@@ -3,9 +3,9 @@
     python -m experiments.sweep --model GPT3_6B --batch 32 --seq 1024 \\
         --budgets 32GiB,64GiB,96GiB --rounds 2 --steps 4 --run-id s4_sweep
 
-For each device budget, chunkjax's own plan (:func:`chunkjax.plan_schedule`, checked and
+For each device budget, chunkjax's own plan (the one fit path, :mod:`chunkjax.fit`: checked and
 re-planned against the compiled peak as in experiments/bench_chunkjax.py); and the same planner's
-two static policies, run by the same runtime: ``all_host`` (every chunk fetched at
+two static policies (``chunkjax.fit.plan(..., policy=, must_fit=False)``), run by the same runtime: ``all_host`` (every chunk fetched at
 every read) and ``zero_offload`` (every chunk up at the step's start, host update after the
 backward). A baseline's schedule does not depend on the budget, so it runs once and is marked
 ``feasible`` at each budget its compiled peak fits.
@@ -25,6 +25,7 @@ docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -36,8 +37,8 @@ KINDS = ("tide", "all_host", "zero_offload")
 
 def _set_env(max_budget: int, host_limit_gb: int) -> None:
     """Memory fraction for the largest budget and the lifted pinned cap; before jax imports."""
-    from experiments.bench import _nvidia_smi_total_bytes, worker_env
-    card = _nvidia_smi_total_bytes()
+    from experiments.bench import nvidia_smi_total_bytes, worker_env
+    card = nvidia_smi_total_bytes()
     os.environ.update(worker_env(max_budget, card, host_limit_gb))
 
 
@@ -84,9 +85,10 @@ def run(args, save=lambda res: None, prior: dict | None = None, prior_commands=N
     of an earlier call with the same run id, kept unless measured again."""
     import jax
 
-    import chunkjax as cj
+    from chunkjax import fit
     from experiments import gpu_measure as gm
-    from experiments.bench import make_batch, parse_bytes, profile_one_step
+    from experiments.bench import parse_bytes
+    from experiments.measure import make_batch, profile_one_step
     from experiments.bench_chunkjax import ChunkjaxSystem
     from models import gpt
 
@@ -99,8 +101,9 @@ def run(args, save=lambda res: None, prior: dict | None = None, prior_commands=N
     flops = cfg.flops_per_token(args.seq) * args.batch * args.seq
 
     def baseline(kind):
-        return cj.plan_schedule(sys_.layout, sys_.traces, sys_.cb, max(budgets), policy=kind, must_fit=False,
-                                flops_per_step=flops, rates=sys_.rates)
+        # the one fit path's planner on the system's problem (static policies: reported even over the budget)
+        return fit.plan(dataclasses.replace(sys_.problem, host_budget_bytes=None), max(budgets), policy=kind,
+                        must_fit=False)
 
     def result(done=False):
         for name, rec in recs.items():

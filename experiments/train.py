@@ -3,6 +3,12 @@ chunks spread over device and pinned-host memory.
 
     python -m experiments.train                      # CPU default: tiny GPT, budget forcing >= half off-device
     python -m experiments.train --model GPT2_1B --device-budget 8GiB --batch 16 --seq 1024   # a GPU node
+    python -m experiments.train --init-from smollm2-135m     # fine-tune a pre-trained model (docs/finetune.md)
+
+``--init-from <name>`` starts from a pre-trained model (:mod:`experiments.job_model`; today
+``smollm2-135m``) with its tokenizer and data and that preset's defaults (flags given win); the
+run also reports the held-out perplexity before and after, samples before and after, and writes
+the trained weights as a Hugging Face checkpoint into ``<run folder>/hf`` (``--no-export``: not).
 
 Every resolved setting is printed; the run folder ``runs/<time>-<model>/`` holds ``report.json``
 (keys in shared/guides/definitions.md: ``_accounted`` figures are chunkjax's own bookkeeping,
@@ -25,7 +31,7 @@ exists, a run that fails (crash, SIGKILL, SIGTERM, Ctrl-C, a non-finite loss) ke
 ``.partial`` folder, and ``--resume <that folder or its checkpoints folder>`` continues it in
 place from the newest complete checkpoint: the data stream continues where it was and the losses
 equal those of an uninterrupted run (bit for bit on the CPU; so after a non-finite loss, resume
-with ``--nonfinite skip``). Settings that change the training (model, steps, batch, seq, lr,
+with ``--nonfinite skip``). Settings that change the training (model, init-from, steps, batch, seq, lr,
 warmup, weight decay, clip, seed, tokenizer, eval batches, compute dtype) must equal the
 checkpoint's: a difference exits with status 2, one line, and nothing written.
 ``--device-budget``, ``--prefetch``, ``--micro-batches`` (which changes only the float summation
@@ -62,7 +68,9 @@ def config_field(default, help_: str):
 class TrainConfig:
     """Every knob of the main job, with defaults that run on a 2-core CPU in under 10 minutes."""
 
-    model: str = config_field("tiny", 'name from models/gpt.py (case-insensitive)')
+    model: str = config_field("tiny", 'name from models/gpt.py (case-insensitive); with --init-from: that model\'s name')
+    init_from: str = config_field("", 'start from a pre-trained model with its preset (experiments/job_model.py PRESETS: smollm2-135m, fine-tuned on the Shakespeare training plays); empty: a random init')
+    export: bool = config_field(True, 'with --init-from: write the trained weights as a Hugging Face checkpoint into <run folder>/hf')
     steps: int = config_field(400, 'optimizer steps (400: the CPU demo ends at validation loss 4.98 nats; measured 0.43 s a step at the 10th percentile on a shared 2-core machine, under 10 minutes in all)')
     batch: int = config_field(8, 'sequences per step')
     seq: int = config_field(128, 'tokens per sequence')
@@ -104,7 +112,7 @@ class JobFailed(Exception):
 #: (device_budget, prefetch, micro_batches, chunk_size, min_chunks, eval_every, nonfinite,
 #: checkpointing, sampling and output settings may differ: restore_checkpoint places the state
 #: into any placement and moves the leaves into another chunk layout.)
-RESUME_MUST_MATCH = ("model", "steps", "batch", "seq", "lr", "warmup", "weight_decay", "clip", "seed",
+RESUME_MUST_MATCH = ("model", "init_from", "steps", "batch", "seq", "lr", "warmup", "weight_decay", "clip", "seed",
                      "tokenizer", "eval_batches", "compute_dtype_resolved")
 CHECKPOINT_DIR = "checkpoints"
 
@@ -162,14 +170,40 @@ def find_resume_point(path: str) -> ResumePoint:
 def check_resume_config(rp: ResumePoint, resolved: dict) -> None:
     """Refuse (one line) when a setting in :data:`RESUME_MUST_MATCH` differs from the checkpoint's."""
     saved = rp.meta["extra"]["config"]
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}  # keys older checkpoints lack
     diffs = [f"--{k.replace('_resolved', '').replace('_', '-')} {resolved[k]} (checkpoint: {saved.get(k)})"
-             for k in RESUME_MUST_MATCH if saved.get(k) != resolved[k]]
+             for k in RESUME_MUST_MATCH if saved.get(k, defaults.get(k)) != resolved[k]]
     if diffs:
         raise UsageError(f"--resume {rp.run_dir}: settings differ from checkpoint step {rp.step}: {', '.join(diffs)}; "
                          "resume with the run's settings")
 
 
+def preset_config(init_from: str = "", **overrides) -> TrainConfig:
+    """The job's settings for ``--init-from init_from`` (:data:`experiments.job_model.PRESETS`'
+    defaults), with ``overrides`` on top; ``""``: :class:`TrainConfig`'s defaults.
+
+    Raises:
+      UsageError: an unknown ``init_from`` name.
+    """
+    from experiments.job_model import PRESETS
+    preset = _preset(init_from, PRESETS)
+    return TrainConfig(**(preset | {"init_from": init_from} | overrides))
+
+
+def _preset(init_from: str, presets: dict) -> dict:
+    if not init_from:
+        return {}
+    if init_from.lower() not in presets:
+        raise UsageError(f"--init-from {init_from!r} is not known: use one of {', '.join(presets)}")
+    return dict(presets[init_from.lower()])
+
+
 def parse_args(argv=None) -> TrainConfig:
+    """Command line -> :class:`TrainConfig`; ``--init-from`` sets its preset's defaults first.
+
+    Raises:
+      UsageError: an unknown ``--init-from`` name (argparse itself exits 2 on unknown flags).
+    """
     ap = argparse.ArgumentParser(prog="python -m experiments.train", description=__doc__.split("\n\n")[0])
     for f in dataclasses.fields(TrainConfig):
         name = "--" + f.name.replace("_", "-")
@@ -180,6 +214,10 @@ def parse_args(argv=None) -> TrainConfig:
             typ = {"int": int, "float": float, "str": str}.get(str(f.type), str)
             ap.add_argument(name, type=typ, default=f.default, help=help_)
     ns = ap.parse_args(argv)
+    if ns.init_from:  # the preset's defaults under the flags given
+        from experiments.job_model import PRESETS
+        ap.set_defaults(**_preset(ns.init_from, PRESETS))
+        ns = ap.parse_args(argv)
     return TrainConfig(**vars(ns))
 
 
@@ -236,18 +274,22 @@ def run(cfg: TrainConfig) -> dict:
     from chunkjax.fit import describe as describe_fit
     from experiments import data as data_mod
     from experiments import distributed
+    from experiments import job_model
     from experiments.report import RunFolder, plot_losses
-    from models import gpt
 
     t_start = time.time()
-    try:
-        mcfg = gpt.get_config(cfg.model)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    if cfg.seq > mcfg.seq_len:
-        raise UsageError(f"--seq {cfg.seq} exceeds the model's {mcfg.seq_len} positions: use --seq <= {mcfg.seq_len}")
     _validate(cfg)
-    budget = None if cfg.device_budget == "auto" else parse_budget(cfg.device_budget)
+    if cfg.device_budget != "auto":
+        parse_budget(cfg.device_budget)  # refused before anything is loaded
+    try:
+        if cfg.init_from:
+            model, tokenizer = job_model.load_pretrained(cfg.init_from)
+        else:
+            model, tokenizer = job_model.gpt_model(cfg.model), None
+    except job_model.ModelError as e:
+        raise UsageError(str(e)) from None
+    if cfg.seq > model.max_seq:
+        raise UsageError(f"--seq {cfg.seq} exceeds the model's {model.max_seq} positions: use --seq <= {model.max_seq}")
     platform = jax.devices()[0].platform
     n_dev = jax.device_count() if cfg.zero_stage else 1  # every process's devices under jax.distributed
     if cfg.batch % (n_dev * cfg.micro_batches):
@@ -263,36 +305,23 @@ def run(cfg: TrainConfig) -> dict:
         check_resume_config(resume, dataclasses.asdict(cfg) | {"compute_dtype_resolved": jnp.dtype(cdt).name})
 
     try:
-        td = data_mod.load_token_data(cfg.tokenizer, cfg.data_cache)
+        td = (job_model.shakespeare_tokens(tokenizer) if tokenizer is not None
+              else data_mod.load_token_data(cfg.tokenizer, cfg.data_cache))
     except data_mod.MissingDataError as e:
         raise UsageError(str(e)) from None
     except ValueError as e:
         raise UsageError(str(e)) from None
     except OSError as e:
         raise UsageError(f"--data-cache {cfg.data_cache!r}: {e.strerror}: pick a writable folder") from None
-    if td.vocab_size > mcfg.vocab_size:
-        raise UsageError(f"tokenizer {cfg.tokenizer} has {td.vocab_size} tokens but model {mcfg.name} only "
-                         f"{mcfg.vocab_size} rows: pick --tokenizer gpt2 with GPT-2 sized models")
+    if td.vocab_size > model.vocab_size:
+        raise UsageError(f"tokenizer {td.tokenizer.name} has {td.vocab_size} tokens but model {model.name} only "
+                         f"{model.vocab_size} rows: pick --tokenizer gpt2 with GPT-2 sized models")
 
-    # the one fit path: layout -> host-memory bound -> trace -> plan -> host check -> step -> compiled check
-    mesh = cj.data_mesh() if cfg.zero_stage else None
     rates = None
     if platform == "gpu":  # the cost model calibrated on this machine, as the benchmark plans
         from experiments.gpu_measure import calibrated_rates
         rates, _ = calibrated_rates()
-    stages = gpt.gpt_stages(mcfg)
-    try:
-        fitted = cj.fit_step(stages, gpt.abstract_params(mcfg), jax.ShapeDtypeStruct((cfg.batch, cfg.seq + 1), jnp.int32),
-                             device_budget="auto" if budget is None else budget, host_optimizer=host_spec(cfg),
-                             compute_dtype=cdt, chunk_size=cfg.chunk_size or None, min_chunks=cfg.min_chunks,
-                             prefetch=cfg.prefetch, micro_batches=cfg.micro_batches,
-                             nonfinite="skip" if cfg.nonfinite == "skip" else "ignore", mesh=mesh,
-                             zero_stage=cfg.zero_stage, flops_per_step=mcfg.flops_per_token(cfg.seq) * cfg.batch * cfg.seq,
-                             rates=rates)
-    except cj.PlanError as e:
-        raise UsageError(str(e)) from None
-    except ValueError as e:
-        raise UsageError(f"--chunk-size: {e}" if cfg.chunk_size else str(e)) from None
+    fitted = fit_model(cfg, model, compute_dtype=cdt, rates=rates)
     step, fit_report, problem = fitted
     layout, schedule = step.layout, fit_report.schedule
     if resume is not None and resume.meta["layout_fingerprint"] != cj.checkpoint.layout_fingerprint(layout):
@@ -314,18 +343,23 @@ def run(cfg: TrainConfig) -> dict:
         print(f"note: {note}", flush=True)
     print(describe_fit(fit_report, problem), flush=True)
 
+    if "train_plays" in td.meta:
+        print(f"data: {td.train.size:,} training tokens ({len(td.meta['train_plays'])} plays), {td.val.size:,} "
+              f"held-out tokens ({len(td.meta['val_plays'])} plays: {', '.join(td.meta['val_plays'])})", flush=True)
+
     folder = distributed.scratch_folder(resume, CHECKPOINT_DIR) or (  # process 0 alone writes the run folder
-        _resumed_folder(resume.run_dir) if resume is not None else RunFolder.create(cfg.out_dir, mcfg.name))
+        _resumed_folder(resume.run_dir) if resume is not None else RunFolder.create(cfg.out_dir, model.run_name))
     from chunkjax.updaters import HostDeadlineError
     try:
         try:
-            report = _train(cfg, mcfg, fitted, td, folder, t_start, resolved, resume)
+            report = _train(cfg, model, fitted, td, folder, t_start, resolved, resume)
         except HostDeadlineError as e:  # a stalled host-update thread: one line, exit 1
             raise JobFailed(str(e)) from None
         report.update(model_bytes_split(layout, schedule.placement, problem.cb))
         report["config"] = resolved
         folder.write_json("report.json", report)
-        plot_losses(folder.path / "loss.png", folder.path / "metrics.jsonl", title=f"{mcfg.name} (chunkjax)")
+        title = f"{model.name} {'fine-tune ' if model.pretrained else ''}(chunkjax)"
+        plot_losses(folder.path / "loss.png", folder.path / "metrics.jsonl", title=title)
         final = folder.commit()
     except BaseException as e:
         kept = cj.checkpoint.latest_step(folder.path / CHECKPOINT_DIR)
@@ -335,6 +369,43 @@ def run(cfg: TrainConfig) -> dict:
         _note_kept(e, f"{folder.path} keeps checkpoint step {kept}: continue with --resume {folder.path}")
     print(f"run folder: {final}", flush=True)
     return report
+
+
+def fit_model(cfg: TrainConfig, model, *, compute_dtype, rates=None, resident=None):
+    """The job's step for ``model`` (:class:`experiments.job_model.JobModel`) through the one fit
+    path (:func:`chunkjax.fit_step`): layout -> host-memory bound -> trace -> the tide plan with
+    host updates (:func:`host_spec`) under ``cfg.device_budget`` -> host check -> step -> compiled
+    check. ``--zero-stage`` splits every chunk over the local devices.
+
+    Args:
+      cfg: the job's settings (batch, seq, budget, chunking, micro-batches, ZeRO stage, optimizer).
+      model: what is trained (only its stages and abstract params are read).
+      compute_dtype: compute params / gradients dtype.
+      rates: the cost model's rates (None: the defaults).
+      resident: force exactly these chunks resident (device-updated) instead of searching (tests).
+    Returns:
+      :class:`chunkjax.fit.Fitted` ``(step, report, problem)``; the step is not initialised.
+    Raises:
+      UsageError: no plan fits the device budget or host memory, or a bad chunk size (one line).
+    """
+    import jax
+    import jax.numpy as jnp
+
+    import chunkjax as cj
+    budget = "auto" if cfg.device_budget == "auto" else parse_budget(cfg.device_budget)
+    mesh = cj.data_mesh() if cfg.zero_stage else None
+    try:
+        return cj.fit_step(model.stages, model.abstract_params, jax.ShapeDtypeStruct((cfg.batch, cfg.seq + 1), jnp.int32),
+                           device_budget=budget, resident=resident, host_optimizer=host_spec(cfg),
+                           compute_dtype=compute_dtype, chunk_size=cfg.chunk_size or None, min_chunks=cfg.min_chunks,
+                           prefetch=cfg.prefetch, micro_batches=cfg.micro_batches,
+                           nonfinite="skip" if cfg.nonfinite == "skip" else "ignore", mesh=mesh,
+                           zero_stage=cfg.zero_stage, flops_per_step=model.flops_per_token(cfg.seq) * cfg.batch * cfg.seq,
+                           rates=rates)
+    except cj.PlanError as e:
+        raise UsageError(str(e)) from None
+    except ValueError as e:
+        raise UsageError(f"--chunk-size: {e}" if cfg.chunk_size else str(e)) from None
 
 
 def _resumed_folder(run_dir):
@@ -364,6 +435,13 @@ def _note_kept(e: BaseException, note: str):
 
 def _validate(cfg: TrainConfig) -> None:
     """Reject bad numbers before anything is allocated (one line each)."""
+    if cfg.init_from:
+        from experiments.job_model import PRESETS
+        preset = _preset(cfg.init_from, PRESETS)
+        for name in ("model", "tokenizer"):
+            if getattr(cfg, name).lower() != preset[name]:
+                raise UsageError(f"--{name} {getattr(cfg, name)!r} with --init-from {cfg.init_from}: the pre-trained "
+                                 f"model brings its own ({preset[name]}); leave --{name} out")
     for name in ("steps", "batch", "seq", "prefetch", "eval_every", "eval_batches", "min_chunks"):
         if getattr(cfg, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
@@ -427,9 +505,10 @@ def _optimizer(cfg: TrainConfig):
     return host_spec(cfg).optax()
 
 
-def _train(cfg, mcfg, fitted, td, folder, t_start, resolved, resume=None):
-    """Initialise (or restore) the state of ``fitted.step``, train, evaluate, checkpoint and
-    sample; returns the report (the run folder's ``report.json`` without the layout figures)."""
+def _train(cfg, model, fitted, td, folder, t_start, resolved, resume=None):
+    """Initialise (or restore) the state of ``fitted.step``, train, evaluate, checkpoint, sample
+    and (a pre-trained model) export; returns the report (the run folder's ``report.json``
+    without the layout figures)."""
     import zlib
 
     import jax
@@ -439,7 +518,6 @@ def _train(cfg, mcfg, fitted, td, folder, t_start, resolved, resume=None):
 
     from chunkjax import checkpoint as ck
     from experiments import data as data_mod
-    from models import gpt
 
     step, fit_report, problem = fitted
     layout, schedule = step.layout, fit_report.schedule
@@ -448,9 +526,14 @@ def _train(cfg, mcfg, fitted, td, folder, t_start, resolved, resume=None):
     every = cfg.eval_every if cfg.checkpoint_every < 0 else cfg.checkpoint_every
     batches = data_mod.sample_batches(td.train, cfg.batch, cfg.seq, cfg.seed)
     metrics_path = folder.path / "metrics.jsonl"
-    if resume is None:  # leaf by leaf into chunks: no whole params pytree in host memory
-        state = step.init(gpt.leaf_initializer(mcfg, jax.random.key(cfg.seed), layout))
+    sample_before = None
+    if resume is None:  # a random init goes leaf by leaf into chunks: no whole params pytree in host memory
+        state = step.init(model.init(layout, cfg.seed))
         start, saved = 0, {"train_time": 0.0, "timed_steps": 0, "resumed_from": [], "wall_s_total": 0.0}
+        if model.pretrained and cfg.sample_tokens:
+            sample_before = _sample(step, state, model, td, cfg)
+            if sample_before is not None:
+                print("sample before training:\n" + sample_before, flush=True)
     else:
         # nothing is written until the state, the data position and the metrics are known good
         try:
@@ -560,24 +643,34 @@ def _train(cfg, mcfg, fitted, td, folder, t_start, resolved, resume=None):
     stats = jax.local_devices()[0].memory_stats() if jax.devices()[0].platform != "cpu" else None
     if stats and "peak_bytes_in_use" in stats:
         peak_measured = int(stats["peak_bytes_in_use"])
-    sample = _sample(step, state, mcfg, td, cfg) if cfg.sample_tokens else None
+    sample = _sample(step, state, model, td, cfg) if cfg.sample_tokens else None
     if sample is not None:
         folder.write_text("sample.txt", sample + "\n")
         print("sample:\n" + sample, flush=True)
+    export_dir = None
+    if cfg.export and model.export is not None:
+        model.export(master_params(step, state), folder.path / "hf")
+        export_dir = str(folder.final / "hf")
+        print(f"Hugging Face checkpoint: {export_dir}", flush=True)
     tps = timed_steps * tokens_per_step / train_time if train_time else None
     vals = [r["val_loss"] for r in records if "val_loss" in r]
+    ppl0, ppl1 = math.exp(vals[0]), math.exp(vals[-1])
+    print(f"held-out loss {vals[0]:.4f} -> {vals[-1]:.4f} nats, perplexity {ppl0:.2f} -> {ppl1:.2f} "
+          f"({100 * (ppl1 / ppl0 - 1):+.1f} %)", flush=True)
     step_s = [r["step_s"] for r in records if r["step"] >= 2 and "step_s" in r]
     return {
-        "model": mcfg.name, "n_params": mcfg.n_params, "steps": cfg.steps, "batch": cfg.batch, "seq": cfg.seq,
-        "tokens": cfg.steps * tokens_per_step, "tokens_per_s": tps,
+        "model": model.name, "init_from": cfg.init_from or None, "n_params": model.n_params, "steps": cfg.steps,
+        "batch": cfg.batch, "seq": cfg.seq, "tokens": cfg.steps * tokens_per_step, "tokens_per_s": tps,
         "step_s_median": float(np.median(step_s)) if step_s else None,
-        "tflops": tps * mcfg.flops_per_token(cfg.seq) / 1e12 if tps else None,
+        "tflops": tps * model.flops_per_token(cfg.seq) / 1e12 if tps else None,
         "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None, "val_loss_first": vals[0], "val_loss_last": vals[-1],
+        "val_ppl_before": ppl0, "val_ppl_after": ppl1, "val_ppl_change": ppl1 / ppl0 - 1,
+        "val_tokens_scored": len(val) * cfg.batch * cfg.seq,
         "unigram_val_loss": data_mod.unigram_cross_entropy(td.train, td.val, td.vocab_size),
         "device_budget_bytes": fit_report.budget_bytes,
         "peak_device_bytes_accounted": pred.peak_device_bytes, "peak_device_bytes_measured": peak_measured,
         "compiled_memory": fit_report.compiled,
-        "model_bytes": 14 * mcfg.n_params,
+        "model_bytes": 14 * model.n_params,
         "device_chunk_bytes_accounted": pred.device_model_bytes,
         "chunk_bytes_accounted": problem.model_chunk_bytes,
         "h2d_bytes_per_step_accounted": pred.h2d_bytes_per_step,
@@ -595,6 +688,8 @@ def _train(cfg, mcfg, fitted, td, folder, t_start, resolved, resume=None):
         "platform": jax.devices()[0].platform, "device_kind": jax.devices()[0].device_kind,
         "jax_version": jax.__version__, "wall_s": time.time() - t_start,
         "wall_s_total": float(saved["wall_s_total"]) + time.time() - t_start, "sample": sample,
+        "sample_before": sample_before, "export_dir": export_dir, **{k: td.meta[k] for k in ("train_plays", "val_plays")
+                                                                     if k in td.meta},
         "micro_batches": cfg.micro_batches, "nonfinite": cfg.nonfinite, "skipped_steps": skipped,
         "resumed_from_step": saved["resumed_from"][-1] if saved["resumed_from"] else None,
         "resumed_from_steps": list(saved["resumed_from"]),
@@ -666,29 +761,38 @@ def last_validation(records) -> float:
 _SAMPLE_MAX_PARAMS = 200_000_000
 
 
-def _sample(step, state, mcfg, td, cfg) -> str | None:
+def master_params(step, state) -> dict:
+    """The float32 master params of ``state`` as a pytree of numpy arrays (host memory), after the
+    pending host updates: what the export writes and the sampler reads. Under ZeRO a collective
+    (every process calls it: the shards of every process gathered)."""
+    import jax
+    import numpy as np
+
+    step.wait(state)
+    if step.mesh is not None:  # gathered from every process's shards and slices (a collective)
+        return jax.tree.map(np.asarray, step.master_params(state))
+    # per chunk: a device / pinned host array or a numpy array (host-updated)
+    masters = [np.asarray(jax.device_get(m)) for m in state.master]
+    with jax.default_device(jax.local_devices(backend="cpu")[0]):
+        return jax.tree.map(np.asarray, step.layout.unpack(masters))
+
+
+def _sample(step, state, model, td, cfg) -> str | None:
     """A short continuation of a prompt, generated on the host CPU from the master params."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
-    from models import gpt
-
-    if mcfg.n_params > _SAMPLE_MAX_PARAMS:
+    if model.n_params > _SAMPLE_MAX_PARAMS:
         return None
     cpu = jax.local_devices(backend="cpu")[0]
-    step.wait(state)
-    # per chunk: a device / pinned host array or a numpy array (host-updated); under ZeRO numpy,
-    # gathered from every process's shards and slices (master_params: a collective)
-    masters = None if step.mesh is not None else [np.asarray(jax.device_get(m)) for m in state.master]
+    params_np = master_params(step, state)
     with jax.default_device(cpu):
-        params = (jax.tree.map(jnp.asarray, step.master_params(state)) if masters is None
-                  else step.layout.unpack([jnp.asarray(m) for m in masters]))
+        params = jax.tree.map(jnp.asarray, params_np)
         prompt = "**ROMEO**\n"  # the plays' speaker format
         ids = td.tokenizer.encode(prompt)
-        ctx = min(cfg.seq, mcfg.seq_len)
+        ctx = min(cfg.seq, model.max_seq)
         # fixed-length window (right-padded; attention is causal) so the forward compiles once
-        logits_fn = jax.jit(lambda p, t, pos: gpt.forward_logits(mcfg, p, t)[0, pos])
+        logits_fn = jax.jit(lambda p, t, pos: model.forward_logits(model.config, p, t)[0, pos])
         key = jax.random.key(cfg.seed + 1)
         for _ in range(cfg.sample_tokens):
             window = ids[-ctx:]
@@ -711,7 +815,7 @@ def run_guarded(job) -> int:
     """Run ``job()`` (a whole run that writes its folder under ``.partial`` and renames it at the
     end) with SIGTERM/SIGHUP turned into an unwind; returns the exit status: 0 done, 2 bad input
     (one line on stderr), 1 failed (:class:`JobFailed`, one line), 130 interrupted, 143 terminated
-    (the partial folder removed by ``job``'s own cleanup, or kept when it holds a checkpoint). Shared by the main job and experiments/finetune.py."""
+    (the partial folder removed by ``job``'s own cleanup, or kept when it holds a checkpoint)."""
     handlers = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGHUP):
@@ -738,9 +842,8 @@ def run_guarded(job) -> int:
 
 
 def main(argv=None) -> int:
-    cfg = parse_args(argv)
-
     def job():
+        cfg = parse_args(argv)
         budget = None if cfg.device_budget == "auto" else parse_budget(cfg.device_budget)
         relaunch_with_budget(cfg, budget)
         from experiments import distributed

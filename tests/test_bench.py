@@ -22,6 +22,7 @@ import pytest
 from experiments import baselines as bl
 from experiments import bench
 from experiments import gpu_measure as gm
+from experiments import measure
 from models import gpt
 
 CFG = gpt.get_config("micro")
@@ -224,7 +225,7 @@ def test_infeasible_budget_is_refused_before_running():
         raise AssertionError("an infeasible system must not be initialised or stepped")
 
     system.init = system.step = boom
-    rec = bench.measure_system(system, _worker_args("plain_jax", 2**20))
+    rec = measure.measure_system(system, _worker_args("plain_jax", 2**20))
     assert rec["feasible"] is False
     assert "> budget 1048576" in rec["infeasible_reason"]
     assert rec["compiled_memory"]["peak_bytes"] > 2**20
@@ -320,7 +321,7 @@ def test_driver_calls_merge_under_one_run_id(tmp_path, capsys):
 
 def test_timed_out_worker_keeps_the_steps_it_finished(tmp_path):
     def line(**kw):
-        return bench.PROGRESS_TAG + " " + json.dumps(kw)
+        return measure.PROGRESS_TAG + " " + json.dumps(kw)
 
     tails = {"zero_offload_style": [line(phase="compile", seconds=9.0), line(phase="init", seconds=30.0),
                                     line(phase="warmup", loss=7.0), line(phase="step", seconds=40.0, loss=6.9,
@@ -410,10 +411,10 @@ class _FakeSystem:
 
 
 def test_measure_system_protocol_with_the_profiled_step(capsys):
-    rec = bench.measure_system(_FakeSystem(), _worker_args("fake", 100, steps=3, profile_on_cpu=True))
+    rec = measure.measure_system(_FakeSystem(), _worker_args("fake", 100, steps=3, profile_on_cpu=True))
     # the progress lines on stderr carry what a worker killed by --worker-timeout measured
     args = _worker_args("fake", 100, steps=3)
-    part = bench.partial_from_progress(capsys.readouterr().err.splitlines(), args.batch, args.seq)
+    part = measure.partial_from_progress(capsys.readouterr().err.splitlines(), args.batch, args.seq)
     assert part["step_s_all"] == rec["step_s_all"] and part["losses"] == rec["losses"][:4]
     assert part["tokens_per_s"] == rec["tokens_per_s"] and part["update_s"] == 0.001
     assert rec["feasible"] and rec["losses"] == [6.0, 5.0, 4.0, 3.0, 2.0]  # warm-up, 3 timed, profiled
@@ -552,7 +553,7 @@ def test_chunkjax_refuses_a_plan_over_its_headroom(monkeypatch):
 
     monkeypatch.setattr(fit, "plan", plan_once)
     system.init = system.step = None  # must not be reached
-    rec = bench.measure_system(system, _worker_args("chunkjax", 2**30))
+    rec = measure.measure_system(system, _worker_args("chunkjax", 2**30))
     assert rec["feasible"] is False
     assert f"exceeds {HEADROOM:.0%} of the budget" in rec["infeasible_reason"]
     assert "no smaller plan" in rec["infeasible_reason"]
@@ -566,7 +567,7 @@ def test_chunkjax_out_of_memory_records_what_held_the_memory(monkeypatch):
     def oom(system, args):
         raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 515.81MiB")
 
-    monkeypatch.setattr(bench, "measure_system", oom)
+    monkeypatch.setattr(measure, "measure_system", oom)
     keep = jnp.ones((123, 457), jnp.float32)  # a live array the summary must list
     rec = bench_chunkjax.run_chunkjax(_worker_args("chunkjax", 2**30))
     assert rec["feasible"] is False and "RESOURCE_EXHAUSTED" in rec["error"]
@@ -641,7 +642,7 @@ def test_chunkjax_init_params_losses_match_plain_jax_step_by_step():
     batch, seq = 2, 32
 
     def losses(system):
-        b = bench.make_batch(CFG, batch, seq, 0, getattr(system, "dev_sh", None))
+        b = measure.make_batch(CFG, batch, seq, 0, getattr(system, "dev_sh", None))
         state, out = system.init(jax.random.key(0)), []
         for _ in range(3):
             state, loss = system.step(state, b)

@@ -1,7 +1,8 @@
 """Fine-tuning Llama models with chunkjax offloading, and the Hugging Face export (issue 7 part 3).
 
-* The chunked, offloaded step of experiments/finetune.py (plan_schedule with host updates, host
-  AdamW kernel, warm-up + cosine schedule, clipping) equals plain optax fine-tuning in float32:
+* The main job's step for a pre-trained Llama (``python -m experiments.train --init-from
+  smollm2-135m``: the one fit path with host updates, host AdamW kernel, warm-up + cosine
+  schedule, clipping) equals plain optax fine-tuning in float32:
   20 steps of a tiny random Llama (3 blocks), and 2 steps of the real SmolLM2-135M weights (the
   first block by default, all 30 with SMOLLM2_TEST_BLOCKS=30).
 * ``export_hf_checkpoint`` -> ``load_hf_checkpoint`` gives back identical params (pure numpy,
@@ -21,7 +22,7 @@ import numpy as np
 import optax
 import pytest
 
-from experiments import finetune as ft
+from experiments import job_model, train
 from models import llama
 
 REFENV_PY = "/tmp/refenv/bin/python"
@@ -63,11 +64,19 @@ def plain_optax(cfg, params, batches, tx):
     return p, losses
 
 
-def chunked(cfg, params, batches, spec, resident):
-    """experiments/finetune.py's step (forced resident set: a mix of device and host updates)."""
+def job_settings(**optimizer):
+    """The fine-tuning preset's settings with ``optimizer`` (lr, steps, warmup, weight_decay, clip)."""
+    return train.preset_config("smollm2-135m", device_budget=str(10**12), **optimizer)
+
+
+def chunked(cfg, params, batches, job, resident):
+    """The main job's step for ``--init-from`` (experiments/train.py ``fit_model``; forced
+    resident set: a mix of device and host updates)."""
     B, T1 = batches[0].shape
-    step, info = ft.build_chunked_step(cfg, B, T1 - 1, spec, jnp.float32, 10**12, resident=resident)
-    locs = set(info["schedule"].update_locations)
+    job = dataclasses.replace(job, batch=B, seq=T1 - 1)
+    step, rep, _ = train.fit_model(job, job_model.llama_model(cfg, params), compute_dtype=jnp.float32,
+                                   resident=resident)
+    locs = set(rep.schedule.update_locations)
     state = step.init(params)
     losses = []
     for b in batches:
@@ -83,9 +92,9 @@ def test_chunked_finetune_equals_optax_20_steps():
     distinct = [jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 17)), jnp.int32) for _ in range(4)]
     batches = [distinct[i % 4] for i in range(20)]  # seen again: the loss must fall
     # warm-up + cosine, clipping at a norm the early steps exceed, weight decay: all paths exercised
-    spec = ft.host_adamw(3e-3, steps=20, warmup=3, weight_decay=0.01, clip=0.5)
-    p_ref, l_ref = plain_optax(cfg, params, batches, spec.optax())
-    p_ch, l_ch, locs = chunked(cfg, params, batches, spec, resident=[0])
+    job = job_settings(lr=3e-3, steps=20, warmup=3, weight_decay=0.01, clip=0.5)
+    p_ref, l_ref = plain_optax(cfg, params, batches, train.host_spec(job).optax())
+    p_ch, l_ch, locs = chunked(cfg, params, batches, job, resident=[0])
     assert locs == {"device", "host"}
     err = np.max(np.abs(np.array(l_ch) - l_ref) / np.array(l_ref))
     print(f"20 steps: loss {l_ref[0]:.4f} -> {l_ref[-1]:.4f}; max relative loss difference {err:.2e}")
@@ -115,9 +124,9 @@ def test_chunked_finetune_equals_optax_smollm2():
     text = "**ROMEO**\nBut soft, what light through yonder window breaks? It is the east, and Juliet is the sun."
     ids = np.asarray(tok.encode(text).ids, np.int32)
     batches = [jnp.asarray(ids[None, i:i + 17]) for i in [(0, 4, 8)[k % 3] for k in range(steps)]]
-    spec = ft.host_adamw(1e-4, steps=steps, warmup=0, weight_decay=0.0, clip=1.0)
-    _, l_ref = plain_optax(cfg, params, batches, spec.optax())
-    _, l_ch, locs = chunked(cfg, params, batches, spec, resident=[0])
+    job = job_settings(lr=1e-4, steps=steps, warmup=0, weight_decay=0.0, clip=1.0)
+    _, l_ref = plain_optax(cfg, params, batches, train.host_spec(job).optax())
+    _, l_ch, locs = chunked(cfg, params, batches, job, resident=[0])
     assert "host" in locs
     err = np.max(np.abs(np.array(l_ch) - l_ref) / np.array(l_ref))
     print(f"SmolLM2 ({n} blocks) {steps} steps: losses {l_ref}; max relative difference {err:.2e}")
@@ -216,7 +225,8 @@ def test_transformers_loads_export(tmp_path):
 
 
 CLI_BAD_INPUT = [
-    (["--model", "gpt2"], "--model 'gpt2' is not known"),
+    (["--model", "gpt2"], "--model 'gpt2' with --init-from smollm2-135m"),
+    (["--tokenizer", "gpt2"], "--tokenizer 'gpt2' with --init-from smollm2-135m"),
     (["--steps", "0"], "--steps must be >= 1"),
     (["--lr", "nan"], "--lr must be a positive finite number"),
     (["--device-budget", "lots"], "--device-budget"),
@@ -227,16 +237,63 @@ CLI_BAD_INPUT = [
 def test_cli_bad_input(args, msg, capsys):
     """Each bad setting: exit status 2 and one line on stderr (main() in this process: the
     command-line entry point itself is run once, below)."""
-    assert ft.main(args) == 2
+    assert train.main(["--init-from", "smollm2-135m", *args]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and msg in lines[0], lines
 
 
+def test_unknown_preset(capsys):
+    assert train.main(["--init-from", "gpt5"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == ["error: --init-from 'gpt5' is not known: use one of smollm2-135m"], lines
+
+
+def test_preset_defaults_yield_to_flags():
+    cfg = train.parse_args(["--init-from", "smollm2-135m", "--steps", "7"])
+    assert (cfg.model, cfg.tokenizer, cfg.steps, cfg.seq, cfg.lr) == ("smollm2-135m", "smollm2", 7, 256, 2e-4)
+    assert cfg == train.preset_config("smollm2-135m", steps=7)
+
+
 def test_cli_bad_input_subprocess():
-    """``python -m experiments.finetune`` with a bad setting: status 2, one line on stderr."""
+    """``python -m experiments.train --init-from smollm2-135m`` with a bad setting: status 2, one
+    line on stderr."""
     args, msg = CLI_BAD_INPUT[0]
-    res = subprocess.run([sys.executable, "-m", "experiments.finetune", *args], cwd=ROOT, capture_output=True,
+    res = subprocess.run([sys.executable, "-m", "experiments.train", "--init-from", "smollm2-135m", *args], cwd=ROOT,
+                         capture_output=True,
                          text=True, timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert res.returncode == 2
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and msg in lines[0], res.stderr
+
+
+def test_preset_runs_the_main_job_loop(tmp_path, monkeypatch):
+    """``--init-from`` end to end through the main job's one loop (a tiny random Llama standing in
+    for SmolLM2, the bpe512 corpus standing in for the SmolLM2-tokenised plays): perplexity and
+    samples before and after, checkpoints, and a Hugging Face export of the trained master params."""
+    from _shared_data import bpe512_cache
+    from experiments import data as data_mod
+    td = data_mod.load_token_data("bpe512", bpe512_cache())  # already tokenised (the main job's tests share it)
+    tok = td.tokenizer
+    cfg = dataclasses.replace(TINY, name="tiny-llama", vocab_size=tok.vocab_size)
+    shapes = jax.eval_shape(lambda: llama.init_params(cfg, jax.random.key(0)))
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda a: (0.02 * rng.standard_normal(a.shape)).astype(np.float32), shapes)
+    monkeypatch.setattr(job_model, "load_pretrained", lambda name: (job_model.llama_model(cfg, params), tok))
+    # the corpus as tokenised ids (shakespeare_tokens would tokenise the plays again: 12 s)
+    monkeypatch.setattr(job_model, "shakespeare_tokens", lambda t: dataclasses.replace(
+        td, meta={"train_plays": ["(all training documents)"], "val_plays": ["(all held-out documents)"]}))
+    out = tmp_path / "runs"
+    rc = train.main(["--init-from", "smollm2-135m", "--steps", "3", "--batch", "2", "--seq", "32", "--eval-every", "3",
+                     "--eval-batches", "2", "--sample-tokens", "4", "--lr", "3e-3", "--warmup", "0", "--no-progress",
+                     "--out-dir", str(out)])
+    assert rc == 0
+    (run,) = out.iterdir()
+    assert run.name.endswith("-tiny-llama-ft")
+    rep = json.loads((run / "report.json").read_text())
+    assert rep["init_from"] == "smollm2-135m" and rep["tokenizer"] == "bpe512"
+    assert rep["val_ppl_after"] < rep["val_ppl_before"]  # 3 steps at 3e-3 from a random init
+    assert rep["sample_before"].startswith("**ROMEO**") and rep["sample"].startswith("**ROMEO**")
+    assert rep["val_plays"] and rep["checkpoints_kept"] == [3]
+    _, exported = llama.load_hf_checkpoint(run / "hf")
+    moved = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(exported), jax.tree.leaves(params), strict=True)]
+    assert all(moved)  # every tensor trained and exported

@@ -126,7 +126,7 @@ def test_tide_from_recorded_run(tmp_path, capsys):
 
 
 def test_plan_readable_summary():
-    out = plan._summary(plan.plan_report("micro", 8 * 2**20, None, 2, 64))
+    out = plan.summary(plan.plan_report("micro", 8 * 2**20, None, 2, 64))
     for word in ("chunkjax", "all_host", "zero_offload", "where the time goes", "exposed host update",
                  "estimated on cpu", "programs"):
         assert word in out, word

