@@ -30,8 +30,9 @@ import jax.numpy as jnp
 
 from chunkjax.cost import Rates
 from chunkjax.errors import PlanError
+from chunkjax.host_memory import check_host_lower_bound, check_host_need, host_memory_available_bytes, process_bytes
 from chunkjax.layout import ChunkLayout, build_layout, first_use_order
-from chunkjax.optim import state_bytes_per_chunk
+from chunkjax.optim import check_elementwise, state_bytes_per_chunk
 from chunkjax.plan import parse_bytes, plan_schedule
 from chunkjax.predict import ChunkBytes, chunk_bytes
 from chunkjax.stages import compose_loss
@@ -50,28 +51,6 @@ MAX_REPLANS = 4
 #: of the model's chunk bytes (compute params, master params, optimizer state), so that most model
 #: data stays in host memory and the plan still keeps what fits of the rest on the device.
 AUTO_BUDGET_MODEL_FRACTION = 0.2
-#: Host memory the process needs beyond the planned model data: the JAX runtime and the XLA
-#: compiler's working memory (measured: the CPU demo, ``python -m experiments.train``, peaked at
-#: 1.61 GiB RSS, 0.91 GiB above its 0.70 GiB of chunks and accounted device bytes). Initialising
-#: the state adds two float32 chunks (see :func:`host_need`).
-PROCESS_HOST_BYTES = 2**30
-
-_MSG_HOST = ("host memory: {what} needs {need_gib:.1f} GiB ({parts}) but this machine has {avail_gib:.1f} GiB "
-             "available (MemAvailable in /proc/meminfo): {fix}")
-
-
-class HostMemoryError(PlanError):
-    """The plan's host memory exceeds what the machine has available; nothing was allocated.
-
-    Attributes:
-      need_bytes: host bytes the run needs (model data in host memory, device memory that is host
-        memory on the CPU, the process's own need).
-      available_bytes: ``MemAvailable`` when checked.
-    """
-
-    def __init__(self, msg: str, need_bytes: int, available_bytes: int):
-        super().__init__(msg, 0, False)
-        self.need_bytes, self.available_bytes = int(need_bytes), int(available_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,24 +192,11 @@ def resolve_budget(budget) -> int | str:
     return n
 
 
-def host_memory_available_bytes() -> int | None:
-    """``MemAvailable`` of ``/proc/meminfo`` in bytes (what the kernel can give without swapping),
-    None where it cannot be read (the host check is then skipped)."""
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtype=jnp.bfloat16,
             chunk_size: int | None = None, min_chunks: int = 8, prefetch: int = 1, segments="auto",
             micro_batches: int = 1, nonfinite: str = "ignore", loss_scaling: bool = False, mesh=None,
             zero_stage: int = 0, flops_per_step: float | None = None, rates: Rates | None = None,
-            host_budget="auto", device_budget=None, check_host: bool = True) -> FitProblem:
+            host_budget="auto", device_budget=None, check_host: bool = True, check_tx: bool = True) -> FitProblem:
     """Layout and traces for a step (no allocation; the budget comes later).
 
     Args:
@@ -238,9 +204,11 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
       params: the params pytree: arrays or ``jax.ShapeDtypeStruct`` (only shapes are read), or
         a callable ``() -> params`` (evaluated abstractly with ``jax.eval_shape``).
       batch: the step's batch: an int32 (B, T+1) array or ``ShapeDtypeStruct``, B over all ranks.
-      tx, host_optimizer: the optax transformation and/or the host kernel spec
-        (``chunkjax.host_update.AdamW / Lion / SGDMomentum``; its ``optax()`` is ``tx`` when
-        omitted). With a host spec offloaded chunks update ``host``, else ``streamed``.
+      tx, host_optimizer: the optax transformation (elementwise: checked by
+        :func:`chunkjax.optim.check_elementwise` unless ``check_tx=False``) or the host kernel
+        spec (``chunkjax.host_update.AdamW / Lion / SGDMomentum``; its ``optax()`` runs the
+        device chunks), exactly one of them. With a host spec offloaded chunks update ``host``,
+        else ``streamed``.
       compute_dtype: dtype of compute params and gradients.
       chunk_size: elements per chunk; None searches (at least ``min_chunks`` chunks if it can).
       prefetch, segments: passed to the planner.
@@ -259,12 +227,20 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
         the problem plans, but :func:`build_step` needs a real mesh).
 
     Raises:
-      ValueError: no optimizer, a bad ZeRO stage or mesh, a batch that does not split over
+      ValueError: no optimizer or both, a transformation that is not elementwise, a compute
+        dtype that is not floating, a last stage that does not return a scalar, a bad ZeRO stage or mesh, a batch that does not split over
         ranks x micro-batches, a chunk size below the largest leaf.
       HostMemoryError: even the least host memory any plan needs exceeds what is available.
     """
-    if tx is None and host_optimizer is None:
-        raise ValueError("pass tx (an optax transformation) and/or host_optimizer (chunkjax.host_update spec)")
+    if (tx is None) == (host_optimizer is None):
+        raise ValueError("pass either tx (an optax transformation: offloaded chunks update streamed through the "
+                         "device) or host_optimizer (a chunkjax.host_update spec: they update on the host; its "
+                         "optax() twin runs the device chunks), not " + ("neither" if tx is None else "both"))
+    if not jnp.issubdtype(jnp.dtype(compute_dtype), jnp.floating):
+        raise ValueError(f"compute_dtype={jnp.dtype(compute_dtype)}: use a floating dtype "
+                         "(jnp.bfloat16, jnp.float16 or jnp.float32)")
+    if tx is not None and check_tx:
+        check_elementwise(tx)
     tx = host_optimizer.optax() if tx is None else tx
     zero_stage = int(zero_stage or 0)
     if zero_stage not in (0, 1, 2, 3) or (zero_stage > 0) != (mesh is not None):
@@ -280,7 +256,14 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
                          f"use a multiple of {n_ranks * micro_batches}")
     gbatch = jax.ShapeDtypeStruct((rows, t1), batch.dtype)
     tbatch = jax.ShapeDtypeStruct((rows // (n_ranks * micro_batches), t1), batch.dtype)  # what one rank traces
-    order = first_use_order(lambda p, b: compose_loss(stages, p, b), aparams, tbatch)
+    def loss_of(p, b):
+        loss = compose_loss(stages, p, b)
+        if jnp.shape(loss) != ():
+            raise ValueError(f"the last stage ({stages[-1].name!r}) returns shape {jnp.shape(loss)}: it must "
+                             "return the scalar loss (e.g. the mean over the batch)")
+        return loss
+
+    order = first_use_order(loss_of, aparams, tbatch)
     layout = build_layout(aparams, chunk_size, order, min_chunks=min_chunks)
     if zero_stage:
         from chunkjax.topology import build_zero_layout
@@ -295,7 +278,7 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
         host_budget = None
         if avail is not None:
             on_cpu = n_ranks * device_budget if platform == "cpu" and isinstance(device_budget, int) else 0
-            host_budget = max(0, avail - _process_bytes(layout) - on_cpu)
+            host_budget = max(0, avail - process_bytes(layout) - on_cpu)
     elif host_budget is not None:
         host_budget = resolve_budget(host_budget)
     if flops_per_step is None:
@@ -377,11 +360,6 @@ def compiled_peak(problem: FitProblem, step, schedule) -> dict:
             "update_phase_bytes": int(update_phase), "programs": progs}
 
 
-def _process_bytes(layout: ChunkLayout) -> int:
-    # the runtime and compiler, plus initialisation's two float32 chunk buffers
-    return PROCESS_HOST_BYTES + 2 * 4 * layout.chunk_size
-
-
 def host_need(problem: FitProblem, schedule) -> dict:
     """Host bytes a run of ``schedule`` needs, all ranks of this process together.
 
@@ -389,7 +367,7 @@ def host_need(problem: FitProblem, schedule) -> dict:
     each local device's replica of the params), master params and optimizer state of ``streamed``
     chunks. ``pageable_bytes``: master params and optimizer state of ``host``-updated chunks (numpy).
     ``device_on_host_bytes``: on the CPU the device's memory is host memory (each rank's predicted
-    peak). ``process_bytes``: :data:`PROCESS_HOST_BYTES` plus two float32 chunks. ``need_bytes``:
+    peak). ``process_bytes``: :data:`chunkjax.host_memory.PROCESS_HOST_BYTES` plus two float32 chunks. ``need_bytes``:
     their sum.
     """
     p, cb = problem, problem.cb
@@ -404,66 +382,9 @@ def host_need(problem: FitProblem, schedule) -> dict:
         else:
             pinned += cb.state
     dev = p.n_ranks * schedule.predicted.peak_device_bytes if p.platform == "cpu" else 0
-    proc = _process_bytes(p.layout)
+    proc = process_bytes(p.layout)
     return {"pinned_host_bytes": int(pinned), "pageable_bytes": int(pageable), "device_on_host_bytes": int(dev),
             "process_bytes": int(proc), "need_bytes": int(pinned + pageable + dev + proc)}
-
-
-def _refuse_host(need: dict, avail: int, what: str, fix: str):
-    gib = lambda b: b / 2**30  # noqa: E731
-    parts = [f"{gib(need['pinned_host_bytes']):.1f} GiB pinned", f"{gib(need['pageable_bytes']):.1f} GiB pageable"]
-    if need.get("device_on_host_bytes"):
-        parts.append(f"{gib(need['device_on_host_bytes']):.1f} GiB of device memory, host memory on the CPU")
-    parts.append(f"{gib(need['process_bytes']):.1f} GiB for the process")
-    raise HostMemoryError(_MSG_HOST.format(what=what, need_gib=gib(need["need_bytes"]), parts=" + ".join(parts),
-                                           avail_gib=gib(avail), fix=fix), need["need_bytes"], avail)
-
-
-def check_host_need(need: dict, what: str, platform: str, available: int | None = None) -> dict:
-    """Refuse ``need`` (a :func:`host_need`-shaped dict of bytes: ``pinned_host_bytes``,
-    ``pageable_bytes``, ``device_on_host_bytes``, ``process_bytes``, ``need_bytes``) when it
-    exceeds ``available`` (default :func:`host_memory_available_bytes`); returns it with
-    ``available_bytes``. Used by every path that builds a step or optimizer from a budget.
-
-    Raises:
-      HostMemoryError: one line saying what to change.
-    """
-    avail = host_memory_available_bytes() if available is None else available
-    if avail is not None and need["need_bytes"] > avail:
-        _refuse_host(need, avail, what, _host_fix(platform))
-    return dict(need, available_bytes=avail)
-
-
-def _host_fix(platform: str) -> str:
-    if platform == "cpu":
-        return "train a smaller model (on the CPU all model data is host memory) or free host memory"
-    return "give the device a larger budget, train a smaller model, or free host memory"
-
-
-def check_host_lower_bound(layout: ChunkLayout, cb: ChunkBytes, platform: str, n_ranks: int = 1,
-                           device_budget=None, available: int | None = None) -> None:
-    """Refuse before tracing when even the best plan cannot fit host memory: on the CPU every
-    chunk's compute params, master params and optimizer state are host memory; elsewhere what the
-    devices' budgets cannot hold is.
-
-    Raises:
-      HostMemoryError: the lower bound plus the process's own need exceeds ``available``.
-    """
-    if available is None:
-        return
-    model = layout.n_chunks * (cb.params + cb.state)
-    if platform == "cpu":
-        low = model
-    elif isinstance(device_budget, int):
-        low = max(0, model - n_ranks * device_budget)
-    else:
-        return
-    need = {"pinned_host_bytes": 0, "pageable_bytes": int(low), "device_on_host_bytes": 0,
-            "process_bytes": _process_bytes(layout)}
-    need["need_bytes"] = int(low) + need["process_bytes"]
-    if need["need_bytes"] > available:
-        _refuse_host(need, available, f"the model data alone ({model / 2**30:.1f} GiB in {layout.n_chunks} chunks)",
-                     _host_fix(platform))
 
 
 def check_host_memory(problem: FitProblem, schedule, available: int | None = None) -> dict:

@@ -42,7 +42,6 @@ and of a linen loop::
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import jax
@@ -59,17 +58,9 @@ from chunkjax.predict import chunk_bytes
 #: Default of ``min_chunks``: the chunk-size search prefers sizes giving at least this many chunks
 #: (finer chunks let more of the state stay on the device under a budget).
 DEFAULT_MIN_CHUNKS = 8
-#: Probe tolerance (relative) when checking that ``tx`` is elementwise.
-PROBE_RTOL = 1e-4
 
 _MSG_NOT_FLOAT = ("leaf {path!r} has dtype {dtype}: ChunkedOptimizer trains floating-point leaves only; "
                   "pass only the trainable params (nnx.state(model, nnx.Param), or variables['params'] of linen)")
-_MSG_NOT_ELEMENTWISE = (
-    "the optax transformation gives different updates chunk by chunk than on the whole pytree ({why}): "
-    "it is not elementwise. Per-leaf quantities are not supported (lamb / lars trust ratios, "
-    "adaptive_grad_clip, masks by leaf name or ndim such as adamw(mask=...), a global norm of "
-    "transformed updates such as chain(scale_by_adam(), clip_by_global_norm(...))); "
-    "clip_by_global_norm of the incoming gradients is supported. Pass check_tx=False to skip this check")
 _MSG_STRUCTURE = "grads do not have the params' structure ({n} leaves expected): {err}"
 
 
@@ -95,58 +86,6 @@ def _sub_layout(layout: ChunkLayout, c: int) -> tuple[ChunkLayout, tuple[int, ..
     sub = ChunkLayout(treedef=jax.tree.structure([0] * len(idx)), slots=slots, chunk_size=layout.chunk_size,
                       chunk_dtypes=(layout.chunk_dtypes[c],))
     return sub, idx
-
-
-def _probe_elementwise(tx: optax.GradientTransformation) -> None:
-    """Raise ValueError if ``tx`` does not give the same updates chunk by chunk as on a whole
-    pytree: a three-leaf tree (2x3, 5 and 4 elements, params ~ N(0, 100^2) so that weight decay
-    shows) in two chunks ([a, b] and [c]), 3 steps with gradients of norm ~ 40 (above usual
-    clipping thresholds). Each chunk's update is called as :func:`optim.update_chunk` calls it
-    (the chunk plus a rest-of-model leaf carrying the global norm); the updates are compared
-    before they are added to the params (adding them to params ~ 100 would round them)."""
-    rng = np.random.default_rng(0)
-    shapes = {"a": (2, 3), "b": (5,), "c": (4,)}
-    groups = (("a", "b"), ("c",))
-    params = {k: jnp.asarray(100 * rng.normal(size=s), jnp.float32) for k, s in shapes.items()}
-    zero = jnp.zeros((), optim.MASTER_DTYPE)
-
-    def cat(tree, ks):
-        return jnp.concatenate([jnp.ravel(tree[k]) for k in ks])
-
-    grads = [{k: jnp.asarray(10 * rng.normal(size=s), jnp.float32) for k, s in shapes.items()} for _ in range(3)]
-
-    @jax.jit  # one compilation instead of one per eager op
-    def run(params, grads):
-        state = tx.init(params)
-        chunks = [cat(params, ks) for ks in groups]
-        cstate = [optim.init_chunk_state(tx, m) for m in chunks]
-        whole, chunked = [], []
-        for g_tree in grads:
-            upd, state = tx.update(g_tree, state, params)
-            params = optax.apply_updates(params, upd)
-            total = sum(jnp.sum(jnp.square(g)) for g in g_tree.values())
-            whole.append([cat(upd, ks) for ks in groups])
-            row = []
-            for j, ks in enumerate(groups):
-                g = cat(g_tree, ks)
-                rest = jnp.sqrt(jnp.maximum(total - jnp.sum(jnp.square(g)), 0.0))
-                u, cstate[j] = tx.update([g, rest], cstate[j], [chunks[j], zero])
-                chunks[j] = chunks[j] + u[0]
-                row.append(u[0])
-            chunked.append(row)
-        return whole, chunked
-
-    try:
-        whole, chunked = jax.device_get(run(params, grads))
-    except Exception as e:  # noqa: BLE001 - any failure on a foreign tree means tx reads structure
-        raise ValueError(_MSG_NOT_ELEMENTWISE.format(why=f"it fails on a probe tree: {type(e).__name__}: {e}")) from e
-    for step, (w_row, c_row) in enumerate(zip(whole, chunked)):
-        for j, (want, got) in enumerate(zip(w_row, c_row)):
-            scale = float(np.max(np.abs(want))) + 1e-30
-            if not np.allclose(got, want, rtol=PROBE_RTOL, atol=PROBE_RTOL * scale):
-                raise ValueError(_MSG_NOT_ELEMENTWISE.format(
-                    why=f"probe chunk {j} update differs by {float(np.max(np.abs(got - want))):.3g} "
-                        f"(updates up to {scale:.3g}) at step {step + 1}"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,7 +170,7 @@ class ChunkedOptimizer:
                 raise TypeError(_MSG_NOT_FLOAT.format(path=jax.tree_util.keystr(p, simple=True, separator="/"),
                                                       dtype=dt))
         if check_tx:
-            _probe_elementwise(tx)
+            optim.check_elementwise(tx)
         self.tx = tx
         self.layout = build_layout(params, chunk_size, order, min_chunks=min_chunks)
         lay = self.layout
@@ -248,11 +187,11 @@ class ChunkedOptimizer:
         self.host_state_bytes = int(plan.predicted.host_model_bytes)
         # issue 21: refuse before allocating when host memory cannot hold the offloaded state (on
         # the CPU the device's share is host memory too)
-        from chunkjax.fit import PROCESS_HOST_BYTES, check_host_need
+        from chunkjax.host_memory import check_host_need, process_bytes
         on_cpu = jax.default_backend() == "cpu"
         need = {"pinned_host_bytes": self.host_state_bytes, "pageable_bytes": 0,
                 "device_on_host_bytes": self.device_state_bytes if on_cpu else 0,
-                "process_bytes": PROCESS_HOST_BYTES + 2 * 4 * lay.chunk_size}
+                "process_bytes": process_bytes(lay)}
         need["need_bytes"] = sum(need.values())
         check_host_need(need, "the optimizer state", jax.default_backend())
         self.step = 0

@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 #: Master params and optimizer moments are kept in float32 (mixed precision rule).
@@ -89,3 +90,66 @@ def state_bytes_per_chunk(tx: optax.GradientTransformation, chunk_size: int) -> 
     """Bytes of one chunk's optax state (abstract: nothing is allocated)."""
     st = jax.eval_shape(lambda: init_chunk_state(tx, jnp.zeros((chunk_size,), MASTER_DTYPE)))
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(st))
+
+
+#: Probe tolerance (relative) when checking that ``tx`` is elementwise.
+PROBE_RTOL = 1e-4
+_MSG_NOT_ELEMENTWISE = (
+    "the optax transformation gives different updates chunk by chunk than on the whole pytree ({why}): "
+    "it is not elementwise. Per-leaf quantities are not supported (lamb / lars trust ratios, "
+    "adaptive_grad_clip, masks by leaf name or ndim such as adamw(mask=...), a global norm of "
+    "transformed updates such as chain(scale_by_adam(), clip_by_global_norm(...))); "
+    "clip_by_global_norm of the incoming gradients is supported. pass check_tx=False to skip this check")
+
+def check_elementwise(tx: optax.GradientTransformation) -> None:
+    """Refuse an optax transformation that is not elementwise (definitions.md): every path that
+    runs ``tx`` chunk by chunk calls this (the staged step through :func:`chunkjax.fit.prepare`,
+    the drop-in optimizers). Raises ValueError (one line naming what is not supported) if ``tx``
+    does not give the same updates chunk by chunk as on a whole pytree: a three-leaf tree (2x3, 5 and 4 elements, params ~ N(0, 100^2) so that weight decay
+    shows) in two chunks ([a, b] and [c]), 3 steps with gradients of norm ~ 40 (above usual
+    clipping thresholds). Each chunk's update is called as :func:`optim.update_chunk` calls it
+    (the chunk plus a rest-of-model leaf carrying the global norm); the updates are compared
+    before they are added to the params (adding them to params ~ 100 would round them)."""
+    rng = np.random.default_rng(0)
+    shapes = {"a": (2, 3), "b": (5,), "c": (4,)}
+    groups = (("a", "b"), ("c",))
+    params = {k: jnp.asarray(100 * rng.normal(size=s), jnp.float32) for k, s in shapes.items()}
+    zero = jnp.zeros((), MASTER_DTYPE)
+
+    def cat(tree, ks):
+        return jnp.concatenate([jnp.ravel(tree[k]) for k in ks])
+
+    grads = [{k: jnp.asarray(10 * rng.normal(size=s), jnp.float32) for k, s in shapes.items()} for _ in range(3)]
+
+    @jax.jit  # one compilation instead of one per eager op
+    def run(params, grads):
+        state = tx.init(params)
+        chunks = [cat(params, ks) for ks in groups]
+        cstate = [init_chunk_state(tx, m) for m in chunks]
+        whole, chunked = [], []
+        for g_tree in grads:
+            upd, state = tx.update(g_tree, state, params)
+            params = optax.apply_updates(params, upd)
+            total = sum(jnp.sum(jnp.square(g)) for g in g_tree.values())
+            whole.append([cat(upd, ks) for ks in groups])
+            row = []
+            for j, ks in enumerate(groups):
+                g = cat(g_tree, ks)
+                rest = jnp.sqrt(jnp.maximum(total - jnp.sum(jnp.square(g)), 0.0))
+                u, cstate[j] = tx.update([g, rest], cstate[j], [chunks[j], zero])
+                chunks[j] = chunks[j] + u[0]
+                row.append(u[0])
+            chunked.append(row)
+        return whole, chunked
+
+    try:
+        whole, chunked = jax.device_get(run(params, grads))
+    except Exception as e:  # noqa: BLE001 - any failure on a foreign tree means tx reads structure
+        raise ValueError(_MSG_NOT_ELEMENTWISE.format(why=f"it fails on a probe tree: {type(e).__name__}: {e}")) from e
+    for step, (w_row, c_row) in enumerate(zip(whole, chunked)):
+        for j, (want, got) in enumerate(zip(w_row, c_row)):
+            scale = float(np.max(np.abs(want))) + 1e-30
+            if not np.allclose(got, want, rtol=PROBE_RTOL, atol=PROBE_RTOL * scale):
+                raise ValueError(_MSG_NOT_ELEMENTWISE.format(
+                    why=f"probe chunk {j} update differs by {float(np.max(np.abs(got - want))):.3g} "
+                        f"(updates up to {scale:.3g}) at step {step + 1}"))

@@ -54,7 +54,8 @@ class ChunkjaxSystem:
         self.rates, self.matmul_tflops = calibrated_rates()
         t0 = time.perf_counter()
         self.problem = fit.prepare(gpt.gpt_stages(cfg), gpt.abstract_params(cfg),
-                                   jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32), tx=self.spec.optax(),
+                                   jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32),
+                                   tx=None if host_update else self.spec.optax(),
                                    host_optimizer=self.spec if host_update else None, compute_dtype=jnp.bfloat16,
                                    prefetch=prefetch, segments=segments, mesh=self.mesh, zero_stage=self.zero_stage,
                                    flops_per_step=cfg.flops_per_token(seq) * batch * seq, rates=self.rates,

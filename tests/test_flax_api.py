@@ -214,7 +214,7 @@ def test_placement_is_the_optimizer_only_policy():
 def test_host_memory_refused_before_allocation(monkeypatch):
     """Issue 21, item 4 on the drop-in path: an optimizer whose state cannot fit the host's
     available memory is refused in one line before any chunk is allocated."""
-    import chunkjax.fit as fit_mod
+    import chunkjax.host_memory as fit_mod
 
     params = {"w": np.zeros((256, 256), np.float32), "b": np.zeros((256,), np.float32)}
     monkeypatch.setattr(fit_mod, "host_memory_available_bytes", lambda: 2**20)  # 1 MiB "free"
