@@ -423,7 +423,8 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
     if not isinstance(ranks, int) or ranks < 1:
         raise ValueError(f"ranks must be an int >= 1, got {ranks!r}: use 1 for one device")
     if ranks == 1 and zero_stage is not None:
-        raise ValueError(f"zero_stage={zero_stage} needs ranks > 1 (one device has nothing to shard)")
+        raise ValueError(f"zero_stage={zero_stage} needs ranks > 1 (one device has nothing to shard): "
+                         "pass ranks=N or zero_stage=None")
     stage = 3 if zero_stage is None else zero_stage
     if ranks > 1 and stage not in (1, 2, 3):
         raise ValueError(f"zero_stage must be 1, 2 or 3, got {zero_stage}")

@@ -292,6 +292,10 @@ def run(cfg: TrainConfig) -> dict:
         raise UsageError(f"--seq {cfg.seq} exceeds the model's {model.max_seq} positions: use --seq <= {model.max_seq}")
     platform = jax.devices()[0].platform
     n_dev = jax.device_count() if cfg.zero_stage else 1  # every process's devices under jax.distributed
+    if cfg.zero_stage and n_dev < 2:
+        raise UsageError(f"--zero-stage {cfg.zero_stage} needs more than one device (this machine has one: nothing "
+                         "to shard): drop --zero-stage, or run on several GPUs (or, on a CPU, set XLA_FLAGS="
+                         "--xla_force_host_platform_device_count=8 to test)")
     if cfg.batch % (n_dev * cfg.micro_batches):
         raise UsageError(f"--batch {cfg.batch} does not split over {n_dev} devices x {cfg.micro_batches} micro-batches: "
                          f"use a multiple of {n_dev * cfg.micro_batches}")
@@ -315,7 +319,8 @@ def run(cfg: TrainConfig) -> dict:
         raise UsageError(f"--data-cache {cfg.data_cache!r}: {e.strerror}: pick a writable folder") from None
     if td.vocab_size > model.vocab_size:
         raise UsageError(f"tokenizer {td.tokenizer.name} has {td.vocab_size} tokens but model {model.name} only "
-                         f"{model.vocab_size} rows: pick --tokenizer gpt2 with GPT-2 sized models")
+                         f"{model.vocab_size} rows: pick a tokenizer that fits it (--tokenizer bpe{model.vocab_size} trains a BPE of "
+                         f"that size on the corpus; --tokenizer gpt2 needs a model with >= 50257 rows)")
 
     rates = None
     if platform == "gpu":  # the cost model calibrated on this machine, as the benchmark plans
