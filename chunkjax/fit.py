@@ -35,7 +35,7 @@ from chunkjax.layout import ChunkLayout, build_layout, first_use_order
 from chunkjax.optim import check_elementwise, state_bytes_per_chunk
 from chunkjax.plan import parse_bytes, plan_schedule
 from chunkjax.predict import ChunkBytes, chunk_bytes
-from chunkjax.stages import compose_loss
+from chunkjax.stages import check_param_keys, compose_loss
 from chunkjax.trace import trace_stages
 
 #: Fraction of the device budget the compiled step may use: its largest program (arguments +
@@ -256,6 +256,9 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
                          f"use a multiple of {n_ranks * micro_batches}")
     gbatch = jax.ShapeDtypeStruct((rows, t1), batch.dtype)
     tbatch = jax.ShapeDtypeStruct((rows // (n_ranks * micro_batches), t1), batch.dtype)  # what one rank traces
+    check_param_keys(stages, [jax.tree_util.keystr(k, simple=True, separator="/")
+                              for k, _ in jax.tree_util.tree_flatten_with_path(aparams)[0]])
+
     def loss_of(p, b):
         loss = compose_loss(stages, p, b)
         if jnp.shape(loss) != ():

@@ -45,8 +45,28 @@ def compose_loss(stages, params, batch):
 
 def stage_reads(stages, layout) -> tuple[tuple[int, ...], ...]:
     """Per stage, the chunk ids it reads (its ``param_keys``' chunks in ``layout``, a
-    :class:`chunkjax.layout.ChunkLayout`)."""
+    :class:`chunkjax.layout.ChunkLayout`).
+
+    Raises:
+      ValueError: a stage names a top-level key the params do not have (one line naming it).
+    """
+    check_param_keys(stages, [s.path for s in layout.slots])
     return tuple(layout.chunks_of(st.param_keys) for st in stages)
+
+
+def check_param_keys(stages, leaf_paths) -> None:
+    """Refuse a stage whose ``param_keys`` name no leaf (``leaf_paths``: every leaf's ``"a/b/c"``
+    path, as :class:`chunkjax.layout.LeafSlot` writes them).
+
+    Raises:
+      ValueError: one line naming the stage, the missing key(s) and the top-level keys there are.
+    """
+    paths = list(leaf_paths)
+    for st in stages:
+        missing = [k for k in st.param_keys if not any(p == k or p.startswith(k + "/") for p in paths)]
+        if missing:
+            raise ValueError(f"stage {st.name!r} names param key(s) {missing} that the params do not have "
+                             f"(top-level keys: {sorted({p.split('/')[0] for p in paths})})")
 
 
 def first_readers(reads) -> dict[int, int]:

@@ -48,3 +48,10 @@ def test_last_stage_must_return_a_scalar(micro):
     per_row = dataclasses.replace(head, apply=lambda p, x, b: jnp.full((b.shape[0],), head.apply(p, x, b)))
     with pytest.raises(ValueError, match=r"the last stage \('head'\) returns shape \(4,\): it must return the scalar loss"):
         cj.fit_step(stages[:-1] + (per_row,), params, batch, host_optimizer=AdamW(3e-4), device_budget="1GiB")
+
+
+def test_stage_naming_a_missing_param_key_is_one_line(micro):
+    stages, params, batch = micro
+    bad = (dataclasses.replace(stages[0], param_keys=("wte", "nope")),) + tuple(stages[1:])
+    with pytest.raises(ValueError, match=r"stage 'embed' names param key\(s\) \['nope'\] that the params do not have"):
+        cj.fit_step(bad, params, batch, host_optimizer=AdamW(3e-4), device_budget="1GiB")
