@@ -25,21 +25,18 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def main(pid: int, n_proc: int, port: int, seed: int, ckpt: str, out: str) -> None:
-    import jax
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(f"localhost:{port}", num_processes=n_proc, process_id=pid)
     import importlib.util
     spec = importlib.util.spec_from_file_location("zmw", os.path.join(HERE, "zero_multiprocess_worker.py"))
     zmw = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(zmw)
+    cfg, params, batches, layout, step = zmw.joined(pid, n_proc, port, seed)
+    import jax
+
     import chunkjax as cj
     from chunkjax import checkpoint as ck
-    from chunkjax.topology import build_zero_layout, data_mesh
+    from chunkjax.topology import data_mesh
     from models import gpt
-    cfg, params, batches, tx = zmw.draw(seed)
     n = len(jax.devices())
-    layout = build_zero_layout(params, n, cfg.vocab_size * cfg.d_model)
-    step = zmw.make_step(cj, gpt.gpt_stages(cfg), layout, tx, data_mesh())
     state = step.init(params)
     losses = []
     for i, b in enumerate(batches):

@@ -29,3 +29,17 @@ def make_step(cj, stages, layout, tx, mesh):
     import jax.numpy as jnp
     placement = cj.Placement.uniform(layout.n_chunks, cj.DEVICE, cj.DEVICE)
     return cj.make_chunked_step(stages, layout, placement, tx, jnp.float32, mesh=mesh, zero_stage=3)
+
+
+def joined(pid: int, n_proc: int, port: int, seed: int):
+    """Join the localhost ``jax.distributed`` job (gloo CPU collectives) and build the shared
+    model's step over every process's devices: ``(cfg, params, batches, layout, step)``."""
+    import jax
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"localhost:{port}", num_processes=n_proc, process_id=pid)
+    import chunkjax as cj
+    from chunkjax.topology import build_zero_layout, data_mesh
+    from models import gpt
+    cfg, params, batches, tx = draw(seed)
+    layout = build_zero_layout(params, len(jax.devices()), cfg.vocab_size * cfg.d_model)
+    return cfg, params, batches, layout, make_step(cj, gpt.gpt_stages(cfg), layout, tx, data_mesh())
