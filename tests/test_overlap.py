@@ -209,3 +209,67 @@ def test_four_micro_batches_with_clipping_equal_optax(setup, speculate_always):
     _assert_equal_to_optax(step, state, losses, ref)
     assert all(s == len(step.host_chunks) for s, _ in counts)
     assert 0 < sum(r > 0 for _, r in counts) < STEPS
+
+
+# ---- update placement by rate (issue 23 item 1) --------------------------------------------------
+
+def _plan_inputs(setup, spec):
+    cfg, params, batches, stages, layout, traces = setup
+    cb = cj.chunk_bytes(layout, jnp.float32, state_bytes_per_chunk(spec.optax(), layout.chunk_size))
+    with pytest.raises(cj.PlanError) as e:
+        plan_schedule(layout, traces, cb, 1000, flops_per_step=1e9)
+    return layout, traces, cb, e.value.min_budget_bytes, cfg.flops_per_token(T) * B * T
+
+
+@pytest.mark.parametrize("host_ns", [0.27, 2.0, 0.01])
+def test_split_is_the_cost_models_fastest(setup, host_ns):
+    """At the smallest budget (every chunk offloaded), the planner moves the host chunks whose
+    gradients complete last to ``streamed`` in the number that minimises the predicted step
+    (checked against every count), for a fast, a slow and a very fast host kernel; with
+    ``split=False`` every offloaded chunk stays on the host."""
+    from chunkjax import predict as pr
+    from chunkjax.cost import Rates
+    from chunkjax.tide import memory_tide
+    spec = AdamW(3e-3, weight_decay=0.1)
+    layout, traces, cb, budget, flops = _plan_inputs(setup, spec)
+    rates = Rates(host_update_s_per_param=host_ns * 1e-9)
+    kw = dict(flops_per_step=flops, rates=rates)
+    host_only = plan_schedule(layout, traces, cb, budget, split=False, **kw)
+    assert set(host_only.update_locations) == {"host"}
+    tide = memory_tide(traces, layout.chunk_size)
+    done = pr.grad_done_moments(traces, tide)
+    order = sorted(range(layout.n_chunks), key=lambda c: (-done.get(c, len(tide.moments)), c))
+    times = []
+    for j in range(layout.n_chunks + 1):
+        loc = tuple("streamed" if c in order[:j] else "host" for c in range(layout.n_chunks))
+        p = pr.predict(layout.chunk_size, traces, tide, cb, host_only.param_kinds, loc, host_only.fetch,
+                       host_only.segments, host_only.predicted.device_bytes_per_moment, **kw)
+        times.append(p.time.step_s if p.peak_device_bytes <= budget else np.inf)
+    s = plan_schedule(layout, traces, cb, budget, **kw)
+    j = sum(u == "streamed" for u in s.update_locations)
+    assert s.update_locations == tuple("streamed" if c in order[:j] else "host" for c in range(layout.n_chunks))
+    assert s.predicted.time.step_s == pytest.approx(times[j], rel=1e-12)
+    assert times[j] <= min(times) * (1 + 0.02)
+    t = s.predicted.time
+    if host_ns == 0.01:  # a host this fast finishes inside the step: nothing to move
+        assert j == 0
+    else:
+        assert 0 < j < layout.n_chunks
+        assert t.step_s < host_only.predicted.time.step_s
+        assert t.step_s == pytest.approx(t.forward_s + t.backward_s + t.device_update_s
+                                         + max(t.host_update_exposed_s, t.streamed_update_s))
+
+
+def test_mixed_host_and_streamed_step_equals_optax(setup, speculate_always):
+    """The split schedule (host and streamed chunks) with clipping runs the host kernel and the
+    streamed updates in the same step; equals optax over 8 steps (clipping fires on some)."""
+    cfg, params, batches, stages, layout, traces = setup
+    _, _, free = _reference(cfg, params, batches[:8], AdamW(3e-3, weight_decay=0.1))
+    spec = AdamW(3e-3, weight_decay=0.1, max_grad_norm=float(np.median(free)))
+    layout, traces, cb, budget, flops = _plan_inputs(setup, spec)
+    sched = plan_schedule(layout, traces, cb, budget, flops_per_step=flops)
+    assert set(sched.update_locations) == {"host", "streamed"}
+    step = cj.make_chunked_step(stages, layout, sched, host_optimizer=spec, compute_dtype=jnp.float32)
+    state, losses, counts = _train(step, params, batches[:8])
+    _assert_equal_to_optax(step, state, losses, _reference(cfg, params, batches[:8], spec))
+    assert all(s == len(step.host_chunks) for s, _ in counts) and any(r for _, r in counts)
