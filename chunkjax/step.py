@@ -103,7 +103,7 @@ class ChunkedStep(StepChunkIO):
         call) raises :class:`chunkjax.updaters.HostDeadlineError`; None: the larger of 300 s and
         50 predicted step times (:func:`chunkjax.updaters.host_deadline_s`).
       speculation_bytes: host backup bytes of speculative host updates (:mod:`chunkjax.speculate`;
-        12 per AdamW param speculated); None: its ``DEFAULT_BACKUP_BYTES``; 0: no speculation.
+        12 per AdamW param speculated); None: its ``auto_backup_bytes()``; 0: no speculation.
 
     Raises (at construction):
       ValueError: a bad ``micro_batches``, ``nonfinite`` or ``prefetch``, a placement that

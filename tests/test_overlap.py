@@ -156,6 +156,13 @@ def test_bounded_pool_and_no_speculation_are_bit_identical(setup, speculate_alwa
             np.testing.assert_array_equal(a, b)
     with pytest.raises(ValueError, match="speculation_bytes"):
         speculate.BackupPool(-1)
+    pool = speculate.BackupPool(1 << 30)  # a chunk above the parallel-copy threshold, copied by all cores
+    src = np.random.default_rng(0).standard_normal(3 * speculate._PARALLEL_COPY_MIN + 5).astype(np.float32)
+    (dst,) = pool.take([src.size])
+    pool.copy(dst, src)
+    np.testing.assert_array_equal(dst, src)
+    pool.give([dst])
+    assert pool.in_use_bytes == 0 and pool.allocated_bytes == pool.peak_in_use_bytes == 4 * src.size
 
 
 def test_nonfinite_step_restores_speculated_chunks(setup, speculate_always):
