@@ -177,7 +177,10 @@ def split_updates(chunk_size: int, traces, tide: Tide, cb: ChunkBytes, budget: i
     through the device after the backward, while the host thread finishes the rest) in the number
     that minimises the predicted step time, ``fwd + bwd + device updates + max(host tail, streamed
     updates)`` (:class:`chunkjax.cost.PipelinedStepTime`). The host tail shrinks and the streamed
-    time grows with each chunk moved, so the best count is found by bisection on where they cross.
+    time grows with each chunk moved, so the best count is found by bisection on where they cross;
+    counts within :data:`NEAR_TIE` of the fastest go to the fewest chunks moved (fewer bytes over
+    PCIe, and a plan that changes less with the budget), and no chunk moves when that is itself
+    within :data:`NEAR_TIE`.
 
     Args:
       chunk_size, traces, tide, cb, param_kinds, fetch, segments, moment_bytes, rates,
@@ -198,10 +201,10 @@ def split_updates(chunk_size: int, traces, tide: Tide, cb: ChunkBytes, budget: i
         return loc, pr.predict(chunk_size, traces, tide, cb, param_kinds, loc, fetch, segments, moment_bytes,
                                flops_per_step=flops_per_step, rates=rates)
 
-    best = at(0)
+    base = at(0)
     if not order:
-        return best
-    lo, hi = 1, len(order)  # the smallest j whose device tail reaches the host tail
+        return base
+    lo, hi = 1, len(order)  # the smallest j whose streamed time reaches the host tail
     while lo < hi:
         mid = (lo + hi) // 2
         t = at(mid)[1].time
@@ -209,12 +212,22 @@ def split_updates(chunk_size: int, traces, tide: Tide, cb: ChunkBytes, budget: i
             hi = mid
         else:
             lo = mid + 1
-    for j in {lo - 1, lo} - {0}:
-        cand = at(j)
-        if (cand[1].peak_device_bytes <= budget
-                and cand[1].time.step_s < best[1].time.step_s * (1 - NEAR_TIE / 2)):
-            best = cand
-    return best
+    cands = {j: at(j) for j in {lo - 1, lo} - {0}}
+    cands = {j: c for j, c in cands.items() if c[1].peak_device_bytes <= budget}  # same peak for every j >= 1
+    if not cands:
+        return base
+    fastest = min(c[1].time.step_s for c in cands.values())
+    tie = fastest * (1 + NEAR_TIE)
+    if base[1].time.step_s <= tie:
+        return base
+    a, b = 1, max(j for j, c in cands.items() if c[1].time.step_s == fastest)
+    while a < b:  # near-ties go to the fewest streamed chunks (fewest bytes moved): the time falls up to b
+        mid = (a + b) // 2
+        if at(mid)[1].time.step_s <= tie:
+            b = mid
+        else:
+            a = mid + 1
+    return at(a)
 
 
 def _tide_one(layout: ChunkLayout, traces, tide: Tide, cb: ChunkBytes, budget: int, resident: set[int],
