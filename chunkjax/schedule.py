@@ -49,6 +49,8 @@ class Placement:
             raise ValueError("param_kinds and state_kinds must have one entry per chunk")
         if self.trainable is not None and len(self.trainable) != len(self.param_kinds):
             raise ValueError("trainable must have one entry per chunk")
+        if self.trainable is not None:  # all trainable is the default: one spelling, so placements compare equal
+            object.__setattr__(self, "trainable", None if all(self.trainable) else tuple(bool(t) for t in self.trainable))
         for k in self.param_kinds + self.state_kinds:
             if k not in (DEVICE, PINNED_HOST):
                 raise ValueError(f"memory kind {k!r} is not 'device' or 'pinned_host'")
