@@ -304,8 +304,10 @@ def _fixed(layout, traces, tide, cb, budget, prefetch, rates, flops) -> Schedule
     first-use order, each kept while the peak fits."""
     n, cs = layout.n_chunks, layout.chunk_size
 
+    trainable = getattr(layout, "chunk_trainable", None)
+
     def peak(pk, sk):
-        return pr.fixed_rule_peak(cs, traces, cb, Placement(tuple(pk), tuple(sk), getattr(layout, "chunk_trainable", None)), prefetch)
+        return pr.fixed_rule_peak(cs, traces, cb, Placement(tuple(pk), tuple(sk), trainable), prefetch)
 
     pk, sk = [PINNED_HOST] * n, [PINNED_HOST] * n
     need = peak(pk, sk)
@@ -320,7 +322,7 @@ def _fixed(layout, traces, tide, cb, budget, prefetch, rates, flops) -> Schedule
             kinds[c] = DEVICE
             if peak(pk, sk) > budget:
                 kinds[c] = PINNED_HOST
-    return _fixed_schedule(layout, traces, tide, cb, budget, Placement(tuple(pk), tuple(sk), getattr(layout, "chunk_trainable", None)),
+    return _fixed_schedule(layout, traces, tide, cb, budget, Placement(tuple(pk), tuple(sk), trainable),
                            prefetch, rates, flops)
 
 
