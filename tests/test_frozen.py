@@ -307,3 +307,16 @@ def test_lora_trains_only_the_adapters():
 
     # per LoRA block the base's weight gradient x.T @ dy, and the head's: three matmuls fewer
     assert dots(lora) == dots(None) - 3
+
+
+def test_lora_with_micro_batches_and_streamed_updates():
+    """Gradient accumulation (2 micro-batches) with ``tx`` (streamed updates, clipping): the
+    adapters equal optax on the whole batch, the base stays bit-identical."""
+    params, stages, lora, batches = _lora_model()
+    tx = optax.chain(optax.clip_by_global_norm(0.5), optax.adam(1e-2))
+    step, report, _ = cj.fit_step(stages, params, batches[0], tx=tx, compute_dtype=jnp.float32, trainable=lora,
+                                  device_budget="1GiB", resident=[], chunk_size=2048, micro_batches=2)
+    state, losses = _train(step, params, batches[:8], rows=4)
+    _, ref_losses = _reference((None, params, stages, lora, batches), tx, rows=4, steps=8)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    _check_frozen_bits(step.master_params(state), params, lora)
