@@ -360,6 +360,10 @@ def run(cfg: TrainConfig) -> dict:
     if "train_plays" in td.meta:
         print(f"data: {td.train.size:,} training tokens ({len(td.meta['train_plays'])} plays), {td.val.size:,} "
               f"held-out tokens ({len(td.meta['val_plays'])} plays: {', '.join(td.meta['val_plays'])})", flush=True)
+    elif "data_files" in td.meta:
+        print(f"data: {td.train.size:,} training tokens ({td.meta['train_examples']} paragraphs/lines, "
+              f"{td.meta['masked_train_tokens']:,} of them prompt tokens the loss skips), {td.val.size:,} held-out tokens "
+              f"({td.meta['val_examples']}) from {', '.join(td.meta['data_files'])}", flush=True)
 
     folder = distributed.scratch_folder(resume, CHECKPOINT_DIR) or (  # process 0 alone writes the run folder
         _resumed_folder(resume.run_dir) if resume is not None else RunFolder.create(cfg.out_dir, model.run_name))
@@ -704,8 +708,9 @@ def _train(cfg, model, fitted, td, folder, t_start, resolved, resume=None):
         "platform": jax.devices()[0].platform, "device_kind": jax.devices()[0].device_kind,
         "jax_version": jax.__version__, "wall_s": time.time() - t_start,
         "wall_s_total": float(saved["wall_s_total"]) + time.time() - t_start, "sample": sample,
-        "sample_before": sample_before, "export_dir": export_dir, **{k: td.meta[k] for k in ("train_plays", "val_plays")
-                                                                     if k in td.meta},
+        "sample_before": sample_before, "export_dir": export_dir,
+        **{k: td.meta[k] for k in ("train_plays", "val_plays", "data_files", "train_examples", "val_examples",
+                                   "masked_train_tokens") if k in td.meta},
         "micro_batches": cfg.micro_batches, "nonfinite": cfg.nonfinite, "skipped_steps": skipped,
         "resumed_from_step": saved["resumed_from"][-1] if saved["resumed_from"] else None,
         "resumed_from_steps": list(saved["resumed_from"]),

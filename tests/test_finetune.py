@@ -25,7 +25,8 @@ import pytest
 from experiments import job_model, train
 from models import hf, llama
 
-REFENV_PY = "/tmp/refenv/bin/python"
+#: a Python with torch + transformers (the GPU image has both): HF_REF_PYTHON, else /tmp/refenv
+REFENV_PY = os.environ.get("HF_REF_PYTHON", "/tmp/refenv/bin/python")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = llama.LlamaConfig(name="tiny-llama", vocab_size=384, d_model=64, n_layers=3, n_heads=4, n_kv_heads=2,
                          head_dim=16, d_ff=96, rope_theta=10000.0, rms_eps=1e-5, max_seq_len=64, remat=False)

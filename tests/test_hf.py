@@ -323,6 +323,7 @@ def test_job_finetunes_an_imported_checkpoint(tmp_path):
     assert {"report.json", "metrics.jsonl", "loss.png", "sample.txt", "hf"} <= set(os.listdir(run))
     rep = json.loads((run / "report.json").read_text())
     assert rep["init_from"] == str(src) and rep["tokenizer"] == "hf" and rep["config"]["data"]
+    assert len(rep["data_files"]) == 2 and rep["masked_train_tokens"] > 0 and rep["val_examples"] >= 1
     assert rep["val_loss_last"] < rep["val_loss_first"]
     assert rep["sample_before"] and rep["sample"]
     ck = hf.open_hf_checkpoint(run / "hf")
