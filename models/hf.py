@@ -27,6 +27,7 @@ Name map (our params pytree of :mod:`models.llama` <-> transformers' state dict)
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import pathlib
@@ -353,7 +354,7 @@ class HFCheckpoint:
             v = v[0] if v else None
         return None if v is None else int(v)
 
-    @property
+    @functools.cached_property
     def _by_path(self) -> dict[str, TensorMap]:
         return {m.path: m for m in tensor_map(self.config)}
 

@@ -207,6 +207,11 @@ def test_config_dict_round_trip():
     for name in NAMES:
         cfg = hf.open_hf_checkpoint(fixture(name)).config
         assert hf.config_from_hf(hf.hf_config_dict(cfg)) == cfg
+    base = llama.LlamaConfig(head_dim=8, rope_theta=10000.0)
+    linear = hf.config_from_hf(hf.hf_config_dict(llama.LlamaConfig(head_dim=8, rope_type="linear", rope_factor=4.0)))
+    assert linear.rope_type == "linear" and linear.rope_factor == 4.0
+    np.testing.assert_allclose(llama.rope_inv_freq(dataclasses.replace(base, rope_type="linear", rope_factor=4.0)),
+                               llama.rope_inv_freq(base) / 4, rtol=1e-7)
     with pytest.raises(ValueError, match="has no transformers config"):
         hf.hf_config_dict(llama.LlamaConfig(family="mistral", bias_projs=("q_proj",)))
 
