@@ -307,10 +307,15 @@ def test_user_data_errors(tmp_path):
 
 # ---- one job ----------------------------------------------------------------------------------
 
-def test_job_finetunes_an_imported_checkpoint(tmp_path):
+def test_job_finetunes_an_imported_checkpoint(tmp_path, monkeypatch):
     """``python -m experiments.train --init-from <folder> --data text,jsonl``: a few steps of the
     sharded bfloat16 Llama-3-shaped fixture; held-out loss falls; the run folder holds the report,
-    loss curve, samples and the export, which re-imports in the source's layout and dtype."""
+    loss curve, samples and the export, which re-imports in the source's layout and dtype. The
+    weights go into the chunks leaf by leaf: the job never builds the params pytree."""
+    def no_pytree(self, dtype=None):
+        raise AssertionError("the job read the whole checkpoint as a params pytree")
+
+    monkeypatch.setattr(hf.HFCheckpoint, "params", no_pytree)
     src = tmp_path / "my-llama3"
     shutil.copytree(fixture("hf_llama3"), src)
     words = "the sea of troubles arms fortune slings and arrows outrageous mind to be or not question".split()
@@ -331,6 +336,7 @@ def test_job_finetunes_an_imported_checkpoint(tmp_path):
     assert len(rep["data_files"]) == 2 and rep["masked_train_tokens"] > 0 and rep["val_examples"] >= 1
     assert rep["val_loss_last"] < rep["val_loss_first"]
     assert rep["sample_before"] and rep["sample"]
+    monkeypatch.undo()
     ck = hf.open_hf_checkpoint(run / "hf")
     orig = hf.open_hf_checkpoint(src)
     assert dataclasses.replace(ck.config, name="") == dataclasses.replace(orig.config, name="")
