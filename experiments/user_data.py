@@ -8,7 +8,8 @@
   its training text, so a file's text flows without end-of-text tokens inside it.
 * **JSON lines** (``.jsonl`` / ``.json``, one object a line): ``{"text": ...}`` is a document;
   ``{"prompt": ..., "completion": ...}`` is an example whose loss counts only the completion and
-  the end-of-text token after it (the prompt's tokens are loss-masked).
+  the end-of-text token after it (the prompt's tokens are loss-masked). Documents and prompts are
+  encoded with the tokenizer's special tokens (Llama's BOS first), completions without.
 
 Split: paragraph or line ``k`` of all the data is held out when ``u[k] < val_fraction`` with
 ``u = np.random.default_rng(seed).random(n)`` (at least one is held out). Documents and examples
@@ -87,6 +88,17 @@ def _records(path: str) -> list[dict]:
     return out
 
 
+def _continuation(tok: Tokenizer, text: str) -> list[int]:
+    """``text``'s ids without the tokenizer's added special tokens (no BOS before a completion)."""
+    hf = getattr(tok, "hf", None)
+    if hf is not None and hasattr(hf, "encode"):
+        try:
+            return list(hf.encode(text, add_special_tokens=False).ids)
+        except TypeError:  # a tokenizer whose encode takes no add_special_tokens
+            pass
+    return tok.encode(text)
+
+
 def _stream(records: list[dict], tok: Tokenizer) -> np.ndarray:
     """One token stream: text files' paragraphs re-joined per file, JSON documents and examples,
     each followed by the end-of-text id; prompts loss-masked."""
@@ -102,7 +114,7 @@ def _stream(records: list[dict], tok: Tokenizer) -> np.ndarray:
             k = j
             continue
         if "prompt" in r:
-            ids += masked(tok.encode(r["prompt"])) + list(tok.encode_batch([r["completion"]])[0]) + [tok.eot_id]
+            ids += masked(tok.encode(r["prompt"])) + _continuation(tok, r["completion"]) + [tok.eot_id]
         else:
             ids += tok.encode(r["text"]) + [tok.eot_id]
         k += 1

@@ -497,8 +497,8 @@ def export_hf_checkpoint(cfg: LlamaConfig, params, out_dir, tokenizer=None, over
             [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
     if source is not None:
         hc = dict(source.hf_config)
-        if dtype is not None:
-            hc["torch_dtype" if "torch_dtype" in hc or "dtype" not in hc else "dtype"] = np.dtype(dtype).name
+        if dtype is not None:  # transformers 5 writes "dtype", earlier versions "torch_dtype"
+            hc["dtype" if "dtype" in hc and "torch_dtype" not in hc else "torch_dtype"] = np.dtype(dtype).name
     else:
         hc = hf_config_dict(cfg, bos_token_id, eos_token_id, np.dtype(dtype or np.float32).name)
     out.parent.mkdir(parents=True, exist_ok=True)

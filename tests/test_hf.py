@@ -284,6 +284,26 @@ def test_user_data_text_and_jsonl(tmp_path):
     assert np.isfinite(unigram_cross_entropy(td.train, td.val, tok.vocab_size))
 
 
+def test_user_data_bos_before_documents_and_prompts_only(tmp_path):
+    """A tokenizer that adds BOS (as Llama's): once at each document and prompt, masked before a
+    prompt, never before a completion."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers.processors import TemplateProcessing
+
+    from experiments.job_model import wrap_tokenizer
+    raw = HFTokenizer.from_file(os.path.join(fixture("hf_llama3"), "tokenizer.json"))
+    raw.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    tok = wrap_tokenizer(raw, "bos", 1)
+    assert tok.encode("to be")[0] == 0
+    (tmp_path / "qa.jsonl").write_text("\n".join(json.dumps({"prompt": f"to be {i}?", "completion": " or not."})
+                                                 for i in range(6)) + "\n" + json.dumps({"text": "the sea."}) + "\n")
+    td = user_data.load_user_data(str(tmp_path / "qa.jsonl"), tok, val_fraction=0.2, seed=0)
+    both = np.concatenate([td.train, td.val])
+    assert int((both == -1).sum()) == 6 and int((both == 0).sum()) == 1  # masked BOS per prompt; one document BOS
+    for k in np.flatnonzero(both == -1):  # each prompt starts with a masked BOS, its completion has none
+        assert both[k - 1] == 1 if k else True
+
+
 def test_user_data_errors(tmp_path):
     tok = char_tokenizer()
     (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"question": "x"}\n')
