@@ -395,13 +395,11 @@ np.savez(sys.argv[2], **out)
 
 
 def _ref_python():
-    try:
-        import torch  # noqa: F401
-        import transformers  # noqa: F401
+    import importlib.util
+    if all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers")):
         return sys.executable
-    except ImportError:
-        py = os.environ.get("HF_REF_PYTHON")
-        return py if py and os.path.exists(py) else None
+    py = os.environ.get("HF_REF_PYTHON")
+    return py if py and os.path.exists(py) else None
 
 
 @pytest.mark.skipif(_ref_python() is None, reason="needs torch + transformers (or HF_REF_PYTHON)")
