@@ -508,20 +508,13 @@ class ChunkedStep(StepChunkIO):
         if self.host_chunks:
             upd.warm_host_kernel(self.host_optimizer, self.compute_dtype)
 
-        def packed(c):
-            buf = np.zeros((lay.chunk_size,), np.float32)
-            for i, s in enumerate(lay.slots):
-                if s.chunk == c:
-                    buf[s.offset:s.offset + s.size] = np.asarray(leaf_at(i), np.float32).ravel()
-            return buf
-
         ms, os_ = [], []
-        for c in range(lay.n_chunks):
-            m, o = self.updaters[self._location(c)].init(packed(c), c)
+        for c, buf in enumerate(lay.host_chunks(leaf_at)):
+            m, o = self.updaters[self._location(c)].init(buf, c)
             ms.append(m), os_.append(o)
         topo = self.topology
-        ps = [topo.put(packed(c).astype(self.compute_dtype), topo.param_sharding(self.placement.param_kinds[c]))
-              for c in range(lay.n_chunks)]
+        ps = [topo.put(buf.astype(self.compute_dtype), topo.param_sharding(self.placement.param_kinds[c]))
+              for c, buf in enumerate(lay.host_chunks(leaf_at))]
         jax.block_until_ready((ps, [m for m in ms if isinstance(m, jax.Array)]))
         return TrainState(tuple(ps), tuple(ms), tuple(os_))
 
