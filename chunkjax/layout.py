@@ -247,18 +247,19 @@ class ChunkLayout:
           leaf_at: ``leaf_at(i)`` gives leaf ``i`` of ``slots`` (an array of shape
             ``slots[i].shape``); called about once per leaf: the leaf last drawn is kept, so a
             spanning leaf is drawn once for its consecutive chunks.
-          dtype: the buffers' dtype (the leaves are cast to it).
+          dtype: the buffers' dtype (the leaves are cast to it), or one dtype per chunk.
 
         Yields:
           ``n_chunks`` writable ``(chunk_size,)`` numpy arrays; padding is zero. Host memory: one
           chunk and one leaf at a time (for models that never exist whole in host memory).
         """
+        dtypes = list(dtype) if isinstance(dtype, (list, tuple)) else [dtype] * self.n_chunks
         drawn: dict[int, np.ndarray] = {}
-        for c in range(self.n_chunks):
-            buf = np.zeros((self.chunk_size,), dtype)
+        for c, dt in enumerate(dtypes):
+            buf = np.zeros((self.chunk_size,), dt)
             for i, p in self.chunk_pieces(c):
-                if i not in drawn:
-                    drawn = {i: np.asarray(leaf_at(i), dtype).ravel()}
+                if i not in drawn:  # the leaf as drawn (a leaf's chunks share one dtype)
+                    drawn = {i: np.asarray(leaf_at(i), dt).ravel()}
                 buf[p.offset:p.offset + p.size] = drawn[i][p.leaf_offset:p.leaf_offset + p.size]
             yield buf
 
