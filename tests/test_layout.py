@@ -454,3 +454,36 @@ def test_tiny_gpt_layout_has_8_chunks_and_little_padding():
     wte = {s.path: s for s in lay.slots}["wte"]
     assert len(wte.pieces) >= 7 and wte.chunks[0] == 0
     assert lay.chunk_size < wte.size and lay.chunk_size % CHUNK_ALIGN_ELEMS == 0
+
+
+def test_llama3_8b_shaped_tree_plans_with_chunks_of_at_most_64m_elements():
+    """Abstract shapes of Llama-3-8B (vocab 128256, d 4096, 32 layers, 32 query / 8 KV heads, ffn
+    14336, untied head; 8.03e9 parameters): the embedding and the head (525M elements each) used
+    to set 593M-element chunks. Now they span chunks, the search stays under its 64M-element cap
+    with <= 5 % padding bytes, and the fit path plans the step at a 24 GiB device budget."""
+    import optax
+
+    from chunkjax import fit
+    from chunkjax.host_update import AdamW
+    from models import llama
+    cfg = llama.LlamaConfig(name="llama3-8b-shape", vocab_size=128256, d_model=4096, n_layers=32, n_heads=32,
+                            n_kv_heads=8, head_dim=128, d_ff=14336, rope_theta=500000.0)
+    params = jax.eval_shape(lambda: llama.init_params(cfg, jax.random.key(0), BF16))
+    params["lm_head"] = jax.ShapeDtypeStruct((cfg.d_model, cfg.vocab_size), BF16)
+
+    def head(p, x, b):  # untied: final norm, then the head's own kernel
+        y = llama.rms_norm(x, p["final_norm"]["scale"], cfg.rms_eps)
+        return optax.softmax_cross_entropy_with_integer_labels((y @ p["lm_head"]).astype(F32), b[:, 1:]).mean()
+
+    stages = llama.llama_stages(cfg)[:-1] + (Stage("head", ("final_norm", "lm_head"), head),)
+    problem = fit.prepare(stages, params, jax.ShapeDtypeStruct((1, 65), jnp.int32), host_optimizer=AdamW(1e-4),
+                          compute_dtype=BF16, check_host=False, host_budget=None)
+    lay = problem.layout
+    assert lay.n_elements == 8_030_261_248
+    assert lay.chunk_size <= DEFAULT_MAX_CHUNK_ELEMS == 64 * 2**20 and lay.chunk_size % CHUNK_ALIGN_ELEMS == 0
+    assert lay.waste_bytes <= 0.05 * sum(lay.chunk_bytes(c) for c in range(lay.n_chunks))
+    slot = {s.path: s for s in lay.slots}
+    assert len(slot["embed"].pieces) >= 9 and len(slot["lm_head"].pieces) >= 9
+    sched = fit.plan(problem, 24 * 2**30)
+    assert sum(sched.counts().values()) == lay.n_chunks
+    assert sched.predicted.peak_device_bytes <= 24 * 2**30
