@@ -176,10 +176,9 @@ def test_bad_input_errors():
         opt.update({"w": jnp.zeros((4,))})
 
 
-@pytest.mark.parametrize("name", sorted(TXS))
-def test_leaf_larger_than_a_chunk_spans_chunks_and_equals_optax(name):
-    """chunk_size=128 with a (20, 15) leaf of 300 elements (it used to be refused as smaller
-    than the largest leaf): the leaf spans 3 chunks, its gradient is cut into pieces (the
+def test_leaf_larger_than_a_chunk_spans_chunks_and_equals_optax(name="clip+adam"):
+    """chunk_size=128 with a (20, 15) leaf of 300 elements (it used to be refused as larger
+    than a chunk): the leaf spans 3 chunks, its gradient is cut into pieces (the
     clipping norm counts each piece once) and the update equals optax on the whole tree, with
     the chunks' state on the device and streamed from pinned host memory."""
     rng = np.random.default_rng(5)
@@ -193,7 +192,7 @@ def test_leaf_larger_than_a_chunk_spans_chunks_and_equals_optax(name):
     host = cj.ChunkedOptimizer(params, TXS[name](), device_budget=opt.working_bytes, chunk_size=128)
     assert set(host.placement.state_kinds) == {PINNED_HOST}
     big = {s.path: s for s in opt.layout.slots}["big"]
-    assert [p.size for p in big.pieces] == [128, 128, 44] and len(set(big.chunks)) == 3
+    assert [p.size for p in big.pieces] == [88, 128, 84] and len(set(big.chunks)) == 3  # after "b" (40)
     p, ph = params, params
     for g in grads:
         u, ref_s = tx.update(jax.tree.map(lambda x: x.astype(jnp.float32), g), ref_s, ref_p)
