@@ -208,12 +208,12 @@ def test_other_chunk_size_keeps_every_value(setup, zero_run, single_run, tmp_pat
 def test_spanning_layout_and_old_format_keep_every_value(setup, zero_run, tmp_path):
     """Leaves larger than a chunk (issue 22 item 3): the ZeRO checkpoint (6 chunks of 32768, every
     leaf whole) restored into chunks of 10240, where wte (32768) and the MLP kernels (16384) span
-    chunks, holds every value bit for bit, and saved from there restores into the original
-    layout bit for bit. A checkpoint written before pieces (format version 2, a leaf at one
+    chunks, holds every value bit for bit and trains on (ZeRO-3, 8 devices) to the uninterrupted
+    run's losses; saved from there it restores into the original layout bit for bit. A checkpoint written before pieces (format version 2, a leaf at one
     [chunk, offset]) still restores, bit for bit."""
     import json
     import shutil
-    _, d, _, _ = zero_run
+    _, d, _, ref_losses = zero_run
     ref_step = _zero_step(setup, 8)
     ref = _leafwise(ref_step, ck.restore_checkpoint(d, ref_step)[0])
     lay = build_zero_layout(setup["params"], 8, 10240, setup["order"])
@@ -222,6 +222,8 @@ def test_spanning_layout_and_old_format_keep_every_value(setup, zero_run, tmp_pa
     state, _ = ck.restore_checkpoint(d, step)
     _assert_same_leaves(_leafwise(step, state), ref)
     ck.save_checkpoint(tmp_path / "span", N, step, state, {})
+    _, losses = _run(step, state, setup["batches"][N:])
+    np.testing.assert_allclose(losses, ref_losses[N:], rtol=LOSS_RTOL, err_msg=f"seed {setup['seed']}")
     assert any(len(s[1]) > 1 for s in ck.read_meta(tmp_path / "span")["layout"]["slots"])
     _assert_same_leaves(_leafwise(ref_step, ck.restore_checkpoint(tmp_path / "span", ref_step)[0]), ref)
     np.testing.assert_array_equal(ck.export_checkpoint_params(tmp_path / "span", setup["lay8"])["wte"],

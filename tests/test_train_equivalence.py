@@ -91,6 +91,8 @@ def test_matches_plain_optax(setup, chunk_size, placement, dtype, request):
     layout = cj.build_layout(params, cs, order)
     if chunk_size == "floor":
         assert layout.n_chunks >= 5
+    else:  # the search: wte spans chunks (issue 22 item 3)
+        assert max(len(s.pieces) for s in layout.slots) > 1
     if (dtype, placement, chunk_size) == ("float32", "mixed", "floor"):
         step = request.getfixturevalue("mixed_step")  # the same step, built (and compiled) once for the module
         assert (step.layout, step.placement, step.compute_dtype) == (layout, _placement(placement, layout.n_chunks), cdt)
