@@ -2,7 +2,8 @@
 
 Issue 2, item 6: the micro GPT over 20 steps; fp32 losses and final params within 1e-5 relative,
 bf16 mixed-precision losses within 1e-2; placements all-device, all-host and mixed; two chunk
-sizes, one forcing many chunks (the floor: the largest leaf, the tied embedding).
+sizes: the searched one (the tied embedding spans chunks) and the old floor (the largest leaf,
+the tied embedding, one chunk each).
 """
 import jax
 import jax.numpy as jnp
