@@ -289,5 +289,6 @@ def for_step(step, work, inv: float) -> Speculation:
     from chunkjax.updaters import host_write_params
     if work.backups is None:
         work.backups = BackupPool(auto_backup_bytes() if step.speculation_bytes is None else step.speculation_bytes)
-    return Speculation(lambda st, grads, scale: step._host_update(st, grads, scale), host_write_params(step.topology, step.compute_dtype),
-                       step.host_optimizer, skip=step._skip_nonfinite, inv=inv, pool=work.backups)
+    update = lambda st, grads, scale: step._host_update(st, grads, scale)  # noqa: E731 (looked up per call)
+    return Speculation(update, host_write_params(step.topology, step.compute_dtype), step.host_optimizer,
+                       skip=step._skip_nonfinite, inv=inv, pool=work.backups)
