@@ -18,7 +18,8 @@ def test_default_freezes_integer_and_bool_leaves_in_their_own_chunks():
     lay = cj.build_layout(_tree(), 512)
     assert len(lay.chunk_trainable) == lay.n_chunks
     for s in lay.slots:
-        assert lay.chunk_trainable[s.chunk] == bool(jnp.issubdtype(s.dtype, jnp.floating)), s.path
+        for c in s.chunks:
+            assert lay.chunk_trainable[c] == bool(jnp.issubdtype(s.dtype, jnp.floating)), s.path
 
 
 def test_trainable_tree_never_mixes_frozen_and_trainable_leaves():
@@ -26,15 +27,15 @@ def test_trainable_tree_never_mixes_frozen_and_trainable_leaves():
     mark = {"emb": False, "ids": False, "w": True, "mask": False, "b": True}
     lay = cj.build_layout(t, 1024, trainable=mark)
     by_path = {s.path: s for s in lay.slots}
-    assert by_path["emb"].chunk != by_path["w"].chunk  # same dtype, different trainability
+    assert not set(by_path["emb"].chunks) & set(by_path["w"].chunks)  # same dtype, different trainability
     for p, tr in mark.items():
-        assert lay.chunk_trainable[by_path[p].chunk] == tr
+        assert {lay.chunk_trainable[c] for c in by_path[p].chunks} == {tr}
     back = lay.unpack(lay.pack(t))
     for k in t:
         assert back[k].dtype == t[k].dtype and np.array_equal(back[k], t[k])
     z = build_zero_layout(t, 8, 1000, trainable=mark)
     assert z.chunk_size % 8 == 0 and z.chunk_trainable == lay.chunk_trainable
-    assert cj.search_chunk_size(t, trainable=mark) >= 512
+    assert cj.search_chunk_size(t, trainable=mark) % 128 == 0
 
 
 def test_old_callers_get_all_trainable_and_bad_marks_are_refused():
