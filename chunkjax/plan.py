@@ -167,8 +167,12 @@ def _moments(tide: Tide) -> tuple[tuple[str, int], ...]:
 
 
 def _frozen_none(layout: ChunkLayout, loc) -> tuple[str, ...]:
-    """Update locations with ``none`` for the layout's frozen chunks (they have no update)."""
-    return tuple(u if t else NO_UPDATE for u, t in zip(loc, layout.chunk_trainable))
+    """Update locations with ``none`` for the layout's frozen chunks (they have no update). The
+    planner reads only ``n_chunks``, ``chunk_size`` and this from a layout: a layout-like object
+    without ``chunk_trainable`` (synthetic plans) has every chunk trainable."""
+    trainable = getattr(layout, "chunk_trainable", None)
+    loc = tuple(loc)
+    return loc if trainable is None else tuple(u if t else NO_UPDATE for u, t in zip(loc, trainable))
 
 
 # ---- the tide policy ----------------------------------------------------------------------------
@@ -300,8 +304,10 @@ def _fixed(layout, traces, tide, cb, budget, prefetch, rates, flops) -> Schedule
     first-use order, each kept while the peak fits."""
     n, cs = layout.n_chunks, layout.chunk_size
 
+    trainable = getattr(layout, "chunk_trainable", None)
+
     def peak(pk, sk):
-        return pr.fixed_rule_peak(cs, traces, cb, Placement(tuple(pk), tuple(sk), layout.chunk_trainable), prefetch)
+        return pr.fixed_rule_peak(cs, traces, cb, Placement(tuple(pk), tuple(sk), trainable), prefetch)
 
     pk, sk = [PINNED_HOST] * n, [PINNED_HOST] * n
     need = peak(pk, sk)
@@ -316,7 +322,7 @@ def _fixed(layout, traces, tide, cb, budget, prefetch, rates, flops) -> Schedule
             kinds[c] = DEVICE
             if peak(pk, sk) > budget:
                 kinds[c] = PINNED_HOST
-    return _fixed_schedule(layout, traces, tide, cb, budget, Placement(tuple(pk), tuple(sk), layout.chunk_trainable),
+    return _fixed_schedule(layout, traces, tide, cb, budget, Placement(tuple(pk), tuple(sk), trainable),
                            prefetch, rates, flops)
 
 

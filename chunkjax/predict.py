@@ -194,7 +194,8 @@ def fixed_rule_moment_bytes(chunk_size: int, traces: Sequence[StageTrace], cb: C
     for s, t in enumerate(traces):
         near = {c for s2 in range(s, min(len(traces), s + window + 1)) for c in traces[s2].chunks}
         fetched = sum(cb.params_of(c) for c in near if param_kinds[c] == PINNED_HOST)
-        acc = sum(chunk_size * F32_BYTES for c in first if first[c] <= s <= last[c] and update_locations[c] != NO_UPDATE)
+        acc = sum(chunk_size * F32_BYTES for c in first
+                  if first[c] <= s <= last[c] and update_locations[c] != NO_UPDATE)
         waiting = sum(cb.grad for c in first if update_locations[c] == DEVICE_UPDATE and first[c] >= s)
         per_stage.append(model + saved + fetched + acc + waiting + t.temp_bytes)
     k = len(traces)

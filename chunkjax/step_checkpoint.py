@@ -226,7 +226,8 @@ class _Placer:
         topo, pl = step.topology, step.placement
         if not step.layout.chunk_trainable[c]:  # frozen: its params in their own dtype, nothing else
             cdt = np.dtype(step.layout.chunk_dtypes[c])
-            return topo.put(np.require(params, cdt, ["C", "W", "O"]), topo.param_sharding(pl.param_kinds[c])), None, None
+            p = topo.put(np.require(params, cdt, ["C", "W", "O"]), topo.param_sharding(pl.param_kinds[c]))
+            return p, None, None
         p = topo.put(np.require(params, cdt, ["C", "W", "O"]), topo.param_sharding(pl.param_kinds[c]))
         if c in self.host:
             if step.mesh is None:

@@ -89,9 +89,9 @@ def micro():
 _REF = {}
 
 
-def _reference(micro, tx, rows=B):
+def _reference(micro, tx, rows=B, steps=STEPS):
     """Plain optax over the trainable leaves only (fp32), the frozen ones constants."""
-    key = (repr(tx), rows)
+    key = (repr(tx), rows, steps)
     if key not in _REF:
         _, params, stages, mark, batches = micro
         leaves, td = jax.tree.flatten(params)
@@ -109,7 +109,7 @@ def _reference(micro, tx, rows=B):
 
         tr = [a for a, m in zip(leaves, mask) if m]
         o, losses = tx.init(tr), []
-        for b in batches:
+        for b in batches[:steps]:
             tr, o, l = step(tr, o, b[:rows])
             losses.append(float(l))
         _REF[key] = merge(tr), np.asarray(losses)
@@ -204,6 +204,10 @@ def test_predicted_bytes_of_a_frozen_chunk_are_its_params(micro, host_run):
     assert report.host["pinned_host_bytes"] == trainable * (cb.params + cb.grad) + sum(lay.chunk_bytes(c) for c in frozen)
     assert report.host["pageable_bytes"] == trainable * cb.state
     assert problem.model_chunk_bytes == trainable * (cb.params + cb.state) + sum(lay.chunk_bytes(c) for c in frozen)
+    # a frozen chunk kept on the device costs its params there, nothing else
+    resident = cj.fit.plan(problem, 2**30, resident=frozen[:1])
+    assert resident.param_kinds[frozen[0]] == cj.DEVICE and resident.update_locations[frozen[0]] == "none"
+    assert resident.predicted.device_model_bytes == lay.chunk_bytes(frozen[0])
 
 
 def test_checkpoint_keeps_frozen_chunks(micro, host_run, tmp_path):
@@ -222,3 +226,121 @@ def test_checkpoint_keeps_frozen_chunks(micro, host_run, tmp_path):
         assert np.array_equal(np.asarray(x), np.asarray(y))
     from chunkjax.checkpoint import export_checkpoint_params
     _check_frozen_bits(export_checkpoint_params(tmp_path / "ck", problem.layout), params, mark)
+    lay2 = cj.build_layout(params, 2 * problem.layout.chunk_size, trainable=mark)
+    other = cj.make_chunked_step(stages, lay2, cj.Placement.uniform(lay2.n_chunks, cj.DEVICE, cj.DEVICE),
+                                 host_optimizer=spec)
+    with pytest.raises(cj.CheckpointError, match="frozen chunks, which are not remapped"):
+        cj.restore_checkpoint(tmp_path / "ck", other)
+
+
+def test_bf16_compute_reads_frozen_leaves_in_their_dtype(micro):
+    """bf16 compute: the frozen bf16 and int32 leaves are read as they are, the frozen float32
+    block is cast to bf16 on read; frozen bits kept, the first loss within bf16 rounding."""
+    _, params, stages, mark, batches = micro
+    spec = AdamW(3e-3, weight_decay=0.1, max_grad_norm=0.05)
+    step, _, _ = cj.fit_step(stages, params, batches[0][:B], host_optimizer=spec, compute_dtype=jnp.bfloat16,
+                             trainable=mark, device_budget="1GiB", resident=[])
+    state, losses = _train(step, params, batches[:4])
+    _, ref_losses = _reference(micro, spec.optax(), steps=4)
+    np.testing.assert_allclose(losses[0], ref_losses[0], rtol=1e-2)
+    assert np.all(np.isfinite(losses))
+    _check_frozen_bits(step.master_params(state), params, mark)
+
+
+def test_zero_stage_3_equals_optax_on_the_trainable_leaves(micro):
+    """ZeRO-3 over the 8 CPU devices, host updates with clipping, every param chunk in pinned_host:
+    the same as plain optax on the trainable subset; frozen leaves (sharded int32 too) bit-identical."""
+    _, params, stages, mark, batches = micro
+    spec = AdamW(3e-3, weight_decay=0.1, max_grad_norm=0.05)
+    step, report, problem = _fit(micro, rows=8, host_optimizer=spec, mesh=cj.data_mesh(), zero_stage=3)
+    assert step.n_ranks == 8 and not all(problem.layout.chunk_trainable)
+    state, losses = _train(step, params, batches[:8], rows=8)
+    _, ref_losses = _reference(micro, spec.optax(), rows=8, steps=8)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    _check_frozen_bits(step.master_params(state), params, mark)
+
+
+# ---- a LoRA-shaped model: adapters trainable, the base frozen -------------------------------------
+
+V, D, R = 64, 32, 4
+
+
+def _lora_model(seed=3):
+    rng = np.random.default_rng(seed)
+    nrm = lambda *s: jnp.asarray(0.1 * rng.standard_normal(s), jnp.float32)  # noqa: E731
+    params = {"emb": nrm(V, D), "out": nrm(D, V)}
+    for i in range(2):
+        params[f"l{i}"] = {"w": nrm(D, D), "a": nrm(D, R), "b": jnp.zeros((R, D), jnp.float32)}
+
+    def block(name):
+        def apply(p, x, b):
+            q = p[name]
+            return x + jnp.tanh(x @ q["w"] + (x @ q["a"]) @ q["b"])
+        return Stage(name, (name,), apply)
+
+    def head(p, x, b):
+        logits = x @ p["out"]
+        return optax.softmax_cross_entropy_with_integer_labels(logits, b[:, 1:]).mean()
+
+    stages = (Stage("embed", ("emb",), lambda p, x, b: p["emb"][b[:, :-1]]), block("l0"), block("l1"),
+              Stage("head", ("out",), head))
+    lora = jax.tree_util.tree_map_with_path(lambda path, _: jax.tree_util.keystr(path[-1:]) in ("['a']", "['b']"),
+                                            params)
+    batches = [jnp.asarray(rng.integers(0, V, (4, 9)), jnp.int32) for _ in range(4)]
+    return params, stages, lora, [batches[i % 4] for i in range(STEPS)]
+
+
+def _dots(jaxpr) -> int:
+    """dot_general equations in a jaxpr and its sub-jaxprs."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        n += eqn.primitive.name == "dot_general"
+        for v in eqn.params.values():
+            for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    n += _dots(inner)
+    return n
+
+
+def test_lora_trains_only_the_adapters():
+    """Adapters trained (host AdamW, clipping, base chunks in pinned_host) equal optax on the
+    adapters; the base is bit-identical and costs no weight-gradient matmul in the backward."""
+    params, stages, lora, batches = _lora_model()
+    spec = AdamW(1e-2, weight_decay=0.0, max_grad_norm=0.5)
+    step, report, problem = cj.fit_step(stages, params, batches[0], host_optimizer=spec, compute_dtype=jnp.float32,
+                                        trainable=lora, device_budget="1GiB", resident=[], chunk_size=2048)
+    assert set(report.schedule.param_kinds) == {cj.PINNED_HOST}
+    state, losses = _train(step, params, batches, rows=4)
+    ref, ref_losses = _reference((None, params, stages, lora, batches), spec.optax(), rows=4)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    final = step.master_params(state)
+    _check_frozen_bits(final, params, lora)
+    for a, b, m in zip(jax.tree.leaves(final), jax.tree.leaves(ref), jax.tree.leaves(lora)):
+        if m:
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-6)
+    assert losses[-1] < losses[0]
+
+    def dots(trainable):
+        lay = cj.build_layout(params, 2048, trainable=trainable)
+        n = lay.n_chunks
+        s = cj.make_chunked_step(stages, lay, cj.Placement.uniform(n, cj.DEVICE, cj.DEVICE), optax.sgd(0.1),
+                                 jnp.float32)
+        bufs = [jax.ShapeDtypeStruct((lay.chunk_size,), jnp.float32) for _ in range(n)]
+        return _dots(jax.make_jaxpr(s.fwd_bwd)(bufs, batches[0]).jaxpr)
+
+    # per LoRA block the base's weight gradient x.T @ dy, and the head's: three matmuls fewer
+    assert dots(lora) == dots(None) - 3
+
+
+def test_lora_with_micro_batches_and_streamed_updates():
+    """Gradient accumulation (2 micro-batches) with ``tx`` (streamed updates, clipping): the
+    adapters equal optax on the whole batch, the base stays bit-identical."""
+    params, stages, lora, batches = _lora_model()
+    tx = optax.chain(optax.clip_by_global_norm(0.5), optax.adam(1e-2))
+    step, report, _ = cj.fit_step(stages, params, batches[0], tx=tx, compute_dtype=jnp.float32, trainable=lora,
+                                  device_budget="1GiB", resident=[], chunk_size=2048, micro_batches=2)
+    state, losses = _train(step, params, batches[:8], rows=4)
+    _, ref_losses = _reference((None, params, stages, lora, batches), tx, rows=4, steps=8)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    _check_frozen_bits(step.master_params(state), params, lora)

@@ -231,7 +231,8 @@ def export_params(step_fn, state=None):
 
     Returns:
       The pytree of ``step_fn.layout`` (the model's structure) with one float32 numpy array of
-      the leaf's shape per leaf (frozen leaves: their params, bit for bit in their own dtype). Built one chunk at a time: host memory holds the result (4 bytes
+      the leaf's shape per leaf (frozen leaves: their params bit for bit, in their dtype).
+      Built one chunk at a time: host memory holds the result (4 bytes
       per parameter) plus one (chunk_size,) float32 chunk; nothing is placed on the device.
 
     Raises:
