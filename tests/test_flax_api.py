@@ -8,12 +8,18 @@ from flax import linen as nn
 from flax import nnx
 
 import chunkjax as cj
+from chunkjax.host_update import AdamW
 from chunkjax.memory import DEVICE, PINNED_HOST
 
 STEPS = 10
 TXS = {
     "adamw": lambda: optax.adamw(3e-3, weight_decay=0.1),
     "clip+adam": lambda: optax.chain(optax.clip_by_global_norm(0.5), optax.adam(3e-3)),
+}
+#: the host kernel specs with exactly TXS's math (their .optax() equals TXS[name]() in value)
+HOST_SPECS = {
+    "adamw": lambda: AdamW(3e-3, weight_decay=0.1),
+    "clip+adam": lambda: AdamW(3e-3, weight_decay=0.0, max_grad_norm=0.5),
 }
 
 
@@ -61,8 +67,9 @@ def assert_trees_close(a, b, tol=2e-5):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("mode", ["streamed-depth1", "streamed-depth3", "host+streamed"])
 @pytest.mark.parametrize("name", sorted(TXS))
-def test_nnx_loop_equals_plain_optax(name):
+def test_nnx_loop_equals_plain_optax(name, mode):
     # the ordinary loop: nnx.Optimizer inside nnx.jit
     ref = TinyTransformer(rngs=nnx.Rngs(0))
     ref_opt = nnx.Optimizer(ref, TXS[name](), wrt=nnx.Param)
@@ -74,12 +81,21 @@ def test_nnx_loop_equals_plain_optax(name):
         return loss
 
     # the changed loop: grads jitted, the chunked update outside; a budget that keeps some chunks
-    # on the device and streams the others from pinned host memory
+    # on the device and updates the others from pinned host memory: streamed (a pipeline of 1 or
+    # 3 chunks), or streamed and by the host kernel at once
     model = TinyTransformer(rngs=nnx.Rngs(0))
     probe = cj.ChunkedOptimizer(nnx.state(model, nnx.Param), TXS[name](), device_budget="1GiB", chunk_size=1152,
                                check_tx=False)
-    budget = probe.working_bytes + probe.device_state_bytes // probe.layout.n_chunks
-    opt = cj.NnxOptimizer(model, TXS[name](), device_budget=budget, chunk_size=1152)
+    state = probe.device_state_bytes // probe.layout.n_chunks
+    depth = 3 if mode == "streamed-depth3" else 1
+    budget = probe.working_bytes + (depth - 1) * state + state
+    if mode == "host+streamed":
+        opt = cj.NnxOptimizer(model, HOST_SPECS[name](), device_budget=budget, chunk_size=1152, host_chunks=1,
+                              pipeline_depth=depth)
+        assert len(opt.chunked.host_chunks) == 1 and len(opt.chunked.streamed_chunks) >= 1
+    else:
+        opt = cj.NnxOptimizer(model, TXS[name](), device_budget=budget, chunk_size=1152, pipeline_depth=depth)
+        assert opt.chunked.pipeline_depth == min(depth, len(opt.chunked.streamed_chunks))
     kinds = opt.chunked.placement.state_kinds
     assert kinds.count(DEVICE) == 1 and kinds.count(PINNED_HOST) >= 2, kinds
     grad_fn = nnx.jit(nnx.value_and_grad(nnx_loss))
@@ -93,7 +109,8 @@ def test_nnx_loop_equals_plain_optax(name):
         np.testing.assert_allclose(float(loss), float(l_ref), rtol=1e-5)
     assert opt.step == STEPS
     for c, kind in enumerate(kinds):  # the state stayed in its memory kind through the updates
-        assert {x.sharding.memory_kind for x in jax.tree.leaves(opt.chunked.opt_state[c])} == {kind}
+        if c not in opt.chunked.host_chunks:  # (a host chunk's moments are numpy)
+            assert {x.sharding.memory_kind for x in jax.tree.leaves(opt.chunked.opt_state[c])} == {kind}
     assert losses[-1] < losses[0] - 0.1  # it trains
     assert_trees_close(nnx.state(model, nnx.Param), nnx.state(ref, nnx.Param))
     assert_trees_close(opt.chunked.master_params(), nnx.state(ref, nnx.Param))
@@ -199,7 +216,7 @@ def test_placement_is_the_optimizer_only_policy():
     working = 3 * 4 * cs + state + 4 * cs
     for n_dev in (0, 2, 5):
         opt = cj.ChunkedOptimizer(params, optax.adam(1e-3), device_budget=working + n_dev * state + state - 1,
-                                  chunk_size=cs, check_tx=False)
+                                  chunk_size=cs, check_tx=False, pipeline_depth=1)
         n = opt.layout.n_chunks
         assert n == 5
         assert opt.placement.state_kinds == (DEVICE,) * n_dev + (PINNED_HOST,) * (n - n_dev)
@@ -209,6 +226,14 @@ def test_placement_is_the_optimizer_only_policy():
         cb = cj.chunk_bytes(opt.layout, jnp.float32, state - 4 * cs)
         plan = cj.plan_schedule(opt.layout, (), cb, working + n_dev * state + state - 1, policy="optimizer_only")
         assert plan.placement == opt.placement
+        # a pipeline of 3 streamed chunks reserves the master + state of 2 more chunks in flight
+        piped = cj.ChunkedOptimizer(params, optax.adam(1e-3), chunk_size=cs, check_tx=False,
+                                    device_budget=working + 2 * state + n_dev * state + state - 1)
+        if n - n_dev >= 3:
+            assert piped.placement == opt.placement and piped.pipeline_depth == 3
+            assert piped.working_bytes == working + 2 * state
+        else:  # too few streamed chunks for a pipeline: the room keeps one more chunk on the device
+            assert piped.pipeline_depth == 1 and piped.placement.state_kinds.count(DEVICE) >= n_dev
 
 
 def test_host_memory_refused_before_allocation(monkeypatch):
