@@ -157,8 +157,9 @@ def stream_chunks(chunks: Sequence[int], depth: int, fetch: Callable, update: Ca
                 del item
                 slots.release()
 
-    threads = [threading.Thread(target=f, name=f"chunkjax-dropin-{f.__name__}", daemon=True)
-               for f in (fetcher, writer)]
+    # not daemons: the interpreter joins them before it tears the runtime down (a write-back cut
+    # off at exit aborts the process); both end once every chunk is through
+    threads = [threading.Thread(target=f, name=f"chunkjax-dropin-{f.__name__}") for f in (fetcher, writer)]
     for t in threads:
         t.start()
     try:
