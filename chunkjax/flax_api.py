@@ -271,6 +271,12 @@ class ChunkedOptimizer:
             if not jnp.issubdtype(dt, jnp.floating):
                 raise TypeError(_MSG_NOT_FLOAT.format(path=jax.tree_util.keystr(p, simple=True, separator="/"),
                                                       dtype=dt))
+        if order is not None:
+            have = {jax.tree_util.keystr(p, simple=True, separator="/") for p, _ in flat}
+            unknown = [k for k in order if k not in have]
+            if unknown:
+                raise ValueError(f"order names leaf {unknown[0]!r} that the params do not have: use leaf paths such "
+                                 f"as {sorted(have)[0]!r} ({len(unknown)} unknown)")
         if spec is None and check_tx:
             optim.check_elementwise(tx)
         self.host_optimizer = spec
