@@ -23,14 +23,28 @@ directions are in flight (eager transfers from two threads reached 94 GB/s toget
 against 57 GB/s for both directions inside one program: ``gpu_facts.md``, "Ceilings"). The call
 returns when the last update is dispatched; the write-backs of the last chunks continue behind
 the caller's next program and are joined by :meth:`StreamedWork.join`.
+
+The drop-in's programs (:class:`ChunkPrograms`: one set per chunk shape, :func:`sub_layout`) and
+its placement (:func:`place`: the ``"optimizer_only"`` policy with room for the pipeline) are
+here too.
 """
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 
+import jax
+import jax.numpy as jnp
+
+from chunkjax import optim
 from chunkjax.cost import Rates
+from chunkjax.errors import PlanError
+from chunkjax.layout import ChunkLayout, LeafSlot
+from chunkjax.memory import DEVICE, PINNED_HOST, sharding
+from chunkjax.plan import plan_schedule
 
 #: Default number of streamed chunks whose state may be on the device at once (fetching k+1,
 #: updating k, writing back k-1).
@@ -41,11 +55,12 @@ _MSG_HOST_CHUNKS = ("host_chunks={n} but {have} chunk(s) have their state in pin
 
 
 def predict_update_s(n_streamed: int, n_host: int, chunk_size: int, state_bytes: int, grad_bytes: int,
-                     param_bytes: int, rates: Rates) -> float:
+                     param_bytes: int, rates: Rates, depth: int = DEFAULT_PIPELINE_DEPTH) -> float:
     """Predicted seconds of the offloaded part of one update: the PCIe time of the busier
     direction (streamed chunks move ``state_bytes`` each way; host chunks send ``grad_bytes``
     down and get ``param_bytes`` back) against the host kernel's time (``chunk_size`` elements
-    per host chunk at ``rates.host_update_s_per_param``); the two run in parallel.
+    per host chunk at ``rates.host_update_s_per_param``); the two run in parallel. With a
+    pipeline of one chunk (``depth=1``) a streamed chunk's two directions take turns.
 
     Args:
       n_streamed, n_host: chunks at each location.
@@ -53,16 +68,19 @@ def predict_update_s(n_streamed: int, n_host: int, chunk_size: int, state_bytes:
       state_bytes: one chunk's float32 master params + optimizer state (bytes).
       grad_bytes, param_bytes: one chunk's gradient and compute params (bytes).
       rates: :class:`chunkjax.cost.Rates`.
+      depth: the streamed pipeline's depth (:func:`stream_chunks`).
     """
     h2d = n_streamed * state_bytes + n_host * param_bytes
     d2h = n_streamed * state_bytes + n_host * grad_bytes
     pcie = max(h2d / rates.h2d_bytes_per_s, d2h / rates.d2h_bytes_per_s)
+    if depth <= 1:  # no fetch while a write-back runs
+        pcie = max(pcie, n_streamed * state_bytes * (1 / rates.h2d_bytes_per_s + 1 / rates.d2h_bytes_per_s))
     return max(pcie, n_host * chunk_size * rates.host_update_s_per_param)
 
 
 def split_offloaded(offloaded: Sequence[int], chunk_size: int, state_bytes: int, grad_bytes: int,
-                    param_bytes: int, rates: Rates | None = None,
-                    host_chunks: int | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+                    param_bytes: int, rates: Rates | None = None, host_chunks: int | None = None,
+                    depth: int = DEFAULT_PIPELINE_DEPTH) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Divide the chunks whose state is in pinned host memory between the streamed update and
     the host kernel.
 
@@ -72,6 +90,7 @@ def split_offloaded(offloaded: Sequence[int], chunk_size: int, state_bytes: int,
       rates: measured rates (default :class:`chunkjax.cost.Rates`, the H200's).
       host_chunks: how many chunks the host kernel updates; None picks the count with the
         least :func:`predict_update_s` (the fewest on a tie).
+      depth: the streamed pipeline's depth.
 
     Returns:
       ``(streamed, host)``: chunk ids; the host takes the last ``host_chunks`` of ``offloaded``
@@ -84,7 +103,7 @@ def split_offloaded(offloaded: Sequence[int], chunk_size: int, state_bytes: int,
     n = len(offloaded)
     if host_chunks is None:
         host_chunks = min(range(n + 1), key=lambda h: (predict_update_s(
-            n - h, h, chunk_size, state_bytes, grad_bytes, param_bytes, rates), h))
+            n - h, h, chunk_size, state_bytes, grad_bytes, param_bytes, rates, depth), h))
     elif isinstance(host_chunks, bool) or not isinstance(host_chunks, int) or not 0 <= host_chunks <= n:
         raise ValueError(_MSG_HOST_CHUNKS.format(n=host_chunks, have=n))
     return tuple(offloaded[:n - host_chunks]), tuple(offloaded[n - host_chunks:])
@@ -181,3 +200,73 @@ def stream_chunks(chunks: Sequence[int], depth: int, fetch: Callable, update: Ca
         raise
     back.put(None)
     return StreamedWork(threads, errors)
+
+
+# ---- the drop-in's programs and placement ---------------------------------------------------------
+
+def sub_layout(layout: ChunkLayout, c: int) -> tuple[ChunkLayout, tuple[int, ...]]:
+    """Chunk ``c`` as a one-chunk layout over the list of its leaves (offset order), and the
+    indices of those leaves in ``layout.slots``. Paths are dropped so that chunks holding the same
+    shapes at the same offsets (e.g. repeated blocks) compare equal and share compiled programs."""
+    idx = tuple(sorted((i for i, s in enumerate(layout.slots) if s.chunk == c),
+                       key=lambda i: layout.slots[i].offset))
+    slots = tuple(LeafSlot(path=str(k), chunk=0, offset=layout.slots[i].offset, shape=layout.slots[i].shape,
+                           dtype=layout.slots[i].dtype) for k, i in enumerate(idx))
+    sub = ChunkLayout(treedef=jax.tree.structure([0] * len(idx)), slots=slots, chunk_size=layout.chunk_size,
+                      chunk_dtypes=(layout.chunk_dtypes[c],))
+    return sub, idx
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkPrograms:
+    """The jitted programs of one chunk shape (one :func:`sub_layout`)."""
+
+    sub: ChunkLayout
+    tx: Any
+
+    @property
+    def update(self):
+        """``(grad leaves, master, state, grad_sq, c) -> (new param leaves, master, state)``, all on
+        the device, master and state donated (device-resident chunks, and streamed chunks once
+        fetched)."""
+        dev = sharding(DEVICE)
+        sub, tx = self.sub, self.tx
+        dt = sub.chunk_dtypes[0]
+
+        def upd(grad_leaves, master, state, grad_sq, c):
+            g = sub.pack(list(grad_leaves), dtype=optim.MASTER_DTYPE)[0]
+            o = optim.update_chunk(tx, g, master, state, jnp.sum(grad_sq), grad_sq[c], dt)
+            return tuple(sub.unpack([o.params])), o.master, o.opt_state
+
+        return jax.jit(upd, in_shardings=(dev, dev, dev, dev, dev), out_shardings=(dev, dev, dev),
+                       donate_argnums=(1, 2))
+
+    @property
+    def grad_to_host(self):
+        """``grad leaves -> (chunk_size,)`` gradient chunk (chunk dtype) in pinned host memory."""
+        sub = self.sub
+        return jax.jit(lambda leaves: sub.pack(list(leaves))[0], out_shardings=sharding(PINNED_HOST))
+
+    @property
+    def unpack(self):
+        """``(chunk_size,)`` params chunk on the device -> its param leaves."""
+        sub, dev = self.sub, sharding(DEVICE)
+        return jax.jit(lambda p: tuple(sub.unpack([p])), in_shardings=dev, out_shardings=dev)
+
+
+def place(lay: ChunkLayout, cb, budget: int, depth: int, split):
+    """The optimizer_only placement with room for ``depth`` streamed chunks on the device: the
+    deepest pipeline (<= ``depth``) whose reserve still leaves the update's working set in the
+    budget; no reserve when no chunk is streamed. Returns (plan, depth, streamed, host)."""
+    for d in range(depth, 0, -1):
+        try:
+            plan = plan_schedule(lay, (), cb, budget - (d - 1) * cb.state, policy="optimizer_only")
+        except PlanError:
+            if d == 1:
+                raise
+            continue
+        offloaded = [c for c, k in enumerate(plan.placement.state_kinds) if k == PINNED_HOST]
+        streamed, host = split(offloaded, d)
+        if d == 1 or len(streamed) > 1:
+            return plan, (min(d, len(streamed)) if streamed else 1), streamed, host
+    raise AssertionError("unreachable: depth 1 returns or raises")

@@ -42,7 +42,6 @@ and of a linen loop::
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -52,10 +51,8 @@ import optax
 
 from chunkjax import dropin, optim, portable
 from chunkjax.cost import Rates
-from chunkjax.errors import PlanError
-from chunkjax.layout import ChunkLayout, LeafSlot, build_layout
+from chunkjax.layout import ChunkLayout, build_layout
 from chunkjax.memory import DEVICE, PINNED_HOST, sharding
-from chunkjax.plan import plan_schedule
 from chunkjax.predict import chunk_bytes
 
 #: Default of ``min_chunks``: the chunk-size search prefers sizes giving at least this many chunks
@@ -115,80 +112,12 @@ def _structure_error(layout: ChunkLayout, grads) -> str:
     return f"{len(got)} leaves where the params have {len(want)} (other containers)"
 
 
-def _sub_layout(layout: ChunkLayout, c: int) -> tuple[ChunkLayout, tuple[int, ...]]:
-    """Chunk ``c`` as a one-chunk layout over the list of its leaves (offset order), and the
-    indices of those leaves in ``layout.slots``. Paths are dropped so that chunks holding the same
-    shapes at the same offsets (e.g. repeated blocks) compare equal and share compiled programs."""
-    idx = tuple(sorted((i for i, s in enumerate(layout.slots) if s.chunk == c),
-                       key=lambda i: layout.slots[i].offset))
-    slots = tuple(LeafSlot(path=str(k), chunk=0, offset=layout.slots[i].offset, shape=layout.slots[i].shape,
-                           dtype=layout.slots[i].dtype) for k, i in enumerate(idx))
-    sub = ChunkLayout(treedef=jax.tree.structure([0] * len(idx)), slots=slots, chunk_size=layout.chunk_size,
-                      chunk_dtypes=(layout.chunk_dtypes[c],))
-    return sub, idx
-
-
-@dataclasses.dataclass(frozen=True)
-class _ChunkPrograms:
-    """The jitted programs of one chunk shape (one :func:`_sub_layout`)."""
-
-    sub: ChunkLayout
-    tx: Any
-
-    @property
-    def update(self):
-        """``(grad leaves, master, state, grad_sq, c) -> (new param leaves, master, state)``, all on
-        the device, master and state donated (device-resident chunks, and streamed chunks once
-        fetched)."""
-        dev = sharding(DEVICE)
-        sub, tx = self.sub, self.tx
-        dt = sub.chunk_dtypes[0]
-
-        def upd(grad_leaves, master, state, grad_sq, c):
-            g = sub.pack(list(grad_leaves), dtype=optim.MASTER_DTYPE)[0]
-            o = optim.update_chunk(tx, g, master, state, jnp.sum(grad_sq), grad_sq[c], dt)
-            return tuple(sub.unpack([o.params])), o.master, o.opt_state
-
-        return jax.jit(upd, in_shardings=(dev, dev, dev, dev, dev), out_shardings=(dev, dev, dev),
-                       donate_argnums=(1, 2))
-
-    @property
-    def grad_to_host(self):
-        """``grad leaves -> (chunk_size,)`` gradient chunk (chunk dtype) in pinned host memory."""
-        sub = self.sub
-        return jax.jit(lambda leaves: sub.pack(list(leaves))[0], out_shardings=sharding(PINNED_HOST))
-
-    @property
-    def unpack(self):
-        """``(chunk_size,)`` params chunk on the device -> its param leaves."""
-        sub, dev = self.sub, sharding(DEVICE)
-        return jax.jit(lambda p: tuple(sub.unpack([p])), in_shardings=dev, out_shardings=dev)
-
-
 class _HostChunks(NamedTuple):
     """What :func:`chunkjax.updaters.host_updater` reads and writes per chunk id."""
 
     params: dict
     master: list
     opt_state: list
-
-
-def _place(lay: ChunkLayout, cb, budget: int, depth: int, split):
-    """The optimizer_only placement with room for ``depth`` streamed chunks on the device: the
-    deepest pipeline (<= ``depth``) whose reserve still leaves the update's working set in the
-    budget; no reserve when no chunk is streamed. Returns (plan, depth, streamed, host)."""
-    for d in range(depth, 0, -1):
-        try:
-            plan = plan_schedule(lay, (), cb, budget - (d - 1) * cb.state, policy="optimizer_only")
-        except PlanError:
-            if d == 1:
-                raise
-            continue
-        offloaded = [c for c, k in enumerate(plan.placement.state_kinds) if k == PINNED_HOST]
-        streamed, host = split(offloaded)
-        if d == 1 or len(streamed) > 1:
-            return plan, (min(d, len(streamed)) if streamed else 1), streamed, host
-    raise AssertionError("unreachable: depth 1 returns or raises")
 
 
 class ChunkedOptimizer:
@@ -286,13 +215,13 @@ class ChunkedOptimizer:
         widest = max(lay.chunk_dtypes, key=lambda d: np.dtype(d).itemsize)
         cb = chunk_bytes(lay, widest, optim.state_bytes_per_chunk(tx, lay.chunk_size))
 
-        def split(offloaded):
+        def split(offloaded, depth):
             if spec is None:
                 return tuple(offloaded), ()
             return dropin.split_offloaded(offloaded, lay.chunk_size, cb.state, cb.grad, cb.params, rates,
-                                          host_chunks)
+                                          host_chunks, depth)
 
-        plan, self.pipeline_depth, self.streamed_chunks, self.host_chunks = _place(
+        plan, self.pipeline_depth, self.streamed_chunks, self.host_chunks = dropin.place(
             lay, cb, budget, pipeline_depth, split)
         self._state_bytes = cb.state
         self.working_bytes = int(plan.predicted.peak_device_bytes - plan.predicted.device_model_bytes
@@ -312,10 +241,10 @@ class ChunkedOptimizer:
         need["need_bytes"] = sum(need.values())
         check_host_need(need, "the optimizer state", jax.default_backend())
         self.step = 0
-        subs = [_sub_layout(lay, c) for c in range(lay.n_chunks)]
+        subs = [dropin.sub_layout(lay, c) for c in range(lay.n_chunks)]
         self._leaf_idx = [idx for _, idx in subs]
         programs: dict = {}
-        self._programs = [programs.setdefault(sub, _ChunkPrograms(sub, tx)) for sub, _ in subs]
+        self._programs = [programs.setdefault(sub, dropin.ChunkPrograms(sub, tx)) for sub, _ in subs]
         self._update_of = {}
         for c in range(lay.n_chunks):
             if c not in self.host_chunks:
