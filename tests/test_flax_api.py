@@ -293,3 +293,48 @@ def test_split_by_rate_and_pipeline_order():
         raise RuntimeError(f"update of {c} failed")
     with pytest.raises(RuntimeError, match="update of 5 failed"):
         dropin.stream_chunks([5, 1, 7], 1, fetch, bad_update, store)
+
+
+def test_host_chunks_checkpoint_and_restore(tmp_path):
+    """A drop-in optimizer whose chunks update on the device, streamed and on the host kernel at
+    once saves and restores: into the same split bit for bit, into an all-device one within the
+    fp32 tolerance (jitted optax against the host kernel: FMA rounding)."""
+    from chunkjax import checkpoint as ck
+    rng = np.random.default_rng(5)
+    params = {k: jnp.asarray(rng.normal(size=(n,)), jnp.float32) for k, n in zip("abcdef", (60, 50, 64, 40, 30, 64))}
+    target = jax.tree.map(lambda x: x * 0.5 + 1.0, params)
+    grad_fn = jax.jit(jax.grad(lambda p: sum(jnp.sum((p[k] - target[k]) ** 2) for k in p)))
+    spec = AdamW(1e-2, weight_decay=0.1, max_grad_norm=1.0)
+
+    def make(budget, **kw):
+        return cj.ChunkedOptimizer(params, spec, device_budget=budget, chunk_size=64, **kw)
+
+    probe = make("1GiB")
+    state = probe.device_state_bytes // probe.layout.n_chunks
+    split = dict(host_chunks=2, pipeline_depth=1)
+    opt = make(probe.working_bytes + state, **split)
+    assert (len(opt.host_chunks), len(opt.streamed_chunks), opt.placement.state_kinds.count(DEVICE)) == (2, 3, 1)
+
+    def train(opt, p, n):
+        for _ in range(n):
+            p = opt.update(grad_fn(p))
+        return p
+
+    p = train(opt, params, 3)
+    ck.save_checkpoint(tmp_path, 3, opt)
+    ref = train(opt, p, 3)
+    same = make(probe.working_bytes + state, **split)
+    restored, _ = ck.restore_checkpoint(tmp_path, same)
+    assert same.step == 3
+    got = train(same, restored, 3)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    on_device = make("1GiB")
+    restored, _ = ck.restore_checkpoint(tmp_path, on_device)
+    assert_trees_close(train(on_device, restored, 3), ref)
+    plain = spec.optax()  # and all of it equals plain optax on the whole tree
+    s, q = plain.init(params), params
+    for _ in range(6):
+        u, s = plain.update(grad_fn(q), s, q)
+        q = optax.apply_updates(q, u)
+    assert_trees_close(ref, q)
