@@ -242,10 +242,11 @@ class ChunkPrograms:
                        donate_argnums=(1, 2))
 
     @property
-    def grad_to_host(self):
-        """``grad leaves -> (chunk_size,)`` gradient chunk (chunk dtype) in pinned host memory."""
+    def pack_grad(self):
+        """``grad leaves -> (chunk_size,)`` gradient chunk (chunk dtype) on the device (sent to the
+        host by an eager transfer: a copy inside the program would hold the program stream)."""
         sub = self.sub
-        return jax.jit(lambda leaves: sub.pack(list(leaves))[0], out_shardings=sharding(PINNED_HOST))
+        return jax.jit(lambda leaves: sub.pack(list(leaves))[0], out_shardings=sharding(DEVICE))
 
     @property
     def unpack(self):
@@ -254,13 +255,15 @@ class ChunkPrograms:
         return jax.jit(lambda p: tuple(sub.unpack([p])), in_shardings=dev, out_shardings=dev)
 
 
-def place(lay: ChunkLayout, cb, budget: int, depth: int, split):
+def place(lay: ChunkLayout, cb, budget: int, depth: int, split, host_reserve: int = 0):
     """The optimizer_only placement with room for ``depth`` streamed chunks on the device: the
     deepest pipeline (<= ``depth``) whose reserve still leaves the update's working set in the
-    budget; no reserve when no chunk is streamed. Returns (plan, depth, streamed, host)."""
+    budget; no reserve when no chunk is streamed. ``host_reserve`` bytes are kept free for the
+    host chunks' gradients on their way to the host (two chunks at a time). Returns (plan, depth,
+    streamed, host)."""
     for d in range(depth, 0, -1):
         try:
-            plan = plan_schedule(lay, (), cb, budget - (d - 1) * cb.state, policy="optimizer_only")
+            plan = plan_schedule(lay, (), cb, budget - (d - 1) * cb.state - host_reserve, policy="optimizer_only")
         except PlanError:
             if d == 1:
                 raise

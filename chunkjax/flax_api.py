@@ -221,11 +221,12 @@ class ChunkedOptimizer:
             return dropin.split_offloaded(offloaded, lay.chunk_size, cb.state, cb.grad, cb.params, rates,
                                           host_chunks, depth)
 
+        host_reserve = 2 * cb.grad if spec is not None else 0  # two gradient chunks on their way to the host
         plan, self.pipeline_depth, self.streamed_chunks, self.host_chunks = dropin.place(
-            lay, cb, budget, pipeline_depth, split)
+            lay, cb, budget, pipeline_depth, split, host_reserve)
         self._state_bytes = cb.state
         self.working_bytes = int(plan.predicted.peak_device_bytes - plan.predicted.device_model_bytes
-                                 + (self.pipeline_depth - 1) * cb.state)
+                                 + (self.pipeline_depth - 1) * cb.state + host_reserve)
         self.placement = plan.placement
         kinds = self.placement.state_kinds
         self.device_state_bytes = int(plan.predicted.device_model_bytes)
@@ -256,7 +257,7 @@ class ChunkedOptimizer:
         for c in self.host_chunks:
             key = ("host", subs[c][0])
             if key not in programs:
-                programs[key] = (self._programs[c].grad_to_host, self._programs[c].unpack)
+                programs[key] = (self._programs[c].pack_grad, self._programs[c].unpack)
             self._host_programs[c] = programs[key]
         self._host_updaters = {}
         if self.host_chunks:
@@ -301,9 +302,24 @@ class ChunkedOptimizer:
         from chunkjax.kernels import clip_scale
         return lambda: clip_scale(max_norm, np.sqrt(np.sum(np.asarray(grad_sq, np.float32), dtype=np.float32)))
 
-    def _run_host(self, upd, grads: dict, scale, previous) -> float:
+    def _host_pass(self, grad_leaves: dict, scale, previous) -> float:
+        """The host thread's part of one update: each host chunk's gradient is packed on the
+        device and sent to pinned host memory (the next one's transfer overlaps this one's
+        kernel), then updated in place by the host kernel. Returns the kernel seconds."""
         jax.block_until_ready(previous)  # no transfer of the params buffers in flight while rewritten
-        return upd.update(_HostChunks(self._host_params, self._master, self._opt_state), grads, scale)
+        if callable(scale):
+            scale = scale()
+        pin, view = sharding(PINNED_HOST), _HostChunks(self._host_params, self._master, self._opt_state)
+        order = list(grad_leaves)
+        send = lambda c: jax.device_put(self._host_programs[c][0](grad_leaves[c]), pin, may_alias=False)  # noqa: E731
+        spent, nxt = 0.0, send(order[0])
+        for i, c in enumerate(order):
+            g = nxt
+            if i + 1 < len(order):
+                nxt = send(order[i + 1])
+            spent += self._host_updaters[np.dtype(self.layout.chunk_dtypes[c])].update(view, {c: g}, scale)
+            del g
+        return spent
 
     def update(self, grads):
         """One optimizer step. Call it outside ``jax.jit``: it dispatches the device and streamed
@@ -340,13 +356,9 @@ class ChunkedOptimizer:
         of = lambda c: tuple(leaves[i] for i in self._leaf_idx[c])  # noqa: E731
         work = None
         if self.host_chunks:  # first: the host starts on a chunk as soon as its gradient arrives
-            g_host = {c: self._host_programs[c][0](of(c)) for c in self.host_chunks}
             work = HostWork(host_deadline_s(None))
-            scale = self._host_scale(grad_sq)
-            for dt, upd in self._host_updaters.items():
-                mine = {c: g for c, g in g_host.items() if np.dtype(lay.chunk_dtypes[c]) == dt}
-                work.submit(self._run_host, upd, mine, scale, self._host_on_device)
-            del g_host
+            work.submit(self._host_pass, {c: of(c) for c in self.host_chunks}, self._host_scale(grad_sq),
+                        self._host_on_device)
         try:
             dev = [c for c, k in enumerate(self.placement.state_kinds) if k == DEVICE]
             for c in dev:
