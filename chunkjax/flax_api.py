@@ -302,10 +302,11 @@ class ChunkedOptimizer:
         from chunkjax.kernels import clip_scale
         return lambda: clip_scale(max_norm, np.sqrt(np.sum(np.asarray(grad_sq, np.float32), dtype=np.float32)))
 
-    def _host_pass(self, grad_leaves: dict, scale, previous) -> float:
+    def _host_pass(self, grad_leaves: dict, scale, previous, sent: dict) -> float:
         """The host thread's part of one update: each host chunk's gradient is packed on the
         device and sent to pinned host memory (the next one's transfer overlaps this one's
-        kernel), then updated in place by the host kernel. Returns the kernel seconds."""
+        kernel), updated in place by the host kernel, and its new params sent back to the device
+        (into ``sent``). Returns the kernel seconds."""
         jax.block_until_ready(previous)  # no transfer of the params buffers in flight while rewritten
         if callable(scale):
             scale = scale()
@@ -319,6 +320,7 @@ class ChunkedOptimizer:
                 nxt = send(order[i + 1])
             spent += self._host_updaters[np.dtype(self.layout.chunk_dtypes[c])].update(view, {c: g}, scale)
             del g
+            sent[c] = jax.device_put(self._host_params[c], sharding(DEVICE), may_alias=False)
         return spent
 
     def update(self, grads):
@@ -354,11 +356,11 @@ class ChunkedOptimizer:
         grad_sq = self._sq(leaves)
         out: list[Any] = [None] * len(lay.slots)
         of = lambda c: tuple(leaves[i] for i in self._leaf_idx[c])  # noqa: E731
-        work = None
+        work, sent = None, {}
         if self.host_chunks:  # first: the host starts on a chunk as soon as its gradient arrives
             work = HostWork(host_deadline_s(None))
             work.submit(self._host_pass, {c: of(c) for c in self.host_chunks}, self._host_scale(grad_sq),
-                        self._host_on_device)
+                        self._host_on_device, sent)
         try:
             dev = [c for c, k in enumerate(self.placement.state_kinds) if k == DEVICE]
             for c in dev:
@@ -372,12 +374,9 @@ class ChunkedOptimizer:
             if work is not None:
                 work.join()
         if self.host_chunks:
-            on_dev = []
             for c in self.host_chunks:
-                p = jax.device_put(self._host_params[c], sharding(DEVICE), may_alias=False)
-                on_dev.append(p)
-                self._put(out, c, self._host_programs[c][1](p))
-            self._host_on_device = on_dev
+                self._put(out, c, self._host_programs[c][1](sent[c]))
+            self._host_on_device = list(sent.values())
         self.step += 1
         return lay.treedef.unflatten(out)
 
@@ -457,8 +456,11 @@ class ChunkedOptimizer:
             count, moments, rest = portable.optax_to_portable(st, self.layout.chunk_size)
             master = portable.host_value(self._master[c], np.float32)
         arrays = {"params": master.astype(self.compute_dtype), "master": master, **moments}
-        if copy:  # np.asarray of a jax array may be a view of its buffer, which the next update donates
-            arrays = {k: a if a.flags.owndata else np.array(a, copy=True) for k, a in arrays.items()}
+        if copy:  # np.asarray of a jax array may be a view of its buffer, which the next update donates;
+            # a host chunk's master and moments are updated in place by the next update
+            live = portable.numpy_leaves((self._master[c], st))
+            arrays = {k: a if a.flags.owndata and not any(np.may_share_memory(a, x) for x in live)
+                      else np.array(a, copy=True) for k, a in arrays.items()}
         return arrays, {"count": count, "moments": sorted(moments), "rest": rest,
                         "saved_from": "host" if c in self.host_chunks else self.placement.state_kinds[c]}
 
