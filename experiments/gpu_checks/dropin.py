@@ -77,7 +77,7 @@ def child(kind: str, cfg: dict) -> dict:
     toks = jax.random.randint(jax.random.key(1), (STEPS + 1, B, T + 1), 0, V)
     model = LM(nnx.Rngs(0))
     n = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    summary = None
+    summary, update_call_s = None, []
     if kind == "nnx":
         opt = nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
 
@@ -95,7 +95,9 @@ def child(kind: str, cfg: dict) -> dict:
 
         def run(t):
             loss, g = grad_fn(model, t)
-            opt.update(model, g)
+            t0 = time.perf_counter()
+            opt.update(model, g)  # returns once dispatched (the host chunks' kernels done)
+            update_call_s.append(time.perf_counter() - t0)
             return loss
     losses, times = [], []
     for i in range(STEPS + 1):
@@ -109,7 +111,25 @@ def child(kind: str, cfg: dict) -> dict:
     mem = jax.devices()[0].memory_stats() or {}
     return {"n_params": int(n), "losses": losses, "step_s": times, "step_s_median": steady,
             "tokens_per_s": B * T / steady, "first_step_s": times[0], "peak_device_bytes": mem.get("peak_bytes_in_use"),
-            "summary": summary, "backend": jax.default_backend()}
+            "summary": summary, "update_call_s": update_call_s, "backend": jax.default_backend()}
+
+
+def _summarise(res: dict) -> None:
+    """The headline keys of ``res`` from its systems (``chunkjax_tokens_per_s``: the host-kernel +
+    streamed system)."""
+    s = res["systems"]
+    tps = {k: v.get("tokens_per_s") for k, v in s.items()}
+    res["n_params"] = next((v["n_params"] for v in s.values() if "n_params" in v), None)
+    res["nnx_optimizer_tokens_per_s"] = tps.get("nnx")
+    res["chunkjax_tokens_per_s"] = tps.get("chunk_host")
+    res["chunkjax_optax_tokens_per_s"] = tps.get("chunk_optax")
+    res["ratio"] = (tps["chunk_host"] / tps["nnx"]) if tps.get("chunk_host") and tps.get("nnx") else None
+    res["ratio_optax"] = (tps["chunk_optax"] / tps["nnx"]) if tps.get("chunk_optax") and tps.get("nnx") else None
+    res["peak_device_bytes"] = {k: v.get("peak_device_bytes") for k, v in s.items()}
+    if "losses" in s.get("nnx", {}):  # the drop-in must train the same numbers (bf16 compute: ~1e-3)
+        ref = s["nnx"]["losses"]
+        res["max_loss_rel_diff"] = {k: max(abs(x - y) / abs(y) for x, y in zip(v["losses"], ref))
+                                    for k, v in s.items() if k != "nnx" and "losses" in v}
 
 
 def main(argv=None) -> int:
@@ -119,7 +139,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="a tiny model (a CPU smoke run)")
     ap.add_argument("--budget", default=None, help="the drop-in's device budget (default 2GiB; tiny: 1MiB)")
     ap.add_argument("--steps", type=int, default=None)
-    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, of " + ",".join(SYSTEMS))
+    ap.add_argument("--timeout", type=int, default=300, help="seconds per system (its own process)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--cfg", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -136,31 +157,23 @@ def main(argv=None) -> int:
     res = {"config": cfg, "device_budget_bytes": budget, "systems": {}}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    for kind in a.systems.split(","):
-        t0 = time.time()
-        p = subprocess.run([sys.executable, os.path.abspath(__file__), "--out", a.out, "--child", kind,
-                            "--cfg", json.dumps(cfg)], capture_output=True, text=True, env=env, timeout=540)
-        line = next((ln for ln in p.stdout.splitlines() if ln.startswith("JSON")), None)
-        res["systems"][kind] = (json.loads(line[4:]) if line else
-                                {"error": f"rc={p.returncode}", "stderr": p.stderr[-3000:]})
-        res["systems"][kind]["wall_s"] = round(time.time() - t0, 1)
-    s = res["systems"]
-    tps = {k: v.get("tokens_per_s") for k, v in s.items()}
-    res["n_params"] = next((v["n_params"] for v in s.values() if "n_params" in v), None)
-    res["nnx_optimizer_tokens_per_s"] = tps.get("nnx")
-    res["chunkjax_tokens_per_s"] = tps.get("chunk_host")
-    res["chunkjax_optax_tokens_per_s"] = tps.get("chunk_optax")
-    res["ratio"] = (tps["chunk_host"] / tps["nnx"]) if tps.get("chunk_host") and tps.get("nnx") else None
-    res["ratio_optax"] = (tps["chunk_optax"] / tps["nnx"]) if tps.get("chunk_optax") and tps.get("nnx") else None
-    res["peak_device_bytes"] = {k: v.get("peak_device_bytes") for k, v in s.items()}
-    if "nnx" in s and "losses" in s["nnx"]:  # the drop-in must train the same numbers (bf16 compute: ~1e-3)
-        ref = s["nnx"]["losses"]
-        res["max_loss_rel_diff"] = {k: max(abs(x - y) / abs(y) for x, y in zip(v["losses"], ref))
-                                    for k, v in s.items() if k != "nnx" and "losses" in v}
     path = a.out if a.out.endswith(".json") else os.path.join(a.out, f"dropin_{a.run}.json")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(res, f, indent=1)
+    s = res["systems"]
+    for kind in a.systems.split(","):
+        t0 = time.time()
+        try:
+            p = subprocess.run([sys.executable, os.path.abspath(__file__), "--out", a.out, "--child", kind,
+                                "--cfg", json.dumps(cfg)], capture_output=True, text=True, env=env, timeout=a.timeout)
+            line = next((ln for ln in p.stdout.splitlines() if ln.startswith("JSON")), None)
+            s[kind] = json.loads(line[4:]) if line else {"error": f"rc={p.returncode}", "stderr": p.stderr[-3000:]}
+        except subprocess.TimeoutExpired as e:
+            s[kind] = {"error": f"timed out after {a.timeout} s", "stderr": str(e.stderr or "")[-3000:]}
+        s[kind]["wall_s"] = round(time.time() - t0, 1)
+        _summarise(res)
+        with open(path, "w") as f:  # after each system: a call cut short keeps what it measured
+            json.dump(res, f, indent=1)
+    tps = {k: v.get("tokens_per_s") for k, v in s.items()}
     print(f"{'system':<12} {'tokens/s':>10} {'x nnx':>7} {'step s':>8} {'peak GiB':>9}")
     for k, v in s.items():
         if "error" in v:
