@@ -340,3 +340,32 @@ def test_host_chunks_checkpoint_and_restore(tmp_path):
         u, s = plain.update(grad_fn(q), s, q)
         q = optax.apply_updates(q, u)
     assert_trees_close(ref, q)
+
+
+def test_update_returns_before_the_write_backs_and_wait_joins(monkeypatch):
+    """update() returns once every chunk's update is dispatched: the last streamed chunks'
+    write-backs run on behind it (here held until released), wait() joins them, and the state is
+    then exact."""
+    import threading
+    params = {f"w{i}": jnp.full((32,), float(i), jnp.float32) for i in range(4)}
+    probe = cj.ChunkedOptimizer(params, optax.sgd(0.5), chunk_size=32, device_budget="1GiB")
+    state = probe.device_state_bytes // probe.layout.n_chunks
+    opt = cj.ChunkedOptimizer(params, optax.sgd(0.5), chunk_size=32, device_budget=probe.working_bytes + state)
+    assert opt.streamed_chunks == (0, 1, 2, 3) and opt.pipeline_depth == 2
+    release, store, stored = threading.Event(), opt._store, []
+
+    def held_store(c, m, s):
+        if c >= 2:  # the last two chunks' write-backs wait
+            release.wait()
+        store(c, m, s)
+        stored.append(c)
+    monkeypatch.setattr(opt, "_store", held_store)
+    new = opt.update({k: jnp.ones((32,), jnp.float32) for k in params})
+    assert not release.is_set() and sorted(stored) == [0, 1]  # returned with two write-backs in flight
+    for k, x in new.items():
+        np.testing.assert_allclose(np.asarray(x), float(k[1:]) - 0.5)
+    release.set()
+    opt.wait()
+    assert sorted(stored) == [0, 1, 2, 3]
+    for k, x in opt.master_params().items():
+        np.testing.assert_allclose(np.asarray(x), float(k[1:]) - 0.5)
