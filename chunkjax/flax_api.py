@@ -516,9 +516,9 @@ class ChunkedOptimizer:
         n_dev = self.placement.state_kinds.count(DEVICE)
         return (f"ChunkedOptimizer: {self.layout.n_chunks} chunks x {self.layout.chunk_size} elements; "
                 f"state of {n_dev} on the device ({self.device_state_bytes / 2**20:.2f} MiB), "
-                f"{self.layout.n_chunks - n_dev} in host memory ({self.host_state_bytes / 2**20:.2f} MiB: "
-                f"{len(self.streamed_chunks)} streamed, pipeline depth {self.pipeline_depth}, "
-                f"{len(self.host_chunks)} updated by the host kernel); "
+                f"{len(self.streamed_chunks)} in pinned host memory streamed through the device (pipeline depth "
+                f"{self.pipeline_depth}), {len(self.host_chunks)} updated by the host kernel "
+                f"({self.host_state_bytes / 2**20:.2f} MiB off the device); "
                 f"update working set {self.working_bytes / 2**20:.2f} MiB")
 
 
