@@ -38,6 +38,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from chunkjax import optim
 from chunkjax.cost import Rates
@@ -50,6 +51,9 @@ from chunkjax.plan import plan_schedule
 #: updating k, writing back k-1).
 DEFAULT_PIPELINE_DEPTH = 3
 
+_MSG_TX = ("tx must be an optax.GradientTransformation or a host kernel spec (chunkjax.host_update.AdamW / Lion / "
+           "SGDMomentum), got {type}")
+_MSG_AUTO = "device_budget='auto' is not supported by the drop-in optimizer: pass bytes (int) or a size such as '2GiB'"
 _MSG_HOST_CHUNKS = ("host_chunks={n} but {have} chunk(s) have their state in pinned host memory: "
                     "use 0 <= host_chunks <= {have}")
 
@@ -200,6 +204,50 @@ def stream_chunks(chunks: Sequence[int], depth: int, fetch: Callable, update: Ca
         raise
     back.put(None)
     return StreamedWork(threads, errors)
+
+
+# ---- the drop-in's input checks ----------------------------------------------------------------
+
+def budget_bytes(device_budget: int | str) -> int:
+    """The one budget parser (:func:`chunkjax.fit.resolve_budget`), without ``"auto"``."""
+    from chunkjax.fit import resolve_budget
+    if isinstance(device_budget, bool) or not isinstance(device_budget, (int, str)):
+        raise TypeError(f"device_budget must be a byte count (int) or a string such as '2GiB', "
+                        f"got {type(device_budget).__name__}")
+    n = resolve_budget(device_budget)
+    if n == "auto":
+        raise ValueError(_MSG_AUTO)
+    return n
+
+
+def host_spec(tx):
+    """``tx`` if it is a host kernel spec (AdamW / Lion / SGDMomentum of chunkjax.kernels), else None."""
+    if isinstance(tx, optax.GradientTransformation):
+        return None
+    from chunkjax.kernels import AdamW, Lion, SGDMomentum  # numba: loaded only when a spec is given
+    if isinstance(tx, (AdamW, Lion, SGDMomentum)):
+        return tx
+    raise TypeError(_MSG_TX.format(type=type(tx).__name__))
+
+
+def _path_names(tree) -> list[str]:
+    return [jax.tree_util.keystr(p, simple=True, separator="/") for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def structure_error(layout: ChunkLayout, grads) -> str:
+    """One line naming the first leaf that ``grads`` lacks or has too many."""
+    want = [s.path for s in layout.slots]
+    try:
+        got = _path_names(grads)
+    except Exception:  # noqa: BLE001 - not a pytree jax can flatten
+        return f"{type(grads).__name__} is not a pytree of {len(want)} leaves"
+    missing = [p for p in want if p not in set(got)]
+    extra = [p for p in got if p not in set(want)]
+    if missing:
+        return f"leaf {missing[0]!r} is missing" + (f" (got {extra[0]!r} instead)" if extra else "")
+    if extra:
+        return f"leaf {extra[0]!r} is not a param"
+    return f"{len(got)} leaves where the params have {len(want)} (other containers)"
 
 
 # ---- the drop-in's programs and placement ---------------------------------------------------------

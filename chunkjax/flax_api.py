@@ -47,10 +47,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from chunkjax import dropin, optim, portable
 from chunkjax.cost import Rates
+from chunkjax.errors import PlanError
 from chunkjax.layout import ChunkLayout, build_layout
 from chunkjax.memory import DEVICE, PINNED_HOST, sharding
 from chunkjax.predict import chunk_bytes
@@ -62,54 +62,9 @@ DEFAULT_MIN_CHUNKS = 8
 _MSG_NOT_FLOAT = ("leaf {path!r} has dtype {dtype}: ChunkedOptimizer trains floating-point leaves only; "
                   "pass only the trainable params (nnx.state(model, nnx.Param), or variables['params'] of linen)")
 _MSG_STRUCTURE = "grads do not have the params' structure: {what}"
-_MSG_TX = ("tx must be an optax.GradientTransformation or a host kernel spec (chunkjax.host_update.AdamW / Lion / "
-           "SGDMomentum), got {type}")
 _MSG_HOST_NEEDS_SPEC = ("host_chunks={n} needs tx given as a host kernel spec (chunkjax.host_update.AdamW / Lion / "
                         "SGDMomentum): an optax transformation runs on the device only")
 _MSG_DEPTH = "pipeline_depth must be an int >= 1, got {v!r}"
-_MSG_AUTO = "device_budget='auto' is not supported by the drop-in optimizer: pass bytes (int) or a size such as '2GiB'"
-
-
-def _budget_bytes(device_budget: int | str) -> int:
-    """The one budget parser (:func:`chunkjax.fit.resolve_budget`), without ``"auto"``."""
-    from chunkjax.fit import resolve_budget
-    if isinstance(device_budget, bool) or not isinstance(device_budget, (int, str)):
-        raise TypeError(f"device_budget must be a byte count (int) or a string such as '2GiB', "
-                        f"got {type(device_budget).__name__}")
-    n = resolve_budget(device_budget)
-    if n == "auto":
-        raise ValueError(_MSG_AUTO)
-    return n
-
-
-def _host_spec(tx):
-    """``tx`` if it is a host kernel spec (AdamW / Lion / SGDMomentum of chunkjax.kernels), else None."""
-    if isinstance(tx, optax.GradientTransformation):
-        return None
-    from chunkjax.kernels import AdamW, Lion, SGDMomentum  # numba: loaded only when a spec is given
-    if isinstance(tx, (AdamW, Lion, SGDMomentum)):
-        return tx
-    raise TypeError(_MSG_TX.format(type=type(tx).__name__))
-
-
-def _path_names(tree) -> list[str]:
-    return [jax.tree_util.keystr(p, simple=True, separator="/") for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-
-
-def _structure_error(layout: ChunkLayout, grads) -> str:
-    """One line naming the first leaf that ``grads`` lacks or has too many."""
-    want = [s.path for s in layout.slots]
-    try:
-        got = _path_names(grads)
-    except Exception:  # noqa: BLE001 - not a pytree jax can flatten
-        return f"{type(grads).__name__} is not a pytree of {len(want)} leaves"
-    missing = [p for p in want if p not in set(got)]
-    extra = [p for p in got if p not in set(want)]
-    if missing:
-        return f"leaf {missing[0]!r} is missing" + (f" (got {extra[0]!r} instead)" if extra else "")
-    if extra:
-        return f"leaf {extra[0]!r} is not a param"
-    return f"{len(got)} leaves where the params have {len(want)} (other containers)"
 
 
 class _HostChunks(NamedTuple):
@@ -188,8 +143,8 @@ class ChunkedOptimizer:
                  min_chunks: int = DEFAULT_MIN_CHUNKS, order: list[str] | None = None, check_tx: bool = True,
                  host_chunks: int | None = None, pipeline_depth: int = dropin.DEFAULT_PIPELINE_DEPTH,
                  rates: Rates | None = None):
-        budget = _budget_bytes(device_budget)
-        spec = _host_spec(tx)
+        budget = dropin.budget_bytes(device_budget)
+        spec = dropin.host_spec(tx)
         if spec is None and host_chunks:
             raise ValueError(_MSG_HOST_NEEDS_SPEC.format(n=host_chunks))
         if isinstance(pipeline_depth, bool) or not isinstance(pipeline_depth, int) or pipeline_depth < 1:
@@ -215,15 +170,25 @@ class ChunkedOptimizer:
         widest = max(lay.chunk_dtypes, key=lambda d: np.dtype(d).itemsize)
         cb = chunk_bytes(lay, widest, optim.state_bytes_per_chunk(tx, lay.chunk_size))
 
-        def split(offloaded, depth):
-            if spec is None:
-                return tuple(offloaded), ()
-            return dropin.split_offloaded(offloaded, lay.chunk_size, cb.state, cb.grad, cb.params, rates,
-                                          host_chunks, depth)
-
-        host_reserve = 2 * cb.grad if spec is not None else 0  # two gradient chunks on their way to the host
-        plan, self.pipeline_depth, self.streamed_chunks, self.host_chunks = dropin.place(
-            lay, cb, budget, pipeline_depth, split, host_reserve)
+        # host chunks' gradients travel to the host two at a time (the next one's transfer under this
+        # one's kernel), or one at a time where the budget has no room for two; with no room for
+        # one, an automatic split streams every offloaded chunk
+        tries = [(2, host_chunks), (1, host_chunks)] + ([(0, 0)] if not host_chunks else []) if spec else [(0, 0)]
+        for k, (in_flight, n_host) in enumerate(tries):
+            def split(offloaded, depth, n_host=n_host):  # n_host None: by rate
+                if n_host == 0:
+                    return tuple(offloaded), ()
+                return dropin.split_offloaded(offloaded, lay.chunk_size, cb.state, cb.grad, cb.params, rates,
+                                              n_host, depth)
+            try:
+                plan, self.pipeline_depth, self.streamed_chunks, self.host_chunks = dropin.place(
+                    lay, cb, budget, pipeline_depth, split, in_flight * cb.grad)
+                break
+            except PlanError:
+                if k == len(tries) - 1:
+                    raise
+        self._host_in_flight = in_flight if self.host_chunks else 0
+        host_reserve = self._host_in_flight * cb.grad
         self._state_bytes = cb.state
         self.working_bytes = int(plan.predicted.peak_device_bytes - plan.predicted.device_model_bytes
                                  + (self.pipeline_depth - 1) * cb.state + host_reserve)
@@ -316,10 +281,14 @@ class ChunkedOptimizer:
         spent, nxt = 0.0, send(order[0])
         for i, c in enumerate(order):
             g = nxt
-            if i + 1 < len(order):
+            if self._host_in_flight > 1 and i + 1 < len(order):
                 nxt = send(order[i + 1])
+            elif i + 1 < len(order):  # one gradient on the device at a time: the next after this kernel
+                nxt = None
             spent += self._host_updaters[np.dtype(self.layout.chunk_dtypes[c])].update(view, {c: g}, scale)
             del g
+            if nxt is None and i + 1 < len(order):
+                nxt = send(order[i + 1])
             sent[c] = jax.device_put(self._host_params[c], sharding(DEVICE), may_alias=False)
         return spent
 
@@ -348,7 +317,7 @@ class ChunkedOptimizer:
         try:
             leaves = lay.treedef.flatten_up_to(grads)
         except (ValueError, TypeError):
-            raise ValueError(_MSG_STRUCTURE.format(what=_structure_error(lay, grads))) from None
+            raise ValueError(_MSG_STRUCTURE.format(what=dropin.structure_error(lay, grads))) from None
         for s, g in zip(lay.slots, leaves):
             if tuple(np.shape(g)) != s.shape:
                 raise ValueError(f"gradient of {s.path!r} has shape {tuple(np.shape(g))}, the params' is {s.shape}")

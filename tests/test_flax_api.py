@@ -369,3 +369,29 @@ def test_update_returns_before_the_write_backs_and_wait_joins(monkeypatch):
     assert sorted(stored) == [0, 1, 2, 3]
     for k, x in opt.master_params().items():
         np.testing.assert_allclose(np.asarray(x), float(k[1:]) - 0.5)
+
+
+def test_host_gradients_in_flight_follow_the_budget():
+    """Host chunks' gradients travel two at a time where the budget has room, one at a time where
+    it has room for one only; with no room an automatic split streams everything and an explicit
+    host_chunks is refused (chunkjax.PlanError). Each equals plain optax."""
+    params = {k: jnp.linspace(-1, 1, 64, dtype=jnp.float32) * (i + 1) for i, k in enumerate("abcd")}
+    grad_fn = jax.jit(jax.grad(lambda p: sum(jnp.sum(jnp.sin(3 * p[k]) * p[k]) for k in p)))
+    spec = AdamW(1e-2, weight_decay=0.1)
+    one = cj.ChunkedOptimizer(params, spec, chunk_size=64, device_budget="1GiB")
+    working, grad = one.working_bytes, 4 * 64
+    plain = spec.optax()
+    ref, s = params, plain.init(params)
+    for _ in range(3):
+        u, s = plain.update(grad_fn(ref), s, ref)
+        ref = optax.apply_updates(ref, u)
+    for extra, in_flight in ((2 * grad, 2), (grad, 1), (0, 0)):
+        opt = cj.ChunkedOptimizer(params, spec, chunk_size=64, device_budget=working + extra, pipeline_depth=1)
+        assert opt._host_in_flight == in_flight and bool(opt.host_chunks) == bool(in_flight)
+        assert opt.working_bytes == working + in_flight * grad
+        p = params
+        for _ in range(3):
+            p = opt.update(grad_fn(p))
+        assert_trees_close(p, ref)
+    with pytest.raises(cj.PlanError):
+        cj.ChunkedOptimizer(params, spec, chunk_size=64, device_budget=working, host_chunks=1)
