@@ -34,7 +34,7 @@ import dataclasses
 import queue
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -321,3 +321,78 @@ def place(lay: ChunkLayout, cb, budget: int, depth: int, split, host_reserve: in
         if d == 1 or len(streamed) > 1:
             return plan, (min(d, len(streamed)) if streamed else 1), streamed, host
     raise AssertionError("unreachable: depth 1 returns or raises")
+
+
+class DropinPlan(NamedTuple):
+    """Where the drop-in optimizer updates each chunk (:func:`choose`).
+
+    Attributes:
+      placement: a :class:`chunkjax.Placement` (params on the device; state device / pinned host).
+      depth: the streamed pipeline's depth.
+      streamed, host: offloaded chunk ids updated through the device and by the host kernel.
+      in_flight: host chunks' gradients on the device at once on their way to the host (0-2).
+      working_bytes: device bytes of the update's transients (one chunk's update working set when
+        any chunk updates on the device, the pipeline's extra chunks, the host gradients in flight
+        and, with host chunks only, one params chunk on its way back).
+      device_state_bytes, host_state_bytes: master + optimizer state bytes on / off the device.
+      predicted_s: :func:`predict_update_s` of the offloaded chunks.
+    """
+
+    placement: Any
+    depth: int
+    streamed: tuple
+    host: tuple
+    in_flight: int
+    working_bytes: int
+    device_state_bytes: int
+    host_state_bytes: int
+    predicted_s: float
+
+
+def choose(lay: ChunkLayout, cb, budget: int, depth: int, host: bool, host_chunks: int | None,
+           rates: Rates | None) -> DropinPlan:
+    """The drop-in's plan: the ``"optimizer_only"`` placement (:func:`place`) with the offloaded
+    chunks split between the streamed pipeline and, if ``host``, the host kernel, with two or one
+    host gradients in flight where the budget has room; with an automatic split
+    (``host_chunks=None``) also the plan that updates every chunk on the host kernel (no device
+    update working set at all: it fits budgets below one chunk's update), the faster predicted
+    one wins.
+
+    Raises:
+      chunkjax.PlanError: no plan fits ``budget`` (or ``host_chunks`` cannot be honoured).
+      ValueError: ``host_chunks`` out of range.
+    """
+    rates = rates or Rates()
+    n = lay.n_chunks
+    tries = ([(2, host_chunks), (1, host_chunks)] + ([(0, 0)] if not host_chunks else [])) if host else [(0, 0)]
+    found, error = [], None
+    for in_flight, n_host in tries:
+        def split(offloaded, d, n_host=n_host):  # n_host None: by rate
+            if n_host == 0:
+                return tuple(offloaded), ()
+            return split_offloaded(offloaded, lay.chunk_size, cb.state, cb.grad, cb.params, rates, n_host, d)
+        try:
+            plan, d, streamed, on_host = place(lay, cb, budget, depth, split, in_flight * cb.grad)
+        except PlanError as e:
+            error = error or e
+            continue
+        in_flight = in_flight if on_host else 0
+        found.append(DropinPlan(
+            plan.placement, d, streamed, on_host, in_flight,
+            int(plan.predicted.peak_device_bytes - plan.predicted.device_model_bytes + (d - 1) * cb.state
+                + in_flight * cb.grad),
+            int(plan.predicted.device_model_bytes), int(plan.predicted.host_model_bytes),
+            predict_update_s(len(streamed), len(on_host), lay.chunk_size, cb.state, cb.grad, cb.params, rates, d)))
+        break
+    if host and host_chunks in (None, n):
+        for in_flight in (2, 1):  # every chunk on the host kernel: gradients in flight, one params chunk back
+            working = in_flight * cb.grad + cb.params
+            if working <= budget:
+                from chunkjax.schedule import Placement
+                found.append(DropinPlan(
+                    Placement.uniform(n, DEVICE, PINNED_HOST), 1, (), tuple(range(n)), in_flight, working, 0,
+                    n * cb.state, predict_update_s(0, n, lay.chunk_size, cb.state, cb.grad, cb.params, rates, 1)))
+                break
+    if not found:
+        raise error
+    return min(found, key=lambda p: p.predicted_s)

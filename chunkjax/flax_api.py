@@ -50,7 +50,6 @@ import numpy as np
 
 from chunkjax import dropin, optim, portable
 from chunkjax.cost import Rates
-from chunkjax.errors import PlanError
 from chunkjax.layout import ChunkLayout, build_layout
 from chunkjax.memory import DEVICE, PINNED_HOST, sharding
 from chunkjax.predict import chunk_bytes
@@ -120,6 +119,8 @@ class ChunkedOptimizer:
       streamed_chunks, host_chunks: the offloaded chunk ids updated through the device and by the
         host kernel.
       pipeline_depth: the depth used.
+      predicted_update_s: predicted seconds of the offloaded chunks' update (H200 rates by
+        default; :func:`chunkjax.dropin.predict_update_s`).
       host_optimizer: the host kernel spec, or None.
       device_state_bytes: predicted device bytes of resident master params + optax state.
       working_bytes: predicted device bytes of the update's transient state (one chunk's working
@@ -171,31 +172,15 @@ class ChunkedOptimizer:
         cb = chunk_bytes(lay, widest, optim.state_bytes_per_chunk(tx, lay.chunk_size))
 
         # host chunks' gradients travel to the host two at a time (the next one's transfer under this
-        # one's kernel), or one at a time where the budget has no room for two; with no room for
-        # one, an automatic split streams every offloaded chunk
-        tries = [(2, host_chunks), (1, host_chunks)] + ([(0, 0)] if not host_chunks else []) if spec else [(0, 0)]
-        for k, (in_flight, n_host) in enumerate(tries):
-            def split(offloaded, depth, n_host=n_host):  # n_host None: by rate
-                if n_host == 0:
-                    return tuple(offloaded), ()
-                return dropin.split_offloaded(offloaded, lay.chunk_size, cb.state, cb.grad, cb.params, rates,
-                                              n_host, depth)
-            try:
-                plan, self.pipeline_depth, self.streamed_chunks, self.host_chunks = dropin.place(
-                    lay, cb, budget, pipeline_depth, split, in_flight * cb.grad)
-                break
-            except PlanError:
-                if k == len(tries) - 1:
-                    raise
-        self._host_in_flight = in_flight if self.host_chunks else 0
-        host_reserve = self._host_in_flight * cb.grad
+        # one's kernel), or one at a time where the budget has no room for two (chunkjax.dropin.choose)
+        dp = dropin.choose(lay, cb, budget, pipeline_depth, spec is not None, host_chunks, rates)
+        self.pipeline_depth, self.streamed_chunks, self.host_chunks = dp.depth, dp.streamed, dp.host
+        self._host_in_flight, self.placement = dp.in_flight, dp.placement
         self._state_bytes = cb.state
-        self.working_bytes = int(plan.predicted.peak_device_bytes - plan.predicted.device_model_bytes
-                                 + (self.pipeline_depth - 1) * cb.state + host_reserve)
-        self.placement = plan.placement
+        self.working_bytes, self.device_state_bytes, self.host_state_bytes = (
+            dp.working_bytes, dp.device_state_bytes, dp.host_state_bytes)
+        self.predicted_update_s = dp.predicted_s
         kinds = self.placement.state_kinds
-        self.device_state_bytes = int(plan.predicted.device_model_bytes)
-        self.host_state_bytes = int(plan.predicted.host_model_bytes)
         # issue 21: refuse before allocating when host memory cannot hold the offloaded state (on
         # the CPU the device's share is host memory too); host chunks add a pinned params buffer
         from chunkjax.host_memory import check_host_need, process_bytes
