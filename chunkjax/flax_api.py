@@ -42,7 +42,8 @@ and of a linen loop::
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -66,12 +67,16 @@ _MSG_HOST_NEEDS_SPEC = ("host_chunks={n} needs tx given as a host kernel spec (c
 _MSG_DEPTH = "pipeline_depth must be an int >= 1, got {v!r}"
 
 
-class _HostChunks(NamedTuple):
-    """What :func:`chunkjax.updaters.host_updater` reads and writes per chunk id."""
-
-    params: dict
-    master: list
-    opt_state: list
+def _host_buffers(master: np.ndarray, dtype) -> tuple[np.ndarray, jax.Array]:
+    """A host chunk's float32 master (numpy) and its pinned params buffer (compute dtype). For
+    float32 params one pinned buffer is both: the kernel updates it in place and it goes to the
+    device as it is (no copy on the host). The buffer is chunkjax's alone (read by eager
+    transfers only; gpu_facts.md, "Rules for updating pinned buffers in place on the host")."""
+    p = jax.device_put(np.asarray(master, np.float32).astype(dtype), sharding(PINNED_HOST), may_alias=False)
+    if np.dtype(dtype) == np.float32:
+        from chunkjax.host_update import writable_view
+        return writable_view(p, np.float32), p
+    return np.array(master, np.float32), p
 
 
 class ChunkedOptimizer:
@@ -209,13 +214,10 @@ class ChunkedOptimizer:
             if key not in programs:
                 programs[key] = (self._programs[c].pack_grad, self._programs[c].unpack)
             self._host_programs[c] = programs[key]
-        self._host_updaters = {}
         if self.host_chunks:
-            from chunkjax.topology import SingleDevice
-            from chunkjax.updaters import host_updater, warm_host_kernel
+            from chunkjax.updaters import warm_host_kernel
             for dt in {np.dtype(lay.chunk_dtypes[c]) for c in self.host_chunks}:
                 warm_host_kernel(spec, dt)  # numba must not compile while XLA compiles on another thread
-                self._host_updaters[dt] = host_updater(SingleDevice(), spec, lay.chunk_size, dt)
         # master params and state, one chunk at a time (the device holds one chunk of temporaries)
         leaves = lay.treedef.flatten_up_to(params)
         init = jax.jit(lambda m: optim.init_chunk_state(tx, m))
@@ -223,12 +225,10 @@ class ChunkedOptimizer:
         for c, (sub, idx) in enumerate(subs):
             m = jax.device_put(sub.pack([leaves[i] for i in idx], dtype=optim.MASTER_DTYPE)[0], sharding(DEVICE))
             if c in self.host_chunks:
-                buf = np.array(jax.device_put(m, sharding(PINNED_HOST)), np.float32)
-                dt = np.dtype(lay.chunk_dtypes[c])
-                master, st = self._host_updaters[dt].init(buf, c)
-                self._host_params[c] = jax.device_put(master.astype(dt), sharding(PINNED_HOST), may_alias=False)
+                master, self._host_params[c] = _host_buffers(np.asarray(jax.device_put(m, sharding(PINNED_HOST))),
+                                                             lay.chunk_dtypes[c])
                 masters.append(master)
-                states.append(st)
+                states.append(spec.host_state(lay.chunk_size))
             else:
                 sk = sharding(kinds[c])
                 states.append(jax.device_put(init(m), sk))
@@ -260,7 +260,7 @@ class ChunkedOptimizer:
         jax.block_until_ready(previous)  # no transfer of the params buffers in flight while rewritten
         if callable(scale):
             scale = scale()
-        pin, view = sharding(PINNED_HOST), _HostChunks(self._host_params, self._master, self._opt_state)
+        pin = sharding(PINNED_HOST)
         order = list(grad_leaves)
         send = lambda c: jax.device_put(self._host_programs[c][0](grad_leaves[c]), pin, may_alias=False)  # noqa: E731
         spent, nxt = 0.0, send(order[0])
@@ -270,12 +270,31 @@ class ChunkedOptimizer:
                 nxt = send(order[i + 1])
             elif i + 1 < len(order):  # one gradient on the device at a time: the next after this kernel
                 nxt = None
-            spent += self._host_updaters[np.dtype(self.layout.chunk_dtypes[c])].update(view, {c: g}, scale)
+            spent += self._host_kernel(c, g, scale)
             del g
             if nxt is None and i + 1 < len(order):
                 nxt = send(order[i + 1])
             sent[c] = jax.device_put(self._host_params[c], sharding(DEVICE), may_alias=False)
         return spent
+
+    def _host_kernel(self, c: int, g, scale) -> float:
+        """Host chunk ``c``'s step in place (:func:`chunkjax.host_update.host_update_`, the host
+        tier's kernel) once its gradient ``g`` (pinned host) is there: master and moments updated,
+        the new params written into the pinned params buffer (for float32 params that buffer is
+        the master itself). Returns the kernel seconds."""
+        from chunkjax import host_update as hu
+        g.block_until_ready()
+        t0 = time.perf_counter()
+        g_np, p = np.asarray(g), self._host_params[c]
+        spec, st, master = self.host_optimizer, self._opt_state[c], self._master[c]
+        dt = np.dtype(p.dtype)
+        if dt == jnp.bfloat16:
+            hu.host_update_(spec, st, g_np.view(np.uint16), master, hu.writable_view(p, np.uint16), scale)
+        else:
+            hu.host_update_(spec, st, g_np.astype(np.float32, copy=False), master, None, scale)
+            if dt != np.float32:  # (float32: the master is the params buffer)
+                np.copyto(hu.writable_view(p, dt), master.astype(dt))
+        return time.perf_counter() - t0
 
     def update(self, grads):
         """One optimizer step. Call it outside ``jax.jit``: it dispatches the device and streamed
@@ -449,9 +468,9 @@ class ChunkedOptimizer:
             dt = lay.chunk_dtypes[c]
             params.append(jax.device_put(master.astype(dt), dev))  # own buffer: master is donated
             if c in host:
-                masters.append(np.array(master, np.float32))
+                m_host, host_params[c] = _host_buffers(master, dt)
+                masters.append(m_host)
                 states.append(portable.portable_to_host(host_cls, cm["count"], arrs, c))
-                host_params[c] = jax.device_put(master.astype(dt), sharding(PINNED_HOST), may_alias=False)
             else:
                 opt = portable.portable_to_optax(template, cm["count"], arrs, cm["rest"], c)
                 sk = sharding(self.placement.state_kinds[c])

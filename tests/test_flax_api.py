@@ -401,3 +401,25 @@ def test_host_gradients_in_flight_follow_the_budget():
         cj.ChunkedOptimizer(params, spec, chunk_size=64, device_budget=working - 1, host_chunks=1)
     with pytest.raises(cj.PlanError):
         cj.ChunkedOptimizer(params, spec, chunk_size=64, device_budget=2 * grad - 1)
+
+
+def test_bf16_params_on_the_host_kernel():
+    """bf16 params whose chunks the host kernel updates: float32 master equal to optax on float32
+    copies, new params its bf16 rounding, in the params' dtype."""
+    rng = np.random.default_rng(3)
+    params = {k: jnp.asarray(rng.normal(size=(64,)), jnp.bfloat16) for k in "ab"}
+    spec = AdamW(1e-2, weight_decay=0.1)
+    opt = cj.ChunkedOptimizer(params, spec, chunk_size=64, device_budget=4 * 2 * 64)  # only the host plan fits
+    assert opt.host_chunks == (0, 1)
+    plain = spec.optax()
+    ref = jax.tree.map(lambda x: x.astype(jnp.float32), params)
+    s = plain.init(ref)
+    for i in range(3):
+        g = {k: jnp.asarray(rng.normal(size=(64,)), jnp.bfloat16) for k in "ab"}
+        new = opt.update(g)
+        u, s = plain.update(jax.tree.map(lambda x: x.astype(jnp.float32), g), s, ref)
+        ref = optax.apply_updates(ref, u)
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(new))
+    assert_trees_close(opt.master_params(), ref)
+    for k in "ab":
+        np.testing.assert_array_equal(np.asarray(new[k]), np.asarray(opt.master_params()[k].astype(jnp.bfloat16)))
