@@ -43,7 +43,7 @@ import optax
 from chunkjax import optim
 from chunkjax.cost import Rates
 from chunkjax.errors import PlanError
-from chunkjax.layout import ChunkLayout, LeafSlot
+from chunkjax.layout import ChunkLayout, LeafSlot, Piece
 from chunkjax.memory import DEVICE, PINNED_HOST, sharding
 from chunkjax.plan import plan_schedule
 
@@ -252,17 +252,30 @@ def structure_error(layout: ChunkLayout, grads) -> str:
 
 # ---- the drop-in's programs and placement ---------------------------------------------------------
 
-def sub_layout(layout: ChunkLayout, c: int) -> tuple[ChunkLayout, tuple[int, ...]]:
-    """Chunk ``c`` as a one-chunk layout over the list of its leaves (offset order), and the
-    indices of those leaves in ``layout.slots``. Paths are dropped so that chunks holding the same
-    shapes at the same offsets (e.g. repeated blocks) compare equal and share compiled programs."""
-    idx = tuple(sorted((i for i, s in enumerate(layout.slots) if s.chunk == c),
-                       key=lambda i: layout.slots[i].offset))
-    slots = tuple(LeafSlot(path=str(k), chunk=0, offset=layout.slots[i].offset, shape=layout.slots[i].shape,
-                           dtype=layout.slots[i].dtype) for k, i in enumerate(idx))
-    sub = ChunkLayout(treedef=jax.tree.structure([0] * len(idx)), slots=slots, chunk_size=layout.chunk_size,
-                      chunk_dtypes=(layout.chunk_dtypes[c],))
-    return sub, idx
+def sub_layout(layout: ChunkLayout, c: int) -> tuple[ChunkLayout, tuple[tuple[int, Piece], ...]]:
+    """Chunk ``c`` as a one-chunk layout over the list of its leaf pieces (offset order), and the
+    ``(slot index, piece)`` pairs (:meth:`ChunkLayout.chunk_pieces`). A piece holding a whole leaf
+    keeps the leaf's shape; a piece of a leaf spanning chunks is a flat ``(size,)`` leaf. Paths are
+    dropped so that chunks holding the same shapes at the same offsets (e.g. repeated blocks)
+    compare equal and share compiled programs."""
+    pieces = layout.chunk_pieces(c)
+    slots = tuple(LeafSlot(path=str(k), pieces=(Piece(0, p.offset, 0, p.size),),
+                           shape=layout.slots[i].shape if whole(layout, i, p) else (p.size,),
+                           dtype=layout.slots[i].dtype) for k, (i, p) in enumerate(pieces))
+    sub = ChunkLayout(treedef=jax.tree.structure([0] * len(pieces)), slots=slots, chunk_size=layout.chunk_size,
+                      chunk_dtypes=(layout.chunk_dtypes[c],), chunk_trainable=(layout.chunk_trainable[c],))
+    return sub, pieces
+
+
+def whole(layout: ChunkLayout, i: int, p: Piece) -> bool:
+    """Piece ``p`` is all of leaf ``i``."""
+    return p.size == layout.slots[i].size
+
+
+def piece_of(layout: ChunkLayout, leaves, i: int, p: Piece):
+    """Leaf ``i`` of ``leaves`` as :func:`sub_layout` takes it: whole, or its flat piece ``p``."""
+    return leaves[i] if whole(layout, i, p) else jax.lax.slice(jnp.ravel(leaves[i]), (p.leaf_offset,),
+                                                                (p.leaf_offset + p.size,))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -102,8 +102,8 @@ class ChunkedOptimizer:
         chunks in flight. Not counted: the params and gradients pytrees of the training loop.
         Chunks stay on the device in layout order while the prediction fits; the rest go to
         pinned host memory.
-      chunk_size: elements per chunk (>= the largest leaf); ``None`` searches the size with the
-        least padding bytes (:func:`chunkjax.search_chunk_size`).
+      chunk_size: elements per chunk (a leaf larger than it spans chunks); ``None`` searches
+        the size from ``min_chunks`` and a padding bound (:func:`chunkjax.search_chunk_size`).
       min_chunks: with ``chunk_size=None``, prefer sizes giving at least this many chunks.
       order: leaf paths in the order chunks should be filled (default: tree order), e.g. from
         :func:`chunkjax.first_use_order`; earlier chunks are kept on the device first.
@@ -136,8 +136,7 @@ class ChunkedOptimizer:
     Raises:
       TypeError: a non-floating leaf (the message names its path), ``device_budget`` or ``tx`` of
         another type.
-      ValueError: ``device_budget`` unparsable or not positive; ``chunk_size`` smaller than the
-        largest leaf; ``tx`` fails the elementwise probe (the message lists what is not
+      ValueError: ``device_budget`` unparsable or not positive; ``chunk_size`` below 1; ``tx`` fails the elementwise probe (the message lists what is not
         supported); ``host_chunks`` without a host spec or out of range; ``pipeline_depth`` < 1.
       chunkjax.PlanError: the budget is below one chunk's update working set (the message gives
         the smallest budget that works; ``.min_budget_bytes``).
@@ -198,7 +197,7 @@ class ChunkedOptimizer:
         check_host_need(need, "the optimizer state", jax.default_backend())
         self.step = 0
         subs = [dropin.sub_layout(lay, c) for c in range(lay.n_chunks)]
-        self._leaf_idx = [idx for _, idx in subs]
+        self._pieces = [pieces for _, pieces in subs]
         programs: dict = {}
         self._programs = [programs.setdefault(sub, dropin.ChunkPrograms(sub, tx)) for sub, _ in subs]
         self._update_of = {}
@@ -222,8 +221,8 @@ class ChunkedOptimizer:
         leaves = lay.treedef.flatten_up_to(params)
         init = jax.jit(lambda m: optim.init_chunk_state(tx, m))
         masters, states, self._host_params = [], [], {}
-        for c, (sub, idx) in enumerate(subs):
-            m = jax.device_put(sub.pack([leaves[i] for i in idx], dtype=optim.MASTER_DTYPE)[0], sharding(DEVICE))
+        for c in range(lay.n_chunks):
+            m = jax.device_put(lay.pack_chunk(c, leaves, dtype=optim.MASTER_DTYPE), sharding(DEVICE))
             if c in self.host_chunks:
                 master, self._host_params[c] = _host_buffers(np.asarray(jax.device_put(m, sharding(PINNED_HOST))),
                                                              lay.chunk_dtypes[c])
@@ -241,8 +240,15 @@ class ChunkedOptimizer:
 
     # ---- the update ------------------------------------------------------------------------------
     def _grad_sq(self, grad_leaves):
-        per_leaf = [jnp.sum(jnp.square(g.astype(jnp.float32))) for g in grad_leaves]
-        return jnp.stack([sum((per_leaf[i] for i in idx), jnp.zeros((), jnp.float32)) for idx in self._leaf_idx])
+        """(per chunk the () f32 squared norm of its gradient pieces, ``{(chunk, k): flat piece}``
+        of the leaves spanning chunks)."""
+        lay = self.layout
+        split = {(c, k): dropin.piece_of(lay, grad_leaves, i, p) for c, pieces in enumerate(self._pieces)
+                 for k, (i, p) in enumerate(pieces) if not dropin.whole(lay, i, p)}
+        sq = [sum((jnp.sum(jnp.square(split.get((c, k), grad_leaves[i]).astype(jnp.float32)))
+                   for k, (i, _) in enumerate(pieces)), jnp.zeros((), jnp.float32))
+              for c, pieces in enumerate(self._pieces)]
+        return jnp.stack(sq), split
 
     def _host_scale(self, grad_sq):
         """The host kernels' gradient factor (the clipping pair of :func:`chunkjax.kernels.clip_scale`)."""
@@ -326,9 +332,10 @@ class ChunkedOptimizer:
             if tuple(np.shape(g)) != s.shape:
                 raise ValueError(f"gradient of {s.path!r} has shape {tuple(np.shape(g))}, the params' is {s.shape}")
         self._join()
-        grad_sq = self._sq(leaves)
-        out: list[Any] = [None] * len(lay.slots)
-        of = lambda c: tuple(leaves[i] for i in self._leaf_idx[c])  # noqa: E731
+        grad_sq, split = self._sq(leaves)
+        out: list[Any] = [[] for _ in lay.slots]
+        # chunk c's gradient pieces (a leaf spanning chunks: its flat piece, sliced by _grad_sq)
+        of = lambda c: tuple(split.get((c, k), leaves[i]) for k, (i, _) in enumerate(self._pieces[c]))  # noqa: E731
         work, sent = None, {}
         if self.host_chunks:  # first: the host starts on a chunk as soon as its gradient arrives
             work = HostWork(host_deadline_s(None))
@@ -351,11 +358,14 @@ class ChunkedOptimizer:
                 self._put(out, c, self._host_programs[c][1](sent[c]))
             self._host_on_device = list(sent.values())
         self.step += 1
-        return lay.treedef.unflatten(out)
+        # a leaf spanning chunks: its pieces joined in leaf order (the chunks update in another order)
+        return lay.treedef.unflatten([x[0][1] if len(x) == 1 else
+                                      jnp.concatenate([y for _, y in sorted(x, key=lambda e: e[0])]).reshape(s.shape)
+                                      for x, s in zip(out, lay.slots)])
 
     def _put(self, out: list, c: int, new) -> None:
-        for i, x in zip(self._leaf_idx[c], new):
-            out[i] = x
+        for (i, p), x in zip(self._pieces[c], new):
+            out[i].append((p.leaf_offset, x))
 
     def _fetch(self, c: int):
         return jax.device_put((self._master[c], self._opt_state[c]), sharding(DEVICE), may_alias=False)

@@ -108,6 +108,9 @@ class SavedState:
             diff = files.tree_difference(saved, here)
             if diff is not None:
                 raise CheckpointError(f"{where} holds another parameter tree: {diff}")
+            if "chunk_trainable" in saved or "chunk_trainable" in here:
+                raise CheckpointError(f"{where} has another chunk layout and frozen chunks, which are not remapped: "
+                                      "restore with the saved layout and trainable leaves")
         self.common_moments, self.count, self.rest = files.common_optimizer(meta, where, need_one_count=self.remap)
         self.cdt = None if compute_dtype is None else np.dtype(compute_dtype)
         self.same_dtype = self.cdt is not None and meta["compute_dtype"] == self.cdt.name
@@ -134,6 +137,8 @@ class SavedState:
     def chunk(self, c: int) -> tuple[dict[str, np.ndarray], dict]:
         """Chunk ``c`` in the portable form: ``({"master" (float32, writable), "params" (if a
         compute dtype was given), moment...}, {"count", "rest"})``."""
+        if not self.layout.chunk_trainable[c]:  # a frozen chunk: its params in their own dtype
+            return {"params": self.src.take(c, ["params"])["params"]}, {"count": None, "rest": {}}
         arrs = self.arrays(c)
         cm = {"count": self.count, "rest": self.rest} if self.remap else self.meta["chunks"][c]
         master = np.require(arrs.pop("master"), np.float32, ["C", "W", "O"])
@@ -163,12 +168,12 @@ class _SavedChunks:
         self.held: dict[int, dict] = {}  # insertion order = least recently used first
         self.sums = files.read_checksums(root)  # None: a version-1 checkpoint, read unverified
 
-    def _read(self, c: int) -> dict[str, np.ndarray]:
+    def _read(self, c: int, names=None) -> dict[str, np.ndarray]:
         """Chunk ``c``'s files checked against their checksums, then read (CheckpointError
-        naming the first bad file)."""
+        naming the first bad file); ``names`` overrides the arrays read."""
         if self.sums is not None:
             files.verify_files(self.root, self.sums, files.chunk_name(c))
-        return files.read_chunk(self.ckptr, os.path.join(self.root, files.chunk_name(c)), self.names)
+        return files.read_chunk(self.ckptr, os.path.join(self.root, files.chunk_name(c)), names or self.names)
 
     def get(self, c: int) -> dict[str, np.ndarray]:
         """Chunk ``c``'s arrays (held for later calls; the least recently used is dropped)."""
@@ -180,30 +185,36 @@ class _SavedChunks:
         self.held[c] = self._read(c)
         return self.held[c]
 
-    def take(self, c: int) -> dict[str, np.ndarray]:
-        """Chunk ``c``'s arrays, not held (the caller owns them)."""
-        out = self.held.pop(c, None)
+    def take(self, c: int, names=None) -> dict[str, np.ndarray]:
+        """Chunk ``c``'s arrays (``names`` instead of the default ones), not held (the caller
+        owns them)."""
+        out = None if names else self.held.pop(c, None)
         if out is None:
-            out = self._read(c)
+            out = self._read(c, names)
         return out
 
 
 def _assemble_chunk(src: _SavedChunks, saved: dict, lay, c: int, names) -> dict[str, np.ndarray]:
     """New chunk ``c`` of ``lay``: ``{name: (lay.chunk_size,) numpy}`` for every saved array
-    name, each leaf copied from its (chunk, offset) in the saved layout spec; zero padding.
-    Leaves are visited in saved (chunk, offset) order, so each saved chunk is read once per new
-    chunk."""
-    where = {s[0]: (s[1], s[2]) for s in saved["slots"]}
-    slots = sorted(lay.chunk_leaves(c), key=lambda s: where[s.path])
+    name, each leaf piece of the chunk copied from where the saved layout spec kept those
+    elements of the leaf (one or several saved pieces); zero padding. Copies run in saved
+    (chunk, offset) order, so each saved chunk is read once per new chunk."""
+    saved_pieces = {s[0]: s[1] for s in saved["slots"]}
+    copies = []  # (saved chunk, saved offset, new offset, elements)
+    for i, p in lay.chunk_pieces(c):
+        lo, hi = p.leaf_offset, p.leaf_offset + p.size
+        for sc, so, slo, sn in saved_pieces[lay.slots[i].path]:
+            a, b = max(lo, slo), min(hi, slo + sn)
+            if a < b:
+                copies.append((sc, so + a - slo, p.offset + a - lo, b - a))
     out: dict[str, np.ndarray] = {}
-    for s in slots:
-        sc, so = where[s.path]
+    for sc, so, no, n in sorted(copies):
         arrs = src.get(sc)
-        for n in names:
-            if n not in out:
-                out[n] = np.zeros((lay.chunk_size,), arrs[n].dtype)
-            out[n][s.offset:s.offset + s.size] = arrs[n][so:so + s.size]
-    if not slots:  # a chunk without leaves (not built by build_layout): zeros
+        for name in names:
+            if name not in out:
+                out[name] = np.zeros((lay.chunk_size,), arrs[name].dtype)
+            out[name][no:no + n] = arrs[name][so:so + n]
+    if not out:  # a chunk without leaf elements (not built by build_layout): zeros
         out = {n: np.zeros((lay.chunk_size,), np.float32) for n in names}
     return out
 
@@ -220,7 +231,8 @@ def export_params(step_fn, state=None):
 
     Returns:
       The pytree of ``step_fn.layout`` (the model's structure) with one float32 numpy array of
-      the leaf's shape per leaf. Built one chunk at a time: host memory holds the result (4 bytes
+      the leaf's shape per leaf (frozen leaves: their params bit for bit, in their dtype).
+      Built one chunk at a time: host memory holds the result (4 bytes
       per parameter) plus one (chunk_size,) float32 chunk; nothing is placed on the device.
 
     Raises:
@@ -229,17 +241,17 @@ def export_params(step_fn, state=None):
     engine_info(step_fn, state)
     step_fn.wait(state)
     lay = step_fn.layout
-    leaves = [None] * len(lay.slots)
-    by_chunk: dict[int, list[int]] = {}
-    for i, s in enumerate(lay.slots):
-        by_chunk.setdefault(s.chunk, []).append(i)
-    for c, idx in by_chunk.items():
+    leaves: list = [None] * len(lay.slots)
+    for c in range(lay.n_chunks):
+        if not lay.chunk_pieces(c):
+            continue
         m = step_fn.checkpoint_master(state, c)
-        for i in idx:
-            s = lay.slots[i]
-            leaves[i] = np.array(m[s.offset:s.offset + s.size].reshape(s.shape), np.float32)
+        for i, p in lay.chunk_pieces(c):  # a frozen chunk's master is its params, in their own dtype
+            if leaves[i] is None:
+                leaves[i] = np.zeros((lay.slots[i].size,), np.asarray(m).dtype)
+            leaves[i][p.leaf_offset:p.leaf_offset + p.size] = m[p.offset:p.offset + p.size]
         del m
-    return lay.treedef.unflatten(leaves)
+    return lay.treedef.unflatten([x.reshape(s.shape) for x, s in zip(leaves, lay.slots)])
 
 
 def export_checkpoint_params(directory, layout, step_number: int | None = None):
@@ -266,18 +278,23 @@ def export_checkpoint_params(directory, layout, step_number: int | None = None):
         raise CheckpointError(f"checkpoint step {meta['step']} holds another parameter tree: {diff}")
     root = files.step_dir(directory, meta["step"])
     index = {s.path: i for i, s in enumerate(layout.slots)}
+    by_chunk: dict[int, list] = {}  # saved chunk -> (leaf index, offset, leaf offset, size)
+    for path, pieces, _, _ in meta["layout"]["slots"]:
+        for c, off, loff, n in pieces:
+            by_chunk.setdefault(c, []).append((index[path], off, loff, n))
     ckptr = files.checkpointer()
-    leaves = [None] * len(layout.slots)
+    leaves: list = [None] * len(layout.slots)
     try:
         src = _SavedChunks(ckptr, root, ["master"], keep=1)
+        trainable = meta["layout"].get("chunk_trainable", [True] * meta["layout"]["n_chunks"])
         for c in range(meta["layout"]["n_chunks"]):
-            m = src.take(c)["master"]
-            for path, chunk, off, shape, _ in meta["layout"]["slots"]:
-                if chunk == c:
-                    size = int(np.prod(shape, dtype=np.int64))
-                    leaves[index[path]] = np.array(m[off:off + size].reshape(shape), np.float32)
+            m = src.take(c)["master"] if trainable[c] else src.take(c, ["params"])["params"]  # frozen: own dtype
+            for i, off, loff, n in by_chunk.get(c, ()):
+                if leaves[i] is None:
+                    leaves[i] = np.zeros((layout.slots[i].size,), m.dtype)
+                leaves[i][loff:loff + n] = m[off:off + n]
             del m
     finally:
         ckptr.close()
-    return layout.treedef.unflatten(leaves)
+    return layout.treedef.unflatten([x.reshape(s.shape) for x, s in zip(leaves, layout.slots)])
 
