@@ -58,6 +58,25 @@ _MSG_HOST_CHUNKS = ("host_chunks={n} but {have} chunk(s) have their state in pin
                     "use 0 <= host_chunks <= {have}")
 
 
+#: One chunk's device update may use at most this fraction of the budget when the chunk size is
+#: searched (room for resident chunks and a pipeline of a few streamed ones).
+CHUNK_BUDGET_FRACTION = 1 / 6
+#: Device bytes per element of one chunk's update besides its master + state: a float32 gradient,
+#: two float32 temporaries and the new params (chunkjax.predict.update_working_bytes' rule).
+UPDATE_BYTES_PER_ELEMENT = 16
+
+
+def min_chunks_for_budget(n_elements: int, state_bytes_per_element: float, budget: int) -> int:
+    """The fewest chunks for which one chunk's device update (its master + optimizer state,
+    ``state_bytes_per_element`` plus 4, and :data:`UPDATE_BYTES_PER_ELEMENT`) needs at most
+    :data:`CHUNK_BUDGET_FRACTION` of ``budget`` bytes: e.g. 1.28e9 AdamW params at 2 GiB give 60+
+    chunks (about 18M elements) instead of 26 of 51M, room for a pipeline of 3 and resident chunks.
+    1 when the whole model's update fits that fraction."""
+    per_element = UPDATE_BYTES_PER_ELEMENT + 4 + state_bytes_per_element
+    cap = max(1, int(budget * CHUNK_BUDGET_FRACTION / per_element))
+    return max(1, -(-int(n_elements) // cap))
+
+
 def predict_update_s(n_streamed: int, n_host: int, chunk_size: int, state_bytes: int, grad_bytes: int,
                      param_bytes: int, rates: Rates, depth: int = DEFAULT_PIPELINE_DEPTH) -> float:
     """Predicted seconds of the offloaded part of one update: the PCIe time of the busier

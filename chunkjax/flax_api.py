@@ -104,7 +104,9 @@ class ChunkedOptimizer:
         pinned host memory.
       chunk_size: elements per chunk (a leaf larger than it spans chunks); ``None`` searches
         the size from ``min_chunks`` and a padding bound (:func:`chunkjax.search_chunk_size`).
-      min_chunks: with ``chunk_size=None``, prefer sizes giving at least this many chunks.
+      min_chunks: with ``chunk_size=None``, prefer sizes giving at least this many chunks (raised
+        so that one chunk's update needs at most a sixth of the budget:
+        :func:`chunkjax.dropin.min_chunks_for_budget`).
       order: leaf paths in the order chunks should be filled (default: tree order), e.g. from
         :func:`chunkjax.first_use_order`; earlier chunks are kept on the device first.
       check_tx: run a 3-step probe on a tiny tree comparing ``tx`` chunk by chunk with ``tx`` on
@@ -170,6 +172,10 @@ class ChunkedOptimizer:
             optim.check_elementwise(tx)
         self.host_optimizer = spec
         self.tx = tx = spec.optax() if spec is not None else tx
+        if chunk_size is None:  # chunks small enough that a pipeline of a few fits a fraction of the budget
+            min_chunks = max(min_chunks, dropin.min_chunks_for_budget(
+                sum(int(np.prod(np.shape(x))) for _, x in flat), optim.state_bytes_per_chunk(tx, 2**10) / 2**10,
+                budget))
         self.layout = build_layout(params, chunk_size, order, min_chunks=min_chunks)
         lay = self.layout
         widest = max(lay.chunk_dtypes, key=lambda d: np.dtype(d).itemsize)
