@@ -11,9 +11,10 @@ params; PatrickStar, arXiv 2108.05818, section 3), in the ZeRO-Offload manner:
   its float32 master params and its own optax state (:func:`chunkjax.optim.init_chunk_state`);
 * chunks are kept on the device in layout order while the predicted device bytes fit
   ``device_budget`` (:func:`chunkjax.plan_schedule`'s ``"optimizer_only"`` policy); the others
-  keep theirs in ``pinned_host`` memory and are *streamed*: one chunk at a time goes to the
-  device, is updated there and goes back
-  (the step's streamed update, :func:`chunkjax.updaters.streamed_updater`);
+  keep theirs in host memory and are updated either *streamed* (moved to the device, updated,
+  moved back: a pipeline of a few chunks with both PCIe directions in flight) or, when ``tx`` is
+  a host kernel spec (``chunkjax.host_update.AdamW(...)``), by the in-place *host kernel* in
+  parallel with the streamed ones (:mod:`chunkjax.dropin`: the split by rate and the pipeline);
 * :meth:`ChunkedOptimizer.update` applies the user's optax transformation chunk by chunk
   (:func:`chunkjax.optim.update_chunk`, which reproduces ``clip_by_global_norm`` of the incoming
   gradients exactly by handing every chunk the global norm) and returns the new params pytree
@@ -41,18 +42,17 @@ and of a linen loop::
 """
 from __future__ import annotations
 
-import dataclasses
+import time
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
-from chunkjax import optim, portable
-from chunkjax.layout import ChunkLayout, LeafSlot, Piece, build_layout
-from chunkjax.memory import DEVICE, sharding
-from chunkjax.plan import parse_bytes, plan_schedule
+from chunkjax import dropin, optim, portable
+from chunkjax.cost import Rates
+from chunkjax.layout import ChunkLayout, build_layout
+from chunkjax.memory import DEVICE, PINNED_HOST, sharding
 from chunkjax.predict import chunk_bytes
 
 #: Default of ``min_chunks``: the chunk-size search prefers sizes giving at least this many chunks
@@ -61,171 +61,187 @@ DEFAULT_MIN_CHUNKS = 8
 
 _MSG_NOT_FLOAT = ("leaf {path!r} has dtype {dtype}: ChunkedOptimizer trains floating-point leaves only; "
                   "pass only the trainable params (nnx.state(model, nnx.Param), or variables['params'] of linen)")
-_MSG_STRUCTURE = "grads do not have the params' structure ({n} leaves expected): {err}"
+_MSG_STRUCTURE = "grads do not have the params' structure: {what}"
+_MSG_HOST_NEEDS_SPEC = ("host_chunks={n} needs tx given as a host kernel spec (chunkjax.host_update.AdamW / Lion / "
+                        "SGDMomentum): an optax transformation runs on the device only")
+_MSG_DEPTH = "pipeline_depth must be an int >= 1, got {v!r}"
 
 
-def _budget_bytes(device_budget: int | str) -> int:
-    if isinstance(device_budget, bool) or not isinstance(device_budget, (int, str)):
-        raise TypeError(f"device_budget must be a byte count (int) or a string such as '2GiB', "
-                        f"got {type(device_budget).__name__}")
-    if isinstance(device_budget, int):
-        if device_budget < 0:
-            raise ValueError(f"device_budget must be >= 0 bytes, got {device_budget}")
-        return device_budget
-    return parse_bytes(device_budget)
-
-
-def _sub_layout(layout: ChunkLayout, c: int) -> tuple[ChunkLayout, tuple[tuple[int, Piece], ...]]:
-    """Chunk ``c`` as a one-chunk layout over the list of its leaf pieces (offset order), and the
-    ``(slot index, piece)`` pairs (:meth:`ChunkLayout.chunk_pieces`). A piece holding a whole leaf
-    keeps the leaf's shape; a piece of a leaf spanning chunks is a flat ``(size,)`` leaf. Paths are
-    dropped so that chunks holding the same shapes at the same offsets (e.g. repeated blocks)
-    compare equal and share compiled programs."""
-    pieces = layout.chunk_pieces(c)
-    slots = tuple(LeafSlot(path=str(k), pieces=(Piece(0, p.offset, 0, p.size),),
-                           shape=layout.slots[i].shape if _whole(layout, i, p) else (p.size,),
-                           dtype=layout.slots[i].dtype) for k, (i, p) in enumerate(pieces))
-    sub = ChunkLayout(treedef=jax.tree.structure([0] * len(pieces)), slots=slots, chunk_size=layout.chunk_size,
-                      chunk_dtypes=(layout.chunk_dtypes[c],), chunk_trainable=(layout.chunk_trainable[c],))
-    return sub, pieces
-
-
-def _whole(layout: ChunkLayout, i: int, p: Piece) -> bool:
-    return p.size == layout.slots[i].size
-
-
-def _piece_of(layout: ChunkLayout, leaves, i: int, p: Piece):
-    """Leaf ``i`` of ``leaves`` as :func:`_sub_layout` takes it: whole, or its flat piece ``p``."""
-    return leaves[i] if _whole(layout, i, p) else jax.lax.slice(jnp.ravel(leaves[i]), (p.leaf_offset,),
-                                                                 (p.leaf_offset + p.size,))
-
-
-@dataclasses.dataclass(frozen=True)
-class _ChunkProgram:
-    """The update of one chunk shape (one :func:`_sub_layout`) in one state memory kind."""
-
-    sub: ChunkLayout
-    state_kind: str
-    tx: Any
-
-    @property
-    def jitted(self):
-        dev = sharding(DEVICE)
-        sk = sharding(self.state_kind)
-        sub, tx = self.sub, self.tx
-        dt = sub.chunk_dtypes[0]
-
-        def upd(grad_leaves, master, state, grad_sq, c):
-            g = sub.pack(list(grad_leaves), dtype=optim.MASTER_DTYPE)[0]
-            master, state = jax.device_put((master, state), dev)  # a no-op for device chunks
-            o = optim.update_chunk(tx, g, master, state, jnp.sum(grad_sq), grad_sq[c], dt)
-            return tuple(sub.unpack([o.params])), jax.device_put(o.master, sk), jax.device_put(o.opt_state, sk)
-
-        return jax.jit(upd, in_shardings=(dev, sk, sk, dev, dev), out_shardings=(dev, sk, sk), donate_argnums=(1, 2))
+def _host_buffers(master: np.ndarray, dtype) -> tuple[np.ndarray, jax.Array]:
+    """A host chunk's float32 master (numpy) and its pinned params buffer (compute dtype). For
+    float32 params one pinned buffer is both: the kernel updates it in place and it goes to the
+    device as it is (no copy on the host). The buffer is chunkjax's alone (read by eager
+    transfers only; gpu_facts.md, "Rules for updating pinned buffers in place on the host")."""
+    p = jax.device_put(np.asarray(master, np.float32).astype(dtype), sharding(PINNED_HOST), may_alias=False)
+    if np.dtype(dtype) == np.float32:
+        from chunkjax.host_update import writable_view
+        return writable_view(p, np.float32), p
+    return np.array(master, np.float32), p
 
 
 class ChunkedOptimizer:
     """Any (elementwise) optax transformation applied chunk by chunk, with float32 master params
-    and optimizer state kept per chunk on the device or in pinned host memory.
+    and optimizer state kept per chunk on the device or in pinned host memory (updated there by
+    streaming through the device, or by the host kernel: :mod:`chunkjax.dropin`).
 
     Args:
       params: the trainable params pytree (linen ``variables["params"]``, an ``nnx.State``, any
         pytree of floating-point arrays, any shapes; bf16 / f16 / f32 leaves). Its values
         initialise the float32 master params; the object keeps no reference to it.
-      tx: an optax ``GradientTransformation``. Elementwise ones (adam, adamw without a mask, lion,
+      tx: an optax ``GradientTransformation``, or a host kernel spec
+        (``chunkjax.host_update.AdamW / Lion / SGDMomentum``: its ``.optax()`` runs on the device,
+        and part of the offloaded chunks is updated in place by the host kernel in parallel with
+        the streamed ones). Elementwise optax transformations (adam, adamw without a mask, lion,
         sgd, chains of them, schedules, ``clip_by_global_norm`` of the incoming gradients) give
         the same result as on the whole pytree; see ``check_tx``.
       device_budget: device bytes the optimizer may use (int bytes, or ``"512MiB"``, ``"2GiB"``,
-        ``"1e9"``: :func:`chunkjax.parse_bytes`). Counted: the master params (4 bytes/element) and
-        optax state of device-resident chunks, plus the working set of one chunk's update (its
-        float32 gradient, master and state, new params, two float32 temporaries). Not counted:
-        the params and gradients pytrees of the training loop. Chunks stay on the device in
-        layout order while the prediction fits; the rest go to pinned host memory.
+        ``"1e9"``: :func:`chunkjax.fit.resolve_budget`, the one parser of the fit path). Counted:
+        the master params (4 bytes/element) and optax state of device-resident chunks, the
+        working set of one chunk's update (its float32 gradient, master and state, new params, two
+        float32 temporaries), and the master + state of ``pipeline_depth - 1`` more streamed
+        chunks in flight. Not counted: the params and gradients pytrees of the training loop.
+        Chunks stay on the device in layout order while the prediction fits; the rest go to
+        pinned host memory.
       chunk_size: elements per chunk (a leaf larger than it spans chunks); ``None`` searches
         the size from ``min_chunks`` and a padding bound (:func:`chunkjax.search_chunk_size`).
-      min_chunks: with ``chunk_size=None``, prefer sizes giving at least this many chunks.
+      min_chunks: with ``chunk_size=None``, prefer sizes giving at least this many chunks (raised
+        so that one chunk's update needs at most a sixth of the budget:
+        :func:`chunkjax.dropin.min_chunks_for_budget`).
       order: leaf paths in the order chunks should be filled (default: tree order), e.g. from
         :func:`chunkjax.first_use_order`; earlier chunks are kept on the device first.
-      check_tx: run a 3-step probe on a tiny two-leaf tree comparing ``tx`` chunk by chunk with
-        ``tx`` on the whole tree; it catches per-leaf transforms (lamb, lars, masks by leaf name
-        or ndim, adaptive_grad_clip, clipping of transformed updates). A probe, not a proof.
+      check_tx: run a 3-step probe on a tiny tree comparing ``tx`` chunk by chunk with ``tx`` on
+        the whole tree (:func:`chunkjax.optim.check_elementwise`); it catches per-leaf transforms
+        (lamb, lars, masks by leaf name or ndim, adaptive_grad_clip, clipping of transformed
+        updates). A probe, not a proof. Host kernel specs need no probe.
+      host_chunks: with a host kernel spec, how many offloaded chunks the host kernel updates
+        (None: split by rate, :func:`chunkjax.dropin.split_offloaded`; 0: all streamed).
+      pipeline_depth: streamed chunks whose state may be on the device at once (>= 1; 3 keeps
+        both PCIe directions busy). A smaller depth is used when the budget has no room for it.
+      rates: :class:`chunkjax.cost.Rates` for the host/streamed split (default: the H200's).
 
     Attributes:
       layout: the :class:`chunkjax.ChunkLayout` of ``params``.
       placement: a :class:`chunkjax.Placement`; ``state_kinds[c]`` is where chunk ``c``'s master
         params and optax state live (``"device"`` or ``"pinned_host"``).
+      streamed_chunks, host_chunks: the offloaded chunk ids updated through the device and by the
+        host kernel.
+      pipeline_depth: the depth used.
+      predicted_update_s: predicted seconds of the offloaded chunks' update (H200 rates by
+        default; :func:`chunkjax.dropin.predict_update_s`).
+      host_optimizer: the host kernel spec, or None.
       device_state_bytes: predicted device bytes of resident master params + optax state.
-      working_bytes: predicted device bytes of one chunk's update (transient).
-      host_state_bytes: bytes of master params + optax state in pinned host memory.
+      working_bytes: predicted device bytes of the update's transient state (one chunk's working
+        set plus the pipeline's other chunks).
+      host_state_bytes: bytes of master params + optimizer state in host memory.
       step: number of :meth:`update` calls done.
 
     Raises:
-      TypeError: a non-floating leaf (the message names its path), ``device_budget`` of another type.
-      ValueError: ``device_budget`` unparsable or negative; ``chunk_size`` below 1; ``tx`` fails
-        the elementwise probe (the message lists what is not supported).
+      TypeError: a non-floating leaf (the message names its path), ``device_budget`` or ``tx`` of
+        another type.
+      ValueError: ``device_budget`` unparsable or not positive; ``chunk_size`` below 1; ``tx`` fails the elementwise probe (the message lists what is not
+        supported); ``host_chunks`` without a host spec or out of range; ``pipeline_depth`` < 1.
       chunkjax.PlanError: the budget is below one chunk's update working set (the message gives
         the smallest budget that works; ``.min_budget_bytes``).
       chunkjax.HostMemoryError: the offloaded optimizer state (plus, on the CPU, the device's
         share) does not fit the host's available memory; nothing has been allocated.
     """
 
-    def __init__(self, params, tx: optax.GradientTransformation, *, device_budget: int | str,
-                 chunk_size: int | None = None, min_chunks: int = DEFAULT_MIN_CHUNKS,
-                 order: list[str] | None = None, check_tx: bool = True):
-        budget = _budget_bytes(device_budget)
-        if not isinstance(tx, optax.GradientTransformation):
-            raise TypeError(f"tx must be an optax.GradientTransformation, got {type(tx).__name__}")
+    def __init__(self, params, tx, *, device_budget: int | str, chunk_size: int | None = None,
+                 min_chunks: int = DEFAULT_MIN_CHUNKS, order: list[str] | None = None, check_tx: bool = True,
+                 host_chunks: int | None = None, pipeline_depth: int = dropin.DEFAULT_PIPELINE_DEPTH,
+                 rates: Rates | None = None):
+        budget = dropin.budget_bytes(device_budget)
+        spec = dropin.host_spec(tx)
+        if spec is None and host_chunks:
+            raise ValueError(_MSG_HOST_NEEDS_SPEC.format(n=host_chunks))
+        if isinstance(pipeline_depth, bool) or not isinstance(pipeline_depth, int) or pipeline_depth < 1:
+            raise ValueError(_MSG_DEPTH.format(v=pipeline_depth))
         flat, _ = jax.tree_util.tree_flatten_with_path(params)
         for p, x in flat:
             dt = np.dtype(getattr(x, "dtype", np.asarray(x).dtype))
             if not jnp.issubdtype(dt, jnp.floating):
                 raise TypeError(_MSG_NOT_FLOAT.format(path=jax.tree_util.keystr(p, simple=True, separator="/"),
                                                       dtype=dt))
-        if check_tx:
+        if order is not None:
+            have = {jax.tree_util.keystr(p, simple=True, separator="/") for p, _ in flat}
+            unknown = [k for k in order if k not in have]
+            if unknown:
+                raise ValueError(f"order names leaf {unknown[0]!r} that the params do not have: use leaf paths such "
+                                 f"as {sorted(have)[0]!r} ({len(unknown)} unknown)")
+        if spec is None and check_tx:
             optim.check_elementwise(tx)
-        self.tx = tx
+        self.host_optimizer = spec
+        self.tx = tx = spec.optax() if spec is not None else tx
+        if chunk_size is None:  # chunks small enough that a pipeline of a few fits a fraction of the budget
+            min_chunks = max(min_chunks, dropin.min_chunks_for_budget(
+                sum(int(np.prod(np.shape(x))) for _, x in flat), optim.state_bytes_per_chunk(tx, 2**10) / 2**10,
+                budget))
         self.layout = build_layout(params, chunk_size, order, min_chunks=min_chunks)
         lay = self.layout
-        # the drop-in optimizer's placement (plan_schedule's "optimizer_only" policy): the state of
-        # the first chunks on the device while it fits next to one chunk's update, the rest streamed
         widest = max(lay.chunk_dtypes, key=lambda d: np.dtype(d).itemsize)
         cb = chunk_bytes(lay, widest, optim.state_bytes_per_chunk(tx, lay.chunk_size))
-        plan = plan_schedule(lay, (), cb, budget, policy="optimizer_only")
+
+        # host chunks' gradients travel to the host two at a time (the next one's transfer under this
+        # one's kernel), or one at a time where the budget has no room for two (chunkjax.dropin.choose)
+        dp = dropin.choose(lay, cb, budget, pipeline_depth, spec is not None, host_chunks, rates)
+        self.pipeline_depth, self.streamed_chunks, self.host_chunks = dp.depth, dp.streamed, dp.host
+        self._host_in_flight, self.placement = dp.in_flight, dp.placement
         self._state_bytes = cb.state
-        self.working_bytes = int(plan.predicted.peak_device_bytes - plan.predicted.device_model_bytes)
-        self.placement = plan.placement
+        self.working_bytes, self.device_state_bytes, self.host_state_bytes = (
+            dp.working_bytes, dp.device_state_bytes, dp.host_state_bytes)
+        self.predicted_update_s = dp.predicted_s
         kinds = self.placement.state_kinds
-        self.device_state_bytes = int(plan.predicted.device_model_bytes)
-        self.host_state_bytes = int(plan.predicted.host_model_bytes)
         # issue 21: refuse before allocating when host memory cannot hold the offloaded state (on
-        # the CPU the device's share is host memory too)
+        # the CPU the device's share is host memory too); host chunks add a pinned params buffer
         from chunkjax.host_memory import check_host_need, process_bytes
         on_cpu = jax.default_backend() == "cpu"
-        need = {"pinned_host_bytes": self.host_state_bytes, "pageable_bytes": 0,
+        need = {"pinned_host_bytes": self.host_state_bytes + len(self.host_chunks) * cb.params,
+                "pageable_bytes": 0,
                 "device_on_host_bytes": self.device_state_bytes if on_cpu else 0,
                 "process_bytes": process_bytes(lay)}
         need["need_bytes"] = sum(need.values())
         check_host_need(need, "the optimizer state", jax.default_backend())
         self.step = 0
-        subs = [_sub_layout(lay, c) for c in range(lay.n_chunks)]
+        subs = [dropin.sub_layout(lay, c) for c in range(lay.n_chunks)]
         self._pieces = [pieces for _, pieces in subs]
-        self._programs = {}
-        for c, (sub, _) in enumerate(subs):
-            key = (sub, kinds[c])
-            if key not in self._programs:
-                self._programs[key] = _ChunkProgram(sub, kinds[c], tx).jitted
-        self._program_of = [self._programs[(sub, kinds[c])] for c, (sub, _) in enumerate(subs)]
+        programs: dict = {}
+        self._programs = [programs.setdefault(sub, dropin.ChunkPrograms(sub, tx)) for sub, _ in subs]
+        self._update_of = {}
+        for c in range(lay.n_chunks):
+            if c not in self.host_chunks:
+                key = ("update", subs[c][0])
+                if key not in programs:
+                    programs[key] = self._programs[c].update
+                self._update_of[c] = programs[key]
+        self._host_programs = {}
+        for c in self.host_chunks:
+            key = ("host", subs[c][0])
+            if key not in programs:
+                programs[key] = (self._programs[c].pack_grad, self._programs[c].unpack)
+            self._host_programs[c] = programs[key]
+        if self.host_chunks:
+            from chunkjax.updaters import warm_host_kernel
+            for dt in {np.dtype(lay.chunk_dtypes[c]) for c in self.host_chunks}:
+                warm_host_kernel(spec, dt)  # numba must not compile while XLA compiles on another thread
         # master params and state, one chunk at a time (the device holds one chunk of temporaries)
         leaves = lay.treedef.flatten_up_to(params)
         init = jax.jit(lambda m: optim.init_chunk_state(tx, m))
-        masters, states = [], []
+        masters, states, self._host_params = [], [], {}
         for c in range(lay.n_chunks):
             m = jax.device_put(lay.pack_chunk(c, leaves, dtype=optim.MASTER_DTYPE), sharding(DEVICE))
-            sk = sharding(kinds[c])
-            states.append(jax.device_put(init(m), sk))
-            masters.append(jax.device_put(m, sk))
+            if c in self.host_chunks:
+                master, self._host_params[c] = _host_buffers(np.asarray(jax.device_put(m, sharding(PINNED_HOST))),
+                                                             lay.chunk_dtypes[c])
+                masters.append(master)
+                states.append(spec.host_state(lay.chunk_size))
+            else:
+                sk = sharding(kinds[c])
+                states.append(jax.device_put(init(m), sk))
+                masters.append(jax.device_put(m, sk))
             del m
         self._master, self._opt_state = masters, states
+        self._host_on_device: list = []  # the last update's device copies of host chunks' params
+        self._pending = dropin.StreamedWork([], [])
         self._sq = jax.jit(self._grad_sq)
 
     # ---- the update ------------------------------------------------------------------------------
@@ -233,15 +249,72 @@ class ChunkedOptimizer:
         """(per chunk the () f32 squared norm of its gradient pieces, ``{(chunk, k): flat piece}``
         of the leaves spanning chunks)."""
         lay = self.layout
-        split = {(c, k): _piece_of(lay, grad_leaves, i, p) for c, pieces in enumerate(self._pieces)
-                 for k, (i, p) in enumerate(pieces) if not _whole(lay, i, p)}
+        split = {(c, k): dropin.piece_of(lay, grad_leaves, i, p) for c, pieces in enumerate(self._pieces)
+                 for k, (i, p) in enumerate(pieces) if not dropin.whole(lay, i, p)}
         sq = [sum((jnp.sum(jnp.square(split.get((c, k), grad_leaves[i]).astype(jnp.float32)))
                    for k, (i, _) in enumerate(pieces)), jnp.zeros((), jnp.float32))
               for c, pieces in enumerate(self._pieces)]
         return jnp.stack(sq), split
 
+    def _host_scale(self, grad_sq):
+        """The host kernels' gradient factor (the clipping pair of :func:`chunkjax.kernels.clip_scale`)."""
+        max_norm = self.host_optimizer.max_grad_norm
+        if max_norm is None:
+            return 1.0
+        from chunkjax.kernels import clip_scale
+        return lambda: clip_scale(max_norm, np.sqrt(np.sum(np.asarray(grad_sq, np.float32), dtype=np.float32)))
+
+    def _host_pass(self, grad_leaves: dict, scale, previous, sent: dict) -> float:
+        """The host thread's part of one update: each host chunk's gradient is packed on the
+        device and sent to pinned host memory (the next one's transfer overlaps this one's
+        kernel), updated in place by the host kernel, and its new params sent back to the device
+        (into ``sent``). Returns the kernel seconds."""
+        jax.block_until_ready(previous)  # no transfer of the params buffers in flight while rewritten
+        if callable(scale):
+            scale = scale()
+        pin = sharding(PINNED_HOST)
+        order = list(grad_leaves)
+        send = lambda c: jax.device_put(self._host_programs[c][0](grad_leaves[c]), pin, may_alias=False)  # noqa: E731
+        spent, nxt = 0.0, send(order[0])
+        for i, c in enumerate(order):
+            g = nxt
+            if self._host_in_flight > 1 and i + 1 < len(order):
+                nxt = send(order[i + 1])
+            elif i + 1 < len(order):  # one gradient on the device at a time: the next after this kernel
+                nxt = None
+            spent += self._host_kernel(c, g, scale)
+            del g
+            if nxt is None and i + 1 < len(order):
+                nxt = send(order[i + 1])
+            sent[c] = jax.device_put(self._host_params[c], sharding(DEVICE), may_alias=False)
+        return spent
+
+    def _host_kernel(self, c: int, g, scale) -> float:
+        """Host chunk ``c``'s step in place (:func:`chunkjax.host_update.host_update_`, the host
+        tier's kernel) once its gradient ``g`` (pinned host) is there: master and moments updated,
+        the new params written into the pinned params buffer (for float32 params that buffer is
+        the master itself). Returns the kernel seconds."""
+        from chunkjax import host_update as hu
+        g.block_until_ready()
+        t0 = time.perf_counter()
+        g_np, p = np.asarray(g), self._host_params[c]
+        spec, st, master = self.host_optimizer, self._opt_state[c], self._master[c]
+        dt = np.dtype(p.dtype)
+        if dt == jnp.bfloat16:
+            hu.host_update_(spec, st, g_np.view(np.uint16), master, hu.writable_view(p, np.uint16), scale)
+        else:
+            hu.host_update_(spec, st, g_np.astype(np.float32, copy=False), master, None, scale)
+            if dt != np.float32:  # (float32: the master is the params buffer)
+                np.copyto(hu.writable_view(p, dt), master.astype(dt))
+        return time.perf_counter() - t0
+
     def update(self, grads):
-        """One optimizer step. Call it outside ``jax.jit`` (it dispatches one jitted program per chunk).
+        """One optimizer step. Call it outside ``jax.jit``: it dispatches the device and streamed
+        chunks' update programs and runs the host chunks' kernel on a host thread meanwhile.
+
+        Returns after every update program is dispatched and the host chunks' params are back on
+        the device; the write-backs of the last streamed chunks may still be in flight behind the
+        caller's next program (:meth:`wait` joins them; the next :meth:`update` does too).
 
         Args:
           grads: gradients with the params' pytree structure and leaf shapes (any float dtype;
@@ -252,37 +325,79 @@ class ChunkedOptimizer:
           device), rounded from the float32 master params.
 
         Raises:
-          ValueError: ``grads`` has another structure or leaf shapes (the message says which).
+          ValueError: ``grads`` has another structure or leaf shapes (one line naming the leaf).
+          chunkjax.updaters.HostDeadlineError: the host kernel did not finish in time.
         """
+        from chunkjax.updaters import HostWork, host_deadline_s
         lay = self.layout
         try:
             leaves = lay.treedef.flatten_up_to(grads)
-        except (ValueError, TypeError) as e:
-            raise ValueError(_MSG_STRUCTURE.format(n=len(lay.slots), err=e)) from e
+        except (ValueError, TypeError):
+            raise ValueError(_MSG_STRUCTURE.format(what=dropin.structure_error(lay, grads))) from None
         for s, g in zip(lay.slots, leaves):
             if tuple(np.shape(g)) != s.shape:
                 raise ValueError(f"gradient of {s.path!r} has shape {tuple(np.shape(g))}, the params' is {s.shape}")
+        self._join()
         grad_sq, split = self._sq(leaves)
         out: list[Any] = [[] for _ in lay.slots]
-        for c in range(lay.n_chunks):
-            parts = tuple(split.get((c, k), leaves[i]) for k, (i, _) in enumerate(self._pieces[c]))
-            new, self._master[c], self._opt_state[c] = self._program_of[c](
-                parts, self._master[c], self._opt_state[c], grad_sq, jnp.asarray(c, jnp.int32))
-            for (i, _), x in zip(self._pieces[c], new):
-                out[i].append(x)
-        self.step += 1  # a leaf spanning chunks: its pieces joined (they come in leaf order)
-        return lay.treedef.unflatten([x[0] if len(x) == 1 else jnp.concatenate(x).reshape(s.shape)
+        # chunk c's gradient pieces (a leaf spanning chunks: its flat piece, sliced by _grad_sq)
+        of = lambda c: tuple(split.get((c, k), leaves[i]) for k, (i, _) in enumerate(self._pieces[c]))  # noqa: E731
+        work, sent = None, {}
+        if self.host_chunks:  # first: the host starts on a chunk as soon as its gradient arrives
+            work = HostWork(host_deadline_s(None))
+            work.submit(self._host_pass, {c: of(c) for c in self.host_chunks}, self._host_scale(grad_sq),
+                        self._host_on_device, sent)
+        try:
+            dev = [c for c, k in enumerate(self.placement.state_kinds) if k == DEVICE]
+            for c in dev:
+                new, self._master[c], self._opt_state[c] = self._update_of[c](
+                    of(c), self._master[c], self._opt_state[c], grad_sq, jnp.asarray(c, jnp.int32))
+                self._put(out, c, new)
+            self._pending = dropin.stream_chunks(self.streamed_chunks, self.pipeline_depth, self._fetch,
+                                                 lambda c, m, st: self._update_streamed(c, m, st, of(c), grad_sq, out),
+                                                 self._store)
+        finally:
+            if work is not None:
+                work.join()
+        if self.host_chunks:
+            for c in self.host_chunks:
+                self._put(out, c, self._host_programs[c][1](sent[c]))
+            self._host_on_device = list(sent.values())
+        self.step += 1
+        # a leaf spanning chunks: its pieces joined in leaf order (the chunks update in another order)
+        return lay.treedef.unflatten([x[0][1] if len(x) == 1 else
+                                      jnp.concatenate([y for _, y in sorted(x, key=lambda e: e[0])]).reshape(s.shape)
                                       for x, s in zip(out, lay.slots)])
+
+    def _put(self, out: list, c: int, new) -> None:
+        for (i, p), x in zip(self._pieces[c], new):
+            out[i].append((p.leaf_offset, x))
+
+    def _fetch(self, c: int):
+        return jax.device_put((self._master[c], self._opt_state[c]), sharding(DEVICE), may_alias=False)
+
+    def _update_streamed(self, c: int, master, state, grad_leaves, grad_sq, out: list):
+        new, master, state = self._update_of[c](grad_leaves, master, state, grad_sq, jnp.asarray(c, jnp.int32))
+        self._put(out, c, new)
+        return master, state
+
+    def _store(self, c: int, master, state) -> None:
+        m, st = jax.device_put((master, state), sharding(PINNED_HOST), may_alias=False)
+        jax.block_until_ready((m, st))
+        self._master[c], self._opt_state[c] = m, st
 
     # ---- state -----------------------------------------------------------------------------------
     def master_params(self):
         """The float32 master params as a pytree with the params' structure (on the device)."""
+        self._join()
         dev = sharding(DEVICE)
         return self.layout.unpack([jax.device_put(m, dev) for m in self._master])
 
     @property
     def opt_state(self) -> tuple:
-        """Per chunk, the chunk's optax state (``tx.init([master_chunk, rest_leaf])``), in its memory kind."""
+        """Per chunk, the chunk's optax state (``tx.init([master_chunk, rest_leaf])``) in its memory
+        kind, or for a host chunk its ``Host*State`` (numpy moments)."""
+        self._join()
         return tuple(self._opt_state)
 
     # ---- checkpoints: chunkjax.checkpoint.protocol.ChunkIO (the optimizer keeps its own state) ----
@@ -292,18 +407,26 @@ class ChunkedOptimizer:
         dts = {np.dtype(d) for d in self.layout.chunk_dtypes}
         return dts.pop() if len(dts) == 1 else np.dtype(np.float32)
 
+    def _join(self) -> None:
+        """Join the last update's streamed write-backs (the host work is joined by update())."""
+        self._pending.join()
+
     def wait(self, state=None) -> None:
-        """Block until the dispatched updates are done (``state`` is ignored: None)."""
+        """Block until the dispatched updates are done: the streamed write-backs joined and every
+        chunk's state ready (``state`` is ignored: None)."""
         del state
-        jax.block_until_ready((self._master, self._opt_state))
+        self._join()
+        jax.block_until_ready([x for x in jax.tree.leaves((self._master, self._opt_state, self._host_on_device))
+                               if isinstance(x, jax.Array)])
 
     def checkpoint_info(self) -> dict:
         """The optax transformation, ``saved_from`` and the number of updates done (``optimizer_steps``)."""
-        return {"optimizer": repr(self.tx), "saved_from": {"step": type(self).__name__, "n_ranks": 1},
+        return {"optimizer": repr(self.host_optimizer or self.tx), "saved_from": {"step": type(self).__name__, "n_ranks": 1},
                 "multiprocess": False, "meta": {"optimizer_steps": self.step}}
 
     def checkpoint_arrays(self, c: int) -> dict:
         """``{name: ((chunk_size,), dtype)}``: params (compute dtype), float32 master and moments."""
+        self._join()
         n, f32 = (self.layout.chunk_size,), np.dtype(np.float32)
         moments = portable.moment_names(self._opt_state[c])
         return {"params": (n, self.compute_dtype), "master": (n, f32), **{m: (n, f32) for m in moments}}
@@ -312,17 +435,28 @@ class ChunkedOptimizer:
         """Chunk ``c``'s portable arrays (params = the master cast to the compute dtype) and its
         meta.json entry. Raises CheckpointError for a transformation that is not elementwise."""
         del state
-        count, moments, rest = portable.optax_to_portable(self._opt_state[c], self.layout.chunk_size)
-        master = portable.host_value(self._master[c], np.float32)
+        self._join()
+        st = self._opt_state[c]
+        if portable.is_host_state(st):  # a host chunk: its own numpy moments (copied below if asked)
+            count, moments = portable.host_to_portable(st)
+            rest = {}
+            master = self._master[c]
+        else:
+            count, moments, rest = portable.optax_to_portable(st, self.layout.chunk_size)
+            master = portable.host_value(self._master[c], np.float32)
         arrays = {"params": master.astype(self.compute_dtype), "master": master, **moments}
-        if copy:  # np.asarray of a jax array may be a view of its buffer, which the next update donates
-            arrays = {k: a if a.flags.owndata else np.array(a, copy=True) for k, a in arrays.items()}
+        if copy:  # np.asarray of a jax array may be a view of its buffer, which the next update donates;
+            # a host chunk's master and moments are updated in place by the next update
+            live = portable.numpy_leaves((self._master[c], st))
+            arrays = {k: a if a.flags.owndata and not any(np.may_share_memory(a, x) for x in live)
+                      else np.array(a, copy=True) for k, a in arrays.items()}
         return arrays, {"count": count, "moments": sorted(moments), "rest": rest,
-                        "saved_from": self.placement.state_kinds[c]}
+                        "saved_from": "host" if c in self.host_chunks else self.placement.state_kinds[c]}
 
     def checkpoint_master(self, state, c: int) -> np.ndarray:
         """Chunk ``c``'s (chunk_size,) float32 master params."""
         del state
+        self._join()
         return np.asarray(self._master[c], np.float32)
 
     def checkpoint_restore(self, saved):
@@ -330,24 +464,39 @@ class ChunkedOptimizer:
         placed in its state memory kind) and return the new params pytree (params' structure and
         dtypes, on the device: what :meth:`update` returns). Raises CheckpointError for another
         optimizer (moments)."""
+        self.wait()
         lay = self.layout
         template = jax.eval_shape(lambda m: optim.init_chunk_state(self.tx, m),
                                   jax.ShapeDtypeStruct((lay.chunk_size,), jnp.float32))
+        host = set(self.host_chunks)
+        host_cls = type(self.host_optimizer.host_state(1)) if host else None
         for c in range(lay.n_chunks):
-            portable.check_optax_moments(template, saved.moments(c), c)
+            if c in host:
+                portable.check_host_moments(host_cls, saved.moments(c), c)
+            else:
+                portable.check_optax_moments(template, saved.moments(c), c)
         masters, states, params, dev = [], [], [], sharding(DEVICE)
+        host_params = {}
         for c in range(lay.n_chunks):
             arrs, cm = saved.chunk(c)
             master = arrs.pop("master")
             arrs.pop("params", None)
-            opt = portable.portable_to_optax(template, cm["count"], arrs, cm["rest"], c)
-            sk = sharding(self.placement.state_kinds[c])
-            params.append(jax.device_put(master.astype(lay.chunk_dtypes[c]), dev))  # own buffer: master is donated
-            masters.append(jax.device_put(master, sk))
-            states.append(jax.device_put(opt, sk))
+            dt = lay.chunk_dtypes[c]
+            params.append(jax.device_put(master.astype(dt), dev))  # own buffer: master is donated
+            if c in host:
+                m_host, host_params[c] = _host_buffers(master, dt)
+                masters.append(m_host)
+                states.append(portable.portable_to_host(host_cls, cm["count"], arrs, c))
+            else:
+                opt = portable.portable_to_optax(template, cm["count"], arrs, cm["rest"], c)
+                sk = sharding(self.placement.state_kinds[c])
+                masters.append(jax.device_put(master, sk))
+                states.append(jax.device_put(opt, sk))
+                del opt
             count = cm["count"]
-            del arrs, master, opt
-        self._master, self._opt_state = masters, states
+            del arrs, master
+        self._master, self._opt_state, self._host_params = masters, states, host_params
+        self._host_on_device = []
         self.step = int(saved.meta.get("optimizer_steps", count or 0))
         return lay.unpack(params)
 
@@ -356,7 +505,9 @@ class ChunkedOptimizer:
         n_dev = self.placement.state_kinds.count(DEVICE)
         return (f"ChunkedOptimizer: {self.layout.n_chunks} chunks x {self.layout.chunk_size} elements; "
                 f"state of {n_dev} on the device ({self.device_state_bytes / 2**20:.2f} MiB), "
-                f"{self.layout.n_chunks - n_dev} in pinned host memory ({self.host_state_bytes / 2**20:.2f} MiB); "
+                f"{len(self.streamed_chunks)} in pinned host memory streamed through the device (pipeline depth "
+                f"{self.pipeline_depth}), {len(self.host_chunks)} updated by the host kernel "
+                f"({self.host_state_bytes / 2**20:.2f} MiB off the device); "
                 f"update working set {self.working_bytes / 2**20:.2f} MiB")
 
 
@@ -369,12 +520,14 @@ class NnxOptimizer:
 
     Args:
       model: an ``nnx.Module``; its ``wrt`` state (float arrays) initialises the master params.
-      tx: an optax transformation (see :class:`ChunkedOptimizer`).
+      tx: an optax transformation, or a host kernel spec such as
+        ``chunkjax.host_update.AdamW(1e-4)`` (part of the offloaded chunks then update on the
+        host kernel in parallel with the streamed ones; see :class:`ChunkedOptimizer`).
       wrt: the nnx filter of trainable variables (default ``nnx.Param``); the grads passed to
         :meth:`update` must have the structure of ``nnx.state(model, wrt)`` (what ``nnx.grad``
         returns for ``wrt=nnx.Param``).
       **kwargs: ``device_budget`` (required), ``chunk_size``, ``min_chunks``, ``order``,
-        ``check_tx``: as :class:`ChunkedOptimizer`.
+        ``check_tx``, ``host_chunks``, ``pipeline_depth``, ``rates``: as :class:`ChunkedOptimizer`.
 
     Attributes:
       chunked: the underlying :class:`ChunkedOptimizer`. step: updates done.
@@ -383,7 +536,7 @@ class NnxOptimizer:
       as :class:`ChunkedOptimizer`.
     """
 
-    def __init__(self, model, tx: optax.GradientTransformation, *, wrt: Any = None, **kwargs):
+    def __init__(self, model, tx, *, wrt: Any = None, **kwargs):
         from flax import nnx
         self.wrt = nnx.Param if wrt is None else wrt
         self.chunked = ChunkedOptimizer(nnx.state(model, self.wrt), tx, **kwargs)
@@ -397,7 +550,9 @@ class NnxOptimizer:
 
     def update(self, model, grads) -> None:
         """Apply one step to ``model`` in place (``nnx.update``). grads: ``nnx.State`` of the
-        ``wrt`` variables (e.g. from ``nnx.grad(loss_fn)(model, ...)``)."""
+        ``wrt`` variables (e.g. from ``nnx.grad(loss_fn)(model, ...)``). Returns once every update
+        is dispatched (:meth:`ChunkedOptimizer.update`); the next jitted step waits on the device
+        for the new params; :meth:`wait` joins what is still in flight."""
         from flax import nnx
         nnx.update(model, self.chunked.update(grads))
 

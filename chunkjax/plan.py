@@ -63,19 +63,19 @@ NEAR_TIE = 0.02
 _MSG_FIXED_INFEASIBLE = (
     "device budget {budget} bytes is below the {need} bytes this step needs with every chunk in "
     "pinned host memory (activations and temporaries {act} bytes, chunk buffers {buf} bytes){why}: "
-    "use --device-budget >= {need_gib:.3f}GiB{fix}")
+    "use device_budget >= {need_gib:.3f}GiB{fix}")
 _MSG_OFFLOADED_INFEASIBLE = (
     "device budget {budget} bytes is below the {need} bytes this step needs with every chunk offloaded "
-    "(non-model peak {act} bytes){why}: use --device-budget >= {need_gib:.3f}GiB{fix}")
+    "(non-model peak {act} bytes){why}: use device_budget >= {need_gib:.3f}GiB{fix}")
 _MSG_STATIC_INFEASIBLE = ("the {policy} schedule needs {need} device bytes, above the budget of {budget} bytes: "
-                          "use --device-budget >= {need_gib:.3f}GiB or another policy")
+                          "use device_budget >= {need_gib:.3f}GiB or another policy")
 _MSG_HOST = ("host budget {host} bytes is below the {need} bytes of model data and gradient buffers the host "
              "must hold at a device budget of {dev} bytes (every chunk that fits stays on the device): use "
-             "--host-budget >= {need_gib:.3f}GiB or a larger --device-budget")
+             "host_budget >= {need_gib:.3f}GiB or a larger device_budget")
 _MSG_HOST_ZERO = ("node host budget {host} bytes ({host_rank} per rank over {n} ranks) is below the {need_node} bytes "
                   "({need} per rank) of model data the host must hold at a device budget of {dev} bytes per GPU "
-                  "(every chunk that fits stays on the device): use --host-budget >= {need_gib:.3f}GiB (the node's) "
-                  "or a larger --device-budget")
+                  "(every chunk that fits stays on the device): use host_budget >= {need_gib:.3f}GiB (the node's) "
+                  "or a larger device_budget")
 _MSG_UPDATE = ("device budget {budget} bytes is below the {need} bytes one chunk's update needs (chunk_size "
                "{cs} elements): use a device budget >= {need} bytes or a smaller chunk_size")
 _WHY_ACT = "; activations alone exceed the budget"

@@ -59,6 +59,8 @@ import sys
 import time
 from typing import Sequence
 
+from experiments.flags import with_flags
+
 BASELINES = ("all_host", "zero_offload")
 ZERO_STAGES = (1, 2, 3)
 #: what the predicted step of a ZeRO plan counts and leaves out (printed and in the JSON)
@@ -521,9 +523,9 @@ def main(argv=None) -> int:
                         zero_stage=a.zero_stage)
         r["plan_s"] = time.time() - t0
     except (cj.PlanError, ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {with_flags(str(e))}", file=sys.stderr)
         if a.json and isinstance(e, cj.PlanError):
-            print(json.dumps({"feasible": False, "error": str(e), "min_device_budget_bytes": e.min_budget_bytes,
+            print(json.dumps({"feasible": False, "error": with_flags(str(e)), "min_device_budget_bytes": e.min_budget_bytes,
                               "activations_alone": e.activations_alone}))
         return 2
     if a.json:

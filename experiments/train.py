@@ -55,6 +55,8 @@ import sys
 import threading
 import time
 
+from experiments.flags import with_flags
+
 #: Environment variable marking a process already re-launched with the budget's memory settings.
 _LAUNCHED = "CHUNKJAX_LAUNCHED"
 
@@ -421,7 +423,7 @@ def fit_model(cfg: TrainConfig, model, *, compute_dtype, rates=None, resident=No
                            zero_stage=cfg.zero_stage, flops_per_step=model.flops_per_token(cfg.seq) * cfg.batch * cfg.seq,
                            rates=rates)
     except cj.PlanError as e:
-        raise UsageError(str(e)) from None
+        raise UsageError(with_flags(str(e))) from None
     except ValueError as e:
         raise UsageError(f"--chunk-size: {e}" if cfg.chunk_size else str(e)) from None
 

@@ -55,3 +55,81 @@ def test_stage_naming_a_missing_param_key_is_one_line(micro):
     bad = (dataclasses.replace(stages[0], param_keys=("wte", "nope")),) + tuple(stages[1:])
     with pytest.raises(ValueError, match=r"stage 'embed' names param key\(s\) \['nope'\] that the params do not have"):
         cj.fit_step(bad, params, batch, host_optimizer=AdamW(3e-4), device_budget="1GiB")
+
+
+# ---- issue 22 item 4: the same checks on every path (the fit path, the drop-in optimizers) ----
+
+NON_ELEMENTWISE = {
+    "lamb": lambda: optax.lamb(1e-2),
+    "lars": lambda: optax.lars(1e-2),
+    "adamw-masked-by-name": lambda: optax.adamw(1e-3, mask=lambda p: {k: k != "b" for k in p}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NON_ELEMENTWISE))
+def test_non_elementwise_is_refused_in_one_line_on_every_path(micro, name):
+    from flax import nnx
+    stages, params, batch = micro
+    paths = {
+        "fit_step": lambda tx: cj.fit_step(stages, params, batch, tx=tx, device_budget="1GiB"),
+        "ChunkedOptimizer": lambda tx: cj.ChunkedOptimizer({"a": jnp.zeros((3, 3)), "b": jnp.zeros((4,))}, tx,
+                                                           device_budget="1GiB"),
+        "NnxOptimizer": lambda tx: cj.NnxOptimizer(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), tx, device_budget="1GiB"),
+    }
+    for path, make in paths.items():
+        with pytest.raises(ValueError, match="not elementwise") as e:
+            make(NON_ELEMENTWISE[name]())
+        assert "\n" not in str(e.value), (path, str(e.value))
+
+
+def test_budgets_as_ints_or_strings_through_one_parser(micro):
+    """fit_step and the drop-in take the same budget forms and refuse the same bad ones with the
+    same message (chunkjax.fit.resolve_budget)."""
+    stages, params, batch = micro
+    small = {"w": jnp.zeros((64,))}
+    for budget in (2**30, "1GiB", "1e9", "1073741824"):
+        assert cj.ChunkedOptimizer(small, optax.sgd(0.1), device_budget=budget).layout.n_chunks == 1
+    for budget in (2**30, "1GiB"):
+        cj.fit_step(stages, params, batch, host_optimizer=AdamW(3e-4), device_budget=budget)
+    for bad in ("lots", "0", 0, "-1GiB"):
+        msgs = []
+        for make in (lambda b: cj.ChunkedOptimizer(small, optax.sgd(0.1), device_budget=b),
+                     lambda b: cj.fit_step(stages, params, batch, host_optimizer=AdamW(3e-4), device_budget=b)):
+            with pytest.raises(ValueError) as e:
+                make(bad)
+            msgs.append(str(e.value))
+        assert msgs[0] == msgs[1] and "\n" not in msgs[0], msgs
+    with pytest.raises(ValueError, match="'auto' is not supported by the drop-in"):
+        cj.ChunkedOptimizer(small, optax.sgd(0.1), device_budget="auto")
+
+
+def test_drop_in_name_errors_are_one_line_naming_the_key():
+    params = {"w": jnp.zeros((3,)), "blk": {"x": jnp.zeros((2,))}}
+    with pytest.raises(ValueError, match=r"^order names leaf 'nope' that the params do not have: use leaf paths"):
+        cj.ChunkedOptimizer(params, optax.sgd(0.1), device_budget="1GiB", order=["blk/x", "nope"])
+    opt = cj.ChunkedOptimizer(params, optax.sgd(0.1), device_budget="1GiB")
+    for grads, want in (({"w": jnp.zeros((3,))}, "leaf 'blk/x' is missing"),
+                        ({"w": jnp.zeros((3,)), "blk": {"y": jnp.zeros((2,))}}, "leaf 'blk/x' is missing (got 'blk/y' instead)")):
+        with pytest.raises(ValueError) as e:
+            opt.update(grads)
+        assert str(e.value) == f"grads do not have the params' structure: {want}"
+    with pytest.raises(ValueError, match=r"host_chunks=2 needs tx given as a host kernel spec"):
+        cj.ChunkedOptimizer(params, optax.sgd(0.1), device_budget="1GiB", host_chunks=2)
+    with pytest.raises(ValueError, match=r"host_chunks=5 but 0 chunk\(s\) have their state in pinned host memory"):
+        cj.ChunkedOptimizer({f"w{i}": jnp.zeros((8,)) for i in range(4)}, AdamW(1e-3), chunk_size=8,
+                            device_budget="1GiB", host_chunks=5)
+
+
+def test_library_errors_name_no_command_line_flags():
+    """Flag advice belongs to the tools (experiments/flags.py turns argument names into flags):
+    no string in chunkjax/ names a ``--flag`` (XLA's own flags aside)."""
+    import pathlib
+    import re
+    root = pathlib.Path(cj.__file__).parent
+    hits = [f"{p.relative_to(root)}:{i}: {line.strip()}" for p in sorted(root.rglob("*.py"))
+            for i, line in enumerate(p.read_text().splitlines(), 1)
+            if re.search(r"[\"' ]--[a-z][a-z-]+", line) and "--xla" not in line and not line.strip().startswith("#")]
+    assert not hits, hits
+    from experiments.flags import with_flags
+    assert with_flags("use device_budget >= 2.000GiB or a larger host_budget; chunk_size=128") == \
+        "use --device-budget >= 2.000GiB or a larger --host-budget; chunk_size=128"

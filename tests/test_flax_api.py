@@ -8,12 +8,18 @@ from flax import linen as nn
 from flax import nnx
 
 import chunkjax as cj
+from chunkjax.host_update import AdamW
 from chunkjax.memory import DEVICE, PINNED_HOST
 
 STEPS = 10
 TXS = {
     "adamw": lambda: optax.adamw(3e-3, weight_decay=0.1),
     "clip+adam": lambda: optax.chain(optax.clip_by_global_norm(0.5), optax.adam(3e-3)),
+}
+#: the host kernel specs with exactly TXS's math (their .optax() equals TXS[name]() in value)
+HOST_SPECS = {
+    "adamw": lambda: AdamW(3e-3, weight_decay=0.1),
+    "clip+adam": lambda: AdamW(3e-3, weight_decay=0.0, max_grad_norm=0.5),
 }
 
 
@@ -61,8 +67,9 @@ def assert_trees_close(a, b, tol=2e-5):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("mode", ["streamed-depth1", "streamed-depth3", "host+streamed"])
 @pytest.mark.parametrize("name", sorted(TXS))
-def test_nnx_loop_equals_plain_optax(name):
+def test_nnx_loop_equals_plain_optax(name, mode):
     # the ordinary loop: nnx.Optimizer inside nnx.jit
     ref = TinyTransformer(rngs=nnx.Rngs(0))
     ref_opt = nnx.Optimizer(ref, TXS[name](), wrt=nnx.Param)
@@ -74,12 +81,22 @@ def test_nnx_loop_equals_plain_optax(name):
         return loss
 
     # the changed loop: grads jitted, the chunked update outside; a budget that keeps some chunks
-    # on the device and streams the others from pinned host memory
+    # on the device and updates the others from pinned host memory: streamed (a pipeline of 1 or
+    # 3 chunks), or streamed and by the host kernel at once
     model = TinyTransformer(rngs=nnx.Rngs(0))
     probe = cj.ChunkedOptimizer(nnx.state(model, nnx.Param), TXS[name](), device_budget="1GiB", chunk_size=1152,
                                check_tx=False)
-    budget = probe.working_bytes + probe.device_state_bytes // probe.layout.n_chunks
-    opt = cj.NnxOptimizer(model, TXS[name](), device_budget=budget, chunk_size=1152)
+    state = probe.device_state_bytes // probe.layout.n_chunks
+    depth = 3 if mode == "streamed-depth3" else 1
+    budget = probe.working_bytes + (depth - 1) * state + state
+    if mode == "host+streamed":  # (and room for two gradient chunks on their way to the host)
+        budget += 2 * 4 * 1152
+        opt = cj.NnxOptimizer(model, HOST_SPECS[name](), device_budget=budget, chunk_size=1152, host_chunks=1,
+                              pipeline_depth=depth)
+        assert len(opt.chunked.host_chunks) == 1 and len(opt.chunked.streamed_chunks) >= 1
+    else:
+        opt = cj.NnxOptimizer(model, TXS[name](), device_budget=budget, chunk_size=1152, pipeline_depth=depth)
+        assert opt.chunked.pipeline_depth == min(depth, len(opt.chunked.streamed_chunks))
     kinds = opt.chunked.placement.state_kinds
     assert kinds.count(DEVICE) == 1 and kinds.count(PINNED_HOST) >= 2, kinds
     grad_fn = nnx.jit(nnx.value_and_grad(nnx_loss))
@@ -93,7 +110,8 @@ def test_nnx_loop_equals_plain_optax(name):
         np.testing.assert_allclose(float(loss), float(l_ref), rtol=1e-5)
     assert opt.step == STEPS
     for c, kind in enumerate(kinds):  # the state stayed in its memory kind through the updates
-        assert {x.sharding.memory_kind for x in jax.tree.leaves(opt.chunked.opt_state[c])} == {kind}
+        if c not in opt.chunked.host_chunks:  # (a host chunk's moments are numpy)
+            assert {x.sharding.memory_kind for x in jax.tree.leaves(opt.chunked.opt_state[c])} == {kind}
     assert losses[-1] < losses[0] - 0.1  # it trains
     assert_trees_close(nnx.state(model, nnx.Param), nnx.state(ref, nnx.Param))
     assert_trees_close(opt.chunked.master_params(), nnx.state(ref, nnx.Param))
@@ -191,14 +209,19 @@ def test_leaf_larger_than_a_chunk_spans_chunks_and_equals_optax(name="clip+adam"
     opt = cj.ChunkedOptimizer(params, TXS[name](), device_budget="1GiB", chunk_size=128)
     host = cj.ChunkedOptimizer(params, TXS[name](), device_budget=opt.working_bytes, chunk_size=128)
     assert set(host.placement.state_kinds) == {PINNED_HOST}
+    # and the same math with a host kernel spec: big's pieces in streamed and host-kernel chunks
+    mixed = cj.ChunkedOptimizer(params, HOST_SPECS[name](), device_budget=opt.working_bytes + 2 * 4 * 128,
+                                chunk_size=128, host_chunks=2, pipeline_depth=1)
+    big_chunks = {s.path: s for s in opt.layout.slots}["big"].chunks
+    assert set(big_chunks) & set(mixed.host_chunks) and set(big_chunks) & set(mixed.streamed_chunks)
     big = {s.path: s for s in opt.layout.slots}["big"]
     assert [p.size for p in big.pieces] == [88, 128, 84] and len(set(big.chunks)) == 3  # after "b" (40)
     p, ph = params, params
     for g in grads:
         u, ref_s = tx.update(jax.tree.map(lambda x: x.astype(jnp.float32), g), ref_s, ref_p)
         ref_p = jax.tree.map(lambda a, b: (a.astype(jnp.float32) + b).astype(a.dtype), ref_p, u)
-        p, ph = opt.update(g), host.update(g)
-    for got in (p, ph, opt.master_params()):
+        p, ph, pm = opt.update(g), host.update(g), mixed.update(g)
+    for got in (p, ph, opt.master_params(), pm, mixed.master_params()):
         assert jax.tree.structure(got) == jax.tree.structure(params)
         assert got["big"].shape == (20, 15)
         assert_trees_close({k: got[k] for k in ("big", "b")}, {k: ref_p[k] for k in ("big", "b")})
@@ -228,7 +251,7 @@ def test_placement_is_the_optimizer_only_policy():
     working = 3 * 4 * cs + state + 4 * cs
     for n_dev in (0, 2, 5):
         opt = cj.ChunkedOptimizer(params, optax.adam(1e-3), device_budget=working + n_dev * state + state - 1,
-                                  chunk_size=cs, check_tx=False)
+                                  chunk_size=cs, check_tx=False, pipeline_depth=1)
         n = opt.layout.n_chunks
         assert n == 5
         assert opt.placement.state_kinds == (DEVICE,) * n_dev + (PINNED_HOST,) * (n - n_dev)
@@ -238,6 +261,14 @@ def test_placement_is_the_optimizer_only_policy():
         cb = cj.chunk_bytes(opt.layout, jnp.float32, state - 4 * cs)
         plan = cj.plan_schedule(opt.layout, (), cb, working + n_dev * state + state - 1, policy="optimizer_only")
         assert plan.placement == opt.placement
+        # a pipeline of 3 streamed chunks reserves the master + state of 2 more chunks in flight
+        piped = cj.ChunkedOptimizer(params, optax.adam(1e-3), chunk_size=cs, check_tx=False,
+                                    device_budget=working + 2 * state + n_dev * state + state - 1)
+        if n - n_dev >= 3:
+            assert piped.placement == opt.placement and piped.pipeline_depth == 3
+            assert piped.working_bytes == working + 2 * state
+        else:  # too few streamed chunks for a pipeline: the room keeps one more chunk on the device
+            assert piped.pipeline_depth == 1 and piped.placement.state_kinds.count(DEVICE) >= n_dev
 
 
 def test_host_memory_refused_before_allocation(monkeypatch):
@@ -252,3 +283,177 @@ def test_host_memory_refused_before_allocation(monkeypatch):
     monkeypatch.setattr(fit_mod, "host_memory_available_bytes", lambda: 64 * 2**30)
     opt = cj.ChunkedOptimizer(params, optax.adam(1e-3), device_budget="1GiB")
     assert opt.layout.n_chunks >= 1
+
+
+def test_split_by_rate_and_pipeline_order():
+    """The host/streamed split balances PCIe bytes against the host kernel (chunkjax.dropin), and
+    the pipeline updates chunks in order with at most ``depth`` chunks between fetch and store."""
+    import threading
+
+    from chunkjax import dropin
+    from chunkjax.cost import Rates
+    r = Rates(h2d_bytes_per_s=50e9, d2h_bytes_per_s=50e9, host_update_s_per_param=0.25e-9)
+    cs, state, grad = 10**7, 12 * 10**7, 4 * 10**7
+    t = lambda s, h, d=3: dropin.predict_update_s(s, h, cs, state, grad, grad, r, d)  # noqa: E731
+    assert t(10, 0) == pytest.approx(10 * state / 50e9)  # duplex: one direction's bytes
+    assert t(10, 0, 1) == pytest.approx(2 * 10 * state / 50e9)  # depth 1: the directions take turns
+    assert t(0, 10) == pytest.approx(10 * cs * 0.25e-9)
+    streamed, host = dropin.split_offloaded(list(range(10)), cs, state, grad, grad, r)
+    assert streamed + host == tuple(range(10)) and 0 < len(host) < 10
+    assert t(len(streamed), len(host)) == min(t(10 - h, h) for h in range(11))
+    assert dropin.split_offloaded([3, 4], cs, state, grad, grad, r, host_chunks=0) == ((3, 4), ())
+
+    live, peak, log, lock = set(), [0], [], threading.Lock()
+
+    def fetch(c):
+        with lock:
+            live.add(c)
+            peak[0] = max(peak[0], len(live))
+        return c * 10, c * 100
+
+    def store(c, m, st):
+        log.append(("store", c, m, st))
+        with lock:
+            live.discard(c)
+
+    work = dropin.stream_chunks([5, 1, 7, 2, 9], 2, fetch, lambda c, m, st: (log.append(("upd", c)) or (m + 1, st + 1)),
+                                store)
+    work.join()
+    assert [c for k, c, *_ in log if k == "upd"] == [5, 1, 7, 2, 9]
+    assert sorted((c, m, st) for k, c, m, st in (e for e in log if e[0] == "store")) == \
+        sorted((c, c * 10 + 1, c * 100 + 1) for c in [5, 1, 7, 2, 9])
+    assert peak[0] <= 2
+
+    def bad_update(c, m, st):
+        raise RuntimeError(f"update of {c} failed")
+    with pytest.raises(RuntimeError, match="update of 5 failed"):
+        dropin.stream_chunks([5, 1, 7], 1, fetch, bad_update, store)
+
+
+def test_host_chunks_checkpoint_and_restore(tmp_path):
+    """A drop-in optimizer whose chunks update on the device, streamed and on the host kernel at
+    once saves and restores: into the same split bit for bit, into an all-device one within the
+    fp32 tolerance (jitted optax against the host kernel: FMA rounding)."""
+    from chunkjax import checkpoint as ck
+    rng = np.random.default_rng(5)
+    params = {k: jnp.asarray(rng.normal(size=(n,)), jnp.float32) for k, n in zip("abcdef", (60, 50, 64, 40, 30, 64))}
+    target = jax.tree.map(lambda x: x * 0.5 + 1.0, params)
+    grad_fn = jax.jit(jax.grad(lambda p: sum(jnp.sum((p[k] - target[k]) ** 2) for k in p)))
+    spec = AdamW(1e-2, weight_decay=0.1, max_grad_norm=1.0)
+
+    def make(budget, **kw):
+        return cj.ChunkedOptimizer(params, spec, device_budget=budget, chunk_size=64, **kw)
+
+    probe = make("1GiB")
+    state = probe.device_state_bytes // probe.layout.n_chunks
+    split = dict(host_chunks=2, pipeline_depth=1)
+    budget = probe.working_bytes + state + 2 * 4 * 64  # (and two gradient chunks on their way to the host)
+    opt = make(budget, **split)
+    assert (len(opt.host_chunks), len(opt.streamed_chunks), opt.placement.state_kinds.count(DEVICE)) == (2, 3, 1)
+
+    def train(opt, p, n):
+        for _ in range(n):
+            p = opt.update(grad_fn(p))
+        return p
+
+    p = train(opt, params, 3)
+    ck.save_checkpoint(tmp_path, 3, opt)
+    ref = train(opt, p, 3)
+    same = make(budget, **split)
+    restored, _ = ck.restore_checkpoint(tmp_path, same)
+    assert same.step == 3
+    got = train(same, restored, 3)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    on_device = make("1GiB")
+    restored, _ = ck.restore_checkpoint(tmp_path, on_device)
+    assert_trees_close(train(on_device, restored, 3), ref)
+    plain = spec.optax()  # and all of it equals plain optax on the whole tree
+    s, q = plain.init(params), params
+    for _ in range(6):
+        u, s = plain.update(grad_fn(q), s, q)
+        q = optax.apply_updates(q, u)
+    assert_trees_close(ref, q)
+
+
+def test_update_returns_before_the_write_backs_and_wait_joins(monkeypatch):
+    """update() returns once every chunk's update is dispatched: the last streamed chunks'
+    write-backs run on behind it (here held until released), wait() joins them, and the state is
+    then exact."""
+    import threading
+    params = {f"w{i}": jnp.full((32,), float(i), jnp.float32) for i in range(4)}
+    probe = cj.ChunkedOptimizer(params, optax.sgd(0.5), chunk_size=32, device_budget="1GiB")
+    state = probe.device_state_bytes // probe.layout.n_chunks
+    opt = cj.ChunkedOptimizer(params, optax.sgd(0.5), chunk_size=32, device_budget=probe.working_bytes + state)
+    assert opt.streamed_chunks == (0, 1, 2, 3) and opt.pipeline_depth == 2
+    release, store, stored = threading.Event(), opt._store, []
+
+    def held_store(c, m, s):
+        if c >= 2:  # the last two chunks' write-backs wait
+            release.wait()
+        store(c, m, s)
+        stored.append(c)
+    monkeypatch.setattr(opt, "_store", held_store)
+    new = opt.update({k: jnp.ones((32,), jnp.float32) for k in params})
+    assert not release.is_set() and sorted(stored) == [0, 1]  # returned with two write-backs in flight
+    for k, x in new.items():
+        np.testing.assert_allclose(np.asarray(x), float(k[1:]) - 0.5)
+    release.set()
+    opt.wait()
+    assert sorted(stored) == [0, 1, 2, 3]
+    for k, x in opt.master_params().items():
+        np.testing.assert_allclose(np.asarray(x), float(k[1:]) - 0.5)
+
+
+def test_host_gradients_in_flight_follow_the_budget():
+    """Host chunks' gradients travel two at a time where the budget has room, one at a time where
+    it has room for one only; below one chunk's device update an automatic split updates every
+    chunk on the host kernel (no device update at all) and an explicit host_chunks is refused
+    (chunkjax.PlanError). Each equals plain optax."""
+    params = {k: jnp.linspace(-1, 1, 64, dtype=jnp.float32) * (i + 1) for i, k in enumerate("abcd")}
+    grad_fn = jax.jit(jax.grad(lambda p: sum(jnp.sum(jnp.sin(3 * p[k]) * p[k]) for k in p)))
+    spec = AdamW(1e-2, weight_decay=0.1)
+    one = cj.ChunkedOptimizer(params, spec, chunk_size=64, device_budget="1GiB")
+    working, grad = one.working_bytes, 4 * 64
+    plain = spec.optax()
+    ref, s = params, plain.init(params)
+    for _ in range(3):
+        u, s = plain.update(grad_fn(ref), s, ref)
+        ref = optax.apply_updates(ref, u)
+    for budget, in_flight, n_host, want_working in ((working + 2 * grad, 2, None, working + 2 * grad),
+                                                    (working + grad, 1, None, working + grad),
+                                                    (working - 1, 2, 4, 3 * grad),  # every chunk on the host
+                                                    (2 * grad, 1, 4, 2 * grad)):
+        opt = cj.ChunkedOptimizer(params, spec, chunk_size=64, device_budget=budget, pipeline_depth=1)
+        assert opt._host_in_flight == in_flight and opt.working_bytes == want_working <= budget
+        assert n_host is None and 0 < len(opt.host_chunks) < 4 or len(opt.host_chunks) == n_host
+        p = params
+        for _ in range(3):
+            p = opt.update(grad_fn(p))
+        assert_trees_close(p, ref)
+    with pytest.raises(cj.PlanError):
+        cj.ChunkedOptimizer(params, spec, chunk_size=64, device_budget=working - 1, host_chunks=1)
+    with pytest.raises(cj.PlanError):
+        cj.ChunkedOptimizer(params, spec, chunk_size=64, device_budget=2 * grad - 1)
+
+
+def test_bf16_params_on_the_host_kernel():
+    """bf16 params whose chunks the host kernel updates: float32 master equal to optax on float32
+    copies, new params its bf16 rounding, in the params' dtype."""
+    rng = np.random.default_rng(3)
+    params = {k: jnp.asarray(rng.normal(size=(64,)), jnp.bfloat16) for k in "ab"}
+    spec = AdamW(1e-2, weight_decay=0.1)
+    opt = cj.ChunkedOptimizer(params, spec, chunk_size=64, device_budget=4 * 2 * 64)  # only the host plan fits
+    assert opt.host_chunks == (0, 1)
+    plain = spec.optax()
+    ref = jax.tree.map(lambda x: x.astype(jnp.float32), params)
+    s = plain.init(ref)
+    for i in range(3):
+        g = {k: jnp.asarray(rng.normal(size=(64,)), jnp.bfloat16) for k in "ab"}
+        new = opt.update(g)
+        u, s = plain.update(jax.tree.map(lambda x: x.astype(jnp.float32), g), s, ref)
+        ref = optax.apply_updates(ref, u)
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(new))
+    assert_trees_close(opt.master_params(), ref)
+    for k in "ab":
+        np.testing.assert_array_equal(np.asarray(new[k]), np.asarray(opt.master_params()[k].astype(jnp.bfloat16)))

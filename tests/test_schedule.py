@@ -175,7 +175,7 @@ def test_plan_never_exceeds_budget(seed):
 def test_infeasible_budget_names_the_smallest(setup):
     cfg, params, batches, stages, layout, traces = setup
     cb = _cb(layout, optax.adamw(1e-3))
-    with pytest.raises(cj.PlanError, match="use --device-budget >=") as e:
+    with pytest.raises(cj.PlanError, match="use device_budget >=") as e:
         plan_schedule(layout, traces, cb, 1000, flops_per_step=1e9)
     ok = plan_schedule(layout, traces, cb, e.value.min_budget_bytes, flops_per_step=1e9)
     assert ok.predicted.peak_device_bytes <= e.value.min_budget_bytes
@@ -258,7 +258,7 @@ def test_host_budget_too_small_names_the_host(setup):
     cb = _cb(layout, optax.adamw(1e-3))
     offloaded = plan_schedule(layout, traces, cb, 10**12, flops_per_step=1e9, resident=[])
     budget = offloaded.predicted.peak_device_bytes  # every chunk offloaded fits, all resident does not
-    with pytest.raises(cj.PlanError, match="--host-budget >="):
+    with pytest.raises(cj.PlanError, match="host_budget >="):
         plan_schedule(layout, traces, cb, budget, flops_per_step=1e9, host_budget_bytes=1000)
 
 
@@ -481,7 +481,7 @@ def test_fixed_policy_predicts_the_fixed_rule(setup):
     temporaries, or one streamed update) are what the fixed rule's accounting gives."""
     layout, traces, cb, tide, flops = _micro_plan_inputs(setup)
     n, cs = layout.n_chunks, layout.chunk_size
-    with pytest.raises(cj.PlanError, match="use --device-budget >=") as e:
+    with pytest.raises(cj.PlanError, match="use device_budget >=") as e:
         plan_schedule(layout, traces, cb, 1000, policy="fixed")
     s = plan_schedule(layout, traces, cb, e.value.min_budget_bytes, policy="fixed", flops_per_step=flops)
     assert s.counts() == {"params_pinned_host/update_streamed": n} and s.segments == (0,)

@@ -1,0 +1,430 @@
+"""The drop-in optimizer's update: where each offloaded chunk is updated, and one step's pipeline.
+
+:class:`chunkjax.ChunkedOptimizer` keeps a chunk's float32 master params and optimizer state on
+the device while they fit its budget (ZeRO-Offload's split, :func:`chunkjax.plan_schedule`'s
+``"optimizer_only"`` policy); the other chunks' state lives in pinned host memory and is updated
+at one of PatrickStar's update locations (Fang et al., arXiv 2108.05818, section 5):
+
+* **streamed** (the device): master + state move to the device, the chunk is updated there by
+  the unchanged optax transformation (:func:`chunkjax.optim.update_chunk`) and moves back;
+* **host**: the numba kernel (:func:`chunkjax.updaters.host_updater`, arithmetic of
+  :mod:`chunkjax.kernels`) updates master and moments in place; only the gradient goes to the
+  host and the new compute params come back. Only for a host kernel spec
+  (``chunkjax.host_update.AdamW / Lion / SGDMomentum``) given as ``tx``.
+
+:func:`split_offloaded` divides the offloaded chunks between the two by rate
+(:func:`predict_update_s`: the PCIe bytes of each direction against the host kernel's time,
+the two running in parallel, ZeRO-Offload++ / ZenFlow's GPU-CPU split).
+
+One step (:func:`stream_chunks`): the streamed chunks run through a pipeline of ``depth`` chunks
+of state on the device at once: a fetch thread moves chunk k+1's state to the device while the
+update program of chunk k runs and a write-back thread moves chunk k-1's back, so both PCIe
+directions are in flight (eager transfers from two threads reached 94 GB/s together on the H200,
+against 57 GB/s for both directions inside one program: ``gpu_facts.md``, "Ceilings"). The call
+returns when the last update is dispatched; the write-backs of the last chunks continue behind
+the caller's next program and are joined by :meth:`StreamedWork.join`.
+
+The drop-in's programs (:class:`ChunkPrograms`: one set per chunk shape, :func:`sub_layout`) and
+its placement (:func:`place`: the ``"optimizer_only"`` policy with room for the pipeline) are
+here too.
+"""
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from chunkjax import optim
+from chunkjax.cost import Rates
+from chunkjax.errors import PlanError
+from chunkjax.layout import ChunkLayout, LeafSlot, Piece
+from chunkjax.memory import DEVICE, PINNED_HOST, sharding
+from chunkjax.plan import plan_schedule
+
+#: Default number of streamed chunks whose state may be on the device at once (fetching k+1,
+#: updating k, writing back k-1).
+DEFAULT_PIPELINE_DEPTH = 3
+
+_MSG_TX = ("tx must be an optax.GradientTransformation or a host kernel spec (chunkjax.host_update.AdamW / Lion / "
+           "SGDMomentum), got {type}")
+_MSG_AUTO = "device_budget='auto' is not supported by the drop-in optimizer: pass bytes (int) or a size such as '2GiB'"
+_MSG_HOST_CHUNKS = ("host_chunks={n} but {have} chunk(s) have their state in pinned host memory: "
+                    "use 0 <= host_chunks <= {have}")
+
+
+#: One chunk's device update may use at most this fraction of the budget when the chunk size is
+#: searched (room for resident chunks and a pipeline of a few streamed ones).
+CHUNK_BUDGET_FRACTION = 1 / 6
+#: Device bytes per element of one chunk's update besides its master + state: a float32 gradient,
+#: two float32 temporaries and the new params (chunkjax.predict.update_working_bytes' rule).
+UPDATE_BYTES_PER_ELEMENT = 16
+
+
+def min_chunks_for_budget(n_elements: int, state_bytes_per_element: float, budget: int) -> int:
+    """The fewest chunks for which one chunk's device update (its master + optimizer state,
+    ``state_bytes_per_element`` plus 4, and :data:`UPDATE_BYTES_PER_ELEMENT`) needs at most
+    :data:`CHUNK_BUDGET_FRACTION` of ``budget`` bytes: e.g. 1.28e9 AdamW params at 2 GiB give 60+
+    chunks (about 18M elements) instead of 26 of 51M, room for a pipeline of 3 and resident chunks.
+    1 when the whole model's update fits that fraction."""
+    per_element = UPDATE_BYTES_PER_ELEMENT + 4 + state_bytes_per_element
+    cap = max(1, int(budget * CHUNK_BUDGET_FRACTION / per_element))
+    return max(1, -(-int(n_elements) // cap))
+
+
+def predict_update_s(n_streamed: int, n_host: int, chunk_size: int, state_bytes: int, grad_bytes: int,
+                     param_bytes: int, rates: Rates, depth: int = DEFAULT_PIPELINE_DEPTH) -> float:
+    """Predicted seconds of the offloaded part of one update: the PCIe time of the busier
+    direction (streamed chunks move ``state_bytes`` each way; host chunks send ``grad_bytes``
+    down and get ``param_bytes`` back) against the host kernel's time (``chunk_size`` elements
+    per host chunk at ``rates.host_update_s_per_param``); the two run in parallel. With a
+    pipeline of one chunk (``depth=1``) a streamed chunk's two directions take turns.
+
+    Args:
+      n_streamed, n_host: chunks at each location.
+      chunk_size: elements per chunk.
+      state_bytes: one chunk's float32 master params + optimizer state (bytes).
+      grad_bytes, param_bytes: one chunk's gradient and compute params (bytes).
+      rates: :class:`chunkjax.cost.Rates`.
+      depth: the streamed pipeline's depth (:func:`stream_chunks`).
+    """
+    h2d = n_streamed * state_bytes + n_host * param_bytes
+    d2h = n_streamed * state_bytes + n_host * grad_bytes
+    pcie = max(h2d / rates.h2d_bytes_per_s, d2h / rates.d2h_bytes_per_s)
+    if depth <= 1:  # no fetch while a write-back runs
+        pcie = max(pcie, n_streamed * state_bytes * (1 / rates.h2d_bytes_per_s + 1 / rates.d2h_bytes_per_s))
+    return max(pcie, n_host * chunk_size * rates.host_update_s_per_param)
+
+
+def split_offloaded(offloaded: Sequence[int], chunk_size: int, state_bytes: int, grad_bytes: int,
+                    param_bytes: int, rates: Rates | None = None, host_chunks: int | None = None,
+                    depth: int = DEFAULT_PIPELINE_DEPTH) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Divide the chunks whose state is in pinned host memory between the streamed update and
+    the host kernel.
+
+    Args:
+      offloaded: chunk ids (layout order).
+      chunk_size, state_bytes, grad_bytes, param_bytes: as :func:`predict_update_s`.
+      rates: measured rates (default :class:`chunkjax.cost.Rates`, the H200's).
+      host_chunks: how many chunks the host kernel updates; None picks the count with the
+        least :func:`predict_update_s` (the fewest on a tie).
+      depth: the streamed pipeline's depth.
+
+    Returns:
+      ``(streamed, host)``: chunk ids; the host takes the last ``host_chunks`` of ``offloaded``
+      (the streamed ones go first: their update programs start while the host gradients travel).
+
+    Raises:
+      ValueError: ``host_chunks`` outside ``[0, len(offloaded)]``.
+    """
+    rates = rates or Rates()
+    n = len(offloaded)
+    if host_chunks is None:
+        host_chunks = min(range(n + 1), key=lambda h: (predict_update_s(
+            n - h, h, chunk_size, state_bytes, grad_bytes, param_bytes, rates, depth), h))
+    elif isinstance(host_chunks, bool) or not isinstance(host_chunks, int) or not 0 <= host_chunks <= n:
+        raise ValueError(_MSG_HOST_CHUNKS.format(n=host_chunks, have=n))
+    return tuple(offloaded[:n - host_chunks]), tuple(offloaded[n - host_chunks:])
+
+
+class StreamedWork:
+    """The write-backs of one step's streamed chunks still in flight after
+    :func:`stream_chunks` returned; :meth:`join` waits for them (re-raising a failure)."""
+
+    def __init__(self, threads: list[threading.Thread], errors: list[BaseException]):
+        self._threads = threads
+        self._errors = errors
+
+    def join(self) -> None:
+        for t in self._threads:
+            t.join()
+        self._threads = []
+        if self._errors:
+            err, self._errors = self._errors[0], []
+            raise err
+
+
+def stream_chunks(chunks: Sequence[int], depth: int, fetch: Callable, update: Callable,
+                  store: Callable) -> StreamedWork:
+    """Update ``chunks`` through the device with at most ``depth`` chunks of state there at once.
+
+    Args:
+      chunks: chunk ids in update order.
+      depth: >= 1; 1 runs fetch, update and write-back of a chunk one after the other, 3 keeps
+        both directions busy (fetch of k+1, write-back of k-1 while k updates).
+      fetch: ``fetch(c) -> (master, state)`` on the device (dispatched on the fetch thread).
+      update: ``update(c, master, state) -> (master, state)``: dispatches chunk ``c``'s update
+        program (on the calling thread, in ``chunks`` order).
+      store: ``store(c, master, state)``: moves the updated state back to pinned host memory and
+        blocks until it is there (on the write-back thread); the device copies are then dropped
+        and the next fetch may start.
+
+    Returns:
+      :class:`StreamedWork`, after every update is dispatched.
+
+    Raises:
+      whatever ``fetch`` or ``update`` raise (the threads are stopped first).
+    """
+    if not chunks:
+        return StreamedWork([], [])
+    slots = threading.Semaphore(max(1, depth))
+    fetched: queue.SimpleQueue = queue.SimpleQueue()
+    back: queue.SimpleQueue = queue.SimpleQueue()
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def fetcher():
+        for c in chunks:
+            slots.acquire()
+            if stop.is_set():
+                return
+            try:
+                fetched.put((c, fetch(c)))
+            except BaseException as e:  # handed to the caller
+                fetched.put(e)
+                return
+
+    def writer():
+        while (item := back.get()) is not None:
+            try:
+                store(*item)
+            except BaseException as e:  # handed to join()
+                errors.append(e)
+            finally:
+                del item
+                slots.release()
+
+    # not daemons: the interpreter joins them before it tears the runtime down (a write-back cut
+    # off at exit aborts the process); both end once every chunk is through
+    threads = [threading.Thread(target=f, name=f"chunkjax-dropin-{f.__name__}") for f in (fetcher, writer)]
+    for t in threads:
+        t.start()
+    try:
+        for _ in chunks:
+            item = fetched.get()
+            if isinstance(item, BaseException):
+                raise item
+            c, (master, state) = item
+            del item
+            back.put((c, *update(c, master, state)))
+            del master, state
+    except BaseException:
+        stop.set()
+        for _ in range(len(chunks) + depth):  # a fetcher waiting for a slot sees the stop
+            slots.release()
+        back.put(None)
+        for t in threads:
+            t.join()
+        raise
+    back.put(None)
+    return StreamedWork(threads, errors)
+
+
+# ---- the drop-in's input checks ----------------------------------------------------------------
+
+def budget_bytes(device_budget: int | str) -> int:
+    """The one budget parser (:func:`chunkjax.fit.resolve_budget`), without ``"auto"``."""
+    from chunkjax.fit import resolve_budget
+    if isinstance(device_budget, bool) or not isinstance(device_budget, (int, str)):
+        raise TypeError(f"device_budget must be a byte count (int) or a string such as '2GiB', "
+                        f"got {type(device_budget).__name__}")
+    n = resolve_budget(device_budget)
+    if n == "auto":
+        raise ValueError(_MSG_AUTO)
+    return n
+
+
+def host_spec(tx):
+    """``tx`` if it is a host kernel spec (AdamW / Lion / SGDMomentum of chunkjax.kernels), else None."""
+    if isinstance(tx, optax.GradientTransformation):
+        return None
+    from chunkjax.kernels import AdamW, Lion, SGDMomentum  # numba: loaded only when a spec is given
+    if isinstance(tx, (AdamW, Lion, SGDMomentum)):
+        return tx
+    raise TypeError(_MSG_TX.format(type=type(tx).__name__))
+
+
+def _path_names(tree) -> list[str]:
+    return [jax.tree_util.keystr(p, simple=True, separator="/") for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def structure_error(layout: ChunkLayout, grads) -> str:
+    """One line naming the first leaf that ``grads`` lacks or has too many."""
+    want = [s.path for s in layout.slots]
+    try:
+        got = _path_names(grads)
+    except Exception:  # noqa: BLE001 - not a pytree jax can flatten
+        return f"{type(grads).__name__} is not a pytree of {len(want)} leaves"
+    missing = [p for p in want if p not in set(got)]
+    extra = [p for p in got if p not in set(want)]
+    if missing:
+        return f"leaf {missing[0]!r} is missing" + (f" (got {extra[0]!r} instead)" if extra else "")
+    if extra:
+        return f"leaf {extra[0]!r} is not a param"
+    return f"{len(got)} leaves where the params have {len(want)} (other containers)"
+
+
+# ---- the drop-in's programs and placement ---------------------------------------------------------
+
+def sub_layout(layout: ChunkLayout, c: int) -> tuple[ChunkLayout, tuple[tuple[int, Piece], ...]]:
+    """Chunk ``c`` as a one-chunk layout over the list of its leaf pieces (offset order), and the
+    ``(slot index, piece)`` pairs (:meth:`ChunkLayout.chunk_pieces`). A piece holding a whole leaf
+    keeps the leaf's shape; a piece of a leaf spanning chunks is a flat ``(size,)`` leaf. Paths are
+    dropped so that chunks holding the same shapes at the same offsets (e.g. repeated blocks)
+    compare equal and share compiled programs."""
+    pieces = layout.chunk_pieces(c)
+    slots = tuple(LeafSlot(path=str(k), pieces=(Piece(0, p.offset, 0, p.size),),
+                           shape=layout.slots[i].shape if whole(layout, i, p) else (p.size,),
+                           dtype=layout.slots[i].dtype) for k, (i, p) in enumerate(pieces))
+    sub = ChunkLayout(treedef=jax.tree.structure([0] * len(pieces)), slots=slots, chunk_size=layout.chunk_size,
+                      chunk_dtypes=(layout.chunk_dtypes[c],), chunk_trainable=(layout.chunk_trainable[c],))
+    return sub, pieces
+
+
+def whole(layout: ChunkLayout, i: int, p: Piece) -> bool:
+    """Piece ``p`` is all of leaf ``i``."""
+    return p.size == layout.slots[i].size
+
+
+def piece_of(layout: ChunkLayout, leaves, i: int, p: Piece):
+    """Leaf ``i`` of ``leaves`` as :func:`sub_layout` takes it: whole, or its flat piece ``p``."""
+    return leaves[i] if whole(layout, i, p) else jax.lax.slice(jnp.ravel(leaves[i]), (p.leaf_offset,),
+                                                                (p.leaf_offset + p.size,))
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkPrograms:
+    """The jitted programs of one chunk shape (one :func:`sub_layout`)."""
+
+    sub: ChunkLayout
+    tx: Any
+
+    @property
+    def update(self):
+        """``(grad leaves, master, state, grad_sq, c) -> (new param leaves, master, state)``, all on
+        the device, master and state donated (device-resident chunks, and streamed chunks once
+        fetched)."""
+        dev = sharding(DEVICE)
+        sub, tx = self.sub, self.tx
+        dt = sub.chunk_dtypes[0]
+
+        def upd(grad_leaves, master, state, grad_sq, c):
+            g = sub.pack(list(grad_leaves), dtype=optim.MASTER_DTYPE)[0]
+            o = optim.update_chunk(tx, g, master, state, jnp.sum(grad_sq), grad_sq[c], dt)
+            return tuple(sub.unpack([o.params])), o.master, o.opt_state
+
+        return jax.jit(upd, in_shardings=(dev, dev, dev, dev, dev), out_shardings=(dev, dev, dev),
+                       donate_argnums=(1, 2))
+
+    @property
+    def pack_grad(self):
+        """``grad leaves -> (chunk_size,)`` gradient chunk (chunk dtype) on the device (sent to the
+        host by an eager transfer: a copy inside the program would hold the program stream)."""
+        sub = self.sub
+        return jax.jit(lambda leaves: sub.pack(list(leaves))[0], out_shardings=sharding(DEVICE))
+
+    @property
+    def unpack(self):
+        """``(chunk_size,)`` params chunk on the device -> its param leaves."""
+        sub, dev = self.sub, sharding(DEVICE)
+        return jax.jit(lambda p: tuple(sub.unpack([p])), in_shardings=dev, out_shardings=dev)
+
+
+def place(lay: ChunkLayout, cb, budget: int, depth: int, split, host_reserve: int = 0):
+    """The optimizer_only placement with room for ``depth`` streamed chunks on the device: the
+    deepest pipeline (<= ``depth``) whose reserve still leaves the update's working set in the
+    budget; no reserve when no chunk is streamed. ``host_reserve`` bytes are kept free for the
+    host chunks' gradients on their way to the host (two chunks at a time). Returns (plan, depth,
+    streamed, host)."""
+    for d in range(depth, 0, -1):
+        try:
+            plan = plan_schedule(lay, (), cb, budget - (d - 1) * cb.state - host_reserve, policy="optimizer_only")
+        except PlanError:
+            if d == 1:
+                raise
+            continue
+        offloaded = [c for c, k in enumerate(plan.placement.state_kinds) if k == PINNED_HOST]
+        streamed, host = split(offloaded, d)
+        if d == 1 or len(streamed) > 1:
+            return plan, (min(d, len(streamed)) if streamed else 1), streamed, host
+    raise AssertionError("unreachable: depth 1 returns or raises")
+
+
+class DropinPlan(NamedTuple):
+    """Where the drop-in optimizer updates each chunk (:func:`choose`).
+
+    Attributes:
+      placement: a :class:`chunkjax.Placement` (params on the device; state device / pinned host).
+      depth: the streamed pipeline's depth.
+      streamed, host: offloaded chunk ids updated through the device and by the host kernel.
+      in_flight: host chunks' gradients on the device at once on their way to the host (0-2).
+      working_bytes: device bytes of the update's transients (one chunk's update working set when
+        any chunk updates on the device, the pipeline's extra chunks, the host gradients in flight
+        and, with host chunks only, one params chunk on its way back).
+      device_state_bytes, host_state_bytes: master + optimizer state bytes on / off the device.
+      predicted_s: :func:`predict_update_s` of the offloaded chunks.
+    """
+
+    placement: Any
+    depth: int
+    streamed: tuple
+    host: tuple
+    in_flight: int
+    working_bytes: int
+    device_state_bytes: int
+    host_state_bytes: int
+    predicted_s: float
+
+
+def choose(lay: ChunkLayout, cb, budget: int, depth: int, host: bool, host_chunks: int | None,
+           rates: Rates | None) -> DropinPlan:
+    """The drop-in's plan: the ``"optimizer_only"`` placement (:func:`place`) with the offloaded
+    chunks split between the streamed pipeline and, if ``host``, the host kernel, with two or one
+    host gradients in flight where the budget has room; with an automatic split
+    (``host_chunks=None``) also the plan that updates every chunk on the host kernel (no device
+    update working set at all: it fits budgets below one chunk's update), the faster predicted
+    one wins.
+
+    Raises:
+      chunkjax.PlanError: no plan fits ``budget`` (or ``host_chunks`` cannot be honoured).
+      ValueError: ``host_chunks`` out of range.
+    """
+    rates = rates or Rates()
+    n = lay.n_chunks
+    tries = ([(2, host_chunks), (1, host_chunks)] + ([(0, 0)] if not host_chunks else [])) if host else [(0, 0)]
+    found, error = [], None
+    for in_flight, n_host in tries:
+        def split(offloaded, d, n_host=n_host):  # n_host None: by rate
+            if n_host == 0:
+                return tuple(offloaded), ()
+            return split_offloaded(offloaded, lay.chunk_size, cb.state, cb.grad, cb.params, rates, n_host, d)
+        try:
+            plan, d, streamed, on_host = place(lay, cb, budget, depth, split, in_flight * cb.grad)
+        except PlanError as e:
+            error = error or e
+            continue
+        in_flight = in_flight if on_host else 0
+        found.append(DropinPlan(
+            plan.placement, d, streamed, on_host, in_flight,
+            int(plan.predicted.peak_device_bytes - plan.predicted.device_model_bytes + (d - 1) * cb.state
+                + in_flight * cb.grad),
+            int(plan.predicted.device_model_bytes), int(plan.predicted.host_model_bytes),
+            predict_update_s(len(streamed), len(on_host), lay.chunk_size, cb.state, cb.grad, cb.params, rates, d)))
+        break
+    if host and host_chunks in (None, n):
+        for in_flight in (2, 1):  # every chunk on the host kernel: gradients in flight, one params chunk back
+            working = in_flight * cb.grad + cb.params
+            if working <= budget:
+                from chunkjax.schedule import Placement
+                found.append(DropinPlan(
+                    Placement.uniform(n, DEVICE, PINNED_HOST), 1, (), tuple(range(n)), in_flight, working, 0,
+                    n * cb.state, predict_update_s(0, n, lay.chunk_size, cb.state, cb.grad, cb.params, rates, 1)))
+                break
+    if not found:
+        raise error
+    return min(found, key=lambda p: p.predicted_s)
