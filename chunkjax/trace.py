@@ -12,8 +12,10 @@ import dataclasses
 
 import jax
 import jax.extend.core as jex_core
+import jax.numpy as jnp
 
 from chunkjax.layout import ChunkLayout
+from chunkjax.stages import split_loss, stage_vjp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,20 +66,29 @@ def _live_inputs(closed, n_inputs: int) -> list[bool]:
 def _signature(st, p_sub, x):
     """Stages with equal signatures trace alike: identical blocks differ only in their top-level
     key (h_0, h_1, ...), so key on the function and the values' structure and shapes."""
-    return (getattr(st.apply, "__code__", st.apply), jax.tree.structure(list(p_sub.values())),
+    fn = getattr(st.apply, "trace_key", None) or getattr(st.apply, "__code__", st.apply)  # trace_key: chunkjax.discover
+    return (fn, jax.tree.structure(list(p_sub.values())),
             tuple((a.shape, a.dtype) for a in jax.tree.leaves(p_sub)),
-            None if x is None else (x.shape, x.dtype))
+            None if x is None else (jax.tree.structure(x), tuple((a.shape, a.dtype) for a in jax.tree.leaves(x))))
 
 
-def _backward_live(stage, p_sub, x, batch) -> list[bool]:
-    """Per leaf of ``p_sub`` (flattening order): does the stage's backward read its value."""
-    def vjp_fn(p, x, ct, b):
-        if x is None:
-            return jax.vjp(lambda p: stage.apply(p, None, b), p)[1](ct)
-        return jax.vjp(lambda p, x: stage.apply(p, x, b), p, x)[1](ct)
+def _vjp_fn(stage, head: bool):
+    """``(p, x, ct, b) -> (dp, dx)`` of :func:`chunkjax.stages.stage_vjp`."""
+    return lambda p, x, ct, b: stage_vjp(lambda p, x: stage.apply(p, x, b), p, x, head=head)[1](ct)
 
+
+def _cotangent(stage, p_sub, x, batch, head: bool):
+    """Abstract cotangent of the stage's output as :func:`chunkjax.stages.stage_vjp` takes it."""
     out = jax.eval_shape(stage.apply, p_sub, x, batch)
-    closed = jax.make_jaxpr(vjp_fn)(p_sub, x, out, batch)
+    if head:
+        return jax.ShapeDtypeStruct(jnp.shape(split_loss(out)[0]), split_loss(out)[0].dtype)
+    return [a for a in jax.tree.leaves(out) if jnp.issubdtype(a.dtype, jnp.floating)]
+
+
+def _backward_live(stage, p_sub, x, batch, head: bool = False) -> list[bool]:
+    """Per leaf of ``p_sub`` (flattening order): does the stage's backward read its value."""
+    ct = _cotangent(stage, p_sub, x, batch, head)
+    closed = jax.make_jaxpr(_vjp_fn(stage, head))(p_sub, x, ct, batch)
     return _live_inputs(closed, len(jax.tree.leaves(p_sub)))
 
 
@@ -87,13 +98,13 @@ def _chunks_of_live(layout: ChunkLayout, p_sub, live) -> tuple[int, ...]:
     return layout.chunks_of([pth for pth, l in zip(paths, live) if l])
 
 
-def backward_reads(stage, layout: ChunkLayout, p_sub, x, batch) -> tuple[int, ...]:
+def backward_reads(stage, layout: ChunkLayout, p_sub, x, batch, head: bool = False) -> tuple[int, ...]:
     """Chunk ids whose *values* the stage's backward (recompute + vjp) needs.
 
     Some stages need no parameter values for their gradients (an embedding lookup's gradient is
     a scatter-add of the cotangent), so their chunks need not be fetched in the backward pass.
     """
-    return _chunks_of_live(layout, p_sub, _backward_live(stage, p_sub, x, batch))
+    return _chunks_of_live(layout, p_sub, _backward_live(stage, p_sub, x, batch, head))
 
 
 def stage_inputs(stages, layout: ChunkLayout, batch, compute_dtype):
@@ -110,16 +121,10 @@ def stage_inputs(stages, layout: ChunkLayout, batch, compute_dtype):
     return out
 
 
-def _stage_transient_bytes(st, p_sub, x, batch, is_first: bool) -> int:
-    def vjp_fn(p, x, ct, b):
-        if is_first:
-            y, pull = jax.vjp(lambda p: st.apply(p, None, b), p)
-        else:
-            y, pull = jax.vjp(lambda p, x: st.apply(p, x, b), p, x)
-        return pull(ct)
-
+def _stage_transient_bytes(st, p_sub, x, batch, head: bool) -> int:
+    vjp_fn = _vjp_fn(st, head)
     out = jax.eval_shape(st.apply, p_sub, x, batch)
-    ct = jax.ShapeDtypeStruct(out.shape, out.dtype)
+    ct = _cotangent(st, p_sub, x, batch, head)
     compiled = jax.jit(vjp_fn).lower(p_sub, x, ct, batch).compile()
     ma = compiled.memory_analysis()
     grads = jax.eval_shape(vjp_fn, p_sub, x, ct, batch)
@@ -141,9 +146,11 @@ def trace_stages(stages, layout: ChunkLayout, batch: jax.ShapeDtypeStruct, compu
     out, cache, live = [], {}, {}
     for i, (st, (p_sub, x)) in enumerate(zip(stages, stage_inputs(stages, layout, batch, compute_dtype))):
         sig = _signature(st, p_sub, x)
+        head = i == len(stages) - 1
+        sig = sig + (head,)
         if sig not in cache:
-            cache[sig] = _stage_transient_bytes(st, p_sub, x, batch, i == 0)
-            live[sig] = _backward_live(st, p_sub, x, batch)
+            cache[sig] = _stage_transient_bytes(st, p_sub, x, batch, head)
+            live[sig] = _backward_live(st, p_sub, x, batch, head)
         out.append(StageTrace(name=st.name, chunks=layout.chunks_of(st.param_keys),
                               input_bytes=0 if x is None else _nbytes(x), temp_bytes=cache[sig],
                               bwd_chunks=_chunks_of_live(layout, p_sub, live[sig])))

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 
 from chunkjax.layout import ChunkLayout
 from chunkjax.memory import DEVICE, PINNED_HOST, ordered_after
+from chunkjax.stages import split_loss, stage_vjp
 
 
 def moments_of(n_stages: int) -> tuple[tuple[str, int], ...]:
@@ -135,7 +136,9 @@ class Walk:
 
         Returns:
           ``(carry, grads {chunk: grad in its grad kind}, sq {chunk: () f32}, loss or None)``;
-          the carry is empty after the last moment.
+          the carry is empty after the last moment. A last stage returning ``(loss, aux)`` gives
+          ``(loss, aux)`` in place of the loss. Between stages the carry's ``x`` is the
+          activation (forward) or the list of cotangents of its floating leaves (backward).
         """
         lay, topo = self.layout, self.topology
         T = len(self.moments)
@@ -145,7 +148,7 @@ class Walk:
         held = dict(carry.get("held", {}))
         issued = {tuple(int(v) for v in key.split(":")): a for key, a in carry.get("issued", {}).items()}
         loss_scale = carry.get("loss_scale")
-        grads, sq, loss = {}, {}, None
+        grads, sq, loss, aux = {}, {}, None, None
 
         def add_grads(s, dp):
             for c in self.reads[s]:
@@ -174,7 +177,7 @@ class Walk:
                 saved[s] = x
                 x = st.apply(self._sub(arrays, s), x, batch)
             elif ph == "forward+backward":
-                loss, pull = jax.vjp(lambda p, xx: st.apply(p, xx, batch), self._sub(arrays, s), x)
+                (loss, aux), pull = stage_vjp(lambda p, xx: st.apply(p, xx, batch), self._sub(arrays, s), x, head=True)
                 ct = topo.loss_cotangent(loss)
                 if loss_scale is not None:  # fp16 loss scaling: the backward carries scaled values
                     ct = ct * loss_scale.astype(ct.dtype)
@@ -186,16 +189,13 @@ class Walk:
                 # with the forward pass (common-subexpression elimination) and keeps every stage's
                 # internals alive, undoing the activation checkpointing (jax.checkpoint's prevent_cse)
                 x, x_in, arrays = jax.lax.optimization_barrier((x, saved.pop(s, None), arrays))
-                p = self._sub(arrays, s)
-                if s == 0:
-                    _, pull = jax.vjp(lambda p: st.apply(p, None, batch), p)
-                    (dp,), dx = pull(x), None
-                else:
-                    _, pull = jax.vjp(lambda p, xx: st.apply(p, xx, batch), p, x_in)
-                    dp, dx = pull(x)
+                _, pull = stage_vjp(lambda p, xx: st.apply(p, xx, batch), self._sub(arrays, s), x_in)
+                dp, dx = pull(x)
                 add_grads(s, dp)
                 x = emit(s, dx)
             self._release(t, held, T)
+        if aux is not None:  # the last stage's (loss, aux): aux leaves with the loss
+            loss = (loss, aux)
         if t1 == T:
             return {}, grads, sq, loss
         out = {"x": x, "saved": saved, "acc": acc, "held": held,
@@ -215,4 +215,4 @@ class Walk:
             arrays = self._arrays(t, x, batch, params, held, issued)
             x = self.stages[s].apply(self._sub(arrays, s), x, batch)
             self._release(t, held, n)
-        return x.astype(jnp.float32)
+        return split_loss(x)[0].astype(jnp.float32)
