@@ -47,8 +47,10 @@ def _nbytes(tree) -> int:
 
 
 def abstract_compute_params(layout: ChunkLayout, compute_dtype):
-    """The params pytree as ``ShapeDtypeStruct`` s in the compute dtype."""
-    leaves = [jax.ShapeDtypeStruct(s.shape, compute_dtype) for s in layout.slots]
+    """The params pytree as ``ShapeDtypeStruct`` s in the compute dtype (non-floating leaves,
+    always frozen, keep their dtype)."""
+    leaves = [jax.ShapeDtypeStruct(s.shape, compute_dtype if jnp.issubdtype(s.dtype, jnp.floating) else s.dtype)
+              for s in layout.slots]
     return layout.treedef.unflatten(leaves)
 
 
@@ -63,18 +65,38 @@ def _live_inputs(closed, n_inputs: int) -> list[bool]:
     return [v in used for v in jaxpr.invars[:n_inputs]]
 
 
-def _signature(st, p_sub, x):
+def _signature(st, p_sub, x, mask=None):
     """Stages with equal signatures trace alike: identical blocks differ only in their top-level
-    key (h_0, h_1, ...), so key on the function and the values' structure and shapes."""
-    fn = getattr(st.apply, "trace_key", None) or getattr(st.apply, "__code__", st.apply)  # trace_key: chunkjax.discover
+    key (h_0, h_1, ...), so key on the function (or its ``trace_key``: :mod:`chunkjax.discover`),
+    the values' structure and shapes and which leaves are trainable."""
+    fn = getattr(st.apply, "trace_key", None) or getattr(st.apply, "__code__", st.apply)
     return (fn, jax.tree.structure(list(p_sub.values())),
             tuple((a.shape, a.dtype) for a in jax.tree.leaves(p_sub)),
-            None if x is None else (jax.tree.structure(x), tuple((a.shape, a.dtype) for a in jax.tree.leaves(x))))
+            None if x is None else (jax.tree.structure(x), tuple((a.shape, a.dtype) for a in jax.tree.leaves(x))),
+            None if mask is None else tuple(mask))
 
 
-def _vjp_fn(stage, head: bool):
-    """``(p, x, ct, b) -> (dp, dx)`` of :func:`chunkjax.stages.stage_vjp`."""
-    return lambda p, x, ct, b: stage_vjp(lambda p, x: stage.apply(p, x, b), p, x, head=head)[1](ct)
+def _trainable_mask(layout: ChunkLayout, keys) -> list[bool]:
+    """Per leaf of the stage params ``{k: params[k] for k in keys}`` (flattening order): trainable."""
+    tree = layout.treedef.unflatten([layout.chunk_trainable[s.chunk] for s in layout.slots])
+    return jax.tree.leaves({k: tree[k] for k in keys})
+
+
+def _vjp_fn(stage, head: bool, mask=None):
+    """``(p, x, ct, b) -> (dp, dx)``: the stage's recompute + vjp as the walker runs it
+    (:func:`chunkjax.stages.stage_vjp`): over the trainable leaves of ``p`` and the floating leaves
+    of ``x``, frozen leaves closed over as constants."""
+    def vjp_fn(p, x, ct, b):
+        leaves, td = jax.tree.flatten(p)
+        m = [True] * len(leaves) if mask is None else mask
+
+        def rebuild(tr):
+            it = iter(tr)
+            return td.unflatten([next(it) if k else a for a, k in zip(leaves, m)])
+
+        tr = [a for a, k in zip(leaves, m) if k]
+        return stage_vjp(lambda t, xx: stage.apply(rebuild(t), xx, b), tr, x, head=head)[1](ct)
+    return vjp_fn
 
 
 def _cotangent(stage, p_sub, x, batch, head: bool):
@@ -85,10 +107,10 @@ def _cotangent(stage, p_sub, x, batch, head: bool):
     return [a for a in jax.tree.leaves(out) if jnp.issubdtype(a.dtype, jnp.floating)]
 
 
-def _backward_live(stage, p_sub, x, batch, head: bool = False) -> list[bool]:
+def _backward_live(stage, p_sub, x, batch, head: bool = False, mask=None) -> list[bool]:
     """Per leaf of ``p_sub`` (flattening order): does the stage's backward read its value."""
     ct = _cotangent(stage, p_sub, x, batch, head)
-    closed = jax.make_jaxpr(_vjp_fn(stage, head))(p_sub, x, ct, batch)
+    closed = jax.make_jaxpr(_vjp_fn(stage, head, mask))(p_sub, x, ct, batch)
     return _live_inputs(closed, len(jax.tree.leaves(p_sub)))
 
 
@@ -104,7 +126,8 @@ def backward_reads(stage, layout: ChunkLayout, p_sub, x, batch, head: bool = Fal
     Some stages need no parameter values for their gradients (an embedding lookup's gradient is
     a scatter-add of the cotangent), so their chunks need not be fetched in the backward pass.
     """
-    return _chunks_of_live(layout, p_sub, _backward_live(stage, p_sub, x, batch, head))
+    return _chunks_of_live(layout, p_sub, _backward_live(stage, p_sub, x, batch, head,
+                                                         _trainable_mask(layout, stage.param_keys)))
 
 
 def stage_inputs(stages, layout: ChunkLayout, batch, compute_dtype):
@@ -121,8 +144,8 @@ def stage_inputs(stages, layout: ChunkLayout, batch, compute_dtype):
     return out
 
 
-def _stage_transient_bytes(st, p_sub, x, batch, head: bool) -> int:
-    vjp_fn = _vjp_fn(st, head)
+def _stage_transient_bytes(st, p_sub, x, batch, head: bool, mask=None) -> int:
+    vjp_fn = _vjp_fn(st, head, mask)
     out = jax.eval_shape(st.apply, p_sub, x, batch)
     ct = _cotangent(st, p_sub, x, batch, head)
     compiled = jax.jit(vjp_fn).lower(p_sub, x, ct, batch).compile()
@@ -145,12 +168,12 @@ def trace_stages(stages, layout: ChunkLayout, batch: jax.ShapeDtypeStruct, compu
     """
     out, cache, live = [], {}, {}
     for i, (st, (p_sub, x)) in enumerate(zip(stages, stage_inputs(stages, layout, batch, compute_dtype))):
-        sig = _signature(st, p_sub, x)
+        mask = _trainable_mask(layout, st.param_keys)
         head = i == len(stages) - 1
-        sig = sig + (head,)
+        sig = _signature(st, p_sub, x, mask) + (head,)
         if sig not in cache:
-            cache[sig] = _stage_transient_bytes(st, p_sub, x, batch, head)
-            live[sig] = _backward_live(st, p_sub, x, batch, head)
+            cache[sig] = _stage_transient_bytes(st, p_sub, x, batch, head, mask)
+            live[sig] = _backward_live(st, p_sub, x, batch, head, mask)
         out.append(StageTrace(name=st.name, chunks=layout.chunks_of(st.param_keys),
                               input_bytes=0 if x is None else _nbytes(x), temp_bytes=cache[sig],
                               bwd_chunks=_chunks_of_live(layout, p_sub, live[sig])))
