@@ -26,7 +26,7 @@ import numpy as np
 import optax
 
 from chunkjax.discover import Discovery, discover
-from chunkjax.fit import describe, fit_step
+from chunkjax.fit import batch_rows, describe, fit_step
 
 
 def _abstract(tree):
@@ -192,6 +192,7 @@ def offload(model, tx, loss_fn, batch, *, device_budget: int | str = "auto", hos
     """
     from flax import nnx
     opt = _optimizer_kw(tx)
+    batch_rows(_abstract(batch))  # a batch without a row axis: one line before tracing the loss
     d = discover(model, loss_fn, batch, wrt=wrt, blocks=blocks, compute_dtype=compute_dtype)
     if d.mutable and mesh is not None:
         raise ValueError("the loss changes non-parameter state (RNG streams, counters, batch statistics): run it on "
