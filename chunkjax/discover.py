@@ -316,7 +316,7 @@ def _roles(jaxpr, param_keys, n_side: int) -> dict:
     return roles
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Discovery:
     """An NNX model's loss as chunkjax stages (see the module docstring); from :func:`discover`.
 
@@ -434,6 +434,9 @@ class Discovery:
                 raise ValueError(f"the calls of the blocks {where!r} run inside one jit/remat/scan equation: "
                                  "call each block at the top level of the loss")
             block_eqns = {k for k, c in enumerate(counts) if c}
+            if not block_eqns:
+                raise ValueError(f"the loss never calls the blocks {where!r} (block(x)): pass blocks= naming the "
+                                 "block list the model runs")
         elif self.mode == "scan":
             scan_eqn = _find_scan(jaxpr, roles, self.per_layer)
             stacked = {v for v in jaxpr.invars if roles[v][0] == "param" and roles[v][1] in self.per_layer}
