@@ -349,3 +349,12 @@ def test_another_batch_shape_is_one_line(run):
         return
     with pytest.raises(ValueError, match="differ from the planned"):
         step(token_batches(rows=2, n=1)[0])
+
+
+def test_zero_3_over_8_devices_equals_the_nnx_loop():
+    assert len(jax.devices()) >= 8, "needs XLA_FLAGS=--xla_force_host_platform_device_count=8"
+    batches = image_batches(rows=8, n=3)
+    ref, _ = nnx_loop(lambda: ViT(rngs=nnx.Rngs(0)), optax.adamw(1e-3), vit_loss, batches)
+    step = chunkjax.offload(ViT(rngs=nnx.Rngs(0)), optax.adamw(1e-3), vit_loss, batches[0], device_budget="240KiB",
+                            mesh=chunkjax.data_mesh(), zero_stage=3)
+    np.testing.assert_allclose([float(step(b)) for b in batches], ref, rtol=RTOL)
