@@ -542,12 +542,11 @@ class ChunkedStep(StepChunkIO):
         return TrainState(*restore_chunks(self, saved))
 
     def master_params(self, state: TrainState):
-        """The float32 master params as a pytree: on one device jax arrays on the default device;
-        on a mesh numpy, gathered from every process under ``jax.distributed`` (a collective:
-        every process calls it; host-updated chunks' rank slices too). Waits for the state's host
-        updates."""
+        """The float32 master params as a pytree (frozen leaves: their params, in their dtype): on
+        one device jax arrays on the default device; on a mesh numpy, gathered from every process
+        under ``jax.distributed`` (a collective: every process calls it; host-updated chunks' rank
+        slices too). Waits for the state's host updates."""
         self.wait(state)
-        # frozen chunks have no master: their params, in their own dtype
         chunks = [p if m is None else m for p, m in zip(state.params, state.master)]
         if self.mesh is None:
             return self.layout.unpack([jax.device_put(m, sharding(DEVICE)) for m in chunks])
