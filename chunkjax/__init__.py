@@ -28,7 +28,7 @@ _EXPORTS = {
     **dict.fromkeys(["FitReport", "fit_step"], "fit"),
     **dict.fromkeys(["OffloadedStep", "offload"], "front"),
     "HostMemoryError": "host_memory",
-    **dict.fromkeys(["ChunkLayout", "LeafSlot", "build_layout", "first_use_order", "search_chunk_size"], "layout"),
+    **dict.fromkeys(["ChunkLayout", "LeafSlot", "Piece", "build_layout", "first_use_order", "search_chunk_size"], "layout"),
     "DynamicLossScale": "loss_scale",
     **dict.fromkeys(["DEVICE", "PINNED_HOST"], "memory"),
     **dict.fromkeys(["init_chunk_state", "update_chunk"], "optim"),

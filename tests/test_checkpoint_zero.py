@@ -244,6 +244,15 @@ def test_spanning_layout_and_old_format_keep_every_value(setup, zero_run, tmp_pa
     assert ck.read_meta(tmp_path / "v2")["layout"] == ck.read_meta(d)["layout"]
     for st in (ref_step, step):  # the saved layout itself, and remapped into spanning chunks
         _assert_same_leaves(_leafwise(st, ck.restore_checkpoint(tmp_path / "v2", st)[0]), ref)
+    # a version this code does not know is refused in one line saying what to do
+    meta["version"] = ck.VERSION + 1
+    with open(f"{dst}/meta.json", "w") as f:
+        json.dump(meta, f)
+    sums[ck.META] = ck.files.file_checksum(f"{dst}/meta.json")
+    ck.files.write_checksums(dst, sums)
+    with pytest.raises(ck.CheckpointError) as e:  # (latest_step skips it; named by its step, refused)
+        ck.read_meta(tmp_path / "v2", N)
+    assert "\n" not in str(e.value) and "restore it with the chunkjax that saved it" in str(e.value)
 
 
 @pytest.mark.parametrize("change", ["n_layers", "vocab"])
