@@ -37,7 +37,7 @@ from chunkjax.layout import ChunkLayout
 from chunkjax.memory import DEVICE, PINNED_HOST, sharding
 from chunkjax.plan import Placement, fetch_events
 from chunkjax.schedule import NO_UPDATE, check_trainable
-from chunkjax.stages import first_readers, stage_reads
+from chunkjax.stages import first_readers, split_loss, stage_reads
 from chunkjax.step_checkpoint import StepChunkIO, restore_chunks
 from chunkjax.topology import SingleDevice, make_topology
 from chunkjax.speculate import for_step
@@ -72,9 +72,9 @@ class ChunkedStep(StepChunkIO):
     """A chunked training step for one (model, layout, placement or schedule, optimizer, topology).
 
     Build it with :func:`make_chunked_step`. ``step(state, batch) -> (state, metrics)``;
-    ``metrics`` holds ``loss`` (float32 scalar, nats, mean over the whole batch) and
-    ``grad_norm`` (global, float32). Checkpointable: the checkpoint protocol's methods
-    (:class:`chunkjax.step_checkpoint.StepChunkIO`; :mod:`chunkjax.checkpoint`).
+    ``metrics`` holds ``loss`` (float32 scalar, nats, mean over the whole batch), ``grad_norm`` (global,
+    float32) and ``aux`` of a last stage returning ``(loss, aux)`` (one device, one micro-batch).
+    Checkpointable: the protocol's methods (:class:`~chunkjax.step_checkpoint.StepChunkIO`).
 
     Attributes:
       stages, layout: the model's stages and chunk layout (on a mesh ``chunk_size`` is a multiple
@@ -197,11 +197,11 @@ class ChunkedStep(StepChunkIO):
     def _traces_local(self, ab) -> tuple:
         key = ("traces", jax.tree.structure(ab), tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(ab)))
         if key not in self._cache:
-            from chunkjax.plan import StageTrace
-            from chunkjax.trace import backward_reads, stage_inputs
+            from chunkjax.trace import StageTrace, backward_reads, stage_inputs
             ins = stage_inputs(self.stages, self.layout, ab, self.compute_dtype)
-            self._cache[key] = tuple(StageTrace(st.name, r, 0, 0, backward_reads(st, self.layout, p, x, ab))
-                                     for st, r, (p, x) in zip(self.stages, self.reads, ins))
+            last = len(self.stages) - 1
+            self._cache[key] = tuple(StageTrace(st.name, r, 0, 0, backward_reads(st, self.layout, p, x, ab, i == last))
+                                     for i, (st, r, (p, x)) in enumerate(zip(self.stages, self.reads, ins)))
         return self._cache[key]
 
     def _local(self, batch):
@@ -418,8 +418,8 @@ class ChunkedStep(StepChunkIO):
         try:
             grads, sq, loss = (self._run_programs(state, self.topology.put_batch(batch), scale, on_host)
                                if self.micro_batches == 1 else accumulate.mean_gradients(self, state, batch, scale, on_host))
-            grad_sq = jnp.stack([sq[c] if c in sq else jnp.zeros((), jnp.float32)  # frozen: no gradient
-                                 for c in range(self.layout.n_chunks)])
+            (loss, aux), grad_sq = split_loss(loss), jnp.stack([sq[c] if c in sq else jnp.zeros((), jnp.float32)
+                                                                for c in range(self.layout.n_chunks)])  # frozen: none
             norm = jnp.sqrt(jnp.sum(grad_sq))
         finally:  # the host thread validates its speculation once the norm is known (None: abandoned)
             if spec is not None:
@@ -432,7 +432,7 @@ class ChunkedStep(StepChunkIO):
                 fn = self.updaters[where].update(self.placement.param_kinds[c])
                 params[c], master[c], opt[c] = fn(grads[c], master[c], opt[c], grad_sq, jnp.asarray(c, jnp.int32),
                                                   params[c], inv_arr)
-        metrics = {"loss": loss, "grad_norm": norm * inv_arr}
+        metrics = {"loss": loss, "grad_norm": norm * inv_arr, **({} if aux is None else {"aux": aux})}
         if self._skip_nonfinite:
             metrics["skipped"] = ~jnp.isfinite(jnp.sum(grad_sq))
         return TrainState(tuple(params), tuple(master), tuple(opt), work), metrics

@@ -15,6 +15,7 @@ import jax.extend.core as jex_core
 import jax.numpy as jnp
 
 from chunkjax.layout import ChunkLayout
+from chunkjax.stages import split_loss, stage_vjp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,11 +67,13 @@ def _live_inputs(closed, n_inputs: int) -> list[bool]:
 
 def _signature(st, p_sub, x, mask=None):
     """Stages with equal signatures trace alike: identical blocks differ only in their top-level
-    key (h_0, h_1, ...), so key on the function, the values' structure and shapes and which
-    leaves are trainable."""
-    return (getattr(st.apply, "__code__", st.apply), jax.tree.structure(list(p_sub.values())),
+    key (h_0, h_1, ...), so key on the function (or its ``trace_key``: :mod:`chunkjax.discover`),
+    the values' structure and shapes and which leaves are trainable."""
+    fn = getattr(st.apply, "trace_key", None) or getattr(st.apply, "__code__", st.apply)
+    return (fn, jax.tree.structure(list(p_sub.values())),
             tuple((a.shape, a.dtype) for a in jax.tree.leaves(p_sub)),
-            None if x is None else (x.shape, x.dtype), None if mask is None else tuple(mask))
+            None if x is None else (jax.tree.structure(x), tuple((a.shape, a.dtype) for a in jax.tree.leaves(x))),
+            None if mask is None else tuple(mask))
 
 
 def _trainable_mask(layout: ChunkLayout, keys) -> list[bool]:
@@ -79,29 +82,35 @@ def _trainable_mask(layout: ChunkLayout, keys) -> list[bool]:
     return jax.tree.leaves({k: tree[k] for k in keys})
 
 
-def _vjp_trainable(apply, p, x, ct, b, mask):
-    """The stage's recompute + vjp as the walker runs it: over the trainable leaves of ``p`` (and
-    ``x`` unless None) only, frozen leaves closed over as constants."""
-    leaves, td = jax.tree.flatten(p)
-    mask = [True] * len(leaves) if mask is None else mask
-
-    def rebuild(tr):
-        it = iter(tr)
-        return td.unflatten([next(it) if m else a for a, m in zip(leaves, mask)])
-
-    tr = [a for a, m in zip(leaves, mask) if m]
-    if x is None:
-        return jax.vjp(lambda t: apply(rebuild(t), None, b), tr)[1](ct)
-    return jax.vjp(lambda t, x: apply(rebuild(t), x, b), tr, x)[1](ct)
-
-
-def _backward_live(stage, p_sub, x, batch, mask=None) -> list[bool]:
-    """Per leaf of ``p_sub`` (flattening order): does the stage's backward read its value."""
+def _vjp_fn(stage, head: bool, mask=None):
+    """``(p, x, ct, b) -> (dp, dx)``: the stage's recompute + vjp as the walker runs it
+    (:func:`chunkjax.stages.stage_vjp`): over the trainable leaves of ``p`` and the floating leaves
+    of ``x``, frozen leaves closed over as constants."""
     def vjp_fn(p, x, ct, b):
-        return _vjp_trainable(stage.apply, p, x, ct, b, mask)
+        leaves, td = jax.tree.flatten(p)
+        m = [True] * len(leaves) if mask is None else mask
 
+        def rebuild(tr):
+            it = iter(tr)
+            return td.unflatten([next(it) if k else a for a, k in zip(leaves, m)])
+
+        tr = [a for a, k in zip(leaves, m) if k]
+        return stage_vjp(lambda t, xx: stage.apply(rebuild(t), xx, b), tr, x, head=head)[1](ct)
+    return vjp_fn
+
+
+def _cotangent(stage, p_sub, x, batch, head: bool):
+    """Abstract cotangent of the stage's output as :func:`chunkjax.stages.stage_vjp` takes it."""
     out = jax.eval_shape(stage.apply, p_sub, x, batch)
-    closed = jax.make_jaxpr(vjp_fn)(p_sub, x, out, batch)
+    if head:
+        return jax.ShapeDtypeStruct(jnp.shape(split_loss(out)[0]), split_loss(out)[0].dtype)
+    return [a for a in jax.tree.leaves(out) if jnp.issubdtype(a.dtype, jnp.floating)]
+
+
+def _backward_live(stage, p_sub, x, batch, head: bool = False, mask=None) -> list[bool]:
+    """Per leaf of ``p_sub`` (flattening order): does the stage's backward read its value."""
+    ct = _cotangent(stage, p_sub, x, batch, head)
+    closed = jax.make_jaxpr(_vjp_fn(stage, head, mask))(p_sub, x, ct, batch)
     return _live_inputs(closed, len(jax.tree.leaves(p_sub)))
 
 
@@ -111,13 +120,13 @@ def _chunks_of_live(layout: ChunkLayout, p_sub, live) -> tuple[int, ...]:
     return layout.chunks_of([pth for pth, l in zip(paths, live) if l])
 
 
-def backward_reads(stage, layout: ChunkLayout, p_sub, x, batch) -> tuple[int, ...]:
+def backward_reads(stage, layout: ChunkLayout, p_sub, x, batch, head: bool = False) -> tuple[int, ...]:
     """Chunk ids whose *values* the stage's backward (recompute + vjp) needs.
 
     Some stages need no parameter values for their gradients (an embedding lookup's gradient is
     a scatter-add of the cotangent), so their chunks need not be fetched in the backward pass.
     """
-    return _chunks_of_live(layout, p_sub, _backward_live(stage, p_sub, x, batch,
+    return _chunks_of_live(layout, p_sub, _backward_live(stage, p_sub, x, batch, head,
                                                          _trainable_mask(layout, stage.param_keys)))
 
 
@@ -135,12 +144,10 @@ def stage_inputs(stages, layout: ChunkLayout, batch, compute_dtype):
     return out
 
 
-def _stage_transient_bytes(st, p_sub, x, batch, is_first: bool, mask=None) -> int:
-    def vjp_fn(p, x, ct, b):
-        return _vjp_trainable(st.apply, p, None if is_first else x, ct, b, mask)
-
+def _stage_transient_bytes(st, p_sub, x, batch, head: bool, mask=None) -> int:
+    vjp_fn = _vjp_fn(st, head, mask)
     out = jax.eval_shape(st.apply, p_sub, x, batch)
-    ct = jax.ShapeDtypeStruct(out.shape, out.dtype)
+    ct = _cotangent(st, p_sub, x, batch, head)
     compiled = jax.jit(vjp_fn).lower(p_sub, x, ct, batch).compile()
     ma = compiled.memory_analysis()
     grads = jax.eval_shape(vjp_fn, p_sub, x, ct, batch)
@@ -162,10 +169,11 @@ def trace_stages(stages, layout: ChunkLayout, batch: jax.ShapeDtypeStruct, compu
     out, cache, live = [], {}, {}
     for i, (st, (p_sub, x)) in enumerate(zip(stages, stage_inputs(stages, layout, batch, compute_dtype))):
         mask = _trainable_mask(layout, st.param_keys)
-        sig = _signature(st, p_sub, x, mask)
+        head = i == len(stages) - 1
+        sig = _signature(st, p_sub, x, mask) + (head,)
         if sig not in cache:
-            cache[sig] = _stage_transient_bytes(st, p_sub, x, batch, i == 0, mask)
-            live[sig] = _backward_live(st, p_sub, x, batch, mask)
+            cache[sig] = _stage_transient_bytes(st, p_sub, x, batch, head, mask)
+            live[sig] = _backward_live(st, p_sub, x, batch, head, mask)
         out.append(StageTrace(name=st.name, chunks=layout.chunks_of(st.param_keys),
                               input_bytes=0 if x is None else _nbytes(x), temp_bytes=cache[sig],
                               bwd_chunks=_chunks_of_live(layout, p_sub, live[sig])))

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 
 from chunkjax.layout import ChunkLayout
 from chunkjax.memory import DEVICE, PINNED_HOST, ordered_after
+from chunkjax.stages import split_loss, stage_vjp
 
 
 def moments_of(n_stages: int) -> tuple[tuple[str, int], ...]:
@@ -175,7 +176,9 @@ class Walk:
 
         Returns:
           ``(carry, grads {chunk: grad in its grad kind}, sq {chunk: () f32}, loss or None)``;
-          the carry is empty after the last moment.
+          the carry is empty after the last moment. A last stage returning ``(loss, aux)`` gives
+          ``(loss, aux)`` in place of the loss. Between stages the carry's ``x`` is the
+          activation (forward) or the list of cotangents of its floating leaves (backward).
         """
         lay, topo = self.layout, self.topology
         T = len(self.moments)
@@ -185,7 +188,7 @@ class Walk:
         held = dict(carry.get("held", {}))
         issued = {tuple(int(v) for v in key.split(":")): a for key, a in carry.get("issued", {}).items()}
         loss_scale = carry.get("loss_scale")
-        grads, sq, loss = {}, {}, None
+        grads, sq, loss, aux = {}, {}, None, None
 
         def add_grads(s, dp):
             for c in self.reads[s]:
@@ -217,7 +220,7 @@ class Walk:
                 x = st.apply(self._sub(arrays, s), x, batch)
             elif ph == "forward+backward":
                 tr, rebuild, grads_tree = self._split(self._sub(arrays, s), s)
-                loss, pull = jax.vjp(lambda p, xx: st.apply(rebuild(p), xx, batch), tr, x)
+                (loss, aux), pull = stage_vjp(lambda p, xx: st.apply(rebuild(p), xx, batch), tr, x, head=True)
                 ct = topo.loss_cotangent(loss)
                 if loss_scale is not None:  # fp16 loss scaling: the backward carries scaled values
                     ct = ct * loss_scale.astype(ct.dtype)
@@ -232,15 +235,14 @@ class Walk:
                 tr, rebuild, grads_tree = self._split(self._sub(arrays, s), s)
                 if s == 0 and not tr:  # a frozen first stage: nothing to differentiate
                     dp, dx = [], None
-                elif s == 0:
-                    _, pull = jax.vjp(lambda p: st.apply(rebuild(p), None, batch), tr)
-                    (dp,), dx = pull(x), None
                 else:
-                    _, pull = jax.vjp(lambda p, xx: st.apply(rebuild(p), xx, batch), tr, x_in)
+                    _, pull = stage_vjp(lambda p, xx: st.apply(rebuild(p), xx, batch), tr, x_in)
                     dp, dx = pull(x)
                 add_grads(s, grads_tree(dp))
                 x = emit(s, dx)
             self._release(t, held, T)
+        if aux is not None:  # the last stage's (loss, aux): aux leaves with the loss
+            loss = (loss, aux)
         if t1 == T:
             return {}, grads, sq, loss
         out = {"x": x, "saved": saved, "acc": acc, "held": held,
@@ -260,4 +262,4 @@ class Walk:
             arrays = self._arrays(t, x, batch, params, held, issued)
             x = self.stages[s].apply(self._sub(arrays, s), x, batch)
             self._release(t, held, n)
-        return x.astype(jnp.float32)
+        return split_loss(x)[0].astype(jnp.float32)
