@@ -190,7 +190,8 @@ def plot_device_bytes(obj, schedule: Schedule | Mapping[str, Schedule] | None = 
     """Predicted device bytes per moment, stacked by kind, against the budget.
 
     Args:
-      obj: a ``Fitted`` or a ``FitProblem`` (then ``schedule`` is required).
+      obj: a ``Fitted``, a ``FitProblem`` (then ``schedule`` is required) or a ``Schedule`` alone
+        (e.g. ``Schedule.from_dict`` of a recorded run: its total bytes per moment, not split).
       schedule: a schedule, or ``{name: schedule}`` to draw several side by side (e.g. the tide plan
         and the ``all_host`` / ``zero_offload`` baselines of the same problem); default the fitted one.
       budget_bytes: the budget line (bytes); default the fitted budget or each schedule's.
@@ -204,27 +205,32 @@ def plot_device_bytes(obj, schedule: Schedule | Mapping[str, Schedule] | None = 
       budget (``label="budget"``), program cuts (dotted) and the peak and step time in the title.
 
     Raises:
-      ValueError: no fit problem or no schedule given.
+      ValueError: no schedule given.
     """
     import numpy as np
 
     from chunkjax.predict import device_bytes_by_kind
 
     problem, s, budget = _parts(obj, schedule if isinstance(schedule, Schedule) else None)
-    problem = _need(problem, "plot_device_bytes")
     scheds = dict(schedule) if isinstance(schedule, Mapping) else {"chunkjax": _need_schedule(s, "plot_device_bytes")}
-    tide = tide_of(problem)
+    tide = tide_of(problem) if problem is not None else None
     top = max(max(x.predicted.device_bytes_per_moment) for x in scheds.values())
     unit, k = byte_unit(max(top, budget_bytes or budget or 0))
-    fig, axes = _figure((5 * len(scheds) + 1, 3.8), 1, len(scheds), sharey=True)
+    fig, axes = _figure((max(10, 5 * len(scheds) + 1), 3.8), 1, len(scheds), sharey=True)
     for ax, (name, x) in zip(axes[0], scheds.items()):
         b = budget_bytes if budget_bytes is not None else budget if budget is not None else x.budget_bytes
-        parts = device_bytes_by_kind(x, problem.traces, tide, problem.cb_rank)
         t = np.arange(len(x.moments))
-        ax.stackplot(t, *[np.asarray(v) / k for v in parts.values()], labels=list(parts),
-                     colors=[KIND_COLORS[p] for p in parts], step="mid")
+        if problem is None:  # a schedule alone (e.g. recorded): its total, and the resident model data
+            ax.fill_between(t, np.asarray(x.predicted.device_bytes_per_moment) / k, step="mid", color="tab:blue",
+                            alpha=0.5, label="predicted device bytes")
+            ax.axhline(x.predicted.device_model_bytes / k, color=KIND_COLORS["resident model data"],
+                       label="resident model data")
+        else:
+            parts = device_bytes_by_kind(x, problem.traces, tide, problem.cb_rank)
+            ax.stackplot(t, *[np.asarray(v) / k for v in parts.values()], labels=list(parts),
+                         colors=[KIND_COLORS[p] for p in parts], step="mid")
         ax.axhline(b / k, color="k", lw=1, label="budget")
-        if released:
+        if released and problem is not None:
             ax.step(t, np.asarray(released_bytes(problem, x)) / k, where="mid", color="k", lw=0.8, ls="--",
                     label="copies released as Schedule.evict says")
         _cuts(ax, x.segments)
@@ -240,23 +246,8 @@ def plot_device_bytes(obj, schedule: Schedule | Mapping[str, Schedule] | None = 
 
 # ---- the schedule -----------------------------------------------------------------------------
 
-def draw_residency(ax, resident: Sequence[Sequence[bool]], *, placed: Sequence[bool] | None = None,
-                   accesses: Sequence[Sequence[int]] | None = None, fetch: Sequence[Sequence[int]] | None = None,
-                   evict: Sequence[Sequence[int]] | None = None, segments: Sequence[int] = (0,)):
-    """Draw a chunk-by-moment residency on ``ax`` (a row per chunk, a column per moment).
-
-    Args:
-      ax: a matplotlib Axes.
-      resident: per chunk, per moment: a copy of the chunk is on the device.
-      placed: per chunk, placed on the device between steps (darker cells); None: none are.
-      accesses: per moment, chunk ids read (black dots, ``label="read"``).
-      fetch: per moment, chunk ids fetched for it (``^``, ``label="fetch"``).
-      evict: per moment, chunk ids released after it (``v``, ``label="evict"``).
-      segments: program starts (dotted lines before each but the first).
-
-    Returns:
-      the ``AxesImage`` of the residency (values 0: absent, 1: a fetched copy, 2: placed).
-    """
+def _draw_residency(ax, resident, *, placed=None, accesses=None, fetch=None, evict=None, segments=(0,)):
+    """Draw a residency on ``ax`` (arguments as :func:`plot_residency`); returns its AxesImage."""
     import numpy as np
     from matplotlib.colors import ListedColormap
 
@@ -277,6 +268,37 @@ def draw_residency(ax, resident: Sequence[Sequence[bool]], *, placed: Sequence[b
     return im
 
 
+def plot_residency(resident: Sequence[Sequence[bool]], *, placed: Sequence[bool] | None = None,
+                   accesses: Sequence[Sequence[int]] | None = None, fetch: Sequence[Sequence[int]] | None = None,
+                   evict: Sequence[Sequence[int]] | None = None, segments: Sequence[int] = (0,),
+                   title: str | None = None, path=None):
+    """A chunk-by-moment residency of any eviction plan (e.g. :func:`chunkjax.eviction.belady`'s),
+    drawn as :func:`plot_schedule` draws a schedule's.
+
+    Args:
+      resident: per chunk, per moment: a copy of the chunk is on the device.
+      placed: per chunk, placed on the device between steps (darker cells); None: none are.
+      accesses: per moment, chunk ids read (black dots, ``label="read"``).
+      fetch: per moment, chunk ids fetched for it (``^``, ``label="fetch"``).
+      evict: per moment, chunk ids released after it (``v``, ``label="evict"``).
+      segments: program starts (dotted lines before each but the first).
+      title: the axes title.
+      path: also save the figure there.
+
+    Returns:
+      a Figure with one axes whose image has values 0 (absent), 1 (a fetched copy), 2 (placed).
+    """
+    n = len(resident)
+    fig, axes = _figure((10, max(2.4, 0.16 * n + 1.2)))
+    ax = axes[0, 0]
+    _draw_residency(ax, resident, placed=placed, accesses=accesses, fetch=fetch, evict=evict, segments=segments)
+    if any(ln.get_label() in ("read", "fetch", "evict") for ln in ax.lines):
+        fig.legend(fontsize=7, loc="outside right upper")
+    if title:
+        ax.set_title(title, fontsize=9)
+    return _done(fig, path)
+
+
 def plot_schedule(obj, schedule: Schedule | None = None, *, path=None, title: str | None = None):
     """The schedule per moment: which chunks are on the device, fetches, evictions, update locations.
 
@@ -288,7 +310,7 @@ def plot_schedule(obj, schedule: Schedule | None = None, *, path=None, title: st
       title: the axes title (default: placement counts and fetches).
 
     Returns:
-      a Figure whose first axes holds :func:`draw_residency` of ``schedule.residency()`` (placed
+      a Figure whose first axes holds :func:`plot_residency` of ``schedule.residency()`` (placed
       chunks dark, fetched copies light; reads, fetches and evictions as markers; program cuts),
       and whose second, narrow axes holds one cell per chunk coloured by its update location
       (:data:`UPDATE_COLORS`; image values index :data:`chunkjax.schedule.UPDATE_LOCATIONS`).
@@ -306,7 +328,7 @@ def plot_schedule(obj, schedule: Schedule | None = None, *, path=None, title: st
     fig, axes = _figure((12, max(2.6, 0.16 * s.n_chunks + 1.4)), 1, 2, sharey=True,
                         gridspec_kw={"width_ratios": [40, 1]})
     ax, strip = axes[0]
-    draw_residency(ax, s.residency(), placed=[k == DEVICE for k in s.param_kinds], accesses=accesses,
+    _draw_residency(ax, s.residency(), placed=[k == DEVICE for k in s.param_kinds], accesses=accesses,
                    fetch=s.fetch, evict=s.evict, segments=s.segments)
     loc = np.array([[UPDATE_LOCATIONS.index(u)] for u in s.update_locations], float)
     strip.imshow(loc, aspect="auto", interpolation="nearest", origin="lower", vmin=0, vmax=len(UPDATE_LOCATIONS) - 1,
