@@ -1,7 +1,7 @@
 """Figures of a plan: the memory tide, device bytes per moment, the schedule, the placement.
 
 Each function takes what the fit path gives (a :class:`chunkjax.fit.Fitted` from
-:func:`chunkjax.fit_step`, its :class:`~chunkjax.fit.FitReport`, a
+:func:`chunkjax.fit_step` or the step of :func:`chunkjax.offload`, its :class:`~chunkjax.fit.FitReport`, a
 :class:`~chunkjax.fit.FitProblem` from :func:`chunkjax.fit.prepare`, a
 :class:`~chunkjax.schedule.Schedule` from :func:`chunkjax.fit.plan`) and returns a
 ``matplotlib.figure.Figure`` (made without pyplot, so nothing global is kept; ``path=`` also
@@ -48,7 +48,9 @@ def _parts(obj, schedule=None):
     from chunkjax.fit import FitProblem, FitReport, Fitted
 
     problem = budget = found = None
-    if isinstance(obj, Fitted):
+    if isinstance(obj, Fitted) or (isinstance(getattr(obj, "report", None), FitReport)
+                                   and isinstance(getattr(obj, "problem", None), FitProblem)):
+        # what fit_step returns, or a step that carries both (chunkjax.offload's)
         problem, found, budget = obj.problem, obj.report.schedule, obj.report.budget_bytes
     elif isinstance(obj, FitReport):
         found, budget = obj.schedule, obj.budget_bytes
@@ -57,8 +59,8 @@ def _parts(obj, schedule=None):
     elif isinstance(obj, Schedule):
         found = obj
     elif obj is not None:
-        raise TypeError(f"cannot plot a {type(obj).__name__}: pass what chunkjax.fit_step returns (Fitted), "
-                        "its report, a FitProblem (chunkjax.fit.prepare) or a Schedule (chunkjax.fit.plan)")
+        raise TypeError(f"cannot plot a {type(obj).__name__}: pass what chunkjax.fit_step or chunkjax.offload "
+                        "returns, its report, a FitProblem (chunkjax.fit.prepare) or a Schedule (chunkjax.fit.plan)")
     s = schedule if schedule is not None else found
     if budget is None and isinstance(s, Schedule):
         budget = s.budget_bytes
