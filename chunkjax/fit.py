@@ -35,7 +35,7 @@ from chunkjax.layout import ChunkLayout, build_layout, first_use_order
 from chunkjax.optim import check_elementwise, state_bytes_per_chunk
 from chunkjax.plan import parse_bytes, plan_schedule
 from chunkjax.predict import ChunkBytes, chunk_bytes
-from chunkjax.stages import check_param_keys, compose_loss
+from chunkjax.stages import check_param_keys, compose_loss, split_loss
 from chunkjax.trace import trace_stages
 
 #: Fraction of the device budget the compiled step may use: its largest program (arguments +
@@ -63,7 +63,8 @@ class FitProblem:
       traces: per-stage traces of one rank's micro-batch.
       cb: bytes of one whole chunk in each chunk list.
       cb_rank: bytes of one chunk on one rank (``cb`` without ZeRO).
-      batch: the step's batch argument, ``ShapeDtypeStruct`` (B, T+1) int32, global over ranks.
+      batch: the step's batch argument (``ShapeDtypeStruct`` s: (B, T+1) int32 tokens or a
+        pytree of leaves with B rows), global over ranks.
       tx: the optax transformation of device (and streamed) updates.
       host_optimizer: the host kernel spec (:mod:`chunkjax.host_update`) or None (offloaded chunks
         then update ``streamed``).
@@ -192,6 +193,44 @@ def resolve_budget(budget) -> int | str:
     return n
 
 
+def batch_rows(batch) -> int:
+    """The rows of a batch: the leading size every leaf shares (arrays or ``ShapeDtypeStruct`` s).
+
+    Raises:
+      ValueError: no leaves, a single array that is not at least 2-D (tokens are (B, T+1)), a
+        scalar leaf, or leaves with different leading sizes (one line each).
+    """
+    leaves = jax.tree.leaves(batch)
+    if not leaves:
+        raise ValueError("the batch has no arrays: pass tokens (B, T+1) or a pytree of arrays with the batch axis first")
+    if not isinstance(batch, (tuple, list, dict)) and len(leaves) == 1 and len(leaves[0].shape) < 2:
+        raise ValueError(f"a batch of shape {tuple(leaves[0].shape)}: pass tokens as (B, T+1), or a dict/tuple of arrays "
+                         "whose first axis is the batch")
+    lead = {tuple(a.shape[:1]) for a in leaves}
+    if () in lead or len(lead) != 1:
+        raise ValueError(f"batch leaves have leading sizes {sorted(str(a.shape) for a in leaves)}: every leaf needs "
+                         "the batch axis first, of one size")
+    return int(next(iter(lead))[0])
+
+
+def rows_of(batch, rows: int):
+    """``batch`` (``ShapeDtypeStruct`` s) with ``rows`` rows."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct((rows,) + tuple(a.shape[1:]), a.dtype), batch)
+
+
+def step_flops(loss_of, aparams, gbatch, tbatch, parts: int) -> float:
+    """Training FLOPs of a whole step (all ranks): 6 x params x tokens for a token batch (one int
+    (B, T+1) array), else 3 x the forward's FLOPs from XLA's cost analysis of the traced loss on
+    one rank's micro-batch, times the ``parts`` (ranks x micro-batches)."""
+    if not isinstance(gbatch, (tuple, list, dict)) and len(gbatch.shape) == 2 \
+            and jnp.issubdtype(gbatch.dtype, jnp.integer):
+        rows, t1 = gbatch.shape
+        return 6.0 * sum(math.prod(a.shape) for a in jax.tree.leaves(aparams)) * rows * (t1 - 1)
+    cost = jax.jit(loss_of).lower(aparams, tbatch).cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return 3.0 * float((cost or {}).get("flops", 0.0)) * parts
+
+
 def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtype=jnp.bfloat16,
             chunk_size: int | None = None, min_chunks: int = 8, prefetch: int = 1, segments="auto",
             micro_batches: int = 1, nonfinite: str = "ignore", loss_scaling: bool = False, mesh=None,
@@ -203,7 +242,8 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
       stages: the model's stages (:class:`chunkjax.Stage`).
       params: the params pytree: arrays or ``jax.ShapeDtypeStruct`` (only shapes are read), or
         a callable ``() -> params`` (evaluated abstractly with ``jax.eval_shape``).
-      batch: the step's batch: an int32 (B, T+1) array or ``ShapeDtypeStruct``, B over all ranks.
+      batch: the step's batch: an int32 (B, T+1) array of tokens, or any pytree of arrays whose
+        leaves share the leading (row) axis, B over all ranks (arrays or ``ShapeDtypeStruct`` s).
       tx, host_optimizer: the optax transformation (elementwise: checked by
         :func:`chunkjax.optim.check_elementwise` unless ``check_tx=False``) or the host kernel
         spec (``chunkjax.host_update.AdamW / Lion / SGDMomentum``; its ``optax()`` runs the
@@ -215,7 +255,8 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
       micro_batches, nonfinite, loss_scaling: as :func:`chunkjax.make_chunked_step`.
       mesh, zero_stage: a 1-D ``"data"`` mesh (:func:`chunkjax.data_mesh`) and ZeRO stage 1/2/3
         (ZeRO, Rajbhandari et al. 2020: every chunk split over the ranks); None and 0: one device.
-      flops_per_step: training FLOPs of the whole step (all ranks); None: 6 x params x tokens.
+      flops_per_step: training FLOPs of the whole step (all ranks); None: :func:`step_flops`
+        (6 x params x tokens for a token batch, else from XLA's cost analysis of the loss).
       rates: cost-model rates (default :class:`chunkjax.cost.Rates`).
       host_budget: bytes of host memory for model data, ``"auto"`` (what ``MemAvailable`` leaves
         after the process's own need, and on the CPU after the device budget too) or None.
@@ -250,17 +291,17 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
     if callable(params):
         params = jax.eval_shape(params)
     aparams = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
-    rows, t1 = batch.shape
+    rows = batch_rows(batch)
     if rows % (n_ranks * micro_batches):
         raise ValueError(f"batch of {rows} rows does not split over {n_ranks} rank(s) x {micro_batches} micro-batches: "
                          f"use a multiple of {n_ranks * micro_batches}")
-    gbatch = jax.ShapeDtypeStruct((rows, t1), batch.dtype)
-    tbatch = jax.ShapeDtypeStruct((rows // (n_ranks * micro_batches), t1), batch.dtype)  # what one rank traces
+    gbatch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), batch)
+    tbatch = rows_of(gbatch, rows // (n_ranks * micro_batches))  # what one rank traces
     check_param_keys(stages, [jax.tree_util.keystr(k, simple=True, separator="/")
                               for k, _ in jax.tree_util.tree_flatten_with_path(aparams)[0]])
 
     def loss_of(p, b):
-        loss = compose_loss(stages, p, b)
+        loss = split_loss(compose_loss(stages, p, b))[0]
         if jnp.shape(loss) != ():
             raise ValueError(f"the last stage ({stages[-1].name!r}) returns shape {jnp.shape(loss)}: it must "
                              "return the scalar loss (e.g. the mean over the batch)")
@@ -285,7 +326,7 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
     elif host_budget is not None:
         host_budget = resolve_budget(host_budget)
     if flops_per_step is None:
-        flops_per_step = 6 * sum(math.prod(s.shape) for s in layout.slots) * rows * (t1 - 1)
+        flops_per_step = step_flops(loss_of, aparams, gbatch, tbatch, n_ranks * micro_batches)
     traces = trace_stages(stages, layout, tbatch, compute_dtype)
     return FitProblem(tuple(stages), layout, traces, cb, cb_rank, gbatch, tx, host_optimizer, jnp.dtype(compute_dtype),
                       int(prefetch), segments, int(micro_batches), nonfinite, bool(loss_scaling), mesh, zero_stage,
@@ -347,8 +388,7 @@ def compiled_peak(problem: FitProblem, step, schedule) -> dict:
     ``peak_bytes`` = max(largest program's argument + output + temp - alias + the master params
     and optimizer state of device-updated chunks, the update phase: every resident chunk's params,
     state and gradient plus one chunk's float32 temporaries), per rank."""
-    rows, t1 = problem.batch.shape
-    mb = jax.ShapeDtypeStruct((rows // problem.micro_batches, t1), problem.batch.dtype)
+    mb = rows_of(problem.batch, batch_rows(problem.batch) // problem.micro_batches)
     progs = step.compiled_memory_programs(mb)
     n_res = sum(u == "device" for u in schedule.update_locations)
     cb = problem.cb_rank

@@ -3,7 +3,9 @@
 PatrickStar hooks every submodule to learn which chunk is touched when (its *moments*). chunkjax
 asks the model instead for an explicit, static sequence of stages: each stage names the
 top-level parameter entries it reads and is a pure function ``apply(params_sub, x, batch) -> x``.
-The first stage receives ``x=None``; the last returns the scalar loss. The runtime fetches a
+The first stage receives ``x=None``; the last returns the scalar loss, or ``(loss, aux)`` (aux: a pytree
+that gets no gradient, e.g. a model's updated non-parameter state). Activations may be pytrees;
+their integer leaves (masks, positions, RNG counters) carry no cotangent. The runtime fetches a
 stage's chunks just before it runs, keeps only each stage's input activation through the forward
 pass, and in the backward pass re-fetches the chunks and recomputes the stage with ``jax.vjp``
 (activation checkpointing per stage).
@@ -12,6 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,11 +41,53 @@ class Stage:
 
 
 def compose_loss(stages, params, batch):
-    """Run the stages in order on a full params dict: the plain (un-chunked) loss."""
+    """Run the stages in order on a full params dict: the plain (un-chunked) loss (the last
+    stage's output: the loss or ``(loss, aux)``, see :func:`split_loss`)."""
     x = None
     for st in stages:
         x = st.apply({k: params[k] for k in st.param_keys}, x, batch)
     return x
+
+
+def split_loss(out):
+    """The last stage's output -> ``(loss, aux)``; ``aux`` is None when it returns the loss alone."""
+    return (out[0], out[1]) if isinstance(out, tuple) else (out, None)
+
+
+def _floating(a) -> bool:
+    return jnp.issubdtype(a.dtype, jnp.floating)
+
+
+def stage_vjp(fn, p, x, *, head: bool = False):
+    """``(out, pull)``: ``out = fn(p, x)`` (a stage's apply on its params ``p`` and activation
+    ``x``) differentiated in ``p`` and the floating leaves of ``x`` (integer leaves and typed keys
+    carry no cotangent).
+
+    ``pull(ct) -> (dp, dx)``: ``ct`` is the cotangent of the floating leaves of ``out`` (a list, in
+    ``jax.tree.leaves`` order) or, with ``head``, of the loss; ``dx`` is a list over the floating
+    leaves of ``x`` (None when ``x`` is None). With ``head`` ``out`` is ``(loss, aux)``
+    (:func:`split_loss`) and ``aux`` gets no gradient.
+    """
+    xs, tdef = jax.tree.flatten(x)
+    fi = [i for i, a in enumerate(xs) if _floating(a)]
+
+    def f(p, xf):
+        leaves = list(xs)
+        for i, v in zip(fi, xf):
+            leaves[i] = v
+        out = fn(p, jax.tree.unflatten(tdef, leaves))
+        if head:
+            out = split_loss(out)
+            return out[0], out
+        return [a for a in jax.tree.leaves(out) if _floating(a)], out
+
+    _, pull_, out = jax.vjp(f, p, [xs[i] for i in fi], has_aux=True)
+
+    def pull(ct):
+        dp, dx = pull_(ct)
+        return dp, (None if x is None else dx)
+
+    return out, pull
 
 
 def stage_reads(stages, layout) -> tuple[tuple[int, ...], ...]:

@@ -37,7 +37,8 @@ from chunkjax import updaters as upd
 from chunkjax.layout import ChunkLayout
 from chunkjax.memory import DEVICE, PINNED_HOST, sharding
 from chunkjax.plan import Placement, fetch_events
-from chunkjax.stages import first_readers, stage_reads
+from chunkjax.schedule import NO_UPDATE
+from chunkjax.stages import first_readers, split_loss, stage_reads
 from chunkjax.step_checkpoint import StepChunkIO, restore_chunks
 from chunkjax.topology import SingleDevice, make_topology
 from chunkjax.kernels import clip_scale
@@ -50,11 +51,12 @@ class TrainState(NamedTuple):
 
     Attributes:
       params: per chunk, (chunk_size,) compute-dtype params in the placement's param kind; on a
-        mesh ``P("data")`` (stage 3) or replicated.
-      master: per chunk, (chunk_size,) float32 master params in the chunk's state kind (on a
+        mesh ``P("data")`` (stage 3) or replicated. Frozen chunks (``layout.chunk_trainable``
+        False): their leaves' dtype, never updated.
+      master: per chunk (None for frozen chunks), (chunk_size,) float32 master params in the chunk's state kind (on a
         mesh ``P("data")``); host-updated chunks: numpy (one device) or a tuple with one
         (chunk_size / N,) numpy slice per rank (None for ranks of other processes).
-      opt_state: per chunk, the chunk's optax state (on a mesh every leaf with a leading rank
+      opt_state: per chunk (None for frozen chunks), the chunk's optax state (on a mesh every leaf with a leading rank
         axis, ``P("data")``); host-updated chunks: a ``Host*State`` (:mod:`chunkjax.host_update`)
         or one per rank.
       pending: the host thread's work of the step that returned this state
@@ -72,9 +74,9 @@ class ChunkedStep(StepChunkIO):
     """A chunked training step for one (model, layout, placement or schedule, optimizer, topology).
 
     Build it with :func:`make_chunked_step`. ``step(state, batch) -> (state, metrics)``;
-    ``metrics`` holds ``loss`` (float32 scalar, nats, mean over the whole batch) and
-    ``grad_norm`` (global, float32). Checkpointable: the checkpoint protocol's methods
-    (:class:`chunkjax.step_checkpoint.StepChunkIO`; :mod:`chunkjax.checkpoint`).
+    ``metrics`` holds ``loss`` (float32 scalar, nats, mean over the whole batch), ``grad_norm`` (global,
+    float32) and ``aux`` of a last stage returning ``(loss, aux)`` (one device, one micro-batch).
+    Checkpointable: the protocol's methods (:class:`~chunkjax.step_checkpoint.StepChunkIO`).
 
     Attributes:
       stages, layout: the model's stages and chunk layout (on a mesh ``chunk_size`` is a multiple
@@ -136,11 +138,30 @@ class ChunkedStep(StepChunkIO):
                              "(chunkjax.host_update.AdamW / Lion / SGDMomentum)")
         if self.placement.n_chunks != self.layout.n_chunks:
             raise ValueError(f"placement has {self.placement.n_chunks} chunks, layout {self.layout.n_chunks}")
+        self._check_frozen()
         if self.prefetch < 1:
             raise ValueError(f"prefetch must be >= 1 stage, got {self.prefetch}")
         if self.layout.chunk_size % self.n_ranks:
             raise ValueError(f"chunk_size {self.layout.chunk_size} is not a multiple of the {self.n_ranks} ranks: "
                              "build the layout with chunkjax.topology.build_zero_layout")
+
+    def _check_frozen(self) -> None:
+        """The placement (schedule) and the layout agree on the frozen chunks."""
+        tr = self.layout.chunk_trainable
+        if self.placement.trainable is not None and tuple(self.placement.trainable) != tuple(tr):
+            raise ValueError("placement.trainable differs from layout.chunk_trainable: plan with this layout")
+        if self.schedule is not None:
+            bad = [c for c, (u, t) in enumerate(zip(self.schedule.update_locations, tr)) if (u == NO_UPDATE) == t]
+            if bad:
+                raise ValueError(f"chunk {bad[0]}: the schedule's update location "
+                                 f"{self.schedule.update_locations[bad[0]]!r} does not match its trainable="
+                                 f"{tr[bad[0]]} in the layout: plan with this layout")
+
+    @functools.cached_property
+    def frozen_chunks(self) -> tuple[int, ...]:
+        """Chunks with no master params, optimizer state, gradient or update
+        (``layout.chunk_trainable`` False)."""
+        return tuple(c for c, t in enumerate(self.layout.chunk_trainable) if not t)
 
     @property
     def host_deadline_s(self) -> float:
@@ -188,11 +209,11 @@ class ChunkedStep(StepChunkIO):
     def _traces_local(self, ab) -> tuple:
         key = ("traces", jax.tree.structure(ab), tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(ab)))
         if key not in self._cache:
-            from chunkjax.plan import StageTrace
-            from chunkjax.trace import backward_reads, stage_inputs
+            from chunkjax.trace import StageTrace, backward_reads, stage_inputs
             ins = stage_inputs(self.stages, self.layout, ab, self.compute_dtype)
-            self._cache[key] = tuple(StageTrace(st.name, r, 0, 0, backward_reads(st, self.layout, p, x, ab))
-                                     for st, r, (p, x) in zip(self.stages, self.reads, ins))
+            last = len(self.stages) - 1
+            self._cache[key] = tuple(StageTrace(st.name, r, 0, 0, backward_reads(st, self.layout, p, x, ab, i == last))
+                                     for i, (st, r, (p, x)) in enumerate(zip(self.stages, self.reads, ins)))
         return self._cache[key]
 
     def _local(self, batch):
@@ -258,8 +279,10 @@ class ChunkedStep(StepChunkIO):
         if key not in self._cache:
             t0, t1 = self._program_bounds()[k]
             args = self._program_args(batch, t0, t1)
+            frozen = set(self.frozen_chunks)
             done = [c for t in range(t0, t1) if self.moments[t][0] != "forward"
-                    for c in self.reads[self.moments[t][1]] if self.first_reader[c] == self.moments[t][1]]
+                    for c in self.reads[self.moments[t][1]]
+                    if self.first_reader[c] == self.moments[t][1] and c not in frozen]
 
             def prog(params, batch, carry, acc):
                 out, grads, sq, loss = self._walk(batch).run(params, batch, dict(carry, acc=acc), t0, t1)
@@ -340,13 +363,15 @@ class ChunkedStep(StepChunkIO):
 
     @functools.cached_property
     def _device_chunks(self) -> tuple[int, ...]:
-        return tuple(c for c in range(self.layout.n_chunks) if self.placement.state_kinds[c] == DEVICE)
+        frozen = set(self.frozen_chunks)
+        return tuple(c for c in range(self.layout.n_chunks)
+                     if self.placement.state_kinds[c] == DEVICE and c not in frozen)
 
     @functools.cached_property
     def _streamed_chunks(self) -> tuple[int, ...]:
-        host = set(self.host_chunks)
+        skip = set(self.host_chunks) | set(self.frozen_chunks)
         return tuple(c for c in range(self.layout.n_chunks)
-                     if self.placement.state_kinds[c] == PINNED_HOST and c not in host)
+                     if self.placement.state_kinds[c] == PINNED_HOST and c not in skip)
 
     @functools.cached_property
     def updaters(self) -> dict[str, upd.Updater]:
@@ -365,6 +390,8 @@ class ChunkedStep(StepChunkIO):
         return self.updaters["host"].update(state, grads, grad_scale)
 
     def _location(self, c: int) -> str:
+        if c in set(self.frozen_chunks):
+            return NO_UPDATE
         return "host" if c in set(self.host_chunks) else self.placement.update_locations[c]
 
     # ---- the step ----------------------------------------------------------------------------------
@@ -413,7 +440,8 @@ class ChunkedStep(StepChunkIO):
                                                  work if not (clip or skip) else None)
         else:
             grads, sq, loss = accumulate.mean_gradients(self, state, batch, scale)
-        grad_sq = jnp.stack([sq[c] for c in range(self.layout.n_chunks)])
+        (loss, aux), grad_sq = split_loss(loss), jnp.stack([sq[c] if c in sq else jnp.zeros((), jnp.float32)
+                                                            for c in range(self.layout.n_chunks)])  # frozen: none
         norm = jnp.sqrt(jnp.sum(grad_sq))
         late = {c: grads[c] for c in host if clip or skip or not isinstance(grads[c], jax.Array)}
         if late:
@@ -432,7 +460,7 @@ class ChunkedStep(StepChunkIO):
                 fn = self.updaters[where].update(self.placement.param_kinds[c])
                 params[c], master[c], opt[c] = fn(grads[c], master[c], opt[c], grad_sq, jnp.asarray(c, jnp.int32),
                                                   params[c], inv_arr)
-        metrics = {"loss": loss, "grad_norm": norm * inv_arr}
+        metrics = {"loss": loss, "grad_norm": norm * inv_arr, **({} if aux is None else {"aux": aux})}
         if skip:
             metrics["skipped"] = ~jnp.isfinite(jnp.sum(grad_sq))
         return TrainState(tuple(params), tuple(master), tuple(opt), work), metrics
@@ -461,9 +489,11 @@ class ChunkedStep(StepChunkIO):
             mine = {c: g[c] for c in g if c in host}
             if mine and work is not None:
                 work.submit(self._host_update, state, mine, 1.0)
+        frozen = set(self.frozen_chunks)
         for c in range(self.layout.n_chunks):
-            if c not in grads:
-                grads[c] = self._zeros_grad(c)
+            if c not in sq:  # chunks no stage reads: zero gradient; frozen chunks: none (their norm 0)
+                if c not in frozen:
+                    grads[c] = self._zeros_grad(c)
                 sq[c] = self.topology.put(np.zeros((), np.float32), self.topology.scalar_sharding())
         return grads, sq, loss
 
@@ -508,19 +538,22 @@ class ChunkedStep(StepChunkIO):
         if self.host_chunks:
             upd.warm_host_kernel(self.host_optimizer, self.compute_dtype)
 
-        def packed(c):
-            buf = np.zeros((lay.chunk_size,), np.float32)
+        frozen = set(self.frozen_chunks)
+
+        def packed(c, dtype=np.float32):
+            buf = np.zeros((lay.chunk_size,), dtype)
             for i, s in enumerate(lay.slots):
                 if s.chunk == c:
-                    buf[s.offset:s.offset + s.size] = np.asarray(leaf_at(i), np.float32).ravel()
+                    buf[s.offset:s.offset + s.size] = np.asarray(leaf_at(i), dtype).ravel()
             return buf
 
         ms, os_ = [], []
         for c in range(lay.n_chunks):
-            m, o = self.updaters[self._location(c)].init(packed(c), c)
+            m, o = (None, None) if c in frozen else self.updaters[self._location(c)].init(packed(c), c)
             ms.append(m), os_.append(o)
         topo = self.topology
-        ps = [topo.put(packed(c).astype(self.compute_dtype), topo.param_sharding(self.placement.param_kinds[c]))
+        ps = [topo.put(packed(c, lay.chunk_dtypes[c]) if c in frozen else packed(c).astype(self.compute_dtype),
+                       topo.param_sharding(self.placement.param_kinds[c]))
               for c in range(lay.n_chunks)]
         jax.block_until_ready((ps, [m for m in ms if isinstance(m, jax.Array)]))
         return TrainState(tuple(ps), tuple(ms), tuple(os_))
@@ -535,11 +568,13 @@ class ChunkedStep(StepChunkIO):
         every process calls it; host-updated chunks' rank slices too). Waits for the state's host
         updates."""
         self.wait(state)
+        # frozen chunks have no master: their params, in their own dtype
+        chunks = [p if m is None else m for p, m in zip(state.params, state.master)]
         if self.mesh is None:
-            return self.layout.unpack([jax.device_put(m, sharding(DEVICE)) for m in state.master])
+            return self.layout.unpack([jax.device_put(m, sharding(DEVICE)) for m in chunks])
         topo = self.topology
         return self.layout.unpack([topo.gather_slices(m) if isinstance(m, tuple) else topo.whole(m)
-                                   for m in state.master])
+                                   for m in chunks])
 
     def eval_loss(self, state: TrainState, batch) -> jax.Array:
         """Validation loss of ``batch`` (() float32, mean over the whole batch): the walker's

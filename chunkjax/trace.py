@@ -12,8 +12,10 @@ import dataclasses
 
 import jax
 import jax.extend.core as jex_core
+import jax.numpy as jnp
 
 from chunkjax.layout import ChunkLayout
+from chunkjax.stages import split_loss, stage_vjp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,8 +47,10 @@ def _nbytes(tree) -> int:
 
 
 def abstract_compute_params(layout: ChunkLayout, compute_dtype):
-    """The params pytree as ``ShapeDtypeStruct`` s in the compute dtype."""
-    leaves = [jax.ShapeDtypeStruct(s.shape, compute_dtype) for s in layout.slots]
+    """The params pytree as ``ShapeDtypeStruct`` s in the compute dtype (non-floating leaves,
+    always frozen, keep their dtype)."""
+    leaves = [jax.ShapeDtypeStruct(s.shape, compute_dtype if jnp.issubdtype(s.dtype, jnp.floating) else s.dtype)
+              for s in layout.slots]
     return layout.treedef.unflatten(leaves)
 
 
@@ -61,23 +65,52 @@ def _live_inputs(closed, n_inputs: int) -> list[bool]:
     return [v in used for v in jaxpr.invars[:n_inputs]]
 
 
-def _signature(st, p_sub, x):
+def _signature(st, p_sub, x, mask=None):
     """Stages with equal signatures trace alike: identical blocks differ only in their top-level
-    key (h_0, h_1, ...), so key on the function and the values' structure and shapes."""
-    return (getattr(st.apply, "__code__", st.apply), jax.tree.structure(list(p_sub.values())),
+    key (h_0, h_1, ...), so key on the function (or its ``trace_key``: :mod:`chunkjax.discover`),
+    the values' structure and shapes and which leaves are trainable."""
+    fn = getattr(st.apply, "trace_key", None) or getattr(st.apply, "__code__", st.apply)
+    return (fn, jax.tree.structure(list(p_sub.values())),
             tuple((a.shape, a.dtype) for a in jax.tree.leaves(p_sub)),
-            None if x is None else (x.shape, x.dtype))
+            None if x is None else (jax.tree.structure(x), tuple((a.shape, a.dtype) for a in jax.tree.leaves(x))),
+            None if mask is None else tuple(mask))
 
 
-def _backward_live(stage, p_sub, x, batch) -> list[bool]:
-    """Per leaf of ``p_sub`` (flattening order): does the stage's backward read its value."""
+def _trainable_mask(layout: ChunkLayout, keys) -> list[bool]:
+    """Per leaf of the stage params ``{k: params[k] for k in keys}`` (flattening order): trainable."""
+    tree = layout.treedef.unflatten([layout.chunk_trainable[s.chunk] for s in layout.slots])
+    return jax.tree.leaves({k: tree[k] for k in keys})
+
+
+def _vjp_fn(stage, head: bool, mask=None):
+    """``(p, x, ct, b) -> (dp, dx)``: the stage's recompute + vjp as the walker runs it
+    (:func:`chunkjax.stages.stage_vjp`): over the trainable leaves of ``p`` and the floating leaves
+    of ``x``, frozen leaves closed over as constants."""
     def vjp_fn(p, x, ct, b):
-        if x is None:
-            return jax.vjp(lambda p: stage.apply(p, None, b), p)[1](ct)
-        return jax.vjp(lambda p, x: stage.apply(p, x, b), p, x)[1](ct)
+        leaves, td = jax.tree.flatten(p)
+        m = [True] * len(leaves) if mask is None else mask
 
+        def rebuild(tr):
+            it = iter(tr)
+            return td.unflatten([next(it) if k else a for a, k in zip(leaves, m)])
+
+        tr = [a for a, k in zip(leaves, m) if k]
+        return stage_vjp(lambda t, xx: stage.apply(rebuild(t), xx, b), tr, x, head=head)[1](ct)
+    return vjp_fn
+
+
+def _cotangent(stage, p_sub, x, batch, head: bool):
+    """Abstract cotangent of the stage's output as :func:`chunkjax.stages.stage_vjp` takes it."""
     out = jax.eval_shape(stage.apply, p_sub, x, batch)
-    closed = jax.make_jaxpr(vjp_fn)(p_sub, x, out, batch)
+    if head:
+        return jax.ShapeDtypeStruct(jnp.shape(split_loss(out)[0]), split_loss(out)[0].dtype)
+    return [a for a in jax.tree.leaves(out) if jnp.issubdtype(a.dtype, jnp.floating)]
+
+
+def _backward_live(stage, p_sub, x, batch, head: bool = False, mask=None) -> list[bool]:
+    """Per leaf of ``p_sub`` (flattening order): does the stage's backward read its value."""
+    ct = _cotangent(stage, p_sub, x, batch, head)
+    closed = jax.make_jaxpr(_vjp_fn(stage, head, mask))(p_sub, x, ct, batch)
     return _live_inputs(closed, len(jax.tree.leaves(p_sub)))
 
 
@@ -87,13 +120,14 @@ def _chunks_of_live(layout: ChunkLayout, p_sub, live) -> tuple[int, ...]:
     return layout.chunks_of([pth for pth, l in zip(paths, live) if l])
 
 
-def backward_reads(stage, layout: ChunkLayout, p_sub, x, batch) -> tuple[int, ...]:
+def backward_reads(stage, layout: ChunkLayout, p_sub, x, batch, head: bool = False) -> tuple[int, ...]:
     """Chunk ids whose *values* the stage's backward (recompute + vjp) needs.
 
     Some stages need no parameter values for their gradients (an embedding lookup's gradient is
     a scatter-add of the cotangent), so their chunks need not be fetched in the backward pass.
     """
-    return _chunks_of_live(layout, p_sub, _backward_live(stage, p_sub, x, batch))
+    return _chunks_of_live(layout, p_sub, _backward_live(stage, p_sub, x, batch, head,
+                                                         _trainable_mask(layout, stage.param_keys)))
 
 
 def stage_inputs(stages, layout: ChunkLayout, batch, compute_dtype):
@@ -110,16 +144,10 @@ def stage_inputs(stages, layout: ChunkLayout, batch, compute_dtype):
     return out
 
 
-def _stage_transient_bytes(st, p_sub, x, batch, is_first: bool) -> int:
-    def vjp_fn(p, x, ct, b):
-        if is_first:
-            y, pull = jax.vjp(lambda p: st.apply(p, None, b), p)
-        else:
-            y, pull = jax.vjp(lambda p, x: st.apply(p, x, b), p, x)
-        return pull(ct)
-
+def _stage_transient_bytes(st, p_sub, x, batch, head: bool, mask=None) -> int:
+    vjp_fn = _vjp_fn(st, head, mask)
     out = jax.eval_shape(st.apply, p_sub, x, batch)
-    ct = jax.ShapeDtypeStruct(out.shape, out.dtype)
+    ct = _cotangent(st, p_sub, x, batch, head)
     compiled = jax.jit(vjp_fn).lower(p_sub, x, ct, batch).compile()
     ma = compiled.memory_analysis()
     grads = jax.eval_shape(vjp_fn, p_sub, x, ct, batch)
@@ -140,10 +168,12 @@ def trace_stages(stages, layout: ChunkLayout, batch: jax.ShapeDtypeStruct, compu
     """
     out, cache, live = [], {}, {}
     for i, (st, (p_sub, x)) in enumerate(zip(stages, stage_inputs(stages, layout, batch, compute_dtype))):
-        sig = _signature(st, p_sub, x)
+        mask = _trainable_mask(layout, st.param_keys)
+        head = i == len(stages) - 1
+        sig = _signature(st, p_sub, x, mask) + (head,)
         if sig not in cache:
-            cache[sig] = _stage_transient_bytes(st, p_sub, x, batch, i == 0)
-            live[sig] = _backward_live(st, p_sub, x, batch)
+            cache[sig] = _stage_transient_bytes(st, p_sub, x, batch, head, mask)
+            live[sig] = _backward_live(st, p_sub, x, batch, head, mask)
         out.append(StageTrace(name=st.name, chunks=layout.chunks_of(st.param_keys),
                               input_bytes=0 if x is None else _nbytes(x), temp_bytes=cache[sig],
                               bwd_chunks=_chunks_of_live(layout, p_sub, live[sig])))

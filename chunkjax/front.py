@@ -1,0 +1,221 @@
+"""The front door: an NNX model, its loss and an optimizer in, an offloaded train step out (issue 22, item 1).
+
+::
+
+    model = MyLlama(cfg, rngs=nnx.Rngs(0))
+    step = chunkjax.offload(model, optax.adamw(1e-3), loss_fn, batch, device_budget="64MiB")
+    for batch in batches:
+        loss = step(batch)            # loss_fn(model, batch) -> scalar; step.metrics: loss, grad_norm
+    step.sync(model)                  # the trained params and state written back into the model
+
+The model's stages are found by :mod:`chunkjax.discover` (a block list or a scanned block, the parts
+before and after as their own stages); the parameters, gradients and optimizer state are chunked
+and placed by the tide plan through :func:`chunkjax.fit.fit_step`, the one fit path (PatrickStar,
+arXiv 2108.05818, sections 4-5). Non-parameter state (dropout RNG, counters, batch statistics)
+advances as in the plain NNX loop.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from chunkjax.discover import Discovery, discover
+from chunkjax.fit import describe, fit_step
+
+
+def _abstract(tree):
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), tree)
+
+
+class OffloadedStep:
+    """A train step of an NNX model with chunked, placed parameters (built by :func:`offload`).
+
+    ``step(batch) -> loss`` (() float32, the mean loss of the batch) runs one step: forward,
+    backward and update of every chunk; ``step.metrics`` holds that step's ``loss`` and global
+    ``grad_norm``. The model itself is not touched until :meth:`sync`.
+
+    Attributes:
+      discovery: the :class:`chunkjax.discover.Discovery` (stages, flat parameter keys).
+      step: the :class:`chunkjax.ChunkedStep`; ``state``: its :class:`chunkjax.TrainState`.
+      report: the :class:`chunkjax.fit.FitReport` (``schedule``, budgets, compiled check);
+        ``problem``: the :class:`chunkjax.fit.FitProblem` (``layout``, traces).
+      metrics: the last step's metrics (``loss``, ``grad_norm``), None before the first.
+    """
+
+    def __init__(self, discovery: Discovery, fitted, state, example):
+        self.discovery = discovery
+        self.step, self.report, self.problem = fitted
+        self.state = state
+        self.metrics = None
+        self._example = example
+        self._side = tuple(discovery.side_values[j] for j in discovery.mutable)
+
+    # ---- what was planned ------------------------------------------------------------------------
+    @property
+    def layout(self):
+        """The :class:`chunkjax.ChunkLayout` (chunks of the flat parameter dict)."""
+        return self.problem.layout
+
+    @property
+    def schedule(self):
+        """The :class:`chunkjax.Schedule` the step runs (placement, fetches, update locations)."""
+        return self.report.schedule
+
+    @property
+    def stages(self) -> tuple:
+        return self.discovery.stages
+
+    def summary(self) -> str:
+        """One line: stages, chunks and the plan (:func:`chunkjax.fit.describe`)."""
+        names = [s.name for s in self.stages]
+        return (f"{len(names)} stages ({names[0]} .. {names[-1]}), {self.layout.n_chunks} chunks of "
+                f"{self.layout.chunk_size} elements; " + describe(self.report, self.problem))
+
+    # ---- running ---------------------------------------------------------------------------------
+    def _check(self, batch) -> None:
+        got = _abstract(batch)
+        if jax.tree.structure(got) != jax.tree.structure(self._example) or any(
+                a.shape != b.shape or a.dtype != b.dtype
+                for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(self._example))):
+            want = [(tuple(a.shape), str(a.dtype)) for a in jax.tree.leaves(self._example)]
+            have = [(tuple(a.shape), str(a.dtype)) for a in jax.tree.leaves(got)]
+            raise ValueError(f"batch shapes {have} differ from the planned {want}: pass batches of the example's "
+                             "shape (or build another step with chunkjax.offload for this shape)")
+
+    def _step_batch(self, batch):
+        rows = int(jax.tree.leaves(batch)[0].shape[0])
+        return batch, tuple(jnp.broadcast_to(jnp.asarray(v)[None], (rows,) + tuple(np.shape(v))) for v in self._side)
+
+    def __call__(self, batch):
+        """One training step on ``batch`` (the planned shapes); returns its loss.
+
+        Raises:
+          ValueError: the batch's structure, shapes or dtypes differ from the example's.
+        """
+        self._check(batch)
+        self.state, metrics = self.step(self.state, self._step_batch(batch))
+        if self.discovery.mutable:
+            self._side = tuple(metrics.pop("aux"))
+        self.metrics = metrics
+        return metrics["loss"]
+
+    def evaluate(self, batch):
+        """The loss of ``batch`` with the current parameters, the model in eval mode (``nnx``'s
+        ``model.eval()``: dropout off, running statistics read), no update (() float32)."""
+        self._check(batch)
+        return self._eval_step.eval_loss(self.state, self._step_batch(batch))
+
+    @functools.cached_property
+    def _eval_step(self):
+        """The step whose stages run the model in eval mode (same layout, schedule and state)."""
+        from flax import nnx
+        d = self.discovery
+        model = nnx.merge(d.graphdef, jax.tree.unflatten(d.param_treedef, [d.param_avals[k] for k in d.param_keys]),
+                          jax.tree.unflatten(d.side_treedef, list(d.side_values)))
+        model.eval()
+        de = dataclasses.replace(d, graphdef=nnx.graphdef(model))
+        if tuple(s.param_keys for s in de.stages) != tuple(s.param_keys for s in d.stages):
+            raise ValueError("in eval mode the model reads other parameters per stage: evaluate with the train step")
+        return dataclasses.replace(self.step, stages=de.stages)
+
+    def sync(self, model) -> None:
+        """Write the trained parameters (the float32 masters, cast to each leaf's dtype) and the
+        non-parameter state the loss changed back into ``model`` (``nnx.update``). Waits for the
+        step's host updates."""
+        from flax import nnx
+        d = self.discovery
+        flat = self.step.master_params(self.state)
+        nnx.update(model, jax.tree.unflatten(d.param_treedef, d.stack(flat)))
+        if d.mutable:
+            side = list(d.side_values)
+            for j, v in zip(d.mutable, self._side):
+                side[j] = v
+            nnx.update(model, jax.tree.unflatten(d.side_treedef, side))
+
+    def wait(self) -> None:
+        """Block until the last step's host updates are done."""
+        self.step.wait(self.state)
+
+
+def _optimizer_kw(tx) -> dict:
+    if isinstance(tx, optax.GradientTransformation):
+        return {"tx": tx}
+    if callable(getattr(tx, "optax", None)):
+        return {"host_optimizer": tx}
+    raise TypeError(f"tx={type(tx).__name__}: pass an optax transformation (e.g. optax.adamw(1e-3)) or a host "
+                    "spec (chunkjax.host_update.AdamW(...)) for updates on the host")
+
+
+def offload(model, tx, loss_fn, batch, *, device_budget: int | str = "auto", host_budget: Any = "auto",
+            wrt=None, trainable=None, blocks=None, compute_dtype=None, mesh=None, zero_stage: int = 0,
+            policy: str = "tide", **fit_kw) -> OffloadedStep:
+    """A chunked, offloaded train step for an NNX model.
+
+    Args:
+      model: an ``nnx.Module``; its parameters initialise the step (the model is not changed
+        until :meth:`OffloadedStep.sync`).
+      tx: an elementwise optax transformation (offloaded chunks update streamed through the
+        device), or a host spec (``chunkjax.host_update.AdamW / Lion / SGDMomentum``: offloaded
+        chunks update on the host, its ``optax()`` twin updates the device chunks).
+      loss_fn: ``loss_fn(model, batch) -> () float``: the loss (a scalar; nnx's usual signature).
+      batch: an example batch, the planned shape: tokens (B, T+1) or any pytree of arrays with
+        the batch axis first (e.g. ``{"images": (B, H, W, C), "labels": (B,)}``).
+      device_budget: bytes per device for model data and activations (int, ``"64MiB"`` or
+        ``"auto"``); ``host_budget``: bytes of host memory for model data, ``"auto"`` or None.
+      wrt: nnx filter of the chunked leaves (default ``nnx.Param``); the rest of the model's
+        state (RNG streams, counters, batch statistics) advances as in the plain loop.
+      trainable: nnx filter of the trained leaves among ``wrt`` (default: all floating ones);
+        the others are frozen: chunked and fetched, no optimizer state, never updated.
+      blocks: attribute path of the block list or scanned block (``"decoder/layers"``) when the
+        automatic choice is ambiguous (:func:`chunkjax.discover.discover`).
+      compute_dtype: dtype of compute params and gradients (default: the params' dtype; e.g.
+        ``jnp.bfloat16`` for mixed precision with float32 masters).
+      mesh, zero_stage: a ``data`` mesh (:func:`chunkjax.data_mesh`) and ZeRO stage 1/2/3.
+      policy: the planner's policy (default ``"tide"``).
+      **fit_kw: the rest of :func:`chunkjax.fit_step` (chunk_size, min_chunks, prefetch, ...).
+
+    Returns:
+      an initialised :class:`OffloadedStep`.
+
+    Raises:
+      TypeError: ``tx`` is neither an optax transformation nor a host spec.
+      ValueError: see :func:`chunkjax.discover.discover` and :func:`chunkjax.fit.prepare` (a
+        non-elementwise transformation, a batch without a row axis, ...); non-parameter state
+        that the loss changes together with a mesh.
+      chunkjax.PlanError, HostMemoryError: the budgets do not fit (one line: what to change).
+    """
+    from flax import nnx
+    opt = _optimizer_kw(tx)
+    d = discover(model, loss_fn, batch, wrt=wrt, blocks=blocks, compute_dtype=compute_dtype)
+    if d.mutable and mesh is not None:
+        raise ValueError("the loss changes non-parameter state (RNG streams, counters, batch statistics): run it on "
+                         "one device (mesh=None), or make those leaves constant")
+    leaves = jax.tree.leaves(nnx.split(model, d.wrt, ...)[1])
+    params = d.layout_params(leaves)
+    if trainable is not None:
+        fit_kw["trainable"] = _trainable_mask(model, d, trainable)
+    example = _abstract(batch)
+    side = tuple(jax.ShapeDtypeStruct((jax.tree.leaves(batch)[0].shape[0],) + tuple(np.shape(d.side_values[j])),
+                                      d.side_values[j].dtype) for j in d.mutable)
+    fitted = fit_step(d.stages, _abstract(params), (example, side), device_budget=device_budget, policy=policy,
+                      host_budget=host_budget, compute_dtype=d.compute_dtype, mesh=mesh, zero_stage=zero_stage,
+                      **opt, **fit_kw)
+    state = fitted.step.init(params)
+    return OffloadedStep(d, fitted, state, example)
+
+
+def _trainable_mask(model, d: Discovery, trainable) -> dict:
+    """Flat parameter key -> bool: the leaves of ``wrt`` that match ``trainable``."""
+    from flax import nnx
+    keys = {"/".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(model, nnx.All(d.wrt, trainable)))}
+    out = {}
+    for k in d.param_keys:
+        for kk in d.per_layer.get(k, (k,)):
+            out[kk] = k in keys
+    return out
