@@ -24,7 +24,7 @@ import pathlib
 from typing import Mapping, Sequence
 
 from chunkjax.memory import DEVICE
-from chunkjax.schedule import DEVICE_UPDATE, HOST_UPDATE, STREAMED_UPDATE, UPDATE_LOCATIONS, Schedule
+from chunkjax.schedule import DEVICE_UPDATE, HOST_UPDATE, NO_UPDATE, STREAMED_UPDATE, UPDATE_LOCATIONS, Schedule
 
 #: colour of each tide phase (bars of :func:`plot_tide`)
 PHASE_COLORS = {"forward": "tab:blue", "forward+backward": "tab:purple", "backward": "tab:orange"}
@@ -32,7 +32,8 @@ PHASE_COLORS = {"forward": "tab:blue", "forward+backward": "tab:purple", "backwa
 KIND_COLORS = {"resident model data": "tab:green", "non-model (tide)": "tab:blue",
                "gradients held": "tab:red", "fetched chunk buffers": "tab:orange"}
 #: colour of each update location (the strip beside :func:`plot_schedule`)
-UPDATE_COLORS = {DEVICE_UPDATE: "#546e7a", STREAMED_UPDATE: "#f9a825", HOST_UPDATE: "#1565c0"}
+UPDATE_COLORS = {DEVICE_UPDATE: "#546e7a", STREAMED_UPDATE: "#f9a825", HOST_UPDATE: "#1565c0",
+                 NO_UPDATE: "#e0e0e0"}
 #: colours of a residency image: not on the device, a fetched copy, placed on the device
 RESIDENCY_COLORS = ("white", "#b7e4a7", "#2e7d32")
 #: the memory kinds of :func:`placement_bytes` and the chunk lists in each
@@ -315,7 +316,8 @@ def plot_schedule(obj, schedule: Schedule | None = None, *, path=None, title: st
       a Figure whose first axes holds :func:`plot_residency` of ``schedule.residency()`` (placed
       chunks dark, fetched copies light; reads, fetches and evictions as markers; program cuts),
       and whose second, narrow axes holds one cell per chunk coloured by its update location
-      (:data:`UPDATE_COLORS`; image values index :data:`chunkjax.schedule.UPDATE_LOCATIONS`).
+      (:data:`UPDATE_COLORS`, ``none``: frozen; image values index
+      :data:`chunkjax.schedule.UPDATE_LOCATIONS`).
 
     Raises:
       ValueError: no schedule given.
@@ -340,7 +342,8 @@ def plot_schedule(obj, schedule: Schedule | None = None, *, path=None, title: st
     strip.tick_params(left=False)
     cells = [Patch(facecolor=c, edgecolor="gray", label=lbl) for c, lbl in
              zip(RESIDENCY_COLORS[1:], ("fetched copy on device", "placed on device"))]
-    upd = [Patch(color=UPDATE_COLORS[u], label=f"update on {u}") for u in UPDATE_LOCATIONS if u in s.update_locations]
+    upd = [Patch(color=UPDATE_COLORS[u], label="frozen (no update)" if u == NO_UPDATE else f"update on {u}")
+           for u in UPDATE_LOCATIONS if u in s.update_locations]
     fig.legend(handles=cells + ax.get_legend_handles_labels()[0] + upd, fontsize=7, loc="outside right upper")
     ax.set_title(title or f"schedule at {s.budget_bytes / byte_unit(s.budget_bytes)[1]:.3g} "
                  f"{byte_unit(s.budget_bytes)[0]}: {s.counts()}, {s.predicted.n_fetches} fetches, "
@@ -358,12 +361,15 @@ def placement_bytes(problem, s: Schedule) -> dict[str, dict[str, int]]:
     device-updated chunks (their sum is ``predicted.device_model_bytes``). ``pinned_host``: compute
     params of host-kind chunks, gradients of every chunk not updated on the device, state of
     ``streamed`` chunks. ``host (pageable)``: state of ``host``-updated chunks (numpy). The two host
-    kinds sum to ``predicted.host_model_bytes``.
+    kinds sum to ``predicted.host_model_bytes``. A frozen chunk (update location ``none``) has
+    compute params only.
     """
     cb = problem.cb_rank
     out = {k: dict.fromkeys(PLACEMENT_LISTS, 0) for k in PLACEMENT_KINDS}
     for kind, upd in zip(s.param_kinds, s.update_locations):
         out["device" if kind == DEVICE else "pinned_host"]["compute params"] += cb.params
+        if upd == NO_UPDATE:
+            continue
         state_kind = {DEVICE_UPDATE: "device", STREAMED_UPDATE: "pinned_host", HOST_UPDATE: "host (pageable)"}[upd]
         out[state_kind]["master params + optimizer state"] += cb.state
         if upd != DEVICE_UPDATE:

@@ -6,8 +6,8 @@ partitions users know, all planned by the same engine on abstract shapes (runs o
     python -m experiments.plan --model mypkg.mymodel:make --device-budget 2GiB --plots plots/
 
 ``--model`` is a name of models/gpt.py's table or your own model as ``module:factory``: the
-factory returns ``(stages, params, batch)`` on abstract shapes (:func:`call_factory` says how it is
-called). ``--plots DIR`` writes the plan's figures (:func:`chunkjax.plots.save_figures`: the memory
+factory returns an NNX model, its loss and a batch (what :func:`chunkjax.offload` takes), or
+``(stages, params, batch)``, on abstract shapes (:func:`call_factory` says how it is called). ``--plots DIR`` writes the plan's figures (:func:`chunkjax.plots.save_figures`: the memory
 tide against the budget, device bytes per moment by kind, the schedule of fetches, evictions and
 update locations, the placement in bytes per memory kind).
 
@@ -292,14 +292,19 @@ def call_factory(spec: str, batch: int, seq: int) -> dict:
     """Call the factory of ``spec`` and return its model as a dict.
 
     The factory takes ``batch`` (rows) and ``seq`` (tokens per row) as keyword arguments when its
-    signature names them (or takes ``**kwargs``), and returns either a tuple
-    ``(stages, params, batch)`` or a dict with those keys and optionally ``flops_per_step`` (one
-    step's training FLOPs; default 6 x params x tokens) and ``name``:
+    signature names them (or takes ``**kwargs``), and returns one of
 
-    * ``stages``: the model's :class:`chunkjax.Stage` sequence;
-    * ``params``: the params pytree, as arrays, ``jax.ShapeDtypeStruct`` s (abstract shapes:
-      nothing is allocated) or a callable returning it (evaluated with ``jax.eval_shape``);
-    * ``batch``: the step's batch, an int32 (rows, tokens + 1) array or ``ShapeDtypeStruct``.
+    * ``(model, loss_fn, batch)``: an ``nnx.Module`` (concrete, or abstract from
+      ``nnx.eval_shape``), its ``loss_fn(model, batch) -> () float`` and an example batch (arrays
+      or ``ShapeDtypeStruct`` s, any pytree with the rows first): what :func:`chunkjax.offload`
+      takes; the stages are found as it finds them (:func:`nnx_stages`);
+    * ``(stages, params, batch)``: the model's :class:`chunkjax.Stage` sequence, its params
+      pytree (arrays, ``jax.ShapeDtypeStruct`` s, or a callable returning them, evaluated with
+      ``jax.eval_shape``) and the step's batch (an int32 (rows, tokens + 1) array or
+      ``ShapeDtypeStruct``);
+    * a dict with the keys of either, and optionally ``flops_per_step`` (one step's training
+      FLOPs; default 6 x params x tokens), ``name`` and, with a model, ``blocks`` (the block
+      list's attribute path, :func:`chunkjax.discover.discover`).
 
     Raises:
       ValueError: the factory returns something else (one line saying what it must return).
@@ -312,11 +317,20 @@ def call_factory(spec: str, batch: int, seq: int) -> dict:
     kw = {k: v for k, v in (("batch", batch), ("seq", seq)) if takes_kw or k in sig}
     out = fn(**kw)
     if isinstance(out, (tuple, list)) and len(out) == 3:
-        out = dict(zip(("stages", "params", "batch"), out))
-    if not isinstance(out, dict) or not {"stages", "params", "batch"} <= set(out):
-        raise ValueError(f"--model {spec!r}: the factory must return (stages, params, batch) or a dict with "
-                         f"those keys, got {type(out).__name__}")
+        out = dict(zip(("model", "loss_fn", "batch") if _is_nnx(out[0]) else ("stages", "params", "batch"), out))
+    if not isinstance(out, dict) or not ({"stages", "params", "batch"} <= set(out)
+                                         or {"model", "loss_fn", "batch"} <= set(out)):
+        raise ValueError(f"--model {spec!r}: the factory must return (stages, params, batch), (nnx model, loss_fn, "
+                         f"batch) or a dict with those keys, got {type(out).__name__}")
     return out
+
+
+def _is_nnx(x) -> bool:
+    try:
+        from flax import nnx
+    except ImportError:
+        return False
+    return isinstance(x, nnx.Module)
 
 
 def trace_user_model(spec: str, batch: int, seq: int, *, chunk_size: int | None = None, min_chunks: int = 8,
@@ -340,18 +354,48 @@ def trace_user_model(spec: str, batch: int, seq: int, *, chunk_size: int | None 
     from chunkjax.topology import AXIS
 
     m = call_factory(spec, batch, seq)
-    b = m["batch"]
-    rows, t1 = b.shape
+    if "model" in m:
+        m = {**m, **nnx_stages(m["model"], m["loss_fn"], m["batch"], blocks=m.get("blocks"))}
+    abstract = lambda t: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), t)  # noqa: E731
+    b = abstract(m["batch"])
+    first = jax.tree.leaves(b)[0]
+    rows = int(first.shape[0])
     check_ranks(rows, n_ranks)
     params = jax.eval_shape(m["params"]) if callable(m["params"]) else m["params"]
     zero = dict(mesh=AbstractMesh((n_ranks,), (AXIS,)), zero_stage=3) if n_ranks > 1 else {}
-    problem = fit_prepare(tuple(m["stages"]), params, jax.ShapeDtypeStruct(b.shape, b.dtype),
+    problem = fit_prepare(tuple(m["stages"]), abstract(params), b,
                           host_optimizer=AdamW(1e-4, weight_decay=1e-4), compute_dtype=jnp.bfloat16,
                           chunk_size=chunk_size, min_chunks=min_chunks, flops_per_step=m.get("flops_per_step"),
                           host_budget=None, check_host=False, **zero)
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
-    return PlanInputs(None, rows, t1 - 1, problem, memory_tide(problem.traces, problem.layout.chunk_size),
+    tokens = int(first.shape[1]) - 1 if first.ndim == 2 else seq  # a (rows, tokens + 1) batch, else as asked
+    return PlanInputs(None, rows, tokens, problem, memory_tide(problem.traces, problem.layout.chunk_size),
                       _traced_on(), RATES_DEFAULT, str(m.get("name", spec)), int(n_params))
+
+
+def nnx_stages(model, loss_fn, batch, *, blocks=None) -> dict:
+    """``stages``, ``params`` (abstract) and ``batch`` of an NNX model and its loss, as
+    :func:`chunkjax.offload` hands them to the fit path: the stages found by
+    :func:`chunkjax.discover.discover` (bf16 compute), the flat parameter dict (per-layer leaves
+    of a scanned block) and the batch with the non-parameter state the loss changes.
+
+    ``model`` may be abstract (``nnx.eval_shape(lambda: MyModel(...))``): only shapes are read.
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from chunkjax.discover import discover
+
+    d = discover(model, loss_fn, batch, blocks=blocks, compute_dtype=jnp.bfloat16)
+    leaves = jax.tree.leaves(nnx.split(model, d.wrt, ...)[1])
+    params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), d.layout_params(leaves))
+    rows = jax.tree.leaves(batch)[0].shape[0]
+    side = tuple(jax.ShapeDtypeStruct((rows,) + tuple(np.shape(d.side_values[j])), d.side_values[j].dtype)
+                 for j in d.mutable)
+    example = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), batch)
+    return {"stages": d.stages, "params": params, "batch": (example, side)}
 
 
 def check_ranks(batch: int, n_ranks: int, zero_stage: int = 3) -> None:
@@ -612,7 +656,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m experiments.plan", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True,
                     help="a name of models/gpt.py's table (case-insensitive), or your model as module:factory "
-                         "(factory(batch=, seq=) -> (stages, params, batch); see call_factory)")
+                         "(factory(batch=, seq=) -> (nnx model, loss_fn, batch) or (stages, params, batch); see call_factory)")
     ap.add_argument("--device-budget", required=True, help="peak device bytes (per GPU with --ranks), e.g. 24GiB")
     ap.add_argument("--host-budget", default=None,
                     help="host memory for model data, bytes (the node's with --ranks; default: unbounded)")

@@ -335,6 +335,7 @@ def test_recorded_2gpu_zero3_schedule_reproduced():
 
 USER_MODEL = '''
 import jax, jax.numpy as jnp
+from flax import nnx
 from chunkjax import Stage
 
 V, D, L = 96, 32, 3
@@ -366,6 +367,37 @@ def make_dict():
 
 def not_a_model(batch, seq):
     return 42
+
+
+class Block(nnx.Module):
+    def __init__(self, d, rngs):
+        self.norm, self.up, self.down = nnx.RMSNorm(d, rngs=rngs), nnx.Linear(d, 4 * d, rngs=rngs), nnx.Linear(4 * d, d, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.down(nnx.silu(self.up(self.norm(x))))
+
+
+class TinyNNX(nnx.Module):
+    def __init__(self, rngs):
+        self.embed = nnx.Embed(V, D, rngs=rngs)
+        self.blocks = nnx.List([Block(D, rngs) for _ in range(L)])
+        self.head = nnx.Linear(D, V, use_bias=False, rngs=rngs)
+
+    def __call__(self, ids):
+        x = self.embed(ids)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def nnx_loss(model, batch):
+    logits = model(batch[:, :-1]).astype(jnp.float32)
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), batch[:, 1:, None], -1))
+
+
+def make_nnx(batch, seq):
+    """An NNX model as chunkjax.offload takes it, abstract (nothing allocated)."""
+    return nnx.eval_shape(lambda: TinyNNX(nnx.Rngs(0))), nnx_loss, SDS((batch, seq + 1), jnp.int32)
 '''
 
 
@@ -428,3 +460,28 @@ def test_user_model_factory_without_arguments_and_bad_specs(user_model, capsys):
     assert plan.main(["--model", "my_user_model:make", "--device-budget", "64MiB", "--tide-from",
                       str(RECORDED)]) == 2
     assert "user model" in capsys.readouterr().err
+
+
+def test_user_nnx_model_plans_as_offload_does(user_model, capsys):
+    """A factory returning (nnx model, loss_fn, batch), the model abstract: the planner finds the
+    stages as chunkjax.offload does and plans the schedule offload's step runs (same budget,
+    host AdamW, bf16 compute)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import chunkjax as cj
+    from chunkjax.host_update import AdamW
+
+    args = ["--model", "my_user_model:make_nnx", "--batch", "2", "--seq", "16"]
+    assert plan.main(args + ["--device-budget", "1KiB", "--json"]) == 2
+    budget = json.loads(capsys.readouterr().out)["min_device_budget_bytes"] + 40_000
+    assert plan.main(args + ["--device-budget", str(budget), "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["n_params"] == 96 * 32 * 2 + 3 * (32 + 32 * 128 + 128 + 128 * 32 + 32)
+    assert (r["batch"], r["seq"]) == (2, 16) and len(r["stage_temp_bytes"]) == 5  # before, 3 blocks, after
+    model = user_model.TinyNNX(nnx.Rngs(0))
+    step = cj.offload(model, AdamW(1e-4, weight_decay=1e-4), user_model.nnx_loss, jnp.zeros((2, 17), jnp.int32),
+                      device_budget=budget, host_budget=None, compute_dtype=jnp.bfloat16)
+    assert r["schedule"] == step.schedule.to_dict() and step.schedule.predicted.n_fetches > 0
+    assert [s.name for s in step.stages] == list(r["stage_temp_bytes"])
