@@ -36,6 +36,8 @@ UPDATE_COLORS = {DEVICE_UPDATE: "#546e7a", STREAMED_UPDATE: "#f9a825", HOST_UPDA
                  NO_UPDATE: "#e0e0e0"}
 #: colours of a residency image: not on the device, a fetched copy, placed on the device
 RESIDENCY_COLORS = ("white", "#b7e4a7", "#2e7d32")
+#: fetch marks are drawn this far (moments) left of their moment's centre, release marks right of it
+FETCH_EVICT_DX = 0.25
 #: the memory kinds of :func:`placement_bytes` and the chunk lists in each
 PLACEMENT_KINDS = ("device", "pinned_host", "host (pageable)")
 PLACEMENT_LISTS = ("compute params", "master params + optimizer state", "gradients")
@@ -259,12 +261,12 @@ def _draw_residency(ax, resident, *, placed=None, accesses=None, fetch=None, evi
     img = np.where(res, np.where(kept[:, None], 2.0, 1.0), 0.0)
     im = ax.imshow(img, aspect="auto", interpolation="nearest", cmap=ListedColormap(RESIDENCY_COLORS),
                    vmin=0, vmax=2, origin="lower")
-    for marks, style, label in ((accesses, dict(marker=".", color="k", ms=2.5), "read"),
-                                (fetch, dict(marker="^", color="tab:orange", ms=4), "fetch"),
-                                (evict, dict(marker="v", color="tab:red", ms=3), "evict")):
+    for marks, style, label, dx in ((accesses, dict(marker=".", color="k", ms=2.5), "read", 0.0),
+                                    (fetch, dict(marker="^", color="tab:orange", ms=4), "fetch", -FETCH_EVICT_DX),
+                                    (evict, dict(marker="v", color="tab:red", ms=3), "evict", FETCH_EVICT_DX)):
         if marks is not None:
             pts = [(t, c) for t, cs in enumerate(marks) for c in cs]
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], ls="none", label=label, **style)
+            ax.plot([p[0] + dx for p in pts], [p[1] for p in pts], ls="none", label=label, **style)
     _cuts(ax, segments)
     ax.set_xlabel("moment")
     ax.set_ylabel("chunk")
@@ -282,8 +284,10 @@ def plot_residency(resident: Sequence[Sequence[bool]], *, placed: Sequence[bool]
       resident: per chunk, per moment: a copy of the chunk is on the device.
       placed: per chunk, placed on the device between steps (darker cells); None: none are.
       accesses: per moment, chunk ids read (black dots, ``label="read"``).
-      fetch: per moment, chunk ids fetched for it (``^``, ``label="fetch"``).
-      evict: per moment, chunk ids released after it (``v``, ``label="evict"``).
+      fetch: per moment, chunk ids fetched for it (``^``, ``label="fetch"``, drawn
+        :data:`FETCH_EVICT_DX` left of the moment).
+      evict: per moment, chunk ids released after it (``v``, ``label="evict"``, drawn
+        :data:`FETCH_EVICT_DX` right of the moment).
       segments: program starts (dotted lines before each but the first).
       title: the axes title.
       path: also save the figure there.

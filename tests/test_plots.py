@@ -95,8 +95,9 @@ def test_schedule_image_is_the_residency(fitted):
     assert img.shape == (s.n_chunks, len(s.moments))
     assert (img == np.where(res, np.where(placed[:, None], 2, 1), 0)).all()
     marks = {ln.get_label(): sorted(zip(ln.get_xdata(), ln.get_ydata())) for ln in ax.lines}
-    assert marks["fetch"] == sorted((t, c) for t, cs in enumerate(s.fetch) for c in cs)
-    assert marks["evict"] == sorted((t, c) for t, cs in enumerate(s.evict) for c in cs)
+    dx = plots.FETCH_EVICT_DX
+    assert marks["fetch"] == sorted((t - dx, c) for t, cs in enumerate(s.fetch) for c in cs)
+    assert marks["evict"] == sorted((t + dx, c) for t, cs in enumerate(s.evict) for c in cs)
     tide = memory_tide(fitted.problem.traces, fitted.problem.layout.chunk_size)
     assert marks["read"] == sorted((t, c) for t, cs in enumerate(tide.accesses) for c in cs)
     cuts = [ln.get_xdata()[0] for ln in ax.lines if ln.get_linestyle() == ":"]
