@@ -273,7 +273,8 @@ def _cut(closed, roles: dict, block_eqns, scan_eqn, per_layer, mutable: tuple) -
             if it[0] == "layer":
                 ops.append(it[1])
         stage_ops.append(tuple(ops))
-    trace_keys = tuple(hash((tuple(op.key for op in ops), len(live_in[s]))) for s, ops in enumerate(stage_ops))
+    trace_keys = tuple(hash((tuple((op.key, len(op.ins), len(op.outs)) for op in ops), len(live_in[s]), len(live_out[s])))
+                       for s, ops in enumerate(stage_ops))
     nb = [sum(it[0] in ("block", "layer") for it in g) for g in merged]
     names = tuple(f"block_{sum(nb[:s])}" if nb[s] else ("pre" if s == 0 else "post") for s in range(n))
     return _Cut(tuple(closed.consts), tuple(stage_ops), tuple(tuple(params_of(g)) for g in merged), live_in,

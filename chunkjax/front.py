@@ -199,7 +199,9 @@ def offload(model, tx, loss_fn, batch, *, device_budget: int | str = "auto", hos
     leaves = jax.tree.leaves(nnx.split(model, d.wrt, ...)[1])
     params = d.layout_params(leaves)
     if trainable is not None:
-        fit_kw["trainable"] = _trainable_mask(model, d, trainable)
+        mask = _trainable_mask(model, d, trainable)
+        if not all(mask[k] for k, a in params.items() if jnp.issubdtype(a.dtype, jnp.floating)):
+            fit_kw["trainable"] = mask
     example = _abstract(batch)
     side = tuple(jax.ShapeDtypeStruct((jax.tree.leaves(batch)[0].shape[0],) + tuple(np.shape(d.side_values[j])),
                                       d.side_values[j].dtype) for j in d.mutable)

@@ -1,0 +1,342 @@
+"""The front door (issue 22, item 1): an NNX model trained through ``chunkjax.offload`` equals the
+standard ``nnx.Optimizer`` loop (fp32, 20 steps, 1e-5 relative) with its parameter chunks in
+pinned_host, for (a) a Llama-style decoder with GQA and rotary, (b) a small ViT on a dict batch,
+(c) a model with scanned layers, (d) a model with dropout and a LoRA-frozen base.
+
+The two loops stand side by side (:func:`nnx_loop`, :func:`chunkjax_loop`); a test counts the
+lines that differ (at most 6).
+"""
+from __future__ import annotations
+
+import difflib
+import inspect
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import chunkjax
+from chunkjax.memory import PINNED_HOST
+
+STEPS = 20
+RTOL = 1e-5
+
+
+# ---- the two loops -------------------------------------------------------------------------------
+
+def nnx_loop(make, tx, loss_fn, batches, wrt=nnx.Param):
+    model = make()
+    optimizer = nnx.Optimizer(model, tx, wrt=wrt)
+
+    @nnx.jit
+    def train_step(model, optimizer, batch):
+        loss, grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, wrt))(model, batch)
+        optimizer.update(model, grads)
+        return loss
+
+    losses = [float(train_step(model, optimizer, batch)) for batch in batches]
+    return losses, model
+
+
+def chunkjax_loop(make, tx, loss_fn, batches, wrt=nnx.Param, budget="auto"):
+    model = make()
+    step = chunkjax.offload(model, tx, loss_fn, batches[0], trainable=wrt, device_budget=budget)
+
+    losses = [float(step(batch)) for batch in batches]
+    step.sync(model)
+    return losses, model, step
+
+
+def test_the_loops_differ_in_at_most_6_lines():
+    a = inspect.getsource(nnx_loop).splitlines()[1:]
+    b = inspect.getsource(chunkjax_loop).splitlines()[1:]
+    changed = [ln for ln in difflib.unified_diff(a, b, lineterm="", n=0)
+               if ln[:1] in "+-" and not ln.startswith(("+++", "---"))]
+    assert len([ln for ln in changed if ln.startswith("+")]) <= 6, changed
+
+
+# ---- (a) Llama-style decoder: RMSNorm, GQA attention with rotary, SwiGLU ----------------------------
+
+class RMSNorm(nnx.Module):
+    def __init__(self, d):
+        self.scale = nnx.Param(jnp.ones((d,)))
+
+    def __call__(self, x):
+        return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * self.scale[...]
+
+
+class Attention(nnx.Module):
+    def __init__(self, d, heads, kv_heads, rngs):
+        self.h, self.kv, self.hd = heads, kv_heads, d // heads
+        self.wq = nnx.Linear(d, heads * self.hd, use_bias=False, rngs=rngs)
+        self.wk = nnx.Linear(d, kv_heads * self.hd, use_bias=False, rngs=rngs)
+        self.wv = nnx.Linear(d, kv_heads * self.hd, use_bias=False, rngs=rngs)
+        self.wo = nnx.Linear(heads * self.hd, d, use_bias=False, rngs=rngs)
+
+    def __call__(self, x, cos, sin, mask):
+        B, T, _ = x.shape
+        q = self.wq(x).reshape(B, T, self.h, self.hd)
+        k = self.wk(x).reshape(B, T, self.kv, self.hd)
+        v = self.wv(x).reshape(B, T, self.kv, self.hd)
+        q, k = rotary(q, cos, sin), rotary(k, cos, sin)
+        k, v = jnp.repeat(k, self.h // self.kv, axis=2), jnp.repeat(v, self.h // self.kv, axis=2)
+        att = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(self.hd)
+        att = jax.nn.softmax(jnp.where(mask, att, -1e9), axis=-1)
+        return self.wo(jnp.einsum("bhqk,bkhd->bqhd", att, v).reshape(B, T, -1))
+
+
+def rotary(x, cos, sin):
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+
+
+class LlamaBlock(nnx.Module):
+    def __init__(self, d, heads, kv_heads, ffn, rngs):
+        self.n1, self.n2 = RMSNorm(d), RMSNorm(d)
+        self.attn = Attention(d, heads, kv_heads, rngs)
+        self.w1 = nnx.Linear(d, ffn, use_bias=False, rngs=rngs)
+        self.w3 = nnx.Linear(d, ffn, use_bias=False, rngs=rngs)
+        self.w2 = nnx.Linear(ffn, d, use_bias=False, rngs=rngs)
+
+    def __call__(self, x, cos, sin, mask):
+        x = x + self.attn(self.n1(x), cos, sin, mask)
+        h = self.n2(x)
+        return x + self.w2(jax.nn.silu(self.w1(h)) * self.w3(h))
+
+
+class Llama(nnx.Module):
+    def __init__(self, vocab=64, d=32, heads=4, kv_heads=2, layers=3, ffn=64, seq=16, *, rngs):
+        self.embed = nnx.Embed(vocab, d, rngs=rngs)
+        self.blocks = nnx.List([LlamaBlock(d, heads, kv_heads, ffn, rngs) for _ in range(layers)])
+        self.norm = RMSNorm(d)
+        self.lm_head = nnx.Linear(d, vocab, use_bias=False, rngs=rngs)
+        self.positions = nnx.Variable(jnp.arange(seq, dtype=jnp.int32))  # an integer leaf (constant)
+        self.calls = nnx.Variable(jnp.zeros((), jnp.int32))              # an integer counter
+        self.hd = d // heads
+
+    def __call__(self, tokens):
+        self.calls[...] += 1
+        T = tokens.shape[1]
+        pos = self.positions[...][:T].astype(jnp.float32)
+        freqs = pos[:, None] / 10000.0 ** (jnp.arange(self.hd // 2) / (self.hd // 2))
+        cos, sin = jnp.cos(freqs)[None, :, None, :], jnp.sin(freqs)[None, :, None, :]
+        mask = jnp.tril(jnp.ones((T, T), bool))[None, None]
+        x = self.embed(tokens)
+        for blk in self.blocks:
+            x = blk(x, cos, sin, mask)
+        return self.lm_head(self.norm(x))
+
+
+def lm_loss(model, tokens):
+    logits = model(tokens[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+
+def token_batches(vocab=64, rows=4, seq=16, n=STEPS, seed=0):
+    rng = np.random.default_rng(seed)
+    return [jnp.asarray(rng.integers(0, vocab, (rows, seq + 1)), jnp.int32) for _ in range(n)]
+
+
+# ---- (b) a small ViT on images (dict batch: images + labels) ------------------------------------------
+
+class ViTBlock(nnx.Module):
+    def __init__(self, d, heads, rngs):
+        self.n1, self.n2 = nnx.LayerNorm(d, rngs=rngs), nnx.LayerNorm(d, rngs=rngs)
+        # no biases: a key bias has an exactly-zero gradient, Adam on its rounding noise tells nothing
+        self.attn = nnx.MultiHeadAttention(heads, d, use_bias=False, decode=False, rngs=rngs)
+        self.fc1, self.fc2 = nnx.Linear(d, 2 * d, rngs=rngs), nnx.Linear(2 * d, d, rngs=rngs)
+
+    def __call__(self, x):
+        x = x + self.attn(self.n1(x))
+        return x + self.fc2(jax.nn.gelu(self.fc1(self.n2(x))))
+
+
+class ViT(nnx.Module):
+    def __init__(self, image=8, patch=4, d=32, heads=2, layers=2, classes=10, *, rngs):
+        self.patch, n = patch, (image // patch) ** 2
+        self.proj = nnx.Linear(patch * patch * 3, d, rngs=rngs)
+        self.cls = nnx.Param(jax.random.normal(rngs.params(), (1, 1, d)) * 0.02)
+        self.pos = nnx.Param(jax.random.normal(rngs.params(), (1, n + 1, d)) * 0.02)
+        self.blocks = nnx.List([ViTBlock(d, heads, rngs) for _ in range(layers)])
+        self.norm = nnx.LayerNorm(d, rngs=rngs)
+        self.head = nnx.Linear(d, classes, rngs=rngs)
+
+    def __call__(self, images):
+        B, H, W, C = images.shape
+        p = self.patch
+        x = images.reshape(B, H // p, p, W // p, p, C).transpose(0, 1, 3, 2, 4, 5).reshape(B, -1, p * p * C)
+        x = jnp.concatenate([jnp.broadcast_to(self.cls[...], (B, 1, self.cls.shape[-1])), self.proj(x)], 1)
+        x = x + self.pos[...]
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.norm(x[:, 0]))
+
+
+def vit_loss(model, batch):
+    logits = model(batch["images"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
+
+
+def image_batches(rows=4, n=STEPS, seed=1):
+    rng = np.random.default_rng(seed)
+    return [{"images": jnp.asarray(rng.normal(size=(rows, 8, 8, 3)), jnp.float32),
+             "labels": jnp.asarray(rng.integers(0, 10, (rows,)), jnp.int32)} for _ in range(n)]
+
+
+# ---- (c) scanned layers (nnx.vmap-made blocks, nnx.scan over them) ------------------------------------
+
+class MLPBlock(nnx.Module):
+    def __init__(self, d, rngs):
+        self.norm = nnx.LayerNorm(d, rngs=rngs)
+        self.fc1, self.fc2 = nnx.Linear(d, 2 * d, rngs=rngs), nnx.Linear(2 * d, d, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.fc2(jax.nn.gelu(self.fc1(self.norm(x))))
+
+
+class ScannedLM(nnx.Module):
+    def __init__(self, vocab=64, d=32, layers=4, *, rngs):
+        self.embed = nnx.Embed(vocab, d, rngs=rngs)
+
+        @nnx.split_rngs(splits=layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(rngs):
+            return MLPBlock(d, rngs)
+
+        self.layers = make(rngs)
+        self.out = nnx.Linear(d, vocab, rngs=rngs)
+        self.steps = nnx.Variable(jnp.zeros((), jnp.int32))
+
+    def __call__(self, tokens):
+        self.steps[...] += 1
+
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def body(x, block):
+            return block(x)
+
+        return self.out(body(self.embed(tokens), self.layers))
+
+
+# ---- (d) dropout and a LoRA-frozen base --------------------------------------------------------------
+
+class LoRABlock(nnx.Module):
+    def __init__(self, d, rngs):
+        self.norm = nnx.LayerNorm(d, rngs=rngs)
+        self.fc = nnx.LoRALinear(d, d, lora_rank=4, rngs=rngs)
+        self.drop = nnx.Dropout(0.2, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.drop(jax.nn.gelu(self.fc(self.norm(x))))
+
+
+class LoRALM(nnx.Module):
+    def __init__(self, vocab=64, d=32, layers=3, *, rngs):
+        self.embed = nnx.Embed(vocab, d, rngs=rngs)
+        self.blocks = nnx.List([LoRABlock(d, rngs) for _ in range(layers)])
+        self.out = nnx.LoRALinear(d, vocab, lora_rank=4, rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        for blk in self.blocks:
+            x = blk(x)
+        return self.out(x)
+
+
+# ---- the runs ----------------------------------------------------------------------------------------
+
+CASES = {
+    "llama": (lambda: Llama(rngs=nnx.Rngs(0)), lm_loss, token_batches, nnx.Param, "500KiB"),
+    "vit": (lambda: ViT(rngs=nnx.Rngs(0)), vit_loss, image_batches, nnx.Param, "240KiB"),
+    "scanned": (lambda: ScannedLM(rngs=nnx.Rngs(0)), lm_loss, token_batches, nnx.Param, "240KiB"),
+    "lora": (lambda: LoRALM(rngs=nnx.Rngs(0, dropout=1)), lm_loss, token_batches, nnx.LoRAParam, "48KiB"),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def run(request):
+    make, loss_fn, batches_of, wrt, budget = CASES[request.param]
+    batches = batches_of()
+    ref_losses, ref_model = nnx_loop(make, optax.adamw(1e-3), loss_fn, batches, wrt)
+    losses, model, step = chunkjax_loop(make, optax.adamw(1e-3), loss_fn, batches, wrt, budget)
+    return request.param, make, (ref_losses, ref_model), (losses, model, step)
+
+
+def test_losses_equal_the_nnx_loop(run):
+    name, _, (ref, _), (got, _, _) = run
+    np.testing.assert_allclose(got, ref, rtol=RTOL, err_msg=name)
+
+
+def test_parameter_chunks_are_in_pinned_host(run):
+    _, _, _, (_, _, step) = run
+    kinds = step.schedule.param_kinds
+    assert sum(k == PINNED_HOST for k in kinds) >= max(1, len(kinds) // 2), kinds
+
+
+def test_synced_model_equals_the_nnx_loop(run):
+    name, _, (_, ref_model), (_, model, _) = run
+    ref, got = nnx.state(ref_model), nnx.state(model)
+    for (path, a), (_, b) in zip(jax.tree_util.tree_leaves_with_path(ref), jax.tree_util.tree_leaves_with_path(got)):
+        assert a.dtype == b.dtype, (name, path)
+        if jnp.issubdtype(a.dtype, jnp.floating):
+            np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6, err_msg=f"{name} {path}")
+        elif not jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+            np.testing.assert_array_equal(b, a, err_msg=f"{name} {path}")
+
+
+def test_integer_leaves_keep_dtype_and_value(run):
+    name, make, _, (_, model, _) = run
+    fresh = make()
+    for (path, a), (_, b) in zip(jax.tree_util.tree_leaves_with_path(nnx.state(fresh)),
+                                 jax.tree_util.tree_leaves_with_path(nnx.state(model))):
+        if jnp.issubdtype(a.dtype, jnp.integer) and "count" not in jax.tree_util.keystr(path) \
+                and "calls" not in jax.tree_util.keystr(path) and "steps" not in jax.tree_util.keystr(path):
+            assert b.dtype == a.dtype and np.array_equal(a, b), (name, path)
+    if name in ("llama", "scanned"):  # counters advance once per step, as in the nnx loop
+        counter = model.calls if name == "llama" else model.steps
+        assert counter[...].dtype == jnp.int32 and int(counter[...]) == STEPS
+
+
+def test_frozen_leaves_are_bit_identical(run):
+    name, make, _, (_, model, _) = run
+    if name != "lora":
+        return
+    fresh = make()
+    base = nnx.state(fresh, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))
+    after = nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))
+    for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(after)):
+        assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
+    adapters = jax.tree.leaves(nnx.state(model, nnx.LoRAParam))
+    assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(nnx.state(fresh, nnx.LoRAParam)), adapters))
+
+
+# ---- stage discovery and bad input -----------------------------------------------------------------------
+
+def test_stages_found():
+    d = chunkjax.discover.discover(Llama(rngs=nnx.Rngs(0)), lm_loss, token_batches(n=1)[0])
+    assert d.mode == "list" and d.blocks == ("blocks",)
+    assert [s.name for s in d.stages] == ["pre", "block_0", "block_1", "block_2", "post"]
+    assert d.stages[0].param_keys == ("embed/embedding",)
+    s = chunkjax.discover.discover(ScannedLM(rngs=nnx.Rngs(0)), lm_loss, token_batches(n=1)[0])
+    assert s.mode == "scan" and s.blocks == ("layers",) and len(s.stages) == 6
+    assert "layers/2/fc1/kernel" in s.stages[3].param_keys
+
+
+def test_bad_batches_are_one_line():
+    model = Llama(rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="pass tokens as"):
+        chunkjax.offload(model, optax.adamw(1e-3), lm_loss, jnp.zeros((17,), jnp.int32))
+    with pytest.raises(ValueError, match="blocks="):
+        chunkjax.offload(model, optax.adamw(1e-3), lm_loss, token_batches(n=1)[0], blocks="nope")
+    with pytest.raises(TypeError, match="optax transformation"):
+        chunkjax.offload(model, "adam", lm_loss, token_batches(n=1)[0])
+
+
+def test_another_batch_shape_is_one_line(run):
+    name, _, _, (_, _, step) = run
+    if name != "llama":
+        return
+    with pytest.raises(ValueError, match="differ from the planned"):
+        step(token_batches(rows=2, n=1)[0])
