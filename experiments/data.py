@@ -261,7 +261,9 @@ def eval_batches(tokens: np.ndarray, batch: int, seq: int, max_batches: int) -> 
 
 def unigram_cross_entropy(train: np.ndarray, val: np.ndarray, vocab_size: int, alpha: float = 0.1) -> float:
     """Cross-entropy (nats/token) on ``val`` of an add-``alpha`` smoothed unigram model fit on ``train``
-    counts over ``vocab_size`` ids; a baseline any language model should beat."""
-    counts = np.bincount(np.asarray(train, dtype=np.int64), minlength=vocab_size).astype(np.float64)
+    counts over ``vocab_size`` ids; a baseline any language model should beat. Loss-masked ids
+    (``-1 - t``, :mod:`experiments.user_data`) count as ``t`` in ``train`` and are not scored in ``val``."""
+    train, val = np.asarray(train, dtype=np.int64), np.asarray(val, dtype=np.int64)
+    counts = np.bincount(np.where(train < 0, -1 - train, train), minlength=vocab_size).astype(np.float64)
     logp = np.log(counts + alpha) - np.log(counts.sum() + alpha * vocab_size)
-    return float(-logp[np.asarray(val, dtype=np.int64)].mean())
+    return float(-logp[val[val >= 0]].mean())

