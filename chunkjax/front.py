@@ -26,7 +26,7 @@ import numpy as np
 import optax
 
 from chunkjax.discover import Discovery, discover
-from chunkjax.fit import describe, fit_step
+from chunkjax.fit import batch_rows, describe, fit_step
 
 
 def _abstract(tree):
@@ -192,6 +192,7 @@ def offload(model, tx, loss_fn, batch, *, device_budget: int | str = "auto", hos
     """
     from flax import nnx
     opt = _optimizer_kw(tx)
+    batch_rows(_abstract(batch))  # a batch without a row axis: one line before tracing the loss
     d = discover(model, loss_fn, batch, wrt=wrt, blocks=blocks, compute_dtype=compute_dtype)
     if d.mutable and mesh is not None:
         raise ValueError("the loss changes non-parameter state (RNG streams, counters, batch statistics): run it on "
@@ -199,9 +200,7 @@ def offload(model, tx, loss_fn, batch, *, device_budget: int | str = "auto", hos
     leaves = jax.tree.leaves(nnx.split(model, d.wrt, ...)[1])
     params = d.layout_params(leaves)
     if trainable is not None:
-        mask = _trainable_mask(model, d, trainable)
-        if not all(mask[k] for k, a in params.items() if jnp.issubdtype(a.dtype, jnp.floating)):
-            fit_kw["trainable"] = mask
+        fit_kw["trainable"] = _trainable_mask(model, d, trainable, params)
     example = _abstract(batch)
     side = tuple(jax.ShapeDtypeStruct((jax.tree.leaves(batch)[0].shape[0],) + tuple(np.shape(d.side_values[j])),
                                       d.side_values[j].dtype) for j in d.mutable)
@@ -212,12 +211,9 @@ def offload(model, tx, loss_fn, batch, *, device_budget: int | str = "auto", hos
     return OffloadedStep(d, fitted, state, example)
 
 
-def _trainable_mask(model, d: Discovery, trainable) -> dict:
-    """Flat parameter key -> bool: the leaves of ``wrt`` that match ``trainable``."""
+def _trainable_mask(model, d: Discovery, trainable, params: dict) -> dict:
+    """Flat parameter key -> bool: the floating leaves of ``wrt`` that match ``trainable``."""
     from flax import nnx
     keys = {"/".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(model, nnx.All(d.wrt, trainable)))}
-    out = {}
-    for k in d.param_keys:
-        for kk in d.per_layer.get(k, (k,)):
-            out[kk] = k in keys
-    return out
+    return {kk: k in keys and jnp.issubdtype(params[kk].dtype, jnp.floating)
+            for k in d.param_keys for kk in d.per_layer.get(k, (k,))}

@@ -49,6 +49,9 @@ class Placement:
             raise ValueError("param_kinds and state_kinds must have one entry per chunk")
         if self.trainable is not None and len(self.trainable) != len(self.param_kinds):
             raise ValueError("trainable must have one entry per chunk")
+        if self.trainable is not None:  # all trainable is the default: one spelling, so placements compare equal
+            tr = tuple(bool(t) for t in self.trainable)
+            object.__setattr__(self, "trainable", None if all(tr) else tr)
         for k in self.param_kinds + self.state_kinds:
             if k not in (DEVICE, PINNED_HOST):
                 raise ValueError(f"memory kind {k!r} is not 'device' or 'pinned_host'")
@@ -84,6 +87,18 @@ class Placement:
             key = f"params_{p}/state_{s}"
             out[key] = out.get(key, 0) + 1
         return out
+
+
+def check_trainable(chunk_trainable, placement: Placement, schedule) -> None:
+    """Raise ValueError (one line) unless ``placement`` and ``schedule`` (or None) agree with a
+    layout's ``chunk_trainable`` on the frozen chunks (update location ``none``)."""
+    if placement.trainable is not None and tuple(placement.trainable) != tuple(chunk_trainable):
+        raise ValueError("placement.trainable differs from layout.chunk_trainable: plan with this layout")
+    locs = () if schedule is None else schedule.update_locations
+    bad = [c for c, (u, t) in enumerate(zip(locs, chunk_trainable)) if (u == NO_UPDATE) == t]
+    if bad:
+        raise ValueError(f"chunk {bad[0]}: the schedule's update location {locs[bad[0]]!r} does not match "
+                         f"trainable={chunk_trainable[bad[0]]} in the layout: plan with this layout")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -37,7 +37,7 @@ from chunkjax import updaters as upd
 from chunkjax.layout import ChunkLayout
 from chunkjax.memory import DEVICE, PINNED_HOST, sharding
 from chunkjax.plan import Placement, fetch_events
-from chunkjax.schedule import NO_UPDATE
+from chunkjax.schedule import NO_UPDATE, check_trainable
 from chunkjax.stages import first_readers, split_loss, stage_reads
 from chunkjax.step_checkpoint import StepChunkIO, restore_chunks
 from chunkjax.topology import SingleDevice, make_topology
@@ -51,12 +51,11 @@ class TrainState(NamedTuple):
 
     Attributes:
       params: per chunk, (chunk_size,) compute-dtype params in the placement's param kind; on a
-        mesh ``P("data")`` (stage 3) or replicated. Frozen chunks (``layout.chunk_trainable``
-        False): their leaves' dtype, never updated.
-      master: per chunk (None for frozen chunks), (chunk_size,) float32 master params in the chunk's state kind (on a
+        mesh ``P("data")`` (stage 3) or replicated; frozen chunks: their leaves' dtype.
+      master: per chunk (None: frozen), (chunk_size,) float32 master params in its state kind (on a
         mesh ``P("data")``); host-updated chunks: numpy (one device) or a tuple with one
         (chunk_size / N,) numpy slice per rank (None for ranks of other processes).
-      opt_state: per chunk (None for frozen chunks), the chunk's optax state (on a mesh every leaf with a leading rank
+      opt_state: per chunk (None: frozen), the chunk's optax state (on a mesh every leaf with a leading rank
         axis, ``P("data")``); host-updated chunks: a ``Host*State`` (:mod:`chunkjax.host_update`)
         or one per rank.
       pending: the host thread's work of the step that returned this state
@@ -138,29 +137,16 @@ class ChunkedStep(StepChunkIO):
                              "(chunkjax.host_update.AdamW / Lion / SGDMomentum)")
         if self.placement.n_chunks != self.layout.n_chunks:
             raise ValueError(f"placement has {self.placement.n_chunks} chunks, layout {self.layout.n_chunks}")
-        self._check_frozen()
+        check_trainable(self.layout.chunk_trainable, self.placement, self.schedule)
         if self.prefetch < 1:
             raise ValueError(f"prefetch must be >= 1 stage, got {self.prefetch}")
         if self.layout.chunk_size % self.n_ranks:
             raise ValueError(f"chunk_size {self.layout.chunk_size} is not a multiple of the {self.n_ranks} ranks: "
                              "build the layout with chunkjax.topology.build_zero_layout")
 
-    def _check_frozen(self) -> None:
-        """The placement (schedule) and the layout agree on the frozen chunks."""
-        tr = self.layout.chunk_trainable
-        if self.placement.trainable is not None and tuple(self.placement.trainable) != tuple(tr):
-            raise ValueError("placement.trainable differs from layout.chunk_trainable: plan with this layout")
-        if self.schedule is not None:
-            bad = [c for c, (u, t) in enumerate(zip(self.schedule.update_locations, tr)) if (u == NO_UPDATE) == t]
-            if bad:
-                raise ValueError(f"chunk {bad[0]}: the schedule's update location "
-                                 f"{self.schedule.update_locations[bad[0]]!r} does not match its trainable="
-                                 f"{tr[bad[0]]} in the layout: plan with this layout")
-
     @functools.cached_property
     def frozen_chunks(self) -> tuple[int, ...]:
-        """Chunks with no master params, optimizer state, gradient or update
-        (``layout.chunk_trainable`` False)."""
+        """Chunks without master params, optimizer state, gradient or update (``layout.chunk_trainable``)."""
         return tuple(c for c, t in enumerate(self.layout.chunk_trainable) if not t)
 
     @property
@@ -279,10 +265,8 @@ class ChunkedStep(StepChunkIO):
         if key not in self._cache:
             t0, t1 = self._program_bounds()[k]
             args = self._program_args(batch, t0, t1)
-            frozen = set(self.frozen_chunks)
-            done = [c for t in range(t0, t1) if self.moments[t][0] != "forward"
-                    for c in self.reads[self.moments[t][1]]
-                    if self.first_reader[c] == self.moments[t][1] and c not in frozen]
+            done = [c for t in range(t0, t1) if self.moments[t][0] != "forward" for c in self.reads[self.moments[t][1]]
+                    if self.first_reader[c] == self.moments[t][1] and c not in self.frozen_chunks]
 
             def prog(params, batch, carry, acc):
                 out, grads, sq, loss = self._walk(batch).run(params, batch, dict(carry, acc=acc), t0, t1)
@@ -363,15 +347,11 @@ class ChunkedStep(StepChunkIO):
 
     @functools.cached_property
     def _device_chunks(self) -> tuple[int, ...]:
-        frozen = set(self.frozen_chunks)
-        return tuple(c for c in range(self.layout.n_chunks)
-                     if self.placement.state_kinds[c] == DEVICE and c not in frozen)
+        return tuple(c for c in range(self.layout.n_chunks) if self._location(c) == "device")
 
     @functools.cached_property
     def _streamed_chunks(self) -> tuple[int, ...]:
-        skip = set(self.host_chunks) | set(self.frozen_chunks)
-        return tuple(c for c in range(self.layout.n_chunks)
-                     if self.placement.state_kinds[c] == PINNED_HOST and c not in skip)
+        return tuple(c for c in range(self.layout.n_chunks) if self._location(c) == "streamed")
 
     @functools.cached_property
     def updaters(self) -> dict[str, upd.Updater]:
@@ -489,10 +469,9 @@ class ChunkedStep(StepChunkIO):
             mine = {c: g[c] for c in g if c in host}
             if mine and work is not None:
                 work.submit(self._host_update, state, mine, 1.0)
-        frozen = set(self.frozen_chunks)
         for c in range(self.layout.n_chunks):
             if c not in sq:  # chunks no stage reads: zero gradient; frozen chunks: none (their norm 0)
-                if c not in frozen:
+                if c not in self.frozen_chunks:
                     grads[c] = self._zeros_grad(c)
                 sq[c] = self.topology.put(np.zeros((), np.float32), self.topology.scalar_sharding())
         return grads, sq, loss
@@ -538,7 +517,7 @@ class ChunkedStep(StepChunkIO):
         if self.host_chunks:
             upd.warm_host_kernel(self.host_optimizer, self.compute_dtype)
 
-        frozen = set(self.frozen_chunks)
+        frozen = self.frozen_chunks
 
         def packed(c, dtype=np.float32):
             buf = np.zeros((lay.chunk_size,), dtype)

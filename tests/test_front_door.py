@@ -251,7 +251,7 @@ CASES = {
     "llama": (lambda: Llama(rngs=nnx.Rngs(0)), lm_loss, token_batches, nnx.Param, "500KiB"),
     "vit": (lambda: ViT(rngs=nnx.Rngs(0)), vit_loss, image_batches, nnx.Param, "240KiB"),
     "scanned": (lambda: ScannedLM(rngs=nnx.Rngs(0)), lm_loss, token_batches, nnx.Param, "240KiB"),
-    "lora": (lambda: LoRALM(rngs=nnx.Rngs(0, dropout=1)), lm_loss, token_batches, nnx.LoRAParam, "48KiB"),
+    "lora": (lambda: LoRALM(rngs=nnx.Rngs(0, dropout=1)), lm_loss, token_batches, nnx.LoRAParam, "192KiB"),
 }
 
 
