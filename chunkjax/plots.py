@@ -171,7 +171,8 @@ def plot_tide(obj, *, schedule: Schedule | None = None, budget_bytes: int | None
 
 def released_bytes(problem, s: Schedule) -> list[int]:
     """Device bytes per moment if fetched copies live only as long as :meth:`Schedule.residency`
-    holds them (released after the last read before a fresh fetch), plus fetches in flight.
+    holds them (released after the last read before a fresh fetch), plus fetches in flight; each
+    copy is one chunk buffer (``ChunkBytes.buffer`` bytes).
 
     The prediction (:attr:`Prediction.device_bytes_per_moment`) instead counts every fetched copy
     until Belady's rule has to evict it; this is what the step's programs are told to keep.
@@ -186,7 +187,7 @@ def released_bytes(problem, s: Schedule) -> list[int]:
         copies = sum(1 for c in range(s.n_chunks) if res[c][t] and s.param_kinds[c] != DEVICE)
         inflight = sum(len(s.fetch[u]) for u in range(t + 1, min(T, t + 1 + s.prefetch)))
         out.append(parts["resident model data"][t] + parts["non-model (tide)"][t] + parts["gradients held"][t]
-                   + (copies + inflight) * problem.cb_rank.params)
+                   + (copies + inflight) * problem.cb_rank.buffer)
     return out
 
 
@@ -366,12 +367,12 @@ def placement_bytes(problem, s: Schedule) -> dict[str, dict[str, int]]:
     params of host-kind chunks, gradients of every chunk not updated on the device, state of
     ``streamed`` chunks. ``host (pageable)``: state of ``host``-updated chunks (numpy). The two host
     kinds sum to ``predicted.host_model_bytes``. A frozen chunk (update location ``none``) has
-    compute params only.
+    its params only, in their own dtype (``ChunkBytes.params_of``).
     """
     cb = problem.cb_rank
     out = {k: dict.fromkeys(PLACEMENT_LISTS, 0) for k in PLACEMENT_KINDS}
-    for kind, upd in zip(s.param_kinds, s.update_locations):
-        out["device" if kind == DEVICE else "pinned_host"]["compute params"] += cb.params
+    for c, (kind, upd) in enumerate(zip(s.param_kinds, s.update_locations)):
+        out["device" if kind == DEVICE else "pinned_host"]["compute params"] += cb.params_of(c)
         if upd == NO_UPDATE:
             continue
         state_kind = {DEVICE_UPDATE: "device", STREAMED_UPDATE: "pinned_host", HOST_UPDATE: "host (pageable)"}[upd]

@@ -183,3 +183,47 @@ def test_import_does_not_load_matplotlib():
     code = "import sys, chunkjax.plots; assert 'matplotlib' not in sys.modules, 'matplotlib imported'"
     subprocess.run([sys.executable, "-c", code], check=True, env={"JAX_PLATFORMS": "cpu", "PYTHONPATH": "."},
                    cwd=pathlib.Path(__file__).resolve().parents[1])
+
+
+def test_frozen_chunks_of_a_lora_model():
+    """chunkjax.offload's step of a LoRA model (base frozen): the plots take the step, frozen
+    chunks (update location none) carry params only, and the placement still sums to the
+    prediction."""
+    import optax
+    from flax import nnx
+
+    class Block(nnx.Module):
+        def __init__(self, d, rngs):
+            self.fc = nnx.LoRALinear(d, d, lora_rank=4, rngs=rngs)
+
+        def __call__(self, x):
+            return x + jnp.tanh(self.fc(x))
+
+    class LM(nnx.Module):
+        def __init__(self, rngs, vocab=64, d=32):
+            self.emb, self.out = nnx.Embed(vocab, d, rngs=rngs), nnx.Linear(d, vocab, rngs=rngs)
+            self.blocks = nnx.List([Block(d, rngs) for _ in range(3)])
+
+        def __call__(self, ids):
+            x = self.emb(ids)
+            for b in self.blocks:
+                x = b(x)
+            return self.out(x)
+
+    def loss_fn(model, batch):
+        return optax.softmax_cross_entropy_with_integer_labels(model(batch[:, :-1]), batch[:, 1:]).mean()
+
+    step = cj.offload(LM(nnx.Rngs(0)), optax.adamw(1e-3), loss_fn, jnp.zeros((4, 17), jnp.int32),
+                      trainable=nnx.LoRAParam, device_budget=160_000)
+    s, cb = step.schedule, step.problem.cb_rank
+    frozen = [c for c, u in enumerate(s.update_locations) if u == "none"]
+    assert frozen and len(frozen) < s.n_chunks
+    pb = plots.placement_bytes(step.problem, s)
+    assert sum(pb["device"].values()) == s.predicted.device_model_bytes
+    assert sum(pb["pinned_host"].values()) + sum(pb["host (pageable)"].values()) == s.predicted.host_model_bytes
+    trained_off = sum(u not in ("device", "none") for u in s.update_locations)
+    assert pb["pinned_host"]["gradients"] == trained_off * cb.grad
+    fig = plots.plot_schedule(step)
+    strip = fig.axes[1].images[0].get_array()[:, 0]
+    assert [c for c, v in enumerate(strip) if UPDATE_LOCATIONS[int(v)] == "none"] == frozen
+    assert "frozen (no update)" in [t.get_text() for t in fig.legends[0].get_texts()]
