@@ -154,11 +154,13 @@ def plot_tide(obj, *, schedule: Schedule | None = None, budget_bytes: int | None
                        label="room beside resident model data")
     from matplotlib.patches import Patch
     handles = [Patch(color=c, label=p) for p, c in PHASE_COLORS.items()]
-    ax.legend(handles=handles + ax.get_legend_handles_labels()[0], fontsize=8, loc="upper right")
+    fig.legend(handles=handles + ax.get_legend_handles_labels()[0], fontsize=8, loc="outside right upper")
     ax.set_ylabel(f"non-model {unit}")
     ax.set_title(f"memory tide: peak non-model {tide.peak_non_model_bytes / k:.3g} {unit} over "
                  f"{len(tide.moments)} moments, {problem.layout.n_chunks} chunks", fontsize=10)
     ax2.bar(x, [len(m.chunks) for m in tide.moments], color="gray", width=0.9)
+    from matplotlib.ticker import MaxNLocator
+    ax2.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax2.set_ylabel("chunks read")
     ax2.set_xlabel("moment")
     if names if names is not None else len(x) <= 40:
