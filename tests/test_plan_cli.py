@@ -466,7 +466,6 @@ def test_user_nnx_model_plans_as_offload_does(user_model, capsys):
     """A factory returning (nnx model, loss_fn, batch), the model abstract: the planner finds the
     stages as chunkjax.offload does and plans the schedule offload's step runs (same budget,
     host AdamW, bf16 compute)."""
-    import jax
     import jax.numpy as jnp
     from flax import nnx
 
