@@ -273,8 +273,8 @@ def _cut(closed, roles: dict, block_eqns, scan_eqn, per_layer, mutable: tuple) -
             if it[0] == "layer":
                 ops.append(it[1])
         stage_ops.append(tuple(ops))
-    trace_keys = tuple(hash((tuple((op.key, len(op.ins), len(op.outs)) for op in ops), len(live_in[s]), len(live_out[s])))
-                       for s, ops in enumerate(stage_ops))
+    trace_keys = tuple(hash((tuple((op.key, len(op.ins), len(op.outs)) for op in ops), len(live_in[s]),
+                             len(live_out[s]))) for s, ops in enumerate(stage_ops))
     nb = [sum(it[0] in ("block", "layer") for it in g) for g in merged]
     names = tuple(f"block_{sum(nb[:s])}" if nb[s] else ("pre" if s == 0 else "post") for s in range(n))
     return _Cut(tuple(closed.consts), tuple(stage_ops), tuple(tuple(params_of(g)) for g in merged), live_in,
@@ -316,7 +316,7 @@ def _roles(jaxpr, param_keys, n_side: int) -> dict:
     return roles
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Discovery:
     """An NNX model's loss as chunkjax stages (see the module docstring); from :func:`discover`.
 
@@ -434,6 +434,9 @@ class Discovery:
                 raise ValueError(f"the calls of the blocks {where!r} run inside one jit/remat/scan equation: "
                                  "call each block at the top level of the loss")
             block_eqns = {k for k, c in enumerate(counts) if c}
+            if not block_eqns:
+                raise ValueError(f"the loss never calls the blocks {where!r} (block(x)): pass blocks= naming the "
+                                 "block list the model runs")
         elif self.mode == "scan":
             scan_eqn = _find_scan(jaxpr, roles, self.per_layer)
             stacked = {v for v in jaxpr.invars if roles[v][0] == "param" and roles[v][1] in self.per_layer}
@@ -528,12 +531,14 @@ def discover(model, loss_fn, data, *, wrt=None, blocks=None, compute_dtype=None)
         try:
             node = _node_at(model, path)
         except (AttributeError, IndexError, KeyError, TypeError):
-            raise ValueError(f"blocks={blocks!r}: the model has no attribute path {'/'.join(map(str, path))!r}") from None
+            raise ValueError(f"blocks={blocks!r}: the model has no attribute path "
+                             f"{'/'.join(map(str, path))!r}") from None
         mode = "list" if isinstance(node, (nnx.List, list, tuple)) else "scan"
     elif lists:
         if len(lists) > 1 and lists[0][1] == lists[1][1]:
             names = ["/".join(map(str, p)) for p, _ in lists[:2]]
-            raise ValueError(f"block lists {names} hold equally many parameters: name the blocks, e.g. blocks={names[0]!r}")
+            raise ValueError(f"block lists {names} hold equally many parameters: name the blocks, "
+                             f"e.g. blocks={names[0]!r}")
         mode, path = "list", lists[0][0]
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), data)
     d = Discovery(graphdef, wrt, ptd, pkeys, pavals, std, tuple(_path_key(p) for p, _ in sflat),
@@ -555,7 +560,8 @@ def discover(model, loss_fn, data, *, wrt=None, blocks=None, compute_dtype=None)
         if k is not None:
             e = closed.jaxpr.eqns[k]
             xs = e.invars[e.params["num_consts"] + e.params["num_carry"]:]
-            stacked = [roles[v][1] for v in xs if roles.get(v, ("",))[0] == "param" and (keys is None or roles[v][1] in keys)]
+            stacked = [roles[v][1] for v in xs
+                       if roles.get(v, ("",))[0] == "param" and (keys is None or roles[v][1] in keys)]
             per_layer = _layer_keys(stacked, e.params["length"])
             if not path:
                 parts = per_layer[stacked[0]][0].split("/")

@@ -203,10 +203,11 @@ def batch_rows(batch) -> int:
     """
     leaves = jax.tree.leaves(batch)
     if not leaves:
-        raise ValueError("the batch has no arrays: pass tokens (B, T+1) or a pytree of arrays with the batch axis first")
+        raise ValueError("the batch has no arrays: pass tokens (B, T+1) or a pytree of arrays with the batch axis "
+                         "first")
     if not isinstance(batch, (tuple, list, dict)) and len(leaves) == 1 and len(leaves[0].shape) < 2:
-        raise ValueError(f"a batch of shape {tuple(leaves[0].shape)}: pass tokens as (B, T+1), or a dict/tuple of arrays "
-                         "whose first axis is the batch")
+        raise ValueError(f"a batch of shape {tuple(leaves[0].shape)}: pass tokens as (B, T+1), or a dict/tuple of "
+                         "arrays whose first axis is the batch")
     lead = {tuple(a.shape[:1]) for a in leaves}
     if () in lead or len(lead) != 1:
         raise ValueError(f"batch leaves have leading sizes {sorted(str(a.shape) for a in leaves)}: every leaf needs "

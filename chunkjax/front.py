@@ -194,9 +194,9 @@ def offload(model, tx, loss_fn, batch, *, device_budget: int | str = "auto", hos
     opt = _optimizer_kw(tx)
     batch_rows(_abstract(batch))  # a batch without a row axis: one line before tracing the loss
     d = discover(model, loss_fn, batch, wrt=wrt, blocks=blocks, compute_dtype=compute_dtype)
-    if d.mutable and mesh is not None:
+    if d.mutable and (mesh is not None or fit_kw.get("micro_batches", 1) != 1):
         raise ValueError("the loss changes non-parameter state (RNG streams, counters, batch statistics): run it on "
-                         "one device (mesh=None), or make those leaves constant")
+                         "one device with one micro-batch (mesh=None, micro_batches=1), or make those leaves constant")
     leaves = jax.tree.leaves(nnx.split(model, d.wrt, ...)[1])
     params = d.layout_params(leaves)
     if trainable is not None:

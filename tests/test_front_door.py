@@ -334,6 +334,15 @@ def test_bad_batches_are_one_line():
         chunkjax.offload(model, "adam", lm_loss, token_batches(n=1)[0])
 
 
+def test_evaluate_runs_the_model_in_eval_mode(run):
+    name, _, _, (_, model, step) = run
+    if name != "lora":  # dropout: eval mode matters
+        return
+    batch = token_batches(n=1, seed=7)[0]
+    model.eval()
+    np.testing.assert_allclose(float(step.evaluate(batch)), float(lm_loss(model, batch)), rtol=RTOL)
+
+
 def test_another_batch_shape_is_one_line(run):
     name, _, _, (_, _, step) = run
     if name != "llama":
