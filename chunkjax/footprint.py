@@ -65,6 +65,9 @@ def pinned_host_bytes(step) -> int:
     opt = optim.state_bytes_per_chunk(step.tx, cs)
     host, n = set(step.host_chunks), 0
     for c in range(step.layout.n_chunks):
+        if c in step.frozen_chunks:  # params only, in their own dtype
+            n += step.layout.chunk_bytes(c) * (step.placement.param_kinds[c] == PINNED_HOST)
+            continue
         if c in host:
             n += 2 * cs * it
             continue
