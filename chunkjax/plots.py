@@ -299,7 +299,7 @@ def plot_residency(resident: Sequence[Sequence[bool]], *, placed: Sequence[bool]
       a Figure with one axes whose image has values 0 (absent), 1 (a fetched copy), 2 (placed).
     """
     n = len(resident)
-    fig, axes = _figure((10, max(2.4, 0.16 * n + 1.2)))
+    fig, axes = _figure((10, min(8.0, max(2.4, 0.16 * n + 1.2))))
     ax = axes[0, 0]
     _draw_residency(ax, resident, placed=placed, accesses=accesses, fetch=fetch, evict=evict, segments=segments)
     if any(ln.get_label() in ("read", "fetch", "evict") for ln in ax.lines):
@@ -336,7 +336,7 @@ def plot_schedule(obj, schedule: Schedule | None = None, *, path=None, title: st
     problem, s, _ = _parts(obj, schedule)
     s = _need_schedule(s, "plot_schedule")
     accesses = tide_of(problem).accesses if problem is not None else None
-    fig, axes = _figure((12, max(2.6, 0.16 * s.n_chunks + 1.4)), 1, 2, sharey=True,
+    fig, axes = _figure((12, min(8.0, max(2.6, 0.16 * s.n_chunks + 1.4))), 1, 2, sharey=True,
                         gridspec_kw={"width_ratios": [40, 1]})
     ax, strip = axes[0]
     _draw_residency(ax, s.residency(), placed=[k == DEVICE for k in s.param_kinds], accesses=accesses,
