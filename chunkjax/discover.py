@@ -445,7 +445,8 @@ class Discovery:
                     raise ValueError(f"a stacked parameter of the scanned blocks {where!r} is read outside their "
                                      f"scan ({e.primitive.name}): read it inside the scanned block")
         cut = _cut(closed, roles, block_eqns, scan_eqn, self.per_layer, self.mutable)
-        if self._cuts and next(iter(self._cuts.values())).stage_params != cut.stage_params:
+        if self._cuts and [set(p) for p in next(iter(self._cuts.values())).stage_params] != \
+                [set(p) for p in cut.stage_params]:
             raise ValueError("the loss reads other parameters per stage for this batch shape than for the planned one")
         self._cuts[key] = cut
         return cut

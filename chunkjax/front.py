@@ -10,14 +10,15 @@
 
 The model's stages are found by :mod:`chunkjax.discover` (a block list or a scanned block, the parts
 before and after as their own stages); the parameters, gradients and optimizer state are chunked
-and placed by the tide plan through :func:`chunkjax.fit.fit_step`, the one fit path (PatrickStar,
-arXiv 2108.05818, sections 4-5). Non-parameter state (dropout RNG, counters, batch statistics)
-advances as in the plain NNX loop.
+and placed by the tide plan through the one fit path (:func:`chunkjax.fit.prepare`, then
+:func:`chunkjax.fit.fit_problem`; PatrickStar, arXiv 2108.05818, sections 4-5). Non-parameter
+state (dropout RNG, counters, batch statistics) advances as in the plain NNX loop.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -26,7 +27,8 @@ import numpy as np
 import optax
 
 from chunkjax.discover import Discovery, discover
-from chunkjax.fit import batch_rows, describe, fit_step
+from chunkjax.errors import PlanError
+from chunkjax.fit import HEADROOM, batch_rows, describe, fit_problem, plan, prepare
 
 
 def _abstract(tree):
@@ -166,8 +168,10 @@ def offload(model, tx, loss_fn, batch, *, device_budget: int | str = "auto", hos
       loss_fn: ``loss_fn(model, batch) -> () float``: the loss (a scalar; nnx's usual signature).
       batch: an example batch, the planned shape: tokens (B, T+1) or any pytree of arrays with
         the batch axis first (e.g. ``{"images": (B, H, W, C), "labels": (B,)}``).
-      device_budget: bytes per device for model data and activations (int, ``"64MiB"`` or
-        ``"auto"``); ``host_budget``: bytes of host memory for model data, ``"auto"`` or None.
+      device_budget: bytes per device for model data and activations: an int, ``"64MiB"``,
+        ``"auto"`` (:func:`chunkjax.fit.auto_budget`) or ``"min"`` (:func:`smallest_budget`: the
+        least the plan needs, every parameter chunk in pinned_host); ``host_budget``: bytes of
+        host memory for model data, ``"auto"`` or None.
       wrt: nnx filter of the chunked leaves (default ``nnx.Param``); the rest of the model's
         state (RNG streams, counters, batch statistics) advances as in the plain loop.
       trainable: nnx filter of the trained leaves among ``wrt`` (default: all floating ones);
@@ -178,7 +182,9 @@ def offload(model, tx, loss_fn, batch, *, device_budget: int | str = "auto", hos
         ``jnp.bfloat16`` for mixed precision with float32 masters).
       mesh, zero_stage: a ``data`` mesh (:func:`chunkjax.data_mesh`) and ZeRO stage 1/2/3.
       policy: the planner's policy (default ``"tide"``).
-      **fit_kw: the rest of :func:`chunkjax.fit_step` (chunk_size, min_chunks, prefetch, ...).
+      **fit_kw: the rest of :func:`chunkjax.fit_step` (chunk_size, min_chunks, prefetch,
+        check_compiled, strict, ...): this is the fit path's :func:`~chunkjax.fit.prepare` then
+        :func:`~chunkjax.fit.fit_problem`.
 
     Returns:
       an initialised :class:`OffloadedStep`.
@@ -204,11 +210,25 @@ def offload(model, tx, loss_fn, batch, *, device_budget: int | str = "auto", hos
     example = _abstract(batch)
     side = tuple(jax.ShapeDtypeStruct((jax.tree.leaves(batch)[0].shape[0],) + tuple(np.shape(d.side_values[j])),
                                       d.side_values[j].dtype) for j in d.mutable)
-    fitted = fit_step(d.stages, _abstract(params), (example, side), device_budget=device_budget, policy=policy,
+    fit_args = {k: fit_kw.pop(k) for k in ("resident", "check_compiled", "strict") if k in fit_kw}
+    smallest = isinstance(device_budget, str) and device_budget.strip().lower() == "min"
+    problem = prepare(d.stages, _abstract(params), (example, side), device_budget=None if smallest else device_budget,
                       host_budget=host_budget, compute_dtype=d.compute_dtype, mesh=mesh, zero_stage=zero_stage,
                       **opt, **fit_kw)
+    fitted = fit_problem(problem, smallest_budget(problem, policy) if smallest else device_budget, policy=policy,
+                         **fit_args)
     state = fitted.step.init(params)
     return OffloadedStep(d, fitted, state, example)
+
+
+def smallest_budget(problem, policy: str = "tide") -> int:
+    """The smallest per-rank device budget ``problem`` plans for (every parameter chunk offloaded:
+    the planner's ``PlanError.min_budget_bytes``), over :data:`chunkjax.fit.HEADROOM`, in bytes."""
+    try:
+        plan(problem, 1, policy=policy)
+        return 1
+    except PlanError as e:
+        return int(math.ceil(e.min_budget_bytes / HEADROOM))
 
 
 def _trainable_mask(model, d: Discovery, trainable, params: dict) -> dict:
