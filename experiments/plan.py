@@ -2,7 +2,14 @@
 partitions users know, all planned by the same engine on abstract shapes (runs on a CPU).
 
     python -m experiments.plan --model GPT3_10B --device-budget 24GiB --host-budget 120GiB \\
-        --batch 8 --seq 1024 [--json] [--tide-from RESULTS_JSON] [--ranks N [--zero-stage 3]]
+        --batch 8 --seq 1024 [--json] [--tide-from RESULTS_JSON] [--ranks N [--zero-stage 3]] [--plots DIR]
+    python -m experiments.plan --model mypkg.mymodel:make --device-budget 2GiB --plots plots/
+
+``--model`` is a name of models/gpt.py's table or your own model as ``module:factory``: the
+factory returns an NNX model, its loss and a batch (what :func:`chunkjax.offload` takes), or
+``(stages, params, batch)``, on abstract shapes (:func:`call_factory` says how it is called). ``--plots DIR`` writes the plan's figures (:func:`chunkjax.plots.save_figures`: the memory
+tide against the budget, device bytes per moment by kind, the schedule of fetches, evictions and
+update locations, the placement in bytes per memory kind).
 
 The plan is the one fit path's, on abstract shapes: :func:`chunkjax.fit.prepare` (first-use
 order, layout, stage traces; no devices, no compile of the step, this machine's host memory not
@@ -74,6 +81,8 @@ ZERO_TIME_NOTE = (
     "NOT included: collective time (all-gather of params, "
     "reduce-scatter / all-reduce of gradients over NVLink), neither its duration nor its overlap with compute; "
     "their bytes are given (collective_bytes_per_step_per_rank, accounted, not timed)")
+#: where the rates come from unless a recorded run gives them
+RATES_DEFAULT = "chunkjax.cost.Rates() defaults (H200)"
 #: recorded stage names whose temporaries stand for a group of identical stages
 _BLOCK_PREFIX, _BLOCK_REF = "h_", "h_0"
 
@@ -83,7 +92,7 @@ class PlanInputs:
     """Everything a plan needs for one (model, batch, seq), traced once.
 
     Attributes:
-      cfg: the model config (models/gpt.py).
+      cfg: the model config (models/gpt.py), None for a user model (``module:factory``).
       batch, seq: batch shape, rows x tokens (tokens per step = batch * seq); with ``n_ranks`` > 1
         the global batch (each rank runs ``batch / n_ranks`` rows).
       problem: the one fit path's problem (:func:`chunkjax.fit.prepare` on abstract shapes: the
@@ -92,6 +101,8 @@ class PlanInputs:
       tide: the memory tide over the traces (one rank's non-model bytes).
       tide_source: where the non-model bytes come from ("estimated on cpu", "recorded on gpu ...").
       rates_source: where the rates come from.
+      name: the model's name (the config's, or the ``module:factory`` spec).
+      n_params: parameters of the model (elements of every leaf).
     """
 
     cfg: object
@@ -101,6 +112,8 @@ class PlanInputs:
     tide: object
     tide_source: str
     rates_source: str
+    name: str
+    n_params: int
 
     @property
     def layout(self):
@@ -238,10 +251,153 @@ def trace_inputs(model: str, batch: int, seq: int, *, chunk_size: int | None = N
                           compute_dtype=jnp.bfloat16, chunk_size=chunk_size, min_chunks=min_chunks,
                           flops_per_step=float(cfg.flops_per_token(seq) * batch * seq), host_budget=None,
                           check_host=False, **zero)
-    backend = jax.default_backend()
     return PlanInputs(cfg, batch, seq, problem, memory_tide(problem.traces, problem.layout.chunk_size),
-                      f"estimated on {backend}" if backend != "gpu" else "traced on gpu",
-                      "chunkjax.cost.Rates() defaults (H200)")
+                      _traced_on(), RATES_DEFAULT, cfg.name, cfg.n_params)
+
+
+def _traced_on() -> str:
+    import jax
+    backend = jax.default_backend()
+    return f"estimated on {backend}" if backend != "gpu" else "traced on gpu"
+
+
+def is_factory_spec(model: str) -> bool:
+    """``model`` names a user model (``module:factory``) rather than a models/gpt.py config."""
+    return ":" in model
+
+
+def load_factory(spec: str):
+    """The callable named by ``spec`` = ``"package.module:factory"`` (the module imported from
+    ``sys.path``, which includes the current directory when run as ``python -m``).
+
+    Raises:
+      ValueError: ``spec`` is not ``module:name``, the module cannot be imported, or it has no
+        such callable (one line each).
+    """
+    import importlib
+
+    mod_name, _, attr = spec.partition(":")
+    if not mod_name or not attr:
+        raise ValueError(f"--model {spec!r}: give a user model as module:factory, e.g. mymodels.llama:make")
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise ValueError(f"--model {spec!r}: cannot import {mod_name!r} ({e}); run from the folder that holds it "
+                         "or add it to PYTHONPATH") from None
+    fn = getattr(mod, attr, None)
+    if not callable(fn):
+        raise ValueError(f"--model {spec!r}: {mod_name} has no callable {attr!r}")
+    return fn
+
+
+def call_factory(spec: str, batch: int, seq: int) -> dict:
+    """Call the factory of ``spec`` and return its model as a dict.
+
+    The factory takes ``batch`` (rows) and ``seq`` (tokens per row) as keyword arguments when its
+    signature names them (or takes ``**kwargs``), and returns one of
+
+    * ``(model, loss_fn, batch)``: an ``nnx.Module`` (concrete, or abstract from
+      ``nnx.eval_shape``), its ``loss_fn(model, batch) -> () float`` and an example batch (arrays
+      or ``ShapeDtypeStruct`` s, any pytree with the rows first): what :func:`chunkjax.offload`
+      takes; the stages are found as it finds them (:func:`nnx_stages`);
+    * ``(stages, params, batch)``: the model's :class:`chunkjax.Stage` sequence, its params
+      pytree (arrays, ``jax.ShapeDtypeStruct`` s, or a callable returning them, evaluated with
+      ``jax.eval_shape``) and the step's batch (an int32 (rows, tokens + 1) array or
+      ``ShapeDtypeStruct``);
+    * a dict with the keys of either, and optionally ``flops_per_step`` (one step's training
+      FLOPs; default 6 x params x tokens), ``name`` and, with a model, ``blocks`` (the block
+      list's attribute path, :func:`chunkjax.discover.discover`).
+
+    Raises:
+      ValueError: the factory returns something else (one line saying what it must return).
+    """
+    import inspect
+
+    fn = load_factory(spec)
+    sig = inspect.signature(fn).parameters
+    takes_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.values())
+    kw = {k: v for k, v in (("batch", batch), ("seq", seq)) if takes_kw or k in sig}
+    out = fn(**kw)
+    if isinstance(out, (tuple, list)) and len(out) == 3:
+        out = dict(zip(("model", "loss_fn", "batch") if _is_nnx(out[0]) else ("stages", "params", "batch"), out))
+    if not isinstance(out, dict) or not ({"stages", "params", "batch"} <= set(out)
+                                         or {"model", "loss_fn", "batch"} <= set(out)):
+        raise ValueError(f"--model {spec!r}: the factory must return (stages, params, batch), (nnx model, loss_fn, "
+                         f"batch) or a dict with those keys, got {type(out).__name__}")
+    return out
+
+
+def _is_nnx(x) -> bool:
+    try:
+        from flax import nnx
+    except ImportError:
+        return False
+    return isinstance(x, nnx.Module)
+
+
+def trace_user_model(spec: str, batch: int, seq: int, *, chunk_size: int | None = None, min_chunks: int = 8,
+                     n_ranks: int = 1) -> PlanInputs:
+    """:func:`trace_inputs` for a user model given as ``module:factory`` (:func:`call_factory`):
+    the one fit path on abstract shapes with the host AdamW kernel and bf16 compute. The batch
+    shape is the one the factory returns (``batch`` and ``seq`` are what it was asked for).
+
+    Raises:
+      ValueError: as :func:`call_factory`, :func:`check_ranks` and :func:`chunkjax.fit.prepare`.
+    """
+    import math
+
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import AbstractMesh
+
+    from chunkjax.fit import prepare as fit_prepare
+    from chunkjax.host_update import AdamW
+    from chunkjax.tide import memory_tide
+    from chunkjax.topology import AXIS
+
+    m = call_factory(spec, batch, seq)
+    if "model" in m:
+        m = {**m, **nnx_stages(m["model"], m["loss_fn"], m["batch"], blocks=m.get("blocks"))}
+    abstract = lambda t: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), t)  # noqa: E731
+    b = abstract(m["batch"])
+    first = jax.tree.leaves(b)[0]
+    rows = int(first.shape[0])
+    check_ranks(rows, n_ranks)
+    params = jax.eval_shape(m["params"]) if callable(m["params"]) else m["params"]
+    zero = dict(mesh=AbstractMesh((n_ranks,), (AXIS,)), zero_stage=3) if n_ranks > 1 else {}
+    problem = fit_prepare(tuple(m["stages"]), abstract(params), b,
+                          host_optimizer=AdamW(1e-4, weight_decay=1e-4), compute_dtype=jnp.bfloat16,
+                          chunk_size=chunk_size, min_chunks=min_chunks, flops_per_step=m.get("flops_per_step"),
+                          host_budget=None, check_host=False, **zero)
+    n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
+    tokens = int(first.shape[1]) - 1 if first.ndim == 2 else seq  # a (rows, tokens + 1) batch, else as asked
+    return PlanInputs(None, rows, tokens, problem, memory_tide(problem.traces, problem.layout.chunk_size),
+                      _traced_on(), RATES_DEFAULT, str(m.get("name", spec)), int(n_params))
+
+
+def nnx_stages(model, loss_fn, batch, *, blocks=None) -> dict:
+    """``stages``, ``params`` (abstract) and ``batch`` of an NNX model and its loss, as
+    :func:`chunkjax.offload` hands them to the fit path: the stages found by
+    :func:`chunkjax.discover.discover` (bf16 compute), the flat parameter dict (per-layer leaves
+    of a scanned block) and the batch with the non-parameter state the loss changes.
+
+    ``model`` may be abstract (``nnx.eval_shape(lambda: MyModel(...))``): only shapes are read.
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from chunkjax.discover import discover
+
+    d = discover(model, loss_fn, batch, blocks=blocks, compute_dtype=jnp.bfloat16)
+    leaves = jax.tree.leaves(nnx.split(model, d.wrt, ...)[1])
+    params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), d.layout_params(leaves))
+    rows = jax.tree.leaves(batch)[0].shape[0]
+    side = tuple(jax.ShapeDtypeStruct((rows,) + tuple(np.shape(d.side_values[j])), d.side_values[j].dtype)
+                 for j in d.mutable)
+    example = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), batch)
+    return {"stages": d.stages, "params": params, "batch": (example, side)}
 
 
 def check_ranks(batch: int, n_ranks: int, zero_stage: int = 3) -> None:
@@ -265,6 +421,8 @@ def with_recorded(inp: PlanInputs, path, warn=None) -> PlanInputs:
     stays) and the rates that run calibrated (when recorded: they describe the machine)."""
     from chunkjax.tide import memory_tide
 
+    if inp.cfg is None:
+        raise ValueError(f"--tide-from takes a recorded run of a models/gpt.py config; {inp.name} is a user model")
     temps, why = recorded_stage_temps(path, inp.cfg.name, inp.rank_batch, inp.seq, [t.name for t in inp.traces])
     if temps is None:
         if warn:
@@ -286,11 +444,21 @@ def prepare(model: str, batch: int, seq: int, *, chunk_size: int | None = None, 
     """:func:`trace_inputs`, then :func:`with_recorded` when ``tide_from`` (a results JSON of a GPU
     run of experiments/bench.py) is given."""
     kw = {"n_ranks": n_ranks} if n_ranks != 1 else {}
-    inp = trace_inputs(model, batch, seq, chunk_size=chunk_size, min_chunks=min_chunks, **kw)
+    trace = trace_user_model if is_factory_spec(model) else trace_inputs
+    inp = trace(model, batch, seq, chunk_size=chunk_size, min_chunks=min_chunks, **kw)
     return with_recorded(inp, tide_from, warn) if tide_from else inp
 
 
 # ---- the schedules -----------------------------------------------------------------------------
+
+def plan_problem(inp: PlanInputs, host_budget: int | None = None, prefetch: int = 1, zero_stage: int = 3):
+    """The fit problem the chunkjax schedule is planned from: ``inp.problem`` with the fetch
+    distance, the host budget (bytes, the node's) and, with ``inp.n_ranks`` > 1, the ZeRO stage
+    and one rank's chunk bytes (what :mod:`chunkjax.plots` draws a plan with)."""
+    stage = zero_stage if inp.n_ranks > 1 else 0
+    return dataclasses.replace(inp.problem, prefetch=prefetch, host_budget_bytes=host_budget, zero_stage=stage,
+                               cb_rank=inp.cb.per_rank(inp.n_ranks, stage) if stage else inp.cb)
+
 
 def plan_schedules(inp: PlanInputs, device_budget: int, host_budget: int | None = None, prefetch: int = 1,
                    zero_stage: int = 3, split: bool = True):
@@ -306,9 +474,7 @@ def plan_schedules(inp: PlanInputs, device_budget: int, host_budget: int | None 
     """
     from chunkjax.fit import plan
 
-    stage = zero_stage if inp.n_ranks > 1 else 0
-    problem = dataclasses.replace(inp.problem, prefetch=prefetch, host_budget_bytes=host_budget, zero_stage=stage,
-                                  cb_rank=inp.cb.per_rank(inp.n_ranks, stage) if stage else inp.cb)
+    problem = plan_problem(inp, host_budget, prefetch, zero_stage)
     sched = plan(problem, device_budget, split=split)  # the tide plan, host AdamW kernel (split: the update split)
     if inp.n_ranks > 1:
         return sched, {}
@@ -362,13 +528,13 @@ def plan_report(model: str, device_budget: int, host_budget: int | None, batch: 
                   cs)
     out["baselines"] = {k: figures(b, device_budget, host_budget, cs)
                         for k, b in base.items()}
-    out.update({"model": inp.cfg.name, "n_params": inp.cfg.n_params, "batch": inp.batch, "seq": inp.seq,
-                "host_budget_bytes": host_budget, "model_bytes": 14 * inp.cfg.n_params,
+    out.update({"model": inp.name, "n_params": inp.n_params, "batch": inp.batch, "seq": inp.seq,
+                "host_budget_bytes": host_budget, "model_bytes": 14 * inp.n_params,
                 "peak_non_model_bytes": inp.tide.peak_non_model_bytes, "n_moments": len(inp.tide.moments),
                 "first_backward_moment": len(inp.traces), "tide_source": inp.tide_source,
                 "rates_source": inp.rates_source, "rates": dataclasses.asdict(inp.rates),
                 "stage_temp_bytes": {t.name: t.temp_bytes for t in inp.traces
-                                     if t.name in ("embed", _BLOCK_REF, "head")},
+                                     if inp.cfg is None or t.name in ("embed", _BLOCK_REF, "head")},
                 "schedule": sched.to_dict()})
     if n_ranks > 1:
         out.update(zero_figures(out, inp, sched, zero_stage))
@@ -490,7 +656,9 @@ def summary(r: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m experiments.plan", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True, help="a name of models/gpt.py's table (case-insensitive)")
+    ap.add_argument("--model", required=True,
+                    help="a name of models/gpt.py's table (case-insensitive), or your model as module:factory "
+                         "(factory(batch=, seq=) -> (nnx model, loss_fn, batch) or (stages, params, batch); see call_factory)")
     ap.add_argument("--device-budget", required=True, help="peak device bytes (per GPU with --ranks), e.g. 24GiB")
     ap.add_argument("--host-budget", default=None,
                     help="host memory for model data, bytes (the node's with --ranks; default: unbounded)")
@@ -502,6 +670,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ranks", type=int, default=1,
                     help="GPUs of one node the step is split over with ZeRO (default 1: one device, no ZeRO)")
     ap.add_argument("--zero-stage", type=int, default=None, help="ZeRO stage 1, 2 or 3 with --ranks > 1 (default 3)")
+    ap.add_argument("--plots", default=None, metavar="DIR",
+                    help="also write the plan's figures there (tide.png, device_bytes.png, schedule.png, "
+                         "placement.png; chunkjax.plots)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     try:
@@ -518,10 +689,16 @@ def main(argv=None) -> int:
         budget = cj.parse_bytes(a.device_budget)
         host = cj.parse_bytes(a.host_budget) if a.host_budget else None
         t0 = time.time()
-        r = plan_report(a.model, budget, host, a.batch, a.seq, a.prefetch, tide_from=a.tide_from,
-                        warn=lambda m: print(f"note: {m}", file=sys.stderr), n_ranks=a.ranks,
+        inp = prepare(a.model, a.batch, a.seq, tide_from=a.tide_from,
+                      warn=lambda m: print(f"note: {m}", file=sys.stderr), n_ranks=a.ranks)
+        r = plan_report(a.model, budget, host, inp.batch, inp.seq, a.prefetch, inputs=inp, n_ranks=a.ranks,
                         zero_stage=a.zero_stage)
         r["plan_s"] = time.time() - t0
+        if a.plots:
+            from chunkjax import plots
+            r["plots"] = {k: str(v) for k, v in plots.save_figures(
+                plan_problem(inp, host, a.prefetch, a.zero_stage), a.plots,
+                schedule=cj.Schedule.from_dict(r["schedule"])).items()}
     except (cj.PlanError, ValueError, OSError) as e:
         print(f"error: {with_flags(str(e))}", file=sys.stderr)
         if a.json and isinstance(e, cj.PlanError):
@@ -532,6 +709,8 @@ def main(argv=None) -> int:
         print(json.dumps(r, indent=1))
     else:
         print(summary(r))
+        if a.plots:
+            print(f"figures: {', '.join(r['plots'].values())}")
     return 0
 
 

@@ -331,3 +331,158 @@ def test_recorded_2gpu_zero3_schedule_reproduced():
     assert r["predicted_peak_device_bytes"] == rec["peak_device_bytes_accounted"]
     assert r["predicted_step_s"] == pytest.approx(rec["step_s_predicted"])
     assert r["collective_bytes_per_step_per_rank"] == rec["comm_bytes_per_step_per_rank_accounted"]
+
+
+# ---- a user model given as module:factory, and the plots (issue 22, item 5) -------------------
+
+USER_MODEL = '''
+import jax, jax.numpy as jnp
+from flax import nnx
+from chunkjax import Stage
+
+V, D, L = 96, 32, 3
+SDS = jax.ShapeDtypeStruct
+
+
+def _head(p, x, b):
+    logits = (x @ p["out"]).astype(jnp.float32)
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), b[:, 1:, None], -1))
+
+
+def make(batch, seq):
+    """Not a GPT: an embedding, residual MLP blocks and an untied head, on abstract shapes."""
+    params = {"emb": SDS((V, D), jnp.float32), "out": SDS((D, V), jnp.float32),
+              **{f"mlp_{i}": {"w1": SDS((D, 4 * D), jnp.float32), "w2": SDS((4 * D, D), jnp.float32)}
+                 for i in range(L)}}
+    stages = [Stage("emb", ("emb",), lambda p, x, b: p["emb"][b[:, :-1]])]
+    stages += [Stage(f"mlp_{i}", (f"mlp_{i}",),
+                     lambda p, x, b, i=i: x + jnp.tanh(x @ p[f"mlp_{i}"]["w1"]) @ p[f"mlp_{i}"]["w2"])
+               for i in range(L)]
+    stages.append(Stage("head", ("out",), _head))
+    return stages, params, SDS((batch, seq + 1), jnp.int32)
+
+
+def make_dict():
+    stages, params, batch = make(4, 8)
+    return {"stages": stages, "params": params, "batch": batch, "name": "mlp-lm"}
+
+
+def not_a_model(batch, seq):
+    return 42
+
+
+class Block(nnx.Module):
+    def __init__(self, d, rngs):
+        self.norm, self.up, self.down = nnx.RMSNorm(d, rngs=rngs), nnx.Linear(d, 4 * d, rngs=rngs), nnx.Linear(4 * d, d, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.down(nnx.silu(self.up(self.norm(x))))
+
+
+class TinyNNX(nnx.Module):
+    def __init__(self, rngs):
+        self.embed = nnx.Embed(V, D, rngs=rngs)
+        self.blocks = nnx.List([Block(D, rngs) for _ in range(L)])
+        self.head = nnx.Linear(D, V, use_bias=False, rngs=rngs)
+
+    def __call__(self, ids):
+        x = self.embed(ids)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def nnx_loss(model, batch):
+    logits = model(batch[:, :-1]).astype(jnp.float32)
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), batch[:, 1:, None], -1))
+
+
+def make_nnx(batch, seq):
+    """An NNX model as chunkjax.offload takes it, abstract (nothing allocated)."""
+    return nnx.eval_shape(lambda: TinyNNX(nnx.Rngs(0))), nnx_loss, SDS((batch, seq + 1), jnp.int32)
+'''
+
+
+@pytest.fixture
+def user_model(tmp_path, monkeypatch):
+    (tmp_path / "my_user_model.py").write_text(USER_MODEL)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import importlib
+    return importlib.import_module("my_user_model")
+
+
+def test_user_model_factory_plans_and_plots(user_model, tmp_path, capsys):
+    """--model module:factory plans the user's stages through the one fit path on abstract shapes:
+    the schedule is fit.plan's on fit.prepare of the same model called directly, the report
+    names every stage, and --plots writes the four figures."""
+    import jax.numpy as jnp
+
+    from chunkjax import PlanError, fit
+    from chunkjax.host_update import AdamW
+
+    args = ["--model", "my_user_model:make", "--batch", "2", "--seq", "16"]
+    assert plan.main(args + ["--device-budget", "1KiB", "--json"]) == 2
+    need = json.loads(capsys.readouterr().out)["min_device_budget_bytes"]
+    budget = need + 40_000
+    figs = tmp_path / "figs"
+    assert plan.main(args + ["--device-budget", str(budget), "--json", "--plots", str(figs)]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["model"] == "my_user_model:make" and (r["batch"], r["seq"]) == (2, 16)
+    assert r["n_params"] == 96 * 32 * 2 + 3 * 2 * 32 * 128
+    assert list(r["stage_temp_bytes"]) == ["emb", "mlp_0", "mlp_1", "mlp_2", "head"]
+    stages, params, batch = user_model.make(2, 16)
+    problem = fit.prepare(stages, params, batch, host_optimizer=AdamW(1e-4, weight_decay=1e-4),
+                          compute_dtype=jnp.bfloat16, host_budget=None, check_host=False)
+    want = fit.plan(problem, budget)
+    assert r["schedule"] == want.to_dict() and want.predicted.n_fetches > 0
+    with pytest.raises(PlanError):
+        fit.plan(problem, need - 1)
+    assert sorted(p.name for p in figs.iterdir()) == ["device_bytes.png", "placement.png", "schedule.png", "tide.png"]
+    assert r["plots"]["tide"] == str(figs / "tide.png")
+    # the readable form too, with the figures named
+    assert plan.main(args + ["--device-budget", str(budget), "--plots", str(figs)]) == 0
+    out = capsys.readouterr().out
+    assert "my_user_model:make" in out and "figures: " + str(figs / "tide.png") in out
+
+
+def test_user_model_factory_without_arguments_and_bad_specs(user_model, capsys):
+    """A factory taking no arguments is called without them (its batch shape wins, its name is
+    used); bad specs exit 2 with one line saying what to give."""
+    assert plan.main(["--model", "my_user_model:make_dict", "--device-budget", "64MiB", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert (r["model"], r["batch"], r["seq"]) == ("mlp-lm", 4, 8)
+    for spec, words in [("my_user_model:nope", "has no callable 'nope'"),
+                        ("no_such_module_xyz:make", "cannot import 'no_such_module_xyz'"),
+                        ("my_user_model:", "module:factory"),
+                        ("my_user_model:not_a_model", "must return (stages, params, batch)")]:
+        assert plan.main(["--model", spec, "--device-budget", "64MiB"]) == 2
+        cap = capsys.readouterr()
+        err = cap.err.strip().splitlines()
+        assert len(err) == 1 and words in err[0], (spec, err)
+    assert plan.main(["--model", "my_user_model:make", "--device-budget", "64MiB", "--tide-from",
+                      str(RECORDED)]) == 2
+    assert "user model" in capsys.readouterr().err
+
+
+def test_user_nnx_model_plans_as_offload_does(user_model, capsys):
+    """A factory returning (nnx model, loss_fn, batch), the model abstract: the planner finds the
+    stages as chunkjax.offload does and plans the schedule offload's step runs (same budget,
+    host AdamW, bf16 compute)."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import chunkjax as cj
+    from chunkjax.host_update import AdamW
+
+    args = ["--model", "my_user_model:make_nnx", "--batch", "2", "--seq", "16"]
+    assert plan.main(args + ["--device-budget", "1KiB", "--json"]) == 2
+    budget = json.loads(capsys.readouterr().out)["min_device_budget_bytes"] + 40_000
+    assert plan.main(args + ["--device-budget", str(budget), "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["n_params"] == 96 * 32 * 2 + 3 * (32 + 32 * 128 + 128 + 128 * 32 + 32)
+    assert (r["batch"], r["seq"]) == (2, 16) and len(r["stage_temp_bytes"]) == 5  # before, 3 blocks, after
+    model = user_model.TinyNNX(nnx.Rngs(0))
+    step = cj.offload(model, AdamW(1e-4, weight_decay=1e-4), user_model.nnx_loss, jnp.zeros((2, 17), jnp.int32),
+                      device_budget=budget, host_budget=None, compute_dtype=jnp.bfloat16)
+    assert r["schedule"] == step.schedule.to_dict() and step.schedule.predicted.n_fetches > 0
+    assert [s.name for s in step.stages] == list(r["stage_temp_bytes"])
