@@ -104,8 +104,9 @@ class FitProblem:
 
     @property
     def model_chunk_bytes(self) -> int:
-        """Compute params, master params and optimizer state of every chunk (padding included)."""
-        return self.layout.n_chunks * (self.cb.params + self.cb.state)
+        """Compute params, master params and optimizer state of every chunk (padding included;
+        frozen chunks: their params only)."""
+        return self.cb.model_bytes(self.layout.n_chunks)
 
     @property
     def batch_sharding(self):
@@ -196,7 +197,8 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
             chunk_size: int | None = None, min_chunks: int = 8, prefetch: int = 1, segments="auto",
             micro_batches: int = 1, nonfinite: str = "ignore", loss_scaling: bool = False, mesh=None,
             zero_stage: int = 0, flops_per_step: float | None = None, rates: Rates | None = None,
-            host_budget="auto", device_budget=None, check_host: bool = True, check_tx: bool = True) -> FitProblem:
+            host_budget="auto", device_budget=None, check_host: bool = True, check_tx: bool = True,
+            trainable=None) -> FitProblem:
     """Layout and traces for a step (no allocation; the budget comes later).
 
     Args:
@@ -225,6 +227,10 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
         laptop): this machine's ``MemAvailable`` is not read (pass ``host_budget`` as bytes or
         None). With it, ``mesh`` may be a ``jax.sharding.AbstractMesh`` (ranks without devices:
         the problem plans, but :func:`build_step` needs a real mesh).
+      trainable: which leaves are trained (:func:`chunkjax.build_layout`): None (floating leaves;
+        integer and bool leaves frozen) or a pytree of bools with the params' structure. Frozen
+        leaves are fetched like params but get no gradient, master, optimizer state or update
+        and keep their dtype.
 
     Raises:
       ValueError: no optimizer or both, a transformation that is not elementwise, a compute
@@ -267,10 +273,10 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
         return loss
 
     order = first_use_order(loss_of, aparams, tbatch)
-    layout = build_layout(aparams, chunk_size, order, min_chunks=min_chunks)
+    layout = build_layout(aparams, chunk_size, order, min_chunks=min_chunks, trainable=trainable)
     if zero_stage:
         from chunkjax.topology import build_zero_layout
-        layout = build_zero_layout(aparams, n_ranks, layout.chunk_size, order)
+        layout = build_zero_layout(aparams, n_ranks, layout.chunk_size, order, trainable=trainable)
     cb = chunk_bytes(layout, compute_dtype, state_bytes_per_chunk(tx, layout.chunk_size))
     cb_rank = cb.per_rank(n_ranks, zero_stage) if zero_stage else cb
     platform = jax.default_backend()
@@ -337,7 +343,7 @@ def auto_budget(problem: FitProblem, *, policy: str = "tide") -> int:
     except PlanError as e:
         floor = e.min_budget_bytes
     cb = problem.cb_rank
-    return int(floor + AUTO_BUDGET_MODEL_FRACTION * problem.layout.n_chunks * (cb.params + cb.state))
+    return int(floor + AUTO_BUDGET_MODEL_FRACTION * cb.model_bytes(problem.layout.n_chunks))
 
 
 # ---- checks ----------------------------------------------------------------------------------
@@ -376,7 +382,10 @@ def host_need(problem: FitProblem, schedule) -> dict:
     p, cb = problem, problem.cb
     reps = p.n_ranks if p.zero_stage in (1, 2) else 1
     pinned = pageable = 0
-    for u in schedule.update_locations:
+    for c, (k, u) in enumerate(zip(schedule.param_kinds, schedule.update_locations)):
+        if u == "none":  # a frozen chunk: its params only
+            pinned += reps * cb.params_of(c) if k == "pinned_host" else 0
+            continue
         if u == "device":
             continue
         pinned += reps * cb.params + cb.grad
@@ -514,7 +523,7 @@ def describe(report: FitReport, problem: FitProblem) -> str:
     off = sum(k != "device" for k in s.param_kinds)
     comp = "" if report.compiled is None else f" (compiled {mib(report.compiled['peak_bytes']):.1f} MiB)"
     ranks = f" per rank x {problem.n_ranks} (ZeRO-{problem.zero_stage})" if problem.zero_stage else ""
-    model = problem.layout.n_chunks * (problem.cb_rank.params + problem.cb_rank.state)  # one rank's
+    model = problem.cb_rank.model_bytes(problem.layout.n_chunks)  # one rank's
     return (f"plan: {s.counts()}; {off} of {s.n_chunks} param chunks in pinned_host; accounted peak "
             f"{mib(p.peak_device_bytes):.1f} MiB{comp} of budget {mib(report.budget_bytes):.1f} MiB{ranks}; model data "
             f"on device {mib(p.device_model_bytes):.1f} of {mib(model):.1f} MiB; per step h2d "

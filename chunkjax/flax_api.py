@@ -84,7 +84,7 @@ def _sub_layout(layout: ChunkLayout, c: int) -> tuple[ChunkLayout, tuple[int, ..
     slots = tuple(LeafSlot(path=str(k), chunk=0, offset=layout.slots[i].offset, shape=layout.slots[i].shape,
                            dtype=layout.slots[i].dtype) for k, i in enumerate(idx))
     sub = ChunkLayout(treedef=jax.tree.structure([0] * len(idx)), slots=slots, chunk_size=layout.chunk_size,
-                      chunk_dtypes=(layout.chunk_dtypes[c],))
+                      chunk_dtypes=(layout.chunk_dtypes[c],), chunk_trainable=(layout.chunk_trainable[c],))
     return sub, idx
 
 

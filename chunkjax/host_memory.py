@@ -96,7 +96,7 @@ def check_host_lower_bound(layout, cb, platform: str, n_ranks: int = 1,
     """
     if available is None:
         return
-    model = layout.n_chunks * (cb.params + cb.state)
+    model = cb.model_bytes(layout.n_chunks)
     if platform == "cpu":
         low = model
     elif isinstance(device_budget, int):

@@ -6,8 +6,8 @@ appended in the order the step first uses them. The four chunk lists of a chunk 
 fp32 master params, Adam m and v) share one offset layout, so a tensor's optimizer state sits at
 the same (chunk, offset) as its parameter. This module computes that layout.
 
-* Leaves are grouped by dtype (one chunk list per dtype, never mixing itemsizes in one buffer),
-  ordered by first use, and packed greedily: a leaf goes into the current chunk of its dtype
+* Leaves are grouped by (dtype, trainable) (one chunk list per group, never mixing itemsizes or
+  trainable with frozen leaves in one buffer; see ``build_layout(trainable=)``), ordered by first use, and packed greedily: a leaf goes into the current chunk of its dtype
   group if it fits, otherwise a new chunk is opened. A leaf is never split across chunks.
 * ``chunk_size`` counts *elements*; padding waste is counted in *bytes* (``waste_bytes``), so a
   search over chunk sizes with mixed bf16/f32 leaves compares like with like.
@@ -73,14 +73,26 @@ class ChunkLayout:
       chunk_size: elements per chunk (same for every dtype group).
       chunk_dtypes: dtype of each chunk, ``len == n_chunks``; chunks are numbered in
         first-use order.
+      chunk_trainable: whether each chunk is trained, ``len == n_chunks`` (default ``None``: all
+        True). A frozen chunk (False) is stored and fetched like a parameter chunk but has no
+        master params, optimizer state or gradient; chunks of a non-floating dtype must be frozen.
     """
 
     treedef: Any
     slots: tuple[LeafSlot, ...]
     chunk_size: int
     chunk_dtypes: tuple[np.dtype, ...]
+    chunk_trainable: tuple[bool, ...] | None = None
 
     def __post_init__(self):
+        tr = (True,) * len(self.chunk_dtypes) if self.chunk_trainable is None else tuple(self.chunk_trainable)
+        if len(tr) != len(self.chunk_dtypes) or not all(isinstance(t, (bool, np.bool_)) for t in tr):
+            raise ValueError(f"chunk_trainable must be {len(self.chunk_dtypes)} bools (one per chunk), got {tr}")
+        for c, (t, d) in enumerate(zip(tr, self.chunk_dtypes)):
+            if t and not jnp.issubdtype(d, jnp.floating):
+                raise ValueError(f"chunk {c} of dtype {np.dtype(d).name} is marked trainable: "
+                                 "only floating chunks can be trained, mark its leaves frozen")
+        object.__setattr__(self, "chunk_trainable", tuple(bool(t) for t in tr))
         for s in self.slots:
             if s.offset + s.size > self.chunk_size:
                 raise ValueError(f"leaf {s.path} overflows chunk {s.chunk}")
@@ -213,25 +225,45 @@ def _leaf_info(params) -> tuple[Any, list[tuple[str, tuple[int, ...], np.dtype]]
     return treedef, info
 
 
-def _greedy_pack(order: Sequence[int], info, chunk_size: int):
-    """Greedy first-use packing. Returns (slot chunk/offset per leaf, chunk dtypes)."""
+def _greedy_pack(order: Sequence[int], info, chunk_size: int, frozen: frozenset = frozenset()):
+    """Greedy first-use packing, one open chunk per (dtype, trainable) group; leaf indices in
+    ``frozen`` are the frozen ones. Returns (slot chunk/offset per leaf, chunk dtypes)."""
     placed: dict[int, tuple[int, int]] = {}
     dtypes: list[np.dtype] = []
-    open_chunk: dict[np.dtype, tuple[int, int]] = {}  # dtype -> (chunk id, fill)
+    open_chunk: dict[tuple, tuple[int, int]] = {}  # (dtype, frozen) -> (chunk id, fill)
     for i in order:
         _, shape, dt = info[i]
         size = int(math.prod(shape))
-        cur = open_chunk.get(dt)
+        group = (dt, i in frozen)
+        cur = open_chunk.get(group)
         if cur is None or cur[1] + size > chunk_size:
             cur = (len(dtypes), 0)
             dtypes.append(dt)
         placed[i] = (cur[0], cur[1])
-        open_chunk[dt] = (cur[0], cur[1] + size)
+        open_chunk[group] = (cur[0], cur[1] + size)
     return placed, dtypes
 
 
-def _waste_bytes(order, info, chunk_size: int) -> int:
-    placed, dtypes = _greedy_pack(order, info, chunk_size)
+def _frozen_leaves(params, info, trainable) -> frozenset:
+    """Indices (``jax.tree.leaves`` order) of the frozen leaves: ``trainable=None`` freezes the
+    non-floating leaves; else a pytree of bools with ``params``' structure."""
+    floating = [jnp.issubdtype(dt, jnp.floating) for _, _, dt in info]
+    if trainable is None:
+        return frozenset(i for i, f in enumerate(floating) if not f)
+    try:
+        flags = jax.tree.structure(params).flatten_up_to(trainable)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"trainable must be a pytree of bools with the params' structure: {e}") from None
+    for i, t in enumerate(flags):
+        if not isinstance(t, (bool, np.bool_)):
+            raise ValueError(f"trainable leaf for {info[i][0]} is {t!r}: use True or False")
+        if t and not floating[i]:
+            raise ValueError(f"leaf {info[i][0]} of dtype {info[i][2].name} cannot be trainable: mark it False")
+    return frozenset(i for i, t in enumerate(flags) if not t)
+
+
+def _waste_bytes(order, info, chunk_size: int, frozen: frozenset = frozenset()) -> int:
+    placed, dtypes = _greedy_pack(order, info, chunk_size, frozen)
     used = [0] * len(dtypes)
     for i, (c, _) in placed.items():
         used[c] += int(math.prod(info[i][1]))
@@ -243,7 +275,7 @@ def _round_up(x: int, m: int) -> int:
 
 
 def search_chunk_size(params, order: Sequence[str] | None = None, *, min_chunks: int = 1,
-                      n_candidates: int = 64, max_factor: float = 2.0) -> int:
+                      n_candidates: int = 64, max_factor: float = 2.0, trainable=None) -> int:
     """Choose ``chunk_size`` (elements) minimising padding waste in **bytes**.
 
     Candidates run from the largest leaf (rounded up to :data:`CHUNK_ALIGN_ELEMS`) to
@@ -255,12 +287,14 @@ def search_chunk_size(params, order: Sequence[str] | None = None, *, min_chunks:
       params: pytree of arrays or ``jax.ShapeDtypeStruct`` (nothing is allocated).
       order: leaf paths in first-use order (default: ``jax.tree.leaves`` order).
       min_chunks: prefer sizes giving at least this many chunks.
+      trainable: as in :func:`build_layout` (the packing groups follow it).
 
     Returns:
       chunk size in elements (a multiple of ``CHUNK_ALIGN_ELEMS``, >= the largest leaf).
     """
     _, info = _leaf_info(params)
     idx = _order_indices(info, order)
+    frozen = _frozen_leaves(params, info, trainable)
     lo = _round_up(max(int(math.prod(s)) for _, s, _ in info), CHUNK_ALIGN_ELEMS)
     total = sum(int(math.prod(s)) for _, s, _ in info)
     hi = max(lo, _round_up(int(lo * max_factor), CHUNK_ALIGN_ELEMS))
@@ -269,7 +303,7 @@ def search_chunk_size(params, order: Sequence[str] | None = None, *, min_chunks:
     step = max(CHUNK_ALIGN_ELEMS, _round_up((hi - lo) // max(n_candidates, 1), CHUNK_ALIGN_ELEMS))
     best = None
     for cs in range(lo, hi + 1, step):
-        w = _waste_bytes(idx, info, cs)
+        w = _waste_bytes(idx, info, cs, frozen)
         if best is None or w < best[0]:
             best = (w, cs)
     return best[1]
@@ -284,7 +318,7 @@ def _order_indices(info, order: Sequence[str] | None) -> list[int]:
 
 
 def build_layout(params, chunk_size: int | None = None, order: Sequence[str] | None = None,
-                 *, min_chunks: int = 1) -> ChunkLayout:
+                 *, min_chunks: int = 1, trainable=None) -> ChunkLayout:
     """Build the chunk layout of a parameter pytree.
 
     Args:
@@ -293,27 +327,38 @@ def build_layout(params, chunk_size: int | None = None, order: Sequence[str] | N
       order: leaf paths in first-use order (see :func:`first_use_order`); chunks are numbered
         and filled in that order, so chunk 0 is needed first.
       min_chunks: passed to the search when ``chunk_size`` is None.
+      trainable: which leaves are trained. ``None``: floating leaves are trainable, integer and
+        bool leaves frozen; or a pytree of bools with ``params``' structure (False = frozen: kept
+        and fetched like a parameter, no master, optimizer state, gradient or update). Chunks
+        hold only trainable or only frozen leaves (``ChunkLayout.chunk_trainable``).
 
     Returns:
       a :class:`ChunkLayout`.
 
     Raises:
-      ValueError: ``chunk_size`` is smaller than the largest leaf (the message names it).
+      ValueError: ``chunk_size`` is smaller than the largest leaf (the message names it);
+        ``trainable`` is not a bool pytree of the params' structure, or marks a non-floating
+        leaf True.
     """
     treedef, info = _leaf_info(params)
     if not info:
         raise ValueError("params has no array leaves: nothing to chunk")
     idx = _order_indices(info, order)
+    frozen = _frozen_leaves(params, info, trainable)
     if chunk_size is None:
-        chunk_size = search_chunk_size(params, order, min_chunks=min_chunks)
+        chunk_size = search_chunk_size(params, order, min_chunks=min_chunks, trainable=trainable)
     big = max(range(len(info)), key=lambda i: math.prod(info[i][1]))
     if math.prod(info[big][1]) > chunk_size:
         raise ValueError(_MSG_CHUNK_TOO_SMALL.format(chunk_size=chunk_size, path=info[big][0],
                                                      size=int(math.prod(info[big][1]))))
-    placed, dtypes = _greedy_pack(idx, info, chunk_size)
+    placed, dtypes = _greedy_pack(idx, info, chunk_size, frozen)
     slots = tuple(LeafSlot(path=p, chunk=placed[i][0], offset=placed[i][1], shape=s, dtype=d)
                   for i, (p, s, d) in enumerate(info))
-    return ChunkLayout(treedef=treedef, slots=slots, chunk_size=int(chunk_size), chunk_dtypes=tuple(dtypes))
+    chunk_trainable = [True] * len(dtypes)
+    for i in frozen:
+        chunk_trainable[placed[i][0]] = False
+    return ChunkLayout(treedef=treedef, slots=slots, chunk_size=int(chunk_size), chunk_dtypes=tuple(dtypes),
+                       chunk_trainable=tuple(chunk_trainable))
 
 
 # ---- first use, from a trace ------------------------------------------------------------

@@ -48,7 +48,7 @@ from chunkjax.eviction import CapacityError, belady
 from chunkjax.layout import ChunkLayout
 from chunkjax.memory import DEVICE, PINNED_HOST
 from chunkjax.predict import ChunkBytes
-from chunkjax.schedule import DEVICE_UPDATE, HOST_UPDATE, STREAMED_UPDATE, Placement, Schedule
+from chunkjax.schedule import DEVICE_UPDATE, HOST_UPDATE, NO_UPDATE, STREAMED_UPDATE, Placement, Schedule
 from chunkjax.tide import Tide, memory_tide
 from chunkjax.trace import StageTrace
 
@@ -166,6 +166,15 @@ def _moments(tide: Tide) -> tuple[tuple[str, int], ...]:
     return tuple((m.phase, m.stage) for m in tide.moments)
 
 
+def _frozen_none(layout: ChunkLayout, loc) -> tuple[str, ...]:
+    """Update locations with ``none`` for the layout's frozen chunks (they have no update). The
+    planner reads only ``n_chunks``, ``chunk_size`` and this from a layout: a layout-like object
+    without ``chunk_trainable`` (synthetic plans) has every chunk trainable."""
+    trainable = getattr(layout, "chunk_trainable", None)
+    loc = tuple(loc)
+    return loc if trainable is None else tuple(u if t else NO_UPDATE for u, t in zip(loc, trainable))
+
+
 # ---- the tide policy ----------------------------------------------------------------------------
 
 def _tide_one(layout: ChunkLayout, traces, tide: Tide, cb: ChunkBytes, budget: int, resident: set[int],
@@ -174,8 +183,8 @@ def _tide_one(layout: ChunkLayout, traces, tide: Tide, cb: ChunkBytes, budget: i
     n = layout.n_chunks
     T = len(tide.moments)
     pk = tuple(DEVICE if c in resident else PINNED_HOST for c in range(n))
-    loc = tuple(DEVICE_UPDATE if c in resident else (HOST_UPDATE if host_update else STREAMED_UPDATE)
-                for c in range(n))
+    loc = _frozen_none(layout, (DEVICE_UPDATE if c in resident else (HOST_UPDATE if host_update else STREAMED_UPDATE)
+                                for c in range(n)))
     if HOST_UPDATE not in loc:  # nothing for a host thread to overlap: one program
         segments = (0,)
     model = pr.device_model_bytes(cb, pk, loc)
@@ -186,7 +195,7 @@ def _tide_one(layout: ChunkLayout, traces, tide: Tide, cb: ChunkBytes, budget: i
     caps = []
     for t, m in enumerate(tide.moments):
         avail = budget - model - m.non_model_bytes - waiting[t]
-        cap = math.floor(avail / cb.params) - prefetch * max_reads if cb.params else 0
+        cap = math.floor(avail / cb.buffer) - prefetch * max_reads if cb.buffer else 0
         if cap < len(accesses[t]):
             return None
         caps.append(cap)
@@ -295,8 +304,10 @@ def _fixed(layout, traces, tide, cb, budget, prefetch, rates, flops) -> Schedule
     first-use order, each kept while the peak fits."""
     n, cs = layout.n_chunks, layout.chunk_size
 
+    trainable = getattr(layout, "chunk_trainable", None)
+
     def peak(pk, sk):
-        return pr.fixed_rule_peak(cs, traces, cb, Placement(tuple(pk), tuple(sk)), prefetch)
+        return pr.fixed_rule_peak(cs, traces, cb, Placement(tuple(pk), tuple(sk), trainable), prefetch)
 
     pk, sk = [PINNED_HOST] * n, [PINNED_HOST] * n
     need = peak(pk, sk)
@@ -311,14 +322,15 @@ def _fixed(layout, traces, tide, cb, budget, prefetch, rates, flops) -> Schedule
             kinds[c] = DEVICE
             if peak(pk, sk) > budget:
                 kinds[c] = PINNED_HOST
-    return _fixed_schedule(layout, traces, tide, cb, budget, Placement(tuple(pk), tuple(sk)), prefetch, rates, flops)
+    return _fixed_schedule(layout, traces, tide, cb, budget, Placement(tuple(pk), tuple(sk), trainable),
+                           prefetch, rates, flops)
 
 
 # ---- static baselines ---------------------------------------------------------------------------
 
 def _all_host(layout, traces, tide, cb, budget, prefetch, segments, rates, flops) -> Schedule:
     n, T = layout.n_chunks, len(tide.moments)
-    pk, loc = (PINNED_HOST,) * n, (HOST_UPDATE,) * n
+    pk, loc = (PINNED_HOST,) * n, _frozen_none(layout, (HOST_UPDATE,) * n)
     fetch = tuple(tuple(sorted(set(m.chunks))) for m in tide.moments)
     evict = fetch  # released after every read: the next read is a fresh fetch
     segs = auto_segments(T, len(traces)) if segments == "auto" else segments
@@ -336,7 +348,7 @@ def _zero_offload(layout, traces, tide, cb, budget, rates, flops) -> Schedule:
     # no overlap): ZeRO-Offload's order, with the param upload of step k+1 (after the update of
     # step k) overlapping step k+1's forward
     n, T = layout.n_chunks, len(tide.moments)
-    pk, loc = (PINNED_HOST,) * n, (HOST_UPDATE,) * n
+    pk, loc = (PINNED_HOST,) * n, _frozen_none(layout, (HOST_UPDATE,) * n)
     first: dict[int, int] = {}
     last: dict[int, int] = {}
     for t, m in enumerate(tide.moments):
@@ -361,7 +373,7 @@ def _optimizer_only(layout, traces, tide, cb, budget, rates, flops) -> Schedule:
     if budget < working:
         raise PlanError(_MSG_UPDATE.format(budget=budget, need=working, cs=cs), working, False)
     n_dev = min(n, (budget - working) // cb.state) if cb.state else n
-    loc = tuple(DEVICE_UPDATE if c < n_dev else STREAMED_UPDATE for c in range(n))
+    loc = _frozen_none(layout, (DEVICE_UPDATE if c < n_dev else STREAMED_UPDATE for c in range(n)))
     T = 0 if tide is None else len(tide.moments)
     return Schedule((DEVICE,) * n, loc, ((),) * T, ((),) * T, (0,), 1, () if tide is None else _moments(tide),
                     pr.predict_optimizer_only(cs, cb, loc, flops_per_step=flops, rates=rates), int(budget))
@@ -444,7 +456,8 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
     def finish(s: Schedule) -> Schedule:  # one rank's bytes moved and held under ZeRO
         if ranks == 1:
             return s
-        return dataclasses.replace(s, predicted=pr.per_rank(s.predicted, cb, ranks, stage, s.update_locations))
+        return dataclasses.replace(s, predicted=pr.per_rank(s.predicted, cb, ranks, stage, s.update_locations,
+                                                            s.param_kinds))
 
     def host_fits(s: Schedule) -> bool:
         return host_budget_bytes is None or ranks * s.predicted.host_model_bytes <= host_budget_bytes

@@ -28,7 +28,7 @@ import numpy as np
 
 from chunkjax.cost import Rates, predict_pipelined_step
 from chunkjax.memory import DEVICE, PINNED_HOST
-from chunkjax.schedule import DEVICE_UPDATE, HOST_UPDATE, STREAMED_UPDATE, Placement, Prediction, Schedule
+from chunkjax.schedule import DEVICE_UPDATE, HOST_UPDATE, NO_UPDATE, STREAMED_UPDATE, Placement, Prediction, Schedule
 from chunkjax.stages import first_readers
 from chunkjax.tide import Tide
 from chunkjax.trace import StageTrace
@@ -46,17 +46,34 @@ class ChunkBytes:
       grad: compute-dtype gradient (bytes).
       master: float32 master params (bytes).
       opt: optimizer state, all leaves of the chunk's optax state (bytes).
+      frozen: ``(chunk, bytes)`` per frozen chunk (``ChunkLayout.chunk_trainable`` False): its
+        params in their own dtype, its only bytes (no gradient, master params or state).
     """
 
     params: int
     grad: int
     master: int
     opt: int
+    frozen: tuple[tuple[int, int], ...] = ()
 
     @property
     def state(self) -> int:
         """Master params + optimizer state (bytes)."""
         return self.master + self.opt
+
+    def params_of(self, c: int) -> int:
+        """Bytes of chunk ``c``'s params: a frozen chunk's own, else :attr:`params`."""
+        return dict(self.frozen).get(c, self.params)
+
+    @property
+    def buffer(self) -> int:
+        """Bytes of the largest params chunk: a fetched chunk buffer's bound."""
+        return max([self.params] + [b for _, b in self.frozen])
+
+    def model_bytes(self, n_chunks: int) -> int:
+        """Model data of ``n_chunks`` chunks: params + master + state of the trainable ones, params
+        of the frozen ones (bytes; padding included)."""
+        return (n_chunks - len(self.frozen)) * (self.params + self.state) + sum(b for _, b in self.frozen)
 
     def per_rank(self, ranks: int, zero_stage: int) -> "ChunkBytes":
         """One rank's bytes of a chunk split over ``ranks`` (ZeRO ``zero_stage``), for planning a
@@ -70,9 +87,11 @@ class ChunkBytes:
         """
         if ranks < 1 or zero_stage not in (1, 2, 3):
             raise ValueError(f"need ranks >= 1 and zero_stage in 1/2/3, got {ranks}, {zero_stage}")
-        params = self.params + _shard(self.params, ranks) if zero_stage == 3 else self.params
-        return ChunkBytes(params=params, grad=_shard(self.grad, ranks), master=_shard(self.master, ranks),
-                          opt=_shard(self.opt, ranks))
+        def params_bytes(b):
+            return b + _shard(b, ranks) if zero_stage == 3 else b
+        return ChunkBytes(params=params_bytes(self.params), grad=_shard(self.grad, ranks),
+                          master=_shard(self.master, ranks), opt=_shard(self.opt, ranks),
+                          frozen=tuple((c, params_bytes(b)) for c, b in self.frozen))
 
 
 def _shard(b: int, ranks: int) -> int:
@@ -87,10 +106,15 @@ def chunk_bytes(layout, compute_dtype, opt_state_bytes: int) -> ChunkBytes:
       compute_dtype: dtype of compute params and gradients (bf16: 2 bytes per element).
       opt_state_bytes: bytes of one chunk's optimizer state
         (:func:`chunkjax.optim.state_bytes_per_chunk`).
+
+    Frozen chunks (``layout.chunk_trainable`` False) count their params in their own dtype only
+    (``ChunkBytes.frozen``).
     """
     cs = layout.chunk_size
     it = np.dtype(compute_dtype).itemsize
-    return ChunkBytes(params=cs * it, grad=cs * it, master=cs * F32_BYTES, opt=opt_state_bytes)
+    frozen = tuple((c, cs * np.dtype(layout.chunk_dtypes[c]).itemsize)
+                   for c, t in enumerate(layout.chunk_trainable) if not t)
+    return ChunkBytes(params=cs * it, grad=cs * it, master=cs * F32_BYTES, opt=opt_state_bytes, frozen=frozen)
 
 
 def grad_done_moments(traces: Sequence[StageTrace], tide: Tide) -> dict[int, int]:
@@ -109,7 +133,7 @@ def grad_done_moments(traces: Sequence[StageTrace], tide: Tide) -> dict[int, int
 def device_model_bytes(cb: ChunkBytes, param_kinds, update_locations) -> int:
     """Model data on the device between steps: compute params of device-kind chunks plus master
     params and optimizer state of device-updated chunks (bytes)."""
-    return (sum(cb.params for k in param_kinds if k == DEVICE)
+    return (sum(cb.params_of(c) for c, k in enumerate(param_kinds) if k == DEVICE)
             + sum(cb.state for u in update_locations if u == DEVICE_UPDATE))
 
 
@@ -146,7 +170,7 @@ def tide_moment_bytes(tide: Tide, cb: ChunkBytes, param_kinds, update_locations,
     out = []
     for t, m in enumerate(tide.moments):
         inflight = sum(len(fetch[u]) for u in range(t + 1, min(T, t + 1 + prefetch)))
-        out.append(model + m.non_model_bytes + waiting[t] + (held[t] + inflight) * cb.params)
+        out.append(model + m.non_model_bytes + waiting[t] + (held[t] + inflight) * cb.buffer)
     return out
 
 
@@ -169,8 +193,9 @@ def fixed_rule_moment_bytes(chunk_size: int, traces: Sequence[StageTrace], cb: C
     per_stage = []
     for s, t in enumerate(traces):
         near = {c for s2 in range(s, min(len(traces), s + window + 1)) for c in traces[s2].chunks}
-        fetched = sum(cb.params for c in near if param_kinds[c] == PINNED_HOST)
-        acc = sum(chunk_size * F32_BYTES for c in first if first[c] <= s <= last[c])
+        fetched = sum(cb.params_of(c) for c in near if param_kinds[c] == PINNED_HOST)
+        acc = sum(chunk_size * F32_BYTES for c in first
+                  if first[c] <= s <= last[c] and update_locations[c] != NO_UPDATE)
         waiting = sum(cb.grad for c in first if update_locations[c] == DEVICE_UPDATE and first[c] >= s)
         per_stage.append(model + saved + fetched + acc + waiting + t.temp_bytes)
     k = len(traces)
@@ -246,8 +271,8 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
     model = device_model_bytes(cb, param_kinds, update_locations)
     peak = max(max(moment_bytes, default=0), model + update_phase_bytes(chunk_size, cb, update_locations))
     n_fetch = sum(len(f) for f in fetch)
-    fetch_b = n_fetch * cb.params
-    off = [c for c, u in enumerate(update_locations) if u != DEVICE_UPDATE]
+    fetch_b = sum(cb.params_of(c) for f in fetch for c in f)
+    off = [c for c, u in enumerate(update_locations) if u in (HOST_UPDATE, STREAMED_UPDATE)]
     h2d, d2h = fetch_b, len(off) * cb.grad
     streamed_bytes = 0
     for c, (k, u) in enumerate(zip(param_kinds, update_locations)):
@@ -256,14 +281,16 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
         elif u == STREAMED_UPDATE:
             up, down = cb.grad + cb.state, cb.state + (cb.params if k == PINNED_HOST else 0)
             h2d, d2h, streamed_bytes = h2d + up, d2h + down, streamed_bytes + up + down
-        elif k == PINNED_HOST:
+        elif u == DEVICE_UPDATE and k == PINNED_HOST:
             d2h += cb.params
-    host = sum((cb.params if k == PINNED_HOST else 0) + (cb.state + cb.grad if u != DEVICE_UPDATE else 0)
-               for k, u in zip(param_kinds, update_locations))
-    fwd = (sum(len(fetch[t]) for t in range(n_stages - 1)) if forward_fetches is None else forward_fetches)
+    host = sum((cb.params_of(c) if k == PINNED_HOST else 0) + (cb.state + cb.grad if u in (HOST_UPDATE, STREAMED_UPDATE)
+                                                               else 0)
+               for c, (k, u) in enumerate(zip(param_kinds, update_locations)))
+    fwd_b = (sum(cb.params_of(c) for t in range(n_stages - 1) for c in fetch[t]) if forward_fetches is None
+             else fetch_b if forward_fetches >= n_fetch else forward_fetches * cb.params)
     grad_done = grad_done_moments(traces, tide)
     time = predict_pipelined_step(
-        flops_per_step, fwd_h2d=fwd * cb.params, bwd_h2d=fetch_b - fwd * cb.params, bwd_d2h=len(off) * cb.grad,
+        flops_per_step, fwd_h2d=fwd_b, bwd_h2d=fetch_b - fwd_b, bwd_d2h=len(off) * cb.grad,
         streamed_bytes=streamed_bytes,
         device_params=sum(u == DEVICE_UPDATE for u in update_locations) * chunk_size,
         streamed_params=sum(u == STREAMED_UPDATE for u in update_locations) * chunk_size,
@@ -289,17 +316,24 @@ def predict_optimizer_only(chunk_size: int, cb: ChunkBytes, update_locations, *,
                       int(moved), 0, 0, (), time)
 
 
-def per_rank(pred: Prediction, cb: ChunkBytes, ranks: int, zero_stage: int, update_locations) -> Prediction:
+def per_rank(pred: Prediction, cb: ChunkBytes, ranks: int, zero_stage: int, update_locations,
+             param_kinds=None) -> Prediction:
     """One rank's bytes moved and held for a schedule planned with ``cb.per_rank(ranks, zero_stage)``
     (whose peak and step time are already the rank's): a fetch moves the rank's shard (stage 3) or
     the whole chunk (stages 1/2), an offloaded chunk's gradient leaves as the rank's shard, and
-    the host holds the rank's shard of state and gradient (bytes; ``cb`` is the whole chunk's)."""
+    the host holds the rank's shard of state and gradient (bytes; ``cb`` is the whole chunk's).
+    A frozen chunk (update ``none``) holds its params' shard on the host when ``param_kinds``
+    puts them there."""
     unit = _shard(cb.params, ranks) if zero_stage == 3 else cb.params
-    off = sum(u != DEVICE_UPDATE for u in update_locations)
+    off = sum(u in (HOST_UPDATE, STREAMED_UPDATE) for u in update_locations)
+    frozen = sum((_shard(cb.params_of(c), ranks) if zero_stage == 3 else cb.params_of(c))
+                 for c, u in enumerate(update_locations)
+                 if u == NO_UPDATE and (param_kinds is None or param_kinds[c] == PINNED_HOST))
     return dataclasses.replace(pred, h2d_bytes_per_step=pred.n_fetches * unit,
                                fetch_bytes_per_step=pred.n_fetches * unit,
                                d2h_bytes_per_step=off * _shard(cb.grad, ranks),
-                               host_model_bytes=off * (unit + _shard(cb.state, ranks) + _shard(cb.grad, ranks)))
+                               host_model_bytes=off * (unit + _shard(cb.state, ranks) + _shard(cb.grad, ranks))
+                               + frozen)
 
 
 def collective_bytes(s: Schedule, traces: Sequence[StageTrace], tide: Tide, chunk_size: int, ranks: int,
@@ -326,7 +360,7 @@ def collective_bytes(s: Schedule, traces: Sequence[StageTrace], tide: Tide, chun
                       for t, m in enumerate(tide.moments))
     else:
         gathers = sum(u in (DEVICE_UPDATE, STREAMED_UPDATE) for u in s.update_locations)
-    graded = len({c for t in traces for c in t.chunks})
+    graded = len({c for t in traces for c in t.chunks if s.update_locations[c] != NO_UPDATE})
     out = {"all_gather": part(gathers), "reduce_scatter": part(graded) if zero_stage != 1 else 0,
            "all_reduce": 2 * part(graded) if zero_stage == 1 else 0}
     out["total"] = sum(out.values())
@@ -342,7 +376,7 @@ def device_bytes_by_kind(s: Schedule, traces: Sequence[StageTrace], tide: Tide, 
     buffers`` (the rest: fetched copies and fetches in flight).
     """
     done = grad_done_moments(traces, tide)
-    kept = [c for c in range(s.n_chunks) if s.param_kinds[c] == DEVICE]
+    kept = [c for c in range(s.n_chunks) if s.param_kinds[c] == DEVICE and s.update_locations[c] != NO_UPDATE]
     model = s.predicted.device_model_bytes
     out = {"resident model data": [], "non-model (tide)": [], "gradients held": [], "fetched chunk buffers": []}
     for t, (m, total) in enumerate(zip(tide.moments, s.predicted.device_bytes_per_moment)):

@@ -17,11 +17,12 @@ import dataclasses
 from chunkjax.cost import PipelinedStepTime
 from chunkjax.memory import DEVICE, PINNED_HOST
 
-DEVICE_UPDATE, STREAMED_UPDATE, HOST_UPDATE = "device", "streamed", "host"
+DEVICE_UPDATE, STREAMED_UPDATE, HOST_UPDATE, NO_UPDATE = "device", "streamed", "host", "none"
 #: where a chunk's optimizer update runs: ``device`` (state on the device), ``streamed`` (state in
-#: pinned host memory, moved through the device for the update) or ``host`` (updated in place in
-#: host memory by a CPU kernel, :mod:`chunkjax.host_update`)
-UPDATE_LOCATIONS = (DEVICE_UPDATE, STREAMED_UPDATE, HOST_UPDATE)
+#: pinned host memory, moved through the device for the update), ``host`` (updated in place in
+#: host memory by a CPU kernel, :mod:`chunkjax.host_update`) or ``none`` (a frozen chunk,
+#: ``ChunkLayout.chunk_trainable`` False: params only, no master, state, gradient or update)
+UPDATE_LOCATIONS = (DEVICE_UPDATE, STREAMED_UPDATE, HOST_UPDATE, NO_UPDATE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,17 +33,25 @@ class Placement:
       param_kinds: per chunk, memory kind of the compute-dtype params (``"device"`` or
         ``"pinned_host"``).
       state_kinds: per chunk, memory kind of the float32 master params and optimizer state.
+      trainable: per chunk, False for a frozen chunk (no state, update location ``none``; its
+        state kind is ignored); None: every chunk trainable.
 
     Raises:
-      ValueError: the two tuples differ in length, or a kind is not a memory kind.
+      ValueError: the tuples differ in length, or a kind is not a memory kind.
     """
 
     param_kinds: tuple[str, ...]
     state_kinds: tuple[str, ...]
+    trainable: tuple[bool, ...] | None = None
 
     def __post_init__(self):
         if len(self.param_kinds) != len(self.state_kinds):
             raise ValueError("param_kinds and state_kinds must have one entry per chunk")
+        if self.trainable is not None and len(self.trainable) != len(self.param_kinds):
+            raise ValueError("trainable must have one entry per chunk")
+        if self.trainable is not None:  # all trainable is the default: one spelling, so placements compare equal
+            tr = tuple(bool(t) for t in self.trainable)
+            object.__setattr__(self, "trainable", None if all(tr) else tr)
         for k in self.param_kinds + self.state_kinds:
             if k not in (DEVICE, PINNED_HOST):
                 raise ValueError(f"memory kind {k!r} is not 'device' or 'pinned_host'")
@@ -53,8 +62,10 @@ class Placement:
 
     @property
     def update_locations(self) -> tuple[str, ...]:
-        """Per chunk: ``"device"`` or ``"streamed"``."""
-        return tuple(DEVICE_UPDATE if k == DEVICE else STREAMED_UPDATE for k in self.state_kinds)
+        """Per chunk: ``"device"``, ``"streamed"`` or ``"none"`` (frozen)."""
+        tr = self.trainable or (True,) * self.n_chunks
+        return tuple(NO_UPDATE if not t else DEVICE_UPDATE if k == DEVICE else STREAMED_UPDATE
+                     for k, t in zip(self.state_kinds, tr))
 
     def grad_kind(self, c: int) -> str:
         """Memory kind a gradient chunk leaves the backward pass into."""
@@ -76,6 +87,18 @@ class Placement:
             key = f"params_{p}/state_{s}"
             out[key] = out.get(key, 0) + 1
         return out
+
+
+def check_trainable(chunk_trainable, placement: Placement, schedule) -> None:
+    """Raise ValueError (one line) unless ``placement`` and ``schedule`` (or None) agree with a
+    layout's ``chunk_trainable`` on the frozen chunks (update location ``none``)."""
+    if placement.trainable is not None and tuple(placement.trainable) != tuple(chunk_trainable):
+        raise ValueError("placement.trainable differs from layout.chunk_trainable: plan with this layout")
+    locs = () if schedule is None else schedule.update_locations
+    bad = [c for c, (u, t) in enumerate(zip(locs, chunk_trainable)) if (u == NO_UPDATE) == t]
+    if bad:
+        raise ValueError(f"chunk {bad[0]}: the schedule's update location {locs[bad[0]]!r} does not match "
+                         f"trainable={chunk_trainable[bad[0]]} in the layout: plan with this layout")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,7 +191,9 @@ class Schedule:
     def placement(self) -> Placement:
         """The placement between steps (state of ``host``/``streamed`` chunks is on the host)."""
         return Placement(self.param_kinds,
-                         tuple(DEVICE if u == DEVICE_UPDATE else PINNED_HOST for u in self.update_locations))
+                         tuple(DEVICE if u == DEVICE_UPDATE else PINNED_HOST for u in self.update_locations),
+                         tuple(u != NO_UPDATE for u in self.update_locations) if NO_UPDATE in self.update_locations
+                         else None)
 
     def counts(self) -> dict[str, int]:
         """Chunks per (params kind, update location)."""

@@ -37,6 +37,7 @@ from chunkjax import updaters as upd
 from chunkjax.layout import ChunkLayout
 from chunkjax.memory import DEVICE, PINNED_HOST, sharding
 from chunkjax.plan import Placement, fetch_events
+from chunkjax.schedule import NO_UPDATE, check_trainable
 from chunkjax.stages import first_readers, stage_reads
 from chunkjax.step_checkpoint import StepChunkIO, restore_chunks
 from chunkjax.topology import SingleDevice, make_topology
@@ -50,11 +51,11 @@ class TrainState(NamedTuple):
 
     Attributes:
       params: per chunk, (chunk_size,) compute-dtype params in the placement's param kind; on a
-        mesh ``P("data")`` (stage 3) or replicated.
-      master: per chunk, (chunk_size,) float32 master params in the chunk's state kind (on a
+        mesh ``P("data")`` (stage 3) or replicated; frozen chunks: their leaves' dtype.
+      master: per chunk (None: frozen), (chunk_size,) float32 master params in its state kind (on a
         mesh ``P("data")``); host-updated chunks: numpy (one device) or a tuple with one
         (chunk_size / N,) numpy slice per rank (None for ranks of other processes).
-      opt_state: per chunk, the chunk's optax state (on a mesh every leaf with a leading rank
+      opt_state: per chunk (None: frozen), the chunk's optax state (on a mesh every leaf with a leading rank
         axis, ``P("data")``); host-updated chunks: a ``Host*State`` (:mod:`chunkjax.host_update`)
         or one per rank.
       pending: the host thread's work of the step that returned this state
@@ -136,11 +137,17 @@ class ChunkedStep(StepChunkIO):
                              "(chunkjax.host_update.AdamW / Lion / SGDMomentum)")
         if self.placement.n_chunks != self.layout.n_chunks:
             raise ValueError(f"placement has {self.placement.n_chunks} chunks, layout {self.layout.n_chunks}")
+        check_trainable(self.layout.chunk_trainable, self.placement, self.schedule)
         if self.prefetch < 1:
             raise ValueError(f"prefetch must be >= 1 stage, got {self.prefetch}")
         if self.layout.chunk_size % self.n_ranks:
             raise ValueError(f"chunk_size {self.layout.chunk_size} is not a multiple of the {self.n_ranks} ranks: "
                              "build the layout with chunkjax.topology.build_zero_layout")
+
+    @functools.cached_property
+    def frozen_chunks(self) -> tuple[int, ...]:
+        """Chunks without master params, optimizer state, gradient or update (``layout.chunk_trainable``)."""
+        return tuple(c for c, t in enumerate(self.layout.chunk_trainable) if not t)
 
     @property
     def host_deadline_s(self) -> float:
@@ -258,8 +265,8 @@ class ChunkedStep(StepChunkIO):
         if key not in self._cache:
             t0, t1 = self._program_bounds()[k]
             args = self._program_args(batch, t0, t1)
-            done = [c for t in range(t0, t1) if self.moments[t][0] != "forward"
-                    for c in self.reads[self.moments[t][1]] if self.first_reader[c] == self.moments[t][1]]
+            done = [c for t in range(t0, t1) if self.moments[t][0] != "forward" for c in self.reads[self.moments[t][1]]
+                    if self.first_reader[c] == self.moments[t][1] and c not in self.frozen_chunks]
 
             def prog(params, batch, carry, acc):
                 out, grads, sq, loss = self._walk(batch).run(params, batch, dict(carry, acc=acc), t0, t1)
@@ -340,13 +347,11 @@ class ChunkedStep(StepChunkIO):
 
     @functools.cached_property
     def _device_chunks(self) -> tuple[int, ...]:
-        return tuple(c for c in range(self.layout.n_chunks) if self.placement.state_kinds[c] == DEVICE)
+        return tuple(c for c in range(self.layout.n_chunks) if self._location(c) == "device")
 
     @functools.cached_property
     def _streamed_chunks(self) -> tuple[int, ...]:
-        host = set(self.host_chunks)
-        return tuple(c for c in range(self.layout.n_chunks)
-                     if self.placement.state_kinds[c] == PINNED_HOST and c not in host)
+        return tuple(c for c in range(self.layout.n_chunks) if self._location(c) == "streamed")
 
     @functools.cached_property
     def updaters(self) -> dict[str, upd.Updater]:
@@ -365,6 +370,8 @@ class ChunkedStep(StepChunkIO):
         return self.updaters["host"].update(state, grads, grad_scale)
 
     def _location(self, c: int) -> str:
+        if c in set(self.frozen_chunks):
+            return NO_UPDATE
         return "host" if c in set(self.host_chunks) else self.placement.update_locations[c]
 
     # ---- the step ----------------------------------------------------------------------------------
@@ -413,7 +420,8 @@ class ChunkedStep(StepChunkIO):
                                                  work if not (clip or skip) else None)
         else:
             grads, sq, loss = accumulate.mean_gradients(self, state, batch, scale)
-        grad_sq = jnp.stack([sq[c] for c in range(self.layout.n_chunks)])
+        grad_sq = jnp.stack([sq[c] if c in sq else jnp.zeros((), jnp.float32)  # frozen: no gradient
+                             for c in range(self.layout.n_chunks)])
         norm = jnp.sqrt(jnp.sum(grad_sq))
         late = {c: grads[c] for c in host if clip or skip or not isinstance(grads[c], jax.Array)}
         if late:
@@ -462,8 +470,9 @@ class ChunkedStep(StepChunkIO):
             if mine and work is not None:
                 work.submit(self._host_update, state, mine, 1.0)
         for c in range(self.layout.n_chunks):
-            if c not in grads:
-                grads[c] = self._zeros_grad(c)
+            if c not in sq:  # chunks no stage reads: zero gradient; frozen chunks: none (their norm 0)
+                if c not in self.frozen_chunks:
+                    grads[c] = self._zeros_grad(c)
                 sq[c] = self.topology.put(np.zeros((), np.float32), self.topology.scalar_sharding())
         return grads, sq, loss
 
@@ -508,19 +517,22 @@ class ChunkedStep(StepChunkIO):
         if self.host_chunks:
             upd.warm_host_kernel(self.host_optimizer, self.compute_dtype)
 
-        def packed(c):
-            buf = np.zeros((lay.chunk_size,), np.float32)
+        frozen = self.frozen_chunks
+
+        def packed(c, dtype=np.float32):
+            buf = np.zeros((lay.chunk_size,), dtype)
             for i, s in enumerate(lay.slots):
                 if s.chunk == c:
-                    buf[s.offset:s.offset + s.size] = np.asarray(leaf_at(i), np.float32).ravel()
+                    buf[s.offset:s.offset + s.size] = np.asarray(leaf_at(i), dtype).ravel()
             return buf
 
         ms, os_ = [], []
         for c in range(lay.n_chunks):
-            m, o = self.updaters[self._location(c)].init(packed(c), c)
+            m, o = (None, None) if c in frozen else self.updaters[self._location(c)].init(packed(c), c)
             ms.append(m), os_.append(o)
         topo = self.topology
-        ps = [topo.put(packed(c).astype(self.compute_dtype), topo.param_sharding(self.placement.param_kinds[c]))
+        ps = [topo.put(packed(c, lay.chunk_dtypes[c]) if c in frozen else packed(c).astype(self.compute_dtype),
+                       topo.param_sharding(self.placement.param_kinds[c]))
               for c in range(lay.n_chunks)]
         jax.block_until_ready((ps, [m for m in ms if isinstance(m, jax.Array)]))
         return TrainState(tuple(ps), tuple(ms), tuple(os_))
@@ -535,11 +547,13 @@ class ChunkedStep(StepChunkIO):
         every process calls it; host-updated chunks' rank slices too). Waits for the state's host
         updates."""
         self.wait(state)
+        # frozen chunks have no master: their params, in their own dtype
+        chunks = [p if m is None else m for p, m in zip(state.params, state.master)]
         if self.mesh is None:
-            return self.layout.unpack([jax.device_put(m, sharding(DEVICE)) for m in state.master])
+            return self.layout.unpack([jax.device_put(m, sharding(DEVICE)) for m in chunks])
         topo = self.topology
         return self.layout.unpack([topo.gather_slices(m) if isinstance(m, tuple) else topo.whole(m)
-                                   for m in state.master])
+                                   for m in chunks])
 
     def eval_loss(self, state: TrainState, batch) -> jax.Array:
         """Validation loss of ``batch`` (() float32, mean over the whole batch): the walker's

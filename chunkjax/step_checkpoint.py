@@ -42,6 +42,8 @@ class StepChunkIO:
         """``{name: ((chunk_size,), dtype)}`` of chunk ``c``'s portable arrays: compute-dtype
         params, float32 master and moments."""
         n = (self.layout.chunk_size,)
+        if not self.layout.chunk_trainable[c]:  # a frozen chunk: its params in their own dtype
+            return {"params": (n, np.dtype(self.layout.chunk_dtypes[c]))}
         if c in set(self.host_chunks):
             names = [name for _, name in portable.host_moments()[type(self.host_optimizer.host_state(1))]]
         else:
@@ -63,7 +65,10 @@ class StepChunkIO:
         return arrays, cm
 
     def checkpoint_master(self, state, c: int) -> np.ndarray:
-        """Chunk ``c``'s (chunk_size,) float32 master params (rank slices concatenated; one process)."""
+        """Chunk ``c``'s (chunk_size,) float32 master params (rank slices concatenated; one process);
+        a frozen chunk's params in their own dtype."""
+        if not self.layout.chunk_trainable[c]:
+            return _whole(state.params[c], f"chunk {c}'s params")
         m = state.master[c]
         return np.concatenate(m) if isinstance(m, tuple) else np.asarray(m, np.float32)
 
@@ -89,7 +94,7 @@ def restore_chunks(step_fn, saved) -> tuple[tuple, tuple, tuple]:
     ps, ms, os_ = [], [], []
     for c in range(step_fn.layout.n_chunks):
         arrs, cm = saved.chunk(c)
-        master, params = arrs.pop("master"), arrs.pop("params")
+        master, params = arrs.pop("master", None), arrs.pop("params")
         p, m, o = place(c, params, master, cm["count"], arrs, cm["rest"])
         ps.append(p), ms.append(m), os_.append(o)
         del arrs, master, params, p, m, o
@@ -107,6 +112,9 @@ def chunk_portable(step_fn, state, c: int) -> tuple[dict, dict]:
       CheckpointError: step counts that differ over the ranks (of this process), or the errors of
         :func:`portable.optax_to_portable`.
     """
+    if not step_fn.layout.chunk_trainable[c]:  # a frozen chunk: params only, in their own dtype
+        return ({"params": _whole(state.params[c], f"chunk {c}'s params")},
+                {"count": None, "moments": [], "rest": {}, "frozen": True, "saved_from": "none"})
     loc = "host" if c in set(step_fn.host_chunks) else step_fn.placement.update_locations[c]
     st = state.opt_state[c]
     if step_fn.mesh is not None:
@@ -204,7 +212,10 @@ class _Placer:
 
     def check(self, c: int, moments) -> None:
         """Raise CheckpointError if chunk ``c`` cannot take these moment names."""
-        if c in self.host:
+        if not self.step.layout.chunk_trainable[c]:
+            if moments:
+                raise CheckpointError(f"chunk {c} is frozen here but holds optimizer moments {sorted(moments)}")
+        elif c in self.host:
             portable.check_host_moments(self.host_cls, moments, c)
         else:
             portable.check_optax_moments(self.template, moments, c)
@@ -213,6 +224,10 @@ class _Placer:
         """(params, master, opt_state) of chunk ``c``, placed."""
         step, cdt = self.step, np.dtype(self.step.compute_dtype)
         topo, pl = step.topology, step.placement
+        if not step.layout.chunk_trainable[c]:  # frozen: its params in their own dtype, nothing else
+            cdt = np.dtype(step.layout.chunk_dtypes[c])
+            p = topo.put(np.require(params, cdt, ["C", "W", "O"]), topo.param_sharding(pl.param_kinds[c]))
+            return p, None, None
         p = topo.put(np.require(params, cdt, ["C", "W", "O"]), topo.param_sharding(pl.param_kinds[c]))
         if c in self.host:
             if step.mesh is None:

@@ -49,7 +49,8 @@ def data_mesh(devices=None) -> Mesh:
     return Mesh(devs.reshape(-1), (AXIS,))
 
 
-def build_zero_layout(params, n_ranks: int, chunk_size: int | None = None, order=None) -> ChunkLayout:
+def build_zero_layout(params, n_ranks: int, chunk_size: int | None = None, order=None, *,
+                      trainable=None) -> ChunkLayout:
     """:func:`chunkjax.build_layout` with ``chunk_size`` rounded up to a multiple of
     ``lcm(n_ranks, CHUNK_ALIGN_ELEMS)`` so every chunk splits evenly over the ranks.
 
@@ -58,6 +59,7 @@ def build_zero_layout(params, n_ranks: int, chunk_size: int | None = None, order
       n_ranks: data-parallel ranks N (>= 1).
       chunk_size: elements per chunk before rounding; ``None`` searches (``search_chunk_size``).
       order: leaf paths in first-use order.
+      trainable: which leaves are trained (see :func:`chunkjax.build_layout`).
 
     Raises:
       ValueError: ``n_ranks < 1``, or the errors of :func:`chunkjax.build_layout`.
@@ -65,9 +67,9 @@ def build_zero_layout(params, n_ranks: int, chunk_size: int | None = None, order
     if n_ranks < 1:
         raise ValueError(f"n_ranks must be >= 1, got {n_ranks}")
     if chunk_size is None:
-        chunk_size = search_chunk_size(params, order)
+        chunk_size = search_chunk_size(params, order, trainable=trainable)
     m = math.lcm(n_ranks, CHUNK_ALIGN_ELEMS)
-    return build_layout(params, -(-int(chunk_size) // m) * m, order)
+    return build_layout(params, -(-int(chunk_size) // m) * m, order, trainable=trainable)
 
 
 def _host_put(x: np.ndarray, sh) -> jax.Array:

@@ -12,6 +12,7 @@ import dataclasses
 
 import jax
 import jax.extend.core as jex_core
+import jax.numpy as jnp
 
 from chunkjax.layout import ChunkLayout
 
@@ -45,8 +46,10 @@ def _nbytes(tree) -> int:
 
 
 def abstract_compute_params(layout: ChunkLayout, compute_dtype):
-    """The params pytree as ``ShapeDtypeStruct`` s in the compute dtype."""
-    leaves = [jax.ShapeDtypeStruct(s.shape, compute_dtype) for s in layout.slots]
+    """The params pytree as ``ShapeDtypeStruct`` s in the compute dtype (non-floating leaves,
+    always frozen, keep their dtype)."""
+    leaves = [jax.ShapeDtypeStruct(s.shape, compute_dtype if jnp.issubdtype(s.dtype, jnp.floating) else s.dtype)
+              for s in layout.slots]
     return layout.treedef.unflatten(leaves)
 
 
@@ -61,20 +64,41 @@ def _live_inputs(closed, n_inputs: int) -> list[bool]:
     return [v in used for v in jaxpr.invars[:n_inputs]]
 
 
-def _signature(st, p_sub, x):
+def _signature(st, p_sub, x, mask=None):
     """Stages with equal signatures trace alike: identical blocks differ only in their top-level
-    key (h_0, h_1, ...), so key on the function and the values' structure and shapes."""
+    key (h_0, h_1, ...), so key on the function, the values' structure and shapes and which
+    leaves are trainable."""
     return (getattr(st.apply, "__code__", st.apply), jax.tree.structure(list(p_sub.values())),
             tuple((a.shape, a.dtype) for a in jax.tree.leaves(p_sub)),
-            None if x is None else (x.shape, x.dtype))
+            None if x is None else (x.shape, x.dtype), None if mask is None else tuple(mask))
 
 
-def _backward_live(stage, p_sub, x, batch) -> list[bool]:
+def _trainable_mask(layout: ChunkLayout, keys) -> list[bool]:
+    """Per leaf of the stage params ``{k: params[k] for k in keys}`` (flattening order): trainable."""
+    tree = layout.treedef.unflatten([layout.chunk_trainable[s.chunk] for s in layout.slots])
+    return jax.tree.leaves({k: tree[k] for k in keys})
+
+
+def _vjp_trainable(apply, p, x, ct, b, mask):
+    """The stage's recompute + vjp as the walker runs it: over the trainable leaves of ``p`` (and
+    ``x`` unless None) only, frozen leaves closed over as constants."""
+    leaves, td = jax.tree.flatten(p)
+    mask = [True] * len(leaves) if mask is None else mask
+
+    def rebuild(tr):
+        it = iter(tr)
+        return td.unflatten([next(it) if m else a for a, m in zip(leaves, mask)])
+
+    tr = [a for a, m in zip(leaves, mask) if m]
+    if x is None:
+        return jax.vjp(lambda t: apply(rebuild(t), None, b), tr)[1](ct)
+    return jax.vjp(lambda t, x: apply(rebuild(t), x, b), tr, x)[1](ct)
+
+
+def _backward_live(stage, p_sub, x, batch, mask=None) -> list[bool]:
     """Per leaf of ``p_sub`` (flattening order): does the stage's backward read its value."""
     def vjp_fn(p, x, ct, b):
-        if x is None:
-            return jax.vjp(lambda p: stage.apply(p, None, b), p)[1](ct)
-        return jax.vjp(lambda p, x: stage.apply(p, x, b), p, x)[1](ct)
+        return _vjp_trainable(stage.apply, p, x, ct, b, mask)
 
     out = jax.eval_shape(stage.apply, p_sub, x, batch)
     closed = jax.make_jaxpr(vjp_fn)(p_sub, x, out, batch)
@@ -93,7 +117,8 @@ def backward_reads(stage, layout: ChunkLayout, p_sub, x, batch) -> tuple[int, ..
     Some stages need no parameter values for their gradients (an embedding lookup's gradient is
     a scatter-add of the cotangent), so their chunks need not be fetched in the backward pass.
     """
-    return _chunks_of_live(layout, p_sub, _backward_live(stage, p_sub, x, batch))
+    return _chunks_of_live(layout, p_sub, _backward_live(stage, p_sub, x, batch,
+                                                         _trainable_mask(layout, stage.param_keys)))
 
 
 def stage_inputs(stages, layout: ChunkLayout, batch, compute_dtype):
@@ -110,13 +135,9 @@ def stage_inputs(stages, layout: ChunkLayout, batch, compute_dtype):
     return out
 
 
-def _stage_transient_bytes(st, p_sub, x, batch, is_first: bool) -> int:
+def _stage_transient_bytes(st, p_sub, x, batch, is_first: bool, mask=None) -> int:
     def vjp_fn(p, x, ct, b):
-        if is_first:
-            y, pull = jax.vjp(lambda p: st.apply(p, None, b), p)
-        else:
-            y, pull = jax.vjp(lambda p, x: st.apply(p, x, b), p, x)
-        return pull(ct)
+        return _vjp_trainable(st.apply, p, None if is_first else x, ct, b, mask)
 
     out = jax.eval_shape(st.apply, p_sub, x, batch)
     ct = jax.ShapeDtypeStruct(out.shape, out.dtype)
@@ -140,10 +161,11 @@ def trace_stages(stages, layout: ChunkLayout, batch: jax.ShapeDtypeStruct, compu
     """
     out, cache, live = [], {}, {}
     for i, (st, (p_sub, x)) in enumerate(zip(stages, stage_inputs(stages, layout, batch, compute_dtype))):
-        sig = _signature(st, p_sub, x)
+        mask = _trainable_mask(layout, st.param_keys)
+        sig = _signature(st, p_sub, x, mask)
         if sig not in cache:
-            cache[sig] = _stage_transient_bytes(st, p_sub, x, batch, i == 0)
-            live[sig] = _backward_live(st, p_sub, x, batch)
+            cache[sig] = _stage_transient_bytes(st, p_sub, x, batch, i == 0, mask)
+            live[sig] = _backward_live(st, p_sub, x, batch, mask)
         out.append(StageTrace(name=st.name, chunks=layout.chunks_of(st.param_keys),
                               input_bytes=0 if x is None else _nbytes(x), temp_bytes=cache[sig],
                               bwd_chunks=_chunks_of_live(layout, p_sub, live[sig])))

@@ -16,7 +16,11 @@ program (the step cuts the moments into programs at the schedule's segments):
   pinned host memory at once when its update does not run on the device (tied to the next
   cotangent so it cannot be postponed);
 * in the backward, chunks whose values the stage's gradient does not need are not fetched
-  (their slot holds zeros, which the compiler removes).
+  (their slot holds zeros, which the compiler removes);
+* frozen chunks (``layout.chunk_trainable`` False) are fetched like the others but stored in their
+  leaves' dtype (floating ones cast to the compute dtype when read, integer ones stay integers);
+  the backward's ``jax.vjp`` runs over the stage's trainable leaves only (frozen leaves are
+  constants: a LoRA base costs no weight-gradient matmuls) and frozen chunks get no gradient.
 
 :meth:`Walk.forward` runs the forward moments only, with the same fetches: evaluation.
 
@@ -26,6 +30,7 @@ gpu_probe6.py in shared/probes for the tied-fetch custom backward.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -85,6 +90,39 @@ class Walk:
     def _sub(self, arrays, s):
         return self.layout.unpack_subtree(arrays, self.stages[s].param_keys)
 
+    @functools.cached_property
+    def _frozen(self) -> frozenset[int]:
+        return frozenset(c for c, t in enumerate(self.layout.chunk_trainable) if not t)
+
+    def _read_dtype(self, c):
+        """The dtype stage code sees chunk ``c`` in: the compute dtype, or a frozen chunk's own
+        dtype when it is not floating (integer leaves are never cast)."""
+        dt = self.layout.chunk_dtypes[c]
+        return dt if c in self._frozen and not jnp.issubdtype(dt, jnp.floating) else self.compute_dtype
+
+    def _trainable_mask(self, s) -> list[bool]:
+        """Per leaf of stage ``s``'s params (flattening order of :meth:`_sub`): trainable."""
+        lay = self.layout
+        tree = lay.treedef.unflatten([lay.chunk_trainable[sl.chunk] for sl in lay.slots])
+        return jax.tree.leaves({k: tree[k] for k in self.stages[s].param_keys})
+
+    def _split(self, p, s):
+        """``(trainable leaves, rebuild, grads_tree)`` of stage params ``p``: ``rebuild(leaves)``
+        is ``p`` with the trainable leaves replaced, ``grads_tree(cotangents)`` the gradient
+        subtree with None at frozen leaves (skipped by ``scatter_add``)."""
+        mask = self._trainable_mask(s)
+        leaves, td = jax.tree.flatten(p)
+
+        def rebuild(tr):
+            it = iter(tr)
+            return td.unflatten([next(it) if m else x for x, m in zip(leaves, mask)])
+
+        def grads_tree(dtr):
+            it = iter(dtr)
+            return td.unflatten([next(it) if m else None for m in mask])
+
+        return [x for x, m in zip(leaves, mask) if m], rebuild, grads_tree
+
     def _arrays(self, t, x, batch, params, held, issued):
         """The chunk arrays moment ``t`` reads (fetched, resident or zeros)."""
         lay, topo = self.layout, self.topology
@@ -93,13 +131,15 @@ class Walk:
         arrays = {}
         for c in self.reads[s]:
             if c not in reads:  # value not needed by this backward: zeros (compiled away)
-                arrays[c] = jnp.zeros((lay.chunk_size,), self.compute_dtype)
+                arrays[c] = jnp.zeros((lay.chunk_size,), self._read_dtype(c))
             elif self.param_kinds[c] == DEVICE:
                 arrays[c] = topo.resident(params[c], batch if x is None else x)
             else:
                 if (t, c) in issued:
                     held[c] = topo.gather(issued.pop((t, c)))
                 arrays[c] = held[c]
+            if c in self._frozen:  # stored in the leaves' dtype: floating ones read in the compute dtype
+                arrays[c] = arrays[c].astype(self._read_dtype(c))
         return arrays
 
     def _issue(self, t, anchor, batch, params, issued, horizon):
@@ -149,13 +189,15 @@ class Walk:
 
         def add_grads(s, dp):
             for c in self.reads[s]:
+                if c in self._frozen:
+                    continue
                 if c not in acc:
                     acc[c] = jnp.zeros((lay.chunk_size,), jnp.float32)
                 acc[c] = lay.scatter_add(acc[c], c, dp)
 
         def emit(s, dx):
             for c in self.reads[s]:
-                if self.first_reader[c] != s:
+                if self.first_reader[c] != s or c in self._frozen:
                     continue
                 g, sq[c] = topo.reduce_grad(acc.pop(c).astype(self.compute_dtype))
                 if self.grad_kinds[c] == PINNED_HOST:
@@ -174,26 +216,29 @@ class Walk:
                 saved[s] = x
                 x = st.apply(self._sub(arrays, s), x, batch)
             elif ph == "forward+backward":
-                loss, pull = jax.vjp(lambda p, xx: st.apply(p, xx, batch), self._sub(arrays, s), x)
+                tr, rebuild, grads_tree = self._split(self._sub(arrays, s), s)
+                loss, pull = jax.vjp(lambda p, xx: st.apply(rebuild(p), xx, batch), tr, x)
                 ct = topo.loss_cotangent(loss)
                 if loss_scale is not None:  # fp16 loss scaling: the backward carries scaled values
                     ct = ct * loss_scale.astype(ct.dtype)
                 dp, dx = pull(ct)
-                add_grads(s, dp)
+                add_grads(s, grads_tree(dp))
                 x = emit(s, dx)
             else:
                 # tie the recompute's inputs to the cotangent: otherwise XLA merges the recompute
                 # with the forward pass (common-subexpression elimination) and keeps every stage's
                 # internals alive, undoing the activation checkpointing (jax.checkpoint's prevent_cse)
                 x, x_in, arrays = jax.lax.optimization_barrier((x, saved.pop(s, None), arrays))
-                p = self._sub(arrays, s)
-                if s == 0:
-                    _, pull = jax.vjp(lambda p: st.apply(p, None, batch), p)
+                tr, rebuild, grads_tree = self._split(self._sub(arrays, s), s)
+                if s == 0 and not tr:  # a frozen first stage: nothing to differentiate
+                    dp, dx = [], None
+                elif s == 0:
+                    _, pull = jax.vjp(lambda p: st.apply(rebuild(p), None, batch), tr)
                     (dp,), dx = pull(x), None
                 else:
-                    _, pull = jax.vjp(lambda p, xx: st.apply(p, xx, batch), p, x_in)
+                    _, pull = jax.vjp(lambda p, xx: st.apply(rebuild(p), xx, batch), tr, x_in)
                     dp, dx = pull(x)
-                add_grads(s, dp)
+                add_grads(s, grads_tree(dp))
                 x = emit(s, dx)
             self._release(t, held, T)
         if t1 == T:

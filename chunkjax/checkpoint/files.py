@@ -252,14 +252,18 @@ def remove_stale_temporaries(directory) -> list[str]:
 
 def layout_spec(layout) -> dict:
     """JSON form of a :class:`~chunkjax.layout.ChunkLayout`: chunk_size (elements), n_chunks,
-    chunk dtypes and every leaf slot as ``[path, chunk, offset, shape, dtype]``."""
-    return {
+    chunk dtypes, every leaf slot as ``[path, chunk, offset, shape, dtype]`` and, when some chunk
+    is frozen, ``chunk_trainable``."""
+    spec = {
         "chunk_size": int(layout.chunk_size),
         "n_chunks": int(layout.n_chunks),
         "chunk_dtypes": [np.dtype(d).name for d in layout.chunk_dtypes],
         "slots": [[s.path, int(s.chunk), int(s.offset), [int(x) for x in s.shape], np.dtype(s.dtype).name]
                   for s in layout.slots],
     }
+    if not all(layout.chunk_trainable):
+        spec["chunk_trainable"] = [bool(t) for t in layout.chunk_trainable]
+    return spec
 
 
 def layout_fingerprint(layout) -> str:
@@ -275,6 +279,11 @@ def layout_difference(saved: dict, here: dict) -> str | None:
     if saved["chunk_dtypes"] != here["chunk_dtypes"]:
         c = next(i for i, (a, b) in enumerate(zip(saved["chunk_dtypes"], here["chunk_dtypes"])) if a != b)
         return f"chunk {c} has dtype {saved['chunk_dtypes'][c]} in the checkpoint but {here['chunk_dtypes'][c]} here"
+    tr_saved = saved.get("chunk_trainable", [True] * saved["n_chunks"])
+    tr_here = here.get("chunk_trainable", [True] * here["n_chunks"])
+    if tr_saved != tr_here:
+        c = next(i for i, (a, b) in enumerate(zip(tr_saved, tr_here)) if a != b)
+        return f"chunk {c} is {'trainable' if tr_saved[c] else 'frozen'} in the checkpoint but not here"
     if len(saved["slots"]) != len(here["slots"]):
         return f"the checkpoint has {len(saved['slots'])} leaves but this step's params have {len(here['slots'])}"
     for a, b in zip(saved["slots"], here["slots"]):
@@ -308,7 +317,9 @@ def common_optimizer(meta: dict, where: str, need_one_count: bool) -> tuple[list
       CheckpointError: chunks saved with different moments, or (``need_one_count``) different
         optimizer step counts, which a changed chunk layout could not keep apart.
     """
-    chunks = meta["chunks"]
+    chunks = [cm for cm in meta["chunks"] if not cm.get("frozen")]  # frozen chunks: params only
+    if not chunks:
+        return [], None, {}
     names = {tuple(sorted(cm["moments"])) for cm in chunks}
     if len(names) != 1:
         raise CheckpointError(f"{where}: its chunks hold different optimizer moments {sorted(names)}")

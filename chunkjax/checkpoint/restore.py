@@ -108,6 +108,9 @@ class SavedState:
             diff = files.tree_difference(saved, here)
             if diff is not None:
                 raise CheckpointError(f"{where} holds another parameter tree: {diff}")
+            if "chunk_trainable" in saved or "chunk_trainable" in here:
+                raise CheckpointError(f"{where} has another chunk layout and frozen chunks, which are not remapped: "
+                                      "restore with the saved layout and trainable leaves")
         self.common_moments, self.count, self.rest = files.common_optimizer(meta, where, need_one_count=self.remap)
         self.cdt = None if compute_dtype is None else np.dtype(compute_dtype)
         self.same_dtype = self.cdt is not None and meta["compute_dtype"] == self.cdt.name
@@ -134,6 +137,8 @@ class SavedState:
     def chunk(self, c: int) -> tuple[dict[str, np.ndarray], dict]:
         """Chunk ``c`` in the portable form: ``({"master" (float32, writable), "params" (if a
         compute dtype was given), moment...}, {"count", "rest"})``."""
+        if not self.layout.chunk_trainable[c]:  # a frozen chunk: its params in their own dtype
+            return {"params": self.src.take(c, ["params"])["params"]}, {"count": None, "rest": {}}
         arrs = self.arrays(c)
         cm = {"count": self.count, "rest": self.rest} if self.remap else self.meta["chunks"][c]
         master = np.require(arrs.pop("master"), np.float32, ["C", "W", "O"])
@@ -163,12 +168,12 @@ class _SavedChunks:
         self.held: dict[int, dict] = {}  # insertion order = least recently used first
         self.sums = files.read_checksums(root)  # None: a version-1 checkpoint, read unverified
 
-    def _read(self, c: int) -> dict[str, np.ndarray]:
+    def _read(self, c: int, names=None) -> dict[str, np.ndarray]:
         """Chunk ``c``'s files checked against their checksums, then read (CheckpointError
-        naming the first bad file)."""
+        naming the first bad file); ``names`` overrides the arrays read."""
         if self.sums is not None:
             files.verify_files(self.root, self.sums, files.chunk_name(c))
-        return files.read_chunk(self.ckptr, os.path.join(self.root, files.chunk_name(c)), self.names)
+        return files.read_chunk(self.ckptr, os.path.join(self.root, files.chunk_name(c)), names or self.names)
 
     def get(self, c: int) -> dict[str, np.ndarray]:
         """Chunk ``c``'s arrays (held for later calls; the least recently used is dropped)."""
@@ -180,11 +185,12 @@ class _SavedChunks:
         self.held[c] = self._read(c)
         return self.held[c]
 
-    def take(self, c: int) -> dict[str, np.ndarray]:
-        """Chunk ``c``'s arrays, not held (the caller owns them)."""
-        out = self.held.pop(c, None)
+    def take(self, c: int, names=None) -> dict[str, np.ndarray]:
+        """Chunk ``c``'s arrays (``names`` instead of the default ones), not held (the caller
+        owns them)."""
+        out = None if names else self.held.pop(c, None)
         if out is None:
-            out = self._read(c)
+            out = self._read(c, names)
         return out
 
 
@@ -220,7 +226,8 @@ def export_params(step_fn, state=None):
 
     Returns:
       The pytree of ``step_fn.layout`` (the model's structure) with one float32 numpy array of
-      the leaf's shape per leaf. Built one chunk at a time: host memory holds the result (4 bytes
+      the leaf's shape per leaf (frozen leaves: their params bit for bit, in their dtype).
+      Built one chunk at a time: host memory holds the result (4 bytes
       per parameter) plus one (chunk_size,) float32 chunk; nothing is placed on the device.
 
     Raises:
@@ -237,7 +244,7 @@ def export_params(step_fn, state=None):
         m = step_fn.checkpoint_master(state, c)
         for i in idx:
             s = lay.slots[i]
-            leaves[i] = np.array(m[s.offset:s.offset + s.size].reshape(s.shape), np.float32)
+            leaves[i] = np.array(m[s.offset:s.offset + s.size].reshape(s.shape), np.asarray(m).dtype)
         del m
     return lay.treedef.unflatten(leaves)
 
@@ -270,12 +277,13 @@ def export_checkpoint_params(directory, layout, step_number: int | None = None):
     leaves = [None] * len(layout.slots)
     try:
         src = _SavedChunks(ckptr, root, ["master"], keep=1)
+        trainable = meta["layout"].get("chunk_trainable", [True] * meta["layout"]["n_chunks"])
         for c in range(meta["layout"]["n_chunks"]):
-            m = src.take(c)["master"]
+            m = src.take(c)["master"] if trainable[c] else src.take(c, ["params"])["params"]  # frozen: own dtype
             for path, chunk, off, shape, _ in meta["layout"]["slots"]:
                 if chunk == c:
                     size = int(np.prod(shape, dtype=np.int64))
-                    leaves[index[path]] = np.array(m[off:off + size].reshape(shape), np.float32)
+                    leaves[index[path]] = np.array(m[off:off + size].reshape(shape), m.dtype)
             del m
     finally:
         ckptr.close()
