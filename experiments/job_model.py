@@ -199,6 +199,8 @@ def with_lora(model: JobModel, spec, seed: int = 0) -> JobModel:
             s = layout.slots[i]
             if lora.is_adapter(s.path):
                 return lora.init_adapter(s.path, s.shape, seed)
+            if model.source is not None:  # read in the stored dtype (a bf16 base: no float32 copy)
+                return model.source.leaf(s.path, s.dtype)
             a = src(i) if flat is None else flat[s.path]
             return np.asarray(a).astype(s.dtype, copy=False)
         return leaf
