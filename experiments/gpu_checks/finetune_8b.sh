@@ -1,23 +1,24 @@
 # Issue 25 on the lent H200: a Llama-3-8B-shaped checkpoint (random weights, Hugging Face layout,
 # bf16, sharded) fine-tuned through the main job in a 24 GiB device budget, batch 8 x 2048: full
-# fine-tuning and LoRA, a few steps each, in ONE call (~9 min), on the corpus in carry/data.
+# fine-tuning and LoRA, a few steps each, in ONE call (~9 min; JOBS_S=450 s for the two jobs, LoRA
+# first; a job still running at its limit is killed and recorded so), on the corpus in carry/data.
 #   bash experiments/gpu_checks/finetune_8b.sh                 # the H200 (writes JSON under $OUT)
 #   SHAPE=tiny bash experiments/gpu_checks/finetune_8b.sh      # the same pieces on a CPU, tiny shape
 # Steps: (1) the corpus: carry/data's GPT-2 token arrays decoded back to text (its gpt2.tiktoken),
 # a byte-level BPE tokenizer.json trained on it; (2) the checkpoint written by models/hf.py's export
 # tensor by tensor (random values tiled from a pool, so writing is disk-bound, 16 GB at 8B) into
-# a scratch folder (CK_DIR, default /tmp/ft8b; 64 GiB free on the H200); (3) the full fine-tune
-# (--init-from <folder>): at ~16 host bytes per parameter an 8B model needs ~128 GB of host RAM,
+# a scratch folder on the disk (CK_DIR, default ./.scratch_ft8b, not /tmp, which may be RAM; 64 GiB
+# free on the H200); (3) LoRA rank 16 on every projection, then (4) the full fine-tune: at ~16 host bytes per parameter an 8B model needs ~128 GB of host RAM,
 # above what a 125 GiB host leaves, so the job is expected to refuse it in one line: the script
-# records that line and goes on; (4) LoRA rank 16 on every projection (the bf16 base frozen: no
-# master, no optimizer state, fetched like any chunk), the adapters exported in PEFT's layout.
+# records that line. LoRA: the bf16 base frozen (no master, no optimizer state, fetched like any
+# chunk), the adapters exported in PEFT's layout.
 # Each job's tokens/s, peak device bytes (the runtime's) and peak host RSS (wait4 of the job) go
 # to $OUT/finetune_8b.json with the commands. The scratch checkpoint is deleted at the end.
 set -u
 export PYTHONUNBUFFERED=1
 SHAPE=${SHAPE:-8b}
 OUT=${OUT:-/tmp/ft8b_out}
-CK_DIR=${CK_DIR:-/tmp/ft8b}
+CK_DIR=${CK_DIR:-$PWD/.scratch_ft8b}
 mkdir -p "$OUT" "$CK_DIR"
 if [ "$SHAPE" = tiny ]; then
   J="--device-budget auto --batch 2 --seq 64 --steps 3 --eval-every 3"
@@ -80,7 +81,7 @@ for k, m in enumerate(hf.tensor_map(cfg)):
     for p in head:
         node = node.setdefault(p, {})
     node[last] = Lazy(m.shape, k)
-out = os.path.join(ck, "ckpt")
+out = os.path.join(ck, "model")
 t = time.time()
 hf.export_hf_checkpoint(cfg, params, out, tokenizer=tok, dtype=ml_dtypes.bfloat16, max_shard_bytes=shard,
                         bos_token_id=0, eos_token_id=1, overwrite=True)
@@ -88,16 +89,19 @@ size = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))
 print(f"checkpoint {out}: {cfg.n_params / 1e9:.2f}B parameters, {size / 1e9:.1f} GB, "
       f"{len([f for f in os.listdir(out) if f.endswith('.safetensors')])} shards ({time.time() - t:.0f} s)", flush=True)
 P
+[ -f "$CK_DIR/model/config.json" ] || { echo "the checkpoint was not written (above): stopping"; exit 1; }
 echo "prepared in $(( $(date +%s) - t0 )) s"
 python - "$SHAPE" "$CK_DIR" "$OUT" "$J" <<'P'
-# (3) full, (4) LoRA: each job a child process; its peak RSS from wait4
-import json, os, resource, shlex, subprocess, sys, time
+# (3) LoRA, (4) full: each job a child process; its peak RSS from wait4
+import json, os, shlex, subprocess, sys, threading, time
 shape, ck, out, common = sys.argv[1:5]
 host_total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-base = ["python", "-m", "experiments.train", "--init-from", f"{ck}/ckpt", "--data", f"{ck}/corpus.txt", *shlex.split(common)]
-jobs = {"full": ["--lr", "1e-5", "--export", "none"],
-        "lora": ["--lr", "1e-4", "--lora-rank", "16", "--lora-alpha", "32", "--lora-targets", "q,k,v,o,gate,up,down",
-                 "--export", "adapters"]}
+base = ["python", "-m", "experiments.train", "--init-from", f"{ck}/model", "--data", f"{ck}/corpus.txt", *shlex.split(common)]
+# LoRA first (what fits), then the full fine-tune with the time left; each killed at its limit
+jobs = {"lora": ["--lr", "1e-4", "--lora-rank", "16", "--lora-alpha", "32", "--lora-targets", "q,k,v,o,gate,up,down",
+                 "--export", "adapters"],
+        "full": ["--lr", "1e-5", "--export", "none"]}
+deadline = time.time() + float(os.environ.get("JOBS_S", "450"))
 res = {"shape": shape, "host_ram_bytes": host_total, "note": (
     "full fine-tuning keeps a float32 master, Adam m and v (12 B/param) plus bf16 params and gradients in host "
     "memory: ~16 B/param, ~128 GB for 8.03B parameters, more than a 125 GiB host leaves; the job refuses it in "
@@ -105,11 +109,16 @@ res = {"shape": shape, "host_ram_bytes": host_total, "note": (
 for name, extra in jobs.items():
     cmd = base + ["--out-dir", f"{out}/runs_{name}", *extra]
     t = time.time()
+    limit = max(30.0, deadline - t - (150 if name == "lora" else 0))
     with open(f"{out}/{name}.log", "w") as log:
         p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        timer = threading.Timer(limit, p.kill)
+        timer.start()
         _, status, ru = os.wait4(p.pid, 0)
+        timer.cancel()
     rc = os.waitstatus_to_exitcode(status)
-    rec = {"command": " ".join(cmd), "rc": rc, "wall_s": time.time() - t, "peak_host_rss_bytes": ru.ru_maxrss * 1024}
+    rec = {"command": " ".join(cmd), "rc": rc, "wall_s": time.time() - t, "limit_s": limit, "killed_at_limit": rc == -9,
+           "peak_host_rss_bytes": ru.ru_maxrss * 1024}
     reps = [os.path.join(r, d, "report.json") for r, ds, _ in os.walk(f"{out}/runs_{name}") for d in ds]
     reps = [r for r in reps if os.path.isfile(r)]
     if reps:
@@ -130,6 +139,6 @@ for name, extra in jobs.items():
 json.dump(res, open(f"{out}/finetune_8b.json", "w"), indent=1)
 print(f"wrote {out}/finetune_8b.json", flush=True)
 P
-tail -5 "$OUT/full.log" "$OUT/lora.log"
-rm -rf "$CK_DIR/ckpt"
+tail -n 5 "$OUT/full.log" "$OUT/lora.log"
+rm -rf "$CK_DIR/model"
 echo "total $(( $(date +%s) - t0 )) s"
