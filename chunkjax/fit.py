@@ -235,7 +235,7 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
     Raises:
       ValueError: no optimizer or both, a transformation that is not elementwise, a compute
         dtype that is not floating, a last stage that does not return a scalar, a bad ZeRO stage or mesh, a batch that does not split over
-        ranks x micro-batches, a chunk size below the largest leaf.
+        ranks x micro-batches, a chunk size below 1.
       HostMemoryError: even the least host memory any plan needs exceeds what is available.
     """
     if (tx is None) == (host_optimizer is None):
@@ -498,7 +498,7 @@ def fit_step(stages, params, batch, *, device_budget="auto", policy: str = "tide
       policy, resident, check_compiled, strict: see :func:`fit_problem`.
       **prepare_kw: the rest of :func:`prepare` (tx, host_optimizer, compute_dtype, chunk_size,
         min_chunks, prefetch, segments, micro_batches, nonfinite, loss_scaling, mesh, zero_stage,
-        flops_per_step, rates, host_budget).
+        flops_per_step, rates, host_budget, trainable: the frozen leaves).
 
     Example::
 

@@ -50,7 +50,7 @@ import numpy as np
 import optax
 
 from chunkjax import optim, portable
-from chunkjax.layout import ChunkLayout, LeafSlot, build_layout
+from chunkjax.layout import ChunkLayout, LeafSlot, Piece, build_layout
 from chunkjax.memory import DEVICE, sharding
 from chunkjax.plan import parse_bytes, plan_schedule
 from chunkjax.predict import chunk_bytes
@@ -75,17 +75,29 @@ def _budget_bytes(device_budget: int | str) -> int:
     return parse_bytes(device_budget)
 
 
-def _sub_layout(layout: ChunkLayout, c: int) -> tuple[ChunkLayout, tuple[int, ...]]:
-    """Chunk ``c`` as a one-chunk layout over the list of its leaves (offset order), and the
-    indices of those leaves in ``layout.slots``. Paths are dropped so that chunks holding the same
-    shapes at the same offsets (e.g. repeated blocks) compare equal and share compiled programs."""
-    idx = tuple(sorted((i for i, s in enumerate(layout.slots) if s.chunk == c),
-                       key=lambda i: layout.slots[i].offset))
-    slots = tuple(LeafSlot(path=str(k), chunk=0, offset=layout.slots[i].offset, shape=layout.slots[i].shape,
-                           dtype=layout.slots[i].dtype) for k, i in enumerate(idx))
-    sub = ChunkLayout(treedef=jax.tree.structure([0] * len(idx)), slots=slots, chunk_size=layout.chunk_size,
+def _sub_layout(layout: ChunkLayout, c: int) -> tuple[ChunkLayout, tuple[tuple[int, Piece], ...]]:
+    """Chunk ``c`` as a one-chunk layout over the list of its leaf pieces (offset order), and the
+    ``(slot index, piece)`` pairs (:meth:`ChunkLayout.chunk_pieces`). A piece holding a whole leaf
+    keeps the leaf's shape; a piece of a leaf spanning chunks is a flat ``(size,)`` leaf. Paths are
+    dropped so that chunks holding the same shapes at the same offsets (e.g. repeated blocks)
+    compare equal and share compiled programs."""
+    pieces = layout.chunk_pieces(c)
+    slots = tuple(LeafSlot(path=str(k), pieces=(Piece(0, p.offset, 0, p.size),),
+                           shape=layout.slots[i].shape if _whole(layout, i, p) else (p.size,),
+                           dtype=layout.slots[i].dtype) for k, (i, p) in enumerate(pieces))
+    sub = ChunkLayout(treedef=jax.tree.structure([0] * len(pieces)), slots=slots, chunk_size=layout.chunk_size,
                       chunk_dtypes=(layout.chunk_dtypes[c],), chunk_trainable=(layout.chunk_trainable[c],))
-    return sub, idx
+    return sub, pieces
+
+
+def _whole(layout: ChunkLayout, i: int, p: Piece) -> bool:
+    return p.size == layout.slots[i].size
+
+
+def _piece_of(layout: ChunkLayout, leaves, i: int, p: Piece):
+    """Leaf ``i`` of ``leaves`` as :func:`_sub_layout` takes it: whole, or its flat piece ``p``."""
+    return leaves[i] if _whole(layout, i, p) else jax.lax.slice(jnp.ravel(leaves[i]), (p.leaf_offset,),
+                                                                 (p.leaf_offset + p.size,))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,8 +141,8 @@ class ChunkedOptimizer:
         float32 gradient, master and state, new params, two float32 temporaries). Not counted:
         the params and gradients pytrees of the training loop. Chunks stay on the device in
         layout order while the prediction fits; the rest go to pinned host memory.
-      chunk_size: elements per chunk (>= the largest leaf); ``None`` searches the size with the
-        least padding bytes (:func:`chunkjax.search_chunk_size`).
+      chunk_size: elements per chunk (a leaf larger than it spans chunks); ``None`` searches
+        the size from ``min_chunks`` and a padding bound (:func:`chunkjax.search_chunk_size`).
       min_chunks: with ``chunk_size=None``, prefer sizes giving at least this many chunks.
       order: leaf paths in the order chunks should be filled (default: tree order), e.g. from
         :func:`chunkjax.first_use_order`; earlier chunks are kept on the device first.
@@ -149,8 +161,8 @@ class ChunkedOptimizer:
 
     Raises:
       TypeError: a non-floating leaf (the message names its path), ``device_budget`` of another type.
-      ValueError: ``device_budget`` unparsable or negative; ``chunk_size`` smaller than the largest
-        leaf; ``tx`` fails the elementwise probe (the message lists what is not supported).
+      ValueError: ``device_budget`` unparsable or negative; ``chunk_size`` below 1; ``tx`` fails
+        the elementwise probe (the message lists what is not supported).
       chunkjax.PlanError: the budget is below one chunk's update working set (the message gives
         the smallest budget that works; ``.min_budget_bytes``).
       chunkjax.HostMemoryError: the offloaded optimizer state (plus, on the CPU, the device's
@@ -196,7 +208,7 @@ class ChunkedOptimizer:
         check_host_need(need, "the optimizer state", jax.default_backend())
         self.step = 0
         subs = [_sub_layout(lay, c) for c in range(lay.n_chunks)]
-        self._leaf_idx = [idx for _, idx in subs]
+        self._pieces = [pieces for _, pieces in subs]
         self._programs = {}
         for c, (sub, _) in enumerate(subs):
             key = (sub, kinds[c])
@@ -207,8 +219,8 @@ class ChunkedOptimizer:
         leaves = lay.treedef.flatten_up_to(params)
         init = jax.jit(lambda m: optim.init_chunk_state(tx, m))
         masters, states = [], []
-        for c, (sub, idx) in enumerate(subs):
-            m = jax.device_put(sub.pack([leaves[i] for i in idx], dtype=optim.MASTER_DTYPE)[0], sharding(DEVICE))
+        for c in range(lay.n_chunks):
+            m = jax.device_put(lay.pack_chunk(c, leaves, dtype=optim.MASTER_DTYPE), sharding(DEVICE))
             sk = sharding(kinds[c])
             states.append(jax.device_put(init(m), sk))
             masters.append(jax.device_put(m, sk))
@@ -218,8 +230,15 @@ class ChunkedOptimizer:
 
     # ---- the update ------------------------------------------------------------------------------
     def _grad_sq(self, grad_leaves):
-        per_leaf = [jnp.sum(jnp.square(g.astype(jnp.float32))) for g in grad_leaves]
-        return jnp.stack([sum((per_leaf[i] for i in idx), jnp.zeros((), jnp.float32)) for idx in self._leaf_idx])
+        """(per chunk the () f32 squared norm of its gradient pieces, ``{(chunk, k): flat piece}``
+        of the leaves spanning chunks)."""
+        lay = self.layout
+        split = {(c, k): _piece_of(lay, grad_leaves, i, p) for c, pieces in enumerate(self._pieces)
+                 for k, (i, p) in enumerate(pieces) if not _whole(lay, i, p)}
+        sq = [sum((jnp.sum(jnp.square(split.get((c, k), grad_leaves[i]).astype(jnp.float32)))
+                   for k, (i, _) in enumerate(pieces)), jnp.zeros((), jnp.float32))
+              for c, pieces in enumerate(self._pieces)]
+        return jnp.stack(sq), split
 
     def update(self, grads):
         """One optimizer step. Call it outside ``jax.jit`` (it dispatches one jitted program per chunk).
@@ -243,16 +262,17 @@ class ChunkedOptimizer:
         for s, g in zip(lay.slots, leaves):
             if tuple(np.shape(g)) != s.shape:
                 raise ValueError(f"gradient of {s.path!r} has shape {tuple(np.shape(g))}, the params' is {s.shape}")
-        grad_sq = self._sq(leaves)
-        out: list[Any] = [None] * len(lay.slots)
+        grad_sq, split = self._sq(leaves)
+        out: list[Any] = [[] for _ in lay.slots]
         for c in range(lay.n_chunks):
-            idx = self._leaf_idx[c]
+            parts = tuple(split.get((c, k), leaves[i]) for k, (i, _) in enumerate(self._pieces[c]))
             new, self._master[c], self._opt_state[c] = self._program_of[c](
-                tuple(leaves[i] for i in idx), self._master[c], self._opt_state[c], grad_sq, jnp.asarray(c, jnp.int32))
-            for i, x in zip(idx, new):
-                out[i] = x
-        self.step += 1
-        return lay.treedef.unflatten(out)
+                parts, self._master[c], self._opt_state[c], grad_sq, jnp.asarray(c, jnp.int32))
+            for (i, _), x in zip(self._pieces[c], new):
+                out[i].append(x)
+        self.step += 1  # a leaf spanning chunks: its pieces joined (they come in leaf order)
+        return lay.treedef.unflatten([x[0] if len(x) == 1 else jnp.concatenate(x).reshape(s.shape)
+                                      for x, s in zip(out, lay.slots)])
 
     # ---- state -----------------------------------------------------------------------------------
     def master_params(self):

@@ -65,6 +65,9 @@ def pinned_host_bytes(step) -> int:
     opt = optim.state_bytes_per_chunk(step.tx, cs)
     host, n = set(step.host_chunks), 0
     for c in range(step.layout.n_chunks):
+        if c in step.frozen_chunks:  # params only, in their own dtype
+            n += step.layout.chunk_bytes(c) * (step.placement.param_kinds[c] == PINNED_HOST)
+            continue
         if c in host:
             n += 2 * cs * it
             continue
@@ -93,7 +96,7 @@ def comm_bytes_per_step(step, batch) -> dict[str, int]:
                       + len(walk.fetch[t]) for t in range(len(step.moments)))
     else:
         gathers = len(step._device_chunks) + len(step._streamed_chunks)
-    graded = len(step.first_reader)
+    graded = len(set(step.first_reader) - set(step.frozen_chunks))  # frozen chunks have no gradient
     out = {"all_gather": part(gathers), "reduce_scatter": part(graded) if step.zero_stage != 1 else 0,
            "all_reduce": 2 * part(graded) if step.zero_stage == 1 else 0}
     out["total"] = sum(out.values())

@@ -517,23 +517,16 @@ class ChunkedStep(StepChunkIO):
         if self.host_chunks:
             upd.warm_host_kernel(self.host_optimizer, self.compute_dtype)
 
-        frozen = self.frozen_chunks
-
-        def packed(c, dtype=np.float32):
-            buf = np.zeros((lay.chunk_size,), dtype)
-            for i, s in enumerate(lay.slots):
-                if s.chunk == c:
-                    buf[s.offset:s.offset + s.size] = np.asarray(leaf_at(i), dtype).ravel()
-            return buf
-
+        frozen = set(self.frozen_chunks)  # params in their own dtype, no master or state
+        dtypes = [lay.chunk_dtypes[c] if c in frozen else np.float32 for c in range(lay.n_chunks)]
         ms, os_ = [], []
-        for c in range(lay.n_chunks):
-            m, o = (None, None) if c in frozen else self.updaters[self._location(c)].init(packed(c), c)
+        for c, buf in enumerate(lay.host_chunks(leaf_at, dtypes)):
+            m, o = (None, None) if c in frozen else self.updaters[self._location(c)].init(buf, c)
             ms.append(m), os_.append(o)
         topo = self.topology
-        ps = [topo.put(packed(c, lay.chunk_dtypes[c]) if c in frozen else packed(c).astype(self.compute_dtype),
+        ps = [topo.put(buf if c in frozen else buf.astype(self.compute_dtype),
                        topo.param_sharding(self.placement.param_kinds[c]))
-              for c in range(lay.n_chunks)]
+              for c, buf in enumerate(lay.host_chunks(leaf_at, dtypes))]
         jax.block_until_ready((ps, [m for m in ms if isinstance(m, jax.Array)]))
         return TrainState(tuple(ps), tuple(ms), tuple(os_))
 
@@ -542,12 +535,11 @@ class ChunkedStep(StepChunkIO):
         return TrainState(*restore_chunks(self, saved))
 
     def master_params(self, state: TrainState):
-        """The float32 master params as a pytree: on one device jax arrays on the default device;
-        on a mesh numpy, gathered from every process under ``jax.distributed`` (a collective:
-        every process calls it; host-updated chunks' rank slices too). Waits for the state's host
-        updates."""
+        """The float32 master params as a pytree (frozen leaves: their params, in their dtype): on
+        one device jax arrays on the default device; on a mesh numpy, gathered from every process
+        under ``jax.distributed`` (a collective: every process calls it; host-updated chunks' rank
+        slices too). Waits for the state's host updates."""
         self.wait(state)
-        # frozen chunks have no master: their params, in their own dtype
         chunks = [p if m is None else m for p, m in zip(state.params, state.master)]
         if self.mesh is None:
             return self.layout.unpack([jax.device_put(m, sharding(DEVICE)) for m in chunks])

@@ -66,9 +66,9 @@ def build_zero_layout(params, n_ranks: int, chunk_size: int | None = None, order
     """
     if n_ranks < 1:
         raise ValueError(f"n_ranks must be >= 1, got {n_ranks}")
-    if chunk_size is None:
-        chunk_size = search_chunk_size(params, order, trainable=trainable)
     m = math.lcm(n_ranks, CHUNK_ALIGN_ELEMS)
+    if chunk_size is None:
+        chunk_size = search_chunk_size(params, order, align=m, trainable=trainable)
     return build_layout(params, -(-int(chunk_size) // m) * m, order, trainable=trainable)
 
 

@@ -75,7 +75,7 @@ def _signature(st, p_sub, x, mask=None):
 
 def _trainable_mask(layout: ChunkLayout, keys) -> list[bool]:
     """Per leaf of the stage params ``{k: params[k] for k in keys}`` (flattening order): trainable."""
-    tree = layout.treedef.unflatten([layout.chunk_trainable[s.chunk] for s in layout.slots])
+    tree = layout.treedef.unflatten([layout.chunk_trainable[s.chunks[0]] for s in layout.slots])
     return jax.tree.leaves({k: tree[k] for k in keys})
 
 

@@ -103,7 +103,7 @@ class Walk:
     def _trainable_mask(self, s) -> list[bool]:
         """Per leaf of stage ``s``'s params (flattening order of :meth:`_sub`): trainable."""
         lay = self.layout
-        tree = lay.treedef.unflatten([lay.chunk_trainable[sl.chunk] for sl in lay.slots])
+        tree = lay.treedef.unflatten([lay.chunk_trainable[sl.chunks[0]] for sl in lay.slots])
         return jax.tree.leaves({k: tree[k] for k in self.stages[s].param_keys})
 
     def _split(self, p, s):

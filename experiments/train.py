@@ -85,7 +85,7 @@ class TrainConfig:
     weight_decay: float = config_field(0.0, 'AdamW weight decay')
     clip: float = config_field(1.0, 'global-norm clipping (0 disables)')
     device_budget: str = config_field("auto", 'peak device bytes per device ("8GiB", "512MiB", ...); auto: the smallest budget with every chunk offloaded + 20% of the model\'s chunk bytes (chunkjax.fit), raised on a GPU to what the compiled step needs')
-    chunk_size: int = config_field(0, 'elements per chunk; 0 searches (floored at the largest leaf)')
+    chunk_size: int = config_field(0, 'elements per chunk; 0 searches (leaves larger than a chunk span chunks)')
     min_chunks: int = config_field(8, 'the search prefers sizes giving at least this many chunks')
     prefetch: int = config_field(1, 'fetch distance in stages')
     compute_dtype: str = config_field("auto", 'bfloat16 | float32; auto: bfloat16 on GPU, float32 on CPU')
@@ -790,9 +790,7 @@ def model_bytes_split(layout, placement, cb) -> dict:
     """Model data (real elements, padding excluded) stored in total and placed on the device
     between steps, in the dtypes actually kept (compute params, float32 master, optimizer state)."""
     import chunkjax as cj
-    used = [0] * layout.n_chunks
-    for s in layout.slots:
-        used[s.chunk] += s.size
+    used = layout.chunk_used
     per_elem_params = cb.params / layout.chunk_size
     per_elem_state = cb.state / layout.chunk_size
     total = sum(u * (per_elem_params + per_elem_state) for u in used)

@@ -98,9 +98,8 @@ _TABLE = {  # name: (hidden, layers, heads) -- PatrickStar's table, seq 1024
 }
 
 CONFIGS: dict[str, GPTConfig] = {n: GPTConfig(n, *v) for n, v in _TABLE.items()}
-# CPU-sized configs. "tiny" is the demo model (GPT-2 BPE); "micro" uses a small vocabulary
-# (BPE trained on the training split) so that many chunks exist even with the chunk size floored
-# at the largest leaf.
+# CPU-sized configs. "tiny" is the demo model (GPT-2 BPE; its embedding spans several chunks);
+# "micro" uses a small vocabulary (BPE trained on the training split).
 CONFIGS["tiny"] = GPTConfig("tiny", d_model=128, n_layers=4, n_heads=4, seq_len=256)
 CONFIGS["micro"] = GPTConfig("micro", d_model=64, n_layers=4, n_heads=4, vocab_size=512, seq_len=128)
 

@@ -107,8 +107,8 @@ def shared_grad_parts(params, batch):
 def test_case1_shared_weight_gradients(chunk_size, placement):
     params, batch = mlp_params(1), mlp_batch(2)
     lay = build_layout(params, chunk_size, mlp_order(params))
-    shared_chunk = {s.path: s.chunk for s in lay.slots}["shared"]
-    mates = [s.path for s in lay.slots if s.chunk == shared_chunk and s.path != "shared"]
+    shared_chunk, = {s.path: s.chunks for s in lay.slots}["shared"]
+    mates = [s.path for s in lay.chunk_leaves(shared_chunk) if s.path != "shared"]
     assert (len(mates) == 0) == (chunk_size == 64)
     step = make_chunked_step(MLP_STAGES, lay, placements(lay.n_chunks)[placement], optax.sgd(0.1), F32)
     state = step.init(params)
@@ -364,7 +364,7 @@ def test_case4_no_gradient_params_untouched(tx_name, chunk_size, placement):
     order = first_use_order(lambda p, b: compose_loss(stages, p, b), params, batch0)
     assert order[-1] == "unused"
     lay = build_layout(params, chunk_size, order)
-    chunk_of = {s.path: s.chunk for s in lay.slots}
+    chunk_of = {s.path: s.chunks[0] for s in lay.slots}  # every leaf fits one chunk here
     if chunk_size == 64:
         assert [s.path for s in lay.chunk_leaves(chunk_of["unused"])] == ["unused"]
     step = make_chunked_step(stages, lay, placements(lay.n_chunks)[placement], make_tx(), F32)
@@ -396,9 +396,10 @@ def test_case4_no_gradient_params_untouched(tx_name, chunk_size, placement):
                    if x.shape == (lay.chunk_size,)]
         n_moment_leaves += len(moments)
         for k in NO_GRAD:
-            if slots[k].chunk == c:
-                for m in moments:
-                    assert not m[slots[k].offset:slots[k].offset + slots[k].size].any()
+            for p in slots[k].pieces:
+                if p.chunk == c:
+                    for m in moments:
+                        assert not m[p.offset:p.offset + p.size].any()
     assert n_moment_leaves == (2 * lay.n_chunks if tx_name == "adamw" else 0)
 
 

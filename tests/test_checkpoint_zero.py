@@ -63,9 +63,11 @@ def _leafwise(step, state) -> dict:
     for c in range(step.layout.n_chunks):
         arrays, cm = step.checkpoint_chunk(state, c, copy=False)
         out[("count", c)] = cm["count"]
-        for s in step.layout.chunk_leaves(c):
+        for i, p in step.layout.chunk_pieces(c):  # a leaf spanning chunks: its pieces joined
+            s = step.layout.slots[i]
             for name, a in arrays.items():
-                out[(s.path, name)] = np.array(a[s.offset:s.offset + s.size])
+                flat = out.setdefault((s.path, name), np.zeros((s.size,), a.dtype))
+                flat[p.leaf_offset:p.leaf_offset + p.size] = a[p.offset:p.offset + p.size]
     return out
 
 
@@ -201,6 +203,47 @@ def test_other_chunk_size_keeps_every_value(setup, zero_run, single_run, tmp_pat
     _assert_same_leaves(_leafwise(single, ck.restore_checkpoint(tmp_path, single)[0]), ref)
     np.testing.assert_array_equal(ck.export_checkpoint_params(tmp_path, setup["lay8"])["wte"],
                                   ref[("wte", "master")].reshape(setup["params"]["wte"].shape))
+
+
+def test_spanning_layout_and_old_format_keep_every_value(setup, zero_run, tmp_path):
+    """Leaves larger than a chunk (issue 22 item 3): the ZeRO checkpoint (6 chunks of 32768, every
+    leaf whole) restored into chunks of 10240, where wte (32768) and the MLP kernels (16384) span
+    chunks, holds every value bit for bit and trains on (ZeRO-3, 8 devices) to the uninterrupted
+    run's losses; saved from there it restores into the original layout bit for bit. A checkpoint written before pieces (format version 2, a leaf at one
+    [chunk, offset]) still restores, bit for bit."""
+    import json
+    import shutil
+    _, d, _, ref_losses = zero_run
+    ref_step = _zero_step(setup, 8)
+    ref = _leafwise(ref_step, ck.restore_checkpoint(d, ref_step)[0])
+    lay = build_zero_layout(setup["params"], 8, 10240, setup["order"])
+    assert max(len(s.pieces) for s in lay.slots) == 4
+    step = _zero_step(setup, 8, lay)
+    state, _ = ck.restore_checkpoint(d, step)
+    _assert_same_leaves(_leafwise(step, state), ref)
+    ck.save_checkpoint(tmp_path / "span", N, step, state, {})
+    _, losses = _run(step, state, setup["batches"][N:])
+    np.testing.assert_allclose(losses, ref_losses[N:], rtol=LOSS_RTOL, err_msg=f"seed {setup['seed']}")
+    assert any(len(s[1]) > 1 for s in ck.read_meta(tmp_path / "span")["layout"]["slots"])
+    _assert_same_leaves(_leafwise(ref_step, ck.restore_checkpoint(tmp_path / "span", ref_step)[0]), ref)
+    np.testing.assert_array_equal(ck.export_checkpoint_params(tmp_path / "span", setup["lay8"])["wte"],
+                                  ref[("wte", "master")].reshape(setup["params"]["wte"].shape))
+    # the same checkpoint as version 2 wrote it: slots [path, chunk, offset, shape, dtype]
+    src, dst = ck.files.step_dir(d, N), ck.files.step_dir(tmp_path / "v2", N)
+    shutil.copytree(src, dst)
+    with open(f"{dst}/meta.json") as f:
+        meta = json.load(f)
+    meta["version"] = 2
+    meta["layout"]["slots"] = [[path, pieces[0][0], pieces[0][1], shape, dt]
+                               for path, pieces, shape, dt in meta["layout"]["slots"]]
+    with open(f"{dst}/meta.json", "w") as f:
+        json.dump(meta, f)
+    sums = ck.files.read_checksums(dst)
+    sums[ck.META] = ck.files.file_checksum(f"{dst}/meta.json")
+    ck.files.write_checksums(dst, sums)
+    assert ck.read_meta(tmp_path / "v2")["layout"] == ck.read_meta(d)["layout"]
+    for st in (ref_step, step):  # the saved layout itself, and remapped into spanning chunks
+        _assert_same_leaves(_leafwise(st, ck.restore_checkpoint(tmp_path / "v2", st)[0]), ref)
 
 
 @pytest.mark.parametrize("change", ["n_layers", "vocab"])

@@ -167,13 +167,42 @@ def test_bad_input_errors():
     assert e.value.min_budget_bytes > 100
     with pytest.raises(TypeError, match=r"optax.GradientTransformation"):
         cj.ChunkedOptimizer(ok, lambda g: g, device_budget="1GiB")
-    with pytest.raises(ValueError, match=r"chunk_size=128 elements is smaller than the largest leaf big"):
-        cj.ChunkedOptimizer({"big": jnp.zeros((300,))}, optax.adam(1e-3), device_budget="1GiB", chunk_size=128)
+    with pytest.raises(ValueError, match=r"chunk_size must be >= 1"):
+        cj.ChunkedOptimizer({"big": jnp.zeros((300,))}, optax.adam(1e-3), device_budget="1GiB", chunk_size=0)
     opt = cj.ChunkedOptimizer(ok, optax.adam(1e-3), device_budget="1GiB")
     with pytest.raises(ValueError, match=r"structure"):
         opt.update({"v": jnp.zeros((3,))})
     with pytest.raises(ValueError, match=r"gradient of 'w' has shape \(4,\)"):
         opt.update({"w": jnp.zeros((4,))})
+
+
+def test_leaf_larger_than_a_chunk_spans_chunks_and_equals_optax(name="clip+adam"):
+    """chunk_size=128 with a (20, 15) leaf of 300 elements (it used to be refused as larger
+    than a chunk): the leaf spans 3 chunks, its gradient is cut into pieces (the
+    clipping norm counts each piece once) and the update equals optax on the whole tree, with
+    the chunks' state on the device and streamed from pinned host memory."""
+    rng = np.random.default_rng(5)
+    params = {"big": jnp.asarray(rng.normal(size=(20, 15)), jnp.float32),
+              "b": jnp.asarray(rng.normal(size=(40,)), jnp.float32),
+              "w": jnp.asarray(rng.normal(size=(5, 7)), jnp.bfloat16)}
+    grads = [jax.tree.map(lambda a: jnp.asarray(rng.normal(size=a.shape), a.dtype), params) for _ in range(STEPS)]
+    tx = TXS[name]()
+    ref_p, ref_s = params, tx.init(params)
+    opt = cj.ChunkedOptimizer(params, TXS[name](), device_budget="1GiB", chunk_size=128)
+    host = cj.ChunkedOptimizer(params, TXS[name](), device_budget=opt.working_bytes, chunk_size=128)
+    assert set(host.placement.state_kinds) == {PINNED_HOST}
+    big = {s.path: s for s in opt.layout.slots}["big"]
+    assert [p.size for p in big.pieces] == [88, 128, 84] and len(set(big.chunks)) == 3  # after "b" (40)
+    p, ph = params, params
+    for g in grads:
+        u, ref_s = tx.update(jax.tree.map(lambda x: x.astype(jnp.float32), g), ref_s, ref_p)
+        ref_p = jax.tree.map(lambda a, b: (a.astype(jnp.float32) + b).astype(a.dtype), ref_p, u)
+        p, ph = opt.update(g), host.update(g)
+    for got in (p, ph, opt.master_params()):
+        assert jax.tree.structure(got) == jax.tree.structure(params)
+        assert got["big"].shape == (20, 15)
+        assert_trees_close({k: got[k] for k in ("big", "b")}, {k: ref_p[k] for k in ("big", "b")})
+    assert p["w"].dtype == jnp.bfloat16
 
 
 @pytest.mark.parametrize("tx", [

@@ -137,7 +137,8 @@ def test_recorded_gpt3_6b_schedule_reproduced():
     gives exactly the schedule that run executed (at the budget it planned for after its compile
     check), and its predictions."""
     rec = json.loads(RECORDED.read_text())["systems"]["chunkjax"]["extra"]
-    inp = plan.prepare("GPT3_6B", 32, 1024, tide_from=str(RECORDED))
+    # the run's chunk size (>= every leaf, as the search chose before leaves could span chunks)
+    inp = plan.prepare("GPT3_6B", 32, 1024, chunk_size=rec["chunk_size"], tide_from=str(RECORDED))
     assert inp.tide_source.startswith("recorded on gpu")
     sched, base = plan.plan_schedules(inp, rec["effective_budget_bytes"])
     assert sched.to_dict() == rec["schedule"]
@@ -319,7 +320,7 @@ def test_recorded_2gpu_zero3_schedule_reproduced():
     its accounted H2D / D2H, peak, predicted step and collective bytes per rank."""
     path = ROOT / "experiments" / "results" / "bench_s6b_zero3_2gpu.json"
     rec = json.loads(path.read_text())["systems"]["chunkjax"]["extra"]
-    inp = plan.prepare("GPT3_6B", 64, 1024, tide_from=str(path), n_ranks=2)
+    inp = plan.prepare("GPT3_6B", 64, 1024, chunk_size=rec["chunk_size"], tide_from=str(path), n_ranks=2)
     assert inp.tide_source.startswith("recorded on gpu") and inp.rank_batch == 32
     r = plan.plan_report("GPT3_6B", rec["effective_budget_bytes"], rec["host_budget_bytes"], 64, 1024,
                          inputs=inp, n_ranks=2, zero_stage=rec["zero_stage"])

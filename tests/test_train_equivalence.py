@@ -2,7 +2,8 @@
 
 Issue 2, item 6: the micro GPT over 20 steps; fp32 losses and final params within 1e-5 relative,
 bf16 mixed-precision losses within 1e-2; placements all-device, all-host and mixed; two chunk
-sizes, one forcing many chunks (the floor: the largest leaf, the tied embedding).
+sizes: the searched one (the tied embedding spans chunks) and the old floor (the largest leaf,
+the tied embedding, one chunk each).
 """
 import jax
 import jax.numpy as jnp
@@ -91,6 +92,8 @@ def test_matches_plain_optax(setup, chunk_size, placement, dtype, request):
     layout = cj.build_layout(params, cs, order)
     if chunk_size == "floor":
         assert layout.n_chunks >= 5
+    else:  # the search: wte spans chunks (issue 22 item 3)
+        assert max(len(s.pieces) for s in layout.slots) > 1
     if (dtype, placement, chunk_size) == ("float32", "mixed", "floor"):
         step = request.getfixturevalue("mixed_step")  # the same step, built (and compiled) once for the module
         assert (step.layout, step.placement, step.compute_dtype) == (layout, _placement(placement, layout.n_chunks), cdt)

@@ -7,8 +7,8 @@ A checkpoint of step ``N`` is one directory ``<directory>/step_<N:08d>/`` holdin
 * ``checksums.json``: the size (bytes) and zlib crc32 of every other file, with its own crc32;
   written last, checked on every read (a mismatch is a one-line :class:`CheckpointError` naming
   the file; :func:`latest_step` skips such a checkpoint with a warning);
-* ``meta.json``: format version, step number, the chunk layout (every leaf's path, chunk,
-  offset, shape, dtype) and its fingerprint, the compute dtype, per chunk the optimizer step
+* ``meta.json``: format version, step number, the chunk layout (every leaf's path, pieces
+  ``[chunk, offset, leaf offset, size]``, shape, dtype) and its fingerprint, the compute dtype, per chunk the optimizer step
   count, the moment names, the scalars of optax's *rest-of-model* leaf (:mod:`chunkjax.optim`)
   and where it was saved from, the engine it was saved from (``saved_from``) and the user's
   ``extra`` dict (:mod:`chunkjax.checkpoint.codec`).
@@ -36,7 +36,10 @@ from chunkjax.checkpoint.protocol import CheckpointError
 
 FORMAT = "chunkjax-checkpoint"
 
-VERSION = 2  # 2: with checksums.json; version 1 checkpoints (no checksums) still restore, unverified
+#: 2: with checksums.json; version 1 checkpoints (no checksums) still restore, unverified.
+#: 3: a leaf's place is its pieces (leaves may span chunks); versions 1 and 2 (one [chunk, offset]
+#: per leaf) are read by converting their layout (:func:`upgrade_layout_spec`).
+VERSION = 3
 
 META = "meta.json"
 
@@ -252,18 +255,27 @@ def remove_stale_temporaries(directory) -> list[str]:
 
 def layout_spec(layout) -> dict:
     """JSON form of a :class:`~chunkjax.layout.ChunkLayout`: chunk_size (elements), n_chunks,
-    chunk dtypes, every leaf slot as ``[path, chunk, offset, shape, dtype]`` and, when some chunk
-    is frozen, ``chunk_trainable``."""
+    chunk dtypes, every leaf slot as ``[path, pieces, shape, dtype]`` (``pieces`` a list of
+    ``[chunk, offset in chunk, offset in leaf, size]``, elements, in leaf order) and, when some
+    chunk is frozen, ``chunk_trainable``."""
     spec = {
         "chunk_size": int(layout.chunk_size),
         "n_chunks": int(layout.n_chunks),
         "chunk_dtypes": [np.dtype(d).name for d in layout.chunk_dtypes],
-        "slots": [[s.path, int(s.chunk), int(s.offset), [int(x) for x in s.shape], np.dtype(s.dtype).name]
-                  for s in layout.slots],
+        "slots": [[s.path, [[int(p.chunk), int(p.offset), int(p.leaf_offset), int(p.size)] for p in s.pieces],
+                   [int(x) for x in s.shape], np.dtype(s.dtype).name] for s in layout.slots],
     }
     if not all(layout.chunk_trainable):
         spec["chunk_trainable"] = [bool(t) for t in layout.chunk_trainable]
     return spec
+
+
+def upgrade_layout_spec(spec: dict) -> dict:
+    """A layout spec of a version 1 or 2 checkpoint (slots ``[path, chunk, offset, shape, dtype]``,
+    every leaf whole in one chunk) in the current form (:func:`layout_spec`)."""
+    slots = [[p, [[int(c), int(o), 0, int(np.prod(shape, dtype=np.int64))]], shape, dt]
+             for p, c, o, shape, dt in spec["slots"]]
+    return {**spec, "slots": slots}
 
 
 def layout_fingerprint(layout) -> str:
@@ -288,7 +300,7 @@ def layout_difference(saved: dict, here: dict) -> str | None:
         return f"the checkpoint has {len(saved['slots'])} leaves but this step's params have {len(here['slots'])}"
     for a, b in zip(saved["slots"], here["slots"]):
         if a != b:
-            fmt = lambda s: f"{s[0]} (chunk {s[1]}, offset {s[2]}, shape {tuple(s[3])}, {s[4]})"  # noqa: E731
+            fmt = lambda s: f"{s[0]} (pieces {s[1]}, shape {tuple(s[2])}, {s[3]})"  # noqa: E731
             return f"leaf {fmt(a)} in the checkpoint is {fmt(b)} in this step"
     return None
 
@@ -296,8 +308,8 @@ def layout_difference(saved: dict, here: dict) -> str | None:
 def tree_difference(saved: dict, here: dict) -> str | None:
     """One line naming the first leaf whose path, shape or dtype differs between two layout
     specs (the parameter trees), or None if the trees match (chunk placement may differ)."""
-    a = {s[0]: (tuple(s[3]), s[4]) for s in saved["slots"]}
-    b = {s[0]: (tuple(s[3]), s[4]) for s in here["slots"]}
+    a = {s[0]: (tuple(s[2]), s[3]) for s in saved["slots"]}
+    b = {s[0]: (tuple(s[2]), s[3]) for s in here["slots"]}
     for path in a:
         if path not in b:
             return f"leaf {path} is in the checkpoint but not in this step's params ({len(a)} vs {len(b)} leaves)"
@@ -374,14 +386,18 @@ def load_meta(directory, step_number: int) -> tuple[dict, dict | None]:
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path} is unreadable ({one_line(e)}): the checkpoint is corrupt, "
                               "restore an earlier step") from None
-    if meta.get("format") != FORMAT or meta.get("version") not in (1, VERSION):
-        raise CheckpointError(f"{path} is not a {FORMAT} version {VERSION} file "
-                              f"(format {meta.get('format')!r}, version {meta.get('version')!r})")
+    if meta.get("format") != FORMAT or meta.get("version") not in (1, 2, VERSION):
+        raise CheckpointError(f"{path} is not a {FORMAT} file of version 1 to {VERSION} "
+                              f"(format {meta.get('format')!r}, version {meta.get('version')!r}): "
+                              "restore it with the chunkjax that saved it")
     if sums is None and meta["version"] >= 2:
         raise CheckpointError(f"{os.path.join(root, CHECKSUMS)} is missing: the checkpoint is incomplete, "
                               "restore an earlier step")
     if sums is None:
         _log.warning("checkpoint %s has no %s (saved before version 2): restored unverified", root, CHECKSUMS)
+    if meta["version"] < 3:  # leaves whole in one chunk: the same layout in the pieces form
+        meta["layout"] = upgrade_layout_spec(meta["layout"])
+        meta["layout_fingerprint"] = hashlib.sha256(json.dumps(meta["layout"], sort_keys=True).encode()).hexdigest()
     return meta, sums
 
 

@@ -196,20 +196,25 @@ class _SavedChunks:
 
 def _assemble_chunk(src: _SavedChunks, saved: dict, lay, c: int, names) -> dict[str, np.ndarray]:
     """New chunk ``c`` of ``lay``: ``{name: (lay.chunk_size,) numpy}`` for every saved array
-    name, each leaf copied from its (chunk, offset) in the saved layout spec; zero padding.
-    Leaves are visited in saved (chunk, offset) order, so each saved chunk is read once per new
-    chunk."""
-    where = {s[0]: (s[1], s[2]) for s in saved["slots"]}
-    slots = sorted(lay.chunk_leaves(c), key=lambda s: where[s.path])
+    name, each leaf piece of the chunk copied from where the saved layout spec kept those
+    elements of the leaf (one or several saved pieces); zero padding. Copies run in saved
+    (chunk, offset) order, so each saved chunk is read once per new chunk."""
+    saved_pieces = {s[0]: s[1] for s in saved["slots"]}
+    copies = []  # (saved chunk, saved offset, new offset, elements)
+    for i, p in lay.chunk_pieces(c):
+        lo, hi = p.leaf_offset, p.leaf_offset + p.size
+        for sc, so, slo, sn in saved_pieces[lay.slots[i].path]:
+            a, b = max(lo, slo), min(hi, slo + sn)
+            if a < b:
+                copies.append((sc, so + a - slo, p.offset + a - lo, b - a))
     out: dict[str, np.ndarray] = {}
-    for s in slots:
-        sc, so = where[s.path]
+    for sc, so, no, n in sorted(copies):
         arrs = src.get(sc)
-        for n in names:
-            if n not in out:
-                out[n] = np.zeros((lay.chunk_size,), arrs[n].dtype)
-            out[n][s.offset:s.offset + s.size] = arrs[n][so:so + s.size]
-    if not slots:  # a chunk without leaves (not built by build_layout): zeros
+        for name in names:
+            if name not in out:
+                out[name] = np.zeros((lay.chunk_size,), arrs[name].dtype)
+            out[name][no:no + n] = arrs[name][so:so + n]
+    if not out:  # a chunk without leaf elements (not built by build_layout): zeros
         out = {n: np.zeros((lay.chunk_size,), np.float32) for n in names}
     return out
 
@@ -236,17 +241,17 @@ def export_params(step_fn, state=None):
     engine_info(step_fn, state)
     step_fn.wait(state)
     lay = step_fn.layout
-    leaves = [None] * len(lay.slots)
-    by_chunk: dict[int, list[int]] = {}
-    for i, s in enumerate(lay.slots):
-        by_chunk.setdefault(s.chunk, []).append(i)
-    for c, idx in by_chunk.items():
+    leaves: list = [None] * len(lay.slots)
+    for c in range(lay.n_chunks):
+        if not lay.chunk_pieces(c):
+            continue
         m = step_fn.checkpoint_master(state, c)
-        for i in idx:
-            s = lay.slots[i]
-            leaves[i] = np.array(m[s.offset:s.offset + s.size].reshape(s.shape), np.asarray(m).dtype)
+        for i, p in lay.chunk_pieces(c):  # a frozen chunk's master is its params, in their own dtype
+            if leaves[i] is None:
+                leaves[i] = np.zeros((lay.slots[i].size,), np.asarray(m).dtype)
+            leaves[i][p.leaf_offset:p.leaf_offset + p.size] = m[p.offset:p.offset + p.size]
         del m
-    return lay.treedef.unflatten(leaves)
+    return lay.treedef.unflatten([x.reshape(s.shape) for x, s in zip(leaves, lay.slots)])
 
 
 def export_checkpoint_params(directory, layout, step_number: int | None = None):
@@ -273,19 +278,23 @@ def export_checkpoint_params(directory, layout, step_number: int | None = None):
         raise CheckpointError(f"checkpoint step {meta['step']} holds another parameter tree: {diff}")
     root = files.step_dir(directory, meta["step"])
     index = {s.path: i for i, s in enumerate(layout.slots)}
+    by_chunk: dict[int, list] = {}  # saved chunk -> (leaf index, offset, leaf offset, size)
+    for path, pieces, _, _ in meta["layout"]["slots"]:
+        for c, off, loff, n in pieces:
+            by_chunk.setdefault(c, []).append((index[path], off, loff, n))
     ckptr = files.checkpointer()
-    leaves = [None] * len(layout.slots)
+    leaves: list = [None] * len(layout.slots)
     try:
         src = _SavedChunks(ckptr, root, ["master"], keep=1)
         trainable = meta["layout"].get("chunk_trainable", [True] * meta["layout"]["n_chunks"])
         for c in range(meta["layout"]["n_chunks"]):
             m = src.take(c)["master"] if trainable[c] else src.take(c, ["params"])["params"]  # frozen: own dtype
-            for path, chunk, off, shape, _ in meta["layout"]["slots"]:
-                if chunk == c:
-                    size = int(np.prod(shape, dtype=np.int64))
-                    leaves[index[path]] = np.array(m[off:off + size].reshape(shape), m.dtype)
+            for i, off, loff, n in by_chunk.get(c, ()):
+                if leaves[i] is None:
+                    leaves[i] = np.zeros((layout.slots[i].size,), m.dtype)
+                leaves[i][loff:loff + n] = m[off:off + n]
             del m
     finally:
         ckptr.close()
-    return layout.treedef.unflatten(leaves)
+    return layout.treedef.unflatten([x.reshape(s.shape) for x, s in zip(leaves, layout.slots)])
 
