@@ -93,7 +93,8 @@ class PipelinedStepTime:
         offloads at the one-program duplex rate).
       host_update_s: the whole in-place host update.
       host_update_exposed_s: the part of it that does not overlap the backward pass.
-      device_update_s / streamed_update_s: update programs after the backward.
+      device_update_s / streamed_update_s: update programs after the backward (on the device,
+        while the host thread finishes its exposed part).
       compute_s: forward + backward + recompute FLOPs at the matmul rate.
       transfer_s: all forward/backward transfers at their rates.
     """
@@ -109,8 +110,11 @@ class PipelinedStepTime:
 
     @property
     def step_s(self) -> float:
-        return (self.forward_s + self.backward_s + self.host_update_exposed_s + self.device_update_s
-                + self.streamed_update_s)
+        """Forward + backward + the device-resident updates + the longer of the host thread's
+        exposed tail and the streamed updates (they run at once: the host thread while the
+        device streams; without streamed chunks, the sum of the parts)."""
+        return (self.forward_s + self.backward_s + self.device_update_s
+                + max(self.host_update_exposed_s, self.streamed_update_s))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self) | {"step_s": self.step_s}
@@ -121,7 +125,8 @@ def predict_pipelined_step(flops_per_step: float, *, fwd_h2d: int, bwd_h2d: int,
                            host_ready: Sequence[tuple[float, int]], rates: Rates = Rates()) -> PipelinedStepTime:
     """Predict a pipelined step: forward, backward (with per-stage recompute: the forward's FLOPs
     again), a host thread that updates each program's host chunks once that program has finished
-    (in program order, one at a time), then the update programs.
+    (in program order, one at a time), and the device's update programs after the backward, at the
+    same time as the host thread's tail (PipelinedStepTime.step_s).
 
     Args:
       flops_per_step: training FLOPs (6N + 12LSh per token, times tokens); forward is 1/3.

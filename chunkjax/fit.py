@@ -301,7 +301,8 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
 
 # ---- the one planning call -------------------------------------------------------------------
 
-def plan(problem: FitProblem, budget_bytes: int, *, policy: str = "tide", resident=None, must_fit: bool = True):
+def plan(problem: FitProblem, budget_bytes: int, *, policy: str = "tide", resident=None, must_fit: bool = True,
+         split: bool = True):
     """The schedule for one (per-rank) device budget: the only place the fit path plans.
 
     Args:
@@ -311,6 +312,8 @@ def plan(problem: FitProblem, budget_bytes: int, *, policy: str = "tide", reside
       resident: ``"tide"``: force exactly these chunks resident (device-updated); None searches.
       must_fit: False returns a static policy's schedule even over the budget (to report a
         baseline that does not fit).
+      split: ``"tide"``: split offloaded updates between host and device by rate
+        (:func:`chunkjax.plan.split_updates`); False: all on the host.
 
     Raises:
       chunkjax.PlanError: nothing fits (the message gives the smallest budget that does).
@@ -319,7 +322,8 @@ def plan(problem: FitProblem, budget_bytes: int, *, policy: str = "tide", reside
     return plan_schedule(p.layout, p.traces, p.cb, int(budget_bytes), policy=policy, ranks=p.n_ranks,
                          zero_stage=p.zero_stage or None, host_budget_bytes=p.host_budget_bytes,
                          prefetch=p.prefetch, segments=p.segments, flops_per_step=p.flops_per_step, rates=p.rates,
-                         host_update=p.host_optimizer is not None, resident=resident, must_fit=must_fit)
+                         host_update=p.host_optimizer is not None, resident=resident, must_fit=must_fit,
+                         split=split)
 
 
 def build_step(problem: FitProblem, schedule):

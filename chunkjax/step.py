@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any, NamedTuple
 
 import jax
@@ -41,7 +40,7 @@ from chunkjax.schedule import NO_UPDATE, check_trainable
 from chunkjax.stages import first_readers, stage_reads
 from chunkjax.step_checkpoint import StepChunkIO, restore_chunks
 from chunkjax.topology import SingleDevice, make_topology
-from chunkjax.kernels import clip_scale
+from chunkjax.speculate import for_step
 from chunkjax.updaters import HostWork, host_deadline_s
 from chunkjax.walker import Walk, moments_of
 
@@ -91,10 +90,10 @@ class ChunkedStep(StepChunkIO):
       micro_batches: gradient accumulation: each call splits the batch's leading axis into this
         many equal micro-batches and applies one update with the mean gradient (the same update
         as the whole batch at once, to the compute dtype's rounding; reported case 3). Host
-        updates then wait for the last micro-batch.
+        updates overlap the last micro-batch's backward.
       nonfinite: ``"ignore"`` (default: no check), or ``"skip"``: a step whose gradients hold a
-        NaN or inf changes no state and reports ``metrics["skipped"]`` True (host updates then
-        wait for the global norm, as clipping does).
+        NaN or inf changes no state and reports ``metrics["skipped"]`` True (host updates still
+        overlap the backward: :mod:`chunkjax.speculate`).
       loss_scaling: fp16 dynamic loss scaling: each call takes ``loss_scale``, seeds the backward
         with it, unscales the gradients in the update and skips an overflowed step.
       donate: donate the programs' carries (and, on a mesh, the updates' inputs). None: on
@@ -103,6 +102,8 @@ class ChunkedStep(StepChunkIO):
       host_deadline: seconds a step's host updates may take before :meth:`wait` (or the next
         call) raises :class:`chunkjax.updaters.HostDeadlineError`; None: the larger of 300 s and
         50 predicted step times (:func:`chunkjax.updaters.host_deadline_s`).
+      speculation_bytes: host backup bytes of speculative host updates (:mod:`chunkjax.speculate`;
+        12 per AdamW param speculated); None: its ``auto_backup_bytes()``; 0: no speculation.
 
     Raises (at construction):
       ValueError: a bad ``micro_batches``, ``nonfinite`` or ``prefetch``, a placement that
@@ -124,6 +125,7 @@ class ChunkedStep(StepChunkIO):
     donate: bool | None = None
     topology: Any = SingleDevice()
     host_deadline: float | None = None
+    speculation_bytes: int | None = None
 
     def __post_init__(self):
         if not (isinstance(self.micro_batches, int) and self.micro_batches >= 1):
@@ -385,12 +387,11 @@ class ChunkedStep(StepChunkIO):
     def __call__(self, state: TrainState, batch, loss_scale=None) -> tuple[TrainState, dict]:
         """One training step. batch: int (B, T+1), the global batch (every process passes the
         same one; on a mesh ``B`` a multiple of ``N * micro_batches``). Returns (new state,
-        metrics).
-
-        The programs run in order; host-updated chunks' gradients go to a host thread as each
-        program finishes, which updates those chunks in place while the device runs the rest of
-        the backward; the returned state's ``pending`` holds that work. ``state``'s device
-        buffers are donated to the update: use the returned state.
+        metrics). The programs run in order; host-updated chunks' gradients go to a host thread
+        as each program finishes (with micro-batches: of the last one), which updates those chunks
+        in place while the device runs the rest of the backward (speculatively when the factor
+        depends on the norm: :mod:`chunkjax.speculate`); the returned state's ``pending`` holds
+        that work. ``state``'s device buffers are donated to the update: use the returned state.
 
         Args:
           loss_scale: with ``loss_scaling`` only: this step's loss scale (a float, best a power of
@@ -407,32 +408,23 @@ class ChunkedStep(StepChunkIO):
         if len(lead) != 1:
             raise ValueError(f"batch leaves have leading sizes {sorted(lead)}: give every leaf the batch axis")
         self.topology.check_rows(next(iter(lead)), self.micro_batches)
+        work = HostWork(self.host_deadline_s, state.pending.backups if state.pending is not None else None)
         self.wait(state)
         state = state._replace(pending=None)
-        work = HostWork(self.host_deadline_s)
-        host = set(self.host_chunks)
-        clip = self.host_optimizer is not None and getattr(self.host_optimizer, "max_grad_norm", None) is not None
-        skip = self._skip_nonfinite
         scale = None if loss_scale is None else jnp.asarray(loss_scale, jnp.float32)
         inv = 1.0 if loss_scale is None else 1.0 / float(loss_scale)
-        if self.micro_batches == 1:
-            grads, sq, loss = self._run_programs(state, self.topology.put_batch(batch), scale,
-                                                 work if not (clip or skip) else None)
-        else:
-            grads, sq, loss = accumulate.mean_gradients(self, state, batch, scale)
-        grad_sq = jnp.stack([sq[c] if c in sq else jnp.zeros((), jnp.float32)  # frozen: no gradient
-                             for c in range(self.layout.n_chunks)])
-        norm = jnp.sqrt(jnp.sum(grad_sq))
-        late = {c: grads[c] for c in host if clip or skip or not isinstance(grads[c], jax.Array)}
-        if late:
-            def host_scale():
-                n = float(norm) * inv
-                if skip and not math.isfinite(n):
-                    return None
-                if clip and inv == 1.0:  # optax's clipping arithmetic (kernels.clip_scale): the device path's bits
-                    return clip_scale(self.host_optimizer.max_grad_norm, np.float32(n))
-                return float(np.float32((self.host_optimizer.grad_scale(n) if clip else 1.0) * inv))
-            work.submit(self._host_update, state, late, host_scale)
+        spec = work.speculation = for_step(self, work, inv) if self.host_chunks else None
+        norm, on_host = None, None if spec is None else (lambda mine: work.submit(spec.update, state, mine))
+        try:
+            grads, sq, loss = (self._run_programs(state, self.topology.put_batch(batch), scale, on_host)
+                               if self.micro_batches == 1 else accumulate.mean_gradients(self, state, batch, scale, on_host))
+            grad_sq = jnp.stack([sq[c] if c in sq else jnp.zeros((), jnp.float32)  # frozen: no gradient
+                                 for c in range(self.layout.n_chunks)])
+            norm = jnp.sqrt(jnp.sum(grad_sq))
+        finally:  # the host thread validates its speculation once the norm is known (None: abandoned)
+            if spec is not None:
+                spec.set_norm(norm)
+                work.submit(spec.validate, state)
         inv_arr = jnp.asarray(inv, jnp.float32)
         params, master, opt = list(state.params), list(state.master), list(state.opt_state)
         for where, chunks in (("device", self._device_chunks), ("streamed", self._streamed_chunks)):
@@ -441,7 +433,7 @@ class ChunkedStep(StepChunkIO):
                 params[c], master[c], opt[c] = fn(grads[c], master[c], opt[c], grad_sq, jnp.asarray(c, jnp.int32),
                                                   params[c], inv_arr)
         metrics = {"loss": loss, "grad_norm": norm * inv_arr}
-        if skip:
+        if self._skip_nonfinite:
             metrics["skipped"] = ~jnp.isfinite(jnp.sum(grad_sq))
         return TrainState(tuple(params), tuple(master), tuple(opt), work), metrics
 
@@ -452,14 +444,13 @@ class ChunkedStep(StepChunkIO):
         return self.topology.put(np.zeros((self.layout.chunk_size,), self.compute_dtype),
                                  self.topology.grad_sharding(self.placement.grad_kind(c)))
 
-    def _run_programs(self, state: TrainState, batch, scale, work: HostWork | None):
+    def _run_programs(self, state: TrainState, batch, scale, on_host=None):
         """Run every program of the step on ``batch`` (placed): returns ``(grads, sq, loss)``, a
-        gradient and squared norm for every chunk (zero for chunks no stage reads); with ``work``,
-        host chunks' updates are handed to the host thread as their gradients appear."""
+        gradient and squared norm for every chunk (zero for chunks no stage reads); host chunks'
+        gradients go to ``on_host({c: gradient})`` as each program ends (unread ones at the end)."""
         host = set(self.host_chunks)
         carry: dict = {} if scale is None else {"loss_scale": scale}  # carried to the loss's program
-        acc: dict = {}
-        grads, sq, loss = {}, {}, None
+        acc, grads, sq, loss, late = {}, {}, {}, None, {}
         for k in range(len(self._program_bounds())):
             fn, args = self._program(batch, k)
             carry, acc, g, q, l = fn({c: state.params[c] for c in args}, batch, carry, acc)
@@ -467,13 +458,16 @@ class ChunkedStep(StepChunkIO):
             sq.update(q)
             loss = l if l is not None else loss
             mine = {c: g[c] for c in g if c in host}
-            if mine and work is not None:
-                work.submit(self._host_update, state, mine, 1.0)
+            if mine and on_host is not None:
+                on_host(mine)
         for c in range(self.layout.n_chunks):
             if c not in sq:  # chunks no stage reads: zero gradient; frozen chunks: none (their norm 0)
                 if c not in self.frozen_chunks:
                     grads[c] = self._zeros_grad(c)
+                    late[c] = grads[c]
                 sq[c] = self.topology.put(np.zeros((), np.float32), self.topology.scalar_sharding())
+        if on_host is not None and host.intersection(late):
+            on_host({c: g for c, g in late.items() if c in host})
         return grads, sq, loss
 
     @functools.cached_property
@@ -564,7 +558,7 @@ def make_chunked_step(stages, layout: ChunkLayout, placement, tx: optax.Gradient
                       compute_dtype=jnp.bfloat16, prefetch: int | None = None, host_optimizer=None,
                       micro_batches: int = 1, nonfinite: str = "ignore", loss_scaling: bool = False, *,
                       mesh=None, zero_stage: int | None = None, donate: bool | None = None,
-                      host_deadline: float | None = None) -> ChunkedStep:
+                      host_deadline: float | None = None, speculation_bytes: int | None = None) -> ChunkedStep:
     """Build the chunked step (see :class:`ChunkedStep`). Nothing is compiled until first use.
 
     Args:
@@ -584,7 +578,7 @@ def make_chunked_step(stages, layout: ChunkLayout, placement, tx: optax.Gradient
       mesh: a 1-D ``"data"`` mesh (:func:`chunkjax.topology.data_mesh`) for ZeRO data
         parallelism, in one process or across processes (``jax.distributed``); None: one device.
       zero_stage: 1, 2 or 3 with a mesh (default 3).
-      donate, host_deadline: see :class:`ChunkedStep`.
+      donate, host_deadline, speculation_bytes: see :class:`ChunkedStep`.
 
     Raises:
       ValueError: a bad ``micro_batches``, ``nonfinite`` or ``zero_stage``, a mesh that is not 1-D
@@ -603,4 +597,4 @@ def make_chunked_step(stages, layout: ChunkLayout, placement, tx: optax.Gradient
         tx = host_optimizer.optax()
     return ChunkedStep(tuple(stages), layout, placement, tx, jnp.dtype(compute_dtype),
                        1 if prefetch is None else prefetch, schedule, host_optimizer, micro_batches, nonfinite,
-                       loss_scaling, donate, make_topology(mesh, zero_stage), host_deadline)
+                       loss_scaling, donate, make_topology(mesh, zero_stage), host_deadline, speculation_bytes)

@@ -194,6 +194,26 @@ def host_updater(topology, host_optimizer, chunk_size: int, compute_dtype) -> Up
     return Updater(init, update)
 
 
+def host_write_params(topology, compute_dtype) -> Callable:
+    """``write_params(state, c)``: rewrite host chunk ``c``'s compute params (its pinned buffer,
+    each local rank's slice) as its float32 master params cast to ``compute_dtype`` (bf16: round
+    to nearest even), what a skipped step leaves (:mod:`chunkjax.speculate`)."""
+    from chunkjax.kernels import bf16_round_bits
+    bf16 = jnp.dtype(compute_dtype) == jnp.bfloat16
+    view_dt = np.uint16 if bf16 else np.dtype(compute_dtype)
+    mesh = topology.mesh is not None
+
+    def write_params(state, c: int) -> None:
+        ranks = topology.local_ranks() if mesh else (0,)
+        for r in ranks:
+            master = state.master[c][r] if mesh else state.master[c]
+            new = bf16_round_bits(master) if bf16 else master.astype(compute_dtype).view(view_dt)
+            for o in topology.param_views(state.params[c], r, view_dt):
+                np.copyto(o, new)
+
+    return write_params
+
+
 def warm_host_kernel(host_optimizer, compute_dtype) -> None:
     """Compile the host kernel for these dtypes on the calling thread: numba's LLVM must not
     compile while XLA compiles on another thread (the process aborts)."""
@@ -254,13 +274,21 @@ class HostWork:
 
     Args:
       deadline_s: seconds :meth:`join` waits at most (None: forever).
+      backups: the :class:`chunkjax.speculate.BackupPool` of speculative host updates, handed on
+        from step to step (None: none yet).
+
+    Attributes:
+      speculation: the step's :class:`chunkjax.speculate.Speculation` (None without host chunks):
+        after :meth:`join`, its ``speculated`` and ``redone`` chunk counts.
     """
 
-    def __init__(self, deadline_s: float | None = None):
+    def __init__(self, deadline_s: float | None = None, backups=None):
         self._queue: queue.SimpleQueue | None = None
         self._futures: list = []
         self.deadline_s = deadline_s
         self.seconds: float | None = None
+        self.backups = backups
+        self.speculation = None
 
     @staticmethod
     def _serve(q: queue.SimpleQueue) -> None:

@@ -55,6 +55,7 @@ import time
 import traceback
 
 from experiments.measure import PROGRESS_TAG, measure_system, mem_fraction_env, partial_from_progress
+from experiments.report import ANCHOR_KEYS
 
 SYSTEMS_ALL = ("plain_jax", "maxtext_style", "zero_offload_style", "chunkjax")
 BASELINES = ("plain_jax", "maxtext_style", "zero_offload_style")
@@ -71,7 +72,9 @@ EXTRA_KEYS = ("system", "model", "batch", "seq", "device_budget_bytes", "mfu_dat
               "device_state_bytes", "timings", "transfer_source", "transfer_detail",
               "h2d_bytes_per_step_nvml_estimate", "d2h_bytes_per_step_nvml_estimate", "bytes_limit_measured",
               "mem_fraction", "host_rss_peak_bytes_measured", "platform", "device_kind", "notes", "wall_s")
-ALL_KEYS = REQUIRED_KEYS + RUN_KEYS + EXTRA_KEYS
+#: The anchors' units (issue 23 item 4; :func:`experiments.report.anchor_units`): model TFLOP/s at 6N
+#: per token, its share of 989 TFLOP/s, MFU against the call's matmul probe, host bytes per parameter.
+ALL_KEYS = REQUIRED_KEYS + RUN_KEYS + EXTRA_KEYS + ANCHOR_KEYS
 
 #: Configs tried by ``--largest`` when ``--largest-models`` is not given (sorted by N there).
 DEFAULT_LARGEST_MODELS = ("GPT3_6B", "GPT3_8B", "GPT3_10B", "GPT3_12B", "GPT3_15B", "GPT3_18B")
@@ -132,10 +135,14 @@ def normalize_record(rec: dict, system: str) -> dict:
     return out
 
 
-def finalize_record(rec: dict, flops_per_token: int, matmul_tflops: float | None, call: int | None) -> dict:
+def finalize_record(rec: dict, flops_per_token: int, matmul_tflops: float | None, call: int | None,
+                    n_params: int | None = None) -> dict:
     """Fill ``tflops``, ``mfu`` (against the call's matmul rate) and ``mfu_datasheet`` (990 TFLOP/s)
-    from ``tokens_per_s``; record the rate and call index used."""
+    from ``tokens_per_s`` (6N + 12LSh FLOPs per token), and with ``n_params`` the anchors' units
+    (:data:`ANCHOR_KEYS`: 6N per token, 989 TFLOP/s, the same call's matmul rate, host bytes per
+    parameter); record the rate and call index used."""
     from experiments.gpu_measure import DATASHEET_BF16_FLOPS
+    from experiments.report import anchor_units
 
     tps = rec.get("tokens_per_s")
     rec["matmul_tflops"] = matmul_tflops
@@ -147,6 +154,10 @@ def finalize_record(rec: dict, flops_per_token: int, matmul_tflops: float | None
         rec["tflops"] = flops / 1e12
         rec["mfu"] = flops / nd / (matmul_tflops * 1e12) if matmul_tflops else None
         rec["mfu_datasheet"] = flops / nd / DATASHEET_BF16_FLOPS
+    if n_params:
+        nd = rec.get("n_devices") or (rec.get("extra") or {}).get("n_devices") or 1
+        rec.update(anchor_units(tps, n_params, matmul_tflops=matmul_tflops, host_bytes=rec.get("host_bytes"),
+                                n_devices=nd))
     return rec
 
 
@@ -200,7 +211,8 @@ def run_worker(args) -> dict:
                wall_s=time.time() - t_start)
     try:
         from models import gpt
-        finalize_record(rec, gpt.get_config(args.model).flops_per_token(args.seq), None, None)
+        cfg = gpt.get_config(args.model)
+        finalize_record(rec, cfg.flops_per_token(args.seq), None, None, cfg.n_params)
     except Exception:
         pass
     return rec
@@ -367,7 +379,8 @@ def _run_system(args, runner, probe: dict, system: str, model: str, batch: int, 
         rec = normalize_record(rec, system)
         rec.update(model=model, batch=batch, seq=seq, device_budget_bytes=budget)
     rec["mem_fraction"] = rec.get("mem_fraction") or env.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
-    finalize_record(rec, gpt.get_config(model).flops_per_token(seq), probe.get("matmul_tflops"), call)
+    cfg = gpt.get_config(model)
+    finalize_record(rec, cfg.flops_per_token(seq), probe.get("matmul_tflops"), call, cfg.n_params)
     status = ("feasible" if rec["feasible"] else "INFEASIBLE") + (f", error: {rec['error'][:160]!r}" if rec.get("error") else "")
     tps = rec.get("tokens_per_s") if rec["feasible"] else None
     print(f"[bench] {system}: {status}; tokens/s {tps:,.0f}" if tps else f"[bench] {system}: {status}", flush=True)
@@ -704,10 +717,10 @@ def render_markdown(results: dict, results_file: str, plot_file: str | None) -> 
         static = [sysd[s].get("tokens_per_s") for s in STATIC_OFFLOADS
                   if s in sysd and sysd[s].get("feasible") and sysd[s].get("tokens_per_s")]
         best_static = max(static) if static else None
-        lines += ["", "| system | feasible | tokens/s | step s | TFLOP/s | MFU | MFU (990T) | peak device GiB "
-                      "(measured) | compiled peak GiB | H2D GB/step | D2H GB/step | update s | host GiB | "
-                      "x plain_jax | x best static offload |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += ["", "| system | feasible | tokens/s | step s | TFLOP/s | MFU | MFU (990T) | model TFLOP/s (6N) "
+                      "| of 989T | model MFU | peak device GiB (measured) | compiled peak GiB | H2D GB/step | "
+                      "D2H GB/step | update s | host GiB | host B/param | x plain_jax | x best static offload |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         order = [s for s in SYSTEMS_ALL if s in sysd] + [s for s in sysd if s not in SYSTEMS_ALL]
         for s in order:
             r = sysd[s]
@@ -716,9 +729,12 @@ def render_markdown(results: dict, results_file: str, plot_file: str | None) -> 
             lines.append("| " + " | ".join([
                 s, "yes" if r.get("feasible") else "**no**", _fmt(tps, digits=0), _fmt(r.get("step_s_median"), digits=3),
                 _fmt(r.get("tflops"), digits=1), _fmt(r.get("mfu"), digits=3), _fmt(r.get("mfu_datasheet"), digits=3),
+                _fmt(r.get("model_tflops"), digits=1), _fmt(r.get("model_tflops_share_989"), digits=3),
+                _fmt(r.get("model_mfu"), digits=3),
                 _fmt(r.get("peak_device_bytes_measured"), gib), _fmt(cm, gib),
                 _fmt(r.get("h2d_bytes_per_step_measured"), 1e9), _fmt(r.get("d2h_bytes_per_step_measured"), 1e9),
                 _fmt(r.get("update_s"), digits=3), _fmt(r.get("host_bytes"), gib),
+                _fmt(r.get("host_bytes_per_param"), digits=1),
                 _fmt(_ratio(tps, plain_tps), digits=2, suffix="x"), _fmt(_ratio(tps, best_static), digits=2, suffix="x"),
             ]) + " |")
         notes = []

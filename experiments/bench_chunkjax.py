@@ -30,7 +30,7 @@ class ChunkjaxSystem:
 
     def __init__(self, cfg, budget_bytes: int, batch: int, seq: int, lr: float = 1e-4,
                  segments="auto", host_update: bool = True, prefetch: int = 1, zero_stage: int = 0,
-                 init: str = "leafwise"):
+                 init: str = "leafwise", max_grad_norm: float | None = None, micro_batches: int = 1):
         import jax
         import jax.numpy as jnp
 
@@ -44,13 +44,14 @@ class ChunkjaxSystem:
             raise ValueError(f"init={init!r}: use 'leafwise' or 'init_params'")
         self.cfg, self.budget, self.notes, self.init_rule = cfg, int(budget_bytes), [], init
         self.last_update_s, self.last_timings = None, {}
+        self.speculation = {"steps": 0, "speculated_chunks": 0, "redone_chunks": 0, "pool_bytes": 0}
         # ZeRO over every local device (make_chunked_step(..., mesh=, zero_stage=)): the budget is each rank's
         self.zero_stage = int(zero_stage or 0)
         self.mesh = cj.data_mesh() if self.zero_stage else None
         self.n_ranks = 1 if self.mesh is None else int(self.mesh.devices.size)
         if batch % self.n_ranks:
             raise ValueError(f"batch {batch} does not split over {self.n_ranks} devices: use a multiple")
-        self.spec = AdamW(lr, weight_decay=1e-4)
+        self.spec = AdamW(lr, weight_decay=1e-4, max_grad_norm=max_grad_norm)
         self.rates, self.matmul_tflops = calibrated_rates()
         t0 = time.perf_counter()
         self.problem = fit.prepare(gpt.gpt_stages(cfg), gpt.abstract_params(cfg),
@@ -58,6 +59,7 @@ class ChunkjaxSystem:
                                    tx=None if host_update else self.spec.optax(),
                                    host_optimizer=self.spec if host_update else None, compute_dtype=jnp.bfloat16,
                                    prefetch=prefetch, segments=segments, mesh=self.mesh, zero_stage=self.zero_stage,
+                                   micro_batches=micro_batches,
                                    flops_per_step=cfg.flops_per_token(seq) * batch * seq, rates=self.rates,
                                    device_budget=self.budget)
         self.trace_s = time.perf_counter() - t0
@@ -145,6 +147,12 @@ class ChunkjaxSystem:
     def step(self, state, batch):
         state, m = self.step_fn(state, batch)
         self.last_update_s = self.step_fn.wait(state)  # host thread's kernel seconds (None: no host chunks)
+        sp = getattr(state.pending, "speculation", None)  # speculative host updates (chunkjax.speculate)
+        if sp is not None:
+            self.speculation["steps"] += 1
+            self.speculation["speculated_chunks"] += sp.speculated
+            self.speculation["redone_chunks"] += sp.redone
+            self.speculation["pool_bytes"] = sp.pool.allocated_bytes
         return state, m["loss"]
 
     def host_bytes(self, state) -> int:
@@ -159,7 +167,8 @@ class ChunkjaxSystem:
             n += m.nbytes if isinstance(m, np.ndarray) else self.cb.master
             st = state.opt_state[c]
             n += getattr(st, "nbytes", self.cb.opt) if not callable(getattr(st, "nbytes", None)) else st.nbytes()
-        return int(n)
+        pool = getattr(state.pending, "backups", None)  # speculative host updates' backups (chunkjax.speculate)
+        return int(n + (pool.allocated_bytes if pool is not None else 0))
 
 
 def run_chunkjax(args) -> dict:
@@ -172,7 +181,9 @@ def run_chunkjax(args) -> dict:
     cfg = gpt.get_config(args.model)
     segments = getattr(args, "segments", "auto")
     sys_ = ChunkjaxSystem(cfg, args.budget_bytes, args.batch, args.seq, segments=segments,
-                          zero_stage=getattr(args, "zero_stage", 0), init=getattr(args, "init", "leafwise"))
+                          zero_stage=getattr(args, "zero_stage", 0), init=getattr(args, "init", "leafwise"),
+                          max_grad_norm=getattr(args, "max_grad_norm", None),
+                          micro_batches=int(getattr(args, "micro_batches", 1)))
     try:
         rec = measure_system(sys_, args)
     except Exception as e:  # keep the plan next to the failure (e.g. out of memory at run time)
@@ -202,6 +213,8 @@ def run_chunkjax(args) -> dict:
         "stage_temp_bytes": {t.name: t.temp_bytes for t in sys_.traces if t.name in ("embed", "h_0", "head")},
         "schedule": sys_.schedule.to_dict(),
         "n_devices": sys_.n_ranks, "zero_stage": sys_.zero_stage, "init": sys_.init_rule,
+        "max_grad_norm": sys_.spec.max_grad_norm, "micro_batches": sys_.problem.micro_batches,
+        "speculation": sys_.speculation,
     })
     if sys_.zero_stage:  # bytes each rank sends through collectives per step (ring algorithms)
         import jax

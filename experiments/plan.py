@@ -291,7 +291,7 @@ def prepare(model: str, batch: int, seq: int, *, chunk_size: int | None = None, 
 # ---- the schedules -----------------------------------------------------------------------------
 
 def plan_schedules(inp: PlanInputs, device_budget: int, host_budget: int | None = None, prefetch: int = 1,
-                   zero_stage: int = 3):
+                   zero_stage: int = 3, split: bool = True):
     """(chunkjax schedule, {baseline name: schedule}) for one budget (bytes), all from
     :func:`chunkjax.plan_schedule`: the tide plan (host AdamW kernel) and the static baselines
     (``must_fit=False``: they are reported even when they do not fit).
@@ -307,7 +307,7 @@ def plan_schedules(inp: PlanInputs, device_budget: int, host_budget: int | None 
     stage = zero_stage if inp.n_ranks > 1 else 0
     problem = dataclasses.replace(inp.problem, prefetch=prefetch, host_budget_bytes=host_budget, zero_stage=stage,
                                   cb_rank=inp.cb.per_rank(inp.n_ranks, stage) if stage else inp.cb)
-    sched = plan(problem, device_budget)  # the tide plan, host AdamW kernel
+    sched = plan(problem, device_budget, split=split)  # the tide plan, host AdamW kernel (split: the update split)
     if inp.n_ranks > 1:
         return sched, {}
     base = dataclasses.replace(problem, host_budget_bytes=None)  # reported against the host budget, not planned in it
@@ -331,7 +331,7 @@ def figures(s, device_budget: int, host_budget: int | None, chunk_size: int) -> 
 def plan_report(model: str, device_budget: int, host_budget: int | None, batch: int, seq: int,
                 prefetch: int = 1, chunk_size: int | None = None, min_chunks: int = 8,
                 tide_from: str | None = None, inputs: PlanInputs | None = None, warn=None,
-                n_ranks: int = 1, zero_stage: int = 3) -> dict:
+                n_ranks: int = 1, zero_stage: int = 3, split: bool = True) -> dict:
     """Plan a step and its baselines; returns the JSON report (bytes, seconds).
 
     ``inputs`` (from :func:`prepare`) skips the tracing (budget sweeps).
@@ -353,7 +353,7 @@ def plan_report(model: str, device_budget: int, host_budget: int | None, batch: 
                             tide_from=tide_from, warn=warn, n_ranks=n_ranks)
     if inp.n_ranks != n_ranks:
         raise ValueError(f"inputs were traced for {inp.n_ranks} ranks, not {n_ranks}")
-    sched, base = plan_schedules(inp, device_budget, host_budget, prefetch, zero_stage)
+    sched, base = plan_schedules(inp, device_budget, host_budget, prefetch, zero_stage, split)
     cs = inp.layout.chunk_size
     # with ZeRO the figures are one rank's: its share of the node's host budget
     out = figures(sched, device_budget, host_budget if n_ranks == 1 or host_budget is None else host_budget // n_ranks,

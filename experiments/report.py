@@ -1,4 +1,5 @@
-"""Run folders that are never half-written, and the loss picture.
+"""Run folders that are never half-written, the loss picture, and the anchors' units of a
+throughput row (:func:`anchor_units`).
 
 A run writes into ``<out_dir>/<time>-<model>.partial/`` and :meth:`RunFolder.commit` renames it
 to its final name only when everything is written; :meth:`RunFolder.discard` removes it after a
@@ -14,6 +15,35 @@ import shutil
 import time
 
 PARTIAL_SUFFIX = ".partial"
+#: The H200's bf16 dense datasheet peak as the anchors (SuperOffload, ZenFlow) quote it, TFLOP/s.
+ANCHOR_PEAK_TFLOPS = 989.0
+#: Keys :func:`anchor_units` adds to a benchmark row.
+ANCHOR_KEYS = ("model_tflops", "model_tflops_share_989", "model_mfu", "host_bytes_per_param")
+
+
+def anchor_units(tokens_per_s: float | None, n_params: int, *, matmul_tflops: float | None = None,
+                 host_bytes: int | None = None, n_devices: int = 1) -> dict:
+    """A throughput row in the units of the offload papers (issue 23 item 4).
+
+    Args:
+      tokens_per_s: measured tokens per second of the whole step (all devices), or None.
+      n_params: model parameters N.
+      matmul_tflops: the bf16 matmul probe's rate of the same call (one device), TFLOP/s.
+      host_bytes: host memory the system keeps for model data (bytes), or None.
+      n_devices: devices the step ran on (the per-device figures divide by it).
+
+    Returns:
+      ``model_tflops``: 6 N FLOPs per token times tokens/s (recompute and attention not counted),
+      TFLOP/s over all devices; ``model_tflops_share_989``: its per-device share of
+      :data:`ANCHOR_PEAK_TFLOPS`; ``model_mfu``: per device against ``matmul_tflops``;
+      ``host_bytes_per_param``: ``host_bytes / N``. Null where an input is missing.
+    """
+    tf = 6.0 * n_params * tokens_per_s / 1e12 if tokens_per_s else None
+    per_dev = tf / max(int(n_devices or 1), 1) if tf is not None else None
+    return {"model_tflops": tf,
+            "model_tflops_share_989": per_dev / ANCHOR_PEAK_TFLOPS if per_dev is not None else None,
+            "model_mfu": per_dev / matmul_tflops if per_dev is not None and matmul_tflops else None,
+            "host_bytes_per_param": host_bytes / n_params if host_bytes is not None and n_params else None}
 
 
 @dataclasses.dataclass

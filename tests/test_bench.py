@@ -288,6 +288,12 @@ def test_driver_calls_merge_under_one_run_id(tmp_path, capsys):
     assert math.isclose(p["mfu"], fpt * 1000.0 / 100e12) and p["call"] == 0  # its own call's rate
     assert math.isclose(c["mfu"], fpt * 800.0 / 50e12) and c["call"] == 1
     assert math.isclose(c["mfu_datasheet"], fpt * 800.0 / 990e12)
+    # the anchors' units (issue 23 item 4): 6N per token, 989 TFLOP/s, the call's own matmul rate
+    n6 = 6 * CFG.n_params
+    assert math.isclose(c["model_tflops"], n6 * 800.0 / 1e12)
+    assert math.isclose(c["model_tflops_share_989"], n6 * 800.0 / 989e12)
+    assert math.isclose(c["model_mfu"], n6 * 800.0 / 50e12) and math.isclose(p["model_mfu"], n6 * 1000.0 / 100e12)
+    assert math.isclose(c["host_bytes_per_param"], 123 / CFG.n_params)
     crashed = res["systems"]["maxtext_style"]
     assert crashed["feasible"] is False and "RESOURCE_EXHAUSTED" in crashed["error"]
     for rec in res["systems"].values():
@@ -315,8 +321,21 @@ def test_driver_calls_merge_under_one_run_id(tmp_path, capsys):
     text = docs.read_text()
     assert text.count("<!-- bench:r1:start -->") == 1 and "earlier text" in text
     assert "| chunkjax | yes | 800 |" in section and "0.80x" in section and "4.00x" in section  # vs plain, vs zero
+    assert "model TFLOP/s (6N) | of 989T | model MFU |" in section and "host B/param" in section
     assert "python -m experiments.bench --model micro" in section
     assert (tmp_path / "bench_r1_tokens.png").stat().st_size > 1000
+
+
+def test_anchor_units():
+    """6N FLOPs per token (no recompute, no attention term), per device against 989 TFLOP/s and the
+    matmul probe; host bytes per parameter; null where an input is missing."""
+    from experiments.report import ANCHOR_KEYS, anchor_units
+    u = anchor_units(10_000.0, 6_000_000_000, matmul_tflops=600.0, host_bytes=96_000_000_000, n_devices=2)
+    assert set(u) == set(ANCHOR_KEYS) == set(bench.ANCHOR_KEYS)
+    assert math.isclose(u["model_tflops"], 360.0)
+    assert math.isclose(u["model_tflops_share_989"], 180.0 / 989.0) and math.isclose(u["model_mfu"], 0.3)
+    assert u["host_bytes_per_param"] == 16.0
+    assert anchor_units(None, 10) == dict.fromkeys(ANCHOR_KEYS)
 
 
 def test_timed_out_worker_keeps_the_steps_it_finished(tmp_path):

@@ -140,7 +140,7 @@ def test_recorded_gpt3_6b_schedule_reproduced():
     # the run's chunk size (>= every leaf, as the search chose before leaves could span chunks)
     inp = plan.prepare("GPT3_6B", 32, 1024, chunk_size=rec["chunk_size"], tide_from=str(RECORDED))
     assert inp.tide_source.startswith("recorded on gpu")
-    sched, base = plan.plan_schedules(inp, rec["effective_budget_bytes"])
+    sched, base = plan.plan_schedules(inp, rec["effective_budget_bytes"], split=False)  # recorded before the update split
     assert sched.to_dict() == rec["schedule"]
     assert Schedule.from_dict(rec["schedule"]) == sched
     kinds = device_bytes_by_kind(sched, inp.traces, inp.tide, inp.cb)
@@ -241,7 +241,8 @@ def test_zero3_rank_model_bytes_about_1_over_n(capsys):
         need = json.loads(capsys.readouterr().out)["min_device_budget_bytes"]
         assert plan.main(ZMICRO + extra + ["--device-budget", str(need), "--json"]) == 0
         r = json.loads(capsys.readouterr().out)
-        assert r["placement_counts"] == {"params_pinned_host/update_host": r["n_chunks"]}
+        offloaded = {k: v for k, v in r["placement_counts"].items() if k.startswith("params_pinned_host/update_")}
+        assert sum(offloaded.values()) == r["n_chunks"] and "params_pinned_host/update_device" not in offloaded
         return r
 
     one = at_min([])
@@ -323,7 +324,7 @@ def test_recorded_2gpu_zero3_schedule_reproduced():
     inp = plan.prepare("GPT3_6B", 64, 1024, chunk_size=rec["chunk_size"], tide_from=str(path), n_ranks=2)
     assert inp.tide_source.startswith("recorded on gpu") and inp.rank_batch == 32
     r = plan.plan_report("GPT3_6B", rec["effective_budget_bytes"], rec["host_budget_bytes"], 64, 1024,
-                         inputs=inp, n_ranks=2, zero_stage=rec["zero_stage"])
+                         inputs=inp, n_ranks=2, zero_stage=rec["zero_stage"], split=False)  # recorded before the update split
     assert r["schedule"] == rec["schedule"]
     assert r["h2d_bytes_per_step"] == rec["h2d_bytes_per_step_accounted"]
     assert r["d2h_bytes_per_step"] == rec["d2h_bytes_per_step_accounted"]

@@ -1,0 +1,282 @@
+"""Host updates overlap the backward with clipping, non-finite skip and micro-batches, exactly
+(issue 23 item 2; :mod:`chunkjax.speculate`), and the planner's split of offloaded updates between
+the host and the device (item 1).
+
+The host thread speculates only on chunks whose update starts before the global norm is known;
+on a CPU the tiny programs often finish first, so the tests force the speculative branch
+(``_known`` reports the norm unknown until the validation) and check the counts of speculated and
+redone chunks. Reference: plain optax on the device, fp32 compute (tolerances as
+tests/test_schedule.py).
+"""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import chunkjax as cj
+from chunkjax import speculate
+from chunkjax.host_update import AdamW
+from chunkjax.optim import state_bytes_per_chunk
+from chunkjax.plan import plan_schedule
+from models import gpt
+
+B, T = 2, 16
+STEPS = 20
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg = gpt.get_config("micro", n_layers=3)
+    rng = np.random.default_rng(7)
+    params = gpt.init_params(cfg, jax.random.key(3))
+    batches = [jnp.asarray(rng.integers(0, cfg.vocab_size, (4 * B, T + 1)), jnp.int32) for _ in range(STEPS)]
+    stages = gpt.gpt_stages(cfg)
+    order = cj.first_use_order(lambda p, b: cj.compose_loss(stages, p, b), params, batches[0][:B])
+    layout = cj.build_layout(params, None, order, min_chunks=6)
+    traces = cj.trace_stages(stages, layout, jax.ShapeDtypeStruct((B, T + 1), jnp.int32), jnp.float32)
+    return cfg, params, batches, stages, layout, traces
+
+
+def _schedule(setup, spec, mb=1):
+    """Chunk 0 resident (device update), the rest host-updated, three programs."""
+    cfg, params, batches, stages, layout, traces = setup
+    cb = cj.chunk_bytes(layout, jnp.float32, state_bytes_per_chunk(spec.optax(), layout.chunk_size))
+    flops = cfg.flops_per_token(T) * B * T
+    roomy = plan_schedule(layout, traces, cb, 10**12, flops_per_step=flops, resident=[0])
+    sched = plan_schedule(layout, traces, cb, roomy.predicted.peak_device_bytes, flops_per_step=flops,
+                          resident=[0], segments=(0, len(stages) + 1, len(roomy.moments) - 1))
+    assert set(sched.update_locations) == {"device", "host"}
+    return sched
+
+
+@pytest.fixture
+def speculate_always(monkeypatch):
+    """Every host chunk's update starts before the norm is known (the GPU's case)."""
+    monkeypatch.setattr(speculate.Speculation, "_known", lambda self: self.certain)
+
+
+def _reference(cfg, params, batches, spec, micro_batches=1):
+    """Plain optax on the device (fp32): losses, global norms, final params; with micro-batches
+    the gradient is the float32 mean of the parts' gradients, summed in order."""
+    tx = spec.optax()
+
+    def grads_of(p, b):
+        return jax.value_and_grad(lambda p: gpt.loss_fn(cfg, p, b, jnp.float32))(p)
+
+    @jax.jit
+    def step(p, o, b):
+        parts = jnp.split(b, micro_batches)
+        ls, gs = zip(*[grads_of(p, x) for x in parts])
+        total = gs[0]
+        for g in gs[1:]:
+            total = jax.tree.map(jnp.add, total, g)
+        g = jax.tree.map(lambda a: a * jnp.float32(1.0 / micro_batches), total)
+        u, o = tx.update(g, o, p)
+        return optax.apply_updates(p, u), o, jnp.mean(jnp.stack(ls)), optax.tree.norm(g)
+
+    p, o, losses, norms = params, tx.init(params), [], []
+    for b in batches:
+        p, o, l, n = step(p, o, b if micro_batches > 1 else b[:B])
+        losses.append(float(l))
+        norms.append(float(n))
+    return p, np.asarray(losses), np.asarray(norms)
+
+
+def _train(step, params, batches, micro_batches=1):
+    state, losses, counts = step.init(params), [], []
+    for b in batches:
+        state, m = step(state, b if micro_batches > 1 else b[:B])
+        losses.append(float(m["loss"]))
+        step.wait(state)
+        sp = state.pending.speculation
+        counts.append((sp.speculated, sp.redone))
+    return state, np.asarray(losses), counts
+
+
+def _assert_equal_to_optax(step, state, losses, ref):
+    ref_p, ref_losses, _ = ref
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(step.master_params(state)), jax.tree.leaves(ref_p)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-6)
+
+
+def test_clipping_that_rarely_fires_equals_optax(setup, speculate_always):
+    """20 steps with a threshold the norm passes on a few steps: speculated updates are kept on
+    the others and redone on those; the run equals optax."""
+    cfg, params, batches, stages, layout, traces = setup
+    _, _, free_norms = _reference(cfg, params, batches, AdamW(3e-3, weight_decay=0.1))
+    clip = float(np.sort(free_norms)[-3])  # about 2-3 of 20 steps clip
+    spec = AdamW(3e-3, weight_decay=0.1, max_grad_norm=clip)
+    ref = _reference(cfg, params, batches, spec)
+    fired = ref[2] >= clip
+    assert 0 < fired.sum() <= 5
+    step = cj.make_chunked_step(stages, layout, _schedule(setup, spec), host_optimizer=spec,
+                                compute_dtype=jnp.float32)
+    state, losses, counts = _train(step, params, batches)
+    _assert_equal_to_optax(step, state, losses, ref)
+    n_host = len(step.host_chunks)
+    assert all(s == n_host for s, _ in counts)
+    assert [r == n_host for _, r in counts] == list(fired), (counts, ref[2], clip)
+
+
+def test_clipping_that_always_fires_equals_optax(setup, speculate_always):
+    """A threshold far below the norm: every speculated chunk is restored and redone."""
+    cfg, params, batches, stages, layout, traces = setup
+    spec = AdamW(3e-3, weight_decay=0.1, max_grad_norm=1e-3)
+    ref = _reference(cfg, params, batches[:6], spec)
+    assert (ref[2] > 1e-3).all()
+    step = cj.make_chunked_step(stages, layout, _schedule(setup, spec), host_optimizer=spec,
+                                compute_dtype=jnp.float32)
+    state, losses, counts = _train(step, params, batches[:6])
+    _assert_equal_to_optax(step, state, losses, ref)
+    assert all(s == r == len(step.host_chunks) for s, r in counts)
+
+
+def test_bounded_pool_and_no_speculation_are_bit_identical(setup, speculate_always):
+    """A pool with room for one chunk speculates on one chunk a step and waits for the norm on the
+    rest; no pool (0 bytes) waits on every chunk; both give the same bits as a roomy pool."""
+    cfg, params, batches, stages, layout, traces = setup
+    spec = AdamW(3e-3, weight_decay=0.1, max_grad_norm=0.05)
+    sched = _schedule(setup, spec)
+    out = {}
+    for pool in (None, 12 * layout.chunk_size, 0):
+        step = cj.make_chunked_step(stages, layout, sched, host_optimizer=spec, compute_dtype=jnp.float32,
+                                    speculation_bytes=pool)
+        state, losses, counts = _train(step, params, batches[:4])
+        out[pool] = [np.asarray(m) for m in state.master], losses, counts
+        assert state.pending.backups.peak_in_use_bytes <= (pool if pool is not None else 1 << 40)
+    assert all(s == 1 for s, _ in out[12 * layout.chunk_size][2])
+    assert all(s == 0 for s, _ in out[0][2])
+    for pool in (12 * layout.chunk_size, 0):
+        np.testing.assert_array_equal(out[pool][1], out[None][1])
+        for a, b in zip(out[pool][0], out[None][0]):
+            np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="speculation_bytes"):
+        speculate.BackupPool(-1)
+    pool = speculate.BackupPool(1 << 30)  # a chunk above the parallel-copy threshold, copied by all cores
+    src = np.random.default_rng(0).standard_normal(3 * speculate._PARALLEL_COPY_MIN + 5).astype(np.float32)
+    (dst,) = pool.take([src.size])
+    pool.copy(dst, src)
+    np.testing.assert_array_equal(dst, src)
+    pool.give([dst])
+    assert pool.in_use_bytes == 0 and pool.allocated_bytes == pool.peak_in_use_bytes == 4 * src.size
+
+
+def test_nonfinite_step_restores_speculated_chunks(setup, speculate_always):
+    """nonfinite="skip": the speculated host chunks are put back exactly (master, moments, step
+    count) and their compute params are the cast master params; the next step is the one an
+    uninterrupted run takes."""
+    cfg, params, batches, stages, layout, traces = setup
+    spec = AdamW(3e-3, weight_decay=0.1, max_grad_norm=1.0)
+    sched = _schedule(setup, spec)
+    step = cj.make_chunked_step(stages, layout, sched, host_optimizer=spec, compute_dtype=jnp.float32,
+                                nonfinite="skip")
+    state, m = step(step.init(params), batches[0][:B])
+    step.wait(state)
+    before = [np.array(a, copy=True) for a in state.master]
+    host = step.host_chunks
+    moments = {c: (np.array(state.opt_state[c].m), np.array(state.opt_state[c].v), state.opt_state[c].count)
+               for c in host}
+    bad = list(state.params)
+    bad[0] = jnp.full_like(bad[0], jnp.nan)
+    state2, m = step(cj.TrainState(tuple(bad), state.master, state.opt_state, state.pending), batches[1][:B])
+    step.wait(state2)
+    assert bool(m["skipped"])
+    assert state2.pending.speculation.redone == len(host) > 0
+    for a, b in zip(state2.master, before):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    for c in host:
+        m_, v_, n_ = moments[c]
+        np.testing.assert_array_equal(state2.opt_state[c].m, m_)
+        np.testing.assert_array_equal(state2.opt_state[c].v, v_)
+        assert state2.opt_state[c].count == n_
+        np.testing.assert_array_equal(np.asarray(state2.params[c]), before[c])
+    ref = cj.make_chunked_step(stages, layout, sched, host_optimizer=spec, compute_dtype=jnp.float32)
+    s_ref, _, _ = _train(ref, params, [batches[0], batches[2]])
+    state3, _ = step(state2, batches[2][:B])
+    step.wait(state3)
+    for a, b in zip(state3.master, s_ref.master):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_four_micro_batches_with_clipping_equal_optax(setup, speculate_always):
+    """4 micro-batches, clipping firing on some steps: the host chunks' sums run on their own
+    thread, their updates start in the last micro-batch; equals optax on the mean gradient."""
+    cfg, params, batches, stages, layout, traces = setup
+    _, _, free_norms = _reference(cfg, params, batches, AdamW(3e-3, weight_decay=0.1), micro_batches=4)
+    clip = float(np.median(free_norms))
+    spec = AdamW(3e-3, weight_decay=0.1, max_grad_norm=clip)
+    ref = _reference(cfg, params, batches, spec, micro_batches=4)
+    step = cj.make_chunked_step(stages, layout, _schedule(setup, spec), host_optimizer=spec,
+                                compute_dtype=jnp.float32, micro_batches=4)
+    state, losses, counts = _train(step, params, batches, micro_batches=4)
+    _assert_equal_to_optax(step, state, losses, ref)
+    assert all(s == len(step.host_chunks) for s, _ in counts)
+    assert 0 < sum(r > 0 for _, r in counts) < STEPS
+
+
+# ---- update placement by rate (issue 23 item 1) --------------------------------------------------
+
+def _plan_inputs(setup, spec):
+    cfg, params, batches, stages, layout, traces = setup
+    cb = cj.chunk_bytes(layout, jnp.float32, state_bytes_per_chunk(spec.optax(), layout.chunk_size))
+    with pytest.raises(cj.PlanError) as e:
+        plan_schedule(layout, traces, cb, 1000, flops_per_step=1e9)
+    return layout, traces, cb, e.value.min_budget_bytes, cfg.flops_per_token(T) * B * T
+
+
+@pytest.mark.parametrize("host_ns", [0.27, 2.0, 0.01])
+def test_split_is_the_cost_models_fastest(setup, host_ns):
+    """At the smallest budget (every chunk offloaded), the planner moves the host chunks whose
+    gradients complete last to ``streamed`` in the number that minimises the predicted step
+    (checked against every count), for a fast, a slow and a very fast host kernel; with
+    ``split=False`` every offloaded chunk stays on the host."""
+    from chunkjax import predict as pr
+    from chunkjax.cost import Rates
+    from chunkjax.tide import memory_tide
+    spec = AdamW(3e-3, weight_decay=0.1)
+    layout, traces, cb, budget, flops = _plan_inputs(setup, spec)
+    rates = Rates(host_update_s_per_param=host_ns * 1e-9)
+    kw = dict(flops_per_step=flops, rates=rates)
+    host_only = plan_schedule(layout, traces, cb, budget, split=False, **kw)
+    assert set(host_only.update_locations) == {"host"}
+    tide = memory_tide(traces, layout.chunk_size)
+    done = pr.grad_done_moments(traces, tide)
+    order = sorted(range(layout.n_chunks), key=lambda c: (-done.get(c, len(tide.moments)), c))
+    times = []
+    for j in range(layout.n_chunks + 1):
+        loc = tuple("streamed" if c in order[:j] else "host" for c in range(layout.n_chunks))
+        p = pr.predict(layout.chunk_size, traces, tide, cb, host_only.param_kinds, loc, host_only.fetch,
+                       host_only.segments, host_only.predicted.device_bytes_per_moment, **kw)
+        times.append(p.time.step_s if p.peak_device_bytes <= budget else np.inf)
+    s = plan_schedule(layout, traces, cb, budget, **kw)
+    j = sum(u == "streamed" for u in s.update_locations)
+    assert s.update_locations == tuple("streamed" if c in order[:j] else "host" for c in range(layout.n_chunks))
+    assert s.predicted.time.step_s == pytest.approx(times[j], rel=1e-12)
+    assert times[j] <= min(times) * (1 + 0.02)
+    t = s.predicted.time
+    if host_ns == 0.01:  # a host this fast finishes inside the step: nothing to move
+        assert j == 0
+    else:
+        assert 0 < j < layout.n_chunks
+        assert t.step_s < host_only.predicted.time.step_s
+        assert t.step_s == pytest.approx(t.forward_s + t.backward_s + t.device_update_s
+                                         + max(t.host_update_exposed_s, t.streamed_update_s))
+
+
+def test_mixed_host_and_streamed_step_equals_optax(setup, speculate_always):
+    """The split schedule (host and streamed chunks) with clipping runs the host kernel and the
+    streamed updates in the same step; equals optax over 8 steps (clipping fires on some)."""
+    cfg, params, batches, stages, layout, traces = setup
+    _, _, free = _reference(cfg, params, batches[:8], AdamW(3e-3, weight_decay=0.1))
+    spec = AdamW(3e-3, weight_decay=0.1, max_grad_norm=float(np.median(free)))
+    layout, traces, cb, budget, flops = _plan_inputs(setup, spec)
+    sched = plan_schedule(layout, traces, cb, budget, flops_per_step=flops)
+    assert set(sched.update_locations) == {"host", "streamed"}
+    step = cj.make_chunked_step(stages, layout, sched, host_optimizer=spec, compute_dtype=jnp.float32)
+    state, losses, counts = _train(step, params, batches[:8])
+    _assert_equal_to_optax(step, state, losses, _reference(cfg, params, batches[:8], spec))
+    assert all(s == len(step.host_chunks) for s, _ in counts) and any(r for _, r in counts)
