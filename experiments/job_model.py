@@ -4,6 +4,7 @@
     python -m experiments.train --model tiny                     # a GPT at random init
     python -m experiments.train --init-from smollm2-135m         # fine-tune SmolLM2-135M (docs/finetune.md)
     python -m experiments.train --init-from path/to/hf-folder --data my.jsonl   # a Hugging Face checkpoint
+    python -m experiments.train --init-from smollm2-135m --lora-rank 8            # LoRA (:func:`with_lora`)
 
 Both run the job's one loop (experiments/train.py) through the one fit path; this module only
 says what differs: the stages and params, the token data, the FLOPs and the export.
@@ -78,8 +79,16 @@ class JobModel:
         weights, float32 numpy) or ``leaf_fn(i)`` (random init leaf by leaf).
       forward_logits: ``forward_logits(config, params, tokens (B, T) int32) -> (B, T, V) float32``.
       flops_per_token: ``flops_per_token(seq)``: training FLOPs per token (6 N + attention).
-      export: ``export(params, out_dir)`` writes a Hugging Face checkpoint, or None (no export).
+      export: ``export(params, out_dir)`` writes a Hugging Face checkpoint, or None (no export);
+        with LoRA the merged model (:func:`models.lora.merge`).
       pretrained: True when the weights are loaded (``--init-from``), False for a random init.
+      trainable: None (every floating leaf trained) or a pytree of bools with ``abstract_params``'
+        structure (LoRA: the adapters; ``chunkjax.fit_step(trainable=...)``).
+      export_adapters: ``export_adapters(params, out_dir)`` writes the LoRA adapters alone in PEFT's
+        layout (:func:`models.lora.export_adapters`), or None (not a LoRA model).
+      source: the :class:`models.hf.HFCheckpoint` the weights come from, or None.
+      lora: the :class:`models.lora.LoraSpec` of a LoRA model, or None.
+      n_trainable: parameters trained (all of ``n_params`` but under LoRA).
     """
 
     name: str
@@ -95,6 +104,11 @@ class JobModel:
     flops_per_token: Callable[[int], float]
     export: Callable | None
     pretrained: bool
+    trainable: Any = None
+    export_adapters: Callable | None = None
+    source: Any = None
+    lora: Any = None
+    n_trainable: int | None = None
 
 
 def gpt_model(name: str) -> JobModel:
@@ -113,7 +127,7 @@ def gpt_model(name: str) -> JobModel:
     return JobModel(mcfg.name, mcfg.name, mcfg, mcfg.n_params, mcfg.seq_len, mcfg.vocab_size, gpt.gpt_stages(mcfg),
                     gpt.abstract_params(mcfg),
                     lambda layout, seed: gpt.leaf_initializer(mcfg, jax.random.key(seed), layout),
-                    gpt.forward_logits, mcfg.flops_per_token, None, False)
+                    gpt.forward_logits, mcfg.flops_per_token, None, False, n_trainable=mcfg.n_params)
 
 
 def llama_model(mcfg, params, tokenizer=None, run_name: str | None = None, source=None) -> JobModel:
@@ -140,7 +154,71 @@ def llama_model(mcfg, params, tokenizer=None, run_name: str | None = None, sourc
 
     return JobModel(mcfg.name, run_name or f"{mcfg.name}-ft", mcfg, mcfg.n_params, mcfg.max_seq_len,
                     mcfg.vocab_size, llama.llama_stages(mcfg), abstract, init,
-                    llama.forward_logits, flops, export, True)
+                    llama.forward_logits, flops, export, True, source=source, n_trainable=mcfg.n_params)
+
+
+def with_lora(model: JobModel, spec, seed: int = 0) -> JobModel:
+    """``model`` (a pre-trained Llama of :func:`llama_model`) fine-tuned with LoRA adapters
+    (:mod:`models.lora`, ``spec``: rank, alpha, targets): the adapters are the only trainable
+    leaves; the frozen base keeps the checkpoint's stored dtype (a bf16 checkpoint's base is
+    fetched as bf16; SmolLM2's GGUF as float32), its leaves read one at a time into the chunks
+    as the base model's; adapters start as :func:`models.lora.init_adapter` (B = 0: the model
+    at init is the base model). The export writes the merged model (``W + alpha/R A @ B`` in
+    the source's dtypes) and ``export_adapters`` the adapters in PEFT's layout. FLOPs per token:
+    the base's 6 N less the 2 N of the weight gradients a frozen leaf does not need, plus 6 per
+    adapter parameter.
+
+    Raises:
+      ModelError: ``model`` is not a Llama, or already has adapters.
+    """
+    import jax
+    import numpy as np
+
+    from models import hf, llama, lora
+    if not isinstance(model.config, llama.LlamaConfig) or model.lora is not None:
+        raise ModelError(f"--lora-rank: {model.name} is not a pre-trained Llama without adapters: LoRA fine-tunes "
+                         "an --init-from model")
+    base_cfg = model.config
+    dtypes = ({m.path: model.source.dtype(m.name) for m in hf.tensor_map(base_cfg)} if model.source is not None
+              else {})
+
+    def base_leaf(path, a):
+        return jax.ShapeDtypeStruct(a.shape, dtypes.get(path, a.dtype))
+
+    base = jax.tree_util.tree_map_with_path(
+        lambda k, a: base_leaf(jax.tree_util.keystr(k, simple=True, separator="/"), a), model.abstract_params)
+    abstract = lora.add_adapters(base, base_cfg, spec, abstract=True)
+    cfg = lora.lora_config(base_cfg, spec)
+    n_adapter = sum(a * b for a, b in lora.adapter_shapes(base_cfg, spec).values())
+
+    def init(layout, seed_):
+        src = model.init(layout, seed_)  # the base model's leaf_fn(i) or params pytree
+        flat = None if callable(src) else dict(lora.leaf_paths(src))
+
+        def leaf(i):
+            s = layout.slots[i]
+            if lora.is_adapter(s.path):
+                return lora.init_adapter(s.path, s.shape, seed)
+            if model.source is not None:  # read in the stored dtype (a bf16 base: no float32 copy)
+                return model.source.leaf(s.path, s.dtype)
+            a = src(i) if flat is None else flat[s.path]
+            return np.asarray(a).astype(s.dtype, copy=False)
+        return leaf
+
+    def export(tuned, out_dir):
+        return model.export(lora.merge(tuned, spec), out_dir)
+
+    def export_adapters(tuned, out_dir):
+        where = str(model.source.path) if model.source is not None else model.name
+        return lora.export_adapters(base_cfg, tuned, spec, out_dir, base_model=where)
+
+    def flops(seq: int) -> float:
+        return model.flops_per_token(seq) - 2 * base_cfg.n_params + 6 * n_adapter
+
+    return dataclasses.replace(model, run_name=f"{model.name}-lora", config=cfg, n_params=base_cfg.n_params + n_adapter,
+                               stages=llama.llama_stages(cfg), abstract_params=abstract, init=init,
+                               flops_per_token=flops, export=export, trainable=lora.trainable_mask(abstract),
+                               export_adapters=export_adapters, lora=spec, n_trainable=n_adapter)
 
 
 def wrap_tokenizer(tok, name: str, eot_id: int):

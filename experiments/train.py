@@ -8,7 +8,9 @@ chunks spread over device and pinned-host memory.
 ``--init-from <name>`` starts from a pre-trained model (:mod:`experiments.job_model`; today
 ``smollm2-135m``) with its tokenizer and data and that preset's defaults (flags given win); the
 run also reports the held-out perplexity before and after, samples before and after, and writes
-the trained weights as a Hugging Face checkpoint into ``<run folder>/hf`` (``--no-export``: not).
+the trained weights as a Hugging Face checkpoint into ``<run folder>/hf`` (``--export none``: not).
+``--lora-rank R`` (``--lora-alpha``, ``--lora-targets``) trains LoRA adapters on the frozen base
+(:func:`experiments.job_model.with_lora`); ``--export adapters`` writes them in PEFT's layout.
 
 Every resolved setting is printed; the run folder ``runs/<time>-<model>/`` holds ``report.json``
 (keys in shared/guides/definitions.md: ``_accounted`` figures are chunkjax's own bookkeeping,
@@ -73,7 +75,10 @@ class TrainConfig:
     model: str = config_field("tiny", 'name from models/gpt.py (case-insensitive); with --init-from: that model\'s name')
     init_from: str = config_field("", 'start from a pre-trained model with its preset (experiments/job_model.py PRESETS: smollm2-135m, fine-tuned on the Shakespeare training plays), or a Hugging Face folder of the Llama family (Llama 2/3, Mistral, Qwen2: config.json, *.safetensors, tokenizer.json); empty: a random init')
     data: str = config_field("", 'with --init-from: your own data, comma-separated text files, JSON-lines files ({"text": ...} or {"prompt": ..., "completion": ...}, loss on the completion) or folders of them, tokenized with the checkpoint\'s tokenizer, 10% of paragraphs/lines held out (experiments/user_data.py); empty: the Shakespeare plays')
-    export: bool = config_field(True, 'with --init-from: write the trained weights as a Hugging Face checkpoint (the source folder\'s layout and dtypes) into <run folder>/hf')
+    export: str = config_field("merged", 'with --init-from: merged: write the trained model as a Hugging Face checkpoint (the source folder\'s layout and dtypes; with LoRA the adapters merged in: W + alpha/R A@B) into <run folder>/hf; adapters: the LoRA adapters alone in PEFT\'s layout into <run folder>/adapters; both; none')
+    lora_rank: int = config_field(0, 'with --init-from: LoRA adapters of this rank on --lora-targets (models/lora.py), the base frozen (no optimizer state); 0: full fine-tuning')
+    lora_alpha: float = config_field(16.0, 'LoRA scale numerator: the adapters\' output is multiplied by alpha / rank')
+    lora_targets: str = config_field("q,k,v,o", 'comma-separated projections given LoRA adapters: q, k, v, o, gate, up, down')
     steps: int = config_field(400, 'optimizer steps (400: the CPU demo ends at validation loss 4.98 nats; measured 0.43 s a step at the 10th percentile on a shared 2-core machine, under 10 minutes in all)')
     batch: int = config_field(8, 'sequences per step')
     seq: int = config_field(128, 'tokens per sequence')
@@ -116,7 +121,7 @@ class JobFailed(Exception):
 #: checkpointing, sampling and output settings may differ: restore_checkpoint places the state
 #: into any placement and moves the leaves into another chunk layout.)
 RESUME_MUST_MATCH = ("model", "init_from", "data", "steps", "batch", "seq", "lr", "warmup", "weight_decay", "clip", "seed",
-                     "tokenizer", "eval_batches", "compute_dtype_resolved")
+                     "tokenizer", "eval_batches", "compute_dtype_resolved", "lora_rank", "lora_alpha", "lora_targets")
 CHECKPOINT_DIR = "checkpoints"
 
 
@@ -292,6 +297,9 @@ def run(cfg: TrainConfig) -> dict:
             model, tokenizer = job_model.load_pretrained(cfg.init_from)
         else:
             model, tokenizer = job_model.gpt_model(cfg.model), None
+        if cfg.lora_rank:  # the base frozen, the adapters trained (models/lora.py)
+            from models.lora import LoraSpec
+            model = job_model.with_lora(model, LoraSpec.parse(cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets), cfg.seed)
     except job_model.ModelError as e:
         raise UsageError(str(e)) from None
     if cfg.seq > model.max_seq:
@@ -421,7 +429,7 @@ def fit_model(cfg: TrainConfig, model, *, compute_dtype, rates=None, resident=No
                            prefetch=cfg.prefetch, micro_batches=cfg.micro_batches,
                            nonfinite="skip" if cfg.nonfinite == "skip" else "ignore", mesh=mesh,
                            zero_stage=cfg.zero_stage, flops_per_step=model.flops_per_token(cfg.seq) * cfg.batch * cfg.seq,
-                           rates=rates)
+                           rates=rates, trainable=model.trainable)
     except cj.PlanError as e:
         raise UsageError(with_flags(str(e))) from None
     except ValueError as e:
@@ -464,6 +472,20 @@ def _validate(cfg: TrainConfig) -> None:
                                  f"model brings its own ({preset[name]}); leave --{name} out")
     elif cfg.data:
         raise UsageError("--data needs --init-from (the checkpoint's tokenizer reads it): add --init-from <folder>")
+    elif cfg.lora_rank:
+        raise UsageError("--lora-rank needs --init-from (LoRA adapts a pre-trained model): add --init-from <folder>")
+    if cfg.lora_rank < 0:
+        raise UsageError(f"--lora-rank must be >= 0 (0: full fine-tuning), got {cfg.lora_rank}")
+    if cfg.lora_rank:
+        from models.lora import LoraSpec
+        try:
+            LoraSpec.parse(cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
+        except ValueError as e:
+            raise UsageError(f"--lora-rank/--lora-alpha/--lora-targets: {e}") from None
+    if cfg.export not in ("merged", "adapters", "both", "none"):
+        raise UsageError(f"--export {cfg.export!r}: use merged, adapters, both or none")
+    if cfg.export in ("adapters", "both") and not cfg.lora_rank:
+        raise UsageError(f"--export {cfg.export} writes LoRA adapters: add --lora-rank R, or use --export merged")
     for name in ("steps", "batch", "seq", "prefetch", "eval_every", "eval_batches", "min_chunks"):
         if getattr(cfg, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
@@ -555,6 +577,7 @@ def _train(cfg, model, fitted, td, folder, t_start, resolved, resume=None):
         if model.pretrained and cfg.sample_tokens:
             sample_before = _sample(step, state, model, td, cfg)
             if sample_before is not None:
+                folder.write_text("sample_before.txt", sample_before + "\n")
                 print("sample before training:\n" + sample_before, flush=True)
     else:
         # nothing is written until the state, the data position and the metrics are known good
@@ -669,11 +692,18 @@ def _train(cfg, model, fitted, td, folder, t_start, resolved, resume=None):
     if sample is not None:
         folder.write_text("sample.txt", sample + "\n")
         print("sample:\n" + sample, flush=True)
-    export_dir = None
-    if cfg.export and model.export is not None:
-        model.export(master_params(step, state), folder.path / "hf")
-        export_dir = str(folder.final / "hf")
-        print(f"Hugging Face checkpoint: {export_dir}", flush=True)
+    export_dir = adapters_dir = None
+    if cfg.export != "none" and model.export is not None:
+        tuned = master_params(step, state)
+        if cfg.export in ("merged", "both"):
+            model.export(tuned, folder.path / "hf")
+            export_dir = str(folder.final / "hf")
+            print(f"Hugging Face checkpoint{' (LoRA merged)' if model.lora else ''}: {export_dir}", flush=True)
+        if cfg.export in ("adapters", "both") and model.export_adapters is not None:
+            model.export_adapters(tuned, folder.path / "adapters")
+            adapters_dir = str(folder.final / "adapters")
+            print(f"LoRA adapters (PEFT layout): {adapters_dir}", flush=True)
+        del tuned
     tps = timed_steps * tokens_per_step / train_time if train_time else None
     vals = [r["val_loss"] for r in records if "val_loss" in r]
     ppl0, ppl1 = math.exp(vals[0]), math.exp(vals[-1])
@@ -710,7 +740,9 @@ def _train(cfg, model, fitted, td, folder, t_start, resolved, resume=None):
         "platform": jax.devices()[0].platform, "device_kind": jax.devices()[0].device_kind,
         "jax_version": jax.__version__, "wall_s": time.time() - t_start,
         "wall_s_total": float(saved["wall_s_total"]) + time.time() - t_start, "sample": sample,
-        "sample_before": sample_before, "export_dir": export_dir,
+        "sample_before": sample_before, "export_dir": export_dir, "adapters_dir": adapters_dir,
+        "trainable_params": model.n_trainable,
+        "lora": dataclasses.asdict(model.lora) if model.lora is not None else None,
         **{k: td.meta[k] for k in ("train_plays", "val_plays", "data_files", "train_examples", "val_examples",
                                    "masked_train_tokens") if k in td.meta},
         "micro_batches": cfg.micro_batches, "nonfinite": cfg.nonfinite, "skipped_steps": skipped,
@@ -793,7 +825,8 @@ def master_params(step, state) -> dict:
     if step.mesh is not None:  # gathered from every process's shards and slices (a collective)
         return jax.tree.map(np.asarray, step.master_params(state))
     # per chunk: a device / pinned host array or a numpy array (host-updated)
-    masters = [np.asarray(jax.device_get(m)) for m in state.master]
+    masters = [np.asarray(jax.device_get(p if m is None else m))  # a frozen chunk: its params
+               for p, m in zip(state.params, state.master)]
     with jax.default_device(jax.local_devices(backend="cpu")[0]):
         return jax.tree.map(np.asarray, step.layout.unpack(masters))
 

@@ -22,7 +22,8 @@ Params pytree (a dict; kernels are (in, out), i.e. torch ``Linear.weight.T``)::
                 v_proj: {kernel (d, n_kv_heads*hd)}, o_proj: {kernel (n_heads*hd, d)},
                 ffn_norm: {scale (d,)},
                 gate_proj: {kernel (d, f)}, up_proj: {kernel (d, f)}, down_proj: {kernel (f, d)}}
-                (a projection named in ``bias_projs`` also has ``bias (out,)``)
+                (a projection named in ``bias_projs`` also has ``bias (out,)``; one LoRA targets
+                also ``lora_a (in, R)`` and ``lora_b (R, out)``: models/lora.py)
     final_norm: {scale (d,)}
     lm_head: {kernel (d, V)}                          only when ``tie_embeddings`` is False
 
@@ -83,6 +84,8 @@ class LlamaConfig:
         ``rope_low_freq_factor``, ``rope_high_freq_factor``, ``rope_original_max_pos``).
       sliding_window: a query attends to at most this many positions (itself included), None:
         all earlier ones (Mistral's ``sliding_window``).
+      lora_scale: alpha / rank of the LoRA adapters (:mod:`models.lora`), used by a projection
+        whose params hold ``lora_a`` (in, R) and ``lora_b`` (R, out): ``y += scale * (x @ a) @ b``.
     """
 
     name: str = "smollm2-135m"
@@ -106,6 +109,7 @@ class LlamaConfig:
     rope_high_freq_factor: float = 4.0
     rope_original_max_pos: int = 8192
     sliding_window: int | None = None
+    lora_scale: float = 0.0
 
     def __post_init__(self):
         if self.n_heads % self.n_kv_heads:
@@ -217,10 +221,12 @@ _init = nn.initializers.normal(0.02)
 
 
 class _Linear(nn.Module):
-    """``x @ kernel (+ bias)``; kernel (in, out) and bias (out,) float32, cast to x's dtype."""
+    """``x @ kernel (+ bias) (+ lora_scale * (x @ lora_a) @ lora_b)``; kernel (in, out), bias (out,),
+    and the LoRA adapters when the params hold them (:mod:`models.lora`), each cast to x's dtype."""
 
     features: int
     use_bias: bool = False
+    lora_scale: float = 0.0
 
     @nn.compact
     def __call__(self, x):
@@ -228,6 +234,9 @@ class _Linear(nn.Module):
         y = x @ kernel.astype(x.dtype) if kernel.dtype != x.dtype else x @ kernel
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), jnp.float32).astype(x.dtype)
+        if self.has_variable("params", "lora_a"):  # LoRA (Hu et al. 2021): the frozen kernel plus B A
+            a, b = (self.get_variable("params", k).astype(x.dtype) for k in ("lora_a", "lora_b"))
+            y = y + ((x @ a) @ b) * jnp.asarray(self.lora_scale, x.dtype)
         return y
 
 
@@ -251,7 +260,7 @@ class Block(nn.Module):
         shapes = cfg.proj_shapes()
 
         def lin(name, y):
-            return _Linear(shapes[name][1], name in cfg.bias_projs, name=name)(y)
+            return _Linear(shapes[name][1], name in cfg.bias_projs, cfg.lora_scale, name=name)(y)
 
         y = RMSNorm(cfg.rms_eps, name="attn_norm")(x)
         q = lin("q_proj", y).reshape(B, T, cfg.n_heads, hd)
