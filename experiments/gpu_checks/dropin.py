@@ -27,6 +27,9 @@ import subprocess
 import sys
 import time
 
+# the repository root on the path: the script runs as a file (its children too, through this line)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
 FULL = dict(D=2048, L=24, V=32768, H=16, B=8, T=1024, STEPS=6, BUDGET="2GiB")
 TINY = dict(D=64, L=2, V=256, H=4, B=2, T=32, STEPS=3, BUDGET="1MiB")
 SYSTEMS = ("nnx", "chunk_host", "chunk_optax")
