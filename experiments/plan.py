@@ -390,6 +390,11 @@ def nnx_stages(model, loss_fn, batch, *, blocks=None) -> dict:
 
     from chunkjax.discover import discover
 
+    # an abstract model's non-parameter state (the dropout RNG key, counters) would be a constant
+    # without a value in the traced loss: zeros of its shapes stand in (planning reads only shapes)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    rest = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype) if isinstance(a, jax.ShapeDtypeStruct) else a, rest)
+    model = nnx.merge(graphdef, params, rest)
     d = discover(model, loss_fn, batch, blocks=blocks, compute_dtype=jnp.bfloat16)
     leaves = jax.tree.leaves(nnx.split(model, d.wrt, ...)[1])
     params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), d.layout_params(leaves))

@@ -400,6 +400,26 @@ def nnx_loss(model, batch):
 def make_nnx(batch, seq):
     """An NNX model as chunkjax.offload takes it, abstract (nothing allocated)."""
     return nnx.eval_shape(lambda: TinyNNX(nnx.Rngs(0))), nnx_loss, SDS((batch, seq + 1), jnp.int32)
+
+
+class DropBlock(Block):
+    def __init__(self, d, rngs):
+        super().__init__(d, rngs)
+        self.drop = nnx.Dropout(0.1, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.drop(self.down(nnx.silu(self.up(self.norm(x)))))
+
+
+class DropNNX(TinyNNX):
+    def __init__(self, rngs):
+        super().__init__(rngs)
+        self.blocks = nnx.List([DropBlock(D, rngs) for _ in range(L)])
+
+
+def make_nnx_dropout(batch, seq):
+    """The docs' factory with dropout: the abstract model holds an abstract RNG key."""
+    return nnx.eval_shape(lambda: DropNNX(nnx.Rngs(0))), nnx_loss, SDS((batch, seq + 1), jnp.int32)
 '''
 
 
@@ -486,3 +506,13 @@ def test_user_nnx_model_plans_as_offload_does(user_model, capsys):
                       device_budget=budget, host_budget=None, compute_dtype=jnp.bfloat16)
     assert r["schedule"] == step.schedule.to_dict() and step.schedule.predicted.n_fetches > 0
     assert [s.name for s in step.stages] == list(r["stage_temp_bytes"])
+
+
+def test_user_nnx_model_with_dropout_plans(user_model, capsys):
+    """An abstract model with dropout (its RNG key a ShapeDtypeStruct) plans: the non-parameter
+    state stands in as zeros of its shapes, so the FLOP estimate and traces have values."""
+    args = ["--model", "my_user_model:make_nnx_dropout", "--batch", "4", "--seq", "16", "--json"]
+    assert plan.main(args + ["--device-budget", "1MiB"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["n_params"] == 96 * 32 * 2 + 3 * (32 + 32 * 128 + 128 + 128 * 32 + 32)
+    assert len(r["stage_temp_bytes"]) == 5
