@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 from typing import Any
 
 import jax
@@ -391,6 +392,26 @@ class Discovery:
         stacked = next(k for k, ks in self.per_layer.items() if key in ks)
         return jax.ShapeDtypeStruct(self.param_avals[stacked].shape[1:], self.param_avals[stacked].dtype)
 
+    def check_model(self, model) -> None:
+        """ValueError (one line, the first differing leaf) unless ``model``'s ``wrt`` leaves have
+        this discovery's paths, shapes and dtypes."""
+        from flax import nnx
+        flat = jax.tree_util.tree_flatten_with_path(nnx.split(model, self.wrt, ...)[1])[0]
+        have = {_path_key(p): a for p, a in flat}
+        for k in self.param_keys:
+            want = self.param_avals[k]
+            if k not in have:
+                raise ValueError(f"the model lacks parameter {k!r} ({want.shape} {want.dtype}) that the step holds: "
+                                 "sync into a model built like the offloaded one")
+            a = have[k]
+            if tuple(np.shape(a)) != tuple(want.shape) or jnp.dtype(a.dtype) != jnp.dtype(want.dtype):
+                raise ValueError(f"the model's parameter {k!r} is {tuple(np.shape(a))} {a.dtype}, the step's is "
+                                 f"{tuple(want.shape)} {want.dtype}: sync into a model built like the offloaded one")
+        extra = [k for k in have if k not in self.param_avals]
+        if extra:
+            raise ValueError(f"the model has parameter {extra[0]!r} that the step lacks: sync into a model built "
+                             "like the offloaded one")
+
     # ---- the traced program ----------------------------------------------------------------------
     def pure(self, mark: bool):
         """``(param leaves, side leaves, data) -> (loss, new side leaves)``: the loss as a pure
@@ -557,7 +578,8 @@ def discover(model, loss_fn, data, *, wrt=None, blocks=None, compute_dtype=None)
         keys = None if mode == "none" else [k for k in pkeys if k == pre or k.startswith(pre + "/")]
         k = _find_scan(closed.jaxpr, roles, keys)
         if k is None and mode == "scan":
-            raise ValueError(f"blocks={blocks!r} is neither a list of modules nor a block the loss scans over")
+            raise ValueError(f"blocks={blocks!r} is neither a list of modules nor a block the loss scans over: "
+                             "hold the blocks in an nnx.List (or scan over one stacked block)")
         if k is not None:
             e = closed.jaxpr.eqns[k]
             xs = e.invars[e.params["num_consts"] + e.params["num_carry"]:]
@@ -568,4 +590,7 @@ def discover(model, loss_fn, data, *, wrt=None, blocks=None, compute_dtype=None)
                 parts = per_layer[stacked[0]][0].split("/")
                 path = tuple(parts[:parts.index("0")])
             mode = "scan"
+    if mode == "none":
+        warnings.warn("found no block list: the model is one stage, so every parameter is fetched at once; hold "
+                      "the blocks in an nnx.List or pass blocks=", stacklevel=2)
     return dataclasses.replace(d, mutable=mutable, per_layer=per_layer, blocks=path, mode=mode)

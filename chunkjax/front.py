@@ -129,9 +129,15 @@ class OffloadedStep:
     def sync(self, model) -> None:
         """Write the trained parameters (the float32 masters, cast to each leaf's dtype) and the
         non-parameter state the loss changed back into ``model`` (``nnx.update``). Waits for the
-        step's host updates."""
+        step's host updates.
+
+        Raises:
+          ValueError: ``model``'s parameters differ from the offloaded model's (a missing or extra
+            leaf, another shape or dtype; one line naming the first), before anything is written.
+        """
         from flax import nnx
         d = self.discovery
+        d.check_model(model)
         flat = self.step.master_params(self.state)
         nnx.update(model, jax.tree.unflatten(d.param_treedef, d.stack(flat)))
         if d.mutable:
@@ -190,13 +196,20 @@ def offload(model, tx, loss_fn, batch, *, device_budget: int | str = "auto", hos
       an initialised :class:`OffloadedStep`.
 
     Raises:
-      TypeError: ``tx`` is neither an optax transformation nor a host spec.
+      TypeError: ``tx`` is neither an optax transformation nor a host spec; a keyword in
+        ``fit_kw`` that the fit path does not take.
+      ValueError: an abstract model (parameters ``ShapeDtypeStruct`` s, e.g. from ``nnx.eval_shape``).
       ValueError: see :func:`chunkjax.discover.discover` and :func:`chunkjax.fit.prepare` (a
         non-elementwise transformation, a batch without a row axis, ...); non-parameter state
         that the loss changes together with a mesh.
       chunkjax.PlanError, HostMemoryError: the budgets do not fit (one line: what to change).
     """
     from flax import nnx
+    _check_fit_kw(fit_kw)
+    if any(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(nnx.state(model, nnx.Param if wrt is None else wrt))):
+        raise ValueError("offload needs a model with concrete parameters (this one is abstract, e.g. from "
+                         "nnx.eval_shape): build it for real, or plan abstract shapes with chunkjax.fit.prepare and "
+                         "chunkjax.fit.plan (docs/own_model.md)")
     opt = _optimizer_kw(tx)
     batch_rows(_abstract(batch))  # a batch without a row axis: one line before tracing the loss
     d = discover(model, loss_fn, batch, wrt=wrt, blocks=blocks, compute_dtype=compute_dtype)
@@ -210,7 +223,7 @@ def offload(model, tx, loss_fn, batch, *, device_budget: int | str = "auto", hos
     example = _abstract(batch)
     side = tuple(jax.ShapeDtypeStruct((jax.tree.leaves(batch)[0].shape[0],) + tuple(np.shape(d.side_values[j])),
                                       d.side_values[j].dtype) for j in d.mutable)
-    fit_args = {k: fit_kw.pop(k) for k in ("resident", "check_compiled", "strict") if k in fit_kw}
+    fit_args = {k: fit_kw.pop(k) for k in _FIT_ARGS if k in fit_kw}
     smallest = isinstance(device_budget, str) and device_budget.strip().lower() == "min"
     problem = prepare(d.stages, _abstract(params), (example, side), device_budget=None if smallest else device_budget,
                       host_budget=host_budget, compute_dtype=d.compute_dtype, mesh=mesh, zero_stage=zero_stage,
@@ -219,6 +232,20 @@ def offload(model, tx, loss_fn, batch, *, device_budget: int | str = "auto", hos
                          **fit_args)
     state = fitted.step.init(params)
     return OffloadedStep(d, fitted, state, example)
+
+
+_FIT_ARGS = ("resident", "check_compiled", "strict")  # fit_problem's; the rest of **fit_kw goes to prepare
+_OFFLOAD_SETS = ("stages", "params", "batch", "tx", "host_optimizer", "compute_dtype", "mesh", "zero_stage",
+                 "device_budget", "host_budget", "trainable")  # prepare's arguments offload fills itself
+
+
+def _check_fit_kw(fit_kw: dict) -> None:
+    """TypeError naming the first keyword of ``fit_kw`` that neither prepare nor fit_problem takes."""
+    import inspect
+    known = (set(inspect.signature(prepare).parameters) - set(_OFFLOAD_SETS)) | set(_FIT_ARGS)
+    for k in fit_kw:
+        if k not in known:
+            raise TypeError(f"offload() got an unexpected keyword argument {k!r}")
 
 
 def smallest_budget(problem, policy: str = "tide") -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import re
 
 import jax
 import jax.numpy as jnp
@@ -358,3 +359,58 @@ def test_zero_3_over_8_devices_equals_the_nnx_loop():
     step = chunkjax.offload(ViT(rngs=nnx.Rngs(0)), optax.adamw(1e-3), vit_loss, batches[0], device_budget="min",
                             mesh=chunkjax.data_mesh(), zero_stage=3)
     np.testing.assert_allclose([float(step(b)) for b in batches], ref, rtol=RTOL)
+
+
+# ---- a new user's mistakes: one line each (abstract model, misspelt keyword, sync mismatch, no block list)
+
+class DictLM(LoRALM):
+    """LoRALM's blocks held in an nnx.Dict: discovery finds no block list."""
+
+    def __init__(self, *, rngs, layers=3):
+        super().__init__(layers=layers, rngs=rngs)
+        self.blocks = nnx.Dict({f"b{i}": blk for i, blk in enumerate(self.blocks)})
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        for i in range(len(self.blocks)):
+            x = self.blocks[f"b{i}"](x)
+        return self.out(x)
+
+
+@pytest.fixture(scope="module")
+def small_step():
+    return chunkjax.offload(LoRALM(rngs=nnx.Rngs(0, dropout=1)), optax.adam(1e-3), lm_loss, token_batches(n=1)[0])
+
+
+def test_abstract_model_is_refused_in_one_line():
+    model = nnx.eval_shape(lambda: LoRALM(rngs=nnx.Rngs(0)))
+    with pytest.raises(ValueError, match="concrete parameters.*chunkjax.fit.prepare") as e:
+        chunkjax.offload(model, optax.adam(1e-3), lm_loss, token_batches(n=1)[0])
+    assert "\n" not in str(e.value)
+
+
+def test_misspelt_keyword_names_offload():
+    with pytest.raises(TypeError, match=r"^offload\(\) got an unexpected keyword argument 'device_budgt'$"):
+        chunkjax.offload(LoRALM(rngs=nnx.Rngs(0)), optax.adam(1e-3), lm_loss, token_batches(n=1)[0],
+                         device_budgt="64MiB")
+
+
+def test_sync_into_another_model_is_one_line_and_writes_nothing(small_step):
+    for other, words in [(LoRALM(d=48, rngs=nnx.Rngs(1)), "'blocks/0/fc/bias' is (48,) float32, the step's is (32,)"),
+                         (LoRALM(layers=2, rngs=nnx.Rngs(1)), "lacks parameter 'blocks/2/"),
+                         (LoRALM(layers=4, rngs=nnx.Rngs(1)), "has parameter 'blocks/3/")]:
+        before = jax.tree.map(np.array, nnx.state(other, nnx.Param))
+        with pytest.raises(ValueError, match=re.escape(words)) as e:
+            small_step.sync(other)
+        assert "\n" not in str(e.value)
+        after = nnx.state(other, nnx.Param)
+        assert jax.tree.all(jax.tree.map(lambda a, b: np.array_equal(a, np.array(b)), before, after))
+
+
+def test_no_block_list_warns_and_blocks_error_names_nnx_list():
+    model, batch = DictLM(rngs=nnx.Rngs(0, dropout=1)), token_batches(n=1)[0]
+    with pytest.warns(UserWarning, match="found no block list: the model is one stage.*nnx.List or pass blocks="):
+        d = chunkjax.discover.discover(model, lm_loss, batch)
+    assert len(d.stages) == 1
+    with pytest.raises(ValueError, match="nnx.List"):
+        chunkjax.discover.discover(model, lm_loss, batch, blocks="blocks")
