@@ -39,6 +39,9 @@ CHUNK_ALIGN_ELEMS = 128
 
 #: Default target of the chunk-size search: at least this many chunks where the model allows.
 DEFAULT_MIN_CHUNKS = 8
+#: The most chunks a layout may have: the planner's cost grows with the chunk count (a chunk size of
+#: a few elements would give millions of chunks and a plan that never ends).
+MAX_CHUNKS = 4096
 
 #: Default padding bound of the chunk-size search: padding bytes / all chunk bytes.
 DEFAULT_MAX_WASTE = 0.05
@@ -503,7 +506,8 @@ def build_layout(params, chunk_size: int | None = None, order: Sequence[str] | N
       a :class:`ChunkLayout`.
 
     Raises:
-      ValueError: no array leaves; ``chunk_size < 1``; ``trainable`` is not a bool pytree of the
+      ValueError: no array leaves; ``chunk_size < 1`` or so small that the layout would have more
+        than :data:`MAX_CHUNKS` chunks; ``trainable`` is not a bool pytree of the
         params' structure, or marks a non-floating leaf True.
     """
     treedef, info = _leaf_info(params)
@@ -515,6 +519,11 @@ def build_layout(params, chunk_size: int | None = None, order: Sequence[str] | N
         chunk_size = search_chunk_size(params, order, min_chunks=min_chunks, trainable=trainable)
     if int(chunk_size) < 1:
         raise ValueError(f"chunk_size must be >= 1 element, got {chunk_size}: or leave chunk_size=None to search")
+    total = sum(int(math.prod(sh)) for _, sh, _ in info)
+    if -(-total // int(chunk_size)) > MAX_CHUNKS:
+        least = _round_up(-(-total // MAX_CHUNKS), CHUNK_ALIGN_ELEMS)
+        raise ValueError(f"chunk_size={chunk_size} elements gives over {MAX_CHUNKS} chunks for {total:,} elements: "
+                         f"use chunk_size >= {least} or leave chunk_size=None to search")
     placed, groups = _greedy_pack(idx, info, int(chunk_size), frozen)
     slots = tuple(LeafSlot(path=p, pieces=tuple(Piece(*t) for t in placed[i]), shape=s, dtype=d)
                   for i, (p, s, d) in enumerate(info))

@@ -487,3 +487,14 @@ def test_llama3_8b_shaped_tree_plans_with_chunks_of_at_most_64m_elements():
     sched = fit.plan(problem, 24 * 2**30)
     assert sum(sched.counts().values()) == lay.n_chunks
     assert sched.predicted.peak_device_bytes <= 24 * 2**30
+
+
+def test_chunk_size_giving_too_many_chunks_is_refused_in_one_line():
+    """A chunk size of a few elements would give more chunks than the planner can handle (the
+    main job's --chunk-size 10 planned for hours): refused in one line naming the least size."""
+    from chunkjax.layout import MAX_CHUNKS
+    tree = {"w": jax.ShapeDtypeStruct((MAX_CHUNKS * 10 + 1,), jnp.float32)}
+    with pytest.raises(ValueError, match=r"chunk_size=10 elements gives over 4096 chunks .* use chunk_size >= 128 ") as e:
+        build_layout(tree, 10)
+    assert "\n" not in str(e.value)
+    assert build_layout(tree, 128).n_chunks <= MAX_CHUNKS
