@@ -481,22 +481,27 @@ def plot_step_time(obj, schedule: Schedule | None = None, *, measured_s: Sequenc
       path: also save the figure there.
 
     Returns:
-      a Figure with one axes: a ``predicted`` bar stacked by forward, backward, exposed host update,
-      device update and streamed update (seconds; they sum to ``predicted.time.step_s``) and, with
-      ``measured_s``, a ``measured`` bar at their median.
+      a Figure with one axes: a ``predicted`` bar stacked by forward, backward and device update,
+      then the exposed host update and the streamed update side by side (they run at once), so the
+      bar ends at ``predicted.time.step_s`` (seconds); with ``measured_s``, a ``measured`` bar at
+      their median.
     """
     import numpy as np
 
     _, s, _ = _parts(obj, schedule)
     t = _need_schedule(s, "plot_step_time").predicted.time
-    parts = {"forward": t.forward_s, "backward": t.backward_s, "exposed host update": t.host_update_exposed_s,
-             "device update": t.device_update_s, "streamed update": t.streamed_update_s}
+    parts = {"forward": t.forward_s, "backward": t.backward_s, "device update": t.device_update_s}
     fig, axes = _figure((8, 1.9))
     ax = axes[0, 0]
     left = 0.0
-    for (name, v), c in zip(parts.items(), ("tab:blue", "tab:orange", "tab:red", "tab:green", "tab:olive")):
+    for (name, v), c in zip(parts.items(), ("tab:blue", "tab:orange", "tab:green")):
         ax.barh(["predicted"], [v], left=left, color=c, label=f"{name} {v:.3g} s")
         left += v
+    # the host thread's exposed tail and the streamed updates run at once (cost.PipelinedStepTime):
+    # drawn side by side in half-height bars from the same start; the longer one ends the step
+    for name, v, c, dy in (("exposed host update", t.host_update_exposed_s, "tab:red", 0.2),
+                           ("streamed update", t.streamed_update_s, "tab:olive", -0.2)):
+        ax.barh([0 + dy], [v], left=left, height=0.4, color=c, label=f"{name} {v:.3g} s")
     if measured_s is not None and len(measured_s):
         m = float(np.median(measured_s))
         ax.barh(["measured"], [m], color="gray", label=f"measured median {m:.3g} s")

@@ -143,7 +143,11 @@ def test_budget_sweep_and_step_time(fitted):
     s = fitted.report.schedule
     fig = plots.plot_step_time(fitted, measured_s=[1e-4, 3e-4, 2e-4])
     bars = fig.axes[0].patches
-    assert sum(b.get_width() for b in bars[:5]) == pytest.approx(s.predicted.time.step_s)
+    # forward + backward + device update, then the host tail and the streamed updates at once
+    assert max(b.get_x() + b.get_width() for b in bars[:5]) == pytest.approx(s.predicted.time.step_s)
+    t = s.predicted.time
+    assert [b.get_width() for b in bars[:5]] == pytest.approx(
+        [t.forward_s, t.backward_s, t.device_update_s, t.host_update_exposed_s, t.streamed_update_s])
     assert bars[5].get_width() == pytest.approx(2e-4)
 
 
