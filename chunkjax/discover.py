@@ -336,9 +336,7 @@ class Discovery:
       loss_fn: the user's ``loss_fn(model, data)``.
       compute_dtype: dtype of floating params in the traced program.
       example: the example data (``ShapeDtypeStruct`` s) the stages were cut for.
-      forward_flops: matrix-product FLOPs of one forward of the loss on ``example``
-        (:func:`chunkjax.cost.matmul_flops` of the traced loss; remat and scans counted once per
-        forward, a scan's body ``length`` times).
+      forward_flops: matrix-product FLOPs of one forward on ``example`` (:func:`chunkjax.cost.matmul_flops`).
     """
 
     graphdef: Any
