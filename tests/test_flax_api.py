@@ -291,6 +291,7 @@ def test_split_by_rate_and_pipeline_order():
     import threading
 
     from chunkjax import dropin
+    from chunkjax.streamed import stream_chunks
     from chunkjax.cost import Rates
     r = Rates(h2d_bytes_per_s=50e9, d2h_bytes_per_s=50e9, host_update_s_per_param=0.25e-9)
     cs, state, grad = 10**7, 12 * 10**7, 4 * 10**7
@@ -316,7 +317,7 @@ def test_split_by_rate_and_pipeline_order():
         with lock:
             live.discard(c)
 
-    work = dropin.stream_chunks([5, 1, 7, 2, 9], 2, fetch, lambda c, m, st: (log.append(("upd", c)) or (m + 1, st + 1)),
+    work = stream_chunks([5, 1, 7, 2, 9], 2, fetch, lambda c, m, st: (log.append(("upd", c)) or (m + 1, st + 1)),
                                 store)
     work.join()
     assert [c for k, c, *_ in log if k == "upd"] == [5, 1, 7, 2, 9]
@@ -327,7 +328,7 @@ def test_split_by_rate_and_pipeline_order():
     def bad_update(c, m, st):
         raise RuntimeError(f"update of {c} failed")
     with pytest.raises(RuntimeError, match="update of 5 failed"):
-        dropin.stream_chunks([5, 1, 7], 1, fetch, bad_update, store)
+        stream_chunks([5, 1, 7], 1, fetch, bad_update, store)
 
 
 def test_host_chunks_checkpoint_and_restore(tmp_path):
