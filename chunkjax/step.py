@@ -6,10 +6,9 @@ One step is a short host-driven pipeline of jitted programs (definitions.md, "a 
    recompute) cut into programs at the schedule's segments (one program for a plain
    :class:`~chunkjax.plan.Placement`); gradient chunks leave each program as they complete,
    reduced over the ranks on a mesh, with their squared norms for global-norm clipping;
-2. updates where each chunk's update runs (:mod:`chunkjax.updaters`): device chunks by one
-   program per chunk after the last program; streamed and host chunks as each program's
-   gradients complete, through the pipeline of :mod:`chunkjax.streamed` and on a host thread,
-   while the device runs the rest of the backward (pending work in :attr:`TrainState.pending`).
+2. updates (:mod:`chunkjax.updaters`): device chunks by one program each after the last program;
+   streamed (:mod:`chunkjax.streamed`) and host chunks (a host thread) as each program's gradients
+   complete, while the device runs the rest of the backward (pending: :attr:`TrainState.pending`).
 
 The topology (:mod:`chunkjax.topology`: one device, or a ``data`` mesh with ZeRO stage 1/2/3, in
 one process or many through ``jax.distributed``) supplies the walker's hooks, the shardings and
@@ -357,8 +356,7 @@ class ChunkedStep(StepChunkIO):
     @functools.cached_property
     def updaters(self) -> dict[str, upd.Updater]:
         """``{"device", "streamed", "host"}`` -> the location's :class:`~chunkjax.updaters.Updater`."""
-        kw = dict(skip=self._skip_nonfinite, loss_scaling=self.loss_scaling,
-                  donate=self.mesh is None or self._donates)
+        kw = dict(skip=self._skip_nonfinite, loss_scaling=self.loss_scaling, donate=self.mesh is None or self._donates)
         args = (self.topology, self.tx, self.layout.chunk_size, self.compute_dtype, set(self.placement.param_kinds))
         out = {"device": upd.device_updater(*args, **kw), "streamed": streamed.streamed_updater(*args, **kw)}
         if self.host_optimizer is not None:
@@ -386,11 +384,10 @@ class ChunkedStep(StepChunkIO):
     def __call__(self, state: TrainState, batch, loss_scale=None) -> tuple[TrainState, dict]:
         """One training step. batch: int (B, T+1), the global batch (every process passes the
         same one; on a mesh ``B`` a multiple of ``N * micro_batches``). Returns (new state,
-        metrics). The programs run in order; as each finishes (with micro-batches: of the last
-        one) its host chunks' gradients go to a host thread (speculatively when the factor depends
-        on the norm: :mod:`chunkjax.speculate`) and its streamed ones to :mod:`chunkjax.streamed`,
-        while the device runs the rest of the backward; ``pending`` of the returned state holds
-        that work. ``state``'s device buffers are donated to the update: use the returned state.
+        metrics). As each program ends (micro-batches: the last one's) its host chunks' gradients
+        go to a host thread (speculating when the factor depends on the norm: :mod:`chunkjax.speculate`),
+        its streamed ones to :mod:`chunkjax.streamed`, while the device runs the rest of the
+        backward (``pending`` of the returned state). ``state``'s device buffers are donated.
 
         Args:
           loss_scale: with ``loss_scaling`` only: this step's loss scale (a float, best a power of
@@ -414,11 +411,10 @@ class ChunkedStep(StepChunkIO):
         inv = 1.0 if loss_scale is None else 1.0 / float(loss_scale)
         spec = work.speculation = for_step(self, work, inv) if self.host_chunks else None
         norm, on_host = None, None if spec is None else (lambda mine: work.submit(spec.update, state, mine))
-        stream = streamed.StepStream.of(self, state, jnp.asarray(inv, jnp.float32))  # None: no streamed chunks
+        stream = streamed.StepStream(self, state, inv_arr := jnp.asarray(inv, jnp.float32))
         try:
-            grads, sq, loss = (self._run_programs(state, self.topology.put_batch(batch), scale, on_host,
-                                                  stream and stream.on_program) if self.micro_batches == 1
-                               else accumulate.mean_gradients(self, state, batch, scale, on_host))
+            grads, sq, loss = (self._run_programs(state, self.topology.put_batch(batch), scale, on_host, stream)
+                               if self.micro_batches == 1 else accumulate.mean_gradients(self, state, batch, scale, on_host))
             (loss, aux), grad_sq = split_loss(loss), jnp.stack([sq[c] if c in sq else jnp.zeros((), jnp.float32)
                                                                 for c in range(self.layout.n_chunks)])  # frozen: none
             norm = jnp.sqrt(jnp.sum(grad_sq))
@@ -426,14 +422,12 @@ class ChunkedStep(StepChunkIO):
             if spec is not None:
                 spec.set_norm(norm)
                 work.submit(spec.validate, state)
-            if stream is not None:  # a norm-dependent streamed update waits for grad_sq (None: abandoned)
-                stream.set_grad_sq(None if norm is None else grad_sq)
-        inv_arr = jnp.asarray(inv, jnp.float32)
+            stream.set_grad_sq(None if norm is None else grad_sq)  # None: abandoned
         params, master, opt = list(state.params), list(state.master), list(state.opt_state)
         for c in self._device_chunks:
             params[c], master[c], opt[c] = self.updaters["device"].update(self.placement.param_kinds[c])(
                 grads[c], master[c], opt[c], grad_sq, jnp.asarray(c, jnp.int32), params[c], inv_arr)
-        if stream is not None:  # joined with the host work: the write-backs of the last chunks
+        if stream.chunks:  # the host thread joins the last write-backs
             work.submit(stream.finish(grads, params, master, opt))
         metrics = {"loss": loss, "grad_norm": norm * inv_arr, **({} if aux is None else {"aux": aux})}
         if self._skip_nonfinite:
@@ -447,11 +441,11 @@ class ChunkedStep(StepChunkIO):
         return self.topology.put(np.zeros((self.layout.chunk_size,), self.compute_dtype),
                                  self.topology.grad_sharding(self.placement.grad_kind(c)))
 
-    def _run_programs(self, state: TrainState, batch, scale, on_host=None, on_done=None):
+    def _run_programs(self, state: TrainState, batch, scale, on_host=None, stream=None):
         """Run every program of the step on ``batch`` (placed): returns ``(grads, sq, loss)``, a
         gradient and squared norm for every chunk (zero for chunks no stage reads); host chunks'
         gradients go to ``on_host({c: gradient})`` as each program ends (unread ones at the end),
-        every program's to ``on_done(grads, sq)`` (:class:`chunkjax.streamed.StepStream`)."""
+        all to ``stream.on_program`` (:class:`chunkjax.streamed.StepStream`)."""
         host = set(self.host_chunks)
         carry: dict = {} if scale is None else {"loss_scale": scale}  # carried to the loss's program
         acc, grads, sq, loss, late = {}, {}, {}, None, {}
@@ -464,8 +458,8 @@ class ChunkedStep(StepChunkIO):
             mine = {c: g[c] for c in g if c in host}
             if mine and on_host is not None:
                 on_host(mine)
-            if on_done is not None:
-                on_done(g, q)
+            if stream is not None:
+                stream.on_program(g, q)
         for c in range(self.layout.n_chunks):
             if c not in sq:  # chunks no stage reads: zero gradient; frozen chunks: none (their norm 0)
                 if c not in self.frozen_chunks:

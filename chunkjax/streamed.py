@@ -39,13 +39,11 @@ import numpy as np
 
 from chunkjax import optim
 from chunkjax.memory import DEVICE, PINNED_HOST
+from chunkjax.predict import STREAMED_PIPELINE_DEPTH
 from chunkjax.updaters import Updater, chunk_body, state_template
 
 #: The drop-in's default pipeline depth (fetching k+1, updating k, writing back k-1).
 DEFAULT_PIPELINE_DEPTH = 3
-#: The step's pipeline depth: chunk k+1's fetch while chunk k writes back (both directions);
-#: :func:`chunkjax.predict.update_phase_bytes` counts this many chunks' update on the device.
-STEP_PIPELINE_DEPTH = 2
 
 
 class StreamedWork:
@@ -290,7 +288,7 @@ def streamed_updater(topology, tx, chunk_size: int, compute_dtype, param_kinds, 
 
 
 class StepStream:
-    """One step call's streamed updates (:class:`Pipeline` of :data:`STEP_PIPELINE_DEPTH`).
+    """One step call's streamed updates (:class:`Pipeline` of :data:`STREAMED_PIPELINE_DEPTH`).
 
     :meth:`on_program` is called after each program with the gradients it completed: with
     ``early`` the streamed ones go to the pipeline at once, and the main thread waits for the
@@ -299,16 +297,29 @@ class StepStream:
     (the updates of a norm-dependent step wait for them); :meth:`finish` hands over the rest,
     waits until every chunk's results exist and writes them into the state lists.
 
+    Without streamed chunks every method does nothing (no threads are started).
+
     Args:
       step: the :class:`chunkjax.ChunkedStep`.
       state: the step's input state.
       inv: () float32 1 / loss scale.
-      early: :func:`starts_early` for this step.
+
+    Attributes:
+      chunks: the step's streamed chunks.
+      early: :func:`starts_early` for this step (decided once, kept in the step's cache).
     """
 
-    def __init__(self, step, state, inv, early: bool):
-        self.step, self.state, self.inv, self.early = step, state, inv, early
+    def __init__(self, step, state, inv):
+        self.step, self.state, self.inv = step, state, inv
         self.chunks = tuple(step._streamed_chunks)
+        self.early = False
+        if not self.chunks:
+            return
+        if ("streamed_early",) not in step._cache:
+            step._cache[("streamed_early",)] = starts_early(
+                step.tx, skip=step._skip_nonfinite, loss_scaling=step.loss_scaling, micro_batches=step.micro_batches,
+                n_ranks=step.n_ranks)
+        self.early = step._cache[("streamed_early",)]
         self._mine = set(self.chunks)
         self._grads: dict = {}
         self._sent: set = set()
@@ -324,19 +335,7 @@ class StepStream:
         # a norm-free update sees no rest-of-model norm (its chunk result does not read it, so the
         # bits are those of any norm; its rest-leaf state stays the same in every run)
         self._zero_sq = topo.put(np.zeros((step.layout.n_chunks,), np.float32), topo.scalar_sharding())
-        self.pipe = Pipeline(STEP_PIPELINE_DEPTH, self._fetch, self._update, self._store, "chunkjax-streamed")
-
-    @classmethod
-    def of(cls, step, state, inv) -> "StepStream | None":
-        """The stream of one call of ``step`` (None without streamed chunks); :func:`starts_early`
-        is decided once per step (kept in the step's cache)."""
-        if not step._streamed_chunks:
-            return None
-        key = ("streamed_early",)
-        if key not in step._cache:
-            step._cache[key] = starts_early(step.tx, skip=step._skip_nonfinite, loss_scaling=step.loss_scaling,
-                                            micro_batches=step.micro_batches, n_ranks=step.n_ranks)
-        return cls(step, state, inv, step._cache[key])
+        self.pipe = Pipeline(STREAMED_PIPELINE_DEPTH, self._fetch, self._update, self._store, "chunkjax-streamed")
 
     def _fetch(self, c: int):
         g_sh, m_sh, s_sh = self._dev
@@ -370,6 +369,8 @@ class StepStream:
 
     def on_program(self, grads: dict, sq: dict) -> None:
         """After a program: its completed gradients ``{c: gradient}`` and squared norms."""
+        if not self.chunks:
+            return
         mine = [c for c in grads if c in self._mine]
         self._grads.update({c: grads[c] for c in mine})
         if not self.early:
@@ -383,6 +384,8 @@ class StepStream:
     def set_grad_sq(self, grad_sq) -> None:
         """The (n_chunks,) squared norms of the step's gradients (None: the step failed, the
         pipeline is stopped)."""
+        if not self.chunks:
+            return
         self._grad_sq = grad_sq
         self._norm.set()
         if grad_sq is None:
