@@ -73,7 +73,8 @@ def predict_update_s(n_streamed: int, n_host: int, chunk_size: int, state_bytes:
                      param_bytes: int, rates: Rates, depth: int = DEFAULT_PIPELINE_DEPTH) -> float:
     """Predicted seconds of the offloaded part of one update: the PCIe time of the busier
     direction (streamed chunks move ``state_bytes`` each way; host chunks send ``grad_bytes``
-    down and get ``param_bytes`` back) against the host kernel's time (``chunk_size`` elements
+    down and get ``param_bytes`` back; each direction at most half of ``rates.duplex_bytes_per_s``,
+    the two-thread duplex rate of :mod:`chunkjax.streamed`) against the host kernel's time (``chunk_size`` elements
     per host chunk at ``rates.host_update_s_per_param``); the two run in parallel. With a
     pipeline of one chunk (``depth=1``) a streamed chunk's two directions take turns.
 
@@ -87,7 +88,8 @@ def predict_update_s(n_streamed: int, n_host: int, chunk_size: int, state_bytes:
     """
     h2d = n_streamed * state_bytes + n_host * param_bytes
     d2h = n_streamed * state_bytes + n_host * grad_bytes
-    pcie = max(h2d / rates.h2d_bytes_per_s, d2h / rates.d2h_bytes_per_s)
+    half = rates.duplex_bytes_per_s / 2  # both directions at once: each at most half the duplex total
+    pcie = max(h2d / min(rates.h2d_bytes_per_s, half), d2h / min(rates.d2h_bytes_per_s, half))
     if depth <= 1:  # no fetch while a write-back runs
         pcie = max(pcie, n_streamed * state_bytes * (1 / rates.h2d_bytes_per_s + 1 / rates.d2h_bytes_per_s))
     return max(pcie, n_host * chunk_size * rates.host_update_s_per_param)

@@ -79,10 +79,14 @@ class Pipeline:
     Chunks are handed over by :meth:`submit` (any number of calls) and :meth:`close` returns once
     every update is dispatched. Errors of ``fetch`` or ``update`` are raised by :meth:`close`
     (the threads stopped first); of ``store`` by the returned :class:`StreamedWork`.
+
+    ``threads=False`` runs fetch, update and store of each chunk in order on the thread that calls
+    :meth:`close` (a mesh across processes: every process dispatches the same programs in the
+    same order).
     """
 
     def __init__(self, depth: int, fetch: Callable, update: Callable, store: Callable,
-                 name: str = "chunkjax-streamed"):
+                 name: str = "chunkjax-streamed", threads: bool = True):
         self._slots = threading.Semaphore(max(1, int(depth)))
         self._depth = max(1, int(depth))
         self._todo: queue.SimpleQueue = queue.SimpleQueue()
@@ -93,6 +97,10 @@ class Pipeline:
         self._store_errors: list[BaseException] = []
         self._fetch, self._update, self._store = fetch, update, store
         self.submitted = 0
+        self._inline: list | None = None if threads else []
+        if not threads:
+            self._threads = []
+            return
         # not daemons: the interpreter joins them before it tears the runtime down (a write-back
         # cut off at exit aborts the process); each ends once its queue's end mark arrives
         self._threads = [threading.Thread(target=f, name=f"{name}-{f.__name__.strip('_')}")
@@ -149,7 +157,10 @@ class Pipeline:
         """Hand ``chunks`` over (fetched and updated in this order, after earlier ones)."""
         for c in chunks:
             self.submitted += 1
-            self._todo.put(c)
+            if self._inline is not None:
+                self._inline.append(c)
+            else:
+                self._todo.put(c)
 
     def close(self) -> StreamedWork:
         """No more chunks: returns once every update is dispatched (write-backs may still run).
@@ -157,6 +168,11 @@ class Pipeline:
         Raises:
           whatever ``fetch`` or ``update`` raised (every thread is joined first).
         """
+        if self._inline is not None:
+            for c in self._inline:
+                self._store(c, *self._update(c, *self._fetch(c)))
+            self._inline = []
+            return StreamedWork()
         self._todo.put(None)
         self._threads[0].join()
         self._threads[1].join()
@@ -167,6 +183,9 @@ class Pipeline:
 
     def abort(self) -> None:
         """Stop early (the caller failed): joins every thread, drops the rest of the work."""
+        if self._inline is not None:
+            self._inline = []
+            return
         self._stop.set()
         for _ in range(self.submitted + self._depth + 1):
             self._slots.release()
@@ -293,9 +312,10 @@ class StepStream:
     :meth:`on_program` is called after each program with the gradients it completed: with
     ``early`` the streamed ones go to the pipeline at once, and the main thread waits for the
     program before the last one, so the update programs are dispatched between the backward's
-    programs rather than after all of them. :meth:`set_grad_sq` gives the global squared norms
-    (the updates of a norm-dependent step wait for them); :meth:`finish` hands over the rest,
-    waits until every chunk's results exist and writes them into the state lists.
+    programs rather than after all of them. :meth:`set_grad_sq` gives the global squared norms;
+    :meth:`finish` hands over the rest, releases the updates of a norm-dependent step (after the
+    step's device updates are dispatched), waits until every chunk's results exist and writes
+    them into the state lists. On a mesh the chunks run in order on the calling thread.
 
     Without streamed chunks every method does nothing (no threads are started).
 
@@ -335,18 +355,21 @@ class StepStream:
         # a norm-free update sees no rest-of-model norm (its chunk result does not read it, so the
         # bits are those of any norm; its rest-leaf state stays the same in every run)
         self._zero_sq = topo.put(np.zeros((step.layout.n_chunks,), np.float32), topo.scalar_sharding())
-        self.pipe = Pipeline(STREAMED_PIPELINE_DEPTH, self._fetch, self._update, self._store, "chunkjax-streamed")
+        # a mesh: in order on the calling thread (processes must dispatch programs in one order)
+        self._threads = step.mesh is None
+        self.pipe = Pipeline(STREAMED_PIPELINE_DEPTH, self._fetch, self._update, self._store, "chunkjax-streamed",
+                             threads=self._threads)
 
     def _fetch(self, c: int):
         g_sh, m_sh, s_sh = self._dev
         out = jax.device_put((self._grads[c], self.state.master[c], self.state.opt_state[c]), (g_sh, m_sh, s_sh),
                              may_alias=False)
-        return jax.block_until_ready(out)
+        return jax.block_until_ready(out) if self._threads else out
 
     def _update(self, c: int, grad, master, opt):
         if self.early:
             grad_sq = self._zero_sq
-        else:
+        else:  # released by finish(): after the device updates are dispatched
             self._norm.wait()
             if self._grad_sq is None:
                 raise RuntimeError("the step failed before its global norm was known")
@@ -365,7 +388,8 @@ class StepStream:
         with self._published:
             self._out[c] = (params, master, opt)
             self._published.notify_all()
-        jax.block_until_ready((params, master, opt))
+        if self._threads:
+            jax.block_until_ready((params, master, opt))
 
     def on_program(self, grads: dict, sq: dict) -> None:
         """After a program: its completed gradients ``{c: gradient}`` and squared norms."""
@@ -387,8 +411,8 @@ class StepStream:
         if not self.chunks:
             return
         self._grad_sq = grad_sq
-        self._norm.set()
         if grad_sq is None:
+            self._norm.set()
             self.pipe.abort()
 
     def finish(self, grads: dict, params: list, master: list, opt: list):
@@ -400,6 +424,7 @@ class StepStream:
             self._grads.setdefault(c, grads[c])
         self.pipe.submit(c for c in self.chunks if c not in self._sent)
         self._sent.update(self.chunks)
+        self._norm.set()
         work = self.pipe.close()
         with self._published:
             while len(self._out) < len(self.chunks) and not self.pipe._store_errors:
