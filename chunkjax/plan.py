@@ -183,29 +183,46 @@ def split_updates(chunk_size: int, traces, tide: Tide, cb: ChunkBytes, budget: i
                   fetch, segments, moment_bytes, *, rates: Rates, flops_per_step: float, streamed_early: bool = False):
     """Update placement by rate (ZeRO-Offload++ / ZenFlow's split of the update between GPU and
     CPU): move the host-updated chunks whose gradients complete last to ``streamed`` (state moved
-    through the device by :mod:`chunkjax.streamed`, both PCIe directions in flight, from the end
-    of the program completing the gradient when ``streamed_early``, else from the backward's end,
-    while the host thread runs) in the number that minimises the predicted step time, ``fwd + bwd
-    + device updates + max(host tail, streamed tail)`` (:class:`chunkjax.cost.PipelinedStepTime`).
+    through the device by :mod:`chunkjax.streamed`, both PCIe directions in flight, while the host
+    thread runs) in the number that minimises the predicted step time, ``fwd + bwd + device
+    updates + max(host tail, streamed tail)`` (:class:`chunkjax.cost.PipelinedStepTime`).
+
     The host tail shrinks and the streamed tail grows with each chunk moved, so the best count is
-    found by bisection on where they cross, among the counts whose peak (the streamed pipeline's
-    bytes are on the device from the first streamed chunk's program end) fits ``budget``; counts
+    found by bisection on where they cross, among the counts whose peak fits ``budget``; counts
     within :data:`NEAR_TIE` of the fastest go to the fewest chunks moved (fewer bytes over PCIe,
     and a plan that changes less with the budget), and no chunk moves when that is itself within
-    :data:`NEAR_TIE`.
+    :data:`NEAR_TIE`. With ``streamed_early`` both ways of running the streamed chunks are
+    searched, from the end of the program completing each gradient (the pipeline's bytes on the
+    device from the first such program's end: a higher peak) and from the backward's end, and the
+    faster is taken (a tie: after the backward).
 
     Args:
       chunk_size, traces, tide, cb, param_kinds, fetch, segments, moment_bytes, rates,
-        flops_per_step, streamed_early: as :func:`chunkjax.predict.predict`.
+        flops_per_step: as :func:`chunkjax.predict.predict`.
       budget: the device budget (bytes): a split whose peak passes it is not taken.
       update_locations: per chunk; its ``"host"`` chunks are the candidates.
+      streamed_early: the step may start streamed updates early
+        (:func:`chunkjax.streamed.starts_early`).
 
     Returns:
-      ``(update_locations, prediction)`` of the fastest split (the input's when no chunk moves).
+      ``(update_locations, prediction, early)`` of the fastest split (the input's when no chunk
+      moves; ``early``: the streamed chunks start as their program ends).
     """
     T = len(tide.moments)
     done = pr.grad_done_moments(traces, tide)
     order = sorted((c for c, u in enumerate(update_locations) if u == HOST_UPDATE), key=lambda c: (-done.get(c, T), c))
+    best = None
+    for early in (False, True) if streamed_early else (False,):
+        loc, pred = _split_one(chunk_size, traces, tide, cb, budget, param_kinds, update_locations, fetch, segments,
+                               moment_bytes, order, rates, flops_per_step, early)
+        if best is None or pred.time.step_s < best[1].time.step_s:
+            best = loc, pred, early and STREAMED_UPDATE in loc
+    return best
+
+
+def _split_one(chunk_size, traces, tide, cb, budget, param_kinds, update_locations, fetch, segments, moment_bytes,
+               order, rates, flops_per_step, early):
+    """:func:`split_updates` for one way of running the streamed chunks."""
     memo: dict = {}
 
     def at(j):
@@ -213,7 +230,7 @@ def split_updates(chunk_size: int, traces, tide: Tide, cb: ChunkBytes, budget: i
             moved = set(order[:j])
             loc = tuple(STREAMED_UPDATE if c in moved else u for c, u in enumerate(update_locations))
             memo[j] = loc, pr.predict(chunk_size, traces, tide, cb, param_kinds, loc, fetch, segments, moment_bytes,
-                                      flops_per_step=flops_per_step, rates=rates, streamed_early=streamed_early)
+                                      flops_per_step=flops_per_step, rates=rates, streamed_early=early)
         return memo[j]
 
     base = at(0)
@@ -279,14 +296,16 @@ def _tide_one(layout: ChunkLayout, traces, tide: Tide, cb: ChunkBytes, budget: i
     held = [len(r) for r in ev.resident_after]
     per_moment = pr.tide_moment_bytes(tide, cb, pk, loc, ev.fetch, prefetch, held, grad_done)
     pred = pr.predict(layout.chunk_size, traces, tide, cb, pk, loc, ev.fetch, segments, per_moment,
-                      flops_per_step=flops_per_step, rates=rates, streamed_early=streamed_early)
+                      flops_per_step=flops_per_step, rates=rates)
     if pred.peak_device_bytes > budget:
         return None
+    early = False
     if split and HOST_UPDATE in loc:
-        loc, pred = split_updates(layout.chunk_size, traces, tide, cb, budget, pk, loc, ev.fetch, segments, per_moment,
-                                  rates=rates, flops_per_step=flops_per_step, streamed_early=streamed_early)
+        loc, pred, early = split_updates(layout.chunk_size, traces, tide, cb, budget, pk, loc, ev.fetch, segments,
+                                         per_moment, rates=rates, flops_per_step=flops_per_step,
+                                         streamed_early=streamed_early)
     return Schedule(pk, loc, tuple(ev.fetch), tuple(_evictions(ev.fetch, accesses, T)), segments, prefetch,
-                    _moments(tide), pred, int(budget))
+                    _moments(tide), pred, int(budget), streamed_early=early)
 
 
 def _tide(one, n_chunks: int, budget: int, host_fits, resident) -> Schedule:
@@ -493,9 +512,10 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
       split: ``"tide"`` with a host kernel and no ``resident``: split the offloaded chunks' updates between the host
         thread and the device (:func:`split_updates`: some ``streamed``) when the model predicts a
         faster step; False: every offloaded chunk updates on the host.
-      streamed_early: the step starts streamed updates as their gradients complete
-        (:func:`chunkjax.streamed.starts_early`: no clipping, skip, loss scaling or micro-batches);
-        False: after the backward. The cost model and the split follow it.
+      streamed_early: ``"tide"`` with the split: the step may start streamed updates as their
+        gradients complete (:func:`chunkjax.streamed.starts_early`: no clipping, skip, loss
+        scaling or micro-batches); the split takes that or after the backward, whichever is
+        predicted faster, and records it (``Schedule.streamed_early``). False: after the backward.
       must_fit: False returns a static baseline (``"all_host"``, ``"zero_offload"``) even when
         its predicted peak exceeds the budgets (for reports that compare them).
 

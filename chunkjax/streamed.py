@@ -20,12 +20,16 @@ directions inside one program (``gpu_facts.md``, "Ceilings"): :class:`chunkjax.c
 
 In the step, a streamed chunk is handed to the pipeline right after the program in which its
 gradient becomes final (its last backward read), so its transfers run while later programs
-compute, when its update does not depend on the global gradient norm (:func:`starts_early`:
-no non-finite skip, no loss scaling, and an optax chain whose chunk result has no data path from
-the norm, checked exactly on its jaxpr). Otherwise (``clip_by_global_norm``, ``nonfinite="skip"``,
-loss scaling, micro-batches) every streamed chunk waits for the norm at the end of the backward,
-and runs there through the same pipeline, at the same time as the host thread's tail: exact, no
-backup. The planner knows which (:func:`chunkjax.predict.predict`'s ``streamed_early``).
+compute, when the schedule says so (``Schedule.streamed_early``: the planner found it faster,
+its pipeline's bytes on the device during the backward) and the update does not depend on the
+global gradient norm (:func:`starts_early`: no non-finite skip, no loss scaling, one
+micro-batch, one device, and an optax chain whose chunk result has no data path from the norm,
+checked exactly on its jaxpr). Otherwise (``clip_by_global_norm``, ``nonfinite="skip"``, loss
+scaling, micro-batches) every streamed chunk waits for the norm at the end of the backward and
+runs there through the same pipeline, at the same time as the host thread's tail: exact, no
+backup. The update programs run on the device's one compute stream, so an early chunk's update
+waits for the program running when its fetch completes (the cost model times this:
+:func:`chunkjax.cost.streamed_pipeline_end`).
 """
 from __future__ import annotations
 
@@ -326,7 +330,8 @@ class StepStream:
 
     Attributes:
       chunks: the step's streamed chunks.
-      early: :func:`starts_early` for this step (decided once, kept in the step's cache).
+      early: the schedule's ``streamed_early`` where :func:`starts_early` allows it (decided once,
+        kept in the step's cache).
     """
 
     def __init__(self, step, state, inv):
@@ -335,8 +340,8 @@ class StepStream:
         self.early = False
         if not self.chunks:
             return
-        if ("streamed_early",) not in step._cache:
-            step._cache[("streamed_early",)] = starts_early(
+        if ("streamed_early",) not in step._cache:  # the schedule's choice, where the update allows it
+            step._cache[("streamed_early",)] = bool(getattr(step.schedule, "streamed_early", False)) and starts_early(
                 step.tx, skip=step._skip_nonfinite, loss_scaling=step.loss_scaling, micro_batches=step.micro_batches,
                 n_ranks=step.n_ranks)
         self.early = step._cache[("streamed_early",)]

@@ -314,7 +314,7 @@ def test_streamed_updates_start_during_the_backward_and_equal_optax(setup, monke
     done = cj.predict.grad_done_moments(traces, cj.tide.memory_tide(traces, layout.chunk_size))
     early = [c for c in range(layout.n_chunks) if done.get(c, 10**9) < split.segments[-1]]
     sched = dataclasses.replace(split, update_locations=tuple(
-        "streamed" if c in early else "host" for c in range(layout.n_chunks)))
+        "streamed" if c in early else "host" for c in range(layout.n_chunks)), streamed_early=True)
     assert 0 < len(early) < layout.n_chunks and len(sched.segments) > 1
     seen = []
     on_program = streamed.StepStream.on_program
@@ -329,8 +329,8 @@ def test_streamed_updates_start_during_the_backward_and_equal_optax(setup, monke
     assert step._cache[("streamed_early",)] is True and len(seen) == 8 * n_prog
     assert step._streamed_chunks == tuple(early) and seen[n_prog - 2] == len(early)  # before the last program
     _assert_equal_to_optax(step, state, losses, _reference(cfg, params, batches[:8], spec))
-    monkeypatch.setattr(streamed, "starts_early", lambda *a, **k: False)
-    late = cj.make_chunked_step(stages, layout, sched, host_optimizer=spec, compute_dtype=jnp.float32)
+    late = cj.make_chunked_step(stages, layout, dataclasses.replace(sched, streamed_early=False), host_optimizer=spec,
+                                compute_dtype=jnp.float32)
     state_late, losses_late, _ = _train(late, params, batches[:8])
     assert late._cache[("streamed_early",)] is False
     np.testing.assert_array_equal(losses_late, losses)

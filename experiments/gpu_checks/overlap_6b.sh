@@ -1,11 +1,13 @@
 # Issue 23 on the GPU in two calls of < 8 min each (one H200): offloaded training against in-memory training.
-#   bash experiments/gpu_checks/overlap_6b.sh <run-id> a      # call 1: 6b16 plain JAX vs chunkjax, then clip 1.0
+#   bash experiments/gpu_checks/overlap_6b.sh <run-id> a      # call 1: 6b16 plain JAX vs chunkjax, clip 1.0, finer programs
 #   bash experiments/gpu_checks/overlap_6b.sh <run-id> b      # call 2: 4 micro-batches, batch 32, GPT2_1B overhead
 #   bash experiments/gpu_checks/overlap_6b.sh <run-id> table  # only the table of the runs under $OUT
 # a: GPT3_6B batch 16 x 1024, AdamW: plain JAX with everything on the device (125 GiB) against
 #    chunkjax at a 24 GiB budget (tide plan, the update split, streamed updates overlapping the
 #    backward), then chunkjax with clip_by_global_norm(1.0) (speculative host updates; streamed
-#    updates after the norm);
+#    updates after the norm), then chunkjax with the backward cut into programs of 2 moments
+#    (6b16_fine: the host thread starts sooner; the planner predicts 1.76 s against 1.98 s for the
+#    default cut, on CPU traces; skipped when the part's time runs out);
 # b: the same with 4 micro-batches, GPT3_6B batch 32 x 1024 at 24 GiB (model TFLOP/s), GPT2_1B batch
 #    16 on the whole card against plain JAX (overhead when the model fits).
 # Every run is experiments.bench (one subprocess per system, the matmul probe in each bench call,
@@ -34,13 +36,15 @@ run() {  # run <tag> <bench args...>: within the part's time left, else skipped
 if [[ $PART == all || $PART == a ]]; then
   run 6b16 $SIX --batch 16 --systems plain_jax,chunkjax --system-budget plain_jax=$WHOLE
   run 6b16_clip $SIX --batch 16 --systems chunkjax --set max_grad_norm=1.0
+  FINE=$(python -c "from models import gpt; n = len(gpt.gpt_stages(gpt.get_config('${BIG:-GPT3_6B}'))); print([0] + list(range(n, 2 * n - 1, 2)))" | tr -d ' ')
+  run 6b16_fine $SIX --batch 16 --systems chunkjax --set segments=$FINE
 fi
 if [[ $PART == all || $PART == b ]]; then
   run 6b16_mb4 $SIX --batch 16 --systems chunkjax --set micro_batches=4
   run 6b32 $SIX --batch 32 --systems chunkjax
   run 1b16 --model ${SMALL:-GPT2_1B} --batch 16 --device-budget $WHOLE --systems plain_jax,chunkjax
 fi
-for t in 6b16 6b16_clip 6b16_mb4 6b32 1b16; do [ -f $OUT/$t.log ] && { echo "== $t"; tail -4 $OUT/$t.log; }; done
+for t in 6b16 6b16_clip 6b16_fine 6b16_mb4 6b32 1b16; do [ -f $OUT/$t.log ] && { echo "== $t"; tail -4 $OUT/$t.log; }; done
 python - "$RUN" <<'P'
 import glob, json, os, sys
 O, run = os.environ["OUT"], sys.argv[1]
@@ -53,7 +57,7 @@ def tps(tag, system="chunkjax"):
     r = load(tag)
     s = (r or {}).get("systems", {}).get(system) or {}
     return s.get("tokens_per_s") if s.get("feasible") else None
-for tag in ("6b16", "6b16_clip", "6b16_mb4", "6b32", "1b16"):
+for tag in ("6b16", "6b16_clip", "6b16_fine", "6b16_mb4", "6b32", "1b16"):
     r = load(tag)
     if r is None:
         continue
@@ -76,6 +80,7 @@ out["targets"] = {
     "6b16_chunkjax_over_plain (>= 0.85)": ratio(base, tps("6b16", "plain_jax")),
     "6b16_clip_over_unclipped (>= 0.95)": ratio(tps("6b16_clip"), base),
     "6b16_mb4_over_unclipped (>= 0.95)": ratio(tps("6b16_mb4"), base),
+    "6b16_fine_over_plain (programs of 2 moments)": ratio(tps("6b16_fine"), tps("6b16", "plain_jax")),
     "6b32_model_tflops (>= 500)": next((x["model_tflops"] for x in rows if x["run"] == "6b32" and x["system"] == "chunkjax"), None),
     "1b16_chunkjax_over_plain (>= 1.0)": ratio(tps("1b16"), tps("1b16", "plain_jax")),
 }
