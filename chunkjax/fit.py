@@ -37,6 +37,7 @@ from chunkjax.optim import check_elementwise, state_bytes_per_chunk
 from chunkjax.plan import parse_bytes, plan_schedule
 from chunkjax.predict import ChunkBytes, chunk_bytes
 from chunkjax.stages import check_param_keys, compose_loss, split_loss
+from chunkjax.streamed import starts_early
 from chunkjax.trace import trace_stages
 
 #: Fraction of the device budget the compiled step may use: its largest program (arguments +
@@ -365,7 +366,10 @@ def plan(problem: FitProblem, budget_bytes: int, *, policy: str = "tide", reside
                          zero_stage=p.zero_stage or None, host_budget_bytes=p.host_budget_bytes,
                          prefetch=p.prefetch, segments=p.segments, flops_per_step=p.flops_per_step, rates=p.rates,
                          host_update=p.host_optimizer is not None, resident=resident, must_fit=must_fit,
-                         split=split, micro_batches=p.micro_batches)
+                         split=split, micro_batches=p.micro_batches,
+                         streamed_early=starts_early(p.tx, skip=p.nonfinite == "skip" or p.loss_scaling,
+                                                     loss_scaling=p.loss_scaling,
+                                                     micro_batches=p.micro_batches, n_ranks=p.n_ranks))
 
 
 def build_step(problem: FitProblem, schedule):
