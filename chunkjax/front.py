@@ -151,9 +151,10 @@ class OffloadedStep:
                 side[j] = v
             nnx.update(model, jax.tree.unflatten(d.side_treedef, side))
 
-    def wait(self) -> None:
-        """Block until the last step's host updates are done."""
-        self.step.wait(self.state)
+    def wait(self) -> float | None:
+        """Block until the last step's host updates are done; the seconds the host thread spent in
+        its kernels (None: no host updates)."""
+        return self.step.wait(self.state)
 
 
 def _optimizer_kw(tx) -> dict:
