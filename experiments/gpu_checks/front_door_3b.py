@@ -11,8 +11,9 @@ device peak is its own), in this order:
 ``chunkjax``
     ``chunkjax.offload(model, chunkjax.host_update.AdamW(...), loss_fn, batch,
     device_budget=model data / 3, compute_dtype=bfloat16, rates=<this GPU's matmul probe>)`` on
-    the same remat model (built in host memory), at each batch; the JAX persistent compilation
-    cache is on (a temporary folder), so the first step runs the programs the compiled check built;
+    the same remat model (built in host memory), at each batch, the largest first (its peak is its
+    own; the later ones report the largest so far); the JAX persistent compilation cache is on (a
+    temporary folder), so the first step runs the programs the compiled check built;
 ``nnx``
     ``nnx.Optimizer`` without rematerialisation at ``--nnx-batch`` (8: 16 x 1024 runs out of memory).
 
@@ -394,10 +395,10 @@ def child(a):
         write(a.child_json, out)
         print(json.dumps({k: v for k, v in rec.items() if not isinstance(v, (list, dict))}), flush=True)
 
-    if a.child == "chunkjax":
-        run_chunkjax(a, cfg, rows, emit, a.deadline)
-    else:
-        run_nnx(a, cfg, a.child == "nnx_remat", rows, emit, a.deadline)
+    if a.child == "chunkjax":  # the largest batch first: its peak is its own (the others': the largest so far)
+        run_chunkjax(a, cfg, sorted(rows, reverse=True), emit, a.deadline)
+    else:  # ascending: each peak is that batch's (a batch that runs out of memory ends the child)
+        run_nnx(a, cfg, a.child == "nnx_remat", sorted(rows), emit, a.deadline)
 
 
 # ---- the driver ---------------------------------------------------------------------------------------
@@ -474,6 +475,21 @@ def print_table(res):
               f"{r.get('predicted_step_s', float('nan')):>8.3f}{gib(r['peak_device_bytes']):>9}"
               f"{gib(r.get('device_budget_bytes')):>8}{r.get('setup_s', float('nan')):>8.1f}"
               f"{r['losses'][0]:>8.4f}{r['losses'][-1]:>8.4f}")
+    for r in runs:
+        if r.get("system") != "chunkjax" or not _ok(r):
+            continue
+        p, o = r["predicted"], r.get("one_step") or {}
+        progs = " ".join(f"{q['seconds']:.3f}" for q in r.get("programs_one_at_a_time") or [])
+        sc = r["setup_compiles"]
+        print(f"chunkjax b{r['batch']}: {r['fit']['schedule_counts']}; measured {r['step_s']:.3f} s = "
+              f"{r['measured_over_predicted']:.2f} x predicted (fwd {p['forward_s']:.3f} + bwd {p['backward_s']:.3f}"
+              f" + device upd {p['device_update_s']:.3f} + max(host exposed {p['host_update_exposed_s']:.3f}, streamed "
+              f"{p['streamed_update_s']:.3f}); host {p['host_update_s']:.3f})")
+        print(f"  one step: dispatch {o.get('dispatch_s')} loss {o.get('loss_s')} backward {o.get('backward_s')} "
+              f"device updates {o.get('device_updates_s')} host {o.get('host_s')} (kernels {o.get('host_kernel_s')}) s;"
+              f" programs one at a time: {progs} s; compiled/planned FLOPs {r.get('compiled_over_planned_flops')}")
+        print(f"  setup {r['setup_s']} s ({sc['compile_n']} compiles, {sc['compile_s']} s), first step "
+              f"{r['first_step_s']} s ({r['first_step_compiles']['compile_n']} compiles), model build {r['model_build_s']} s")
     for r in res["ratios"]:
         fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
         print(f"ratio chunkjax / nnx_remat at batch {r['batch']}: {fmt(r['over_nnx_remat'])}; "
