@@ -468,7 +468,16 @@ def fit_problem(problem: FitProblem, device_budget="auto", *, policy: str = "tid
         check_compiled = problem.platform != "cpu"
     fixed = schedule is not None or resident is not None
     effective = budget
-    sched = schedule if schedule is not None else plan(problem, effective, policy=policy, resident=resident)
+    if check_compiled and not fixed and not auto:
+        # a plan filling the budget cannot pass the check at HEADROOM of it: plan for the headroom
+        # (less a chunk, as a re-plan does) first, saving a compile of every program
+        try:
+            sched = plan(problem, int(HEADROOM * budget) - problem.cb_rank.params, policy=policy)
+            effective = int(HEADROOM * budget) - problem.cb_rank.params
+        except PlanError:
+            pass
+    if effective == budget:
+        sched = schedule if schedule is not None else plan(problem, effective, policy=policy, resident=resident)
     host = check_host_memory(problem, sched)
     history, notes, mem, floor_tried = [], [], None, False
     for attempt in range(MAX_REPLANS + 1):
