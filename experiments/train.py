@@ -369,6 +369,13 @@ def run(cfg: TrainConfig) -> dict:
     for note in fit_report.notes:
         print(f"note: {note}", flush=True)
     print(describe_fit(fit_report, problem), flush=True)
+    h = fit_report.host
+    print(f"host: the plan needs {h['need_bytes'] / 2**30:.2f} GiB ({h['pinned_host_bytes'] / 2**30:.2f} pinned + "
+          f"{h['pageable_bytes'] / 2**30:.2f} pageable + {h['process_bytes'] / 2**30:.2f} for the process"
+          + (f" + {h['device_on_host_bytes'] / 2**30:.2f} of device memory" if h.get("device_on_host_bytes") else "")
+          + f"; {(h['pinned_host_bytes'] + h['pageable_bytes']) / model.n_params:.2f} B/param of model data) of "
+          + (f"{h['available_bytes'] / 2**30:.2f} GiB available" if h.get("available_bytes") else "unknown available"),
+          flush=True)
 
     if "train_plays" in td.meta:
         print(f"data: {td.train.size:,} training tokens ({len(td.meta['train_plays'])} plays), {td.val.size:,} "
