@@ -158,10 +158,16 @@ class Schedule:
       moments: per moment, ``(phase, stage)`` with phase as in :mod:`chunkjax.tide`.
       predicted: the :class:`Prediction`.
       budget_bytes: the device budget planned for (bytes; each rank's under ZeRO).
+      master_fetch: ids of ``host``-updated chunks kept in the *master-fetch* form: no
+        compute-dtype copy on the host, the float32 master params in pinned host memory are what
+        a fetch reads (4 bytes per element up) and are cast to the compute dtype on the device
+        (:func:`chunkjax.host_forms.assign_host_forms`); the other host chunks keep a
+        compute-dtype copy in pinned host memory. Empty on a mesh.
 
     Raises:
-      ValueError: per-chunk tuples of different lengths, an unknown update location, or
-        segments that do not start at 0 and increase.
+      ValueError: per-chunk tuples of different lengths, an unknown update location,
+        segments that do not start at 0 and increase, or a ``master_fetch`` chunk that is not
+        host-updated with its params in pinned host memory.
     """
 
     param_kinds: tuple[str, ...]
@@ -173,10 +179,16 @@ class Schedule:
     moments: tuple[tuple[str, int], ...]
     predicted: Prediction
     budget_bytes: int
+    master_fetch: tuple[int, ...] = ()
 
     def __post_init__(self):
         if len(self.param_kinds) != len(self.update_locations):
             raise ValueError("param_kinds and update_locations need one entry per chunk")
+        bad = [c for c in self.master_fetch if not (0 <= c < len(self.param_kinds))
+               or self.update_locations[c] != HOST_UPDATE or self.param_kinds[c] != PINNED_HOST]
+        if bad:
+            raise ValueError(f"master_fetch chunk {bad[0]} is not host-updated with its params in pinned_host: "
+                             "only such chunks can be fetched from their float32 master params")
         for u in self.update_locations:
             if u not in UPDATE_LOCATIONS:
                 raise ValueError(f"update location {u!r} is not one of {UPDATE_LOCATIONS}")
@@ -220,7 +232,8 @@ class Schedule:
                 "fetch": [list(f) for f in self.fetch], "evict": [list(e) for e in self.evict],
                 "segments": list(self.segments), "prefetch": self.prefetch,
                 "moments": [list(m) for m in self.moments], "counts": self.counts(),
-                "budget_bytes": self.budget_bytes, "predicted": self.predicted.to_dict()}
+                "budget_bytes": self.budget_bytes, "predicted": self.predicted.to_dict(),
+                "master_fetch": list(self.master_fetch)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Schedule":
@@ -228,4 +241,4 @@ class Schedule:
         return cls(tuple(d["param_kinds"]), tuple(d["update_locations"]), tuple(tuple(f) for f in d["fetch"]),
                    tuple(tuple(e) for e in d["evict"]), tuple(d["segments"]), int(d["prefetch"]),
                    tuple(tuple(m) for m in d["moments"]), Prediction.from_dict(d["predicted"]),
-                   int(d["budget_bytes"]))
+                   int(d["budget_bytes"]), tuple(int(c) for c in d.get("master_fetch", ())))
