@@ -13,9 +13,11 @@ runs at the disk's pace: 16 GB at 8B).
 
 ``jobs``: each job a child process ``python -m experiments.train --init-from CK_DIR/model --data
 CK_DIR/corpus.txt ...`` (LoRA rank 16 on every projection, then full fine-tuning), stopped at
-its share of the time left before ``--until`` (a Unix time; LoRA 60 %, the last job all of it) and by a memory guard that kills it
-when ``MemAvailable`` falls below :data:`GUARD_BYTES` (polled every 0.1 s, so the kernel's
-out-of-memory killer never picks a process: recorded as such). Records per job in ``OUT/finetune_8b.json``: the command,
+its share of the time left before ``--until`` (a Unix time; LoRA 60 %, the last job all of it)
+and by a memory guard that kills it when ``MemAvailable`` falls below :data:`GUARD_BYTES`
+(polled every 0.1 s, so the kernel's out-of-memory killer never picks a process: recorded as
+such). Run folders go to ``CK_DIR/runs_<job>`` (their report, metrics, loss plot and adapter
+config copied to ``OUT/runs_<job>``). Records per job in ``OUT/finetune_8b.json``: the command,
 exit status, wall time, peak host RSS (``wait4``), the job's setup phases, tokens/s, peak device
 bytes (the runtime's), the plan's host bytes (and per parameter), or the one line it was refused
 with. Shapes: ``8b`` (Meta-Llama-3-8B's), ``narrow`` (the same structure at d 512: the 8B's leaf
@@ -61,9 +63,15 @@ def shape_config(shape: str):
 
 
 def mem_available() -> int | None:
-    """``MemAvailable`` (bytes) or None."""
-    from chunkjax.host_memory import host_memory_available_bytes
-    return host_memory_available_bytes()
+    """``MemAvailable`` of /proc/meminfo (bytes) or None (read here: the runner imports no JAX)."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 # ---- prepare ---------------------------------------------------------------------------------
@@ -140,7 +148,7 @@ def job_command(shape: str, ck: str, out: str, name: str) -> list[str]:
               "--eval-every", str(steps), "--eval-batches", "1", "--sample-tokens", "0", "--checkpoint-every", "0",
               "--no-progress", "--warmup", "0"]
     return [sys.executable, "-m", "experiments.train", "--init-from", os.path.join(ck, "model"), "--data",
-            os.path.join(ck, "corpus.txt"), *common, "--out-dir", os.path.join(out, f"runs_{name}"), *JOBS[name]]
+            os.path.join(ck, "corpus.txt"), *common, "--out-dir", os.path.join(ck, f"runs_{name}"), *JOBS[name]]
 
 
 def run_job(cmd: list[str], log_path: str, limit_s: float, guard_bytes: int = GUARD_BYTES) -> dict:
@@ -175,11 +183,25 @@ def run_job(cmd: list[str], log_path: str, limit_s: float, guard_bytes: int = GU
             "min_mem_available_bytes": state["min_avail"]}
 
 
-def job_record(name: str, cmd: list[str], res: dict, out: str) -> dict:
-    """The record of a finished job: ``res`` plus the report's keys, or the line it stopped with."""
+#: Files of a run folder copied into ``OUT/runs_<job>`` (the rest, e.g. the adapters' 168 MB at
+#: 8B, stays in the scratch folder, deleted at the end).
+KEPT_FILES = ("report.json", "metrics.jsonl", "loss.png", "adapters/adapter_config.json")
+
+
+def job_record(name: str, cmd: list[str], res: dict, ck: str, out: str) -> dict:
+    """The record of a finished job: ``res`` plus the report's keys, or the line it stopped with;
+    the run folder's small files copied from ``ck`` to ``out``."""
+    import shutil
     rec = {"command": shlex.join(cmd), **res}
-    reps = [os.path.join(r, "report.json") for r, _, fs in os.walk(os.path.join(out, f"runs_{name}"))
-            if "report.json" in fs]
+    runs = os.path.join(ck, f"runs_{name}")
+    reps = [os.path.join(r, "report.json") for r, _, fs in os.walk(runs) if "report.json" in fs]
+    for rep in reps[:1]:
+        run = os.path.dirname(rep)
+        for f in KEPT_FILES:
+            if os.path.isfile(os.path.join(run, f)):
+                dst = os.path.join(out, f"runs_{name}", os.path.basename(run), f)
+                os.makedirs(os.path.dirname(dst), exist_ok=True)
+                shutil.copyfile(os.path.join(run, f), dst)
     with open(os.path.join(out, f"{name}.log")) as fh:
         lines = [ln.rstrip() for ln in fh if ln.strip()]
     if reps:
@@ -215,7 +237,7 @@ def run_jobs(shape: str, ck: str, out: str, names: list[str], until: float) -> d
         limit = left if k == len(names) - 1 else max(60.0, share.get(name, 0.5) * left)
         cmd = job_command(shape, ck, out, name)
         print(f"{name}: {shlex.join(cmd)} (limit {limit:.0f} s)", flush=True)
-        rec = job_record(name, cmd, run_job(cmd, os.path.join(out, f"{name}.log"), limit), out)
+        rec = job_record(name, cmd, run_job(cmd, os.path.join(out, f"{name}.log"), limit), ck, out)
         res[name] = rec
         print(name, json.dumps({k: rec.get(k) for k in ("rc", "wall_s", "tokens_per_s", "peak_device_bytes_measured",
                                                        "peak_host_rss_bytes", "host_bytes_per_param_accounted",
