@@ -143,6 +143,12 @@ def test_step_trains_only_the_adapters(tiny_job):
         else:
             p0 = dict(lora.leaf_paths(params))[path]
             assert a.dtype == p0.dtype and np.array_equal(a, p0), path
+    # what --export adapters reads: the trainable chunks alone, the same adapters bit for bit
+    alone = dict(lora.leaf_paths(train.trainable_params(step, state)))
+    assert set(alone) == {p for p, _ in lora.leaf_paths(final) if lora.is_adapter(p)}
+    for path, a in lora.leaf_paths(final):
+        if lora.is_adapter(path):
+            assert alone[path].dtype == a.dtype and np.array_equal(alone[path], a), path
 
 
 def _trained(seed=5):
