@@ -24,6 +24,7 @@ CK_DIR=${CK_DIR:-$PWD/.scratch_ft8b}
 TOTAL_S=${TOTAL_S:-540}
 PY=${PYTHON:-python}
 t0=$(date +%s)
+rm -rf "$CK_DIR"  # a call cut short may have left a checkpoint and run folders behind
 mkdir -p "$OUT" "$CK_DIR"
 $PY experiments/gpu_checks/finetune_8b.py prepare --shape "$SHAPE" --dir "$CK_DIR" 2>&1 | tee "$OUT/prepare.log"
 if [ ! -f "$CK_DIR/model/config.json" ]; then
