@@ -53,7 +53,8 @@ REPORT_KEYS = ("n_params", "trainable_params", "lora", "tokens_per_s", "step_s_m
                "val_loss_first", "val_loss_last", "loss_first", "loss_last", "param_chunks_pinned_host", "n_chunks",
                "chunk_size", "chunk_waste_bytes", "placement_counts", "compute_dtype", "adapters_dir",
                "h2d_bytes_per_step_accounted", "d2h_bytes_per_step_accounted", "step_s_predicted", "setup_s",
-               "host_bytes_per_param", "host_resident_bytes_per_param", "fit")
+               "host_bytes_per_param", "host_resident_bytes_per_param", "host_working_bytes_accounted",
+               "master_fetch_chunks", "fit")
 
 
 def shape_config(shape: str):
