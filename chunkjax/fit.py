@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from chunkjax.cost import Rates
+from chunkjax.cost import Rates, matmul_flops
 from chunkjax.errors import PlanError
 from chunkjax.host_memory import (check_host_lower_bound, check_host_need, host_memory_available_bytes, process_bytes,
                                   schedule_host_need)
@@ -223,15 +223,14 @@ def rows_of(batch, rows: int):
 
 def step_flops(loss_of, aparams, gbatch, tbatch, parts: int) -> float:
     """Training FLOPs of a whole step (all ranks): 6 x params x tokens for a token batch (one int
-    (B, T+1) array), else 3 x the forward's FLOPs from XLA's cost analysis of the traced loss on
-    one rank's micro-batch, times the ``parts`` (ranks x micro-batches)."""
+    (B, T+1) array), else 3 x the forward's matrix-product FLOPs counted in the traced loss on
+    one rank's micro-batch (:func:`chunkjax.cost.matmul_flops`), times the ``parts`` (ranks x
+    micro-batches)."""
     if not isinstance(gbatch, (tuple, list, dict)) and len(gbatch.shape) == 2 \
             and jnp.issubdtype(gbatch.dtype, jnp.integer):
         rows, t1 = gbatch.shape
         return 6.0 * sum(math.prod(a.shape) for a in jax.tree.leaves(aparams)) * rows * (t1 - 1)
-    cost = jax.jit(loss_of).lower(aparams, tbatch).cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    return 3.0 * float((cost or {}).get("flops", 0.0)) * parts
+    return 3.0 * matmul_flops(jax.make_jaxpr(loss_of)(aparams, tbatch)) * parts
 
 
 def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtype=jnp.bfloat16,
@@ -260,7 +259,7 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
       mesh, zero_stage: a 1-D ``"data"`` mesh (:func:`chunkjax.data_mesh`) and ZeRO stage 1/2/3
         (ZeRO, Rajbhandari et al. 2020: every chunk split over the ranks); None and 0: one device.
       flops_per_step: training FLOPs of the whole step (all ranks); None: :func:`step_flops`
-        (6 x params x tokens for a token batch, else from XLA's cost analysis of the loss).
+        (6 x params x tokens for a token batch, else 3 x the matrix-product FLOPs of the traced loss).
       rates: cost-model rates (default :class:`chunkjax.cost.Rates`).
       host_budget: bytes of host memory for model data, ``"auto"`` (what ``MemAvailable`` leaves
         after the process's own need, and on the CPU after the device budget too) or None.
