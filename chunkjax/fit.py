@@ -564,6 +564,9 @@ def describe(report: FitReport, problem: FitProblem) -> str:
     return (f"plan: {s.counts()}; {off} of {s.n_chunks} param chunks in pinned_host; accounted peak "
             f"{mib(p.peak_device_bytes):.1f} MiB{comp} of budget {mib(report.budget_bytes):.1f} MiB{ranks}; model data "
             f"on device {mib(p.device_model_bytes):.1f} of {mib(model):.1f} MiB; per step h2d "
-            f"{mib(p.h2d_bytes_per_step):.1f} MiB, d2h {mib(p.d2h_bytes_per_step):.1f} MiB; predicted step "
+            f"{mib(p.h2d_bytes_per_step):.1f} MiB, d2h {mib(p.d2h_bytes_per_step):.1f} MiB; host "
+            f"{mib(p.host_bytes):.1f} MiB ({p.host_resident_bytes_per_param:.1f} B/param of host-resident chunks, "
+            f"{len(s.master_fetch)} without a compute copy, gradient working set {mib(p.host_working_bytes):.1f} "
+            f"MiB); predicted step "
             f"{p.time.step_s * 1e3:.1f} ms" + (" (the cost model's GPU rates: a CPU runs far slower)"
                                                 if problem.platform == "cpu" else ""))

@@ -39,6 +39,33 @@ F32_BYTES = 4
 #: chunk k+1's fetch while chunk k writes back, both PCIe directions in flight).
 STREAMED_PIPELINE_DEPTH = 2
 
+#: Programs whose host-chunk gradients may exist at once: the one the host thread consumes and
+#: the one the device produces (:meth:`chunkjax.updaters.HostWork.hand_over`).
+GRAD_WINDOW_PROGRAMS = 2
+
+
+def grad_window_bytes(done_moments: Sequence[int], program_starts: Sequence[int], grad_bytes: int,
+                      window: int = GRAD_WINDOW_PROGRAMS) -> int:
+    """Host-chunk gradient bytes that exist at once: the most over ``window`` consecutive
+    programs of the gradients completed in them.
+
+    Args:
+      done_moments: per host-updated chunk, the moment its gradient completes.
+      program_starts: the moment each program begins (starts with 0, increasing).
+      grad_bytes: one chunk's gradient (bytes; compute dtype).
+      window: consecutive programs counted together (>= 1).
+
+    Returns:
+      bytes (0 without host chunks).
+    """
+    starts = list(program_starts)
+    per = [0] * len(starts)
+    for t in done_moments:
+        k = max(i for i, s in enumerate(starts) if s <= t)
+        per[k] += grad_bytes
+    w = max(1, min(window, len(per)))
+    return int(max((sum(per[i:i + w]) for i in range(len(per) - w + 1)), default=0))
+
 
 @dataclasses.dataclass(frozen=True)
 class ChunkBytes:
@@ -197,7 +224,7 @@ def host_figures(chunk_size: int, cb: ChunkBytes, param_kinds, update_locations,
     ``host_model_bytes``: pinned compute params (none for a ``master_fetch`` chunk: its master
     params are in its state), master params and state of ``host``/``streamed`` chunks, every
     offloaded chunk's gradient. ``host_working_bytes``: the host-updated chunks' gradients that
-    exist at once (:func:`chunkjax.host_forms.grad_window_bytes` over ``segments``; with
+    exist at once (:func:`grad_window_bytes` over ``segments``; with
     ``micro_batches`` > 1 every host chunk's float32 sum and mean as well). ``host_bytes``: the
     model data plus that working set (streamed chunks' gradients whole). The per-parameter
     figures divide by all parameters (``host_bytes_per_param``) and by those of chunks whose
@@ -207,7 +234,6 @@ def host_figures(chunk_size: int, cb: ChunkBytes, param_kinds, update_locations,
       done_moments: chunk -> the moment its gradient completes (:func:`grad_done_moments`; a
         chunk no stage reads completes at the last of the ``n_moments``).
     """
-    from chunkjax.host_forms import grad_window_bytes
     mf, n = set(master_fetch), len(param_kinds)
     T = n_moments
     model = resident = 0

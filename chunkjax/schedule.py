@@ -121,7 +121,7 @@ class Prediction:
         without its compute copy) plus :attr:`host_working_bytes`; what the host budget and the
         host-memory check compare (:mod:`chunkjax.host_forms`).
       host_working_bytes: host-updated chunks' gradients that exist at once (two programs',
-        :func:`chunkjax.host_forms.grad_window_bytes`; with micro-batches also their float32 sums
+        :func:`chunkjax.predict.grad_window_bytes`; with micro-batches also their float32 sums
         and means); streamed chunks' gradients are in :attr:`host_bytes` whole.
       host_bytes_per_param: :attr:`host_bytes` over every parameter of the layout (padding
         included).
