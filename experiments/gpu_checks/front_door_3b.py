@@ -354,6 +354,9 @@ def run_chunkjax(a, cfg, rows_list, emit, deadline):
         rec.update(tokens_per_s=tokens / dt, step_s=dt / a.steps, losses=losses, peak_device_bytes=peak_bytes(),
                    model_tflops_6n=6 * n_params * tokens / dt / 1e12,
                    measured_over_predicted=(dt / a.steps) / pred.time.step_s)
+        import resource
+        rec["peak_host_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        emit(dict(rec, wall_s=round(time.perf_counter() - t_row, 1)))  # kept if a diagnostic below fails hard
         try:
             rec["one_step"] = _one_step_apart(step, data[-2])
             rec["programs_one_at_a_time"] = _programs_one_at_a_time(step, data[-1])
@@ -376,6 +379,7 @@ def run_chunkjax(a, cfg, rows_list, emit, deadline):
         except Exception as e:  # noqa: BLE001 - the diagnostics never lose the row
             rec["diagnostics_error"] = f"{type(e).__name__}: {str(e)[:400]}"
         rec["peak_device_bytes_after_diagnostics"] = peak_bytes()
+        rec["peak_host_rss_bytes_after_diagnostics"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         rec["wall_s"] = round(time.perf_counter() - t_row, 1)
         emit(rec)
         del step
@@ -389,7 +393,8 @@ def child(a):
     rows = [int(r) for r in a.rows.split(",")]
     out = []
 
-    def emit(rec):
+    def emit(rec):  # a later record of the same batch replaces the earlier one (timings, then diagnostics)
+        out[:] = [r for r in out if r["batch"] != rec["batch"]]
         out.append(rec | {"system": a.child, "seq": a.seq, "backend": jax.default_backend(),
                           "device": str(jax.devices()[0])})
         write(a.child_json, out)
