@@ -37,6 +37,7 @@ from chunkjax.optim import check_elementwise, state_bytes_per_chunk
 from chunkjax.plan import parse_bytes, plan_schedule
 from chunkjax.predict import ChunkBytes, chunk_bytes
 from chunkjax.stages import check_param_keys, compose_loss, split_loss
+from chunkjax.streamed import starts_early
 from chunkjax.trace import trace_stages
 
 #: Fraction of the device budget the compiled step may use: its largest program (arguments +
@@ -365,7 +366,10 @@ def plan(problem: FitProblem, budget_bytes: int, *, policy: str = "tide", reside
                          zero_stage=p.zero_stage or None, host_budget_bytes=p.host_budget_bytes,
                          prefetch=p.prefetch, segments=p.segments, flops_per_step=p.flops_per_step, rates=p.rates,
                          host_update=p.host_optimizer is not None, resident=resident, must_fit=must_fit,
-                         split=split, micro_batches=p.micro_batches)
+                         split=split, micro_batches=p.micro_batches,
+                         streamed_early=starts_early(p.tx, skip=p.nonfinite == "skip" or p.loss_scaling,
+                                                     loss_scaling=p.loss_scaling,
+                                                     micro_batches=p.micro_batches, n_ranks=p.n_ranks))
 
 
 def build_step(problem: FitProblem, schedule):
@@ -464,7 +468,16 @@ def fit_problem(problem: FitProblem, device_budget="auto", *, policy: str = "tid
         check_compiled = problem.platform != "cpu"
     fixed = schedule is not None or resident is not None
     effective = budget
-    sched = schedule if schedule is not None else plan(problem, effective, policy=policy, resident=resident)
+    if check_compiled and not fixed and not auto:
+        # a plan filling the budget cannot pass the check at HEADROOM of it: plan for the headroom
+        # (less a chunk, as a re-plan does) first, saving a compile of every program
+        try:
+            sched = plan(problem, int(HEADROOM * budget) - problem.cb_rank.params, policy=policy)
+            effective = int(HEADROOM * budget) - problem.cb_rank.params
+        except PlanError:
+            pass
+    if effective == budget:
+        sched = schedule if schedule is not None else plan(problem, effective, policy=policy, resident=resident)
     host = check_host_memory(problem, sched)
     history, notes, mem, floor_tried = [], [], None, False
     for attempt in range(MAX_REPLANS + 1):

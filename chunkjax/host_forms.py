@@ -88,14 +88,16 @@ def assign_host_forms(s, cb, host_budget_bytes: int | None, *, chunk_size: int, 
     """
     host = [c for c, (k, u) in enumerate(zip(s.param_kinds, s.update_locations))
             if u == HOST_UPDATE and k == PINNED_HOST]
-    device_part = [b - e for b, e in zip(s.predicted.device_bytes_per_moment,
-                                         pr.master_fetch_extra(cb, s.fetch, s.prefetch, s.master_fetch))]
+    early = pr.streamed_early_extra(chunk_size, cb, traces, tide, s.param_kinds, s.update_locations, s.segments,
+                                    s.streamed_early)  # predict adds it back (for the segments it is given)
+    device_part = [b - e - x for b, e, x in zip(s.predicted.device_bytes_per_moment,
+                                                pr.master_fetch_extra(cb, s.fetch, s.prefetch, s.master_fetch), early)]
 
     def with_forms(mf, segments):
         moments = [b + e for b, e in zip(device_part, pr.master_fetch_extra(cb, s.fetch, s.prefetch, mf))]
         pred = pr.predict(chunk_size, traces, tide, cb, s.param_kinds, s.update_locations, s.fetch, segments,
                           moments, flops_per_step=flops_per_step, rates=rates, master_fetch=mf,
-                          micro_batches=micro_batches)
+                          micro_batches=micro_batches, streamed_early=s.streamed_early)
         return dataclasses.replace(s, master_fetch=tuple(sorted(mf)), segments=tuple(segments), predicted=pred)
 
     def fits(x):

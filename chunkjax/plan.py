@@ -181,40 +181,70 @@ def _frozen_none(layout: ChunkLayout, loc) -> tuple[str, ...]:
 # ---- the tide policy ----------------------------------------------------------------------------
 
 def split_updates(chunk_size: int, traces, tide: Tide, cb: ChunkBytes, budget: int, param_kinds, update_locations,
-                  fetch, segments, moment_bytes, *, rates: Rates, flops_per_step: float):
+                  fetch, segments, moment_bytes, *, rates: Rates, flops_per_step: float, streamed_early: bool = False):
     """Update placement by rate (ZeRO-Offload++ / ZenFlow's split of the update between GPU and
     CPU): move the host-updated chunks whose gradients complete last to ``streamed`` (state moved
-    through the device after the backward, while the host thread finishes the rest) in the number
-    that minimises the predicted step time, ``fwd + bwd + device updates + max(host tail, streamed
-    updates)`` (:class:`chunkjax.cost.PipelinedStepTime`). The host tail shrinks and the streamed
-    time grows with each chunk moved, so the best count is found by bisection on where they cross;
-    counts within :data:`NEAR_TIE` of the fastest go to the fewest chunks moved (fewer bytes over
-    PCIe, and a plan that changes less with the budget), and no chunk moves when that is itself
-    within :data:`NEAR_TIE`.
+    through the device by :mod:`chunkjax.streamed`, both PCIe directions in flight, while the host
+    thread runs) in the number that minimises the predicted step time, ``fwd + bwd + device
+    updates + max(host tail, streamed tail)`` (:class:`chunkjax.cost.PipelinedStepTime`).
+
+    The host tail shrinks and the streamed tail grows with each chunk moved, so the best count is
+    found by bisection on where they cross, among the counts whose peak fits ``budget``; counts
+    within :data:`NEAR_TIE` of the fastest go to the fewest chunks moved (fewer bytes over PCIe,
+    and a plan that changes less with the budget), and no chunk moves when that is itself within
+    :data:`NEAR_TIE`. With ``streamed_early`` both ways of running the streamed chunks are
+    searched, from the end of the program completing each gradient (the pipeline's bytes on the
+    device from the first such program's end: a higher peak) and from the backward's end, and the
+    faster is taken (a tie: after the backward).
 
     Args:
       chunk_size, traces, tide, cb, param_kinds, fetch, segments, moment_bytes, rates,
         flops_per_step: as :func:`chunkjax.predict.predict`.
-      budget: the device budget (bytes): a split whose update phase passes it is not taken.
+      budget: the device budget (bytes): a split whose peak passes it is not taken.
       update_locations: per chunk; its ``"host"`` chunks are the candidates.
+      streamed_early: the step may start streamed updates early
+        (:func:`chunkjax.streamed.starts_early`).
 
     Returns:
-      ``(update_locations, prediction)`` of the fastest split (the input's when no chunk moves).
+      ``(update_locations, prediction, early)`` of the fastest split (the input's when no chunk
+      moves; ``early``: the streamed chunks start as their program ends).
     """
     T = len(tide.moments)
     done = pr.grad_done_moments(traces, tide)
     order = sorted((c for c, u in enumerate(update_locations) if u == HOST_UPDATE), key=lambda c: (-done.get(c, T), c))
+    best = None
+    for early in (False, True) if streamed_early else (False,):
+        loc, pred = _split_one(chunk_size, traces, tide, cb, budget, param_kinds, update_locations, fetch, segments,
+                               moment_bytes, order, rates, flops_per_step, early)
+        if best is None or pred.time.step_s < best[1].time.step_s:
+            best = loc, pred, early and STREAMED_UPDATE in loc
+    return best
+
+
+def _split_one(chunk_size, traces, tide, cb, budget, param_kinds, update_locations, fetch, segments, moment_bytes,
+               order, rates, flops_per_step, early):
+    """:func:`split_updates` for one way of running the streamed chunks."""
+    memo: dict = {}
 
     def at(j):
-        moved = set(order[:j])
-        loc = tuple(STREAMED_UPDATE if c in moved else u for c, u in enumerate(update_locations))
-        return loc, pr.predict(chunk_size, traces, tide, cb, param_kinds, loc, fetch, segments, moment_bytes,
-                               flops_per_step=flops_per_step, rates=rates)
+        if j not in memo:
+            moved = set(order[:j])
+            loc = tuple(STREAMED_UPDATE if c in moved else u for c, u in enumerate(update_locations))
+            memo[j] = loc, pr.predict(chunk_size, traces, tide, cb, param_kinds, loc, fetch, segments, moment_bytes,
+                                      flops_per_step=flops_per_step, rates=rates, streamed_early=early)
+        return memo[j]
 
     base = at(0)
-    if not order:
+    top = len(order)  # the peak grows with j (earlier programs' chunks stream): the most chunks that fit
+    if top and at(top)[1].peak_device_bytes > budget:
+        a, b = 0, top
+        while a < b:
+            mid = (a + b + 1) // 2
+            a, b = (mid, b) if at(mid)[1].peak_device_bytes <= budget else (a, mid - 1)
+        top = a
+    if top == 0:
         return base
-    lo, hi = 1, len(order)  # the smallest j whose streamed time reaches the host tail
+    lo, hi = 1, top  # the smallest j whose streamed tail reaches the host tail
     while lo < hi:
         mid = (lo + hi) // 2
         t = at(mid)[1].time
@@ -223,9 +253,6 @@ def split_updates(chunk_size: int, traces, tide: Tide, cb: ChunkBytes, budget: i
         else:
             lo = mid + 1
     cands = {j: at(j) for j in {lo - 1, lo} - {0}}
-    cands = {j: c for j, c in cands.items() if c[1].peak_device_bytes <= budget}  # same peak for every j >= 1
-    if not cands:
-        return base
     fastest = min(c[1].time.step_s for c in cands.values())
     tie = fastest * (1 + NEAR_TIE)
     if base[1].time.step_s <= tie:
@@ -242,7 +269,7 @@ def split_updates(chunk_size: int, traces, tide: Tide, cb: ChunkBytes, budget: i
 
 def _tide_one(layout: ChunkLayout, traces, tide: Tide, cb: ChunkBytes, budget: int, resident: set[int],
               host_update: bool, prefetch: int, segments: tuple[int, ...], rates: Rates, flops_per_step: float,
-              split: bool = False):
+              split: bool = False, streamed_early: bool = False):
     """Schedule one placement (``resident`` chunks fully on the device); None if it cannot fit."""
     n = layout.n_chunks
     T = len(tide.moments)
@@ -273,11 +300,13 @@ def _tide_one(layout: ChunkLayout, traces, tide: Tide, cb: ChunkBytes, budget: i
                       flops_per_step=flops_per_step, rates=rates)
     if pred.peak_device_bytes > budget:
         return None
+    early = False
     if split and HOST_UPDATE in loc:
-        loc, pred = split_updates(layout.chunk_size, traces, tide, cb, budget, pk, loc, ev.fetch, segments, per_moment,
-                                  rates=rates, flops_per_step=flops_per_step)
+        loc, pred, early = split_updates(layout.chunk_size, traces, tide, cb, budget, pk, loc, ev.fetch, segments,
+                                         per_moment, rates=rates, flops_per_step=flops_per_step,
+                                         streamed_early=streamed_early)
     return Schedule(pk, loc, tuple(ev.fetch), tuple(_evictions(ev.fetch, accesses, T)), segments, prefetch,
-                    _moments(tide), pred, int(budget))
+                    _moments(tide), pred, int(budget), streamed_early=early)
 
 
 def _tide(one, n_chunks: int, budget: int, host_fits, resident) -> Schedule:
@@ -453,7 +482,8 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
                   host_budget_bytes: int | None = None, prefetch: int = 1,
                   segments: Sequence[int] | str | None = "auto", flops_per_step: float = 0.0,
                   rates: Rates = Rates(), host_update: bool = True, resident: Sequence[int] | None = None,
-                  must_fit: bool = True, split: bool = True, micro_batches: int = 1) -> Schedule:
+                  must_fit: bool = True, split: bool = True, micro_batches: int = 1,
+                  streamed_early: bool = False) -> Schedule:
     """Plan one training step under a device budget: the one entry point for every policy.
 
     Args:
@@ -484,6 +514,10 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
       split: ``"tide"`` with a host kernel and no ``resident``: split the offloaded chunks' updates between the host
         thread and the device (:func:`split_updates`: some ``streamed``) when the model predicts a
         faster step; False: every offloaded chunk updates on the host.
+      streamed_early: ``"tide"`` with the split: the step may start streamed updates as their
+        gradients complete (:func:`chunkjax.streamed.starts_early`: no clipping, skip, loss
+        scaling or micro-batches); the split takes that or after the backward, whichever is
+        predicted faster, and records it (``Schedule.streamed_early``). False: after the backward.
       must_fit: False returns a static baseline (``"all_host"``, ``"zero_offload"``) even when
         its predicted peak exceeds the budgets (for reports that compare them).
       micro_batches: gradient accumulation of the step (its host working set).
@@ -552,7 +586,7 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
 
         def one(b, res):
             s = forms(_tide_one(layout, traces, tide, plan_cb, b, res, host_update, prefetch, segs, rates,
-                                flops_per_step, split and resident is None))
+                                flops_per_step, split and resident is None, streamed_early))
             return None if s is None else finish(s)
 
         best = _tide(one, layout.n_chunks, budget, host_fits, resident)

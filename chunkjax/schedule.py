@@ -178,6 +178,9 @@ class Schedule:
         a fetch reads (4 bytes per element up) and are cast to the compute dtype on the device
         (:func:`chunkjax.host_forms.assign_host_forms`); the other host chunks keep a
         compute-dtype copy in pinned host memory. Empty on a mesh.
+      streamed_early: the step starts each streamed chunk's update as the program completing its
+        gradient ends (:mod:`chunkjax.streamed`; only where the update does not read the global
+        norm), False: after the backward; the prediction assumes the same.
 
     Raises:
       ValueError: per-chunk tuples of different lengths, an unknown update location,
@@ -195,6 +198,7 @@ class Schedule:
     predicted: Prediction
     budget_bytes: int
     master_fetch: tuple[int, ...] = ()
+    streamed_early: bool = False
 
     def __post_init__(self):
         if len(self.param_kinds) != len(self.update_locations):
@@ -248,7 +252,7 @@ class Schedule:
                 "segments": list(self.segments), "prefetch": self.prefetch,
                 "moments": [list(m) for m in self.moments], "counts": self.counts(),
                 "budget_bytes": self.budget_bytes, "predicted": self.predicted.to_dict(),
-                "master_fetch": list(self.master_fetch)}
+                "master_fetch": list(self.master_fetch), "streamed_early": self.streamed_early}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Schedule":
@@ -256,4 +260,5 @@ class Schedule:
         return cls(tuple(d["param_kinds"]), tuple(d["update_locations"]), tuple(tuple(f) for f in d["fetch"]),
                    tuple(tuple(e) for e in d["evict"]), tuple(d["segments"]), int(d["prefetch"]),
                    tuple(tuple(m) for m in d["moments"]), Prediction.from_dict(d["predicted"]),
-                   int(d["budget_bytes"]), tuple(int(c) for c in d.get("master_fetch", ())))
+                   int(d["budget_bytes"]), tuple(int(c) for c in d.get("master_fetch", ())),
+                   bool(d.get("streamed_early", False)))
