@@ -20,7 +20,7 @@ import chunkjax as cj
 from chunkjax import speculate
 from chunkjax.host_update import AdamW
 from chunkjax.optim import state_bytes_per_chunk
-from chunkjax.plan import plan_schedule
+from chunkjax.plan import NEAR_TIE, plan_schedule
 from models import gpt
 
 B, T = 2, 16
@@ -311,11 +311,15 @@ def test_streamed_updates_start_during_the_backward_and_equal_optax(setup, monke
     spec = AdamW(3e-3, weight_decay=0.1)
     layout, traces, cb, budget, flops = _plan_inputs(setup, spec)
     split = plan_schedule(layout, traces, cb, budget, flops_per_step=flops, streamed_early=True)
+    late_plan = plan_schedule(layout, traces, cb, budget, flops_per_step=flops)  # the split takes the faster way
+    assert not late_plan.streamed_early
+    assert split.predicted.time.step_s <= late_plan.predicted.time.step_s * (1 + NEAR_TIE)
     done = cj.predict.grad_done_moments(traces, cj.tide.memory_tide(traces, layout.chunk_size))
     early = [c for c in range(layout.n_chunks) if done.get(c, 10**9) < split.segments[-1]]
     sched = dataclasses.replace(split, update_locations=tuple(
         "streamed" if c in early else "host" for c in range(layout.n_chunks)), streamed_early=True)
     assert 0 < len(early) < layout.n_chunks and len(sched.segments) > 1
+    assert cj.Schedule.from_dict(sched.to_dict()) == sched
     seen = []
     on_program = streamed.StepStream.on_program
 
