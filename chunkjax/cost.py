@@ -246,9 +246,10 @@ def matmul_flops(jaxpr) -> float:
     count is not known when tracing). Elementwise work is not counted: the cost model times FLOPs
     at the matmul rate (:attr:`Rates.matmul_flops_per_s`).
 
-    Counted from the traced program, so it is the same on every backend (XLA's cost analysis of
-    a lowered program is not available on the GPU's PJRT plugin: the front door's FLOPs were 0
-    there and its predicted step was transfer time only; docs/benchmarks.md, tenth session).
+    Counted from the traced program, so it is the same on every backend: XLA's cost analysis of
+    a lowered program raises ``NotImplementedError`` on the GPU's PJRT plugin (``Lowered.cost_analysis``
+    then returns None), which gave the front door 0 FLOPs on the H200 and a predicted step of
+    transfers and updates only.
     """
     from jax.extend.core import jaxprs_in_params
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)

@@ -30,7 +30,8 @@ import jax.numpy as jnp
 
 from chunkjax.cost import Rates, matmul_flops
 from chunkjax.errors import PlanError
-from chunkjax.host_memory import check_host_lower_bound, check_host_need, host_memory_available_bytes, process_bytes
+from chunkjax.host_memory import (check_host_lower_bound, check_host_need, host_memory_available_bytes, process_bytes,
+                                  schedule_host_need)
 from chunkjax.layout import ChunkLayout, build_layout, first_use_order
 from chunkjax.optim import check_elementwise, state_bytes_per_chunk
 from chunkjax.plan import parse_bytes, plan_schedule
@@ -365,9 +366,10 @@ def plan(problem: FitProblem, budget_bytes: int, *, policy: str = "tide", reside
                          zero_stage=p.zero_stage or None, host_budget_bytes=p.host_budget_bytes,
                          prefetch=p.prefetch, segments=p.segments, flops_per_step=p.flops_per_step, rates=p.rates,
                          host_update=p.host_optimizer is not None, resident=resident, must_fit=must_fit,
-                         split=split, streamed_early=starts_early(p.tx, skip=p.nonfinite == "skip" or p.loss_scaling,
-                                                                  loss_scaling=p.loss_scaling,
-                                                                  micro_batches=p.micro_batches, n_ranks=p.n_ranks))
+                         split=split, micro_batches=p.micro_batches,
+                         streamed_early=starts_early(p.tx, skip=p.nonfinite == "skip" or p.loss_scaling,
+                                                     loss_scaling=p.loss_scaling,
+                                                     micro_batches=p.micro_batches, n_ranks=p.n_ranks))
 
 
 def build_step(problem: FitProblem, schedule):
@@ -417,33 +419,12 @@ def compiled_peak(problem: FitProblem, step, schedule) -> dict:
 
 
 def host_need(problem: FitProblem, schedule) -> dict:
-    """Host bytes a run of ``schedule`` needs, all ranks of this process together.
-
-    ``pinned_host_bytes``: compute params and gradient chunks of offloaded chunks (ZeRO stages 1/2:
-    each local device's replica of the params), master params and optimizer state of ``streamed``
-    chunks. ``pageable_bytes``: master params and optimizer state of ``host``-updated chunks (numpy).
-    ``device_on_host_bytes``: on the CPU the device's memory is host memory (each rank's predicted
-    peak). ``process_bytes``: :data:`chunkjax.host_memory.PROCESS_HOST_BYTES` plus two float32 chunks. ``need_bytes``:
-    their sum.
-    """
-    p, cb = problem, problem.cb
-    reps = p.n_ranks if p.zero_stage in (1, 2) else 1
-    pinned = pageable = 0
-    for c, (k, u) in enumerate(zip(schedule.param_kinds, schedule.update_locations)):
-        if u == "none":  # a frozen chunk: its params only
-            pinned += reps * cb.params_of(c) if k == "pinned_host" else 0
-            continue
-        if u == "device":
-            continue
-        pinned += reps * cb.params + cb.grad
-        if u == "host":
-            pageable += cb.state
-        else:
-            pinned += cb.state
-    dev = p.n_ranks * schedule.predicted.peak_device_bytes if p.platform == "cpu" else 0
-    proc = process_bytes(p.layout)
-    return {"pinned_host_bytes": int(pinned), "pageable_bytes": int(pageable), "device_on_host_bytes": int(dev),
-            "process_bytes": int(proc), "need_bytes": int(pinned + pageable + dev + proc)}
+    """Host bytes a run of ``schedule`` needs, all ranks of this process together
+    (:func:`chunkjax.host_memory.schedule_host_need`: the figure the planner compared with the
+    host budget, ``predicted.host_bytes``, split by kind)."""
+    p = problem
+    return schedule_host_need(schedule, p.cb, layout=p.layout, n_ranks=p.n_ranks, zero_stage=p.zero_stage,
+                              platform=p.platform, micro_batches=p.micro_batches)
 
 
 def check_host_memory(problem: FitProblem, schedule, available: int | None = None) -> dict:
@@ -487,7 +468,16 @@ def fit_problem(problem: FitProblem, device_budget="auto", *, policy: str = "tid
         check_compiled = problem.platform != "cpu"
     fixed = schedule is not None or resident is not None
     effective = budget
-    sched = schedule if schedule is not None else plan(problem, effective, policy=policy, resident=resident)
+    if check_compiled and not fixed and not auto:
+        # a plan filling the budget cannot pass the check at HEADROOM of it: plan for the headroom
+        # (less a chunk, as a re-plan does) first, saving a compile of every program
+        try:
+            sched = plan(problem, int(HEADROOM * budget) - problem.cb_rank.params, policy=policy)
+            effective = int(HEADROOM * budget) - problem.cb_rank.params
+        except PlanError:
+            pass
+    if effective == budget:
+        sched = schedule if schedule is not None else plan(problem, effective, policy=policy, resident=resident)
     host = check_host_memory(problem, sched)
     history, notes, mem, floor_tried = [], [], None, False
     for attempt in range(MAX_REPLANS + 1):
@@ -574,6 +564,9 @@ def describe(report: FitReport, problem: FitProblem) -> str:
     return (f"plan: {s.counts()}; {off} of {s.n_chunks} param chunks in pinned_host; accounted peak "
             f"{mib(p.peak_device_bytes):.1f} MiB{comp} of budget {mib(report.budget_bytes):.1f} MiB{ranks}; model data "
             f"on device {mib(p.device_model_bytes):.1f} of {mib(model):.1f} MiB; per step h2d "
-            f"{mib(p.h2d_bytes_per_step):.1f} MiB, d2h {mib(p.d2h_bytes_per_step):.1f} MiB; predicted step "
+            f"{mib(p.h2d_bytes_per_step):.1f} MiB, d2h {mib(p.d2h_bytes_per_step):.1f} MiB; host "
+            f"{mib(p.host_bytes):.1f} MiB ({p.host_resident_bytes_per_param:.1f} B/param of host-resident chunks, "
+            f"{len(s.master_fetch)} without a compute copy, gradient working set {mib(p.host_working_bytes):.1f} "
+            f"MiB); predicted step "
             f"{p.time.step_s * 1e3:.1f} ms" + (" (the cost model's GPU rates: a CPU runs far slower)"
                                                 if problem.platform == "cpu" else ""))

@@ -47,6 +47,7 @@ from chunkjax import predict as pr
 from chunkjax.cost import Rates
 from chunkjax.errors import PlanError, gib_ceil
 from chunkjax.eviction import CapacityError, belady
+from chunkjax.host_forms import assign_host_forms
 from chunkjax.layout import ChunkLayout
 from chunkjax.memory import DEVICE, PINNED_HOST
 from chunkjax.predict import ChunkBytes
@@ -348,7 +349,7 @@ def _tide_infeasible(one, n_chunks: int, tide: Tide, cb: ChunkBytes, budget: int
     """Raise the PlanError of a tide plan that found no candidate: the host budget needed when
     the device fits, else the smallest device budget (bisected on the all-offloaded schedule)."""
     if one(budget, set()) is not None and host_budget is not None:  # the device fits; the host does not
-        need = min(s.predicted.host_model_bytes for s in
+        need = min(s.predicted.host_bytes for s in
                    (one(budget, set(range(k))) for k in range(n_chunks + 1)) if s is not None)
         raise _host_error(host_budget, need, budget, ranks)
     lo, hi = budget, max(budget, 1) * 2
@@ -364,7 +365,7 @@ def _tide_infeasible(one, n_chunks: int, tide: Tide, cb: ChunkBytes, budget: int
             hi = mid
     s = one(hi, set())
     if s is not None and budget >= hi and host_budget is not None:
-        raise _host_error(host_budget, s.predicted.host_model_bytes, hi, ranks)
+        raise _host_error(host_budget, s.predicted.host_bytes, hi, ranks)
     act = tide.peak_non_model_bytes
     alone = act > budget
     raise PlanError(_MSG_OFFLOADED_INFEASIBLE.format(budget=budget, need=hi, act=act, why=_WHY_ACT if alone else "",
@@ -481,7 +482,8 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
                   host_budget_bytes: int | None = None, prefetch: int = 1,
                   segments: Sequence[int] | str | None = "auto", flops_per_step: float = 0.0,
                   rates: Rates = Rates(), host_update: bool = True, resident: Sequence[int] | None = None,
-                  must_fit: bool = True, split: bool = True, streamed_early: bool = False) -> Schedule:
+                  must_fit: bool = True, split: bool = True, micro_batches: int = 1,
+                  streamed_early: bool = False) -> Schedule:
     """Plan one training step under a device budget: the one entry point for every policy.
 
     Args:
@@ -518,6 +520,12 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
         predicted faster, and records it (``Schedule.streamed_early``). False: after the backward.
       must_fit: False returns a static baseline (``"all_host"``, ``"zero_offload"``) even when
         its predicted peak exceeds the budgets (for reports that compare them).
+      micro_batches: gradient accumulation of the step (its host working set).
+
+    Host-updated chunks of ``"tide"`` and ``"all_host"`` on one device keep a compute-dtype copy
+    while ``host_budget_bytes`` allows and are master-fetch beyond
+    (:func:`chunkjax.host_forms.assign_host_forms`); the host budget is compared with
+    ``predicted.host_bytes``.
 
     Returns:
       the :class:`~chunkjax.schedule.Schedule` with its :class:`~chunkjax.schedule.Prediction`
@@ -563,7 +571,13 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
                                                             s.param_kinds))
 
     def host_fits(s: Schedule) -> bool:
-        return host_budget_bytes is None or ranks * s.predicted.host_model_bytes <= host_budget_bytes
+        return host_budget_bytes is None or ranks * s.predicted.host_bytes <= host_budget_bytes
+
+    def forms(s: Schedule | None) -> Schedule | None:  # copy or master-fetch per host chunk (one device)
+        if s is None or ranks > 1:
+            return s
+        return assign_host_forms(s, plan_cb, host_budget_bytes, chunk_size=layout.chunk_size, traces=traces,
+                                 tide=tide, rates=rates, flops_per_step=flops_per_step, micro_batches=micro_batches)
 
     if policy == "tide":
         T = len(tide.moments)
@@ -571,8 +585,8 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
                 else (0,) if segments is None else tuple(segments))
 
         def one(b, res):
-            s = _tide_one(layout, traces, tide, plan_cb, b, res, host_update, prefetch, segs, rates, flops_per_step,
-                          split and resident is None, streamed_early)
+            s = forms(_tide_one(layout, traces, tide, plan_cb, b, res, host_update, prefetch, segs, rates,
+                                flops_per_step, split and resident is None, streamed_early))
             return None if s is None else finish(s)
 
         best = _tide(one, layout.n_chunks, budget, host_fits, resident)
@@ -583,7 +597,8 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
         s = finish(_fixed(layout, traces, tide, plan_cb, budget, prefetch, rates, flops_per_step))
     elif policy == "all_host":
         segs = (0,) if segments is None else segments if segments == "auto" else tuple(segments)
-        s = finish(_all_host(layout, traces, tide, plan_cb, budget, prefetch, segs, rates, flops_per_step))
+        s = _all_host(layout, traces, tide, plan_cb, budget, prefetch, segs, rates, flops_per_step)
+        s = finish(forms(s) or s)
     elif policy == "zero_offload":
         s = finish(_zero_offload(layout, traces, tide, plan_cb, budget, rates, flops_per_step))
     else:
@@ -593,5 +608,5 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
         raise PlanError(_MSG_STATIC_INFEASIBLE.format(policy=policy, need=need, budget=budget,
                                                       need_gib=gib_ceil(need)), need, False)
     if must_fit and not host_fits(s):
-        raise _host_error(host_budget_bytes, s.predicted.host_model_bytes, budget, ranks)
+        raise _host_error(host_budget_bytes, s.predicted.host_bytes, budget, ranks)
     return s

@@ -39,6 +39,33 @@ F32_BYTES = 4
 #: chunk k+1's fetch while chunk k writes back, both PCIe directions in flight).
 STREAMED_PIPELINE_DEPTH = 2
 
+#: Programs whose host-chunk gradients may exist at once: the one the host thread consumes and
+#: the one the device produces (:meth:`chunkjax.updaters.HostWork.hand_over`).
+GRAD_WINDOW_PROGRAMS = 2
+
+
+def grad_window_bytes(done_moments: Sequence[int], program_starts: Sequence[int], grad_bytes: int,
+                      window: int = GRAD_WINDOW_PROGRAMS) -> int:
+    """Host-chunk gradient bytes that exist at once: the most over ``window`` consecutive
+    programs of the gradients completed in them.
+
+    Args:
+      done_moments: per host-updated chunk, the moment its gradient completes.
+      program_starts: the moment each program begins (starts with 0, increasing).
+      grad_bytes: one chunk's gradient (bytes; compute dtype).
+      window: consecutive programs counted together (>= 1).
+
+    Returns:
+      bytes (0 without host chunks).
+    """
+    starts = list(program_starts)
+    per = [0] * len(starts)
+    for t in done_moments:
+        k = max(i for i, s in enumerate(starts) if s <= t)
+        per[k] += grad_bytes
+    w = max(1, min(window, len(per)))
+    return int(max((sum(per[i:i + w]) for i in range(len(per) - w + 1)), default=0))
+
 
 @dataclasses.dataclass(frozen=True)
 class ChunkBytes:
@@ -158,14 +185,15 @@ def held_buffers(fetch, evict) -> list[int]:
 
 
 def tide_moment_bytes(tide: Tide, cb: ChunkBytes, param_kinds, update_locations, fetch, prefetch: int,
-                      held: Sequence[int], grad_done: dict[int, int]) -> list[int]:
+                      held: Sequence[int], grad_done: dict[int, int], master_fetch=()) -> list[int]:
     """Device bytes at each moment: model data on the device + the tide's non-model bytes +
     waiting gradients + (chunk buffers held + fetches in flight for the next ``prefetch``
-    moments) x one chunk's compute params.
+    moments) x one chunk's compute params (+ :func:`master_fetch_extra`).
 
     Args:
       held: per moment, fetched chunk copies on the device (the eviction plan's cache, or
         :func:`held_buffers`).
+      master_fetch: chunk ids fetched as float32 master params (:mod:`chunkjax.host_forms`).
     """
     T = len(tide.moments)
     model = device_model_bytes(cb, param_kinds, update_locations)
@@ -174,7 +202,58 @@ def tide_moment_bytes(tide: Tide, cb: ChunkBytes, param_kinds, update_locations,
     for t, m in enumerate(tide.moments):
         inflight = sum(len(fetch[u]) for u in range(t + 1, min(T, t + 1 + prefetch)))
         out.append(model + m.non_model_bytes + waiting[t] + (held[t] + inflight) * cb.buffer)
-    return out
+    extra = master_fetch_extra(cb, fetch, prefetch, master_fetch)
+    return [b + e for b, e in zip(out, extra)]
+
+
+def master_fetch_extra(cb: ChunkBytes, fetch, prefetch: int, master_fetch) -> list[int]:
+    """Per moment, device bytes a master-fetch chunk's float32 buffer adds above its
+    compute-dtype copy (``cb.master - cb.params`` each) while it is in flight or being cast:
+    the fetches for this moment and the next ``prefetch`` ones."""
+    mf, T = set(master_fetch), len(fetch)
+    if not mf:
+        return [0] * T
+    return [sum(cb.master - cb.params for u in range(t, min(T, t + 1 + prefetch)) for c in fetch[u] if c in mf)
+            for t in range(T)]
+
+
+def host_figures(chunk_size: int, cb: ChunkBytes, param_kinds, update_locations, done_moments: dict[int, int],
+                 segments, n_moments: int, *, master_fetch=(), micro_batches: int = 1) -> dict:
+    """The host-memory figures of a schedule's decisions (bytes; :class:`~chunkjax.schedule.Prediction`).
+
+    ``host_model_bytes``: pinned compute params (none for a ``master_fetch`` chunk: its master
+    params are in its state), master params and state of ``host``/``streamed`` chunks, every
+    offloaded chunk's gradient. ``host_working_bytes``: the host-updated chunks' gradients that
+    exist at once (:func:`grad_window_bytes` over ``segments``; with
+    ``micro_batches`` > 1 every host chunk's float32 sum and mean as well). ``host_bytes``: the
+    model data plus that working set (streamed chunks' gradients whole). The per-parameter
+    figures divide by all parameters (``host_bytes_per_param``) and by those of chunks whose
+    state is in host memory (``host_resident_bytes_per_param``).
+
+    Args:
+      done_moments: chunk -> the moment its gradient completes (:func:`grad_done_moments`; a
+        chunk no stage reads completes at the last of the ``n_moments``).
+    """
+    mf, n = set(master_fetch), len(param_kinds)
+    T = n_moments
+    model = resident = 0
+    host = []
+    for c, (k, u) in enumerate(zip(param_kinds, update_locations)):
+        params = cb.params_of(c) if k == PINNED_HOST and c not in mf else 0
+        model += params
+        if u in (HOST_UPDATE, STREAMED_UPDATE):
+            model += cb.state + cb.grad
+            resident += params + cb.state + (cb.grad if u == STREAMED_UPDATE else 0)
+        if u == HOST_UPDATE:
+            host.append(done_moments.get(c, T - 1))
+    working = grad_window_bytes(host, segments, cb.grad) if host else 0
+    if micro_batches > 1:
+        working += len(host) * (cb.master + cb.grad)
+    total = model - len(host) * cb.grad + working
+    n_res = sum(u in (HOST_UPDATE, STREAMED_UPDATE) for u in update_locations)
+    return {"host_model_bytes": int(model), "host_bytes": int(total), "host_working_bytes": int(working),
+            "host_bytes_per_param": total / (n * chunk_size) if n and chunk_size else 0.0,
+            "host_resident_bytes_per_param": (resident + working) / (n_res * chunk_size) if n_res else 0.0}
 
 
 def fixed_rule_moment_bytes(chunk_size: int, traces: Sequence[StageTrace], cb: ChunkBytes, param_kinds,
@@ -268,9 +347,22 @@ def _streamed_ready(cb: ChunkBytes, traces, n_moments, param_kinds, update_locat
     return out, first
 
 
+def streamed_early_extra(chunk_size: int, cb: ChunkBytes, traces, tide: Tide, param_kinds, update_locations,
+                         segments, streamed_early: bool) -> list[int]:
+    """Device bytes the streamed pipeline adds at each moment when streamed updates start early
+    (from the end of the first program that completes a streamed chunk's gradient: the
+    pipeline's buffers, :func:`streamed_pipeline_bytes`); zeros when they start after the backward."""
+    T = len(tide.moments)
+    streamed, first = _streamed_ready(cb, traces, T, param_kinds, update_locations, segments,
+                                      grad_done_moments(traces, tide))
+    early = streamed_pipeline_bytes(chunk_size, cb) if streamed_early and streamed else 0
+    return [early if t >= first else 0 for t in range(T)]
+
+
 def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: ChunkBytes, param_kinds,
             update_locations, fetch, segments, moment_bytes: Sequence[int], *, flops_per_step: float,
-            rates: Rates = Rates(), forward_fetches: int | None = None, streamed_early: bool = False) -> Prediction:
+            rates: Rates = Rates(), forward_fetches: int | None = None, master_fetch=(),
+            micro_batches: int = 1, streamed_early: bool = False) -> Prediction:
     """The :class:`~chunkjax.schedule.Prediction` of a schedule's decisions.
 
     Args:
@@ -286,6 +378,9 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
       rates: cost-model rates.
       forward_fetches: fetches timed in the forward pass (default: those of forward moments;
         a schedule that issues every fetch at the step's start passes all of them).
+      master_fetch: host chunks fetched as their float32 master params (``cb.master`` bytes a
+        fetch; no compute copy on the host: :mod:`chunkjax.host_forms`).
+      micro_batches: gradient accumulation (the host working set holds float32 sums).
       streamed_early: the step's streamed updates start as the program completing their
         gradient ends (:func:`chunkjax.streamed.starts_early`); their pipeline's bytes
         (:func:`streamed_pipeline_bytes`) are then on the device from that program's end. False:
@@ -301,12 +396,14 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
     n_stages = len(traces)
     model = device_model_bytes(cb, param_kinds, update_locations)
     grad_done = grad_done_moments(traces, tide)
-    streamed, first = _streamed_ready(cb, traces, T, param_kinds, update_locations, segments, grad_done)
-    early = streamed_pipeline_bytes(chunk_size, cb) if streamed_early and streamed else 0
-    moment_bytes = [b + (early if t >= first else 0) for t, b in enumerate(moment_bytes)]
+    streamed, _ = _streamed_ready(cb, traces, T, param_kinds, update_locations, segments, grad_done)
+    moment_bytes = [b + e for b, e in zip(moment_bytes, streamed_early_extra(
+        chunk_size, cb, traces, tide, param_kinds, update_locations, segments, streamed_early))]
     peak = max(max(moment_bytes, default=0), model + update_phase_bytes(chunk_size, cb, update_locations))
     n_fetch = sum(len(f) for f in fetch)
-    fetch_b = sum(cb.params_of(c) for f in fetch for c in f)
+    mf = set(master_fetch)
+    fetched = lambda c: cb.master if c in mf else cb.params_of(c)  # noqa: E731
+    fetch_b = sum(fetched(c) for f in fetch for c in f)
     off = [c for c, u in enumerate(update_locations) if u in (HOST_UPDATE, STREAMED_UPDATE)]
     h2d, d2h = fetch_b, len(off) * cb.grad
     for c, (k, u) in enumerate(zip(param_kinds, update_locations)):
@@ -316,10 +413,9 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
             h2d, d2h = h2d + cb.grad + cb.state, d2h + cb.state + (cb.params if k == PINNED_HOST else 0)
         elif u == DEVICE_UPDATE and k == PINNED_HOST:
             d2h += cb.params
-    host = sum((cb.params_of(c) if k == PINNED_HOST else 0) + (cb.state + cb.grad if u in (HOST_UPDATE, STREAMED_UPDATE)
-                                                               else 0)
-               for c, (k, u) in enumerate(zip(param_kinds, update_locations)))
-    fwd_b = (sum(cb.params_of(c) for t in range(n_stages - 1) for c in fetch[t]) if forward_fetches is None
+    hf = host_figures(chunk_size, cb, param_kinds, update_locations, grad_done, segments, T, master_fetch=mf,
+                      micro_batches=micro_batches)
+    fwd_b = (sum(fetched(c) for t in range(n_stages - 1) for c in fetch[t]) if forward_fetches is None
              else fetch_b if forward_fetches >= n_fetch else forward_fetches * cb.params)
     time = predict_pipelined_step(
         flops_per_step, fwd_h2d=fwd_b, bwd_h2d=fetch_b - fwd_b, bwd_d2h=len(off) * cb.grad,
@@ -328,8 +424,8 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
         streamed=streamed, params_per_chunk=chunk_size, streamed_early=streamed_early,
         program_ends=[f for _, _, f in _program_ends(n_stages, T, segments)], depth=STREAMED_PIPELINE_DEPTH,
         rates=rates)
-    return Prediction(int(peak), int(model), int(host), int(h2d), int(d2h), int(fetch_b), int(n_fetch),
-                      tuple(int(b) for b in moment_bytes), time)
+    return Prediction(int(peak), int(model), hf.pop("host_model_bytes"), int(h2d), int(d2h), int(fetch_b),
+                      int(n_fetch), tuple(int(b) for b in moment_bytes), time, **hf)
 
 
 def predict_optimizer_only(chunk_size: int, cb: ChunkBytes, update_locations, *, flops_per_step: float = 0.0,
@@ -345,8 +441,11 @@ def predict_optimizer_only(chunk_size: int, cb: ChunkBytes, update_locations, *,
     time = predict_pipelined_step(flops_per_step, fwd_h2d=0, bwd_h2d=0, bwd_d2h=0, device_params=n_dev * chunk_size,
                                   host_ready=[], streamed=[(1.0, cb.state, cb.state)] * n_str,
                                   params_per_chunk=chunk_size, rates=rates)
+    n = len(update_locations)
     return Prediction(int(model + update_working_bytes(chunk_size, cb)), int(model), int(moved), int(moved),
-                      int(moved), 0, 0, (), time)
+                      int(moved), 0, 0, (), time, host_bytes=int(moved),
+                      host_bytes_per_param=moved / (n * chunk_size) if n else 0.0,
+                      host_resident_bytes_per_param=moved / (n_str * chunk_size) if n_str else 0.0)
 
 
 def per_rank(pred: Prediction, cb: ChunkBytes, ranks: int, zero_stage: int, update_locations,
@@ -362,11 +461,14 @@ def per_rank(pred: Prediction, cb: ChunkBytes, ranks: int, zero_stage: int, upda
     frozen = sum((_shard(cb.params_of(c), ranks) if zero_stage == 3 else cb.params_of(c))
                  for c, u in enumerate(update_locations)
                  if u == NO_UPDATE and (param_kinds is None or param_kinds[c] == PINNED_HOST))
+    host = off * (unit + _shard(cb.state, ranks) + _shard(cb.grad, ranks)) + frozen
+    shard_elems, n = _shard(cb.master, ranks) // F32_BYTES, len(update_locations)
     return dataclasses.replace(pred, h2d_bytes_per_step=pred.n_fetches * unit,
                                fetch_bytes_per_step=pred.n_fetches * unit,
                                d2h_bytes_per_step=off * _shard(cb.grad, ranks),
-                               host_model_bytes=off * (unit + _shard(cb.state, ranks) + _shard(cb.grad, ranks))
-                               + frozen)
+                               host_model_bytes=host, host_bytes=host, host_working_bytes=0,  # every gradient counted
+                               host_bytes_per_param=host / (n * shard_elems) if n and shard_elems else 0.0,
+                               host_resident_bytes_per_param=(host - frozen) / (off * shard_elems) if off else 0.0)
 
 
 def collective_bytes(s: Schedule, traces: Sequence[StageTrace], tide: Tide, chunk_size: int, ranks: int,

@@ -110,12 +110,23 @@ class Prediction:
     Attributes:
       peak_device_bytes: largest device bytes at any moment or in the update phase.
       device_model_bytes: model data resident on the device between steps.
-      host_model_bytes: model data and gradient buffers in host memory.
+      host_model_bytes: model data and gradient buffers in host memory, every offloaded chunk's
+        gradient counted (what a step moves through host memory).
       h2d_bytes_per_step / d2h_bytes_per_step: bytes moved each way per step.
       fetch_bytes_per_step: part of h2d that is chunk fetches during forward/backward.
       n_fetches: chunk fetches per step.
       device_bytes_per_moment: predicted device bytes at each moment (model + tide + buffers).
       time: predicted step time and where it goes.
+      host_bytes: host bytes held at once: model data in host memory (a master-fetch chunk
+        without its compute copy) plus :attr:`host_working_bytes`; what the host budget and the
+        host-memory check compare (:mod:`chunkjax.host_forms`).
+      host_working_bytes: host-updated chunks' gradients that exist at once (two programs',
+        :func:`chunkjax.predict.grad_window_bytes`; with micro-batches also their float32 sums
+        and means); streamed chunks' gradients are in :attr:`host_bytes` whole.
+      host_bytes_per_param: :attr:`host_bytes` over every parameter of the layout (padding
+        included).
+      host_resident_bytes_per_param: host bytes of the chunks whose state lives in host memory
+        (``host`` and ``streamed``) plus the working set, over their parameters (0.0: none).
     """
 
     peak_device_bytes: int
@@ -127,6 +138,10 @@ class Prediction:
     n_fetches: int
     device_bytes_per_moment: tuple[int, ...]
     time: PipelinedStepTime
+    host_bytes: int = 0
+    host_working_bytes: int = 0
+    host_bytes_per_param: float = 0.0
+    host_resident_bytes_per_param: float = 0.0
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from chunkjax import optim
-from chunkjax.host_forms import GRAD_WINDOW_PROGRAMS
+from chunkjax.predict import GRAD_WINDOW_PROGRAMS
 from chunkjax.memory import DEVICE, PINNED_HOST
 
 

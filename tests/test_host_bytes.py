@@ -14,7 +14,7 @@ import optax
 import pytest
 
 import chunkjax as cj
-from chunkjax import speculate
+from chunkjax import speculate, updaters
 from chunkjax.host_update import AdamW
 from chunkjax.optim import state_bytes_per_chunk
 from chunkjax.plan import plan_schedule
@@ -158,3 +158,142 @@ def test_master_fetch_bf16_is_bit_identical_to_the_copy(setup, speculate_always,
     np.testing.assert_array_equal(out[0][0], out[1][0])
     for a, b in zip(out[0][1], out[1][1]):
         np.testing.assert_array_equal(a, b)
+
+
+def _all_host(setup, dtype=jnp.bfloat16, host_budget=None, micro_batches=1):
+    cfg, params, batches, stages, layout, traces = setup
+    spec = AdamW(3e-3)
+    cb = cj.chunk_bytes(layout, dtype, state_bytes_per_chunk(spec.optax(), layout.chunk_size))
+    s = plan_schedule(layout, traces, cb, 10**12, policy="all_host", flops_per_step=cfg.flops_per_token(T) * B * T,
+                      host_budget_bytes=host_budget, micro_batches=micro_batches)
+    return s, cb, layout
+
+
+def test_host_budget_chooses_copies_then_master_fetch(setup):
+    """Copies while the host budget holds them (the chunks fetched most keep theirs), master-fetch
+    for the rest; a master-fetch chunk's fetch moves its float32 master params (twice the bytes,
+    in the predicted H2D bytes and step time); a budget below the all-master-fetch need is
+    refused in one line naming the host budget needed."""
+    copies, cb, layout = _all_host(setup)
+    host = [c for c, u in enumerate(copies.update_locations) if u == "host"]
+    assert copies.master_fetch == () and len(host) == layout.n_chunks
+    p = copies.predicted
+    assert p.host_bytes == len(host) * (cb.params + cb.state) + p.host_working_bytes
+    assert p.host_model_bytes == len(host) * (cb.params + cb.state + cb.grad)  # every gradient moved counted
+    assert 0 < p.host_working_bytes < len(host) * cb.grad  # two of the programs' gradients at once
+    assert _all_host(setup, host_budget=p.host_bytes)[0].master_fetch == ()
+    least = _all_host(setup, host_budget=p.host_bytes - 1)[0]
+    assert len(least.master_fetch) == 1  # one copy fewer is enough
+    least = _all_host(setup, host_budget=p.host_bytes - len(host) * cb.params)[0]
+    assert least.master_fetch == tuple(host)
+    q = least.predicted
+    assert q.host_bytes == len(host) * cb.state + q.host_working_bytes == p.host_bytes - len(host) * cb.params
+    assert q.fetch_bytes_per_step == 2 * p.fetch_bytes_per_step and q.n_fetches == p.n_fetches
+    assert q.h2d_bytes_per_step - p.h2d_bytes_per_step == p.fetch_bytes_per_step
+    assert q.time.step_s > p.time.step_s and q.peak_device_bytes > p.peak_device_bytes
+    # the per-parameter figures: 12 of AdamW state + the working set, no compute copy
+    per = layout.chunk_size * len(host)
+    state_per_param = cb.state / layout.chunk_size  # float32 master + m + v (+ the optax count)
+    assert 12 <= state_per_param < 12.01
+    assert q.host_resident_bytes_per_param == pytest.approx(state_per_param + q.host_working_bytes / per)
+    assert q.host_resident_bytes_per_param <= 12.5 + q.host_working_bytes / per
+    assert p.host_resident_bytes_per_param == pytest.approx(state_per_param + 2 + p.host_working_bytes / per)
+    # in between: the copies that fit go to the chunks fetched most
+    k = 2
+    mid = _all_host(setup, host_budget=q.host_bytes + k * cb.params)[0]
+    kept = [c for c in host if c not in mid.master_fetch]
+    n_fetch = {c: sum(c in f for f in copies.fetch) for c in host}
+    assert len(kept) == k and min(n_fetch[c] for c in kept) >= max(n_fetch[c] for c in mid.master_fetch)
+    with pytest.raises(cj.PlanError) as e:
+        _all_host(setup, host_budget=q.host_bytes - 1)
+    msg = str(e.value)
+    assert "\n" not in msg and f"below the {q.host_bytes} bytes" in msg and "host_budget >=" in msg
+
+
+def test_micro_batches_join_the_working_set(setup):
+    """With micro-batches, each host chunk's float32 sum and mean join the host working set."""
+    one, cb, layout = _all_host(setup)
+    four = _all_host(setup, micro_batches=4)[0]
+    n = layout.n_chunks
+    assert four.predicted.host_working_bytes == one.predicted.host_working_bytes + n * (cb.master + cb.grad)
+
+
+def _host_bytes_of_state(state, chunks) -> int:
+    """Bytes of the buffers the state holds for ``chunks`` (params, master, optimizer state;
+    each buffer once: a master-fetch chunk's master is a view of its params)."""
+    seen, total = set(), 0
+    for c in chunks:
+        for a in [state.params[c], state.master[c]] + [x for _, x in speculate._arrays(state.opt_state[c])]:
+            ptr = a.unsafe_buffer_pointer() if isinstance(a, jax.Array) else a.ctypes.data
+            if ptr not in seen:
+                seen.add(ptr)
+                total += a.nbytes
+    return total
+
+
+def test_master_fetch_state_bytes_and_gradient_working_set(setup, monkeypatch):
+    """Counted on the allocated state: 12 bytes per parameter of a master-fetch host chunk (float32
+    master params, pinned, plus Adam m and v), against 14 with the copy; the host gradients alive
+    at any hand-over stay within the planned working set."""
+    cfg, params, batches, stages, layout, traces = setup
+    s, cb, _ = _all_host(setup)
+    least = _all_host(setup, host_budget=s.predicted.host_bytes - layout.n_chunks * cb.params)[0]
+    spec = AdamW(3e-3)
+    measured = {}
+    hand_over = updaters.HostWork.hand_over
+    for name, sched in (("copy", s), ("master_fetch", least)):
+        step = cj.make_chunked_step(stages, layout, sched, host_optimizer=spec, compute_dtype=jnp.bfloat16)
+        state = step.init(params)
+        host = [c for c, u in enumerate(sched.update_locations) if u == "host"]
+        measured[name] = _host_bytes_of_state(state, host) / (len(host) * layout.chunk_size)
+        mine, live = {p.unsafe_buffer_pointer() for p in state.params}, []  # (live_arrays makes new wrappers)
+
+        def spy(work, fn, *args):
+            hand_over(work, fn, *args)
+            live.append(sum(a.nbytes for a in jax.live_arrays() if a.shape == (layout.chunk_size,)
+                            and a.dtype == jnp.bfloat16 and a.sharding.memory_kind == "pinned_host"
+                            and a.unsafe_buffer_pointer() not in mine))
+        monkeypatch.setattr(updaters.HostWork, "hand_over", spy)
+        for b in batches[:2]:
+            state, _ = step(state, b[:B])
+            step.wait(state)
+        monkeypatch.undo()
+        assert len(live) >= 4 and max(live) <= sched.predicted.host_working_bytes, (name, live)
+    assert measured["master_fetch"] == 12.0 and measured["copy"] == 14.0
+    assert measured["master_fetch"] <= 12.5 + least.predicted.host_working_bytes / (layout.n_chunks * layout.chunk_size)
+
+
+def test_checkpoint_of_master_fetch_chunks_resumes_bit_for_bit(setup, tmp_path):
+    """bf16 compute, half the host chunks master-fetch: a checkpoint saves their params as the
+    cast of the master params; restored into a fresh step (or into the copy-keeping schedule) the
+    run continues with the same losses and master params, bit for bit."""
+    from chunkjax import checkpoint as ck
+    cfg, params, batches, stages, layout, traces = setup
+    spec = AdamW(3e-3, weight_decay=0.1)
+    sched = _schedule(setup, spec, jnp.bfloat16)
+    half = dataclasses.replace(sched, master_fetch=sched.master_fetch[::2])
+    make = lambda s: cj.make_chunked_step(stages, layout, s, host_optimizer=spec,  # noqa: E731
+                                          compute_dtype=jnp.bfloat16)
+    step = make(half)
+    state, _ = _train(step, params, batches[:2])
+    ck.save_checkpoint(tmp_path, 2, step, state, {"data_position": 2})
+    state, want = _train_from(step, state, batches[2:4])
+    for other in (half, dataclasses.replace(sched, master_fetch=())):
+        fresh = make(other)
+        restored, _ = ck.restore_checkpoint(tmp_path, fresh)
+        for c in fresh.master_fetch_chunks:
+            assert restored.params[c].dtype == jnp.float32
+            assert restored.master[c].ctypes.data == restored.params[c].addressable_data(0).unsafe_buffer_pointer()
+        restored, got = _train_from(fresh, restored, batches[2:4])
+        np.testing.assert_array_equal(got, want)
+        for a, b in zip(jax.tree.leaves(fresh.master_params(restored)), jax.tree.leaves(step.master_params(state))):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _train_from(step, state, batches):
+    losses = []
+    for b in batches:
+        state, m = step(state, b[:B])
+        losses.append(float(m["loss"]))
+    step.wait(state)
+    return state, np.asarray(losses)
