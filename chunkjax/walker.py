@@ -22,6 +22,10 @@ program (the step cuts the moments into programs at the schedule's segments):
   after the fetch (round to nearest even, bit for bit the copy the host kernel would write);
 * frozen chunks (``layout.chunk_trainable`` False) are fetched like the others but stored in their
   leaves' dtype (floating ones cast to the compute dtype when read, integer ones stay integers);
+  a frozen chunk resident on the device is tied to the reading moment's input (activation or
+  cotangent) like a fetch, so the slices and casts of its leaves are made at that moment (untied,
+  XLA made them for every resident frozen chunk at the program start and held them until their
+  forward use: a LoRA base's bytes once more, beyond the accounting);
   the backward's ``jax.vjp`` runs over the stage's trainable leaves only (frozen leaves are
   constants: a LoRA base costs no weight-gradient matmuls) and frozen chunks get no gradient.
 
@@ -137,7 +141,12 @@ class Walk:
             if c not in reads:  # value not needed by this backward: zeros (compiled away)
                 arrays[c] = jnp.zeros((lay.chunk_size,), self._read_dtype(c))
             elif self.param_kinds[c] == DEVICE:
-                arrays[c] = topo.resident(params[c], batch if x is None else x)
+                anchor = batch if x is None else x
+                # a device-resident frozen chunk is tied to the moment's input like a fetch: untied,
+                # XLA computes the slices/casts of its leaves at the program start and holds them
+                # until their forward use (every resident chunk's bytes once more: docs/benchmarks.md)
+                p = ordered_after(anchor, params[c]) if c in self._frozen else params[c]
+                arrays[c] = topo.resident(p, anchor)
             else:
                 if (t, c) in issued:
                     held[c] = topo.gather(issued.pop((t, c)))
