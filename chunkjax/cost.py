@@ -24,6 +24,9 @@ class Rates:
       one_program_duplex_bytes_per_s: both directions inside one jitted program (57 GB/s).
       device_update_s_per_param: AdamW with state resident on the device (0.0074 ns).
       host_update_s_per_param: in-place host AdamW on 16 cores (0.27 ns).
+      disk_read_bytes_per_s / disk_write_bytes_per_s: one storage device, each way (the lent
+        H200's local disk: 1.4 GB/s each way, ``dd`` with O_DIRECT). The disk tier's reads and
+        writes of one device are timed one after the other (they share it).
     """
 
     matmul_flops_per_s: float = 350e12
@@ -32,6 +35,8 @@ class Rates:
     one_program_duplex_bytes_per_s: float = 57e9
     device_update_s_per_param: float = 0.0074e-9
     host_update_s_per_param: float = 0.27e-9
+    disk_read_bytes_per_s: float = 1.4e9
+    disk_write_bytes_per_s: float = 1.4e9
 
     @classmethod
     def calibrated(cls, matmul_probe_flops_per_s: float, host_update_s_per_param: float | None = None,
@@ -97,6 +102,10 @@ class PipelinedStepTime:
         while the host thread finishes its exposed part).
       compute_s: forward + backward + recompute FLOPs at the matmul rate.
       transfer_s: all forward/backward transfers at their rates.
+      storage_update_s: the disk tier's update (Smart-Infinity's near-storage update): every
+        ``storage`` chunk's master params and optimizer state read and written at the disk rates,
+        spread over the storage devices; it starts when the global norm is known (the end of
+        the backward) and runs beside the device's update programs and the host thread's tail.
     """
 
     forward_s: float
@@ -107,14 +116,17 @@ class PipelinedStepTime:
     streamed_update_s: float
     compute_s: float
     transfer_s: float
+    storage_update_s: float = 0.0
 
     @property
     def step_s(self) -> float:
         """Forward + backward + the device-resident updates + the longer of the host thread's
         exposed tail and the streamed updates (they run at once: the host thread while the
-        device streams; without streamed chunks, the sum of the parts)."""
-        return (self.forward_s + self.backward_s + self.device_update_s
-                + max(self.host_update_exposed_s, self.streamed_update_s))
+        device streams; without streamed chunks, the sum of the parts); the disk tier's update
+        runs beside all of them after the backward."""
+        return (self.forward_s + self.backward_s
+                + max(self.device_update_s + max(self.host_update_exposed_s, self.streamed_update_s),
+                      self.storage_update_s))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self) | {"step_s": self.step_s}
@@ -122,7 +134,8 @@ class PipelinedStepTime:
 
 def predict_pipelined_step(flops_per_step: float, *, fwd_h2d: int, bwd_h2d: int, bwd_d2h: int,
                            streamed_bytes: int, device_params: int, streamed_params: int,
-                           host_ready: Sequence[tuple[float, int]], rates: Rates = Rates()) -> PipelinedStepTime:
+                           host_ready: Sequence[tuple[float, int]], rates: Rates = Rates(), disk_bytes: int = 0,
+                           storage_devices: int = 1) -> PipelinedStepTime:
     """Predict a pipelined step: forward, backward (with per-stage recompute: the forward's FLOPs
     again), a host thread that updates each program's host chunks once that program has finished
     (in program order, one at a time), and the device's update programs after the backward, at the
@@ -136,6 +149,8 @@ def predict_pipelined_step(flops_per_step: float, *, fwd_h2d: int, bwd_h2d: int,
       device_params / streamed_params: parameters updated on the device / streamed.
       host_ready: per program, (fraction of the backward done when it ends, host-updated
         parameters whose gradients it completes).
+      disk_bytes: bytes the disk tier reads and writes per step (half each way), over
+        ``storage_devices`` devices of the disk rates.
     """
     r = rates
     c_fwd = flops_per_step / 3 / r.matmul_flops_per_s
@@ -149,6 +164,8 @@ def predict_pipelined_step(flops_per_step: float, *, fwd_h2d: int, bwd_h2d: int,
         host += dt
     exposed = max(0.0, t_host - (fwd + bwd)) if host else 0.0
     streamed = streamed_bytes / r.h2d_bytes_per_s + streamed_params * r.device_update_s_per_param
+    disk = (disk_bytes / 2 / r.disk_read_bytes_per_s + disk_bytes / 2 / r.disk_write_bytes_per_s) / max(1, storage_devices)
     return PipelinedStepTime(fwd, bwd, host, exposed, device_params * r.device_update_s_per_param,
                              streamed, c_fwd + c_bwd,
-                             fwd_h2d / r.h2d_bytes_per_s + (bwd_h2d + bwd_d2h) / r.one_program_duplex_bytes_per_s)
+                             fwd_h2d / r.h2d_bytes_per_s + (bwd_h2d + bwd_d2h) / r.one_program_duplex_bytes_per_s,
+                             disk)

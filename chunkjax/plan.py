@@ -49,6 +49,7 @@ from chunkjax.errors import PlanError, gib_ceil
 from chunkjax.eviction import CapacityError, belady
 from chunkjax.layout import ChunkLayout
 from chunkjax.memory import DEVICE, PINNED_HOST
+from chunkjax.plan_disk import host_disk_error, place_on_disk
 from chunkjax.predict import ChunkBytes
 from chunkjax.schedule import DEVICE_UPDATE, HOST_UPDATE, NO_UPDATE, STREAMED_UPDATE, Placement, Schedule
 from chunkjax.tide import Tide, memory_tide
@@ -241,8 +242,10 @@ def split_updates(chunk_size: int, traces, tide: Tide, cb: ChunkBytes, budget: i
 
 def _tide_one(layout: ChunkLayout, traces, tide: Tide, cb: ChunkBytes, budget: int, resident: set[int],
               host_update: bool, prefetch: int, segments: tuple[int, ...], rates: Rates, flops_per_step: float,
-              split: bool = False):
-    """Schedule one placement (``resident`` chunks fully on the device); None if it cannot fit."""
+              split: bool = False, disk: tuple | None = None):
+    """Schedule one placement (``resident`` chunks fully on the device); None if it cannot fit.
+    ``disk``: ``(host_budget, disk_budget, storage_devices)`` moves offloaded chunks to ``storage``
+    when the host budget cannot hold them (:func:`chunkjax.plan_disk.place_on_disk`)."""
     n = layout.n_chunks
     T = len(tide.moments)
     pk = tuple(DEVICE if c in resident else PINNED_HOST for c in range(n))
@@ -275,6 +278,10 @@ def _tide_one(layout: ChunkLayout, traces, tide: Tide, cb: ChunkBytes, budget: i
     if split and HOST_UPDATE in loc:
         loc, pred = split_updates(layout.chunk_size, traces, tide, cb, budget, pk, loc, ev.fetch, segments, per_moment,
                                   rates=rates, flops_per_step=flops_per_step)
+    if disk is not None:
+        loc, pred = place_on_disk(layout.chunk_size, traces, tide, cb, pk, loc, ev.fetch, segments, per_moment, pred,
+                                  host_budget=disk[0], disk_budget=disk[1], storage_devices=disk[2], rates=rates,
+                                  flops_per_step=flops_per_step)
     return Schedule(pk, loc, tuple(ev.fetch), tuple(_evictions(ev.fetch, accesses, T)), segments, prefetch,
                     _moments(tide), pred, int(budget))
 
@@ -452,7 +459,8 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
                   host_budget_bytes: int | None = None, prefetch: int = 1,
                   segments: Sequence[int] | str | None = "auto", flops_per_step: float = 0.0,
                   rates: Rates = Rates(), host_update: bool = True, resident: Sequence[int] | None = None,
-                  must_fit: bool = True, split: bool = True) -> Schedule:
+                  must_fit: bool = True, split: bool = True, storage_devices: int = 0,
+                  disk_budget_bytes: int | None = None) -> Schedule:
     """Plan one training step under a device budget: the one entry point for every policy.
 
     Args:
@@ -485,6 +493,11 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
         faster step; False: every offloaded chunk updates on the host.
       must_fit: False returns a static baseline (``"all_host"``, ``"zero_offload"``) even when
         its predicted peak exceeds the budgets (for reports that compare them).
+      storage_devices: ``"tide"`` on one device with a host kernel and ``host_budget_bytes``:
+        storage directories of the disk tier (0: none). Offloaded chunks whose master params and
+        state the host budget cannot hold update ``storage`` (:mod:`chunkjax.plan_disk`); a
+        model that fits gets no storage chunk.
+      disk_budget_bytes: bytes the storage directories may hold (None: unbounded).
 
     Returns:
       the :class:`~chunkjax.schedule.Schedule` with its :class:`~chunkjax.schedule.Prediction`
@@ -496,7 +509,8 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
         smallest budget that works and whether activations alone are the cause;
         ``.min_budget_bytes``) or the host budget (the message names the host budget needed).
       ValueError: an unknown policy, ``prefetch < 1``, bad ``ranks`` / ``zero_stage``, no traces,
-        or an option the policy does not take.
+        or an option the policy does not take (``storage_devices`` needs the tide policy, one
+        device, a host kernel and a host budget).
     """
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}: use one of {', '.join(POLICIES)}")
@@ -516,6 +530,9 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
         raise ValueError(f"resident= forces the tide plan's resident set: policy={policy!r} takes none")
     if not must_fit and policy not in STATIC_POLICIES:
         raise ValueError(f"must_fit=False returns the static baselines {STATIC_POLICIES}, not {policy!r}")
+    if storage_devices and (policy != "tide" or ranks != 1 or not host_update or host_budget_bytes is None):
+        raise ValueError("the disk tier (storage_devices > 0) plans with policy='tide', one device (ranks=1), a host "
+                         "kernel (host_update=True) and a host_budget_bytes: pass those or no storage")
     if not traces and policy != "optimizer_only":
         raise ValueError(f"policy={policy!r} needs the stage traces (chunkjax.trace_stages)")
     traces = tuple(traces)
@@ -537,12 +554,19 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
         segs = ((auto_segments(T, len(traces)) if host_update else (0,)) if segments == "auto"
                 else (0,) if segments is None else tuple(segments))
 
+        disk = (host_budget_bytes, disk_budget_bytes, int(storage_devices)) if storage_devices else None
+
         def one(b, res):
             s = _tide_one(layout, traces, tide, plan_cb, b, res, host_update, prefetch, segs, rates, flops_per_step,
-                          split and resident is None)
+                          split and resident is None, disk)
             return None if s is None else finish(s)
 
         best = _tide(one, layout.n_chunks, budget, host_fits, resident)
+        if best is None and disk is not None and one(budget, set()) is not None:  # the device fits; the host does not
+            least = min((s for s in (one(budget, set(range(k))) for k in range(layout.n_chunks + 1)) if s is not None),
+                        key=lambda s: s.predicted.host_model_bytes)
+            raise host_disk_error(host_budget_bytes, least.predicted.host_model_bytes, least.predicted.storage_chunks,
+                                  int(storage_devices), disk_budget_bytes)
         if best is None:
             _tide_infeasible(one, layout.n_chunks, tide, plan_cb, budget, host_budget_bytes, ranks)
         return best

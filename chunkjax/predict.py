@@ -28,13 +28,17 @@ import numpy as np
 
 from chunkjax.cost import Rates, predict_pipelined_step
 from chunkjax.memory import DEVICE, PINNED_HOST
-from chunkjax.schedule import DEVICE_UPDATE, HOST_UPDATE, NO_UPDATE, STREAMED_UPDATE, Placement, Prediction, Schedule
+from chunkjax.schedule import (DEVICE_UPDATE, HOST_UPDATE, NO_UPDATE, STORAGE_UPDATE, STREAMED_UPDATE, Placement,
+                               Prediction, Schedule)
 from chunkjax.stages import first_readers
 from chunkjax.tide import Tide
 from chunkjax.trace import StageTrace
 
 #: float32 bytes per element: master params, gradient accumulators, update temporaries
 F32_BYTES = 4
+#: Staging buffers (one chunk's master params and state each) per storage directory: the
+#: near-storage worker's :class:`chunkjax.storage.tier.DiskTier` default, host memory of the disk tier
+STORAGE_STAGING_BUFFERS = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,7 +247,7 @@ def _host_ready(chunk_size, traces, n_moments, update_locations, segments, grad_
 
 def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: ChunkBytes, param_kinds,
             update_locations, fetch, segments, moment_bytes: Sequence[int], *, flops_per_step: float,
-            rates: Rates = Rates(), forward_fetches: int | None = None) -> Prediction:
+            rates: Rates = Rates(), forward_fetches: int | None = None, storage_devices: int = 1) -> Prediction:
     """The :class:`~chunkjax.schedule.Prediction` of a schedule's decisions.
 
     Args:
@@ -259,6 +263,8 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
       rates: cost-model rates.
       forward_fetches: fetches timed in the forward pass (default: those of forward moments;
         a schedule that issues every fetch at the step's start passes all of them).
+      storage_devices: storage directories (devices) of the disk tier the ``storage`` chunks
+        are spread over.
 
     Bytes moved per step: every fetch brings one chunk's compute params up; every chunk not
     updated on the device sends its gradient down during the backward; a host-updated chunk whose
@@ -272,7 +278,7 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
     peak = max(max(moment_bytes, default=0), model + update_phase_bytes(chunk_size, cb, update_locations))
     n_fetch = sum(len(f) for f in fetch)
     fetch_b = sum(cb.params_of(c) for f in fetch for c in f)
-    off = [c for c, u in enumerate(update_locations) if u in (HOST_UPDATE, STREAMED_UPDATE)]
+    off = [c for c, u in enumerate(update_locations) if u in (HOST_UPDATE, STREAMED_UPDATE, STORAGE_UPDATE)]
     h2d, d2h = fetch_b, len(off) * cb.grad
     streamed_bytes = 0
     for c, (k, u) in enumerate(zip(param_kinds, update_locations)):
@@ -286,6 +292,8 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
     host = sum((cb.params_of(c) if k == PINNED_HOST else 0) + (cb.state + cb.grad if u in (HOST_UPDATE, STREAMED_UPDATE)
                                                                else 0)
                for c, (k, u) in enumerate(zip(param_kinds, update_locations)))
+    n_disk = sum(u == STORAGE_UPDATE for u in update_locations)
+    host += n_disk * cb.grad + (storage_devices * STORAGE_STAGING_BUFFERS * cb.state if n_disk else 0)
     fwd_b = (sum(cb.params_of(c) for t in range(n_stages - 1) for c in fetch[t]) if forward_fetches is None
              else fetch_b if forward_fetches >= n_fetch else forward_fetches * cb.params)
     grad_done = grad_done_moments(traces, tide)
@@ -294,9 +302,10 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
         streamed_bytes=streamed_bytes,
         device_params=sum(u == DEVICE_UPDATE for u in update_locations) * chunk_size,
         streamed_params=sum(u == STREAMED_UPDATE for u in update_locations) * chunk_size,
-        host_ready=_host_ready(chunk_size, traces, T, update_locations, segments, grad_done), rates=rates)
+        host_ready=_host_ready(chunk_size, traces, T, update_locations, segments, grad_done), rates=rates,
+        disk_bytes=2 * n_disk * cb.state, storage_devices=storage_devices)
     return Prediction(int(peak), int(model), int(host), int(h2d), int(d2h), int(fetch_b), int(n_fetch),
-                      tuple(int(b) for b in moment_bytes), time)
+                      tuple(int(b) for b in moment_bytes), time, 2 * n_disk * cb.state, n_disk)
 
 
 def predict_optimizer_only(chunk_size: int, cb: ChunkBytes, update_locations, *, flops_per_step: float = 0.0,

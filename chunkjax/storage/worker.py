@@ -114,15 +114,15 @@ def _worker_main(conn, cfg: dict):
                 _, step, scale, hyper, grads = msg
                 if step != tier.committed_step + 1:
                     raise StorageError(f"asked for step {step}, committed step is {tier.committed_step}")
-                done, box = [0], {"grads": grads}
+                done, box = [0], dict(grads or {})
 
                 def fn(c, views, box=box, done=done, step=step, scale=scale, hyper=hyper):
-                    if box["grads"] is None:  # the header came first: the state reads have started
-                        m = conn.recv()
+                    while c not in box:  # the header came first: the state reads have started
+                        m = conn.recv()  # then one message per chunk, in id order
                         if m[0] != "grads" or m[1] != step:
                             raise StorageError(f"expected the gradients of step {step}, got {m[0]!r}")
-                        box["grads"] = m[2]
-                    p = box["grads"].pop(c)
+                        box.update(m[2])
+                    p = box.pop(c)
                     if p[0] == "topk" and cfg.get("sparse_update") == "lazy":
                         lazy_update_(hyper, views[0], views[1:], p[1], p[2], scale)
                         out = bf16_round_bits(views[0])
@@ -149,6 +149,8 @@ def _worker_main(conn, cfg: dict):
                     os._exit(9)
                 tier.commit()
                 conn.send(("committed", tier.committed_step))
+            elif kind == "grads":  # gradients of a step that failed here: the trainer aborts it next
+                continue
             elif kind == "abort":
                 tier.abort()
                 conn.send(("aborted", tier.committed_step))
