@@ -34,7 +34,8 @@ from chunkjax.host_memory import check_host_lower_bound, check_host_need, host_m
 from chunkjax.layout import ChunkLayout, build_layout, first_use_order
 from chunkjax.optim import check_elementwise, state_bytes_per_chunk
 from chunkjax.plan import parse_bytes, plan_schedule
-from chunkjax.predict import ChunkBytes, chunk_bytes
+from chunkjax.plan_disk import storage_line
+from chunkjax.predict import STORAGE_STAGING_BUFFERS, ChunkBytes, chunk_bytes, disk_file_bytes
 from chunkjax.stages import check_param_keys, compose_loss, split_loss
 from chunkjax.trace import trace_stages
 
@@ -76,6 +77,8 @@ class FitProblem:
       rates: the cost model's rates.
       host_budget_bytes: host memory the model data of all ranks may use (planner bound), or None.
       platform: ``jax.default_backend()``.
+      storage: the disk tier (:class:`chunkjax.storage.updater.StorageOptions`) or None.
+      storage_devices, disk_budget_bytes: its storage devices and the bytes they may hold.
     """
 
     stages: tuple
@@ -98,6 +101,9 @@ class FitProblem:
     rates: Rates
     host_budget_bytes: int | None
     platform: str
+    storage: Any = None
+    storage_devices: int = 0
+    disk_budget_bytes: int | None = None
 
     @property
     def n_ranks(self) -> int:
@@ -165,7 +171,7 @@ class FitReport:
                 "compiled_peak_bytes": None if self.compiled is None else self.compiled["peak_bytes"],
                 "schedule_counts": self.schedule.counts(), "step_s_predicted": p.time.step_s,
                 "plans": list(self.plans), "host": dict(self.host), "fits": self.fits, "why": self.why,
-                "notes": list(self.notes)}
+                "notes": list(self.notes), "disk_bytes_per_step_predicted": p.disk_bytes_per_step}
 
 
 class Fitted(NamedTuple):
@@ -238,7 +244,7 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
             micro_batches: int = 1, nonfinite: str = "ignore", loss_scaling: bool = False, mesh=None,
             zero_stage: int = 0, flops_per_step: float | None = None, rates: Rates | None = None,
             host_budget="auto", device_budget=None, check_host: bool = True, check_tx: bool = True,
-            trainable=None) -> FitProblem:
+            trainable=None, storage=None) -> FitProblem:
     """Layout and traces for a step (no allocation; the budget comes later).
 
     Args:
@@ -273,6 +279,11 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
         integer and bool leaves frozen) or a pytree of bools with the params' structure. Frozen
         leaves are fetched like params but get no gradient, master, optimizer state or update
         and keep their dtype.
+      storage: the disk tier: storage directories (one per storage device; a list, or a
+        comma-separated string) or :class:`chunkjax.storage.updater.StorageOptions`. With a host
+        budget (``"auto"`` or bytes), chunks whose master params and optimizer state the host
+        cannot hold update ``storage`` (:mod:`chunkjax.plan_disk`); needs an AdamW
+        ``host_optimizer`` and one device.
 
     Raises:
       ValueError: no optimizer or both, a transformation that is not elementwise, a compute
@@ -324,7 +335,9 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
     platform = jax.default_backend()
     avail = host_memory_available_bytes() if check_host else None
     device_budget = None if device_budget is None else resolve_budget(device_budget)
-    check_host_lower_bound(layout, cb, platform, n_ranks, device_budget, avail)
+    from chunkjax.storage.updater import disk_capacity, storage_options
+    storage = storage_options(storage)
+    check_host_lower_bound(layout, cb, platform, n_ranks, device_budget, None if storage else avail)
     if host_budget == "auto":
         host_budget = None
         if avail is not None:
@@ -338,7 +351,8 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
     return FitProblem(tuple(stages), layout, traces, cb, cb_rank, gbatch, tx, host_optimizer, jnp.dtype(compute_dtype),
                       int(prefetch), segments, int(micro_batches), nonfinite, bool(loss_scaling), mesh, zero_stage,
                       float(flops_per_step) / n_ranks, rates or Rates(),
-                      None if host_budget is None else int(host_budget), platform)
+                      None if host_budget is None else int(host_budget), platform, storage,
+                      *(disk_capacity(storage) if storage else (0, None)))
 
 
 # ---- the one planning call -------------------------------------------------------------------
@@ -365,14 +379,14 @@ def plan(problem: FitProblem, budget_bytes: int, *, policy: str = "tide", reside
                          zero_stage=p.zero_stage or None, host_budget_bytes=p.host_budget_bytes,
                          prefetch=p.prefetch, segments=p.segments, flops_per_step=p.flops_per_step, rates=p.rates,
                          host_update=p.host_optimizer is not None, resident=resident, must_fit=must_fit,
-                         split=split)
+                         split=split, storage_devices=p.storage_devices, disk_budget_bytes=p.disk_budget_bytes)
 
 
 def build_step(problem: FitProblem, schedule):
     """The step running ``schedule`` (nothing compiled or allocated yet)."""
     p = problem
     kw = dict(host_optimizer=p.host_optimizer, tx=p.tx, compute_dtype=p.compute_dtype, micro_batches=p.micro_batches,
-              nonfinite=p.nonfinite, loss_scaling=p.loss_scaling)
+              nonfinite=p.nonfinite, loss_scaling=p.loss_scaling, storage=p.storage)
     from chunkjax.step import make_chunked_step
     if p.zero_stage:
         kw.update(mesh=p.mesh, zero_stage=p.zero_stage)
@@ -427,6 +441,7 @@ def host_need(problem: FitProblem, schedule) -> dict:
     p, cb = problem, problem.cb
     reps = p.n_ranks if p.zero_stage in (1, 2) else 1
     pinned = pageable = 0
+    pageable_disk = False
     for c, (k, u) in enumerate(zip(schedule.param_kinds, schedule.update_locations)):
         if u == "none":  # a frozen chunk: its params only
             pinned += reps * cb.params_of(c) if k == "pinned_host" else 0
@@ -436,6 +451,9 @@ def host_need(problem: FitProblem, schedule) -> dict:
         pinned += reps * cb.params + cb.grad
         if u == "host":
             pageable += cb.state
+        elif u == "storage":  # state on disk; the workers' staging buffers in host memory (once)
+            pageable += 0 if pageable_disk else p.storage_devices * STORAGE_STAGING_BUFFERS * disk_file_bytes(cb)
+            pageable_disk = True
         else:
             pinned += cb.state
     dev = p.n_ranks * schedule.predicted.peak_device_bytes if p.platform == "cpu" else 0
@@ -574,4 +592,5 @@ def describe(report: FitReport, problem: FitProblem) -> str:
             f"on device {mib(p.device_model_bytes):.1f} of {mib(model):.1f} MiB; per step h2d "
             f"{mib(p.h2d_bytes_per_step):.1f} MiB, d2h {mib(p.d2h_bytes_per_step):.1f} MiB; predicted step "
             f"{p.time.step_s * 1e3:.1f} ms" + (" (the cost model's GPU rates: a CPU runs far slower)"
-                                                if problem.platform == "cpu" else ""))
+                                                if problem.platform == "cpu" else "")
+            + "".join(f"; {x}" for x in [storage_line(s, problem.storage_devices, problem.host_budget_bytes)] if x))

@@ -63,7 +63,7 @@ def pinned_host_bytes(step) -> int:
     optimizer state are pageable numpy arrays and do not count."""
     cs, it = step.layout.chunk_size, np.dtype(step.compute_dtype).itemsize
     opt = optim.state_bytes_per_chunk(step.tx, cs)
-    host, n = set(step.host_chunks), 0
+    host, n = {c for c in range(step.layout.n_chunks) if step._location(c) in ("host", "storage")}, 0
     for c in range(step.layout.n_chunks):
         if c in step.frozen_chunks:  # params only, in their own dtype
             n += step.layout.chunk_bytes(c) * (step.placement.param_kinds[c] == PINNED_HOST)

@@ -30,11 +30,6 @@ _MSG_HOST_DISK = ("host budget {host} bytes is below the {need} bytes the host m
                   "host_budget >= {need_gib:.3f}GiB, more disk space or a larger device budget")
 
 
-def disk_file_bytes(cb: pr.ChunkBytes) -> int:
-    """Bytes of one storage chunk's master params and optimizer state on disk (one version)."""
-    return int(cb.state)
-
-
 def place_on_disk(chunk_size: int, traces, tide, cb: pr.ChunkBytes, param_kinds, update_locations, fetch,
                   segments, moment_bytes, prediction, *, host_budget: int, disk_budget: int | None,
                   storage_devices: int, rates, flops_per_step: float):
@@ -62,7 +57,7 @@ def place_on_disk(chunk_size: int, traces, tide, cb: pr.ChunkBytes, param_kinds,
     order = sorted((c for c, u in enumerate(update_locations) if u in (HOST_UPDATE, STREAMED_UPDATE)),
                    key=lambda c: (update_locations[c] != STREAMED_UPDATE, -done.get(c, T), c))
     if disk_budget is not None:
-        order = order[:max(0, disk_budget // (DISK_VERSIONS * max(1, disk_file_bytes(cb))))]
+        order = order[:max(0, disk_budget // (DISK_VERSIONS * max(1, pr.disk_file_bytes(cb))))]
     if not order:
         return tuple(update_locations), prediction
 
@@ -72,7 +67,7 @@ def place_on_disk(chunk_size: int, traces, tide, cb: pr.ChunkBytes, param_kinds,
         return loc, pr.predict(chunk_size, traces, tide, cb, param_kinds, loc, fetch, segments, moment_bytes,
                                flops_per_step=flops_per_step, rates=rates, storage_devices=storage_devices)
 
-    staging = storage_devices * pr.STORAGE_STAGING_BUFFERS * cb.state
+    staging = storage_devices * pr.STORAGE_STAGING_BUFFERS * pr.disk_file_bytes(cb)
     j = min(len(order), max(1, math.ceil((prediction.host_model_bytes + staging - host_budget) / max(1, cb.state))))
     loc, pred = at(j)
     while pred.host_model_bytes > host_budget and j < len(order):

@@ -41,6 +41,12 @@ F32_BYTES = 4
 STORAGE_STAGING_BUFFERS = 3
 
 
+def disk_file_bytes(cb: "ChunkBytes") -> int:
+    """Bytes of one storage chunk's file (:mod:`chunkjax.storage.files`): the float32 master
+    params and the AdamW moments (3 sections, each padded to 4096 bytes for O_DIRECT)."""
+    return 3 * (-(-int(cb.master) // 4096) * 4096)
+
+
 @dataclasses.dataclass(frozen=True)
 class ChunkBytes:
     """Bytes of one chunk in each chunk list.
@@ -293,7 +299,7 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
                                                                else 0)
                for c, (k, u) in enumerate(zip(param_kinds, update_locations)))
     n_disk = sum(u == STORAGE_UPDATE for u in update_locations)
-    host += n_disk * cb.grad + (storage_devices * STORAGE_STAGING_BUFFERS * cb.state if n_disk else 0)
+    host += n_disk * cb.grad + (storage_devices * STORAGE_STAGING_BUFFERS * disk_file_bytes(cb) if n_disk else 0)
     fwd_b = (sum(cb.params_of(c) for t in range(n_stages - 1) for c in fetch[t]) if forward_fetches is None
              else fetch_b if forward_fetches >= n_fetch else forward_fetches * cb.params)
     grad_done = grad_done_moments(traces, tide)
@@ -303,9 +309,9 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
         device_params=sum(u == DEVICE_UPDATE for u in update_locations) * chunk_size,
         streamed_params=sum(u == STREAMED_UPDATE for u in update_locations) * chunk_size,
         host_ready=_host_ready(chunk_size, traces, T, update_locations, segments, grad_done), rates=rates,
-        disk_bytes=2 * n_disk * cb.state, storage_devices=storage_devices)
+        disk_bytes=2 * n_disk * disk_file_bytes(cb), storage_devices=storage_devices)
     return Prediction(int(peak), int(model), int(host), int(h2d), int(d2h), int(fetch_b), int(n_fetch),
-                      tuple(int(b) for b in moment_bytes), time, 2 * n_disk * cb.state, n_disk)
+                      tuple(int(b) for b in moment_bytes), time, 2 * n_disk * disk_file_bytes(cb), n_disk)
 
 
 def predict_optimizer_only(chunk_size: int, cb: ChunkBytes, update_locations, *, flops_per_step: float = 0.0,

@@ -225,6 +225,19 @@ def committed_step(dirs: Sequence[str]) -> int | None:
     return min(steps)
 
 
+def clear_run(path: str) -> int:
+    """Delete a run's files from storage directory ``path`` (its manifest, its chunk files and
+    their temporaries; nothing else), so a fresh state can be written there. Returns the files
+    removed (0 for a missing or empty directory)."""
+    removed = 0
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir(path):
+            if _CHUNK_RE.match(name) or name in (MANIFEST, MANIFEST + ".tmp"):
+                os.unlink(os.path.join(path, name))
+                removed += 1
+    return removed
+
+
 class _Shard:
     """The chunk files of one directory (one storage device)."""
 

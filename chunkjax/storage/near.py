@@ -115,6 +115,8 @@ class NearStorageOptimizer(TierTrainer, WorkerPool):
         Default: ``dirs[0]``. Written before the workers commit, the previous one removed after, so
         a resume (a new optimizer with ``error_feedback=True``) restores the residuals of the
         step it resumes at and continues exactly as an uninterrupted run.
+      param_dtype: dtype of the params the workers send back: ``"bfloat16"`` (default, bits) or
+        ``"float32"`` (the master params themselves: a step with float32 compute params).
       link_model: emulated rates (bytes/s) of the shared link and of each device link.
       io_mode, n_buffers, fsync: passed to each worker's :class:`DiskTier`.
       timeout_s: longest wait on one worker, seconds: for a reply, and for a message to be taken
@@ -135,7 +137,7 @@ class NearStorageOptimizer(TierTrainer, WorkerPool):
                  compression: str | None = None, topk_ratio: float = 0.01, topk_scope: str = "chunk",
                  topk_groups=(), topk_warmup_steps: int = 0, topk_warmup_start: float = 0.25,
                  error_feedback: bool = False, ef_decay: float = 1.0, sparse_update: str = "dense",
-                 residual_dir: str | None = None,
+                 residual_dir: str | None = None, param_dtype: str = "bfloat16",
                  link_model: LinkModel | None = None, io_mode: str = "auto", n_buffers: int = 3, fsync: bool = True,
                  timeout_s: float = 300.0, _fault: dict | None = None):
         validate_storage_dirs(dirs)  # the whole configuration before any file or process
@@ -161,6 +163,9 @@ class NearStorageOptimizer(TierTrainer, WorkerPool):
         if sparse_update not in ("dense", "lazy"):
             raise ValueError(f"sparse_update must be 'dense' or 'lazy', got {sparse_update!r}")
         self.sparse_update = sparse_update
+        if param_dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"param_dtype must be 'bfloat16' or 'float32', got {param_dtype!r}")
+        self.param_dtype = param_dtype
         self.dirs = [os.fspath(d) for d in dirs]
         self.compression, self.topk_ratio, self.error_feedback = compression, topk_ratio, error_feedback
         self.topk_scope, self.ef_decay = topk_scope, float(ef_decay)
@@ -182,6 +187,7 @@ class NearStorageOptimizer(TierTrainer, WorkerPool):
             self._start_workers([dict(dir=d, index=i, n_dirs=n, sizes={c: self.chunk_sizes[c] for c in self.owned[i]},
                                       n_buffers=n_buffers, io_mode=io_mode, fsync=fsync, target_step=target,
                                       disk_bytes_per_s=self.link_model.disk_bytes_per_s, sparse_update=sparse_update,
+                                      param_dtype=param_dtype,
                                       fault=_fault if _fault and _fault.get("worker") == i else None)
                                  for i, d in enumerate(self.dirs)])
             if target is None and init_state == "stream":
@@ -390,7 +396,7 @@ class NearStorageOptimizer(TierTrainer, WorkerPool):
                         if on_param is not None:
                             on_param(msg[1], msg[2])
                         else:
-                            params[msg[1]] = msg[2].view(BF16)
+                            params[msg[1]] = msg[2].view(BF16) if msg[2].dtype == np.uint16 else msg[2]
                     received += msg[2].nbytes
                     deadline = time.monotonic() + self.timeout_s
                 elif msg[0] == "prepared":

@@ -86,6 +86,7 @@ def _worker_main(conn, cfg: dict):
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return
     fault = cfg.get("fault") or {}
+    f32_params = cfg.get("param_dtype") == "float32"  # the new params as float32 (else bf16 bits)
     while True:
         try:
             msg = conn.recv()
@@ -125,11 +126,12 @@ def _worker_main(conn, cfg: dict):
                     p = box.pop(c)
                     if p[0] == "topk" and cfg.get("sparse_update") == "lazy":
                         lazy_update_(hyper, views[0], views[1:], p[1], p[2], scale)
-                        out = bf16_round_bits(views[0])
+                        out = views[0].copy() if f32_params else bf16_round_bits(views[0])
                     else:
                         g = topk_decompress(p[1], p[2], tier.chunk_sizes[c]) if p[0] == "topk" else _bits_or_f32(p[1])
-                        out = np.empty(views[0].size, BF16_BITS_DTYPE)
+                        out = None if f32_params else np.empty(views[0].size, BF16_BITS_DTYPE)
                         update_(hyper, views[0], views[1:], g, out, scale)  # bf16 bits of the new params
+                        out = views[0].copy() if f32_params else out
                     conn.send(("param", c, out))  # streamed back at once
                     done[0] += 1
                     if fault.get("step") == step and done[0] == fault.get("after_chunks", 1):
