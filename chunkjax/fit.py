@@ -379,7 +379,8 @@ def plan(problem: FitProblem, budget_bytes: int, *, policy: str = "tide", reside
                          zero_stage=p.zero_stage or None, host_budget_bytes=p.host_budget_bytes,
                          prefetch=p.prefetch, segments=p.segments, flops_per_step=p.flops_per_step, rates=p.rates,
                          host_update=p.host_optimizer is not None, resident=resident, must_fit=must_fit,
-                         split=split, storage_devices=p.storage_devices, disk_budget_bytes=p.disk_budget_bytes)
+                         split=split, storage_devices=p.storage_devices, disk_budget_bytes=p.disk_budget_bytes,
+                         disk_versions=p.storage.disk_versions if p.storage is not None else 2)
 
 
 def build_step(problem: FitProblem, schedule):

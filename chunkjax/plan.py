@@ -244,7 +244,7 @@ def _tide_one(layout: ChunkLayout, traces, tide: Tide, cb: ChunkBytes, budget: i
               host_update: bool, prefetch: int, segments: tuple[int, ...], rates: Rates, flops_per_step: float,
               split: bool = False, disk: tuple | None = None):
     """Schedule one placement (``resident`` chunks fully on the device); None if it cannot fit.
-    ``disk``: ``(host_budget, disk_budget, storage_devices)`` moves offloaded chunks to ``storage``
+    ``disk``: ``(host_budget, disk_budget, storage_devices, disk_versions)`` moves offloaded chunks to ``storage``
     when the host budget cannot hold them (:func:`chunkjax.plan_disk.place_on_disk`)."""
     n = layout.n_chunks
     T = len(tide.moments)
@@ -281,7 +281,7 @@ def _tide_one(layout: ChunkLayout, traces, tide: Tide, cb: ChunkBytes, budget: i
     if disk is not None:
         loc, pred = place_on_disk(layout.chunk_size, traces, tide, cb, pk, loc, ev.fetch, segments, per_moment, pred,
                                   host_budget=disk[0], disk_budget=disk[1], storage_devices=disk[2], rates=rates,
-                                  flops_per_step=flops_per_step)
+                                  flops_per_step=flops_per_step, disk_versions=disk[3])
     return Schedule(pk, loc, tuple(ev.fetch), tuple(_evictions(ev.fetch, accesses, T)), segments, prefetch,
                     _moments(tide), pred, int(budget))
 
@@ -460,7 +460,7 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
                   segments: Sequence[int] | str | None = "auto", flops_per_step: float = 0.0,
                   rates: Rates = Rates(), host_update: bool = True, resident: Sequence[int] | None = None,
                   must_fit: bool = True, split: bool = True, storage_devices: int = 0,
-                  disk_budget_bytes: int | None = None) -> Schedule:
+                  disk_budget_bytes: int | None = None, disk_versions: int = 2) -> Schedule:
     """Plan one training step under a device budget: the one entry point for every policy.
 
     Args:
@@ -498,6 +498,7 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
         state the host budget cannot hold update ``storage`` (:mod:`chunkjax.plan_disk`); a
         model that fits gets no storage chunk.
       disk_budget_bytes: bytes the storage directories may hold (None: unbounded).
+      disk_versions: versions of each chunk file on disk during a step (2: the crash-safe commit).
 
     Returns:
       the :class:`~chunkjax.schedule.Schedule` with its :class:`~chunkjax.schedule.Prediction`
@@ -554,7 +555,7 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
         segs = ((auto_segments(T, len(traces)) if host_update else (0,)) if segments == "auto"
                 else (0,) if segments is None else tuple(segments))
 
-        disk = (host_budget_bytes, disk_budget_bytes, int(storage_devices)) if storage_devices else None
+        disk = (host_budget_bytes, disk_budget_bytes, int(storage_devices), disk_versions) if storage_devices else None
 
         def one(b, res):
             s = _tide_one(layout, traces, tide, plan_cb, b, res, host_update, prefetch, segs, rates, flops_per_step,

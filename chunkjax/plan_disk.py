@@ -22,7 +22,8 @@ from chunkjax.errors import PlanError, gib_ceil
 from chunkjax.schedule import HOST_UPDATE, STORAGE_UPDATE, STREAMED_UPDATE, Schedule
 
 #: A step writes a new version of every storage chunk's file before the old one goes (the
-#: two-phase commit of :mod:`chunkjax.storage.files`): disk use is up to twice the state.
+#: two-phase commit of :mod:`chunkjax.storage.files`): disk use is up to twice the state
+#: (``StorageOptions(keep_previous=False)``: once).
 DISK_VERSIONS = 2
 
 _MSG_HOST_DISK = ("host budget {host} bytes is below the {need} bytes the host must hold even with {n} chunks' "
@@ -32,7 +33,7 @@ _MSG_HOST_DISK = ("host budget {host} bytes is below the {need} bytes the host m
 
 def place_on_disk(chunk_size: int, traces, tide, cb: pr.ChunkBytes, param_kinds, update_locations, fetch,
                   segments, moment_bytes, prediction, *, host_budget: int, disk_budget: int | None,
-                  storage_devices: int, rates, flops_per_step: float):
+                  storage_devices: int, rates, flops_per_step: float, disk_versions: int = DISK_VERSIONS):
     """Move the fewest offloaded chunks (``host`` or ``streamed``) to ``storage`` so that the
     prediction's host bytes fit ``host_budget``: streamed chunks first, then host chunks whose
     gradients complete last (their host updates are the least overlapped with the backward).
@@ -43,7 +44,7 @@ def place_on_disk(chunk_size: int, traces, tide, cb: pr.ChunkBytes, param_kinds,
       prediction: the prediction of ``update_locations`` (returned when it already fits).
       host_budget: host bytes for model data (bytes).
       disk_budget: bytes the storage directories may hold (None: unbounded); a step holds
-        :data:`DISK_VERSIONS` versions of each storage chunk.
+        ``disk_versions`` versions of each storage chunk (:data:`DISK_VERSIONS`).
       storage_devices: storage directories (>= 1).
 
     Returns:
@@ -57,7 +58,7 @@ def place_on_disk(chunk_size: int, traces, tide, cb: pr.ChunkBytes, param_kinds,
     order = sorted((c for c, u in enumerate(update_locations) if u in (HOST_UPDATE, STREAMED_UPDATE)),
                    key=lambda c: (update_locations[c] != STREAMED_UPDATE, -done.get(c, T), c))
     if disk_budget is not None:
-        order = order[:max(0, disk_budget // (DISK_VERSIONS * max(1, pr.disk_file_bytes(cb))))]
+        order = order[:max(0, disk_budget // (disk_versions * max(1, pr.disk_file_bytes(cb))))]
     if not order:
         return tuple(update_locations), prediction
 

@@ -348,7 +348,7 @@ def _worker_argv(args, system: str, model: str, batch: int, seq: int, steps: int
     if args.zero_h2d_path:
         argv += ["--zero-h2d-path", args.zero_h2d_path]
     if system == "chunkjax" and args.storage:
-        argv += ["--storage", args.storage]
+        argv += ["--storage", args.storage] + ([] if args.storage_keep_previous else ["--no-storage-keep-previous"])
     if system == "chunkjax" and args.host_budget != "auto":
         argv += ["--host-budget", args.host_budget]
     return argv
@@ -584,6 +584,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="chunkjax: storage directories (one per disk) for the disk tier: chunks whose master params "
                          "and optimizer state the host budget cannot hold are updated next to the disk; --largest then "
                          "climbs past host RAM (default: none)")
+    ap.add_argument("--storage-keep-previous", action=argparse.BooleanOptionalAction, default=True,
+                    help="keep the last committed step's chunk files until the next step commits (twice the state on "
+                         "disk); --no-storage-keep-previous: the state once on disk (default: keep)")
     ap.add_argument("--host-budget", default="auto",
                     help="chunkjax: host bytes for model data, e.g. 100GiB; auto: what MemAvailable leaves (default: auto)")
     ap.add_argument("--update-docs", action="store_true", help="also rewrite this run's section of docs/benchmarks.md")

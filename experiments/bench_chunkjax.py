@@ -191,7 +191,7 @@ def run_chunkjax(args) -> dict:
                           zero_stage=getattr(args, "zero_stage", 0), init=getattr(args, "init", "leafwise"),
                           max_grad_norm=getattr(args, "max_grad_norm", None),
                           micro_batches=int(getattr(args, "micro_batches", 1)),
-                          storage=getattr(args, "storage", "") or None, host_budget=getattr(args, "host_budget", "auto"))
+                          storage=_storage(args), host_budget=getattr(args, "host_budget", "auto"))
     try:
         rec = measure_system(sys_, args)
     except Exception as e:  # keep the plan next to the failure (e.g. out of memory at run time)
@@ -236,12 +236,22 @@ def run_chunkjax(args) -> dict:
     return rec
 
 
+def _storage(args):
+    """The worker's ``--storage`` / ``--no-storage-keep-previous`` as :class:`chunkjax.StorageOptions`."""
+    if not getattr(args, "storage", ""):
+        return None
+    from chunkjax.storage.updater import StorageOptions
+    return StorageOptions(tuple(d for d in args.storage.split(",") if d),
+                          keep_previous=getattr(args, "storage_keep_previous", True))
+
+
 def storage_record(sys_) -> dict:
     """The disk tier of a run: the plan's line and predictions beside the measured disk bytes and
     rate per step (the last timed steps' near-storage updates) and the workers' peak RSS."""
     from chunkjax.plan_disk import storage_line
     p = sys_.schedule.predicted
     out = {"dirs": list(sys_.problem.storage.dirs), "storage_devices": sys_.problem.storage_devices,
+           "keep_previous": sys_.problem.storage.keep_previous,
            "disk_budget_bytes": sys_.problem.disk_budget_bytes, "storage_chunks": p.storage_chunks,
            "line": storage_line(sys_.schedule, sys_.problem.storage_devices, sys_.problem.host_budget_bytes),
            "disk_bytes_per_step_accounted": p.disk_bytes_per_step, "storage_update_s_predicted": p.time.storage_update_s,

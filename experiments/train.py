@@ -89,6 +89,7 @@ class TrainConfig:
     device_budget: str = config_field("auto", 'peak device bytes per device ("8GiB", "512MiB", ...); auto: the smallest budget with every chunk offloaded + 20% of the model\'s chunk bytes (chunkjax.fit), raised on a GPU to what the compiled step needs')
     host_budget: str = config_field("auto", 'host bytes for model data ("100GiB", ...); auto: what MemAvailable leaves after the process (chunkjax.fit)')
     storage: str = config_field("", 'storage directories, comma-separated, one per disk (the disk tier: chunks whose master params and optimizer state the host budget cannot hold keep them there, updated next to the disk by one worker process per directory; the directories are working memory, a previous run\'s chunk files there are replaced); empty: none')
+    storage_keep_previous: bool = config_field(True, 'with --storage: keep the last committed step\'s chunk files until the next step commits (a failed step leaves the directories at the last step; twice the state on disk); --no-storage-keep-previous: the state once on disk (a failed step needs a checkpoint to resume)')
     chunk_size: int = config_field(0, 'elements per chunk; 0 searches (leaves larger than a chunk span chunks)')
     min_chunks: int = config_field(8, 'the search prefers sizes giving at least this many chunks')
     prefetch: int = config_field(1, 'fetch distance in stages')
@@ -433,11 +434,19 @@ def fit_model(cfg: TrainConfig, model, *, compute_dtype, rates=None, resident=No
                            zero_stage=cfg.zero_stage, flops_per_step=model.flops_per_token(cfg.seq) * cfg.batch * cfg.seq,
                            rates=rates, trainable=model.trainable,
                            host_budget="auto" if cfg.host_budget == "auto" else parse_budget(cfg.host_budget, "--host-budget"),
-                           storage=cfg.storage or None)
+                           storage=storage_options(cfg))
     except cj.PlanError as e:
         raise UsageError(with_flags(str(e))) from None
     except ValueError as e:
         raise UsageError(f"--chunk-size: {e}" if cfg.chunk_size else str(e)) from None
+
+
+def storage_options(cfg: TrainConfig):
+    """``--storage`` and ``--storage-keep-previous`` as :class:`chunkjax.StorageOptions` (None without storage)."""
+    if not cfg.storage:
+        return None
+    from chunkjax.storage.updater import StorageOptions
+    return StorageOptions(tuple(d for d in cfg.storage.split(",") if d), keep_previous=cfg.storage_keep_previous)
 
 
 def _resumed_folder(run_dir):

@@ -154,10 +154,10 @@ def test_worker_stopped_or_killed_mid_step_then_resume(setup, tmp_path):
     sched = _three_tier_schedule(setup, n_disk=5)
     disk_c = [c for c, u in enumerate(sched.update_locations) if u == "storage"]
 
-    def make(d, timeout=60.0):
+    def make(d, timeout=60.0, keep=True):
         return cj.make_chunked_step(stages, layout, sched, host_optimizer=SPEC, compute_dtype=jnp.float32,
                                     storage=StorageOptions((str(d / "a"), str(d / "b")), timeout_s=timeout,
-                                                           fsync=False))
+                                                           fsync=False, keep_previous=keep))
 
     # uninterrupted: 5 steps, a checkpoint after 3
     step = make(tmp_path / "u")
@@ -212,8 +212,9 @@ def test_worker_stopped_or_killed_mid_step_then_resume(setup, tmp_path):
     msg = str(e.value)
     assert "\n" not in msg and "worker 0" in msg and "died" in msg and "last committed step 1" in msg, msg
 
-    # resume: the checkpoint restored into fresh directories, two more steps: bit-exact
-    step4 = make(tmp_path / "r")
+    # resume: the checkpoint restored into fresh directories, two more steps: bit-exact (with the
+    # state once on disk: each chunk's old file deleted once its new one is written)
+    step4 = make(tmp_path / "r", keep=False)
     st, _ = ck.restore_checkpoint(tmp_path / "ckpt", step4)
     for c in disk_c:
         for a, b in zip(st.master[c].read(c), at3[c]):
@@ -221,7 +222,8 @@ def test_worker_stopped_or_killed_mid_step_then_resume(setup, tmp_path):
     assert st.master[disk_c[0]].committed_step == 3
     for b in batches[3:5]:
         st, _ = step4(st, b)
-    got = jax.tree.map(np.asarray, step4.master_params(st))
+    got = jax.tree.map(np.asarray, step4.master_params(st))  # waits for the last update
+    assert len(_state_files([tmp_path / "r" / "a", tmp_path / "r" / "b"])) == len(disk_c)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
     st.master[disk_c[0]].close()

@@ -117,6 +117,8 @@ class NearStorageOptimizer(TierTrainer, WorkerPool):
         step it resumes at and continues exactly as an uninterrupted run.
       param_dtype: dtype of the params the workers send back: ``"bfloat16"`` (default, bits) or
         ``"float32"`` (the master params themselves: a step with float32 compute params).
+      keep_previous: each worker's :class:`DiskTier` ``keep_previous`` (False: the state once on
+        disk, a failed step not recoverable from the directories).
       link_model: emulated rates (bytes/s) of the shared link and of each device link.
       io_mode, n_buffers, fsync: passed to each worker's :class:`DiskTier`.
       timeout_s: longest wait on one worker, seconds: for a reply, and for a message to be taken
@@ -137,7 +139,7 @@ class NearStorageOptimizer(TierTrainer, WorkerPool):
                  compression: str | None = None, topk_ratio: float = 0.01, topk_scope: str = "chunk",
                  topk_groups=(), topk_warmup_steps: int = 0, topk_warmup_start: float = 0.25,
                  error_feedback: bool = False, ef_decay: float = 1.0, sparse_update: str = "dense",
-                 residual_dir: str | None = None, param_dtype: str = "bfloat16",
+                 residual_dir: str | None = None, param_dtype: str = "bfloat16", keep_previous: bool = True,
                  link_model: LinkModel | None = None, io_mode: str = "auto", n_buffers: int = 3, fsync: bool = True,
                  timeout_s: float = 300.0, _fault: dict | None = None):
         validate_storage_dirs(dirs)  # the whole configuration before any file or process
@@ -187,7 +189,7 @@ class NearStorageOptimizer(TierTrainer, WorkerPool):
             self._start_workers([dict(dir=d, index=i, n_dirs=n, sizes={c: self.chunk_sizes[c] for c in self.owned[i]},
                                       n_buffers=n_buffers, io_mode=io_mode, fsync=fsync, target_step=target,
                                       disk_bytes_per_s=self.link_model.disk_bytes_per_s, sparse_update=sparse_update,
-                                      param_dtype=param_dtype,
+                                      param_dtype=param_dtype, keep_previous=keep_previous,
                                       fault=_fault if _fault and _fault.get("worker") == i else None)
                                  for i, d in enumerate(self.dirs)])
             if target is None and init_state == "stream":

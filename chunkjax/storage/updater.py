@@ -45,8 +45,8 @@ from chunkjax.storage.files import _CHUNK_RE, clear_run
 from chunkjax.storage.trainer import validate_storage_dirs
 from chunkjax.updaters import Updater
 
-__all__ = ["DiskState", "StorageOptions", "check_step", "disk_capacity", "start_update", "storage_chunks", "storage_options",
-           "storage_updater", "updaters_of"]
+__all__ = ["DiskState", "StorageOptions", "check_step", "disk_capacity", "start_update", "storage_chunks",
+           "storage_options", "storage_updater", "updaters_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +63,10 @@ class StorageOptions:
         step fails with :class:`~chunkjax.storage.files.StorageError`).
       io_mode: ``"auto"`` (O_DIRECT where the filesystem allows), ``"direct"`` or ``"buffered"``.
       fsync: fsync files and manifests at each commit.
+      keep_previous: keep the last committed step's files until the next step commits (a failed
+        step leaves the directories at the last committed step; twice the state on disk during a
+        step). False: half the disk (each chunk's old file goes once its new one is written), but a
+        failed step leaves the directories at no complete step: resume from a step checkpoint.
 
     Raises:
       ValueError: no directory, one given twice, a file, or not writable (one line).
@@ -74,6 +78,12 @@ class StorageOptions:
     timeout_s: float = 300.0
     io_mode: str = "auto"
     fsync: bool = True
+    keep_previous: bool = True
+
+    @property
+    def disk_versions(self) -> int:
+        """Versions of each chunk file on disk during a step (the planner's disk bound)."""
+        return 2 if self.keep_previous else 1
 
     def __post_init__(self):
         validate_storage_dirs(list(self.dirs))
@@ -212,7 +222,8 @@ def storage_updater(options: StorageOptions, chunk_ids: Sequence[int], chunk_siz
             opt = NearStorageOptimizer(list(options.dirs), [chunk_size] * len(ids), spec, init_state="stream",
                                        compression=options.compression, topk_ratio=options.topk_ratio,
                                        io_mode=options.io_mode, fsync=options.fsync, timeout_s=options.timeout_s,
-                                       param_dtype="float32" if f32 else "bfloat16")
+                                       param_dtype="float32" if f32 else "bfloat16",
+                                       keep_previous=options.keep_previous)
             box["disk"] = DiskState(opt, ids)
             opt.begin_init(int(count))
         disk = box["disk"]
