@@ -129,7 +129,11 @@ class PipelinedStepTime:
                       self.storage_update_s))
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self) | {"step_s": self.step_s}
+        """JSON-ready, with ``step_s``; ``storage_update_s`` only when there is a disk update."""
+        d = dataclasses.asdict(self) | {"step_s": self.step_s}
+        if not self.storage_update_s:
+            del d["storage_update_s"]
+        return d
 
 
 def predict_pipelined_step(flops_per_step: float, *, fwd_h2d: int, bwd_h2d: int, bwd_d2h: int,

@@ -139,7 +139,10 @@ class Prediction:
     storage_chunks: int = 0
 
     def to_dict(self) -> dict:
+        """JSON-ready; without storage chunks the disk tier's keys are left out (as recorded before it)."""
         d = dataclasses.asdict(self)
+        if not self.storage_chunks:
+            del d["disk_bytes_per_step"], d["storage_chunks"]
         d["time"] = self.time.to_dict()
         d["device_bytes_per_moment"] = list(self.device_bytes_per_moment)
         return d
