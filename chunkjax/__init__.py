@@ -26,7 +26,7 @@ _EXPORTS = {
                      "restore_checkpoint", "save_checkpoint", "save_checkpoint_async"], "checkpoint"),
     **dict.fromkeys(["ChunkedOptimizer", "NnxOptimizer"], "flax_api"),
     **dict.fromkeys(["FitReport", "fit_step"], "fit"),
-    **dict.fromkeys(["OffloadedStep", "offload"], "front"),
+    **dict.fromkeys(["OffloadPlan", "OffloadedStep", "offload", "plan_offload"], "front"),
     "HostMemoryError": "host_memory",
     **dict.fromkeys(["ChunkLayout", "LeafSlot", "Piece", "build_layout", "first_use_order", "search_chunk_size"], "layout"),
     "DynamicLossScale": "loss_scale",

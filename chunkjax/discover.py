@@ -43,6 +43,7 @@ import jax.extend.core as jcore
 import jax.numpy as jnp
 import numpy as np
 
+from chunkjax.cost import matmul_flops
 from chunkjax.stages import Stage
 
 #: Name of the ``jit`` that a marked block call runs in (one top-level equation per call).
@@ -335,6 +336,7 @@ class Discovery:
       loss_fn: the user's ``loss_fn(model, data)``.
       compute_dtype: dtype of floating params in the traced program.
       example: the example data (``ShapeDtypeStruct`` s) the stages were cut for.
+      forward_flops: matrix-product FLOPs of one forward on ``example`` (:func:`chunkjax.cost.matmul_flops`).
     """
 
     graphdef: Any
@@ -352,6 +354,7 @@ class Discovery:
     loss_fn: Any
     compute_dtype: Any
     example: Any
+    forward_flops: float = 0.0
 
     @functools.cached_property
     def _cuts(self) -> dict:
@@ -593,4 +596,5 @@ def discover(model, loss_fn, data, *, wrt=None, blocks=None, compute_dtype=None)
     if mode == "none":
         warnings.warn("found no block list: the model is one stage, so every parameter is fetched at once; hold "
                       "the blocks in an nnx.List or pass blocks=", stacklevel=2)
-    return dataclasses.replace(d, mutable=mutable, per_layer=per_layer, blocks=path, mode=mode)
+    return dataclasses.replace(d, mutable=mutable, per_layer=per_layer, blocks=path, mode=mode,
+                               forward_flops=matmul_flops(closed))

@@ -28,9 +28,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from chunkjax.cost import Rates
+from chunkjax.cost import Rates, matmul_flops
 from chunkjax.errors import PlanError
-from chunkjax.host_memory import check_host_lower_bound, check_host_need, host_memory_available_bytes, process_bytes
+from chunkjax.host_memory import (check_host_lower_bound, check_host_need, host_memory_available_bytes, process_bytes,
+                                  schedule_host_need)
 from chunkjax.layout import ChunkLayout, build_layout, first_use_order
 from chunkjax.optim import check_elementwise, state_bytes_per_chunk
 from chunkjax.plan import parse_bytes, plan_schedule
@@ -228,15 +229,14 @@ def rows_of(batch, rows: int):
 
 def step_flops(loss_of, aparams, gbatch, tbatch, parts: int) -> float:
     """Training FLOPs of a whole step (all ranks): 6 x params x tokens for a token batch (one int
-    (B, T+1) array), else 3 x the forward's FLOPs from XLA's cost analysis of the traced loss on
-    one rank's micro-batch, times the ``parts`` (ranks x micro-batches)."""
+    (B, T+1) array), else 3 x the forward's matrix-product FLOPs counted in the traced loss on
+    one rank's micro-batch (:func:`chunkjax.cost.matmul_flops`), times the ``parts`` (ranks x
+    micro-batches)."""
     if not isinstance(gbatch, (tuple, list, dict)) and len(gbatch.shape) == 2 \
             and jnp.issubdtype(gbatch.dtype, jnp.integer):
         rows, t1 = gbatch.shape
         return 6.0 * sum(math.prod(a.shape) for a in jax.tree.leaves(aparams)) * rows * (t1 - 1)
-    cost = jax.jit(loss_of).lower(aparams, tbatch).cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    return 3.0 * float((cost or {}).get("flops", 0.0)) * parts
+    return 3.0 * matmul_flops(jax.make_jaxpr(loss_of)(aparams, tbatch)) * parts
 
 
 def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtype=jnp.bfloat16,
@@ -265,7 +265,7 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
       mesh, zero_stage: a 1-D ``"data"`` mesh (:func:`chunkjax.data_mesh`) and ZeRO stage 1/2/3
         (ZeRO, Rajbhandari et al. 2020: every chunk split over the ranks); None and 0: one device.
       flops_per_step: training FLOPs of the whole step (all ranks); None: :func:`step_flops`
-        (6 x params x tokens for a token batch, else from XLA's cost analysis of the loss).
+        (6 x params x tokens for a token batch, else 3 x the matrix-product FLOPs of the traced loss).
       rates: cost-model rates (default :class:`chunkjax.cost.Rates`).
       host_budget: bytes of host memory for model data, ``"auto"`` (what ``MemAvailable`` leaves
         after the process's own need, and on the CPU after the device budget too) or None.
@@ -379,7 +379,8 @@ def plan(problem: FitProblem, budget_bytes: int, *, policy: str = "tide", reside
                          zero_stage=p.zero_stage or None, host_budget_bytes=p.host_budget_bytes,
                          prefetch=p.prefetch, segments=p.segments, flops_per_step=p.flops_per_step, rates=p.rates,
                          host_update=p.host_optimizer is not None, resident=resident, must_fit=must_fit,
-                         split=split, storage_devices=p.storage_devices, disk_budget_bytes=p.disk_budget_bytes,
+                         split=split, micro_batches=p.micro_batches, storage_devices=p.storage_devices,
+                         disk_budget_bytes=p.disk_budget_bytes,
                          disk_versions=p.storage.disk_versions if p.storage is not None else 2)
 
 
@@ -430,37 +431,12 @@ def compiled_peak(problem: FitProblem, step, schedule) -> dict:
 
 
 def host_need(problem: FitProblem, schedule) -> dict:
-    """Host bytes a run of ``schedule`` needs, all ranks of this process together.
-
-    ``pinned_host_bytes``: compute params and gradient chunks of offloaded chunks (ZeRO stages 1/2:
-    each local device's replica of the params), master params and optimizer state of ``streamed``
-    chunks. ``pageable_bytes``: master params and optimizer state of ``host``-updated chunks (numpy).
-    ``device_on_host_bytes``: on the CPU the device's memory is host memory (each rank's predicted
-    peak). ``process_bytes``: :data:`chunkjax.host_memory.PROCESS_HOST_BYTES` plus two float32 chunks. ``need_bytes``:
-    their sum.
-    """
-    p, cb = problem, problem.cb
-    reps = p.n_ranks if p.zero_stage in (1, 2) else 1
-    pinned = pageable = 0
-    pageable_disk = False
-    for c, (k, u) in enumerate(zip(schedule.param_kinds, schedule.update_locations)):
-        if u == "none":  # a frozen chunk: its params only
-            pinned += reps * cb.params_of(c) if k == "pinned_host" else 0
-            continue
-        if u == "device":
-            continue
-        pinned += reps * cb.params + cb.grad
-        if u == "host":
-            pageable += cb.state
-        elif u == "storage":  # state on disk; the workers' staging buffers in host memory (once)
-            pageable += 0 if pageable_disk else p.storage_devices * STORAGE_STAGING_BUFFERS * disk_file_bytes(cb)
-            pageable_disk = True
-        else:
-            pinned += cb.state
-    dev = p.n_ranks * schedule.predicted.peak_device_bytes if p.platform == "cpu" else 0
-    proc = process_bytes(p.layout)
-    return {"pinned_host_bytes": int(pinned), "pageable_bytes": int(pageable), "device_on_host_bytes": int(dev),
-            "process_bytes": int(proc), "need_bytes": int(pinned + pageable + dev + proc)}
+    """Host bytes a run of ``schedule`` needs, all ranks of this process together
+    (:func:`chunkjax.host_memory.schedule_host_need`: the figure the planner compared with the
+    host budget, ``predicted.host_bytes``, split by kind)."""
+    p = problem
+    return schedule_host_need(schedule, p.cb, layout=p.layout, n_ranks=p.n_ranks, zero_stage=p.zero_stage,
+                              platform=p.platform, micro_batches=p.micro_batches)
 
 
 def check_host_memory(problem: FitProblem, schedule, available: int | None = None) -> dict:

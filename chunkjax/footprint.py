@@ -31,8 +31,8 @@ def compiled_memory(step, batch) -> dict:
     ``argument``, ``output``, ``temp``, ``alias`` and ``host_*`` where the runtime reports
     them, plus ``peak_device_bytes`` = argument + output + temp - alias."""
     topo = step.topology
-    args = (tuple(jax.ShapeDtypeStruct((step.layout.chunk_size,), step.compute_dtype, sharding=topo.param_sharding(k))
-                  for k in step.placement.param_kinds),
+    args = (tuple(jax.ShapeDtypeStruct((step.layout.chunk_size,), param_dtype(step, c), sharding=topo.param_sharding(k))
+                  for c, k in enumerate(step.placement.param_kinds)),
             jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=topo.batch_sharding()), batch))
     return _memory(step.jit_fwd_bwd.lower(*args).compile())
 
@@ -44,7 +44,7 @@ def compiled_memory_programs(step, batch) -> list[dict]:
     ab = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=topo.batch_sharding()), batch)
     for k in range(len(step._program_bounds())):
         fn, args = step._program(batch, k)
-        params = {c: jax.ShapeDtypeStruct((step.layout.chunk_size,), step.compute_dtype,
+        params = {c: jax.ShapeDtypeStruct((step.layout.chunk_size,), param_dtype(step, c),
                                           sharding=topo.param_sharding(step.placement.param_kinds[c])) for c in args}
         acc = carry.pop("acc", {}) if carry else {}
         compiled = fn.lower(params, ab, carry, acc).compile()
@@ -56,25 +56,52 @@ def compiled_memory_programs(step, batch) -> list[dict]:
     return out
 
 
+def param_dtype(step, c: int):
+    """The dtype of chunk ``c``'s params in the state: float32 for a master-fetch chunk (its
+    master params), a frozen chunk's own dtype, else the compute dtype."""
+    if c in step.master_fetch_chunks:
+        return np.dtype(np.float32)
+    return np.dtype(step.layout.chunk_dtypes[c]) if c in step.frozen_chunks else np.dtype(step.compute_dtype)
+
+
+def host_grad_window_bytes(step) -> int:
+    """Bytes of host-updated chunks' gradients that exist at once in ``pinned_host`` memory (one
+    micro-batch, the host thread keeping up or held back by
+    :meth:`chunkjax.updaters.HostWork.hand_over`): the most over
+    :data:`chunkjax.host_forms.GRAD_WINDOW_PROGRAMS` consecutive programs of the step
+    (:func:`chunkjax.host_forms.grad_window_bytes`)."""
+    from chunkjax.host_forms import grad_window_bytes
+    done_at = {s: t for t, (ph, s) in enumerate(step.moments) if ph != "forward"}
+    host = set(step.host_chunks)
+    done = [done_at[s] for c, s in step.first_reader.items() if c in host]
+    starts = [a for a, _ in step._program_bounds()]
+    return grad_window_bytes(done, starts, step.layout.chunk_size * np.dtype(step.compute_dtype).itemsize)
+
+
 def pinned_host_bytes(step) -> int:
     """Bytes this step's state and gradients keep in ``pinned_host`` memory (whole chunks):
-    compute params and gradient chunks in that kind (host-updated chunks: both), master params
-    and optimizer state kept there (streamed chunks). Host-updated chunks' master params and
-    optimizer state are pageable numpy arrays and do not count."""
+    compute params and gradient chunks in that kind, master params and optimizer state kept
+    there (streamed chunks). Host-updated chunks: their compute copy, or for a master-fetch chunk
+    its float32 master params; their gradients only as the working set
+    (:func:`host_grad_window_bytes`); their optimizer state (and the copy-keeping chunks' master
+    params) are pageable numpy arrays and do not count."""
     cs, it = step.layout.chunk_size, np.dtype(step.compute_dtype).itemsize
     opt = optim.state_bytes_per_chunk(step.tx, cs)
-    host, n = {c for c in range(step.layout.n_chunks) if step._location(c) in ("host", "storage")}, 0
+    host, n = set(step.host_chunks), 0
     for c in range(step.layout.n_chunks):
         if c in step.frozen_chunks:  # params only, in their own dtype
             n += step.layout.chunk_bytes(c) * (step.placement.param_kinds[c] == PINNED_HOST)
             continue
         if c in host:
+            n += cs * param_dtype(step, c).itemsize
+            continue
+        if step._location(c) == "storage":  # compute params and gradient; master params and state on disk
             n += 2 * cs * it
             continue
         n += cs * it * (step.placement.param_kinds[c] == PINNED_HOST)
         n += cs * it * (step.placement.grad_kind(c) == PINNED_HOST)
         n += (4 * cs + opt) * (step.placement.state_kinds[c] == PINNED_HOST)
-    return int(n)
+    return int(n + (host_grad_window_bytes(step) if host else 0))
 
 
 def comm_bytes_per_step(step, batch) -> dict[str, int]:

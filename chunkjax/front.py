@@ -28,7 +28,7 @@ import optax
 
 from chunkjax.discover import Discovery, discover
 from chunkjax.errors import PlanError
-from chunkjax.fit import HEADROOM, batch_rows, describe, fit_problem, plan, prepare
+from chunkjax.fit import HEADROOM, auto_budget, batch_rows, describe, fit_problem, plan, prepare, resolve_budget
 
 
 def _abstract(tree):
@@ -160,6 +160,116 @@ def _optimizer_kw(tx) -> dict:
                     "spec (chunkjax.host_update.AdamW(...)) for updates on the host")
 
 
+@dataclasses.dataclass(frozen=True)
+class OffloadPlan:
+    """What :func:`plan_offload` found and planned for a model (nothing allocated or compiled).
+
+    Attributes:
+      discovery: the :class:`chunkjax.discover.Discovery` (stages, flat parameter keys).
+      problem: the :class:`chunkjax.fit.FitProblem` (layout, stage traces, FLOPs, rates).
+      schedule: the :class:`chunkjax.Schedule` planned for ``budget_bytes`` (None: no budget given).
+      budget_bytes: the per-rank device budget planned for (bytes; None without a budget).
+    """
+
+    discovery: Discovery
+    problem: Any
+    schedule: Any
+    budget_bytes: int | None
+
+    def summary(self) -> str:
+        """One line: stages, chunks, the plan's counts, predicted peak and step."""
+        names = [s.name for s in self.discovery.stages]
+        lay = self.problem.layout
+        head = (f"{len(names)} stages ({names[0]} .. {names[-1]}), {lay.n_chunks} chunks of {lay.chunk_size} "
+                f"elements; {self.problem.flops_per_step / 1e12:.1f} TFLOP per step")
+        if self.schedule is None:
+            return head
+        p = self.schedule.predicted
+        return (f"{head}; plan {self.schedule.counts()}; accounted peak {p.peak_device_bytes / 2**20:.1f} MiB of "
+                f"{self.budget_bytes / 2**20:.1f} MiB; predicted step {p.time.step_s * 1e3:.1f} ms")
+
+
+def _discover(model, loss_fn, batch, *, wrt, blocks, compute_dtype, abstract_ok: bool):
+    """Discovery of ``model`` (an abstract one's non-parameter state replaced by zeros of its
+    shapes: planning reads shapes only) and its parameter leaves."""
+    from flax import nnx
+    wrt_ = nnx.Param if wrt is None else wrt
+    graphdef, params, rest = nnx.split(model, wrt_, ...)
+    if any(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(params)) and not abstract_ok:
+        raise ValueError("offload needs a model with concrete parameters (this one is abstract, e.g. from "
+                         "nnx.eval_shape): build it for real, or plan abstract shapes with chunkjax.plan_offload "
+                         "or chunkjax.fit.prepare and chunkjax.fit.plan (docs/own_model.md)")
+    if abstract_ok and any(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(rest)):
+        rest = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype) if isinstance(a, jax.ShapeDtypeStruct) else a, rest)
+        model = nnx.merge(graphdef, params, rest)
+    batch_rows(_abstract(batch))  # a batch without a row axis: one line before tracing the loss
+    d = discover(model, loss_fn, batch, wrt=wrt, blocks=blocks, compute_dtype=compute_dtype)
+    return model, d, jax.tree.leaves(nnx.split(model, d.wrt, ...)[1])
+
+
+def _prepare(model, d: Discovery, leaves, tx, device_budget, host_budget, trainable, mesh, zero_stage, fit_kw):
+    """The fit problem of a discovered model (:func:`chunkjax.fit.prepare`); ``fit_kw`` loses
+    prepare's keywords. FLOPs: 3 x the forward's matrix products counted in the discovered loss
+    (:attr:`Discovery.forward_flops`), unless ``flops_per_step`` is given."""
+    if d.mutable and (mesh is not None or fit_kw.get("micro_batches", 1) != 1):
+        raise ValueError("the loss changes non-parameter state (RNG streams, counters, batch statistics): run it on "
+                         "one device with one micro-batch (mesh=None, micro_batches=1), or make those leaves constant")
+    params = d.layout_params(leaves)
+    if trainable is not None:
+        fit_kw["trainable"] = _trainable_mask(model, d, trainable, params)
+    fit_kw.setdefault("flops_per_step", 3.0 * d.forward_flops)
+    rows = jax.tree.leaves(d.example)[0].shape[0]
+    side = tuple(jax.ShapeDtypeStruct((rows,) + tuple(np.shape(d.side_values[j])), d.side_values[j].dtype)
+                 for j in d.mutable)
+    prep = {k: fit_kw.pop(k) for k in list(fit_kw) if k not in _FIT_ARGS}
+    return params, prepare(d.stages, _abstract(params), (d.example, side), device_budget=device_budget,
+                           host_budget=host_budget, compute_dtype=d.compute_dtype, mesh=mesh, zero_stage=zero_stage,
+                           **_optimizer_kw(tx), **prep)
+
+
+def _is_min(device_budget) -> bool:
+    return isinstance(device_budget, str) and device_budget.strip().lower() == "min"
+
+
+def plan_offload(model, tx, loss_fn, batch, *, device_budget: int | str | None = None, host_budget: Any = None,
+                 wrt=None, trainable=None, blocks=None, compute_dtype=None, mesh=None, zero_stage: int = 0,
+                 policy: str = "tide", **prepare_kw) -> OffloadPlan:
+    """What :func:`offload` would plan for ``model``, without allocating or compiling the step:
+    the discovered stages, the fit problem (layout, stage traces, FLOPs) and, given a budget, the
+    schedule (:func:`chunkjax.fit.plan`; the compiled check and its re-plans are :func:`offload`'s).
+
+    Args:
+      model: an ``nnx.Module``, concrete or abstract (``nnx.eval_shape(lambda: MyModel(...))``:
+        only shapes are read; abstract non-parameter state stands in as zeros).
+      tx, loss_fn, batch, wrt, trainable, blocks, compute_dtype, mesh, zero_stage, policy: as
+        :func:`offload` (``batch`` may be ``ShapeDtypeStruct`` s; ``mesh`` may be a
+        ``jax.sharding.AbstractMesh`` with ``check_host=False``).
+      device_budget: per-rank bytes, a size string, ``"auto"``, ``"min"``, or None (no schedule:
+        the problem only).
+      host_budget: bytes of host memory for model data, ``"auto"`` or None (default: no bound).
+      **prepare_kw: the rest of :func:`chunkjax.fit.prepare` (chunk_size, min_chunks, prefetch,
+        flops_per_step, rates, check_host, ...).
+
+    Returns:
+      an :class:`OffloadPlan`.
+
+    Raises:
+      TypeError, ValueError, chunkjax.PlanError: as :func:`offload` (a misspelt keyword: one
+        line naming plan_offload).
+    """
+    _check_fit_kw(prepare_kw, "plan_offload", fit_args=False)
+    model, d, leaves = _discover(model, loss_fn, batch, wrt=wrt, blocks=blocks, compute_dtype=compute_dtype,
+                                 abstract_ok=True)
+    smallest = _is_min(device_budget)
+    _, problem = _prepare(model, d, leaves, tx, None if smallest else device_budget, host_budget, trainable, mesh,
+                          zero_stage, dict(prepare_kw))
+    if device_budget is None:
+        return OffloadPlan(d, problem, None, None)
+    budget = resolve_budget(device_budget) if not smallest else smallest_budget(problem, policy)
+    budget = auto_budget(problem, policy=policy) if budget == "auto" else budget
+    return OffloadPlan(d, problem, plan(problem, budget, policy=policy), int(budget))
+
+
 def offload(model, tx, loss_fn, batch, *, device_budget: int | str = "auto", host_budget: Any = "auto",
             wrt=None, trainable=None, blocks=None, compute_dtype=None, mesh=None, zero_stage: int = 0,
             policy: str = "tide", **fit_kw) -> OffloadedStep:
@@ -172,6 +282,8 @@ def offload(model, tx, loss_fn, batch, *, device_budget: int | str = "auto", hos
         device), or a host spec (``chunkjax.host_update.AdamW / Lion / SGDMomentum``: offloaded
         chunks update on the host, its ``optax()`` twin updates the device chunks).
       loss_fn: ``loss_fn(model, batch) -> () float``: the loss (a scalar; nnx's usual signature).
+        Blocks wrapped in ``nnx.remat`` (or calling ``jax.checkpoint`` inside) are found the same
+        way; their rematerialisation coincides with the step's per-stage recompute.
       batch: an example batch, the planned shape: tokens (B, T+1) or any pytree of arrays with
         the batch axis first (e.g. ``{"images": (B, H, W, C), "labels": (B,)}``).
       device_budget: bytes per device for model data and activations: an int, ``"64MiB"``,
@@ -189,8 +301,9 @@ def offload(model, tx, loss_fn, batch, *, device_budget: int | str = "auto", hos
       mesh, zero_stage: a ``data`` mesh (:func:`chunkjax.data_mesh`) and ZeRO stage 1/2/3.
       policy: the planner's policy (default ``"tide"``).
       **fit_kw: the rest of :func:`chunkjax.fit_step` (chunk_size, min_chunks, prefetch,
-        check_compiled, strict, ...): this is the fit path's :func:`~chunkjax.fit.prepare` then
-        :func:`~chunkjax.fit.fit_problem`.
+        flops_per_step (default: 3 x the forward's matrix products counted in the traced loss),
+        rates, check_compiled, strict, ...): this is the fit path's
+        :func:`~chunkjax.fit.prepare` then :func:`~chunkjax.fit.fit_problem`.
 
     Returns:
       an initialised :class:`OffloadedStep`.
@@ -198,40 +311,25 @@ def offload(model, tx, loss_fn, batch, *, device_budget: int | str = "auto", hos
     Raises:
       TypeError: ``tx`` is neither an optax transformation nor a host spec; a keyword in
         ``fit_kw`` that the fit path does not take.
-      ValueError: an abstract model (parameters ``ShapeDtypeStruct`` s, e.g. from ``nnx.eval_shape``).
+      ValueError: an abstract model (parameters ``ShapeDtypeStruct`` s, e.g. from ``nnx.eval_shape``:
+        :func:`plan_offload` plans those).
       ValueError: see :func:`chunkjax.discover.discover` and :func:`chunkjax.fit.prepare` (a
         non-elementwise transformation, a batch without a row axis, ...); non-parameter state
         that the loss changes together with a mesh.
       chunkjax.PlanError, HostMemoryError: the budgets do not fit (one line: what to change).
     """
-    from flax import nnx
-    _check_fit_kw(fit_kw)
-    if any(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(nnx.state(model, nnx.Param if wrt is None else wrt))):
-        raise ValueError("offload needs a model with concrete parameters (this one is abstract, e.g. from "
-                         "nnx.eval_shape): build it for real, or plan abstract shapes with chunkjax.fit.prepare and "
-                         "chunkjax.fit.plan (docs/own_model.md)")
-    opt = _optimizer_kw(tx)
-    batch_rows(_abstract(batch))  # a batch without a row axis: one line before tracing the loss
-    d = discover(model, loss_fn, batch, wrt=wrt, blocks=blocks, compute_dtype=compute_dtype)
-    if d.mutable and (mesh is not None or fit_kw.get("micro_batches", 1) != 1):
-        raise ValueError("the loss changes non-parameter state (RNG streams, counters, batch statistics): run it on "
-                         "one device with one micro-batch (mesh=None, micro_batches=1), or make those leaves constant")
-    leaves = jax.tree.leaves(nnx.split(model, d.wrt, ...)[1])
-    params = d.layout_params(leaves)
-    if trainable is not None:
-        fit_kw["trainable"] = _trainable_mask(model, d, trainable, params)
-    example = _abstract(batch)
-    side = tuple(jax.ShapeDtypeStruct((jax.tree.leaves(batch)[0].shape[0],) + tuple(np.shape(d.side_values[j])),
-                                      d.side_values[j].dtype) for j in d.mutable)
+    _check_fit_kw(fit_kw, "offload")
+    _optimizer_kw(tx)
+    model, d, leaves = _discover(model, loss_fn, batch, wrt=wrt, blocks=blocks, compute_dtype=compute_dtype,
+                                 abstract_ok=False)
     fit_args = {k: fit_kw.pop(k) for k in _FIT_ARGS if k in fit_kw}
-    smallest = isinstance(device_budget, str) and device_budget.strip().lower() == "min"
-    problem = prepare(d.stages, _abstract(params), (example, side), device_budget=None if smallest else device_budget,
-                      host_budget=host_budget, compute_dtype=d.compute_dtype, mesh=mesh, zero_stage=zero_stage,
-                      **opt, **fit_kw)
+    smallest = _is_min(device_budget)
+    params, problem = _prepare(model, d, leaves, tx, None if smallest else device_budget, host_budget, trainable,
+                               mesh, zero_stage, fit_kw)
     fitted = fit_problem(problem, smallest_budget(problem, policy) if smallest else device_budget, policy=policy,
                          **fit_args)
     state = fitted.step.init(params)
-    return OffloadedStep(d, fitted, state, example)
+    return OffloadedStep(d, fitted, state, d.example)
 
 
 _FIT_ARGS = ("resident", "check_compiled", "strict")  # fit_problem's; the rest of **fit_kw goes to prepare
@@ -239,13 +337,14 @@ _OFFLOAD_SETS = ("stages", "params", "batch", "tx", "host_optimizer", "compute_d
                  "device_budget", "host_budget", "trainable")  # prepare's arguments offload fills itself
 
 
-def _check_fit_kw(fit_kw: dict) -> None:
-    """TypeError naming the first keyword of ``fit_kw`` that neither prepare nor fit_problem takes."""
+def _check_fit_kw(fit_kw: dict, name: str, fit_args: bool = True) -> None:
+    """TypeError naming the first keyword of ``fit_kw`` that neither prepare nor (``fit_args``)
+    fit_problem takes."""
     import inspect
-    known = (set(inspect.signature(prepare).parameters) - set(_OFFLOAD_SETS)) | set(_FIT_ARGS)
+    known = (set(inspect.signature(prepare).parameters) - set(_OFFLOAD_SETS)) | (set(_FIT_ARGS) if fit_args else set())
     for k in fit_kw:
         if k not in known:
-            raise TypeError(f"offload() got an unexpected keyword argument {k!r}")
+            raise TypeError(f"{name}() got an unexpected keyword argument {k!r}")
 
 
 def smallest_budget(problem, policy: str = "tide") -> int:

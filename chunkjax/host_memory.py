@@ -54,6 +54,61 @@ def process_bytes(layout) -> int:
     return PROCESS_HOST_BYTES + 2 * 4 * layout.chunk_size
 
 
+def schedule_host_need(schedule, cb, *, layout, n_ranks: int = 1, zero_stage: int | None = None,
+                       platform: str = "cpu", micro_batches: int = 1) -> dict:
+    """Host bytes a run of ``schedule`` (a :class:`chunkjax.schedule.Schedule`) needs, all ranks
+    of this process together, split by kind (bytes):
+
+    ``pinned_host_bytes``: compute params of offloaded chunks (ZeRO stages 1/2: each local
+    device's replica), a master-fetch chunk's float32 master params instead
+    (:mod:`chunkjax.host_forms`), master params and optimizer state of ``streamed`` chunks, their
+    gradients, and the host-updated chunks' gradients: on one device the working set of
+    :data:`chunkjax.host_forms.GRAD_WINDOW_PROGRAMS` programs (``predicted.host_working_bytes``),
+    on a mesh every one. ``pageable_bytes``: master params (of copy-keeping chunks) and
+    optimizer state of ``host``-updated chunks (numpy), with micro-batches their float32 sums
+    and means. ``device_on_host_bytes``: on the CPU the device's memory is host memory (each
+    rank's predicted peak). ``process_bytes``: :func:`process_bytes`. ``need_bytes``: their sum.
+    On one device ``pinned_host_bytes + pageable_bytes`` is ``predicted.host_bytes``.
+
+    Args:
+      cb: one whole chunk's bytes (:class:`chunkjax.predict.ChunkBytes`).
+      layout: the chunk layout; n_ranks, zero_stage: the mesh (1, None: one device).
+      platform: ``jax.default_backend()``.
+      micro_batches: gradient accumulation.
+    """
+    reps = n_ranks if zero_stage in (1, 2) else 1
+    mf, pred = set(schedule.master_fetch), schedule.predicted
+    pinned = pageable = n_host = 0
+    for c, (k, u) in enumerate(zip(schedule.param_kinds, schedule.update_locations)):
+        if u == "none":  # a frozen chunk: its params only
+            pinned += reps * cb.params_of(c) if k == "pinned_host" else 0
+            continue
+        if u == "device":
+            continue
+        if c in mf:
+            pinned += cb.master
+            pageable += cb.opt
+        elif u == "host":
+            pinned += reps * cb.params
+            pageable += cb.state
+        elif u == "storage":  # master params and state on disk: its params, its gradient whole
+            pinned += reps * cb.params + cb.grad
+        else:
+            pinned += reps * cb.params + cb.state + cb.grad
+        n_host += u == "host"
+    pageable += pred.disk_staging_bytes  # the near-storage workers' staging buffers (chunkjax.plan_disk)
+    sums = n_host * (cb.master + cb.grad) if micro_batches > 1 else 0
+    if n_ranks == 1:
+        pinned += max(0, pred.host_working_bytes - sums)
+        pageable += sums
+    else:
+        pinned += n_host * cb.grad
+    dev = n_ranks * pred.peak_device_bytes if platform == "cpu" else 0
+    proc = process_bytes(layout)
+    return {"pinned_host_bytes": int(pinned), "pageable_bytes": int(pageable), "device_on_host_bytes": int(dev),
+            "process_bytes": int(proc), "need_bytes": int(pinned + pageable + dev + proc)}
+
+
 def _refuse_host(need: dict, avail: int, what: str, fix: str):
     gib = lambda b: b / 2**30  # noqa: E731
     parts = [f"{gib(need['pinned_host_bytes']):.1f} GiB pinned", f"{gib(need['pageable_bytes']):.1f} GiB pageable"]

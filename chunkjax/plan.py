@@ -47,6 +47,7 @@ from chunkjax import predict as pr
 from chunkjax.cost import Rates
 from chunkjax.errors import PlanError, gib_ceil
 from chunkjax.eviction import CapacityError, belady
+from chunkjax.host_forms import assign_host_forms
 from chunkjax.layout import ChunkLayout
 from chunkjax.memory import DEVICE, PINNED_HOST
 from chunkjax.plan_disk import host_disk_error, place_on_disk
@@ -242,10 +243,8 @@ def split_updates(chunk_size: int, traces, tide: Tide, cb: ChunkBytes, budget: i
 
 def _tide_one(layout: ChunkLayout, traces, tide: Tide, cb: ChunkBytes, budget: int, resident: set[int],
               host_update: bool, prefetch: int, segments: tuple[int, ...], rates: Rates, flops_per_step: float,
-              split: bool = False, disk: tuple | None = None):
-    """Schedule one placement (``resident`` chunks fully on the device); None if it cannot fit.
-    ``disk``: ``(host_budget, disk_budget, storage_devices, disk_versions)`` moves offloaded chunks to ``storage``
-    when the host budget cannot hold them (:func:`chunkjax.plan_disk.place_on_disk`)."""
+              split: bool = False):
+    """Schedule one placement (``resident`` chunks fully on the device); None if it cannot fit."""
     n = layout.n_chunks
     T = len(tide.moments)
     pk = tuple(DEVICE if c in resident else PINNED_HOST for c in range(n))
@@ -278,10 +277,6 @@ def _tide_one(layout: ChunkLayout, traces, tide: Tide, cb: ChunkBytes, budget: i
     if split and HOST_UPDATE in loc:
         loc, pred = split_updates(layout.chunk_size, traces, tide, cb, budget, pk, loc, ev.fetch, segments, per_moment,
                                   rates=rates, flops_per_step=flops_per_step)
-    if disk is not None:
-        loc, pred = place_on_disk(layout.chunk_size, traces, tide, cb, pk, loc, ev.fetch, segments, per_moment, pred,
-                                  host_budget=disk[0], disk_budget=disk[1], storage_devices=disk[2], rates=rates,
-                                  flops_per_step=flops_per_step, disk_versions=disk[3])
     return Schedule(pk, loc, tuple(ev.fetch), tuple(_evictions(ev.fetch, accesses, T)), segments, prefetch,
                     _moments(tide), pred, int(budget))
 
@@ -326,7 +321,7 @@ def _tide_infeasible(one, n_chunks: int, tide: Tide, cb: ChunkBytes, budget: int
     """Raise the PlanError of a tide plan that found no candidate: the host budget needed when
     the device fits, else the smallest device budget (bisected on the all-offloaded schedule)."""
     if one(budget, set()) is not None and host_budget is not None:  # the device fits; the host does not
-        need = min(s.predicted.host_model_bytes for s in
+        need = min(s.predicted.host_bytes for s in
                    (one(budget, set(range(k))) for k in range(n_chunks + 1)) if s is not None)
         raise _host_error(host_budget, need, budget, ranks)
     lo, hi = budget, max(budget, 1) * 2
@@ -342,7 +337,7 @@ def _tide_infeasible(one, n_chunks: int, tide: Tide, cb: ChunkBytes, budget: int
             hi = mid
     s = one(hi, set())
     if s is not None and budget >= hi and host_budget is not None:
-        raise _host_error(host_budget, s.predicted.host_model_bytes, hi, ranks)
+        raise _host_error(host_budget, s.predicted.host_bytes, hi, ranks)
     act = tide.peak_non_model_bytes
     alone = act > budget
     raise PlanError(_MSG_OFFLOADED_INFEASIBLE.format(budget=budget, need=hi, act=act, why=_WHY_ACT if alone else "",
@@ -459,7 +454,7 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
                   host_budget_bytes: int | None = None, prefetch: int = 1,
                   segments: Sequence[int] | str | None = "auto", flops_per_step: float = 0.0,
                   rates: Rates = Rates(), host_update: bool = True, resident: Sequence[int] | None = None,
-                  must_fit: bool = True, split: bool = True, storage_devices: int = 0,
+                  must_fit: bool = True, split: bool = True, micro_batches: int = 1, storage_devices: int = 0,
                   disk_budget_bytes: int | None = None, disk_versions: int = 2) -> Schedule:
     """Plan one training step under a device budget: the one entry point for every policy.
 
@@ -493,12 +488,18 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
         faster step; False: every offloaded chunk updates on the host.
       must_fit: False returns a static baseline (``"all_host"``, ``"zero_offload"``) even when
         its predicted peak exceeds the budgets (for reports that compare them).
+      micro_batches: gradient accumulation of the step (its host working set).
       storage_devices: ``"tide"`` on one device with a host kernel and ``host_budget_bytes``:
         storage directories of the disk tier (0: none). Offloaded chunks whose master params and
-        state the host budget cannot hold update ``storage`` (:mod:`chunkjax.plan_disk`); a
-        model that fits gets no storage chunk.
+        state the host budget cannot hold (after master-fetch) update ``storage``
+        (:mod:`chunkjax.plan_disk`); a model that fits gets no storage chunk.
       disk_budget_bytes: bytes the storage directories may hold (None: unbounded).
       disk_versions: versions of each chunk file on disk during a step (2: the crash-safe commit).
+
+    Host-updated chunks of ``"tide"`` and ``"all_host"`` on one device keep a compute-dtype copy
+    while ``host_budget_bytes`` allows and are master-fetch beyond
+    (:func:`chunkjax.host_forms.assign_host_forms`); the host budget is compared with
+    ``predicted.host_bytes``.
 
     Returns:
       the :class:`~chunkjax.schedule.Schedule` with its :class:`~chunkjax.schedule.Prediction`
@@ -548,7 +549,13 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
                                                             s.param_kinds))
 
     def host_fits(s: Schedule) -> bool:
-        return host_budget_bytes is None or ranks * s.predicted.host_model_bytes <= host_budget_bytes
+        return host_budget_bytes is None or ranks * s.predicted.host_bytes <= host_budget_bytes
+
+    def forms(s: Schedule | None) -> Schedule | None:  # copy or master-fetch per host chunk (one device)
+        if s is None or ranks > 1:
+            return s
+        return assign_host_forms(s, plan_cb, host_budget_bytes, chunk_size=layout.chunk_size, traces=traces,
+                                 tide=tide, rates=rates, flops_per_step=flops_per_step, micro_batches=micro_batches)
 
     if policy == "tide":
         T = len(tide.moments)
@@ -558,15 +565,18 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
         disk = (host_budget_bytes, disk_budget_bytes, int(storage_devices), disk_versions) if storage_devices else None
 
         def one(b, res):
-            s = _tide_one(layout, traces, tide, plan_cb, b, res, host_update, prefetch, segs, rates, flops_per_step,
-                          split and resident is None, disk)
+            s = forms(_tide_one(layout, traces, tide, plan_cb, b, res, host_update, prefetch, segs, rates,
+                                flops_per_step, split and resident is None))
+            s = s if s is None or disk is None else place_on_disk(
+                s, plan_cb, chunk_size=layout.chunk_size, traces=traces, tide=tide, disk=disk, rates=rates,
+                flops_per_step=flops_per_step, micro_batches=micro_batches)
             return None if s is None else finish(s)
 
         best = _tide(one, layout.n_chunks, budget, host_fits, resident)
         if best is None and disk is not None and one(budget, set()) is not None:  # the device fits; the host does not
             least = min((s for s in (one(budget, set(range(k))) for k in range(layout.n_chunks + 1)) if s is not None),
-                        key=lambda s: s.predicted.host_model_bytes)
-            raise host_disk_error(host_budget_bytes, least.predicted.host_model_bytes, least.predicted.storage_chunks,
+                        key=lambda s: s.predicted.host_bytes)
+            raise host_disk_error(host_budget_bytes, least.predicted.host_bytes, least.predicted.storage_chunks,
                                   int(storage_devices), disk_budget_bytes)
         if best is None:
             _tide_infeasible(one, layout.n_chunks, tide, plan_cb, budget, host_budget_bytes, ranks)
@@ -575,7 +585,8 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
         s = finish(_fixed(layout, traces, tide, plan_cb, budget, prefetch, rates, flops_per_step))
     elif policy == "all_host":
         segs = (0,) if segments is None else segments if segments == "auto" else tuple(segments)
-        s = finish(_all_host(layout, traces, tide, plan_cb, budget, prefetch, segs, rates, flops_per_step))
+        s = _all_host(layout, traces, tide, plan_cb, budget, prefetch, segs, rates, flops_per_step)
+        s = finish(forms(s) or s)
     elif policy == "zero_offload":
         s = finish(_zero_offload(layout, traces, tide, plan_cb, budget, rates, flops_per_step))
     else:
@@ -585,5 +596,5 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
         raise PlanError(_MSG_STATIC_INFEASIBLE.format(policy=policy, need=need, budget=budget,
                                                       need_gib=gib_ceil(need)), need, False)
     if must_fit and not host_fits(s):
-        raise _host_error(host_budget_bytes, s.predicted.host_model_bytes, budget, ranks)
+        raise _host_error(host_budget_bytes, s.predicted.host_bytes, budget, ranks)
     return s

@@ -15,6 +15,7 @@ of :class:`chunkjax.cost.PipelinedStepTime`). Pure: nothing is allocated or writ
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from chunkjax import predict as pr
@@ -31,50 +32,60 @@ _MSG_HOST_DISK = ("host budget {host} bytes is below the {need} bytes the host m
                   "host_budget >= {need_gib:.3f}GiB, more disk space or a larger device budget")
 
 
-def place_on_disk(chunk_size: int, traces, tide, cb: pr.ChunkBytes, param_kinds, update_locations, fetch,
-                  segments, moment_bytes, prediction, *, host_budget: int, disk_budget: int | None,
-                  storage_devices: int, rates, flops_per_step: float, disk_versions: int = DISK_VERSIONS):
-    """Move the fewest offloaded chunks (``host`` or ``streamed``) to ``storage`` so that the
-    prediction's host bytes fit ``host_budget``: streamed chunks first, then host chunks whose
-    gradients complete last (their host updates are the least overlapped with the backward).
+def place_on_disk(s: Schedule, cb: pr.ChunkBytes, *, chunk_size: int, traces, tide, disk: tuple, rates,
+                  flops_per_step: float, micro_batches: int = 1) -> Schedule:
+    """Move the fewest offloaded chunks (``host`` or ``streamed``) of ``s`` to ``storage`` so
+    that its ``predicted.host_bytes`` fit the host budget: streamed chunks first, then host
+    chunks whose gradients complete last (their host updates are the least overlapped with the
+    backward). A master-fetch host chunk (:mod:`chunkjax.host_forms`) moved to disk gets its
+    compute copy back (its master params are on disk).
 
     Args:
-      chunk_size, traces, tide, cb, param_kinds, update_locations, fetch, segments, moment_bytes,
-        rates, flops_per_step: as :func:`chunkjax.predict.predict`.
-      prediction: the prediction of ``update_locations`` (returned when it already fits).
-      host_budget: host bytes for model data (bytes).
-      disk_budget: bytes the storage directories may hold (None: unbounded); a step holds
-        ``disk_versions`` versions of each storage chunk (:data:`DISK_VERSIONS`).
-      storage_devices: storage directories (>= 1).
+      s: a schedule of one device after :func:`chunkjax.host_forms.assign_host_forms`.
+      cb: one chunk's bytes.
+      chunk_size, traces, tide, rates, flops_per_step, micro_batches: as :func:`chunkjax.predict.predict`.
+      disk: ``(host_budget, disk_budget, storage_devices, disk_versions)``: host bytes for model
+        data and the working set; bytes the storage directories may hold (None: unbounded);
+        storage directories (>= 1); versions of each chunk file a step holds
+        (:data:`DISK_VERSIONS`, 1 with ``StorageOptions(keep_previous=False)``).
 
     Returns:
-      ``(update_locations, prediction)``: the fitting placement, or the one with the most chunks
-      on disk that the disk budget allows when none fits (the caller's host check rejects it).
+      ``s`` when it fits the host (or has nothing to move), else the schedule with the fewest
+      storage chunks that fits, or the one with the most the disk budget allows (the caller's
+      host check refuses it).
     """
-    if prediction.host_model_bytes <= host_budget:
-        return tuple(update_locations), prediction
+    host_budget, disk_budget, devices, versions = disk
+    if host_budget is None or s.predicted.host_bytes <= host_budget:
+        return s
     T = len(tide.moments)
     done = pr.grad_done_moments(traces, tide)
-    order = sorted((c for c, u in enumerate(update_locations) if u in (HOST_UPDATE, STREAMED_UPDATE)),
-                   key=lambda c: (update_locations[c] != STREAMED_UPDATE, -done.get(c, T), c))
+    loc0 = s.update_locations
+    order = sorted((c for c, u in enumerate(loc0) if u in (HOST_UPDATE, STREAMED_UPDATE)),
+                   key=lambda c: (loc0[c] != STREAMED_UPDATE, -done.get(c, T), c))
     if disk_budget is not None:
-        order = order[:max(0, disk_budget // (disk_versions * max(1, pr.disk_file_bytes(cb))))]
+        order = order[:max(0, disk_budget // (versions * max(1, pr.disk_file_bytes(cb))))]
     if not order:
-        return tuple(update_locations), prediction
+        return s
+    device_part = [b - e for b, e in zip(s.predicted.device_bytes_per_moment,
+                                         pr.master_fetch_extra(cb, s.fetch, s.prefetch, s.master_fetch))]
 
     def at(j):
         moved = set(order[:j])
-        loc = tuple(STORAGE_UPDATE if c in moved else u for c, u in enumerate(update_locations))
-        return loc, pr.predict(chunk_size, traces, tide, cb, param_kinds, loc, fetch, segments, moment_bytes,
-                               flops_per_step=flops_per_step, rates=rates, storage_devices=storage_devices)
+        loc = tuple(STORAGE_UPDATE if c in moved else u for c, u in enumerate(loc0))
+        mf = tuple(c for c in s.master_fetch if c not in moved)
+        moments = [b + e for b, e in zip(device_part, pr.master_fetch_extra(cb, s.fetch, s.prefetch, mf))]
+        pred = pr.predict(chunk_size, traces, tide, cb, s.param_kinds, loc, s.fetch, s.segments, moments,
+                          flops_per_step=flops_per_step, rates=rates, master_fetch=mf, micro_batches=micro_batches,
+                          storage_devices=devices)
+        return dataclasses.replace(s, update_locations=loc, master_fetch=mf, predicted=pred)
 
-    staging = storage_devices * pr.STORAGE_STAGING_BUFFERS * pr.disk_file_bytes(cb)
-    j = min(len(order), max(1, math.ceil((prediction.host_model_bytes + staging - host_budget) / max(1, cb.state))))
-    loc, pred = at(j)
-    while pred.host_model_bytes > host_budget and j < len(order):
+    staging = devices * pr.STORAGE_STAGING_BUFFERS * pr.disk_file_bytes(cb)
+    j = min(len(order), max(1, math.ceil((s.predicted.host_bytes + staging - host_budget) / max(1, cb.state))))
+    out = at(j)
+    while out.predicted.host_bytes > host_budget and j < len(order):
         j += 1
-        loc, pred = at(j)
-    return loc, pred
+        out = at(j)
+    return out
 
 
 def host_disk_error(host_budget: int, need: int, n_chunks: int, storage_devices: int,
@@ -96,10 +107,10 @@ def storage_line(schedule: Schedule, storage_devices: int, host_budget: int | No
     gb = lambda b: b / 1e9  # noqa: E731
     if not p.storage_chunks:
         held = "an unbounded host budget" if host_budget is None else f"the host budget of {gb(host_budget):.2f} GB"
-        return (f"storage not needed: the plan's {gb(p.host_model_bytes):.2f} GB of host model data fits {held} "
+        return (f"storage not needed: the plan's {gb(p.host_bytes):.2f} GB of host memory fits {held} "
                 f"({schedule.counts()})")
     return (f"storage: {p.storage_chunks} of {schedule.n_chunks} chunks' master params and optimizer state on "
             f"{storage_devices} storage director{'y' if storage_devices == 1 else 'ies'}; disk "
             f"{gb(p.disk_bytes_per_step):.2f} GB/step read+written, predicted disk update "
-            f"{p.time.storage_update_s:.2f} s of a {p.time.step_s:.2f} s step; host model data "
-            f"{gb(p.host_model_bytes):.2f} GB")
+            f"{p.time.storage_update_s:.2f} s of a {p.time.step_s:.2f} s step; host memory "
+            f"{gb(p.host_bytes):.2f} GB")

@@ -165,14 +165,15 @@ def held_buffers(fetch, evict) -> list[int]:
 
 
 def tide_moment_bytes(tide: Tide, cb: ChunkBytes, param_kinds, update_locations, fetch, prefetch: int,
-                      held: Sequence[int], grad_done: dict[int, int]) -> list[int]:
+                      held: Sequence[int], grad_done: dict[int, int], master_fetch=()) -> list[int]:
     """Device bytes at each moment: model data on the device + the tide's non-model bytes +
     waiting gradients + (chunk buffers held + fetches in flight for the next ``prefetch``
-    moments) x one chunk's compute params.
+    moments) x one chunk's compute params (+ :func:`master_fetch_extra`).
 
     Args:
       held: per moment, fetched chunk copies on the device (the eviction plan's cache, or
         :func:`held_buffers`).
+      master_fetch: chunk ids fetched as float32 master params (:mod:`chunkjax.host_forms`).
     """
     T = len(tide.moments)
     model = device_model_bytes(cb, param_kinds, update_locations)
@@ -181,7 +182,59 @@ def tide_moment_bytes(tide: Tide, cb: ChunkBytes, param_kinds, update_locations,
     for t, m in enumerate(tide.moments):
         inflight = sum(len(fetch[u]) for u in range(t + 1, min(T, t + 1 + prefetch)))
         out.append(model + m.non_model_bytes + waiting[t] + (held[t] + inflight) * cb.buffer)
-    return out
+    extra = master_fetch_extra(cb, fetch, prefetch, master_fetch)
+    return [b + e for b, e in zip(out, extra)]
+
+
+def master_fetch_extra(cb: ChunkBytes, fetch, prefetch: int, master_fetch) -> list[int]:
+    """Per moment, device bytes a master-fetch chunk's float32 buffer adds above its
+    compute-dtype copy (``cb.master - cb.params`` each) while it is in flight or being cast:
+    the fetches for this moment and the next ``prefetch`` ones."""
+    mf, T = set(master_fetch), len(fetch)
+    if not mf:
+        return [0] * T
+    return [sum(cb.master - cb.params for u in range(t, min(T, t + 1 + prefetch)) for c in fetch[u] if c in mf)
+            for t in range(T)]
+
+
+def host_figures(chunk_size: int, cb: ChunkBytes, param_kinds, update_locations, done_moments: dict[int, int],
+                 segments, n_moments: int, *, master_fetch=(), micro_batches: int = 1) -> dict:
+    """The host-memory figures of a schedule's decisions (bytes; :class:`~chunkjax.schedule.Prediction`).
+
+    ``host_model_bytes``: pinned compute params (none for a ``master_fetch`` chunk: its master
+    params are in its state), master params and state of ``host``/``streamed`` chunks, every
+    offloaded chunk's gradient. ``host_working_bytes``: the host-updated chunks' gradients that
+    exist at once (:func:`chunkjax.host_forms.grad_window_bytes` over ``segments``; with
+    ``micro_batches`` > 1 every host chunk's float32 sum and mean as well). ``host_bytes``: the
+    model data plus that working set (streamed chunks' gradients whole). The per-parameter
+    figures divide by all parameters (``host_bytes_per_param``) and by those of chunks whose
+    state is in host memory (``host_resident_bytes_per_param``).
+
+    Args:
+      done_moments: chunk -> the moment its gradient completes (:func:`grad_done_moments`; a
+        chunk no stage reads completes at the last of the ``n_moments``).
+    """
+    from chunkjax.host_forms import grad_window_bytes
+    mf, n = set(master_fetch), len(param_kinds)
+    T = n_moments
+    model = resident = 0
+    host = []
+    for c, (k, u) in enumerate(zip(param_kinds, update_locations)):
+        params = cb.params_of(c) if k == PINNED_HOST and c not in mf else 0
+        model += params
+        if u in (HOST_UPDATE, STREAMED_UPDATE):
+            model += cb.state + cb.grad
+            resident += params + cb.state + (cb.grad if u == STREAMED_UPDATE else 0)
+        if u == HOST_UPDATE:
+            host.append(done_moments.get(c, T - 1))
+    working = grad_window_bytes(host, segments, cb.grad) if host else 0
+    if micro_batches > 1:
+        working += len(host) * (cb.master + cb.grad)
+    total = model - len(host) * cb.grad + working
+    n_res = sum(u in (HOST_UPDATE, STREAMED_UPDATE) for u in update_locations)
+    return {"host_model_bytes": int(model), "host_bytes": int(total), "host_working_bytes": int(working),
+            "host_bytes_per_param": total / (n * chunk_size) if n and chunk_size else 0.0,
+            "host_resident_bytes_per_param": (resident + working) / (n_res * chunk_size) if n_res else 0.0}
 
 
 def fixed_rule_moment_bytes(chunk_size: int, traces: Sequence[StageTrace], cb: ChunkBytes, param_kinds,
@@ -253,7 +306,8 @@ def _host_ready(chunk_size, traces, n_moments, update_locations, segments, grad_
 
 def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: ChunkBytes, param_kinds,
             update_locations, fetch, segments, moment_bytes: Sequence[int], *, flops_per_step: float,
-            rates: Rates = Rates(), forward_fetches: int | None = None, storage_devices: int = 1) -> Prediction:
+            rates: Rates = Rates(), forward_fetches: int | None = None, master_fetch=(),
+            micro_batches: int = 1, storage_devices: int = 1) -> Prediction:
     """The :class:`~chunkjax.schedule.Prediction` of a schedule's decisions.
 
     Args:
@@ -269,6 +323,9 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
       rates: cost-model rates.
       forward_fetches: fetches timed in the forward pass (default: those of forward moments;
         a schedule that issues every fetch at the step's start passes all of them).
+      master_fetch: host chunks fetched as their float32 master params (``cb.master`` bytes a
+        fetch; no compute copy on the host: :mod:`chunkjax.host_forms`).
+      micro_batches: gradient accumulation (the host working set holds float32 sums).
       storage_devices: storage directories (devices) of the disk tier the ``storage`` chunks
         are spread over.
 
@@ -283,7 +340,9 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
     model = device_model_bytes(cb, param_kinds, update_locations)
     peak = max(max(moment_bytes, default=0), model + update_phase_bytes(chunk_size, cb, update_locations))
     n_fetch = sum(len(f) for f in fetch)
-    fetch_b = sum(cb.params_of(c) for f in fetch for c in f)
+    mf = set(master_fetch)
+    fetched = lambda c: cb.master if c in mf else cb.params_of(c)  # noqa: E731
+    fetch_b = sum(fetched(c) for f in fetch for c in f)
     off = [c for c, u in enumerate(update_locations) if u in (HOST_UPDATE, STREAMED_UPDATE, STORAGE_UPDATE)]
     h2d, d2h = fetch_b, len(off) * cb.grad
     streamed_bytes = 0
@@ -295,14 +354,17 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
             h2d, d2h, streamed_bytes = h2d + up, d2h + down, streamed_bytes + up + down
         elif u == DEVICE_UPDATE and k == PINNED_HOST:
             d2h += cb.params
-    host = sum((cb.params_of(c) if k == PINNED_HOST else 0) + (cb.state + cb.grad if u in (HOST_UPDATE, STREAMED_UPDATE)
-                                                               else 0)
-               for c, (k, u) in enumerate(zip(param_kinds, update_locations)))
-    n_disk = sum(u == STORAGE_UPDATE for u in update_locations)
-    host += n_disk * cb.grad + (storage_devices * STORAGE_STAGING_BUFFERS * disk_file_bytes(cb) if n_disk else 0)
-    fwd_b = (sum(cb.params_of(c) for t in range(n_stages - 1) for c in fetch[t]) if forward_fetches is None
-             else fetch_b if forward_fetches >= n_fetch else forward_fetches * cb.params)
     grad_done = grad_done_moments(traces, tide)
+    hf = host_figures(chunk_size, cb, param_kinds, update_locations, grad_done, segments, T, master_fetch=mf,
+                      micro_batches=micro_batches)
+    n_disk = sum(u == STORAGE_UPDATE for u in update_locations)
+    staging = storage_devices * STORAGE_STAGING_BUFFERS * disk_file_bytes(cb) if n_disk else 0
+    if n_disk:  # storage chunks: gradients whole until the disk update, the workers' staging buffers
+        hf["host_model_bytes"] += n_disk * cb.grad + staging
+        hf["host_bytes"] += n_disk * cb.grad + staging
+        hf["host_bytes_per_param"] = hf["host_bytes"] / (len(param_kinds) * chunk_size)
+    fwd_b = (sum(fetched(c) for t in range(n_stages - 1) for c in fetch[t]) if forward_fetches is None
+             else fetch_b if forward_fetches >= n_fetch else forward_fetches * cb.params)
     time = predict_pipelined_step(
         flops_per_step, fwd_h2d=fwd_b, bwd_h2d=fetch_b - fwd_b, bwd_d2h=len(off) * cb.grad,
         streamed_bytes=streamed_bytes,
@@ -310,8 +372,10 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
         streamed_params=sum(u == STREAMED_UPDATE for u in update_locations) * chunk_size,
         host_ready=_host_ready(chunk_size, traces, T, update_locations, segments, grad_done), rates=rates,
         disk_bytes=2 * n_disk * disk_file_bytes(cb), storage_devices=storage_devices)
-    return Prediction(int(peak), int(model), int(host), int(h2d), int(d2h), int(fetch_b), int(n_fetch),
-                      tuple(int(b) for b in moment_bytes), time, 2 * n_disk * disk_file_bytes(cb), n_disk)
+    return Prediction(int(peak), int(model), hf.pop("host_model_bytes"), int(h2d), int(d2h), int(fetch_b),
+                      int(n_fetch), tuple(int(b) for b in moment_bytes), time, **hf,
+                      disk_bytes_per_step=2 * n_disk * disk_file_bytes(cb), storage_chunks=n_disk,
+                      disk_staging_bytes=staging)
 
 
 def predict_optimizer_only(chunk_size: int, cb: ChunkBytes, update_locations, *, flops_per_step: float = 0.0,
@@ -327,8 +391,11 @@ def predict_optimizer_only(chunk_size: int, cb: ChunkBytes, update_locations, *,
     time = predict_pipelined_step(flops_per_step, fwd_h2d=0, bwd_h2d=0, bwd_d2h=0, streamed_bytes=2 * moved,
                                   device_params=n_dev * chunk_size, streamed_params=n_str * chunk_size,
                                   host_ready=[], rates=rates)
+    n = len(update_locations)
     return Prediction(int(model + update_working_bytes(chunk_size, cb)), int(model), int(moved), int(moved),
-                      int(moved), 0, 0, (), time)
+                      int(moved), 0, 0, (), time, host_bytes=int(moved),
+                      host_bytes_per_param=moved / (n * chunk_size) if n else 0.0,
+                      host_resident_bytes_per_param=moved / (n_str * chunk_size) if n_str else 0.0)
 
 
 def per_rank(pred: Prediction, cb: ChunkBytes, ranks: int, zero_stage: int, update_locations,
@@ -344,11 +411,14 @@ def per_rank(pred: Prediction, cb: ChunkBytes, ranks: int, zero_stage: int, upda
     frozen = sum((_shard(cb.params_of(c), ranks) if zero_stage == 3 else cb.params_of(c))
                  for c, u in enumerate(update_locations)
                  if u == NO_UPDATE and (param_kinds is None or param_kinds[c] == PINNED_HOST))
+    host = off * (unit + _shard(cb.state, ranks) + _shard(cb.grad, ranks)) + frozen
+    shard_elems, n = _shard(cb.master, ranks) // F32_BYTES, len(update_locations)
     return dataclasses.replace(pred, h2d_bytes_per_step=pred.n_fetches * unit,
                                fetch_bytes_per_step=pred.n_fetches * unit,
                                d2h_bytes_per_step=off * _shard(cb.grad, ranks),
-                               host_model_bytes=off * (unit + _shard(cb.state, ranks) + _shard(cb.grad, ranks))
-                               + frozen)
+                               host_model_bytes=host, host_bytes=host, host_working_bytes=0,  # every gradient counted
+                               host_bytes_per_param=host / (n * shard_elems) if n and shard_elems else 0.0,
+                               host_resident_bytes_per_param=(host - frozen) / (off * shard_elems) if off else 0.0)
 
 
 def collective_bytes(s: Schedule, traces: Sequence[StageTrace], tide: Tide, chunk_size: int, ranks: int,

@@ -114,16 +114,29 @@ class Prediction:
     Attributes:
       peak_device_bytes: largest device bytes at any moment or in the update phase.
       device_model_bytes: model data resident on the device between steps.
-      host_model_bytes: model data and gradient buffers in host memory.
+      host_model_bytes: model data and gradient buffers in host memory, every offloaded chunk's
+        gradient counted (what a step moves through host memory).
       h2d_bytes_per_step / d2h_bytes_per_step: bytes moved each way per step.
       fetch_bytes_per_step: part of h2d that is chunk fetches during forward/backward.
       n_fetches: chunk fetches per step.
       device_bytes_per_moment: predicted device bytes at each moment (model + tide + buffers).
       time: predicted step time and where it goes.
+      host_bytes: host bytes held at once: model data in host memory (a master-fetch chunk
+        without its compute copy) plus :attr:`host_working_bytes`; what the host budget and the
+        host-memory check compare (:mod:`chunkjax.host_forms`).
+      host_working_bytes: host-updated chunks' gradients that exist at once (two programs',
+        :func:`chunkjax.host_forms.grad_window_bytes`; with micro-batches also their float32 sums
+        and means); streamed chunks' gradients are in :attr:`host_bytes` whole.
+      host_bytes_per_param: :attr:`host_bytes` over every parameter of the layout (padding
+        included).
+      host_resident_bytes_per_param: host bytes of the chunks whose state lives in host memory
+        (``host`` and ``streamed``) plus the working set, over their parameters (0.0: none).
       disk_bytes_per_step: bytes the ``storage`` chunks read and write on their storage
         directories per step (master params and optimizer state, each way; 0 without the disk
         tier).
       storage_chunks: chunks updated ``storage``.
+      disk_staging_bytes: host bytes of the near-storage workers' staging buffers (in
+        :attr:`host_bytes`).
     """
 
     peak_device_bytes: int
@@ -135,14 +148,19 @@ class Prediction:
     n_fetches: int
     device_bytes_per_moment: tuple[int, ...]
     time: PipelinedStepTime
+    host_bytes: int = 0
+    host_working_bytes: int = 0
+    host_bytes_per_param: float = 0.0
+    host_resident_bytes_per_param: float = 0.0
     disk_bytes_per_step: int = 0
     storage_chunks: int = 0
+    disk_staging_bytes: int = 0
 
     def to_dict(self) -> dict:
         """JSON-ready; without storage chunks the disk tier's keys are left out (as recorded before it)."""
         d = dataclasses.asdict(self)
         if not self.storage_chunks:
-            del d["disk_bytes_per_step"], d["storage_chunks"]
+            del d["disk_bytes_per_step"], d["storage_chunks"], d["disk_staging_bytes"]
         d["time"] = self.time.to_dict()
         d["device_bytes_per_moment"] = list(self.device_bytes_per_moment)
         return d
@@ -172,10 +190,16 @@ class Schedule:
       moments: per moment, ``(phase, stage)`` with phase as in :mod:`chunkjax.tide`.
       predicted: the :class:`Prediction`.
       budget_bytes: the device budget planned for (bytes; each rank's under ZeRO).
+      master_fetch: ids of ``host``-updated chunks kept in the *master-fetch* form: no
+        compute-dtype copy on the host, the float32 master params in pinned host memory are what
+        a fetch reads (4 bytes per element up) and are cast to the compute dtype on the device
+        (:func:`chunkjax.host_forms.assign_host_forms`); the other host chunks keep a
+        compute-dtype copy in pinned host memory. Empty on a mesh.
 
     Raises:
-      ValueError: per-chunk tuples of different lengths, an unknown update location, or
-        segments that do not start at 0 and increase.
+      ValueError: per-chunk tuples of different lengths, an unknown update location,
+        segments that do not start at 0 and increase, or a ``master_fetch`` chunk that is not
+        host-updated with its params in pinned host memory.
     """
 
     param_kinds: tuple[str, ...]
@@ -187,10 +211,16 @@ class Schedule:
     moments: tuple[tuple[str, int], ...]
     predicted: Prediction
     budget_bytes: int
+    master_fetch: tuple[int, ...] = ()
 
     def __post_init__(self):
         if len(self.param_kinds) != len(self.update_locations):
             raise ValueError("param_kinds and update_locations need one entry per chunk")
+        bad = [c for c in self.master_fetch if not (0 <= c < len(self.param_kinds))
+               or self.update_locations[c] != HOST_UPDATE or self.param_kinds[c] != PINNED_HOST]
+        if bad:
+            raise ValueError(f"master_fetch chunk {bad[0]} is not host-updated with its params in pinned_host: "
+                             "only such chunks can be fetched from their float32 master params")
         for u in self.update_locations:
             if u not in UPDATE_LOCATIONS:
                 raise ValueError(f"update location {u!r} is not one of {UPDATE_LOCATIONS}")
@@ -235,7 +265,8 @@ class Schedule:
                 "fetch": [list(f) for f in self.fetch], "evict": [list(e) for e in self.evict],
                 "segments": list(self.segments), "prefetch": self.prefetch,
                 "moments": [list(m) for m in self.moments], "counts": self.counts(),
-                "budget_bytes": self.budget_bytes, "predicted": self.predicted.to_dict()}
+                "budget_bytes": self.budget_bytes, "predicted": self.predicted.to_dict(),
+                "master_fetch": list(self.master_fetch)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Schedule":
@@ -243,4 +274,4 @@ class Schedule:
         return cls(tuple(d["param_kinds"]), tuple(d["update_locations"]), tuple(tuple(f) for f in d["fetch"]),
                    tuple(tuple(e) for e in d["evict"]), tuple(d["segments"]), int(d["prefetch"]),
                    tuple(tuple(m) for m in d["moments"]), Prediction.from_dict(d["predicted"]),
-                   int(d["budget_bytes"]))
+                   int(d["budget_bytes"]), tuple(int(c) for c in d.get("master_fetch", ())))

@@ -174,6 +174,8 @@ class Speculation:
       pool: the :class:`BackupPool`.
 
     Attributes:
+      stalled: a Future done (with the chunk id) once an update waits for the norm because the
+        pool is full (:meth:`chunkjax.updaters.HostWork.hand_over` stops holding programs back).
       speculated: chunks updated before the norm was known (this step).
       redone: chunks restored from their backup and updated again (or left as they were).
     """
@@ -187,6 +189,7 @@ class Speculation:
         self._norm, self._set = None, threading.Event()
         self._final = None
         self._backups: dict = {}
+        self.stalled = concurrent.futures.Future()  # set once an update waits for the norm
         self.speculated = 0
         self.redone = 0
 
@@ -228,17 +231,22 @@ class Speculation:
     def update(self, state, grads: dict) -> float:
         """Update each chunk of ``grads`` (``{c: gradient or Future of (gradient, sq)}``) in place:
         with the right factor when it is known, else speculatively when the pool has room, else
-        after waiting for the norm. Returns kernel and copy seconds."""
+        after waiting for the norm (:attr:`stalled` is set first). Each gradient is popped from
+        ``grads`` as its update starts; a speculated chunk's gradient is kept until
+        :meth:`validate` (a redo needs it), the others are dropped once their kernel ran. Returns
+        kernel and copy seconds."""
         import time
-        if self.certain:  # no speculation: the program's chunks in one call
-            return self._update(state, {c: g.result()[0] if isinstance(g, concurrent.futures.Future) else g
-                                        for c, g in grads.items()}, self.guess)
         spent = 0.0
-        for c, g in grads.items():
+        while grads:
+            c = next(iter(grads))
+            g = grads.pop(c)
             if isinstance(g, concurrent.futures.Future):
                 g = g.result()[0]
             elif isinstance(g, jax.Array):
                 g.block_until_ready()
+            if self.certain:  # no speculation: the factor is known
+                spent += self._update(state, {c: g}, self.guess)
+                continue
             if not self._known():
                 t0 = time.perf_counter()
                 bk = _backup(self.pool, state, c)
@@ -248,6 +256,8 @@ class Speculation:
                     self.speculated += 1
                     spent += self._update(state, {c: g}, self.guess)
                     continue
+                if not self.stalled.done():  # the main thread must not hold programs back for us
+                    self.stalled.set_result(c)
             spent += self._update(state, {c: g}, self.final())
         return spent
 
@@ -290,5 +300,6 @@ def for_step(step, work, inv: float) -> Speculation:
     if work.backups is None:
         work.backups = BackupPool(auto_backup_bytes() if step.speculation_bytes is None else step.speculation_bytes)
     update = lambda st, grads, scale: step._host_update(st, grads, scale)  # noqa: E731 (looked up per call)
-    return Speculation(update, host_write_params(step.topology, step.compute_dtype), step.host_optimizer,
+    return Speculation(update, host_write_params(step.topology, step.compute_dtype, step.master_fetch_chunks),
+                       step.host_optimizer,
                        skip=step._skip_nonfinite, inv=inv, pool=work.backups)

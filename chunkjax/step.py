@@ -40,6 +40,7 @@ from chunkjax.schedule import check_trainable
 from chunkjax.stages import first_readers, split_loss, stage_reads
 from chunkjax.step_checkpoint import StepChunkIO, restore_chunks
 from chunkjax.storage import updater as disk
+from chunkjax.step_updates import StepUpdates
 from chunkjax.topology import SingleDevice, make_topology
 from chunkjax.speculate import for_step
 from chunkjax.updaters import HostWork, host_deadline_s
@@ -69,7 +70,7 @@ class TrainState(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class ChunkedStep(StepChunkIO):
+class ChunkedStep(StepChunkIO, StepUpdates):
     """A chunked training step for one (model, layout, placement or schedule, optimizer, topology).
 
     Build it with :func:`make_chunked_step`. ``step(state, batch) -> (state, metrics)``;
@@ -138,6 +139,8 @@ class ChunkedStep(StepChunkIO):
             raise ValueError(f"nonfinite={self.nonfinite!r}: use 'ignore' or 'skip'")
         if self.schedule is not None and self.schedule.placement != self.placement:
             raise ValueError("placement differs from schedule.placement: pass the schedule's")
+        if self.master_fetch_chunks and self.mesh is not None:
+            raise ValueError("a schedule with master_fetch chunks runs on one device: plan the mesh without them")
         if self.host_chunks and self.host_optimizer is None:
             raise ValueError("the schedule updates chunks on the host: pass host_optimizer "
                              "(chunkjax.host_update.AdamW / Lion / SGDMomentum)")
@@ -338,41 +341,6 @@ class ChunkedStep(StepChunkIO):
         """:func:`chunkjax.footprint.device_bytes` of ``state`` (bytes per local device)."""
         return footprint.device_bytes(self, state)
 
-    # ---- update locations ----------------------------------------------------------------------------
-    @functools.cached_property
-    def host_chunks(self) -> tuple[int, ...]:
-        """Chunks updated in place on the host (update location ``host``)."""
-        if self.schedule is None:
-            return ()
-        return tuple(c for c, u in enumerate(self.schedule.update_locations) if u == "host")
-
-    @functools.cached_property
-    def _device_chunks(self) -> tuple[int, ...]:
-        return tuple(c for c in range(self.layout.n_chunks) if self._location(c) == "device")
-
-    @functools.cached_property
-    def _streamed_chunks(self) -> tuple[int, ...]:
-        return tuple(c for c in range(self.layout.n_chunks) if self._location(c) == "streamed")
-
-    @functools.cached_property
-    def updaters(self) -> dict[str, upd.Updater]:
-        """``{"device", "streamed", "host"}`` -> the location's :class:`~chunkjax.updaters.Updater`."""
-        kw = dict(skip=self._skip_nonfinite, loss_scaling=self.loss_scaling,
-                  donate=self.mesh is None or self._donates)
-        args = (self.topology, self.tx, self.layout.chunk_size, self.compute_dtype, set(self.placement.param_kinds))
-        out = {"device": upd.device_updater(*args, **kw), "streamed": upd.streamed_updater(*args, **kw)}
-        if self.host_optimizer is not None:
-            out["host"] = upd.host_updater(self.topology, self.host_optimizer, self.layout.chunk_size,
-                                           self.compute_dtype)
-        return out | disk.updaters_of(self)
-
-    def _host_update(self, state: TrainState, grads: dict, grad_scale) -> float:
-        """Update host chunks in place (runs on the host-update thread): returns kernel seconds."""
-        return self.updaters["host"].update(state, grads, grad_scale)
-
-    def _location(self, c: int) -> str:
-        return (self.schedule or self.placement).update_locations[c]
-
     # ---- the step ----------------------------------------------------------------------------------
     def wait(self, state: TrainState) -> float | None:
         """Block until the host updates of the step that returned ``state`` are done (before
@@ -411,7 +379,7 @@ class ChunkedStep(StepChunkIO):
         scale = None if loss_scale is None else jnp.asarray(loss_scale, jnp.float32)
         inv = 1.0 if loss_scale is None else 1.0 / float(loss_scale)
         spec = work.speculation = for_step(self, work, inv) if self.host_chunks else None
-        norm, on_host = None, None if spec is None else (lambda mine: work.submit(spec.update, state, mine))
+        norm, on_host = None, None if spec is None else (lambda mine: work.hand_over(spec.update, state, mine))
         try:
             grads, sq, loss = (self._run_programs(state, self.topology.put_batch(batch), scale, on_host)
                                if self.micro_batches == 1 else accumulate.mean_gradients(self, state, batch, scale, on_host))
@@ -444,19 +412,21 @@ class ChunkedStep(StepChunkIO):
 
     def _run_programs(self, state: TrainState, batch, scale, on_host=None):
         """Run every program of the step on ``batch`` (placed): returns ``(grads, sq, loss)``, a
-        gradient and squared norm for every chunk (zero for chunks no stage reads); host chunks'
-        gradients go to ``on_host({c: gradient})`` as each program ends (unread ones at the end)."""
+        gradient and squared norm for every chunk (zero for chunks no stage reads); with ``on_host``,
+        host chunks' gradients go to ``on_host({c: gradient})`` as each program ends (unread ones at
+        the end) and are not returned: the host thread drops each once consumed."""
         host = set(self.host_chunks)
         carry: dict = {} if scale is None else {"loss_scale": scale}  # carried to the loss's program
         acc, grads, sq, loss, late = {}, {}, {}, None, {}
         for k in range(len(self._program_bounds())):
             fn, args = self._program(batch, k)
             carry, acc, g, q, l = fn({c: state.params[c] for c in args}, batch, carry, acc)
+            mine = {c: g.pop(c) for c in list(g) if c in host} if on_host is not None else {}
             grads.update(g)
             sq.update(q)
             loss = l if l is not None else loss
-            mine = {c: g[c] for c in g if c in host}
-            if mine and on_host is not None:
+            g = None
+            if mine:
                 on_host(mine)
         for c in range(self.layout.n_chunks):
             if c not in sq:  # chunks no stage reads: zero gradient; frozen chunks: none (their norm 0)
@@ -465,7 +435,7 @@ class ChunkedStep(StepChunkIO):
                     late[c] = grads[c]
                 sq[c] = self.topology.put(np.zeros((), np.float32), self.topology.scalar_sharding())
         if on_host is not None and host.intersection(late):
-            on_host({c: g for c, g in late.items() if c in host})
+            on_host({c: grads.pop(c) for c in late if c in host})
         return grads, sq, loss
 
     @functools.cached_property
@@ -511,13 +481,14 @@ class ChunkedStep(StepChunkIO):
 
         frozen = set(self.frozen_chunks)  # params in their own dtype, no master or state
         dtypes = [lay.chunk_dtypes[c] if c in frozen else np.float32 for c in range(lay.n_chunks)]
-        ms, os_ = [], []
+        ms, os_, ps, topo, fetch_master = [], [], {}, self.topology, set(self.master_fetch_chunks)
         for c, buf in enumerate(lay.host_chunks(leaf_at, dtypes)):
             m, o = (None, None) if c in frozen else self.updaters[self._location(c)].init(buf, c)
+            if c in fetch_master:  # the master params are the pinned params; master a view of them
+                ps[c], m = upd.pinned_master(topo, m)
             ms.append(m), os_.append(o)
-        topo = self.topology
-        ps = [topo.put(buf if c in frozen else buf.astype(self.compute_dtype),
-                       topo.param_sharding(self.placement.param_kinds[c]))
+        ps = [ps[c] if c in ps else topo.put(buf if c in frozen else buf.astype(self.compute_dtype),
+                                             topo.param_sharding(self.placement.param_kinds[c]))
               for c, buf in enumerate(lay.host_chunks(leaf_at, dtypes))]
         jax.block_until_ready((ps, [m for m in ms if isinstance(m, jax.Array)]))
         return TrainState(tuple(ps), tuple(ms), tuple(os_))

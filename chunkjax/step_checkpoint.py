@@ -18,7 +18,7 @@ import numpy as np
 
 from chunkjax import optim, portable
 from chunkjax.checkpoint.protocol import CheckpointError
-from chunkjax.updaters import warm_host_kernel
+from chunkjax.updaters import pinned_master, warm_host_kernel
 
 
 class StepChunkIO:
@@ -145,7 +145,10 @@ def chunk_portable(step_fn, state, c: int) -> tuple[dict, dict]:
         rest = {}
     else:
         count, moments, rest = portable.optax_to_portable(st, step_fn.layout.chunk_size)
-    arrays = {"params": portable.host_value(state.params[c]),
+    params = state.params[c]
+    if c in step_fn.master_fetch_chunks:  # no compute copy: the portable params are the master's cast
+        params = np.asarray(state.master[c]).astype(step_fn.compute_dtype)
+    arrays = {"params": portable.host_value(params),
               "master": portable.host_value(state.master[c], np.float32), **moments}
     return arrays, {"count": count, "moments": sorted(set(portable.moment_names(st))), "rest": rest, "saved_from": loc}
 
@@ -241,6 +244,9 @@ class _Placer:
             return p, m, o
         if c in self.host:
             if step.mesh is None:
+                if c in step.master_fetch_chunks:  # the master params are the pinned params
+                    del p
+                    p, master = pinned_master(topo, master)
                 return p, master, portable.portable_to_host(self.host_cls, count, moments, c)
             local = set(topo.local_ranks())
             sl = [topo.rank_slice(r, step.layout.chunk_size) if r in local else None for r in range(step.n_ranks)]

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from chunkjax import optim
+from chunkjax.host_forms import GRAD_WINDOW_PROGRAMS
 from chunkjax.memory import DEVICE, PINNED_HOST
 
 
@@ -136,7 +137,7 @@ def streamed_updater(topology, tx, chunk_size: int, compute_dtype, param_kinds, 
                         loss_scaling=loss_scaling, donate=donate)
 
 
-def host_updater(topology, host_optimizer, chunk_size: int, compute_dtype) -> Updater:
+def host_updater(topology, host_optimizer, chunk_size: int, compute_dtype, master_fetch=()) -> Updater:
     """Chunks updated in place on the host by the numba kernel of ``host_optimizer``
     (:class:`chunkjax.host_update.AdamW` / ``Lion`` / ``SGDMomentum``).
 
@@ -145,15 +146,26 @@ def host_updater(topology, host_optimizer, chunk_size: int, compute_dtype) -> Up
     ranks of other processes). ``update(state, grads, grad_scale) -> seconds``: for each chunk of
     ``grads`` (``{c: gradient}``, a jax array or numpy) waits for the gradient, then runs the
     kernel on each local rank's shard, writing the new compute params into ``state.params[c]``'s
-    buffer (stages 1/2: into that slice of every local replica). ``grad_scale`` (a float, the
-    clipping pair of :func:`chunkjax.kernels.clip_scale`, a callable returning one, or None for a
-    skipped step) multiplies the gradients. Returns the
-    kernel seconds (not the waits for gradients).
+    buffer (stages 1/2: into that slice of every local replica); a chunk of ``master_fetch``
+    (one device only) has no compute copy: its ``state.master[c]`` is a writable view of the
+    float32 pinned buffer ``state.params[c]`` that the step's fetches read, and the kernel's
+    update of the master params is all there is to write. Each gradient is popped from
+    ``grads`` before its kernel runs, so no reference to a consumed gradient remains (the
+    gradient working set, :func:`chunkjax.host_forms.grad_working_bytes`). ``grad_scale`` (a
+    float, the clipping pair of :func:`chunkjax.kernels.clip_scale`, a callable returning one, or
+    None for a skipped step) multiplies the gradients. Returns the kernel seconds (not the waits
+    for gradients).
+
+    Raises:
+      ValueError: ``master_fetch`` chunks on a mesh.
     """
     from chunkjax import host_update as hu
     bf16 = jnp.dtype(compute_dtype) == jnp.bfloat16
     view_dt = np.uint16 if bf16 else np.dtype(compute_dtype)
     mesh = topology.mesh is not None
+    fetch_master = frozenset(master_fetch)
+    if mesh and fetch_master:
+        raise ValueError("master_fetch chunks need one device: on a mesh host chunks keep their compute copy")
 
     def init(buf, c):
         del c
@@ -170,12 +182,22 @@ def host_updater(topology, host_optimizer, chunk_size: int, compute_dtype) -> Up
         if callable(grad_scale):
             grad_scale = grad_scale()
         if grad_scale is None:  # a skipped step (non-finite gradients): nothing changes
+            grads.clear()
             return 0.0
         spent = 0.0
-        for c, g in grads.items():
+        while grads:
+            c = next(iter(grads))
+            g = grads.pop(c)  # the caller's dict no longer holds it: freed once the kernel is done
             if isinstance(g, jax.Array):
                 g.block_until_ready()
             t0 = time.perf_counter()
+            if c in fetch_master:
+                g_np = np.asarray(g)
+                g_np = g_np.view(np.uint16) if bf16 else g_np.astype(np.float32, copy=False)
+                hu.host_update_(host_optimizer, state.opt_state[c], g_np, state.master[c], None, grad_scale)
+                del g, g_np
+                spent += time.perf_counter() - t0
+                continue
             p_arr = state.params[c]
             for r, g_r in topology.grad_shards(g).items():
                 g_np = np.asarray(g_r)
@@ -189,22 +211,27 @@ def host_updater(topology, host_optimizer, chunk_size: int, compute_dtype) -> Up
                     np.copyto(outs[0], master.astype(compute_dtype).view(outs[0].dtype))
                 for o in outs[1:]:  # stages 1/2: the other replicas get the same slice
                     np.copyto(o, outs[0])
+            g = g_r = g_np = None  # drop the references before the next chunk
             spent += time.perf_counter() - t0
         return spent
 
     return Updater(init, update)
 
 
-def host_write_params(topology, compute_dtype) -> Callable:
+def host_write_params(topology, compute_dtype, master_fetch=()) -> Callable:
     """``write_params(state, c)``: rewrite host chunk ``c``'s compute params (its pinned buffer,
     each local rank's slice) as its float32 master params cast to ``compute_dtype`` (bf16: round
-    to nearest even), what a skipped step leaves (:mod:`chunkjax.speculate`)."""
+    to nearest even), what a skipped step leaves (:mod:`chunkjax.speculate`); nothing for a
+    ``master_fetch`` chunk (its params are its master params)."""
     from chunkjax.kernels import bf16_round_bits
     bf16 = jnp.dtype(compute_dtype) == jnp.bfloat16
     view_dt = np.uint16 if bf16 else np.dtype(compute_dtype)
     mesh = topology.mesh is not None
+    fetch_master = frozenset(master_fetch)
 
     def write_params(state, c: int) -> None:
+        if c in fetch_master:
+            return
         ranks = topology.local_ranks() if mesh else (0,)
         for r in ranks:
             master = state.master[c][r] if mesh else state.master[c]
@@ -213,6 +240,18 @@ def host_write_params(topology, compute_dtype) -> Callable:
                 np.copyto(o, new)
 
     return write_params
+
+
+def pinned_master(topology, master: np.ndarray) -> tuple[jax.Array, np.ndarray]:
+    """A master-fetch chunk's two names for one buffer: ``(params, master)``, its (chunk_size,)
+    float32 master params placed in pinned host memory (what the step's fetches read and cast
+    on the device) and a writable numpy view of that buffer (what the host kernel updates in
+    place: gpu_facts.md, "Rules for updating pinned buffers in place"). One device only; host
+    bytes: 4 per element, no compute copy."""
+    from chunkjax import host_update as hu
+    p = topology.put(np.array(master, np.float32, copy=True), topology.param_sharding(PINNED_HOST))
+    p.block_until_ready()
+    return p, hu.writable_view(p, np.float32)
 
 
 def warm_host_kernel(host_optimizer, compute_dtype) -> None:
@@ -273,6 +312,7 @@ class HostWork:
     def __init__(self, deadline_s: float | None = None, backups=None):
         self._queue: queue.SimpleQueue | None = None
         self._futures: list = []
+        self._handoffs: list = []
         self.deadline_s = deadline_s
         self.seconds: float | None = None
         self.backups = backups
@@ -291,8 +331,9 @@ class HostWork:
                 except BaseException as e:  # handed to join()
                     fut.set_exception(e)
 
-    def submit(self, fn, *args) -> None:
-        """Run ``fn(*args) -> seconds`` on this step's host thread (one thread, in order)."""
+    def submit(self, fn, *args) -> concurrent.futures.Future:
+        """Run ``fn(*args) -> seconds`` on this step's host thread (one thread, in order); returns
+        its future."""
         if self._queue is None:
             self._queue = queue.SimpleQueue()
             threading.Thread(target=self._serve, args=(self._queue,), name="chunkjax-host-update",
@@ -300,6 +341,24 @@ class HostWork:
         fut = concurrent.futures.Future()
         self._futures.append(fut)
         self._queue.put((fut, fn, args))
+        return fut
+
+    def hand_over(self, fn, *args) -> None:
+        """Submit one program's gradient hand-off ``fn(*args)`` (:meth:`submit`), then wait until
+        the hand-off :data:`GRAD_WINDOW_PROGRAMS` - 1 before it is done: the caller dispatches the
+        next program only then, so at most the host gradients of that many programs exist at once
+        (the gradient working set, :func:`chunkjax.host_forms.grad_working_bytes`). The wait
+        ends early when the step's speculation has stalled for the global norm (its pool is
+        full: the norm comes only after the last program) or after ``deadline_s`` (:meth:`join`
+        then raises)."""
+        self._handoffs.append(self.submit(fn, *args))
+        if len(self._handoffs) < GRAD_WINDOW_PROGRAMS:
+            return
+        waits = [self._handoffs[-GRAD_WINDOW_PROGRAMS]]
+        stalled = getattr(self.speculation, "stalled", None)
+        if stalled is not None:
+            waits.append(stalled)
+        concurrent.futures.wait(waits, timeout=self.deadline_s, return_when=concurrent.futures.FIRST_COMPLETED)
 
     def join(self) -> float | None:
         """Wait for every update submitted; re-raises a failure of the host thread. Returns the
@@ -320,7 +379,7 @@ class HostWork:
                     raise HostDeadlineError(_MSG_HOST_DEADLINE.format(
                         what="this step's host updates", deadline=self.deadline_s, done=i,
                         n=len(self._futures))) from None
-            self._futures = []
+            self._futures, self._handoffs = [], []
             self.seconds = float(sum(spent)) + (self.seconds or 0.0)
         if self._queue is not None:
             self._queue.put(None)

@@ -17,6 +17,9 @@ program (the step cuts the moments into programs at the schedule's segments):
   cotangent so it cannot be postponed);
 * in the backward, chunks whose values the stage's gradient does not need are not fetched
   (their slot holds zeros, which the compiler removes);
+* a master-fetch chunk (:mod:`chunkjax.host_forms`: a host chunk without a compute-dtype copy)
+  is fetched as its float32 master params and cast to the compute dtype on the device right
+  after the fetch (round to nearest even, bit for bit the copy the host kernel would write);
 * frozen chunks (``layout.chunk_trainable`` False) are fetched like the others but stored in their
   leaves' dtype (floating ones cast to the compute dtype when read, integer ones stay integers);
   the backward's ``jax.vjp`` runs over the stage's trainable leaves only (frozen leaves are
@@ -148,7 +151,10 @@ class Walk:
         for u in range(t, min(horizon, t + self.prefetch + 1)):
             for c in self.fetch[u]:
                 if (u, c) not in issued:
-                    issued[(u, c)] = self.topology.to_device(ordered_after(tie, params[c]))
+                    a = self.topology.to_device(ordered_after(tie, params[c]))
+                    if c not in self._frozen and a.dtype != self.compute_dtype:  # a master-fetch chunk
+                        a = a.astype(self.compute_dtype)  # round to nearest even: the host copy's bits
+                    issued[(u, c)] = a
 
     def _release(self, t, held, horizon):
         """Eviction: a held chunk dies after the moment whose next read of it is a fresh fetch."""

@@ -163,15 +163,20 @@ class ChunkjaxSystem:
     def host_bytes(self, state) -> int:
         import numpy as np
 
-        n = 0
+        n, mf = self.schedule.predicted.host_working_bytes, set(self.schedule.master_fetch)
         for c, u in enumerate(self.schedule.update_locations):
             if u == "device":
                 continue
-            n += self.cb.params + self.cb.grad  # pinned compute params + the gradient chunk
-            if u == "storage":  # master params and state on disk
+            if u == "storage":  # pinned compute params and the gradient; master params and state on disk
+                n += self.cb.params + self.cb.grad
                 continue
-            m = state.master[c]
-            n += m.nbytes if isinstance(m, np.ndarray) else self.cb.master
+            if c in mf:  # master-fetch: the float32 master params are the pinned params (master: a view)
+                n += self.cb.master
+            else:  # pinned compute params, the master params
+                n += self.cb.params
+                m = state.master[c]
+                n += m.nbytes if isinstance(m, np.ndarray) else self.cb.master
+            n += self.cb.grad if u != "host" else 0  # streamed: the gradient; host: the working set
             st = state.opt_state[c]
             n += getattr(st, "nbytes", self.cb.opt) if not callable(getattr(st, "nbytes", None)) else st.nbytes()
         pool = getattr(state.pending, "backups", None)  # speculative host updates' backups (chunkjax.speculate)

@@ -232,6 +232,7 @@ def trace_inputs(model: str, batch: int, seq: int, *, chunk_size: int | None = N
     from jax.sharding import AbstractMesh
 
     from chunkjax.fit import prepare as fit_prepare
+    from chunkjax.front import plan_offload
     from chunkjax.host_update import AdamW
     from chunkjax.tide import memory_tide
     from chunkjax.topology import AXIS
@@ -299,7 +300,7 @@ def call_factory(spec: str, batch: int, seq: int) -> dict:
     * ``(model, loss_fn, batch)``: an ``nnx.Module`` (concrete, or abstract from
       ``nnx.eval_shape``), its ``loss_fn(model, batch) -> () float`` and an example batch (arrays
       or ``ShapeDtypeStruct`` s, any pytree with the rows first): what :func:`chunkjax.offload`
-      takes; the stages are found as it finds them (:func:`nnx_stages`);
+      takes; the stages are found as it finds them (:func:`chunkjax.plan_offload`);
     * ``(stages, params, batch)``: the model's :class:`chunkjax.Stage` sequence, its params
       pytree (arrays, ``jax.ShapeDtypeStruct`` s, or a callable returning them, evaluated with
       ``jax.eval_shape``) and the step's batch (an int32 (rows, tokens + 1) array or
@@ -351,58 +352,36 @@ def trace_user_model(spec: str, batch: int, seq: int, *, chunk_size: int | None 
     from jax.sharding import AbstractMesh
 
     from chunkjax.fit import prepare as fit_prepare
+    from chunkjax.front import plan_offload
     from chunkjax.host_update import AdamW
     from chunkjax.tide import memory_tide
     from chunkjax.topology import AXIS
 
     m = call_factory(spec, batch, seq)
-    if "model" in m:
-        m = {**m, **nnx_stages(m["model"], m["loss_fn"], m["batch"], blocks=m.get("blocks"))}
-    abstract = lambda t: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), t)  # noqa: E731
-    b = abstract(m["batch"])
-    first = jax.tree.leaves(b)[0]
-    rows = int(first.shape[0])
-    check_ranks(rows, n_ranks)
-    params = jax.eval_shape(m["params"]) if callable(m["params"]) else m["params"]
+    spec_kw = dict(host_optimizer=AdamW(1e-4, weight_decay=1e-4), compute_dtype=jnp.bfloat16)
     zero = dict(mesh=AbstractMesh((n_ranks,), (AXIS,)), zero_stage=3) if n_ranks > 1 else {}
-    problem = fit_prepare(tuple(m["stages"]), abstract(params), b,
-                          host_optimizer=AdamW(1e-4, weight_decay=1e-4), compute_dtype=jnp.bfloat16,
-                          chunk_size=chunk_size, min_chunks=min_chunks, flops_per_step=m.get("flops_per_step"),
-                          host_budget=None, check_host=False, **zero)
-    n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
+    common = dict(chunk_size=chunk_size, min_chunks=min_chunks, host_budget=None, check_host=False, **zero)
+    if m.get("flops_per_step") is not None:
+        common["flops_per_step"] = m["flops_per_step"]
+    if "model" in m:  # the front door's discovery and fit problem (chunkjax.plan_offload)
+        rows = int(jax.tree.leaves(m["batch"])[0].shape[0])
+        check_ranks(rows, n_ranks)
+        planned = plan_offload(m["model"], spec_kw["host_optimizer"], m["loss_fn"], m["batch"], blocks=m.get("blocks"),
+                               compute_dtype=jnp.bfloat16, **common)
+        problem, b = planned.problem, planned.discovery.example
+        n_params = sum(math.prod(x.shape) for x in planned.discovery.param_avals.values())
+    else:
+        abstract = lambda t: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), t)  # noqa: E731
+        b = abstract(m["batch"])
+        rows = int(jax.tree.leaves(b)[0].shape[0])
+        check_ranks(rows, n_ranks)
+        params = jax.eval_shape(m["params"]) if callable(m["params"]) else m["params"]
+        problem = fit_prepare(tuple(m["stages"]), abstract(params), b, **spec_kw, **common)
+        n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
+    first = jax.tree.leaves(b)[0]
     tokens = int(first.shape[1]) - 1 if first.ndim == 2 else seq  # a (rows, tokens + 1) batch, else as asked
     return PlanInputs(None, rows, tokens, problem, memory_tide(problem.traces, problem.layout.chunk_size),
                       _traced_on(), RATES_DEFAULT, str(m.get("name", spec)), int(n_params))
-
-
-def nnx_stages(model, loss_fn, batch, *, blocks=None) -> dict:
-    """``stages``, ``params`` (abstract) and ``batch`` of an NNX model and its loss, as
-    :func:`chunkjax.offload` hands them to the fit path: the stages found by
-    :func:`chunkjax.discover.discover` (bf16 compute), the flat parameter dict (per-layer leaves
-    of a scanned block) and the batch with the non-parameter state the loss changes.
-
-    ``model`` may be abstract (``nnx.eval_shape(lambda: MyModel(...))``): only shapes are read.
-    """
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from flax import nnx
-
-    from chunkjax.discover import discover
-
-    # an abstract model's non-parameter state (the dropout RNG key, counters) would be a constant
-    # without a value in the traced loss: zeros of its shapes stand in (planning reads only shapes)
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    rest = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype) if isinstance(a, jax.ShapeDtypeStruct) else a, rest)
-    model = nnx.merge(graphdef, params, rest)
-    d = discover(model, loss_fn, batch, blocks=blocks, compute_dtype=jnp.bfloat16)
-    leaves = jax.tree.leaves(nnx.split(model, d.wrt, ...)[1])
-    params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), d.layout_params(leaves))
-    rows = jax.tree.leaves(batch)[0].shape[0]
-    side = tuple(jax.ShapeDtypeStruct((rows,) + tuple(np.shape(d.side_values[j])), d.side_values[j].dtype)
-                 for j in d.mutable)
-    example = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), batch)
-    return {"stages": d.stages, "params": params, "batch": (example, side)}
 
 
 def check_ranks(batch: int, n_ranks: int, zero_stage: int = 3) -> None:
@@ -492,9 +471,11 @@ def figures(s, device_budget: int, host_budget: int | None, chunk_size: int) -> 
     p = s.predicted
     t = p.time.to_dict()
     return {"feasible": p.peak_device_bytes <= device_budget
-            and (host_budget is None or p.host_model_bytes <= host_budget),
+            and (host_budget is None or p.host_bytes <= host_budget),
             "predicted_peak_device_bytes": p.peak_device_bytes, "device_budget_bytes": device_budget,
-            "device_model_bytes": p.device_model_bytes, "host_bytes": p.host_model_bytes,
+            "device_model_bytes": p.device_model_bytes, "host_bytes": p.host_bytes,
+            "host_bytes_per_param": p.host_bytes_per_param, "host_resident_bytes_per_param": p.host_resident_bytes_per_param,
+            "host_working_bytes": p.host_working_bytes, "master_fetch_chunks": len(s.master_fetch),
             "h2d_bytes_per_step": p.h2d_bytes_per_step, "d2h_bytes_per_step": p.d2h_bytes_per_step,
             "n_fetches": p.n_fetches, "predicted_step_s": p.time.step_s, "time": t,
             "n_chunks": s.n_chunks, "chunk_size": chunk_size, "placement_counts": s.counts(),

@@ -305,6 +305,7 @@ def run(cfg: TrainConfig) -> dict:
             model = job_model.with_lora(model, LoraSpec.parse(cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets), cfg.seed)
     except job_model.ModelError as e:
         raise UsageError(str(e)) from None
+    setup = {"load": time.time() - t_start}  # seconds per setup phase (report "setup_s")
     if cfg.seq > model.max_seq:
         raise UsageError(f"--seq {cfg.seq} exceeds the model's {model.max_seq} positions: use --seq <= {model.max_seq}")
     platform = jax.devices()[0].platform
@@ -339,6 +340,7 @@ def run(cfg: TrainConfig) -> dict:
         raise UsageError(str(e)) from None
     except OSError as e:
         raise UsageError(f"--data-cache {cfg.data_cache!r}: {e.strerror}: pick a writable folder") from None
+    setup["data"] = time.time() - t_start - sum(setup.values())
     if td.vocab_size > model.vocab_size:
         raise UsageError(f"tokenizer {td.tokenizer.name} has {td.vocab_size} tokens but model {model.name} only "
                          f"{model.vocab_size} rows: pick a tokenizer that fits it (--tokenizer bpe{model.vocab_size} trains a BPE of "
@@ -350,6 +352,7 @@ def run(cfg: TrainConfig) -> dict:
         rates, _ = calibrated_rates()
     fitted = fit_model(cfg, model, compute_dtype=cdt, rates=rates)
     step, fit_report, problem = fitted
+    setup["fit"] = time.time() - t_start - sum(setup.values())
     layout, schedule = step.layout, fit_report.schedule
     if resume is not None and resume.meta["layout_fingerprint"] != cj.checkpoint.layout_fingerprint(layout):
         saved = resume.meta["layout"]
@@ -383,7 +386,7 @@ def run(cfg: TrainConfig) -> dict:
     from chunkjax.updaters import HostDeadlineError
     try:
         try:
-            report = _train(cfg, model, fitted, td, folder, t_start, resolved, resume)
+            report = _train(cfg, model, fitted, td, folder, t_start, resolved, resume, setup)
         except HostDeadlineError as e:  # a stalled host-update thread: one line, exit 1
             raise JobFailed(str(e)) from None
         report.update(model_bytes_split(layout, schedule.placement, problem.cb))
@@ -425,10 +428,14 @@ def fit_model(cfg: TrainConfig, model, *, compute_dtype, rates=None, resident=No
     import chunkjax as cj
     budget = "auto" if cfg.device_budget == "auto" else parse_budget(cfg.device_budget)
     mesh = cj.data_mesh() if cfg.zero_stage else None
+    chunk_size = cfg.chunk_size or None
+    if chunk_size is None and model.lora is not None:  # trainable chunks sized to the adapters
+        from models.lora import adapter_chunk_size
+        chunk_size = adapter_chunk_size(model.abstract_params, model.trainable, min_chunks=cfg.min_chunks)
     try:
         return cj.fit_step(model.stages, model.abstract_params, jax.ShapeDtypeStruct((cfg.batch, cfg.seq + 1), jnp.int32),
                            device_budget=budget, resident=resident, host_optimizer=host_spec(cfg),
-                           compute_dtype=compute_dtype, chunk_size=cfg.chunk_size or None, min_chunks=cfg.min_chunks,
+                           compute_dtype=compute_dtype, chunk_size=chunk_size, min_chunks=cfg.min_chunks,
                            prefetch=cfg.prefetch, micro_batches=cfg.micro_batches,
                            nonfinite="skip" if cfg.nonfinite == "skip" else "ignore", mesh=mesh,
                            zero_stage=cfg.zero_stage, flops_per_step=model.flops_per_token(cfg.seq) * cfg.batch * cfg.seq,
@@ -572,10 +579,11 @@ def _optimizer(cfg: TrainConfig):
     return host_spec(cfg).optax()
 
 
-def _train(cfg, model, fitted, td, folder, t_start, resolved, resume=None):
+def _train(cfg, model, fitted, td, folder, t_start, resolved, resume=None, setup=None):
     """Initialise (or restore) the state of ``fitted.step``, train, evaluate, checkpoint, sample
     and (a pre-trained model) export; returns the report (the run folder's ``report.json``
-    without the layout figures)."""
+    without the layout figures). ``setup``: seconds per setup phase so far (load, data, fit),
+    completed here with ``init``, ``first_eval`` and ``first_step`` (report ``setup_s``)."""
     import zlib
 
     import jax
@@ -594,6 +602,8 @@ def _train(cfg, model, fitted, td, folder, t_start, resolved, resume=None):
     batches = data_mod.sample_batches(td.train, cfg.batch, cfg.seq, cfg.seed)
     metrics_path = folder.path / "metrics.jsonl"
     sample_before = None
+    setup = dict(setup or {})
+    t_init = time.time()
     if resume is None:  # a random init goes leaf by leaf into chunks: no whole params pytree in host memory
         state = step.init(model.init(layout, cfg.seed))
         start, saved = 0, {"train_time": 0.0, "timed_steps": 0, "resumed_from": [], "wall_s_total": 0.0}
@@ -622,6 +632,7 @@ def _train(cfg, model, fitted, td, folder, t_start, resolved, resume=None):
         saved["resumed_from"] = list(saved["resumed_from"]) + [start]
         print(f"resumed from checkpoint step {start} of {cfg.steps} in {ckpt_dir}", flush=True)
 
+    setup["init"] = time.time() - t_init
     dev = problem.batch_sharding  # the first device, or split over the ZeRO ranks
     val = [jax.device_put(b, dev) for b in data_mod.eval_batches(td.val, cfg.batch, cfg.seq, cfg.eval_batches)]
 
@@ -651,7 +662,9 @@ def _train(cfg, model, fitted, td, folder, t_start, resolved, resume=None):
         ckpt_saved += 1
 
     if resume is None:
+        t0 = time.time()
         records = [{"step": 0, "tokens": 0, "val_loss": val_loss(state)}]
+        setup["first_eval"] = time.time() - t0
         mf = open(metrics_path, "w")
         mf.write(json.dumps(records[0]) + "\n")
     else:
@@ -683,6 +696,9 @@ def _train(cfg, model, fitted, td, folder, t_start, resolved, resume=None):
             if i > start + 1:  # the first step of a process compiles
                 train_time += dt
                 timed_steps += 1
+            else:
+                setup["first_step"] = dt
+                print("setup: " + ", ".join(f"{k} {v:.1f} s" for k, v in setup.items()), flush=True)
             if not skip:
                 losses.append(loss)
             rec = {"step": i, "tokens": i * tokens_per_step, "loss": loss if not skip else None,
@@ -752,6 +768,9 @@ def _train(cfg, model, fitted, td, folder, t_start, resolved, resume=None):
         "d2h_bytes_per_step_accounted": pred.d2h_bytes_per_step,
         "n_fetches_per_step_accounted": pred.n_fetches,
         "host_bytes_accounted": fit_report.host,
+        "host_bytes_per_param": pred.host_bytes_per_param,
+        "host_resident_bytes_per_param": pred.host_resident_bytes_per_param,
+        "host_working_bytes_accounted": pred.host_working_bytes, "master_fetch_chunks": len(schedule.master_fetch),
         "step_s_predicted": pred.time.step_s,
         "chunk_size": layout.chunk_size, "n_chunks": layout.n_chunks, "chunk_waste_bytes": layout.waste_bytes,
         "placement_counts": schedule.counts(), "update_locations": list(schedule.update_locations),
@@ -772,7 +791,7 @@ def _train(cfg, model, fitted, td, folder, t_start, resolved, resume=None):
         "resumed_from_step": saved["resumed_from"][-1] if saved["resumed_from"] else None,
         "resumed_from_steps": list(saved["resumed_from"]),
         "checkpoint_every": every, "checkpoints_kept": ck.all_steps(ckpt_dir),
-        "checkpoints_saved": ckpt_saved, "checkpoint_save_s": ckpt_s,
+        "checkpoints_saved": ckpt_saved, "checkpoint_save_s": ckpt_s, "setup_s": setup,
     }
 
 

@@ -164,6 +164,58 @@ def trainable_mask(params) -> dict:
         lambda k, _: is_adapter(jax.tree_util.keystr(k, simple=True, separator="/")), params)
 
 
+def adapter_chunk_size(params, trainable, *, min_chunks: int = 8, max_waste: float = 0.05) -> int:
+    """A chunk size (elements) for a model with adapters: its trainable chunks nearly full.
+
+    A layout has one chunk size for frozen and trainable chunks, and the default search
+    (:func:`chunkjax.layout.search_chunk_size`) sizes chunks for the base: at 8B with rank 16 on
+    every projection the adapters' 41.9M elements sat in one 55M-element trainable chunk (its
+    float32 master, AdamW m and v and gradient 27 % padding). Here the size is the smallest that
+    holds the adapters of ``A`` elements in ``k`` chunks, ``ceil(A / k)`` plus the largest adapter
+    (a greedy chunk wastes less than one leaf) rounded up to ``CHUNK_ALIGN_ELEMS``, for the least
+    ``k`` that gives a size no larger than the default search's and at least half of it, with
+    at most ``max_waste`` padding bytes over all chunks (tree order; the job packs in first-use
+    order, the same leaves): 8B, every projection: 197 chunks of 40.2Mi elements, the one
+    trainable chunk 99 % full. Else the default search's size: adapters under half a default
+    chunk (8B with q, k, v, o: 13.6M) keep one mostly padded trainable chunk (at most 16 bytes
+    per element of one default chunk, 0.9 GB at 8B), because a size that fits them would
+    multiply the chunk count and the planner's time grows faster than the count (measured on a
+    CPU at 8B: 590 chunks planned in 186 s, 147 in 0.9 s).
+
+    Args:
+      params: the params pytree with adapters (arrays or ``jax.ShapeDtypeStruct``).
+      trainable: its bool pytree (:func:`trainable_mask`).
+      min_chunks: the default search's target count.
+      max_waste: padding bound, a fraction of all chunk bytes.
+    Returns:
+      elements per chunk, a multiple of ``chunkjax.layout.CHUNK_ALIGN_ELEMS``.
+    """
+    import jax
+
+    from chunkjax.layout import CHUNK_ALIGN_ELEMS, MAX_CHUNKS, build_layout, search_chunk_size
+    leaves = jax.tree.leaves(params)
+    flags = jax.tree.structure(params).flatten_up_to(trainable)
+    sizes = [int(np.prod(a.shape)) for a, t in zip(leaves, flags) if t]
+    default = search_chunk_size(params, min_chunks=min_chunks, trainable=trainable)
+    if not sizes:
+        return default
+    total = sum(int(np.prod(a.shape)) for a in leaves)
+    align = CHUNK_ALIGN_ELEMS
+    least = max(-(-total // MAX_CHUNKS), default // 2)
+    adapters, big = sum(sizes), max(sizes)
+    for k in range(1, 1 + -(-adapters // max(1, least))):
+        cs = -(-(-(-adapters // k) + big) // align) * align
+        if cs > default:
+            continue
+        if cs < least:
+            break
+        lay = build_layout(params, cs, trainable=trainable)
+        stored = sum(cs * np.dtype(d).itemsize for d in lay.chunk_dtypes)
+        if lay.waste_bytes <= max_waste * stored:
+            return cs
+    return default
+
+
 def merge(params, spec: LoraSpec) -> dict:
     """The base model's params with the adapters folded in: each targeted kernel becomes
     ``W + alpha/R * A @ B`` (float32 arithmetic, cast to W's dtype); adapters dropped. Numpy out;

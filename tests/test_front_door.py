@@ -313,6 +313,96 @@ def test_frozen_leaves_are_bit_identical(run):
     assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(nnx.state(fresh, nnx.LoRAParam)), adapters))
 
 
+# ---- blocks with rematerialisation (nnx.remat on the method, around the call, jax.checkpoint inside) ----
+
+class RematBlock(LlamaBlock):
+    """A Llama block whose call is ``nnx.remat``-ed and checkpoints its MLP inside."""
+
+    @nnx.remat
+    def __call__(self, x, cos, sin, mask):
+        x = x + self.attn(self.n1(x), cos, sin, mask)
+        return x + jax.checkpoint(lambda h: self.w2(jax.nn.silu(self.w1(h)) * self.w3(h)))(self.n2(x))
+
+
+class RematLlama(Llama):
+    """Llama with :class:`RematBlock` s; every other block's call is also wrapped in ``nnx.remat``
+    by the loop (a remat equation around the block call)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        for blk in self.blocks:
+            blk.__class__ = RematBlock
+
+    def __call__(self, tokens):
+        self.calls[...] += 1
+        T = tokens.shape[1]
+        freqs = self.positions[...][:T].astype(jnp.float32)[:, None] / 10000.0 ** (jnp.arange(self.hd // 2) / (self.hd // 2))
+        cos, sin = jnp.cos(freqs)[None, :, None, :], jnp.sin(freqs)[None, :, None, :]
+        mask = jnp.tril(jnp.ones((T, T), bool))[None, None]
+        x = self.embed(tokens)
+        for i, blk in enumerate(self.blocks):
+            x = nnx.remat(lambda b, y: b(y, cos, sin, mask))(blk, x) if i % 2 else blk(x, cos, sin, mask)
+        return self.lm_head(self.norm(x))
+
+
+class ScannedRematLM(ScannedLM):
+    """ScannedLM whose scanned body is ``nnx.remat``-ed."""
+
+    def __call__(self, tokens):
+        self.steps[...] += 1
+
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        @nnx.remat
+        def body(x, block):
+            return block(x)
+
+        return self.out(body(self.embed(tokens), self.layers))
+
+
+@pytest.mark.parametrize("make", [lambda: RematLlama(rngs=nnx.Rngs(0)), lambda: ScannedRematLM(rngs=nnx.Rngs(0))],
+                         ids=["list", "scanned"])
+def test_remat_blocks_equal_the_nnx_loop(make):
+    """Blocks under nnx.remat / jax.checkpoint: found as blocks, the losses equal the nnx loop's
+    (which rematerialises the same way), and the FLOPs count each block's forward once."""
+    batches = token_batches()
+    ref, _ = nnx_loop(make, optax.adamw(1e-3), lm_loss, batches)
+    got, _, step = chunkjax_loop(make, optax.adamw(1e-3), lm_loss, batches)
+    np.testing.assert_allclose(got, ref, rtol=RTOL)
+    n_blocks = 3 if isinstance(make(), RematLlama) else 4
+    assert [s.name for s in step.stages][1:-1] == [f"block_{i}" for i in range(n_blocks)]
+    plain = chunkjax.discover.discover(Llama(rngs=nnx.Rngs(0)) if n_blocks == 3 else ScannedLM(rngs=nnx.Rngs(0)),
+                                       lm_loss, batches[0])
+    assert step.discovery.forward_flops == plain.forward_flops > 0
+    assert step.problem.flops_per_step == 3 * plain.forward_flops
+
+
+# ---- FLOPs: counted from the traced program, on every backend --------------------------------------------
+
+def test_matmul_flops_counts_dots_convs_and_scans():
+    from chunkjax.cost import matmul_flops
+    a, b = jnp.zeros((4, 8, 16)), jnp.zeros((4, 16, 32))
+    assert matmul_flops(jax.make_jaxpr(lambda a, b: jnp.einsum("bik,bkj->bij", a, b))(a, b)) == 2 * 4 * 8 * 16 * 32
+    x, k = jnp.zeros((2, 8, 8, 3)), jnp.zeros((3, 3, 3, 5))
+    conv = jax.make_jaxpr(lambda x, k: jax.lax.conv_general_dilated(
+        x, k, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")))(x, k)
+    assert matmul_flops(conv) == 2 * (2 * 8 * 8 * 5) * (3 * 3 * 3)
+    w, h = jnp.zeros((6, 16, 16)), jnp.zeros((2, 16))
+    scan = jax.make_jaxpr(lambda w, h: jax.lax.scan(lambda c, wi: (jax.checkpoint(jnp.dot)(c, wi), None), h, w)[0])
+    assert matmul_flops(scan(w, h)) == 6 * 2 * 2 * 16 * 16
+
+
+def test_front_door_flops_are_three_forwards_of_the_matmuls():
+    """The plan's FLOPs are 3 x the forward's matrix products (not XLA's cost analysis of a
+    lowered program, which the GPU plugin does not give: the plan then had no compute)."""
+    model, batch = Llama(rngs=nnx.Rngs(0)), token_batches(n=1)[0]
+    p = chunkjax.plan_offload(model, optax.adam(1e-3), lm_loss, batch)
+    n = sum(int(np.size(a)) for a in jax.tree.leaves(nnx.state(model, nnx.Param)) if a.ndim == 2)
+    rows, tokens = batch.shape[0], batch.shape[1] - 1
+    lm = 2 * (n - 64 * 32) * rows * tokens  # every 2-D weight but the embedding table is a matmul
+    attn = 3 * 2 * 2 * rows * tokens * tokens * 32  # q.k and p.v per block
+    assert p.problem.flops_per_step == 3 * (lm + attn)
+
+
 # ---- stage discovery and bad input -----------------------------------------------------------------------
 
 def test_stages_found():
@@ -414,3 +504,19 @@ def test_no_block_list_warns_and_blocks_error_names_nnx_list():
     assert len(d.stages) == 1
     with pytest.raises(ValueError, match="nnx.List"):
         chunkjax.discover.discover(model, lm_loss, batch, blocks="blocks")
+
+
+def test_plan_offload_plans_an_abstract_model_as_offload_does(small_step):
+    """The plan-only entry: an abstract model (its dropout key abstract too), nothing allocated,
+    the layout, FLOPs and schedule offload planned for the same budget."""
+    abstract = nnx.eval_shape(lambda: LoRALM(rngs=nnx.Rngs(0, dropout=1)))
+    p = chunkjax.plan_offload(abstract, optax.adam(1e-3), lm_loss, token_batches(n=1)[0],
+                              device_budget=small_step.report.budget_bytes)
+    assert p.problem.layout.n_chunks == small_step.layout.n_chunks
+    assert p.problem.flops_per_step == small_step.problem.flops_per_step > 0
+    assert p.schedule.counts() == small_step.schedule.counts()
+    assert p.schedule.predicted.peak_device_bytes == small_step.schedule.predicted.peak_device_bytes
+    assert "stages" in p.summary() and "predicted step" in p.summary()
+    assert chunkjax.plan_offload(abstract, optax.adam(1e-3), lm_loss, token_batches(n=1)[0]).schedule is None
+    with pytest.raises(TypeError, match=r"^plan_offload\(\) got an unexpected keyword argument 'strict'$"):
+        chunkjax.plan_offload(abstract, optax.adam(1e-3), lm_loss, token_batches(n=1)[0], strict=True)

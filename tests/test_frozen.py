@@ -202,8 +202,11 @@ def test_predicted_bytes_of_a_frozen_chunk_are_its_params(micro, host_run):
     fetches = [c for f in s.fetch for c in f]
     assert s.predicted.h2d_bytes_per_step == sum(cb.params_of(c) for c in fetches)
     frozen_bytes = sum(lay.chunk_bytes(c) for c in frozen)
-    assert report.host["pinned_host_bytes"] == trainable * (cb.params + cb.grad) + frozen_bytes
+    # host gradients: the working set of two programs (chunkjax.host_forms), not one per chunk
+    assert 0 < s.predicted.host_working_bytes <= trainable * cb.grad
+    assert report.host["pinned_host_bytes"] == trainable * cb.params + s.predicted.host_working_bytes + frozen_bytes
     assert report.host["pageable_bytes"] == trainable * cb.state
+    assert report.host["pinned_host_bytes"] + report.host["pageable_bytes"] == s.predicted.host_bytes
     assert problem.model_chunk_bytes == trainable * (cb.params + cb.state) + sum(lay.chunk_bytes(c) for c in frozen)
     # a frozen chunk kept on the device costs its params there, nothing else
     resident = cj.fit.plan(problem, 2**30, resident=frozen[:1])

@@ -1,0 +1,115 @@
+"""The two forms of a host-updated chunk, and the host bytes each costs (issue 24, item 1).
+
+A chunk updated in place on the host (update location ``host``) keeps its float32 master params
+and optimizer state in host memory (12 bytes per parameter for AdamW). Its compute params come
+in one of two forms:
+
+* **copy**: a compute-dtype copy in pinned host memory (2 bytes per parameter for bf16), written
+  by the host kernel as it updates the master params; a fetch moves that copy (2 bytes per
+  parameter up);
+* **master-fetch**: no copy. The float32 master params live in pinned host memory themselves
+  (a ``jax.Array`` the kernel updates in place through a writable view); a fetch moves them
+  (4 bytes per parameter up) and the device casts them to the compute dtype, round to nearest
+  even: bit for bit the copy the kernel would have written.
+
+Gradients of host chunks are not model data kept between steps: each leaves its program into
+pinned host memory and is dropped as soon as the host kernel consumed it, and the step holds the
+next program back until the host thread is done with the one :data:`GRAD_WINDOW_PROGRAMS` - 1
+before (:meth:`chunkjax.updaters.HostWork.hand_over`), so at most the host gradients of that many
+consecutive programs exist at once (:func:`grad_window_bytes`). Speculated chunks' gradients
+are held until the norm is known, within the speculation pool's bound (:mod:`chunkjax.speculate`).
+
+PatrickStar (arXiv 2108.05818, section 4.3) keeps no fp16 param copy of an offloaded chunk either:
+it reuses the fp16 param slot for the gradient; here the slot is dropped instead.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+#: Programs whose host-chunk gradients may exist at once: the one the host thread consumes and
+#: the one the device produces (:meth:`chunkjax.updaters.HostWork.hand_over`).
+GRAD_WINDOW_PROGRAMS = 2
+
+
+def grad_window_bytes(done_moments: Sequence[int], program_starts: Sequence[int], grad_bytes: int,
+                      window: int = GRAD_WINDOW_PROGRAMS) -> int:
+    """Host-chunk gradient bytes that exist at once: the most over ``window`` consecutive
+    programs of the gradients completed in them.
+
+    Args:
+      done_moments: per host-updated chunk, the moment its gradient completes.
+      program_starts: the moment each program begins (starts with 0, increasing).
+      grad_bytes: one chunk's gradient (bytes; compute dtype).
+      window: consecutive programs counted together (>= 1).
+
+    Returns:
+      bytes (0 without host chunks).
+    """
+    starts = list(program_starts)
+    per = [0] * len(starts)
+    for t in done_moments:
+        k = max(i for i, s in enumerate(starts) if s <= t)
+        per[k] += grad_bytes
+    w = max(1, min(window, len(per)))
+    return int(max((sum(per[i:i + w]) for i in range(len(per) - w + 1)), default=0))
+
+
+def assign_host_forms(s, cb, host_budget_bytes: int | None, *, chunk_size: int, traces, tide, rates,
+                      flops_per_step: float, micro_batches: int = 1):
+    """Choose the form of each host-updated chunk of schedule ``s`` (one device), after its update
+    locations: a compute-dtype copy while the host budget allows, master-fetch for the rest.
+
+    With no budget, or one that holds every copy, every host chunk keeps its copy (the faster
+    fetch). Otherwise the copies that fit beside the all-master-fetch need stay, for the chunks
+    fetched most often (each copy saves ``cb.master - cb.params`` bytes up per fetch; ties by
+    chunk id), the others are master-fetch. When even all master-fetch does not fit the host,
+    the all-master-fetch schedule is returned (its ``host_bytes`` is the least any form needs:
+    the caller's host check refuses it naming that figure); when the float32 fetch buffers of
+    all master-fetch do not fit the device budget, the copies are (the host check decides).
+
+    Args:
+      s: a :class:`~chunkjax.schedule.Schedule` (one rank, one device).
+      cb: one chunk's bytes (:class:`chunkjax.predict.ChunkBytes`).
+      host_budget_bytes: host memory for model data and the working set (bytes), or None.
+      chunk_size, traces, tide, rates, flops_per_step: as :func:`chunkjax.predict.predict`.
+      micro_batches: gradient accumulation (float32 sums join the working set).
+
+    Returns:
+      the schedule with ``master_fetch`` set and its prediction redone (H2D bytes and step time
+      with 4-byte fetches, the device bytes of float32 fetch buffers, ``host_bytes``); never
+      past ``s.budget_bytes`` on the device when ``s`` was not.
+    """
+    import dataclasses
+
+    from chunkjax import predict as pr
+    from chunkjax.memory import PINNED_HOST
+    from chunkjax.schedule import HOST_UPDATE
+
+    host = [c for c, (k, u) in enumerate(zip(s.param_kinds, s.update_locations))
+            if u == HOST_UPDATE and k == PINNED_HOST]
+    base = s.predicted
+    device_part = [b - e for b, e in zip(base.device_bytes_per_moment,
+                                         pr.master_fetch_extra(cb, s.fetch, s.prefetch, s.master_fetch))]
+
+    def with_forms(mf):
+        moments = [b + e for b, e in zip(device_part, pr.master_fetch_extra(cb, s.fetch, s.prefetch, mf))]
+        pred = pr.predict(chunk_size, traces, tide, cb, s.param_kinds, s.update_locations, s.fetch, s.segments,
+                          moments, flops_per_step=flops_per_step, rates=rates, master_fetch=mf,
+                          micro_batches=micro_batches)
+        return dataclasses.replace(s, master_fetch=tuple(sorted(mf)), predicted=pred)
+
+    copies = with_forms(()) if (s.master_fetch or micro_batches > 1) else s
+    if not host or host_budget_bytes is None or copies.predicted.host_bytes <= host_budget_bytes:
+        return copies
+    fetches = {c: 0 for c in host}
+    for f in s.fetch:
+        for c in f:
+            if c in fetches:
+                fetches[c] += 1
+    least = with_forms(host)
+    if least.predicted.peak_device_bytes > s.budget_bytes or least.predicted.host_bytes > host_budget_bytes:
+        # float32 fetch buffers do not fit the device: the copies (the host check refuses them)
+        return copies if least.predicted.peak_device_bytes > s.budget_bytes else least
+    keep = (host_budget_bytes - least.predicted.host_bytes) // cb.params if cb.params else 0
+    kept = set(sorted(host, key=lambda c: (-fetches[c], c))[:keep])
+    return least if not kept else with_forms([c for c in host if c not in kept])  # fewer float32 buffers: fits

@@ -1,0 +1,60 @@
+"""Where a :class:`chunkjax.ChunkedStep`'s chunks update: its update locations and their updaters.
+
+A mixin of the step (as :class:`chunkjax.step_checkpoint.StepChunkIO`): ``self`` is the step. The
+update locations come from the schedule (definitions.md, "update location"); each has one
+:class:`~chunkjax.updaters.Updater` (:mod:`chunkjax.updaters`). Host chunks come in two forms
+(:mod:`chunkjax.host_forms`): with a compute-dtype copy in pinned host memory, or
+*master-fetch* (:attr:`StepUpdates.master_fetch_chunks`).
+"""
+from __future__ import annotations
+
+import functools
+
+from chunkjax import updaters as upd
+from chunkjax.storage import updater as disk
+
+
+class StepUpdates:
+    """The update locations of a :class:`chunkjax.ChunkedStep` (a mixin: ``self`` is the step)."""
+
+    @functools.cached_property
+    def host_chunks(self) -> tuple[int, ...]:
+        """Chunks updated in place on the host (update location ``host``)."""
+        if self.schedule is None:
+            return ()
+        return tuple(c for c, u in enumerate(self.schedule.update_locations) if u == "host")
+
+    @functools.cached_property
+    def master_fetch_chunks(self) -> tuple[int, ...]:
+        """Host chunks without a compute copy: ``params[c]`` is the float32 master params in pinned
+        host memory, fetched and cast on the device; ``master[c]`` a numpy view of it."""
+        return () if self.schedule is None else tuple(self.schedule.master_fetch)
+
+    @functools.cached_property
+    def _device_chunks(self) -> tuple[int, ...]:
+        return tuple(c for c in range(self.layout.n_chunks) if self._location(c) == "device")
+
+    @functools.cached_property
+    def _streamed_chunks(self) -> tuple[int, ...]:
+        return tuple(c for c in range(self.layout.n_chunks) if self._location(c) == "streamed")
+
+    @functools.cached_property
+    def updaters(self) -> dict[str, upd.Updater]:
+        """``{"device", "streamed", "host"[, "storage"]}`` -> the location's :class:`~chunkjax.updaters.Updater`."""
+        kw = dict(skip=self._skip_nonfinite, loss_scaling=self.loss_scaling,
+                  donate=self.mesh is None or self._donates)
+        args = (self.topology, self.tx, self.layout.chunk_size, self.compute_dtype, set(self.placement.param_kinds))
+        out = {"device": upd.device_updater(*args, **kw), "streamed": upd.streamed_updater(*args, **kw)}
+        if self.host_optimizer is not None:
+            out["host"] = upd.host_updater(self.topology, self.host_optimizer, self.layout.chunk_size,
+                                           self.compute_dtype, self.master_fetch_chunks)
+        return out | disk.updaters_of(self)  # "storage": chunkjax.storage.updater
+
+    def _host_update(self, state, grads: dict, grad_scale) -> float:
+        """Update host chunks in place (runs on the host-update thread): returns kernel seconds."""
+        return self.updaters["host"].update(state, grads, grad_scale)
+
+    def _location(self, c: int) -> str:
+        """Chunk ``c``'s update location (frozen: ``none``; the schedule's and the placement's
+        agree with the layout on them)."""
+        return (self.schedule or self.placement).update_locations[c]

@@ -1,0 +1,263 @@
+"""Host bytes per parameter at the fp32 minimum (issue 24, item 1; :mod:`chunkjax.host_forms`).
+
+A host-updated chunk in the master-fetch form keeps no compute copy: its float32 master params
+live in pinned host memory, the host kernel updates them in place and the step's fetches cast
+them on the device. References: plain optax on the device (fp32 compute, tolerances as
+tests/test_overlap.py) and, for bf16 compute, the copy-keeping path bit for bit.
+"""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import chunkjax as cj
+from chunkjax import speculate, updaters
+from chunkjax.host_update import AdamW
+from chunkjax.optim import state_bytes_per_chunk
+from chunkjax.plan import plan_schedule
+from models import gpt
+
+B, T = 2, 16
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg = gpt.get_config("micro", n_layers=3)
+    rng = np.random.default_rng(7)
+    params = gpt.init_params(cfg, jax.random.key(3))
+    batches = [jnp.asarray(rng.integers(0, cfg.vocab_size, (4 * B, T + 1)), jnp.int32) for _ in range(STEPS)]
+    stages = gpt.gpt_stages(cfg)
+    order = cj.first_use_order(lambda p, b: cj.compose_loss(stages, p, b), params, batches[0][:B])
+    layout = cj.build_layout(params, None, order, min_chunks=6)
+    traces = cj.trace_stages(stages, layout, jax.ShapeDtypeStruct((B, T + 1), jnp.int32), jnp.float32)
+    return cfg, params, batches, stages, layout, traces
+
+
+@pytest.fixture
+def speculate_always(monkeypatch):
+    """Every host chunk's update starts before the norm is known (the GPU's case)."""
+    monkeypatch.setattr(speculate.Speculation, "_known", lambda self: self.certain)
+
+
+def _schedule(setup, spec, dtype=jnp.float32, master_fetch=True):
+    """Chunk 0 resident (device update), the rest host-updated, three programs; every host chunk
+    master-fetch (or none)."""
+    cfg, params, batches, stages, layout, traces = setup
+    cb = cj.chunk_bytes(layout, dtype, state_bytes_per_chunk(spec.optax(), layout.chunk_size))
+    flops = cfg.flops_per_token(T) * B * T
+    roomy = plan_schedule(layout, traces, cb, 10**12, flops_per_step=flops, resident=[0])
+    sched = plan_schedule(layout, traces, cb, roomy.predicted.peak_device_bytes, flops_per_step=flops,
+                          resident=[0], segments=(0, len(stages) + 1, len(roomy.moments) - 1))
+    host = tuple(c for c, u in enumerate(sched.update_locations) if u == "host")
+    assert len(host) >= 3
+    return dataclasses.replace(sched, master_fetch=host if master_fetch else ())
+
+
+def _reference(cfg, params, batches, spec, micro_batches=1):
+    """Plain optax on the device (fp32), as tests/test_overlap.py."""
+    tx = spec.optax()
+
+    def grads_of(p, b):
+        return jax.value_and_grad(lambda p: gpt.loss_fn(cfg, p, b, jnp.float32))(p)
+
+    @jax.jit
+    def step(p, o, b):
+        parts = jnp.split(b, micro_batches)
+        ls, gs = zip(*[grads_of(p, x) for x in parts])
+        total = gs[0]
+        for g in gs[1:]:
+            total = jax.tree.map(jnp.add, total, g)
+        g = jax.tree.map(lambda a: a * jnp.float32(1.0 / micro_batches), total)
+        u, o = tx.update(g, o, p)
+        return optax.apply_updates(p, u), o, jnp.mean(jnp.stack(ls)), optax.tree.norm(g)
+
+    p, o, losses, norms = params, tx.init(params), [], []
+    for b in batches:
+        p, o, l, n = step(p, o, b if micro_batches > 1 else b[:B])
+        losses.append(float(l))
+        norms.append(float(n))
+    return p, np.asarray(losses), np.asarray(norms)
+
+
+def _train(step, params, batches, micro_batches=1):
+    state, losses = step.init(params), []
+    for b in batches:
+        state, m = step(state, b if micro_batches > 1 else b[:B])
+        losses.append(float(m["loss"]))
+    step.wait(state)
+    return state, np.asarray(losses)
+
+
+def _assert_equal_to_optax(step, state, losses, ref):
+    ref_p, ref_losses, _ = ref
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(step.master_params(state)), jax.tree.leaves(ref_p)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-6)
+
+
+def test_master_fetch_state_is_one_float32_buffer(setup):
+    """A master-fetch chunk's params are its float32 master params in pinned host memory; the
+    numpy master is a view of that buffer, no compute copy exists."""
+    cfg, params, batches, stages, layout, traces = setup
+    spec = AdamW(3e-3, weight_decay=0.1)
+    step = cj.make_chunked_step(stages, layout, _schedule(setup, spec, jnp.bfloat16), host_optimizer=spec,
+                                compute_dtype=jnp.bfloat16)
+    state = step.init(params)
+    for c in step.master_fetch_chunks:
+        p, m = state.params[c], state.master[c]
+        assert p.dtype == jnp.float32 and p.sharding.memory_kind == "pinned_host"
+        assert isinstance(m, np.ndarray) and m.ctypes.data == p.addressable_data(0).unsafe_buffer_pointer()
+
+
+@pytest.mark.parametrize("clip", [None, "fires"])
+def test_master_fetch_equals_optax(setup, speculate_always, clip):
+    """Every host chunk master-fetch, fp32 compute: equals optax, also with clipping that fires
+    on some steps (speculated updates redone)."""
+    cfg, params, batches, stages, layout, traces = setup
+    max_norm = None
+    if clip:
+        _, _, free = _reference(cfg, params, batches, AdamW(3e-3, weight_decay=0.1))
+        max_norm = float(np.sort(free)[-2])
+    spec = AdamW(3e-3, weight_decay=0.1, max_grad_norm=max_norm)
+    ref = _reference(cfg, params, batches, spec)
+    step = cj.make_chunked_step(stages, layout, _schedule(setup, spec), host_optimizer=spec,
+                                compute_dtype=jnp.float32)
+    state, losses = _train(step, params, batches)
+    _assert_equal_to_optax(step, state, losses, ref)
+
+
+def test_master_fetch_with_micro_batches_equals_optax(setup, speculate_always):
+    """Four micro-batches with clipping, every host chunk master-fetch: equals optax."""
+    cfg, params, batches, stages, layout, traces = setup
+    _, _, free = _reference(cfg, params, batches, AdamW(3e-3), micro_batches=4)
+    spec = AdamW(3e-3, max_grad_norm=float(np.sort(free)[-2]))
+    ref = _reference(cfg, params, batches, spec, micro_batches=4)
+    step = cj.make_chunked_step(stages, layout, _schedule(setup, spec), host_optimizer=spec,
+                                compute_dtype=jnp.float32, micro_batches=4)
+    state, losses = _train(step, params, batches, micro_batches=4)
+    _assert_equal_to_optax(step, state, losses, ref)
+
+
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_master_fetch_bf16_is_bit_identical_to_the_copy(setup, speculate_always, clip):
+    """bf16 compute: the device's cast of the fetched float32 master params gives the bits the
+    host kernel writes into the copy, so losses and master params are bit-identical."""
+    cfg, params, batches, stages, layout, traces = setup
+    spec = AdamW(3e-3, weight_decay=0.1, max_grad_norm=clip)
+    out = []
+    for mf in (False, True):
+        step = cj.make_chunked_step(stages, layout, _schedule(setup, spec, jnp.bfloat16, mf), host_optimizer=spec,
+                                    compute_dtype=jnp.bfloat16)
+        assert bool(step.master_fetch_chunks) == mf
+        state, losses = _train(step, params, batches[:4])
+        out.append((losses, [np.asarray(x) for x in jax.tree.leaves(step.master_params(state))]))
+    np.testing.assert_array_equal(out[0][0], out[1][0])
+    for a, b in zip(out[0][1], out[1][1]):
+        np.testing.assert_array_equal(a, b)
+
+
+def _all_host(setup, dtype=jnp.bfloat16, host_budget=None, micro_batches=1):
+    cfg, params, batches, stages, layout, traces = setup
+    spec = AdamW(3e-3)
+    cb = cj.chunk_bytes(layout, dtype, state_bytes_per_chunk(spec.optax(), layout.chunk_size))
+    s = plan_schedule(layout, traces, cb, 10**12, policy="all_host", flops_per_step=cfg.flops_per_token(T) * B * T,
+                      host_budget_bytes=host_budget, micro_batches=micro_batches)
+    return s, cb, layout
+
+
+def test_host_budget_chooses_copies_then_master_fetch(setup):
+    """Copies while the host budget holds them (the chunks fetched most keep theirs), master-fetch
+    for the rest; a master-fetch chunk's fetch moves its float32 master params (twice the bytes,
+    in the predicted H2D bytes and step time); a budget below the all-master-fetch need is
+    refused in one line naming the host budget needed."""
+    copies, cb, layout = _all_host(setup)
+    host = [c for c, u in enumerate(copies.update_locations) if u == "host"]
+    assert copies.master_fetch == () and len(host) == layout.n_chunks
+    p = copies.predicted
+    assert p.host_bytes == len(host) * (cb.params + cb.state) + p.host_working_bytes
+    assert p.host_model_bytes == len(host) * (cb.params + cb.state + cb.grad)  # every gradient moved counted
+    assert 0 < p.host_working_bytes < len(host) * cb.grad  # two of the programs' gradients at once
+    assert _all_host(setup, host_budget=p.host_bytes)[0].master_fetch == ()
+    least = _all_host(setup, host_budget=p.host_bytes - 1)[0]
+    assert len(least.master_fetch) == 1  # one copy fewer is enough
+    least = _all_host(setup, host_budget=p.host_bytes - len(host) * cb.params)[0]
+    assert least.master_fetch == tuple(host)
+    q = least.predicted
+    assert q.host_bytes == len(host) * cb.state + q.host_working_bytes == p.host_bytes - len(host) * cb.params
+    assert q.fetch_bytes_per_step == 2 * p.fetch_bytes_per_step and q.n_fetches == p.n_fetches
+    assert q.h2d_bytes_per_step - p.h2d_bytes_per_step == p.fetch_bytes_per_step
+    assert q.time.step_s > p.time.step_s and q.peak_device_bytes > p.peak_device_bytes
+    # the per-parameter figures: 12 of AdamW state + the working set, no compute copy
+    per = layout.chunk_size * len(host)
+    state_per_param = cb.state / layout.chunk_size  # float32 master + m + v (+ the optax count)
+    assert 12 <= state_per_param < 12.01
+    assert q.host_resident_bytes_per_param == pytest.approx(state_per_param + q.host_working_bytes / per)
+    assert q.host_resident_bytes_per_param <= 12.5 + q.host_working_bytes / per
+    assert p.host_resident_bytes_per_param == pytest.approx(state_per_param + 2 + p.host_working_bytes / per)
+    # in between: the copies that fit go to the chunks fetched most
+    k = 2
+    mid = _all_host(setup, host_budget=q.host_bytes + k * cb.params)[0]
+    kept = [c for c in host if c not in mid.master_fetch]
+    n_fetch = {c: sum(c in f for f in copies.fetch) for c in host}
+    assert len(kept) == k and min(n_fetch[c] for c in kept) >= max(n_fetch[c] for c in mid.master_fetch)
+    with pytest.raises(cj.PlanError) as e:
+        _all_host(setup, host_budget=q.host_bytes - 1)
+    msg = str(e.value)
+    assert "\n" not in msg and f"below the {q.host_bytes} bytes" in msg and "host_budget >=" in msg
+
+
+def test_micro_batches_join_the_working_set(setup):
+    """With micro-batches, each host chunk's float32 sum and mean join the host working set."""
+    one, cb, layout = _all_host(setup)
+    four = _all_host(setup, micro_batches=4)[0]
+    n = layout.n_chunks
+    assert four.predicted.host_working_bytes == one.predicted.host_working_bytes + n * (cb.master + cb.grad)
+
+
+def _host_bytes_of_state(state, chunks) -> int:
+    """Bytes of the buffers the state holds for ``chunks`` (params, master, optimizer state;
+    each buffer once: a master-fetch chunk's master is a view of its params)."""
+    seen, total = set(), 0
+    for c in chunks:
+        for a in [state.params[c], state.master[c]] + [x for _, x in speculate._arrays(state.opt_state[c])]:
+            ptr = a.unsafe_buffer_pointer() if isinstance(a, jax.Array) else a.ctypes.data
+            if ptr not in seen:
+                seen.add(ptr)
+                total += a.nbytes
+    return total
+
+
+def test_master_fetch_state_bytes_and_gradient_working_set(setup, monkeypatch):
+    """Counted on the allocated state: 12 bytes per parameter of a master-fetch host chunk (float32
+    master params, pinned, plus Adam m and v), against 14 with the copy; the host gradients alive
+    at any hand-over stay within the planned working set."""
+    cfg, params, batches, stages, layout, traces = setup
+    s, cb, _ = _all_host(setup)
+    least = _all_host(setup, host_budget=s.predicted.host_bytes - layout.n_chunks * cb.params)[0]
+    spec = AdamW(3e-3)
+    measured = {}
+    hand_over = updaters.HostWork.hand_over
+    for name, sched in (("copy", s), ("master_fetch", least)):
+        step = cj.make_chunked_step(stages, layout, sched, host_optimizer=spec, compute_dtype=jnp.bfloat16)
+        state = step.init(params)
+        host = [c for c, u in enumerate(sched.update_locations) if u == "host"]
+        measured[name] = _host_bytes_of_state(state, host) / (len(host) * layout.chunk_size)
+        mine, live = {p.unsafe_buffer_pointer() for p in state.params}, []  # (live_arrays makes new wrappers)
+
+        def spy(work, fn, *args):
+            hand_over(work, fn, *args)
+            live.append(sum(a.nbytes for a in jax.live_arrays() if a.shape == (layout.chunk_size,)
+                            and a.dtype == jnp.bfloat16 and a.sharding.memory_kind == "pinned_host"
+                            and a.unsafe_buffer_pointer() not in mine))
+        monkeypatch.setattr(updaters.HostWork, "hand_over", spy)
+        for b in batches[:2]:
+            state, _ = step(state, b[:B])
+            step.wait(state)
+        monkeypatch.undo()
+        assert len(live) >= 4 and max(live) <= sched.predicted.host_working_bytes, (name, live)
+    assert measured["master_fetch"] == 12.0 and measured["copy"] == 14.0
+    assert measured["master_fetch"] <= 12.5 + least.predicted.host_working_bytes / (layout.n_chunks * layout.chunk_size)
