@@ -36,7 +36,7 @@ from chunkjax.layout import ChunkLayout, build_layout, first_use_order
 from chunkjax.optim import check_elementwise, state_bytes_per_chunk
 from chunkjax.plan import parse_bytes, plan_schedule
 from chunkjax.plan_disk import storage_line
-from chunkjax.predict import STORAGE_STAGING_BUFFERS, ChunkBytes, chunk_bytes, disk_file_bytes
+from chunkjax.predict import ChunkBytes, chunk_bytes
 from chunkjax.stages import check_param_keys, compose_loss, split_loss
 from chunkjax.trace import trace_stages
 
