@@ -142,7 +142,8 @@ def test_host_budget_too_small_even_with_disk_is_one_line(setup):
     with pytest.raises(PlanError, match="even with 1 chunks'"):  # a disk that holds one chunk (two versions)
         plan_schedule(layout, traces, cb, floor, host_budget_bytes=half, disk_budget_bytes=2 * cb.state + 1, **kw)
     once = s.predicted.storage_chunks * cb.state + 1  # the state once on disk: half the space
-    one = plan_schedule(layout, traces, cb, floor, host_budget_bytes=half, disk_budget_bytes=once, disk_versions=1, **kw)
+    one = plan_schedule(layout, traces, cb, floor, host_budget_bytes=half, disk_budget_bytes=once, disk_versions=1,
+                        **kw)
     assert one.predicted.storage_chunks == s.predicted.storage_chunks
     with pytest.raises(ValueError, match="policy='tide'"):
         plan_schedule(layout, traces, cb, 10**12, policy="fixed", host_budget_bytes=10**9, **kw)
