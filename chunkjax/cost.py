@@ -23,6 +23,8 @@ class Rates:
       h2d_bytes_per_s: host -> device over PCIe, one direction (53-55 GB/s).
       d2h_bytes_per_s: device -> host, one direction.
       one_program_duplex_bytes_per_s: both directions inside one jitted program (57 GB/s).
+      duplex_bytes_per_s: both directions at once by eager transfers from two threads, the
+        streamed pipeline's (:mod:`chunkjax.streamed`; 94 GB/s in total).
       device_update_s_per_param: AdamW with state resident on the device (0.0074 ns).
       host_update_s_per_param: in-place host AdamW on 16 cores (0.27 ns).
       disk_read_bytes_per_s / disk_write_bytes_per_s: one storage device, each way (the lent
@@ -34,6 +36,7 @@ class Rates:
     h2d_bytes_per_s: float = 54e9
     d2h_bytes_per_s: float = 54e9
     one_program_duplex_bytes_per_s: float = 57e9
+    duplex_bytes_per_s: float = 94e9
     device_update_s_per_param: float = 0.0074e-9
     host_update_s_per_param: float = 0.27e-9
     disk_read_bytes_per_s: float = 1.4e9
@@ -99,8 +102,9 @@ class PipelinedStepTime:
         offloads at the one-program duplex rate).
       host_update_s: the whole in-place host update.
       host_update_exposed_s: the part of it that does not overlap the backward pass.
-      device_update_s / streamed_update_s: update programs after the backward (on the device,
-        while the host thread finishes its exposed part).
+      device_update_s: update programs of device-resident chunks after the backward.
+      streamed_update_s: the part of the streamed pipeline (:mod:`chunkjax.streamed`) that runs
+        after the backward (at the same time as the host thread's exposed part).
       compute_s: forward + backward + recompute FLOPs at the matmul rate.
       transfer_s: all forward/backward transfers at their rates.
       storage_update_s: the disk tier's update (Smart-Infinity's near-storage update): every
@@ -122,9 +126,9 @@ class PipelinedStepTime:
     @property
     def step_s(self) -> float:
         """Forward + backward + the device-resident updates + the longer of the host thread's
-        exposed tail and the streamed updates (they run at once: the host thread while the
-        device streams; without streamed chunks, the sum of the parts); the disk tier's update
-        runs beside all of them after the backward."""
+        exposed tail and the streamed pipeline's (they run at once: the host kernel on the CPU,
+        the streamed chunks over PCIe and on the device); the disk tier's update runs beside all
+        of them after the backward."""
         return (self.forward_s + self.backward_s
                 + max(self.device_update_s + max(self.host_update_exposed_s, self.streamed_update_s),
                       self.storage_update_s))
@@ -137,23 +141,84 @@ class PipelinedStepTime:
         return d
 
 
+def _moved(start: float, nbytes: float, rate: float, share: float, until: float) -> float:
+    """When ``nbytes`` started at ``start`` have moved: at ``rate * share`` before ``until`` (the
+    backward's end, its own transfers taking the rest of the link), at ``rate`` after."""
+    if start >= until or share >= 1.0:
+        return max(start, 0.0) + nbytes / rate
+    slow = rate * share
+    room = (until - start) * slow
+    if slow > 0 and nbytes <= room:
+        return start + nbytes / slow
+    return until + (nbytes - room) / rate
+
+
+def streamed_pipeline_end(chunks: Sequence[tuple[float, int, int]], *, params_per_chunk: int, depth: int,
+                          boundaries: Sequence[float], backward_end: float, share: float,
+                          rates: Rates = Rates()) -> float:
+    """When the streamed pipeline (:class:`chunkjax.streamed.Pipeline`) finishes its last chunk.
+
+    Each chunk ``(ready_s, up_bytes, down_bytes)``, in ready order: its fetch starts when it is
+    ready, the previous fetch is done and a slot is free (the write-back ``depth`` chunks earlier
+    done); its update program runs at the first program boundary after the fetch (before
+    ``backward_end``; the update programs queue between the backward's programs), else at once;
+    its write-back follows the update and the previous write-back. Both directions run at once,
+    each at ``min(one direction's rate, duplex_bytes_per_s / 2)``, times ``share`` before
+    ``backward_end``.
+
+    Args:
+      chunks: per streamed chunk (seconds from the step's start, bytes up, bytes down).
+      params_per_chunk: parameters per chunk (the update program at the device's rate).
+      depth: the pipeline's slots (>= 1).
+      boundaries: program ends before the backward's end (seconds).
+      backward_end: the backward's end (seconds).
+      share: the fraction of each direction left to the pipeline during the backward (0-1).
+
+    Returns:
+      seconds from the step's start (0.0 without chunks).
+    """
+    up_rate = min(rates.h2d_bytes_per_s, rates.duplex_bytes_per_s / 2)
+    down_rate = min(rates.d2h_bytes_per_s, rates.duplex_bytes_per_s / 2)
+    bounds = sorted(b for b in boundaries if b < backward_end)
+    upd_s = params_per_chunk * rates.device_update_s_per_param
+    depth = max(1, int(depth))
+    written: list[float] = []
+    fetched = updated = 0.0
+    for i, (ready, up, down) in enumerate(sorted(chunks)):
+        start = max(ready, fetched, written[i - depth] if i >= depth else 0.0)
+        fetched = _moved(start, up, up_rate, share, backward_end)
+        at = fetched if fetched >= backward_end else next((b for b in bounds if b >= fetched), backward_end)
+        updated = max(at, updated) + upd_s
+        written.append(_moved(max(updated, written[-1] if written else 0.0), down, down_rate, share, backward_end))
+    return written[-1] if written else 0.0
+
+
 def predict_pipelined_step(flops_per_step: float, *, fwd_h2d: int, bwd_h2d: int, bwd_d2h: int,
-                           streamed_bytes: int, device_params: int, streamed_params: int,
-                           host_ready: Sequence[tuple[float, int]], rates: Rates = Rates(), disk_bytes: int = 0,
+                           device_params: int, host_ready: Sequence[tuple[float, int]],
+                           streamed: Sequence[tuple[float, int, int]] = (), params_per_chunk: int = 0,
+                           program_ends: Sequence[float] = (), streamed_early: bool = False,
+                           depth: int = 2, rates: Rates = Rates(), disk_bytes: int = 0,
                            storage_devices: int = 1) -> PipelinedStepTime:
     """Predict a pipelined step: forward, backward (with per-stage recompute: the forward's FLOPs
     again), a host thread that updates each program's host chunks once that program has finished
-    (in program order, one at a time), and the device's update programs after the backward, at the
-    same time as the host thread's tail (PipelinedStepTime.step_s).
+    (in program order, one at a time), the streamed pipeline (:func:`streamed_pipeline_end`:
+    from the end of the program that completes each chunk's gradient when ``streamed_early``,
+    else from the backward's end, when the global norm is known) and the device's update programs
+    after the backward (PipelinedStepTime.step_s).
 
     Args:
       flops_per_step: training FLOPs (6N + 12LSh per token, times tokens); forward is 1/3.
       fwd_h2d / bwd_h2d: chunk fetch bytes in the forward / fused head + backward.
       bwd_d2h: gradient bytes offloaded during the backward.
-      streamed_bytes: bytes moved by streamed updates (both directions).
-      device_params / streamed_params: parameters updated on the device / streamed.
+      device_params: parameters updated on the device.
       host_ready: per program, (fraction of the backward done when it ends, host-updated
         parameters whose gradients it completes).
+      streamed: per streamed chunk, (fraction of the backward done when the program completing
+        its gradient ends, bytes up, bytes down).
+      params_per_chunk: parameters per streamed chunk.
+      program_ends: fraction of the backward done at each program's end.
+      streamed_early: streamed chunks start as their program ends (else after the backward).
+      depth: the streamed pipeline's slots.
       disk_bytes: bytes the disk tier reads and writes per step (half each way), over
         ``storage_devices`` devices of the disk rates.
     """
@@ -161,19 +226,24 @@ def predict_pipelined_step(flops_per_step: float, *, fwd_h2d: int, bwd_h2d: int,
     c_fwd = flops_per_step / 3 / r.matmul_flops_per_s
     c_bwd = flops_per_step / r.matmul_flops_per_s  # 2/3 backward + 1/3 recompute
     fwd = max(c_fwd, fwd_h2d / r.h2d_bytes_per_s)
-    bwd = max(c_bwd, (bwd_h2d + bwd_d2h) / r.one_program_duplex_bytes_per_s)
+    bwd_transfer = (bwd_h2d + bwd_d2h) / r.one_program_duplex_bytes_per_s
+    bwd = max(c_bwd, bwd_transfer)
     t_host, host = 0.0, 0.0
     for frac, params in sorted(host_ready):
         dt = params * r.host_update_s_per_param
         t_host = max(t_host, fwd + frac * bwd) + dt
         host += dt
     exposed = max(0.0, t_host - (fwd + bwd)) if host else 0.0
-    streamed = streamed_bytes / r.h2d_bytes_per_s + streamed_params * r.device_update_s_per_param
+    end = fwd + bwd
+    share = max(0.0, 1.0 - bwd_transfer / bwd) if bwd > 0 else 1.0
+    last = streamed_pipeline_end([(fwd + f * bwd if streamed_early else end, up, down) for f, up, down in streamed],
+                                 params_per_chunk=params_per_chunk, depth=depth,
+                                 boundaries=[fwd + f * bwd for f in program_ends], backward_end=end, share=share,
+                                 rates=r)
     disk = (disk_bytes / 2 / r.disk_read_bytes_per_s + disk_bytes / 2 / r.disk_write_bytes_per_s) / max(1, storage_devices)
     return PipelinedStepTime(fwd, bwd, host, exposed, device_params * r.device_update_s_per_param,
-                             streamed, c_fwd + c_bwd,
-                             fwd_h2d / r.h2d_bytes_per_s + (bwd_h2d + bwd_d2h) / r.one_program_duplex_bytes_per_s,
-                             disk)
+                             max(0.0, last - end) if streamed else 0.0, c_fwd + c_bwd,
+                             fwd_h2d / r.h2d_bytes_per_s + bwd_transfer, disk)
 
 
 def _dot_flops(eqn) -> float:
@@ -196,9 +266,10 @@ def matmul_flops(jaxpr) -> float:
     count is not known when tracing). Elementwise work is not counted: the cost model times FLOPs
     at the matmul rate (:attr:`Rates.matmul_flops_per_s`).
 
-    Counted from the traced program, so it is the same on every backend (XLA's cost analysis of
-    a lowered program is not available on the GPU's PJRT plugin: the front door's FLOPs were 0
-    there and its predicted step was transfer time only; docs/benchmarks.md, tenth session).
+    Counted from the traced program, so it is the same on every backend: XLA's cost analysis of
+    a lowered program raises ``NotImplementedError`` on the GPU's PJRT plugin (``Lowered.cost_analysis``
+    then returns None), which gave the front door 0 FLOPs on the H200 and a predicted step of
+    transfers and updates only.
     """
     from jax.extend.core import jaxprs_in_params
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)

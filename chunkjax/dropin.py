@@ -16,13 +16,9 @@ at one of PatrickStar's update locations (Fang et al., arXiv 2108.05818, section
 (:func:`predict_update_s`: the PCIe bytes of each direction against the host kernel's time,
 the two running in parallel, ZeRO-Offload++ / ZenFlow's GPU-CPU split).
 
-One step (:func:`stream_chunks`): the streamed chunks run through a pipeline of ``depth`` chunks
-of state on the device at once: a fetch thread moves chunk k+1's state to the device while the
-update program of chunk k runs and a write-back thread moves chunk k-1's back, so both PCIe
-directions are in flight (eager transfers from two threads reached 94 GB/s together on the H200,
-against 57 GB/s for both directions inside one program: ``gpu_facts.md``, "Ceilings"). The call
-returns when the last update is dispatched; the write-backs of the last chunks continue behind
-the caller's next program and are joined by :meth:`StreamedWork.join`.
+One step: the streamed chunks run through the one streamed pipeline of the library
+(:func:`chunkjax.streamed.stream_chunks`, also the chunked step's): ``depth`` chunks of state on
+the device at once, chunk k+1's fetch and chunk k-1's write-back in flight while chunk k updates.
 
 The drop-in's programs (:class:`ChunkPrograms`: one set per chunk shape, :func:`sub_layout`) and
 its placement (:func:`place`: the ``"optimizer_only"`` policy with room for the pipeline) are
@@ -31,9 +27,7 @@ here too.
 from __future__ import annotations
 
 import dataclasses
-import queue
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -46,10 +40,8 @@ from chunkjax.errors import PlanError
 from chunkjax.layout import ChunkLayout, LeafSlot, Piece
 from chunkjax.memory import DEVICE, PINNED_HOST, sharding
 from chunkjax.plan import plan_schedule
+from chunkjax.streamed import DEFAULT_PIPELINE_DEPTH
 
-#: Default number of streamed chunks whose state may be on the device at once (fetching k+1,
-#: updating k, writing back k-1).
-DEFAULT_PIPELINE_DEPTH = 3
 
 _MSG_TX = ("tx must be an optax.GradientTransformation or a host kernel spec (chunkjax.host_update.AdamW / Lion / "
            "SGDMomentum), got {type}")
@@ -81,7 +73,8 @@ def predict_update_s(n_streamed: int, n_host: int, chunk_size: int, state_bytes:
                      param_bytes: int, rates: Rates, depth: int = DEFAULT_PIPELINE_DEPTH) -> float:
     """Predicted seconds of the offloaded part of one update: the PCIe time of the busier
     direction (streamed chunks move ``state_bytes`` each way; host chunks send ``grad_bytes``
-    down and get ``param_bytes`` back) against the host kernel's time (``chunk_size`` elements
+    down and get ``param_bytes`` back; each direction at most half of ``rates.duplex_bytes_per_s``,
+    the two-thread duplex rate of :mod:`chunkjax.streamed`) against the host kernel's time (``chunk_size`` elements
     per host chunk at ``rates.host_update_s_per_param``); the two run in parallel. With a
     pipeline of one chunk (``depth=1``) a streamed chunk's two directions take turns.
 
@@ -91,11 +84,12 @@ def predict_update_s(n_streamed: int, n_host: int, chunk_size: int, state_bytes:
       state_bytes: one chunk's float32 master params + optimizer state (bytes).
       grad_bytes, param_bytes: one chunk's gradient and compute params (bytes).
       rates: :class:`chunkjax.cost.Rates`.
-      depth: the streamed pipeline's depth (:func:`stream_chunks`).
+      depth: the streamed pipeline's depth (:func:`chunkjax.streamed.stream_chunks`).
     """
     h2d = n_streamed * state_bytes + n_host * param_bytes
     d2h = n_streamed * state_bytes + n_host * grad_bytes
-    pcie = max(h2d / rates.h2d_bytes_per_s, d2h / rates.d2h_bytes_per_s)
+    half = rates.duplex_bytes_per_s / 2  # both directions at once: each at most half the duplex total
+    pcie = max(h2d / min(rates.h2d_bytes_per_s, half), d2h / min(rates.d2h_bytes_per_s, half))
     if depth <= 1:  # no fetch while a write-back runs
         pcie = max(pcie, n_streamed * state_bytes * (1 / rates.h2d_bytes_per_s + 1 / rates.d2h_bytes_per_s))
     return max(pcie, n_host * chunk_size * rates.host_update_s_per_param)
@@ -130,99 +124,6 @@ def split_offloaded(offloaded: Sequence[int], chunk_size: int, state_bytes: int,
     elif isinstance(host_chunks, bool) or not isinstance(host_chunks, int) or not 0 <= host_chunks <= n:
         raise ValueError(_MSG_HOST_CHUNKS.format(n=host_chunks, have=n))
     return tuple(offloaded[:n - host_chunks]), tuple(offloaded[n - host_chunks:])
-
-
-class StreamedWork:
-    """The write-backs of one step's streamed chunks still in flight after
-    :func:`stream_chunks` returned; :meth:`join` waits for them (re-raising a failure)."""
-
-    def __init__(self, threads: list[threading.Thread], errors: list[BaseException]):
-        self._threads = threads
-        self._errors = errors
-
-    def join(self) -> None:
-        for t in self._threads:
-            t.join()
-        self._threads = []
-        if self._errors:
-            err, self._errors = self._errors[0], []
-            raise err
-
-
-def stream_chunks(chunks: Sequence[int], depth: int, fetch: Callable, update: Callable,
-                  store: Callable) -> StreamedWork:
-    """Update ``chunks`` through the device with at most ``depth`` chunks of state there at once.
-
-    Args:
-      chunks: chunk ids in update order.
-      depth: >= 1; 1 runs fetch, update and write-back of a chunk one after the other, 3 keeps
-        both directions busy (fetch of k+1, write-back of k-1 while k updates).
-      fetch: ``fetch(c) -> (master, state)`` on the device (dispatched on the fetch thread).
-      update: ``update(c, master, state) -> (master, state)``: dispatches chunk ``c``'s update
-        program (on the calling thread, in ``chunks`` order).
-      store: ``store(c, master, state)``: moves the updated state back to pinned host memory and
-        blocks until it is there (on the write-back thread); the device copies are then dropped
-        and the next fetch may start.
-
-    Returns:
-      :class:`StreamedWork`, after every update is dispatched.
-
-    Raises:
-      whatever ``fetch`` or ``update`` raise (the threads are stopped first).
-    """
-    if not chunks:
-        return StreamedWork([], [])
-    slots = threading.Semaphore(max(1, depth))
-    fetched: queue.SimpleQueue = queue.SimpleQueue()
-    back: queue.SimpleQueue = queue.SimpleQueue()
-    errors: list[BaseException] = []
-    stop = threading.Event()
-
-    def fetcher():
-        for c in chunks:
-            slots.acquire()
-            if stop.is_set():
-                return
-            try:
-                fetched.put((c, fetch(c)))
-            except BaseException as e:  # handed to the caller
-                fetched.put(e)
-                return
-
-    def writer():
-        while (item := back.get()) is not None:
-            try:
-                store(*item)
-            except BaseException as e:  # handed to join()
-                errors.append(e)
-            finally:
-                del item
-                slots.release()
-
-    # not daemons: the interpreter joins them before it tears the runtime down (a write-back cut
-    # off at exit aborts the process); both end once every chunk is through
-    threads = [threading.Thread(target=f, name=f"chunkjax-dropin-{f.__name__}") for f in (fetcher, writer)]
-    for t in threads:
-        t.start()
-    try:
-        for _ in chunks:
-            item = fetched.get()
-            if isinstance(item, BaseException):
-                raise item
-            c, (master, state) = item
-            del item
-            back.put((c, *update(c, master, state)))
-            del master, state
-    except BaseException:
-        stop.set()
-        for _ in range(len(chunks) + depth):  # a fetcher waiting for a slot sees the stop
-            slots.release()
-        back.put(None)
-        for t in threads:
-            t.join()
-        raise
-    back.put(None)
-    return StreamedWork(threads, errors)
 
 
 # ---- the drop-in's input checks ----------------------------------------------------------------

@@ -38,6 +38,7 @@ from chunkjax.plan import parse_bytes, plan_schedule
 from chunkjax.plan_disk import storage_line
 from chunkjax.predict import ChunkBytes, chunk_bytes
 from chunkjax.stages import check_param_keys, compose_loss, split_loss
+from chunkjax.streamed import starts_early
 from chunkjax.trace import trace_stages
 
 #: Fraction of the device budget the compiled step may use: its largest program (arguments +
@@ -369,7 +370,7 @@ def plan(problem: FitProblem, budget_bytes: int, *, policy: str = "tide", reside
       must_fit: False returns a static policy's schedule even over the budget (to report a
         baseline that does not fit).
       split: ``"tide"``: split offloaded updates between host and device by rate
-        (:func:`chunkjax.plan.split_updates`); False: all on the host.
+        (:func:`chunkjax.plan_split.split_updates`); False: all on the host.
 
     Raises:
       chunkjax.PlanError: nothing fits (the message gives the smallest budget that does).
@@ -379,8 +380,11 @@ def plan(problem: FitProblem, budget_bytes: int, *, policy: str = "tide", reside
                          zero_stage=p.zero_stage or None, host_budget_bytes=p.host_budget_bytes,
                          prefetch=p.prefetch, segments=p.segments, flops_per_step=p.flops_per_step, rates=p.rates,
                          host_update=p.host_optimizer is not None, resident=resident, must_fit=must_fit,
-                         split=split, micro_batches=p.micro_batches, storage_devices=p.storage_devices,
-                         disk_budget_bytes=p.disk_budget_bytes,
+                         split=split, micro_batches=p.micro_batches,
+                         streamed_early=starts_early(p.tx, skip=p.nonfinite == "skip" or p.loss_scaling,
+                                                     loss_scaling=p.loss_scaling,
+                                                     micro_batches=p.micro_batches, n_ranks=p.n_ranks),
+                         storage_devices=p.storage_devices, disk_budget_bytes=p.disk_budget_bytes,
                          disk_versions=p.storage.disk_versions if p.storage is not None else 2)
 
 
@@ -480,7 +484,16 @@ def fit_problem(problem: FitProblem, device_budget="auto", *, policy: str = "tid
         check_compiled = problem.platform != "cpu"
     fixed = schedule is not None or resident is not None
     effective = budget
-    sched = schedule if schedule is not None else plan(problem, effective, policy=policy, resident=resident)
+    if check_compiled and not fixed and not auto:
+        # a plan filling the budget cannot pass the check at HEADROOM of it: plan for the headroom
+        # (less a chunk, as a re-plan does) first, saving a compile of every program
+        try:
+            sched = plan(problem, int(HEADROOM * budget) - problem.cb_rank.params, policy=policy)
+            effective = int(HEADROOM * budget) - problem.cb_rank.params
+        except PlanError:
+            pass
+    if effective == budget:
+        sched = schedule if schedule is not None else plan(problem, effective, policy=policy, resident=resident)
     host = check_host_memory(problem, sched)
     history, notes, mem, floor_tried = [], [], None, False
     for attempt in range(MAX_REPLANS + 1):
@@ -567,7 +580,10 @@ def describe(report: FitReport, problem: FitProblem) -> str:
     return (f"plan: {s.counts()}; {off} of {s.n_chunks} param chunks in pinned_host; accounted peak "
             f"{mib(p.peak_device_bytes):.1f} MiB{comp} of budget {mib(report.budget_bytes):.1f} MiB{ranks}; model data "
             f"on device {mib(p.device_model_bytes):.1f} of {mib(model):.1f} MiB; per step h2d "
-            f"{mib(p.h2d_bytes_per_step):.1f} MiB, d2h {mib(p.d2h_bytes_per_step):.1f} MiB; predicted step "
+            f"{mib(p.h2d_bytes_per_step):.1f} MiB, d2h {mib(p.d2h_bytes_per_step):.1f} MiB; host "
+            f"{mib(p.host_bytes):.1f} MiB ({p.host_resident_bytes_per_param:.1f} B/param of host-resident chunks, "
+            f"{len(s.master_fetch)} without a compute copy, gradient working set {mib(p.host_working_bytes):.1f} "
+            f"MiB); predicted step "
             f"{p.time.step_s * 1e3:.1f} ms" + (" (the cost model's GPU rates: a CPU runs far slower)"
                                                 if problem.platform == "cpu" else "")
             + "".join(f"; {x}" for x in [storage_line(s, problem.storage_devices, problem.host_budget_bytes)] if x))

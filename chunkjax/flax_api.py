@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from chunkjax import dropin, optim, portable
+from chunkjax import dropin, optim, portable, streamed
 from chunkjax.cost import Rates
 from chunkjax.layout import ChunkLayout, build_layout
 from chunkjax.memory import DEVICE, PINNED_HOST, sharding
@@ -148,7 +148,7 @@ class ChunkedOptimizer:
 
     def __init__(self, params, tx, *, device_budget: int | str, chunk_size: int | None = None,
                  min_chunks: int = DEFAULT_MIN_CHUNKS, order: list[str] | None = None, check_tx: bool = True,
-                 host_chunks: int | None = None, pipeline_depth: int = dropin.DEFAULT_PIPELINE_DEPTH,
+                 host_chunks: int | None = None, pipeline_depth: int = streamed.DEFAULT_PIPELINE_DEPTH,
                  rates: Rates | None = None):
         budget = dropin.budget_bytes(device_budget)
         spec = dropin.host_spec(tx)
@@ -241,7 +241,7 @@ class ChunkedOptimizer:
             del m
         self._master, self._opt_state = masters, states
         self._host_on_device: list = []  # the last update's device copies of host chunks' params
-        self._pending = dropin.StreamedWork([], [])
+        self._pending = streamed.StreamedWork()
         self._sq = jax.jit(self._grad_sq)
 
     # ---- the update ------------------------------------------------------------------------------
@@ -353,7 +353,7 @@ class ChunkedOptimizer:
                 new, self._master[c], self._opt_state[c] = self._update_of[c](
                     of(c), self._master[c], self._opt_state[c], grad_sq, jnp.asarray(c, jnp.int32))
                 self._put(out, c, new)
-            self._pending = dropin.stream_chunks(self.streamed_chunks, self.pipeline_depth, self._fetch,
+            self._pending = streamed.stream_chunks(self.streamed_chunks, self.pipeline_depth, self._fetch,
                                                  lambda c, m, st: self._update_streamed(c, m, st, of(c), grad_sq, out),
                                                  self._store)
         finally:
@@ -374,7 +374,8 @@ class ChunkedOptimizer:
             out[i].append((p.leaf_offset, x))
 
     def _fetch(self, c: int):
-        return jax.device_put((self._master[c], self._opt_state[c]), sharding(DEVICE), may_alias=False)
+        return jax.block_until_ready(jax.device_put((self._master[c], self._opt_state[c]), sharding(DEVICE),
+                                                    may_alias=False))
 
     def _update_streamed(self, c: int, master, state, grad_leaves, grad_sq, out: list):
         new, master, state = self._update_of[c](grad_leaves, master, state, grad_sq, jnp.asarray(c, jnp.int32))

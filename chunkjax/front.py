@@ -57,6 +57,7 @@ class OffloadedStep:
         self.metrics = None
         self._example = example
         self._side = tuple(discovery.side_values[j] for j in discovery.mutable)
+        self._batch_sharding = self.step.topology.batch_sharding()
 
     # ---- what was planned ------------------------------------------------------------------------
     @property
@@ -91,8 +92,12 @@ class OffloadedStep:
                              "shape (or build another step with chunkjax.offload for this shape)")
 
     def _step_batch(self, batch):
+        """``(data, tiled side leaves)``; on one device placed (committed) where the compiled check
+        placed it, so that the step runs the programs the check compiled (an uncommitted batch
+        lowers without its sharding: every program compiled again at the first step)."""
         rows = int(jax.tree.leaves(batch)[0].shape[0])
-        return batch, tuple(jnp.broadcast_to(jnp.asarray(v)[None], (rows,) + tuple(np.shape(v))) for v in self._side)
+        out = batch, tuple(jnp.broadcast_to(jnp.asarray(v)[None], (rows,) + tuple(np.shape(v))) for v in self._side)
+        return out if self.step.mesh is not None else jax.device_put(out, self._batch_sharding)
 
     def __call__(self, batch):
         """One training step on ``batch`` (the planned shapes); returns its loss.
@@ -146,9 +151,10 @@ class OffloadedStep:
                 side[j] = v
             nnx.update(model, jax.tree.unflatten(d.side_treedef, side))
 
-    def wait(self) -> None:
-        """Block until the last step's host updates are done."""
-        self.step.wait(self.state)
+    def wait(self) -> float | None:
+        """Block until the last step's host updates are done; the seconds the host thread spent in
+        its kernels (None: no host updates)."""
+        return self.step.wait(self.state)
 
 
 def _optimizer_kw(tx) -> dict:

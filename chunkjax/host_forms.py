@@ -14,9 +14,10 @@ in one of two forms:
 
 Gradients of host chunks are not model data kept between steps: each leaves its program into
 pinned host memory and is dropped as soon as the host kernel consumed it, and the step holds the
-next program back until the host thread is done with the one :data:`GRAD_WINDOW_PROGRAMS` - 1
+next program back until the host thread is done with the one
+:data:`chunkjax.predict.GRAD_WINDOW_PROGRAMS` - 1
 before (:meth:`chunkjax.updaters.HostWork.hand_over`), so at most the host gradients of that many
-consecutive programs exist at once (:func:`grad_window_bytes`). Speculated chunks' gradients
+consecutive programs exist at once (:func:`chunkjax.predict.grad_window_bytes`). Speculated chunks' gradients
 are held until the norm is known, within the speculation pool's bound (:mod:`chunkjax.speculate`).
 
 PatrickStar (arXiv 2108.05818, section 4.3) keeps no fp16 param copy of an offloaded chunk either:
@@ -24,35 +25,11 @@ it reuses the fp16 param slot for the gradient; here the slot is dropped instead
 """
 from __future__ import annotations
 
-from typing import Sequence
+import dataclasses
 
-#: Programs whose host-chunk gradients may exist at once: the one the host thread consumes and
-#: the one the device produces (:meth:`chunkjax.updaters.HostWork.hand_over`).
-GRAD_WINDOW_PROGRAMS = 2
-
-
-def grad_window_bytes(done_moments: Sequence[int], program_starts: Sequence[int], grad_bytes: int,
-                      window: int = GRAD_WINDOW_PROGRAMS) -> int:
-    """Host-chunk gradient bytes that exist at once: the most over ``window`` consecutive
-    programs of the gradients completed in them.
-
-    Args:
-      done_moments: per host-updated chunk, the moment its gradient completes.
-      program_starts: the moment each program begins (starts with 0, increasing).
-      grad_bytes: one chunk's gradient (bytes; compute dtype).
-      window: consecutive programs counted together (>= 1).
-
-    Returns:
-      bytes (0 without host chunks).
-    """
-    starts = list(program_starts)
-    per = [0] * len(starts)
-    for t in done_moments:
-        k = max(i for i, s in enumerate(starts) if s <= t)
-        per[k] += grad_bytes
-    w = max(1, min(window, len(per)))
-    return int(max((sum(per[i:i + w]) for i in range(len(per) - w + 1)), default=0))
-
+from chunkjax import predict as pr
+from chunkjax.memory import PINNED_HOST
+from chunkjax.schedule import HOST_UPDATE
 
 def assign_host_forms(s, cb, host_budget_bytes: int | None, *, chunk_size: int, traces, tide, rates,
                       flops_per_step: float, micro_batches: int = 1):
@@ -79,23 +56,19 @@ def assign_host_forms(s, cb, host_budget_bytes: int | None, *, chunk_size: int, 
       with 4-byte fetches, the device bytes of float32 fetch buffers, ``host_bytes``); never
       past ``s.budget_bytes`` on the device when ``s`` was not.
     """
-    import dataclasses
-
-    from chunkjax import predict as pr
-    from chunkjax.memory import PINNED_HOST
-    from chunkjax.schedule import HOST_UPDATE
-
     host = [c for c, (k, u) in enumerate(zip(s.param_kinds, s.update_locations))
             if u == HOST_UPDATE and k == PINNED_HOST]
     base = s.predicted
-    device_part = [b - e for b, e in zip(base.device_bytes_per_moment,
-                                         pr.master_fetch_extra(cb, s.fetch, s.prefetch, s.master_fetch))]
+    early = pr.streamed_early_extra(chunk_size, cb, traces, tide, s.param_kinds, s.update_locations, s.segments,
+                                    s.streamed_early)  # predict adds it back
+    device_part = [b - e - x for b, e, x in zip(base.device_bytes_per_moment,
+                                                pr.master_fetch_extra(cb, s.fetch, s.prefetch, s.master_fetch), early)]
 
     def with_forms(mf):
         moments = [b + e for b, e in zip(device_part, pr.master_fetch_extra(cb, s.fetch, s.prefetch, mf))]
         pred = pr.predict(chunk_size, traces, tide, cb, s.param_kinds, s.update_locations, s.fetch, s.segments,
                           moments, flops_per_step=flops_per_step, rates=rates, master_fetch=mf,
-                          micro_batches=micro_batches)
+                          micro_batches=micro_batches, streamed_early=s.streamed_early)
         return dataclasses.replace(s, master_fetch=tuple(sorted(mf)), predicted=pred)
 
     copies = with_forms(()) if (s.master_fetch or micro_batches > 1) else s

@@ -63,7 +63,7 @@ def schedule_host_need(schedule, cb, *, layout, n_ranks: int = 1, zero_stage: in
     device's replica), a master-fetch chunk's float32 master params instead
     (:mod:`chunkjax.host_forms`), master params and optimizer state of ``streamed`` chunks, their
     gradients, and the host-updated chunks' gradients: on one device the working set of
-    :data:`chunkjax.host_forms.GRAD_WINDOW_PROGRAMS` programs (``predicted.host_working_bytes``),
+    :data:`chunkjax.predict.GRAD_WINDOW_PROGRAMS` programs (``predicted.host_working_bytes``),
     on a mesh every one. ``pageable_bytes``: master params (of copy-keeping chunks) and
     optimizer state of ``host``-updated chunks (numpy), with micro-batches their float32 sums
     and means. ``device_on_host_bytes``: on the CPU the device's memory is host memory (each

@@ -9,13 +9,13 @@ Policies (``policy=``):
     params, master params and optimizer state on the device; update ``device``) or its compute
     params live in pinned host memory and its update runs ``host`` (in place, overlapping the
     backward) or ``streamed`` (state moved through the device) when no host kernel exists; with
-    a host kernel the update work is split by rate (:func:`split_updates`): the chunks whose
+    a host kernel the update work is split by rate (:func:`chunkjax.plan_split.split_updates`): the chunks whose
     gradients complete last stream through the device while the host thread updates the rest. The
     device memory the tide leaves at each moment bounds the chunk buffers there; Belady's rule
     (:func:`chunkjax.eviction.belady`) fetches the rest ``prefetch`` moments ahead. The step is
     cut into programs at backward moments (:func:`auto_segments`) so a host thread updates
     finished chunks while the backward runs. Every resident prefix is scheduled and predicted;
-    the fastest that fits is returned (near-ties, within :data:`NEAR_TIE`, to the most resident).
+    the fastest that fits is returned (near-ties, within :data:`chunkjax.plan_split.NEAR_TIE`, to the most resident).
 ``"fixed"``
     The foundation's fixed rule: first the compute params of chunks (first-use order), then
     their master params and optimizer state, go to the device while the stage-window bound
@@ -51,6 +51,7 @@ from chunkjax.host_forms import assign_host_forms
 from chunkjax.layout import ChunkLayout
 from chunkjax.memory import DEVICE, PINNED_HOST
 from chunkjax.plan_disk import host_disk_error, place_on_disk
+from chunkjax.plan_split import NEAR_TIE, split_updates
 from chunkjax.predict import ChunkBytes
 from chunkjax.schedule import DEVICE_UPDATE, HOST_UPDATE, NO_UPDATE, STREAMED_UPDATE, Placement, Schedule
 from chunkjax.tide import Tide, memory_tide
@@ -59,8 +60,6 @@ from chunkjax.trace import StageTrace
 POLICIES = ("tide", "fixed", "all_host", "zero_offload", "optimizer_only")
 #: policies whose decisions do not depend on the budget (``must_fit=False`` returns them anyway)
 STATIC_POLICIES = ("all_host", "zero_offload")
-#: predicted step times within this fraction of the fastest count as a tie
-NEAR_TIE = 0.02
 
 _MSG_FIXED_INFEASIBLE = (
     "device budget {budget} bytes is below the {need} bytes this step needs with every chunk in "
@@ -181,69 +180,9 @@ def _frozen_none(layout: ChunkLayout, loc) -> tuple[str, ...]:
 
 # ---- the tide policy ----------------------------------------------------------------------------
 
-def split_updates(chunk_size: int, traces, tide: Tide, cb: ChunkBytes, budget: int, param_kinds, update_locations,
-                  fetch, segments, moment_bytes, *, rates: Rates, flops_per_step: float):
-    """Update placement by rate (ZeRO-Offload++ / ZenFlow's split of the update between GPU and
-    CPU): move the host-updated chunks whose gradients complete last to ``streamed`` (state moved
-    through the device after the backward, while the host thread finishes the rest) in the number
-    that minimises the predicted step time, ``fwd + bwd + device updates + max(host tail, streamed
-    updates)`` (:class:`chunkjax.cost.PipelinedStepTime`). The host tail shrinks and the streamed
-    time grows with each chunk moved, so the best count is found by bisection on where they cross;
-    counts within :data:`NEAR_TIE` of the fastest go to the fewest chunks moved (fewer bytes over
-    PCIe, and a plan that changes less with the budget), and no chunk moves when that is itself
-    within :data:`NEAR_TIE`.
-
-    Args:
-      chunk_size, traces, tide, cb, param_kinds, fetch, segments, moment_bytes, rates,
-        flops_per_step: as :func:`chunkjax.predict.predict`.
-      budget: the device budget (bytes): a split whose update phase passes it is not taken.
-      update_locations: per chunk; its ``"host"`` chunks are the candidates.
-
-    Returns:
-      ``(update_locations, prediction)`` of the fastest split (the input's when no chunk moves).
-    """
-    T = len(tide.moments)
-    done = pr.grad_done_moments(traces, tide)
-    order = sorted((c for c, u in enumerate(update_locations) if u == HOST_UPDATE), key=lambda c: (-done.get(c, T), c))
-
-    def at(j):
-        moved = set(order[:j])
-        loc = tuple(STREAMED_UPDATE if c in moved else u for c, u in enumerate(update_locations))
-        return loc, pr.predict(chunk_size, traces, tide, cb, param_kinds, loc, fetch, segments, moment_bytes,
-                               flops_per_step=flops_per_step, rates=rates)
-
-    base = at(0)
-    if not order:
-        return base
-    lo, hi = 1, len(order)  # the smallest j whose streamed time reaches the host tail
-    while lo < hi:
-        mid = (lo + hi) // 2
-        t = at(mid)[1].time
-        if t.streamed_update_s >= t.host_update_exposed_s:
-            hi = mid
-        else:
-            lo = mid + 1
-    cands = {j: at(j) for j in {lo - 1, lo} - {0}}
-    cands = {j: c for j, c in cands.items() if c[1].peak_device_bytes <= budget}  # same peak for every j >= 1
-    if not cands:
-        return base
-    fastest = min(c[1].time.step_s for c in cands.values())
-    tie = fastest * (1 + NEAR_TIE)
-    if base[1].time.step_s <= tie:
-        return base
-    a, b = 1, max(j for j, c in cands.items() if c[1].time.step_s == fastest)
-    while a < b:  # near-ties go to the fewest streamed chunks (fewest bytes moved): the time falls up to b
-        mid = (a + b) // 2
-        if at(mid)[1].time.step_s <= tie:
-            b = mid
-        else:
-            a = mid + 1
-    return at(a)
-
-
 def _tide_one(layout: ChunkLayout, traces, tide: Tide, cb: ChunkBytes, budget: int, resident: set[int],
               host_update: bool, prefetch: int, segments: tuple[int, ...], rates: Rates, flops_per_step: float,
-              split: bool = False):
+              split: bool = False, streamed_early: bool = False):
     """Schedule one placement (``resident`` chunks fully on the device); None if it cannot fit."""
     n = layout.n_chunks
     T = len(tide.moments)
@@ -274,11 +213,13 @@ def _tide_one(layout: ChunkLayout, traces, tide: Tide, cb: ChunkBytes, budget: i
                       flops_per_step=flops_per_step, rates=rates)
     if pred.peak_device_bytes > budget:
         return None
+    early = False
     if split and HOST_UPDATE in loc:
-        loc, pred = split_updates(layout.chunk_size, traces, tide, cb, budget, pk, loc, ev.fetch, segments, per_moment,
-                                  rates=rates, flops_per_step=flops_per_step)
+        loc, pred, early = split_updates(layout.chunk_size, traces, tide, cb, budget, pk, loc, ev.fetch, segments,
+                                         per_moment, rates=rates, flops_per_step=flops_per_step,
+                                         streamed_early=streamed_early)
     return Schedule(pk, loc, tuple(ev.fetch), tuple(_evictions(ev.fetch, accesses, T)), segments, prefetch,
-                    _moments(tide), pred, int(budget))
+                    _moments(tide), pred, int(budget), streamed_early=early)
 
 
 def _tide(one, n_chunks: int, budget: int, host_fits, resident) -> Schedule:
@@ -454,8 +395,9 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
                   host_budget_bytes: int | None = None, prefetch: int = 1,
                   segments: Sequence[int] | str | None = "auto", flops_per_step: float = 0.0,
                   rates: Rates = Rates(), host_update: bool = True, resident: Sequence[int] | None = None,
-                  must_fit: bool = True, split: bool = True, micro_batches: int = 1, storage_devices: int = 0,
-                  disk_budget_bytes: int | None = None, disk_versions: int = 2) -> Schedule:
+                  must_fit: bool = True, split: bool = True, micro_batches: int = 1,
+                  streamed_early: bool = False, storage_devices: int = 0, disk_budget_bytes: int | None = None,
+                  disk_versions: int = 2) -> Schedule:
     """Plan one training step under a device budget: the one entry point for every policy.
 
     Args:
@@ -484,8 +426,12 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
       resident: ``"tide"``: force exactly these chunks resident, the others updated on the host
         (skips the search and the update split).
       split: ``"tide"`` with a host kernel and no ``resident``: split the offloaded chunks' updates between the host
-        thread and the device (:func:`split_updates`: some ``streamed``) when the model predicts a
+        thread and the device (:func:`chunkjax.plan_split.split_updates`: some ``streamed``) when the model predicts a
         faster step; False: every offloaded chunk updates on the host.
+      streamed_early: ``"tide"`` with the split: the step may start streamed updates as their
+        gradients complete (:func:`chunkjax.streamed.starts_early`: no clipping, skip, loss
+        scaling or micro-batches); the split takes that or after the backward, whichever is
+        predicted faster, and records it (``Schedule.streamed_early``). False: after the backward.
       must_fit: False returns a static baseline (``"all_host"``, ``"zero_offload"``) even when
         its predicted peak exceeds the budgets (for reports that compare them).
       micro_batches: gradient accumulation of the step (its host working set).
@@ -566,10 +512,10 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
 
         def one(b, res):
             s = forms(_tide_one(layout, traces, tide, plan_cb, b, res, host_update, prefetch, segs, rates,
-                                flops_per_step, split and resident is None))
+                                flops_per_step, split and resident is None, streamed_early))
             s = s if s is None or disk is None else place_on_disk(
                 s, plan_cb, chunk_size=layout.chunk_size, traces=traces, tide=tide, disk=disk, rates=rates,
-                flops_per_step=flops_per_step, micro_batches=micro_batches)
+                flops_per_step=flops_per_step, micro_batches=micro_batches, streamed_early=streamed_early)
             return None if s is None else finish(s)
 
         best = _tide(one, layout.n_chunks, budget, host_fits, resident)

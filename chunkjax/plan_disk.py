@@ -33,7 +33,7 @@ _MSG_HOST_DISK = ("host budget {host} bytes is below the {need} bytes the host m
 
 
 def place_on_disk(s: Schedule, cb: pr.ChunkBytes, *, chunk_size: int, traces, tide, disk: tuple, rates,
-                  flops_per_step: float, micro_batches: int = 1) -> Schedule:
+                  flops_per_step: float, micro_batches: int = 1, streamed_early: bool = False) -> Schedule:
     """Move the fewest offloaded chunks (``host`` or ``streamed``) of ``s`` to ``storage`` so
     that its ``predicted.host_bytes`` fit the host budget: streamed chunks first, then host
     chunks whose gradients complete last (their host updates are the least overlapped with the
@@ -43,7 +43,8 @@ def place_on_disk(s: Schedule, cb: pr.ChunkBytes, *, chunk_size: int, traces, ti
     Args:
       s: a schedule of one device after :func:`chunkjax.host_forms.assign_host_forms`.
       cb: one chunk's bytes.
-      chunk_size, traces, tide, rates, flops_per_step, micro_batches: as :func:`chunkjax.predict.predict`.
+      chunk_size, traces, tide, rates, flops_per_step, micro_batches, streamed_early: as
+        :func:`chunkjax.predict.predict`.
       disk: ``(host_budget, disk_budget, storage_devices, disk_versions)``: host bytes for model
         data and the working set; bytes the storage directories may hold (None: unbounded);
         storage directories (>= 1); versions of each chunk file a step holds
@@ -76,7 +77,7 @@ def place_on_disk(s: Schedule, cb: pr.ChunkBytes, *, chunk_size: int, traces, ti
         moments = [b + e for b, e in zip(device_part, pr.master_fetch_extra(cb, s.fetch, s.prefetch, mf))]
         pred = pr.predict(chunk_size, traces, tide, cb, s.param_kinds, loc, s.fetch, s.segments, moments,
                           flops_per_step=flops_per_step, rates=rates, master_fetch=mf, micro_batches=micro_batches,
-                          storage_devices=devices)
+                          streamed_early=streamed_early, storage_devices=devices)
         return dataclasses.replace(s, update_locations=loc, master_fetch=mf, predicted=pred)
 
     staging = devices * pr.STORAGE_STAGING_BUFFERS * pr.disk_file_bytes(cb)

@@ -45,6 +45,36 @@ def disk_file_bytes(cb: "ChunkBytes") -> int:
     """Bytes of one storage chunk's file (:mod:`chunkjax.storage.files`): the float32 master
     params and the AdamW moments (3 sections, each padded to 4096 bytes for O_DIRECT)."""
     return 3 * (-(-int(cb.master) // 4096) * 4096)
+#: Streamed chunks whose update is on the device at once in the step (:mod:`chunkjax.streamed`:
+#: chunk k+1's fetch while chunk k writes back, both PCIe directions in flight).
+STREAMED_PIPELINE_DEPTH = 2
+
+#: Programs whose host-chunk gradients may exist at once: the one the host thread consumes and
+#: the one the device produces (:meth:`chunkjax.updaters.HostWork.hand_over`).
+GRAD_WINDOW_PROGRAMS = 2
+
+
+def grad_window_bytes(done_moments: Sequence[int], program_starts: Sequence[int], grad_bytes: int,
+                      window: int = GRAD_WINDOW_PROGRAMS) -> int:
+    """Host-chunk gradient bytes that exist at once: the most over ``window`` consecutive
+    programs of the gradients completed in them.
+
+    Args:
+      done_moments: per host-updated chunk, the moment its gradient completes.
+      program_starts: the moment each program begins (starts with 0, increasing).
+      grad_bytes: one chunk's gradient (bytes; compute dtype).
+      window: consecutive programs counted together (>= 1).
+
+    Returns:
+      bytes (0 without host chunks).
+    """
+    starts = list(program_starts)
+    per = [0] * len(starts)
+    for t in done_moments:
+        k = max(i for i, s in enumerate(starts) if s <= t)
+        per[k] += grad_bytes
+    w = max(1, min(window, len(per)))
+    return int(max((sum(per[i:i + w]) for i in range(len(per) - w + 1)), default=0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,7 +234,7 @@ def host_figures(chunk_size: int, cb: ChunkBytes, param_kinds, update_locations,
     ``host_model_bytes``: pinned compute params (none for a ``master_fetch`` chunk: its master
     params are in its state), master params and state of ``host``/``streamed`` chunks, every
     offloaded chunk's gradient. ``host_working_bytes``: the host-updated chunks' gradients that
-    exist at once (:func:`chunkjax.host_forms.grad_window_bytes` over ``segments``; with
+    exist at once (:func:`grad_window_bytes` over ``segments``; with
     ``micro_batches`` > 1 every host chunk's float32 sum and mean as well). ``host_bytes``: the
     model data plus that working set (streamed chunks' gradients whole). The per-parameter
     figures divide by all parameters (``host_bytes_per_param``) and by those of chunks whose
@@ -214,7 +244,6 @@ def host_figures(chunk_size: int, cb: ChunkBytes, param_kinds, update_locations,
       done_moments: chunk -> the moment its gradient completes (:func:`grad_done_moments`; a
         chunk no stage reads completes at the last of the ``n_moments``).
     """
-    from chunkjax.host_forms import grad_window_bytes
     mf, n = set(master_fetch), len(param_kinds)
     T = n_moments
     model = resident = 0
@@ -265,13 +294,20 @@ def fixed_rule_moment_bytes(chunk_size: int, traces: Sequence[StageTrace], cb: C
     return [per_stage[s] for s in list(range(k)) + list(range(k - 2, -1, -1))]
 
 
+def streamed_pipeline_bytes(chunk_size: int, cb: ChunkBytes) -> int:
+    """Device bytes of the step's streamed pipeline (:mod:`chunkjax.streamed`):
+    :data:`STREAMED_PIPELINE_DEPTH` chunks' gradient, master params, state and new compute params,
+    and one update's two float32 temporaries."""
+    return STREAMED_PIPELINE_DEPTH * (cb.grad + cb.state + cb.params) + 2 * chunk_size * F32_BYTES
+
+
 def update_phase_bytes(chunk_size: int, cb: ChunkBytes, update_locations) -> int:
     """Device bytes of the update phase above the resident model data: the device group first
-    (every device-updated chunk's gradient plus two float32 temporaries of one chunk), then one
-    streamed chunk at a time (its gradient, master params, state and old/new compute params)."""
+    (every device-updated chunk's gradient plus two float32 temporaries of one chunk), then the
+    streamed pipeline (:func:`streamed_pipeline_bytes`)."""
     dev_grads = sum(cb.grad for u in update_locations if u == DEVICE_UPDATE)
     device = dev_grads + 2 * chunk_size * F32_BYTES if DEVICE_UPDATE in update_locations else 0
-    streamed = cb.grad + cb.state + 2 * cb.params if STREAMED_UPDATE in update_locations else 0
+    streamed = streamed_pipeline_bytes(chunk_size, cb) if STREAMED_UPDATE in update_locations else 0
     return max(device, streamed)
 
 
@@ -290,24 +326,53 @@ def update_working_bytes(chunk_size: int, cb: ChunkBytes) -> int:
     return 3 * chunk_size * F32_BYTES + cb.state + cb.params
 
 
+def _program_ends(n_stages: int, n_moments: int, segments) -> list[tuple[int, int, float]]:
+    """Per program: (first moment, end moment, fraction of the backward done when it ends)."""
+    bounds = list(segments) + [n_moments]
+    bwd_moments = n_moments - (n_stages - 1)
+    return [(p0, p1, min(1.0, max(0.0, (p1 - (n_stages - 1)) / bwd_moments))) for p0, p1 in zip(bounds[:-1], bounds[1:])]
+
+
 def _host_ready(chunk_size, traces, n_moments, update_locations, segments, grad_done):
     """Per program: (fraction of the backward done when it ends, host-updated params it completes)."""
-    n_stages, T = len(traces), n_moments
-    bounds = list(segments) + [T]
-    bwd_moments = T - (n_stages - 1)
     out = []
-    for p0, p1 in zip(bounds[:-1], bounds[1:]):
+    for p0, p1, frac in _program_ends(len(traces), n_moments, segments):
         params = sum(chunk_size for c, u in enumerate(update_locations)
-                     if u == HOST_UPDATE and p0 <= grad_done.get(c, T - 1) < p1)
+                     if u == HOST_UPDATE and p0 <= grad_done.get(c, n_moments - 1) < p1)
         if params:
-            out.append((min(1.0, max(0.0, (p1 - (n_stages - 1)) / bwd_moments)), params))
+            out.append((frac, params))
     return out
+
+
+def _streamed_ready(cb: ChunkBytes, traces, n_moments, param_kinds, update_locations, segments, grad_done):
+    """Per streamed chunk: (fraction of the backward done when the program completing its gradient
+    ends, bytes up: gradient + master + state, bytes down: master + state + host-kind params),
+    and the first moment after that program (the pipeline's bytes are on the device from there)."""
+    out, first = [], n_moments
+    for p0, p1, frac in _program_ends(len(traces), n_moments, segments):
+        for c, (k, u) in enumerate(zip(param_kinds, update_locations)):
+            if u == STREAMED_UPDATE and p0 <= grad_done.get(c, n_moments - 1) < p1:
+                out.append((frac, cb.grad + cb.state, cb.state + (cb.params if k == PINNED_HOST else 0)))
+                first = min(first, p1)
+    return out, first
+
+
+def streamed_early_extra(chunk_size: int, cb: ChunkBytes, traces, tide: Tide, param_kinds, update_locations,
+                         segments, streamed_early: bool) -> list[int]:
+    """Device bytes the streamed pipeline adds at each moment when streamed updates start early
+    (from the end of the first program that completes a streamed chunk's gradient: the
+    pipeline's buffers, :func:`streamed_pipeline_bytes`); zeros when they start after the backward."""
+    T = len(tide.moments)
+    streamed, first = _streamed_ready(cb, traces, T, param_kinds, update_locations, segments,
+                                      grad_done_moments(traces, tide))
+    early = streamed_pipeline_bytes(chunk_size, cb) if streamed_early and streamed else 0
+    return [early if t >= first else 0 for t in range(T)]
 
 
 def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: ChunkBytes, param_kinds,
             update_locations, fetch, segments, moment_bytes: Sequence[int], *, flops_per_step: float,
             rates: Rates = Rates(), forward_fetches: int | None = None, master_fetch=(),
-            micro_batches: int = 1, storage_devices: int = 1) -> Prediction:
+            micro_batches: int = 1, streamed_early: bool = False, storage_devices: int = 1) -> Prediction:
     """The :class:`~chunkjax.schedule.Prediction` of a schedule's decisions.
 
     Args:
@@ -326,6 +391,10 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
       master_fetch: host chunks fetched as their float32 master params (``cb.master`` bytes a
         fetch; no compute copy on the host: :mod:`chunkjax.host_forms`).
       micro_batches: gradient accumulation (the host working set holds float32 sums).
+      streamed_early: the step's streamed updates start as the program completing their
+        gradient ends (:func:`chunkjax.streamed.starts_early`); their pipeline's bytes
+        (:func:`streamed_pipeline_bytes`) are then on the device from that program's end. False:
+        they start after the backward, when the global norm is known.
       storage_devices: storage directories (devices) of the disk tier the ``storage`` chunks
         are spread over.
 
@@ -338,6 +407,10 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
     T = len(tide.moments)
     n_stages = len(traces)
     model = device_model_bytes(cb, param_kinds, update_locations)
+    grad_done = grad_done_moments(traces, tide)
+    streamed, _ = _streamed_ready(cb, traces, T, param_kinds, update_locations, segments, grad_done)
+    moment_bytes = [b + e for b, e in zip(moment_bytes, streamed_early_extra(
+        chunk_size, cb, traces, tide, param_kinds, update_locations, segments, streamed_early))]
     peak = max(max(moment_bytes, default=0), model + update_phase_bytes(chunk_size, cb, update_locations))
     n_fetch = sum(len(f) for f in fetch)
     mf = set(master_fetch)
@@ -345,16 +418,13 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
     fetch_b = sum(fetched(c) for f in fetch for c in f)
     off = [c for c, u in enumerate(update_locations) if u in (HOST_UPDATE, STREAMED_UPDATE, STORAGE_UPDATE)]
     h2d, d2h = fetch_b, len(off) * cb.grad
-    streamed_bytes = 0
     for c, (k, u) in enumerate(zip(param_kinds, update_locations)):
         if u == HOST_UPDATE:
             h2d += cb.params if k == DEVICE else 0
         elif u == STREAMED_UPDATE:
-            up, down = cb.grad + cb.state, cb.state + (cb.params if k == PINNED_HOST else 0)
-            h2d, d2h, streamed_bytes = h2d + up, d2h + down, streamed_bytes + up + down
+            h2d, d2h = h2d + cb.grad + cb.state, d2h + cb.state + (cb.params if k == PINNED_HOST else 0)
         elif u == DEVICE_UPDATE and k == PINNED_HOST:
             d2h += cb.params
-    grad_done = grad_done_moments(traces, tide)
     hf = host_figures(chunk_size, cb, param_kinds, update_locations, grad_done, segments, T, master_fetch=mf,
                       micro_batches=micro_batches)
     n_disk = sum(u == STORAGE_UPDATE for u in update_locations)
@@ -367,11 +437,11 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
              else fetch_b if forward_fetches >= n_fetch else forward_fetches * cb.params)
     time = predict_pipelined_step(
         flops_per_step, fwd_h2d=fwd_b, bwd_h2d=fetch_b - fwd_b, bwd_d2h=len(off) * cb.grad,
-        streamed_bytes=streamed_bytes,
         device_params=sum(u == DEVICE_UPDATE for u in update_locations) * chunk_size,
-        streamed_params=sum(u == STREAMED_UPDATE for u in update_locations) * chunk_size,
-        host_ready=_host_ready(chunk_size, traces, T, update_locations, segments, grad_done), rates=rates,
-        disk_bytes=2 * n_disk * disk_file_bytes(cb), storage_devices=storage_devices)
+        host_ready=_host_ready(chunk_size, traces, T, update_locations, segments, grad_done),
+        streamed=streamed, params_per_chunk=chunk_size, streamed_early=streamed_early,
+        program_ends=[f for _, _, f in _program_ends(n_stages, T, segments)], depth=STREAMED_PIPELINE_DEPTH,
+        rates=rates, disk_bytes=2 * n_disk * disk_file_bytes(cb), storage_devices=storage_devices)
     return Prediction(int(peak), int(model), hf.pop("host_model_bytes"), int(h2d), int(d2h), int(fetch_b),
                       int(n_fetch), tuple(int(b) for b in moment_bytes), time, **hf,
                       disk_bytes_per_step=2 * n_disk * disk_file_bytes(cb), storage_chunks=n_disk,
@@ -388,9 +458,9 @@ def predict_optimizer_only(chunk_size: int, cb: ChunkBytes, update_locations, *,
     n_str = sum(u == STREAMED_UPDATE for u in update_locations)
     model = n_dev * cb.state
     moved = n_str * cb.state
-    time = predict_pipelined_step(flops_per_step, fwd_h2d=0, bwd_h2d=0, bwd_d2h=0, streamed_bytes=2 * moved,
-                                  device_params=n_dev * chunk_size, streamed_params=n_str * chunk_size,
-                                  host_ready=[], rates=rates)
+    time = predict_pipelined_step(flops_per_step, fwd_h2d=0, bwd_h2d=0, bwd_d2h=0, device_params=n_dev * chunk_size,
+                                  host_ready=[], streamed=[(1.0, cb.state, cb.state)] * n_str,
+                                  params_per_chunk=chunk_size, rates=rates)
     n = len(update_locations)
     return Prediction(int(model + update_working_bytes(chunk_size, cb)), int(model), int(moved), int(moved),
                       int(moved), 0, 0, (), time, host_bytes=int(moved),

@@ -125,7 +125,7 @@ class Prediction:
         without its compute copy) plus :attr:`host_working_bytes`; what the host budget and the
         host-memory check compare (:mod:`chunkjax.host_forms`).
       host_working_bytes: host-updated chunks' gradients that exist at once (two programs',
-        :func:`chunkjax.host_forms.grad_window_bytes`; with micro-batches also their float32 sums
+        :func:`chunkjax.predict.grad_window_bytes`; with micro-batches also their float32 sums
         and means); streamed chunks' gradients are in :attr:`host_bytes` whole.
       host_bytes_per_param: :attr:`host_bytes` over every parameter of the layout (padding
         included).
@@ -195,6 +195,9 @@ class Schedule:
         a fetch reads (4 bytes per element up) and are cast to the compute dtype on the device
         (:func:`chunkjax.host_forms.assign_host_forms`); the other host chunks keep a
         compute-dtype copy in pinned host memory. Empty on a mesh.
+      streamed_early: the step starts each streamed chunk's update as the program completing its
+        gradient ends (:mod:`chunkjax.streamed`; only where the update does not read the global
+        norm), False: after the backward; the prediction assumes the same.
 
     Raises:
       ValueError: per-chunk tuples of different lengths, an unknown update location,
@@ -212,6 +215,7 @@ class Schedule:
     predicted: Prediction
     budget_bytes: int
     master_fetch: tuple[int, ...] = ()
+    streamed_early: bool = False
 
     def __post_init__(self):
         if len(self.param_kinds) != len(self.update_locations):
@@ -266,7 +270,7 @@ class Schedule:
                 "segments": list(self.segments), "prefetch": self.prefetch,
                 "moments": [list(m) for m in self.moments], "counts": self.counts(),
                 "budget_bytes": self.budget_bytes, "predicted": self.predicted.to_dict(),
-                "master_fetch": list(self.master_fetch)}
+                "master_fetch": list(self.master_fetch), "streamed_early": self.streamed_early}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Schedule":
@@ -274,4 +278,5 @@ class Schedule:
         return cls(tuple(d["param_kinds"]), tuple(d["update_locations"]), tuple(tuple(f) for f in d["fetch"]),
                    tuple(tuple(e) for e in d["evict"]), tuple(d["segments"]), int(d["prefetch"]),
                    tuple(tuple(m) for m in d["moments"]), Prediction.from_dict(d["predicted"]),
-                   int(d["budget_bytes"]), tuple(int(c) for c in d.get("master_fetch", ())))
+                   int(d["budget_bytes"]), tuple(int(c) for c in d.get("master_fetch", ())),
+                   bool(d.get("streamed_early", False)))

@@ -23,7 +23,10 @@ The result is bit-identical to waiting for the norm (the kernel runs on the same
 same factor). Host memory: the pool's buffers, at most ``limit_bytes`` (the step's
 ``speculation_bytes``; by default :func:`auto_backup_bytes`: 16 GiB or half the host's available
 memory, whichever is less), allocated on first use and reused
-across steps (the pool travels in the step's pending work, explicit state). Host memory traffic:
+across steps (the pool travels in the step's pending work, explicit state), plus the speculated
+chunks' gradients, kept for a redo until the validation: at most ``limit_bytes`` times the
+gradient's bytes per parameter over :func:`backup_bytes_per_param` (2/12 for AdamW with bf16
+gradients; every other gradient is dropped once its kernel ran). Host memory traffic:
 one copy of the speculated chunks' state per step (read 12 + write 12 bytes per parameter for
 AdamW) on top of the kernel's ~28.
 

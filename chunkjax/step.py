@@ -6,11 +6,10 @@ One step is a short host-driven pipeline of jitted programs (definitions.md, "a 
    recompute) cut into programs at the schedule's segments (one program for a plain
    :class:`~chunkjax.plan.Placement`); gradient chunks leave each program as they complete,
    reduced over the ranks on a mesh, with their squared norms for global-norm clipping;
-2. updates where each chunk's update runs (:mod:`chunkjax.updaters`): device and streamed
-   chunks by one jitted program per chunk after the last program; host chunks by a host thread
-   that takes each program's gradients as that program ends, while the device runs the rest of
-   the backward. The thread's pending work is returned in the state
-   (:attr:`TrainState.pending`); the next call or :meth:`ChunkedStep.wait` joins it.
+2. updates (:mod:`chunkjax.updaters`): device chunks by one program each after the last program;
+   streamed (:mod:`chunkjax.streamed`) and host chunks (a host thread) as each program's gradients
+   complete, while the device runs the rest of the backward. The pending work is returned in the
+   state (:attr:`TrainState.pending`); the next call or :meth:`ChunkedStep.wait` joins it.
 
 The topology (:mod:`chunkjax.topology`: one device, or a ``data`` mesh with ZeRO stage 1/2/3, in
 one process or many through ``jax.distributed``) supplies the walker's hooks, the shardings and
@@ -31,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from chunkjax import accumulate, footprint, memory
+from chunkjax import accumulate, footprint, memory, streamed
 from chunkjax import updaters as upd
 from chunkjax.layout import ChunkLayout
 from chunkjax.memory import DEVICE, sharding
@@ -352,11 +351,12 @@ class ChunkedStep(StepChunkIO, StepUpdates):
     def __call__(self, state: TrainState, batch, loss_scale=None) -> tuple[TrainState, dict]:
         """One training step. batch: int (B, T+1), the global batch (every process passes the
         same one; on a mesh ``B`` a multiple of ``N * micro_batches``). Returns (new state,
-        metrics). The programs run in order; host-updated chunks' gradients go to a host thread
-        as each program finishes (with micro-batches: of the last one), which updates those chunks
-        in place while the device runs the rest of the backward (speculatively when the factor
-        depends on the norm: :mod:`chunkjax.speculate`); the returned state's ``pending`` holds
-        that work. ``state``'s device buffers are donated to the update: use the returned state.
+        metrics). The programs run in order; as each finishes (with micro-batches: the last one)
+        its host chunks' gradients go to a host thread, which updates them in place while the
+        device runs the rest of the backward (speculatively when the factor depends on the norm:
+        :mod:`chunkjax.speculate`), and its streamed ones to :mod:`chunkjax.streamed`; the returned
+        state's ``pending`` holds that work. ``state``'s device buffers are donated: use the
+        returned state.
 
         Args:
           loss_scale: with ``loss_scaling`` only: this step's loss scale (a float, best a power of
@@ -380,8 +380,9 @@ class ChunkedStep(StepChunkIO, StepUpdates):
         inv = 1.0 if loss_scale is None else 1.0 / float(loss_scale)
         spec = work.speculation = for_step(self, work, inv) if self.host_chunks else None
         norm, on_host = None, None if spec is None else (lambda mine: work.hand_over(spec.update, state, mine))
+        stream = streamed.StepStream(self, state, inv_arr := jnp.asarray(inv, jnp.float32))
         try:
-            grads, sq, loss = (self._run_programs(state, self.topology.put_batch(batch), scale, on_host)
+            grads, sq, loss = (self._run_programs(state, self.topology.put_batch(batch), scale, on_host, stream)
                                if self.micro_batches == 1 else accumulate.mean_gradients(self, state, batch, scale, on_host))
             (loss, aux), grad_sq = split_loss(loss), jnp.stack([sq[c] if c in sq else jnp.zeros((), jnp.float32)
                                                                 for c in range(self.layout.n_chunks)])  # frozen: none
@@ -390,14 +391,14 @@ class ChunkedStep(StepChunkIO, StepUpdates):
             if spec is not None:
                 spec.set_norm(norm)
                 work.submit(spec.validate, state)
+            stream.set_grad_sq(None if norm is None else grad_sq)  # None: abandoned
         disk.start_update(self, work, state, grads, norm)  # storage chunks: beside the host thread and the device
-        inv_arr = jnp.asarray(inv, jnp.float32)
         params, master, opt = list(state.params), list(state.master), list(state.opt_state)
-        for where, chunks in (("device", self._device_chunks), ("streamed", self._streamed_chunks)):
-            for c in chunks:
-                fn = self.updaters[where].update(self.placement.param_kinds[c])
-                params[c], master[c], opt[c] = fn(grads[c], master[c], opt[c], grad_sq, jnp.asarray(c, jnp.int32),
-                                                  params[c], inv_arr)
+        for c in self._device_chunks:
+            params[c], master[c], opt[c] = self.updaters["device"].update(self.placement.param_kinds[c])(
+                grads[c], master[c], opt[c], grad_sq, jnp.asarray(c, jnp.int32), params[c], inv_arr)
+        if stream.chunks:  # the host thread joins the last write-backs
+            work.submit(stream.finish(grads, params, master, opt))
         metrics = {"loss": loss, "grad_norm": norm * inv_arr, **({} if aux is None else {"aux": aux})}
         if self._skip_nonfinite:
             metrics["skipped"] = ~jnp.isfinite(jnp.sum(grad_sq))
@@ -410,11 +411,12 @@ class ChunkedStep(StepChunkIO, StepUpdates):
         return self.topology.put(np.zeros((self.layout.chunk_size,), self.compute_dtype),
                                  self.topology.grad_sharding(self.placement.grad_kind(c)))
 
-    def _run_programs(self, state: TrainState, batch, scale, on_host=None):
+    def _run_programs(self, state: TrainState, batch, scale, on_host=None, stream=None):
         """Run every program of the step on ``batch`` (placed): returns ``(grads, sq, loss)``, a
         gradient and squared norm for every chunk (zero for chunks no stage reads); with ``on_host``,
         host chunks' gradients go to ``on_host({c: gradient})`` as each program ends (unread ones at
-        the end) and are not returned: the host thread drops each once consumed."""
+        the end) and are not returned: the host thread drops each once consumed; the others to
+        ``stream.on_program`` (:class:`chunkjax.streamed.StepStream`)."""
         host = set(self.host_chunks)
         carry: dict = {} if scale is None else {"loss_scale": scale}  # carried to the loss's program
         acc, grads, sq, loss, late = {}, {}, {}, None, {}
@@ -425,6 +427,8 @@ class ChunkedStep(StepChunkIO, StepUpdates):
             grads.update(g)
             sq.update(q)
             loss = l if l is not None else loss
+            if stream is not None:
+                stream.on_program(g, q)
             g = None
             if mine:
                 on_host(mine)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 
+from chunkjax import streamed
 from chunkjax import updaters as upd
 from chunkjax.storage import updater as disk
 
@@ -44,7 +45,7 @@ class StepUpdates:
         kw = dict(skip=self._skip_nonfinite, loss_scaling=self.loss_scaling,
                   donate=self.mesh is None or self._donates)
         args = (self.topology, self.tx, self.layout.chunk_size, self.compute_dtype, set(self.placement.param_kinds))
-        out = {"device": upd.device_updater(*args, **kw), "streamed": upd.streamed_updater(*args, **kw)}
+        out = {"device": upd.device_updater(*args, **kw), "streamed": streamed.streamed_updater(*args, **kw)}
         if self.host_optimizer is not None:
             out["host"] = upd.host_updater(self.topology, self.host_optimizer, self.layout.chunk_size,
                                            self.compute_dtype, self.master_fetch_chunks)

@@ -7,9 +7,9 @@ for a mesh):
 * :func:`device_updater`: master params and optimizer state live on the device; one jitted
   program per param kind serves every chunk (the chunk id is traced), master, state and the old
   compute params donated and updated in place;
-* :func:`streamed_updater`: state kept in pinned host memory, moved to the device, updated there
-  and moved back inside one program (PatrickStar's device-side update of a host chunk, per rank
-  on a mesh);
+* :func:`chunkjax.streamed.streamed_updater`: state kept in pinned host memory, moved to the
+  device, updated there and moved back, through a pipeline with both PCIe directions in flight
+  (:mod:`chunkjax.streamed`, shared with the drop-in optimizers);
 * :func:`host_updater`: float32 master params and optimizer state are numpy arrays updated in
   place by the host kernel (:mod:`chunkjax.host_update`) on a host thread, writing the new
   compute params straight into the pinned buffer (each rank's slice on a mesh);
@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from chunkjax import optim
-from chunkjax.host_forms import GRAD_WINDOW_PROGRAMS
+from chunkjax.predict import GRAD_WINDOW_PROGRAMS
 from chunkjax.memory import DEVICE, PINNED_HOST
 
 
@@ -55,7 +55,9 @@ class Updater(NamedTuple):
     update: Callable
 
 
-def _chunk_body(tx, compute_dtype, skip: bool, loss_scaling: bool):
+def chunk_body(tx, compute_dtype, skip: bool, loss_scaling: bool):
+    """``body(grad, master, state, grad_sq_total, grad_sq_own, inv_scale) -> (params, master,
+    state)``: one chunk's :func:`chunkjax.optim.update_chunk` (the device-side updaters' body)."""
     def body(grad, master, state, grad_sq_total, grad_sq_own, inv_scale):
         o = optim.update_chunk(tx, grad, master, state, grad_sq_total, grad_sq_own, compute_dtype, skip,
                                inv_scale if loss_scaling else None)
@@ -66,47 +68,6 @@ def _chunk_body(tx, compute_dtype, skip: bool, loss_scaling: bool):
 def state_template(tx, chunk_size: int):
     """The abstract optax state of one chunk (``ShapeDtypeStruct`` leaves)."""
     return jax.eval_shape(lambda: optim.init_chunk_state(tx, jnp.zeros((chunk_size,), jnp.float32)))
-
-
-def _device_side(topology, tx, chunk_size: int, compute_dtype, state_kind: str, param_kinds, *, skip: bool,
-                 loss_scaling: bool, donate: bool) -> Updater:
-    template = state_template(tx, chunk_size)
-    body = topology.per_rank_update(_chunk_body(tx, compute_dtype, skip, loss_scaling), template)
-    d, k = topology.shard_sharding(DEVICE), topology.shard_sharding(state_kind)
-    ssh_d, ssh_k = topology.state_shardings(template, DEVICE), topology.state_shardings(template, state_kind)
-    scalar = topology.scalar_sharding()
-    moved = state_kind != DEVICE
-
-    def make(pk):
-        psh = topology.param_sharding(pk)
-
-        def upd(grad, master, state, grad_sq, c, old_params, inv_scale):
-            del old_params  # donated: the new compute params reuse its buffer
-            if moved:
-                grad, master, state = jax.device_put(grad, d), jax.device_put(master, d), jax.device_put(state, ssh_d)
-            p, m, st = body(grad, master, state, grad_sq, c, inv_scale)
-            if moved:
-                m, st = jax.device_put(m, k), jax.device_put(st, ssh_k)
-            return jax.device_put(p, psh), m, st
-
-        # keep_unused: old_params is unused, and jit would prune it, dropping its donation (every
-        # updated chunk would then hold two compute-param buffers until the step ends)
-        return jax.jit(upd, in_shardings=(k, k, ssh_k, scalar, scalar, psh, scalar), out_shardings=(psh, k, ssh_k),
-                       donate_argnums=(1, 2, 5) if donate else (), keep_unused=True)
-
-    programs = {pk: make(pk) for pk in set(param_kinds)}
-    init_state = jax.jit(topology.per_rank_init(lambda m: optim.init_chunk_state(tx, m), template),
-                         out_shardings=ssh_d)
-
-    def init(buf, c):
-        del c
-        m = topology.put(np.asarray(buf, np.float32), d)
-        st = init_state(m)
-        if moved:
-            m, st = jax.device_put(m, k), jax.device_put(st, ssh_k)
-        return m, st
-
-    return Updater(init, programs.__getitem__)
 
 
 def device_updater(topology, tx, chunk_size: int, compute_dtype, param_kinds, *, skip: bool = False,
@@ -125,16 +86,34 @@ def device_updater(topology, tx, chunk_size: int, compute_dtype, param_kinds, *,
       loss_scaling: gradients and norms are unscaled by ``inv_scale``.
       donate: donate master, state and the old compute params.
     """
-    return _device_side(topology, tx, chunk_size, compute_dtype, DEVICE, param_kinds, skip=skip,
-                        loss_scaling=loss_scaling, donate=donate)
+    template = state_template(tx, chunk_size)
+    body = topology.per_rank_update(chunk_body(tx, compute_dtype, skip, loss_scaling), template)
+    d, ssh_d, scalar = topology.shard_sharding(DEVICE), topology.state_shardings(template, DEVICE), \
+        topology.scalar_sharding()
 
+    def make(pk):
+        psh = topology.param_sharding(pk)
 
-def streamed_updater(topology, tx, chunk_size: int, compute_dtype, param_kinds, *, skip: bool = False,
-                     loss_scaling: bool = False, donate: bool = True) -> Updater:
-    """Chunks whose master params and optimizer state live in pinned host memory: moved to the
-    device, updated, moved back, in one program (arguments as :func:`device_updater`)."""
-    return _device_side(topology, tx, chunk_size, compute_dtype, PINNED_HOST, param_kinds, skip=skip,
-                        loss_scaling=loss_scaling, donate=donate)
+        def upd(grad, master, state, grad_sq, c, old_params, inv_scale):
+            del old_params  # donated: the new compute params reuse its buffer
+            p, m, st = body(grad, master, state, grad_sq, c, inv_scale)
+            return jax.device_put(p, psh), m, st
+
+        # keep_unused: old_params is unused, and jit would prune it, dropping its donation (every
+        # updated chunk would then hold two compute-param buffers until the step ends)
+        return jax.jit(upd, in_shardings=(d, d, ssh_d, scalar, scalar, psh, scalar), out_shardings=(psh, d, ssh_d),
+                       donate_argnums=(1, 2, 5) if donate else (), keep_unused=True)
+
+    programs = {pk: make(pk) for pk in set(param_kinds)}
+    init_state = jax.jit(topology.per_rank_init(lambda m: optim.init_chunk_state(tx, m), template),
+                         out_shardings=ssh_d)
+
+    def init(buf, c):
+        del c
+        m = topology.put(np.asarray(buf, np.float32), d)
+        return m, init_state(m)
+
+    return Updater(init, programs.__getitem__)
 
 
 def host_updater(topology, host_optimizer, chunk_size: int, compute_dtype, master_fetch=()) -> Updater:

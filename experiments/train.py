@@ -372,6 +372,13 @@ def run(cfg: TrainConfig) -> dict:
     for note in fit_report.notes:
         print(f"note: {note}", flush=True)
     print(describe_fit(fit_report, problem), flush=True)
+    h = fit_report.host
+    print(f"host: the plan needs {h['need_bytes'] / 2**30:.2f} GiB ({h['pinned_host_bytes'] / 2**30:.2f} pinned + "
+          f"{h['pageable_bytes'] / 2**30:.2f} pageable + {h['process_bytes'] / 2**30:.2f} for the process"
+          + (f" + {h['device_on_host_bytes'] / 2**30:.2f} of device memory" if h.get("device_on_host_bytes") else "")
+          + f"; {(h['pinned_host_bytes'] + h['pageable_bytes']) / model.n_params:.2f} B/param of model data) of "
+          + (f"{h['available_bytes'] / 2**30:.2f} GiB available" if h.get("available_bytes") else "unknown available"),
+          flush=True)
 
     if "train_plays" in td.meta:
         print(f"data: {td.train.size:,} training tokens ({len(td.meta['train_plays'])} plays), {td.val.size:,} "
@@ -733,7 +740,8 @@ def _train(cfg, model, fitted, td, folder, t_start, resolved, resume=None, setup
         print("sample:\n" + sample, flush=True)
     export_dir = adapters_dir = None
     if cfg.export != "none" and model.export is not None:
-        tuned = master_params(step, state)
+        # adapters alone: only the trainable chunks leave the device (not the frozen base, 16 GB at 8B)
+        tuned = trainable_params(step, state) if cfg.export == "adapters" else master_params(step, state)
         if cfg.export in ("merged", "both"):
             model.export(tuned, folder.path / "hf")
             export_dir = str(folder.final / "hf")
@@ -871,6 +879,33 @@ def master_params(step, state) -> dict:
                for p, m in zip(state.params, state.master)]
     with jax.default_device(jax.local_devices(backend="cpu")[0]):
         return jax.tree.map(np.asarray, step.layout.unpack(masters))
+
+
+def trainable_params(step, state) -> dict:
+    """The float32 master params of the trainable leaves of ``state`` only (numpy, nested dicts
+    by leaf path, e.g. ``{"layer_0": {"q_proj": {"lora_a": ...}}}``), read from the trainable
+    chunks alone after the pending host updates: what an adapters-only export writes, without
+    the frozen chunks ever leaving the device. Under ZeRO: :func:`master_params` (a collective)."""
+    import jax
+    import numpy as np
+
+    if step.mesh is not None:
+        return master_params(step, state)
+    step.wait(state)
+    lay = step.layout
+    chunks = {c: np.asarray(jax.device_get(state.master[c])) for c in range(lay.n_chunks)
+              if lay.chunk_trainable[c]}
+    out: dict = {}
+    for s in lay.slots:
+        if not all(lay.chunk_trainable[p.chunk] for p in s.pieces):
+            continue
+        leaf = np.concatenate([chunks[p.chunk][p.offset:p.offset + p.size] for p in s.pieces]).reshape(s.shape)
+        *keys, last = s.path.split("/")
+        node = out
+        for k in keys:
+            node = node.setdefault(k, {})
+        node[last] = leaf
+    return out
 
 
 def _sample(step, state, model, td, cfg) -> str | None:

@@ -7,10 +7,12 @@ Llama 2 / 3 / 3.1 (GQA, untied head, ``rope_scaling`` of type ``llama3`` or ``li
 (``sliding_window``) and Qwen2 / 2.5 (biases on q/k/v; tied or untied head), in any of float32,
 bfloat16 and float16. No torch: the safetensors files are parsed here (an 8-byte little-endian
 header length, a JSON header of ``{name: {dtype, shape, data_offsets}}``, then the raw bytes) and
-each tensor is read straight into its own numpy buffer with ``readinto``, one at a time: loading
-holds the params being built plus one tensor, never the checkpoint twice (no mmap that would
-keep the pages of a whole file resident). Written: the same layout, tensor by tensor, in the
-dtype each tensor had (so import -> export is bit-identical), sharded above ``max_shard_bytes``.
+each tensor is read straight into its own numpy buffer (``readinto``; a large one in parts by
+threads with ``os.preadv``), one at a time: loading holds the params being built plus one
+tensor, never the checkpoint twice (no mmap that would keep the pages of a whole file
+resident); kernels are transposed into our layout by threads (:func:`to_leaf`). Written: the
+same layout, tensor by tensor, in the dtype each tensor had (so import -> export is
+bit-identical), sharded above ``max_shard_bytes`` (shards by threads: ``workers``).
 
 Name map (our params pytree of :mod:`models.llama` <-> transformers' state dict)::
 
@@ -233,6 +235,10 @@ def read_header(path) -> tuple[dict, int]:
     return header, 8 + n
 
 
+#: Tensors of at least this many bytes are read by threads, in parts.
+_THREADED_READ_BYTES = 64 * 2**20
+
+
 def _read_into(fh, data_start: int, info: dict, where: str) -> np.ndarray:
     dt = _ST_DTYPES.get(info["dtype"])
     if dt is None:
@@ -241,8 +247,27 @@ def _read_into(fh, data_start: int, info: dict, where: str) -> np.ndarray:
     out = np.empty(tuple(info["shape"]), dt)
     if out.nbytes != end - begin:
         raise ValueError(f"{where}: {end - begin} bytes for shape {info['shape']} {info['dtype']}")
-    fh.seek(data_start + begin)
-    if fh.readinto(memoryview(out.reshape(-1).view(np.uint8))) != out.nbytes:
+    buf = memoryview(out.reshape(-1).view(np.uint8))
+    parts = min(16, os.cpu_count() or 1) if out.nbytes >= _THREADED_READ_BYTES else 1
+    if parts == 1:
+        fh.seek(data_start + begin)
+        got = fh.readinto(buf)
+    else:  # a large tensor: read in parts by threads (os.preadv releases the GIL)
+        from concurrent.futures import ThreadPoolExecutor
+        cuts = [out.nbytes * k // parts for k in range(parts + 1)]
+        fd = fh.fileno()
+
+        def read(k):
+            lo, hi, n = cuts[k], cuts[k + 1], 0
+            while lo + n < hi:
+                r = os.preadv(fd, [buf[lo + n:hi]], data_start + begin + lo + n)
+                if r == 0:
+                    break
+                n += r
+            return n
+        with ThreadPoolExecutor(parts) as ex:
+            got = sum(ex.map(read, range(parts)))
+    if got != out.nbytes:
         raise ValueError(f"{where}: file ends inside the tensor (truncated download?)")
     return out
 

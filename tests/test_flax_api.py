@@ -1,4 +1,6 @@
 """The Flax API: an ordinary NNX / linen loop with ChunkedOptimizer equals the same loop with plain optax."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -291,11 +293,14 @@ def test_split_by_rate_and_pipeline_order():
     import threading
 
     from chunkjax import dropin
+    from chunkjax.streamed import stream_chunks
     from chunkjax.cost import Rates
-    r = Rates(h2d_bytes_per_s=50e9, d2h_bytes_per_s=50e9, host_update_s_per_param=0.25e-9)
+    r = Rates(h2d_bytes_per_s=50e9, d2h_bytes_per_s=50e9, host_update_s_per_param=0.25e-9, duplex_bytes_per_s=100e9)
     cs, state, grad = 10**7, 12 * 10**7, 4 * 10**7
     t = lambda s, h, d=3: dropin.predict_update_s(s, h, cs, state, grad, grad, r, d)  # noqa: E731
     assert t(10, 0) == pytest.approx(10 * state / 50e9)  # duplex: one direction's bytes
+    slow = dataclasses.replace(r, duplex_bytes_per_s=80e9)  # both directions share 80 GB/s: 40 each
+    assert dropin.predict_update_s(10, 0, cs, state, grad, grad, slow, 3) == pytest.approx(10 * state / 40e9)
     assert t(10, 0, 1) == pytest.approx(2 * 10 * state / 50e9)  # depth 1: the directions take turns
     assert t(0, 10) == pytest.approx(10 * cs * 0.25e-9)
     streamed, host = dropin.split_offloaded(list(range(10)), cs, state, grad, grad, r)
@@ -316,7 +321,7 @@ def test_split_by_rate_and_pipeline_order():
         with lock:
             live.discard(c)
 
-    work = dropin.stream_chunks([5, 1, 7, 2, 9], 2, fetch, lambda c, m, st: (log.append(("upd", c)) or (m + 1, st + 1)),
+    work = stream_chunks([5, 1, 7, 2, 9], 2, fetch, lambda c, m, st: (log.append(("upd", c)) or (m + 1, st + 1)),
                                 store)
     work.join()
     assert [c for k, c, *_ in log if k == "upd"] == [5, 1, 7, 2, 9]
@@ -327,7 +332,7 @@ def test_split_by_rate_and_pipeline_order():
     def bad_update(c, m, st):
         raise RuntimeError(f"update of {c} failed")
     with pytest.raises(RuntimeError, match="update of 5 failed"):
-        dropin.stream_chunks([5, 1, 7], 1, fetch, bad_update, store)
+        stream_chunks([5, 1, 7], 1, fetch, bad_update, store)
 
 
 def test_host_chunks_checkpoint_and_restore(tmp_path):

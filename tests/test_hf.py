@@ -9,6 +9,8 @@
   size (measured in a subprocess: VmHWM - VmRSS before the load).
 * Export: import -> export writes the same files with bit-identical tensors and config; sharding
   above a size with the index file; transformers' ``safetensors`` reads our files.
+* The 8B paths: the threaded transpose and bf16 widening, threaded reads and shards written by
+  threads equal the plain ones bit for bit.
 * Loss masks in the batch (``-1 - t``): the masked mean, the fused head equal to the plain one.
 * Your own data (experiments/user_data.py): text and JSON lines, prompt/completion masks, the
   held-out split, errors.
@@ -131,6 +133,35 @@ def test_export_shards_above_size_and_reimports(tmp_path):
     one = hf.export_hf_checkpoint(cfg, params, tmp_path / "one", source=hf.open_hf_checkpoint(out),
                                   max_shard_bytes=10**9)
     assert pathlib_files(one) == ["config.json", "model.safetensors"]
+
+
+def test_to_leaf_threads_and_parallel_shards_bit_exact(tmp_path, monkeypatch):
+    """The import's fast paths equal the plain ones bit for bit: :func:`models.hf.to_leaf` (a
+    banded transpose on threads, bf16 widened by a 16-bit shift) against numpy's transpose and
+    cast, NaN/inf/-0 included; a tensor read in parts by threads; shards written 3 at once give
+    the files of one writer."""
+    rng = np.random.default_rng(0)
+    for src in (np.float32, hf._BF16, np.float16):
+        a = rng.standard_normal((1500, 701)).astype(src)  # over _THREADED_ELEMS: threaded
+        a.reshape(-1)[:4] = [np.nan, np.inf, -np.inf, -0.0]
+        for transpose in (True, False):
+            for dst in (np.float32, hf._BF16, src):
+                got = hf.to_leaf(a, transpose, dst, threads=3)
+                ref = np.ascontiguousarray(a.T if transpose else a, dtype=dst)
+                assert got.dtype == ref.dtype and got.shape == ref.shape and got.flags.c_contiguous
+                assert got.tobytes() == ref.tobytes(), (np.dtype(src).name, transpose, np.dtype(dst).name)
+    cfg, params = hf.load_hf_checkpoint(fixture("hf_llama3"))
+    monkeypatch.setattr(hf, "_THREADED_READ_BYTES", 256)  # every tensor of the fixture read in parts
+    _, again = hf.load_hf_checkpoint(fixture("hf_llama3"))
+    for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(again), strict=True):
+        assert x.dtype == y.dtype and x.tobytes() == y.tobytes()
+    src = hf.open_hf_checkpoint(fixture("hf_llama3"))
+    one = hf.export_hf_checkpoint(cfg, params, tmp_path / "one", source=src, max_shard_bytes=6000)
+    three = hf.export_hf_checkpoint(cfg, params, tmp_path / "three", source=src, max_shard_bytes=6000, workers=3)
+    files = pathlib_files(one)
+    assert len([f for f in files if f.endswith(".safetensors")]) >= 3 and pathlib_files(three) == files
+    for f in files:
+        assert (one / f).read_bytes() == (three / f).read_bytes(), f
 
 
 _RSS_SCRIPT = r"""

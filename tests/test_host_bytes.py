@@ -261,3 +261,39 @@ def test_master_fetch_state_bytes_and_gradient_working_set(setup, monkeypatch):
         assert len(live) >= 4 and max(live) <= sched.predicted.host_working_bytes, (name, live)
     assert measured["master_fetch"] == 12.0 and measured["copy"] == 14.0
     assert measured["master_fetch"] <= 12.5 + least.predicted.host_working_bytes / (layout.n_chunks * layout.chunk_size)
+
+
+def test_checkpoint_of_master_fetch_chunks_resumes_bit_for_bit(setup, tmp_path):
+    """bf16 compute, half the host chunks master-fetch: a checkpoint saves their params as the
+    cast of the master params; restored into a fresh step (or into the copy-keeping schedule) the
+    run continues with the same losses and master params, bit for bit."""
+    from chunkjax import checkpoint as ck
+    cfg, params, batches, stages, layout, traces = setup
+    spec = AdamW(3e-3, weight_decay=0.1)
+    sched = _schedule(setup, spec, jnp.bfloat16)
+    half = dataclasses.replace(sched, master_fetch=sched.master_fetch[::2])
+    make = lambda s: cj.make_chunked_step(stages, layout, s, host_optimizer=spec,  # noqa: E731
+                                          compute_dtype=jnp.bfloat16)
+    step = make(half)
+    state, _ = _train(step, params, batches[:2])
+    ck.save_checkpoint(tmp_path, 2, step, state, {"data_position": 2})
+    state, want = _train_from(step, state, batches[2:4])
+    for other in (half, dataclasses.replace(sched, master_fetch=())):
+        fresh = make(other)
+        restored, _ = ck.restore_checkpoint(tmp_path, fresh)
+        for c in fresh.master_fetch_chunks:
+            assert restored.params[c].dtype == jnp.float32
+            assert restored.master[c].ctypes.data == restored.params[c].addressable_data(0).unsafe_buffer_pointer()
+        restored, got = _train_from(fresh, restored, batches[2:4])
+        np.testing.assert_array_equal(got, want)
+        for a, b in zip(jax.tree.leaves(fresh.master_params(restored)), jax.tree.leaves(step.master_params(state))):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _train_from(step, state, batches):
+    losses = []
+    for b in batches:
+        state, m = step(state, b[:B])
+        losses.append(float(m["loss"]))
+    step.wait(state)
+    return state, np.asarray(losses)

@@ -280,3 +280,115 @@ def test_mixed_host_and_streamed_step_equals_optax(setup, speculate_always):
     state, losses, counts = _train(step, params, batches[:8])
     _assert_equal_to_optax(step, state, losses, _reference(cfg, params, batches[:8], spec))
     assert all(s == len(step.host_chunks) for s, _ in counts) and any(r for _, r in counts)
+
+
+# ---- the streamed pipeline overlapping the backward (chunkjax.streamed) ---------------------------
+
+def test_norm_free_transformations_are_told_apart_exactly():
+    """needs_global_norm follows the data path from the rest-of-model norm to a chunk's result:
+    Adam/AdamW/Lion/SGD (with schedules) have none, clip_by_global_norm has one; a step with
+    skip, loss scaling, micro-batches or a mesh never starts early."""
+    from chunkjax.streamed import needs_global_norm, starts_early
+    free = [optax.adamw(1e-3, weight_decay=0.1), optax.lion(1e-4), optax.sgd(1e-2, momentum=0.9),
+            optax.adamw(optax.cosine_decay_schedule(1e-3, 100)), AdamW(1e-3).optax()]
+    bound = [optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)), AdamW(1e-3, max_grad_norm=1.0).optax()]
+    assert [needs_global_norm(t) for t in free] == [False] * len(free)
+    assert [needs_global_norm(t) for t in bound] == [True] * len(bound)
+    tx = free[0]
+    assert starts_early(tx)
+    assert not any([starts_early(tx, skip=True), starts_early(tx, loss_scaling=True),
+                    starts_early(tx, micro_batches=2), starts_early(tx, n_ranks=2)])
+
+
+def test_streamed_updates_start_during_the_backward_and_equal_optax(setup, monkeypatch):
+    """Without clipping, streamed chunks go to the pipeline as the program completing their
+    gradient ends (the chunks completing before the last program stream, the others update on the
+    host), through a pipeline of two slots with its own fetch, dispatch and write-back threads; 8
+    steps equal optax, and the master params equal those of the same schedule with the updates
+    after the backward."""
+    from chunkjax import streamed
+    cfg, params, batches, stages, layout, traces = setup
+    spec = AdamW(3e-3, weight_decay=0.1)
+    layout, traces, cb, budget, flops = _plan_inputs(setup, spec)
+    split = plan_schedule(layout, traces, cb, budget, flops_per_step=flops, streamed_early=True)
+    done = cj.predict.grad_done_moments(traces, cj.tide.memory_tide(traces, layout.chunk_size))
+    early = [c for c in range(layout.n_chunks) if done.get(c, 10**9) < split.segments[-1]]
+    sched = dataclasses.replace(split, update_locations=tuple(
+        "streamed" if c in early else "host" for c in range(layout.n_chunks)), streamed_early=True)
+    assert 0 < len(early) < layout.n_chunks and len(sched.segments) > 1
+    seen = []
+    on_program = streamed.StepStream.on_program
+
+    def spy(self, grads, sq):
+        on_program(self, grads, sq)
+        seen.append(self.pipe.submitted)
+    monkeypatch.setattr(streamed.StepStream, "on_program", spy)
+    step = cj.make_chunked_step(stages, layout, sched, host_optimizer=spec, compute_dtype=jnp.float32)
+    state, losses, _ = _train(step, params, batches[:8])
+    n_prog = len(sched.segments)
+    assert step._cache[("streamed_early",)] is True and len(seen) == 8 * n_prog
+    assert step._streamed_chunks == tuple(early) and seen[n_prog - 2] == len(early)  # before the last program
+    _assert_equal_to_optax(step, state, losses, _reference(cfg, params, batches[:8], spec))
+    late = cj.make_chunked_step(stages, layout, dataclasses.replace(sched, streamed_early=False), host_optimizer=spec,
+                                compute_dtype=jnp.float32)
+    state_late, losses_late, _ = _train(late, params, batches[:8])
+    assert late._cache[("streamed_early",)] is False
+    np.testing.assert_array_equal(losses_late, losses)
+    for a, b in zip(state_late.master, state.master):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_pipeline_failures_stop_every_thread():
+    """A failing fetch or update is raised by close() and a failing store by join(); abort()
+    stops a pipeline waiting for chunks; no thread is left behind."""
+    import threading
+
+    from chunkjax.streamed import Pipeline
+    before = set(threading.enumerate())  # threads of earlier tests (a host-update thread) may end meanwhile
+    ok = lambda c: (c,)  # noqa: E731
+
+    def boom(c, *a):
+        raise RuntimeError(f"chunk {c} failed")
+    for fetch, update, store, where in ((boom, ok, lambda *a: None, "close"), (ok, boom, lambda *a: None, "close"),
+                                        (ok, lambda c, x: (x,), boom, "join")):
+        p = Pipeline(2, fetch, update, store)
+        p.submit(range(5))
+        with pytest.raises(RuntimeError, match="chunk 0 failed"):
+            p.close().join()
+    p = Pipeline(2, ok, ok, lambda *a: None)
+    p.submit([1])
+    p.abort()
+    assert set(threading.enumerate()) <= before
+
+
+# ---- the cost model of the streamed pipeline (synthetic numbers in, times out) --------------------
+
+def test_streamed_pipeline_timing_on_a_synthetic_schedule():
+    """Hand-computed times: rates of 1 byte/s each way (duplex 2), the update program free."""
+    from chunkjax.cost import Rates, predict_pipelined_step, streamed_pipeline_end
+    r = Rates(h2d_bytes_per_s=1.0, d2h_bytes_per_s=1.0, duplex_bytes_per_s=2.0, device_update_s_per_param=0.0,
+              host_update_s_per_param=1.0, matmul_flops_per_s=1.0, one_program_duplex_bytes_per_s=1.0)
+    end = lambda chunks, depth=2, bounds=(), until=0.0, share=1.0: streamed_pipeline_end(  # noqa: E731
+        chunks, params_per_chunk=1, depth=depth, boundaries=bounds, backward_end=until, share=share, rates=r)
+    # after the backward: fetches back to back (3 s each), write-backs (2 s) follow: 3, 6, 9 -> 5, 8, 11
+    assert end([(0.0, 3, 2)] * 3) == 11.0
+    # one slot: fetch, update, write-back of a chunk before the next fetch: 3+2, 5+3+2, 10+3+2
+    assert end([(0.0, 3, 2)] * 3, depth=1) == 15.0
+    # during a backward ending at 20 with half the link left: fetch 0-6 (at 0.5 B/s), the update
+    # waits for the program boundary at 10, write-back 10-14; the second chunk, ready at 12:
+    # fetch 12-18, update at the backward's end 20, write-back 20-22
+    assert end([(0.0, 3, 2), (12.0, 3, 2)], bounds=(10.0,), until=20.0, share=0.5) == 22.0
+    # a transfer crossing the backward's end: 2 bytes at 0.5 B/s until 19, then 1 byte at 1 B/s
+    assert end([(17.0, 2, 1)], until=19.0, share=0.5) == pytest.approx(19.0 + 1.0 + 1.0)
+    # the whole step: forward 1 s and backward 3 s of compute (3 FLOPs at 1 FLOP/s), no transfers
+    # in it, programs ending at t = 2, 3, 4; a host chunk of 1 param ready at t = 2 ends at 3
+    # (nothing exposed); a streamed chunk of 1 byte up, 2 down completing in the first program:
+    # early, fetched 2-3, updated at the boundary 3, written back 3-5 (1 s after the backward);
+    # after the norm: fetched 4-5, written back 5-7
+    kw = dict(fwd_h2d=0, bwd_h2d=0, bwd_d2h=0, device_params=0, host_ready=[(1 / 3, 1)], params_per_chunk=1,
+              program_ends=(1 / 3, 2 / 3, 1.0), rates=r)
+    t = predict_pipelined_step(3.0, streamed=[(1 / 3, 1, 2)], streamed_early=True, **kw)
+    assert (t.forward_s, t.backward_s, t.host_update_s, t.host_update_exposed_s) == (1.0, 3.0, 1.0, 0.0)
+    assert t.streamed_update_s == pytest.approx(1.0) and t.step_s == pytest.approx(5.0)
+    late = predict_pipelined_step(3.0, streamed=[(1 / 3, 1, 2)], streamed_early=False, **kw)
+    assert late.streamed_update_s == pytest.approx(3.0) and late.step_s == pytest.approx(7.0)

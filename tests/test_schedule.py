@@ -478,7 +478,7 @@ def test_fixed_policy_predicts_the_fixed_rule(setup):
     streamed): the fetch count of the fixed rule (a chunk read by the previous stage is held, the
     backward starting afresh), the bytes moved, the host bytes and the stage-window peak (every
     saved input + the prefetch window's buffers + open float32 accumulators + the stage's
-    temporaries, or one streamed update) are what the fixed rule's accounting gives."""
+    temporaries, or the streamed pipeline) are what the fixed rule's accounting gives."""
     layout, traces, cb, tide, flops = _micro_plan_inputs(setup)
     n, cs = layout.n_chunks, layout.chunk_size
     with pytest.raises(cj.PlanError, match="use device_budget >=") as e:
@@ -499,7 +499,7 @@ def test_fixed_policy_predicts_the_fixed_rule(setup):
     stage_peak = [saved + len(set(traces[i].chunks) | set(traces[i + 1].chunks if i + 1 < len(traces) else ()))
                   * cb.params + 4 * cs * sum(min(r) <= i <= max(r) for r in readers.values() if r) + t.temp_bytes
                   for i, t in enumerate(traces)]
-    update = cb.grad + cb.master + cb.opt + 2 * cb.params
+    update = 2 * (cb.grad + cb.master + cb.opt + cb.params) + 2 * 4 * cs  # the streamed pipeline: two chunks, one update's temporaries
     assert p.peak_device_bytes == max(max(stage_peak), update) == e.value.min_budget_bytes
     # the schedule's fetch lists are the fixed rule's, moment by moment
     f, b = fetch_events(traces, s.placement, 1)

@@ -7,15 +7,17 @@ full, each job's tokens/s, peak device bytes and peak host RSS recorded (``finet
 
 ``prepare``: (1) the corpus: carry/data's GPT-2 token arrays decoded back to text (its
 gpt2.tiktoken) and a byte-level BPE ``tokenizer.json`` trained on it; (2) the checkpoint written by
-:func:`models.hf.export_hf_checkpoint` (bf16, 5 GB shards written by one thread each), every
+:func:`models.hf.export_hf_checkpoint` (bf16, 2 GB shards, 8 written at once by threads), every
 tensor tiled from a pool of random values at its own offset when its shard writes it (so writing
 runs at the disk's pace: 16 GB at 8B).
 
 ``jobs``: each job a child process ``python -m experiments.train --init-from CK_DIR/model --data
 CK_DIR/corpus.txt ...`` (LoRA rank 16 on every projection, then full fine-tuning), stopped at
-its share of the time left before ``--until`` (a Unix time) and by a memory guard that kills it
-when ``MemAvailable`` falls below :data:`GUARD_BYTES` (so the kernel's out-of-memory killer never
-picks a process: recorded as such). Records per job in ``OUT/finetune_8b.json``: the command,
+its share of the time left before ``--until`` (a Unix time; LoRA 60 %, the last job all of it)
+and by a memory guard that kills it when ``MemAvailable`` falls below :data:`GUARD_BYTES`
+(polled every 0.1 s, so the kernel's out-of-memory killer never picks a process: recorded as
+such). Run folders go to ``CK_DIR/runs_<job>`` (their report, metrics, loss plot and adapter
+config copied to ``OUT/runs_<job>``). Records per job in ``OUT/finetune_8b.json``: the command,
 exit status, wall time, peak host RSS (``wait4``), the job's setup phases, tokens/s, peak device
 bytes (the runtime's), the plan's host bytes (and per parameter), or the one line it was refused
 with. Shapes: ``8b`` (Meta-Llama-3-8B's), ``narrow`` (the same structure at d 512: the 8B's leaf
@@ -36,7 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 
 #: The memory guard kills a job when MemAvailable falls below this (bytes).
-GUARD_BYTES = 3 * 2**30
+GUARD_BYTES = 6 * 2**30
 #: Job settings per shape: (device budget, batch, seq, steps).
 JOB_SHAPES = {"8b": ("24GiB", 8, 2048, 5), "narrow": ("auto", 2, 128, 3), "tiny": ("auto", 2, 64, 3)}
 #: Corpus size (GPT-2 tokens decoded) and BPE vocabulary per shape.
@@ -51,7 +53,8 @@ REPORT_KEYS = ("n_params", "trainable_params", "lora", "tokens_per_s", "step_s_m
                "val_loss_first", "val_loss_last", "loss_first", "loss_last", "param_chunks_pinned_host", "n_chunks",
                "chunk_size", "chunk_waste_bytes", "placement_counts", "compute_dtype", "adapters_dir",
                "h2d_bytes_per_step_accounted", "d2h_bytes_per_step_accounted", "step_s_predicted", "setup_s",
-               "compiled_memory")
+               "host_bytes_per_param", "host_resident_bytes_per_param", "host_working_bytes_accounted",
+               "master_fetch_chunks", "fit")
 
 
 def shape_config(shape: str):
@@ -61,9 +64,15 @@ def shape_config(shape: str):
 
 
 def mem_available() -> int | None:
-    """``MemAvailable`` (bytes) or None."""
-    from chunkjax.host_memory import host_memory_available_bytes
-    return host_memory_available_bytes()
+    """``MemAvailable`` of /proc/meminfo (bytes) or None (read here: the runner imports no JAX)."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 # ---- prepare ---------------------------------------------------------------------------------
@@ -120,7 +129,7 @@ def prepare(shape: str, ck: str, data: str = "carry/data") -> dict:
     out = os.path.join(ck, "model")
     t = time.perf_counter()
     hf.export_hf_checkpoint(cfg, params, out, tokenizer=tok, dtype=ml_dtypes.bfloat16,
-                            max_shard_bytes=5 * 10**9 if shape == "8b" else 50 * 10**6, bos_token_id=0,
+                            max_shard_bytes=2 * 10**9 if shape == "8b" else 50 * 10**6, bos_token_id=0,
                             eos_token_id=1, overwrite=True, workers=8)
     times["checkpoint_s"] = time.perf_counter() - t
     files = [f for f in os.listdir(out) if f.endswith(".safetensors")]
@@ -140,7 +149,7 @@ def job_command(shape: str, ck: str, out: str, name: str) -> list[str]:
               "--eval-every", str(steps), "--eval-batches", "1", "--sample-tokens", "0", "--checkpoint-every", "0",
               "--no-progress", "--warmup", "0"]
     return [sys.executable, "-m", "experiments.train", "--init-from", os.path.join(ck, "model"), "--data",
-            os.path.join(ck, "corpus.txt"), *common, "--out-dir", os.path.join(out, f"runs_{name}"), *JOBS[name]]
+            os.path.join(ck, "corpus.txt"), *common, "--out-dir", os.path.join(ck, f"runs_{name}"), *JOBS[name]]
 
 
 def run_job(cmd: list[str], log_path: str, limit_s: float, guard_bytes: int = GUARD_BYTES) -> dict:
@@ -155,7 +164,7 @@ def run_job(cmd: list[str], log_path: str, limit_s: float, guard_bytes: int = GU
         done = threading.Event()
 
         def guard():
-            while not done.wait(0.25):
+            while not done.wait(0.1):
                 avail = mem_available()
                 if avail is not None:
                     state["min_avail"] = avail if state["min_avail"] is None else min(state["min_avail"], avail)
@@ -175,11 +184,25 @@ def run_job(cmd: list[str], log_path: str, limit_s: float, guard_bytes: int = GU
             "min_mem_available_bytes": state["min_avail"]}
 
 
-def job_record(name: str, cmd: list[str], res: dict, out: str) -> dict:
-    """The record of a finished job: ``res`` plus the report's keys, or the line it stopped with."""
+#: Files of a run folder copied into ``OUT/runs_<job>`` (the rest, e.g. the adapters' 168 MB at
+#: 8B, stays in the scratch folder, deleted at the end).
+KEPT_FILES = ("report.json", "metrics.jsonl", "loss.png", "adapters/adapter_config.json")
+
+
+def job_record(name: str, cmd: list[str], res: dict, ck: str, out: str) -> dict:
+    """The record of a finished job: ``res`` plus the report's keys, or the line it stopped with;
+    the run folder's small files copied from ``ck`` to ``out``."""
+    import shutil
     rec = {"command": shlex.join(cmd), **res}
-    reps = [os.path.join(r, "report.json") for r, _, fs in os.walk(os.path.join(out, f"runs_{name}"))
-            if "report.json" in fs]
+    runs = os.path.join(ck, f"runs_{name}")
+    reps = [os.path.join(r, "report.json") for r, _, fs in os.walk(runs) if "report.json" in fs]
+    for rep in reps[:1]:
+        run = os.path.dirname(rep)
+        for f in KEPT_FILES:
+            if os.path.isfile(os.path.join(run, f)):
+                dst = os.path.join(out, f"runs_{name}", os.path.basename(run), f)
+                os.makedirs(os.path.dirname(dst), exist_ok=True)
+                shutil.copyfile(os.path.join(run, f), dst)
     with open(os.path.join(out, f"{name}.log")) as fh:
         lines = [ln.rstrip() for ln in fh if ln.strip()]
     if reps:
@@ -193,7 +216,8 @@ def job_record(name: str, cmd: list[str], res: dict, out: str) -> dict:
             rec["peak_host_rss_bytes_per_param"] = res["peak_host_rss_bytes"] / n
     else:
         rec["error"] = next((ln for ln in reversed(lines) if ln.startswith("error:")), lines[-1] if lines else None)
-    rec["setup_lines"] = [ln for ln in lines if ln.startswith(("setup:", "plan:", "note:", "compiled check"))][:12]
+    rec["setup_lines"] = [ln for ln in lines if ln.startswith(("setup:", "plan:", "host:", "note:", "compiled check",
+                                                               "ChunkLayout"))][:16]
     if res["killed"] == "memory":
         rec["error"] = (f"killed by the script's memory guard: MemAvailable fell below {GUARD_BYTES / 2**30:.0f} GiB "
                         f"at peak RSS {res['peak_host_rss_bytes'] / 2**30:.1f} GiB (the job's host check had passed)")
@@ -208,13 +232,13 @@ def run_jobs(shape: str, ck: str, out: str, names: list[str], until: float) -> d
     os.makedirs(out, exist_ok=True)
     res = {"shape": shape, "host_ram_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
            "mem_available_bytes_before": mem_available()}
-    share = {"lora": 0.45, "full": 1.0}
+    share = {"lora": 0.6, "full": 1.0}
     for k, name in enumerate(names):
         left = until - time.time()
         limit = left if k == len(names) - 1 else max(60.0, share.get(name, 0.5) * left)
         cmd = job_command(shape, ck, out, name)
         print(f"{name}: {shlex.join(cmd)} (limit {limit:.0f} s)", flush=True)
-        rec = job_record(name, cmd, run_job(cmd, os.path.join(out, f"{name}.log"), limit), out)
+        rec = job_record(name, cmd, run_job(cmd, os.path.join(out, f"{name}.log"), limit), ck, out)
         res[name] = rec
         print(name, json.dumps({k: rec.get(k) for k in ("rc", "wall_s", "tokens_per_s", "peak_device_bytes_measured",
                                                        "peak_host_rss_bytes", "host_bytes_per_param_accounted",

@@ -1,5 +1,5 @@
 # Issue 25 on the lent H200: a Llama-3-8B-shaped checkpoint (random bf16 weights, Hugging Face
-# layout, 4 shards, 16 GB) fine-tuned through the main job in a 24 GiB device budget, batch 8 x 2048,
+# layout, 9 shards, 16 GB) fine-tuned through the main job in a 24 GiB device budget, batch 8 x 2048,
 # LoRA (rank 16 on every projection) then full fine-tuning, 5 steps each, on the corpus in carry/data.
 #   bash experiments/gpu_checks/finetune_8b.sh                   # the H200, both jobs in one call
 #   JOBS=lora bash experiments/gpu_checks/finetune_8b.sh         # one job a call (each call writes
@@ -12,7 +12,7 @@
 # Every job ends by TOTAL_S (default 540 s) after the start: the scratch checkpoint (CK_DIR, on
 # the disk, not /tmp) and the corpus are written first (experiments/gpu_checks/finetune_8b.py
 # prepare), then each job gets its share of the time left and is killed at its limit, or by the
-# memory guard when MemAvailable falls below 3 GiB (recorded: the kernel's OOM killer never runs).
+# memory guard when MemAvailable falls below 6 GiB (recorded: the kernel's OOM killer never runs).
 # Full fine-tuning needs a float32 master and AdamW state per parameter in host memory: the job's
 # host check refuses it in one line when its plan does not fit MemAvailable (recorded).
 set -u
@@ -24,9 +24,8 @@ CK_DIR=${CK_DIR:-$PWD/.scratch_ft8b}
 TOTAL_S=${TOTAL_S:-540}
 PY=${PYTHON:-python}
 t0=$(date +%s)
+rm -rf "$CK_DIR"  # a call cut short may have left a checkpoint and run folders behind
 mkdir -p "$OUT" "$CK_DIR"
-# the compiled-memory check compiles the step's programs; the step compiles them again: cached
-export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$CK_DIR/jax_cache}
 $PY experiments/gpu_checks/finetune_8b.py prepare --shape "$SHAPE" --dir "$CK_DIR" 2>&1 | tee "$OUT/prepare.log"
 if [ ! -f "$CK_DIR/model/config.json" ]; then
   echo "the checkpoint was not written (above): stopping"; rm -rf "$CK_DIR"; exit 1

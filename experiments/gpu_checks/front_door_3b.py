@@ -1,24 +1,37 @@
-"""Issue 22 GPU check: a ~3B Llama-style NNX model through the front door against nnx.Optimizer.
+"""Issue 22 GPU check: a ~3B Llama-style NNX model through the front door against nnx.Optimizer, in one call.
 
-One process, the same model (d 3072, 28 blocks, 24 heads / 8 KV heads, SwiGLU 8192, vocab 32768,
-float32 params, bf16 compute), the same AdamW and the same batches:
+The same model (d 3072, 28 blocks, 24 heads / 8 KV heads, SwiGLU 8192, vocab 32768, float32
+params, bf16 compute), the same AdamW and the same batches, one subprocess per system (so each
+device peak is its own), in this order:
 
-1. ``chunkjax.offload(model, chunkjax.host_update.AdamW(...), loss_fn, batch,
-   device_budget=model data / 3, compute_dtype=bfloat16)``: the tide plan, host AdamW for
-   offloaded chunks (the model is built in host memory, so the device holds what the plan puts
-   there); run first, so the device's peak-bytes counter is its own;
-2. ``nnx.Optimizer(model, optax.adamw(...))`` with everything on the device, one ``nnx.jit`` step.
+``nnx_remat``
+    ``nnx.Optimizer(model, optax.adamw(...))`` with every block's call under ``nnx.remat``
+    (what a user training a 3B model runs), one ``nnx.jit`` step, at each ``--batches`` (one
+    process, batches ascending: each peak is that batch's, the largest so far);
+``chunkjax``
+    ``chunkjax.offload(model, chunkjax.host_update.AdamW(...), loss_fn, batch,
+    device_budget=model data / 3, compute_dtype=bfloat16, rates=<this GPU's matmul probe>)`` on
+    the same remat model (built in host memory), at each batch, the largest first (its peak is its
+    own; the later ones report the largest so far); the JAX persistent compilation cache is on (a
+    temporary folder), so the first step runs the programs the compiled check built;
+``nnx``
+    ``nnx.Optimizer`` without rematerialisation at ``--nnx-batch`` (8: 16 x 1024 runs out of memory).
 
-Model data = 16 bytes per parameter (bf16 params and gradients, float32 master, Adam m and v).
-Prints a table and writes JSON (tokens/s of both, ratio, model TFLOP/s at 6N per token, peak device
-bytes, budget, n_params)::
+Per run: tokens/s, step seconds, losses, peak device bytes; for chunkjax also the setup seconds
+(model build, ``offload``, first step; compiles and their seconds), the plan (counts, FLOPs, the
+predicted step and its parts) against the measured step, one step taken apart from the host
+(``dispatch_s``: the call returned; ``loss_s``; ``backward_s``: the global norm ready;
+``device_updates_s``: every device array of the new state ready; ``host_s``: the host thread done,
+``host_kernel_s`` of it in the kernels), the programs run one at a time (seconds and compiled
+FLOPs each), and on a GPU one profiled step's programs with their PCIe bytes
+(``experiments.gpu_measure.transfer_phases``). Ratios chunkjax / nnx_remat and chunkjax / nnx;
+model data = 16 bytes per parameter (bf16 params and gradients, float32 master, Adam m and v).
 
-    python experiments/gpu_checks/front_door_3b.py $OUT/front_door_3b.json          # the H200
-    python experiments/gpu_checks/front_door_3b.py /tmp/fd.json --tiny              # a CPU smoke run
+A child that runs out of its time (``--time-limit``, all children together) keeps the batches it
+finished; the table is printed last and the JSON written after every child::
 
-Options: --batch 16 --seq 1024 --steps 8 --warmup 2 --budget-fraction 0.3333. At 16 x 1024 the
-nnx.Optimizer run needs about 110 GiB (no rematerialisation); chunkjax recomputes each block in
-the backward (8N FLOPs per token against 6N), so 0.75x is its compute-bound ceiling against it.
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python experiments/gpu_checks/front_door_3b.py $OUT/front_door_3b.json
+    python experiments/gpu_checks/front_door_3b.py /tmp/fd.json --tiny                  # a CPU smoke run
 """
 from __future__ import annotations
 
@@ -26,100 +39,156 @@ import argparse
 import gc
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-import optax
-from flax import nnx
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-import chunkjax  # noqa: E402
-from chunkjax.host_update import AdamW  # noqa: E402
-
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS = {
     "3b": dict(vocab=32768, d=3072, heads=24, kv_heads=8, layers=28, ffn=8192),
-    "tiny": dict(vocab=256, d=64, heads=4, kv_heads=2, layers=2, ffn=128),
+    "tiny": dict(vocab=256, d=64, heads=4, kv_heads=2, layers=3, ffn=128),
 }
 LR, WD = 3e-4, 0.1
 BYTES_PER_PARAM = 16
+SYSTEMS = ("nnx_remat", "chunkjax", "nnx")
 
 
-class RMSNorm(nnx.Module):
-    def __init__(self, d):
-        self.scale = nnx.Param(jnp.ones((d,), jnp.float32))
+# ---- the model -------------------------------------------------------------------------------------
 
-    def __call__(self, x):
-        x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + 1e-6)
-        return (y * self.scale[...]).astype(x.dtype)
+def build_model_classes():
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
 
+    class RMSNorm(nnx.Module):
+        def __init__(self, d):
+            self.scale = nnx.Param(jnp.ones((d,), jnp.float32))
 
-def rotary(x, cos, sin):
-    x1, x2 = jnp.split(x, 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).astype(x.dtype)
+        def __call__(self, x):
+            x32 = x.astype(jnp.float32)
+            y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + 1e-6)
+            return (y * self.scale[...]).astype(x.dtype)
 
+    def rotary(x, cos, sin):
+        x1, x2 = jnp.split(x, 2, axis=-1)
+        return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).astype(x.dtype)
 
-class Block(nnx.Module):
-    def __init__(self, d, heads, kv_heads, ffn, rngs):
-        self.h, self.kv, self.hd = heads, kv_heads, d // heads
-        lin = dict(use_bias=False, dtype=jnp.bfloat16, param_dtype=jnp.float32, rngs=rngs)
-        self.n1, self.n2 = RMSNorm(d), RMSNorm(d)
-        self.wq = nnx.Linear(d, heads * self.hd, **lin)
-        self.wk = nnx.Linear(d, kv_heads * self.hd, **lin)
-        self.wv = nnx.Linear(d, kv_heads * self.hd, **lin)
-        self.wo = nnx.Linear(heads * self.hd, d, **lin)
-        self.w1, self.w3 = nnx.Linear(d, ffn, **lin), nnx.Linear(d, ffn, **lin)
-        self.w2 = nnx.Linear(ffn, d, **lin)
+    class Block(nnx.Module):
+        def __init__(self, d, heads, kv_heads, ffn, rngs):
+            self.h, self.kv, self.hd = heads, kv_heads, d // heads
+            lin = dict(use_bias=False, dtype=jnp.bfloat16, param_dtype=jnp.float32, rngs=rngs)
+            self.n1, self.n2 = RMSNorm(d), RMSNorm(d)
+            self.wq = nnx.Linear(d, heads * self.hd, **lin)
+            self.wk = nnx.Linear(d, kv_heads * self.hd, **lin)
+            self.wv = nnx.Linear(d, kv_heads * self.hd, **lin)
+            self.wo = nnx.Linear(heads * self.hd, d, **lin)
+            self.w1, self.w3 = nnx.Linear(d, ffn, **lin), nnx.Linear(d, ffn, **lin)
+            self.w2 = nnx.Linear(ffn, d, **lin)
 
-    def __call__(self, x, cos, sin):
-        B, T, _ = x.shape
-        h = self.n1(x)
-        q = rotary(self.wq(h).reshape(B, T, self.h, self.hd), cos, sin)
-        k = rotary(self.wk(h).reshape(B, T, self.kv, self.hd), cos, sin)
-        v = self.wv(h).reshape(B, T, self.kv, self.hd)
-        a = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # GQA: 8 KV heads for 24 query heads
-        x = x + self.wo(a.reshape(B, T, -1))
-        h = self.n2(x)
-        return x + self.w2(jax.nn.silu(self.w1(h)) * self.w3(h))
+        def __call__(self, x, cos, sin):
+            B, T, _ = x.shape
+            h = self.n1(x)
+            q = rotary(self.wq(h).reshape(B, T, self.h, self.hd), cos, sin)
+            k = rotary(self.wk(h).reshape(B, T, self.kv, self.hd), cos, sin)
+            v = self.wv(h).reshape(B, T, self.kv, self.hd)
+            a = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # GQA: 8 KV heads for 24 query heads
+            x = x + self.wo(a.reshape(B, T, -1))
+            h = self.n2(x)
+            return x + self.w2(jax.nn.silu(self.w1(h)) * self.w3(h))
 
+    class RematBlock(Block):
+        """The block with its call rematerialised (``nnx.remat``): only its input is kept."""
 
-class Llama(nnx.Module):
-    def __init__(self, vocab, d, heads, kv_heads, layers, ffn, *, rngs):
-        self.embed = nnx.Embed(vocab, d, dtype=jnp.bfloat16, param_dtype=jnp.float32, rngs=rngs)
-        self.blocks = nnx.List([Block(d, heads, kv_heads, ffn, rngs) for _ in range(layers)])
-        self.norm = RMSNorm(d)
-        self.lm_head = nnx.Linear(d, vocab, use_bias=False, dtype=jnp.bfloat16, param_dtype=jnp.float32, rngs=rngs)
-        self.hd = d // heads
+        @nnx.remat
+        def __call__(self, x, cos, sin):
+            return super().__call__(x, cos, sin)
 
-    def __call__(self, tokens):
-        T = tokens.shape[1]
-        freqs = jnp.arange(T, dtype=jnp.float32)[:, None] / 10000.0 ** (jnp.arange(self.hd // 2) / (self.hd // 2))
-        cos, sin = jnp.cos(freqs)[None, :, None, :], jnp.sin(freqs)[None, :, None, :]
-        x = self.embed(tokens)
-        for blk in self.blocks:
-            x = blk(x, cos, sin)
-        return self.lm_head(self.norm(x))
+    class Llama(nnx.Module):
+        def __init__(self, vocab, d, heads, kv_heads, layers, ffn, *, remat=False, rngs):
+            self.embed = nnx.Embed(vocab, d, dtype=jnp.bfloat16, param_dtype=jnp.float32, rngs=rngs)
+            cls = RematBlock if remat else Block
+            self.blocks = nnx.List([cls(d, heads, kv_heads, ffn, rngs) for _ in range(layers)])
+            self.norm = RMSNorm(d)
+            self.lm_head = nnx.Linear(d, vocab, use_bias=False, dtype=jnp.bfloat16, param_dtype=jnp.float32,
+                                      rngs=rngs)
+            self.hd = d // heads
+
+        def __call__(self, tokens):
+            T = tokens.shape[1]
+            freqs = jnp.arange(T, dtype=jnp.float32)[:, None] / 10000.0 ** (jnp.arange(self.hd // 2) / (self.hd // 2))
+            cos, sin = jnp.cos(freqs)[None, :, None, :], jnp.sin(freqs)[None, :, None, :]
+            x = self.embed(tokens)
+            for blk in self.blocks:
+                x = blk(x, cos, sin)
+            return self.lm_head(self.norm(x))
+
+    return Llama
 
 
 def loss_fn(model, tokens):
+    import jax.numpy as jnp
+    import optax
     logits = model(tokens[:, :-1]).astype(jnp.float32)
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
 
-def batches(cfg, rows, seq, n):
+def make_batches(cfg, rows, seq, n):
+    import jax.numpy as jnp
+    import numpy as np
     rng = np.random.default_rng(0)
     return [jnp.asarray(rng.integers(0, cfg["vocab"], (rows, seq + 1)), jnp.int32) for _ in range(n)]
 
 
 def peak_bytes() -> int | None:
-    stats = jax.devices()[0].memory_stats() or {}
-    return stats.get("peak_bytes_in_use")
+    import jax
+    return (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
+
+
+def matmul_probe(n: int) -> float:
+    """bf16 (n x n) @ (n x n) FLOP/s on the default device (best of 5, after a warm-up)."""
+    import jax
+    import jax.numpy as jnp
+    a = jnp.ones((n, n), jnp.bfloat16)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        f(a).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return 2.0 * n ** 3 / best
+
+
+class CompileLog:
+    """Counts and seconds of jaxpr traces, MLIR lowerings and backend compiles (jax.monitoring)."""
+
+    EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace", "/jax/core/compile/jaxpr_to_mlir_module_duration":
+              "lower", "/jax/core/compile/backend_compile_duration": "compile"}
+
+    def __init__(self):
+        import jax
+        self.n = dict.fromkeys(self.EVENTS.values(), 0)
+        self.s = dict.fromkeys(self.EVENTS.values(), 0.0)
+        jax.monitoring.register_event_duration_secs_listener(self._on)
+
+    def _on(self, event, duration, **_):
+        k = self.EVENTS.get(event)
+        if k:
+            self.n[k] += 1
+            self.s[k] += duration
+
+    def snapshot(self) -> dict:
+        return {f"{k}_n": self.n[k] for k in self.n} | {f"{k}_s": round(self.s[k], 2) for k in self.s}
+
+    @staticmethod
+    def delta(a: dict, b: dict) -> dict:
+        return {k: round(b[k] - a[k], 2) for k in a}
 
 
 def timed(run_step, data, warmup, sync):
+    """Losses of every step and the seconds of the steps after ``warmup`` (``sync`` at both ends)."""
+    import jax
     losses = [float(run_step(b)) for b in data[:warmup]]
     sync()
     t = time.perf_counter()
@@ -130,56 +199,14 @@ def timed(run_step, data, warmup, sync):
     return losses + [float(x) for x in out], dt
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("out", help="path of the JSON written")
-    ap.add_argument("--tiny", action="store_true", help="a tiny model, runnable on the CPU")
-    ap.add_argument("--batch", type=int, default=None)
-    ap.add_argument("--seq", type=int, default=None)
-    ap.add_argument("--steps", type=int, default=8, help="timed steps")
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--budget-fraction", type=float, default=1 / 3, help="device budget / model data")
-    a = ap.parse_args(argv)
-    cfg = CONFIGS["tiny" if a.tiny else "3b"]
-    rows, seq = a.batch or (2 if a.tiny else 16), a.seq or (32 if a.tiny else 1024)
-    data = batches(cfg, rows, seq, a.warmup + a.steps)
-    tokens = rows * seq * a.steps
-    res = {"config": cfg, "batch": rows, "seq": seq, "steps": a.steps, "warmup": a.warmup,
-           "backend": jax.default_backend(), "device": str(jax.devices()[0]), "lr": LR, "weight_decay": WD}
+# ---- the systems (each in its own child process) ----------------------------------------------------
 
-    # 1. the front door (model built in host memory; run first: the peak counter is its own)
-    with jax.default_device(jax.devices("cpu")[0]):
-        model = Llama(**cfg, rngs=nnx.Rngs(0))
-    n_params = sum(int(np.size(x)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    model_bytes = BYTES_PER_PARAM * n_params
-    budget = int(model_bytes * a.budget_fraction)
-    res.update(n_params=n_params, model_data_bytes=model_bytes)
-    spec = AdamW(LR, weight_decay=WD)
-    t0 = time.perf_counter()
-    try:
-        step = chunkjax.offload(model, spec, loss_fn, data[0], device_budget=budget, compute_dtype=jnp.bfloat16)
-    except chunkjax.PlanError as e:
-        if not a.tiny:
-            res["error"] = str(e)
-            write(a.out, res)
-            raise
-        budget = int(e.min_budget_bytes * 1.05)  # a tiny model's activations outweigh its model data
-        res["note"] = f"--tiny: budget raised to the plan's smallest ({e.min_budget_bytes} B)"
-        step = chunkjax.offload(model, spec, loss_fn, data[0], device_budget=budget, compute_dtype=jnp.bfloat16)
-    res["chunkjax_setup_s"] = round(time.perf_counter() - t0, 1)
-    res.update(device_budget_bytes=budget, budget_fraction_of_model_data=budget / model_bytes, plan=step.summary(),
-               fit=step.report.to_dict())
-    losses, dt = timed(step, data, a.warmup, step.wait)
-    res.update(chunkjax_tokens_per_s=tokens / dt, chunkjax_step_s=dt / a.steps, chunkjax_losses=losses,
-               chunkjax_peak_device_bytes=peak_bytes(), chunkjax_model_tflops=6 * n_params * tokens / dt / 1e12)
-    write(a.out, res)  # kept if the baseline below fails
-    del step, model
-    gc.collect()
-    jax.clear_caches()
-
-    # 2. nnx.Optimizer, everything on the device
-    model = Llama(**cfg, rngs=nnx.Rngs(0))
-    opt = nnx.Optimizer(model, optax.adamw(LR, weight_decay=WD), wrt=nnx.Param)
+def run_nnx(a, cfg, remat: bool, rows_list, emit, deadline):
+    import jax
+    import numpy as np
+    import optax
+    from flax import nnx
+    Llama = build_model_classes()
 
     @nnx.jit
     def train_step(model, opt, batch):
@@ -187,32 +214,323 @@ def main(argv=None):
         opt.update(model, grads)
         return loss
 
-    try:
-        losses, dt = timed(lambda b: train_step(model, opt, b), data, a.warmup, lambda: None)
-    except Exception as e:  # e.g. out of device memory: the chunkjax row stands alone
-        res["nnx_error"] = f"{type(e).__name__}: {str(e)[:500]}"
-        write(a.out, res)
-        raise
-    res.update(nnx_tokens_per_s=tokens / dt, nnx_step_s=dt / a.steps, nnx_losses=losses,
-               nnx_peak_device_bytes=peak_bytes(), nnx_model_tflops=6 * n_params * tokens / dt / 1e12)
-    res["ratio"] = res["chunkjax_tokens_per_s"] / res["nnx_tokens_per_s"]
+    last = None
+    for rows in rows_list:
+        if last is not None and time.time() + 2.2 * last > deadline:
+            emit({"batch": rows, "skipped": "not enough time left in the call"})
+            continue
+        t0 = time.perf_counter()
+        model = opt = None
+        gc.collect()
+        model = Llama(**cfg, remat=remat, rngs=nnx.Rngs(0))  # every batch from the same init
+        n_params = sum(int(np.size(x)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+        opt = nnx.Optimizer(model, optax.adamw(LR, weight_decay=WD), wrt=nnx.Param)
+        data = make_batches(cfg, rows, a.seq, a.warmup + a.steps)
+        rec = {"batch": rows, "n_params": n_params}
+        try:
+            losses, dt = timed(lambda b: train_step(model, opt, b), data, a.warmup, lambda: None)
+        except Exception as e:  # e.g. out of device memory: the other rows stand
+            emit(rec | {"error": f"{type(e).__name__}: {str(e)[:400]}"})
+            break
+        tokens = rows * a.seq * a.steps
+        emit(rec | {"tokens_per_s": tokens / dt, "step_s": dt / a.steps, "losses": losses,
+                    "peak_device_bytes": peak_bytes(), "model_tflops_6n": 6 * n_params * tokens / dt / 1e12,
+                    "wall_s": round(time.perf_counter() - t0, 1)})
+        last = time.perf_counter() - t0
 
-    gib = lambda b: "-" if b is None else f"{b / 2**30:.2f}"  # noqa: E731
-    print(f"model: {n_params / 1e9:.3f}B params, model data {gib(model_bytes)} GiB; batch {rows} x {seq}; "
-          f"{jax.devices()[0].device_kind}")
-    print(f"{'system':<28}{'tokens/s':>12}{'step s':>9}{'peak GiB':>10}{'budget GiB':>12}{'loss[0]':>9}{'loss[-1]':>9}")
-    for name, k, bud in (("chunkjax.offload (tide)", "chunkjax", gib(budget)), ("nnx.Optimizer (device)", "nnx", "-")):
-        print(f"{name:<28}{res[k + '_tokens_per_s']:>12,.0f}{res[k + '_step_s']:>9.3f}"
-              f"{gib(res[k + '_peak_device_bytes']):>10}{bud:>12}"
-              f"{res[k + '_losses'][0]:>9.4f}{res[k + '_losses'][-1]:>9.4f}")
-    print(f"ratio chunkjax / nnx: {res['ratio']:.3f}")
-    print(res["plan"])
+
+def _one_step_apart(step, batch) -> dict:
+    """One chunkjax step timed from the host: when the call returns, the loss, the global norm
+    (the backward's end), the new state's device arrays and the host thread are ready."""
+    import jax
+    step.wait()
+    t0 = time.perf_counter()
+    loss = step(batch)
+    out = {"dispatch_s": time.perf_counter() - t0}
+    loss.block_until_ready()
+    out["loss_s"] = time.perf_counter() - t0
+    step.metrics["grad_norm"].block_until_ready()
+    out["backward_s"] = time.perf_counter() - t0
+    st = step.state
+    jax.block_until_ready([x for x in jax.tree.leaves((st.params, st.master, st.opt_state)) if isinstance(x, jax.Array)])
+    out["device_updates_s"] = time.perf_counter() - t0
+    out["host_kernel_s"] = step.wait()
+    out["host_s"] = time.perf_counter() - t0
+    return {k: (None if v is None else round(v, 4)) for k, v in out.items()}
+
+
+def _programs_one_at_a_time(step, batch) -> list[dict]:
+    """The step's forward/backward programs run one at a time on the current params (nothing
+    updated): seconds and compiled FLOPs (XLA's cost analysis of the compiled program) of each."""
+    import jax
+    ch = step.step
+    step.wait()
+    pb = step._step_batch(batch)
+    carry, acc, out = {}, {}, []
+    for k in range(len(ch._program_bounds())):
+        fn, args = ch._program(pb, k)
+        params = {c: step.state.params[c] for c in args}
+        try:
+            cost = fn.lower(params, pb, carry, acc).compile().cost_analysis()
+            cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+            flops = float((cost or {}).get("flops", 0.0))
+        except Exception:  # noqa: BLE001 - a diagnostic
+            flops = None
+        t = time.perf_counter()
+        carry, acc, g, q, l = fn(params, pb, carry, acc)
+        jax.block_until_ready((carry, acc, g, q, l))
+        out.append({"program": k, "moments": list(ch._program_bounds()[k]), "seconds": round(time.perf_counter() - t, 4),
+                    "compiled_flops": flops, "params_in": len(args), "grads_out": len(g)})
+    return out
+
+
+def run_chunkjax(a, cfg, rows_list, emit, deadline):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    import chunkjax
+    from chunkjax.cost import Rates
+    from chunkjax.host_update import AdamW
+
+    jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="chunkjax_cc_"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    log = CompileLog()
+    on_gpu = jax.default_backend() == "gpu"
+    probe = matmul_probe(8192 if on_gpu else 512)
+    rates = Rates.calibrated(probe) if on_gpu else Rates()
+    Llama = build_model_classes()
+    t0 = time.perf_counter()
+    with jax.default_device(jax.devices("cpu")[0]):
+        model = Llama(**cfg, remat=True, rngs=nnx.Rngs(0))
+    build_s = time.perf_counter() - t0
+    n_params = sum(int(np.size(x)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    model_bytes = BYTES_PER_PARAM * n_params
+    budget = int(model_bytes * a.budget_fraction)
+    spec = AdamW(LR, weight_decay=WD)
+    last = None
+    for rows in rows_list:
+        if last is not None and time.time() + 1.6 * last > deadline:
+            emit({"batch": rows, "skipped": "not enough time left in the call"})
+            continue
+        t_row = time.perf_counter()
+        data = make_batches(cfg, rows, a.seq, a.warmup + a.steps + 2)
+        rec = {"batch": rows, "n_params": n_params, "model_data_bytes": model_bytes, "model_build_s": round(build_s, 1),
+               "matmul_probe_flops_per_s": probe, "rates": dict(rates.__dict__)}
+        c0, t0 = log.snapshot(), time.perf_counter()
+        b = budget
+        try:
+            step = chunkjax.offload(model, spec, loss_fn, data[0], device_budget=b, compute_dtype=jnp.bfloat16,
+                                    rates=rates)
+        except chunkjax.PlanError as e:
+            if not a.tiny:
+                emit(rec | {"error": str(e), "device_budget_bytes": b})
+                continue
+            b = int(e.min_budget_bytes * 1.05)  # a tiny model's activations outweigh its model data
+            rec["note"] = f"--tiny: budget raised to the plan's smallest ({e.min_budget_bytes} B)"
+            step = chunkjax.offload(model, spec, loss_fn, data[0], device_budget=b, compute_dtype=jnp.bfloat16,
+                                    rates=rates)
+        setup_s = time.perf_counter() - t0
+        c1 = log.snapshot()
+        t0 = time.perf_counter()
+        first_loss = float(step(data[0]))
+        step.wait()
+        first_s = time.perf_counter() - t0
+        c2 = log.snapshot()
+        pred = step.schedule.predicted
+        rec.update(device_budget_bytes=b, budget_fraction_of_model_data=b / model_bytes, plan=step.summary(),
+                   fit=step.report.to_dict(), setup_s=round(setup_s, 1), first_step_s=round(first_s, 1),
+                   setup_compiles=CompileLog.delta(c0, c1), first_step_compiles=CompileLog.delta(c1, c2),
+                   flops_per_step_planned=step.problem.flops_per_step, predicted=pred.time.to_dict(),
+                   predicted_step_s=pred.time.step_s, n_programs=len(step.step._program_bounds()),
+                   n_device_update_programs=len(step.step._device_chunks),
+                   n_streamed_update_programs=len(step.step._streamed_chunks),
+                   n_host_chunks=len(step.step.host_chunks))
+        losses, dt = timed(step, data[1:a.warmup + a.steps], a.warmup - 1, step.wait)  # data[0]: the first step
+        losses = [first_loss] + losses
+        tokens = rows * a.seq * a.steps
+        rec.update(tokens_per_s=tokens / dt, step_s=dt / a.steps, losses=losses, peak_device_bytes=peak_bytes(),
+                   model_tflops_6n=6 * n_params * tokens / dt / 1e12,
+                   measured_over_predicted=(dt / a.steps) / pred.time.step_s)
+        try:
+            rec["one_step"] = _one_step_apart(step, data[-2])
+            rec["programs_one_at_a_time"] = _programs_one_at_a_time(step, data[-1])
+            progs = rec["programs_one_at_a_time"]
+            if all(p["compiled_flops"] is not None for p in progs):
+                rec["compiled_flops_fwd_bwd"] = sum(p["compiled_flops"] for p in progs)
+                rec["compiled_over_planned_flops"] = rec["compiled_flops_fwd_bwd"] / step.problem.flops_per_step
+            if on_gpu and not a.no_profile:
+                sys.path.insert(0, ROOT)
+                from experiments import gpu_measure as gm
+
+                def one():
+                    loss = step(data[-1])
+                    step.wait()
+                    jax.block_until_ready((loss, step.state.params))
+                    return float(loss)
+                prof = gm.profile_transfer_bytes(one, nvml=False)
+                rec["profiled_phases"] = prof.get("transfer_phases")
+                rec["profiler_error"] = prof.get("profiler_error")
+        except Exception as e:  # noqa: BLE001 - the diagnostics never lose the row
+            rec["diagnostics_error"] = f"{type(e).__name__}: {str(e)[:400]}"
+        rec["peak_device_bytes_after_diagnostics"] = peak_bytes()
+        rec["wall_s"] = round(time.perf_counter() - t_row, 1)
+        emit(rec)
+        del step
+        gc.collect()
+        last = time.perf_counter() - t_row
+
+
+def child(a):
+    import jax
+    cfg = CONFIGS["tiny" if a.tiny else "3b"]
+    rows = [int(r) for r in a.rows.split(",")]
+    out = []
+
+    def emit(rec):
+        out.append(rec | {"system": a.child, "seq": a.seq, "backend": jax.default_backend(),
+                          "device": str(jax.devices()[0])})
+        write(a.child_json, out)
+        print(json.dumps({k: v for k, v in rec.items() if not isinstance(v, (list, dict))}), flush=True)
+
+    if a.child == "chunkjax":  # the largest batch first: its peak is its own (the others': the largest so far)
+        run_chunkjax(a, cfg, sorted(rows, reverse=True), emit, a.deadline)
+    else:  # ascending: each peak is that batch's (a batch that runs out of memory ends the child)
+        run_nnx(a, cfg, a.child == "nnx_remat", sorted(rows), emit, a.deadline)
+
+
+# ---- the driver ---------------------------------------------------------------------------------------
+
+def driver(a):
+    t_start = time.time()
+    deadline = t_start + a.time_limit
+    batches = a.batches or ("2,4" if a.tiny else "8,16,32")
+    plan = [(s, a.nnx_batch if s == "nnx" else batches) for s in a.systems.split(",")]
+    res = {"config": CONFIGS["tiny" if a.tiny else "3b"], "seq": a.seq, "steps": a.steps, "warmup": a.warmup,
+           "lr": LR, "weight_decay": WD, "budget_fraction": a.budget_fraction, "runs": [], "children": []}
+    tmp = tempfile.mkdtemp(prefix="front_door_3b_")
+    for i, (system, rows) in enumerate(plan):
+        left = deadline - time.time()
+        if left < 30:
+            res["children"].append({"system": system, "skipped": "no time left"})
+            continue
+        # later children keep a share of the time: each gets what is left less a minute per child after it
+        share = left - 60 * (len(plan) - i - 1)
+        path = os.path.join(tmp, f"{system}.json")
+        cmd = [sys.executable, os.path.abspath(__file__), a.out, "--child", system, "--rows", str(rows),
+               "--child-json", path, "--deadline", str(time.time() + share), "--seq", str(a.seq),
+               "--steps", str(a.steps), "--warmup", str(a.warmup), "--budget-fraction", str(a.budget_fraction)]
+        cmd += ["--tiny"] * a.tiny + ["--no-profile"] * a.no_profile
+        t0 = time.time()
+        try:
+            p = subprocess.run(cmd, timeout=max(share + 20, 30), cwd=ROOT)
+            rc = p.returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        res["children"].append({"system": system, "rows": rows, "returncode": rc, "wall_s": round(time.time() - t0, 1)})
+        if os.path.exists(path):
+            with open(path) as f:
+                res["runs"] += json.load(f)
+        write(a.out, res)
+    res["ratios"] = ratios(res["runs"])
+    res["total_wall_s"] = round(time.time() - t_start, 1)
     write(a.out, res)
+    print_table(res)
+
+
+def _ok(r):
+    return "tokens_per_s" in r
+
+
+def ratios(runs) -> list[dict]:
+    """chunkjax / nnx_remat at each batch, and chunkjax / nnx (no remat) at the batch nnx ran."""
+    by = {(r["system"], r["batch"]): r for r in runs if _ok(r)}
+    out = []
+    for (s, rows), r in sorted(by.items()):
+        if s != "chunkjax":
+            continue
+        row = {"batch": rows}
+        for base in ("nnx_remat", "nnx"):
+            ref = by.get((base, rows))
+            row[f"over_{base}"] = None if ref is None else r["tokens_per_s"] / ref["tokens_per_s"]
+        out.append(row)
+    return out
+
+
+def print_table(res):
+    gib = lambda b: "-" if b is None else f"{b / 2**30:.2f}"  # noqa: E731
+    runs = res["runs"]
+    n = next((r["n_params"] for r in runs if "n_params" in r), None)
+    print(f"\nmodel: {'-' if n is None else f'{n / 1e9:.3f}B'} params; seq {res['seq']}; "
+          f"{res['steps']} timed steps after {res['warmup']}")
+    print(f"{'system':<11}{'batch':>6}{'tokens/s':>11}{'step s':>8}{'pred s':>8}{'peak GiB':>9}{'budget':>8}"
+          f"{'setup s':>8}{'loss0':>8}{'loss-1':>8}")
+    for r in runs:
+        if not _ok(r):
+            print(f"{r['system']:<11}{r['batch']:>6}  {r.get('error') or r.get('skipped')}")
+            continue
+        print(f"{r['system']:<11}{r['batch']:>6}{r['tokens_per_s']:>11,.0f}{r['step_s']:>8.3f}"
+              f"{r.get('predicted_step_s', float('nan')):>8.3f}{gib(r['peak_device_bytes']):>9}"
+              f"{gib(r.get('device_budget_bytes')):>8}{r.get('setup_s', float('nan')):>8.1f}"
+              f"{r['losses'][0]:>8.4f}{r['losses'][-1]:>8.4f}")
+    for r in runs:
+        if r.get("system") != "chunkjax" or not _ok(r):
+            continue
+        p, o = r["predicted"], r.get("one_step") or {}
+        progs = " ".join(f"{q['seconds']:.3f}" for q in r.get("programs_one_at_a_time") or [])
+        sc = r["setup_compiles"]
+        print(f"chunkjax b{r['batch']}: {r['fit']['schedule_counts']}; measured {r['step_s']:.3f} s = "
+              f"{r['measured_over_predicted']:.2f} x predicted (fwd {p['forward_s']:.3f} + bwd {p['backward_s']:.3f}"
+              f" + device upd {p['device_update_s']:.3f} + max(host exposed {p['host_update_exposed_s']:.3f}, streamed "
+              f"{p['streamed_update_s']:.3f}); host {p['host_update_s']:.3f})")
+        print(f"  one step: dispatch {o.get('dispatch_s')} loss {o.get('loss_s')} backward {o.get('backward_s')} "
+              f"device updates {o.get('device_updates_s')} host {o.get('host_s')} (kernels {o.get('host_kernel_s')}) s;"
+              f" programs one at a time: {progs} s; compiled/planned FLOPs {r.get('compiled_over_planned_flops')}")
+        print(f"  setup {r['setup_s']} s ({sc['compile_n']} compiles, {sc['compile_s']} s), first step "
+              f"{r['first_step_s']} s ({r['first_step_compiles']['compile_n']} compiles), model build {r['model_build_s']} s")
+    for r in res["ratios"]:
+        fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+        print(f"ratio chunkjax / nnx_remat at batch {r['batch']}: {fmt(r['over_nnx_remat'])}; "
+              f"/ nnx (no remat): {fmt(r['over_nnx'])}")
+    for c in res["children"]:
+        if c.get("returncode") not in (0, None):
+            print(f"child {c['system']}: returncode {c['returncode']} after {c.get('wall_s')} s")
 
 
 def write(path, res):
     with open(path, "w") as f:
         json.dump(res, f, indent=1, default=str)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", help="path of the JSON written")
+    ap.add_argument("--tiny", action="store_true", help="a tiny model, runnable on the CPU")
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help="children, in this order")
+    ap.add_argument("--batches", default=None, help="rows of nnx_remat and chunkjax (default 8,16,32; --tiny 2,4)")
+    ap.add_argument("--nnx-batch", default=None, help="rows of nnx without remat (default 8; --tiny 2)")
+    ap.add_argument("--seq", type=int, default=None, help="tokens per row (default 1024; --tiny 32)")
+    ap.add_argument("--steps", type=int, default=6, help="timed steps")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps (at least 1)")
+    ap.add_argument("--budget-fraction", type=float, default=1 / 3, help="device budget / model data")
+    ap.add_argument("--time-limit", type=float, default=510, help="seconds for all children together")
+    ap.add_argument("--no-profile", action="store_true", help="skip the profiled chunkjax step")
+    ap.add_argument("--child", choices=SYSTEMS, help=argparse.SUPPRESS)
+    ap.add_argument("--rows", help=argparse.SUPPRESS)
+    ap.add_argument("--child-json", help=argparse.SUPPRESS)
+    ap.add_argument("--deadline", type=float, default=float("inf"), help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    a.seq = a.seq or (32 if a.tiny else 1024)
+    if a.warmup < 1:
+        ap.error("--warmup must be at least 1 (chunkjax's first step compiles)")
+    a.nnx_batch = a.nnx_batch or ("2" if a.tiny else "8")
+    if a.child:
+        sys.path.insert(0, ROOT)
+        child(a)
+    else:
+        driver(a)
 
 
 if __name__ == "__main__":
