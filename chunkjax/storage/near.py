@@ -247,10 +247,13 @@ class NearStorageOptimizer(TierTrainer, WorkerPool):
           ValueError: arrays of another size than chunk ``c``.
         """
         size = self.chunk_sizes[c]
-        kinds = tuple(np.zeros(size, F32) if a is None else np.asarray(a, F32).reshape(-1) for a in (master, m, v))
-        if any(a.size != size for a in kinds):
-            raise ValueError(f"chunk {c} needs (master, m, v) of {size} elements each, got {[a.size for a in kinds]}")
-        self._send(c % len(self.dirs), ("init_chunk", c, kinds), f"restoring chunk {c} of step {self._init_step}")
+        kinds = tuple(np.asarray(a, F32).reshape(-1) for a in (master, m, v) if a is not None)
+        if len(kinds) not in (1, 3) or any(a.size != size for a in kinds):
+            raise ValueError(f"chunk {c} needs master (and m, v) of {size} elements each, got "
+                             f"{[a.size for a in kinds]}")
+        # a fresh chunk: the master params alone, the worker writes the zero moments (a third of the bytes)
+        self._send(c % len(self.dirs), ("init_chunk", c, kinds if len(kinds) == 3 else kinds[0]),
+                   f"restoring chunk {c} of step {self._init_step}")
 
     def end_init(self) -> None:
         """Wait for every worker to commit the streamed state (:meth:`begin_init`)."""

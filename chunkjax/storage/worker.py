@@ -106,7 +106,7 @@ def _worker_main(conn, cfg: dict):
                     m = conn.recv()
                     if m[0] != "init_chunk" or m[1] != c:
                         raise StorageError(f"restoring step {step}: expected chunk {c}, got {m[0]!r} {m[1]!r}")
-                    return tuple(m[2])
+                    return m[2] if isinstance(m[2], np.ndarray) else tuple(m[2])  # master alone: zero moments
 
                 tier.initialize(take, step=msg[1])
                 conn.send(("ok", tier.committed_step))
