@@ -401,10 +401,12 @@ def predicted_line(rec: dict) -> str:
     gb = lambda b: f"{b / 1e9:.1f} GB" if b else "n/a"  # noqa: E731
     ex = rec.get("extra") or {}
     out = (f"step {rec['step_s_median']:.2f} s (predicted {ex['step_s_predicted']:.2f} s); peak host RSS "
-           f"{gb(rec.get('host_rss_peak_bytes_measured'))} (host model data accounted "
-           f"{gb(ex.get('host_model_bytes_accounted'))})")
+           f"{gb(rec.get('host_rss_peak_bytes_measured'))} (host bytes accounted "
+           f"{gb(ex.get('host_bytes_accounted'))})")
     st = ex.get("storage")
-    if st:
+    if st and not st.get("storage_chunks"):
+        out += f"; {st['line']}"
+    elif st:
         rates = st.get("disk_gb_per_s_measured") or []
         secs = st.get("storage_update_s_measured") or []
         out += (f"; {st['line']}; disk {gb(st.get('disk_bytes_per_step_measured'))}/step (accounted "

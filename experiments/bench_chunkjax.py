@@ -215,7 +215,7 @@ def run_chunkjax(args) -> dict:
         "peak_device_bytes_accounted": p.peak_device_bytes,
         "h2d_bytes_per_step_accounted": p.h2d_bytes_per_step,
         "d2h_bytes_per_step_accounted": p.d2h_bytes_per_step,
-        "step_s_predicted": p.time.step_s, "host_model_bytes_accounted": p.host_model_bytes,
+        "step_s_predicted": p.time.step_s, "host_bytes_accounted": p.host_bytes,
         "predicted_time": p.time.to_dict(),
         "schedule_counts": sys_.schedule.counts(),
         "segments": list(sys_.schedule.segments),
@@ -260,7 +260,7 @@ def storage_record(sys_) -> dict:
            "disk_budget_bytes": sys_.problem.disk_budget_bytes, "storage_chunks": p.storage_chunks,
            "line": storage_line(sys_.schedule, sys_.problem.storage_devices, sys_.problem.host_budget_bytes),
            "disk_bytes_per_step_accounted": p.disk_bytes_per_step, "storage_update_s_predicted": p.time.storage_update_s,
-           "host_model_bytes_accounted": p.host_model_bytes}
+           "host_bytes_accounted": p.host_bytes}
     done = [r for r in sys_.disk_steps if r is not None and not r.skipped]
     if done:
         moved = [sum(r.storage_link_bytes.values()) for r in done]
