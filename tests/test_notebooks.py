@@ -42,7 +42,7 @@ def test_own_model_executes(monkeypatch):
     import re
 
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
-    monkeypatch.setenv("NB_STEPS", "20")  # the saved outputs: 30 steps; the loss falls over 1 nat by step 10
+    monkeypatch.setenv("NB_STEPS", "10")  # the saved outputs: 30 steps (held-out 6.08 -> 3.74 nats/byte at step 10)
     nb = nbformat.read(ROOT / "notebooks" / "own_model.ipynb", as_version=4)
     nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
                             resources={"metadata": {"path": str(ROOT)}}).execute()
