@@ -160,8 +160,9 @@ def streamed_pipeline_end(chunks: Sequence[tuple[float, int, int]], *, params_pe
 
     Each chunk ``(ready_s, up_bytes, down_bytes)``, in ready order: its fetch starts when it is
     ready, the previous fetch is done and a slot is free (the write-back ``depth`` chunks earlier
-    done); its update program runs at the first program boundary after the fetch (before
-    ``backward_end``; the update programs queue between the backward's programs), else at once;
+    done); its update program runs at the second program boundary after the fetch (before
+    ``backward_end``: the update programs queue between the backward's programs, behind the one
+    program the step keeps queued ahead, :class:`chunkjax.streamed.StepStream`), else at once;
     its write-back follows the update and the previous write-back. Both directions run at once,
     each at ``min(one direction's rate, duplex_bytes_per_s / 2)``, times ``share`` before
     ``backward_end``.
@@ -187,7 +188,10 @@ def streamed_pipeline_end(chunks: Sequence[tuple[float, int, int]], *, params_pe
     for i, (ready, up, down) in enumerate(sorted(chunks)):
         start = max(ready, fetched, written[i - depth] if i >= depth else 0.0)
         fetched = _moved(start, up, up_rate, share, backward_end)
-        at = fetched if fetched >= backward_end else next((b for b in bounds if b >= fetched), backward_end)
+        # dispatched at the first program boundary after its fetch, it runs after the program the
+        # main thread has queued by then: at the boundary after that one
+        later = [b for b in bounds if b >= fetched][1:]
+        at = fetched if fetched >= backward_end else (later[0] if later else backward_end)
         updated = max(at, updated) + upd_s
         written.append(_moved(max(updated, written[-1] if written else 0.0), down, down_rate, share, backward_end))
     return written[-1] if written else 0.0

@@ -511,8 +511,12 @@ def fit_problem(problem: FitProblem, device_budget="auto", *, policy: str = "tid
             break
         if fixed or attempt == MAX_REPLANS:
             break
-        # shrink the planning budget by the overshoot (and a chunk) and plan again
-        effective = int(effective * HEADROOM * budget / mem["peak_bytes"]) - problem.cb_rank.params
+        # shrink the planning budget by the overshoot (and a chunk) and plan again; at least by what
+        # the compiler keeps beyond the accounting (compiled - accounted peak), so the next plan's
+        # compiled peak lands under the headroom (one compile of every program per plan)
+        missed = mem["peak_bytes"] - int(sched.predicted.peak_device_bytes)
+        effective = min(int(effective * HEADROOM * budget / mem["peak_bytes"]),
+                        int(HEADROOM * budget) - missed) - problem.cb_rank.params
         try:
             sched = plan(problem, effective, policy=policy)
         except PlanError as e:

@@ -31,13 +31,43 @@ from chunkjax import predict as pr
 from chunkjax.memory import PINNED_HOST
 from chunkjax.schedule import HOST_UPDATE
 
+#: Programs a step re-cut for its host gradients may have (:func:`chunkjax.plan.auto_segments`' bound).
+MAX_PROGRAMS = 8
+
+
+def host_balanced_segments(n_moments: int, n_stages: int, done_moments, max_programs: int = MAX_PROGRAMS):
+    """Program starts that spread the host chunks' gradients evenly over the backward programs,
+    so that :data:`chunkjax.predict.GRAD_WINDOW_PROGRAMS` consecutive programs hold as few of
+    them as the program count allows: the forward and the head one program, the backward cut at
+    the quantiles of the moments where host gradients complete, and once more after the last of
+    them (the rest, device chunks only, runs while the host thread finishes).
+
+    Args:
+      n_moments, n_stages: the step's moments and stages.
+      done_moments: per host-updated chunk, the moment its gradient completes.
+      max_programs: programs at most (>= 2).
+
+    Returns:
+      program starts (0 first, increasing), or None without host gradients in the backward.
+    """
+    first = n_stages  # moments 0..n-2 forward, n-1 the head, n.. backward
+    d = sorted(t for t in done_moments if first <= t < n_moments)
+    if not d:
+        return None
+    rest = d[-1] + 1 < n_moments
+    parts = max(1, max_programs - 1 - rest)
+    starts = {0, first} | {d[i * len(d) // parts] for i in range(1, parts)} | ({d[-1] + 1} if rest else set())
+    return tuple(sorted(starts))
+
+
 def assign_host_forms(s, cb, host_budget_bytes: int | None, *, chunk_size: int, traces, tide, rates,
                       flops_per_step: float, micro_batches: int = 1):
     """Choose the form of each host-updated chunk of schedule ``s`` (one device), after its update
     locations: a compute-dtype copy while the host budget allows, master-fetch for the rest.
 
     With no budget, or one that holds every copy, every host chunk keeps its copy (the faster
-    fetch). Otherwise the copies that fit beside the all-master-fetch need stay, for the chunks
+    fetch). Otherwise the step is first re-cut (:func:`host_balanced_segments`) when that holds
+    fewer host gradients at once, and if the copies still do not fit, the copies that fit beside the all-master-fetch need stay, for the chunks
     fetched most often (each copy saves ``cb.master - cb.params`` bytes up per fetch; ties by
     chunk id), the others are master-fetch. When even all master-fetch does not fit the host,
     the all-master-fetch schedule is returned (its ``host_bytes`` is the least any form needs:
@@ -58,31 +88,42 @@ def assign_host_forms(s, cb, host_budget_bytes: int | None, *, chunk_size: int, 
     """
     host = [c for c, (k, u) in enumerate(zip(s.param_kinds, s.update_locations))
             if u == HOST_UPDATE and k == PINNED_HOST]
-    base = s.predicted
     early = pr.streamed_early_extra(chunk_size, cb, traces, tide, s.param_kinds, s.update_locations, s.segments,
-                                    s.streamed_early)  # predict adds it back
-    device_part = [b - e - x for b, e, x in zip(base.device_bytes_per_moment,
+                                    s.streamed_early)  # predict adds it back (for the segments it is given)
+    device_part = [b - e - x for b, e, x in zip(s.predicted.device_bytes_per_moment,
                                                 pr.master_fetch_extra(cb, s.fetch, s.prefetch, s.master_fetch), early)]
 
-    def with_forms(mf):
+    def with_forms(mf, segments):
         moments = [b + e for b, e in zip(device_part, pr.master_fetch_extra(cb, s.fetch, s.prefetch, mf))]
-        pred = pr.predict(chunk_size, traces, tide, cb, s.param_kinds, s.update_locations, s.fetch, s.segments,
+        pred = pr.predict(chunk_size, traces, tide, cb, s.param_kinds, s.update_locations, s.fetch, segments,
                           moments, flops_per_step=flops_per_step, rates=rates, master_fetch=mf,
                           micro_batches=micro_batches, streamed_early=s.streamed_early)
-        return dataclasses.replace(s, master_fetch=tuple(sorted(mf)), predicted=pred)
+        return dataclasses.replace(s, master_fetch=tuple(sorted(mf)), segments=tuple(segments), predicted=pred)
 
-    copies = with_forms(()) if (s.master_fetch or micro_batches > 1) else s
-    if not host or host_budget_bytes is None or copies.predicted.host_bytes <= host_budget_bytes:
+    def fits(x):
+        return x.predicted.host_bytes <= host_budget_bytes
+
+    copies = with_forms((), s.segments) if (s.master_fetch or micro_batches > 1) else s
+    if not host or host_budget_bytes is None or fits(copies):
         return copies
+    done = pr.grad_done_moments(traces, tide)
+    segs = host_balanced_segments(len(tide.moments), len(traces), [done[c] for c in host if c in done]) or s.segments
+    if segs != tuple(s.segments):  # first the cheaper cure: fewer host gradients at once
+        cut = with_forms((), segs)
+        if cut.predicted.host_working_bytes < copies.predicted.host_working_bytes:
+            copies = cut
+            if fits(copies):
+                return copies
+    segs = copies.segments
     fetches = {c: 0 for c in host}
     for f in s.fetch:
         for c in f:
             if c in fetches:
                 fetches[c] += 1
-    least = with_forms(host)
-    if least.predicted.peak_device_bytes > s.budget_bytes or least.predicted.host_bytes > host_budget_bytes:
+    least = with_forms(host, segs)
+    if least.predicted.peak_device_bytes > s.budget_bytes or not fits(least):
         # float32 fetch buffers do not fit the device: the copies (the host check refuses them)
         return copies if least.predicted.peak_device_bytes > s.budget_bytes else least
     keep = (host_budget_bytes - least.predicted.host_bytes) // cb.params if cb.params else 0
     kept = set(sorted(host, key=lambda c: (-fetches[c], c))[:keep])
-    return least if not kept else with_forms([c for c in host if c not in kept])  # fewer float32 buffers: fits
+    return least if not kept else with_forms([c for c in host if c not in kept], segs)  # fewer float32 buffers: fits

@@ -182,8 +182,18 @@ def _frozen_none(layout: ChunkLayout, loc) -> tuple[str, ...]:
 
 def _tide_one(layout: ChunkLayout, traces, tide: Tide, cb: ChunkBytes, budget: int, resident: set[int],
               host_update: bool, prefetch: int, segments: tuple[int, ...], rates: Rates, flops_per_step: float,
-              split: bool = False, streamed_early: bool = False):
-    """Schedule one placement (``resident`` chunks fully on the device); None if it cannot fit."""
+              split: bool = False, streamed_early: bool = False, reserve: int | None = None):
+    """Schedule one placement (``resident`` chunks fully on the device); None if it cannot fit.
+    With ``streamed_early`` (and the split) also the placement whose chunk buffers leave the
+    streamed pipeline's bytes free during the backward (``reserve``), the faster of the two."""
+    if streamed_early and split and host_update and reserve is None:
+        args = (layout, traces, tide, cb, budget, resident, host_update, prefetch, segments, rates, flops_per_step, split)
+        late = _tide_one(*args, streamed_early=False)
+        early = _tide_one(*args, streamed_early=True, reserve=pr.streamed_pipeline_bytes(layout.chunk_size, cb))
+        if early is None or not early.streamed_early or (
+                late is not None and late.predicted.time.step_s <= early.predicted.time.step_s):
+            return late
+        return early
     n = layout.n_chunks
     T = len(tide.moments)
     pk = tuple(DEVICE if c in resident else PINNED_HOST for c in range(n))
@@ -198,7 +208,7 @@ def _tide_one(layout: ChunkLayout, traces, tide: Tide, cb: ChunkBytes, budget: i
     max_reads = max((len(a) for a in accesses), default=0)
     caps = []
     for t, m in enumerate(tide.moments):
-        avail = budget - model - m.non_model_bytes - waiting[t]
+        avail = budget - model - m.non_model_bytes - waiting[t] - (reserve or 0) * (m.phase != "forward")
         cap = math.floor(avail / cb.buffer) - prefetch * max_reads if cb.buffer else 0
         if cap < len(accesses[t]):
             return None

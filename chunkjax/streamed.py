@@ -359,7 +359,8 @@ class StepStream:
         self._host = (topo.shard_sharding(PINNED_HOST), topo.state_shardings(template, PINNED_HOST))
         # a norm-free update sees no rest-of-model norm (its chunk result does not read it, so the
         # bits are those of any norm; its rest-leaf state stays the same in every run)
-        self._zero_sq = topo.put(np.zeros((step.layout.n_chunks,), np.float32), topo.scalar_sharding())
+        self._zero_sq = (topo.put(np.zeros((step.layout.n_chunks,), np.float32), topo.scalar_sharding())
+                         if self.early else None)
         # a mesh: in order on the calling thread (processes must dispatch programs in one order)
         self._threads = step.mesh is None
         self.pipe = Pipeline(STREAMED_PIPELINE_DEPTH, self._fetch, self._update, self._store, "chunkjax-streamed",
@@ -439,7 +440,10 @@ class StepStream:
             work.join()
         for c, (p, m, o) in self._out.items():
             params[c], master[c], opt[c] = p, m, o
-        self.state = self._grads = None
+        # nothing of this step stays referenced here: the join below (held by the returned state's
+        # pending work) must not keep this step's results or inputs alive into later steps
+        self.state = self._grads = self._grad_sq = None
+        self._out = {}
 
         def join() -> float:
             work.join()

@@ -170,10 +170,11 @@ def _all_host(setup, dtype=jnp.bfloat16, host_budget=None, micro_batches=1):
 
 
 def test_host_budget_chooses_copies_then_master_fetch(setup):
-    """Copies while the host budget holds them (the chunks fetched most keep theirs), master-fetch
-    for the rest; a master-fetch chunk's fetch moves its float32 master params (twice the bytes,
-    in the predicted H2D bytes and step time); a budget below the all-master-fetch need is
-    refused in one line naming the host budget needed."""
+    """Copies while the host budget holds them; below that the step is first re-cut so fewer host
+    gradients exist at once, then the chunks fetched least lose their copies (master-fetch: a
+    fetch moves the float32 master params, twice the bytes, in the predicted H2D bytes and step
+    time); a budget below the all-master-fetch need is refused in one line naming the host
+    budget needed."""
     copies, cb, layout = _all_host(setup)
     host = [c for c, u in enumerate(copies.update_locations) if u == "host"]
     assert copies.master_fetch == () and len(host) == layout.n_chunks
@@ -181,16 +182,20 @@ def test_host_budget_chooses_copies_then_master_fetch(setup):
     assert p.host_bytes == len(host) * (cb.params + cb.state) + p.host_working_bytes
     assert p.host_model_bytes == len(host) * (cb.params + cb.state + cb.grad)  # every gradient moved counted
     assert 0 < p.host_working_bytes < len(host) * cb.grad  # two of the programs' gradients at once
-    assert _all_host(setup, host_budget=p.host_bytes)[0].master_fetch == ()
-    least = _all_host(setup, host_budget=p.host_bytes - 1)[0]
-    assert len(least.master_fetch) == 1  # one copy fewer is enough
-    least = _all_host(setup, host_budget=p.host_bytes - len(host) * cb.params)[0]
-    assert least.master_fetch == tuple(host)
+    assert _all_host(setup, host_budget=p.host_bytes)[0] == copies
+    cut = _all_host(setup, host_budget=p.host_bytes - 1)[0]  # re-cut: the gradients spread over the programs
+    c = cut.predicted
+    assert cut.master_fetch == () and cut.segments != copies.segments and len(cut.segments) <= 8
+    assert c.host_working_bytes < p.host_working_bytes and c.host_bytes == p.host_bytes - (p.host_working_bytes
+                                                                                        - c.host_working_bytes)
+    assert len(_all_host(setup, host_budget=c.host_bytes - 1)[0].master_fetch) == 1  # one copy fewer is enough
+    least = _all_host(setup, host_budget=c.host_bytes - len(host) * cb.params)[0]
+    assert least.master_fetch == tuple(host) and least.segments == cut.segments
     q = least.predicted
-    assert q.host_bytes == len(host) * cb.state + q.host_working_bytes == p.host_bytes - len(host) * cb.params
-    assert q.fetch_bytes_per_step == 2 * p.fetch_bytes_per_step and q.n_fetches == p.n_fetches
-    assert q.h2d_bytes_per_step - p.h2d_bytes_per_step == p.fetch_bytes_per_step
-    assert q.time.step_s > p.time.step_s and q.peak_device_bytes > p.peak_device_bytes
+    assert q.host_bytes == len(host) * cb.state + q.host_working_bytes == c.host_bytes - len(host) * cb.params
+    assert q.fetch_bytes_per_step == 2 * c.fetch_bytes_per_step and q.n_fetches == c.n_fetches
+    assert q.h2d_bytes_per_step - c.h2d_bytes_per_step == c.fetch_bytes_per_step
+    assert q.time.step_s > c.time.step_s and q.peak_device_bytes > c.peak_device_bytes
     # the per-parameter figures: 12 of AdamW state + the working set, no compute copy
     per = layout.chunk_size * len(host)
     state_per_param = cb.state / layout.chunk_size  # float32 master + m + v (+ the optax count)
@@ -208,6 +213,19 @@ def test_host_budget_chooses_copies_then_master_fetch(setup):
         _all_host(setup, host_budget=q.host_bytes - 1)
     msg = str(e.value)
     assert "\n" not in msg and f"below the {q.host_bytes} bytes" in msg and "host_budget >=" in msg
+
+
+def test_balanced_segments_spread_the_host_gradients():
+    """The re-cut: forward and head one program, the backward cut at the quantiles of the host
+    gradients' moments and once after the last of them."""
+    from chunkjax.host_forms import host_balanced_segments
+    from chunkjax.predict import grad_window_bytes
+    done = [10, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]  # 12 host gradients in moments 10..20
+    segs = host_balanced_segments(40, 10, done, max_programs=8)
+    assert segs[:2] == (0, 10) and segs[-1] == 21 and len(segs) == 8 and list(segs) == sorted(set(segs))
+    assert grad_window_bytes(done, segs, 1) == 4  # two of six programs of two gradients each
+    assert grad_window_bytes(done, (0, 10, 30), 1) == 12
+    assert host_balanced_segments(40, 10, [5], max_programs=8) is None  # the head's only: nothing to cut
 
 
 def test_micro_batches_join_the_working_set(setup):
@@ -237,7 +255,9 @@ def test_master_fetch_state_bytes_and_gradient_working_set(setup, monkeypatch):
     at any hand-over stay within the planned working set."""
     cfg, params, batches, stages, layout, traces = setup
     s, cb, _ = _all_host(setup)
-    least = _all_host(setup, host_budget=s.predicted.host_bytes - layout.n_chunks * cb.params)[0]
+    cut = _all_host(setup, host_budget=s.predicted.host_bytes - 1)[0]  # re-cut, still copies
+    least = _all_host(setup, host_budget=cut.predicted.host_bytes - layout.n_chunks * cb.params)[0]
+    assert len(least.master_fetch) == layout.n_chunks
     spec = AdamW(3e-3)
     measured = {}
     hand_over = updaters.HostWork.hand_over

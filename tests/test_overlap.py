@@ -20,7 +20,7 @@ import chunkjax as cj
 from chunkjax import speculate
 from chunkjax.host_update import AdamW
 from chunkjax.optim import state_bytes_per_chunk
-from chunkjax.plan import plan_schedule
+from chunkjax.plan import NEAR_TIE, plan_schedule
 from models import gpt
 
 B, T = 2, 16
@@ -58,9 +58,21 @@ def speculate_always(monkeypatch):
     monkeypatch.setattr(speculate.Speculation, "_known", lambda self: self.certain)
 
 
+_REFERENCES = {}
+
+
 def _reference(cfg, params, batches, spec, micro_batches=1):
     """Plain optax on the device (fp32): losses, global norms, final params; with micro-batches
-    the gradient is the float32 mean of the parts' gradients, summed in order."""
+    the gradient is the float32 mean of the parts' gradients, summed in order. Computed once per
+    (spec, micro-batches, number of batches): every caller passes the module's setup params and a
+    prefix of its batches."""
+    key = (spec, micro_batches, len(batches))
+    if key not in _REFERENCES:
+        _REFERENCES[key] = _reference_run(cfg, params, batches, spec, micro_batches)
+    return _REFERENCES[key]
+
+
+def _reference_run(cfg, params, batches, spec, micro_batches):
     tx = spec.optax()
 
     def grads_of(p, b):
@@ -230,10 +242,11 @@ def _plan_inputs(setup, spec):
 
 @pytest.mark.parametrize("host_ns", [0.27, 2.0, 0.01])
 def test_split_is_the_cost_models_fastest(setup, host_ns):
-    """At the smallest budget (every chunk offloaded), the planner moves the host chunks whose
-    gradients complete last to ``streamed`` in the number that minimises the predicted step
-    (checked against every count), for a fast, a slow and a very fast host kernel; with
-    ``split=False`` every offloaded chunk stays on the host."""
+    """At the smallest budget (every chunk offloaded), the planner moves host chunks to
+    ``streamed``, the ones whose gradients complete last or ones spread over the backward, in the
+    number that minimises the predicted step (checked against every count of both), for a fast,
+    a slow and a very fast host kernel; with ``split=False`` every offloaded chunk stays on the
+    host."""
     from chunkjax import predict as pr
     from chunkjax.cost import Rates
     from chunkjax.tide import memory_tide
@@ -245,23 +258,27 @@ def test_split_is_the_cost_models_fastest(setup, host_ns):
     assert set(host_only.update_locations) == {"host"}
     tide = memory_tide(traces, layout.chunk_size)
     done = pr.grad_done_moments(traces, tide)
-    order = sorted(range(layout.n_chunks), key=lambda c: (-done.get(c, len(tide.moments)), c))
-    times = []
-    for j in range(layout.n_chunks + 1):
-        loc = tuple("streamed" if c in order[:j] else "host" for c in range(layout.n_chunks))
-        p = pr.predict(layout.chunk_size, traces, tide, cb, host_only.param_kinds, loc, host_only.fetch,
-                       host_only.segments, host_only.predicted.device_bytes_per_moment, **kw)
-        times.append(p.time.step_s if p.peak_device_bytes <= budget else np.inf)
+    n = layout.n_chunks
+    first = sorted(range(n), key=lambda c: (done.get(c, len(tide.moments)), c))
+    families = {"last": lambda j: set(first[n - j:]),
+                "spread": lambda j: {first[(2 * i + 1) * n // (2 * j)] for i in range(j)}}
+    times = {}
+    for name, pick in families.items():
+        for j in range(n + 1):
+            loc = tuple("streamed" if j and c in pick(j) else "host" for c in range(n))
+            p = pr.predict(layout.chunk_size, traces, tide, cb, host_only.param_kinds, loc, host_only.fetch,
+                           host_only.segments, host_only.predicted.device_bytes_per_moment, **kw)
+            times[loc] = p.time.step_s if p.peak_device_bytes <= budget else np.inf
     s = plan_schedule(layout, traces, cb, budget, **kw)
     j = sum(u == "streamed" for u in s.update_locations)
-    assert s.update_locations == tuple("streamed" if c in order[:j] else "host" for c in range(layout.n_chunks))
-    assert s.predicted.time.step_s == pytest.approx(times[j], rel=1e-12)
-    assert times[j] <= min(times) * (1 + 0.02)
+    assert s.update_locations in times  # one of the two families
+    assert s.predicted.time.step_s == pytest.approx(times[s.update_locations], rel=1e-12)
+    assert s.predicted.time.step_s <= min(times.values()) * (1 + 0.02)
     t = s.predicted.time
     if host_ns == 0.01:  # a host this fast finishes inside the step: nothing to move
         assert j == 0
     else:
-        assert 0 < j < layout.n_chunks
+        assert 0 < j < n
         assert t.step_s < host_only.predicted.time.step_s
         assert t.step_s == pytest.approx(t.forward_s + t.backward_s + t.device_update_s
                                          + max(t.host_update_exposed_s, t.streamed_update_s))
@@ -311,11 +328,15 @@ def test_streamed_updates_start_during_the_backward_and_equal_optax(setup, monke
     spec = AdamW(3e-3, weight_decay=0.1)
     layout, traces, cb, budget, flops = _plan_inputs(setup, spec)
     split = plan_schedule(layout, traces, cb, budget, flops_per_step=flops, streamed_early=True)
+    late_plan = plan_schedule(layout, traces, cb, budget, flops_per_step=flops)  # the split takes the faster way
+    assert not late_plan.streamed_early
+    assert split.predicted.time.step_s <= late_plan.predicted.time.step_s * (1 + NEAR_TIE)
     done = cj.predict.grad_done_moments(traces, cj.tide.memory_tide(traces, layout.chunk_size))
     early = [c for c in range(layout.n_chunks) if done.get(c, 10**9) < split.segments[-1]]
     sched = dataclasses.replace(split, update_locations=tuple(
         "streamed" if c in early else "host" for c in range(layout.n_chunks)), streamed_early=True)
     assert 0 < len(early) < layout.n_chunks and len(sched.segments) > 1
+    assert cj.Schedule.from_dict(sched.to_dict()) == sched
     seen = []
     on_program = streamed.StepStream.on_program
 
@@ -374,21 +395,22 @@ def test_streamed_pipeline_timing_on_a_synthetic_schedule():
     assert end([(0.0, 3, 2)] * 3) == 11.0
     # one slot: fetch, update, write-back of a chunk before the next fetch: 3+2, 5+3+2, 10+3+2
     assert end([(0.0, 3, 2)] * 3, depth=1) == 15.0
-    # during a backward ending at 20 with half the link left: fetch 0-6 (at 0.5 B/s), the update
-    # waits for the program boundary at 10, write-back 10-14; the second chunk, ready at 12:
-    # fetch 12-18, update at the backward's end 20, write-back 20-22
-    assert end([(0.0, 3, 2), (12.0, 3, 2)], bounds=(10.0,), until=20.0, share=0.5) == 22.0
+    # during a backward ending at 20 with half the link left, programs ending at 10 and 15: fetch
+    # 0-6 (at 0.5 B/s), the update dispatched at the boundary 10 runs at the next one, 15,
+    # write-back 15-19; the second chunk, ready at 12: fetch 12-18, update at the backward's end
+    # 20, write-back 20-22
+    assert end([(0.0, 3, 2), (12.0, 3, 2)], bounds=(10.0, 15.0), until=20.0, share=0.5) == 22.0
     # a transfer crossing the backward's end: 2 bytes at 0.5 B/s until 19, then 1 byte at 1 B/s
     assert end([(17.0, 2, 1)], until=19.0, share=0.5) == pytest.approx(19.0 + 1.0 + 1.0)
     # the whole step: forward 1 s and backward 3 s of compute (3 FLOPs at 1 FLOP/s), no transfers
     # in it, programs ending at t = 2, 3, 4; a host chunk of 1 param ready at t = 2 ends at 3
     # (nothing exposed); a streamed chunk of 1 byte up, 2 down completing in the first program:
-    # early, fetched 2-3, updated at the boundary 3, written back 3-5 (1 s after the backward);
-    # after the norm: fetched 4-5, written back 5-7
+    # early, fetched 2-3, dispatched at the boundary 3, run at the backward's end 4, written back
+    # 4-6 (2 s after the backward); after the norm: fetched 4-5, written back 5-7
     kw = dict(fwd_h2d=0, bwd_h2d=0, bwd_d2h=0, device_params=0, host_ready=[(1 / 3, 1)], params_per_chunk=1,
               program_ends=(1 / 3, 2 / 3, 1.0), rates=r)
     t = predict_pipelined_step(3.0, streamed=[(1 / 3, 1, 2)], streamed_early=True, **kw)
     assert (t.forward_s, t.backward_s, t.host_update_s, t.host_update_exposed_s) == (1.0, 3.0, 1.0, 0.0)
-    assert t.streamed_update_s == pytest.approx(1.0) and t.step_s == pytest.approx(5.0)
+    assert t.streamed_update_s == pytest.approx(2.0) and t.step_s == pytest.approx(6.0)
     late = predict_pipelined_step(3.0, streamed=[(1 / 3, 1, 2)], streamed_early=False, **kw)
     assert late.streamed_update_s == pytest.approx(3.0) and late.step_s == pytest.approx(7.0)

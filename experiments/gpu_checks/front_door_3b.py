@@ -52,6 +52,8 @@ CONFIGS = {
 LR, WD = 3e-4, 0.1
 BYTES_PER_PARAM = 16
 SYSTEMS = ("nnx_remat", "chunkjax", "nnx")
+#: fractions of --time-limit kept for each child (the driver's shares)
+SHARES = {"nnx_remat": 0.3, "chunkjax": 0.55, "nnx": 0.15}
 
 
 # ---- the model -------------------------------------------------------------------------------------
@@ -348,12 +350,16 @@ def run_chunkjax(a, cfg, rows_list, emit, deadline):
                    n_device_update_programs=len(step.step._device_chunks),
                    n_streamed_update_programs=len(step.step._streamed_chunks),
                    n_host_chunks=len(step.step.host_chunks))
+        emit(rec, partial=True)
         losses, dt = timed(step, data[1:a.warmup + a.steps], a.warmup - 1, step.wait)  # data[0]: the first step
         losses = [first_loss] + losses
         tokens = rows * a.seq * a.steps
         rec.update(tokens_per_s=tokens / dt, step_s=dt / a.steps, losses=losses, peak_device_bytes=peak_bytes(),
                    model_tflops_6n=6 * n_params * tokens / dt / 1e12,
                    measured_over_predicted=(dt / a.steps) / pred.time.step_s)
+        import resource
+        rec["peak_host_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        emit(rec, partial=True)
         try:
             rec["one_step"] = _one_step_apart(step, data[-2])
             rec["programs_one_at_a_time"] = _programs_one_at_a_time(step, data[-1])
@@ -376,6 +382,7 @@ def run_chunkjax(a, cfg, rows_list, emit, deadline):
         except Exception as e:  # noqa: BLE001 - the diagnostics never lose the row
             rec["diagnostics_error"] = f"{type(e).__name__}: {str(e)[:400]}"
         rec["peak_device_bytes_after_diagnostics"] = peak_bytes()
+        rec["peak_host_rss_bytes_after_diagnostics"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         rec["wall_s"] = round(time.perf_counter() - t_row, 1)
         emit(rec)
         del step
@@ -389,11 +396,14 @@ def child(a):
     rows = [int(r) for r in a.rows.split(",")]
     out = []
 
-    def emit(rec):
-        out.append(rec | {"system": a.child, "seq": a.seq, "backend": jax.default_backend(),
-                          "device": str(jax.devices()[0])})
-        write(a.child_json, out)
-        print(json.dumps({k: v for k, v in rec.items() if not isinstance(v, (list, dict))}), flush=True)
+    def emit(rec, partial=False):
+        """Record a run (``partial``: written as it stands, replaced by the next emit: a child killed
+        for time keeps what it had)."""
+        row = rec | {"system": a.child, "seq": a.seq, "backend": jax.default_backend(), "device": str(jax.devices()[0])}
+        write(a.child_json, out + [row | {"partial": True}] if partial else out + [row])
+        if not partial:
+            out.append(row)
+            print(json.dumps({k: v for k, v in rec.items() if not isinstance(v, (list, dict))}), flush=True)
 
     if a.child == "chunkjax":  # the largest batch first: its peak is its own (the others': the largest so far)
         run_chunkjax(a, cfg, sorted(rows, reverse=True), emit, a.deadline)
@@ -416,8 +426,8 @@ def driver(a):
         if left < 30:
             res["children"].append({"system": system, "skipped": "no time left"})
             continue
-        # later children keep a share of the time: each gets what is left less a minute per child after it
-        share = left - 60 * (len(plan) - i - 1)
+        # each child may use what is left less the shares of the children after it (time unused moves on)
+        share = left - a.time_limit * sum(SHARES.get(s, 0.15) for s, _ in plan[i + 1:])
         path = os.path.join(tmp, f"{system}.json")
         cmd = [sys.executable, os.path.abspath(__file__), a.out, "--child", system, "--rows", str(rows),
                "--child-json", path, "--deadline", str(time.time() + share), "--seq", str(a.seq),
@@ -469,7 +479,9 @@ def print_table(res):
           f"{'setup s':>8}{'loss0':>8}{'loss-1':>8}")
     for r in runs:
         if not _ok(r):
-            print(f"{r['system']:<11}{r['batch']:>6}  {r.get('error') or r.get('skipped')}")
+            why = r.get("error") or r.get("skipped") or (f"killed for time after setup ({r.get('setup_s')} s) and the "
+                                                          f"first step ({r.get('first_step_s')} s)")
+            print(f"{r['system']:<11}{r['batch']:>6}  {why}")
             continue
         print(f"{r['system']:<11}{r['batch']:>6}{r['tokens_per_s']:>11,.0f}{r['step_s']:>8.3f}"
               f"{r.get('predicted_step_s', float('nan')):>8.3f}{gib(r['peak_device_bytes']):>9}"

@@ -6,8 +6,9 @@
 #    chunkjax at a 24 GiB budget (tide plan, the update split, streamed updates overlapping the
 #    backward), then chunkjax with clip_by_global_norm(1.0) (speculative host updates; streamed
 #    updates after the norm), then chunkjax with the backward cut into programs of 2 moments
-#    (6b16_fine: the host thread starts sooner; the planner predicts 1.76 s against 1.98 s for the
-#    default cut, on CPU traces; skipped when the part's time runs out);
+#    (6b16_fine: the host thread and the streamed pipeline start sooner, streamed chunks spread
+#    over the backward and started early; on CPU traces the planner predicts 1.64 s against 1.98 s
+#    for the default cut; skipped when the part's time runs out);
 # b: the same with 4 micro-batches, GPT3_6B batch 32 x 1024 at 24 GiB (model TFLOP/s), GPT2_1B batch
 #    16 on the whole card against plain JAX (overhead when the model fits).
 # Every run is experiments.bench (one subprocess per system, the matmul probe in each bench call,
