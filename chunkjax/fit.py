@@ -356,7 +356,7 @@ def plan(problem: FitProblem, budget_bytes: int, *, policy: str = "tide", reside
       must_fit: False returns a static policy's schedule even over the budget (to report a
         baseline that does not fit).
       split: ``"tide"``: split offloaded updates between host and device by rate
-        (:func:`chunkjax.plan.split_updates`); False: all on the host.
+        (:func:`chunkjax.update_split.split_updates`); False: all on the host.
 
     Raises:
       chunkjax.PlanError: nothing fits (the message gives the smallest budget that does).

@@ -9,7 +9,7 @@ Policies (``policy=``):
     params, master params and optimizer state on the device; update ``device``) or its compute
     params live in pinned host memory and its update runs ``host`` (in place, overlapping the
     backward) or ``streamed`` (state moved through the device) when no host kernel exists; with
-    a host kernel the update work is split by rate (:func:`split_updates`): the chunks whose
+    a host kernel the update work is split by rate (:mod:`chunkjax.update_split`): the chunks whose
     gradients complete last stream through the device while the host thread updates the rest. The
     device memory the tide leaves at each moment bounds the chunk buffers there; Belady's rule
     (:func:`chunkjax.eviction.belady`) fetches the rest ``prefetch`` moments ahead. The step is
@@ -54,6 +54,7 @@ from chunkjax.predict import ChunkBytes
 from chunkjax.schedule import DEVICE_UPDATE, HOST_UPDATE, NO_UPDATE, STREAMED_UPDATE, Placement, Schedule
 from chunkjax.tide import Tide, memory_tide
 from chunkjax.trace import StageTrace
+from chunkjax.update_split import split_updates
 
 POLICIES = ("tide", "fixed", "all_host", "zero_offload", "optimizer_only")
 #: policies whose decisions do not depend on the budget (``must_fit=False`` returns them anyway)
@@ -180,100 +181,6 @@ def _frozen_none(layout: ChunkLayout, loc) -> tuple[str, ...]:
 
 # ---- the tide policy ----------------------------------------------------------------------------
 
-def split_updates(chunk_size: int, traces, tide: Tide, cb: ChunkBytes, budget: int, param_kinds, update_locations,
-                  fetch, segments, moment_bytes, *, rates: Rates, flops_per_step: float, streamed_early: bool = False):
-    """Update placement by rate (ZeRO-Offload++ / ZenFlow's split of the update between GPU and
-    CPU): move some host-updated chunks to ``streamed`` (state moved through the device by
-    :mod:`chunkjax.streamed`, both PCIe directions in flight, while the host thread runs) in the
-    number that minimises the predicted step time, ``fwd + bwd + device updates + max(host tail,
-    streamed tail)`` (:class:`chunkjax.cost.PipelinedStepTime`).
-
-    Two ways of choosing ``j`` chunks are searched: the ``j`` whose gradients complete last, and
-    ``j`` spread evenly over the order in which gradients complete (host thread and pipeline
-    then both work from the first programs on). For each, the host tail shrinks and the streamed
-    tail grows with ``j``, so the best count is found by bisection on where they cross, among the
-    counts whose peak fits ``budget``; counts within :data:`NEAR_TIE` of the fastest go to the
-    fewest chunks moved (fewer bytes over PCIe), and no chunk moves when that is itself within
-    :data:`NEAR_TIE`. With ``streamed_early`` both ways of running the streamed chunks are
-    searched too, from the end of the program completing each gradient (the pipeline's bytes on
-    the device from the first such program's end: a higher peak) and from the backward's end.
-    The fastest wins (ties: after the backward, the last-completing chunks).
-
-    Args:
-      chunk_size, traces, tide, cb, param_kinds, fetch, segments, moment_bytes, rates,
-        flops_per_step: as :func:`chunkjax.predict.predict`.
-      budget: the device budget (bytes): a split whose peak passes it is not taken.
-      update_locations: per chunk; its ``"host"`` chunks are the candidates.
-      streamed_early: the step may start streamed updates early
-        (:func:`chunkjax.streamed.starts_early`).
-
-    Returns:
-      ``(update_locations, prediction, early)`` of the fastest split (the input's when no chunk
-      moves; ``early``: the streamed chunks start as their program ends).
-    """
-    T = len(tide.moments)
-    done = pr.grad_done_moments(traces, tide)
-    first = sorted((c for c, u in enumerate(update_locations) if u == HOST_UPDATE), key=lambda c: (done.get(c, T), c))
-    m = len(first)
-    picks = (lambda j: first[m - j:],  # the last to complete
-             lambda j: [first[(2 * i + 1) * m // (2 * j)] for i in range(j)])  # spread over the backward
-    best = None
-    for early in (False, True) if streamed_early else (False,):
-        for pick in picks:
-            loc, pred = _split_one(chunk_size, traces, tide, cb, budget, param_kinds, update_locations, fetch, segments,
-                                   moment_bytes, m, pick, rates, flops_per_step, early)
-            if best is None or pred.time.step_s < best[1].time.step_s:
-                best = loc, pred, early and STREAMED_UPDATE in loc
-    return best
-
-
-def _split_one(chunk_size, traces, tide, cb, budget, param_kinds, update_locations, fetch, segments, moment_bytes,
-               m, pick, rates, flops_per_step, early):
-    """:func:`split_updates` for one way of choosing ``j`` of the ``m`` host chunks (``pick(j)``)
-    and one way of running the streamed chunks."""
-    memo: dict = {}
-
-    def at(j):
-        if j not in memo:
-            moved = set(pick(j)) if j else set()
-            loc = tuple(STREAMED_UPDATE if c in moved else u for c, u in enumerate(update_locations))
-            memo[j] = loc, pr.predict(chunk_size, traces, tide, cb, param_kinds, loc, fetch, segments, moment_bytes,
-                                      flops_per_step=flops_per_step, rates=rates, streamed_early=early)
-        return memo[j]
-
-    base = at(0)
-    top = m  # the peak grows with j (earlier programs' chunks stream): the most chunks that fit
-    if top and at(top)[1].peak_device_bytes > budget:
-        a, b = 0, top
-        while a < b:
-            mid = (a + b + 1) // 2
-            a, b = (mid, b) if at(mid)[1].peak_device_bytes <= budget else (a, mid - 1)
-        top = a
-    if top == 0:
-        return base
-    lo, hi = 1, top  # the smallest j whose streamed tail reaches the host tail
-    while lo < hi:
-        mid = (lo + hi) // 2
-        t = at(mid)[1].time
-        if t.streamed_update_s >= t.host_update_exposed_s:
-            hi = mid
-        else:
-            lo = mid + 1
-    cands = {j: at(j) for j in {lo - 1, lo} - {0}}
-    fastest = min(c[1].time.step_s for c in cands.values())
-    tie = fastest * (1 + NEAR_TIE)
-    if base[1].time.step_s <= tie:
-        return base
-    a, b = 1, max(j for j, c in cands.items() if c[1].time.step_s == fastest)
-    while a < b:  # near-ties go to the fewest streamed chunks (fewest bytes moved): the time falls up to b
-        mid = (a + b) // 2
-        if at(mid)[1].time.step_s <= tie:
-            b = mid
-        else:
-            a = mid + 1
-    return at(a)
-
-
 def _tide_one(layout: ChunkLayout, traces, tide: Tide, cb: ChunkBytes, budget: int, resident: set[int],
               host_update: bool, prefetch: int, segments: tuple[int, ...], rates: Rates, flops_per_step: float,
               split: bool = False, streamed_early: bool = False, reserve: int | None = None):
@@ -281,7 +188,8 @@ def _tide_one(layout: ChunkLayout, traces, tide: Tide, cb: ChunkBytes, budget: i
     With ``streamed_early`` (and the split) also the placement whose chunk buffers leave the
     streamed pipeline's bytes free during the backward (``reserve``), the faster of the two."""
     if streamed_early and split and host_update and reserve is None:
-        args = (layout, traces, tide, cb, budget, resident, host_update, prefetch, segments, rates, flops_per_step, split)
+        args = (layout, traces, tide, cb, budget, resident, host_update, prefetch, segments, rates, flops_per_step,
+                split)
         late = _tide_one(*args, streamed_early=False)
         early = _tide_one(*args, streamed_early=True, reserve=pr.streamed_pipeline_bytes(layout.chunk_size, cb))
         if early is None or not early.streamed_early or (
@@ -321,7 +229,7 @@ def _tide_one(layout: ChunkLayout, traces, tide: Tide, cb: ChunkBytes, budget: i
     if split and HOST_UPDATE in loc:
         loc, pred, early = split_updates(layout.chunk_size, traces, tide, cb, budget, pk, loc, ev.fetch, segments,
                                          per_moment, rates=rates, flops_per_step=flops_per_step,
-                                         streamed_early=streamed_early)
+                                         streamed_early=streamed_early, near_tie=NEAR_TIE)
     return Schedule(pk, loc, tuple(ev.fetch), tuple(_evictions(ev.fetch, accesses, T)), segments, prefetch,
                     _moments(tide), pred, int(budget), streamed_early=early)
 
@@ -529,7 +437,7 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
       resident: ``"tide"``: force exactly these chunks resident, the others updated on the host
         (skips the search and the update split).
       split: ``"tide"`` with a host kernel and no ``resident``: split the offloaded chunks' updates between the host
-        thread and the device (:func:`split_updates`: some ``streamed``) when the model predicts a
+        thread and the device (:mod:`chunkjax.update_split`: some ``streamed``) when the model predicts a
         faster step; False: every offloaded chunk updates on the host.
       streamed_early: ``"tide"`` with the split: the step may start streamed updates as their
         gradients complete (:func:`chunkjax.streamed.starts_early`: no clipping, skip, loss
