@@ -9,13 +9,13 @@ Policies (``policy=``):
     params, master params and optimizer state on the device; update ``device``) or its compute
     params live in pinned host memory and its update runs ``host`` (in place, overlapping the
     backward) or ``streamed`` (state moved through the device) when no host kernel exists; with
-    a host kernel the update work is split by rate (:mod:`chunkjax.update_split`): the chunks whose
+    a host kernel the update work is split by rate (:func:`chunkjax.plan_split.split_updates`): the chunks whose
     gradients complete last stream through the device while the host thread updates the rest. The
     device memory the tide leaves at each moment bounds the chunk buffers there; Belady's rule
     (:func:`chunkjax.eviction.belady`) fetches the rest ``prefetch`` moments ahead. The step is
     cut into programs at backward moments (:func:`auto_segments`) so a host thread updates
     finished chunks while the backward runs. Every resident prefix is scheduled and predicted;
-    the fastest that fits is returned (near-ties, within :data:`NEAR_TIE`, to the most resident).
+    the fastest that fits is returned (near-ties, within :data:`chunkjax.plan_split.NEAR_TIE`, to the most resident).
 ``"fixed"``
     The foundation's fixed rule: first the compute params of chunks (first-use order), then
     their master params and optimizer state, go to the device while the stage-window bound
@@ -50,17 +50,16 @@ from chunkjax.eviction import CapacityError, belady
 from chunkjax.host_forms import assign_host_forms
 from chunkjax.layout import ChunkLayout
 from chunkjax.memory import DEVICE, PINNED_HOST
+from chunkjax.plan_disk import host_disk_error, place_on_disk
+from chunkjax.plan_split import NEAR_TIE, split_updates
 from chunkjax.predict import ChunkBytes
 from chunkjax.schedule import DEVICE_UPDATE, HOST_UPDATE, NO_UPDATE, STREAMED_UPDATE, Placement, Schedule
 from chunkjax.tide import Tide, memory_tide
 from chunkjax.trace import StageTrace
-from chunkjax.update_split import split_updates
 
 POLICIES = ("tide", "fixed", "all_host", "zero_offload", "optimizer_only")
 #: policies whose decisions do not depend on the budget (``must_fit=False`` returns them anyway)
 STATIC_POLICIES = ("all_host", "zero_offload")
-#: predicted step times within this fraction of the fastest count as a tie
-NEAR_TIE = 0.02
 
 _MSG_FIXED_INFEASIBLE = (
     "device budget {budget} bytes is below the {need} bytes this step needs with every chunk in "
@@ -188,8 +187,7 @@ def _tide_one(layout: ChunkLayout, traces, tide: Tide, cb: ChunkBytes, budget: i
     With ``streamed_early`` (and the split) also the placement whose chunk buffers leave the
     streamed pipeline's bytes free during the backward (``reserve``), the faster of the two."""
     if streamed_early and split and host_update and reserve is None:
-        args = (layout, traces, tide, cb, budget, resident, host_update, prefetch, segments, rates, flops_per_step,
-                split)
+        args = (layout, traces, tide, cb, budget, resident, host_update, prefetch, segments, rates, flops_per_step, split)
         late = _tide_one(*args, streamed_early=False)
         early = _tide_one(*args, streamed_early=True, reserve=pr.streamed_pipeline_bytes(layout.chunk_size, cb))
         if early is None or not early.streamed_early or (
@@ -229,7 +227,7 @@ def _tide_one(layout: ChunkLayout, traces, tide: Tide, cb: ChunkBytes, budget: i
     if split and HOST_UPDATE in loc:
         loc, pred, early = split_updates(layout.chunk_size, traces, tide, cb, budget, pk, loc, ev.fetch, segments,
                                          per_moment, rates=rates, flops_per_step=flops_per_step,
-                                         streamed_early=streamed_early, near_tie=NEAR_TIE)
+                                         streamed_early=streamed_early)
     return Schedule(pk, loc, tuple(ev.fetch), tuple(_evictions(ev.fetch, accesses, T)), segments, prefetch,
                     _moments(tide), pred, int(budget), streamed_early=early)
 
@@ -408,7 +406,8 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
                   segments: Sequence[int] | str | None = "auto", flops_per_step: float = 0.0,
                   rates: Rates = Rates(), host_update: bool = True, resident: Sequence[int] | None = None,
                   must_fit: bool = True, split: bool = True, micro_batches: int = 1,
-                  streamed_early: bool = False) -> Schedule:
+                  streamed_early: bool = False, storage_devices: int = 0, disk_budget_bytes: int | None = None,
+                  disk_versions: int = 2) -> Schedule:
     """Plan one training step under a device budget: the one entry point for every policy.
 
     Args:
@@ -437,7 +436,7 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
       resident: ``"tide"``: force exactly these chunks resident, the others updated on the host
         (skips the search and the update split).
       split: ``"tide"`` with a host kernel and no ``resident``: split the offloaded chunks' updates between the host
-        thread and the device (:mod:`chunkjax.update_split`: some ``streamed``) when the model predicts a
+        thread and the device (:func:`chunkjax.plan_split.split_updates`: some ``streamed``) when the model predicts a
         faster step; False: every offloaded chunk updates on the host.
       streamed_early: ``"tide"`` with the split: the step may start streamed updates as their
         gradients complete (:func:`chunkjax.streamed.starts_early`: no clipping, skip, loss
@@ -446,6 +445,12 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
       must_fit: False returns a static baseline (``"all_host"``, ``"zero_offload"``) even when
         its predicted peak exceeds the budgets (for reports that compare them).
       micro_batches: gradient accumulation of the step (its host working set).
+      storage_devices: ``"tide"`` on one device with a host kernel and ``host_budget_bytes``:
+        storage directories of the disk tier (0: none). Offloaded chunks whose master params and
+        state the host budget cannot hold (after master-fetch) update ``storage``
+        (:mod:`chunkjax.plan_disk`); a model that fits gets no storage chunk.
+      disk_budget_bytes: bytes the storage directories may hold (None: unbounded).
+      disk_versions: versions of each chunk file on disk during a step (2: the crash-safe commit).
 
     Host-updated chunks of ``"tide"`` and ``"all_host"`` on one device keep a compute-dtype copy
     while ``host_budget_bytes`` allows and are master-fetch beyond
@@ -462,7 +467,8 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
         smallest budget that works and whether activations alone are the cause;
         ``.min_budget_bytes``) or the host budget (the message names the host budget needed).
       ValueError: an unknown policy, ``prefetch < 1``, bad ``ranks`` / ``zero_stage``, no traces,
-        or an option the policy does not take.
+        or an option the policy does not take (``storage_devices`` needs the tide policy, one
+        device, a host kernel and a host budget).
     """
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}: use one of {', '.join(POLICIES)}")
@@ -482,6 +488,9 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
         raise ValueError(f"resident= forces the tide plan's resident set: policy={policy!r} takes none")
     if not must_fit and policy not in STATIC_POLICIES:
         raise ValueError(f"must_fit=False returns the static baselines {STATIC_POLICIES}, not {policy!r}")
+    if storage_devices and (policy != "tide" or ranks != 1 or not host_update or host_budget_bytes is None):
+        raise ValueError("the disk tier (storage_devices > 0) plans with policy='tide', one device (ranks=1), a host "
+                         "kernel (host_update=True) and a host_budget_bytes: pass those or no storage")
     if not traces and policy != "optimizer_only":
         raise ValueError(f"policy={policy!r} needs the stage traces (chunkjax.trace_stages)")
     traces = tuple(traces)
@@ -509,12 +518,22 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
         segs = ((auto_segments(T, len(traces)) if host_update else (0,)) if segments == "auto"
                 else (0,) if segments is None else tuple(segments))
 
+        disk = (host_budget_bytes, disk_budget_bytes, int(storage_devices), disk_versions) if storage_devices else None
+
         def one(b, res):
             s = forms(_tide_one(layout, traces, tide, plan_cb, b, res, host_update, prefetch, segs, rates,
                                 flops_per_step, split and resident is None, streamed_early))
+            s = s if s is None or disk is None else place_on_disk(
+                s, plan_cb, chunk_size=layout.chunk_size, traces=traces, tide=tide, disk=disk, rates=rates,
+                flops_per_step=flops_per_step, micro_batches=micro_batches, streamed_early=streamed_early)
             return None if s is None else finish(s)
 
         best = _tide(one, layout.n_chunks, budget, host_fits, resident)
+        if best is None and disk is not None and one(budget, set()) is not None:  # the device fits; the host does not
+            least = min((s for s in (one(budget, set(range(k))) for k in range(layout.n_chunks + 1)) if s is not None),
+                        key=lambda s: s.predicted.host_bytes)
+            raise host_disk_error(host_budget_bytes, least.predicted.host_bytes, least.predicted.storage_chunks,
+                                  int(storage_devices), disk_budget_bytes)
         if best is None:
             _tide_infeasible(one, layout.n_chunks, tide, plan_cb, budget, host_budget_bytes, ranks)
         return best

@@ -440,7 +440,10 @@ class StepStream:
             work.join()
         for c, (p, m, o) in self._out.items():
             params[c], master[c], opt[c] = p, m, o
-        self.state = self._grads = None
+        # nothing of this step stays referenced here: the join below (held by the returned state's
+        # pending work) must not keep this step's results or inputs alive into later steps
+        self.state = self._grads = self._grad_sq = None
+        self._out = {}
 
         def join() -> float:
             work.join()

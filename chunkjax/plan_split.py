@@ -1,8 +1,6 @@
-"""Update placement by rate: which offloaded chunks the host kernel updates and which stream
-through the device (ZeRO-Offload++ / ZenFlow's split of the update between GPU and CPU), and
-whether the streamed ones start as their gradients complete (:mod:`chunkjax.streamed`). Pure:
-every candidate is accounted by :func:`chunkjax.predict.predict`; :func:`chunkjax.plan.plan_schedule`'s
-tide policy calls :func:`split_updates` for each placement it schedules.
+"""Update placement by rate: which host-updated chunks of a tide plan stream their update through
+the device instead (ZeRO-Offload++ / ZenFlow's split of the update between GPU and CPU), part of
+the one planner (:func:`chunkjax.plan.plan_schedule`). Pure: nothing is allocated.
 """
 from __future__ import annotations
 
@@ -12,10 +10,12 @@ from chunkjax.predict import ChunkBytes
 from chunkjax.schedule import HOST_UPDATE, STREAMED_UPDATE
 from chunkjax.tide import Tide
 
+#: predicted step times within this fraction of the fastest count as a tie
+NEAR_TIE = 0.02
+
 
 def split_updates(chunk_size: int, traces, tide: Tide, cb: ChunkBytes, budget: int, param_kinds, update_locations,
-                  fetch, segments, moment_bytes, *, rates: Rates, flops_per_step: float, streamed_early: bool = False,
-                  near_tie: float = 0.02):
+                  fetch, segments, moment_bytes, *, rates: Rates, flops_per_step: float, streamed_early: bool = False):
     """Update placement by rate (ZeRO-Offload++ / ZenFlow's split of the update between GPU and
     CPU): move some host-updated chunks to ``streamed`` (state moved through the device by
     :mod:`chunkjax.streamed`, both PCIe directions in flight, while the host thread runs) in the
@@ -26,9 +26,9 @@ def split_updates(chunk_size: int, traces, tide: Tide, cb: ChunkBytes, budget: i
     ``j`` spread evenly over the order in which gradients complete (host thread and pipeline
     then both work from the first programs on). For each, the host tail shrinks and the streamed
     tail grows with ``j``, so the best count is found by bisection on where they cross, among the
-    counts whose peak fits ``budget``; counts within ``near_tie`` of the fastest go to the
+    counts whose peak fits ``budget``; counts within :data:`NEAR_TIE` of the fastest go to the
     fewest chunks moved (fewer bytes over PCIe), and no chunk moves when that is itself within
-    ``near_tie``. With ``streamed_early`` both ways of running the streamed chunks are
+    :data:`NEAR_TIE`. With ``streamed_early`` both ways of running the streamed chunks are
     searched too, from the end of the program completing each gradient (the pipeline's bytes on
     the device from the first such program's end: a higher peak) and from the backward's end.
     The fastest wins (ties: after the backward, the last-completing chunks).
@@ -40,8 +40,6 @@ def split_updates(chunk_size: int, traces, tide: Tide, cb: ChunkBytes, budget: i
       update_locations: per chunk; its ``"host"`` chunks are the candidates.
       streamed_early: the step may start streamed updates early
         (:func:`chunkjax.streamed.starts_early`).
-      near_tie: predicted times within this fraction of the fastest count as a tie
-        (:data:`chunkjax.plan.NEAR_TIE`).
 
     Returns:
       ``(update_locations, prediction, early)`` of the fastest split (the input's when no chunk
@@ -57,14 +55,14 @@ def split_updates(chunk_size: int, traces, tide: Tide, cb: ChunkBytes, budget: i
     for early in (False, True) if streamed_early else (False,):
         for pick in picks:
             loc, pred = _split_one(chunk_size, traces, tide, cb, budget, param_kinds, update_locations, fetch, segments,
-                                   moment_bytes, m, pick, rates, flops_per_step, early, near_tie)
+                                   moment_bytes, m, pick, rates, flops_per_step, early)
             if best is None or pred.time.step_s < best[1].time.step_s:
                 best = loc, pred, early and STREAMED_UPDATE in loc
     return best
 
 
 def _split_one(chunk_size, traces, tide, cb, budget, param_kinds, update_locations, fetch, segments, moment_bytes,
-               m, pick, rates, flops_per_step, early, near_tie):
+               m, pick, rates, flops_per_step, early):
     """:func:`split_updates` for one way of choosing ``j`` of the ``m`` host chunks (``pick(j)``)
     and one way of running the streamed chunks."""
     memo: dict = {}
@@ -97,7 +95,7 @@ def _split_one(chunk_size, traces, tide, cb, budget, param_kinds, update_locatio
             lo = mid + 1
     cands = {j: at(j) for j in {lo - 1, lo} - {0}}
     fastest = min(c[1].time.step_s for c in cands.values())
-    tie = fastest * (1 + near_tie)
+    tie = fastest * (1 + NEAR_TIE)
     if base[1].time.step_s <= tie:
         return base
     a, b = 1, max(j for j, c in cands.items() if c[1].time.step_s == fastest)
