@@ -330,7 +330,8 @@ def _program_ends(n_stages: int, n_moments: int, segments) -> list[tuple[int, in
     """Per program: (first moment, end moment, fraction of the backward done when it ends)."""
     bounds = list(segments) + [n_moments]
     bwd_moments = n_moments - (n_stages - 1)
-    return [(p0, p1, min(1.0, max(0.0, (p1 - (n_stages - 1)) / bwd_moments))) for p0, p1 in zip(bounds[:-1], bounds[1:])]
+    return [(p0, p1, min(1.0, max(0.0, (p1 - (n_stages - 1)) / bwd_moments)))
+            for p0, p1 in zip(bounds[:-1], bounds[1:])]
 
 
 def _host_ready(chunk_size, traces, n_moments, update_locations, segments, grad_done):

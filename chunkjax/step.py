@@ -383,7 +383,8 @@ class ChunkedStep(StepChunkIO, StepUpdates):
         stream = streamed.StepStream(self, state, inv_arr := jnp.asarray(inv, jnp.float32))
         try:
             grads, sq, loss = (self._run_programs(state, self.topology.put_batch(batch), scale, on_host, stream)
-                               if self.micro_batches == 1 else accumulate.mean_gradients(self, state, batch, scale, on_host))
+                               if self.micro_batches == 1
+                               else accumulate.mean_gradients(self, state, batch, scale, on_host))
             (loss, aux), grad_sq = split_loss(loss), jnp.stack([sq[c] if c in sq else jnp.zeros((), jnp.float32)
                                                                 for c in range(self.layout.n_chunks)])  # frozen: none
             norm = jnp.sqrt(jnp.sum(grad_sq))
