@@ -19,8 +19,12 @@ demo: $(STAMP)
 	$(PY) -m experiments.train
 
 # pytest exit 5 ("no tests ran") is turned into a failure; --durations prints the slowest tests.
+# Two pytest workers (pytest-xdist), one test file at a time each: most of the suite is compiling
+# on one thread, and CI has two cores. TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	@XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu $(PY) -m pytest -q --durations=15 tests; \
+	@XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu $(PY) -m pytest -q --durations=15 \
+	  $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) tests; \
 	rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest ran no tests: failing"; exit 1; fi; exit $$rc
 
 # Issue 9 only (needs network): DeepSpeed 0.19.8 and the dependencies the GPU image lacks, as

@@ -38,6 +38,7 @@ _EXPORTS = {
     **dict.fromkeys(["ChunkedStep", "TrainState", "make_chunked_step"], "step"),
     **dict.fromkeys(["Placement", "Prediction", "Schedule"], "schedule"),
     "NearStorageOptimizer": "storage.near",
+    "StorageOptions": "storage.updater",
     **dict.fromkeys(["Stage", "compose_loss"], "stages"),
     **dict.fromkeys(["StageTrace", "trace_stages"], "trace"),
     **dict.fromkeys(["build_zero_layout", "data_mesh"], "topology"),

@@ -27,6 +27,9 @@ class Rates:
         streamed pipeline's (:mod:`chunkjax.streamed`; 94 GB/s in total).
       device_update_s_per_param: AdamW with state resident on the device (0.0074 ns).
       host_update_s_per_param: in-place host AdamW on 16 cores (0.27 ns).
+      disk_read_bytes_per_s / disk_write_bytes_per_s: one storage device, each way (the lent
+        H200's local disk: 1.4 GB/s each way, ``dd`` with O_DIRECT). The disk tier's reads and
+        writes of one device are timed one after the other (they share it).
     """
 
     matmul_flops_per_s: float = 350e12
@@ -36,6 +39,8 @@ class Rates:
     duplex_bytes_per_s: float = 94e9
     device_update_s_per_param: float = 0.0074e-9
     host_update_s_per_param: float = 0.27e-9
+    disk_read_bytes_per_s: float = 1.4e9
+    disk_write_bytes_per_s: float = 1.4e9
 
     @classmethod
     def calibrated(cls, matmul_probe_flops_per_s: float, host_update_s_per_param: float | None = None,
@@ -102,6 +107,10 @@ class PipelinedStepTime:
         after the backward (at the same time as the host thread's exposed part).
       compute_s: forward + backward + recompute FLOPs at the matmul rate.
       transfer_s: all forward/backward transfers at their rates.
+      storage_update_s: the disk tier's update (Smart-Infinity's near-storage update): every
+        ``storage`` chunk's master params and optimizer state read and written at the disk rates,
+        spread over the storage devices; it starts when the global norm is known (the end of
+        the backward) and runs beside the device's update programs and the host thread's tail.
     """
 
     forward_s: float
@@ -112,17 +121,24 @@ class PipelinedStepTime:
     streamed_update_s: float
     compute_s: float
     transfer_s: float
+    storage_update_s: float = 0.0
 
     @property
     def step_s(self) -> float:
         """Forward + backward + the device-resident updates + the longer of the host thread's
         exposed tail and the streamed pipeline's (they run at once: the host kernel on the CPU,
-        the streamed chunks over PCIe and on the device)."""
-        return (self.forward_s + self.backward_s + self.device_update_s
-                + max(self.host_update_exposed_s, self.streamed_update_s))
+        the streamed chunks over PCIe and on the device); the disk tier's update runs beside all
+        of them after the backward."""
+        return (self.forward_s + self.backward_s
+                + max(self.device_update_s + max(self.host_update_exposed_s, self.streamed_update_s),
+                      self.storage_update_s))
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self) | {"step_s": self.step_s}
+        """JSON-ready, with ``step_s``; ``storage_update_s`` only when there is a disk update."""
+        d = dataclasses.asdict(self) | {"step_s": self.step_s}
+        if not self.storage_update_s:
+            del d["storage_update_s"]
+        return d
 
 
 def _moved(start: float, nbytes: float, rate: float, share: float, until: float) -> float:
@@ -185,7 +201,8 @@ def predict_pipelined_step(flops_per_step: float, *, fwd_h2d: int, bwd_h2d: int,
                            device_params: int, host_ready: Sequence[tuple[float, int]],
                            streamed: Sequence[tuple[float, int, int]] = (), params_per_chunk: int = 0,
                            program_ends: Sequence[float] = (), streamed_early: bool = False,
-                           depth: int = 2, rates: Rates = Rates()) -> PipelinedStepTime:
+                           depth: int = 2, rates: Rates = Rates(), disk_bytes: int = 0,
+                           storage_devices: int = 1) -> PipelinedStepTime:
     """Predict a pipelined step: forward, backward (with per-stage recompute: the forward's FLOPs
     again), a host thread that updates each program's host chunks once that program has finished
     (in program order, one at a time), the streamed pipeline (:func:`streamed_pipeline_end`:
@@ -206,6 +223,8 @@ def predict_pipelined_step(flops_per_step: float, *, fwd_h2d: int, bwd_h2d: int,
       program_ends: fraction of the backward done at each program's end.
       streamed_early: streamed chunks start as their program ends (else after the backward).
       depth: the streamed pipeline's slots.
+      disk_bytes: bytes the disk tier reads and writes per step (half each way), over
+        ``storage_devices`` devices of the disk rates.
     """
     r = rates
     c_fwd = flops_per_step / 3 / r.matmul_flops_per_s
@@ -225,9 +244,10 @@ def predict_pipelined_step(flops_per_step: float, *, fwd_h2d: int, bwd_h2d: int,
                                  params_per_chunk=params_per_chunk, depth=depth,
                                  boundaries=[fwd + f * bwd for f in program_ends], backward_end=end, share=share,
                                  rates=r)
+    disk = (disk_bytes / 2 / r.disk_read_bytes_per_s + disk_bytes / 2 / r.disk_write_bytes_per_s) / max(1, storage_devices)
     return PipelinedStepTime(fwd, bwd, host, exposed, device_params * r.device_update_s_per_param,
                              max(0.0, last - end) if streamed else 0.0, c_fwd + c_bwd,
-                             fwd_h2d / r.h2d_bytes_per_s + bwd_transfer)
+                             fwd_h2d / r.h2d_bytes_per_s + bwd_transfer, disk)
 
 
 def _dot_flops(eqn) -> float:

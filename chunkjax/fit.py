@@ -35,6 +35,7 @@ from chunkjax.host_memory import (check_host_lower_bound, check_host_need, host_
 from chunkjax.layout import ChunkLayout, build_layout, first_use_order
 from chunkjax.optim import check_elementwise, state_bytes_per_chunk
 from chunkjax.plan import parse_bytes, plan_schedule
+from chunkjax.plan_disk import storage_line
 from chunkjax.predict import ChunkBytes, chunk_bytes
 from chunkjax.stages import check_param_keys, compose_loss, split_loss
 from chunkjax.streamed import starts_early
@@ -78,6 +79,8 @@ class FitProblem:
       rates: the cost model's rates.
       host_budget_bytes: host memory the model data of all ranks may use (planner bound), or None.
       platform: ``jax.default_backend()``.
+      storage: the disk tier (:class:`chunkjax.storage.updater.StorageOptions`) or None.
+      storage_devices, disk_budget_bytes: its storage devices and the bytes they may hold.
     """
 
     stages: tuple
@@ -100,6 +103,9 @@ class FitProblem:
     rates: Rates
     host_budget_bytes: int | None
     platform: str
+    storage: Any = None
+    storage_devices: int = 0
+    disk_budget_bytes: int | None = None
 
     @property
     def n_ranks(self) -> int:
@@ -167,7 +173,7 @@ class FitReport:
                 "compiled_peak_bytes": None if self.compiled is None else self.compiled["peak_bytes"],
                 "schedule_counts": self.schedule.counts(), "step_s_predicted": p.time.step_s,
                 "plans": list(self.plans), "host": dict(self.host), "fits": self.fits, "why": self.why,
-                "notes": list(self.notes)}
+                "notes": list(self.notes), "disk_bytes_per_step_predicted": p.disk_bytes_per_step}
 
 
 class Fitted(NamedTuple):
@@ -239,7 +245,7 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
             micro_batches: int = 1, nonfinite: str = "ignore", loss_scaling: bool = False, mesh=None,
             zero_stage: int = 0, flops_per_step: float | None = None, rates: Rates | None = None,
             host_budget="auto", device_budget=None, check_host: bool = True, check_tx: bool = True,
-            trainable=None) -> FitProblem:
+            trainable=None, storage=None) -> FitProblem:
     """Layout and traces for a step (no allocation; the budget comes later).
 
     Args:
@@ -274,6 +280,11 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
         integer and bool leaves frozen) or a pytree of bools with the params' structure. Frozen
         leaves are fetched like params but get no gradient, master, optimizer state or update
         and keep their dtype.
+      storage: the disk tier: storage directories (one per storage device; a list, or a
+        comma-separated string) or :class:`chunkjax.storage.updater.StorageOptions`. With a host
+        budget (``"auto"`` or bytes), chunks whose master params and optimizer state the host
+        cannot hold update ``storage`` (:mod:`chunkjax.plan_disk`); needs an AdamW
+        ``host_optimizer`` and one device.
 
     Raises:
       ValueError: no optimizer or both, a transformation that is not elementwise, a compute
@@ -325,7 +336,9 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
     platform = jax.default_backend()
     avail = host_memory_available_bytes() if check_host else None
     device_budget = None if device_budget is None else resolve_budget(device_budget)
-    check_host_lower_bound(layout, cb, platform, n_ranks, device_budget, avail)
+    from chunkjax.storage.updater import disk_capacity, storage_options
+    storage = storage_options(storage)
+    check_host_lower_bound(layout, cb, platform, n_ranks, device_budget, None if storage else avail)
     if host_budget == "auto":
         host_budget = None
         if avail is not None:
@@ -339,7 +352,8 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
     return FitProblem(tuple(stages), layout, traces, cb, cb_rank, gbatch, tx, host_optimizer, jnp.dtype(compute_dtype),
                       int(prefetch), segments, int(micro_batches), nonfinite, bool(loss_scaling), mesh, zero_stage,
                       float(flops_per_step) / n_ranks, rates or Rates(),
-                      None if host_budget is None else int(host_budget), platform)
+                      None if host_budget is None else int(host_budget), platform, storage,
+                      *(disk_capacity(storage) if storage else (0, None)))
 
 
 # ---- the one planning call -------------------------------------------------------------------
@@ -356,7 +370,7 @@ def plan(problem: FitProblem, budget_bytes: int, *, policy: str = "tide", reside
       must_fit: False returns a static policy's schedule even over the budget (to report a
         baseline that does not fit).
       split: ``"tide"``: split offloaded updates between host and device by rate
-        (:func:`chunkjax.plan.split_updates`); False: all on the host.
+        (:func:`chunkjax.plan_split.split_updates`); False: all on the host.
 
     Raises:
       chunkjax.PlanError: nothing fits (the message gives the smallest budget that does).
@@ -369,14 +383,16 @@ def plan(problem: FitProblem, budget_bytes: int, *, policy: str = "tide", reside
                          split=split, micro_batches=p.micro_batches,
                          streamed_early=starts_early(p.tx, skip=p.nonfinite == "skip" or p.loss_scaling,
                                                      loss_scaling=p.loss_scaling,
-                                                     micro_batches=p.micro_batches, n_ranks=p.n_ranks))
+                                                     micro_batches=p.micro_batches, n_ranks=p.n_ranks),
+                         storage_devices=p.storage_devices, disk_budget_bytes=p.disk_budget_bytes,
+                         disk_versions=p.storage.disk_versions if p.storage is not None else 2)
 
 
 def build_step(problem: FitProblem, schedule):
     """The step running ``schedule`` (nothing compiled or allocated yet)."""
     p = problem
     kw = dict(host_optimizer=p.host_optimizer, tx=p.tx, compute_dtype=p.compute_dtype, micro_batches=p.micro_batches,
-              nonfinite=p.nonfinite, loss_scaling=p.loss_scaling)
+              nonfinite=p.nonfinite, loss_scaling=p.loss_scaling, storage=p.storage)
     from chunkjax.step import make_chunked_step
     if p.zero_stage:
         kw.update(mesh=p.mesh, zero_stage=p.zero_stage)
@@ -573,4 +589,5 @@ def describe(report: FitReport, problem: FitProblem) -> str:
             f"{len(s.master_fetch)} without a compute copy, gradient working set {mib(p.host_working_bytes):.1f} "
             f"MiB); predicted step "
             f"{p.time.step_s * 1e3:.1f} ms" + (" (the cost model's GPU rates: a CPU runs far slower)"
-                                                if problem.platform == "cpu" else ""))
+                                                if problem.platform == "cpu" else "")
+            + "".join(f"; {x}" for x in [storage_line(s, problem.storage_devices, problem.host_budget_bytes)] if x))

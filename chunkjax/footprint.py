@@ -95,6 +95,9 @@ def pinned_host_bytes(step) -> int:
         if c in host:
             n += cs * param_dtype(step, c).itemsize
             continue
+        if step._location(c) == "storage":  # compute params and gradient; master params and state on disk
+            n += 2 * cs * it
+            continue
         n += cs * it * (step.placement.param_kinds[c] == PINNED_HOST)
         n += cs * it * (step.placement.grad_kind(c) == PINNED_HOST)
         n += (4 * cs + opt) * (step.placement.state_kinds[c] == PINNED_HOST)

@@ -91,9 +91,12 @@ def schedule_host_need(schedule, cb, *, layout, n_ranks: int = 1, zero_stage: in
         elif u == "host":
             pinned += reps * cb.params
             pageable += cb.state
+        elif u == "storage":  # master params and state on disk: its params, its gradient whole
+            pinned += reps * cb.params + cb.grad
         else:
             pinned += reps * cb.params + cb.state + cb.grad
         n_host += u == "host"
+    pageable += pred.disk_staging_bytes  # the near-storage workers' staging buffers (chunkjax.plan_disk)
     sums = n_host * (cb.master + cb.grad) if micro_batches > 1 else 0
     if n_ranks == 1:
         pinned += max(0, pred.host_working_bytes - sums)

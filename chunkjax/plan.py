@@ -9,13 +9,13 @@ Policies (``policy=``):
     params, master params and optimizer state on the device; update ``device``) or its compute
     params live in pinned host memory and its update runs ``host`` (in place, overlapping the
     backward) or ``streamed`` (state moved through the device) when no host kernel exists; with
-    a host kernel the update work is split by rate (:func:`split_updates`): the chunks whose
+    a host kernel the update work is split by rate (:func:`chunkjax.plan_split.split_updates`): the chunks whose
     gradients complete last stream through the device while the host thread updates the rest. The
     device memory the tide leaves at each moment bounds the chunk buffers there; Belady's rule
     (:func:`chunkjax.eviction.belady`) fetches the rest ``prefetch`` moments ahead. The step is
     cut into programs at backward moments (:func:`auto_segments`) so a host thread updates
     finished chunks while the backward runs. Every resident prefix is scheduled and predicted;
-    the fastest that fits is returned (near-ties, within :data:`NEAR_TIE`, to the most resident).
+    the fastest that fits is returned (near-ties, within :data:`chunkjax.plan_split.NEAR_TIE`, to the most resident).
 ``"fixed"``
     The foundation's fixed rule: first the compute params of chunks (first-use order), then
     their master params and optimizer state, go to the device while the stage-window bound
@@ -50,6 +50,8 @@ from chunkjax.eviction import CapacityError, belady
 from chunkjax.host_forms import assign_host_forms
 from chunkjax.layout import ChunkLayout
 from chunkjax.memory import DEVICE, PINNED_HOST
+from chunkjax.plan_disk import host_disk_error, place_on_disk
+from chunkjax.plan_split import NEAR_TIE, split_updates
 from chunkjax.predict import ChunkBytes
 from chunkjax.schedule import DEVICE_UPDATE, HOST_UPDATE, NO_UPDATE, STREAMED_UPDATE, Placement, Schedule
 from chunkjax.tide import Tide, memory_tide
@@ -58,8 +60,6 @@ from chunkjax.trace import StageTrace
 POLICIES = ("tide", "fixed", "all_host", "zero_offload", "optimizer_only")
 #: policies whose decisions do not depend on the budget (``must_fit=False`` returns them anyway)
 STATIC_POLICIES = ("all_host", "zero_offload")
-#: predicted step times within this fraction of the fastest count as a tie
-NEAR_TIE = 0.02
 
 _MSG_FIXED_INFEASIBLE = (
     "device budget {budget} bytes is below the {need} bytes this step needs with every chunk in "
@@ -179,100 +179,6 @@ def _frozen_none(layout: ChunkLayout, loc) -> tuple[str, ...]:
 
 
 # ---- the tide policy ----------------------------------------------------------------------------
-
-def split_updates(chunk_size: int, traces, tide: Tide, cb: ChunkBytes, budget: int, param_kinds, update_locations,
-                  fetch, segments, moment_bytes, *, rates: Rates, flops_per_step: float, streamed_early: bool = False):
-    """Update placement by rate (ZeRO-Offload++ / ZenFlow's split of the update between GPU and
-    CPU): move some host-updated chunks to ``streamed`` (state moved through the device by
-    :mod:`chunkjax.streamed`, both PCIe directions in flight, while the host thread runs) in the
-    number that minimises the predicted step time, ``fwd + bwd + device updates + max(host tail,
-    streamed tail)`` (:class:`chunkjax.cost.PipelinedStepTime`).
-
-    Two ways of choosing ``j`` chunks are searched: the ``j`` whose gradients complete last, and
-    ``j`` spread evenly over the order in which gradients complete (host thread and pipeline
-    then both work from the first programs on). For each, the host tail shrinks and the streamed
-    tail grows with ``j``, so the best count is found by bisection on where they cross, among the
-    counts whose peak fits ``budget``; counts within :data:`NEAR_TIE` of the fastest go to the
-    fewest chunks moved (fewer bytes over PCIe), and no chunk moves when that is itself within
-    :data:`NEAR_TIE`. With ``streamed_early`` both ways of running the streamed chunks are
-    searched too, from the end of the program completing each gradient (the pipeline's bytes on
-    the device from the first such program's end: a higher peak) and from the backward's end.
-    The fastest wins (ties: after the backward, the last-completing chunks).
-
-    Args:
-      chunk_size, traces, tide, cb, param_kinds, fetch, segments, moment_bytes, rates,
-        flops_per_step: as :func:`chunkjax.predict.predict`.
-      budget: the device budget (bytes): a split whose peak passes it is not taken.
-      update_locations: per chunk; its ``"host"`` chunks are the candidates.
-      streamed_early: the step may start streamed updates early
-        (:func:`chunkjax.streamed.starts_early`).
-
-    Returns:
-      ``(update_locations, prediction, early)`` of the fastest split (the input's when no chunk
-      moves; ``early``: the streamed chunks start as their program ends).
-    """
-    T = len(tide.moments)
-    done = pr.grad_done_moments(traces, tide)
-    first = sorted((c for c, u in enumerate(update_locations) if u == HOST_UPDATE), key=lambda c: (done.get(c, T), c))
-    m = len(first)
-    picks = (lambda j: first[m - j:],  # the last to complete
-             lambda j: [first[(2 * i + 1) * m // (2 * j)] for i in range(j)])  # spread over the backward
-    best = None
-    for early in (False, True) if streamed_early else (False,):
-        for pick in picks:
-            loc, pred = _split_one(chunk_size, traces, tide, cb, budget, param_kinds, update_locations, fetch, segments,
-                                   moment_bytes, m, pick, rates, flops_per_step, early)
-            if best is None or pred.time.step_s < best[1].time.step_s:
-                best = loc, pred, early and STREAMED_UPDATE in loc
-    return best
-
-
-def _split_one(chunk_size, traces, tide, cb, budget, param_kinds, update_locations, fetch, segments, moment_bytes,
-               m, pick, rates, flops_per_step, early):
-    """:func:`split_updates` for one way of choosing ``j`` of the ``m`` host chunks (``pick(j)``)
-    and one way of running the streamed chunks."""
-    memo: dict = {}
-
-    def at(j):
-        if j not in memo:
-            moved = set(pick(j)) if j else set()
-            loc = tuple(STREAMED_UPDATE if c in moved else u for c, u in enumerate(update_locations))
-            memo[j] = loc, pr.predict(chunk_size, traces, tide, cb, param_kinds, loc, fetch, segments, moment_bytes,
-                                      flops_per_step=flops_per_step, rates=rates, streamed_early=early)
-        return memo[j]
-
-    base = at(0)
-    top = m  # the peak grows with j (earlier programs' chunks stream): the most chunks that fit
-    if top and at(top)[1].peak_device_bytes > budget:
-        a, b = 0, top
-        while a < b:
-            mid = (a + b + 1) // 2
-            a, b = (mid, b) if at(mid)[1].peak_device_bytes <= budget else (a, mid - 1)
-        top = a
-    if top == 0:
-        return base
-    lo, hi = 1, top  # the smallest j whose streamed tail reaches the host tail
-    while lo < hi:
-        mid = (lo + hi) // 2
-        t = at(mid)[1].time
-        if t.streamed_update_s >= t.host_update_exposed_s:
-            hi = mid
-        else:
-            lo = mid + 1
-    cands = {j: at(j) for j in {lo - 1, lo} - {0}}
-    fastest = min(c[1].time.step_s for c in cands.values())
-    tie = fastest * (1 + NEAR_TIE)
-    if base[1].time.step_s <= tie:
-        return base
-    a, b = 1, max(j for j, c in cands.items() if c[1].time.step_s == fastest)
-    while a < b:  # near-ties go to the fewest streamed chunks (fewest bytes moved): the time falls up to b
-        mid = (a + b) // 2
-        if at(mid)[1].time.step_s <= tie:
-            b = mid
-        else:
-            a = mid + 1
-    return at(a)
-
 
 def _tide_one(layout: ChunkLayout, traces, tide: Tide, cb: ChunkBytes, budget: int, resident: set[int],
               host_update: bool, prefetch: int, segments: tuple[int, ...], rates: Rates, flops_per_step: float,
@@ -500,7 +406,8 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
                   segments: Sequence[int] | str | None = "auto", flops_per_step: float = 0.0,
                   rates: Rates = Rates(), host_update: bool = True, resident: Sequence[int] | None = None,
                   must_fit: bool = True, split: bool = True, micro_batches: int = 1,
-                  streamed_early: bool = False) -> Schedule:
+                  streamed_early: bool = False, storage_devices: int = 0, disk_budget_bytes: int | None = None,
+                  disk_versions: int = 2) -> Schedule:
     """Plan one training step under a device budget: the one entry point for every policy.
 
     Args:
@@ -529,7 +436,7 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
       resident: ``"tide"``: force exactly these chunks resident, the others updated on the host
         (skips the search and the update split).
       split: ``"tide"`` with a host kernel and no ``resident``: split the offloaded chunks' updates between the host
-        thread and the device (:func:`split_updates`: some ``streamed``) when the model predicts a
+        thread and the device (:func:`chunkjax.plan_split.split_updates`: some ``streamed``) when the model predicts a
         faster step; False: every offloaded chunk updates on the host.
       streamed_early: ``"tide"`` with the split: the step may start streamed updates as their
         gradients complete (:func:`chunkjax.streamed.starts_early`: no clipping, skip, loss
@@ -538,6 +445,12 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
       must_fit: False returns a static baseline (``"all_host"``, ``"zero_offload"``) even when
         its predicted peak exceeds the budgets (for reports that compare them).
       micro_batches: gradient accumulation of the step (its host working set).
+      storage_devices: ``"tide"`` on one device with a host kernel and ``host_budget_bytes``:
+        storage directories of the disk tier (0: none). Offloaded chunks whose master params and
+        state the host budget cannot hold (after master-fetch) update ``storage``
+        (:mod:`chunkjax.plan_disk`); a model that fits gets no storage chunk.
+      disk_budget_bytes: bytes the storage directories may hold (None: unbounded).
+      disk_versions: versions of each chunk file on disk during a step (2: the crash-safe commit).
 
     Host-updated chunks of ``"tide"`` and ``"all_host"`` on one device keep a compute-dtype copy
     while ``host_budget_bytes`` allows and are master-fetch beyond
@@ -554,7 +467,8 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
         smallest budget that works and whether activations alone are the cause;
         ``.min_budget_bytes``) or the host budget (the message names the host budget needed).
       ValueError: an unknown policy, ``prefetch < 1``, bad ``ranks`` / ``zero_stage``, no traces,
-        or an option the policy does not take.
+        or an option the policy does not take (``storage_devices`` needs the tide policy, one
+        device, a host kernel and a host budget).
     """
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}: use one of {', '.join(POLICIES)}")
@@ -574,6 +488,9 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
         raise ValueError(f"resident= forces the tide plan's resident set: policy={policy!r} takes none")
     if not must_fit and policy not in STATIC_POLICIES:
         raise ValueError(f"must_fit=False returns the static baselines {STATIC_POLICIES}, not {policy!r}")
+    if storage_devices and (policy != "tide" or ranks != 1 or not host_update or host_budget_bytes is None):
+        raise ValueError("the disk tier (storage_devices > 0) plans with policy='tide', one device (ranks=1), a host "
+                         "kernel (host_update=True) and a host_budget_bytes: pass those or no storage")
     if not traces and policy != "optimizer_only":
         raise ValueError(f"policy={policy!r} needs the stage traces (chunkjax.trace_stages)")
     traces = tuple(traces)
@@ -601,12 +518,22 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
         segs = ((auto_segments(T, len(traces)) if host_update else (0,)) if segments == "auto"
                 else (0,) if segments is None else tuple(segments))
 
+        disk = (host_budget_bytes, disk_budget_bytes, int(storage_devices), disk_versions) if storage_devices else None
+
         def one(b, res):
             s = forms(_tide_one(layout, traces, tide, plan_cb, b, res, host_update, prefetch, segs, rates,
                                 flops_per_step, split and resident is None, streamed_early))
+            s = s if s is None or disk is None else place_on_disk(
+                s, plan_cb, chunk_size=layout.chunk_size, traces=traces, tide=tide, disk=disk, rates=rates,
+                flops_per_step=flops_per_step, micro_batches=micro_batches, streamed_early=streamed_early)
             return None if s is None else finish(s)
 
         best = _tide(one, layout.n_chunks, budget, host_fits, resident)
+        if best is None and disk is not None and one(budget, set()) is not None:  # the device fits; the host does not
+            least = min((s for s in (one(budget, set(range(k))) for k in range(layout.n_chunks + 1)) if s is not None),
+                        key=lambda s: s.predicted.host_bytes)
+            raise host_disk_error(host_budget_bytes, least.predicted.host_bytes, least.predicted.storage_chunks,
+                                  int(storage_devices), disk_budget_bytes)
         if best is None:
             _tide_infeasible(one, layout.n_chunks, tide, plan_cb, budget, host_budget_bytes, ranks)
         return best

@@ -32,7 +32,7 @@ PHASE_COLORS = {"forward": "tab:blue", "forward+backward": "tab:purple", "backwa
 KIND_COLORS = {"resident model data": "tab:green", "non-model (tide)": "tab:blue",
                "gradients held": "tab:red", "fetched chunk buffers": "tab:orange"}
 #: colour of each update location (the strip beside :func:`plot_schedule`)
-UPDATE_COLORS = {DEVICE_UPDATE: "#546e7a", STREAMED_UPDATE: "#f9a825", HOST_UPDATE: "#1565c0",
+UPDATE_COLORS = {DEVICE_UPDATE: "#546e7a", STREAMED_UPDATE: "#f9a825", HOST_UPDATE: "#1565c0", "storage": "#6a1b9a",
                  NO_UPDATE: "#e0e0e0"}
 #: colours of a residency image: not on the device, a fetched copy, placed on the device
 RESIDENCY_COLORS = ("white", "#b7e4a7", "#2e7d32")

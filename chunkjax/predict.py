@@ -28,13 +28,23 @@ import numpy as np
 
 from chunkjax.cost import Rates, predict_pipelined_step
 from chunkjax.memory import DEVICE, PINNED_HOST
-from chunkjax.schedule import DEVICE_UPDATE, HOST_UPDATE, NO_UPDATE, STREAMED_UPDATE, Placement, Prediction, Schedule
+from chunkjax.schedule import (DEVICE_UPDATE, HOST_UPDATE, NO_UPDATE, STORAGE_UPDATE, STREAMED_UPDATE, Placement,
+                               Prediction, Schedule)
 from chunkjax.stages import first_readers
 from chunkjax.tide import Tide
 from chunkjax.trace import StageTrace
 
 #: float32 bytes per element: master params, gradient accumulators, update temporaries
 F32_BYTES = 4
+#: Staging buffers (one chunk's master params and state each) per storage directory: the
+#: near-storage worker's :class:`chunkjax.storage.tier.DiskTier` default, host memory of the disk tier
+STORAGE_STAGING_BUFFERS = 3
+
+
+def disk_file_bytes(cb: "ChunkBytes") -> int:
+    """Bytes of one storage chunk's file (:mod:`chunkjax.storage.files`): the float32 master
+    params and the AdamW moments (3 sections, each padded to 4096 bytes for O_DIRECT)."""
+    return 3 * (-(-int(cb.master) // 4096) * 4096)
 #: Streamed chunks whose update is on the device at once in the step (:mod:`chunkjax.streamed`:
 #: chunk k+1's fetch while chunk k writes back, both PCIe directions in flight).
 STREAMED_PIPELINE_DEPTH = 2
@@ -320,7 +330,8 @@ def _program_ends(n_stages: int, n_moments: int, segments) -> list[tuple[int, in
     """Per program: (first moment, end moment, fraction of the backward done when it ends)."""
     bounds = list(segments) + [n_moments]
     bwd_moments = n_moments - (n_stages - 1)
-    return [(p0, p1, min(1.0, max(0.0, (p1 - (n_stages - 1)) / bwd_moments))) for p0, p1 in zip(bounds[:-1], bounds[1:])]
+    return [(p0, p1, min(1.0, max(0.0, (p1 - (n_stages - 1)) / bwd_moments)))
+            for p0, p1 in zip(bounds[:-1], bounds[1:])]
 
 
 def _host_ready(chunk_size, traces, n_moments, update_locations, segments, grad_done):
@@ -362,7 +373,7 @@ def streamed_early_extra(chunk_size: int, cb: ChunkBytes, traces, tide: Tide, pa
 def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: ChunkBytes, param_kinds,
             update_locations, fetch, segments, moment_bytes: Sequence[int], *, flops_per_step: float,
             rates: Rates = Rates(), forward_fetches: int | None = None, master_fetch=(),
-            micro_batches: int = 1, streamed_early: bool = False) -> Prediction:
+            micro_batches: int = 1, streamed_early: bool = False, storage_devices: int = 1) -> Prediction:
     """The :class:`~chunkjax.schedule.Prediction` of a schedule's decisions.
 
     Args:
@@ -385,6 +396,8 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
         gradient ends (:func:`chunkjax.streamed.starts_early`); their pipeline's bytes
         (:func:`streamed_pipeline_bytes`) are then on the device from that program's end. False:
         they start after the backward, when the global norm is known.
+      storage_devices: storage directories (devices) of the disk tier the ``storage`` chunks
+        are spread over.
 
     Bytes moved per step: every fetch brings one chunk's compute params up; every chunk not
     updated on the device sends its gradient down during the backward; a host-updated chunk whose
@@ -404,7 +417,7 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
     mf = set(master_fetch)
     fetched = lambda c: cb.master if c in mf else cb.params_of(c)  # noqa: E731
     fetch_b = sum(fetched(c) for f in fetch for c in f)
-    off = [c for c, u in enumerate(update_locations) if u in (HOST_UPDATE, STREAMED_UPDATE)]
+    off = [c for c, u in enumerate(update_locations) if u in (HOST_UPDATE, STREAMED_UPDATE, STORAGE_UPDATE)]
     h2d, d2h = fetch_b, len(off) * cb.grad
     for c, (k, u) in enumerate(zip(param_kinds, update_locations)):
         if u == HOST_UPDATE:
@@ -415,6 +428,12 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
             d2h += cb.params
     hf = host_figures(chunk_size, cb, param_kinds, update_locations, grad_done, segments, T, master_fetch=mf,
                       micro_batches=micro_batches)
+    n_disk = sum(u == STORAGE_UPDATE for u in update_locations)
+    staging = storage_devices * STORAGE_STAGING_BUFFERS * disk_file_bytes(cb) if n_disk else 0
+    if n_disk:  # storage chunks: gradients whole until the disk update, the workers' staging buffers
+        hf["host_model_bytes"] += n_disk * cb.grad + staging
+        hf["host_bytes"] += n_disk * cb.grad + staging
+        hf["host_bytes_per_param"] = hf["host_bytes"] / (len(param_kinds) * chunk_size)
     fwd_b = (sum(fetched(c) for t in range(n_stages - 1) for c in fetch[t]) if forward_fetches is None
              else fetch_b if forward_fetches >= n_fetch else forward_fetches * cb.params)
     time = predict_pipelined_step(
@@ -423,9 +442,11 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
         host_ready=_host_ready(chunk_size, traces, T, update_locations, segments, grad_done),
         streamed=streamed, params_per_chunk=chunk_size, streamed_early=streamed_early,
         program_ends=[f for _, _, f in _program_ends(n_stages, T, segments)], depth=STREAMED_PIPELINE_DEPTH,
-        rates=rates)
+        rates=rates, disk_bytes=2 * n_disk * disk_file_bytes(cb), storage_devices=storage_devices)
     return Prediction(int(peak), int(model), hf.pop("host_model_bytes"), int(h2d), int(d2h), int(fetch_b),
-                      int(n_fetch), tuple(int(b) for b in moment_bytes), time, **hf)
+                      int(n_fetch), tuple(int(b) for b in moment_bytes), time, **hf,
+                      disk_bytes_per_step=2 * n_disk * disk_file_bytes(cb), storage_chunks=n_disk,
+                      disk_staging_bytes=staging)
 
 
 def predict_optimizer_only(chunk_size: int, cb: ChunkBytes, update_locations, *, flops_per_step: float = 0.0,

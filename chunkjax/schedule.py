@@ -18,11 +18,15 @@ from chunkjax.cost import PipelinedStepTime
 from chunkjax.memory import DEVICE, PINNED_HOST
 
 DEVICE_UPDATE, STREAMED_UPDATE, HOST_UPDATE, NO_UPDATE = "device", "streamed", "host", "none"
+STORAGE_UPDATE = "storage"
 #: where a chunk's optimizer update runs: ``device`` (state on the device), ``streamed`` (state in
 #: pinned host memory, moved through the device for the update), ``host`` (updated in place in
-#: host memory by a CPU kernel, :mod:`chunkjax.host_update`) or ``none`` (a frozen chunk,
-#: ``ChunkLayout.chunk_trainable`` False: params only, no master, state, gradient or update)
-UPDATE_LOCATIONS = (DEVICE_UPDATE, STREAMED_UPDATE, HOST_UPDATE, NO_UPDATE)
+#: host memory by a CPU kernel, :mod:`chunkjax.host_update`), ``storage`` (master params and
+#: state in chunk files on a storage directory, updated next to it by a near-storage worker:
+#: Smart-Infinity's SmartUpdate, :mod:`chunkjax.storage.updater`; compute params in pinned host
+#: memory) or ``none`` (a frozen chunk, ``ChunkLayout.chunk_trainable`` False: params only, no
+#: master, state, gradient or update)
+UPDATE_LOCATIONS = (DEVICE_UPDATE, STREAMED_UPDATE, HOST_UPDATE, STORAGE_UPDATE, NO_UPDATE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +131,12 @@ class Prediction:
         included).
       host_resident_bytes_per_param: host bytes of the chunks whose state lives in host memory
         (``host`` and ``streamed``) plus the working set, over their parameters (0.0: none).
+      disk_bytes_per_step: bytes the ``storage`` chunks read and write on their storage
+        directories per step (master params and optimizer state, each way; 0 without the disk
+        tier).
+      storage_chunks: chunks updated ``storage``.
+      disk_staging_bytes: host bytes of the near-storage workers' staging buffers (in
+        :attr:`host_bytes`).
     """
 
     peak_device_bytes: int
@@ -142,9 +152,15 @@ class Prediction:
     host_working_bytes: int = 0
     host_bytes_per_param: float = 0.0
     host_resident_bytes_per_param: float = 0.0
+    disk_bytes_per_step: int = 0
+    storage_chunks: int = 0
+    disk_staging_bytes: int = 0
 
     def to_dict(self) -> dict:
+        """JSON-ready; without storage chunks the disk tier's keys are left out (as recorded before it)."""
         d = dataclasses.asdict(self)
+        if not self.storage_chunks:
+            del d["disk_bytes_per_step"], d["storage_chunks"], d["disk_staging_bytes"]
         d["time"] = self.time.to_dict()
         d["device_bytes_per_moment"] = list(self.device_bytes_per_moment)
         return d
@@ -153,7 +169,8 @@ class Prediction:
     def from_dict(cls, d: dict) -> "Prediction":
         """The inverse of :meth:`to_dict`."""
         p = dict(d)
-        p["time"] = PipelinedStepTime(**{f.name: p["time"][f.name] for f in dataclasses.fields(PipelinedStepTime)})
+        p["time"] = PipelinedStepTime(**{f.name: p["time"][f.name] for f in dataclasses.fields(PipelinedStepTime)
+                                         if f.name in p["time"]})  # older records: no storage time
         p["device_bytes_per_moment"] = tuple(p["device_bytes_per_moment"])
         return cls(**p)
 
@@ -164,7 +181,7 @@ class Schedule:
 
     Attributes:
       param_kinds: per chunk, memory kind of its compute params between steps.
-      update_locations: per chunk, ``"device"``, ``"streamed"`` or ``"host"``.
+      update_locations: per chunk, one of :data:`UPDATE_LOCATIONS`.
       fetch: per moment (tide order), host-param chunk ids fetched to the device for it.
       evict: per moment, chunk ids whose device copy is released after it (their next read,
         if any, is a fresh fetch).
@@ -220,7 +237,8 @@ class Schedule:
 
     @property
     def placement(self) -> Placement:
-        """The placement between steps (state of ``host``/``streamed`` chunks is on the host)."""
+        """The placement between steps (state of ``host``/``streamed`` chunks is on the host; of
+        ``storage`` chunks on disk, their gradients leaving to pinned host memory as the host's)."""
         return Placement(self.param_kinds,
                          tuple(DEVICE if u == DEVICE_UPDATE else PINNED_HOST for u in self.update_locations),
                          tuple(u != NO_UPDATE for u in self.update_locations) if NO_UPDATE in self.update_locations

@@ -33,11 +33,12 @@ import optax
 from chunkjax import accumulate, footprint, memory, streamed
 from chunkjax import updaters as upd
 from chunkjax.layout import ChunkLayout
-from chunkjax.memory import DEVICE, PINNED_HOST, sharding
+from chunkjax.memory import DEVICE, sharding
 from chunkjax.plan import Placement, fetch_events
 from chunkjax.schedule import check_trainable
 from chunkjax.stages import first_readers, split_loss, stage_reads
 from chunkjax.step_checkpoint import StepChunkIO, restore_chunks
+from chunkjax.storage import updater as disk
 from chunkjax.step_updates import StepUpdates
 from chunkjax.topology import SingleDevice, make_topology
 from chunkjax.speculate import for_step
@@ -104,6 +105,8 @@ class ChunkedStep(StepChunkIO, StepUpdates):
         50 predicted step times (:func:`chunkjax.updaters.host_deadline_s`).
       speculation_bytes: host backup bytes of speculative host updates (:mod:`chunkjax.speculate`;
         12 per AdamW param speculated); None: its ``auto_backup_bytes()``; 0: no speculation.
+      storage: the disk tier of ``storage`` chunks: :class:`chunkjax.storage.updater.StorageOptions`, or
+        directories (:func:`~chunkjax.storage.updater.storage_options`).
 
     Raises (at construction):
       ValueError: a bad ``micro_batches``, ``nonfinite`` or ``prefetch``, a placement that
@@ -126,6 +129,7 @@ class ChunkedStep(StepChunkIO, StepUpdates):
     topology: Any = SingleDevice()
     host_deadline: float | None = None
     speculation_bytes: int | None = None
+    storage: Any = None
 
     def __post_init__(self):
         if not (isinstance(self.micro_batches, int) and self.micro_batches >= 1):
@@ -142,6 +146,7 @@ class ChunkedStep(StepChunkIO, StepUpdates):
         if self.placement.n_chunks != self.layout.n_chunks:
             raise ValueError(f"placement has {self.placement.n_chunks} chunks, layout {self.layout.n_chunks}")
         check_trainable(self.layout.chunk_trainable, self.placement, self.schedule)
+        disk.check_step(self)
         if self.prefetch < 1:
             raise ValueError(f"prefetch must be >= 1 stage, got {self.prefetch}")
         if self.layout.chunk_size % self.n_ranks:
@@ -224,12 +229,6 @@ class ChunkedStep(StepChunkIO, StepUpdates):
 
     def _fetch_lists(self, batch):
         return self._fetch_lists_local(self._local(batch))
-
-    def _fetch_plan(self, order: list[int], batch) -> list[list[int]]:
-        """For each stage in ``order`` (forward or backward): chunk ids fetched there (fixed rule)."""
-        fwd, bwd = fetch_events(self.traces(batch), self.placement, self.prefetch)
-        src = fwd if order[0] == 0 else bwd
-        return [src[s] for s in order]
 
     def _walk(self, local_batch) -> Walk:
         """The walker for a per-rank batch (called inside programs, with the traced batch)."""
@@ -384,7 +383,8 @@ class ChunkedStep(StepChunkIO, StepUpdates):
         stream = streamed.StepStream(self, state, inv_arr := jnp.asarray(inv, jnp.float32))
         try:
             grads, sq, loss = (self._run_programs(state, self.topology.put_batch(batch), scale, on_host, stream)
-                               if self.micro_batches == 1 else accumulate.mean_gradients(self, state, batch, scale, on_host))
+                               if self.micro_batches == 1
+                               else accumulate.mean_gradients(self, state, batch, scale, on_host))
             (loss, aux), grad_sq = split_loss(loss), jnp.stack([sq[c] if c in sq else jnp.zeros((), jnp.float32)
                                                                 for c in range(self.layout.n_chunks)])  # frozen: none
             norm = jnp.sqrt(jnp.sum(grad_sq))
@@ -393,6 +393,7 @@ class ChunkedStep(StepChunkIO, StepUpdates):
                 spec.set_norm(norm)
                 work.submit(spec.validate, state)
             stream.set_grad_sq(None if norm is None else grad_sq)  # None: abandoned
+        disk.start_update(self, work, state, grads, norm)  # storage chunks: beside the host thread and the device
         params, master, opt = list(state.params), list(state.master), list(state.opt_state)
         for c in self._device_chunks:
             params[c], master[c], opt[c] = self.updaters["device"].update(self.placement.param_kinds[c])(
@@ -507,7 +508,8 @@ class ChunkedStep(StepChunkIO, StepUpdates):
         under ``jax.distributed`` (a collective: every process calls it; host-updated chunks' rank
         slices too). Waits for the state's host updates."""
         self.wait(state)
-        chunks = [p if m is None else m for p, m in zip(state.params, state.master)]
+        chunks = [p if m is None else m.read(c)[0] if isinstance(m, disk.DiskState) else m
+                  for c, (p, m) in enumerate(zip(state.params, state.master))]
         if self.mesh is None:
             return self.layout.unpack([jax.device_put(m, sharding(DEVICE)) for m in chunks])
         topo = self.topology
@@ -531,7 +533,8 @@ def make_chunked_step(stages, layout: ChunkLayout, placement, tx: optax.Gradient
                       compute_dtype=jnp.bfloat16, prefetch: int | None = None, host_optimizer=None,
                       micro_batches: int = 1, nonfinite: str = "ignore", loss_scaling: bool = False, *,
                       mesh=None, zero_stage: int | None = None, donate: bool | None = None,
-                      host_deadline: float | None = None, speculation_bytes: int | None = None) -> ChunkedStep:
+                      host_deadline: float | None = None, speculation_bytes: int | None = None,
+                      storage=None) -> ChunkedStep:
     """Build the chunked step (see :class:`ChunkedStep`). Nothing is compiled until first use.
 
     Args:
@@ -551,7 +554,7 @@ def make_chunked_step(stages, layout: ChunkLayout, placement, tx: optax.Gradient
       mesh: a 1-D ``"data"`` mesh (:func:`chunkjax.topology.data_mesh`) for ZeRO data
         parallelism, in one process or across processes (``jax.distributed``); None: one device.
       zero_stage: 1, 2 or 3 with a mesh (default 3).
-      donate, host_deadline, speculation_bytes: see :class:`ChunkedStep`.
+      donate, host_deadline, speculation_bytes, storage: see :class:`ChunkedStep`.
 
     Raises:
       ValueError: a bad ``micro_batches``, ``nonfinite`` or ``zero_stage``, a mesh that is not 1-D
@@ -570,4 +573,4 @@ def make_chunked_step(stages, layout: ChunkLayout, placement, tx: optax.Gradient
         tx = host_optimizer.optax()
     return ChunkedStep(tuple(stages), layout, placement, tx, jnp.dtype(compute_dtype),
                        1 if prefetch is None else prefetch, schedule, host_optimizer, micro_batches, nonfinite,
-                       loss_scaling, donate, make_topology(mesh, zero_stage), host_deadline, speculation_bytes)
+                       loss_scaling, donate, make_topology(mesh, zero_stage), host_deadline, speculation_bytes, storage)

@@ -44,7 +44,7 @@ class StepChunkIO:
         n = (self.layout.chunk_size,)
         if not self.layout.chunk_trainable[c]:  # a frozen chunk: its params in their own dtype
             return {"params": (n, np.dtype(self.layout.chunk_dtypes[c]))}
-        if c in set(self.host_chunks):
+        if self._location(c) in ("host", "storage"):  # storage chunks: AdamW, the host tier's names
             names = [name for _, name in portable.host_moments()[type(self.host_optimizer.host_state(1))]]
         else:
             names = portable.moment_names(_optax_template(self))
@@ -70,6 +70,8 @@ class StepChunkIO:
         if not self.layout.chunk_trainable[c]:
             return _whole(state.params[c], f"chunk {c}'s params")
         m = state.master[c]
+        if self._location(c) == "storage":  # read from its chunk file by its worker
+            return m.read(c)[0]
         return np.concatenate(m) if isinstance(m, tuple) else np.asarray(m, np.float32)
 
 
@@ -115,8 +117,12 @@ def chunk_portable(step_fn, state, c: int) -> tuple[dict, dict]:
     if not step_fn.layout.chunk_trainable[c]:  # a frozen chunk: params only, in their own dtype
         return ({"params": _whole(state.params[c], f"chunk {c}'s params")},
                 {"count": None, "moments": [], "rest": {}, "frozen": True, "saved_from": "none"})
-    loc = "host" if c in set(step_fn.host_chunks) else step_fn.placement.update_locations[c]
+    loc = step_fn._location(c)
     st = state.opt_state[c]
+    if loc == "storage":  # master params and moments read from the chunk file by its worker
+        master, m, v = state.master[c].read(c)
+        return ({"params": portable.host_value(state.params[c]), "master": master, "mu": m, "nu": v},
+                {"count": state.master[c].committed_step, "moments": ["mu", "nu"], "rest": {}, "saved_from": loc})
     if step_fn.mesh is not None:
         where = f"zero{step_fn.zero_stage}:{loc}"
         if loc != "host":
@@ -209,7 +215,8 @@ class _Placer:
         self.step = step_fn
         self.template = _optax_template(step_fn)
         self.host = set(step_fn.host_chunks)
-        self.host_cls = type(step_fn.host_optimizer.host_state(1)) if self.host else None
+        self.disk = {c for c in range(step_fn.layout.n_chunks) if step_fn._location(c) == "storage"}
+        self.host_cls = type(step_fn.host_optimizer.host_state(1)) if self.host or self.disk else None
         if self.host:  # as init does: numba must not compile while XLA compiles
             warm_host_kernel(step_fn.host_optimizer, step_fn.compute_dtype)
 
@@ -218,7 +225,7 @@ class _Placer:
         if not self.step.layout.chunk_trainable[c]:
             if moments:
                 raise CheckpointError(f"chunk {c} is frozen here but holds optimizer moments {sorted(moments)}")
-        elif c in self.host:
+        elif c in self.host or c in self.disk:
             portable.check_host_moments(self.host_cls, moments, c)
         else:
             portable.check_optax_moments(self.template, moments, c)
@@ -232,6 +239,9 @@ class _Placer:
             p = topo.put(np.require(params, cdt, ["C", "W", "O"]), topo.param_sharding(pl.param_kinds[c]))
             return p, None, None
         p = topo.put(np.require(params, cdt, ["C", "W", "O"]), topo.param_sharding(pl.param_kinds[c]))
+        if c in self.disk:  # streamed into the storage directories (chunks in id order), committed at ``count``
+            m, o = step.updaters["storage"].init(master, c, moments=(moments["mu"], moments["nu"]), count=count or 0)
+            return p, m, o
         if c in self.host:
             if step.mesh is None:
                 if c in step.master_fetch_chunks:  # the master params are the pinned params

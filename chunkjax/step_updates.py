@@ -12,7 +12,7 @@ import functools
 
 from chunkjax import streamed
 from chunkjax import updaters as upd
-from chunkjax.schedule import NO_UPDATE
+from chunkjax.storage import updater as disk
 
 
 class StepUpdates:
@@ -41,7 +41,7 @@ class StepUpdates:
 
     @functools.cached_property
     def updaters(self) -> dict[str, upd.Updater]:
-        """``{"device", "streamed", "host"}`` -> the location's :class:`~chunkjax.updaters.Updater`."""
+        """``{"device", "streamed", "host"[, "storage"]}`` -> the location's :class:`~chunkjax.updaters.Updater`."""
         kw = dict(skip=self._skip_nonfinite, loss_scaling=self.loss_scaling,
                   donate=self.mesh is None or self._donates)
         args = (self.topology, self.tx, self.layout.chunk_size, self.compute_dtype, set(self.placement.param_kinds))
@@ -49,13 +49,13 @@ class StepUpdates:
         if self.host_optimizer is not None:
             out["host"] = upd.host_updater(self.topology, self.host_optimizer, self.layout.chunk_size,
                                            self.compute_dtype, self.master_fetch_chunks)
-        return out
+        return out | disk.updaters_of(self)  # "storage": chunkjax.storage.updater
 
     def _host_update(self, state, grads: dict, grad_scale) -> float:
         """Update host chunks in place (runs on the host-update thread): returns kernel seconds."""
         return self.updaters["host"].update(state, grads, grad_scale)
 
     def _location(self, c: int) -> str:
-        if c in set(self.frozen_chunks):
-            return NO_UPDATE
-        return "host" if c in set(self.host_chunks) else self.placement.update_locations[c]
+        """Chunk ``c``'s update location (frozen: ``none``; the schedule's and the placement's
+        agree with the layout on them)."""
+        return (self.schedule or self.placement).update_locations[c]

@@ -13,7 +13,8 @@ for a mesh):
 * :func:`host_updater`: float32 master params and optimizer state are numpy arrays updated in
   place by the host kernel (:mod:`chunkjax.host_update`) on a host thread, writing the new
   compute params straight into the pinned buffer (each rank's slice on a mesh);
-* :class:`StorageUpdater`: the slot for the storage tier's near-storage update (not wired in).
+* ``storage`` (:func:`chunkjax.storage.updater.storage_updater`): master params and optimizer
+  state in chunk files, updated next to the disk by the near-storage workers (Smart-Infinity).
 
 ``init(buf, c) -> (master, opt_state)`` places one chunk's float32 master params ``buf``
 ((chunk_size,) numpy) and its fresh optimizer state; ``update`` performs one step. Both device
@@ -28,7 +29,7 @@ import concurrent.futures
 import queue
 import threading
 import time
-from typing import Any, Callable, NamedTuple, Protocol
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -242,19 +243,6 @@ def warm_host_kernel(host_optimizer, compute_dtype) -> None:
         hu.host_update_(host_optimizer, st, np.zeros((1,), np.uint16), master, np.zeros((1,), np.uint16), 1.0)
     else:
         hu.host_update_(host_optimizer, st, np.zeros((1,), np.float32), master, None, 1.0)
-
-
-class StorageUpdater(Protocol):
-    """The slot for the storage tier's update location (Smart-Infinity's near-storage update):
-    the chunk's master params and optimizer state live in files next to the disk and a worker
-    updates them there. Same shape as the others: ``init(buf, c)`` writes the chunk's initial
-    state to its storage directory; ``update(state, grads, grad_scale) -> seconds`` sends each
-    gradient to its worker and writes the returned compute params into ``state.params[c]``.
-    Not wired into the step yet: the storage tier runs as
-    :class:`chunkjax.storage.near.NearStorageOptimizer`."""
-
-    init: Callable[[np.ndarray, int], Any]
-    update: Callable[[Any, dict, Any], float]
 
 
 #: The host thread's deadline is at least this many seconds ...

@@ -4,6 +4,8 @@
         --systems plain_jax,maxtext_style,zero_offload_style,chunkjax --steps 5 --run-id g36b_24g
     python -m experiments.bench --largest --systems chunkjax --device-budget 100GiB --run-id largest1 \\
         [--largest-models GPT3_10B,GPT3_12B,GPT3_15B]
+    python -m experiments.bench --largest --systems chunkjax --device-budget 120GiB --storage scratch/disk \\
+        --largest-models GPT3_18B --largest-steps 3 --run-id largest_disk    # past host RAM: the disk tier
     python -m experiments.bench --report experiments/results/bench_g36b_24g.json   # tables + plot
 
 Baseline knobs (``--set``): ``maxtext_donate=false`` (no state donation in maxtext_style),
@@ -345,6 +347,10 @@ def _worker_argv(args, system: str, model: str, batch: int, seq: int, steps: int
         argv += ["--set", kv]
     if args.zero_h2d_path:
         argv += ["--zero-h2d-path", args.zero_h2d_path]
+    if system == "chunkjax" and args.storage:
+        argv += ["--storage", args.storage] + ([] if args.storage_keep_previous else ["--no-storage-keep-previous"])
+    if system == "chunkjax" and args.host_budget != "auto":
+        argv += ["--host-budget", args.host_budget]
     return argv
 
 
@@ -384,7 +390,30 @@ def _run_system(args, runner, probe: dict, system: str, model: str, batch: int, 
     status = ("feasible" if rec["feasible"] else "INFEASIBLE") + (f", error: {rec['error'][:160]!r}" if rec.get("error") else "")
     tps = rec.get("tokens_per_s") if rec["feasible"] else None
     print(f"[bench] {system}: {status}; tokens/s {tps:,.0f}" if tps else f"[bench] {system}: {status}", flush=True)
+    if tps and (rec.get("extra") or {}).get("step_s_predicted"):  # measured beside the plan's predictions
+        print(f"[bench] {system}: {predicted_line(rec)}", flush=True)
     return rec
+
+
+def predicted_line(rec: dict) -> str:
+    """One line: step time, peak host RSS and (disk tier) disk bytes and rate, measured beside the
+    plan's predictions (chunkjax's record: the predictions are in its ``extra``)."""
+    gb = lambda b: f"{b / 1e9:.1f} GB" if b else "n/a"  # noqa: E731
+    ex = rec.get("extra") or {}
+    out = (f"step {rec['step_s_median']:.2f} s (predicted {ex['step_s_predicted']:.2f} s); peak host RSS "
+           f"{gb(rec.get('host_rss_peak_bytes_measured'))} (host bytes accounted "
+           f"{gb(ex.get('host_bytes_accounted'))})")
+    st = ex.get("storage")
+    if st and not st.get("storage_chunks"):
+        out += f"; {st['line']}"
+    elif st:
+        rates = st.get("disk_gb_per_s_measured") or []
+        secs = st.get("storage_update_s_measured") or []
+        out += (f"; {st['line']}; disk {gb(st.get('disk_bytes_per_step_measured'))}/step (accounted "
+                f"{gb(st['disk_bytes_per_step_accounted'])}), update {secs[-1] if secs else float('nan'):.2f} s "
+                f"(predicted {st['storage_update_s_predicted']:.2f} s) = {rates[-1] if rates else float('nan'):.2f} "
+                f"GB/s; workers' peak RSS {gb(sum(st.get('workers_rss_peak_bytes_measured') or []))}")
+    return out
 
 
 def results_path(results_dir: str, run_id: str) -> str:
@@ -510,6 +539,7 @@ def run_largest(args, runner, probe: dict, call: int) -> dict:
                                  "compiled_peak_bytes": (rec.get("compiled_memory") or {}).get("peak_bytes"),
                                  "host_bytes": rec.get("host_bytes"),
                                  "host_rss_peak_bytes_measured": rec.get("host_rss_peak_bytes_measured"),
+                                 "storage": (rec.get("extra") or {}).get("storage"),
                                  "infeasible_reason": rec.get("infeasible_reason"),
                                  "error": (rec.get("error") or None) and rec["error"][:2000], "call": call}
             if not ok and not args.largest_keep_going:
@@ -552,6 +582,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--largest-seq", type=int, default=1024)
     ap.add_argument("--largest-steps", type=int, default=5)
     ap.add_argument("--largest-keep-going", action="store_true", help="try every config even after a failure")
+    ap.add_argument("--storage", default="", metavar="DIR[,DIR...]",
+                    help="chunkjax: storage directories (one per disk) for the disk tier: chunks whose master params "
+                         "and optimizer state the host budget cannot hold are updated next to the disk; --largest then "
+                         "climbs past host RAM (default: none)")
+    ap.add_argument("--storage-keep-previous", action=argparse.BooleanOptionalAction, default=True,
+                    help="keep the last committed step's chunk files until the next step commits (twice the state on "
+                         "disk); --no-storage-keep-previous: the state once on disk (default: keep)")
+    ap.add_argument("--host-budget", default="auto",
+                    help="chunkjax: host bytes for model data, e.g. 100GiB; auto: what MemAvailable leaves (default: auto)")
     ap.add_argument("--update-docs", action="store_true", help="also rewrite this run's section of docs/benchmarks.md")
     ap.add_argument("--docs", default="docs/benchmarks.md", help="(default: docs/benchmarks.md)")
     ap.add_argument("--report", default=None, metavar="JSON", help="only (re)write docs tables and plot from a results JSON")
@@ -580,6 +619,17 @@ def _validate(args) -> None:
     for name in ("batch", "seq", "steps", "largest_batch", "largest_seq", "largest_steps", "matmul_n"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.host_budget != "auto":
+        try:
+            parse_bytes(args.host_budget)
+        except ValueError as e:
+            raise UsageError(f"--host-budget: {e}") from None
+    if args.storage:
+        from chunkjax.storage.updater import storage_options
+        try:
+            storage_options(args.storage)
+        except ValueError as e:
+            raise UsageError(f"--storage: {e}") from None
     if not args.largest and args.seq > cfg.seq_len:
         raise UsageError(f"--seq {args.seq} exceeds {cfg.name}'s {cfg.seq_len} positions")
     if args.budget_bytes is None:

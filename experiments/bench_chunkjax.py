@@ -30,7 +30,8 @@ class ChunkjaxSystem:
 
     def __init__(self, cfg, budget_bytes: int, batch: int, seq: int, lr: float = 1e-4,
                  segments="auto", host_update: bool = True, prefetch: int = 1, zero_stage: int = 0,
-                 init: str = "leafwise", max_grad_norm: float | None = None, micro_batches: int = 1):
+                 init: str = "leafwise", max_grad_norm: float | None = None, micro_batches: int = 1,
+                 storage=None, host_budget="auto"):
         import jax
         import jax.numpy as jnp
 
@@ -61,7 +62,8 @@ class ChunkjaxSystem:
                                    prefetch=prefetch, segments=segments, mesh=self.mesh, zero_stage=self.zero_stage,
                                    micro_batches=micro_batches,
                                    flops_per_step=cfg.flops_per_token(seq) * batch * seq, rates=self.rates,
-                                   device_budget=self.budget)
+                                   device_budget=self.budget, storage=storage or None, host_budget=host_budget)
+        self.disk, self.disk_steps = None, []  # the disk tier: the storage chunks' DiskState, each step's result
         self.trace_s = time.perf_counter() - t0
         p = self.problem
         self.stages, self.layout, self.traces, self.cb, self.cb_rank = p.stages, p.layout, p.traces, p.cb, p.cb_rank
@@ -147,6 +149,9 @@ class ChunkjaxSystem:
     def step(self, state, batch):
         state, m = self.step_fn(state, batch)
         self.last_update_s = self.step_fn.wait(state)  # host thread's kernel seconds (None: no host chunks)
+        if "storage" in self.schedule.update_locations:  # the disk tier: its last update's bytes and seconds
+            self.disk = state.master[self.schedule.update_locations.index("storage")]
+            self.disk_steps.append(self.disk.last)
         sp = getattr(state.pending, "speculation", None)  # speculative host updates (chunkjax.speculate)
         if sp is not None:
             self.speculation["steps"] += 1
@@ -161,6 +166,9 @@ class ChunkjaxSystem:
         n, mf = self.schedule.predicted.host_working_bytes, set(self.schedule.master_fetch)
         for c, u in enumerate(self.schedule.update_locations):
             if u == "device":
+                continue
+            if u == "storage":  # pinned compute params and the gradient; master params and state on disk
+                n += self.cb.params + self.cb.grad
                 continue
             if c in mf:  # master-fetch: the float32 master params are the pinned params (master: a view)
                 n += self.cb.master
@@ -187,7 +195,8 @@ def run_chunkjax(args) -> dict:
     sys_ = ChunkjaxSystem(cfg, args.budget_bytes, args.batch, args.seq, segments=segments,
                           zero_stage=getattr(args, "zero_stage", 0), init=getattr(args, "init", "leafwise"),
                           max_grad_norm=getattr(args, "max_grad_norm", None),
-                          micro_batches=int(getattr(args, "micro_batches", 1)))
+                          micro_batches=int(getattr(args, "micro_batches", 1)),
+                          storage=_storage(args), host_budget=getattr(args, "host_budget", "auto"))
     try:
         rec = measure_system(sys_, args)
     except Exception as e:  # keep the plan next to the failure (e.g. out of memory at run time)
@@ -206,7 +215,7 @@ def run_chunkjax(args) -> dict:
         "peak_device_bytes_accounted": p.peak_device_bytes,
         "h2d_bytes_per_step_accounted": p.h2d_bytes_per_step,
         "d2h_bytes_per_step_accounted": p.d2h_bytes_per_step,
-        "step_s_predicted": p.time.step_s,
+        "step_s_predicted": p.time.step_s, "host_bytes_accounted": p.host_bytes,
         "predicted_time": p.time.to_dict(),
         "schedule_counts": sys_.schedule.counts(),
         "segments": list(sys_.schedule.segments),
@@ -225,6 +234,45 @@ def run_chunkjax(args) -> dict:
         import jax.numpy as jnp
         ab = jax.ShapeDtypeStruct((args.batch, args.seq + 1), jnp.int32)
         rec["comm_bytes_per_step_per_rank_accounted"] = sys_.step_fn.comm_bytes_per_step(ab)
+    if sys_.problem.storage is not None:
+        rec["storage"] = storage_record(sys_)
     if rec.get("step_s_median") and p.time.step_s:
         rec["step_time_ratio_measured_over_predicted"] = rec["step_s_median"] / p.time.step_s
     return rec
+
+
+def _storage(args):
+    """The worker's ``--storage`` / ``--no-storage-keep-previous`` as :class:`chunkjax.StorageOptions`."""
+    if not getattr(args, "storage", ""):
+        return None
+    from chunkjax.storage.updater import StorageOptions
+    return StorageOptions(tuple(d for d in args.storage.split(",") if d),
+                          keep_previous=getattr(args, "storage_keep_previous", True))
+
+
+def storage_record(sys_) -> dict:
+    """The disk tier of a run: the plan's line and predictions beside the measured disk bytes and
+    rate per step (the last timed steps' near-storage updates) and the workers' peak RSS."""
+    from chunkjax.plan_disk import storage_line
+    p = sys_.schedule.predicted
+    out = {"dirs": list(sys_.problem.storage.dirs), "storage_devices": sys_.problem.storage_devices,
+           "keep_previous": sys_.problem.storage.keep_previous,
+           "disk_budget_bytes": sys_.problem.disk_budget_bytes, "storage_chunks": p.storage_chunks,
+           "line": storage_line(sys_.schedule, sys_.problem.storage_devices, sys_.problem.host_budget_bytes),
+           "disk_bytes_per_step_accounted": p.disk_bytes_per_step, "storage_update_s_predicted": p.time.storage_update_s,
+           "host_bytes_accounted": p.host_bytes}
+    done = [r for r in sys_.disk_steps if r is not None and not r.skipped]
+    if done:
+        moved = [sum(r.storage_link_bytes.values()) for r in done]
+        out.update(disk_bytes_per_step_measured=moved[-1], storage_update_s_measured=[r.update_s for r in done],
+                   disk_gb_per_s_measured=[b / r.update_s / 1e9 for b, r in zip(moved, done) if r.update_s])
+    if sys_.disk is not None:
+        rss = []
+        for pid in sys_.disk.opt.worker_pids:
+            try:
+                with open(f"/proc/{pid}/status") as f:
+                    rss += [int(x.split()[1]) * 1024 for x in f if x.startswith("VmHWM:")]
+            except OSError:
+                pass
+        out["workers_rss_peak_bytes_measured"] = rss
+    return out

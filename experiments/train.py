@@ -87,6 +87,9 @@ class TrainConfig:
     weight_decay: float = config_field(0.0, 'AdamW weight decay')
     clip: float = config_field(1.0, 'global-norm clipping (0 disables)')
     device_budget: str = config_field("auto", 'peak device bytes per device ("8GiB", "512MiB", ...); auto: the smallest budget with every chunk offloaded + 20% of the model\'s chunk bytes (chunkjax.fit), raised on a GPU to what the compiled step needs')
+    host_budget: str = config_field("auto", 'host bytes for model data ("100GiB", ...); auto: what MemAvailable leaves after the process (chunkjax.fit)')
+    storage: str = config_field("", 'storage directories, comma-separated, one per disk (the disk tier: chunks whose master params and optimizer state the host budget cannot hold keep them there, updated next to the disk by one worker process per directory; the directories are working memory, a previous run\'s chunk files there are replaced); empty: none')
+    storage_keep_previous: bool = config_field(True, 'with --storage: keep the last committed step\'s chunk files until the next step commits (a failed step leaves the directories at the last step; twice the state on disk); --no-storage-keep-previous: the state once on disk (a failed step needs a checkpoint to resume)')
     chunk_size: int = config_field(0, 'elements per chunk; 0 searches (leaves larger than a chunk span chunks)')
     min_chunks: int = config_field(8, 'the search prefers sizes giving at least this many chunks')
     prefetch: int = config_field(1, 'fetch distance in stages')
@@ -443,11 +446,21 @@ def fit_model(cfg: TrainConfig, model, *, compute_dtype, rates=None, resident=No
                            prefetch=cfg.prefetch, micro_batches=cfg.micro_batches,
                            nonfinite="skip" if cfg.nonfinite == "skip" else "ignore", mesh=mesh,
                            zero_stage=cfg.zero_stage, flops_per_step=model.flops_per_token(cfg.seq) * cfg.batch * cfg.seq,
-                           rates=rates, trainable=model.trainable)
+                           rates=rates, trainable=model.trainable,
+                           host_budget="auto" if cfg.host_budget == "auto" else parse_budget(cfg.host_budget, "--host-budget"),
+                           storage=storage_options(cfg))
     except cj.PlanError as e:
         raise UsageError(with_flags(str(e))) from None
     except ValueError as e:
         raise UsageError(f"--chunk-size: {e}" if cfg.chunk_size else str(e)) from None
+
+
+def storage_options(cfg: TrainConfig):
+    """``--storage`` and ``--storage-keep-previous`` as :class:`chunkjax.StorageOptions` (None without storage)."""
+    if not cfg.storage:
+        return None
+    from chunkjax.storage.updater import StorageOptions
+    return StorageOptions(tuple(d for d in cfg.storage.split(",") if d), keep_previous=cfg.storage_keep_previous)
 
 
 def _resumed_folder(run_dir):
@@ -496,6 +509,16 @@ def _validate(cfg: TrainConfig) -> None:
             LoraSpec.parse(cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
         except ValueError as e:
             raise UsageError(f"--lora-rank/--lora-alpha/--lora-targets: {e}") from None
+    if cfg.host_budget != "auto":
+        parse_budget(cfg.host_budget, "--host-budget")
+    if cfg.storage:
+        from chunkjax.storage.updater import storage_options
+        try:
+            storage_options(cfg.storage)
+        except ValueError as e:
+            raise UsageError(f"--storage: {e}") from None
+        if cfg.zero_stage:
+            raise UsageError("--storage runs on one device: leave out --zero-stage")
     if cfg.export not in ("merged", "adapters", "both", "none"):
         raise UsageError(f"--export {cfg.export!r}: use merged, adapters, both or none")
     if cfg.export in ("adapters", "both") and not cfg.lora_rank:
@@ -532,8 +555,8 @@ def _validate(cfg: TrainConfig) -> None:
         raise UsageError(f"--out-dir {cfg.out_dir!r} is not writable: pick a writable folder")
 
 
-def parse_budget(text: str) -> int:
-    """A byte count from ``"8GiB"`` / ``"500MB"`` / ``"1e9"`` (:func:`chunkjax.parse_bytes`).
+def parse_budget(text: str, flag: str = "--device-budget") -> int:
+    """A byte count from ``"8GiB"`` / ``"500MB"`` / ``"1e9"`` (:func:`chunkjax.parse_bytes`) given to ``flag``.
 
     Raises:
       UsageError: the text is not a byte count (one line that says the accepted forms).
@@ -542,7 +565,7 @@ def parse_budget(text: str) -> int:
     try:
         return cj.parse_bytes(text)
     except ValueError as e:
-        raise UsageError(f"--device-budget: {e}") from None
+        raise UsageError(f"{flag}: {e}") from None
 
 
 def host_spec(cfg: TrainConfig):

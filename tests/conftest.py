@@ -36,3 +36,20 @@ def zero3_two_process_run(tmp_path_factory):
     out, ckpt = d / "out.npz", d / "ckpt"
     run_processes("checkpoint_multiprocess_worker.py", lambda i: (seed, ckpt, out))
     return seed, out, ckpt
+
+
+@pytest.fixture(scope="session")
+def zero3_job_single_process(tmp_path_factory):
+    """The main job's ``--zero-stage 3`` run over this process's 8 forced CPU devices with
+    tests/test_train_multiprocess.py's settings (micro GPT, float32, 3 steps of 8 rows, evaluation
+    and checkpoints at steps 2 and 3, a 4-token sample): its run folder, read only. The
+    single-process reference of tests/test_train_multiprocess.py and the ZeRO-3 run of
+    tests/test_train_job.py (compared there with the same settings at ``--zero-stage 0``), trained once."""
+    from _shared_data import bpe512_cache
+    from test_train_multiprocess import _args
+
+    from experiments import train
+    out = tmp_path_factory.mktemp("zero3_job_one_process")
+    assert train.main(_args(bpe512_cache(), out)) == 0
+    (run,) = out.iterdir()
+    return run

@@ -241,7 +241,8 @@ def test_bf16_sharded_checkpoint_lora_job(tmp_path):
     data.write_text("\n\n".join(" ".join(rng.choice(words, 40)) for _ in range(120)))
     rep, run = _run(tmp_path / "runs", "--init-from", src, "--data", str(data), "--lora-rank", "4", "--lora-targets",
                     "q,v,down", "--export", "both", "--steps", "6", "--batch", "2", "--seq", "32", "--eval-every", "6",
-                    "--eval-batches", "2", "--sample-tokens", "4", "--lr", "1e-2", "--warmup", "0")
+                    "--eval-batches", "2", "--sample-tokens", "4", "--lr", "1e-2", "--warmup", "0",
+                    "--checkpoint-every", "0")
     assert run.name.endswith("-hf_llama3-lora")
     assert rep["lora"] == {"rank": 4, "alpha": 16.0, "targets": ["q_proj", "v_proj", "down_proj"]}
     assert rep["trainable_params"] < rep["n_params"] / 10
@@ -265,7 +266,8 @@ def test_bf16_sharded_checkpoint_lora_job(tmp_path):
 # ---- SmolLM2-135M on the Shakespeare plays: a full run and a LoRA run ----------------------------
 
 SMOL_ARGS = ["--init-from", "smollm2-135m", "--steps", "3", "--batch", "2", "--seq", "64", "--eval-every", "3",
-             "--eval-batches", "2", "--sample-tokens", "0", "--warmup", "0"]
+             "--eval-batches", "2", "--sample-tokens", "0", "--warmup", "0",
+             "--checkpoint-every", "0"]  # no checkpoint (the job's checkpoints: tests/test_train_job.py)
 #: SmolLM2's first blocks the CI runs train (the real embedding, tokenizer, plays and weights); 30:
 #: the whole model (a whole-model run of each kind is recorded in docs/finetune.md: ~5 CPU minutes each)
 SMOL_BLOCKS = int(os.environ.get("SMOLLM2_TEST_BLOCKS", "2"))

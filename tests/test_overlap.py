@@ -58,9 +58,21 @@ def speculate_always(monkeypatch):
     monkeypatch.setattr(speculate.Speculation, "_known", lambda self: self.certain)
 
 
+_REFERENCES = {}
+
+
 def _reference(cfg, params, batches, spec, micro_batches=1):
     """Plain optax on the device (fp32): losses, global norms, final params; with micro-batches
-    the gradient is the float32 mean of the parts' gradients, summed in order."""
+    the gradient is the float32 mean of the parts' gradients, summed in order. Computed once per
+    (spec, micro-batches, number of batches): every caller passes the module's setup params and a
+    prefix of its batches."""
+    key = (spec, micro_batches, len(batches))
+    if key not in _REFERENCES:
+        _REFERENCES[key] = _reference_run(cfg, params, batches, spec, micro_batches)
+    return _REFERENCES[key]
+
+
+def _reference_run(cfg, params, batches, spec, micro_batches):
     tx = spec.optax()
 
     def grads_of(p, b):

@@ -26,17 +26,15 @@ def _curve(run):
     return [r.get("loss") for r in recs if r.get("loss") is not None], [r["val_loss"] for r in recs if "val_loss" in r]
 
 
-def test_two_processes_train_the_single_process_losses(tmp_path):
+def test_two_processes_train_the_single_process_losses(tmp_path, zero3_job_single_process):
     import numpy as np
     from _multiprocess import run_processes
     from _shared_data import bpe512_cache
 
-    from experiments import train
     data = bpe512_cache()
-    one, two = tmp_path / "one", tmp_path / "two"
-    assert train.main(_args(data, one)) == 0  # this pytest process: 8 forced CPU devices
+    two = tmp_path / "two"
+    run1 = zero3_job_single_process  # _args in this pytest process: 8 forced CPU devices (conftest.py)
     run_processes("test_train_multiprocess.py", lambda i: (data, two), timeout=240)
-    (run1,) = one.iterdir()
     (run2,) = two.iterdir()  # process 1 wrote no folder of its own
     assert not run2.name.endswith(".partial")
     assert sorted(p.name for p in run2.iterdir()) == sorted(p.name for p in run1.iterdir())

@@ -42,6 +42,10 @@ a directory that committed one step more rolls back to its ``prev`` list, and ev
 that the manifest does not name (an interrupted prepare) is deleted. So a failure at any moment
 (full disk, killed process) leaves every shard readable at the last step that all directories
 completed. Disk use is at most twice the state during a step, once the state in between.
+With ``keep_previous=False`` (:class:`~chunkjax.storage.tier.DiskTier`) each chunk's committed file
+is deleted as soon as its new one is written: disk use stays at the state plus the files in
+flight, but a step that fails part way leaves the directory at no complete step (a later open
+fails in one line naming a missing chunk file): restore from a checkpoint then.
 
 I/O
 ---
@@ -225,12 +229,26 @@ def committed_step(dirs: Sequence[str]) -> int | None:
     return min(steps)
 
 
+def clear_run(path: str) -> int:
+    """Delete a run's files from storage directory ``path`` (its manifest, its chunk files and
+    their temporaries; nothing else), so a fresh state can be written there. Returns the files
+    removed (0 for a missing or empty directory)."""
+    removed = 0
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir(path):
+            if _CHUNK_RE.match(name) or name in (MANIFEST, MANIFEST + ".tmp"):
+                os.unlink(os.path.join(path, name))
+                removed += 1
+    return removed
+
+
 class _Shard:
     """The chunk files of one directory (one storage device)."""
 
     def __init__(self, path: str, index: int, n_dirs: int, sizes: Mapping[int, int], n_kinds: int,
-                 io_mode: str, fsync: bool, disk_link: Link, shared_link: Link | None):
+                 io_mode: str, fsync: bool, disk_link: Link, shared_link: Link | None, keep_previous: bool = True):
         self.path, self.index, self.n_dirs = path, index, n_dirs
+        self.keep_previous = keep_previous
         self.sizes = dict(sizes)
         self.n_kinds = n_kinds
         self.fsync = fsync
@@ -391,5 +409,8 @@ class _Shard:
                 raise self._error(e, f"writing chunk {c} for step {step}") from e
         with self._lock:
             self.written_bytes += nbytes
+        old = None if self.manifest is None else self.manifest["files"].get(str(c))
+        if not self.keep_previous and old is not None and old != name:  # half the disk: no way back to the last step
+            self._unlink(old)
 
 

@@ -42,10 +42,8 @@ Params leave the workers as bf16 only (the compute dtype of this project).
 """
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import math
-import multiprocessing
 import os
 import time
 from collections.abc import Sequence
@@ -59,15 +57,15 @@ from chunkjax.kernels import AdamW
 from chunkjax.storage.chunk_io import StorageChunks
 from chunkjax.storage.files import StorageError, committed_step, replace_file
 from chunkjax.storage.links import Link, LinkModel
+from chunkjax.storage.pool import WorkerPool
 from chunkjax.storage.topk import (normalize_topk_groups, topk_compress, topk_compress_global, topk_compress_many,
                                    topk_k, topk_ratio_at, validate_topk_groups)
 from chunkjax.storage.trainer import StepResult, TierTrainer, validate_storage_dirs
-from chunkjax.storage.worker import _worker_main
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
 
-class NearStorageOptimizer(TierTrainer):
+class NearStorageOptimizer(TierTrainer, WorkerPool):
     """AdamW with the state on storage and the update next to it (Smart-Infinity's SmartUpdate).
 
     One worker process (multiprocessing, "spawn") per directory owns that directory's chunk files
@@ -100,7 +98,8 @@ class NearStorageOptimizer(TierTrainer):
         :func:`chunkjax.storage.restore.restore_storage_checkpoint` passes): a callable ``c -> (master,
         m, v)``, each (n_c,) float32, called once per chunk in id order and streamed to its worker
         (host memory: one chunk), committed as step ``init_step``. Ignored, like ``init_params``,
-        when ``dirs`` hold a committed run.
+        when ``dirs`` hold a committed run. ``"stream"``: the caller streams the state chunk by
+        chunk (:meth:`begin_init`, :meth:`init_chunk`, :meth:`end_init`).
       init_step: the committed step (= AdamW step count) of ``init_state`` (default 0).
       init_residual: with error feedback and ``init_state``, the residual per chunk ``{c: (n_c,)
         float32}`` at ``init_step`` (written to ``residual_dir`` before the workers commit);
@@ -116,6 +115,10 @@ class NearStorageOptimizer(TierTrainer):
         Default: ``dirs[0]``. Written before the workers commit, the previous one removed after, so
         a resume (a new optimizer with ``error_feedback=True``) restores the residuals of the
         step it resumes at and continues exactly as an uninterrupted run.
+      param_dtype: dtype of the params the workers send back: ``"bfloat16"`` (default, bits) or
+        ``"float32"`` (the master params themselves: a step with float32 compute params).
+      keep_previous: each worker's :class:`DiskTier` ``keep_previous`` (False: the state once on
+        disk, a failed step not recoverable from the directories).
       link_model: emulated rates (bytes/s) of the shared link and of each device link.
       io_mode, n_buffers, fsync: passed to each worker's :class:`DiskTier`.
       timeout_s: longest wait on one worker, seconds: for a reply, and for a message to be taken
@@ -136,7 +139,7 @@ class NearStorageOptimizer(TierTrainer):
                  compression: str | None = None, topk_ratio: float = 0.01, topk_scope: str = "chunk",
                  topk_groups=(), topk_warmup_steps: int = 0, topk_warmup_start: float = 0.25,
                  error_feedback: bool = False, ef_decay: float = 1.0, sparse_update: str = "dense",
-                 residual_dir: str | None = None,
+                 residual_dir: str | None = None, param_dtype: str = "bfloat16", keep_previous: bool = True,
                  link_model: LinkModel | None = None, io_mode: str = "auto", n_buffers: int = 3, fsync: bool = True,
                  timeout_s: float = 300.0, _fault: dict | None = None):
         validate_storage_dirs(dirs)  # the whole configuration before any file or process
@@ -162,6 +165,9 @@ class NearStorageOptimizer(TierTrainer):
         if sparse_update not in ("dense", "lazy"):
             raise ValueError(f"sparse_update must be 'dense' or 'lazy', got {sparse_update!r}")
         self.sparse_update = sparse_update
+        if param_dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"param_dtype must be 'bfloat16' or 'float32', got {param_dtype!r}")
+        self.param_dtype = param_dtype
         self.dirs = [os.fspath(d) for d in dirs]
         self.compression, self.topk_ratio, self.error_feedback = compression, topk_ratio, error_feedback
         self.topk_scope, self.ef_decay = topk_scope, float(ef_decay)
@@ -171,35 +177,24 @@ class NearStorageOptimizer(TierTrainer):
         self.timeout_s = timeout_s
         self.shared_link = Link(self.link_model.shared_bytes_per_s, "shared")
         self._residual: dict[int, jax.Array] = {}
-        self._broken: str | None = None
-        # sends run on this thread, so that a send blocked on a stopped worker has a deadline too
-        self._sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="near_storage_send")
         for d in self.dirs:
             os.makedirs(d, exist_ok=True)
         target = committed_step(self.dirs)  # the step every worker recovers to
         if self.error_feedback and compression == "topk":  # before any process: a missing file fails fast
             self._load_residual(target or 0)
         n = len(self.dirs)
-        ctx = multiprocessing.get_context("spawn")
-        self.workers, self._conns, self.io_mode = [], [], {}
         self.owned = [[c for c in self.chunk_sizes if c % n == i] for i in range(n)]
+        self._step = target
         try:
-            for i, d in enumerate(self.dirs):
-                parent, child = ctx.Pipe()
-                cfg = dict(dir=d, index=i, n_dirs=n, sizes={c: self.chunk_sizes[c] for c in self.owned[i]},
-                           n_buffers=n_buffers, io_mode=io_mode, fsync=fsync, target_step=target,
-                           disk_bytes_per_s=self.link_model.disk_bytes_per_s, sparse_update=sparse_update,
-                           fault=_fault if _fault and _fault.get("worker") == i else None)
-                p = ctx.Process(target=_worker_main, args=(child, cfg), name=f"near_storage_{i}", daemon=True)
-                p.start()
-                child.close()
-                self.workers.append(p)
-                self._conns.append(parent)
-            for i in range(n):
-                _, step, mode = self._expect(i, "ready", "starting")
-                self.io_mode.update(mode)
-            self._step = target
-            if target is None and init_state is not None:
+            self._start_workers([dict(dir=d, index=i, n_dirs=n, sizes={c: self.chunk_sizes[c] for c in self.owned[i]},
+                                      n_buffers=n_buffers, io_mode=io_mode, fsync=fsync, target_step=target,
+                                      disk_bytes_per_s=self.link_model.disk_bytes_per_s, sparse_update=sparse_update,
+                                      param_dtype=param_dtype, keep_previous=keep_previous,
+                                      fault=_fault if _fault and _fault.get("worker") == i else None)
+                                 for i, d in enumerate(self.dirs)])
+            if target is None and init_state == "stream":
+                pass  # the caller streams the state: begin_init, init_chunk per chunk, end_init
+            elif target is None and init_state is not None:
                 self._init_restored(init_state, int(init_step), init_residual)
             elif target is None:
                 if init_params is None:
@@ -217,6 +212,22 @@ class NearStorageOptimizer(TierTrainer):
     def _init_restored(self, init_state, step: int, init_residual) -> None:
         """Commit a restored state as step ``step``: the residual file first (error feedback), then
         every chunk's (master, m, v) streamed to its worker, one chunk in flight per call."""
+        self.begin_init(step, init_residual)
+        for c in self.chunk_sizes:
+            kinds = tuple(init_state(c))
+            if len(kinds) != 3:
+                raise ValueError(f"init_state({c}) must give (master, m, v), got {len(kinds)} arrays")
+            self.init_chunk(c, *kinds)
+            del kinds
+        self.end_init()
+
+    def begin_init(self, step: int = 0, init_residual=None) -> None:
+        """Start committing a fresh or restored state as step ``step`` (after ``init_state="stream"``):
+        then :meth:`init_chunk` for every chunk in id order, then :meth:`end_init`.
+
+        Raises:
+          ValueError: ``step < 0``. StorageError: a worker failed (every worker is stopped).
+        """
         if step < 0:
             raise ValueError(f"init_step must be >= 0, got {step}")
         if self.error_feedback and self.compression == "topk" and step > 0:
@@ -224,19 +235,31 @@ class NearStorageOptimizer(TierTrainer):
                    else np.zeros(n, F32) for c, n in self.chunk_sizes.items()}
             self._save_residual(step, res)
             self._residual = {c: jnp.asarray(r) for c, r in res.items()}
-        n = len(self.dirs)
-        for i in range(n):
+        for i in range(len(self.dirs)):
             self._send(i, ("init_stream", step), f"restoring step {step}")
-        for c, size in self.chunk_sizes.items():
-            kinds = tuple(np.asarray(a, F32).reshape(-1) for a in init_state(c))
-            if len(kinds) != 3 or any(a.size != size for a in kinds):
-                raise ValueError(f"init_state({c}) must give (master, m, v) of {size} elements each, got "
-                                 f"{[a.size for a in kinds]}")
-            self._send(c % n, ("init_chunk", c, kinds), f"restoring chunk {c} of step {step}")
-            del kinds
-        for i in range(n):
-            self._expect(i, "ok", f"restoring step {step}")
-        self._step = step
+        self._init_step = step
+
+    def init_chunk(self, c: int, master, m=None, v=None) -> None:
+        """Stream chunk ``c``'s (n_c,) float32-convertible master params and Adam moments (None:
+        zeros, a fresh chunk) to its worker (host memory: this chunk).
+
+        Raises:
+          ValueError: arrays of another size than chunk ``c``.
+        """
+        size = self.chunk_sizes[c]
+        kinds = tuple(np.asarray(a, F32).reshape(-1) for a in (master, m, v) if a is not None)
+        if len(kinds) not in (1, 3) or any(a.size != size for a in kinds):
+            raise ValueError(f"chunk {c} needs master (and m, v) of {size} elements each, got "
+                             f"{[a.size for a in kinds]}")
+        # a fresh chunk: the master params alone, the worker writes the zero moments (a third of the bytes)
+        self._send(c % len(self.dirs), ("init_chunk", c, kinds if len(kinds) == 3 else kinds[0]),
+                   f"restoring chunk {c} of step {self._init_step}")
+
+    def end_init(self) -> None:
+        """Wait for every worker to commit the streamed state (:meth:`begin_init`)."""
+        for i in range(len(self.dirs)):
+            self._expect(i, "ok", f"restoring step {self._init_step}")
+        self._step = self._init_step
 
     def chunk_io(self, layout, compute_dtype) -> StorageChunks:
         """The chunks through the checkpoint protocol (:class:`~chunkjax.storage.chunk_io.StorageChunks`)."""
@@ -308,66 +331,29 @@ class NearStorageOptimizer(TierTrainer):
         """The last step every worker committed (0: initial params)."""
         return self._step
 
-    @property
-    def worker_pids(self) -> list[int]:
-        return [p.pid for p in self.workers]
+    # -- the step ----------------------------------------------------------------------------
+    def _send_grads(self, grads, batched: dict, step: int, progress: dict) -> int:
+        """Send each chunk's gradient to its worker in id order, one message per chunk (host memory:
+        one chunk's payload), on the sender thread while :meth:`_collect` takes the params back;
+        ``progress`` says which worker a blocked send waits on. Returns the bytes sent."""
+        sent, n = 0, len(self.dirs)
+        for c in self.chunk_sizes:
+            part, b = self._payload(c, grads[c], batched.get(c))
+            progress.update(worker=c % n, nbytes=b)
+            with self.shared_link.transfer(b):
+                self._conns[c % n].send(("grads", step, {c: part}))
+            del part
+            progress.update(worker=None, at=time.monotonic())
+            sent += b
+        return sent
 
-    # -- messaging ---------------------------------------------------------------------------
-    def _send(self, i: int, msg: tuple, doing: str, nbytes: int = 0) -> None:
-        """Send ``msg`` to worker ``i`` within ``timeout_s`` (on the sender thread: a payload larger
-        than the pipe's buffer blocks until the worker reads it). Raises StorageError (and stops
-        every worker) when the worker dies or does not take the message in time."""
-        conn, proc = self._conns[i], self.workers[i]
-        fut = self._sender.submit(conn.send, msg)
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            try:
-                fut.result(timeout=0.05)
-                return
-            except concurrent.futures.TimeoutError:
-                pass
-            except (OSError, EOFError, ValueError):  # BrokenPipeError: the worker is gone
-                raise self._dead(i, doing) from None
-            if not proc.is_alive():
-                raise self._dead(i, doing)
-            if time.monotonic() > deadline:
-                size = f" ({nbytes} bytes)" if nbytes else ""
-                raise self._fail(f"near-storage worker {i} (pid {proc.pid}, {self.dirs[i]}) took no message within "
-                                 f"{self.timeout_s} s while {doing}{size}: it is stopped or hung")
-
-    def _expect(self, i: int, kind: str, doing: str):
-        conn, proc = self._conns[i], self.workers[i]
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            try:
-                if conn.poll(0.05):
-                    msg = conn.recv()
-                    break
-            except (EOFError, OSError):
-                msg = None
-                break
-            if not proc.is_alive() and not conn.poll(0):
-                msg = None
-                break
-            if time.monotonic() > deadline:
-                raise self._fail(f"near-storage worker {i} (pid {proc.pid}, {self.dirs[i]}) gave no reply within "
-                                 f"{self.timeout_s} s while {doing}")
-        if msg is None:
-            proc.join(1)
-            raise self._fail(f"near-storage worker {i} (pid {proc.pid}, {self.dirs[i]}) died (exit code "
-                             f"{proc.exitcode}) while {doing}")
-        if msg[0] == "error":
-            raise StorageError(f"near-storage worker {i} ({self.dirs[i]}) failed while {doing}: {msg[1]}; "
-                               f"last committed step {getattr(self, '_step', None)}")
-        if msg[0] != kind:
-            raise self._fail(f"near-storage worker {i} answered {msg[0]!r}, expected {kind!r} while {doing}")
-        return msg
-
-    def _collect(self, step: int):
+    def _collect(self, step: int, on_param=None, sending=None, progress=None):
         """Receive every worker's updated params, streamed chunk by chunk as each is updated (the
         shared link carries them while the workers still read and write their state), then its
-        "prepared". Returns ``(params, storage_bytes, received_bytes, failure)``; ``failure`` is the
-        first :class:`StorageError` (a worker's error, death or silence past ``timeout_s``)."""
+        "prepared"; ``on_param(c, bits)`` takes each chunk's bf16 bits instead of keeping them.
+        ``sending``: the future of :meth:`_send_grads` (a failed or stalled send is a failure).
+        Returns ``(params, storage_bytes, received_bytes, failure)``; ``failure`` is the first
+        :class:`StorageError` (a worker's error, death or silence past ``timeout_s``)."""
         from multiprocessing.connection import wait
         params: dict[int, np.ndarray] = {}
         storage: dict[str, int] = {}
@@ -377,12 +363,26 @@ class NearStorageOptimizer(TierTrainer):
         doing = f"preparing step {step}"
         while pending and not self._broken:
             ready = wait(list(pending), timeout=0.05)
+            if sending is not None and sending.done() and sending.exception() is not None and failure is None:
+                e = sending.exception()
+                i = progress.get("worker")
+                failure = (self._dead(i, f"taking the gradients of step {step}")
+                           if i is not None and not self.workers[i].is_alive() else
+                           self._fail(f"sending the gradients of step {step} failed ({type(e).__name__}: {e})"))
             if not ready:
                 for conn, i in list(pending.items()):
                     if not self.workers[i].is_alive() and not conn.poll(0):
                         failure = failure or self._dead(i, doing)
+                if progress is not None:
+                    deadline = max(deadline, progress.get("at", 0.0) + self.timeout_s)
                 if time.monotonic() > deadline:
                     i = next(iter(pending.values()))
+                    if sending is not None and not sending.done() and progress.get("worker") is not None:
+                        i = progress["worker"]
+                        failure = failure or self._fail(
+                            f"near-storage worker {i} (pid {self.workers[i].pid}, {self.dirs[i]}) took no message "
+                            f"within {self.timeout_s} s while taking the gradients of step {step} "
+                            f"({progress['nbytes']} bytes)")
                     failure = failure or self._fail(f"near-storage worker {i} (pid {self.workers[i].pid}, "
                                                     f"{self.dirs[i]}) gave no reply within {self.timeout_s} s "
                                                     f"while {doing}")
@@ -398,7 +398,10 @@ class NearStorageOptimizer(TierTrainer):
                     break
                 if msg[0] == "param":
                     with self.shared_link.transfer(msg[2].nbytes):
-                        params[msg[1]] = msg[2].view(BF16)
+                        if on_param is not None:
+                            on_param(msg[1], msg[2])
+                        else:
+                            params[msg[1]] = msg[2].view(BF16) if msg[2].dtype == np.uint16 else msg[2]
                     received += msg[2].nbytes
                     deadline = time.monotonic() + self.timeout_s
                 elif msg[0] == "prepared":
@@ -414,43 +417,6 @@ class NearStorageOptimizer(TierTrainer):
                                                     f"expected 'param' or 'prepared' while {doing}")
         return params, storage, received, failure
 
-    def _dead(self, i: int, doing: str) -> StorageError:
-        proc = self.workers[i]
-        proc.join(1)
-        return self._fail(f"near-storage worker {i} (pid {proc.pid}, {self.dirs[i]}) died (exit code "
-                          f"{proc.exitcode}) while {doing}")
-
-    def _fail(self, why: str) -> StorageError:
-        """Stop every worker and return the error; the step named is where a resume starts (read
-        from the manifests once the workers are stopped: a worker may have died mid-commit)."""
-        self._kill_all()
-        if self._broken:
-            return StorageError(self._broken)
-        try:
-            step = committed_step(self.dirs)
-        except StorageError:
-            step = getattr(self, "_step", None)
-        self._broken = (f"{why}; every shard is at the last committed step {step}: open a new "
-                        "NearStorageOptimizer on the same directories to resume")
-        return StorageError(self._broken)
-
-    def _kill_all(self):
-        """Kill every worker (SIGKILL also ends a stopped one, which unblocks a send to it), then
-        close the pipes and the sender thread."""
-        for p in getattr(self, "workers", []):
-            if p.is_alive():
-                p.kill()
-            p.join(5)
-        if getattr(self, "_sender", None) is not None:
-            self._sender.shutdown(wait=True)
-        for conn in getattr(self, "_conns", []):
-            conn.close()
-
-    def _check_usable(self):
-        if self._broken:
-            raise StorageError(self._broken)
-
-    # -- the step ----------------------------------------------------------------------------
     def _compress(self, grads: list, step: int) -> tuple[dict, dict]:
         """Top-k of every chunk for ``step`` (1 = first): ``({c: (indices, values)}, new residuals)``;
         with error feedback the residual is added first and the new one (``ef_decay`` times what was
@@ -494,11 +460,16 @@ class NearStorageOptimizer(TierTrainer):
         vals = vals.view(np.uint16) if vals.dtype == BF16 else vals.astype(F32, copy=False)
         return ("topk", idx, vals), idx.nbytes + vals.nbytes
 
-    def step(self, grads: Sequence) -> StepResult:
+    def step(self, grads: Sequence, *, norm: float | None = None, on_param=None) -> StepResult:
         """One AdamW step of every chunk.
 
         Args:
           grads: per chunk c, the (n_c,) gradient (jax or numpy; bfloat16 or float32).
+          norm: the global L2 norm of the whole model's gradient (float32), when the caller knows
+            it (a step whose other chunks are updated elsewhere: :mod:`chunkjax.storage.updater`);
+            None: the norm of ``grads``.
+          on_param: ``on_param(c, bits)`` takes chunk c's new params ((n_c,) uint16 bf16 bits) as
+            they arrive; ``StepResult.params`` is then None.
 
         Returns:
           :class:`StepResult` with the new bf16 params per chunk and the byte accounting.
@@ -508,7 +479,7 @@ class NearStorageOptimizer(TierTrainer):
             committed; after a dead worker this object is unusable (open a new one to resume).
         """
         self._check_usable()
-        grads, norm = self._check_grads(grads)
+        grads, norm = self._check_grads(grads) if norm is None else (self._check_sizes(grads), norm)
         if not math.isfinite(norm):
             return StepResult(self._step, None, True, norm, n_params=self.n_params, emulated=self.link_model.emulated)
         t0 = time.perf_counter()
@@ -527,18 +498,11 @@ class NearStorageOptimizer(TierTrainer):
             except BaseException as e:  # the workers wait for these gradients: stop them
                 raise self._fail(f"compressing the gradients of step {step} failed ({type(e).__name__}: {e})") \
                     from e
-        for i in range(n):
-            parts, nbytes = {}, 0
-            try:
-                for c in self.owned[i]:
-                    parts[c], b = self._payload(c, grads[c], batched.get(c))
-                    nbytes += b
-            except BaseException as e:  # the workers wait for these gradients: stop them
-                raise self._fail(f"preparing the gradients of step {step} failed ({type(e).__name__}: {e})") from e
-            with self.shared_link.transfer(nbytes):
-                self._send(i, ("grads", step, parts), f"taking the gradients of step {step}", nbytes)
-            sent += nbytes
-        params, storage, received, failure = self._collect(step)
+        progress: dict = {"at": time.monotonic()}
+        sending = self._sender.submit(self._send_grads, grads, batched, step, progress)
+        params, storage, received, failure = self._collect(step, on_param, sending, progress)
+        if failure is None:
+            sent = sending.result()
         if failure is not None:
             if not self._broken:  # a worker reported an error (e.g. a full disk): abort the others
                 for i in range(n):
@@ -565,7 +529,8 @@ class NearStorageOptimizer(TierTrainer):
             self._residual = residual
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._residual_path(step - 1))
-        return StepResult(step, [params[c] for c in self.chunk_sizes], False, norm, sent + received, sent, received,
+        return StepResult(step, None if on_param is not None else [params[c] for c in self.chunk_sizes], False, norm,
+                          sent + received, sent, received,
                           storage, time.perf_counter() - t0, self.n_params, self.link_model.emulated,
                           residual_bytes)
 

@@ -110,6 +110,10 @@ class DiskTier:
         committed step over ``dirs``.
       verify: on a committed run (a resume), read every chunk file once and check its CRC-32 before
         returning (one read of the state); every later read is checked either way.
+      keep_previous: keep the last committed step's files until the step after it commits (crash
+        safe, twice the state on disk during a step); False: delete each chunk's committed file
+        once its new one is written (the state once on disk; a failed step leaves no complete
+        step: :mod:`chunkjax.storage.files`).
 
     Raises:
       StorageError: directories from another run, partly initialised, not recoverable, or a chunk
@@ -121,7 +125,7 @@ class DiskTier:
                  dir_indices: Sequence[int] | None = None, n_dirs_total: int | None = None, n_buffers: int = 3,
                  read_ahead: int = 1,
                  io_threads: int = 2, io_mode: str = "auto", link_model: LinkModel | None = None,
-                 fsync: bool = True, target_step: int | None = None, verify: bool = True):
+                 fsync: bool = True, target_step: int | None = None, verify: bool = True, keep_previous: bool = True):
         dirs = [os.fspath(d) for d in dirs]
         if not dirs:
             raise ValueError("DiskTier needs at least one directory")
@@ -144,7 +148,7 @@ class DiskTier:
             per_dir[local[g]][int(c)] = int(n)
         shared = self.shared_link if self.link_model.shared_bytes_per_s is not None else None
         self.shards = [_Shard(d, g, n_total, per_dir[i], n_kinds, io_mode, fsync,
-                              Link(self.link_model.disk_bytes_per_s, f"disk{g}"), shared)
+                              Link(self.link_model.disk_bytes_per_s, f"disk{g}"), shared, keep_previous)
                        for i, (d, g) in enumerate(zip(dirs, dir_indices))]
         self._shard_of = {c: s for s in self.shards for c in s.sizes}
         self.chunk_sizes = {int(c): int(n) for c, n in sorted(sizes.items())}

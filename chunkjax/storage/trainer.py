@@ -93,6 +93,16 @@ class TierTrainer:
         norm = float(jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in out)))
         return out, norm
 
+    def _check_sizes(self, grads) -> list:
+        """The gradients as given (no copy), each checked to have its chunk's size."""
+        if len(grads) != len(self.chunk_sizes):
+            raise ValueError(f"need {len(self.chunk_sizes)} gradient chunks, got {len(grads)}")
+        for c, g in enumerate(grads):
+            if int(np.prod(np.shape(g))) != self.chunk_sizes[c]:
+                raise ValueError(f"gradient chunk {c} has {int(np.prod(np.shape(g)))} elements, chunk size is "
+                                 f"{self.chunk_sizes[c]}")
+        return list(grads)
+
     def _step_scalars(self, count: int, norm: float) -> tuple[tuple[np.float32, np.float32], AdamWStep]:
         """``(grad_scale, hyper)`` of the step taken at ``count`` with global gradient norm ``norm``:
         the clipping factors (:func:`~chunkjax.kernels.clip_scale`) and the float32 scalars

@@ -79,6 +79,7 @@ def _worker_main(conn, cfg: dict):
     try:
         tier = DiskTier([cfg["dir"]], cfg["sizes"], dir_indices=[cfg["index"]], n_dirs_total=cfg["n_dirs"],
                         n_buffers=cfg["n_buffers"], io_mode=cfg["io_mode"], fsync=cfg["fsync"],
+                        keep_previous=cfg.get("keep_previous", True),
                         link_model=LinkModel(disk_bytes_per_s=cfg["disk_bytes_per_s"]),
                         target_step=cfg["target_step"])
         conn.send(("ready", tier.committed_step, tier.io_mode))
@@ -86,6 +87,7 @@ def _worker_main(conn, cfg: dict):
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return
     fault = cfg.get("fault") or {}
+    f32_params = cfg.get("param_dtype") == "float32"  # the new params as float32 (else bf16 bits)
     while True:
         try:
             msg = conn.recv()
@@ -104,7 +106,7 @@ def _worker_main(conn, cfg: dict):
                     m = conn.recv()
                     if m[0] != "init_chunk" or m[1] != c:
                         raise StorageError(f"restoring step {step}: expected chunk {c}, got {m[0]!r} {m[1]!r}")
-                    return tuple(m[2])
+                    return m[2] if isinstance(m[2], np.ndarray) else tuple(m[2])  # master alone: zero moments
 
                 tier.initialize(take, step=msg[1])
                 conn.send(("ok", tier.committed_step))
@@ -114,22 +116,23 @@ def _worker_main(conn, cfg: dict):
                 _, step, scale, hyper, grads = msg
                 if step != tier.committed_step + 1:
                     raise StorageError(f"asked for step {step}, committed step is {tier.committed_step}")
-                done, box = [0], {"grads": grads}
+                done, box = [0], dict(grads or {})
 
                 def fn(c, views, box=box, done=done, step=step, scale=scale, hyper=hyper):
-                    if box["grads"] is None:  # the header came first: the state reads have started
-                        m = conn.recv()
+                    while c not in box:  # the header came first: the state reads have started
+                        m = conn.recv()  # then one message per chunk, in id order
                         if m[0] != "grads" or m[1] != step:
                             raise StorageError(f"expected the gradients of step {step}, got {m[0]!r}")
-                        box["grads"] = m[2]
-                    p = box["grads"].pop(c)
+                        box.update(m[2])
+                    p = box.pop(c)
                     if p[0] == "topk" and cfg.get("sparse_update") == "lazy":
                         lazy_update_(hyper, views[0], views[1:], p[1], p[2], scale)
-                        out = bf16_round_bits(views[0])
+                        out = views[0].copy() if f32_params else bf16_round_bits(views[0])
                     else:
                         g = topk_decompress(p[1], p[2], tier.chunk_sizes[c]) if p[0] == "topk" else _bits_or_f32(p[1])
-                        out = np.empty(views[0].size, BF16_BITS_DTYPE)
+                        out = None if f32_params else np.empty(views[0].size, BF16_BITS_DTYPE)
                         update_(hyper, views[0], views[1:], g, out, scale)  # bf16 bits of the new params
+                        out = views[0].copy() if f32_params else out
                     conn.send(("param", c, out))  # streamed back at once
                     done[0] += 1
                     if fault.get("step") == step and done[0] == fault.get("after_chunks", 1):
@@ -149,6 +152,8 @@ def _worker_main(conn, cfg: dict):
                     os._exit(9)
                 tier.commit()
                 conn.send(("committed", tier.committed_step))
+            elif kind == "grads":  # gradients of a step that failed here: the trainer aborts it next
+                continue
             elif kind == "abort":
                 tier.abort()
                 conn.send(("aborted", tier.committed_step))

@@ -22,7 +22,7 @@ PART=${2:-a}
 export PYTHONUNBUFFERED=1
 START=$SECONDS
 LIMIT=${LIMIT:-470}
-# CPU smoke test: OUT=/tmp/o BIG=micro SMALL=micro SEQ=16 BUDGET=4MiB WHOLE=1GiB bash ... (numbers meaningless)
+# CPU smoke test: OUT=/tmp/o BIG=micro SMALL=micro SEQ=16 BUDGET=12MiB WHOLE=1GiB bash ... a (numbers meaningless)
 B="python -m experiments.bench --seq ${SEQ:-1024} --results-dir $OUT --steps ${STEPS:-3}"
 SIX="--model ${BIG:-GPT3_6B} --device-budget ${BUDGET:-24GiB}"
 WHOLE=${WHOLE:-125GiB}

@@ -1,0 +1,117 @@
+"""Disk as a placement of the one plan: which offloaded chunks keep their master params and
+optimizer state on storage (update location ``storage``) when the host cannot hold them.
+
+Smart-Infinity (Jang et al., HPCA 2024, arXiv 2403.06664) keeps the optimizer state on storage
+and updates it next to the storage device (SmartUpdate); ZeRO-Infinity keeps it there when host
+memory runs out. Here the tide plan (:func:`chunkjax.plan.plan_schedule`) first places chunks on
+the device and in host memory; when the host budget cannot hold the offloaded chunks' state, the
+fewest of them move to ``storage``: their compute params stay in pinned host memory (fetched as
+any host chunk's), their gradients leave the device as a host chunk's do, and their master
+params and state (12 bytes per AdamW parameter) live in chunk files on the storage directories
+(:mod:`chunkjax.storage.files`), read and written once per step by the near-storage workers
+(:mod:`chunkjax.storage.updater`). Each moved chunk saves its state on the host and costs its
+state twice on the disk link (:mod:`chunkjax.predict`: ``disk_bytes_per_step``, the storage time
+of :class:`chunkjax.cost.PipelinedStepTime`). Pure: nothing is allocated or written.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from chunkjax import predict as pr
+from chunkjax.errors import PlanError, gib_ceil
+from chunkjax.schedule import HOST_UPDATE, STORAGE_UPDATE, STREAMED_UPDATE, Schedule
+
+#: A step writes a new version of every storage chunk's file before the old one goes (the
+#: two-phase commit of :mod:`chunkjax.storage.files`): disk use is up to twice the state
+#: (``StorageOptions(keep_previous=False)``: once).
+DISK_VERSIONS = 2
+
+_MSG_HOST_DISK = ("host budget {host} bytes is below the {need} bytes the host must hold even with {n} chunks' "
+                  "master params and optimizer state on {d} storage director{ies} (disk budget {disk}): use "
+                  "host_budget >= {need_gib:.3f}GiB, more disk space or a larger device budget")
+
+
+def place_on_disk(s: Schedule, cb: pr.ChunkBytes, *, chunk_size: int, traces, tide, disk: tuple, rates,
+                  flops_per_step: float, micro_batches: int = 1, streamed_early: bool = False) -> Schedule:
+    """Move the fewest offloaded chunks (``host`` or ``streamed``) of ``s`` to ``storage`` so
+    that its ``predicted.host_bytes`` fit the host budget: streamed chunks first, then host
+    chunks whose gradients complete last (their host updates are the least overlapped with the
+    backward). A master-fetch host chunk (:mod:`chunkjax.host_forms`) moved to disk gets its
+    compute copy back (its master params are on disk).
+
+    Args:
+      s: a schedule of one device after :func:`chunkjax.host_forms.assign_host_forms`.
+      cb: one chunk's bytes.
+      chunk_size, traces, tide, rates, flops_per_step, micro_batches, streamed_early: as
+        :func:`chunkjax.predict.predict`.
+      disk: ``(host_budget, disk_budget, storage_devices, disk_versions)``: host bytes for model
+        data and the working set; bytes the storage directories may hold (None: unbounded);
+        storage directories (>= 1); versions of each chunk file a step holds
+        (:data:`DISK_VERSIONS`, 1 with ``StorageOptions(keep_previous=False)``).
+
+    Returns:
+      ``s`` when it fits the host (or has nothing to move), else the schedule with the fewest
+      storage chunks that fits, or the one with the most the disk budget allows (the caller's
+      host check refuses it).
+    """
+    host_budget, disk_budget, devices, versions = disk
+    if host_budget is None or s.predicted.host_bytes <= host_budget:
+        return s
+    T = len(tide.moments)
+    done = pr.grad_done_moments(traces, tide)
+    loc0 = s.update_locations
+    order = sorted((c for c, u in enumerate(loc0) if u in (HOST_UPDATE, STREAMED_UPDATE)),
+                   key=lambda c: (loc0[c] != STREAMED_UPDATE, -done.get(c, T), c))
+    if disk_budget is not None:
+        order = order[:max(0, disk_budget // (versions * max(1, pr.disk_file_bytes(cb))))]
+    if not order:
+        return s
+    device_part = [b - e for b, e in zip(s.predicted.device_bytes_per_moment,
+                                         pr.master_fetch_extra(cb, s.fetch, s.prefetch, s.master_fetch))]
+
+    def at(j):
+        moved = set(order[:j])
+        loc = tuple(STORAGE_UPDATE if c in moved else u for c, u in enumerate(loc0))
+        mf = tuple(c for c in s.master_fetch if c not in moved)
+        moments = [b + e for b, e in zip(device_part, pr.master_fetch_extra(cb, s.fetch, s.prefetch, mf))]
+        pred = pr.predict(chunk_size, traces, tide, cb, s.param_kinds, loc, s.fetch, s.segments, moments,
+                          flops_per_step=flops_per_step, rates=rates, master_fetch=mf, micro_batches=micro_batches,
+                          streamed_early=streamed_early, storage_devices=devices)
+        return dataclasses.replace(s, update_locations=loc, master_fetch=mf, predicted=pred)
+
+    staging = devices * pr.STORAGE_STAGING_BUFFERS * pr.disk_file_bytes(cb)
+    j = min(len(order), max(1, math.ceil((s.predicted.host_bytes + staging - host_budget) / max(1, cb.state))))
+    out = at(j)
+    while out.predicted.host_bytes > host_budget and j < len(order):
+        j += 1
+        out = at(j)
+    return out
+
+
+def host_disk_error(host_budget: int, need: int, n_chunks: int, storage_devices: int,
+                    disk_budget: int | None) -> PlanError:
+    """The one-line error of a host budget too small even with the disk tier at its fullest."""
+    return PlanError(_MSG_HOST_DISK.format(host=host_budget, need=need, n=n_chunks, d=storage_devices,
+                                           ies="y" if storage_devices == 1 else "ies",
+                                           disk="unbounded" if disk_budget is None else f"{disk_budget} bytes",
+                                           need_gib=gib_ceil(need)), 0, False)
+
+
+def storage_line(schedule: Schedule, storage_devices: int, host_budget: int | None) -> str | None:
+    """One line on the disk tier of a plan made with ``storage_devices`` directories: ``"storage
+    not needed: ..."`` when every chunk fits without it, else the chunks on disk and the disk
+    bytes and time per step; None without storage directories."""
+    if not storage_devices:
+        return None
+    p = schedule.predicted
+    gb = lambda b: b / 1e9  # noqa: E731
+    if not p.storage_chunks:
+        held = "an unbounded host budget" if host_budget is None else f"the host budget of {gb(host_budget):.2f} GB"
+        return (f"storage not needed: the plan's {gb(p.host_bytes):.2f} GB of host memory fits {held} "
+                f"({schedule.counts()})")
+    return (f"storage: {p.storage_chunks} of {schedule.n_chunks} chunks' master params and optimizer state on "
+            f"{storage_devices} storage director{'y' if storage_devices == 1 else 'ies'}; disk "
+            f"{gb(p.disk_bytes_per_step):.2f} GB/step read+written, predicted disk update "
+            f"{p.time.storage_update_s:.2f} s of a {p.time.step_s:.2f} s step; host memory "
+            f"{gb(p.host_bytes):.2f} GB")

@@ -1,0 +1,283 @@
+"""The disk as a placement of the one plan (issue 24, items 2-4): chunks whose master params and
+optimizer state live on storage, updated by the near-storage workers inside the chunked step.
+
+On the CPU memory kinds compile to nothing: these check numerics, the plan's decisions and the
+faults; speed and placement are measured on the GPU (experiments/bench.py, docs/benchmarks.md).
+"""
+import contextlib
+import dataclasses
+import os
+import signal
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import chunkjax as cj
+from chunkjax import checkpoint as ck
+from chunkjax.errors import PlanError
+from chunkjax.host_update import AdamW
+from chunkjax.optim import state_bytes_per_chunk
+from chunkjax.plan import plan_schedule
+from chunkjax.storage import DiskTier
+from chunkjax.storage.files import StorageError, committed_step
+from chunkjax.storage.updater import StorageOptions
+from models import gpt
+
+B, T = 2, 16
+STEPS = 20
+SPEC = AdamW(3e-3, weight_decay=0.1, max_grad_norm=0.05)  # clipping fires: the norm is global
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg = gpt.get_config("micro", n_layers=3)
+    rng = np.random.default_rng(24)
+    params = gpt.init_params(cfg, jax.random.key(24))
+    batches = [jnp.asarray(rng.integers(0, cfg.vocab_size, (B, T + 1)), jnp.int32) for _ in range(STEPS)]
+    stages = gpt.gpt_stages(cfg)
+    order = cj.first_use_order(lambda p, b: cj.compose_loss(stages, p, b), params, batches[0])
+    layout = cj.build_layout(params, cfg.vocab_size * cfg.d_model // 4, order)
+    traces = cj.trace_stages(stages, layout, jax.ShapeDtypeStruct(batches[0].shape, jnp.int32), jnp.float32)
+    cb = cj.chunk_bytes(layout, jnp.float32, state_bytes_per_chunk(SPEC.optax(), layout.chunk_size))
+    return cfg, params, batches, stages, layout, traces, cb
+
+
+def _three_tier_schedule(setup, host_fraction: float = 0.6):
+    """A tide plan with chunk 0 resident, the others offloaded, and a host budget of
+    ``host_fraction`` of what they need with their compute copies: below what even every host
+    chunk master-fetch needs (:mod:`chunkjax.host_forms`), so some move to disk: device, host
+    and storage update locations at once."""
+    cfg, params, batches, stages, layout, traces, cb = setup
+    kw = dict(flops_per_step=cfg.flops_per_token(T) * B * T, resident=[0], split=False)
+    free = plan_schedule(layout, traces, cb, 10**12, **kw)
+    host = int(host_fraction * free.predicted.host_bytes)
+    s = plan_schedule(layout, traces, cb, 10**12, host_budget_bytes=host, storage_devices=1, **kw)
+    assert s.predicted.host_bytes <= host
+    return s
+
+
+def _reference(cfg, params, batches):
+    tx = SPEC.optax()
+
+    @jax.jit
+    def step(p, o, b):
+        l, g = jax.value_and_grad(lambda p: gpt.loss_fn(cfg, p, b, jnp.float32))(p)
+        u, o = tx.update(g, o, p)
+        return optax.apply_updates(p, u), o, l
+
+    p, o, losses = params, tx.init(params), []
+    for b in batches:
+        p, o, l = step(p, o, b)
+        losses.append(float(l))
+    return p, np.asarray(losses)
+
+
+def test_device_host_and_storage_chunks_equal_optax(setup, tmp_path):
+    """One step whose chunks update on the device, on the host and on storage at once, with
+    clip_by_global_norm: 20 steps equal plain optax (fp32 compute: losses rtol 1e-5, master params
+    to fp32 rounding, the tolerance of the host-update tests); the disk bytes per step are the
+    plan's (padding aside)."""
+    cfg, params, batches, stages, layout, traces, cb = setup
+    sched = _three_tier_schedule(setup)
+    assert set(sched.update_locations) == {"device", "host", "storage"}, sched.counts()
+    n_disk = sched.predicted.storage_chunks
+    assert 1 <= n_disk < layout.n_chunks - 1
+    assert sched.predicted.disk_bytes_per_step == n_disk * 2 * 3 * layout.chunk_size * 4  # master, m, v each way
+    step = cj.make_chunked_step(stages, layout, sched, host_optimizer=SPEC, compute_dtype=jnp.float32,
+                                storage=StorageOptions((str(tmp_path / "d0"), str(tmp_path / "d1")), fsync=False))
+    state = step.init(params)
+    losses = []
+    for b in batches:
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
+    step.wait(state)
+    disk = state.master[sched.update_locations.index("storage")]
+    assert disk.committed_step == STEPS
+    moved = sum(disk.last.storage_link_bytes.values())
+    assert moved == sched.predicted.disk_bytes_per_step  # the chunk size is a multiple of 1024: no padding
+    ref_p, ref_losses = _reference(cfg, params, batches)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    got = step.master_params(state)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref_p)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-6)
+    disk.close()
+
+
+def test_tiny_model_with_storage_is_planned_on_the_device(setup, tmp_path):
+    """A model that fits needs no disk: every chunk on the device, and the plan says so in one line."""
+    cfg, params, batches, stages, *_ = setup
+    step, report, problem = cj.fit_step(stages, params, batches[0], host_optimizer=SPEC, device_budget="1GiB",
+                                        host_budget="1GiB", storage=[str(tmp_path / "disk")])
+    s = report.schedule
+    assert set(s.update_locations) == {"device"} and s.predicted.storage_chunks == 0
+    assert s.predicted.disk_bytes_per_step == 0 and s.predicted.time.storage_update_s == 0
+    line = cj.fit.describe(report, problem)
+    assert "\n" not in line and "storage not needed: " in line, line
+    assert not os.path.exists(tmp_path / "disk") or not os.listdir(tmp_path / "disk")
+
+
+def test_host_budget_too_small_even_with_disk_is_one_line(setup):
+    """Offloaded chunks go to disk until the host fits; a host budget below what the host keeps
+    anyway (compute params, gradients, staging) or a disk too small for the chunks that must move
+    is refused in one line naming the host budget needed."""
+    cfg, params, batches, stages, layout, traces, cb = setup
+    kw = dict(flops_per_step=cfg.flops_per_token(T) * B * T, storage_devices=1)
+    with pytest.raises(PlanError) as e:
+        plan_schedule(layout, traces, cb, 1, **kw, host_budget_bytes=10**12)
+    floor = e.value.min_budget_bytes  # every chunk offloaded
+    fits = plan_schedule(layout, traces, cb, floor, **kw, host_budget_bytes=10**12)
+    assert fits.predicted.storage_chunks == 0 and fits.master_fetch == ()
+    with pytest.raises(PlanError) as e:
+        plan_schedule(layout, traces, cb, floor, host_budget_bytes=1000, **kw)
+    msg = str(e.value)
+    assert "\n" not in msg and "host budget 1000 bytes" in msg and "storage directory" in msg, msg
+    assert "use host_budget >=" in msg
+    half = fits.predicted.host_bytes // 2  # below every host chunk master-fetch: some chunks on disk
+    s = plan_schedule(layout, traces, cb, floor, host_budget_bytes=half, **kw)
+    assert s.predicted.storage_chunks >= 2 and s.predicted.host_bytes <= half
+    with pytest.raises(PlanError, match="even with 1 chunks'"):  # a disk that holds one chunk (two versions)
+        plan_schedule(layout, traces, cb, floor, host_budget_bytes=half, disk_budget_bytes=2 * cb.state + 1, **kw)
+    once = s.predicted.storage_chunks * cb.state + 1  # the state once on disk: half the space
+    one = plan_schedule(layout, traces, cb, floor, host_budget_bytes=half, disk_budget_bytes=once, disk_versions=1,
+                        **kw)
+    assert one.predicted.storage_chunks == s.predicted.storage_chunks
+    with pytest.raises(ValueError, match="policy='tide'"):
+        plan_schedule(layout, traces, cb, 10**12, policy="fixed", host_budget_bytes=10**9, **kw)
+
+
+def _state_files(dirs):
+    return sorted(f for d in dirs for f in os.listdir(d) if f.endswith(".bin"))
+
+
+def test_worker_stopped_or_killed_mid_step_then_resume(setup, tmp_path):
+    """A worker stopped mid-step (SIGSTOP: no reply within the timeout) or killed (SIGKILL: died)
+    fails the step's pending work with one line naming the worker and the last committed step;
+    the files stay at that step. A checkpoint saved before, restored into new storage directories,
+    continues bit-exactly as an uninterrupted run (the storage chunks' master params and moments
+    come from their files)."""
+    cfg, params, batches, stages, layout, traces, cb = setup
+    sched = _three_tier_schedule(setup, 0.5)
+    disk_c = [c for c, u in enumerate(sched.update_locations) if u == "storage"]
+
+    def make(d, timeout=60.0, keep=True):
+        return cj.make_chunked_step(stages, layout, sched, host_optimizer=SPEC, compute_dtype=jnp.float32,
+                                    storage=StorageOptions((str(d / "a"), str(d / "b")), timeout_s=timeout,
+                                                           fsync=False, keep_previous=keep))
+
+    # uninterrupted: 5 steps, a checkpoint after 3
+    step = make(tmp_path / "u")
+    state = step.init(params)
+    for b in batches[:3]:
+        state, _ = step(state, b)
+    ck.save_checkpoint(tmp_path / "ckpt", 3, step, state)
+    at3 = {c: state.master[c].read(c) for c in disk_c}
+    for b in batches[3:5]:
+        state, _ = step(state, b)
+    want = jax.tree.map(np.asarray, step.master_params(state))
+    state.master[disk_c[0]].close()
+
+    # stopped worker: the step's pending work fails within the timeout, files stay at step 3
+    dirs = [tmp_path / "s" / "a", tmp_path / "s" / "b"]
+    step2 = make(tmp_path / "s", timeout=8.0)  # above a spawned worker's start on a busy machine
+    st = step2.init(params)
+    for b in batches[:3]:
+        st, _ = step2(st, b)
+    step2.wait(st)
+    pid = st.master[disk_c[0]].opt.worker_pids[1]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        st, _ = step2(st, batches[3])
+        with pytest.raises(StorageError) as e:
+            step2.wait(st)
+        assert time.monotonic() - t0 < 30
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # stopped and killed by the step's failure
+            os.kill(pid, signal.SIGCONT)
+    msg = str(e.value)
+    assert "\n" not in msg and f"worker 1 (pid {pid}" in msg and "last committed step 3" in msg, msg
+    assert committed_step([str(d) for d in dirs]) == 3
+    with DiskTier(dirs, [layout.chunk_size] * len(disk_c)) as tier:  # a resume: step 3, the step-4 files gone
+        assert tier.committed_step == 3
+        assert not any("step000000004" in f for f in _state_files(dirs))
+        for k, c in enumerate(disk_c):
+            for a, b in zip(tier.read_chunk(k), at3[c]):
+                np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+
+    # killed worker: one line, "died"
+    step3 = make(tmp_path / "k")
+    st = step3.init(params)
+    st, _ = step3(st, batches[0])
+    step3.wait(st)
+    pid = st.master[disk_c[0]].opt.worker_pids[0]
+    os.kill(pid, signal.SIGKILL)
+    st, _ = step3(st, batches[1])
+    with pytest.raises(StorageError) as e:
+        step3.wait(st)
+    msg = str(e.value)
+    assert "\n" not in msg and "worker 0" in msg and "died" in msg and "last committed step 1" in msg, msg
+
+    # resume: the checkpoint restored into fresh directories, two more steps: bit-exact (with the
+    # state once on disk: each chunk's old file deleted once its new one is written)
+    step4 = make(tmp_path / "r", keep=False)
+    st, _ = ck.restore_checkpoint(tmp_path / "ckpt", step4)
+    for c in disk_c:
+        for a, b in zip(st.master[c].read(c), at3[c]):
+            np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+    assert st.master[disk_c[0]].committed_step == 3
+    for b in batches[3:5]:
+        st, _ = step4(st, b)
+    got = jax.tree.map(np.asarray, step4.master_params(st))  # waits for the last update
+    assert len(_state_files([tmp_path / "r" / "a", tmp_path / "r" / "b"])) == len(disk_c)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+    st.master[disk_c[0]].close()
+
+
+def test_full_disk_fails_the_step_in_one_line(setup, tmp_path, monkeypatch):
+    """A full disk (ENOSPC from the worker's writes: a tiny file-size limit in the worker) fails
+    the step with one line naming the directory; the files stay at the last committed step."""
+    cfg, params, batches, stages, layout, traces, cb = setup
+    sched = _three_tier_schedule(setup)
+    from chunkjax.storage import near
+    real = near.NearStorageOptimizer.__init__
+
+    def with_fault(self, *a, **kw):  # the tier's own fault hook: worker 0's file-size limit from step 2
+        real(self, *a, _fault=dict(worker=0, fsize_limit_at_step=2, fsize_limit=4096), **kw)
+
+    monkeypatch.setattr(near.NearStorageOptimizer, "__init__", with_fault)
+    d = tmp_path / "full"
+    step = cj.make_chunked_step(stages, layout, sched, host_optimizer=SPEC, compute_dtype=jnp.float32,
+                                storage=StorageOptions((str(d),), fsync=False))
+    st = step.init(params)
+    st, _ = step(st, batches[0])
+    step.wait(st)
+    st, _ = step(st, batches[1])
+    with pytest.raises(StorageError) as e:
+        step.wait(st)
+    msg = str(e.value)
+    assert "\n" not in msg and str(d) in msg and "full" in msg and "last committed step 1" in msg, msg
+    assert committed_step([str(d)]) == 1
+    st.master[sched.update_locations.index("storage")].close()
+
+
+def test_storage_options_and_step_checks(setup, tmp_path):
+    """Bad storage input is refused in one line before any file or process."""
+    cfg, params, batches, stages, layout, traces, cb = setup
+    sched = _three_tier_schedule(setup)
+    with pytest.raises(ValueError, match="no storage directories"):
+        cj.make_chunked_step(stages, layout, sched, host_optimizer=SPEC, compute_dtype=jnp.float32)
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(ValueError, match="is a file"):
+        cj.make_chunked_step(stages, layout, sched, host_optimizer=SPEC, storage=[str(f)])
+    with pytest.raises(ValueError, match="AdamW"):
+        cj.make_chunked_step(stages, layout, sched, host_optimizer=cj.host_update.Lion(1e-3),
+                             storage=[str(tmp_path / "d")])
+    s = dataclasses.replace(sched)
+    assert s.to_dict()["predicted"]["disk_bytes_per_step"] == sched.predicted.disk_bytes_per_step
+    assert cj.Schedule.from_dict(s.to_dict()) == s
