@@ -144,7 +144,7 @@ class Walk:
                 anchor = batch if x is None else x
                 # a device-resident frozen chunk is tied to the moment's input like a fetch: untied,
                 # XLA computes the slices/casts of its leaves at the program start and holds them
-                # until their forward use (every resident chunk's bytes once more: docs/benchmarks.md)
+                # until their forward use (the resident base once more: tests/test_lora.py)
                 p = ordered_after(anchor, params[c]) if c in self._frozen else params[c]
                 arrays[c] = topo.resident(p, anchor)
             else:
