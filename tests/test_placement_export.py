@@ -16,6 +16,7 @@ import pytest
 
 import chunkjax as cj
 from chunkjax.memory import sharding
+from chunkjax.plan import fetch_events
 from models import gpt
 
 
@@ -49,8 +50,9 @@ def _main_body(txt, sig):
 def _planned_fetch_sequence(step):
     n = len(step.stages)
     b = jax.ShapeDtypeStruct((2, 33), jnp.int32)
-    fwd = step._fetch_plan(list(range(n)), b)
-    bwd = step._fetch_plan(list(range(n - 2, -1, -1)), b)
+    f_ev, b_ev = fetch_events(step.traces(b), step.placement, step.prefetch)  # the fixed rule's fetches per stage
+    fwd = [f_ev[s] for s in range(n)]
+    bwd = [b_ev[s] for s in range(n - 2, -1, -1)]
     return [c for pos in fwd for c in pos] + [c for pos in bwd for c in pos]
 
 
