@@ -36,6 +36,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
+from chunkjax.host_memory import host_memory_available_bytes  # noqa: E402  (imports no JAX)
 
 #: The memory guard kills a job when MemAvailable falls below this (bytes).
 GUARD_BYTES = 6 * 2**30
@@ -61,18 +62,6 @@ def shape_config(shape: str):
     """The :class:`models.llama.LlamaConfig` of ``shape`` (module docstring)."""
     from experiments.gpu_checks.ft8b_plan import llama_shape
     return llama_shape({"narrow": "8b-narrow"}.get(shape, shape))
-
-
-def mem_available() -> int | None:
-    """``MemAvailable`` of /proc/meminfo (bytes) or None (read here: the runner imports no JAX)."""
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 # ---- prepare ---------------------------------------------------------------------------------
@@ -165,7 +154,7 @@ def run_job(cmd: list[str], log_path: str, limit_s: float, guard_bytes: int = GU
 
         def guard():
             while not done.wait(0.1):
-                avail = mem_available()
+                avail = host_memory_available_bytes()
                 if avail is not None:
                     state["min_avail"] = avail if state["min_avail"] is None else min(state["min_avail"], avail)
                 why = ("time" if time.time() - t > limit_s else
@@ -231,7 +220,7 @@ def run_jobs(shape: str, ck: str, out: str, names: list[str], until: float) -> d
     of it, the others their share less 30 s for the rest); returns the records."""
     os.makedirs(out, exist_ok=True)
     res = {"shape": shape, "host_ram_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-           "mem_available_bytes_before": mem_available()}
+           "mem_available_bytes_before": host_memory_available_bytes()}
     share = {"lora": 0.6, "full": 1.0}
     for k, name in enumerate(names):
         left = until - time.time()
