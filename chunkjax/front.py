@@ -8,6 +8,11 @@
         loss = step(batch)            # loss_fn(model, batch) -> scalar; step.metrics: loss, grad_norm
     step.sync(model)                  # the trained params and state written back into the model
 
+Once the step holds the parameters in its chunks, the model's own parameter arrays are released
+(:mod:`chunkjax.released`: the model keeps shapes and dtypes, not the data) when the plan offloads
+anything, so the model is not held twice in memory; ``step.sync(model)`` brings them back, and the
+model's forward before it raises one line saying so (``keep_model=True`` keeps them).
+
 The model's stages are found by :mod:`chunkjax.discover` (a block list or a scanned block, the parts
 before and after as their own stages); the parameters, gradients and optimizer state are chunked
 and placed by the tide plan through the one fit path (:func:`chunkjax.fit.prepare`, then
@@ -26,13 +31,35 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from chunkjax.discover import Discovery, discover
+from chunkjax.discover import Discovery, discover, path_key
 from chunkjax.errors import PlanError
 from chunkjax.fit import HEADROOM, auto_budget, batch_rows, describe, fit_problem, plan, prepare, resolve_budget
+from chunkjax.memory import DEVICE
+from chunkjax.released import ReleasedParam, ReleasedParamsError, is_released
+from chunkjax.schedule import DEVICE_UPDATE, NO_UPDATE
 
 
 def _abstract(tree):
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), tree)
+
+
+def offloads_anything(schedule) -> bool:
+    """Some chunk's compute params live off the device between steps, or its update runs off the
+    device's own resident state (streamed, host or storage)."""
+    return any(k != DEVICE for k in schedule.param_kinds) or any(
+        u not in (DEVICE_UPDATE, NO_UPDATE) for u in schedule.update_locations)
+
+
+def release_params(model, wrt) -> int:
+    """Replace the value of every ``wrt`` Variable of ``model`` by a :class:`chunkjax.released.ReleasedParam`
+    (its shape, dtype and path; ``nnx.update``), so that the arrays are freed once nothing else
+    holds them. Returns the bytes the model held (shape x itemsize, 0 for leaves already released)."""
+    from flax import nnx
+    flat, treedef = jax.tree_util.tree_flatten_with_path(nnx.state(model, wrt))
+    held = sum(0 if is_released(a) else int(np.size(a)) * np.dtype(a.dtype).itemsize for _, a in flat)
+    nnx.update(model, jax.tree.unflatten(treedef, [a if is_released(a) else ReleasedParam(np.shape(a), a.dtype, path_key(p))
+                                                   for p, a in flat]))
+    return held
 
 
 class OffloadedStep:
@@ -40,7 +67,9 @@ class OffloadedStep:
 
     ``step(batch) -> loss`` (() float32, the mean loss of the batch) runs one step: forward,
     backward and update of every chunk; ``step.metrics`` holds that step's ``loss`` and global
-    ``grad_norm``. The model itself is not touched until :meth:`sync`.
+    ``grad_norm``. The model's parameters are not written until :meth:`sync`; unless
+    :func:`offload` kept them (``keep_model``), its parameter arrays were released
+    (:attr:`released`) and :meth:`sync` brings them back.
 
     Attributes:
       discovery: the :class:`chunkjax.discover.Discovery` (stages, flat parameter keys).
@@ -48,6 +77,7 @@ class OffloadedStep:
       report: the :class:`chunkjax.fit.FitReport` (``schedule``, budgets, compiled check);
         ``problem``: the :class:`chunkjax.fit.FitProblem` (``layout``, traces).
       metrics: the last step's metrics (``loss``, ``grad_norm``), None before the first.
+      released_bytes: bytes of parameter arrays :func:`offload` released from the model (0: kept).
     """
 
     def __init__(self, discovery: Discovery, fitted, state, example):
@@ -55,6 +85,7 @@ class OffloadedStep:
         self.step, self.report, self.problem = fitted
         self.state = state
         self.metrics = None
+        self.released_bytes = 0
         self._example = example
         self._side = tuple(discovery.side_values[j] for j in discovery.mutable)
         self._batch_sharding = self.step.topology.batch_sharding()
@@ -134,7 +165,11 @@ class OffloadedStep:
     def sync(self, model) -> None:
         """Write the trained parameters (the float32 masters, cast to each leaf's dtype) and the
         non-parameter state the loss changed back into ``model`` (``nnx.update``). Waits for the
-        step's host updates.
+        step's host updates. A model whose parameters :func:`offload` (or :meth:`release`)
+        released gets arrays again: its forward, export or ``nnx.state`` work as before (the model
+        then holds a second copy of the parameters beside the step's chunks until
+        :meth:`release`). Before any step, the synced parameters are the model's initial ones,
+        bit for bit.
 
         Raises:
           ValueError: ``model``'s parameters differ from the offloaded model's (a missing or extra
@@ -150,6 +185,21 @@ class OffloadedStep:
             for j, v in zip(d.mutable, self._side):
                 side[j] = v
             nnx.update(model, jax.tree.unflatten(d.side_treedef, side))
+
+    def release(self, model) -> int:
+        """Release ``model``'s parameter arrays (the step holds the parameters in its chunks):
+        each ``wrt`` Variable keeps its shape and dtype, not its data
+        (:class:`chunkjax.released.ReleasedParam`); reading one, e.g. the model's forward, raises
+        :class:`chunkjax.released.ReleasedParamsError` in one line until :meth:`sync`. What
+        :func:`offload` does unless ``keep_model``; use it again after a :meth:`sync` (e.g. an
+        evaluation with the model's own forward). Returns the bytes released (shape x itemsize;
+        freed when nothing else holds the arrays).
+
+        Raises:
+          ValueError: ``model``'s parameters differ from the offloaded model's (as :meth:`sync`).
+        """
+        self.discovery.check_model(model)
+        return release_params(model, self.discovery.wrt)
 
     def wait(self) -> float | None:
         """Block until the last step's host updates are done; the seconds the host thread spent in
@@ -201,6 +251,11 @@ def _discover(model, loss_fn, batch, *, wrt, blocks, compute_dtype, abstract_ok:
     from flax import nnx
     wrt_ = nnx.Param if wrt is None else wrt
     graphdef, params, rest = nnx.split(model, wrt_, ...)
+    released = [a for a in jax.tree.leaves(params) if is_released(a)]
+    if released and not abstract_ok:
+        raise ReleasedParamsError(f"the model's parameters were released by an earlier chunkjax.offload (e.g. "
+                                  f"{released[0].path!r}): call that step's sync(model) first, or plan it with "
+                                  "chunkjax.plan_offload")
     if any(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(params)) and not abstract_ok:
         raise ValueError("offload needs a model with concrete parameters (this one is abstract, e.g. from "
                          "nnx.eval_shape): build it for real, or plan abstract shapes with chunkjax.plan_offload "
@@ -214,13 +269,14 @@ def _discover(model, loss_fn, batch, *, wrt, blocks, compute_dtype, abstract_ok:
 
 
 def _prepare(model, d: Discovery, leaves, tx, device_budget, host_budget, trainable, mesh, zero_stage, fit_kw):
-    """The fit problem of a discovered model (:func:`chunkjax.fit.prepare`); ``fit_kw`` loses
-    prepare's keywords. FLOPs: 3 x the forward's matrix products counted in the discovered loss
+    """The fit problem of a discovered model (:func:`chunkjax.fit.prepare`) and the step's params
+    dict, abstract (``ShapeDtypeStruct`` s: no array is copied); ``fit_kw`` loses prepare's
+    keywords. FLOPs: 3 x the forward's matrix products counted in the discovered loss
     (:attr:`Discovery.forward_flops`), unless ``flops_per_step`` is given."""
     if d.mutable and (mesh is not None or fit_kw.get("micro_batches", 1) != 1):
         raise ValueError("the loss changes non-parameter state (RNG streams, counters, batch statistics): run it on "
                          "one device with one micro-batch (mesh=None, micro_batches=1), or make those leaves constant")
-    params = d.layout_params(leaves)
+    params = d.layout_params([jax.ShapeDtypeStruct(np.shape(a), a.dtype) for a in leaves])
     if trainable is not None:
         fit_kw["trainable"] = _trainable_mask(model, d, trainable, params)
     fit_kw.setdefault("flops_per_step", 3.0 * d.forward_flops)
@@ -278,12 +334,17 @@ def plan_offload(model, tx, loss_fn, batch, *, device_budget: int | str | None =
 
 def offload(model, tx, loss_fn, batch, *, device_budget: int | str = "auto", host_budget: Any = "auto",
             wrt=None, trainable=None, blocks=None, compute_dtype=None, mesh=None, zero_stage: int = 0,
-            policy: str = "tide", **fit_kw) -> OffloadedStep:
+            policy: str = "tide", keep_model: bool | None = None, **fit_kw) -> OffloadedStep:
     """A chunked, offloaded train step for an NNX model.
 
     Args:
-      model: an ``nnx.Module``; its parameters initialise the step (the model is not changed
-        until :meth:`OffloadedStep.sync`).
+      model: an ``nnx.Module``; its parameters initialise the step, chunk by chunk (a scanned
+        block's stacked leaves are sliced one layer at a time: host memory holds the model and
+        the chunks, never a third copy). Then, unless ``keep_model``, its ``wrt`` arrays are
+        released (:meth:`OffloadedStep.release`): the model keeps shapes and dtypes, its forward
+        raises :class:`chunkjax.released.ReleasedParamsError` (one line) until
+        :meth:`OffloadedStep.sync` writes the step's parameters back. Its other state is not
+        changed until :meth:`OffloadedStep.sync`.
       tx: an elementwise optax transformation (offloaded chunks update streamed through the
         device), or a host spec (``chunkjax.host_update.AdamW / Lion / SGDMomentum``: offloaded
         chunks update on the host, its ``optax()`` twin updates the device chunks).
@@ -306,19 +367,27 @@ def offload(model, tx, loss_fn, batch, *, device_budget: int | str = "auto", hos
         ``jnp.bfloat16`` for mixed precision with float32 masters).
       mesh, zero_stage: a ``data`` mesh (:func:`chunkjax.data_mesh`) and ZeRO stage 1/2/3.
       policy: the planner's policy (default ``"tide"``).
+      keep_model: keep the model's parameter arrays (a second copy of the parameters beside the
+        step's chunks, in the memory they were built in). None (default): keep them only when
+        the plan offloads nothing (every chunk's params and update on the device,
+        :func:`offloads_anything`); one offloads because memory is short, and the model held
+        twice is what fills it (a 3B float32 model: 11.2 GiB of host memory). False: release
+        always.
       **fit_kw: the rest of :func:`chunkjax.fit_step` (chunk_size, min_chunks, prefetch,
         flops_per_step (default: 3 x the forward's matrix products counted in the traced loss),
         rates, check_compiled, strict, ...): this is the fit path's
         :func:`~chunkjax.fit.prepare` then :func:`~chunkjax.fit.fit_problem`.
 
     Returns:
-      an initialised :class:`OffloadedStep`.
+      an initialised :class:`OffloadedStep` (``released_bytes``: the parameter bytes released).
 
     Raises:
       TypeError: ``tx`` is neither an optax transformation nor a host spec; a keyword in
         ``fit_kw`` that the fit path does not take.
       ValueError: an abstract model (parameters ``ShapeDtypeStruct`` s, e.g. from ``nnx.eval_shape``:
         :func:`plan_offload` plans those).
+      chunkjax.released.ReleasedParamsError: the model's parameters were released by an earlier
+        ``offload`` (sync it from that step first).
       ValueError: see :func:`chunkjax.discover.discover` and :func:`chunkjax.fit.prepare` (a
         non-elementwise transformation, a batch without a row axis, ...); non-parameter state
         that the loss changes together with a mesh.
@@ -330,12 +399,34 @@ def offload(model, tx, loss_fn, batch, *, device_budget: int | str = "auto", hos
                                  abstract_ok=False)
     fit_args = {k: fit_kw.pop(k) for k in _FIT_ARGS if k in fit_kw}
     smallest = _is_min(device_budget)
-    params, problem = _prepare(model, d, leaves, tx, None if smallest else device_budget, host_budget, trainable,
-                               mesh, zero_stage, fit_kw)
+    _, problem = _prepare(model, d, leaves, tx, None if smallest else device_budget, host_budget, trainable, mesh,
+                          zero_stage, fit_kw)
     fitted = fit_problem(problem, smallest_budget(problem, policy) if smallest else device_budget, policy=policy,
                          **fit_args)
-    state = fitted.step.init(params)
-    return OffloadedStep(d, fitted, state, d.example)
+    state = fitted.step.init(_leaf_source(d, leaves, fitted.step.layout))
+    del leaves
+    out = OffloadedStep(d, fitted, state, d.example)
+    if not (keep_model if keep_model is not None else not offloads_anything(out.schedule)):
+        out.released_bytes = release_params(model, d.wrt)
+    return out
+
+
+def _leaf_source(d: Discovery, leaves, layout):
+    """``leaf_at(i)`` for :meth:`chunkjax.ChunkedStep.init`: slot ``i``'s array from the model's
+    ``wrt`` leaves; a scanned block's per-layer leaf is sliced from its stacked leaf when drawn (a
+    layer at a time, not a copy of every stacked leaf at once)."""
+    by_key = dict(zip(d.param_keys, leaves))
+    layer_of = {kk: (k, i) for k, kks in d.per_layer.items() for i, kk in enumerate(kks)}
+    index = layout.treedef.unflatten(list(range(len(layout.slots))))  # params key -> slot index
+    keys = [k for k, _ in sorted(index.items(), key=lambda kv: kv[1])]
+
+    def leaf_at(i: int):
+        k = keys[i]
+        if k in layer_of:
+            stacked, layer = layer_of[k]
+            return by_key[stacked][layer]
+        return by_key[k]
+    return leaf_at
 
 
 _FIT_ARGS = ("resident", "check_compiled", "strict")  # fit_problem's; the rest of **fit_kw goes to prepare
