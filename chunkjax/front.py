@@ -57,8 +57,10 @@ def release_params(model, wrt) -> int:
     from flax import nnx
     flat, treedef = jax.tree_util.tree_flatten_with_path(nnx.state(model, wrt))
     held = sum(0 if is_released(a) else int(np.size(a)) * np.dtype(a.dtype).itemsize for _, a in flat)
-    nnx.update(model, jax.tree.unflatten(treedef, [a if is_released(a) else ReleasedParam(np.shape(a), a.dtype, path_key(p))
-                                                   for p, a in flat]))
+    nnx.update(model, jax.tree.unflatten(treedef, [
+        a if is_released(a) else
+        ReleasedParam(np.shape(a), a.dtype, path_key(p), a.sharding if isinstance(a, jax.Array) else None)
+        for p, a in flat]))
     return held
 
 
@@ -178,13 +180,54 @@ class OffloadedStep:
         from flax import nnx
         d = self.discovery
         d.check_model(model)
-        flat = self.step.master_params(self.state)
-        nnx.update(model, jax.tree.unflatten(d.param_treedef, d.stack(flat)))
+        if jax.process_count() == 1:
+            leaves = self._synced_leaves(jax.tree.leaves(nnx.state(model, d.wrt)))
+        else:  # the masters gathered from every process (a collective)
+            leaves = d.stack(self.step.master_params(self.state))
+        nnx.update(model, jax.tree.unflatten(d.param_treedef, leaves))
         if d.mutable:
             side = list(d.side_values)
             for j, v in zip(d.mutable, self._side):
                 side[j] = v
             nnx.update(model, jax.tree.unflatten(d.side_treedef, side))
+
+    def _synced_leaves(self, now: list) -> list:
+        """The ``wrt`` leaves (leaf order, their own dtypes) built on the host from the step's
+        float32 masters one chunk at a time (:meth:`chunkjax.ChunkedStep.checkpoint_master`; a
+        scanned block's layers into their stacked leaf), each put where the model's leaf ``now``
+        lives (its sharding, or a released one's; else the default device) once complete: the
+        device never holds every master at once, the host one chunk beside the leaves."""
+        d, step, lay = self.discovery, self.step, self.step.layout
+        step.wait(self.state)
+        pos = {k: j for j, k in enumerate(d.param_keys)}
+        layer_of = {kk: (k, i) for k, kks in d.per_layer.items() for i, kk in enumerate(kks)}
+        avals = [d.param_avals[k] for k in d.param_keys]
+        target = []  # slot -> (leaf, element offset of the slot in the leaf)
+        for key in _slot_keys(lay):
+            stacked, layer = layer_of.get(key, (key, 0))
+            target.append((pos[stacked], layer * math.prod(avals[pos[stacked]].shape[1:])))
+        left = [math.prod(a.shape) for a in avals]
+        out, bufs = [None] * len(avals), {}
+
+        def place(j, a):
+            where = getattr(now[j], "sharding", None) if isinstance(now[j], jax.Array) or is_released(now[j]) else None
+            out[j] = jnp.asarray(a) if where is None else jax.device_put(a, where)
+
+        for c in range(lay.n_chunks):
+            master = step.checkpoint_master(self.state, c)
+            for i, p in lay.chunk_pieces(c):
+                j, off = target[i]
+                if j not in bufs:
+                    bufs[j] = np.empty(left[j], avals[j].dtype)
+                bufs[j][off + p.leaf_offset:off + p.leaf_offset + p.size] = master[p.offset:p.offset + p.size]
+                left[j] -= p.size
+                if left[j] == 0:
+                    place(j, bufs.pop(j).reshape(avals[j].shape))
+            del master
+        for j, a in enumerate(avals):  # leaves without elements
+            if out[j] is None:
+                place(j, np.zeros(a.shape, a.dtype))
+        return out
 
     def release(self, model) -> int:
         """Release ``model``'s parameter arrays (the step holds the parameters in its chunks):
@@ -411,14 +454,19 @@ def offload(model, tx, loss_fn, batch, *, device_budget: int | str = "auto", hos
     return out
 
 
+def _slot_keys(layout) -> list:
+    """The step's params keys in ``layout.slots`` order."""
+    index = layout.treedef.unflatten(list(range(len(layout.slots))))  # params key -> slot index
+    return [k for k, _ in sorted(index.items(), key=lambda kv: kv[1])]
+
+
 def _leaf_source(d: Discovery, leaves, layout):
     """``leaf_at(i)`` for :meth:`chunkjax.ChunkedStep.init`: slot ``i``'s array from the model's
     ``wrt`` leaves; a scanned block's per-layer leaf is sliced from its stacked leaf when drawn (a
     layer at a time, not a copy of every stacked leaf at once)."""
     by_key = dict(zip(d.param_keys, leaves))
     layer_of = {kk: (k, i) for k, kks in d.per_layer.items() for i, kk in enumerate(kks)}
-    index = layout.treedef.unflatten(list(range(len(layout.slots))))  # params key -> slot index
-    keys = [k for k, _ in sorted(index.items(), key=lambda kv: kv[1])]
+    keys = _slot_keys(layout)
 
     def leaf_at(i: int):
         k = keys[i]

@@ -36,18 +36,21 @@ def _raise(self, *args, **kwargs):
 
 class ReleasedParam:
     """The value of a released ``nnx.Variable``: its ``shape`` (tuple of ints), ``dtype``
-    (``np.dtype``) and ``path`` (``"blocks/0/wq/kernel"``), no data. ``size`` and ``ndim`` as an
-    array's; any read of the data raises :class:`ReleasedParamsError` (one line).
+    (``np.dtype``), ``path`` (``"blocks/0/wq/kernel"``) and ``sharding`` (where the released
+    array lived, None for a numpy value: ``sync`` puts the parameter back there), no data.
+    ``size`` and ``ndim`` as an array's; any read of the data raises :class:`ReleasedParamsError`
+    (one line).
 
     JAX reads the data through ``__jax_array__`` (``jnp`` functions, and abstractification for
     ``jax.jit`` arguments, which looks the attribute up: here a property that raises), NumPy
     through ``__array__``; indexing, iteration, conversion and arithmetic raise as well.
     """
 
-    __slots__ = ("shape", "dtype", "path")
+    __slots__ = ("shape", "dtype", "path", "sharding")
 
-    def __init__(self, shape, dtype, path: str):
+    def __init__(self, shape, dtype, path: str, sharding=None):
         self.shape, self.dtype, self.path = tuple(int(n) for n in shape), np.dtype(dtype), str(path)
+        self.sharding = sharding
 
     @property
     def size(self) -> int:

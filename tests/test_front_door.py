@@ -532,11 +532,14 @@ def _param_bytes(model) -> int:
 
 @pytest.fixture(scope="module")
 def released():
-    """A scanned model of a few MB offloaded with every chunk in pinned_host: the live arrays
-    before and after, weak references to its parameter arrays, a copy of its initial params."""
+    """A scanned model of a few MB, built on another device than the step's (as a model built in
+    host memory for a GPU step), offloaded with every chunk in pinned_host: the live arrays before
+    and after, weak references to its parameter arrays, a copy of its initial params."""
     import gc
     import weakref
-    model, batch = ScannedLM(vocab=256, d=256, layers=4, rngs=nnx.Rngs(0)), token_batches(n=1)[0]
+    with jax.default_device(jax.devices()[-1]):
+        model = ScannedLM(vocab=256, d=256, layers=4, rngs=nnx.Rngs(0))
+    batch = token_batches(n=1)[0]
     initial = jax.tree.map(np.array, nnx.state(model, nnx.Param))
     arrays = jax.tree.leaves(nnx.state(model, nnx.Param))
     refs, model_bytes = [weakref.ref(a) for a in arrays], sum(a.nbytes for a in arrays)
@@ -585,6 +588,7 @@ def test_sync_brings_back_bit_identical_params_and_release_again(released):
     for (path, a), (_, b) in zip(jax.tree_util.tree_leaves_with_path(initial),
                                  jax.tree_util.tree_leaves_with_path(got)):
         assert b.dtype == a.dtype and np.array_equal(np.asarray(b), a), path
+        assert b.devices() == {jax.devices()[-1]}, path  # back where the model was built
     assert np.isfinite(float(lm_loss(model, batch)))  # the model's own forward runs again
     assert step.release(model) == model_bytes and _param_bytes(model) == 0
     with pytest.raises(chunkjax.released.ReleasedParamsError):
