@@ -44,7 +44,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from chunkjax.cost import matmul_flops
-from chunkjax.released import is_released
 from chunkjax.stages import Stage
 
 #: Name of the ``jit`` that a marked block call runs in (one top-level equation per call).
@@ -370,17 +369,12 @@ class Discovery:
 
     # ---- flat params ---------------------------------------------------------------------------
     def layout_params(self, param_leaves) -> dict:
-        """The step's params dict (per-layer leaves for a scanned block) from the ``wrt`` state's
-        leaves (arrays, ``ShapeDtypeStruct`` s or released parameters, leaf order; a scanned
-        block's array leaves are sliced: a copy of each)."""
+        """The step's params dict of ``ShapeDtypeStruct`` s (per-layer leaves for a scanned block)
+        from the ``wrt`` state's leaves (anything with a shape and dtype, leaf order)."""
         out = {}
         for k, a in zip(self.param_keys, param_leaves):
-            if k in self.per_layer:
-                abstract = isinstance(a, jax.ShapeDtypeStruct) or is_released(a)
-                for i, kk in enumerate(self.per_layer[k]):
-                    out[kk] = jax.ShapeDtypeStruct(a.shape[1:], a.dtype) if abstract else a[i]
-            else:
-                out[k] = a
+            shape = tuple(np.shape(a))[1:] if k in self.per_layer else np.shape(a)
+            out.update((kk, jax.ShapeDtypeStruct(shape, a.dtype)) for kk in self.per_layer.get(k, (k,)))
         return out
 
     def stack(self, flat: dict) -> list:

@@ -319,7 +319,7 @@ def _prepare(model, d: Discovery, leaves, tx, device_budget, host_budget, traina
     if d.mutable and (mesh is not None or fit_kw.get("micro_batches", 1) != 1):
         raise ValueError("the loss changes non-parameter state (RNG streams, counters, batch statistics): run it on "
                          "one device with one micro-batch (mesh=None, micro_batches=1), or make those leaves constant")
-    params = d.layout_params([jax.ShapeDtypeStruct(np.shape(a), a.dtype) for a in leaves])
+    params = d.layout_params(leaves)
     if trainable is not None:
         fit_kw["trainable"] = _trainable_mask(model, d, trainable, params)
     fit_kw.setdefault("flops_per_step", 3.0 * d.forward_flops)

@@ -579,6 +579,7 @@ def test_released_model_forward_is_one_line(released):
     with pytest.raises(chunkjax.released.ReleasedParamsError, match=r"sync\(model\) first") as e:
         chunkjax.offload(model, optax.adamw(1e-3), lm_loss, batch)
     assert "\n" not in str(e.value)
+    assert chunkjax.plan_offload(model, optax.adamw(1e-3), lm_loss, batch).problem.layout == step.layout
 
 
 def test_sync_brings_back_bit_identical_params_and_release_again(released):
