@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from chunkjax.cost import Rates, matmul_flops
 from chunkjax.errors import PlanError
 from chunkjax.host_memory import (HostMemoryError, check_host_lower_bound, check_host_need, check_pinned_host,
-                                  host_memory_available_bytes, process_bytes,
+                                  available_for_plan, process_bytes,
                                   schedule_host_need)
 from chunkjax.layout import ChunkLayout, build_layout, first_use_order
 from chunkjax.optim import check_elementwise, state_bytes_per_chunk
@@ -338,7 +338,7 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
     cb = chunk_bytes(layout, compute_dtype, state_bytes_per_chunk(tx, layout.chunk_size))
     cb_rank = cb.per_rank(n_ranks, zero_stage) if zero_stage else cb
     platform = jax.default_backend()
-    avail = host_memory_available_bytes() if check_host else None
+    avail = available_for_plan(platform) if check_host else None
     device_budget = None if device_budget is None else resolve_budget(device_budget)
     from chunkjax.storage.updater import disk_capacity, storage_options
     storage = storage_options(storage)
@@ -449,7 +449,7 @@ def host_need(problem: FitProblem, schedule) -> dict:
 
 def check_host_memory(problem: FitProblem, schedule, available: int | None = None) -> dict:
     """:func:`host_need` of ``schedule`` against ``available`` bytes (default
-    :func:`host_memory_available_bytes`); returns the need with ``available_bytes``.
+    :func:`chunkjax.host_memory.available_for_plan`); returns the need with ``available_bytes``.
 
     Raises:
       HostMemoryError: the need exceeds what is available (one line: what to change).

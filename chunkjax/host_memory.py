@@ -113,6 +113,21 @@ def check_pinned_host(need_bytes: int, platform: str, env=None) -> None:
                     0, False)
 
 
+def held_pinned_pool_bytes(platform: str, env=None) -> int:
+    """Bytes of the runtime's pinned pool already taken from the machine when the backend has
+    started: on a GPU with ``$XLA_PJRT_GPU_HOST_MEMORY_PREALLOCATE`` the whole cap (``MemAvailable``
+    no longer counts it, and every host need counts it again), else 0 (the pool grows with use)."""
+    return pinned_host_limit_bytes(platform, env) if platform == "gpu" and pinned_pool_preallocated(env) else 0
+
+
+def available_for_plan(platform: str, env=None) -> int | None:
+    """Host bytes a plan may need in all (bytes): ``MemAvailable`` plus what the process already
+    holds of the pinned pool (:func:`held_pinned_pool_bytes`), None where ``MemAvailable`` cannot be
+    read."""
+    avail = host_memory_available_bytes()
+    return None if avail is None else avail + held_pinned_pool_bytes(platform, env)
+
+
 def host_need(pinned: int, pageable: int, device_on_host: int, process: int, platform: str, env=None) -> dict:
     """The host bytes of a run, by kind, and their sum as the machine sees it (bytes):
     ``pinned_host_bytes`` (what the plan keeps pinned, its peak), ``pinned_pool_bytes`` (what the
@@ -236,13 +251,13 @@ def check_host_need(need: dict, what: str, platform: str, available: int | None 
     """Refuse ``need`` (a :func:`host_need` dict of bytes: ``pinned_host_bytes``,
     ``pinned_pool_bytes``, ``pageable_bytes``, ``device_on_host_bytes``, ``process_bytes``,
     ``need_bytes``) when it
-    exceeds ``available`` (default :func:`host_memory_available_bytes`); returns it with
+    exceeds ``available`` (default :func:`available_for_plan`); returns it with
     ``available_bytes``. Used by every path that builds a step or optimizer from a budget.
 
     Raises:
       HostMemoryError: one line saying what to change.
     """
-    avail = host_memory_available_bytes() if available is None else available
+    avail = available_for_plan(platform) if available is None else available
     if avail is not None and need["need_bytes"] > avail:
         _refuse_host(need, avail, what, _host_fix(platform, need, avail))
     return dict(need, available_bytes=avail)
@@ -278,7 +293,9 @@ def check_host_lower_bound(layout, cb, platform: str, n_ranks: int = 1,
         low = max(0, model - n_ranks * device_budget)
     else:
         return
-    need = host_need(0, int(low), 0, process_bytes(layout, platform), platform)
+    # a preallocated pinned pool may hold part of the model data: the least total is the larger
+    need = host_need(0, max(0, int(low) - held_pinned_pool_bytes(platform)), 0, process_bytes(layout, platform),
+                     platform)
     if need["need_bytes"] > available:
         _refuse_host(need, available, f"the model data alone ({model / 2**30:.1f} GiB in {layout.n_chunks} chunks)",
                      _host_fix(platform))

@@ -93,3 +93,28 @@ def test_fit_replans_with_a_lower_host_budget_when_the_pool_puts_it_over(problem
     with pytest.raises(HostMemoryError) as e:
         fit.fit_problem(problem, budget, check_compiled=False)
     assert "\n" not in str(e.value) and e.value.need_bytes == need["need_bytes"]
+
+
+def test_a_preallocated_pool_is_counted_once(monkeypatch):
+    """With XLA_PJRT_GPU_HOST_MEMORY_PREALLOCATE the pool is taken when the backend starts: MemAvailable no
+    longer counts it and the need counts it, so what a plan may need is MemAvailable plus the pool (the
+    lent H200 refused the 8B full fine-tuning with 78.2 GiB 'available' beside a 43 GiB pool it held)."""
+    pre = {"XLA_PJRT_GPU_HOST_MEMORY_PREALLOCATE": "true", "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": "43"}
+    monkeypatch.setattr(host_memory, "host_memory_available_bytes", lambda: 78 * GiB)
+    assert host_memory.available_for_plan("gpu", pre) == (78 + 43) * GiB
+    assert host_memory.available_for_plan("gpu", {}) == 78 * GiB
+    assert host_memory.available_for_plan("cpu", pre) == 78 * GiB
+    for k, v in pre.items():
+        monkeypatch.setenv(k, v)
+
+    class Lay:
+        n_chunks, chunk_size = 146, 55 * 2**20
+
+    class CB:
+        def model_bytes(self, n):
+            return int(109.8 * GiB)
+    # 109.8 GiB of model data, 24 GiB on the device: 85.8 GiB on the host, 43 of them may be pinned
+    host_memory.check_host_lower_bound(Lay(), CB(), "gpu", 1, 24 * GiB, available=(78 + 43) * GiB)
+    with pytest.raises(HostMemoryError) as e:
+        host_memory.check_host_lower_bound(Lay(), CB(), "gpu", 1, 24 * GiB, available=80 * GiB)
+    assert e.value.need_bytes == int(85.8 * GiB) + host_memory.process_bytes(Lay(), "gpu")

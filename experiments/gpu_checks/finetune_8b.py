@@ -138,7 +138,8 @@ def job_command(shape: str, ck: str, out: str, name: str) -> list[str]:
               "--eval-every", str(steps), "--eval-batches", "1", "--sample-tokens", "0", "--checkpoint-every", "0",
               "--no-progress", "--warmup", "0"]
     return [sys.executable, "-m", "experiments.train", "--init-from", os.path.join(ck, "model"), "--data",
-            os.path.join(ck, "corpus.txt"), *common, "--out-dir", os.path.join(ck, f"runs_{name}"), *JOBS[name]]
+            os.path.join(ck, "corpus.txt"), *common, "--out-dir", os.path.join(ck, f"runs_{name}"), *JOBS[name],
+            *shlex.split(os.environ.get(f"FT8B_{name.upper()}_ARGS", ""))]
 
 
 def run_job(cmd: list[str], log_path: str, limit_s: float, guard_bytes: int = GUARD_BYTES) -> dict:
