@@ -71,7 +71,7 @@ class OffloadedStep:
     backward and update of every chunk; ``step.metrics`` holds that step's ``loss`` and global
     ``grad_norm``. The model's parameters are not written until :meth:`sync`; unless
     :func:`offload` kept them (``keep_model``), its parameter arrays were released
-    (:attr:`released`) and :meth:`sync` brings them back.
+    (``released_bytes``) and :meth:`sync` brings them back.
 
     Attributes:
       discovery: the :class:`chunkjax.discover.Discovery` (stages, flat parameter keys).
@@ -218,7 +218,7 @@ class OffloadedStep:
             for i, p in lay.chunk_pieces(c):
                 j, off = target[i]
                 if j not in bufs:
-                    bufs[j] = np.empty(left[j], avals[j].dtype)
+                    bufs[j] = np.empty(math.prod(avals[j].shape), avals[j].dtype)
                 bufs[j][off + p.leaf_offset:off + p.leaf_offset + p.size] = master[p.offset:p.offset + p.size]
                 left[j] -= p.size
                 if left[j] == 0:
@@ -312,9 +312,8 @@ def _discover(model, loss_fn, batch, *, wrt, blocks, compute_dtype, abstract_ok:
 
 
 def _prepare(model, d: Discovery, leaves, tx, device_budget, host_budget, trainable, mesh, zero_stage, fit_kw):
-    """The fit problem of a discovered model (:func:`chunkjax.fit.prepare`) and the step's params
-    dict, abstract (``ShapeDtypeStruct`` s: no array is copied); ``fit_kw`` loses prepare's
-    keywords. FLOPs: 3 x the forward's matrix products counted in the discovered loss
+    """The fit problem of a discovered model (:func:`chunkjax.fit.prepare`, on the abstract params
+    dict: no array is copied); ``fit_kw`` loses prepare's keywords. FLOPs: 3 x the forward's matrix products counted in the discovered loss
     (:attr:`Discovery.forward_flops`), unless ``flops_per_step`` is given."""
     if d.mutable and (mesh is not None or fit_kw.get("micro_batches", 1) != 1):
         raise ValueError("the loss changes non-parameter state (RNG streams, counters, batch statistics): run it on "
@@ -327,9 +326,8 @@ def _prepare(model, d: Discovery, leaves, tx, device_budget, host_budget, traina
     side = tuple(jax.ShapeDtypeStruct((rows,) + tuple(np.shape(d.side_values[j])), d.side_values[j].dtype)
                  for j in d.mutable)
     prep = {k: fit_kw.pop(k) for k in list(fit_kw) if k not in _FIT_ARGS}
-    return params, prepare(d.stages, _abstract(params), (d.example, side), device_budget=device_budget,
-                           host_budget=host_budget, compute_dtype=d.compute_dtype, mesh=mesh, zero_stage=zero_stage,
-                           **_optimizer_kw(tx), **prep)
+    return prepare(d.stages, params, (d.example, side), device_budget=device_budget, host_budget=host_budget,
+                   compute_dtype=d.compute_dtype, mesh=mesh, zero_stage=zero_stage, **_optimizer_kw(tx), **prep)
 
 
 def _is_min(device_budget) -> bool:
@@ -366,8 +364,8 @@ def plan_offload(model, tx, loss_fn, batch, *, device_budget: int | str | None =
     model, d, leaves = _discover(model, loss_fn, batch, wrt=wrt, blocks=blocks, compute_dtype=compute_dtype,
                                  abstract_ok=True)
     smallest = _is_min(device_budget)
-    _, problem = _prepare(model, d, leaves, tx, None if smallest else device_budget, host_budget, trainable, mesh,
-                          zero_stage, dict(prepare_kw))
+    problem = _prepare(model, d, leaves, tx, None if smallest else device_budget, host_budget, trainable, mesh,
+                       zero_stage, dict(prepare_kw))
     if device_budget is None:
         return OffloadPlan(d, problem, None, None)
     budget = resolve_budget(device_budget) if not smallest else smallest_budget(problem, policy)
@@ -442,8 +440,8 @@ def offload(model, tx, loss_fn, batch, *, device_budget: int | str = "auto", hos
                                  abstract_ok=False)
     fit_args = {k: fit_kw.pop(k) for k in _FIT_ARGS if k in fit_kw}
     smallest = _is_min(device_budget)
-    _, problem = _prepare(model, d, leaves, tx, None if smallest else device_budget, host_budget, trainable, mesh,
-                          zero_stage, fit_kw)
+    problem = _prepare(model, d, leaves, tx, None if smallest else device_budget, host_budget, trainable, mesh,
+                       zero_stage, fit_kw)
     fitted = fit_problem(problem, smallest_budget(problem, policy) if smallest else device_budget, policy=policy,
                          **fit_args)
     state = fitted.step.init(_leaf_source(d, leaves, fitted.step.layout))
