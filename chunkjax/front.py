@@ -35,7 +35,7 @@ from chunkjax.discover import Discovery, discover, path_key
 from chunkjax.errors import PlanError
 from chunkjax.fit import HEADROOM, auto_budget, batch_rows, describe, fit_problem, plan, prepare, resolve_budget
 from chunkjax.memory import DEVICE
-from chunkjax.released import ReleasedParam, ReleasedParamsError, is_released
+from chunkjax.released import ReleasedParam, ReleasedParamsError, is_released, trim_host_heap
 from chunkjax.schedule import DEVICE_UPDATE, NO_UPDATE
 
 
@@ -52,15 +52,18 @@ def offloads_anything(schedule) -> bool:
 
 def release_params(model, wrt) -> int:
     """Replace the value of every ``wrt`` Variable of ``model`` by a :class:`chunkjax.released.ReleasedParam`
-    (its shape, dtype and path; ``nnx.update``), so that the arrays are freed once nothing else
-    holds them. Returns the bytes the model held (shape x itemsize, 0 for leaves already released)."""
+    (its shape, dtype, path and sharding; ``nnx.update``), so that the arrays are freed once
+    nothing else holds them, and the C heap's free pages go back to the OS
+    (:func:`chunkjax.released.trim_host_heap`). Returns the bytes the model held (shape x itemsize, 0 for leaves already released)."""
     from flax import nnx
     flat, treedef = jax.tree_util.tree_flatten_with_path(nnx.state(model, wrt))
     held = sum(0 if is_released(a) else int(np.size(a)) * np.dtype(a.dtype).itemsize for _, a in flat)
-    nnx.update(model, jax.tree.unflatten(treedef, [
-        a if is_released(a) else
-        ReleasedParam(np.shape(a), a.dtype, path_key(p), a.sharding if isinstance(a, jax.Array) else None)
-        for p, a in flat]))
+    placeholders = [a if is_released(a) else
+                    ReleasedParam(np.shape(a), a.dtype, path_key(p), a.sharding if isinstance(a, jax.Array) else None)
+                    for p, a in flat]
+    del flat  # the last references this function holds
+    nnx.update(model, jax.tree.unflatten(treedef, placeholders))
+    trim_host_heap()
     return held
 
 

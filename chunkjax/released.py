@@ -16,6 +16,7 @@ step's parameters back (``nnx.update``), which makes the model concrete again.
 """
 from __future__ import annotations
 
+import ctypes
 import math
 
 import numpy as np
@@ -89,3 +90,14 @@ del _op
 def is_released(value) -> bool:
     """``value`` is a :class:`ReleasedParam`."""
     return isinstance(value, ReleasedParam)
+
+
+def trim_host_heap() -> None:
+    """Return the C heap's free pages to the OS (glibc ``malloc_trim(0)``; nothing elsewhere), so
+    that released arrays that were below glibc's mmap threshold leave the process's RSS too
+    (measured on the CPU: without it about 60 % of a 0.6 GiB model's bytes left the RSS, with it
+    all of them)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
