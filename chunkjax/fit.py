@@ -380,6 +380,36 @@ def plan(problem: FitProblem, budget_bytes: int, *, policy: str = "tide", reside
       chunkjax.PlanError: nothing fits (the message gives the smallest budget that does).
     """
     p = problem
+    kw = dict(policy=policy, resident=resident, must_fit=must_fit)
+    try:
+        return _plan(p, budget_bytes, split=split, **kw)
+    except PlanError as e:
+        # a host that cannot hold the streamed chunks' pinned state may hold them updated on the host
+        if not (split and p.host_budget_bytes is not None and str(e).startswith("host budget")):
+            raise
+        try:
+            return _plan(p, budget_bytes, split=False, **kw)
+        except PlanError:
+            raise e from None
+
+
+def _host_bytes_of(problem: FitProblem):
+    """``schedule -> bytes`` the planner compares with the host budget on one device: what the
+    machine gives the run beyond the process (the runtime's pinned pool as it grows,
+    :func:`chunkjax.host_memory.pinned_pool_bytes`, plus pageable bytes), or more than any
+    budget when the pinned bytes exceed the runtime's pinned-pool cap."""
+    from chunkjax.host_memory import pinned_host_limit_bytes
+    cap = pinned_host_limit_bytes(problem.platform)
+
+    def of(s) -> int:
+        need = host_need(problem, s)
+        if cap is not None and need["pinned_host_bytes"] > cap:
+            return 2**62
+        return need["pinned_pool_bytes"] + need["pageable_bytes"]
+    return of
+
+
+def _plan(p: FitProblem, budget_bytes: int, *, policy, resident, must_fit, split):
     return plan_schedule(p.layout, p.traces, p.cb, int(budget_bytes), policy=policy, ranks=p.n_ranks,
                          zero_stage=p.zero_stage or None, host_budget_bytes=p.host_budget_bytes,
                          prefetch=p.prefetch, segments=p.segments, flops_per_step=p.flops_per_step, rates=p.rates,
@@ -389,7 +419,8 @@ def plan(problem: FitProblem, budget_bytes: int, *, policy: str = "tide", reside
                                                      loss_scaling=p.loss_scaling,
                                                      micro_batches=p.micro_batches, n_ranks=p.n_ranks),
                          storage_devices=p.storage_devices, disk_budget_bytes=p.disk_budget_bytes,
-                         disk_versions=p.storage.disk_versions if p.storage is not None else 2)
+                         disk_versions=p.storage.disk_versions if p.storage is not None else 2,
+                         host_bytes_of=_host_bytes_of(p) if p.n_ranks == 1 and p.host_budget_bytes is not None else None)
 
 
 def build_step(problem: FitProblem, schedule):
@@ -479,7 +510,8 @@ def _fit_host(problem: FitProblem, sched, replan) -> tuple:
             first = first or e
             if replan is None or problem.host_budget_bytes is None:
                 raise first from None
-            held = min(problem.host_budget_bytes, problem.n_ranks * sched.predicted.host_bytes)
+            need = host_need(problem, sched)
+            held = min(problem.host_budget_bytes, need["need_bytes"] - need["process_bytes"] - need["device_on_host_bytes"])
             lower = held - (e.need_bytes - e.available_bytes) - problem.cb.params
             if lower <= 0:
                 raise first from None
