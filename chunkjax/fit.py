@@ -585,9 +585,11 @@ def fit_problem(problem: FitProblem, device_budget="auto", *, policy: str = "tid
         effective = min(int(effective * HEADROOM * budget / mem["peak_bytes"]),
                         int(HEADROOM * budget) - missed) - problem.cb_rank.params
         try:
-            sched = plan(problem, effective, policy=policy)
+            # the compiler kept more than the whole budget beyond the accounting: only the floor is left
+            sched = plan(problem, max(1, effective), policy=policy)
         except PlanError as e:
-            notes.append(f"re-plan for {effective} bytes failed: {e}")
+            notes.append(f"re-plan for {effective} bytes failed: {e}" if effective > 0 else
+                         f"the compiled step kept {missed} bytes beyond the accounted peak: re-planned at the floor")
             if floor_tried or e.min_budget_bytes <= effective:
                 break
             # the accounting's smallest plan (every chunk offloaded) may still compile under the headroom
