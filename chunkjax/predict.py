@@ -36,8 +36,9 @@ from chunkjax.trace import StageTrace
 
 #: float32 bytes per element: master params, gradient accumulators, update temporaries
 F32_BYTES = 4
-#: Staging buffers (one chunk's master params and state each) per storage directory: the
-#: near-storage worker's :class:`chunkjax.storage.tier.DiskTier` default, host memory of the disk tier
+#: Staging buffers (one chunk's master params and state each) per storage directory: the bound of
+#: the near-storage worker's read-ahead (``StorageOptions.staging_buffers``: it reads this many
+#: minus one chunks before the step's norm is known), host memory of the disk tier
 STORAGE_STAGING_BUFFERS = 3
 
 
