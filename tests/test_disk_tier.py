@@ -317,7 +317,8 @@ def test_near_storage_begin_finish_in_gradient_order(tmp_path):
     ``finish`` with the gradients in any order, as pairs that come one by one; a non-finite norm
     skips the step unwritten, ``abandon`` drops a begun step, a norm-free step takes its scalars
     with the header. Every path gives the same bits as ``step``."""
-    from chunkjax.storage.near import SKIP_STEP, NearStorageOptimizer
+    from chunkjax.storage.near import NearStorageOptimizer
+    from chunkjax.storage.pool import SKIP_STEP
     rng = np.random.default_rng(0)
     sizes = [4096] * 5
     init = [rng.standard_normal(n).astype(np.float32) for n in sizes]

@@ -45,7 +45,7 @@ from chunkjax.kernels import AdamW
 from chunkjax.predict import STORAGE_STAGING_BUFFERS
 from chunkjax.schedule import STORAGE_UPDATE
 from chunkjax.storage.files import _CHUNK_RE, clear_run
-from chunkjax.storage.near import SKIP_STEP
+from chunkjax.storage.pool import SKIP_STEP
 from chunkjax.storage.trainer import validate_storage_dirs
 from chunkjax.updaters import Updater
 
@@ -151,6 +151,9 @@ class DiskState:
         while the next step's forward runs); :meth:`wait` joins it.
       sent_before_norm: chunks of the last step whose gradients went to the workers before the
         global norm was known (the norm-free early path; 0 otherwise).
+      exposed_s: per committed step, seconds from the moment every gradient and the norm were
+        handed over to the moment the last new params were back (what the next step waits for:
+        :attr:`chunkjax.cost.PipelinedStepTime.storage_exposed_s`).
     """
 
     def __init__(self, opt, chunk_ids: Sequence[int]):
@@ -160,6 +163,7 @@ class DiskState:
         self.history: list = []
         self.tail: concurrent.futures.Future | None = None
         self.sent_before_norm = 0
+        self.exposed_s: list[float] = []
 
     def wait(self) -> None:
         """Wait for the last step's disk work (writes, commit); re-raise its
@@ -334,6 +338,7 @@ class StorageRun:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._sent: set = set()
         self._before_norm = 0
+        self._handed = float("inf")
         self._norm: concurrent.futures.Future = concurrent.futures.Future()
         self._params_in: concurrent.futures.Future = concurrent.futures.Future()
         done: concurrent.futures.Future = concurrent.futures.Future()
@@ -369,11 +374,17 @@ class StorageRun:
                     return
                 norm = float(np.float32(norm))  # waits for the step's norm (clip_scale rounds it in float32)
             t0 = time.perf_counter()
-            res = opt.finish(self._pairs(), norm=norm, on_param=on_param,
-                             on_params_in=lambda: params_in.set_result(time.perf_counter() - t0))
+            t_in = []
+
+            def arrived():
+                t_in.append(time.perf_counter())
+                params_in.set_result(t_in[0] - t0)
+
+            res = opt.finish(self._pairs(), norm=norm, on_param=on_param, on_params_in=arrived)
             if not res.skipped:
                 self.disk.last = res
                 self.disk.history.append(res)
+                self.disk.exposed_s.append(max(0.0, t_in[0] - max(t0, self._handed)) if t_in else 0.0)
             self.disk.sent_before_norm = self._before_norm
         except BaseException as e:  # handed to the step's pending work and to the tail's joiners
             if not params_in.done():
@@ -416,6 +427,7 @@ class StorageRun:
             if c not in self._sent:
                 self._sent.add(c)
                 self._queue.put((c, grads[c]))
+        self._handed = time.perf_counter()
         self._queue.put(None)
         work.submit(self._params_in.result)
 

@@ -87,7 +87,8 @@ def _worker_main(conn, cfg: dict):
                      daemon=True).start()
     try:
         tier = DiskTier([cfg["dir"]], cfg["sizes"], dir_indices=[cfg["index"]], n_dirs_total=cfg["n_dirs"],
-                        n_buffers=cfg["n_buffers"], read_ahead=cfg["n_buffers"] - 2, io_mode=cfg["io_mode"], fsync=cfg["fsync"],
+                        n_buffers=cfg["n_buffers"], read_ahead=cfg["n_buffers"] - 2, io_mode=cfg["io_mode"],
+                        fsync=cfg["fsync"],
                         keep_previous=cfg.get("keep_previous", True),
                         link_model=LinkModel(disk_bytes_per_s=cfg["disk_bytes_per_s"]),
                         target_step=cfg["target_step"])
