@@ -269,7 +269,8 @@ def storage_record(sys_) -> dict:
     done = [r for r in sys_.disk_steps if r is not None and not r.skipped]
     if done:
         moved = [sum(r.storage_link_bytes.values()) for r in done]
-        # update_s: from the step's header (the reads start with the step) to the commit
+        # update_s: from the step's header (the reads start with the step) to the commit, so the GB/s are a
+        # lower bound of the disk's rate (the forward and backward are inside)
         out.update(disk_bytes_per_step_measured=moved[-1], storage_update_s_measured=[r.update_s for r in done],
                    storage_exposed_s_measured=list(sys_.disk.exposed_s),
                    disk_gb_per_s_measured=[b / r.update_s / 1e9 for b, r in zip(moved, done) if r.update_s])

@@ -316,7 +316,8 @@ def test_near_storage_begin_finish_in_gradient_order(tmp_path):
     """The workers' step in two phases: ``begin`` (reads start, no gradient or norm yet) and
     ``finish`` with the gradients in any order, as pairs that come one by one; a non-finite norm
     skips the step unwritten, ``abandon`` drops a begun step, a norm-free step takes its scalars
-    with the header. Every path gives the same bits as ``step``."""
+    with the header. Every path gives the same bits as ``step``. The read-ahead fills the staging
+    buffers up to their bound before the step's first message."""
     from chunkjax.storage.near import NearStorageOptimizer
     from chunkjax.storage.pool import SKIP_STEP
     rng = np.random.default_rng(0)
@@ -354,6 +355,12 @@ def test_near_storage_begin_finish_in_gradient_order(tmp_path):
         assert r.skipped and opt.committed_step == 3
         with pytest.raises(ValueError, match="every chunk once"):
             opt.begin([0, 1])
+        # read-ahead: before any gradient or norm, each worker fills all but one of its 3 staging
+        # buffers (worker 0 holds chunks 0, 2, 4; worker 1 chunks 1, 3): 2 chunk files each, no more
+        opt.begin()
+        time.sleep(3.0)  # the reads of 4 files of 48 KiB
+        r = opt.finish(dict(enumerate(grads[0])), norm=1.0)
+        assert r.read_ahead_bytes == 4 * 3 * 4096 * 4 and opt.committed_step == 4
 
 
 def test_early_storage_updates_equal_the_after_norm_path(setup, tmp_path):

@@ -19,6 +19,11 @@ reports, then the trainer tells all to commit; a worker that dies, stops answeri
 messages (every send and receive has a deadline), or fails (a full disk, a corrupt chunk file)
 raises :class:`StorageError` with one line naming it and every shard stays at (or recovers to)
 the last step all completed. A new optimizer over the same directories resumes from there.
+A step has two phases (:meth:`NearStorageOptimizer.begin`, :meth:`~NearStorageOptimizer.finish`):
+the header starts every worker's reads of its chunks' state into its staging buffers before any
+gradient or norm exists (read-ahead, bounded by ``n_buffers``); the scalars and the gradients
+follow (on a norm-free step the scalars come with the header and each chunk updates as its
+gradient arrives). :meth:`~NearStorageOptimizer.step` is both at once.
 Optional error feedback (the paper has none): the residual ``g - decompress(compress(g))`` of each
 chunk stays on the trainer (optionally decayed) and is added to the next step's gradient; it is
 written to storage with each committed step, so a resumed run continues exactly.
@@ -525,7 +530,7 @@ class NearStorageOptimizer(TierTrainer, WorkerPool):
         return StepResult(step, None if on_param is not None else [params[c] for c in self.chunk_sizes], False, norm,
                           sent + received, sent, received,
                           storage, time.perf_counter() - t0, self.n_params, self.link_model.emulated,
-                          residual_bytes)
+                          residual_bytes, progress.get("ahead", 0))
 
     def read_state(self) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """``{c: (master, m, v)}`` float32 copies at the committed step, read by the workers."""

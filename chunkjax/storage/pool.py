@@ -237,6 +237,8 @@ class WorkerPool:
                         on_params_in()
                 elif msg[0] == "prepared":
                     storage.update({d: msg[2][d] + msg[3][d] for d in msg[2]})
+                    if progress is not None:
+                        progress["ahead"] = progress.get("ahead", 0) + msg[4]
                     del pending[conn]
                 elif msg[0] in ("skipped", "aborted") and progress is not None and progress.get("skipped"):
                     progress.setdefault("stopped", set()).add(i)

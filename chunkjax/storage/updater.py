@@ -297,11 +297,13 @@ def updates_early(step) -> bool:
     norm is known: the update provably does not read it (:func:`chunkjax.streamed.starts_early`:
     one device, one micro-batch, no non-finite skip or loss scaling, ``step.tx`` not
     :func:`chunkjax.streamed.needs_global_norm`), the host spec does not clip, and
-    ``StorageOptions.early_updates``. Decided once per step (kept in its cache)."""
+    ``StorageOptions.early_updates`` without top-k (which selects over all gradients at once).
+    Decided once per step (kept in its cache)."""
     key = ("storage_early",)
     if key not in step._cache:
         from chunkjax.streamed import starts_early
-        step._cache[key] = bool(step.storage.early_updates and step.host_optimizer.max_grad_norm is None
+        step._cache[key] = bool(step.storage.early_updates and step.storage.compression is None
+                                and step.host_optimizer.max_grad_norm is None
                                 and starts_early(step.tx, skip=step._skip_nonfinite, loss_scaling=step.loss_scaling,
                                                  micro_batches=step.micro_batches, n_ranks=step.n_ranks))
     return step._cache[key]
@@ -380,7 +382,8 @@ class StorageRun:
                 t_in.append(time.perf_counter())
                 params_in.set_result(t_in[0] - t0)
 
-            res = opt.finish(self._pairs(), norm=norm, on_param=on_param, on_params_in=arrived)
+            pairs = self._pairs() if opt.compression is None else {c: g for c, g in self._pairs()}  # top-k: all at once
+            res = opt.finish(pairs, norm=norm, on_param=on_param, on_params_in=arrived)
             if not res.skipped:
                 self.disk.last = res
                 self.disk.history.append(res)

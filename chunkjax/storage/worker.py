@@ -127,12 +127,15 @@ def _worker_main(conn, cfg: dict):
                 if step != tier.committed_step + 1:
                     raise StorageError(f"asked for step {step}, committed step is {tier.committed_step}")
                 done, box, have = [0], {}, dict(scalars=scalars)
+                r0 = sum(tier.bytes_read.values())
 
-                def take(c, box=box, have=have, step=step):
+                def take(c, box=box, have=have, step=step, r0=r0):
                     """Receive until chunk c's gradient and the step's scalars are here (gradients of
                     other chunks wait in ``box``); "skip"/"abort" ends the step unwritten."""
                     while c not in box or have["scalars"] is None:
                         m = conn.recv()
+                        if "ahead" not in have:  # the read-ahead: what the staging buffers hold by now
+                            have["ahead"] = sum(tier.bytes_read.values()) - r0
                         if m[0] in ("skip", "abort") and m[1] == step:
                             raise _Stop(m[0])
                         if m[0] == "scalars" and m[1] == step:
@@ -174,7 +177,7 @@ def _worker_main(conn, cfg: dict):
                 except _Stop as stop:  # nothing of this step written (the pipeline removed its files)
                     conn.send(("skipped" if stop.kind == "skip" else "aborted", step, tier.committed_step))
                     continue
-                conn.send(("prepared", step, io.read, io.written))
+                conn.send(("prepared", step, io.read, io.written, have.get("ahead", 0)))
             elif kind == "commit":
                 if fault.get("exit_on_commit") == msg[1]:  # test hook: die between the two phases
                     os._exit(9)
