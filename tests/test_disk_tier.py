@@ -392,3 +392,29 @@ def test_early_storage_updates_equal_the_after_norm_path(setup, tmp_path):
     for c in disk_c:
         for x, y in zip(a[1][c], b[1][c]):
             np.testing.assert_array_equal(x.view(np.uint32), y.view(np.uint32))
+
+
+def test_storage_chunks_with_micro_batches_equal_optax(setup, tmp_path):
+    """With micro-batches the workers read their chunks' state during the accumulation (the
+    step's norm comes after every micro-batch): 4 steps of 2 micro-batches with clipping equal
+    optax on the whole batch (the 20-step test's tolerances), and the staging buffers held
+    state when the scalars came, at most their bound (2 chunk files per worker)."""
+    cfg, params, batches, stages, layout, traces, cb = setup
+    sched = _three_tier_schedule(setup)
+    step = cj.make_chunked_step(stages, layout, sched, host_optimizer=SPEC, compute_dtype=jnp.float32, micro_batches=2,
+                                storage=StorageOptions((str(tmp_path / "a"), str(tmp_path / "b")), fsync=False))
+    st = step.init(params)
+    losses = []
+    for b in batches[:4]:
+        st, m = step(st, b)
+        losses.append(float(m["loss"]))
+    got = step.master_params(st)
+    disk = st.master[sched.update_locations.index("storage")]
+    assert disk.committed_step == 4 and len(disk.history) == 4 and disk.sent_before_norm == 0
+    file = 3 * layout.chunk_size * 4
+    assert all(0 < r.read_ahead_bytes <= 2 * 2 * file for r in disk.history)
+    ref_p, ref_losses = _reference(cfg, params, batches[:4])
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref_p)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-6)
+    disk.close()
