@@ -534,14 +534,15 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
                                 flops_per_step, split and resident is None, streamed_early))
             s = s if s is None or disk is None else place_on_disk(
                 s, plan_cb, chunk_size=layout.chunk_size, traces=traces, tide=tide, disk=disk, rates=rates,
-                flops_per_step=flops_per_step, micro_batches=micro_batches, streamed_early=streamed_early)
+                flops_per_step=flops_per_step, micro_batches=micro_batches, streamed_early=streamed_early,
+                host_bytes_of=None if ranks > 1 else host_bytes_of)
             return None if s is None else finish(s)
 
         best = _tide(one, layout.n_chunks, budget, host_fits, resident)
         if best is None and disk is not None and one(budget, set()) is not None:  # the device fits; the host does not
             least = min((s for s in (one(budget, set(range(k))) for k in range(layout.n_chunks + 1)) if s is not None),
-                        key=lambda s: s.predicted.host_bytes)
-            raise host_disk_error(host_budget_bytes, least.predicted.host_bytes, least.predicted.storage_chunks,
+                        key=host_bytes)
+            raise host_disk_error(host_budget_bytes, host_bytes(least), least.predicted.storage_chunks,
                                   int(storage_devices), disk_budget_bytes)
         if best is None:
             _tide_infeasible(one, layout.n_chunks, tide, plan_cb, budget, host_budget_bytes, ranks, host_bytes)

@@ -33,7 +33,8 @@ _MSG_HOST_DISK = ("host budget {host} bytes is below the {need} bytes the host m
 
 
 def place_on_disk(s: Schedule, cb: pr.ChunkBytes, *, chunk_size: int, traces, tide, disk: tuple, rates,
-                  flops_per_step: float, micro_batches: int = 1, streamed_early: bool = False) -> Schedule:
+                  flops_per_step: float, micro_batches: int = 1, streamed_early: bool = False,
+                  host_bytes_of=None) -> Schedule:
     """Move the fewest offloaded chunks (``host`` or ``streamed``) of ``s`` to ``storage`` so
     that its ``predicted.host_bytes`` fit the host budget: streamed chunks first, then host
     chunks whose gradients complete last (their host updates are the least overlapped with the
@@ -49,6 +50,8 @@ def place_on_disk(s: Schedule, cb: pr.ChunkBytes, *, chunk_size: int, traces, ti
         data and the working set; bytes the storage directories may hold (None: unbounded);
         storage directories (>= 1); versions of each chunk file a step holds
         (:data:`DISK_VERSIONS`, 1 with ``StorageOptions(keep_previous=False)``).
+      host_bytes_of: ``schedule -> bytes`` compared with the host budget (default
+        ``predicted.host_bytes``; :func:`chunkjax.plan.plan_schedule`'s measure).
 
     Returns:
       ``s`` when it fits the host (or has nothing to move), else the schedule with the fewest
@@ -56,7 +59,8 @@ def place_on_disk(s: Schedule, cb: pr.ChunkBytes, *, chunk_size: int, traces, ti
       host check refuses it).
     """
     host_budget, disk_budget, devices, versions = disk
-    if host_budget is None or s.predicted.host_bytes <= host_budget:
+    hb = host_bytes_of or (lambda x: x.predicted.host_bytes)
+    if host_budget is None or hb(s) <= host_budget:
         return s
     T = len(tide.moments)
     done = pr.grad_done_moments(traces, tide)
@@ -81,9 +85,9 @@ def place_on_disk(s: Schedule, cb: pr.ChunkBytes, *, chunk_size: int, traces, ti
         return dataclasses.replace(s, update_locations=loc, master_fetch=mf, predicted=pred)
 
     staging = devices * pr.STORAGE_STAGING_BUFFERS * pr.disk_file_bytes(cb)
-    j = min(len(order), max(1, math.ceil((s.predicted.host_bytes + staging - host_budget) / max(1, cb.state))))
+    j = min(len(order), max(1, math.ceil((hb(s) + staging - host_budget) / max(1, cb.state))))
     out = at(j)
-    while out.predicted.host_bytes > host_budget and j < len(order):
+    while hb(out) > host_budget and j < len(order):
         j += 1
         out = at(j)
     return out
