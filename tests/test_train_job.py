@@ -414,7 +414,7 @@ def test_model_too_large_for_host_memory_is_refused_before_allocation(data_cache
     import resource
     import time
 
-    from chunkjax.fit import host_memory_available_bytes
+    from chunkjax.host_memory import host_memory_available_bytes
     from models import gpt
     avail = host_memory_available_bytes()
     if avail is None:
