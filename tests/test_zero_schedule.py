@@ -94,7 +94,7 @@ def test_sharded_schedule_equals_single_device_optax(setup, stage, placement, dt
                                     compute_dtype=dtype)
     state = step.init(params)
     if placement == "streamed":  # the streamed update program runs for every non-resident chunk
-        assert step._streamed_chunks == tuple(range(1, layout.n_chunks)) and not step.host_chunks
+        assert step.streamed_chunks == tuple(range(1, layout.n_chunks)) and not step.host_chunks
     # every rank holds 1/N of the master params and optimizer state (and of the params in stage 3)
     ss = layout.chunk_size // N
     for c, u in enumerate(sched.update_locations):
