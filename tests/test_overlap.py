@@ -23,6 +23,8 @@ from chunkjax.optim import state_bytes_per_chunk
 from chunkjax.plan import NEAR_TIE, plan_schedule
 from models import gpt
 
+from _compiles import assert_compiles_only_first, count_compiles
+
 B, T = 2, 16
 STEPS = 20
 
@@ -98,13 +100,18 @@ def _reference_run(cfg, params, batches, spec, micro_batches):
 
 
 def _train(step, params, batches, micro_batches=1):
-    state, losses, counts = step.init(params), [], []
+    """Train ``step`` on ``batches``: (state, losses, per step (speculated, redone)). Checks that
+    only the first step traces or compiles (the programs are cached by batch shape)."""
+    state, losses, counts, compiles = step.init(params), [], [], []
     for b in batches:
-        state, m = step(state, b if micro_batches > 1 else b[:B])
-        losses.append(float(m["loss"]))
-        step.wait(state)
+        with count_compiles() as n:
+            state, m = step(state, b if micro_batches > 1 else b[:B])
+            losses.append(float(m["loss"]))
+            step.wait(state)
+        compiles.append(n)
         sp = state.pending.speculation
         counts.append((sp.speculated, sp.redone))
+    assert_compiles_only_first(compiles, "ChunkedStep")
     return state, np.asarray(losses), counts
 
 
