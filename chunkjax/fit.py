@@ -30,8 +30,8 @@ import jax.numpy as jnp
 
 from chunkjax.cost import Rates, matmul_flops
 from chunkjax.errors import PlanError
-from chunkjax.host_memory import (check_host_lower_bound, check_host_need, host_memory_available_bytes, process_bytes,
-                                  schedule_host_need)
+from chunkjax.fit_host import fit_host, host_bytes_of
+from chunkjax.host_memory import available_for_plan, check_host_lower_bound, process_bytes
 from chunkjax.layout import ChunkLayout, build_layout, first_use_order
 from chunkjax.optim import check_elementwise, state_bytes_per_chunk
 from chunkjax.plan import parse_bytes, plan_schedule
@@ -142,7 +142,7 @@ class FitReport:
       compiled: the compiled check of the last plan (``peak_bytes``, ``programs``,
         ``resident_state_bytes``, ``update_phase_bytes``), None when not compiled.
       plans: one entry per plan tried (effective budget, predicted and compiled peak, counts).
-      host: :func:`host_need` of the schedule plus ``available_bytes`` (None: unknown).
+      host: :func:`chunkjax.fit_host.host_need` of the schedule plus ``available_bytes`` (None: unknown).
       fits: the compiled step fits the headroom (True when not compiled).
       why: when it does not, one line saying so.
       notes: re-plans that failed, budgets raised.
@@ -334,7 +334,7 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
     cb = chunk_bytes(layout, compute_dtype, state_bytes_per_chunk(tx, layout.chunk_size))
     cb_rank = cb.per_rank(n_ranks, zero_stage) if zero_stage else cb
     platform = jax.default_backend()
-    avail = host_memory_available_bytes() if check_host else None
+    avail = available_for_plan(platform) if check_host else None
     device_budget = None if device_budget is None else resolve_budget(device_budget)
     from chunkjax.storage.updater import disk_capacity, storage_options
     storage = storage_options(storage)
@@ -343,7 +343,7 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
         host_budget = None
         if avail is not None:
             on_cpu = n_ranks * device_budget if platform == "cpu" and isinstance(device_budget, int) else 0
-            host_budget = max(0, avail - process_bytes(layout) - on_cpu)
+            host_budget = max(0, avail - process_bytes(layout, platform) - on_cpu)
     elif host_budget is not None:
         host_budget = resolve_budget(host_budget)
     if flops_per_step is None:
@@ -376,6 +376,20 @@ def plan(problem: FitProblem, budget_bytes: int, *, policy: str = "tide", reside
       chunkjax.PlanError: nothing fits (the message gives the smallest budget that does).
     """
     p = problem
+    kw = dict(policy=policy, resident=resident, must_fit=must_fit)
+    try:
+        return _plan(p, budget_bytes, split=split, **kw)
+    except PlanError as e:
+        # a host that cannot hold the streamed chunks' pinned state may hold them updated on the host
+        if not (split and p.host_budget_bytes is not None and str(e).startswith("host budget")):
+            raise
+        try:
+            return _plan(p, budget_bytes, split=False, **kw)
+        except PlanError:
+            raise e from None
+
+
+def _plan(p: FitProblem, budget_bytes: int, *, policy, resident, must_fit, split):
     return plan_schedule(p.layout, p.traces, p.cb, int(budget_bytes), policy=policy, ranks=p.n_ranks,
                          zero_stage=p.zero_stage or None, host_budget_bytes=p.host_budget_bytes,
                          prefetch=p.prefetch, segments=p.segments, flops_per_step=p.flops_per_step, rates=p.rates,
@@ -385,7 +399,8 @@ def plan(problem: FitProblem, budget_bytes: int, *, policy: str = "tide", reside
                                                      loss_scaling=p.loss_scaling,
                                                      micro_batches=p.micro_batches, n_ranks=p.n_ranks),
                          storage_devices=p.storage_devices, disk_budget_bytes=p.disk_budget_bytes,
-                         disk_versions=p.storage.disk_versions if p.storage is not None else 2)
+                         disk_versions=p.storage.disk_versions if p.storage is not None else 2,
+                         host_bytes_of=host_bytes_of(p) if p.n_ranks == 1 and p.host_budget_bytes is not None else None)
 
 
 def build_step(problem: FitProblem, schedule):
@@ -434,25 +449,6 @@ def compiled_peak(problem: FitProblem, step, schedule) -> dict:
             "update_phase_bytes": int(update_phase), "programs": progs}
 
 
-def host_need(problem: FitProblem, schedule) -> dict:
-    """Host bytes a run of ``schedule`` needs, all ranks of this process together
-    (:func:`chunkjax.host_memory.schedule_host_need`: the figure the planner compared with the
-    host budget, ``predicted.host_bytes``, split by kind)."""
-    p = problem
-    return schedule_host_need(schedule, p.cb, layout=p.layout, n_ranks=p.n_ranks, zero_stage=p.zero_stage,
-                              platform=p.platform, micro_batches=p.micro_batches)
-
-
-def check_host_memory(problem: FitProblem, schedule, available: int | None = None) -> dict:
-    """:func:`host_need` of ``schedule`` against ``available`` bytes (default
-    :func:`host_memory_available_bytes`); returns the need with ``available_bytes``.
-
-    Raises:
-      HostMemoryError: the need exceeds what is available (one line: what to change).
-    """
-    return check_host_need(host_need(problem, schedule), "this plan", problem.platform, available)
-
-
 # ---- plan, compile, re-plan ------------------------------------------------------------------
 
 def fit_problem(problem: FitProblem, device_budget="auto", *, policy: str = "tide", resident=None, schedule=None,
@@ -494,7 +490,7 @@ def fit_problem(problem: FitProblem, device_budget="auto", *, policy: str = "tid
             pass
     if effective == budget:
         sched = schedule if schedule is not None else plan(problem, effective, policy=policy, resident=resident)
-    host = check_host_memory(problem, sched)
+    problem, sched, host = fit_host(problem, sched, None if fixed else (lambda q: plan(q, effective, policy=policy)))
     history, notes, mem, floor_tried = [], [], None, False
     for attempt in range(MAX_REPLANS + 1):
         step = build_step(problem, sched)
@@ -518,15 +514,17 @@ def fit_problem(problem: FitProblem, device_budget="auto", *, policy: str = "tid
         effective = min(int(effective * HEADROOM * budget / mem["peak_bytes"]),
                         int(HEADROOM * budget) - missed) - problem.cb_rank.params
         try:
-            sched = plan(problem, effective, policy=policy)
+            # the compiler kept more than the whole budget beyond the accounting: only the floor is left
+            sched = plan(problem, max(1, effective), policy=policy)
         except PlanError as e:
-            notes.append(f"re-plan for {effective} bytes failed: {e}")
+            notes.append(f"re-plan for {effective} bytes failed: {e}" if effective > 0 else
+                         f"the compiled step kept {missed} bytes beyond the accounted peak: re-planned at the floor")
             if floor_tried or e.min_budget_bytes <= effective:
                 break
             # the accounting's smallest plan (every chunk offloaded) may still compile under the headroom
             floor_tried, effective = True, e.min_budget_bytes
             sched = plan(problem, effective, policy=policy)
-        host = check_host_memory(problem, sched)
+        problem, sched, host = fit_host(problem, sched, lambda q, b=effective: plan(q, b, policy=policy))
     fits = mem is None or mem["peak_bytes"] <= HEADROOM * budget
     why = None
     if not fits:
