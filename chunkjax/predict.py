@@ -236,7 +236,8 @@ def host_figures(chunk_size: int, cb: ChunkBytes, param_kinds, update_locations,
     params are in its state), master params and state of ``host``/``streamed`` chunks, every
     offloaded chunk's gradient. ``host_working_bytes``: the host-updated chunks' gradients that
     exist at once (:func:`grad_window_bytes` over ``segments``; with
-    ``micro_batches`` > 1 every host chunk's float32 sum and mean as well). ``host_bytes``: the
+    ``micro_batches`` > 1 every host chunk's float32 sum and mean as well) and every streamed
+    chunk's new compute params and state, written back beside the old until the step returns. ``host_bytes``: the
     model data plus that working set (streamed chunks' gradients whole). The per-parameter
     figures divide by all parameters (``host_bytes_per_param``) and by those of chunks whose
     state is in host memory (``host_resident_bytes_per_param``).
@@ -260,6 +261,10 @@ def host_figures(chunk_size: int, cb: ChunkBytes, param_kinds, update_locations,
     working = grad_window_bytes(host, segments, cb.grad) if host else 0
     if micro_batches > 1:
         working += len(host) * (cb.master + cb.grad)
+    # a streamed chunk's new params and state come back into new pinned buffers while the step's
+    # input state still holds the old ones (:class:`chunkjax.streamed.StepStream`): both exist
+    # until the step returns (measured: the 8B full fine-tuning ran out of a pool sized without them)
+    working += sum(u == STREAMED_UPDATE for u in update_locations) * (cb.params + cb.state)
     total = model - len(host) * cb.grad + working
     n_res = sum(u in (HOST_UPDATE, STREAMED_UPDATE) for u in update_locations)
     return {"host_model_bytes": int(model), "host_bytes": int(total), "host_working_bytes": int(working),
