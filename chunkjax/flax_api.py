@@ -543,8 +543,11 @@ class NnxOptimizer:
         self.wrt = nnx.Param if wrt is None else wrt
         self.chunked = ChunkedOptimizer(nnx.state(model, self.wrt), tx, **kwargs)
         # commit the params to the device now: update() returns committed arrays, and a jitted
-        # step that first saw uncommitted ones would compile a second time
+        # step that first saw uncommitted ones would compile a second time; the model's other
+        # uncommitted arrays too (counters, constants: nnx.jit's outputs are committed)
         nnx.update(model, jax.device_put(nnx.state(model, self.wrt), sharding(DEVICE)))
+        nnx.update(model, jax.tree.map(lambda x: jax.device_put(x, sharding(DEVICE))
+                                       if isinstance(x, jax.Array) and not x.committed else x, nnx.state(model)))
 
     @property
     def step(self) -> int:

@@ -122,7 +122,7 @@ def comm_bytes_per_step(step, batch) -> dict[str, int]:
         gathers = sum(sum(1 for c in walk.reads_at(t) if step.placement.param_kinds[c] == DEVICE)
                       + len(walk.fetch[t]) for t in range(len(step.moments)))
     else:
-        gathers = len(step._device_chunks) + len(step._streamed_chunks)
+        gathers = len(step.device_chunks) + len(step.streamed_chunks)
     graded = len(set(step.first_reader) - set(step.frozen_chunks))  # frozen chunks have no gradient
     out = {"all_gather": part(gathers), "reduce_scatter": part(graded) if step.zero_stage != 1 else 0,
            "all_reduce": 2 * part(graded) if step.zero_stage == 1 else 0}

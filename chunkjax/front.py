@@ -92,8 +92,10 @@ class OffloadedStep:
         self.metrics = None
         self.released_bytes = 0
         self._example = example
-        self._side = tuple(discovery.side_values[j] for j in discovery.mutable)
         self._batch_sharding = self.step.topology.batch_sharding()
+        side = tuple(discovery.side_values[j] for j in discovery.mutable)
+        # on one device committed as the step's outputs are: later steps run the first one's programs
+        self._side = side if self.step.mesh is not None else jax.device_put(side, self._batch_sharding)
 
     # ---- what was planned ------------------------------------------------------------------------
     @property

@@ -384,7 +384,7 @@ class ChunkedStep(StepChunkIO, StepUpdates):
         inv = 1.0 if loss_scale is None else 1.0 / float(loss_scale)
         spec = work.speculation = for_step(self, work, inv) if self.host_chunks else None
         norm, on_host = None, None if spec is None else (lambda mine: work.hand_over(spec.update, state, mine))
-        stream = streamed.StepStream(self, state, inv_arr := jnp.asarray(inv, jnp.float32))
+        stream = streamed.StepStream(self.stream_spec, state, inv_arr := jnp.asarray(inv, jnp.float32))
         on_disk = disk.StorageRun(self, state)  # storage chunks: the workers read their state from now on
         try:
             grads, sq, loss = (self._run_programs(state, self.topology.put_batch(batch), scale, on_host, stream,
@@ -402,7 +402,7 @@ class ChunkedStep(StepChunkIO, StepUpdates):
             on_disk.set_norm(norm)
         on_disk.send(work, grads)  # storage chunks: beside the host thread and the device
         params, master, opt = list(state.params), list(state.master), list(state.opt_state)
-        for c in self._device_chunks:
+        for c in self.device_chunks:
             params[c], master[c], opt[c] = self.updaters["device"].update(self.placement.param_kinds[c])(
                 grads[c], master[c], opt[c], grad_sq, jnp.asarray(c, jnp.int32), params[c], inv_arr)
         if stream.chunks:  # the host thread joins the last write-backs

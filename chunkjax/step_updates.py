@@ -12,6 +12,7 @@ import functools
 
 from chunkjax import streamed
 from chunkjax import updaters as upd
+from chunkjax.memory import PINNED_HOST
 from chunkjax.storage import updater as disk
 
 
@@ -32,12 +33,28 @@ class StepUpdates:
         return () if self.schedule is None else tuple(self.schedule.master_fetch)
 
     @functools.cached_property
-    def _device_chunks(self) -> tuple[int, ...]:
+    def device_chunks(self) -> tuple[int, ...]:
+        """Chunks whose state lives and updates on the device (update location ``device``)."""
         return tuple(c for c in range(self.layout.n_chunks) if self._location(c) == "device")
 
     @functools.cached_property
-    def _streamed_chunks(self) -> tuple[int, ...]:
+    def streamed_chunks(self) -> tuple[int, ...]:
+        """Chunks whose state lives in pinned host memory and updates on the device (``streamed``)."""
         return tuple(c for c in range(self.layout.n_chunks) if self._location(c) == "streamed")
+
+    @functools.cached_property
+    def stream_spec(self) -> streamed.StreamSpec:
+        """What the step's streamed updates (:class:`chunkjax.streamed.StepStream`) need, decided
+        once: the chunks, their param kinds, the streamed updater's programs and whether the
+        updates start early (the schedule's ``streamed_early`` where
+        :func:`chunkjax.streamed.starts_early` allows it for this ``tx`` and step settings)."""
+        chunks = self.streamed_chunks
+        early = bool(chunks) and bool(getattr(self.schedule, "streamed_early", False)) and streamed.starts_early(
+            self.tx, skip=self._skip_nonfinite, loss_scaling=self.loss_scaling, micro_batches=self.micro_batches,
+            n_ranks=self.n_ranks)
+        return streamed.StreamSpec(chunks, self.placement.param_kinds, self.updaters["streamed"].update,
+                                   self.topology, upd.state_template(self.tx, self.layout.chunk_size) if chunks else None,
+                                   early)
 
     @functools.cached_property
     def updaters(self) -> dict[str, upd.Updater]:
@@ -45,7 +62,8 @@ class StepUpdates:
         kw = dict(skip=self._skip_nonfinite, loss_scaling=self.loss_scaling,
                   donate=self.mesh is None or self._donates)
         args = (self.topology, self.tx, self.layout.chunk_size, self.compute_dtype, set(self.placement.param_kinds))
-        out = {"device": upd.device_updater(*args, **kw), "streamed": streamed.streamed_updater(*args, **kw)}
+        out = {"device": upd.device_updater(*args, **kw),
+               "streamed": upd.device_updater(*args, state_kind=PINNED_HOST, **kw)}
         if self.host_optimizer is not None:
             out["host"] = upd.host_updater(self.topology, self.host_optimizer, self.layout.chunk_size,
                                            self.compute_dtype, self.master_fetch_chunks)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +45,6 @@ import numpy as np
 from chunkjax import optim
 from chunkjax.memory import DEVICE, PINNED_HOST
 from chunkjax.predict import STREAMED_PIPELINE_DEPTH
-from chunkjax.updaters import Updater, chunk_body, state_template
 
 #: The drop-in's default pipeline depth (fetching k+1, updating k, writing back k-1).
 DEFAULT_PIPELINE_DEPTH = 3
@@ -157,6 +157,11 @@ class Pipeline:
                 del item
                 self._slots.release()
 
+    @property
+    def store_failed(self) -> bool:
+        """Whether a write-back (``store``) has failed (:meth:`StreamedWork.join` raises it)."""
+        return bool(self._store_errors)
+
     def submit(self, chunks: Iterable[int]) -> None:
         """Hand ``chunks`` over (fetched and updated in this order, after earlier ones)."""
         for c in chunks:
@@ -267,47 +272,30 @@ def starts_early(tx, *, skip: bool = False, loss_scaling: bool = False, micro_ba
             and not needs_global_norm(tx))
 
 
-# ---- the step's streamed updater ----------------------------------------------------------------
+# ---- the step's streamed updates ---------------------------------------------------------------
 
-def streamed_updater(topology, tx, chunk_size: int, compute_dtype, param_kinds, *, skip: bool = False,
-                     loss_scaling: bool = False, donate: bool = True):
-    """The streamed location's :class:`chunkjax.updaters.Updater`: ``init(buf, c)`` places a
-    chunk's float32 master params and fresh optimizer state in pinned host memory;
-    ``update(param_kind)`` is the jitted update program of a chunk already on the device,
-    ``fn(grad, master, opt_state, grad_sq, c, old_params, inv_scale) -> (params, master,
-    opt_state)`` all on the device (``old_params``: the old compute params when ``param_kind`` is
-    the device, donated to the new ones; None otherwise). Arguments as
-    :func:`chunkjax.updaters.device_updater`; :class:`StepStream` runs it."""
-    template = state_template(tx, chunk_size)
-    body = topology.per_rank_update(chunk_body(tx, compute_dtype, skip, loss_scaling), template)
-    d, k = topology.shard_sharding(DEVICE), topology.shard_sharding(PINNED_HOST)
-    ssh_d, ssh_k = topology.state_shardings(template, DEVICE), topology.state_shardings(template, PINNED_HOST)
-    scalar = topology.scalar_sharding()
-    pdev = topology.param_sharding(DEVICE)
+class StreamSpec(NamedTuple):
+    """What :class:`StepStream` needs of a step (built once per step:
+    :attr:`chunkjax.ChunkedStep.stream_spec`); the stream reads nothing else of the step.
 
-    def make(pk):
-        keep_old = pk == DEVICE
+    Attributes:
+      chunks: the streamed chunk ids (update location ``streamed``), in layout order.
+      param_kinds: per chunk of the layout, its compute params' memory kind.
+      update: ``update(param_kind) -> jitted program`` of the streamed location
+        (:func:`chunkjax.updaters.device_updater` with ``state_kind=PINNED_HOST``).
+      topology: the step's :class:`~chunkjax.topology.SingleDevice` / ``DataMesh`` (shardings;
+        on a mesh the chunks run in order on the calling thread).
+      state_template: one chunk's abstract optax state (:func:`chunkjax.updaters.state_template`).
+      early: updates start as their gradients become final (the schedule's ``streamed_early``
+        where :func:`starts_early` allows it), else after the global norm is known.
+    """
 
-        def upd(grad, master, state, grad_sq, c, old_params, inv_scale):
-            del old_params  # donated (device params): the new compute params reuse its buffer
-            return body(grad, master, state, grad_sq, c, inv_scale)
-
-        # keep_unused: jit would prune old_params and with it its donation
-        return jax.jit(upd, in_shardings=(d, d, ssh_d, scalar, scalar, pdev if keep_old else None, scalar),
-                       out_shardings=(pdev, d, ssh_d), keep_unused=True,
-                       donate_argnums=((1, 2, 5) if keep_old else (1, 2)) if donate else ())
-
-    programs = {pk: make(pk) for pk in set(param_kinds)}
-    init_state = jax.jit(topology.per_rank_init(lambda m: optim.init_chunk_state(tx, m), template),
-                         out_shardings=ssh_d)
-
-    def init(buf, c):
-        del c
-        m = topology.put(np.asarray(buf, np.float32), d)
-        st = init_state(m)
-        return jax.device_put(m, k), jax.device_put(st, ssh_k)
-
-    return Updater(init, programs.__getitem__)
+    chunks: tuple[int, ...]
+    param_kinds: tuple[str, ...]
+    update: Callable
+    topology: Any
+    state_template: Any
+    early: bool
 
 
 class StepStream:
@@ -324,27 +312,21 @@ class StepStream:
     Without streamed chunks every method does nothing (no threads are started).
 
     Args:
-      step: the :class:`chunkjax.ChunkedStep`.
-      state: the step's input state.
+      spec: the step's :class:`StreamSpec`.
+      state: the step's input state (its ``params``, ``master`` and ``opt_state`` chunk lists).
       inv: () float32 1 / loss scale.
 
     Attributes:
-      chunks: the step's streamed chunks.
-      early: the schedule's ``streamed_early`` where :func:`starts_early` allows it (decided once,
-        kept in the step's cache).
+      chunks: the step's streamed chunks (``spec.chunks``).
+      early: ``spec.early``.
     """
 
-    def __init__(self, step, state, inv):
-        self.step, self.state, self.inv = step, state, inv
-        self.chunks = tuple(step._streamed_chunks)
-        self.early = False
+    def __init__(self, spec: StreamSpec, state, inv):
+        self.spec, self.state, self.inv = spec, state, inv
+        self.chunks = tuple(spec.chunks)
+        self.early = bool(spec.early) and bool(self.chunks)
         if not self.chunks:
             return
-        if ("streamed_early",) not in step._cache:  # the schedule's choice, where the update allows it
-            step._cache[("streamed_early",)] = bool(getattr(step.schedule, "streamed_early", False)) and starts_early(
-                step.tx, skip=step._skip_nonfinite, loss_scaling=step.loss_scaling, micro_batches=step.micro_batches,
-                n_ranks=step.n_ranks)
-        self.early = step._cache[("streamed_early",)]
         self._mine = set(self.chunks)
         self._grads: dict = {}
         self._sent: set = set()
@@ -353,16 +335,15 @@ class StepStream:
         self._out: dict = {}
         self._published = threading.Condition()
         self._last_q = None
-        topo = step.topology
-        template = state_template(step.tx, step.layout.chunk_size)
+        topo, template = spec.topology, spec.state_template
         self._dev = (topo.shard_sharding(DEVICE), topo.shard_sharding(DEVICE), topo.state_shardings(template, DEVICE))
         self._host = (topo.shard_sharding(PINNED_HOST), topo.state_shardings(template, PINNED_HOST))
         # a norm-free update sees no rest-of-model norm (its chunk result does not read it, so the
         # bits are those of any norm; its rest-leaf state stays the same in every run)
-        self._zero_sq = (topo.put(np.zeros((step.layout.n_chunks,), np.float32), topo.scalar_sharding())
+        self._zero_sq = (topo.put(np.zeros((len(spec.param_kinds),), np.float32), topo.scalar_sharding())
                          if self.early else None)
         # a mesh: in order on the calling thread (processes must dispatch programs in one order)
-        self._threads = step.mesh is None
+        self._threads = topo.mesh is None
         self.pipe = Pipeline(STREAMED_PIPELINE_DEPTH, self._fetch, self._update, self._store, "chunkjax-streamed",
                              threads=self._threads)
 
@@ -380,16 +361,16 @@ class StepStream:
             if self._grad_sq is None:
                 raise RuntimeError("the step failed before its global norm was known")
             grad_sq = self._grad_sq
-        pk = self.step.placement.param_kinds[c]
-        fn = self.step.updaters["streamed"].update(pk)
+        pk = self.spec.param_kinds[c]
+        fn = self.spec.update(pk)
         return fn(grad, master, opt, grad_sq, jnp.asarray(c, jnp.int32),
                   self.state.params[c] if pk == DEVICE else None, self.inv)
 
     def _store(self, c: int, params, master, opt) -> None:
-        pk = self.step.placement.param_kinds[c]
+        pk = self.spec.param_kinds[c]
         m_sh, s_sh = self._host
         if pk != DEVICE:
-            params = jax.device_put(params, self.step.topology.param_sharding(pk), may_alias=False)
+            params = jax.device_put(params, self.spec.topology.param_sharding(pk), may_alias=False)
         master, opt = jax.device_put((master, opt), (m_sh, s_sh), may_alias=False)
         with self._published:
             self._out[c] = (params, master, opt)
@@ -433,10 +414,9 @@ class StepStream:
         self._norm.set()
         work = self.pipe.close()
         with self._published:
-            while len(self._out) < len(self.chunks) and not self.pipe._store_errors:
+            while len(self._out) < len(self.chunks) and not self.pipe.store_failed:
                 self._published.wait(timeout=1.0)
-        work_err = self.pipe._store_errors
-        if work_err:
+        if self.pipe.store_failed:
             work.join()
         for c, (p, m, o) in self._out.items():
             params[c], master[c], opt[c] = p, m, o

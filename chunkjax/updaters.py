@@ -4,12 +4,12 @@ An update location (definitions.md) says where a chunk's optimizer step runs; ea
 updater here, written once for every topology (:mod:`chunkjax.topology` wraps the per-rank body
 for a mesh):
 
-* :func:`device_updater`: master params and optimizer state live on the device; one jitted
-  program per param kind serves every chunk (the chunk id is traced), master, state and the old
-  compute params donated and updated in place;
-* :func:`chunkjax.streamed.streamed_updater`: state kept in pinned host memory, moved to the
-  device, updated there and moved back, through a pipeline with both PCIe directions in flight
-  (:mod:`chunkjax.streamed`, shared with the drop-in optimizers);
+* :func:`device_updater` for the two locations that update on the device: ``device`` (master
+  params and optimizer state live on the device; one jitted program per param kind serves every
+  chunk, the chunk id traced, master, state and the old compute params donated and updated in
+  place) and ``streamed`` (``state_kind=PINNED_HOST``: the same programs; state kept in pinned host
+  memory, moved to the device, updated there and moved back through a pipeline with both PCIe
+  directions in flight, :mod:`chunkjax.streamed`, shared with the drop-in optimizers);
 * :func:`host_updater`: float32 master params and optimizer state are numpy arrays updated in
   place by the host kernel (:mod:`chunkjax.host_update`) on a host thread, writing the new
   compute params straight into the pinned buffer (each rank's slice on a mesh);
@@ -70,11 +70,25 @@ def state_template(tx, chunk_size: int):
     return jax.eval_shape(lambda: optim.init_chunk_state(tx, jnp.zeros((chunk_size,), jnp.float32)))
 
 
-def device_updater(topology, tx, chunk_size: int, compute_dtype, param_kinds, *, skip: bool = False,
-                   loss_scaling: bool = False, donate: bool = True) -> Updater:
-    """Chunks whose master params and optimizer state live on the device (one program per
-    compute-param kind in ``param_kinds``; one chunk per call keeps the update's float32
-    temporaries to one chunk: all chunks in one program let XLA schedule them at once).
+def device_updater(topology, tx, chunk_size: int, compute_dtype, param_kinds, *, state_kind: str = DEVICE,
+                   skip: bool = False, loss_scaling: bool = False, donate: bool = True) -> Updater:
+    """The two update locations whose update runs on the device: ``device`` (master params and
+    optimizer state live on the device and are updated in place) and ``streamed`` (they live in
+    pinned host memory; :class:`chunkjax.streamed.StepStream` moves a chunk's to the device, runs
+    the program and moves the results back). One program per compute-param kind in
+    ``param_kinds`` serves every chunk (the chunk id is traced); one chunk per call keeps the
+    update's float32 temporaries to one chunk (all chunks in one program let XLA schedule them at
+    once). PatrickStar (arXiv 2108.05818) section 5, device-side update of a chunk.
+
+    ``init(buf, c) -> (master, opt_state)``: chunk ``c``'s (chunk_size,) float32 master params
+    and fresh optimizer state, in ``state_kind``. ``update(param_kind)``: the jitted
+    ``fn(grad, master, opt_state, grad_sq, c, old_params, inv_scale) -> (params, master,
+    opt_state)``, its inputs on the device (``grad`` (chunk_size,) compute dtype, ``grad_sq``
+    (n_chunks,) float32 squared norms, ``c`` () int32, ``inv_scale`` () float32), master and state
+    donated. The new compute params come out in ``param_kind`` for ``state_kind=DEVICE``, and on
+    the device for ``PINNED_HOST`` (the write-back thread moves them: a transfer inside the
+    program would hold the compute stream); ``old_params`` is donated to them where the two have
+    one memory kind and is ignored otherwise (the streamed location passes None there).
 
     Args:
       topology: :class:`chunkjax.topology.SingleDevice` or :class:`~chunkjax.topology.DataMesh`.
@@ -82,17 +96,24 @@ def device_updater(topology, tx, chunk_size: int, compute_dtype, param_kinds, *,
       chunk_size: elements per chunk.
       compute_dtype: dtype of the new compute params.
       param_kinds: the compute-param memory kinds the programs serve.
+      state_kind: ``DEVICE`` (update location ``device``) or ``PINNED_HOST`` (``streamed``).
       skip: a non-finite global norm leaves the chunk unchanged (``nonfinite="skip"``).
       loss_scaling: gradients and norms are unscaled by ``inv_scale``.
       donate: donate master, state and the old compute params.
+
+    Raises:
+      ValueError: ``state_kind`` is neither memory kind.
     """
+    if state_kind not in (DEVICE, PINNED_HOST):
+        raise ValueError(f"state_kind={state_kind!r}: use {DEVICE!r} (device updates) or {PINNED_HOST!r} (streamed)")
     template = state_template(tx, chunk_size)
     body = topology.per_rank_update(chunk_body(tx, compute_dtype, skip, loss_scaling), template)
     d, ssh_d, scalar = topology.shard_sharding(DEVICE), topology.state_shardings(template, DEVICE), \
         topology.scalar_sharding()
 
     def make(pk):
-        psh = topology.param_sharding(pk)
+        psh = topology.param_sharding(pk if state_kind == DEVICE else DEVICE)  # the new params' kind
+        reuse = state_kind == DEVICE or pk == DEVICE  # old params in that kind: donated to the new ones
 
         def upd(grad, master, state, grad_sq, c, old_params, inv_scale):
             del old_params  # donated: the new compute params reuse its buffer
@@ -101,17 +122,20 @@ def device_updater(topology, tx, chunk_size: int, compute_dtype, param_kinds, *,
 
         # keep_unused: old_params is unused, and jit would prune it, dropping its donation (every
         # updated chunk would then hold two compute-param buffers until the step ends)
-        return jax.jit(upd, in_shardings=(d, d, ssh_d, scalar, scalar, psh, scalar), out_shardings=(psh, d, ssh_d),
-                       donate_argnums=(1, 2, 5) if donate else (), keep_unused=True)
+        return jax.jit(upd, in_shardings=(d, d, ssh_d, scalar, scalar, psh if reuse else None, scalar),
+                       out_shardings=(psh, d, ssh_d), keep_unused=True,
+                       donate_argnums=((1, 2, 5) if reuse else (1, 2)) if donate else ())
 
     programs = {pk: make(pk) for pk in set(param_kinds)}
     init_state = jax.jit(topology.per_rank_init(lambda m: optim.init_chunk_state(tx, m), template),
                          out_shardings=ssh_d)
+    host = (topology.shard_sharding(PINNED_HOST), topology.state_shardings(template, PINNED_HOST))
 
     def init(buf, c):
         del c
         m = topology.put(np.asarray(buf, np.float32), d)
-        return m, init_state(m)
+        st = init_state(m)
+        return (m, st) if state_kind == DEVICE else (jax.device_put(m, host[0]), jax.device_put(st, host[1]))
 
     return Updater(init, programs.__getitem__)
 

@@ -13,6 +13,8 @@ import chunkjax as cj
 from chunkjax.host_update import AdamW
 from chunkjax.memory import DEVICE, PINNED_HOST
 
+from _compiles import assert_compiles_only_first, per_step
+
 STEPS = 10
 TXS = {
     "adamw": lambda: optax.adamw(3e-3, weight_decay=0.1),
@@ -171,6 +173,39 @@ def test_bf16_params_keep_float32_master():
     # 1 - 3e-3 is not representable in bf16 (spacing 2^-7 near 1); the master keeps it
     np.testing.assert_allclose(np.asarray(opt.master_params()["w"]), 1 - 3e-3, rtol=1e-6)
     assert float(new["w"][0, 0]) == float(jnp.asarray(1 - 3e-3, jnp.bfloat16))
+
+
+class CountingTransformer(TinyTransformer):
+    """TinyTransformer with non-Param state: a call counter (uncommitted at init; nnx.jit returns
+    it committed)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.calls = nnx.Variable(jnp.zeros((), jnp.int32))
+
+    def __call__(self, tok):
+        self.calls[...] += 1
+        return super().__call__(tok)
+
+
+def test_the_users_jitted_step_compiles_once():
+    """With NnxOptimizer (device and streamed chunks) the user's jitted gradient step and the
+    chunked update trace and compile in the first step only, the model's non-Param state included
+    (a count, not a time)."""
+    model = CountingTransformer(rngs=nnx.Rngs(0))
+    probe = cj.ChunkedOptimizer(nnx.state(model, nnx.Param), optax.adam(1e-3), device_budget="1GiB", chunk_size=1152)
+    budget = probe.working_bytes + probe.device_state_bytes // probe.layout.n_chunks
+    opt = cj.NnxOptimizer(model, optax.adam(1e-3), device_budget=budget, chunk_size=1152)
+    assert opt.chunked.streamed_chunks
+    grad_fn = nnx.jit(nnx.value_and_grad(nnx_loss))
+    toks = batches(2, n=3)
+
+    def one(i):
+        loss, grads = grad_fn(model, toks[i])
+        opt.update(model, grads)
+        float(loss)
+    assert_compiles_only_first(per_step(one, 3), "NnxOptimizer with a jitted user step")
+    assert int(model.calls[...]) == 3
 
 
 def test_bad_input_errors():

@@ -22,6 +22,8 @@ from flax import nnx
 import chunkjax
 from chunkjax.memory import PINNED_HOST
 
+from _compiles import assert_compiles_only_first, per_step
+
 STEPS = 20
 RTOL = 1e-5
 
@@ -508,6 +510,14 @@ def test_no_block_list_warns_and_blocks_error_names_nnx_list():
     assert len(d.stages) == 1
     with pytest.raises(ValueError, match="nnx.List"):
         chunkjax.discover.discover(model, lm_loss, batch, blocks="blocks")
+
+
+def test_later_steps_trace_and_compile_nothing(small_step):
+    """Steps 2 and 3 of the front door run the first step's programs: nothing traced or lowered,
+    the model's side state (dropout key) included (a count, not a time)."""
+    step, batches = small_step, token_batches(n=3, seed=5)
+    assert step.discovery.mutable  # side state that each step returns
+    assert_compiles_only_first(per_step(lambda i: float(step(batches[i])), 3), "OffloadedStep")
 
 
 def test_plan_offload_plans_an_abstract_model_as_offload_does(small_step):

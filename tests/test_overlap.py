@@ -23,6 +23,8 @@ from chunkjax.optim import state_bytes_per_chunk
 from chunkjax.plan import NEAR_TIE, plan_schedule
 from models import gpt
 
+from _compiles import assert_compiles_only_first, count_compiles
+
 B, T = 2, 16
 STEPS = 20
 
@@ -98,13 +100,18 @@ def _reference_run(cfg, params, batches, spec, micro_batches):
 
 
 def _train(step, params, batches, micro_batches=1):
-    state, losses, counts = step.init(params), [], []
+    """Train ``step`` on ``batches``: (state, losses, per step (speculated, redone)). Checks that
+    only the first step traces or compiles (the programs are cached by batch shape)."""
+    state, losses, counts, compiles = step.init(params), [], [], []
     for b in batches:
-        state, m = step(state, b if micro_batches > 1 else b[:B])
-        losses.append(float(m["loss"]))
-        step.wait(state)
+        with count_compiles() as n:
+            state, m = step(state, b if micro_batches > 1 else b[:B])
+            losses.append(float(m["loss"]))
+            step.wait(state)
+        compiles.append(n)
         sp = state.pending.speculation
         counts.append((sp.speculated, sp.redone))
+    assert_compiles_only_first(compiles, "ChunkedStep")
     return state, np.asarray(losses), counts
 
 
@@ -347,13 +354,13 @@ def test_streamed_updates_start_during_the_backward_and_equal_optax(setup, monke
     step = cj.make_chunked_step(stages, layout, sched, host_optimizer=spec, compute_dtype=jnp.float32)
     state, losses, _ = _train(step, params, batches[:8])
     n_prog = len(sched.segments)
-    assert step._cache[("streamed_early",)] is True and len(seen) == 8 * n_prog
-    assert step._streamed_chunks == tuple(early) and seen[n_prog - 2] == len(early)  # before the last program
+    assert step.stream_spec.early is True and len(seen) == 8 * n_prog
+    assert step.streamed_chunks == tuple(early) and seen[n_prog - 2] == len(early)  # before the last program
     _assert_equal_to_optax(step, state, losses, _reference(cfg, params, batches[:8], spec))
     late = cj.make_chunked_step(stages, layout, dataclasses.replace(sched, streamed_early=False), host_optimizer=spec,
                                 compute_dtype=jnp.float32)
     state_late, losses_late, _ = _train(late, params, batches[:8])
-    assert late._cache[("streamed_early",)] is False
+    assert late.stream_spec.early is False
     np.testing.assert_array_equal(losses_late, losses)
     for a, b in zip(state_late.master, state.master):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -350,8 +350,8 @@ def run_chunkjax(a, cfg, rows_list, emit, deadline):
                    setup_compiles=CompileLog.delta(c0, c1), first_step_compiles=CompileLog.delta(c1, c2),
                    flops_per_step_planned=step.problem.flops_per_step, predicted=pred.time.to_dict(),
                    predicted_step_s=pred.time.step_s, n_programs=len(step.step._program_bounds()),
-                   n_device_update_programs=len(step.step._device_chunks),
-                   n_streamed_update_programs=len(step.step._streamed_chunks),
+                   n_device_update_programs=len(step.step.device_chunks),
+                   n_streamed_update_programs=len(step.step.streamed_chunks),
                    n_host_chunks=len(step.step.host_chunks))
         emit(rec, partial=True)
         losses, dt = timed(step, data[1:a.warmup + a.steps], a.warmup - 1, step.wait)  # data[0]: the first step
