@@ -40,3 +40,57 @@ def test_mask_by_a_leaf_name_outside_the_probe_tree_is_refused():
                                          lambda k, x: "b" if "lnf" in jax.tree_util.keystr(k) else "a", p))):
         with pytest.raises(ValueError, match="not elementwise"):
             cj.ChunkedOptimizer(params, tx, device_budget="1GiB")
+
+
+# ---- the main job (experiments/train.py) ----
+
+def test_out_dir_the_filesystem_refuses_is_one_line(tmp_path, monkeypatch, capsys):
+    """``--out-dir`` on a folder that exists but where the filesystem refuses a new folder (as
+    root on /sys/kernel: os.access says writable) gave a PermissionError traceback and exit 1,
+    after the model was loaded and fitted. Right: exit 2, one line, nothing written."""
+    import os
+    from experiments import train
+    out = tmp_path / "ro"
+    out.mkdir()
+    real_mkdir = os.mkdir
+
+    def refusing_mkdir(path, *a, **k):
+        if os.fspath(path).startswith(os.fspath(out)):
+            raise PermissionError(1, "Operation not permitted", os.fspath(path))
+        return real_mkdir(path, *a, **k)
+
+    monkeypatch.setattr(os, "mkdir", refusing_mkdir)
+    rc = train.main(["--init-from", "tests/fixtures/hf_llama3", "--steps", "2", "--batch", "2", "--seq", "16",
+                     "--out-dir", str(out), "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "--out-dir" in err[0] and "not writable" in err[0], err
+    assert list(out.iterdir()) == []
+
+
+def test_resume_past_a_corrupt_newest_checkpoint_can_save_that_step_again(tmp_path):
+    """``--resume`` of a run whose newest checkpoint (step 4) is corrupt restores step 2, as
+    documented, but the resumed run then died at step 4 ("checkpoint step 4 already exists"), exit
+    1, and its advice (resume again) failed the same way forever. Right: the skipped checkpoint is
+    out of the way when the resumed run starts, and saving step 4 again succeeds."""
+    import warnings
+    from chunkjax import checkpoint as ck
+    from experiments import train
+    run = tmp_path / "20260101-000000-mine.partial"
+    ckpt = run / train.CHECKPOINT_DIR
+    ckpt.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 0, "tokens": 0}\n')
+    opt = cj.ChunkedOptimizer({"w": jnp.ones((64,)), "b": jnp.zeros((8,))}, optax.adam(1e-2), device_budget="1GiB")
+    for n in (2, 4):
+        opt.update({"w": jnp.ones((64,)), "b": jnp.ones((8,))})
+        ck.save_checkpoint(ckpt, n, opt, extra={"config": {"steps": 6}, "data_position": n, "step": n})
+    victim = max((p for p in (ckpt / "step_00000004").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # "checkpoint step 4 skipped"
+        rp = train.find_resume_point(str(run))
+    assert rp.step == 2
+    train.drop_skipped_checkpoints(rp.ckpt_dir, rp.step)  # what the resumed run does before its first step
+    ck.save_checkpoint(ckpt, 4, opt, extra={"config": {"steps": 6}, "data_position": 4, "step": 4})
+    assert ck.latest_step(ckpt) == 4 and ck.all_steps(ckpt) == [2, 4]
