@@ -145,3 +145,57 @@ def test_offloaded_step_checkpoints_and_resumes_exactly(tmp_path):
     second = cj.offload(Net(nnx.Rngs(0)), optax.adam(1e-2), loss_fn, batches[0], device_budget="min")
     cj.restore_checkpoint(tmp_path, second)
     assert [float(second(b)) for b in batches[2:]] == want
+
+
+def test_scanned_blocks_with_a_constant_in_the_carry():
+    """A scanned block whose carry starts as a constant (``(x, jnp.zeros(()))``: an auxiliary sum
+    beside the residual stream) crashed discovery with ``TypeError: unhashable type: 'Literal'``
+    (the jaxpr holds the zero as a literal). Right: stages found, losses equal nnx.Optimizer's."""
+    from flax import nnx
+
+    class Layer(nnx.Module):
+        def __init__(self, rngs):
+            self.fc = nnx.Linear(8, 8, rngs=rngs)
+
+        def __call__(self, xa):
+            x, aux = xa
+            h = jnp.tanh(self.fc(x))
+            return x + h, aux + jnp.mean(h ** 2)
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.inp = nnx.Linear(4, 8, rngs=rngs)
+
+            @nnx.split_rngs(splits=3)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def make(rngs):
+                return Layer(rngs)
+            self.layers = make(rngs)
+            self.out = nnx.Linear(8, 1, rngs=rngs)
+
+        def __call__(self, x):
+            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+            def body(xa, layer):
+                return layer(xa)
+            x, aux = body((self.inp(x), jnp.zeros((), jnp.float32)), self.layers)
+            return self.out(x)[:, 0], aux
+
+    def loss_fn(model, batch):
+        pred, aux = model(batch["x"])
+        return jnp.mean((pred - batch["y"]) ** 2) + 1e-2 * aux
+
+    keys = jax.random.split(jax.random.key(1), 3)
+    batches = [{"x": jax.random.normal(k, (8, 4)), "y": jax.random.normal(k, (8,))} for k in keys]
+    ref_model = Net(nnx.Rngs(0))
+    opt = nnx.Optimizer(ref_model, optax.adam(1e-2), wrt=nnx.Param)
+
+    @nnx.jit
+    def ref_step(model, opt, batch):
+        loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+        opt.update(model, grads)
+        return loss
+
+    want = [float(ref_step(ref_model, opt, b)) for b in batches]
+    step = cj.offload(Net(nnx.Rngs(0)), optax.adam(1e-2), loss_fn, batches[0], device_budget="min")
+    assert [s.name for s in step.stages] == ["pre", "block_0", "block_1", "block_2", "post"]
+    np.testing.assert_allclose([float(step(b)) for b in batches], want, rtol=1e-5)
