@@ -199,3 +199,21 @@ def test_scanned_blocks_with_a_constant_in_the_carry():
     step = cj.offload(Net(nnx.Rngs(0)), optax.adam(1e-2), loss_fn, batches[0], device_budget="min")
     assert [s.name for s in step.stages] == ["pre", "block_0", "block_1", "block_2", "post"]
     np.testing.assert_allclose([float(step(b)) for b in batches], want, rtol=1e-5)
+
+
+def test_nnx_optimizer_integer_param_message_names_wrt():
+    """An integer ``nnx.Param`` (a step id kept in the model) refused by ``NnxOptimizer`` said
+    "pass only the trainable params (nnx.state(model, nnx.Param) ...)": what it had just done. Right:
+    the message names the ``wrt=`` filter that works, and that filter trains."""
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.fc = nnx.Linear(3, 2, rngs=rngs)
+            self.step_id = nnx.Param(jnp.array(7, jnp.int32))
+
+    with pytest.raises(TypeError, match=r"leaf 'step_id/value' has dtype int32: .*wrt="):
+        cj.NnxOptimizer(Net(nnx.Rngs(0)), optax.sgd(0.1), device_budget="1GiB")
+    floats = nnx.All(nnx.Param, lambda path, x: jnp.issubdtype(x.dtype, jnp.floating))
+    opt = cj.NnxOptimizer(Net(nnx.Rngs(0)), optax.sgd(0.1), wrt=floats, device_budget="1GiB")
+    assert opt.chunked.layout.n_chunks >= 1
