@@ -30,7 +30,8 @@ import jax.numpy as jnp
 
 from chunkjax.cost import Rates, matmul_flops
 from chunkjax.errors import PlanError
-from chunkjax.host_memory import (check_host_lower_bound, check_host_need, host_memory_available_bytes, process_bytes,
+from chunkjax.host_memory import (HostMemoryError, check_host_lower_bound, check_host_need, check_pinned_host,
+                                  available_for_plan, process_bytes,
                                   schedule_host_need)
 from chunkjax.layout import ChunkLayout, build_layout, first_use_order
 from chunkjax.optim import check_elementwise, state_bytes_per_chunk
@@ -50,6 +51,9 @@ from chunkjax.trace import trace_stages
 HEADROOM = 0.90
 #: Re-plans after the first plan when the compiled step exceeds the headroom.
 MAX_REPLANS = 4
+#: Re-plans with a lower host budget when a plan's host need (the pinned pool's growth, the
+#: process) exceeds what the machine has (:func:`fit_problem`).
+MAX_HOST_REPLANS = 3
 #: The ``"auto"`` device budget: the smallest budget with every chunk offloaded plus this fraction
 #: of the model's chunk bytes (compute params, master params, optimizer state), so that most model
 #: data stays in host memory and the plan still keeps what fits of the rest on the device.
@@ -334,7 +338,7 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
     cb = chunk_bytes(layout, compute_dtype, state_bytes_per_chunk(tx, layout.chunk_size))
     cb_rank = cb.per_rank(n_ranks, zero_stage) if zero_stage else cb
     platform = jax.default_backend()
-    avail = host_memory_available_bytes() if check_host else None
+    avail = available_for_plan(platform) if check_host else None
     device_budget = None if device_budget is None else resolve_budget(device_budget)
     from chunkjax.storage.updater import disk_capacity, storage_options
     storage = storage_options(storage)
@@ -343,7 +347,7 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
         host_budget = None
         if avail is not None:
             on_cpu = n_ranks * device_budget if platform == "cpu" and isinstance(device_budget, int) else 0
-            host_budget = max(0, avail - process_bytes(layout) - on_cpu)
+            host_budget = max(0, avail - process_bytes(layout, platform) - on_cpu)
     elif host_budget is not None:
         host_budget = resolve_budget(host_budget)
     if flops_per_step is None:
@@ -376,6 +380,36 @@ def plan(problem: FitProblem, budget_bytes: int, *, policy: str = "tide", reside
       chunkjax.PlanError: nothing fits (the message gives the smallest budget that does).
     """
     p = problem
+    kw = dict(policy=policy, resident=resident, must_fit=must_fit)
+    try:
+        return _plan(p, budget_bytes, split=split, **kw)
+    except PlanError as e:
+        # a host that cannot hold the streamed chunks' pinned state may hold them updated on the host
+        if not (split and p.host_budget_bytes is not None and str(e).startswith("host budget")):
+            raise
+        try:
+            return _plan(p, budget_bytes, split=False, **kw)
+        except PlanError:
+            raise e from None
+
+
+def _host_bytes_of(problem: FitProblem):
+    """``schedule -> bytes`` the planner compares with the host budget on one device: what the
+    machine gives the run beyond the process (the runtime's pinned pool as it grows,
+    :func:`chunkjax.host_memory.pinned_pool_bytes`, plus pageable bytes), or more than any
+    budget when the pinned bytes exceed the runtime's pinned-pool cap."""
+    from chunkjax.host_memory import pinned_host_limit_bytes
+    cap = pinned_host_limit_bytes(problem.platform)
+
+    def of(s) -> int:
+        need = host_need(problem, s)
+        if cap is not None and need["pinned_host_bytes"] > cap:
+            return 2**62
+        return need["pinned_pool_bytes"] + need["pageable_bytes"]
+    return of
+
+
+def _plan(p: FitProblem, budget_bytes: int, *, policy, resident, must_fit, split):
     return plan_schedule(p.layout, p.traces, p.cb, int(budget_bytes), policy=policy, ranks=p.n_ranks,
                          zero_stage=p.zero_stage or None, host_budget_bytes=p.host_budget_bytes,
                          prefetch=p.prefetch, segments=p.segments, flops_per_step=p.flops_per_step, rates=p.rates,
@@ -385,7 +419,8 @@ def plan(problem: FitProblem, budget_bytes: int, *, policy: str = "tide", reside
                                                      loss_scaling=p.loss_scaling,
                                                      micro_batches=p.micro_batches, n_ranks=p.n_ranks),
                          storage_devices=p.storage_devices, disk_budget_bytes=p.disk_budget_bytes,
-                         disk_versions=p.storage.disk_versions if p.storage is not None else 2)
+                         disk_versions=p.storage.disk_versions if p.storage is not None else 2,
+                         host_bytes_of=_host_bytes_of(p) if p.n_ranks == 1 and p.host_budget_bytes is not None else None)
 
 
 def build_step(problem: FitProblem, schedule):
@@ -445,15 +480,47 @@ def host_need(problem: FitProblem, schedule) -> dict:
 
 def check_host_memory(problem: FitProblem, schedule, available: int | None = None) -> dict:
     """:func:`host_need` of ``schedule`` against ``available`` bytes (default
-    :func:`host_memory_available_bytes`); returns the need with ``available_bytes``.
+    :func:`chunkjax.host_memory.available_for_plan`); returns the need with ``available_bytes``.
 
     Raises:
       HostMemoryError: the need exceeds what is available (one line: what to change).
     """
-    return check_host_need(host_need(problem, schedule), "this plan", problem.platform, available)
+    need = host_need(problem, schedule)
+    if problem.mesh is None:  # the runtime's pinned-pool cap (each process of a mesh checks its own at init)
+        check_pinned_host(need["pinned_host_bytes"], problem.platform)
+    return check_host_need(need, "this plan", problem.platform, available)
 
 
 # ---- plan, compile, re-plan ------------------------------------------------------------------
+
+def _fit_host(problem: FitProblem, sched, replan) -> tuple:
+    """:func:`check_host_memory` of ``sched``; when it is refused and the plan has a host budget
+    to lower (``replan(problem) -> schedule`` given), plan again with the host budget lowered by
+    the overshoot (what the budget did not count: the pinned pool's growth by doubling, the
+    process), at most :data:`MAX_HOST_REPLANS` times. Returns ``(problem, schedule, host need)``.
+
+    Raises:
+      HostMemoryError: the first refusal, when no re-plan fits.
+    """
+    first = None
+    for _ in range(MAX_HOST_REPLANS + 1):
+        try:
+            return problem, sched, check_host_memory(problem, sched)
+        except HostMemoryError as e:
+            first = first or e
+            if replan is None or problem.host_budget_bytes is None:
+                raise first from None
+            need = host_need(problem, sched)
+            held = min(problem.host_budget_bytes, need["need_bytes"] - need["process_bytes"] - need["device_on_host_bytes"])
+            lower = held - (e.need_bytes - e.available_bytes) - problem.cb.params
+            if lower <= 0:
+                raise first from None
+            problem = dataclasses.replace(problem, host_budget_bytes=int(lower))
+            try:
+                sched = replan(problem)
+            except PlanError:
+                raise first from None
+    raise first
 
 def fit_problem(problem: FitProblem, device_budget="auto", *, policy: str = "tide", resident=None, schedule=None,
                 check_compiled: bool | None = None, strict: bool = True) -> Fitted:
@@ -494,7 +561,7 @@ def fit_problem(problem: FitProblem, device_budget="auto", *, policy: str = "tid
             pass
     if effective == budget:
         sched = schedule if schedule is not None else plan(problem, effective, policy=policy, resident=resident)
-    host = check_host_memory(problem, sched)
+    problem, sched, host = _fit_host(problem, sched, None if fixed else (lambda q: plan(q, effective, policy=policy)))
     history, notes, mem, floor_tried = [], [], None, False
     for attempt in range(MAX_REPLANS + 1):
         step = build_step(problem, sched)
@@ -518,15 +585,17 @@ def fit_problem(problem: FitProblem, device_budget="auto", *, policy: str = "tid
         effective = min(int(effective * HEADROOM * budget / mem["peak_bytes"]),
                         int(HEADROOM * budget) - missed) - problem.cb_rank.params
         try:
-            sched = plan(problem, effective, policy=policy)
+            # the compiler kept more than the whole budget beyond the accounting: only the floor is left
+            sched = plan(problem, max(1, effective), policy=policy)
         except PlanError as e:
-            notes.append(f"re-plan for {effective} bytes failed: {e}")
+            notes.append(f"re-plan for {effective} bytes failed: {e}" if effective > 0 else
+                         f"the compiled step kept {missed} bytes beyond the accounted peak: re-planned at the floor")
             if floor_tried or e.min_budget_bytes <= effective:
                 break
             # the accounting's smallest plan (every chunk offloaded) may still compile under the headroom
             floor_tried, effective = True, e.min_budget_bytes
             sched = plan(problem, effective, policy=policy)
-        host = check_host_memory(problem, sched)
+        problem, sched, host = _fit_host(problem, sched, lambda q, b=effective: plan(q, b, policy=policy))
     fits = mem is None or mem["peak_bytes"] <= HEADROOM * budget
     why = None
     if not fits:

@@ -194,14 +194,11 @@ class ChunkedOptimizer:
         kinds = self.placement.state_kinds
         # issue 21: refuse before allocating when host memory cannot hold the offloaded state (on
         # the CPU the device's share is host memory too); host chunks add a pinned params buffer
-        from chunkjax.host_memory import check_host_need, process_bytes
-        on_cpu = jax.default_backend() == "cpu"
-        need = {"pinned_host_bytes": self.host_state_bytes + len(self.host_chunks) * cb.params,
-                "pageable_bytes": 0,
-                "device_on_host_bytes": self.device_state_bytes if on_cpu else 0,
-                "process_bytes": process_bytes(lay)}
-        need["need_bytes"] = sum(need.values())
-        check_host_need(need, "the optimizer state", jax.default_backend())
+        from chunkjax.host_memory import check_host_need, host_need, process_bytes
+        platform = jax.default_backend()
+        need = host_need(self.host_state_bytes + len(self.host_chunks) * cb.params, 0,
+                         self.device_state_bytes if platform == "cpu" else 0, process_bytes(lay, platform), platform)
+        check_host_need(need, "the optimizer state", platform)
         self.step = 0
         subs = [dropin.sub_layout(lay, c) for c in range(lay.n_chunks)]
         self._pieces = [pieces for _, pieces in subs]

@@ -11,11 +11,134 @@ from __future__ import annotations
 
 from chunkjax.errors import PlanError
 
-#: Host memory the process needs beyond the planned model data: the JAX runtime and the XLA
-#: compiler's working memory (measured: the CPU demo, ``python -m experiments.train``, peaked at
-#: 1.61 GiB RSS, 0.91 GiB above its 0.70 GiB of chunks and accounted device bytes). Initialising
-#: the state adds two float32 chunks (see :func:`chunkjax.fit.host_need`).
+#: Host memory the process needs beyond the planned model data on the CPU: the JAX runtime and
+#: the XLA compiler's working memory (measured: the CPU demo, ``python -m experiments.train``,
+#: peaked at 1.61 GiB RSS, 0.91 GiB above its 0.70 GiB of chunks and accounted device bytes).
+#: Initialising the state adds two float32 chunks (see :func:`process_bytes`).
 PROCESS_HOST_BYTES = 2**30
+#: The same on a GPU: the CUDA context, the compiler's working memory for the step's programs,
+#: numba and Python (measured on the lent H200, ``experiments/results/host_growth_s10.json``, a 3B
+#: decoder at batch 8: RSS 71.4 GiB = 11.2 GiB of the user's model + 22.7 GiB pageable model data
+#: + a 32 GiB pinned pool + 5.4 GiB).
+GPU_PROCESS_HOST_BYTES = int(5.5 * 2**30)
+
+#: Environment variables the GPU runtime reads, when the backend starts, for its pinned-host pool
+#: (XLA's ``GetGpuHostAllocator``: a BFC allocator named ``xla_gpu_host_bfc``): the cap in GiB
+#: (default 64; 16 when preallocated) and whether the pool is allocated whole at start.
+PINNED_HOST_LIMIT_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
+PINNED_HOST_PREALLOCATE_ENV = "XLA_PJRT_GPU_HOST_MEMORY_PREALLOCATE"
+DEFAULT_PINNED_HOST_LIMIT_GIB = 64
+DEFAULT_PREALLOCATED_PINNED_HOST_GIB = 16
+
+
+def _env(env):
+    import os
+    return os.environ if env is None else env
+
+
+def pinned_pool_preallocated(env=None) -> bool:
+    """Whether ``$XLA_PJRT_GPU_HOST_MEMORY_PREALLOCATE`` asks for the whole pool at start."""
+    return str(_env(env).get(PINNED_HOST_PREALLOCATE_ENV, "")).strip().lower() in ("1", "true", "yes")
+
+
+def pinned_host_limit_bytes(platform: str, env=None) -> int | None:
+    """Bytes of ``pinned_host`` memory one process may hold: on a GPU the runtime's pool cap
+    (``$XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`` GiB; 64 GiB when unset, 16 GiB when unset and
+    preallocated; read when the backend starts); None elsewhere (on the CPU ``pinned_host`` is
+    ordinary memory, capped by RAM only).
+
+    Args:
+      platform: ``jax.default_backend()`` ("gpu", "cpu", "tpu").
+      env: the environment to read (default ``os.environ``).
+    """
+    if platform != "gpu":
+        return None
+    env = _env(env)
+    default = DEFAULT_PREALLOCATED_PINNED_HOST_GIB if pinned_pool_preallocated(env) else DEFAULT_PINNED_HOST_LIMIT_GIB
+    raw = env.get(PINNED_HOST_LIMIT_ENV)
+    try:
+        gib = int(raw) if raw not in (None, "") else default
+    except ValueError:
+        gib = default  # the runtime logs the bad value and keeps its default
+    return gib * 2**30
+
+
+def pinned_pool_bytes(pinned_bytes: int, platform: str, env=None) -> int:
+    """Host bytes the runtime's pinned pool holds when a run's pinned buffers peak at
+    ``pinned_bytes`` (bytes; RSS, since pinned pages are resident).
+
+    On the CPU ``pinned_host`` is ordinary memory: ``pinned_bytes``. On a GPU the pool is a BFC
+    allocator: preallocated, it holds its whole cap from the start; otherwise it grows by regions
+    whose size doubles each time (2 MiB, 4 MiB, ...; a request larger than the next region gets
+    the next power of two above it) and never returns them, so it reaches the power of two at or
+    above the peak, capped by :func:`pinned_host_limit_bytes`. Measured on the lent H200: a 3B
+    decoder with 15.9 GiB of pinned chunks between steps and a larger in-step peak held a 32 GiB pool
+    (``experiments/results/host_growth_s10.json``).
+    """
+    pinned_bytes = int(pinned_bytes)
+    if platform != "gpu":
+        return pinned_bytes
+    limit = pinned_host_limit_bytes(platform, env)
+    if pinned_pool_preallocated(env):
+        return max(limit, pinned_bytes)
+    pow2 = 1 << max(0, pinned_bytes - 1).bit_length() if pinned_bytes > 0 else 0
+    return max(pinned_bytes, min(limit, pow2))
+
+
+def check_pinned_host(need_bytes: int, platform: str, env=None) -> None:
+    """Refuse, before anything is allocated, a plan whose ``pinned_host`` buffers exceed the GPU
+    runtime's pinned-host cap (reported case 10: hand-sized pinned buffers exhausted the pool
+    deep inside a step).
+
+    Args:
+      need_bytes: pinned host bytes the plan allocates (compute params and gradient chunks of
+        host-resident chunks, master params and optimizer state kept in ``pinned_host``).
+      platform: ``jax.default_backend()``.
+      env: the environment (default ``os.environ``).
+
+    Raises:
+      chunkjax.PlanError: ``need_bytes`` exceeds :func:`pinned_host_limit_bytes`; the message
+        names the cap, where it comes from, and the value of the variable to set.
+    """
+    limit = pinned_host_limit_bytes(platform, env)
+    if limit is None or need_bytes <= limit:
+        return
+    env = _env(env)
+    src = (f"{PINNED_HOST_LIMIT_ENV}={env[PINNED_HOST_LIMIT_ENV]}" if env.get(PINNED_HOST_LIMIT_ENV)
+           else f"the default, {PINNED_HOST_LIMIT_ENV} unset")
+    want = -(-int(need_bytes * 1.1) // 2**30)
+    raise PlanError(f"this plan keeps {need_bytes} bytes ({need_bytes / 2**30:.1f} GiB) in pinned host memory, above the "
+                    f"GPU runtime's pinned-host cap of {limit // 2**30} GiB ({src}): set {PINNED_HOST_LIMIT_ENV}={want} "
+                    "(GiB, at most the machine's RAM) before JAX starts, or give the device a larger budget",
+                    0, False)
+
+
+def held_pinned_pool_bytes(platform: str, env=None) -> int:
+    """Bytes of the runtime's pinned pool already taken from the machine when the backend has
+    started: on a GPU with ``$XLA_PJRT_GPU_HOST_MEMORY_PREALLOCATE`` the whole cap (``MemAvailable``
+    no longer counts it, and every host need counts it again), else 0 (the pool grows with use)."""
+    return pinned_host_limit_bytes(platform, env) if platform == "gpu" and pinned_pool_preallocated(env) else 0
+
+
+def available_for_plan(platform: str, env=None) -> int | None:
+    """Host bytes a plan may need in all (bytes): ``MemAvailable`` plus what the process already
+    holds of the pinned pool (:func:`held_pinned_pool_bytes`), None where ``MemAvailable`` cannot be
+    read."""
+    avail = host_memory_available_bytes()
+    return None if avail is None else avail + held_pinned_pool_bytes(platform, env)
+
+
+def host_need(pinned: int, pageable: int, device_on_host: int, process: int, platform: str, env=None) -> dict:
+    """The host bytes of a run, by kind, and their sum as the machine sees it (bytes):
+    ``pinned_host_bytes`` (what the plan keeps pinned, its peak), ``pinned_pool_bytes`` (what the
+    runtime's pool holds for it: :func:`pinned_pool_bytes`), ``pageable_bytes``,
+    ``device_on_host_bytes`` (on the CPU the device's memory), ``process_bytes`` and
+    ``need_bytes`` = pool + pageable + device-on-host + process."""
+    pool = pinned_pool_bytes(pinned, platform, env)
+    return {"pinned_host_bytes": int(pinned), "pinned_pool_bytes": int(pool), "pageable_bytes": int(pageable),
+            "device_on_host_bytes": int(device_on_host), "process_bytes": int(process),
+            "need_bytes": int(pool + pageable + device_on_host + process)}
+
 
 _MSG_HOST = ("host memory: {what} needs {need_gib:.1f} GiB ({parts}) but this machine has {avail_gib:.1f} GiB "
              "available (MemAvailable in /proc/meminfo): {fix}")
@@ -48,14 +171,15 @@ def host_memory_available_bytes() -> int | None:
     return None
 
 
-def process_bytes(layout) -> int:
-    """Host bytes of the process itself: :data:`PROCESS_HOST_BYTES` plus initialisation's two
-    float32 chunk buffers of ``layout`` (a :class:`chunkjax.ChunkLayout`)."""
-    return PROCESS_HOST_BYTES + 2 * 4 * layout.chunk_size
+def process_bytes(layout, platform: str = "cpu") -> int:
+    """Host bytes of the process itself: :data:`PROCESS_HOST_BYTES` (on a GPU
+    :data:`GPU_PROCESS_HOST_BYTES`) plus initialisation's two float32 chunk buffers of ``layout``
+    (a :class:`chunkjax.ChunkLayout`)."""
+    return (GPU_PROCESS_HOST_BYTES if platform == "gpu" else PROCESS_HOST_BYTES) + 2 * 4 * layout.chunk_size
 
 
 def schedule_host_need(schedule, cb, *, layout, n_ranks: int = 1, zero_stage: int | None = None,
-                       platform: str = "cpu", micro_batches: int = 1) -> dict:
+                       platform: str = "cpu", micro_batches: int = 1, env=None) -> dict:
     """Host bytes a run of ``schedule`` (a :class:`chunkjax.schedule.Schedule`) needs, all ranks
     of this process together, split by kind (bytes):
 
@@ -67,8 +191,11 @@ def schedule_host_need(schedule, cb, *, layout, n_ranks: int = 1, zero_stage: in
     on a mesh every one. ``pageable_bytes``: master params (of copy-keeping chunks) and
     optimizer state of ``host``-updated chunks (numpy), with micro-batches their float32 sums
     and means. ``device_on_host_bytes``: on the CPU the device's memory is host memory (each
-    rank's predicted peak). ``process_bytes``: :func:`process_bytes`. ``need_bytes``: their sum.
-    On one device ``pinned_host_bytes + pageable_bytes`` is ``predicted.host_bytes``.
+    rank's predicted peak). ``process_bytes``: :func:`process_bytes`. ``pinned_pool_bytes``: what
+    the runtime's pinned pool holds for the pinned bytes (:func:`pinned_pool_bytes`; ``env``: the
+    environment it reads, default ``os.environ``). ``need_bytes``: pool + pageable + device-on-host
+    + process (:func:`host_need`). On one device ``pinned_host_bytes + pageable_bytes`` is
+    ``predicted.host_bytes``.
 
     Args:
       cb: one whole chunk's bytes (:class:`chunkjax.predict.ChunkBytes`).
@@ -104,14 +231,15 @@ def schedule_host_need(schedule, cb, *, layout, n_ranks: int = 1, zero_stage: in
     else:
         pinned += n_host * cb.grad
     dev = n_ranks * pred.peak_device_bytes if platform == "cpu" else 0
-    proc = process_bytes(layout)
-    return {"pinned_host_bytes": int(pinned), "pageable_bytes": int(pageable), "device_on_host_bytes": int(dev),
-            "process_bytes": int(proc), "need_bytes": int(pinned + pageable + dev + proc)}
+    return host_need(pinned, pageable, dev, process_bytes(layout, platform), platform, env)
 
 
 def _refuse_host(need: dict, avail: int, what: str, fix: str):
     gib = lambda b: b / 2**30  # noqa: E731
-    parts = [f"{gib(need['pinned_host_bytes']):.1f} GiB pinned", f"{gib(need['pageable_bytes']):.1f} GiB pageable"]
+    pool = need.get("pinned_pool_bytes", need["pinned_host_bytes"])
+    pinned = f"{gib(need['pinned_host_bytes']):.1f} GiB pinned" + (
+        f" (a {gib(pool):.1f} GiB pinned pool)" if pool > need["pinned_host_bytes"] else "")
+    parts = [pinned, f"{gib(need['pageable_bytes']):.1f} GiB pageable"]
     if need.get("device_on_host_bytes"):
         parts.append(f"{gib(need['device_on_host_bytes']):.1f} GiB of device memory, host memory on the CPU")
     parts.append(f"{gib(need['process_bytes']):.1f} GiB for the process")
@@ -120,24 +248,31 @@ def _refuse_host(need: dict, avail: int, what: str, fix: str):
 
 
 def check_host_need(need: dict, what: str, platform: str, available: int | None = None) -> dict:
-    """Refuse ``need`` (a :func:`chunkjax.fit.host_need`-shaped dict of bytes: ``pinned_host_bytes``,
-    ``pageable_bytes``, ``device_on_host_bytes``, ``process_bytes``, ``need_bytes``) when it
-    exceeds ``available`` (default :func:`host_memory_available_bytes`); returns it with
+    """Refuse ``need`` (a :func:`host_need` dict of bytes: ``pinned_host_bytes``,
+    ``pinned_pool_bytes``, ``pageable_bytes``, ``device_on_host_bytes``, ``process_bytes``,
+    ``need_bytes``) when it
+    exceeds ``available`` (default :func:`available_for_plan`); returns it with
     ``available_bytes``. Used by every path that builds a step or optimizer from a budget.
 
     Raises:
       HostMemoryError: one line saying what to change.
     """
-    avail = host_memory_available_bytes() if available is None else available
+    avail = available_for_plan(platform) if available is None else available
     if avail is not None and need["need_bytes"] > avail:
-        _refuse_host(need, avail, what, _host_fix(platform))
+        _refuse_host(need, avail, what, _host_fix(platform, need, avail))
     return dict(need, available_bytes=avail)
 
 
-def _host_fix(platform: str) -> str:
+def _host_fix(platform: str, need: dict | None = None, avail: int | None = None) -> str:
     if platform == "cpu":
         return "train a smaller model (on the CPU all model data is host memory) or free host memory"
-    return "give the device a larger budget, train a smaller model, or free host memory"
+    fix = "give the device a larger budget, train a smaller model, or free host memory"
+    if need and avail is not None and need.get("pinned_pool_bytes", 0) > need["pinned_host_bytes"]:
+        want = -(-int(need["pinned_host_bytes"] * 1.05) // 2**30)  # GiB, 5 % for the allocator's rounding
+        if need["need_bytes"] - need["pinned_pool_bytes"] + want * 2**30 <= avail:
+            fix = (f"start with {PINNED_HOST_PREALLOCATE_ENV}=true {PINNED_HOST_LIMIT_ENV}={want} (the pinned pool "
+                   f"then holds {want} GiB from the start instead of growing by doubling), or " + fix)
+    return fix
 
 
 def check_host_lower_bound(layout, cb, platform: str, n_ranks: int = 1,
@@ -158,9 +293,9 @@ def check_host_lower_bound(layout, cb, platform: str, n_ranks: int = 1,
         low = max(0, model - n_ranks * device_budget)
     else:
         return
-    need = {"pinned_host_bytes": 0, "pageable_bytes": int(low), "device_on_host_bytes": 0,
-            "process_bytes": process_bytes(layout)}
-    need["need_bytes"] = int(low) + need["process_bytes"]
+    # a preallocated pinned pool may hold part of the model data: the least total is the larger
+    need = host_need(0, max(0, int(low) - held_pinned_pool_bytes(platform)), 0, process_bytes(layout, platform),
+                     platform)
     if need["need_bytes"] > available:
         _refuse_host(need, available, f"the model data alone ({model / 2**30:.1f} GiB in {layout.n_chunks} chunks)",
                      _host_fix(platform))

@@ -268,12 +268,15 @@ def _host_error(host_budget: int, need: int, device_budget: int, ranks: int) -> 
     return PlanError(msg, device_budget, False)
 
 
-def _tide_infeasible(one, n_chunks: int, tide: Tide, cb: ChunkBytes, budget: int, host_budget, ranks: int):
+def _tide_infeasible(one, n_chunks: int, tide: Tide, cb: ChunkBytes, budget: int, host_budget, ranks: int,
+                     host_bytes=None):
     """Raise the PlanError of a tide plan that found no candidate: the host budget needed when
-    the device fits, else the smallest device budget (bisected on the all-offloaded schedule)."""
+    the device fits (``host_bytes(s)``, all ranks: as the plan compared it), else the smallest
+    device budget (bisected on the all-offloaded schedule)."""
+    host_bytes = host_bytes or (lambda s: ranks * s.predicted.host_bytes)
     if one(budget, set()) is not None and host_budget is not None:  # the device fits; the host does not
-        need = min(s.predicted.host_bytes for s in
-                   (one(budget, set(range(k))) for k in range(n_chunks + 1)) if s is not None)
+        need = min(host_bytes(s) for s in
+                   (one(budget, set(range(k))) for k in range(n_chunks + 1)) if s is not None) // ranks
         raise _host_error(host_budget, need, budget, ranks)
     lo, hi = budget, max(budget, 1) * 2
     while one(hi, set()) is None:
@@ -288,7 +291,7 @@ def _tide_infeasible(one, n_chunks: int, tide: Tide, cb: ChunkBytes, budget: int
             hi = mid
     s = one(hi, set())
     if s is not None and budget >= hi and host_budget is not None:
-        raise _host_error(host_budget, s.predicted.host_bytes, hi, ranks)
+        raise _host_error(host_budget, host_bytes(s) // ranks, hi, ranks)
     act = tide.peak_non_model_bytes
     alone = act > budget
     raise PlanError(_MSG_OFFLOADED_INFEASIBLE.format(budget=budget, need=hi, act=act, why=_WHY_ACT if alone else "",
@@ -407,7 +410,7 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
                   rates: Rates = Rates(), host_update: bool = True, resident: Sequence[int] | None = None,
                   must_fit: bool = True, split: bool = True, micro_batches: int = 1,
                   streamed_early: bool = False, storage_devices: int = 0, disk_budget_bytes: int | None = None,
-                  disk_versions: int = 2) -> Schedule:
+                  disk_versions: int = 2, host_bytes_of=None) -> Schedule:
     """Plan one training step under a device budget: the one entry point for every policy.
 
     Args:
@@ -451,6 +454,9 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
         (:mod:`chunkjax.plan_disk`); a model that fits gets no storage chunk.
       disk_budget_bytes: bytes the storage directories may hold (None: unbounded).
       disk_versions: versions of each chunk file on disk during a step (2: the crash-safe commit).
+      host_bytes_of: ``schedule -> bytes`` compared with ``host_budget_bytes`` when choosing among
+        placements (default ``ranks * predicted.host_bytes``; :func:`chunkjax.fit.plan` passes the
+        host memory the machine gives the run, its pinned pool as the runtime grows it).
 
     Host-updated chunks of ``"tide"`` and ``"all_host"`` on one device keep a compute-dtype copy
     while ``host_budget_bytes`` allows and are master-fetch beyond
@@ -504,8 +510,11 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
         return dataclasses.replace(s, predicted=pr.per_rank(s.predicted, cb, ranks, stage, s.update_locations,
                                                             s.param_kinds))
 
+    def host_bytes(s: Schedule) -> int:
+        return ranks * s.predicted.host_bytes if host_bytes_of is None else host_bytes_of(s)
+
     def host_fits(s: Schedule) -> bool:
-        return host_budget_bytes is None or ranks * s.predicted.host_bytes <= host_budget_bytes
+        return host_budget_bytes is None or host_bytes(s) <= host_budget_bytes
 
     def forms(s: Schedule | None) -> Schedule | None:  # copy or master-fetch per host chunk (one device)
         if s is None or ranks > 1:
@@ -535,7 +544,7 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
             raise host_disk_error(host_budget_bytes, least.predicted.host_bytes, least.predicted.storage_chunks,
                                   int(storage_devices), disk_budget_bytes)
         if best is None:
-            _tide_infeasible(one, layout.n_chunks, tide, plan_cb, budget, host_budget_bytes, ranks)
+            _tide_infeasible(one, layout.n_chunks, tide, plan_cb, budget, host_budget_bytes, ranks, host_bytes)
         return best
     if policy == "fixed":
         s = finish(_fixed(layout, traces, tide, plan_cb, budget, prefetch, rates, flops_per_step))
@@ -552,5 +561,5 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
         raise PlanError(_MSG_STATIC_INFEASIBLE.format(policy=policy, need=need, budget=budget,
                                                       need_gib=gib_ceil(need)), need, False)
     if must_fit and not host_fits(s):
-        raise _host_error(host_budget_bytes, s.predicted.host_bytes, budget, ranks)
+        raise _host_error(host_budget_bytes, host_bytes(s) // ranks, budget, ranks)
     return s

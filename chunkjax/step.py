@@ -30,10 +30,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from chunkjax import accumulate, footprint, memory, streamed
+from chunkjax import accumulate, footprint, streamed
 from chunkjax import updaters as upd
 from chunkjax.layout import ChunkLayout
 from chunkjax.memory import DEVICE, sharding
+from chunkjax.host_memory import check_pinned_host
 from chunkjax.plan import Placement, fetch_events
 from chunkjax.schedule import check_trainable
 from chunkjax.stages import first_readers, split_loss, stage_reads
@@ -469,7 +470,7 @@ class ChunkedStep(StepChunkIO, StepUpdates):
 
         Raises:
           PlanError: on a GPU, the pinned host bytes (:meth:`pinned_host_bytes`) exceed the
-            runtime's pinned-host cap (:func:`chunkjax.memory.check_pinned_host`); nothing has
+            runtime's pinned-host cap (:func:`chunkjax.host_memory.check_pinned_host`); nothing has
             been allocated.
 
         Each chunk's master params and optimizer state are placed by its update location's
@@ -479,7 +480,7 @@ class ChunkedStep(StepChunkIO, StepUpdates):
         """
         lay = self.layout
         if self.mesh is None:  # the GPU runtime's pinned-host pool is capped (64 GiB by default)
-            memory.check_pinned_host(self.pinned_host_bytes(), jax.default_backend())
+            check_pinned_host(self.pinned_host_bytes(), jax.default_backend())
         leaf_at = params if callable(params) else (lambda i, _l=lay.treedef.flatten_up_to(params): _l[i])
         if self.host_chunks:
             upd.warm_host_kernel(self.host_optimizer, self.compute_dtype)

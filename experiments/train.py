@@ -374,7 +374,9 @@ def run(cfg: TrainConfig) -> dict:
         print(f"note: {note}", flush=True)
     print(describe_fit(fit_report, problem), flush=True)
     h = fit_report.host
-    print(f"host: the plan needs {h['need_bytes'] / 2**30:.2f} GiB ({h['pinned_host_bytes'] / 2**30:.2f} pinned + "
+    pool = h.get("pinned_pool_bytes", h["pinned_host_bytes"])
+    print(f"host: the plan needs {h['need_bytes'] / 2**30:.2f} GiB ({h['pinned_host_bytes'] / 2**30:.2f} pinned"
+          + (f" in a {pool / 2**30:.2f} GiB pinned pool" if pool > h["pinned_host_bytes"] else "") + " + "
           f"{h['pageable_bytes'] / 2**30:.2f} pageable + {h['process_bytes'] / 2**30:.2f} for the process"
           + (f" + {h['device_on_host_bytes'] / 2**30:.2f} of device memory" if h.get("device_on_host_bytes") else "")
           + f"; {(h['pinned_host_bytes'] + h['pageable_bytes']) / model.n_params:.2f} B/param of model data) of "

@@ -480,7 +480,7 @@ def test_case10_pinned_host_cap_detected_and_explained():
     """The GPU runtime caps pinned host memory at 64 GiB unless XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB
     says otherwise; a plan above the cap is refused before anything is allocated, with the value
     to set. On the CPU pinned_host is ordinary memory: no cap."""
-    from chunkjax import memory
+    from chunkjax import host_memory as memory
     assert memory.pinned_host_limit_bytes("gpu", {}) == 64 * 2**30
     assert memory.pinned_host_limit_bytes("gpu", {"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": "200"}) == 200 * 2**30
     assert memory.pinned_host_limit_bytes("cpu", {}) is None
@@ -496,7 +496,7 @@ def test_case10_pinned_host_cap_detected_and_explained():
 
 
 def test_case10_step_counts_its_pinned_bytes_and_refuses_before_allocating(gpt, gpt_mixed_step, monkeypatch):
-    from chunkjax import memory
+    from chunkjax import host_memory as memory
     lay, pl, step = gpt["layout"], gpt_mixed_step.placement, gpt_mixed_step
     cs = lay.chunk_size
     opt = state_bytes_per_chunk(optax.adam(1e-3), cs)

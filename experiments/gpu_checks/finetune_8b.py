@@ -38,8 +38,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 from chunkjax.host_memory import host_memory_available_bytes  # noqa: E402  (imports no JAX)
 
-#: The memory guard kills a job when MemAvailable falls below this (bytes).
-GUARD_BYTES = 6 * 2**30
+#: The memory guard kills a job when MemAvailable falls below this (bytes; ``$FT8B_GUARD_GIB`` GiB, default 6).
+GUARD_BYTES = int(float(os.environ.get("FT8B_GUARD_GIB", "6")) * 2**30)
 #: Job settings per shape: (device budget, batch, seq, steps).
 JOB_SHAPES = {"8b": ("24GiB", 8, 2048, 5), "narrow": ("auto", 2, 128, 3), "tiny": ("auto", 2, 64, 3)}
 #: Corpus size (GPT-2 tokens decoded) and BPE vocabulary per shape.
@@ -138,7 +138,8 @@ def job_command(shape: str, ck: str, out: str, name: str) -> list[str]:
               "--eval-every", str(steps), "--eval-batches", "1", "--sample-tokens", "0", "--checkpoint-every", "0",
               "--no-progress", "--warmup", "0"]
     return [sys.executable, "-m", "experiments.train", "--init-from", os.path.join(ck, "model"), "--data",
-            os.path.join(ck, "corpus.txt"), *common, "--out-dir", os.path.join(ck, f"runs_{name}"), *JOBS[name]]
+            os.path.join(ck, "corpus.txt"), *common, "--out-dir", os.path.join(ck, f"runs_{name}"), *JOBS[name],
+            *shlex.split(os.environ.get(f"FT8B_{name.upper()}_ARGS", ""))]
 
 
 def run_job(cmd: list[str], log_path: str, limit_s: float, guard_bytes: int = GUARD_BYTES) -> dict:

@@ -4,6 +4,7 @@
 #   bash experiments/gpu_checks/finetune_8b.sh                   # the H200, both jobs in one call
 #   JOBS=lora bash experiments/gpu_checks/finetune_8b.sh         # one job a call (each call writes
 #   JOBS=full bash experiments/gpu_checks/finetune_8b.sh         #   the checkpoint again, ~20 s)
+#   FT8B_FULL_ARGS="--host-budget 100GiB" ...                  # more flags for one job (FT8B_LORA_ARGS too)
 #   SHAPE=tiny bash experiments/gpu_checks/finetune_8b.sh        # the same pieces on a CPU (or SHAPE=narrow:
 #                                                                #   d 512, 32 layers, vocab 128256)
 # Carry: carry/data (gpt2_train.npy, gpt2.tiktoken). Records go to $OUT/finetune_8b.json (commands,

@@ -1,0 +1,121 @@
+"""The GPU runtime's pinned-host pool in the host accounting (:mod:`chunkjax.host_memory`).
+
+Measured on the lent H200 (``experiments/results/host_growth_s10.json``): a 3B decoder whose plan
+kept 15.9 GiB of chunks pinned between steps held a 32 GiB pinned pool (XLA's ``xla_gpu_host_bfc``
+grows by regions that double), and the process 5.4 GiB beyond model data and pool: the run
+needed 71.4 GiB where the plan said 37.7. The accounting now counts the pool as the runtime
+grows it, the process as measured, and the planner re-plans with a lower host budget when the
+pool's growth is what puts a plan over the machine.
+"""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import chunkjax as cj
+from chunkjax import fit, host_memory
+from chunkjax.host_memory import HostMemoryError, pinned_pool_bytes
+from chunkjax.host_update import AdamW
+from models import gpt
+
+GiB = 2**30
+
+
+def test_pool_grows_to_the_power_of_two_above_the_peak_capped_by_the_limit():
+    assert pinned_pool_bytes(17 * GiB, "cpu", {}) == 17 * GiB  # ordinary memory on the CPU
+    assert pinned_pool_bytes(15 * GiB, "gpu", {}) == 16 * GiB
+    assert pinned_pool_bytes(16 * GiB, "gpu", {}) == 16 * GiB
+    assert pinned_pool_bytes(16 * GiB + 1, "gpu", {}) == 32 * GiB  # the 3B run's case
+    assert pinned_pool_bytes(37 * GiB, "gpu", {}) == 64 * GiB  # the default cap
+    assert pinned_pool_bytes(37 * GiB, "gpu", {"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": "40"}) == 40 * GiB
+    assert pinned_pool_bytes(0, "gpu", {}) == 0
+    pre = {"XLA_PJRT_GPU_HOST_MEMORY_PREALLOCATE": "true", "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": "40"}
+    assert pinned_pool_bytes(3 * GiB, "gpu", pre) == 40 * GiB  # preallocated: the whole cap from the start
+    assert host_memory.pinned_host_limit_bytes("gpu", {"XLA_PJRT_GPU_HOST_MEMORY_PREALLOCATE": "1"}) == 16 * GiB
+
+
+def test_host_need_counts_the_pool_and_the_refusal_says_how_to_preallocate():
+    need = host_memory.host_need(37 * GiB, 73 * GiB, 0, 5 * GiB, "gpu", {})
+    assert need["pinned_pool_bytes"] == 64 * GiB and need["need_bytes"] == (64 + 73 + 5) * GiB
+    with pytest.raises(HostMemoryError) as e:
+        host_memory.check_host_need(need, "this plan", "gpu", available=122 * GiB)
+    msg = str(e.value)
+    assert "\n" not in msg and "a 64.0 GiB pinned pool" in msg
+    # 37 GiB + 5 % rounds up to 39 GiB: 39 + 73 + 5 = 117 GiB fits the 122 available
+    assert "XLA_PJRT_GPU_HOST_MEMORY_PREALLOCATE=true XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=39" in msg
+    assert e.value.need_bytes == 142 * GiB and e.value.available_bytes == 122 * GiB
+    tight = host_memory.host_need(37 * GiB, 90 * GiB, 0, 5 * GiB, "gpu", {})
+    with pytest.raises(HostMemoryError) as e:  # preallocating would not fit either: not offered
+        host_memory.check_host_need(tight, "this plan", "gpu", available=122 * GiB)
+    assert "PREALLOCATE" not in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def problem():
+    cfg = gpt.get_config("micro", n_layers=3)
+    params = gpt.init_params(cfg, jax.random.key(3))
+    p = fit.prepare(gpt.gpt_stages(cfg), params, jax.ShapeDtypeStruct((2, 17), jnp.int32),
+                    host_optimizer=AdamW(1e-3), compute_dtype=jnp.float32, min_chunks=8, check_host=False,
+                    host_budget=10**12)
+    return dataclasses.replace(p, platform="gpu")  # host bytes as on a GPU node
+
+
+def _smallest(p) -> int:
+    with pytest.raises(cj.PlanError) as e:
+        fit.plan(p, 1)
+    return e.value.min_budget_bytes
+
+
+def test_schedule_need_on_a_gpu_counts_pool_and_measured_process(problem):
+    s = fit.plan(problem, _smallest(problem))
+    need = fit.host_need(problem, s)
+    assert need["pinned_host_bytes"] + need["pageable_bytes"] == s.predicted.host_bytes
+    assert need["pinned_pool_bytes"] == pinned_pool_bytes(need["pinned_host_bytes"], "gpu")
+    assert need["process_bytes"] == host_memory.GPU_PROCESS_HOST_BYTES + 2 * 4 * problem.layout.chunk_size
+    assert need["need_bytes"] == need["pinned_pool_bytes"] + need["pageable_bytes"] + need["process_bytes"]
+
+
+def test_fit_replans_with_a_lower_host_budget_when_the_pool_puts_it_over(problem, monkeypatch):
+    budget = _smallest(problem) + 2 * problem.cb.params
+    first = fit.plan(problem, budget)  # the fastest plan: some chunks' updates streamed, their state pinned
+    need = fit.host_need(problem, first)
+    assert need["pinned_pool_bytes"] > need["pinned_host_bytes"] and first.counts().get(
+        "params_pinned_host/update_streamed", 0) > 0
+    avail = need["need_bytes"] - 1  # the plan's own host bytes fit; its pool does not
+    monkeypatch.setattr(host_memory, "host_memory_available_bytes", lambda: avail)
+    fitted = fit.fit_problem(problem, budget, check_compiled=False)
+    got = fitted.report.host
+    assert got["need_bytes"] <= avail and got["available_bytes"] == avail
+    assert got["pinned_pool_bytes"] < need["pinned_pool_bytes"]  # fewer pinned bytes: the pool stays smaller
+    assert fitted.problem.host_budget_bytes < problem.host_budget_bytes
+    # nothing can fit: the first refusal, one line
+    monkeypatch.setattr(host_memory, "host_memory_available_bytes", lambda: need["process_bytes"])
+    with pytest.raises(HostMemoryError) as e:
+        fit.fit_problem(problem, budget, check_compiled=False)
+    assert "\n" not in str(e.value) and e.value.need_bytes == need["need_bytes"]
+
+
+def test_a_preallocated_pool_is_counted_once(monkeypatch):
+    """With XLA_PJRT_GPU_HOST_MEMORY_PREALLOCATE the pool is taken when the backend starts: MemAvailable no
+    longer counts it and the need counts it, so what a plan may need is MemAvailable plus the pool (the
+    lent H200 refused the 8B full fine-tuning with 78.2 GiB 'available' beside a 43 GiB pool it held)."""
+    pre = {"XLA_PJRT_GPU_HOST_MEMORY_PREALLOCATE": "true", "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": "43"}
+    monkeypatch.setattr(host_memory, "host_memory_available_bytes", lambda: 78 * GiB)
+    assert host_memory.available_for_plan("gpu", pre) == (78 + 43) * GiB
+    assert host_memory.available_for_plan("gpu", {}) == 78 * GiB
+    assert host_memory.available_for_plan("cpu", pre) == 78 * GiB
+    for k, v in pre.items():
+        monkeypatch.setenv(k, v)
+
+    class Lay:
+        n_chunks, chunk_size = 146, 55 * 2**20
+
+    class CB:
+        def model_bytes(self, n):
+            return int(109.8 * GiB)
+    # 109.8 GiB of model data, 24 GiB on the device: 85.8 GiB on the host, 43 of them may be pinned
+    host_memory.check_host_lower_bound(Lay(), CB(), "gpu", 1, 24 * GiB, available=(78 + 43) * GiB)
+    with pytest.raises(HostMemoryError) as e:
+        host_memory.check_host_lower_bound(Lay(), CB(), "gpu", 1, 24 * GiB, available=80 * GiB)
+    assert e.value.need_bytes == int(85.8 * GiB) + host_memory.process_bytes(Lay(), "gpu")
