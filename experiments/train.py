@@ -581,8 +581,10 @@ def host_spec(cfg: TrainConfig):
     import optax
 
     from chunkjax.host_update import AdamW
-    sched = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, max(cfg.warmup, 1), max(cfg.steps, cfg.warmup + 1),
-                                               cfg.lr / 10)
+    if cfg.warmup:
+        sched = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup, max(cfg.steps, cfg.warmup + 1), cfg.lr / 10)
+    else:  # no warm-up: the first step at lr (a one-step ramp would give it lr 0; and --steps 1 no decay steps)
+        sched = optax.cosine_decay_schedule(cfg.lr, cfg.steps, alpha=0.1)
     return AdamW(sched, weight_decay=cfg.weight_decay, max_grad_norm=cfg.clip if cfg.clip > 0 else None)
 
 

@@ -3,6 +3,8 @@
 Each test asserts the right value or behaviour against a reference (plain optax, float32 on the
 CPU) where it is numeric. A test of a failure not fixed here is ``xfail(strict=True)`` with the
 exact reason, so the lead can assign it."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -217,3 +219,20 @@ def test_nnx_optimizer_integer_param_message_names_wrt():
     floats = nnx.All(nnx.Param, lambda path, x: jnp.issubdtype(x.dtype, jnp.floating))
     opt = cj.NnxOptimizer(Net(nnx.Rngs(0)), optax.sgd(0.1), wrt=floats, device_budget="1GiB")
     assert opt.chunked.layout.n_chunks >= 1
+
+
+@pytest.mark.parametrize("steps", [1, 6])
+def test_job_without_warmup_steps_at_lr_from_the_first_step(steps):
+    """``--warmup 0`` gave the first update learning rate 0 (a one-step ramp from 0: the first step
+    changed no parameter), and with ``--steps 1`` the job died ("cosine_decay_schedule requires
+    positive decay_steps"). Right: no warm-up means the first update is plain AdamW's at ``--lr``
+    (then the cosine decay to lr/10 at ``--steps``)."""
+    from experiments import train
+    cfg = dataclasses.replace(train.TrainConfig(), lr=1e-2, warmup=0, steps=steps, weight_decay=0.1, clip=0.0)
+    tx = train.host_spec(cfg).optax()
+    params = {"w": jnp.arange(1.0, 7.0)}
+    grads = {"w": jnp.linspace(-1.0, 1.0, 6)}
+    ref = optax.adamw(1e-2, weight_decay=0.1)
+    got, _ = tx.update(grads, tx.init(params), params)
+    want, _ = ref.update(grads, ref.init(params), params)
+    np.testing.assert_allclose(got["w"], want["w"], rtol=1e-6)
