@@ -236,3 +236,15 @@ def test_job_without_warmup_steps_at_lr_from_the_first_step(steps):
     got, _ = tx.update(grads, tx.init(params), params)
     want, _ = ref.update(grads, ref.init(params), params)
     np.testing.assert_allclose(got["w"], want["w"], rtol=1e-6)
+
+
+def test_planner_factory_with_other_parameters_is_one_line(tmp_path, monkeypatch, capsys):
+    """``python -m experiments.plan --model mymodel:loss_fn`` (a function of the module that is not
+    a factory: it takes (model, batch)) died in a TypeError traceback, exit 1. Right: exit 2 and
+    one line saying what parameters the factory must take."""
+    from experiments import plan as plan_cli
+    (tmp_path / "usermodels_nr.py").write_text("def loss_fn(model, batch):\n    return 0.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rc = plan_cli.main(["--model", "usermodels_nr:loss_fn", "--batch", "4", "--seq", "16", "--device-budget", "1MiB"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "factory" in err[0] and "batch and seq" in err[0], err
