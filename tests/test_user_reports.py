@@ -248,3 +248,20 @@ def test_planner_factory_with_other_parameters_is_one_line(tmp_path, monkeypatch
     rc = plan_cli.main(["--model", "usermodels_nr:loss_fn", "--batch", "4", "--seq", "16", "--device-budget", "1MiB"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "factory" in err[0] and "batch and seq" in err[0], err
+
+
+def test_schedule_plot_title_fits_the_figure(tmp_path):
+    """The schedule figure's title (budget, the chunk counts per kind as a dict, fetches, programs)
+    ran off the figure's left edge with three kinds of chunks ("edule at 593 KiB: {'params_..."):
+    Right: the whole title inside the figure."""
+    from chunkjax import plots
+    from chunkjax.host_update import AdamW
+    from models import gpt
+    cfg = gpt.get_config("micro")
+    f = cj.fit_step(gpt.gpt_stages(cfg), gpt.abstract_params(cfg), jax.ShapeDtypeStruct((4, 33), jnp.int32),
+                    host_optimizer=AdamW(3e-4), device_budget=4 * 2**20)
+    assert len(f.report.schedule.counts()) >= 2
+    fig = plots.plot_schedule(f, path=tmp_path / "schedule.png")
+    fig.canvas.draw()
+    box, page = fig.axes[0].title.get_window_extent(), fig.bbox
+    assert page.x0 <= box.x0 and box.x1 <= page.x1 and box.y1 <= page.y1, (box, page)
