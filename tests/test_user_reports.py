@@ -265,3 +265,40 @@ def test_schedule_plot_title_fits_the_figure(tmp_path):
     fig.canvas.draw()
     box, page = fig.axes[0].title.get_window_extent(), fig.bbox
     assert page.x0 <= box.x0 and box.x1 <= page.x1 and box.y1 <= page.y1, (box, page)
+
+
+# ---- Ctrl-C ----
+
+@pytest.mark.parametrize("where", ["start", "submit"])
+def test_ctrl_c_while_a_streamed_pipeline_starts_leaves_no_thread_waiting(monkeypatch, where):
+    """Ctrl-C in my NnxOptimizer loop (1 in 3 tries): the KeyboardInterrupt landed while
+    ``stream_chunks`` started its pipeline's threads (or handed chunks over), and the threads that
+    had started waited for chunks forever; they are not daemons, so the interpreter never exited
+    (a hung terminal after Ctrl-C). Right: every started thread ends."""
+    import threading
+    from chunkjax import streamed
+    started = []
+    real_start = threading.Thread.start
+
+    def start(self):
+        if where == "start" and len(started) == 2:
+            raise KeyboardInterrupt
+        real_start(self)
+        started.append(self)
+
+    real_submit = streamed.Pipeline.submit
+
+    def submit(self, chunks):
+        real_submit(self, list(chunks)[:1])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    if where == "submit":
+        monkeypatch.setattr(streamed.Pipeline, "submit", submit)
+    with pytest.raises(KeyboardInterrupt):
+        streamed.stream_chunks([0, 1, 2], 2, fetch=lambda c: (c,), update=lambda c, x: (x,),
+                               store=lambda c, x: None)
+    assert started
+    for t in started:
+        t.join(timeout=5)
+    assert not any(t.is_alive() for t in started), [t.name for t in started if t.is_alive()]
