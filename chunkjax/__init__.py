@@ -34,6 +34,7 @@ _EXPORTS = {
     **dict.fromkeys(["init_chunk_state", "update_chunk"], "optim"),
     "PlanError": "errors",
     **dict.fromkeys(["parse_bytes", "plan_schedule"], "plan"),
+    "ReleasedParamsError": "released",
     **dict.fromkeys(["ChunkBytes", "chunk_bytes"], "predict"),
     **dict.fromkeys(["ChunkedStep", "TrainState", "make_chunked_step"], "step"),
     **dict.fromkeys(["Placement", "Prediction", "Schedule"], "schedule"),

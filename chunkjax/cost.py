@@ -107,10 +107,16 @@ class PipelinedStepTime:
         after the backward (at the same time as the host thread's exposed part).
       compute_s: forward + backward + recompute FLOPs at the matmul rate.
       transfer_s: all forward/backward transfers at their rates.
-      storage_update_s: the disk tier's update (Smart-Infinity's near-storage update): every
-        ``storage`` chunk's master params and optimizer state read and written at the disk rates,
-        spread over the storage devices; it starts when the global norm is known (the end of
-        the backward) and runs beside the device's update programs and the host thread's tail.
+      storage_update_s: the disk tier's work per step (Smart-Infinity's near-storage update):
+        every ``storage`` chunk's master params and optimizer state read and written at the disk
+        rates, on the busiest storage device (the devices run in parallel).
+      storage_exposed_s: the part of it after the backward's end that the next step waits for:
+        until the last storage chunk's new params are back (:func:`disk_step_times`). The reads
+        run ahead from the step's start (the forward, the backward, with micro-batches the whole
+        accumulation) up to the staging bound, and the last writes and the commit run on into
+        the next step's forward.
+      storage_hidden_s: ``storage_update_s`` minus what is exposed (>= 0): the disk time behind
+        the forward and backward (and the accumulation) of this step and the next.
     """
 
     forward_s: float
@@ -122,23 +128,101 @@ class PipelinedStepTime:
     compute_s: float
     transfer_s: float
     storage_update_s: float = 0.0
+    storage_exposed_s: float = 0.0
+    storage_hidden_s: float = 0.0
 
     @property
     def step_s(self) -> float:
         """Forward + backward + the device-resident updates + the longer of the host thread's
         exposed tail and the streamed pipeline's (they run at once: the host kernel on the CPU,
-        the streamed chunks over PCIe and on the device); the disk tier's update runs beside all
-        of them after the backward."""
+        the streamed chunks over PCIe and on the device); the disk tier's exposed part runs
+        beside all of them after the backward (docs/storage.md, "The disk as a placement")."""
         return (self.forward_s + self.backward_s
                 + max(self.device_update_s + max(self.host_update_exposed_s, self.streamed_update_s),
-                      self.storage_update_s))
+                      self.storage_exposed_s))
 
     def to_dict(self) -> dict:
-        """JSON-ready, with ``step_s``; ``storage_update_s`` only when there is a disk update."""
+        """JSON-ready, with ``step_s``; the ``storage_*`` fields only when there is a disk update."""
         d = dataclasses.asdict(self) | {"step_s": self.step_s}
         if not self.storage_update_s:
-            del d["storage_update_s"]
+            for k in ("storage_update_s", "storage_exposed_s", "storage_hidden_s"):
+                del d[k]
         return d
+
+
+def _disk_device(ready: Sequence[float], carry: float, read_s: float, write_s: float, kernel_s: float,
+                 staging_buffers: int) -> tuple[float, float]:
+    """One storage device's step (:class:`chunkjax.storage.tier.DiskTier`'s pipeline in the
+    near-storage worker): ``(params_in, disk_free)``, seconds from the step's start when the last
+    chunk's new params are back and when its last write ends. The disk serves reads and writes
+    one at a time in issue order, busy until ``carry`` with the previous step's writes. The
+    first ``staging_buffers - 1`` reads are issued at the start; chunk ``i``'s kernel runs once
+    its state is read, its gradient and scalars are there (``ready[i]``) and chunk ``i-1``'s
+    kernel is done, then its write is issued; the read of chunk ``i + staging_buffers - 1`` is
+    issued after chunk ``i``'s kernel once the write of chunk ``i - 1`` has freed its buffer."""
+    n, ra = len(ready), max(1, int(staging_buffers) - 2)
+    free = carry
+    read_end: list[float] = [0.0] * n
+    write_end: list[float] = [0.0] * n
+
+    def serve(issue: float, dur: float) -> float:
+        nonlocal free
+        free = max(issue, free) + dur
+        return free
+
+    for j in range(min(n, ra + 1)):
+        read_end[j] = serve(0.0, read_s)
+    kernel = 0.0
+    for i in range(n):
+        kernel = max(read_end[i], ready[i], kernel) + kernel_s
+        write_end[i] = serve(kernel, write_s)
+        j = i + ra + 1
+        if j < n:
+            read_end[j] = serve(max(kernel, write_end[i - 1] if i else 0.0), read_s)
+    return kernel, free
+
+
+def disk_step_times(devices: Sequence[Sequence[float]], *, file_bytes: int, staging_buffers: int, kernel_s: float,
+                    backward_end: float, other_tail_s: float = 0.0, rates: Rates = Rates(),
+                    iterations: int = 50) -> tuple[float, float]:
+    """The disk tier's steady-state step (docs/storage.md, "The disk as a placement of the one plan").
+
+    Each storage device updates its chunks in the order their gradients come (:func:`_disk_device`):
+    its reads start at the step's start (read-ahead into ``staging_buffers`` buffers), each chunk's
+    kernel and write once its gradient and the step's scalars are there, and the next step
+    starts once every device's last chunk's params are back; the writes still queued then run on
+    into the next step's forward and delay its reads. Iterated to the steady state (the disk
+    busy ``carry`` seconds into each step).
+
+    Args:
+      devices: per storage device, its chunks' ready times (seconds from the step's start: the
+        backward's end, ``backward_end``, when the update waits for the global norm; the end of the
+        program completing the gradient on the norm-free early path), in update order.
+      file_bytes: bytes of one chunk file (master, m, v), read and written once a step.
+      staging_buffers: staging buffers per device (>= 3).
+      kernel_s: one chunk's AdamW kernel in the worker (seconds).
+      backward_end: when the backward (with micro-batches: the accumulation) ends, seconds.
+      other_tail_s: the rest of the step after the backward (device updates, host and streamed
+        tails): the step ends at ``backward_end + max(other_tail_s, exposed)``.
+
+    Returns:
+      ``(busy_s, exposed_s)``: the busiest device's disk seconds per step and the seconds after
+      ``backward_end`` until the last params are back (>= 0).
+    """
+    rd = file_bytes / rates.disk_read_bytes_per_s
+    wr = file_bytes / rates.disk_write_bytes_per_s
+    busy = max((len(r) * (rd + wr) for r in devices), default=0.0)
+    carry = [0.0] * len(devices)
+    exposed = 0.0
+    for _ in range(max(1, iterations)):
+        ends = [_disk_device(r, c, rd, wr, kernel_s, staging_buffers) for r, c in zip(devices, carry)]
+        exposed = max([0.0] + [p - backward_end for p, _ in ends])
+        step_end = backward_end + max(other_tail_s, exposed)
+        new = [max(0.0, free - step_end) for _, free in ends]
+        if all(abs(a - b) <= 1e-12 for a, b in zip(new, carry)):
+            break
+        carry = new
+    return busy, exposed
 
 
 def _moved(start: float, nbytes: float, rate: float, share: float, until: float) -> float:
@@ -201,8 +285,9 @@ def predict_pipelined_step(flops_per_step: float, *, fwd_h2d: int, bwd_h2d: int,
                            device_params: int, host_ready: Sequence[tuple[float, int]],
                            streamed: Sequence[tuple[float, int, int]] = (), params_per_chunk: int = 0,
                            program_ends: Sequence[float] = (), streamed_early: bool = False,
-                           depth: int = 2, rates: Rates = Rates(), disk_bytes: int = 0,
-                           storage_devices: int = 1) -> PipelinedStepTime:
+                           depth: int = 2, rates: Rates = Rates(), storage: Sequence[tuple[float, int]] = (),
+                           disk_file_bytes: int = 0, storage_params_per_chunk: int = 0,
+                           storage_early: bool = False, staging_buffers: int = 3) -> PipelinedStepTime:
     """Predict a pipelined step: forward, backward (with per-stage recompute: the forward's FLOPs
     again), a host thread that updates each program's host chunks once that program has finished
     (in program order, one at a time), the streamed pipeline (:func:`streamed_pipeline_end`:
@@ -223,8 +308,14 @@ def predict_pipelined_step(flops_per_step: float, *, fwd_h2d: int, bwd_h2d: int,
       program_ends: fraction of the backward done at each program's end.
       streamed_early: streamed chunks start as their program ends (else after the backward).
       depth: the streamed pipeline's slots.
-      disk_bytes: bytes the disk tier reads and writes per step (half each way), over
-        ``storage_devices`` devices of the disk rates.
+      storage: per ``storage`` chunk in update order, (fraction of the backward done when the
+        program completing its gradient ends, its storage device).
+      disk_file_bytes: bytes of one storage chunk's file (read and written once a step).
+      storage_params_per_chunk: parameters per storage chunk (the worker's kernel at
+        ``host_update_s_per_param`` times the devices: each worker has its share of the cores).
+      storage_early: the storage chunks update as their gradients complete (norm-free); else
+        once the norm is known (the backward's end).
+      staging_buffers: staging buffers per storage device (the read-ahead bound).
     """
     r = rates
     c_fwd = flops_per_step / 3 / r.matmul_flops_per_s
@@ -244,10 +335,21 @@ def predict_pipelined_step(flops_per_step: float, *, fwd_h2d: int, bwd_h2d: int,
                                  params_per_chunk=params_per_chunk, depth=depth,
                                  boundaries=[fwd + f * bwd for f in program_ends], backward_end=end, share=share,
                                  rates=r)
-    disk = (disk_bytes / 2 / r.disk_read_bytes_per_s + disk_bytes / 2 / r.disk_write_bytes_per_s) / max(1, storage_devices)
-    return PipelinedStepTime(fwd, bwd, host, exposed, device_params * r.device_update_s_per_param,
-                             max(0.0, last - end) if streamed else 0.0, c_fwd + c_bwd,
-                             fwd_h2d / r.h2d_bytes_per_s + bwd_transfer, disk)
+    dev_s = device_params * r.device_update_s_per_param
+    streamed_s = max(0.0, last - end) if streamed else 0.0
+    busy = disk_exposed = 0.0
+    if storage:
+        n_dev = max(d for _, d in storage) + 1
+        ready: list[list[float]] = [[] for _ in range(n_dev)]
+        for f, d in storage:
+            ready[d].append(fwd + f * bwd if storage_early else end)
+        busy, disk_exposed = disk_step_times(
+            ready, file_bytes=disk_file_bytes, staging_buffers=staging_buffers,
+            kernel_s=storage_params_per_chunk * r.host_update_s_per_param * n_dev, backward_end=end,
+            other_tail_s=dev_s + max(exposed, streamed_s), rates=r)
+    return PipelinedStepTime(fwd, bwd, host, exposed, dev_s, streamed_s, c_fwd + c_bwd,
+                             fwd_h2d / r.h2d_bytes_per_s + bwd_transfer, busy, disk_exposed,
+                             max(0.0, busy - disk_exposed))
 
 
 def _dot_flops(eqn) -> float:

@@ -50,7 +50,7 @@ from chunkjax.stages import Stage
 MARK = "chunkjax_block"
 
 
-def _path_key(path) -> str:
+def path_key(path) -> str:
     """``"a/0/b"`` of a pytree key path of an ``nnx.State`` (the Variable's ``value`` dropped)."""
     parts = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
     return "/".join(parts[:-1] if parts and parts[-1] == "value" else parts)
@@ -369,16 +369,12 @@ class Discovery:
 
     # ---- flat params ---------------------------------------------------------------------------
     def layout_params(self, param_leaves) -> dict:
-        """The step's params dict (per-layer leaves for a scanned block) from the ``wrt`` state's
-        leaves (arrays or ``ShapeDtypeStruct`` s, leaf order)."""
+        """The step's params dict of ``ShapeDtypeStruct`` s (per-layer leaves for a scanned block)
+        from the ``wrt`` state's leaves (anything with a shape and dtype, leaf order)."""
         out = {}
         for k, a in zip(self.param_keys, param_leaves):
-            if k in self.per_layer:
-                for i, kk in enumerate(self.per_layer[k]):
-                    out[kk] = (jax.ShapeDtypeStruct(a.shape[1:], a.dtype) if isinstance(a, jax.ShapeDtypeStruct)
-                               else a[i])
-            else:
-                out[k] = a
+            shape = tuple(np.shape(a))[1:] if k in self.per_layer else np.shape(a)
+            out.update((kk, jax.ShapeDtypeStruct(shape, a.dtype)) for kk in self.per_layer.get(k, (k,)))
         return out
 
     def stack(self, flat: dict) -> list:
@@ -400,7 +396,7 @@ class Discovery:
         this discovery's paths, shapes and dtypes."""
         from flax import nnx
         flat = jax.tree_util.tree_flatten_with_path(nnx.split(model, self.wrt, ...)[1])[0]
-        have = {_path_key(p): a for p, a in flat}
+        have = {path_key(p): a for p, a in flat}
         for k in self.param_keys:
             want = self.param_avals[k]
             if k not in have:
@@ -542,7 +538,7 @@ def discover(model, loss_fn, data, *, wrt=None, blocks=None, compute_dtype=None)
     graphdef, pstate, side = nnx.split(model, wrt, ...)
     pflat, ptd = jax.tree_util.tree_flatten_with_path(pstate)
     sflat, std = jax.tree_util.tree_flatten_with_path(side)
-    pkeys = tuple(_path_key(p) for p, _ in pflat)
+    pkeys = tuple(path_key(p) for p, _ in pflat)
     pavals = {k: jax.ShapeDtypeStruct(np.shape(a), a.dtype) for k, (_, a) in zip(pkeys, pflat)}
     floats = {jnp.dtype(a.dtype) for a in pavals.values() if _floating(a)}
     if compute_dtype is None:
@@ -566,7 +562,7 @@ def discover(model, loss_fn, data, *, wrt=None, blocks=None, compute_dtype=None)
                              f"e.g. blocks={names[0]!r}")
         mode, path = "list", lists[0][0]
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), data)
-    d = Discovery(graphdef, wrt, ptd, pkeys, pavals, std, tuple(_path_key(p) for p, _ in sflat),
+    d = Discovery(graphdef, wrt, ptd, pkeys, pavals, std, tuple(path_key(p) for p, _ in sflat),
                   tuple(a for _, a in sflat), (), {}, path, mode, loss_fn, jnp.dtype(compute_dtype), abstract)
     closed = jax.make_jaxpr(d.pure(False))(*d.abstract_inputs(abstract))
     n_p, n_s = len(pkeys), len(sflat)

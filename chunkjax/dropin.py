@@ -231,9 +231,13 @@ class ChunkPrograms:
 
     @property
     def unpack(self):
-        """``(chunk_size,)`` params chunk on the device -> its param leaves."""
+        """``(chunk_size,)`` params chunk on the device -> ``(its param leaves, done)``; ``done`` is
+        ``p[:1]``, an array of one element that is ready once this program (and so the transfer
+        that made ``p``) is done: a host chunk's pinned params buffer may be rewritten after it,
+        and the chunk ``p`` itself need not be kept for that (a second device copy of the host
+        chunks' params between updates)."""
         sub, dev = self.sub, sharding(DEVICE)
-        return jax.jit(lambda p: tuple(sub.unpack([p])), in_shardings=dev, out_shardings=dev)
+        return jax.jit(lambda p: (tuple(sub.unpack([p])), p[:1]), in_shardings=dev, out_shardings=dev)
 
 
 def place(lay: ChunkLayout, cb, budget: int, depth: int, split, host_reserve: int = 0):

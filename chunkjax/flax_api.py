@@ -238,7 +238,7 @@ class ChunkedOptimizer:
                 masters.append(jax.device_put(m, sk))
             del m
         self._master, self._opt_state = masters, states
-        self._host_on_device: list = []  # the last update's device copies of host chunks' params
+        self._host_sent: list = []  # the last update's unpack tokens of the host chunks (ChunkPrograms.unpack)
         self._pending = streamed.StreamedWork()
         self._sq = jax.jit(self._grad_sq)
 
@@ -266,7 +266,8 @@ class ChunkedOptimizer:
         """The host thread's part of one update: each host chunk's gradient is packed on the
         device and sent to pinned host memory (the next one's transfer overlaps this one's
         kernel), updated in place by the host kernel, and its new params sent back to the device
-        (into ``sent``). Returns the kernel seconds."""
+        (into ``sent``). ``previous``: the last update's unpack tokens (ready once its transfers
+        out of the params buffers are done). Returns the kernel seconds."""
         jax.block_until_ready(previous)  # no transfer of the params buffers in flight while rewritten
         if callable(scale):
             scale = scale()
@@ -344,7 +345,7 @@ class ChunkedOptimizer:
         if self.host_chunks:  # first: the host starts on a chunk as soon as its gradient arrives
             work = HostWork(host_deadline_s(None))
             work.submit(self._host_pass, {c: of(c) for c in self.host_chunks}, self._host_scale(grad_sq),
-                        self._host_on_device, sent)
+                        self._host_sent, sent)
         try:
             dev = [c for c, k in enumerate(self.placement.state_kinds) if k == DEVICE]
             for c in dev:
@@ -358,9 +359,12 @@ class ChunkedOptimizer:
             if work is not None:
                 work.join()
         if self.host_chunks:
-            for c in self.host_chunks:
-                self._put(out, c, self._host_programs[c][1](sent[c]))
-            self._host_on_device = list(sent.values())
+            done = []
+            for c in self.host_chunks:  # the device chunk is dropped once unpacked; a 1-element token kept
+                new, token = self._host_programs[c][1](sent.pop(c))
+                self._put(out, c, new)
+                done.append(token)
+            self._host_sent = done
         self.step += 1
         # a leaf spanning chunks: its pieces joined in leaf order (the chunks update in another order)
         return lay.treedef.unflatten([x[0][1] if len(x) == 1 else
@@ -415,7 +419,7 @@ class ChunkedOptimizer:
         chunk's state ready (``state`` is ignored: None)."""
         del state
         self._join()
-        jax.block_until_ready([x for x in jax.tree.leaves((self._master, self._opt_state, self._host_on_device))
+        jax.block_until_ready([x for x in jax.tree.leaves((self._master, self._opt_state, self._host_sent))
                                if isinstance(x, jax.Array)])
 
     def checkpoint_info(self) -> dict:
@@ -495,7 +499,7 @@ class ChunkedOptimizer:
             count = cm["count"]
             del arrs, master
         self._master, self._opt_state, self._host_params = masters, states, host_params
-        self._host_on_device = []
+        self._host_sent = []
         self.step = int(saved.meta.get("optimizer_steps", count or 0))
         return lay.unpack(params)
 

@@ -8,6 +8,11 @@
         loss = step(batch)            # loss_fn(model, batch) -> scalar; step.metrics: loss, grad_norm
     step.sync(model)                  # the trained params and state written back into the model
 
+Once the step holds the parameters in its chunks, the model's own parameter arrays are released
+(:mod:`chunkjax.released`: the model keeps shapes and dtypes, not the data) when the plan offloads
+anything, so the model is not held twice in memory; ``step.sync(model)`` brings them back, and the
+model's forward before it raises one line saying so (``keep_model=True`` keeps them).
+
 The model's stages are found by :mod:`chunkjax.discover` (a block list or a scanned block, the parts
 before and after as their own stages); the parameters, gradients and optimizer state are chunked
 and placed by the tide plan through the one fit path (:func:`chunkjax.fit.prepare`, then
@@ -26,13 +31,40 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from chunkjax.discover import Discovery, discover
+from chunkjax.discover import Discovery, discover, path_key
 from chunkjax.errors import PlanError
 from chunkjax.fit import HEADROOM, auto_budget, batch_rows, describe, fit_problem, plan, prepare, resolve_budget
+from chunkjax.memory import DEVICE
+from chunkjax.released import ReleasedParam, ReleasedParamsError, is_released, trim_host_heap
+from chunkjax.schedule import DEVICE_UPDATE, NO_UPDATE
 
 
 def _abstract(tree):
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), tree)
+
+
+def offloads_anything(schedule) -> bool:
+    """Some chunk's compute params live off the device between steps, or its update runs off the
+    device's own resident state (streamed, host or storage)."""
+    return any(k != DEVICE for k in schedule.param_kinds) or any(
+        u not in (DEVICE_UPDATE, NO_UPDATE) for u in schedule.update_locations)
+
+
+def release_params(model, wrt) -> int:
+    """Replace the value of every ``wrt`` Variable of ``model`` by a :class:`chunkjax.released.ReleasedParam`
+    (its shape, dtype, path and sharding; ``nnx.update``), so that the arrays are freed once
+    nothing else holds them, and the C heap's free pages go back to the OS
+    (:func:`chunkjax.released.trim_host_heap`). Returns the bytes the model held (shape x itemsize, 0 for leaves already released)."""
+    from flax import nnx
+    flat, treedef = jax.tree_util.tree_flatten_with_path(nnx.state(model, wrt))
+    held = sum(0 if is_released(a) else int(np.size(a)) * np.dtype(a.dtype).itemsize for _, a in flat)
+    placeholders = [a if is_released(a) else
+                    ReleasedParam(np.shape(a), a.dtype, path_key(p), a.sharding if isinstance(a, jax.Array) else None)
+                    for p, a in flat]
+    del flat  # the last references this function holds
+    nnx.update(model, jax.tree.unflatten(treedef, placeholders))
+    trim_host_heap()
+    return held
 
 
 class OffloadedStep:
@@ -40,7 +72,9 @@ class OffloadedStep:
 
     ``step(batch) -> loss`` (() float32, the mean loss of the batch) runs one step: forward,
     backward and update of every chunk; ``step.metrics`` holds that step's ``loss`` and global
-    ``grad_norm``. The model itself is not touched until :meth:`sync`.
+    ``grad_norm``. The model's parameters are not written until :meth:`sync`; unless
+    :func:`offload` kept them (``keep_model``), its parameter arrays were released
+    (``released_bytes``) and :meth:`sync` brings them back.
 
     Attributes:
       discovery: the :class:`chunkjax.discover.Discovery` (stages, flat parameter keys).
@@ -48,6 +82,7 @@ class OffloadedStep:
       report: the :class:`chunkjax.fit.FitReport` (``schedule``, budgets, compiled check);
         ``problem``: the :class:`chunkjax.fit.FitProblem` (``layout``, traces).
       metrics: the last step's metrics (``loss``, ``grad_norm``), None before the first.
+      released_bytes: bytes of parameter arrays :func:`offload` released from the model (0: kept).
     """
 
     def __init__(self, discovery: Discovery, fitted, state, example):
@@ -55,6 +90,7 @@ class OffloadedStep:
         self.step, self.report, self.problem = fitted
         self.state = state
         self.metrics = None
+        self.released_bytes = 0
         self._example = example
         self._side = tuple(discovery.side_values[j] for j in discovery.mutable)
         self._batch_sharding = self.step.topology.batch_sharding()
@@ -134,7 +170,11 @@ class OffloadedStep:
     def sync(self, model) -> None:
         """Write the trained parameters (the float32 masters, cast to each leaf's dtype) and the
         non-parameter state the loss changed back into ``model`` (``nnx.update``). Waits for the
-        step's host updates.
+        step's host updates. A model whose parameters :func:`offload` (or :meth:`release`)
+        released gets arrays again: its forward, export or ``nnx.state`` work as before (the model
+        then holds a second copy of the parameters beside the step's chunks until
+        :meth:`release`). Before any step, the synced parameters are the model's initial ones,
+        bit for bit.
 
         Raises:
           ValueError: ``model``'s parameters differ from the offloaded model's (a missing or extra
@@ -143,13 +183,69 @@ class OffloadedStep:
         from flax import nnx
         d = self.discovery
         d.check_model(model)
-        flat = self.step.master_params(self.state)
-        nnx.update(model, jax.tree.unflatten(d.param_treedef, d.stack(flat)))
+        if jax.process_count() == 1:
+            leaves = self._synced_leaves(jax.tree.leaves(nnx.state(model, d.wrt)))
+        else:  # the masters gathered from every process (a collective)
+            leaves = d.stack(self.step.master_params(self.state))
+        nnx.update(model, jax.tree.unflatten(d.param_treedef, leaves))
         if d.mutable:
             side = list(d.side_values)
             for j, v in zip(d.mutable, self._side):
                 side[j] = v
             nnx.update(model, jax.tree.unflatten(d.side_treedef, side))
+
+    def _synced_leaves(self, now: list) -> list:
+        """The ``wrt`` leaves (leaf order, their own dtypes) built on the host from the step's
+        float32 masters one chunk at a time (:meth:`chunkjax.ChunkedStep.checkpoint_master`; a
+        scanned block's layers into their stacked leaf), each put where the model's leaf ``now``
+        lives (its sharding, or a released one's; else the default device) once complete: the
+        device never holds every master at once, the host one chunk beside the leaves."""
+        d, step, lay = self.discovery, self.step, self.step.layout
+        step.wait(self.state)
+        pos = {k: j for j, k in enumerate(d.param_keys)}
+        layer_of = {kk: (k, i) for k, kks in d.per_layer.items() for i, kk in enumerate(kks)}
+        avals = [d.param_avals[k] for k in d.param_keys]
+        target = []  # slot -> (leaf, element offset of the slot in the leaf)
+        for key in _slot_keys(lay):
+            stacked, layer = layer_of.get(key, (key, 0))
+            target.append((pos[stacked], layer * math.prod(avals[pos[stacked]].shape[1:])))
+        left = [math.prod(a.shape) for a in avals]
+        out, bufs = [None] * len(avals), {}
+
+        def place(j, a):
+            where = getattr(now[j], "sharding", None) if isinstance(now[j], jax.Array) or is_released(now[j]) else None
+            out[j] = jnp.asarray(a) if where is None else jax.device_put(a, where)
+
+        for c in range(lay.n_chunks):
+            master = step.checkpoint_master(self.state, c)
+            for i, p in lay.chunk_pieces(c):
+                j, off = target[i]
+                if j not in bufs:
+                    bufs[j] = np.empty(math.prod(avals[j].shape), avals[j].dtype)
+                bufs[j][off + p.leaf_offset:off + p.leaf_offset + p.size] = master[p.offset:p.offset + p.size]
+                left[j] -= p.size
+                if left[j] == 0:
+                    place(j, bufs.pop(j).reshape(avals[j].shape))
+            del master
+        for j, a in enumerate(avals):  # leaves without elements
+            if out[j] is None:
+                place(j, np.zeros(a.shape, a.dtype))
+        return out
+
+    def release(self, model) -> int:
+        """Release ``model``'s parameter arrays (the step holds the parameters in its chunks):
+        each ``wrt`` Variable keeps its shape and dtype, not its data
+        (:class:`chunkjax.released.ReleasedParam`); reading one, e.g. the model's forward, raises
+        :class:`chunkjax.released.ReleasedParamsError` in one line until :meth:`sync`. What
+        :func:`offload` does unless ``keep_model``; use it again after a :meth:`sync` (e.g. an
+        evaluation with the model's own forward). Returns the bytes released (shape x itemsize;
+        freed when nothing else holds the arrays).
+
+        Raises:
+          ValueError: ``model``'s parameters differ from the offloaded model's (as :meth:`sync`).
+        """
+        self.discovery.check_model(model)
+        return release_params(model, self.discovery.wrt)
 
     def wait(self) -> float | None:
         """Block until the last step's host updates are done; the seconds the host thread spent in
@@ -201,6 +297,11 @@ def _discover(model, loss_fn, batch, *, wrt, blocks, compute_dtype, abstract_ok:
     from flax import nnx
     wrt_ = nnx.Param if wrt is None else wrt
     graphdef, params, rest = nnx.split(model, wrt_, ...)
+    released = [a for a in jax.tree.leaves(params) if is_released(a)]
+    if released and not abstract_ok:
+        raise ReleasedParamsError(f"the model's parameters were released by an earlier chunkjax.offload (e.g. "
+                                  f"{released[0].path!r}): call that step's sync(model) first, or plan it with "
+                                  "chunkjax.plan_offload")
     if any(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(params)) and not abstract_ok:
         raise ValueError("offload needs a model with concrete parameters (this one is abstract, e.g. from "
                          "nnx.eval_shape): build it for real, or plan abstract shapes with chunkjax.plan_offload "
@@ -214,8 +315,8 @@ def _discover(model, loss_fn, batch, *, wrt, blocks, compute_dtype, abstract_ok:
 
 
 def _prepare(model, d: Discovery, leaves, tx, device_budget, host_budget, trainable, mesh, zero_stage, fit_kw):
-    """The fit problem of a discovered model (:func:`chunkjax.fit.prepare`); ``fit_kw`` loses
-    prepare's keywords. FLOPs: 3 x the forward's matrix products counted in the discovered loss
+    """The fit problem of a discovered model (:func:`chunkjax.fit.prepare`, on the abstract params
+    dict: no array is copied); ``fit_kw`` loses prepare's keywords. FLOPs: 3 x the forward's matrix products counted in the discovered loss
     (:attr:`Discovery.forward_flops`), unless ``flops_per_step`` is given."""
     if d.mutable and (mesh is not None or fit_kw.get("micro_batches", 1) != 1):
         raise ValueError("the loss changes non-parameter state (RNG streams, counters, batch statistics): run it on "
@@ -228,9 +329,8 @@ def _prepare(model, d: Discovery, leaves, tx, device_budget, host_budget, traina
     side = tuple(jax.ShapeDtypeStruct((rows,) + tuple(np.shape(d.side_values[j])), d.side_values[j].dtype)
                  for j in d.mutable)
     prep = {k: fit_kw.pop(k) for k in list(fit_kw) if k not in _FIT_ARGS}
-    return params, prepare(d.stages, _abstract(params), (d.example, side), device_budget=device_budget,
-                           host_budget=host_budget, compute_dtype=d.compute_dtype, mesh=mesh, zero_stage=zero_stage,
-                           **_optimizer_kw(tx), **prep)
+    return prepare(d.stages, params, (d.example, side), device_budget=device_budget, host_budget=host_budget,
+                   compute_dtype=d.compute_dtype, mesh=mesh, zero_stage=zero_stage, **_optimizer_kw(tx), **prep)
 
 
 def _is_min(device_budget) -> bool:
@@ -267,8 +367,8 @@ def plan_offload(model, tx, loss_fn, batch, *, device_budget: int | str | None =
     model, d, leaves = _discover(model, loss_fn, batch, wrt=wrt, blocks=blocks, compute_dtype=compute_dtype,
                                  abstract_ok=True)
     smallest = _is_min(device_budget)
-    _, problem = _prepare(model, d, leaves, tx, None if smallest else device_budget, host_budget, trainable, mesh,
-                          zero_stage, dict(prepare_kw))
+    problem = _prepare(model, d, leaves, tx, None if smallest else device_budget, host_budget, trainable, mesh,
+                       zero_stage, dict(prepare_kw))
     if device_budget is None:
         return OffloadPlan(d, problem, None, None)
     budget = resolve_budget(device_budget) if not smallest else smallest_budget(problem, policy)
@@ -278,12 +378,17 @@ def plan_offload(model, tx, loss_fn, batch, *, device_budget: int | str | None =
 
 def offload(model, tx, loss_fn, batch, *, device_budget: int | str = "auto", host_budget: Any = "auto",
             wrt=None, trainable=None, blocks=None, compute_dtype=None, mesh=None, zero_stage: int = 0,
-            policy: str = "tide", **fit_kw) -> OffloadedStep:
+            policy: str = "tide", keep_model: bool | None = None, **fit_kw) -> OffloadedStep:
     """A chunked, offloaded train step for an NNX model.
 
     Args:
-      model: an ``nnx.Module``; its parameters initialise the step (the model is not changed
-        until :meth:`OffloadedStep.sync`).
+      model: an ``nnx.Module``; its parameters initialise the step, chunk by chunk (a scanned
+        block's stacked leaves are sliced one layer at a time: host memory holds the model and
+        the chunks, never a third copy). Then, unless ``keep_model``, its ``wrt`` arrays are
+        released (:meth:`OffloadedStep.release`): the model keeps shapes and dtypes, its forward
+        raises :class:`chunkjax.released.ReleasedParamsError` (one line) until
+        :meth:`OffloadedStep.sync` writes the step's parameters back. Its other state is not
+        changed until :meth:`OffloadedStep.sync`.
       tx: an elementwise optax transformation (offloaded chunks update streamed through the
         device), or a host spec (``chunkjax.host_update.AdamW / Lion / SGDMomentum``: offloaded
         chunks update on the host, its ``optax()`` twin updates the device chunks).
@@ -306,19 +411,27 @@ def offload(model, tx, loss_fn, batch, *, device_budget: int | str = "auto", hos
         ``jnp.bfloat16`` for mixed precision with float32 masters).
       mesh, zero_stage: a ``data`` mesh (:func:`chunkjax.data_mesh`) and ZeRO stage 1/2/3.
       policy: the planner's policy (default ``"tide"``).
+      keep_model: keep the model's parameter arrays (a second copy of the parameters beside the
+        step's chunks, in the memory they were built in). None (default): keep them only when
+        the plan offloads nothing (every chunk's params and update on the device,
+        :func:`offloads_anything`); one offloads because memory is short, and the model held
+        twice is what fills it (a 3B float32 model: 11.2 GiB of host memory). False: release
+        always.
       **fit_kw: the rest of :func:`chunkjax.fit_step` (chunk_size, min_chunks, prefetch,
         flops_per_step (default: 3 x the forward's matrix products counted in the traced loss),
         rates, check_compiled, strict, ...): this is the fit path's
         :func:`~chunkjax.fit.prepare` then :func:`~chunkjax.fit.fit_problem`.
 
     Returns:
-      an initialised :class:`OffloadedStep`.
+      an initialised :class:`OffloadedStep` (``released_bytes``: the parameter bytes released).
 
     Raises:
       TypeError: ``tx`` is neither an optax transformation nor a host spec; a keyword in
         ``fit_kw`` that the fit path does not take.
       ValueError: an abstract model (parameters ``ShapeDtypeStruct`` s, e.g. from ``nnx.eval_shape``:
         :func:`plan_offload` plans those).
+      chunkjax.released.ReleasedParamsError: the model's parameters were released by an earlier
+        ``offload`` (sync it from that step first).
       ValueError: see :func:`chunkjax.discover.discover` and :func:`chunkjax.fit.prepare` (a
         non-elementwise transformation, a batch without a row axis, ...); non-parameter state
         that the loss changes together with a mesh.
@@ -330,12 +443,39 @@ def offload(model, tx, loss_fn, batch, *, device_budget: int | str = "auto", hos
                                  abstract_ok=False)
     fit_args = {k: fit_kw.pop(k) for k in _FIT_ARGS if k in fit_kw}
     smallest = _is_min(device_budget)
-    params, problem = _prepare(model, d, leaves, tx, None if smallest else device_budget, host_budget, trainable,
-                               mesh, zero_stage, fit_kw)
+    problem = _prepare(model, d, leaves, tx, None if smallest else device_budget, host_budget, trainable, mesh,
+                       zero_stage, fit_kw)
     fitted = fit_problem(problem, smallest_budget(problem, policy) if smallest else device_budget, policy=policy,
                          **fit_args)
-    state = fitted.step.init(params)
-    return OffloadedStep(d, fitted, state, d.example)
+    state = fitted.step.init(_leaf_source(d, leaves, fitted.step.layout))
+    del leaves
+    out = OffloadedStep(d, fitted, state, d.example)
+    if not (keep_model if keep_model is not None else not offloads_anything(out.schedule)):
+        out.released_bytes = release_params(model, d.wrt)
+    return out
+
+
+def _slot_keys(layout) -> list:
+    """The step's params keys in ``layout.slots`` order."""
+    index = layout.treedef.unflatten(list(range(len(layout.slots))))  # params key -> slot index
+    return [k for k, _ in sorted(index.items(), key=lambda kv: kv[1])]
+
+
+def _leaf_source(d: Discovery, leaves, layout):
+    """``leaf_at(i)`` for :meth:`chunkjax.ChunkedStep.init`: slot ``i``'s array from the model's
+    ``wrt`` leaves; a scanned block's per-layer leaf is sliced from its stacked leaf when drawn (a
+    layer at a time, not a copy of every stacked leaf at once)."""
+    by_key = dict(zip(d.param_keys, leaves))
+    layer_of = {kk: (k, i) for k, kks in d.per_layer.items() for i, kk in enumerate(kks)}
+    keys = _slot_keys(layout)
+
+    def leaf_at(i: int):
+        k = keys[i]
+        if k in layer_of:
+            stacked, layer = layer_of[k]
+            return by_key[stacked][layer]
+        return by_key[k]
+    return leaf_at
 
 
 _FIT_ARGS = ("resident", "check_compiled", "strict")  # fit_problem's; the rest of **fit_kw goes to prepare

@@ -77,7 +77,7 @@ def place_on_disk(s: Schedule, cb: pr.ChunkBytes, *, chunk_size: int, traces, ti
         moments = [b + e for b, e in zip(device_part, pr.master_fetch_extra(cb, s.fetch, s.prefetch, mf))]
         pred = pr.predict(chunk_size, traces, tide, cb, s.param_kinds, loc, s.fetch, s.segments, moments,
                           flops_per_step=flops_per_step, rates=rates, master_fetch=mf, micro_batches=micro_batches,
-                          streamed_early=streamed_early, storage_devices=devices)
+                          streamed_early=streamed_early, storage_devices=devices, storage_early=streamed_early)
         return dataclasses.replace(s, update_locations=loc, master_fetch=mf, predicted=pred)
 
     staging = devices * pr.STORAGE_STAGING_BUFFERS * pr.disk_file_bytes(cb)
@@ -112,6 +112,7 @@ def storage_line(schedule: Schedule, storage_devices: int, host_budget: int | No
                 f"({schedule.counts()})")
     return (f"storage: {p.storage_chunks} of {schedule.n_chunks} chunks' master params and optimizer state on "
             f"{storage_devices} storage director{'y' if storage_devices == 1 else 'ies'}; disk "
-            f"{gb(p.disk_bytes_per_step):.2f} GB/step read+written, predicted disk update "
-            f"{p.time.storage_update_s:.2f} s of a {p.time.step_s:.2f} s step; host memory "
+            f"{gb(p.disk_bytes_per_step):.2f} GB/step read+written, predicted disk time "
+            f"{p.time.storage_update_s:.2f} s/step of which {p.time.storage_exposed_s:.2f} s after the backward "
+            f"(the rest behind the step's and the next step's compute), a {p.time.step_s:.2f} s step; host memory "
             f"{gb(p.host_bytes):.2f} GB")

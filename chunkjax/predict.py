@@ -36,8 +36,9 @@ from chunkjax.trace import StageTrace
 
 #: float32 bytes per element: master params, gradient accumulators, update temporaries
 F32_BYTES = 4
-#: Staging buffers (one chunk's master params and state each) per storage directory: the
-#: near-storage worker's :class:`chunkjax.storage.tier.DiskTier` default, host memory of the disk tier
+#: Staging buffers (one chunk's master params and state each) per storage directory: the bound of
+#: the near-storage worker's read-ahead (``StorageOptions.staging_buffers``: it reads this many
+#: minus one chunks before the step's norm is known), host memory of the disk tier
 STORAGE_STAGING_BUFFERS = 3
 
 
@@ -235,7 +236,8 @@ def host_figures(chunk_size: int, cb: ChunkBytes, param_kinds, update_locations,
     params are in its state), master params and state of ``host``/``streamed`` chunks, every
     offloaded chunk's gradient. ``host_working_bytes``: the host-updated chunks' gradients that
     exist at once (:func:`grad_window_bytes` over ``segments``; with
-    ``micro_batches`` > 1 every host chunk's float32 sum and mean as well). ``host_bytes``: the
+    ``micro_batches`` > 1 every host chunk's float32 sum and mean as well) and every streamed
+    chunk's new compute params and state, written back beside the old until the step returns. ``host_bytes``: the
     model data plus that working set (streamed chunks' gradients whole). The per-parameter
     figures divide by all parameters (``host_bytes_per_param``) and by those of chunks whose
     state is in host memory (``host_resident_bytes_per_param``).
@@ -259,6 +261,10 @@ def host_figures(chunk_size: int, cb: ChunkBytes, param_kinds, update_locations,
     working = grad_window_bytes(host, segments, cb.grad) if host else 0
     if micro_batches > 1:
         working += len(host) * (cb.master + cb.grad)
+    # a streamed chunk's new params and state come back into new pinned buffers while the step's
+    # input state still holds the old ones (:class:`chunkjax.streamed.StepStream`): both exist
+    # until the step returns (measured: the 8B full fine-tuning ran out of a pool sized without them)
+    working += sum(u == STREAMED_UPDATE for u in update_locations) * (cb.params + cb.state)
     total = model - len(host) * cb.grad + working
     n_res = sum(u in (HOST_UPDATE, STREAMED_UPDATE) for u in update_locations)
     return {"host_model_bytes": int(model), "host_bytes": int(total), "host_working_bytes": int(working),
@@ -358,6 +364,22 @@ def _streamed_ready(cb: ChunkBytes, traces, n_moments, param_kinds, update_locat
     return out, first
 
 
+def _storage_ready(traces, n_moments, update_locations, segments, grad_done, storage_devices: int):
+    """Per storage chunk, in the order the backward completes their gradients (the workers'
+    update order, :func:`chunkjax.storage.updater.gradient_order`): (fraction of the backward
+    done when the program completing its gradient ends, its storage device: the k-th storage
+    chunk in id order is on device ``k % storage_devices``)."""
+    ids = [c for c, u in enumerate(update_locations) if u == STORAGE_UPDATE]
+    dev = {c: k % max(1, storage_devices) for k, c in enumerate(ids)}
+    frac = {}
+    for p0, p1, f in _program_ends(len(traces), n_moments, segments):
+        for c in ids:
+            if p0 <= grad_done.get(c, n_moments - 1) < p1:
+                frac[c] = f
+    order = sorted(ids, key=lambda c: (grad_done.get(c, n_moments), c))
+    return [(frac.get(c, 1.0), dev[c]) for c in order]
+
+
 def streamed_early_extra(chunk_size: int, cb: ChunkBytes, traces, tide: Tide, param_kinds, update_locations,
                          segments, streamed_early: bool) -> list[int]:
     """Device bytes the streamed pipeline adds at each moment when streamed updates start early
@@ -373,7 +395,8 @@ def streamed_early_extra(chunk_size: int, cb: ChunkBytes, traces, tide: Tide, pa
 def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: ChunkBytes, param_kinds,
             update_locations, fetch, segments, moment_bytes: Sequence[int], *, flops_per_step: float,
             rates: Rates = Rates(), forward_fetches: int | None = None, master_fetch=(),
-            micro_batches: int = 1, streamed_early: bool = False, storage_devices: int = 1) -> Prediction:
+            micro_batches: int = 1, streamed_early: bool = False, storage_devices: int = 1,
+            storage_early: bool = False, staging_buffers: int = STORAGE_STAGING_BUFFERS) -> Prediction:
     """The :class:`~chunkjax.schedule.Prediction` of a schedule's decisions.
 
     Args:
@@ -398,6 +421,11 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
         they start after the backward, when the global norm is known.
       storage_devices: storage directories (devices) of the disk tier the ``storage`` chunks
         are spread over.
+      storage_early: the storage chunks update as their gradients complete (the update does not
+        read the global norm, one micro-batch: :func:`chunkjax.storage.updater.updates_early`);
+        else once the norm is known.
+      staging_buffers: staging buffers per storage device (the workers' read-ahead bound), counted
+        in the host bytes.
 
     Bytes moved per step: every fetch brings one chunk's compute params up; every chunk not
     updated on the device sends its gradient down during the backward; a host-updated chunk whose
@@ -429,7 +457,7 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
     hf = host_figures(chunk_size, cb, param_kinds, update_locations, grad_done, segments, T, master_fetch=mf,
                       micro_batches=micro_batches)
     n_disk = sum(u == STORAGE_UPDATE for u in update_locations)
-    staging = storage_devices * STORAGE_STAGING_BUFFERS * disk_file_bytes(cb) if n_disk else 0
+    staging = storage_devices * staging_buffers * disk_file_bytes(cb) if n_disk else 0
     if n_disk:  # storage chunks: gradients whole until the disk update, the workers' staging buffers
         hf["host_model_bytes"] += n_disk * cb.grad + staging
         hf["host_bytes"] += n_disk * cb.grad + staging
@@ -442,7 +470,9 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
         host_ready=_host_ready(chunk_size, traces, T, update_locations, segments, grad_done),
         streamed=streamed, params_per_chunk=chunk_size, streamed_early=streamed_early,
         program_ends=[f for _, _, f in _program_ends(n_stages, T, segments)], depth=STREAMED_PIPELINE_DEPTH,
-        rates=rates, disk_bytes=2 * n_disk * disk_file_bytes(cb), storage_devices=storage_devices)
+        rates=rates, storage=_storage_ready(traces, T, update_locations, segments, grad_done, storage_devices),
+        disk_file_bytes=disk_file_bytes(cb), storage_params_per_chunk=chunk_size,
+        storage_early=storage_early and micro_batches == 1, staging_buffers=staging_buffers)
     return Prediction(int(peak), int(model), hf.pop("host_model_bytes"), int(h2d), int(d2h), int(fetch_b),
                       int(n_fetch), tuple(int(b) for b in moment_bytes), time, **hf,
                       disk_bytes_per_step=2 * n_disk * disk_file_bytes(cb), storage_chunks=n_disk,

@@ -347,7 +347,9 @@ class ChunkedStep(StepChunkIO, StepUpdates):
         reading its host chunks). Returns the seconds the host thread spent in the kernels (not
         the waits for gradients), or None when it had nothing to do. Raises what the host thread
         raised."""
-        return state.pending.join() if state.pending is not None else None
+        out = state.pending.join() if state.pending is not None else None
+        disk.wait_tail(self, state)  # the storage chunks' last writes and commit
+        return out
 
     def __call__(self, state: TrainState, batch, loss_scale=None) -> tuple[TrainState, dict]:
         """One training step. batch: int (B, T+1), the global batch (every process passes the
@@ -375,15 +377,18 @@ class ChunkedStep(StepChunkIO, StepUpdates):
             raise ValueError(f"batch leaves have leading sizes {sorted(lead)}: give every leaf the batch axis")
         self.topology.check_rows(next(iter(lead)), self.micro_batches)
         work = HostWork(self.host_deadline_s, state.pending.backups if state.pending is not None else None)
-        self.wait(state)
+        if state.pending is not None:  # the storage chunks' last writes and commit run on (disk.StorageRun)
+            state.pending.join()
         state = state._replace(pending=None)
         scale = None if loss_scale is None else jnp.asarray(loss_scale, jnp.float32)
         inv = 1.0 if loss_scale is None else 1.0 / float(loss_scale)
         spec = work.speculation = for_step(self, work, inv) if self.host_chunks else None
         norm, on_host = None, None if spec is None else (lambda mine: work.hand_over(spec.update, state, mine))
         stream = streamed.StepStream(self, state, inv_arr := jnp.asarray(inv, jnp.float32))
+        on_disk = disk.StorageRun(self, state)  # storage chunks: the workers read their state from now on
         try:
-            grads, sq, loss = (self._run_programs(state, self.topology.put_batch(batch), scale, on_host, stream)
+            grads, sq, loss = (self._run_programs(state, self.topology.put_batch(batch), scale, on_host, stream,
+                                                  on_disk.on_program)
                                if self.micro_batches == 1
                                else accumulate.mean_gradients(self, state, batch, scale, on_host))
             (loss, aux), grad_sq = split_loss(loss), jnp.stack([sq[c] if c in sq else jnp.zeros((), jnp.float32)
@@ -394,7 +399,8 @@ class ChunkedStep(StepChunkIO, StepUpdates):
                 spec.set_norm(norm)
                 work.submit(spec.validate, state)
             stream.set_grad_sq(None if norm is None else grad_sq)  # None: abandoned
-        disk.start_update(self, work, state, grads, norm)  # storage chunks: beside the host thread and the device
+            on_disk.set_norm(norm)
+        on_disk.send(work, grads)  # storage chunks: beside the host thread and the device
         params, master, opt = list(state.params), list(state.master), list(state.opt_state)
         for c in self._device_chunks:
             params[c], master[c], opt[c] = self.updaters["device"].update(self.placement.param_kinds[c])(
@@ -413,12 +419,13 @@ class ChunkedStep(StepChunkIO, StepUpdates):
         return self.topology.put(np.zeros((self.layout.chunk_size,), self.compute_dtype),
                                  self.topology.grad_sharding(self.placement.grad_kind(c)))
 
-    def _run_programs(self, state: TrainState, batch, scale, on_host=None, stream=None):
+    def _run_programs(self, state: TrainState, batch, scale, on_host=None, stream=None, on_disk=None):
         """Run every program of the step on ``batch`` (placed): returns ``(grads, sq, loss)``, a
         gradient and squared norm for every chunk (zero for chunks no stage reads); with ``on_host``,
         host chunks' gradients go to ``on_host({c: gradient})`` as each program ends (unread ones at
         the end) and are not returned: the host thread drops each once consumed; the others to
-        ``stream.on_program`` (:class:`chunkjax.streamed.StepStream`)."""
+        ``stream.on_program`` (:class:`chunkjax.streamed.StepStream`) and ``on_disk(g)``
+        (:meth:`chunkjax.storage.updater.StorageRun.on_program`)."""
         host = set(self.host_chunks)
         carry: dict = {} if scale is None else {"loss_scale": scale}  # carried to the loss's program
         acc, grads, sq, loss, late = {}, {}, {}, None, {}
@@ -431,6 +438,8 @@ class ChunkedStep(StepChunkIO, StepUpdates):
             loss = l if l is not None else loss
             if stream is not None:
                 stream.on_program(g, q)
+            if on_disk is not None:
+                on_disk(g)
             g = None
             if mine:
                 on_host(mine)

@@ -5,7 +5,7 @@
     python -m experiments.bench --largest --systems chunkjax --device-budget 100GiB --run-id largest1 \\
         [--largest-models GPT3_10B,GPT3_12B,GPT3_15B]
     python -m experiments.bench --largest --systems chunkjax --device-budget 120GiB --storage scratch/disk \\
-        --largest-models GPT3_18B --largest-steps 3 --run-id largest_disk    # past host RAM: the disk tier
+        --largest-models GPT3_18B,GPT3_20B --largest-steps 3 --run-id largest_disk    # past host RAM: the disk tier
     python -m experiments.bench --report experiments/results/bench_g36b_24g.json   # tables + plot
 
 Baseline knobs (``--set``): ``maxtext_donate=false`` (no state donation in maxtext_style),
@@ -80,6 +80,8 @@ ALL_KEYS = REQUIRED_KEYS + RUN_KEYS + EXTRA_KEYS + ANCHOR_KEYS
 
 #: Configs tried by ``--largest`` when ``--largest-models`` is not given (sorted by N there).
 DEFAULT_LARGEST_MODELS = ("GPT3_6B", "GPT3_8B", "GPT3_10B", "GPT3_12B", "GPT3_15B", "GPT3_18B")
+#: Tried after them with ``--storage`` (past host RAM: the disk tier), from models/gpt.py.
+STORAGE_LARGEST_MODELS = ("GPT3_20B", "GPT3_40B")
 
 DEFAULT_HOST_LIMIT_GB = 110
 DEFAULT_MEM_FRACTION = 0.75  # XLA's default device pool fraction
@@ -411,7 +413,10 @@ def predicted_line(rec: dict) -> str:
         secs = st.get("storage_update_s_measured") or []
         out += (f"; {st['line']}; disk {gb(st.get('disk_bytes_per_step_measured'))}/step (accounted "
                 f"{gb(st['disk_bytes_per_step_accounted'])}), update {secs[-1] if secs else float('nan'):.2f} s "
-                f"(predicted {st['storage_update_s_predicted']:.2f} s) = {rates[-1] if rates else float('nan'):.2f} "
+                f"(predicted {st['storage_update_s_predicted']:.2f} s, exposed "
+                f"{(st.get('storage_exposed_s_measured') or [float('nan')])[-1]:.2f} s, predicted "
+                f"{st.get('storage_exposed_s_predicted', float('nan')):.2f} s) = "
+                f"{rates[-1] if rates else float('nan'):.2f} "
                 f"GB/s; workers' peak RSS {gb(sum(st.get('workers_rss_peak_bytes_measured') or []))}")
     return out
 
@@ -520,7 +525,8 @@ def run_largest(args, runner, probe: dict, call: int) -> dict:
     """
     from models import gpt
 
-    names = args.largest_models.split(",") if args.largest_models else list(DEFAULT_LARGEST_MODELS)
+    names = (args.largest_models.split(",") if args.largest_models
+             else list(DEFAULT_LARGEST_MODELS) + list(STORAGE_LARGEST_MODELS if args.storage else ()))
     models = sorted((gpt.get_config(n).name for n in names), key=lambda n: gpt.get_config(n).n_params)
     out = {}
     for system in args.systems:
@@ -577,7 +583,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a device budget for one system (repeatable), e.g. chunkjax=8GiB beside plain_jax at the "
                          "run's --device-budget: with --set init=init_params the losses compare step by step")
     ap.add_argument("--largest", action="store_true", help="largest-model mode (see run_largest)")
-    ap.add_argument("--largest-models", default=None, help=f"comma-separated configs (default: {','.join(DEFAULT_LARGEST_MODELS)})")
+    ap.add_argument("--largest-models", default=None,
+                    help=f"comma-separated configs (default: {','.join(DEFAULT_LARGEST_MODELS)}; with --storage "
+                    f"also {','.join(STORAGE_LARGEST_MODELS)})")
     ap.add_argument("--largest-batch", type=int, default=8)
     ap.add_argument("--largest-seq", type=int, default=1024)
     ap.add_argument("--largest-steps", type=int, default=5)

@@ -148,10 +148,11 @@ class ChunkjaxSystem:
 
     def step(self, state, batch):
         state, m = self.step_fn(state, batch)
-        self.last_update_s = self.step_fn.wait(state)  # host thread's kernel seconds (None: no host chunks)
-        if "storage" in self.schedule.update_locations:  # the disk tier: its last update's bytes and seconds
+        # the host thread's kernel seconds (None: no host chunks) and the storage chunks' new params; the
+        # disk tier's last writes and commit run on into the next step (chunkjax.storage.updater.StorageRun)
+        self.last_update_s = state.pending.join() if state.pending is not None else None
+        if "storage" in self.schedule.update_locations:  # the disk tier: each committed update's bytes and seconds
             self.disk = state.master[self.schedule.update_locations.index("storage")]
-            self.disk_steps.append(self.disk.last)
         sp = getattr(state.pending, "speculation", None)  # speculative host updates (chunkjax.speculate)
         if sp is not None:
             self.speculation["steps"] += 1
@@ -260,11 +261,18 @@ def storage_record(sys_) -> dict:
            "disk_budget_bytes": sys_.problem.disk_budget_bytes, "storage_chunks": p.storage_chunks,
            "line": storage_line(sys_.schedule, sys_.problem.storage_devices, sys_.problem.host_budget_bytes),
            "disk_bytes_per_step_accounted": p.disk_bytes_per_step, "storage_update_s_predicted": p.time.storage_update_s,
-           "host_bytes_accounted": p.host_bytes}
+           "storage_exposed_s_predicted": p.time.storage_exposed_s,
+           "staging_buffers": sys_.problem.storage.staging_buffers, "host_bytes_accounted": p.host_bytes}
+    if sys_.disk is not None:
+        sys_.disk.wait()  # the last step's writes and commit
+        sys_.disk_steps = list(sys_.disk.history)
     done = [r for r in sys_.disk_steps if r is not None and not r.skipped]
     if done:
         moved = [sum(r.storage_link_bytes.values()) for r in done]
+        # update_s: from the step's header (the reads start with the step) to the commit, so the GB/s are a
+        # lower bound of the disk's rate (the forward and backward are inside)
         out.update(disk_bytes_per_step_measured=moved[-1], storage_update_s_measured=[r.update_s for r in done],
+                   storage_exposed_s_measured=list(sys_.disk.exposed_s),
                    disk_gb_per_s_measured=[b / r.update_s / 1e9 for b, r in zip(moved, done) if r.update_s])
     if sys_.disk is not None:
         rss = []

@@ -95,6 +95,12 @@ _TABLE = {  # name: (hidden, layers, heads) -- PatrickStar's table, seq 1024
     "GPT3_12B": (4096, 60, 16),
     "GPT3_15B": (4096, 78, 16),
     "GPT3_18B": (4096, 90, 16),
+    # Above 18B (issue 24): the shapes of ZeRO-Offload (Ren et al., USENIX ATC'21, the 20B and 40B
+    # GPT-2-style models: hidden 8192, 25 / 50 layers), listed as GPT_DS_20B / GPT_DS_40B in
+    # PatrickStar's examples/model_builder.py. 64 heads (head dim 128, cuDNN's fused attention)
+    # where that file has 16: the head count changes neither the parameters nor 6N FLOPs/token.
+    "GPT3_20B": (8192, 25, 64),
+    "GPT3_40B": (8192, 50, 64),
 }
 
 CONFIGS: dict[str, GPTConfig] = {n: GPTConfig(n, *v) for n, v in _TABLE.items()}

@@ -281,3 +281,140 @@ def test_storage_options_and_step_checks(setup, tmp_path):
     s = dataclasses.replace(sched)
     assert s.to_dict()["predicted"]["disk_bytes_per_step"] == sched.predicted.disk_bytes_per_step
     assert cj.Schedule.from_dict(s.to_dict()) == s
+
+
+def test_disk_overlap_step_time_by_hand():
+    """The disk tier's cost model (docs/storage.md): one storage device at 1 GB/s each way, three
+    chunk files of 0.5 GB, 3 staging buffers, forward 1 s and backward 3 s (the norm at 4 s).
+    After the norm: reads of chunks 0 and 1 in [0, 1] s (read-ahead), kernels at 4 s, write 0
+    [4, 4.5], read 2 [4.5, 5], write 1 [5, 5.5]: the last params are back at 5 s, 1 s exposed,
+    the last write runs on into the next step. Norm-free early path (gradients at 2, 3, 4 s):
+    write 0 [2, 2.5], read 2 [2.5, 3], write 1 [3, 3.5], kernel 2 at 4 s: nothing exposed.
+    Four such files on one device (8 s of disk a step) are disk-bound: the step is 8 s."""
+    from chunkjax.cost import Rates, disk_step_times, predict_pipelined_step
+    r = Rates(matmul_flops_per_s=1e12, disk_read_bytes_per_s=1e9, disk_write_bytes_per_s=1e9)
+    kw = dict(fwd_h2d=0, bwd_h2d=0, bwd_d2h=0, device_params=0, host_ready=(), rates=r,
+              storage=[(1 / 3, 0), (2 / 3, 0), (1.0, 0)], disk_file_bytes=5 * 10**8, staging_buffers=3)
+    late = predict_pipelined_step(3e12, **kw)
+    assert (late.forward_s, late.backward_s) == (1.0, 3.0)
+    assert late.storage_update_s == pytest.approx(3.0) and late.storage_exposed_s == pytest.approx(1.0)
+    assert late.storage_hidden_s == pytest.approx(2.0) and late.step_s == pytest.approx(5.0)
+    early = predict_pipelined_step(3e12, storage_early=True, **kw)
+    assert early.storage_exposed_s == pytest.approx(0.0) and early.step_s == pytest.approx(4.0)
+    assert early.storage_hidden_s == pytest.approx(3.0)
+    busy, exposed = disk_step_times([[4.0] * 4], file_bytes=10**9, staging_buffers=3, kernel_s=0.0,
+                                    backward_end=4.0, rates=r)
+    assert (busy, exposed) == (pytest.approx(8.0), pytest.approx(4.0))  # step 4 + 4 = 8 s = the disk's work
+    # two devices share the work: 4 s of disk each, all behind this step and the next one's compute
+    assert disk_step_times([[4.0] * 2] * 2, file_bytes=10**9, staging_buffers=3, kernel_s=0.0, backward_end=4.0,
+                           rates=r) == (pytest.approx(4.0), pytest.approx(0.0))
+    d = late.to_dict()
+    assert d["storage_exposed_s"] == pytest.approx(1.0) and d["step_s"] == pytest.approx(5.0)
+
+
+def test_near_storage_begin_finish_in_gradient_order(tmp_path):
+    """The workers' step in two phases: ``begin`` (reads start, no gradient or norm yet) and
+    ``finish`` with the gradients in any order, as pairs that come one by one; a non-finite norm
+    skips the step unwritten, ``abandon`` drops a begun step, a norm-free step takes its scalars
+    with the header. Every path gives the same bits as ``step``. The read-ahead fills the staging
+    buffers up to their bound before the step's first message."""
+    from chunkjax.storage.near import NearStorageOptimizer
+    from chunkjax.storage.pool import SKIP_STEP
+    rng = np.random.default_rng(0)
+    sizes = [4096] * 5
+    init = [rng.standard_normal(n).astype(np.float32) for n in sizes]
+    grads = [[rng.standard_normal(n).astype(np.float32) for n in sizes] for _ in range(3)]
+    spec = AdamW(1e-2, weight_decay=0.1)
+
+    def run(d, phased):
+        kw = dict(init_params=init, fsync=False, timeout_s=60.0, param_dtype="float32")
+        with NearStorageOptimizer([str(d / "a"), str(d / "b")], sizes, spec, **kw) as opt:
+            for g in grads:
+                norm = float(np.sqrt(sum(np.sum(np.square(x, dtype=np.float32)) for x in g)))
+                if not phased:
+                    opt.step(g, norm=norm)
+                    continue
+                order = [4, 2, 0, 3, 1]
+                opt.begin(order)
+                assert opt.finish({c: g[c] for c in range(5)}, norm=float("inf")).skipped  # nothing changes
+                opt.begin(order)
+                opt.abandon()
+                opt.begin(order, norm_free=True)  # no clipping: scalars with the header
+                opt.finish(((c, g[c]) for c in reversed(order)), norm=None)
+            assert opt.committed_step == 3
+            return opt.read_state()
+
+    want, got = run(tmp_path / "s", False), run(tmp_path / "p", True)
+    for c in want:
+        for a, b in zip(want[c], got[c]):
+            np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+    with NearStorageOptimizer([str(tmp_path / "s" / "a"), str(tmp_path / "s" / "b")], sizes, spec,
+                              fsync=False, timeout_s=60.0) as opt:  # a begun norm-free step ended unwritten
+        opt.begin(norm_free=True)
+        r = opt.finish(iter([(0, grads[0][0]), SKIP_STEP]), norm=None)
+        assert r.skipped and opt.committed_step == 3
+        with pytest.raises(ValueError, match="every chunk once"):
+            opt.begin([0, 1])
+        # read-ahead: before any gradient or norm, each worker fills all but one of its 3 staging
+        # buffers (worker 0 holds chunks 0, 2, 4; worker 1 chunks 1, 3): 2 chunk files each, no more
+        opt.begin()
+        time.sleep(3.0)  # the reads of 4 files of 48 KiB
+        r = opt.finish(dict(enumerate(grads[0])), norm=1.0)
+        assert r.read_ahead_bytes == 4 * 3 * 4096 * 4 and opt.committed_step == 4
+
+
+def test_early_storage_updates_equal_the_after_norm_path(setup, tmp_path):
+    """A norm-free update (AdamW without clipping, one micro-batch, no skip) sends each storage
+    chunk's gradient as the program completing it ends, before the global norm is known: master
+    params and moments bit-identical to the after-norm path over 3 steps."""
+    cfg, params, batches, stages, layout, traces, cb = setup
+    sched = _three_tier_schedule(setup)
+    spec = AdamW(3e-3, weight_decay=0.1)
+    disk_c = [c for c, u in enumerate(sched.update_locations) if u == "storage"]
+
+    def run(d, early):
+        step = cj.make_chunked_step(stages, layout, sched, host_optimizer=spec, compute_dtype=jnp.float32,
+                                    storage=StorageOptions((str(d / "a"), str(d / "b")), fsync=False,
+                                                           early_updates=early))
+        st = step.init(params)
+        for b in batches[:3]:
+            st, _ = step(st, b)
+        got = jax.tree.map(np.asarray, step.master_params(st))
+        disk = st.master[disk_c[0]]
+        out = (got, {c: disk.read(c) for c in disk_c}, disk.sent_before_norm, disk.committed_step)
+        disk.close()
+        return out
+
+    a, b = run(tmp_path / "e", True), run(tmp_path / "l", False)
+    assert a[2] == len(disk_c) and b[2] == 0 and a[3] == b[3] == 3
+    for x, y in zip(jax.tree.leaves(a[0]), jax.tree.leaves(b[0])):
+        np.testing.assert_array_equal(x.view(np.uint32), y.view(np.uint32))
+    for c in disk_c:
+        for x, y in zip(a[1][c], b[1][c]):
+            np.testing.assert_array_equal(x.view(np.uint32), y.view(np.uint32))
+
+
+def test_storage_chunks_with_micro_batches_equal_optax(setup, tmp_path):
+    """With micro-batches the workers read their chunks' state during the accumulation (the
+    step's norm comes after every micro-batch): 4 steps of 2 micro-batches with clipping equal
+    optax on the whole batch (the 20-step test's tolerances), and the staging buffers held
+    state when the scalars came, at most their bound (2 chunk files per worker)."""
+    cfg, params, batches, stages, layout, traces, cb = setup
+    sched = _three_tier_schedule(setup)
+    step = cj.make_chunked_step(stages, layout, sched, host_optimizer=SPEC, compute_dtype=jnp.float32, micro_batches=2,
+                                storage=StorageOptions((str(tmp_path / "a"), str(tmp_path / "b")), fsync=False))
+    st = step.init(params)
+    losses = []
+    for b in batches[:4]:
+        st, m = step(st, b)
+        losses.append(float(m["loss"]))
+    got = step.master_params(st)
+    disk = st.master[sched.update_locations.index("storage")]
+    assert disk.committed_step == 4 and len(disk.history) == 4 and disk.sent_before_norm == 0
+    file = 3 * layout.chunk_size * 4
+    assert all(0 < r.read_ahead_bytes <= 2 * 2 * file for r in disk.history)
+    ref_p, ref_losses = _reference(cfg, params, batches[:4])
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref_p)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-6)
+    disk.close()

@@ -462,3 +462,22 @@ def test_bf16_params_on_the_host_kernel():
     assert_trees_close(opt.master_params(), ref)
     for k in "ab":
         np.testing.assert_array_equal(np.asarray(new[k]), np.asarray(opt.master_params()[k].astype(jnp.bfloat16)))
+
+
+def test_host_chunks_keep_no_device_copy_of_their_params_between_updates():
+    """Between updates the optimizer holds, per host chunk, its pinned params buffer (and a
+    one-element token of the transfer back), not the params chunk it sent to the device: the
+    params pytree returned is the only copy on the device (memory kinds are labels on the CPU)."""
+    import gc
+    rng = np.random.default_rng(4)
+    params = {k: jnp.asarray(rng.normal(size=(48,)), jnp.bfloat16) for k in "abcd"}
+    chunk = lambda x: x.shape == (96,) and x.dtype == jnp.bfloat16 and x.sharding.memory_kind == DEVICE  # noqa: E731
+    gc.collect()
+    before = sum(map(chunk, jax.live_arrays()))
+    opt = cj.ChunkedOptimizer(params, AdamW(1e-2), chunk_size=96, device_budget=4 * 2 * 96)  # the host plan only
+    assert opt.host_chunks == (0, 1)
+    for _ in range(2):
+        params = opt.update({k: jnp.asarray(rng.normal(size=(48,)), jnp.bfloat16) for k in "abcd"})
+    opt.wait()
+    gc.collect()
+    assert sum(map(chunk, jax.live_arrays())) - before == 0

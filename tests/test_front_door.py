@@ -445,10 +445,14 @@ def test_another_batch_shape_is_one_line(run):
 def test_zero_3_over_8_devices_equals_the_nnx_loop():
     assert len(jax.devices()) >= 8, "needs XLA_FLAGS=--xla_force_host_platform_device_count=8"
     batches = image_batches(rows=8, n=3)
-    ref, _ = nnx_loop(lambda: ViT(rngs=nnx.Rngs(0)), optax.adamw(1e-3), vit_loss, batches)
-    step = chunkjax.offload(ViT(rngs=nnx.Rngs(0)), optax.adamw(1e-3), vit_loss, batches[0], device_budget="min",
+    ref, ref_model = nnx_loop(lambda: ViT(rngs=nnx.Rngs(0)), optax.adamw(1e-3), vit_loss, batches)
+    model = ViT(rngs=nnx.Rngs(0))
+    step = chunkjax.offload(model, optax.adamw(1e-3), vit_loss, batches[0], device_budget="min",
                             mesh=chunkjax.data_mesh(), zero_stage=3)
     np.testing.assert_allclose([float(step(b)) for b in batches], ref, rtol=RTOL)
+    step.sync(model)  # chunk by chunk from the ranks' slices into the released model
+    for a, b in zip(jax.tree.leaves(nnx.state(ref_model, nnx.Param)), jax.tree.leaves(nnx.state(model, nnx.Param))):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6)
 
 
 # ---- a new user's mistakes: one line each (abstract model, misspelt keyword, sync mismatch, no block list)
@@ -520,3 +524,94 @@ def test_plan_offload_plans_an_abstract_model_as_offload_does(small_step):
     assert chunkjax.plan_offload(abstract, optax.adam(1e-3), lm_loss, token_batches(n=1)[0]).schedule is None
     with pytest.raises(TypeError, match=r"^plan_offload\(\) got an unexpected keyword argument 'strict'$"):
         chunkjax.plan_offload(abstract, optax.adam(1e-3), lm_loss, token_batches(n=1)[0], strict=True)
+
+
+# ---- the model's parameters released once the step holds them (the model not held twice) -------------
+
+def _param_bytes(model) -> int:
+    """Bytes of the arrays (jax or numpy) the model's parameters hold."""
+    return sum(int(a.nbytes) for a in jax.tree.leaves(nnx.state(model, nnx.Param))
+               if isinstance(a, (jax.Array, np.ndarray)))
+
+
+@pytest.fixture(scope="module")
+def released():
+    """A scanned model of a few MB, built on another device than the step's (as a model built in
+    host memory for a GPU step), offloaded with every chunk in pinned_host: the live arrays before
+    and after, weak references to its parameter arrays, a copy of its initial params."""
+    import gc
+    import weakref
+    with jax.default_device(jax.devices()[-1]):
+        model = ScannedLM(vocab=256, d=256, layers=4, rngs=nnx.Rngs(0))
+    batch = token_batches(n=1)[0]
+    initial = jax.tree.map(np.array, nnx.state(model, nnx.Param))
+    arrays = jax.tree.leaves(nnx.state(model, nnx.Param))
+    refs, model_bytes = [weakref.ref(a) for a in arrays], sum(a.nbytes for a in arrays)
+    del arrays
+    gc.collect()
+    before = {id(x) for x in jax.live_arrays()}
+    step = chunkjax.offload(model, optax.adamw(1e-3), lm_loss, batch, device_budget="min")
+    gc.collect()
+    new = [x for x in jax.live_arrays() if id(x) not in before]
+    state_ids = {id(x) for x in jax.tree.leaves(step.state) if isinstance(x, jax.Array)}
+    outside = sum(x.nbytes for x in new if id(x) not in state_ids)
+    del new
+    return model, batch, step, initial, refs, model_bytes, outside
+
+
+def test_offload_frees_the_model_parameter_arrays(released):
+    model, _, step, _, refs, model_bytes, outside = released
+    assert model_bytes > 4 * 2**20 and step.released_bytes == model_bytes
+    assert all(r() is None for r in refs)          # every parameter array of the model freed
+    assert _param_bytes(model) == 0                # the model references no parameter data
+    assert all(chunkjax.released.is_released(a) for a in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    # new live arrays besides the step's chunks: the batch, the side leaves; not the model again
+    assert outside < 0.05 * model_bytes, (outside, model_bytes)
+    # the model keeps its structure: shapes and sizes as before
+    n = sum(np.size(a) for a in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert n * 4 == model_bytes
+
+
+def test_released_model_forward_is_one_line(released):
+    model, batch, step, *_ = released
+    for run_forward in (lambda: lm_loss(model, batch), lambda: nnx.jit(lm_loss)(model, batch),
+                        lambda: nnx.value_and_grad(lm_loss)(model, batch),
+                        lambda: jax.tree.map(np.asarray, nnx.state(model))):
+        with pytest.raises(chunkjax.released.ReleasedParamsError, match=r"call step\.sync\(model\) first") as e:
+            run_forward()
+        assert "\n" not in str(e.value) and "released by chunkjax.offload" in str(e.value)
+    with pytest.raises(chunkjax.released.ReleasedParamsError, match=r"sync\(model\) first") as e:
+        chunkjax.offload(model, optax.adamw(1e-3), lm_loss, batch)
+    assert "\n" not in str(e.value)
+    assert chunkjax.plan_offload(model, optax.adamw(1e-3), lm_loss, batch).problem.layout == step.layout
+
+
+def test_sync_brings_back_bit_identical_params_and_release_again(released):
+    model, batch, step, initial, _, model_bytes, _ = released
+    step.sync(model)                               # no step taken yet: the initial parameters
+    got = nnx.state(model, nnx.Param)
+    for (path, a), (_, b) in zip(jax.tree_util.tree_leaves_with_path(initial),
+                                 jax.tree_util.tree_leaves_with_path(got)):
+        assert b.dtype == a.dtype and np.array_equal(np.asarray(b), a), path
+        assert b.devices() == {jax.devices()[-1]}, path  # back where the model was built
+    assert np.isfinite(float(lm_loss(model, batch)))  # the model's own forward runs again
+    assert step.release(model) == model_bytes and _param_bytes(model) == 0
+    with pytest.raises(chunkjax.released.ReleasedParamsError):
+        lm_loss(model, batch)
+
+
+def test_keep_model_keeps_the_arrays_and_the_default_follows_the_plan():
+    model, batch = LoRALM(rngs=nnx.Rngs(0, dropout=1)), token_batches(n=1)[0]
+    held = _param_bytes(model)
+    step = chunkjax.offload(model, optax.adam(1e-3), lm_loss, batch, device_budget="min", keep_model=True)
+    assert step.released_bytes == 0 and _param_bytes(model) == held
+    float(lm_loss(model, batch))                   # the model's own forward still runs
+    abstract = nnx.eval_shape(lambda: LoRALM(rngs=nnx.Rngs(0, dropout=1)))
+    plans = {b: chunkjax.plan_offload(abstract, optax.adam(1e-3), lm_loss, batch, device_budget=b).schedule
+             for b in ("min", "1GiB")}
+    assert chunkjax.front.offloads_anything(plans["min"]) and not chunkjax.front.offloads_anything(plans["1GiB"])
+
+
+def test_the_loop_released_the_model_until_sync(run):
+    name, _, _, (_, model, step) = run
+    assert step.released_bytes == _param_bytes(model) > 0, name

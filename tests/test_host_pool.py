@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 import chunkjax as cj
-from chunkjax import fit, host_memory
+from chunkjax import fit, fit_host, host_memory
 from chunkjax.host_memory import HostMemoryError, pinned_pool_bytes
 from chunkjax.host_update import AdamW
 from models import gpt
@@ -69,7 +69,7 @@ def _smallest(p) -> int:
 
 def test_schedule_need_on_a_gpu_counts_pool_and_measured_process(problem):
     s = fit.plan(problem, _smallest(problem))
-    need = fit.host_need(problem, s)
+    need = fit_host.host_need(problem, s)
     assert need["pinned_host_bytes"] + need["pageable_bytes"] == s.predicted.host_bytes
     assert need["pinned_pool_bytes"] == pinned_pool_bytes(need["pinned_host_bytes"], "gpu")
     assert need["process_bytes"] == host_memory.GPU_PROCESS_HOST_BYTES + 2 * 4 * problem.layout.chunk_size
@@ -79,7 +79,7 @@ def test_schedule_need_on_a_gpu_counts_pool_and_measured_process(problem):
 def test_fit_replans_with_a_lower_host_budget_when_the_pool_puts_it_over(problem, monkeypatch):
     budget = _smallest(problem) + 2 * problem.cb.params
     first = fit.plan(problem, budget)  # the fastest plan: some chunks' updates streamed, their state pinned
-    need = fit.host_need(problem, first)
+    need = fit_host.host_need(problem, first)
     assert need["pinned_pool_bytes"] > need["pinned_host_bytes"] and first.counts().get(
         "params_pinned_host/update_streamed", 0) > 0
     avail = need["need_bytes"] - 1  # the plan's own host bytes fit; its pool does not

@@ -19,6 +19,11 @@ reports, then the trainer tells all to commit; a worker that dies, stops answeri
 messages (every send and receive has a deadline), or fails (a full disk, a corrupt chunk file)
 raises :class:`StorageError` with one line naming it and every shard stays at (or recovers to)
 the last step all completed. A new optimizer over the same directories resumes from there.
+A step has two phases (:meth:`NearStorageOptimizer.begin`, :meth:`~NearStorageOptimizer.finish`):
+the header starts every worker's reads of its chunks' state into its staging buffers before any
+gradient or norm exists (read-ahead, bounded by ``n_buffers``); the scalars and the gradients
+follow (on a norm-free step the scalars come with the header and each chunk updates as its
+gradient arrives). :meth:`~NearStorageOptimizer.step` is both at once.
 Optional error feedback (the paper has none): the residual ``g - decompress(compress(g))`` of each
 chunk stays on the trainer (optionally decayed) and is added to the next step's gradient; it is
 written to storage with each committed step, so a resumed run continues exactly.
@@ -332,91 +337,6 @@ class NearStorageOptimizer(TierTrainer, WorkerPool):
         return self._step
 
     # -- the step ----------------------------------------------------------------------------
-    def _send_grads(self, grads, batched: dict, step: int, progress: dict) -> int:
-        """Send each chunk's gradient to its worker in id order, one message per chunk (host memory:
-        one chunk's payload), on the sender thread while :meth:`_collect` takes the params back;
-        ``progress`` says which worker a blocked send waits on. Returns the bytes sent."""
-        sent, n = 0, len(self.dirs)
-        for c in self.chunk_sizes:
-            part, b = self._payload(c, grads[c], batched.get(c))
-            progress.update(worker=c % n, nbytes=b)
-            with self.shared_link.transfer(b):
-                self._conns[c % n].send(("grads", step, {c: part}))
-            del part
-            progress.update(worker=None, at=time.monotonic())
-            sent += b
-        return sent
-
-    def _collect(self, step: int, on_param=None, sending=None, progress=None):
-        """Receive every worker's updated params, streamed chunk by chunk as each is updated (the
-        shared link carries them while the workers still read and write their state), then its
-        "prepared"; ``on_param(c, bits)`` takes each chunk's bf16 bits instead of keeping them.
-        ``sending``: the future of :meth:`_send_grads` (a failed or stalled send is a failure).
-        Returns ``(params, storage_bytes, received_bytes, failure)``; ``failure`` is the first
-        :class:`StorageError` (a worker's error, death or silence past ``timeout_s``)."""
-        from multiprocessing.connection import wait
-        params: dict[int, np.ndarray] = {}
-        storage: dict[str, int] = {}
-        received, failure = 0, None
-        pending = {self._conns[i]: i for i in range(len(self.dirs))}
-        deadline = time.monotonic() + self.timeout_s
-        doing = f"preparing step {step}"
-        while pending and not self._broken:
-            ready = wait(list(pending), timeout=0.05)
-            if sending is not None and sending.done() and sending.exception() is not None and failure is None:
-                e = sending.exception()
-                i = progress.get("worker")
-                failure = (self._dead(i, f"taking the gradients of step {step}")
-                           if i is not None and not self.workers[i].is_alive() else
-                           self._fail(f"sending the gradients of step {step} failed ({type(e).__name__}: {e})"))
-            if not ready:
-                for conn, i in list(pending.items()):
-                    if not self.workers[i].is_alive() and not conn.poll(0):
-                        failure = failure or self._dead(i, doing)
-                if progress is not None:
-                    deadline = max(deadline, progress.get("at", 0.0) + self.timeout_s)
-                if time.monotonic() > deadline:
-                    i = next(iter(pending.values()))
-                    if sending is not None and not sending.done() and progress.get("worker") is not None:
-                        i = progress["worker"]
-                        failure = failure or self._fail(
-                            f"near-storage worker {i} (pid {self.workers[i].pid}, {self.dirs[i]}) took no message "
-                            f"within {self.timeout_s} s while taking the gradients of step {step} "
-                            f"({progress['nbytes']} bytes)")
-                    failure = failure or self._fail(f"near-storage worker {i} (pid {self.workers[i].pid}, "
-                                                    f"{self.dirs[i]}) gave no reply within {self.timeout_s} s "
-                                                    f"while {doing}")
-                continue
-            for conn in ready:
-                i = pending.get(conn)
-                if i is None:
-                    continue
-                try:
-                    msg = conn.recv()
-                except (EOFError, OSError):
-                    failure = failure or self._dead(i, doing)
-                    break
-                if msg[0] == "param":
-                    with self.shared_link.transfer(msg[2].nbytes):
-                        if on_param is not None:
-                            on_param(msg[1], msg[2])
-                        else:
-                            params[msg[1]] = msg[2].view(BF16) if msg[2].dtype == np.uint16 else msg[2]
-                    received += msg[2].nbytes
-                    deadline = time.monotonic() + self.timeout_s
-                elif msg[0] == "prepared":
-                    storage.update({d: msg[2][d] + msg[3][d] for d in msg[2]})
-                    del pending[conn]
-                elif msg[0] == "error":
-                    failure = failure or StorageError(
-                        f"near-storage worker {i} ({self.dirs[i]}) failed while {doing}: {msg[1]}; "
-                        f"last committed step {self._step}")
-                    del pending[conn]
-                else:
-                    failure = failure or self._fail(f"near-storage worker {i} answered {msg[0]!r}, "
-                                                    f"expected 'param' or 'prepared' while {doing}")
-        return params, storage, received, failure
-
     def _compress(self, grads: list, step: int) -> tuple[dict, dict]:
         """Top-k of every chunk for ``step`` (1 = first): ``({c: (indices, values)}, new residuals)``;
         with error feedback the residual is added first and the new one (``ef_decay`` times what was
@@ -460,8 +380,53 @@ class NearStorageOptimizer(TierTrainer, WorkerPool):
         vals = vals.view(np.uint16) if vals.dtype == BF16 else vals.astype(F32, copy=False)
         return ("topk", idx, vals), idx.nbytes + vals.nbytes
 
+    @property
+    def order(self) -> tuple[int, ...]:
+        """The chunks in the order of the step begun last (each worker reads and updates its own
+        chunks in this order; default: id order)."""
+        return getattr(self, "_order", None) or tuple(self.chunk_sizes)
+
+    def begin(self, order: Sequence[int] | None = None, *, norm_free: bool = False) -> None:
+        """Start step ``committed_step + 1``: every worker starts reading its chunks' state (master,
+        m, v) into its staging buffers, in ``order`` (a permutation of the chunk ids; default id
+        order), before any gradient exists: up to ``n_buffers - 1`` chunks per worker are read
+        ahead (the staging bound), the rest as the update frees buffers. :meth:`finish` ends it.
+
+        Args:
+          order: the chunks in the order their gradients will come (the backward's order).
+          norm_free: the step's scalars do not depend on the gradient norm (no clipping:
+            ``spec.max_grad_norm`` None), so they go with the header and each chunk updates as
+            soon as its gradient arrives (:meth:`finish` with ``norm=None``).
+
+        Raises:
+          ValueError: ``order`` is not a permutation of the chunks, or ``norm_free`` with clipping.
+          StorageError: a worker died or is not taking messages.
+        """
+        self._check_usable()
+        if getattr(self, "_begun", None) is not None:
+            raise StorageError(f"step {self._begun[0]} was begun and not finished: finish or abandon it first")
+        order = tuple(self.chunk_sizes) if order is None else tuple(int(c) for c in order)
+        if sorted(order) != sorted(self.chunk_sizes):
+            raise ValueError(f"order must name every chunk once (0..{len(self.chunk_sizes) - 1}), got {order}")
+        if norm_free and self.spec.max_grad_norm is not None:
+            raise ValueError("norm_free: the spec clips by the global norm (max_grad_norm is set)")
+        step = self._step + 1
+        scalars = self._step_scalars(self._step, 0.0) if norm_free else None
+        self._order = order
+        for i in range(len(self.dirs)):
+            self._send(i, ("step", step, order, scalars), f"starting step {step}")
+        self._begun = (step, norm_free, time.perf_counter())
+
+    def abandon(self) -> None:
+        """End a begun step unwritten (the caller failed before its gradients or norm existed):
+        every worker drops what it read or wrote of it and stays at the committed step."""
+        begun, self._begun = getattr(self, "_begun", None), None
+        if begun is None or self._broken:
+            return
+        self._stop_step(begun[0], "skip")
+
     def step(self, grads: Sequence, *, norm: float | None = None, on_param=None) -> StepResult:
-        """One AdamW step of every chunk.
+        """One AdamW step of every chunk (:meth:`begin` then :meth:`finish`).
 
         Args:
           grads: per chunk c, the (n_c,) gradient (jax or numpy; bfloat16 or float32).
@@ -482,43 +447,76 @@ class NearStorageOptimizer(TierTrainer, WorkerPool):
         grads, norm = self._check_grads(grads) if norm is None else (self._check_sizes(grads), norm)
         if not math.isfinite(norm):
             return StepResult(self._step, None, True, norm, n_params=self.n_params, emulated=self.link_model.emulated)
-        t0 = time.perf_counter()
-        scale, hyper = self._step_scalars(self._step, norm)
-        step = self._step + 1
+        self.begin()
+        return self.finish(dict(enumerate(grads)), norm=norm, on_param=on_param)
+
+    def finish(self, grads, *, norm: float | None = None, on_param=None, on_params_in=None) -> StepResult:
+        """End the step :meth:`begin` started: send the scalars (unless the step is norm-free) and
+        every chunk's gradient, take the new params back, commit.
+
+        Args:
+          grads: ``{c: (n_c,) gradient}``, sent in :attr:`order`; or an iterable of ``(c,
+            gradient)`` pairs, sent as they come (it may block until the caller has the next
+            gradient: the workers update each chunk once its gradient and the scalars are there).
+          norm: the global gradient norm (float32) of a step begun with clipping; a non-finite
+            norm skips the step (nothing changes; nothing of ``grads`` is read). None for a
+            norm-free step.
+          on_param: as in :meth:`step`.
+          on_params_in: ``on_params_in()`` once every chunk's params are back, before the workers'
+            last writes and the commit end.
+
+        Returns and raises: as :meth:`step`; with top-k compression ``grads`` must be a dict.
+        """
+        begun = getattr(self, "_begun", None)
+        if begun is None:
+            raise StorageError("finish without begin: call begin() first")
+        step, norm_free, t0 = begun
+        if (norm is None) != norm_free:
+            self.abandon()
+            raise ValueError("pass norm exactly when the step was begun without norm_free")
         n = len(self.dirs)
+        if not norm_free:
+            if not math.isfinite(norm):  # a non-finite step changes no state
+                self.abandon()
+                return StepResult(self._step, None, True, norm, n_params=self.n_params,
+                                  emulated=self.link_model.emulated)
+            scale, hyper = self._step_scalars(self._step, norm)
+            for i in range(n):
+                self._send(i, ("scalars", step, (scale, hyper)), f"starting step {step}")
+        self._begun = None
         sent = 0
-        # the step's header first: every worker starts reading its state while the gradients are
-        # compressed and sent (the header is a few bytes: not counted on the shared link)
-        for i in range(n):
-            self._send(i, ("step", step, scale, hyper, None), f"starting step {step}")
         batched, residual = {}, {}
         if self.compression == "topk":  # one batched top-k per size (or one global one)
+            if not isinstance(grads, dict):
+                raise self._fail("top-k compression needs every gradient at once: pass a dict")
             try:
-                batched, residual = self._compress(grads, step)
+                batched, residual = self._compress([grads[c] for c in self.chunk_sizes], step)
             except BaseException as e:  # the workers wait for these gradients: stop them
                 raise self._fail(f"compressing the gradients of step {step} failed ({type(e).__name__}: {e})") \
                     from e
         progress: dict = {"at": time.monotonic()}
         sending = self._sender.submit(self._send_grads, grads, batched, step, progress)
-        params, storage, received, failure = self._collect(step, on_param, sending, progress)
+        params, storage, received, failure = self._collect(step, on_param, sending, progress, on_params_in)
         if failure is None:
             sent = sending.result()
+        if failure is None and progress.get("skipped"):  # the caller ended the step: nothing was committed
+            for i in set(range(n)) - progress.get("stopped", set()):  # prepared before the skip came
+                while self._expect_any(i, f"ending step {step} unwritten")[0] not in ("skipped", "aborted"):
+                    pass
+            return StepResult(self._step, None, True, float("nan"), n_params=self.n_params,
+                              emulated=self.link_model.emulated)
         if failure is not None:
             if not self._broken:  # a worker reported an error (e.g. a full disk): abort the others
-                for i in range(n):
-                    with contextlib.suppress(StorageError, OSError, EOFError):
-                        self._send(i, ("abort", step), f"aborting step {step}")
-                        self._expect(i, "aborted", f"aborting step {step}")
+                with contextlib.suppress(StorageError, OSError, EOFError):
+                    self._stop_step(step, "abort")
             raise failure
         residual_bytes = 0
         if residual:  # error feedback: the residuals of this step on storage before anyone commits it
             try:
                 residual_bytes = self._save_residual(step, residual)
             except StorageError:
-                for i in range(n):
-                    with contextlib.suppress(StorageError, OSError, EOFError):
-                        self._send(i, ("abort", step), f"aborting step {step}")
-                        self._expect(i, "aborted", f"aborting step {step}")
+                with contextlib.suppress(StorageError, OSError, EOFError):
+                    self._stop_step(step, "abort")
                 raise
         for i in range(n):
             self._send(i, ("commit", step), f"committing step {step}")
@@ -532,7 +530,7 @@ class NearStorageOptimizer(TierTrainer, WorkerPool):
         return StepResult(step, None if on_param is not None else [params[c] for c in self.chunk_sizes], False, norm,
                           sent + received, sent, received,
                           storage, time.perf_counter() - t0, self.n_params, self.link_model.emulated,
-                          residual_bytes)
+                          residual_bytes, progress.get("ahead", 0))
 
     def read_state(self) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """``{c: (master, m, v)}`` float32 copies at the committed step, read by the workers."""

@@ -14,13 +14,25 @@ import concurrent.futures
 import multiprocessing
 import time
 
+import ml_dtypes
+import numpy as np
+
 from chunkjax.storage.files import StorageError, committed_step
 from chunkjax.storage.worker import _worker_main
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+#: An item of :meth:`chunkjax.storage.near.NearStorageOptimizer.finish`'s gradient pairs that ends
+#: the step unwritten (the caller failed midway): every worker drops the step and stays at the
+#: committed one.
+SKIP_STEP = ("skip", None)
 
 
 class WorkerPool:
     """The trainer's side of the workers (a mixin: the owner sets ``dirs``, ``timeout_s`` and
-    calls :meth:`_start_workers`; ``_step`` is its last committed step)."""
+    calls :meth:`_start_workers`; ``_step`` is its last committed step). The messages of one step
+    (:meth:`_send_grads`, :meth:`_collect`, :meth:`_stop_step`) also use the owner's
+    ``chunk_sizes``, ``order``, ``shared_link`` and ``_payload``."""
 
     def _start_workers(self, cfgs: list[dict]) -> None:
         """Spawn one worker per config (:func:`chunkjax.storage.worker._worker_main`) and wait for
@@ -130,3 +142,142 @@ class WorkerPool:
         if self._broken:
             raise StorageError(self._broken)
 
+    def _send_grads(self, source, batched: dict, step: int, progress: dict) -> int:
+        """Send each chunk's gradient to its worker, one message per chunk (host memory: one
+        chunk's payload), on the sender thread while :meth:`_collect` takes the params back.
+        ``source``: ``{c: gradient}`` (sent in :attr:`order`) or an iterable of ``(c, gradient)``
+        pairs that may block until the caller has the next one (``progress["idle"]`` is then set:
+        the wait is the caller's, not a worker's). ``progress`` says which worker a blocked send
+        waits on. Returns the bytes sent."""
+        sent, n = 0, len(self.dirs)
+        pairs = ((c, source[c]) for c in self.order) if isinstance(source, (dict, list, tuple)) else iter(source)
+        while True:
+            progress.update(idle=True)
+            item = next(pairs, None)
+            progress.update(idle=False, at=time.monotonic())
+            if item is None:
+                break
+            if item is SKIP_STEP:
+                progress.update(skipped=True)
+                for i in range(n):
+                    self._conns[i].send(("skip", step))
+                break
+            c, g = item
+            part, b = self._payload(c, g, batched.get(c))
+            progress.update(worker=c % n, nbytes=b)
+            with self.shared_link.transfer(b):
+                self._conns[c % n].send(("grads", step, {c: part}))
+            del part, g, item
+            progress.update(worker=None, at=time.monotonic())
+            sent += b
+        return sent
+
+    def _collect(self, step: int, on_param=None, sending=None, progress=None, on_params_in=None):
+        """Receive every worker's updated params, streamed chunk by chunk as each is updated (the
+        shared link carries them while the workers still read and write their state), then its
+        "prepared"; ``on_param(c, bits)`` takes each chunk's bf16 bits instead of keeping them.
+        ``sending``: the future of :meth:`_send_grads` (a failed or stalled send is a failure).
+        ``on_params_in()`` is called once every chunk's params are back (the writes and the
+        commit may still be under way).
+        Returns ``(params, storage_bytes, received_bytes, failure)``; ``failure`` is the first
+        :class:`StorageError` (a worker's error, death or silence past ``timeout_s``)."""
+        from multiprocessing.connection import wait
+        params: dict[int, np.ndarray] = {}
+        storage: dict[str, int] = {}
+        received, failure, n_in = 0, None, 0
+        pending = {self._conns[i]: i for i in range(len(self.dirs))}
+        deadline = time.monotonic() + self.timeout_s
+        doing = f"preparing step {step}"
+        while pending and not self._broken:
+            ready = wait(list(pending), timeout=0.05)
+            if sending is not None and sending.done() and sending.exception() is not None and failure is None:
+                e = sending.exception()
+                i = progress.get("worker")
+                failure = (self._dead(i, f"taking the gradients of step {step}")
+                           if i is not None and not self.workers[i].is_alive() else
+                           self._fail(f"sending the gradients of step {step} failed ({type(e).__name__}: {e})"))
+            if not ready:
+                for conn, i in list(pending.items()):
+                    if not self.workers[i].is_alive() and not conn.poll(0):
+                        failure = failure or self._dead(i, doing)
+                if progress is not None:  # a sender waiting for the caller's gradients is no worker's delay
+                    deadline = max(deadline, (time.monotonic() if progress.get("idle") else progress.get("at", 0.0))
+                                   + self.timeout_s)
+                if time.monotonic() > deadline:
+                    i = next(iter(pending.values()))
+                    if sending is not None and not sending.done() and progress.get("worker") is not None:
+                        i = progress["worker"]
+                        failure = failure or self._fail(
+                            f"near-storage worker {i} (pid {self.workers[i].pid}, {self.dirs[i]}) took no message "
+                            f"within {self.timeout_s} s while taking the gradients of step {step} "
+                            f"({progress['nbytes']} bytes)")
+                    failure = failure or self._fail(f"near-storage worker {i} (pid {self.workers[i].pid}, "
+                                                    f"{self.dirs[i]}) gave no reply within {self.timeout_s} s "
+                                                    f"while {doing}")
+                continue
+            for conn in ready:
+                i = pending.get(conn)
+                if i is None:
+                    continue
+                try:
+                    msg = conn.recv()
+                except (EOFError, OSError):
+                    failure = failure or self._dead(i, doing)
+                    break
+                if msg[0] == "param":
+                    with self.shared_link.transfer(msg[2].nbytes):
+                        if on_param is not None:
+                            on_param(msg[1], msg[2])
+                        else:
+                            params[msg[1]] = msg[2].view(BF16) if msg[2].dtype == np.uint16 else msg[2]
+                    received += msg[2].nbytes
+                    deadline = time.monotonic() + self.timeout_s
+                    n_in += 1
+                    if n_in == len(self.chunk_sizes) and on_params_in is not None:
+                        on_params_in()
+                elif msg[0] == "prepared":
+                    storage.update({d: msg[2][d] + msg[3][d] for d in msg[2]})
+                    if progress is not None:
+                        progress["ahead"] = progress.get("ahead", 0) + msg[4]
+                    del pending[conn]
+                elif msg[0] in ("skipped", "aborted") and progress is not None and progress.get("skipped"):
+                    progress.setdefault("stopped", set()).add(i)
+                    del pending[conn]
+                elif msg[0] == "error":
+                    failure = failure or StorageError(
+                        f"near-storage worker {i} ({self.dirs[i]}) failed while {doing}: {msg[1]}; "
+                        f"last committed step {self._step}")
+                    del pending[conn]
+                else:
+                    failure = failure or self._fail(f"near-storage worker {i} answered {msg[0]!r}, "
+                                                    f"expected 'param' or 'prepared' while {doing}")
+        return params, storage, received, failure
+
+    def _stop_step(self, step: int, kind: str) -> None:
+        """Send ``kind`` ("skip" or "abort") of ``step`` to every worker and take each one's answer
+        (params and "prepared" of a worker that finished first are dropped)."""
+        for i in range(len(self.dirs)):
+            self._send(i, (kind, step), f"ending step {step} unwritten")
+        for i in range(len(self.dirs)):
+            while True:
+                msg = self._expect_any(i, f"ending step {step} unwritten")
+                if msg[0] in ("skipped", "aborted"):
+                    break
+
+    def _expect_any(self, i: int, doing: str):
+        conn, proc = self._conns[i], self.workers[i]
+        deadline = time.monotonic() + self.timeout_s
+        while not conn.poll(0.05):
+            if not proc.is_alive() and not conn.poll(0):
+                raise self._dead(i, doing)
+            if time.monotonic() > deadline:
+                raise self._fail(f"near-storage worker {i} (pid {proc.pid}, {self.dirs[i]}) gave no reply within "
+                                 f"{self.timeout_s} s while {doing}")
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            raise self._dead(i, doing) from None
+        if msg[0] == "error":
+            raise StorageError(f"near-storage worker {i} ({self.dirs[i]}) failed while {doing}: {msg[1]}; "
+                               f"last committed step {self._step}")
+        return msg

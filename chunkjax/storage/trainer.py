@@ -32,11 +32,15 @@ class StepResult:
       shared_link_bytes: bytes on the shared link this step (see module docstring).
       shared_link_in / shared_link_out: its two directions (to storage side / back), bytes.
       storage_link_bytes: per storage directory, bytes read + written on its own link.
-      update_s: wall seconds of the update phase (send, update, receive, commit).
+      update_s: wall seconds of the update phase, from the step's header (the workers' reads
+        start: :meth:`~chunkjax.storage.near.NearStorageOptimizer.begin`) to the commit.
       n_params: parameters updated (for bytes per param).
       emulated: True when a LinkModel throttled the links (times are an emulation).
       residual_bytes: bytes of error-feedback residuals the trainer wrote to ``residual_dir``
         (not part of ``shared_link_bytes``).
+      read_ahead_bytes: state bytes the workers had read into their staging buffers when the
+        step's first message after the header came (the scalars or a gradient): the read-ahead,
+        at most ``n_buffers - 1`` chunk files per worker.
     """
 
     step: int
@@ -51,6 +55,7 @@ class StepResult:
     n_params: int = 0
     emulated: bool = False
     residual_bytes: int = 0
+    read_ahead_bytes: int = 0
 
     @property
     def shared_link_bytes_per_param(self) -> float:

@@ -32,7 +32,9 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import os
+import queue
 import threading
+import time
 from typing import Sequence
 
 import jax
@@ -40,13 +42,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from chunkjax.kernels import AdamW
+from chunkjax.predict import STORAGE_STAGING_BUFFERS
 from chunkjax.schedule import STORAGE_UPDATE
 from chunkjax.storage.files import _CHUNK_RE, clear_run
+from chunkjax.storage.pool import SKIP_STEP
 from chunkjax.storage.trainer import validate_storage_dirs
 from chunkjax.updaters import Updater
 
-__all__ = ["DiskState", "StorageOptions", "check_step", "disk_capacity", "start_update", "storage_chunks",
-           "storage_options", "storage_updater", "updaters_of"]
+__all__ = ["DiskState", "StorageOptions", "StorageRun", "check_step", "disk_capacity", "gradient_order",
+           "storage_chunks", "storage_options", "storage_updater", "updates_early", "updaters_of", "wait_tail"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +71,13 @@ class StorageOptions:
         step leaves the directories at the last committed step; twice the state on disk during a
         step). False: half the disk (each chunk's old file goes once its new one is written), but a
         failed step leaves the directories at no complete step: resume from a step checkpoint.
+      staging_buffers: staging buffers per worker (>= 3), each one chunk file (master, m, v:
+        :func:`chunkjax.predict.disk_file_bytes`): the bound of the read-ahead. A worker reads
+        ``staging_buffers - 1`` chunks before the step's gradients and norm exist, the rest as
+        the update frees buffers. Host memory: ``n_dirs * staging_buffers`` chunk files (the
+        plan counts :data:`chunkjax.predict.STORAGE_STAGING_BUFFERS`).
+      early_updates: on a norm-free step (:func:`updates_early`) send each chunk's gradient as
+        the program completing it ends (else after the backward, as a clipped step does).
 
     Raises:
       ValueError: no directory, one given twice, a file, or not writable (one line).
@@ -79,6 +90,8 @@ class StorageOptions:
     io_mode: str = "auto"
     fsync: bool = True
     keep_previous: bool = True
+    staging_buffers: int = STORAGE_STAGING_BUFFERS
+    early_updates: bool = True
 
     @property
     def disk_versions(self) -> int:
@@ -90,6 +103,9 @@ class StorageOptions:
         object.__setattr__(self, "dirs", tuple(os.fspath(d) for d in self.dirs))
         if self.compression not in (None, "topk"):
             raise ValueError(f"compression must be None or 'topk', got {self.compression!r}")
+        if int(self.staging_buffers) < 3:
+            raise ValueError(f"staging_buffers={self.staging_buffers}: a worker needs >= 3 (read k+1, update k, "
+                             "write k-1)")
 
 
 def storage_options(storage) -> StorageOptions | None:
@@ -128,26 +144,50 @@ class DiskState:
     Attributes:
       opt: the optimizer (its workers own the chunk files).
       chunk_ids: the step's storage chunks, in id order (the optimizer's chunk k is ``chunk_ids[k]``).
-      last: the :class:`~chunkjax.storage.trainer.StepResult` of the last update (disk bytes per
-        directory, shared-link bytes, seconds), None before.
+      last: the :class:`~chunkjax.storage.trainer.StepResult` of the last committed update (disk
+        bytes per directory, shared-link bytes, seconds), None before.
+      history: every committed update's :class:`~chunkjax.storage.trainer.StepResult`, in order.
+      tail: the future of the last step's disk work (its last writes and the commit run on
+        while the next step's forward runs); :meth:`wait` joins it.
+      sent_before_norm: chunks of the last step whose gradients went to the workers before the
+        global norm was known (the norm-free early path; 0 otherwise).
+      exposed_s: per committed step, seconds from the moment every gradient and the norm were
+        handed over to the moment the last new params were back (what the next step waits for:
+        :attr:`chunkjax.cost.PipelinedStepTime.storage_exposed_s`).
     """
 
     def __init__(self, opt, chunk_ids: Sequence[int]):
         self.opt, self.chunk_ids = opt, tuple(chunk_ids)
         self.local = {c: k for k, c in enumerate(self.chunk_ids)}
         self.last = None
+        self.history: list = []
+        self.tail: concurrent.futures.Future | None = None
+        self.sent_before_norm = 0
+        self.exposed_s: list[float] = []
+
+    def wait(self) -> None:
+        """Wait for the last step's disk work (writes, commit); re-raise its
+        :class:`~chunkjax.storage.files.StorageError`."""
+        if self.tail is not None:
+            self.tail.result()
 
     @property
     def committed_step(self) -> int:
-        """The last step every worker committed (= the AdamW step count)."""
+        """The last step every worker committed (= the AdamW step count); waits for the last step."""
+        self.wait()
         return self.opt.committed_step
 
     def read(self, c: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Chunk ``c``'s (master, m, v), (chunk_size,) float32 copies at the committed step."""
+        """Chunk ``c``'s (master, m, v), (chunk_size,) float32 copies at the committed step (after
+        the last step's disk work)."""
+        self.wait()
         return self.opt.read_chunk(self.local[c])
 
     def close(self) -> None:
-        """Stop the workers (the committed state stays in the files)."""
+        """Stop the workers (the committed state stays in the files); a failed last step's error
+        is not raised here."""
+        if self.tail is not None:
+            concurrent.futures.wait([self.tail])
         self.opt.close()
 
 
@@ -223,7 +263,7 @@ def storage_updater(options: StorageOptions, chunk_ids: Sequence[int], chunk_siz
                                        compression=options.compression, topk_ratio=options.topk_ratio,
                                        io_mode=options.io_mode, fsync=options.fsync, timeout_s=options.timeout_s,
                                        param_dtype="float32" if f32 else "bfloat16",
-                                       keep_previous=options.keep_previous)
+                                       keep_previous=options.keep_previous, n_buffers=int(options.staging_buffers))
             box["disk"] = DiskState(opt, ids)
             opt.begin_init(int(count))
         disk = box["disk"]
@@ -233,37 +273,170 @@ def storage_updater(options: StorageOptions, chunk_ids: Sequence[int], chunk_siz
             disk.opt.end_init()
         return disk, None
 
-    def update(state, grads: dict, norm) -> float:
-        disk: DiskState = state.master[ids[0]]
-        norm = float(np.float32(norm))  # waits for the step's norm (clip_scale rounds it in float32)
-
+    def update(state):
+        """The params writer of one step call: ``on_param(k, bits)`` puts the optimizer's chunk
+        ``k``'s new params into ``state.params[chunk_ids[k]]``'s pinned buffer."""
         def on_param(k, bits):
             np.copyto(topology.param_views(state.params[ids[k]], 0, np.float32 if f32 else np.uint16)[0], bits)
-
-        res = disk.opt.step([grads[c] for c in ids], norm=norm, on_param=on_param)
-        disk.last = res
-        return float(res.update_s)
+        return on_param
 
     return Updater(init, update)
 
 
-def start_update(step, work, state, grads: dict, norm) -> None:
-    """Start the storage chunks' update of one call of ``step`` on a thread of its own (beside
-    the host thread's updates and the device's update programs) and hand its end to ``work``
-    (the step's :class:`chunkjax.updaters.HostWork`: joined by ``step.wait`` or the next step,
-    which re-raises a :class:`~chunkjax.storage.files.StorageError`)."""
+def gradient_order(step) -> tuple[int, ...]:
+    """The step's storage chunks in the order the backward completes their gradients (a chunk's
+    gradient is complete once the backward of the first stage reading it is done; the backward
+    runs the stages last to first), chunks no stage reads last: the order each worker reads and
+    updates its chunks in."""
+    first = step.first_reader
+    return tuple(sorted(storage_chunks(step), key=lambda c: (0, -first[c], c) if c in first else (1, 0, c)))
+
+
+def updates_early(step) -> bool:
+    """Whether the storage chunks of ``step`` update as their gradients complete, before the global
+    norm is known: the update provably does not read it (:func:`chunkjax.streamed.starts_early`:
+    one device, one micro-batch, no non-finite skip or loss scaling, ``step.tx`` not
+    :func:`chunkjax.streamed.needs_global_norm`), the host spec does not clip, and
+    ``StorageOptions.early_updates`` without top-k (which selects over all gradients at once).
+    Decided once per step (kept in its cache)."""
+    key = ("storage_early",)
+    if key not in step._cache:
+        from chunkjax.streamed import starts_early
+        step._cache[key] = bool(step.storage.early_updates and step.storage.compression is None
+                                and step.host_optimizer.max_grad_norm is None
+                                and starts_early(step.tx, skip=step._skip_nonfinite, loss_scaling=step.loss_scaling,
+                                                 micro_batches=step.micro_batches, n_ranks=step.n_ranks))
+    return step._cache[key]
+
+
+_SKIP = object()  # the pairs' end of an abandoned norm-free step
+
+
+class StorageRun:
+    """One call of a step's ``storage`` update: started with the step, on a thread of its own.
+
+    The thread first waits for the previous step's disk work (its last writes and commit ran on
+    during this step's forward; a failure there is raised here), then starts the workers' reads
+    of every storage chunk's state (read-ahead: each worker fills its staging buffers, in
+    :func:`gradient_order`, while the forward and backward run, and with micro-batches the
+    accumulation), then, once the global norm is known (:meth:`set_norm`), sends the scalars
+    and each chunk's gradient (:meth:`send`); on the norm-free early path
+    (:func:`updates_early`) each gradient goes as the program completing it ends
+    (:meth:`on_program`). The new params go into the chunks' pinned params buffers as they come
+    back; the step's pending work (``step.wait`` or the next step) joins until the last one is
+    in, and the last writes and the commit run on (:attr:`DiskState.tail`, joined by
+    ``step.wait``, a checkpoint and the next step's read-ahead).
+
+    Without storage chunks every method does nothing (no thread is started).
+    """
+
+    def __init__(self, step, state):
+        self.ids = storage_chunks(step)
+        if not self.ids:
+            return
+        self.disk: DiskState = state.master[self.ids[0]]
+        self.order = gradient_order(step)
+        self.early = updates_early(step)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._sent: set = set()
+        self._before_norm = 0
+        self._handed = float("inf")
+        self._norm: concurrent.futures.Future = concurrent.futures.Future()
+        self._params_in: concurrent.futures.Future = concurrent.futures.Future()
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        prev, self.disk.tail = self.disk.tail, done
+        on_param = step.updaters[STORAGE_UPDATE].update(state)
+        threading.Thread(target=self._run, args=(prev, done, on_param), name="chunkjax-storage-update",
+                         daemon=True).start()
+
+    def _pairs(self):
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            if item is _SKIP:
+                yield SKIP_STEP
+                return
+            yield self.disk.local[item[0]], item[1]
+
+    def _run(self, prev, done, on_param) -> None:
+        params_in = self._params_in
+        try:
+            if prev is not None:
+                prev.result()  # the previous step's writes and commit (the files' next step starts after)
+            opt = self.disk.opt
+            opt.begin([self.disk.local[c] for c in self.order], norm_free=self.early)
+            norm = None
+            if not self.early:
+                norm = self._norm.result()
+                if norm is None:  # the step failed before its norm: nothing of it is written
+                    opt.abandon()
+                    params_in.set_result(0.0)
+                    done.set_result(0.0)
+                    return
+                norm = float(np.float32(norm))  # waits for the step's norm (clip_scale rounds it in float32)
+            t0 = time.perf_counter()
+            t_in = []
+
+            def arrived():
+                t_in.append(time.perf_counter())
+                params_in.set_result(t_in[0] - t0)
+
+            pairs = self._pairs() if opt.compression is None else {c: g for c, g in self._pairs()}  # top-k: all at once
+            res = opt.finish(pairs, norm=norm, on_param=on_param, on_params_in=arrived)
+            if not res.skipped:
+                self.disk.last = res
+                self.disk.history.append(res)
+                self.disk.exposed_s.append(max(0.0, t_in[0] - max(t0, self._handed)) if t_in else 0.0)
+            self.disk.sent_before_norm = self._before_norm
+        except BaseException as e:  # handed to the step's pending work and to the tail's joiners
+            if not params_in.done():
+                params_in.set_exception(e)
+            done.set_exception(e)
+            return
+        if not params_in.done():
+            params_in.set_result(float(res.update_s))
+        done.set_result(float(res.update_s))
+
+    def on_program(self, grads: dict) -> None:
+        """After a program (one micro-batch): on the early path, its completed storage chunks'
+        gradients ``{c: gradient}`` go to their workers now."""
+        if not self.ids or not self.early:
+            return
+        for c in self.order:
+            if c in grads and c not in self._sent:
+                self._sent.add(c)
+                self._before_norm += 1
+                self._queue.put((c, grads[c]))
+
+    def set_norm(self, norm) -> None:
+        """The step's global gradient norm (a () float32 jax array; None: the step failed, its
+        storage update is abandoned)."""
+        if not self.ids:
+            return
+        if not self._norm.done():
+            self._norm.set_result(norm)
+        if norm is None and self.early:
+            self._queue.put(_SKIP)
+
+    def send(self, work, grads: dict) -> None:
+        """Hand over every storage chunk's gradient not sent yet (``grads``: ``{c: gradient}``) and
+        add the wait for their new params to ``work`` (the step's
+        :class:`chunkjax.updaters.HostWork`: joined by ``step.wait`` or the next step, which
+        re-raise a :class:`~chunkjax.storage.files.StorageError`)."""
+        if not self.ids:
+            return
+        for c in self.order:
+            if c not in self._sent:
+                self._sent.add(c)
+                self._queue.put((c, grads[c]))
+        self._handed = time.perf_counter()
+        self._queue.put(None)
+        work.submit(self._params_in.result)
+
+
+def wait_tail(step, state) -> None:
+    """Wait for the disk work of the step that returned ``state`` (:attr:`DiskState.tail`)."""
     ids = storage_chunks(step)
-    if not ids:
-        return
-    fut: concurrent.futures.Future = concurrent.futures.Future()
-    mine = {c: grads[c] for c in ids}
-
-    def run():
-        if fut.set_running_or_notify_cancel():
-            try:
-                fut.set_result(step.updaters[STORAGE_UPDATE].update(state, mine, norm))
-            except BaseException as e:  # handed to work.join()
-                fut.set_exception(e)
-
-    threading.Thread(target=run, name="chunkjax-storage-update", daemon=True).start()
-    work.submit(fut.result)
+    if ids and isinstance(state.master[ids[0]], DiskState):
+        state.master[ids[0]].wait()

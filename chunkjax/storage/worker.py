@@ -69,6 +69,15 @@ def lazy_update_(hyper: StepHyper, master: np.ndarray, moments: tuple[np.ndarray
         a[idx] = x
 
 
+class _Stop(Exception):
+    """The trainer ended a step before it was written ("skip": a non-finite gradient norm or an
+    abandoned step; "abort": another worker failed)."""
+
+    def __init__(self, kind: str):
+        super().__init__(kind)
+        self.kind = kind
+
+
 def _worker_main(conn, cfg: dict):
     """One storage directory's worker: owns its DiskTier and runs the optimizer step next to it."""
     tier = None
@@ -78,7 +87,8 @@ def _worker_main(conn, cfg: dict):
                      daemon=True).start()
     try:
         tier = DiskTier([cfg["dir"]], cfg["sizes"], dir_indices=[cfg["index"]], n_dirs_total=cfg["n_dirs"],
-                        n_buffers=cfg["n_buffers"], io_mode=cfg["io_mode"], fsync=cfg["fsync"],
+                        n_buffers=cfg["n_buffers"], read_ahead=cfg["n_buffers"] - 2, io_mode=cfg["io_mode"],
+                        fsync=cfg["fsync"],
                         keep_previous=cfg.get("keep_previous", True),
                         link_model=LinkModel(disk_bytes_per_s=cfg["disk_bytes_per_s"]),
                         target_step=cfg["target_step"])
@@ -112,19 +122,32 @@ def _worker_main(conn, cfg: dict):
                 conn.send(("ok", tier.committed_step))
             elif kind == "read_chunk":
                 conn.send(("chunk", msg[1], tier.read_chunk(msg[1])))
-            elif kind == "step":
-                _, step, scale, hyper, grads = msg
+            elif kind == "step":  # the header: the reads start now; scalars now or in a later message
+                _, step, order, scalars = msg
                 if step != tier.committed_step + 1:
                     raise StorageError(f"asked for step {step}, committed step is {tier.committed_step}")
-                done, box = [0], dict(grads or {})
+                done, box, have = [0], {}, dict(scalars=scalars)
+                r0 = sum(tier.bytes_read.values())
 
-                def fn(c, views, box=box, done=done, step=step, scale=scale, hyper=hyper):
-                    while c not in box:  # the header came first: the state reads have started
-                        m = conn.recv()  # then one message per chunk, in id order
-                        if m[0] != "grads" or m[1] != step:
+                def take(c, box=box, have=have, step=step, r0=r0):
+                    """Receive until chunk c's gradient and the step's scalars are here (gradients of
+                    other chunks wait in ``box``); "skip"/"abort" ends the step unwritten."""
+                    while c not in box or have["scalars"] is None:
+                        m = conn.recv()
+                        if "ahead" not in have:  # the read-ahead: what the staging buffers hold by now
+                            have["ahead"] = sum(tier.bytes_read.values()) - r0
+                        if m[0] in ("skip", "abort") and m[1] == step:
+                            raise _Stop(m[0])
+                        if m[0] == "scalars" and m[1] == step:
+                            have["scalars"] = m[2]
+                        elif m[0] == "grads" and m[1] == step:
+                            box.update(m[2])
+                        else:
                             raise StorageError(f"expected the gradients of step {step}, got {m[0]!r}")
-                        box.update(m[2])
-                    p = box.pop(c)
+                    return box.pop(c), have["scalars"]
+
+                def fn(c, views, done=done, step=step):
+                    p, (scale, hyper) = take(c)
                     if p[0] == "topk" and cfg.get("sparse_update") == "lazy":
                         lazy_update_(hyper, views[0], views[1:], p[1], p[2], scale)
                         out = views[0].copy() if f32_params else bf16_round_bits(views[0])
@@ -145,18 +168,26 @@ def _worker_main(conn, cfg: dict):
                     import signal
                     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
                     resource.setrlimit(resource.RLIMIT_FSIZE, (fault["fsize_limit"], fault["fsize_limit"]))
-                io = tier.update(fn, commit=False)
-                conn.send(("prepared", step, io.read, io.written))
+                ids = None if order is None else [c for c in order if c in tier.chunk_sizes]
+                if ids is not None and sorted(ids) != sorted(tier.chunk_sizes):
+                    raise StorageError(f"step {step}: the chunk order names {sorted(ids)}, this worker holds "
+                                       f"{sorted(tier.chunk_sizes)}")
+                try:
+                    io = tier.update(fn, chunk_ids=ids, commit=False)  # reads ahead into the staging buffers
+                except _Stop as stop:  # nothing of this step written (the pipeline removed its files)
+                    conn.send(("skipped" if stop.kind == "skip" else "aborted", step, tier.committed_step))
+                    continue
+                conn.send(("prepared", step, io.read, io.written, have.get("ahead", 0)))
             elif kind == "commit":
                 if fault.get("exit_on_commit") == msg[1]:  # test hook: die between the two phases
                     os._exit(9)
                 tier.commit()
                 conn.send(("committed", tier.committed_step))
-            elif kind == "grads":  # gradients of a step that failed here: the trainer aborts it next
+            elif kind in ("grads", "scalars"):  # of a step that failed here: the trainer aborts it next
                 continue
-            elif kind == "abort":
+            elif kind in ("abort", "skip"):  # a prepared step (or one that failed here) not committed
                 tier.abort()
-                conn.send(("aborted", tier.committed_step))
+                conn.send(("skipped" if kind == "skip" else "aborted", msg[1], tier.committed_step))
             elif kind == "read":
                 conn.send(("state", {c: tier.read_chunk(c) for c in tier.chunk_sizes}))
             else:

@@ -77,7 +77,7 @@ def plan_job(model, budget: int, batch: int, seq: int, host_budget: int | None, 
     import jax
     import jax.numpy as jnp
 
-    from chunkjax import fit
+    from chunkjax import fit, fit_host
     from experiments.train import TrainConfig, host_spec
     cfg = TrainConfig(lr=lr, warmup=0, steps=5, batch=batch, seq=seq)
     t = {}
@@ -98,7 +98,7 @@ def plan_job(model, budget: int, batch: int, seq: int, host_budget: int | None, 
     t0 = time.perf_counter()
     sched = fit.plan(problem, budget)
     t["plan_s"] = time.perf_counter() - t0
-    need = fit.host_need(problem, sched)
+    need = fit_host.host_need(problem, sched)
     lay, cb, p = problem.layout, problem.cb, sched.predicted
     n_params = model.n_params
     trainable_chunks = [c for c, tr in enumerate(lay.chunk_trainable) if tr]

@@ -58,7 +58,9 @@ def main() -> None:
                                 device_budget=int(e.min_budget_bytes * 1.05), compute_dtype=jnp.bfloat16)
     print(step.summary(), flush=True)
     print(f"setup {time.time() - t0:.1f} s; rss {rss() / 2**30:.1f} GiB; plan host bytes "
-          f"{step.schedule.predicted.host_bytes / 2**30:.1f} GiB", flush=True)
+          f"{step.schedule.predicted.host_bytes / 2**30:.1f} GiB; host need "
+          + json.dumps({k: round(v / 2**30, 2) for k, v in (step.report.host or {}).items() if v is not None})
+          + f"; released {getattr(step, 'released_bytes', 0) / 2**30:.2f} GiB of the model", flush=True)
     rows = []
     for i, b in enumerate(data):
         t = time.perf_counter()
@@ -84,7 +86,8 @@ def main() -> None:
               f"peak rss {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.1f} GiB", flush=True)
     if a.out:
         with open(a.out, "w") as fh:
-            json.dump({"summary": step.summary(), "rows": rows}, fh, indent=1)
+            json.dump({"summary": step.summary(), "host_need": step.report.host, "rows": rows,
+                       "released_bytes": getattr(step, "released_bytes", None)}, fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,86 @@
+"""The host side of fitting a step (issue 21 item 4, issue 24 item 1): a schedule's host need as
+the machine sees it, its check before anything is allocated, the measure the planner compares
+with the host budget, and the re-plan when a plan's host need exceeds what the machine has.
+
+Every function takes a :class:`chunkjax.fit.FitProblem` (``layout``, ``cb``, ``n_ranks``,
+``zero_stage``, ``platform``, ``micro_batches``, ``mesh``, ``host_budget_bytes``).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from chunkjax.errors import PlanError
+from chunkjax.host_memory import (HostMemoryError, check_host_need, check_pinned_host, pinned_host_limit_bytes,
+                                  schedule_host_need)
+
+#: Re-plans with a lower host budget when a plan's host need (the pinned pool's growth, the
+#: process) exceeds what the machine has (:func:`fit_host`).
+MAX_HOST_REPLANS = 3
+
+
+def host_need(problem, schedule) -> dict:
+    """Host bytes a run of ``schedule`` needs, all ranks of this process together
+    (:func:`chunkjax.host_memory.schedule_host_need`: the figure the planner compared with the
+    host budget, ``predicted.host_bytes``, split by kind)."""
+    p = problem
+    return schedule_host_need(schedule, p.cb, layout=p.layout, n_ranks=p.n_ranks, zero_stage=p.zero_stage,
+                              platform=p.platform, micro_batches=p.micro_batches)
+
+
+def check_host_memory(problem, schedule, available: int | None = None) -> dict:
+    """:func:`host_need` of ``schedule`` against ``available`` bytes (default
+    :func:`chunkjax.host_memory.available_for_plan`); returns the need with ``available_bytes``.
+
+    Raises:
+      HostMemoryError: the need exceeds what is available (one line: what to change).
+    """
+    need = host_need(problem, schedule)
+    if problem.mesh is None:  # the runtime's pinned-pool cap (each process of a mesh checks its own at init)
+        check_pinned_host(need["pinned_host_bytes"], problem.platform)
+    return check_host_need(need, "this plan", problem.platform, available)
+
+
+def host_bytes_of(problem):
+    """``schedule -> bytes`` the planner compares with the host budget on one device: what the
+    machine gives the run beyond the process (the runtime's pinned pool as it grows,
+    :func:`chunkjax.host_memory.pinned_pool_bytes`, plus pageable bytes), or more than any
+    budget when the pinned bytes exceed the runtime's pinned-pool cap."""
+    cap = pinned_host_limit_bytes(problem.platform)
+
+    def of(s) -> int:
+        need = host_need(problem, s)
+        if cap is not None and need["pinned_host_bytes"] > cap:
+            return 2**62
+        return need["pinned_pool_bytes"] + need["pageable_bytes"]
+    return of
+
+
+
+def fit_host(problem, sched, replan) -> tuple:
+    """:func:`check_host_memory` of ``sched``; when it is refused and the plan has a host budget
+    to lower (``replan(problem) -> schedule`` given), plan again with the host budget lowered by
+    the overshoot (what the budget did not count: the pinned pool's growth by doubling, the
+    process), at most :data:`MAX_HOST_REPLANS` times. Returns ``(problem, schedule, host need)``.
+
+    Raises:
+      HostMemoryError: the first refusal, when no re-plan fits.
+    """
+    first = None
+    for _ in range(MAX_HOST_REPLANS + 1):
+        try:
+            return problem, sched, check_host_memory(problem, sched)
+        except HostMemoryError as e:
+            first = first or e
+            if replan is None or problem.host_budget_bytes is None:
+                raise first from None
+            need = host_need(problem, sched)
+            held = min(problem.host_budget_bytes, need["need_bytes"] - need["process_bytes"] - need["device_on_host_bytes"])
+            lower = held - (e.need_bytes - e.available_bytes) - problem.cb.params
+            if lower <= 0:
+                raise first from None
+            problem = dataclasses.replace(problem, host_budget_bytes=int(lower))
+            try:
+                sched = replan(problem)
+            except PlanError:
+                raise first from None
+    raise first
