@@ -203,8 +203,8 @@ def _cut(closed, roles: dict, block_eqns, scan_eqn, per_layer, mutable: tuple) -
     """Cut ``closed`` (outputs: loss, then every side leaf) at its block equations."""
     jaxpr = closed.jaxpr
 
-    def role(v):
-        return roles.get(v, v)
+    def role(v):  # a literal (a constant carry such as jnp.zeros(()) into a scan) stands for itself
+        return v if isinstance(v, jcore.Literal) else roles.get(v, v)
 
     used = {v for e in jaxpr.eqns for v in e.invars if not isinstance(v, jcore.Literal)}
     used |= {v for v in jaxpr.outvars if not isinstance(v, jcore.Literal)}
@@ -223,7 +223,7 @@ def _cut(closed, roles: dict, block_eqns, scan_eqn, per_layer, mutable: tuple) -
 
     def reads(it):
         if it[0] == "layer":
-            return list(it[1].ins)
+            return [k for k in it[1].ins if not isinstance(k, jcore.Literal)]
         return [role(v) for v in it[1].invars if not isinstance(v, jcore.Literal)]
 
     def writes(it):

@@ -60,7 +60,8 @@ from chunkjax.predict import chunk_bytes
 DEFAULT_MIN_CHUNKS = 8
 
 _MSG_NOT_FLOAT = ("leaf {path!r} has dtype {dtype}: ChunkedOptimizer trains floating-point leaves only; "
-                  "pass only the trainable params (nnx.state(model, nnx.Param), or variables['params'] of linen)")
+                  "pass only the trainable params (variables['params'] of linen; for NnxOptimizer a wrt= filter "
+                  "without it, e.g. nnx.All(nnx.Param, lambda path, x: jnp.issubdtype(x.dtype, jnp.floating)))")
 _MSG_STRUCTURE = "grads do not have the params' structure: {what}"
 _MSG_HOST_NEEDS_SPEC = ("host_chunks={n} needs tx given as a host kernel spec (chunkjax.host_update.AdamW / Lion / "
                         "SGDMomentum): an optax transformation runs on the device only")

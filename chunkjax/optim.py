@@ -142,6 +142,18 @@ def check_elementwise(tx: optax.GradientTransformation) -> None:
             chunked.append(row)
         return whole, chunked
 
+    # A mask (optax.masked, adamw(mask=...), multi_transform / partition) picks leaves by name or
+    # shape: on the probe tree it may pick the same leaves chunk by chunk as on the whole tree (a
+    # name the probe does not have), while a chunk, a flat array with no name, never gets what the
+    # user's tree would. Refused by the state's structure, whatever the mask selects.
+    try:
+        masked = any(isinstance(x, optax.MaskedState) for x in jax.tree_util.tree_leaves(
+            jax.eval_shape(tx.init, params), is_leaf=lambda x: isinstance(x, optax.MaskedState)))
+    except Exception:  # noqa: BLE001 - the probe below reports a tx that fails on a foreign tree
+        masked = False
+    if masked:
+        raise ValueError(_MSG_NOT_ELEMENTWISE.format(
+            why="it masks leaves (optax.masked, a mask= argument, multi_transform): a chunk has no leaf names"))
     try:
         whole, chunked = jax.device_get(run(params, grads))
     except Exception as e:  # noqa: BLE001 - any failure on a foreign tree means tx reads structure

@@ -352,9 +352,10 @@ def plot_schedule(obj, schedule: Schedule | None = None, *, path=None, title: st
     upd = [Patch(color=UPDATE_COLORS[u], label="frozen (no update)" if u == NO_UPDATE else f"update on {u}")
            for u in UPDATE_LOCATIONS if u in s.update_locations]
     fig.legend(handles=cells + ax.get_legend_handles_labels()[0] + upd, fontsize=7, loc="outside right upper")
+    counts = ", ".join(f"{n} {k}" for k, n in s.counts().items())  # a line of its own: wider than the axes
     ax.set_title(title or f"schedule at {s.budget_bytes / byte_unit(s.budget_bytes)[1]:.3g} "
-                 f"{byte_unit(s.budget_bytes)[0]}: {s.counts()}, {s.predicted.n_fetches} fetches, "
-                 f"{len(s.segments)} programs", fontsize=9)
+                 f"{byte_unit(s.budget_bytes)[0]}, {s.predicted.n_fetches} fetches, {len(s.segments)} programs\n"
+                 f"chunks: {counts}", fontsize=9)
     return _done(fig, path)
 
 

@@ -109,8 +109,21 @@ class Pipeline:
         # cut off at exit aborts the process); each ends once its queue's end mark arrives
         self._threads = [threading.Thread(target=f, name=f"{name}-{f.__name__.strip('_')}")
                          for f in (self._fetcher, self._dispatcher, self._writer)]
-        for t in self._threads:
-            t.start()
+        try:
+            for t in self._threads:
+                t.start()
+        except BaseException:  # Ctrl-C while starting: end marks for whichever threads run, or exit hangs
+            self._end_threads()
+            raise
+
+    def _end_threads(self) -> None:
+        """Stop without joining: every queue gets its end mark and every slot is released, so each
+        thread that runs returns (an interrupted start may leave any subset running)."""
+        self._stop.set()
+        for _ in range(self.submitted + self._depth + 1):
+            self._slots.release()
+        for q in (self._todo, self._fetched, self._back):
+            q.put(None)
 
     def _fail(self, e: BaseException) -> None:
         self._failed.append(e)
@@ -215,7 +228,11 @@ def stream_chunks(chunks: Sequence[int], depth: int, fetch: Callable, update: Ca
     if not chunks:
         return StreamedWork()
     pipe = Pipeline(depth, fetch, update, store, name="chunkjax-dropin")
-    pipe.submit(chunks)
+    try:
+        pipe.submit(chunks)
+    except BaseException:  # Ctrl-C before close(): the threads would wait for chunks forever
+        pipe.abort()
+        raise
     return pipe.close()
 
 

@@ -310,7 +310,8 @@ def call_factory(spec: str, batch: int, seq: int) -> dict:
       list's attribute path, :func:`chunkjax.discover.discover`).
 
     Raises:
-      ValueError: the factory returns something else (one line saying what it must return).
+      ValueError: the factory cannot be called with ``batch`` / ``seq`` (other parameters without
+        defaults), or returns something else (one line saying what it must return).
     """
     import inspect
 
@@ -318,6 +319,11 @@ def call_factory(spec: str, batch: int, seq: int) -> dict:
     sig = inspect.signature(fn).parameters
     takes_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.values())
     kw = {k: v for k, v in (("batch", batch), ("seq", seq)) if takes_kw or k in sig}
+    try:
+        inspect.signature(fn).bind(**kw)
+    except TypeError as e:
+        raise ValueError(f"--model {spec!r}: the factory cannot be called with {kw or 'no arguments'} ({e}): "
+                         "give it the parameters batch and seq (or defaults for the others)") from None
     out = fn(**kw)
     if isinstance(out, (tuple, list)) and len(out) == 3:
         out = dict(zip(("model", "loss_fn", "batch") if _is_nnx(out[0]) else ("stages", "params", "batch"), out))

@@ -54,6 +54,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -553,8 +554,10 @@ def _validate(cfg: TrainConfig) -> None:
         os.makedirs(cfg.out_dir, exist_ok=True)
     except OSError as e:
         raise UsageError(f"--out-dir {cfg.out_dir!r} cannot be created ({e.strerror}): pick a writable folder") from None
-    if not os.access(cfg.out_dir, os.W_OK):
-        raise UsageError(f"--out-dir {cfg.out_dir!r} is not writable: pick a writable folder")
+    try:  # a folder made and removed: os.access says yes to root where the filesystem says no
+        os.rmdir(tempfile.mkdtemp(prefix=".writable_", dir=cfg.out_dir))
+    except OSError as e:
+        raise UsageError(f"--out-dir {cfg.out_dir!r} is not writable ({e.strerror}): pick a writable folder") from None
 
 
 def parse_budget(text: str, flag: str = "--device-budget") -> int:
@@ -578,8 +581,10 @@ def host_spec(cfg: TrainConfig):
     import optax
 
     from chunkjax.host_update import AdamW
-    sched = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, max(cfg.warmup, 1), max(cfg.steps, cfg.warmup + 1),
-                                               cfg.lr / 10)
+    if cfg.warmup:
+        sched = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup, max(cfg.steps, cfg.warmup + 1), cfg.lr / 10)
+    else:  # no warm-up: the first step at lr (a one-step ramp would give it lr 0; and --steps 1 no decay steps)
+        sched = optax.cosine_decay_schedule(cfg.lr, cfg.steps, alpha=0.1)
     return AdamW(sched, weight_decay=cfg.weight_decay, max_grad_norm=cfg.clip if cfg.clip > 0 else None)
 
 
@@ -680,6 +685,7 @@ def _train(cfg, model, fitted, td, folder, t_start, resolved, resume=None, setup
         records = kept
         _rewrite_metrics(metrics_path, records)  # drop the records of steps after the checkpoint
         ck.remove_stale_temporaries(ckpt_dir)  # a save cut short by the crash
+        drop_skipped_checkpoints(ckpt_dir, start)
         mf = open(metrics_path, "a")
     losses = [r["loss"] for r in records if r.get("loss") is not None]
     skipped = [r["step"] for r in records if r.get("skipped")]
@@ -813,6 +819,18 @@ def prune_checkpoints(ckpt_dir, keep: int) -> list[int]:
     gone = ck.all_steps(ckpt_dir)[:-keep]
     for s in gone:
         ck.delete_checkpoint(ckpt_dir, s)
+    return gone
+
+
+def drop_skipped_checkpoints(ckpt_dir, start: int) -> list[int]:
+    """Delete the checkpoints newer than ``start``, the step a resume restored: ``latest_step``
+    skipped them (corrupt), and the resumed run saves those steps again (a save refuses an existing
+    step). Returns the deleted steps."""
+    from chunkjax import checkpoint as ck
+    gone = [s for s in ck.all_steps(ckpt_dir) if s > start]
+    for s in gone:
+        ck.delete_checkpoint(ckpt_dir, s)
+        print(f"note: checkpoint step {s} was skipped (corrupt): deleted, this run saves step {s} again", flush=True)
     return gone
 
 
