@@ -76,7 +76,6 @@ Bad input exits with status 2 and one line. Results: ``<results-dir>/storage_<ru
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import datetime
 import json

@@ -232,7 +232,6 @@ def trace_inputs(model: str, batch: int, seq: int, *, chunk_size: int | None = N
     from jax.sharding import AbstractMesh
 
     from chunkjax.fit import prepare as fit_prepare
-    from chunkjax.front import plan_offload
     from chunkjax.host_update import AdamW
     from chunkjax.tide import memory_tide
     from chunkjax.topology import AXIS
