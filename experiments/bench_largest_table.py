@@ -19,6 +19,7 @@ import json
 import math
 import os
 
+from experiments.report import replace_marked_section
 from models import gpt
 
 #: (row label, how a record is recognised) in table order.
@@ -109,16 +110,11 @@ def table(runs: dict[str, list[dict]]) -> str:
 
 
 def write(doc: str, text: str) -> None:
-    """Replace the marked section of ``doc`` with ``text`` (appended with its markers if missing)."""
+    """Replace the marked section of ``doc`` with ``text`` (appended, under its heading, if missing)."""
     with open(doc) as f:
-        s = f.read()
-    block = f"{START}\n{text}{END}"
-    if START in s and END in s:
-        s = s[:s.index(START)] + block + s[s.index(END) + len(END):]
-    else:
-        s = s.rstrip("\n") + "\n\n## Largest model by system (issue 24)\n\n" + block + "\n"
-    with open(doc, "w") as f:
-        f.write(s)
+        heading = "" if START in f.read() else "## Largest model by system (issue 24)\n\n"
+    # the heading goes before the start marker: a rerun replaces only what lies between the markers
+    replace_marked_section(doc, heading + START, END, f"{heading}{START}\n{text}{END}")
 
 
 def main(argv=None) -> None:
