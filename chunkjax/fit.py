@@ -517,12 +517,11 @@ def fit_problem(problem: FitProblem, device_budget="auto", *, policy: str = "tid
         missed = mem["peak_bytes"] - int(sched.predicted.peak_device_bytes)
         effective = min(int(effective * HEADROOM * budget / mem["peak_bytes"]),
                         int(HEADROOM * budget) - missed) - problem.cb_rank.params
+        effective = max(1, effective)  # the compiler kept more than the whole budget beyond the accounting
         try:
-            # the compiler kept more than the whole budget beyond the accounting: only the floor is left
-            sched = plan(problem, max(1, effective), policy=policy)
+            sched = plan(problem, effective, policy=policy)
         except PlanError as e:
-            notes.append(f"re-plan for {effective} bytes failed: {e}" if effective > 0 else
-                         f"the compiled step kept {missed} bytes beyond the accounted peak: re-planned at the floor")
+            notes.append(f"re-plan for {effective} bytes failed: {e}")
             if floor_tried or e.min_budget_bytes <= effective:
                 break
             # the accounting's smallest plan (every chunk offloaded) may still compile under the headroom

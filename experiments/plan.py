@@ -479,7 +479,7 @@ def figures(s, device_budget: int, host_budget: int | None, chunk_size: int) -> 
             and (host_budget is None or p.host_bytes <= host_budget),
             "predicted_peak_device_bytes": p.peak_device_bytes, "device_budget_bytes": device_budget,
             "device_model_bytes": p.device_model_bytes, "host_bytes": p.host_bytes,
-            "host_bytes_per_param": p.host_bytes_per_param, "host_resident_bytes_per_param": p.host_resident_bytes_per_param,
+            "host_model_bytes": p.host_model_bytes, "host_bytes_per_param": p.host_bytes_per_param, "host_resident_bytes_per_param": p.host_resident_bytes_per_param,
             "host_working_bytes": p.host_working_bytes, "master_fetch_chunks": len(s.master_fetch),
             "h2d_bytes_per_step": p.h2d_bytes_per_step, "d2h_bytes_per_step": p.d2h_bytes_per_step,
             "n_fetches": p.n_fetches, "predicted_step_s": p.time.step_s, "time": t,
