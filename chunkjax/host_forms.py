@@ -61,7 +61,7 @@ def host_balanced_segments(n_moments: int, n_stages: int, done_moments, max_prog
 
 
 def assign_host_forms(s, cb, host_budget_bytes: int | None, *, chunk_size: int, traces, tide, rates,
-                      flops_per_step: float, micro_batches: int = 1):
+                      flops_per_step: float, micro_batches: int = 1, host_bytes_of=None):
     """Choose the form of each host-updated chunk of schedule ``s`` (one device), after its update
     locations: a compute-dtype copy while the host budget allows, master-fetch for the rest.
 
@@ -80,6 +80,8 @@ def assign_host_forms(s, cb, host_budget_bytes: int | None, *, chunk_size: int, 
       host_budget_bytes: host memory for model data and the working set (bytes), or None.
       chunk_size, traces, tide, rates, flops_per_step: as :func:`chunkjax.predict.predict`.
       micro_batches: gradient accumulation (float32 sums join the working set).
+      host_bytes_of: ``schedule -> bytes`` compared with the budget (default
+        ``predicted.host_bytes``; the planner's measure: the GPU's pinned pool as it grows).
 
     Returns:
       the schedule with ``master_fetch`` set and its prediction redone (H2D bytes and step time
@@ -100,8 +102,10 @@ def assign_host_forms(s, cb, host_budget_bytes: int | None, *, chunk_size: int, 
                           micro_batches=micro_batches, streamed_early=s.streamed_early)
         return dataclasses.replace(s, master_fetch=tuple(sorted(mf)), segments=tuple(segments), predicted=pred)
 
+    hb = host_bytes_of or (lambda x: x.predicted.host_bytes)
+
     def fits(x):
-        return x.predicted.host_bytes <= host_budget_bytes
+        return hb(x) <= host_budget_bytes
 
     copies = with_forms((), s.segments) if (s.master_fetch or micro_batches > 1) else s
     if not host or host_budget_bytes is None or fits(copies):
@@ -124,6 +128,13 @@ def assign_host_forms(s, cb, host_budget_bytes: int | None, *, chunk_size: int, 
     if least.predicted.peak_device_bytes > s.budget_bytes or not fits(least):
         # float32 fetch buffers do not fit the device: the copies (the host check refuses them)
         return copies if least.predicted.peak_device_bytes > s.budget_bytes else least
-    keep = (host_budget_bytes - least.predicted.host_bytes) // cb.params if cb.params else 0
-    kept = set(sorted(host, key=lambda c: (-fetches[c], c))[:keep])
-    return least if not kept else with_forms([c for c in host if c not in kept], segs)  # fewer float32 buffers: fits
+    # each copy kept adds cb.params to predicted.host_bytes; under the planner's measure (a pool that
+    # grows by doubling) it may add more: fewer copies until the measure fits
+    order = sorted(host, key=lambda c: (-fetches[c], c))
+    keep = min(len(host), (host_budget_bytes - hb(least)) // cb.params if cb.params else 0)
+    while keep > 0:
+        out = with_forms([c for c in host if c not in set(order[:keep])], segs)  # fewer float32 buffers
+        if fits(out):
+            return out
+        keep = keep * 3 // 4
+    return least

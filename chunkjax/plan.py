@@ -520,7 +520,8 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
         if s is None or ranks > 1:
             return s
         return assign_host_forms(s, plan_cb, host_budget_bytes, chunk_size=layout.chunk_size, traces=traces,
-                                 tide=tide, rates=rates, flops_per_step=flops_per_step, micro_batches=micro_batches)
+                                 tide=tide, rates=rates, flops_per_step=flops_per_step, micro_batches=micro_batches,
+                                 host_bytes_of=host_bytes_of)
 
     if policy == "tide":
         T = len(tide.moments)

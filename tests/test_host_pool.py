@@ -87,7 +87,8 @@ def test_fit_replans_with_a_lower_host_budget_when_the_pool_puts_it_over(problem
     fitted = fit.fit_problem(problem, budget, check_compiled=False)
     got = fitted.report.host
     assert got["need_bytes"] <= avail and got["available_bytes"] == avail
-    assert got["pinned_pool_bytes"] < need["pinned_pool_bytes"]  # fewer pinned bytes: the pool stays smaller
+    # what the machine gives the run shrank (fewer streamed chunks, or master-fetch host chunks)
+    assert got["pinned_pool_bytes"] + got["pageable_bytes"] < need["pinned_pool_bytes"] + need["pageable_bytes"]
     assert fitted.problem.host_budget_bytes < problem.host_budget_bytes
     # nothing can fit: the first refusal, one line
     monkeypatch.setattr(host_memory, "host_memory_available_bytes", lambda: need["process_bytes"])
@@ -119,3 +120,29 @@ def test_a_preallocated_pool_is_counted_once(monkeypatch):
     with pytest.raises(HostMemoryError) as e:
         host_memory.check_host_lower_bound(Lay(), CB(), "gpu", 1, 24 * GiB, available=80 * GiB)
     assert e.value.need_bytes == int(85.8 * GiB) + host_memory.process_bytes(Lay(), "gpu")
+
+
+def test_master_fetch_chosen_by_the_machines_measure(monkeypatch):
+    """With a preallocated pool the machine's host bytes are the pool plus pageable bytes: a host
+    budget the compute copies' pageable bytes exceed must turn host chunks master-fetch (float32
+    masters pinned, in the pool already paid for), not keep the copies because their pinned plus
+    pageable bytes look small (the 8B full fine-tuning kept copies at 14.6 B/param and ran out)."""
+    monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_PREALLOCATE", "true")
+    monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "1")
+    cfg = gpt.get_config("micro", n_layers=3)
+    params = gpt.init_params(cfg, jax.random.key(3))
+    p = fit.prepare(gpt.gpt_stages(cfg), params, jax.ShapeDtypeStruct((2, 17), jnp.int32),
+                    host_optimizer=AdamW(1e-3), compute_dtype=jnp.bfloat16, min_chunks=8, check_host=False,
+                    host_budget=10**12)
+    p = dataclasses.replace(p, platform="gpu")
+    budget = _smallest(p) + 4 * p.cb.params
+    roomy = fit.plan(p, budget)
+    assert not roomy.master_fetch  # an unbounded host keeps every copy (the faster fetch)
+    need = fit_host.host_need(p, roomy)
+    assert need["pinned_pool_bytes"] == GiB
+    tight = dataclasses.replace(p, host_budget_bytes=need["pinned_pool_bytes"] + need["pageable_bytes"] - 1)
+    s = fit.plan(tight, budget)
+    got = fit_host.host_need(tight, s)
+    assert s.master_fetch and got["pageable_bytes"] < need["pageable_bytes"]
+    assert got["pinned_pool_bytes"] + got["pageable_bytes"] <= tight.host_budget_bytes
+    assert s.predicted.peak_device_bytes <= budget
