@@ -193,9 +193,13 @@ class WorkerPool:
             if sending is not None and sending.done() and sending.exception() is not None and failure is None:
                 e = sending.exception()
                 i = progress.get("worker")
+                if i is not None:
+                    self.workers[i].join(0.5)  # a killed worker's pipe may break before it is reaped
                 failure = (self._dead(i, f"taking the gradients of step {step}")
                            if i is not None and not self.workers[i].is_alive() else
-                           self._fail(f"sending the gradients of step {step} failed ({type(e).__name__}: {e})"))
+                           self._fail(f"sending the gradients of step {step}"
+                                      + ("" if i is None else f" to near-storage worker {i} ({self.dirs[i]})")
+                                      + f" failed ({type(e).__name__}: {e})"))
             if not ready:
                 for conn, i in list(pending.items()):
                     if not self.workers[i].is_alive() and not conn.poll(0):
