@@ -57,6 +57,18 @@ class StepUpdates:
                                    early)
 
     @functools.cached_property
+    def storage_early(self) -> bool:
+        """Whether the storage chunks update as their gradients complete, before the global norm is
+        known (decided once; :func:`chunkjax.storage.updater.updates_early`): the update provably
+        does not read the norm (:func:`chunkjax.streamed.starts_early` for this ``tx`` and step
+        settings), the host spec does not clip, and ``StorageOptions.early_updates`` without top-k
+        (which selects over all gradients at once)."""
+        return bool(self.storage is not None and self.storage.early_updates and self.storage.compression is None
+                    and self.host_optimizer is not None and self.host_optimizer.max_grad_norm is None
+                    and streamed.starts_early(self.tx, skip=self._skip_nonfinite, loss_scaling=self.loss_scaling,
+                                              micro_batches=self.micro_batches, n_ranks=self.n_ranks))
+
+    @functools.cached_property
     def updaters(self) -> dict[str, upd.Updater]:
         """``{"device", "streamed", "host"[, "storage"]}`` -> the location's :class:`~chunkjax.updaters.Updater`."""
         kw = dict(skip=self._skip_nonfinite, loss_scaling=self.loss_scaling,

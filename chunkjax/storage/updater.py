@@ -298,15 +298,8 @@ def updates_early(step) -> bool:
     one device, one micro-batch, no non-finite skip or loss scaling, ``step.tx`` not
     :func:`chunkjax.streamed.needs_global_norm`), the host spec does not clip, and
     ``StorageOptions.early_updates`` without top-k (which selects over all gradients at once).
-    Decided once per step (kept in its cache)."""
-    key = ("storage_early",)
-    if key not in step._cache:
-        from chunkjax.streamed import starts_early
-        step._cache[key] = bool(step.storage.early_updates and step.storage.compression is None
-                                and step.host_optimizer.max_grad_norm is None
-                                and starts_early(step.tx, skip=step._skip_nonfinite, loss_scaling=step.loss_scaling,
-                                                 micro_batches=step.micro_batches, n_ranks=step.n_ranks))
-    return step._cache[key]
+    Decided once per step (``step.storage_early``)."""
+    return step.storage_early
 
 
 _SKIP = object()  # the pairs' end of an abandoned norm-free step
