@@ -25,3 +25,7 @@ class PlanError(ValueError):
         super().__init__(msg)
         self.min_budget_bytes = min_budget_bytes
         self.activations_alone = activations_alone
+
+
+class HostBudgetError(PlanError):
+    """No placement's host bytes fit the host budget (the device budget would fit one)."""

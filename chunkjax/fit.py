@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from chunkjax.cost import Rates, matmul_flops
-from chunkjax.errors import PlanError
+from chunkjax.errors import HostBudgetError, PlanError
 from chunkjax.fit_host import fit_host, host_bytes_of
 from chunkjax.host_memory import available_for_plan, check_host_lower_bound, process_bytes
 from chunkjax.layout import ChunkLayout, build_layout, first_use_order
@@ -385,7 +385,7 @@ def plan(problem: FitProblem, budget_bytes: int, *, policy: str = "tide", reside
         return _plan(p, budget_bytes, split=split, **kw)
     except PlanError as e:
         # a host that cannot hold the streamed chunks' pinned state may hold them updated on the host
-        if not (split and p.host_budget_bytes is not None and str(e).startswith("host budget")):
+        if not (split and p.host_budget_bytes is not None and isinstance(e, HostBudgetError)):
             raise
         try:
             return _plan(p, budget_bytes, split=False, **kw)

@@ -45,7 +45,7 @@ from typing import Sequence
 
 from chunkjax import predict as pr
 from chunkjax.cost import Rates
-from chunkjax.errors import PlanError, gib_ceil
+from chunkjax.errors import HostBudgetError, PlanError, gib_ceil
 from chunkjax.eviction import CapacityError, belady
 from chunkjax.host_forms import assign_host_forms
 from chunkjax.layout import ChunkLayout
@@ -265,7 +265,7 @@ def _host_error(host_budget: int, need: int, device_budget: int, ranks: int) -> 
     else:
         msg = _MSG_HOST_ZERO.format(host=host_budget, host_rank=host_budget // ranks, n=ranks, need_node=need * ranks,
                                     need=need, dev=device_budget, need_gib=gib_ceil(need * ranks))
-    return PlanError(msg, device_budget, False)
+    return HostBudgetError(msg, device_budget, False)
 
 
 def _tide_infeasible(one, n_chunks: int, tide: Tide, cb: ChunkBytes, budget: int, host_budget, ranks: int,
