@@ -199,7 +199,8 @@ def test_peer_lost_during_two_process_save(tmp_path, how):
     with socket.socket() as s:
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    from _multiprocess import cpu_env
+    env = cpu_env(4)
     worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoint_lost_peer_worker.py")
     procs = [subprocess.Popen([sys.executable, worker, str(i), "2", str(port), str(seed), str(ckpt), str(out), how],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
