@@ -51,6 +51,7 @@ def _cost(unit: str) -> float:
     return sum(FILE_SECONDS.get(f.removeprefix("test_"), DEFAULT_FILE_SECONDS) for f in files)
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: without xdist, never called
 def pytest_xdist_make_scheduler(config, log):
     """``--dist loadfile`` with the units described in this module's docstring (xdist's own
     ``loadgroup`` cannot merge files under pytest 9: it renames node ids through an attribute
