@@ -23,7 +23,7 @@ demo: $(STAMP)
 # on one thread, and CI has two cores. TEST_WORKERS=0 runs in one process.
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	@XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0" JAX_PLATFORMS=cpu $(PY) -m pytest -q --durations=15 \
+	@XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 --xla_cpu_multi_thread_eigen=false" JAX_PLATFORMS=cpu $(PY) -m pytest -q --durations=15 \
 	  $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) tests; \
 	rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest ran no tests: failing"; exit 1; fi; exit $$rc
 
