@@ -19,8 +19,9 @@ demo: $(STAMP)
 	$(PY) -m experiments.train
 
 # pytest exit 5 ("no tests ran") is turned into a failure; --durations prints the slowest tests.
-# Two pytest workers (pytest-xdist), one test file at a time each: most of the suite is compiling
-# on one thread, and CI has two cores. TEST_WORKERS=0 runs in one process.
+# Two pytest workers (pytest-xdist), one test file at a time each, heaviest first (tests/conftest.py):
+# most of the suite is compiling on one thread, and CI has two cores, so XLA's Eigen ops run on one
+# thread each. TEST_WORKERS=0 runs in one process.
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	@XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 --xla_cpu_multi_thread_eigen=false" JAX_PLATFORMS=cpu $(PY) -m pytest -q --durations=15 \
