@@ -39,6 +39,7 @@ from chunkjax.plan import Placement, fetch_events
 from chunkjax.schedule import check_trainable
 from chunkjax.stages import first_readers, split_loss, stage_reads
 from chunkjax.step_checkpoint import StepChunkIO, restore_chunks
+from chunkjax.step_commit import commit
 from chunkjax.storage import updater as disk
 from chunkjax.step_updates import StepUpdates
 from chunkjax.topology import SingleDevice, make_topology
@@ -359,7 +360,11 @@ class ChunkedStep(StepChunkIO, StepUpdates):
         device runs the rest of the backward (speculatively when the factor depends on the norm:
         :mod:`chunkjax.speculate`), and its streamed ones to :mod:`chunkjax.streamed`; the returned
         state's ``pending`` holds that work. ``state``'s device buffers are donated: use the
-        returned state.
+        returned state. All or nothing (:mod:`chunkjax.step_commit`): an exception or Ctrl-C
+        before the device chunks' donating updates (dispatched last, with signals held) leaves
+        ``state`` as it was, except host chunks already updated in place when their update does
+        not wait for the norm, and early-streamed chunks' device params
+        (:func:`chunkjax.step_commit.recover` rebuilds those).
 
         Args:
           loss_scale: with ``loss_scaling`` only: this step's loss scale (a float, best a power of
@@ -402,15 +407,16 @@ class ChunkedStep(StepChunkIO, StepUpdates):
             on_disk.set_norm(norm)
         on_disk.send(work, grads)  # storage chunks: beside the host thread and the device
         params, master, opt = list(state.params), list(state.master), list(state.opt_state)
-        for c in self.device_chunks:
-            params[c], master[c], opt[c] = self.updaters["device"].update(self.placement.param_kinds[c])(
-                grads[c], master[c], opt[c], grad_sq, jnp.asarray(c, jnp.int32), params[c], inv_arr)
-        if stream.chunks:  # the host thread joins the last write-backs
-            work.submit(stream.finish(grads, params, master, opt))
-        metrics = {"loss": loss, "grad_norm": norm * inv_arr, **({} if aux is None else {"aux": aux})}
-        if self._skip_nonfinite:
-            metrics["skipped"] = ~jnp.isfinite(jnp.sum(grad_sq))
-        return TrainState(tuple(params), tuple(master), tuple(opt), work), metrics
+        try:  # all that can fail before the commit donates the input state (chunkjax.step_commit)
+            if stream.chunks:  # new buffers, the input's untouched; the host thread joins the last write-backs
+                work.submit(stream.finish(grads, params, master, opt))
+            metrics = {"loss": loss, "grad_norm": norm * inv_arr, **({} if aux is None else {"aux": aux})}
+            if self._skip_nonfinite:
+                metrics["skipped"] = ~jnp.isfinite(jnp.sum(grad_sq))
+        except BaseException:
+            stream.set_grad_sq(None)  # the pipeline stopped: no thread left waiting
+            raise
+        return TrainState(*commit(self, grads, grad_sq, inv_arr, params, master, opt), work), metrics
 
     def _zeros_grad(self, c: int):
         """The gradient of a chunk no stage reads (outside programs)."""

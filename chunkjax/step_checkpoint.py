@@ -90,9 +90,7 @@ def restore_chunks(step_fn, saved) -> tuple[tuple, tuple, tuple]:
     Raises:
       CheckpointError: moments that do not fit a chunk's optimizer state (another optimizer).
     """
-    place = _Placer(step_fn)
-    for c in range(step_fn.layout.n_chunks):
-        place.check(c, saved.moments(c))
+    place = check_moments(step_fn, saved)
     ps, ms, os_ = [], [], []
     for c in range(step_fn.layout.n_chunks):
         arrs, cm = saved.chunk(c)
@@ -102,6 +100,20 @@ def restore_chunks(step_fn, saved) -> tuple[tuple, tuple, tuple]:
         del arrs, master, params, p, m, o
     jax.block_until_ready([x for x in ps + ms if isinstance(x, jax.Array)])
     return tuple(ps), tuple(ms), tuple(os_)
+
+
+def check_moments(step_fn, saved) -> "_Placer":
+    """Check that every chunk of ``step_fn`` can take the optimizer moments ``saved`` (a
+    :class:`chunkjax.checkpoint.protocol.SavedChunks`) holds for it, reading no array; returns the
+    placer :func:`restore_chunks` uses.
+
+    Raises:
+      CheckpointError: one line naming the first chunk whose moments do not fit (another optimizer).
+    """
+    place = _Placer(step_fn)
+    for c in range(step_fn.layout.n_chunks):
+        place.check(c, saved.moments(c))
+    return place
 
 
 def chunk_portable(step_fn, state, c: int) -> tuple[dict, dict]:

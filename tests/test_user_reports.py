@@ -131,11 +131,6 @@ def _tiny_nnx():
     return Net, loss_fn, batches
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "chunkjax.OffloadedStep (the front door's step) does not implement chunkjax.checkpoint.ChunkIO: "
-    "save_checkpoint refuses it ('cannot checkpoint a OffloadedStep'), and its non-parameter state "
-    "(the dropout RNG counts it carries between steps, OffloadedStep._side) would have to travel with "
-    "the checkpoint for a bit-exact resume; docs/own_model.md documents no checkpoint path"))
 def test_offloaded_step_checkpoints_and_resumes_exactly(tmp_path):
     from flax import nnx
     Net, loss_fn, batches = _tiny_nnx()
@@ -304,14 +299,6 @@ def test_ctrl_c_while_a_streamed_pipeline_starts_leaves_no_thread_waiting(monkey
     assert not any(t.is_alive() for t in started), [t.name for t in started if t.is_alive()]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a KeyboardInterrupt inside OffloadedStep.__call__ once ChunkedStep.__call__ has dispatched the device chunks' "
-    "updates (which donate params/master/opt of the old state) leaves OffloadedStep.state holding those donated "
-    "buffers: the next step and sync() fail with 'Buffer has "
-    "been deleted or donated'; the step is not all-or-nothing under Ctrl-C (a notebook user's interrupted cell "
-    "loses the trained state). Also: a KeyboardInterrupt inside StepStream.finish leaves the streamed pipeline's "
-    "non-daemon threads waiting, so the process does not exit (ChunkedStep.__call__ should call "
-    "stream.set_grad_sq(None) when anything after its backward raises)"))
 def test_offloaded_step_survives_ctrl_c_mid_step(monkeypatch):
     from flax import nnx
     from chunkjax import streamed

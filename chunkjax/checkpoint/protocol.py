@@ -47,6 +47,11 @@ class SavedChunks(Protocol):
     def moments(self, c: int) -> list[str]:
         """The optimizer moment names chunk ``c`` will have (checked before anything is read)."""
 
+    def verify(self) -> None:
+        """Check every saved chunk's files against their crc32 before any is read (an engine that
+        frees its own state before restoring calls it first). Raises CheckpointError naming the
+        first bad file."""
+
     def chunk(self, c: int) -> tuple[dict[str, np.ndarray], dict]:
         """Chunk ``c`` in the portable form, in the engine's layout (remapped by leaf path when
         the saved layout differs): ``({"params": (chunk_size,) compute dtype, "master":

@@ -128,6 +128,14 @@ class SavedState:
         """The optimizer moment names chunk ``c`` will have."""
         return list(self.common_moments) if self.remap else list(self.meta["chunks"][c]["moments"])
 
+    def verify(self) -> None:
+        """Check every saved chunk's files against their recorded size and crc32 (each read once;
+        :meth:`chunk` checks again as it reads), so that an engine can refuse a corrupt checkpoint
+        before it lets go of its own state. Raises CheckpointError naming the first bad file."""
+        if self.src.sums is not None:
+            for c in range(int(self.meta["layout"]["n_chunks"])):
+                files.verify_files(self.root, self.src.sums, files.chunk_name(c))
+
     def arrays(self, c: int) -> dict[str, np.ndarray]:
         """Chunk ``c``'s saved arrays ``names`` ((layout.chunk_size,) numpy), remapped if needed."""
         if self.remap:
