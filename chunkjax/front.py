@@ -164,14 +164,15 @@ class OffloadedStep(OffloadedChunkIO):
         self._check(batch)
         state = self._held()
         try:
-            new, metrics = self.step(state, self._step_batch(batch))
-            side = tuple(metrics.pop("aux")) if self.discovery.mutable else self._side
+            pending = self.step.begin(state, self._step_batch(batch))
         except BaseException:
             with contextlib.suppress(Exception):  # the step's own error is the one to raise
                 self.state = recover(self.step, state)  # early-streamed params it donated, rebuilt
             raise
-        with interrupts_deferred():
-            self.state, self._side, self.metrics = new, side, metrics
+        with interrupts_deferred():  # a signal now is delivered once the new state is stored
+            self.state, metrics = pending.commit()
+            self._side = tuple(metrics.pop("aux")) if self.discovery.mutable else self._side
+            self.metrics = metrics
         return metrics["loss"]
 
     def evaluate(self, batch):

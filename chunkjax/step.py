@@ -39,7 +39,7 @@ from chunkjax.plan import Placement, fetch_events
 from chunkjax.schedule import check_trainable
 from chunkjax.stages import first_readers, split_loss, stage_reads
 from chunkjax.step_checkpoint import StepChunkIO, restore_chunks
-from chunkjax.step_commit import commit
+from chunkjax.step_commit import PendingStep
 from chunkjax.storage import updater as disk
 from chunkjax.step_updates import StepUpdates
 from chunkjax.topology import SingleDevice, make_topology
@@ -360,11 +360,8 @@ class ChunkedStep(StepChunkIO, StepUpdates):
         device runs the rest of the backward (speculatively when the factor depends on the norm:
         :mod:`chunkjax.speculate`), and its streamed ones to :mod:`chunkjax.streamed`; the returned
         state's ``pending`` holds that work. ``state``'s device buffers are donated: use the
-        returned state. All or nothing (:mod:`chunkjax.step_commit`): an exception or Ctrl-C
-        before the device chunks' donating updates (dispatched last, with signals held) leaves
-        ``state`` as it was, except host chunks already updated in place when their update does
-        not wait for the norm, and early-streamed chunks' device params
-        (:func:`chunkjax.step_commit.recover` rebuilds those).
+        returned state. ``begin(state, batch).commit()``: an exception or Ctrl-C before the
+        commit leaves ``state`` as it was (:mod:`chunkjax.step_commit`, with its exceptions).
 
         Args:
           loss_scale: with ``loss_scaling`` only: this step's loss scale (a float, best a power of
@@ -373,6 +370,17 @@ class ChunkedStep(StepChunkIO, StepUpdates):
         Raises:
           ValueError: the batch does not split over the ranks and micro-batches, or
             ``loss_scale`` given without ``loss_scaling`` (or missing with it).
+        """
+        return self.begin(state, batch, loss_scale).commit()
+
+    def begin(self, state: TrainState, batch, loss_scale=None) -> PendingStep:
+        """The step (:meth:`__call__`) up to its commit: programs, global norm, the streamed
+        chunks' results; nothing of ``state`` donated yet (host chunks: see
+        :mod:`chunkjax.step_commit`). ``commit()`` of the returned
+        :class:`~chunkjax.step_commit.PendingStep` dispatches the device chunks' donating updates
+        and returns ``(new state, metrics)``; a caller that keeps the state across a Ctrl-C
+        commits and stores the new state inside :func:`chunkjax.step_commit.interrupts_deferred`.
+        Raises what :meth:`__call__` raises.
         """
         if self.loss_scaling != (loss_scale is not None):
             raise ValueError("pass loss_scale exactly when the step was built with loss_scaling=True "
@@ -416,7 +424,7 @@ class ChunkedStep(StepChunkIO, StepUpdates):
         except BaseException:
             stream.set_grad_sq(None)  # the pipeline stopped: no thread left waiting
             raise
-        return TrainState(*commit(self, grads, grad_sq, inv_arr, params, master, opt), work), metrics
+        return PendingStep(self, state._replace(pending=work), grads, grad_sq, inv_arr, (params, master, opt), metrics)
 
     def _zeros_grad(self, c: int):
         """The gradient of a chunk no stage reads (outside programs)."""

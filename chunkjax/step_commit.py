@@ -7,13 +7,17 @@ device buffers, so the state is held on the device once (no second copy the plan
 to count). Once one of them is dispatched the input state is gone. A step therefore runs
 everything that can fail first (the programs, the global norm, the streamed chunks' updates,
 which write their results into new pinned host buffers and leave the input state's untouched)
-and dispatches the donating updates last, in its *commit* (:func:`commit`): a loop of dispatches
-and the new :class:`~chunkjax.step.TrainState`, with Ctrl-C (``SIGINT``) and ``SIGTERM`` held
-until it ends (:func:`interrupts_deferred`). An exception before the commit leaves the caller's
-state as it was (the streamed pipeline stopped, its threads ended); after it, the caller has the
-new state. Cost: no bytes of device or host memory; the device chunks' updates queue on the
-device behind the streamed chunks' instead of before them (their few milliseconds no longer
-overlap the streamed pipeline's transfers).
+and dispatches the donating updates last, in its *commit* (:meth:`PendingStep.commit`): a loop of
+dispatches and the new :class:`~chunkjax.step.TrainState`, with Ctrl-C (``SIGINT``) and
+``SIGTERM`` held until it ends (:func:`interrupts_deferred`). An exception before the commit
+leaves the caller's state as it was (the streamed pipeline stopped, its threads ended). A signal
+held during the commit is delivered as it ends, before a caller's ``state, m = step(state, b)``
+has stored the new state: a caller that keeps its state across Ctrl-C (the front door's
+:class:`chunkjax.OffloadedStep`) runs ``pending = step.begin(state, b)``, then commits and stores
+inside one :func:`interrupts_deferred` block (the commit's own block nests in it). Cost: no bytes
+of device or host memory; the device chunks' updates queue on the device behind the streamed
+chunks' instead of before them (their few milliseconds no longer overlap the streamed
+pipeline's transfers).
 
 Not covered (documented on :class:`chunkjax.ChunkedStep`): host chunks updated in place by the
 host thread while the backward runs, when their update does not depend on the global norm (no
@@ -66,22 +70,42 @@ def interrupts_deferred():
             signal.raise_signal(s)  # its own handler: KeyboardInterrupt for SIGINT by default
 
 
-def commit(step, grads, grad_sq, inv, params: list, master: list, opt: list):
-    """Dispatch the device chunks' updates (donating ``state``'s device buffers) and return the
-    new ``(params, master, opt_state)`` tuples, with :data:`HELD_SIGNALS` held.
+class PendingStep:
+    """One step call run up to its commit (:meth:`chunkjax.ChunkedStep.begin`): the gradients,
+    norms, metrics and chunk lists, the streamed chunks' results already in them.
 
     Args:
       step: the :class:`chunkjax.ChunkedStep`.
-      grads: ``{chunk: gradient}`` of the step; ``grad_sq``: (n_chunks,) float32 squared norms;
-        ``inv``: () float32 1 / loss scale.
-      params, master, opt: the step's chunk lists: the input state's, the streamed chunks' results
-        already in them; the device chunks' entries are donated and replaced.
+      state: its input :class:`~chunkjax.step.TrainState` with the step's host work as ``pending``.
+      grads: ``{chunk: gradient}``; ``grad_sq``: (n_chunks,) float32 squared norms; ``inv``: ()
+        float32 1 / loss scale.
+      lists: ``(params, master, opt_state)`` lists of the new state, device chunks still the input's.
+      metrics: the step's metrics (``loss``, ``grad_norm``, ...).
     """
-    with interrupts_deferred():
-        for c in step.device_chunks:
-            params[c], master[c], opt[c] = step.updaters["device"].update(step.placement.param_kinds[c])(
-                grads[c], master[c], opt[c], grad_sq, jnp.asarray(c, jnp.int32), params[c], inv)
-        return tuple(params), tuple(master), tuple(opt)
+
+    def __init__(self, step, state, grads: dict, grad_sq, inv, lists: tuple, metrics: dict):
+        self.step, self.state, self.grads, self.grad_sq, self.inv = step, state, grads, grad_sq, inv
+        self.lists, self.metrics = lists, metrics
+
+    def commit(self):
+        """Dispatch the device chunks' updates (donating the input state's device buffers) with
+        :data:`HELD_SIGNALS` held; returns ``(new TrainState, metrics)``. A signal that arrives
+        meanwhile is delivered when the commit ends (inside an enclosing
+        :func:`interrupts_deferred`: when that ends). Once only.
+
+        Raises:
+          RuntimeError: committed already.
+        """
+        if self.lists is None:
+            raise RuntimeError("this step is committed already: call the step again")
+        step, grads, (params, master, opt) = self.step, self.grads, self.lists
+        with interrupts_deferred():
+            for c in step.device_chunks:
+                params[c], master[c], opt[c] = step.updaters["device"].update(step.placement.param_kinds[c])(
+                    grads[c], master[c], opt[c], self.grad_sq, jnp.asarray(c, jnp.int32), params[c], self.inv)
+            out = self.state._replace(params=tuple(params), master=tuple(master), opt_state=tuple(opt))
+            self.state = self.grads = self.lists = None  # nothing of the step kept alive here
+            return out, self.metrics
 
 
 def recover(step, state):
