@@ -8,7 +8,8 @@ chunks). It knows no engine: every engine implements :class:`ChunkIO`, i.e. says
 chunks have, hands out chunk ``c`` of a state in the portable form, waits for its pending work and
 builds a state from portable chunks for its own placement and topology. The engines:
 :class:`chunkjax.ChunkedStep` (one device or a data mesh, one or many processes;
-:mod:`chunkjax.step_checkpoint`), the drop-in optimizers :class:`chunkjax.ChunkedOptimizer` and
+:mod:`chunkjax.step_checkpoint`), the front door's :class:`chunkjax.OffloadedStep` (its step's
+chunks and its non-parameter state: :mod:`chunkjax.front_checkpoint`), the drop-in optimizers :class:`chunkjax.ChunkedOptimizer` and
 :class:`chunkjax.NnxOptimizer` (:mod:`chunkjax.flax_api`), and the storage tier
 (:class:`chunkjax.storage.chunk_io.StorageChunks` over a
 :class:`~chunkjax.storage.near.NearStorageOptimizer`). The optax / host-state conversions they

@@ -48,7 +48,8 @@ def restore_checkpoint(directory, step_fn, step_number: int | None = None):
       step_number: which step; None for :func:`latest_step`.
 
     Returns:
-      ``(state, extra)``: a :class:`chunkjax.TrainState` (a step), or the new params pytree in
+      ``(state, extra)``: a :class:`chunkjax.TrainState` (a step; an :class:`chunkjax.OffloadedStep`
+      holds it as its ``state``, with the saved non-parameter state), or the new params pytree in
       the params' dtypes on the device (a drop-in optimizer: what its ``update`` returns; for
       :class:`chunkjax.NnxOptimizer` an ``nnx.State`` for ``nnx.update(model, ...)``); and the
       saved ``extra`` dict (arrays come back as numpy arrays, PRNG keys as typed key arrays, tuples as tuples).
