@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from chunkjax.cost import Rates, matmul_flops
 from chunkjax.errors import HostBudgetError, PlanError
-from chunkjax.fit_host import fit_host, host_bytes_of
+from chunkjax.fit_host import fit_host, host_bytes_of, pinned_limit_error
 from chunkjax.host_memory import available_for_plan, check_host_lower_bound, process_bytes
 from chunkjax.layout import ChunkLayout, build_layout, first_use_order
 from chunkjax.optim import check_elementwise, state_bytes_per_chunk
@@ -389,7 +389,9 @@ def plan(problem: FitProblem, budget_bytes: int, *, policy: str = "tide", reside
             raise
         try:
             return _plan(p, budget_bytes, split=False, **kw)
-        except PlanError:
+        except PlanError as e2:
+            if getattr(e2, "over_pinned_limit", False):
+                raise pinned_limit_error(p, budget_bytes) from None
             raise e from None
 
 

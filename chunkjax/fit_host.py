@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from chunkjax.errors import PlanError
-from chunkjax.host_memory import (HostMemoryError, check_host_need, check_pinned_host, pinned_host_limit_bytes,
-                                  schedule_host_need)
+from chunkjax.errors import HostBudgetError, PlanError
+from chunkjax.plan import OVER_HOST_LIMIT
+from chunkjax.host_memory import (PINNED_HOST_LIMIT_ENV, HostMemoryError, check_host_need, check_pinned_host,
+                                  pinned_host_limit_bytes, schedule_host_need)
 
 #: Re-plans with a lower host budget when a plan's host need (the pinned pool's growth, the
 #: process) exceeds what the machine has (:func:`fit_host`).
@@ -50,10 +51,20 @@ def host_bytes_of(problem):
     def of(s) -> int:
         need = host_need(problem, s)
         if cap is not None and need["pinned_host_bytes"] > cap:
-            return 2**62
+            return OVER_HOST_LIMIT
         return need["pinned_pool_bytes"] + need["pageable_bytes"]
     return of
 
+
+
+def pinned_limit_error(problem, budget_bytes: int) -> HostBudgetError:
+    """The refusal of a plan whose every placement's pinned host bytes exceed the runtime's
+    pinned-pool cap (:func:`chunkjax.host_memory.pinned_host_limit_bytes`), naming the setting."""
+    cap = pinned_host_limit_bytes(problem.platform) or 0
+    return HostBudgetError(
+        f"at a device budget of {int(budget_bytes)} bytes every placement's pinned host bytes exceed the runtime's "
+        f"pinned-host limit of {cap} bytes ({PINNED_HOST_LIMIT_ENV}={cap // 2**30}): raise "
+        f"{PINNED_HOST_LIMIT_ENV}, use a larger device budget, or give storage directories", int(budget_bytes), False)
 
 
 def fit_host(problem, sched, replan) -> tuple:

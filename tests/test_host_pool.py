@@ -146,3 +146,22 @@ def test_master_fetch_chosen_by_the_machines_measure(monkeypatch):
     assert s.master_fetch and got["pageable_bytes"] < need["pageable_bytes"]
     assert got["pinned_pool_bytes"] + got["pageable_bytes"] <= tight.host_budget_bytes
     assert s.predicted.peak_device_bytes <= budget
+
+
+def test_pinned_bytes_over_the_runtime_limit_refused_naming_the_setting(problem, monkeypatch):
+    """A host budget no placement can use because each one's pinned bytes exceed the runtime's
+    pinned-pool cap was refused as 'below the 4611686018427387904 bytes ... use host_budget >=
+    4294967296 GiB' (the measure's sentinel printed as bytes, on the H200 with a 44 GiB cap). Right:
+    one line naming the limit and its setting, no sentinel."""
+    budget = _smallest(problem) + problem.cb.params
+    s = fit.plan(problem, budget)
+    pinned = fit_host.host_need(problem, s)["pinned_host_bytes"]
+    assert pinned > 0
+    monkeypatch.setattr(fit_host, "pinned_host_limit_bytes", lambda platform: pinned // 4)
+    with pytest.raises(cj.PlanError) as e:
+        fit.plan(problem, budget)
+    msg = str(e.value)
+    assert "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB" in msg and str(2**62) not in msg and "\n" not in msg
+    assert f"limit of {pinned // 4} bytes" in msg
+    monkeypatch.setattr(fit_host, "pinned_host_limit_bytes", lambda platform: None)  # no cap: plans again
+    assert fit.plan(problem, budget).predicted.peak_device_bytes <= budget
