@@ -269,8 +269,8 @@ def _programs_one_at_a_time(step, batch) -> list[dict]:
     step.wait()
     pb = step._step_batch(batch)
     carry, acc, out = {}, {}, []
-    for k in range(len(ch._program_bounds())):
-        fn, args = ch._program(pb, k)
+    for k in range(len(ch.program_bounds())):
+        fn, args = ch.program(pb, k)
         params = {c: step.state.params[c] for c in args}
         try:
             cost = fn.lower(params, pb, carry, acc).compile().cost_analysis()
@@ -281,7 +281,7 @@ def _programs_one_at_a_time(step, batch) -> list[dict]:
         t = time.perf_counter()
         carry, acc, g, q, l = fn(params, pb, carry, acc)
         jax.block_until_ready((carry, acc, g, q, l))
-        out.append({"program": k, "moments": list(ch._program_bounds()[k]), "seconds": round(time.perf_counter() - t, 4),
+        out.append({"program": k, "moments": list(ch.program_bounds()[k]), "seconds": round(time.perf_counter() - t, 4),
                     "compiled_flops": flops, "params_in": len(args), "grads_out": len(g)})
     return out
 
@@ -349,7 +349,7 @@ def run_chunkjax(a, cfg, rows_list, emit, deadline):
                    fit=step.report.to_dict(), setup_s=round(setup_s, 1), first_step_s=round(first_s, 1),
                    setup_compiles=CompileLog.delta(c0, c1), first_step_compiles=CompileLog.delta(c1, c2),
                    flops_per_step_planned=step.problem.flops_per_step, predicted=pred.time.to_dict(),
-                   predicted_step_s=pred.time.step_s, n_programs=len(step.step._program_bounds()),
+                   predicted_step_s=pred.time.step_s, n_programs=len(step.step.program_bounds()),
                    n_device_update_programs=len(step.step.device_chunks),
                    n_streamed_update_programs=len(step.step.streamed_chunks),
                    n_host_chunks=len(step.step.host_chunks))
