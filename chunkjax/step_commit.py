@@ -25,7 +25,7 @@ clipping, skip or loss scaling: no backup is kept, it would cost 12 bytes per Ad
 host memory and traffic every step; with speculation an interrupt before the norm is known
 restores them, :mod:`chunkjax.speculate`); streamed chunks updated early whose compute params
 live on the device (the old params are donated during the backward:
-:meth:`chunkjax.ChunkedStep.recover` rebuilds them from the untouched master params); storage
+:func:`recover` rebuilds them from the untouched master params, as the front door does); storage
 chunks (their workers commit steps themselves, :mod:`chunkjax.storage`); an error of the device
 runtime inside the commit itself.
 """

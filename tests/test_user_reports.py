@@ -231,6 +231,18 @@ def test_chunked_step_interrupted_before_or_during_its_commit_keeps_a_usable_sta
     assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(now), jax.tree.leaves(was)))
     assert np.isfinite(float(st(batches[3])))
 
+    # compute params an interrupted step donated (an early-streamed chunk's, on the device) come
+    # back from the chunk's master params, bit for bit
+    from chunkjax.step_commit import recover
+    st.wait()
+    c = step.device_chunks[0]
+    want = np.asarray(st.state.params[c])
+    st.state.params[c].delete()
+    got = recover(step, st.state)
+    np.testing.assert_array_equal(np.asarray(got.params[c]), want)
+    assert all(got.params[k] is st.state.params[k] for k in range(len(got.params)) if k != c)
+    assert recover(step, got) is got
+
 
 def test_scanned_blocks_with_a_constant_in_the_carry():
     """A scanned block whose carry starts as a constant (``(x, jnp.zeros(()))``: an auxiliary sum
