@@ -165,3 +165,23 @@ def test_pinned_bytes_over_the_runtime_limit_refused_naming_the_setting(problem,
     assert f"limit of {pinned // 4} bytes" in msg
     monkeypatch.setattr(fit_host, "pinned_host_limit_bytes", lambda platform: None)  # no cap: plans again
     assert fit.plan(problem, budget).predicted.peak_device_bytes <= budget
+
+
+def test_speculation_backups_bounded_by_what_the_plan_leaves(problem, monkeypatch):
+    """With clipping, host updates run speculatively and back up the state they overwrite; that
+    pool was bounded by half of MemAvailable read after the state was allocated, beside a plan
+    that had counted nothing for it (8B full fine-tuning on the H200: the backups took the last
+    10 GiB). Right: the fit bounds it by a share of the host bytes its plan leaves, tells the
+    step, and reports it."""
+    budget = _smallest(problem) + 2 * problem.cb.params
+    need = fit_host.host_need(problem, fit.plan(problem, budget))
+    spare = 3 * problem.cb.state
+    monkeypatch.setattr(host_memory, "host_memory_available_bytes", lambda: need["need_bytes"] + spare)
+    fitted = fit.fit_problem(problem, budget, check_compiled=False)
+    h = fitted.report.host
+    left = h["available_bytes"] - h["need_bytes"]
+    assert 0 < h["speculation_bytes"] <= fit_host.SPECULATION_SHARE * left
+    assert fitted.step.speculation_bytes == h["speculation_bytes"]
+    monkeypatch.setattr(host_memory, "host_memory_available_bytes", lambda: need["need_bytes"])
+    tight = fit.fit_problem(problem, budget, check_compiled=False)
+    assert tight.report.host["speculation_bytes"] == 0 == tight.step.speculation_bytes  # nothing left: no speculation
