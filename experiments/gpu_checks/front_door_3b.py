@@ -555,6 +555,68 @@ def phase_profile(step, batches) -> dict:
                 "step_s": (med.get("step_s"), p.step_s)}}
 
 
+def windowed_estimate(schedule, traces, *, forward_s: float, backward_s: float, host_s_per_param: float,
+                      streamed_s: float, device_update_s: float = 0.0, chunk_size: int) -> dict:
+    """The step re-timed with the engine's gradient window (a hypothesis for the gap between the
+    measured step and ``schedule.predicted``; docs/own_model.md, "Speed").
+
+    The cost model (:func:`chunkjax.cost.predict_pipelined_step`) lets the backward run on while
+    the host thread updates each program's host chunks. The engine dispatches a program only once
+    the host has updated the chunks of the program before the last one
+    (:meth:`chunkjax.updaters.HostWork.hand_over`, ``GRAD_WINDOW_PROGRAMS = 2``), so a host slower
+    than the device holds the device back. Here: program ``k`` runs its share of the backward
+    (moments, uniform; program 0 the forward and the fused head); its host chunks are updated
+    one program at a time once it has ended; the streamed pipeline (not early) and the device
+    updates follow the backward; the next step starts when both the host and the main thread are
+    done. Seconds: ``{"step_s", "backward_end_s", "host_end_s", "device_idle_s", "programs": [...]}``.
+    """
+    from chunkjax.predict import GRAD_WINDOW_PROGRAMS
+    from chunkjax.stages import first_readers
+    n = len(traces)
+    T = 2 * n - 1
+    segs = list(schedule.segments) + [T]
+    first = first_readers([t.chunks for t in traces])
+    done_moment = {c: T - 1 - s for c, s in first.items()}  # backward of stage s is moment 2n - 2 - s
+    host = [c for c, u in enumerate(schedule.update_locations) if u == "host"]
+    progs = []
+    for p0, p1 in zip(segs[:-1], segs[1:]):
+        frac0, frac1 = (max(0.0, (b - (n - 1)) / n) for b in (p0, p1))
+        dur = (forward_s if p0 == 0 else 0.0) + (frac1 - frac0) * backward_s
+        params = chunk_size * sum(p0 <= done_moment.get(c, T - 1) < p1 for c in host)
+        progs.append({"device_s": dur, "host_s": params * host_s_per_param})
+    dispatch = dev_end = host_end = 0.0
+    handoffs: list[float] = []  # when each hand-off's host updates end
+    idle = 0.0
+    out = []
+    for p in progs:
+        start = max(dev_end, dispatch)
+        idle += max(0.0, dispatch - dev_end)
+        dev_end = start + p["device_s"]
+        if p["host_s"]:
+            host_end = max(dev_end, host_end) + p["host_s"]
+            handoffs.append(host_end)
+            if len(handoffs) >= GRAD_WINDOW_PROGRAMS:  # the main thread waits before the next dispatch
+                dispatch = max(dispatch, handoffs[-GRAD_WINDOW_PROGRAMS])
+        out.append({"start_s": round(start, 4), "end_s": round(dev_end, 4), "host_end_s": round(host_end, 4)})
+    main_end = dev_end + streamed_s + device_update_s
+    return {"step_s": max(main_end, host_end), "backward_end_s": dev_end, "host_end_s": host_end,
+            "device_idle_s": idle, "programs": out}
+
+
+def _windowed(step, rates, nnx_remat_step_s=None) -> dict:
+    """:func:`windowed_estimate` of the front door's plan at the plan's rates and, given
+    ``nnx_remat``'s step at this batch, with its forward + backward (1/3 + 2/3 of that step)."""
+    p = step.schedule.predicted.time
+    kw = dict(host_s_per_param=rates.host_update_s_per_param, streamed_s=p.streamed_update_s,
+              device_update_s=p.device_update_s, chunk_size=step.layout.chunk_size)
+    out = {"plan_rates": windowed_estimate(step.schedule, step.problem.traces, forward_s=p.forward_s,
+                                           backward_s=p.backward_s, **kw)}
+    if nnx_remat_step_s:
+        out["nnx_remat_compute"] = windowed_estimate(step.schedule, step.problem.traces, forward_s=nnx_remat_step_s / 3,
+                                                     backward_s=2 * nnx_remat_step_s / 3, **kw)
+    return out
+
+
 def trace_one_step(step, batch, out_dir: str) -> str | None:
     """A ``jax.profiler`` trace of one step (and its host updates) under ``out_dir``; returns the
     folder, or None when the profiler fails (the error is printed)."""
@@ -676,6 +738,7 @@ def run_chunkjax(a, cfg, rows_list, emit, deadline):
                 rec["profiler_error"] = prof.get("profiler_error")
         except Exception as e:  # noqa: BLE001 - the diagnostics never lose the row
             rec["diagnostics_error"] = f"{type(e).__name__}: {str(e)[:400]}"
+        rec["windowed_estimate"] = _windowed(step, rates, a.nnx_remat_steps.get(str(rows)))
         if a.profile_steps:
             try:
                 rec["phases"] = phase_profile(step, data[1:1 + a.profile_steps])
@@ -739,6 +802,8 @@ def driver(a):
                "--steps", str(a.steps), "--warmup", str(a.warmup), "--budget-fraction", str(a.budget_fraction)]
         cmd += ["--tiny"] * a.tiny + ["--no-profile"] * a.no_profile + ["--trace"] * a.trace
         cmd += ["--profile-steps", str(a.profile_steps)]
+        ref = {str(r["batch"]): r["step_s"] for r in res["runs"] if r.get("system") == "nnx_remat" and _ok(r)}
+        cmd += ["--nnx-remat-steps", json.dumps(ref)] if system == "chunkjax" and ref else []
         t0 = time.time()
         try:
             p = subprocess.run(cmd, timeout=max(share + 20, 30), cwd=ROOT)
@@ -843,6 +908,12 @@ def print_table(res):
                   f"(kernels {ph.get('host_kernel_s')}) from "
                   f"{ph.get('host_first_start_s')} to {ph.get('host_end_s')} (tail {ph.get('host_tail_after_backward_s')})"
                   f"; streamed {ph.get('streamed_chunks')} chunks, tail {ph.get('streamed_tail_after_backward_s')}")
+    for r in runs:
+        w = r.get("windowed_estimate") if r.get("system") == "chunkjax" else None
+        if w:
+            print(f"chunkjax b{r['batch']}: gradient-window estimate {w['plan_rates']['step_s']:.3f} s at the plan's rates"
+                  + (f", {w['nnx_remat_compute']['step_s']:.3f} s with nnx_remat's compute" if "nnx_remat_compute" in w
+                     else "") + f" (cost model {r['predicted_step_s']:.3f}, measured {r.get('step_s', float('nan')):.3f})")
     for c in res.get("compute_checks", []):
         print(f"compute at batch {c['batch']}: plan {c['plan_matmul_flops_per_s'] / 1e12:.0f} TFLOP/s, nnx_remat "
               f"{c['nnx_remat_matmul_flops_per_s'] / 1e12:.0f}; forward+backward predicted "
@@ -883,6 +954,7 @@ def main(argv=None):
     ap.add_argument("--rows", help=argparse.SUPPRESS)
     ap.add_argument("--child-json", help=argparse.SUPPRESS)
     ap.add_argument("--deadline", type=float, default=float("inf"), help=argparse.SUPPRESS)
+    ap.add_argument("--nnx-remat-steps", type=json.loads, default={}, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     a.seq = a.seq or (32 if a.tiny else 1024)
     if a.warmup < 1:
