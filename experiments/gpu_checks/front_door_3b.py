@@ -382,8 +382,10 @@ class PhaseClock:
                     if where is not None:
                         rec = {"program": k, "dispatch_start_s": round(t, 5), "dispatched_s": round(clock._now(), 5)}
                         clock._event_in(where, "programs_", rec=rec)
-                        _, _, g, q, l = out  # its gradients, squared norms and loss: ready when it ends
-                        clock._watch.put((rec, where[1], (q, l, list(g.values()))))
+                        # its squared norms and loss are ready when it ends (never donated; its device
+                        # gradients may be donated by the commit before the watcher reaches them)
+                        _, _, g, q, l = out
+                        clock._watch.put((rec, where[1], (q, l) if q or l is not None else list(g.values())))
                     return out
                 return run, args
             return wrapper
