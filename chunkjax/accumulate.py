@@ -65,7 +65,7 @@ def mean_gradients(step, state, batch, scale=None, on_host=None):
     their updates overlap that micro-batch's backward."""
     n = step.micro_batches
     size = jax.tree.leaves(batch)[0].shape[0] // n
-    first, add, finish = step._jit_accumulate
+    first, add, finish = step.jit_accumulate
     host = set(step.host_chunks)
     sums = HostSums(n, step.compute_dtype, step.topology) if on_host is not None and jax.process_count() == 1 else None
     futures: dict = {}
@@ -81,7 +81,7 @@ def mean_gradients(step, state, batch, scale=None, on_host=None):
     total, losses = {}, []
     for i in range(n):
         part = step.topology.put_batch(jax.tree.map(lambda a: a[i * size:(i + 1) * size], batch))
-        grads, _, loss = step._run_programs(state, part, scale, None if sums is None else sink(i))
+        grads, _, loss = step.run_programs(state, part, scale, None if sums is None else sink(i))
         losses.append(loss)
         for c, g in grads.items():
             if sums is not None and c in host:

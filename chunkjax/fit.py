@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from chunkjax.cost import Rates, matmul_flops
 from chunkjax.errors import HostBudgetError, PlanError
-from chunkjax.fit_host import fit_host, host_bytes_of
+from chunkjax.fit_host import fit_host, host_bytes_of, pinned_limit_error, speculation_bytes
 from chunkjax.host_memory import available_for_plan, check_host_lower_bound, process_bytes
 from chunkjax.layout import ChunkLayout, build_layout, first_use_order
 from chunkjax.optim import check_elementwise, state_bytes_per_chunk
@@ -389,7 +389,9 @@ def plan(problem: FitProblem, budget_bytes: int, *, policy: str = "tide", reside
             raise
         try:
             return _plan(p, budget_bytes, split=False, **kw)
-        except PlanError:
+        except PlanError as e2:
+            if getattr(e2, "over_pinned_limit", False):
+                raise pinned_limit_error(p, budget_bytes) from None
             raise e from None
 
 
@@ -407,11 +409,14 @@ def _plan(p: FitProblem, budget_bytes: int, *, policy, resident, must_fit, split
                          host_bytes_of=host_bytes_of(p) if p.n_ranks == 1 and p.host_budget_bytes is not None else None)
 
 
-def build_step(problem: FitProblem, schedule):
-    """The step running ``schedule`` (nothing compiled or allocated yet)."""
+def build_step(problem: FitProblem, schedule, speculation_bytes: int | None = None):
+    """The step running ``schedule`` (nothing compiled or allocated yet); ``speculation_bytes``:
+    the host backup bound of its speculative updates (:func:`chunkjax.fit_host.speculation_bytes`;
+    None: the step's default)."""
     p = problem
     kw = dict(host_optimizer=p.host_optimizer, tx=p.tx, compute_dtype=p.compute_dtype, micro_batches=p.micro_batches,
-              nonfinite=p.nonfinite, loss_scaling=p.loss_scaling, storage=p.storage)
+              nonfinite=p.nonfinite, loss_scaling=p.loss_scaling, storage=p.storage,
+              speculation_bytes=speculation_bytes)
     from chunkjax.step import make_chunked_step
     if p.zero_stage:
         kw.update(mesh=p.mesh, zero_stage=p.zero_stage)
@@ -497,7 +502,8 @@ def fit_problem(problem: FitProblem, device_budget="auto", *, policy: str = "tid
     problem, sched, host = fit_host(problem, sched, None if fixed else (lambda q: plan(q, effective, policy=policy)))
     history, notes, mem, floor_tried = [], [], None, False
     for attempt in range(MAX_REPLANS + 1):
-        step = build_step(problem, sched)
+        host = dict(host, speculation_bytes=speculation_bytes(problem, host))
+        step = build_step(problem, sched, host["speculation_bytes"])
         if not check_compiled:
             break
         mem = compiled_peak(problem, step, sched)

@@ -9,13 +9,18 @@ from __future__ import annotations
 
 import dataclasses
 
-from chunkjax.errors import PlanError
-from chunkjax.host_memory import (HostMemoryError, check_host_need, check_pinned_host, pinned_host_limit_bytes,
-                                  schedule_host_need)
+from chunkjax.errors import HostBudgetError, PlanError
+from chunkjax.plan import OVER_HOST_LIMIT
+from chunkjax.speculate import DEFAULT_BACKUP_BYTES
+from chunkjax.host_memory import (PINNED_HOST_LIMIT_ENV, HostMemoryError, check_host_need, check_pinned_host,
+                                  pinned_host_limit_bytes, schedule_host_need)
 
 #: Re-plans with a lower host budget when a plan's host need (the pinned pool's growth, the
 #: process) exceeds what the machine has (:func:`fit_host`).
 MAX_HOST_REPLANS = 3
+#: Share of the host bytes a plan leaves that speculative host updates may hold as backups
+#: (:func:`speculation_bytes`); the rest stays free for what no plan counts (the kernel, caches).
+SPECULATION_SHARE = 0.5
 
 
 def host_need(problem, schedule) -> dict:
@@ -50,10 +55,37 @@ def host_bytes_of(problem):
     def of(s) -> int:
         need = host_need(problem, s)
         if cap is not None and need["pinned_host_bytes"] > cap:
-            return 2**62
+            return OVER_HOST_LIMIT
         return need["pinned_pool_bytes"] + need["pageable_bytes"]
     return of
 
+
+
+def speculation_bytes(problem, host: dict) -> int | None:
+    """The bound (bytes) of the speculative host updates' backup pool (:mod:`chunkjax.speculate`,
+    used with clipping or a non-finite skip) for a plan whose host need is ``host`` (a
+    :func:`check_host_memory` dict): :data:`SPECULATION_SHARE` of what the plan leaves of
+    ``available_bytes``, less the speculated chunks' gradients kept beside the backups, at most
+    :data:`chunkjax.speculate.DEFAULT_BACKUP_BYTES`; None when the available bytes are unknown
+    (the step's own default then). Was unbounded by the plan: on the H200 the 8B full
+    fine-tuning's backups filled 10 GiB the host check had not counted."""
+    avail = host.get("available_bytes")
+    if avail is None:
+        return None
+    spare = max(0, int(avail) - int(host["need_bytes"]))
+    cb = problem.cb
+    backup, grad = cb.master + cb.opt, cb.grad  # one chunk's float32 state, and its gradient kept for a redo
+    return int(min(DEFAULT_BACKUP_BYTES, SPECULATION_SHARE * spare * backup / max(1, backup + grad)))
+
+
+def pinned_limit_error(problem, budget_bytes: int) -> HostBudgetError:
+    """The refusal of a plan whose every placement's pinned host bytes exceed the runtime's
+    pinned-pool cap (:func:`chunkjax.host_memory.pinned_host_limit_bytes`), naming the setting."""
+    cap = pinned_host_limit_bytes(problem.platform) or 0
+    return HostBudgetError(
+        f"at a device budget of {int(budget_bytes)} bytes every placement's pinned host bytes exceed the runtime's "
+        f"pinned-host limit of {cap} bytes ({PINNED_HOST_LIMIT_ENV}={cap // 2**30}): raise "
+        f"{PINNED_HOST_LIMIT_ENV}, use a larger device budget, or give storage directories", int(budget_bytes), False)
 
 
 def fit_host(problem, sched, replan) -> tuple:

@@ -42,8 +42,8 @@ def compiled_memory_programs(step, batch) -> list[dict]:
     of program k is program k-1's output."""
     out, carry, topo = [], {}, step.topology
     ab = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=topo.batch_sharding()), batch)
-    for k in range(len(step._program_bounds())):
-        fn, args = step._program(batch, k)
+    for k in range(len(step.program_bounds())):
+        fn, args = step.program(batch, k)
         params = {c: jax.ShapeDtypeStruct((step.layout.chunk_size,), param_dtype(step, c),
                                           sharding=topo.param_sharding(step.placement.param_kinds[c])) for c in args}
         acc = carry.pop("acc", {}) if carry else {}
@@ -74,7 +74,7 @@ def host_grad_window_bytes(step) -> int:
     done_at = {s: t for t, (ph, s) in enumerate(step.moments) if ph != "forward"}
     host = set(step.host_chunks)
     done = [done_at[s] for c, s in step.first_reader.items() if c in host]
-    starts = [a for a, _ in step._program_bounds()]
+    starts = [a for a, _ in step.program_bounds()]
     return grad_window_bytes(done, starts, step.layout.chunk_size * np.dtype(step.compute_dtype).itemsize)
 
 
@@ -95,7 +95,7 @@ def pinned_host_bytes(step) -> int:
         if c in host:
             n += cs * param_dtype(step, c).itemsize
             continue
-        if step._location(c) == "storage":  # compute params and gradient; master params and state on disk
+        if step.location(c) == "storage":  # compute params and gradient; master params and state on disk
             n += 2 * cs * it
             continue
         n += cs * it * (step.placement.param_kinds[c] == PINNED_HOST)
@@ -118,7 +118,7 @@ def comm_bytes_per_step(step, batch) -> dict[str, int]:
     cbytes = lay.chunk_size * np.dtype(step.compute_dtype).itemsize
     part = lambda k: (k * (n - 1) * cbytes) // n  # noqa: E731
     if step.zero_stage == 3:
-        walk = step._walk(step._local(batch))
+        walk = step.walk(step.local_batch(batch))
         gathers = sum(sum(1 for c in walk.reads_at(t) if step.placement.param_kinds[c] == DEVICE)
                       + len(walk.fetch[t]) for t in range(len(step.moments)))
     else:

@@ -21,6 +21,7 @@ state (dropout RNG, counters, batch statistics) advances as in the plain NNX loo
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -34,9 +35,11 @@ import optax
 from chunkjax.discover import Discovery, discover, path_key
 from chunkjax.errors import PlanError
 from chunkjax.fit import HEADROOM, auto_budget, batch_rows, describe, fit_problem, plan, prepare, resolve_budget
+from chunkjax.front_checkpoint import OffloadedChunkIO
 from chunkjax.memory import DEVICE
 from chunkjax.released import ReleasedParam, ReleasedParamsError, is_released, trim_host_heap
 from chunkjax.schedule import DEVICE_UPDATE, NO_UPDATE
+from chunkjax.step_commit import interrupts_deferred, recover
 
 
 def _abstract(tree):
@@ -67,14 +70,17 @@ def release_params(model, wrt) -> int:
     return held
 
 
-class OffloadedStep:
+class OffloadedStep(OffloadedChunkIO):
     """A train step of an NNX model with chunked, placed parameters (built by :func:`offload`).
 
     ``step(batch) -> loss`` (() float32, the mean loss of the batch) runs one step: forward,
     backward and update of every chunk; ``step.metrics`` holds that step's ``loss`` and global
     ``grad_norm``. The model's parameters are not written until :meth:`sync`; unless
     :func:`offload` kept them (``keep_model``), its parameter arrays were released
-    (``released_bytes``) and :meth:`sync` brings them back.
+    (``released_bytes``) and :meth:`sync` brings them back. A step is all or nothing under
+    exceptions and Ctrl-C (:meth:`__call__`). Checkpointable with the step alone, its
+    non-parameter state included (:mod:`chunkjax.front_checkpoint`:
+    ``chunkjax.save_checkpoint(dir, n, step)``, ``chunkjax.restore_checkpoint(dir, step)``).
 
     Attributes:
       discovery: the :class:`chunkjax.discover.Discovery` (stages, flat parameter keys).
@@ -93,9 +99,13 @@ class OffloadedStep:
         self.released_bytes = 0
         self._example = example
         self._batch_sharding = self.step.topology.batch_sharding()
-        side = tuple(discovery.side_values[j] for j in discovery.mutable)
-        # on one device committed as the step's outputs are: later steps run the first one's programs
-        self._side = side if self.step.mesh is not None else jax.device_put(side, self._batch_sharding)
+        self._no_state = None  # why ``state`` is None (a failed restore: chunkjax.front_checkpoint)
+        self._side = self._place_side(tuple(discovery.side_values[j] for j in discovery.mutable))
+
+    def _place_side(self, side: tuple) -> tuple:
+        """The non-parameter state the loss changes, on one device committed as the step's outputs
+        are (later steps run the first one's programs)."""
+        return side if self.step.mesh is not None else jax.device_put(side, self._batch_sharding)
 
     # ---- what was planned ------------------------------------------------------------------------
     @property
@@ -140,21 +150,36 @@ class OffloadedStep:
     def __call__(self, batch):
         """One training step on ``batch`` (the planned shapes); returns its loss.
 
+        All or nothing: an exception or Ctrl-C inside leaves ``state``, the non-parameter state
+        and ``metrics`` as they were before the call (:mod:`chunkjax.step_commit`: the device
+        chunks' donating updates are dispatched last, with signals held; compute params an
+        early-streamed chunk donated are rebuilt from its master params, the same bits), except
+        host-updated chunks whose update does not wait for the global norm (updated in place
+        while the backward runs). Costs no device or host bytes.
+
         Raises:
           ValueError: the batch's structure, shapes or dtypes differ from the example's.
+          chunkjax.front_checkpoint.NoStateError: a restore failed after releasing the state.
         """
         self._check(batch)
-        self.state, metrics = self.step(self.state, self._step_batch(batch))
-        if self.discovery.mutable:
-            self._side = tuple(metrics.pop("aux"))
-        self.metrics = metrics
+        state = self._held()
+        try:
+            pending = self.step.begin(state, self._step_batch(batch))
+        except BaseException:
+            with contextlib.suppress(Exception):  # the step's own error is the one to raise
+                self.state = recover(self.step, state)  # early-streamed params it donated, rebuilt
+            raise
+        with interrupts_deferred():  # a signal now is delivered once the new state is stored
+            self.state, metrics = pending.commit()
+            self._side = tuple(metrics.pop("aux")) if self.discovery.mutable else self._side
+            self.metrics = metrics
         return metrics["loss"]
 
     def evaluate(self, batch):
         """The loss of ``batch`` with the current parameters, the model in eval mode (``nnx``'s
         ``model.eval()``: dropout off, running statistics read), no update (() float32)."""
         self._check(batch)
-        return self._eval_step.eval_loss(self.state, self._step_batch(batch))
+        return self._eval_step.eval_loss(self._held(), self._step_batch(batch))
 
     @functools.cached_property
     def _eval_step(self):
@@ -188,7 +213,7 @@ class OffloadedStep:
         if jax.process_count() == 1:
             leaves = self._synced_leaves(jax.tree.leaves(nnx.state(model, d.wrt)))
         else:  # the masters gathered from every process (a collective)
-            leaves = d.stack(self.step.master_params(self.state))
+            leaves = d.stack(self.step.master_params(self._held()))
         nnx.update(model, jax.tree.unflatten(d.param_treedef, leaves))
         if d.mutable:
             side = list(d.side_values)
@@ -203,7 +228,7 @@ class OffloadedStep:
         lives (its sharding, or a released one's; else the default device) once complete: the
         device never holds every master at once, the host one chunk beside the leaves."""
         d, step, lay = self.discovery, self.step, self.step.layout
-        step.wait(self.state)
+        step.wait(self._held())
         pos = {k: j for j, k in enumerate(d.param_keys)}
         layer_of = {kk: (k, i) for k, kks in d.per_layer.items() for i, kk in enumerate(kks)}
         avals = [d.param_avals[k] for k in d.param_keys]
@@ -248,11 +273,6 @@ class OffloadedStep:
         """
         self.discovery.check_model(model)
         return release_params(model, self.discovery.wrt)
-
-    def wait(self) -> float | None:
-        """Block until the last step's host updates are done; the seconds the host thread spent in
-        its kernels (None: no host updates)."""
-        return self.step.wait(self.state)
 
 
 def _optimizer_kw(tx) -> dict:

@@ -72,11 +72,16 @@ _MSG_STATIC_INFEASIBLE = ("the {policy} schedule needs {need} device bytes, abov
                           "use device_budget >= {need_gib:.3f}GiB or another policy")
 _MSG_HOST = ("host budget {host} bytes is below the {need} bytes of model data and gradient buffers the host "
              "must hold at a device budget of {dev} bytes (every chunk that fits stays on the device): use "
-             "host_budget >= {need_gib:.3f}GiB or a larger device_budget")
+             "host_budget >= {need_gib:.3f}GiB, a larger device_budget, or storage directories (the disk tier)")
 _MSG_HOST_ZERO = ("node host budget {host} bytes ({host_rank} per rank over {n} ranks) is below the {need_node} bytes "
                   "({need} per rank) of model data the host must hold at a device budget of {dev} bytes per GPU "
                   "(every chunk that fits stays on the device): use host_budget >= {need_gib:.3f}GiB (the node's) "
                   "or a larger device_budget")
+_MSG_HOST_LIMIT = ("at a device budget of {dev} bytes every placement's pinned host bytes exceed the limit on "
+                   "pinned host memory{limit}: raise that limit or the device budget, or give storage directories")
+#: What a ``host_bytes_of`` measure returns for a placement the host cannot hold at any budget (its
+#: pinned bytes exceed the process's limit on pinned host memory).
+OVER_HOST_LIMIT = 2**62
 _MSG_UPDATE = ("device budget {budget} bytes is below the {need} bytes one chunk's update needs (chunk_size "
                "{cs} elements): use a device budget >= {need} bytes or a smaller chunk_size")
 _WHY_ACT = "; activations alone exceed the budget"
@@ -277,6 +282,10 @@ def _tide_infeasible(one, n_chunks: int, tide: Tide, cb: ChunkBytes, budget: int
     if one(budget, set()) is not None and host_budget is not None:  # the device fits; the host does not
         need = min(host_bytes(s) for s in
                    (one(budget, set(range(k))) for k in range(n_chunks + 1)) if s is not None) // ranks
+        if need * ranks >= OVER_HOST_LIMIT:
+            err = HostBudgetError(_MSG_HOST_LIMIT.format(dev=budget, limit=""), budget, False)
+            err.over_pinned_limit = True
+            raise err
         raise _host_error(host_budget, need, budget, ranks)
     lo, hi = budget, max(budget, 1) * 2
     while one(hi, set()) is None:

@@ -90,6 +90,17 @@ def place_on_disk(s: Schedule, cb: pr.ChunkBytes, *, chunk_size: int, traces, ti
     while hb(out) > host_budget and j < len(order):
         j += 1
         out = at(j)
+    if hb(out) <= host_budget:
+        # the fewest that fit: the estimate may overshoot when the measure falls by steps (the
+        # runtime's pinned pool halves as chunks leave it); the measure falls as j grows, so bisect
+        lo = 0
+        while j - lo > 1:
+            mid = (lo + j) // 2
+            cand = at(mid)
+            if hb(cand) <= host_budget:
+                j, out = mid, cand
+            else:
+                lo = mid
     return out
 
 

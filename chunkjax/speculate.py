@@ -168,7 +168,7 @@ class Speculation:
 
     Args:
       update: ``update(state, {c: gradient}, grad_scale) -> seconds``, the host updater's step
-        (:func:`chunkjax.updaters.host_updater`; the step's ``_host_update``).
+        (:func:`chunkjax.updaters.host_updater`; the step's ``update_host_chunks``).
       write_params: ``write_params(state, c)`` rewrites chunk ``c``'s compute params from its
         master params (:func:`chunkjax.updaters.host_write_params`).
       host_optimizer: the host kernel spec (its ``max_grad_norm`` and ``grad_scale``).
@@ -302,7 +302,7 @@ def for_step(step, work, inv: float) -> Speculation:
     from chunkjax.updaters import host_write_params
     if work.backups is None:
         work.backups = BackupPool(auto_backup_bytes() if step.speculation_bytes is None else step.speculation_bytes)
-    update = lambda st, grads, scale: step._host_update(st, grads, scale)  # noqa: E731 (looked up per call)
+    update = lambda st, grads, scale: step.update_host_chunks(st, grads, scale)  # noqa: E731 (looked up per call)
     return Speculation(update, host_write_params(step.topology, step.compute_dtype, step.master_fetch_chunks),
                        step.host_optimizer,
-                       skip=step._skip_nonfinite, inv=inv, pool=work.backups)
+                       skip=step.skips_nonfinite, inv=inv, pool=work.backups)

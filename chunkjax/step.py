@@ -39,6 +39,7 @@ from chunkjax.plan import Placement, fetch_events
 from chunkjax.schedule import check_trainable
 from chunkjax.stages import first_readers, split_loss, stage_reads
 from chunkjax.step_checkpoint import StepChunkIO, restore_chunks
+from chunkjax.step_commit import PendingStep
 from chunkjax.storage import updater as disk
 from chunkjax.step_updates import StepUpdates
 from chunkjax.topology import SingleDevice, make_topology
@@ -212,14 +213,14 @@ class ChunkedStep(StepChunkIO, StepUpdates):
                                      for i, (st, r, (p, x)) in enumerate(zip(self.stages, self.reads, ins)))
         return self._cache[key]
 
-    def _local(self, batch):
+    def local_batch(self, batch):
         """Abstract per-rank batch of a global batch."""
         return jax.tree.map(lambda a: jax.ShapeDtypeStruct((self.topology.local_rows(a.shape[0]),) + tuple(a.shape[1:]),
                                                            a.dtype), batch)
 
     def traces(self, batch) -> tuple:
         """Per-stage chunk reads, forward and backward, for a (global) batch shape: one rank's."""
-        return self._traces_local(self._local(batch))
+        return self._traces_local(self.local_batch(batch))
 
     def _fetch_lists_local(self, ab) -> tuple[tuple[int, ...], ...]:
         """Chunk ids fetched for each moment: the schedule's, or the fixed rule's for a placement."""
@@ -229,9 +230,9 @@ class ChunkedStep(StepChunkIO, StepUpdates):
         return tuple(tuple(fwd[s] if ph != "backward" else bwd[s]) for ph, s in self.moments)
 
     def _fetch_lists(self, batch):
-        return self._fetch_lists_local(self._local(batch))
+        return self._fetch_lists_local(self.local_batch(batch))
 
-    def _walk(self, local_batch) -> Walk:
+    def walk(self, local_batch) -> Walk:
         """The walker for a per-rank batch (called inside programs, with the traced batch)."""
         ab = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), local_batch)
         return Walk(self.stages, self.layout, self.topology, self.compute_dtype, self.prefetch,
@@ -239,14 +240,15 @@ class ChunkedStep(StepChunkIO, StepUpdates):
                     self.reads, tuple(t.backward_chunks for t in self._traces_local(ab)),
                     self._fetch_lists_local(ab), self.first_reader)
 
-    def _program_bounds(self) -> list[tuple[int, int]]:
+    def program_bounds(self) -> list[tuple[int, int]]:
+        """``[(first moment, end moment)]`` of each program (the schedule's segments)."""
         segs = (self.schedule.segments if self.schedule is not None else (0,)) + (len(self.moments),)
         return [(a, b) for a, b in zip(segs[:-1], segs[1:])]
 
     def _program_args(self, batch, t0: int, t1: int) -> tuple[int, ...]:
         """The param chunks program [t0, t1) takes: the ones it fetches (issued up to ``prefetch``
         moments ahead) and the device-resident ones it reads."""
-        walk = self._walk(self._local(batch))
+        walk = self.walk(self.local_batch(batch))
         T, k = len(self.moments), self.prefetch
         lo = 0 if t0 == 0 else t0 - 1 + k + 1
         args = {c for u in range(lo, min(T, t1 - 1 + k + 1)) for c in walk.fetch[u]}
@@ -260,20 +262,21 @@ class ChunkedStep(StepChunkIO, StepUpdates):
         return jax.default_backend() != "cpu" if self.donate is None else bool(self.donate)
 
     @property
-    def _skip_nonfinite(self) -> bool:
+    def skips_nonfinite(self) -> bool:
+        """A step whose gradients are not finite changes no state (``nonfinite="skip"`` or loss scaling)."""
         return self.nonfinite == "skip" or self.loss_scaling
 
-    def _program(self, batch, k: int):
+    def program(self, batch, k: int):
         """(jitted program k, param chunk ids it takes) for a (global) batch shape."""
         key = ("program", str(jax.tree.map(lambda a: (a.shape, str(a.dtype)), batch)), k)
         if key not in self._cache:
-            t0, t1 = self._program_bounds()[k]
+            t0, t1 = self.program_bounds()[k]
             args = self._program_args(batch, t0, t1)
             done = [c for t in range(t0, t1) if self.moments[t][0] != "forward" for c in self.reads[self.moments[t][1]]
                     if self.first_reader[c] == self.moments[t][1] and c not in self.frozen_chunks]
 
             def prog(params, batch, carry, acc):
-                out, grads, sq, loss = self._walk(batch).run(params, batch, dict(carry, acc=acc), t0, t1)
+                out, grads, sq, loss = self.walk(batch).run(params, batch, dict(carry, acc=acc), t0, t1)
                 return {k: v for k, v in out.items() if k != "acc"}, out.get("acc", {}), grads, sq, loss
 
             last = t1 == len(self.moments)
@@ -299,7 +302,7 @@ class ChunkedStep(StepChunkIO, StepUpdates):
           grad_sq: (n_chunks,) f32 squared norms of the whole reduced gradients).
         """
         lay = self.layout
-        _, grads, sq, loss = self._walk(batch).run(dict(enumerate(params_chunks)), batch, {}, 0, len(self.moments))
+        _, grads, sq, loss = self.walk(batch).run(dict(enumerate(params_chunks)), batch, {}, 0, len(self.moments))
         for c in range(lay.n_chunks):  # chunks no stage reads: zero gradient
             if c not in grads:
                 size = self.shard_size if self.mesh is not None else lay.chunk_size
@@ -318,7 +321,7 @@ class ChunkedStep(StepChunkIO, StepUpdates):
     @functools.cached_property
     def jit_loss(self):
         """jit of the forward moments (evaluation): ``(params tuple, batch) -> loss``."""
-        return self.topology.jit_eval(lambda p, b: self._walk(b).forward(dict(enumerate(p)), b),
+        return self.topology.jit_eval(lambda p, b: self.walk(b).forward(dict(enumerate(p)), b),
                                       self.placement.param_kinds)
 
     def compiled_memory(self, batch) -> dict:
@@ -359,7 +362,8 @@ class ChunkedStep(StepChunkIO, StepUpdates):
         device runs the rest of the backward (speculatively when the factor depends on the norm:
         :mod:`chunkjax.speculate`), and its streamed ones to :mod:`chunkjax.streamed`; the returned
         state's ``pending`` holds that work. ``state``'s device buffers are donated: use the
-        returned state.
+        returned state. ``begin(state, batch).commit()``: an exception or Ctrl-C before the
+        commit leaves ``state`` as it was (:mod:`chunkjax.step_commit`, with its exceptions).
 
         Args:
           loss_scale: with ``loss_scaling`` only: this step's loss scale (a float, best a power of
@@ -369,6 +373,14 @@ class ChunkedStep(StepChunkIO, StepUpdates):
           ValueError: the batch does not split over the ranks and micro-batches, or
             ``loss_scale`` given without ``loss_scaling`` (or missing with it).
         """
+        return self.begin(state, batch, loss_scale).commit()
+
+    def begin(self, state: TrainState, batch, loss_scale=None) -> PendingStep:
+        """The step (:meth:`__call__`) up to its commit, nothing of ``state`` donated yet (host
+        chunks: :mod:`chunkjax.step_commit`); the :class:`~chunkjax.step_commit.PendingStep`'s
+        ``commit() -> (new state, metrics)`` dispatches the donating device updates (a caller that
+        keeps its state across Ctrl-C commits and stores it inside ``interrupts_deferred()``).
+        Raises what :meth:`__call__` raises."""
         if self.loss_scaling != (loss_scale is not None):
             raise ValueError("pass loss_scale exactly when the step was built with loss_scaling=True "
                              f"(loss_scaling={self.loss_scaling}, loss_scale={loss_scale!r})")
@@ -387,7 +399,7 @@ class ChunkedStep(StepChunkIO, StepUpdates):
         stream = streamed.StepStream(self.stream_spec, state, inv_arr := jnp.asarray(inv, jnp.float32))
         on_disk = disk.StorageRun(self, state)  # storage chunks: the workers read their state from now on
         try:
-            grads, sq, loss = (self._run_programs(state, self.topology.put_batch(batch), scale, on_host, stream,
+            grads, sq, loss = (self.run_programs(state, self.topology.put_batch(batch), scale, on_host, stream,
                                                   on_disk.on_program)
                                if self.micro_batches == 1
                                else accumulate.mean_gradients(self, state, batch, scale, on_host))
@@ -402,15 +414,16 @@ class ChunkedStep(StepChunkIO, StepUpdates):
             on_disk.set_norm(norm)
         on_disk.send(work, grads)  # storage chunks: beside the host thread and the device
         params, master, opt = list(state.params), list(state.master), list(state.opt_state)
-        for c in self.device_chunks:
-            params[c], master[c], opt[c] = self.updaters["device"].update(self.placement.param_kinds[c])(
-                grads[c], master[c], opt[c], grad_sq, jnp.asarray(c, jnp.int32), params[c], inv_arr)
-        if stream.chunks:  # the host thread joins the last write-backs
-            work.submit(stream.finish(grads, params, master, opt))
-        metrics = {"loss": loss, "grad_norm": norm * inv_arr, **({} if aux is None else {"aux": aux})}
-        if self._skip_nonfinite:
-            metrics["skipped"] = ~jnp.isfinite(jnp.sum(grad_sq))
-        return TrainState(tuple(params), tuple(master), tuple(opt), work), metrics
+        try:  # all that can fail before the commit donates the input state (chunkjax.step_commit)
+            if stream.chunks:  # new buffers, the input's untouched; the host thread joins the last write-backs
+                work.submit(stream.finish(grads, params, master, opt))
+            metrics = {"loss": loss, "grad_norm": norm * inv_arr, **({} if aux is None else {"aux": aux})}
+            if self.skips_nonfinite:
+                metrics["skipped"] = ~jnp.isfinite(jnp.sum(grad_sq))
+        except BaseException:
+            stream.set_grad_sq(None)  # the pipeline stopped: no thread left waiting
+            raise
+        return PendingStep(self, state._replace(pending=work), grads, grad_sq, inv_arr, (params, master, opt), metrics)
 
     def _zeros_grad(self, c: int):
         """The gradient of a chunk no stage reads (outside programs)."""
@@ -419,7 +432,7 @@ class ChunkedStep(StepChunkIO, StepUpdates):
         return self.topology.put(np.zeros((self.layout.chunk_size,), self.compute_dtype),
                                  self.topology.grad_sharding(self.placement.grad_kind(c)))
 
-    def _run_programs(self, state: TrainState, batch, scale, on_host=None, stream=None, on_disk=None):
+    def run_programs(self, state: TrainState, batch, scale, on_host=None, stream=None, on_disk=None):
         """Run every program of the step on ``batch`` (placed): returns ``(grads, sq, loss)``, a
         gradient and squared norm for every chunk (zero for chunks no stage reads); with ``on_host``,
         host chunks' gradients go to ``on_host({c: gradient})`` as each program ends (unread ones at
@@ -429,8 +442,8 @@ class ChunkedStep(StepChunkIO, StepUpdates):
         host = set(self.host_chunks)
         carry: dict = {} if scale is None else {"loss_scale": scale}  # carried to the loss's program
         acc, grads, sq, loss, late = {}, {}, {}, None, {}
-        for k in range(len(self._program_bounds())):
-            fn, args = self._program(batch, k)
+        for k in range(len(self.program_bounds())):
+            fn, args = self.program(batch, k)
             carry, acc, g, q, l = fn({c: state.params[c] for c in args}, batch, carry, acc)
             mine = {c: g.pop(c) for c in list(g) if c in host} if on_host is not None else {}
             grads.update(g)
@@ -454,7 +467,7 @@ class ChunkedStep(StepChunkIO, StepUpdates):
         return grads, sq, loss
 
     @functools.cached_property
-    def _jit_accumulate(self):
+    def jit_accumulate(self):
         """The jitted sums of :func:`chunkjax.accumulate.mean_gradients` (compiled once per step)."""
         return accumulate.jit_sums(self.compute_dtype)
 
@@ -498,7 +511,7 @@ class ChunkedStep(StepChunkIO, StepUpdates):
         dtypes = [lay.chunk_dtypes[c] if c in frozen else np.float32 for c in range(lay.n_chunks)]
         ms, os_, ps, topo, fetch_master = [], [], {}, self.topology, set(self.master_fetch_chunks)
         for c, buf in enumerate(lay.host_chunks(leaf_at, dtypes)):
-            m, o = (None, None) if c in frozen else self.updaters[self._location(c)].init(buf, c)
+            m, o = (None, None) if c in frozen else self.updaters[self.location(c)].init(buf, c)
             if c in fetch_master:  # the master params are the pinned params; master a view of them
                 ps[c], m = upd.pinned_master(topo, m)
             ms.append(m), os_.append(o)

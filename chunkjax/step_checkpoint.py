@@ -44,7 +44,7 @@ class StepChunkIO:
         n = (self.layout.chunk_size,)
         if not self.layout.chunk_trainable[c]:  # a frozen chunk: its params in their own dtype
             return {"params": (n, np.dtype(self.layout.chunk_dtypes[c]))}
-        if self._location(c) in ("host", "storage"):  # storage chunks: AdamW, the host tier's names
+        if self.location(c) in ("host", "storage"):  # storage chunks: AdamW, the host tier's names
             names = [name for _, name in portable.host_moments()[type(self.host_optimizer.host_state(1))]]
         else:
             names = portable.moment_names(_optax_template(self))
@@ -70,7 +70,7 @@ class StepChunkIO:
         if not self.layout.chunk_trainable[c]:
             return _whole(state.params[c], f"chunk {c}'s params")
         m = state.master[c]
-        if self._location(c) == "storage":  # read from its chunk file by its worker
+        if self.location(c) == "storage":  # read from its chunk file by its worker
             return m.read(c)[0]
         return np.concatenate(m) if isinstance(m, tuple) else np.asarray(m, np.float32)
 
@@ -90,9 +90,7 @@ def restore_chunks(step_fn, saved) -> tuple[tuple, tuple, tuple]:
     Raises:
       CheckpointError: moments that do not fit a chunk's optimizer state (another optimizer).
     """
-    place = _Placer(step_fn)
-    for c in range(step_fn.layout.n_chunks):
-        place.check(c, saved.moments(c))
+    place = check_moments(step_fn, saved)
     ps, ms, os_ = [], [], []
     for c in range(step_fn.layout.n_chunks):
         arrs, cm = saved.chunk(c)
@@ -102,6 +100,20 @@ def restore_chunks(step_fn, saved) -> tuple[tuple, tuple, tuple]:
         del arrs, master, params, p, m, o
     jax.block_until_ready([x for x in ps + ms if isinstance(x, jax.Array)])
     return tuple(ps), tuple(ms), tuple(os_)
+
+
+def check_moments(step_fn, saved) -> "_Placer":
+    """Check that every chunk of ``step_fn`` can take the optimizer moments ``saved`` (a
+    :class:`chunkjax.checkpoint.protocol.SavedChunks`) holds for it, reading no array; returns the
+    placer :func:`restore_chunks` uses.
+
+    Raises:
+      CheckpointError: one line naming the first chunk whose moments do not fit (another optimizer).
+    """
+    place = _Placer(step_fn)
+    for c in range(step_fn.layout.n_chunks):
+        place.check(c, saved.moments(c))
+    return place
 
 
 def chunk_portable(step_fn, state, c: int) -> tuple[dict, dict]:
@@ -117,7 +129,7 @@ def chunk_portable(step_fn, state, c: int) -> tuple[dict, dict]:
     if not step_fn.layout.chunk_trainable[c]:  # a frozen chunk: params only, in their own dtype
         return ({"params": _whole(state.params[c], f"chunk {c}'s params")},
                 {"count": None, "moments": [], "rest": {}, "frozen": True, "saved_from": "none"})
-    loc = step_fn._location(c)
+    loc = step_fn.location(c)
     st = state.opt_state[c]
     if loc == "storage":  # master params and moments read from the chunk file by its worker
         master, m, v = state.master[c].read(c)
@@ -215,7 +227,7 @@ class _Placer:
         self.step = step_fn
         self.template = _optax_template(step_fn)
         self.host = set(step_fn.host_chunks)
-        self.disk = {c for c in range(step_fn.layout.n_chunks) if step_fn._location(c) == "storage"}
+        self.disk = {c for c in range(step_fn.layout.n_chunks) if step_fn.location(c) == "storage"}
         self.host_cls = type(step_fn.host_optimizer.host_state(1)) if self.host or self.disk else None
         if self.host:  # as init does: numba must not compile while XLA compiles
             warm_host_kernel(step_fn.host_optimizer, step_fn.compute_dtype)

@@ -35,12 +35,12 @@ class StepUpdates:
     @functools.cached_property
     def device_chunks(self) -> tuple[int, ...]:
         """Chunks whose state lives and updates on the device (update location ``device``)."""
-        return tuple(c for c in range(self.layout.n_chunks) if self._location(c) == "device")
+        return tuple(c for c in range(self.layout.n_chunks) if self.location(c) == "device")
 
     @functools.cached_property
     def streamed_chunks(self) -> tuple[int, ...]:
         """Chunks whose state lives in pinned host memory and updates on the device (``streamed``)."""
-        return tuple(c for c in range(self.layout.n_chunks) if self._location(c) == "streamed")
+        return tuple(c for c in range(self.layout.n_chunks) if self.location(c) == "streamed")
 
     @functools.cached_property
     def stream_spec(self) -> streamed.StreamSpec:
@@ -50,7 +50,7 @@ class StepUpdates:
         :func:`chunkjax.streamed.starts_early` allows it for this ``tx`` and step settings)."""
         chunks = self.streamed_chunks
         early = bool(chunks) and bool(getattr(self.schedule, "streamed_early", False)) and streamed.starts_early(
-            self.tx, skip=self._skip_nonfinite, loss_scaling=self.loss_scaling, micro_batches=self.micro_batches,
+            self.tx, skip=self.skips_nonfinite, loss_scaling=self.loss_scaling, micro_batches=self.micro_batches,
             n_ranks=self.n_ranks)
         return streamed.StreamSpec(chunks, self.placement.param_kinds, self.updaters["streamed"].update,
                                    self.topology, upd.state_template(self.tx, self.layout.chunk_size) if chunks else None,
@@ -65,13 +65,13 @@ class StepUpdates:
         (which selects over all gradients at once)."""
         return bool(self.storage is not None and self.storage.early_updates and self.storage.compression is None
                     and self.host_optimizer is not None and self.host_optimizer.max_grad_norm is None
-                    and streamed.starts_early(self.tx, skip=self._skip_nonfinite, loss_scaling=self.loss_scaling,
+                    and streamed.starts_early(self.tx, skip=self.skips_nonfinite, loss_scaling=self.loss_scaling,
                                               micro_batches=self.micro_batches, n_ranks=self.n_ranks))
 
     @functools.cached_property
     def updaters(self) -> dict[str, upd.Updater]:
         """``{"device", "streamed", "host"[, "storage"]}`` -> the location's :class:`~chunkjax.updaters.Updater`."""
-        kw = dict(skip=self._skip_nonfinite, loss_scaling=self.loss_scaling,
+        kw = dict(skip=self.skips_nonfinite, loss_scaling=self.loss_scaling,
                   donate=self.mesh is None or self._donates)
         args = (self.topology, self.tx, self.layout.chunk_size, self.compute_dtype, set(self.placement.param_kinds))
         out = {"device": upd.device_updater(*args, **kw),
@@ -81,11 +81,11 @@ class StepUpdates:
                                            self.compute_dtype, self.master_fetch_chunks)
         return out | disk.updaters_of(self)  # "storage": chunkjax.storage.updater
 
-    def _host_update(self, state, grads: dict, grad_scale) -> float:
+    def update_host_chunks(self, state, grads: dict, grad_scale) -> float:
         """Update host chunks in place (runs on the host-update thread): returns kernel seconds."""
         return self.updaters["host"].update(state, grads, grad_scale)
 
-    def _location(self, c: int) -> str:
+    def location(self, c: int) -> str:
         """Chunk ``c``'s update location (frozen: ``none``; the schedule's and the placement's
         agree with the layout on them)."""
         return (self.schedule or self.placement).update_locations[c]

@@ -379,6 +379,8 @@ def run(cfg: TrainConfig) -> dict:
           + (f" in a {pool / 2**30:.2f} GiB pinned pool" if pool > h["pinned_host_bytes"] else "") + " + "
           f"{h['pageable_bytes'] / 2**30:.2f} pageable + {h['process_bytes'] / 2**30:.2f} for the process"
           + (f" + {h['device_on_host_bytes'] / 2**30:.2f} of device memory" if h.get("device_on_host_bytes") else "")
+          + (f"; speculative-update backups up to {h['speculation_bytes'] / 2**30:.2f} GiB beside it"
+             if h.get("speculation_bytes") else "")
           + f"; {(h['pinned_host_bytes'] + h['pageable_bytes']) / model.n_params:.2f} B/param of model data) of "
           + (f"{h['available_bytes'] / 2**30:.2f} GiB available" if h.get("available_bytes") else "unknown available"),
           flush=True)

@@ -418,3 +418,28 @@ def test_storage_chunks_with_micro_batches_equal_optax(setup, tmp_path):
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref_p)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-6)
     disk.close()
+
+
+def test_disk_placement_moves_the_fewest_chunks_under_a_stepped_host_measure(setup):
+    """The host measure of a GPU run falls by steps (the runtime's pinned pool, a power of two,
+    halves as chunks leave the host): the first estimate of how many chunks go to disk then
+    overshot (8B full fine-tuning at 24 GiB: 45 of 131 offloaded chunks on disk with 23 GB of
+    the host budget unused). Right: the fewest chunks whose measure fits: one chunk fewer on disk
+    does not fit."""
+    cfg, params, batches, stages, layout, traces, cb = setup
+    kw = dict(flops_per_step=cfg.flops_per_token(T) * B * T, resident=[0], split=False)
+    free = plan_schedule(layout, traces, cb, 10**12, **kw)
+    unit = free.predicted.host_bytes
+
+    def stepped(s):  # a pool-like jump: 8x the bytes while more than one offloaded chunk stays on the host
+        on_host = sum(u == "host" for u in s.update_locations)
+        return s.predicted.host_bytes * (8 if on_host > 1 else 1)
+
+    budget = int(0.9 * unit)
+    s = plan_schedule(layout, traces, cb, 10**12, host_budget_bytes=budget, storage_devices=1,
+                      host_bytes_of=stepped, **kw)
+    assert stepped(s) <= budget
+    n = s.predicted.storage_chunks
+    assert 1 <= n
+    on_host = sum(u == "host" for u in s.update_locations)
+    assert on_host == 1, s.counts()  # the jump allows one host chunk: every other offloaded chunk on disk, no more

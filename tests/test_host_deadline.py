@@ -61,7 +61,7 @@ def test_stalled_host_update_raises_one_line_within_the_deadline():
         time.sleep(60)
         return 0.0
 
-    object.__setattr__(step, "_host_update", stalled)
+    object.__setattr__(step, "update_host_chunks", stalled)
     state, _ = step(state, batch)
     t0 = time.monotonic()
     with pytest.raises(HostDeadlineError, match=r"host-update thread did not finish .* within 1 s .*resume from it") as e:
@@ -80,7 +80,7 @@ def test_an_abandoned_host_thread_does_not_keep_the_process_alive(tmp_path):
         import test_host_deadline as t
         step, params, batch = t._host_step(host_deadline=0.5)
         state = step.init(params)
-        object.__setattr__(step, "_host_update", lambda *a: time.sleep(600))
+        object.__setattr__(step, "update_host_chunks", lambda *a: time.sleep(600))
         state, _ = step(state, batch)
         try:
             step.wait(state)

@@ -146,3 +146,42 @@ def test_master_fetch_chosen_by_the_machines_measure(monkeypatch):
     assert s.master_fetch and got["pageable_bytes"] < need["pageable_bytes"]
     assert got["pinned_pool_bytes"] + got["pageable_bytes"] <= tight.host_budget_bytes
     assert s.predicted.peak_device_bytes <= budget
+
+
+def test_pinned_bytes_over_the_runtime_limit_refused_naming_the_setting(problem, monkeypatch):
+    """A host budget no placement can use because each one's pinned bytes exceed the runtime's
+    pinned-pool cap was refused as 'below the 4611686018427387904 bytes ... use host_budget >=
+    4294967296 GiB' (the measure's sentinel printed as bytes, on the H200 with a 44 GiB cap). Right:
+    one line naming the limit and its setting, no sentinel."""
+    budget = _smallest(problem) + problem.cb.params
+    s = fit.plan(problem, budget)
+    pinned = fit_host.host_need(problem, s)["pinned_host_bytes"]
+    assert pinned > 0
+    monkeypatch.setattr(fit_host, "pinned_host_limit_bytes", lambda platform: pinned // 4)
+    with pytest.raises(cj.PlanError) as e:
+        fit.plan(problem, budget)
+    msg = str(e.value)
+    assert "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB" in msg and str(2**62) not in msg and "\n" not in msg
+    assert f"limit of {pinned // 4} bytes" in msg
+    monkeypatch.setattr(fit_host, "pinned_host_limit_bytes", lambda platform: None)  # no cap: plans again
+    assert fit.plan(problem, budget).predicted.peak_device_bytes <= budget
+
+
+def test_speculation_backups_bounded_by_what_the_plan_leaves(problem, monkeypatch):
+    """With clipping, host updates run speculatively and back up the state they overwrite; that
+    pool was bounded by half of MemAvailable read after the state was allocated, beside a plan
+    that had counted nothing for it (8B full fine-tuning on the H200: the backups took the last
+    10 GiB). Right: the fit bounds it by a share of the host bytes its plan leaves, tells the
+    step, and reports it."""
+    budget = _smallest(problem) + 2 * problem.cb.params
+    need = fit_host.host_need(problem, fit.plan(problem, budget))
+    spare = 3 * problem.cb.state
+    monkeypatch.setattr(host_memory, "host_memory_available_bytes", lambda: need["need_bytes"] + spare)
+    fitted = fit.fit_problem(problem, budget, check_compiled=False)
+    h = fitted.report.host
+    left = h["available_bytes"] - h["need_bytes"]
+    assert 0 < h["speculation_bytes"] <= fit_host.SPECULATION_SHARE * left
+    assert fitted.step.speculation_bytes == h["speculation_bytes"]
+    monkeypatch.setattr(host_memory, "host_memory_available_bytes", lambda: need["need_bytes"])
+    tight = fit.fit_problem(problem, budget, check_compiled=False)
+    assert tight.report.host["speculation_bytes"] == 0 == tight.step.speculation_bytes  # nothing left: no speculation

@@ -369,8 +369,8 @@ def test_resident_frozen_base_compiles_within_the_accounting():
     assert all(sched.param_kinds[c] == "device" and sched.update_locations[c] == "none" for c in frozen)
     step = fit.build_step(problem, sched)
     carry, peaks = {}, []
-    for k in range(len(step._program_bounds())):  # as chunkjax.footprint.compiled_memory_programs
-        fn, args = step._program(batch, k)
+    for k in range(len(step.program_bounds())):  # as chunkjax.footprint.compiled_memory_programs
+        fn, args = step.program(batch, k)
         ps = {c: jax.ShapeDtypeStruct((lay.chunk_size,), param_dtype(step, c)) for c in args}
         acc = carry.pop("acc", {})
         compiled = fn.lower(ps, batch, carry, acc).compile({"xla_disable_hlo_passes": "cse_barrier_expander"})

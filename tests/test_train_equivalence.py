@@ -135,11 +135,11 @@ def test_no_recompile_across_steps(setup, mixed_step):
     state = step.init(params)
     state, _ = step(state, batches[0])
     kinds = set(step.placement.param_kinds)
-    sizes = (step.jit_fwd_bwd._cache_size(), step._program(batches[0], 0)[0]._cache_size(),
+    sizes = (step.jit_fwd_bwd._cache_size(), step.program(batches[0], 0)[0]._cache_size(),
              {(w, k): step.updaters[w].update(k)._cache_size() for w in ("device", "streamed") for k in kinds})
     for b in batches[1:4]:
         state, _ = step(state, b)
-    assert sizes == (step.jit_fwd_bwd._cache_size(), step._program(batches[0], 0)[0]._cache_size(),
+    assert sizes == (step.jit_fwd_bwd._cache_size(), step.program(batches[0], 0)[0]._cache_size(),
                      {(w, k): step.updaters[w].update(k)._cache_size() for w in ("device", "streamed") for k in kinds})
 
 

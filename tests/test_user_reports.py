@@ -100,22 +100,22 @@ def test_resume_past_a_corrupt_newest_checkpoint_can_save_that_step_again(tmp_pa
 
 # ---- the front door (chunkjax.offload) ----
 
-def _tiny_nnx():
+def _tiny_nnx(width: int = 8, dropout: bool = True):
     from flax import nnx
 
     class Block(nnx.Module):
         def __init__(self, rngs):
-            self.fc = nnx.Linear(8, 8, rngs=rngs)
-            self.drop = nnx.Dropout(0.2, rngs=rngs)
+            self.fc = nnx.Linear(width, width, rngs=rngs)
+            self.drop = nnx.Dropout(0.2, rngs=rngs) if dropout else (lambda x: x)
 
         def __call__(self, x):
             return x + self.drop(jnp.tanh(self.fc(x)))
 
     class Net(nnx.Module):
         def __init__(self, rngs):
-            self.inp = nnx.Linear(4, 8, rngs=rngs)
+            self.inp = nnx.Linear(4, width, rngs=rngs)
             self.blocks = nnx.List([Block(rngs) for _ in range(2)])
-            self.out = nnx.Linear(8, 1, rngs=rngs)
+            self.out = nnx.Linear(width, 1, rngs=rngs)
 
         def __call__(self, x):
             x = self.inp(x)
@@ -131,11 +131,6 @@ def _tiny_nnx():
     return Net, loss_fn, batches
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "chunkjax.OffloadedStep (the front door's step) does not implement chunkjax.checkpoint.ChunkIO: "
-    "save_checkpoint refuses it ('cannot checkpoint a OffloadedStep'), and its non-parameter state "
-    "(the dropout RNG counts it carries between steps, OffloadedStep._side) would have to travel with "
-    "the checkpoint for a bit-exact resume; docs/own_model.md documents no checkpoint path"))
 def test_offloaded_step_checkpoints_and_resumes_exactly(tmp_path):
     from flax import nnx
     Net, loss_fn, batches = _tiny_nnx()
@@ -147,6 +142,106 @@ def test_offloaded_step_checkpoints_and_resumes_exactly(tmp_path):
     second = cj.offload(Net(nnx.Rngs(0)), optax.adam(1e-2), loss_fn, batches[0], device_budget="min")
     cj.restore_checkpoint(tmp_path, second)
     assert [float(second(b)) for b in batches[2:]] == want
+
+
+def test_offloaded_step_restore_of_another_checkpoint_is_one_line_and_changes_nothing(tmp_path):
+    """Restoring a checkpoint of another model (a leaf of another shape), of a model whose loss
+    changes no non-parameter state (no dropout), or of another optimizer into an OffloadedStep:
+    one line naming what differs, and the step keeps its state and trains on."""
+    from flax import nnx
+    from chunkjax.checkpoint import CheckpointError
+    Net, loss_fn, batches = _tiny_nnx()
+    saved = cj.offload(Net(nnx.Rngs(0)), optax.adam(1e-2), loss_fn, batches[0], device_budget="min")
+    saved(batches[0])
+    cj.save_checkpoint(tmp_path, 1, saved)
+    nodrop = _tiny_nnx(dropout=False)[0]
+    cases = [(_tiny_nnx(width=6)[0], optax.adam(1e-2), r"another parameter tree: leaf blocks/0/fc/bias is \(8,\) float32 in the checkpoint but \(6,\)"),
+             (nodrop, optax.adam(1e-2), r"non-parameter state 'blocks/0/drop/rngs/count', which this model's loss"),
+             (Net, optax.sgd(1e-2, momentum=0.9), r"optimizer moments \['mu', 'nu'\] .* \['trace'\]")]
+    for make, tx, msg in cases:
+        other = cj.offload(make(nnx.Rngs(1)), tx, loss_fn, batches[0], device_budget="min", check_compiled=False)
+        before = jax.tree.map(np.asarray, other.step.master_params(other.state))
+        state, side = other.state, other._side
+        with pytest.raises(CheckpointError, match=msg) as e:
+            cj.restore_checkpoint(tmp_path, other)
+        assert "\n" not in str(e.value)
+        assert other.state is state and other._side is side
+        for a, b in zip(jax.tree.leaves(jax.tree.map(np.asarray, other.step.master_params(other.state))),
+                        jax.tree.leaves(before), strict=True):
+            np.testing.assert_array_equal(a, b)
+        assert np.isfinite(float(other(batches[1])))
+        if make is nodrop:  # and the other way round
+            cj.save_checkpoint(tmp_path / "nodrop", 1, other)
+            with pytest.raises(CheckpointError, match=r"non-parameter state 'blocks/0/drop/rngs/count' of this model "
+                                                      r"is not in checkpoint step 1 in .*nodrop \(0 vs 2 leaves\)"):
+                cj.restore_checkpoint(tmp_path / "nodrop", saved)
+
+
+def test_chunked_step_interrupted_before_or_during_its_commit_keeps_a_usable_state(monkeypatch):
+    """The main job's kind (a ChunkedStep called directly, ``state, m = step(state, b)``): Ctrl-C
+    while the streamed pipeline finishes (after the backward) left the input state's device
+    chunks donated and the pipeline's threads waiting. Right: the input state as it was, every
+    thread ended; and a Ctrl-C during the commit (the donating device updates) is held until the
+    front door's step has stored the new state."""
+    import signal
+    import threading
+    from flax import nnx
+    from chunkjax import streamed
+    from chunkjax.updaters import Updater
+    Net, loss_fn, batches = _tiny_nnx()
+    st = cj.offload(Net(nnx.Rngs(0)), optax.adam(1e-2), loss_fn, batches[0], device_budget="auto", chunk_size=32)
+    step, state = st.step, st.state
+    assert step.device_chunks and step.streamed_chunks
+    before = jax.tree.map(np.asarray, step.master_params(state))
+
+    def interrupted_close(self):
+        raise KeyboardInterrupt  # the pipeline's threads still wait for chunks
+
+    real_close = streamed.Pipeline.close
+    monkeypatch.setattr(streamed.Pipeline, "close", interrupted_close)
+    with pytest.raises(KeyboardInterrupt):
+        step(state, st._step_batch(batches[1]))
+    monkeypatch.setattr(streamed.Pipeline, "close", real_close)
+    alive = [t.name for t in threading.enumerate() if t.name.startswith("chunkjax-streamed")]
+    assert not alive, alive
+    for a, b in zip(jax.tree.leaves(jax.tree.map(np.asarray, step.master_params(state))), jax.tree.leaves(before),
+                    strict=True):
+        np.testing.assert_array_equal(a, b)
+    new, m = step(state, st._step_batch(batches[1]))  # the input state trains on
+    assert np.isfinite(float(m["loss"]))
+    st.state = new
+
+    real = step.updaters["device"]
+
+    def ctrl_c_on_dispatch(pk):
+        fn = real.update(pk)
+
+        def dispatch(*args):
+            signal.raise_signal(signal.SIGINT)  # Ctrl-C while the commit dispatches the donating updates
+            return fn(*args)
+        return dispatch
+
+    monkeypatch.setitem(step.updaters, "device", Updater(real.init, ctrl_c_on_dispatch))
+    was = jax.tree.map(np.asarray, step.master_params(st.state))
+    with pytest.raises(KeyboardInterrupt):
+        st(batches[2])
+    monkeypatch.setitem(step.updaters, "device", real)
+    assert not any(a.is_deleted() for a in jax.tree.leaves(st.state.params))  # the committed state, stored
+    now = jax.tree.map(np.asarray, step.master_params(st.state))
+    assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(now), jax.tree.leaves(was)))
+    assert np.isfinite(float(st(batches[3])))
+
+    # compute params an interrupted step donated (an early-streamed chunk's, on the device) come
+    # back from the chunk's master params, bit for bit
+    from chunkjax.step_commit import recover
+    st.wait()
+    c = step.device_chunks[0]
+    want = np.asarray(st.state.params[c])
+    st.state.params[c].delete()
+    got = recover(step, st.state)
+    np.testing.assert_array_equal(np.asarray(got.params[c]), want)
+    assert all(got.params[k] is st.state.params[k] for k in range(len(got.params)) if k != c)
+    assert recover(step, got) is got
 
 
 def test_scanned_blocks_with_a_constant_in_the_carry():
@@ -304,14 +399,6 @@ def test_ctrl_c_while_a_streamed_pipeline_starts_leaves_no_thread_waiting(monkey
     assert not any(t.is_alive() for t in started), [t.name for t in started if t.is_alive()]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a KeyboardInterrupt inside OffloadedStep.__call__ once ChunkedStep.__call__ has dispatched the device chunks' "
-    "updates (which donate params/master/opt of the old state) leaves OffloadedStep.state holding those donated "
-    "buffers: the next step and sync() fail with 'Buffer has "
-    "been deleted or donated'; the step is not all-or-nothing under Ctrl-C (a notebook user's interrupted cell "
-    "loses the trained state). Also: a KeyboardInterrupt inside StepStream.finish leaves the streamed pipeline's "
-    "non-daemon threads waiting, so the process does not exit (ChunkedStep.__call__ should call "
-    "stream.set_grad_sq(None) when anything after its backward raises)"))
 def test_offloaded_step_survives_ctrl_c_mid_step(monkeypatch):
     from flax import nnx
     from chunkjax import streamed

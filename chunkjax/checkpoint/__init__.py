@@ -2,7 +2,8 @@
 
 A service for every engine that holds chunked model data through one small protocol
 (:class:`~chunkjax.checkpoint.protocol.ChunkIO`, implemented by :class:`chunkjax.ChunkedStep` on
-one device or a ZeRO ``data`` mesh in one or many processes, by the drop-in optimizers
+one device or a ZeRO ``data`` mesh in one or many processes, by the front door's
+:class:`chunkjax.OffloadedStep`, by the drop-in optimizers
 :class:`chunkjax.ChunkedOptimizer` / :class:`chunkjax.NnxOptimizer`, and by the storage tier);
 this package imports no engine. One concept per module:
 

@@ -27,7 +27,7 @@ def encode(x, where="extra"):
     if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
         return {"__prng_key__": str(jax.random.key_impl(x)), "data": encode(np.asarray(jax.random.key_data(x)))}
     if isinstance(x, (np.ndarray, np.generic, jax.Array)):
-        a = np.ascontiguousarray(np.asarray(x))
+        a = np.asarray(x)  # not ascontiguousarray: it makes a 0-d array 1-d (tobytes is C order anyway)
         if a.dtype == object:
             raise TypeError(f"{where}: object arrays cannot be saved")
         return {"__ndarray__": a.dtype.name, "shape": list(a.shape), "data": base64.b64encode(a.tobytes()).decode()}

@@ -8,7 +8,8 @@ chunks). It knows no engine: every engine implements :class:`ChunkIO`, i.e. says
 chunks have, hands out chunk ``c`` of a state in the portable form, waits for its pending work and
 builds a state from portable chunks for its own placement and topology. The engines:
 :class:`chunkjax.ChunkedStep` (one device or a data mesh, one or many processes;
-:mod:`chunkjax.step_checkpoint`), the drop-in optimizers :class:`chunkjax.ChunkedOptimizer` and
+:mod:`chunkjax.step_checkpoint`), the front door's :class:`chunkjax.OffloadedStep` (its step's
+chunks and its non-parameter state: :mod:`chunkjax.front_checkpoint`), the drop-in optimizers :class:`chunkjax.ChunkedOptimizer` and
 :class:`chunkjax.NnxOptimizer` (:mod:`chunkjax.flax_api`), and the storage tier
 (:class:`chunkjax.storage.chunk_io.StorageChunks` over a
 :class:`~chunkjax.storage.near.NearStorageOptimizer`). The optax / host-state conversions they
@@ -46,6 +47,11 @@ class SavedChunks(Protocol):
 
     def moments(self, c: int) -> list[str]:
         """The optimizer moment names chunk ``c`` will have (checked before anything is read)."""
+
+    def verify(self) -> None:
+        """Check every saved chunk's files against their crc32 before any is read (an engine that
+        frees its own state before restoring calls it first). Raises CheckpointError naming the
+        first bad file."""
 
     def chunk(self, c: int) -> tuple[dict[str, np.ndarray], dict]:
         """Chunk ``c`` in the portable form, in the engine's layout (remapped by leaf path when

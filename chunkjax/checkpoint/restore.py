@@ -48,7 +48,8 @@ def restore_checkpoint(directory, step_fn, step_number: int | None = None):
       step_number: which step; None for :func:`latest_step`.
 
     Returns:
-      ``(state, extra)``: a :class:`chunkjax.TrainState` (a step), or the new params pytree in
+      ``(state, extra)``: a :class:`chunkjax.TrainState` (a step; an :class:`chunkjax.OffloadedStep`
+      holds it as its ``state``, with the saved non-parameter state), or the new params pytree in
       the params' dtypes on the device (a drop-in optimizer: what its ``update`` returns; for
       :class:`chunkjax.NnxOptimizer` an ``nnx.State`` for ``nnx.update(model, ...)``); and the
       saved ``extra`` dict (arrays come back as numpy arrays, PRNG keys as typed key arrays, tuples as tuples).
@@ -127,6 +128,14 @@ class SavedState:
     def moments(self, c: int) -> list[str]:
         """The optimizer moment names chunk ``c`` will have."""
         return list(self.common_moments) if self.remap else list(self.meta["chunks"][c]["moments"])
+
+    def verify(self) -> None:
+        """Check every saved chunk's files against their recorded size and crc32 (each read once;
+        :meth:`chunk` checks again as it reads), so that an engine can refuse a corrupt checkpoint
+        before it lets go of its own state. Raises CheckpointError naming the first bad file."""
+        if self.src.sums is not None:
+            for c in range(int(self.meta["layout"]["n_chunks"])):
+                files.verify_files(self.root, self.src.sums, files.chunk_name(c))
 
     def arrays(self, c: int) -> dict[str, np.ndarray]:
         """Chunk ``c``'s saved arrays ``names`` ((layout.chunk_size,) numpy), remapped if needed."""

@@ -71,13 +71,15 @@ def job_models(cfg, lora: str, rank: int, alpha: float, base_dtype="bfloat16"):
     return {"full": full, "lora": lo}
 
 
-def plan_job(model, budget: int, batch: int, seq: int, host_budget: int | None, lr: float = 1e-4) -> dict:
+def plan_job(model, budget: int, batch: int, seq: int, host_budget: int | None, lr: float = 1e-4,
+             storage: str = "") -> dict:
     """Prepare and plan ``model`` (a JobModel) as the main job does, timing each phase; returns
     the plan's figures (bytes, seconds)."""
     import jax
     import jax.numpy as jnp
 
     from chunkjax import fit, fit_host
+    from chunkjax.storage.updater import StorageOptions
     from experiments.train import TrainConfig, host_spec
     cfg = TrainConfig(lr=lr, warmup=0, steps=5, batch=batch, seq=seq)
     t = {}
@@ -92,7 +94,8 @@ def plan_job(model, budget: int, batch: int, seq: int, host_budget: int | None, 
                           host_optimizer=host_spec(cfg), compute_dtype=jnp.bfloat16, chunk_size=chunk_size,
                           min_chunks=cfg.min_chunks,
                           flops_per_step=model.flops_per_token(seq) * batch * seq, trainable=model.trainable,
-                          check_host=False, host_budget=host_budget)
+                          check_host=False, host_budget=host_budget,
+                          storage=StorageOptions(tuple(storage.split(","))) if storage else None)
     t["prepare_s"] = time.perf_counter() - t0
     problem = dataclasses.replace(problem, platform="gpu")  # host bytes as on a GPU node
     t0 = time.perf_counter()
@@ -129,6 +132,7 @@ def main(argv=None) -> int:
     ap.add_argument("--lora-targets", default="q,k,v,o,gate,up,down")
     ap.add_argument("--host-gib", type=float, default=None, help="host budget for model data (GiB); none: unbounded")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--storage", default="", help="storage directories (the disk tier), comma-separated")
     a = ap.parse_args(argv)
     import chunkjax as cj
     budget = cj.parse_bytes(a.budget)
@@ -137,7 +141,7 @@ def main(argv=None) -> int:
     models = job_models(cfg, a.lora_targets, a.lora_rank, a.lora_alpha)
     out = {"shape": a.shape, "budget_bytes": budget, "batch": a.batch, "seq": a.seq}
     for name in a.jobs.split(","):
-        r = plan_job(models[name], budget, a.batch, a.seq, host)
+        r = plan_job(models[name], budget, a.batch, a.seq, host, storage=a.storage)
         out[name] = r
         gb = lambda b: b / 1e9  # noqa: E731
         h = r["host_need"]

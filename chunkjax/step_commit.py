@@ -1,0 +1,140 @@
+"""A step is all-or-nothing: its commit, the one part of a :class:`chunkjax.ChunkedStep` call that
+may not be cut short.
+
+The device chunks' updates (:func:`chunkjax.updaters.device_updater`) donate the input state's
+master params, optimizer state and compute params: XLA writes the new values into the same
+device buffers, so the state is held on the device once (no second copy the planner would have
+to count). Once one of them is dispatched the input state is gone. A step therefore runs
+everything that can fail first (the programs, the global norm, the streamed chunks' updates,
+which write their results into new pinned host buffers and leave the input state's untouched)
+and dispatches the donating updates last, in its *commit* (:meth:`PendingStep.commit`): a loop of
+dispatches and the new :class:`~chunkjax.step.TrainState`, with Ctrl-C (``SIGINT``) and
+``SIGTERM`` held until it ends (:func:`interrupts_deferred`). An exception before the commit
+leaves the caller's state as it was (the streamed pipeline stopped, its threads ended). A signal
+held during the commit is delivered as it ends, before a caller's ``state, m = step(state, b)``
+has stored the new state: a caller that keeps its state across Ctrl-C (the front door's
+:class:`chunkjax.OffloadedStep`) runs ``pending = step.begin(state, b)``, then commits and stores
+inside one :func:`interrupts_deferred` block (the commit's own block nests in it). Cost: no bytes
+of device or host memory; the device chunks' updates queue on the device behind the streamed
+chunks' instead of before them (their few milliseconds no longer overlap the streamed
+pipeline's transfers).
+
+Not covered (documented on :class:`chunkjax.ChunkedStep`): host chunks updated in place by the
+host thread while the backward runs, when their update does not depend on the global norm (no
+clipping, skip or loss scaling: no backup is kept, it would cost 12 bytes per AdamW parameter of
+host memory and traffic every step; with speculation an interrupt before the norm is known
+restores them, :mod:`chunkjax.speculate`); streamed chunks updated early whose compute params
+live on the device (the old params are donated during the backward:
+:func:`recover` rebuilds them from the untouched master params, as the front door does); storage
+chunks (their workers commit steps themselves, :mod:`chunkjax.storage`); an error of the device
+runtime inside the commit itself.
+"""
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+
+import jax.numpy as jnp
+import numpy as np
+
+#: The signals held during a commit (a Python handler raises them as exceptions: KeyboardInterrupt,
+#: or the main job's SIGTERM handler).
+HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def interrupts_deferred():
+    """Hold :data:`HELD_SIGNALS` while the block runs and deliver them (each once, to the handler
+    that was installed before) when it ends. Outside the main thread (where Python runs signal
+    handlers) it does nothing: signals reach only the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+    old = {}
+    try:
+        for s in HELD_SIGNALS:
+            old[s] = signal.signal(s, lambda signum, frame: got.append(signum))
+    except (ValueError, TypeError):  # not the main interpreter's main thread, or no Python handler to swap
+        for s, h in old.items():
+            signal.signal(s, h)
+        yield
+        return
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        for s in dict.fromkeys(got):
+            signal.raise_signal(s)  # its own handler: KeyboardInterrupt for SIGINT by default
+
+
+class PendingStep:
+    """One step call run up to its commit (:meth:`chunkjax.ChunkedStep.begin`): the gradients,
+    norms, metrics and chunk lists, the streamed chunks' results already in them.
+
+    Args:
+      step: the :class:`chunkjax.ChunkedStep`.
+      state: its input :class:`~chunkjax.step.TrainState` with the step's host work as ``pending``.
+      grads: ``{chunk: gradient}``; ``grad_sq``: (n_chunks,) float32 squared norms; ``inv``: ()
+        float32 1 / loss scale.
+      lists: ``(params, master, opt_state)`` lists of the new state, device chunks still the input's.
+      metrics: the step's metrics (``loss``, ``grad_norm``, ...).
+    """
+
+    def __init__(self, step, state, grads: dict, grad_sq, inv, lists: tuple, metrics: dict):
+        self.step, self.state, self.grads, self.grad_sq, self.inv = step, state, grads, grad_sq, inv
+        self.lists, self.metrics = lists, metrics
+
+    def commit(self):
+        """Dispatch the device chunks' updates (donating the input state's device buffers) with
+        :data:`HELD_SIGNALS` held; returns ``(new TrainState, metrics)``. A signal that arrives
+        meanwhile is delivered when the commit ends (inside an enclosing
+        :func:`interrupts_deferred`: when that ends). Once only.
+
+        Raises:
+          RuntimeError: committed already.
+        """
+        if self.lists is None:
+            raise RuntimeError("this step is committed already: call the step again")
+        step, grads, (params, master, opt) = self.step, self.grads, self.lists
+        with interrupts_deferred():
+            for c in step.device_chunks:
+                params[c], master[c], opt[c] = step.updaters["device"].update(step.placement.param_kinds[c])(
+                    grads[c], master[c], opt[c], self.grad_sq, jnp.asarray(c, jnp.int32), params[c], self.inv)
+            out = self.state._replace(params=tuple(params), master=tuple(master), opt_state=tuple(opt))
+            self.state = self.grads = self.lists = None  # nothing of the step kept alive here
+            return out, self.metrics
+
+
+def recover(step, state):
+    """``state`` with every deleted compute-params buffer of a trainable chunk rebuilt from the
+    chunk's master params (cast to ``step.compute_dtype`` on the host, placed in its param kind):
+    what an early-streamed chunk whose params live on the device leaves when its step fails after
+    the update donated them (its master params and optimizer state, in pinned host memory, are
+    untouched). The same bits as the params before (the compute params are the master's cast).
+    Returns ``state`` itself when nothing was deleted. Memory: each rebuilt buffer takes the
+    place of the deleted one (no device bytes beyond the state's), plus one chunk of host memory
+    while it is cast.
+
+    Raises:
+      ValueError: a deleted buffer that cannot be rebuilt (a frozen chunk's params, or master params
+        deleted too): the state is lost, restore a checkpoint.
+    """
+    def deleted(a) -> bool:
+        return getattr(a, "is_deleted", lambda: False)()
+
+    lost = [c for c, p in enumerate(state.params) if deleted(p)]
+    if not lost:
+        return state
+    params, topo = list(state.params), step.topology
+    for c in lost:
+        m = state.master[c]
+        if m is None or deleted(m) or isinstance(m, tuple):
+            raise ValueError(f"chunk {c}'s compute params were donated by an interrupted step and cannot be rebuilt "
+                             "from its master params: restore the state from a checkpoint")
+        host = np.asarray(m, np.float32).astype(step.compute_dtype)
+        params[c] = topo.put(host, topo.param_sharding(step.placement.param_kinds[c]))
+        del host
+    return state._replace(params=tuple(params))
