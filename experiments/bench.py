@@ -88,6 +88,19 @@ DEFAULT_MEM_FRACTION = 0.75  # XLA's default device pool fraction
 _STDERR_TAIL_LINES = 40
 
 
+def default_host_limit_gb(env=None) -> int:
+    """The pinned-host cap (GiB) the workers get when ``--host-limit-gb`` is not given: the
+    environment's ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`` when it is an integer, else
+    :data:`DEFAULT_HOST_LIMIT_GB`. (Session 12: ``XLA_PJRT_GPU_HOST_MEMORY_PREALLOCATE=true
+    XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=40`` reached the worker as a preallocated 110 GiB pool, the
+    default having replaced the 40, and GPT3_15B was refused needing 176 GB.)"""
+    raw = (os.environ if env is None else env).get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "")
+    try:
+        return int(raw) if str(raw).strip() else DEFAULT_HOST_LIMIT_GB
+    except ValueError:
+        return DEFAULT_HOST_LIMIT_GB
+
+
 class UsageError(Exception):
     """Bad command-line input: printed as one line, exit status 2."""
 
@@ -567,8 +580,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--results-dir", default="experiments/results", help="(default: experiments/results)")
     ap.add_argument("--seed", type=int, default=0, help="init and token seed (default: 0)")
     ap.add_argument("--matmul-n", type=int, default=8192, help="matmul probe size (default: 8192; capped at 1024 on a CPU)")
-    ap.add_argument("--host-limit-gb", type=int, default=DEFAULT_HOST_LIMIT_GB,
-                    help=f"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB for every system (default: {DEFAULT_HOST_LIMIT_GB})")
+    ap.add_argument("--host-limit-gb", type=int, default=default_host_limit_gb(),
+                    help="XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB for every system (default: the variable's value when set "
+                         f"in the environment, else {DEFAULT_HOST_LIMIT_GB})")
     ap.add_argument("--worker-timeout", type=float, default=0, help="seconds per system subprocess, 0: none (default: 0)")
     ap.add_argument("--preallocate", action="store_true",
                     help="reserve each worker's budget as one allocator region at start-up "
