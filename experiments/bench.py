@@ -83,6 +83,10 @@ DEFAULT_LARGEST_MODELS = ("GPT3_6B", "GPT3_8B", "GPT3_10B", "GPT3_12B", "GPT3_15
 #: Tried after them with ``--storage`` (past host RAM: the disk tier), from models/gpt.py.
 STORAGE_LARGEST_MODELS = ("GPT3_20B", "GPT3_40B")
 
+#: The plan's figures a ``--largest`` summary keeps beside the measured ones (from the chunkjax record).
+LARGEST_PLAN_KEYS = ("step_s_predicted", "peak_device_bytes_accounted", "host_bytes_accounted", "host_budget_bytes",
+                     "effective_budget_bytes", "schedule_counts", "micro_batches", "segments")
+
 DEFAULT_HOST_LIMIT_GB = 110
 DEFAULT_MEM_FRACTION = 0.75  # XLA's default device pool fraction
 _STDERR_TAIL_LINES = 40
@@ -559,6 +563,8 @@ def run_largest(args, runner, probe: dict, call: int) -> dict:
                                  "host_bytes": rec.get("host_bytes"),
                                  "host_rss_peak_bytes_measured": rec.get("host_rss_peak_bytes_measured"),
                                  "storage": (rec.get("extra") or {}).get("storage"),
+                                 "step_s_median": rec.get("step_s_median"),
+                                 **{k: (rec.get("extra") or {}).get(k) for k in LARGEST_PLAN_KEYS},
                                  "infeasible_reason": rec.get("infeasible_reason"),
                                  "error": (rec.get("error") or None) and rec["error"][:2000], "call": call}
             if not ok and not args.largest_keep_going:
