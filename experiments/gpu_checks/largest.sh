@@ -26,18 +26,28 @@
 #   At 126 GiB no pool setting fits 119e9 (least need ~128.6e9 with the finest cut).
 #   GPT3_15B b64 (8 micro-batches): each host chunk adds its float32 sum and mean (6 B/param) on the host: it does
 #   not fit host-only; part a2 gives it the disk tier (the planner says "storage not needed" if it fits).
-# * GPT3_18B with one 64 GiB storage directory (disk budget 68.67e9, --no-storage-keep-previous): see FIGURES18.
+# * GPT3_18B b8x1024 with one 64 GiB storage directory (disk budget 68.67e9, --no-storage-keep-previous), 138 GiB,
+#   pool 50 GiB preallocated (48 refused: the pinned peak ~51.7e9 is over it), host 119e9: 128 device / 149 host
+#   (all master-fetch) / 87 disk chunks, 32 programs; accounted device peak 133.15e9; host measure 118.71e9
+#   (pool 53.69e9 + pageable 65.03e9); disk 110.6 GB/step; predicted 79.25 s/step (75.7 s of disk after the
+#   backward): 5 steps (warm-up, 3 timed, 1 profiled) are ~400 s, so part b may only just fit its limit. At 126 GiB
+#   (session 12) the re-plan after the compiled check needed 108+ chunks on disk and 138.8e9 of host.
+#   With 8 micro-batches the host chunks' float32 sums (6 B/param) do not fit beside a 64 GiB disk: b2 records the
+#   planner's refusal (or its plan, if the GPU's traces are smaller than the CPU's).
 set -u
 RUN=${1:-largest}
 PART=${2:-a}
 export PYTHONUNBUFFERED=1
 START=$SECONDS
-LIMIT=${LIMIT:-510}
+LIMIT=${LIMIT:-530}
 OUT=${OUT:-/tmp/largest_out}
 mkdir -p $OUT
 DISK=${DISK:-$PWD/.scratch_disk}
 BUDGET=${BUDGET:-138GiB}
-B="python -m experiments.bench --largest --systems chunkjax --device-budget $BUDGET --results-dir $OUT"
+# CPU smoke test: OUT=/tmp/o M15=micro M18=tiny BUDGET=64MiB SEQ=16 bash ... a (numbers meaningless)
+M15=${M15:-GPT3_15B}
+M18=${M18:-GPT3_18B}
+B="python -m experiments.bench --largest --systems chunkjax --device-budget $BUDGET --largest-seq ${SEQ:-1024} --results-dir $OUT"
 run() {  # run <tag> <pool GiB> <bench args...>: within the part's time left, else skipped; pool preallocated
   local tag=$1 pool=$2; shift 2
   local left=$((LIMIT - (SECONDS - START)))
@@ -49,22 +59,22 @@ run() {  # run <tag> <pool GiB> <bench args...>: within the part's time left, el
 }
 disk() { rm -rf "$DISK"; mkdir -p "$DISK"; df -B1 --output=avail "$DISK" | tail -1 | sed 's/^/disk free bytes: /'; }
 if [[ $PART == a ]]; then
-  run 15b ${POOL15:-38} --largest-models GPT3_15B --largest-steps 5
+  run 15b ${POOL15:-38} --largest-models $M15 --largest-steps 5
 fi
 if [[ $PART == a || $PART == a2 ]]; then
   disk
-  run 15b_mb8 ${POOL15MB:-44} --largest-models GPT3_15B --largest-steps 3 --largest-batch 64 --set micro_batches=8 \
+  run 15b_mb8 ${POOL15MB:-40} --largest-models $M15 --largest-steps 3 --largest-batch 64 --set micro_batches=8 \
     --storage "$DISK" --no-storage-keep-previous
   rm -rf "$DISK"
 fi
 if [[ $PART == b ]]; then
   disk
-  run 18b_disk ${POOL18:-56} --largest-models GPT3_18B --largest-steps 3 --storage "$DISK" --no-storage-keep-previous
+  run 18b_disk ${POOL18:-50} --largest-models $M18 --largest-steps 3 --storage "$DISK" --no-storage-keep-previous
   rm -rf "$DISK"
 fi
 if [[ $PART == b || $PART == b2 ]]; then
   disk
-  run 18b_disk_mb8 ${POOL18MB:-56} --largest-models GPT3_18B --largest-steps 3 --largest-batch 64 \
+  run 18b_disk_mb8 ${POOL18MB:-50} --largest-models $M18 --largest-steps 3 --largest-batch 64 \
     --set micro_batches=8 --storage "$DISK" --no-storage-keep-previous
   rm -rf "$DISK"
 fi
