@@ -266,7 +266,8 @@ def check_host_need(need: dict, what: str, platform: str, available: int | None 
 def _host_fix(platform: str, need: dict | None = None, avail: int | None = None) -> str:
     if platform == "cpu":
         return "train a smaller model (on the CPU all model data is host memory) or free host memory"
-    fix = "give the device a larger budget, train a smaller model, or free host memory"
+    fix = ("give the device a larger budget, give storage directories (the disk tier: master params and optimizer "
+           "state of the chunks the host cannot hold), train a smaller model, or free host memory")
     if need and avail is not None and need.get("pinned_pool_bytes", 0) > need["pinned_host_bytes"]:
         want = -(-int(need["pinned_host_bytes"] * 1.05) // 2**30)  # GiB, 5 % for the allocator's rounding
         if need["need_bytes"] - need["pinned_pool_bytes"] + want * 2**30 <= avail:

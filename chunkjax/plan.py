@@ -72,7 +72,7 @@ _MSG_STATIC_INFEASIBLE = ("the {policy} schedule needs {need} device bytes, abov
                           "use device_budget >= {need_gib:.3f}GiB or another policy")
 _MSG_HOST = ("host budget {host} bytes is below the {need} bytes of model data and gradient buffers the host "
              "must hold at a device budget of {dev} bytes (every chunk that fits stays on the device): use "
-             "host_budget >= {need_gib:.3f}GiB or a larger device_budget")
+             "host_budget >= {need_gib:.3f}GiB, a larger device_budget, or storage directories (the disk tier)")
 _MSG_HOST_ZERO = ("node host budget {host} bytes ({host_rank} per rank over {n} ranks) is below the {need_node} bytes "
                   "({need} per rank) of model data the host must hold at a device budget of {dev} bytes per GPU "
                   "(every chunk that fits stays on the device): use host_budget >= {need_gib:.3f}GiB (the node's) "

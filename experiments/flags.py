@@ -7,7 +7,7 @@ import re
 
 #: a chunkjax argument named in an error -> the flag of the tools that set it
 FLAGS = {"device_budget": "--device-budget", "host_budget": "--host-budget", "chunk_size": "--chunk-size",
-         "micro_batches": "--micro-batches", "zero_stage": "--zero-stage"}
+         "micro_batches": "--micro-batches", "zero_stage": "--zero-stage", "storage directories": "--storage DIR"}
 
 _WORD = re.compile(r"(?<![\w-])(" + "|".join(FLAGS) + r")(?![\w=(])")
 

@@ -133,3 +133,5 @@ def test_library_errors_name_no_command_line_flags():
     from experiments.flags import with_flags
     assert with_flags("use device_budget >= 2.000GiB or a larger host_budget; chunk_size=128") == \
         "use --device-budget >= 2.000GiB or a larger --host-budget; chunk_size=128"
+    assert with_flags("host_budget >= 3.000GiB, or storage directories (the disk tier)") == \
+        "--host-budget >= 3.000GiB, or --storage DIR (the disk tier)"

@@ -625,3 +625,48 @@ def test_keep_model_keeps_the_arrays_and_the_default_follows_the_plan():
 def test_the_loop_released_the_model_until_sync(run):
     name, _, _, (_, model, step) = run
     assert step.released_bytes == _param_bytes(model) > 0, name
+
+
+def _main_thread_syncs(run) -> int:
+    """Calls of ``run()`` that wait for device values on the main thread (``block_until_ready``,
+    ``float``, ``np.asarray`` of a jax array)."""
+    import threading
+
+    from jax._src.array import ArrayImpl
+    n = [0]
+
+    def counting(orig):
+        def wrapper(*a, **k):
+            if threading.current_thread() is threading.main_thread():
+                n[0] += 1
+            return orig(*a, **k)
+        return wrapper
+
+    patched = [(ArrayImpl, name) for name in ("block_until_ready", "__array__", "__float__", "item")] + [
+        (jax, "block_until_ready")]
+    saved = [getattr(o, k) for o, k in patched]
+    for o, k in patched:
+        setattr(o, k, counting(getattr(o, k)))
+    try:
+        run()
+    finally:
+        for (o, k), v in zip(patched, saved):
+            setattr(o, k, v)
+    return n[0]
+
+
+def test_the_front_door_adds_no_wait_to_the_engines_step(small_step):
+    """Speed (docs/own_model.md, "Speed: what the front door adds per step"): a front-door step
+    waits for the device on its main thread exactly as often as the engine's own step on the same
+    placed batch (the batch check, its placement and the commit under held signals read no device
+    value), and traces nothing."""
+    batch = token_batches(n=1)[0]
+    small_step(batch)
+    small_step.wait()
+    front = _main_thread_syncs(lambda: small_step(batch))
+    small_step.wait()
+
+    def engine():
+        small_step.state, _ = small_step.step(small_step.state, small_step._step_batch(batch))
+    assert _main_thread_syncs(engine) == front
+    small_step.wait()

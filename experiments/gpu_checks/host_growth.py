@@ -48,14 +48,16 @@ def main() -> None:
         model = Llama(**cfg, remat=True, rngs=nnx.Rngs(0))
     n = sum(int(np.size(x)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     data = fd.make_batches(cfg, a.batch, seq, a.steps + 1)
+    from experiments.gpu_measure import calibrated_rates
+    rates, _ = calibrated_rates()  # as front_door_3b and the benchmark (the default Rates elsewhere)
     t0 = time.time()
     budget = int(16 * n / 3)
     try:
         step = chunkjax.offload(model, AdamW(3e-4, weight_decay=0.1), fd.loss_fn, data[0], device_budget=budget,
-                                compute_dtype=jnp.bfloat16)
+                                compute_dtype=jnp.bfloat16, rates=rates)
     except chunkjax.PlanError as e:
         step = chunkjax.offload(model, AdamW(3e-4, weight_decay=0.1), fd.loss_fn, data[0],
-                                device_budget=int(e.min_budget_bytes * 1.05), compute_dtype=jnp.bfloat16)
+                                device_budget=int(e.min_budget_bytes * 1.05), compute_dtype=jnp.bfloat16, rates=rates)
     print(step.summary(), flush=True)
     print(f"setup {time.time() - t0:.1f} s; rss {rss() / 2**30:.1f} GiB; plan host bytes "
           f"{step.schedule.predicted.host_bytes / 2**30:.1f} GiB; host need "
