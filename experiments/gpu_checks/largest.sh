@@ -25,7 +25,12 @@
 #   pageable 77.74e9), 12.27 B/param per host-resident chunk incl. 1.59e9 of gradients; predicted 3.45 s/step.
 #   At 126 GiB no pool setting fits 119e9 (least need ~128.6e9 with the finest cut).
 #   GPT3_15B b64 (8 micro-batches): each host chunk adds its float32 sum and mean (6 B/param) on the host: it does
-#   not fit host-only; part a2 gives it the disk tier (the planner says "storage not needed" if it fits).
+#   not fit host-only; part a2 gives it the disk tier (the planner says "storage not needed" if it fits). Planned
+#   (138 GiB, pool 40 GiB, host 119e9, disk 68.67e9): 137 device / 100 host (master-fetch) / 79 disk chunks, 32
+#   programs, accounted device peak 132.98e9, host measure 118.99e9 (pool 42.95e9 + pageable 76.04e9; working set
+#   33.0e9 of it the sums), disk 100.4 GB/step, predicted 94.75 s/step (69.9 s of disk after the 8 micro-batches):
+#   5 steps are ~475 s, so the 8-micro-batch runs start only with MB_LEAST (480) s of the part left (not after
+#   the b8 run in parts a and b: run a2 and b2 as their own calls; MB_STEPS=2 if a part runs out).
 # * GPT3_18B b8x1024 with one 64 GiB storage directory (disk budget 68.67e9, --no-storage-keep-previous), 138 GiB,
 #   pool 50 GiB preallocated (48 refused: the pinned peak ~51.7e9 is over it), host 119e9: 128 device / 149 host
 #   (all master-fetch) / 87 disk chunks, 32 programs; accounted device peak 133.15e9; host measure 118.71e9
@@ -48,10 +53,10 @@ BUDGET=${BUDGET:-138GiB}
 M15=${M15:-GPT3_15B}
 M18=${M18:-GPT3_18B}
 B="python -m experiments.bench --largest --systems chunkjax --device-budget $BUDGET --largest-seq ${SEQ:-1024} --results-dir $OUT"
-run() {  # run <tag> <pool GiB> <bench args...>: within the part's time left, else skipped; pool preallocated
-  local tag=$1 pool=$2; shift 2
+run() {  # run <tag> <pool GiB> <least s> <bench args...>: with at least <least s> of the part left, else skipped
+  local tag=$1 pool=$2 least=$3; shift 3
   local left=$((LIMIT - (SECONDS - START)))
-  if (( left < 120 )); then echo "skip $tag (time)"; echo "$tag" >> $OUT/skipped.txt; return; fi
+  if (( left < least )); then echo "skip $tag (time)"; echo "$tag" >> $OUT/skipped.txt; return; fi
   local t0=$SECONDS
   XLA_PJRT_GPU_HOST_MEMORY_PREALLOCATE=true XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=$pool \
     timeout -k 10 $left $B --run-id ${RUN}_$tag --worker-timeout $((left - 15)) "$@" > $OUT/$tag.log 2>&1
@@ -59,22 +64,22 @@ run() {  # run <tag> <pool GiB> <bench args...>: within the part's time left, el
 }
 disk() { rm -rf "$DISK"; mkdir -p "$DISK"; df -B1 --output=avail "$DISK" | tail -1 | sed 's/^/disk free bytes: /'; }
 if [[ $PART == a ]]; then
-  run 15b ${POOL15:-38} --largest-models $M15 --largest-steps 5
+  run 15b ${POOL15:-38} 120 --largest-models $M15 --largest-steps 5
 fi
 if [[ $PART == a || $PART == a2 ]]; then
   disk
-  run 15b_mb8 ${POOL15MB:-40} --largest-models $M15 --largest-steps 3 --largest-batch 64 --set micro_batches=8 \
+  run 15b_mb8 ${POOL15MB:-40} ${MB_LEAST:-480} --largest-models $M15 --largest-steps ${MB_STEPS:-3} --largest-batch 64 --set micro_batches=8 \
     --storage "$DISK" --no-storage-keep-previous
   rm -rf "$DISK"
 fi
 if [[ $PART == b ]]; then
   disk
-  run 18b_disk ${POOL18:-50} --largest-models $M18 --largest-steps 3 --storage "$DISK" --no-storage-keep-previous
+  run 18b_disk ${POOL18:-50} 120 --largest-models $M18 --largest-steps 3 --storage "$DISK" --no-storage-keep-previous
   rm -rf "$DISK"
 fi
 if [[ $PART == b || $PART == b2 ]]; then
   disk
-  run 18b_disk_mb8 ${POOL18MB:-50} --largest-models $M18 --largest-steps 3 --largest-batch 64 \
+  run 18b_disk_mb8 ${POOL18MB:-50} ${MB_LEAST:-480} --largest-models $M18 --largest-steps ${MB_STEPS:-3} --largest-batch 64 \
     --set micro_batches=8 --storage "$DISK" --no-storage-keep-previous
   rm -rf "$DISK"
 fi
