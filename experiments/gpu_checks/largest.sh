@@ -37,8 +37,9 @@
 #   (pool 53.69e9 + pageable 65.03e9); disk 110.6 GB/step; predicted 79.25 s/step (75.7 s of disk after the
 #   backward): 5 steps (warm-up, 3 timed, 1 profiled) are ~400 s, so part b may only just fit its limit. At 126 GiB
 #   (session 12) the re-plan after the compiled check needed 108+ chunks on disk and 138.8e9 of host.
-#   With 8 micro-batches the host chunks' float32 sums (6 B/param) do not fit beside a 64 GiB disk: b2 records the
-#   planner's refusal (or its plan, if the GPU's traces are smaller than the CPU's).
+#   With 8 micro-batches the host chunks' float32 sums (6 B/param) do not fit beside a 64 GiB disk: the CPU plan
+#   (pool 50 GiB) is refused needing 150.5e9 of host with 108 chunks on disk; b2 records the GPU's refusal (or its
+#   plan, if the GPU's traces are smaller than the CPU's).
 set -u
 RUN=${1:-largest}
 PART=${2:-a}
