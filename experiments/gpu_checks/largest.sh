@@ -23,7 +23,7 @@
 #   master-fetch), 32 programs; accounted device peak 132.98e9 (0.90 of 148.2e9: no margin for a compiled overshoot
 #   of 10 %, which 12B never showed: compiled 123.3e9 vs 127.8e9 accounted); host measure 118.54e9 (pool 40.80e9 +
 #   pageable 77.74e9), 12.27 B/param per host-resident chunk incl. 1.59e9 of gradients; predicted 3.45 s/step.
-#   At 126 GiB no pool setting fits 119e9 (least need ~128.6e9 with the finest cut).
+#   At 126 GiB no pool setting fits 119e9 (pools of 43/44 GiB refused on the CPU; ~128.6e9 by hand, finest cut).
 #   GPT3_15B b64 (8 micro-batches): each host chunk adds its float32 sum and mean (6 B/param) on the host: it does
 #   not fit host-only; part a2 gives it the disk tier (the planner says "storage not needed" if it fits). Planned
 #   (138 GiB, pool 40 GiB, host 119e9, disk 68.67e9): 137 device / 100 host (master-fetch) / 79 disk chunks, 32
