@@ -33,6 +33,12 @@ from chunkjax.schedule import HOST_UPDATE
 
 #: Programs a step re-cut for its host gradients may have (:func:`chunkjax.plan.auto_segments`' bound).
 MAX_PROGRAMS = 8
+#: Finer cuts tried last, when even every host chunk master-fetch does not fit the host budget at
+#: :data:`MAX_PROGRAMS` programs: each more program is one more launch and hand-over, and the
+#: working set of :data:`chunkjax.predict.GRAD_WINDOW_PROGRAMS` programs shrinks with the cut
+#: (GPT3_15B at batch 8 on the H200: 60 of its 176 host chunks' gradients, 6.35 GB, at 8
+#: programs; about 2.7 GB at 16).
+FINER_PROGRAMS = (16, 32)
 
 
 def host_balanced_segments(n_moments: int, n_stages: int, done_moments, max_programs: int = MAX_PROGRAMS):
@@ -70,7 +76,9 @@ def assign_host_forms(s, cb, host_budget_bytes: int | None, *, chunk_size: int, 
     fewer host gradients at once, and if the copies still do not fit, the copies that fit beside the all-master-fetch need stay, for the chunks
     fetched most often (each copy saves ``cb.master - cb.params`` bytes up per fetch; ties by
     chunk id), the others are master-fetch. When even all master-fetch does not fit the host,
-    the all-master-fetch schedule is returned (its ``host_bytes`` is the least any form needs:
+    finer cuts (:data:`FINER_PROGRAMS` programs at most) are tried for it, and the fewest
+    programs that fit are kept; when none fits, the all-master-fetch schedule with the least
+    working set is returned (its ``host_bytes`` is the least any form needs:
     the caller's host check refuses it naming that figure); when the float32 fetch buffers of
     all master-fetch do not fit the device budget, the copies are (the host check decides).
 
@@ -125,6 +133,19 @@ def assign_host_forms(s, cb, host_budget_bytes: int | None, *, chunk_size: int, 
             if c in fetches:
                 fetches[c] += 1
     least = with_forms(host, segs)
+    if least.predicted.peak_device_bytes <= s.budget_bytes and not fits(least):
+        # the last cure: a finer cut holds fewer host gradients at once (the fewest programs that fit)
+        for n in FINER_PROGRAMS:
+            fine = host_balanced_segments(len(tide.moments), len(traces), [done[c] for c in host if c in done],
+                                          max_programs=n)
+            if fine is None or fine == tuple(least.segments):
+                continue
+            finer = with_forms(host, fine)
+            if finer.predicted.host_working_bytes < least.predicted.host_working_bytes:
+                least = finer
+                if fits(least):
+                    break
+        segs = least.segments
     if least.predicted.peak_device_bytes > s.budget_bytes or not fits(least):
         # float32 fetch buffers do not fit the device: the copies (the host check refuses them)
         return copies if least.predicted.peak_device_bytes > s.budget_bytes else least

@@ -83,9 +83,26 @@ DEFAULT_LARGEST_MODELS = ("GPT3_6B", "GPT3_8B", "GPT3_10B", "GPT3_12B", "GPT3_15
 #: Tried after them with ``--storage`` (past host RAM: the disk tier), from models/gpt.py.
 STORAGE_LARGEST_MODELS = ("GPT3_20B", "GPT3_40B")
 
+#: The plan's figures a ``--largest`` summary keeps beside the measured ones (from the chunkjax record).
+LARGEST_PLAN_KEYS = ("step_s_predicted", "peak_device_bytes_accounted", "host_bytes_accounted", "host_budget_bytes",
+                     "effective_budget_bytes", "schedule_counts", "micro_batches", "segments")
+
 DEFAULT_HOST_LIMIT_GB = 110
 DEFAULT_MEM_FRACTION = 0.75  # XLA's default device pool fraction
 _STDERR_TAIL_LINES = 40
+
+
+def default_host_limit_gb(env=None) -> int:
+    """The pinned-host cap (GiB) the workers get when ``--host-limit-gb`` is not given: the
+    environment's ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`` when it is an integer, else
+    :data:`DEFAULT_HOST_LIMIT_GB`. (Session 12: ``XLA_PJRT_GPU_HOST_MEMORY_PREALLOCATE=true
+    XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=40`` reached the worker as a preallocated 110 GiB pool, the
+    default having replaced the 40, and GPT3_15B was refused needing 176 GB.)"""
+    raw = (os.environ if env is None else env).get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "")
+    try:
+        return int(raw) if str(raw).strip() else DEFAULT_HOST_LIMIT_GB
+    except ValueError:
+        return DEFAULT_HOST_LIMIT_GB
 
 
 class UsageError(Exception):
@@ -546,6 +563,8 @@ def run_largest(args, runner, probe: dict, call: int) -> dict:
                                  "host_bytes": rec.get("host_bytes"),
                                  "host_rss_peak_bytes_measured": rec.get("host_rss_peak_bytes_measured"),
                                  "storage": (rec.get("extra") or {}).get("storage"),
+                                 "step_s_median": rec.get("step_s_median"),
+                                 **{k: (rec.get("extra") or {}).get(k) for k in LARGEST_PLAN_KEYS},
                                  "infeasible_reason": rec.get("infeasible_reason"),
                                  "error": (rec.get("error") or None) and rec["error"][:2000], "call": call}
             if not ok and not args.largest_keep_going:
@@ -567,8 +586,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--results-dir", default="experiments/results", help="(default: experiments/results)")
     ap.add_argument("--seed", type=int, default=0, help="init and token seed (default: 0)")
     ap.add_argument("--matmul-n", type=int, default=8192, help="matmul probe size (default: 8192; capped at 1024 on a CPU)")
-    ap.add_argument("--host-limit-gb", type=int, default=DEFAULT_HOST_LIMIT_GB,
-                    help=f"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB for every system (default: {DEFAULT_HOST_LIMIT_GB})")
+    ap.add_argument("--host-limit-gb", type=int, default=default_host_limit_gb(),
+                    help="XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB for every system (default: the variable's value when set "
+                         f"in the environment, else {DEFAULT_HOST_LIMIT_GB})")
     ap.add_argument("--worker-timeout", type=float, default=0, help="seconds per system subprocess, 0: none (default: 0)")
     ap.add_argument("--preallocate", action="store_true",
                     help="reserve each worker's budget as one allocator region at start-up "

@@ -185,3 +185,57 @@ def test_speculation_backups_bounded_by_what_the_plan_leaves(problem, monkeypatc
     monkeypatch.setattr(host_memory, "host_memory_available_bytes", lambda: need["need_bytes"])
     tight = fit.fit_problem(problem, budget, check_compiled=False)
     assert tight.report.host["speculation_bytes"] == 0 == tight.step.speculation_bytes  # nothing left: no speculation
+
+
+def test_a_finer_cut_when_even_master_fetch_does_not_fit(monkeypatch):
+    """Issue 24 item 1 on the H200: GPT3_15B at batch 8 needed its host chunks' float32 state (12
+    B/param) plus the gradients of two programs of eight (6.35 GB, 60 of 176 host chunks), over
+    the host. When every host chunk is master-fetch and the host still does not hold the plan,
+    the planner cuts the backward finer (host_forms.FINER_PROGRAMS): only the working set shrinks,
+    the state stays 12 B/param, and a budget below the finest cut's need is refused naming it."""
+    from chunkjax import host_forms
+    from chunkjax.plan import plan_schedule
+    cfg = gpt.get_config("micro", n_layers=12)
+    p = fit.prepare(gpt.gpt_stages(cfg), gpt.abstract_params(cfg), jax.ShapeDtypeStruct((2, 17), jnp.int32),
+                    host_optimizer=AdamW(1e-3), compute_dtype=jnp.bfloat16, min_chunks=24, check_host=False,
+                    host_budget=None)
+    lay, cb = p.layout, p.cb
+
+    def all_host(host_budget, must_fit=False):
+        return plan_schedule(lay, p.traces, cb, 10**15, policy="all_host", host_budget_bytes=host_budget,
+                             flops_per_step=p.flops_per_step, must_fit=must_fit)
+    with monkeypatch.context() as m:  # the planner before: eight programs at most
+        m.setattr(host_forms, "FINER_PROGRAMS", ())
+        at8 = all_host(1)
+    host = tuple(c for c, u in enumerate(at8.update_locations) if u == "host")
+    assert at8.master_fetch == host and len(host) == lay.n_chunks and len(at8.segments) <= host_forms.MAX_PROGRAMS
+    finest = all_host(1)  # nothing fits: the least working set any cut gives
+    assert len(at8.segments) < len(finest.segments) <= max(host_forms.FINER_PROGRAMS)
+    s = all_host(at8.predicted.host_bytes - 1, must_fit=True)  # fits with a finer cut (and some copies back)
+    q, q8, qf = s.predicted, at8.predicted, finest.predicted
+    assert len(at8.segments) < len(s.segments) <= len(finest.segments) and set(s.master_fetch) <= set(host)
+    assert q.host_bytes <= q8.host_bytes - 1 and q.host_working_bytes < q8.host_working_bytes
+    copies = len(host) - len(s.master_fetch)
+    assert q.host_bytes - q.host_working_bytes == len(host) * cb.state + copies * cb.params
+    assert finest.master_fetch == host and qf.host_working_bytes < q8.host_working_bytes
+    assert qf.host_bytes - qf.host_working_bytes == q8.host_bytes - q8.host_working_bytes == len(host) * cb.state
+    per = lay.chunk_size * len(host)  # 12 B/param of state + the stated working set
+    assert qf.host_resident_bytes_per_param == pytest.approx(cb.state / lay.chunk_size + qf.host_working_bytes / per)
+    assert qf.host_resident_bytes_per_param <= 12.5 + qf.host_working_bytes / per
+    assert qf.peak_device_bytes == q8.peak_device_bytes  # the cut moves no device bytes
+    need = finest.predicted.host_bytes
+    with pytest.raises(cj.PlanError) as e:
+        all_host(need - 1, must_fit=True)
+    assert "\n" not in str(e.value) and f"below the {need} bytes" in str(e.value)
+
+
+def test_the_bench_passes_the_environments_pinned_pool_cap_to_its_workers():
+    """Session 12 ran ``XLA_PJRT_GPU_HOST_MEMORY_PREALLOCATE=true XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=40
+    python -m experiments.bench --largest ...``: the worker got the bench's default cap of 110 GiB,
+    preallocated, and GPT3_15B was refused needing 176 GB. The environment's cap is the default."""
+    from experiments import bench
+    assert bench.default_host_limit_gb({"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": "38"}) == 38
+    assert bench.default_host_limit_gb({}) == bench.DEFAULT_HOST_LIMIT_GB
+    assert bench.default_host_limit_gb({"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": "x"}) == bench.DEFAULT_HOST_LIMIT_GB
+    env = bench.worker_env(2**30, None, bench.default_host_limit_gb({"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": "38"}))
+    assert env["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] == "38"
