@@ -886,6 +886,19 @@ def last_validation(records) -> float:
 _SAMPLE_MAX_PARAMS = 200_000_000
 
 
+def _master_chunk(state, c: int):
+    """Chunk ``c``'s float32 master params in host memory (numpy): a device / pinned host array, a
+    host-updated numpy array, a storage chunk's (read from its file), or a frozen chunk's params."""
+    import jax
+    import numpy as np
+
+    from chunkjax.storage.updater import DiskState
+    p, m = state.params[c], state.master[c]
+    if isinstance(m, DiskState):
+        return np.asarray(m.read(c)[0])
+    return np.asarray(jax.device_get(p if m is None else m))
+
+
 def master_params(step, state) -> dict:
     """The float32 master params of ``state`` as a pytree of numpy arrays (host memory), after the
     pending host updates: what the export writes and the sampler reads. Under ZeRO a collective
@@ -896,9 +909,7 @@ def master_params(step, state) -> dict:
     step.wait(state)
     if step.mesh is not None:  # gathered from every process's shards and slices (a collective)
         return jax.tree.map(np.asarray, step.master_params(state))
-    # per chunk: a device / pinned host array or a numpy array (host-updated)
-    masters = [np.asarray(jax.device_get(p if m is None else m))  # a frozen chunk: its params
-               for p, m in zip(state.params, state.master)]
+    masters = [_master_chunk(state, c) for c in range(step.layout.n_chunks)]
     with jax.default_device(jax.local_devices(backend="cpu")[0]):
         return jax.tree.map(np.asarray, step.layout.unpack(masters))
 
@@ -915,8 +926,7 @@ def trainable_params(step, state) -> dict:
         return master_params(step, state)
     step.wait(state)
     lay = step.layout
-    chunks = {c: np.asarray(jax.device_get(state.master[c])) for c in range(lay.n_chunks)
-              if lay.chunk_trainable[c]}
+    chunks = {c: _master_chunk(state, c) for c in range(lay.n_chunks) if lay.chunk_trainable[c]}
     out: dict = {}
     for s in lay.slots:
         if not all(lay.chunk_trainable[p.chunk] for p in s.pieces):

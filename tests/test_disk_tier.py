@@ -443,3 +443,40 @@ def test_disk_placement_moves_the_fewest_chunks_under_a_stepped_host_measure(set
     assert 1 <= n
     on_host = sum(u == "host" for u in s.update_locations)
     assert on_host == 1, s.counts()  # the jump allows one host chunk: every other offloaded chunk on disk, no more
+
+
+def test_job_with_storage_samples_and_exports_as_without(tmp_path):
+    """``python -m experiments.train --init-from <folder> --storage DIR``: the job's own reading of
+    the master params (the sample before and after, the Hugging Face export) crashed on storage
+    chunks (their master is in a file: ``TypeError ... numpy.ndarray`` in ``layout.unpack``). Right:
+    the run samples and exports, and the export equals the same run's without the disk tier (fp32
+    tolerance: the near-storage worker runs the host kernel on the same inputs)."""
+    import json
+    import shutil
+
+    from experiments import train
+    from models import hf
+    src = tmp_path / "ck"
+    shutil.copytree(os.path.join(os.path.dirname(__file__), "fixtures", "hf_llama3"), src)
+    words = "the sea of troubles arms fortune slings and arrows outrageous mind to be or not question".split()
+    rng = np.random.default_rng(5)
+    (tmp_path / "t.txt").write_text("\n\n".join(" ".join(rng.choice(words, 30)) for _ in range(40)))
+    runs = {}
+    for name, extra in (("disk", ["--storage", str(tmp_path / "store"), "--host-budget", "200KiB"]), ("host", [])):
+        out = tmp_path / name
+        rc = train.main(["--init-from", str(src), "--data", str(tmp_path / "t.txt"), "--steps", "3", "--batch", "2",
+                         "--seq", "32", "--eval-every", "3", "--eval-batches", "1", "--sample-tokens", "4",
+                         "--lr", "3e-3", "--warmup", "0", "--no-progress", "--out-dir", str(out),
+                         "--checkpoint-every", "0", "--compute-dtype", "float32"] + extra)
+        assert rc == 0
+        (run,) = out.iterdir()
+        rep = json.loads((run / "report.json").read_text())
+        runs[name] = (run, rep)
+    disk_rep = runs["disk"][1]
+    assert disk_rep["placement_counts"].get("params_pinned_host/update_storage", 0) >= 1, disk_rep["placement_counts"]
+    assert runs["host"][1]["placement_counts"].get("params_pinned_host/update_storage", 0) == 0
+    assert disk_rep["sample_before"] and disk_rep["sample"]
+    a, b = hf.open_hf_checkpoint(runs["disk"][0] / "hf"), hf.open_hf_checkpoint(runs["host"][0] / "hf")
+    assert sorted(a.entries) == sorted(b.entries)
+    for n in a.entries:
+        np.testing.assert_allclose(a.tensor(n).astype(np.float32), b.tensor(n).astype(np.float32), rtol=1e-5, atol=1e-6)
