@@ -207,6 +207,9 @@ def _preset(init_from: str, presets: dict) -> dict:
         return {}
     from experiments.job_model import preset_for
     preset = preset_for(init_from)
+    if preset is None and os.path.isdir(init_from):
+        raise UsageError(f"--init-from {init_from}: {os.path.join(init_from, 'config.json')} is missing: pass a Hugging "
+                         "Face checkpoint folder (config.json, *.safetensors, tokenizer.json)")
     if preset is None:
         raise UsageError(f"--init-from {init_from!r} is not known: use one of {', '.join(presets)} or a Hugging Face "
                          "folder (config.json, *.safetensors, tokenizer.json)")

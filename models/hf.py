@@ -114,6 +114,13 @@ def _get_path(tree, path: str):
 
 # ---- config.json <-> LlamaConfig ------------------------------------------------------------
 
+#: Keys every config.json must hold (no default makes sense for them).
+_REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+#: RoPE type -> the ``rope_scaling`` keys transformers requires for it.
+_ROPE_KEYS = {"default": (), "linear": ("factor",),
+              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+
+
 def config_from_hf(hc: dict, name: str = "hf-model", where: str = "config.json") -> LlamaConfig:
     """The :class:`models.llama.LlamaConfig` of a transformers ``config.json`` (a dict).
 
@@ -123,19 +130,34 @@ def config_from_hf(hc: dict, name: str = "hf-model", where: str = "config.json")
     and Mistral's ``sliding_window``. The model's name is ``chunkjax_name`` when present, else ``name``.
 
     Raises:
-      ValueError: another model type, an activation other than silu, an unsupported RoPE scaling
-        or Qwen2's per-layer sliding window (one line naming the key and what is accepted).
+      ValueError: another model type, a missing size key (:data:`_REQUIRED_KEYS`), an activation
+        other than silu, an unsupported, malformed or incomplete RoPE scaling (:data:`_ROPE_KEYS`),
+        a non-numeric size or Qwen2's per-layer sliding window (one line naming the key and what
+        is accepted).
     """
+    if not isinstance(hc, dict):
+        raise ValueError(f"{where}: a JSON object of settings is expected, got {type(hc).__name__}: re-download it")
     mt = hc.get("model_type")
     if mt not in FAMILIES:
         raise ValueError(f"{where}: model_type {mt!r} is not of the Llama family: use one of {', '.join(FAMILIES)}")
+    missing = [k for k in _REQUIRED_KEYS if hc.get(k) is None]
+    if missing:
+        raise ValueError(f"{where}: {', '.join(missing)} missing: a {mt} config.json needs {', '.join(_REQUIRED_KEYS)}")
     if hc.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{where}: hidden_act {hc.get('hidden_act')!r}: only silu (SwiGLU) is supported")
+    for key in ("rope_parameters", "rope_scaling"):
+        if hc.get(key) is not None and not isinstance(hc[key], dict):
+            raise ValueError(f"{where}: {key} {hc[key]!r} must be an object such as {{\"rope_type\": \"llama3\", "
+                             "\"factor\": 8.0, ...} or null")
     rp = hc.get("rope_parameters") or {}
     rs = hc.get("rope_scaling") or (rp if rp.get("rope_type", "default") != "default" else {})
     rtype = rs.get("rope_type", rs.get("type", "default"))
-    if rtype not in ("default", "linear", "llama3"):
+    if rtype not in _ROPE_KEYS:
         raise ValueError(f"{where}: rope_scaling type {rtype!r} is not supported: use default, linear or llama3")
+    missing = [k for k in _ROPE_KEYS[rtype] if rs.get(k) is None]
+    if missing:
+        raise ValueError(f"{where}: rope_scaling of type {rtype} lacks {', '.join(missing)}: "
+                         f"it needs {', '.join(_ROPE_KEYS[rtype])}")
     theta = hc.get("rope_theta", rp.get("rope_theta", 10000.0))
     if mt == "qwen2":
         bias = ("q_proj", "k_proj", "v_proj")
@@ -146,19 +168,25 @@ def config_from_hf(hc: dict, name: str = "hf-model", where: str = "config.json")
         bias = (("q_proj", "k_proj", "v_proj", "o_proj") if hc.get("attention_bias") else ()) + \
                (("gate_proj", "up_proj", "down_proj") if hc.get("mlp_bias") else ())
         window = hc.get("sliding_window") if mt == "mistral" else None
-    n_heads = int(hc["num_attention_heads"])
-    return LlamaConfig(
-        name=hc.get("chunkjax_name", name), vocab_size=int(hc["vocab_size"]), d_model=int(hc["hidden_size"]),
-        n_layers=int(hc["num_hidden_layers"]), n_heads=n_heads,
-        n_kv_heads=int(hc.get("num_key_value_heads") or n_heads),
-        head_dim=int(hc.get("head_dim") or hc["hidden_size"] // n_heads), d_ff=int(hc["intermediate_size"]),
-        rope_theta=float(theta), rms_eps=float(hc.get("rms_norm_eps", 1e-6)),
-        max_seq_len=int(hc.get("max_position_embeddings", 2048)), family=mt,
-        tie_embeddings=bool(hc.get("tie_word_embeddings", False)), bias_projs=bias, rope_type=rtype,
-        rope_factor=float(rs.get("factor", 1.0)), rope_low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
-        rope_high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
-        rope_original_max_pos=int(rs.get("original_max_position_embeddings", 8192)),
-        sliding_window=int(window) if window else None)
+    try:
+        n_heads = int(hc["num_attention_heads"])
+        sizes = dict(
+            vocab_size=int(hc["vocab_size"]), d_model=int(hc["hidden_size"]), n_layers=int(hc["num_hidden_layers"]),
+            n_heads=n_heads, n_kv_heads=int(hc.get("num_key_value_heads") or n_heads),
+            head_dim=int(hc.get("head_dim") or hc["hidden_size"] // n_heads), d_ff=int(hc["intermediate_size"]),
+            rope_theta=float(theta), rms_eps=float(hc.get("rms_norm_eps", 1e-6)),
+            max_seq_len=int(hc.get("max_position_embeddings", 2048)),
+            rope_factor=float(rs.get("factor", 1.0)), rope_low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
+            rope_high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
+            rope_original_max_pos=int(rs.get("original_max_position_embeddings", 8192)),
+            sliding_window=int(window) if window else None)
+    except (TypeError, ValueError, ZeroDivisionError) as e:
+        raise ValueError(f"{where}: a size or RoPE setting is not a number ({e}): fix config.json") from None
+    try:
+        return LlamaConfig(name=hc.get("chunkjax_name", name), family=mt, bias_projs=bias, rope_type=rtype,
+                           tie_embeddings=bool(hc.get("tie_word_embeddings", False)), **sizes)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
 
 
 def hf_config_dict(cfg: LlamaConfig, bos_token_id: int | None = 1, eos_token_id: int | None = 2,
@@ -432,12 +460,17 @@ class HFCheckpoint:
 
         Raises:
           FileNotFoundError: the folder has no tokenizer.json (one line).
+          ValueError: tokenizer.json cannot be parsed (one line naming it).
         """
         from tokenizers import Tokenizer
         f = self.path / "tokenizer.json"
         if not f.is_file():
             raise FileNotFoundError(f"{f} is missing: the checkpoint needs its tokenizer.json (a fast tokenizer)")
-        return Tokenizer.from_file(str(f))
+        try:
+            return Tokenizer.from_file(str(f))
+        except Exception as e:  # tokenizers raises a bare Exception for a malformed file
+            raise ValueError(f"{f}: not a valid tokenizer.json ({' '.join(str(e).split())}): fix or re-download "
+                             "it (a fast tokenizer, as transformers saves it)") from None
 
     def token_id(self, key: str) -> int | None:
         """``bos_token_id`` / ``eos_token_id`` of config.json (the first of a list), or None."""
@@ -451,23 +484,35 @@ class HFCheckpoint:
         return {m.path: m for m in tensor_map(self.config)}
 
 
+def _read_json(f: pathlib.Path):
+    try:
+        return json.loads(f.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{f}: not valid JSON ({' '.join(str(e).split())}): fix or re-download it") from None
+
+
 def open_hf_checkpoint(path) -> HFCheckpoint:
     """Open a Hugging Face folder of the Llama family (module docstring): reads config.json and
     the safetensors headers, checks every tensor's name, shape and dtype, reads no weights.
 
     Raises:
       FileNotFoundError: no config.json, or neither model.safetensors nor its index (one line).
-      ValueError: an unsupported config (:func:`config_from_hf`), a missing, mis-shaped or
-        non-float tensor, a shard the index names but the folder lacks, or an untied ``lm_head``
+      ValueError: config.json or the index not valid JSON, an unsupported config
+        (:func:`config_from_hf`), a missing, mis-shaped or non-float tensor, a tensor past the end
+        of its file (truncated download: from the header's ``data_offsets`` and the file size,
+        nothing read), a shard the index names but the folder lacks, or an untied ``lm_head``
         under ``tie_word_embeddings`` (one line naming it).
     """
     p = pathlib.Path(path)
     if not (p / "config.json").is_file():
         raise FileNotFoundError(f"{p / 'config.json'} is missing: not a Hugging Face checkpoint folder")
-    hc = json.loads((p / "config.json").read_text())
+    hc = _read_json(p / "config.json")
     cfg = config_from_hf(hc, p.name, str(p / "config.json"))
     if (p / INDEX_FILE).is_file():
-        weight_map = json.loads((p / INDEX_FILE).read_text()).get("weight_map", {})
+        index = _read_json(p / INDEX_FILE)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise ValueError(f"{p / INDEX_FILE}: no weight_map of tensor -> file: re-download it")
         files = sorted(set(weight_map.values()))
     elif (p / SINGLE_FILE).is_file():
         files = [SINGLE_FILE]
@@ -479,10 +524,18 @@ def open_hf_checkpoint(path) -> HFCheckpoint:
         if not (p / f).is_file():
             raise ValueError(f"{p / INDEX_FILE} names {f}, which the folder lacks (incomplete download?)")
         header, start = read_header(p / f)
+        size = os.path.getsize(p / f)
         for name, info in header.items():
             if name != "__metadata__":
+                try:
+                    begin, end = (int(x) for x in info["data_offsets"])
+                except (TypeError, KeyError, ValueError):
+                    raise ValueError(f"{p / f} {name}: header entry without data_offsets: re-download it") from None
+                if start + end > size:
+                    raise ValueError(f"{p / f} {name}: file ends inside the tensor (truncated download?): "
+                                     "re-download it")
                 entries[name] = (p / f, start, info)
-                nbytes += info["data_offsets"][1] - info["data_offsets"][0]
+                nbytes += end - begin
     for m in tensor_map(cfg):
         if m.name not in entries:
             raise ValueError(f"{p}: tensor {m.name} is missing (config {cfg.family}, {cfg.n_layers} layers)")

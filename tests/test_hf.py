@@ -234,6 +234,77 @@ def test_open_refuses_bad_folders(tmp_path):
         hf.open_hf_checkpoint(variant("noweights", drop=hf.INDEX_FILE))
 
 
+def _broken(tmp_path, name, src="hf_llama3", edit=None, drop=None, write=None, truncate=None):
+    """A copy of fixture ``src`` in ``tmp_path / name`` with config.json edited (``edit(hc)``), a
+    file dropped, files overwritten (``write``: {file: text}) or cut (``truncate``: {file: bytes})."""
+    d = tmp_path / name
+    shutil.copytree(fixture(src), d)
+    if edit:
+        hc = json.loads((d / "config.json").read_text())
+        edit(hc)
+        (d / "config.json").write_text(json.dumps(hc))
+    if drop:
+        os.remove(d / drop)
+    for f, text in (write or {}).items():
+        (d / f).write_text(text)
+    for f, cut in (truncate or {}).items():
+        os.truncate(d / f, os.path.getsize(d / f) - cut)
+    return d
+
+
+def test_open_refuses_broken_files(tmp_path):
+    """Malformed config.json / tokenizer.json / truncated weights: one line naming the file and the
+    key, raised when the folder is opened (no weights read)."""
+    def pop(*keys):
+        return lambda hc: [hc.pop(k) for k in keys]
+    llama3 = {"rope_type": "llama3", "factor": 8.0}
+    cases = [
+        (dict(edit=lambda hc: hc.update(rope_scaling="llama3")),
+         "rope_scaling 'llama3' must be an object such as {\"rope_type\": \"llama3\", \"factor\": 8.0, ...} or null"),
+        (dict(edit=lambda hc: hc.update(rope_parameters=[1])), "rope_parameters [1] must be an object"),
+        (dict(edit=pop("num_hidden_layers")), "config.json: num_hidden_layers missing"),
+        (dict(edit=pop("hidden_size", "vocab_size")), "config.json: vocab_size, hidden_size missing"),
+        (dict(edit=lambda hc: hc.update(rope_parameters=None, rope_scaling=llama3)),
+         "rope_scaling of type llama3 lacks low_freq_factor, high_freq_factor, original_max_position_embeddings"),
+        (dict(edit=lambda hc: hc.update(rope_parameters={"rope_type": "linear"})),
+         "rope_scaling of type linear lacks factor"),
+        (dict(edit=lambda hc: hc.update(hidden_size="wide")), "config.json: a size or RoPE setting is not a number"),
+        (dict(edit=lambda hc: hc.update(num_key_value_heads=3)), "config.json: n_heads=2 is not a multiple of n_kv_heads=3"),
+        (dict(write={"config.json": "{"}), "config.json: not valid JSON"),
+        (dict(write={"config.json": "[]"}), "config.json: a JSON object of settings is expected"),
+        (dict(write={hf.INDEX_FILE: "{}"}), "model.safetensors.index.json: no weight_map"),
+        (dict(truncate={"model-00003-of-00003.safetensors": 4}), "file ends inside the tensor (truncated download?)"),
+        (dict(src="hf_qwen2", truncate={"model.safetensors": 100}), "file ends inside the tensor (truncated download?)"),
+    ]
+    for k, (kw, msg) in enumerate(cases):
+        d = _broken(tmp_path, f"case{k}", **kw)
+        with pytest.raises(ValueError) as e:
+            hf.open_hf_checkpoint(d)
+        assert msg in str(e.value) and str(d) in str(e.value) and "\n" not in str(e.value), (k, str(e.value))
+    d = _broken(tmp_path, "tok", write={"tokenizer.json": "{1: 2}"})
+    ck = hf.open_hf_checkpoint(d)
+    with pytest.raises(ValueError) as e:
+        ck.tokenizer()
+    assert f"{d / 'tokenizer.json'}: not a valid tokenizer.json" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_job_refuses_broken_folders(capsys, tmp_path):
+    """The job turns each broken folder into one line and exit 2, with nothing in --out-dir."""
+    out = tmp_path / "runs"
+    cases = [
+        (_broken(tmp_path, "noconfig", drop="config.json"), "config.json is missing"),
+        (_broken(tmp_path, "badjson", write={"config.json": "{"}), "config.json: not valid JSON"),
+        (_broken(tmp_path, "rope", edit=lambda hc: hc.update(rope_scaling="llama3")), "rope_scaling 'llama3'"),
+        (_broken(tmp_path, "tok", write={"tokenizer.json": "{1: 2}"}), "not a valid tokenizer.json"),
+        (_broken(tmp_path, "cut", src="hf_qwen2", truncate={"model.safetensors": 100}), "truncated download?"),
+    ]
+    for d, msg in cases:
+        assert train.main(["--init-from", str(d), "--steps", "1", "--out-dir", str(out)]) == 2, d
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and msg in lines[0] and str(d) in lines[0], lines
+        assert not out.exists() or not os.listdir(out)
+
+
 def test_config_dict_round_trip():
     for name in NAMES:
         cfg = hf.open_hf_checkpoint(fixture(name)).config
