@@ -345,6 +345,11 @@ def run(cfg: TrainConfig) -> dict:
     except OSError as e:
         raise UsageError(f"--data-cache {cfg.data_cache!r}: {e.strerror}: pick a writable folder") from None
     setup["data"] = time.time() - t_start - sum(setup.values())
+    if td.meta.get("masked_train_tokens") and (cfg.zero_stage or cfg.micro_batches > 1):
+        raise UsageError("prompt/completion data (the loss on completions only) with --zero-stage or --micro-batches: "
+                         "each rank's or micro-batch's loss would be a mean over its own completion tokens, not the "
+                         "batch's (a mean of means that changes the loss and gradients): train it on one device "
+                         "with --micro-batches 1, or give text without prompts")
     if td.vocab_size > model.vocab_size:
         raise UsageError(f"tokenizer {td.tokenizer.name} has {td.vocab_size} tokens but model {model.name} only "
                          f"{model.vocab_size} rows: pick a tokenizer that fits it (--tokenizer bpe{model.vocab_size} trains a BPE of "
@@ -653,10 +658,15 @@ def _train(cfg, model, fitted, td, folder, t_start, resolved, resume=None, setup
 
     setup["init"] = time.time() - t_init
     dev = problem.batch_sharding  # the first device, or split over the ZeRO ranks
-    val = [jax.device_put(b, dev) for b in data_mod.eval_batches(td.val, cfg.batch, cfg.seq, cfg.eval_batches)]
+    val_np = data_mod.eval_batches(td.val, cfg.batch, cfg.seq, cfg.eval_batches)
+    # each batch's loss is the mean over its scored targets (ids >= 0: prompts are not scored); the
+    # held-out loss is the mean over all of them, whatever --batch and --eval-batches cut them into
+    val_scored = [int((np.asarray(b)[:, 1:] >= 0).sum()) for b in val_np]
+    val = [jax.device_put(b, dev) for b in val_np]
 
     def val_loss(state):
-        return float(np.mean([float(step.eval_loss(state, b)) for b in val]))
+        losses = [float(step.eval_loss(state, b)) for b in val]
+        return float(np.dot(losses, val_scored) / max(1, sum(val_scored)))
 
     tokens_per_step = cfg.batch * cfg.seq
     train_time, timed_steps = float(saved["train_time"]), int(saved["timed_steps"])
@@ -777,7 +787,7 @@ def _train(cfg, model, fitted, td, folder, t_start, resolved, resume=None, setup
         "tflops": tps * model.flops_per_token(cfg.seq) / 1e12 if tps else None,
         "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None, "val_loss_first": vals[0], "val_loss_last": vals[-1],
         "val_ppl_before": ppl0, "val_ppl_after": ppl1, "val_ppl_change": ppl1 / ppl0 - 1,
-        "val_tokens_scored": len(val) * cfg.batch * cfg.seq,
+        "val_tokens_scored": sum(val_scored),
         "unigram_val_loss": data_mod.unigram_cross_entropy(td.train, td.val, td.vocab_size),
         "device_budget_bytes": fit_report.budget_bytes,
         "peak_device_bytes_accounted": pred.peak_device_bytes, "peak_device_bytes_measured": peak_measured,

@@ -482,6 +482,38 @@ def test_job_data_errors(capsys, tmp_path):
     assert (cfg.model, cfg.tokenizer, cfg.seq) == ("hf_qwen2", "hf", 128)  # seq capped at the model's positions
 
 
+def test_masked_held_out_loss_is_the_mean_over_scored_tokens(capsys, tmp_path):
+    """Prompt/completion data score completion tokens only. The held-out loss was the mean of each
+    eval batch's own mean, so it changed with --batch and --eval-batches (6.0207 as one batch of 2
+    rows, 6.0130 as two batches of 1, on a fresh user's data), and under ZeRO or micro-batches the
+    training loss and gradients were a mean of per-rank means too. Right: the held-out loss is the
+    mean over every scored token however the windows are grouped (fp32: 1e-6), and the split runs
+    are refused in one line (exit 2, nothing written) until the loss is normalised globally."""
+    words = "the sea of troubles arms fortune slings and arrows outrageous mind to be or not question".split()
+    rng = np.random.default_rng(3)
+    (tmp_path / "qa.jsonl").write_text("\n".join(json.dumps({"prompt": " ".join(rng.choice(words, int(rng.integers(3, 12)))),
+                                                            "completion": " " + " ".join(rng.choice(words, 9))})
+                                                for _ in range(160)) + "\n")
+    common = ["--init-from", fixture("hf_llama3"), "--data", str(tmp_path / "qa.jsonl"), "--steps", "1", "--seq", "32",
+              "--eval-every", "1", "--sample-tokens", "0", "--warmup", "0", "--no-progress", "--checkpoint-every", "0",
+              "--export", "none", "--compute-dtype", "float32"]
+    vals = []
+    for batch, eval_batches in ((2, 1), (1, 2)):
+        out = tmp_path / f"runs{batch}"
+        assert train.main(common + ["--batch", str(batch), "--eval-batches", str(eval_batches),
+                                    "--out-dir", str(out)]) == 0
+        (run,) = out.iterdir()
+        rep = json.loads((run / "report.json").read_text())
+        assert 0 < rep["val_tokens_scored"] < 2 * 32  # prompts are not scored
+        vals.append(rep["val_loss_first"])
+    np.testing.assert_allclose(vals[0], vals[1], rtol=1e-6)
+    capsys.readouterr()
+    assert train.main(common + ["--batch", "2", "--micro-batches", "2", "--out-dir", str(tmp_path / "mb")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "mean of means" in err and "--micro-batches 1" in err, err
+    assert not (tmp_path / "mb").exists() or not os.listdir(tmp_path / "mb")
+
+
 # ---- live, against transformers ---------------------------------------------------------------
 
 _LIVE = r"""
