@@ -20,6 +20,7 @@ plays, and is exported back in its own layout and dtypes.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Callable
 
 #: ``--init-from`` name -> the job's defaults for it (flags given on the command line win).
@@ -209,7 +210,7 @@ def with_lora(model: JobModel, spec, seed: int = 0) -> JobModel:
         return model.export(lora.merge(tuned, spec), out_dir)
 
     def export_adapters(tuned, out_dir):
-        where = str(model.source.path) if model.source is not None else model.name
+        where = os.path.abspath(str(model.source.path)) if model.source is not None else model.name
         return lora.export_adapters(base_cfg, tuned, spec, out_dir, base_model=where)
 
     def flops(seq: int) -> float:

@@ -350,6 +350,10 @@ def run(cfg: TrainConfig) -> dict:
                          "each rank's or micro-batch's loss would be a mean over its own completion tokens, not the "
                          "batch's (a mean of means that changes the loss and gradients): train it on one device "
                          "with --micro-batches 1, or give text without prompts")
+    if td.vocab_size > model.vocab_size and cfg.init_from:
+        raise UsageError(f"--init-from {cfg.init_from}: its tokenizer has {td.vocab_size} tokens but its model only "
+                         f"{model.vocab_size} embedding rows: the folder's tokenizer.json does not belong to its "
+                         "weights (use the tokenizer the checkpoint was trained with)")
     if td.vocab_size > model.vocab_size:
         raise UsageError(f"tokenizer {td.tokenizer.name} has {td.vocab_size} tokens but model {model.name} only "
                          f"{model.vocab_size} rows: pick a tokenizer that fits it (--tokenizer bpe{model.vocab_size} trains a BPE of "
@@ -387,8 +391,9 @@ def run(cfg: TrainConfig) -> dict:
           + (f" in a {pool / 2**30:.2f} GiB pinned pool" if pool > h["pinned_host_bytes"] else "") + " + "
           f"{h['pageable_bytes'] / 2**30:.2f} pageable + {h['process_bytes'] / 2**30:.2f} for the process"
           + (f" + {h['device_on_host_bytes'] / 2**30:.2f} of device memory" if h.get("device_on_host_bytes") else "")
-          + (f"; speculative-update backups up to {h['speculation_bytes'] / 2**30:.2f} GiB beside it"
-             if h.get("speculation_bytes") else "")
+          + (f"; with clipping, speculative host updates may back up to {h['speculation_bytes'] / 2**30:.2f} "
+             "GiB of state beside it" if h.get("speculation_bytes") and "host" in fit_report.schedule.update_locations
+             else "")
           + f"; {(h['pinned_host_bytes'] + h['pageable_bytes']) / model.n_params:.2f} B/param of model data) of "
           + (f"{h['available_bytes'] / 2**30:.2f} GiB available" if h.get("available_bytes") else "unknown available"),
           flush=True)
@@ -649,7 +654,9 @@ def _train(cfg, model, fitted, td, folder, t_start, resolved, resume=None, setup
             nb = next(batches)
         if nb is not None and zlib.crc32(nb.tobytes()) != saved["data_check"]:
             raise UsageError(f"--resume {resume.run_dir}: the training data differ from the run's (batch "
-                             f"{saved['data_position']} does not match): use the run's --data-cache and --tokenizer")
+                             f"{saved['data_position']} does not match): "
+                             + ("give the run's --data files unchanged" if cfg.data else
+                                "use the run's --data-cache and --tokenizer"))
         kept = _metrics_upto(metrics_path, start)
         if [r["step"] for r in kept] != list(range(start + 1)):
             print(f"warning: {metrics_path} lacks records of some steps <= {start}; the loss curve has gaps", flush=True)

@@ -66,8 +66,12 @@ def data_files(spec: str | Sequence[str]) -> list[str]:
 def _records(path: str) -> list[dict]:
     """The examples of one file: ``{"text": paragraph, "file": path}`` per paragraph of a text
     file; the parsed object per line of a JSON-lines file (``{"prompt", "completion"}`` or ``{"text"}``)."""
-    with open(path, encoding="utf-8") as fh:
-        content = fh.read()
+    try:
+        with open(path, encoding="utf-8") as fh:
+            content = fh.read()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--data {path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}): "
+                         "save it as UTF-8") from None
     if not path.endswith(JSON_SUFFIXES):
         paras = [p.strip("\n") for p in content.replace("\r\n", "\n").split("\n\n")]
         return [{"text": p, "file": path} for p in paras if p.strip()]

@@ -413,7 +413,9 @@ def test_user_data_errors(tmp_path):
     (tmp_path / "one.txt").write_text("just one paragraph")
     (tmp_path / "small.txt").write_text("a\n\nb\n\nc")
     (tmp_path / "empty").mkdir()
+    (tmp_path / "latin1.txt").write_bytes("caf\u00e9 au lait\n\nsecond paragraph".encode("latin-1"))
     cases = [(str(tmp_path / "missing.txt"), "no such file or folder"),
+             (str(tmp_path / "latin1.txt"), r"latin1.txt: not UTF-8 text \(byte 0xe9 at offset 3\): save it as UTF-8"),
              (str(tmp_path / "bad.jsonl"), r"bad.jsonl:2: expected"),
              (str(tmp_path / "notjson.jsonl"), r"notjson.jsonl:2: not JSON"),
              (str(tmp_path / "one.txt"), "need at least 2"),
