@@ -341,7 +341,8 @@ def run(cfg: TrainConfig) -> dict:
     except data_mod.MissingDataError as e:
         raise UsageError(str(e)) from None
     except ValueError as e:
-        raise UsageError(str(e)) from None
+        now = f" (now --batch {cfg.batch} --seq {cfg.seq})" if cfg.data and " split has " in str(e) else ""
+        raise UsageError(str(e) + now) from None
     except OSError as e:
         raise UsageError(f"--data-cache {cfg.data_cache!r}: {e.strerror}: pick a writable folder") from None
     setup["data"] = time.time() - t_start - sum(setup.values())
@@ -642,6 +643,8 @@ def _train(cfg, model, fitted, td, folder, t_start, resolved, resume=None, setup
                 folder.write_text("sample_before.txt", sample_before + "\n")
                 print("sample before training:\n" + sample_before, flush=True)
     else:
+        if (folder.path / "sample_before.txt").exists():  # written by the run resumed
+            sample_before = (folder.path / "sample_before.txt").read_text().rstrip("\n")
         # nothing is written until the state, the data position and the metrics are known good
         try:
             state, saved = ck.restore_checkpoint(ckpt_dir, step, resume.step)
@@ -701,6 +704,8 @@ def _train(cfg, model, fitted, td, folder, t_start, resolved, resume=None, setup
         t0 = time.time()
         records = [{"step": 0, "tokens": 0, "val_loss": val_loss(state)}]
         setup["first_eval"] = time.time() - t0
+        if model.pretrained and not math.isfinite(records[0]["val_loss"]):
+            raise UsageError(f"the held-out loss before training is {records[0]['val_loss']}: {_nonfinite_leaf(step, state)}")
         mf = open(metrics_path, "w")
         mf.write(json.dumps(records[0]) + "\n")
     else:
@@ -917,6 +922,19 @@ def _master_chunk(state, c: int):
     if isinstance(m, DiskState):
         return np.asarray(m.read(c)[0])
     return np.asarray(jax.device_get(p if m is None else m))
+
+
+def _nonfinite_leaf(step, state) -> str:
+    """Which pre-trained weight holds a NaN or inf (read chunk by chunk), as advice for the job's
+    refusal; or what else to check when every weight is finite."""
+    import numpy as np
+    lay = step.layout
+    bad = {c for c in range(lay.n_chunks) if not np.isfinite(_master_chunk(state, c)).all()}
+    for s in lay.slots:
+        if any(p.chunk in bad and not np.isfinite(_master_chunk(state, p.chunk)[p.offset:p.offset + p.size]).all()
+               for p in s.pieces):
+            return f"the checkpoint's {s.path} holds NaN or inf values: re-download or repair the checkpoint"
+    return "every weight is finite: check the data (token ids within the model's vocabulary) and --compute-dtype"
 
 
 def master_params(step, state) -> dict:

@@ -562,3 +562,26 @@ def test_live_transformers_matches(tmp_path, refs):
         err = np.abs(live[f"logits{k}"] - mine).max()
         print(f"{jobs[k][0]}: max |logit(transformers) - logit(ours)| = {err:.2e}")
         assert err <= LOGIT_ATOL
+
+
+def test_job_names_a_nonfinite_checkpoint_weight(capsys, tmp_path):
+    """A NaN in a checkpoint's weights was reported as 'loss became nan at step 1: lower --lr or
+    keep --clip > 0' (the held-out loss before training was already NaN). Right: refused after
+    the first evaluation in one line naming the weight, exit 2, no run folder left."""
+    from safetensors.numpy import load_file, save_file
+    d = _broken(tmp_path, "nanw")
+    shard = d / "model-00002-of-00003.safetensors"
+    ts = load_file(str(shard))
+    name = sorted(n for n in ts if n.endswith("down_proj.weight"))[0]
+    ts[name] = ts[name].copy()
+    ts[name].reshape(-1)[7] = np.nan
+    save_file(ts, str(shard), metadata={"format": "pt"})
+    words = "the sea of troubles arms fortune slings and arrows outrageous mind to be or not question".split()
+    rng = np.random.default_rng(1)
+    (tmp_path / "t.txt").write_text("\n\n".join(" ".join(rng.choice(words, 30)) for _ in range(40)))
+    rc = train.main(["--init-from", str(d), "--data", str(tmp_path / "t.txt"), "--steps", "2", "--batch", "2",
+                     "--seq", "32", "--sample-tokens", "0", "--no-progress", "--out-dir", str(tmp_path / "runs")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "\n" not in err, err
+    assert "before training is nan" in err and "down_proj" in err and "NaN or inf" in err, err
+    assert not (tmp_path / "runs").exists() or not os.listdir(tmp_path / "runs")
