@@ -207,15 +207,7 @@ def test_open_refuses_bad_folders(tmp_path):
         hf.open_hf_checkpoint(tmp_path)
 
     def variant(name, edit=None, drop=None):
-        d = tmp_path / name
-        shutil.copytree(fixture("hf_llama3"), d)
-        if edit:
-            hc = json.loads((d / "config.json").read_text())
-            edit(hc)
-            (d / "config.json").write_text(json.dumps(hc))
-        if drop:
-            os.remove(d / drop)
-        return d
+        return _broken(tmp_path, name, edit=edit, drop=drop)
 
     cases = [
         (variant("gpt2", lambda hc: hc.update(model_type="gpt2")), "model_type 'gpt2' is not of the Llama family"),

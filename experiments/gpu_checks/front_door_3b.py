@@ -361,15 +361,7 @@ class PhaseClock:
         clock = self
 
         def timed_main(kind):
-            def make(orig):
-                def wrapper(*a, **k):
-                    t = clock._now()
-                    try:
-                        return orig(*a, **k)
-                    finally:
-                        clock._event(kind, start_s=round(t, 5), end_s=round(clock._now(), 5))
-                return wrapper
-            return make
+            return lambda orig: clock._timed(orig, kind)
 
         def program(orig):
             def wrapper(self_, batch, k):
@@ -435,11 +427,16 @@ class PhaseClock:
         return self
 
     def _main_only(self, orig, kind):
+        return self._timed(orig, kind, main_only=True)
+
+    def _timed(self, orig, kind, main_only: bool = False):
+        """``orig`` wrapped so that each call is recorded as a ``kind`` event (only the main
+        thread's calls with ``main_only``)."""
         import threading
         clock = self
 
         def wrapper(*a, **k):
-            if threading.current_thread() is not threading.main_thread():
+            if main_only and threading.current_thread() is not threading.main_thread():
                 return orig(*a, **k)
             t = clock._now()
             try:
