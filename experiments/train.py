@@ -911,28 +911,15 @@ def last_validation(records) -> float:
 _SAMPLE_MAX_PARAMS = 200_000_000
 
 
-def _master_chunk(state, c: int):
-    """Chunk ``c``'s float32 master params in host memory (numpy): a device / pinned host array, a
-    host-updated numpy array, a storage chunk's (read from its file), or a frozen chunk's params."""
-    import jax
-    import numpy as np
-
-    from chunkjax.storage.updater import DiskState
-    p, m = state.params[c], state.master[c]
-    if isinstance(m, DiskState):
-        return np.asarray(m.read(c)[0])
-    return np.asarray(jax.device_get(p if m is None else m))
-
-
 def _nonfinite_leaf(step, state) -> str:
     """Which pre-trained weight holds a NaN or inf (read chunk by chunk), as advice for the job's
     refusal; or what else to check when every weight is finite."""
     import numpy as np
     lay = step.layout
-    bad = {c for c in range(lay.n_chunks) if not np.isfinite(_master_chunk(state, c)).all()}
+    chunks = (step.checkpoint_master(state, c) for c in range(lay.n_chunks))
+    bad = {c: a for c, a in enumerate(chunks) if not np.isfinite(a).all()}
     for s in lay.slots:
-        if any(p.chunk in bad and not np.isfinite(_master_chunk(state, p.chunk)[p.offset:p.offset + p.size]).all()
-               for p in s.pieces):
+        if any(p.chunk in bad and not np.isfinite(bad[p.chunk][p.offset:p.offset + p.size]).all() for p in s.pieces):
             return f"the checkpoint's {s.path} holds NaN or inf values: re-download or repair the checkpoint"
     return "every weight is finite: check the data (token ids within the model's vocabulary) and --compute-dtype"
 
@@ -947,7 +934,7 @@ def master_params(step, state) -> dict:
     step.wait(state)
     if step.mesh is not None:  # gathered from every process's shards and slices (a collective)
         return jax.tree.map(np.asarray, step.master_params(state))
-    masters = [_master_chunk(state, c) for c in range(step.layout.n_chunks)]
+    masters = [step.checkpoint_master(state, c) for c in range(step.layout.n_chunks)]
     with jax.default_device(jax.local_devices(backend="cpu")[0]):
         return jax.tree.map(np.asarray, step.layout.unpack(masters))
 
@@ -957,14 +944,13 @@ def trainable_params(step, state) -> dict:
     by leaf path, e.g. ``{"layer_0": {"q_proj": {"lora_a": ...}}}``), read from the trainable
     chunks alone after the pending host updates: what an adapters-only export writes, without
     the frozen chunks ever leaving the device. Under ZeRO: :func:`master_params` (a collective)."""
-    import jax
     import numpy as np
 
     if step.mesh is not None:
         return master_params(step, state)
     step.wait(state)
     lay = step.layout
-    chunks = {c: _master_chunk(state, c) for c in range(lay.n_chunks) if lay.chunk_trainable[c]}
+    chunks = {c: step.checkpoint_master(state, c) for c in range(lay.n_chunks) if lay.chunk_trainable[c]}
     out: dict = {}
     for s in lay.slots:
         if not all(lay.chunk_trainable[p.chunk] for p in s.pieces):
