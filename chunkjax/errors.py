@@ -29,3 +29,7 @@ class PlanError(ValueError):
 
 class HostBudgetError(PlanError):
     """No placement's host bytes fit the host budget (the device budget would fit one)."""
+
+
+class PinnedLimitError(HostBudgetError):
+    """Every placement's pinned host bytes exceed the process's limit on pinned host memory."""

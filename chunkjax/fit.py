@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from chunkjax.cost import Rates, matmul_flops
-from chunkjax.errors import HostBudgetError, PlanError
+from chunkjax.errors import HostBudgetError, PinnedLimitError, PlanError
 from chunkjax.fit_host import fit_host, host_bytes_of, pinned_limit_error, speculation_bytes
 from chunkjax.host_memory import available_for_plan, check_host_lower_bound, process_bytes
 from chunkjax.layout import ChunkLayout, build_layout, first_use_order
@@ -390,7 +390,7 @@ def plan(problem: FitProblem, budget_bytes: int, *, policy: str = "tide", reside
         try:
             return _plan(p, budget_bytes, split=False, **kw)
         except PlanError as e2:
-            if getattr(e2, "over_pinned_limit", False):
+            if isinstance(e2, PinnedLimitError):
                 raise pinned_limit_error(p, budget_bytes) from None
             raise e from None
 

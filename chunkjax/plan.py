@@ -45,7 +45,7 @@ from typing import Sequence
 
 from chunkjax import predict as pr
 from chunkjax.cost import Rates
-from chunkjax.errors import HostBudgetError, PlanError, gib_ceil
+from chunkjax.errors import HostBudgetError, PinnedLimitError, PlanError, gib_ceil
 from chunkjax.eviction import CapacityError, belady
 from chunkjax.host_forms import assign_host_forms
 from chunkjax.layout import ChunkLayout
@@ -78,7 +78,7 @@ _MSG_HOST_ZERO = ("node host budget {host} bytes ({host_rank} per rank over {n} 
                   "(every chunk that fits stays on the device): use host_budget >= {need_gib:.3f}GiB (the node's) "
                   "or a larger device_budget")
 _MSG_HOST_LIMIT = ("at a device budget of {dev} bytes every placement's pinned host bytes exceed the limit on "
-                   "pinned host memory{limit}: raise that limit or the device budget, or give storage directories")
+                   "pinned host memory: raise that limit or the device budget, or give storage directories")
 #: What a ``host_bytes_of`` measure returns for a placement the host cannot hold at any budget (its
 #: pinned bytes exceed the process's limit on pinned host memory).
 OVER_HOST_LIMIT = 2**62
@@ -283,9 +283,7 @@ def _tide_infeasible(one, n_chunks: int, tide: Tide, cb: ChunkBytes, budget: int
         need = min(host_bytes(s) for s in
                    (one(budget, set(range(k))) for k in range(n_chunks + 1)) if s is not None) // ranks
         if need * ranks >= OVER_HOST_LIMIT:
-            err = HostBudgetError(_MSG_HOST_LIMIT.format(dev=budget, limit=""), budget, False)
-            err.over_pinned_limit = True
-            raise err
+            raise PinnedLimitError(_MSG_HOST_LIMIT.format(dev=budget), budget, False)
         raise _host_error(host_budget, need, budget, ranks)
     lo, hi = budget, max(budget, 1) * 2
     while one(hi, set()) is None:
