@@ -289,6 +289,7 @@ def run(cfg: TrainConfig) -> dict:
     import jax.numpy as jnp
 
     import chunkjax as cj
+    from chunkjax.errors import format_bytes as fb
     from chunkjax.fit import describe as describe_fit
     from experiments import data as data_mod
     from experiments import distributed
@@ -380,23 +381,23 @@ def run(cfg: TrainConfig) -> dict:
     print("config: " + " ".join(f"{k}={v}" for k, v in resolved.items()), flush=True)
     print(layout.summary().splitlines()[0], flush=True)
     for k, h in enumerate(fit_report.plans):
-        print(f"compiled check {k}: plan for {h['effective_budget_bytes'] / 2**20:.1f} MiB {h['counts']}: compiled peak "
-              f"{h['compiled_peak_bytes'] / 2**20:.1f} MiB, accounted {h['predicted_peak_bytes'] / 2**20:.1f} MiB "
-              f"(headroom {fit_report.headroom:.0%} of {budget / 2**20:.1f} MiB)", flush=True)
+        print(f"compiled check {k}: plan for {fb(h['effective_budget_bytes'])} {h['counts']}: compiled peak "
+              f"{fb(h['compiled_peak_bytes'])}, accounted {fb(h['predicted_peak_bytes'])} "
+              f"(headroom {fit_report.headroom:.0%} of {fb(budget)})", flush=True)
     for note in fit_report.notes:
         print(f"note: {note}", flush=True)
     print(describe_fit(fit_report, problem), flush=True)
     h = fit_report.host
     pool = h.get("pinned_pool_bytes", h["pinned_host_bytes"])
-    print(f"host: the plan needs {h['need_bytes'] / 2**30:.2f} GiB ({h['pinned_host_bytes'] / 2**30:.2f} pinned"
-          + (f" in a {pool / 2**30:.2f} GiB pinned pool" if pool > h["pinned_host_bytes"] else "") + " + "
-          f"{h['pageable_bytes'] / 2**30:.2f} pageable + {h['process_bytes'] / 2**30:.2f} for the process"
-          + (f" + {h['device_on_host_bytes'] / 2**30:.2f} of device memory" if h.get("device_on_host_bytes") else "")
-          + (f"; with clipping, speculative host updates may back up to {h['speculation_bytes'] / 2**30:.2f} "
-             "GiB of state beside it" if h.get("speculation_bytes") and "host" in fit_report.schedule.update_locations
+    print(f"host: the plan needs {fb(h['need_bytes'])} ({fb(h['pinned_host_bytes'])} pinned"
+          + (f" in a {fb(pool)} pinned pool" if pool > h["pinned_host_bytes"] else "") + " + "
+          f"{fb(h['pageable_bytes'])} pageable + {fb(h['process_bytes'])} for the process"
+          + (f" + {fb(h['device_on_host_bytes'])} of device memory" if h.get("device_on_host_bytes") else "")
+          + (f"; with clipping, speculative host updates may back up to {fb(h['speculation_bytes'])} "
+             "of state beside it" if h.get("speculation_bytes") and "host" in fit_report.schedule.update_locations
              else "")
           + f"; {(h['pinned_host_bytes'] + h['pageable_bytes']) / model.n_params:.2f} B/param of model data) of "
-          + (f"{h['available_bytes'] / 2**30:.2f} GiB available" if h.get("available_bytes") else "unknown available"),
+          + (f"{fb(h['available_bytes'])} available" if h.get("available_bytes") else "unknown available"),
           flush=True)
 
     if "train_plays" in td.meta:
