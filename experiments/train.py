@@ -217,26 +217,53 @@ def _preset(init_from: str, presets: dict) -> dict:
 
 
 def parse_args(argv=None) -> TrainConfig:
-    """Command line -> :class:`TrainConfig`; ``--init-from`` sets its preset's defaults first.
+    """Command line -> :class:`TrainConfig`; ``--init-from`` sets its preset's defaults first
+    (flags given win), and ``--help`` shows the defaults that run (:func:`arg_parser`).
 
     Raises:
       UsageError: an unknown ``--init-from`` name (argparse itself exits 2 on unknown flags).
     """
-    ap = argparse.ArgumentParser(prog="python -m experiments.train", description=__doc__.split("\n\n")[0])
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--init-from", default="")
+    init_from = pre.parse_known_args(argv)[0].init_from
+    return TrainConfig(**vars(arg_parser(init_from).parse_args(argv)))
+
+
+def arg_parser(init_from: str = "") -> argparse.ArgumentParser:
+    """The job's argument parser with the defaults of ``--init-from init_from`` (""): a random
+    init). Each flag's help says its default and, where ``--init-from`` changes it, the other
+    defaults: without ``--init-from``, the Hugging Face folder preset's and each named preset's
+    (:data:`experiments.job_model.FOLDER_PRESET`, :data:`~experiments.job_model.PRESETS`); with it,
+    that preset's value as the default and the random init's beside it.
+
+    Raises:
+      UsageError: an unknown ``init_from`` name.
+    """
+    from experiments.job_model import FOLDER_PRESET, PRESETS
+    preset = _preset(init_from, PRESETS)
+    shown = {"a Hugging Face folder": FOLDER_PRESET | {"model": "the folder's name", "seq": (
+        f"{FOLDER_PRESET['seq']} or the model's max_position_embeddings if fewer")}} | PRESETS
+    ap = argparse.ArgumentParser(
+        prog="python -m experiments.train", description=__doc__.split("\n\n")[0],
+        epilog="Defaults: a flag's 'with --init-from' values replace its random-init default when --init-from "
+               "is given (flags given on the command line win); 'python -m experiments.train --init-from X "
+               "--help' shows X's defaults.")
     for f in dataclasses.fields(TrainConfig):
         name = "--" + f.name.replace("_", "-")
-        help_ = f"{f.metadata['help']} (default: {f.default})".replace("%", "%%")
+        if f.name in preset and preset[f.name] != f.default:
+            default = preset[f.name]
+            note = f"default with --init-from {init_from}: {default}; random init: {f.default}"
+        else:
+            others = [f"{label}: {p[f.name]}" for label, p in shown.items() if f.name in p and p[f.name] != f.default]
+            default = preset.get(f.name, f.default)
+            note = f"default: {default}" + (f"; with --init-from {', '.join(others)}" if others and not preset else "")
+        help_ = f"{f.metadata['help']} ({note})".replace("%", "%%")
         if f.type in ("bool", bool):
-            ap.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
+            ap.add_argument(name, action=argparse.BooleanOptionalAction, default=default, help=help_)
         else:
             typ = {"int": int, "float": float, "str": str}.get(str(f.type), str)
-            ap.add_argument(name, type=typ, default=f.default, help=help_)
-    ns = ap.parse_args(argv)
-    if ns.init_from:  # the preset's defaults under the flags given
-        from experiments.job_model import PRESETS
-        ap.set_defaults(**_preset(ns.init_from, PRESETS))
-        ns = ap.parse_args(argv)
-    return TrainConfig(**vars(ns))
+            ap.add_argument(name, type=typ, default=default, help=help_)
+    return ap
 
 
 # ---- the launcher: memory settings must be in the environment before JAX starts ------------
@@ -539,6 +566,8 @@ def _validate(cfg: TrainConfig) -> None:
             raise UsageError(f"--storage: {e}") from None
         if cfg.zero_stage:
             raise UsageError("--storage runs on one device: leave out --zero-stage")
+        for line in check_storage_dirs(storage_options(cfg.storage).dirs):
+            print(line, flush=True)
     if cfg.export not in ("merged", "adapters", "both", "none"):
         raise UsageError(f"--export {cfg.export!r}: use merged, adapters, both or none")
     if cfg.export in ("adapters", "both") and not cfg.lora_rank:
@@ -575,6 +604,51 @@ def _validate(cfg: TrainConfig) -> None:
         os.rmdir(tempfile.mkdtemp(prefix=".writable_", dir=cfg.out_dir))
     except OSError as e:
         raise UsageError(f"--out-dir {cfg.out_dir!r} is not writable ({e.strerror}): pick a writable folder") from None
+
+
+def check_storage_dirs(dirs) -> list[str]:
+    """Check every ``--storage`` directory by writing, before any work and whether or not the plan
+    will put chunks there: an existing directory gets a probe folder made and removed in it; a
+    missing one is created (with its missing parents) and removed again. ``os.access`` is not
+    enough (it says yes to root where the filesystem says no, e.g. under ``/sys`` or on a
+    read-only mount). Nothing is left behind.
+
+    Args:
+      dirs: the directories (strings, as :class:`chunkjax.storage.updater.StorageOptions`' ``dirs``).
+    Returns:
+      one line per directory for the log: ``"storage: DIR (exists|created when used), FREE free"``
+      (free bytes of its filesystem, :func:`chunkjax.errors.format_bytes`).
+    Raises:
+      UsageError: a directory that cannot be created or written (one line naming it and why).
+    """
+    from chunkjax.errors import format_bytes
+    lines = []
+    for d in dirs:
+        existed = os.path.isdir(d)
+        made = []  # the folders this check creates, deepest last
+        try:
+            if not existed:
+                probe = os.path.abspath(d)
+                while not os.path.exists(probe):
+                    made.append(probe)
+                    probe = os.path.dirname(probe)
+                made.reverse()
+                for m in made:
+                    os.mkdir(m)
+            os.rmdir(tempfile.mkdtemp(prefix=".writable_", dir=d))
+            st = os.statvfs(d)
+        except OSError as e:
+            raise UsageError(f"--storage {d!r}: {'not writable' if existed else 'cannot be created'} "
+                             f"({e.strerror}): give a writable directory (or leave out --storage)") from None
+        finally:
+            for m in reversed(made):
+                try:
+                    os.rmdir(m)
+                except OSError:
+                    pass
+        lines.append(f"storage: {d} ({'exists' if existed else 'created when used'}), "
+                     f"{format_bytes(st.f_bavail * st.f_frsize)} free")
+    return lines
 
 
 def parse_budget(text: str, flag: str = "--device-budget") -> int:
