@@ -337,6 +337,8 @@ def run(cfg: TrainConfig) -> dict:
             model = job_model.with_lora(model, LoraSpec.parse(cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets), cfg.seed)
     except job_model.ModelError as e:
         raise UsageError(str(e)) from None
+    for note in getattr(model.source, "notes", ()):  # how a Hugging Face folder was read where transformers warns
+        print(f"note: {note}", flush=True)
     setup = {"load": time.time() - t_start}  # seconds per setup phase (report "setup_s")
     if cfg.seq > model.max_seq:
         raise UsageError(f"--seq {cfg.seq} exceeds the model's {model.max_seq} positions: use --seq <= {model.max_seq}")
