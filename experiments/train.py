@@ -33,7 +33,10 @@ exists, a run that fails (crash, SIGKILL, SIGTERM, Ctrl-C, a non-finite loss) ke
 ``.partial`` folder, and ``--resume <that folder or its checkpoints folder>`` continues it in
 place from the newest complete checkpoint: the data stream continues where it was and the losses
 equal those of an uninterrupted run (bit for bit on the CPU; so after a non-finite loss, resume
-with ``--nonfinite skip``). Settings that change the training (model, init-from, steps, batch, seq, lr,
+with ``--nonfinite skip``). A run that diverges (:class:`DivergenceWatch`: a non-finite loss or
+gradient norm, ``--skip-limit`` skipped steps in a row, or a dead model) stops with one line and
+status 2; no checkpoint is saved while skipped or dead steps are running, the checkpoints of the
+diverged state are deleted, and a kept folder's ``report.json`` says why (``stopped``). Settings that change the training (model, init-from, steps, batch, seq, lr,
 warmup, weight decay, clip, seed, tokenizer, eval batches, compute dtype) must equal the
 checkpoint's: a difference exits with status 2, one line, and nothing written.
 ``--device-budget``, ``--prefetch``, ``--micro-batches`` (which changes only the float summation
@@ -105,6 +108,7 @@ class TrainConfig:
     progress: bool = config_field(True, 'progress bar')
     micro_batches: int = config_field(1, 'gradient accumulation: each step\'s --batch sequences run as this many equal micro-batches (activation memory of one micro-batch), one update')
     nonfinite: str = config_field("error", 'a NaN/inf loss or gradient: error (stop, say what to change) | skip (the step changes no state; counted in the report)')
+    skip_limit: int = config_field(10, 'with --nonfinite skip: stop (exit 2) after this many skipped steps in a row (the model diverged, not one bad batch)')
     checkpoint_every: int = config_field(-1, 'steps between checkpoints in <run folder>/checkpoints, plus one after the last step; -1: at each evaluation (--eval-every); 0: none')
     keep_checkpoints: int = config_field(2, 'newest checkpoints kept (older ones are deleted)')
     zero_stage: int = config_field(0, 'ZeRO stage 1 | 2 | 3 over all devices (every chunk split over them; --batch a multiple of the device count), those of all processes when started as several (srun, or JAX_COORDINATOR_ADDRESS + JAX_NUM_PROCESSES + JAX_PROCESS_ID: docs/multihost.md); 0: one device')
@@ -118,6 +122,75 @@ class UsageError(Exception):
 class JobFailed(Exception):
     """The run failed for a reason outside its input (a checkpoint that cannot be written):
     printed as one line, exit status 1."""
+
+
+#: Steps in a row with a gradient norm of exactly 0 at a positive loss before the job calls the
+#: model dead (diverged: lr 1e4 without clipping makes every hidden state overflow, so RMSNorm's
+#: mean square is inf, every normalised state 0, every prediction uniform: loss log V, gradient 0).
+DEAD_STEPS = 3
+
+
+class Diverged(UsageError):
+    """The training diverged (a non-finite loss or gradient norm, ``--skip-limit`` skipped steps
+    in a row, or a dead model): one line, exit 2. ``record``: why, for the kept run folder's
+    ``report.json`` (``stopped``)."""
+
+    def __init__(self, msg: str, record: dict | None = None):
+        super().__init__(msg)
+        self.record = record or {}
+
+
+@dataclasses.dataclass
+class DivergenceWatch:
+    """Decides, step by step, whether training diverged (:class:`Diverged`).
+
+    Under ``--nonfinite error`` a non-finite loss or gradient norm stops at once (the step's
+    update must not reach a checkpoint). Under ``skip`` a non-finite step is skipped by the step
+    itself (no state changed); ``skip_limit`` of them in a row stop. Either way :data:`DEAD_STEPS`
+    steps in a row with a gradient norm of exactly 0 at a positive loss stop (a loss of 0 means
+    no target was scored). ``since``: the first step of the current run of suspect steps (skipped
+    or dead; None when the last step was healthy): the state that produced it, the checkpoint of
+    step ``since - 1`` and later, is the diverged one.
+    """
+
+    skip_limit: int
+    lr: float
+    since: int | None = None
+    kind: str | None = None
+    count: int = 0
+
+    @property
+    def suspect(self) -> bool:
+        """True while a run of skipped or dead steps is open (a checkpoint then waits)."""
+        return self.kind is not None
+
+    def observe(self, i: int, loss: float, grad_norm: float, skipped: bool) -> None:
+        """Step ``i``'s loss (nats), global gradient norm and whether the step skipped it.
+
+        Raises:
+          Diverged: the training diverged at step ``i`` (the message says what to change).
+        """
+        fix = f"lower --lr (now {self.lr}) or keep --clip > 0"
+        if not skipped and not math.isfinite(loss):
+            self._stop(i, "nonfinite_loss", f"loss became {loss} at step {i}: {fix}", loss, grad_norm, i)
+        if not skipped and not math.isfinite(grad_norm):
+            self._stop(i, "nonfinite_grad", f"gradient norm became {grad_norm} at step {i} (loss {loss:.4f}): {fix}, "
+                       "or --nonfinite skip to skip such steps", loss, grad_norm, i)
+        kind = "skipped" if skipped else "dead" if grad_norm == 0.0 and loss > 0 else None
+        if kind != self.kind:
+            self.kind, self.since, self.count = kind, i if kind else None, 0
+        self.count += kind is not None
+        if kind == "skipped" and self.count >= self.skip_limit:
+            self._stop(i, "skip_limit", f"the model diverged: steps {self.since}-{i} all had non-finite gradients "
+                       f"(--skip-limit {self.skip_limit} in a row skipped): {fix}", loss, grad_norm, self.since)
+        if kind == "dead" and self.count >= DEAD_STEPS:
+            self._stop(i, "dead", f"the model diverged: steps {self.since}-{i} had a gradient norm of 0 at loss "
+                       f"{loss:.4f} (activations overflowed: every prediction alike, nothing left to train): {fix}",
+                       loss, grad_norm, self.since)
+
+    def _stop(self, i, why, msg, loss, grad_norm, since):
+        raise Diverged(msg, {"step": i, "why": why, "message": msg, "loss": loss, "grad_norm": grad_norm,
+                             "since_step": since})
 
 
 #: Resolved settings that change the training: a checkpoint resumes only when they are equal.
@@ -452,13 +525,38 @@ def run(cfg: TrainConfig) -> dict:
         plot_losses(folder.path / "loss.png", folder.path / "metrics.jsonl", title=title)
         final = folder.commit()
     except BaseException as e:
+        if isinstance(e, Diverged):
+            drop_diverged_checkpoints(folder.path / CHECKPOINT_DIR, e)
         kept = cj.checkpoint.latest_step(folder.path / CHECKPOINT_DIR)
         if kept is None and resume is None:
             folder.discard()
             raise
-        _note_kept(e, f"{folder.path} keeps checkpoint step {kept}: continue with --resume {folder.path}")
+        how = f"continue with --resume {folder.path}"
+        if isinstance(e, Diverged):  # why it stopped, beside the checkpoint kept
+            folder.write_json("report.json", {"stopped": e.record, "config": resolved})
+            how = (f"{how} --nonfinite skip" if e.record["why"].startswith("nonfinite") else
+                   "its report.json says why the run stopped")
+        _note_kept(e, f"{folder.path} keeps checkpoint step {kept}: {how}")
     print(f"run folder: {final}", flush=True)
     return report
+
+
+def drop_diverged_checkpoints(ckpt_dir, e: Diverged) -> list[int]:
+    """After :class:`Diverged`: delete the checkpoints of the diverged state (a run of skipped or
+    dead steps from step ``since``: the checkpoints of step ``since - 1`` on hold the state that
+    produced them; :func:`chunkjax.checkpoint.delete_checkpoint`), keep the older ones as they
+    are, complete ``e.record`` with both lists (``checkpoints_dropped``, ``checkpoints_kept``)
+    and its message with the deletion. Returns the deleted steps."""
+    from chunkjax import checkpoint as ck
+    since = e.record["since_step"]
+    dropped = [s for s in ck.all_steps(ckpt_dir) if e.record["why"] in ("skip_limit", "dead") and s >= since - 1]
+    for s in dropped:
+        ck.delete_checkpoint(ckpt_dir, s)
+    e.record.update(checkpoints_dropped=dropped, checkpoints_kept=ck.all_steps(ckpt_dir))
+    if dropped:
+        e.args = (f"{e}; checkpoint step{'s' if len(dropped) > 1 else ''} {', '.join(map(str, dropped))} of the "
+                  "diverged model deleted",)
+    return dropped
 
 
 def fit_model(cfg: TrainConfig, model, *, compute_dtype, rates=None, resident=None):
@@ -529,7 +627,9 @@ def _note_kept(e: BaseException, note: str):
     """Re-raise ``e`` saying that the run folder was kept with a checkpoint to resume from (one
     line for UsageError / JobFailed; run_guarded prints ``kept_note`` for signals)."""
     if isinstance(e, (UsageError, JobFailed)):
-        raise type(e)(f"{e}; {note}") from None
+        again = type(e)(f"{e}; {note}")
+        again.__dict__.update(e.__dict__)  # Diverged's record
+        raise again from None
     if isinstance(e, (KeyboardInterrupt, _Terminated)):
         e.kept_note = note
     else:
@@ -583,6 +683,8 @@ def _validate(cfg: TrainConfig) -> None:
         raise UsageError(f"--zero-stage {cfg.zero_stage}: use 1, 2 or 3 (ZeRO over the devices) or 0 (one device)")
     if cfg.nonfinite not in ("error", "skip"):
         raise UsageError(f"--nonfinite {cfg.nonfinite!r}: use error or skip")
+    if cfg.skip_limit < 1:
+        raise UsageError(f"--skip-limit must be >= 1, got {cfg.skip_limit}")
     for name in ("warmup", "sample_tokens", "chunk_size"):
         if getattr(cfg, name) < 0:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(cfg, name)}")
@@ -795,6 +897,7 @@ def _train(cfg, model, fitted, td, folder, t_start, resolved, resume=None, setup
     skipped = [r["step"] for r in records if r.get("skipped")]
     bar = tqdm(range(start + 1, cfg.steps + 1), initial=start, total=cfg.steps, disable=not cfg.progress,
                unit="step", dynamic_ncols=True, file=sys.stdout)
+    watch, save_due = DivergenceWatch(cfg.skip_limit, cfg.lr), False  # Diverged: run() keeps the good checkpoints
     with mf:
         for i in bar:
             nb = next(batches)
@@ -810,8 +913,7 @@ def _train(cfg, model, fitted, td, folder, t_start, resolved, resume=None, setup
             if skip:
                 skipped.append(i)
                 print(f"step {i}: non-finite gradients (loss {loss}): skipped, no state changed", flush=True)
-            elif not math.isfinite(loss):
-                raise UsageError(f"loss became {loss} at step {i}: lower --lr (now {cfg.lr}) or keep --clip > 0")
+            watch.observe(i, loss, grad_norm, skip)
             if i > start + 1:  # the first step of a process compiles
                 train_time += dt
                 timed_steps += 1
@@ -825,14 +927,17 @@ def _train(cfg, model, fitted, td, folder, t_start, resolved, resume=None, setup
             if i % cfg.eval_every == 0 or i == cfg.steps:
                 rec["val_loss"] = val_loss(state)
                 if not math.isfinite(rec["val_loss"]):
-                    raise UsageError(f"validation loss became {rec['val_loss']} at step {i}: lower --lr "
-                                     f"(now {cfg.lr}) or keep --clip > 0")
+                    msg = f"validation loss became {rec['val_loss']} at step {i}: lower --lr (now {cfg.lr}) or keep --clip > 0"
+                    raise Diverged(msg, {"step": i, "why": "nonfinite_val_loss", "message": msg, "loss": loss,
+                                         "grad_norm": grad_norm, "since_step": i})
             mf.write(json.dumps(rec) + "\n")
             mf.flush()
             records.append(rec)
-            if every and (i % every == 0 or i == cfg.steps):
+            save_due = save_due or bool(every and (i % every == 0 or i == cfg.steps))
+            if save_due and (not watch.suspect or i == cfg.steps):  # no checkpoint of a state suspected dead
                 os.fsync(mf.fileno())  # the metrics up to a checkpoint outlive a crash
                 save_checkpoint(i, state, nb)
+                save_due = False
             tps = timed_steps * tokens_per_step / train_time if train_time else float("nan")
             bar.set_postfix(loss=f"{loss:.3f}", val=f"{last_validation(records):.3f}",
                             tok_s=f"{tps:,.0f}" if math.isfinite(tps) else "-")
@@ -908,6 +1013,7 @@ def _train(cfg, model, fitted, td, folder, t_start, resolved, resume=None, setup
         **{k: td.meta[k] for k in ("train_plays", "val_plays", "data_files", "train_examples", "val_examples",
                                    "masked_train_tokens") if k in td.meta},
         "micro_batches": cfg.micro_batches, "nonfinite": cfg.nonfinite, "skipped_steps": skipped,
+        "stopped": None,  # a run that diverged keeps this report only as {"stopped": why, "config": ...}
         "resumed_from_step": saved["resumed_from"][-1] if saved["resumed_from"] else None,
         "resumed_from_steps": list(saved["resumed_from"]),
         "checkpoint_every": every, "checkpoints_kept": ck.all_steps(ckpt_dir),
