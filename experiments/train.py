@@ -36,11 +36,12 @@ equal those of an uninterrupted run (bit for bit on the CPU; so after a non-fini
 with ``--nonfinite skip``). A run that diverges (:class:`DivergenceWatch`: a non-finite loss or
 gradient norm, ``--skip-limit`` skipped steps in a row, or a dead model) stops with one line and
 status 2; no checkpoint is saved while skipped or dead steps are running, the checkpoints of the
-diverged state are deleted, and a kept folder's ``report.json`` says why (``stopped``). Settings that change the training (model, init-from, steps, batch, seq, lr,
+diverged state are deleted, and a kept folder's ``report.json`` says why (``stopped``).
+Settings that change the training (model, init-from, steps, batch, seq, lr,
 warmup, weight decay, clip, seed, tokenizer, eval batches, compute dtype) must equal the
 checkpoint's: a difference exits with status 2, one line, and nothing written.
 ``--device-budget``, ``--prefetch``, ``--micro-batches`` (which changes only the float summation
-order), ``--nonfinite``, ``--chunk-size`` / ``--min-chunks`` and the output settings may differ:
+order), ``--nonfinite``, ``--skip-limit``, ``--chunk-size`` / ``--min-chunks`` and the output settings may differ:
 the checkpoint restores into any placement, and into another chunk layout by moving every leaf
 to its new chunk (:func:`chunkjax.checkpoint.restore_checkpoint`). A checkpoint that cannot be written (full disk) stops the run
 with status 1 and one line; the previous checkpoints stay intact and resumable. ``report.json``
@@ -194,7 +195,7 @@ class DivergenceWatch:
 
 
 #: Resolved settings that change the training: a checkpoint resumes only when they are equal.
-#: (device_budget, prefetch, micro_batches, chunk_size, min_chunks, eval_every, nonfinite,
+#: (device_budget, prefetch, micro_batches, chunk_size, min_chunks, eval_every, nonfinite, skip_limit,
 #: checkpointing, sampling and output settings may differ: restore_checkpoint places the state
 #: into any placement and moves the leaves into another chunk layout.)
 RESUME_MUST_MATCH = ("model", "init_from", "data", "steps", "batch", "seq", "lr", "warmup", "weight_decay", "clip", "seed",
@@ -303,7 +304,7 @@ def parse_args(argv=None) -> TrainConfig:
 
 
 def arg_parser(init_from: str = "") -> argparse.ArgumentParser:
-    """The job's argument parser with the defaults of ``--init-from init_from`` (""): a random
+    """The job's argument parser with the defaults of ``--init-from init_from`` (empty: a random
     init). Each flag's help says its default and, where ``--init-from`` changes it, the other
     defaults: without ``--init-from``, the Hugging Face folder preset's and each named preset's
     (:data:`experiments.job_model.FOLDER_PRESET`, :data:`~experiments.job_model.PRESETS`); with it,
