@@ -1,6 +1,8 @@
 """Test-wide settings: 8 forced host devices for multi-device logic (set before jax is imported),
 the CPU backend, and jax's persistent compilation cache in a fresh folder for this session only
-(many tests and their subprocesses compile the same programs; removed when the session ends).
+(many tests and their subprocesses compile the same programs; removed when the session ends), and
+a folder for set-ups built once per session and shared by the xdist workers
+(``CHUNKJAX_TEST_SHARED_DIR``: tests/_shared_data.py's bpe512 cache; removed likewise).
 
 Under ``pytest -n N --dist loadfile`` (``make test``) each test file is one
 unit of work for an xdist worker, files that share a per-process set-up are one unit
@@ -25,6 +27,11 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 else:
     _CACHE = None
+if "CHUNKJAX_TEST_SHARED_DIR" not in os.environ:  # set-ups built once per session (tests/_shared_data.py)
+    _SHARED = tempfile.mkdtemp(prefix="chunkjax_test_shared_")
+    os.environ["CHUNKJAX_TEST_SHARED_DIR"] = _SHARED  # inherited by the xdist workers
+else:
+    _SHARED = None
 
 
 #: test files that share an expensive per-process set-up -> the one xdist unit they run in
@@ -82,8 +89,9 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    if _CACHE:
-        shutil.rmtree(_CACHE, ignore_errors=True)
+    for d in (_CACHE, _SHARED):  # made by this process (the xdist controller, or a run without xdist)
+        if d:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
