@@ -45,7 +45,7 @@ from typing import Sequence
 
 from chunkjax import predict as pr
 from chunkjax.cost import Rates
-from chunkjax.errors import HostBudgetError, PinnedLimitError, PlanError, gib_ceil
+from chunkjax.errors import HostBudgetError, PinnedLimitError, PlanError, format_bytes
 from chunkjax.eviction import CapacityError, belady
 from chunkjax.host_forms import assign_host_forms
 from chunkjax.layout import ChunkLayout
@@ -64,18 +64,18 @@ STATIC_POLICIES = ("all_host", "zero_offload")
 _MSG_FIXED_INFEASIBLE = (
     "device budget {budget} bytes is below the {need} bytes this step needs with every chunk in "
     "pinned host memory (activations and temporaries {act} bytes, chunk buffers {buf} bytes){why}: "
-    "use device_budget >= {need_gib:.3f}GiB{fix}")
+    "use device_budget >= {need_size}{fix}")
 _MSG_OFFLOADED_INFEASIBLE = (
     "device budget {budget} bytes is below the {need} bytes this step needs with every chunk offloaded "
-    "(non-model peak {act} bytes){why}: use device_budget >= {need_gib:.3f}GiB{fix}")
+    "(non-model peak {act} bytes){why}: use device_budget >= {need_size}{fix}")
 _MSG_STATIC_INFEASIBLE = ("the {policy} schedule needs {need} device bytes, above the budget of {budget} bytes: "
-                          "use device_budget >= {need_gib:.3f}GiB or another policy")
+                          "use device_budget >= {need_size} or another policy")
 _MSG_HOST = ("host budget {host} bytes is below the {need} bytes of model data and gradient buffers the host "
              "must hold at a device budget of {dev} bytes (every chunk that fits stays on the device): use "
-             "host_budget >= {need_gib:.3f}GiB, a larger device_budget, or storage directories (the disk tier)")
+             "host_budget >= {need_size}, a larger device_budget, or storage directories (the disk tier)")
 _MSG_HOST_ZERO = ("node host budget {host} bytes ({host_rank} per rank over {n} ranks) is below the {need_node} bytes "
                   "({need} per rank) of model data the host must hold at a device budget of {dev} bytes per GPU "
-                  "(every chunk that fits stays on the device): use host_budget >= {need_gib:.3f}GiB (the node's) "
+                  "(every chunk that fits stays on the device): use host_budget >= {need_size} (the node's) "
                   "or a larger device_budget")
 _MSG_HOST_LIMIT = ("at a device budget of {dev} bytes every placement's pinned host bytes exceed the limit on "
                    "pinned host memory: raise that limit or the device budget, or give storage directories")
@@ -270,10 +270,10 @@ def _tide(one, n_chunks: int, budget: int, host_fits, resident) -> Schedule:
 def _host_error(host_budget: int, need: int, device_budget: int, ranks: int) -> PlanError:
     """The host budget cannot hold ``need`` bytes (one rank's) of host model data."""
     if ranks == 1:
-        msg = _MSG_HOST.format(host=host_budget, need=need, dev=device_budget, need_gib=gib_ceil(need))
+        msg = _MSG_HOST.format(host=host_budget, need=need, dev=device_budget, need_size=format_bytes(need, up=True))
     else:
         msg = _MSG_HOST_ZERO.format(host=host_budget, host_rank=host_budget // ranks, n=ranks, need_node=need * ranks,
-                                    need=need, dev=device_budget, need_gib=gib_ceil(need * ranks))
+                                    need=need, dev=device_budget, need_size=format_bytes(need * ranks, up=True))
     return HostBudgetError(msg, device_budget, False)
 
 
@@ -305,8 +305,9 @@ def _tide_infeasible(one, n_chunks: int, tide: Tide, cb: ChunkBytes, budget: int
         raise _host_error(host_budget, host_bytes(s) // ranks, hi, ranks)
     act = tide.peak_non_model_bytes
     alone = act > budget
-    raise PlanError(_MSG_OFFLOADED_INFEASIBLE.format(budget=budget, need=hi, act=act, why=_WHY_ACT if alone else "",
-                                                     need_gib=gib_ceil(hi), fix=_FIX_ACT if alone else ""), hi, alone)
+    msg = _MSG_OFFLOADED_INFEASIBLE.format(budget=budget, need=hi, act=act, why=_WHY_ACT if alone else "",
+                                           need_size=format_bytes(hi, up=True), fix=_FIX_ACT if alone else "")
+    raise PlanError(msg, hi, alone)
 
 
 # ---- the fixed rule -----------------------------------------------------------------------------
@@ -347,9 +348,10 @@ def _fixed(layout, traces, tide, cb, budget, prefetch, rates, flops) -> Schedule
     if need > budget:
         act = sum(t.input_bytes for t in traces[1:]) + max(t.temp_bytes for t in traces)
         alone = act > budget
-        raise PlanError(_MSG_FIXED_INFEASIBLE.format(budget=budget, need=need, act=act, buf=need - act,
-                                                     why=_WHY_ACT if alone else "", need_gib=gib_ceil(need),
-                                                     fix=_FIX_ACT if alone else ""), need, alone)
+        msg = _MSG_FIXED_INFEASIBLE.format(budget=budget, need=need, act=act, buf=need - act,
+                                           why=_WHY_ACT if alone else "", need_size=format_bytes(need, up=True),
+                                           fix=_FIX_ACT if alone else "")
+        raise PlanError(msg, need, alone)
     for kinds in (pk, sk):
         for c in range(n):
             kinds[c] = DEVICE
@@ -573,7 +575,7 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
     if must_fit and s.predicted.peak_device_bytes > budget:  # the static baselines
         need = s.predicted.peak_device_bytes
         raise PlanError(_MSG_STATIC_INFEASIBLE.format(policy=policy, need=need, budget=budget,
-                                                      need_gib=gib_ceil(need)), need, False)
+                                                      need_size=format_bytes(need, up=True)), need, False)
     if must_fit and not host_fits(s):
         raise _host_error(host_budget_bytes, host_bytes(s) // ranks, budget, ranks)
     return s
