@@ -118,3 +118,25 @@ def test_plan_counts_the_sums_the_step_allocates(setup, tmp_path, monkeypatch):
     assert np.isfinite(float(m["loss"]))
     assert sum(made) == sums
     st.master[locs.index("storage")].close()
+
+
+def test_compiled_check_counts_device_sums_with_micro_batches():
+    """The compiled check (fit.compiled_peak) adds each device-updated chunk's float32 gradient
+    sum, held through every program of the micro-batches, to the largest program's peak: a
+    micro-batch plan that fits without them would run out of device memory."""
+    import types
+    from chunkjax import fit
+    rng = np.random.default_rng()
+    size, n_dev, prog_peak = int(rng.integers(1000, 5000)), int(rng.integers(2, 6)), int(rng.integers(10**6, 10**7))
+    cb = pr.ChunkBytes(params=2 * size, grad=2 * size, master=4 * size, opt=8 * size)
+    locs = ["device"] * n_dev + ["host"] * 3
+    prog = {"peak_device_bytes": prog_peak, "argument": 1, "output": 1, "temp": 1, "alias": 0}
+    step = types.SimpleNamespace(compiled_memory_programs=lambda mb: [prog])
+    out = {}
+    for m in (1, 2):
+        problem = types.SimpleNamespace(batch=jax.ShapeDtypeStruct((4, T + 1), jnp.int32), micro_batches=m,
+                                        cb_rank=cb, layout=types.SimpleNamespace(chunk_size=size))
+        out[m] = fit.compiled_peak(problem, step, types.SimpleNamespace(update_locations=locs))
+    assert out[1]["resident_state_bytes"] == n_dev * cb.state
+    assert out[2]["resident_state_bytes"] - out[1]["resident_state_bytes"] == n_dev * cb.master
+    assert out[2]["peak_bytes"] >= prog_peak + n_dev * (cb.state + cb.master)
