@@ -187,14 +187,17 @@ def _frozen_none(layout: ChunkLayout, loc) -> tuple[str, ...]:
 
 def _tide_one(layout: ChunkLayout, traces, tide: Tide, cb: ChunkBytes, budget: int, resident: set[int],
               host_update: bool, prefetch: int, segments: tuple[int, ...], rates: Rates, flops_per_step: float,
-              split: bool = False, streamed_early: bool = False, reserve: int | None = None):
+              split: bool = False, streamed_early: bool = False, reserve: int | None = None, micro_batches: int = 1):
     """Schedule one placement (``resident`` chunks fully on the device); None if it cannot fit.
     With ``streamed_early`` (and the split) also the placement whose chunk buffers leave the
-    streamed pipeline's bytes free during the backward (``reserve``), the faster of the two."""
+    streamed pipeline's bytes free during the backward (``reserve``), the faster of the two.
+    With ``micro_batches`` > 1 the device-updated chunks' float32 sums are on the device
+    throughout (:func:`chunkjax.predict.waiting_grad_bytes`)."""
     if streamed_early and split and host_update and reserve is None:
         args = (layout, traces, tide, cb, budget, resident, host_update, prefetch, segments, rates, flops_per_step, split)
-        late = _tide_one(*args, streamed_early=False)
-        early = _tide_one(*args, streamed_early=True, reserve=pr.streamed_pipeline_bytes(layout.chunk_size, cb))
+        late = _tide_one(*args, streamed_early=False, micro_batches=micro_batches)
+        early = _tide_one(*args, streamed_early=True, reserve=pr.streamed_pipeline_bytes(layout.chunk_size, cb),
+                          micro_batches=micro_batches)
         if early is None or not early.streamed_early or (
                 late is not None and late.predicted.time.step_s <= early.predicted.time.step_s):
             return late
@@ -208,7 +211,7 @@ def _tide_one(layout: ChunkLayout, traces, tide: Tide, cb: ChunkBytes, budget: i
         segments = (0,)
     model = pr.device_model_bytes(cb, pk, loc)
     grad_done = pr.grad_done_moments(traces, tide)
-    waiting = pr.waiting_grad_bytes(cb, loc, grad_done, T)
+    waiting = pr.waiting_grad_bytes(cb, loc, grad_done, T, micro_batches)
     accesses = [tuple(c for c in m.chunks if pk[c] == PINNED_HOST) for m in tide.moments]
     max_reads = max((len(a) for a in accesses), default=0)
     caps = []
@@ -223,7 +226,8 @@ def _tide_one(layout: ChunkLayout, traces, tide: Tide, cb: ChunkBytes, budget: i
     except CapacityError:
         return None
     held = [len(r) for r in ev.resident_after]
-    per_moment = pr.tide_moment_bytes(tide, cb, pk, loc, ev.fetch, prefetch, held, grad_done)
+    per_moment = pr.tide_moment_bytes(tide, cb, pk, loc, ev.fetch, prefetch, held, grad_done,
+                                      micro_batches=micro_batches)
     pred = pr.predict(layout.chunk_size, traces, tide, cb, pk, loc, ev.fetch, segments, per_moment,
                       flops_per_step=flops_per_step, rates=rates)
     if pred.peak_device_bytes > budget:
@@ -541,7 +545,8 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
 
         def one(b, res):
             s = forms(_tide_one(layout, traces, tide, plan_cb, b, res, host_update, prefetch, segs, rates,
-                                flops_per_step, split and resident is None, streamed_early))
+                                flops_per_step, split and resident is None, streamed_early,
+                                micro_batches=micro_batches))
             s = s if s is None or disk is None else place_on_disk(
                 s, plan_cb, chunk_size=layout.chunk_size, traces=traces, tide=tide, disk=disk, rates=rates,
                 flops_per_step=flops_per_step, micro_batches=micro_batches, streamed_early=streamed_early,
