@@ -31,7 +31,7 @@ STEPS = 20
 
 @pytest.fixture(scope="module")
 def setup():
-    cfg = gpt.get_config("micro", n_layers=2)  # 2 blocks (4 stages): shorter compiles; the split still has host and streamed chunks
+    cfg = gpt.get_config("micro", n_layers=2)  # 2 blocks: shorter compiles, still host and streamed chunks
     rng = np.random.default_rng(7)
     params = gpt.init_params(cfg, jax.random.key(3))
     batches = [jnp.asarray(rng.integers(0, cfg.vocab_size, (4 * B, T + 1)), jnp.int32) for _ in range(STEPS)]

@@ -26,7 +26,7 @@ STEPS = 6
 
 @pytest.fixture(scope="module")
 def setup():
-    cfg = gpt.get_config("micro", n_layers=2)  # 2 blocks (4 stages): shorter compiles; still re-fetches, 3 programs
+    cfg = gpt.get_config("micro", n_layers=2)  # 2 blocks: shorter compiles, still re-fetches in 3 programs
     rng = np.random.default_rng(int(np.random.SeedSequence().entropy % (1 << 31)))
     params = gpt.init_params(cfg, jax.random.key(int(rng.integers(1 << 30))))
     batches = [jnp.asarray(rng.integers(0, cfg.vocab_size, (B, T + 1)), jnp.int32) for _ in range(STEPS)]
