@@ -43,9 +43,9 @@ SHARED_SETUP = {
 #: seconds per test file in a 2-worker run of the suite (a hint for the order only: a file not
 #: listed counts as DEFAULT_FILE_SECONDS; refresh from ``--junitxml`` when the suite changes much)
 FILE_SECONDS = {
-    "train_job": 195, "lora": 162, "train_equivalence": 122, "schedule": 118, "front_door": 116,
-    "finetune": 107, "disk_tier": 95, "host_bytes": 93, "flax_api": 89, "bench": 87, "notebooks": 86,
-    "zero_schedule": 85, "overlap": 84, "checkpoint_memory": 64, "checkpoint_integrity": 64,
+    "train_job": 195, "lora": 162, "train_equivalence": 122, "schedule": 99, "front_door": 116,
+    "finetune": 88, "disk_tier": 95, "host_bytes": 93, "flax_api": 89, "bench": 85, "notebooks": 86,
+    "zero_schedule": 85, "overlap": 71, "checkpoint_memory": 64, "checkpoint_integrity": 64,
     "train_multiprocess": 63, "bench_storage": 58, "storage": 56, "checkpoint_multiprocess": 52,
     "plan_cli": 50, "checkpoint": 47, "checkpoint_flax": 45, "checkpoint_async": 43, "hf": 43,
     "checkpoint_storage": 40, "layout": 38, "frozen": 38, "zero": 37, "host_update": 36, "cases": 33,
