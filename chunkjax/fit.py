@@ -293,7 +293,7 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
 
     Raises:
       ValueError: no optimizer or both, a transformation that is not elementwise, a compute
-        dtype that is not floating, a last stage that does not return a scalar, a bad ZeRO stage or mesh, a batch that does not split over
+        dtype that is not floating, a last stage that returns neither a scalar nor a WeightedLoss, a bad ZeRO stage or mesh, a batch that does not split over
         ranks x micro-batches, a chunk size below 1.
       HostMemoryError: even the least host memory any plan needs exceeds what is available.
     """

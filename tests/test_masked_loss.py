@@ -186,3 +186,25 @@ def test_eval_loss_is_the_token_mean(setup, zero):
     state = step.init(setup["params"])  # the reference's first loss: batch 0's at the initial params
     np.testing.assert_allclose(float(step.eval_loss(state, setup["batches"][0])), setup["ref"][1][0], rtol=1e-6)
     assert float(step.eval_loss(state, -1 - jnp.abs(setup["batches"][0]))) == 0.0
+
+
+def test_front_door_refuses_a_weighted_loss():
+    """The front door (``chunkjax.offload``) takes a scalar loss: a WeightedLoss is refused in one
+    line (its stages would read the weight as a side leaf)."""
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self):
+            self.blocks = nnx.List([nnx.Linear(4, 4, rngs=nnx.Rngs(i)) for i in range(2)])
+
+        def __call__(self, x):
+            for blk in self.blocks:
+                x = blk(x)
+            return x
+
+    def loss_fn(model, b):
+        return cj.WeightedLoss(jnp.sum(model(b) ** 2), jnp.float32(b.shape[0]))
+
+    with pytest.raises(ValueError, match="loss_fn returns a WeightedLoss: return the scalar loss here") as e:
+        cj.offload(Net(), optax.sgd(1e-3), loss_fn, jnp.ones((2, 4)), device_budget="64MiB")
+    assert "\n" not in str(e.value)
