@@ -1,7 +1,7 @@
 """A weighted loss: a sum over scored tokens and their count, normalised by the global count.
 
-A last stage (or the front door's ``loss_fn``) that scores only some tokens (a prompt/completion
-example scores the completion; padding scores nothing) returns :class:`WeightedLoss` ``(total,
+A last stage that scores only some tokens (a prompt/completion example scores the completion;
+padding scores nothing) returns :class:`WeightedLoss` ``(total,
 weight)``: the sum of its per-token losses and the number of tokens it scored, instead of their
 mean. The step then trains on the token mean of the *global* batch, whatever way the batch is cut
 into micro-batches and ZeRO ranks: the gradient is ``d(sum of every part's total) / d(params)``
@@ -23,7 +23,13 @@ global ``total_weights``; its gradient accumulation adds each micro-batch's grad
   weight 0 is refused (:func:`require_weight`, one line) before any update starts.
 
 A plain scalar loss runs exactly as before (seed 1, or ``1 / N`` over ``N`` ranks; the mean of the
-micro-batches' gradients).
+micro-batches' gradients). The front door (:func:`chunkjax.offload`) takes a scalar loss only (a
+``loss_fn`` returning a :class:`WeightedLoss` is refused in one line): use
+:func:`chunkjax.fit_step` with stages.
+
+References: MaxText ``train.py``: ``loss_fn`` returns ``total_loss`` and ``total_weights``;
+``train_step``'s gradient accumulation adds ``grad * total_weights`` per micro-batch and divides
+the sum by the summed ``total_weights``.
 """
 from __future__ import annotations
 
