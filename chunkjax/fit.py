@@ -33,12 +33,11 @@ from chunkjax.errors import HostBudgetError, PinnedLimitError, PlanError
 from chunkjax.fit_host import fit_host, host_bytes_of, pinned_limit_error, speculation_bytes
 from chunkjax.host_memory import available_for_plan, check_host_lower_bound, process_bytes
 from chunkjax.layout import ChunkLayout, build_layout, first_use_order
-from chunkjax.loss_weight import differentiated
 from chunkjax.optim import check_elementwise, state_bytes_per_chunk
 from chunkjax.plan import parse_bytes, plan_schedule
 from chunkjax.plan_disk import storage_line
 from chunkjax.predict import ChunkBytes, chunk_bytes
-from chunkjax.stages import check_param_keys, compose_loss, split_loss
+from chunkjax.stages import check_param_keys, compose_loss, differentiated, split_loss
 from chunkjax.streamed import starts_early
 from chunkjax.trace import trace_stages
 
@@ -321,7 +320,8 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
                          f"use a multiple of {n_ranks * micro_batches}")
     gbatch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), batch)
     tbatch = rows_of(gbatch, rows // (n_ranks * micro_batches))  # what one rank traces
-    check_param_keys(stages, [jax.tree_util.keystr(k, simple=True, separator="/") for k, _ in jax.tree_util.tree_flatten_with_path(aparams)[0]])
+    check_param_keys(stages, [jax.tree_util.keystr(k, simple=True, separator="/")
+                              for k, _ in jax.tree_util.tree_flatten_with_path(aparams)[0]])
 
     def loss_of(p, b):
         loss = differentiated(split_loss(compose_loss(stages, p, b))[0])  # a WeightedLoss: its total

@@ -68,11 +68,6 @@ def is_weighted(loss) -> bool:
     return isinstance(loss, WeightedLoss)
 
 
-def differentiated(loss):
-    """The scalar the backward differentiates: a weighted loss's ``total``, else the loss."""
-    return loss.total if is_weighted(loss) else loss
-
-
 def inverse_weight(w):
     """``1 / w`` (() float32), 0 where ``w`` is 0 (a part that scores nothing adds nothing)."""
     w = jnp.asarray(w, jnp.float32)

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from chunkjax.loss_weight import differentiated
+from chunkjax.loss_weight import WeightedLoss
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +54,12 @@ def compose_loss(stages, params, batch):
 def split_loss(out):
     """The last stage's output -> ``(loss, aux)``; ``aux`` is None when it returns the loss alone."""
     return (out[0], out[1]) if isinstance(out, tuple) else (out, None)
+
+
+def differentiated(loss):
+    """The scalar the head's backward differentiates: a :class:`~chunkjax.loss_weight.WeightedLoss`'s
+    ``total``, else the loss itself."""
+    return loss.total if isinstance(loss, WeightedLoss) else loss
 
 
 def _floating(a) -> bool:

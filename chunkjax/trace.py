@@ -15,8 +15,7 @@ import jax.extend.core as jex_core
 import jax.numpy as jnp
 
 from chunkjax.layout import ChunkLayout
-from chunkjax.loss_weight import differentiated
-from chunkjax.stages import split_loss, stage_vjp
+from chunkjax.stages import differentiated, split_loss, stage_vjp
 
 
 @dataclasses.dataclass(frozen=True)
