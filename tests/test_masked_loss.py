@@ -208,3 +208,26 @@ def test_front_door_refuses_a_weighted_loss():
     with pytest.raises(ValueError, match="loss_fn returns a WeightedLoss: return the scalar loss here") as e:
         cj.offload(Net(), optax.sgd(1e-3), loss_fn, jnp.ones((2, 4)), device_budget="64MiB")
     assert "\n" not in str(e.value)
+
+
+def test_host_sums_weight_the_parts(monkeypatch):
+    """HostSums with weights (a weighted loss): the mean is bit-equal to the float32 sum of each
+    part's gradient times its weight, times 1 / the batch's weight, rounded to the compute dtype
+    (blocks of a chunk larger than one; a part of weight 0 adds nothing)."""
+    import ml_dtypes
+
+    from chunkjax import accumulate
+    monkeypatch.setattr(accumulate, "MEAN_BLOCK", 1000)
+    n, size, rng = 3, 4567, np.random.default_rng(5)
+    weights = [np.float32(7), np.float32(0), np.float32(12)]
+    inv = np.float32(1.0) / np.float32(19)
+    for dtype in (ml_dtypes.bfloat16, np.float32):
+        grads = [{c: rng.standard_normal(size).astype(dtype) for c in range(2)} for _ in range(n)]
+        sums = accumulate.HostSums(n, dtype, type("Whole", (), {"whole": staticmethod(np.asarray)})())
+        futures = [sums.add(i, dict(g), jnp.asarray(w), jnp.asarray(inv) if i == n - 1 else None)
+                   for i, (g, w) in enumerate(zip(grads, weights))][-1]
+        sums.close()
+        for c, f in futures.items():
+            ref = sum(g[c].astype(np.float32) * w for g, w in zip(grads, weights))  # float32, in part order
+            want = (ref * inv).astype(dtype)
+            np.testing.assert_array_equal(f.result()[0].view(np.uint8), want.view(np.uint8))
