@@ -449,8 +449,7 @@ def compiled_peak(problem: FitProblem, step, schedule) -> dict:
     n_res = sum(u == "device" for u in schedule.update_locations)
     cb = problem.cb_rank
     resident_state = n_res * (cb.state + (cb.master if problem.micro_batches > 1 else 0))
-    # the update phase holds every resident chunk and all their gradients (GPT3_12B on the whole
-    # card ran out of memory there when only the forward/backward was checked)
+    # the update phase holds every resident chunk and its gradient (GPT3_12B ran out of memory there)
     update_phase = n_res * (cb.params + cb.state + cb.grad) + 2 * 4 * problem.layout.chunk_size
     largest = max(progs, key=lambda q: q["peak_device_bytes"])
     return {"peak_bytes": int(max(largest["peak_device_bytes"] + resident_state, update_phase)),
