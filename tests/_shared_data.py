@@ -1,5 +1,5 @@
 """Token data shared by the tests that only read it: the bpe512 cache (training the small BPE and
-tokenizing the plays takes ~20 s on the CI machine) is built once per pytest session, in the
+tokenizing the plays: ~18 s of CPU time) is built once per pytest session, in the
 session's folder (``CHUNKJAX_TEST_SHARED_DIR``, made by tests/conftest.py and inherited by the
 xdist workers, removed when the session ends), by whichever process asks first while the others
 wait; without that folder, once per process in a temporary folder removed at exit.
