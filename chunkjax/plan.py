@@ -54,7 +54,7 @@ from chunkjax.layout import ChunkLayout
 from chunkjax.memory import DEVICE, PINNED_HOST
 from chunkjax.plan_disk import host_disk_error, place_on_disk
 from chunkjax.plan_split import NEAR_TIE, split_updates
-from chunkjax.program_cut import auto_segments, choose_program_cut
+from chunkjax.program_cut import auto_segments, cut_and_start
 from chunkjax.predict import ChunkBytes
 from chunkjax.schedule import DEVICE_UPDATE, HOST_UPDATE, NO_UPDATE, STREAMED_UPDATE, Placement, Schedule
 from chunkjax.tide import Tide, memory_tide
@@ -542,10 +542,11 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
         if best is None:
             _tide_infeasible(one, layout.n_chunks, tide, plan_cb, budget, host_budget_bytes, ranks, host_bytes)
         if segments == "auto" and ranks == 1 and disk is None:
-            best = choose_program_cut(best, plan_cb, chunk_size=layout.chunk_size, traces=traces, tide=tide,
-                                      rates=rates, flops_per_step=flops_per_step, fits=host_fits,
-                                      micro_batches=micro_batches, streamed_early=streamed_early and split,
-                                      split=split and resident is None)
+            best = cut_and_start(best, lambda b, res, **kw: forms(_tide_one(
+                layout, traces, tide, plan_cb, b, res, host_update, prefetch, segs, rates, flops_per_step, **kw)),
+                plan_cb, layout=layout, traces=traces, tide=tide, rates=rates, flops_per_step=flops_per_step,
+                fits=host_fits, micro_batches=micro_batches, streamed_early=streamed_early and split,
+                split=split and resident is None)
         return best
     if policy == "fixed":
         s = finish(_fixed(layout, traces, tide, plan_cb, budget, prefetch, rates, flops_per_step))

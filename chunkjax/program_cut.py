@@ -26,12 +26,15 @@ from typing import Callable, Sequence
 from chunkjax import predict as pr
 from chunkjax.host_forms import host_balanced_segments
 from chunkjax.plan_split import split_updates
-from chunkjax.schedule import HOST_UPDATE, STREAMED_UPDATE, Schedule
+from chunkjax.schedule import DEVICE_UPDATE, HOST_UPDATE, STREAMED_UPDATE, Schedule
 
 #: Programs at most in a candidate cut (each program is one more compile and launch).
 MAX_PROGRAMS = 12
 #: Largest gradient window tried (programs).
 MAX_WINDOW = 4
+#: Resident counts below the fastest plan's tried with the early streamed pipeline's bytes
+#: reserved during the backward (:func:`cut_and_start`).
+EARLY_RESIDENT_STEPS = 3
 #: A candidate replaces the planned cut only when predicted faster by more than this fraction
 #: (the cost model's resolution; fewer programs compile faster).
 CUT_GAIN = 0.005
@@ -143,6 +146,44 @@ def choose_program_cut(s: Schedule, cb: pr.ChunkBytes, *, chunk_size: int, trace
             if pred.time.step_s < best_t:
                 best, best_t = again, pred.time.step_s
             best, best_t = search(again, best, best_t)
+    return best
+
+
+def cut_and_start(best: Schedule, one, cb: pr.ChunkBytes, *, layout, traces, tide, rates, flops_per_step, fits,
+                   micro_batches: int, streamed_early: bool, split: bool) -> Schedule:
+    """``best`` (the planner's fastest tide schedule, one device) with the program cut and
+    gradient window chosen on the step's timeline (:func:`choose_program_cut`); with
+    ``streamed_early`` and ``split`` also the placements of ``best``'s resident count and the
+    next :data:`EARLY_RESIDENT_STEPS` fewer with the early streamed pipeline's device bytes left
+    free during the backward
+    (``one(budget, resident, split=True, streamed_early=True, reserve=bytes)``), each with its
+    own cut; the fastest that fits (others only when faster by :data:`CUT_GAIN`).
+
+    Args:
+      best: the :class:`~chunkjax.schedule.Schedule`.
+      one: ``one(budget, resident, *, split, streamed_early, reserve) -> Schedule | None``: the
+        planner's tide schedule of one resident set (host forms assigned; None: does not fit).
+      cb, layout, traces, tide, rates, flops_per_step, micro_batches: the plan's.
+      fits: ``schedule -> bool``, the host budget check.
+      streamed_early: the step may start streamed updates early.
+      split: the update work may be re-split between host and streamed chunks.
+    """
+    def cut(s):
+        return choose_program_cut(s, cb, chunk_size=layout.chunk_size, traces=traces, tide=tide, rates=rates,
+                                  flops_per_step=flops_per_step, fits=fits, micro_batches=micro_batches,
+                                  streamed_early=streamed_early, split=split)
+    best = cut(best)
+    if not (streamed_early and split) or best.streamed_early:
+        return best
+    k = sum(u == DEVICE_UPDATE for u in best.update_locations)
+    reserve = pr.streamed_pipeline_bytes(layout.chunk_size, cb)
+    for r in range(k, max(-1, k - 1 - EARLY_RESIDENT_STEPS), -1):
+        e = one(best.budget_bytes, set(range(r)), split=True, streamed_early=True, reserve=reserve)
+        if e is None or not fits(e):
+            continue
+        e = cut(e)
+        if e.streamed_early and e.predicted.time.step_s < best.predicted.time.step_s * (1 - CUT_GAIN):
+            best = e
     return best
 
 
