@@ -6,11 +6,30 @@ the planner.
 """
 from __future__ import annotations
 
+import math
 
-def gib_ceil(n: int) -> float:
-    """``n`` bytes in GiB rounded *up* to the 3 decimals the messages print (rounding to nearest
-    could suggest a budget below ``n``, which then fails again)."""
-    return -(-n * 1000 // 2**30) / 1000
+
+#: Units of the byte counts that messages print, largest first (IEC, as :func:`chunkjax.parse_bytes` reads them).
+BYTE_UNITS = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
+
+
+def format_bytes(n: int | float, *, up: bool = False) -> str:
+    """``n`` bytes in the largest unit it reaches, 3 decimals, no space: ``"2.000GiB"``,
+    ``"304.130KiB"``, ``"512B"`` (below 1 KiB: whole bytes). The budget hints of the planner's
+    errors and the sizes the tools print go through it, so a tiny model's need reads
+    ``"304.130KiB"``, not ``"0.001GiB"``; :func:`chunkjax.parse_bytes` reads every form back.
+
+    Args:
+      n: bytes (int or float; negative values keep their sign).
+      up: round *up* to the printed precision: a suggested budget is never below ``n`` (rounding
+        to nearest could suggest a budget that fails again).
+    """
+    sign, n = ("-", -n) if n < 0 else ("", n)
+    for name, k in BYTE_UNITS:  # the largest unit whose printed value is at least 1.000
+        milli = -(-math.ceil(n) * 1000 // k) if up else round(n * 1000 / k)
+        if milli >= 1000:
+            return f"{sign}{milli / 1000:.3f}{name}"
+    return f"{sign}{math.ceil(n) if up else round(n)}B"
 
 
 class PlanError(ValueError):

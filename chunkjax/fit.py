@@ -441,13 +441,16 @@ def auto_budget(problem: FitProblem, *, policy: str = "tide") -> int:
 def compiled_peak(problem: FitProblem, step, schedule) -> dict:
     """Compile every program of ``step`` for one micro-batch and return its device peak (bytes):
     ``peak_bytes`` = max(largest program's argument + output + temp - alias + the master params
-    and optimizer state of device-updated chunks, the update phase: every resident chunk's params,
-    state and gradient plus one chunk's float32 temporaries), per rank."""
+    and optimizer state of device-updated chunks (with micro-batches also their float32 gradient
+    sums, :func:`chunkjax.accumulate.jit_sums`, held across the micro-batches' programs), the update
+    phase: every resident chunk's params, state and gradient plus one chunk's float32 temporaries),
+    per rank."""
     mb = rows_of(problem.batch, batch_rows(problem.batch) // problem.micro_batches)
     progs = step.compiled_memory_programs(mb)
     n_res = sum(u == "device" for u in schedule.update_locations)
     cb = problem.cb_rank
-    resident_state = n_res * cb.state
+    # with micro-batches each device-updated chunk's float32 gradient sum lives through every program
+    resident_state = n_res * (cb.state + (cb.master if problem.micro_batches > 1 else 0))
     # the update phase holds every resident chunk and all their gradients (GPT3_12B on the whole
     # card ran out of memory there when only the forward/backward was checked)
     update_phase = n_res * (cb.params + cb.state + cb.grad) + 2 * 4 * problem.layout.chunk_size

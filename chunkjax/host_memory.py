@@ -189,8 +189,8 @@ def schedule_host_need(schedule, cb, *, layout, n_ranks: int = 1, zero_stage: in
     gradients, and the host-updated chunks' gradients: on one device the working set of
     :data:`chunkjax.predict.GRAD_WINDOW_PROGRAMS` programs (``predicted.host_working_bytes``),
     on a mesh every one. ``pageable_bytes``: master params (of copy-keeping chunks) and
-    optimizer state of ``host``-updated chunks (numpy), with micro-batches their float32 sums
-    and means. ``device_on_host_bytes``: on the CPU the device's memory is host memory (each
+    optimizer state of ``host``-updated chunks (numpy), with micro-batches the float32 sums of
+    host, streamed and storage chunks (each mean written over its sum). ``device_on_host_bytes``: on the CPU the device's memory is host memory (each
     rank's predicted peak). ``process_bytes``: :func:`process_bytes`. ``pinned_pool_bytes``: what
     the runtime's pinned pool holds for the pinned bytes (:func:`pinned_pool_bytes`; ``env``: the
     environment it reads, default ``os.environ``). ``need_bytes``: pool + pageable + device-on-host
@@ -224,7 +224,10 @@ def schedule_host_need(schedule, cb, *, layout, n_ranks: int = 1, zero_stage: in
             pinned += reps * cb.params + cb.state + cb.grad
         n_host += u == "host"
     pageable += pred.disk_staging_bytes  # the near-storage workers' staging buffers (chunkjax.plan_disk)
-    sums = n_host * (cb.master + cb.grad) if micro_batches > 1 else 0
+    # float32 micro-batch sums of host-updated, streamed and storage chunks (numpy, the mean written over
+    # each: chunkjax.accumulate.HostSums); on a mesh every host-updated chunk's gradient instead
+    summed = sum(u in ("host", "streamed", "storage") for u in schedule.update_locations)
+    sums = summed * cb.master if micro_batches > 1 else 0
     if n_ranks == 1:
         pinned += max(0, pred.host_working_bytes - sums)
         pageable += sums

@@ -47,7 +47,7 @@ from typing import Sequence
 
 from chunkjax import predict as pr
 from chunkjax.cost import Rates
-from chunkjax.errors import HostBudgetError, PinnedLimitError, PlanError, gib_ceil
+from chunkjax.errors import HostBudgetError, PinnedLimitError, PlanError, format_bytes
 from chunkjax.eviction import CapacityError, belady
 from chunkjax.host_forms import assign_host_forms
 from chunkjax.layout import ChunkLayout
@@ -67,18 +67,18 @@ STATIC_POLICIES = ("all_host", "zero_offload")
 _MSG_FIXED_INFEASIBLE = (
     "device budget {budget} bytes is below the {need} bytes this step needs with every chunk in "
     "pinned host memory (activations and temporaries {act} bytes, chunk buffers {buf} bytes){why}: "
-    "use device_budget >= {need_gib:.3f}GiB{fix}")
+    "use device_budget >= {need_size}{fix}")
 _MSG_OFFLOADED_INFEASIBLE = (
     "device budget {budget} bytes is below the {need} bytes this step needs with every chunk offloaded "
-    "(non-model peak {act} bytes){why}: use device_budget >= {need_gib:.3f}GiB{fix}")
+    "(non-model peak {act} bytes){why}: use device_budget >= {need_size}{fix}")
 _MSG_STATIC_INFEASIBLE = ("the {policy} schedule needs {need} device bytes, above the budget of {budget} bytes: "
-                          "use device_budget >= {need_gib:.3f}GiB or another policy")
+                          "use device_budget >= {need_size} or another policy")
 _MSG_HOST = ("host budget {host} bytes is below the {need} bytes of model data and gradient buffers the host "
              "must hold at a device budget of {dev} bytes (every chunk that fits stays on the device): use "
-             "host_budget >= {need_gib:.3f}GiB, a larger device_budget, or storage directories (the disk tier)")
+             "host_budget >= {need_size}, a larger device_budget, or storage directories (the disk tier)")
 _MSG_HOST_ZERO = ("node host budget {host} bytes ({host_rank} per rank over {n} ranks) is below the {need_node} bytes "
                   "({need} per rank) of model data the host must hold at a device budget of {dev} bytes per GPU "
-                  "(every chunk that fits stays on the device): use host_budget >= {need_gib:.3f}GiB (the node's) "
+                  "(every chunk that fits stays on the device): use host_budget >= {need_size} (the node's) "
                   "or a larger device_budget")
 _MSG_HOST_LIMIT = ("at a device budget of {dev} bytes every placement's pinned host bytes exceed the limit on "
                    "pinned host memory: raise that limit or the device budget, or give storage directories")
@@ -174,14 +174,17 @@ def _frozen_none(layout: ChunkLayout, loc) -> tuple[str, ...]:
 
 def _tide_one(layout: ChunkLayout, traces, tide: Tide, cb: ChunkBytes, budget: int, resident: set[int],
               host_update: bool, prefetch: int, segments: tuple[int, ...], rates: Rates, flops_per_step: float,
-              split: bool = False, streamed_early: bool = False, reserve: int | None = None):
+              split: bool = False, streamed_early: bool = False, reserve: int | None = None, micro_batches: int = 1):
     """Schedule one placement (``resident`` chunks fully on the device); None if it cannot fit.
     With ``streamed_early`` (and the split) also the placement whose chunk buffers leave the
-    streamed pipeline's bytes free during the backward (``reserve``), the faster of the two."""
+    streamed pipeline's bytes free during the backward (``reserve``), the faster of the two.
+    With ``micro_batches`` > 1 the device-updated chunks' float32 sums are on the device
+    throughout (:func:`chunkjax.predict.waiting_grad_bytes`)."""
     if streamed_early and split and host_update and reserve is None:
         args = (layout, traces, tide, cb, budget, resident, host_update, prefetch, segments, rates, flops_per_step, split)
-        late = _tide_one(*args, streamed_early=False)
-        early = _tide_one(*args, streamed_early=True, reserve=pr.streamed_pipeline_bytes(layout.chunk_size, cb))
+        late = _tide_one(*args, streamed_early=False, micro_batches=micro_batches)
+        early = _tide_one(*args, streamed_early=True, reserve=pr.streamed_pipeline_bytes(layout.chunk_size, cb),
+                          micro_batches=micro_batches)
         if early is None or not early.streamed_early or (
                 late is not None and late.predicted.time.step_s <= early.predicted.time.step_s):
             return late
@@ -195,7 +198,7 @@ def _tide_one(layout: ChunkLayout, traces, tide: Tide, cb: ChunkBytes, budget: i
         segments = (0,)
     model = pr.device_model_bytes(cb, pk, loc)
     grad_done = pr.grad_done_moments(traces, tide)
-    waiting = pr.waiting_grad_bytes(cb, loc, grad_done, T)
+    waiting = pr.waiting_grad_bytes(cb, loc, grad_done, T, micro_batches)
     accesses = [tuple(c for c in m.chunks if pk[c] == PINNED_HOST) for m in tide.moments]
     max_reads = max((len(a) for a in accesses), default=0)
     caps = []
@@ -210,7 +213,8 @@ def _tide_one(layout: ChunkLayout, traces, tide: Tide, cb: ChunkBytes, budget: i
     except CapacityError:
         return None
     held = [len(r) for r in ev.resident_after]
-    per_moment = pr.tide_moment_bytes(tide, cb, pk, loc, ev.fetch, prefetch, held, grad_done)
+    per_moment = pr.tide_moment_bytes(tide, cb, pk, loc, ev.fetch, prefetch, held, grad_done,
+                                      micro_batches=micro_batches)
     pred = pr.predict(layout.chunk_size, traces, tide, cb, pk, loc, ev.fetch, segments, per_moment,
                       flops_per_step=flops_per_step, rates=rates)
     if pred.peak_device_bytes > budget:
@@ -253,10 +257,10 @@ def _tide(one, n_chunks: int, budget: int, host_fits, resident) -> Schedule:
 def _host_error(host_budget: int, need: int, device_budget: int, ranks: int) -> PlanError:
     """The host budget cannot hold ``need`` bytes (one rank's) of host model data."""
     if ranks == 1:
-        msg = _MSG_HOST.format(host=host_budget, need=need, dev=device_budget, need_gib=gib_ceil(need))
+        msg = _MSG_HOST.format(host=host_budget, need=need, dev=device_budget, need_size=format_bytes(need, up=True))
     else:
         msg = _MSG_HOST_ZERO.format(host=host_budget, host_rank=host_budget // ranks, n=ranks, need_node=need * ranks,
-                                    need=need, dev=device_budget, need_gib=gib_ceil(need * ranks))
+                                    need=need, dev=device_budget, need_size=format_bytes(need * ranks, up=True))
     return HostBudgetError(msg, device_budget, False)
 
 
@@ -288,8 +292,9 @@ def _tide_infeasible(one, n_chunks: int, tide: Tide, cb: ChunkBytes, budget: int
         raise _host_error(host_budget, host_bytes(s) // ranks, hi, ranks)
     act = tide.peak_non_model_bytes
     alone = act > budget
-    raise PlanError(_MSG_OFFLOADED_INFEASIBLE.format(budget=budget, need=hi, act=act, why=_WHY_ACT if alone else "",
-                                                     need_gib=gib_ceil(hi), fix=_FIX_ACT if alone else ""), hi, alone)
+    msg = _MSG_OFFLOADED_INFEASIBLE.format(budget=budget, need=hi, act=act, why=_WHY_ACT if alone else "",
+                                           need_size=format_bytes(hi, up=True), fix=_FIX_ACT if alone else "")
+    raise PlanError(msg, hi, alone)
 
 
 # ---- the fixed rule -----------------------------------------------------------------------------
@@ -330,9 +335,10 @@ def _fixed(layout, traces, tide, cb, budget, prefetch, rates, flops) -> Schedule
     if need > budget:
         act = sum(t.input_bytes for t in traces[1:]) + max(t.temp_bytes for t in traces)
         alone = act > budget
-        raise PlanError(_MSG_FIXED_INFEASIBLE.format(budget=budget, need=need, act=act, buf=need - act,
-                                                     why=_WHY_ACT if alone else "", need_gib=gib_ceil(need),
-                                                     fix=_FIX_ACT if alone else ""), need, alone)
+        msg = _MSG_FIXED_INFEASIBLE.format(budget=budget, need=need, act=act, buf=need - act,
+                                           why=_WHY_ACT if alone else "", need_size=format_bytes(need, up=True),
+                                           fix=_FIX_ACT if alone else "")
+        raise PlanError(msg, need, alone)
     for kinds in (pk, sk):
         for c in range(n):
             kinds[c] = DEVICE
@@ -526,7 +532,8 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
 
         def one(b, res):
             s = forms(_tide_one(layout, traces, tide, plan_cb, b, res, host_update, prefetch, segs, rates,
-                                flops_per_step, split and resident is None, streamed_early))
+                                flops_per_step, split and resident is None, streamed_early,
+                                micro_batches=micro_batches))
             s = s if s is None or disk is None else place_on_disk(
                 s, plan_cb, chunk_size=layout.chunk_size, traces=traces, tide=tide, disk=disk, rates=rates,
                 flops_per_step=flops_per_step, micro_batches=micro_batches, streamed_early=streamed_early,
@@ -561,7 +568,7 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
     if must_fit and s.predicted.peak_device_bytes > budget:  # the static baselines
         need = s.predicted.peak_device_bytes
         raise PlanError(_MSG_STATIC_INFEASIBLE.format(policy=policy, need=need, budget=budget,
-                                                      need_gib=gib_ceil(need)), need, False)
+                                                      need_size=format_bytes(need, up=True)), need, False)
     if must_fit and not host_fits(s):
         raise _host_error(host_budget_bytes, host_bytes(s) // ranks, budget, ranks)
     return s

@@ -19,7 +19,7 @@ import dataclasses
 import math
 
 from chunkjax import predict as pr
-from chunkjax.errors import PlanError, gib_ceil
+from chunkjax.errors import PlanError, format_bytes
 from chunkjax.schedule import HOST_UPDATE, STORAGE_UPDATE, STREAMED_UPDATE, Schedule
 
 #: A step writes a new version of every storage chunk's file before the old one goes (the
@@ -29,7 +29,7 @@ DISK_VERSIONS = 2
 
 _MSG_HOST_DISK = ("host budget {host} bytes is below the {need} bytes the host must hold even with {n} chunks' "
                   "master params and optimizer state on {d} storage director{ies} (disk budget {disk}): use "
-                  "host_budget >= {need_gib:.3f}GiB, more disk space or a larger device budget")
+                  "host_budget >= {need_size}, more disk space or a larger device budget")
 
 
 def place_on_disk(s: Schedule, cb: pr.ChunkBytes, *, chunk_size: int, traces, tide, disk: tuple, rates,
@@ -110,7 +110,7 @@ def host_disk_error(host_budget: int, need: int, n_chunks: int, storage_devices:
     return PlanError(_MSG_HOST_DISK.format(host=host_budget, need=need, n=n_chunks, d=storage_devices,
                                            ies="y" if storage_devices == 1 else "ies",
                                            disk="unbounded" if disk_budget is None else f"{disk_budget} bytes",
-                                           need_gib=gib_ceil(need)), 0, False)
+                                           need_size=format_bytes(need, up=True)), 0, False)
 
 
 def storage_line(schedule: Schedule, storage_devices: int, host_budget: int | None) -> str | None:

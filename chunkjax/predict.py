@@ -174,11 +174,15 @@ def device_model_bytes(cb: ChunkBytes, param_kinds, update_locations) -> int:
             + sum(cb.state for u in update_locations if u == DEVICE_UPDATE))
 
 
-def waiting_grad_bytes(cb: ChunkBytes, update_locations, grad_done: dict[int, int], n_moments: int) -> list[int]:
+def waiting_grad_bytes(cb: ChunkBytes, update_locations, grad_done: dict[int, int], n_moments: int,
+                       micro_batches: int = 1) -> list[int]:
     """Per moment, bytes of the gradients of device-updated chunks that are complete and wait on
-    the device for the update program."""
+    the device for the update program; with ``micro_batches`` > 1 also every device-updated
+    chunk's float32 micro-batch sum (``cb.master`` each, alive through every micro-batch:
+    :func:`chunkjax.accumulate.mean_gradients`)."""
     dev = [c for c, u in enumerate(update_locations) if u == DEVICE_UPDATE]
-    return [sum(cb.grad for c in dev if grad_done.get(c, n_moments) <= t) for t in range(n_moments)]
+    sums = len(dev) * cb.master if micro_batches > 1 else 0
+    return [sums + sum(cb.grad for c in dev if grad_done.get(c, n_moments) <= t) for t in range(n_moments)]
 
 
 def held_buffers(fetch, evict) -> list[int]:
@@ -192,7 +196,8 @@ def held_buffers(fetch, evict) -> list[int]:
 
 
 def tide_moment_bytes(tide: Tide, cb: ChunkBytes, param_kinds, update_locations, fetch, prefetch: int,
-                      held: Sequence[int], grad_done: dict[int, int], master_fetch=()) -> list[int]:
+                      held: Sequence[int], grad_done: dict[int, int], master_fetch=(),
+                      micro_batches: int = 1) -> list[int]:
     """Device bytes at each moment: model data on the device + the tide's non-model bytes +
     waiting gradients + (chunk buffers held + fetches in flight for the next ``prefetch``
     moments) x one chunk's compute params (+ :func:`master_fetch_extra`).
@@ -201,10 +206,11 @@ def tide_moment_bytes(tide: Tide, cb: ChunkBytes, param_kinds, update_locations,
       held: per moment, fetched chunk copies on the device (the eviction plan's cache, or
         :func:`held_buffers`).
       master_fetch: chunk ids fetched as float32 master params (:mod:`chunkjax.host_forms`).
+      micro_batches: gradient accumulation (:func:`waiting_grad_bytes`: device float32 sums).
     """
     T = len(tide.moments)
     model = device_model_bytes(cb, param_kinds, update_locations)
-    waiting = waiting_grad_bytes(cb, update_locations, grad_done, T)
+    waiting = waiting_grad_bytes(cb, update_locations, grad_done, T, micro_batches)
     out = []
     for t, m in enumerate(tide.moments):
         inflight = sum(len(fetch[u]) for u in range(t + 1, min(T, t + 1 + prefetch)))
@@ -233,7 +239,8 @@ def host_figures(chunk_size: int, cb: ChunkBytes, param_kinds, update_locations,
     params are in its state), master params and state of ``host``/``streamed`` chunks, every
     offloaded chunk's gradient. ``host_working_bytes``: the host-updated chunks' gradients that
     exist at once (:func:`grad_window_bytes` over ``segments``; with
-    ``micro_batches`` > 1 every host chunk's float32 sum and mean as well) and every streamed
+    ``micro_batches`` > 1 every host and streamed chunk's float32 sum as well, the mean written
+    over it: :func:`chunkjax.accumulate.mean_in_place`) and every streamed
     chunk's new compute params and state, written back beside the old until the step returns. ``host_bytes``: the
     model data plus that working set (streamed chunks' gradients whole). The per-parameter
     figures divide by all parameters (``host_bytes_per_param``) and by those of chunks whose
@@ -257,8 +264,8 @@ def host_figures(chunk_size: int, cb: ChunkBytes, param_kinds, update_locations,
         if u == HOST_UPDATE:
             host.append(done_moments.get(c, T - 1))
     working = grad_window_bytes(host, segments, cb.grad, window) if host else 0
-    if micro_batches > 1:
-        working += len(host) * (cb.master + cb.grad)
+    if micro_batches > 1:  # float32 sums, the mean written over each (chunkjax.accumulate.mean_in_place)
+        working += (len(host) + sum(u == STREAMED_UPDATE for u in update_locations)) * cb.master
     # a streamed chunk's new params and state come back into new pinned buffers while the step's
     # input state still holds the old ones (:class:`chunkjax.streamed.StepStream`): both exist
     # until the step returns (measured: the 8B full fine-tuning ran out of a pool sized without them)
@@ -463,6 +470,10 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
     if n_disk:  # storage chunks: gradients whole until the disk update, the workers' staging buffers
         hf["host_model_bytes"] += n_disk * cb.grad + staging
         hf["host_bytes"] += n_disk * cb.grad + staging
+    if n_disk and micro_batches > 1:  # and their float32 sums (the mean written over each)
+        hf["host_working_bytes"] += n_disk * cb.master
+        hf["host_bytes"] += n_disk * cb.master
+    if n_disk:
         hf["host_bytes_per_param"] = hf["host_bytes"] / (len(param_kinds) * chunk_size)
     fwd_b = (sum(fetched(c) for t in range(n_stages - 1) for c in fetch[t]) if forward_fetches is None
              else fetch_b if forward_fetches >= n_fetch else forward_fetches * cb.params)

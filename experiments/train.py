@@ -33,11 +33,15 @@ exists, a run that fails (crash, SIGKILL, SIGTERM, Ctrl-C, a non-finite loss) ke
 ``.partial`` folder, and ``--resume <that folder or its checkpoints folder>`` continues it in
 place from the newest complete checkpoint: the data stream continues where it was and the losses
 equal those of an uninterrupted run (bit for bit on the CPU; so after a non-finite loss, resume
-with ``--nonfinite skip``). Settings that change the training (model, init-from, steps, batch, seq, lr,
+with ``--nonfinite skip``). A run that diverges (:class:`DivergenceWatch`: a non-finite loss or
+gradient norm, ``--skip-limit`` skipped steps in a row, or a dead model) stops with one line and
+status 2; no checkpoint is saved while skipped or dead steps are running, the checkpoints of the
+diverged state are deleted, and a kept folder's ``report.json`` says why (``stopped``).
+Settings that change the training (model, init-from, steps, batch, seq, lr,
 warmup, weight decay, clip, seed, tokenizer, eval batches, compute dtype) must equal the
 checkpoint's: a difference exits with status 2, one line, and nothing written.
 ``--device-budget``, ``--prefetch``, ``--micro-batches`` (which changes only the float summation
-order), ``--nonfinite``, ``--chunk-size`` / ``--min-chunks`` and the output settings may differ:
+order), ``--nonfinite``, ``--skip-limit``, ``--chunk-size`` / ``--min-chunks`` and the output settings may differ:
 the checkpoint restores into any placement, and into another chunk layout by moving every leaf
 to its new chunk (:func:`chunkjax.checkpoint.restore_checkpoint`). A checkpoint that cannot be written (full disk) stops the run
 with status 1 and one line; the previous checkpoints stay intact and resumable. ``report.json``
@@ -105,6 +109,7 @@ class TrainConfig:
     progress: bool = config_field(True, 'progress bar')
     micro_batches: int = config_field(1, 'gradient accumulation: each step\'s --batch sequences run as this many equal micro-batches (activation memory of one micro-batch), one update')
     nonfinite: str = config_field("error", 'a NaN/inf loss or gradient: error (stop, say what to change) | skip (the step changes no state; counted in the report)')
+    skip_limit: int = config_field(10, 'with --nonfinite skip: stop (exit 2) after this many skipped steps in a row (the model diverged, not one bad batch)')
     checkpoint_every: int = config_field(-1, 'steps between checkpoints in <run folder>/checkpoints, plus one after the last step; -1: at each evaluation (--eval-every); 0: none')
     keep_checkpoints: int = config_field(2, 'newest checkpoints kept (older ones are deleted)')
     zero_stage: int = config_field(0, 'ZeRO stage 1 | 2 | 3 over all devices (every chunk split over them; --batch a multiple of the device count), those of all processes when started as several (srun, or JAX_COORDINATOR_ADDRESS + JAX_NUM_PROCESSES + JAX_PROCESS_ID: docs/multihost.md); 0: one device')
@@ -120,8 +125,77 @@ class JobFailed(Exception):
     printed as one line, exit status 1."""
 
 
+#: Steps in a row with a gradient norm of exactly 0 at a positive loss before the job calls the
+#: model dead (diverged: lr 1e4 without clipping makes every hidden state overflow, so RMSNorm's
+#: mean square is inf, every normalised state 0, every prediction uniform: loss log V, gradient 0).
+DEAD_STEPS = 3
+
+
+class Diverged(UsageError):
+    """The training diverged (a non-finite loss or gradient norm, ``--skip-limit`` skipped steps
+    in a row, or a dead model): one line, exit 2. ``record``: why, for the kept run folder's
+    ``report.json`` (``stopped``)."""
+
+    def __init__(self, msg: str, record: dict | None = None):
+        super().__init__(msg)
+        self.record = record or {}
+
+
+@dataclasses.dataclass
+class DivergenceWatch:
+    """Decides, step by step, whether training diverged (:class:`Diverged`).
+
+    Under ``--nonfinite error`` a non-finite loss or gradient norm stops at once (the step's
+    update must not reach a checkpoint). Under ``skip`` a non-finite step is skipped by the step
+    itself (no state changed); ``skip_limit`` of them in a row stop. Either way :data:`DEAD_STEPS`
+    steps in a row with a gradient norm of exactly 0 at a positive loss stop (a loss of 0 means
+    no target was scored). ``since``: the first step of the current run of suspect steps (skipped
+    or dead; None when the last step was healthy): the state that produced it, the checkpoint of
+    step ``since - 1`` and later, is the diverged one.
+    """
+
+    skip_limit: int
+    lr: float
+    since: int | None = None
+    kind: str | None = None
+    count: int = 0
+
+    @property
+    def suspect(self) -> bool:
+        """True while a run of skipped or dead steps is open (a checkpoint then waits)."""
+        return self.kind is not None
+
+    def observe(self, i: int, loss: float, grad_norm: float, skipped: bool) -> None:
+        """Step ``i``'s loss (nats), global gradient norm and whether the step skipped it.
+
+        Raises:
+          Diverged: the training diverged at step ``i`` (the message says what to change).
+        """
+        fix = f"lower --lr (now {self.lr}) or keep --clip > 0"
+        if not skipped and not math.isfinite(loss):
+            self._stop(i, "nonfinite_loss", f"loss became {loss} at step {i}: {fix}", loss, grad_norm, i)
+        if not skipped and not math.isfinite(grad_norm):
+            self._stop(i, "nonfinite_grad", f"gradient norm became {grad_norm} at step {i} (loss {loss:.4f}): {fix}, "
+                       "or --nonfinite skip to skip such steps", loss, grad_norm, i)
+        kind = "skipped" if skipped else "dead" if grad_norm == 0.0 and loss > 0 else None
+        if kind != self.kind:
+            self.kind, self.since, self.count = kind, i if kind else None, 0
+        self.count += kind is not None
+        if kind == "skipped" and self.count >= self.skip_limit:
+            self._stop(i, "skip_limit", f"the model diverged: steps {self.since}-{i} all had non-finite gradients "
+                       f"(--skip-limit {self.skip_limit} in a row skipped): {fix}", loss, grad_norm, self.since)
+        if kind == "dead" and self.count >= DEAD_STEPS:
+            self._stop(i, "dead", f"the model diverged: steps {self.since}-{i} had a gradient norm of 0 at loss "
+                       f"{loss:.4f} (activations overflowed: every prediction alike, nothing left to train): {fix}",
+                       loss, grad_norm, self.since)
+
+    def _stop(self, i, why, msg, loss, grad_norm, since):
+        raise Diverged(msg, {"step": i, "why": why, "message": msg, "loss": loss, "grad_norm": grad_norm,
+                             "since_step": since})
+
+
 #: Resolved settings that change the training: a checkpoint resumes only when they are equal.
-#: (device_budget, prefetch, micro_batches, chunk_size, min_chunks, eval_every, nonfinite,
+#: (device_budget, prefetch, micro_batches, chunk_size, min_chunks, eval_every, nonfinite, skip_limit,
 #: checkpointing, sampling and output settings may differ: restore_checkpoint places the state
 #: into any placement and moves the leaves into another chunk layout.)
 RESUME_MUST_MATCH = ("model", "init_from", "data", "steps", "batch", "seq", "lr", "warmup", "weight_decay", "clip", "seed",
@@ -217,26 +291,53 @@ def _preset(init_from: str, presets: dict) -> dict:
 
 
 def parse_args(argv=None) -> TrainConfig:
-    """Command line -> :class:`TrainConfig`; ``--init-from`` sets its preset's defaults first.
+    """Command line -> :class:`TrainConfig`; ``--init-from`` sets its preset's defaults first
+    (flags given win), and ``--help`` shows the defaults that run (:func:`arg_parser`).
 
     Raises:
       UsageError: an unknown ``--init-from`` name (argparse itself exits 2 on unknown flags).
     """
-    ap = argparse.ArgumentParser(prog="python -m experiments.train", description=__doc__.split("\n\n")[0])
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--init-from", default="")
+    init_from = pre.parse_known_args(argv)[0].init_from
+    return TrainConfig(**vars(arg_parser(init_from).parse_args(argv)))
+
+
+def arg_parser(init_from: str = "") -> argparse.ArgumentParser:
+    """The job's argument parser with the defaults of ``--init-from init_from`` (empty: a random
+    init). Each flag's help says its default and, where ``--init-from`` changes it, the other
+    defaults: without ``--init-from``, the Hugging Face folder preset's and each named preset's
+    (:data:`experiments.job_model.FOLDER_PRESET`, :data:`~experiments.job_model.PRESETS`); with it,
+    that preset's value as the default and the random init's beside it.
+
+    Raises:
+      UsageError: an unknown ``init_from`` name.
+    """
+    from experiments.job_model import FOLDER_PRESET, PRESETS
+    preset = _preset(init_from, PRESETS)
+    shown = {"a Hugging Face folder": FOLDER_PRESET | {"model": "the folder's name", "seq": (
+        f"{FOLDER_PRESET['seq']} or the model's max_position_embeddings if fewer")}} | PRESETS
+    ap = argparse.ArgumentParser(
+        prog="python -m experiments.train", description=__doc__.split("\n\n")[0],
+        epilog="Defaults: a flag's 'with --init-from' values replace its random-init default when --init-from "
+               "is given (flags given on the command line win); 'python -m experiments.train --init-from X "
+               "--help' shows X's defaults.")
     for f in dataclasses.fields(TrainConfig):
         name = "--" + f.name.replace("_", "-")
-        help_ = f"{f.metadata['help']} (default: {f.default})".replace("%", "%%")
+        if f.name in preset and preset[f.name] != f.default:
+            default = preset[f.name]
+            note = f"default with --init-from {init_from}: {default}; random init: {f.default}"
+        else:
+            others = [f"{label}: {p[f.name]}" for label, p in shown.items() if f.name in p and p[f.name] != f.default]
+            default = preset.get(f.name, f.default)
+            note = f"default: {default}" + (f"; with --init-from {', '.join(others)}" if others and not preset else "")
+        help_ = f"{f.metadata['help']} ({note})".replace("%", "%%")
         if f.type in ("bool", bool):
-            ap.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
+            ap.add_argument(name, action=argparse.BooleanOptionalAction, default=default, help=help_)
         else:
             typ = {"int": int, "float": float, "str": str}.get(str(f.type), str)
-            ap.add_argument(name, type=typ, default=f.default, help=help_)
-    ns = ap.parse_args(argv)
-    if ns.init_from:  # the preset's defaults under the flags given
-        from experiments.job_model import PRESETS
-        ap.set_defaults(**_preset(ns.init_from, PRESETS))
-        ns = ap.parse_args(argv)
-    return TrainConfig(**vars(ns))
+            ap.add_argument(name, type=typ, default=default, help=help_)
+    return ap
 
 
 # ---- the launcher: memory settings must be in the environment before JAX starts ------------
@@ -289,6 +390,7 @@ def run(cfg: TrainConfig) -> dict:
     import jax.numpy as jnp
 
     import chunkjax as cj
+    from chunkjax.errors import format_bytes as fb
     from chunkjax.fit import describe as describe_fit
     from experiments import data as data_mod
     from experiments import distributed
@@ -309,6 +411,8 @@ def run(cfg: TrainConfig) -> dict:
             model = job_model.with_lora(model, LoraSpec.parse(cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets), cfg.seed)
     except job_model.ModelError as e:
         raise UsageError(str(e)) from None
+    for note in getattr(model.source, "notes", ()):  # how a Hugging Face folder was read where transformers warns
+        print(f"note: {note}", flush=True)
     setup = {"load": time.time() - t_start}  # seconds per setup phase (report "setup_s")
     if cfg.seq > model.max_seq:
         raise UsageError(f"--seq {cfg.seq} exceeds the model's {model.max_seq} positions: use --seq <= {model.max_seq}")
@@ -380,23 +484,23 @@ def run(cfg: TrainConfig) -> dict:
     print("config: " + " ".join(f"{k}={v}" for k, v in resolved.items()), flush=True)
     print(layout.summary().splitlines()[0], flush=True)
     for k, h in enumerate(fit_report.plans):
-        print(f"compiled check {k}: plan for {h['effective_budget_bytes'] / 2**20:.1f} MiB {h['counts']}: compiled peak "
-              f"{h['compiled_peak_bytes'] / 2**20:.1f} MiB, accounted {h['predicted_peak_bytes'] / 2**20:.1f} MiB "
-              f"(headroom {fit_report.headroom:.0%} of {budget / 2**20:.1f} MiB)", flush=True)
+        print(f"compiled check {k}: plan for {fb(h['effective_budget_bytes'])} {h['counts']}: compiled peak "
+              f"{fb(h['compiled_peak_bytes'])}, accounted {fb(h['predicted_peak_bytes'])} "
+              f"(headroom {fit_report.headroom:.0%} of {fb(budget)})", flush=True)
     for note in fit_report.notes:
         print(f"note: {note}", flush=True)
     print(describe_fit(fit_report, problem), flush=True)
     h = fit_report.host
     pool = h.get("pinned_pool_bytes", h["pinned_host_bytes"])
-    print(f"host: the plan needs {h['need_bytes'] / 2**30:.2f} GiB ({h['pinned_host_bytes'] / 2**30:.2f} pinned"
-          + (f" in a {pool / 2**30:.2f} GiB pinned pool" if pool > h["pinned_host_bytes"] else "") + " + "
-          f"{h['pageable_bytes'] / 2**30:.2f} pageable + {h['process_bytes'] / 2**30:.2f} for the process"
-          + (f" + {h['device_on_host_bytes'] / 2**30:.2f} of device memory" if h.get("device_on_host_bytes") else "")
-          + (f"; with clipping, speculative host updates may back up to {h['speculation_bytes'] / 2**30:.2f} "
-             "GiB of state beside it" if h.get("speculation_bytes") and "host" in fit_report.schedule.update_locations
+    print(f"host: the plan needs {fb(h['need_bytes'])} ({fb(h['pinned_host_bytes'])} pinned"
+          + (f" in a {fb(pool)} pinned pool" if pool > h["pinned_host_bytes"] else "") + " + "
+          f"{fb(h['pageable_bytes'])} pageable + {fb(h['process_bytes'])} for the process"
+          + (f" + {fb(h['device_on_host_bytes'])} of device memory" if h.get("device_on_host_bytes") else "")
+          + (f"; with clipping, speculative host updates may back up to {fb(h['speculation_bytes'])} "
+             "of state beside it" if h.get("speculation_bytes") and "host" in fit_report.schedule.update_locations
              else "")
           + f"; {(h['pinned_host_bytes'] + h['pageable_bytes']) / model.n_params:.2f} B/param of model data) of "
-          + (f"{h['available_bytes'] / 2**30:.2f} GiB available" if h.get("available_bytes") else "unknown available"),
+          + (f"{fb(h['available_bytes'])} available" if h.get("available_bytes") else "unknown available"),
           flush=True)
 
     if "train_plays" in td.meta:
@@ -422,13 +526,38 @@ def run(cfg: TrainConfig) -> dict:
         plot_losses(folder.path / "loss.png", folder.path / "metrics.jsonl", title=title)
         final = folder.commit()
     except BaseException as e:
+        if isinstance(e, Diverged):
+            drop_diverged_checkpoints(folder.path / CHECKPOINT_DIR, e)
         kept = cj.checkpoint.latest_step(folder.path / CHECKPOINT_DIR)
         if kept is None and resume is None:
             folder.discard()
             raise
-        _note_kept(e, f"{folder.path} keeps checkpoint step {kept}: continue with --resume {folder.path}")
+        how = f"continue with --resume {folder.path}"
+        if isinstance(e, Diverged):  # why it stopped, beside the checkpoint kept
+            folder.write_json("report.json", {"stopped": e.record, "config": resolved})
+            how = (f"{how} --nonfinite skip" if e.record["why"].startswith("nonfinite") else
+                   "its report.json says why the run stopped")
+        _note_kept(e, f"{folder.path} keeps checkpoint step {kept}: {how}")
     print(f"run folder: {final}", flush=True)
     return report
+
+
+def drop_diverged_checkpoints(ckpt_dir, e: Diverged) -> list[int]:
+    """After :class:`Diverged`: delete the checkpoints of the diverged state (a run of skipped or
+    dead steps from step ``since``: the checkpoints of step ``since - 1`` on hold the state that
+    produced them; :func:`chunkjax.checkpoint.delete_checkpoint`), keep the older ones as they
+    are, complete ``e.record`` with both lists (``checkpoints_dropped``, ``checkpoints_kept``)
+    and its message with the deletion. Returns the deleted steps."""
+    from chunkjax import checkpoint as ck
+    since = e.record["since_step"]
+    dropped = [s for s in ck.all_steps(ckpt_dir) if e.record["why"] in ("skip_limit", "dead") and s >= since - 1]
+    for s in dropped:
+        ck.delete_checkpoint(ckpt_dir, s)
+    e.record.update(checkpoints_dropped=dropped, checkpoints_kept=ck.all_steps(ckpt_dir))
+    if dropped:
+        e.args = (f"{e}; checkpoint step{'s' if len(dropped) > 1 else ''} {', '.join(map(str, dropped))} of the "
+                  "diverged model deleted",)
+    return dropped
 
 
 def fit_model(cfg: TrainConfig, model, *, compute_dtype, rates=None, resident=None):
@@ -499,7 +628,9 @@ def _note_kept(e: BaseException, note: str):
     """Re-raise ``e`` saying that the run folder was kept with a checkpoint to resume from (one
     line for UsageError / JobFailed; run_guarded prints ``kept_note`` for signals)."""
     if isinstance(e, (UsageError, JobFailed)):
-        raise type(e)(f"{e}; {note}") from None
+        again = type(e)(f"{e}; {note}")
+        again.__dict__.update(e.__dict__)  # Diverged's record
+        raise again from None
     if isinstance(e, (KeyboardInterrupt, _Terminated)):
         e.kept_note = note
     else:
@@ -538,6 +669,8 @@ def _validate(cfg: TrainConfig) -> None:
             raise UsageError(f"--storage: {e}") from None
         if cfg.zero_stage:
             raise UsageError("--storage runs on one device: leave out --zero-stage")
+        for line in check_storage_dirs(storage_options(cfg.storage).dirs):
+            print(line, flush=True)
     if cfg.export not in ("merged", "adapters", "both", "none"):
         raise UsageError(f"--export {cfg.export!r}: use merged, adapters, both or none")
     if cfg.export in ("adapters", "both") and not cfg.lora_rank:
@@ -551,6 +684,8 @@ def _validate(cfg: TrainConfig) -> None:
         raise UsageError(f"--zero-stage {cfg.zero_stage}: use 1, 2 or 3 (ZeRO over the devices) or 0 (one device)")
     if cfg.nonfinite not in ("error", "skip"):
         raise UsageError(f"--nonfinite {cfg.nonfinite!r}: use error or skip")
+    if cfg.skip_limit < 1:
+        raise UsageError(f"--skip-limit must be >= 1, got {cfg.skip_limit}")
     for name in ("warmup", "sample_tokens", "chunk_size"):
         if getattr(cfg, name) < 0:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(cfg, name)}")
@@ -574,6 +709,51 @@ def _validate(cfg: TrainConfig) -> None:
         os.rmdir(tempfile.mkdtemp(prefix=".writable_", dir=cfg.out_dir))
     except OSError as e:
         raise UsageError(f"--out-dir {cfg.out_dir!r} is not writable ({e.strerror}): pick a writable folder") from None
+
+
+def check_storage_dirs(dirs) -> list[str]:
+    """Check every ``--storage`` directory by writing, before any work and whether or not the plan
+    will put chunks there: an existing directory gets a probe folder made and removed in it; a
+    missing one is created (with its missing parents) and removed again. ``os.access`` is not
+    enough (it says yes to root where the filesystem says no, e.g. under ``/sys`` or on a
+    read-only mount). Nothing is left behind.
+
+    Args:
+      dirs: the directories (strings, as :class:`chunkjax.storage.updater.StorageOptions`' ``dirs``).
+    Returns:
+      one line per directory for the log: ``"storage: DIR (exists|created when used), FREE free"``
+      (free bytes of its filesystem, :func:`chunkjax.errors.format_bytes`).
+    Raises:
+      UsageError: a directory that cannot be created or written (one line naming it and why).
+    """
+    from chunkjax.errors import format_bytes
+    lines = []
+    for d in dirs:
+        existed = os.path.isdir(d)
+        made = []  # the folders this check creates, deepest last
+        try:
+            if not existed:
+                probe = os.path.abspath(d)
+                while not os.path.exists(probe):
+                    made.append(probe)
+                    probe = os.path.dirname(probe)
+                made.reverse()
+                for m in made:
+                    os.mkdir(m)
+            os.rmdir(tempfile.mkdtemp(prefix=".writable_", dir=d))
+            st = os.statvfs(d)
+        except OSError as e:
+            raise UsageError(f"--storage {d!r}: {'not writable' if existed else 'cannot be created'} "
+                             f"({e.strerror}): give a writable directory (or leave out --storage)") from None
+        finally:
+            for m in reversed(made):
+                try:
+                    os.rmdir(m)
+                except OSError:
+                    pass
+        lines.append(f"storage: {d} ({'exists' if existed else 'created when used'}), "
+                     f"{format_bytes(st.f_bavail * st.f_frsize)} free")
+    return lines
 
 
 def parse_budget(text: str, flag: str = "--device-budget") -> int:
@@ -718,6 +898,7 @@ def _train(cfg, model, fitted, td, folder, t_start, resolved, resume=None, setup
     skipped = [r["step"] for r in records if r.get("skipped")]
     bar = tqdm(range(start + 1, cfg.steps + 1), initial=start, total=cfg.steps, disable=not cfg.progress,
                unit="step", dynamic_ncols=True, file=sys.stdout)
+    watch, save_due = DivergenceWatch(cfg.skip_limit, cfg.lr), False  # Diverged: run() keeps the good checkpoints
     with mf:
         for i in bar:
             nb = next(batches)
@@ -733,8 +914,7 @@ def _train(cfg, model, fitted, td, folder, t_start, resolved, resume=None, setup
             if skip:
                 skipped.append(i)
                 print(f"step {i}: non-finite gradients (loss {loss}): skipped, no state changed", flush=True)
-            elif not math.isfinite(loss):
-                raise UsageError(f"loss became {loss} at step {i}: lower --lr (now {cfg.lr}) or keep --clip > 0")
+            watch.observe(i, loss, grad_norm, skip)
             if i > start + 1:  # the first step of a process compiles
                 train_time += dt
                 timed_steps += 1
@@ -748,14 +928,17 @@ def _train(cfg, model, fitted, td, folder, t_start, resolved, resume=None, setup
             if i % cfg.eval_every == 0 or i == cfg.steps:
                 rec["val_loss"] = val_loss(state)
                 if not math.isfinite(rec["val_loss"]):
-                    raise UsageError(f"validation loss became {rec['val_loss']} at step {i}: lower --lr "
-                                     f"(now {cfg.lr}) or keep --clip > 0")
+                    msg = f"validation loss became {rec['val_loss']} at step {i}: lower --lr (now {cfg.lr}) or keep --clip > 0"
+                    raise Diverged(msg, {"step": i, "why": "nonfinite_val_loss", "message": msg, "loss": loss,
+                                         "grad_norm": grad_norm, "since_step": i})
             mf.write(json.dumps(rec) + "\n")
             mf.flush()
             records.append(rec)
-            if every and (i % every == 0 or i == cfg.steps):
+            save_due = save_due or bool(every and (i % every == 0 or i == cfg.steps))
+            if save_due and (not watch.suspect or i == cfg.steps):  # no checkpoint of a state suspected dead
                 os.fsync(mf.fileno())  # the metrics up to a checkpoint outlive a crash
                 save_checkpoint(i, state, nb)
+                save_due = False
             tps = timed_steps * tokens_per_step / train_time if train_time else float("nan")
             bar.set_postfix(loss=f"{loss:.3f}", val=f"{last_validation(records):.3f}",
                             tok_s=f"{tps:,.0f}" if math.isfinite(tps) else "-")
@@ -831,6 +1014,7 @@ def _train(cfg, model, fitted, td, folder, t_start, resolved, resume=None, setup
         **{k: td.meta[k] for k in ("train_plays", "val_plays", "data_files", "train_examples", "val_examples",
                                    "masked_train_tokens") if k in td.meta},
         "micro_batches": cfg.micro_batches, "nonfinite": cfg.nonfinite, "skipped_steps": skipped,
+        "stopped": None,  # a run that diverged keeps this report only as {"stopped": why, "config": ...}
         "resumed_from_step": saved["resumed_from"][-1] if saved["resumed_from"] else None,
         "resumed_from_steps": list(saved["resumed_from"]),
         "checkpoint_every": every, "checkpoints_kept": ck.all_steps(ckpt_dir),

@@ -23,8 +23,18 @@ Name map (our params pytree of :mod:`models.llama` <-> transformers' state dict)
     layer_<i>/ffn_norm/scale         model.layers.<i>.post_attention_layernorm.weight
     layer_<i>/<p>/kernel             model.layers.<i>.mlp.<p>.weight   p: gate/up/down_proj
     final_norm/scale                 model.norm.weight
-    lm_head/kernel (d, V)            lm_head.weight (V, d)   (untied only; a tied checkpoint's copy
-                                                              of the embedding is ignored)
+    lm_head/kernel (d, V)            lm_head.weight (V, d)   (untied only)
+
+The head, as transformers 5 (``PreTrainedModel.tie_weights`` at ``from_pretrained``; checked
+with transformers 5.24.0) reads it: ``tie_word_embeddings`` false (or absent) needs
+``lm_head.weight`` (refused in one line without it; transformers would start a random head). Under
+``tie_word_embeddings: true`` the head is the embedding, and a ``lm_head.weight`` the files also
+hold is (a) bit-equal to the embedding: a copy, read tied and written back as a copy of the
+trained embedding; (b) different: transformers warns and does *not* tie them, so neither do we:
+the model is read untied (``LlamaConfig.tie_embeddings`` False, :attr:`HFCheckpoint.notes` says
+so) and written back with both tensors and config.json unchanged; (c) the only one of the two:
+transformers ties to the tensor that exists, so the embedding is read from ``lm_head.weight`` and
+written back under that name. Import then export thus gives back the tensors the folder had.
 """
 from __future__ import annotations
 
@@ -410,6 +420,11 @@ class HFCheckpoint:
       config: its :class:`models.llama.LlamaConfig`.
       entries: tensor name -> ``(file path, data_start, header entry)``.
       nbytes: bytes of tensor data in all the weight files.
+      aliases: a :func:`tensor_map` name -> the file's tensor that holds it (a tied folder whose
+        embedding is stored only as ``lm_head.weight``: module docstring, case (c)).
+      copies: a file tensor -> our leaf it copies (``{"lm_head.weight": "embed"}``: a tied
+        folder that also stores the head, case (a)); export writes the leaf under that name too.
+      notes: lines on how the folder was read where transformers would warn (case (b)).
     """
 
     path: pathlib.Path
@@ -417,14 +432,17 @@ class HFCheckpoint:
     config: LlamaConfig
     entries: dict
     nbytes: int
+    aliases: dict = dataclasses.field(default_factory=dict)
+    copies: dict = dataclasses.field(default_factory=dict)
+    notes: tuple = ()
 
     def dtype(self, name: str) -> np.dtype:
-        """The stored dtype of tensor ``name``."""
-        return _ST_DTYPES[self.entries[name][2]["dtype"]]
+        """The stored dtype of tensor ``name`` (a :func:`tensor_map` name or a file tensor)."""
+        return _ST_DTYPES[self.entries[self.aliases.get(name, name)][2]["dtype"]]
 
     def tensor(self, name: str) -> np.ndarray:
         """Tensor ``name`` as stored (transformers' layout and dtype), read from its file alone."""
-        file, start, info = self.entries[name]
+        file, start, info = self.entries[self.aliases.get(name, name)]
         with open(file, "rb") as fh:
             return _read_into(fh, start, info, f"{file} {name}")
 
@@ -442,8 +460,11 @@ class HFCheckpoint:
     def params(self, dtype=np.float32) -> dict:
         """The whole params pytree (numpy ``dtype``), read tensor by tensor in file order."""
         params: dict = {}
-        for m in sorted(self._by_path.values(), key=lambda m: (self.entries[m.name][0], self.entries[m.name][2]
-                                                                 ["data_offsets"][0])):
+        def where(m):
+            file, _, info = self.entries[self.aliases.get(m.name, m.name)]
+            return file, info["data_offsets"][0]
+
+        for m in sorted(self._by_path.values(), key=where):
             _set_path(params, m.path, self.leaf(m.path, dtype))
         return params
 
@@ -493,15 +514,18 @@ def _read_json(f: pathlib.Path):
 
 def open_hf_checkpoint(path) -> HFCheckpoint:
     """Open a Hugging Face folder of the Llama family (module docstring): reads config.json and
-    the safetensors headers, checks every tensor's name, shape and dtype, reads no weights.
+    the safetensors headers, checks every tensor's name, shape and dtype, and resolves the head as
+    transformers does (module docstring); reads no weights but a tied folder's two head tensors
+    when it stores both (compared piece by piece).
 
     Raises:
       FileNotFoundError: no config.json, or neither model.safetensors nor its index (one line).
       ValueError: config.json or the index not valid JSON, an unsupported config
         (:func:`config_from_hf`), a missing, mis-shaped or non-float tensor, a tensor past the end
         of its file (truncated download: from the header's ``data_offsets`` and the file size,
-        nothing read), a shard the index names but the folder lacks, or an untied ``lm_head``
-        under ``tie_word_embeddings`` (one line naming it).
+        nothing read), a shard the index names but the folder lacks, or an untied config
+        (``tie_word_embeddings`` false or absent) whose weights lack ``lm_head.weight`` (one line
+        naming config.json's key and the weights file).
     """
     p = pathlib.Path(path)
     if not (p / "config.json").is_file():
@@ -536,17 +560,69 @@ def open_hf_checkpoint(path) -> HFCheckpoint:
                                      "re-download it")
                 entries[name] = (p / f, start, info)
                 nbytes += end - begin
-    for m in tensor_map(cfg):
-        if m.name not in entries:
+    weights = p / INDEX_FILE if (p / INDEX_FILE).is_file() else p / SINGLE_FILE
+    cfg, aliases, copies, notes = _resolve_head(cfg, hc, entries, p / "config.json", weights)
+    for m in tensor_map(cfg) + [TensorMap(path, name, False, (cfg.vocab_size, cfg.d_model))
+                                for name, path in copies.items()]:
+        name = aliases.get(m.name, m.name)
+        if name not in entries:
             raise ValueError(f"{p}: tensor {m.name} is missing (config {cfg.family}, {cfg.n_layers} layers)")
-        info = entries[m.name][2]
+        info = entries[name][2]
         want = m.shape[::-1] if m.transpose else m.shape
         if tuple(info["shape"]) != want:
-            raise ValueError(f"{p}: {m.name} has shape {tuple(info['shape'])}, config.json needs {want}")
+            raise ValueError(f"{p}: {name} has shape {tuple(info['shape'])}, config.json needs {want}")
         if info["dtype"] not in _ST_DTYPES:
-            raise ValueError(f"{p}: {m.name} is {info['dtype']}: quantized checkpoints are not supported "
+            raise ValueError(f"{p}: {name} is {info['dtype']}: quantized checkpoints are not supported "
                              "(use the float16/bfloat16/float32 release)")
-    return HFCheckpoint(p, hc, cfg, entries, nbytes)
+    return HFCheckpoint(p, hc, cfg, entries, nbytes, aliases, copies, notes)
+
+
+_EMBED, _HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+def _resolve_head(cfg: LlamaConfig, hc: dict, entries: dict, config_file: pathlib.Path, weights: pathlib.Path):
+    """``(cfg, aliases, copies, notes)``: how the head of a folder is read, as transformers reads
+    it (module docstring, cases (a)-(c)). Reads the two head tensors only when a tied folder holds
+    both (compared in pieces of 64 MiB; a difference usually shows in the first).
+
+    Raises:
+      ValueError: an untied config without ``lm_head.weight`` (one line naming config.json's key
+        and the weights file).
+    """
+    if not cfg.tie_embeddings:
+        if _HEAD not in entries and _EMBED in entries:
+            said = "false" if "tie_word_embeddings" in hc else "absent (false)"
+            raise ValueError(f"{config_file}: tie_word_embeddings is {said} but {weights} has no {_HEAD}: set "
+                             f'"tie_word_embeddings": true if the head is the embedding, or add {_HEAD}')
+        return cfg, {}, {}, ()
+    if _HEAD not in entries:
+        return cfg, {}, {}, ()
+    if _EMBED not in entries:  # (c) transformers ties to the tensor that exists
+        return cfg, {_EMBED: _HEAD}, {}, ()
+    if _same_tensor(entries[_EMBED], entries[_HEAD]):  # (a) a copy of the embedding
+        return cfg, {}, {_HEAD: "embed"}, ()
+    note = (f"{config_file} sets tie_word_embeddings but {weights.parent} holds a {_HEAD} that differs from "
+            f"{_EMBED}: read untied, the head from {_HEAD} (as transformers does; export writes both)")
+    return dataclasses.replace(cfg, tie_embeddings=False), {}, {}, (note,)
+
+
+def _same_tensor(a, b, piece_bytes: int = 64 * 2**20) -> bool:
+    """Whether two safetensors entries ``(file, data_start, header entry)`` hold the same values:
+    same shape, and the same bytes (same dtype, read in pieces) or equal float32 values."""
+    (fa, sa, ia), (fb, sb, ib) = a, b
+    if list(ia["shape"]) != list(ib["shape"]) or ia["dtype"] not in _ST_DTYPES or ib["dtype"] not in _ST_DTYPES:
+        return False
+    if ia["dtype"] != ib["dtype"]:
+        with open(fa, "rb") as ha, open(fb, "rb") as hb:
+            return bool(np.array_equal(_read_into(ha, sa, ia, str(fa)).astype(np.float32),
+                                       _read_into(hb, sb, ib, str(fb)).astype(np.float32)))
+    (a0, a1), (b0, _) = (int(x) for x in ia["data_offsets"]), (int(x) for x in ib["data_offsets"])
+    with open(fa, "rb") as ha, open(fb, "rb") as hb:
+        for off in range(0, a1 - a0, piece_bytes):
+            n = min(piece_bytes, a1 - a0 - off)
+            if os.pread(ha.fileno(), n, sa + a0 + off) != os.pread(hb.fileno(), n, sb + b0 + off):
+                return False
+    return True
 
 
 def load_hf_checkpoint(path, dtype=np.float32):
@@ -618,7 +694,9 @@ def export_hf_checkpoint(cfg: LlamaConfig, params, out_dir, tokenizer=None, over
             raise ValueError(f"params {m.path} has shape {shape}, config {cfg.name} needs {m.shape}")
     if source is not None and not _same_model(source.config, cfg):
         raise ValueError(f"export source {source.path} holds another model than config {cfg.name}")
-    if source is not None:
+    if source is not None:  # the source's tensor names, and its copy of a tied embedding (module docstring)
+        maps = [dataclasses.replace(m, name=source.aliases.get(m.name, m.name)) for m in maps]
+        maps += [TensorMap(path, name, False, (cfg.vocab_size, cfg.d_model)) for name, path in source.copies.items()]
         order = {n: (str(e[0]), e[2]["data_offsets"][0]) for n, e in source.entries.items()}
         maps = sorted(maps, key=lambda m: order.get(m.name, ("~", 0)))
 

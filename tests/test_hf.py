@@ -92,9 +92,7 @@ def test_import_export_bit_identical(name, tmp_path):
         b = json.loads((out / hf.INDEX_FILE).read_text())
         assert a["weight_map"] == b["weight_map"] and a["metadata"]["total_size"] == b["metadata"]["total_size"]
     mine, theirs = dict(hf.iter_tensors(out)), dict(hf.iter_tensors(ck.path))
-    if ck.config.tie_embeddings:
-        theirs.pop("lm_head.weight", None)
-    assert mine.keys() == theirs.keys()
+    assert mine.keys() == theirs.keys()  # a tied folder's lm_head.weight too: test_tied_head_as_transformers_reads_it
     for k, a in theirs.items():
         assert mine[k].dtype == a.dtype and mine[k].shape == a.shape and mine[k].tobytes() == a.tobytes(), k
     from safetensors import safe_open  # the reference reader reads our files
@@ -108,6 +106,67 @@ def test_import_export_bit_identical(name, tmp_path):
 
 def pathlib_files(d):
     return sorted(os.listdir(d))
+
+
+def _head_variants(tmp_path) -> dict:
+    """Copies of the tied hf_qwen2 fixture whose files also hold ``lm_head.weight``: ``copy`` (bit-
+    equal to the embedding), ``differ`` (another tensor), ``only_head`` (the embedding stored only
+    as lm_head.weight). name -> folder."""
+    from safetensors.numpy import load_file, save_file
+    rng = np.random.default_rng(5)
+    emb = "model.embed_tokens.weight"
+
+    def differ(ts):
+        ts["lm_head.weight"] = (0.5 * rng.standard_normal(ts[emb].shape)).astype(ts[emb].dtype)
+
+    edits = {"copy": lambda ts: ts.__setitem__("lm_head.weight", ts[emb].copy()), "differ": differ,
+             "only_head": lambda ts: ts.__setitem__("lm_head.weight", ts.pop(emb))}
+    out = {}
+    for name, edit in edits.items():
+        d = _broken(tmp_path, f"head_{name}", src="hf_qwen2")
+        ts = load_file(str(d / "model.safetensors"))
+        edit(ts)
+        save_file(ts, str(d / "model.safetensors"), metadata={"format": "pt"})
+        out[name] = d
+    return out
+
+
+def test_tied_head_as_transformers_reads_it(tmp_path, refs):
+    """A tied config (tie_word_embeddings: true) whose safetensors also hold lm_head.weight lost
+    that tensor on export. transformers 5 (checked: 5.24.0, PreTrainedModel.tie_weights) ties a
+    bit-equal copy, does NOT tie a different lm_head.weight (warns; the head is the file's), and
+    ties to lm_head.weight when the embedding is missing; live logits of these three folders
+    against ours: max |diff| 1.4e-6, 4.8e-6, 1.4e-6 (test_live_transformers_matches checks them
+    where torch is installed). Import reads each so, export gives back the files bit-identical,
+    and an untied config without lm_head.weight is refused in one line naming the key and file."""
+    ids = jnp.asarray(refs["hf_qwen2_ids"][None])
+    for name, d in _head_variants(tmp_path).items():
+        ck = hf.open_hf_checkpoint(d)
+        logits = np.asarray(llama.forward_logits(ck.config, ck.params(), ids))[0]
+        if name == "differ":  # untied: the head is the file's lm_head.weight, not the embedding
+            assert not ck.config.tie_embeddings and "differs from model.embed_tokens.weight" in ck.notes[0]
+            head = ck.tensor("lm_head.weight").astype(np.float32)
+            assert not np.array_equal(head, ck.tensor("model.embed_tokens.weight"))
+            tied = dataclasses.replace(ck.config, tie_embeddings=True)
+            p = {k: v for k, v in ck.params().items() if k != "lm_head"}
+            assert np.abs(np.asarray(llama.forward_logits(tied, p, ids))[0] - logits).max() > 100 * LOGIT_ATOL
+            untied = jax.tree.map(np.copy, ck.params())
+            untied["lm_head"]["kernel"] = np.ascontiguousarray(head.T)  # the untied reference, built by hand
+            want = np.asarray(llama.forward_logits(ck.config, untied, ids))[0]
+            np.testing.assert_array_equal(logits, want)
+        else:  # the same model as the fixture: transformers' logits of hf_qwen2
+            assert ck.config.tie_embeddings and not ck.notes
+            assert np.abs(logits - refs["hf_qwen2_logits"]).max() <= LOGIT_ATOL
+        out = hf.export_hf_checkpoint(ck.config, ck.params(), tmp_path / f"out_{name}", source=ck)
+        assert pathlib_files(out) == pathlib_files(d)
+        assert (out / "model.safetensors").read_bytes() == (d / "model.safetensors").read_bytes(), name
+        assert json.loads((out / "config.json").read_text()) == json.loads((d / "config.json").read_text())
+    d = _broken(tmp_path, "untied_nohead", src="hf_qwen2", edit=lambda hc: hc.update(tie_word_embeddings=False))
+    with pytest.raises(ValueError) as e:
+        hf.open_hf_checkpoint(d)
+    assert str(e.value) == (f"{d / 'config.json'}: tie_word_embeddings is false but {d / 'model.safetensors'} has no "
+                            'lm_head.weight: set "tie_word_embeddings": true if the head is the embedding, or add '
+                            "lm_head.weight")
 
 
 def test_export_shards_above_size_and_reimports(tmp_path):
@@ -289,6 +348,8 @@ def test_job_refuses_broken_folders(capsys, tmp_path):
         (_broken(tmp_path, "rope", edit=lambda hc: hc.update(rope_scaling="llama3")), "rope_scaling 'llama3'"),
         (_broken(tmp_path, "tok", write={"tokenizer.json": "{1: 2}"}), "not a valid tokenizer.json"),
         (_broken(tmp_path, "cut", src="hf_qwen2", truncate={"model.safetensors": 100}), "truncated download?"),
+        (_broken(tmp_path, "nohead", src="hf_qwen2", edit=lambda hc: hc.pop("tie_word_embeddings")),
+         "tie_word_embeddings is absent (false) but"),
     ]
     for d, msg in cases:
         assert train.main(["--init-from", str(d), "--steps", "1", "--out-dir", str(out)]) == 2, d
@@ -537,6 +598,10 @@ def test_live_transformers_matches(tmp_path, refs):
     computes our logits."""
     jobs, ours = [], []
     rng = np.random.default_rng(0)
+    for d in _head_variants(tmp_path).values():  # a tied folder that also holds lm_head.weight, three ways
+        ck = hf.open_hf_checkpoint(d)
+        jobs.append((str(d), refs["hf_qwen2_ids"].tolist()))
+        ours.append(np.asarray(llama.forward_logits(ck.config, ck.params(), jnp.asarray(refs["hf_qwen2_ids"][None])))[0])
     for name in NAMES:
         ck = hf.open_hf_checkpoint(fixture(name))
         ids = refs[f"{name}_ids"]

@@ -3,6 +3,7 @@ exits 2 with one line and leaves no run folder."""
 import json
 import math
 import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -69,6 +70,7 @@ def _fails(capsys, argv, out, needle):
     assert len(err) == 1 and err[0].startswith("error: "), err
     assert needle in err[0], err[0]
     assert not out.exists() or not any(out.iterdir()), list(out.iterdir())
+    return err[0]
 
 
 def test_unknown_model(data_cache, tmp_path, capsys):
@@ -86,7 +88,10 @@ def test_unparsable_budget(data_cache, tmp_path, capsys, budget):
 
 def test_budget_below_one_chunk_plus_activations(data_cache, tmp_path, capsys):
     out = tmp_path / "runs"
-    _fails(capsys, _args(data_cache, out, "--device-budget", "64KiB"), out, "GiB")
+    err = _fails(capsys, _args(data_cache, out, "--device-budget", "64KiB"), out, "--device-budget >= ")
+    # the hint in the unit that fits (was "0.002GiB"), read back by --device-budget, above the 64 KiB given
+    hint = re.search(r"--device-budget >= ([0-9.]+[KMG]iB)", err).group(1)
+    assert float(hint[:-3]) >= 1 and train.parse_budget(hint) > 64 * 2**10, err
 
 
 def test_missing_data_packages(tmp_path, capsys, monkeypatch):

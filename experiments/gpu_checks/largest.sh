@@ -1,14 +1,16 @@
 # Issue 24 on the GPU: the largest models on one H200 (125.8 GiB host RAM, 64 GiB free disk), in parts of < 9 min.
-#   bash experiments/gpu_checks/largest.sh <run-id> a      # GPT3_15B host-only, batch 8 x 1024, 5 steps (then 8 micro-batches)
-#   bash experiments/gpu_checks/largest.sh <run-id> a2     # GPT3_15B, batch 64 = 8 micro-batches of 8 x 1024, 3 steps
-#   bash experiments/gpu_checks/largest.sh <run-id> b      # GPT3_18B with the disk tier, 3 steps (then 8 micro-batches)
-#   bash experiments/gpu_checks/largest.sh <run-id> b2     # GPT3_18B, 8 micro-batches, disk tier, 3 steps
+#   bash experiments/gpu_checks/largest.sh <run-id> a      # GPT3_15B host-only, batch 8 x 1024, 5 steps
+#   bash experiments/gpu_checks/largest.sh <run-id> b      # GPT3_18B with the disk tier, 5 steps
+#   bash experiments/gpu_checks/largest.sh <run-id> a2     # GPT3_12B, batch 64 = 8 micro-batches of 8 x 1024, host only
+#   bash experiments/gpu_checks/largest.sh <run-id> b2     # GPT3_12B, 8 micro-batches, disk tier (host budget 110e9)
+#   bash experiments/gpu_checks/largest.sh <run-id> r      # GPT3_15B and GPT3_18B with 8 micro-batches: the GPU's refusals
 #   bash experiments/gpu_checks/largest.sh <run-id> table  # only the table of the runs under $OUT
 # Each part is one experiments.bench --largest call per run (one subprocess per system, the matmul probe in each
 # call), its pinned-pool settings in the environment of that call only; the bench's workers take
 # XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB from the environment (before session 12's fix they got 110 GiB whatever was
-# set). A run gets the time left of the part's $LIMIT s (a run that would start with less than 120 s is skipped
-# and named in the table). JSON under $OUT (bench_<run>_<tag>.json, largest_<run>.json); the table is printed last.
+# set). A run gets the time left of the part's $LIMIT s (a run that would start with less than its least s is
+# skipped and named in the table). JSON under $OUT (bench_<run>_<tag>.json, largest_<run>.json); the table is printed
+# last. --largest-steps N runs N + 2 steps (a warm-up, N timed, one profiled).
 #
 # Why these settings (CPU plans on CPU traces, the GPU's host measure: `python experiments/gpu_checks/largest_plan.py`):
 # * The GPU host measure is XLA's pinned pool + pageable bytes. Unpreallocated, the pool grows to the power of two
@@ -23,23 +25,34 @@
 #   master-fetch), 32 programs; accounted device peak 132.98e9 (0.90 of 148.2e9: no margin for a compiled overshoot
 #   of 10 %, which 12B never showed: compiled 123.3e9 vs 127.8e9 accounted); host measure 118.54e9 (pool 40.80e9 +
 #   pageable 77.74e9), 12.27 B/param per host-resident chunk incl. 1.59e9 of gradients; predicted 3.45 s/step.
-#   At 126 GiB no pool setting fits 119e9 (pools of 43/44 GiB refused on the CPU; ~128.6e9 by hand, finest cut).
-#   GPT3_15B b64 (8 micro-batches): each host chunk adds its float32 sum and mean (6 B/param) on the host: it does
-#   not fit host-only; part a2 gives it the disk tier (the planner says "storage not needed" if it fits). Planned
-#   (138 GiB, pool 40 GiB, host 119e9, disk 68.67e9): 137 device / 100 host (master-fetch) / 79 disk chunks, 32
-#   programs, accounted device peak 132.98e9, host measure 118.99e9 (pool 42.95e9 + pageable 76.04e9; working set
-#   33.0e9 of it the sums), disk 100.4 GB/step, predicted 94.75 s/step (69.9 s of disk after the 8 micro-batches):
-#   5 steps are ~475 s, so the 8-micro-batch runs start only with MB_LEAST (480) s of the part left (not after
-#   the b8 run in parts a and b: run a2 and b2 as their own calls; MB_STEPS=2 if a part runs out).
+#   (Pool 37 GiB: pinned 38.13e9, measure 118.31e9, 166 master-fetch. A device margin needs the fit to plan below
+#   the 90 % it checks at, a fit.py setting: with every host chunk master-fetch the host has ~2.1e9 to spare,
+#   ~3 chunks off the device, ~2.5e9 = 1.9 % of the device.) At 126 GiB no pool setting fits 119e9.
 # * GPT3_18B b8x1024 with one 64 GiB storage directory (disk budget 68.67e9, --no-storage-keep-previous), 138 GiB,
 #   pool 50 GiB preallocated (48 refused: the pinned peak ~51.7e9 is over it), host 119e9: 128 device / 149 host
 #   (all master-fetch) / 87 disk chunks, 32 programs; accounted device peak 133.15e9; host measure 118.71e9
 #   (pool 53.69e9 + pageable 65.03e9); disk 110.6 GB/step; predicted 79.25 s/step (75.7 s of disk after the
-#   backward): 5 steps (warm-up, 3 timed, 1 profiled) are ~400 s, so part b may only just fit its limit. At 126 GiB
-#   (session 12) the re-plan after the compiled check needed 108+ chunks on disk and 138.8e9 of host.
-#   With 8 micro-batches the host chunks' float32 sums (6 B/param) do not fit beside a 64 GiB disk: the CPU plan
-#   (pool 50 GiB) is refused needing 150.5e9 of host with 108 chunks on disk; b2 records the GPU's refusal (or its
-#   plan, if the GPU's traces are smaller than the CPU's).
+#   backward): 5 steps (warm-up, 3 timed, 1 profiled) are ~400 s, so part b may only just fit its limit.
+# * 8 micro-batches (session 13: the plan counts what accumulation allocates). Every chunk's gradient is summed in
+#   float32 across the micro-batches: a device-updated chunk's sum is on the device (4 B/param there, which the
+#   plan did not count: last session's 15B b64 plan, 137 device chunks, would have put 29e9 more on a full card),
+#   a host, streamed or storage chunk's in host memory (4 B/param; the mean is written over the sum, was 6 B with
+#   a second buffer, and storage chunks' sums were not counted). Device chunks then cost 20 B/param on the device,
+#   master-fetch host chunks 16 B/param on the host, storage chunks 8 B/param on the host (compute params, the
+#   micro-batch's gradient, the sum) beside 12 on disk; 64 GiB holds 108 chunk files. So:
+#   GPT3_15B b64 does not fit: with 108 chunks on disk it needs 138.75e9 of host (pool 44 GiB; 48: 143.04e9,
+#   52: 147.34e9), 103 device / 105 host / 108 disk: pool 47.24e9 (pinned 46.81e9: masters 22.2e9 + storage
+#   chunks' params and gradients 22.9e9 + gradient window) + pageable 91.50e9 (Adam 44.5e9 + float32 sums of 213
+#   chunks 45.1e9 + staging 1.9e9), predicted 121 s/step; at batch 32 (8 x 4 x 1024) 134.93e9. GPT3_18B b64
+#   needs 196.24e9 (117 device / 139 host / 108 disk). Part r records the GPU's refusals (its traces are smaller
+#   than the CPU's; a plan there runs --largest-steps 1).
+#   GPT3_12B b64, 138 GiB, pool 30 GiB, host 119e9: 113 device / 131 host (118 master-fetch), "storage not
+#   needed", 16 programs; accounted device peak 132.83e9 (23.9e9 of it float32 sums); host measure 118.21e9
+#   (pool 32.21e9, pinned 28.49e9, + pageable 86.00e9); predicted 19.21 s/step (5 steps ~100 s).
+#   GPT3_12B b64 with the disk at --host-budget 110e9 (pool 30 GiB): 113 device / 113 host (all master-fetch) / 18
+#   disk, 32 programs; host measure 109.74e9 (32.21e9 + 77.52e9); disk 22.88 GB/step; predicted 33.72 s/step
+#   (16.34 s of disk, 14.55 s of it after the 8 micro-batches; 5 steps ~170 s). At 100e9: 41 disk chunks,
+#   52.1 GB/step, 54.60 s/step.
 set -u
 RUN=${1:-largest}
 PART=${2:-a}
@@ -50,9 +63,10 @@ OUT=${OUT:-/tmp/largest_out}
 mkdir -p $OUT
 DISK=${DISK:-$PWD/.scratch_disk}
 BUDGET=${BUDGET:-138GiB}
-# CPU smoke test: OUT=/tmp/o M15=micro M18=tiny BUDGET=64MiB SEQ=16 bash ... a (numbers meaningless)
+# CPU smoke test: OUT=/tmp/o M15=micro M18=tiny M12=micro BUDGET=64MiB SEQ=16 bash ... a (numbers meaningless)
 M15=${M15:-GPT3_15B}
 M18=${M18:-GPT3_18B}
+M12=${M12:-GPT3_12B}
 B="python -m experiments.bench --largest --systems chunkjax --device-budget $BUDGET --largest-seq ${SEQ:-1024} --results-dir $OUT"
 run() {  # run <tag> <pool GiB> <least s> <bench args...>: with at least <least s> of the part left, else skipped
   local tag=$1 pool=$2 least=$3; shift 3
@@ -67,29 +81,37 @@ disk() { rm -rf "$DISK"; mkdir -p "$DISK"; df -B1 --output=avail "$DISK" | tail 
 if [[ $PART == a ]]; then
   run 15b ${POOL15:-38} 120 --largest-models $M15 --largest-steps 5
 fi
-if [[ $PART == a || $PART == a2 ]]; then
-  disk
-  run 15b_mb8 ${POOL15MB:-40} ${MB_LEAST:-480} --largest-models $M15 --largest-steps ${MB_STEPS:-3} --largest-batch 64 --set micro_batches=8 \
-    --storage "$DISK" --no-storage-keep-previous
-  rm -rf "$DISK"
-fi
 if [[ $PART == b ]]; then
   disk
   run 18b_disk ${POOL18:-50} 120 --largest-models $M18 --largest-steps 3 --storage "$DISK" --no-storage-keep-previous
   rm -rf "$DISK"
 fi
-if [[ $PART == b || $PART == b2 ]]; then
+if [[ $PART == a2 ]]; then
+  run 12b_mb8 ${POOL12MB:-30} ${MB_LEAST:-360} --largest-models $M12 --largest-steps ${MB_STEPS:-3} --largest-batch 64 \
+    --set micro_batches=8
+fi
+if [[ $PART == b2 ]]; then
   disk
-  run 18b_disk_mb8 ${POOL18MB:-50} ${MB_LEAST:-480} --largest-models $M18 --largest-steps ${MB_STEPS:-3} --largest-batch 64 \
-    --set micro_batches=8 --storage "$DISK" --no-storage-keep-previous
+  run 12b_disk_mb8 ${POOL12MB:-30} ${MB_LEAST:-420} --largest-models $M12 --largest-steps ${MB_STEPS:-3} --largest-batch 64 \
+    --set micro_batches=8 --host-budget ${HOST12:-110e9} --storage "$DISK" --no-storage-keep-previous
   rm -rf "$DISK"
 fi
-for t in 15b 15b_mb8 18b_disk 18b_disk_mb8; do [ -f $OUT/$t.log ] && { echo "== $t"; tail -3 $OUT/$t.log; }; done
-python - "$RUN" <<'P'
+if [[ $PART == r ]]; then  # expected refusals (the CPU plans need 138.75e9 / 196.24e9 of host): the GPU's figures
+  for m in 15b:$M15:${POOL15MB:-44} 18b:$M18:${POOL18MB:-50}; do
+    IFS=: read tag model pool <<< "$m"
+    disk
+    run ${tag}_disk_mb8 $pool 120 --largest-models $model --largest-steps 1 --largest-batch 64 --set micro_batches=8 \
+      --storage "$DISK" --no-storage-keep-previous
+    rm -rf "$DISK"
+  done
+fi
+TAGS="15b 18b_disk 12b_mb8 12b_disk_mb8 15b_disk_mb8 18b_disk_mb8"
+for t in $TAGS; do [ -f $OUT/$t.log ] && { echo "== $t"; tail -3 $OUT/$t.log; }; done
+python - "$RUN" $TAGS <<'P'
 import json, os, sys
 O, run = os.environ.get("OUT", "/tmp/largest_out"), sys.argv[1]
 rows = []
-for tag in ("15b", "15b_mb8", "18b_disk", "18b_disk_mb8"):
+for tag in sys.argv[2:]:
     f = f"{O}/bench_{run}_{tag}.json"
     if not os.path.exists(f):
         continue

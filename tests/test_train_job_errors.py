@@ -1,0 +1,137 @@
+"""What a fresh user found wrong in the fine-tuning tool (experiments/train.py), each fixed for
+its kind: byte counts printed in GiB whatever their size, ``--help`` showing the random-init
+defaults under ``--init-from``, ``--storage`` directories checked only when the plan used them,
+and a diverged run ending with exit 0. (The tied/untied head of a Hugging Face folder:
+tests/test_hf.py.)"""
+import contextlib
+import io
+import os
+import pathlib
+
+import pytest
+
+from chunkjax.errors import format_bytes
+from chunkjax.plan import parse_bytes
+from experiments import train
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+QWEN2 = str(ROOT / "tests" / "fixtures" / "hf_qwen2")
+
+
+def test_format_bytes_picks_the_unit_and_rounds_hints_up():
+    assert [format_bytes(n) for n in (0, 512, 1024, 1536, 311428, 8 * 2**30, 2**30 - 1)] == \
+        ["0B", "512B", "1.000KiB", "1.500KiB", "304.129KiB", "8.000GiB", "1.000GiB"]
+    for n in (1, 1023, 1025, 311428, 2**20 + 1, 2**30 + 1, 123456789012):
+        text = format_bytes(n, up=True)
+        assert parse_bytes(text) >= n and float(text.rstrip("BKMGTi")) >= 1, (n, text)  # a hint that works
+    assert format_bytes(2**20 + 1, up=True) == "1.001MiB"
+
+
+def _help(argv) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        train.parse_args(argv + ["--help"])
+    return " ".join(out.getvalue().split())
+
+
+def test_help_shows_the_defaults_that_run(monkeypatch):
+    """``--help`` listed the random-init defaults (--lr 0.003) though a Hugging Face folder runs
+    with its preset's (--lr 5e-05). It now says both, and with --init-from that preset's are the
+    defaults it shows, equal to what parse_args resolves."""
+    monkeypatch.setenv("COLUMNS", "400")  # argparse breaks long words ("--init- from") at the terminal width
+    plain = _help([])
+    assert "(default: 0.003; with --init-from a Hugging Face folder: 5e-05, smollm2-135m: 0.0002)" in plain
+    assert "(default: 400; with --init-from a Hugging Face folder: 200" in plain
+    assert "(default: 1.0)" in plain  # --clip: no preset changes it
+    folder = _help(["--init-from", QWEN2])
+    cfg = train.parse_args(["--init-from", QWEN2])
+    assert f"(default with --init-from {QWEN2}: {cfg.lr}; random init: 0.003)" in folder
+    assert f"(default with --init-from {QWEN2}: {cfg.steps}; random init: 400)" in folder
+    assert f"tokens per sequence (default: {cfg.seq})" in folder  # the folder's 128 positions = the default
+    assert train.parse_args(["--init-from", QWEN2, "--lr", "1e-3"]).lr == 1e-3  # flags given win
+
+
+def test_storage_checked_at_start_even_when_not_needed(tmp_path, capsys):
+    """A --storage directory was checked only when the plan put chunks on disk. Every one is now
+    checked by writing before any work (one line, exit 2, nothing written), and its free space
+    printed; a missing one is created and removed again."""
+    lines = train.check_storage_dirs([str(tmp_path / "new" / "d0"), str(tmp_path)])
+    assert lines[0].startswith(f"storage: {tmp_path / 'new' / 'd0'} (created when used), ") and lines[0].endswith(" free")
+    assert "(exists)" in lines[1] and os.listdir(tmp_path) == []  # nothing left behind
+    blocker = tmp_path / "afile"
+    blocker.write_text("x")
+    bad = [str(blocker / "d")]
+    if os.geteuid() == 0 and os.path.isdir("/sys/kernel"):  # root: os.access says yes, the filesystem no
+        bad.append("/sys/chunkjax-storage-check/d")
+    for d in bad:
+        out = tmp_path / "runs"
+        assert train.main(["--model", "micro", "--storage", d, "--out-dir", str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and err.startswith("error: ") and d.split("/d")[0] in err, err
+        assert not out.exists()
+    assert sorted(os.listdir(tmp_path)) == ["afile"] and not os.path.exists("/sys/chunkjax-storage-check")
+
+
+def test_divergence_watch_rules():
+    """Under --nonfinite error a non-finite loss or gradient norm stops at once (the gradient norm
+    was not checked: its update reached the next checkpoint); under skip, --skip-limit skipped
+    steps in a row stop; a gradient norm of exactly 0 at a positive loss DEAD_STEPS times in a row
+    stops (a loss of 0, no scored target, does not count); a healthy step ends a run of them."""
+    w = train.DivergenceWatch(skip_limit=3, lr=1e4)
+    for i, (loss, gn) in enumerate([(5.0, 1.0), (0.0, 0.0), (5.6, 0.0), (5.6, 0.0), (5.0, 1.0)], 1):
+        w.observe(i, loss, gn, False)
+    assert not w.suspect
+    with pytest.raises(train.Diverged, match="gradient norm became inf at step 7"):
+        w.observe(7, 5.0, float("inf"), False)
+    with pytest.raises(train.Diverged, match="loss became nan at step 8: lower --lr"):
+        w.observe(8, float("nan"), float("nan"), False)
+    w = train.DivergenceWatch(skip_limit=3, lr=1e4)
+    w.observe(1, float("nan"), float("nan"), True)
+    w.observe(2, 5.0, 1.0, False)  # one bad batch, then training goes on
+    w.observe(3, float("nan"), 0.0, True)
+    w.observe(4, float("inf"), 0.0, True)
+    assert w.suspect and w.since == 3
+    with pytest.raises(train.Diverged) as e:
+        w.observe(5, float("nan"), 0.0, True)
+    assert e.value.record["why"] == "skip_limit" and e.value.record["since_step"] == 3
+    assert "steps 3-5 all had non-finite gradients (--skip-limit 3 in a row skipped)" in str(e.value)
+    for i in range(1, train.DEAD_STEPS):
+        w = w if i > 1 else train.DivergenceWatch(skip_limit=3, lr=1e4)
+        w.observe(i, 5.66, 0.0, False)
+    with pytest.raises(train.Diverged, match="gradient norm of 0 at loss 5.6600") as e:
+        w.observe(train.DEAD_STEPS, 5.66, 0.0, False)
+    assert e.value.record["why"] == "dead" and e.value.record["since_step"] == 1
+
+
+def test_diverged_finetune_stops_and_keeps_the_good_checkpoint(tmp_path, capsys):
+    """A fresh user's fine-tune at --lr 1e4 --clip 0 ended with exit 0: the loss stayed finite
+    (log V: the hidden states overflow, RMSNorm's mean square is inf, every normalised state 0)
+    with a gradient norm of 0 from then on. Now: one line, exit 2, the checkpoint of the dead
+    state deleted, the one before it kept intact, and report.json saying why it stopped.
+    (--warmup 4: step 1 runs at lr 0, so checkpoint 1 is the pre-trained model.)"""
+    import json
+
+    import numpy as np
+
+    from chunkjax import checkpoint as ck
+    words = "the sea of troubles arms fortune slings and arrows outrageous mind to be or not question".split()
+    rng = np.random.default_rng(0)
+    (tmp_path / "t.txt").write_text("\n\n".join(" ".join(rng.choice(words, 30)) for _ in range(40)))
+    out = tmp_path / "runs"
+    rc = train.main(["--init-from", str(ROOT / "tests" / "fixtures" / "hf_llama3"), "--data", str(tmp_path / "t.txt"),
+                     "--steps", "6", "--batch", "2", "--seq", "32", "--eval-every", "6", "--eval-batches", "1",
+                     "--sample-tokens", "0", "--lr", "1e4", "--clip", "0", "--warmup", "4", "--no-progress",
+                     "--checkpoint-every", "1", "--keep-checkpoints", "5", "--export", "none", "--out-dir", str(out)])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "\n" not in err and err.startswith("error: the model diverged: steps 4-6 had a gradient norm of 0"), err
+    assert "checkpoint step 3 of the diverged model deleted" in err and "keeps checkpoint step 2" in err, err
+    (run,) = out.iterdir()
+    assert run.name.endswith(".partial")
+    rep = json.loads((run / "report.json").read_text())
+    assert rep["stopped"]["why"] == "dead" and rep["stopped"]["step"] == 6 and rep["stopped"]["since_step"] == 4
+    assert rep["stopped"]["checkpoints_kept"] == [1, 2] and rep["stopped"]["checkpoints_dropped"] == [3]
+    assert rep["config"]["lr"] == 1e4
+    assert ck.all_steps(run / "checkpoints") == [1, 2] and ck.latest_step(run / "checkpoints") == 2  # intact
+    assert sorted(os.listdir(run / "checkpoints")) == ["step_00000001", "step_00000002"]  # no temporaries
+    steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1, 2, 3, 4, 5]  # the step that stopped it is in the report, not the metrics
