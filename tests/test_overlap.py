@@ -21,7 +21,7 @@ from chunkjax import speculate
 from chunkjax.host_update import AdamW
 from chunkjax.optim import state_bytes_per_chunk
 from chunkjax.plan import NEAR_TIE, plan_schedule
-from chunkjax.program_cut import auto_segments
+from chunkjax.program_cut import auto_segments, uniform_segments
 from models import gpt
 
 from _compiles import assert_compiles_only_first, count_compiles
@@ -425,3 +425,43 @@ def test_streamed_pipeline_timing_on_a_synthetic_schedule():
     assert t.streamed_update_s == pytest.approx(2.0) and t.step_s == pytest.approx(6.0)
     late = predict_pipelined_step(3.0, streamed=[(1 / 3, 1, 2)], streamed_early=False, **kw)
     assert late.streamed_update_s == pytest.approx(3.0) and late.step_s == pytest.approx(7.0)
+
+
+# ---- the gradient window and the program cut (issue 23; the timeline: test_overlap_window.py) ------
+
+def test_window_three_with_streamed_early_equals_optax(setup):
+    """A cut of one backward moment per program, window 3, the first host chunks streamed and
+    started as their gradients are ready (no clipping): 3 steps equal optax."""
+    cfg, params, batches, stages, layout, traces = setup
+    spec = AdamW(3e-3, weight_decay=0.1)
+    sched = _schedule(setup, spec)
+    T = len(sched.moments)
+    host = [c for c, u in enumerate(sched.update_locations) if u == "host"]
+    sched = dataclasses.replace(sched, segments=uniform_segments(T, len(stages), 1), grad_window=3,
+                                streamed_early=True,
+                                update_locations=tuple("streamed" if c in host[:2] else u
+                                                       for c, u in enumerate(sched.update_locations)))
+    step = cj.make_chunked_step(stages, layout, sched, host_optimizer=spec, compute_dtype=jnp.float32)
+    assert step.grad_window == 3 and step.stream_spec.early and len(step.program_bounds()) == len(stages)
+    state, losses, _ = _train(step, params, batches[:3])
+    _assert_equal_to_optax(step, state, losses, _reference(cfg, params, batches[:3], spec))
+
+
+def test_window_four_with_clipping_and_micro_batches_equals_optax(setup):
+    """Clipping (a threshold below every step's norm: it fires on each) with 4 micro-batches,
+    window 4 and a cut of two moments per program, host and streamed chunks: 3 steps equal
+    optax on the float32 mean of the parts."""
+    cfg, params, batches, stages, layout, traces = setup
+    _, _, free = _reference(cfg, params, batches[:3], AdamW(3e-3, weight_decay=0.1), micro_batches=4)
+    spec = AdamW(3e-3, weight_decay=0.1, max_grad_norm=float(np.min(free)) * 0.5)
+    sched = _schedule(setup, spec)
+    T = len(sched.moments)
+    host = [c for c, u in enumerate(sched.update_locations) if u == "host"]
+    sched = dataclasses.replace(sched, segments=uniform_segments(T, len(stages), 2), grad_window=4,
+                                update_locations=tuple("streamed" if c == host[-1] else u
+                                                       for c, u in enumerate(sched.update_locations)))
+    step = cj.make_chunked_step(stages, layout, sched, host_optimizer=spec, compute_dtype=jnp.float32,
+                                micro_batches=4)
+    assert step.grad_window == 4 and step.streamed_chunks == (host[-1],)
+    state, losses, _ = _train(step, params, batches[:3], micro_batches=4)
+    _assert_equal_to_optax(step, state, losses, _reference(cfg, params, batches[:3], spec, micro_batches=4))

@@ -1,48 +1,22 @@
-"""The step's timeline (issue 23): the gradient window, the program cut the planner chooses on it,
-and the engine running a chosen cut and window with results equal to optax.
+"""The step's timeline (issue 23): the gradient window and the program cut the planner chooses on
+it (the engine running a chosen cut and window: tests/test_overlap.py, "the gradient window").
 
 Timeline figures are hand-computed on synthetic numbers (rates of 1 FLOP/s, 1 s per host
 parameter). The 3B-shaped plan is synthetic stage traces of the issue-22 model (30 stages, 60
 chunks of 53M elements, bf16) at the H200's measured rates."""
 from __future__ import annotations
 
-import dataclasses
 import types
 
-import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import chunkjax as cj
 from chunkjax.cost import Rates, predict_pipelined_step, program_timeline
-from chunkjax.host_update import AdamW
 from chunkjax.plan import plan_schedule
 from chunkjax.predict import ChunkBytes
 from chunkjax.program_cut import auto_segments, retime, uniform_segments
 from chunkjax.tide import memory_tide
 from chunkjax.trace import StageTrace
-
-from models import gpt
-from test_overlap import T as SEQ
-from test_overlap import _assert_equal_to_optax, _reference_run, _schedule, _train
-
-STEPS = 3
-
-
-@pytest.fixture(scope="module")
-def setup():
-    """test_overlap's setup with two blocks and three batches (the engine tests here compile one
-    program per segment)."""
-    import jax
-    cfg = gpt.get_config("micro", n_layers=2)
-    rng = np.random.default_rng(7)
-    params = gpt.init_params(cfg, jax.random.key(3))
-    batches = [jnp.asarray(rng.integers(0, cfg.vocab_size, (4 * 2, SEQ + 1)), jnp.int32) for _ in range(STEPS)]
-    stages = gpt.gpt_stages(cfg)
-    order = cj.first_use_order(lambda p, b: cj.compose_loss(stages, p, b), params, batches[0][:2])
-    layout = cj.build_layout(params, None, order, min_chunks=5)
-    traces = cj.trace_stages(stages, layout, jax.ShapeDtypeStruct((2, SEQ + 1), jnp.int32), jnp.float32)
-    return cfg, params, batches, stages, layout, traces
 
 
 def test_window_stalls_the_device_until_the_host_catches_up():
@@ -121,43 +95,3 @@ def test_planner_chooses_a_finer_cut_when_the_host_is_the_bottleneck(plan_3b):
     assert d["grad_window"] == s.grad_window and d["predicted"]["time"]["window"] == s.grad_window
     assert cj.Schedule.from_dict(d) == s
     assert uniform_segments(T, len(traces), 10) == (0, 30, 40, 50)
-
-
-# ---- the engine with a chosen cut and window --------------------------------------------------------
-
-def test_window_three_with_streamed_early_equals_optax(setup):
-    """A cut of one backward moment per program, window 3, the first host chunks streamed and
-    started as their gradients are ready (no clipping): 3 steps equal optax."""
-    cfg, params, batches, stages, layout, traces = setup
-    spec = AdamW(3e-3, weight_decay=0.1)
-    sched = _schedule(setup, spec)
-    T = len(sched.moments)
-    host = [c for c, u in enumerate(sched.update_locations) if u == "host"]
-    sched = dataclasses.replace(sched, segments=uniform_segments(T, len(stages), 1), grad_window=3,
-                                streamed_early=True,
-                                update_locations=tuple("streamed" if c in host[:2] else u
-                                                       for c, u in enumerate(sched.update_locations)))
-    step = cj.make_chunked_step(stages, layout, sched, host_optimizer=spec, compute_dtype=jnp.float32)
-    assert step.grad_window == 3 and step.stream_spec.early and len(step.program_bounds()) == len(stages)
-    state, losses, _ = _train(step, params, batches)
-    _assert_equal_to_optax(step, state, losses, _reference_run(cfg, params, batches, spec, 1))
-
-
-def test_window_four_with_clipping_and_micro_batches_equals_optax(setup):
-    """Clipping (a threshold below every step's norm: it fires on each) with 4 micro-batches,
-    window 4 and a cut of two moments per program, host and streamed chunks: 3 steps equal
-    optax on the float32 mean of the parts."""
-    cfg, params, batches, stages, layout, traces = setup
-    _, _, free = _reference_run(cfg, params, batches, AdamW(3e-3, weight_decay=0.1), micro_batches=4)
-    spec = AdamW(3e-3, weight_decay=0.1, max_grad_norm=float(np.min(free)) * 0.5)
-    sched = _schedule(setup, spec)
-    T = len(sched.moments)
-    host = [c for c, u in enumerate(sched.update_locations) if u == "host"]
-    sched = dataclasses.replace(sched, segments=uniform_segments(T, len(stages), 2), grad_window=4,
-                                update_locations=tuple("streamed" if c == host[-1] else u
-                                                       for c, u in enumerate(sched.update_locations)))
-    step = cj.make_chunked_step(stages, layout, sched, host_optimizer=spec, compute_dtype=jnp.float32,
-                                micro_batches=4)
-    assert step.grad_window == 4 and step.streamed_chunks == (host[-1],)
-    state, losses, _ = _train(step, params, batches, micro_batches=4)
-    _assert_equal_to_optax(step, state, losses, _reference_run(cfg, params, batches, spec, micro_batches=4))
