@@ -169,8 +169,7 @@ class FitReport:
         return int(self.schedule.predicted.peak_device_bytes)
 
     def to_dict(self) -> dict:
-        """JSON-ready: the plan's counts and predictions, the budgets and the compiled figures, and
-        its program cut (``program_cut``: segments, gradient window, streamed start)."""
+        """JSON-ready: the plan's counts and predictions, the budgets and the compiled figures."""
         p = self.schedule.predicted
         return {"device_budget_bytes": self.budget_bytes, "device_budget_requested": self.requested,
                 "effective_budget_bytes": self.effective_budget_bytes, "headroom": self.headroom,
@@ -178,9 +177,7 @@ class FitReport:
                 "compiled_peak_bytes": None if self.compiled is None else self.compiled["peak_bytes"],
                 "schedule_counts": self.schedule.counts(), "step_s_predicted": p.time.step_s,
                 "plans": list(self.plans), "host": dict(self.host), "fits": self.fits, "why": self.why,
-                "notes": list(self.notes), "disk_bytes_per_step_predicted": p.disk_bytes_per_step,
-                "program_cut": {"segments": list(self.schedule.segments), "grad_window": self.schedule.grad_window,
-                                "streamed_early": self.schedule.streamed_early}}
+                "notes": list(self.notes), "disk_bytes_per_step_predicted": p.disk_bytes_per_step}
 
 
 class Fitted(NamedTuple):
