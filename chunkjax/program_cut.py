@@ -11,7 +11,7 @@ host memory at once (:func:`chunkjax.predict.grad_window_bytes`, counted in the 
 (:func:`chunkjax.cost.program_timeline`) and keeps the fastest that fits both budgets:
 
 * the doubling cut (:func:`auto_segments`): the backward cut from its end in sizes 1, 2, 4, ...;
-* uniform cuts: the backward in programs of ``k`` moments;
+* uniform cuts: the backward in equal programs (:data:`UNIFORM_PROGRAMS`);
 * host-balanced cuts (:func:`chunkjax.host_forms.host_balanced_segments`): equal numbers of host
   gradients per program;
 
@@ -63,20 +63,24 @@ def uniform_segments(n_moments: int, n_stages: int, size: int) -> tuple[int, ...
     return tuple([0] + list(range(first_bwd, n_moments, max(1, int(size)))))
 
 
+#: Backward programs of the uniform cuts tried, and programs of the host-balanced ones (each at
+#: most :data:`MAX_PROGRAMS` with the forward's).
+UNIFORM_PROGRAMS = (2, 3, 4, 5, 6, 8, 11)
+BALANCED_PROGRAMS = (4, 6, 8, 12)
+
+
 def candidate_cuts(n_moments: int, n_stages: int, done_moments: Sequence[int],
                    max_programs: int = MAX_PROGRAMS) -> list[tuple[int, ...]]:
     """The cuts :func:`choose_program_cut` tries, without repeats, the doubling cut first: uniform
-    cuts of 2 to ``max_programs`` programs and host-balanced cuts of 3 to ``max_programs``
-    programs (``done_moments``: per host-updated chunk, the moment its gradient completes)."""
+    cuts of :data:`UNIFORM_PROGRAMS` backward programs and host-balanced cuts of
+    :data:`BALANCED_PROGRAMS` programs (``done_moments``: per host-updated chunk, the moment its
+    gradient completes), none of more than ``max_programs`` programs."""
     out = [auto_segments(n_moments, n_stages)]
     n_bwd = n_moments - n_stages
-    for p in range(1, max_programs):
-        if n_bwd > 0:
-            out.append(uniform_segments(n_moments, n_stages, -(-n_bwd // p)))
-    for p in range(3, max_programs + 1):
-        cut = host_balanced_segments(n_moments, n_stages, done_moments, max_programs=p)
-        if cut is not None:
-            out.append(cut)
+    if n_bwd > 0:
+        out += [uniform_segments(n_moments, n_stages, -(-n_bwd // p)) for p in UNIFORM_PROGRAMS]
+    out += [cut for p in BALANCED_PROGRAMS
+            if (cut := host_balanced_segments(n_moments, n_stages, done_moments, max_programs=p)) is not None]
     return [c for i, c in enumerate(out) if c not in out[:i] and len(c) <= max_programs]
 
 
