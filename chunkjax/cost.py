@@ -313,13 +313,14 @@ class ProgramTime:
     host_end_s: float
 
 
-def program_timeline(device_s: Sequence[float], host_s: Sequence[float], *, window: int,
+def program_timeline(device_end_s: Sequence[float], host_s: Sequence[float], *, window: int,
                      hold_one: Sequence[bool] = ()) -> list[ProgramTime]:
     """The step's programs on one timeline, as :meth:`chunkjax.ChunkedStep.begin` runs them.
 
-    The device runs the programs in order, each ``device_s[k]`` seconds once dispatched and its
-    predecessor is done. The host thread updates a program's host chunks (``host_s[k]`` seconds;
-    0: the program hands nothing over) once the program is done and the host has finished the
+    The device runs the programs in order; program ``k`` would end at ``device_end_s[k]`` if
+    nothing held it back, and every second it waits to be dispatched moves it and the programs
+    after it later. The host thread updates a program's host chunks (``host_s[k]`` seconds; 0:
+    the program hands nothing over) once the program is done and the host has finished the
     hand-offs before it (one thread, in order). After handing program ``k``'s gradients over,
     the main thread waits until the host has finished the hand-off ``window - 1`` before it
     (:meth:`chunkjax.updaters.HostWork.hand_over`) and, where ``hold_one[k]`` (early streamed
@@ -327,7 +328,8 @@ def program_timeline(device_s: Sequence[float], host_s: Sequence[float], *, wind
     program ``k - 1`` is done; then it dispatches program ``k + 1``.
 
     Args:
-      device_s: per program, device seconds (>= 0).
+      device_end_s: per program, its end without waits (seconds from the step's start,
+        non-decreasing: the forward and the backward's programs back to back).
       host_s: per program, host-thread seconds of its hand-off (same length).
       window: the gradient window (>= 1 programs; 0: unbounded, the main thread never waits
         for the host).
@@ -338,17 +340,19 @@ def program_timeline(device_s: Sequence[float], host_s: Sequence[float], *, wind
       one :class:`ProgramTime` per program.
 
     Raises:
-      ValueError: ``device_s`` and ``host_s`` differ in length.
+      ValueError: ``device_end_s`` and ``host_s`` differ in length.
     """
-    if len(device_s) != len(host_s):
-        raise ValueError(f"device_s has {len(device_s)} programs and host_s {len(host_s)}: give one entry per program")
-    hold = list(hold_one) + [False] * (len(device_s) - len(hold_one))
+    if len(device_end_s) != len(host_s):
+        raise ValueError(f"device_end_s has {len(device_end_s)} programs and host_s {len(host_s)}: "
+                         "give one entry per program")
+    hold = list(hold_one) + [False] * (len(device_end_s) - len(hold_one))
     out: list[ProgramTime] = []
-    dispatch = end = prev_end = host = 0.0
+    dispatch = end = prev_end = host = delay = 0.0
     handoffs: list[float] = []
-    for k, (dev, work) in enumerate(zip(device_s, host_s)):
+    for k, (nominal, work) in enumerate(zip(device_end_s, host_s)):
         start = max(dispatch, end)
-        prev_end, end = end, start + dev
+        delay += max(0.0, dispatch - end)  # the device idle, waiting for this dispatch
+        prev_end, end = end, nominal + delay
         if work:
             host = max(end, host) + work
             handoffs.append(host)
@@ -387,8 +391,8 @@ def predict_pipelined_step(flops_per_step: float, *, fwd_h2d: int, bwd_h2d: int,
     the global norm is known) and the device's update programs after the backward
     (:attr:`PipelinedStepTime.step_s`).
 
-    Program ``k`` runs on the device for its share of the backward (``program_ends[k]`` minus
-    the one before, times the backward's seconds; the first program also the forward).
+    Program ``k`` ends ``program_ends[k]`` of the backward after the forward, later by the
+    window's waits before it.
 
     Args:
       flops_per_step: training FLOPs (6N + 12LSh per token, times tokens); forward is 1/3.
@@ -422,13 +426,12 @@ def predict_pipelined_step(flops_per_step: float, *, fwd_h2d: int, bwd_h2d: int,
     bwd = max(c_bwd, bwd_transfer)
     ends = sorted(set(program_ends) | {f for f, _ in host_ready} | {f for f, _, _ in streamed}
                   | {f for f, _ in storage} | {1.0})
-    dev_s = [fwd + ends[0] * bwd] + [(b - a) * bwd for a, b in zip(ends[:-1], ends[1:])]
     host_s = [0.0] * len(ends)
     for frac, params in host_ready:
         host_s[_program_index(ends, frac)] += params * r.host_update_s_per_param
     first_streamed = min((_program_index(ends, f) for f, _, _ in streamed), default=len(ends))
     hold = [streamed_early and k >= first_streamed for k in range(len(ends))]
-    times = program_timeline(dev_s, host_s, window=window, hold_one=hold)
+    times = program_timeline([fwd + f * bwd for f in ends], host_s, window=window, hold_one=hold)
     end = times[-1].end_s
     stall = max(0.0, end - (fwd + bwd))
     host = sum(host_s)

@@ -26,12 +26,12 @@ def test_window_stalls_the_device_until_the_host_catches_up():
     first's (at 5 s), so the third program runs 5-6 (the device idle 2 s) and the host ends at 6
     with nothing exposed. Window 3: no wait; the backward ends at 4, the host at 6 (2 s exposed).
     Both steps take 6 s; the window bounds the host gradients that exist at once."""
-    times = program_timeline([2.0, 1.0, 1.0], [3.0, 1.0, 0.0], window=2)
+    times = program_timeline([2.0, 3.0, 4.0], [3.0, 1.0, 0.0], window=2)
     assert [(t.dispatch_s, t.start_s, t.end_s, t.host_end_s) for t in times] == [
         (0.0, 0.0, 2.0, 5.0), (0.0, 2.0, 3.0, 6.0), (5.0, 5.0, 6.0, 6.0)]
-    assert program_timeline([2.0, 1.0, 1.0], [3.0, 1.0, 0.0], window=3)[-1].end_s == 4.0
+    assert program_timeline([2.0, 3.0, 4.0], [3.0, 1.0, 0.0], window=3)[-1].end_s == 4.0
     # one program kept queued (early streamed chunks): the third waits for the first to end
-    held = program_timeline([2.0, 1.0, 1.0], [0.0, 0.0, 0.0], window=0, hold_one=[False, True, False])
+    held = program_timeline([2.0, 3.0, 4.0], [0.0, 0.0, 0.0], window=0, hold_one=[False, True, False])
     assert [t.dispatch_s for t in held] == [0.0, 0.0, 2.0]
     r = Rates(matmul_flops_per_s=1.0, host_update_s_per_param=1.0, h2d_bytes_per_s=1.0, d2h_bytes_per_s=1.0,
               one_program_duplex_bytes_per_s=1.0, duplex_bytes_per_s=2.0, device_update_s_per_param=0.0)
