@@ -26,8 +26,12 @@ predicted step and its parts) against the measured step, one step taken apart fr
 FLOPs each), and on a GPU one profiled step's programs with their PCIe bytes
 (``experiments.gpu_measure.transfer_phases``). ``phases`` (``--profile-steps``, default 4): steps
 run back to back as in training, each taken apart by :class:`PhaseClock` (when each program is
-dispatched and done, the host-update thread's tasks, the streamed pipeline's transfers, the main
-thread's waits and its Python time), their medians beside the plan's predicted figures;
+dispatched and done, the host-update thread's tasks and their time waiting for gradients, in the
+kernels, joining the streamed write-backs and the rest, the streamed pipeline's transfers, the
+main thread's waits and its Python time), their medians beside the plan's predicted figures;
+``program_cut``: the plan's program cut, gradient window and streamed start (chosen on the cost
+model's timeline, :mod:`chunkjax.program_cut`) with their predicted stall and tails, also at
+``nnx_remat``'s compute;
 ``compute_checks``: the plan's matmul rate against the one ``nnx_remat`` reached at that batch.
 ``--trace`` adds a ``jax.profiler`` trace of one step of the largest batch beside the JSON.
 The plan's rates are the benchmark's (:func:`experiments.gpu_measure.calibrated_rates`: the
@@ -300,8 +304,9 @@ class PhaseClock:
     Seconds from the start of each step call (``perf_counter``): each program's dispatch and the
     moment its outputs are ready (a watcher thread waits on its loss and squared norms, in program
     order), every task of the host-update thread (start, end: the hand-offs of host gradients and
-    the streamed write-back joins), the streamed pipeline's fetches, update dispatches and
-    write-backs, and the main thread's own waits: for the previous step's host updates
+    the streamed write-back joins; inside them each wait for a gradient,
+    :func:`chunkjax.updaters.wait_for_gradient`, and each kernel call), the streamed pipeline's
+    fetches, update dispatches and write-backs, and the main thread's own waits: for the previous step's host updates
     (``HostWork.join`` at the start of a step), the gradient window (``HostWork.hand_over``),
     the one program queued ahead of early streamed chunks (``StepStream.on_program``), the
     streamed pipeline's end (``StepStream.finish``) and the commit. ``python_s`` is the call's wall
