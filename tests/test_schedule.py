@@ -15,7 +15,8 @@ import chunkjax as cj
 from chunkjax.cost import Rates
 from chunkjax.host_update import AdamW
 from chunkjax.optim import state_bytes_per_chunk
-from chunkjax.plan import auto_segments, fetch_events, plan_schedule
+from chunkjax.plan import fetch_events, plan_schedule
+from chunkjax.program_cut import auto_segments
 from chunkjax.tide import memory_tide
 from chunkjax.trace import StageTrace
 from models import gpt
