@@ -100,7 +100,7 @@ def test_plan_infeasible_exits_2_and_names_budgets_that_work(capsys):
     assert plan.main(MICRO + ["--device-budget", str(need), "--host-budget", "1000"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "use --host-budget >=" in err[0], err
-    host = re.search(r"--host-budget >= (\S+GiB)", err[0]).group(1)
+    host = re.search(r"--host-budget >= (\d[\d.]*(?:[KMGT]iB|B))", err[0]).group(1)
     assert plan.main(MICRO + ["--device-budget", str(need), "--host-budget", host]) == 0
 
 
@@ -328,7 +328,7 @@ def test_zero_host_budget_is_the_nodes(capsys):
     assert plan.main(args + ["--host-budget", "1000"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "use --host-budget >=" in err[0] and "per rank" in err[0], err
-    host = re.search(r"--host-budget >= (\S+GiB)", err[0]).group(1)
+    host = re.search(r"--host-budget >= (\d[\d.]*(?:[KMGT]iB|B))", err[0]).group(1)
     assert plan.main(args + ["--host-budget", host, "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["feasible"] and r["per_rank"]["host_bytes"] <= r["per_rank"]["host_budget_bytes"]
