@@ -48,6 +48,10 @@ from chunkjax.updaters import HostWork, host_deadline_s
 from chunkjax.walker import Walk, moments_of
 
 
+#: The ways a step runs micro-batches (:attr:`ChunkedStep.accumulation`).
+ACCUMULATIONS = ("per_micro_batch", "in_program")
+
+
 class TrainState(NamedTuple):
     """Model data of a chunked run: PatrickStar's chunk lists on one offset layout.
 
@@ -94,6 +98,14 @@ class ChunkedStep(StepChunkIO, StepUpdates):
         many equal micro-batches and applies one update with the mean gradient (the same update
         as the whole batch at once, to the compute dtype's rounding; reported case 3). Host
         updates overlap the last micro-batch's backward.
+      accumulation: how micro-batches run (:data:`ACCUMULATIONS`): ``"per_micro_batch"`` runs
+        every program once per micro-batch (:func:`chunkjax.accumulate.mean_gradients`: each
+        offloaded chunk fetched M times, its gradient summed in float32 outside the programs);
+        ``"in_program"`` loops over the micro-batches inside each moment
+        (:class:`chunkjax.walker.Walk` ``micro_batches``: each chunk fetched once per step, the
+        float32 sums on the device, each gradient leaving once as the mean; the saved stage
+        inputs are the whole batch's). Same results to fp32 rounding. Ignored with one
+        micro-batch.
       nonfinite: ``"ignore"`` (default: no check), or ``"skip"``: a step whose gradients hold a
         NaN or inf changes no state and reports ``metrics["skipped"]`` True (host updates still
         overlap the backward: :mod:`chunkjax.speculate`).
@@ -111,7 +123,7 @@ class ChunkedStep(StepChunkIO, StepUpdates):
         directories (:func:`~chunkjax.storage.updater.storage_options`).
 
     Raises (at construction):
-      ValueError: a bad ``micro_batches``, ``nonfinite`` or ``prefetch``, a placement that
+      ValueError: a bad ``micro_batches``, ``accumulation``, ``nonfinite`` or ``prefetch``, a placement that
         differs from the schedule's or has another chunk count, host-updated chunks without
         ``host_optimizer``, or a ``chunk_size`` that does not split over the ranks.
     """
@@ -132,10 +144,13 @@ class ChunkedStep(StepChunkIO, StepUpdates):
     host_deadline: float | None = None
     speculation_bytes: int | None = None
     storage: Any = None
+    accumulation: str = "per_micro_batch"
 
     def __post_init__(self):
         if not (isinstance(self.micro_batches, int) and self.micro_batches >= 1):
             raise ValueError(f"micro_batches must be an int >= 1, got {self.micro_batches!r}")
+        if self.accumulation not in ACCUMULATIONS:
+            raise ValueError(f"accumulation={self.accumulation!r}: use one of {ACCUMULATIONS}")
         if self.nonfinite not in ("ignore", "skip"):
             raise ValueError(f"nonfinite={self.nonfinite!r}: use 'ignore' or 'skip'")
         if self.schedule is not None and self.schedule.placement != self.placement:
@@ -154,6 +169,11 @@ class ChunkedStep(StepChunkIO, StepUpdates):
         if self.layout.chunk_size % self.n_ranks:
             raise ValueError(f"chunk_size {self.layout.chunk_size} is not a multiple of the {self.n_ranks} ranks: "
                              "build the layout with chunkjax.topology.build_zero_layout")
+
+    @property
+    def in_program_micro_batches(self) -> int:
+        """Micro-batches looped over inside the programs (1 unless ``accumulation="in_program"``)."""
+        return self.micro_batches if self.accumulation == "in_program" else 1
 
     @functools.cached_property
     def frozen_chunks(self) -> tuple[int, ...]:
@@ -238,7 +258,7 @@ class ChunkedStep(StepChunkIO, StepUpdates):
         return Walk(self.stages, self.layout, self.topology, self.compute_dtype, self.prefetch,
                     self.placement.param_kinds, tuple(self.placement.grad_kind(c) for c in range(self.layout.n_chunks)),
                     self.reads, tuple(t.backward_chunks for t in self._traces_local(ab)),
-                    self._fetch_lists_local(ab), self.first_reader)
+                    self._fetch_lists_local(ab), self.first_reader, self.in_program_micro_batches)
 
     def program_bounds(self) -> list[tuple[int, int]]:
         """``[(first moment, end moment)]`` of each program (the schedule's segments)."""
@@ -399,9 +419,9 @@ class ChunkedStep(StepChunkIO, StepUpdates):
         stream = streamed.StepStream(self.stream_spec, state, inv_arr := jnp.asarray(inv, jnp.float32))
         on_disk = disk.StorageRun(self, state)  # storage chunks: the workers read their state from now on
         try:
-            grads, sq, loss = (self.run_programs(state, self.topology.put_batch(batch), scale, on_host, stream,
-                                                  on_disk.on_program)
-                               if self.micro_batches == 1
+            grads, sq, loss = (self.run_programs(state, self.topology.put_batch(self._rank_major(batch)), scale,
+                                                  on_host, stream, on_disk.on_program)
+                               if self.in_program_micro_batches == self.micro_batches
                                else accumulate.mean_gradients(self, state, batch, scale, on_host))
             (loss, aux), grad_sq = split_loss(loss), jnp.stack([sq[c] if c in sq else jnp.zeros((), jnp.float32)
                                                                 for c in range(self.layout.n_chunks)])  # frozen: none
@@ -424,6 +444,22 @@ class ChunkedStep(StepChunkIO, StepUpdates):
             stream.set_grad_sq(None)  # the pipeline stopped: no thread left waiting
             raise
         return PendingStep(self, state._replace(pending=work), grads, grad_sq, inv_arr, (params, master, opt), metrics)
+
+    def _rank_major(self, batch):
+        """With in-program micro-batches on N > 1 ranks: the global batch's rows reordered so that
+        rank r's rows, cut into M parts, are the rows rank r takes of each of
+        :func:`~chunkjax.accumulate.mean_gradients`' micro-batches (global micro-batch i: rows
+        ``[i*B/M, (i+1)*B/M)``, its rank-r share the r-th ``B/(M*N)`` rows of those): the same
+        micro-batches, so the same mean (and per-row randomness) as the per-micro-batch path."""
+        m, n = self.in_program_micro_batches, self.n_ranks
+        if m == 1 or n == 1:
+            return batch
+
+        def reorder(a):
+            k = a.shape[0] // (m * n)
+            xp = np if isinstance(a, np.ndarray) else jnp
+            return xp.swapaxes(a.reshape((m, n, k) + a.shape[1:]), 0, 1).reshape(a.shape)
+        return jax.tree.map(reorder, batch)
 
     def _zeros_grad(self, c: int):
         """The gradient of a chunk no stage reads (outside programs)."""
@@ -557,7 +593,7 @@ def make_chunked_step(stages, layout: ChunkLayout, placement, tx: optax.Gradient
                       micro_batches: int = 1, nonfinite: str = "ignore", loss_scaling: bool = False, *,
                       mesh=None, zero_stage: int | None = None, donate: bool | None = None,
                       host_deadline: float | None = None, speculation_bytes: int | None = None,
-                      storage=None) -> ChunkedStep:
+                      storage=None, accumulation: str | None = None) -> ChunkedStep:
     """Build the chunked step (see :class:`ChunkedStep`). Nothing is compiled until first use.
 
     Args:
@@ -578,9 +614,11 @@ def make_chunked_step(stages, layout: ChunkLayout, placement, tx: optax.Gradient
         parallelism, in one process or across processes (``jax.distributed``); None: one device.
       zero_stage: 1, 2 or 3 with a mesh (default 3).
       donate, host_deadline, speculation_bytes, storage: see :class:`ChunkedStep`.
+      accumulation: ``"per_micro_batch"`` or ``"in_program"`` (:class:`ChunkedStep`); None: the
+        schedule's choice (:attr:`chunkjax.schedule.Schedule.accumulation`), else per micro-batch.
 
     Raises:
-      ValueError: a bad ``micro_batches``, ``nonfinite`` or ``zero_stage``, a mesh that is not 1-D
+      ValueError: a bad ``micro_batches``, ``accumulation``, ``nonfinite`` or ``zero_stage``, a mesh that is not 1-D
         ``"data"``, a placement that differs from the schedule's, host-updated chunks without
         ``host_optimizer``, ``zero_stage`` without a mesh, or neither ``tx`` nor
         ``host_optimizer``.
@@ -596,4 +634,5 @@ def make_chunked_step(stages, layout: ChunkLayout, placement, tx: optax.Gradient
         tx = host_optimizer.optax()
     return ChunkedStep(tuple(stages), layout, placement, tx, jnp.dtype(compute_dtype),
                        1 if prefetch is None else prefetch, schedule, host_optimizer, micro_batches, nonfinite,
-                       loss_scaling, donate, make_topology(mesh, zero_stage), host_deadline, speculation_bytes, storage)
+                       loss_scaling, donate, make_topology(mesh, zero_stage), host_deadline, speculation_bytes, storage,
+                       accumulation or getattr(schedule, "accumulation", None) or "per_micro_batch")

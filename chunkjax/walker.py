@@ -20,6 +20,15 @@ program (the step cuts the moments into programs at the schedule's segments):
 * a master-fetch chunk (:mod:`chunkjax.host_forms`: a host chunk without a compute-dtype copy)
   is fetched as its float32 master params and cast to the compute dtype on the device right
   after the fetch (round to nearest even, bit for bit the copy the host kernel would write);
+* with ``micro_batches`` M > 1 (gradient accumulation inside the moments, ``accumulation=
+  "in_program"``): the batch's rows are M equal micro-batches (rows ``[i*k, (i+1)*k)``); each
+  moment fetches its chunks once and loops over the micro-batches inside the program
+  (``jax.lax.map`` forward, ``jax.lax.scan`` in the head and the backward, the stage's fetched
+  chunks constants of the loop): the saved stage inputs are the whole batch's, a stage's
+  internals one micro-batch's; the head seeds each micro-batch's backward as with one; the float32
+  gradient chunks sum every micro-batch on the device and leave once, as ``(sum * float32(1/M))``
+  in the compute dtype (the mean, :func:`chunkjax.accumulate.mean_gradients`' rounding), through
+  the same ``reduce_grad`` and host hand-over; the loss is the micro-batches' mean;
 * frozen chunks (``layout.chunk_trainable`` False) are fetched like the others but stored in their
   leaves' dtype (floating ones cast to the compute dtype when read, integer ones stay integers);
   a frozen chunk resident on the device is tied to the reading moment's input (activation or
@@ -73,6 +82,8 @@ class Walk:
         backward needs.
       fetch: per moment, the chunk ids fetched for it.
       first_reader: chunk -> the first stage reading it (its gradient completes there).
+      micro_batches: M, the micro-batches looped over inside each moment (1: none). The batch
+        and every activation leaf carry the rows first; M divides them.
     """
 
     stages: tuple
@@ -86,6 +97,7 @@ class Walk:
     bwd_reads: tuple
     fetch: tuple
     first_reader: dict
+    micro_batches: int = 1
 
     @property
     def moments(self):
@@ -155,6 +167,60 @@ class Walk:
                 arrays[c] = arrays[c].astype(self._read_dtype(c))
         return arrays
 
+    def _parts(self, tree):
+        """``[M*k, ...]`` leaves -> ``[M, k, ...]`` (micro-batch i: rows ``[i*k, (i+1)*k)``)."""
+        m = self.micro_batches
+        return jax.tree.map(lambda a: a.reshape((m, a.shape[0] // m) + a.shape[1:]), tree)
+
+    @staticmethod
+    def _whole(tree):
+        """``[M, k, ...]`` leaves -> ``[M*k, ...]`` (the inverse of :meth:`_parts`)."""
+        return jax.tree.map(lambda a: a.reshape((a.shape[0] * a.shape[1],) + a.shape[2:]), tree)
+
+    def _add_grads(self, acc: dict, s: int, dp) -> dict:
+        """``acc`` (chunk -> float32 (chunk_size,)) with stage ``s``'s gradient subtree ``dp`` added."""
+        acc = dict(acc)
+        for c in self.reads[s]:
+            if c in self._frozen:
+                continue
+            if c not in acc:
+                acc[c] = jnp.zeros((self.layout.chunk_size,), jnp.float32)
+            acc[c] = self.layout.scatter_add(acc[c], c, dp)
+        return acc
+
+    def _acc_of(self, acc: dict, s: int) -> dict:
+        """Stage ``s``'s trainable chunks' float32 accumulators (zeros where none yet): a loop's carry."""
+        return {c: acc[c] if c in acc else jnp.zeros((self.layout.chunk_size,), jnp.float32)
+                for c in self.reads[s] if c not in self._frozen}
+
+    def _head(self, st, s, arrays, x, batch, loss_scale, acc):
+        """The fused head over the micro-batches: ``(acc, loss, aux, dx)``; ``loss`` () f32, the
+        micro-batches' mean; ``aux`` (if any) stacked ``[M, ...]``; ``dx`` the whole batch's rows."""
+        tr, rebuild, grads_tree = self._split(self._sub(arrays, s), s)
+
+        def body(a, part):
+            xi, bi = part
+            (loss, aux), pull = stage_vjp(lambda p, xx: st.apply(rebuild(p), xx, bi), tr, xi, head=True)
+            ct = self.topology.loss_cotangent(loss)
+            if loss_scale is not None:
+                ct = ct * loss_scale.astype(ct.dtype)
+            dp, dx = pull(ct)
+            return self._add_grads(a, s, grads_tree(dp)), (loss, aux, dx)
+
+        a, (losses, aux, dx) = jax.lax.scan(body, self._acc_of(acc, s), self._parts((x, batch)))
+        return {**acc, **a}, jnp.mean(losses.astype(jnp.float32)), aux, self._whole(dx)
+
+    def _backward(self, st, s, tr, rebuild, grads_tree, ct, x_in, batch, acc):
+        """A backward moment over the micro-batches: ``(acc, dx)`` (``dx`` the whole batch's rows)."""
+        def body(a, part):
+            ci, xi, bi = part
+            _, pull = stage_vjp(lambda p, xx: st.apply(rebuild(p), xx, bi), tr, xi)
+            dp, dx = pull(ci)
+            return self._add_grads(a, s, grads_tree(dp)), dx
+
+        a, dx = jax.lax.scan(body, self._acc_of(acc, s), self._parts((ct, x_in, batch)))
+        return {**acc, **a}, self._whole(dx)
+
     def _issue(self, t, anchor, batch, params, issued, horizon):
         tie = batch if anchor is None else anchor  # the first fetches wait for the batch
         for u in range(t, min(horizon, t + self.prefetch + 1)):
@@ -192,10 +258,12 @@ class Walk:
         Returns:
           ``(carry, grads {chunk: grad in its grad kind}, sq {chunk: () f32}, loss or None)``;
           the carry is empty after the last moment. A last stage returning ``(loss, aux)`` gives
-          ``(loss, aux)`` in place of the loss. Between stages the carry's ``x`` is the
-          activation (forward) or the list of cotangents of its floating leaves (backward).
+          ``(loss, aux)`` in place of the loss (with ``micro_batches`` M > 1: the micro-batches'
+          mean loss, () f32, and ``aux`` stacked ``[M, ...]``). Between stages the carry's ``x``
+          is the activation (forward) or the list of cotangents of its floating leaves
+          (backward), the whole batch's rows.
         """
-        lay, topo = self.layout, self.topology
+        topo = self.topology
         T = len(self.moments)
         x = carry.get("x")
         saved = dict(carry.get("saved", {}))
@@ -205,19 +273,18 @@ class Walk:
         loss_scale = carry.get("loss_scale")
         grads, sq, loss, aux = {}, {}, None, None
 
+        m = self.micro_batches
+        inv_m = jnp.float32(1.0 / m)
+
         def add_grads(s, dp):
-            for c in self.reads[s]:
-                if c in self._frozen:
-                    continue
-                if c not in acc:
-                    acc[c] = jnp.zeros((lay.chunk_size,), jnp.float32)
-                acc[c] = lay.scatter_add(acc[c], c, dp)
+            acc.update(self._add_grads(acc, s, dp))
 
         def emit(s, dx):
             for c in self.reads[s]:
                 if self.first_reader[c] != s or c in self._frozen:
                     continue
-                g, sq[c] = topo.reduce_grad(acc.pop(c).astype(self.compute_dtype))
+                a = acc.pop(c)
+                g, sq[c] = topo.reduce_grad((a if m == 1 else a * inv_m).astype(self.compute_dtype))
                 if self.grad_kinds[c] == PINNED_HOST:
                     g = topo.to_host(g)
                     if dx is not None:
@@ -232,7 +299,15 @@ class Walk:
             st = self.stages[s]
             if ph == "forward":
                 saved[s] = x
-                x = st.apply(self._sub(arrays, s), x, batch)
+                if m == 1:
+                    x = st.apply(self._sub(arrays, s), x, batch)
+                else:  # the stage per micro-batch; the fetched chunks are the loop's constants
+                    sub = self._sub(arrays, s)
+                    x = self._whole(jax.lax.map(lambda part, sub=sub, st=st: st.apply(sub, *part),
+                                                self._parts((x, batch))))
+            elif ph == "forward+backward" and m > 1:
+                acc, loss, aux, dx = self._head(st, s, arrays, x, batch, loss_scale, acc)
+                x = emit(s, dx)
             elif ph == "forward+backward":
                 tr, rebuild, grads_tree = self._split(self._sub(arrays, s), s)
                 (loss, aux), pull = stage_vjp(lambda p, xx: st.apply(rebuild(p), xx, batch), tr, x, head=True)
@@ -250,10 +325,14 @@ class Walk:
                 tr, rebuild, grads_tree = self._split(self._sub(arrays, s), s)
                 if s == 0 and not tr:  # a frozen first stage: nothing to differentiate
                     dp, dx = [], None
+                elif m > 1:  # recompute + vjp per micro-batch, the float32 sums on the device
+                    acc, dx = self._backward(st, s, tr, rebuild, grads_tree, x, x_in, batch, acc)
+                    dp = None
                 else:
                     _, pull = stage_vjp(lambda p, xx: st.apply(rebuild(p), xx, batch), tr, x_in)
                     dp, dx = pull(x)
-                add_grads(s, grads_tree(dp))
+                if dp is not None:
+                    add_grads(s, grads_tree(dp))
                 x = emit(s, dx)
             self._release(t, held, T)
         if aux is not None:  # the last stage's (loss, aux): aux leaves with the loss
