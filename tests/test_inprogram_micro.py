@@ -1,0 +1,133 @@
+"""Gradient accumulation inside each moment (``accumulation="in_program"``,
+:class:`chunkjax.walker.Walk` ``micro_batches``): each chunk fetched once per step, the float32
+micro-batch sums on the device, each gradient leaving once as the mean. Reference: plain optax on
+the whole batch with float32 micro-batch sums (tolerances as tests/test_overlap.py), and today's
+per-micro-batch path (:func:`chunkjax.accumulate.mean_gradients`).
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import chunkjax as cj
+from chunkjax.host_update import AdamW
+from chunkjax.optim import state_bytes_per_chunk
+from chunkjax.plan import plan_schedule
+from models import gpt
+
+B, T, M = 2, 16, 4  # B rows per micro-batch
+STEPS = 20
+#: The clipping threshold: below the reference's gradient norm on the first steps, above it later.
+CLIP = 0.8
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg = gpt.get_config("micro", n_layers=2)
+    rng = np.random.default_rng(11)
+    params = _random_params(cfg, rng)
+    batches = [jnp.asarray(rng.integers(0, cfg.vocab_size, (M * B, T + 1)), jnp.int32) for _ in range(STEPS)]
+    stages = gpt.gpt_stages(cfg)
+    order = cj.first_use_order(lambda p, b: cj.compose_loss(stages, p, b), params, batches[0][:B])
+    layout = cj.build_layout(params, None, order, min_chunks=4)
+    traces = cj.trace_stages(stages, layout, jax.ShapeDtypeStruct((B, T + 1), jnp.int32), jnp.float32)
+    return cfg, params, batches, stages, layout, traces
+
+
+def _random_params(cfg, rng):
+    """Params of ``gpt.init_params``' shapes and scale drawn with numpy (its init costs seconds on
+    8 forced CPU devices: tests/test_zero.py): normal 0.02, LayerNorm scales 1."""
+    def draw(path, a):
+        if jax.tree_util.keystr(path).endswith("['scale']"):
+            return jnp.ones(a.shape, jnp.float32)
+        return jnp.asarray(rng.normal(0.0, 0.02, a.shape), jnp.float32)
+
+    return jax.tree_util.tree_map_with_path(draw, gpt.abstract_params(cfg))
+
+
+def _reference(cfg, params, batches, tx, micro_batches):
+    """Plain optax (fp32): the gradient is the float32 mean of the micro-batches' gradients."""
+    def grads_of(p, b):
+        return jax.value_and_grad(lambda p: gpt.loss_fn(cfg, p, b, jnp.float32))(p)
+
+    @jax.jit
+    def step(p, o, b):
+        ls, gs = zip(*[grads_of(p, x) for x in jnp.split(b, micro_batches)])
+        total = gs[0]
+        for g in gs[1:]:
+            total = jax.tree.map(jnp.add, total, g)
+        g = jax.tree.map(lambda a: a * jnp.float32(1.0 / micro_batches), total)
+        u, o = tx.update(g, o, p)
+        return optax.apply_updates(p, u), o, jnp.mean(jnp.stack(ls)), optax.tree.norm(g)
+
+    p, o, losses, norms = params, tx.init(params), [], []
+    for b in batches:
+        p, o, l, n = step(p, o, b)
+        losses.append(float(l))
+        norms.append(float(n))
+    return p, np.asarray(losses), np.asarray(norms)
+
+
+def _train(step, params, batches):
+    state, losses = step.init(params), []
+    for b in batches:
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
+    step.wait(state)
+    return step.master_params(state), np.asarray(losses)
+
+
+def _assert_close(params, losses, ref_params, ref_losses):
+    """fp32 tolerances of tests/test_overlap.py (Adam's 1/sqrt(v) amplifies summation order)."""
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-6)
+
+
+def _split_schedule(layout, traces, spec, cfg):
+    """The smallest budget's plan: every chunk's params in pinned host, host and streamed updates."""
+    cb = cj.chunk_bytes(layout, jnp.float32, state_bytes_per_chunk(spec.optax(), layout.chunk_size))
+    flops = cfg.flops_per_token(T) * B * T
+    with pytest.raises(cj.PlanError) as e:
+        plan_schedule(layout, traces, cb, 1000, flops_per_step=flops)
+    return plan_schedule(layout, traces, cb, e.value.min_budget_bytes, flops_per_step=flops)
+
+
+def test_in_program_equals_optax_and_the_per_micro_batch_path(setup):
+    """4 micro-batches looped inside each moment, pinned-host params, host-updated and streamed
+    chunks, clipping firing on some steps: equals optax over 20 steps and today's path."""
+    cfg, params, batches, stages, layout, traces = setup
+    spec = AdamW(3e-3, weight_decay=0.1, max_grad_norm=CLIP)
+    sched = _split_schedule(layout, traces, spec, cfg)
+    assert set(sched.update_locations) == {"host", "streamed"} and set(sched.param_kinds) == {"pinned_host"}
+    assert len(sched.segments) > 1  # the carry (whole-batch activations, float32 sums) crosses programs
+    ref_p, ref_losses, norms = _reference(cfg, params, batches, spec.optax(), M)
+    assert 0 < np.sum(norms > CLIP) < STEPS  # clipping fires on some steps
+    kw = dict(host_optimizer=spec, compute_dtype=jnp.float32, micro_batches=M)
+    step = cj.make_chunked_step(stages, layout, sched, accumulation="in_program", **kw)
+    assert step.walk(batches[0]).micro_batches == M
+    p, losses = _train(step, params, batches)
+    _assert_close(p, losses, ref_p, ref_losses)
+    # today's path on the first steps: the same to fp32 rounding
+    old = cj.make_chunked_step(stages, layout, sched, accumulation="per_micro_batch", **kw)
+    (p_old, l_old), (p_new, l_new) = _train(old, params, batches[:3]), _train(step, params, batches[:3])
+    _assert_close(p_new, l_new, p_old, l_old)
+
+
+def test_zero3_two_micro_batches_in_program_equal_the_per_micro_batch_path(setup):
+    """ZeRO stage 3 on 4 devices, 2 micro-batches, params and state of every other chunk in pinned
+    host: each rank loops over its rows of both micro-batches (the batch's rows reordered rank-major:
+    the same micro-batches as today's path); equals the per-micro-batch path over 3 steps."""
+    from chunkjax import topology
+    cfg, params, batches, stages, _, _ = setup
+    n, mb = 4, 2
+    order = cj.first_use_order(lambda p, b: cj.compose_loss(stages, p, b), params, batches[0][:B])
+    layout = topology.build_zero_layout(params, n, cfg.vocab_size * cfg.d_model, order)
+    pl = cj.Placement(tuple(cj.DEVICE if c % 2 else cj.PINNED_HOST for c in range(layout.n_chunks)),
+                      tuple(cj.DEVICE if c % 2 else cj.PINNED_HOST for c in range(layout.n_chunks)))
+    tx = optax.chain(optax.clip_by_global_norm(CLIP), optax.adamw(3e-3, weight_decay=0.1))
+    kw = dict(compute_dtype=jnp.float32, micro_batches=mb, mesh=topology.data_mesh(jax.devices()[:n]), zero_stage=3)
+    out = [_train(cj.make_chunked_step(stages, layout, pl, tx, accumulation=a, **kw), params, batches[:3])
+           for a in ("per_micro_batch", "in_program")]
+    _assert_close(*out[1], *out[0])
