@@ -36,7 +36,7 @@ from chunkjax.layout import ChunkLayout
 from chunkjax.memory import DEVICE, sharding
 from chunkjax.host_memory import check_pinned_host
 from chunkjax.plan import Placement, fetch_events
-from chunkjax.schedule import check_trainable
+from chunkjax.schedule import ACCUMULATIONS, IN_PROGRAM, PER_MICRO_BATCH, check_trainable
 from chunkjax.stages import first_readers, split_loss, stage_reads
 from chunkjax.step_checkpoint import StepChunkIO, restore_chunks
 from chunkjax.step_commit import PendingStep
@@ -46,10 +46,6 @@ from chunkjax.topology import SingleDevice, make_topology
 from chunkjax.speculate import for_step
 from chunkjax.updaters import HostWork, host_deadline_s
 from chunkjax.walker import Walk, moments_of
-
-
-#: The ways a step runs micro-batches (:attr:`ChunkedStep.accumulation`).
-ACCUMULATIONS = ("per_micro_batch", "in_program")
 
 
 class TrainState(NamedTuple):
@@ -98,7 +94,7 @@ class ChunkedStep(StepChunkIO, StepUpdates):
         many equal micro-batches and applies one update with the mean gradient (the same update
         as the whole batch at once, to the compute dtype's rounding; reported case 3). Host
         updates overlap the last micro-batch's backward.
-      accumulation: how micro-batches run (:data:`ACCUMULATIONS`): ``"per_micro_batch"`` runs
+      accumulation: how micro-batches run (:data:`chunkjax.schedule.ACCUMULATIONS`): ``"per_micro_batch"`` runs
         every program once per micro-batch (:func:`chunkjax.accumulate.mean_gradients`: each
         offloaded chunk fetched M times, its gradient summed in float32 outside the programs);
         ``"in_program"`` loops over the micro-batches inside each moment
@@ -144,7 +140,7 @@ class ChunkedStep(StepChunkIO, StepUpdates):
     host_deadline: float | None = None
     speculation_bytes: int | None = None
     storage: Any = None
-    accumulation: str = "per_micro_batch"
+    accumulation: str = PER_MICRO_BATCH
 
     def __post_init__(self):
         if not (isinstance(self.micro_batches, int) and self.micro_batches >= 1):
@@ -173,7 +169,12 @@ class ChunkedStep(StepChunkIO, StepUpdates):
     @property
     def in_program_micro_batches(self) -> int:
         """Micro-batches looped over inside the programs (1 unless ``accumulation="in_program"``)."""
-        return self.micro_batches if self.accumulation == "in_program" else 1
+        return self.micro_batches if self.accumulation == IN_PROGRAM else 1
+
+    @property
+    def passes(self) -> int:
+        """Times the step's programs run per call: ``micro_batches`` per micro-batch, else 1."""
+        return self.micro_batches // self.in_program_micro_batches
 
     @functools.cached_property
     def frozen_chunks(self) -> tuple[int, ...]:
@@ -421,7 +422,7 @@ class ChunkedStep(StepChunkIO, StepUpdates):
         try:
             grads, sq, loss = (self.run_programs(state, self.topology.put_batch(self._rank_major(batch)), scale,
                                                   on_host, stream, on_disk.on_program)
-                               if self.in_program_micro_batches == self.micro_batches
+                               if self.passes == 1
                                else accumulate.mean_gradients(self, state, batch, scale, on_host))
             (loss, aux), grad_sq = split_loss(loss), jnp.stack([sq[c] if c in sq else jnp.zeros((), jnp.float32)
                                                                 for c in range(self.layout.n_chunks)])  # frozen: none
@@ -635,4 +636,4 @@ def make_chunked_step(stages, layout: ChunkLayout, placement, tx: optax.Gradient
     return ChunkedStep(tuple(stages), layout, placement, tx, jnp.dtype(compute_dtype),
                        1 if prefetch is None else prefetch, schedule, host_optimizer, micro_batches, nonfinite,
                        loss_scaling, donate, make_topology(mesh, zero_stage), host_deadline, speculation_bytes, storage,
-                       accumulation or getattr(schedule, "accumulation", None) or "per_micro_batch")
+                       accumulation or (schedule.accumulation if schedule is not None else PER_MICRO_BATCH))

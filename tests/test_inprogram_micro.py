@@ -4,6 +4,8 @@ micro-batch sums on the device, each gradient leaving once as the mean. Referenc
 the whole batch with float32 micro-batch sums (tolerances as tests/test_overlap.py), and today's
 per-micro-batch path (:func:`chunkjax.accumulate.mean_gradients`).
 """
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -131,3 +133,48 @@ def test_zero3_two_micro_batches_in_program_equal_the_per_micro_batch_path(setup
     out = [_train(cj.make_chunked_step(stages, layout, pl, tx, accumulation=a, **kw), params, batches[:3])
            for a in ("per_micro_batch", "in_program")]
     _assert_close(*out[1], *out[0])
+
+
+# ---- the planner's choice ------------------------------------------------------------------------
+
+def test_planner_prefers_in_program_fetching_once_and_falls_back(setup):
+    """With 4 micro-batches the plan loops inside the moments where it fits: its per-step fetch
+    bytes equal the one-micro-batch plan's (every chunk fetched once a step; the per-micro-batch
+    plan fetches 4 times), its saved stage inputs are the whole batch's. At a budget the
+    whole-batch stage inputs do not fit, the planner falls back to the per-micro-batch plan,
+    and the step follows the schedule's choice."""
+    from chunkjax import fit, trace
+    cfg, params, batches, stages, layout, traces = setup
+    spec = AdamW(3e-3, weight_decay=0.1, max_grad_norm=CLIP)
+    problem = fit.prepare(stages, params, jax.ShapeDtypeStruct((M * B, T + 1), jnp.int32), host_optimizer=spec,
+                          compute_dtype=jnp.float32, micro_batches=M, min_chunks=4, host_budget=None,
+                          check_host=False)
+    one = dataclasses.replace(problem, micro_batches=1)
+    inner = trace.in_program_traces(problem.traces, M)
+    assert [t.input_bytes for t in inner] == [M * t.input_bytes for t in problem.traces]
+
+    def floor(p):
+        with pytest.raises(cj.PlanError) as e:
+            fit.plan(p, 1000)
+        return e.value.min_budget_bytes
+
+    low, high = floor(problem), floor(dataclasses.replace(problem, traces=inner, micro_batches=1))
+    assert low < high  # the whole batch's stage inputs need more device memory
+    # every chunk offloaded, room to hold what is fetched: the same fetches, once a step
+    s_in, s_one = fit.plan(problem, 4 * high, resident=()), fit.plan(one, 4 * high, resident=())
+    assert s_in.accumulation == "in_program" and s_one.accumulation == "per_micro_batch"
+    assert set(s_in.param_kinds) == {"pinned_host"} and s_in.fetch == s_one.fetch
+    for key in ("fetch_bytes_per_step", "n_fetches", "h2d_bytes_per_step", "d2h_bytes_per_step"):
+        assert getattr(s_in.predicted, key) == getattr(s_one.predicted, key) > 0, key
+    s_in = fit.plan(problem, high)
+    assert s_in.accumulation == "in_program" and s_in.predicted.peak_device_bytes <= high
+    s_per = fit.plan(problem, low)  # the in-program plan does not fit: today's path
+    assert s_per.accumulation == "per_micro_batch" and s_per.predicted.peak_device_bytes <= low
+    assert s_per.predicted.n_fetches == M * sum(len(f) for f in s_per.fetch)  # every pass fetches again
+    assert s_in.predicted.n_fetches == sum(len(f) for f in s_in.fetch)
+    assert s_per.predicted.host_working_bytes > s_in.predicted.host_working_bytes  # its float32 sums
+    assert "accumulation in_program" in fit.describe(fit.FitReport(s_in, high, high, high, 0.9, None, (), {}, True,
+                                                                   None, ()), problem)
+    assert fit.build_step(problem, s_in).accumulation == "in_program"
+    assert fit.build_step(problem, s_per).accumulation == "per_micro_batch"
+    assert cj.Schedule.from_dict(s_in.to_dict()).accumulation == "in_program"
