@@ -39,8 +39,9 @@ from chunkjax.plan_disk import storage_line
 from chunkjax.predict import ChunkBytes, chunk_bytes
 from chunkjax.stages import check_param_keys, compose_loss, split_loss
 from chunkjax.streamed import starts_early
+from chunkjax.plan_micro import in_program_plan
 from chunkjax.schedule import IN_PROGRAM
-from chunkjax.trace import in_program_traces, trace_stages
+from chunkjax.trace import trace_stages
 
 #: Fraction of the device budget the compiled step may use: its largest program (arguments +
 #: outputs + temporaries - aliased) plus the master params and optimizer state resident beside it,
@@ -377,23 +378,16 @@ def plan(problem: FitProblem, budget_bytes: int, *, policy: str = "tide", reside
       split: ``"tide"``: split offloaded updates between host and device by rate
         (:func:`chunkjax.plan_split.split_updates`); False: all on the host.
 
-    With micro-batches the plan of a step that loops over them inside each moment (each chunk
-    fetched once a step, no float32 sums outside the programs: :func:`chunkjax.trace.in_program_traces`)
-    where it fits the budget (``schedule.accumulation == "in_program"``), else the per-micro-batch plan.
+    With micro-batches: in-program accumulation where it fits, else per pass (:mod:`chunkjax.plan_micro`).
 
     Raises:
       chunkjax.PlanError: nothing fits (the message gives the smallest budget that does).
     """
     p = problem
     kw = dict(policy=policy, resident=resident, must_fit=must_fit)
-    if p.micro_batches > 1:
-        try:
-            s = plan(dataclasses.replace(p, traces=in_program_traces(p.traces, p.micro_batches), micro_batches=1),
-                     budget_bytes, split=split, **kw)
-            if s.predicted.peak_device_bytes <= budget_bytes:
-                return dataclasses.replace(s, accumulation=IN_PROGRAM)
-        except PlanError:
-            pass
+    s = p.micro_batches > 1 and in_program_plan(p, budget_bytes, lambda q: plan(q, budget_bytes, split=split, **kw))
+    if s:
+        return s
     try:
         return _plan(p, budget_bytes, split=split, **kw)
     except PlanError as e:
@@ -458,12 +452,12 @@ def compiled_peak(problem: FitProblem, step, schedule) -> dict:
     sums, :func:`chunkjax.accumulate.jit_sums`, held across the micro-batches' programs), the update
     phase: every resident chunk's params, state and gradient plus one chunk's float32 temporaries),
     per rank."""
-    mb = rows_of(problem.batch, batch_rows(problem.batch) // step.passes)  # what one pass of the programs takes
-    progs = step.compiled_memory_programs(mb)
+    passes = 1 if getattr(schedule, "accumulation", None) == IN_PROGRAM else problem.micro_batches
+    progs = step.compiled_memory_programs(rows_of(problem.batch, batch_rows(problem.batch) // passes))  # one pass's
     n_res = sum(u == "device" for u in schedule.update_locations)
     cb = problem.cb_rank
     # per micro-batch, each device-updated chunk's float32 gradient sum lives through every program
-    resident_state = n_res * (cb.state + (cb.master if step.passes > 1 else 0))
+    resident_state = n_res * (cb.state + (cb.master if passes > 1 else 0))
     # the update phase holds every resident chunk and all their gradients (GPT3_12B on the whole
     # card ran out of memory there when only the forward/backward was checked)
     update_phase = n_res * (cb.params + cb.state + cb.grad) + 2 * 4 * problem.layout.chunk_size

@@ -45,7 +45,7 @@ from chunkjax.step_updates import StepUpdates
 from chunkjax.topology import SingleDevice, make_topology
 from chunkjax.speculate import for_step
 from chunkjax.updaters import HostWork, host_deadline_s
-from chunkjax.walker import Walk, moments_of
+from chunkjax.walker import Walk, moments_of, rank_major
 
 
 class TrainState(NamedTuple):
@@ -94,14 +94,9 @@ class ChunkedStep(StepChunkIO, StepUpdates):
         many equal micro-batches and applies one update with the mean gradient (the same update
         as the whole batch at once, to the compute dtype's rounding; reported case 3). Host
         updates overlap the last micro-batch's backward.
-      accumulation: how micro-batches run (:data:`chunkjax.schedule.ACCUMULATIONS`): ``"per_micro_batch"`` runs
-        every program once per micro-batch (:func:`chunkjax.accumulate.mean_gradients`: each
-        offloaded chunk fetched M times, its gradient summed in float32 outside the programs);
-        ``"in_program"`` loops over the micro-batches inside each moment
-        (:class:`chunkjax.walker.Walk` ``micro_batches``: each chunk fetched once per step, the
-        float32 sums on the device, each gradient leaving once as the mean; the saved stage
-        inputs are the whole batch's). Same results to fp32 rounding. Ignored with one
-        micro-batch.
+      accumulation: ``"per_micro_batch"`` (every program once per micro-batch:
+        :func:`chunkjax.accumulate.mean_gradients`) or ``"in_program"`` (looped inside each
+        moment, each chunk fetched once: :class:`chunkjax.walker.Walk`); :mod:`chunkjax.plan_micro`.
       nonfinite: ``"ignore"`` (default: no check), or ``"skip"``: a step whose gradients hold a
         NaN or inf changes no state and reports ``metrics["skipped"]`` True (host updates still
         overlap the backward: :mod:`chunkjax.speculate`).
@@ -167,14 +162,9 @@ class ChunkedStep(StepChunkIO, StepUpdates):
                              "build the layout with chunkjax.topology.build_zero_layout")
 
     @property
-    def in_program_micro_batches(self) -> int:
-        """Micro-batches looped over inside the programs (1 unless ``accumulation="in_program"``)."""
-        return self.micro_batches if self.accumulation == IN_PROGRAM else 1
-
-    @property
     def passes(self) -> int:
-        """Times the step's programs run per call: ``micro_batches`` per micro-batch, else 1."""
-        return self.micro_batches // self.in_program_micro_batches
+        """Times the programs run per call: ``micro_batches`` per micro-batch, 1 in-program."""
+        return 1 if self.accumulation == IN_PROGRAM else self.micro_batches
 
     @functools.cached_property
     def frozen_chunks(self) -> tuple[int, ...]:
@@ -259,7 +249,7 @@ class ChunkedStep(StepChunkIO, StepUpdates):
         return Walk(self.stages, self.layout, self.topology, self.compute_dtype, self.prefetch,
                     self.placement.param_kinds, tuple(self.placement.grad_kind(c) for c in range(self.layout.n_chunks)),
                     self.reads, tuple(t.backward_chunks for t in self._traces_local(ab)),
-                    self._fetch_lists_local(ab), self.first_reader, self.in_program_micro_batches)
+                    self._fetch_lists_local(ab), self.first_reader, self.micro_batches // self.passes)
 
     def program_bounds(self) -> list[tuple[int, int]]:
         """``[(first moment, end moment)]`` of each program (the schedule's segments)."""
@@ -420,10 +410,9 @@ class ChunkedStep(StepChunkIO, StepUpdates):
         stream = streamed.StepStream(self.stream_spec, state, inv_arr := jnp.asarray(inv, jnp.float32))
         on_disk = disk.StorageRun(self, state)  # storage chunks: the workers read their state from now on
         try:
-            grads, sq, loss = (self.run_programs(state, self.topology.put_batch(self._rank_major(batch)), scale,
-                                                  on_host, stream, on_disk.on_program)
-                               if self.passes == 1
-                               else accumulate.mean_gradients(self, state, batch, scale, on_host))
+            grads, sq, loss = (self.run_programs(state, self.topology.put_batch(rank_major(
+                batch, self.micro_batches, self.n_ranks)), scale, on_host, stream, on_disk.on_program)
+                if self.passes == 1 else accumulate.mean_gradients(self, state, batch, scale, on_host))
             (loss, aux), grad_sq = split_loss(loss), jnp.stack([sq[c] if c in sq else jnp.zeros((), jnp.float32)
                                                                 for c in range(self.layout.n_chunks)])  # frozen: none
             norm = jnp.sqrt(jnp.sum(grad_sq))
@@ -445,22 +434,6 @@ class ChunkedStep(StepChunkIO, StepUpdates):
             stream.set_grad_sq(None)  # the pipeline stopped: no thread left waiting
             raise
         return PendingStep(self, state._replace(pending=work), grads, grad_sq, inv_arr, (params, master, opt), metrics)
-
-    def _rank_major(self, batch):
-        """With in-program micro-batches on N > 1 ranks: the global batch's rows reordered so that
-        rank r's rows, cut into M parts, are the rows rank r takes of each of
-        :func:`~chunkjax.accumulate.mean_gradients`' micro-batches (global micro-batch i: rows
-        ``[i*B/M, (i+1)*B/M)``, its rank-r share the r-th ``B/(M*N)`` rows of those): the same
-        micro-batches, so the same mean (and per-row randomness) as the per-micro-batch path."""
-        m, n = self.in_program_micro_batches, self.n_ranks
-        if m == 1 or n == 1:
-            return batch
-
-        def reorder(a):
-            k = a.shape[0] // (m * n)
-            xp = np if isinstance(a, np.ndarray) else jnp
-            return xp.swapaxes(a.reshape((m, n, k) + a.shape[1:]), 0, 1).reshape(a.shape)
-        return jax.tree.map(reorder, batch)
 
     def _zeros_grad(self, c: int):
         """The gradient of a chunk no stage reads (outside programs)."""
@@ -615,8 +588,7 @@ def make_chunked_step(stages, layout: ChunkLayout, placement, tx: optax.Gradient
         parallelism, in one process or across processes (``jax.distributed``); None: one device.
       zero_stage: 1, 2 or 3 with a mesh (default 3).
       donate, host_deadline, speculation_bytes, storage: see :class:`ChunkedStep`.
-      accumulation: ``"per_micro_batch"`` or ``"in_program"`` (:class:`ChunkedStep`); None: the
-        schedule's choice (:attr:`chunkjax.schedule.Schedule.accumulation`), else per micro-batch.
+      accumulation: as :class:`ChunkedStep`; None: the schedule's (else ``"per_micro_batch"``).
 
     Raises:
       ValueError: a bad ``micro_batches``, ``accumulation``, ``nonfinite`` or ``zero_stage``, a mesh that is not 1-D

@@ -51,10 +51,27 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from chunkjax.layout import ChunkLayout
 from chunkjax.memory import DEVICE, PINNED_HOST, ordered_after
 from chunkjax.stages import split_loss, stage_vjp
+
+
+def rank_major(batch, micro_batches: int, n_ranks: int):
+    """The global batch's rows reordered for in-program micro-batches on ``n_ranks`` N > 1: rank
+    r's rows, cut into ``micro_batches`` M parts, are rank r's rows of each of the per-pass path's
+    micro-batches (global micro-batch i: rows ``[i*B/M, (i+1)*B/M)``, rank r's the r-th
+    ``B/(M*N)`` of those), so both paths average the same micro-batches. Leaves: numpy or jax
+    arrays with B (a multiple of M*N) rows first; unchanged for M or N of 1."""
+    if micro_batches == 1 or n_ranks == 1:
+        return batch
+
+    def reorder(a):
+        k = a.shape[0] // (micro_batches * n_ranks)
+        xp = np if isinstance(a, np.ndarray) else jnp
+        return xp.swapaxes(a.reshape((micro_batches, n_ranks, k) + a.shape[1:]), 0, 1).reshape(a.shape)
+    return jax.tree.map(reorder, batch)
 
 
 def moments_of(n_stages: int) -> tuple[tuple[str, int], ...]:

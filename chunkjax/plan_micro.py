@@ -1,0 +1,34 @@
+"""Where a step's micro-batches run (the fit path's choice): looped inside each moment, each chunk
+fetched once a step and the float32 gradient sums on the device (``"in_program"``,
+:class:`chunkjax.walker.Walk` ``micro_batches``), or one pass of every program per micro-batch
+(``"per_micro_batch"``, :func:`chunkjax.accumulate.mean_gradients`).
+
+In-program moves each fetch and each offloaded gradient once a step (per pass: ``M`` times) and
+keeps no float32 sum outside the programs (per pass: 4 bytes per parameter of host memory for each
+offloaded chunk, and a device sum per device-updated chunk held through every program), so for the
+model data it is never worse; it costs device memory for activations: the saved stage inputs are
+the whole batch's (:func:`chunkjax.trace.in_program_traces`). Hence the rule: in-program wherever
+its plan fits the device budget, else per pass.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from chunkjax.errors import PlanError
+from chunkjax.schedule import IN_PROGRAM
+from chunkjax.trace import in_program_traces
+
+
+def in_program_plan(problem, budget_bytes: int, plan_one):
+    """The in-program schedule (``accumulation="in_program"``) of ``problem`` (a
+    :class:`chunkjax.fit.FitProblem` with ``micro_batches`` > 1) if it fits ``budget_bytes``
+    (bytes, per rank), else None. ``plan_one(problem) -> Schedule`` plans one problem (raising
+    :class:`~chunkjax.errors.PlanError` when nothing fits); it is given the problem with the
+    in-program traces and one pass (``micro_batches=1``: no float32 sums, fetches once)."""
+    inner = dataclasses.replace(problem, traces=in_program_traces(problem.traces, problem.micro_batches),
+                                micro_batches=1)
+    try:
+        s = plan_one(inner)
+    except PlanError:
+        return None
+    return dataclasses.replace(s, accumulation=IN_PROGRAM) if s.predicted.peak_device_bytes <= budget_bytes else None
