@@ -30,6 +30,7 @@ _EXPORTS = {
     "HostMemoryError": "host_memory",
     **dict.fromkeys(["ChunkLayout", "LeafSlot", "Piece", "build_layout", "first_use_order", "search_chunk_size"], "layout"),
     "DynamicLossScale": "loss_scale",
+    "WeightedLoss": "loss_weight",
     **dict.fromkeys(["DEVICE", "PINNED_HOST"], "memory"),
     **dict.fromkeys(["init_chunk_state", "update_chunk"], "optim"),
     "PlanError": "errors",

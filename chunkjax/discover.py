@@ -564,7 +564,10 @@ def discover(model, loss_fn, data, *, wrt=None, blocks=None, compute_dtype=None)
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), data)
     d = Discovery(graphdef, wrt, ptd, pkeys, pavals, std, tuple(path_key(p) for p, _ in sflat),
                   tuple(a for _, a in sflat), (), {}, path, mode, loss_fn, jnp.dtype(compute_dtype), abstract)
-    closed = jax.make_jaxpr(d.pure(False))(*d.abstract_inputs(abstract))
+    closed, (loss, _) = jax.make_jaxpr(d.pure(False), return_shape=True)(*d.abstract_inputs(abstract))
+    if not isinstance(loss, jax.ShapeDtypeStruct):  # e.g. a chunkjax.WeightedLoss (chunkjax.loss_weight)
+        raise ValueError(f"loss_fn returns a {type(loss).__name__}: return the scalar loss here (a WeightedLoss "
+                         "trains through chunkjax.fit_step with stages, not yet through the front door)")
     n_p, n_s = len(pkeys), len(sflat)
     ins, outs = closed.jaxpr.invars, closed.jaxpr.outvars
     if jnp.shape(outs[0].aval) != ():

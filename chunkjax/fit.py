@@ -37,7 +37,7 @@ from chunkjax.optim import check_elementwise, state_bytes_per_chunk
 from chunkjax.plan import parse_bytes, plan_schedule
 from chunkjax.plan_disk import storage_line
 from chunkjax.predict import ChunkBytes, chunk_bytes
-from chunkjax.stages import check_param_keys, compose_loss, split_loss
+from chunkjax.stages import check_param_keys, compose_loss, differentiated, split_loss
 from chunkjax.streamed import starts_early
 from chunkjax.plan_micro import in_program_plan
 from chunkjax.schedule import IN_PROGRAM
@@ -294,7 +294,7 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
 
     Raises:
       ValueError: no optimizer or both, a transformation that is not elementwise, a compute
-        dtype that is not floating, a last stage that does not return a scalar, a bad ZeRO stage or mesh, a batch that does not split over
+        dtype that is not floating, a last stage that returns neither a scalar nor a WeightedLoss, a bad ZeRO stage or mesh, a batch that does not split over
         ranks x micro-batches, a chunk size below 1.
       HostMemoryError: even the least host memory any plan needs exceeds what is available.
     """
@@ -326,10 +326,10 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
                               for k, _ in jax.tree_util.tree_flatten_with_path(aparams)[0]])
 
     def loss_of(p, b):
-        loss = split_loss(compose_loss(stages, p, b))[0]
+        loss = differentiated(split_loss(compose_loss(stages, p, b))[0])  # a WeightedLoss: its total
         if jnp.shape(loss) != ():
-            raise ValueError(f"the last stage ({stages[-1].name!r}) returns shape {jnp.shape(loss)}: it must "
-                             "return the scalar loss (e.g. the mean over the batch)")
+            raise ValueError(f"the last stage ({stages[-1].name!r}) returns shape {jnp.shape(loss)}: it must return "
+                             "the scalar loss (e.g. the mean over the batch) or a chunkjax.WeightedLoss of scalars")
         return loss
 
     order = first_use_order(loss_of, aparams, tbatch)
@@ -449,7 +449,7 @@ def compiled_peak(problem: FitProblem, step, schedule) -> dict:
     """Compile every program of ``step`` for one micro-batch and return its device peak (bytes):
     ``peak_bytes`` = max(largest program's argument + output + temp - alias + the master params
     and optimizer state of device-updated chunks (with micro-batches also their float32 gradient
-    sums, :func:`chunkjax.accumulate.jit_sums`, held across the micro-batches' programs), the update
+    sums, :func:`chunkjax.accumulate.mean_gradients`, held across the micro-batches' programs), the update
     phase: every resident chunk's params, state and gradient plus one chunk's float32 temporaries),
     per rank."""
     passes = 1 if getattr(schedule, "accumulation", None) == IN_PROGRAM else problem.micro_batches

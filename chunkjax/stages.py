@@ -18,6 +18,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from chunkjax.loss_weight import WeightedLoss
+
 
 @dataclasses.dataclass(frozen=True)
 class Stage:
@@ -54,6 +56,12 @@ def split_loss(out):
     return (out[0], out[1]) if isinstance(out, tuple) else (out, None)
 
 
+def differentiated(loss):
+    """The scalar the head's backward differentiates: a :class:`~chunkjax.loss_weight.WeightedLoss`'s
+    ``total``, else the loss itself."""
+    return loss.total if isinstance(loss, WeightedLoss) else loss
+
+
 def _floating(a) -> bool:
     return jnp.issubdtype(a.dtype, jnp.floating)
 
@@ -64,7 +72,8 @@ def stage_vjp(fn, p, x, *, head: bool = False):
     carry no cotangent).
 
     ``pull(ct) -> (dp, dx)``: ``ct`` is the cotangent of the floating leaves of ``out`` (a list, in
-    ``jax.tree.leaves`` order) or, with ``head``, of the loss; ``dx`` is a list over the floating
+    ``jax.tree.leaves`` order) or, with ``head``, of the loss (a weighted loss's ``total``:
+    :mod:`chunkjax.loss_weight`); ``dx`` is a list over the floating
     leaves of ``x`` (None when ``x`` is None). With ``head`` ``out`` is ``(loss, aux)``
     (:func:`split_loss`) and ``aux`` gets no gradient.
     """
@@ -78,7 +87,7 @@ def stage_vjp(fn, p, x, *, head: bool = False):
         out = fn(p, jax.tree.unflatten(tdef, leaves))
         if head:
             out = split_loss(out)
-            return out[0], out
+            return differentiated(out[0]), out
         return [a for a in jax.tree.leaves(out) if _floating(a)], out
 
     _, pull_, out = jax.vjp(f, p, [xs[i] for i in fi], has_aux=True)

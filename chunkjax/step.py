@@ -33,6 +33,7 @@ import optax
 from chunkjax import accumulate, footprint, streamed
 from chunkjax import updaters as upd
 from chunkjax.layout import ChunkLayout
+from chunkjax.loss_weight import require_weight, token_mean
 from chunkjax.memory import DEVICE, sharding
 from chunkjax.host_memory import check_pinned_host
 from chunkjax.plan import Placement, fetch_events
@@ -75,7 +76,8 @@ class ChunkedStep(StepChunkIO, StepUpdates):
     """A chunked training step for one (model, layout, placement or schedule, optimizer, topology).
 
     Build it with :func:`make_chunked_step`. ``step(state, batch) -> (state, metrics)``;
-    ``metrics`` holds ``loss`` (float32 scalar, nats, mean over the whole batch), ``grad_norm`` (global,
+    ``metrics`` holds ``loss`` (float32 scalar, nats, mean over the whole batch, or over its scored
+    tokens: :class:`~chunkjax.loss_weight.WeightedLoss`), ``grad_norm`` (global,
     float32) and ``aux`` of a last stage returning ``(loss, aux)`` (one device, one micro-batch).
     Checkpointable: the protocol's methods (:class:`~chunkjax.step_checkpoint.StepChunkIO`).
 
@@ -381,8 +383,8 @@ class ChunkedStep(StepChunkIO, StepUpdates):
             two; see :class:`chunkjax.DynamicLossScale`).
 
         Raises:
-          ValueError: the batch does not split over the ranks and micro-batches, or
-            ``loss_scale`` given without ``loss_scaling`` (or missing with it).
+          ValueError: the batch does not split over the ranks and micro-batches or (a weighted loss)
+            scores no token, or ``loss_scale`` given without ``loss_scaling`` (or missing with it).
         """
         return self.begin(state, batch, loss_scale).commit()
 
@@ -411,7 +413,7 @@ class ChunkedStep(StepChunkIO, StepUpdates):
         on_disk = disk.StorageRun(self, state)  # storage chunks: the workers read their state from now on
         try:
             grads, sq, loss = (self.run_programs(state, self.topology.put_batch(rank_major(
-                batch, self.micro_batches, self.n_ranks)), scale, on_host, stream, on_disk.on_program)
+                batch, self.micro_batches, self.n_ranks)), scale, on_host, stream, on_disk.on_program, require_weight)
                 if self.passes == 1 else accumulate.mean_gradients(self, state, batch, scale, on_host))
             (loss, aux), grad_sq = split_loss(loss), jnp.stack([sq[c] if c in sq else jnp.zeros((), jnp.float32)
                                                                 for c in range(self.layout.n_chunks)])  # frozen: none
@@ -427,7 +429,7 @@ class ChunkedStep(StepChunkIO, StepUpdates):
         try:  # all that can fail before the commit donates the input state (chunkjax.step_commit)
             if stream.chunks:  # new buffers, the input's untouched; the host thread joins the last write-backs
                 work.submit(stream.finish(grads, params, master, opt))
-            metrics = {"loss": loss, "grad_norm": norm * inv_arr, **({} if aux is None else {"aux": aux})}
+            metrics = {"loss": token_mean(loss), "grad_norm": norm * inv_arr, **({} if aux is None else {"aux": aux})}
             if self.skips_nonfinite:
                 metrics["skipped"] = ~jnp.isfinite(jnp.sum(grad_sq))
         except BaseException:
@@ -442,9 +444,10 @@ class ChunkedStep(StepChunkIO, StepUpdates):
         return self.topology.put(np.zeros((self.layout.chunk_size,), self.compute_dtype),
                                  self.topology.grad_sharding(self.placement.grad_kind(c)))
 
-    def run_programs(self, state: TrainState, batch, scale, on_host=None, stream=None, on_disk=None):
+    def run_programs(self, state: TrainState, batch, scale, on_host=None, stream=None, on_disk=None, on_loss=None):
         """Run every program of the step on ``batch`` (placed): returns ``(grads, sq, loss)``, a
-        gradient and squared norm for every chunk (zero for chunks no stage reads); with ``on_host``,
+        gradient and squared norm for every chunk (zero for chunks no stage reads); ``on_loss(loss)``
+        is called as the loss's program ends, before any gradient is handed on; with ``on_host``,
         host chunks' gradients go to ``on_host({c: gradient})`` as each program ends (unread ones at
         the end) and are not returned: the host thread drops each once consumed; the others to
         ``stream.on_program`` (:class:`chunkjax.streamed.StepStream`) and ``on_disk(g)``
@@ -455,6 +458,8 @@ class ChunkedStep(StepChunkIO, StepUpdates):
         for k in range(len(self.program_bounds())):
             fn, args = self.program(batch, k)
             carry, acc, g, q, l = fn({c: state.params[c] for c in args}, batch, carry, acc)
+            if l is not None and on_loss is not None:
+                on_loss(l)  # e.g. require_weight: a batch scoring no token refused before any update
             mine = {c: g.pop(c) for c in list(g) if c in host} if on_host is not None else {}
             grads.update(g)
             sq.update(q)
@@ -475,11 +480,6 @@ class ChunkedStep(StepChunkIO, StepUpdates):
         if on_host is not None and host.intersection(late):
             on_host({c: grads.pop(c) for c in late if c in host})
         return grads, sq, loss
-
-    @functools.cached_property
-    def jit_accumulate(self):
-        """The jitted sums of :func:`chunkjax.accumulate.mean_gradients` (compiled once per step)."""
-        return accumulate.jit_sums(self.compute_dtype)
 
     def with_optimizer(self, tx: optax.GradientTransformation) -> "ChunkedStep":
         """The same step with another optax transformation; the compiled forward/backward (which
@@ -550,7 +550,8 @@ class ChunkedStep(StepChunkIO, StepUpdates):
                                    for m in chunks])
 
     def eval_loss(self, state: TrainState, batch) -> jax.Array:
-        """Validation loss of ``batch`` (() float32, mean over the whole batch): the walker's
+        """Validation loss of ``batch`` (() float32, mean over the whole batch or its scored tokens,
+        0 if a :class:`~chunkjax.loss_weight.WeightedLoss` scores none): the walker's
         forward moments with the step's fetches, on every topology (on a mesh ``B`` a multiple
         of the ranks). Waits for the state's host updates first.
 
@@ -559,7 +560,7 @@ class ChunkedStep(StepChunkIO, StepUpdates):
         """
         self.wait(state)
         self.topology.check_rows(jax.tree.leaves(batch)[0].shape[0], 1)
-        return self.jit_loss(state.params, self.topology.put_batch(batch))
+        return token_mean(self.jit_loss(state.params, self.topology.put_batch(batch)))
 
 
 def make_chunked_step(stages, layout: ChunkLayout, placement, tx: optax.GradientTransformation | None = None,

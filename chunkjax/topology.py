@@ -20,8 +20,9 @@ global ``(N, *s)`` array ``P("data")``). ``zero_stage=3`` shards the compute par
 brings the rank's shard, ``all_gather`` makes the full chunk); stages 1/2 keep them replicated.
 Gradients are all-reduced (stage 1, each rank keeps its slice) or reduce-scattered (stages 2/3)
 as the backward completes each chunk. The batch is split over the ranks; the loss is the mean
-over ranks. Collectives are XLA's; the mesh may span processes (``jax.distributed``): every
-array is built from per-shard callbacks and host updates touch ``addressable_shards`` only.
+over ranks (a weighted loss: its sums over ranks, :mod:`chunkjax.loss_weight`). Collectives are
+XLA's; the mesh may span processes (``jax.distributed``): every array is built from per-shard
+callbacks and host updates touch ``addressable_shards`` only.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from chunkjax import loss_weight as lw
 from chunkjax.layout import CHUNK_ALIGN_ELEMS, ChunkLayout, build_layout, search_chunk_size
 from chunkjax.memory import DEVICE, ordered_after, sharding
 
@@ -107,7 +109,8 @@ class SingleDevice:
         return g, jnp.sum(jnp.square(g.astype(jnp.float32)))
 
     def loss_cotangent(self, loss):
-        return jnp.ones_like(loss)
+        """The head's backward seed: 1, or ``1 / weight`` of a weighted loss (:mod:`chunkjax.loss_weight`)."""
+        return lw.seed(loss) if lw.is_weighted(loss) else jnp.ones_like(loss)
 
     def reduce_scalars(self, sq: dict, loss):
         """The squared norms of the whole reduced gradients and the loss (mean over ranks)."""
@@ -267,19 +270,27 @@ class DataMesh:
         return g, jnp.sum(jnp.square(g.astype(jnp.float32)))
 
     def loss_cotangent(self, loss):
-        return jnp.full_like(loss, 1.0 / self.n_ranks)  # d(mean over ranks)
+        """The head's backward seed: ``1 / N`` (d(mean over ranks)), or ``1 / W`` of a weighted
+        loss, ``W`` its weight summed over the ranks (:mod:`chunkjax.loss_weight`)."""
+        if lw.is_weighted(loss):
+            return lw.seed(loss, lambda w: jax.lax.psum(w, AXIS))
+        return jnp.full_like(loss, 1.0 / self.n_ranks)
 
     def reduce_scalars(self, sq: dict, loss):
         """One ``psum`` per program: every chunk's squared shard norm summed over the ranks, with
-        the loss's mean over ranks."""
+        the loss's mean over ranks (a weighted loss: its total and weight summed over ranks)."""
         keys = sorted(sq)
         vals = [sq[c] for c in keys]
-        if loss is not None:
+        if lw.is_weighted(loss):
+            vals += [jnp.asarray(loss.total, jnp.float32), jnp.asarray(loss.weight, jnp.float32)]
+        elif loss is not None:
             vals.append(loss.astype(jnp.float32) / self.n_ranks)
         if not vals:
             return sq, loss
         tot = jax.lax.psum(jnp.stack(vals), AXIS)
         out = {c: tot[i] for i, c in enumerate(keys)}
+        if lw.is_weighted(loss):
+            return out, lw.WeightedLoss(tot[-2], tot[-1])
         return out, (tot[-1] if loss is not None else None)
 
     # ---- shardings --------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import jax.extend.core as jex_core
 import jax.numpy as jnp
 
 from chunkjax.layout import ChunkLayout
-from chunkjax.stages import split_loss, stage_vjp
+from chunkjax.stages import differentiated, split_loss, stage_vjp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +106,8 @@ def _cotangent(stage, p_sub, x, batch, head: bool):
     """Abstract cotangent of the stage's output as :func:`chunkjax.stages.stage_vjp` takes it."""
     out = jax.eval_shape(stage.apply, p_sub, x, batch)
     if head:
-        return jax.ShapeDtypeStruct(jnp.shape(split_loss(out)[0]), split_loss(out)[0].dtype)
+        loss = differentiated(split_loss(out)[0])
+        return jax.ShapeDtypeStruct(jnp.shape(loss), loss.dtype)
     return [a for a in jax.tree.leaves(out) if jnp.issubdtype(a.dtype, jnp.floating)]
 
 

@@ -55,6 +55,7 @@ import numpy as np
 
 from chunkjax.layout import ChunkLayout
 from chunkjax.memory import DEVICE, PINNED_HOST, ordered_after
+from chunkjax.loss_weight import as_float32
 from chunkjax.stages import split_loss, stage_vjp
 
 
@@ -363,7 +364,8 @@ class Walk:
         return out, grads, sq, loss
 
     def forward(self, params: dict, batch):
-        """The forward moments only (evaluation): the loss (() f32, this rank's mean), params
+        """The forward moments only (evaluation): the loss (() f32, this rank's mean; a
+        :class:`~chunkjax.loss_weight.WeightedLoss` of float32 values, this rank's sums), params
         fetched by the same rule as the step's forward."""
         n = len(self.stages)
         x, held, issued = None, {}, {}
@@ -373,4 +375,4 @@ class Walk:
             arrays = self._arrays(t, x, batch, params, held, issued)
             x = self.stages[s].apply(self._sub(arrays, s), x, batch)
             self._release(t, held, n)
-        return split_loss(x)[0].astype(jnp.float32)
+        return as_float32(split_loss(x)[0])

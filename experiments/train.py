@@ -450,11 +450,10 @@ def run(cfg: TrainConfig) -> dict:
     except OSError as e:
         raise UsageError(f"--data-cache {cfg.data_cache!r}: {e.strerror}: pick a writable folder") from None
     setup["data"] = time.time() - t_start - sum(setup.values())
-    if td.meta.get("masked_train_tokens") and (cfg.zero_stage or cfg.micro_batches > 1):
-        raise UsageError("prompt/completion data (the loss on completions only) with --zero-stage or --micro-batches: "
-                         "each rank's or micro-batch's loss would be a mean over its own completion tokens, not the "
-                         "batch's (a mean of means that changes the loss and gradients): train it on one device "
-                         "with --micro-batches 1, or give text without prompts")
+    if td.meta.get("masked_train_tokens"):  # the loss on completions only: the mean over the whole batch's scored
+        # tokens however --zero-stage and --micro-batches split it (chunkjax.loss_weight)
+        from models import llama  # data with prompts come with a --init-from checkpoint: a Llama-family model
+        model = dataclasses.replace(model, stages=llama.llama_stages(model.config, weighted=True))
     if td.vocab_size > model.vocab_size and cfg.init_from:
         raise UsageError(f"--init-from {cfg.init_from}: its tokenizer has {td.vocab_size} tokens but its model only "
                          f"{model.vocab_size} embedding rows: the folder's tokenizer.json does not belong to its "
@@ -904,17 +903,20 @@ def _train(cfg, model, fitted, td, folder, t_start, resolved, resume=None, setup
             nb = next(batches)
             b = jax.device_put(nb, dev)
             t0 = time.perf_counter()
-            state, m = step(state, b)
+            unscored = bool(td.meta.get("masked_train_tokens")) and not (nb[:, 1:] >= 0).any()  # all prompt
+            state, m = (state, {"loss": jnp.nan, "grad_norm": jnp.nan, "skipped": True}) if unscored else step(state, b)
             # the loss is ready at the head of the step; the global gradient norm only when the
             # whole backward is done: wait for both, so that dt is the step's (the host updates
             # still running are joined at the start of the next step, inside its dt)
             loss, grad_norm = float(m["loss"]), float(m["grad_norm"])
             dt = time.perf_counter() - t0
-            skip = cfg.nonfinite == "skip" and bool(m["skipped"])
+            skip = (cfg.nonfinite == "skip" or unscored) and bool(m["skipped"])
             if skip:
                 skipped.append(i)
-                print(f"step {i}: non-finite gradients (loss {loss}): skipped, no state changed", flush=True)
-            watch.observe(i, loss, grad_norm, skip)
+                print(f"step {i}: " + ("the batch scores no token (prompts only)" if unscored else
+                                       f"non-finite gradients (loss {loss})") + ": skipped, no state changed", flush=True)
+            if not unscored:  # a batch of prompts only says nothing about divergence
+                watch.observe(i, loss, grad_norm, skip)
             if i > start + 1:  # the first step of a process compiles
                 train_time += dt
                 timed_steps += 1

@@ -50,6 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from chunkjax.loss_weight import WeightedLoss
 from chunkjax.stages import Stage
 from models.gpt import LOSS_PIECE_TOKENS, attention_implementation, fused_linear_cross_entropy
 
@@ -314,7 +315,7 @@ def head_logits(cfg: LlamaConfig, p, x):
     return (y @ _head_weight(cfg, p).T.astype(y.dtype)).astype(jnp.float32)
 
 
-def head_loss(cfg: LlamaConfig, p, x, targets, piece_tokens: int = LOSS_PIECE_TOKENS):
+def head_loss(cfg: LlamaConfig, p, x, targets, piece_tokens: int = LOSS_PIECE_TOKENS, weighted: bool = False):
     """Last stage: mean next-token cross entropy over the counted targets, float32 nats.
 
     p: :func:`head_keys`' params; x: (B, T, d); targets: (B, T) int, loss-masked (module
@@ -322,7 +323,9 @@ def head_loss(cfg: LlamaConfig, p, x, targets, piece_tokens: int = LOSS_PIECE_TO
     tokens as ``models.gpt.head_loss`` (one (piece_tokens, V) block of logits at a time); there a
     skipped target's row of y is zeroed (no gradient reaches it or the head) and its loss,
     ``log V`` exactly for all-zero logits, is taken off the sum. A batch with no counted target
-    has loss 0.
+    has loss 0. ``weighted``: return :class:`chunkjax.WeightedLoss` ``(sum over the counted
+    targets, their count)`` instead of the mean, so that a chunked step normalises by the whole
+    batch's count however micro-batches and ranks split it (:mod:`chunkjax.loss_weight`).
     """
     y = rms_norm(x, p["final_norm"]["scale"], cfg.rms_eps)
     d = y.shape[-1]
@@ -335,25 +338,30 @@ def head_loss(cfg: LlamaConfig, p, x, targets, piece_tokens: int = LOSS_PIECE_TO
     if n <= piece_tokens or n % piece_tokens:
         logits = (y @ w.T).astype(jnp.float32)
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, t)
-        return jnp.where(keep, ce, 0.0).sum() / count
-    y = jnp.where(keep[:, None], y, jnp.zeros_like(y))
-    skipped = (n - keep.sum()).astype(jnp.float32)
-    log_v = jnp.log(jnp.float32(w.shape[0]))
-    return (fused_linear_cross_entropy(y, w, t, piece_tokens) - skipped * log_v) / count
+        total = jnp.where(keep, ce, 0.0).sum()
+    else:
+        y = jnp.where(keep[:, None], y, jnp.zeros_like(y))
+        skipped = (n - keep.sum()).astype(jnp.float32)
+        log_v = jnp.log(jnp.float32(w.shape[0]))
+        total = fused_linear_cross_entropy(y, w, t, piece_tokens) - skipped * log_v
+    if weighted:
+        return WeightedLoss(total, keep.sum().astype(jnp.float32))
+    return total / count
 
 
-def llama_stages(cfg: LlamaConfig) -> tuple[Stage, ...]:
+def llama_stages(cfg: LlamaConfig, weighted: bool = False) -> tuple[Stage, ...]:
     """The model as chunkjax stages: ``embed``, ``layer_0`` .. ``layer_{L-1}``, ``head``.
 
     Batch convention (as ``models.gpt.gpt_stages``): ``batch`` is int (B, T+1), loss-masked ids
     allowed (module docstring); inputs are ``batch[:, :-1]``, targets ``batch[:, 1:]``. The head
-    reads ``embed`` again when tied, else ``lm_head``.
+    reads ``embed`` again when tied, else ``lm_head``; with ``weighted`` it returns
+    :class:`chunkjax.WeightedLoss` (:func:`head_loss`).
     """
     stages = [Stage("embed", ("embed",), lambda p, x, b: embed_apply(p, x, b[:, :-1]))]
     for i in range(cfg.n_layers):
         stages.append(Stage(f"layer_{i}", (f"layer_{i}",), lambda p, x, b, _c=cfg: block_apply(_c, p, x)))
     stages.append(Stage("head", head_keys(cfg),
-                        lambda p, x, b, _c=cfg: head_loss(_c, p, x, b[:, 1:])))
+                        lambda p, x, b, _c=cfg: head_loss(_c, p, x, b[:, 1:], weighted=weighted)))
     return tuple(stages)
 
 

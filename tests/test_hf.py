@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from experiments import data as data_mod
 from experiments import train, user_data
 from experiments.data import Tokenizer
 from experiments.make_hf_fixtures import FAMILIES, PROMPT
@@ -389,6 +390,11 @@ def test_masked_loss_and_fused_head_equal_plain():
     plain = loss(p, x, tm, 1024)  # 16 tokens: the unfused path
     fused = loss(p, x, tm, 4)
     np.testing.assert_allclose([float(plain), float(fused)], [want, want], rtol=1e-6)
+    weighted = jax.jit(lambda q, y, tt, piece: llama.head_loss(cfg, q, y, tt, piece, weighted=True), static_argnums=3)
+    for piece in (1024, 4):  # weighted: the sum over counted targets and their count (chunkjax.loss_weight)
+        wl = weighted(p, x, tm, piece)
+        assert float(wl.weight) == keep.sum()
+        np.testing.assert_allclose(float(wl.total), want * keep.sum(), rtol=1e-6)
     np.testing.assert_allclose(float(loss(p, x, jnp.asarray(t, jnp.int32), 1024)), float(ce.mean()), rtol=1e-6)
     grad = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=3)
     g1, g2 = grad(p, x, tm, 1024), grad(p, x, tm, 4)
@@ -537,36 +543,47 @@ def test_job_data_errors(capsys, tmp_path):
     assert (cfg.model, cfg.tokenizer, cfg.seq) == ("hf_qwen2", "hf", 128)  # seq capped at the model's positions
 
 
-def test_masked_held_out_loss_is_the_mean_over_scored_tokens(capsys, tmp_path):
+def test_masked_held_out_loss_is_the_mean_over_scored_tokens(capsys, tmp_path, monkeypatch):
     """Prompt/completion data score completion tokens only. The held-out loss was the mean of each
     eval batch's own mean, so it changed with --batch and --eval-batches (6.0207 as one batch of 2
     rows, 6.0130 as two batches of 1, on a fresh user's data), and under ZeRO or micro-batches the
     training loss and gradients were a mean of per-rank means too. Right: the held-out loss is the
     mean over every scored token however the windows are grouped (fp32: 1e-6), and the split runs
-    are refused in one line (exit 2, nothing written) until the loss is normalised globally."""
+    were refused. Now the loss is normalised by the global count of scored tokens
+    (chunkjax.loss_weight): --micro-batches 2 trains as one batch of 2 (losses and held-out losses
+    equal to fp32 summation order, 1e-5). A training batch of prompts only is skipped (no state
+    changed: the held-out loss after it equals the one before)."""
     words = "the sea of troubles arms fortune slings and arrows outrageous mind to be or not question".split()
     rng = np.random.default_rng(3)
     (tmp_path / "qa.jsonl").write_text("\n".join(json.dumps({"prompt": " ".join(rng.choice(words, int(rng.integers(3, 12)))),
                                                             "completion": " " + " ".join(rng.choice(words, 9))})
                                                 for _ in range(160)) + "\n")
-    common = ["--init-from", fixture("hf_llama3"), "--data", str(tmp_path / "qa.jsonl"), "--steps", "1", "--seq", "32",
+    common = ["--init-from", fixture("hf_llama3"), "--data", str(tmp_path / "qa.jsonl"), "--seq", "32",
               "--eval-every", "1", "--sample-tokens", "0", "--warmup", "0", "--no-progress", "--checkpoint-every", "0",
               "--export", "none", "--compute-dtype", "float32"]
-    vals = []
-    for batch, eval_batches in ((2, 1), (1, 2)):
-        out = tmp_path / f"runs{batch}"
-        assert train.main(common + ["--batch", str(batch), "--eval-batches", str(eval_batches),
-                                    "--out-dir", str(out)]) == 0
+    vals, metrics = [], {}
+    for batch, eval_batches, mb in ((2, 1, 1), (1, 2, 1), (2, 1, 2)):
+        out = tmp_path / f"runs{batch}-{mb}"
+        steps = "1" if batch == 1 else "3"
+        with monkeypatch.context() as m:
+            if batch == 1:  # its one training batch all prompt
+                sample = data_mod.sample_batches
+                m.setattr(data_mod, "sample_batches", lambda *a: (-1 - np.abs(b) for b in sample(*a)))
+            assert train.main(common + ["--batch", str(batch), "--eval-batches", str(eval_batches), "--steps", steps,
+                                        "--micro-batches", str(mb), "--out-dir", str(out)]) == 0
         (run,) = out.iterdir()
         rep = json.loads((run / "report.json").read_text())
+        assert rep["skipped_steps"] == ([1] if batch == 1 else [])
         assert 0 < rep["val_tokens_scored"] < 2 * 32  # prompts are not scored
         vals.append(rep["val_loss_first"])
+        metrics[batch, mb] = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
     np.testing.assert_allclose(vals[0], vals[1], rtol=1e-6)
-    capsys.readouterr()
-    assert train.main(common + ["--batch", "2", "--micro-batches", "2", "--out-dir", str(tmp_path / "mb")]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "mean of means" in err and "--micro-batches 1" in err, err
-    assert not (tmp_path / "mb").exists() or not os.listdir(tmp_path / "mb")
+    assert metrics[1, 1][-1]["val_loss"] == metrics[1, 1][0]["val_loss"] and "scores no token" in capsys.readouterr().out
+    one, two = ([(r.get("loss"), r["val_loss"]) for r in metrics[2, mb]] for mb in (1, 2))
+    assert len(one) == 4 and one[0][0] is None and one[-1][1] < one[0][1]
+    assert one[0] == (None, vals[0]) and two[0][0] is None
+    np.testing.assert_allclose(np.array(one[1:]), np.array(two[1:]), rtol=1e-5)
+    np.testing.assert_allclose(two[0][1], one[0][1], rtol=1e-6)
 
 
 # ---- live, against transformers ---------------------------------------------------------------
