@@ -25,10 +25,13 @@ program (the step cuts the moments into programs at the schedule's segments):
   moment fetches its chunks once and loops over the micro-batches inside the program
   (``jax.lax.map`` forward, ``jax.lax.scan`` in the head and the backward, the stage's fetched
   chunks constants of the loop): the saved stage inputs are the whole batch's, a stage's
-  internals one micro-batch's; the head seeds each micro-batch's backward as with one; the float32
-  gradient chunks sum every micro-batch on the device and leave once, as ``(sum * float32(1/M))``
-  in the compute dtype (the mean, :func:`chunkjax.accumulate.mean_gradients`' rounding), through
-  the same ``reduce_grad`` and host hand-over; the loss is the micro-batches' mean;
+  internals one micro-batch's; the head seeds each micro-batch's backward as with one and
+  multiplies its gradient sum and each cotangent it sends back by the micro-batch's factor
+  (``1/M``; a weighted loss ``W_i / sum(W)``, :mod:`chunkjax.loss_weight`), so the float32
+  gradient chunks sum every micro-batch on the device to the mean and leave once, in the compute
+  dtype, through the same ``reduce_grad`` and host hand-over (``1/M`` a power of two: the bits of
+  :func:`chunkjax.accumulate.mean_gradients`' ``(sum * float32(1/M))``); the loss is the
+  micro-batches' mean (a weighted loss: its sums);
 * frozen chunks (``layout.chunk_trainable`` False) are fetched like the others but stored in their
   leaves' dtype (floating ones cast to the compute dtype when read, integer ones stay integers);
   a frozen chunk resident on the device is tied to the reading moment's input (activation or
@@ -55,7 +58,7 @@ import numpy as np
 
 from chunkjax.layout import ChunkLayout
 from chunkjax.memory import DEVICE, PINNED_HOST, ordered_after
-from chunkjax.loss_weight import as_float32
+from chunkjax.loss_weight import WeightedLoss, as_float32, inverse_weight, is_weighted
 from chunkjax.stages import split_loss, stage_vjp
 
 
@@ -212,21 +215,46 @@ class Walk:
                 for c in self.reads[s] if c not in self._frozen}
 
     def _head(self, st, s, arrays, x, batch, loss_scale, acc):
-        """The fused head over the micro-batches: ``(acc, loss, aux, dx)``; ``loss`` () f32, the
-        micro-batches' mean; ``aux`` (if any) stacked ``[M, ...]``; ``dx`` the whole batch's rows."""
+        """The fused head over the micro-batches: ``(acc, loss, aux, dx)``.
+
+        Each micro-batch i is seeded as one alone (``loss_cotangent``: 1, 1/N, or a weighted
+        loss's ``1 / W_i``, ``W_i`` its weight over the ranks) and gets the factor ``f_i``: ``1/M``
+        (a plain loss: the mean), or ``W_i / sum(W)`` (a weighted loss: the global token mean,
+        :mod:`chunkjax.loss_weight`). The head's own gradient sum ``sum(w_i * dp_i) * (f_i / w_i)``
+        (``w_i``: ``W_i``, or 1) and the cotangent ``dx_i * f_i`` that leaves the head carry the
+        factor, so the backward moments' float32 sums are the step's gradient as they stand.
+        ``loss``: () f32, the micro-batches' mean, or a weighted loss of this rank's float32 sums;
+        ``aux`` (if any) stacked ``[M, ...]``; ``dx`` the whole batch's rows."""
         tr, rebuild, grads_tree = self._split(self._sub(arrays, s), s)
+        topo, m = self.topology, self.micro_batches
 
         def body(a, part):
             xi, bi = part
             (loss, aux), pull = stage_vjp(lambda p, xx: st.apply(rebuild(p), xx, bi), tr, xi, head=True)
-            ct = self.topology.loss_cotangent(loss)
+            ct = topo.loss_cotangent(loss)
             if loss_scale is not None:
                 ct = ct * loss_scale.astype(ct.dtype)
             dp, dx = pull(ct)
-            return self._add_grads(a, s, grads_tree(dp)), (loss, aux, dx)
+            w = jnp.ones((), jnp.float32)
+            if is_weighted(loss):  # this part's weight over every rank
+                w = jnp.asarray(topo.reduce_scalars({}, loss)[1].weight, jnp.float32)
+                dp = jax.tree.map(lambda g: g.astype(jnp.float32) * w, dp)
+                loss = as_float32(loss)
+            return self._add_grads(a, s, grads_tree(dp)), (loss, aux, dx, w)
 
-        a, (losses, aux, dx) = jax.lax.scan(body, self._acc_of(acc, s), self._parts((x, batch)))
-        return {**acc, **a}, jnp.mean(losses.astype(jnp.float32)), aux, self._whole(dx)
+        zeros = {c: jnp.zeros_like(v) for c, v in self._acc_of(acc, s).items()}
+        sums, (losses, aux, dx, w) = jax.lax.scan(body, zeros, self._parts((x, batch)))
+        if is_weighted(losses):
+            inv = inverse_weight(jnp.sum(w))
+            loss = WeightedLoss(jnp.sum(losses.total), jnp.sum(losses.weight))
+        else:
+            inv = jnp.float32(1.0 / m)
+            loss = jnp.mean(losses.astype(jnp.float32))
+        f = w * inv  # (M,) f32
+        if dx is not None:  # None: a one-stage model
+            dx = [(d.astype(jnp.float32) * f.reshape((m,) + (1,) * (d.ndim - 1))).astype(d.dtype) for d in dx]
+        acc = {**acc, **{c: self._acc_of(acc, s)[c] + v * inv for c, v in sums.items()}}
+        return acc, loss, aux, self._whole(dx)
 
     def _backward(self, st, s, tr, rebuild, grads_tree, ct, x_in, batch, acc):
         """A backward moment over the micro-batches: ``(acc, dx)`` (``dx`` the whole batch's rows)."""
@@ -292,7 +320,6 @@ class Walk:
         grads, sq, loss, aux = {}, {}, None, None
 
         m = self.micro_batches
-        inv_m = jnp.float32(1.0 / m)
 
         def add_grads(s, dp):
             acc.update(self._add_grads(acc, s, dp))
@@ -302,7 +329,7 @@ class Walk:
                 if self.first_reader[c] != s or c in self._frozen:
                     continue
                 a = acc.pop(c)
-                g, sq[c] = topo.reduce_grad((a if m == 1 else a * inv_m).astype(self.compute_dtype))
+                g, sq[c] = topo.reduce_grad(a.astype(self.compute_dtype))
                 if self.grad_kinds[c] == PINNED_HOST:
                     g = topo.to_host(g)
                     if dx is not None:

@@ -178,3 +178,52 @@ def test_planner_prefers_in_program_fetching_once_and_falls_back(setup):
     assert fit.build_step(problem, s_in).accumulation == "in_program"
     assert fit.build_step(problem, s_per).accumulation == "per_micro_batch"
     assert cj.Schedule.from_dict(s_in.to_dict()).accumulation == "in_program"
+
+
+# ---- a weighted loss (chunkjax.loss_weight): the global token mean -------------------------------
+
+@pytest.fixture(scope="module")
+def masked():
+    """tests/test_masked_loss.py's model, batches (rows scoring different counts, a micro-batch
+    and some ranks none) and plain-optax reference on the whole batch's token mean."""
+    import test_masked_loss as ml
+    rng = np.random.default_rng(11)
+    cfg = gpt.get_config("micro", n_layers=2)
+    params = ml._random_params(cfg, rng)
+    batches = [ml._batch(rng, cfg.vocab_size, s) for s in ml.SCORED]
+    stages = ml._stages(cfg)
+    tx = ml.SPEC.optax()
+
+    @jax.jit
+    def ref_step(p, o, b):
+        loss, g = jax.value_and_grad(lambda p: ml.token_mean(cj.compose_loss(stages, p, b)))(p)
+        u, o = tx.update(g, o, p)
+        return optax.apply_updates(p, u), o, loss
+
+    p, o, losses = params, tx.init(params), []
+    for b in batches:
+        p, o, loss = ref_step(p, o, b)
+        losses.append(float(loss))
+    order = cj.first_use_order(lambda p, b: ml.token_mean(cj.compose_loss(stages, p, b)), params, batches[0])
+    return ml, dict(cfg=cfg, params=params, batches=batches, stages=stages, order=order, ref=(p, np.asarray(losses)))
+
+
+@pytest.mark.parametrize("ranks,mb", [(1, 4), (4, 2)], ids=["one-device-4mb", "zero3-4ranks-2mb"])
+def test_weighted_loss_in_program_equals_optax_on_the_token_mean(masked, ranks, mb):
+    """Each part seeded with 1 / its weight over the ranks, weighted by it in the head's factor:
+    the whole batch's token mean (a part scoring nothing adds nothing); a batch scoring no token
+    is refused before any state changes (tests/test_masked_loss.py's checks and tolerances)."""
+    from chunkjax import topology
+    ml, s = masked
+    if ranks == 1:  # every other chunk's params and state in pinned host
+        layout = cj.build_layout(s["params"], None, s["order"], min_chunks=6)
+        kw = {}
+    else:
+        layout = topology.build_zero_layout(s["params"], ranks, s["cfg"].vocab_size * s["cfg"].d_model, s["order"])
+        kw = dict(mesh=topology.data_mesh(jax.devices()[:ranks]), zero_stage=3)
+    kinds = tuple(cj.DEVICE if c % 2 else cj.PINNED_HOST for c in range(layout.n_chunks))
+    step = cj.make_chunked_step(s["stages"], layout, cj.Placement(kinds, kinds), ml.SPEC.optax(), jnp.float32,
+                                micro_batches=mb, accumulation="in_program", **kw)
+    state, losses = ml._train(step, s)
+    ml._assert_equal_to_optax(step, state, losses, s)
+    ml._assert_refused_unchanged(step, state, s)
