@@ -2,7 +2,9 @@
 :class:`chunkjax.walker.Walk` ``micro_batches``): each chunk fetched once per step, the float32
 micro-batch sums on the device, each gradient leaving once as the mean. Reference: plain optax on
 the whole batch with float32 micro-batch sums (tolerances as tests/test_overlap.py), and today's
-per-micro-batch path (:func:`chunkjax.accumulate.mean_gradients`).
+per-micro-batch path (:func:`chunkjax.accumulate.mean_gradients`); a weighted loss under ZeRO-3
+against the token mean (tests/test_masked_loss.py's model and checks); the planner's choice
+(:mod:`chunkjax.plan_micro`): in-program where it fits, fetching once a step, else per pass.
 """
 import dataclasses
 
@@ -117,24 +119,6 @@ def test_in_program_equals_optax_and_the_per_micro_batch_path(setup):
     _assert_close(p_new, l_new, p_old, l_old)
 
 
-def test_zero3_two_micro_batches_in_program_equal_the_per_micro_batch_path(setup):
-    """ZeRO stage 3 on 4 devices, 2 micro-batches, params and state of every other chunk in pinned
-    host: each rank loops over its rows of both micro-batches (the batch's rows reordered rank-major:
-    the same micro-batches as today's path); equals the per-micro-batch path over 3 steps."""
-    from chunkjax import topology
-    cfg, params, batches, stages, _, _ = setup
-    n, mb = 4, 2
-    order = cj.first_use_order(lambda p, b: cj.compose_loss(stages, p, b), params, batches[0][:B])
-    layout = topology.build_zero_layout(params, n, cfg.vocab_size * cfg.d_model, order)
-    pl = cj.Placement(tuple(cj.DEVICE if c % 2 else cj.PINNED_HOST for c in range(layout.n_chunks)),
-                      tuple(cj.DEVICE if c % 2 else cj.PINNED_HOST for c in range(layout.n_chunks)))
-    tx = optax.chain(optax.clip_by_global_norm(CLIP), optax.adamw(3e-3, weight_decay=0.1))
-    kw = dict(compute_dtype=jnp.float32, micro_batches=mb, mesh=topology.data_mesh(jax.devices()[:n]), zero_stage=3)
-    out = [_train(cj.make_chunked_step(stages, layout, pl, tx, accumulation=a, **kw), params, batches[:3])
-           for a in ("per_micro_batch", "in_program")]
-    _assert_close(*out[1], *out[0])
-
-
 # ---- the planner's choice ------------------------------------------------------------------------
 
 def test_planner_prefers_in_program_fetching_once_and_falls_back(setup):
@@ -208,22 +192,21 @@ def masked():
     return ml, dict(cfg=cfg, params=params, batches=batches, stages=stages, order=order, ref=(p, np.asarray(losses)))
 
 
-@pytest.mark.parametrize("ranks,mb", [(1, 4), (4, 2)], ids=["one-device-4mb", "zero3-4ranks-2mb"])
-def test_weighted_loss_in_program_equals_optax_on_the_token_mean(masked, ranks, mb):
-    """Each part seeded with 1 / its weight over the ranks, weighted by it in the head's factor:
-    the whole batch's token mean (a part scoring nothing adds nothing); a batch scoring no token
-    is refused before any state changes (tests/test_masked_loss.py's checks and tolerances)."""
+def test_zero3_weighted_loss_in_program_equals_optax_on_the_token_mean(masked):
+    """ZeRO stage 3 on 4 devices, 2 micro-batches looped inside the moments (the batch's rows
+    reordered rank-major: each rank's parts are the per-pass path's micro-batches), every other
+    chunk's params and state in pinned host, a weighted loss (ranks scoring nothing): each part
+    seeded with 1 / its weight over the ranks and weighted by it in the head's factor gives the
+    whole batch's token mean; a batch scoring no token is refused before any state changes
+    (tests/test_masked_loss.py's checks and tolerances)."""
     from chunkjax import topology
     ml, s = masked
-    if ranks == 1:  # every other chunk's params and state in pinned host
-        layout = cj.build_layout(s["params"], None, s["order"], min_chunks=6)
-        kw = {}
-    else:
-        layout = topology.build_zero_layout(s["params"], ranks, s["cfg"].vocab_size * s["cfg"].d_model, s["order"])
-        kw = dict(mesh=topology.data_mesh(jax.devices()[:ranks]), zero_stage=3)
+    n = 4
+    layout = topology.build_zero_layout(s["params"], n, s["cfg"].vocab_size * s["cfg"].d_model, s["order"])
     kinds = tuple(cj.DEVICE if c % 2 else cj.PINNED_HOST for c in range(layout.n_chunks))
     step = cj.make_chunked_step(s["stages"], layout, cj.Placement(kinds, kinds), ml.SPEC.optax(), jnp.float32,
-                                micro_batches=mb, accumulation="in_program", **kw)
+                                micro_batches=2, accumulation="in_program", mesh=topology.data_mesh(jax.devices()[:n]),
+                                zero_stage=3)
     state, losses = ml._train(step, s)
     ml._assert_equal_to_optax(step, state, losses, s)
     ml._assert_refused_unchanged(step, state, s)
