@@ -446,20 +446,17 @@ def auto_budget(problem: FitProblem, *, policy: str = "tide") -> int:
 # ---- checks ----------------------------------------------------------------------------------
 
 def compiled_peak(problem: FitProblem, step, schedule) -> dict:
-    """Compile every program of ``step`` for one micro-batch and return its device peak (bytes):
+    """Compile every program of ``step`` for one pass (a micro-batch, or in-program the batch) and return its peak:
     ``peak_bytes`` = max(largest program's argument + output + temp - alias + the master params
-    and optimizer state of device-updated chunks (with micro-batches also their float32 gradient
-    sums, :func:`chunkjax.accumulate.mean_gradients`, held across the micro-batches' programs), the update
-    phase: every resident chunk's params, state and gradient plus one chunk's float32 temporaries),
-    per rank."""
+    and optimizer state (per micro-batch pass also the float32 gradient sums) of device-updated
+    chunks, the update phase: every resident chunk's params, state and gradient plus one chunk's
+    float32 temporaries), per rank."""
     passes = 1 if getattr(schedule, "accumulation", None) == IN_PROGRAM else problem.micro_batches
-    progs = step.compiled_memory_programs(rows_of(problem.batch, batch_rows(problem.batch) // passes))  # one pass's
+    progs = step.compiled_memory_programs(rows_of(problem.batch, batch_rows(problem.batch) // passes))
     n_res = sum(u == "device" for u in schedule.update_locations)
     cb = problem.cb_rank
-    # per micro-batch, each device-updated chunk's float32 gradient sum lives through every program
     resident_state = n_res * (cb.state + (cb.master if passes > 1 else 0))
-    # the update phase holds every resident chunk and all their gradients (GPT3_12B on the whole
-    # card ran out of memory there when only the forward/backward was checked)
+    # the update phase holds every resident chunk and its gradient (GPT3_12B ran out of memory there)
     update_phase = n_res * (cb.params + cb.state + cb.grad) + 2 * 4 * problem.layout.chunk_size
     largest = max(progs, key=lambda q: q["peak_device_bytes"])
     return {"peak_bytes": int(max(largest["peak_device_bytes"] + resident_state, update_phase)),

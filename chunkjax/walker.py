@@ -253,7 +253,8 @@ class Walk:
         f = w * inv  # (M,) f32
         if dx is not None:  # None: a one-stage model
             dx = [(d.astype(jnp.float32) * f.reshape((m,) + (1,) * (d.ndim - 1))).astype(d.dtype) for d in dx]
-        acc = {**acc, **{c: self._acc_of(acc, s)[c] + v * inv for c, v in sums.items()}}
+        prev = self._acc_of(acc, s)
+        acc = {**acc, **{c: prev[c] + v * inv for c, v in sums.items()}}
         return acc, loss, aux, self._whole(dx)
 
     def _backward(self, st, s, tr, rebuild, grads_tree, ct, x_in, batch, acc):
@@ -318,7 +319,6 @@ class Walk:
         issued = {tuple(int(v) for v in key.split(":")): a for key, a in carry.get("issued", {}).items()}
         loss_scale = carry.get("loss_scale")
         grads, sq, loss, aux = {}, {}, None, None
-
         m = self.micro_batches
 
         def add_grads(s, dp):
@@ -328,8 +328,7 @@ class Walk:
             for c in self.reads[s]:
                 if self.first_reader[c] != s or c in self._frozen:
                     continue
-                a = acc.pop(c)
-                g, sq[c] = topo.reduce_grad(a.astype(self.compute_dtype))
+                g, sq[c] = topo.reduce_grad(acc.pop(c).astype(self.compute_dtype))
                 if self.grad_kinds[c] == PINNED_HOST:
                     g = topo.to_host(g)
                     if dx is not None:
