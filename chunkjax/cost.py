@@ -117,6 +117,12 @@ class PipelinedStepTime:
         the next step's forward.
       storage_hidden_s: ``storage_update_s`` minus what is exposed (>= 0): the disk time behind
         the forward and backward (and the accumulation) of this step and the next.
+      window_stall_s: seconds the device waits between programs for the host thread: the step
+        dispatches a program only once the host has consumed the gradients of the hand-off
+        ``window - 1`` before (:func:`program_timeline`); the backward ends this much after
+        ``forward_s + backward_s``.
+      window: the gradient window the step was timed with (programs whose host gradients may
+        exist at once; 0: unbounded).
     """
 
     forward_s: float
@@ -130,14 +136,17 @@ class PipelinedStepTime:
     storage_update_s: float = 0.0
     storage_exposed_s: float = 0.0
     storage_hidden_s: float = 0.0
+    window_stall_s: float = 0.0
+    window: int = 0
 
     @property
     def step_s(self) -> float:
-        """Forward + backward + the device-resident updates + the longer of the host thread's
-        exposed tail and the streamed pipeline's (they run at once: the host kernel on the CPU,
-        the streamed chunks over PCIe and on the device); the disk tier's exposed part runs
-        beside all of them after the backward (docs/storage.md, "The disk as a placement")."""
-        return (self.forward_s + self.backward_s
+        """Forward + backward + the window's stalls + the device-resident updates + the longer of
+        the host thread's exposed tail and the streamed pipeline's (they run at once: the host
+        kernel on the CPU, the streamed chunks over PCIe and on the device); the disk tier's
+        exposed part runs beside all of them after the backward (docs/storage.md, "The disk as a
+        placement")."""
+        return (self.forward_s + self.backward_s + self.window_stall_s
                 + max(self.device_update_s + max(self.host_update_exposed_s, self.streamed_update_s),
                       self.storage_exposed_s))
 
@@ -281,19 +290,109 @@ def streamed_pipeline_end(chunks: Sequence[tuple[float, int, int]], *, params_pe
     return written[-1] if written else 0.0
 
 
+#: Programs whose host-chunk gradients may exist at once unless a plan says otherwise: the one the
+#: host thread consumes and the one the device produces (:meth:`chunkjax.updaters.HostWork.hand_over`).
+GRAD_WINDOW_PROGRAMS = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramTime:
+    """One program of a pipelined step on the timeline (:func:`program_timeline`), seconds from
+    the step's start.
+
+    Attributes:
+      dispatch_s: the main thread dispatches it.
+      start_s: the device starts it (the previous program done).
+      end_s: the device is done with it (its gradients are ready).
+      host_end_s: the host thread is done with every hand-off up to this program's.
+    """
+
+    dispatch_s: float
+    start_s: float
+    end_s: float
+    host_end_s: float
+
+
+def program_timeline(device_end_s: Sequence[float], host_s: Sequence[float], *, window: int,
+                     hold_one: Sequence[bool] = ()) -> list[ProgramTime]:
+    """The step's programs on one timeline, as :meth:`chunkjax.ChunkedStep.begin` runs them.
+
+    The device runs the programs in order; program ``k`` would end at ``device_end_s[k]`` if
+    nothing held it back, and every second it waits to be dispatched moves it and the programs
+    after it later. The host thread updates a program's host chunks (``host_s[k]`` seconds; 0:
+    the program hands nothing over) once the program is done and the host has finished the
+    hand-offs before it (one thread, in order). After handing program ``k``'s gradients over,
+    the main thread waits until the host has finished the hand-off ``window - 1`` before it
+    (:meth:`chunkjax.updaters.HostWork.hand_over`) and, where ``hold_one[k]`` (early streamed
+    chunks were handed to the pipeline: :meth:`chunkjax.streamed.StepStream.on_program`), until
+    program ``k - 1`` is done; then it dispatches program ``k + 1``.
+
+    Args:
+      device_end_s: per program, its end without waits (seconds from the step's start,
+        non-decreasing: the forward and the backward's programs back to back).
+      host_s: per program, host-thread seconds of its hand-off (same length).
+      window: the gradient window (>= 1 programs; 0: unbounded, the main thread never waits
+        for the host).
+      hold_one: per program, whether the main thread keeps at most one program queued after it
+        (default: never).
+
+    Returns:
+      one :class:`ProgramTime` per program.
+
+    Raises:
+      ValueError: ``device_end_s`` and ``host_s`` differ in length.
+    """
+    if len(device_end_s) != len(host_s):
+        raise ValueError(f"device_end_s has {len(device_end_s)} programs and host_s {len(host_s)}: "
+                         "give one entry per program")
+    hold = list(hold_one) + [False] * (len(device_end_s) - len(hold_one))
+    out: list[ProgramTime] = []
+    dispatch = end = prev_end = host = delay = 0.0
+    handoffs: list[float] = []
+    for k, (nominal, work) in enumerate(zip(device_end_s, host_s)):
+        start = max(dispatch, end)
+        delay += max(0.0, dispatch - end)  # the device idle, waiting for this dispatch
+        prev_end, end = end, nominal + delay
+        if work:
+            host = max(end, host) + work
+            handoffs.append(host)
+        out.append(ProgramTime(dispatch, start, end, host))
+        nxt = dispatch
+        if hold[k] and k:
+            nxt = max(nxt, prev_end)
+        if work and window and len(handoffs) >= window:
+            nxt = max(nxt, handoffs[-window])
+        dispatch = nxt
+    return out
+
+
+def _program_index(ends: Sequence[float], frac: float) -> int:
+    """The program whose end (a fraction of the backward) is the first at or after ``frac``."""
+    for k, f in enumerate(ends):
+        if f >= frac - 1e-12:
+            return k
+    return len(ends) - 1
+
+
 def predict_pipelined_step(flops_per_step: float, *, fwd_h2d: int, bwd_h2d: int, bwd_d2h: int,
                            device_params: int, host_ready: Sequence[tuple[float, int]],
                            streamed: Sequence[tuple[float, int, int]] = (), params_per_chunk: int = 0,
                            program_ends: Sequence[float] = (), streamed_early: bool = False,
                            depth: int = 2, rates: Rates = Rates(), storage: Sequence[tuple[float, int]] = (),
                            disk_file_bytes: int = 0, storage_params_per_chunk: int = 0,
-                           storage_early: bool = False, staging_buffers: int = 3) -> PipelinedStepTime:
-    """Predict a pipelined step: forward, backward (with per-stage recompute: the forward's FLOPs
-    again), a host thread that updates each program's host chunks once that program has finished
-    (in program order, one at a time), the streamed pipeline (:func:`streamed_pipeline_end`:
-    from the end of the program that completes each chunk's gradient when ``streamed_early``,
-    else from the backward's end, when the global norm is known) and the device's update programs
-    after the backward (PipelinedStepTime.step_s).
+                           storage_early: bool = False, staging_buffers: int = 3,
+                           window: int = GRAD_WINDOW_PROGRAMS) -> PipelinedStepTime:
+    """Predict a pipelined step on one timeline (:func:`program_timeline`): forward, backward
+    (with per-stage recompute: the forward's FLOPs again) cut into programs, a host thread that
+    updates each program's host chunks once that program has finished (in program order, one at
+    a time), the gradient window that holds the next program back until the host has caught up,
+    the streamed pipeline (:func:`streamed_pipeline_end`: from the end of the program that
+    completes each chunk's gradient when ``streamed_early``, else from the backward's end, when
+    the global norm is known) and the device's update programs after the backward
+    (:attr:`PipelinedStepTime.step_s`).
+
+    Program ``k`` ends ``program_ends[k]`` of the backward after the forward, later by the
+    window's waits before it.
 
     Args:
       flops_per_step: training FLOPs (6N + 12LSh per token, times tokens); forward is 1/3.
@@ -305,7 +404,8 @@ def predict_pipelined_step(flops_per_step: float, *, fwd_h2d: int, bwd_h2d: int,
       streamed: per streamed chunk, (fraction of the backward done when the program completing
         its gradient ends, bytes up, bytes down).
       params_per_chunk: parameters per streamed chunk.
-      program_ends: fraction of the backward done at each program's end.
+      program_ends: fraction of the backward done at each program's end (default: the
+        fractions named in ``host_ready``, ``streamed``, ``storage`` and 1.0).
       streamed_early: streamed chunks start as their program ends (else after the backward).
       depth: the streamed pipeline's slots.
       storage: per ``storage`` chunk in update order, (fraction of the backward done when the
@@ -316,6 +416,7 @@ def predict_pipelined_step(flops_per_step: float, *, fwd_h2d: int, bwd_h2d: int,
       storage_early: the storage chunks update as their gradients complete (norm-free); else
         once the norm is known (the backward's end).
       staging_buffers: staging buffers per storage device (the read-ahead bound).
+      window: the step's gradient window (programs; 0: unbounded).
     """
     r = rates
     c_fwd = flops_per_step / 3 / r.matmul_flops_per_s
@@ -323,33 +424,39 @@ def predict_pipelined_step(flops_per_step: float, *, fwd_h2d: int, bwd_h2d: int,
     fwd = max(c_fwd, fwd_h2d / r.h2d_bytes_per_s)
     bwd_transfer = (bwd_h2d + bwd_d2h) / r.one_program_duplex_bytes_per_s
     bwd = max(c_bwd, bwd_transfer)
-    t_host, host = 0.0, 0.0
-    for frac, params in sorted(host_ready):
-        dt = params * r.host_update_s_per_param
-        t_host = max(t_host, fwd + frac * bwd) + dt
-        host += dt
-    exposed = max(0.0, t_host - (fwd + bwd)) if host else 0.0
-    end = fwd + bwd
+    ends = sorted(set(program_ends) | {f for f, _ in host_ready} | {f for f, _, _ in streamed}
+                  | {f for f, _ in storage} | {1.0})
+    host_s = [0.0] * len(ends)
+    for frac, params in host_ready:
+        host_s[_program_index(ends, frac)] += params * r.host_update_s_per_param
+    first_streamed = min((_program_index(ends, f) for f, _, _ in streamed), default=len(ends))
+    hold = [streamed_early and k >= first_streamed for k in range(len(ends))]
+    times = program_timeline([fwd + f * bwd for f in ends], host_s, window=window, hold_one=hold)
+    end = times[-1].end_s
+    stall = max(0.0, end - (fwd + bwd))
+    host = sum(host_s)
+    t_host = max((t.host_end_s for t in times), default=0.0)
+    exposed = max(0.0, t_host - end) if host else 0.0
     share = max(0.0, 1.0 - bwd_transfer / bwd) if bwd > 0 else 1.0
-    last = streamed_pipeline_end([(fwd + f * bwd if streamed_early else end, up, down) for f, up, down in streamed],
+    last = streamed_pipeline_end([(times[_program_index(ends, f)].end_s if streamed_early else end, up, down)
+                                  for f, up, down in streamed],
                                  params_per_chunk=params_per_chunk, depth=depth,
-                                 boundaries=[fwd + f * bwd for f in program_ends], backward_end=end, share=share,
-                                 rates=r)
-    dev_s = device_params * r.device_update_s_per_param
+                                 boundaries=[t.end_s for t in times], backward_end=end, share=share, rates=r)
+    dev_upd = device_params * r.device_update_s_per_param
     streamed_s = max(0.0, last - end) if streamed else 0.0
     busy = disk_exposed = 0.0
     if storage:
         n_dev = max(d for _, d in storage) + 1
         ready: list[list[float]] = [[] for _ in range(n_dev)]
         for f, d in storage:
-            ready[d].append(fwd + f * bwd if storage_early else end)
+            ready[d].append(times[_program_index(ends, f)].end_s if storage_early else end)
         busy, disk_exposed = disk_step_times(
             ready, file_bytes=disk_file_bytes, staging_buffers=staging_buffers,
             kernel_s=storage_params_per_chunk * r.host_update_s_per_param * n_dev, backward_end=end,
-            other_tail_s=dev_s + max(exposed, streamed_s), rates=r)
-    return PipelinedStepTime(fwd, bwd, host, exposed, dev_s, streamed_s, c_fwd + c_bwd,
+            other_tail_s=dev_upd + max(exposed, streamed_s), rates=r)
+    return PipelinedStepTime(fwd, bwd, host, exposed, dev_upd, streamed_s, c_fwd + c_bwd,
                              fwd_h2d / r.h2d_bytes_per_s + bwd_transfer, busy, disk_exposed,
-                             max(0.0, busy - disk_exposed))
+                             max(0.0, busy - disk_exposed), stall, int(window))
 
 
 def _dot_flops(eqn) -> float:

@@ -68,14 +68,15 @@ def host_grad_window_bytes(step) -> int:
     """Bytes of host-updated chunks' gradients that exist at once in ``pinned_host`` memory (one
     micro-batch, the host thread keeping up or held back by
     :meth:`chunkjax.updaters.HostWork.hand_over`): the most over
-    :data:`chunkjax.predict.GRAD_WINDOW_PROGRAMS` consecutive programs of the step
-    (:func:`chunkjax.predict.grad_window_bytes`)."""
+    ``grad_window`` consecutive programs of the step (``Schedule.grad_window``,
+    :func:`chunkjax.predict.grad_window_bytes`)."""
     from chunkjax.predict import grad_window_bytes
     done_at = {s: t for t, (ph, s) in enumerate(step.moments) if ph != "forward"}
     host = set(step.host_chunks)
     done = [done_at[s] for c, s in step.first_reader.items() if c in host]
     starts = [a for a, _ in step.program_bounds()]
-    return grad_window_bytes(done, starts, step.layout.chunk_size * np.dtype(step.compute_dtype).itemsize)
+    return grad_window_bytes(done, starts, step.layout.chunk_size * np.dtype(step.compute_dtype).itemsize,
+                             step.grad_window)
 
 
 def pinned_host_bytes(step) -> int:

@@ -13,9 +13,11 @@ Policies (``policy=``):
     gradients complete last stream through the device while the host thread updates the rest. The
     device memory the tide leaves at each moment bounds the chunk buffers there; Belady's rule
     (:func:`chunkjax.eviction.belady`) fetches the rest ``prefetch`` moments ahead. The step is
-    cut into programs at backward moments (:func:`auto_segments`) so a host thread updates
+    cut into programs at backward moments (:func:`chunkjax.program_cut.auto_segments`) so a host thread updates
     finished chunks while the backward runs. Every resident prefix is scheduled and predicted;
-    the fastest that fits is returned (near-ties, within :data:`chunkjax.plan_split.NEAR_TIE`, to the most resident).
+    the fastest that fits is returned (near-ties, within :data:`chunkjax.plan_split.NEAR_TIE`, to the most resident),
+    then its program cut and gradient window are chosen on the step's timeline
+    (:func:`chunkjax.program_cut.choose_program_cut`, with ``segments="auto"`` on one device).
 ``"fixed"``
     The foundation's fixed rule: first the compute params of chunks (first-use order), then
     their master params and optimizer state, go to the device while the stage-window bound
@@ -52,6 +54,7 @@ from chunkjax.layout import ChunkLayout
 from chunkjax.memory import DEVICE, PINNED_HOST
 from chunkjax.plan_disk import host_disk_error, place_on_disk
 from chunkjax.plan_split import NEAR_TIE, split_updates
+from chunkjax.program_cut import auto_segments, cut_and_start
 from chunkjax.predict import ChunkBytes
 from chunkjax.schedule import DEVICE_UPDATE, HOST_UPDATE, NO_UPDATE, STREAMED_UPDATE, Placement, Schedule
 from chunkjax.tide import Tide, memory_tide
@@ -108,22 +111,6 @@ def parse_bytes(text: str) -> int:
     if val <= 0:
         raise ValueError(f"a byte size must be positive, got {text!r}: use e.g. 8GiB, 512MiB or 24GB")
     return int(val * units[unit])
-
-
-def auto_segments(n_moments: int, n_stages: int, max_programs: int = 8) -> tuple[int, ...]:
-    """Program starts for a pipelined step: the first program holds the forward pass and the
-    fused head; the backward is cut from its end in sizes 1, 2, 4, ... (at most ``max_programs``
-    programs), the rest of it being one program. The host thread updates a program's chunks
-    while the next ones run; the last program's are the update that cannot overlap."""
-    starts, size, end = [], 1, n_moments
-    first_bwd = n_stages  # moments 0..n-2 forward, n-1 fused, n.. backward
-    while len(starts) < max_programs - 2 and end - size >= first_bwd:
-        starts.append(end - size)
-        end -= size
-        size *= 2
-    if end > first_bwd:  # the host starts on the head's gradients while the backward runs
-        starts.append(first_bwd)
-    return tuple([0] + sorted(set(starts)))
 
 
 def fetch_events(traces, placement: Placement, prefetch: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -561,6 +548,12 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
                                   int(storage_devices), disk_budget_bytes)
         if best is None:
             _tide_infeasible(one, layout.n_chunks, tide, plan_cb, budget, host_budget_bytes, ranks, host_bytes)
+        if segments == "auto" and ranks == 1 and disk is None:
+            best = cut_and_start(best, lambda b, res, **kw: forms(_tide_one(
+                layout, traces, tide, plan_cb, b, res, host_update, prefetch, segs, rates, flops_per_step, **kw)),
+                plan_cb, layout=layout, traces=traces, tide=tide, rates=rates, flops_per_step=flops_per_step,
+                fits=host_fits, micro_batches=micro_batches, streamed_early=streamed_early and split,
+                split=split and resident is None)
         return best
     if policy == "fixed":
         s = finish(_fixed(layout, traces, tide, plan_cb, budget, prefetch, rates, flops_per_step))

@@ -26,7 +26,7 @@ from typing import Sequence
 
 import numpy as np
 
-from chunkjax.cost import Rates, predict_pipelined_step
+from chunkjax.cost import GRAD_WINDOW_PROGRAMS, Rates, predict_pipelined_step
 from chunkjax.memory import DEVICE, PINNED_HOST
 from chunkjax.schedule import (DEVICE_UPDATE, HOST_UPDATE, NO_UPDATE, STORAGE_UPDATE, STREAMED_UPDATE, Placement,
                                Prediction, Schedule)
@@ -49,10 +49,6 @@ def disk_file_bytes(cb: "ChunkBytes") -> int:
 #: Streamed chunks whose update is on the device at once in the step (:mod:`chunkjax.streamed`:
 #: chunk k+1's fetch while chunk k writes back, both PCIe directions in flight).
 STREAMED_PIPELINE_DEPTH = 2
-
-#: Programs whose host-chunk gradients may exist at once: the one the host thread consumes and
-#: the one the device produces (:meth:`chunkjax.updaters.HostWork.hand_over`).
-GRAD_WINDOW_PROGRAMS = 2
 
 
 def grad_window_bytes(done_moments: Sequence[int], program_starts: Sequence[int], grad_bytes: int,
@@ -235,7 +231,8 @@ def master_fetch_extra(cb: ChunkBytes, fetch, prefetch: int, master_fetch) -> li
 
 
 def host_figures(chunk_size: int, cb: ChunkBytes, param_kinds, update_locations, done_moments: dict[int, int],
-                 segments, n_moments: int, *, master_fetch=(), micro_batches: int = 1) -> dict:
+                 segments, n_moments: int, *, master_fetch=(), micro_batches: int = 1,
+                 window: int = GRAD_WINDOW_PROGRAMS) -> dict:
     """The host-memory figures of a schedule's decisions (bytes; :class:`~chunkjax.schedule.Prediction`).
 
     ``host_model_bytes``: pinned compute params (none for a ``master_fetch`` chunk: its master
@@ -252,6 +249,7 @@ def host_figures(chunk_size: int, cb: ChunkBytes, param_kinds, update_locations,
     Args:
       done_moments: chunk -> the moment its gradient completes (:func:`grad_done_moments`; a
         chunk no stage reads completes at the last of the ``n_moments``).
+      window: the step's gradient window (programs; :func:`grad_window_bytes`).
     """
     mf, n = set(master_fetch), len(param_kinds)
     T = n_moments
@@ -265,7 +263,7 @@ def host_figures(chunk_size: int, cb: ChunkBytes, param_kinds, update_locations,
             resident += params + cb.state + (cb.grad if u == STREAMED_UPDATE else 0)
         if u == HOST_UPDATE:
             host.append(done_moments.get(c, T - 1))
-    working = grad_window_bytes(host, segments, cb.grad) if host else 0
+    working = grad_window_bytes(host, segments, cb.grad, window) if host else 0
     if micro_batches > 1:  # float32 sums, the mean written over each (chunkjax.accumulate.mean_in_place)
         working += (len(host) + sum(u == STREAMED_UPDATE for u in update_locations)) * cb.master
     # a streamed chunk's new params and state come back into new pinned buffers while the step's
@@ -403,7 +401,8 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
             update_locations, fetch, segments, moment_bytes: Sequence[int], *, flops_per_step: float,
             rates: Rates = Rates(), forward_fetches: int | None = None, master_fetch=(),
             micro_batches: int = 1, streamed_early: bool = False, storage_devices: int = 1,
-            storage_early: bool = False, staging_buffers: int = STORAGE_STAGING_BUFFERS) -> Prediction:
+            storage_early: bool = False, staging_buffers: int = STORAGE_STAGING_BUFFERS,
+            window: int = GRAD_WINDOW_PROGRAMS) -> Prediction:
     """The :class:`~chunkjax.schedule.Prediction` of a schedule's decisions.
 
     Args:
@@ -437,6 +436,9 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
         else once the norm is known.
       staging_buffers: staging buffers per storage device (the workers' read-ahead bound), counted
         in the host bytes.
+      window: the step's gradient window (``Schedule.grad_window``): programs whose host
+        gradients may exist at once (the host working set) and the stall it causes
+        (:func:`chunkjax.cost.program_timeline`).
 
     Bytes moved per step: every fetch brings one chunk's compute params up; every chunk not
     updated on the device sends its gradient down during the backward (both once per pass of the
@@ -468,7 +470,7 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
         elif u == DEVICE_UPDATE and k == PINNED_HOST:
             d2h += cb.params
     hf = host_figures(chunk_size, cb, param_kinds, update_locations, grad_done, segments, T, master_fetch=mf,
-                      micro_batches=micro_batches)
+                      micro_batches=micro_batches, window=window)
     n_disk = sum(u == STORAGE_UPDATE for u in update_locations)
     staging = storage_devices * staging_buffers * disk_file_bytes(cb) if n_disk else 0
     if n_disk:  # storage chunks: gradients whole until the disk update, the workers' staging buffers
@@ -489,7 +491,7 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
         program_ends=[f for _, _, f in _program_ends(n_stages, T, segments)], depth=STREAMED_PIPELINE_DEPTH,
         rates=rates, storage=_storage_ready(traces, T, update_locations, segments, grad_done, storage_devices),
         disk_file_bytes=disk_file_bytes(cb), storage_params_per_chunk=chunk_size,
-        storage_early=storage_early and micro_batches == 1, staging_buffers=staging_buffers)
+        storage_early=storage_early and micro_batches == 1, staging_buffers=staging_buffers, window=window)
     return Prediction(int(peak), int(model), hf.pop("host_model_bytes"), int(h2d), int(d2h), int(fetch_b),
                       int(passes * n_fetch), tuple(int(b) for b in moment_bytes), time, **hf,
                       disk_bytes_per_step=2 * n_disk * disk_file_bytes(cb), storage_chunks=n_disk,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from chunkjax.cost import PipelinedStepTime
+from chunkjax.cost import GRAD_WINDOW_PROGRAMS, PipelinedStepTime
 from chunkjax.memory import DEVICE, PINNED_HOST
 
 DEVICE_UPDATE, STREAMED_UPDATE, HOST_UPDATE, NO_UPDATE = "device", "streamed", "host", "none"
@@ -202,6 +202,10 @@ class Schedule:
       streamed_early: the step starts each streamed chunk's update as the program completing its
         gradient ends (:mod:`chunkjax.streamed`; only where the update does not read the global
         norm), False: after the backward; the prediction assumes the same.
+      grad_window: programs whose host-chunk gradients may exist at once: after handing a
+        program's host gradients over, the step waits until the host thread is done with the
+        hand-off ``grad_window - 1`` before it (:meth:`chunkjax.updaters.HostWork.hand_over`);
+        the planner chooses it with the segments (:func:`chunkjax.plan.choose_program_cut`).
       accumulation: how the step runs micro-batches (:data:`ACCUMULATIONS`;
         :attr:`chunkjax.step.ChunkedStep.accumulation`): ``"in_program"`` when planned on the
         in-program traces (:func:`chunkjax.trace.in_program_traces`), else ``"per_micro_batch"``.
@@ -223,7 +227,8 @@ class Schedule:
     budget_bytes: int
     master_fetch: tuple[int, ...] = ()
     streamed_early: bool = False
-    accumulation: str = "per_micro_batch"
+    grad_window: int = GRAD_WINDOW_PROGRAMS
+    accumulation: str = PER_MICRO_BATCH
 
     def __post_init__(self):
         if self.accumulation not in ACCUMULATIONS:
@@ -240,6 +245,8 @@ class Schedule:
                 raise ValueError(f"update location {u!r} is not one of {UPDATE_LOCATIONS}")
         if not self.segments or self.segments[0] != 0 or list(self.segments) != sorted(set(self.segments)):
             raise ValueError(f"segments must start at 0 and increase, got {self.segments}")
+        if int(self.grad_window) < 1:
+            raise ValueError(f"grad_window must be >= 1 program, got {self.grad_window}")
 
     @property
     def n_chunks(self) -> int:
@@ -281,7 +288,7 @@ class Schedule:
                 "moments": [list(m) for m in self.moments], "counts": self.counts(),
                 "budget_bytes": self.budget_bytes, "predicted": self.predicted.to_dict(),
                 "master_fetch": list(self.master_fetch), "streamed_early": self.streamed_early,
-                "accumulation": self.accumulation}
+                "grad_window": int(self.grad_window), "accumulation": self.accumulation}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Schedule":
@@ -290,4 +297,5 @@ class Schedule:
                    tuple(tuple(e) for e in d["evict"]), tuple(d["segments"]), int(d["prefetch"]),
                    tuple(tuple(m) for m in d["moments"]), Prediction.from_dict(d["predicted"]),
                    int(d["budget_bytes"]), tuple(int(c) for c in d.get("master_fetch", ())),
-                   bool(d.get("streamed_early", False)), d.get("accumulation", "per_micro_batch"))
+                   bool(d.get("streamed_early", False)), int(d.get("grad_window", GRAD_WINDOW_PROGRAMS)),
+                   d.get("accumulation", PER_MICRO_BATCH))

@@ -43,6 +43,7 @@ import threading
 import jax
 import numpy as np
 
+from chunkjax import updaters
 from chunkjax.kernels import clip_scale
 
 #: Default bound of the backup pool (bytes): 16 GiB, the state of ~1.4e9 AdamW parameters.
@@ -245,8 +246,8 @@ class Speculation:
             g = grads.pop(c)
             if isinstance(g, concurrent.futures.Future):
                 g = g.result()[0]
-            elif isinstance(g, jax.Array):
-                g.block_until_ready()
+            else:
+                updaters.wait_for_gradient(g)
             if self.certain:  # no speculation: the factor is known
                 spent += self._update(state, {c: g}, self.guess)
                 continue

@@ -401,7 +401,7 @@ class ChunkedStep(StepChunkIO, StepUpdates):
         if len(lead) != 1:
             raise ValueError(f"batch leaves have leading sizes {sorted(lead)}: give every leaf the batch axis")
         self.topology.check_rows(next(iter(lead)), self.micro_batches)
-        work = HostWork(self.host_deadline_s, state.pending.backups if state.pending is not None else None)
+        work = HostWork(self.host_deadline_s, getattr(state.pending, "backups", None), self.grad_window)
         if state.pending is not None:  # the storage chunks' last writes and commit run on (disk.StorageRun)
             state.pending.join()
         state = state._replace(pending=None)

@@ -26,6 +26,12 @@ class StepUpdates:
             return ()
         return tuple(c for c, u in enumerate(self.schedule.update_locations) if u == "host")
 
+    @property
+    def grad_window(self) -> int:
+        """Programs whose host-chunk gradients may exist at once (the schedule's
+        ``grad_window``: :meth:`chunkjax.updaters.HostWork.hand_over`)."""
+        return int(getattr(self.schedule, "grad_window", upd.GRAD_WINDOW_PROGRAMS))
+
     @functools.cached_property
     def master_fetch_chunks(self) -> tuple[int, ...]:
         """Host chunks without a compute copy: ``params[c]`` is the float32 master params in pinned

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from chunkjax import optim
-from chunkjax.predict import GRAD_WINDOW_PROGRAMS
+from chunkjax.cost import GRAD_WINDOW_PROGRAMS
 from chunkjax.memory import DEVICE, PINNED_HOST
 
 
@@ -191,8 +191,7 @@ def host_updater(topology, host_optimizer, chunk_size: int, compute_dtype, maste
         while grads:
             c = next(iter(grads))
             g = grads.pop(c)  # the caller's dict no longer holds it: freed once the kernel is done
-            if isinstance(g, jax.Array):
-                g.block_until_ready()
+            wait_for_gradient(g)
             t0 = time.perf_counter()
             if c in fetch_master:
                 g_np = np.asarray(g)
@@ -219,6 +218,15 @@ def host_updater(topology, host_optimizer, chunk_size: int, compute_dtype, maste
         return spent
 
     return Updater(init, update)
+
+
+def wait_for_gradient(g) -> None:
+    """Block the host thread until gradient ``g`` (a ``jax.Array`` leaving its program for pinned
+    host memory, or numpy) is there: the host update's only wait for the device (its own
+    function so that a profiler can time it: ``experiments/gpu_checks/front_door_3b.py``'s
+    ``PhaseClock``)."""
+    if isinstance(g, jax.Array):
+        g.block_until_ready()
 
 
 def host_write_params(topology, compute_dtype, master_fetch=()) -> Callable:
@@ -306,13 +314,18 @@ class HostWork:
       deadline_s: seconds :meth:`join` waits at most (None: forever).
       backups: the :class:`chunkjax.speculate.BackupPool` of speculative host updates, handed on
         from step to step (None: none yet).
+      window: the gradient window (``Schedule.grad_window``, >= 1 programs): :meth:`hand_over`
+        lets at most this many programs' host gradients exist at once.
 
     Attributes:
       speculation: the step's :class:`chunkjax.speculate.Speculation` (None without host chunks):
         after :meth:`join`, its ``speculated`` and ``redone`` chunk counts.
     """
 
-    def __init__(self, deadline_s: float | None = None, backups=None):
+    def __init__(self, deadline_s: float | None = None, backups=None, window: int = GRAD_WINDOW_PROGRAMS):
+        if int(window) < 1:
+            raise ValueError(f"window must be >= 1 program, got {window}")
+        self.window = int(window)
         self._queue: queue.SimpleQueue | None = None
         self._futures: list = []
         self._handoffs: list = []
@@ -348,16 +361,17 @@ class HostWork:
 
     def hand_over(self, fn, *args) -> None:
         """Submit one program's gradient hand-off ``fn(*args)`` (:meth:`submit`), then wait until
-        the hand-off :data:`GRAD_WINDOW_PROGRAMS` - 1 before it is done: the caller dispatches the
-        next program only then, so at most the host gradients of that many programs exist at once
-        (the gradient working set, :func:`chunkjax.host_forms.grad_working_bytes`). The wait
+        the hand-off ``window - 1`` before it is done: the caller dispatches the next program only
+        then, so at most the host gradients of ``window`` programs exist at once (the gradient
+        working set, :func:`chunkjax.predict.grad_window_bytes`; the device's stall it causes:
+        :func:`chunkjax.cost.program_timeline`). The wait
         ends early when the step's speculation has stalled for the global norm (its pool is
         full: the norm comes only after the last program) or after ``deadline_s`` (:meth:`join`
         then raises)."""
         self._handoffs.append(self.submit(fn, *args))
-        if len(self._handoffs) < GRAD_WINDOW_PROGRAMS:
+        if len(self._handoffs) < self.window:
             return
-        waits = [self._handoffs[-GRAD_WINDOW_PROGRAMS]]
+        waits = [self._handoffs[-self.window]]
         stalled = getattr(self.speculation, "stalled", None)
         if stalled is not None:
             waits.append(stalled)

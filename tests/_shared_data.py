@@ -1,9 +1,14 @@
 """Token data shared by the tests that only read it: the bpe512 cache (training the small BPE and
-tokenizing the plays takes ~10 s on the CI machine) is built once per pytest process, in a
-temporary folder removed at exit. tests/test_data.py checks that build (and builds its gpt2 cache).
-The SmolLM2-135M weights (reading the GGUF takes ~10 s) are loaded once per pytest process too."""
+tokenizing the plays: ~18 s of CPU time) is built once per pytest session, in the
+session's folder (``CHUNKJAX_TEST_SHARED_DIR``, made by tests/conftest.py and inherited by the
+xdist workers, removed when the session ends), by whichever process asks first while the others
+wait; without that folder, once per process in a temporary folder removed at exit.
+tests/test_data.py checks that build (and builds its gpt2 cache). The SmolLM2-135M weights
+(reading the GGUF takes ~10 s) are loaded once per pytest process."""
 import atexit
 import functools
+import os
+import pickle
 import shutil
 import tempfile
 
@@ -12,11 +17,31 @@ import tempfile
 def bpe512_build():
     """``(folder, token data)``: the folder of a complete ``load_token_data("bpe512", ...)`` cache
     (read-only for tests) and what that call returned when it built the folder from the documents
-    (``meta["cached"]`` false), for tests/test_data.py to check the building on."""
+    (``meta["cached"]`` false), for tests/test_data.py to check the building on.
+
+    The building process records the call's result (its train/val ids, vocabulary size and meta)
+    beside the folder; a process that finds the folder built gets that record, with the tokenizer
+    read back from the folder (a tokenizer holds closures: it does not pickle)."""
     from experiments import data as data_mod
-    d = tempfile.mkdtemp(prefix="chunkjax_test_bpe512_")
-    atexit.register(shutil.rmtree, d, True)
-    return d, data_mod.load_token_data("bpe512", d)
+    shared = os.environ.get("CHUNKJAX_TEST_SHARED_DIR")
+    if not shared:
+        d = tempfile.mkdtemp(prefix="chunkjax_test_bpe512_")
+        atexit.register(shutil.rmtree, d, True)
+        return d, data_mod.load_token_data("bpe512", d)
+    import fcntl
+    d, record = os.path.join(shared, "bpe512"), os.path.join(shared, "bpe512_build.pkl")
+    with open(os.path.join(shared, "bpe512.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes (also if this process dies)
+        if not os.path.exists(record):
+            built = data_mod.load_token_data("bpe512", d)
+            with open(record + ".tmp", "wb") as f:
+                pickle.dump((built.train, built.val, built.vocab_size, built.meta), f)
+            os.replace(record + ".tmp", record)
+            return d, built
+        with open(record, "rb") as f:
+            train, val, vocab_size, meta = pickle.load(f)
+        tokenizer = data_mod.load_token_data("bpe512", d).tokenizer
+    return d, data_mod.TokenData(train, val, vocab_size, tokenizer, meta)
 
 
 def bpe512_cache() -> str:

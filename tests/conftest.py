@@ -1,6 +1,8 @@
 """Test-wide settings: 8 forced host devices for multi-device logic (set before jax is imported),
 the CPU backend, and jax's persistent compilation cache in a fresh folder for this session only
-(many tests and their subprocesses compile the same programs; removed when the session ends).
+(many tests and their subprocesses compile the same programs; removed when the session ends), and
+a folder for set-ups built once per session and shared by the xdist workers
+(``CHUNKJAX_TEST_SHARED_DIR``: tests/_shared_data.py's bpe512 cache; removed likewise).
 
 Under ``pytest -n N --dist loadfile`` (``make test``) each test file is one
 unit of work for an xdist worker, files that share a per-process set-up are one unit
@@ -25,6 +27,11 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 else:
     _CACHE = None
+if "CHUNKJAX_TEST_SHARED_DIR" not in os.environ:  # set-ups built once per session (tests/_shared_data.py)
+    _SHARED = tempfile.mkdtemp(prefix="chunkjax_test_shared_")
+    os.environ["CHUNKJAX_TEST_SHARED_DIR"] = _SHARED  # inherited by the xdist workers
+else:
+    _SHARED = None
 
 
 #: test files that share an expensive per-process set-up -> the one xdist unit they run in
@@ -36,11 +43,11 @@ SHARED_SETUP = {
 #: seconds per test file in a 2-worker run of the suite (a hint for the order only: a file not
 #: listed counts as DEFAULT_FILE_SECONDS; refresh from ``--junitxml`` when the suite changes much)
 FILE_SECONDS = {
-    "train_job": 195, "lora": 162, "train_equivalence": 122, "schedule": 118, "front_door": 116,
-    "finetune": 107, "disk_tier": 95, "host_bytes": 93, "flax_api": 89, "bench": 87, "notebooks": 86,
-    "zero_schedule": 85, "overlap": 84, "checkpoint_memory": 64, "checkpoint_integrity": 64,
+    "train_job": 195, "lora": 162, "train_equivalence": 122, "schedule": 99, "front_door": 116,
+    "finetune": 88, "disk_tier": 95, "host_bytes": 93, "flax_api": 87, "bench": 85, "notebooks": 86,
+    "zero_schedule": 85, "overlap": 71, "checkpoint_memory": 64, "checkpoint_integrity": 64,
     "train_multiprocess": 63, "bench_storage": 58, "storage": 56, "checkpoint_multiprocess": 52,
-    "plan_cli": 50, "checkpoint": 47, "checkpoint_flax": 45, "checkpoint_async": 43, "hf": 43,
+    "plan_cli": 50, "checkpoint": 47, "checkpoint_flax": 45, "checkpoint_async": 38, "hf": 43,
     "checkpoint_storage": 40, "layout": 38, "frozen": 38, "zero": 37, "host_update": 36, "cases": 33,
     "user_reports": 33, "sweep": 32, "zero_mixed_precision": 31, "checkpoint_zero": 27, "placement_export": 26,
     "host_deadline": 21, "gpt": 20, "plots": 13, "pretrained": 10, "fit_checks": 7, "peers": 3, "host_pool": 3,
@@ -82,8 +89,9 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    if _CACHE:
-        shutil.rmtree(_CACHE, ignore_errors=True)
+    for d in (_CACHE, _SHARED):  # made by this process (the xdist controller, or a run without xdist)
+        if d:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

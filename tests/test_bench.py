@@ -4,7 +4,8 @@ run_id merge, crashed workers are recorded, and the profiler-trace parser reads 
 variant it claims to.
 
 The worker subprocess is started when the module's first test runs and checked at the end, so
-its compile overlaps the in-process tests.
+its compile overlaps the in-process tests; the plain optax reference runs in this process (one
+Python + JAX start-up fewer).
 """
 import gzip
 import json
@@ -30,33 +31,19 @@ BATCH, SEQ = 8, 128  # activations outweigh a block's params: the per-layer memo
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-# ---- two subprocesses started first (their compiles overlap the in-process tests) -----------
-
-_REFERENCE_SCRIPT = """
-import sys, jax, jax.numpy as jnp, numpy as np
-from experiments import baselines as bl
-from models import gpt
-cfg = gpt.get_config("micro")
-batches = [jax.random.randint(jax.random.key(10 + i), (%d, %d + 1), 0, cfg.vocab_size, dtype=jnp.int32)
-           for i in range(3)]
-losses, master = bl.reference_losses(cfg, jax.random.key(0), batches)
-np.savez(sys.argv[1], losses=np.asarray(losses), *[np.asarray(a) for a in jax.tree.leaves(master)])
-"""
-
+# ---- the worker subprocess, started first (its compile overlaps the in-process tests) --------
 
 @pytest.fixture(scope="module", autouse=True)
 def subprocesses(tmp_path_factory):
-    """The plain optax reference (3 steps on micro) and one worker (zero_offload_style on micro),
-    each in its own process, started before the in-process tests run."""
+    """One worker (zero_offload_style on micro) in its own process, started before the in-process
+    tests run."""
     d = tmp_path_factory.mktemp("bench")
-    ref_out, worker_out = d / "reference.npz", d / "worker.json"
-    ref = subprocess.Popen([sys.executable, "-c", _REFERENCE_SCRIPT % (BATCH, SEQ), str(ref_out)], cwd=REPO,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    worker_out = d / "worker.json"
     worker = subprocess.Popen([sys.executable, "-m", "experiments.bench", "--worker", "zero_offload_style", "--model",
                                "micro", "--batch", "2", "--seq", "16", "--steps", "2", "--budget-bytes", str(2**30),
                                "--out", str(worker_out)],
                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    procs = {"reference": (ref, ref_out), "worker": (worker, worker_out)}
+    procs = {"worker": (worker, worker_out)}
     yield procs
     for p, _ in procs.values():
         if p.poll() is None:
@@ -99,7 +86,7 @@ def test_baseline_matches_plain_optax_reference(name, subprocesses):
         assert jax.tree.leaves(state["params"])[0].dtype == jnp.bfloat16
         assert state["params"]["blocks"]["mlp_c_fc"]["kernel"].shape == (CFG.n_layers, 64, 256)  # stacked
 
-    ref_losses, ref_master = _reference(subprocesses)
+    ref_losses, ref_master = _reference()
     # same math, separately compiled programs: bf16 compute tolerance
     np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=2e-3)
     assert losses[-1] != losses[0]
@@ -192,10 +179,12 @@ def test_baselines_compute_in_bf16():
 _REF_CACHE = {}
 
 
-def _reference(procs):
+def _reference():
+    """The plain optax reference (3 steps on micro, the batches of :func:`_batches`): its losses
+    and master params (numpy), computed once for the module."""
     if "ref" not in _REF_CACHE:
-        z = np.load(_wait(procs, "reference"))
-        _REF_CACHE["ref"] = (list(z["losses"]), [z[f"arr_{i}"] for i in range(len(z.files) - 1)])
+        losses, master = bl.reference_losses(CFG, jax.random.key(0), _batches())
+        _REF_CACHE["ref"] = (list(np.asarray(losses)), [np.asarray(a) for a in jax.tree.leaves(master)])
     return _REF_CACHE["ref"]
 
 

@@ -44,7 +44,7 @@ def setup():
     """tc.build_setup's tuple with fresh random params and batches (seed in the dict)."""
     seed = int(np.random.default_rng().integers(1 << 30))
     rng = np.random.default_rng(seed)
-    cfg = gpt.get_config("micro", n_layers=3)
+    cfg = gpt.get_config("micro", n_layers=2)  # 2 blocks (tc.build_setup: 3): shorter compiles
     shapes = jax.eval_shape(lambda: gpt.init_params(cfg, jax.random.key(0)))
     params = jax.tree.map(lambda s: (0.02 * rng.standard_normal(s.shape)).astype(np.float32), shapes)
     batches = [jnp.asarray(rng.integers(0, cfg.vocab_size, (tc.B, tc.T + 1)), jnp.int32) for _ in range(2 * N)]

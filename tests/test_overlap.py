@@ -21,6 +21,7 @@ from chunkjax import speculate
 from chunkjax.host_update import AdamW
 from chunkjax.optim import state_bytes_per_chunk
 from chunkjax.plan import NEAR_TIE, plan_schedule
+from chunkjax.program_cut import auto_segments, uniform_segments
 from models import gpt
 
 from _compiles import assert_compiles_only_first, count_compiles
@@ -31,7 +32,7 @@ STEPS = 20
 
 @pytest.fixture(scope="module")
 def setup():
-    cfg = gpt.get_config("micro", n_layers=3)
+    cfg = gpt.get_config("micro", n_layers=2)  # 2 blocks: shorter compiles, still host and streamed chunks
     rng = np.random.default_rng(7)
     params = gpt.init_params(cfg, jax.random.key(3))
     batches = [jnp.asarray(rng.integers(0, cfg.vocab_size, (4 * B, T + 1)), jnp.int32) for _ in range(STEPS)]
@@ -260,10 +261,12 @@ def test_split_is_the_cost_models_fastest(setup, host_ns):
     spec = AdamW(3e-3, weight_decay=0.1)
     layout, traces, cb, budget, flops = _plan_inputs(setup, spec)
     rates = Rates(host_update_s_per_param=host_ns * 1e-9)
-    kw = dict(flops_per_step=flops, rates=rates)
+    tide = memory_tide(traces, layout.chunk_size)
+    # the split for one cut (the doubling cut, window 2): the cut's own choice is
+    # tests/test_overlap_window.py's
+    kw = dict(flops_per_step=flops, rates=rates, segments=auto_segments(len(tide.moments), len(traces)))
     host_only = plan_schedule(layout, traces, cb, budget, split=False, **kw)
     assert set(host_only.update_locations) == {"host"}
-    tide = memory_tide(traces, layout.chunk_size)
     done = pr.grad_done_moments(traces, tide)
     n = layout.n_chunks
     first = sorted(range(n), key=lambda c: (done.get(c, len(tide.moments)), c))
@@ -274,7 +277,8 @@ def test_split_is_the_cost_models_fastest(setup, host_ns):
         for j in range(n + 1):
             loc = tuple("streamed" if j and c in pick(j) else "host" for c in range(n))
             p = pr.predict(layout.chunk_size, traces, tide, cb, host_only.param_kinds, loc, host_only.fetch,
-                           host_only.segments, host_only.predicted.device_bytes_per_moment, **kw)
+                           host_only.segments, host_only.predicted.device_bytes_per_moment, flops_per_step=flops,
+                           rates=rates)
             times[loc] = p.time.step_s if p.peak_device_bytes <= budget else np.inf
     s = plan_schedule(layout, traces, cb, budget, **kw)
     j = sum(u == "streamed" for u in s.update_locations)
@@ -287,7 +291,7 @@ def test_split_is_the_cost_models_fastest(setup, host_ns):
     else:
         assert 0 < j < n
         assert t.step_s < host_only.predicted.time.step_s
-        assert t.step_s == pytest.approx(t.forward_s + t.backward_s + t.device_update_s
+        assert t.step_s == pytest.approx(t.forward_s + t.backward_s + t.window_stall_s + t.device_update_s
                                          + max(t.host_update_exposed_s, t.streamed_update_s))
 
 
@@ -421,3 +425,43 @@ def test_streamed_pipeline_timing_on_a_synthetic_schedule():
     assert t.streamed_update_s == pytest.approx(2.0) and t.step_s == pytest.approx(6.0)
     late = predict_pipelined_step(3.0, streamed=[(1 / 3, 1, 2)], streamed_early=False, **kw)
     assert late.streamed_update_s == pytest.approx(3.0) and late.step_s == pytest.approx(7.0)
+
+
+# ---- the gradient window and the program cut (issue 23; the timeline: test_overlap_window.py) ------
+
+def test_window_three_with_streamed_early_equals_optax(setup):
+    """A cut of one backward moment per program, window 3, the first host chunks streamed and
+    started as their gradients are ready (no clipping): 3 steps equal optax."""
+    cfg, params, batches, stages, layout, traces = setup
+    spec = AdamW(3e-3, weight_decay=0.1)
+    sched = _schedule(setup, spec)
+    T = len(sched.moments)
+    host = [c for c, u in enumerate(sched.update_locations) if u == "host"]
+    sched = dataclasses.replace(sched, segments=uniform_segments(T, len(stages), 1), grad_window=3,
+                                streamed_early=True,
+                                update_locations=tuple("streamed" if c in host[:2] else u
+                                                       for c, u in enumerate(sched.update_locations)))
+    step = cj.make_chunked_step(stages, layout, sched, host_optimizer=spec, compute_dtype=jnp.float32)
+    assert step.grad_window == 3 and step.stream_spec.early and len(step.program_bounds()) == len(stages)
+    state, losses, _ = _train(step, params, batches[:3])
+    _assert_equal_to_optax(step, state, losses, _reference(cfg, params, batches[:3], spec))
+
+
+def test_window_four_with_clipping_and_micro_batches_equals_optax(setup):
+    """Clipping (a threshold below every step's norm: it fires on each) with 4 micro-batches,
+    window 4 and a cut of two moments per program, host and streamed chunks: 3 steps equal
+    optax on the float32 mean of the parts."""
+    cfg, params, batches, stages, layout, traces = setup
+    _, _, free = _reference(cfg, params, batches[:3], AdamW(3e-3, weight_decay=0.1), micro_batches=4)
+    spec = AdamW(3e-3, weight_decay=0.1, max_grad_norm=float(np.min(free)) * 0.5)
+    sched = _schedule(setup, spec)
+    T = len(sched.moments)
+    host = [c for c, u in enumerate(sched.update_locations) if u == "host"]
+    sched = dataclasses.replace(sched, segments=uniform_segments(T, len(stages), 2), grad_window=4,
+                                update_locations=tuple("streamed" if c == host[-1] else u
+                                                       for c, u in enumerate(sched.update_locations)))
+    step = cj.make_chunked_step(stages, layout, sched, host_optimizer=spec, compute_dtype=jnp.float32,
+                                micro_batches=4)
+    assert step.grad_window == 4 and step.streamed_chunks == (host[-1],)
+    state, losses, _ = _train(step, params, batches[:3], micro_batches=4)
+    _assert_equal_to_optax(step, state, losses, _reference(cfg, params, batches[:3], spec, micro_batches=4))

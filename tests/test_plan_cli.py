@@ -132,13 +132,28 @@ def test_plan_readable_summary():
         assert word in out, word
 
 
-def _assert_recorded(got: dict, recorded: dict):
+def _assert_recorded(got: dict, recorded: dict, inp, cb, cut_chosen: bool = False):
     """``got`` (a schedule's ``to_dict``) equals a recorded one in every recorded field; fields
     added after the recording keep their defaults (no master-fetch chunks, streamed updates after
-    the backward)."""
-    assert {k: got[k] for k in recorded if k != "predicted"} == {k: v for k, v in recorded.items() if k != "predicted"}
-    assert {k: got["predicted"][k] for k in recorded["predicted"]} == recorded["predicted"]
+    the backward). The recorded step time is the cost model's before it timed the gradient window
+    (issue 23): the schedule re-timed with an unbounded window (``window=0``) and the recorded cut
+    gives it exactly. With ``cut_chosen`` (one device) the planner chose the program cut on the
+    window's timeline: the recorded cut is the doubling one, and the chosen cut is predicted no
+    slower than it (the other decisions are the recorded ones)."""
+    from chunkjax.program_cut import auto_segments, retime
+    sched = Schedule.from_dict(got)
+    kw = dict(chunk_size=inp.layout.chunk_size, traces=inp.traces, tide=inp.tide, rates=inp.problem.rates,
+              flops_per_step=inp.problem.flops_per_step)
+    skip = ("predicted", "segments") if cut_chosen else ("predicted",)
+    assert {k: got[k] for k in recorded if k not in skip} == {k: v for k, v in recorded.items() if k not in skip}
+    old = retime(sched, cb, segments=recorded["segments"], window=0, **kw).time.to_dict()
+    pred = dict(got["predicted"], time={k: old[k] for k in recorded["predicted"]["time"]})
+    assert {k: pred[k] for k in recorded["predicted"]} == recorded["predicted"]
     assert got.get("master_fetch", []) == [] and got.get("streamed_early", False) is False
+    if cut_chosen:
+        assert tuple(recorded["segments"]) == auto_segments(len(inp.tide.moments), len(inp.traces))
+        at_recorded = retime(sched, cb, segments=recorded["segments"], **kw).time.step_s
+        assert sched.predicted.time.step_s <= at_recorded
 
 
 def test_recorded_gpt3_6b_schedule_reproduced():
@@ -151,7 +166,7 @@ def test_recorded_gpt3_6b_schedule_reproduced():
     assert inp.tide_source.startswith("recorded on gpu")
     sched, base = plan.plan_schedules(inp, rec["effective_budget_bytes"], split=False)  # recorded before the update split
     got = sched.to_dict()
-    _assert_recorded(got, rec["schedule"])
+    _assert_recorded(got, rec["schedule"], inp, inp.cb, cut_chosen=True)
     assert Schedule.from_dict(got) == sched
     old = Schedule.from_dict(rec["schedule"])  # the recorded file still reads: the same decisions
     assert (old.param_kinds, old.update_locations, old.fetch, old.evict) == (sched.param_kinds, sched.update_locations,
@@ -339,11 +354,16 @@ def test_recorded_2gpu_zero3_schedule_reproduced():
     assert inp.tide_source.startswith("recorded on gpu") and inp.rank_batch == 32
     r = plan.plan_report("GPT3_6B", rec["effective_budget_bytes"], rec["host_budget_bytes"], 64, 1024,
                          inputs=inp, n_ranks=2, zero_stage=rec["zero_stage"], split=False)  # recorded before the update split
-    _assert_recorded(r["schedule"], rec["schedule"])
+    cb = inp.cb.per_rank(2, rec["zero_stage"])
+    _assert_recorded(r["schedule"], rec["schedule"], inp, cb)
     assert r["h2d_bytes_per_step"] == rec["h2d_bytes_per_step_accounted"]
     assert r["d2h_bytes_per_step"] == rec["d2h_bytes_per_step_accounted"]
     assert r["predicted_peak_device_bytes"] == rec["peak_device_bytes_accounted"]
-    assert r["predicted_step_s"] == pytest.approx(rec["step_s_predicted"])
+    from chunkjax.program_cut import retime  # the recorded step: the model before the window (issue 23)
+    old = retime(Schedule.from_dict(r["schedule"]), cb, chunk_size=inp.layout.chunk_size, traces=inp.traces,
+                 tide=inp.tide, rates=inp.problem.rates, flops_per_step=inp.problem.flops_per_step, window=0)
+    assert old.time.step_s == pytest.approx(rec["step_s_predicted"])
+    assert r["predicted_step_s"] >= old.time.step_s
     assert r["collective_bytes_per_step_per_rank"] == rec["comm_bytes_per_step_per_rank_accounted"]
 
 

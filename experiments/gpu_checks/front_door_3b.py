@@ -26,8 +26,12 @@ predicted step and its parts) against the measured step, one step taken apart fr
 FLOPs each), and on a GPU one profiled step's programs with their PCIe bytes
 (``experiments.gpu_measure.transfer_phases``). ``phases`` (``--profile-steps``, default 4): steps
 run back to back as in training, each taken apart by :class:`PhaseClock` (when each program is
-dispatched and done, the host-update thread's tasks, the streamed pipeline's transfers, the main
-thread's waits and its Python time), their medians beside the plan's predicted figures;
+dispatched and done, the host-update thread's tasks and their time waiting for gradients, in the
+kernels, joining the streamed write-backs and the rest, the streamed pipeline's transfers, the
+main thread's waits and its Python time), their medians beside the plan's predicted figures;
+``program_cut``: the plan's program cut, gradient window and streamed start (chosen on the cost
+model's timeline, :mod:`chunkjax.program_cut`) with their predicted stall and tails, also at
+``nnx_remat``'s compute;
 ``compute_checks``: the plan's matmul rate against the one ``nnx_remat`` reached at that batch.
 ``--trace`` adds a ``jax.profiler`` trace of one step of the largest batch beside the JSON.
 The plan's rates are the benchmark's (:func:`experiments.gpu_measure.calibrated_rates`: the
@@ -300,8 +304,9 @@ class PhaseClock:
     Seconds from the start of each step call (``perf_counter``): each program's dispatch and the
     moment its outputs are ready (a watcher thread waits on its loss and squared norms, in program
     order), every task of the host-update thread (start, end: the hand-offs of host gradients and
-    the streamed write-back joins), the streamed pipeline's fetches, update dispatches and
-    write-backs, and the main thread's own waits: for the previous step's host updates
+    the streamed write-back joins; inside them each wait for a gradient,
+    :func:`chunkjax.updaters.wait_for_gradient`, and each kernel call), the streamed pipeline's
+    fetches, update dispatches and write-backs, and the main thread's own waits: for the previous step's host updates
     (``HostWork.join`` at the start of a step), the gradient window (``HostWork.hand_over``),
     the one program queued ahead of early streamed chunks (``StepStream.on_program``), the
     streamed pipeline's end (``StepStream.finish``) and the commit. ``python_s`` is the call's wall
@@ -414,7 +419,23 @@ class PhaseClock:
                 return wrapper
             return make
 
+        def host_part(kind):
+            def make(orig):
+                def wrapper(*a, **k):
+                    where = clock._current()
+                    t0 = where[1] if where else 0.0
+                    t = time.perf_counter() - t0
+                    try:
+                        return orig(*a, **k)
+                    finally:
+                        clock._event_in(where, kind, start_s=round(t, 5), end_s=round(time.perf_counter() - t0, 5))
+                return wrapper
+            return make
+
+        from chunkjax import host_update
         self._patch(step_mod.ChunkedStep, "program", program)
+        self._patch(updaters, "wait_for_gradient", host_part("host_grad_wait"))
+        self._patch(host_update, "host_update_", host_part("host_kernel"))
         self._patch(updaters.HostWork, "submit", submit)
         self._patch(updaters.HostWork, "join", lambda o: self._main_only(o, "wait_host"))
         self._patch(updaters.HostWork, "hand_over", timed_main("wait_grad_window"))
@@ -502,6 +523,11 @@ class PhaseClock:
                 "host_end_s": host_end,
                 "host_busy_s": round(sum(e["end_s"] - e["start_s"] for e in host), 5),
                 "host_tail_after_backward_s": None if host_end is None or bwd_end is None else round(host_end - bwd_end, 5),
+                # the host tasks' time taken apart: waiting for gradients, in the kernels, waiting
+                # for the streamed write-backs (the "join" task), the rest (views, casts, copies)
+                "host_grad_wait_s": round(sum(e["end_s"] - e["start_s"] for e in s.get("host_grad_wait", [])), 5),
+                "host_kernel_calls_s": round(sum(e["end_s"] - e["start_s"] for e in s.get("host_kernel", [])), 5),
+                "host_streamed_join_s": round(sum(e["end_s"] - e["start_s"] for e in host if e["name"] == "join"), 5),
                 "streamed_chunks": len(upd),
                 "streamed_first_fetch_s": min((e["start_s"] for e in fetch), default=None),
                 "streamed_end_s": streamed_end,
@@ -512,6 +538,8 @@ class PhaseClock:
                 "end_wait_s": round(sum(e["end_s"] - e["start_s"] for e in end_wait), 5),
                 **{f"{k}_s": v for k, v in waits.items()},
             }
+            row["host_other_s"] = round(row["host_busy_s"] - row["host_grad_wait_s"] - row["host_kernel_calls_s"]
+                                        - row["host_streamed_join_s"], 5)
             row["host_kernel_s"] = None  # filled by phase_profile
             row["python_s"] = None if s.get("call_s") is None else round(
                 s["call_s"] - sum(v for k, v in waits.items() if k != "commit"), 5)
@@ -554,65 +582,28 @@ def phase_profile(step, batches) -> dict:
                 "step_s": (med.get("step_s"), p.step_s)}}
 
 
-def windowed_estimate(schedule, traces, *, forward_s: float, backward_s: float, host_s_per_param: float,
-                      streamed_s: float, device_update_s: float = 0.0, chunk_size: int) -> dict:
-    """The step re-timed with the engine's gradient window (a hypothesis for the gap between the
-    measured step and ``schedule.predicted``; docs/own_model.md, "Speed").
+def program_cut(step, nnx_remat_step_s: float | None = None) -> dict:
+    """The plan's program cut and gradient window (chosen by the cost model's timeline,
+    :func:`chunkjax.program_cut.choose_program_cut`), what the timeline predicts of them and,
+    given ``nnx_remat``'s step at this batch, the plan re-timed with that step's compute
+    (``at_nnx_remat_compute``: the matmul rate at which forward + backward with recompute take
+    ``nnx_remat_step_s``)."""
+    import dataclasses
+    from chunkjax.program_cut import retime
+    from chunkjax.tide import memory_tide
+    s, p = step.schedule, step.problem
+    t = s.predicted.time
 
-    The cost model (:func:`chunkjax.cost.predict_pipelined_step`) lets the backward run on while
-    the host thread updates each program's host chunks. The engine dispatches a program only once
-    the host has updated the chunks of the program before the last one
-    (:meth:`chunkjax.updaters.HostWork.hand_over`, ``GRAD_WINDOW_PROGRAMS = 2``), so a host slower
-    than the device holds the device back. Here: program ``k`` runs its share of the backward
-    (moments, uniform; program 0 the forward and the fused head); its host chunks are updated
-    one program at a time once it has ended; the streamed pipeline (not early) and the device
-    updates follow the backward; the next step starts when both the host and the main thread are
-    done. Seconds: ``{"step_s", "backward_end_s", "host_end_s", "device_idle_s", "programs": [...]}``.
-    """
-    from chunkjax.predict import GRAD_WINDOW_PROGRAMS
-    from chunkjax.stages import first_readers
-    n = len(traces)
-    T = 2 * n - 1
-    segs = list(schedule.segments) + [T]
-    first = first_readers([t.chunks for t in traces])
-    done_moment = {c: T - 1 - s for c, s in first.items()}  # backward of stage s is moment 2n - 2 - s
-    host = [c for c, u in enumerate(schedule.update_locations) if u == "host"]
-    progs = []
-    for p0, p1 in zip(segs[:-1], segs[1:]):
-        frac0, frac1 = (max(0.0, (b - (n - 1)) / n) for b in (p0, p1))
-        dur = (forward_s if p0 == 0 else 0.0) + (frac1 - frac0) * backward_s
-        params = chunk_size * sum(p0 <= done_moment.get(c, T - 1) < p1 for c in host)
-        progs.append({"device_s": dur, "host_s": params * host_s_per_param})
-    dispatch = dev_end = host_end = 0.0
-    handoffs: list[float] = []  # when each hand-off's host updates end
-    idle = 0.0
-    out = []
-    for p in progs:
-        start = max(dev_end, dispatch)
-        idle += max(0.0, dispatch - dev_end)
-        dev_end = start + p["device_s"]
-        if p["host_s"]:
-            host_end = max(dev_end, host_end) + p["host_s"]
-            handoffs.append(host_end)
-            if len(handoffs) >= GRAD_WINDOW_PROGRAMS:  # the main thread waits before the next dispatch
-                dispatch = max(dispatch, handoffs[-GRAD_WINDOW_PROGRAMS])
-        out.append({"start_s": round(start, 4), "end_s": round(dev_end, 4), "host_end_s": round(host_end, 4)})
-    main_end = dev_end + streamed_s + device_update_s
-    return {"step_s": max(main_end, host_end), "backward_end_s": dev_end, "host_end_s": host_end,
-            "device_idle_s": idle, "programs": out}
-
-
-def _windowed(step, rates, nnx_remat_step_s=None) -> dict:
-    """:func:`windowed_estimate` of the front door's plan at the plan's rates and, given
-    ``nnx_remat``'s step at this batch, with its forward + backward (1/3 + 2/3 of that step)."""
-    p = step.schedule.predicted.time
-    kw = dict(host_s_per_param=rates.host_update_s_per_param, streamed_s=p.streamed_update_s,
-              device_update_s=p.device_update_s, chunk_size=step.layout.chunk_size)
-    out = {"plan_rates": windowed_estimate(step.schedule, step.problem.traces, forward_s=p.forward_s,
-                                           backward_s=p.backward_s, **kw)}
-    if nnx_remat_step_s:
-        out["nnx_remat_compute"] = windowed_estimate(step.schedule, step.problem.traces, forward_s=nnx_remat_step_s / 3,
-                                                     backward_s=2 * nnx_remat_step_s / 3, **kw)
+    def parts(t):
+        return {"predicted_window_stall_s": t.window_stall_s, "predicted_host_tail_s": t.host_update_exposed_s,
+                "predicted_streamed_tail_s": t.streamed_update_s, "predicted_step_s": t.step_s}
+    out = {"segments": list(s.segments), "n_programs": len(s.segments), "grad_window": int(s.grad_window),
+           "streamed_early": bool(s.streamed_early), **parts(t)}
+    if nnx_remat_step_s and p.n_ranks == 1 and p.flops_per_step:
+        rates = dataclasses.replace(p.rates, matmul_flops_per_s=4 / 3 * p.flops_per_step / nnx_remat_step_s)
+        out["at_nnx_remat_compute"] = parts(retime(
+            s, p.cb, chunk_size=p.layout.chunk_size, traces=p.traces, tide=memory_tide(p.traces, p.layout.chunk_size),
+            rates=rates, flops_per_step=p.flops_per_step, micro_batches=p.micro_batches).time)
     return out
 
 
@@ -705,7 +696,8 @@ def run_chunkjax(a, cfg, rows_list, emit, deadline):
                    predicted_step_s=pred.time.step_s, n_programs=len(step.step.program_bounds()),
                    n_device_update_programs=len(step.step.device_chunks),
                    n_streamed_update_programs=len(step.step.streamed_chunks),
-                   n_host_chunks=len(step.step.host_chunks))
+                   n_host_chunks=len(step.step.host_chunks),
+                   program_cut=program_cut(step, a.nnx_remat_steps.get(str(rows))))
         emit(rec, partial=True)
         losses, dt = timed(step, data[1:a.warmup + a.steps], a.warmup - 1, step.wait)  # data[0]: the first step
         losses = [first_loss] + losses
@@ -737,7 +729,6 @@ def run_chunkjax(a, cfg, rows_list, emit, deadline):
                 rec["profiler_error"] = prof.get("profiler_error")
         except Exception as e:  # noqa: BLE001 - the diagnostics never lose the row
             rec["diagnostics_error"] = f"{type(e).__name__}: {str(e)[:400]}"
-        rec["windowed_estimate"] = _windowed(step, rates, a.nnx_remat_steps.get(str(rows)))
         if a.profile_steps:
             try:
                 rec["phases"] = phase_profile(step, data[1:1 + a.profile_steps])
@@ -908,11 +899,15 @@ def print_table(res):
                   f"{ph.get('host_first_start_s')} to {ph.get('host_end_s')} (tail {ph.get('host_tail_after_backward_s')})"
                   f"; streamed {ph.get('streamed_chunks')} chunks, tail {ph.get('streamed_tail_after_backward_s')}")
     for r in runs:
-        w = r.get("windowed_estimate") if r.get("system") == "chunkjax" else None
+        w = r.get("program_cut") if r.get("system") == "chunkjax" else None
         if w:
-            print(f"chunkjax b{r['batch']}: gradient-window estimate {w['plan_rates']['step_s']:.3f} s at the plan's rates"
-                  + (f", {w['nnx_remat_compute']['step_s']:.3f} s with nnx_remat's compute" if "nnx_remat_compute" in w
-                     else "") + f" (cost model {r['predicted_step_s']:.3f}, measured {r.get('step_s', float('nan')):.3f})")
+            print(f"chunkjax b{r['batch']}: {w['n_programs']} programs {w['segments']}, gradient window "
+                  f"{w['grad_window']}, streamed early {w['streamed_early']}; predicted window stall "
+                  f"{w['predicted_window_stall_s']:.3f} s, host tail {w['predicted_host_tail_s']:.3f} s, streamed tail "
+                  f"{w['predicted_streamed_tail_s']:.3f} s (cost model {r['predicted_step_s']:.3f}, measured "
+                  f"{r.get('step_s', float('nan')):.3f})" + (
+                      f"; at nnx_remat's compute {w['at_nnx_remat_compute']['predicted_step_s']:.3f} s"
+                      if "at_nnx_remat_compute" in w else ""))
     for c in res.get("compute_checks", []):
         print(f"compute at batch {c['batch']}: plan {c['plan_matmul_flops_per_s'] / 1e12:.0f} TFLOP/s, nnx_remat "
               f"{c['nnx_remat_matmul_flops_per_s'] / 1e12:.0f}; forward+backward predicted "
