@@ -39,8 +39,7 @@ from chunkjax.plan_disk import storage_line
 from chunkjax.predict import ChunkBytes, chunk_bytes
 from chunkjax.stages import check_param_keys, compose_loss, differentiated, split_loss
 from chunkjax.streamed import starts_early
-from chunkjax.plan_micro import in_program_plan
-from chunkjax.schedule import IN_PROGRAM
+from chunkjax.plan_micro import in_program_plan, passes_of
 from chunkjax.trace import trace_stages
 
 #: Fraction of the device budget the compiled step may use: its largest program (arguments +
@@ -366,7 +365,8 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
 
 def plan(problem: FitProblem, budget_bytes: int, *, policy: str = "tide", resident=None, must_fit: bool = True,
          split: bool = True):
-    """The schedule for one (per-rank) device budget: the only place the fit path plans.
+    """The schedule for one (per-rank) device budget: the only place the fit path plans (with
+    micro-batches in-program accumulation where it fits, else per pass: :mod:`chunkjax.plan_micro`).
 
     Args:
       problem: from :func:`prepare`.
@@ -378,15 +378,12 @@ def plan(problem: FitProblem, budget_bytes: int, *, policy: str = "tide", reside
       split: ``"tide"``: split offloaded updates between host and device by rate
         (:func:`chunkjax.plan_split.split_updates`); False: all on the host.
 
-    With micro-batches: in-program accumulation where it fits, else per pass (:mod:`chunkjax.plan_micro`).
-
     Raises:
       chunkjax.PlanError: nothing fits (the message gives the smallest budget that does).
     """
     p = problem
     kw = dict(policy=policy, resident=resident, must_fit=must_fit)
-    s = p.micro_batches > 1 and in_program_plan(p, budget_bytes, lambda q: plan(q, budget_bytes, split=split, **kw))
-    if s:
+    if p.micro_batches > 1 and (s := in_program_plan(p, budget_bytes, plan, split=split, **kw)):
         return s
     try:
         return _plan(p, budget_bytes, split=split, **kw)
@@ -451,7 +448,7 @@ def compiled_peak(problem: FitProblem, step, schedule) -> dict:
     and optimizer state (per micro-batch pass also the float32 gradient sums) of device-updated
     chunks, the update phase: every resident chunk's params, state and gradient plus one chunk's
     float32 temporaries), per rank."""
-    passes = 1 if getattr(schedule, "accumulation", None) == IN_PROGRAM else problem.micro_batches
+    passes = passes_of(schedule, problem.micro_batches)
     progs = step.compiled_memory_programs(rows_of(problem.batch, batch_rows(problem.batch) // passes))
     n_res = sum(u == "device" for u in schedule.update_locations)
     cb = problem.cb_rank

@@ -19,16 +19,23 @@ from chunkjax.schedule import IN_PROGRAM
 from chunkjax.trace import in_program_traces
 
 
-def in_program_plan(problem, budget_bytes: int, plan_one):
+def passes_of(schedule, micro_batches: int) -> int:
+    """Times a step running ``schedule`` runs its programs per call: 1 in-program, else
+    ``micro_batches`` (a schedule-like object without ``accumulation``: per pass)."""
+    return 1 if getattr(schedule, "accumulation", None) == IN_PROGRAM else micro_batches
+
+
+def in_program_plan(problem, budget_bytes: int, plan, **kw):
     """The in-program schedule (``accumulation="in_program"``) of ``problem`` (a
     :class:`chunkjax.fit.FitProblem` with ``micro_batches`` > 1) if it fits ``budget_bytes``
-    (bytes, per rank), else None. ``plan_one(problem) -> Schedule`` plans one problem (raising
-    :class:`~chunkjax.errors.PlanError` when nothing fits); it is given the problem with the
-    in-program traces and one pass (``micro_batches=1``: no float32 sums, fetches once)."""
+    (bytes, per rank), else None. ``plan(problem, budget_bytes, **kw) -> Schedule``
+    (:func:`chunkjax.fit.plan`, raising :class:`~chunkjax.errors.PlanError` when nothing fits)
+    is given the problem with the in-program traces and one pass (``micro_batches=1``: no
+    float32 sums, each chunk fetched once)."""
     inner = dataclasses.replace(problem, traces=in_program_traces(problem.traces, problem.micro_batches),
                                 micro_batches=1)
     try:
-        s = plan_one(inner)
+        s = plan(inner, budget_bytes, **kw)
     except PlanError:
         return None
     return dataclasses.replace(s, accumulation=IN_PROGRAM) if s.predicted.peak_device_bytes <= budget_bytes else None

@@ -94,11 +94,9 @@ class ChunkedStep(StepChunkIO, StepUpdates):
       host_optimizer: the host kernel spec of ``host`` chunks.
       micro_batches: gradient accumulation: each call splits the batch's leading axis into this
         many equal micro-batches and applies one update with the mean gradient (the same update
-        as the whole batch at once, to the compute dtype's rounding; reported case 3). Host
-        updates overlap the last micro-batch's backward.
-      accumulation: ``"per_micro_batch"`` (every program once per micro-batch:
-        :func:`chunkjax.accumulate.mean_gradients`) or ``"in_program"`` (looped inside each
-        moment, each chunk fetched once: :class:`chunkjax.walker.Walk`); :mod:`chunkjax.plan_micro`.
+        as the whole batch at once, to the compute dtype's rounding; reported case 3).
+      accumulation: ``"in_program"`` (looped inside each moment: :class:`chunkjax.walker.Walk`) or
+        ``"per_micro_batch"`` (:func:`chunkjax.accumulate.mean_gradients`); :mod:`chunkjax.plan_micro`.
       nonfinite: ``"ignore"`` (default: no check), or ``"skip"``: a step whose gradients hold a
         NaN or inf changes no state and reports ``metrics["skipped"]`` True (host updates still
         overlap the backward: :mod:`chunkjax.speculate`).
@@ -588,8 +586,8 @@ def make_chunked_step(stages, layout: ChunkLayout, placement, tx: optax.Gradient
       mesh: a 1-D ``"data"`` mesh (:func:`chunkjax.topology.data_mesh`) for ZeRO data
         parallelism, in one process or across processes (``jax.distributed``); None: one device.
       zero_stage: 1, 2 or 3 with a mesh (default 3).
-      donate, host_deadline, speculation_bytes, storage: see :class:`ChunkedStep`.
-      accumulation: as :class:`ChunkedStep`; None: the schedule's (else ``"per_micro_batch"``).
+      donate, host_deadline, speculation_bytes, storage, accumulation: see :class:`ChunkedStep`
+        (``accumulation`` None: the schedule's, else ``"per_micro_batch"``).
 
     Raises:
       ValueError: a bad ``micro_batches``, ``accumulation``, ``nonfinite`` or ``zero_stage``, a mesh that is not 1-D
