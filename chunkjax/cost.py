@@ -4,6 +4,10 @@ Predicted step time = forward/backward time + update time, where the forward/bac
 whichever is slower of compute (training FLOPs plus the per-stage recompute, at the matmul rate)
 and the chunk traffic of that phase (PCIe, one direction at a time inside one program); the update
 phase moves streamed chunks' state both ways and updates every parameter where its chunk lives.
+The pipelined step (:func:`predict_pipelined_step`) is timed on one timeline of its programs
+(:func:`program_timeline`): the host thread's queue of hand-offs, the gradient window that holds
+the next program back until the host catches up, and the streamed pipeline from each program's
+end (issue 23).
 The defaults are the H200 figures measured on the lent machine; pass measured values when known.
 """
 from __future__ import annotations
