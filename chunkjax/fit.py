@@ -39,6 +39,7 @@ from chunkjax.plan_disk import storage_line
 from chunkjax.predict import ChunkBytes, chunk_bytes
 from chunkjax.stages import check_param_keys, compose_loss, differentiated, split_loss
 from chunkjax.streamed import starts_early
+from chunkjax.plan_micro import in_program_plan, passes_of
 from chunkjax.trace import trace_stages
 
 #: Fraction of the device budget the compiled step may use: its largest program (arguments +
@@ -364,7 +365,8 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
 
 def plan(problem: FitProblem, budget_bytes: int, *, policy: str = "tide", resident=None, must_fit: bool = True,
          split: bool = True):
-    """The schedule for one (per-rank) device budget: the only place the fit path plans.
+    """The schedule for one (per-rank) device budget: the only place the fit path plans (with
+    micro-batches in-program accumulation where it fits, else per pass: :mod:`chunkjax.plan_micro`).
 
     Args:
       problem: from :func:`prepare`.
@@ -381,6 +383,8 @@ def plan(problem: FitProblem, budget_bytes: int, *, policy: str = "tide", reside
     """
     p = problem
     kw = dict(policy=policy, resident=resident, must_fit=must_fit)
+    if p.micro_batches > 1 and (s := in_program_plan(p, budget_bytes, plan, split=split, **kw)):
+        return s
     try:
         return _plan(p, budget_bytes, split=split, **kw)
     except PlanError as e:
@@ -439,16 +443,16 @@ def auto_budget(problem: FitProblem, *, policy: str = "tide") -> int:
 # ---- checks ----------------------------------------------------------------------------------
 
 def compiled_peak(problem: FitProblem, step, schedule) -> dict:
-    """Compile every program of ``step`` for one micro-batch and return its device peak (bytes):
+    """Compile every program of ``step`` for one pass (a micro-batch, or in-program the batch) and return its peak:
     ``peak_bytes`` = max(largest program's argument + output + temp - alias + the master params
-    and optimizer state (with micro-batches also the float32 gradient sums) of device-updated
+    and optimizer state (per micro-batch pass also the float32 gradient sums) of device-updated
     chunks, the update phase: every resident chunk's params, state and gradient plus one chunk's
     float32 temporaries), per rank."""
-    mb = rows_of(problem.batch, batch_rows(problem.batch) // problem.micro_batches)
-    progs = step.compiled_memory_programs(mb)
+    passes = passes_of(schedule, problem.micro_batches)
+    progs = step.compiled_memory_programs(rows_of(problem.batch, batch_rows(problem.batch) // passes))
     n_res = sum(u == "device" for u in schedule.update_locations)
     cb = problem.cb_rank
-    resident_state = n_res * (cb.state + (cb.master if problem.micro_batches > 1 else 0))
+    resident_state = n_res * (cb.state + (cb.master if passes > 1 else 0))
     # the update phase holds every resident chunk and its gradient (GPT3_12B ran out of memory there)
     update_phase = n_res * (cb.params + cb.state + cb.grad) + 2 * 4 * problem.layout.chunk_size
     largest = max(progs, key=lambda q: q["peak_device_bytes"])
@@ -597,4 +601,5 @@ def describe(report: FitReport, problem: FitProblem) -> str:
             f"MiB); predicted step "
             f"{p.time.step_s * 1e3:.1f} ms" + (" (the cost model's GPU rates: a CPU runs far slower)"
                                                 if problem.platform == "cpu" else "")
-            + "".join(f"; {x}" for x in [storage_line(s, problem.storage_devices, problem.host_budget_bytes)] if x))
+            + "".join(f"; {x}" for x in [storage_line(s, problem.storage_devices, problem.host_budget_bytes),
+                                         problem.micro_batches > 1 and f"accumulation {s.accumulation}"] if x))

@@ -28,8 +28,9 @@ def host_need(problem, schedule) -> dict:
     (:func:`chunkjax.host_memory.schedule_host_need`: the figure the planner compared with the
     host budget, ``predicted.host_bytes``, split by kind)."""
     p = problem
+    in_program = schedule.accumulation == "in_program"  # no float32 sums outside the programs
     return schedule_host_need(schedule, p.cb, layout=p.layout, n_ranks=p.n_ranks, zero_stage=p.zero_stage,
-                              platform=p.platform, micro_batches=p.micro_batches)
+                              platform=p.platform, micro_batches=1 if in_program else p.micro_batches)
 
 
 def check_host_memory(problem, schedule, available: int | None = None) -> dict:

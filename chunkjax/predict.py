@@ -420,7 +420,11 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
         a schedule that issues every fetch at the step's start passes all of them).
       master_fetch: host chunks fetched as their float32 master params (``cb.master`` bytes a
         fetch; no compute copy on the host: :mod:`chunkjax.host_forms`).
-      micro_batches: gradient accumulation (the host working set holds float32 sums).
+      micro_batches: gradient accumulation with every program run once per micro-batch
+        (:func:`chunkjax.accumulate.mean_gradients`): the host working set holds float32 sums,
+        and every fetch and offloaded gradient moves ``micro_batches`` times a step. A plan that
+        loops over the micro-batches inside each moment passes 1 with the traces of
+        :func:`chunkjax.trace.in_program_traces` (each chunk fetched once a step).
       streamed_early: the step's streamed updates start as the program completing their
         gradient ends (:func:`chunkjax.streamed.starts_early`); their pipeline's bytes
         (:func:`streamed_pipeline_bytes`) are then on the device from that program's end. False:
@@ -437,7 +441,8 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
         (:func:`chunkjax.cost.program_timeline`).
 
     Bytes moved per step: every fetch brings one chunk's compute params up; every chunk not
-    updated on the device sends its gradient down during the backward; a host-updated chunk whose
+    updated on the device sends its gradient down during the backward (both once per pass of the
+    programs: ``micro_batches`` passes); a host-updated chunk whose
     params live on the device gets its new params back up; a streamed chunk moves its gradient and
     state up and its state (and host-kind params) down; a device-updated chunk whose params live on
     the host sends the new params down.
@@ -453,9 +458,10 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
     n_fetch = sum(len(f) for f in fetch)
     mf = set(master_fetch)
     fetched = lambda c: cb.master if c in mf else cb.params_of(c)  # noqa: E731
-    fetch_b = sum(fetched(c) for f in fetch for c in f)
+    passes = micro_batches  # the programs' passes per step: fetches and offloaded gradients repeat
+    fetch_b = passes * sum(fetched(c) for f in fetch for c in f)
     off = [c for c, u in enumerate(update_locations) if u in (HOST_UPDATE, STREAMED_UPDATE, STORAGE_UPDATE)]
-    h2d, d2h = fetch_b, len(off) * cb.grad
+    h2d, d2h = fetch_b, passes * len(off) * cb.grad
     for c, (k, u) in enumerate(zip(param_kinds, update_locations)):
         if u == HOST_UPDATE:
             h2d += cb.params if k == DEVICE else 0
@@ -475,10 +481,10 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
         hf["host_bytes"] += n_disk * cb.master
     if n_disk:
         hf["host_bytes_per_param"] = hf["host_bytes"] / (len(param_kinds) * chunk_size)
-    fwd_b = (sum(fetched(c) for t in range(n_stages - 1) for c in fetch[t]) if forward_fetches is None
-             else fetch_b if forward_fetches >= n_fetch else forward_fetches * cb.params)
+    fwd_b = passes * (sum(fetched(c) for t in range(n_stages - 1) for c in fetch[t]) if forward_fetches is None
+                      else fetch_b // passes if forward_fetches >= n_fetch else forward_fetches * cb.params)
     time = predict_pipelined_step(
-        flops_per_step, fwd_h2d=fwd_b, bwd_h2d=fetch_b - fwd_b, bwd_d2h=len(off) * cb.grad,
+        flops_per_step, fwd_h2d=fwd_b, bwd_h2d=fetch_b - fwd_b, bwd_d2h=passes * len(off) * cb.grad,
         device_params=sum(u == DEVICE_UPDATE for u in update_locations) * chunk_size,
         host_ready=_host_ready(chunk_size, traces, T, update_locations, segments, grad_done),
         streamed=streamed, params_per_chunk=chunk_size, streamed_early=streamed_early,
@@ -487,7 +493,7 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
         disk_file_bytes=disk_file_bytes(cb), storage_params_per_chunk=chunk_size,
         storage_early=storage_early and micro_batches == 1, staging_buffers=staging_buffers, window=window)
     return Prediction(int(peak), int(model), hf.pop("host_model_bytes"), int(h2d), int(d2h), int(fetch_b),
-                      int(n_fetch), tuple(int(b) for b in moment_bytes), time, **hf,
+                      int(passes * n_fetch), tuple(int(b) for b in moment_bytes), time, **hf,
                       disk_bytes_per_step=2 * n_disk * disk_file_bytes(cb), storage_chunks=n_disk,
                       disk_staging_bytes=staging)
 

@@ -27,6 +27,10 @@ STORAGE_UPDATE = "storage"
 #: memory) or ``none`` (a frozen chunk, ``ChunkLayout.chunk_trainable`` False: params only, no
 #: master, state, gradient or update)
 UPDATE_LOCATIONS = (DEVICE_UPDATE, STREAMED_UPDATE, HOST_UPDATE, STORAGE_UPDATE, NO_UPDATE)
+#: how a step runs micro-batches: every program once per micro-batch (:func:`chunkjax.accumulate.
+#: mean_gradients`), or looped inside each moment (:class:`chunkjax.walker.Walk` ``micro_batches``)
+PER_MICRO_BATCH, IN_PROGRAM = "per_micro_batch", "in_program"
+ACCUMULATIONS = (PER_MICRO_BATCH, IN_PROGRAM)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,9 +206,12 @@ class Schedule:
         program's host gradients over, the step waits until the host thread is done with the
         hand-off ``grad_window - 1`` before it (:meth:`chunkjax.updaters.HostWork.hand_over`);
         the planner chooses it with the segments (:func:`chunkjax.plan.choose_program_cut`).
+      accumulation: how the step runs micro-batches (:data:`ACCUMULATIONS`;
+        :attr:`chunkjax.step.ChunkedStep.accumulation`): ``"in_program"`` when planned on the
+        in-program traces (:func:`chunkjax.trace.in_program_traces`), else ``"per_micro_batch"``.
 
     Raises:
-      ValueError: per-chunk tuples of different lengths, an unknown update location,
+      ValueError: per-chunk tuples of different lengths, an unknown update location or accumulation,
         segments that do not start at 0 and increase, or a ``master_fetch`` chunk that is not
         host-updated with its params in pinned host memory.
     """
@@ -221,8 +228,11 @@ class Schedule:
     master_fetch: tuple[int, ...] = ()
     streamed_early: bool = False
     grad_window: int = GRAD_WINDOW_PROGRAMS
+    accumulation: str = PER_MICRO_BATCH
 
     def __post_init__(self):
+        if self.accumulation not in ACCUMULATIONS:
+            raise ValueError(f"accumulation={self.accumulation!r}: use one of {ACCUMULATIONS}")
         if len(self.param_kinds) != len(self.update_locations):
             raise ValueError("param_kinds and update_locations need one entry per chunk")
         bad = [c for c in self.master_fetch if not (0 <= c < len(self.param_kinds))
@@ -278,7 +288,7 @@ class Schedule:
                 "moments": [list(m) for m in self.moments], "counts": self.counts(),
                 "budget_bytes": self.budget_bytes, "predicted": self.predicted.to_dict(),
                 "master_fetch": list(self.master_fetch), "streamed_early": self.streamed_early,
-                "grad_window": int(self.grad_window)}
+                "grad_window": int(self.grad_window), "accumulation": self.accumulation}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Schedule":
@@ -287,4 +297,5 @@ class Schedule:
                    tuple(tuple(e) for e in d["evict"]), tuple(d["segments"]), int(d["prefetch"]),
                    tuple(tuple(m) for m in d["moments"]), Prediction.from_dict(d["predicted"]),
                    int(d["budget_bytes"]), tuple(int(c) for c in d.get("master_fetch", ())),
-                   bool(d.get("streamed_early", False)), int(d.get("grad_window", GRAD_WINDOW_PROGRAMS)))
+                   bool(d.get("streamed_early", False)), int(d.get("grad_window", GRAD_WINDOW_PROGRAMS)),
+                   d.get("accumulation", PER_MICRO_BATCH))

@@ -37,7 +37,7 @@ from chunkjax.loss_weight import require_weight, token_mean
 from chunkjax.memory import DEVICE, sharding
 from chunkjax.host_memory import check_pinned_host
 from chunkjax.plan import Placement, fetch_events
-from chunkjax.schedule import check_trainable
+from chunkjax.schedule import ACCUMULATIONS, IN_PROGRAM, PER_MICRO_BATCH, check_trainable
 from chunkjax.stages import first_readers, split_loss, stage_reads
 from chunkjax.step_checkpoint import StepChunkIO, restore_chunks
 from chunkjax.step_commit import PendingStep
@@ -46,7 +46,7 @@ from chunkjax.step_updates import StepUpdates
 from chunkjax.topology import SingleDevice, make_topology
 from chunkjax.speculate import for_step
 from chunkjax.updaters import HostWork, host_deadline_s
-from chunkjax.walker import Walk, moments_of
+from chunkjax.walker import Walk, moments_of, rank_major
 
 
 class TrainState(NamedTuple):
@@ -94,8 +94,9 @@ class ChunkedStep(StepChunkIO, StepUpdates):
       host_optimizer: the host kernel spec of ``host`` chunks.
       micro_batches: gradient accumulation: each call splits the batch's leading axis into this
         many equal micro-batches and applies one update with the mean gradient (the same update
-        as the whole batch at once, to the compute dtype's rounding; reported case 3). Host
-        updates overlap the last micro-batch's backward.
+        as the whole batch at once, to the compute dtype's rounding; reported case 3).
+      accumulation: ``"in_program"`` (looped inside each moment: :class:`chunkjax.walker.Walk`) or
+        ``"per_micro_batch"`` (:func:`chunkjax.accumulate.mean_gradients`); :mod:`chunkjax.plan_micro`.
       nonfinite: ``"ignore"`` (default: no check), or ``"skip"``: a step whose gradients hold a
         NaN or inf changes no state and reports ``metrics["skipped"]`` True (host updates still
         overlap the backward: :mod:`chunkjax.speculate`).
@@ -113,7 +114,7 @@ class ChunkedStep(StepChunkIO, StepUpdates):
         directories (:func:`~chunkjax.storage.updater.storage_options`).
 
     Raises (at construction):
-      ValueError: a bad ``micro_batches``, ``nonfinite`` or ``prefetch``, a placement that
+      ValueError: a bad ``micro_batches``, ``accumulation``, ``nonfinite`` or ``prefetch``, a placement that
         differs from the schedule's or has another chunk count, host-updated chunks without
         ``host_optimizer``, or a ``chunk_size`` that does not split over the ranks.
     """
@@ -134,10 +135,13 @@ class ChunkedStep(StepChunkIO, StepUpdates):
     host_deadline: float | None = None
     speculation_bytes: int | None = None
     storage: Any = None
+    accumulation: str = PER_MICRO_BATCH
 
     def __post_init__(self):
         if not (isinstance(self.micro_batches, int) and self.micro_batches >= 1):
             raise ValueError(f"micro_batches must be an int >= 1, got {self.micro_batches!r}")
+        if self.accumulation not in ACCUMULATIONS:
+            raise ValueError(f"accumulation={self.accumulation!r}: use one of {ACCUMULATIONS}")
         if self.nonfinite not in ("ignore", "skip"):
             raise ValueError(f"nonfinite={self.nonfinite!r}: use 'ignore' or 'skip'")
         if self.schedule is not None and self.schedule.placement != self.placement:
@@ -156,6 +160,11 @@ class ChunkedStep(StepChunkIO, StepUpdates):
         if self.layout.chunk_size % self.n_ranks:
             raise ValueError(f"chunk_size {self.layout.chunk_size} is not a multiple of the {self.n_ranks} ranks: "
                              "build the layout with chunkjax.topology.build_zero_layout")
+
+    @property
+    def passes(self) -> int:
+        """Times the programs run per call: ``micro_batches`` per micro-batch, 1 in-program."""
+        return 1 if self.accumulation == IN_PROGRAM else self.micro_batches
 
     @functools.cached_property
     def frozen_chunks(self) -> tuple[int, ...]:
@@ -240,7 +249,7 @@ class ChunkedStep(StepChunkIO, StepUpdates):
         return Walk(self.stages, self.layout, self.topology, self.compute_dtype, self.prefetch,
                     self.placement.param_kinds, tuple(self.placement.grad_kind(c) for c in range(self.layout.n_chunks)),
                     self.reads, tuple(t.backward_chunks for t in self._traces_local(ab)),
-                    self._fetch_lists_local(ab), self.first_reader)
+                    self._fetch_lists_local(ab), self.first_reader, self.micro_batches // self.passes)
 
     def program_bounds(self) -> list[tuple[int, int]]:
         """``[(first moment, end moment)]`` of each program (the schedule's segments)."""
@@ -401,10 +410,9 @@ class ChunkedStep(StepChunkIO, StepUpdates):
         stream = streamed.StepStream(self.stream_spec, state, inv_arr := jnp.asarray(inv, jnp.float32))
         on_disk = disk.StorageRun(self, state)  # storage chunks: the workers read their state from now on
         try:
-            grads, sq, loss = (self.run_programs(state, self.topology.put_batch(batch), scale, on_host, stream,
-                                                  on_disk.on_program, require_weight)
-                               if self.micro_batches == 1
-                               else accumulate.mean_gradients(self, state, batch, scale, on_host))
+            grads, sq, loss = (self.run_programs(state, self.topology.put_batch(rank_major(
+                batch, self.micro_batches, self.n_ranks)), scale, on_host, stream, on_disk.on_program, require_weight)
+                if self.passes == 1 else accumulate.mean_gradients(self, state, batch, scale, on_host))
             (loss, aux), grad_sq = split_loss(loss), jnp.stack([sq[c] if c in sq else jnp.zeros((), jnp.float32)
                                                                 for c in range(self.layout.n_chunks)])  # frozen: none
             norm = jnp.sqrt(jnp.sum(grad_sq))
@@ -558,7 +566,7 @@ def make_chunked_step(stages, layout: ChunkLayout, placement, tx: optax.Gradient
                       micro_batches: int = 1, nonfinite: str = "ignore", loss_scaling: bool = False, *,
                       mesh=None, zero_stage: int | None = None, donate: bool | None = None,
                       host_deadline: float | None = None, speculation_bytes: int | None = None,
-                      storage=None) -> ChunkedStep:
+                      storage=None, accumulation: str | None = None) -> ChunkedStep:
     """Build the chunked step (see :class:`ChunkedStep`). Nothing is compiled until first use.
 
     Args:
@@ -578,10 +586,11 @@ def make_chunked_step(stages, layout: ChunkLayout, placement, tx: optax.Gradient
       mesh: a 1-D ``"data"`` mesh (:func:`chunkjax.topology.data_mesh`) for ZeRO data
         parallelism, in one process or across processes (``jax.distributed``); None: one device.
       zero_stage: 1, 2 or 3 with a mesh (default 3).
-      donate, host_deadline, speculation_bytes, storage: see :class:`ChunkedStep`.
+      donate, host_deadline, speculation_bytes, storage, accumulation: see :class:`ChunkedStep`
+        (``accumulation`` None: the schedule's, else ``"per_micro_batch"``).
 
     Raises:
-      ValueError: a bad ``micro_batches``, ``nonfinite`` or ``zero_stage``, a mesh that is not 1-D
+      ValueError: a bad ``micro_batches``, ``accumulation``, ``nonfinite`` or ``zero_stage``, a mesh that is not 1-D
         ``"data"``, a placement that differs from the schedule's, host-updated chunks without
         ``host_optimizer``, ``zero_stage`` without a mesh, or neither ``tx`` nor
         ``host_optimizer``.
@@ -597,4 +606,5 @@ def make_chunked_step(stages, layout: ChunkLayout, placement, tx: optax.Gradient
         tx = host_optimizer.optax()
     return ChunkedStep(tuple(stages), layout, placement, tx, jnp.dtype(compute_dtype),
                        1 if prefetch is None else prefetch, schedule, host_optimizer, micro_batches, nonfinite,
-                       loss_scaling, donate, make_topology(mesh, zero_stage), host_deadline, speculation_bytes, storage)
+                       loss_scaling, donate, make_topology(mesh, zero_stage), host_deadline, speculation_bytes, storage,
+                       accumulation or (schedule.accumulation if schedule is not None else PER_MICRO_BATCH))

@@ -56,7 +56,7 @@ class StepUpdates:
         :func:`chunkjax.streamed.starts_early` allows it for this ``tx`` and step settings)."""
         chunks = self.streamed_chunks
         early = bool(chunks) and bool(getattr(self.schedule, "streamed_early", False)) and streamed.starts_early(
-            self.tx, skip=self.skips_nonfinite, loss_scaling=self.loss_scaling, micro_batches=self.micro_batches,
+            self.tx, skip=self.skips_nonfinite, loss_scaling=self.loss_scaling, micro_batches=self.passes,
             n_ranks=self.n_ranks)
         return streamed.StreamSpec(chunks, self.placement.param_kinds, self.updaters["streamed"].update,
                                    self.topology, upd.state_template(self.tx, self.layout.chunk_size) if chunks else None,
@@ -72,7 +72,7 @@ class StepUpdates:
         return bool(self.storage is not None and self.storage.early_updates and self.storage.compression is None
                     and self.host_optimizer is not None and self.host_optimizer.max_grad_norm is None
                     and streamed.starts_early(self.tx, skip=self.skips_nonfinite, loss_scaling=self.loss_scaling,
-                                              micro_batches=self.micro_batches, n_ranks=self.n_ranks))
+                                              micro_batches=self.passes, n_ranks=self.n_ranks))
 
     @functools.cached_property
     def updaters(self) -> dict[str, upd.Updater]:

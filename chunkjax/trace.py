@@ -29,6 +29,8 @@ class StageTrace:
       temp_bytes: peak transient bytes of the stage's recompute + vjp (compiled memory analysis).
       bwd_chunks: chunk ids whose values the stage's backward needs (a subset of ``chunks``;
         an embedding lookup's gradient needs none). ``None`` means all of ``chunks``.
+      output_bytes: bytes of the stage's output (the next stage's input; the head's loss), a
+        part of ``temp_bytes`` (:func:`in_program_traces` scales it).
     """
 
     name: str
@@ -36,6 +38,7 @@ class StageTrace:
     input_bytes: int
     temp_bytes: int
     bwd_chunks: tuple[int, ...] | None = None
+    output_bytes: int = 0
 
     @property
     def backward_chunks(self) -> tuple[int, ...]:
@@ -145,14 +148,15 @@ def stage_inputs(stages, layout: ChunkLayout, batch, compute_dtype):
     return out
 
 
-def _stage_transient_bytes(st, p_sub, x, batch, head: bool, mask=None) -> int:
+def _stage_transient_bytes(st, p_sub, x, batch, head: bool, mask=None) -> tuple[int, int]:
+    """``(transient bytes, output bytes)`` of the stage's recompute + vjp."""
     vjp_fn = _vjp_fn(st, head, mask)
     out = jax.eval_shape(st.apply, p_sub, x, batch)
     ct = _cotangent(st, p_sub, x, batch, head)
     compiled = jax.jit(vjp_fn).lower(p_sub, x, ct, batch).compile()
     ma = compiled.memory_analysis()
     grads = jax.eval_shape(vjp_fn, p_sub, x, ct, batch)
-    return int(ma.temp_size_in_bytes) + _nbytes(grads) + _nbytes(out)
+    return int(ma.temp_size_in_bytes) + _nbytes(grads) + _nbytes(out), _nbytes(out)
 
 
 def trace_stages(stages, layout: ChunkLayout, batch: jax.ShapeDtypeStruct, compute_dtype) -> tuple[StageTrace, ...]:
@@ -176,6 +180,22 @@ def trace_stages(stages, layout: ChunkLayout, batch: jax.ShapeDtypeStruct, compu
             cache[sig] = _stage_transient_bytes(st, p_sub, x, batch, head, mask)
             live[sig] = _backward_live(st, p_sub, x, batch, head, mask)
         out.append(StageTrace(name=st.name, chunks=layout.chunks_of(st.param_keys),
-                              input_bytes=0 if x is None else _nbytes(x), temp_bytes=cache[sig],
-                              bwd_chunks=_chunks_of_live(layout, p_sub, live[sig])))
+                              input_bytes=0 if x is None else _nbytes(x), temp_bytes=cache[sig][0],
+                              bwd_chunks=_chunks_of_live(layout, p_sub, live[sig]), output_bytes=cache[sig][1]))
     return tuple(out)
+
+
+def in_program_traces(traces: tuple[StageTrace, ...], micro_batches: int) -> tuple[StageTrace, ...]:
+    """The traces of one micro-batch (:func:`trace_stages` on its rows) -> those of a step that
+    loops over ``micro_batches`` M of them inside each moment (:class:`chunkjax.walker.Walk`
+    ``micro_batches``): the saved stage inputs are the whole batch's (``M * input_bytes``); a
+    stage's internals stay one micro-batch's, and the loop's whole-batch output and cotangents
+    add ``(M - 1) * (input_bytes + output_bytes)`` to its transient bytes (the forward's stacked
+    output; the backward's incoming cotangent and outgoing input cotangent). Chunk reads are
+    unchanged: each moment fetches its chunks once."""
+    m = int(micro_batches)
+    if m < 1:
+        raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
+    return tuple(dataclasses.replace(t, input_bytes=m * t.input_bytes,
+                                     temp_bytes=t.temp_bytes + (m - 1) * (t.input_bytes + t.output_bytes),
+                                     output_bytes=m * t.output_bytes) for t in traces)

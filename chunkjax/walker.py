@@ -20,6 +20,18 @@ program (the step cuts the moments into programs at the schedule's segments):
 * a master-fetch chunk (:mod:`chunkjax.host_forms`: a host chunk without a compute-dtype copy)
   is fetched as its float32 master params and cast to the compute dtype on the device right
   after the fetch (round to nearest even, bit for bit the copy the host kernel would write);
+* with ``micro_batches`` M > 1 (gradient accumulation inside the moments, ``accumulation=
+  "in_program"``): the batch's rows are M equal micro-batches (rows ``[i*k, (i+1)*k)``); each
+  moment fetches its chunks once and loops over the micro-batches inside the program
+  (``jax.lax.map`` forward, ``jax.lax.scan`` in the head and the backward, the stage's fetched
+  chunks constants of the loop): the saved stage inputs are the whole batch's, a stage's
+  internals one micro-batch's; the head seeds each micro-batch's backward as with one and
+  multiplies its gradient sum and each cotangent it sends back by the micro-batch's factor
+  (``1/M``; a weighted loss ``W_i / sum(W)``, :mod:`chunkjax.loss_weight`), so the float32
+  gradient chunks sum every micro-batch on the device to the mean and leave once, in the compute
+  dtype, through the same ``reduce_grad`` and host hand-over (``1/M`` a power of two: the bits of
+  :func:`chunkjax.accumulate.mean_gradients`' ``(sum * float32(1/M))``); the loss is the
+  micro-batches' mean (a weighted loss: its sums);
 * frozen chunks (``layout.chunk_trainable`` False) are fetched like the others but stored in their
   leaves' dtype (floating ones cast to the compute dtype when read, integer ones stay integers);
   a frozen chunk resident on the device is tied to the reading moment's input (activation or
@@ -42,11 +54,28 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from chunkjax.layout import ChunkLayout
 from chunkjax.memory import DEVICE, PINNED_HOST, ordered_after
-from chunkjax.loss_weight import as_float32
+from chunkjax.loss_weight import WeightedLoss, as_float32, inverse_weight, is_weighted
 from chunkjax.stages import split_loss, stage_vjp
+
+
+def rank_major(batch, micro_batches: int, n_ranks: int):
+    """The global batch's rows reordered for in-program micro-batches on ``n_ranks`` N > 1: rank
+    r's rows, cut into ``micro_batches`` M parts, are rank r's rows of each of the per-pass path's
+    micro-batches (global micro-batch i: rows ``[i*B/M, (i+1)*B/M)``, rank r's the r-th
+    ``B/(M*N)`` of those), so both paths average the same micro-batches. Leaves: numpy or jax
+    arrays with B (a multiple of M*N) rows first; unchanged for M or N of 1."""
+    if micro_batches == 1 or n_ranks == 1:
+        return batch
+
+    def reorder(a):
+        k = a.shape[0] // (micro_batches * n_ranks)
+        xp = np if isinstance(a, np.ndarray) else jnp
+        return xp.swapaxes(a.reshape((micro_batches, n_ranks, k) + a.shape[1:]), 0, 1).reshape(a.shape)
+    return jax.tree.map(reorder, batch)
 
 
 def moments_of(n_stages: int) -> tuple[tuple[str, int], ...]:
@@ -74,6 +103,8 @@ class Walk:
         backward needs.
       fetch: per moment, the chunk ids fetched for it.
       first_reader: chunk -> the first stage reading it (its gradient completes there).
+      micro_batches: M, the micro-batches looped over inside each moment (1: none). The batch
+        and every activation leaf carry the rows first; M divides them.
     """
 
     stages: tuple
@@ -87,6 +118,7 @@ class Walk:
     bwd_reads: tuple
     fetch: tuple
     first_reader: dict
+    micro_batches: int = 1
 
     @property
     def moments(self):
@@ -156,6 +188,86 @@ class Walk:
                 arrays[c] = arrays[c].astype(self._read_dtype(c))
         return arrays
 
+    def _parts(self, tree):
+        """``[M*k, ...]`` leaves -> ``[M, k, ...]`` (micro-batch i: rows ``[i*k, (i+1)*k)``)."""
+        m = self.micro_batches
+        return jax.tree.map(lambda a: a.reshape((m, a.shape[0] // m) + a.shape[1:]), tree)
+
+    @staticmethod
+    def _whole(tree):
+        """``[M, k, ...]`` leaves -> ``[M*k, ...]`` (the inverse of :meth:`_parts`)."""
+        return jax.tree.map(lambda a: a.reshape((a.shape[0] * a.shape[1],) + a.shape[2:]), tree)
+
+    def _add_grads(self, acc: dict, s: int, dp) -> dict:
+        """``acc`` (chunk -> float32 (chunk_size,)) with stage ``s``'s gradient subtree ``dp`` added."""
+        acc = dict(acc)
+        for c in self.reads[s]:
+            if c in self._frozen:
+                continue
+            if c not in acc:
+                acc[c] = jnp.zeros((self.layout.chunk_size,), jnp.float32)
+            acc[c] = self.layout.scatter_add(acc[c], c, dp)
+        return acc
+
+    def _acc_of(self, acc: dict, s: int) -> dict:
+        """Stage ``s``'s trainable chunks' float32 accumulators (zeros where none yet): a loop's carry."""
+        return {c: acc[c] if c in acc else jnp.zeros((self.layout.chunk_size,), jnp.float32)
+                for c in self.reads[s] if c not in self._frozen}
+
+    def _head(self, st, s, arrays, x, batch, loss_scale, acc):
+        """The fused head over the micro-batches: ``(acc, loss, aux, dx)``.
+
+        Each micro-batch i is seeded as one alone (``loss_cotangent``: 1, 1/N, or a weighted
+        loss's ``1 / W_i``, ``W_i`` its weight over the ranks) and gets the factor ``f_i``: ``1/M``
+        (a plain loss: the mean), or ``W_i / sum(W)`` (a weighted loss: the global token mean,
+        :mod:`chunkjax.loss_weight`). The head's own gradient sum ``sum(w_i * dp_i) * (f_i / w_i)``
+        (``w_i``: ``W_i``, or 1) and the cotangent ``dx_i * f_i`` that leaves the head carry the
+        factor, so the backward moments' float32 sums are the step's gradient as they stand.
+        ``loss``: () f32, the micro-batches' mean, or a weighted loss of this rank's float32 sums;
+        ``aux`` (if any) stacked ``[M, ...]``; ``dx`` the whole batch's rows."""
+        tr, rebuild, grads_tree = self._split(self._sub(arrays, s), s)
+        topo, m = self.topology, self.micro_batches
+
+        def body(a, part):
+            xi, bi = part
+            (loss, aux), pull = stage_vjp(lambda p, xx: st.apply(rebuild(p), xx, bi), tr, xi, head=True)
+            ct = topo.loss_cotangent(loss)
+            if loss_scale is not None:
+                ct = ct * loss_scale.astype(ct.dtype)
+            dp, dx = pull(ct)
+            w = jnp.ones((), jnp.float32)
+            if is_weighted(loss):  # this part's weight over every rank
+                w = jnp.asarray(topo.reduce_scalars({}, loss)[1].weight, jnp.float32)
+                dp = jax.tree.map(lambda g: g.astype(jnp.float32) * w, dp)
+                loss = as_float32(loss)
+            return self._add_grads(a, s, grads_tree(dp)), (loss, aux, dx, w)
+
+        zeros = {c: jnp.zeros_like(v) for c, v in self._acc_of(acc, s).items()}
+        sums, (losses, aux, dx, w) = jax.lax.scan(body, zeros, self._parts((x, batch)))
+        if is_weighted(losses):
+            inv = inverse_weight(jnp.sum(w))
+            loss = WeightedLoss(jnp.sum(losses.total), jnp.sum(losses.weight))
+        else:
+            inv = jnp.float32(1.0 / m)
+            loss = jnp.mean(losses.astype(jnp.float32))
+        f = w * inv  # (M,) f32
+        if dx is not None:  # None: a one-stage model
+            dx = [(d.astype(jnp.float32) * f.reshape((m,) + (1,) * (d.ndim - 1))).astype(d.dtype) for d in dx]
+        prev = self._acc_of(acc, s)
+        acc = {**acc, **{c: prev[c] + v * inv for c, v in sums.items()}}
+        return acc, loss, aux, self._whole(dx)
+
+    def _backward(self, st, s, tr, rebuild, grads_tree, ct, x_in, batch, acc):
+        """A backward moment over the micro-batches: ``(acc, dx)`` (``dx`` the whole batch's rows)."""
+        def body(a, part):
+            ci, xi, bi = part
+            _, pull = stage_vjp(lambda p, xx: st.apply(rebuild(p), xx, bi), tr, xi)
+            dp, dx = pull(ci)
+            return self._add_grads(a, s, grads_tree(dp)), dx
+
+        a, dx = jax.lax.scan(body, self._acc_of(acc, s), self._parts((ct, x_in, batch)))
+        return {**acc, **a}, self._whole(dx)
+
     def _issue(self, t, anchor, batch, params, issued, horizon):
         tie = batch if anchor is None else anchor  # the first fetches wait for the batch
         for u in range(t, min(horizon, t + self.prefetch + 1)):
@@ -193,10 +305,12 @@ class Walk:
         Returns:
           ``(carry, grads {chunk: grad in its grad kind}, sq {chunk: () f32}, loss or None)``;
           the carry is empty after the last moment. A last stage returning ``(loss, aux)`` gives
-          ``(loss, aux)`` in place of the loss. Between stages the carry's ``x`` is the
-          activation (forward) or the list of cotangents of its floating leaves (backward).
+          ``(loss, aux)`` in place of the loss (with ``micro_batches`` M > 1: the micro-batches'
+          mean loss, () f32, and ``aux`` stacked ``[M, ...]``). Between stages the carry's ``x``
+          is the activation (forward) or the list of cotangents of its floating leaves
+          (backward), the whole batch's rows.
         """
-        lay, topo = self.layout, self.topology
+        topo = self.topology
         T = len(self.moments)
         x = carry.get("x")
         saved = dict(carry.get("saved", {}))
@@ -205,14 +319,10 @@ class Walk:
         issued = {tuple(int(v) for v in key.split(":")): a for key, a in carry.get("issued", {}).items()}
         loss_scale = carry.get("loss_scale")
         grads, sq, loss, aux = {}, {}, None, None
+        m = self.micro_batches
 
         def add_grads(s, dp):
-            for c in self.reads[s]:
-                if c in self._frozen:
-                    continue
-                if c not in acc:
-                    acc[c] = jnp.zeros((lay.chunk_size,), jnp.float32)
-                acc[c] = lay.scatter_add(acc[c], c, dp)
+            acc.update(self._add_grads(acc, s, dp))
 
         def emit(s, dx):
             for c in self.reads[s]:
@@ -233,7 +343,15 @@ class Walk:
             st = self.stages[s]
             if ph == "forward":
                 saved[s] = x
-                x = st.apply(self._sub(arrays, s), x, batch)
+                if m == 1:
+                    x = st.apply(self._sub(arrays, s), x, batch)
+                else:  # the stage per micro-batch; the fetched chunks are the loop's constants
+                    sub = self._sub(arrays, s)
+                    x = self._whole(jax.lax.map(lambda part, sub=sub, st=st: st.apply(sub, *part),
+                                                self._parts((x, batch))))
+            elif ph == "forward+backward" and m > 1:
+                acc, loss, aux, dx = self._head(st, s, arrays, x, batch, loss_scale, acc)
+                x = emit(s, dx)
             elif ph == "forward+backward":
                 tr, rebuild, grads_tree = self._split(self._sub(arrays, s), s)
                 (loss, aux), pull = stage_vjp(lambda p, xx: st.apply(rebuild(p), xx, batch), tr, x, head=True)
@@ -251,10 +369,14 @@ class Walk:
                 tr, rebuild, grads_tree = self._split(self._sub(arrays, s), s)
                 if s == 0 and not tr:  # a frozen first stage: nothing to differentiate
                     dp, dx = [], None
+                elif m > 1:  # recompute + vjp per micro-batch, the float32 sums on the device
+                    acc, dx = self._backward(st, s, tr, rebuild, grads_tree, x, x_in, batch, acc)
+                    dp = None
                 else:
                     _, pull = stage_vjp(lambda p, xx: st.apply(rebuild(p), xx, batch), tr, x_in)
                     dp, dx = pull(x)
-                add_grads(s, grads_tree(dp))
+                if dp is not None:
+                    add_grads(s, grads_tree(dp))
                 x = emit(s, dx)
             self._release(t, held, T)
         if aux is not None:  # the last stage's (loss, aux): aux leaves with the loss
