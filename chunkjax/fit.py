@@ -36,28 +36,23 @@ from chunkjax.layout import ChunkLayout, build_layout, first_use_order
 from chunkjax.optim import check_elementwise, state_bytes_per_chunk
 from chunkjax.plan import parse_bytes, plan_schedule
 from chunkjax.plan_disk import storage_line
+from chunkjax.plan_micro import in_program_plan, passes_of
 from chunkjax.predict import ChunkBytes, chunk_bytes
 from chunkjax.stages import check_param_keys, compose_loss, differentiated, split_loss
 from chunkjax.streamed import starts_early
-from chunkjax.plan_micro import in_program_plan, passes_of
 from chunkjax.trace import trace_stages
 
-#: Fraction of the device budget the compiled step may use: its largest program (arguments +
-#: outputs + temporaries - aliased) plus the master params and optimizer state resident beside it,
-#: and the update phase (every resident chunk with its gradient, plus one chunk's float32
-#: temporaries). The rest is for what no program reports: cuDNN/cuBLAS workspaces, the batch,
-#: allocator fragmentation. 0.90 is the benchmark's figure (GPT2_1B to GPT3_12B on the H200
-#: trained under it); the main job's earlier 0.75 guarded an unchecked update phase, now checked.
+#: Fraction of the device budget the compiled step may use (its largest program plus the resident
+#: state, and the update phase); the rest is for what no program reports: cuDNN/cuBLAS workspaces,
+#: the batch, fragmentation. GPT2_1B to GPT3_12B trained under 0.90 on the H200 (docs/benchmarks.md).
 HEADROOM = 0.90
-#: Share of the host memory available that an ``"auto"`` host budget plans for: the rest is kept
-#: free for what the accounting misses (measured on the lent H200: the 8B full fine-tuning reached
-#: 123.6 GiB RSS where its plan said 122.4 GiB, 1 %; ``docs/benchmarks.md``, eleventh session).
+#: Share of the host memory available that an ``"auto"`` host budget plans for; the rest is for what
+#: the accounting misses (1 % on the H200's 8B fine-tuning: ``docs/benchmarks.md``, eleventh session).
 HOST_HEADROOM = 0.97
 #: Re-plans after the first plan when the compiled step exceeds the headroom.
 MAX_REPLANS = 4
-#: The ``"auto"`` device budget: the smallest budget with every chunk offloaded plus this fraction
-#: of the model's chunk bytes (compute params, master params, optimizer state), so that most model
-#: data stays in host memory and the plan still keeps what fits of the rest on the device.
+#: The ``"auto"`` device budget: the smallest budget with every chunk offloaded plus this fraction of
+#: the model's chunk bytes (params, master params, optimizer state): most model data stays on the host.
 AUTO_BUDGET_MODEL_FRACTION = 0.2
 
 
@@ -443,8 +438,8 @@ def auto_budget(problem: FitProblem, *, policy: str = "tide") -> int:
 # ---- checks ----------------------------------------------------------------------------------
 
 def compiled_peak(problem: FitProblem, step, schedule) -> dict:
-    """Compile every program of ``step`` for one pass (a micro-batch, or in-program the batch) and return its peak:
-    ``peak_bytes`` = max(largest program's argument + output + temp - alias + the master params
+    """Compile every program of ``step`` for one pass (a micro-batch, or in-program the batch) and
+    return its device peak: ``peak_bytes`` = max(largest program's argument + output + temp - alias + the master params
     and optimizer state (per micro-batch pass also the float32 gradient sums) of device-updated
     chunks, the update phase: every resident chunk's params, state and gradient plus one chunk's
     float32 temporaries), per rank."""

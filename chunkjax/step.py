@@ -43,7 +43,7 @@ from chunkjax.step_checkpoint import StepChunkIO, restore_chunks
 from chunkjax.step_commit import PendingStep
 from chunkjax.storage import updater as disk
 from chunkjax.step_updates import StepUpdates
-from chunkjax.topology import SingleDevice, make_topology
+from chunkjax.topology import OnTopology, SingleDevice, make_topology
 from chunkjax.speculate import for_step
 from chunkjax.updaters import HostWork, host_deadline_s
 from chunkjax.walker import Walk, moments_of, rank_major
@@ -72,7 +72,7 @@ class TrainState(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class ChunkedStep(StepChunkIO, StepUpdates):
+class ChunkedStep(StepChunkIO, StepUpdates, OnTopology):
     """A chunked training step for one (model, layout, placement or schedule, optimizer, topology).
 
     Build it with :func:`make_chunked_step`. ``step(state, batch) -> (state, metrics)``;
@@ -176,24 +176,6 @@ class ChunkedStep(StepChunkIO, StepUpdates):
         """The deadline of one step's host updates, seconds (see ``host_deadline``)."""
         predicted = self.schedule.predicted.time.step_s if self.schedule is not None else None
         return float(self.host_deadline) if self.host_deadline is not None else host_deadline_s(predicted)
-
-    # ---- topology ------------------------------------------------------------------------------
-    @property
-    def n_ranks(self) -> int:
-        return self.topology.n_ranks
-
-    @property
-    def mesh(self):
-        return self.topology.mesh
-
-    @property
-    def zero_stage(self) -> int | None:
-        return self.topology.zero_stage
-
-    @property
-    def shard_size(self) -> int:
-        """Elements of one chunk held by one rank (chunk_size / N)."""
-        return self.layout.chunk_size // self.n_ranks
 
     # ---- static structure ------------------------------------------------------------------------
     @functools.cached_property

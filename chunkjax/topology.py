@@ -474,3 +474,25 @@ def make_topology(mesh: Mesh | None = None, zero_stage: int | None = None) -> An
             raise ValueError(f"zero_stage={zero_stage} needs a mesh: pass mesh=chunkjax.topology.data_mesh()")
         return SingleDevice()
     return DataMesh(mesh, 3 if zero_stage is None else int(zero_stage))
+
+
+class OnTopology:
+    """The topology's facts as attributes of a step holding ``topology`` and ``layout``
+    (:class:`chunkjax.ChunkedStep`): ranks, mesh, ZeRO stage and one rank's share of a chunk."""
+
+    @property
+    def n_ranks(self) -> int:
+        return self.topology.n_ranks
+
+    @property
+    def mesh(self):
+        return self.topology.mesh
+
+    @property
+    def zero_stage(self) -> int | None:
+        return self.topology.zero_stage
+
+    @property
+    def shard_size(self) -> int:
+        """Elements of one chunk held by one rank (chunk_size / N)."""
+        return self.layout.chunk_size // self.n_ranks
