@@ -1,9 +1,9 @@
 # Issue 24 on the GPU: the largest models on one H200 (125.8 GiB host RAM, 64 GiB free disk), in parts of < 9 min.
 #   bash experiments/gpu_checks/largest.sh <run-id> a      # GPT3_15B host-only, batch 8 x 1024, 5 steps
 #   bash experiments/gpu_checks/largest.sh <run-id> b      # GPT3_18B with the disk tier, 5 steps
-#   bash experiments/gpu_checks/largest.sh <run-id> a2     # GPT3_12B, batch 64 = 8 micro-batches of 8 x 1024, host only
-#   bash experiments/gpu_checks/largest.sh <run-id> b2     # GPT3_12B, 8 micro-batches, disk tier (host budget 110e9)
-#   bash experiments/gpu_checks/largest.sh <run-id> r      # GPT3_15B and GPT3_18B with 8 micro-batches: the GPU's refusals
+#   bash experiments/gpu_checks/largest.sh <run-id> a2     # GPT3_15B, batch 64 = 8 micro-batches of 8 x 1024, disk tier
+#   bash experiments/gpu_checks/largest.sh <run-id> b2     # GPT3_18B, 8 micro-batches, disk tier (the CPU plan is refused)
+#   bash experiments/gpu_checks/largest.sh <run-id> c      # GPT3_12B, 8 micro-batches: host only, then disk (host 110e9)
 #   bash experiments/gpu_checks/largest.sh <run-id> table  # only the table of the runs under $OUT
 # Each part is one experiments.bench --largest call per run (one subprocess per system, the matmul probe in each
 # call), its pinned-pool settings in the environment of that call only; the bench's workers take
@@ -53,6 +53,14 @@
 #   disk, 32 programs; host measure 109.74e9 (32.21e9 + 77.52e9); disk 22.88 GB/step; predicted 33.72 s/step
 #   (16.34 s of disk, 14.55 s of it after the 8 micro-batches; 5 steps ~170 s). At 100e9: 41 disk chunks,
 #   52.1 GB/step, 54.60 s/step.
+# * In-program accumulation (session 13, chunkjax.plan_micro): the micro-batches loop inside each moment, a chunk is
+#   fetched once per step and its float32 sum stays on the device; no host sums. CPU plans (138 GiB, host 119e9,
+#   disk 68.67e9): GPT3_15B b64 fits: pool 44, 109 device / 109 host / 98 disk chunks, host 118.41e9, predicted
+#   101.5 s/step (part a2: --largest-steps 1 is 3 steps, ~305 s, after ~240 s of setup); GPT3_18B b64 needs
+#   154.72e9 of host (whole-batch saved stage inputs 48.9e9 on CPU traces): b2 records the GPU's figures.
+# * Session 13's part a (pool 38 preallocated) was killed by the kernel's OOM killer in its first step with shmem-rss
+#   (pinned) 79.7 GB against the 40.8 GB pool (experiments/results/largest_s13_15b_memory.json): PREALLOC=false runs
+#   a part with the pool growing up to its cap instead; run the part under memwatch.sh to log RssAnon/RssShmem.
 set -u
 RUN=${1:-largest}
 PART=${2:-a}
@@ -73,7 +81,7 @@ run() {  # run <tag> <pool GiB> <least s> <bench args...>: with at least <least 
   local left=$((LIMIT - (SECONDS - START)))
   if (( left < least )); then echo "skip $tag (time)"; echo "$tag" >> $OUT/skipped.txt; return; fi
   local t0=$SECONDS
-  XLA_PJRT_GPU_HOST_MEMORY_PREALLOCATE=true XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=$pool \
+  XLA_PJRT_GPU_HOST_MEMORY_PREALLOCATE=${PREALLOC:-true} XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=$pool \
     timeout -k 10 $left $B --run-id ${RUN}_$tag --worker-timeout $((left - 15)) "$@" > $OUT/$tag.log 2>&1
   echo "$tag rc=$? $((SECONDS - t0)) s"
 }
@@ -86,24 +94,20 @@ if [[ $PART == b ]]; then
   run 18b_disk ${POOL18:-50} 120 --largest-models $M18 --largest-steps 3 --storage "$DISK" --no-storage-keep-previous
   rm -rf "$DISK"
 fi
-if [[ $PART == a2 ]]; then
-  run 12b_mb8 ${POOL12MB:-30} ${MB_LEAST:-360} --largest-models $M12 --largest-steps ${MB_STEPS:-3} --largest-batch 64 \
-    --set micro_batches=8
-fi
-if [[ $PART == b2 ]]; then
+if [[ $PART == a2 || $PART == b2 ]]; then  # in-program accumulation where it fits (the plan line says which)
+  if [[ $PART == a2 ]]; then tag=15b_disk_mb8; model=$M15; pool=${POOL15MB:-44}; else tag=18b_disk_mb8; model=$M18; pool=${POOL18MB:-50}; fi
   disk
-  run 12b_disk_mb8 ${POOL12MB:-30} ${MB_LEAST:-420} --largest-models $M12 --largest-steps ${MB_STEPS:-3} --largest-batch 64 \
-    --set micro_batches=8 --host-budget ${HOST12:-110e9} --storage "$DISK" --no-storage-keep-previous
+  run $tag $pool ${MB_LEAST:-480} --largest-models $model --largest-steps ${MB_STEPS:-1} --largest-batch 64 \
+    --set micro_batches=8 --storage "$DISK" --no-storage-keep-previous
   rm -rf "$DISK"
 fi
-if [[ $PART == r ]]; then  # expected refusals (the CPU plans need 138.75e9 / 196.24e9 of host): the GPU's figures
-  for m in 15b:$M15:${POOL15MB:-44} 18b:$M18:${POOL18MB:-50}; do
-    IFS=: read tag model pool <<< "$m"
-    disk
-    run ${tag}_disk_mb8 $pool 120 --largest-models $model --largest-steps 1 --largest-batch 64 --set micro_batches=8 \
-      --storage "$DISK" --no-storage-keep-previous
-    rm -rf "$DISK"
-  done
+if [[ $PART == c ]]; then
+  run 12b_mb8 ${POOL12MB:-30} ${MB_LEAST12:-200} --largest-models $M12 --largest-steps ${MB_STEPS:-3} --largest-batch 64 \
+    --set micro_batches=8
+  disk
+  run 12b_disk_mb8 ${POOL12MB:-30} ${MB_LEAST12:-200} --largest-models $M12 --largest-steps ${MB_STEPS:-3} --largest-batch 64 \
+    --set micro_batches=8 --host-budget ${HOST12:-110e9} --storage "$DISK" --no-storage-keep-previous
+  rm -rf "$DISK"
 fi
 TAGS="15b 18b_disk 12b_mb8 12b_disk_mb8 15b_disk_mb8 18b_disk_mb8"
 for t in $TAGS; do [ -f $OUT/$t.log ] && { echo "== $t"; tail -3 $OUT/$t.log; }; done
