@@ -204,12 +204,16 @@ class OffloadedStep(OffloadedChunkIO):
         bit for bit.
 
         Raises:
-          ValueError: ``model``'s parameters differ from the offloaded model's (a missing or extra
-            leaf, another shape or dtype; one line naming the first), before anything is written.
+          ValueError: ``model``'s parameters, or the non-parameter state the sync writes, differ
+            from the offloaded model's (a missing or extra parameter, a missing state leaf or
+            node, e.g. no dropout RNG; another shape or dtype; one line naming the first), before
+            anything is written.
         """
         from flax import nnx
         d = self.discovery
         d.check_model(model)
+        if d.mutable:
+            _check_side(d, model)
         if jax.process_count() == 1:
             leaves = self._synced_leaves(jax.tree.leaves(nnx.state(model, d.wrt)))
         else:  # the masters gathered from every process (a collective)
@@ -273,6 +277,21 @@ class OffloadedStep(OffloadedChunkIO):
         """
         self.discovery.check_model(model)
         return release_params(model, self.discovery.wrt)
+
+
+def _check_side(d: Discovery, model) -> None:
+    """ValueError (one line, the first differing path) unless ``model`` has every non-parameter
+    leaf the sync writes (``d.side_keys``) with its shape and dtype."""
+    from flax import nnx
+    have = {path_key(p): a for p, a in jax.tree_util.tree_flatten_with_path(nnx.split(model, d.wrt, ...)[2])[0]}
+    for k, want in zip(d.side_keys, d.side_values):
+        a = have.get(k)
+        if a is None:
+            raise ValueError(f"the model lacks state {k!r} ({tuple(np.shape(want))} {want.dtype}) that the step "
+                             "writes (e.g. built without dropout RNGs): sync into a model built like the offloaded one")
+        if tuple(np.shape(a)) != tuple(np.shape(want)) or a.dtype != want.dtype:
+            raise ValueError(f"the model's state {k!r} is {tuple(np.shape(a))} {a.dtype}, the step's is "
+                             f"{tuple(np.shape(want))} {want.dtype}: sync into a model built like the offloaded one")
 
 
 def _optimizer_kw(tx) -> dict:

@@ -670,3 +670,18 @@ def test_the_front_door_adds_no_wait_to_the_engines_step(small_step):
         small_step.state, _ = small_step.step(small_step.state, small_step._step_batch(batch))
     assert _main_thread_syncs(engine) == front
     small_step.wait()
+
+
+def test_sync_into_a_model_with_other_state_is_one_line_and_writes_nothing(small_step):
+    """A target built without the dropout stream the step's model had: refused before any write."""
+    other = LoRALM(rngs=nnx.Rngs(1))
+    for blk in other.blocks:
+        blk.drop = nnx.Dropout(0.2)  # no RNG stream held: its rngs node is None
+    as_np = lambda a: np.array(jax.random.key_data(a) if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key) else a)
+    before = jax.tree.map(as_np, nnx.state(other))
+    with pytest.raises(ValueError, match="the model lacks state '.*rngs.*' .*sync into a model built like") as e:
+        small_step.sync(other)
+    assert "\n" not in str(e.value)
+    after = jax.tree.map(as_np, nnx.state(other))
+    assert jax.tree.structure(before) == jax.tree.structure(after)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)))
