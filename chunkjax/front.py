@@ -129,15 +129,23 @@ class OffloadedStep(OffloadedChunkIO):
                 f"{self.layout.chunk_size} elements; " + describe(self.report, self.problem))
 
     # ---- running ---------------------------------------------------------------------------------
-    def _check(self, batch) -> None:
-        got = _abstract(batch)
-        if jax.tree.structure(got) != jax.tree.structure(self._example) or any(
-                a.shape != b.shape or a.dtype != b.dtype
-                for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(self._example))):
-            want = [(tuple(a.shape), str(a.dtype)) for a in jax.tree.leaves(self._example)]
-            have = [(tuple(a.shape), str(a.dtype)) for a in jax.tree.leaves(got)]
+    def _check(self, batch):
+        """``batch`` as planned: ValueError (one line) unless its pytree structure, shapes and
+        dtypes are the example's; a leaf whose dtype JAX canonicalises to the planned one (int64
+        -> int32, float64 -> float32 with x64 off: what ``jnp.asarray`` does) is cast to it."""
+        got, ex = _abstract(batch), self._example
+        if jax.tree.structure(got) != jax.tree.structure(ex):
+            raise ValueError(f"the batch's pytree structure {jax.tree.structure(got)} differs from the planned "
+                             f"{jax.tree.structure(ex)}: pass batches structured as the example")
+        pairs = list(zip(jax.tree.leaves(got), jax.tree.leaves(ex)))
+        if any(a.shape != b.shape or jax.dtypes.canonicalize_dtype(a.dtype) != b.dtype for a, b in pairs):
+            want = [(tuple(b.shape), str(b.dtype)) for _, b in pairs]
+            have = [(tuple(a.shape), str(a.dtype)) for a, _ in pairs]
             raise ValueError(f"batch shapes {have} differ from the planned {want}: pass batches of the example's "
                              "shape (or build another step with chunkjax.offload for this shape)")
+        if all(a.dtype == b.dtype for a, b in pairs):
+            return batch
+        return jax.tree.map(lambda a, b: a if a.dtype == b.dtype else jnp.asarray(a, b.dtype), batch, ex)
 
     def _step_batch(self, batch):
         """``(data, tiled side leaves)``; on one device placed (committed) where the compiled check
@@ -157,11 +165,14 @@ class OffloadedStep(OffloadedChunkIO):
         host-updated chunks whose update does not wait for the global norm (updated in place
         while the backward runs). Costs no device or host bytes.
 
+        ``batch``'s leaves of a dtype JAX canonicalises to the planned one (int64 or float64 with
+        x64 off) are cast to it, as ``jnp.asarray`` would.
+
         Raises:
-          ValueError: the batch's structure, shapes or dtypes differ from the example's.
+          ValueError: the batch's pytree structure, shapes or dtypes differ from the example's.
           chunkjax.front_checkpoint.NoStateError: a restore failed after releasing the state.
         """
-        self._check(batch)
+        batch = self._check(batch)
         state = self._held()
         try:
             pending = self.step.begin(state, self._step_batch(batch))
@@ -178,7 +189,7 @@ class OffloadedStep(OffloadedChunkIO):
     def evaluate(self, batch):
         """The loss of ``batch`` with the current parameters, the model in eval mode (``nnx``'s
         ``model.eval()``: dropout off, running statistics read), no update (() float32)."""
-        self._check(batch)
+        batch = self._check(batch)
         return self._eval_step.eval_loss(self._held(), self._step_batch(batch))
 
     @functools.cached_property

@@ -685,3 +685,16 @@ def test_sync_into_a_model_with_other_state_is_one_line_and_writes_nothing(small
     after = jax.tree.map(as_np, nnx.state(other))
     assert jax.tree.structure(before) == jax.tree.structure(after)
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)))
+
+
+def test_batch_of_another_structure_or_x64_dtype(small_step):
+    """A tuple where an array was planned names the structures; numpy int64 tokens (x64 off) are
+    cast to the planned int32 as ``jnp.asarray`` would: the same loss."""
+    batch = token_batches(n=1, seed=3)[0]
+    with pytest.raises(ValueError, match=re.escape("pytree structure PyTreeDef((*,)) differs from the planned "
+                                                   "PyTreeDef(*)")) as e:
+        small_step.evaluate((batch,))
+    assert "\n" not in str(e.value)
+    assert float(small_step.evaluate(np.asarray(batch, np.int64))) == float(small_step.evaluate(batch))
+    with pytest.raises(ValueError, match="differ from the planned"):
+        small_step.evaluate(np.asarray(batch, np.float32))
