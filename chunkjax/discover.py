@@ -61,10 +61,7 @@ def _floating(a) -> bool:
 
 
 def _node_at(root, path: tuple):
-    node = root
-    for c in path:
-        node = node[c] if isinstance(c, int) else getattr(node, c)
-    return node
+    return functools.reduce(lambda node, c: node[c] if isinstance(c, int) else getattr(node, c), path, root)
 
 
 def _parse_path(blocks) -> tuple:
@@ -97,10 +94,8 @@ def _marked(cls):
         dyn = [i for i, a in enumerate(leaves) if isinstance(a, (jax.Array, np.ndarray))]
 
         def chunkjax_block(state, vals):
-            lv = list(leaves)
-            for i, v in zip(dyn, vals):
-                lv[i] = v
-            a, kw = jax.tree.unflatten(tdef, lv)
+            new_at = dict(zip(dyn, vals))
+            a, kw = jax.tree.unflatten(tdef, [new_at.get(i, x) for i, x in enumerate(leaves)])
             m = nnx.merge(gdef, state)
             out = cls.__call__(m, *a, **kw)
             return out, nnx.state(m)
@@ -556,11 +551,17 @@ def discover(model, loss_fn, data, *, wrt=None, blocks=None, compute_dtype=None)
                              f"{'/'.join(map(str, path))!r}") from None
         mode = "list" if isinstance(node, (nnx.List, list, tuple)) else "scan"
     elif lists:
+        path = lists[0][0]
+    if path and isinstance(_node_at(model, path), (seqs := (nnx.List, list, tuple))) and any(
+            isinstance(n, seqs) for n in (_node_at(model, path[:-1]), *_node_at(model, path))):
+        raise ValueError(f"the block list {'/'.join(map(str, path))!r} holds lists or is held in one (nested block "
+                         "lists): hold the blocks in one flat nnx.List")
+    if blocks is None and lists:
         if len(lists) > 1 and lists[0][1] == lists[1][1]:
             names = ["/".join(map(str, p)) for p, _ in lists[:2]]
             raise ValueError(f"block lists {names} hold equally many parameters: name the blocks, "
                              f"e.g. blocks={names[0]!r}")
-        mode, path = "list", lists[0][0]
+        mode = "list"
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), data)
     d = Discovery(graphdef, wrt, ptd, pkeys, pavals, std, tuple(path_key(p) for p, _ in sflat),
                   tuple(a for _, a in sflat), (), {}, path, mode, loss_fn, jnp.dtype(compute_dtype), abstract)
@@ -594,6 +595,6 @@ def discover(model, loss_fn, data, *, wrt=None, blocks=None, compute_dtype=None)
             mode = "scan"
     if mode == "none":
         warnings.warn("found no block list: the model is one stage, so every parameter is fetched at once; hold "
-                      "the blocks in an nnx.List or pass blocks=", stacklevel=2)
+                      "the blocks in an nnx.List (or a list), or scan over one stacked block", stacklevel=2)
     return dataclasses.replace(d, mutable=mutable, per_layer=per_layer, blocks=path, mode=mode,
                                forward_flops=matmul_flops(closed))

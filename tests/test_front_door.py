@@ -505,7 +505,7 @@ def test_sync_into_another_model_is_one_line_and_writes_nothing(small_step):
 
 def test_no_block_list_warns_and_blocks_error_names_nnx_list():
     model, batch = DictLM(rngs=nnx.Rngs(0, dropout=1)), token_batches(n=1)[0]
-    with pytest.warns(UserWarning, match="found no block list: the model is one stage.*nnx.List or pass blocks="):
+    with pytest.warns(UserWarning, match="found no block list: the model is one stage.*nnx.List \\(or a list\\), or scan over one stacked block"):
         d = chunkjax.discover.discover(model, lm_loss, batch)
     assert len(d.stages) == 1
     with pytest.raises(ValueError, match="nnx.List"):
@@ -698,3 +698,26 @@ def test_batch_of_another_structure_or_x64_dtype(small_step):
     assert float(small_step.evaluate(np.asarray(batch, np.int64))) == float(small_step.evaluate(batch))
     with pytest.raises(ValueError, match="differ from the planned"):
         small_step.evaluate(np.asarray(batch, np.float32))
+
+
+class NestedLM(LoRALM):
+    """LoRALM's blocks in a list of two lists (groups of blocks)."""
+
+    def __init__(self, *, rngs):
+        super().__init__(layers=4, rngs=rngs)
+        self.blocks = nnx.List([nnx.List(list(self.blocks)[:2]), nnx.List(list(self.blocks)[2:])])
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        for group in self.blocks:
+            for blk in group:
+                x = blk(x)
+        return self.out(x)
+
+
+def test_nested_block_lists_are_refused_in_one_line():
+    model, batch = NestedLM(rngs=nnx.Rngs(0, dropout=1)), token_batches(n=1)[0]
+    for blocks in (None, "blocks", "blocks/0"):
+        with pytest.raises(ValueError, match="holds lists or is held in one .*one flat nnx.List") as e:
+            chunkjax.discover.discover(model, lm_loss, batch, blocks=blocks)
+        assert "\n" not in str(e.value)
