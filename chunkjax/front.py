@@ -376,6 +376,9 @@ def _prepare(model, d: Discovery, leaves, tx, device_budget, host_budget, traina
     params = d.layout_params(leaves)
     if trainable is not None:
         fit_kw["trainable"] = _trainable_mask(model, d, trainable, params)
+        if not any(fit_kw["trainable"].values()):
+            raise ValueError(f"trainable={trainable!r} matches no floating parameter of wrt={d.wrt!r}: nothing would "
+                             "train; pass a filter that matches some (e.g. nnx.LoRAParam) or leave trainable=None")
     fit_kw.setdefault("flops_per_step", 3.0 * d.forward_flops)
     rows = jax.tree.leaves(d.example)[0].shape[0]
     side = tuple(jax.ShapeDtypeStruct((rows,) + tuple(np.shape(d.side_values[j])), d.side_values[j].dtype)
@@ -444,7 +447,9 @@ def offload(model, tx, loss_fn, batch, *, device_budget: int | str = "auto", hos
       tx: an elementwise optax transformation (offloaded chunks update streamed through the
         device), or a host spec (``chunkjax.host_update.AdamW / Lion / SGDMomentum``: offloaded
         chunks update on the host, its ``optax()`` twin updates the device chunks).
-      loss_fn: ``loss_fn(model, batch) -> () float``: the loss (a scalar; nnx's usual signature).
+      loss_fn: ``loss_fn(model, batch) -> () float``: the loss (a scalar; nnx's usual signature),
+        nothing else: no ``(loss, aux)`` pair (:meth:`OffloadedStep.evaluate` gives the loss
+        without an update; other outputs come from the model's forward after a sync).
         Blocks wrapped in ``nnx.remat`` (or calling ``jax.checkpoint`` inside) are found the same
         way; their rematerialisation coincides with the step's per-stage recompute.
       batch: an example batch, the planned shape: tokens (B, T+1) or any pytree of arrays with
@@ -456,7 +461,8 @@ def offload(model, tx, loss_fn, batch, *, device_budget: int | str = "auto", hos
       wrt: nnx filter of the chunked leaves (default ``nnx.Param``); the rest of the model's
         state (RNG streams, counters, batch statistics) advances as in the plain loop.
       trainable: nnx filter of the trained leaves among ``wrt`` (default: all floating ones);
-        the others are frozen: chunked and fetched, no optimizer state, never updated.
+        the others are frozen: chunked and fetched, no optimizer state, never updated. A filter
+        matching no floating parameter is refused (ValueError).
       blocks: attribute path of the block list or scanned block (``"decoder/layers"``) when the
         automatic choice is ambiguous (:func:`chunkjax.discover.discover`).
       compute_dtype: dtype of compute params and gradients (default: the params' dtype; e.g.
@@ -471,7 +477,10 @@ def offload(model, tx, loss_fn, batch, *, device_budget: int | str = "auto", hos
         always.
       **fit_kw: the rest of :func:`chunkjax.fit_step` (chunk_size, min_chunks, prefetch,
         flops_per_step (default: 3 x the forward's matrix products counted in the traced loss),
-        rates, check_compiled, strict, ...): this is the fit path's
+        rates, check_compiled, strict, ...): ``nonfinite="skip"`` leaves parameters and optimizer
+        state of a step with non-finite gradients unchanged, while the non-parameter state the
+        loss changes (counters, RNG counts) advances; ``check_tx=False`` skips the probe that
+        refuses a non-elementwise ``tx`` (only for one known elementwise). This is the fit path's
         :func:`~chunkjax.fit.prepare` then :func:`~chunkjax.fit.fit_problem`.
 
     Returns:

@@ -721,3 +721,10 @@ def test_nested_block_lists_are_refused_in_one_line():
         with pytest.raises(ValueError, match="holds lists or is held in one .*one flat nnx.List") as e:
             chunkjax.discover.discover(model, lm_loss, batch, blocks=blocks)
         assert "\n" not in str(e.value)
+
+
+def test_trainable_matching_nothing_is_refused_in_one_line():
+    with pytest.raises(ValueError, match="trainable=.* matches no floating parameter") as e:
+        chunkjax.offload(Llama(rngs=nnx.Rngs(0)), optax.adam(1e-3), lm_loss, token_batches(n=1)[0],
+                         trainable=nnx.LoRAParam)
+    assert "\n" not in str(e.value)
