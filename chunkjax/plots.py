@@ -1,7 +1,8 @@
 """Figures of a plan: the memory tide, device bytes per moment, the schedule, the placement.
 
 Each function takes what the fit path gives (a :class:`chunkjax.fit.Fitted` from
-:func:`chunkjax.fit_step` or the step of :func:`chunkjax.offload`, its :class:`~chunkjax.fit.FitReport`, a
+:func:`chunkjax.fit_step` or the step of :func:`chunkjax.offload`, its :class:`~chunkjax.fit.FitReport`, the
+:class:`~chunkjax.front.OffloadPlan` of :func:`chunkjax.plan_offload`, a
 :class:`~chunkjax.fit.FitProblem` from :func:`chunkjax.fit.prepare`, a
 :class:`~chunkjax.schedule.Schedule` from :func:`chunkjax.fit.plan`) and returns a
 ``matplotlib.figure.Figure`` (made without pyplot, so nothing global is kept; ``path=`` also
@@ -47,15 +48,17 @@ PLACEMENT_LISTS = ("compute params", "master params + optimizer state", "gradien
 
 def _parts(obj, schedule=None):
     """(problem or None, schedule or None, budget in force or None) of a Fitted, FitReport,
-    FitProblem or Schedule; ``schedule`` overrides the one found."""
+    OffloadPlan, FitProblem or Schedule; ``schedule`` overrides the one found."""
     from chunkjax.fit import FitProblem, FitReport, Fitted
+    from chunkjax.front import OffloadPlan
 
     problem = budget = found = None
     if isinstance(obj, Fitted) or (isinstance(getattr(obj, "report", None), FitReport)
                                    and isinstance(getattr(obj, "problem", None), FitProblem)):
         # what fit_step returns, or a step that carries both (chunkjax.offload's)
         problem, found, budget = obj.problem, obj.report.schedule, obj.report.budget_bytes
-    elif isinstance(obj, FitReport):
+    elif isinstance(obj, (FitReport, OffloadPlan)):  # OffloadPlan: chunkjax.plan_offload's (problem, schedule)
+        problem = obj.problem if isinstance(obj, OffloadPlan) else None
         found, budget = obj.schedule, obj.budget_bytes
     elif isinstance(obj, FitProblem):
         problem = obj
@@ -63,7 +66,8 @@ def _parts(obj, schedule=None):
         found = obj
     elif obj is not None:
         raise TypeError(f"cannot plot a {type(obj).__name__}: pass what chunkjax.fit_step or chunkjax.offload "
-                        "returns, its report, a FitProblem (chunkjax.fit.prepare) or a Schedule (chunkjax.fit.plan)")
+                        "returns, its report, an OffloadPlan (chunkjax.plan_offload), a FitProblem (chunkjax.fit.prepare) or a "
+                        "Schedule (chunkjax.fit.plan)")
     s = schedule if schedule is not None else found
     if budget is None and isinstance(s, Schedule):
         budget = s.budget_bytes

@@ -528,6 +528,12 @@ def test_plan_offload_plans_an_abstract_model_as_offload_does(small_step):
                               device_budget=small_step.report.budget_bytes)
     assert p.problem.layout.n_chunks == small_step.layout.n_chunks
     assert p.problem.flops_per_step == small_step.problem.flops_per_step > 0
+    # the figures take the plan as they take the step: the same tide bars and residency image
+    from chunkjax import plots
+    tide = [b.get_height() for b in plots.plot_tide(p).axes[0].patches]
+    assert tide == [b.get_height() for b in plots.plot_tide(p.problem, schedule=p.schedule).axes[0].patches]
+    a = plots.plot_schedule(p).axes[0].images[0].get_array()
+    assert (a == plots.plot_schedule(p.problem, schedule=p.schedule).axes[0].images[0].get_array()).all()
     assert p.schedule.counts() == small_step.schedule.counts()
     assert p.schedule.predicted.peak_device_bytes == small_step.schedule.predicted.peak_device_bytes
     assert "stages" in p.summary() and "predicted step" in p.summary()
