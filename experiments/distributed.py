@@ -87,6 +87,22 @@ def start(zero_stage: int, environ=None) -> int:
     return jax.process_count()
 
 
+def barrier(name: str, timeout_s: float = 900.0) -> None:
+    """Wait until every process of the ``jax.distributed`` job has reached ``name`` (a name used
+    once), through the coordination service, which waits up to ``timeout_s`` seconds. The job
+    calls it before each step: on the CPU, gloo's reduce-scatter fails when the processes reach it
+    more than 30 s apart (one compiling the evaluation while the other waits), whatever XLA's
+    collective timeout says (jax-ml/jax#40831). Nothing with one process.
+
+    Raises:
+      jax.errors.JaxRuntimeError: a process did not arrive within ``timeout_s``."""
+    import jax
+    if jax.process_count() == 1:
+        return
+    from jax._src import distributed as _distributed  # the coordination service's client
+    _distributed.global_state.client.wait_at_barrier(name, int(timeout_s * 1000))
+
+
 def is_writer() -> bool:
     """True in the process that writes the run folder (process 0, or the only process)."""
     import jax

@@ -795,6 +795,8 @@ def _train(cfg, model, fitted, td, folder, t_start, resolved, resume=None, setup
     completed here with ``init``, ``first_eval`` and ``first_step`` (report ``setup_s``)."""
     import zlib
 
+    from experiments import distributed
+
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -901,6 +903,7 @@ def _train(cfg, model, fitted, td, folder, t_start, resolved, resume=None, setup
     with mf:
         for i in bar:
             nb = next(batches)
+            distributed.barrier(f"chunkjax-step-{i}")  # several processes reach the step together
             b = jax.device_put(nb, dev)
             t0 = time.perf_counter()
             unscored = bool(td.meta.get("masked_train_tokens")) and not (nb[:, 1:] >= 0).any()  # all prompt
