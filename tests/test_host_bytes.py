@@ -10,7 +10,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 import chunkjax as cj
@@ -19,6 +18,8 @@ from chunkjax.host_update import AdamW
 from chunkjax.optim import state_bytes_per_chunk
 from chunkjax.plan import plan_schedule
 from models import gpt
+
+from _optax_reference import micro_batch_reference
 
 B, T = 2, 16
 STEPS = 6
@@ -59,29 +60,7 @@ def _schedule(setup, spec, dtype=jnp.float32, master_fetch=True):
 
 def _reference(cfg, params, batches, spec, micro_batches=1):
     """Plain optax on the device (fp32), as tests/test_overlap.py."""
-    tx = spec.optax()
-
-    def grads_of(p, b):
-        return jax.value_and_grad(lambda p: gpt.loss_fn(cfg, p, b, jnp.float32))(p)
-
-    @jax.jit
-    def step(p, o, b):
-        parts = jnp.split(b, micro_batches)
-        ls, gs = zip(*[grads_of(p, x) for x in parts])
-        total = gs[0]
-        for g in gs[1:]:
-            total = jax.tree.map(jnp.add, total, g)
-        g = jax.tree.map(lambda a: a * jnp.float32(1.0 / micro_batches), total)
-        u, o = tx.update(g, o, p)
-        return optax.apply_updates(p, u), o, jnp.mean(jnp.stack(ls)), optax.tree.norm(g)
-
-    p, o, losses, norms = params, tx.init(params), [], []
-    for b in batches:
-        p, o, l, n = step(p, o, b if micro_batches > 1 else b[:B])
-        losses.append(float(l))
-        norms.append(float(n))
-    return p, np.asarray(losses), np.asarray(norms)
-
+    return micro_batch_reference(cfg, params, batches, spec.optax(), micro_batches, rows=B)
 
 def _train(step, params, batches, micro_batches=1):
     state, losses = step.init(params), []

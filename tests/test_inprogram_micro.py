@@ -20,6 +20,8 @@ from chunkjax.optim import state_bytes_per_chunk
 from chunkjax.plan import plan_schedule
 from models import gpt
 
+from _optax_reference import micro_batch_reference
+
 B, T, M = 2, 16, 4  # B rows per micro-batch
 STEPS = 20
 #: The clipping threshold: below the reference's gradient norm on the first steps, above it later.
@@ -52,26 +54,7 @@ def _random_params(cfg, rng):
 
 def _reference(cfg, params, batches, tx, micro_batches):
     """Plain optax (fp32): the gradient is the float32 mean of the micro-batches' gradients."""
-    def grads_of(p, b):
-        return jax.value_and_grad(lambda p: gpt.loss_fn(cfg, p, b, jnp.float32))(p)
-
-    @jax.jit
-    def step(p, o, b):
-        ls, gs = zip(*[grads_of(p, x) for x in jnp.split(b, micro_batches)])
-        total = gs[0]
-        for g in gs[1:]:
-            total = jax.tree.map(jnp.add, total, g)
-        g = jax.tree.map(lambda a: a * jnp.float32(1.0 / micro_batches), total)
-        u, o = tx.update(g, o, p)
-        return optax.apply_updates(p, u), o, jnp.mean(jnp.stack(ls)), optax.tree.norm(g)
-
-    p, o, losses, norms = params, tx.init(params), [], []
-    for b in batches:
-        p, o, l, n = step(p, o, b)
-        losses.append(float(l))
-        norms.append(float(n))
-    return p, np.asarray(losses), np.asarray(norms)
-
+    return micro_batch_reference(cfg, params, batches, tx, micro_batches)
 
 def _train(step, params, batches):
     state, losses = step.init(params), []

@@ -24,6 +24,8 @@ from chunkjax.plan import NEAR_TIE, plan_schedule
 from chunkjax.program_cut import auto_segments, uniform_segments
 from models import gpt
 
+from _optax_reference import micro_batch_reference
+
 from _compiles import assert_compiles_only_first, count_compiles
 
 B, T = 2, 16
@@ -76,29 +78,7 @@ def _reference(cfg, params, batches, spec, micro_batches=1):
 
 
 def _reference_run(cfg, params, batches, spec, micro_batches):
-    tx = spec.optax()
-
-    def grads_of(p, b):
-        return jax.value_and_grad(lambda p: gpt.loss_fn(cfg, p, b, jnp.float32))(p)
-
-    @jax.jit
-    def step(p, o, b):
-        parts = jnp.split(b, micro_batches)
-        ls, gs = zip(*[grads_of(p, x) for x in parts])
-        total = gs[0]
-        for g in gs[1:]:
-            total = jax.tree.map(jnp.add, total, g)
-        g = jax.tree.map(lambda a: a * jnp.float32(1.0 / micro_batches), total)
-        u, o = tx.update(g, o, p)
-        return optax.apply_updates(p, u), o, jnp.mean(jnp.stack(ls)), optax.tree.norm(g)
-
-    p, o, losses, norms = params, tx.init(params), [], []
-    for b in batches:
-        p, o, l, n = step(p, o, b if micro_batches > 1 else b[:B])
-        losses.append(float(l))
-        norms.append(float(n))
-    return p, np.asarray(losses), np.asarray(norms)
-
+    return micro_batch_reference(cfg, params, batches, spec.optax(), micro_batches, rows=B)
 
 def _train(step, params, batches, micro_batches=1):
     """Train ``step`` on ``batches``: (state, losses, per step (speculated, redone)). Checks that
