@@ -53,6 +53,7 @@ from chunkjax.host_forms import assign_host_forms
 from chunkjax.layout import ChunkLayout
 from chunkjax.memory import DEVICE, PINNED_HOST
 from chunkjax.plan_disk import host_disk_error, place_on_disk
+from chunkjax.plan_memo import predictor
 from chunkjax.plan_split import NEAR_TIE, split_updates
 from chunkjax.program_cut import auto_segments, cut_and_start
 from chunkjax.predict import ChunkBytes
@@ -174,17 +175,19 @@ def _frozen_none(layout: ChunkLayout, loc) -> tuple[str, ...]:
 
 def _tide_one(layout: ChunkLayout, traces, tide: Tide, cb: ChunkBytes, budget: int, resident: set[int],
               host_update: bool, prefetch: int, segments: tuple[int, ...], rates: Rates, flops_per_step: float,
-              split: bool = False, streamed_early: bool = False, reserve: int | None = None, micro_batches: int = 1):
+              split: bool = False, streamed_early: bool = False, reserve: int | None = None, micro_batches: int = 1,
+              predict=pr.predict):
     """Schedule one placement (``resident`` chunks fully on the device); None if it cannot fit.
     With ``streamed_early`` (and the split) also the placement whose chunk buffers leave the
     streamed pipeline's bytes free during the backward (``reserve``), the faster of the two.
     With ``micro_batches`` > 1 the device-updated chunks' float32 sums are on the device
-    throughout (:func:`chunkjax.predict.waiting_grad_bytes`)."""
+    throughout (:func:`chunkjax.predict.waiting_grad_bytes`). ``predict``: :func:`chunkjax.predict.predict`
+    or the plan's memo of it (:func:`chunkjax.plan_memo.predictor`)."""
     if streamed_early and split and host_update and reserve is None:
         args = (layout, traces, tide, cb, budget, resident, host_update, prefetch, segments, rates, flops_per_step, split)
-        late = _tide_one(*args, streamed_early=False, micro_batches=micro_batches)
+        late = _tide_one(*args, streamed_early=False, micro_batches=micro_batches, predict=predict)
         early = _tide_one(*args, streamed_early=True, reserve=pr.streamed_pipeline_bytes(layout.chunk_size, cb),
-                          micro_batches=micro_batches)
+                          micro_batches=micro_batches, predict=predict)
         if early is None or not early.streamed_early or (
                 late is not None and late.predicted.time.step_s <= early.predicted.time.step_s):
             return late
@@ -215,15 +218,15 @@ def _tide_one(layout: ChunkLayout, traces, tide: Tide, cb: ChunkBytes, budget: i
     held = [len(r) for r in ev.resident_after]
     per_moment = pr.tide_moment_bytes(tide, cb, pk, loc, ev.fetch, prefetch, held, grad_done,
                                       micro_batches=micro_batches)
-    pred = pr.predict(layout.chunk_size, traces, tide, cb, pk, loc, ev.fetch, segments, per_moment,
-                      flops_per_step=flops_per_step, rates=rates)
+    pred = predict(layout.chunk_size, traces, tide, cb, pk, loc, ev.fetch, segments, per_moment,
+                   flops_per_step=flops_per_step, rates=rates)
     if pred.peak_device_bytes > budget:
         return None
     early = False
     if split and HOST_UPDATE in loc:
         loc, pred, early = split_updates(layout.chunk_size, traces, tide, cb, budget, pk, loc, ev.fetch, segments,
                                          per_moment, rates=rates, flops_per_step=flops_per_step,
-                                         streamed_early=streamed_early)
+                                         streamed_early=streamed_early, predict=predict)
     return Schedule(pk, loc, tuple(ev.fetch), tuple(_evictions(ev.fetch, accesses, T)), segments, prefetch,
                     _moments(tide), pred, int(budget), streamed_early=early)
 
@@ -530,15 +533,21 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
 
         disk = (host_budget_bytes, disk_budget_bytes, int(storage_devices), disk_versions) if storage_devices else None
 
+        predict = predictor()  # this plan's candidates, each predicted once
+        placed: dict = {}  # (budget, resident set) -> the schedule of one(), each placement scheduled once
+
         def one(b, res):
-            s = forms(_tide_one(layout, traces, tide, plan_cb, b, res, host_update, prefetch, segs, rates,
-                                flops_per_step, split and resident is None, streamed_early,
-                                micro_batches=micro_batches))
-            s = s if s is None or disk is None else place_on_disk(
-                s, plan_cb, chunk_size=layout.chunk_size, traces=traces, tide=tide, disk=disk, rates=rates,
-                flops_per_step=flops_per_step, micro_batches=micro_batches, streamed_early=streamed_early,
-                host_bytes_of=None if ranks > 1 else host_bytes_of)
-            return None if s is None else finish(s)
+            key = (b, frozenset(res))
+            if key not in placed:
+                s = forms(_tide_one(layout, traces, tide, plan_cb, b, res, host_update, prefetch, segs, rates,
+                                    flops_per_step, split and resident is None, streamed_early,
+                                    micro_batches=micro_batches, predict=predict))
+                s = s if s is None or disk is None else place_on_disk(
+                    s, plan_cb, chunk_size=layout.chunk_size, traces=traces, tide=tide, disk=disk, rates=rates,
+                    flops_per_step=flops_per_step, micro_batches=micro_batches, streamed_early=streamed_early,
+                    host_bytes_of=None if ranks > 1 else host_bytes_of)
+                placed[key] = None if s is None else finish(s)
+            return placed[key]
 
         best = _tide(one, layout.n_chunks, budget, host_fits, resident)
         if best is None and disk is not None and one(budget, set()) is not None:  # the device fits; the host does not
@@ -550,10 +559,11 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
             _tide_infeasible(one, layout.n_chunks, tide, plan_cb, budget, host_budget_bytes, ranks, host_bytes)
         if segments == "auto" and ranks == 1 and disk is None:
             best = cut_and_start(best, lambda b, res, **kw: forms(_tide_one(
-                layout, traces, tide, plan_cb, b, res, host_update, prefetch, segs, rates, flops_per_step, **kw)),
+                layout, traces, tide, plan_cb, b, res, host_update, prefetch, segs, rates, flops_per_step, **kw,
+                predict=predict)),
                 plan_cb, layout=layout, traces=traces, tide=tide, rates=rates, flops_per_step=flops_per_step,
                 fits=host_fits, micro_batches=micro_batches, streamed_early=streamed_early and split,
-                split=split and resident is None)
+                split=split and resident is None, predict=predict)
         return best
     if policy == "fixed":
         s = finish(_fixed(layout, traces, tide, plan_cb, budget, prefetch, rates, flops_per_step))

@@ -16,7 +16,7 @@ NEAR_TIE = 0.02
 
 def split_updates(chunk_size: int, traces, tide: Tide, cb: ChunkBytes, budget: int, param_kinds, update_locations,
                   fetch, segments, moment_bytes, *, rates: Rates, flops_per_step: float, streamed_early: bool = False,
-                  window: int = pr.GRAD_WINDOW_PROGRAMS):
+                  window: int = pr.GRAD_WINDOW_PROGRAMS, predict=pr.predict):
     """Update placement by rate (ZeRO-Offload++ / ZenFlow's split of the update between GPU and
     CPU): move some host-updated chunks to ``streamed`` (state moved through the device by
     :mod:`chunkjax.streamed`, both PCIe directions in flight, while the host thread runs) in the
@@ -42,6 +42,8 @@ def split_updates(chunk_size: int, traces, tide: Tide, cb: ChunkBytes, budget: i
       streamed_early: the step may start streamed updates early
         (:func:`chunkjax.streamed.starts_early`).
       window: the step's gradient window (``Schedule.grad_window``).
+      predict: :func:`chunkjax.predict.predict` or the plan's memo of it
+        (:func:`chunkjax.plan_memo.predictor`).
 
     Returns:
       ``(update_locations, prediction, early)`` of the fastest split (the input's when no chunk
@@ -57,14 +59,14 @@ def split_updates(chunk_size: int, traces, tide: Tide, cb: ChunkBytes, budget: i
     for early in (False, True) if streamed_early else (False,):
         for pick in picks:
             loc, pred = _split_one(chunk_size, traces, tide, cb, budget, param_kinds, update_locations, fetch, segments,
-                                   moment_bytes, m, pick, rates, flops_per_step, early, window)
+                                   moment_bytes, m, pick, rates, flops_per_step, early, window, predict)
             if best is None or pred.time.step_s < best[1].time.step_s:
                 best = loc, pred, early and STREAMED_UPDATE in loc
     return best
 
 
 def _split_one(chunk_size, traces, tide, cb, budget, param_kinds, update_locations, fetch, segments, moment_bytes,
-               m, pick, rates, flops_per_step, early, window=pr.GRAD_WINDOW_PROGRAMS):
+               m, pick, rates, flops_per_step, early, window=pr.GRAD_WINDOW_PROGRAMS, predict=pr.predict):
     """:func:`split_updates` for one way of choosing ``j`` of the ``m`` host chunks (``pick(j)``)
     and one way of running the streamed chunks."""
     memo: dict = {}
@@ -73,9 +75,8 @@ def _split_one(chunk_size, traces, tide, cb, budget, param_kinds, update_locatio
         if j not in memo:
             moved = set(pick(j)) if j else set()
             loc = tuple(STREAMED_UPDATE if c in moved else u for c, u in enumerate(update_locations))
-            memo[j] = loc, pr.predict(chunk_size, traces, tide, cb, param_kinds, loc, fetch, segments, moment_bytes,
-                                      flops_per_step=flops_per_step, rates=rates, streamed_early=early,
-                                      window=window)
+            memo[j] = loc, predict(chunk_size, traces, tide, cb, param_kinds, loc, fetch, segments, moment_bytes,
+                                   flops_per_step=flops_per_step, rates=rates, streamed_early=early, window=window)
         return memo[j]
 
     base = at(0)

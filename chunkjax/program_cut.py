@@ -87,7 +87,7 @@ def candidate_cuts(n_moments: int, n_stages: int, done_moments: Sequence[int],
 def choose_program_cut(s: Schedule, cb: pr.ChunkBytes, *, chunk_size: int, traces, tide, rates,
                        flops_per_step: float, fits: Callable[[Schedule], bool], micro_batches: int = 1,
                        streamed_early: bool = False, split: bool = False,
-                       windows: Sequence[int] = range(2, MAX_WINDOW + 1)) -> Schedule:
+                       windows: Sequence[int] = range(2, MAX_WINDOW + 1), predict=pr.predict) -> Schedule:
     """The schedule ``s`` (one device, its placement and host forms decided) with the program
     cut, gradient window and streamed start that the cost model predicts fastest
     (:mod:`chunkjax.program_cut`), among those whose device peak stays within
@@ -106,6 +106,8 @@ def choose_program_cut(s: Schedule, cb: pr.ChunkBytes, *, chunk_size: int, trace
       streamed_early: the step may start streamed updates early (:func:`chunkjax.streamed.starts_early`).
       split: the update locations may be re-split between ``host`` and ``streamed``.
       windows: gradient windows tried (programs, each >= 1).
+      predict: :func:`chunkjax.predict.predict` or the plan's memo of it
+        (:func:`chunkjax.plan_memo.predictor`).
 
     Returns:
       a :class:`~chunkjax.schedule.Schedule` (``segments``, ``grad_window``, ``streamed_early``,
@@ -128,9 +130,9 @@ def choose_program_cut(s: Schedule, cb: pr.ChunkBytes, *, chunk_size: int, trace
         for segs in candidate_cuts(T, n, [done[c] for c in hosts if c in done]):
             for w in windows:
                 for early in starts:
-                    pred = pr.predict(chunk_size, traces, tide, cb, x.param_kinds, x.update_locations, x.fetch, segs,
-                                      base, flops_per_step=flops_per_step, rates=rates, master_fetch=x.master_fetch,
-                                      micro_batches=micro_batches, streamed_early=early, window=w)
+                    pred = predict(chunk_size, traces, tide, cb, x.param_kinds, x.update_locations, x.fetch, segs,
+                                   base, flops_per_step=flops_per_step, rates=rates, master_fetch=x.master_fetch,
+                                   micro_batches=micro_batches, streamed_early=early, window=w)
                     if pred.time.step_s >= best_t or pred.peak_device_bytes > x.budget_bytes:
                         continue
                     cand = dataclasses.replace(x, segments=tuple(segs), grad_window=int(w), streamed_early=early,
@@ -144,7 +146,7 @@ def choose_program_cut(s: Schedule, cb: pr.ChunkBytes, *, chunk_size: int, trace
         loc0 = tuple(HOST_UPDATE if u == STREAMED_UPDATE else u for u in s.update_locations)
         loc, pred, early = split_updates(chunk_size, traces, tide, cb, s.budget_bytes, s.param_kinds, loc0, s.fetch,
                                          best.segments, base, rates=rates, flops_per_step=flops_per_step,
-                                         streamed_early=streamed_early, window=best.grad_window)
+                                         streamed_early=streamed_early, window=best.grad_window, predict=predict)
         again = dataclasses.replace(best, update_locations=loc, streamed_early=early, predicted=pred)
         if pred.peak_device_bytes <= s.budget_bytes and fits(again):
             if pred.time.step_s < best_t:
@@ -154,7 +156,7 @@ def choose_program_cut(s: Schedule, cb: pr.ChunkBytes, *, chunk_size: int, trace
 
 
 def cut_and_start(best: Schedule, one, cb: pr.ChunkBytes, *, layout, traces, tide, rates, flops_per_step, fits,
-                   micro_batches: int, streamed_early: bool, split: bool) -> Schedule:
+                   micro_batches: int, streamed_early: bool, split: bool, predict=pr.predict) -> Schedule:
     """``best`` (the planner's fastest tide schedule, one device) with the program cut and
     gradient window chosen on the step's timeline (:func:`choose_program_cut`); with
     ``streamed_early`` and ``split`` also the placements of ``best``'s resident count and the
@@ -171,11 +173,13 @@ def cut_and_start(best: Schedule, one, cb: pr.ChunkBytes, *, layout, traces, tid
       fits: ``schedule -> bool``, the host budget check.
       streamed_early: the step may start streamed updates early.
       split: the update work may be re-split between host and streamed chunks.
+      predict: :func:`chunkjax.predict.predict` or the plan's memo of it
+        (:func:`chunkjax.plan_memo.predictor`).
     """
     def cut(s):
         return choose_program_cut(s, cb, chunk_size=layout.chunk_size, traces=traces, tide=tide, rates=rates,
                                   flops_per_step=flops_per_step, fits=fits, micro_batches=micro_batches,
-                                  streamed_early=streamed_early, split=split)
+                                  streamed_early=streamed_early, split=split, predict=predict)
     best = cut(best)
     if not (streamed_early and split) or best.streamed_early:
         return best

@@ -9,6 +9,7 @@ blocks) are compiled once.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.extend.core as jex_core
@@ -102,9 +103,10 @@ def _vjp_fn(stage, head: bool, mask=None):
     return vjp_fn
 
 
-def _cotangent(stage, p_sub, x, batch, head: bool):
-    """Abstract cotangent of the stage's output as :func:`chunkjax.stages.stage_vjp` takes it."""
-    out = jax.eval_shape(stage.apply, p_sub, x, batch)
+def _cotangent(stage, p_sub, x, batch, head: bool, out=None):
+    """Abstract cotangent of the stage's output (``out``: its abstract output when known) as
+    :func:`chunkjax.stages.stage_vjp` takes it."""
+    out = jax.eval_shape(stage.apply, p_sub, x, batch) if out is None else out
     if head:
         loss = differentiated(split_loss(out)[0])
         return jax.ShapeDtypeStruct(jnp.shape(loss), loss.dtype)
@@ -148,15 +150,18 @@ def stage_inputs(stages, layout: ChunkLayout, batch, compute_dtype):
     return out
 
 
-def _stage_transient_bytes(st, p_sub, x, batch, head: bool, mask=None) -> tuple[int, int]:
-    """``(transient bytes, output bytes)`` of the stage's recompute + vjp."""
-    vjp_fn = _vjp_fn(st, head, mask)
+def _stage_figures(st, p_sub, x, batch, head: bool, mask=None) -> tuple[int, int, list[bool]]:
+    """``(transient bytes, output bytes, backward-live)`` of the stage's recompute + vjp: its
+    compiled temporaries plus the gradient outputs and the stage's output, the output's bytes,
+    and per leaf of ``p_sub`` whether the backward reads its value (:func:`_backward_live`).
+    One trace of the vjp gives the jaxpr, the gradient shapes and the program compiled."""
     out = jax.eval_shape(st.apply, p_sub, x, batch)
-    ct = _cotangent(st, p_sub, x, batch, head)
-    compiled = jax.jit(vjp_fn).lower(p_sub, x, ct, batch).compile()
-    ma = compiled.memory_analysis()
-    grads = jax.eval_shape(vjp_fn, p_sub, x, ct, batch)
-    return int(ma.temp_size_in_bytes) + _nbytes(grads) + _nbytes(out), _nbytes(out)
+    ct = _cotangent(st, p_sub, x, batch, head, out)
+    traced = jax.jit(_vjp_fn(st, head, mask)).trace(p_sub, x, ct, batch)
+    ma = traced.lower().compile().memory_analysis()
+    live = _live_inputs(traced.jaxpr, len(jax.tree.leaves(p_sub)))
+    grads = sum(math.prod(a.shape) * a.dtype.itemsize for a in traced.jaxpr.out_avals)
+    return int(ma.temp_size_in_bytes) + grads + _nbytes(out), _nbytes(out), live
 
 
 def trace_stages(stages, layout: ChunkLayout, batch: jax.ShapeDtypeStruct, compute_dtype) -> tuple[StageTrace, ...]:
@@ -171,17 +176,17 @@ def trace_stages(stages, layout: ChunkLayout, batch: jax.ShapeDtypeStruct, compu
     Returns:
       one :class:`StageTrace` per stage.
     """
-    out, cache, live = [], {}, {}
+    out, cache = [], {}
     for i, (st, (p_sub, x)) in enumerate(zip(stages, stage_inputs(stages, layout, batch, compute_dtype))):
         mask = _trainable_mask(layout, st.param_keys)
         head = i == len(stages) - 1
         sig = _signature(st, p_sub, x, mask) + (head,)
         if sig not in cache:
-            cache[sig] = _stage_transient_bytes(st, p_sub, x, batch, head, mask)
-            live[sig] = _backward_live(st, p_sub, x, batch, head, mask)
+            cache[sig] = _stage_figures(st, p_sub, x, batch, head, mask)
+        temp, out_bytes, live = cache[sig]
         out.append(StageTrace(name=st.name, chunks=layout.chunks_of(st.param_keys),
-                              input_bytes=0 if x is None else _nbytes(x), temp_bytes=cache[sig][0],
-                              bwd_chunks=_chunks_of_live(layout, p_sub, live[sig]), output_bytes=cache[sig][1]))
+                              input_bytes=0 if x is None else _nbytes(x), temp_bytes=temp,
+                              bwd_chunks=_chunks_of_live(layout, p_sub, live), output_bytes=out_bytes))
     return tuple(out)
 
 
