@@ -84,6 +84,22 @@ def candidate_cuts(n_moments: int, n_stages: int, done_moments: Sequence[int],
     return [c for i, c in enumerate(out) if c not in out[:i] and len(c) <= max_programs]
 
 
+def _windows_of(windows: Sequence[int], n_programs: int) -> list[int]:
+    """The ``windows`` that time a cut of ``n_programs`` programs differently, in order: a window
+    of at least ``n_programs`` never holds a program back and counts every program's host
+    gradients (:func:`chunkjax.cost.program_timeline`, :func:`chunkjax.predict.grad_window_bytes`),
+    so after the first such window the others predict the same step and are not tried (the
+    search keeps the first of equal times)."""
+    out, whole = [], False
+    for w in windows:
+        if w >= n_programs:
+            if whole:
+                continue
+            whole = True
+        out.append(w)
+    return out
+
+
 def choose_program_cut(s: Schedule, cb: pr.ChunkBytes, *, chunk_size: int, traces, tide, rates,
                        flops_per_step: float, fits: Callable[[Schedule], bool], micro_batches: int = 1,
                        streamed_early: bool = False, split: bool = False,
@@ -128,7 +144,7 @@ def choose_program_cut(s: Schedule, cb: pr.ChunkBytes, *, chunk_size: int, trace
         starts = sorted({bool(x.streamed_early), bool(streamed_early and has_streamed)})
         hosts = [c for c, u in enumerate(x.update_locations) if u == HOST_UPDATE]
         for segs in candidate_cuts(T, n, [done[c] for c in hosts if c in done]):
-            for w in windows:
+            for w in _windows_of(windows, len(segs)):
                 for early in starts:
                     pred = predict(chunk_size, traces, tide, cb, x.param_kinds, x.update_locations, x.fetch, segs,
                                    base, flops_per_step=flops_per_step, rates=rates, master_fetch=x.master_fetch,
