@@ -22,6 +22,7 @@ over, the budget given to the planner shrinks by the overshoot and the plan is m
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -110,6 +111,14 @@ class FitProblem:
     @property
     def n_ranks(self) -> int:
         return 1 if self.mesh is None else int(self.mesh.size)
+
+    @functools.cached_property
+    def streamed_early(self) -> bool:
+        """Whether the step may start streamed updates as their gradients become final
+        (:func:`chunkjax.streamed.starts_early` of ``tx`` and the step's settings), decided once
+        per problem: it traces ``tx``, and every plan of the problem asks."""
+        return starts_early(self.tx, skip=self.nonfinite == "skip" or self.loss_scaling, loss_scaling=self.loss_scaling,
+                            micro_batches=self.micro_batches, n_ranks=self.n_ranks)
 
     @property
     def model_chunk_bytes(self) -> int:
@@ -400,9 +409,7 @@ def _plan(p: FitProblem, budget_bytes: int, *, policy, resident, must_fit, split
                          prefetch=p.prefetch, segments=p.segments, flops_per_step=p.flops_per_step, rates=p.rates,
                          host_update=p.host_optimizer is not None, resident=resident, must_fit=must_fit,
                          split=split, micro_batches=p.micro_batches,
-                         streamed_early=starts_early(p.tx, skip=p.nonfinite == "skip" or p.loss_scaling,
-                                                     loss_scaling=p.loss_scaling,
-                                                     micro_batches=p.micro_batches, n_ranks=p.n_ranks),
+                         streamed_early=p.streamed_early,
                          storage_devices=p.storage_devices, disk_budget_bytes=p.disk_budget_bytes,
                          disk_versions=p.storage.disk_versions if p.storage is not None else 2,
                          host_bytes_of=host_bytes_of(p) if p.n_ranks == 1 and p.host_budget_bytes is not None else None)

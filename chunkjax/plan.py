@@ -267,26 +267,27 @@ def _host_error(host_budget: int, need: int, device_budget: int, ranks: int) -> 
     return HostBudgetError(msg, device_budget, False)
 
 
-def _tide_infeasible(one, n_chunks: int, tide: Tide, cb: ChunkBytes, budget: int, host_budget, ranks: int,
-                     host_bytes=None):
+def _tide_infeasible(one, offloaded_fits, n_chunks: int, tide: Tide, cb: ChunkBytes, budget: int, host_budget,
+                     ranks: int, host_bytes=None):
     """Raise the PlanError of a tide plan that found no candidate: the host budget needed when
     the device fits (``host_bytes(s)``, all ranks: as the plan compared it), else the smallest
-    device budget (bisected on the all-offloaded schedule)."""
+    device budget (bisected on the all-offloaded schedule: ``offloaded_fits(budget)`` is
+    ``one(budget, set()) is not None``, without scheduling what the bisection does not read)."""
     host_bytes = host_bytes or (lambda s: ranks * s.predicted.host_bytes)
-    if one(budget, set()) is not None and host_budget is not None:  # the device fits; the host does not
+    if offloaded_fits(budget) and host_budget is not None:  # the device fits; the host does not
         need = min(host_bytes(s) for s in
                    (one(budget, set(range(k))) for k in range(n_chunks + 1)) if s is not None) // ranks
         if need * ranks >= OVER_HOST_LIMIT:
             raise PinnedLimitError(_MSG_HOST_LIMIT.format(dev=budget), budget, False)
         raise _host_error(host_budget, need, budget, ranks)
     lo, hi = budget, max(budget, 1) * 2
-    while one(hi, set()) is None:
+    while not offloaded_fits(hi):
         lo, hi = hi, hi * 2
         if hi > 2**50:
             raise PlanError("no device budget fits this step", hi, True)
     while hi - lo > max(1, cb.params // 64):
         mid = (lo + hi) // 2
-        if one(mid, set()) is None:
+        if not offloaded_fits(mid):
             lo = mid
         else:
             hi = mid
@@ -549,6 +550,13 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
                 placed[key] = None if s is None else finish(s)
             return placed[key]
 
+        def offloaded_fits(b) -> bool:
+            # one(b, set()) is not None: the update split, the early streamed start (a reserve
+            # that only lowers the room), the host forms and the disk never refuse a placement
+            # that fits, so the plain all-offloaded placement decides
+            return _tide_one(layout, traces, tide, plan_cb, b, set(), host_update, prefetch, segs, rates,
+                             flops_per_step, micro_batches=micro_batches, predict=predict) is not None
+
         best = _tide(one, layout.n_chunks, budget, host_fits, resident)
         if best is None and disk is not None and one(budget, set()) is not None:  # the device fits; the host does not
             least = min((s for s in (one(budget, set(range(k))) for k in range(layout.n_chunks + 1)) if s is not None),
@@ -556,7 +564,8 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
             raise host_disk_error(host_budget_bytes, host_bytes(least), least.predicted.storage_chunks,
                                   int(storage_devices), disk_budget_bytes)
         if best is None:
-            _tide_infeasible(one, layout.n_chunks, tide, plan_cb, budget, host_budget_bytes, ranks, host_bytes)
+            _tide_infeasible(one, offloaded_fits, layout.n_chunks, tide, plan_cb, budget, host_budget_bytes, ranks,
+                             host_bytes)
         if segments == "auto" and ranks == 1 and disk is None:
             best = cut_and_start(best, lambda b, res, **kw: forms(_tide_one(
                 layout, traces, tide, plan_cb, b, res, host_update, prefetch, segs, rates, flops_per_step, **kw,
