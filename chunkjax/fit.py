@@ -7,17 +7,16 @@ sweep) goes through here, so that they all plan, check and re-plan by one rule::
     fit:      budget ("auto" or bytes) -> plan (the tide schedule) -> host-memory check
               -> step -> compile the programs that will run -> re-plan within HEADROOM
 
-Planning is PatrickStar's (Fang et al., arXiv 2108.05818, sections 4.2-4.3 and 5) as
-:mod:`chunkjax.schedule` implements it; ZeRO stages 1-3 over a data mesh (Rajbhandari et al., SC
-2020) plan each rank's memory (``plan_schedule(..., ranks=, zero_stage=)``). Nothing here allocates model data:
-the caller initialises the returned step (``step.init(params or leaf_init)``) once the plan is
-known to fit the device and the host.
+Planning is PatrickStar's (Fang et al., arXiv 2108.05818, sections 4.2-4.3 and 5) as :mod:`chunkjax.schedule`
+implements it; ZeRO stages 1-3 over a data mesh (Rajbhandari et al., SC 2020) plan each rank's memory
+(``plan_schedule(..., ranks=, zero_stage=)``). Nothing here allocates model data: the caller initialises the
+returned step (``step.init(params or leaf_init)``) once the plan is known to fit the device and the host.
 
-Why compile: the tide accounts what the traced stages keep alive, but XLA may keep more (fusion
-buffers, the order it frees temporaries in). On an accelerator the compiled programs' memory
-analysis plus the state kept beside them is checked against :data:`HEADROOM` of the budget; when
-over, the budget given to the planner shrinks by the overshoot and the plan is made again. An
-``"auto"`` budget (chosen here, not by the user) is raised to what the compiled step needs instead.
+Why compile: the tide accounts what the traced stages keep alive, but XLA may keep more (fusion buffers, the order
+it frees temporaries in). On an accelerator the compiled programs' memory analysis plus the state kept beside them
+is checked against :data:`HEADROOM` of the budget; when over, the budget given to the planner shrinks by the
+overshoot and the plan is made again. An ``"auto"`` budget (chosen here, not by the user) is raised to what the
+compiled step needs instead.
 """
 from __future__ import annotations
 
@@ -114,16 +113,13 @@ class FitProblem:
 
     @functools.cached_property
     def streamed_early(self) -> bool:
-        """Whether the step may start streamed updates as their gradients become final
-        (:func:`chunkjax.streamed.starts_early` of ``tx`` and the step's settings), decided once
-        per problem: it traces ``tx``, and every plan of the problem asks."""
+        """:func:`chunkjax.streamed.starts_early` for this problem's step (it traces ``tx``: once, not per plan)."""
         return starts_early(self.tx, skip=self.nonfinite == "skip" or self.loss_scaling, loss_scaling=self.loss_scaling,
                             micro_batches=self.micro_batches, n_ranks=self.n_ranks)
 
     @property
     def model_chunk_bytes(self) -> int:
-        """Compute params, master params and optimizer state of every chunk (padding included;
-        frozen chunks: their params only)."""
+        """Compute params, master params and optimizer state of every chunk (padding included; frozen: params only)."""
         return self.cb.model_bytes(self.layout.n_chunks)
 
     @property
@@ -263,10 +259,9 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
         a callable ``() -> params`` (evaluated abstractly with ``jax.eval_shape``).
       batch: the step's batch: an int32 (B, T+1) array of tokens, or any pytree of arrays whose
         leaves share the leading (row) axis, B over all ranks (arrays or ``ShapeDtypeStruct`` s).
-      tx, host_optimizer: the optax transformation (elementwise: checked by
-        :func:`chunkjax.optim.check_elementwise` unless ``check_tx=False``) or the host kernel
-        spec (``chunkjax.host_update.AdamW / Lion / SGDMomentum``; its ``optax()`` runs the
-        device chunks), exactly one of them. With a host spec offloaded chunks update ``host``,
+      tx, host_optimizer: the optax transformation (elementwise: checked by :func:`chunkjax.optim.check_elementwise`
+        unless ``check_tx=False``) or the host kernel spec (``chunkjax.host_update.AdamW / Lion / SGDMomentum``; its
+        ``optax()`` runs the device chunks), exactly one of them. With a host spec offloaded chunks update ``host``,
         else ``streamed``.
       compute_dtype: dtype of compute params and gradients.
       chunk_size: elements per chunk; None searches (at least ``min_chunks`` chunks if it can).
@@ -408,8 +403,7 @@ def _plan(p: FitProblem, budget_bytes: int, *, policy, resident, must_fit, split
                          zero_stage=p.zero_stage or None, host_budget_bytes=p.host_budget_bytes,
                          prefetch=p.prefetch, segments=p.segments, flops_per_step=p.flops_per_step, rates=p.rates,
                          host_update=p.host_optimizer is not None, resident=resident, must_fit=must_fit,
-                         split=split, micro_batches=p.micro_batches,
-                         streamed_early=p.streamed_early,
+                         split=split, micro_batches=p.micro_batches, streamed_early=p.streamed_early,
                          storage_devices=p.storage_devices, disk_budget_bytes=p.disk_budget_bytes,
                          disk_versions=p.storage.disk_versions if p.storage is not None else 2,
                          host_bytes_of=host_bytes_of(p) if p.n_ranks == 1 and p.host_budget_bytes is not None else None)
@@ -445,11 +439,10 @@ def auto_budget(problem: FitProblem, *, policy: str = "tide") -> int:
 # ---- checks ----------------------------------------------------------------------------------
 
 def compiled_peak(problem: FitProblem, step, schedule) -> dict:
-    """Compile every program of ``step`` for one pass (a micro-batch, or in-program the batch) and
-    return its device peak: ``peak_bytes`` = max(largest program's argument + output + temp - alias + the master params
-    and optimizer state (per micro-batch pass also the float32 gradient sums) of device-updated
-    chunks, the update phase: every resident chunk's params, state and gradient plus one chunk's
-    float32 temporaries), per rank."""
+    """Compile every program of ``step`` for one pass (a micro-batch, or in-program the batch) and return its device
+    peak: ``peak_bytes`` = max(largest program's argument + output + temp - alias + the master params and optimizer
+    state (per micro-batch pass also the float32 gradient sums) of device-updated chunks, the update phase: every
+    resident chunk's params, state and gradient plus one chunk's float32 temporaries), per rank."""
     passes = passes_of(schedule, problem.micro_batches)
     progs = step.compiled_memory_programs(rows_of(problem.batch, batch_rows(problem.batch) // passes))
     n_res = sum(u == "device" for u in schedule.update_locations)
