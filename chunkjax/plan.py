@@ -176,18 +176,19 @@ def _frozen_none(layout: ChunkLayout, loc) -> tuple[str, ...]:
 def _tide_one(layout: ChunkLayout, traces, tide: Tide, cb: ChunkBytes, budget: int, resident: set[int],
               host_update: bool, prefetch: int, segments: tuple[int, ...], rates: Rates, flops_per_step: float,
               split: bool = False, streamed_early: bool = False, reserve: int | None = None, micro_batches: int = 1,
-              predict=pr.predict):
+              predict=pr.predict, grad_done: dict[int, int] | None = None):
     """Schedule one placement (``resident`` chunks fully on the device); None if it cannot fit.
     With ``streamed_early`` (and the split) also the placement whose chunk buffers leave the
     streamed pipeline's bytes free during the backward (``reserve``), the faster of the two.
     With ``micro_batches`` > 1 the device-updated chunks' float32 sums are on the device
     throughout (:func:`chunkjax.predict.waiting_grad_bytes`). ``predict``: :func:`chunkjax.predict.predict`
-    or the plan's memo of it (:func:`chunkjax.plan_memo.predictor`)."""
+    or the plan's memo of it (:func:`chunkjax.plan_memo.predictor`); ``grad_done``: the plan's
+    :func:`chunkjax.predict.grad_done_moments` (computed here when None)."""
     if streamed_early and split and host_update and reserve is None:
         args = (layout, traces, tide, cb, budget, resident, host_update, prefetch, segments, rates, flops_per_step, split)
-        late = _tide_one(*args, streamed_early=False, micro_batches=micro_batches, predict=predict)
+        late = _tide_one(*args, streamed_early=False, micro_batches=micro_batches, predict=predict, grad_done=grad_done)
         early = _tide_one(*args, streamed_early=True, reserve=pr.streamed_pipeline_bytes(layout.chunk_size, cb),
-                          micro_batches=micro_batches, predict=predict)
+                          micro_batches=micro_batches, predict=predict, grad_done=grad_done)
         if early is None or not early.streamed_early or (
                 late is not None and late.predicted.time.step_s <= early.predicted.time.step_s):
             return late
@@ -200,7 +201,7 @@ def _tide_one(layout: ChunkLayout, traces, tide: Tide, cb: ChunkBytes, budget: i
     if HOST_UPDATE not in loc:  # nothing for a host thread to overlap: one program
         segments = (0,)
     model = pr.device_model_bytes(cb, pk, loc)
-    grad_done = pr.grad_done_moments(traces, tide)
+    grad_done = pr.grad_done_moments(traces, tide) if grad_done is None else grad_done
     waiting = pr.waiting_grad_bytes(cb, loc, grad_done, T, micro_batches)
     accesses = [tuple(c for c in m.chunks if pk[c] == PINNED_HOST) for m in tide.moments]
     max_reads = max((len(a) for a in accesses), default=0)
@@ -535,6 +536,7 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
         disk = (host_budget_bytes, disk_budget_bytes, int(storage_devices), disk_versions) if storage_devices else None
 
         predict = predictor()  # this plan's candidates, each predicted once
+        done = pr.grad_done_moments(traces, tide)
         placed: dict = {}  # (budget, resident set) -> the schedule of one(), each placement scheduled once
 
         def one(b, res):
@@ -542,7 +544,7 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
             if key not in placed:
                 s = forms(_tide_one(layout, traces, tide, plan_cb, b, res, host_update, prefetch, segs, rates,
                                     flops_per_step, split and resident is None, streamed_early,
-                                    micro_batches=micro_batches, predict=predict))
+                                    micro_batches=micro_batches, predict=predict, grad_done=done))
                 s = s if s is None or disk is None else place_on_disk(
                     s, plan_cb, chunk_size=layout.chunk_size, traces=traces, tide=tide, disk=disk, rates=rates,
                     flops_per_step=flops_per_step, micro_batches=micro_batches, streamed_early=streamed_early,
@@ -555,7 +557,7 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
             # that only lowers the room), the host forms and the disk never refuse a placement
             # that fits, so the plain all-offloaded placement decides
             return _tide_one(layout, traces, tide, plan_cb, b, set(), host_update, prefetch, segs, rates,
-                             flops_per_step, micro_batches=micro_batches, predict=predict) is not None
+                             flops_per_step, micro_batches=micro_batches, predict=predict, grad_done=done) is not None
 
         best = _tide(one, layout.n_chunks, budget, host_fits, resident)
         if best is None and disk is not None and one(budget, set()) is not None:  # the device fits; the host does not
@@ -569,7 +571,7 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
         if segments == "auto" and ranks == 1 and disk is None:
             best = cut_and_start(best, lambda b, res, **kw: forms(_tide_one(
                 layout, traces, tide, plan_cb, b, res, host_update, prefetch, segs, rates, flops_per_step, **kw,
-                predict=predict)),
+                predict=predict, grad_done=done)),
                 plan_cb, layout=layout, traces=traces, tide=tide, rates=rates, flops_per_step=flops_per_step,
                 fits=host_fits, micro_batches=micro_batches, streamed_early=streamed_early and split,
                 split=split and resident is None, predict=predict)
