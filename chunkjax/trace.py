@@ -178,8 +178,7 @@ _MEASURED: dict[tuple[str, str, str], int] = {}
 def _temp_bytes(lowered) -> int:
     """Temporary bytes of a lowered stage program as XLA compiles it (``memory_analysis()``),
     compiling it only when this process has not compiled the same program before (the same
-    text on the same backend: :data:`_MEASURED`). In the test suite about 60 % of these
-    compiles were repeats (the same models prepared by test after test)."""
+    text on the same backend: :data:`_MEASURED`)."""
     dev = jax.devices()[0]
     key = (dev.platform, dev.device_kind, hashlib.sha256(lowered.as_text(debug_info=False).encode()).hexdigest())
     temp = _MEASURED.get(key)
