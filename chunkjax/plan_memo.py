@@ -25,22 +25,24 @@ MAX_ENTRIES = 1 << 14
 
 
 def _key(args: tuple, kw: dict) -> tuple:
-    """A hashable key equal for calls :func:`chunkjax.predict.predict` answers alike: sequences
+    """A hashable key equal for calls :func:`chunkjax.predict.predict` answers alike: the plan's
+    traces, tide and chunk bytes by identity (the same objects throughout a plan; hashing their
+    contents on every call cost as much as a tenth of a large plan), the rest by value: sequences
     as tuples, ``master_fetch`` as a sorted tuple (predict reads it as a set)."""
     chunk_size, traces, tide, cb, param_kinds, update_locations, fetch, segments, moment_bytes = args
     kw = dict(kw)
     if "master_fetch" in kw:
         kw["master_fetch"] = tuple(sorted(set(kw["master_fetch"])))
-    return (int(chunk_size), tuple(traces), tide, cb, tuple(param_kinds), tuple(update_locations),
+    return (int(chunk_size), id(traces), id(tide), id(cb), tuple(param_kinds), tuple(update_locations),
             tuple(tuple(f) for f in fetch), tuple(segments), tuple(moment_bytes), tuple(sorted(kw.items())))
 
 
 def predictor() -> Callable[..., Prediction]:
-    """:func:`chunkjax.predict.predict` (same arguments, all of them hashable once sequences are
-    tuples: traces, tide, ``ChunkBytes`` and ``Rates`` are frozen dataclasses) that computes each
-    distinct call once; the memo lives as long as the returned function (at most
-    :data:`MAX_ENTRIES` predictions)."""
+    """:func:`chunkjax.predict.predict` (same arguments) that computes each distinct call once
+    (:func:`_key`; traces, tide and chunk bytes are never mutated: frozen dataclasses and tuples);
+    the memo lives as long as the returned function (at most :data:`MAX_ENTRIES` predictions)."""
     memo: dict[tuple, Prediction] = {}
+    held: dict[int, object] = {}  # the objects keyed by identity, kept alive so that no id is reused
 
     def predict(chunk_size, traces, tide, cb, param_kinds, update_locations, fetch, segments, moment_bytes,
                 **kw) -> Prediction:
@@ -50,6 +52,8 @@ def predictor() -> Callable[..., Prediction]:
         if out is None:
             if len(memo) >= MAX_ENTRIES:
                 memo.clear()
+            for x in (traces, tide, cb):
+                held.setdefault(id(x), x)
             out = memo[key] = pr.predict(*args, **kw)
         return out
     return predict
