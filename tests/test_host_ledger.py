@@ -112,3 +112,42 @@ def test_state_is_resident_at_init_and_rss_within_the_plan(run):
     run_growth = led.growth("before", "step 2")["resident_bytes"]
     accounted = report.host["need_bytes"]
     assert run_growth <= accounted, (run_growth, led.to_dict())
+
+
+def test_bench_worker_prints_the_plan_before_the_first_step(capsys):
+    """The benchmark's chunkjax worker: the plan's host parts on stderr after compiling, before the
+    init and the first step (a run the OOM killer ends has shown them), the ledger in its record."""
+    import types
+
+    from experiments import bench_chunkjax, measure
+    args = types.SimpleNamespace(worker="chunkjax", model="micro", batch=2, seq=32, steps=1, seed=0,
+                                 budget_bytes=2**30, compile_only=False, zero_h2d_path=None, host_limit_gb=110,
+                                 run_id="t")
+    rec = bench_chunkjax.run_chunkjax(args)
+    assert rec["feasible"], rec.get("error")
+    err = [l for l in capsys.readouterr().err.splitlines() if l.startswith("[host-ledger]")]
+    first = lambda what: next(i for i, l in enumerate(err) if l.startswith(f"[host-ledger] {what}"))  # noqa: E731
+    assert first("plan accounts") < first("init") < first("step 1"), err
+    led = rec["host_ledger"]
+    assert {"start", "plan", "compile", "init", "step 1", "step 2"} <= {p["phase"] for p in led["phases"]}
+    assert led["accounted"]["total_bytes"] == rec["host_bytes_accounted"] + led["accounted"]["process_allowance"] \
+        + led["accounted"]["device_on_host"] + led["accounted"]["pinned_pool_rounding"]
+    del measure
+
+
+def test_bench_driver_keeps_a_killed_workers_ledger(tmp_path, capsys):
+    from experiments import bench
+    lines = ["[host-ledger] plan accounts 118.54 GB of host: optimizer_state 76.0",
+             "[host-ledger] step 1: anon 61.26 GB, shmem 40.25 GB, peak 101.5 GB, MemAvailable 0.20 GB (271.0 s)"]
+
+    def runner(argv, env, timeout):
+        if "--probe" in argv:
+            return {"rc": 0, "json": {"matmul_tflops": 10.0}, "stderr_tail": []}
+        return {"rc": -9, "json": None, "stderr_tail": lines + ["Killed"], "ledger": lines}
+
+    argv = ["--largest", "--systems", "chunkjax", "--largest-models", "micro", "--largest-seq", "16",
+            "--run-id", "K", "--results-dir", str(tmp_path)]
+    assert bench.main(argv, runner=runner) == 0
+    tried = json.loads((tmp_path / "bench_K.json").read_text())["largest"]["chunkjax"]["tried"]["micro"]
+    assert not tried["ok"] and tried["host_ledger"] == lines
+    assert "[bench] chunkjax: [host-ledger] step 1: anon 61.26 GB" in capsys.readouterr().out
