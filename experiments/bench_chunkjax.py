@@ -124,21 +124,11 @@ class ChunkjaxSystem:
         return out
 
     def host_parts(self, host: dict | None = None) -> dict:
-        """The plan's host bytes by part (:func:`chunkjax.host_memory.schedule_host_parts`), with
-        the pinned pool's rounding above the pinned bytes, the process allowance the plan counts
-        and ``total_bytes`` (the host need: what ``MemAvailable`` must cover beyond the process's
-        RSS when it planned, the ledger's ``plan`` phase)."""
+        """The plan's host bytes by part (:func:`chunkjax.host_ledger.plan_parts`; ``host``: the
+        fit's host need, default the schedule's)."""
         from chunkjax.fit_host import host_need
-        from chunkjax.host_memory import schedule_host_parts
-        p = self.problem
-        host = host or host_need(p, self.schedule)
-        in_program = self.schedule.accumulation == "in_program"
-        parts = schedule_host_parts(self.schedule, p.cb, n_ranks=p.n_ranks, zero_stage=p.zero_stage,
-                                    platform=p.platform, micro_batches=1 if in_program else p.micro_batches)
-        parts["pinned_pool_rounding"] = host["pinned_pool_bytes"] - host["pinned_host_bytes"]
-        parts["process_allowance"] = host["process_bytes"]
-        parts["total_bytes"] = host["need_bytes"]
-        return parts
+        from chunkjax.host_ledger import plan_parts
+        return plan_parts(self.problem, self.schedule, host or host_need(self.problem, self.schedule))
 
     def init(self, key):
         """fp32 master params from ``key``, chunked into the step's state.
@@ -174,11 +164,14 @@ class ChunkjaxSystem:
                 return np.asarray(jax.device_put(leaf(i), pinned))
 
         n_calls, calls = 2 * len(self.layout.slots), [0]  # step.init draws each leaf about twice
+        locs, mf = self.schedule.update_locations, set(self.schedule.master_fetch)
 
-        def leaf_marked(i):  # the ledger at each eighth of the init (where a GPU run's RSS grew)
+        def leaf_marked(i):  # the ledger at each sixteenth of the init (where a GPU run's RSS grew, and at which chunks)
             calls[0] += 1
-            if calls[0] % max(1, n_calls // 8) == 0:
-                self.ledger.mark(f"init {min(100, 100 * calls[0] // n_calls)}%")
+            if calls[0] % max(1, n_calls // 16) == 0:
+                c = self.layout.slots[i].pieces[0].chunk
+                self.ledger.mark(f"init leaf {calls[0]}/{n_calls} (chunk {c}: {locs[c]}"
+                                 f"{', master-fetch' if c in mf else ''})")
             return leaf_np(i)
 
         state = self.step_fn.init(leaf_marked)
