@@ -68,15 +68,15 @@ def test_host_updater_init_refuses_a_state_the_host_cannot_hold():
 
 @pytest.fixture(scope="module")
 def run():
-    """A ~29M-parameter GPT with every chunk's state on the host, three host steps, its ledger."""
-    cfg = gpt.get_config("micro", d_model=768, n_layers=4, n_heads=8)
+    """A ~3.5M-parameter GPT with every chunk's state on the host, two steps, its ledger."""
+    cfg = gpt.get_config("micro", d_model=512, n_layers=1, n_heads=8)
     params = jax.tree.map(np.asarray, gpt.init_params(cfg, jax.random.key(0)))
     batch = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 17)), jnp.int32)
     led = HostLedger()
     release_free_heap()
     led.mark("before")
     step, report, problem = cj.fit_step(gpt.gpt_stages(cfg), params, batch, host_optimizer=AdamW(1e-3),
-                                        device_budget="260MiB", chunk_size=CHUNK)
+                                        device_budget="60MiB", chunk_size=CHUNK // 8)
     parts = schedule_host_parts(report.schedule, problem.cb, platform="cpu")
     led.account(dict(parts, process=report.host["process_bytes"]))
     led.mark("built")
@@ -119,7 +119,7 @@ def test_bench_worker_prints_the_plan_before_the_first_step(capsys):
     init and the first step (a run the OOM killer ends has shown them), the ledger in its record."""
     import types
 
-    from experiments import bench_chunkjax, measure
+    from experiments import bench_chunkjax
     args = types.SimpleNamespace(worker="chunkjax", model="micro", batch=2, seq=32, steps=1, seed=0,
                                  budget_bytes=2**30, compile_only=False, zero_h2d_path=None, host_limit_gb=110,
                                  run_id="t")
@@ -132,7 +132,6 @@ def test_bench_worker_prints_the_plan_before_the_first_step(capsys):
     assert {"start", "plan", "compile", "init", "step 1", "step 2"} <= {p["phase"] for p in led["phases"]}
     assert led["accounted"]["total_bytes"] == rec["host_bytes_accounted"] + led["accounted"]["process_allowance"] \
         + led["accounted"]["device_on_host"] + led["accounted"]["pinned_pool_rounding"]
-    del measure
 
 
 def test_bench_driver_keeps_a_killed_workers_ledger(tmp_path, capsys):
