@@ -304,7 +304,7 @@ def check_materialise(nbytes: int, reserve_bytes: int, what: str) -> None:
     raise HostMemoryError(
         f"host memory: initialising {what} needs {gib(nbytes):.2f} GiB more, and the first step {gib(reserve_bytes):.1f} "
         f"GiB after it, but only {gib(avail):.1f} GiB is available (MemAvailable): the plan's host accounting missed "
-        "memory this process holds (see the host ledger); lower --host-budget, give the device a larger budget or "
+        "memory this process holds (see the host ledger); lower the host budget, give the device a larger budget or "
         "storage directories, or free host memory", int(nbytes) + int(reserve_bytes), avail)
 
 
