@@ -324,11 +324,43 @@ def host_sends(layout: ChunkLayout, host: Sequence[int]) -> HostSends:
     return HostSends({c: tuple(v) for c, v in whole.items()}, frozenset(cuts), last)
 
 
+#: A host chunk's pieces below this many elements are gathered into one run per stretch of
+#: neighbours (one kernel launch for a chunk's biases and norms, not one each).
+SMALL_PIECE = 1 << 16
+
+
+def host_runs(pieces, grads) -> list[tuple[int, int, np.ndarray]]:
+    """``(lo, hi, gradient)`` runs of one host chunk: each piece of at least :data:`SMALL_PIECE`
+    elements on its own (its gradient as it landed), consecutive smaller pieces gathered into one
+    float32 run over their offsets (zeros in any gap between them: padding, which a step keeps
+    zero). ``pieces``: ``(slot, piece)`` pairs in offset order; ``grads``: per piece its (size,)
+    gradient."""
+    runs, group = [], []
+
+    def flush():
+        if group:
+            lo, hi = group[0][0].offset, group[-1][0].offset + group[-1][0].size
+            g = np.zeros(hi - lo, np.float32)
+            for p, x in group:
+                g[p.offset - lo:p.offset - lo + p.size] = x
+            runs.append((lo, hi, g))
+            group.clear()
+    for (_, p), g in zip(pieces, grads):
+        if p.size >= SMALL_PIECE:
+            flush()
+            runs.append((p.offset, p.offset + p.size, g))
+        else:
+            group.append((p, g))
+    flush()
+    return runs
+
+
 def host_chunk_step(spec, state, master: np.ndarray, params, pieces, grads, scale) -> None:
-    """One host chunk's optimizer step in place, piece by piece (:func:`chunkjax.host_update.host_update_`
-    on each piece's run of the chunk's master, moments and, for bf16 params, params buffer):
-    element for element the chunk's step (the kernel is elementwise; padding and gaps between
-    pieces hold zeros that a step keeps zero). The count advances once.
+    """One host chunk's optimizer step in place, run by run (:func:`host_runs`; the kernel of
+    :func:`chunkjax.kernels.update_` on each run of the chunk's master, moments and, for bf16
+    params, params buffer): element for element the chunk's step (the kernel is elementwise;
+    padding holds zeros that a step keeps zero). The step's scalars are computed once and the
+    count advances once.
 
     Args:
       spec: the host kernel spec. state: the chunk's ``Host*State`` (moments (chunk_size,)).
@@ -339,16 +371,15 @@ def host_chunk_step(spec, state, master: np.ndarray, params, pieces, grads, scal
       scale: the gradient factor (``1.0`` or :func:`chunkjax.kernels.clip_scale`'s pair).
     """
     from chunkjax import host_update as hu
-    from chunkjax.kernels import next_count
+    from chunkjax.kernels import next_count, step_hyper, update_
     dt = np.dtype(params.dtype)
     bits = hu.writable_view(params, np.uint16) if dt == jnp.bfloat16 else None
-    moments = [f.name for f in dataclasses.fields(state) if f.name != "count"]
+    moments = [getattr(state, f.name) for f in dataclasses.fields(state) if f.name != "count"]
     count = int(state.count)
-    for (_, p), g in zip(pieces, grads):
-        run = slice(p.offset, p.offset + p.size)
-        part = dataclasses.replace(state, count=count, **{m: getattr(state, m)[run] for m in moments})
+    hyper = step_hyper(spec, count, hu.learning_rate_at(spec.learning_rate, count))
+    for lo, hi, g in host_runs(pieces, grads):
         g = g.view(np.uint16) if g.dtype == jnp.bfloat16 else g
-        hu.host_update_(spec, part, g, master[run], None if bits is None else bits[run], scale)
+        update_(hyper, master[lo:hi], tuple(m[lo:hi] for m in moments), g, None if bits is None else bits[lo:hi], scale)
     state.count = next_count(count)
     if dt not in HOST_GRAD_DTYPES:  # (float32: the master is the params buffer; bf16: written above)
         np.copyto(hu.writable_view(params, dt), master.astype(dt))

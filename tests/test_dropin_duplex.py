@@ -141,3 +141,36 @@ def test_duplex_engine_store_failure_after_return_is_raised_by_join():
         run.join()
     time.sleep(0)
     assert not any(t.is_alive() for t in run._threads.values())
+
+
+@pytest.mark.parametrize("small", [1, 48, 1 << 16])
+def test_host_chunk_step_by_runs_equals_the_whole_chunk_step(monkeypatch, small):
+    """The host kernel over a chunk's pieces (alone, or small neighbours gathered into runs), with
+    a gap of padding between pieces and a bf16 gradient among float32 ones, is bit for bit the
+    whole chunk's step (``host_update_`` on the packed chunk), count and bf16 params included."""
+    from chunkjax import dropin
+    from chunkjax.host_update import host_update_
+    from chunkjax.layout import Piece
+    monkeypatch.setattr(dropin, "SMALL_PIECE", small)
+    rng = np.random.default_rng(0)
+    n, spec = 256, AdamW(1e-2, weight_decay=0.1, max_grad_norm=0.5)
+    pieces = [(0, Piece(0, 0, 0, 100)), (1, Piece(0, 100, 0, 20)), (2, Piece(0, 120, 0, 40)), (3, Piece(0, 200, 7, 50))]
+    grads = [rng.normal(size=(p.size,)).astype(np.float32) for _, p in pieces]
+    grads[1] = grads[1].astype(jnp.bfloat16)
+    whole = np.zeros(n, np.float32)
+    master = np.zeros(n, np.float32)
+    for (_, p), g in zip(pieces, grads):
+        whole[p.offset:p.offset + p.size] = g.astype(np.float32)
+        master[p.offset:p.offset + p.size] = rng.normal(size=(p.size,))
+    ref_master, ref_state = master.copy(), spec.host_state(n)
+    ref_bits = np.zeros(n, np.uint16)
+    params = jax.device_put(jnp.asarray(master, jnp.bfloat16), jax.devices()[0])
+    state = spec.host_state(n)
+    for _ in range(3):
+        host_update_(spec, ref_state, whole, ref_master, ref_bits, (0.5, 0.9))
+        dropin.host_chunk_step(spec, state, master, params, pieces, grads, (0.5, 0.9))
+    np.testing.assert_array_equal(master, ref_master)
+    np.testing.assert_array_equal(state.m, ref_state.m)
+    np.testing.assert_array_equal(state.v, ref_state.v)
+    assert state.count == ref_state.count == 3
+    np.testing.assert_array_equal(np.asarray(params).view(np.uint16), ref_bits)
