@@ -215,6 +215,11 @@ class ChunkedOptimizer:
             else:
                 self._update_of[c] = programs.setdefault(("update", progs), progs.update)
         self._sends = dropin.host_sends(lay, self.host_chunks)
+        self._chunk_id = [jax.device_put(np.int32(c), sharding(DEVICE)) for c in range(lay.n_chunks)]
+        # the leaves spanning chunks, joined from their pieces in one program
+        spanning = [i for i, sl in enumerate(lay.slots) if len(sl.pieces) > 1]
+        self._join_spanning = jax.jit(lambda pieces: [jnp.concatenate(x).reshape(lay.slots[i].shape)
+                                                      for i, x in zip(spanning, pieces)])
         if self.host_chunks:
             from chunkjax.updaters import warm_host_kernel
             for dt in {np.dtype(lay.chunk_dtypes[c]) for c in self.host_chunks}:
@@ -306,7 +311,7 @@ class ChunkedOptimizer:
         of = lambda c: tuple(leaves[i] for i, _ in self._pieces[c])  # noqa: E731  (whole leaves: cut in the program)
 
         def update(c, master, state):
-            new, master, state = self._update_of[c](of(c), master, state, grad_sq, jnp.asarray(c, jnp.int32))
+            new, master, state = self._update_of[c](of(c), master, state, grad_sq, self._chunk_id[c])
             self._put(out, c, new)
             return master, state
 
@@ -356,7 +361,7 @@ class ChunkedOptimizer:
             for c, k in enumerate(self.placement.state_kinds):
                 if k == DEVICE:
                     new, self._master[c], self._opt_state[c] = self._update_of[c](
-                        of(c), self._master[c], self._opt_state[c], grad_sq, jnp.asarray(c, jnp.int32))
+                        of(c), self._master[c], self._opt_state[c], grad_sq, self._chunk_id[c])
                     self._put(out, c, new)
         except BaseException:
             run.abort()
@@ -366,9 +371,8 @@ class ChunkedOptimizer:
             self._put(out, c, host_out.pop(c))
         self.step += 1
         # a leaf spanning chunks: its pieces joined in leaf order (the chunks update in another order)
-        return lay.treedef.unflatten([x[0][1] if len(x) == 1 else
-                                      jnp.concatenate([y for _, y in sorted(x, key=lambda e: e[0])]).reshape(s.shape)
-                                      for x, s in zip(out, lay.slots)])
+        joined = iter(self._join_spanning([[y for _, y in sorted(x, key=lambda e: e[0])] for x in out if len(x) > 1]))
+        return lay.treedef.unflatten([x[0][1] if len(x) == 1 else next(joined) for x in out])
 
     def _put(self, out: list, c: int, new) -> None:
         for (i, p), x in zip(self._pieces[c], new):

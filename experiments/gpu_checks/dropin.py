@@ -10,7 +10,11 @@ step). Each system runs in its own process (a clean peak):
 * ``chunk_host``: ``chunkjax.NnxOptimizer(model, chunkjax.host_update.AdamW(1e-4), device_budget=B)``:
   offloaded chunks split between the streamed pipeline and the host kernel, run at once
   (``chunkjax.duplex``; the headline);
-* ``chunk_optax``: the same with ``optax.adamw(1e-4)`` (every offloaded chunk streamed).
+* ``front``: the loop that hands its loss over, ``chunkjax.offload(model, AdamW(1e-4), loss_fn,
+  batch, device_budget=P)`` with P the ``chunk_host`` system's measured peak (the same device
+  memory; ``--front-budget``): the offloaded updates overlap the backward (issue 23 item 3's
+  "what the loop allows": ``docs/dropin.md``);
+* ``chunk_optax``: the drop-in with ``optax.adamw(1e-4)`` (every offloaded chunk streamed).
 
 The drop-in systems also time the gradient step alone (``grad_step_s``: the floor of any
 update placement in this loop) and record each update's breakdown
@@ -42,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 FULL = dict(D=2048, L=24, V=32768, H=16, B=8, T=1024, STEPS=6, BUDGET="2GiB")
 TINY = dict(D=64, L=2, V=256, H=4, B=2, T=32, STEPS=3, BUDGET="1MiB")
-SYSTEMS = ("nnx", "chunk_host", "chunk_optax")
+SYSTEMS = ("nnx", "chunk_host", "front", "chunk_optax")
 
 
 #: Breakdown fields whose medians over the steady updates are recorded (chunkjax.duplex.UpdateBreakdown).
@@ -116,6 +120,11 @@ def child(kind: str, cfg: dict) -> dict:
             opt.update(model, g)
             return loss
         run = lambda t: step(model, opt, t)  # noqa: E731
+    elif kind == "front":  # the loop handing over its loss: the update overlaps the backward
+        opt = chunkjax.offload(model, AdamW(1e-4), loss_fn, toks[0], device_budget=cfg["FRONT_BUDGET"])
+        out["summary"] = str(opt.report.schedule.counts())
+        out["front_budget_bytes"] = cfg["FRONT_BUDGET"]
+        run = opt
     else:
         tx = AdamW(1e-4) if kind == "chunk_host" else optax.adamw(1e-4)  # the same math (weight decay 1e-4)
         opt = chunkjax.NnxOptimizer(model, tx, device_budget=cfg["BUDGET"], **cfg.get("KWARGS", {}))
@@ -140,7 +149,7 @@ def child(kind: str, cfg: dict) -> dict:
         loss = float(run(toks[i]))
         times.append(time.perf_counter() - t0)
         losses.append(loss)
-    if kind != "nnx":
+    if kind.startswith("chunk"):
         opt.wait()
         breakdowns.append(opt.chunked.last_update)
         steady = [b for b in breakdowns if b is not None and b.step >= 1]
@@ -199,7 +208,9 @@ def _table(res: dict, budget: int, path: str) -> None:
     """The short table printed last: one row per system, then each drop-in's update breakdown."""
     s = res["systems"]
     nnx_tps = s.get("nnx", {}).get("tokens_per_s")
-    f = lambda x, spec: format(x, spec) if isinstance(x, (int, float)) else "-"  # noqa: E731
+    def f(x, spec):  # a number in its format, else a dash of its width
+        width = spec.split(".")[0]
+        return format(x, spec) if isinstance(x, (int, float)) else "-".rjust(int(width) if width.isdigit() else 1)
     print(f"{'system':<12} {'tokens/s':>9} {'x nnx':>6} {'step s':>7} {'grad s':>7} {'peak GiB':>8} "
           f"{'TFLOP/s':>8} {'MFU':>6} {'6N TF/s':>8} {'pred x':>6}")
     for k, v in s.items():
@@ -241,6 +252,8 @@ def main(argv=None) -> int:
                     "what is left, at most --timeout)")
     ap.add_argument("--kwargs", default="{}", help="JSON of extra NnxOptimizer arguments, e.g. "
                     "'{\"host_chunks\": 40, \"pipeline_depth\": 2}'")
+    ap.add_argument("--front-budget", default=None, help="the front system's device budget (default: the "
+                    "chunk_host system's measured peak bytes, else 'auto')")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--cfg", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -253,6 +266,7 @@ def main(argv=None) -> int:
     if a.steps:
         cfg["STEPS"] = a.steps
     cfg["KWARGS"] = json.loads(a.kwargs)
+    cfg["FRONT_BUDGET"] = a.front_budget
     from chunkjax.fit import resolve_budget
     budget = resolve_budget(cfg["BUDGET"])
     res = {"config": cfg, "device_budget_bytes": budget, "systems": {}}
@@ -270,6 +284,8 @@ def main(argv=None) -> int:
             with open(path, "w") as f:
                 json.dump(res, f, indent=1)
             continue
+        if kind == "front" and cfg["FRONT_BUDGET"] is None:
+            cfg["FRONT_BUDGET"] = s.get("chunk_host", {}).get("peak_device_bytes") or "auto"
         try:
             p = subprocess.run([sys.executable, os.path.abspath(__file__), "--out", a.out, "--child", kind,
                                 "--cfg", json.dumps(cfg)], capture_output=True, text=True, env=env, timeout=left)
