@@ -43,7 +43,7 @@ from chunkjax.errors import PlanError
 from chunkjax.layout import ChunkLayout, LeafSlot, Piece
 from chunkjax.memory import DEVICE, PINNED_HOST, sharding
 from chunkjax.plan import plan_schedule
-from chunkjax.streamed import DEFAULT_PIPELINE_DEPTH
+from chunkjax.duplex import DEFAULT_PIPELINE_DEPTH
 
 
 _MSG_TX = ("tx must be an optax.GradientTransformation or a host kernel spec (chunkjax.host_update.AdamW / Lion / "

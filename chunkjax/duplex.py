@@ -43,6 +43,8 @@ import jax
 
 #: Host gradients the down thread keeps landed ahead of the kernel before it prefers write-backs.
 LOOKAHEAD = 2
+#: The drop-in's default pipeline depth (fetching k+1, updating k, writing back k-1).
+DEFAULT_PIPELINE_DEPTH = 3
 
 
 class Event(NamedTuple):

@@ -51,7 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from chunkjax import dropin, duplex, optim, portable, streamed
+from chunkjax import dropin, duplex, optim, portable
 from chunkjax.cost import Rates
 from chunkjax.layout import ChunkLayout, build_layout
 from chunkjax.memory import DEVICE, PINNED_HOST, sharding
@@ -151,7 +151,7 @@ class ChunkedOptimizer:
 
     def __init__(self, params, tx, *, device_budget: int | str, chunk_size: int | None = None,
                  min_chunks: int = DEFAULT_MIN_CHUNKS, order: list[str] | None = None, check_tx: bool = True,
-                 host_chunks: int | None = None, pipeline_depth: int = streamed.DEFAULT_PIPELINE_DEPTH,
+                 host_chunks: int | None = None, pipeline_depth: int = duplex.DEFAULT_PIPELINE_DEPTH,
                  rates: Rates | None = None):
         budget = dropin.budget_bytes(device_budget)
         spec = dropin.host_spec(tx)

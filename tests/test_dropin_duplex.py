@@ -68,17 +68,20 @@ def test_device_streamed_and_host_chunks_at_once_equal_optax():
     assert set(b.as_dict()) >= {"predicted_s", "update_s", "h2d_bytes", "d2h_bytes", "both_busy_s"}
 
 
-def _engine(streamed, host, depth, log, live, lock, **over):
+def _engine(streamed, host, depth, log, live, lock, stored=None, **over):
+    stored = {} if stored is None else stored
+
     def fetch(c):
         with lock:
             live.add(c)
             log.append(("fetch", c))
-        return (np.zeros(4, np.float32),)
+        return (np.full(4, c, np.float32),)
 
     def store(c, x):
         with lock:
             log.append(("store", c))
             live.discard(c)
+            stored[c] = x
 
     fns = dict(fetch=fetch, update=lambda c, x: (log.append(("update", c)) or (x + 1,)), store=store,
                send_grads=lambda c: log.append(("grads", c)) or np.ones(2, np.float32),
@@ -91,8 +94,8 @@ def _engine(streamed, host, depth, log, live, lock, **over):
 def test_duplex_engine_order_bound_and_breakdown():
     """Every streamed chunk goes fetch -> update -> store in order with at most ``depth`` between
     fetch and store; every host chunk grads -> kernel -> params; the breakdown adds the bytes."""
-    log, live, lock, peak = [], set(), threading.Lock(), [0]
-    run = _engine([5, 1, 7, 2], [3, 4, 6], 2, log, live, lock)
+    log, live, lock, peak, stored = [], set(), threading.Lock(), [0], {}
+    run = _engine([5, 1, 7, 2], [3, 4, 6], 2, log, live, lock, stored)
     real_fetch = run._fetch
 
     def fetch(c):
@@ -108,6 +111,7 @@ def test_duplex_engine_order_bound_and_breakdown():
         for c in chunks:
             assert [log.index((k, c)) for k in kinds] == sorted(log.index((k, c)) for k in kinds)
     assert peak[0] <= 2
+    assert {c: x.tolist() for c, x in stored.items()} == {c: [c + 1.0] * 4 for c in [5, 1, 7, 2]}  # update's results
     b = duplex.breakdown(run, step=0, n_device=0, predicted=cj.dropin.UpdateTime(1.0, 1.0, 0.5, 1.0))
     assert b.h2d_bytes == 4 * 16 + 3 * 12 and b.d2h_bytes == 4 * 16 + 3 * 8
     assert (b.n_streamed, b.n_host, b.predicted_s) == (4, 3, 1.0)
