@@ -324,6 +324,23 @@ def host_sends(layout: ChunkLayout, host: Sequence[int]) -> HostSends:
     return HostSends({c: tuple(v) for c, v in whole.items()}, frozenset(cuts), last)
 
 
+def prepare_grads(layout: ChunkLayout, sends: HostSends, grad_leaves):
+    """One program over the user's gradient leaves (the optimizer jits it): the (n_chunks,) f32
+    squared norms of each chunk's gradient pieces (cut inside the program: nothing
+    materialised), and what the host chunks need beside the leaves themselves: ``{(chunk, k):
+    piece}`` of the pieces cut on the device (:attr:`HostSends.cut`) and ``{slot: float32
+    leaf}`` of host leaves whose dtype the kernel does not read (:data:`HOST_GRAD_DTYPES`)."""
+    f32 = jnp.float32
+    readable = lambda x: x if np.dtype(x.dtype) in HOST_GRAD_DTYPES else x.astype(f32)  # noqa: E731
+    sq = [sum((jnp.sum(jnp.square(cut(grad_leaves[i], w).astype(f32)))
+               for (i, _), w in zip(layout.chunk_pieces(c), cuts_of(layout, c))), jnp.zeros((), f32))
+          for c in range(layout.n_chunks)]
+    pieces = {(c, k): readable(piece_of(layout, grad_leaves, *layout.chunk_pieces(c)[k])) for c, k in sends.cut}
+    cast = {i: grad_leaves[i].astype(f32) for idx in sends.whole.values() for i in idx
+            if np.dtype(grad_leaves[i].dtype) not in HOST_GRAD_DTYPES}
+    return jnp.stack(sq), pieces, cast
+
+
 #: A host chunk's pieces below this many elements are gathered into one run per stretch of
 #: neighbours (one kernel launch for a chunk's biases and norms, not one each).
 SMALL_PIECE = 1 << 16

@@ -14,7 +14,8 @@ params; PatrickStar, arXiv 2108.05818, section 3), in the ZeRO-Offload manner:
   keep theirs in host memory and are updated either *streamed* (moved to the device, updated,
   moved back: a pipeline of a few chunks with both PCIe directions in flight) or, when ``tx`` is
   a host kernel spec (``chunkjax.host_update.AdamW(...)``), by the in-place *host kernel* in
-  parallel with the streamed ones (:mod:`chunkjax.dropin`: the split by rate and the pipeline);
+  parallel with the streamed ones (:mod:`chunkjax.dropin`: the split by rate; :mod:`chunkjax.duplex`:
+  both at once, one thread per PCIe direction);
 * :meth:`ChunkedOptimizer.update` applies the user's optax transformation chunk by chunk
   (:func:`chunkjax.optim.update_chunk`, which reproduces ``clip_by_global_norm`` of the incoming
   gradients exactly by handing every chunk the global norm) and returns the new params pytree
@@ -43,6 +44,7 @@ and of a linen loop::
 from __future__ import annotations
 
 import collections
+import functools
 import time
 import types
 from typing import Any
@@ -130,7 +132,10 @@ class ChunkedOptimizer:
         host kernel.
       pipeline_depth: the depth used.
       predicted_update_s: predicted seconds of the offloaded chunks' update (H200 rates by
-        default; :func:`chunkjax.dropin.predict_update_s`).
+        default; :func:`chunkjax.dropin.predict_update_s`); ``predicted_update``: the same with its
+        parts (:class:`chunkjax.dropin.UpdateTime`).
+      last_update: the last joined update's :class:`chunkjax.duplex.UpdateBreakdown` (predicted
+        and measured seconds, bytes each way; None before the first update is joined).
       host_optimizer: the host kernel spec, or None.
       device_state_bytes: predicted device bytes of resident master params + optax state.
       working_bytes: predicted device bytes of the update's transient state (one chunk's working
@@ -244,25 +249,9 @@ class ChunkedOptimizer:
         self._host_tokens: dict = {}  # per host chunk, the last update's unpack token (ChunkPrograms.unpack)
         self._pending: duplex.DuplexUpdate | None = None
         self.last_update: duplex.UpdateBreakdown | None = None
-        self._prepare = jax.jit(self._prepare_grads)
+        self._prepare = jax.jit(functools.partial(dropin.prepare_grads, lay, self._sends))
 
     # ---- the update ------------------------------------------------------------------------------
-    def _prepare_grads(self, grad_leaves):
-        """One program over the user's gradient leaves: per chunk the () f32 squared norm of its
-        gradient pieces (cut inside the program: nothing materialised), and what the host chunks
-        need beside the leaves themselves: ``{(chunk, k): piece}`` of the pieces cut on the device
-        (:attr:`chunkjax.dropin.HostSends.cut`) and ``{slot: float32 leaf}`` of host leaves whose
-        dtype the kernel does not read (:data:`chunkjax.dropin.HOST_GRAD_DTYPES`)."""
-        lay, f32 = self.layout, jnp.float32
-        readable = lambda x: x if np.dtype(x.dtype) in dropin.HOST_GRAD_DTYPES else x.astype(f32)  # noqa: E731
-        sq = [sum((jnp.sum(jnp.square(dropin.cut(grad_leaves[i], w).astype(f32)))
-                   for (i, _), w in zip(pieces, dropin.cuts_of(lay, c))), jnp.zeros((), f32))
-              for c, pieces in enumerate(self._pieces)]
-        cut = {(c, k): readable(dropin.piece_of(lay, grad_leaves, *self._pieces[c][k])) for c, k in self._sends.cut}
-        cast = {i: grad_leaves[i].astype(f32) for idx in self._sends.whole.values() for i in idx
-                if np.dtype(grad_leaves[i].dtype) not in dropin.HOST_GRAD_DTYPES}
-        return jnp.stack(sq), cut, cast
-
     def _host_scale(self, grad_sq):
         """The host kernels' gradient factor (the clipping pair of :func:`chunkjax.kernels.clip_scale`)."""
         max_norm = self.host_optimizer.max_grad_norm
@@ -279,10 +268,10 @@ class ChunkedOptimizer:
         dispatching the jitted gradient step (the streamed chunks' first fetches then run during
         its backward).
 
-        Returns after every update program is dispatched and the host chunks' params are back on
-        the device; the write-backs of the last streamed chunks may still be in flight behind the
-        caller's next program (:meth:`wait` joins them; the next :meth:`update` does too).
-        :attr:`last_update` then holds the previous update's :class:`chunkjax.duplex.UpdateBreakdown`
+        Returns after every update program is dispatched and the host chunks' new params are on
+        their way to the device (the caller's next program waits for them there); the write-backs
+        of the last streamed chunks may still be in flight behind the caller's next program
+        (:meth:`wait` joins them; the next :meth:`update` does too). :attr:`last_update` then holds the previous update's :class:`chunkjax.duplex.UpdateBreakdown`
         (predicted and measured seconds, bytes each way).
 
         Args:
