@@ -372,6 +372,23 @@ def host_runs(pieces, grads) -> list[tuple[int, int, np.ndarray]]:
     return runs
 
 
+def warm_host_kernels(spec, chunk_dtypes) -> None:
+    """Compile (or load from numba's cache) on the calling thread every kernel variant that
+    :func:`host_chunk_step` may launch for chunks of these dtypes: a run of one block and one of
+    :data:`SMALL_PIECE` elements, float32 and bf16-bits gradients, the params written as bf16
+    bits or not. numba's LLVM must not compile while XLA compiles on another thread (the process
+    aborts: ``gpu_facts.md``), and the first update compiles XLA programs beside the kernel thread."""
+    from chunkjax.kernels import step_hyper, update_
+    hyper = step_hyper(spec, 0, np.float32(0.0))
+    for dt in {np.dtype(d) for d in chunk_dtypes}:
+        for n in (1, SMALL_PIECE):
+            st = spec.host_state(n)
+            moments = tuple(getattr(st, f.name) for f in dataclasses.fields(st) if f.name != "count")
+            for g in (np.zeros(n, np.float32), np.zeros(n, np.uint16)):
+                update_(hyper, np.zeros(n, np.float32), moments, g, np.zeros(n, np.uint16) if dt == jnp.bfloat16
+                        else None, 1.0)
+
+
 def host_chunk_step(spec, state, master: np.ndarray, params, pieces, grads, scale) -> None:
     """One host chunk's optimizer step in place, run by run (:func:`host_runs`; the kernel of
     :func:`chunkjax.kernels.update_` on each run of the chunk's master, moments and, for bf16

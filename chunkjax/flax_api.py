@@ -225,10 +225,8 @@ class ChunkedOptimizer:
         spanning = [i for i, sl in enumerate(lay.slots) if len(sl.pieces) > 1]
         self._join_spanning = jax.jit(lambda pieces: [jnp.concatenate(x).reshape(lay.slots[i].shape)
                                                       for i, x in zip(spanning, pieces)])
-        if self.host_chunks:
-            from chunkjax.updaters import warm_host_kernel
-            for dt in {np.dtype(lay.chunk_dtypes[c]) for c in self.host_chunks}:
-                warm_host_kernel(spec, dt)  # numba must not compile while XLA compiles on another thread
+        if self.host_chunks:  # numba must not compile while XLA compiles on another thread
+            dropin.warm_host_kernels(spec, [lay.chunk_dtypes[c] for c in self.host_chunks])
         # master params and state, one chunk at a time (the device holds one chunk of temporaries)
         leaves = lay.treedef.flatten_up_to(params)
         init = jax.jit(lambda m: optim.init_chunk_state(tx, m))
