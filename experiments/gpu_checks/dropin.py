@@ -127,7 +127,14 @@ def child(kind: str, cfg: dict) -> dict:
         run = opt
     else:
         tx = AdamW(1e-4) if kind == "chunk_host" else optax.adamw(1e-4)  # the same math (weight decay 1e-4)
-        opt = chunkjax.NnxOptimizer(model, tx, device_budget=cfg["BUDGET"], **cfg.get("KWARGS", {}))
+        kw = dict(cfg.get("KWARGS", {}))
+        if kind == "chunk_host":  # the kernel alone on this host (against its seconds inside the update)
+            from chunkjax.cost import Rates
+            from chunkjax.host_update import measure_host_update_rate
+            out["host_update_s_per_param_alone"] = alone = measure_host_update_rate(2**24 if gpu else 2**16)
+            if cfg.get("RATES") == "measured":
+                kw["rates"] = Rates(host_update_s_per_param=alone)
+        opt = chunkjax.NnxOptimizer(model, tx, device_budget=cfg["BUDGET"], **kw)
         c = opt.chunked
         out["summary"] = opt.summary()
         out["split"] = {"device": c.placement.state_kinds.count("device"), "streamed": len(c.streamed_chunks),
@@ -154,7 +161,9 @@ def child(kind: str, cfg: dict) -> dict:
         breakdowns.append(opt.chunked.last_update)
         steady = [b for b in breakdowns if b is not None and b.step >= 1]
         out["breakdowns"] = [b.as_dict() for b in steady]
-        out["breakdown_median"] = {k: _median([getattr(b, k) for b in steady]) for k in BREAKDOWN_KEYS}
+        out["breakdown_median"] = bd = {k: _median([getattr(b, k) for b in steady]) for k in BREAKDOWN_KEYS}
+        if c.host_chunks and bd["kernel_s"]:  # the kernel's rate inside the update (beside the transfers)
+            out["host_update_s_per_param_in_update"] = bd["kernel_s"] / (len(c.host_chunks) * c.layout.chunk_size)
         if steady:  # one steady update's timeline: (kind, chunk, bytes, start s, end s)
             out["timeline"] = steady[len(steady) // 2].as_dict(events=True)["events"]
         gt = []
@@ -204,6 +213,10 @@ def _summarise(res: dict) -> None:
                                     for k, v in s.items() if k != "nnx" and "losses" in v}
 
 
+def _ns(x):
+    return x * 1e9 if isinstance(x, (int, float)) else None
+
+
 def _table(res: dict, budget: int, path: str) -> None:
     """The short table printed last: one row per system, then each drop-in's update breakdown."""
     s = res["systems"]
@@ -234,7 +247,8 @@ def _table(res: dict, budget: int, path: str) -> None:
         print(f"    h2d {f(gb(bd['h2d_bytes']), '.2f')} GB in {f(bd['h2d_busy_s'], '.3f')} s ({f(bd['h2d_gb_per_s'], '.1f')} GB/s), "
               f"d2h {f(gb(bd['d2h_bytes']), '.2f')} GB in {f(bd['d2h_busy_s'], '.3f')} s ({f(bd['d2h_gb_per_s'], '.1f')} GB/s), "
               f"both busy {f(bd['both_busy_s'], '.3f')} s; kernel {f(bd['kernel_s'], '.3f')} s (idle "
-              f"{f(bd['kernel_idle_s'], '.3f')})")
+              f"{f(bd['kernel_idle_s'], '.3f')}); kernel ns/param alone {f(_ns(v.get('host_update_s_per_param_alone')), '.3f')}, "
+              f"in the update {f(_ns(v.get('host_update_s_per_param_in_update')), '.3f')}")
     print(f"n_params {res['n_params']}, device_budget {budget} bytes, matmul {f(res.get('matmul_tflops'), '.0f')} "
           f"TFLOP/s, ratio {f(res.get('ratio'), '.3f')} -> {path}")
 
@@ -254,6 +268,8 @@ def main(argv=None) -> int:
                     "'{\"host_chunks\": 40, \"pipeline_depth\": 2}'")
     ap.add_argument("--front-budget", default=None, help="the front system's device budget (default: the "
                     "chunk_host system's measured peak bytes, else 'auto')")
+    ap.add_argument("--rates", choices=("default", "measured"), default="default", help="the drop-in's split by "
+                    "chunkjax.cost.Rates() or with this host's measured kernel rate")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--cfg", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -267,6 +283,7 @@ def main(argv=None) -> int:
         cfg["STEPS"] = a.steps
     cfg["KWARGS"] = json.loads(a.kwargs)
     cfg["FRONT_BUDGET"] = a.front_budget
+    cfg["RATES"] = a.rates
     from chunkjax.fit import resolve_budget
     budget = resolve_budget(cfg["BUDGET"])
     res = {"config": cfg, "device_budget_bytes": budget, "systems": {}}
