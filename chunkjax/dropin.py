@@ -7,9 +7,9 @@ at one of PatrickStar's update locations (Fang et al., arXiv 2108.05818, section
 
 * **streamed** (the device): master + state move to the device, the chunk is updated there by
   the unchanged optax transformation (:func:`chunkjax.optim.update_chunk`) and moves back;
-* **host**: the numba kernel (:func:`chunkjax.updaters.host_updater`, arithmetic of
-  :mod:`chunkjax.kernels`) updates master and moments in place; only the gradient goes to the
-  host and the new compute params come back. Only for a host kernel spec
+* **host**: the numba kernel (:func:`host_chunk_step`, arithmetic of :mod:`chunkjax.kernels`)
+  updates master and moments in place; only the gradient goes to the host and the new compute
+  params come back. Only for a host kernel spec
   (``chunkjax.host_update.AdamW / Lion / SGDMomentum``) given as ``tx``.
 
 :func:`split_offloaded` divides the offloaded chunks between the two by rate
