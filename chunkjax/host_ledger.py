@@ -126,11 +126,18 @@ class HostLedger:
             self._echo(self.line(s))
         return s
 
-    def account(self, parts: dict[str, int], echo: bool = True) -> None:
-        """Keep the plan's host parts (a dict of bytes, e.g.
-        :func:`chunkjax.host_memory.schedule_host_parts`) and, with ``echo``, print them in one
-        line: a run killed later has shown its prediction."""
+    def account(self, parts: dict[str, int], held_at: str | None = None, echo: bool = True) -> None:
+        """Keep the plan's host parts (a dict of bytes, e.g. :func:`plan_parts`) and, with
+        ``echo``, print them in one line: a run killed later has shown its prediction.
+        ``held_at``: the phase at which the plan read ``MemAvailable`` (its need comes on top of
+        what the process held then): kept as ``held_when_planned`` and, with ``total_bytes``,
+        ``predicted_peak_bytes`` (the resident bytes the run should peak at)."""
         self.accounted = {k: int(v) for k, v in parts.items()}
+        held = self.sample(held_at) if held_at is not None else None
+        if held is not None and held.resident_bytes is not None:
+            self.accounted["held_when_planned"] = held.resident_bytes
+            if "total_bytes" in self.accounted:
+                self.accounted["predicted_peak_bytes"] = held.resident_bytes + self.accounted["total_bytes"]
         if echo and self._echo is not None:
             self._echo(self.accounted_line())
 
@@ -156,9 +163,13 @@ class HostLedger:
 
     def accounted_line(self) -> str:
         """The plan's host parts in one line, in GB (1e9 bytes), the total first."""
-        parts = ", ".join(f"{k} {v / 1e9:.2f}" for k, v in self.accounted.items() if v and k != "total_bytes")
-        total = self.accounted.get("total_bytes", sum(v for k, v in self.accounted.items() if k != "total_bytes"))
-        return f"[host-ledger] plan accounts {total / 1e9:.2f} GB of host: {parts}"
+        own = ("total_bytes", "held_when_planned", "predicted_peak_bytes")
+        parts = ", ".join(f"{k} {v / 1e9:.2f}" for k, v in self.accounted.items() if v and k not in own)
+        total = self.accounted.get("total_bytes", sum(v for k, v in self.accounted.items() if k not in own))
+        peak = self.accounted.get("predicted_peak_bytes")
+        return (f"[host-ledger] plan accounts {total / 1e9:.2f} GB of host: {parts}"
+                + (f"; with the {self.accounted['held_when_planned'] / 1e9:.2f} GB held when planned, a predicted "
+                   f"peak of {peak / 1e9:.2f} GB resident" if peak is not None else ""))
 
     def to_dict(self) -> dict:
         """``{"phases": [sample as dict ...], "accounted": {part: bytes}}`` (JSON-ready)."""

@@ -427,8 +427,9 @@ def predicted_line(rec: dict) -> str:
     gb = lambda b: f"{b / 1e9:.1f} GB" if b else "n/a"  # noqa: E731
     ex = rec.get("extra") or {}
     out = (f"step {rec['step_s_median']:.2f} s (predicted {ex['step_s_predicted']:.2f} s); peak host RSS "
-           f"{gb(rec.get('host_rss_peak_bytes_measured'))} (host bytes accounted "
-           f"{gb(ex.get('host_bytes_accounted'))})")
+           f"{gb(rec.get('host_rss_peak_bytes_measured'))} (predicted "
+           f"{gb(((ex.get('host_ledger') or {}).get('accounted') or {}).get('predicted_peak_bytes'))}; host bytes "
+           f"accounted {gb(ex.get('host_bytes_accounted'))})")
     st = ex.get("storage")
     if st and not st.get("storage_chunks"):
         out += f"; {st['line']}"

@@ -120,7 +120,7 @@ class ChunkjaxSystem:
             out["fits"], out["why"] = False, rep.why
         self.last_compiled_memory = out
         self.ledger.mark("compile")
-        self.ledger.account(self.host_parts(rep.host))  # printed before anything is initialised
+        self.ledger.account(self.host_parts(rep.host), held_at="plan")  # printed before anything is initialised
         return out
 
     def host_parts(self, host: dict | None = None) -> dict:

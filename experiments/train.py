@@ -817,8 +817,8 @@ def _train(cfg, model, fitted, td, folder, t_start, resolved, resume=None, setup
     setup = dict(setup or {})
     # the process's RSS by kind beside the plan's host parts (issue 24), the parts printed before the init
     ledger = HostLedger(echo=lambda line: print(line, flush=True))
-    ledger.account(plan_parts(problem, schedule, fit_report.host))
     ledger.mark("fit")
+    ledger.account(plan_parts(problem, schedule, fit_report.host), held_at="fit")
     t_init = time.time()
     if resume is None:  # a random init goes leaf by leaf into chunks: no whole params pytree in host memory
         state = step.init(model.init(layout, cfg.seed))

@@ -132,6 +132,8 @@ def test_bench_worker_prints_the_plan_before_the_first_step(capsys):
     assert {"start", "plan", "compile", "init", "step 1", "step 2"} <= {p["phase"] for p in led["phases"]}
     assert led["accounted"]["total_bytes"] == rec["host_bytes_accounted"] + led["accounted"]["process_allowance"] \
         + led["accounted"]["device_on_host"] + led["accounted"]["pinned_pool_rounding"]
+    # the peak RSS (VmHWM, mapped libraries included) within what the process held when it planned plus the need
+    assert rec["host_rss_peak_bytes_measured"] <= led["accounted"]["predicted_peak_bytes"], led
 
 
 def test_bench_driver_keeps_a_killed_workers_ledger(tmp_path, capsys):
