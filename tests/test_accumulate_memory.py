@@ -131,7 +131,7 @@ def test_compiled_check_counts_device_sums_with_micro_batches():
     cb = pr.ChunkBytes(params=2 * size, grad=2 * size, master=4 * size, opt=8 * size)
     locs = ["device"] * n_dev + ["host"] * 3
     prog = {"peak_device_bytes": prog_peak, "argument": 1, "output": 1, "temp": 1, "alias": 0}
-    step = types.SimpleNamespace(compiled_memory_programs=lambda mb: [prog])
+    step = types.SimpleNamespace(compiled_memory_programs=lambda mb: [prog], held_beside_programs=lambda mb: [0])
     out = {}
     for m in (1, 2):
         problem = types.SimpleNamespace(batch=jax.ShapeDtypeStruct((4, T + 1), jnp.int32), micro_batches=m,
