@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 
 import chunkjax as cj
-from chunkjax import fit
+from chunkjax import fit, predict, streamed
 from chunkjax.host_update import AdamW
 from chunkjax.memory import DEVICE
 from chunkjax.step import ChunkedStep
+from chunkjax.step_commit import PendingStep
 from models import gpt
 
 B, T, M = 2, 16, 4  # B rows per micro-batch, M micro-batches looped inside each program
@@ -49,10 +50,18 @@ def _device_arrays(tree) -> dict[int, jax.Array]:
             if isinstance(a, jax.Array) and not a.is_deleted() and a.sharding.memory_kind == DEVICE}
 
 
-def _measure(step, state, batches, monkeypatch) -> list[dict]:
-    """Run ``batches`` through ``step``; at every program launch, the device arrays live in the
-    process split into the program's arguments and the rest (bytes)."""
-    rows, real = [], ChunkedStep.program
+def _live(n_min: int = SMALL) -> int:
+    return sum(a.nbytes for a in jax.live_arrays()
+               if not a.is_deleted() and a.sharding.memory_kind == DEVICE and a.nbytes >= n_min)
+
+
+def _measure(step, state, batches, monkeypatch) -> tuple[list[dict], list[int]]:
+    """Run ``batches`` through ``step``. Returns, at every program launch, the device arrays live
+    in the process split into the program's arguments and the rest (bytes), and the live device
+    bytes of the update phase: at each streamed chunk's update (its inputs and outputs on the
+    device) and at each commit (before the device updates)."""
+    rows, updates, real, real_update, real_commit = [], [], ChunkedStep.program, streamed.StepStream._update, \
+        PendingStep.commit
 
     def program(self, batch, k):
         fn, args = real(self, batch, k)
@@ -68,12 +77,23 @@ def _measure(step, state, batches, monkeypatch) -> list[dict]:
             return fn(params, b, carry, acc)
         return launched, args
 
+    def update(self, c, *fetched):
+        out = jax.block_until_ready(real_update(self, c, *fetched))
+        updates.append(_live())
+        return out
+
+    def commit(self):
+        updates.append(_live())
+        return real_commit(self)
+
     monkeypatch.setattr(ChunkedStep, "program", program)
+    monkeypatch.setattr(streamed.StepStream, "_update", update)
+    monkeypatch.setattr(PendingStep, "commit", commit)
     for b in batches:
         state, m = step(state, b)
         assert np.isfinite(float(m["loss"]))
     step.wait(state)
-    return rows
+    return rows, updates
 
 
 @pytest.mark.parametrize("early", [False, True], ids=["streamed_after_backward", "streamed_early"])
@@ -85,7 +105,8 @@ def test_live_device_bytes_at_each_launch_are_accounted(problem, early, monkeypa
     stay within what the compiled check counts beside it (the device-updated chunks' state plus
     ``beside_bytes``: resident params it does not read, waiting device gradients, the streamed
     pipeline), and everything live stays within the plan's device bytes at the program's first
-    moment (early: its peak, planned without the pipeline)."""
+    moment (early: its peak, planned without the pipeline); in the update phase everything live
+    stays within the compiled check's and the plan's update phase."""
     p, s, params, batches = problem
     locs = set(s.update_locations)
     assert s.accumulation == "in_program" and {"device", "streamed", "host"} <= locs, (s.accumulation, locs)
@@ -94,9 +115,13 @@ def test_live_device_bytes_at_each_launch_are_accounted(problem, early, monkeypa
         s = dataclasses.replace(s, streamed_early=True)
     step = dataclasses.replace(fit.build_step(p, s), donate=True)  # the GPU's donation (ChunkedStep.donate)
     assert step.stream_spec.early == early and step.walk(batches[0]).micro_batches == M
+    # the programs' own compiled sizes are XLA's (compiling them twice costs seconds): what is checked
+    # here is what the compiled check counts beside them, and its update phase
+    zero = {f: 0 for f in ("argument", "output", "temp", "alias", "peak_device_bytes")}
+    monkeypatch.setattr(ChunkedStep, "compiled_memory_programs", lambda self, b: [zero] * len(self.program_bounds()))
     comp = fit.compiled_peak(p, step, s)
     progs, bounds = comp["programs"], step.program_bounds()
-    rows = _measure(step, step.init(params), batches, monkeypatch)
+    rows, updates = _measure(step, step.init(params), batches, monkeypatch)
     assert [r["k"] for r in rows] == list(range(len(bounds))) * len(batches)
     plan = s.predicted.device_bytes_per_moment
     for r in rows:
@@ -107,3 +132,10 @@ def test_live_device_bytes_at_each_launch_are_accounted(problem, early, monkeypa
         assert r["small"] <= SMALL_TOTAL, (k, r["small"])
     # the launch that holds most beside its program holds more than the device-updated state alone
     assert max(r["beside"] for r in rows) > comp["resident_state_bytes"]
+    # the update phase (after the backward): the streamed pipeline runs while every device-updated
+    # chunk's gradient waits for the commit (early: some streamed updates ran during the backward)
+    assert len(updates) == len(batches) * (len(step.streamed_chunks) + 1)
+    pipe = predict.streamed_pipeline_bytes(p.layout.chunk_size, p.cb)  # early: during the backward too
+    bound = s.predicted.peak_device_bytes + pipe if early else min(comp["update_phase_bytes"],
+                                                                   s.predicted.peak_device_bytes)
+    assert max(updates) <= bound, (updates, comp["update_phase_bytes"])
