@@ -15,6 +15,7 @@ import numpy as np
 from chunkjax import optim, streamed
 from chunkjax import updaters as upd
 from chunkjax.memory import DEVICE, PINNED_HOST
+from chunkjax.predict import chunk_bytes, streamed_pipeline_bytes
 from chunkjax.storage import updater as disk
 
 
@@ -103,7 +104,9 @@ class StepUpdates:
           program completing a streamed chunk's gradient.
 
         The plan counts the same (:func:`chunkjax.predict.tide_moment_bytes`); the compiled check
-        adds these to each program's compiled peak.
+        adds these to each program's compiled peak (measured with ``jax.live_arrays`` at every
+        launch: tests/test_live_device_bytes.py, docs/device_live_bytes.md). PatrickStar (arXiv
+        2108.05818) section 4: model data and non-model data on the device at each moment.
 
         Args:
           batch: the batch one pass of the programs runs on (global; arrays or ``ShapeDtypeStruct``).
@@ -111,7 +114,6 @@ class StepUpdates:
         Returns:
           one int per program (bytes), in program order.
         """
-        from chunkjax.predict import chunk_bytes, streamed_pipeline_bytes
         lay, kinds = self.layout, self.placement.param_kinds
         it = np.dtype(self.compute_dtype).itemsize
         whole = self.mesh is None or self.zero_stage != 3  # a device-kind chunk's params per rank
