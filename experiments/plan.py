@@ -198,15 +198,15 @@ def recorded_stage_temps(path, model: str, batch: int, seq: int, stage_names: Se
 
 
 def recorded_rates(path):
-    """The cost-model rates a recorded GPU run calibrated (None if it has none)."""
+    """The cost-model rates a recorded GPU run measured (None if it has none):
+    :meth:`chunkjax.cost.Rates.from_record`, the rates it calibrated with the host kernel's rate
+    inside its step (its host thread's update seconds per host-updated param) where recorded."""
     from chunkjax.cost import Rates
 
     _, s = _recorded(path)
-    r = (s.get("extra") or {}).get("rates")
-    if not r:
+    if not (s.get("extra") or {}).get("rates"):
         return None
-    fields = {f.name for f in dataclasses.fields(Rates)}
-    return Rates(**{k: float(v) for k, v in r.items() if k in fields})
+    return Rates.from_record({"systems": {"chunkjax": s}}, "chunkjax")
 
 
 def trace_inputs(model: str, batch: int, seq: int, *, chunk_size: int | None = None,
@@ -424,7 +424,8 @@ def with_recorded(inp: PlanInputs, path, warn=None) -> PlanInputs:
     rates = recorded_rates(path)
     if rates is not None:
         inp = dataclasses.replace(inp, problem=dataclasses.replace(inp.problem, rates=rates),
-                                  rates_source=f"recorded in {path}")
+                                  rates_source=f"recorded in {path} (host kernel "
+                                               f"{rates.host_update_s_per_param * 1e9:.3f} ns/param)")
     return inp
 
 
