@@ -90,6 +90,20 @@ _STATE_TYPES = {AdamW: HostAdamState, Lion: HostLionState, SGDMomentum: HostMome
 _MOMENT_FIELDS = {HostAdamState: ("m", "v"), HostLionState: ("m",), HostMomentumState: ("trace",)}
 
 
+def moment_fields(state) -> tuple[str, ...]:
+    """Names of the float32 moment buffers of a host state (``("m", "v")`` for
+    :class:`HostAdamState`, ``("m",)`` for Lion, ``("trace",)`` for momentum SGD).
+
+    Raises:
+      ValueError: ``state`` is not a host state of :mod:`chunkjax.kernels`.
+    """
+    fields = _MOMENT_FIELDS.get(type(state))
+    if fields is None:
+        raise ValueError(f"{type(state).__name__} is not a host optimizer state (HostAdamState, HostLionState, "
+                         "HostMomentumState)")
+    return fields
+
+
 def host_update_(spec: HostOptimizer, state, grad: np.ndarray, master: np.ndarray,
                  params_bits_out: np.ndarray | None = None, grad_scale: float | tuple[float, float] = 1.0) -> None:
     """One optimizer step of one chunk, in place on host buffers.
@@ -230,4 +244,4 @@ def measure_host_update_rate(n: int = 2**24, repeats: int = 5) -> float:
 
 __all__ = ["AdamW", "HostAdamState", "HostLionState", "HostMomentumState", "Lion", "SGDMomentum",
            "bf16_bits", "bf16_round_bits", "host_update_", "learning_rate_at", "measure_host_update_rate",
-           "writable_view"]
+           "moment_fields", "writable_view"]

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import functools
 
+import jax
+
 from chunkjax import streamed
 from chunkjax import updaters as upd
+from chunkjax.host_memory import init_reserve_bytes
 from chunkjax.memory import PINNED_HOST
 from chunkjax.storage import updater as disk
 
@@ -84,7 +87,8 @@ class StepUpdates:
                "streamed": upd.device_updater(*args, state_kind=PINNED_HOST, **kw)}
         if self.host_optimizer is not None:
             out["host"] = upd.host_updater(self.topology, self.host_optimizer, self.layout.chunk_size,
-                                           self.compute_dtype, self.master_fetch_chunks)
+                                           self.compute_dtype, self.master_fetch_chunks,
+                                           init_reserve_bytes(self.schedule, jax.default_backend()))
         return out | disk.updaters_of(self)  # "storage": chunkjax.storage.updater
 
     def update_host_chunks(self, state, grads: dict, grad_scale) -> float:
