@@ -66,3 +66,15 @@ def test_recorded_rates_of_a_bench_run():
     assert rates.matmul_flops_per_s == s["extra"]["rates"]["matmul_flops_per_s"]
     with pytest.raises(ValueError, match="no system 'nope'"):
         Rates.from_record(rec, "nope")
+
+
+def test_host_rate_calibration_reports_min_and_median():
+    """measure_host_update_rate returns the fastest call and, asked, the median and the working set
+    against the last-level cache (what the bench JSON records as extra.host_rate_calibration)."""
+    from chunkjax.host_update import measure_host_update_rate
+    stats = {}
+    fastest = measure_host_update_rate(2**12, 3, stats=stats)
+    assert stats["min_s_per_param"] == fastest <= stats["median_s_per_param"]
+    assert stats["working_set_bytes"] == 16 * 2**12 and (stats["n"], stats["repeats"]) == (2**12, 3)
+    with pytest.raises(ValueError, match="repeats >= 1"):
+        measure_host_update_rate(2**12, 0)
