@@ -61,67 +61,21 @@ class Rates:
     @classmethod
     def from_record(cls, record, system: str | None = None) -> "Rates":
         """The rates a GPU run measured while its work competed (not each alone), so that a
-        prediction with them can be checked against that run's measured seconds.
+        prediction with them can be checked against that run's measured seconds:
+        :func:`chunkjax.recorded.recorded_rates` (each PCIe direction while both ran and the
+        host kernel inside a drop-in update; the host kernel inside a bench step), the other
+        fields at their defaults or the run's calibration.
 
         Args:
-          record: a results JSON (a path, or the parsed dict) of
-            ``experiments/gpu_checks/dropin.py`` or ``experiments/bench.py``.
-          system: its system to read (default: the first ``chunk_host*`` system of a drop-in
-            record, else ``"chunkjax"``).
-
-        From a drop-in system (its steady update's ``timeline`` of ``[kind, chunk, bytes,
-        start_s, end_s]`` events, ``split`` and ``breakdown_median``; :mod:`chunkjax.duplex`):
-        ``h2d_bytes_per_s`` / ``d2h_bytes_per_s`` are the bytes of each direction's transfers
-        issued after the gradients existed (the end of ``ready``) over the seconds that direction
-        was busy with them (both directions ran at once), ``duplex_bytes_per_s`` their sum, and
-        ``host_update_s_per_param`` the kernel's seconds inside the update per host-updated
-        param; the other rates are the defaults. From a bench system: the rates the run calibrated
-        (``extra.rates``) with ``host_update_s_per_param`` the host thread's update seconds in
-        the step (``update_s``) over its host-updated params (``extra.schedule_counts`` x
-        ``extra.chunk_size``), where those are recorded.
+          record: a results JSON (path, or the parsed dict) of ``experiments/gpu_checks/dropin.py``
+            or ``experiments/bench.py``. system: its system (default: the first ``chunk_host*``
+            with a timeline, else ``"chunkjax"``).
 
         Raises:
-          ValueError: the record has no such system, or no rates to read from it.
+          ValueError: no such system, or nothing to read from it.
         """
-        import json
-        import pathlib
-        rec = record if isinstance(record, dict) else json.loads(pathlib.Path(record).read_text())
-        systems = rec.get("systems") or {}
-        name = system or next((k for k in systems if k.startswith("chunk_host") and "timeline" in systems[k]),
-                              "chunkjax")
-        s = systems.get(name)
-        if not isinstance(s, dict):
-            raise ValueError(f"the record has no system {name!r} (it has {sorted(systems)}): pass system= one of them")
-        fields = {f.name for f in dataclasses.fields(cls)}
-        if "timeline" in s:
-            ev, split = s["timeline"], s["split"]
-            ready = max((e[4] for e in ev if e[0] == "ready"), default=0.0)
-            rate = {}
-            for key, kinds in (("h2d", ("fetch", "params")), ("d2h", ("grads", "store"))):
-                mine = [e for e in ev if e[0] in kinds and e[3] >= ready]
-                busy, end = 0.0, float("-inf")
-                for a, b in sorted((e[3], e[4]) for e in mine):  # the union of the direction's spans
-                    busy += max(0.0, b - max(a, end))
-                    end = max(end, b)
-                if busy <= 0:
-                    raise ValueError(f"system {name!r} moved nothing {key} after its gradients existed: "
-                                     "record an update with streamed or host chunks")
-                rate[key] = sum(e[2] for e in mine) / busy
-            kernel_s, n_host = (s.get("breakdown_median") or {}).get("kernel_s"), split["host"] * split["chunk_size"]
-            out = dict(h2d_bytes_per_s=rate["h2d"], d2h_bytes_per_s=rate["d2h"],
-                       duplex_bytes_per_s=rate["h2d"] + rate["d2h"])
-            if kernel_s and n_host:
-                out["host_update_s_per_param"] = kernel_s / n_host
-            return cls(**out)
-        extra = s.get("extra") or {}
-        if not extra.get("rates"):
-            raise ValueError(f"system {name!r} records no rates (extra.rates) and no timeline: pass a record of "
-                             "experiments/bench.py or experiments/gpu_checks/dropin.py")
-        out = {k: float(v) for k, v in extra["rates"].items() if k in fields}
-        n_host = sum(n for k, n in (extra.get("schedule_counts") or {}).items() if k.endswith("update_host"))
-        if s.get("update_s") and n_host and extra.get("chunk_size"):
-            out["host_update_s_per_param"] = s["update_s"] / (n_host * extra["chunk_size"])
-        return cls(**out)
+        from chunkjax.recorded import recorded_rates
+        return cls(**recorded_rates(record, system, {f.name for f in dataclasses.fields(cls)}))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -156,46 +156,6 @@ def split_offloaded(offloaded: Sequence[int], chunk_size: int, state_bytes: int,
     return tuple(offloaded[:n - host_chunks]), tuple(offloaded[n - host_chunks:])
 
 
-class RecordedUpdate(NamedTuple):
-    """A GPU run's drop-in update as ``experiments/gpu_checks/dropin.py`` records it
-    (:func:`recorded_update`): the arguments of :func:`predict_update_parts` and
-    :func:`split_offloaded`, and the measured seconds they predict.
-
-    Attributes:
-      n_offloaded, n_host, depth, chunk_size: the split (``n_offloaded - n_host`` streamed).
-      state_bytes, grad_bytes, param_bytes: per chunk, the bytes its timeline moved (a streamed
-        chunk's fetch; a host chunk's gradient and params, averaged over the host chunks).
-      measured_s: the median ``update_s`` of the steady updates (:class:`chunkjax.duplex.UpdateBreakdown`).
-    """
-
-    n_offloaded: int
-    n_host: int
-    depth: int
-    chunk_size: int
-    state_bytes: float
-    grad_bytes: float
-    param_bytes: float
-    measured_s: float
-
-
-def recorded_update(system: dict) -> RecordedUpdate:
-    """The :class:`RecordedUpdate` of one drop-in system of a results JSON (its ``split``,
-    ``timeline`` of ``[kind, chunk, bytes, start_s, end_s]`` and ``breakdown_median``).
-
-    Raises:
-      ValueError: the system has no split, timeline or measured update (a failed run).
-    """
-    if not all(k in system for k in ("split", "timeline", "breakdown_median")):
-        raise ValueError("the system records no split/timeline/breakdown_median: pass a chunk_host system of "
-                         "experiments/gpu_checks/dropin.py that ran")
-    sp, ev = system["split"], system["timeline"]
-    nb = lambda kind: [e[2] for e in ev if e[0] == kind]  # noqa: E731
-    n_host, fetches = sp["host"], nb("fetch")
-    return RecordedUpdate(sp["streamed"] + n_host, n_host, sp["depth"], sp["chunk_size"],
-                          max(fetches) if fetches else 0.0, sum(nb("grads")) / max(1, n_host),
-                          sum(nb("params")) / max(1, n_host), system["breakdown_median"]["update_s"])
-
-
 # ---- the drop-in's input checks ----------------------------------------------------------------
 
 def budget_bytes(device_budget: int | str) -> int:

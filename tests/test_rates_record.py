@@ -5,7 +5,7 @@ import pathlib
 
 import pytest
 
-from chunkjax import dropin
+from chunkjax import dropin, recorded
 from chunkjax.cost import Rates
 
 RESULTS = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "results"
@@ -16,7 +16,7 @@ def s14():
     return json.loads((RESULTS / "dropin_s14.json").read_text())
 
 
-def _predict(ru: dropin.RecordedUpdate, rates: Rates, n_host: int | None = None) -> float:
+def _predict(ru: recorded.RecordedUpdate, rates: Rates, n_host: int | None = None) -> float:
     n_host = ru.n_host if n_host is None else n_host
     return dropin.predict_update_parts(ru.n_offloaded - n_host, n_host, ru.chunk_size, ru.state_bytes,
                                        ru.grad_bytes, ru.param_bytes, rates, ru.depth).total_s
@@ -27,7 +27,7 @@ def test_recorded_rates_predict_the_measured_dropin_update(s14):
     measured (each direction while both ran, the kernel beside the transfers) the cost model
     predicts its measured update within 15 %; with the default rates (each direction at 47 GB/s,
     the kernel at 0.27 ns/param) it does not (0.186 s against 0.345 s)."""
-    ru = dropin.recorded_update(s14["systems"]["chunk_host"])
+    ru = recorded.recorded_update(s14["systems"]["chunk_host"])
     rates = Rates.from_record(s14)
     assert rates == Rates.from_record(RESULTS / "dropin_s14.json", "chunk_host")
     assert rates.host_update_s_per_param == pytest.approx(
@@ -41,7 +41,7 @@ def test_recorded_rates_predict_the_measured_dropin_update(s14):
 def test_recorded_split_moves_with_the_kernel_rate(s14):
     """The split by rate (dropin.split_offloaded) with the recorded rates, and with a kernel twice
     as slow: fewer host chunks, and the recorded split's prediction is no better than the new one."""
-    ru = dropin.recorded_update(s14["systems"]["chunk_host"])
+    ru = recorded.recorded_update(s14["systems"]["chunk_host"])
     rates = Rates.from_record(s14)
     slow = Rates(**{**rates.__dict__, "host_update_s_per_param": 2 * rates.host_update_s_per_param})
 

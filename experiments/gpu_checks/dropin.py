@@ -77,10 +77,10 @@ def own_rates_prediction(v: dict) -> dict | None:
     """A host-kernel system's update predicted with the rates it measured itself
     (``chunkjax.cost.Rates.from_record``: each direction while both ran, the kernel inside the
     update) against its measured ``update_s``: the cost model's check (None if it did not run)."""
-    from chunkjax import dropin
+    from chunkjax import dropin, recorded
     from chunkjax.cost import Rates
     try:
-        ru = dropin.recorded_update(v)
+        ru = recorded.recorded_update(v)
         rates = Rates.from_record({"systems": {"s": v}}, "s")
     except (ValueError, KeyError):
         return None
