@@ -506,7 +506,8 @@ class ChunkedOptimizer:
                 f"state of {n_dev} on the device ({self.device_state_bytes / 2**20:.2f} MiB), "
                 f"{len(self.streamed_chunks)} in pinned host memory streamed through the device (pipeline depth "
                 f"{self.pipeline_depth}), {len(self.host_chunks)} updated by the host kernel"
-                f"{f' (numba threads: {self.host_threads})' if self.host_threads else ''} ({self.host_state_bytes / 2**20:.2f} MiB off the device); "
+                f"{f' (numba threads: {self.host_threads})' if self.host_threads else ''} "
+                f"({self.host_state_bytes / 2**20:.2f} MiB off the device); "
                 f"update working set {self.working_bytes / 2**20:.2f} MiB")
 
 

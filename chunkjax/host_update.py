@@ -259,7 +259,8 @@ def measure_host_update_rate(n: int = 2**24, repeats: int = 5, *, stats: dict | 
         llc = 0
         for f in glob.glob("/sys/devices/system/cpu/cpu*/cache/index*/size"):
             try:
-                m = re.fullmatch(r"(\d+)([KMG]?)", open(f).read().strip())
+                with open(f) as fh:
+                    m = re.fullmatch(r"(\d+)([KMG]?)", fh.read().strip())
             except OSError:
                 continue
             if m:

@@ -2,7 +2,8 @@
 partitions users know, all planned by the same engine on abstract shapes (runs on a CPU).
 
     python -m experiments.plan --model GPT3_10B --device-budget 24GiB --host-budget 120GiB \\
-        --batch 8 --seq 1024 [--json] [--tide-from RESULTS_JSON] [--ranks N [--zero-stage 3]] [--plots DIR]
+        --batch 8 --seq 1024 [--json] [--tide-from RESULTS_JSON [--measured-rates]] \\
+        [--ranks N [--zero-stage 3]] [--plots DIR]
     python -m experiments.plan --model mypkg.mymodel:make --device-budget 2GiB --plots plots/
 
 ``--model`` is a name of models/gpt.py's table or your own model as ``module:factory``: the
@@ -37,7 +38,8 @@ that is an *estimate* of the GPU's, and a high one: XLA CPU's attention material
 5.06 GB on the H200). ``--tide-from RESULTS_JSON`` takes the per-stage temporaries recorded by a
 GPU run of experiments/bench.py (``stage_temp_bytes`` of the chunkjax system) when model, batch
 and sequence match, and the cost-model rates that run calibrated; otherwise the plan is labelled
-"estimated on cpu".
+"estimated on cpu". ``--measured-rates`` takes the rates that run ran at instead (the host kernel's
+inside its step: :meth:`chunkjax.cost.Rates.from_record`, ``docs/dropin.md`` "Rates under contention").
 
 ZeRO over N GPUs of one node (``--ranks N``, N > 1; ``--zero-stage`` 1, 2 or 3, default 3): the
 plan of every rank of :class:`chunkjax.ChunkedStep` over a data mesh, as
@@ -435,7 +437,8 @@ def with_recorded(inp: PlanInputs, path, warn=None, measured_rates: bool = False
 
 
 def prepare(model: str, batch: int, seq: int, *, chunk_size: int | None = None, min_chunks: int = 8,
-            tide_from: str | None = None, warn=None, n_ranks: int = 1, measured_rates: bool = False) -> PlanInputs:
+            tide_from: str | None = None, warn=None, n_ranks: int = 1,
+            measured_rates: bool = False) -> PlanInputs:
     """:func:`trace_inputs`, then :func:`with_recorded` when ``tide_from`` (a results JSON of a GPU
     run of experiments/bench.py) is given (``measured_rates``: see there)."""
     kw = {"n_ranks": n_ranks} if n_ranks != 1 else {}

@@ -37,7 +37,8 @@ token, as ``experiments/bench.py``) and the anchors' units (``model_tflops``,
 device bytes, losses, the optimizer's summary and the update breakdowns) and prints a table last::
 
     python experiments/gpu_checks/dropin.py --run s10 --out experiments/results     # on the GPU (< 8 min)
-    python experiments/gpu_checks/dropin.py --systems chunk_host --sweep-threads 16,12,8 --run s15t --out experiments/results
+    python experiments/gpu_checks/dropin.py --systems chunk_host --sweep-threads 16,12,8 --run s15t \\
+        --out experiments/results                                                 # the kernel's threads
     python experiments/gpu_checks/dropin.py --tiny --run cpu --out /tmp            # a CPU smoke run
 """
 from __future__ import annotations
