@@ -415,7 +415,8 @@ def host_threads_for(host_threads: int | None) -> int:
     return host_threads
 
 
-def host_chunk_step(spec, state, master: np.ndarray, params, pieces, grads, scale, threads: int | None = None) -> None:
+def host_chunk_step(spec, state, master: np.ndarray, params, pieces, grads, scale,
+                    threads: int | None = None) -> None:
     """One host chunk's optimizer step in place, run by run (:func:`host_runs`; the kernel of
     :func:`chunkjax.kernels.update_` on each run of the chunk's master, moments and, for bf16
     params, params buffer): element for element the chunk's step (the kernel is elementwise;
