@@ -389,7 +389,34 @@ def warm_host_kernels(spec, chunk_dtypes) -> None:
                         else None, 1.0)
 
 
-def host_chunk_step(spec, state, master: np.ndarray, params, pieces, grads, scale) -> None:
+#: Cores the host kernel leaves to the other threads of an update: the up and down transfer
+#: threads, the caller dispatching the streamed updates, and the runtime's own (docs/dropin.md,
+#: "Threads": a hypothesis from the s14 run, to be measured with ``--sweep-threads``).
+TRANSFER_CORES = 4
+
+
+def host_threads_for(host_threads: int | None) -> int:
+    """The host kernel's numba threads: ``host_threads``, or by default this process's cores less
+    :data:`TRANSFER_CORES` (at least 1), at most numba's pool (``NUMBA_NUM_THREADS``).
+
+    Raises:
+      ValueError: ``host_threads`` not an int in ``[1, NUMBA_NUM_THREADS]``.
+    """
+    import os
+
+    import numba
+    top = numba.config.NUMBA_NUM_THREADS
+    if host_threads is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return max(1, min(top, cores - TRANSFER_CORES))
+    if isinstance(host_threads, bool) or not isinstance(host_threads, int) or not 1 <= host_threads <= top:
+        raise ValueError(f"host_threads={host_threads!r}: use an int in [1, {top}] (numba's threads, "
+                         "NUMBA_NUM_THREADS) or None for the cores less the transfer threads")
+    return host_threads
+
+
+def host_chunk_step(spec, state, master: np.ndarray, params, pieces, grads, scale,
+                    threads: int | None = None) -> None:
     """One host chunk's optimizer step in place, run by run (:func:`host_runs`; the kernel of
     :func:`chunkjax.kernels.update_` on each run of the chunk's master, moments and, for bf16
     params, params buffer): element for element the chunk's step (the kernel is elementwise;
@@ -403,12 +430,17 @@ def host_chunk_step(spec, state, master: np.ndarray, params, pieces, grads, scal
       pieces: the chunk's ``(slot index, piece)`` pairs. grads: per piece its (size,) gradient
         (numpy float32 or bfloat16, read only).
       scale: the gradient factor (``1.0`` or :func:`chunkjax.kernels.clip_scale`'s pair).
+      threads: numba threads of the calling thread's kernels (None: as they are); numba's count is
+        per calling thread, so this sets the kernel thread's alone.
     """
     from chunkjax import host_update as hu
     from chunkjax.kernels import next_count, step_hyper, update_
     dt = np.dtype(params.dtype)
     bits = hu.writable_view(params, np.uint16) if dt == jnp.bfloat16 else None
     moments = [getattr(state, f.name) for f in dataclasses.fields(state) if f.name != "count"]
+    if threads is not None:
+        import numba
+        numba.set_num_threads(threads)
     count = int(state.count)
     hyper = step_hyper(spec, count, hu.learning_rate_at(spec.learning_rate, count))
     for lo, hi, g in host_runs(pieces, grads):

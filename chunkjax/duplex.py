@@ -9,8 +9,9 @@ GPU-CPU split of ZeRO-Offload++ / ZenFlow), as :class:`chunkjax.ChunkedOptimizer
   calling thread), ``store(c, *updated)`` moves the new state back (the **down** thread); at
   most ``depth`` chunks are between their fetch and the end of their store;
 * a **host** chunk ``c``: ``send_grads(c)`` moves its gradient to pinned host memory (down),
-  ``kernel(c, grads)`` updates master and moments in place (the **kernel** thread, numba, all
-  cores), ``send_params(c)`` moves its new params to the device (up).
+  ``kernel(c, grads)`` updates master and moments in place (the **kernel** thread, numba on
+  the optimizer's ``host_threads``: cores left for the transfer threads), ``send_params(c)``
+  moves its new params to the device (up).
 
 Each direction has one thread that issues one transfer at a time and waits for it: eager
 transfers from two threads reached 94 GB/s together on the H200, both directions inside one

@@ -122,7 +122,10 @@ class ChunkedOptimizer:
         (None: split by rate, :func:`chunkjax.dropin.split_offloaded`; 0: all streamed).
       pipeline_depth: streamed chunks whose state may be on the device at once (>= 1; 3 keeps
         both PCIe directions busy). A smaller depth is used when the budget has no room for it.
-      rates: :class:`chunkjax.cost.Rates` for the host/streamed split (default: the H200's).
+      rates: :class:`chunkjax.cost.Rates` for the host/streamed split (default: the H200's;
+        :meth:`chunkjax.cost.Rates.from_record` reads the rates a GPU run measured).
+      host_threads: numba threads of the host kernel (None: the cores less the transfer threads:
+        :func:`chunkjax.dropin.host_threads_for`; ignored without a host kernel spec).
 
     Attributes:
       layout: the :class:`chunkjax.ChunkLayout` of ``params``.
@@ -136,7 +139,7 @@ class ChunkedOptimizer:
         parts (:class:`chunkjax.dropin.UpdateTime`).
       last_update: the last joined update's :class:`chunkjax.duplex.UpdateBreakdown` (predicted
         and measured seconds, bytes each way; None before the first update is joined).
-      host_optimizer: the host kernel spec, or None.
+      host_optimizer: the host kernel spec, or None; host_threads: its kernel's threads (or None).
       device_state_bytes: predicted device bytes of resident master params + optax state.
       working_bytes: predicted device bytes of the update's transient state (one chunk's working
         set plus the pipeline's other chunks).
@@ -147,7 +150,8 @@ class ChunkedOptimizer:
       TypeError: a non-floating leaf (the message names its path), ``device_budget`` or ``tx`` of
         another type.
       ValueError: ``device_budget`` unparsable or not positive; ``chunk_size`` below 1; ``tx`` fails the elementwise probe (the message lists what is not
-        supported); ``host_chunks`` without a host spec or out of range; ``pipeline_depth`` < 1.
+        supported); ``host_chunks`` without a host spec or out of range; ``pipeline_depth`` < 1;
+        ``host_threads`` outside ``[1, NUMBA_NUM_THREADS]``.
       chunkjax.PlanError: the budget is below one chunk's update working set (the message gives
         the smallest budget that works; ``.min_budget_bytes``).
       chunkjax.HostMemoryError: the offloaded optimizer state (plus, on the CPU, the device's
@@ -157,7 +161,7 @@ class ChunkedOptimizer:
     def __init__(self, params, tx, *, device_budget: int | str, chunk_size: int | None = None,
                  min_chunks: int = DEFAULT_MIN_CHUNKS, order: list[str] | None = None, check_tx: bool = True,
                  host_chunks: int | None = None, pipeline_depth: int = duplex.DEFAULT_PIPELINE_DEPTH,
-                 rates: Rates | None = None):
+                 rates: Rates | None = None, host_threads: int | None = None):
         budget = dropin.budget_bytes(device_budget)
         spec = dropin.host_spec(tx)
         if spec is None and host_chunks:
@@ -179,6 +183,7 @@ class ChunkedOptimizer:
         if spec is None and check_tx:
             optim.check_elementwise(tx)
         self.host_optimizer = spec
+        self.host_threads = dropin.host_threads_for(host_threads) if spec is not None else None
         self.tx = tx = spec.optax() if spec is not None else tx
         if chunk_size is None:  # chunks small enough that a pipeline of a few fits a fraction of the budget
             min_chunks = max(min_chunks, dropin.min_chunks_for_budget(
@@ -327,7 +332,7 @@ class ChunkedOptimizer:
             if not scale:
                 scale.append(self._host_scale(grad_sq))
             dropin.host_chunk_step(self.host_optimizer, self._opt_state[c], self._master[c], self._host_params[c],
-                                   self._pieces[c], landed_grads[1].views, scale[0])
+                                   self._pieces[c], landed_grads[1].views, scale[0], self.host_threads)
 
         host_out, outstanding = {}, collections.deque()
 
@@ -500,7 +505,8 @@ class ChunkedOptimizer:
         return (f"ChunkedOptimizer: {self.layout.n_chunks} chunks x {self.layout.chunk_size} elements; "
                 f"state of {n_dev} on the device ({self.device_state_bytes / 2**20:.2f} MiB), "
                 f"{len(self.streamed_chunks)} in pinned host memory streamed through the device (pipeline depth "
-                f"{self.pipeline_depth}), {len(self.host_chunks)} updated by the host kernel "
+                f"{self.pipeline_depth}), {len(self.host_chunks)} updated by the host kernel"
+                f"{f' (numba threads: {self.host_threads})' if self.host_threads else ''} "
                 f"({self.host_state_bytes / 2**20:.2f} MiB off the device); "
                 f"update working set {self.working_bytes / 2**20:.2f} MiB")
 
@@ -521,7 +527,7 @@ class NnxOptimizer:
         :meth:`update` must have the structure of ``nnx.state(model, wrt)`` (what ``nnx.grad``
         returns for ``wrt=nnx.Param``).
       **kwargs: ``device_budget`` (required), ``chunk_size``, ``min_chunks``, ``order``,
-        ``check_tx``, ``host_chunks``, ``pipeline_depth``, ``rates``: as :class:`ChunkedOptimizer`.
+        ``check_tx``, ``host_chunks``, ``pipeline_depth``, ``rates``, ``host_threads``: as :class:`ChunkedOptimizer`.
 
     Attributes:
       chunked: the underlying :class:`ChunkedOptimizer`. step: updates done.

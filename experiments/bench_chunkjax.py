@@ -60,7 +60,8 @@ class ChunkjaxSystem:
         if batch % self.n_ranks:
             raise ValueError(f"batch {batch} does not split over {self.n_ranks} devices: use a multiple")
         self.spec = AdamW(lr, weight_decay=1e-4, max_grad_norm=max_grad_norm)
-        self.rates, self.matmul_tflops = calibrated_rates()
+        self.host_rate_calibration: dict = {}  # the host kernel timing's min and median (GPU only)
+        self.rates, self.matmul_tflops = calibrated_rates(self.host_rate_calibration)
         t0 = time.perf_counter()
         self.problem = fit.prepare(gpt.gpt_stages(cfg), gpt.abstract_params(cfg),
                                    jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32),
@@ -261,6 +262,7 @@ def run_chunkjax(args) -> dict:
         "n_fetches": p.n_fetches,
         "effective_budget_bytes": sys_.effective_budget, "host_budget_bytes": sys_.host_budget, "plan_history": sys_.plan_history,
         "trace_s": sys_.trace_s, "rates": dataclasses.asdict(sys_.rates),
+        "host_rate_calibration": getattr(sys_, "host_rate_calibration", {}),
         "stage_temp_bytes": {t.name: t.temp_bytes for t in sys_.traces if t.name in ("embed", "h_0", "head")},
         "schedule": sys_.schedule.to_dict(),
         "n_devices": sys_.n_ranks, "zero_stage": sys_.zero_stage, "init": sys_.init_rule,

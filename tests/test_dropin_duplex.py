@@ -5,12 +5,13 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numba
 import numpy as np
 import optax
 import pytest
 
 import chunkjax as cj
-from chunkjax import duplex
+from chunkjax import dropin, duplex
 from chunkjax.host_update import AdamW
 from chunkjax.memory import DEVICE
 
@@ -33,8 +34,10 @@ def test_device_streamed_and_host_chunks_at_once_equal_optax():
     spec = AdamW(1e-2, weight_decay=0.1, max_grad_norm=1.0)
     probe = cj.ChunkedOptimizer(params, spec, device_budget="1GiB", chunk_size=64)
     state = probe.device_state_bytes // probe.layout.n_chunks
+    threads = min(2, numba.config.NUMBA_NUM_THREADS)  # the kernel thread's numba threads, set explicitly
     opt = cj.ChunkedOptimizer(params, spec, device_budget=probe.working_bytes + 2 * state + 2 * 4 * 64,
-                              chunk_size=64, host_chunks=6, pipeline_depth=2)
+                              chunk_size=64, host_chunks=6, pipeline_depth=2, host_threads=threads)
+    assert opt.host_threads == threads and f"numba threads: {threads}" in opt.summary()
     assert opt.placement.state_kinds.count(DEVICE) == 1
     assert (opt.streamed_chunks, opt.host_chunks, opt.pipeline_depth) == ((1, 2, 3), (4, 5, 6, 7, 8, 9), 2)
     assert opt._sends.cut and any(len(v) > 0 for v in opt._sends.whole.values())
@@ -178,3 +181,16 @@ def test_host_chunk_step_by_runs_equals_the_whole_chunk_step(monkeypatch, small)
     np.testing.assert_array_equal(state.v, ref_state.v)
     assert state.count == ref_state.count == 3
     np.testing.assert_array_equal(np.asarray(params).view(np.uint16), ref_bits)
+
+
+def test_host_threads_default_and_errors(monkeypatch):
+    """The host kernel's threads: by default the cores less the transfer threads (at least one, at
+    most numba's pool); an explicit count outside numba's pool is refused in one line."""
+    top = numba.config.NUMBA_NUM_THREADS
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))
+    assert dropin.host_threads_for(None) == min(top, 16 - dropin.TRANSFER_CORES)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    assert dropin.host_threads_for(None) == 1 and dropin.host_threads_for(top) == top
+    for bad in (0, top + 1, 1.5, True):
+        with pytest.raises(ValueError, match="host_threads="):
+            dropin.host_threads_for(bad)

@@ -16,6 +16,13 @@ step). Each system runs in its own process (a clean peak):
   "what the loop allows": ``docs/dropin.md``);
 * ``chunk_optax``: the drop-in with ``optax.adamw(1e-4)`` (every offloaded chunk streamed).
 
+``--sweep-threads 16,12,8`` runs the ``chunk_host`` system once per numba thread count of its
+host kernel (systems ``chunk_host_t16`` ..., ``NnxOptimizer(..., host_threads=N)``; the JSON's
+``sweep_threads`` compares them); ``--rates recorded:<results json>`` splits by the rates a GPU run
+measured under contention (``chunkjax.cost.Rates.from_record``). Each host-kernel system's
+``own_rates_prediction`` is its update predicted with the rates it measured itself, against its
+measured ``update_s`` (the cost model's check: ``docs/dropin.md``, "Rates under contention").
+
 The drop-in systems also time the gradient step alone (``grad_step_s``: the floor of any
 update placement in this loop) and record each update's breakdown
 (``chunkjax.duplex.UpdateBreakdown``: predicted and measured update seconds, bytes and busy
@@ -30,6 +37,8 @@ token, as ``experiments/bench.py``) and the anchors' units (``model_tflops``,
 device bytes, losses, the optimizer's summary and the update breakdowns) and prints a table last::
 
     python experiments/gpu_checks/dropin.py --run s10 --out experiments/results     # on the GPU (< 8 min)
+    python experiments/gpu_checks/dropin.py --systems chunk_host --sweep-threads 16,12,8 --run s15t \\
+        --out experiments/results                                                 # the kernel's threads
     python experiments/gpu_checks/dropin.py --tiny --run cpu --out /tmp            # a CPU smoke run
 """
 from __future__ import annotations
@@ -53,6 +62,37 @@ SYSTEMS = ("nnx", "chunk_host", "front", "chunk_optax")
 BREAKDOWN_KEYS = ("predicted_s", "predicted_h2d_s", "predicted_d2h_s", "predicted_kernel_s", "backward_wait_s",
                   "update_s", "tail_s", "h2d_bytes", "d2h_bytes", "h2d_busy_s", "d2h_busy_s", "both_busy_s",
                   "h2d_gb_per_s", "d2h_gb_per_s", "kernel_s", "kernel_idle_s")
+
+
+def host_threads_of(kind: str) -> tuple[bool, int | None]:
+    """``(host kernel spec?, numba threads or None)`` of a system name: ``chunk_host`` (the
+    optimizer's default threads), ``chunk_host_t<N>`` (``host_threads=N``: ``--sweep-threads``)."""
+    if kind == "chunk_host":
+        return True, None
+    if kind.startswith("chunk_host_t") and kind[len("chunk_host_t"):].isdigit():
+        return True, int(kind[len("chunk_host_t"):])
+    return False, None
+
+
+def own_rates_prediction(v: dict) -> dict | None:
+    """A host-kernel system's update predicted with the rates it measured itself
+    (``chunkjax.cost.Rates.from_record``: each direction while both ran, the kernel inside the
+    update) against its measured ``update_s``: the cost model's check (None if it did not run)."""
+    from chunkjax import dropin, recorded
+    from chunkjax.cost import Rates
+    try:
+        ru = recorded.recorded_update(v)
+        rates = Rates.from_record({"systems": {"s": v}}, "s")
+    except (ValueError, KeyError):
+        return None
+    pred = dropin.predict_update_parts(ru.n_offloaded - ru.n_host, ru.n_host, ru.chunk_size, ru.state_bytes,
+                                       ru.grad_bytes, ru.param_bytes, rates, ru.depth)
+    _, host = dropin.split_offloaded(range(ru.n_offloaded), ru.chunk_size, ru.state_bytes, ru.grad_bytes,
+                                     ru.param_bytes, rates, None, ru.depth)
+    return {"predicted_s": pred.total_s, "h2d_s": pred.h2d_s, "d2h_s": pred.d2h_s, "kernel_s": pred.kernel_s,
+            "measured_s": ru.measured_s, "h2d_gb_per_s": rates.h2d_bytes_per_s / 1e9,
+            "d2h_gb_per_s": rates.d2h_bytes_per_s / 1e9, "kernel_ns_per_param": rates.host_update_s_per_param * 1e9,
+            "split_host_chunks_at_these_rates": len(host)}
 
 
 def _median(xs):
@@ -126,17 +166,27 @@ def child(kind: str, cfg: dict) -> dict:
         out["front_budget_bytes"] = cfg["FRONT_BUDGET"]
         run = opt
     else:
-        tx = AdamW(1e-4) if kind == "chunk_host" else optax.adamw(1e-4)  # the same math (weight decay 1e-4)
+        host, threads = host_threads_of(kind)
+        tx = AdamW(1e-4) if host else optax.adamw(1e-4)  # the same math (weight decay 1e-4)
         kw = dict(cfg.get("KWARGS", {}))
-        if kind == "chunk_host":  # the kernel alone on this host (against its seconds inside the update)
+        if threads is not None:
+            kw["host_threads"] = threads
+        if host:  # the kernel alone on this host (against its seconds inside the update), on 1 GiB
             from chunkjax.cost import Rates
             from chunkjax.host_update import measure_host_update_rate
-            out["host_update_s_per_param_alone"] = alone = measure_host_update_rate(2**24 if gpu else 2**16)
-            if cfg.get("RATES") == "measured":
+            from experiments.gpu_measure import HOST_RATE_PARAMS
+            out["host_rate_calibration"] = stats = {}
+            out["host_update_s_per_param_alone"] = alone = measure_host_update_rate(
+                HOST_RATE_PARAMS if gpu else 2**16, stats=stats)
+            rates = cfg.get("RATES") or "default"
+            if rates == "measured":
                 kw["rates"] = Rates(host_update_s_per_param=alone)
+            elif rates.startswith("recorded:"):  # the rates a GPU run measured under contention
+                kw["rates"] = Rates.from_record(rates[len("recorded:"):])
         opt = chunkjax.NnxOptimizer(model, tx, device_budget=cfg["BUDGET"], **kw)
         c = opt.chunked
         out["summary"] = opt.summary()
+        out["host_threads"] = c.host_threads
         out["split"] = {"device": c.placement.state_kinds.count("device"), "streamed": len(c.streamed_chunks),
                         "host": len(c.host_chunks), "depth": c.pipeline_depth, "chunk_size": c.layout.chunk_size}
         out["host_bytes"] = int(c.host_state_bytes + len(c.host_chunks) * c.layout.chunk_size * 4)
@@ -156,7 +206,7 @@ def child(kind: str, cfg: dict) -> dict:
         loss = float(run(toks[i]))
         times.append(time.perf_counter() - t0)
         losses.append(loss)
-    if kind.startswith("chunk"):
+    if kind.startswith("chunk_"):
         opt.wait()
         breakdowns.append(opt.chunked.last_update)
         steady = [b for b in breakdowns if b is not None and b.step >= 1]
@@ -190,7 +240,7 @@ def _summarise(res: dict) -> None:
     res["n_params"] = next((v["n_params"] for v in s.values() if "n_params" in v), None)
     res["matmul_tflops"] = s.get("nnx", {}).get("matmul_tflops")
     flops_per_token = (6 * res["n_params"] + 12 * cfg["L"] * cfg["T"] * cfg["D"]) if res["n_params"] else None
-    for v in s.values():
+    for k, v in s.items():
         if v.get("tokens_per_s") and flops_per_token:
             flops = flops_per_token * v["tokens_per_s"]
             v["tflops"] = flops / 1e12
@@ -198,11 +248,21 @@ def _summarise(res: dict) -> None:
             v["mfu_datasheet"] = flops / DATASHEET_BF16_FLOPS
             v.update(anchor_units(v["tokens_per_s"], res["n_params"], matmul_tflops=res["matmul_tflops"],
                                   host_bytes=v.get("host_bytes", 0)))
+        if host_threads_of(k)[0] and "timeline" in v:
+            v["own_rates_prediction"] = own_rates_prediction(v)
         bd, g = v.get("breakdown_median") or {}, v.get("grad_step_s")
         if g and bd.get("predicted_s") is not None and tps.get("nnx"):  # the cost model's tokens/s ratio
             v["predicted_ratio"] = cfg["B"] * cfg["T"] / (g + bd["predicted_s"]) / tps["nnx"]
     res["nnx_optimizer_tokens_per_s"] = tps.get("nnx")
     res["chunkjax_tokens_per_s"] = tps.get("chunk_host")
+    sweep = {k: v for k, v in s.items() if k.startswith("chunk_host_t") and "error" not in v}
+    if sweep:  # --sweep-threads: per numba thread count, the update and the kernel's rate inside it
+        res["sweep_threads"] = {v.get("host_threads"): {
+            "tokens_per_s": v.get("tokens_per_s"), "update_s": (v.get("breakdown_median") or {}).get("update_s"),
+            "kernel_ns_per_param_in_update": _ns(v.get("host_update_s_per_param_in_update")),
+            "h2d_gb_per_s": (v.get("breakdown_median") or {}).get("h2d_gb_per_s"),
+            "d2h_gb_per_s": (v.get("breakdown_median") or {}).get("d2h_gb_per_s"),
+            "split": v.get("split")} for v in sweep.values()}
     res["chunkjax_optax_tokens_per_s"] = tps.get("chunk_optax")
     res["ratio"] = (tps["chunk_host"] / tps["nnx"]) if tps.get("chunk_host") and tps.get("nnx") else None
     res["ratio_optax"] = (tps["chunk_optax"] / tps["nnx"]) if tps.get("chunk_optax") and tps.get("nnx") else None
@@ -248,7 +308,13 @@ def _table(res: dict, budget: int, path: str) -> None:
               f"d2h {f(gb(bd['d2h_bytes']), '.2f')} GB in {f(bd['d2h_busy_s'], '.3f')} s ({f(bd['d2h_gb_per_s'], '.1f')} GB/s), "
               f"both busy {f(bd['both_busy_s'], '.3f')} s; kernel {f(bd['kernel_s'], '.3f')} s (idle "
               f"{f(bd['kernel_idle_s'], '.3f')}); kernel ns/param alone {f(_ns(v.get('host_update_s_per_param_alone')), '.3f')}, "
-              f"in the update {f(_ns(v.get('host_update_s_per_param_in_update')), '.3f')}")
+              f"in the update {f(_ns(v.get('host_update_s_per_param_in_update')), '.3f')}; numba threads "
+              f"{v.get('host_threads')}")
+        own = v.get("own_rates_prediction")
+        if own:
+            print(f"    with its own rates (h2d {own['h2d_gb_per_s']:.1f}, d2h {own['d2h_gb_per_s']:.1f} GB/s, kernel "
+                  f"{own['kernel_ns_per_param']:.3f} ns/param): predicted {own['predicted_s']:.3f} s against "
+                  f"{own['measured_s']:.3f} measured; their split: {own['split_host_chunks_at_these_rates']} host chunks")
     print(f"n_params {res['n_params']}, device_budget {budget} bytes, matmul {f(res.get('matmul_tflops'), '.0f')} "
           f"TFLOP/s, ratio {f(res.get('ratio'), '.3f')} -> {path}")
 
@@ -268,11 +334,32 @@ def main(argv=None) -> int:
                     "'{\"host_chunks\": 40, \"pipeline_depth\": 2}'")
     ap.add_argument("--front-budget", default=None, help="the front system's device budget (default: the "
                     "chunk_host system's measured peak bytes, else 'auto')")
-    ap.add_argument("--rates", choices=("default", "measured"), default="default", help="the drop-in's split by "
-                    "chunkjax.cost.Rates() or with this host's measured kernel rate")
+    ap.add_argument("--rates", default="default", help="the drop-in's split by 'default' (chunkjax.cost.Rates()), "
+                    "'measured' (this host's kernel rate alone) or 'recorded:<results json>' (the rates that run "
+                    "measured under contention: chunkjax.cost.Rates.from_record)")
+    ap.add_argument("--sweep-threads", default=None, metavar="N,N,...", help="run the chunk_host system once per "
+                    "numba thread count of its host kernel (systems chunk_host_t<N>, in place of chunk_host), "
+                    "e.g. 16,12,8")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--cfg", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if not (a.rates in ("default", "measured") or (
+            a.rates.startswith("recorded:") and os.path.isfile(a.rates[len("recorded:"):]))):
+        ap.error(f"--rates {a.rates}: use default, measured or recorded:<an existing results json>")
+    systems = a.systems.split(",")
+    if a.sweep_threads:
+        try:
+            counts = [int(x) for x in a.sweep_threads.split(",")]
+        except ValueError:
+            counts = []
+        if not counts or min(counts) < 1:
+            ap.error(f"--sweep-threads {a.sweep_threads}: use thread counts >= 1, e.g. 16,12,8")
+        at = systems.index("chunk_host") if "chunk_host" in systems else len(systems)
+        systems = [k for k in systems[:at]] + [f"chunk_host_t{n}" for n in counts] + [
+            k for k in systems[at + 1:]]
+    unknown = [k for k in systems if k not in SYSTEMS and not host_threads_of(k)[1]]
+    if unknown:
+        ap.error(f"--systems {unknown[0]}: use names of {','.join(SYSTEMS)}")
     if a.child:
         print("JSON" + json.dumps(child(a.child, json.loads(a.cfg))), flush=True)
         return 0
@@ -283,7 +370,8 @@ def main(argv=None) -> int:
         cfg["STEPS"] = a.steps
     cfg["KWARGS"] = json.loads(a.kwargs)
     cfg["FRONT_BUDGET"] = a.front_budget
-    cfg["RATES"] = a.rates
+    cfg["RATES"] = ("recorded:" + os.path.abspath(a.rates[len("recorded:"):])) if a.rates.startswith("recorded:") \
+        else a.rates
     from chunkjax.fit import resolve_budget
     budget = resolve_budget(cfg["BUDGET"])
     res = {"config": cfg, "device_budget_bytes": budget, "systems": {}}
@@ -293,7 +381,7 @@ def main(argv=None) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     s = res["systems"]
     end = time.time() + a.total
-    for kind in a.systems.split(","):
+    for kind in systems:
         t0 = time.time()
         left = int(min(a.timeout, end - t0))
         if left < 30:
@@ -302,7 +390,8 @@ def main(argv=None) -> int:
                 json.dump(res, f, indent=1)
             continue
         if kind == "front" and cfg["FRONT_BUDGET"] is None:
-            cfg["FRONT_BUDGET"] = s.get("chunk_host", {}).get("peak_device_bytes") or "auto"
+            cfg["FRONT_BUDGET"] = next((v["peak_device_bytes"] for k, v in s.items() if host_threads_of(k)[0]
+                                        and v.get("peak_device_bytes")), "auto")
         try:
             p = subprocess.run([sys.executable, os.path.abspath(__file__), "--out", a.out, "--child", kind,
                                 "--cfg", json.dumps(cfg)], capture_output=True, text=True, env=env, timeout=left)
