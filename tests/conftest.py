@@ -43,10 +43,10 @@ SHARED_SETUP = {
 #: seconds per test file in a 2-worker run of the suite (a hint for the order only: a file not
 #: listed counts as DEFAULT_FILE_SECONDS; refresh from ``--junitxml`` when the suite changes much)
 FILE_SECONDS = {
-    "train_job": 195, "lora": 162, "train_equivalence": 122, "schedule": 99, "front_door": 116,
+    "train_job": 162, "lora": 162, "train_equivalence": 122, "schedule": 99, "front_door": 116,
     "finetune": 88, "disk_tier": 95, "host_bytes": 93, "flax_api": 87, "bench": 85, "notebooks": 86,
     "zero_schedule": 85, "overlap": 71, "checkpoint_memory": 64, "checkpoint_integrity": 64,
-    "train_multiprocess": 63, "bench_storage": 58, "storage": 56, "checkpoint_multiprocess": 52,
+    "train_multiprocess": 61, "bench_storage": 58, "storage": 56, "checkpoint_multiprocess": 52,
     "plan_cli": 50, "checkpoint": 47, "checkpoint_flax": 45, "checkpoint_async": 38, "hf": 43,
     "checkpoint_storage": 40, "layout": 38, "frozen": 38, "zero": 37, "host_update": 36, "cases": 33,
     "user_reports": 33, "sweep": 32, "zero_mixed_precision": 31, "checkpoint_zero": 27, "placement_export": 26,
@@ -115,15 +115,16 @@ def zero3_two_process_run(tmp_path_factory):
 @pytest.fixture(scope="session")
 def zero3_job_single_process(tmp_path_factory):
     """The main job's ``--zero-stage 3`` run over this process's 8 forced CPU devices with
-    tests/test_train_multiprocess.py's settings (micro GPT, float32, 3 steps of 8 rows, evaluation
+    tests/test_train_multiprocess.py's settings (micro GPT with 2 blocks, float32, 3 steps of 8 rows, evaluation
     and checkpoints at steps 2 and 3, a 4-token sample): its run folder, read only. The
     single-process reference of tests/test_train_multiprocess.py and the ZeRO-3 run of
     tests/test_train_job.py (compared there with the same settings at ``--zero-stage 0``), trained once."""
-    from _shared_data import bpe512_cache
+    from _shared_data import bpe512_cache, two_block_micro
     from test_train_multiprocess import _args
 
     from experiments import train
     out = tmp_path_factory.mktemp("zero3_job_one_process")
-    assert train.main(_args(bpe512_cache(), out)) == 0
+    with two_block_micro():  # the micro GPT of those tests' runs
+        assert train.main(_args(bpe512_cache(), out)) == 0
     (run,) = out.iterdir()
     return run
