@@ -82,7 +82,8 @@ def smollm2_135m():
 
 #: blocks of ``--model micro`` in the tests that run the main job (experiments/train.py): what they
 #: check (reports, checkpoints and resume, micro-batches, ZeRO, bad input) does not depend on the
-#: depth, and 2 blocks make 4 stages to compile instead of 6
+#: depth; 2 blocks give smaller programs to trace and compile (about as many of them: the plan cuts
+#: the step by moments, not by blocks)
 JOB_MICRO_BLOCKS = 2
 
 
@@ -90,7 +91,8 @@ JOB_MICRO_BLOCKS = 2
 def two_block_micro():
     """``models.gpt``'s "micro" config with :data:`JOB_MICRO_BLOCKS` blocks while the block runs
     (restored after it): tests/test_train_job.py, tests/test_train_multiprocess.py (and the
-    processes they start) and the session's ZeRO-3 job run (tests/conftest.py) train that model."""
+    processes they start), the session's ZeRO-3 job run (tests/conftest.py) and
+    tests/test_sweep.py train that model."""
     from models import gpt
     real = gpt.CONFIGS["micro"]
     gpt.CONFIGS["micro"] = dataclasses.replace(real, n_layers=JOB_MICRO_BLOCKS)

@@ -49,7 +49,7 @@ FILE_SECONDS = {
     "train_multiprocess": 61, "bench_storage": 58, "storage": 56, "checkpoint_multiprocess": 52,
     "plan_cli": 50, "checkpoint": 47, "checkpoint_flax": 45, "checkpoint_async": 38, "hf": 43,
     "checkpoint_storage": 40, "layout": 38, "frozen": 38, "zero": 37, "host_update": 36, "cases": 33,
-    "user_reports": 33, "sweep": 32, "zero_mixed_precision": 31, "checkpoint_zero": 27, "placement_export": 26,
+    "user_reports": 33, "sweep": 21, "zero_mixed_precision": 31, "checkpoint_zero": 27, "placement_export": 26,
     "host_deadline": 21, "gpt": 20, "plots": 13, "pretrained": 10, "fit_checks": 7, "peers": 3, "host_pool": 3,
     "data": 2, "tide_eviction": 2, "zero_multiprocess": 1,
     # session 14, measured alone (CPU seconds x 1.6, the ratio of train_job's and front_door's listed
