@@ -58,6 +58,25 @@ class Rates:
             out["host_update_s_per_param"] = host_update_s_per_param
         return cls(**out)
 
+    @classmethod
+    def from_record(cls, record, system: str | None = None) -> "Rates":
+        """The rates a GPU run measured while its work competed (not each alone), so that a
+        prediction with them can be checked against that run's measured seconds:
+        :func:`chunkjax.recorded.recorded_rates` (each PCIe direction while both ran and the
+        host kernel inside a drop-in update; the host kernel inside a bench step), the other
+        fields at their defaults or the run's calibration.
+
+        Args:
+          record: a results JSON (path, or the parsed dict) of ``experiments/gpu_checks/dropin.py``
+            or ``experiments/bench.py``. system: its system (default: the first ``chunk_host*``
+            with a timeline, else ``"chunkjax"``).
+
+        Raises:
+          ValueError: no such system, or nothing to read from it.
+        """
+        from chunkjax.recorded import recorded_rates
+        return cls(**recorded_rates(record, system, {f.name for f in dataclasses.fields(cls)}))
+
 
 @dataclasses.dataclass(frozen=True)
 class StepTime:

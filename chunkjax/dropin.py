@@ -7,18 +7,20 @@ at one of PatrickStar's update locations (Fang et al., arXiv 2108.05818, section
 
 * **streamed** (the device): master + state move to the device, the chunk is updated there by
   the unchanged optax transformation (:func:`chunkjax.optim.update_chunk`) and moves back;
-* **host**: the numba kernel (:func:`chunkjax.updaters.host_updater`, arithmetic of
-  :mod:`chunkjax.kernels`) updates master and moments in place; only the gradient goes to the
-  host and the new compute params come back. Only for a host kernel spec
+* **host**: the numba kernel (:func:`host_chunk_step`, arithmetic of :mod:`chunkjax.kernels`)
+  updates master and moments in place; only the gradient goes to the host and the new compute
+  params come back. Only for a host kernel spec
   (``chunkjax.host_update.AdamW / Lion / SGDMomentum``) given as ``tx``.
 
 :func:`split_offloaded` divides the offloaded chunks between the two by rate
 (:func:`predict_update_s`: the PCIe bytes of each direction against the host kernel's time,
 the two running in parallel, ZeRO-Offload++ / ZenFlow's GPU-CPU split).
 
-One step: the streamed chunks run through the one streamed pipeline of the library
-(:func:`chunkjax.streamed.stream_chunks`, also the chunked step's): ``depth`` chunks of state on
-the device at once, chunk k+1's fetch and chunk k-1's write-back in flight while chunk k updates.
+One step runs both locations at once on :class:`chunkjax.duplex.DuplexUpdate`'s threads (one
+per PCIe direction, one for the host kernel): ``depth`` streamed chunks' state on the device at
+once, the host chunks' gradients sent from the user's gradient leaves as they are (no packing
+on the device: :func:`host_sends`) and updated piece by piece as they land
+(:func:`host_chunk_step`), their new params sent back as each kernel finishes.
 
 The drop-in's programs (:class:`ChunkPrograms`: one set per chunk shape, :func:`sub_layout`) and
 its placement (:func:`place`: the ``"optimizer_only"`` policy with room for the pipeline) are
@@ -32,6 +34,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from chunkjax import optim
@@ -40,7 +43,7 @@ from chunkjax.errors import PlanError
 from chunkjax.layout import ChunkLayout, LeafSlot, Piece
 from chunkjax.memory import DEVICE, PINNED_HOST, sharding
 from chunkjax.plan import plan_schedule
-from chunkjax.streamed import DEFAULT_PIPELINE_DEPTH
+from chunkjax.duplex import DEFAULT_PIPELINE_DEPTH
 
 
 _MSG_TX = ("tx must be an optax.GradientTransformation or a host kernel spec (chunkjax.host_update.AdamW / Lion / "
@@ -69,14 +72,31 @@ def min_chunks_for_budget(n_elements: int, state_bytes_per_element: float, budge
     return max(1, -(-int(n_elements) // cap))
 
 
-def predict_update_s(n_streamed: int, n_host: int, chunk_size: int, state_bytes: int, grad_bytes: int,
-                     param_bytes: int, rates: Rates, depth: int = DEFAULT_PIPELINE_DEPTH) -> float:
-    """Predicted seconds of the offloaded part of one update: the PCIe time of the busier
-    direction (streamed chunks move ``state_bytes`` each way; host chunks send ``grad_bytes``
-    down and get ``param_bytes`` back; each direction at most half of ``rates.duplex_bytes_per_s``,
-    the two-thread duplex rate of :mod:`chunkjax.streamed`) against the host kernel's time (``chunk_size`` elements
-    per host chunk at ``rates.host_update_s_per_param``); the two run in parallel. With a
-    pipeline of one chunk (``depth=1``) a streamed chunk's two directions take turns.
+class UpdateTime(NamedTuple):
+    """Predicted seconds of the offloaded part of one update (:func:`predict_update_parts`).
+
+    Attributes:
+      h2d_s, d2h_s: each PCIe direction's busy time (both directions in flight together).
+      kernel_s: the host kernel's time.
+      total_s: the update's time: the longest of the three (they run in parallel).
+    """
+
+    h2d_s: float
+    d2h_s: float
+    kernel_s: float
+    total_s: float
+
+
+def predict_update_parts(n_streamed: int, n_host: int, chunk_size: int, state_bytes: int, grad_bytes: int,
+                         param_bytes: int, rates: Rates, depth: int = DEFAULT_PIPELINE_DEPTH) -> UpdateTime:
+    """Predicted seconds of the offloaded part of one update and its parts: each direction's
+    PCIe time (streamed chunks move ``state_bytes`` each way; host chunks send ``grad_bytes``
+    down and get ``param_bytes`` back; each direction at most half of
+    ``rates.duplex_bytes_per_s``, the two-thread duplex rate of :mod:`chunkjax.duplex`) and the
+    host kernel's time (``chunk_size`` elements per host chunk at
+    ``rates.host_update_s_per_param``); the three run in parallel, so the update takes the
+    longest. With a pipeline of one chunk (``depth=1``) a streamed chunk's two directions take
+    turns (counted in both directions' time).
 
     Args:
       n_streamed, n_host: chunks at each location.
@@ -84,15 +104,25 @@ def predict_update_s(n_streamed: int, n_host: int, chunk_size: int, state_bytes:
       state_bytes: one chunk's float32 master params + optimizer state (bytes).
       grad_bytes, param_bytes: one chunk's gradient and compute params (bytes).
       rates: :class:`chunkjax.cost.Rates`.
-      depth: the streamed pipeline's depth (:func:`chunkjax.streamed.stream_chunks`).
+      depth: the streamed pipeline's depth.
     """
     h2d = n_streamed * state_bytes + n_host * param_bytes
     d2h = n_streamed * state_bytes + n_host * grad_bytes
     half = rates.duplex_bytes_per_s / 2  # both directions at once: each at most half the duplex total
-    pcie = max(h2d / min(rates.h2d_bytes_per_s, half), d2h / min(rates.d2h_bytes_per_s, half))
+    h2d_s, d2h_s = h2d / min(rates.h2d_bytes_per_s, half), d2h / min(rates.d2h_bytes_per_s, half)
     if depth <= 1:  # no fetch while a write-back runs
-        pcie = max(pcie, n_streamed * state_bytes * (1 / rates.h2d_bytes_per_s + 1 / rates.d2h_bytes_per_s))
-    return max(pcie, n_host * chunk_size * rates.host_update_s_per_param)
+        turns = n_streamed * state_bytes * (1 / rates.h2d_bytes_per_s + 1 / rates.d2h_bytes_per_s)
+        h2d_s, d2h_s = max(h2d_s, turns), max(d2h_s, turns)
+    kernel_s = n_host * chunk_size * rates.host_update_s_per_param
+    return UpdateTime(h2d_s, d2h_s, kernel_s, max(h2d_s, d2h_s, kernel_s))
+
+
+def predict_update_s(n_streamed: int, n_host: int, chunk_size: int, state_bytes: int, grad_bytes: int,
+                     param_bytes: int, rates: Rates, depth: int = DEFAULT_PIPELINE_DEPTH) -> float:
+    """Predicted seconds of the offloaded part of one update: :func:`predict_update_parts`'s
+    ``total_s`` (same arguments)."""
+    return predict_update_parts(n_streamed, n_host, chunk_size, state_bytes, grad_bytes, param_bytes, rates,
+                                depth).total_s
 
 
 def split_offloaded(offloaded: Sequence[int], chunk_size: int, state_bytes: int, grad_bytes: int,
@@ -198,36 +228,46 @@ def piece_of(layout: ChunkLayout, leaves, i: int, p: Piece):
                                                                 (p.leaf_offset + p.size,))
 
 
+def cuts_of(layout: ChunkLayout, c: int) -> tuple:
+    """Per piece of chunk ``c`` (:meth:`ChunkLayout.chunk_pieces`): None for a whole leaf, else
+    ``(leaf_offset, size)`` of its flat run (a leaf spanning chunks)."""
+    return tuple(None if whole(layout, i, p) else (p.leaf_offset, p.size) for i, p in layout.chunk_pieces(c))
+
+
+def cut(x, where):
+    """``x`` itself (``where`` None) or its flat run ``where = (leaf_offset, size)`` (inside a
+    program: fused into the consumer, nothing materialised)."""
+    if where is None:
+        return x
+    off, n = where
+    return jax.lax.slice(jnp.ravel(x), (off,), (off + n,))
+
+
 @dataclasses.dataclass(frozen=True)
 class ChunkPrograms:
-    """The jitted programs of one chunk shape (one :func:`sub_layout`)."""
+    """The jitted programs of one chunk shape (one :func:`sub_layout` and its :func:`cuts_of`)."""
 
     sub: ChunkLayout
     tx: Any
+    cuts: tuple = ()
 
     @property
     def update(self):
         """``(grad leaves, master, state, grad_sq, c) -> (new param leaves, master, state)``, all on
         the device, master and state donated (device-resident chunks, and streamed chunks once
-        fetched)."""
+        fetched). The grad leaves are the whole leaves of the chunk's pieces (a leaf spanning
+        chunks is cut inside the program: no copy of its piece exists outside it)."""
         dev = sharding(DEVICE)
-        sub, tx = self.sub, self.tx
+        sub, tx, cuts = self.sub, self.tx, self.cuts or (None,) * len(self.sub.slots)
         dt = sub.chunk_dtypes[0]
 
         def upd(grad_leaves, master, state, grad_sq, c):
-            g = sub.pack(list(grad_leaves), dtype=optim.MASTER_DTYPE)[0]
+            g = sub.pack([cut(x, w) for x, w in zip(grad_leaves, cuts)], dtype=optim.MASTER_DTYPE)[0]
             o = optim.update_chunk(tx, g, master, state, jnp.sum(grad_sq), grad_sq[c], dt)
             return tuple(sub.unpack([o.params])), o.master, o.opt_state
 
         return jax.jit(upd, in_shardings=(dev, dev, dev, dev, dev), out_shardings=(dev, dev, dev),
                        donate_argnums=(1, 2))
-
-    @property
-    def pack_grad(self):
-        """``grad leaves -> (chunk_size,)`` gradient chunk (chunk dtype) on the device (sent to the
-        host by an eager transfer: a copy inside the program would hold the program stream)."""
-        sub = self.sub
-        return jax.jit(lambda leaves: sub.pack(list(leaves))[0], out_shardings=sharding(DEVICE))
 
     @property
     def unpack(self):
@@ -240,12 +280,182 @@ class ChunkPrograms:
         return jax.jit(lambda p: (tuple(sub.unpack([p])), p[:1]), in_shardings=dev, out_shardings=dev)
 
 
+# ---- the host chunks' gradients: what goes to the host, and the kernel over it -------------------
+
+#: Gradient dtypes the host kernel reads as they are (anything else is cast to float32 on the device).
+HOST_GRAD_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16))
+
+
+class HostSends(NamedTuple):
+    """How the host chunks' gradients reach the host (:func:`host_sends`), without packing on
+    the device: a leaf whose every piece is in host chunks goes whole, with the first of them
+    (a later chunk reads its piece from that copy); a piece of a leaf that also has a piece in
+    a device or streamed chunk is cut on the device first (:attr:`cut`).
+
+    Attributes:
+      whole: per host chunk, the slot indices of the leaves sent with it.
+      cut: ``(chunk, piece index)`` of the pieces cut on the device.
+      last: ``("leaf", slot) / ("piece", (chunk, k))`` -> the last host chunk that reads it.
+    """
+
+    whole: dict
+    cut: frozenset
+    last: dict
+
+
+def host_sends(layout: ChunkLayout, host: Sequence[int]) -> HostSends:
+    """The :class:`HostSends` of the host chunks ``host`` (in their update order)."""
+    on_host = set(host)
+    holders: dict[int, set] = {}
+    for c in range(layout.n_chunks):
+        for i, _ in layout.chunk_pieces(c):
+            holders.setdefault(i, set()).add(c)
+    whole, cuts, last, sent = {c: [] for c in host}, set(), {}, set()
+    for c in host:
+        for k, (i, _) in enumerate(layout.chunk_pieces(c)):
+            if holders[i] <= on_host:
+                if i not in sent:
+                    whole[c].append(i)
+                    sent.add(i)
+                last[("leaf", i)] = c
+            else:
+                cuts.add((c, k))
+                last[("piece", (c, k))] = c
+    return HostSends({c: tuple(v) for c, v in whole.items()}, frozenset(cuts), last)
+
+
+def prepare_grads(layout: ChunkLayout, sends: HostSends, grad_leaves):
+    """One program over the user's gradient leaves (the optimizer jits it): the (n_chunks,) f32
+    squared norms of each chunk's gradient pieces (cut inside the program: nothing
+    materialised), and what the host chunks need beside the leaves themselves: ``{(chunk, k):
+    piece}`` of the pieces cut on the device (:attr:`HostSends.cut`) and ``{slot: float32
+    leaf}`` of host leaves whose dtype the kernel does not read (:data:`HOST_GRAD_DTYPES`)."""
+    f32 = jnp.float32
+    readable = lambda x: x if np.dtype(x.dtype) in HOST_GRAD_DTYPES else x.astype(f32)  # noqa: E731
+    sq = [sum((jnp.sum(jnp.square(cut(grad_leaves[i], w).astype(f32)))
+               for (i, _), w in zip(layout.chunk_pieces(c), cuts_of(layout, c))), jnp.zeros((), f32))
+          for c in range(layout.n_chunks)]
+    pieces = {(c, k): readable(piece_of(layout, grad_leaves, *layout.chunk_pieces(c)[k])) for c, k in sends.cut}
+    cast = {i: grad_leaves[i].astype(f32) for idx in sends.whole.values() for i in idx
+            if np.dtype(grad_leaves[i].dtype) not in HOST_GRAD_DTYPES}
+    return jnp.stack(sq), pieces, cast
+
+
+#: A host chunk's pieces below this many elements are gathered into one run per stretch of
+#: neighbours (one kernel launch for a chunk's biases and norms, not one each).
+SMALL_PIECE = 1 << 16
+
+
+def host_runs(pieces, grads) -> list[tuple[int, int, np.ndarray]]:
+    """``(lo, hi, gradient)`` runs of one host chunk: each piece of at least :data:`SMALL_PIECE`
+    elements on its own (its gradient as it landed), consecutive smaller pieces gathered into one
+    float32 run over their offsets (zeros in any gap between them: padding, which a step keeps
+    zero). ``pieces``: ``(slot, piece)`` pairs in offset order; ``grads``: per piece its (size,)
+    gradient."""
+    runs, group = [], []
+
+    def flush():
+        if group:
+            lo, hi = group[0][0].offset, group[-1][0].offset + group[-1][0].size
+            g = np.zeros(hi - lo, np.float32)
+            for p, x in group:
+                g[p.offset - lo:p.offset - lo + p.size] = x
+            runs.append((lo, hi, g))
+            group.clear()
+    for (_, p), g in zip(pieces, grads):
+        if p.size >= SMALL_PIECE:
+            flush()
+            runs.append((p.offset, p.offset + p.size, g))
+        else:
+            group.append((p, g))
+    flush()
+    return runs
+
+
+def warm_host_kernels(spec, chunk_dtypes) -> None:
+    """Compile (or load from numba's cache) on the calling thread every kernel variant that
+    :func:`host_chunk_step` may launch for chunks of these dtypes: a run of one block and one of
+    :data:`SMALL_PIECE` elements, float32 and bf16-bits gradients, the params written as bf16
+    bits or not. numba's LLVM must not compile while XLA compiles on another thread (the process
+    aborts: ``gpu_facts.md``), and the first update compiles XLA programs beside the kernel thread."""
+    from chunkjax.kernels import step_hyper, update_
+    hyper = step_hyper(spec, 0, np.float32(0.0))
+    for dt in {np.dtype(d) for d in chunk_dtypes}:
+        for n in (1, SMALL_PIECE):
+            st = spec.host_state(n)
+            moments = tuple(getattr(st, f.name) for f in dataclasses.fields(st) if f.name != "count")
+            for g in (np.zeros(n, np.float32), np.zeros(n, np.uint16)):
+                update_(hyper, np.zeros(n, np.float32), moments, g, np.zeros(n, np.uint16) if dt == jnp.bfloat16
+                        else None, 1.0)
+
+
+#: Cores the host kernel leaves to the other threads of an update: the up and down transfer
+#: threads, the caller dispatching the streamed updates, and the runtime's own (docs/dropin.md,
+#: "Threads": a hypothesis from the s14 run, to be measured with ``--sweep-threads``).
+TRANSFER_CORES = 4
+
+
+def host_threads_for(host_threads: int | None) -> int:
+    """The host kernel's numba threads: ``host_threads``, or by default this process's cores less
+    :data:`TRANSFER_CORES` (at least 1), at most numba's pool (``NUMBA_NUM_THREADS``).
+
+    Raises:
+      ValueError: ``host_threads`` not an int in ``[1, NUMBA_NUM_THREADS]``.
+    """
+    import os
+
+    import numba
+    top = numba.config.NUMBA_NUM_THREADS
+    if host_threads is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return max(1, min(top, cores - TRANSFER_CORES))
+    if isinstance(host_threads, bool) or not isinstance(host_threads, int) or not 1 <= host_threads <= top:
+        raise ValueError(f"host_threads={host_threads!r}: use an int in [1, {top}] (numba's threads, "
+                         "NUMBA_NUM_THREADS) or None for the cores less the transfer threads")
+    return host_threads
+
+
+def host_chunk_step(spec, state, master: np.ndarray, params, pieces, grads, scale,
+                    threads: int | None = None) -> None:
+    """One host chunk's optimizer step in place, run by run (:func:`host_runs`; the kernel of
+    :func:`chunkjax.kernels.update_` on each run of the chunk's master, moments and, for bf16
+    params, params buffer): element for element the chunk's step (the kernel is elementwise;
+    padding holds zeros that a step keeps zero). The step's scalars are computed once and the
+    count advances once.
+
+    Args:
+      spec: the host kernel spec. state: the chunk's ``Host*State`` (moments (chunk_size,)).
+      master: (chunk_size,) float32 master params (for float32 params: the pinned params buffer).
+      params: the chunk's pinned params buffer (a jax array; written for non-float32 params).
+      pieces: the chunk's ``(slot index, piece)`` pairs. grads: per piece its (size,) gradient
+        (numpy float32 or bfloat16, read only).
+      scale: the gradient factor (``1.0`` or :func:`chunkjax.kernels.clip_scale`'s pair).
+      threads: numba threads of the calling thread's kernels (None: as they are); numba's count is
+        per calling thread, so this sets the kernel thread's alone.
+    """
+    from chunkjax import host_update as hu
+    from chunkjax.kernels import next_count, step_hyper, update_
+    dt = np.dtype(params.dtype)
+    bits = hu.writable_view(params, np.uint16) if dt == jnp.bfloat16 else None
+    moments = [getattr(state, f.name) for f in dataclasses.fields(state) if f.name != "count"]
+    if threads is not None:
+        import numba
+        numba.set_num_threads(threads)
+    count = int(state.count)
+    hyper = step_hyper(spec, count, hu.learning_rate_at(spec.learning_rate, count))
+    for lo, hi, g in host_runs(pieces, grads):
+        g = g.view(np.uint16) if g.dtype == jnp.bfloat16 else g
+        update_(hyper, master[lo:hi], tuple(m[lo:hi] for m in moments), g, None if bits is None else bits[lo:hi], scale)
+    state.count = next_count(count)
+    if dt not in HOST_GRAD_DTYPES:  # (float32: the master is the params buffer; bf16: written above)
+        np.copyto(hu.writable_view(params, dt), master.astype(dt))
+
+
 def place(lay: ChunkLayout, cb, budget: int, depth: int, split, host_reserve: int = 0):
     """The optimizer_only placement with room for ``depth`` streamed chunks on the device: the
     deepest pipeline (<= ``depth``) whose reserve still leaves the update's working set in the
     budget; no reserve when no chunk is streamed. ``host_reserve`` bytes are kept free for the
-    host chunks' gradients on their way to the host (two chunks at a time). Returns (plan, depth,
-    streamed, host)."""
+    host chunks' new params on their way to the device. Returns (plan, depth, streamed, host)."""
     for d in range(depth, 0, -1):
         try:
             plan = plan_schedule(lay, (), cb, budget - (d - 1) * cb.state - host_reserve, policy="optimizer_only")
@@ -267,10 +477,10 @@ class DropinPlan(NamedTuple):
       placement: a :class:`chunkjax.Placement` (params on the device; state device / pinned host).
       depth: the streamed pipeline's depth.
       streamed, host: offloaded chunk ids updated through the device and by the host kernel.
-      in_flight: host chunks' gradients on the device at once on their way to the host (0-2).
+      in_flight: host chunks' new params chunks on the device at once on their way from the host
+        (0-2; their gradients go to the host from the user's gradient leaves: no device copy).
       working_bytes: device bytes of the update's transients (one chunk's update working set when
-        any chunk updates on the device, the pipeline's extra chunks, the host gradients in flight
-        and, with host chunks only, one params chunk on its way back).
+        any chunk updates on the device, the pipeline's extra chunks, the host params in flight).
       device_state_bytes, host_state_bytes: master + optimizer state bytes on / off the device.
       predicted_s: :func:`predict_update_s` of the offloaded chunks.
     """
@@ -290,7 +500,7 @@ def choose(lay: ChunkLayout, cb, budget: int, depth: int, host: bool, host_chunk
            rates: Rates | None) -> DropinPlan:
     """The drop-in's plan: the ``"optimizer_only"`` placement (:func:`place`) with the offloaded
     chunks split between the streamed pipeline and, if ``host``, the host kernel, with two or one
-    host gradients in flight where the budget has room; with an automatic split
+    host params chunks in flight where the budget has room; with an automatic split
     (``host_chunks=None``) also the plan that updates every chunk on the host kernel (no device
     update working set at all: it fits budgets below one chunk's update), the faster predicted
     one wins.
@@ -309,7 +519,7 @@ def choose(lay: ChunkLayout, cb, budget: int, depth: int, host: bool, host_chunk
                 return tuple(offloaded), ()
             return split_offloaded(offloaded, lay.chunk_size, cb.state, cb.grad, cb.params, rates, n_host, d)
         try:
-            plan, d, streamed, on_host = place(lay, cb, budget, depth, split, in_flight * cb.grad)
+            plan, d, streamed, on_host = place(lay, cb, budget, depth, split, in_flight * cb.params)
         except PlanError as e:
             error = error or e
             continue
@@ -317,13 +527,13 @@ def choose(lay: ChunkLayout, cb, budget: int, depth: int, host: bool, host_chunk
         found.append(DropinPlan(
             plan.placement, d, streamed, on_host, in_flight,
             int(plan.predicted.peak_device_bytes - plan.predicted.device_model_bytes + (d - 1) * cb.state
-                + in_flight * cb.grad),
+                + in_flight * cb.params),
             int(plan.predicted.device_model_bytes), int(plan.predicted.host_model_bytes),
             predict_update_s(len(streamed), len(on_host), lay.chunk_size, cb.state, cb.grad, cb.params, rates, d)))
         break
     if host and host_chunks in (None, n):
-        for in_flight in (2, 1):  # every chunk on the host kernel: gradients in flight, one params chunk back
-            working = in_flight * cb.grad + cb.params
+        for in_flight in (2, 1):  # every chunk on the host kernel: only params chunks on their way back
+            working = in_flight * cb.params
             if working <= budget:
                 from chunkjax.schedule import Placement
                 found.append(DropinPlan(

@@ -37,7 +37,7 @@ from chunkjax.optim import check_elementwise, state_bytes_per_chunk
 from chunkjax.plan import parse_bytes, plan_schedule
 from chunkjax.plan_disk import storage_line
 from chunkjax.plan_micro import in_program_plan, passes_of
-from chunkjax.predict import ChunkBytes, chunk_bytes
+from chunkjax.predict import ChunkBytes, chunk_bytes, device_model_bytes, update_phase_bytes
 from chunkjax.stages import check_param_keys, compose_loss, differentiated, split_loss
 from chunkjax.streamed import starts_early
 from chunkjax.trace import trace_stages
@@ -438,23 +438,23 @@ def auto_budget(problem: FitProblem, *, policy: str = "tide") -> int:
 # ---- checks ----------------------------------------------------------------------------------
 
 def compiled_peak(problem: FitProblem, step, schedule) -> dict:
-    """Compile every program of ``step`` for one pass (a micro-batch, or in-program the batch) and
-    return its device peak: ``peak_bytes`` = max(largest program's argument + output + temp - alias + the master params
-    and optimizer state (per micro-batch pass also the float32 gradient sums) of device-updated
-    chunks, the update phase: every resident chunk's params, state and gradient plus one chunk's
-    float32 temporaries), per rank."""
+    """Every program of ``step`` compiled for one pass (a micro-batch, or in-program the batch): ``peak_bytes``
+    (per rank) = max(the most over programs of argument + output + temp - alias + ``beside_bytes`` (held beside it
+    at launch: ``held_beside_programs``) + device-updated chunks' state (per pass with float32 sums), update phase)."""
     passes = passes_of(schedule, problem.micro_batches)
-    progs = step.compiled_memory_programs(rows_of(problem.batch, batch_rows(problem.batch) // passes))
-    n_res = sum(u == "device" for u in schedule.update_locations)
-    cb = problem.cb_rank
-    resident_state = n_res * (cb.state + (cb.master if passes > 1 else 0))
-    # the update phase holds every resident chunk and its gradient (GPT3_12B ran out of memory there)
-    update_phase = n_res * (cb.params + cb.state + cb.grad) + 2 * 4 * problem.layout.chunk_size
-    largest = max(progs, key=lambda q: q["peak_device_bytes"])
-    return {"peak_bytes": int(max(largest["peak_device_bytes"] + resident_state, update_phase)),
+    one_pass = rows_of(problem.batch, batch_rows(problem.batch) // passes)
+    progs = [dict(q, beside_bytes=int(b)) for q, b in zip(step.compiled_memory_programs(one_pass),
+                                                          step.held_beside_programs(one_pass))]
+    locs, cb = schedule.update_locations, problem.cb_rank
+    resident_state = sum(u == "device" for u in locs) * (cb.state + (cb.master if passes > 1 else 0))
+    update_phase = device_model_bytes(cb, schedule.param_kinds, locs) + update_phase_bytes(  # device gradients,
+        problem.layout.chunk_size, cb, locs)  # the streamed pipeline or a device update's temporaries
+    largest = max(progs, key=lambda q: q["peak_device_bytes"] + q["beside_bytes"])
+    peak = max(largest["peak_device_bytes"] + largest["beside_bytes"] + resident_state, update_phase)
+    return {"peak_bytes": int(peak),
             "argument_bytes": largest["argument"], "output_bytes": largest["output"], "temp_bytes": largest["temp"],
             "alias_bytes": largest["alias"], "resident_state_bytes": int(resident_state),
-            "update_phase_bytes": int(update_phase), "programs": progs}
+            "beside_bytes": largest["beside_bytes"], "update_phase_bytes": int(update_phase), "programs": progs}
 
 
 # ---- plan, compile, re-plan ------------------------------------------------------------------

@@ -14,7 +14,8 @@ params; PatrickStar, arXiv 2108.05818, section 3), in the ZeRO-Offload manner:
   keep theirs in host memory and are updated either *streamed* (moved to the device, updated,
   moved back: a pipeline of a few chunks with both PCIe directions in flight) or, when ``tx`` is
   a host kernel spec (``chunkjax.host_update.AdamW(...)``), by the in-place *host kernel* in
-  parallel with the streamed ones (:mod:`chunkjax.dropin`: the split by rate and the pipeline);
+  parallel with the streamed ones (:mod:`chunkjax.dropin`: the split by rate; :mod:`chunkjax.duplex`:
+  both at once, one thread per PCIe direction);
 * :meth:`ChunkedOptimizer.update` applies the user's optax transformation chunk by chunk
   (:func:`chunkjax.optim.update_chunk`, which reproduces ``clip_by_global_norm`` of the incoming
   gradients exactly by handing every chunk the global norm) and returns the new params pytree
@@ -42,14 +43,17 @@ and of a linen loop::
 """
 from __future__ import annotations
 
+import collections
+import functools
 import time
+import types
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from chunkjax import dropin, optim, portable, streamed
+from chunkjax import dropin, duplex, optim, portable
 from chunkjax.cost import Rates
 from chunkjax.layout import ChunkLayout, build_layout
 from chunkjax.memory import DEVICE, PINNED_HOST, sharding
@@ -118,7 +122,10 @@ class ChunkedOptimizer:
         (None: split by rate, :func:`chunkjax.dropin.split_offloaded`; 0: all streamed).
       pipeline_depth: streamed chunks whose state may be on the device at once (>= 1; 3 keeps
         both PCIe directions busy). A smaller depth is used when the budget has no room for it.
-      rates: :class:`chunkjax.cost.Rates` for the host/streamed split (default: the H200's).
+      rates: :class:`chunkjax.cost.Rates` for the host/streamed split (default: the H200's;
+        :meth:`chunkjax.cost.Rates.from_record` reads the rates a GPU run measured).
+      host_threads: numba threads of the host kernel (None: the cores less the transfer threads:
+        :func:`chunkjax.dropin.host_threads_for`; ignored without a host kernel spec).
 
     Attributes:
       layout: the :class:`chunkjax.ChunkLayout` of ``params``.
@@ -128,8 +135,11 @@ class ChunkedOptimizer:
         host kernel.
       pipeline_depth: the depth used.
       predicted_update_s: predicted seconds of the offloaded chunks' update (H200 rates by
-        default; :func:`chunkjax.dropin.predict_update_s`).
-      host_optimizer: the host kernel spec, or None.
+        default; :func:`chunkjax.dropin.predict_update_s`); ``predicted_update``: the same with its
+        parts (:class:`chunkjax.dropin.UpdateTime`).
+      last_update: the last joined update's :class:`chunkjax.duplex.UpdateBreakdown` (predicted
+        and measured seconds, bytes each way; None before the first update is joined).
+      host_optimizer: the host kernel spec, or None; host_threads: its kernel's threads (or None).
       device_state_bytes: predicted device bytes of resident master params + optax state.
       working_bytes: predicted device bytes of the update's transient state (one chunk's working
         set plus the pipeline's other chunks).
@@ -140,7 +150,8 @@ class ChunkedOptimizer:
       TypeError: a non-floating leaf (the message names its path), ``device_budget`` or ``tx`` of
         another type.
       ValueError: ``device_budget`` unparsable or not positive; ``chunk_size`` below 1; ``tx`` fails the elementwise probe (the message lists what is not
-        supported); ``host_chunks`` without a host spec or out of range; ``pipeline_depth`` < 1.
+        supported); ``host_chunks`` without a host spec or out of range; ``pipeline_depth`` < 1;
+        ``host_threads`` outside ``[1, NUMBA_NUM_THREADS]``.
       chunkjax.PlanError: the budget is below one chunk's update working set (the message gives
         the smallest budget that works; ``.min_budget_bytes``).
       chunkjax.HostMemoryError: the offloaded optimizer state (plus, on the CPU, the device's
@@ -149,8 +160,8 @@ class ChunkedOptimizer:
 
     def __init__(self, params, tx, *, device_budget: int | str, chunk_size: int | None = None,
                  min_chunks: int = DEFAULT_MIN_CHUNKS, order: list[str] | None = None, check_tx: bool = True,
-                 host_chunks: int | None = None, pipeline_depth: int = streamed.DEFAULT_PIPELINE_DEPTH,
-                 rates: Rates | None = None):
+                 host_chunks: int | None = None, pipeline_depth: int = duplex.DEFAULT_PIPELINE_DEPTH,
+                 rates: Rates | None = None, host_threads: int | None = None):
         budget = dropin.budget_bytes(device_budget)
         spec = dropin.host_spec(tx)
         if spec is None and host_chunks:
@@ -172,6 +183,7 @@ class ChunkedOptimizer:
         if spec is None and check_tx:
             optim.check_elementwise(tx)
         self.host_optimizer = spec
+        self.host_threads = dropin.host_threads_for(host_threads) if spec is not None else None
         self.tx = tx = spec.optax() if spec is not None else tx
         if chunk_size is None:  # chunks small enough that a pipeline of a few fits a fraction of the budget
             min_chunks = max(min_chunks, dropin.min_chunks_for_budget(
@@ -191,6 +203,8 @@ class ChunkedOptimizer:
         self.working_bytes, self.device_state_bytes, self.host_state_bytes = (
             dp.working_bytes, dp.device_state_bytes, dp.host_state_bytes)
         self.predicted_update_s = dp.predicted_s
+        self.predicted_update = dropin.predict_update_parts(
+            len(dp.streamed), len(dp.host), lay.chunk_size, cb.state, cb.grad, cb.params, rates or Rates(), dp.depth)
         kinds = self.placement.state_kinds
         # issue 21: refuse before allocating when host memory cannot hold the offloaded state (on
         # the CPU the device's share is host memory too); host chunks add a pinned params buffer
@@ -202,25 +216,22 @@ class ChunkedOptimizer:
         self.step = 0
         subs = [dropin.sub_layout(lay, c) for c in range(lay.n_chunks)]
         self._pieces = [pieces for _, pieces in subs]
-        programs: dict = {}
-        self._programs = [programs.setdefault(sub, dropin.ChunkPrograms(sub, tx)) for sub, _ in subs]
-        self._update_of = {}
-        for c in range(lay.n_chunks):
-            if c not in self.host_chunks:
-                key = ("update", subs[c][0])
-                if key not in programs:
-                    programs[key] = self._programs[c].update
-                self._update_of[c] = programs[key]
-        self._host_programs = {}
-        for c in self.host_chunks:
-            key = ("host", subs[c][0])
-            if key not in programs:
-                programs[key] = (self._programs[c].pack_grad, self._programs[c].unpack)
-            self._host_programs[c] = programs[key]
-        if self.host_chunks:
-            from chunkjax.updaters import warm_host_kernel
-            for dt in {np.dtype(lay.chunk_dtypes[c]) for c in self.host_chunks}:
-                warm_host_kernel(spec, dt)  # numba must not compile while XLA compiles on another thread
+        programs: dict = {}  # one set of compiled programs per chunk shape (repeated blocks share them)
+        self._update_of, self._unpack_of = {}, {}
+        for c, (sub, _) in enumerate(subs):
+            progs = programs.setdefault((sub, dropin.cuts_of(lay, c)), dropin.ChunkPrograms(sub, tx, dropin.cuts_of(lay, c)))
+            if c in self.host_chunks:
+                self._unpack_of[c] = programs.setdefault(("unpack", sub), progs.unpack)
+            else:
+                self._update_of[c] = programs.setdefault(("update", progs), progs.update)
+        self._sends = dropin.host_sends(lay, self.host_chunks)
+        self._chunk_id = [jax.device_put(np.int32(c), sharding(DEVICE)) for c in range(lay.n_chunks)]
+        # the leaves spanning chunks, joined from their pieces in one program
+        spanning = [i for i, sl in enumerate(lay.slots) if len(sl.pieces) > 1]
+        self._join_spanning = jax.jit(lambda pieces: [jnp.concatenate(x).reshape(lay.slots[i].shape)
+                                                      for i, x in zip(spanning, pieces)])
+        if self.host_chunks:  # numba must not compile while XLA compiles on another thread
+            dropin.warm_host_kernels(spec, [lay.chunk_dtypes[c] for c in self.host_chunks])
         # master params and state, one chunk at a time (the device holds one chunk of temporaries)
         leaves = lay.treedef.flatten_up_to(params)
         init = jax.jit(lambda m: optim.init_chunk_state(tx, m))
@@ -238,82 +249,33 @@ class ChunkedOptimizer:
                 masters.append(jax.device_put(m, sk))
             del m
         self._master, self._opt_state = masters, states
-        self._host_sent: list = []  # the last update's unpack tokens of the host chunks (ChunkPrograms.unpack)
-        self._pending = streamed.StreamedWork()
-        self._sq = jax.jit(self._grad_sq)
+        self._host_tokens: dict = {}  # per host chunk, the last update's unpack token (ChunkPrograms.unpack)
+        self._pending: duplex.DuplexUpdate | None = None
+        self.last_update: duplex.UpdateBreakdown | None = None
+        self._prepare = jax.jit(functools.partial(dropin.prepare_grads, lay, self._sends))
 
     # ---- the update ------------------------------------------------------------------------------
-    def _grad_sq(self, grad_leaves):
-        """(per chunk the () f32 squared norm of its gradient pieces, ``{(chunk, k): flat piece}``
-        of the leaves spanning chunks)."""
-        lay = self.layout
-        split = {(c, k): dropin.piece_of(lay, grad_leaves, i, p) for c, pieces in enumerate(self._pieces)
-                 for k, (i, p) in enumerate(pieces) if not dropin.whole(lay, i, p)}
-        sq = [sum((jnp.sum(jnp.square(split.get((c, k), grad_leaves[i]).astype(jnp.float32)))
-                   for k, (i, _) in enumerate(pieces)), jnp.zeros((), jnp.float32))
-              for c, pieces in enumerate(self._pieces)]
-        return jnp.stack(sq), split
-
     def _host_scale(self, grad_sq):
         """The host kernels' gradient factor (the clipping pair of :func:`chunkjax.kernels.clip_scale`)."""
         max_norm = self.host_optimizer.max_grad_norm
         if max_norm is None:
             return 1.0
         from chunkjax.kernels import clip_scale
-        return lambda: clip_scale(max_norm, np.sqrt(np.sum(np.asarray(grad_sq, np.float32), dtype=np.float32)))
-
-    def _host_pass(self, grad_leaves: dict, scale, previous, sent: dict) -> float:
-        """The host thread's part of one update: each host chunk's gradient is packed on the
-        device and sent to pinned host memory (the next one's transfer overlaps this one's
-        kernel), updated in place by the host kernel, and its new params sent back to the device
-        (into ``sent``). ``previous``: the last update's unpack tokens (ready once its transfers
-        out of the params buffers are done). Returns the kernel seconds."""
-        jax.block_until_ready(previous)  # no transfer of the params buffers in flight while rewritten
-        if callable(scale):
-            scale = scale()
-        pin = sharding(PINNED_HOST)
-        order = list(grad_leaves)
-        send = lambda c: jax.device_put(self._host_programs[c][0](grad_leaves[c]), pin, may_alias=False)  # noqa: E731
-        spent, nxt = 0.0, send(order[0])
-        for i, c in enumerate(order):
-            g = nxt
-            if self._host_in_flight > 1 and i + 1 < len(order):
-                nxt = send(order[i + 1])
-            elif i + 1 < len(order):  # one gradient on the device at a time: the next after this kernel
-                nxt = None
-            spent += self._host_kernel(c, g, scale)
-            del g
-            if nxt is None and i + 1 < len(order):
-                nxt = send(order[i + 1])
-            sent[c] = jax.device_put(self._host_params[c], sharding(DEVICE), may_alias=False)
-        return spent
-
-    def _host_kernel(self, c: int, g, scale) -> float:
-        """Host chunk ``c``'s step in place (:func:`chunkjax.host_update.host_update_`, the host
-        tier's kernel) once its gradient ``g`` (pinned host) is there: master and moments updated,
-        the new params written into the pinned params buffer (for float32 params that buffer is
-        the master itself). Returns the kernel seconds."""
-        from chunkjax import host_update as hu
-        g.block_until_ready()
-        t0 = time.perf_counter()
-        g_np, p = np.asarray(g), self._host_params[c]
-        spec, st, master = self.host_optimizer, self._opt_state[c], self._master[c]
-        dt = np.dtype(p.dtype)
-        if dt == jnp.bfloat16:
-            hu.host_update_(spec, st, g_np.view(np.uint16), master, hu.writable_view(p, np.uint16), scale)
-        else:
-            hu.host_update_(spec, st, g_np.astype(np.float32, copy=False), master, None, scale)
-            if dt != np.float32:  # (float32: the master is the params buffer)
-                np.copyto(hu.writable_view(p, dt), master.astype(dt))
-        return time.perf_counter() - t0
+        return clip_scale(max_norm, np.sqrt(np.sum(np.asarray(grad_sq, np.float32), dtype=np.float32)))
 
     def update(self, grads):
-        """One optimizer step. Call it outside ``jax.jit``: it dispatches the device and streamed
-        chunks' update programs and runs the host chunks' kernel on a host thread meanwhile.
+        """One optimizer step. Call it outside ``jax.jit``: it dispatches the device-resident
+        chunks' update programs, and runs the offloaded chunks on :class:`chunkjax.duplex.DuplexUpdate`'s
+        threads: the streamed chunks through the device and the host chunks on the host kernel at
+        the same time, both PCIe directions in flight together. It may be called right after
+        dispatching the jitted gradient step (the streamed chunks' first fetches then run during
+        its backward).
 
-        Returns after every update program is dispatched and the host chunks' params are back on
-        the device; the write-backs of the last streamed chunks may still be in flight behind the
-        caller's next program (:meth:`wait` joins them; the next :meth:`update` does too).
+        Returns after every update program is dispatched and the host chunks' new params are on
+        their way to the device (the caller's next program waits for them there); the write-backs
+        of the last streamed chunks may still be in flight behind the caller's next program
+        (:meth:`wait` joins them; the next :meth:`update` does too). :attr:`last_update` then holds the previous update's :class:`chunkjax.duplex.UpdateBreakdown`
+        (predicted and measured seconds, bytes each way).
 
         Args:
           grads: gradients with the params' pytree structure and leaf shapes (any float dtype;
@@ -325,9 +287,7 @@ class ChunkedOptimizer:
 
         Raises:
           ValueError: ``grads`` has another structure or leaf shapes (one line naming the leaf).
-          chunkjax.updaters.HostDeadlineError: the host kernel did not finish in time.
         """
-        from chunkjax.updaters import HostWork, host_deadline_s
         lay = self.layout
         try:
             leaves = lay.treedef.flatten_up_to(grads)
@@ -337,39 +297,74 @@ class ChunkedOptimizer:
             if tuple(np.shape(g)) != s.shape:
                 raise ValueError(f"gradient of {s.path!r} has shape {tuple(np.shape(g))}, the params' is {s.shape}")
         self._join()
-        grad_sq, split = self._sq(leaves)
+        t0 = time.perf_counter()
+        grad_sq, cut, cast = self._prepare(leaves)
         out: list[Any] = [[] for _ in lay.slots]
-        # chunk c's gradient pieces (a leaf spanning chunks: its flat piece, sliced by _grad_sq)
-        of = lambda c: tuple(split.get((c, k), leaves[i]) for k, (i, _) in enumerate(self._pieces[c]))  # noqa: E731
-        work, sent = None, {}
-        if self.host_chunks:  # first: the host starts on a chunk as soon as its gradient arrives
-            work = HostWork(host_deadline_s(None))
-            work.submit(self._host_pass, {c: of(c) for c in self.host_chunks}, self._host_scale(grad_sq),
-                        self._host_sent, sent)
+        of = lambda c: tuple(leaves[i] for i, _ in self._pieces[c])  # noqa: E731  (whole leaves: cut in the program)
+
+        def update(c, master, state):
+            new, master, state = self._update_of[c](of(c), master, state, grad_sq, self._chunk_id[c])
+            self._put(out, c, new)
+            return master, state
+
+        landed: dict = {}  # ("leaf", slot) / ("piece", (chunk, k)) -> its pinned host copy (this update)
+
+        def send_grads(c):
+            keys = [("leaf", i) for i in self._sends.whole[c]] + [("piece", (c, k)) for k in range(len(self._pieces[c]))
+                                                                   if (c, k) in self._sends.cut]
+            srcs = [cast.get(key[1], leaves[key[1]]) if key[0] == "leaf" else cut[key[1]] for key in keys]
+            landed.update(zip(keys, jax.block_until_ready(jax.device_put(srcs, sharding(PINNED_HOST), may_alias=False))))
+            sent, keep, views = [landed[k] for k in keys], [], []
+            for k, (i, p) in enumerate(self._pieces[c]):
+                key = ("piece", (c, k)) if (c, k) in self._sends.cut else ("leaf", i)
+                keep.append(landed[key] if self._sends.last[key] != c else landed.pop(key))
+                flat = np.asarray(keep[-1]).reshape(-1)
+                views.append(flat if key[0] == "piece" else flat[p.leaf_offset:p.leaf_offset + p.size])
+            # (the arrays moved count as its bytes; the views, kept with their buffers, are no pytree)
+            return sent, types.SimpleNamespace(keep=keep, views=views)
+
+        scale: list = []
+
+        def kernel(c, landed_grads):
+            token = self._host_tokens.pop(c, None)
+            if token is not None:  # the last update's transfer out of this params buffer is done
+                token.block_until_ready()
+            if not scale:
+                scale.append(self._host_scale(grad_sq))
+            dropin.host_chunk_step(self.host_optimizer, self._opt_state[c], self._master[c], self._host_params[c],
+                                   self._pieces[c], landed_grads[1].views, scale[0], self.host_threads)
+
+        host_out, outstanding = {}, collections.deque()
+
+        def send_params(c):
+            p = jax.device_put(self._host_params[c], sharding(DEVICE), may_alias=False)
+            host_out[c], self._host_tokens[c] = self._unpack_of[c](p)
+            outstanding.append(self._host_tokens[c])
+            while len(outstanding) >= self._host_in_flight:  # at most that many params chunks on their way
+                outstanding.popleft().block_until_ready()
+            return p
+
+        run = duplex.DuplexUpdate(self.streamed_chunks, self.host_chunks, self.pipeline_depth, fetch=self._fetch,
+                                  update=update, store=self._store, send_grads=send_grads, kernel=kernel,
+                                  send_params=send_params, ready=grad_sq.block_until_ready)
+        run.t0 = t0
+        run.start()  # fetches first: they need no gradient
         try:
-            dev = [c for c, k in enumerate(self.placement.state_kinds) if k == DEVICE]
-            for c in dev:
-                new, self._master[c], self._opt_state[c] = self._update_of[c](
-                    of(c), self._master[c], self._opt_state[c], grad_sq, jnp.asarray(c, jnp.int32))
-                self._put(out, c, new)
-            self._pending = streamed.stream_chunks(self.streamed_chunks, self.pipeline_depth, self._fetch,
-                                                 lambda c, m, st: self._update_streamed(c, m, st, of(c), grad_sq, out),
-                                                 self._store)
-        finally:
-            if work is not None:
-                work.join()
-        if self.host_chunks:
-            done = []
-            for c in self.host_chunks:  # the device chunk is dropped once unpacked; a 1-element token kept
-                new, token = self._host_programs[c][1](sent.pop(c))
-                self._put(out, c, new)
-                done.append(token)
-            self._host_sent = done
+            for c, k in enumerate(self.placement.state_kinds):
+                if k == DEVICE:
+                    new, self._master[c], self._opt_state[c] = self._update_of[c](
+                        of(c), self._master[c], self._opt_state[c], grad_sq, self._chunk_id[c])
+                    self._put(out, c, new)
+        except BaseException:
+            run.abort()
+            raise
+        self._pending = run.run()
+        for c in self.host_chunks:
+            self._put(out, c, host_out.pop(c))
         self.step += 1
         # a leaf spanning chunks: its pieces joined in leaf order (the chunks update in another order)
-        return lay.treedef.unflatten([x[0][1] if len(x) == 1 else
-                                      jnp.concatenate([y for _, y in sorted(x, key=lambda e: e[0])]).reshape(s.shape)
-                                      for x, s in zip(out, lay.slots)])
+        joined = iter(self._join_spanning([[y for _, y in sorted(x, key=lambda e: e[0])] for x in out if len(x) > 1]))
+        return lay.treedef.unflatten([x[0][1] if len(x) == 1 else next(joined) for x in out])
 
     def _put(self, out: list, c: int, new) -> None:
         for (i, p), x in zip(self._pieces[c], new):
@@ -378,11 +373,6 @@ class ChunkedOptimizer:
     def _fetch(self, c: int):
         return jax.block_until_ready(jax.device_put((self._master[c], self._opt_state[c]), sharding(DEVICE),
                                                     may_alias=False))
-
-    def _update_streamed(self, c: int, master, state, grad_leaves, grad_sq, out: list):
-        new, master, state = self._update_of[c](grad_leaves, master, state, grad_sq, jnp.asarray(c, jnp.int32))
-        self._put(out, c, new)
-        return master, state
 
     def _store(self, c: int, master, state) -> None:
         m, st = jax.device_put((master, state), sharding(PINNED_HOST), may_alias=False)
@@ -411,15 +401,21 @@ class ChunkedOptimizer:
         return dts.pop() if len(dts) == 1 else np.dtype(np.float32)
 
     def _join(self) -> None:
-        """Join the last update's streamed write-backs (the host work is joined by update())."""
-        self._pending.join()
+        """Join the last update's streamed write-backs (the rest is joined by update()) and keep
+        its :class:`chunkjax.duplex.UpdateBreakdown` in :attr:`last_update`."""
+        run, self._pending = self._pending, None
+        if run is None:
+            return
+        run.join()
+        self.last_update = duplex.breakdown(run, step=self.step - 1, n_device=self.placement.state_kinds.count(DEVICE),
+                                            predicted=self.predicted_update)
 
     def wait(self, state=None) -> None:
         """Block until the dispatched updates are done: the streamed write-backs joined and every
         chunk's state ready (``state`` is ignored: None)."""
         del state
         self._join()
-        jax.block_until_ready([x for x in jax.tree.leaves((self._master, self._opt_state, self._host_sent))
+        jax.block_until_ready([x for x in jax.tree.leaves((self._master, self._opt_state, self._host_tokens))
                                if isinstance(x, jax.Array)])
 
     def checkpoint_info(self) -> dict:
@@ -499,7 +495,7 @@ class ChunkedOptimizer:
             count = cm["count"]
             del arrs, master
         self._master, self._opt_state, self._host_params = masters, states, host_params
-        self._host_sent = []
+        self._host_tokens = {}
         self.step = int(saved.meta.get("optimizer_steps", count or 0))
         return lay.unpack(params)
 
@@ -509,7 +505,8 @@ class ChunkedOptimizer:
         return (f"ChunkedOptimizer: {self.layout.n_chunks} chunks x {self.layout.chunk_size} elements; "
                 f"state of {n_dev} on the device ({self.device_state_bytes / 2**20:.2f} MiB), "
                 f"{len(self.streamed_chunks)} in pinned host memory streamed through the device (pipeline depth "
-                f"{self.pipeline_depth}), {len(self.host_chunks)} updated by the host kernel "
+                f"{self.pipeline_depth}), {len(self.host_chunks)} updated by the host kernel"
+                f"{f' (numba threads: {self.host_threads})' if self.host_threads else ''} "
                 f"({self.host_state_bytes / 2**20:.2f} MiB off the device); "
                 f"update working set {self.working_bytes / 2**20:.2f} MiB")
 
@@ -530,7 +527,7 @@ class NnxOptimizer:
         :meth:`update` must have the structure of ``nnx.state(model, wrt)`` (what ``nnx.grad``
         returns for ``wrt=nnx.Param``).
       **kwargs: ``device_budget`` (required), ``chunk_size``, ``min_chunks``, ``order``,
-        ``check_tx``, ``host_chunks``, ``pipeline_depth``, ``rates``: as :class:`ChunkedOptimizer`.
+        ``check_tx``, ``host_chunks``, ``pipeline_depth``, ``rates``, ``host_threads``: as :class:`ChunkedOptimizer`.
 
     Attributes:
       chunked: the underlying :class:`ChunkedOptimizer`. step: updates done.

@@ -21,6 +21,9 @@ PROCESS_HOST_BYTES = 2**30
 #: decoder at batch 8: RSS 71.4 GiB = 11.2 GiB of the user's model + 22.7 GiB pageable model data
 #: + a 32 GiB pinned pool + 5.4 GiB).
 GPU_PROCESS_HOST_BYTES = int(5.5 * 2**30)
+#: Host bytes the init's guard leaves available beyond :func:`init_reserve_bytes`' parts (the kernel's
+#: own need, page tables, what the first step allocates that no plan counts).
+INIT_MIN_FREE_BYTES = 2**29
 
 #: Environment variables the GPU runtime reads, when the backend starts, for its pinned-host pool
 #: (XLA's ``GetGpuHostAllocator``: a BFC allocator named ``xla_gpu_host_bfc``): the cap in GiB
@@ -178,24 +181,88 @@ def process_bytes(layout, platform: str = "cpu") -> int:
     return (GPU_PROCESS_HOST_BYTES if platform == "gpu" else PROCESS_HOST_BYTES) + 2 * 4 * layout.chunk_size
 
 
+def schedule_host_parts(schedule, cb, *, n_ranks: int = 1, zero_stage: int | None = None,
+                        platform: str = "cpu", micro_batches: int = 1) -> dict[str, int]:
+    """The host bytes of a run of ``schedule`` by what holds them (bytes, all ranks of this
+    process; the ledger's accounted parts, :class:`chunkjax.host_ledger.HostLedger`). Pinned:
+    ``pinned_params`` (compute params of offloaded chunks, ZeRO stages 1/2 each local replica;
+    frozen chunks' params), ``pinned_masters`` (float32 master params of master-fetch host chunks,
+    :mod:`chunkjax.host_forms`), ``streamed_state`` (master params and optimizer state of
+    ``streamed`` chunks), ``pinned_gradients`` (streamed and storage chunks' gradients, the
+    host-updated chunks' gradient working set: :data:`chunkjax.predict.GRAD_WINDOW_PROGRAMS`
+    programs on one device, every one on a mesh). Pageable (numpy): ``host_masters`` (master
+    params of copy-keeping host chunks), ``optimizer_state`` (of host-updated chunks: Adam m and
+    v), ``micro_batch_sums`` (float32 sums of host, streamed and storage chunks with
+    micro-batches), ``disk_staging`` (the near-storage workers' staging buffers). And
+    ``device_on_host`` (on the CPU the device's memory, each rank's predicted peak).
+
+    Args:
+      schedule: a :class:`chunkjax.schedule.Schedule`.
+      cb: one whole chunk's bytes (:class:`chunkjax.predict.ChunkBytes`).
+      n_ranks, zero_stage: the mesh (1, None: one device).
+      platform: ``jax.default_backend()``.
+      micro_batches: gradient accumulation outside the programs (1: none).
+    """
+    reps = n_ranks if zero_stage in (1, 2) else 1
+    mf, pred = set(schedule.master_fetch), schedule.predicted
+    parts = dict.fromkeys(("pinned_params", "pinned_masters", "streamed_state", "pinned_gradients", "host_masters",
+                           "optimizer_state", "micro_batch_sums", "disk_staging", "device_on_host"), 0)
+    n_host = 0
+    for c, (k, u) in enumerate(zip(schedule.param_kinds, schedule.update_locations)):
+        if u == "none":  # a frozen chunk: its params only
+            parts["pinned_params"] += reps * cb.params_of(c) if k == "pinned_host" else 0
+        elif u == "device":
+            continue
+        elif c in mf:
+            parts["pinned_masters"] += cb.master
+            parts["optimizer_state"] += cb.opt
+        elif u == "host":
+            parts["pinned_params"] += reps * cb.params
+            parts["host_masters"] += cb.master
+            parts["optimizer_state"] += cb.opt
+        elif u == "storage":  # master params and state on disk: its params, its gradient whole
+            parts["pinned_params"] += reps * cb.params
+            parts["pinned_gradients"] += cb.grad
+        else:
+            parts["pinned_params"] += reps * cb.params
+            parts["streamed_state"] += cb.state
+            parts["pinned_gradients"] += cb.grad
+        n_host += u == "host"
+    parts["disk_staging"] = int(pred.disk_staging_bytes)  # the near-storage workers' buffers (chunkjax.plan_disk)
+    # float32 micro-batch sums of host-updated, streamed and storage chunks (numpy, the mean written over
+    # each: chunkjax.accumulate.HostSums); on a mesh every host-updated chunk's gradient instead
+    summed = sum(u in ("host", "streamed", "storage") for u in schedule.update_locations)
+    sums = summed * cb.master if micro_batches > 1 else 0
+    if n_ranks == 1:
+        parts["pinned_gradients"] += max(0, pred.host_working_bytes - sums)
+        parts["micro_batch_sums"] = sums
+    else:
+        parts["pinned_gradients"] += n_host * cb.grad
+    parts["device_on_host"] = n_ranks * pred.peak_device_bytes if platform == "cpu" else 0
+    return {k: int(v) for k, v in parts.items()}
+
+
+#: The parts of :func:`schedule_host_parts` held in pinned host memory (the rest is pageable,
+#: ``device_on_host`` aside).
+PINNED_PARTS = ("pinned_params", "pinned_masters", "streamed_state", "pinned_gradients")
+
+
 def schedule_host_need(schedule, cb, *, layout, n_ranks: int = 1, zero_stage: int | None = None,
                        platform: str = "cpu", micro_batches: int = 1, env=None) -> dict:
     """Host bytes a run of ``schedule`` (a :class:`chunkjax.schedule.Schedule`) needs, all ranks
-    of this process together, split by kind (bytes):
+    of this process together, split by kind (bytes): the sums of :func:`schedule_host_parts`.
 
-    ``pinned_host_bytes``: compute params of offloaded chunks (ZeRO stages 1/2: each local
-    device's replica), a master-fetch chunk's float32 master params instead
-    (:mod:`chunkjax.host_forms`), master params and optimizer state of ``streamed`` chunks, their
-    gradients, and the host-updated chunks' gradients: on one device the working set of
-    :data:`chunkjax.predict.GRAD_WINDOW_PROGRAMS` programs (``predicted.host_working_bytes``),
-    on a mesh every one. ``pageable_bytes``: master params (of copy-keeping chunks) and
-    optimizer state of ``host``-updated chunks (numpy), with micro-batches the float32 sums of
-    host, streamed and storage chunks (each mean written over its sum). ``device_on_host_bytes``: on the CPU the device's memory is host memory (each
-    rank's predicted peak). ``process_bytes``: :func:`process_bytes`. ``pinned_pool_bytes``: what
-    the runtime's pinned pool holds for the pinned bytes (:func:`pinned_pool_bytes`; ``env``: the
-    environment it reads, default ``os.environ``). ``need_bytes``: pool + pageable + device-on-host
-    + process (:func:`host_need`). On one device ``pinned_host_bytes + pageable_bytes`` is
-    ``predicted.host_bytes``.
+    ``pinned_host_bytes``: its :data:`PINNED_PARTS` (compute params of offloaded chunks, a
+    master-fetch chunk's float32 master params instead, master params and optimizer state of
+    ``streamed`` chunks, their gradients, the host-updated chunks' gradient working set).
+    ``pageable_bytes``: master params (of copy-keeping chunks) and optimizer state of
+    ``host``-updated chunks (numpy), the micro-batch sums, the disk tier's staging buffers.
+    ``device_on_host_bytes``: on the CPU the device's memory is host memory (each rank's
+    predicted peak). ``process_bytes``: :func:`process_bytes`. ``pinned_pool_bytes``: what the
+    runtime's pinned pool holds for the pinned bytes (:func:`pinned_pool_bytes`; ``env``: the
+    environment it reads, default ``os.environ``). ``need_bytes``: pool + pageable +
+    device-on-host + process (:func:`host_need`). On one device ``pinned_host_bytes +
+    pageable_bytes`` is ``predicted.host_bytes``.
 
     Args:
       cb: one whole chunk's bytes (:class:`chunkjax.predict.ChunkBytes`).
@@ -203,38 +270,42 @@ def schedule_host_need(schedule, cb, *, layout, n_ranks: int = 1, zero_stage: in
       platform: ``jax.default_backend()``.
       micro_batches: gradient accumulation.
     """
-    reps = n_ranks if zero_stage in (1, 2) else 1
-    mf, pred = set(schedule.master_fetch), schedule.predicted
-    pinned = pageable = n_host = 0
-    for c, (k, u) in enumerate(zip(schedule.param_kinds, schedule.update_locations)):
-        if u == "none":  # a frozen chunk: its params only
-            pinned += reps * cb.params_of(c) if k == "pinned_host" else 0
-            continue
-        if u == "device":
-            continue
-        if c in mf:
-            pinned += cb.master
-            pageable += cb.opt
-        elif u == "host":
-            pinned += reps * cb.params
-            pageable += cb.state
-        elif u == "storage":  # master params and state on disk: its params, its gradient whole
-            pinned += reps * cb.params + cb.grad
-        else:
-            pinned += reps * cb.params + cb.state + cb.grad
-        n_host += u == "host"
-    pageable += pred.disk_staging_bytes  # the near-storage workers' staging buffers (chunkjax.plan_disk)
-    # float32 micro-batch sums of host-updated, streamed and storage chunks (numpy, the mean written over
-    # each: chunkjax.accumulate.HostSums); on a mesh every host-updated chunk's gradient instead
-    summed = sum(u in ("host", "streamed", "storage") for u in schedule.update_locations)
-    sums = summed * cb.master if micro_batches > 1 else 0
-    if n_ranks == 1:
-        pinned += max(0, pred.host_working_bytes - sums)
-        pageable += sums
-    else:
-        pinned += n_host * cb.grad
-    dev = n_ranks * pred.peak_device_bytes if platform == "cpu" else 0
-    return host_need(pinned, pageable, dev, process_bytes(layout, platform), platform, env)
+    parts = schedule_host_parts(schedule, cb, n_ranks=n_ranks, zero_stage=zero_stage, platform=platform,
+                                micro_batches=micro_batches)
+    pinned = sum(parts[k] for k in PINNED_PARTS)
+    pageable = sum(v for k, v in parts.items() if k not in PINNED_PARTS and k != "device_on_host")
+    return host_need(pinned, pageable, parts["device_on_host"], process_bytes(layout, platform), platform, env)
+
+
+def init_reserve_bytes(schedule, platform: str) -> int:
+    """Host bytes a run still needs after :meth:`chunkjax.ChunkedStep.init` has placed the state
+    (bytes): the host gradients' working set (``predicted.host_working_bytes``), on the CPU the
+    device's predicted peak, and :data:`INIT_MIN_FREE_BYTES`; what the init's host guard keeps
+    available (:func:`chunkjax.updaters.host_updater`). 0 without a schedule."""
+    if schedule is None:
+        return 0
+    pred = schedule.predicted
+    return int(pred.host_working_bytes + (pred.peak_device_bytes if platform == "cpu" else 0) + INIT_MIN_FREE_BYTES)
+
+
+def check_materialise(nbytes: int, reserve_bytes: int, what: str) -> None:
+    """Refuse to touch ``nbytes`` more host bytes (``what``, e.g. one chunk's optimizer state)
+    when ``MemAvailable`` would fall below ``reserve_bytes`` (:func:`init_reserve_bytes`): the
+    state is made resident at init, so a plan that over-commits the host stops here, in one line,
+    instead of at the first step by the kernel's OOM killer.
+
+    Raises:
+      HostMemoryError: ``MemAvailable - nbytes < reserve_bytes``.
+    """
+    avail = host_memory_available_bytes()
+    if avail is None or avail - int(nbytes) >= int(reserve_bytes):
+        return
+    gib = lambda b: b / 2**30  # noqa: E731
+    raise HostMemoryError(
+        f"host memory: initialising {what} needs {gib(nbytes):.2f} GiB more, and the first step {gib(reserve_bytes):.1f} "
+        f"GiB after it, but only {gib(avail):.1f} GiB is available (MemAvailable): the plan's host accounting missed "
+        "memory this process holds (see the host ledger); lower the host budget, give the device a larger budget or "
+        "storage directories, or free host memory", int(nbytes) + int(reserve_bytes), avail)
 
 
 def _refuse_host(need: dict, avail: int, what: str, fix: str):

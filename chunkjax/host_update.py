@@ -90,6 +90,20 @@ _STATE_TYPES = {AdamW: HostAdamState, Lion: HostLionState, SGDMomentum: HostMome
 _MOMENT_FIELDS = {HostAdamState: ("m", "v"), HostLionState: ("m",), HostMomentumState: ("trace",)}
 
 
+def moment_fields(state) -> tuple[str, ...]:
+    """Names of the float32 moment buffers of a host state (``("m", "v")`` for
+    :class:`HostAdamState`, ``("m",)`` for Lion, ``("trace",)`` for momentum SGD).
+
+    Raises:
+      ValueError: ``state`` is not a host state of :mod:`chunkjax.kernels`.
+    """
+    fields = _MOMENT_FIELDS.get(type(state))
+    if fields is None:
+        raise ValueError(f"{type(state).__name__} is not a host optimizer state (HostAdamState, HostLionState, "
+                         "HostMomentumState)")
+    return fields
+
+
 def host_update_(spec: HostOptimizer, state, grad: np.ndarray, master: np.ndarray,
                  params_bits_out: np.ndarray | None = None, grad_scale: float | tuple[float, float] = 1.0) -> None:
     """One optimizer step of one chunk, in place on host buffers.
@@ -206,13 +220,27 @@ def writable_view(arr: jax.Array, dtype) -> np.ndarray:
     return np.frombuffer(buf, dtype=dtype)
 
 
-def measure_host_update_rate(n: int = 2**24, repeats: int = 5) -> float:
+def measure_host_update_rate(n: int = 2**24, repeats: int = 5, *, stats: dict | None = None) -> float:
     """Seconds per parameter of the in-place AdamW kernel on this machine (bf16 gradient in, bf16
     params out, all numba threads), the fastest of ``repeats`` timed calls after a warm-up call
     (interference only slows a call: the median once read 0.42 ns on the H200 host where the
     training step's host updates ran at 0.27).
     Calibrates ``chunkjax.cost.Rates.host_update_s_per_param`` (0.27e-9 on the 16-core H200 host).
-    Allocates about 16 bytes per parameter (n=2**24: 256 MiB)."""
+    Allocates about 16 bytes per parameter (n=2**24: 256 MiB). A working set inside the last-level
+    cache reads fast: calibrate on at least 4x that cache and 1 GiB (``n >= 2**26``; the s14 run's
+    0.214 ns calibrated against 0.29 ns inside its step: ``docs/dropin.md``, "Rates under contention").
+
+    Args:
+      n: parameters (>= 1). repeats: timed calls (>= 1).
+      stats: if given, filled with ``min_s_per_param``, ``median_s_per_param``, ``n``, ``repeats``,
+        ``working_set_bytes`` and ``llc_bytes`` (the largest CPU cache this Linux host reports, 0 if
+        none), ``working_set_over_llc``.
+
+    Raises:
+      ValueError: ``n`` or ``repeats`` below 1.
+    """
+    if n < 1 or repeats < 1:
+        raise ValueError(f"measure_host_update_rate(n={n}, repeats={repeats}): use n >= 1 and repeats >= 1")
     rng = np.random.default_rng(0)
     spec = AdamW(1e-3)
     state = spec.host_state(n)
@@ -225,9 +253,26 @@ def measure_host_update_rate(n: int = 2**24, repeats: int = 5) -> float:
         t0 = time.perf_counter()
         host_update_(spec, state, grad, master, out)
         times.append(time.perf_counter() - t0)
+    if stats is not None:
+        import glob
+        import re
+        llc = 0
+        for f in glob.glob("/sys/devices/system/cpu/cpu*/cache/index*/size"):
+            try:
+                with open(f) as fh:
+                    m = re.fullmatch(r"(\d+)([KMG]?)", fh.read().strip())
+            except OSError:
+                continue
+            if m:
+                llc = max(llc, int(m.group(1)) * {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}[m.group(2)])
+        ws = int(master.nbytes + grad.nbytes + out.nbytes + sum(
+            getattr(state, k).nbytes for k in vars(state) if hasattr(getattr(state, k), "nbytes")))
+        stats.update(min_s_per_param=float(np.min(times)) / n, median_s_per_param=float(np.median(times)) / n,
+                     n=int(n), repeats=int(repeats), working_set_bytes=ws, llc_bytes=llc,
+                     working_set_over_llc=ws / llc if llc else None)
     return float(np.min(times)) / n
 
 
 __all__ = ["AdamW", "HostAdamState", "HostLionState", "HostMomentumState", "Lion", "SGDMomentum",
            "bf16_bits", "bf16_round_bits", "host_update_", "learning_rate_at", "measure_host_update_rate",
-           "writable_view"]
+           "moment_fields", "writable_view"]

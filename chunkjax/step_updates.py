@@ -10,9 +10,14 @@ from __future__ import annotations
 
 import functools
 
-from chunkjax import streamed
+import jax
+import numpy as np
+
+from chunkjax import optim, streamed
 from chunkjax import updaters as upd
-from chunkjax.memory import PINNED_HOST
+from chunkjax.host_memory import init_reserve_bytes
+from chunkjax.memory import DEVICE, PINNED_HOST
+from chunkjax.predict import chunk_bytes, streamed_pipeline_bytes
 from chunkjax.storage import updater as disk
 
 
@@ -84,8 +89,59 @@ class StepUpdates:
                "streamed": upd.device_updater(*args, state_kind=PINNED_HOST, **kw)}
         if self.host_optimizer is not None:
             out["host"] = upd.host_updater(self.topology, self.host_optimizer, self.layout.chunk_size,
-                                           self.compute_dtype, self.master_fetch_chunks)
+                                           self.compute_dtype, self.master_fetch_chunks,
+                                           init_reserve_bytes(self.schedule, jax.default_backend()))
         return out | disk.updaters_of(self)  # "storage": chunkjax.storage.updater
+
+    def held_beside_programs(self, batch) -> list[int]:
+        """Per program of the step, the device bytes (one rank's) the step holds when it launches
+        beside the program's own arguments, outputs and temporaries and beside the device-updated
+        chunks' master params and optimizer state (which ``fit.compiled_peak`` counts itself):
+
+        * compute params of device-kind chunks the program does not take (model data between
+          steps: every program holds all of them, but its arguments are only those it reads);
+        * gradients of device-updated chunks completed by earlier programs of the pass, waiting
+          on the device for the update after the last program (:meth:`run_programs` keeps them);
+        * with early streamed updates (:attr:`stream_spec` ``early``), the streamed pipeline's
+          buffers (:func:`chunkjax.predict.streamed_pipeline_bytes`) from the end of the first
+          program completing a streamed chunk's gradient.
+
+        The plan counts the same (:func:`chunkjax.predict.tide_moment_bytes`); the compiled check
+        adds these to each program's compiled peak (measured with ``jax.live_arrays`` at every
+        launch: tests/test_live_device_bytes.py, docs/device_live_bytes.md). PatrickStar (arXiv
+        2108.05818) section 4: model data and non-model data on the device at each moment.
+
+        Args:
+          batch: the batch one pass of the programs runs on (global; arrays or ``ShapeDtypeStruct``).
+
+        Returns:
+          one int per program (bytes), in program order.
+        """
+        lay, kinds = self.layout, self.placement.param_kinds
+        it = np.dtype(self.compute_dtype).itemsize
+        whole = self.mesh is None or self.zero_stage != 3  # a device-kind chunk's params per rank
+        params_of = {c: (lay.chunk_bytes(c) if c in self.frozen_chunks else lay.chunk_size * it)
+                     // (1 if whole else self.n_ranks) for c in range(lay.n_chunks) if kinds[c] == DEVICE}
+        grad = self.shard_size * it
+        bounds = self.program_bounds()
+        done_at = {s: t for t, (ph, s) in enumerate(self.moments) if ph != "forward"}
+
+        def program_of(t):
+            return next(k for k, (a, b) in enumerate(bounds) if a <= t < b)
+
+        done = {c: program_of(done_at[s]) for c, s in self.first_reader.items() if c not in self.frozen_chunks}
+        dev = [c for c in self.device_chunks if c in done]
+        first_streamed = min((done[c] for c in self.streamed_chunks if c in done), default=len(bounds))
+        pipe = 0
+        if self.stream_spec.early:
+            cb = chunk_bytes(lay, self.compute_dtype, optim.state_bytes_per_chunk(self.tx, lay.chunk_size))
+            pipe = streamed_pipeline_bytes(lay.chunk_size, cb)
+        out = []
+        for k, (t0, t1) in enumerate(bounds):
+            args = set(self._program_args(batch, t0, t1))
+            out.append(sum(b for c, b in params_of.items() if c not in args)
+                       + grad * sum(done[c] < k for c in dev) + (pipe if k > first_streamed else 0))
+        return out
 
     def update_host_chunks(self, state, grads: dict, grad_scale) -> float:
         """Update host chunks in place (runs on the host-update thread): returns kernel seconds."""

@@ -2,8 +2,8 @@
 back, both PCIe directions in flight (PatrickStar's device-side update of a host chunk, arXiv
 2108.05818 section 5; ZeRO-Offload++ / ZenFlow update part of the offloaded state on the GPU).
 
-One pipeline (:class:`Pipeline`) serves the chunked step (:class:`StepStream`, per step call) and
-the drop-in optimizers (:class:`chunkjax.ChunkedOptimizer` through :func:`stream_chunks`). Three
+One pipeline (:class:`Pipeline`) serves the chunked step (:class:`StepStream`, per step call; the
+drop-in optimizers run their streamed and host chunks together on :mod:`chunkjax.duplex`). Three
 threads, at most ``depth`` chunks' state on the device at once:
 
 * a **fetch** thread moves chunk k+1's float32 master params, optimizer state (and, in the
@@ -45,9 +45,6 @@ import numpy as np
 from chunkjax import optim
 from chunkjax.memory import DEVICE, PINNED_HOST
 from chunkjax.predict import STREAMED_PIPELINE_DEPTH
-
-#: The drop-in's default pipeline depth (fetching k+1, updating k, writing back k-1).
-DEFAULT_PIPELINE_DEPTH = 3
 
 
 class StreamedWork:
@@ -214,26 +211,6 @@ class Pipeline:
         self._todo.put(None)
         for t in self._threads:
             t.join()
-
-
-def stream_chunks(chunks: Sequence[int], depth: int, fetch: Callable, update: Callable,
-                  store: Callable) -> StreamedWork:
-    """Update ``chunks`` through the device with at most ``depth`` chunks of state there at once
-    (:class:`Pipeline`, every chunk handed over at once). Returns after every update is
-    dispatched; the write-backs of the last chunks continue (:meth:`StreamedWork.join`).
-
-    Raises:
-      whatever ``fetch`` or ``update`` raise (the threads are stopped first).
-    """
-    if not chunks:
-        return StreamedWork()
-    pipe = Pipeline(depth, fetch, update, store, name="chunkjax-dropin")
-    try:
-        pipe.submit(chunks)
-    except BaseException:  # Ctrl-C before close(): the threads would wait for chunks forever
-        pipe.abort()
-        raise
-    return pipe.close()
 
 
 # ---- does a chunk's update depend on the global norm? -------------------------------------------

@@ -26,6 +26,7 @@ written on the step).
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import queue
 import threading
 import time
@@ -140,13 +141,56 @@ def device_updater(topology, tx, chunk_size: int, compute_dtype, param_kinds, *,
     return Updater(init, programs.__getitem__)
 
 
-def host_updater(topology, host_optimizer, chunk_size: int, compute_dtype, master_fetch=()) -> Updater:
+def materialise_(arrays, reserve_bytes: int | None, what: str) -> None:
+    """Make numpy buffers resident now: write each once (``fill(0)``; they are fresh zero state).
+    ``np.zeros`` of a large array maps pages the kernel supplies only when first written, so
+    without this a host chunk's optimizer state entered the process's RSS during the first step
+    (issue 24: GPT3_15B on the H200 was killed there by the OOM killer, 76 GB of Adam m and v
+    counted by the plan but absent from RSS before the step). Costs a page fault per 4 KiB page:
+    about 2 GB/s per thread measured on a 2-core CPU VM (the rewrite of a resident page: 1.6 GB/s
+    there), so the pieces of :data:`MATERIALISE_PIECE` elements are written by up to
+    :data:`MATERIALISE_THREADS` threads (numpy releases the GIL while it fills).
+
+    Args:
+      arrays: numpy arrays, written whole (their content must be zeros: they are zeroed).
+      reserve_bytes: host bytes the run still needs after its init
+        (:func:`chunkjax.host_memory.init_reserve_bytes`); None: no check.
+      what: what is made resident, for the error.
+
+    Raises:
+      chunkjax.HostMemoryError: ``MemAvailable`` would fall below ``reserve_bytes``; nothing of
+        ``arrays`` was written (:func:`chunkjax.host_memory.check_materialise`).
+    """
+    from chunkjax.host_memory import check_materialise
+    arrays = [a for a in arrays if a is not None and a.size]
+    if reserve_bytes is not None:
+        check_materialise(sum(a.nbytes for a in arrays), reserve_bytes, what)
+    pieces = [a[i:i + MATERIALISE_PIECE] for a in arrays for i in range(0, a.size, MATERIALISE_PIECE)]
+    workers = min(len(pieces), MATERIALISE_THREADS, os.cpu_count() or 1)
+    if workers <= 1:
+        for p in pieces:
+            p.fill(0)
+        return
+    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="chunkjax-materialise") as ex:
+        list(ex.map(lambda p: p.fill(0), pieces))
+
+
+#: Elements of one piece :func:`materialise_` writes on a thread (64 MiB of float32).
+MATERIALISE_PIECE = 2**24
+#: Threads :func:`materialise_` writes pieces with (at most the CPU count).
+MATERIALISE_THREADS = 8
+
+
+def host_updater(topology, host_optimizer, chunk_size: int, compute_dtype, master_fetch=(),
+                 reserve_bytes: int | None = None) -> Updater:
     """Chunks updated in place on the host by the numba kernel of ``host_optimizer``
     (:class:`chunkjax.host_update.AdamW` / ``Lion`` / ``SGDMomentum``).
 
     ``init(buf, c)``: master params and host state as numpy; on a mesh a tuple over the ranks,
     one (chunk_size / N,) slice and one host state per rank of this process (``None`` for the
-    ranks of other processes). ``update(state, grads, grad_scale) -> seconds``: for each chunk of
+    ranks of other processes); the optimizer state is made resident (:func:`materialise_`), after
+    checking that ``reserve_bytes`` (:func:`chunkjax.host_memory.init_reserve_bytes`; None: no
+    check) stay available beside it. ``update(state, grads, grad_scale) -> seconds``: for each chunk of
     ``grads`` (``{c: gradient}``, a jax array or numpy) waits for the gradient, then runs the
     kernel on each local rank's shard, writing the new compute params into ``state.params[c]``'s
     buffer (stages 1/2: into that slice of every local replica); a chunk of ``master_fetch``
@@ -161,6 +205,8 @@ def host_updater(topology, host_optimizer, chunk_size: int, compute_dtype, maste
 
     Raises:
       ValueError: ``master_fetch`` chunks on a mesh.
+      chunkjax.HostMemoryError (from ``init``): the host cannot hold a chunk's optimizer state
+        and the reserve (one line, before the state is written).
     """
     from chunkjax import host_update as hu
     bf16 = jnp.dtype(compute_dtype) == jnp.bfloat16
@@ -170,15 +216,19 @@ def host_updater(topology, host_optimizer, chunk_size: int, compute_dtype, maste
     if mesh and fetch_master:
         raise ValueError("master_fetch chunks need one device: on a mesh host chunks keep their compute copy")
 
+    def resident_state(n: int, c: int):
+        st = host_optimizer.host_state(n)
+        materialise_([getattr(st, f) for f in hu.moment_fields(st)], reserve_bytes, f"host chunk {c}'s optimizer state")
+        return st
+
     def init(buf, c):
-        del c
         buf = np.asarray(buf, np.float32)
         if not mesh:
-            return buf, host_optimizer.host_state(chunk_size)
+            return buf, resident_state(chunk_size, c)
         local = set(topology.local_ranks())
         sl = [topology.rank_slice(r, chunk_size) for r in range(topology.n_ranks)]
         return (tuple(buf[s].copy() if r in local else None for r, s in enumerate(sl)),
-                tuple(host_optimizer.host_state(chunk_size // topology.n_ranks) if r in local else None
+                tuple(resident_state(chunk_size // topology.n_ranks, c) if r in local else None
                       for r in range(topology.n_ranks)))
 
     def update(state, grads: dict, grad_scale) -> float:

@@ -59,6 +59,9 @@ import traceback
 from experiments.measure import PROGRESS_TAG, measure_system, mem_fraction_env, partial_from_progress
 from experiments.report import ANCHOR_KEYS
 
+#: The worker's host-ledger lines on stderr (:meth:`chunkjax.host_ledger.HostLedger.line`).
+LEDGER_TAG = "[host-ledger]"
+
 SYSTEMS_ALL = ("plain_jax", "maxtext_style", "zero_offload_style", "chunkjax")
 BASELINES = ("plain_jax", "maxtext_style", "zero_offload_style")
 STATIC_OFFLOADS = ("maxtext_style", "zero_offload_style")
@@ -321,8 +324,8 @@ def worker_env(budget_bytes: int, card_bytes: int | None, host_limit_gb: int, pr
 def subprocess_runner(argv: list[str], env: dict, timeout: float | None) -> dict:
     """Run ``python -m experiments.bench <argv> --out FILE``; returns ``{"rc", "json" (the parsed
     FILE or None), "stderr_tail", "stdout_tail", "progress" (the worker's progress lines),
-    "timed_out", "wall_s"}``. Never raises for a
-    failure of the child."""
+    "ledger" (its host-ledger lines: :class:`chunkjax.host_ledger.HostLedger`), "timed_out",
+    "wall_s"}``. Never raises for a failure of the child."""
     fd, out_path = tempfile.mkstemp(prefix="bench_", suffix=".json")
     os.close(fd)
     os.unlink(out_path)
@@ -348,6 +351,7 @@ def subprocess_runner(argv: list[str], env: dict, timeout: float | None) -> dict
     tail = lambda s: s.strip().splitlines()[-_STDERR_TAIL_LINES:]
     return {"rc": rc, "json": data, "stderr_tail": tail(err), "stdout_tail": tail(out)[-10:],
             "progress": [l for l in err.splitlines() if l.startswith(PROGRESS_TAG)],
+            "ledger": [l for l in err.splitlines() if l.startswith(LEDGER_TAG)],
             "timed_out": timed_out, "wall_s": time.time() - t0}
 
 
@@ -401,6 +405,9 @@ def _run_system(args, runner, probe: dict, system: str, model: str, batch: int, 
             rec.update(part)
         rec["error"] = None if part.get("tokens_per_s") else why + ": " + "\n".join(
             l for l in (res.get("stderr_tail") or []) if not l.startswith(PROGRESS_TAG))[-4000:]
+        if res.get("ledger"):  # a worker killed (the OOM killer) before writing its record: its plan and RSS
+            rec["host_ledger_lines"] = list(res["ledger"])
+            print("\n".join(f"[bench] {system}: {l}" for l in res["ledger"]), flush=True)
         rec = normalize_record(rec, system)
         rec.update(model=model, batch=batch, seq=seq, device_budget_bytes=budget)
     rec["mem_fraction"] = rec.get("mem_fraction") or env.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
@@ -420,8 +427,9 @@ def predicted_line(rec: dict) -> str:
     gb = lambda b: f"{b / 1e9:.1f} GB" if b else "n/a"  # noqa: E731
     ex = rec.get("extra") or {}
     out = (f"step {rec['step_s_median']:.2f} s (predicted {ex['step_s_predicted']:.2f} s); peak host RSS "
-           f"{gb(rec.get('host_rss_peak_bytes_measured'))} (host bytes accounted "
-           f"{gb(ex.get('host_bytes_accounted'))})")
+           f"{gb(rec.get('host_rss_peak_bytes_measured'))} (predicted "
+           f"{gb(((ex.get('host_ledger') or {}).get('accounted') or {}).get('predicted_peak_bytes'))}; host bytes "
+           f"accounted {gb(ex.get('host_bytes_accounted'))})")
     st = ex.get("storage")
     if st and not st.get("storage_chunks"):
         out += f"; {st['line']}"
@@ -563,6 +571,9 @@ def run_largest(args, runner, probe: dict, call: int) -> dict:
                                  "host_bytes": rec.get("host_bytes"),
                                  "host_rss_peak_bytes_measured": rec.get("host_rss_peak_bytes_measured"),
                                  "storage": (rec.get("extra") or {}).get("storage"),
+                                 # RSS by kind at each phase beside the plan's host parts (a killed worker: its lines)
+                                 "host_ledger": (rec.get("extra") or {}).get("host_ledger")
+                                 or (rec.get("extra") or {}).get("host_ledger_lines"),
                                  "step_s_median": rec.get("step_s_median"),
                                  **{k: (rec.get("extra") or {}).get(k) for k in LARGEST_PLAN_KEYS},
                                  "infeasible_reason": rec.get("infeasible_reason"),

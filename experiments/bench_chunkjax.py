@@ -15,6 +15,7 @@ The record adds the schedule's predictions (``*_accounted``) next to the measure
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 
 
@@ -38,8 +39,14 @@ class ChunkjaxSystem:
         import chunkjax as cj
         from chunkjax import fit
         from chunkjax.host_update import AdamW
+        from chunkjax.host_ledger import HostLedger
         from experiments.gpu_measure import calibrated_rates
         from models import gpt
+
+        # the process's RSS by kind at each phase, on stderr as it is read: a worker the OOM killer ends
+        # has shown the plan's host parts and how far it got (issue 24)
+        self.ledger = HostLedger(echo=lambda line: print(line, file=sys.stderr, flush=True))
+        self.ledger.mark("start")
 
         if init not in ("leafwise", "init_params"):
             raise ValueError(f"init={init!r}: use 'leafwise' or 'init_params'")
@@ -53,7 +60,8 @@ class ChunkjaxSystem:
         if batch % self.n_ranks:
             raise ValueError(f"batch {batch} does not split over {self.n_ranks} devices: use a multiple")
         self.spec = AdamW(lr, weight_decay=1e-4, max_grad_norm=max_grad_norm)
-        self.rates, self.matmul_tflops = calibrated_rates()
+        self.host_rate_calibration: dict = {}  # the host kernel timing's min and median (GPU only)
+        self.rates, self.matmul_tflops = calibrated_rates(self.host_rate_calibration)
         t0 = time.perf_counter()
         self.problem = fit.prepare(gpt.gpt_stages(cfg), gpt.abstract_params(cfg),
                                    jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32),
@@ -71,6 +79,8 @@ class ChunkjaxSystem:
         # host memory for offloaded model data (this process, all ranks): what MemAvailable leaves
         self.host_budget = p.host_budget_bytes
         self.use_budget(self.budget)
+        self.ledger.mark("plan")
+        self.steps_done = 0
 
     def use_budget(self, budget_bytes: int) -> None:
         """Plan for another device budget (the traces and calibrated rates are kept);
@@ -110,7 +120,16 @@ class ChunkjaxSystem:
         if not rep.fits:  # no plan fits under the headroom: running the last one would run out of memory
             out["fits"], out["why"] = False, rep.why
         self.last_compiled_memory = out
+        self.ledger.mark("compile")
+        self.ledger.account(self.host_parts(rep.host), held_at="plan")  # printed before anything is initialised
         return out
+
+    def host_parts(self, host: dict | None = None) -> dict:
+        """The plan's host bytes by part (:func:`chunkjax.host_ledger.plan_parts`; ``host``: the
+        fit's host need, default the schedule's)."""
+        from chunkjax.fit_host import host_need
+        from chunkjax.host_ledger import plan_parts
+        return plan_parts(self.problem, self.schedule, host or host_need(self.problem, self.schedule))
 
     def init(self, key):
         """fp32 master params from ``key``, chunked into the step's state.
@@ -124,6 +143,7 @@ class ChunkjaxSystem:
         import jax
         import numpy as np
 
+        from chunkjax.host_ledger import release_free_heap
         from chunkjax.memory import PINNED_HOST, sharding
         from models import gpt
 
@@ -144,13 +164,31 @@ class ChunkjaxSystem:
             def leaf_np(i):  # generated on the device, read through pinned host memory (fast path)
                 return np.asarray(jax.device_put(leaf(i), pinned))
 
-        return self.step_fn.init(leaf_np)
+        n_calls, calls = 2 * len(self.layout.slots), [0]  # step.init draws each leaf about twice
+        locs, mf = self.schedule.update_locations, set(self.schedule.master_fetch)
+
+        def leaf_marked(i):  # the ledger at each sixteenth of the init (where a GPU run's RSS grew, and at which chunks)
+            calls[0] += 1
+            if calls[0] % max(1, n_calls // 16) == 0:
+                c = self.layout.slots[i].pieces[0].chunk
+                self.ledger.mark(f"init leaf {calls[0]}/{n_calls} (chunk {c}: {locs[c]}"
+                                 f"{', master-fetch' if c in mf else ''})")
+            return leaf_np(i)
+
+        state = self.step_fn.init(leaf_marked)
+        self.ledger.mark("init")
+        release_free_heap()  # what the init's temporaries left in the C heap
+        self.ledger.mark("init, heap trimmed")
+        return state
 
     def step(self, state, batch):
         state, m = self.step_fn(state, batch)
         # the host thread's kernel seconds (None: no host chunks) and the storage chunks' new params; the
         # disk tier's last writes and commit run on into the next step (chunkjax.storage.updater.StorageRun)
         self.last_update_s = state.pending.join() if state.pending is not None else None
+        self.steps_done += 1
+        if self.steps_done <= 3:  # the first steps: where the RSS grew (issue 24); the rest is VmHWM
+            self.ledger.mark(f"step {self.steps_done}")
         if "storage" in self.schedule.update_locations:  # the disk tier: each committed update's bytes and seconds
             self.disk = state.master[self.schedule.update_locations.index("storage")]
         sp = getattr(state.pending, "speculation", None)  # speculative host updates (chunkjax.speculate)
@@ -224,11 +262,12 @@ def run_chunkjax(args) -> dict:
         "n_fetches": p.n_fetches,
         "effective_budget_bytes": sys_.effective_budget, "host_budget_bytes": sys_.host_budget, "plan_history": sys_.plan_history,
         "trace_s": sys_.trace_s, "rates": dataclasses.asdict(sys_.rates),
+        "host_rate_calibration": getattr(sys_, "host_rate_calibration", {}),
         "stage_temp_bytes": {t.name: t.temp_bytes for t in sys_.traces if t.name in ("embed", "h_0", "head")},
         "schedule": sys_.schedule.to_dict(),
         "n_devices": sys_.n_ranks, "zero_stage": sys_.zero_stage, "init": sys_.init_rule,
         "max_grad_norm": sys_.spec.max_grad_norm, "micro_batches": sys_.problem.micro_batches,
-        "speculation": sys_.speculation,
+        "speculation": sys_.speculation, "host_ledger": sys_.ledger.to_dict(),
     })
     if sys_.zero_stage:  # bytes each rank sends through collectives per step (ring algorithms)
         import jax

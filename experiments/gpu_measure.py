@@ -46,10 +46,12 @@ DATASHEET_BF16_FLOPS = 990e12
 HOST_RATE_PARAMS = 2**26
 
 
-def calibrated_rates():
+def calibrated_rates(host_stats: dict | None = None):
     """``(rates, matmul TFLOP/s)``: the planner's :class:`chunkjax.cost.Rates` calibrated on this
     machine (the matmul probe and the host AdamW kernel's seconds per parameter) on a GPU; the
-    default rates and None elsewhere. The main job and the benchmark plan with the same rates."""
+    default rates and None elsewhere. The main job and the benchmark plan with the same rates.
+    ``host_stats``: filled with the host kernel timing's min, median and working set
+    (:func:`chunkjax.host_update.measure_host_update_rate`'s ``stats``) on a GPU."""
     import jax
 
     from chunkjax.cost import Rates
@@ -57,7 +59,7 @@ def calibrated_rates():
         return Rates(), None
     from chunkjax.host_update import measure_host_update_rate
     tflops = matmul_tflops()
-    return Rates.calibrated(tflops * 1e12, measure_host_update_rate(HOST_RATE_PARAMS)), tflops
+    return Rates.calibrated(tflops * 1e12, measure_host_update_rate(HOST_RATE_PARAMS, stats=host_stats)), tflops
 
 
 

@@ -2,7 +2,8 @@
 partitions users know, all planned by the same engine on abstract shapes (runs on a CPU).
 
     python -m experiments.plan --model GPT3_10B --device-budget 24GiB --host-budget 120GiB \\
-        --batch 8 --seq 1024 [--json] [--tide-from RESULTS_JSON] [--ranks N [--zero-stage 3]] [--plots DIR]
+        --batch 8 --seq 1024 [--json] [--tide-from RESULTS_JSON [--measured-rates]] \\
+        [--ranks N [--zero-stage 3]] [--plots DIR]
     python -m experiments.plan --model mypkg.mymodel:make --device-budget 2GiB --plots plots/
 
 ``--model`` is a name of models/gpt.py's table or your own model as ``module:factory``: the
@@ -37,7 +38,8 @@ that is an *estimate* of the GPU's, and a high one: XLA CPU's attention material
 5.06 GB on the H200). ``--tide-from RESULTS_JSON`` takes the per-stage temporaries recorded by a
 GPU run of experiments/bench.py (``stage_temp_bytes`` of the chunkjax system) when model, batch
 and sequence match, and the cost-model rates that run calibrated; otherwise the plan is labelled
-"estimated on cpu".
+"estimated on cpu". ``--measured-rates`` takes the rates that run ran at instead (the host kernel's
+inside its step: :meth:`chunkjax.cost.Rates.from_record`, ``docs/dropin.md`` "Rates under contention").
 
 ZeRO over N GPUs of one node (``--ranks N``, N > 1; ``--zero-stage`` 1, 2 or 3, default 3): the
 plan of every rank of :class:`chunkjax.ChunkedStep` over a data mesh, as
@@ -197,14 +199,18 @@ def recorded_stage_temps(path, model: str, batch: int, seq: int, stage_names: Se
     return out, ""
 
 
-def recorded_rates(path):
-    """The cost-model rates a recorded GPU run calibrated (None if it has none)."""
+def recorded_rates(path, measured: bool = False):
+    """The cost-model rates a recorded GPU run calibrated (None if it has none); with ``measured``
+    the rates it ran at (:meth:`chunkjax.cost.Rates.from_record`: the host kernel's rate inside its
+    step, its host thread's update seconds per host-updated param, in place of the calibration)."""
     from chunkjax.cost import Rates
 
     _, s = _recorded(path)
     r = (s.get("extra") or {}).get("rates")
     if not r:
         return None
+    if measured:
+        return Rates.from_record({"systems": {"chunkjax": s}}, "chunkjax")
     fields = {f.name for f in dataclasses.fields(Rates)}
     return Rates(**{k: float(v) for k, v in r.items() if k in fields})
 
@@ -404,10 +410,11 @@ def check_ranks(batch: int, n_ranks: int, zero_stage: int = 3) -> None:
                          f"multiple of {n_ranks}, e.g. --batch {up}")
 
 
-def with_recorded(inp: PlanInputs, path, warn=None) -> PlanInputs:
+def with_recorded(inp: PlanInputs, path, warn=None, measured_rates: bool = False) -> PlanInputs:
     """``inp`` with the stage temporaries a GPU run recorded in the results JSON ``path`` (when its
     model, batch and seq match; otherwise ``warn`` is called with the reason and the traced tide
-    stays) and the rates that run calibrated (when recorded: they describe the machine)."""
+    stays) and the rates that run calibrated (when recorded: they describe the machine; with
+    ``measured_rates`` the rates it ran at: :func:`recorded_rates`)."""
     from chunkjax.tide import memory_tide
 
     if inp.cfg is None:
@@ -421,21 +428,23 @@ def with_recorded(inp: PlanInputs, path, warn=None) -> PlanInputs:
         inp = dataclasses.replace(inp, problem=dataclasses.replace(inp.problem, traces=traces),
                                   tide=memory_tide(traces, inp.layout.chunk_size),
                                   tide_source=f"recorded on gpu ({path}: stage temporaries)")
-    rates = recorded_rates(path)
+    rates = recorded_rates(path, measured_rates)
     if rates is not None:
         inp = dataclasses.replace(inp, problem=dataclasses.replace(inp.problem, rates=rates),
-                                  rates_source=f"recorded in {path}")
+                                  rates_source=f"{'measured' if measured_rates else 'recorded'} in {path} (host "
+                                               f"kernel {rates.host_update_s_per_param * 1e9:.3f} ns/param)")
     return inp
 
 
 def prepare(model: str, batch: int, seq: int, *, chunk_size: int | None = None, min_chunks: int = 8,
-            tide_from: str | None = None, warn=None, n_ranks: int = 1) -> PlanInputs:
+            tide_from: str | None = None, warn=None, n_ranks: int = 1,
+            measured_rates: bool = False) -> PlanInputs:
     """:func:`trace_inputs`, then :func:`with_recorded` when ``tide_from`` (a results JSON of a GPU
-    run of experiments/bench.py) is given."""
+    run of experiments/bench.py) is given (``measured_rates``: see there)."""
     kw = {"n_ranks": n_ranks} if n_ranks != 1 else {}
     trace = trace_user_model if is_factory_spec(model) else trace_inputs
     inp = trace(model, batch, seq, chunk_size=chunk_size, min_chunks=min_chunks, **kw)
-    return with_recorded(inp, tide_from, warn) if tide_from else inp
+    return with_recorded(inp, tide_from, warn, measured_rates) if tide_from else inp
 
 
 # ---- the schedules -----------------------------------------------------------------------------
@@ -658,6 +667,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prefetch", type=int, default=1, help="moments between a fetch and its use")
     ap.add_argument("--tide-from", default=None, metavar="RESULTS_JSON",
                     help="stage temporaries (and calibrated rates) recorded by a GPU run of experiments/bench.py")
+    ap.add_argument("--measured-rates", action="store_true", help="with --tide-from: the rates that run ran at "
+                    "(the host kernel's inside its step: chunkjax.cost.Rates.from_record), not its start-up "
+                    "calibration, so the plan's step time can be checked against its measured one")
     ap.add_argument("--ranks", type=int, default=1,
                     help="GPUs of one node the step is split over with ZeRO (default 1: one device, no ZeRO)")
     ap.add_argument("--zero-stage", type=int, default=None, help="ZeRO stage 1, 2 or 3 with --ranks > 1 (default 3)")
@@ -680,8 +692,11 @@ def main(argv=None) -> int:
         budget = cj.parse_bytes(a.device_budget)
         host = cj.parse_bytes(a.host_budget) if a.host_budget else None
         t0 = time.time()
+        if a.measured_rates and not a.tide_from:
+            raise ValueError("--measured-rates reads the rates of a recorded run: add --tide-from RESULTS_JSON")
         inp = prepare(a.model, a.batch, a.seq, tide_from=a.tide_from,
-                      warn=lambda m: print(f"note: {m}", file=sys.stderr), n_ranks=a.ranks)
+                      warn=lambda m: print(f"note: {m}", file=sys.stderr), n_ranks=a.ranks,
+                      measured_rates=a.measured_rates)
         r = plan_report(a.model, budget, host, inp.batch, inp.seq, a.prefetch, inputs=inp, n_ranks=a.ranks,
                         zero_stage=a.zero_stage)
         r["plan_s"] = time.time() - t0

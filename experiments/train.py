@@ -803,6 +803,7 @@ def _train(cfg, model, fitted, td, folder, t_start, resolved, resume=None, setup
     from tqdm import tqdm
 
     from chunkjax import checkpoint as ck
+    from chunkjax.host_ledger import HostLedger, plan_parts, release_free_heap
     from experiments import data as data_mod
 
     step, fit_report, problem = fitted
@@ -814,6 +815,10 @@ def _train(cfg, model, fitted, td, folder, t_start, resolved, resume=None, setup
     metrics_path = folder.path / "metrics.jsonl"
     sample_before = None
     setup = dict(setup or {})
+    # the process's RSS by kind beside the plan's host parts (issue 24), the parts printed before the init
+    ledger = HostLedger(echo=lambda line: print(line, flush=True))
+    ledger.mark("fit")
+    ledger.account(plan_parts(problem, schedule, fit_report.host), held_at="fit")
     t_init = time.time()
     if resume is None:  # a random init goes leaf by leaf into chunks: no whole params pytree in host memory
         state = step.init(model.init(layout, cfg.seed))
@@ -848,6 +853,8 @@ def _train(cfg, model, fitted, td, folder, t_start, resolved, resume=None, setup
         print(f"resumed from checkpoint step {start} of {cfg.steps} in {ckpt_dir}", flush=True)
 
     setup["init"] = time.time() - t_init
+    release_free_heap()  # what the init's temporaries left in the C heap (0.2 GB of a 355M model on the CPU)
+    ledger.mark("init")
     dev = problem.batch_sharding  # the first device, or split over the ZeRO ranks
     val_np = data_mod.eval_batches(td.val, cfg.batch, cfg.seq, cfg.eval_batches)
     # each batch's loss is the mean over its scored targets (ids >= 0: prompts are not scored); the
@@ -926,6 +933,7 @@ def _train(cfg, model, fitted, td, folder, t_start, resolved, resume=None, setup
             else:
                 setup["first_step"] = dt
                 print("setup: " + ", ".join(f"{k} {v:.1f} s" for k, v in setup.items()), flush=True)
+                ledger.mark("first step")
             if not skip:
                 losses.append(loss)
             rec = {"step": i, "tokens": i * tokens_per_step, "loss": loss if not skip else None,
@@ -998,7 +1006,7 @@ def _train(cfg, model, fitted, td, folder, t_start, resolved, resume=None, setup
         "h2d_bytes_per_step_accounted": pred.h2d_bytes_per_step,
         "d2h_bytes_per_step_accounted": pred.d2h_bytes_per_step,
         "n_fetches_per_step_accounted": pred.n_fetches,
-        "host_bytes_accounted": fit_report.host,
+        "host_bytes_accounted": fit_report.host, "host_ledger": ledger.to_dict(),
         "host_bytes_per_param": pred.host_bytes_per_param,
         "host_resident_bytes_per_param": pred.host_resident_bytes_per_param,
         "host_working_bytes_accounted": pred.host_working_bytes, "master_fetch_chunks": len(schedule.master_fetch),

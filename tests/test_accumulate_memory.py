@@ -130,13 +130,14 @@ def test_compiled_check_counts_device_sums_with_micro_batches():
     size, n_dev, prog_peak = int(rng.integers(1000, 5000)), int(rng.integers(2, 6)), int(rng.integers(10**6, 10**7))
     cb = pr.ChunkBytes(params=2 * size, grad=2 * size, master=4 * size, opt=8 * size)
     locs = ["device"] * n_dev + ["host"] * 3
+    kinds = ["device"] * n_dev + ["pinned_host"] * 3
     prog = {"peak_device_bytes": prog_peak, "argument": 1, "output": 1, "temp": 1, "alias": 0}
-    step = types.SimpleNamespace(compiled_memory_programs=lambda mb: [prog])
+    step = types.SimpleNamespace(compiled_memory_programs=lambda mb: [prog], held_beside_programs=lambda mb: [0])
     out = {}
     for m in (1, 2):
         problem = types.SimpleNamespace(batch=jax.ShapeDtypeStruct((4, T + 1), jnp.int32), micro_batches=m,
                                         cb_rank=cb, layout=types.SimpleNamespace(chunk_size=size))
-        out[m] = fit.compiled_peak(problem, step, types.SimpleNamespace(update_locations=locs))
+        out[m] = fit.compiled_peak(problem, step, types.SimpleNamespace(update_locations=locs, param_kinds=kinds))
     assert out[1]["resident_state_bytes"] == n_dev * cb.state
     assert out[2]["resident_state_bytes"] - out[1]["resident_state_bytes"] == n_dev * cb.master
     assert out[2]["peak_bytes"] >= prog_peak + n_dev * (cb.state + cb.master)

@@ -366,12 +366,12 @@ def test_schedule_plot_title_fits_the_figure(tmp_path):
 
 @pytest.mark.parametrize("where", ["start", "submit"])
 def test_ctrl_c_while_a_streamed_pipeline_starts_leaves_no_thread_waiting(monkeypatch, where):
-    """Ctrl-C in my NnxOptimizer loop (1 in 3 tries): the KeyboardInterrupt landed while
-    ``stream_chunks`` started its pipeline's threads (or handed chunks over), and the threads that
-    had started waited for chunks forever; they are not daemons, so the interpreter never exited
-    (a hung terminal after Ctrl-C). Right: every started thread ends."""
+    """Ctrl-C in my NnxOptimizer loop (1 in 3 tries): the KeyboardInterrupt landed while the
+    drop-in's update started its threads (or handed chunks over), and the threads that had
+    started waited for chunks forever; they are not daemons, so the interpreter never exited
+    (a hung terminal after Ctrl-C). Right: every started thread ends (chunkjax.duplex)."""
     import threading
-    from chunkjax import streamed
+    from chunkjax import duplex
     started = []
     real_start = threading.Thread.start
 
@@ -381,18 +381,16 @@ def test_ctrl_c_while_a_streamed_pipeline_starts_leaves_no_thread_waiting(monkey
         real_start(self)
         started.append(self)
 
-    real_submit = streamed.Pipeline.submit
-
-    def submit(self, chunks):
-        real_submit(self, list(chunks)[:1])
-        raise KeyboardInterrupt
+    def update(c, x):  # "submit": the interrupt lands while the first chunk's update is handed over
+        if where == "submit":
+            raise KeyboardInterrupt
+        return (x,)
 
     monkeypatch.setattr(threading.Thread, "start", start)
-    if where == "submit":
-        monkeypatch.setattr(streamed.Pipeline, "submit", submit)
+    run = duplex.DuplexUpdate([0, 1, 2], [3], 2, fetch=lambda c: (c,), update=update, store=lambda c, x: None,
+                              send_grads=lambda c: c, kernel=lambda c, g: None, send_params=lambda c: c)
     with pytest.raises(KeyboardInterrupt):
-        streamed.stream_chunks([0, 1, 2], 2, fetch=lambda c: (c,), update=lambda c, x: (x,),
-                               store=lambda c, x: None)
+        run.run()
     assert started
     for t in started:
         t.join(timeout=5)

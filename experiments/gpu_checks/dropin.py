@@ -5,18 +5,41 @@ blocks, vocab 32768, 16 heads, remat per block), batch 8 x 1024, fp32 params, bf
 GPU, AdamW(1e-4); the user's loop (jitted grads, ``opt.update`` outside, ``float(loss)`` every
 step). Each system runs in its own process (a clean peak):
 
-* ``nnx``: ``nnx.Optimizer`` inside ``nnx.jit``, everything on the device;
+* ``nnx``: ``nnx.Optimizer`` inside ``nnx.jit``, everything on the device (and, first, the bf16
+  matmul probe of this call: ``experiments.gpu_measure.matmul_tflops``);
 * ``chunk_host``: ``chunkjax.NnxOptimizer(model, chunkjax.host_update.AdamW(1e-4), device_budget=B)``:
-  offloaded chunks split between the streamed pipeline and the host kernel (the headline);
-* ``chunk_optax``: the same with ``optax.adamw(1e-4)`` (every offloaded chunk streamed).
+  offloaded chunks split between the streamed pipeline and the host kernel, run at once
+  (``chunkjax.duplex``; the headline);
+* ``front``: the loop that hands its loss over, ``chunkjax.offload(model, AdamW(1e-4), loss_fn,
+  batch, device_budget=P)`` with P the ``chunk_host`` system's measured peak (the same device
+  memory; ``--front-budget``): the offloaded updates overlap the backward (issue 23 item 3's
+  "what the loop allows": ``docs/dropin.md``);
+* ``chunk_optax``: the drop-in with ``optax.adamw(1e-4)`` (every offloaded chunk streamed).
+
+``--sweep-threads 16,12,8`` runs the ``chunk_host`` system once per numba thread count of its
+host kernel (systems ``chunk_host_t16`` ..., ``NnxOptimizer(..., host_threads=N)``; the JSON's
+``sweep_threads`` compares them); ``--rates recorded:<results json>`` splits by the rates a GPU run
+measured under contention (``chunkjax.cost.Rates.from_record``). Each host-kernel system's
+``own_rates_prediction`` is its update predicted with the rates it measured itself, against its
+measured ``update_s`` (the cost model's check: ``docs/dropin.md``, "Rates under contention").
+
+The drop-in systems also time the gradient step alone (``grad_step_s``: the floor of any
+update placement in this loop) and record each update's breakdown
+(``chunkjax.duplex.UpdateBreakdown``: predicted and measured update seconds, bytes and busy
+seconds each way, both directions' overlap, kernel seconds), their medians over the steady
+steps, and one steady update's event timeline.
 
 Writes ``dropin_<run>.json`` (keys ``nnx_optimizer_tokens_per_s``, ``chunkjax_tokens_per_s`` (the
 ``chunk_host`` system), ``chunkjax_optax_tokens_per_s``, ``ratio``, ``n_params``,
-``device_budget_bytes``, peak device bytes per system, losses, the optimizer's summary) and prints
-a table::
+``device_budget_bytes``, per system ``tflops`` / ``mfu`` / ``mfu_datasheet`` (6N + 12LTd FLOPs per
+token, as ``experiments/bench.py``) and the anchors' units (``model_tflops``,
+``model_tflops_share_989``, ``model_mfu``, ``host_bytes_per_param``: ``experiments.report``), peak
+device bytes, losses, the optimizer's summary and the update breakdowns) and prints a table last::
 
-    python experiments/gpu_checks/dropin.py --run s9 --out experiments/results      # on the GPU
-    python experiments/gpu_checks/dropin.py --tiny --run cpu --out /tmp             # a CPU smoke run
+    python experiments/gpu_checks/dropin.py --run s10 --out experiments/results     # on the GPU (< 8 min)
+    python experiments/gpu_checks/dropin.py --systems chunk_host --sweep-threads 16,12,8 --run s15t \\
+        --out experiments/results                                                 # the kernel's threads
+    python experiments/gpu_checks/dropin.py --tiny --run cpu --out /tmp            # a CPU smoke run
 """
 from __future__ import annotations
 
@@ -32,7 +55,49 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 FULL = dict(D=2048, L=24, V=32768, H=16, B=8, T=1024, STEPS=6, BUDGET="2GiB")
 TINY = dict(D=64, L=2, V=256, H=4, B=2, T=32, STEPS=3, BUDGET="1MiB")
-SYSTEMS = ("nnx", "chunk_host", "chunk_optax")
+SYSTEMS = ("nnx", "chunk_host", "front", "chunk_optax")
+
+
+#: Breakdown fields whose medians over the steady updates are recorded (chunkjax.duplex.UpdateBreakdown).
+BREAKDOWN_KEYS = ("predicted_s", "predicted_h2d_s", "predicted_d2h_s", "predicted_kernel_s", "backward_wait_s",
+                  "update_s", "tail_s", "h2d_bytes", "d2h_bytes", "h2d_busy_s", "d2h_busy_s", "both_busy_s",
+                  "h2d_gb_per_s", "d2h_gb_per_s", "kernel_s", "kernel_idle_s")
+
+
+def host_threads_of(kind: str) -> tuple[bool, int | None]:
+    """``(host kernel spec?, numba threads or None)`` of a system name: ``chunk_host`` (the
+    optimizer's default threads), ``chunk_host_t<N>`` (``host_threads=N``: ``--sweep-threads``)."""
+    if kind == "chunk_host":
+        return True, None
+    if kind.startswith("chunk_host_t") and kind[len("chunk_host_t"):].isdigit():
+        return True, int(kind[len("chunk_host_t"):])
+    return False, None
+
+
+def own_rates_prediction(v: dict) -> dict | None:
+    """A host-kernel system's update predicted with the rates it measured itself
+    (``chunkjax.cost.Rates.from_record``: each direction while both ran, the kernel inside the
+    update) against its measured ``update_s``: the cost model's check (None if it did not run)."""
+    from chunkjax import dropin, recorded
+    from chunkjax.cost import Rates
+    try:
+        ru = recorded.recorded_update(v)
+        rates = Rates.from_record({"systems": {"s": v}}, "s")
+    except (ValueError, KeyError):
+        return None
+    pred = dropin.predict_update_parts(ru.n_offloaded - ru.n_host, ru.n_host, ru.chunk_size, ru.state_bytes,
+                                       ru.grad_bytes, ru.param_bytes, rates, ru.depth)
+    _, host = dropin.split_offloaded(range(ru.n_offloaded), ru.chunk_size, ru.state_bytes, ru.grad_bytes,
+                                     ru.param_bytes, rates, None, ru.depth)
+    return {"predicted_s": pred.total_s, "h2d_s": pred.h2d_s, "d2h_s": pred.d2h_s, "kernel_s": pred.kernel_s,
+            "measured_s": ru.measured_s, "h2d_gb_per_s": rates.h2d_bytes_per_s / 1e9,
+            "d2h_gb_per_s": rates.d2h_bytes_per_s / 1e9, "kernel_ns_per_param": rates.host_update_s_per_param * 1e9,
+            "split_host_chunks_at_these_rates": len(host)}
+
+
+def _median(xs):
+    xs = sorted(x for x in xs if x is not None)
+    return xs[len(xs) // 2] if xs else None
 
 
 def child(kind: str, cfg: dict) -> dict:
@@ -46,7 +111,12 @@ def child(kind: str, cfg: dict) -> dict:
     from chunkjax.host_update import AdamW
 
     D, L, V, H, B, T, STEPS = (cfg[k] for k in ("D", "L", "V", "H", "B", "T", "STEPS"))
-    cdt = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+    gpu = jax.default_backend() == "gpu"
+    cdt = jnp.bfloat16 if gpu else jnp.float32
+    out: dict = {"backend": jax.default_backend()}
+    if kind == "nnx":  # the matmul probe of this call (before the model takes the memory)
+        from experiments.gpu_measure import matmul_tflops
+        out["matmul_tflops"] = matmul_tflops(8192 if gpu else 256, warmup=2 if gpu else 1, reps=10 if gpu else 2)
 
     class Block(nnx.Module):
         def __init__(self, rngs):
@@ -80,7 +150,7 @@ def child(kind: str, cfg: dict) -> dict:
     toks = jax.random.randint(jax.random.key(1), (STEPS + 1, B, T + 1), 0, V)
     model = LM(nnx.Rngs(0))
     n = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    summary, update_call_s = None, []
+    update_call_s, breakdowns = [], []
     if kind == "nnx":
         opt = nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
 
@@ -90,10 +160,36 @@ def child(kind: str, cfg: dict) -> dict:
             opt.update(model, g)
             return loss
         run = lambda t: step(model, opt, t)  # noqa: E731
+    elif kind == "front":  # the loop handing over its loss: the update overlaps the backward
+        opt = chunkjax.offload(model, AdamW(1e-4), loss_fn, toks[0], device_budget=cfg["FRONT_BUDGET"])
+        out["summary"] = str(opt.report.schedule.counts())
+        out["front_budget_bytes"] = cfg["FRONT_BUDGET"]
+        run = opt
     else:
-        tx = AdamW(1e-4) if kind == "chunk_host" else optax.adamw(1e-4)  # the same math (weight decay 1e-4)
-        opt = chunkjax.NnxOptimizer(model, tx, device_budget=cfg["BUDGET"])
-        summary = opt.summary()
+        host, threads = host_threads_of(kind)
+        tx = AdamW(1e-4) if host else optax.adamw(1e-4)  # the same math (weight decay 1e-4)
+        kw = dict(cfg.get("KWARGS", {}))
+        if threads is not None:
+            kw["host_threads"] = threads
+        if host:  # the kernel alone on this host (against its seconds inside the update), on 1 GiB
+            from chunkjax.cost import Rates
+            from chunkjax.host_update import measure_host_update_rate
+            from experiments.gpu_measure import HOST_RATE_PARAMS
+            out["host_rate_calibration"] = stats = {}
+            out["host_update_s_per_param_alone"] = alone = measure_host_update_rate(
+                HOST_RATE_PARAMS if gpu else 2**16, stats=stats)
+            rates = cfg.get("RATES") or "default"
+            if rates == "measured":
+                kw["rates"] = Rates(host_update_s_per_param=alone)
+            elif rates.startswith("recorded:"):  # the rates a GPU run measured under contention
+                kw["rates"] = Rates.from_record(rates[len("recorded:"):])
+        opt = chunkjax.NnxOptimizer(model, tx, device_budget=cfg["BUDGET"], **kw)
+        c = opt.chunked
+        out["summary"] = opt.summary()
+        out["host_threads"] = c.host_threads
+        out["split"] = {"device": c.placement.state_kinds.count("device"), "streamed": len(c.streamed_chunks),
+                        "host": len(c.host_chunks), "depth": c.pipeline_depth, "chunk_size": c.layout.chunk_size}
+        out["host_bytes"] = int(c.host_state_bytes + len(c.host_chunks) * c.layout.chunk_size * 4)
         grad_fn = nnx.jit(nnx.value_and_grad(loss_fn))
 
         def run(t):
@@ -101,6 +197,8 @@ def child(kind: str, cfg: dict) -> dict:
             t0 = time.perf_counter()
             opt.update(model, g)  # returns once dispatched (the host chunks' kernels done)
             update_call_s.append(time.perf_counter() - t0)
+            if c.last_update is not None:  # the update before this one, joined by it
+                breakdowns.append(c.last_update)
             return loss
     losses, times = [], []
     for i in range(STEPS + 1):
@@ -108,23 +206,63 @@ def child(kind: str, cfg: dict) -> dict:
         loss = float(run(toks[i]))
         times.append(time.perf_counter() - t0)
         losses.append(loss)
-    if kind != "nnx":
+    if kind.startswith("chunk_"):
         opt.wait()
-    steady = sorted(times[1:])[len(times[1:]) // 2]
+        breakdowns.append(opt.chunked.last_update)
+        steady = [b for b in breakdowns if b is not None and b.step >= 1]
+        out["breakdowns"] = [b.as_dict() for b in steady]
+        out["breakdown_median"] = bd = {k: _median([getattr(b, k) for b in steady]) for k in BREAKDOWN_KEYS}
+        if c.host_chunks and bd["kernel_s"]:  # the kernel's rate inside the update (beside the transfers)
+            out["host_update_s_per_param_in_update"] = bd["kernel_s"] / (len(c.host_chunks) * c.layout.chunk_size)
+        if steady:  # one steady update's timeline: (kind, chunk, bytes, start s, end s)
+            out["timeline"] = steady[len(steady) // 2].as_dict(events=True)["events"]
+        gt = []
+        for i in range(3):  # the gradient step alone: the floor of any update placement in this loop
+            t0 = time.perf_counter()
+            float(grad_fn(model, toks[i])[0])
+            gt.append(time.perf_counter() - t0)
+        out["grad_step_s"] = _median(gt)
+    median = sorted(times[1:])[len(times[1:]) // 2]
     mem = jax.devices()[0].memory_stats() or {}
-    return {"n_params": int(n), "losses": losses, "step_s": times, "step_s_median": steady,
-            "tokens_per_s": B * T / steady, "first_step_s": times[0], "peak_device_bytes": mem.get("peak_bytes_in_use"),
-            "summary": summary, "update_call_s": update_call_s, "backend": jax.default_backend()}
+    out.update({"n_params": int(n), "losses": losses, "step_s": times, "step_s_median": median,
+                "tokens_per_s": B * T / median, "first_step_s": times[0], "peak_device_bytes": mem.get("peak_bytes_in_use"),
+                "update_call_s": update_call_s})
+    return out
 
 
 def _summarise(res: dict) -> None:
     """The headline keys of ``res`` from its systems (``chunkjax_tokens_per_s``: the host-kernel +
-    streamed system)."""
-    s = res["systems"]
+    streamed system), and per system its FLOP rates (``experiments.bench.finalize_record``'s keys)."""
+    from experiments.gpu_measure import DATASHEET_BF16_FLOPS
+    from experiments.report import anchor_units
+    s, cfg = res["systems"], res["config"]
     tps = {k: v.get("tokens_per_s") for k, v in s.items()}
     res["n_params"] = next((v["n_params"] for v in s.values() if "n_params" in v), None)
+    res["matmul_tflops"] = s.get("nnx", {}).get("matmul_tflops")
+    flops_per_token = (6 * res["n_params"] + 12 * cfg["L"] * cfg["T"] * cfg["D"]) if res["n_params"] else None
+    for k, v in s.items():
+        if v.get("tokens_per_s") and flops_per_token:
+            flops = flops_per_token * v["tokens_per_s"]
+            v["tflops"] = flops / 1e12
+            v["mfu"] = flops / (res["matmul_tflops"] * 1e12) if res["matmul_tflops"] else None
+            v["mfu_datasheet"] = flops / DATASHEET_BF16_FLOPS
+            v.update(anchor_units(v["tokens_per_s"], res["n_params"], matmul_tflops=res["matmul_tflops"],
+                                  host_bytes=v.get("host_bytes", 0)))
+        if host_threads_of(k)[0] and "timeline" in v:
+            v["own_rates_prediction"] = own_rates_prediction(v)
+        bd, g = v.get("breakdown_median") or {}, v.get("grad_step_s")
+        if g and bd.get("predicted_s") is not None and tps.get("nnx"):  # the cost model's tokens/s ratio
+            v["predicted_ratio"] = cfg["B"] * cfg["T"] / (g + bd["predicted_s"]) / tps["nnx"]
     res["nnx_optimizer_tokens_per_s"] = tps.get("nnx")
     res["chunkjax_tokens_per_s"] = tps.get("chunk_host")
+    sweep = {k: v for k, v in s.items() if k.startswith("chunk_host_t") and "error" not in v}
+    if sweep:  # --sweep-threads: per numba thread count, the update and the kernel's rate inside it
+        res["sweep_threads"] = {v.get("host_threads"): {
+            "tokens_per_s": v.get("tokens_per_s"), "update_s": (v.get("breakdown_median") or {}).get("update_s"),
+            "kernel_ns_per_param_in_update": _ns(v.get("host_update_s_per_param_in_update")),
+            "h2d_gb_per_s": (v.get("breakdown_median") or {}).get("h2d_gb_per_s"),
+            "d2h_gb_per_s": (v.get("breakdown_median") or {}).get("d2h_gb_per_s"),
+            "split": v.get("split")} for v in sweep.values()}
     res["chunkjax_optax_tokens_per_s"] = tps.get("chunk_optax")
     res["ratio"] = (tps["chunk_host"] / tps["nnx"]) if tps.get("chunk_host") and tps.get("nnx") else None
     res["ratio_optax"] = (tps["chunk_optax"] / tps["nnx"]) if tps.get("chunk_optax") and tps.get("nnx") else None
@@ -133,6 +271,52 @@ def _summarise(res: dict) -> None:
         ref = s["nnx"]["losses"]
         res["max_loss_rel_diff"] = {k: max(abs(x - y) / abs(y) for x, y in zip(v["losses"], ref))
                                     for k, v in s.items() if k != "nnx" and "losses" in v}
+
+
+def _ns(x):
+    return x * 1e9 if isinstance(x, (int, float)) else None
+
+
+def _table(res: dict, budget: int, path: str) -> None:
+    """The short table printed last: one row per system, then each drop-in's update breakdown."""
+    s = res["systems"]
+    nnx_tps = s.get("nnx", {}).get("tokens_per_s")
+    def f(x, spec):  # a number in its format, else a dash of its width
+        width = spec.split(".")[0]
+        return format(x, spec) if isinstance(x, (int, float)) else "-".rjust(int(width) if width.isdigit() else 1)
+    print(f"{'system':<12} {'tokens/s':>9} {'x nnx':>6} {'step s':>7} {'grad s':>7} {'peak GiB':>8} "
+          f"{'TFLOP/s':>8} {'MFU':>6} {'6N TF/s':>8} {'pred x':>6}")
+    for k, v in s.items():
+        if "error" in v:
+            print(f"{k:<12} failed {v['error']}: {v.get('stderr', '')[-300:]}")
+            continue
+        peak = v.get("peak_device_bytes")
+        print(f"{k:<12} {f(v['tokens_per_s'], '9.0f')} {f(v['tokens_per_s'] / nnx_tps if nnx_tps else None, '6.3f')} "
+              f"{f(v['step_s_median'], '7.3f')} {f(v.get('grad_step_s'), '7.3f')} "
+              f"{f(peak / 2**30 if peak else None, '8.2f')} {f(v.get('tflops'), '8.1f')} {f(v.get('mfu'), '6.3f')} "
+              f"{f(v.get('model_tflops'), '8.1f')} {f(v.get('predicted_ratio'), '6.3f')}")
+    for k, v in s.items():
+        bd = v.get("breakdown_median")
+        if not bd:
+            continue
+        gb = lambda x: x / 1e9 if isinstance(x, (int, float)) else None  # noqa: E731
+        print(f"  {k}: {v.get('split')}; update s measured {f(bd['update_s'], '.3f')} (backward wait "
+              f"{f(bd['backward_wait_s'], '.3f')}, tail {f(bd['tail_s'], '.3f')}) predicted {f(bd['predicted_s'], '.3f')} "
+              f"(h2d {f(bd['predicted_h2d_s'], '.3f')}, d2h {f(bd['predicted_d2h_s'], '.3f')}, kernel "
+              f"{f(bd['predicted_kernel_s'], '.3f')})")
+        print(f"    h2d {f(gb(bd['h2d_bytes']), '.2f')} GB in {f(bd['h2d_busy_s'], '.3f')} s ({f(bd['h2d_gb_per_s'], '.1f')} GB/s), "
+              f"d2h {f(gb(bd['d2h_bytes']), '.2f')} GB in {f(bd['d2h_busy_s'], '.3f')} s ({f(bd['d2h_gb_per_s'], '.1f')} GB/s), "
+              f"both busy {f(bd['both_busy_s'], '.3f')} s; kernel {f(bd['kernel_s'], '.3f')} s (idle "
+              f"{f(bd['kernel_idle_s'], '.3f')}); kernel ns/param alone {f(_ns(v.get('host_update_s_per_param_alone')), '.3f')}, "
+              f"in the update {f(_ns(v.get('host_update_s_per_param_in_update')), '.3f')}; numba threads "
+              f"{v.get('host_threads')}")
+        own = v.get("own_rates_prediction")
+        if own:
+            print(f"    with its own rates (h2d {own['h2d_gb_per_s']:.1f}, d2h {own['d2h_gb_per_s']:.1f} GB/s, kernel "
+                  f"{own['kernel_ns_per_param']:.3f} ns/param): predicted {own['predicted_s']:.3f} s against "
+                  f"{own['measured_s']:.3f} measured; their split: {own['split_host_chunks_at_these_rates']} host chunks")
+    print(f"n_params {res['n_params']}, device_budget {budget} bytes, matmul {f(res.get('matmul_tflops'), '.0f')} "
+          f"TFLOP/s, ratio {f(res.get('ratio'), '.3f')} -> {path}")
 
 
 def main(argv=None) -> int:
@@ -144,9 +328,38 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, of " + ",".join(SYSTEMS))
     ap.add_argument("--timeout", type=int, default=300, help="seconds per system (its own process)")
+    ap.add_argument("--total", type=int, default=450, help="seconds for every system together (a system gets "
+                    "what is left, at most --timeout)")
+    ap.add_argument("--kwargs", default="{}", help="JSON of extra NnxOptimizer arguments, e.g. "
+                    "'{\"host_chunks\": 40, \"pipeline_depth\": 2}'")
+    ap.add_argument("--front-budget", default=None, help="the front system's device budget (default: the "
+                    "chunk_host system's measured peak bytes, else 'auto')")
+    ap.add_argument("--rates", default="default", help="the drop-in's split by 'default' (chunkjax.cost.Rates()), "
+                    "'measured' (this host's kernel rate alone) or 'recorded:<results json>' (the rates that run "
+                    "measured under contention: chunkjax.cost.Rates.from_record)")
+    ap.add_argument("--sweep-threads", default=None, metavar="N,N,...", help="run the chunk_host system once per "
+                    "numba thread count of its host kernel (systems chunk_host_t<N>, in place of chunk_host), "
+                    "e.g. 16,12,8")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--cfg", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if not (a.rates in ("default", "measured") or (
+            a.rates.startswith("recorded:") and os.path.isfile(a.rates[len("recorded:"):]))):
+        ap.error(f"--rates {a.rates}: use default, measured or recorded:<an existing results json>")
+    systems = a.systems.split(",")
+    if a.sweep_threads:
+        try:
+            counts = [int(x) for x in a.sweep_threads.split(",")]
+        except ValueError:
+            counts = []
+        if not counts or min(counts) < 1:
+            ap.error(f"--sweep-threads {a.sweep_threads}: use thread counts >= 1, e.g. 16,12,8")
+        at = systems.index("chunk_host") if "chunk_host" in systems else len(systems)
+        systems = [k for k in systems[:at]] + [f"chunk_host_t{n}" for n in counts] + [
+            k for k in systems[at + 1:]]
+    unknown = [k for k in systems if k not in SYSTEMS and not host_threads_of(k)[1]]
+    if unknown:
+        ap.error(f"--systems {unknown[0]}: use names of {','.join(SYSTEMS)}")
     if a.child:
         print("JSON" + json.dumps(child(a.child, json.loads(a.cfg))), flush=True)
         return 0
@@ -155,6 +368,10 @@ def main(argv=None) -> int:
         cfg["BUDGET"] = a.budget
     if a.steps:
         cfg["STEPS"] = a.steps
+    cfg["KWARGS"] = json.loads(a.kwargs)
+    cfg["FRONT_BUDGET"] = a.front_budget
+    cfg["RATES"] = ("recorded:" + os.path.abspath(a.rates[len("recorded:"):])) if a.rates.startswith("recorded:") \
+        else a.rates
     from chunkjax.fit import resolve_budget
     budget = resolve_budget(cfg["BUDGET"])
     res = {"config": cfg, "device_budget_bytes": budget, "systems": {}}
@@ -163,32 +380,30 @@ def main(argv=None) -> int:
     path = a.out if a.out.endswith(".json") else os.path.join(a.out, f"dropin_{a.run}.json")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     s = res["systems"]
-    for kind in a.systems.split(","):
+    end = time.time() + a.total
+    for kind in systems:
         t0 = time.time()
+        left = int(min(a.timeout, end - t0))
+        if left < 30:
+            s[kind] = {"error": f"skipped: {left} s left of --total {a.total}"}
+            with open(path, "w") as f:
+                json.dump(res, f, indent=1)
+            continue
+        if kind == "front" and cfg["FRONT_BUDGET"] is None:
+            cfg["FRONT_BUDGET"] = next((v["peak_device_bytes"] for k, v in s.items() if host_threads_of(k)[0]
+                                        and v.get("peak_device_bytes")), "auto")
         try:
             p = subprocess.run([sys.executable, os.path.abspath(__file__), "--out", a.out, "--child", kind,
-                                "--cfg", json.dumps(cfg)], capture_output=True, text=True, env=env, timeout=a.timeout)
+                                "--cfg", json.dumps(cfg)], capture_output=True, text=True, env=env, timeout=left)
             line = next((ln for ln in p.stdout.splitlines() if ln.startswith("JSON")), None)
             s[kind] = json.loads(line[4:]) if line else {"error": f"rc={p.returncode}", "stderr": p.stderr[-3000:]}
         except subprocess.TimeoutExpired as e:
-            s[kind] = {"error": f"timed out after {a.timeout} s", "stderr": str(e.stderr or "")[-3000:]}
+            s[kind] = {"error": f"timed out after {left} s", "stderr": str(e.stderr or "")[-3000:]}
         s[kind]["wall_s"] = round(time.time() - t0, 1)
         _summarise(res)
         with open(path, "w") as f:  # after each system: a call cut short keeps what it measured
             json.dump(res, f, indent=1)
-    tps = {k: v.get("tokens_per_s") for k, v in s.items()}
-    print(f"{'system':<12} {'tokens/s':>10} {'x nnx':>7} {'step s':>8} {'peak GiB':>9}")
-    for k, v in s.items():
-        if "error" in v:
-            print(f"{k:<12} failed {v['error']}: {v['stderr'][-300:]}")
-            continue
-        peak = v.get("peak_device_bytes")
-        ratio = v["tokens_per_s"] / tps["nnx"] if tps.get("nnx") else float("nan")
-        print(f"{k:<12} {v['tokens_per_s']:>10.0f} {ratio:>7.3f} {v['step_s_median']:>8.3f} "
-              f"{(peak / 2**30 if peak else float('nan')):>9.2f}")
-        if v.get("summary"):
-            print("   ", v["summary"])
-    print(f"n_params {res['n_params']}, device_budget {budget} bytes -> {path}")
+    _table(res, budget, path)
     return 0 if all("error" not in v for v in s.values()) else 1
 
 

@@ -1,0 +1,154 @@
+"""The host-memory ledger and the host state made resident at init (issue 24).
+
+GPT3_15B host-only on the H200 was killed by the kernel's OOM killer in its first step: its host
+chunks' Adam m and v (``np.zeros``: pages the kernel supplies only when first written) entered the
+RSS there, not at init. These tests read ``RssAnon`` (``/proc/self/status``): the optimizer state
+is resident right after ``step.init``, and the RSS a small model's run grows by from before its
+step is built to after its first steps stays within the plan's accounted host bytes plus the
+process allowance the plan states (``process_bytes``).
+"""
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import chunkjax as cj
+from chunkjax import updaters as upd
+from chunkjax.host_ledger import HostLedger, release_free_heap, rss_parts
+from chunkjax.host_memory import HostMemoryError, PINNED_PARTS, schedule_host_parts
+from chunkjax.host_update import AdamW
+from chunkjax.topology import SingleDevice
+from models import gpt
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or rss_parts() is None,
+                                reason="reads /proc/self/status (Linux)")
+
+#: Elements per chunk: each float32 moment (40 MB) is above glibc's largest mmap threshold (32 MiB),
+#: so ``np.zeros`` maps fresh pages that are resident only once written.
+CHUNK = 10 * 2**20
+
+
+def test_ledger_marks_phases_and_reports_json():
+    lines = []
+    led = HostLedger(echo=lines.append)
+    led.mark("a")
+    x = np.ones(CHUNK, np.float32)  # 40 MB written: resident
+    led.mark("b")
+    led.account({"optimizer_state": 8 * CHUNK, "process": 2**30})
+    g = led.growth("a", "b")
+    assert g["anon_bytes"] >= 0.9 * x.nbytes
+    assert len(lines) == 3 and lines[0].startswith("[host-ledger] a: anon") and "plan accounts" in lines[2]
+    d = json.loads(json.dumps(led.to_dict()))
+    assert [p["phase"] for p in d["phases"]] == ["a", "b"] and d["accounted"]["process"] == 2**30
+    assert led.growth("a", "missing") is None
+    assert release_free_heap() is None or release_free_heap() >= 0
+
+
+def test_host_updater_init_makes_the_optimizer_state_resident():
+    init = upd.host_updater(SingleDevice(), AdamW(1e-3), CHUNK, jnp.bfloat16).init
+    buf = np.full(CHUNK, 0.5, np.float32)
+    before = rss_parts()["anon_bytes"]
+    master, st = init(buf, 0)
+    grown = rss_parts()["anon_bytes"] - before
+    assert st.m.nbytes + st.v.nbytes == 8 * CHUNK
+    assert grown >= 0.95 * 8 * CHUNK, f"RssAnon grew by {grown} bytes at init, the state is {8 * CHUNK}"
+    assert not st.m.any() and not st.v.any() and master is buf
+
+
+def test_host_updater_init_refuses_a_state_the_host_cannot_hold():
+    # a reserve above MemAvailable: the plan's post-init need does not fit beside the state
+    init = upd.host_updater(SingleDevice(), AdamW(1e-3), 1024, jnp.bfloat16, reserve_bytes=2**60).init
+    with pytest.raises(HostMemoryError, match="host chunk 7's optimizer state") as e:
+        init(np.zeros(1024, np.float32), 7)
+    assert "\n" not in str(e.value) and e.value.available_bytes > 0
+
+
+@pytest.fixture(scope="module")
+def run():
+    """A ~3.5M-parameter GPT with every chunk's state on the host, two steps, its ledger."""
+    cfg = gpt.get_config("micro", d_model=512, n_layers=1, n_heads=8)
+    params = jax.tree.map(np.asarray, gpt.init_params(cfg, jax.random.key(0)))
+    batch = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 17)), jnp.int32)
+    led = HostLedger()
+    release_free_heap()
+    led.mark("before")
+    step, report, problem = cj.fit_step(gpt.gpt_stages(cfg), params, batch, host_optimizer=AdamW(1e-3),
+                                        device_budget="60MiB", chunk_size=CHUNK // 8)
+    parts = schedule_host_parts(report.schedule, problem.cb, platform="cpu")
+    led.account(dict(parts, process=report.host["process_bytes"]))
+    led.mark("built")
+    state = step.init(params)
+    led.mark("init")
+    losses = []
+    for i in range(2):
+        state, m = step(state, batch)
+        step.wait(state)
+        losses.append(float(m["loss"]))
+        led.mark(f"step {i + 1}")
+    return report, problem, parts, led, losses
+
+
+def test_parts_sum_to_the_host_need(run):
+    report, _, parts, _, _ = run
+    h = report.host
+    assert sum(parts[k] for k in PINNED_PARTS) == h["pinned_host_bytes"]
+    assert sum(v for k, v in parts.items() if k not in PINNED_PARTS and k != "device_on_host") == h["pageable_bytes"]
+    assert parts["device_on_host"] == h["device_on_host_bytes"]
+    assert report.schedule.update_locations.count("host") >= 2 and parts["optimizer_state"] > 0
+
+
+def test_state_is_resident_at_init_and_rss_within_the_plan(run):
+    report, problem, parts, led, losses = run
+    assert np.isfinite(losses).all()
+    at_init = led.growth("built", "init")["anon_bytes"]
+    # at init: compute params, master params and the (written) optimizer state of every offloaded chunk
+    placed = parts["pinned_params"] + parts["pinned_masters"] + parts["streamed_state"] + parts["host_masters"]
+    assert at_init >= parts["optimizer_state"] + 0.9 * placed, (at_init, parts)
+    # from before the step was built to after two steps: the plan's model data and device bytes plus the
+    # process allowance the plan states (compiler, runtime, two float32 chunks of initialisation)
+    run_growth = led.growth("before", "step 2")["resident_bytes"]
+    accounted = report.host["need_bytes"]
+    assert run_growth <= accounted, (run_growth, led.to_dict())
+
+
+def test_bench_worker_prints_the_plan_before_the_first_step(capsys):
+    """The benchmark's chunkjax worker: the plan's host parts on stderr after compiling, before the
+    init and the first step (a run the OOM killer ends has shown them), the ledger in its record."""
+    import types
+
+    from experiments import bench_chunkjax
+    args = types.SimpleNamespace(worker="chunkjax", model="micro", batch=2, seq=32, steps=1, seed=0,
+                                 budget_bytes=2**30, compile_only=False, zero_h2d_path=None, host_limit_gb=110,
+                                 run_id="t")
+    rec = bench_chunkjax.run_chunkjax(args)
+    assert rec["feasible"], rec.get("error")
+    err = [l for l in capsys.readouterr().err.splitlines() if l.startswith("[host-ledger]")]
+    first = lambda what: next(i for i, l in enumerate(err) if l.startswith(f"[host-ledger] {what}"))  # noqa: E731
+    assert first("plan accounts") < first("init") < first("step 1"), err
+    led = rec["host_ledger"]
+    assert {"start", "plan", "compile", "init", "step 1", "step 2"} <= {p["phase"] for p in led["phases"]}
+    assert led["accounted"]["total_bytes"] == rec["host_bytes_accounted"] + led["accounted"]["process_allowance"] \
+        + led["accounted"]["device_on_host"] + led["accounted"]["pinned_pool_rounding"]
+    # the peak RSS (VmHWM, mapped libraries included) within what the process held when it planned plus the need
+    assert rec["host_rss_peak_bytes_measured"] <= led["accounted"]["predicted_peak_bytes"], led
+
+
+def test_bench_driver_keeps_a_killed_workers_ledger(tmp_path, capsys):
+    from experiments import bench
+    lines = ["[host-ledger] plan accounts 118.54 GB of host: optimizer_state 76.0",
+             "[host-ledger] step 1: anon 61.26 GB, shmem 40.25 GB, peak 101.5 GB, MemAvailable 0.20 GB (271.0 s)"]
+
+    def runner(argv, env, timeout):
+        if "--probe" in argv:
+            return {"rc": 0, "json": {"matmul_tflops": 10.0}, "stderr_tail": []}
+        return {"rc": -9, "json": None, "stderr_tail": lines + ["Killed"], "ledger": lines}
+
+    argv = ["--largest", "--systems", "chunkjax", "--largest-models", "micro", "--largest-seq", "16",
+            "--run-id", "K", "--results-dir", str(tmp_path)]
+    assert bench.main(argv, runner=runner) == 0
+    tried = json.loads((tmp_path / "bench_K.json").read_text())["largest"]["chunkjax"]["tried"]["micro"]
+    assert not tried["ok"] and tried["host_ledger"] == lines
+    assert "[bench] chunkjax: [host-ledger] step 1: anon 61.26 GB" in capsys.readouterr().out
