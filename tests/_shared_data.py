@@ -4,8 +4,11 @@ session's folder (``CHUNKJAX_TEST_SHARED_DIR``, made by tests/conftest.py and in
 xdist workers, removed when the session ends), by whichever process asks first while the others
 wait; without that folder, once per process in a temporary folder removed at exit.
 tests/test_data.py checks that build (and builds its gpt2 cache). The SmolLM2-135M weights
-(reading the GGUF takes ~10 s) are loaded once per pytest process."""
+(reading the GGUF takes ~10 s) are loaded once per pytest process. The main job's tests train
+``--model micro`` with 2 blocks instead of 4 (:func:`two_block_micro`)."""
 import atexit
+import contextlib
+import dataclasses
 import functools
 import os
 import pickle
@@ -75,3 +78,25 @@ def smollm2_135m():
     params (fresh dicts each call, over shared read-only numpy arrays) and the tokenizer."""
     cfg, params, tok = _smollm2_135m()
     return cfg, _copy_dicts(params), tok
+
+
+#: blocks of ``--model micro`` in the tests that run the main job (experiments/train.py): what they
+#: check (reports, checkpoints and resume, micro-batches, ZeRO, bad input) does not depend on the
+#: depth; 2 blocks give smaller programs to trace and compile (about as many of them: the plan cuts
+#: the step by moments, not by blocks)
+JOB_MICRO_BLOCKS = 2
+
+
+@contextlib.contextmanager
+def two_block_micro():
+    """``models.gpt``'s "micro" config with :data:`JOB_MICRO_BLOCKS` blocks while the block runs
+    (restored after it): tests/test_train_job.py, tests/test_train_multiprocess.py (and the
+    processes they start), the session's ZeRO-3 job run (tests/conftest.py) and
+    tests/test_sweep.py train that model."""
+    from models import gpt
+    real = gpt.CONFIGS["micro"]
+    gpt.CONFIGS["micro"] = dataclasses.replace(real, n_layers=JOB_MICRO_BLOCKS)
+    try:
+        yield
+    finally:
+        gpt.CONFIGS["micro"] = real

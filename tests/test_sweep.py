@@ -9,6 +9,8 @@ import math
 import chunkjax as cj
 from experiments import sweep
 
+from _shared_data import two_block_micro
+
 
 def test_sweep_micro(tmp_path, monkeypatch):
     # The two sweep calls below trace the same model, layout and batch shape: the second reuses
@@ -23,6 +25,11 @@ def test_sweep_micro(tmp_path, monkeypatch):
         return traced[key]
 
     monkeypatch.setattr(cj.fit, "trace_stages", trace_once)  # the sweep traces through the fit path
+    with two_block_micro():  # the micro GPT with 2 blocks: smaller programs to trace and compile
+        _sweep_micro(tmp_path, traced)
+
+
+def _sweep_micro(tmp_path, traced):
     out = tmp_path / "res"
     docs = tmp_path / "bench.md"
     common = ["--model", "micro", "--batch", "2", "--seq", "32", "--rounds", "2", "--steps", "2", "--run-id", "t",

@@ -12,7 +12,7 @@ import pytest
 from experiments import data as data_mod
 from experiments import train
 
-from _shared_data import bpe512_cache
+from _shared_data import bpe512_cache, two_block_micro
 
 REQUIRED_KEYS = [
     "model", "n_params", "steps", "tokens_per_s", "loss_first", "loss_last", "val_loss_first", "val_loss_last",
@@ -20,6 +20,13 @@ REQUIRED_KEYS = [
     "device_model_bytes_accounted", "h2d_bytes_per_step_accounted", "d2h_bytes_per_step_accounted",
     "chunk_size", "n_chunks",
 ]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _two_block_micro():
+    """``--model micro`` with 2 blocks in this module (tests/_shared_data.py: two_block_micro)."""
+    with two_block_micro():
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -310,8 +317,11 @@ def call(self, *a, **k):
     return out
 
 ChunkedStep.__call__ = call
+sys.path.insert(0, "tests")
+from _shared_data import two_block_micro
 from experiments import train
-sys.exit(train.main(sys.argv[2:]))
+with two_block_micro():  # the model of the run it is compared with
+    sys.exit(train.main(sys.argv[2:]))
 """
 
 

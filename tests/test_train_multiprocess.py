@@ -9,12 +9,23 @@ import os
 import pathlib
 import sys
 
+import pytest
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _two_block_micro():
+    """``--model micro`` with 2 blocks in this module (tests/_shared_data.py: two_block_micro)."""
+    from _shared_data import two_block_micro
+    with two_block_micro():
+        yield
+
+
 def _args(data_cache, out, *extra):
-    # the micro GPT, fp32, 3 steps of 8 rows (one per device), evaluation and a checkpoint at
-    # steps 2 and 3 (every process calls the save), a sample at the end (master_params gathered)
+    # the micro GPT (2 blocks: tests/_shared_data.py's two_block_micro), fp32, 3 steps of 8 rows (one
+    # per device), evaluation and a checkpoint at steps 2 and 3 (every process calls the save), a
+    # sample at the end (master_params gathered)
     return ["--model", "micro", "--tokenizer", "bpe512", "--data-cache", str(data_cache), "--out-dir", str(out),
             "--batch", "8", "--seq", "32", "--steps", "3", "--eval-every", "2", "--eval-batches", "2",
             "--sample-tokens", "4", "--no-progress", "--lr", "1e-2", "--compute-dtype", "float32",
@@ -72,5 +83,9 @@ if __name__ == "__main__":  # one process of the 2-process job (tests/_multiproc
     sys.path.insert(0, os.path.dirname(HERE))
     pid, n, port, data, out = sys.argv[1:]
     os.environ.update(JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES=n, JAX_PROCESS_ID=pid)
+    sys.path.insert(0, HERE)
+    from _shared_data import two_block_micro
+
     from experiments import train
-    sys.exit(train.main(_args(pathlib.Path(data), pathlib.Path(out))))
+    with two_block_micro():  # the model of the single-process run it is compared with
+        sys.exit(train.main(_args(pathlib.Path(data), pathlib.Path(out))))
