@@ -349,6 +349,10 @@ def _fixed(layout, traces, tide, cb, budget, prefetch, rates, flops) -> Schedule
             kinds[c] = DEVICE
             if peak(pk, sk) > budget:
                 kinds[c] = PINNED_HOST
+    # the streamed pipeline leaves the update phase when the last state chunk joins the device, so
+    # every state on the device can fit where some of them did not (the peak is not monotone)
+    if PINNED_HOST in sk and peak(pk, [DEVICE] * n) <= budget:
+        sk = [DEVICE] * n
     return _fixed_schedule(layout, traces, tide, cb, budget, Placement(tuple(pk), tuple(sk), trainable),
                            prefetch, rates, flops)
 

@@ -50,12 +50,19 @@ def _device_arrays(tree) -> dict[int, jax.Array]:
             if isinstance(a, jax.Array) and not a.is_deleted() and a.sharding.memory_kind == DEVICE}
 
 
-def _live(n_min: int = SMALL) -> int:
-    return sum(a.nbytes for a in jax.live_arrays()
-               if not a.is_deleted() and a.sharding.memory_kind == DEVICE and a.nbytes >= n_min)
+def _device_live(before: dict) -> list:
+    """Device arrays alive now, less those alive before the step was built (``before``: id ->
+    array, kept alive so their ids are not reused): other tests of the same process (an xdist
+    worker runs many) may leave arrays alive that are not this step's."""
+    return [a for a in jax.live_arrays()
+            if not a.is_deleted() and a.sharding.memory_kind == DEVICE and before.get(id(a)) is not a]
 
 
-def _measure(step, state, batches, monkeypatch) -> tuple[list[dict], list[int]]:
+def _live(before: dict, n_min: int = SMALL) -> int:
+    return sum(a.nbytes for a in _device_live(before) if a.nbytes >= n_min)
+
+
+def _measure(step, state, batches, monkeypatch, before: dict) -> tuple[list[dict], list[int]]:
     """Run ``batches`` through ``step``. Returns, at every program launch, the device arrays live
     in the process split into the program's arguments and the rest (bytes), and the live device
     bytes of the update phase: at each streamed chunk's update (its inputs and outputs on the
@@ -68,7 +75,7 @@ def _measure(step, state, batches, monkeypatch) -> tuple[list[dict], list[int]]:
 
         def launched(params, b, carry, acc):
             mine = _device_arrays((params, b, carry, acc))
-            live = [a for a in jax.live_arrays() if not a.is_deleted() and a.sharding.memory_kind == DEVICE]
+            live = _device_live(before)
             beside = [a for a in live if id(a) not in mine]
             rows.append({"k": k, "args": sum(a.nbytes for a in mine.values() if a.nbytes >= SMALL),
                          "beside": sum(a.nbytes for a in beside if a.nbytes >= SMALL),
@@ -79,11 +86,11 @@ def _measure(step, state, batches, monkeypatch) -> tuple[list[dict], list[int]]:
 
     def update(self, c, *fetched):
         out = jax.block_until_ready(real_update(self, c, *fetched))
-        updates.append(_live())
+        updates.append(_live(before))
         return out
 
     def commit(self):
-        updates.append(_live())
+        updates.append(_live(before))
         return real_commit(self)
 
     monkeypatch.setattr(ChunkedStep, "program", program)
@@ -113,6 +120,9 @@ def test_live_device_bytes_at_each_launch_are_accounted(problem, early, monkeypa
     assert len(s.segments) > 2 and s.grad_window >= 2
     if early:
         s = dataclasses.replace(s, streamed_early=True)
+    before = {id(a): a for a in jax.live_arrays()}  # not this step's (the fixture's params count: they stay)
+    for a in jax.tree.leaves(params):
+        before.pop(id(a), None)
     step = dataclasses.replace(fit.build_step(p, s), donate=True)  # the GPU's donation (ChunkedStep.donate)
     assert step.stream_spec.early == early and step.walk(batches[0]).micro_batches == M
     # the programs' own compiled sizes are XLA's (compiling them twice costs seconds): what is checked
@@ -121,7 +131,7 @@ def test_live_device_bytes_at_each_launch_are_accounted(problem, early, monkeypa
     monkeypatch.setattr(ChunkedStep, "compiled_memory_programs", lambda self, b: [zero] * len(self.program_bounds()))
     comp = fit.compiled_peak(p, step, s)
     progs, bounds = comp["programs"], step.program_bounds()
-    rows, updates = _measure(step, step.init(params), batches, monkeypatch)
+    rows, updates = _measure(step, step.init(params), batches, monkeypatch, before)
     assert [r["k"] for r in rows] == list(range(len(bounds))) * len(batches)
     plan = s.predicted.device_bytes_per_moment
     pipe = predict.streamed_pipeline_bytes(p.layout.chunk_size, p.cb) if early else 0  # the plan had none
