@@ -225,7 +225,7 @@ def child(kind: str, cfg: dict) -> dict:
     median = sorted(times[1:])[len(times[1:]) // 2]
     mem = jax.devices()[0].memory_stats() or {}
     out.update({"n_params": int(n), "losses": losses, "step_s": times, "step_s_median": median,
-                "tokens_per_s": B * T / median, "first_step_s": times[0], "peak_device_bytes": mem.get("peak_bytes_in_use"),
+                "tokens_per_s": B * T / median, "first_step_s": times[0], "peak_device_bytes_measured": mem.get("peak_bytes_in_use"),
                 "update_call_s": update_call_s})
     return out
 
@@ -266,7 +266,7 @@ def _summarise(res: dict) -> None:
     res["chunkjax_optax_tokens_per_s"] = tps.get("chunk_optax")
     res["ratio"] = (tps["chunk_host"] / tps["nnx"]) if tps.get("chunk_host") and tps.get("nnx") else None
     res["ratio_optax"] = (tps["chunk_optax"] / tps["nnx"]) if tps.get("chunk_optax") and tps.get("nnx") else None
-    res["peak_device_bytes"] = {k: v.get("peak_device_bytes") for k, v in s.items()}
+    res["peak_device_bytes_measured"] = {k: v.get("peak_device_bytes_measured") for k, v in s.items()}
     if "losses" in s.get("nnx", {}):  # the drop-in must train the same numbers (bf16 compute: ~1e-3)
         ref = s["nnx"]["losses"]
         res["max_loss_rel_diff"] = {k: max(abs(x - y) / abs(y) for x, y in zip(v["losses"], ref))
@@ -290,7 +290,7 @@ def _table(res: dict, budget: int, path: str) -> None:
         if "error" in v:
             print(f"{k:<12} failed {v['error']}: {v.get('stderr', '')[-300:]}")
             continue
-        peak = v.get("peak_device_bytes")
+        peak = v.get("peak_device_bytes_measured")
         print(f"{k:<12} {f(v['tokens_per_s'], '9.0f')} {f(v['tokens_per_s'] / nnx_tps if nnx_tps else None, '6.3f')} "
               f"{f(v['step_s_median'], '7.3f')} {f(v.get('grad_step_s'), '7.3f')} "
               f"{f(peak / 2**30 if peak else None, '8.2f')} {f(v.get('tflops'), '8.1f')} {f(v.get('mfu'), '6.3f')} "
@@ -390,8 +390,8 @@ def main(argv=None) -> int:
                 json.dump(res, f, indent=1)
             continue
         if kind == "front" and cfg["FRONT_BUDGET"] is None:
-            cfg["FRONT_BUDGET"] = next((v["peak_device_bytes"] for k, v in s.items() if host_threads_of(k)[0]
-                                        and v.get("peak_device_bytes")), "auto")
+            cfg["FRONT_BUDGET"] = next((v["peak_device_bytes_measured"] for k, v in s.items() if host_threads_of(k)[0]
+                                        and v.get("peak_device_bytes_measured")), "auto")
         try:
             p = subprocess.run([sys.executable, os.path.abspath(__file__), "--out", a.out, "--child", kind,
                                 "--cfg", json.dumps(cfg)], capture_output=True, text=True, env=env, timeout=left)
