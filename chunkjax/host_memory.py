@@ -9,6 +9,8 @@ the process's own need) with ``MemAvailable`` and refuses in one line before all
 """
 from __future__ import annotations
 
+import dataclasses
+
 from chunkjax.errors import PlanError
 
 #: Host memory the process needs beyond the planned model data on the CPU: the JAX runtime and
@@ -277,26 +279,73 @@ def schedule_host_need(schedule, cb, *, layout, n_ranks: int = 1, zero_stage: in
     return host_need(pinned, pageable, parts["device_on_host"], process_bytes(layout, platform), platform, env)
 
 
-def init_reserve_bytes(schedule, platform: str) -> int:
-    """Host bytes a run still needs after :meth:`chunkjax.ChunkedStep.init` has placed the state
-    (bytes): the host gradients' working set (``predicted.host_working_bytes``), on the CPU the
-    device's predicted peak, and :data:`INIT_MIN_FREE_BYTES`; what the init's host guard keeps
-    available (:func:`chunkjax.updaters.host_updater`). 0 without a schedule."""
+@dataclasses.dataclass(frozen=True)
+class InitReserve:
+    """Host bytes a run still needs after :meth:`chunkjax.ChunkedStep.init` has placed the state,
+    what the init's host guard keeps available (:func:`check_materialise`), read when it checks.
+
+    ``pageable_bytes`` always stay needed (on the CPU the host gradients' working set and the
+    device's predicted peak). ``pinned_bytes`` (on a GPU the host gradients' working set: they
+    leave their programs into ``pinned_host``) come from the runtime's pinned pool, which grows
+    by doubling regions up to its cap (:func:`pinned_pool_bytes`): once the pool holds nearly its
+    cap, what the working set still takes from the machine is at most ``pinned_cap`` minus the
+    pool already resident (``RssShmem``), not the whole working set (issue 24: GPT3_15B's init was
+    refused at its last host chunk for a first step whose 7.6 GiB of gradients its already-grown
+    40 GiB pool held). ``pinned_cap``: the pool's cap (:func:`pinned_host_limit_bytes`), None on
+    the CPU."""
+    pageable_bytes: int
+    pinned_bytes: int = 0
+    pinned_cap: int | None = None
+
+    def bytes_now(self, shmem_bytes: int | None = None) -> int:
+        """The reserve now (bytes): ``pageable_bytes`` + the pinned pool's growth still possible
+        for ``pinned_bytes`` + :data:`INIT_MIN_FREE_BYTES`. ``shmem_bytes``: the process's
+        ``RssShmem`` (default: read from ``/proc/self/status``; unreadable: the whole
+        ``pinned_bytes`` is reserved)."""
+        grow = self.pinned_bytes
+        if self.pinned_cap is not None:
+            shm = _rss_shmem_bytes() if shmem_bytes is None else shmem_bytes
+            if shm is not None:
+                grow = min(grow, max(0, self.pinned_cap - shm))
+        return int(self.pageable_bytes + grow + INIT_MIN_FREE_BYTES)
+
+
+def _rss_shmem_bytes() -> int | None:
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("RssShmem:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def init_reserve_bytes(schedule, platform: str, env=None) -> InitReserve | int:
+    """What the init's host guard keeps available (:class:`InitReserve`): the host gradients'
+    working set (``predicted.host_working_bytes``; pinned on a GPU, where the pinned pool's cap
+    bounds what it still takes) and on the CPU the device's predicted peak. 0 without a
+    schedule. ``env``: the environment the pool's cap is read from (default ``os.environ``)."""
     if schedule is None:
         return 0
     pred = schedule.predicted
-    return int(pred.host_working_bytes + (pred.peak_device_bytes if platform == "cpu" else 0) + INIT_MIN_FREE_BYTES)
+    if platform == "gpu":
+        return InitReserve(0, int(pred.host_working_bytes), pinned_host_limit_bytes(platform, env))
+    return InitReserve(int(pred.host_working_bytes + (pred.peak_device_bytes if platform == "cpu" else 0)))
 
 
-def check_materialise(nbytes: int, reserve_bytes: int, what: str) -> None:
+def check_materialise(nbytes: int, reserve_bytes, what: str) -> None:
     """Refuse to touch ``nbytes`` more host bytes (``what``, e.g. one chunk's optimizer state)
-    when ``MemAvailable`` would fall below ``reserve_bytes`` (:func:`init_reserve_bytes`): the
-    state is made resident at init, so a plan that over-commits the host stops here, in one line,
-    instead of at the first step by the kernel's OOM killer.
+    when ``MemAvailable`` would fall below ``reserve_bytes`` (bytes, or an :class:`InitReserve`
+    read now: :func:`init_reserve_bytes`): the state is made resident at init, so a plan that
+    over-commits the host stops here, in one line, instead of at the first step by the kernel's
+    OOM killer.
 
     Raises:
       HostMemoryError: ``MemAvailable - nbytes < reserve_bytes``.
     """
+    if isinstance(reserve_bytes, InitReserve):
+        reserve_bytes = reserve_bytes.bytes_now()
     avail = host_memory_available_bytes()
     if avail is None or avail - int(nbytes) >= int(reserve_bytes):
         return

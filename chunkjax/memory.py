@@ -51,3 +51,30 @@ def ordered_after(anchor, x):
         return x
     _, x = jax.lax.optimization_barrier((anchor, x))
     return x
+
+
+class TransferWindow:
+    """At most ``depth`` host-to-memory-kind transfers in flight while a loop places chunks.
+
+    ``jax.device_put`` of a numpy buffer returns before the copy is done, and on a GPU the runtime
+    stages each pending copy in host memory it keeps for the process's lifetime. A loop that puts
+    hundreds of chunks without waiting left that staging at the size of every copy queued at once
+    (issue 24: GPT3_15B's init put its 137 device chunks, 29 GB of float32, and RssAnon grew by
+    ~16 GB that was never returned; blocking each put left a fixed ~3.7 GB, measured by
+    ``experiments/gpu_checks/put_anon_probe.py``). :meth:`add` records a placed array (or pytree
+    of arrays) and waits for the oldest once more than ``depth`` are pending, so staging stays
+    at ``depth`` chunks. Costs nothing on the CPU (puts there are done when they return)."""
+
+    def __init__(self, depth: int = 2):
+        if depth < 1:
+            raise ValueError(f"TransferWindow depth={depth}: use at least 1 transfer in flight")
+        self.depth, self._pending = depth, []
+
+    def add(self, x):
+        """Record ``x`` (arrays or a pytree; non-arrays ignored) as in flight; returns ``x``."""
+        leaves = [a for a in jax.tree.leaves(x) if isinstance(a, jax.Array)]
+        if leaves:
+            self._pending.append(leaves)
+        while len(self._pending) > self.depth:
+            jax.block_until_ready(self._pending.pop(0))
+        return x

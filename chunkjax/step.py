@@ -34,7 +34,7 @@ from chunkjax import accumulate, footprint, streamed
 from chunkjax import updaters as upd
 from chunkjax.layout import ChunkLayout
 from chunkjax.loss_weight import require_weight, token_mean
-from chunkjax.memory import DEVICE, sharding
+from chunkjax.memory import DEVICE, TransferWindow, sharding
 from chunkjax.host_memory import check_pinned_host
 from chunkjax.plan import Placement, fetch_events
 from chunkjax.schedule import ACCUMULATIONS, IN_PROGRAM, PER_MICRO_BATCH, check_trainable
@@ -500,13 +500,14 @@ class ChunkedStep(StepChunkIO, StepUpdates, OnTopology):
         frozen = set(self.frozen_chunks)  # params in their own dtype, no master or state
         dtypes = [lay.chunk_dtypes[c] if c in frozen else np.float32 for c in range(lay.n_chunks)]
         ms, os_, ps, topo, fetch_master = [], [], {}, self.topology, set(self.master_fetch_chunks)
+        window = TransferWindow()  # the runtime's host staging of pending copies stays at 2 chunks
         for c, buf in enumerate(lay.host_chunks(leaf_at, dtypes)):
-            m, o = (None, None) if c in frozen else self.updaters[self.location(c)].init(buf, c)
+            m, o = (None, None) if c in frozen else window.add(self.updaters[self.location(c)].init(buf, c))
             if c in fetch_master:  # the master params are the pinned params; master a view of them
                 ps[c], m = upd.pinned_master(topo, m)
             ms.append(m), os_.append(o)
-        ps = [ps[c] if c in ps else topo.put(buf if c in frozen else buf.astype(self.compute_dtype),
-                                             topo.param_sharding(self.placement.param_kinds[c]))
+        ps = [ps[c] if c in ps else window.add(topo.put(buf if c in frozen else buf.astype(self.compute_dtype),
+                                                        topo.param_sharding(self.placement.param_kinds[c])))
               for c, buf in enumerate(lay.host_chunks(leaf_at, dtypes))]
         jax.block_until_ready((ps, [m for m in ms if isinstance(m, jax.Array)]))
         return TrainState(tuple(ps), tuple(ms), tuple(os_))

@@ -141,7 +141,7 @@ def device_updater(topology, tx, chunk_size: int, compute_dtype, param_kinds, *,
     return Updater(init, programs.__getitem__)
 
 
-def materialise_(arrays, reserve_bytes: int | None, what: str) -> None:
+def materialise_(arrays, reserve_bytes, what: str) -> None:
     """Make numpy buffers resident now: write each once (``fill(0)``; they are fresh zero state).
     ``np.zeros`` of a large array maps pages the kernel supplies only when first written, so
     without this a host chunk's optimizer state entered the process's RSS during the first step
@@ -182,7 +182,7 @@ MATERIALISE_THREADS = 8
 
 
 def host_updater(topology, host_optimizer, chunk_size: int, compute_dtype, master_fetch=(),
-                 reserve_bytes: int | None = None) -> Updater:
+                 reserve_bytes=None) -> Updater:
     """Chunks updated in place on the host by the numba kernel of ``host_optimizer``
     (:class:`chunkjax.host_update.AdamW` / ``Lion`` / ``SGDMomentum``).
 

@@ -152,3 +152,64 @@ def test_bench_driver_keeps_a_killed_workers_ledger(tmp_path, capsys):
     tried = json.loads((tmp_path / "bench_K.json").read_text())["largest"]["chunkjax"]["tried"]["micro"]
     assert not tried["ok"] and tried["host_ledger"] == lines
     assert "[bench] chunkjax: [host-ledger] step 1: anon 61.26 GB" in capsys.readouterr().out
+
+
+def test_transfer_window_waits_for_the_oldest_beyond_its_depth():
+    """memory.TransferWindow: at most ``depth`` placed chunks pending; the ones it waited for are
+    the oldest, the array comes back unchanged, and a depth below 1 is refused."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from chunkjax.memory import TransferWindow
+
+    waited = []
+    real = jax.block_until_ready
+
+    def spy(x):
+        waited.append([id(a) for a in x])
+        return real(x)
+
+    w = TransferWindow(depth=2)
+    xs = [jnp.full((4,), float(i)) for i in range(5)]
+    jax_block = jax.block_until_ready
+    try:
+        jax.block_until_ready = spy
+        outs = [w.add(x) for x in xs]
+        w.add(np.zeros(3))  # not a jax array: nothing pending for it
+    finally:
+        jax.block_until_ready = jax_block
+    assert all(o is x for o, x in zip(outs, xs))
+    assert waited == [[id(xs[0])], [id(xs[1])], [id(xs[2])]]
+    assert len(w._pending) == 2
+    with pytest.raises(ValueError, match="at least 1"):
+        TransferWindow(depth=0)
+
+
+def test_init_reserve_counts_only_the_pinned_pools_growth_still_possible(monkeypatch):
+    """On a GPU the host gradients' working set is pinned: once the pool holds (nearly) its cap,
+    the guard reserves only what the pool can still grow, so a plan whose pool already holds the
+    working set is not refused (GPT3_15B, session 15), and one that still needs the growth is."""
+    from chunkjax import host_memory as hm
+
+    gib = 2**30
+    env = {hm.PINNED_HOST_LIMIT_ENV: "40"}
+
+    class Sched:
+        class predicted:
+            host_working_bytes = int(7.6 * gib)
+            peak_device_bytes = 3 * gib
+
+    r = hm.init_reserve_bytes(Sched, "gpu", env)
+    assert r.bytes_now(shmem_bytes=40 * gib) == hm.INIT_MIN_FREE_BYTES  # the pool is at its cap
+    assert r.bytes_now(shmem_bytes=35 * gib) == 5 * gib + hm.INIT_MIN_FREE_BYTES  # 5 GiB of growth left
+    assert r.bytes_now(shmem_bytes=gib) == int(7.6 * gib) + hm.INIT_MIN_FREE_BYTES  # the whole working set
+    cpu = hm.init_reserve_bytes(Sched, "cpu")
+    assert cpu.bytes_now(shmem_bytes=40 * gib) == int(10.6 * gib) + hm.INIT_MIN_FREE_BYTES  # pageable: always
+    # the guard reads it when it checks: 8 GiB available, 0.4 GiB to place
+    monkeypatch.setattr(hm, "host_memory_available_bytes", lambda: 8 * gib)
+    monkeypatch.setattr(hm, "_rss_shmem_bytes", lambda: 40 * gib)
+    hm.check_materialise(int(0.4 * gib), r, "host chunk 313's optimizer state")
+    monkeypatch.setattr(hm, "_rss_shmem_bytes", lambda: 20 * gib)
+    with pytest.raises(hm.HostMemoryError, match="host chunk 313"):
+        hm.check_materialise(int(0.4 * gib), r, "host chunk 313's optimizer state")

@@ -87,7 +87,7 @@ run() {  # run <tag> <pool GiB> <least s> <bench args...>: with at least <least 
 }
 disk() { rm -rf "$DISK"; mkdir -p "$DISK"; df -B1 --output=avail "$DISK" | tail -1 | sed 's/^/disk free bytes: /'; }
 if [[ $PART == a ]]; then
-  run 15b ${POOL15:-38} 120 --largest-models $M15 --largest-steps 5
+  run 15b ${POOL15:-38} 120 --largest-models $M15 --largest-steps 5 ${EXTRA15:-}
 fi
 if [[ $PART == b ]]; then
   disk
