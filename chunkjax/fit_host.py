@@ -12,8 +12,8 @@ import dataclasses
 from chunkjax.errors import HostBudgetError, PlanError
 from chunkjax.plan import OVER_HOST_LIMIT
 from chunkjax.speculate import DEFAULT_BACKUP_BYTES
-from chunkjax.host_memory import (PINNED_HOST_LIMIT_ENV, HostMemoryError, check_host_need, check_pinned_host,
-                                  pinned_host_limit_bytes, schedule_host_need)
+from chunkjax.host_memory import (PINNED_HOST_LIMIT_ENV, PINNED_POOL_FRAGMENTATION, HostMemoryError, check_host_need,
+                                  check_pinned_host, pinned_host_limit_bytes, schedule_host_need)
 
 #: Re-plans with a lower host budget when a plan's host need (the pinned pool's growth, the
 #: process) exceeds what the machine has (:func:`fit_host`).
@@ -50,8 +50,10 @@ def host_bytes_of(problem):
     """``schedule -> bytes`` the planner compares with the host budget on one device: what the
     machine gives the run beyond the process (the runtime's pinned pool as it grows,
     :func:`chunkjax.host_memory.pinned_pool_bytes`, plus pageable bytes), or more than any
-    budget when the pinned bytes exceed the runtime's pinned-pool cap."""
+    budget when the pinned bytes exceed what the runtime's pinned-pool cap lets a plan use
+    (:func:`chunkjax.host_memory.pinned_usable_bytes`)."""
     cap = pinned_host_limit_bytes(problem.platform)
+    cap = None if cap is None else int(cap * (1 - PINNED_POOL_FRAGMENTATION))  # what a plan may use of it
 
     def of(s) -> int:
         need = host_need(problem, s)

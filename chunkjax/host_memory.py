@@ -68,6 +68,20 @@ def pinned_host_limit_bytes(platform: str, env=None) -> int | None:
     return gib * 2**30
 
 
+#: Share of the pinned pool's cap a plan may not use: the runtime's BFC pool fragments (freed
+#: gradients between resident masters and params), so a plan whose pinned peak was 0.95 of the cap
+#: failed to allocate a 101 MiB chunk with ~1.5 GB of the pool free (GPT3_15B on the H200, session
+#: 15: ``experiments/results/largest_s15_15b_pinned.json``).
+PINNED_POOL_FRAGMENTATION = 0.10
+
+
+def pinned_usable_bytes(platform: str, env=None) -> int | None:
+    """Pinned bytes a plan may keep in the runtime's pool: its cap
+    (:func:`pinned_host_limit_bytes`) less :data:`PINNED_POOL_FRAGMENTATION`; None off the GPU."""
+    cap = pinned_host_limit_bytes(platform, env)
+    return None if cap is None else int(cap * (1 - PINNED_POOL_FRAGMENTATION))
+
+
 def pinned_pool_bytes(pinned_bytes: int, platform: str, env=None) -> int:
     """Host bytes the runtime's pinned pool holds when a run's pinned buffers peak at
     ``pinned_bytes`` (bytes; RSS, since pinned pages are resident).
@@ -102,18 +116,20 @@ def check_pinned_host(need_bytes: int, platform: str, env=None) -> None:
       env: the environment (default ``os.environ``).
 
     Raises:
-      chunkjax.PlanError: ``need_bytes`` exceeds :func:`pinned_host_limit_bytes`; the message
-        names the cap, where it comes from, and the value of the variable to set.
+      chunkjax.PlanError: ``need_bytes`` exceeds :func:`pinned_usable_bytes` (the cap less the
+        pool's fragmentation); the message names the cap, where it comes from, and the value of
+        the variable to set.
     """
-    limit = pinned_host_limit_bytes(platform, env)
-    if limit is None or need_bytes <= limit:
+    limit, usable = pinned_host_limit_bytes(platform, env), pinned_usable_bytes(platform, env)
+    if limit is None or need_bytes <= usable:
         return
     env = _env(env)
     src = (f"{PINNED_HOST_LIMIT_ENV}={env[PINNED_HOST_LIMIT_ENV]}" if env.get(PINNED_HOST_LIMIT_ENV)
            else f"the default, {PINNED_HOST_LIMIT_ENV} unset")
-    want = -(-int(need_bytes * 1.1) // 2**30)
-    raise PlanError(f"this plan keeps {need_bytes} bytes ({need_bytes / 2**30:.1f} GiB) in pinned host memory, above the "
-                    f"GPU runtime's pinned-host cap of {limit // 2**30} GiB ({src}): set {PINNED_HOST_LIMIT_ENV}={want} "
+    want = -(-int(need_bytes / (1 - PINNED_POOL_FRAGMENTATION)) // 2**30)
+    raise PlanError(f"this plan keeps {need_bytes} bytes ({need_bytes / 2**30:.1f} GiB) in pinned host memory, above "
+                    f"{1 - PINNED_POOL_FRAGMENTATION:.0%} of the GPU runtime's pinned-host cap of {limit // 2**30} GiB "
+                    f"({src}; the pool fragments): set {PINNED_HOST_LIMIT_ENV}={want} "
                     "(GiB, at most the machine's RAM) before JAX starts, or give the device a larger budget",
                     0, False)
 
