@@ -251,6 +251,8 @@ class ChunkedOptimizer:
         self._master, self._opt_state = masters, states
         self._host_tokens: dict = {}  # per host chunk, the last update's unpack token (ChunkPrograms.unpack)
         self._pending: duplex.DuplexUpdate | None = None
+        self._pending_phases: duplex.StepPhases | None = None
+        self._returned_at: float | None = None  # perf_counter() of the last update's return (StepPhases)
         self.last_update: duplex.UpdateBreakdown | None = None
         self._prepare = jax.jit(functools.partial(dropin.prepare_grads, lay, self._sends))
 
@@ -288,6 +290,7 @@ class ChunkedOptimizer:
         Raises:
           ValueError: ``grads`` has another structure or leaf shapes (one line naming the leaf).
         """
+        phases = duplex.StepPhases(time.perf_counter(), self._returned_at)
         lay = self.layout
         try:
             leaves = lay.treedef.flatten_up_to(grads)
@@ -297,7 +300,7 @@ class ChunkedOptimizer:
             if tuple(np.shape(g)) != s.shape:
                 raise ValueError(f"gradient of {s.path!r} has shape {tuple(np.shape(g))}, the params' is {s.shape}")
         self._join()
-        t0 = time.perf_counter()
+        t0 = phases.mark("setup")
         grad_sq, cut, cast = self._prepare(leaves)
         out: list[Any] = [[] for _ in lay.slots]
         of = lambda c: tuple(leaves[i] for i, _ in self._pieces[c])  # noqa: E731  (whole leaves: cut in the program)
@@ -358,13 +361,17 @@ class ChunkedOptimizer:
         except BaseException:
             run.abort()
             raise
-        self._pending = run.run()
+        phases.mark("dispatch")
+        self._pending, self._pending_phases = run.run(), phases
+        phases.mark("offloaded")
         for c in self.host_chunks:
             self._put(out, c, host_out.pop(c))
         self.step += 1
         # a leaf spanning chunks: its pieces joined in leaf order (the chunks update in another order)
         joined = iter(self._join_spanning([[y for _, y in sorted(x, key=lambda e: e[0])] for x in out if len(x) > 1]))
-        return lay.treedef.unflatten([x[0][1] if len(x) == 1 else next(joined) for x in out])
+        new_params = lay.treedef.unflatten([x[0][1] if len(x) == 1 else next(joined) for x in out])
+        self._returned_at = phases.mark("finish")
+        return new_params
 
     def _put(self, out: list, c: int, new) -> None:
         for (i, p), x in zip(self._pieces[c], new):
@@ -408,7 +415,7 @@ class ChunkedOptimizer:
             return
         run.join()
         self.last_update = duplex.breakdown(run, step=self.step - 1, n_device=self.placement.state_kinds.count(DEVICE),
-                                            predicted=self.predicted_update)
+                                            predicted=self.predicted_update, phases=self._pending_phases)
 
     def wait(self, state=None) -> None:
         """Block until the dispatched updates are done: the streamed write-backs joined and every
@@ -557,7 +564,9 @@ class NnxOptimizer:
         is dispatched (:meth:`ChunkedOptimizer.update`); the next jitted step waits on the device
         for the new params; :meth:`wait` joins what is still in flight."""
         from flax import nnx
-        nnx.update(model, self.chunked.update(grads))
+        c = self.chunked
+        nnx.update(model, c.update(grads))
+        c._returned_at = c._pending_phases.mark("model_update")  # the caller's clock (UpdateBreakdown)
 
     # ---- checkpoints: chunkjax.checkpoint.protocol.ChunkIO of the underlying ChunkedOptimizer ----
     @property
