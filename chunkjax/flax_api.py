@@ -72,18 +72,6 @@ _MSG_HOST_NEEDS_SPEC = ("host_chunks={n} needs tx given as a host kernel spec (c
 _MSG_DEPTH = "pipeline_depth must be an int >= 1, got {v!r}"
 
 
-def _host_buffers(master: np.ndarray, dtype) -> tuple[np.ndarray, jax.Array]:
-    """A host chunk's float32 master (numpy) and its pinned params buffer (compute dtype). For
-    float32 params one pinned buffer is both: the kernel updates it in place and it goes to the
-    device as it is (no copy on the host). The buffer is chunkjax's alone (read by eager
-    transfers only; gpu_facts.md, "Rules for updating pinned buffers in place on the host")."""
-    p = jax.device_put(np.asarray(master, np.float32).astype(dtype), sharding(PINNED_HOST), may_alias=False)
-    if np.dtype(dtype) == np.float32:
-        from chunkjax.host_update import writable_view
-        return writable_view(p, np.float32), p
-    return np.array(master, np.float32), p
-
-
 class ChunkedOptimizer:
     """Any (elementwise) optax transformation applied chunk by chunk, with float32 master params
     and optimizer state kept per chunk on the device or in pinned host memory (updated there by
@@ -239,7 +227,7 @@ class ChunkedOptimizer:
         for c in range(lay.n_chunks):
             m = jax.device_put(lay.pack_chunk(c, leaves, dtype=optim.MASTER_DTYPE), sharding(DEVICE))
             if c in self.host_chunks:
-                master, self._host_params[c] = _host_buffers(np.asarray(jax.device_put(m, sharding(PINNED_HOST))),
+                master, self._host_params[c] = dropin.host_buffers(np.asarray(jax.device_put(m, sharding(PINNED_HOST))),
                                                              lay.chunk_dtypes[c])
                 masters.append(master)
                 states.append(spec.host_state(lay.chunk_size))
@@ -490,7 +478,7 @@ class ChunkedOptimizer:
             dt = lay.chunk_dtypes[c]
             params.append(jax.device_put(master.astype(dt), dev))  # own buffer: master is donated
             if c in host:
-                m_host, host_params[c] = _host_buffers(master, dt)
+                m_host, host_params[c] = dropin.host_buffers(master, dt)
                 masters.append(m_host)
                 states.append(portable.portable_to_host(host_cls, cm["count"], arrs, c))
             else:
