@@ -53,7 +53,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from chunkjax import dropin, duplex, optim, portable
+from chunkjax import dropin, duplex, nnx_write, optim, portable
 from chunkjax.cost import Rates
 from chunkjax.layout import ChunkLayout, build_layout
 from chunkjax.memory import DEVICE, PINNED_HOST, sharding
@@ -278,6 +278,12 @@ class ChunkedOptimizer:
         Raises:
           ValueError: ``grads`` has another structure or leaf shapes (one line naming the leaf).
         """
+        new_params = self.layout.treedef.unflatten(self._update_leaves(grads))
+        self._returned_at = self._pending_phases.mark("finish")
+        return new_params
+
+    def _update_leaves(self, grads) -> list:
+        """:meth:`update`'s new params as the layout's list of leaves (``layout.treedef`` order)."""
         phases = duplex.StepPhases(time.perf_counter(), self._returned_at)
         lay = self.layout
         try:
@@ -357,9 +363,7 @@ class ChunkedOptimizer:
         self.step += 1
         # a leaf spanning chunks: its pieces joined in leaf order (the chunks update in another order)
         joined = iter(self._join_spanning([[y for _, y in sorted(x, key=lambda e: e[0])] for x in out if len(x) > 1]))
-        new_params = lay.treedef.unflatten([x[0][1] if len(x) == 1 else next(joined) for x in out])
-        self._returned_at = phases.mark("finish")
-        return new_params
+        return [x[0][1] if len(x) == 1 else next(joined) for x in out]
 
     def _put(self, out: list, c: int, new) -> None:
         for (i, p), x in zip(self._pieces[c], new):
@@ -534,7 +538,9 @@ class NnxOptimizer:
     def __init__(self, model, tx, *, wrt: Any = None, **kwargs):
         from flax import nnx
         self.wrt = nnx.Param if wrt is None else wrt
-        self.chunked = ChunkedOptimizer(nnx.state(model, self.wrt), tx, **kwargs)
+        state = nnx.state(model, self.wrt)
+        self.chunked = ChunkedOptimizer(state, tx, **kwargs)
+        self._paths = nnx_write.variable_paths(state)  # per leaf, its Variable's path in the model
         # commit the params to the device now: update() returns committed arrays, and a jitted
         # step that first saw uncommitted ones would compile a second time; the model's other
         # uncommitted arrays too (counters, constants: nnx.jit's outputs are committed)
@@ -553,8 +559,11 @@ class NnxOptimizer:
         for the new params; :meth:`wait` joins what is still in flight."""
         from flax import nnx
         c = self.chunked
-        nnx.update(model, c.update(grads))
-        c._returned_at = c._pending_phases.mark("model_update")  # the caller's clock (UpdateBreakdown)
+        leaves = c._update_leaves(grads)
+        c._pending_phases.mark("finish")  # the caller's clock (UpdateBreakdown)
+        if not nnx_write.write(model, self._paths, leaves):  # the variables at their paths, else nnx.update
+            nnx.update(model, c.layout.treedef.unflatten(leaves))
+        c._returned_at = c._pending_phases.mark("model_update")
 
     # ---- checkpoints: chunkjax.checkpoint.protocol.ChunkIO of the underlying ChunkedOptimizer ----
     @property

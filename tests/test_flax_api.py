@@ -555,3 +555,43 @@ def test_step_phases_account_for_the_loops_step():
         lin.update({"w": jnp.ones((8,), jnp.float32)})
     lin.wait()
     assert lin.last_update.model_update_s == 0.0 and lin.last_update.outside_s >= 0.0
+
+
+def test_new_params_are_written_at_the_variables_paths(monkeypatch):
+    """NnxOptimizer writes the new params into the variables at their paths (no nnx.update):
+    bitwise what nnx.update writes, into a variable the user replaced between steps too; a path
+    that no longer leads to a plain variable writes nothing (and nnx.update is used)."""
+    from chunkjax import nnx_write
+    models, opts = [], []
+    for fast in (True, False):
+        m = TinyTransformer(rngs=nnx.Rngs(0))
+        o = cj.NnxOptimizer(m, TXS["adamw"](), device_budget="1GiB", chunk_size=1152, check_tx=False)
+        if not fast:
+            o._paths = None  # nnx_write.write refuses: every step goes through nnx.update
+        models.append(m)
+        opts.append(o)
+    real_update = nnx.update
+    for i, tok in enumerate(batches(3, n=3)):
+        if i == 2:  # the user replaces a variable between steps: the write goes to the new one
+            for m in models:
+                m.head.kernel = nnx.Param(jnp.zeros_like(m.head.kernel[...]))
+        for m, o in zip(models, opts):
+            calls = []
+            monkeypatch.setattr(nnx, "update", lambda *a, **k: calls.append(1) or real_update(*a, **k))
+            _, grads = NNX_GRAD(m, tok)
+            o.update(m, grads)
+            assert len(calls) == (0 if o._paths is not None else 1)
+    monkeypatch.setattr(nnx, "update", real_update)
+    a, b = nnx.state(models[0], nnx.Param), nnx.state(models[1], nnx.Param)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        assert x.dtype == y.dtype and np.array_equal(np.asarray(x), np.asarray(y))
+    assert_trees_close(a, opts[0].chunked.master_params(), tol=0.0)
+    # a path leading elsewhere: nothing written
+    m, o = models[0], opts[0]
+    before = [np.asarray(x) for x in jax.tree.leaves(nnx.state(m, nnx.Param))]
+    ones = [jnp.ones_like(x) for x in jax.tree.leaves(nnx.state(m, nnx.Param))]
+    assert not nnx_write.write(m, o._paths[:-1] + [("head", "no_such_variable")], ones)
+    assert not nnx_write.write(m, o._paths, ones[:-1])
+    assert not nnx_write.write(m, None, ones)
+    for x, y in zip(before, jax.tree.leaves(nnx.state(m, nnx.Param))):
+        assert np.array_equal(x, np.asarray(y))
