@@ -70,7 +70,7 @@ PHASES = (("outside_s", "outside update(): the loop's grad dispatch (nnx.jit), f
           ("backward_wait_s", "backward wait: the gradients not computed yet"),
           ("update_s", "update after the gradients existed (offloaded chunks)"),
           ("finish_s", "finish: new params pytree (host chunks' params, spanning leaves)"),
-          ("model_update_s", "model write: nnx.update(model, new params)"))
+          ("model_update_s", "model write: the variables set at their paths (chunkjax.nnx_write)"))
 
 
 def host_threads_of(kind: str) -> tuple[bool, int | None]:
@@ -184,7 +184,7 @@ def child(kind: str, cfg: dict) -> dict:
     toks = jax.random.randint(jax.random.key(1), (STEPS + 1, B, T + 1), 0, V)
     model = LM(nnx.Rngs(0))
     n = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    update_call_s, breakdowns = [], []
+    update_call_s, breakdowns, grad_dispatch_s = [], [], []
     if kind == "nnx":
         opt = nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
 
@@ -227,7 +227,9 @@ def child(kind: str, cfg: dict) -> dict:
         grad_fn = nnx.jit(nnx.value_and_grad(loss_fn))
 
         def run(t):
+            t0 = time.perf_counter()
             loss, g = grad_fn(model, t)
+            grad_dispatch_s.append(time.perf_counter() - t0)  # nnx.jit's Python until it returns
             t0 = time.perf_counter()
             opt.update(model, g)  # returns once dispatched (the host chunks' kernels done)
             update_call_s.append(time.perf_counter() - t0)
@@ -256,12 +258,16 @@ def child(kind: str, cfg: dict) -> dict:
             out["host_update_s_per_param_in_update"] = bd["kernel_s"] / (len(c.host_chunks) * c.layout.chunk_size)
         if steady:  # one steady update's timeline: (kind, chunk, bytes, start s, end s)
             out["timeline"] = steady[len(steady) // 2].as_dict(events=True)["events"]
-        gt = []
+        gt, gd = [], []
         for i in range(3):  # the gradient step alone: the floor of any update placement in this loop
             t0 = time.perf_counter()
-            float(grad_fn(model, toks[i])[0])
+            loss = grad_fn(model, toks[i])[0]
+            gd.append(time.perf_counter() - t0)
+            float(loss)
             gt.append(time.perf_counter() - t0)
         out["grad_step_s"] = _median(gt)
+        # nnx.jit's dispatch (Python) in the loop, beside the optimizer's threads, and alone
+        out["grad_dispatch_s"], out["grad_dispatch_alone_s"] = grad_dispatch_s, _median(gd)
     median = sorted(times[1:])[len(times[1:]) // 2]
     mem = jax.devices()[0].memory_stats() or {}
     out.update({"n_params": int(n), "losses": losses, "step_s": times, "step_s_median": median,
@@ -377,6 +383,8 @@ def _phase_table(v: dict, bd: dict) -> None:
           f"{ms(bd.get('dispatch_s')).strip()}; gc {ms(_median(gc_steady)).strip()} median, "
           f"{ms(max(gc_steady) if gc_steady else None).strip()} max per step "
           f"({sum(v.get('gc_gen2_collections', [])[1:])} gen-2 collections)")
+    print(f"      (outside: the loop's grad dispatch (nnx.jit returning) {ms(_median(v.get('grad_dispatch_s', [])[1:])).strip()} "
+          f"median in the loop, {ms(v.get('grad_dispatch_alone_s')).strip()} alone)")
 
 
 def main(argv=None) -> int:
