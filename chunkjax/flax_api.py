@@ -126,7 +126,8 @@ class ChunkedOptimizer:
         default; :func:`chunkjax.dropin.predict_update_s`); ``predicted_update``: the same with its
         parts (:class:`chunkjax.dropin.UpdateTime`).
       last_update: the last joined update's :class:`chunkjax.duplex.UpdateBreakdown` (predicted
-        and measured seconds, bytes each way; None before the first update is joined).
+        and measured seconds, bytes each way, the caller's phases of the step; None before the
+        first update is joined).
       host_optimizer: the host kernel spec, or None; host_threads: its kernel's threads (or None).
       device_state_bytes: predicted device bytes of resident master params + optax state.
       working_bytes: predicted device bytes of the update's transient state (one chunk's working

@@ -27,7 +27,11 @@ The drop-in systems also time the gradient step alone (``grad_step_s``: the floo
 update placement in this loop) and record each update's breakdown
 (``chunkjax.duplex.UpdateBreakdown``: predicted and measured update seconds, bytes and busy
 seconds each way, both directions' overlap, kernel seconds), their medians over the steady
-steps, and one steady update's event timeline.
+steps, and one steady update's event timeline; and each step's phases (the breakdown's caller
+fields: outside ``update()`` (the loop's grad dispatch), setup, backward wait, update, finish,
+model write; their sum is the step) as a table of milliseconds, with the loop's ``nnx.jit``
+dispatch time in the loop and alone (``grad_dispatch_s``, ``grad_dispatch_alone_s``) and Python's
+garbage-collector seconds per step (``gc_s``, ``gc_gen2_collections``).
 
 Writes ``dropin_<run>.json`` (keys ``nnx_optimizer_tokens_per_s``, ``chunkjax_tokens_per_s`` (the
 ``chunk_host`` system), ``chunkjax_optax_tokens_per_s``, ``ratio``, ``n_params``,
@@ -39,6 +43,8 @@ device bytes, losses, the optimizer's summary and the update breakdowns) and pri
     python experiments/gpu_checks/dropin.py --run s10 --out experiments/results     # on the GPU (< 8 min)
     python experiments/gpu_checks/dropin.py --systems chunk_host --sweep-threads 16,12,8 --run s15t \\
         --out experiments/results                                                 # the kernel's threads
+    python experiments/gpu_checks/dropin.py --systems nnx,chunk_host --total 230 --run s16p \
+        --out experiments/results                                                 # the step's phases (< 4 min)
     python experiments/gpu_checks/dropin.py --tiny --run cpu --out /tmp            # a CPU smoke run
 """
 from __future__ import annotations
