@@ -395,6 +395,28 @@ def warm_host_kernels(spec, chunk_dtypes) -> None:
 TRANSFER_CORES = 4
 
 
+def host_buffers(master: np.ndarray, dtype) -> tuple[np.ndarray, jax.Array]:
+    """A host chunk's float32 master (numpy) and its pinned params buffer (compute dtype). For
+    float32 params one pinned buffer is both: the kernel updates it in place and it goes to the
+    device as it is (no copy on the host). The buffer is chunkjax's alone (read by eager
+    transfers only; gpu_facts.md, "Rules for updating pinned buffers in place on the host").
+
+    Args:
+      master: (chunk_size,) float32 master params of the chunk (numpy or a host array).
+      dtype: the chunk's compute dtype (float32 / bfloat16 / float16).
+
+    Returns:
+      ``(master, params)``: a (chunk_size,) float32 numpy array the kernel updates in place and
+      the (chunk_size,) ``dtype`` pinned_host jax.Array the new params leave from (for float32
+      the first is a writable view of the second).
+    """
+    p = jax.device_put(np.asarray(master, np.float32).astype(dtype), sharding(PINNED_HOST), may_alias=False)
+    if np.dtype(dtype) == np.float32:
+        from chunkjax.host_update import writable_view
+        return writable_view(p, np.float32), p
+    return np.array(master, np.float32), p
+
+
 def host_threads_for(host_threads: int | None) -> int:
     """The host kernel's numba threads: ``host_threads``, or by default this process's cores less
     :data:`TRANSFER_CORES` (at least 1), at most numba's pool (``NUMBA_NUM_THREADS``).

@@ -339,6 +339,25 @@ class UpdateBreakdown:
       kernel_s: host kernel seconds; kernel_idle_s: its thread's wait for gradients between its
         first start and its last end.
       events: the timed :class:`Event` s (a timeline).
+
+    The caller's side of the step (:class:`StepPhases`; seconds, None where not measured): the
+    period from the previous ``update()``'s return to this one's is ``outside_s + setup_s +
+    backward_wait_s + update_s + finish_s + model_update_s`` (``step_s``):
+
+      outside_s: from the previous update's return to this call (the user's loop: its jitted
+        gradient step's dispatch, reading the loss, the data); None for the first update.
+      setup_s: from the call until the update began: checking and flattening the gradients,
+        joining the previous update's write-backs (``tail_s`` longer than ``outside_s``).
+      dispatch_s: the calling thread's dispatch of the gradient preparation, the device-resident
+        chunks' update programs and the offloaded run's start (inside ``backward_wait_s`` /
+        ``update_s``: beside the transfer threads).
+      finish_s: from the offloaded run's return until the new params pytree was returned
+        (the host chunks' params put in place, the leaves spanning chunks joined, unflattened).
+      model_update_s: writing the new params into the model (``NnxOptimizer``: ``nnx.update``;
+        0 for ``ChunkedOptimizer``).
+      step_s: the sum above (None when ``outside_s`` is).
+      grads_ready_s: ``outside_s + setup_s + backward_wait_s``: from the previous return until
+        the gradients existed (the user's gradient step as the loop sees it).
     """
 
     step: int
@@ -362,6 +381,13 @@ class UpdateBreakdown:
     kernel_s: float
     kernel_idle_s: float
     events: tuple[Event, ...] = ()
+    outside_s: float | None = None
+    setup_s: float | None = None
+    dispatch_s: float | None = None
+    finish_s: float | None = None
+    model_update_s: float | None = None
+    step_s: float | None = None
+    grads_ready_s: float | None = None
 
     def as_dict(self, events: bool = False) -> dict[str, Any]:
         """The fields as a JSON-ready dict (the events as lists only if ``events``)."""
@@ -370,9 +396,38 @@ class UpdateBreakdown:
         return d
 
 
-def breakdown(run: DuplexUpdate, *, step: int, n_device: int, predicted) -> UpdateBreakdown:
+class StepPhases:
+    """The calling thread's clock of one ``update()`` call (:class:`UpdateBreakdown`'s caller
+    fields), filled as the call goes: ``mark(name)`` stores the seconds since the previous mark
+    under ``name``; ``now()`` is ``time.perf_counter()``.
+
+    Args:
+      called: ``perf_counter()`` when ``update()`` was called.
+      last_return: ``perf_counter()`` when the previous ``update()`` returned (None: none did).
+    """
+
+    def __init__(self, called: float, last_return: float | None):
+        self.parts: dict[str, float] = {}
+        self.outside_s = None if last_return is None else called - last_return
+        self._last = called
+
+    @staticmethod
+    def now() -> float:
+        return time.perf_counter()
+
+    def mark(self, name: str, at: float | None = None) -> float:
+        """Store the seconds since the previous mark (or the call) as ``name``; returns the time."""
+        t = time.perf_counter() if at is None else at
+        self.parts[name] = self.parts.get(name, 0.0) + t - self._last
+        self._last = t
+        return t
+
+
+def breakdown(run: DuplexUpdate, *, step: int, n_device: int, predicted,
+              phases: StepPhases | None = None) -> UpdateBreakdown:
     """The :class:`UpdateBreakdown` of a joined ``run``; ``predicted`` is a
-    :class:`chunkjax.dropin.UpdateTime`."""
+    :class:`chunkjax.dropin.UpdateTime`; ``phases`` the call's :class:`StepPhases` (marks
+    ``setup``, ``dispatch``, ``finish`` and optionally ``model_update``) or None."""
     ev = list(run.events)
     ready = next((e.end_s for e in ev if e.kind == "ready"), 0.0)
     ret = run.return_s if run.return_s is not None else ready
@@ -385,6 +440,15 @@ def breakdown(run: DuplexUpdate, *, step: int, n_device: int, predicted) -> Upda
     kernel_s = sum(e.end_s - e.start_s for e in ks)
     span = (max(e.end_s for e in ks) - min(e.start_s for e in ks)) if ks else 0.0
     h2d_b, d2h_b, h2d_s, d2h_s = nb(UP_KINDS), nb(DOWN_KINDS), busy(up), busy(down)
+    caller: dict[str, Any] = {}
+    if phases is not None:
+        p = phases.parts
+        caller = dict(outside_s=phases.outside_s, setup_s=p.get("setup"), dispatch_s=p.get("dispatch"),
+                      finish_s=p.get("finish"), model_update_s=p.get("model_update", 0.0))
+        if phases.outside_s is not None and None not in (caller["setup_s"], caller["finish_s"]):
+            caller["grads_ready_s"] = phases.outside_s + caller["setup_s"] + ready
+            caller["step_s"] = caller["grads_ready_s"] + max(0.0, ret - ready) + caller["finish_s"] + \
+                caller["model_update_s"]
     return UpdateBreakdown(
         step=step, n_device=n_device, n_streamed=len(run.streamed), n_host=len(run.host),
         predicted_s=predicted.total_s, predicted_h2d_s=predicted.h2d_s, predicted_d2h_s=predicted.d2h_s,
@@ -392,4 +456,4 @@ def breakdown(run: DuplexUpdate, *, step: int, n_device: int, predicted) -> Upda
         tail_s=max(0.0, end - ret), h2d_bytes=h2d_b, d2h_bytes=d2h_b, h2d_busy_s=h2d_s, d2h_busy_s=d2h_s,
         both_busy_s=_overlap(up, down), h2d_gb_per_s=h2d_b / h2d_s / 1e9 if h2d_s > 0 else 0.0,
         d2h_gb_per_s=d2h_b / d2h_s / 1e9 if d2h_s > 0 else 0.0, kernel_s=kernel_s,
-        kernel_idle_s=max(0.0, span - kernel_s), events=tuple(ev))
+        kernel_idle_s=max(0.0, span - kernel_s), events=tuple(ev), **caller)

@@ -53,7 +53,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from chunkjax import dropin, duplex, optim, portable
+from chunkjax import dropin, duplex, nnx_write, optim, portable
 from chunkjax.cost import Rates
 from chunkjax.layout import ChunkLayout, build_layout
 from chunkjax.memory import DEVICE, PINNED_HOST, sharding
@@ -70,18 +70,6 @@ _MSG_STRUCTURE = "grads do not have the params' structure: {what}"
 _MSG_HOST_NEEDS_SPEC = ("host_chunks={n} needs tx given as a host kernel spec (chunkjax.host_update.AdamW / Lion / "
                         "SGDMomentum): an optax transformation runs on the device only")
 _MSG_DEPTH = "pipeline_depth must be an int >= 1, got {v!r}"
-
-
-def _host_buffers(master: np.ndarray, dtype) -> tuple[np.ndarray, jax.Array]:
-    """A host chunk's float32 master (numpy) and its pinned params buffer (compute dtype). For
-    float32 params one pinned buffer is both: the kernel updates it in place and it goes to the
-    device as it is (no copy on the host). The buffer is chunkjax's alone (read by eager
-    transfers only; gpu_facts.md, "Rules for updating pinned buffers in place on the host")."""
-    p = jax.device_put(np.asarray(master, np.float32).astype(dtype), sharding(PINNED_HOST), may_alias=False)
-    if np.dtype(dtype) == np.float32:
-        from chunkjax.host_update import writable_view
-        return writable_view(p, np.float32), p
-    return np.array(master, np.float32), p
 
 
 class ChunkedOptimizer:
@@ -138,7 +126,8 @@ class ChunkedOptimizer:
         default; :func:`chunkjax.dropin.predict_update_s`); ``predicted_update``: the same with its
         parts (:class:`chunkjax.dropin.UpdateTime`).
       last_update: the last joined update's :class:`chunkjax.duplex.UpdateBreakdown` (predicted
-        and measured seconds, bytes each way; None before the first update is joined).
+        and measured seconds, bytes each way, the caller's phases of the step; None before the
+        first update is joined).
       host_optimizer: the host kernel spec, or None; host_threads: its kernel's threads (or None).
       device_state_bytes: predicted device bytes of resident master params + optax state.
       working_bytes: predicted device bytes of the update's transient state (one chunk's working
@@ -239,7 +228,7 @@ class ChunkedOptimizer:
         for c in range(lay.n_chunks):
             m = jax.device_put(lay.pack_chunk(c, leaves, dtype=optim.MASTER_DTYPE), sharding(DEVICE))
             if c in self.host_chunks:
-                master, self._host_params[c] = _host_buffers(np.asarray(jax.device_put(m, sharding(PINNED_HOST))),
+                master, self._host_params[c] = dropin.host_buffers(np.asarray(jax.device_put(m, sharding(PINNED_HOST))),
                                                              lay.chunk_dtypes[c])
                 masters.append(master)
                 states.append(spec.host_state(lay.chunk_size))
@@ -251,6 +240,8 @@ class ChunkedOptimizer:
         self._master, self._opt_state = masters, states
         self._host_tokens: dict = {}  # per host chunk, the last update's unpack token (ChunkPrograms.unpack)
         self._pending: duplex.DuplexUpdate | None = None
+        self._pending_phases: duplex.StepPhases | None = None
+        self._returned_at: float | None = None  # perf_counter() of the last update's return (StepPhases)
         self.last_update: duplex.UpdateBreakdown | None = None
         self._prepare = jax.jit(functools.partial(dropin.prepare_grads, lay, self._sends))
 
@@ -288,6 +279,13 @@ class ChunkedOptimizer:
         Raises:
           ValueError: ``grads`` has another structure or leaf shapes (one line naming the leaf).
         """
+        new_params = self.layout.treedef.unflatten(self._update_leaves(grads))
+        self._returned_at = self._pending_phases.mark("finish")
+        return new_params
+
+    def _update_leaves(self, grads) -> list:
+        """:meth:`update`'s new params as the layout's list of leaves (``layout.treedef`` order)."""
+        phases = duplex.StepPhases(time.perf_counter(), self._returned_at)
         lay = self.layout
         try:
             leaves = lay.treedef.flatten_up_to(grads)
@@ -297,7 +295,7 @@ class ChunkedOptimizer:
             if tuple(np.shape(g)) != s.shape:
                 raise ValueError(f"gradient of {s.path!r} has shape {tuple(np.shape(g))}, the params' is {s.shape}")
         self._join()
-        t0 = time.perf_counter()
+        t0 = phases.mark("setup")
         grad_sq, cut, cast = self._prepare(leaves)
         out: list[Any] = [[] for _ in lay.slots]
         of = lambda c: tuple(leaves[i] for i, _ in self._pieces[c])  # noqa: E731  (whole leaves: cut in the program)
@@ -358,13 +356,15 @@ class ChunkedOptimizer:
         except BaseException:
             run.abort()
             raise
-        self._pending = run.run()
+        phases.mark("dispatch")
+        self._pending, self._pending_phases = run.run(), phases
+        phases.mark("offloaded")
         for c in self.host_chunks:
             self._put(out, c, host_out.pop(c))
         self.step += 1
         # a leaf spanning chunks: its pieces joined in leaf order (the chunks update in another order)
         joined = iter(self._join_spanning([[y for _, y in sorted(x, key=lambda e: e[0])] for x in out if len(x) > 1]))
-        return lay.treedef.unflatten([x[0][1] if len(x) == 1 else next(joined) for x in out])
+        return [x[0][1] if len(x) == 1 else next(joined) for x in out]
 
     def _put(self, out: list, c: int, new) -> None:
         for (i, p), x in zip(self._pieces[c], new):
@@ -408,7 +408,7 @@ class ChunkedOptimizer:
             return
         run.join()
         self.last_update = duplex.breakdown(run, step=self.step - 1, n_device=self.placement.state_kinds.count(DEVICE),
-                                            predicted=self.predicted_update)
+                                            predicted=self.predicted_update, phases=self._pending_phases)
 
     def wait(self, state=None) -> None:
         """Block until the dispatched updates are done: the streamed write-backs joined and every
@@ -483,7 +483,7 @@ class ChunkedOptimizer:
             dt = lay.chunk_dtypes[c]
             params.append(jax.device_put(master.astype(dt), dev))  # own buffer: master is donated
             if c in host:
-                m_host, host_params[c] = _host_buffers(master, dt)
+                m_host, host_params[c] = dropin.host_buffers(master, dt)
                 masters.append(m_host)
                 states.append(portable.portable_to_host(host_cls, cm["count"], arrs, c))
             else:
@@ -539,7 +539,9 @@ class NnxOptimizer:
     def __init__(self, model, tx, *, wrt: Any = None, **kwargs):
         from flax import nnx
         self.wrt = nnx.Param if wrt is None else wrt
-        self.chunked = ChunkedOptimizer(nnx.state(model, self.wrt), tx, **kwargs)
+        state = nnx.state(model, self.wrt)
+        self.chunked = ChunkedOptimizer(state, tx, **kwargs)
+        self._paths = nnx_write.variable_paths(state)  # per leaf, its Variable's path in the model
         # commit the params to the device now: update() returns committed arrays, and a jitted
         # step that first saw uncommitted ones would compile a second time; the model's other
         # uncommitted arrays too (counters, constants: nnx.jit's outputs are committed)
@@ -557,7 +559,12 @@ class NnxOptimizer:
         is dispatched (:meth:`ChunkedOptimizer.update`); the next jitted step waits on the device
         for the new params; :meth:`wait` joins what is still in flight."""
         from flax import nnx
-        nnx.update(model, self.chunked.update(grads))
+        c = self.chunked
+        leaves = c._update_leaves(grads)
+        c._pending_phases.mark("finish")  # the caller's clock (UpdateBreakdown)
+        if not nnx_write.write(model, self._paths, leaves):  # the variables at their paths, else nnx.update
+            nnx.update(model, c.layout.treedef.unflatten(leaves))
+        c._returned_at = c._pending_phases.mark("model_update")
 
     # ---- checkpoints: chunkjax.checkpoint.protocol.ChunkIO of the underlying ChunkedOptimizer ----
     @property

@@ -507,3 +507,91 @@ def test_host_chunks_keep_no_device_copy_of_their_params_between_updates():
     opt.wait()
     gc.collect()
     assert sum(map(chunk, jax.live_arrays())) - before == 0
+
+
+def test_step_phases_account_for_the_loops_step():
+    """The caller's phases of each update (UpdateBreakdown: outside, setup, backward wait, update,
+    finish, model write) add up to the period between two update() returns, and ``outside_s``
+    holds the loop's own work between the calls (here a sleep); the state stays exact."""
+    import time
+    ref_losses, ref_params = nnx_reference("adamw")
+    model = TinyTransformer(rngs=nnx.Rngs(0))
+    probe = cj.ChunkedOptimizer(nnx.state(model, nnx.Param), TXS["adamw"](), device_budget="1GiB", chunk_size=1152,
+                                check_tx=False)
+    budget = probe.working_bytes + probe.device_state_bytes // probe.layout.n_chunks + 2 * 4 * 1152
+    opt = cj.NnxOptimizer(model, HOST_SPECS["adamw"](), device_budget=budget, chunk_size=1152, host_chunks=1,
+                          pipeline_depth=1)  # a device chunk, streamed ones and a host chunk
+    assert len(opt.chunked.host_chunks) == 1 and len(opt.chunked.streamed_chunks) >= 1
+    returns, calls, seen, pause = [], [], [], 0.03
+    for i, (tok, l_ref) in enumerate(zip(batches(1), ref_losses, strict=True)):
+        loss, grads = NNX_GRAD(model, tok)
+        np.testing.assert_allclose(float(loss), float(l_ref), rtol=1e-5)
+        time.sleep(pause if i else 0.0)  # the loop's own work between two update() calls
+        calls.append(time.perf_counter())
+        opt.update(model, grads)
+        returns.append(time.perf_counter())
+        if opt.chunked.last_update is not None:
+            seen.append(opt.chunked.last_update)
+    opt.wait()
+    seen.append(opt.chunked.last_update)
+    assert [b.step for b in seen] == list(range(STEPS))
+    assert seen[0].outside_s is None and seen[0].step_s is None and seen[0].setup_s >= 0.0
+    for b in seen[1:]:
+        fields = ("outside_s", "setup_s", "backward_wait_s", "update_s", "finish_s", "model_update_s")
+        vals = [getattr(b, k) for k in fields]
+        assert all(v is not None and v >= 0.0 for v in vals) and b.dispatch_s >= 0.0, b
+        assert b.step_s == pytest.approx(sum(vals), abs=1e-9)
+        assert b.grads_ready_s == pytest.approx(b.outside_s + b.setup_s + b.backward_wait_s, abs=1e-9)
+        # the update's own clocks lie inside the loop's: outside holds at least the loop's gap
+        gap = calls[b.step] - returns[b.step - 1]
+        assert b.outside_s >= gap >= pause
+        assert b.step_s <= returns[b.step] - returns[b.step - 1] + 1e-6 + b.outside_s - gap
+        assert b.model_update_s > 0.0
+    assert_trees_close(nnx.state(model, nnx.Param), ref_params)
+    # ChunkedOptimizer alone writes no model
+    params = {"w": jnp.ones((8,), jnp.float32)}
+    lin = cj.ChunkedOptimizer(params, optax.sgd(0.1), device_budget="1GiB")
+    for _ in range(2):
+        lin.update({"w": jnp.ones((8,), jnp.float32)})
+    lin.wait()
+    assert lin.last_update.model_update_s == 0.0 and lin.last_update.outside_s >= 0.0
+
+
+def test_new_params_are_written_at_the_variables_paths(monkeypatch):
+    """NnxOptimizer writes the new params into the variables at their paths (no nnx.update):
+    bitwise what nnx.update writes, into a variable the user replaced between steps too; a path
+    that no longer leads to a plain variable writes nothing (and nnx.update is used)."""
+    from chunkjax import nnx_write
+    models, opts = [], []
+    for fast in (True, False):
+        m = TinyTransformer(rngs=nnx.Rngs(0))
+        o = cj.NnxOptimizer(m, TXS["adamw"](), device_budget="1GiB", chunk_size=1152, check_tx=False)
+        if not fast:
+            o._paths = None  # nnx_write.write refuses: every step goes through nnx.update
+        models.append(m)
+        opts.append(o)
+    real_update = nnx.update
+    for i, tok in enumerate(batches(3, n=3)):
+        if i == 2:  # the user replaces a variable between steps: the write goes to the new one
+            for m in models:
+                m.head.kernel = nnx.Param(jnp.zeros_like(m.head.kernel[...]))
+        for m, o in zip(models, opts):
+            calls = []
+            monkeypatch.setattr(nnx, "update", lambda *a, **k: calls.append(1) or real_update(*a, **k))
+            _, grads = NNX_GRAD(m, tok)
+            o.update(m, grads)
+            assert len(calls) == (0 if o._paths is not None else 1)
+    monkeypatch.setattr(nnx, "update", real_update)
+    a, b = nnx.state(models[0], nnx.Param), nnx.state(models[1], nnx.Param)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        assert x.dtype == y.dtype and np.array_equal(np.asarray(x), np.asarray(y))
+    assert_trees_close(a, opts[0].chunked.master_params(), tol=0.0)
+    # a path leading elsewhere: nothing written
+    m, o = models[0], opts[0]
+    before = [np.asarray(x) for x in jax.tree.leaves(nnx.state(m, nnx.Param))]
+    ones = [jnp.ones_like(x) for x in jax.tree.leaves(nnx.state(m, nnx.Param))]
+    assert not nnx_write.write(m, o._paths[:-1] + [("head", "no_such_variable")], ones)
+    assert not nnx_write.write(m, o._paths, ones[:-1])
+    assert not nnx_write.write(m, None, ones)
+    for x, y in zip(before, jax.tree.leaves(nnx.state(m, nnx.Param))):
+        assert np.array_equal(x, np.asarray(y))

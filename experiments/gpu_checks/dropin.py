@@ -27,7 +27,11 @@ The drop-in systems also time the gradient step alone (``grad_step_s``: the floo
 update placement in this loop) and record each update's breakdown
 (``chunkjax.duplex.UpdateBreakdown``: predicted and measured update seconds, bytes and busy
 seconds each way, both directions' overlap, kernel seconds), their medians over the steady
-steps, and one steady update's event timeline.
+steps, and one steady update's event timeline; and each step's phases (the breakdown's caller
+fields: outside ``update()`` (the loop's grad dispatch), setup, backward wait, update, finish,
+model write; their sum is the step) as a table of milliseconds, with the loop's ``nnx.jit``
+dispatch time in the loop and alone (``grad_dispatch_s``, ``grad_dispatch_alone_s``) and Python's
+garbage-collector seconds per step (``gc_s``, ``gc_gen2_collections``).
 
 Writes ``dropin_<run>.json`` (keys ``nnx_optimizer_tokens_per_s``, ``chunkjax_tokens_per_s`` (the
 ``chunk_host`` system), ``chunkjax_optax_tokens_per_s``, ``ratio``, ``n_params``,
@@ -39,6 +43,8 @@ device bytes, losses, the optimizer's summary and the update breakdowns) and pri
     python experiments/gpu_checks/dropin.py --run s10 --out experiments/results     # on the GPU (< 8 min)
     python experiments/gpu_checks/dropin.py --systems chunk_host --sweep-threads 16,12,8 --run s15t \\
         --out experiments/results                                                 # the kernel's threads
+    python experiments/gpu_checks/dropin.py --systems nnx,chunk_host --total 230 --run s16p \
+        --out experiments/results                                                 # the step's phases (< 4 min)
     python experiments/gpu_checks/dropin.py --tiny --run cpu --out /tmp            # a CPU smoke run
 """
 from __future__ import annotations
@@ -61,7 +67,16 @@ SYSTEMS = ("nnx", "chunk_host", "front", "chunk_optax")
 #: Breakdown fields whose medians over the steady updates are recorded (chunkjax.duplex.UpdateBreakdown).
 BREAKDOWN_KEYS = ("predicted_s", "predicted_h2d_s", "predicted_d2h_s", "predicted_kernel_s", "backward_wait_s",
                   "update_s", "tail_s", "h2d_bytes", "d2h_bytes", "h2d_busy_s", "d2h_busy_s", "both_busy_s",
-                  "h2d_gb_per_s", "d2h_gb_per_s", "kernel_s", "kernel_idle_s")
+                  "h2d_gb_per_s", "d2h_gb_per_s", "kernel_s", "kernel_idle_s", "outside_s", "setup_s", "dispatch_s",
+                  "finish_s", "model_update_s", "step_s", "grads_ready_s")
+#: The step's phases (UpdateBreakdown's caller fields): their sum is the period between two
+#: update() returns (``step_s``); printed as a table of milliseconds (``_phase_table``).
+PHASES = (("outside_s", "outside update(): the loop's grad dispatch (nnx.jit), float(loss)"),
+          ("setup_s", "update() setup: grads flatten + checks, join of the last write-backs"),
+          ("backward_wait_s", "backward wait: the gradients not computed yet"),
+          ("update_s", "update after the gradients existed (offloaded chunks)"),
+          ("finish_s", "finish: new params pytree (host chunks' params, spanning leaves)"),
+          ("model_update_s", "model write: the variables set at their paths (chunkjax.nnx_write)"))
 
 
 def host_threads_of(kind: str) -> tuple[bool, int | None]:
@@ -93,6 +108,31 @@ def own_rates_prediction(v: dict) -> dict | None:
             "measured_s": ru.measured_s, "h2d_gb_per_s": rates.h2d_bytes_per_s / 1e9,
             "d2h_gb_per_s": rates.d2h_bytes_per_s / 1e9, "kernel_ns_per_param": rates.host_update_s_per_param * 1e9,
             "split_host_chunks_at_these_rates": len(host)}
+
+
+class _GcClock:
+    """Seconds spent in Python's garbage collector (``gc.callbacks``) since ``reset()``, and the
+    number of generation-2 collections: a pause of the user's loop that no phase names."""
+
+    def __init__(self):
+        import gc
+        self._gc, self._t = gc, None
+        self.reset()
+        gc.callbacks.append(self._cb)
+
+    def reset(self):
+        self.seconds, self.gen2 = 0.0, 0
+
+    def _cb(self, phase, info):
+        if phase == "start":
+            self._t = time.perf_counter()
+        elif self._t is not None:
+            self.seconds += time.perf_counter() - self._t
+            self.gen2 += info.get("generation") == 2
+            self._t = None
+
+    def close(self):
+        self._gc.callbacks.remove(self._cb)
 
 
 def _median(xs):
@@ -150,7 +190,7 @@ def child(kind: str, cfg: dict) -> dict:
     toks = jax.random.randint(jax.random.key(1), (STEPS + 1, B, T + 1), 0, V)
     model = LM(nnx.Rngs(0))
     n = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    update_call_s, breakdowns = [], []
+    update_call_s, breakdowns, grad_dispatch_s = [], [], []
     if kind == "nnx":
         opt = nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
 
@@ -193,19 +233,27 @@ def child(kind: str, cfg: dict) -> dict:
         grad_fn = nnx.jit(nnx.value_and_grad(loss_fn))
 
         def run(t):
+            t0 = time.perf_counter()
             loss, g = grad_fn(model, t)
+            grad_dispatch_s.append(time.perf_counter() - t0)  # nnx.jit's Python until it returns
             t0 = time.perf_counter()
             opt.update(model, g)  # returns once dispatched (the host chunks' kernels done)
             update_call_s.append(time.perf_counter() - t0)
             if c.last_update is not None:  # the update before this one, joined by it
                 breakdowns.append(c.last_update)
             return loss
-    losses, times = [], []
+    losses, times, gc_s, gc_gen2 = [], [], [], []
+    gc_clock = _GcClock()
     for i in range(STEPS + 1):
+        gc_clock.reset()
         t0 = time.perf_counter()
         loss = float(run(toks[i]))
         times.append(time.perf_counter() - t0)
+        gc_s.append(gc_clock.seconds)
+        gc_gen2.append(gc_clock.gen2)
         losses.append(loss)
+    gc_clock.close()
+    out["gc_s"], out["gc_gen2_collections"] = gc_s, gc_gen2  # Python's collector inside each step
     if kind.startswith("chunk_"):
         opt.wait()
         breakdowns.append(opt.chunked.last_update)
@@ -216,12 +264,16 @@ def child(kind: str, cfg: dict) -> dict:
             out["host_update_s_per_param_in_update"] = bd["kernel_s"] / (len(c.host_chunks) * c.layout.chunk_size)
         if steady:  # one steady update's timeline: (kind, chunk, bytes, start s, end s)
             out["timeline"] = steady[len(steady) // 2].as_dict(events=True)["events"]
-        gt = []
+        gt, gd = [], []
         for i in range(3):  # the gradient step alone: the floor of any update placement in this loop
             t0 = time.perf_counter()
-            float(grad_fn(model, toks[i])[0])
+            loss = grad_fn(model, toks[i])[0]
+            gd.append(time.perf_counter() - t0)
+            float(loss)
             gt.append(time.perf_counter() - t0)
         out["grad_step_s"] = _median(gt)
+        # nnx.jit's dispatch (Python) in the loop, beside the optimizer's threads, and alone
+        out["grad_dispatch_s"], out["grad_dispatch_alone_s"] = grad_dispatch_s, _median(gd)
     median = sorted(times[1:])[len(times[1:]) // 2]
     mem = jax.devices()[0].memory_stats() or {}
     out.update({"n_params": int(n), "losses": losses, "step_s": times, "step_s_median": median,
@@ -310,6 +362,7 @@ def _table(res: dict, budget: int, path: str) -> None:
               f"{f(bd['kernel_idle_s'], '.3f')}); kernel ns/param alone {f(_ns(v.get('host_update_s_per_param_alone')), '.3f')}, "
               f"in the update {f(_ns(v.get('host_update_s_per_param_in_update')), '.3f')}; numba threads "
               f"{v.get('host_threads')}")
+        _phase_table(v, bd)
         own = v.get("own_rates_prediction")
         if own:
             print(f"    with its own rates (h2d {own['h2d_gb_per_s']:.1f}, d2h {own['d2h_gb_per_s']:.1f} GB/s, kernel "
@@ -317,6 +370,27 @@ def _table(res: dict, budget: int, path: str) -> None:
                   f"{own['measured_s']:.3f} measured; their split: {own['split_host_chunks_at_these_rates']} host chunks")
     print(f"n_params {res['n_params']}, device_budget {budget} bytes, matmul {f(res.get('matmul_tflops'), '.0f')} "
           f"TFLOP/s, ratio {f(res.get('ratio'), '.3f')} -> {path}")
+
+
+def _phase_table(v: dict, bd: dict) -> None:
+    """Where every millisecond of a steady step went (medians over the steady updates; the
+    phases' medians need not add up to the median step exactly)."""
+    if bd.get("step_s") is None:
+        return
+    ms = lambda x: f"{x * 1e3:8.1f}" if isinstance(x, (int, float)) else "       -"  # noqa: E731
+    print("    step phases, ms (median of the steady steps; their sum is the period between two update() returns):")
+    for key, label in PHASES:
+        print(f"      {ms(bd.get(key))}  {label}")
+    parts = sum(bd.get(k) or 0.0 for k, _ in PHASES)
+    gc_steady = v.get("gc_s", [])[1:]
+    print(f"      {ms(parts)}  = sum of the medians; median step_s of the phases {ms(bd['step_s']).strip()}, of the loop "
+          f"{ms(v.get('step_s_median')).strip()}; grads ready {ms(bd.get('grads_ready_s')).strip()} after the last "
+          f"return (grad step alone {ms(v.get('grad_step_s')).strip()}); caller's dispatch inside "
+          f"{ms(bd.get('dispatch_s')).strip()}; gc {ms(_median(gc_steady)).strip()} median, "
+          f"{ms(max(gc_steady) if gc_steady else None).strip()} max per step "
+          f"({sum(v.get('gc_gen2_collections', [])[1:])} gen-2 collections)")
+    print(f"      (outside: the loop's grad dispatch (nnx.jit returning) {ms(_median(v.get('grad_dispatch_s', [])[1:])).strip()} "
+          f"median in the loop, {ms(v.get('grad_dispatch_alone_s')).strip()} alone)")
 
 
 def main(argv=None) -> int:
