@@ -61,6 +61,13 @@
 # * Session 13's part a (pool 38 preallocated) was killed by the kernel's OOM killer in its first step with shmem-rss
 #   (pinned) 79.7 GB against the 40.8 GB pool (experiments/results/largest_s13_15b_memory.json): PREALLOC=false runs
 #   a part with the pool growing up to its cap instead; run the part under memwatch.sh to log RssAnon/RssShmem.
+# * Session 15 (largest_s15_15b_pinned.json): the pinned pool fragments: at 0.95-1.0 of its cap a 101 MiB
+#   allocation failed with ~1.5 GB of the pool free, so a plan now uses at most 90 % of the cap
+#   (chunkjax.host_memory.PINNED_POOL_FRAGMENTATION). CPU plan for the next call (largest_plan.py --pool 42
+#   --host 122e9): 137 device / 179 host chunks (174 master-fetch), 32 programs, gradient working set 1.59e9,
+#   host need 128.3e9 (pool 45.1e9), 4.35 s/step predicted:
+#   PREALLOC=false POOL15=42 EXTRA15="--host-budget 122e9" LIMIT=480 MEMLOG=$OUT/mem.log \
+#     bash experiments/gpu_checks/memwatch.sh bash experiments/gpu_checks/largest.sh <run> a
 set -u
 RUN=${1:-largest}
 PART=${2:-a}
