@@ -1,34 +1,47 @@
 """Speculative host updates: the host kernel overlaps the backward with clipping, non-finite skip
-and loss scaling, exactly (SuperOffload's speculation-then-validation).
+and loss scaling (SuperOffload's speculation-then-validation), rolled back by inverting the step.
 
 The host thread of a step (:class:`chunkjax.updaters.HostWork`) updates each host chunk as soon as
 its gradient is complete, while the device still runs the rest of the backward. With global-norm
 clipping, a non-finite skip (``nonfinite="skip"``) or loss scaling, the gradient's factor depends
 on the global norm, known only at the end of the backward. :class:`Speculation` then:
 
-1. *speculates*: a chunk whose gradient is ready before the norm is known is first copied into a
-   backup (its float32 master params and every float32 buffer of its host optimizer state, plus
-   the step count: 12 bytes per parameter for AdamW, 8 for Lion and SGD with momentum) and updated
-   with the factor of the common case (no clipping, finite gradients: ``clip_scale(max, 0)``,
-   times the loss-scale inverse);
-2. *waits* for the norm when the bounded :class:`BackupPool` has no room for one more chunk (those
-   chunks are updated once, with the right factor, as without speculation);
+1. *speculates*: a chunk whose gradient is ready before the norm is known is updated with the
+   factor of the common case (no clipping, finite gradients: ``clip_scale(max, 0)``, times the
+   loss-scale inverse), its gradient kept for a rollback. The rollback (the step's ``rollback``):
+   ``"invert"`` (default) undoes the step from the new state, the gradient and the factor
+   (:func:`chunkjax.host_update.host_invert_`, :mod:`chunkjax.kernels_inverse`): no copy; a chunk
+   whose step is not invertible (a zero decay rate, ``lr * wd > 1/2``) is backed up instead.
+   ``"backup"`` first copies the chunk's float32 master params and optimizer state into a
+   :class:`BackupPool` (12 bytes per parameter for AdamW, 8 for Lion and SGD with momentum);
+2. *waits* for the norm when the bound has no room for one more chunk (the kept gradients'
+   bytes for inversion, the pool's for backups), when a skip is possible and the chunk's
+   gradient is not finite (a NaN would erase the old state: no inverse then), or when the policy
+   says so: ``speculation_policy="after_common"`` (default) speculates only when the previous
+   step's factor was the common one, so that steady clipping waits instead of paying for every
+   chunk twice (and the inversion stays well conditioned); ``"always"`` speculates every step;
 3. *validates* at the end (:meth:`Speculation.validate`, the last task of the step's host thread):
    when the right factor equals the speculated one (clipping did not fire, the gradients are
-   finite) the backups go back to the pool; otherwise each speculated chunk is restored from its
-   backup and updated again with the right factor, or, for a skipped step, left as it was with its
-   compute params rewritten from the restored master params (what the device path leaves).
+   finite) the chunks are kept; otherwise each speculated chunk is inverted (or restored from its
+   backup) and updated again with the right factor, or, for a skipped step, left rolled back
+   with its compute params rewritten from its master params (what the device path leaves).
 
-The result is bit-identical to waiting for the norm (the kernel runs on the same inputs with the
-same factor). Host memory: the pool's buffers, at most ``limit_bytes`` (the step's
-``speculation_bytes``; by default :func:`auto_backup_bytes`: 16 GiB or half the host's available
-memory, whichever is less), allocated on first use and reused
-across steps (the pool travels in the step's pending work, explicit state), plus the speculated
-chunks' gradients, kept for a redo until the validation: at most ``limit_bytes`` times the
-gradient's bytes per parameter over :func:`backup_bytes_per_param` (2/12 for AdamW with bf16
-gradients; every other gradient is dropped once its kernel ran). Host memory traffic:
-one copy of the speculated chunks' state per step (read 12 + write 12 bytes per parameter for
-AdamW) on top of the kernel's ~28.
+Exactness: a backup gives the bits of waiting for the norm. An inversion is float32-exact to about
+one ulp of the new value (``tests/test_rollback.py``): equal to optax within fp32 tolerance,
+except in one regime it avoids through the policy: AdamW's ``v`` redone with a clipping factor
+``c << 1`` after a speculated gradient far above that element's history (steady clipping far
+below the norm): relative error ~``6e-8 / c^2`` (``docs/design.md``, "Rollback by inversion").
+
+Host memory: inversion holds nothing beyond the speculated chunks' gradients, kept until the
+validation (the compute dtype's bytes per parameter, 2 for bf16), at most ``limit_bytes`` of the
+pool (the step's ``speculation_bytes``; by default :func:`auto_backup_bytes`: 16 GiB or half the
+host's available memory, whichever is less); backups hold the pool's buffers, at most
+``limit_bytes``, allocated on first use and reused across steps (the pool travels in the step's
+pending work, explicit state), plus their gradients. Host memory traffic: inversion adds none
+when clipping does not fire (a skip adds one read of each speculated gradient, the finiteness
+check), and one inverse pass (~26 bytes per AdamW parameter) per speculated chunk when it fires;
+a backup copies the speculated chunks' state every step (read 12 + write 12 bytes per parameter
+for AdamW) on top of the kernel's ~28.
 
 Reference: SuperOffload (ASPLOS'26), "speculation-then-validation" of the CPU optimizer step.
 """

@@ -108,12 +108,9 @@ class ChunkedStep(StepChunkIO, StepUpdates, OnTopology):
       host_deadline: seconds a step's host updates may take before :meth:`wait` (or the next
         call) raises :class:`chunkjax.updaters.HostDeadlineError`; None: the larger of 300 s and
         50 predicted step times (:func:`chunkjax.updaters.host_deadline_s`).
-      speculation_bytes: host bytes speculative host updates may hold (:mod:`chunkjax.speculate`):
-        the gradients kept for rollback by inversion, or the backups (12 per AdamW param) of
-        ``rollback="backup"``; None: its ``auto_backup_bytes()``; 0: no speculation.
-      rollback: ``"invert"`` (undo a speculated step from its gradient, no copy) or ``"backup"``
-        (copy first: bit-identical to waiting); speculation_policy: ``"after_common"`` (wait on
-        the step after one where clipping fired) or ``"always"``: :mod:`chunkjax.speculate`.
+      speculation_bytes, rollback, speculation_policy: speculative host updates
+        (:mod:`chunkjax.speculate`): bytes of kept gradients (or backups) held at most, None: its
+        ``auto_backup_bytes()``, 0: none; ``"invert"`` or ``"backup"``; ``"after_common"`` or ``"always"``.
       storage: the disk tier of ``storage`` chunks: :class:`chunkjax.storage.updater.StorageOptions`, or
         directories (:func:`~chunkjax.storage.updater.storage_options`).
 

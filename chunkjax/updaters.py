@@ -456,8 +456,8 @@ class HostWork:
         then, so at most the host gradients of ``window`` programs exist at once (the gradient
         working set, :func:`chunkjax.predict.grad_window_bytes`; the device's stall it causes:
         :func:`chunkjax.cost.program_timeline`). The wait
-        ends early when the step's speculation has stalled for the global norm (its pool is
-        full: the norm comes only after the last program) or after ``deadline_s`` (:meth:`join`
+        ends early when the step's speculation has stalled for the global norm (its bound is
+        full or its policy waits: the norm comes only after the last program) or after ``deadline_s`` (:meth:`join`
         then raises)."""
         self._handoffs.append(self.submit(fn, *args))
         if len(self._handoffs) < self.window:

@@ -7,8 +7,8 @@ on a CPU the tiny programs often finish first, so the tests force the speculativ
 (``_known`` reports the norm unknown until the validation) and check the counts of speculated and
 redone chunks against the speculation policy (by default no speculation on the step after one
 where clipping fired). Rollback is by inversion unless a test says ``rollback="backup"``; the
-kernels and the speculation alone: tests/test_rollback.py. Reference: plain optax on the device, fp32 compute (tolerances as
-tests/test_schedule.py).
+kernels and the speculation alone: tests/test_rollback.py. Reference: plain optax on the device,
+fp32 compute (tolerances as tests/test_schedule.py).
 """
 import dataclasses
 

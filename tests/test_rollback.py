@@ -259,7 +259,8 @@ def test_lion_and_sgd_clipping_equal_optax(spec):
 @pytest.mark.parametrize("loss_scale", [1.0, 2.0**12])
 def test_nonfinite_step_skipped_and_loss_scaling_equal_optax(loss_scale):
     """(d) step 6 has a NaN in chunk 2 and an inf in chunk 3 (skip): chunks 0 and 1 are
-    speculated and inverted back, chunk 2 waits for the norm (then known: chunk 3 too); the step changes nothing (optax without that step).
+    speculated and inverted back, chunk 2 waits for the norm (then known: chunk 3 too); the
+    step changes nothing (optax without that step).
     (e) the same with loss scaling (gradients times 2^12, the factor's inverse folded in).
     Clipping fires on some steps too; the skipped step does not count as fired."""
     spec = AdamW(1e-3, weight_decay=0.1, max_grad_norm=CLIP_SOME)
