@@ -45,7 +45,7 @@ import numpy as np
 from chunkjax.kernels import (BF16_BITS_DTYPE, INT32_MAX, AdamW, HostAdamState, HostLionState,
                               HostMomentumState, HostOptimizer, Lion, SGDMomentum, bf16_round_bits, next_count,
                               step_hyper, update_)
-from chunkjax.kernels_inverse import invert_, invertible
+from chunkjax.kernels_inverse import canonical_, invert_, invertible
 
 _MSG_STATE_MISMATCH = "{spec} needs a {want} (from {spec}.host_state), got {got}"
 _MSG_VIEW = "writable_view: {why}"
@@ -199,6 +199,27 @@ def host_invert_(spec: HostOptimizer, state, grad: np.ndarray, master: np.ndarra
     state.count = int(state.count) - 1
 
 
+def host_canonical_(spec: HostOptimizer, state, grad: np.ndarray, master: np.ndarray,
+                    params_bits_out: np.ndarray | None, guess, right) -> None:
+    """The step of a chunk that did not speculate, on a step whose factor ``right`` is not the
+    guessed ``guess`` (rollback by inversion, :mod:`chunkjax.speculate`): the bits of
+    :func:`host_update_` with ``guess``, :func:`host_invert_`, then :func:`host_update_` with
+    ``right`` (None: a skipped step, the count unchanged, ``params_bits_out`` unused), in one pass
+    (:func:`chunkjax.kernels_inverse.canonical_`). Arguments and errors as :func:`host_update_`;
+    ``host_invertible(spec, state)`` must hold."""
+    state_type = _STATE_TYPES.get(type(spec))
+    if state_type is None or not isinstance(state, state_type):
+        raise ValueError(_MSG_STATE_MISMATCH.format(spec=type(spec).__name__,
+                                                    want=getattr(state_type, "__name__", "known spec"),
+                                                    got=type(state).__name__))
+    count = int(state.count)
+    hyper = step_hyper(spec, count, learning_rate_at(spec.learning_rate, count))
+    canonical_(hyper, master, tuple(getattr(state, f) for f in _MOMENT_FIELDS[state_type]), grad,
+               params_bits_out, guess, right)
+    if right is not None:
+        state.count = next_count(count)
+
+
 def bf16_bits(x) -> np.ndarray:
     """Read-only np.uint16 view of the bits of a bfloat16 array (numpy, or a JAX array in host memory).
 
@@ -319,5 +340,5 @@ def measure_host_update_rate(n: int = 2**24, repeats: int = 5, *, stats: dict | 
 
 
 __all__ = ["AdamW", "HostAdamState", "HostLionState", "HostMomentumState", "Lion", "SGDMomentum",
-           "bf16_bits", "bf16_round_bits", "host_invert_", "host_invertible", "host_update_", "learning_rate_at",
+           "bf16_bits", "bf16_round_bits", "host_canonical_", "host_invert_", "host_invertible", "host_update_", "learning_rate_at",
            "measure_host_update_rate", "moment_fields", "writable_view"]

@@ -232,7 +232,9 @@ class Speculation:
         self.skip, self.inv, self.pool, self._inverter = skip, float(inv), pool, inverter
         self.certain = self.max_grad_norm is None and not skip  # the factor does not depend on the norm
         self.guess = self.scale_of(0.0)
-        self.speculating = policy == "always" or not getattr(previous, "fired", False)
+        # "after_common": the previous step's factor was the common one; the first step of a process
+        # waits (a resumed run then repeats what the uninterrupted one did after a step that clipped)
+        self.speculating = policy == "always" or (previous is not None and not previous.fired)
         self._norm, self._set = None, threading.Event()
         self._final = None
         self._kept: dict = {}  # c -> (backup or None for inversion, gradient)
@@ -325,8 +327,29 @@ class Speculation:
                     continue
                 if not self.stalled.done():  # the main thread must not hold programs back for us
                     self.stalled.set_result(c)
-            spent += self._update(state, {c: g}, self.final())
+            spent += self._direct(state, c, g, self.final())
         return spent
+
+    def _same(self, final) -> bool:
+        return final is not None and self.guess is not None and bool(np.all(np.equal(final, self.guess)))
+
+    def _direct(self, state, c: int, g, final) -> float:
+        """Update chunk ``c`` once the factor is known. On a speculating step with rollback by
+        inversion and a factor that differs from the guess, an invertible chunk gets the bits of
+        speculating on it (:func:`chunkjax.host_update.host_canonical_`; a skip: its compute params
+        rewritten), so that no result depends on which chunks speculated (the timing of the norm,
+        the bound); on a step the policy waits on, the plain update."""
+        import time
+        inv = self._inverter
+        if inv is None or not self.speculating or self._same(final) or not inv.can(state, c):
+            return self._update(state, {c: g}, final)
+        if final is None and not inv.finite(g, self.guess):  # not speculated either: left as it is
+            return 0.0
+        t0 = time.perf_counter()
+        inv.canonical(state, c, g, self.guess, final)
+        if final is None:
+            self._write_params(state, c)
+        return time.perf_counter() - t0
 
     def validate(self, state) -> float:
         """Keep or roll back the speculated chunks once the norm is known (the step's last host
@@ -336,7 +359,7 @@ class Speculation:
         import time
         final = self.final()
         spent = 0.0
-        same = final is not None and self.guess is not None and bool(np.all(np.equal(final, self.guess)))
+        same = self._same(final)
         self.fired = final is not None and not same
         for c, (bk, g) in self._kept.items():
             if not same:

@@ -308,6 +308,9 @@ class HostInverter(NamedTuple):
     can: Callable  #: ``can(state, c) -> bool``: every local rank's last step is invertible
     finite: Callable  #: ``finite(g, grad_scale) -> bool``: every element of ``g * grad_scale`` squares finite
     invert: Callable  #: ``invert(state, c, g, grad_scale) -> None``: in place, count - 1, params untouched
+    #: ``canonical(state, c, g, guess, right) -> None``: a chunk that did not speculate on a step whose factor
+    #: ``right`` is not ``guess`` gets the bits of speculating, inverting and redoing (None: a skip, params untouched)
+    canonical: Callable
 
 
 def host_inverter(topology, host_optimizer, compute_dtype, master_fetch=()) -> HostInverter:
@@ -318,6 +321,7 @@ def host_inverter(topology, host_optimizer, compute_dtype, master_fetch=()) -> H
     from chunkjax import host_update as hu
     from chunkjax.kernels_inverse import gradient_finite
     bf16 = jnp.dtype(compute_dtype) == jnp.bfloat16
+    view_dt = np.uint16 if bf16 else np.dtype(compute_dtype)
     mesh = topology.mesh is not None
     fetch_master = frozenset(master_fetch)
 
@@ -341,7 +345,20 @@ def host_inverter(topology, host_optimizer, compute_dtype, master_fetch=()) -> H
         for r, master, st in pairs(state, c):
             hu.host_invert_(host_optimizer, st, as_np(g_of[r]), master, grad_scale)
 
-    return HostInverter(can, finite, invert)
+    def canonical(state, c, g, guess, right) -> None:  # the params written as host_updater's update does
+        g_of = {0: g} if c in fetch_master else topology.grad_shards(g)
+        for r, master, st in pairs(state, c):
+            if c in fetch_master or right is None:
+                hu.host_canonical_(host_optimizer, st, as_np(g_of[r]), master, None, guess, right)
+                continue
+            outs = topology.param_views(state.params[c], r, view_dt)
+            hu.host_canonical_(host_optimizer, st, as_np(g_of[r]), master, outs[0] if bf16 else None, guess, right)
+            if not bf16:
+                np.copyto(outs[0], master.astype(compute_dtype).view(outs[0].dtype))
+            for o in outs[1:]:  # stages 1/2: the other replicas get the same slice
+                np.copyto(o, outs[0])
+
+    return HostInverter(can, finite, invert, canonical)
 
 
 def pinned_master(topology, master: np.ndarray) -> tuple[jax.Array, np.ndarray]:

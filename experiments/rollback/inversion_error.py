@@ -5,7 +5,8 @@ before the norm) and prints, per case, the largest error of the master params (r
 max(|p|, 1e-2)), of m (in units of max|m|) and of v (relative) against eager optax, with
 rollback by inversion and by backup. The ill-conditioned regime is "every" (clipping far below
 the norm) with the policy off ("always"): the history of v is built from clipped gradients, the
-speculated step adds an unclipped one ~1/c^2 larger. Usage: python experiments/rollback/inversion_error.py
+speculated step adds an unclipped one ~1/c^2 larger; and "spikeN": step 12's gradient N times the
+others (clip at 3x the usual norm: factor ~3/N) after a step that did not clip, the policy on. Usage: python experiments/rollback/inversion_error.py
 """
 import json
 import sys
@@ -30,9 +31,11 @@ def errors(st, ref):
 
 
 rows = []
-for case, clip in (("never", 1e3), ("some", 3.0), ("every", 1e-1), ("every", 1e-2), ("every", 1e-3)):
+for case, clip in (("never", 1e3), ("some", 3.0), ("every", 1e-1), ("every", 1e-2), ("every", 1e-3),
+                   ("spike30", 3.0), ("spike100", 3.0), ("spike1000", 3.0)):
     spec = AdamW(1e-3, weight_decay=0.1, max_grad_norm=clip * tr.NORM)
-    grads = tr._grads(tr.SCALES)
+    scales = tr.SCALES[:12] + [float(case[5:])] + tr.SCALES[13:] if case.startswith("spike") else tr.SCALES
+    grads = tr._grads(scales)
     ref = tr._optax(spec, grads)
     for rollback, policy in (("invert", "after_common"), ("invert", "always"), ("backup", "always")):
         st, _ = tr._run(spec, grads, rollback=rollback, policy=policy)
