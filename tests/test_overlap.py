@@ -106,11 +106,11 @@ def _assert_equal_to_optax(step, state, losses, ref):
 
 
 def _assert_policy(counts, fired, n_host, policy="after_common"):
-    """Per step (speculated, redone): every host chunk speculated on the first step and after each
-    step where clipping did not fire, none after one where it fired (``"after_common"``), or on
+    """Per step (speculated, redone): every host chunk speculated after each step where clipping
+    did not fire, none on the first step or after one where it fired (``"after_common"``), or on
     every step (``"always"``); redone exactly on the speculated steps where clipping fired."""
     for k, (s, r) in enumerate(counts):
-        want = n_host if (policy == "always" or k == 0 or not fired[k - 1]) else 0
+        want = n_host if (policy == "always" or (k > 0 and not fired[k - 1])) else 0
         assert (s, r) == (want, want * bool(fired[k])), (k, counts, list(fired))
 
 
@@ -134,9 +134,9 @@ def test_clipping_that_rarely_fires_equals_optax(setup, speculate_always, policy
 
 @pytest.mark.parametrize("rollback, policy", [("invert", "after_common"), ("backup", "always")])
 def test_clipping_that_always_fires_equals_optax(setup, speculate_always, rollback, policy):
-    """A threshold far below the norm: the speculated chunks of the first step are inverted and
-    redone, the later steps wait (the policy); with backups and the policy off every step's are
-    restored and redone (inverting there is the ill-conditioned regime: docs/design.md)."""
+    """A threshold far below the norm: every step waits for the norm (the policy: the first step,
+    then each after one that clipped); with backups and the policy off every step's chunks are
+    speculated, restored and redone (inverting there is the ill-conditioned regime: docs/design.md)."""
     cfg, params, batches, stages, layout, traces = setup
     spec = AdamW(3e-3, weight_decay=0.1, max_grad_norm=1e-3)
     ref = _reference(cfg, params, batches[:6], spec)
@@ -151,7 +151,8 @@ def test_clipping_that_always_fires_equals_optax(setup, speculate_always, rollba
 def test_bounded_pool_and_no_speculation_are_bit_identical(setup, speculate_always):
     """Rollback by backup, the policy off: a pool with room for one chunk speculates on one chunk
     a step and waits for the norm on the rest; no pool (0 bytes) waits on every chunk; both give
-    the same bits as a roomy pool."""
+    the same bits as a roomy pool. Rollback by inversion likewise with a bound on the kept
+    gradients (clipping fires on every step: every speculated chunk inverted and redone)."""
     cfg, params, batches, stages, layout, traces = setup
     spec = AdamW(3e-3, weight_decay=0.1, max_grad_norm=0.05)
     sched = _schedule(setup, spec)
@@ -167,6 +168,20 @@ def test_bounded_pool_and_no_speculation_are_bit_identical(setup, speculate_alwa
     for pool in (12 * layout.chunk_size, 0):
         np.testing.assert_array_equal(out[pool][1], out[None][1])
         for a, b in zip(out[pool][0], out[None][0]):
+            np.testing.assert_array_equal(a, b)
+    # rollback by inversion, the policy off: all chunks, one chunk's gradient (float32) or none kept
+    # before the norm; the waiting chunks get the speculated chunks' arithmetic: the same bits
+    inv = {}
+    for bound in (None, 4 * layout.chunk_size, 0):
+        step = cj.make_chunked_step(stages, layout, sched, host_optimizer=spec, compute_dtype=jnp.float32,
+                                    speculation_bytes=bound, speculation_policy="always")
+        state, losses, counts = _train(step, params, batches[:4])
+        inv[bound] = [np.asarray(m) for m in state.master], losses, counts
+    assert [s for s, _ in inv[4 * layout.chunk_size][2]] == [1] * 4 and [s for s, _ in inv[0][2]] == [0] * 4
+    assert all(r for _, r in inv[None][2])
+    for bound in (4 * layout.chunk_size, 0):
+        np.testing.assert_array_equal(inv[bound][1], inv[None][1])
+        for a, b in zip(inv[bound][0], inv[None][0]):
             np.testing.assert_array_equal(a, b)
     with pytest.raises(ValueError, match="speculation_bytes"):
         speculate.BackupPool(-1)
@@ -297,18 +312,20 @@ def test_split_is_the_cost_models_fastest(setup, host_ns):
 
 def test_mixed_host_and_streamed_step_equals_optax(setup, speculate_always):
     """The split schedule (host and streamed chunks) with clipping runs the host kernel and the
-    streamed updates in the same step; equals optax over 8 steps (clipping fires on some)."""
+    streamed updates in the same step; equals optax over 8 steps (clipping fires on some; the
+    policy off, so that speculated chunks are inverted and redone beside the streamed ones)."""
     cfg, params, batches, stages, layout, traces = setup
     _, _, free = _reference(cfg, params, batches[:8], AdamW(3e-3, weight_decay=0.1))
     spec = AdamW(3e-3, weight_decay=0.1, max_grad_norm=float(np.median(free)))
     layout, traces, cb, budget, flops = _plan_inputs(setup, spec)
     sched = plan_schedule(layout, traces, cb, budget, flops_per_step=flops)
     assert set(sched.update_locations) == {"host", "streamed"}
-    step = cj.make_chunked_step(stages, layout, sched, host_optimizer=spec, compute_dtype=jnp.float32)
+    step = cj.make_chunked_step(stages, layout, sched, host_optimizer=spec, compute_dtype=jnp.float32,
+                                speculation_policy="always")
     state, losses, counts = _train(step, params, batches[:8])
     ref = _reference(cfg, params, batches[:8], spec)
     _assert_equal_to_optax(step, state, losses, ref)
-    _assert_policy(counts, ref[2] >= spec.max_grad_norm, len(step.host_chunks))
+    _assert_policy(counts, ref[2] >= spec.max_grad_norm, len(step.host_chunks), "always")
     assert any(r for _, r in counts)
 
 
