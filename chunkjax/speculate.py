@@ -18,8 +18,12 @@ on the global norm, known only at the end of the backward. :class:`Speculation` 
    bytes for inversion, the pool's for backups), when a skip is possible and the chunk's
    gradient is not finite (a NaN would erase the old state: no inverse then), or when the policy
    says so: ``speculation_policy="after_common"`` (default) speculates only when the previous
-   step's factor was the common one, so that steady clipping waits instead of paying for every
-   chunk twice (and the inversion stays well conditioned); ``"always"`` speculates every step;
+   step's factor was the common one (not on a process's first step), so that steady clipping
+   waits instead of paying for every chunk twice (and the inversion stays well conditioned);
+   ``"always"`` speculates every step. On a speculating step a chunk that waits for a factor
+   other than the guess gets the bits of speculating on it
+   (:func:`chunkjax.host_update.host_canonical_`, one pass): results do not depend on the norm's
+   timing nor on the bound;
 3. *validates* at the end (:meth:`Speculation.validate`, the last task of the step's host thread):
    when the right factor equals the speculated one (clipping did not fire, the gradients are
    finite) the chunks are kept; otherwise each speculated chunk is inverted (or restored from its
@@ -28,9 +32,10 @@ on the global norm, known only at the end of the backward. :class:`Speculation` 
 
 Exactness: a backup gives the bits of waiting for the norm. An inversion is float32-exact to about
 one ulp of the new value (``tests/test_rollback.py``): equal to optax within fp32 tolerance,
-except in one regime it avoids through the policy: AdamW's ``v`` redone with a clipping factor
+except in one regime the policy mostly avoids: AdamW's ``v`` redone with a clipping factor
 ``c << 1`` after a speculated gradient far above that element's history (steady clipping far
-below the norm): relative error ~``6e-8 / c^2`` (``docs/design.md``, "Rollback by inversion").
+below the norm, a spike early in training): relative error up to ~``6e-8 / c^2``
+(``docs/design.md``, "Rollback by inversion", with the measured table and the resume caveat).
 
 Host memory: inversion holds nothing beyond the speculated chunks' gradients, kept until the
 validation (the compute dtype's bytes per parameter, 2 for bf16), at most ``limit_bytes`` of the
