@@ -5,7 +5,8 @@ programs are the same).
 
     python experiments/gpu_checks/rollback_6b.py --out $OUT [--model GPT3_6B --budget 24GiB --steps 3]
 
-Runs, each 1 warm-up + ``--steps`` timed steps (wall time of step + host join, as experiments.bench):
+First the AdamW kernels' ns/param on the host (update_, invert_, canonical_: the waiting chunks'
+one-pass update on a speculating step that clips). Runs, each 1 warm-up + ``--steps`` timed steps (wall time of step + host join, as experiments.bench):
   invert_after_common (the default), invert_always, backup_always (the old scheme), backup_after_common.
 From init clipping fires on every step (ninth session), so "after_common" waits from the second
 step on and "always" redoes every speculated chunk; the table shows what each costs. Prints a
@@ -23,6 +24,35 @@ import time
 sys.path.insert(0, os.getcwd())
 
 
+def kernel_rates(n: int = 1 << 26) -> dict:
+    """ns per parameter of the AdamW kernels on this host (bf16 gradient, all numba threads, the
+    fastest of 3 after a warm-up): update_, invert_, canonical_ (forward, inverse, forward)."""
+    import numpy as np
+
+    from chunkjax.host_update import AdamW
+    from chunkjax.kernels import bf16_round_bits, step_hyper, update_
+    from chunkjax.kernels_inverse import canonical_, invert_
+    rng = np.random.default_rng(0)
+    p = rng.standard_normal(n, dtype=np.float32)
+    m, v = np.zeros(n, np.float32), np.full(n, 1e-3, np.float32)
+    g, out = bf16_round_bits(rng.standard_normal(n, dtype=np.float32)), np.empty(n, np.uint16)
+    h, one, half = step_hyper(AdamW(1e-3, weight_decay=0.1), 5, 1e-3), (np.float32(1), np.float32(1)), (
+        np.float32(0.5), np.float32(1))
+    res = {}
+    for name, f in (("update_ns", lambda: update_(h, p, (m, v), g, out, one)),
+                    ("invert_ns", lambda: invert_(h, p, (m, v), g, one)),
+                    ("canonical_ns", lambda: canonical_(h, p, (m, v), g, out, one, half))):
+        f()
+        ts = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            f()
+            ts.append(time.perf_counter() - t0)
+        res[name] = min(ts) / n * 1e9
+    print("kernels (ns/param):", {k: round(x, 3) for k, x in res.items()}, flush=True)
+    return res
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -34,6 +64,7 @@ def main():
     ap.add_argument("--limit", type=float, default=270.0, help="seconds after which no new run starts")
     a = ap.parse_args()
     t_start = time.perf_counter()
+    rates = kernel_rates(1 << 26 if a.model != "micro" else 1 << 16)
     import jax
 
     from chunkjax.plan import parse_bytes
@@ -71,7 +102,7 @@ def main():
                      "n_host_chunks": len(base.host_chunks)})
         print(f"{name}: {step_s:.3f} s, {a.batch * a.seq / step_s:,.0f} tokens/s, {counts}", flush=True)
     out = {"model": a.model, "budget": a.budget, "batch": a.batch, "seq": a.seq, "max_grad_norm": 1.0,
-           "device": str(jax.devices()[0]), "rows": rows}
+           "device": str(jax.devices()[0]), "kernel_rates_ns_per_param": rates, "rows": rows}
     with open(os.path.join(a.out, "rollback_6b.json"), "w") as f:
         json.dump(out, f, indent=1)
     print("| run | step s | tokens/s | speculated / inverted / redone (sum) | kept grad GB (peak) | pool GB |")
