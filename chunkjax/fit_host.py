@@ -71,7 +71,9 @@ def speculation_bytes(problem, host: dict) -> int | None:
     ``available_bytes``, less the speculated chunks' gradients kept beside the backups, at most
     :data:`chunkjax.speculate.DEFAULT_BACKUP_BYTES`; None when the available bytes are unknown
     (the step's own default then). Was unbounded by the plan: on the H200 the 8B full
-    fine-tuning's backups filled 10 GiB the host check had not counted."""
+    fine-tuning's backups filled 10 GiB the host check had not counted. With rollback by
+    inversion (the default) the same bound holds the kept gradients alone (no backups): a
+    conservative share there."""
     avail = host.get("available_bytes")
     if avail is None:
         return None

@@ -42,9 +42,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from chunkjax.kernels import (BF16_BITS_DTYPE, AdamW, HostAdamState, HostLionState,
+from chunkjax.kernels import (BF16_BITS_DTYPE, INT32_MAX, AdamW, HostAdamState, HostLionState,
                               HostMomentumState, HostOptimizer, Lion, SGDMomentum, bf16_round_bits, next_count,
                               step_hyper, update_)
+from chunkjax.kernels_inverse import canonical_, invert_, invertible
 
 _MSG_STATE_MISMATCH = "{spec} needs a {want} (from {spec}.host_state), got {got}"
 _MSG_VIEW = "writable_view: {why}"
@@ -152,6 +153,71 @@ def host_update_(spec: HostOptimizer, state, grad: np.ndarray, master: np.ndarra
     moments = tuple(getattr(state, f) for f in _MOMENT_FIELDS[state_type])
     update_(hyper, master, moments, grad, params_bits_out, grad_scale)
     state.count = next_count(count)
+
+
+def _undone_hyper(spec: HostOptimizer, state):
+    count = int(state.count)
+    if not 0 < count < INT32_MAX:  # nothing to undo, or a saturated count (which step is unknown)
+        return None
+    return step_hyper(spec, count - 1, learning_rate_at(spec.learning_rate, count - 1))
+
+
+def host_invertible(spec: HostOptimizer, state) -> bool:
+    """Whether :func:`host_invert_` will be able to undo the *next* :func:`host_update_` of a
+    chunk whose host state is ``state`` (:func:`chunkjax.kernels_inverse.invertible` of that
+    step's scalars; False when it would saturate the count)."""
+    count = int(state.count)
+    if not 0 <= count < INT32_MAX - 1:
+        return False
+    return invertible(step_hyper(spec, count, learning_rate_at(spec.learning_rate, count)))
+
+
+def host_invert_(spec: HostOptimizer, state, grad: np.ndarray, master: np.ndarray,
+                 grad_scale: float | tuple[float, float] = 1.0) -> None:
+    """Undo the last :func:`host_update_` of one chunk in place, given the gradient and factor it
+    applied (:func:`chunkjax.kernels_inverse.invert_`, to float32 rounding: not bit-exact):
+    ``master`` and the moments of ``state`` are put back and ``state.count`` goes down by one.
+    The compute params are not touched (a redo's :func:`host_update_` rewrites them;
+    :func:`chunkjax.updaters.host_write_params` writes them from the master params).
+
+    Args:
+      spec, state, grad, master: as :func:`host_update_`, ``state`` and ``master`` after the step.
+      grad_scale: the factor the undone step applied.
+
+    Raises:
+      ValueError: as :func:`host_update_`, or the step is not :func:`host_invertible`.
+    """
+    state_type = _STATE_TYPES.get(type(spec))
+    if state_type is None or not isinstance(state, state_type):
+        raise ValueError(_MSG_STATE_MISMATCH.format(spec=type(spec).__name__,
+                                                    want=getattr(state_type, "__name__", "known spec"),
+                                                    got=type(state).__name__))
+    hyper = _undone_hyper(spec, state)
+    if hyper is None:
+        raise ValueError(f"host_invert_: count {state.count} has no step to undo (0, or saturated at int32 max)")
+    invert_(hyper, master, tuple(getattr(state, f) for f in _MOMENT_FIELDS[state_type]), grad, grad_scale)
+    state.count = int(state.count) - 1
+
+
+def host_canonical_(spec: HostOptimizer, state, grad: np.ndarray, master: np.ndarray,
+                    params_bits_out: np.ndarray | None, guess, right) -> None:
+    """The step of a chunk that did not speculate, on a step whose factor ``right`` is not the
+    guessed ``guess`` (rollback by inversion, :mod:`chunkjax.speculate`): the bits of
+    :func:`host_update_` with ``guess``, :func:`host_invert_`, then :func:`host_update_` with
+    ``right`` (None: a skipped step, the count unchanged, ``params_bits_out`` unused), in one pass
+    (:func:`chunkjax.kernels_inverse.canonical_`). Arguments and errors as :func:`host_update_`;
+    ``host_invertible(spec, state)`` must hold."""
+    state_type = _STATE_TYPES.get(type(spec))
+    if state_type is None or not isinstance(state, state_type):
+        raise ValueError(_MSG_STATE_MISMATCH.format(spec=type(spec).__name__,
+                                                    want=getattr(state_type, "__name__", "known spec"),
+                                                    got=type(state).__name__))
+    count = int(state.count)
+    hyper = step_hyper(spec, count, learning_rate_at(spec.learning_rate, count))
+    canonical_(hyper, master, tuple(getattr(state, f) for f in _MOMENT_FIELDS[state_type]), grad,
+               params_bits_out, guess, right)
+    if right is not None:
+        state.count = next_count(count)
 
 
 def bf16_bits(x) -> np.ndarray:
@@ -274,5 +340,5 @@ def measure_host_update_rate(n: int = 2**24, repeats: int = 5, *, stats: dict | 
 
 
 __all__ = ["AdamW", "HostAdamState", "HostLionState", "HostMomentumState", "Lion", "SGDMomentum",
-           "bf16_bits", "bf16_round_bits", "host_update_", "learning_rate_at", "measure_host_update_rate",
-           "moment_fields", "writable_view"]
+           "bf16_bits", "bf16_round_bits", "host_canonical_", "host_invert_", "host_invertible", "host_update_", "learning_rate_at",
+           "measure_host_update_rate", "moment_fields", "writable_view"]

@@ -1,34 +1,52 @@
 """Speculative host updates: the host kernel overlaps the backward with clipping, non-finite skip
-and loss scaling, exactly (SuperOffload's speculation-then-validation).
+and loss scaling (SuperOffload's speculation-then-validation), rolled back by inverting the step.
 
 The host thread of a step (:class:`chunkjax.updaters.HostWork`) updates each host chunk as soon as
 its gradient is complete, while the device still runs the rest of the backward. With global-norm
 clipping, a non-finite skip (``nonfinite="skip"``) or loss scaling, the gradient's factor depends
 on the global norm, known only at the end of the backward. :class:`Speculation` then:
 
-1. *speculates*: a chunk whose gradient is ready before the norm is known is first copied into a
-   backup (its float32 master params and every float32 buffer of its host optimizer state, plus
-   the step count: 12 bytes per parameter for AdamW, 8 for Lion and SGD with momentum) and updated
-   with the factor of the common case (no clipping, finite gradients: ``clip_scale(max, 0)``,
-   times the loss-scale inverse);
-2. *waits* for the norm when the bounded :class:`BackupPool` has no room for one more chunk (those
-   chunks are updated once, with the right factor, as without speculation);
+1. *speculates*: a chunk whose gradient is ready before the norm is known is updated with the
+   factor of the common case (no clipping, finite gradients: ``clip_scale(max, 0)``, times the
+   loss-scale inverse), its gradient kept for a rollback. The rollback (the step's ``rollback``):
+   ``"invert"`` (default) undoes the step from the new state, the gradient and the factor
+   (:func:`chunkjax.host_update.host_invert_`, :mod:`chunkjax.kernels_inverse`): no copy; a chunk
+   whose step is not invertible (a zero decay rate, ``lr * wd > 1/2``) is backed up instead.
+   ``"backup"`` first copies the chunk's float32 master params and optimizer state into a
+   :class:`BackupPool` (12 bytes per parameter for AdamW, 8 for Lion and SGD with momentum);
+2. *waits* for the norm when the bound has no room for one more chunk (the kept gradients'
+   bytes for inversion, the pool's for backups), when a skip is possible and the chunk's
+   gradient is not finite (a NaN would erase the old state: no inverse then), or when the policy
+   says so: ``speculation_policy="after_common"`` (default) speculates only when the previous
+   step's factor was the common one (not on a process's first step), so that steady clipping
+   waits instead of paying for every chunk twice (and the inversion stays well conditioned);
+   ``"always"`` speculates every step. On a speculating step a chunk that waits for a factor
+   other than the guess gets the bits of speculating on it
+   (:func:`chunkjax.host_update.host_canonical_`, one pass): results do not depend on the norm's
+   timing nor on the bound;
 3. *validates* at the end (:meth:`Speculation.validate`, the last task of the step's host thread):
    when the right factor equals the speculated one (clipping did not fire, the gradients are
-   finite) the backups go back to the pool; otherwise each speculated chunk is restored from its
-   backup and updated again with the right factor, or, for a skipped step, left as it was with its
-   compute params rewritten from the restored master params (what the device path leaves).
+   finite) the chunks are kept; otherwise each speculated chunk is inverted (or restored from its
+   backup) and updated again with the right factor, or, for a skipped step, left rolled back
+   with its compute params rewritten from its master params (what the device path leaves).
 
-The result is bit-identical to waiting for the norm (the kernel runs on the same inputs with the
-same factor). Host memory: the pool's buffers, at most ``limit_bytes`` (the step's
-``speculation_bytes``; by default :func:`auto_backup_bytes`: 16 GiB or half the host's available
-memory, whichever is less), allocated on first use and reused
-across steps (the pool travels in the step's pending work, explicit state), plus the speculated
-chunks' gradients, kept for a redo until the validation: at most ``limit_bytes`` times the
-gradient's bytes per parameter over :func:`backup_bytes_per_param` (2/12 for AdamW with bf16
-gradients; every other gradient is dropped once its kernel ran). Host memory traffic:
-one copy of the speculated chunks' state per step (read 12 + write 12 bytes per parameter for
-AdamW) on top of the kernel's ~28.
+Exactness: a backup gives the bits of waiting for the norm. An inversion is float32-exact to about
+one ulp of the new value (``tests/test_rollback.py``): equal to optax within fp32 tolerance,
+except in one regime the policy mostly avoids: AdamW's ``v`` redone with a clipping factor
+``c << 1`` after a speculated gradient far above that element's history (steady clipping far
+below the norm, a spike early in training): relative error up to ~``6e-8 / c^2``
+(``docs/design.md``, "Rollback by inversion", with the measured table and the resume caveat).
+
+Host memory: inversion holds nothing beyond the speculated chunks' gradients, kept until the
+validation (the compute dtype's bytes per parameter, 2 for bf16), at most ``limit_bytes`` of the
+pool (the step's ``speculation_bytes``; by default :func:`auto_backup_bytes`: 16 GiB or half the
+host's available memory, whichever is less); backups hold the pool's buffers, at most
+``limit_bytes``, allocated on first use and reused across steps (the pool travels in the step's
+pending work, explicit state), plus their gradients. Host memory traffic: inversion adds none
+when clipping does not fire (a skip adds one read of each speculated gradient, the finiteness
+check), and one inverse pass (~26 bytes per AdamW parameter) per speculated chunk when it fires;
+a backup copies the speculated chunks' state every step (read 12 + write 12 bytes per parameter
+for AdamW) on top of the kernel's ~28.
 
 Reference: SuperOffload (ASPLOS'26), "speculation-then-validation" of the CPU optimizer step.
 """
@@ -160,6 +178,23 @@ def _restore(pool: BackupPool, state, c: int, backup) -> None:
             o.count = count
 
 
+#: Rollback of a speculated chunk: ``"invert"`` (undo the step from the kept gradient, no copy;
+#: chunks whose step is not invertible are backed up) or ``"backup"`` (copy first, bit-exact).
+ROLLBACKS = ("invert", "backup")
+#: When a step speculates: ``"after_common"`` (unless clipping fired on the step before: steady
+#: clipping then waits instead of paying for every chunk twice) or ``"always"``.
+POLICIES = ("after_common", "always")
+
+
+def check_options(rollback: str, policy: str) -> None:
+    """Raises ValueError (one line) for a ``rollback`` not in :data:`ROLLBACKS` or a ``policy``
+    not in :data:`POLICIES`."""
+    if rollback not in ROLLBACKS:
+        raise ValueError(f"rollback={rollback!r}: use one of {ROLLBACKS}")
+    if policy not in POLICIES:
+        raise ValueError(f"speculation_policy={policy!r}: use one of {POLICIES}")
+
+
 class Speculation:
     """One step's host updates, started before the global norm is known (module docstring).
 
@@ -175,27 +210,43 @@ class Speculation:
       host_optimizer: the host kernel spec (its ``max_grad_norm`` and ``grad_scale``).
       skip: a non-finite norm skips the step (``nonfinite="skip"`` or loss scaling).
       inv: 1 / loss scale (1.0 without loss scaling).
-      pool: the :class:`BackupPool`.
+      pool: the :class:`BackupPool`; its ``limit_bytes`` also bounds the gradients kept for
+        rollback by inversion.
+      inverter: a :class:`chunkjax.updaters.HostInverter` (rollback by inversion), or None
+        (every speculated chunk is backed up: ``rollback="backup"``).
+      policy: one of :data:`POLICIES`.
+      previous: the previous step's :class:`Speculation` (None: none), read by the policy.
 
     Attributes:
-      stalled: a Future done (with the chunk id) once an update waits for the norm because the
-        pool is full (:meth:`chunkjax.updaters.HostWork.hand_over` stops holding programs back).
+      stalled: a Future done (with the chunk id) once an update waits for the norm (the pool or
+        the kept-gradient bound is full, a non-finite gradient, or the policy waits)
+        (:meth:`chunkjax.updaters.HostWork.hand_over` stops holding programs back).
+      speculating: whether this step speculates (the policy's decision).
       speculated: chunks updated before the norm was known (this step).
-      redone: chunks restored from their backup and updated again (or left as they were).
+      inverted: of those, chunks kept for rollback by inversion (the others were backed up).
+      redone: chunks rolled back and updated again (or left as they were: a skipped step).
+      fired: after :meth:`validate`: the step's factor was finite and not the common one
+        (clipping fired); the next step's policy reads it.
+      kept_bytes_peak: the most gradient bytes kept for rollback by inversion at once.
     """
 
-    def __init__(self, update, write_params, host_optimizer, *, skip: bool, inv: float, pool: BackupPool):
+    def __init__(self, update, write_params, host_optimizer, *, skip: bool, inv: float, pool: BackupPool,
+                 inverter=None, policy: str = "after_common", previous=None):
         self._update, self._write_params, self.spec = update, write_params, host_optimizer
         self.max_grad_norm = getattr(host_optimizer, "max_grad_norm", None)
-        self.skip, self.inv, self.pool = skip, float(inv), pool
+        self.skip, self.inv, self.pool, self._inverter = skip, float(inv), pool, inverter
         self.certain = self.max_grad_norm is None and not skip  # the factor does not depend on the norm
         self.guess = self.scale_of(0.0)
+        # "after_common": the previous step's factor was the common one; the first step of a process
+        # waits (a resumed run then repeats what the uninterrupted one did after a step that clipped)
+        self.speculating = policy == "always" or (previous is not None and not previous.fired)
         self._norm, self._set = None, threading.Event()
         self._final = None
-        self._backups: dict = {}
+        self._kept: dict = {}  # c -> (backup or None for inversion, gradient)
+        self._kept_bytes = 0
         self.stalled = concurrent.futures.Future()  # set once an update waits for the norm
-        self.speculated = 0
-        self.redone = 0
+        self.speculated = self.inverted = self.redone = self.kept_bytes_peak = 0
+        self.fired = False
 
     def scale_of(self, norm: float | None):
         """The host kernels' gradient factor for a global norm of the scaled gradients: None
@@ -212,7 +263,7 @@ class Speculation:
 
     def set_norm(self, norm) -> None:
         """The global norm of the step's (scaled) gradients: a () jax array or float; None
-        abandons the step (every speculated chunk is restored)."""
+        abandons the step (every speculated chunk is rolled back)."""
         self._norm = norm
         self._set.set()
 
@@ -232,14 +283,37 @@ class Speculation:
             self._final = ("ok", self.scale_of(self._norm))
         return self._final[1]
 
+    def _speculate(self, state, c: int, g) -> float | None:
+        """Update chunk ``c`` with the guessed factor, keeping what its rollback needs; None (nothing
+        done) when the bounds have no room or its gradient is not finite (a skip would need it)."""
+        import time
+        t0 = time.perf_counter()
+        if self._inverter is not None and self._inverter.can(state, c):
+            nbytes = int(getattr(g, "nbytes", 0))
+            if self._kept_bytes + nbytes > self.pool.limit_bytes:
+                return None
+            if self.skip and not self._inverter.finite(g, self.guess):  # NaN/inf would erase the old state
+                return None
+            self._kept_bytes += nbytes
+            self.kept_bytes_peak = max(self.kept_bytes_peak, self._kept_bytes)
+            self._kept[c] = (None, g)
+            self.inverted += 1
+        else:
+            bk = _backup(self.pool, state, c)
+            if bk is None:
+                return None
+            self._kept[c] = (bk, g)
+        self.speculated += 1
+        spent = time.perf_counter() - t0
+        return spent + self._update(state, {c: g}, self.guess)
+
     def update(self, state, grads: dict) -> float:
         """Update each chunk of ``grads`` (``{c: gradient or Future of (gradient, sq)}``) in place:
-        with the right factor when it is known, else speculatively when the pool has room, else
-        after waiting for the norm (:attr:`stalled` is set first). Each gradient is popped from
-        ``grads`` as its update starts; a speculated chunk's gradient is kept until
-        :meth:`validate` (a redo needs it), the others are dropped once their kernel ran. Returns
-        kernel and copy seconds."""
-        import time
+        with the right factor when it is known, else speculatively when the policy speculates and
+        the bounds have room, else after waiting for the norm (:attr:`stalled` is set first). Each
+        gradient is popped from ``grads`` as its update starts; a speculated chunk's gradient is
+        kept until :meth:`validate` (a rollback needs it), the others are dropped once their
+        kernel ran. Returns kernel, check and copy seconds."""
         spent = 0.0
         while grads:
             c = next(iter(grads))
@@ -252,37 +326,62 @@ class Speculation:
                 spent += self._update(state, {c: g}, self.guess)
                 continue
             if not self._known():
-                t0 = time.perf_counter()
-                bk = _backup(self.pool, state, c)
-                if bk is not None:
-                    spent += time.perf_counter() - t0
-                    self._backups[c] = (bk, g)
-                    self.speculated += 1
-                    spent += self._update(state, {c: g}, self.guess)
+                t = self._speculate(state, c, g) if self.speculating else None
+                if t is not None:
+                    spent += t
                     continue
                 if not self.stalled.done():  # the main thread must not hold programs back for us
                     self.stalled.set_result(c)
-            spent += self._update(state, {c: g}, self.final())
+            spent += self._direct(state, c, g, self.final())
         return spent
 
+    def _same(self, final) -> bool:
+        return final is not None and self.guess is not None and bool(np.all(np.equal(final, self.guess)))
+
+    def _direct(self, state, c: int, g, final) -> float:
+        """Update chunk ``c`` once the factor is known. On a speculating step with rollback by
+        inversion and a factor that differs from the guess, an invertible chunk gets the bits of
+        speculating on it (:func:`chunkjax.host_update.host_canonical_`; a skip: its compute params
+        rewritten), so that no result depends on which chunks speculated (the timing of the norm,
+        the bound); on a step the policy waits on, the plain update."""
+        import time
+        inv = self._inverter
+        if inv is None or not self.speculating or self._same(final) or not inv.can(state, c):
+            return self._update(state, {c: g}, final)
+        if final is None and not inv.finite(g, self.guess):  # not speculated either: left as it is
+            return 0.0
+        t0 = time.perf_counter()
+        inv.canonical(state, c, g, self.guess, final)
+        if final is None:
+            self._write_params(state, c)
+        return time.perf_counter() - t0
+
     def validate(self, state) -> float:
-        """Keep or redo the speculated chunks once the norm is known (the step's last host task)."""
+        """Keep or roll back the speculated chunks once the norm is known (the step's last host
+        task): when the factor differs from the guess, each is inverted (or restored from its
+        backup), then updated with the right factor or, for a skipped step, left as it was with
+        its compute params rewritten from its master params."""
         import time
         final = self.final()
         spent = 0.0
-        same = final is not None and self.guess is not None and bool(np.all(np.equal(final, self.guess)))
-        for c, (bk, g) in self._backups.items():
+        same = self._same(final)
+        self.fired = final is not None and not same
+        for c, (bk, g) in self._kept.items():
             if not same:
                 t0 = time.perf_counter()
-                _restore(self.pool, state, c, bk)
+                if bk is None:
+                    self._inverter.invert(state, c, g, self.guess)
+                else:
+                    _restore(self.pool, state, c, bk)
                 if final is None:
                     self._write_params(state, c)
                 spent += time.perf_counter() - t0
                 if final is not None:
                     spent += self._update(state, {c: g}, final)
                 self.redone += 1
-            self.pool.give(bk[0])
-        self._backups = {}
+            if bk is not None:
+                self.pool.give(bk[0])
+        self._kept, self._kept_bytes = {}, 0
         return spent
 
 
@@ -295,15 +394,18 @@ def auto_backup_bytes() -> int:
     return DEFAULT_BACKUP_BYTES if avail is None else int(min(DEFAULT_BACKUP_BYTES, avail // 2))
 
 
-def for_step(step, work, inv: float) -> Speculation:
+def for_step(step, work, inv: float, previous=None) -> Speculation:
     """The :class:`Speculation` of one call of ``step`` (a :class:`chunkjax.ChunkedStep` with
-    host chunks): its host updater, the pool of ``work`` (a :class:`chunkjax.updaters.HostWork`;
-    created with the step's ``speculation_bytes`` bound on the first step) and ``inv`` (1 / loss
-    scale)."""
-    from chunkjax.updaters import host_write_params
+    host chunks): its host updater, its ``rollback`` (an inverter for ``"invert"``) and
+    ``speculation_policy``, the pool of ``work`` (a :class:`chunkjax.updaters.HostWork`; created
+    with the step's ``speculation_bytes`` bound on the first step), ``inv`` (1 / loss scale) and
+    ``previous``, the previous step's :class:`Speculation` (None on the first step)."""
+    from chunkjax.updaters import host_inverter, host_write_params
     if work.backups is None:
         work.backups = BackupPool(auto_backup_bytes() if step.speculation_bytes is None else step.speculation_bytes)
     update = lambda st, grads, scale: step.update_host_chunks(st, grads, scale)  # noqa: E731 (looked up per call)
+    inverter = (host_inverter(step.topology, step.host_optimizer, step.compute_dtype, step.master_fetch_chunks)
+                if step.rollback == "invert" else None)
     return Speculation(update, host_write_params(step.topology, step.compute_dtype, step.master_fetch_chunks),
-                       step.host_optimizer,
-                       skip=step.skips_nonfinite, inv=inv, pool=work.backups)
+                       step.host_optimizer, skip=step.skips_nonfinite, inv=inv, pool=work.backups,
+                       inverter=inverter, policy=step.speculation_policy, previous=previous)

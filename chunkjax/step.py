@@ -44,7 +44,7 @@ from chunkjax.step_commit import PendingStep
 from chunkjax.storage import updater as disk
 from chunkjax.step_updates import StepUpdates
 from chunkjax.topology import OnTopology, SingleDevice, make_topology
-from chunkjax.speculate import for_step
+from chunkjax.speculate import check_options as check_speculation, for_step
 from chunkjax.updaters import HostWork, host_deadline_s
 from chunkjax.walker import Walk, moments_of, rank_major
 
@@ -108,8 +108,9 @@ class ChunkedStep(StepChunkIO, StepUpdates, OnTopology):
       host_deadline: seconds a step's host updates may take before :meth:`wait` (or the next
         call) raises :class:`chunkjax.updaters.HostDeadlineError`; None: the larger of 300 s and
         50 predicted step times (:func:`chunkjax.updaters.host_deadline_s`).
-      speculation_bytes: host backup bytes of speculative host updates (:mod:`chunkjax.speculate`;
-        12 per AdamW param speculated); None: its ``auto_backup_bytes()``; 0: no speculation.
+      speculation_bytes, rollback, speculation_policy: speculative host updates
+        (:mod:`chunkjax.speculate`): bytes of kept gradients (or backups) held at most, None: its
+        ``auto_backup_bytes()``, 0: none; ``"invert"`` or ``"backup"``; ``"after_common"`` or ``"always"``.
       storage: the disk tier of ``storage`` chunks: :class:`chunkjax.storage.updater.StorageOptions`, or
         directories (:func:`~chunkjax.storage.updater.storage_options`).
 
@@ -136,8 +137,11 @@ class ChunkedStep(StepChunkIO, StepUpdates, OnTopology):
     speculation_bytes: int | None = None
     storage: Any = None
     accumulation: str = PER_MICRO_BATCH
+    rollback: str = "invert"
+    speculation_policy: str = "after_common"
 
     def __post_init__(self):
+        check_speculation(self.rollback, self.speculation_policy)
         if not (isinstance(self.micro_batches, int) and self.micro_batches >= 1):
             raise ValueError(f"micro_batches must be an int >= 1, got {self.micro_batches!r}")
         if self.accumulation not in ACCUMULATIONS:
@@ -382,12 +386,13 @@ class ChunkedStep(StepChunkIO, StepUpdates, OnTopology):
             raise ValueError(f"batch leaves have leading sizes {sorted(lead)}: give every leaf the batch axis")
         self.topology.check_rows(next(iter(lead)), self.micro_batches)
         work = HostWork(self.host_deadline_s, getattr(state.pending, "backups", None), self.grad_window)
+        previous = getattr(state.pending, "speculation", None)  # its outcome: the speculation policy's input
         if state.pending is not None:  # the storage chunks' last writes and commit run on (disk.StorageRun)
             state.pending.join()
         state = state._replace(pending=None)
         scale = None if loss_scale is None else jnp.asarray(loss_scale, jnp.float32)
         inv = 1.0 if loss_scale is None else 1.0 / float(loss_scale)
-        spec = work.speculation = for_step(self, work, inv) if self.host_chunks else None
+        spec = work.speculation = for_step(self, work, inv, previous) if self.host_chunks else None
         norm, on_host = None, None if spec is None else (lambda mine: work.hand_over(spec.update, state, mine))
         stream = streamed.StepStream(self.stream_spec, state, inv_arr := jnp.asarray(inv, jnp.float32))
         on_disk = disk.StorageRun(self, state)  # storage chunks: the workers read their state from now on
@@ -549,7 +554,8 @@ def make_chunked_step(stages, layout: ChunkLayout, placement, tx: optax.Gradient
                       micro_batches: int = 1, nonfinite: str = "ignore", loss_scaling: bool = False, *,
                       mesh=None, zero_stage: int | None = None, donate: bool | None = None,
                       host_deadline: float | None = None, speculation_bytes: int | None = None,
-                      storage=None, accumulation: str | None = None) -> ChunkedStep:
+                      storage=None, accumulation: str | None = None, rollback: str = "invert",
+                      speculation_policy: str = "after_common") -> ChunkedStep:
     """Build the chunked step (see :class:`ChunkedStep`). Nothing is compiled until first use.
 
     Args:
@@ -569,7 +575,8 @@ def make_chunked_step(stages, layout: ChunkLayout, placement, tx: optax.Gradient
       mesh: a 1-D ``"data"`` mesh (:func:`chunkjax.topology.data_mesh`) for ZeRO data
         parallelism, in one process or across processes (``jax.distributed``); None: one device.
       zero_stage: 1, 2 or 3 with a mesh (default 3).
-      donate, host_deadline, speculation_bytes, storage, accumulation: see :class:`ChunkedStep`
+      donate, host_deadline, speculation_bytes, storage, accumulation, rollback, speculation_policy:
+        see :class:`ChunkedStep`
         (``accumulation`` None: the schedule's, else ``"per_micro_batch"``).
 
     Raises:
@@ -590,4 +597,5 @@ def make_chunked_step(stages, layout: ChunkLayout, placement, tx: optax.Gradient
     return ChunkedStep(tuple(stages), layout, placement, tx, jnp.dtype(compute_dtype),
                        1 if prefetch is None else prefetch, schedule, host_optimizer, micro_batches, nonfinite,
                        loss_scaling, donate, make_topology(mesh, zero_stage), host_deadline, speculation_bytes, storage,
-                       accumulation or (schedule.accumulation if schedule is not None else PER_MICRO_BATCH))
+                       accumulation or (schedule.accumulation if schedule is not None else PER_MICRO_BATCH),
+                       rollback, speculation_policy)

@@ -303,6 +303,64 @@ def host_write_params(topology, compute_dtype, master_fetch=()) -> Callable:
     return write_params
 
 
+class HostInverter(NamedTuple):
+    """Undo the host updater's last step of a chunk (:func:`host_inverter`)."""
+    can: Callable  #: ``can(state, c) -> bool``: every local rank's last step is invertible
+    finite: Callable  #: ``finite(g, grad_scale) -> bool``: every element of ``g * grad_scale`` squares finite
+    invert: Callable  #: ``invert(state, c, g, grad_scale) -> None``: in place, count - 1, params untouched
+    #: ``canonical(state, c, g, guess, right) -> None``: a chunk that did not speculate on a step whose factor
+    #: ``right`` is not ``guess`` gets the bits of speculating, inverting and redoing (None: a skip, params untouched)
+    canonical: Callable
+
+
+def host_inverter(topology, host_optimizer, compute_dtype, master_fetch=()) -> HostInverter:
+    """The inverse of :func:`host_updater`'s step on one chunk, each local rank's shard
+    (:func:`chunkjax.host_update.host_invert_`; the gradient ``g`` as the updater took it, a jax
+    array or numpy), for rollback by inversion (:mod:`chunkjax.speculate`). The compute params
+    are left as they are: a redo's update rewrites them, :func:`host_write_params` a skip's."""
+    from chunkjax import host_update as hu
+    from chunkjax.kernels_inverse import gradient_finite
+    bf16 = jnp.dtype(compute_dtype) == jnp.bfloat16
+    view_dt = np.uint16 if bf16 else np.dtype(compute_dtype)
+    mesh = topology.mesh is not None
+    fetch_master = frozenset(master_fetch)
+
+    def pairs(state, c):
+        if not mesh:
+            return [(0, state.master[c], state.opt_state[c])]
+        return [(r, state.master[c][r], state.opt_state[c][r]) for r in topology.local_ranks()]
+
+    def as_np(g):
+        g = np.asarray(g)
+        return g.view(np.uint16) if bf16 else g.astype(np.float32, copy=False)
+
+    def can(state, c) -> bool:
+        return all(hu.host_invertible(host_optimizer, st) for _, _, st in pairs(state, c))
+
+    def finite(g, grad_scale) -> bool:
+        return all(gradient_finite(as_np(g_r), grad_scale) for g_r in topology.grad_shards(g).values())
+
+    def invert(state, c, g, grad_scale) -> None:
+        g_of = {0: g} if c in fetch_master else topology.grad_shards(g)
+        for r, master, st in pairs(state, c):
+            hu.host_invert_(host_optimizer, st, as_np(g_of[r]), master, grad_scale)
+
+    def canonical(state, c, g, guess, right) -> None:  # the params written as host_updater's update does
+        g_of = {0: g} if c in fetch_master else topology.grad_shards(g)
+        for r, master, st in pairs(state, c):
+            if c in fetch_master or right is None:
+                hu.host_canonical_(host_optimizer, st, as_np(g_of[r]), master, None, guess, right)
+                continue
+            outs = topology.param_views(state.params[c], r, view_dt)
+            hu.host_canonical_(host_optimizer, st, as_np(g_of[r]), master, outs[0] if bf16 else None, guess, right)
+            if not bf16:
+                np.copyto(outs[0], master.astype(compute_dtype).view(outs[0].dtype))
+            for o in outs[1:]:  # stages 1/2: the other replicas get the same slice
+                np.copyto(o, outs[0])
+
+    return HostInverter(can, finite, invert, canonical)
+
+
 def pinned_master(topology, master: np.ndarray) -> tuple[jax.Array, np.ndarray]:
     """A master-fetch chunk's two names for one buffer: ``(params, master)``, its (chunk_size,)
     float32 master params placed in pinned host memory (what the step's fetches read and cast
@@ -415,8 +473,8 @@ class HostWork:
         then, so at most the host gradients of ``window`` programs exist at once (the gradient
         working set, :func:`chunkjax.predict.grad_window_bytes`; the device's stall it causes:
         :func:`chunkjax.cost.program_timeline`). The wait
-        ends early when the step's speculation has stalled for the global norm (its pool is
-        full: the norm comes only after the last program) or after ``deadline_s`` (:meth:`join`
+        ends early when the step's speculation has stalled for the global norm (its bound is
+        full or its policy waits: the norm comes only after the last program) or after ``deadline_s`` (:meth:`join`
         then raises)."""
         self._handoffs.append(self.submit(fn, *args))
         if len(self._handoffs) < self.window:

@@ -52,7 +52,8 @@ class ChunkjaxSystem:
             raise ValueError(f"init={init!r}: use 'leafwise' or 'init_params'")
         self.cfg, self.budget, self.notes, self.init_rule = cfg, int(budget_bytes), [], init
         self.last_update_s, self.last_timings = None, {}
-        self.speculation = {"steps": 0, "speculated_chunks": 0, "redone_chunks": 0, "pool_bytes": 0}
+        self.speculation = {"steps": 0, "speculated_chunks": 0, "inverted_chunks": 0, "redone_chunks": 0,
+                            "pool_bytes": 0, "kept_grad_bytes_peak": 0}
         # ZeRO over every local device (make_chunked_step(..., mesh=, zero_stage=)): the budget is each rank's
         self.zero_stage = int(zero_stage or 0)
         self.mesh = cj.data_mesh() if self.zero_stage else None
@@ -196,7 +197,10 @@ class ChunkjaxSystem:
             self.speculation["steps"] += 1
             self.speculation["speculated_chunks"] += sp.speculated
             self.speculation["redone_chunks"] += sp.redone
+            self.speculation["inverted_chunks"] += getattr(sp, "inverted", 0)  # rollback by inversion: no backup
             self.speculation["pool_bytes"] = sp.pool.allocated_bytes
+            self.speculation["kept_grad_bytes_peak"] = max(self.speculation["kept_grad_bytes_peak"],
+                                                           getattr(sp, "kept_bytes_peak", 0))
         return state, m["loss"]
 
     def host_bytes(self, state) -> int:
@@ -219,7 +223,8 @@ class ChunkjaxSystem:
             st = state.opt_state[c]
             n += getattr(st, "nbytes", self.cb.opt) if not callable(getattr(st, "nbytes", None)) else st.nbytes()
         pool = getattr(state.pending, "backups", None)  # speculative host updates' backups (chunkjax.speculate)
-        return int(n + (pool.allocated_bytes if pool is not None else 0))
+        kept = self.speculation["kept_grad_bytes_peak"]  # gradients held for rollback by inversion
+        return int(n + (pool.allocated_bytes if pool is not None else 0) + kept)
 
 
 def run_chunkjax(args) -> dict:
