@@ -9,11 +9,13 @@ on the global norm, known only at the end of the backward. :class:`Speculation` 
 1. *speculates*: a chunk whose gradient is ready before the norm is known is updated with the
    factor of the common case (no clipping, finite gradients: ``clip_scale(max, 0)``, times the
    loss-scale inverse), its gradient kept for a rollback. The rollback (the step's ``rollback``):
-   ``"invert"`` (default) undoes the step from the new state, the gradient and the factor
-   (:func:`chunkjax.host_update.host_invert_`, :mod:`chunkjax.kernels_inverse`): no copy; a chunk
-   whose step is not invertible (a zero decay rate, ``lr * wd > 1/2``) is backed up instead.
-   ``"backup"`` first copies the chunk's float32 master params and optimizer state into a
-   :class:`BackupPool` (12 bytes per parameter for AdamW, 8 for Lion and SGD with momentum);
+   ``"backup"`` (default: the bits of waiting for the norm) first copies the chunk's float32
+   master params and optimizer state into a :class:`BackupPool` (12 bytes per parameter for
+   AdamW, 8 for Lion and SGD with momentum); ``"invert"`` undoes the step from the new state,
+   the gradient and the factor (:func:`chunkjax.host_update.host_invert_`,
+   :mod:`chunkjax.kernels_inverse`): no copy, every host chunk can speculate, but only float32
+   tolerance, and not in the spike regime below (so it is not the default); a chunk whose step
+   is not invertible (a zero decay rate, ``lr * wd > 1/2``) is backed up instead;
 2. *waits* for the norm when the bound has no room for one more chunk (the kept gradients'
    bytes for inversion, the pool's for backups), when a skip is possible and the chunk's
    gradient is not finite (a NaN would erase the old state: no inverse then), or when the policy

@@ -137,7 +137,7 @@ class ChunkedStep(StepChunkIO, StepUpdates, OnTopology):
     speculation_bytes: int | None = None
     storage: Any = None
     accumulation: str = PER_MICRO_BATCH
-    rollback: str = "invert"
+    rollback: str = "backup"
     speculation_policy: str = "after_common"
 
     def __post_init__(self):
@@ -554,7 +554,7 @@ def make_chunked_step(stages, layout: ChunkLayout, placement, tx: optax.Gradient
                       micro_batches: int = 1, nonfinite: str = "ignore", loss_scaling: bool = False, *,
                       mesh=None, zero_stage: int | None = None, donate: bool | None = None,
                       host_deadline: float | None = None, speculation_bytes: int | None = None,
-                      storage=None, accumulation: str | None = None, rollback: str = "invert",
+                      storage=None, accumulation: str | None = None, rollback: str = "backup",
                       speculation_policy: str = "after_common") -> ChunkedStep:
     """Build the chunked step (see :class:`ChunkedStep`). Nothing is compiled until first use.
 
@@ -576,8 +576,7 @@ def make_chunked_step(stages, layout: ChunkLayout, placement, tx: optax.Gradient
         parallelism, in one process or across processes (``jax.distributed``); None: one device.
       zero_stage: 1, 2 or 3 with a mesh (default 3).
       donate, host_deadline, speculation_bytes, storage, accumulation, rollback, speculation_policy:
-        see :class:`ChunkedStep`
-        (``accumulation`` None: the schedule's, else ``"per_micro_batch"``).
+        see :class:`ChunkedStep` (``accumulation`` None: the schedule's, else ``"per_micro_batch"``).
 
     Raises:
       ValueError: a bad ``micro_batches``, ``accumulation``, ``nonfinite`` or ``zero_stage``, a mesh that is not 1-D

@@ -6,7 +6,7 @@ The host thread speculates only on chunks whose update starts before the global 
 on a CPU the tiny programs often finish first, so the tests force the speculative branch
 (``_known`` reports the norm unknown until the validation) and check the counts of speculated and
 redone chunks against the speculation policy (by default no speculation on the step after one
-where clipping fired). Rollback is by inversion unless a test says ``rollback="backup"``; the
+where clipping fired). Rollback is by backup (the default) unless a test says ``rollback="invert"``; the
 kernels and the speculation alone: tests/test_rollback.py. Reference: plain optax on the device,
 fp32 compute (tolerances as tests/test_schedule.py).
 """
@@ -174,7 +174,7 @@ def test_bounded_pool_and_no_speculation_are_bit_identical(setup, speculate_alwa
     inv = {}
     for bound in (None, 4 * layout.chunk_size, 0):
         step = cj.make_chunked_step(stages, layout, sched, host_optimizer=spec, compute_dtype=jnp.float32,
-                                    speculation_bytes=bound, speculation_policy="always")
+                                    speculation_bytes=bound, rollback="invert", speculation_policy="always")
         state, losses, counts = _train(step, params, batches[:4])
         inv[bound] = [np.asarray(m) for m in state.master], losses, counts
     assert [s for s, _ in inv[4 * layout.chunk_size][2]] == [1] * 4 and [s for s, _ in inv[0][2]] == [0] * 4
