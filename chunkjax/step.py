@@ -287,6 +287,14 @@ class ChunkedStep(StepChunkIO, StepUpdates, OnTopology):
             self._cache[key] = (fn, args)
         return self._cache[key]
 
+    def runnable(self, batch, k: int, compiled=None):
+        """(program k as it runs, its param chunk ids): ``compiled`` (its ``jax.stages.Compiled``, from
+        :func:`chunkjax.footprint.compiled_programs`) is kept and runs from then on, else the jitted program."""
+        fn, args = self.program(batch, k)
+        key = ("compiled", str(jax.tree.map(lambda a: (a.shape, str(a.dtype)), batch)), k)
+        self._cache.update({} if compiled is None else {key: compiled})
+        return self._cache.get(key, fn), args
+
     def fwd_bwd(self, params_chunks, batch):
         """The whole step's forward/backward as one program, per rank (see module docstring).
 
@@ -436,7 +444,7 @@ class ChunkedStep(StepChunkIO, StepUpdates, OnTopology):
         carry: dict = {} if scale is None else {"loss_scale": scale}  # carried to the loss's program
         acc, grads, sq, loss, late = {}, {}, {}, None, {}
         for k in range(len(self.program_bounds())):
-            fn, args = self.program(batch, k)
+            fn, args = self.runnable(batch, k)
             carry, acc, g, q, l = fn({c: state.params[c] for c in args}, batch, carry, acc)
             if l is not None and on_loss is not None:
                 on_loss(l)  # e.g. require_weight: a batch scoring no token refused before any update
