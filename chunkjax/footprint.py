@@ -37,23 +37,37 @@ def compiled_memory(step, batch) -> dict:
     return _memory(step.jit_fwd_bwd.lower(*args).compile())
 
 
-def compiled_memory_programs(step, batch) -> list[dict]:
-    """Memory analysis of every program of the pipelined step (bytes), in order; the carry
-    of program k is program k-1's output."""
-    out, carry, topo = [], {}, step.topology
+def compiled_programs(step, batch) -> list:
+    """Every program of the pipelined step compiled for a (global) batch shape, in order
+    (``jax.stages.Compiled``), with the arguments the step runs it with: param chunks in their
+    memory kinds, the batch placed, the carry of program k program k-1's output (with loss
+    scaling the first one's holds the scale), the step's donation. Each is kept by the step
+    (:meth:`chunkjax.step.ChunkedStep.runnable`) and runs there, so the compiled check
+    and the step's first call compile every program once (a ``ShapeDtypeStruct`` of a
+    ``pinned_host`` single-device sharding lowers with a device-memory aval, so jit alone
+    would trace, lower and compile it again for the step's pinned arrays)."""
+    out, topo = [], step.topology
+    carry = {"loss_scale": jax.ShapeDtypeStruct((), np.float32)} if step.loss_scaling else {}
     ab = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=topo.batch_sharding()), batch)
     for k in range(len(step.program_bounds())):
         fn, args = step.program(batch, k)
         params = {c: jax.ShapeDtypeStruct((step.layout.chunk_size,), param_dtype(step, c),
                                           sharding=topo.param_sharding(step.placement.param_kinds[c])) for c in args}
-        acc = carry.pop("acc", {}) if carry else {}
+        acc = carry.pop("acc", {})
         compiled = fn.lower(params, ab, carry, acc).compile()
-        out.append(_memory(compiled))
+        step.runnable(batch, k, compiled)
+        out.append(compiled)
         res = jax.eval_shape(fn, params, ab, carry, acc)
         osh = compiled.output_shardings
         carry = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
                              dict(res[0], acc=res[1]), dict(osh[0], acc=osh[1]))
     return out
+
+
+def compiled_memory_programs(step, batch) -> list[dict]:
+    """Memory analysis of every program of the pipelined step (bytes), in order
+    (:func:`compiled_programs`: the executables the step then runs)."""
+    return [_memory(c) for c in compiled_programs(step, batch)]
 
 
 def param_dtype(step, c: int):

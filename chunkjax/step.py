@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from chunkjax import accumulate, footprint, streamed
+from chunkjax import accumulate, footprint, kept_programs, streamed
 from chunkjax import updaters as upd
 from chunkjax.layout import ChunkLayout
 from chunkjax.loss_weight import require_weight, token_mean
@@ -44,31 +44,10 @@ from chunkjax.step_commit import PendingStep
 from chunkjax.storage import updater as disk
 from chunkjax.step_updates import StepUpdates
 from chunkjax.topology import OnTopology, SingleDevice, make_topology
+from chunkjax.train_state import TrainState
 from chunkjax.speculate import check_options as check_speculation, for_step
 from chunkjax.updaters import HostWork, host_deadline_s
 from chunkjax.walker import Walk, moments_of, rank_major
-
-
-class TrainState(NamedTuple):
-    """Model data of a chunked run: PatrickStar's chunk lists on one offset layout.
-
-    Attributes:
-      params: per chunk, (chunk_size,) compute-dtype params in the placement's param kind; on a
-        mesh ``P("data")`` (stage 3) or replicated; frozen chunks: their leaves' dtype.
-      master: per chunk (None: frozen), (chunk_size,) float32 master params in its state kind (on a
-        mesh ``P("data")``); host-updated chunks: numpy (one device) or a tuple with one
-        (chunk_size / N,) numpy slice per rank (None for ranks of other processes).
-      opt_state: per chunk (None: frozen), the chunk's optax state (on a mesh every leaf with a leading rank
-        axis, ``P("data")``); host-updated chunks: a ``Host*State`` (:mod:`chunkjax.host_update`)
-        or one per rank.
-      pending: the host thread's work of the step that returned this state
-        (:class:`chunkjax.updaters.HostWork`), or None.
-    """
-
-    params: tuple
-    master: tuple
-    opt_state: tuple
-    pending: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,6 +270,11 @@ class ChunkedStep(StepChunkIO, StepUpdates, OnTopology):
             self._cache[key] = (fn, args)
         return self._cache[key]
 
+    def runnable(self, batch, k: int, compiled=None):
+        """(program k as it runs, its param chunk ids): :func:`chunkjax.kept_programs.runnable`."""
+        fn, args = self.program(batch, k)
+        return kept_programs.runnable(self._cache, fn, batch, k, compiled), args
+
     def fwd_bwd(self, params_chunks, batch):
         """The whole step's forward/backward as one program, per rank (see module docstring).
 
@@ -441,7 +425,7 @@ class ChunkedStep(StepChunkIO, StepUpdates, OnTopology):
         carry: dict = {} if scale is None else {"loss_scale": scale}  # carried to the loss's program
         acc, grads, sq, loss, late = {}, {}, {}, None, {}
         for k in range(len(self.program_bounds())):
-            fn, args = self.program(batch, k)
+            fn, args = self.runnable(batch, k)
             carry, acc, g, q, l = fn({c: state.params[c] for c in args}, batch, carry, acc)
             if l is not None and on_loss is not None:
                 on_loss(l)  # e.g. require_weight: a batch scoring no token refused before any update

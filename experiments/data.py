@@ -129,10 +129,18 @@ def gpt2_tokenizer(rank_file: str | os.PathLike | None = None) -> Tokenizer:
                      lambda ts: enc.encode_ordinary_batch(ts, num_threads=os.cpu_count() or 1))
 
 
+def hf_encode_batch(tok) -> Callable[[list[str]], list[list[int]]]:
+    """``texts -> ids`` of a Hugging Face tokenizer (``tokenizers.Tokenizer`` or one of its
+    implementations, e.g. ``ByteLevelBPETokenizer``) without the character offsets
+    (``encode_batch_fast``: the same ids in half the time of ``encode_batch`` on the plays)."""
+    fast = getattr(getattr(tok, "_tokenizer", tok), "encode_batch_fast", None) or tok.encode_batch
+    return lambda ts: [e.ids for e in fast(ts)]
+
+
 def _wrap_hf(tok, name: str) -> Tokenizer:
     tok.add_special_tokens([EOT])  # no-op when already present; makes EOT special after reloading
     return Tokenizer(name, tok.get_vocab_size(), tok.token_to_id(EOT), lambda t: tok.encode(t).ids,
-                     tok.decode, lambda ts: [e.ids for e in tok.encode_batch(ts)], tok)
+                     tok.decode, hf_encode_batch(tok), tok)
 
 
 def train_bpe(texts: Sequence[str], vocab_size: int, name: str | None = None) -> Tokenizer:

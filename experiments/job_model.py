@@ -225,9 +225,9 @@ def with_lora(model: JobModel, spec, seed: int = 0) -> JobModel:
 def wrap_tokenizer(tok, name: str, eot_id: int):
     """A ``tokenizers.Tokenizer`` as :class:`experiments.data.Tokenizer` (``encode`` adds the
     tokenizer's own special tokens, e.g. Llama's BOS; ``eot_id`` separates documents)."""
-    from experiments.data import Tokenizer
+    from experiments.data import Tokenizer, hf_encode_batch
     return Tokenizer(name, tok.get_vocab_size(), eot_id, lambda t: tok.encode(t).ids, tok.decode,
-                     lambda ts: [e.ids for e in tok.encode_batch(ts)], tok)
+                     hf_encode_batch(tok), tok)
 
 
 def load_hf_folder(path: str):

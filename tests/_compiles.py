@@ -15,15 +15,17 @@ LOWER_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
 
 @contextlib.contextmanager
 def count_compiles():
-    """``with count_compiles() as n: ...``: ``n["traces"]``, ``n["lowerings"]`` of the block."""
-    n = {"traces": 0, "lowerings": 0}
+    """``with count_compiles() as n: ...``: ``n["traces"]``, ``n["lowerings"]`` of the block, and
+    ``n["lowered"]``: the name of each module lowered (``jit_<function name>``), in order."""
+    n = {"traces": 0, "lowerings": 0, "lowered": []}
 
     def listen(event, duration, **kwargs):
-        del duration, kwargs
+        del duration
         if event == TRACE_EVENT:
             n["traces"] += 1
         elif event == LOWER_EVENT:
             n["lowerings"] += 1
+            n["lowered"].append(str(kwargs.get("fun_name")))
 
     jax.monitoring.register_event_duration_secs_listener(listen)
     try:
