@@ -1,4 +1,6 @@
-"""Chunked, offloaded optimizer state for an ordinary Flax (NNX or linen) training loop.
+"""Chunked, offloaded optimizer state for an ordinary Flax (NNX or linen) training loop
+(:class:`ChunkedOptimizer`; its NNX drop-in :class:`chunkjax.NnxOptimizer` is
+:mod:`chunkjax.nnx_optimizer`).
 
 The full chunked step (:func:`chunkjax.make_chunked_step`) needs the model cut into
 :class:`~chunkjax.Stage` s. Most users have an ordinary loop instead: a jitted function computes
@@ -509,91 +511,3 @@ class ChunkedOptimizer:
                 f"{f' (numba threads: {self.host_threads})' if self.host_threads else ''} "
                 f"({self.host_state_bytes / 2**20:.2f} MiB off the device); "
                 f"update working set {self.working_bytes / 2**20:.2f} MiB")
-
-
-class NnxOptimizer:
-    """Drop-in for ``nnx.Optimizer(model, tx, wrt=...)`` with the optimizer state chunked and
-    offloaded (:class:`ChunkedOptimizer` over ``nnx.state(model, wrt)``).
-
-    Unlike ``nnx.Optimizer``, :meth:`update` runs outside ``nnx.jit``: jit the function that
-    returns the gradients (``nnx.value_and_grad``), then call ``opt.update(model, grads)``.
-
-    Args:
-      model: an ``nnx.Module``; its ``wrt`` state (float arrays) initialises the master params.
-      tx: an optax transformation, or a host kernel spec such as
-        ``chunkjax.host_update.AdamW(1e-4)`` (part of the offloaded chunks then update on the
-        host kernel in parallel with the streamed ones; see :class:`ChunkedOptimizer`).
-      wrt: the nnx filter of trainable variables (default ``nnx.Param``); the grads passed to
-        :meth:`update` must have the structure of ``nnx.state(model, wrt)`` (what ``nnx.grad``
-        returns for ``wrt=nnx.Param``).
-      **kwargs: ``device_budget`` (required), ``chunk_size``, ``min_chunks``, ``order``,
-        ``check_tx``, ``host_chunks``, ``pipeline_depth``, ``rates``, ``host_threads``: as :class:`ChunkedOptimizer`.
-
-    Attributes:
-      chunked: the underlying :class:`ChunkedOptimizer`. step: updates done.
-
-    Raises:
-      as :class:`ChunkedOptimizer`.
-    """
-
-    def __init__(self, model, tx, *, wrt: Any = None, **kwargs):
-        from flax import nnx
-        self.wrt = nnx.Param if wrt is None else wrt
-        state = nnx.state(model, self.wrt)
-        self.chunked = ChunkedOptimizer(state, tx, **kwargs)
-        self._paths = nnx_write.variable_paths(state)  # per leaf, its Variable's path in the model
-        # commit the params to the device now: update() returns committed arrays, and a jitted
-        # step that first saw uncommitted ones would compile a second time; the model's other
-        # uncommitted arrays too (counters, constants: nnx.jit's outputs are committed)
-        nnx.update(model, jax.device_put(nnx.state(model, self.wrt), sharding(DEVICE)))
-        nnx.update(model, jax.tree.map(lambda x: jax.device_put(x, sharding(DEVICE))
-                                       if isinstance(x, jax.Array) and not x.committed else x, nnx.state(model)))
-
-    @property
-    def step(self) -> int:
-        return self.chunked.step
-
-    def update(self, model, grads) -> None:
-        """Apply one step to ``model`` in place (``nnx.update``). grads: ``nnx.State`` of the
-        ``wrt`` variables (e.g. from ``nnx.grad(loss_fn)(model, ...)``). Returns once every update
-        is dispatched (:meth:`ChunkedOptimizer.update`); the next jitted step waits on the device
-        for the new params; :meth:`wait` joins what is still in flight."""
-        from flax import nnx
-        c = self.chunked
-        leaves = c._update_leaves(grads)
-        c._pending_phases.mark("finish")  # the caller's clock (UpdateBreakdown)
-        if not nnx_write.write(model, self._paths, leaves):  # the variables at their paths, else nnx.update
-            nnx.update(model, c.layout.treedef.unflatten(leaves))
-        c._returned_at = c._pending_phases.mark("model_update")
-
-    # ---- checkpoints: chunkjax.checkpoint.protocol.ChunkIO of the underlying ChunkedOptimizer ----
-    @property
-    def layout(self) -> ChunkLayout:
-        return self.chunked.layout
-
-    @property
-    def compute_dtype(self) -> np.dtype:
-        return self.chunked.compute_dtype
-
-    def wait(self, state=None) -> None:
-        self.chunked.wait(state)
-
-    def checkpoint_info(self) -> dict:
-        return self.chunked.checkpoint_info()
-
-    def checkpoint_arrays(self, c: int) -> dict:
-        return self.chunked.checkpoint_arrays(c)
-
-    def checkpoint_chunk(self, state, c: int, *, copy: bool) -> tuple[dict, dict]:
-        return self.chunked.checkpoint_chunk(state, c, copy=copy)
-
-    def checkpoint_master(self, state, c: int) -> np.ndarray:
-        return self.chunked.checkpoint_master(state, c)
-
-    def checkpoint_restore(self, saved):
-        """As :meth:`ChunkedOptimizer.checkpoint_restore`; returns the ``nnx.State`` of the ``wrt``
-        variables for ``nnx.update(model, params)``."""
-        return self.chunked.checkpoint_restore(saved)
-
-    def summary(self) -> str:
-        return self.chunked.summary()
