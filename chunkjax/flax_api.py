@@ -72,6 +72,9 @@ _MSG_STRUCTURE = "grads do not have the params' structure: {what}"
 _MSG_HOST_NEEDS_SPEC = ("host_chunks={n} needs tx given as a host kernel spec (chunkjax.host_update.AdamW / Lion / "
                         "SGDMomentum): an optax transformation runs on the device only")
 _MSG_DEPTH = "pipeline_depth must be an int >= 1, got {v!r}"
+_MSG_TRACED = ("the optimizer's update got traced gradients: call opt.update(...) outside jax.jit / nnx.jit (it "
+               "moves chunks between host and device memory and runs host threads, which a traced program cannot); "
+               "jit only the function returning the gradients")
 
 
 class ChunkedOptimizer:
@@ -279,6 +282,7 @@ class ChunkedOptimizer:
           device), rounded from the float32 master params.
 
         Raises:
+          TypeError: called inside ``jax.jit`` (traced gradients; one line).
           ValueError: ``grads`` has another structure or leaf shapes (one line naming the leaf).
         """
         new_params = self.layout.treedef.unflatten(self._update_leaves(grads))
@@ -289,6 +293,8 @@ class ChunkedOptimizer:
         """:meth:`update`'s new params as the layout's list of leaves (``layout.treedef`` order)."""
         phases = duplex.StepPhases(time.perf_counter(), self._returned_at)
         lay = self.layout
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(grads)):
+            raise TypeError(_MSG_TRACED)
         try:
             leaves = lay.treedef.flatten_up_to(grads)
         except (ValueError, TypeError):

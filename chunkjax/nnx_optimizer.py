@@ -75,6 +75,7 @@ class NnxOptimizer:
         for the new params; :meth:`wait` joins what is still in flight.
 
         Raises:
+          TypeError: called inside ``jax.jit`` / ``nnx.jit`` (traced gradients; one line).
           ValueError: ``grads`` has another structure or leaf shapes (one line naming the leaf).
         """
         from flax import nnx
