@@ -33,6 +33,7 @@ from chunkjax.errors import HostBudgetError, PinnedLimitError, PlanError
 from chunkjax.fit_host import fit_host, host_bytes_of, pinned_limit_error, speculation_bytes
 from chunkjax.host_memory import available_for_plan, check_host_lower_bound, process_bytes
 from chunkjax.layout import ChunkLayout, build_layout, first_use_order
+from chunkjax.loss_weight import check_scalar_loss
 from chunkjax.optim import check_elementwise, state_bytes_per_chunk
 from chunkjax.plan import parse_bytes, plan_schedule
 from chunkjax.plan_disk import storage_line
@@ -324,9 +325,8 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
 
     def loss_of(p, b):
         loss = differentiated(split_loss(compose_loss(stages, p, b))[0])  # a WeightedLoss: its total
-        if jnp.shape(loss) != ():
-            raise ValueError(f"the last stage ({stages[-1].name!r}) returns shape {jnp.shape(loss)}: it must return "
-                             "the scalar loss (e.g. the mean over the batch) or a chunkjax.WeightedLoss of scalars")
+        check_scalar_loss(loss, f"the last stage ({stages[-1].name!r})", "it must return the scalar loss (e.g. the "
+                          "mean over the batch) or a chunkjax.WeightedLoss of scalars")
         return loss
 
     order = first_use_order(loss_of, aparams, tbatch)

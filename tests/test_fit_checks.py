@@ -50,6 +50,16 @@ def test_last_stage_must_return_a_scalar(micro):
         cj.fit_step(stages[:-1] + (per_row,), params, batch, host_optimizer=AdamW(3e-4), device_budget="1GiB")
 
 
+def test_last_stage_must_return_a_float_loss(micro):
+    """An integer loss (jax.grad refuses it) is refused in one line, not trained with zero gradients."""
+    stages, params, batch = micro
+    head = stages[-1]
+    counted = dataclasses.replace(head, apply=lambda p, x, b: jnp.round(head.apply(p, x, b) * 100).astype(jnp.int32))
+    with pytest.raises(TypeError, match=r"the last stage \('head'\) returns a loss of dtype int32: return a floating-point") as e:
+        cj.fit_step(stages[:-1] + (counted,), params, batch, host_optimizer=AdamW(3e-4), device_budget="1GiB")
+    assert "\n" not in str(e.value)
+
+
 def test_stage_naming_a_missing_param_key_is_one_line(micro):
     stages, params, batch = micro
     bad = (dataclasses.replace(stages[0], param_keys=("wte", "nope")),) + tuple(stages[1:])

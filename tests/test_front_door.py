@@ -734,3 +734,15 @@ def test_trainable_matching_nothing_is_refused_in_one_line():
         chunkjax.offload(Llama(rngs=nnx.Rngs(0)), optax.adam(1e-3), lm_loss, token_batches(n=1)[0],
                          trainable=nnx.LoRAParam)
     assert "\n" not in str(e.value)
+
+
+def test_integer_or_bool_loss_is_refused_in_one_line():
+    """A loss of integer dtype (here the number of correct next-token guesses, which depends on
+    the params) has a zero gradient: plain jax.grad refuses it, so does the front door."""
+    def correct(model, tokens):
+        return jnp.sum(jnp.argmax(model(tokens[:, :-1]), -1) == tokens[:, 1:])
+
+    for loss_fn in (correct, lambda m, t: correct(m, t) > 3):
+        with pytest.raises(TypeError, match=r"loss_fn returns a loss of dtype (int32|bool): return a floating-point") as e:
+            chunkjax.offload(Llama(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, token_batches(n=1)[0])
+        assert "\n" not in str(e.value)
