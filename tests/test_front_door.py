@@ -746,3 +746,17 @@ def test_integer_or_bool_loss_is_refused_in_one_line():
         with pytest.raises(TypeError, match=r"loss_fn returns a loss of dtype (int32|bool): return a floating-point") as e:
             chunkjax.offload(Llama(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, token_batches(n=1)[0])
         assert "\n" not in str(e.value)
+
+
+def test_front_door_checkpoint_into_a_drop_in_optimizer_is_one_line(tmp_path):
+    """An offload checkpoint restored into NnxOptimizer / ChunkedOptimizer of the same model:
+    one line saying it came from chunkjax.offload and how to restore it, not a leaf-path diff."""
+    step = chunkjax.offload(Llama(rngs=nnx.Rngs(0)), optax.adam(1e-3), lm_loss, token_batches(n=1)[0])
+    chunkjax.save_checkpoint(tmp_path, 0, step)
+    model = Llama(rngs=nnx.Rngs(0))
+    for opt in (chunkjax.NnxOptimizer(model, optax.adam(1e-3), device_budget="1GiB"),
+                chunkjax.ChunkedOptimizer(nnx.state(model, nnx.Param), optax.adam(1e-3), device_budget="1GiB")):
+        with pytest.raises(chunkjax.CheckpointError, match=r"saved by chunkjax.offload .*not by a "
+                           rf"{type(opt).__name__}: .*chunkjax.restore_checkpoint\(dir, step\)") as e:
+            chunkjax.restore_checkpoint(tmp_path, opt)
+        assert "\n" not in str(e.value)
