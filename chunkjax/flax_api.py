@@ -92,8 +92,10 @@ class ChunkedOptimizer:
         the streamed ones). Elementwise optax transformations (adam, adamw without a mask, lion,
         sgd, chains of them, schedules, ``clip_by_global_norm`` of the incoming gradients) give
         the same result as on the whole pytree; see ``check_tx``.
-      device_budget: device bytes the optimizer may use (int bytes, or ``"512MiB"``, ``"2GiB"``,
-        ``"1e9"``: :func:`chunkjax.fit.resolve_budget`, the one parser of the fit path). Counted:
+      device_budget: device bytes the optimizer may use (int bytes, a whole float such as
+        ``3.5e6``, ``"512MiB"``, ``"2GiB"``, ``"1e9"``, or ``"min"``: the least a plan of the chunks
+        needs, with the chunks ``min_chunks`` gives; :func:`chunkjax.budget.parse_budget`, the one
+        parser; ``"auto"`` is refused: the optimizer does not see the loop's device memory). Counted:
         the master params (4 bytes/element) and optax state of device-resident chunks, the
         working set of one chunk's update (its float32 gradient, master and state, new params, two
         float32 temporaries), and the master + state of ``pipeline_depth - 1`` more streamed
@@ -179,7 +181,7 @@ class ChunkedOptimizer:
         self.host_optimizer = spec
         self.host_threads = dropin.host_threads_for(host_threads) if spec is not None else None
         self.tx = tx = spec.optax() if spec is not None else tx
-        if chunk_size is None:  # chunks small enough that a pipeline of a few fits a fraction of the budget
+        if chunk_size is None and budget != "min":  # chunks small enough that a pipeline of a few fits a fraction of the budget
             min_chunks = max(min_chunks, dropin.min_chunks_for_budget(
                 sum(int(np.prod(np.shape(x))) for _, x in flat), optim.state_bytes_per_chunk(tx, 2**10) / 2**10,
                 budget))
@@ -190,6 +192,9 @@ class ChunkedOptimizer:
 
         # host chunks' gradients travel to the host two at a time (the next one's transfer under this
         # one's kernel), or one at a time where the budget has no room for two (chunkjax.dropin.choose)
+        if budget == "min":  # the least budget a plan of these chunks needs
+            budget = dropin.smallest_budget(lay, cb, pipeline_depth, spec is not None, host_chunks, rates)
+        self.device_budget = budget  # bytes (the least a plan needs for "min")
         dp = dropin.choose(lay, cb, budget, pipeline_depth, spec is not None, host_chunks, rates)
         self.pipeline_depth, self.streamed_chunks, self.host_chunks = dp.depth, dp.streamed, dp.host
         self._host_in_flight, self.placement = dp.in_flight, dp.placement
