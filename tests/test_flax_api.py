@@ -578,6 +578,9 @@ def test_step_phases_account_for_the_loops_step():
         lin.update({"w": jnp.ones((8,), jnp.float32)})
     lin.wait()
     assert lin.last_update.model_update_s == 0.0 and lin.last_update.outside_s >= 0.0
+    short = repr(lin.last_update)  # one short line: the events counted, not listed
+    assert short.startswith("UpdateBreakdown(step=") and len(short) < 400 and "\n" not in short
+    assert f"events={len(lin.last_update.events)})" in short
 
 
 def test_new_params_are_written_at_the_variables_paths(monkeypatch):
