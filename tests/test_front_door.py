@@ -760,3 +760,13 @@ def test_front_door_checkpoint_into_a_drop_in_optimizer_is_one_line(tmp_path):
                            rf"{type(opt).__name__}: .*chunkjax.restore_checkpoint\(dir, step\)") as e:
             chunkjax.restore_checkpoint(tmp_path, opt)
         assert "\n" not in str(e.value)
+
+
+def test_bad_budget_names_every_spelling_the_front_door_takes():
+    """chunkjax.budget.parse_budget: the front door's message lists 'auto' and 'min' (fit_step's
+    parser, reached later, takes only 'auto')."""
+    for bad, err in ((None, TypeError), (1.5, TypeError), ([1], TypeError)):
+        with pytest.raises(err, match=r"'auto' or 'min'") as e:
+            chunkjax.offload(Llama(rngs=nnx.Rngs(0)), optax.adam(1e-3), lm_loss, token_batches(n=1)[0],
+                             device_budget=bad)
+        assert "\n" not in str(e.value)
