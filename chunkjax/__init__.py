@@ -24,7 +24,8 @@ import importlib.util
 _EXPORTS = {
     **dict.fromkeys(["AsyncSave", "CheckpointError", "CheckpointWriteError", "export_params", "latest_step",
                      "restore_checkpoint", "save_checkpoint", "save_checkpoint_async"], "checkpoint"),
-    **dict.fromkeys(["ChunkedOptimizer", "NnxOptimizer"], "flax_api"),
+    "ChunkedOptimizer": "flax_api",
+    "NnxOptimizer": "nnx_optimizer",
     **dict.fromkeys(["FitReport", "fit_step"], "fit"),
     **dict.fromkeys(["OffloadPlan", "OffloadedStep", "offload", "plan_offload"], "front"),
     "HostMemoryError": "host_memory",

@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from chunkjax.cost import matmul_flops
+from chunkjax.loss_weight import check_scalar_loss
 from chunkjax.stages import Stage
 
 #: Name of the ``jit`` that a marked block call runs in (one top-level equation per call).
@@ -571,8 +572,7 @@ def discover(model, loss_fn, data, *, wrt=None, blocks=None, compute_dtype=None)
                          "trains through chunkjax.fit_step with stages, not yet through the front door)")
     n_p, n_s = len(pkeys), len(sflat)
     ins, outs = closed.jaxpr.invars, closed.jaxpr.outvars
-    if jnp.shape(outs[0].aval) != ():
-        raise ValueError(f"loss_fn returns shape {outs[0].aval.shape}: return the scalar loss (e.g. the batch mean)")
+    check_scalar_loss(outs[0].aval, "loss_fn", "return the scalar loss (e.g. the batch mean)")
     mutable = tuple(j for j in range(n_s) if outs[1 + j] is not ins[n_p + j])
     per_layer = {}
     if mode in ("scan", "none"):

@@ -48,7 +48,6 @@ from chunkjax.duplex import DEFAULT_PIPELINE_DEPTH
 
 _MSG_TX = ("tx must be an optax.GradientTransformation or a host kernel spec (chunkjax.host_update.AdamW / Lion / "
            "SGDMomentum), got {type}")
-_MSG_AUTO = "device_budget='auto' is not supported by the drop-in optimizer: pass bytes (int) or a size such as '2GiB'"
 _MSG_HOST_CHUNKS = ("host_chunks={n} but {have} chunk(s) have their state in pinned host memory: "
                     "use 0 <= host_chunks <= {have}")
 
@@ -158,16 +157,11 @@ def split_offloaded(offloaded: Sequence[int], chunk_size: int, state_bytes: int,
 
 # ---- the drop-in's input checks ----------------------------------------------------------------
 
-def budget_bytes(device_budget: int | str) -> int:
-    """The one budget parser (:func:`chunkjax.fit.resolve_budget`), without ``"auto"``."""
-    from chunkjax.fit import resolve_budget
-    if isinstance(device_budget, bool) or not isinstance(device_budget, (int, str)):
-        raise TypeError(f"device_budget must be a byte count (int) or a string such as '2GiB', "
-                        f"got {type(device_budget).__name__}")
-    n = resolve_budget(device_budget)
-    if n == "auto":
-        raise ValueError(_MSG_AUTO)
-    return n
+def budget_bytes(device_budget: int | float | str) -> int | str:
+    """The drop-in's budget: bytes or ``"min"`` (:func:`chunkjax.budget.parse_budget`, the one
+    parser; ``"auto"`` is refused in one line: the drop-in does not see the loop's own device memory)."""
+    from chunkjax.budget import parse_budget
+    return parse_budget(device_budget, takes=("min",), api="the drop-in optimizer")
 
 
 def host_spec(tx):
@@ -516,6 +510,21 @@ class DropinPlan(NamedTuple):
     device_state_bytes: int
     host_state_bytes: int
     predicted_s: float
+
+
+def smallest_budget(lay: ChunkLayout, cb, depth: int, host: bool, host_chunks: int | None, rates: Rates | None) -> int:
+    """The least device budget (bytes) for which :func:`choose` finds a plan of ``lay``'s chunks
+    (a drop-in's ``device_budget="min"``): the smallest of the plans' own minimums (the
+    streamed pipeline's, :class:`chunkjax.PlanError` ``.min_budget_bytes``; with a host spec and
+    an automatic split, one params chunk in flight for the all-host plan)."""
+    try:
+        choose(lay, cb, 1, depth, host, host_chunks, rates)
+        return 1
+    except PlanError as e:
+        need = e.min_budget_bytes
+    if host and host_chunks in (None, lay.n_chunks):
+        need = min(need, cb.params) if need else cb.params
+    return int(need)
 
 
 def choose(lay: ChunkLayout, cb, budget: int, depth: int, host: bool, host_chunks: int | None,

@@ -389,6 +389,13 @@ class UpdateBreakdown:
     step_s: float | None = None
     grads_ready_s: float | None = None
 
+    def __repr__(self) -> str:
+        """One short line (the events counted, not listed: :meth:`as_dict` has every field)."""
+        return (f"UpdateBreakdown(step={self.step}, chunks device/streamed/host={self.n_device}/{self.n_streamed}/"
+                f"{self.n_host}, update_s={self.update_s:.4g} (predicted {self.predicted_s:.4g}), tail_s="
+                f"{self.tail_s:.4g}, h2d={self.h2d_bytes} B at {self.h2d_gb_per_s:.3g} GB/s, d2h={self.d2h_bytes} B at "
+                f"{self.d2h_gb_per_s:.3g} GB/s, kernel_s={self.kernel_s:.4g}, events={len(self.events)})")
+
     def as_dict(self, events: bool = False) -> dict[str, Any]:
         """The fields as a JSON-ready dict (the events as lists only if ``events``)."""
         d = dataclasses.asdict(self)

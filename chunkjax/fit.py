@@ -33,8 +33,9 @@ from chunkjax.errors import HostBudgetError, PinnedLimitError, PlanError
 from chunkjax.fit_host import fit_host, host_bytes_of, pinned_limit_error, speculation_bytes
 from chunkjax.host_memory import available_for_plan, check_host_lower_bound, process_bytes
 from chunkjax.layout import ChunkLayout, build_layout, first_use_order
+from chunkjax.loss_weight import check_scalar_loss
 from chunkjax.optim import check_elementwise, state_bytes_per_chunk
-from chunkjax.plan import parse_bytes, plan_schedule
+from chunkjax.plan import plan_schedule
 from chunkjax.plan_disk import storage_line
 from chunkjax.plan_micro import in_program_plan, passes_of
 from chunkjax.predict import ChunkBytes, chunk_bytes, device_model_bytes, update_phase_bytes
@@ -190,20 +191,15 @@ class Fitted(NamedTuple):
 
 # ---- inputs ----------------------------------------------------------------------------------
 
-def resolve_budget(budget) -> int | str:
-    """``"auto"``, an int of bytes, or a string such as ``"8GiB"`` -> ``"auto"`` or bytes.
+def resolve_budget(budget, who: str = "device_budget") -> int | str:
+    """``"auto"`` or a byte count (int, whole float, ``"8GiB"``, ``"1e9"``) -> ``"auto"`` or bytes
+    (:func:`chunkjax.budget.parse_budget`, the one parser; ``"min"`` is the front door's).
 
     Raises:
-      ValueError: not a positive byte count (one line naming the accepted forms).
+      ValueError, TypeError: as :func:`chunkjax.budget.parse_budget` (one line naming the accepted forms).
     """
-    if isinstance(budget, str) and budget.strip().lower() == "auto":
-        return "auto"
-    if isinstance(budget, bool) or not isinstance(budget, (int, str)):
-        raise ValueError(f"device budget {budget!r}: pass bytes (int), a size such as '8GiB', or 'auto'")
-    n = parse_bytes(budget) if isinstance(budget, str) else int(budget)
-    if n <= 0:
-        raise ValueError(f"a byte size must be positive, got {budget!r}: use e.g. 8GiB, 512MiB or 24GB")
-    return n
+    from chunkjax.budget import parse_budget
+    return parse_budget(budget, takes=("auto",), who=who, api="the fit path (chunkjax.fit_step; chunkjax.offload takes 'min')")
 
 
 def batch_rows(batch) -> int:
@@ -324,9 +320,8 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
 
     def loss_of(p, b):
         loss = differentiated(split_loss(compose_loss(stages, p, b))[0])  # a WeightedLoss: its total
-        if jnp.shape(loss) != ():
-            raise ValueError(f"the last stage ({stages[-1].name!r}) returns shape {jnp.shape(loss)}: it must return "
-                             "the scalar loss (e.g. the mean over the batch) or a chunkjax.WeightedLoss of scalars")
+        check_scalar_loss(loss, f"the last stage ({stages[-1].name!r})", "it must return the scalar loss (e.g. the "
+                          "mean over the batch) or a chunkjax.WeightedLoss of scalars")
         return loss
 
     order = first_use_order(loss_of, aparams, tbatch)
@@ -348,7 +343,7 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
             on_cpu = n_ranks * device_budget if platform == "cpu" and isinstance(device_budget, int) else 0
             host_budget = max(0, int(HOST_HEADROOM * avail) - process_bytes(layout, platform) - on_cpu)
     elif host_budget is not None:
-        host_budget = resolve_budget(host_budget)
+        host_budget = resolve_budget(host_budget, "host_budget")
     if flops_per_step is None:
         flops_per_step = step_flops(loss_of, aparams, gbatch, tbatch, n_ranks * micro_batches)
     traces = trace_stages(stages, layout, tbatch, compute_dtype)

@@ -1,4 +1,6 @@
-"""Chunked, offloaded optimizer state for an ordinary Flax (NNX or linen) training loop.
+"""Chunked, offloaded optimizer state for an ordinary Flax (NNX or linen) training loop
+(:class:`ChunkedOptimizer`; its NNX drop-in :class:`chunkjax.NnxOptimizer` is
+:mod:`chunkjax.nnx_optimizer`).
 
 The full chunked step (:func:`chunkjax.make_chunked_step`) needs the model cut into
 :class:`~chunkjax.Stage` s. Most users have an ordinary loop instead: a jitted function computes
@@ -70,6 +72,9 @@ _MSG_STRUCTURE = "grads do not have the params' structure: {what}"
 _MSG_HOST_NEEDS_SPEC = ("host_chunks={n} needs tx given as a host kernel spec (chunkjax.host_update.AdamW / Lion / "
                         "SGDMomentum): an optax transformation runs on the device only")
 _MSG_DEPTH = "pipeline_depth must be an int >= 1, got {v!r}"
+_MSG_TRACED = ("the optimizer's update got traced gradients: call opt.update(...) outside jax.jit / nnx.jit (it "
+               "moves chunks between host and device memory and runs host threads, which a traced program cannot); "
+               "jit only the function returning the gradients")
 
 
 class ChunkedOptimizer:
@@ -87,8 +92,10 @@ class ChunkedOptimizer:
         the streamed ones). Elementwise optax transformations (adam, adamw without a mask, lion,
         sgd, chains of them, schedules, ``clip_by_global_norm`` of the incoming gradients) give
         the same result as on the whole pytree; see ``check_tx``.
-      device_budget: device bytes the optimizer may use (int bytes, or ``"512MiB"``, ``"2GiB"``,
-        ``"1e9"``: :func:`chunkjax.fit.resolve_budget`, the one parser of the fit path). Counted:
+      device_budget: device bytes the optimizer may use (int bytes, a whole float such as
+        ``3.5e6``, ``"512MiB"``, ``"2GiB"``, ``"1e9"``, or ``"min"``: the least a plan of the chunks
+        needs, with the chunks ``min_chunks`` gives; :func:`chunkjax.budget.parse_budget`, the one
+        parser; ``"auto"`` is refused: the optimizer does not see the loop's device memory). Counted:
         the master params (4 bytes/element) and optax state of device-resident chunks, the
         working set of one chunk's update (its float32 gradient, master and state, new params, two
         float32 temporaries), and the master + state of ``pipeline_depth - 1`` more streamed
@@ -174,7 +181,7 @@ class ChunkedOptimizer:
         self.host_optimizer = spec
         self.host_threads = dropin.host_threads_for(host_threads) if spec is not None else None
         self.tx = tx = spec.optax() if spec is not None else tx
-        if chunk_size is None:  # chunks small enough that a pipeline of a few fits a fraction of the budget
+        if chunk_size is None and budget != "min":  # chunks small enough that a pipeline of a few fits a fraction of the budget
             min_chunks = max(min_chunks, dropin.min_chunks_for_budget(
                 sum(int(np.prod(np.shape(x))) for _, x in flat), optim.state_bytes_per_chunk(tx, 2**10) / 2**10,
                 budget))
@@ -185,6 +192,9 @@ class ChunkedOptimizer:
 
         # host chunks' gradients travel to the host two at a time (the next one's transfer under this
         # one's kernel), or one at a time where the budget has no room for two (chunkjax.dropin.choose)
+        if budget == "min":  # the least budget a plan of these chunks needs
+            budget = dropin.smallest_budget(lay, cb, pipeline_depth, spec is not None, host_chunks, rates)
+        self.device_budget = budget  # bytes (the least a plan needs for "min")
         dp = dropin.choose(lay, cb, budget, pipeline_depth, spec is not None, host_chunks, rates)
         self.pipeline_depth, self.streamed_chunks, self.host_chunks = dp.depth, dp.streamed, dp.host
         self._host_in_flight, self.placement = dp.in_flight, dp.placement
@@ -277,6 +287,7 @@ class ChunkedOptimizer:
           device), rounded from the float32 master params.
 
         Raises:
+          TypeError: called inside ``jax.jit`` (traced gradients; one line).
           ValueError: ``grads`` has another structure or leaf shapes (one line naming the leaf).
         """
         new_params = self.layout.treedef.unflatten(self._update_leaves(grads))
@@ -287,6 +298,8 @@ class ChunkedOptimizer:
         """:meth:`update`'s new params as the layout's list of leaves (``layout.treedef`` order)."""
         phases = duplex.StepPhases(time.perf_counter(), self._returned_at)
         lay = self.layout
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(grads)):
+            raise TypeError(_MSG_TRACED)
         try:
             leaves = lay.treedef.flatten_up_to(grads)
         except (ValueError, TypeError):
@@ -509,91 +522,3 @@ class ChunkedOptimizer:
                 f"{f' (numba threads: {self.host_threads})' if self.host_threads else ''} "
                 f"({self.host_state_bytes / 2**20:.2f} MiB off the device); "
                 f"update working set {self.working_bytes / 2**20:.2f} MiB")
-
-
-class NnxOptimizer:
-    """Drop-in for ``nnx.Optimizer(model, tx, wrt=...)`` with the optimizer state chunked and
-    offloaded (:class:`ChunkedOptimizer` over ``nnx.state(model, wrt)``).
-
-    Unlike ``nnx.Optimizer``, :meth:`update` runs outside ``nnx.jit``: jit the function that
-    returns the gradients (``nnx.value_and_grad``), then call ``opt.update(model, grads)``.
-
-    Args:
-      model: an ``nnx.Module``; its ``wrt`` state (float arrays) initialises the master params.
-      tx: an optax transformation, or a host kernel spec such as
-        ``chunkjax.host_update.AdamW(1e-4)`` (part of the offloaded chunks then update on the
-        host kernel in parallel with the streamed ones; see :class:`ChunkedOptimizer`).
-      wrt: the nnx filter of trainable variables (default ``nnx.Param``); the grads passed to
-        :meth:`update` must have the structure of ``nnx.state(model, wrt)`` (what ``nnx.grad``
-        returns for ``wrt=nnx.Param``).
-      **kwargs: ``device_budget`` (required), ``chunk_size``, ``min_chunks``, ``order``,
-        ``check_tx``, ``host_chunks``, ``pipeline_depth``, ``rates``, ``host_threads``: as :class:`ChunkedOptimizer`.
-
-    Attributes:
-      chunked: the underlying :class:`ChunkedOptimizer`. step: updates done.
-
-    Raises:
-      as :class:`ChunkedOptimizer`.
-    """
-
-    def __init__(self, model, tx, *, wrt: Any = None, **kwargs):
-        from flax import nnx
-        self.wrt = nnx.Param if wrt is None else wrt
-        state = nnx.state(model, self.wrt)
-        self.chunked = ChunkedOptimizer(state, tx, **kwargs)
-        self._paths = nnx_write.variable_paths(state)  # per leaf, its Variable's path in the model
-        # commit the params to the device now: update() returns committed arrays, and a jitted
-        # step that first saw uncommitted ones would compile a second time; the model's other
-        # uncommitted arrays too (counters, constants: nnx.jit's outputs are committed)
-        nnx.update(model, jax.device_put(nnx.state(model, self.wrt), sharding(DEVICE)))
-        nnx.update(model, jax.tree.map(lambda x: jax.device_put(x, sharding(DEVICE))
-                                       if isinstance(x, jax.Array) and not x.committed else x, nnx.state(model)))
-
-    @property
-    def step(self) -> int:
-        return self.chunked.step
-
-    def update(self, model, grads) -> None:
-        """Apply one step to ``model`` in place (``nnx.update``). grads: ``nnx.State`` of the
-        ``wrt`` variables (e.g. from ``nnx.grad(loss_fn)(model, ...)``). Returns once every update
-        is dispatched (:meth:`ChunkedOptimizer.update`); the next jitted step waits on the device
-        for the new params; :meth:`wait` joins what is still in flight."""
-        from flax import nnx
-        c = self.chunked
-        leaves = c._update_leaves(grads)
-        c._pending_phases.mark("finish")  # the caller's clock (UpdateBreakdown)
-        if not nnx_write.write(model, self._paths, leaves):  # the variables at their paths, else nnx.update
-            nnx.update(model, c.layout.treedef.unflatten(leaves))
-        c._returned_at = c._pending_phases.mark("model_update")
-
-    # ---- checkpoints: chunkjax.checkpoint.protocol.ChunkIO of the underlying ChunkedOptimizer ----
-    @property
-    def layout(self) -> ChunkLayout:
-        return self.chunked.layout
-
-    @property
-    def compute_dtype(self) -> np.dtype:
-        return self.chunked.compute_dtype
-
-    def wait(self, state=None) -> None:
-        self.chunked.wait(state)
-
-    def checkpoint_info(self) -> dict:
-        return self.chunked.checkpoint_info()
-
-    def checkpoint_arrays(self, c: int) -> dict:
-        return self.chunked.checkpoint_arrays(c)
-
-    def checkpoint_chunk(self, state, c: int, *, copy: bool) -> tuple[dict, dict]:
-        return self.chunked.checkpoint_chunk(state, c, copy=copy)
-
-    def checkpoint_master(self, state, c: int) -> np.ndarray:
-        return self.chunked.checkpoint_master(state, c)
-
-    def checkpoint_restore(self, saved):
-        """As :meth:`ChunkedOptimizer.checkpoint_restore`; returns the ``nnx.State`` of the ``wrt``
-        variables for ``nnx.update(model, params)``."""
-        return self.chunked.checkpoint_restore(saved)
-
-    def summary(self) -> str:
-        return self.chunked.summary()

@@ -388,8 +388,13 @@ def _prepare(model, d: Discovery, leaves, tx, device_budget, host_budget, traina
                    compute_dtype=d.compute_dtype, mesh=mesh, zero_stage=zero_stage, **_optimizer_kw(tx), **prep)
 
 
-def _is_min(device_budget) -> bool:
-    return isinstance(device_budget, str) and device_budget.strip().lower() == "min"
+def _is_min(device_budget, none_ok: bool = True) -> bool:
+    """Whether the budget is ``"min"``; any other spelling is checked by the one parser
+    (:func:`chunkjax.budget.parse_budget`: a bad one is one line naming all the front door takes)."""
+    from chunkjax.budget import parse_budget
+    if device_budget is None and none_ok:
+        return False
+    return parse_budget(device_budget, api="the front door") == "min"
 
 
 def plan_offload(model, tx, loss_fn, batch, *, device_budget: int | str | None = None, host_budget: Any = None,
@@ -503,7 +508,7 @@ def offload(model, tx, loss_fn, batch, *, device_budget: int | str = "auto", hos
     model, d, leaves = _discover(model, loss_fn, batch, wrt=wrt, blocks=blocks, compute_dtype=compute_dtype,
                                  abstract_ok=False)
     fit_args = {k: fit_kw.pop(k) for k in _FIT_ARGS if k in fit_kw}
-    smallest = _is_min(device_budget)
+    smallest = _is_min(device_budget, none_ok=False)
     problem = _prepare(model, d, leaves, tx, None if smallest else device_budget, host_budget, trainable, mesh,
                        zero_stage, fit_kw)
     fitted = fit_problem(problem, smallest_budget(problem, policy) if smallest else device_budget, policy=policy,

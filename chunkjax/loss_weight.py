@@ -121,3 +121,24 @@ def require_weight(loss, earlier: float = 0.0) -> None:
     loss = loss[0] if isinstance(loss, tuple) else loss  # a last stage's (loss, aux)
     if is_weighted(loss) and not float(loss.weight) + earlier > 0:
         raise ValueError(NO_SCORED_TOKENS)
+
+
+def check_scalar_loss(loss, who: str, shape_hint: str) -> None:
+    """Refuse a loss that cannot be trained, in one line.
+
+    Args:
+      loss: the differentiated loss (an array or a ``jax.ShapeDtypeStruct``; a
+        :class:`WeightedLoss`'s ``total``).
+      who: what returned it, for the message (``"loss_fn"``, ``"the last stage ('head')"``).
+      shape_hint: what to return instead of a non-scalar, for the message.
+
+    Raises:
+      ValueError: ``loss`` is not a scalar (``"{who} returns shape S: {shape_hint}"``).
+      TypeError: ``loss`` is not floating point (an integer or bool loss has a zero gradient
+        everywhere: ``jax.grad`` refuses it, training would silently not move).
+    """
+    if jnp.shape(loss) != ():
+        raise ValueError(f"{who} returns shape {jnp.shape(loss)}: {shape_hint}")
+    if not jnp.issubdtype(loss.dtype, jnp.floating):
+        raise TypeError(f"{who} returns a loss of dtype {jnp.dtype(loss.dtype).name}: return a floating-point scalar (e.g. "
+                        "loss.astype(jnp.float32) of a float computation); an integer loss has no gradient")

@@ -21,6 +21,7 @@ Example::
 """
 from __future__ import annotations
 
+import numbers
 import pathlib
 from typing import Mapping, Sequence
 
@@ -74,10 +75,13 @@ def _parts(obj, schedule=None):
     return problem, s, budget
 
 
-def _need(problem, what: str):
+def _need(problem, what: str, s=None):
     if problem is None:
-        raise ValueError(f"{what} needs the fit problem: pass the Fitted of chunkjax.fit_step or the FitProblem "
-                         "of chunkjax.fit.prepare (with schedule=...)")
+        alone = (" (a Schedule alone holds no stage traces: plot it with plot_device_bytes, plot_schedule or "
+                 "plot_step_time)") if isinstance(s, Schedule) else ""
+        raise ValueError(f"{what} needs the fit problem: pass what chunkjax.fit_step or chunkjax.offload returns, an "
+                         f"OffloadPlan (chunkjax.plan_offload) or the FitProblem of chunkjax.fit.prepare (with "
+                         f"schedule=...){alone}")
     return problem
 
 
@@ -86,6 +90,13 @@ def _need_schedule(s, what: str) -> Schedule:
         raise ValueError(f"{what} needs a schedule: pass the Fitted of chunkjax.fit_step, or schedule= "
                          "(chunkjax.fit.plan(problem, budget_bytes))")
     return s
+
+
+def _what(x) -> str:
+    if isinstance(x, Mapping):
+        return "an empty mapping" if not x else f"a mapping of {type(next(iter(x))).__name__} to " \
+            f"{type(next(iter(x.values()))).__name__}"
+    return f"a {type(x).__name__}"
 
 
 def tide_of(problem):
@@ -140,10 +151,11 @@ def plot_tide(obj, *, schedule: Schedule | None = None, budget_bytes: int | None
       resident model data"``: what fetched chunks and the tide share); below, chunks read per moment.
 
     Raises:
-      ValueError: no fit problem given.
+      ValueError: no fit problem given (a bare Schedule holds no stage traces; one line naming
+        the plots that take one).
     """
     problem, s, budget = _parts(obj, schedule)
-    tide = tide_of(_need(problem, "plot_tide"))
+    tide = tide_of(_need(problem, "plot_tide", s))
     budget = budget_bytes if budget_bytes is not None else budget
     nm = [m.non_model_bytes for m in tide.moments]
     unit, k = byte_unit(max(nm + [budget or 0]))
@@ -406,7 +418,7 @@ def plot_placement(obj, schedule: Schedule | None = None, *, path=None):
       ValueError: no fit problem or no schedule given.
     """
     problem, s, _ = _parts(obj, schedule)
-    problem = _need(problem, "plot_placement")
+    problem = _need(problem, "plot_placement", s)
     s = _need_schedule(s, "plot_placement")
     pb = placement_bytes(problem, s)
     unit, k = byte_unit(max(sum(v.values()) for v in pb.values()))
@@ -447,7 +459,15 @@ def plot_budget_sweep(schedules: Mapping[int, Schedule], baselines: Mapping[str,
     Returns:
       a Figure with two axes: predicted step seconds (``label="chunkjax"``) and bytes moved per step
       (``label="chunkjax h2d + d2h"`` and ``"chunkjax h2d"``), x in the budget unit of the x label.
+
+    Raises:
+      TypeError: ``schedules`` is not a non-empty ``{budget bytes: Schedule}`` mapping (one line).
     """
+    if not isinstance(schedules, Mapping) or not schedules or not all(
+            isinstance(b, numbers.Integral) and isinstance(x, Schedule) for b, x in schedules.items()):
+        raise TypeError(f"plot_budget_sweep takes {{budget bytes: Schedule}} planned at several budgets (e.g. "
+                        f"{{b: chunkjax.fit.plan(problem, b) for b in budgets}}), got {_what(schedules)}: for one "
+                        "plan use plot_device_bytes or plot_tide")
     budgets = sorted(schedules)
     unit, k = byte_unit(max(budgets))
     munit, mk = byte_unit(max([schedules[b].predicted.h2d_bytes_per_step + schedules[b].predicted.d2h_bytes_per_step

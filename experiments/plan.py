@@ -659,7 +659,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model", required=True,
                     help="a name of models/gpt.py's table (case-insensitive), or your model as module:factory "
                          "(factory(batch=, seq=) -> (nnx model, loss_fn, batch) or (stages, params, batch); see call_factory)")
-    ap.add_argument("--device-budget", required=True, help="peak device bytes (per GPU with --ranks), e.g. 24GiB")
+    ap.add_argument("--device-budget", required=True,
+                    help="peak device bytes (per GPU with --ranks), e.g. 24GiB, 3.5e9, or min (the least the plan needs)")
     ap.add_argument("--host-budget", default=None,
                     help="host memory for model data, bytes (the node's with --ranks; default: unbounded)")
     ap.add_argument("--batch", type=int, default=8, help="rows per step (the global batch with --ranks)")
@@ -689,14 +690,24 @@ def main(argv=None) -> int:
         return 2
     import chunkjax as cj
     try:
-        budget = cj.parse_bytes(a.device_budget)
-        host = cj.parse_bytes(a.host_budget) if a.host_budget else None
+        from chunkjax.budget import parse_budget
+        budget = parse_budget(a.device_budget, takes=("min",), who="--device-budget", api="the planner CLI")
+        host = parse_budget(a.host_budget, takes=(), who="--host-budget", api="the planner CLI") if a.host_budget else None
         t0 = time.time()
         if a.measured_rates and not a.tide_from:
             raise ValueError("--measured-rates reads the rates of a recorded run: add --tide-from RESULTS_JSON")
         inp = prepare(a.model, a.batch, a.seq, tide_from=a.tide_from,
                       warn=lambda m: print(f"note: {m}", file=sys.stderr), n_ranks=a.ranks,
                       measured_rates=a.measured_rates)
+        if budget == "min":  # the least device budget the plan needs (what an infeasible plan names)
+            try:
+                plan_report(a.model, 1, host, inp.batch, inp.seq, a.prefetch, inputs=inp, n_ranks=a.ranks,
+                            zero_stage=a.zero_stage)
+                budget = 1
+            except cj.PlanError as e:
+                if not e.min_budget_bytes:
+                    raise
+                budget = e.min_budget_bytes
         r = plan_report(a.model, budget, host, inp.batch, inp.seq, a.prefetch, inputs=inp, n_ranks=a.ranks,
                         zero_stage=a.zero_stage)
         r["plan_s"] = time.time() - t0

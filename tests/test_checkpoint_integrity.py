@@ -104,6 +104,40 @@ def test_flipped_bytes_in_each_file_kind_refused(saved, tmp_path, kind):
     tc.assert_trees(ck.export_params(step, restored), ck.export_params(step, ref))
 
 
+@pytest.mark.parametrize("kind", ["ocdbt.process_0/d/<hash>", "meta.json", "checksums.json"])
+def test_only_checkpoint_corrupt_is_one_line_naming_the_file(saved, tmp_path, kind):
+    """With one step saved and a byte flipped in it, restoring the latest checkpoint is a
+    CheckpointError naming the file (with its crc32, for data files) and saying no earlier step
+    exists, not 'no complete checkpoint' (FileNotFoundError)."""
+    step, _, _ = saved
+    d = _copy(saved, tmp_path)
+    shutil.rmtree(d / "step_00000001")
+    root = d / "step_00000002"
+    bad = root / _files_by_kind(root)[kind]
+    _flip(bad)
+    for call in (lambda: ck.restore_checkpoint(d, step), lambda: ck.read_meta(d)):
+        with pytest.warns(RuntimeWarning), pytest.raises(ck.CheckpointError, match="no earlier checkpoint") as err:
+            call()
+        _assert_one_line_naming(err, bad)
+        if kind.startswith("ocdbt"):
+            assert "crc32" in str(err.value)
+
+
+def test_corrupt_step_names_how_to_restore_an_earlier_one(saved, tmp_path):
+    """A corrupt step restored explicitly: the line names the file, its crc32 and the call that
+    restores the earlier step; that explicit call works."""
+    step, _, _ = saved
+    d = _copy(saved, tmp_path)
+    root = d / "step_00000002"
+    bad = root / _files_by_kind(root)["ocdbt.process_0/d/<hash>"]
+    _flip(bad)
+    with pytest.raises(ck.CheckpointError, match=r"crc32 .*step_number=1\) \(complete earlier steps: \[1\]\)") as err:
+        ck.restore_checkpoint(d, step, 2)
+    _assert_one_line_naming(err, bad)
+    _, extra = ck.restore_checkpoint(d, step, step_number=1)
+    assert extra["data_position"] == 1
+
+
 def test_truncated_meta_json(saved, tmp_path):
     step, _, _ = saved
     d = _copy(saved, tmp_path)

@@ -50,6 +50,16 @@ def test_last_stage_must_return_a_scalar(micro):
         cj.fit_step(stages[:-1] + (per_row,), params, batch, host_optimizer=AdamW(3e-4), device_budget="1GiB")
 
 
+def test_last_stage_must_return_a_float_loss(micro):
+    """An integer loss (jax.grad refuses it) is refused in one line, not trained with zero gradients."""
+    stages, params, batch = micro
+    head = stages[-1]
+    counted = dataclasses.replace(head, apply=lambda p, x, b: jnp.round(head.apply(p, x, b) * 100).astype(jnp.int32))
+    with pytest.raises(TypeError, match=r"the last stage \('head'\) returns a loss of dtype int32: return a floating-point") as e:
+        cj.fit_step(stages[:-1] + (counted,), params, batch, host_optimizer=AdamW(3e-4), device_budget="1GiB")
+    assert "\n" not in str(e.value)
+
+
 def test_stage_naming_a_missing_param_key_is_one_line(micro):
     stages, params, batch = micro
     bad = (dataclasses.replace(stages[0], param_keys=("wte", "nope")),) + tuple(stages[1:])
@@ -101,6 +111,28 @@ def test_budgets_as_ints_or_strings_through_one_parser(micro):
         assert msgs[0] == msgs[1] and "\n" not in msgs[0], msgs
     with pytest.raises(ValueError, match="'auto' is not supported by the drop-in"):
         cj.ChunkedOptimizer(small, optax.sgd(0.1), device_budget="auto")
+
+
+def test_budget_spellings_are_the_same_everywhere(micro):
+    """chunkjax.budget.parse_budget: a whole float is bytes for the drop-in and fit_step alike;
+    'min' gives the drop-in the least budget its chunks need (a byte less fails); 'auto' for the
+    drop-in and 'min' for fit_step are refused in one line naming the spellings each takes."""
+    stages, params, batch = micro
+    small = {"w": jnp.zeros((5000,))}
+    assert cj.ChunkedOptimizer(small, optax.adam(0.1), device_budget=3.5e6).device_budget == 3_500_000
+    cj.fit_step(stages, params, batch, host_optimizer=AdamW(3e-4), device_budget=float(2**30))
+    opt = cj.ChunkedOptimizer(small, optax.adam(0.1), device_budget="MIN", chunk_size=1000)
+    need = opt.device_budget
+    assert 0 < need <= opt.working_bytes + opt.device_state_bytes + 2 * 1000 * 12
+    with pytest.raises(cj.PlanError):
+        cj.ChunkedOptimizer(small, optax.adam(0.1), device_budget=need - 1, chunk_size=1000)
+    with pytest.raises(ValueError, match=r"'auto' is not supported by the drop-in optimizer .*or 'min'$") as e:
+        cj.ChunkedOptimizer(small, optax.adam(0.1), device_budget="auto")
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match=r"'min' is not supported by the fit path .*or 'auto'$"):
+        cj.fit_step(stages, params, batch, host_optimizer=AdamW(3e-4), device_budget="min")
+    with pytest.raises(TypeError, match=r"device_budget must be a whole number of bytes, got 1.5"):
+        cj.ChunkedOptimizer(small, optax.adam(0.1), device_budget=1.5)
 
 
 def test_drop_in_name_errors_are_one_line_naming_the_key():

@@ -247,6 +247,29 @@ def test_bad_input_errors():
         opt.update({"w": jnp.zeros((4,))})
 
 
+def test_update_inside_jit_is_refused_in_one_line():
+    """The nnx.Optimizer habit (opt.update inside nnx.jit) and ChunkedOptimizer.update inside
+    jax.jit: one TypeError line saying to call update outside jit; nothing updated."""
+    model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+    opt = cj.NnxOptimizer(model, optax.adam(1e-3), device_budget="1GiB")
+    before = [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
+
+    @nnx.jit
+    def train_step(model, x):
+        grads = nnx.grad(lambda m: jnp.sum(m(x) ** 2))(model)
+        opt.update(model, grads)
+
+    with pytest.raises(TypeError, match=r"outside jax.jit / nnx.jit") as e:
+        train_step(model, jnp.ones((2, 4)))
+    assert "\n" not in str(e.value) and opt.step == 0
+    for a, b in zip(jax.tree.leaves(nnx.state(model, nnx.Param)), before):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    copt = cj.ChunkedOptimizer({"w": jnp.zeros((3,))}, optax.adam(1e-3), device_budget="1GiB")
+    with pytest.raises(TypeError, match=r"outside jax.jit / nnx.jit"):
+        jax.jit(copt.update)({"w": jnp.ones((3,))})
+    assert copt.step == 0
+
+
 def test_leaf_larger_than_a_chunk_spans_chunks_and_equals_optax(name="clip+adam"):
     """chunk_size=128 with a (20, 15) leaf of 300 elements (it used to be refused as larger
     than a chunk): the leaf spans 3 chunks, its gradient is cut into pieces (the
@@ -555,6 +578,9 @@ def test_step_phases_account_for_the_loops_step():
         lin.update({"w": jnp.ones((8,), jnp.float32)})
     lin.wait()
     assert lin.last_update.model_update_s == 0.0 and lin.last_update.outside_s >= 0.0
+    short = repr(lin.last_update)  # one short line: the events counted, not listed
+    assert short.startswith("UpdateBreakdown(step=") and len(short) < 400 and "\n" not in short
+    assert f"events={len(lin.last_update.events)})" in short
 
 
 def test_new_params_are_written_at_the_variables_paths(monkeypatch):

@@ -734,3 +734,39 @@ def test_trainable_matching_nothing_is_refused_in_one_line():
         chunkjax.offload(Llama(rngs=nnx.Rngs(0)), optax.adam(1e-3), lm_loss, token_batches(n=1)[0],
                          trainable=nnx.LoRAParam)
     assert "\n" not in str(e.value)
+
+
+def test_integer_or_bool_loss_is_refused_in_one_line():
+    """A loss of integer dtype (here the number of correct next-token guesses, which depends on
+    the params) has a zero gradient: plain jax.grad refuses it, so does the front door."""
+    def correct(model, tokens):
+        return jnp.sum(jnp.argmax(model(tokens[:, :-1]), -1) == tokens[:, 1:])
+
+    for loss_fn in (correct, lambda m, t: correct(m, t) > 3):
+        with pytest.raises(TypeError, match=r"loss_fn returns a loss of dtype (int32|bool): return a floating-point") as e:
+            chunkjax.offload(Llama(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, token_batches(n=1)[0])
+        assert "\n" not in str(e.value)
+
+
+def test_front_door_checkpoint_into_a_drop_in_optimizer_is_one_line(tmp_path):
+    """An offload checkpoint restored into NnxOptimizer / ChunkedOptimizer of the same model:
+    one line saying it came from chunkjax.offload and how to restore it, not a leaf-path diff."""
+    step = chunkjax.offload(Llama(rngs=nnx.Rngs(0)), optax.adam(1e-3), lm_loss, token_batches(n=1)[0])
+    chunkjax.save_checkpoint(tmp_path, 0, step)
+    model = Llama(rngs=nnx.Rngs(0))
+    for opt in (chunkjax.NnxOptimizer(model, optax.adam(1e-3), device_budget="1GiB"),
+                chunkjax.ChunkedOptimizer(nnx.state(model, nnx.Param), optax.adam(1e-3), device_budget="1GiB")):
+        with pytest.raises(chunkjax.CheckpointError, match=r"saved by chunkjax.offload .*not by a "
+                           rf"{type(opt).__name__}: .*chunkjax.restore_checkpoint\(dir, step\)") as e:
+            chunkjax.restore_checkpoint(tmp_path, opt)
+        assert "\n" not in str(e.value)
+
+
+def test_bad_budget_names_every_spelling_the_front_door_takes():
+    """chunkjax.budget.parse_budget: the front door's message lists 'auto' and 'min' (fit_step's
+    parser, reached later, takes only 'auto')."""
+    for bad, err in ((None, TypeError), (1.5, TypeError), ([1], TypeError)):
+        with pytest.raises(err, match=r"'auto' or 'min'") as e:
+            chunkjax.offload(Llama(rngs=nnx.Rngs(0)), optax.adam(1e-3), lm_loss, token_batches(n=1)[0],
+                             device_budget=bad)
+        assert "\n" not in str(e.value)

@@ -550,3 +550,17 @@ def test_user_nnx_model_with_dropout_plans(user_model, capsys):
     r = json.loads(capsys.readouterr().out)
     assert r["n_params"] == 96 * 32 * 2 + 3 * (32 + 32 * 128 + 128 + 128 * 32 + 32)
     assert len(r["stage_temp_bytes"]) == 5
+
+
+def test_device_budget_spellings_are_the_front_doors(capsys):
+    """--device-budget takes the spellings of chunkjax.budget: 'min' plans at the least budget
+    (what an infeasible plan names), 'auto' is refused in one line
+    naming what the CLI takes."""
+    assert plan.main(MICRO + ["--device-budget", "100KiB", "--json"]) == 2
+    need = json.loads(capsys.readouterr().out)["min_device_budget_bytes"]
+    assert plan.main(MICRO + ["--device-budget", "min", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["feasible"] and 0 < r["device_budget_bytes"] <= need and r["predicted_peak_device_bytes"] <= r["device_budget_bytes"]
+    assert plan.main(MICRO + ["--device-budget", "auto"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'auto' is not supported by the planner CLI" in err[0] and "'min'" in err[0], err

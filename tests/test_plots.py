@@ -166,6 +166,17 @@ def test_save_figures_and_inputs(fitted, tmp_path):
         plots.plot_schedule(fitted.problem)
     with pytest.raises(TypeError, match="cannot plot a dict"):
         plots.plot_tide({})
+    # a bare Schedule: the plots that need the stage traces say which plots take one, in one line
+    for plot in (plots.plot_tide, plots.plot_placement):
+        with pytest.raises(ValueError, match=r"a Schedule alone holds no stage traces: plot it with plot_device_bytes") as e:
+            plot(fitted.report.schedule)
+        assert "\n" not in str(e.value)
+    assert plots.plot_device_bytes(fitted.report.schedule).axes
+    # plot_budget_sweep of one plan (not a {budget: Schedule} mapping): one TypeError line
+    for bad in (fitted, fitted.report.schedule, {}, {"8MiB": fitted.report.schedule}):
+        with pytest.raises(TypeError, match=r"plot_budget_sweep takes \{budget bytes: Schedule\}") as e:
+            plots.plot_budget_sweep(bad)
+        assert "\n" not in str(e.value)
 
 
 def test_zero_rank_placement_is_one_ranks():

@@ -102,6 +102,20 @@ def latest_step(directory, *, verify: bool = True) -> int | None:
     return None
 
 
+def earlier_steps(root: str) -> str:
+    """What to do about the corrupt checkpoint ``root`` (a ``step_<N>`` directory), for messages:
+    restore an earlier complete step explicitly (named, with the call), or that there is none."""
+    directory, name = os.path.split(os.path.normpath(os.fspath(root)))
+    m = _STEP_RE.match(name)
+    older = [s for s in all_steps(directory) if s < int(m.group(1))] if m else []
+    if older:
+        return (f"restore an earlier step explicitly, e.g. chunkjax.restore_checkpoint({directory!r}, engine, "
+                f"step_number={older[-1]}) (complete earlier steps: {older})")
+    if m:
+        return f"{directory} holds no earlier checkpoint to restore instead"
+    return "restore an earlier step"
+
+
 def verify_checkpoint(directory, step_number: int) -> dict:
     """Check every file of checkpoint ``step_number`` against the size and crc32 recorded when it
     was saved (``checksums.json``), reading each file once in 256 KiB blocks.
@@ -176,10 +190,10 @@ def read_checksums(root: str) -> dict | None:
         ok = _sums_crc(files) == crc and all(len(v) == 2 for v in files.values())
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{path} is unreadable ({one_line(e)}): the checkpoint is corrupt, "
-                              "restore an earlier step") from None
+                              f"{earlier_steps(root)}") from None
     if not ok:
         raise CheckpointError(f"{path} does not match its own checksum: the checkpoint is corrupt, "
-                              "restore an earlier step")
+                              f"{earlier_steps(root)}")
     return files
 
 
@@ -189,18 +203,18 @@ def verify_files(root: str, sums: dict, sub: str) -> None:
     mine = [r for r in sums if r == sub or r.startswith(sub + "/")]
     if not mine:
         raise CheckpointError(f"{os.path.join(root, sub)}: {CHECKSUMS} records no such file: the checkpoint is "
-                              "corrupt, restore an earlier step")
+                              f"corrupt, {earlier_steps(root)}")
     for rel in mine:
         path = os.path.join(root, *rel.split("/"))
         try:
             got = file_checksum(path)
         except OSError as e:
             raise CheckpointError(f"{path} cannot be read ({one_line(e)}): the checkpoint is corrupt, "
-                                  "restore an earlier step") from None
+                                  f"{earlier_steps(root)}") from None
         want = [int(x) for x in sums[rel]]
         if got != want:
             raise CheckpointError(f"{path} is corrupt ({got[0]} bytes, crc32 {got[1]:08x}; saved: {want[0]} bytes, "
-                                  f"crc32 {want[1]:08x}): restore an earlier step")
+                                  f"crc32 {want[1]:08x}): {earlier_steps(root)}")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -358,11 +372,18 @@ def read_meta(directory, step_number: int | None = None) -> dict:
     Raises:
       FileNotFoundError: no complete checkpoint of that step (or none at all) in ``directory``.
       CheckpointError: one line naming the file: ``meta.json`` or ``checksums.json`` unreadable
-        or corrupt, or not a chunkjax checkpoint of a known version.
+        or corrupt, or not a chunkjax checkpoint of a known version; with ``step_number`` None
+        and every complete checkpoint corrupt, the newest one's first bad file (size and crc32).
     """
     if step_number is None:
         step_number = latest_step(directory)
         if step_number is None:
+            complete = all_steps(directory)
+            if complete:  # all corrupt: the newest one's fault, in one line (not FileNotFoundError)
+                try:
+                    verify_checkpoint(directory, complete[-1])
+                except CheckpointError as e:
+                    raise CheckpointError(f"no intact checkpoint in {os.fspath(directory)}: {e}") from None
             raise FileNotFoundError(f"no complete checkpoint in {os.fspath(directory)}")
     return load_meta(directory, step_number)[0]
 
@@ -385,14 +406,14 @@ def load_meta(directory, step_number: int) -> tuple[dict, dict | None]:
             raise ValueError(f"a JSON {type(meta).__name__}, not an object")
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path} is unreadable ({one_line(e)}): the checkpoint is corrupt, "
-                              "restore an earlier step") from None
+                              f"{earlier_steps(root)}") from None
     if meta.get("format") != FORMAT or meta.get("version") not in (1, 2, VERSION):
         raise CheckpointError(f"{path} is not a {FORMAT} file of version 1 to {VERSION} "
                               f"(format {meta.get('format')!r}, version {meta.get('version')!r}): "
                               "restore it with the chunkjax that saved it")
     if sums is None and meta["version"] >= 2:
         raise CheckpointError(f"{os.path.join(root, CHECKSUMS)} is missing: the checkpoint is incomplete, "
-                              "restore an earlier step")
+                              f"{earlier_steps(root)}")
     if sums is None:
         _log.warning("checkpoint %s has no %s (saved before version 2): restored unverified", root, CHECKSUMS)
     if meta["version"] < 3:  # leaves whole in one chunk: the same layout in the pieces form

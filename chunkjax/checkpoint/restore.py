@@ -12,6 +12,9 @@ from chunkjax.checkpoint.codec import decode
 from chunkjax.checkpoint.job import engine_info
 from chunkjax.checkpoint.protocol import CheckpointError
 
+#: ``saved_from["step"]`` of the front door's checkpoints (:class:`chunkjax.OffloadedStep`).
+FRONT_DOOR = "OffloadedStep"
+
 
 def restore_checkpoint(directory, step_fn, step_number: int | None = None):
     """Restore a checkpoint into ``step_fn``'s placement, layout and devices, chunk by chunk.
@@ -57,14 +60,18 @@ def restore_checkpoint(directory, step_fn, step_number: int | None = None):
     Raises:
       FileNotFoundError: no complete checkpoint (of that step).
       CheckpointError: a file of the checkpoint missing, unreadable or corrupt (one line naming
-        it; with ``step_number`` None such a newest checkpoint is skipped with a warning),
+        it, its size and crc32 against the saved ones, and the ``step_number=`` call restoring
+        the newest earlier step, or that there is none; with ``step_number`` None such a newest
+        checkpoint is skipped with a warning, and if every complete one is corrupt the newest's
+        fault is raised),
         another parameter tree (the one-line message names the first leaf that
         differs), optimizer moments that cannot be converted into this step's optimizer state,
         step counts that differ over the chunks when the layout changes, or an object that is
         no ChunkIO engine.
     """
     engine_info(step_fn)  # a ChunkIO engine, or a one-line CheckpointError
-    with SavedState(directory, step_fn.layout, step_fn.compute_dtype, step_number) as saved:
+    with SavedState(directory, step_fn.layout, step_fn.compute_dtype, step_number,
+                    engine=type(step_fn).__name__) as saved:
         state = step_fn.checkpoint_restore(saved)
     return state, saved.extra
 
@@ -86,6 +93,9 @@ class SavedState:
       step_number: which step; None for :func:`~chunkjax.checkpoint.latest_step`.
       names: the saved arrays to read (default: ``params`` when the compute dtype is the saved
         one, ``master`` and the moments).
+      engine: the restoring engine's class name (``"NnxOptimizer"``), for
+        the message when the parameter tree differs because the checkpoint is another engine's
+        (a front door checkpoint restored into a drop-in optimizer).
 
     Attributes:
       meta: ``meta.json``. where: ``"checkpoint step N in <directory>"``. remap: True when the
@@ -98,7 +108,8 @@ class SavedState:
         or (remapping) different step counts.
     """
 
-    def __init__(self, directory, layout, compute_dtype, step_number: int | None = None, *, names=None):
+    def __init__(self, directory, layout, compute_dtype, step_number: int | None = None, *, names=None,
+                 engine: str | None = None):
         meta = files.read_meta(directory, step_number)
         self.meta, self.layout = meta, layout
         self.root = files.step_dir(directory, meta["step"])
@@ -108,6 +119,11 @@ class SavedState:
         if self.remap:
             diff = files.tree_difference(saved, here)
             if diff is not None:
+                if meta.get("saved_from", {}).get("step") == FRONT_DOOR and engine not in (None, FRONT_DOOR):
+                    raise CheckpointError(f"{where} was saved by chunkjax.offload (an {FRONT_DOOR}), not by a "
+                                          f"{engine}: restore it into the step offload builds, step = chunkjax.offload("
+                                          "model, tx, loss_fn, batch, device_budget=...); chunkjax.restore_checkpoint("
+                                          "dir, step), then step.sync(model) for the model's params")
                 raise CheckpointError(f"{where} holds another parameter tree: {diff}")
             if "chunk_trainable" in saved or "chunk_trainable" in here:
                 raise CheckpointError(f"{where} has another chunk layout and frozen chunks, which are not remapped: "

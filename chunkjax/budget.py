@@ -1,0 +1,70 @@
+"""The one parser of budget spellings (device and host byte budgets), shared by the front door
+(:func:`chunkjax.offload`), the fit path (:func:`chunkjax.fit_step`), the drop-in optimizers
+(:class:`chunkjax.ChunkedOptimizer`, :class:`chunkjax.NnxOptimizer`) and the planner CLI
+(``experiments/plan.py``'s device budget).
+
+Spellings, the same everywhere:
+
+* a byte count: an int (``2**30``), a float with a whole value (``3.5e6``), or a string: a plain
+  or exponent count (``"123456"``, ``"1e9"``) or a size with a unit (``"512MiB"``, ``"24GB"``,
+  ``"2GiB"``: :func:`chunkjax.parse_bytes`); positive;
+* ``"auto"``: the budget the API finds itself (the front door and the fit path: the device's
+  free memory, :func:`chunkjax.fit.auto_budget`);
+* ``"min"``: the least budget the API's plan needs (the front door, the drop-in optimizers,
+  the planner CLI).
+
+An API that cannot give a keyword a meaning (``"auto"`` for a drop-in optimizer, which does not
+see the training loop's own device memory; ``"auto"`` for the planner CLI, which plans for a
+GPU it does not run on) refuses it in one line naming the spellings it takes.
+"""
+from __future__ import annotations
+
+import math
+
+#: The keyword spellings (lower case; matched case-insensitively, spaces stripped).
+KEYWORDS = ("auto", "min")
+
+
+def spellings(takes) -> str:
+    """The spellings an API taking the keywords ``takes`` accepts, for messages."""
+    forms = ["bytes (an int, or a whole float such as 3.5e6)", "a size string such as '2GiB' or '1e9'"]
+    forms += [repr(k) for k in KEYWORDS if k in takes]
+    return ", ".join(forms[:-1]) + " or " + forms[-1]
+
+
+def parse_budget(budget, *, takes=KEYWORDS, who: str = "device_budget", api: str = "this API") -> int | str:
+    """``budget`` in one of the spellings of the module docstring -> bytes (int) or the keyword
+    (``"auto"`` / ``"min"``, lower case).
+
+    Args:
+      budget: int, float, or str.
+      takes: the keywords the calling API gives a meaning (a subset of :data:`KEYWORDS`).
+      who: the API's name for the argument, for messages (``"device_budget"``, ``"host_budget"``; a tool passes its flag).
+      api: the API, for messages (``"the drop-in optimizer"``).
+
+    Raises:
+      ValueError: an unparsable string, a size not positive, or a keyword not in ``takes`` (one
+        line naming what the API takes). TypeError: another type (a bool, None, a list...) or a
+        float without a whole value.
+    """
+    from chunkjax.plan import parse_bytes
+    if isinstance(budget, str):
+        key = budget.strip().lower()
+        if key in KEYWORDS:
+            if key not in takes:
+                raise ValueError(f"{who}={budget!r} is not supported by {api} ({_why(key)}): pass {spellings(takes)}")
+            return key
+        return parse_bytes(budget)
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise TypeError(f"{who} must be {spellings(takes)}; got {type(budget).__name__}")
+    if isinstance(budget, float) and not (math.isfinite(budget) and budget == int(budget)):
+        raise TypeError(f"{who} must be a whole number of bytes, got {budget!r}: pass {spellings(takes)}")
+    if budget <= 0:
+        raise ValueError(f"a byte size must be positive, got {budget!r}: use e.g. 8GiB, 512MiB or 24GB")
+    return int(budget)
+
+
+def _why(key: str) -> str:
+    if key == "auto":
+        return "'auto' is the free memory of the device that runs the whole step, which it does not see"
+    return "'min' is the least that a plan of the whole step needs, which it does not make"
