@@ -143,16 +143,22 @@ def host_update_(spec: HostOptimizer, state, grad: np.ndarray, master: np.ndarra
         host_update_(spec, state, bf16_bits(grad_chunk), master, writable_view(param_chunk, np.uint16),
                      grad_scale=spec.grad_scale(global_norm))
     """
+    moments = _moments(spec, state)
+    count = int(state.count)
+    hyper = step_hyper(spec, count, learning_rate_at(spec.learning_rate, count))
+    update_(hyper, master, moments, grad, params_bits_out, grad_scale)
+    state.count = next_count(count)
+
+
+def _moments(spec: HostOptimizer, state) -> tuple:
+    """The float32 moment buffers of ``state``; ValueError (one line) when ``state`` is not
+    ``spec``'s host state type."""
     state_type = _STATE_TYPES.get(type(spec))
     if state_type is None or not isinstance(state, state_type):
         raise ValueError(_MSG_STATE_MISMATCH.format(spec=type(spec).__name__,
                                                     want=getattr(state_type, "__name__", "known spec"),
                                                     got=type(state).__name__))
-    count = int(state.count)
-    hyper = step_hyper(spec, count, learning_rate_at(spec.learning_rate, count))
-    moments = tuple(getattr(state, f) for f in _MOMENT_FIELDS[state_type])
-    update_(hyper, master, moments, grad, params_bits_out, grad_scale)
-    state.count = next_count(count)
+    return tuple(getattr(state, f) for f in _MOMENT_FIELDS[state_type])
 
 
 def _undone_hyper(spec: HostOptimizer, state):
@@ -187,15 +193,11 @@ def host_invert_(spec: HostOptimizer, state, grad: np.ndarray, master: np.ndarra
     Raises:
       ValueError: as :func:`host_update_`, or the step is not :func:`host_invertible`.
     """
-    state_type = _STATE_TYPES.get(type(spec))
-    if state_type is None or not isinstance(state, state_type):
-        raise ValueError(_MSG_STATE_MISMATCH.format(spec=type(spec).__name__,
-                                                    want=getattr(state_type, "__name__", "known spec"),
-                                                    got=type(state).__name__))
+    moments = _moments(spec, state)
     hyper = _undone_hyper(spec, state)
     if hyper is None:
         raise ValueError(f"host_invert_: count {state.count} has no step to undo (0, or saturated at int32 max)")
-    invert_(hyper, master, tuple(getattr(state, f) for f in _MOMENT_FIELDS[state_type]), grad, grad_scale)
+    invert_(hyper, master, moments, grad, grad_scale)
     state.count = int(state.count) - 1
 
 
@@ -207,14 +209,10 @@ def host_canonical_(spec: HostOptimizer, state, grad: np.ndarray, master: np.nda
     ``right`` (None: a skipped step, the count unchanged, ``params_bits_out`` unused), in one pass
     (:func:`chunkjax.kernels_inverse.canonical_`). Arguments and errors as :func:`host_update_`;
     ``host_invertible(spec, state)`` must hold."""
-    state_type = _STATE_TYPES.get(type(spec))
-    if state_type is None or not isinstance(state, state_type):
-        raise ValueError(_MSG_STATE_MISMATCH.format(spec=type(spec).__name__,
-                                                    want=getattr(state_type, "__name__", "known spec"),
-                                                    got=type(state).__name__))
+    moments = _moments(spec, state)
     count = int(state.count)
     hyper = step_hyper(spec, count, learning_rate_at(spec.learning_rate, count))
-    canonical_(hyper, master, tuple(getattr(state, f) for f in _MOMENT_FIELDS[state_type]), grad,
+    canonical_(hyper, master, moments, grad,
                params_bits_out, guess, right)
     if right is not None:
         state.count = next_count(count)
