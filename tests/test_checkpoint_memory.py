@@ -20,13 +20,14 @@ import sys
 
 import pytest
 
+from _multiprocess import cpu_env
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)  # one CPU device: the state's device chunks are one buffer each
+    env = cpu_env(1)  # one CPU device (the state's device chunks are one buffer each), the suite's other XLA flags
     r = subprocess.run([sys.executable, os.path.join(HERE, "checkpoint_memory_worker.py"),
                         str(tmp_path_factory.mktemp("memory"))], env=env, capture_output=True, text=True,
                        timeout=300)
