@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from chunkjax.checkpoint.codec import decode, encode
+from chunkjax.checkpoint.codec import encode
 from chunkjax.checkpoint.protocol import CheckpointError
+from chunkjax.nnx_side import side_by_key
 from chunkjax.step_checkpoint import check_moments
 from chunkjax.step_commit import interrupts_deferred
 
@@ -99,17 +100,7 @@ class OffloadedChunkIO:
                                       f"{saved.meta.get('saved_from', {}).get('step', '?')}), but this model's loss "
                                       f"changes {keys[0]!r}: restore a checkpoint of an OffloadedStep of this model")
             return ()
-        got_keys, values = list(entry["keys"]), list(decode(entry["values"]))
-        for k in got_keys:
-            if k not in keys:
-                raise CheckpointError(f"{saved.where} holds non-parameter state {k!r}, which this model's loss does "
-                                      f"not change ({len(got_keys)} vs {len(keys)} leaves): restore a checkpoint of "
-                                      "this model")
-        for k in keys:
-            if k not in got_keys:
-                raise CheckpointError(f"non-parameter state {k!r} of this model is not in {saved.where} "
-                                      f"({len(got_keys)} vs {len(keys)} leaves): restore a checkpoint of this model")
-        by_key = dict(zip(got_keys, values))
+        by_key = side_by_key(saved, entry, keys, "which this model's loss does not change")
         out = []
         for k, j in zip(keys, self.discovery.mutable):
             v, now = by_key[k], self.discovery.side_values[j]  # numpy, or a typed PRNG key array

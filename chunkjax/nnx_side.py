@@ -67,16 +67,7 @@ def saved_side(model, wrt, saved) -> list | None:
                           f"({keys[0]!r}, ... {len(keys)} leaves), so dropout masks / batch statistics may differ "
                           "from the uninterrupted run", RuntimeWarning, stacklevel=4)
         return None
-    got_keys, values = list(entry["keys"]), list(decode(entry["values"]))
-    for k in got_keys:
-        if k not in keys:
-            raise CheckpointError(f"{saved.where} holds non-parameter state {k!r}, which this model does not have "
-                                  f"({len(got_keys)} vs {len(keys)} leaves): restore a checkpoint of this model")
-    for k in keys:
-        if k not in got_keys:
-            raise CheckpointError(f"non-parameter state {k!r} of this model is not in {saved.where} "
-                                  f"({len(got_keys)} vs {len(keys)} leaves): restore a checkpoint of this model")
-    by_key = dict(zip(got_keys, values))
+    by_key = side_by_key(saved, entry, keys, "which this model does not have")
     out = []
     for k, v in zip(keys, now):
         got = by_key[k]
@@ -85,6 +76,22 @@ def saved_side(model, wrt, saved) -> list | None:
                                   "model: restore a checkpoint of this model")
         out.append(got)
     return out
+
+
+def side_by_key(saved, entry: dict, keys: list, unknown: str) -> dict:
+    """A checkpoint's non-parameter state (``entry``, its ``side_state``) by key, once its keys
+    are checked to be ``keys``; a one-line CheckpointError names the first key only one side
+    has (``unknown``: how the model is said not to hold a key of the checkpoint)."""
+    got_keys, values = list(entry["keys"]), list(decode(entry["values"]))
+    for k in got_keys:
+        if k not in keys:
+            raise CheckpointError(f"{saved.where} holds non-parameter state {k!r}, {unknown} "
+                                  f"({len(got_keys)} vs {len(keys)} leaves): restore a checkpoint of this model")
+    for k in keys:
+        if k not in got_keys:
+            raise CheckpointError(f"non-parameter state {k!r} of this model is not in {saved.where} "
+                                  f"({len(got_keys)} vs {len(keys)} leaves): restore a checkpoint of this model")
+    return dict(zip(got_keys, values))
 
 
 def write_side(model, wrt, values: list) -> None:
