@@ -17,16 +17,17 @@ steps. With ``cross_step=True`` (the default) the call instead
    steps' host work never run at once, a host chunk's update of this step always follows the
    previous one, and the previous speculation's outcome is known to this step's policy
    (:attr:`chunkjax.speculate.Speculation.speculating` is read at the first update);
-3. has the previous work update its remaining ready chunks in this step's read order
-   (:func:`host_need`) once its hand-overs are complete, so the first layers' chunks, needed
-   first, are done first.
+3. has its own host work (and so the next step's view of it) update the ready chunks in the
+   next step's read order (:func:`host_need`; :class:`chunkjax.host_work.HostWork`), so the
+   chunks left when the backward ends are those the next forward reads last.
 
 What still joins everything: :meth:`chunkjax.ChunkedStep.wait`, ``master_params``,
 ``eval_loss`` and checkpoints; a step with storage chunks joins the previous step at its start
 (its workers write the next params in place: :mod:`chunkjax.storage.updater`). No deadlock: the
 main thread waits only on the previous step's thread, whose work waits only for gradients and a
-norm the previous step has already dispatched; this step's thread starts after the previous one
-is joined. The cost model's view: :func:`chunkjax.cost.cross_step_delay`.
+norm the previous step has already dispatched; this step's thread gets its first update after the
+previous one is joined. The cost model's view: :func:`chunkjax.cost.cross_step_wait`, with the
+next forward's reads from a schedule (:func:`next_read_fractions`).
 
 PatrickStar (arXiv 2108.05818) section 5 (CPU updates overlapped with GPU work); SuperOffload
 (ASPLOS'26), speculation-then-validation (a speculated chunk counts as final once validated).

@@ -81,6 +81,8 @@ class FitProblem:
       platform: ``jax.default_backend()``.
       storage: the disk tier (:class:`chunkjax.storage.updater.StorageOptions`) or None.
       storage_devices, disk_budget_bytes: its storage devices and the bytes they may hold.
+      cross_step: plan (forward cuts, :func:`chunkjax.plan_schedule`) and build the step with
+        cross-step overlap (:mod:`chunkjax.cross_step`); False: the step joins each previous one.
     """
 
     stages: tuple
@@ -106,6 +108,7 @@ class FitProblem:
     storage: Any = None
     storage_devices: int = 0
     disk_budget_bytes: int | None = None
+    cross_step: bool = False
 
     @property
     def n_ranks(self) -> int:
@@ -357,7 +360,7 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
 # ---- the one planning call -------------------------------------------------------------------
 
 def plan(problem: FitProblem, budget_bytes: int, *, policy: str = "tide", resident=None, must_fit: bool = True,
-         split: bool = True, cross_step: bool = False):
+         split: bool = True):
     """The schedule for one (per-rank) device budget: the only place the fit path plans (with
     micro-batches in-program accumulation where it fits, else per pass: :mod:`chunkjax.plan_micro`).
 
@@ -370,13 +373,12 @@ def plan(problem: FitProblem, budget_bytes: int, *, policy: str = "tide", reside
         baseline that does not fit).
       split: ``"tide"``: split offloaded updates between host and device by rate
         (:func:`chunkjax.plan_split.split_updates`); False: all on the host.
-      cross_step: time the step with cross-step overlap (``plan_schedule``'s).
 
     Raises:
       chunkjax.PlanError: nothing fits (the message gives the smallest budget that does).
     """
     p = problem
-    kw = dict(policy=policy, resident=resident, must_fit=must_fit, cross_step=cross_step)
+    kw = dict(policy=policy, resident=resident, must_fit=must_fit)
     if p.micro_batches > 1 and (s := in_program_plan(p, budget_bytes, plan, split=split, **kw)):
         return s
     try:
@@ -393,7 +395,7 @@ def plan(problem: FitProblem, budget_bytes: int, *, policy: str = "tide", reside
             raise e from None
 
 
-def _plan(p: FitProblem, budget_bytes: int, *, policy, resident, must_fit, split, cross_step=False):
+def _plan(p: FitProblem, budget_bytes: int, *, policy, resident, must_fit, split):
     return plan_schedule(p.layout, p.traces, p.cb, int(budget_bytes), policy=policy, ranks=p.n_ranks,
                          zero_stage=p.zero_stage or None, host_budget_bytes=p.host_budget_bytes,
                          prefetch=p.prefetch, segments=p.segments, flops_per_step=p.flops_per_step, rates=p.rates,
@@ -402,17 +404,17 @@ def _plan(p: FitProblem, budget_bytes: int, *, policy, resident, must_fit, split
                          storage_devices=p.storage_devices, disk_budget_bytes=p.disk_budget_bytes,
                          disk_versions=p.storage.disk_versions if p.storage is not None else 2,
                          host_bytes_of=host_bytes_of(p) if p.n_ranks == 1 and p.host_budget_bytes is not None else None,
-                         cross_step=cross_step)
+                         cross_step=p.cross_step)
 
 
-def build_step(problem: FitProblem, schedule, speculation_bytes: int | None = None, cross_step: bool = True):
-    """The step running ``schedule`` (nothing compiled or allocated yet); ``speculation_bytes``:
-    the host backup bound of its speculative updates (:func:`chunkjax.fit_host.speculation_bytes`;
-    None: the step's default); ``cross_step``: the step's (:mod:`chunkjax.cross_step`)."""
+def build_step(problem: FitProblem, schedule, speculation_bytes: int | None = None):
+    """The step running ``schedule`` (nothing compiled or allocated yet, cross-step overlap as
+    ``problem.cross_step``); ``speculation_bytes``: the host backup bound of its speculative
+    updates (:func:`chunkjax.fit_host.speculation_bytes`; None: the step's default)."""
     p = problem
     kw = dict(host_optimizer=p.host_optimizer, tx=p.tx, compute_dtype=p.compute_dtype, micro_batches=p.micro_batches,
               nonfinite=p.nonfinite, loss_scaling=p.loss_scaling, storage=p.storage,
-              speculation_bytes=speculation_bytes, cross_step=cross_step)
+              speculation_bytes=speculation_bytes, cross_step=p.cross_step)
     from chunkjax.step import make_chunked_step
     if p.zero_stage:
         kw.update(mesh=p.mesh, zero_stage=p.zero_stage)

@@ -8,14 +8,14 @@ come after them (:meth:`HostWork.submit`, in submission order).
 
 Cross-step overlap (``ChunkedStep(cross_step=True)``, :mod:`chunkjax.cross_step`): the next
 step does not join this work when it starts. Before dispatching a program it waits only for the
-host chunks that program reads (:meth:`HostWork.wait_chunks`): a chunk is final once its update
+host chunks that program takes (:meth:`HostWork.wait_chunks`): a chunk is final once its update
 ran with the right factor, or once the validation has kept or redone it when it was updated
-speculatively (:mod:`chunkjax.speculate`). For that to pay, the chunks whose gradients are
-already there when the step's hand-overs are complete are updated in the order the *next* step
-reads them (``need``: earliest first program first), not in the order they arrived; before
-that the thread keeps the arrival order, which is what the gradient window
-(:meth:`HostWork.hand_over`) waits for. Nothing is stale: the next step reads every chunk after
-its final update, as if it had joined the whole step.
+speculatively (:mod:`chunkjax.speculate`). For that to pay, the thread takes, among the chunks
+whose gradient is there, the one the *next* step takes first (``need``), not the oldest; the
+gradient window (:meth:`HostWork.hand_over`) then bounds how many chunk updates are pending, not
+which, so the chunks left when the backward ends are those the next forward reads last; the
+validation runs as soon as the global norm is known. Nothing is stale: the next step reads every
+chunk after its final update, as if it had joined the whole step.
 
 PatrickStar (arXiv 2108.05818) section 5 (the CPU update of chunks overlapping the GPU's
 work); SuperOffload (ASPLOS'26), "speculation-then-validation" of the CPU optimizer step (a

@@ -239,7 +239,9 @@ class Speculation:
         self.skip, self.inv, self.pool, self._inverter = skip, float(inv), pool, inverter
         self.certain = self.max_grad_norm is None and not skip  # the factor does not depend on the norm
         self.guess = self.scale_of(0.0)
-        self._policy, self._previous, self._speculating = policy, previous, None
+        self._policy, self._previous, self._speculating, self._deciding = policy, previous, None, threading.Lock()
+        if previous is not None:  # decided now (its own previous is joined): no chain of steps kept alive
+            previous.speculating  # noqa: B018
         self._norm, self._set = None, threading.Event()
         self._final = None
         self._kept: dict = {}  # c -> (backup or None for inversion, gradient)
@@ -254,11 +256,12 @@ class Speculation:
         cross-step overlap the previous step's validation may end after this step began).
         "after_common": the previous step's factor was the common one; the first step of a process
         waits (a resumed run then repeats what the uninterrupted one did after a step that clipped)."""
-        if self._speculating is None:
-            prev = self._previous
-            self._speculating = self._policy == "always" or (prev is not None and not prev.fired)
-            self._previous = None  # the previous step's speculation is not kept alive
-        return self._speculating
+        with self._deciding:
+            if self._speculating is None:
+                prev = self._previous
+                self._speculating = self._policy == "always" or (prev is not None and not prev.fired)
+                self._previous = None  # the previous step's speculation is not kept alive
+            return self._speculating
 
     def holds(self, c: int) -> bool:
         """Whether chunk ``c`` was updated speculatively and awaits :meth:`validate` (not final)."""

@@ -9,7 +9,8 @@ One step is a short host-driven pipeline of jitted programs (definitions.md, "a 
 2. updates (:mod:`chunkjax.updaters`): device chunks by one program each after the last program;
    streamed (:mod:`chunkjax.streamed`) and host chunks (a host thread) as each program's gradients
    complete, while the device runs the rest of the backward. The pending work is returned in the
-   state (:attr:`TrainState.pending`); the next call or :meth:`ChunkedStep.wait` joins it.
+   state (:attr:`TrainState.pending`); :meth:`ChunkedStep.wait` joins it, the next call too, after
+   waiting per program for the host chunks it takes (cross-step overlap, :mod:`chunkjax.cross_step`).
 
 The topology (:mod:`chunkjax.topology`: one device, or a ``data`` mesh with ZeRO stage 1/2/3, in
 one process or many through ``jax.distributed``) supplies the walker's hooks, the shardings and
@@ -357,6 +358,7 @@ class ChunkedStep(StepChunkIO, StepUpdates, OnTopology):
         Raises:
           ValueError: the batch does not split over the ranks and micro-batches or (a weighted loss)
             scores no token, or ``loss_scale`` given without ``loss_scaling`` (or missing with it).
+          HostDeadlineError, or what the previous step's host update raised (before this commit).
         """
         return self.begin(state, batch, loss_scale).commit()
 

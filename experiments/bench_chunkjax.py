@@ -75,6 +75,7 @@ class ChunkjaxSystem:
                                    micro_batches=micro_batches,
                                    flops_per_step=cfg.flops_per_token(seq) * batch * seq, rates=self.rates,
                                    device_budget=self.budget, storage=storage or None, host_budget=host_budget)
+        self.problem = dataclasses.replace(self.problem, cross_step=self.cross_step)  # planned and run so
         self.disk, self.disk_steps = None, []  # the disk tier: the storage chunks' DiskState, each step's result
         self.trace_s = time.perf_counter() - t0
         p = self.problem
@@ -91,7 +92,7 @@ class ChunkjaxSystem:
         :meth:`compiled_memory` re-checks the compiled peak against it and re-plans."""
         from chunkjax import fit
         self.budget = self.effective_budget = int(budget_bytes)
-        self.use_schedule(fit.plan(self.problem, self.budget, cross_step=self.cross_step))
+        self.use_schedule(fit.plan(self.problem, self.budget))
         self.replan = True
 
     def use_schedule(self, schedule) -> None:
@@ -99,7 +100,7 @@ class ChunkjaxSystem:
         experiments/plan.py) with this system's layout and host optimizer."""
         from chunkjax import fit
         self.schedule = schedule
-        self.step_fn = fit.build_step(self.problem, schedule, cross_step=self.cross_step)
+        self.step_fn = fit.build_step(self.problem, schedule)
         self.plan_history = []
         self.replan = False  # a given schedule is checked, never replaced
 

@@ -1,6 +1,8 @@
 # Issue 23, cross-step overlap (chunkjax.cross_step) on the GPU in ONE call of < 9 min (one H200):
 #   bash experiments/gpu_checks/cross_step_6b.sh <run-id>          # the runs below, then the table
 #   bash experiments/gpu_checks/cross_step_6b.sh <run-id> table    # only the table of the runs under $OUT
+#   bash experiments/gpu_checks/cross_step_6b.sh <run-id> 6b16_clip,6b16_mb4   # only these runs (a second call
+#        for runs the first one skipped: their ratios need BASE_TPS=<6b16 chunkjax tokens/s> PLAIN_TPS=<plain>)
 # GPT3_6B, batch 16 x 1024, AdamW, chunkjax at a 24 GiB device budget against plain JAX on the whole card:
 #   6b16      plain JAX and chunkjax with cross-step overlap (the default: planned with forward cuts, the
 #             next step waits per program for the host chunks it takes; the host thread takes the ready
@@ -33,11 +35,12 @@ run() {  # run <tag> <bench args...>: within the call's time left, else skipped
   timeout -k 10 $left $B --run-id ${RUN}_$tag --worker-timeout $left "$@" > $OUT/$tag.log 2>&1
   echo "$tag rc=$? $((SECONDS - t0)) s"
 }
+want() { [[ $PART == all || ,$PART, == *,$1,* ]]; }
 if [[ $PART != table ]]; then
-  run 6b16 $SIX --systems plain_jax,chunkjax --system-budget plain_jax=$WHOLE
-  run 6b16_off $SIX --systems chunkjax --set cross_step=0
-  run 6b16_clip $SIX --systems chunkjax --set max_grad_norm=1.0
-  run 6b16_mb4 $SIX --systems chunkjax --set micro_batches=4
+  want 6b16 && run 6b16 $SIX --systems plain_jax,chunkjax --system-budget plain_jax=$WHOLE
+  want 6b16_off && run 6b16_off $SIX --systems chunkjax --set cross_step=0
+  want 6b16_clip && run 6b16_clip $SIX --systems chunkjax --set max_grad_norm=1.0
+  want 6b16_mb4 && run 6b16_mb4 $SIX --systems chunkjax --set micro_batches=4
 fi
 for t in 6b16 6b16_off 6b16_clip 6b16_mb4; do [ -f $OUT/$t.log ] && { echo "== $t"; tail -3 $OUT/$t.log; }; done
 python - "$RUN" <<'P'
@@ -61,8 +64,11 @@ for tag in TAGS:
                      "speculation": e.get("speculation"),
                      "error": (s.get("error") or s.get("infeasible_reason") or "")[:300]})
 out["rows"] = rows
-plain = next((x["tokens_per_s"] for x in rows if x["run"] == "6b16" and x["system"] == "plain_jax"), None)
+plain = next((x["tokens_per_s"] for x in rows if x["run"] == "6b16" and x["system"] == "plain_jax"),
+             float(os.environ["PLAIN_TPS"]) if os.environ.get("PLAIN_TPS") else None)
 tps = {x["run"]: x["tokens_per_s"] for x in rows if x["system"] == "chunkjax"}
+if "6b16" not in tps and os.environ.get("BASE_TPS"):  # a second call: the first call's cross-step chunkjax
+    tps["6b16"] = float(os.environ["BASE_TPS"])
 ratio = lambda a, b: a / b if a and b else None  # noqa: E731
 out["targets"] = {"6b16_cross_over_plain (>= 0.85)": ratio(tps.get("6b16"), plain),
                   "6b16_off_over_plain (0.673 in session 14)": ratio(tps.get("6b16_off"), plain),
