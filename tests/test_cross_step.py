@@ -5,7 +5,8 @@ No test here calls ``step.wait`` between steps (that would join everything and l
 overlap); the programs cut the forward (one program per forward moment), so that the next step's
 first programs take only some host chunks. Every run is compared with optax (fp32 tolerances of
 tests/test_overlap.py) and, bit for bit, with the same step joining the previous one at its start
-(``cross_step=False``). The speculative branch is forced as in tests/test_overlap.py.
+(``cross_step=False``), also on a 2-rank ZeRO mesh. The speculative branch is forced as in
+tests/test_overlap.py.
 """
 import dataclasses
 import threading
@@ -323,3 +324,38 @@ def test_cross_step_wait_and_the_planners_prediction(setup):
     assert cross.predicted.time.cross_step and not plain.predicted.time.cross_step
     assert cross.predicted.time.step_s <= plain.predicted.time.step_s
     assert cross.predicted.time.step_s >= cross.predicted.time.host_update_s
+
+
+def test_zero_mesh_matches_the_joined_step():
+    """ZeRO stage 3 on a 2-rank mesh, host chunks updated per rank slice, the forward cut into
+    programs: 6 steps without waiting are bit for bit the joined step's and equal optax."""
+    from chunkjax.topology import build_zero_layout, data_mesh
+    n, rows = 2, 4
+    cfg = gpt.get_config("micro", n_layers=2)
+    rng = np.random.default_rng(13)
+    params = gpt.init_params(cfg, jax.random.key(7))
+    batches = [jnp.asarray(rng.integers(0, cfg.vocab_size, (rows, T + 1)), jnp.int32) for _ in range(6)]
+    stages = gpt.gpt_stages(cfg)
+    order = cj.first_use_order(lambda p, b: cj.compose_loss(stages, p, b), params, batches[0])
+    layout = build_zero_layout(params, n, cfg.vocab_size * cfg.d_model, order)
+    traces = cj.trace_stages(stages, layout, jax.ShapeDtypeStruct((rows // n, T + 1), jnp.int32), jnp.float32)
+    spec = AdamW(3e-3, weight_decay=0.1, max_grad_norm=1e6)
+    cb = cj.chunk_bytes(layout, jnp.float32, state_bytes_per_chunk(spec.optax(), layout.chunk_size))
+    roomy = plan_schedule(layout, traces, cb, 10**12, flops_per_step=1.0, resident=[0])
+    segs = tuple(range(len(stages))) + (len(stages) + 1,)
+    sched = plan_schedule(layout, traces, cb, 10**12, flops_per_step=1.0, resident=[0], segments=segs)
+    assert "host" in sched.update_locations and len(roomy.moments) > segs[-1]
+    on = cj.make_chunked_step(stages, layout, sched, host_optimizer=spec, compute_dtype=jnp.float32,
+                              mesh=data_mesh(jax.devices()[:n]), zero_stage=3)
+    off = dataclasses.replace(on, cross_step=False)
+    off.__dict__["_cache"] = on._cache
+    s_on, l_on, _, _ = _run(on, params, batches, rows=rows)
+    s_off, l_off, _, _ = _run(off, params, batches, rows=rows)
+    np.testing.assert_array_equal(l_on, l_off)
+    for a, b in zip(jax.tree.leaves(on.master_params(s_on)), jax.tree.leaves(off.master_params(s_off))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    ref_p, ref_l, _ = micro_batch_reference(cfg, params, batches, spec.optax(), 1)
+    np.testing.assert_allclose(l_on, ref_l, rtol=2e-5)
+    for a, b in zip(jax.tree.leaves(on.master_params(s_on)), jax.tree.leaves(ref_p)):
+        a, b = np.asarray(a), np.asarray(b)
+        assert np.linalg.norm(a - b) / np.linalg.norm(b) < 3e-4  # tests/test_zero_schedule.py's bound
