@@ -146,6 +146,10 @@ class PipelinedStepTime:
         ``forward_s + backward_s``.
       window: the gradient window the step was timed with (programs whose host gradients may
         exist at once; 0: unbounded).
+      cross_step: timed with cross-step overlap (:mod:`chunkjax.cross_step`):
+        ``host_update_exposed_s`` is then the wait of the next step's forward after the backward's
+        end for the host tail (:func:`cross_step_wait`), which runs beside the device updates and
+        the streamed tail, and a step is never shorter than the host thread's whole work.
     """
 
     forward_s: float
@@ -161,6 +165,7 @@ class PipelinedStepTime:
     storage_hidden_s: float = 0.0
     window_stall_s: float = 0.0
     window: int = 0
+    cross_step: bool = False
 
     @property
     def step_s(self) -> float:
@@ -168,7 +173,12 @@ class PipelinedStepTime:
         the host thread's exposed tail and the streamed pipeline's (they run at once: the host
         kernel on the CPU, the streamed chunks over PCIe and on the device); the disk tier's
         exposed part runs beside all of them after the backward (docs/storage.md, "The disk as a
-        placement")."""
+        placement"). With ``cross_step`` the host tail runs beside the device updates too, and
+        the step is at least ``host_update_s`` (the host thread is then the bottleneck)."""
+        if self.cross_step:
+            tail = max(self.device_update_s + self.streamed_update_s, self.host_update_exposed_s)
+            return max(self.forward_s + self.backward_s + self.window_stall_s + max(tail, self.storage_exposed_s),
+                       self.host_update_s)
         return (self.forward_s + self.backward_s + self.window_stall_s
                 + max(self.device_update_s + max(self.host_update_exposed_s, self.streamed_update_s),
                       self.storage_exposed_s))
@@ -389,6 +399,45 @@ def program_timeline(device_end_s: Sequence[float], host_s: Sequence[float], *, 
     return out
 
 
+def cross_step_wait(tail_s: float, chunks: Sequence[tuple[float, float]], forward_s: float) -> float:
+    """With cross-step overlap (:mod:`chunkjax.cross_step`): seconds after the backward's end
+    until the next step's forward, started at the backward's end, is no longer held back by this
+    step's host tail.
+
+    The host thread has ``tail_s`` seconds of updates left when the backward ends. It takes the
+    ready chunks in the next step's read order (:class:`chunkjax.host_work.HostWork`), so the
+    chunks it leaves for the end are those read last: the tail is taken from ``chunks`` read
+    latest first until it holds ``tail_s`` seconds (work beyond the chunks listed counts as read
+    at the forward's start), then updated in read order. The forward waits before each program
+    for the chunks it takes, and the next step's first gradient hand-over joins the whole tail.
+
+    Args:
+      tail_s: host seconds left at the backward's end (:func:`program_timeline`).
+      chunks: per host chunk, (seconds of its update, fraction of the next forward done when the
+        first program taking it starts, 0 to 1).
+      forward_s: the forward's seconds.
+
+    Returns:
+      ``max(0, max_i(h_i - f_i * forward_s), tail_s - forward_s)``, ``h_i`` the host's seconds
+      until tail chunk ``i`` (in read order) is final.
+    """
+    if tail_s <= 0:
+        return 0.0
+    left, tail = tail_s, []
+    for sec, f in sorted(chunks, key=lambda x: -x[1]):
+        if left <= 0:
+            break
+        tail.append((min(sec, left), f))
+        left -= min(sec, left)
+    if left > 0:
+        tail.append((left, 0.0))
+    h, wait = 0.0, tail_s - forward_s
+    for sec, f in sorted(tail, key=lambda x: x[1]):
+        h += sec
+        wait = max(wait, h - f * forward_s)
+    return max(0.0, wait)
+
+
 def _program_index(ends: Sequence[float], frac: float) -> int:
     """The program whose end (a fraction of the backward) is the first at or after ``frac``."""
     for k, f in enumerate(ends):
@@ -404,7 +453,8 @@ def predict_pipelined_step(flops_per_step: float, *, fwd_h2d: int, bwd_h2d: int,
                            depth: int = 2, rates: Rates = Rates(), storage: Sequence[tuple[float, int]] = (),
                            disk_file_bytes: int = 0, storage_params_per_chunk: int = 0,
                            storage_early: bool = False, staging_buffers: int = 3,
-                           window: int = GRAD_WINDOW_PROGRAMS) -> PipelinedStepTime:
+                           window: int = GRAD_WINDOW_PROGRAMS, cross_step: bool = False,
+                           host_reads: Sequence[tuple[float, int]] = ()) -> PipelinedStepTime:
     """Predict a pipelined step on one timeline (:func:`program_timeline`): forward, backward
     (with per-stage recompute: the forward's FLOPs again) cut into programs, a host thread that
     updates each program's host chunks once that program has finished (in program order, one at
@@ -440,6 +490,10 @@ def predict_pipelined_step(flops_per_step: float, *, fwd_h2d: int, bwd_h2d: int,
         once the norm is known (the backward's end).
       staging_buffers: staging buffers per storage device (the read-ahead bound).
       window: the step's gradient window (programs; 0: unbounded).
+      cross_step: the next step overlaps this one's host tail (:func:`cross_step_wait`,
+        :attr:`PipelinedStepTime.step_s`).
+      host_reads: with ``cross_step``, per host chunk (fraction of the next forward done when the
+        first program taking it starts, its parameters).
     """
     r = rates
     c_fwd = flops_per_step / 3 / r.matmul_flops_per_s
@@ -460,6 +514,8 @@ def predict_pipelined_step(flops_per_step: float, *, fwd_h2d: int, bwd_h2d: int,
     host = sum(host_s)
     t_host = max((t.host_end_s for t in times), default=0.0)
     exposed = max(0.0, t_host - end) if host else 0.0
+    if cross_step and host:
+        exposed = cross_step_wait(exposed, [(n * r.host_update_s_per_param, f) for f, n in host_reads], fwd)
     share = max(0.0, 1.0 - bwd_transfer / bwd) if bwd > 0 else 1.0
     last = streamed_pipeline_end([(times[_program_index(ends, f)].end_s if streamed_early else end, up, down)
                                   for f, up, down in streamed],
@@ -479,7 +535,7 @@ def predict_pipelined_step(flops_per_step: float, *, fwd_h2d: int, bwd_h2d: int,
             other_tail_s=dev_upd + max(exposed, streamed_s), rates=r)
     return PipelinedStepTime(fwd, bwd, host, exposed, dev_upd, streamed_s, c_fwd + c_bwd,
                              fwd_h2d / r.h2d_bytes_per_s + bwd_transfer, busy, disk_exposed,
-                             max(0.0, busy - disk_exposed), stall, int(window))
+                             max(0.0, busy - disk_exposed), stall, int(window), bool(cross_step and host))
 
 
 def _dot_flops(eqn) -> float:

@@ -81,6 +81,8 @@ class FitProblem:
       platform: ``jax.default_backend()``.
       storage: the disk tier (:class:`chunkjax.storage.updater.StorageOptions`) or None.
       storage_devices, disk_budget_bytes: its storage devices and the bytes they may hold.
+      cross_step: plan (forward cuts, :func:`chunkjax.plan_schedule`) and build the step with
+        cross-step overlap (:mod:`chunkjax.cross_step`); False: the step joins each previous one.
     """
 
     stages: tuple
@@ -106,6 +108,7 @@ class FitProblem:
     storage: Any = None
     storage_devices: int = 0
     disk_budget_bytes: int | None = None
+    cross_step: bool = False
 
     @property
     def n_ranks(self) -> int:
@@ -400,17 +403,18 @@ def _plan(p: FitProblem, budget_bytes: int, *, policy, resident, must_fit, split
                          split=split, micro_batches=p.micro_batches, streamed_early=p.streamed_early,
                          storage_devices=p.storage_devices, disk_budget_bytes=p.disk_budget_bytes,
                          disk_versions=p.storage.disk_versions if p.storage is not None else 2,
-                         host_bytes_of=host_bytes_of(p) if p.n_ranks == 1 and p.host_budget_bytes is not None else None)
+                         host_bytes_of=host_bytes_of(p) if p.n_ranks == 1 and p.host_budget_bytes is not None else None,
+                         cross_step=p.cross_step)
 
 
 def build_step(problem: FitProblem, schedule, speculation_bytes: int | None = None):
-    """The step running ``schedule`` (nothing compiled or allocated yet); ``speculation_bytes``:
-    the host backup bound of its speculative updates (:func:`chunkjax.fit_host.speculation_bytes`;
-    None: the step's default)."""
+    """The step running ``schedule`` (nothing compiled or allocated yet, cross-step overlap as
+    ``problem.cross_step``); ``speculation_bytes``: the host backup bound of its speculative
+    updates (:func:`chunkjax.fit_host.speculation_bytes`; None: the step's default)."""
     p = problem
     kw = dict(host_optimizer=p.host_optimizer, tx=p.tx, compute_dtype=p.compute_dtype, micro_batches=p.micro_batches,
               nonfinite=p.nonfinite, loss_scaling=p.loss_scaling, storage=p.storage,
-              speculation_bytes=speculation_bytes)
+              speculation_bytes=speculation_bytes, cross_step=p.cross_step)
     from chunkjax.step import make_chunked_step
     if p.zero_stage:
         kw.update(mesh=p.mesh, zero_stage=p.zero_stage)

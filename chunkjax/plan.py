@@ -419,7 +419,7 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
                   rates: Rates = Rates(), host_update: bool = True, resident: Sequence[int] | None = None,
                   must_fit: bool = True, split: bool = True, micro_batches: int = 1,
                   streamed_early: bool = False, storage_devices: int = 0, disk_budget_bytes: int | None = None,
-                  disk_versions: int = 2, host_bytes_of=None) -> Schedule:
+                  disk_versions: int = 2, host_bytes_of=None, cross_step: bool = False) -> Schedule:
     """Plan one training step under a device budget: the one entry point for every policy.
 
     Args:
@@ -466,6 +466,7 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
       host_bytes_of: ``schedule -> bytes`` compared with ``host_budget_bytes`` when choosing among
         placements (default ``ranks * predicted.host_bytes``; :func:`chunkjax.fit.plan` passes the
         host memory the machine gives the run, its pinned pool as the runtime grows it).
+      cross_step: ``"tide"``: time the step with cross-step overlap (:mod:`chunkjax.cross_step`), try forward cuts.
 
     Host-updated chunks of ``"tide"`` and ``"all_host"`` on one device keep a compute-dtype copy
     while ``host_budget_bytes`` allows and are master-fetch beyond
@@ -539,7 +540,7 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
 
         disk = (host_budget_bytes, disk_budget_bytes, int(storage_devices), disk_versions) if storage_devices else None
 
-        predict = predictor()  # this plan's candidates, each predicted once
+        predict = predictor(cross_step=True, prefetch=prefetch) if cross_step else predictor()  # each once
         done = pr.grad_done_moments(traces, tide)
         placed: dict = {}  # (budget, resident set) -> the schedule of one(), each placement scheduled once
 
@@ -578,7 +579,7 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
                 predict=predict, grad_done=done)),
                 plan_cb, layout=layout, traces=traces, tide=tide, rates=rates, flops_per_step=flops_per_step,
                 fits=host_fits, micro_batches=micro_batches, streamed_early=streamed_early and split,
-                split=split and resident is None, predict=predict)
+                split=split and resident is None, predict=predict, cross_step=cross_step)
         return best
     if policy == "fixed":
         s = finish(_fixed(layout, traces, tide, plan_cb, budget, prefetch, rates, flops_per_step))

@@ -37,16 +37,18 @@ def _key(args: tuple, kw: dict) -> tuple:
             tuple(tuple(f) for f in fetch), tuple(segments), tuple(moment_bytes), tuple(sorted(kw.items())))
 
 
-def predictor() -> Callable[..., Prediction]:
+def predictor(**defaults) -> Callable[..., Prediction]:
     """:func:`chunkjax.predict.predict` (same arguments) that computes each distinct call once
     (:func:`_key`; traces, tide and chunk bytes are never mutated: frozen dataclasses and tuples);
-    the memo lives as long as the returned function (at most :data:`MAX_ENTRIES` predictions)."""
+    the memo lives as long as the returned function (at most :data:`MAX_ENTRIES` predictions).
+    ``defaults``: keyword arguments of every call (e.g. ``cross_step=True, prefetch=1``)."""
     memo: dict[tuple, Prediction] = {}
     held: dict[int, object] = {}  # the objects keyed by identity, kept alive so that no id is reused
 
     def predict(chunk_size, traces, tide, cb, param_kinds, update_locations, fetch, segments, moment_bytes,
                 **kw) -> Prediction:
         args = (chunk_size, traces, tide, cb, param_kinds, update_locations, fetch, segments, moment_bytes)
+        kw = defaults | kw
         key = _key(args, kw)
         out = memo.get(key)
         if out is None:

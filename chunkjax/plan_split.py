@@ -93,7 +93,7 @@ def _split_one(chunk_size, traces, tide, cb, budget, param_kinds, update_locatio
     while lo < hi:
         mid = (lo + hi) // 2
         t = at(mid)[1].time
-        if t.streamed_update_s >= t.host_update_exposed_s:
+        if t.streamed_update_s + (t.device_update_s if t.cross_step else 0.0) >= t.host_update_exposed_s:
             hi = mid
         else:
             lo = mid + 1

@@ -27,6 +27,7 @@ from typing import Sequence
 import numpy as np
 
 from chunkjax.cost import GRAD_WINDOW_PROGRAMS, Rates, predict_pipelined_step
+from chunkjax.cross_step import next_read_fractions
 from chunkjax.memory import DEVICE, PINNED_HOST
 from chunkjax.schedule import (DEVICE_UPDATE, HOST_UPDATE, NO_UPDATE, STORAGE_UPDATE, STREAMED_UPDATE, Placement,
                                Prediction, Schedule)
@@ -403,7 +404,7 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
             rates: Rates = Rates(), forward_fetches: int | None = None, master_fetch=(),
             micro_batches: int = 1, streamed_early: bool = False, storage_devices: int = 1,
             storage_early: bool = False, staging_buffers: int = STORAGE_STAGING_BUFFERS,
-            window: int = GRAD_WINDOW_PROGRAMS) -> Prediction:
+            window: int = GRAD_WINDOW_PROGRAMS, cross_step: bool = False, prefetch: int = 1) -> Prediction:
     """The :class:`~chunkjax.schedule.Prediction` of a schedule's decisions.
 
     Args:
@@ -440,6 +441,9 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
       window: the step's gradient window (``Schedule.grad_window``): programs whose host
         gradients may exist at once (the host working set) and the stall it causes
         (:func:`chunkjax.cost.program_timeline`).
+      cross_step, prefetch: the step runs with cross-step overlap (:mod:`chunkjax.cross_step`):
+        its host tail is timed against the next forward's reads
+        (:func:`chunkjax.cross_step.next_read_fractions` with the fetch distance ``prefetch``).
 
     Bytes moved per step: every fetch brings one chunk's compute params up; every chunk not
     updated on the device sends its gradient down during the backward (both once per pass of the
@@ -492,7 +496,9 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
         program_ends=[f for _, _, f in _program_ends(n_stages, T, segments)], depth=STREAMED_PIPELINE_DEPTH,
         rates=rates, storage=_storage_ready(traces, T, update_locations, segments, grad_done, storage_devices),
         disk_file_bytes=disk_file_bytes(cb), storage_params_per_chunk=chunk_size,
-        storage_early=storage_early and micro_batches == 1, staging_buffers=staging_buffers, window=window)
+        storage_early=storage_early and micro_batches == 1, staging_buffers=staging_buffers, window=window,
+        cross_step=cross_step, host_reads=[(f, chunk_size) for c, f in next_read_fractions(
+            fetch, segments, prefetch, n_stages).items() if update_locations[c] == HOST_UPDATE] if cross_step else ())
     return Prediction(int(peak), int(model), hf.pop("host_model_bytes"), int(h2d), int(d2h), int(fetch_b),
                       int(passes * n_fetch), tuple(int(b) for b in moment_bytes), time, **hf,
                       disk_bytes_per_step=2 * n_disk * disk_file_bytes(cb), storage_chunks=n_disk,

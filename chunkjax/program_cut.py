@@ -69,6 +69,19 @@ UNIFORM_PROGRAMS = (2, 3, 4, 5, 6, 8, 11)
 BALANCED_PROGRAMS = (4, 6, 8, 12)
 
 
+def forward_cut(segments: Sequence[int], n_stages: int, programs: int) -> tuple[int, ...]:
+    """``segments`` with the forward (moments ``0 .. n_stages - 2``) cut into ``programs`` equal
+    programs (cross-step overlap: each waits only for the previous step's host chunks it takes,
+    :mod:`chunkjax.cross_step`)."""
+    n_fwd = n_stages - 1
+    size = max(1, -(-n_fwd // max(1, int(programs))))
+    return tuple(sorted(set(segments) | set(range(0, n_fwd, size))))
+
+
+#: Forward programs of the cuts tried with cross-step overlap (:func:`forward_cut`).
+FORWARD_PROGRAMS = (2, 4, 8)
+
+
 def candidate_cuts(n_moments: int, n_stages: int, done_moments: Sequence[int],
                    max_programs: int = MAX_PROGRAMS) -> list[tuple[int, ...]]:
     """The cuts :func:`choose_program_cut` tries, without repeats, the doubling cut first: uniform
@@ -103,7 +116,8 @@ def _windows_of(windows: Sequence[int], n_programs: int) -> list[int]:
 def choose_program_cut(s: Schedule, cb: pr.ChunkBytes, *, chunk_size: int, traces, tide, rates,
                        flops_per_step: float, fits: Callable[[Schedule], bool], micro_batches: int = 1,
                        streamed_early: bool = False, split: bool = False,
-                       windows: Sequence[int] = range(2, MAX_WINDOW + 1), predict=pr.predict) -> Schedule:
+                       windows: Sequence[int] = range(2, MAX_WINDOW + 1), predict=pr.predict,
+                       cross_step: bool = False) -> Schedule:
     """The schedule ``s`` (one device, its placement and host forms decided) with the program
     cut, gradient window and streamed start that the cost model predicts fastest
     (:mod:`chunkjax.program_cut`), among those whose device peak stays within
@@ -124,6 +138,9 @@ def choose_program_cut(s: Schedule, cb: pr.ChunkBytes, *, chunk_size: int, trace
       windows: gradient windows tried (programs, each >= 1).
       predict: :func:`chunkjax.predict.predict` or the plan's memo of it
         (:func:`chunkjax.plan_memo.predictor`).
+      cross_step: the step runs with cross-step overlap: the best cut's forward is also tried cut
+        into :data:`FORWARD_PROGRAMS` programs (:func:`forward_cut`; ``predict`` must time the
+        step that way).
 
     Returns:
       a :class:`~chunkjax.schedule.Schedule` (``segments``, ``grad_window``, ``streamed_early``,
@@ -143,7 +160,10 @@ def choose_program_cut(s: Schedule, cb: pr.ChunkBytes, *, chunk_size: int, trace
         has_streamed = STREAMED_UPDATE in x.update_locations
         starts = sorted({bool(x.streamed_early), bool(streamed_early and has_streamed)})
         hosts = [c for c, u in enumerate(x.update_locations) if u == HOST_UPDATE]
-        for segs in candidate_cuts(T, n, [done[c] for c in hosts if c in done]):
+        cuts = candidate_cuts(T, n, [done[c] for c in hosts if c in done])
+        for i, segs in enumerate(cuts + [None] * (len(FORWARD_PROGRAMS) if cross_step else 0)):
+            if segs is None:  # the forward of the best cut so far, cut (cross-step overlap)
+                segs = forward_cut(best.segments, n, FORWARD_PROGRAMS[i - len(cuts)])
             for w in _windows_of(windows, len(segs)):
                 for early in starts:
                     pred = predict(chunk_size, traces, tide, cb, x.param_kinds, x.update_locations, x.fetch, segs,
@@ -172,7 +192,8 @@ def choose_program_cut(s: Schedule, cb: pr.ChunkBytes, *, chunk_size: int, trace
 
 
 def cut_and_start(best: Schedule, one, cb: pr.ChunkBytes, *, layout, traces, tide, rates, flops_per_step, fits,
-                   micro_batches: int, streamed_early: bool, split: bool, predict=pr.predict) -> Schedule:
+                   micro_batches: int, streamed_early: bool, split: bool, predict=pr.predict,
+                   cross_step: bool = False) -> Schedule:
     """``best`` (the planner's fastest tide schedule, one device) with the program cut and
     gradient window chosen on the step's timeline (:func:`choose_program_cut`); with
     ``streamed_early`` and ``split`` also the placements of ``best``'s resident count and the
@@ -191,11 +212,12 @@ def cut_and_start(best: Schedule, one, cb: pr.ChunkBytes, *, layout, traces, tid
       split: the update work may be re-split between host and streamed chunks.
       predict: :func:`chunkjax.predict.predict` or the plan's memo of it
         (:func:`chunkjax.plan_memo.predictor`).
+      cross_step: :func:`choose_program_cut`'s.
     """
     def cut(s):
         return choose_program_cut(s, cb, chunk_size=layout.chunk_size, traces=traces, tide=tide, rates=rates,
                                   flops_per_step=flops_per_step, fits=fits, micro_batches=micro_batches,
-                                  streamed_early=streamed_early, split=split, predict=predict)
+                                  streamed_early=streamed_early, split=split, predict=predict, cross_step=cross_step)
     best = cut(best)
     if not (streamed_early and split) or best.streamed_early:
         return best
@@ -213,10 +235,11 @@ def cut_and_start(best: Schedule, one, cb: pr.ChunkBytes, *, layout, traces, tid
 
 def retime(s: Schedule, cb: pr.ChunkBytes, *, chunk_size: int, traces, tide, rates, flops_per_step: float,
            micro_batches: int = 1, segments: Sequence[int] | None = None, window: int | None = None,
-           streamed_early: bool | None = None) -> pr.Prediction:
+           streamed_early: bool | None = None, cross_step: bool = False) -> pr.Prediction:
     """The prediction of schedule ``s`` (one device) at other ``rates`` (e.g. a measured compute
-    rate), and with another cut, window or streamed start where given (default: ``s``'s).
-    Everything else (placement, update locations, host forms) is ``s``'s."""
+    rate), and with another cut, window or streamed start where given (default: ``s``'s), with or
+    without cross-step overlap (:mod:`chunkjax.cross_step`). Everything else (placement, update
+    locations, host forms) is ``s``'s."""
     early_x = pr.streamed_early_extra(chunk_size, cb, traces, tide, s.param_kinds, s.update_locations, s.segments,
                                       s.streamed_early)
     base = [b - e for b, e in zip(s.predicted.device_bytes_per_moment, early_x)]
@@ -224,4 +247,5 @@ def retime(s: Schedule, cb: pr.ChunkBytes, *, chunk_size: int, traces, tide, rat
                       s.segments if segments is None else tuple(segments), base, flops_per_step=flops_per_step,
                       rates=rates, master_fetch=s.master_fetch, micro_batches=micro_batches,
                       streamed_early=s.streamed_early if streamed_early is None else bool(streamed_early),
-                      window=s.grad_window if window is None else int(window))
+                      window=s.grad_window if window is None else int(window), cross_step=cross_step,
+                      prefetch=s.prefetch)

@@ -223,7 +223,7 @@ class Speculation:
       stalled: a Future done (with the chunk id) once an update waits for the norm (the pool or
         the kept-gradient bound is full, a non-finite gradient, or the policy waits)
         (:meth:`chunkjax.updaters.HostWork.hand_over` stops holding programs back).
-      speculating: whether this step speculates (the policy's decision).
+      speculating: whether this step speculates (the policy's decision, read at the first update).
       speculated: chunks updated before the norm was known (this step).
       inverted: of those, chunks kept for rollback by inversion (the others were backed up).
       redone: chunks rolled back and updated again (or left as they were: a skipped step).
@@ -239,9 +239,9 @@ class Speculation:
         self.skip, self.inv, self.pool, self._inverter = skip, float(inv), pool, inverter
         self.certain = self.max_grad_norm is None and not skip  # the factor does not depend on the norm
         self.guess = self.scale_of(0.0)
-        # "after_common": the previous step's factor was the common one; the first step of a process
-        # waits (a resumed run then repeats what the uninterrupted one did after a step that clipped)
-        self.speculating = policy == "always" or (previous is not None and not previous.fired)
+        self._policy, self._previous, self._speculating, self._deciding = policy, previous, None, threading.Lock()
+        if previous is not None:  # decided now (its own previous is joined): no chain of steps kept alive
+            previous.speculating  # noqa: B018
         self._norm, self._set = None, threading.Event()
         self._final = None
         self._kept: dict = {}  # c -> (backup or None for inversion, gradient)
@@ -249,6 +249,23 @@ class Speculation:
         self.stalled = concurrent.futures.Future()  # set once an update waits for the norm
         self.speculated = self.inverted = self.redone = self.kept_bytes_peak = 0
         self.fired = False
+
+    @property
+    def speculating(self) -> bool:
+        """Whether this step speculates (the policy's decision, taken at the first update: with
+        cross-step overlap the previous step's validation may end after this step began).
+        "after_common": the previous step's factor was the common one; the first step of a process
+        waits (a resumed run then repeats what the uninterrupted one did after a step that clipped)."""
+        with self._deciding:
+            if self._speculating is None:
+                prev = self._previous
+                self._speculating = self._policy == "always" or (prev is not None and not prev.fired)
+                self._previous = None  # the previous step's speculation is not kept alive
+            return self._speculating
+
+    def holds(self, c: int) -> bool:
+        """Whether chunk ``c`` was updated speculatively and awaits :meth:`validate` (not final)."""
+        return c in self._kept
 
     def scale_of(self, norm: float | None):
         """The host kernels' gradient factor for a global norm of the scaled gradients: None
@@ -268,6 +285,10 @@ class Speculation:
         abandons the step (every speculated chunk is rolled back)."""
         self._norm = norm
         self._set.set()
+
+    def known(self) -> bool:
+        """Whether the right factor is known without waiting (:meth:`chunkjax.host_work.HostWork.validate`)."""
+        return self._known()
 
     def _known(self) -> bool:
         if self.certain:

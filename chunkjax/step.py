@@ -9,7 +9,8 @@ One step is a short host-driven pipeline of jitted programs (definitions.md, "a 
 2. updates (:mod:`chunkjax.updaters`): device chunks by one program each after the last program;
    streamed (:mod:`chunkjax.streamed`) and host chunks (a host thread) as each program's gradients
    complete, while the device runs the rest of the backward. The pending work is returned in the
-   state (:attr:`TrainState.pending`); the next call or :meth:`ChunkedStep.wait` joins it.
+   state (:attr:`TrainState.pending`); :meth:`ChunkedStep.wait` joins it, the next call too, after
+   waiting per program for the host chunks it takes (cross-step overlap, :mod:`chunkjax.cross_step`).
 
 The topology (:mod:`chunkjax.topology`: one device, or a ``data`` mesh with ZeRO stage 1/2/3, in
 one process or many through ``jax.distributed``) supplies the walker's hooks, the shardings and
@@ -30,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from chunkjax import accumulate, footprint, kept_programs, streamed
+from chunkjax import accumulate, cross_step, footprint, kept_programs, streamed
 from chunkjax import updaters as upd
 from chunkjax.layout import ChunkLayout
 from chunkjax.loss_weight import require_weight, token_mean
@@ -46,7 +47,7 @@ from chunkjax.step_updates import StepUpdates
 from chunkjax.topology import OnTopology, SingleDevice, make_topology
 from chunkjax.train_state import TrainState
 from chunkjax.speculate import check_options as check_speculation, for_step
-from chunkjax.updaters import HostWork, host_deadline_s
+from chunkjax.updaters import host_deadline_s
 from chunkjax.walker import Walk, moments_of, rank_major
 
 
@@ -92,6 +93,9 @@ class ChunkedStep(StepChunkIO, StepUpdates, OnTopology):
         ``auto_backup_bytes()``, 0: none; ``"invert"`` or ``"backup"``; ``"after_common"`` or ``"always"``.
       storage: the disk tier of ``storage`` chunks: :class:`chunkjax.storage.updater.StorageOptions`, or
         directories (:func:`~chunkjax.storage.updater.storage_options`).
+      cross_step: the next call waits per program only for the host chunks it reads, not for all
+        of this step's host work (:mod:`chunkjax.cross_step`; exact: no stale params). False:
+        each call first joins the previous step's host work.
 
     Raises (at construction):
       ValueError: a bad ``micro_batches``, ``accumulation``, ``nonfinite`` or ``prefetch``, a placement that
@@ -118,6 +122,7 @@ class ChunkedStep(StepChunkIO, StepUpdates, OnTopology):
     accumulation: str = PER_MICRO_BATCH
     rollback: str = "backup"
     speculation_policy: str = "after_common"
+    cross_step: bool = True
 
     def __post_init__(self):
         check_speculation(self.rollback, self.speculation_policy)
@@ -353,6 +358,7 @@ class ChunkedStep(StepChunkIO, StepUpdates, OnTopology):
         Raises:
           ValueError: the batch does not split over the ranks and micro-batches or (a weighted loss)
             scores no token, or ``loss_scale`` given without ``loss_scaling`` (or missing with it).
+          HostDeadlineError, or what the previous step's host update raised (before this commit).
         """
         return self.begin(state, batch, loss_scale).commit()
 
@@ -369,11 +375,14 @@ class ChunkedStep(StepChunkIO, StepUpdates, OnTopology):
         if len(lead) != 1:
             raise ValueError(f"batch leaves have leading sizes {sorted(lead)}: give every leaf the batch axis")
         self.topology.check_rows(next(iter(lead)), self.micro_batches)
-        work = HostWork(self.host_deadline_s, getattr(state.pending, "backups", None), self.grad_window)
-        previous = getattr(state.pending, "speculation", None)  # its outcome: the speculation policy's input
-        if state.pending is not None:  # the storage chunks' last writes and commit run on (disk.StorageRun)
-            state.pending.join()
-        state = state._replace(pending=None)
+        state, work, previous = cross_step.start(self, state, batch, self.cross_step and not disk.storage_chunks(self))
+        try:
+            return self._begin(state, batch, loss_scale, work, previous)
+        except BaseException:
+            cross_step.abandon(work)  # no thread of this step left writing host chunks
+            raise
+
+    def _begin(self, state, batch, loss_scale, work, previous) -> PendingStep:
         scale = None if loss_scale is None else jnp.asarray(loss_scale, jnp.float32)
         inv = 1.0 if loss_scale is None else 1.0 / float(loss_scale)
         spec = work.speculation = for_step(self, work, inv, previous) if self.host_chunks else None
@@ -390,7 +399,7 @@ class ChunkedStep(StepChunkIO, StepUpdates, OnTopology):
         finally:  # the host thread validates its speculation once the norm is known (None: abandoned)
             if spec is not None:
                 spec.set_norm(norm)
-                work.submit(spec.validate, state)
+                work.validate(spec.validate, state, ready=spec.known)
             stream.set_grad_sq(None if norm is None else grad_sq)  # None: abandoned
             on_disk.set_norm(norm)
         on_disk.send(work, grads)  # storage chunks: beside the host thread and the device
@@ -420,13 +429,18 @@ class ChunkedStep(StepChunkIO, StepUpdates, OnTopology):
         host chunks' gradients go to ``on_host({c: gradient})`` as each program ends (unread ones at
         the end) and are not returned: the host thread drops each once consumed; the others to
         ``stream.on_program`` (:class:`chunkjax.streamed.StepStream`) and ``on_disk(g)``
-        (:meth:`chunkjax.storage.updater.StorageRun.on_program`)."""
+        (:meth:`chunkjax.storage.updater.StorageRun.on_program`). ``state.pending``: the previous
+        step's host work under cross-step overlap (:class:`chunkjax.cross_step.Previous`)."""
         host = set(self.host_chunks)
+        prev = cross_step.Previous(state.pending, host)
         carry: dict = {} if scale is None else {"loss_scale": scale}  # carried to the loss's program
         acc, grads, sq, loss, late = {}, {}, {}, None, {}
         for k in range(len(self.program_bounds())):
             fn, args = self.runnable(batch, k)
+            prev.before(args)
             carry, acc, g, q, l = fn({c: state.params[c] for c in args}, batch, carry, acc)
+            if q:  # gradients leave: the previous step's host work is done first
+                prev.join()
             if l is not None and on_loss is not None:
                 on_loss(l)  # e.g. require_weight: a batch scoring no token refused before any update
             mine = {c: g.pop(c) for c in list(g) if c in host} if on_host is not None else {}
@@ -440,6 +454,7 @@ class ChunkedStep(StepChunkIO, StepUpdates, OnTopology):
             g = None
             if mine:
                 on_host(mine)
+        prev.join()
         for c in range(self.layout.n_chunks):
             if c not in sq:  # chunks no stage reads: zero gradient; frozen chunks: none (their norm 0)
                 if c not in self.frozen_chunks:
@@ -539,7 +554,7 @@ def make_chunked_step(stages, layout: ChunkLayout, placement, tx: optax.Gradient
                       mesh=None, zero_stage: int | None = None, donate: bool | None = None,
                       host_deadline: float | None = None, speculation_bytes: int | None = None,
                       storage=None, accumulation: str | None = None, rollback: str = "backup",
-                      speculation_policy: str = "after_common") -> ChunkedStep:
+                      speculation_policy: str = "after_common", cross_step: bool = True) -> ChunkedStep:
     """Build the chunked step (see :class:`ChunkedStep`). Nothing is compiled until first use.
 
     Args:
@@ -559,8 +574,8 @@ def make_chunked_step(stages, layout: ChunkLayout, placement, tx: optax.Gradient
       mesh: a 1-D ``"data"`` mesh (:func:`chunkjax.topology.data_mesh`) for ZeRO data
         parallelism, in one process or across processes (``jax.distributed``); None: one device.
       zero_stage: 1, 2 or 3 with a mesh (default 3).
-      donate, host_deadline, speculation_bytes, storage, accumulation, rollback, speculation_policy:
-        see :class:`ChunkedStep` (``accumulation`` None: the schedule's, else ``"per_micro_batch"``).
+      donate, host_deadline, speculation_bytes, storage, accumulation, rollback, speculation_policy,
+        cross_step: see :class:`ChunkedStep` (``accumulation`` None: the schedule's, else ``"per_micro_batch"``).
 
     Raises:
       ValueError: a bad ``micro_batches``, ``accumulation``, ``nonfinite`` or ``zero_stage``, a mesh that is not 1-D
@@ -581,4 +596,4 @@ def make_chunked_step(stages, layout: ChunkLayout, placement, tx: optax.Gradient
                        1 if prefetch is None else prefetch, schedule, host_optimizer, micro_batches, nonfinite,
                        loss_scaling, donate, make_topology(mesh, zero_stage), host_deadline, speculation_bytes, storage,
                        accumulation or (schedule.accumulation if schedule is not None else PER_MICRO_BATCH),
-                       rollback, speculation_policy)
+                       rollback, speculation_policy, bool(cross_step))

@@ -19,16 +19,14 @@ for a mesh):
 ``init(buf, c) -> (master, opt_state)`` places one chunk's float32 master params ``buf``
 ((chunk_size,) numpy) and its fresh optimizer state; ``update`` performs one step. Both device
 updaters run an unchanged elementwise optax transformation chunk by chunk
-(:func:`chunkjax.optim.update_chunk`). :class:`HostWork` is the host thread's pending work of one
-step, carried in the returned :class:`~chunkjax.step.TrainState` (explicit state, no attributes
-written on the step).
+(:func:`chunkjax.optim.update_chunk`). :class:`~chunkjax.host_work.HostWork` (re-exported here) is the
+host thread's pending work of one step, carried in the returned :class:`~chunkjax.step.TrainState`
+(explicit state, no attributes written on the step).
 """
 from __future__ import annotations
 
 import concurrent.futures
 import os
-import queue
-import threading
 import time
 from typing import Callable, NamedTuple
 
@@ -37,7 +35,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from chunkjax import optim
-from chunkjax.cost import GRAD_WINDOW_PROGRAMS
+from chunkjax.cost import GRAD_WINDOW_PROGRAMS  # noqa: F401 (re-exported)
+from chunkjax.host_work import (HOST_DEADLINE_MIN_S, HOST_DEADLINE_STEPS, HostDeadlineError,  # noqa: F401 (re-exported)
+                                HostWork, host_deadline_s)
 from chunkjax.memory import DEVICE, PINNED_HOST
 
 
@@ -383,133 +383,3 @@ def warm_host_kernel(host_optimizer, compute_dtype) -> None:
         hu.host_update_(host_optimizer, st, np.zeros((1,), np.uint16), master, np.zeros((1,), np.uint16), 1.0)
     else:
         hu.host_update_(host_optimizer, st, np.zeros((1,), np.float32), master, None, 1.0)
-
-
-#: The host thread's deadline is at least this many seconds ...
-HOST_DEADLINE_MIN_S = 300.0
-#: ... and at least this many predicted step times (a host update waits for its gradients, so a
-#: slow device step delays it too).
-HOST_DEADLINE_STEPS = 50.0
-
-_MSG_HOST_DEADLINE = ("the host-update thread did not finish {what} within {deadline:.0f} s ({done} of {n} batches "
-                      "of chunk updates done): the host is stalled or far slower than planned; the state "
-                      "after the last completed step is in the last checkpoint (resume from it)")
-
-
-class HostDeadlineError(TimeoutError):
-    """The host-update thread missed its deadline (:data:`HOST_DEADLINE_MIN_S`)."""
-
-
-def host_deadline_s(predicted_step_s: float | None) -> float:
-    """The host thread's deadline for one step's updates (seconds): the larger of
-    :data:`HOST_DEADLINE_MIN_S` and :data:`HOST_DEADLINE_STEPS` predicted step times."""
-    return max(HOST_DEADLINE_MIN_S, HOST_DEADLINE_STEPS * float(predicted_step_s or 0.0))
-
-
-class HostWork:
-    """The host thread's pending work of one step: the chunks it updates in place while the
-    device runs the rest of the backward. Carried in the returned state (``TrainState.pending``);
-    :meth:`join` (``step.wait(state)``, or the next step) waits for it and returns the seconds the
-    thread spent in the kernels.
-
-    The work runs on one daemon thread, in submission order, so a stalled update can neither hang
-    the caller past ``deadline_s`` nor keep the process alive at exit.
-
-    Registered as a pytree node without leaves (it is not array data: ``jax.tree`` functions
-    over a state pass it through unchanged).
-
-    Args:
-      deadline_s: seconds :meth:`join` waits at most (None: forever).
-      backups: the :class:`chunkjax.speculate.BackupPool` of speculative host updates, handed on
-        from step to step (None: none yet).
-      window: the gradient window (``Schedule.grad_window``, >= 1 programs): :meth:`hand_over`
-        lets at most this many programs' host gradients exist at once.
-
-    Attributes:
-      speculation: the step's :class:`chunkjax.speculate.Speculation` (None without host chunks):
-        after :meth:`join`, its ``speculated`` and ``redone`` chunk counts.
-    """
-
-    def __init__(self, deadline_s: float | None = None, backups=None, window: int = GRAD_WINDOW_PROGRAMS):
-        if int(window) < 1:
-            raise ValueError(f"window must be >= 1 program, got {window}")
-        self.window = int(window)
-        self._queue: queue.SimpleQueue | None = None
-        self._futures: list = []
-        self._handoffs: list = []
-        self.deadline_s = deadline_s
-        self.seconds: float | None = None
-        self.backups = backups
-        self.speculation = None
-
-    @staticmethod
-    def _serve(q: queue.SimpleQueue) -> None:
-        while True:
-            item = q.get()
-            if item is None:
-                return
-            fut, fn, args = item
-            if fut.set_running_or_notify_cancel():
-                try:
-                    fut.set_result(fn(*args))
-                except BaseException as e:  # handed to join()
-                    fut.set_exception(e)
-
-    def submit(self, fn, *args) -> concurrent.futures.Future:
-        """Run ``fn(*args) -> seconds`` on this step's host thread (one thread, in order); returns
-        its future."""
-        if self._queue is None:
-            self._queue = queue.SimpleQueue()
-            threading.Thread(target=self._serve, args=(self._queue,), name="chunkjax-host-update",
-                             daemon=True).start()
-        fut = concurrent.futures.Future()
-        self._futures.append(fut)
-        self._queue.put((fut, fn, args))
-        return fut
-
-    def hand_over(self, fn, *args) -> None:
-        """Submit one program's gradient hand-off ``fn(*args)`` (:meth:`submit`), then wait until
-        the hand-off ``window - 1`` before it is done: the caller dispatches the next program only
-        then, so at most the host gradients of ``window`` programs exist at once (the gradient
-        working set, :func:`chunkjax.predict.grad_window_bytes`; the device's stall it causes:
-        :func:`chunkjax.cost.program_timeline`). The wait
-        ends early when the step's speculation has stalled for the global norm (its bound is
-        full or its policy waits: the norm comes only after the last program) or after ``deadline_s`` (:meth:`join`
-        then raises)."""
-        self._handoffs.append(self.submit(fn, *args))
-        if len(self._handoffs) < self.window:
-            return
-        waits = [self._handoffs[-self.window]]
-        stalled = getattr(self.speculation, "stalled", None)
-        if stalled is not None:
-            waits.append(stalled)
-        concurrent.futures.wait(waits, timeout=self.deadline_s, return_when=concurrent.futures.FIRST_COMPLETED)
-
-    def join(self) -> float | None:
-        """Wait for every update submitted; re-raises a failure of the host thread. Returns the
-        kernel seconds (None when nothing was submitted).
-
-        Raises:
-          HostDeadlineError: the work did not finish within ``deadline_s`` (one line; the thread
-            is abandoned, the state that held this work must not be used).
-        """
-        if self._futures:
-            end = None if self.deadline_s is None else time.monotonic() + self.deadline_s
-            spent = []
-            for i, f in enumerate(self._futures):
-                left = None if end is None else max(0.0, end - time.monotonic())
-                try:
-                    spent.append(f.result(timeout=left))
-                except concurrent.futures.TimeoutError:
-                    raise HostDeadlineError(_MSG_HOST_DEADLINE.format(
-                        what="this step's host updates", deadline=self.deadline_s, done=i,
-                        n=len(self._futures))) from None
-            self._futures, self._handoffs = [], []
-            self.seconds = float(sum(spent)) + (self.seconds or 0.0)
-        if self._queue is not None:
-            self._queue.put(None)
-            self._queue = None
-        return self.seconds
-
-
-jax.tree_util.register_pytree_node(HostWork, lambda h: ((), h), lambda h, _: h)

@@ -32,7 +32,7 @@ class ChunkjaxSystem:
     def __init__(self, cfg, budget_bytes: int, batch: int, seq: int, lr: float = 1e-4,
                  segments="auto", host_update: bool = True, prefetch: int = 1, zero_stage: int = 0,
                  init: str = "leafwise", max_grad_norm: float | None = None, micro_batches: int = 1,
-                 storage=None, host_budget="auto"):
+                 storage=None, host_budget="auto", cross_step: bool = True):
         import jax
         import jax.numpy as jnp
 
@@ -51,6 +51,9 @@ class ChunkjaxSystem:
         if init not in ("leafwise", "init_params"):
             raise ValueError(f"init={init!r}: use 'leafwise' or 'init_params'")
         self.cfg, self.budget, self.notes, self.init_rule = cfg, int(budget_bytes), [], init
+        # cross-step overlap (chunkjax.cross_step): planned for (forward cuts, the host tail timed against the
+        # next forward's reads) and run; the previous step's host work is joined inside the next step
+        self.cross_step, self._last_work = bool(cross_step), None
         self.last_update_s, self.last_timings = None, {}
         self.speculation = {"steps": 0, "speculated_chunks": 0, "inverted_chunks": 0, "redone_chunks": 0,
                             "pool_bytes": 0, "kept_grad_bytes_peak": 0}
@@ -72,6 +75,7 @@ class ChunkjaxSystem:
                                    micro_batches=micro_batches,
                                    flops_per_step=cfg.flops_per_token(seq) * batch * seq, rates=self.rates,
                                    device_budget=self.budget, storage=storage or None, host_budget=host_budget)
+        self.problem = dataclasses.replace(self.problem, cross_step=self.cross_step)  # planned and run so
         self.disk, self.disk_steps = None, []  # the disk tier: the storage chunks' DiskState, each step's result
         self.trace_s = time.perf_counter() - t0
         p = self.problem
@@ -185,14 +189,20 @@ class ChunkjaxSystem:
     def step(self, state, batch):
         state, m = self.step_fn(state, batch)
         # the host thread's kernel seconds (None: no host chunks) and the storage chunks' new params; the
-        # disk tier's last writes and commit run on into the next step (chunkjax.storage.updater.StorageRun)
-        self.last_update_s = state.pending.join() if state.pending is not None else None
+        # disk tier's last writes and commit run on into the next step (chunkjax.storage.updater.StorageRun).
+        # With cross-step overlap the work is the previous step's, joined inside this step: its seconds
+        work = state.pending
+        if self.step_fn.cross_step and "storage" not in self.schedule.update_locations:
+            work, self._last_work = self._last_work, work
+            self.last_update_s = None if work is None else work.seconds
+        else:
+            self.last_update_s = work.join() if work is not None else None
         self.steps_done += 1
         if self.steps_done <= 3:  # the first steps: where the RSS grew (issue 24); the rest is VmHWM
             self.ledger.mark(f"step {self.steps_done}")
         if "storage" in self.schedule.update_locations:  # the disk tier: each committed update's bytes and seconds
             self.disk = state.master[self.schedule.update_locations.index("storage")]
-        sp = getattr(state.pending, "speculation", None)  # speculative host updates (chunkjax.speculate)
+        sp = getattr(work, "speculation", None)  # speculative host updates (chunkjax.speculate), of a joined step
         if sp is not None:
             self.speculation["steps"] += 1
             self.speculation["speculated_chunks"] += sp.speculated
@@ -240,7 +250,8 @@ def run_chunkjax(args) -> dict:
                           zero_stage=getattr(args, "zero_stage", 0), init=getattr(args, "init", "leafwise"),
                           max_grad_norm=getattr(args, "max_grad_norm", None),
                           micro_batches=int(getattr(args, "micro_batches", 1)),
-                          storage=_storage(args), host_budget=getattr(args, "host_budget", "auto"))
+                          storage=_storage(args), host_budget=getattr(args, "host_budget", "auto"),
+                          cross_step=bool(int(getattr(args, "cross_step", 1))))
     try:
         rec = measure_system(sys_, args)
     except Exception as e:  # keep the plan next to the failure (e.g. out of memory at run time)
@@ -272,6 +283,7 @@ def run_chunkjax(args) -> dict:
         "schedule": sys_.schedule.to_dict(),
         "n_devices": sys_.n_ranks, "zero_stage": sys_.zero_stage, "init": sys_.init_rule,
         "max_grad_norm": sys_.spec.max_grad_norm, "micro_batches": sys_.problem.micro_batches,
+        "cross_step": sys_.step_fn.cross_step,
         "speculation": sys_.speculation, "host_ledger": sys_.ledger.to_dict(),
     })
     if sys_.zero_stage:  # bytes each rank sends through collectives per step (ring algorithms)

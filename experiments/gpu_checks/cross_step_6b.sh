@@ -1,0 +1,92 @@
+# Issue 23, cross-step overlap (chunkjax.cross_step) on the GPU in ONE call of < 9 min (one H200):
+#   bash experiments/gpu_checks/cross_step_6b.sh <run-id>          # the runs below, then the table
+#   bash experiments/gpu_checks/cross_step_6b.sh <run-id> table    # only the table of the runs under $OUT
+#   bash experiments/gpu_checks/cross_step_6b.sh <run-id> 6b16_clip,6b16_mb4   # only these runs (a second call
+#        for runs the first one skipped: their ratios need BASE_TPS=<6b16 chunkjax tokens/s> PLAIN_TPS=<plain>)
+# GPT3_6B, batch 16 x 1024, AdamW, chunkjax at a 24 GiB device budget against plain JAX on the whole card:
+#   6b16      plain JAX and chunkjax with cross-step overlap (the default: planned with forward cuts, the
+#             next step waits per program for the host chunks it takes; the host thread takes the ready
+#             chunks in the next step's read order);
+#   6b16_off  chunkjax with --set cross_step=0 (each step joins the previous step's host work first; the
+#             plan without forward cuts: the session-14 engine, 0.673x);
+#   6b16_clip chunkjax, cross-step, clip_by_global_norm(1.0) (speculative host updates, validated as soon
+#             as the norm is known);
+#   6b16_mb4  chunkjax, cross-step, 4 micro-batches (the planner's accumulation).
+# Every run is experiments.bench (one subprocess per system, the matmul probe in each call, jax's persistent
+# compilation cache shared by the runs); 3 timed steps after one warm-up. Each run gets the time left of the
+# call's LIMIT (default 520 s); a run that would start with less than 60 s left is skipped and named in the
+# table. JSON under $OUT: bench_<run>_<tag>.json per run and cross_step_6b_<run>.json (rows + targets); the
+# table (tokens/s, ratio to plain JAX, predicted and measured step) is printed last.
+# CPU smoke test (numbers meaningless): OUT=/tmp/o BIG=micro SEQ=16 BUDGET=12MiB WHOLE=1GiB LIMIT=900 bash ...
+set -u
+RUN=${1:-xs}
+PART=${2:-all}
+export PYTHONUNBUFFERED=1
+START=$SECONDS
+LIMIT=${LIMIT:-520}
+B="python -m experiments.bench --seq ${SEQ:-1024} --results-dir $OUT --steps ${STEPS:-3}"
+SIX="--model ${BIG:-GPT3_6B} --device-budget ${BUDGET:-24GiB} --batch 16"
+WHOLE=${WHOLE:-125GiB}
+run() {  # run <tag> <bench args...>: within the call's time left, else skipped
+  local tag=$1; shift
+  local left=$((LIMIT - (SECONDS - START)))
+  if (( left < 60 )); then echo "skip $tag (time)"; echo "$tag" >> $OUT/skipped.txt; return; fi
+  local t0=$SECONDS
+  timeout -k 10 $left $B --run-id ${RUN}_$tag --worker-timeout $left "$@" > $OUT/$tag.log 2>&1
+  echo "$tag rc=$? $((SECONDS - t0)) s"
+}
+want() { [[ $PART == all || ,$PART, == *,$1,* ]]; }
+if [[ $PART != table ]]; then
+  want 6b16 && run 6b16 $SIX --systems plain_jax,chunkjax --system-budget plain_jax=$WHOLE
+  want 6b16_off && run 6b16_off $SIX --systems chunkjax --set cross_step=0
+  want 6b16_clip && run 6b16_clip $SIX --systems chunkjax --set max_grad_norm=1.0
+  want 6b16_mb4 && run 6b16_mb4 $SIX --systems chunkjax --set micro_batches=4
+fi
+for t in 6b16 6b16_off 6b16_clip 6b16_mb4; do [ -f $OUT/$t.log ] && { echo "== $t"; tail -3 $OUT/$t.log; }; done
+python - "$RUN" <<'P'
+import json, os, sys
+O, run = os.environ["OUT"], sys.argv[1]
+TAGS = ("6b16", "6b16_off", "6b16_clip", "6b16_mb4")
+rows, out = [], {"run_id": run}
+def load(tag):
+    f = f"{O}/bench_{run}_{tag}.json"
+    return json.load(open(f)) if os.path.exists(f) else None
+for tag in TAGS:
+    r = load(tag)
+    for system, s in ((r or {}).get("systems") or {}).items():
+        e = s.get("extra") or {}
+        rows.append({"run": tag, "system": system, "cross_step": e.get("cross_step"), "feasible": s.get("feasible"),
+                     "tokens_per_s": s.get("tokens_per_s"), "step_s": s.get("step_s_median"),
+                     "step_s_predicted": e.get("step_s_predicted"), "predicted_time": e.get("predicted_time"),
+                     "segments": e.get("segments"), "schedule_counts": e.get("schedule_counts"),
+                     "update_s": s.get("update_s"), "model_tflops": s.get("model_tflops"),
+                     "max_grad_norm": e.get("max_grad_norm"), "micro_batches": e.get("micro_batches"),
+                     "speculation": e.get("speculation"),
+                     "error": (s.get("error") or s.get("infeasible_reason") or "")[:300]})
+out["rows"] = rows
+plain = next((x["tokens_per_s"] for x in rows if x["run"] == "6b16" and x["system"] == "plain_jax"),
+             float(os.environ["PLAIN_TPS"]) if os.environ.get("PLAIN_TPS") else None)
+tps = {x["run"]: x["tokens_per_s"] for x in rows if x["system"] == "chunkjax"}
+if "6b16" not in tps and os.environ.get("BASE_TPS"):  # a second call: the first call's cross-step chunkjax
+    tps["6b16"] = float(os.environ["BASE_TPS"])
+ratio = lambda a, b: a / b if a and b else None  # noqa: E731
+out["targets"] = {"6b16_cross_over_plain (>= 0.85)": ratio(tps.get("6b16"), plain),
+                  "6b16_off_over_plain (0.673 in session 14)": ratio(tps.get("6b16_off"), plain),
+                  "6b16_cross_over_off": ratio(tps.get("6b16"), tps.get("6b16_off")),
+                  "6b16_clip_over_cross (>= 0.95)": ratio(tps.get("6b16_clip"), tps.get("6b16")),
+                  "6b16_mb4_over_cross (>= 0.95)": ratio(tps.get("6b16_mb4"), tps.get("6b16"))}
+skipped = f"{O}/skipped.txt"
+out["skipped"] = open(skipped).read().split() if os.path.exists(skipped) else []
+json.dump(out, open(f"{O}/cross_step_6b_{run}.json", "w"), indent=1)
+f = lambda v, d=3: "-" if v is None else f"{v:,.{d}f}"  # noqa: E731
+print("| run | system | cross-step | tokens/s | ratio to plain JAX | step s | predicted s | host update s | programs | split | speculated/redone |")
+print("|---|---|---|---|---|---|---|---|---|---|---|")
+for x in rows:
+    sp = x["speculation"] or {}
+    print(f"| {x['run']} | {x['system']} | {x['cross_step'] if x['system'] == 'chunkjax' else '-'} | "
+          f"{f(x['tokens_per_s'], 0)} | {f(ratio(x['tokens_per_s'], plain))} | {f(x['step_s'])} | "
+          f"{f(x['step_s_predicted'])} | {f(x['update_s'])} | {len(x['segments'] or []) or '-'} | "
+          f"{x['schedule_counts'] or '-'} | {sp.get('speculated_chunks', '-')}/{sp.get('redone_chunks', '-')} | "
+          + (x["error"].splitlines()[0] if x["error"] else ""))
+print(json.dumps(out["targets"], indent=1), "skipped:", out["skipped"])
+P
