@@ -37,7 +37,7 @@ from chunkjax.loss_weight import require_weight, token_mean
 from chunkjax.memory import DEVICE, TransferWindow, sharding
 from chunkjax.host_memory import check_pinned_host
 from chunkjax.plan import Placement, fetch_events
-from chunkjax.schedule import ACCUMULATIONS, IN_PROGRAM, PER_MICRO_BATCH, check_trainable
+from chunkjax.schedule import ACCUMULATIONS, PER_MICRO_BATCH, check_trainable, micro_group_size
 from chunkjax.stages import first_readers, split_loss, stage_reads
 from chunkjax.step_checkpoint import StepChunkIO, restore_chunks
 from chunkjax.step_commit import PendingStep
@@ -76,6 +76,10 @@ class ChunkedStep(StepChunkIO, StepUpdates, OnTopology):
         as the whole batch at once, to the compute dtype's rounding; reported case 3).
       accumulation: ``"in_program"`` (looped inside each moment: :class:`chunkjax.walker.Walk`) or
         ``"per_micro_batch"`` (:func:`chunkjax.accumulate.mean_gradients`); :mod:`chunkjax.plan_micro`.
+      micro_group: in-program over micro-batch groups: each pass of the programs loops over this
+        many micro-batches inside its moments, ``micro_batches // micro_group`` passes a step
+        summed by :func:`chunkjax.accumulate.mean_gradients` (one device); None: all in one pass
+        (:func:`chunkjax.schedule.micro_group_size`).
       nonfinite: ``"ignore"`` (default: no check), or ``"skip"``: a step whose gradients hold a
         NaN or inf changes no state and reports ``metrics["skipped"]`` True (host updates still
         overlap the backward: :mod:`chunkjax.speculate`).
@@ -94,8 +98,8 @@ class ChunkedStep(StepChunkIO, StepUpdates, OnTopology):
         directories (:func:`~chunkjax.storage.updater.storage_options`).
 
     Raises (at construction):
-      ValueError: a bad ``micro_batches``, ``accumulation``, ``nonfinite`` or ``prefetch``, a placement that
-        differs from the schedule's or has another chunk count, host-updated chunks without
+      ValueError: a bad ``micro_batches``, ``accumulation``, ``micro_group``, ``nonfinite`` or ``prefetch``, a
+        ``micro_group`` of several passes on a mesh, a placement that differs from the schedule's or has another chunk count, host-updated chunks without
         ``host_optimizer``, or a ``chunk_size`` that does not split over the ranks.
     """
 
@@ -118,6 +122,7 @@ class ChunkedStep(StepChunkIO, StepUpdates, OnTopology):
     accumulation: str = PER_MICRO_BATCH
     rollback: str = "backup"
     speculation_policy: str = "after_common"
+    micro_group: int | None = None
 
     def __post_init__(self):
         check_speculation(self.rollback, self.speculation_policy)
@@ -125,6 +130,10 @@ class ChunkedStep(StepChunkIO, StepUpdates, OnTopology):
             raise ValueError(f"micro_batches must be an int >= 1, got {self.micro_batches!r}")
         if self.accumulation not in ACCUMULATIONS:
             raise ValueError(f"accumulation={self.accumulation!r}: use one of {ACCUMULATIONS}")
+        group = micro_group_size(self.accumulation, self.micro_group, self.micro_batches)
+        if 1 < group < self.micro_batches and self.n_ranks > 1:
+            raise ValueError(f"micro_group={group} of micro_batches={self.micro_batches} runs on one device: on a mesh "
+                             "use accumulation='in_program' without micro_group, or 'per_micro_batch'")
         if self.nonfinite not in ("ignore", "skip"):
             raise ValueError(f"nonfinite={self.nonfinite!r}: use 'ignore' or 'skip'")
         if self.schedule is not None and self.schedule.placement != self.placement:
@@ -146,8 +155,9 @@ class ChunkedStep(StepChunkIO, StepUpdates, OnTopology):
 
     @property
     def passes(self) -> int:
-        """Times the programs run per call: ``micro_batches`` per micro-batch, 1 in-program."""
-        return 1 if self.accumulation == IN_PROGRAM else self.micro_batches
+        """Times the programs run per call: ``micro_batches`` per micro-batch, 1 in-program,
+        ``micro_batches // micro_group`` in-program over groups."""
+        return self.micro_batches // micro_group_size(self.accumulation, self.micro_group, self.micro_batches)
 
     @functools.cached_property
     def frozen_chunks(self) -> tuple[int, ...]:
@@ -539,7 +549,7 @@ def make_chunked_step(stages, layout: ChunkLayout, placement, tx: optax.Gradient
                       mesh=None, zero_stage: int | None = None, donate: bool | None = None,
                       host_deadline: float | None = None, speculation_bytes: int | None = None,
                       storage=None, accumulation: str | None = None, rollback: str = "backup",
-                      speculation_policy: str = "after_common") -> ChunkedStep:
+                      speculation_policy: str = "after_common", micro_group: int | None = None) -> ChunkedStep:
     """Build the chunked step (see :class:`ChunkedStep`). Nothing is compiled until first use.
 
     Args:
@@ -559,8 +569,9 @@ def make_chunked_step(stages, layout: ChunkLayout, placement, tx: optax.Gradient
       mesh: a 1-D ``"data"`` mesh (:func:`chunkjax.topology.data_mesh`) for ZeRO data
         parallelism, in one process or across processes (``jax.distributed``); None: one device.
       zero_stage: 1, 2 or 3 with a mesh (default 3).
-      donate, host_deadline, speculation_bytes, storage, accumulation, rollback, speculation_policy:
-        see :class:`ChunkedStep` (``accumulation`` None: the schedule's, else ``"per_micro_batch"``).
+      donate, host_deadline, speculation_bytes, storage, accumulation, rollback, speculation_policy, micro_group:
+        see :class:`ChunkedStep` (``accumulation`` None: the schedule's, else ``"per_micro_batch"``;
+        ``micro_group`` None with ``accumulation`` None: the schedule's).
 
     Raises:
       ValueError: a bad ``micro_batches``, ``accumulation``, ``nonfinite`` or ``zero_stage``, a mesh that is not 1-D
@@ -581,4 +592,6 @@ def make_chunked_step(stages, layout: ChunkLayout, placement, tx: optax.Gradient
                        1 if prefetch is None else prefetch, schedule, host_optimizer, micro_batches, nonfinite,
                        loss_scaling, donate, make_topology(mesh, zero_stage), host_deadline, speculation_bytes, storage,
                        accumulation or (schedule.accumulation if schedule is not None else PER_MICRO_BATCH),
-                       rollback, speculation_policy)
+                       rollback, speculation_policy,
+                       micro_group if micro_group is not None or accumulation or schedule is None
+                       else schedule.micro_group)
