@@ -56,11 +56,11 @@ def _three_tier_schedule(setup):
     return s
 
 
-def test_groups_with_device_host_and_storage_chunks_equal_optax(setup, tmp_path):
+def test_groups_with_device_host_and_storage_chunks_equal_optax(setup, tmp_path, monkeypatch):
     """4 micro-batches in 2 groups of 2, chunks updated on the device, on the host and on storage
     at once, clip_by_global_norm firing: 5 steps equal plain optax on the mean of the 4
-    micro-batches' gradients (losses rtol 1e-5, master params rtol 2e-4 / atol 2e-6); each pass
-    loops over 2 micro-batches; the storage chunks' state is read and written once a step (the
+    micro-batches' gradients (losses rtol 1e-5, master params rtol 2e-4 / atol 2e-6); the programs
+    run twice a step, each pass looping over 2 micro-batches; the storage chunks' state is read and written once a step (the
     plan's disk bytes per step, not once per pass)."""
     cfg, params, batches, stages, layout, traces, cb = setup
     sched = dataclasses.replace(_three_tier_schedule(setup), accumulation="in_program", micro_group=G)
@@ -68,11 +68,19 @@ def test_groups_with_device_host_and_storage_chunks_equal_optax(setup, tmp_path)
                                 micro_batches=M, storage=StorageOptions((str(tmp_path / "d0"),), fsync=False))
     assert step.accumulation == "in_program" and step.micro_group == G and step.passes == M // G
     assert step.walk(batches[0][:G * B]).micro_batches == G
+    rows, run = [], cj.ChunkedStep.run_programs  # the rows of each pass of the programs
+
+    def counted(self, state, batch, *a, **k):
+        rows.append(jax.tree.leaves(batch)[0].shape[0])
+        return run(self, state, batch, *a, **k)
+
+    monkeypatch.setattr(cj.ChunkedStep, "run_programs", counted)
     state, losses = step.init(params), []
     for b in batches:
         state, m = step(state, b)
         losses.append(float(m["loss"]))
     step.wait(state)
+    assert rows == [G * B] * (M // G) * STEPS  # 2 passes a step, each over one group's rows
     ref_p, ref_losses, norms = micro_batch_reference(cfg, params, batches, SPEC.optax(), M)
     assert np.all(norms > SPEC.max_grad_norm)  # clipping fires on every step
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
@@ -127,8 +135,8 @@ def test_planner_picks_the_largest_group_that_fits(setup):
     """At a device budget below the in-program plan's floor (the whole batch's stage inputs) but
     at the floor of groups of 2, the plan is in-program over groups of 2: its fetches repeat once
     per pass (twice a step), the passes' float32 sums are counted on the host (the per-pass
-    accounting) and the step built from it runs 2 passes; below that floor, per micro-batch.
-    The choice is reported in the plan's line and kept by ``Schedule.to_dict``."""
+    accounting); below that floor, per micro-batch. The choice is reported in the plan's line and
+    kept by ``Schedule.to_dict``; the step built from it runs 2 passes and equals optax over 3 steps."""
     cfg, params, batches, stages, layout, traces, cb = setup
     problem = fit.prepare(stages, params, jax.ShapeDtypeStruct((M * B, T + 1), jnp.int32), host_optimizer=SPEC,
                           compute_dtype=jnp.float32, micro_batches=M, chunk_size=layout.chunk_size,
@@ -156,8 +164,19 @@ def test_planner_picks_the_largest_group_that_fits(setup):
             == summed * problem.cb.master)
     line = fit.describe(fit.FitReport(s, mid, mid, mid, 0.9, None, (), {}, True, None, ()), problem)
     assert "accumulation in_program over groups of 2 micro-batches (2 passes)" in line
-    assert fit.build_step(problem, s).passes == M // G
     assert cj.Schedule.from_dict(s.to_dict()).micro_group == G
+    # the fit path's step runs the groups: 3 steps equal optax (every chunk offloaded, host updates, clipping)
+    step = fit.build_step(problem, s)
+    assert step.passes == M // G and step.walk(batches[0][:G * B]).micro_batches == G
+    state, losses = step.init(params), []
+    for b in batches[:3]:
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
+    step.wait(state)
+    ref_p, ref_losses, _ = micro_batch_reference(cfg, params, batches[:3], SPEC.optax(), M)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(step.master_params(state)), jax.tree.leaves(ref_p), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-6)
 
 
 def test_bad_micro_group_is_one_line(setup):
