@@ -37,7 +37,7 @@ from chunkjax.loss_weight import check_scalar_loss
 from chunkjax.optim import check_elementwise, state_bytes_per_chunk
 from chunkjax.plan import plan_schedule
 from chunkjax.plan_disk import storage_line
-from chunkjax.plan_micro import accumulation_line, in_program_plan, passes_of
+from chunkjax.plan_micro import accumulation_line, passes_of, plan_micro_batches
 from chunkjax.predict import ChunkBytes, chunk_bytes, device_model_bytes, update_phase_bytes
 from chunkjax.stages import check_param_keys, compose_loss, differentiated, split_loss
 from chunkjax.streamed import starts_early
@@ -376,8 +376,8 @@ def plan(problem: FitProblem, budget_bytes: int, *, policy: str = "tide", reside
       chunkjax.PlanError: nothing fits (the message gives the smallest budget that does).
     """
     kw = dict(policy=policy, resident=resident, must_fit=must_fit, split=split)
-    if problem.micro_batches > 1 and (s := in_program_plan(problem, budget_bytes, _plan_passes, **kw)):
-        return s
+    if problem.micro_batches > 1:
+        return plan_micro_batches(problem, budget_bytes, _plan_passes, **kw)
     return _plan_passes(problem, budget_bytes, **kw)
 
 

@@ -15,9 +15,11 @@ inputs are one group's (``G / M`` of the whole batch's), each fetch and offloade
 the device, the others in host memory); a storage chunk's state is still read and written once a
 step. Hence the rule: the largest ``G`` dividing ``M`` whose plan fits the device budget (and the
 host budget the planner enforces), in-program (``G = M``) first, then groups (one device only),
-else per pass. When every plan is refused for lack of host memory, groups do not help: their sums
-(4 bytes per parameter across the passes) cost more than the whole-batch stage inputs they save
-whenever those are below ``4 x parameters`` bytes (``docs/storage.md``, micro-batch groups).
+else per pass (:func:`plan_micro_batches`). When every plan is refused for lack of host memory, the
+refusal is the one of least host need (in-program's, when the per-pass sums cost more); groups
+do not help there: their sums (4 bytes per parameter across the passes) cost more than the
+whole-batch stage inputs they save whenever those are below ``4 x parameters`` bytes
+(``docs/storage.md``, micro-batch groups).
 """
 from __future__ import annotations
 
@@ -54,23 +56,51 @@ def grouped_problem(problem, group: int):
                                micro_batches=problem.micro_batches // group)
 
 
-def in_program_plan(problem, budget_bytes: int, plan, **kw):
+def in_program_plan(problem, budget_bytes: int, plan, refused: list | None = None, **kw):
     """The in-program schedule of ``problem`` (a :class:`chunkjax.fit.FitProblem` with
     ``micro_batches`` > 1) with the largest micro-batch group (:func:`group_sizes`) whose plan
     fits ``budget_bytes`` (bytes, per rank): ``accumulation="in_program"`` and ``micro_group``
     None (all micro-batches in one pass) or G; None when no group fits.
     ``plan(problem, budget_bytes, **kw) -> Schedule`` plans one pass (:func:`chunkjax.fit.plan`'s
     per-pass planning, raising :class:`~chunkjax.errors.PlanError` when nothing fits) and is given
-    :func:`grouped_problem`."""
+    :func:`grouped_problem`; ``refused`` (a list) gets ``(G, PlanError)`` of each group refused."""
     m = problem.micro_batches
     for g in group_sizes(m, problem.n_ranks):
         try:
             s = plan(grouped_problem(problem, g), budget_bytes, **kw)
-        except PlanError:
+        except PlanError as e:
+            if refused is not None:
+                refused.append((g, e))
             continue
         if s.predicted.peak_device_bytes <= budget_bytes:
             return dataclasses.replace(s, accumulation=IN_PROGRAM, micro_group=None if g == m else g)
     return None
+
+
+def plan_micro_batches(problem, budget_bytes: int, plan, **kw):
+    """The schedule of ``problem`` (``micro_batches`` M > 1): :func:`in_program_plan`, else
+    ``plan(problem, budget_bytes, **kw)`` per micro-batch (``plan`` as :func:`in_program_plan`'s).
+
+    Raises:
+      PlanError: nothing fits: the per-pass refusal, or when it and an in-program one are both
+        for lack of host memory and the in-program group needs less host (no float32 sums
+        across passes), that group's refusal (its host need, the group named: the least host
+        budget that would let a plan through).
+    """
+    refused: list = []
+    s = in_program_plan(problem, budget_bytes, plan, refused, **kw)
+    if s is not None:
+        return s
+    try:
+        return plan(problem, budget_bytes, **kw)
+    except PlanError as e:
+        host = [(r.host_need_bytes, g, r) for g, r in refused if r.host_need_bytes is not None]
+        if e.host_need_bytes is None or not host or min(h[0] for h in host) >= e.host_need_bytes:
+            raise
+        need, g, r = min(host, key=lambda x: x[0])
+        raise type(r)(f"{r} (in-program over {g} of the {problem.micro_batches} micro-batches a pass, the least host "
+                      f"need; per micro-batch {e.host_need_bytes} bytes)", r.min_budget_bytes, r.activations_alone,
+                      need) from None
 
 
 def accumulation_line(schedule, micro_batches: int) -> str | None:

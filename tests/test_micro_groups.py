@@ -197,3 +197,33 @@ def test_bad_micro_group_is_one_line(setup):
     with pytest.raises(ValueError, match="runs on one device"):
         cj.make_chunked_step(stages, zl, cj.Placement(zk, zk), SPEC.optax(), jnp.float32, micro_group=2,
                              mesh=topology.data_mesh(jax.devices()[:2]), zero_stage=3, **kw)
+
+
+def test_refusal_names_the_least_host_need(setup):
+    """When every accumulation is refused for lack of host memory, the error is the one of least
+    host need: in-program over all micro-batches (no float32 sums across passes) where the
+    per-micro-batch plan needs more, saying so and naming the per-micro-batch figure (was: the
+    per-micro-batch refusal, overstating the host budget to ask for)."""
+    from chunkjax.errors import HostBudgetError
+    cfg, params, batches, stages, layout, traces, cb = setup
+    problem = fit.prepare(stages, params, jax.ShapeDtypeStruct((M * B, T + 1), jnp.int32), host_optimizer=SPEC,
+                          compute_dtype=jnp.float32, micro_batches=M, chunk_size=layout.chunk_size,
+                          host_budget=1000, check_host=False)
+    kw = dict(policy="tide", resident=None, must_fit=True, split=True)
+
+    def refusal(p, budget):
+        with pytest.raises(HostBudgetError) as e:
+            fit._plan_passes(p, budget, **kw)
+        return e.value
+
+    with pytest.raises(cj.PlanError) as e:  # the in-program floor: every chunk offloaded
+        fit._plan_passes(dataclasses.replace(grouped_problem(problem, M), host_budget_bytes=None), 1000, **kw)
+    budget = 3 * e.value.min_budget_bytes
+    inner, per = refusal(grouped_problem(problem, M), budget), refusal(problem, budget)
+    assert 1000 < inner.host_need_bytes < per.host_need_bytes  # the passes' float32 sums
+    with pytest.raises(HostBudgetError) as e:
+        fit.plan(problem, budget)
+    msg = str(e.value)
+    assert e.value.host_need_bytes == inner.host_need_bytes and msg.startswith(str(inner)) and "\n" not in msg
+    assert f"(in-program over {M} of the {M} micro-batches a pass, the least host need; per micro-batch " \
+           f"{per.host_need_bytes} bytes)" in msg
