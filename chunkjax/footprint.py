@@ -6,13 +6,15 @@ memory analysis is what XLA reports for the programs that will run (definitions.
 """
 from __future__ import annotations
 
+import concurrent.futures
+import os
 from typing import Any
 
 import jax
 import numpy as np
 
 from chunkjax import optim
-from chunkjax.memory import DEVICE, PINNED_HOST
+from chunkjax.memory import DEVICE, PINNED_HOST, sharding
 
 _MEM_FIELDS = ("argument", "output", "temp", "alias", "host_argument", "host_output", "host_temp")
 
@@ -37,7 +39,7 @@ def compiled_memory(step, batch) -> dict:
     return _memory(step.jit_fwd_bwd.lower(*args).compile())
 
 
-def compiled_programs(step, batch) -> list:
+def compiled_programs(step, batch, workers: int | None = None) -> list:
     """Every program of the pipelined step compiled for a (global) batch shape, in order
     (``jax.stages.Compiled``), with the arguments the step runs it with: param chunks in their
     memory kinds, the batch placed, the carry of program k program k-1's output (with loss
@@ -45,23 +47,52 @@ def compiled_programs(step, batch) -> list:
     (:meth:`chunkjax.step.ChunkedStep.runnable`) and runs there, so the compiled check
     and the step's first call compile every program once (a ``ShapeDtypeStruct`` of a
     ``pinned_host`` single-device sharding lowers with a device-memory aval, so jit alone
-    would trace, lower and compile it again for the step's pinned arrays)."""
-    out, topo = [], step.topology
+    would trace, lower and compile it again for the step's pinned arrays).
+
+    On one device every carried value (activations, held chunks, accumulators) leaves a program
+    in device memory, so the programs are lowered in order and compiled by ``workers`` threads at
+    once (XLA compiles with the GIL released; default: half the host's cores, at most 8). On a
+    mesh the carry's shardings are the compiler's choice: each program is compiled before the
+    next is lowered. ``workers=1`` compiles in order everywhere."""
+    topo = step.topology
     carry = {"loss_scale": jax.ShapeDtypeStruct((), np.float32)} if step.loss_scaling else {}
     ab = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=topo.batch_sharding()), batch)
-    for k in range(len(step.program_bounds())):
-        fn, args = step.program(batch, k)
-        params = {c: jax.ShapeDtypeStruct((step.layout.chunk_size,), param_dtype(step, c),
-                                          sharding=topo.param_sharding(step.placement.param_kinds[c])) for c in args}
-        acc = carry.pop("acc", {})
-        compiled = fn.lower(params, ab, carry, acc).compile()
+    single = step.mesh is None
+    workers = max(1, min(8, (os.cpu_count() or 2) // 2)) if workers is None else max(1, int(workers))
+    on_device = sharding(DEVICE, next(iter(topo.batch_sharding().device_set))) if single else None
+    pool = concurrent.futures.ThreadPoolExecutor(workers) if single and workers > 1 else None
+    pending = []
+    try:
+        for k in range(len(step.program_bounds())):
+            fn, args = step.program(batch, k)
+            params = {c: jax.ShapeDtypeStruct((step.layout.chunk_size,), param_dtype(step, c),
+                                              sharding=topo.param_sharding(step.placement.param_kinds[c])) for c in args}
+            acc = carry.pop("acc", {})
+            lowered = fn.lower(params, ab, carry, acc)
+            res = jax.eval_shape(fn, params, ab, carry, acc)
+            if pool is not None:
+                pending.append(pool.submit(lowered.compile))
+                osh = jax.tree.map(lambda _: on_device, (res[0], res[1]))
+            else:
+                pending.append(lowered.compile())
+                osh = pending[-1].output_shardings
+            carry = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                                 dict(res[0], acc=res[1]), dict(osh[0], acc=osh[1]))
+        out = [p.result() if pool is not None else p for p in pending]
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+    if pool is not None and any(_carry_shardings(c) - {on_device} for c in out[:-1]):
+        return compiled_programs(step, batch, workers=1)  # a carry left device memory: in order
+    for k, compiled in enumerate(out):
         step.runnable(batch, k, compiled)
-        out.append(compiled)
-        res = jax.eval_shape(fn, params, ab, carry, acc)
-        osh = compiled.output_shardings
-        carry = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
-                             dict(res[0], acc=res[1]), dict(osh[0], acc=osh[1]))
     return out
+
+
+def _carry_shardings(compiled) -> set:
+    """The shardings of a compiled program's carried outputs (the carry and the accumulators)."""
+    osh = compiled.output_shardings
+    return set(jax.tree.leaves((osh[0], osh[1])))
 
 
 def compiled_memory_programs(step, batch) -> list[dict]:

@@ -113,7 +113,8 @@ if [[ $PART == a ]]; then
 fi
 if [[ $PART == b ]]; then
   disk
-  run 18b_disk ${POOL18:-56} 120 --largest-models $M18 --largest-steps 3 --storage "$DISK" --no-storage-keep-previous
+  run 18b_disk ${POOL18:-56} 120 --largest-models $M18 --largest-steps ${B_STEPS:-3} --storage "$DISK" --no-storage-keep-previous \
+    ${EXTRA18:-}
   rm -rf "$DISK"
 fi
 if [[ $PART == a2 || $PART == b2 ]]; then  # in-program accumulation where it fits (the plan line says which)
@@ -121,7 +122,7 @@ if [[ $PART == a2 || $PART == b2 ]]; then  # in-program accumulation where it fi
   else tag=18b_disk_mb8; model=$M18; pool=${POOL18MB:-56}; batch=${MB18_BATCH:-16}; fi
   disk
   run $tag $pool ${MB_LEAST:-480} --largest-models $model --largest-steps ${MB_STEPS:-1} --largest-batch $batch \
-    --set micro_batches=8 --storage "$DISK" --no-storage-keep-previous
+    --set micro_batches=8 --storage "$DISK" --no-storage-keep-previous ${EXTRAMB:-}
   rm -rf "$DISK"
 fi
 if [[ $PART == c ]]; then
