@@ -63,7 +63,7 @@
 #   124.5 GB/step; predicted 101.5 s/step. Part a2, LIMIT 530, --largest-steps 1 (3 steps planned): after ~240-280 s
 #   of setup a warm-up and one timed step fit (~203 s); the profiled third step is cut by the time limit (the bench
 #   keeps the timed step: "worker timed out ... having finished 1 timed step").
-#   GPT3_18B b64 does not fit with any group: in-program needs >= 165.5e9 of host (pool 60; whole-batch saved stage
+#   GPT3_18B b64 does not fit with any group: in-program needs 161.2e9 of host (pool 56; whole-batch saved stage
 #   inputs 48.9e9), groups of 4 207.3e9, groups of 2 and per pass 196.2e9 (pool 50): the passes' sums (73e9 for
 #   18.3e9 params) cost more than the stage inputs they save (<= 42.8e9). b24: 124.3e9 (pool 58), b32: 131.1e9.
 #   GPT3_18B b16 (8 x 2 x 1024), pool 56: in-program, 125 device / 134 host (all master-fetch) / 105 disk, 32
