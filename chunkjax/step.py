@@ -571,7 +571,7 @@ def make_chunked_step(stages, layout: ChunkLayout, placement, tx: optax.Gradient
       zero_stage: 1, 2 or 3 with a mesh (default 3).
       donate, host_deadline, speculation_bytes, storage, accumulation, rollback, speculation_policy, micro_group:
         see :class:`ChunkedStep` (``accumulation`` None: the schedule's, else ``"per_micro_batch"``;
-        ``micro_group`` None with ``accumulation`` None: the schedule's).
+        ``micro_group`` None: the schedule's when the accumulation is the schedule's, else None).
 
     Raises:
       ValueError: a bad ``micro_batches``, ``accumulation``, ``nonfinite`` or ``zero_stage``, a mesh that is not 1-D
@@ -593,5 +593,5 @@ def make_chunked_step(stages, layout: ChunkLayout, placement, tx: optax.Gradient
                        loss_scaling, donate, make_topology(mesh, zero_stage), host_deadline, speculation_bytes, storage,
                        accumulation or (schedule.accumulation if schedule is not None else PER_MICRO_BATCH),
                        rollback, speculation_policy,
-                       micro_group if micro_group is not None or accumulation or schedule is None
-                       else schedule.micro_group)
+                       micro_group if micro_group is not None or schedule is None
+                       or (accumulation or schedule.accumulation) != schedule.accumulation else schedule.micro_group)

@@ -165,6 +165,9 @@ def test_planner_picks_the_largest_group_that_fits(setup):
     line = fit.describe(fit.FitReport(s, mid, mid, mid, 0.9, None, (), {}, True, None, ()), problem)
     assert "accumulation in_program over groups of 2 micro-batches (2 passes)" in line
     assert cj.Schedule.from_dict(s.to_dict()).micro_group == G
+    for acc, passes in (("in_program", M // G), ("per_micro_batch", M)):  # the schedule's groups unless overridden
+        assert cj.make_chunked_step(stages, problem.layout, s, host_optimizer=SPEC, compute_dtype=jnp.float32,
+                                    micro_batches=M, accumulation=acc).passes == passes
     # the fit path's step runs the groups: 3 steps equal optax (every chunk offloaded, host updates, clipping)
     step = fit.build_step(problem, s)
     assert step.passes == M // G and step.walk(batches[0][:G * B]).micro_batches == G
