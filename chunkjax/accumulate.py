@@ -151,11 +151,14 @@ class HostSums:
 
 
 def mean_gradients(step, state, batch, scale=None, on_host=None):
-    """The mean gradients of ``step`` (a :class:`chunkjax.ChunkedStep`) over its
-    ``micro_batches`` equal parts of ``batch`` (the global batch), their squared norms and the
-    mean loss: ``({c: gradient}, {c: () f32}, () f32)``. Device gradients are summed in float32 on
-    the device; gradients in pinned host memory in float32 numpy (host-updated chunks keep the
-    numpy mean). Host memory: one float32 chunk per offloaded gradient, the mean written over it
+    """The mean gradients of ``step`` (a :class:`chunkjax.ChunkedStep`) over its ``passes``
+    equal parts of ``batch`` (the global batch), their squared norms and the mean loss:
+    ``({c: gradient}, {c: () f32}, () f32)``. A part is one micro-batch, or with
+    ``micro_group`` G (in-program over groups) G consecutive micro-batches whose programs'
+    gradient is already their mean (their factor ``1/G``, or a weighted loss's ``W_i / W_group``:
+    :class:`chunkjax.walker.Walk`), so the mean over the parts is the batch's. Device gradients
+    are summed in float32 on the device; gradients in pinned host memory in float32 numpy
+    (host-updated chunks keep the numpy mean). Host memory: one float32 chunk per offloaded gradient, the mean written over it
     (:func:`mean_in_place`).
 
     A weighted loss (:class:`chunkjax.loss_weight.WeightedLoss`): the gradients are the parts'
@@ -171,7 +174,7 @@ def mean_gradients(step, state, batch, scale=None, on_host=None):
     Raises:
       ValueError: a weighted loss whose batch scores no token (:data:`chunkjax.loss_weight.NO_SCORED_TOKENS`).
     """
-    n = step.micro_batches
+    n = step.passes  # micro-batches, or in-program micro-batch groups (each pass: one group's mean)
     size = jax.tree.leaves(batch)[0].shape[0] // n
     host = set(step.host_chunks)
     disk = {c for c in range(step.layout.n_chunks) if step.location(c) == "storage"}  # their sums: HostSums too

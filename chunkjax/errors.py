@@ -38,12 +38,15 @@ class PlanError(ValueError):
     Attributes:
       min_budget_bytes: the smallest device budget (bytes) that works, where known (0 otherwise).
       activations_alone: the non-model bytes (activations and temporaries) alone exceed the budget.
+      host_need_bytes: a refusal for lack of host memory: the least host bytes the plan needs (as
+        compared with the host budget), else None.
     """
 
-    def __init__(self, msg: str, min_budget_bytes: int, activations_alone: bool):
+    def __init__(self, msg: str, min_budget_bytes: int, activations_alone: bool, host_need_bytes: int | None = None):
         super().__init__(msg)
         self.min_budget_bytes = min_budget_bytes
         self.activations_alone = activations_alone
+        self.host_need_bytes = host_need_bytes
 
 
 class HostBudgetError(PlanError):

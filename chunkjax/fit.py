@@ -37,7 +37,7 @@ from chunkjax.loss_weight import check_scalar_loss
 from chunkjax.optim import check_elementwise, state_bytes_per_chunk
 from chunkjax.plan import plan_schedule
 from chunkjax.plan_disk import storage_line
-from chunkjax.plan_micro import in_program_plan, passes_of
+from chunkjax.plan_micro import accumulation_line, passes_of, plan_micro_batches
 from chunkjax.predict import ChunkBytes, chunk_bytes, device_model_bytes, update_phase_bytes
 from chunkjax.stages import check_param_keys, compose_loss, differentiated, split_loss
 from chunkjax.streamed import starts_early
@@ -362,7 +362,8 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
 def plan(problem: FitProblem, budget_bytes: int, *, policy: str = "tide", resident=None, must_fit: bool = True,
          split: bool = True):
     """The schedule for one (per-rank) device budget: the only place the fit path plans (with
-    micro-batches in-program accumulation where it fits, else per pass: :mod:`chunkjax.plan_micro`).
+    micro-batches in-program accumulation where it fits, else over the largest micro-batch group
+    that fits, else per pass: :mod:`chunkjax.plan_micro`).
 
     Args:
       problem: from :func:`prepare`.
@@ -377,10 +378,14 @@ def plan(problem: FitProblem, budget_bytes: int, *, policy: str = "tide", reside
     Raises:
       chunkjax.PlanError: nothing fits (the message gives the smallest budget that does).
     """
-    p = problem
-    kw = dict(policy=policy, resident=resident, must_fit=must_fit)
-    if p.micro_batches > 1 and (s := in_program_plan(p, budget_bytes, plan, split=split, **kw)):
-        return s
+    kw = dict(policy=policy, resident=resident, must_fit=must_fit, split=split)
+    if problem.micro_batches > 1:
+        return plan_micro_batches(problem, budget_bytes, _plan_passes, **kw)
+    return _plan_passes(problem, budget_bytes, **kw)
+
+
+def _plan_passes(p: FitProblem, budget_bytes: int, *, split, **kw):
+    """:func:`plan` of ``p.micro_batches`` passes (of groups: :func:`chunkjax.plan_micro.grouped_problem`)."""
     try:
         return _plan(p, budget_bytes, split=split, **kw)
     except PlanError as e:
@@ -596,4 +601,4 @@ def describe(report: FitReport, problem: FitProblem) -> str:
             f"{p.time.step_s * 1e3:.1f} ms" + (" (the cost model's GPU rates: a CPU runs far slower)"
                                                 if problem.platform == "cpu" else "")
             + "".join(f"; {x}" for x in [storage_line(s, problem.storage_devices, problem.host_budget_bytes),
-                                         problem.micro_batches > 1 and f"accumulation {s.accumulation}"] if x))
+                                         accumulation_line(s, problem.micro_batches)] if x))

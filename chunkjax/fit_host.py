@@ -11,6 +11,7 @@ import dataclasses
 
 from chunkjax.errors import HostBudgetError, PlanError
 from chunkjax.plan import OVER_HOST_LIMIT
+from chunkjax.plan_micro import passes_of
 from chunkjax.speculate import DEFAULT_BACKUP_BYTES
 from chunkjax.host_memory import (PINNED_HOST_LIMIT_ENV, PINNED_POOL_FRAGMENTATION, HostMemoryError, check_host_need,
                                   check_pinned_host, pinned_host_limit_bytes, schedule_host_need)
@@ -27,10 +28,9 @@ def host_need(problem, schedule) -> dict:
     """Host bytes a run of ``schedule`` needs, all ranks of this process together
     (:func:`chunkjax.host_memory.schedule_host_need`: the figure the planner compared with the
     host budget, ``predicted.host_bytes``, split by kind)."""
-    p = problem
-    in_program = schedule.accumulation == "in_program"  # no float32 sums outside the programs
+    p = problem  # in-program in one pass: no float32 sums outside the programs
     return schedule_host_need(schedule, p.cb, layout=p.layout, n_ranks=p.n_ranks, zero_stage=p.zero_stage,
-                              platform=p.platform, micro_batches=1 if in_program else p.micro_batches)
+                              platform=p.platform, micro_batches=passes_of(schedule, p.micro_batches))
 
 
 def check_host_memory(problem, schedule, available: int | None = None) -> dict:

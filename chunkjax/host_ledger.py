@@ -20,6 +20,7 @@ import dataclasses
 import time
 
 from chunkjax.host_memory import host_memory_available_bytes, schedule_host_parts
+from chunkjax.plan_micro import passes_of
 
 #: ``/proc/self/status`` fields a sample reads (kB there, bytes here).
 _STATUS_FIELDS = {"RssAnon:": "anon_bytes", "RssShmem:": "shmem_bytes", "RssFile:": "file_bytes",
@@ -59,13 +60,12 @@ def release_free_heap() -> int | None:
 def plan_parts(problem, schedule, host: dict) -> dict[str, int]:
     """The host bytes a fitted plan accounts, by part (bytes): :func:`chunkjax.host_memory.schedule_host_parts`
     of ``schedule`` for ``problem`` (a :class:`chunkjax.fit.FitProblem`; in-program accumulation
-    has no host sums), then ``pinned_pool_rounding`` (what the runtime's pinned pool holds above the
+    in one pass has no host sums: :func:`chunkjax.plan_micro.passes_of`), then ``pinned_pool_rounding`` (what the runtime's pinned pool holds above the
     pinned bytes), ``process_allowance`` (the process's own need the plan counts) and
     ``total_bytes`` (the need that ``MemAvailable``, read when planning, must cover; ``host``: the
     fit's host need, :func:`chunkjax.fit_host.host_need`)."""
-    in_program = getattr(schedule, "accumulation", None) == "in_program"
     parts = schedule_host_parts(schedule, problem.cb, n_ranks=problem.n_ranks, zero_stage=problem.zero_stage,
-                                platform=problem.platform, micro_batches=1 if in_program else problem.micro_batches)
+                                platform=problem.platform, micro_batches=passes_of(schedule, problem.micro_batches))
     parts["pinned_pool_rounding"] = int(host["pinned_pool_bytes"] - host["pinned_host_bytes"])
     parts["process_allowance"] = int(host["process_bytes"])
     parts["total_bytes"] = int(host["need_bytes"])

@@ -265,7 +265,7 @@ def _host_error(host_budget: int, need: int, device_budget: int, ranks: int) -> 
     else:
         msg = _MSG_HOST_ZERO.format(host=host_budget, host_rank=host_budget // ranks, n=ranks, need_node=need * ranks,
                                     need=need, dev=device_budget, need_size=format_bytes(need * ranks, up=True))
-    return HostBudgetError(msg, device_budget, False)
+    return HostBudgetError(msg, device_budget, False, need * ranks)
 
 
 def _tide_infeasible(one, offloaded_fits, n_chunks: int, tide: Tide, cb: ChunkBytes, budget: int, host_budget,

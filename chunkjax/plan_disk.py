@@ -110,7 +110,7 @@ def host_disk_error(host_budget: int, need: int, n_chunks: int, storage_devices:
     return PlanError(_MSG_HOST_DISK.format(host=host_budget, need=need, n=n_chunks, d=storage_devices,
                                            ies="y" if storage_devices == 1 else "ies",
                                            disk="unbounded" if disk_budget is None else f"{disk_budget} bytes",
-                                           need_size=format_bytes(need, up=True)), 0, False)
+                                           need_size=format_bytes(need, up=True)), 0, False, int(need))
 
 
 def storage_line(schedule: Schedule, storage_devices: int, host_budget: int | None) -> str | None:

@@ -1,41 +1,115 @@
-"""Where a step's micro-batches run (the fit path's choice): looped inside each moment, each chunk
-fetched once a step and the float32 gradient sums on the device (``"in_program"``,
-:class:`chunkjax.walker.Walk` ``micro_batches``), or one pass of every program per micro-batch
-(``"per_micro_batch"``, :func:`chunkjax.accumulate.mean_gradients`).
+"""Where a step's micro-batches run (the fit path's choice): looped inside each moment over all
+``M`` of them, each chunk fetched once a step and the float32 gradient sums on the device
+(``"in_program"``, :class:`chunkjax.walker.Walk` ``micro_batches``); looped inside each moment
+over groups of ``G`` of them, the programs run once per group (``"in_program"`` with
+``micro_group`` G: ``M / G`` passes, :func:`chunkjax.accumulate.mean_gradients`); or one pass
+of every program per micro-batch (``"per_micro_batch"``, the groups' ``G = 1``).
 
 In-program moves each fetch and each offloaded gradient once a step (per pass: ``M`` times) and
 keeps no float32 sum outside the programs (per pass: 4 bytes per parameter of host memory for each
 offloaded chunk, and a device sum per device-updated chunk held through every program), so for the
 model data it is never worse; it costs device memory for activations: the saved stage inputs are
-the whole batch's (:func:`chunkjax.trace.in_program_traces`). Hence the rule: in-program wherever
-its plan fits the device budget, else per pass.
+the whole batch's (:func:`chunkjax.trace.in_program_traces`). Groups sit between: the saved stage
+inputs are one group's (``G / M`` of the whole batch's), each fetch and offloaded gradient moves
+``M / G`` times, and the passes keep the per-pass path's float32 sums (device-updated chunks on
+the device, the others in host memory); a storage chunk's state is still read and written once a
+step. Hence the rule: the largest ``G`` dividing ``M`` whose plan fits the device budget (and the
+host budget the planner enforces), in-program (``G = M``) first, then groups (one device only),
+else per pass (:func:`plan_micro_batches`). When every plan is refused for lack of host memory, the
+refusal is the one of least host need (in-program's, when the per-pass sums cost more); groups
+do not help there: their sums (4 bytes per parameter across the passes) cost more than the
+whole-batch stage inputs they save whenever those are below ``4 x parameters`` bytes
+(``docs/storage.md``, micro-batch groups).
 """
 from __future__ import annotations
 
 import dataclasses
 
 from chunkjax.errors import PlanError
-from chunkjax.schedule import IN_PROGRAM
+from chunkjax.schedule import IN_PROGRAM, PER_MICRO_BATCH, micro_group_size
 from chunkjax.trace import in_program_traces
 
 
 def passes_of(schedule, micro_batches: int) -> int:
-    """Times a step running ``schedule`` runs its programs per call: 1 in-program, else
-    ``micro_batches`` (a schedule-like object without ``accumulation``: per pass)."""
-    return 1 if getattr(schedule, "accumulation", None) == IN_PROGRAM else micro_batches
+    """Times a step running ``schedule`` runs its programs per call: 1 in-program, ``M / G``
+    in-program over groups of G, else ``micro_batches`` (a schedule-like object without
+    ``accumulation``: per pass)."""
+    acc = getattr(schedule, "accumulation", None) or PER_MICRO_BATCH
+    return micro_batches // micro_group_size(acc, getattr(schedule, "micro_group", None), micro_batches)
 
 
-def in_program_plan(problem, budget_bytes: int, plan, **kw):
-    """The in-program schedule (``accumulation="in_program"``) of ``problem`` (a
-    :class:`chunkjax.fit.FitProblem` with ``micro_batches`` > 1) if it fits ``budget_bytes``
-    (bytes, per rank), else None. ``plan(problem, budget_bytes, **kw) -> Schedule``
-    (:func:`chunkjax.fit.plan`, raising :class:`~chunkjax.errors.PlanError` when nothing fits)
-    is given the problem with the in-program traces and one pass (``micro_batches=1``: no
-    float32 sums, each chunk fetched once)."""
-    inner = dataclasses.replace(problem, traces=in_program_traces(problem.traces, problem.micro_batches),
-                                micro_batches=1)
+def group_sizes(micro_batches: int, n_ranks: int = 1) -> tuple[int, ...]:
+    """The in-program group sizes the planner tries, largest first: ``micro_batches`` (one pass),
+    then on one device every other divisor above 1 (groups run on one device)."""
+    m = int(micro_batches)
+    if n_ranks > 1:
+        return (m,) if m > 1 else ()
+    return tuple(g for g in range(m, 1, -1) if m % g == 0)
+
+
+def grouped_problem(problem, group: int):
+    """``problem`` (a :class:`chunkjax.fit.FitProblem` with ``micro_batches`` M > 1) as one pass
+    of micro-batch groups of ``group`` G sees it: the traces of G micro-batches looped in-program
+    (:func:`chunkjax.trace.in_program_traces`) and ``micro_batches = M / G`` passes (1: no float32
+    sums, each chunk fetched once; more: the per-pass path's sums and repeated fetches)."""
+    return dataclasses.replace(problem, traces=in_program_traces(problem.traces, group),
+                               micro_batches=problem.micro_batches // group)
+
+
+def in_program_plan(problem, budget_bytes: int, plan, refused: list | None = None, **kw):
+    """The in-program schedule of ``problem`` (a :class:`chunkjax.fit.FitProblem` with
+    ``micro_batches`` > 1) with the largest micro-batch group (:func:`group_sizes`) whose plan
+    fits ``budget_bytes`` (bytes, per rank): ``accumulation="in_program"`` and ``micro_group``
+    None (all micro-batches in one pass) or G; None when no group fits.
+    ``plan(problem, budget_bytes, **kw) -> Schedule`` plans one pass (:func:`chunkjax.fit.plan`'s
+    per-pass planning, raising :class:`~chunkjax.errors.PlanError` when nothing fits) and is given
+    :func:`grouped_problem`; ``refused`` (a list) gets ``(G, PlanError)`` of each group refused."""
+    m = problem.micro_batches
+    for g in group_sizes(m, problem.n_ranks):
+        try:
+            s = plan(grouped_problem(problem, g), budget_bytes, **kw)
+        except PlanError as e:
+            if refused is not None:
+                refused.append((g, e))
+            continue
+        if s.predicted.peak_device_bytes <= budget_bytes:
+            return dataclasses.replace(s, accumulation=IN_PROGRAM, micro_group=None if g == m else g)
+    return None
+
+
+def plan_micro_batches(problem, budget_bytes: int, plan, **kw):
+    """The schedule of ``problem`` (``micro_batches`` M > 1): :func:`in_program_plan`, else
+    ``plan(problem, budget_bytes, **kw)`` per micro-batch (``plan`` as :func:`in_program_plan`'s).
+
+    Raises:
+      PlanError: nothing fits: the per-pass refusal, or when it and an in-program one are both
+        for lack of host memory and the in-program group needs less host (no float32 sums
+        across passes), that group's refusal (its host need, the group named: the least host
+        budget that would let a plan through).
+    """
+    refused: list = []
+    s = in_program_plan(problem, budget_bytes, plan, refused, **kw)
+    if s is not None:
+        return s
     try:
-        s = plan(inner, budget_bytes, **kw)
-    except PlanError:
+        return plan(problem, budget_bytes, **kw)
+    except PlanError as e:
+        host = [(r.host_need_bytes, g, r) for g, r in refused if r.host_need_bytes is not None]
+        if e.host_need_bytes is None or not host or min(h[0] for h in host) >= e.host_need_bytes:
+            raise
+        need, g, r = min(host, key=lambda x: x[0])
+        raise type(r)(f"{r} (in-program over {g} of the {problem.micro_batches} micro-batches a pass, the least host "
+                      f"need; per micro-batch {e.host_need_bytes} bytes)", r.min_budget_bytes, r.activations_alone,
+                      need) from None
+
+
+def accumulation_line(schedule, micro_batches: int) -> str | None:
+    """How ``schedule`` runs ``micro_batches`` micro-batches, for the plan's one-line summary:
+    ``"accumulation in_program"``, ``"accumulation in_program over groups of G micro-batches
+    (P passes)"`` or ``"accumulation per_micro_batch"``; None for one micro-batch."""
+    if micro_batches == 1:
         return None
-    return dataclasses.replace(s, accumulation=IN_PROGRAM) if s.predicted.peak_device_bytes <= budget_bytes else None
+    p = passes_of(schedule, micro_batches)
+    if schedule.accumulation == IN_PROGRAM and p > 1:
+        return f"accumulation in_program over groups of {micro_batches // p} micro-batches ({p} passes)"
+    return f"accumulation {schedule.accumulation}"

@@ -33,6 +33,24 @@ PER_MICRO_BATCH, IN_PROGRAM = "per_micro_batch", "in_program"
 ACCUMULATIONS = (PER_MICRO_BATCH, IN_PROGRAM)
 
 
+def micro_group_size(accumulation: str, micro_group: int | None, micro_batches: int) -> int:
+    """The micro-batches one pass of a step's programs loops over inside its moments: 1 per
+    micro-batch (``"per_micro_batch"``), ``micro_batches`` in-program with ``micro_group`` None
+    (one pass a step), else ``micro_group`` (in-program over groups: ``micro_batches //
+    micro_group`` passes, :mod:`chunkjax.plan_micro`).
+
+    Raises:
+      ValueError: ``micro_group`` given per micro-batch, below 1, or not dividing ``micro_batches``.
+    """
+    if micro_group is None:
+        return micro_batches if accumulation == IN_PROGRAM else 1
+    if accumulation != IN_PROGRAM:
+        raise ValueError(f"micro_group={micro_group} needs accumulation='in_program' (got {accumulation!r})")
+    if not (isinstance(micro_group, int) and micro_group >= 1 and micro_batches % micro_group == 0):
+        raise ValueError(f"micro_group={micro_group!r} must be an int >= 1 dividing micro_batches={micro_batches}")
+    return micro_group
+
+
 @dataclasses.dataclass(frozen=True)
 class Placement:
     """Where each chunk lives between steps.
@@ -209,6 +227,10 @@ class Schedule:
       accumulation: how the step runs micro-batches (:data:`ACCUMULATIONS`;
         :attr:`chunkjax.step.ChunkedStep.accumulation`): ``"in_program"`` when planned on the
         in-program traces (:func:`chunkjax.trace.in_program_traces`), else ``"per_micro_batch"``.
+      micro_group: with ``"in_program"``: the micro-batches each pass loops over inside its
+        moments (micro-batch groups: the programs run ``micro_batches // micro_group`` passes a
+        step, the passes' gradients summed as per micro-batch); None: all of the step's (one pass).
+        :func:`micro_group_size`.
 
     Raises:
       ValueError: per-chunk tuples of different lengths, an unknown update location or accumulation,
@@ -229,10 +251,13 @@ class Schedule:
     streamed_early: bool = False
     grad_window: int = GRAD_WINDOW_PROGRAMS
     accumulation: str = PER_MICRO_BATCH
+    micro_group: int | None = None
 
     def __post_init__(self):
         if self.accumulation not in ACCUMULATIONS:
             raise ValueError(f"accumulation={self.accumulation!r}: use one of {ACCUMULATIONS}")
+        if self.micro_group is not None:
+            micro_group_size(self.accumulation, self.micro_group, self.micro_group)
         if len(self.param_kinds) != len(self.update_locations):
             raise ValueError("param_kinds and update_locations need one entry per chunk")
         bad = [c for c in self.master_fetch if not (0 <= c < len(self.param_kinds))
@@ -288,7 +313,8 @@ class Schedule:
                 "moments": [list(m) for m in self.moments], "counts": self.counts(),
                 "budget_bytes": self.budget_bytes, "predicted": self.predicted.to_dict(),
                 "master_fetch": list(self.master_fetch), "streamed_early": self.streamed_early,
-                "grad_window": int(self.grad_window), "accumulation": self.accumulation}
+                "grad_window": int(self.grad_window), "accumulation": self.accumulation,
+                "micro_group": self.micro_group}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Schedule":
@@ -298,4 +324,4 @@ class Schedule:
                    tuple(tuple(m) for m in d["moments"]), Prediction.from_dict(d["predicted"]),
                    int(d["budget_bytes"]), tuple(int(c) for c in d.get("master_fetch", ())),
                    bool(d.get("streamed_early", False)), int(d.get("grad_window", GRAD_WINDOW_PROGRAMS)),
-                   d.get("accumulation", PER_MICRO_BATCH))
+                   d.get("accumulation", PER_MICRO_BATCH), d.get("micro_group"))

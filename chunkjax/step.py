@@ -38,7 +38,7 @@ from chunkjax.loss_weight import require_weight, token_mean
 from chunkjax.memory import DEVICE, TransferWindow, sharding
 from chunkjax.host_memory import check_pinned_host
 from chunkjax.plan import Placement, fetch_events
-from chunkjax.schedule import ACCUMULATIONS, IN_PROGRAM, PER_MICRO_BATCH, check_trainable
+from chunkjax.schedule import ACCUMULATIONS, PER_MICRO_BATCH, check_trainable, micro_group_size
 from chunkjax.stages import first_readers, split_loss, stage_reads
 from chunkjax.step_checkpoint import StepChunkIO, restore_chunks
 from chunkjax.step_commit import PendingStep
@@ -77,6 +77,10 @@ class ChunkedStep(StepChunkIO, StepUpdates, OnTopology):
         as the whole batch at once, to the compute dtype's rounding; reported case 3).
       accumulation: ``"in_program"`` (looped inside each moment: :class:`chunkjax.walker.Walk`) or
         ``"per_micro_batch"`` (:func:`chunkjax.accumulate.mean_gradients`); :mod:`chunkjax.plan_micro`.
+      micro_group: in-program over micro-batch groups: each pass of the programs loops over this
+        many micro-batches inside its moments, ``micro_batches // micro_group`` passes a step
+        summed by :func:`chunkjax.accumulate.mean_gradients` (one device); None: all in one pass
+        (:func:`chunkjax.schedule.micro_group_size`).
       nonfinite: ``"ignore"`` (default: no check), or ``"skip"``: a step whose gradients hold a
         NaN or inf changes no state and reports ``metrics["skipped"]`` True (host updates still
         overlap the backward: :mod:`chunkjax.speculate`).
@@ -98,8 +102,8 @@ class ChunkedStep(StepChunkIO, StepUpdates, OnTopology):
         each call first joins the previous step's host work.
 
     Raises (at construction):
-      ValueError: a bad ``micro_batches``, ``accumulation``, ``nonfinite`` or ``prefetch``, a placement that
-        differs from the schedule's or has another chunk count, host-updated chunks without
+      ValueError: a bad ``micro_batches``, ``accumulation``, ``micro_group``, ``nonfinite`` or ``prefetch``, a
+        ``micro_group`` of several passes on a mesh, a placement that differs from the schedule's or has another chunk count, host-updated chunks without
         ``host_optimizer``, or a ``chunk_size`` that does not split over the ranks.
     """
 
@@ -123,6 +127,7 @@ class ChunkedStep(StepChunkIO, StepUpdates, OnTopology):
     rollback: str = "backup"
     speculation_policy: str = "after_common"
     cross_step: bool = True
+    micro_group: int | None = None
 
     def __post_init__(self):
         check_speculation(self.rollback, self.speculation_policy)
@@ -130,6 +135,10 @@ class ChunkedStep(StepChunkIO, StepUpdates, OnTopology):
             raise ValueError(f"micro_batches must be an int >= 1, got {self.micro_batches!r}")
         if self.accumulation not in ACCUMULATIONS:
             raise ValueError(f"accumulation={self.accumulation!r}: use one of {ACCUMULATIONS}")
+        group = micro_group_size(self.accumulation, self.micro_group, self.micro_batches)
+        if 1 < group < self.micro_batches and self.n_ranks > 1:
+            raise ValueError(f"micro_group={group} of micro_batches={self.micro_batches} runs on one device: on a mesh "
+                             "use accumulation='in_program' without micro_group, or 'per_micro_batch'")
         if self.nonfinite not in ("ignore", "skip"):
             raise ValueError(f"nonfinite={self.nonfinite!r}: use 'ignore' or 'skip'")
         if self.schedule is not None and self.schedule.placement != self.placement:
@@ -151,8 +160,9 @@ class ChunkedStep(StepChunkIO, StepUpdates, OnTopology):
 
     @property
     def passes(self) -> int:
-        """Times the programs run per call: ``micro_batches`` per micro-batch, 1 in-program."""
-        return 1 if self.accumulation == IN_PROGRAM else self.micro_batches
+        """Times the programs run per call: ``micro_batches`` per micro-batch, 1 in-program,
+        ``micro_batches // micro_group`` in-program over groups."""
+        return self.micro_batches // micro_group_size(self.accumulation, self.micro_group, self.micro_batches)
 
     @functools.cached_property
     def frozen_chunks(self) -> tuple[int, ...]:
@@ -554,7 +564,8 @@ def make_chunked_step(stages, layout: ChunkLayout, placement, tx: optax.Gradient
                       mesh=None, zero_stage: int | None = None, donate: bool | None = None,
                       host_deadline: float | None = None, speculation_bytes: int | None = None,
                       storage=None, accumulation: str | None = None, rollback: str = "backup",
-                      speculation_policy: str = "after_common", cross_step: bool = True) -> ChunkedStep:
+                      speculation_policy: str = "after_common", cross_step: bool = True,
+                      micro_group: int | None = None) -> ChunkedStep:
     """Build the chunked step (see :class:`ChunkedStep`). Nothing is compiled until first use.
 
     Args:
@@ -575,7 +586,9 @@ def make_chunked_step(stages, layout: ChunkLayout, placement, tx: optax.Gradient
         parallelism, in one process or across processes (``jax.distributed``); None: one device.
       zero_stage: 1, 2 or 3 with a mesh (default 3).
       donate, host_deadline, speculation_bytes, storage, accumulation, rollback, speculation_policy,
-        cross_step: see :class:`ChunkedStep` (``accumulation`` None: the schedule's, else ``"per_micro_batch"``).
+        cross_step, micro_group: see :class:`ChunkedStep` (``accumulation`` None: the schedule's, else
+        ``"per_micro_batch"``; ``micro_group`` None: the schedule's when the accumulation is the schedule's,
+        else None).
 
     Raises:
       ValueError: a bad ``micro_batches``, ``accumulation``, ``nonfinite`` or ``zero_stage``, a mesh that is not 1-D
@@ -596,4 +609,6 @@ def make_chunked_step(stages, layout: ChunkLayout, placement, tx: optax.Gradient
                        1 if prefetch is None else prefetch, schedule, host_optimizer, micro_batches, nonfinite,
                        loss_scaling, donate, make_topology(mesh, zero_stage), host_deadline, speculation_bytes, storage,
                        accumulation or (schedule.accumulation if schedule is not None else PER_MICRO_BATCH),
-                       rollback, speculation_policy, bool(cross_step))
+                       rollback, speculation_policy, bool(cross_step),
+                       micro_group if micro_group is not None or schedule is None
+                       or (accumulation or schedule.accumulation) != schedule.accumulation else schedule.micro_group)

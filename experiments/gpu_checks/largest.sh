@@ -1,8 +1,8 @@
 # Issue 24 on the GPU: the largest models on one H200 (125.8 GiB host RAM, 64 GiB free disk), in parts of < 9 min.
 #   bash experiments/gpu_checks/largest.sh <run-id> a      # GPT3_15B host-only, batch 8 x 1024, 5 steps
-#   bash experiments/gpu_checks/largest.sh <run-id> b      # GPT3_18B with the disk tier, 5 steps
+#   bash experiments/gpu_checks/largest.sh <run-id> b      # GPT3_18B with the disk tier, 5 steps (pool 56: see below)
 #   bash experiments/gpu_checks/largest.sh <run-id> a2     # GPT3_15B, batch 64 = 8 micro-batches of 8 x 1024, disk tier
-#   bash experiments/gpu_checks/largest.sh <run-id> b2     # GPT3_18B, 8 micro-batches, disk tier (the CPU plan is refused)
+#   bash experiments/gpu_checks/largest.sh <run-id> b2     # GPT3_18B, batch 16 = 8 micro-batches of 2 x 1024, disk tier
 #   bash experiments/gpu_checks/largest.sh <run-id> c      # GPT3_12B, 8 micro-batches: host only, then disk (host 110e9)
 #   bash experiments/gpu_checks/largest.sh <run-id> table  # only the table of the runs under $OUT
 # Each part is one experiments.bench --largest call per run (one subprocess per system, the matmul probe in each
@@ -54,10 +54,35 @@
 #   (16.34 s of disk, 14.55 s of it after the 8 micro-batches; 5 steps ~170 s). At 100e9: 41 disk chunks,
 #   52.1 GB/step, 54.60 s/step.
 # * In-program accumulation (session 13, chunkjax.plan_micro): the micro-batches loop inside each moment, a chunk is
-#   fetched once per step and its float32 sum stays on the device; no host sums. CPU plans (138 GiB, host 119e9,
-#   disk 68.67e9): GPT3_15B b64 fits: pool 44, 109 device / 109 host / 98 disk chunks, host 118.41e9, predicted
-#   101.5 s/step (part a2: --largest-steps 1 is 3 steps, ~305 s, after ~240 s of setup); GPT3_18B b64 needs
-#   154.72e9 of host (whole-batch saved stage inputs 48.9e9 on CPU traces): b2 records the GPU's figures.
+#   fetched once per step and its float32 sum stays on the device; no host sums.
+# * Session 16 (micro-batch groups, chunkjax.plan_micro; docs/storage.md): the planner tries in-program over all 8
+#   micro-batches, then over groups of 4 and 2 (4 B/param float32 sums across the passes), then per pass. CPU plans
+#   (largest_plan.py, 138 GiB, host 119e9, one 64 GiB directory: --disk-gb 68.67, this code):
+#   GPT3_15B b64 (8 x 8 x 1024), pool 44: in-program, 109 device / 109 host (copies) / 98 disk chunks, 8 programs;
+#   accounted device peak 133.14e9; host measure 118.41e9 (pool 47.24e9 + pageable 71.17e9, pinned 39.50e9; need with
+#   the process 124.7e9); disk 124.5 GB/step; predicted 101.5 s/step. At --host-budget 115e9: 109 / 103 / 104,
+#   measure 114.60e9, need 120.93e9, disk 132.2 GB/step, 107.0 s/step (112e9 is refused: 112.06e9 needed).
+#   GPT3_18B b64 does not fit with any group: in-program needs 161.2e9 of host (pool 56; whole-batch saved stage
+#   inputs 48.9e9), groups of 4 207.3e9, groups of 2 and per pass 196.2e9 (pool 50): the passes' sums (73e9 for
+#   18.3e9 params) cost more than the stage inputs they save (<= 42.8e9). b24: 124.3e9 (pool 58), b32: 131.1e9.
+#   GPT3_18B b16 (8 x 2 x 1024), pool 56: in-program, 125 device / 134 host (all master-fetch) / 105 disk, 32
+#   programs; device 133.15e9; host measure 118.80e9 (pool 60.13e9 + pageable 58.67e9, pinned 52.32e9; need 125.1e9);
+#   disk 133.4 GB/step; predicted 97.4 s/step. Its least host: --host-budget 117.6e9: 125 / 131 / 108, measure
+#   117.53e9, need 123.86e9, 137.3 GB/step, 100.0 s/step (115e9 is refused: 117.53e9 needed).
+#   GPT3_18B b8 as 8 x 1 x 1024 (MB18_BATCH=8), --host-budget 115e9: 135 / 125 (all master-fetch) / 104, measure
+#   114.99e9, need 121.32e9, 132.2 GB/step, 94.4 s/step (112e9 refused: 113.29e9): the same tokens as part b.
+#   Part b (GPT3_18B b8, one micro-batch) under the 90 % rule: pool 50 is refused (pinned 51.47e9 > 0.9 x 53.69e9);
+#   pool 56: 128 device / 134 host (all master-fetch) / 102 disk, 32 programs, host 118.80e9, disk 129.6 GB/step,
+#   predicted 92.6 s/step (b2 at b16: twice the tokens for 5 % more time).
+#   Host margin: s16b (part b, plan need 128.1e9) thrashed with the machine ~7e9 beyond the plan's need, s16a (15B
+#   host-only, need 128.6e9) peaked 2.9e9 beyond it; a disk-tier part should plan a need <= ~124e9, hence
+#   EXTRAMB="--host-budget 115e9" for a2 and 117.6e9 (b16's least) for b2. Time: s16a spent 296 s before its first
+#   step, s16b ~385 s; with steps of 100-107 s, LIMIT=585 (as s16b) gives a warm-up and one timed step (the profiled
+#   third of --largest-steps 1 is cut; the bench keeps the finished timed step); LIMIT 530-540 gives the warm-up only.
+#   PREALLOC=false POOL15MB=44 EXTRAMB="--host-budget 115e9" LIMIT=585 MEMLOG=$OUT/mem.log \
+#     bash experiments/gpu_checks/memwatch.sh bash experiments/gpu_checks/largest.sh <run> a2
+#   PREALLOC=false POOL18MB=56 EXTRAMB="--host-budget 117.6e9" LIMIT=585 MEMLOG=$OUT/mem.log \
+#     bash experiments/gpu_checks/memwatch.sh bash experiments/gpu_checks/largest.sh <run> b2
 # * Session 13's part a (pool 38 preallocated) was killed by the kernel's OOM killer in its first step with shmem-rss
 #   (pinned) 79.7 GB against the 40.8 GB pool (experiments/results/largest_s13_15b_memory.json): PREALLOC=false runs
 #   a part with the pool growing up to its cap instead; run the part under memwatch.sh to log RssAnon/RssShmem.
@@ -98,15 +123,16 @@ if [[ $PART == a ]]; then
 fi
 if [[ $PART == b ]]; then
   disk
-  run 18b_disk ${POOL18:-50} 120 --largest-models $M18 --largest-steps ${B_STEPS:-3} --storage "$DISK" --no-storage-keep-previous \
+  run 18b_disk ${POOL18:-56} 120 --largest-models $M18 --largest-steps ${B_STEPS:-3} --storage "$DISK" --no-storage-keep-previous \
     ${EXTRA18:-}
   rm -rf "$DISK"
 fi
 if [[ $PART == a2 || $PART == b2 ]]; then  # in-program accumulation where it fits (the plan line says which)
-  if [[ $PART == a2 ]]; then tag=15b_disk_mb8; model=$M15; pool=${POOL15MB:-44}; else tag=18b_disk_mb8; model=$M18; pool=${POOL18MB:-50}; fi
+  if [[ $PART == a2 ]]; then tag=15b_disk_mb8; model=$M15; pool=${POOL15MB:-44}; batch=${MB15_BATCH:-64}
+  else tag=18b_disk_mb8; model=$M18; pool=${POOL18MB:-56}; batch=${MB18_BATCH:-16}; fi
   disk
-  run $tag $pool ${MB_LEAST:-480} --largest-models $model --largest-steps ${MB_STEPS:-1} --largest-batch 64 \
-    --set micro_batches=8 --storage "$DISK" --no-storage-keep-previous
+  run $tag $pool ${MB_LEAST:-480} --largest-models $model --largest-steps ${MB_STEPS:-1} --largest-batch $batch \
+    --set micro_batches=8 --storage "$DISK" --no-storage-keep-previous ${EXTRAMB:-}
   rm -rf "$DISK"
 fi
 if [[ $PART == c ]]; then

@@ -3,15 +3,18 @@
     python experiments/gpu_checks/largest_plan.py --model GPT3_15B --budget 138GiB --pool 38
     python experiments/gpu_checks/largest_plan.py --model GPT3_18B --budget 138GiB --pool 56 --storage /tmp/d \\
         --disk-gb 68.67
-    python experiments/gpu_checks/largest_plan.py --model GPT3_15B --batch 64 --micro-batches 8 --pool 44
+    python experiments/gpu_checks/largest_plan.py --model GPT3_15B --batch 64 --micro-batches 8 --pool 44 \\
+        --storage /tmp/d --disk-gb 68.67
+    python experiments/gpu_checks/largest_plan.py --model GPT3_18B --batch 16 --micro-batches 8 --pool 56 \\
+        --storage /tmp/d --disk-gb 68.67
 
 The problem is the bench's chunkjax system's (:mod:`experiments.bench_chunkjax`: AdamW host kernel, bf16 compute)
 prepared on this machine's traces (XLA CPU's activations: attention materialises its scores, more than the
 GPU's), then taken as a GPU's (``platform="gpu"``) so that the host need is what the GPU runtime gives the run:
 XLA's pinned pool as ``XLA_PJRT_GPU_HOST_MEMORY_PREALLOCATE`` / ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`` make it
 (:func:`chunkjax.host_memory.pinned_pool_bytes`) plus pageable bytes. The device budget is planned as the fit
-path's first plan does: :data:`chunkjax.fit.HEADROOM` of it less one chunk. Prints one line per plan (bytes in
-GB of 1e9, seconds).
+path's first plan does: :data:`chunkjax.fit.HEADROOM` of it less one chunk. Prints one JSON line per plan (bytes,
+seconds; with micro-batches ``accumulation`` says how they run: :func:`chunkjax.plan_micro.accumulation_line`).
 """
 from __future__ import annotations
 
@@ -65,7 +68,9 @@ def plan_one(p, cfg, budget: int, host_budget: int, pool_gib: int | None, disk_b
     except PlanError as e:
         return dict(out, refused=str(e), plan_s=time.perf_counter() - t0)
     need, pr = fit_host.host_need(q, s), s.predicted
+    from chunkjax.plan_micro import accumulation_line
     return dict(out, counts=s.counts(), master_fetch=len(s.master_fetch), programs=len(s.segments),
+                accumulation=accumulation_line(s, q.micro_batches),
                 peak_device_bytes_accounted=pr.peak_device_bytes, device_model_bytes=pr.device_model_bytes,
                 host_measure_bytes=fit_host.host_bytes_of(q)(s), host_need=need, host_bytes=pr.host_bytes,
                 host_working_bytes=pr.host_working_bytes, host_resident_bytes_per_param=pr.host_resident_bytes_per_param,
