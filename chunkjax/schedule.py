@@ -139,8 +139,9 @@ class Prediction:
         directories per step (master params and optimizer state, each way; 0 without the disk
         tier).
       storage_chunks: chunks updated ``storage``.
-      disk_staging_bytes: host bytes of the near-storage workers' staging buffers (in
-        :attr:`host_bytes`).
+      storage_host_bytes: host bytes of the disk tier outside the chunks (in :attr:`host_bytes`):
+        the near-storage worker processes with their staging buffers and the messages in flight
+        (:func:`chunkjax.host_memory.storage_host_bytes`).
     """
 
     peak_device_bytes: int
@@ -158,13 +159,13 @@ class Prediction:
     host_resident_bytes_per_param: float = 0.0
     disk_bytes_per_step: int = 0
     storage_chunks: int = 0
-    disk_staging_bytes: int = 0
+    storage_host_bytes: int = 0
 
     def to_dict(self) -> dict:
         """JSON-ready; without storage chunks the disk tier's keys are left out (as recorded before it)."""
         d = dataclasses.asdict(self)
         if not self.storage_chunks:
-            del d["disk_bytes_per_step"], d["storage_chunks"], d["disk_staging_bytes"]
+            del d["disk_bytes_per_step"], d["storage_chunks"], d["storage_host_bytes"]
         d["time"] = self.time.to_dict()
         d["device_bytes_per_moment"] = list(self.device_bytes_per_moment)
         return d

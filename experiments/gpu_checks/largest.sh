@@ -98,7 +98,8 @@ if [[ $PART == a ]]; then
 fi
 if [[ $PART == b ]]; then
   disk
-  run 18b_disk ${POOL18:-50} 120 --largest-models $M18 --largest-steps 3 --storage "$DISK" --no-storage-keep-previous
+  run 18b_disk ${POOL18:-50} 120 --largest-models $M18 --largest-steps ${B_STEPS:-3} --storage "$DISK" --no-storage-keep-previous \
+    ${EXTRA18:-}
   rm -rf "$DISK"
 fi
 if [[ $PART == a2 || $PART == b2 ]]; then  # in-program accumulation where it fits (the plan line says which)
