@@ -284,7 +284,8 @@ def schedule_host_need(schedule, cb, *, layout, n_ranks: int = 1, zero_stage: in
     ``device_on_host_bytes``: on the CPU the device's memory is host memory (each rank's
     predicted peak). ``process_bytes``: :func:`process_bytes`. ``pinned_pool_bytes``: what the
     runtime's pinned pool holds for the pinned bytes (:func:`pinned_pool_bytes`; ``env``: the
-    environment it reads, default ``os.environ``). ``need_bytes``: pool + pageable +
+    environment it reads, default ``os.environ``). ``process_bytes``: :func:`process_bytes` and the
+    near-storage workers' own (:func:`storage_process_bytes`). ``need_bytes``: pool + pageable +
     device-on-host + process + the rest of the system's share (:func:`host_need`, ``system_bytes``:
     :func:`system_host_bytes`). On one device ``pinned_host_bytes +
     pageable_bytes`` is ``predicted.host_bytes``.
@@ -299,8 +300,9 @@ def schedule_host_need(schedule, cb, *, layout, n_ranks: int = 1, zero_stage: in
                                 micro_batches=micro_batches)
     pinned = sum(parts[k] for k in PINNED_PARTS)
     pageable = sum(v for k, v in parts.items() if k not in PINNED_PARTS and k != "device_on_host")
-    return host_need(pinned, pageable, parts["device_on_host"], process_bytes(layout, platform), platform, env,
-                     system=True)
+    process = (process_bytes(layout, platform)
+               + storage_process_bytes(getattr(schedule.predicted, "storage_workers", 0)))
+    return host_need(pinned, pageable, parts["device_on_host"], process, platform, env, system=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -473,10 +475,12 @@ SYSTEM_HOST_SHARE = 0.03
 
 def storage_host_bytes(grad_bytes: int, file_bytes: int, storage_devices: int,
                        staging_buffers: int = 3) -> int:
-    """Host bytes the disk tier holds outside the planned chunks (bytes): per storage directory one
-    worker process (:data:`STORAGE_WORKER_BASE_BYTES`, ``staging_buffers`` chunk files of
-    ``file_bytes`` each, :data:`STORAGE_WORKER_MESSAGES` chunks of ``grad_bytes`` in flight) and
-    the trainer's messages (:data:`STORAGE_TRAINER_MESSAGES` chunks). 0 without directories.
+    """Host bytes of the disk tier that grow with its chunks (bytes; a plan's ``host_bytes``, held
+    to the host budget): per storage directory one worker's ``staging_buffers`` chunk files of
+    ``file_bytes`` each and :data:`STORAGE_WORKER_MESSAGES` chunks of ``grad_bytes`` in flight, and
+    the trainer's messages (:data:`STORAGE_TRAINER_MESSAGES` chunks). Each worker's own base
+    (:data:`STORAGE_WORKER_BASE_BYTES`) is counted with the process (:func:`storage_process_bytes`).
+    0 without directories.
 
     Args:
       grad_bytes: one chunk's compute-dtype gradient (bytes; the params sent back are as large).
@@ -486,8 +490,14 @@ def storage_host_bytes(grad_bytes: int, file_bytes: int, storage_devices: int,
     """
     if storage_devices <= 0:
         return 0
-    worker = STORAGE_WORKER_BASE_BYTES + staging_buffers * file_bytes + STORAGE_WORKER_MESSAGES * grad_bytes
+    worker = staging_buffers * file_bytes + STORAGE_WORKER_MESSAGES * grad_bytes
     return int(storage_devices * worker + STORAGE_TRAINER_MESSAGES * grad_bytes)
+
+
+def storage_process_bytes(workers: int) -> int:
+    """Host bytes of ``workers`` near-storage worker processes beside their buffers (bytes):
+    :data:`STORAGE_WORKER_BASE_BYTES` each (a plan's ``process_bytes``, like the trainer's own)."""
+    return int(max(0, workers) * STORAGE_WORKER_BASE_BYTES)
 
 
 def system_host_bytes(run_bytes: int, platform: str) -> int:

@@ -497,7 +497,7 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
     return Prediction(int(peak), int(model), hf.pop("host_model_bytes"), int(h2d), int(d2h), int(fetch_b),
                       int(passes * n_fetch), tuple(int(b) for b in moment_bytes), time, **hf,
                       disk_bytes_per_step=2 * n_disk * disk_file_bytes(cb), storage_chunks=n_disk,
-                      storage_host_bytes=staging)
+                      storage_host_bytes=staging, storage_workers=storage_devices if n_disk else 0)
 
 
 def predict_optimizer_only(chunk_size: int, cb: ChunkBytes, update_locations, *, flops_per_step: float = 0.0,

@@ -142,6 +142,8 @@ class Prediction:
       storage_host_bytes: host bytes of the disk tier outside the chunks (in :attr:`host_bytes`):
         the near-storage worker processes with their staging buffers and the messages in flight
         (:func:`chunkjax.host_memory.storage_host_bytes`).
+      storage_workers: near-storage worker processes (one per storage directory; their own
+        bytes: :func:`chunkjax.host_memory.storage_process_bytes`, in the host need's process part).
     """
 
     peak_device_bytes: int
@@ -160,12 +162,13 @@ class Prediction:
     disk_bytes_per_step: int = 0
     storage_chunks: int = 0
     storage_host_bytes: int = 0
+    storage_workers: int = 0
 
     def to_dict(self) -> dict:
         """JSON-ready; without storage chunks the disk tier's keys are left out (as recorded before it)."""
         d = dataclasses.asdict(self)
         if not self.storage_chunks:
-            del d["disk_bytes_per_step"], d["storage_chunks"], d["storage_host_bytes"]
+            del d["disk_bytes_per_step"], d["storage_chunks"], d["storage_host_bytes"], d["storage_workers"]
         d["time"] = self.time.to_dict()
         d["device_bytes_per_moment"] = list(self.device_bytes_per_moment)
         return d
@@ -177,6 +180,8 @@ class Prediction:
         p["time"] = PipelinedStepTime(**{f.name: p["time"][f.name] for f in dataclasses.fields(PipelinedStepTime)
                                          if f.name in p["time"]})  # older records: no storage time
         p["device_bytes_per_moment"] = tuple(p["device_bytes_per_moment"])
+        if "disk_staging_bytes" in p:  # older records: the workers' staging buffers alone
+            p["storage_host_bytes"] = p.pop("disk_staging_bytes")
         return cls(**p)
 
 

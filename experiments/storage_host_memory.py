@@ -6,8 +6,8 @@ one near-storage worker per directory: :mod:`chunkjax.storage.worker`) runs a fe
 while a sampler thread reads, every ``--every-s`` seconds, ``/proc/<pid>/status`` of this process
 and of every worker (RssAnon, RssShmem, RssFile) and ``/proc/meminfo`` (Cached, Dirty, Writeback,
 Shmem, MemAvailable). Each phase (init, step k) keeps the peak of each. The workers' peak RssAnon is
-compared with one worker's share of :func:`chunkjax.host_memory.storage_host_bytes` (what the
-plan now counts)::
+compared with one worker's share of :func:`chunkjax.host_memory.storage_host_bytes` and
+:func:`chunkjax.host_memory.storage_process_bytes` (what the plan now counts)::
 
     JAX_PLATFORMS=cpu python experiments/storage_host_memory.py --chunk-size 4194304 --out /tmp/shm.json
 
@@ -110,7 +110,7 @@ def main(argv=None) -> dict:
     import numpy as np
 
     import chunkjax as cj
-    from chunkjax.host_memory import STORAGE_TRAINER_MESSAGES, storage_host_bytes
+    from chunkjax.host_memory import STORAGE_TRAINER_MESSAGES, storage_host_bytes, storage_process_bytes
     from chunkjax.host_update import AdamW
     from chunkjax.optim import state_bytes_per_chunk
     from chunkjax.plan import plan_schedule
@@ -156,7 +156,8 @@ def main(argv=None) -> dict:
     io_mode = dict(disk.opt.io_mode)
     disk.close()
     per_worker = n_disk // a.dirs + (n_disk % a.dirs > 0)
-    model = storage_host_bytes(cb.grad, cj.predict.disk_file_bytes(cb), 1) - STORAGE_TRAINER_MESSAGES * cb.grad
+    model = (storage_host_bytes(cb.grad, cj.predict.disk_file_bytes(cb), 1) - STORAGE_TRAINER_MESSAGES * cb.grad
+             + storage_process_bytes(1))  # one worker: its buffers, messages and its own base
     out = {"chunk_size": layout.chunk_size, "n_chunks": layout.n_chunks, "storage_chunks": n_disk,
            "chunks_per_worker": per_worker, "dirs": a.dirs, "io_mode": io_mode,
            "file_bytes": cj.predict.disk_file_bytes(cb), "counts": sched.counts(), "step_s": times,

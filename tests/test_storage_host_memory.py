@@ -12,10 +12,11 @@ from chunkjax import host_memory as hm
 def test_storage_host_bytes_counts_every_worker_and_the_trainer():
     g, f = 100 * 2**20, 600 * 2**20
     one = hm.storage_host_bytes(g, f, 1)
-    assert one == hm.STORAGE_WORKER_BASE_BYTES + 3 * f + (hm.STORAGE_WORKER_MESSAGES + hm.STORAGE_TRAINER_MESSAGES) * g
-    assert hm.storage_host_bytes(g, f, 2) - one == hm.STORAGE_WORKER_BASE_BYTES + 3 * f + hm.STORAGE_WORKER_MESSAGES * g
+    assert one == 3 * f + (hm.STORAGE_WORKER_MESSAGES + hm.STORAGE_TRAINER_MESSAGES) * g
+    assert hm.storage_host_bytes(g, f, 2) - one == 3 * f + hm.STORAGE_WORKER_MESSAGES * g
     assert hm.storage_host_bytes(g, f, 1, staging_buffers=5) - one == 2 * f
     assert hm.storage_host_bytes(g, f, 0) == 0
+    assert hm.storage_process_bytes(2) == 2 * hm.STORAGE_WORKER_BASE_BYTES and hm.storage_process_bytes(0) == 0
 
 
 def test_system_share_only_on_a_gpu_plan():
