@@ -19,11 +19,11 @@ import ctypes
 import dataclasses
 import time
 
-from chunkjax.host_memory import host_memory_available_bytes, schedule_host_parts
+from chunkjax.host_memory import host_memory_available_bytes, schedule_host_parts, storage_process_bytes
 
 #: Accounted parts held outside this process (the near-storage workers, the rest of the machine):
-#: not in its predicted peak RSS.
-OUTSIDE_PARTS = ("storage_workers", "system_reserve")
+#: not in its predicted peak RSS (the trainer's few messages to the workers counted with them).
+OUTSIDE_PARTS = ("storage_workers", "storage_processes", "system_reserve")
 
 #: ``/proc/self/status`` fields a sample reads (kB there, bytes here).
 _STATUS_FIELDS = {"RssAnon:": "anon_bytes", "RssShmem:": "shmem_bytes", "RssFile:": "file_bytes",
@@ -64,7 +64,9 @@ def plan_parts(problem, schedule, host: dict) -> dict[str, int]:
     """The host bytes a fitted plan accounts, by part (bytes): :func:`chunkjax.host_memory.schedule_host_parts`
     of ``schedule`` for ``problem`` (a :class:`chunkjax.fit.FitProblem`; in-program accumulation
     has no host sums), then ``pinned_pool_rounding`` (what the runtime's pinned pool holds above the
-    pinned bytes), ``process_allowance`` (the process's own need the plan counts), ``system_reserve`` (what the
+    pinned bytes), ``storage_processes`` (the near-storage workers beside their staging buffers, with
+    the trainer's messages: :func:`chunkjax.host_memory.storage_process_bytes`), ``process_allowance``
+    (the process's own need the plan counts), ``system_reserve`` (what the
     rest of the machine grows by beside the run: :func:`chunkjax.host_memory.system_host_bytes`) and
     ``total_bytes`` (the need that ``MemAvailable``, read when planning, must cover; ``host``: the
     fit's host need, :func:`chunkjax.fit_host.host_need`)."""
@@ -72,7 +74,9 @@ def plan_parts(problem, schedule, host: dict) -> dict[str, int]:
     parts = schedule_host_parts(schedule, problem.cb, n_ranks=problem.n_ranks, zero_stage=problem.zero_stage,
                                 platform=problem.platform, micro_batches=1 if in_program else problem.micro_batches)
     parts["pinned_pool_rounding"] = int(host["pinned_pool_bytes"] - host["pinned_host_bytes"])
-    parts["process_allowance"] = int(host["process_bytes"])
+    workers = storage_process_bytes(getattr(schedule.predicted, "storage_workers", 0), problem.cb.grad)
+    parts["storage_processes"] = workers  # the near-storage workers beside their staging buffers
+    parts["process_allowance"] = int(host["process_bytes"]) - workers
     parts["system_reserve"] = int(host.get("system_bytes", 0))
     parts["total_bytes"] = int(host["need_bytes"])
     return parts

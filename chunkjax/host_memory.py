@@ -216,8 +216,8 @@ def schedule_host_parts(schedule, cb, *, n_ranks: int = 1, zero_stage: int | Non
     programs on one device, every one on a mesh). Pageable (numpy): ``host_masters`` (master
     params of copy-keeping host chunks), ``optimizer_state`` (of host-updated chunks: Adam m and
     v), ``micro_batch_sums`` (float32 sums of host, streamed and storage chunks with
-    micro-batches), ``storage_workers`` (the disk tier's host bytes outside the chunks:
-    :func:`storage_host_bytes`, the near-storage worker processes and the trainer's messages). And
+    micro-batches), ``storage_workers`` (the near-storage workers' staging buffers:
+    :func:`storage_host_bytes`). And
     ``device_on_host`` (on the CPU the device's memory, each rank's predicted peak).
 
     Args:
@@ -280,7 +280,7 @@ def schedule_host_need(schedule, cb, *, layout, n_ranks: int = 1, zero_stage: in
     master-fetch chunk's float32 master params instead, master params and optimizer state of
     ``streamed`` chunks, their gradients, the host-updated chunks' gradient working set).
     ``pageable_bytes``: master params (of copy-keeping chunks) and optimizer state of
-    ``host``-updated chunks (numpy), the micro-batch sums, the disk tier's workers and messages.
+    ``host``-updated chunks (numpy), the micro-batch sums, the disk tier's staging buffers.
     ``device_on_host_bytes``: on the CPU the device's memory is host memory (each rank's
     predicted peak). ``process_bytes``: :func:`process_bytes`. ``pinned_pool_bytes``: what the
     runtime's pinned pool holds for the pinned bytes (:func:`pinned_pool_bytes`; ``env``: the
@@ -300,8 +300,7 @@ def schedule_host_need(schedule, cb, *, layout, n_ranks: int = 1, zero_stage: in
                                 micro_batches=micro_batches)
     pinned = sum(parts[k] for k in PINNED_PARTS)
     pageable = sum(v for k, v in parts.items() if k not in PINNED_PARTS and k != "device_on_host")
-    process = (process_bytes(layout, platform)
-               + storage_process_bytes(getattr(schedule.predicted, "storage_workers", 0)))
+    process = process_bytes(layout, platform) + storage_process_bytes(schedule.predicted.storage_workers, cb.grad)
     return host_need(pinned, pageable, parts["device_on_host"], process, platform, env, system=True)
 
 
@@ -473,31 +472,34 @@ STORAGE_TRAINER_MESSAGES = 4
 SYSTEM_HOST_SHARE = 0.03
 
 
-def storage_host_bytes(grad_bytes: int, file_bytes: int, storage_devices: int,
-                       staging_buffers: int = 3) -> int:
-    """Host bytes of the disk tier that grow with its chunks (bytes; a plan's ``host_bytes``, held
-    to the host budget): per storage directory one worker's ``staging_buffers`` chunk files of
-    ``file_bytes`` each and :data:`STORAGE_WORKER_MESSAGES` chunks of ``grad_bytes`` in flight, and
-    the trainer's messages (:data:`STORAGE_TRAINER_MESSAGES` chunks). Each worker's own base
-    (:data:`STORAGE_WORKER_BASE_BYTES`) is counted with the process (:func:`storage_process_bytes`).
-    0 without directories.
+def storage_host_bytes(file_bytes: int, storage_devices: int, staging_buffers: int = 3) -> int:
+    """Host bytes of the disk tier's staging buffers (bytes; a plan's ``host_bytes``, held to the
+    host budget): per storage directory one worker's ``staging_buffers`` chunk files of
+    ``file_bytes`` each. The rest of each worker and the messages are a fixed number of chunks
+    whatever the number of storage chunks, counted with the process (:func:`storage_process_bytes`).
 
     Args:
-      grad_bytes: one chunk's compute-dtype gradient (bytes; the params sent back are as large).
       file_bytes: one storage chunk file (:func:`chunkjax.predict.disk_file_bytes`).
       storage_devices: storage directories (one worker each).
       staging_buffers: staging buffers per worker (``StorageOptions.staging_buffers``).
     """
-    if storage_devices <= 0:
+    return int(max(0, storage_devices) * staging_buffers * file_bytes)
+
+
+def storage_process_bytes(workers: int, grad_bytes: int) -> int:
+    """Host bytes of the disk tier beside its staging buffers (bytes; a plan's ``process_bytes``,
+    like the trainer's own): per worker process :data:`STORAGE_WORKER_BASE_BYTES` and
+    :data:`STORAGE_WORKER_MESSAGES` chunks of ``grad_bytes`` in flight, and the trainer's
+    messages (:data:`STORAGE_TRAINER_MESSAGES` chunks); 0 without workers.
+
+    Args:
+      workers: near-storage worker processes (one per storage directory).
+      grad_bytes: one chunk's compute-dtype gradient (bytes; the params sent back are as large).
+    """
+    if workers <= 0:
         return 0
-    worker = staging_buffers * file_bytes + STORAGE_WORKER_MESSAGES * grad_bytes
-    return int(storage_devices * worker + STORAGE_TRAINER_MESSAGES * grad_bytes)
-
-
-def storage_process_bytes(workers: int) -> int:
-    """Host bytes of ``workers`` near-storage worker processes beside their buffers (bytes):
-    :data:`STORAGE_WORKER_BASE_BYTES` each (a plan's ``process_bytes``, like the trainer's own)."""
-    return int(max(0, workers) * STORAGE_WORKER_BASE_BYTES)
+    return int(workers * (STORAGE_WORKER_BASE_BYTES + STORAGE_WORKER_MESSAGES * grad_bytes)
+               + STORAGE_TRAINER_MESSAGES * grad_bytes)
 
 
 def system_host_bytes(run_bytes: int, platform: str) -> int:

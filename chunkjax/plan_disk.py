@@ -85,7 +85,7 @@ def place_on_disk(s: Schedule, cb: pr.ChunkBytes, *, chunk_size: int, traces, ti
                           streamed_early=streamed_early, storage_devices=devices, storage_early=streamed_early)
         return dataclasses.replace(s, update_locations=loc, master_fetch=mf, predicted=pred)
 
-    staging = storage_host_bytes(cb.grad, pr.disk_file_bytes(cb), devices, pr.STORAGE_STAGING_BUFFERS)
+    staging = storage_host_bytes(pr.disk_file_bytes(cb), devices, pr.STORAGE_STAGING_BUFFERS)
     j = min(len(order), max(1, math.ceil((hb(s) + staging - host_budget) / max(1, cb.state))))
     out = at(j)
     while hb(out) > host_budget and j < len(order):

@@ -437,7 +437,8 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
         read the global norm, one micro-batch: :func:`chunkjax.storage.updater.updates_early`);
         else once the norm is known.
       staging_buffers: staging buffers per storage device (the workers' read-ahead bound), counted
-        in the host bytes with the rest of each worker (:func:`chunkjax.host_memory.storage_host_bytes`).
+        in the host bytes (the rest of each worker with the process:
+        :func:`chunkjax.host_memory.storage_process_bytes`).
       window: the step's gradient window (``Schedule.grad_window``): programs whose host
         gradients may exist at once (the host working set) and the stall it causes
         (:func:`chunkjax.cost.program_timeline`).
@@ -474,8 +475,8 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
     hf = host_figures(chunk_size, cb, param_kinds, update_locations, grad_done, segments, T, master_fetch=mf,
                       micro_batches=micro_batches, window=window)
     n_disk = sum(u == STORAGE_UPDATE for u in update_locations)
-    staging = storage_host_bytes(cb.grad, disk_file_bytes(cb), storage_devices, staging_buffers) if n_disk else 0
-    if n_disk:  # storage chunks: gradients whole until the disk update, the workers (staging buffers, messages)
+    staging = storage_host_bytes(disk_file_bytes(cb), storage_devices, staging_buffers) if n_disk else 0
+    if n_disk:  # storage chunks: gradients whole until the disk update, the workers' staging buffers
         hf["host_model_bytes"] += n_disk * cb.grad + staging
         hf["host_bytes"] += n_disk * cb.grad + staging
     if n_disk and micro_batches > 1:  # and their float32 sums (the mean written over each)

@@ -139,11 +139,11 @@ class Prediction:
         directories per step (master params and optimizer state, each way; 0 without the disk
         tier).
       storage_chunks: chunks updated ``storage``.
-      storage_host_bytes: host bytes of the disk tier outside the chunks (in :attr:`host_bytes`):
-        the near-storage worker processes with their staging buffers and the messages in flight
-        (:func:`chunkjax.host_memory.storage_host_bytes`).
-      storage_workers: near-storage worker processes (one per storage directory; their own
-        bytes: :func:`chunkjax.host_memory.storage_process_bytes`, in the host need's process part).
+      storage_host_bytes: host bytes of the near-storage workers' staging buffers (in
+        :attr:`host_bytes`; :func:`chunkjax.host_memory.storage_host_bytes`).
+      storage_workers: near-storage worker processes (one per storage directory; the rest of
+        their bytes and the messages: :func:`chunkjax.host_memory.storage_process_bytes`, in the
+        host need's process part).
     """
 
     peak_device_bytes: int

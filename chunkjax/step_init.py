@@ -33,7 +33,7 @@ from chunkjax.train_state import TrainState
 _HOST_FILLING = ("host", "streamed")
 
 
-def first_pass_order(locations, param_kinds, frozen=()) -> list[int]:
+def first_pass_order(locations) -> list[int]:
     """The chunks in the order the first pass places them: every chunk once; the storage chunks in
     id order (their workers take them so) spread evenly among the chunks that fill host memory
     (``host``, ``streamed``; else among all others), so that each storage chunk's first write
@@ -41,11 +41,7 @@ def first_pass_order(locations, param_kinds, frozen=()) -> list[int]:
 
     Args:
       locations: per chunk its update location (``"device"``, ``"host"``, ``"storage"``, ...).
-      param_kinds: per chunk its compute params' memory kind (unused by the order, kept beside
-        ``locations`` for one call shape).
-      frozen: frozen chunks (placed in id order among the others).
     """
-    del param_kinds, frozen
     n = len(locations)
     disk = [c for c in range(n) if locations[c] == "storage"]
     if not disk:
@@ -81,7 +77,7 @@ def init_state(step, params) -> TrainState:
         return window.add(topo.put(buf if c in frozen else buf.astype(step.compute_dtype),
                                    topo.param_sharding(kinds[c])))
 
-    order = first_pass_order(locations, kinds, frozen)
+    order = first_pass_order(locations)
     for c, buf in zip(order, lay.host_chunks(leaf_at, dtypes, chunks=order)):
         later = {"wait": False} if locations[c] == "storage" else {}  # its file written while we go on
         m, o = (None, None) if c in frozen else window.add(step.updaters[locations[c]].init(buf, c, **later))

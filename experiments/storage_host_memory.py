@@ -156,8 +156,8 @@ def main(argv=None) -> dict:
     io_mode = dict(disk.opt.io_mode)
     disk.close()
     per_worker = n_disk // a.dirs + (n_disk % a.dirs > 0)
-    model = (storage_host_bytes(cb.grad, cj.predict.disk_file_bytes(cb), 1) - STORAGE_TRAINER_MESSAGES * cb.grad
-             + storage_process_bytes(1))  # one worker: its buffers, messages and its own base
+    model = (storage_host_bytes(cj.predict.disk_file_bytes(cb), 1)  # one worker: its staging buffers,
+             + storage_process_bytes(1, cb.grad) - STORAGE_TRAINER_MESSAGES * cb.grad)  # its base and messages
     out = {"chunk_size": layout.chunk_size, "n_chunks": layout.n_chunks, "storage_chunks": n_disk,
            "chunks_per_worker": per_worker, "dirs": a.dirs, "io_mode": io_mode,
            "file_bytes": cj.predict.disk_file_bytes(cb), "counts": sched.counts(), "step_s": times,

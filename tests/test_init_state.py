@@ -67,3 +67,18 @@ def test_init_places_the_definitions_state_bit_for_bit(tmp_path, storage):
             assert np.asarray(x).shape == (layout.chunk_size,) and not np.asarray(x).any(), (c, u)
     if storage:
         state.master[s.update_locations.index("storage")].close()
+
+
+def test_first_pass_spreads_storage_chunks_among_host_chunks():
+    """Every chunk once; storage chunks in id order (their workers take them so), none two in a
+    row while host chunks remain to put between them; device chunks first."""
+    from chunkjax.step_init import first_pass_order
+    locs = ["device"] * 4 + ["storage"] * 6 + ["host"] * 9 + ["storage"] * 2
+    order = first_pass_order(locs)
+    assert sorted(order) == list(range(len(locs))) and order[:4] == [0, 1, 2, 3]
+    disk = [c for c in order if locs[c] == "storage"]
+    assert disk == sorted(disk)
+    pos = [order.index(c) for c in disk]
+    assert all(b - a >= 2 for a, b in zip(pos, pos[1:]))  # 8 storage among 9 host chunks: one between each
+    assert first_pass_order(["device", "host"]) == [0, 1]
+    assert sorted(first_pass_order(["storage", "device", "storage"])) == [0, 1, 2]

@@ -1,6 +1,7 @@
 """The disk tier's host memory outside the chunks (issue 24: GPT3_18B with the disk tier left the
 H200's machine ~0.3 GB of MemAvailable while the trainer matched its plan): each near-storage
-worker process's resident memory is counted by the plan (:func:`chunkjax.host_memory.storage_host_bytes`).
+worker process's resident memory is counted by the plan (:func:`chunkjax.host_memory.storage_host_bytes`,
+:func:`chunkjax.host_memory.storage_process_bytes`).
 """
 import os
 
@@ -9,14 +10,48 @@ import pytest
 from chunkjax import host_memory as hm
 
 
-def test_storage_host_bytes_counts_every_worker_and_the_trainer():
+def test_storage_bytes_count_every_worker_and_the_trainer():
     g, f = 100 * 2**20, 600 * 2**20
-    one = hm.storage_host_bytes(g, f, 1)
-    assert one == 3 * f + (hm.STORAGE_WORKER_MESSAGES + hm.STORAGE_TRAINER_MESSAGES) * g
-    assert hm.storage_host_bytes(g, f, 2) - one == 3 * f + hm.STORAGE_WORKER_MESSAGES * g
-    assert hm.storage_host_bytes(g, f, 1, staging_buffers=5) - one == 2 * f
-    assert hm.storage_host_bytes(g, f, 0) == 0
-    assert hm.storage_process_bytes(2) == 2 * hm.STORAGE_WORKER_BASE_BYTES and hm.storage_process_bytes(0) == 0
+    assert hm.storage_host_bytes(f, 1) == 3 * f and hm.storage_host_bytes(f, 2, staging_buffers=5) == 10 * f
+    assert hm.storage_host_bytes(f, 0) == 0
+    one = hm.storage_process_bytes(1, g)
+    assert one == hm.STORAGE_WORKER_BASE_BYTES + (hm.STORAGE_WORKER_MESSAGES + hm.STORAGE_TRAINER_MESSAGES) * g
+    assert hm.storage_process_bytes(2, g) - one == hm.STORAGE_WORKER_BASE_BYTES + hm.STORAGE_WORKER_MESSAGES * g
+    assert hm.storage_process_bytes(0, g) == 0
+
+
+def test_a_storage_plans_need_counts_its_workers(tmp_path):
+    """A GPU plan with storage chunks: the staging buffers in its pageable bytes, each worker's
+    base and messages in its process bytes, 3 % for the rest of the machine on top."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    from chunkjax import fit, fit_host
+    from chunkjax.errors import PlanError
+    from chunkjax.host_update import AdamW
+    from chunkjax.storage.updater import StorageOptions
+    from models import gpt
+    cfg = gpt.get_config("micro", n_layers=3)
+    p = fit.prepare(gpt.gpt_stages(cfg), gpt.abstract_params(cfg), jax.ShapeDtypeStruct((2, 17), jnp.int32),
+                    host_optimizer=AdamW(1e-3), compute_dtype=jnp.bfloat16, min_chunks=8, check_host=False,
+                    host_budget=10**12, storage=StorageOptions((str(tmp_path / "a"),)))
+    p = dataclasses.replace(p, platform="gpu")
+    with pytest.raises(PlanError) as e:
+        fit.plan(p, 1)
+    floor = e.value.min_budget_bytes
+    free = fit.plan(p, floor)
+    s = fit.plan(dataclasses.replace(p, host_budget_bytes=free.predicted.host_bytes // 2), floor)
+    pr = s.predicted
+    assert pr.storage_chunks and pr.storage_workers == p.storage_devices
+    file_bytes = 3 * (-(-p.cb.master // 4096) * 4096)  # master, m, v: each padded to 4096 bytes
+    assert pr.storage_host_bytes == hm.storage_host_bytes(file_bytes, p.storage_devices) > 0
+    need = fit_host.host_need(p, s)
+    assert need["process_bytes"] == (hm.process_bytes(p.layout, "gpu")
+                                     + hm.storage_process_bytes(p.storage_devices, p.cb.grad))
+    run = need["pinned_pool_bytes"] + need["pageable_bytes"] + need["process_bytes"]
+    assert need["need_bytes"] == run + int(hm.SYSTEM_HOST_SHARE * run)
 
 
 def test_system_share_only_on_a_gpu_plan():
