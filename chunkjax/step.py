@@ -467,7 +467,9 @@ class ChunkedStep(StepChunkIO, StepUpdates, OnTopology):
           params: a params pytree (any float dtype; numpy or jax arrays; on a mesh identical in
             every process), or a callable ``leaf_init(i) -> array`` giving leaf ``i`` of
             ``layout.slots`` (shape ``slots[i].shape``) so that a model larger than host memory
-            twice over is never materialised whole.
+            twice over is never materialised whole; it may be called more than once for a leaf
+            (a device chunk's compute params, a leaf spanning chunks placed apart) and must give
+            the same values each time.
 
         Raises:
           PlanError: on a GPU, the pinned host bytes (:meth:`pinned_host_bytes`) exceed the
