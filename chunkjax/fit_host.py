@@ -111,7 +111,8 @@ def fit_host(problem, sched, replan) -> tuple:
             if replan is None or problem.host_budget_bytes is None:
                 raise first from None
             need = host_need(problem, sched)
-            held = min(problem.host_budget_bytes, need["need_bytes"] - need["process_bytes"] - need["device_on_host_bytes"])
+            held = min(problem.host_budget_bytes, need["need_bytes"] - need["process_bytes"] - need["device_on_host_bytes"]
+                       - need.get("system_bytes", 0))
             lower = held - (e.need_bytes - e.available_bytes) - problem.cb.params
             if lower <= 0:
                 raise first from None

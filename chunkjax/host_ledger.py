@@ -19,8 +19,12 @@ import ctypes
 import dataclasses
 import time
 
-from chunkjax.host_memory import host_memory_available_bytes, schedule_host_parts
+from chunkjax.host_memory import host_memory_available_bytes, schedule_host_parts, storage_process_bytes
 from chunkjax.plan_micro import passes_of
+
+#: Accounted parts held outside this process (the near-storage workers, the rest of the machine):
+#: not in its predicted peak RSS (the trainer's few messages to the workers counted with them).
+OUTSIDE_PARTS = ("storage_workers", "storage_processes", "system_reserve")
 
 #: ``/proc/self/status`` fields a sample reads (kB there, bytes here).
 _STATUS_FIELDS = {"RssAnon:": "anon_bytes", "RssShmem:": "shmem_bytes", "RssFile:": "file_bytes",
@@ -60,14 +64,20 @@ def release_free_heap() -> int | None:
 def plan_parts(problem, schedule, host: dict) -> dict[str, int]:
     """The host bytes a fitted plan accounts, by part (bytes): :func:`chunkjax.host_memory.schedule_host_parts`
     of ``schedule`` for ``problem`` (a :class:`chunkjax.fit.FitProblem`; in-program accumulation
-    in one pass has no host sums: :func:`chunkjax.plan_micro.passes_of`), then ``pinned_pool_rounding`` (what the runtime's pinned pool holds above the
-    pinned bytes), ``process_allowance`` (the process's own need the plan counts) and
+    in one pass has no host sums: :func:`chunkjax.plan_micro.passes_of`), then ``pinned_pool_rounding`` (what the
+    runtime's pinned pool holds above the pinned bytes), ``storage_processes`` (the near-storage workers beside their
+    staging buffers, with the trainer's messages: :func:`chunkjax.host_memory.storage_process_bytes`),
+    ``process_allowance`` (the process's own need the plan counts), ``system_reserve`` (what the
+    rest of the machine grows by beside the run: :func:`chunkjax.host_memory.system_host_bytes`) and
     ``total_bytes`` (the need that ``MemAvailable``, read when planning, must cover; ``host``: the
     fit's host need, :func:`chunkjax.fit_host.host_need`)."""
     parts = schedule_host_parts(schedule, problem.cb, n_ranks=problem.n_ranks, zero_stage=problem.zero_stage,
                                 platform=problem.platform, micro_batches=passes_of(schedule, problem.micro_batches))
     parts["pinned_pool_rounding"] = int(host["pinned_pool_bytes"] - host["pinned_host_bytes"])
-    parts["process_allowance"] = int(host["process_bytes"])
+    workers = storage_process_bytes(getattr(schedule.predicted, "storage_workers", 0), problem.cb.grad)
+    parts["storage_processes"] = workers  # the near-storage workers beside their staging buffers
+    parts["process_allowance"] = int(host["process_bytes"]) - workers
+    parts["system_reserve"] = int(host.get("system_bytes", 0))
     parts["total_bytes"] = int(host["need_bytes"])
     return parts
 
@@ -131,13 +141,15 @@ class HostLedger:
         ``echo``, print them in one line: a run killed later has shown its prediction.
         ``held_at``: the phase at which the plan read ``MemAvailable`` (its need comes on top of
         what the process held then): kept as ``held_when_planned`` and, with ``total_bytes``,
-        ``predicted_peak_bytes`` (the resident bytes the run should peak at)."""
+        ``predicted_peak_bytes`` (the resident bytes this process should peak at: the total less
+        :data:`OUTSIDE_PARTS`)."""
         self.accounted = {k: int(v) for k, v in parts.items()}
         held = self.sample(held_at) if held_at is not None else None
         if held is not None and held.resident_bytes is not None:
             self.accounted["held_when_planned"] = held.resident_bytes
-            if "total_bytes" in self.accounted:
-                self.accounted["predicted_peak_bytes"] = held.resident_bytes + self.accounted["total_bytes"]
+            if "total_bytes" in self.accounted:  # this process's: the workers and the rest of the system aside
+                outside = sum(self.accounted.get(k, 0) for k in OUTSIDE_PARTS)
+                self.accounted["predicted_peak_bytes"] = held.resident_bytes + self.accounted["total_bytes"] - outside
         if echo and self._echo is not None:
             self._echo(self.accounted_line())
 

@@ -149,16 +149,21 @@ def available_for_plan(platform: str, env=None) -> int | None:
     return None if avail is None else avail + held_pinned_pool_bytes(platform, env)
 
 
-def host_need(pinned: int, pageable: int, device_on_host: int, process: int, platform: str, env=None) -> dict:
+def host_need(pinned: int, pageable: int, device_on_host: int, process: int, platform: str, env=None,
+              system: bool = False) -> dict:
     """The host bytes of a run, by kind, and their sum as the machine sees it (bytes):
     ``pinned_host_bytes`` (what the plan keeps pinned, its peak), ``pinned_pool_bytes`` (what the
     runtime's pool holds for it: :func:`pinned_pool_bytes`), ``pageable_bytes``,
-    ``device_on_host_bytes`` (on the CPU the device's memory), ``process_bytes`` and
-    ``need_bytes`` = pool + pageable + device-on-host + process."""
+    ``device_on_host_bytes`` (on the CPU the device's memory), ``process_bytes``,
+    ``system_bytes`` (with ``system``, a run's whole plan: what the rest of the machine grows by
+    beside it, :func:`system_host_bytes` of the rest; else 0) and ``need_bytes`` = pool + pageable +
+    device-on-host + process + system."""
     pool = pinned_pool_bytes(pinned, platform, env)
+    run = pool + pageable + device_on_host + process
+    system = system_host_bytes(run, platform) if system else 0
     return {"pinned_host_bytes": int(pinned), "pinned_pool_bytes": int(pool), "pageable_bytes": int(pageable),
-            "device_on_host_bytes": int(device_on_host), "process_bytes": int(process),
-            "need_bytes": int(pool + pageable + device_on_host + process)}
+            "device_on_host_bytes": int(device_on_host), "process_bytes": int(process), "system_bytes": system,
+            "need_bytes": int(run + system)}
 
 
 _MSG_HOST = ("host memory: {what} needs {need_gib:.1f} GiB ({parts}) but this machine has {avail_gib:.1f} GiB "
@@ -211,7 +216,8 @@ def schedule_host_parts(schedule, cb, *, n_ranks: int = 1, zero_stage: int | Non
     programs on one device, every one on a mesh). Pageable (numpy): ``host_masters`` (master
     params of copy-keeping host chunks), ``optimizer_state`` (of host-updated chunks: Adam m and
     v), ``micro_batch_sums`` (float32 sums of host, streamed and storage chunks with
-    micro-batches), ``disk_staging`` (the near-storage workers' staging buffers). And
+    micro-batches), ``storage_workers`` (the near-storage workers' staging buffers:
+    :func:`storage_host_bytes`). And
     ``device_on_host`` (on the CPU the device's memory, each rank's predicted peak).
 
     Args:
@@ -224,7 +230,7 @@ def schedule_host_parts(schedule, cb, *, n_ranks: int = 1, zero_stage: int | Non
     reps = n_ranks if zero_stage in (1, 2) else 1
     mf, pred = set(schedule.master_fetch), schedule.predicted
     parts = dict.fromkeys(("pinned_params", "pinned_masters", "streamed_state", "pinned_gradients", "host_masters",
-                           "optimizer_state", "micro_batch_sums", "disk_staging", "device_on_host"), 0)
+                           "optimizer_state", "micro_batch_sums", "storage_workers", "device_on_host"), 0)
     n_host = 0
     for c, (k, u) in enumerate(zip(schedule.param_kinds, schedule.update_locations)):
         if u == "none":  # a frozen chunk: its params only
@@ -246,7 +252,7 @@ def schedule_host_parts(schedule, cb, *, n_ranks: int = 1, zero_stage: int | Non
             parts["streamed_state"] += cb.state
             parts["pinned_gradients"] += cb.grad
         n_host += u == "host"
-    parts["disk_staging"] = int(pred.disk_staging_bytes)  # the near-storage workers' buffers (chunkjax.plan_disk)
+    parts["storage_workers"] = int(pred.storage_host_bytes)  # the near-storage workers (chunkjax.plan_disk)
     # float32 micro-batch sums of host-updated, streamed and storage chunks (numpy, the mean written over
     # each: chunkjax.accumulate.HostSums); on a mesh every host-updated chunk's gradient instead
     summed = sum(u in ("host", "streamed", "storage") for u in schedule.update_locations)
@@ -278,8 +284,10 @@ def schedule_host_need(schedule, cb, *, layout, n_ranks: int = 1, zero_stage: in
     ``device_on_host_bytes``: on the CPU the device's memory is host memory (each rank's
     predicted peak). ``process_bytes``: :func:`process_bytes`. ``pinned_pool_bytes``: what the
     runtime's pinned pool holds for the pinned bytes (:func:`pinned_pool_bytes`; ``env``: the
-    environment it reads, default ``os.environ``). ``need_bytes``: pool + pageable +
-    device-on-host + process (:func:`host_need`). On one device ``pinned_host_bytes +
+    environment it reads, default ``os.environ``). ``process_bytes``: :func:`process_bytes` and the
+    near-storage workers' own (:func:`storage_process_bytes`). ``need_bytes``: pool + pageable +
+    device-on-host + process + the rest of the system's share (:func:`host_need`, ``system_bytes``:
+    :func:`system_host_bytes`). On one device ``pinned_host_bytes +
     pageable_bytes`` is ``predicted.host_bytes``.
 
     Args:
@@ -292,7 +300,8 @@ def schedule_host_need(schedule, cb, *, layout, n_ranks: int = 1, zero_stage: in
                                 micro_batches=micro_batches)
     pinned = sum(parts[k] for k in PINNED_PARTS)
     pageable = sum(v for k, v in parts.items() if k not in PINNED_PARTS and k != "device_on_host")
-    return host_need(pinned, pageable, parts["device_on_host"], process_bytes(layout, platform), platform, env)
+    process = process_bytes(layout, platform) + storage_process_bytes(schedule.predicted.storage_workers, cb.grad)
+    return host_need(pinned, pageable, parts["device_on_host"], process, platform, env, system=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -382,6 +391,8 @@ def _refuse_host(need: dict, avail: int, what: str, fix: str):
     if need.get("device_on_host_bytes"):
         parts.append(f"{gib(need['device_on_host_bytes']):.1f} GiB of device memory, host memory on the CPU")
     parts.append(f"{gib(need['process_bytes']):.1f} GiB for the process")
+    if need.get("system_bytes"):
+        parts.append(f"{gib(need['system_bytes']):.1f} GiB for the rest of the system")
     raise HostMemoryError(_MSG_HOST.format(what=what, need_gib=gib(need["need_bytes"]), parts=" + ".join(parts),
                                            avail_gib=gib(avail), fix=fix), need["need_bytes"], avail)
 
@@ -439,3 +450,59 @@ def check_host_lower_bound(layout, cb, platform: str, n_ranks: int = 1,
     if need["need_bytes"] > available:
         _refuse_host(need, available, f"the model data alone ({model / 2**30:.1f} GiB in {layout.n_chunks} chunks)",
                      _host_fix(platform))
+
+
+#: Host bytes of one near-storage worker process beyond its buffers (:mod:`chunkjax.storage.worker`:
+#: the interpreter, numpy, numba and the compiled AdamW kernels). Measured RssAnon intercept on
+#: the CPU: 97.6 MB (``experiments/storage_host_memory.py`` at 2 and 8 Mi-element chunks,
+#: docs/setup_time.md); 128 MiB leaves room for other numba / numpy builds.
+STORAGE_WORKER_BASE_BYTES = 2**27
+#: Compute-dtype chunks a worker holds beside its staging buffers: the gradient it received and
+#: the pipe's buffer it was unpickled from, the new params it sends and their pickled copy
+#: (measured: 6.5 bytes per element in bfloat16 beyond the staging buffers, 3.25 chunks).
+STORAGE_WORKER_MESSAGES = 4
+#: The same on the trainer's side of the pipes: a gradient's numpy copy and its pickled bytes on
+#: the sender thread, a received params message and its buffer.
+STORAGE_TRAINER_MESSAGES = 4
+#: Share of a GPU run's host need that the rest of the machine takes as the run grows (page
+#: tables, the driver's bookkeeping of pinned pages, other processes; not in any RSS of the run):
+#: on the lent H200 the memory outside the largest process grew by 1.7 GB over GPT3_15B's 127.5 GB
+#: (1.3 %) and, less the near-storage worker, by 3.7 GB over GPT3_18B's 126.6 GB with the disk
+#: tier (2.9 %; ``/work/notes/gpu_s16``, docs/setup_time.md). 0 on the CPU.
+SYSTEM_HOST_SHARE = 0.03
+
+
+def storage_host_bytes(file_bytes: int, storage_devices: int, staging_buffers: int = 3) -> int:
+    """Host bytes of the disk tier's staging buffers (bytes; a plan's ``host_bytes``, held to the
+    host budget): per storage directory one worker's ``staging_buffers`` chunk files of
+    ``file_bytes`` each. The rest of each worker and the messages are a fixed number of chunks
+    whatever the number of storage chunks, counted with the process (:func:`storage_process_bytes`).
+
+    Args:
+      file_bytes: one storage chunk file (:func:`chunkjax.predict.disk_file_bytes`).
+      storage_devices: storage directories (one worker each).
+      staging_buffers: staging buffers per worker (``StorageOptions.staging_buffers``).
+    """
+    return int(max(0, storage_devices) * staging_buffers * file_bytes)
+
+
+def storage_process_bytes(workers: int, grad_bytes: int) -> int:
+    """Host bytes of the disk tier beside its staging buffers (bytes; a plan's ``process_bytes``,
+    like the trainer's own): per worker process :data:`STORAGE_WORKER_BASE_BYTES` and
+    :data:`STORAGE_WORKER_MESSAGES` chunks of ``grad_bytes`` in flight, and the trainer's
+    messages (:data:`STORAGE_TRAINER_MESSAGES` chunks); 0 without workers.
+
+    Args:
+      workers: near-storage worker processes (one per storage directory).
+      grad_bytes: one chunk's compute-dtype gradient (bytes; the params sent back are as large).
+    """
+    if workers <= 0:
+        return 0
+    return int(workers * (STORAGE_WORKER_BASE_BYTES + STORAGE_WORKER_MESSAGES * grad_bytes)
+               + STORAGE_TRAINER_MESSAGES * grad_bytes)
+
+
+def system_host_bytes(run_bytes: int, platform: str) -> int:
+    """The rest of the machine's growth beside a run needing ``run_bytes`` of host memory (bytes):
+    :data:`SYSTEM_HOST_SHARE` of it on a GPU, 0 elsewhere."""
+    return int(SYSTEM_HOST_SHARE * run_bytes) if platform == "gpu" else 0

@@ -23,9 +23,11 @@ the same (chunk, offset) as its parameter. This module computes that layout.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import math
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -34,6 +36,10 @@ import jax.extend.core as jex_core
 import jax.numpy as jnp
 import numpy as np
 
+#: Elements of one copy :meth:`ChunkLayout.host_chunks` hands a thread (16 MiB of float32).
+FILL_PIECE = 2**22
+#: Threads :meth:`ChunkLayout.host_chunks` fills a chunk with (at most the CPU count).
+FILL_THREADS = 8
 #: Chunk sizes are a multiple of this many elements (keeps buffers aligned).
 CHUNK_ALIGN_ELEMS = 128
 
@@ -243,28 +249,61 @@ class ChunkLayout:
             parts.append(jnp.zeros((self.chunk_size - pos,), dt))
         return jnp.concatenate(parts)
 
-    def host_chunks(self, leaf_at: Callable[[int], Any], dtype=np.float32):
-        """The chunk buffers in chunk order, built on the host with numpy.
+    def host_chunks(self, leaf_at: Callable[[int], Any], dtype=np.float32, chunks: Sequence[int] | None = None,
+                    threads: int | None = None):
+        """The chunk buffers, built on the host with numpy.
 
         Args:
           leaf_at: ``leaf_at(i)`` gives leaf ``i`` of ``slots`` (an array of shape
             ``slots[i].shape``); called about once per leaf: the leaf last drawn is kept, so a
-            spanning leaf is drawn once for its consecutive chunks.
-          dtype: the buffers' dtype (the leaves are cast to it), or one dtype per chunk.
+            spanning leaf is drawn once for consecutive chunks (of ``chunks``' order).
+          dtype: the buffers' dtype (the leaves are cast to it), or one dtype per chunk id.
+          chunks: the chunk ids to build, in this order (default every chunk in id order).
+          threads: threads copying a leaf's pieces into the buffer (default up to
+            :data:`FILL_THREADS`); a piece above :data:`FILL_PIECE` elements is split, so the pages
+            of a fresh buffer are written (faulted in) by several threads at once.
 
         Yields:
-          ``n_chunks`` writable ``(chunk_size,)`` numpy arrays; padding is zero. Host memory: one
-          chunk and one leaf at a time (for models that never exist whole in host memory).
+          a fresh writable ``(chunk_size,)`` numpy array per chunk of ``chunks``; padding is zero.
+          Host memory: one chunk and one leaf at a time (for models that never exist whole in host
+          memory).
         """
         dtypes = list(dtype) if isinstance(dtype, (list, tuple)) else [dtype] * self.n_chunks
+        ids = range(self.n_chunks) if chunks is None else [int(c) for c in chunks]
+        n_threads = max(1, min(FILL_THREADS, os.cpu_count() or 1) if threads is None else int(threads))
+        pool = None
+        if n_threads > 1:
+            pool = concurrent.futures.ThreadPoolExecutor(n_threads, thread_name_prefix="chunkjax-fill")
+
+        def copy(jobs):  # numpy releases the GIL while it copies
+            if pool is None or len(jobs) < 2:
+                for d, x in jobs:
+                    np.copyto(d, x)
+            else:
+                list(pool.map(lambda j: np.copyto(*j), jobs))
+
         drawn: dict[int, np.ndarray] = {}
-        for c, dt in enumerate(dtypes):
-            buf = np.zeros((self.chunk_size,), dt)
-            for i, p in self.chunk_pieces(c):
-                if i not in drawn:  # the leaf as drawn (a leaf's chunks share one dtype)
-                    drawn = {i: np.asarray(leaf_at(i), dt).ravel()}
-                buf[p.offset:p.offset + p.size] = drawn[i][p.leaf_offset:p.leaf_offset + p.size]
-            yield buf
+        try:
+            for c in ids:
+                dt = dtypes[c]
+                buf = np.zeros((self.chunk_size,), dt)
+                jobs = []
+                for i, p in self.chunk_pieces(c):
+                    if i not in drawn:  # the leaf as drawn (a leaf's chunks share one dtype)
+                        copy(jobs)  # the previous leaf's pieces first: one leaf alive at a time
+                        jobs = []
+                        drawn = {i: np.asarray(leaf_at(i), dt).ravel()}
+                    src = drawn[i]
+                    for o in range(0, p.size, FILL_PIECE):
+                        k = min(FILL_PIECE, p.size - o)
+                        lo = p.leaf_offset + o
+                        jobs.append((buf[p.offset + o:p.offset + o + k], src[lo:lo + k]))
+                copy(jobs)
+                del jobs
+                yield buf
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True)
 
     def pack(self, tree, dtype=None) -> list[jax.Array]:
         """Flatten ``tree`` into chunk buffers.

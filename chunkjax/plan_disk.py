@@ -20,6 +20,7 @@ import math
 
 from chunkjax import predict as pr
 from chunkjax.errors import PlanError, format_bytes
+from chunkjax.host_memory import storage_host_bytes
 from chunkjax.schedule import HOST_UPDATE, STORAGE_UPDATE, STREAMED_UPDATE, Schedule
 
 #: A step writes a new version of every storage chunk's file before the old one goes (the
@@ -84,7 +85,7 @@ def place_on_disk(s: Schedule, cb: pr.ChunkBytes, *, chunk_size: int, traces, ti
                           streamed_early=streamed_early, storage_devices=devices, storage_early=streamed_early)
         return dataclasses.replace(s, update_locations=loc, master_fetch=mf, predicted=pred)
 
-    staging = devices * pr.STORAGE_STAGING_BUFFERS * pr.disk_file_bytes(cb)
+    staging = storage_host_bytes(pr.disk_file_bytes(cb), devices, pr.STORAGE_STAGING_BUFFERS)
     j = min(len(order), max(1, math.ceil((hb(s) + staging - host_budget) / max(1, cb.state))))
     out = at(j)
     while hb(out) > host_budget and j < len(order):

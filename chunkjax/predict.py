@@ -28,6 +28,7 @@ import numpy as np
 
 from chunkjax.cost import GRAD_WINDOW_PROGRAMS, Rates, predict_pipelined_step
 from chunkjax.cross_step import next_read_fractions
+from chunkjax.host_memory import storage_host_bytes
 from chunkjax.memory import DEVICE, PINNED_HOST
 from chunkjax.schedule import (DEVICE_UPDATE, HOST_UPDATE, NO_UPDATE, STORAGE_UPDATE, STREAMED_UPDATE, Placement,
                                Prediction, Schedule)
@@ -437,7 +438,8 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
         read the global norm, one micro-batch: :func:`chunkjax.storage.updater.updates_early`);
         else once the norm is known.
       staging_buffers: staging buffers per storage device (the workers' read-ahead bound), counted
-        in the host bytes.
+        in the host bytes (the rest of each worker with the process:
+        :func:`chunkjax.host_memory.storage_process_bytes`).
       window: the step's gradient window (``Schedule.grad_window``): programs whose host
         gradients may exist at once (the host working set) and the stall it causes
         (:func:`chunkjax.cost.program_timeline`).
@@ -477,7 +479,7 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
     hf = host_figures(chunk_size, cb, param_kinds, update_locations, grad_done, segments, T, master_fetch=mf,
                       micro_batches=micro_batches, window=window)
     n_disk = sum(u == STORAGE_UPDATE for u in update_locations)
-    staging = storage_devices * staging_buffers * disk_file_bytes(cb) if n_disk else 0
+    staging = storage_host_bytes(disk_file_bytes(cb), storage_devices, staging_buffers) if n_disk else 0
     if n_disk:  # storage chunks: gradients whole until the disk update, the workers' staging buffers
         hf["host_model_bytes"] += n_disk * cb.grad + staging
         hf["host_bytes"] += n_disk * cb.grad + staging
@@ -502,7 +504,7 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
     return Prediction(int(peak), int(model), hf.pop("host_model_bytes"), int(h2d), int(d2h), int(fetch_b),
                       int(passes * n_fetch), tuple(int(b) for b in moment_bytes), time, **hf,
                       disk_bytes_per_step=2 * n_disk * disk_file_bytes(cb), storage_chunks=n_disk,
-                      disk_staging_bytes=staging)
+                      storage_host_bytes=staging, storage_workers=storage_devices if n_disk else 0)
 
 
 def predict_optimizer_only(chunk_size: int, cb: ChunkBytes, update_locations, *, flops_per_step: float = 0.0,

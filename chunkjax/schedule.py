@@ -157,8 +157,11 @@ class Prediction:
         directories per step (master params and optimizer state, each way; 0 without the disk
         tier).
       storage_chunks: chunks updated ``storage``.
-      disk_staging_bytes: host bytes of the near-storage workers' staging buffers (in
-        :attr:`host_bytes`).
+      storage_host_bytes: host bytes of the near-storage workers' staging buffers (in
+        :attr:`host_bytes`; :func:`chunkjax.host_memory.storage_host_bytes`).
+      storage_workers: near-storage worker processes (one per storage directory; the rest of
+        their bytes and the messages: :func:`chunkjax.host_memory.storage_process_bytes`, in the
+        host need's process part).
     """
 
     peak_device_bytes: int
@@ -176,13 +179,14 @@ class Prediction:
     host_resident_bytes_per_param: float = 0.0
     disk_bytes_per_step: int = 0
     storage_chunks: int = 0
-    disk_staging_bytes: int = 0
+    storage_host_bytes: int = 0
+    storage_workers: int = 0
 
     def to_dict(self) -> dict:
         """JSON-ready; without storage chunks the disk tier's keys are left out (as recorded before it)."""
         d = dataclasses.asdict(self)
         if not self.storage_chunks:
-            del d["disk_bytes_per_step"], d["storage_chunks"], d["disk_staging_bytes"]
+            del d["disk_bytes_per_step"], d["storage_chunks"], d["storage_host_bytes"], d["storage_workers"]
         d["time"] = self.time.to_dict()
         d["device_bytes_per_moment"] = list(self.device_bytes_per_moment)
         return d
@@ -194,6 +198,8 @@ class Prediction:
         p["time"] = PipelinedStepTime(**{f.name: p["time"][f.name] for f in dataclasses.fields(PipelinedStepTime)
                                          if f.name in p["time"]})  # older records: no storage time
         p["device_bytes_per_moment"] = tuple(p["device_bytes_per_moment"])
+        if "disk_staging_bytes" in p:  # older records: the workers' staging buffers alone
+            p["storage_host_bytes"] = p.pop("disk_staging_bytes")
         return cls(**p)
 
 

@@ -35,13 +35,13 @@ from chunkjax import accumulate, cross_step, footprint, kept_programs, streamed
 from chunkjax import updaters as upd
 from chunkjax.layout import ChunkLayout
 from chunkjax.loss_weight import require_weight, token_mean
-from chunkjax.memory import DEVICE, TransferWindow, sharding
-from chunkjax.host_memory import check_pinned_host
+from chunkjax.memory import DEVICE, sharding
 from chunkjax.plan import Placement, fetch_events
 from chunkjax.schedule import ACCUMULATIONS, PER_MICRO_BATCH, check_trainable, micro_group_size
 from chunkjax.stages import first_readers, split_loss, stage_reads
 from chunkjax.step_checkpoint import StepChunkIO, restore_chunks
 from chunkjax.step_commit import PendingStep
+from chunkjax.step_init import init_state
 from chunkjax.storage import updater as disk
 from chunkjax.step_updates import StepUpdates
 from chunkjax.topology import OnTopology, SingleDevice, make_topology
@@ -492,7 +492,9 @@ class ChunkedStep(StepChunkIO, StepUpdates, OnTopology):
           params: a params pytree (any float dtype; numpy or jax arrays; on a mesh identical in
             every process), or a callable ``leaf_init(i) -> array`` giving leaf ``i`` of
             ``layout.slots`` (shape ``slots[i].shape``) so that a model larger than host memory
-            twice over is never materialised whole.
+            twice over is never materialised whole; it may be called more than once for a leaf
+            (a device chunk's compute params, a leaf spanning chunks placed apart) and must give
+            the same values each time.
 
         Raises:
           PlanError: on a GPU, the pinned host bytes (:meth:`pinned_host_bytes`) exceed the
@@ -501,30 +503,12 @@ class ChunkedStep(StepChunkIO, StepUpdates, OnTopology):
 
         Each chunk's master params and optimizer state are placed by its update location's
         updater (:mod:`chunkjax.updaters`; on a mesh every array is built shard by shard from
-        callbacks, so each process places only its own shards); compute params are allocated
-        after every temporary is gone, so that resident chunks sit together.
+        callbacks, so each process places only its own shards); compute params on the device are
+        allocated after every temporary is gone, so that resident chunks sit together. The order,
+        the threads and the overlap with the storage chunks' first writes:
+        :mod:`chunkjax.step_init` (the state is the same bit for bit whatever the order).
         """
-        lay = self.layout
-        if self.mesh is None:  # the GPU runtime's pinned-host pool is capped (64 GiB by default)
-            check_pinned_host(self.pinned_host_bytes(), jax.default_backend())
-        leaf_at = params if callable(params) else (lambda i, _l=lay.treedef.flatten_up_to(params): _l[i])
-        if self.host_chunks:
-            upd.warm_host_kernel(self.host_optimizer, self.compute_dtype)
-
-        frozen = set(self.frozen_chunks)  # params in their own dtype, no master or state
-        dtypes = [lay.chunk_dtypes[c] if c in frozen else np.float32 for c in range(lay.n_chunks)]
-        ms, os_, ps, topo, fetch_master = [], [], {}, self.topology, set(self.master_fetch_chunks)
-        window = TransferWindow()  # the runtime's host staging of pending copies stays at 2 chunks
-        for c, buf in enumerate(lay.host_chunks(leaf_at, dtypes)):
-            m, o = (None, None) if c in frozen else window.add(self.updaters[self.location(c)].init(buf, c))
-            if c in fetch_master:  # the master params are the pinned params; master a view of them
-                ps[c], m = upd.pinned_master(topo, m)
-            ms.append(m), os_.append(o)
-        ps = [ps[c] if c in ps else window.add(topo.put(buf if c in frozen else buf.astype(self.compute_dtype),
-                                                        topo.param_sharding(self.placement.param_kinds[c])))
-              for c, buf in enumerate(lay.host_chunks(leaf_at, dtypes))]
-        jax.block_until_ready((ps, [m for m in ms if isinstance(m, jax.Array)]))
-        return TrainState(tuple(ps), tuple(ms), tuple(os_))
+        return init_state(self, params)
 
     def checkpoint_restore(self, saved) -> TrainState:
         """A state from a checkpoint (:mod:`chunkjax.checkpoint`; :func:`chunkjax.step_checkpoint.restore_chunks`)."""

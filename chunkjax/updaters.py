@@ -361,14 +361,17 @@ def host_inverter(topology, host_optimizer, compute_dtype, master_fetch=()) -> H
     return HostInverter(can, finite, invert, canonical)
 
 
-def pinned_master(topology, master: np.ndarray) -> tuple[jax.Array, np.ndarray]:
+def pinned_master(topology, master: np.ndarray, copy: bool = True) -> tuple[jax.Array, np.ndarray]:
     """A master-fetch chunk's two names for one buffer: ``(params, master)``, its (chunk_size,)
     float32 master params placed in pinned host memory (what the step's fetches read and cast
     on the device) and a writable numpy view of that buffer (what the host kernel updates in
     place: gpu_facts.md, "Rules for updating pinned buffers in place"). One device only; host
-    bytes: 4 per element, no compute copy."""
+    bytes: 4 per element, no compute copy. ``copy=False``: ``master`` is a fresh buffer the caller
+    drops (the init's chunk buffer), put as it is (on a GPU the put copies it into the pinned pool;
+    on the CPU the array may alias it); True: a copy is put, ``master`` stays the caller's."""
     from chunkjax import host_update as hu
-    p = topology.put(np.array(master, np.float32, copy=True), topology.param_sharding(PINNED_HOST))
+    master = np.array(master, np.float32, copy=True) if copy else np.asarray(master, np.float32)
+    p = topology.put(master, topology.param_sharding(PINNED_HOST))
     p.block_until_ready()
     return p, hu.writable_view(p, np.float32)
 

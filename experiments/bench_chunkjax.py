@@ -169,7 +169,7 @@ class ChunkjaxSystem:
             def leaf_np(i):  # generated on the device, read through pinned host memory (fast path)
                 return np.asarray(jax.device_put(leaf(i), pinned))
 
-        n_calls, calls = 2 * len(self.layout.slots), [0]  # step.init draws each leaf about twice
+        n_calls, calls = 2 * len(self.layout.slots), [0]  # at most: step.init draws a leaf again for device params
         locs, mf = self.schedule.update_locations, set(self.schedule.master_fetch)
 
         def leaf_marked(i):  # the ledger at each sixteenth of the init (where a GPU run's RSS grew, and at which chunks)

@@ -57,6 +57,7 @@ FILE_SECONDS = {
     "inprogram_micro": 44, "masked_loss": 37, "accumulate_memory": 25, "train_job_errors": 18, "overlap_window": 1,
     "host_ledger": 30, "live_device_bytes": 12, "dropin_duplex": 12, "rates_record": 10,
     "rollback": 20,  # session 15, measured alone: 13 s
+    "storage_host_memory": 50, "init_state": 15,  # session 16, measured alone: 48 s, 12 s
     # session 15, from a 2-worker run of the whole suite (its seconds / 1.3, that run's ratio to the listed ones)
     "compiled_check": 30, "plan_memo": 1,
     "micro_groups": 60,  # session 16, measured alone: 31-85 s (a shared box)

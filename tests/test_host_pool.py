@@ -73,7 +73,9 @@ def test_schedule_need_on_a_gpu_counts_pool_and_measured_process(problem):
     assert need["pinned_host_bytes"] + need["pageable_bytes"] == s.predicted.host_bytes
     assert need["pinned_pool_bytes"] == pinned_pool_bytes(need["pinned_host_bytes"], "gpu")
     assert need["process_bytes"] == host_memory.GPU_PROCESS_HOST_BYTES + 2 * 4 * problem.layout.chunk_size
-    assert need["need_bytes"] == need["pinned_pool_bytes"] + need["pageable_bytes"] + need["process_bytes"]
+    run = need["pinned_pool_bytes"] + need["pageable_bytes"] + need["process_bytes"]
+    assert need["system_bytes"] == int(host_memory.SYSTEM_HOST_SHARE * run) > 0  # the rest of the machine
+    assert need["need_bytes"] == run + need["system_bytes"]
 
 
 def test_fit_replans_with_a_lower_host_budget_when_the_pool_puts_it_over(problem, monkeypatch):

@@ -244,12 +244,19 @@ class NearStorageOptimizer(TierTrainer, WorkerPool):
             self._send(i, ("init_stream", step), f"restoring step {step}")
         self._init_step = step
 
-    def init_chunk(self, c: int, master, m=None, v=None) -> None:
+    def init_chunk(self, c: int, master, m=None, v=None, *, wait: bool = True) -> None:
         """Stream chunk ``c``'s (n_c,) float32-convertible master params and Adam moments (None:
         zeros, a fresh chunk) to its worker (host memory: this chunk).
 
+        ``wait=False``: return once the previous chunk's message has gone, this one on its way
+        (the caller prepares its next chunk while the worker takes this one and writes its file;
+        host memory: this chunk and its pickled copy until then). The arrays must not change until
+        the next call or :meth:`end_init`.
+
         Raises:
           ValueError: arrays of another size than chunk ``c``.
+          StorageError: a worker died or took no message within ``timeout_s`` (every worker is
+            stopped).
         """
         size = self.chunk_sizes[c]
         kinds = tuple(np.asarray(a, F32).reshape(-1) for a in (master, m, v) if a is not None)
@@ -257,11 +264,17 @@ class NearStorageOptimizer(TierTrainer, WorkerPool):
             raise ValueError(f"chunk {c} needs master (and m, v) of {size} elements each, got "
                              f"{[a.size for a in kinds]}")
         # a fresh chunk: the master params alone, the worker writes the zero moments (a third of the bytes)
-        self._send(c % len(self.dirs), ("init_chunk", c, kinds if len(kinds) == 3 else kinds[0]),
-                   f"restoring chunk {c} of step {self._init_step}")
+        msg = ("init_chunk", c, kinds if len(kinds) == 3 else kinds[0])
+        doing = f"restoring chunk {c} of step {self._init_step}"
+        if wait:
+            self._sent()
+            self._send(c % len(self.dirs), msg, doing)
+        else:
+            self._send_later(c % len(self.dirs), msg, doing)
 
     def end_init(self) -> None:
         """Wait for every worker to commit the streamed state (:meth:`begin_init`)."""
+        self._sent()
         for i in range(len(self.dirs)):
             self._expect(i, "ok", f"restoring step {self._init_step}")
         self._step = self._init_step

@@ -60,8 +60,23 @@ class WorkerPool:
         """Send ``msg`` to worker ``i`` within ``timeout_s`` (on the sender thread: a payload larger
         than the pipe's buffer blocks until the worker reads it). Raises StorageError (and stops
         every worker) when the worker dies or does not take the message in time."""
-        conn, proc = self._conns[i], self.workers[i]
-        fut = self._sender.submit(conn.send, msg)
+        self._wait_sent(i, self._sender.submit(self._conns[i].send, msg), doing, nbytes)
+
+    def _send_later(self, i: int, msg: tuple, doing: str) -> None:
+        """Hand ``msg`` for worker ``i`` to the sender thread and return at once, after the send
+        handed over before it has gone (one message in flight: the caller's next one is built
+        while the worker takes this one). :meth:`_sent` waits for it. Raises as :meth:`_send`."""
+        self._sent()
+        self._in_flight = (i, self._sender.submit(self._conns[i].send, msg), doing)
+
+    def _sent(self) -> None:
+        """Wait for the message :meth:`_send_later` handed over (within ``timeout_s``)."""
+        pending, self._in_flight = getattr(self, "_in_flight", None), None
+        if pending is not None:
+            self._wait_sent(*pending)
+
+    def _wait_sent(self, i: int, fut, doing: str, nbytes: int = 0) -> None:
+        proc = self.workers[i]
         deadline = time.monotonic() + self.timeout_s
         while True:
             try:

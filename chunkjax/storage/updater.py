@@ -234,7 +234,10 @@ def storage_updater(options: StorageOptions, chunk_ids: Sequence[int], chunk_siz
     float32 master params ``buf`` (and ``moments = (m, v)``, None: zeros) to its worker; the first
     storage chunk (in id order) first clears the directories of a previous run and starts the
     workers, the last one commits step ``count`` (0: a fresh run; a checkpoint's step count on a
-    restore). Chunks must come in id order.
+    restore). Chunks must come in id order. ``wait=False``: ``init`` returns as soon as the
+    previous chunk's message has gone (one in flight: its file is written while the caller builds
+    the next chunk); ``buf`` and the moments must then stay unchanged until the next storage
+    chunk's ``init`` (the last one waits for every worker's commit).
 
     ``update(state, grads, norm) -> seconds``: one AdamW step of every storage chunk with the
     global gradient norm ``norm`` (a () float32 jax array or float: clipping and the non-finite
@@ -252,7 +255,7 @@ def storage_updater(options: StorageOptions, chunk_ids: Sequence[int], chunk_siz
     f32 = jnp.dtype(compute_dtype) == jnp.float32
     box: dict = {}
 
-    def init(buf, c, moments=None, count: int = 0):
+    def init(buf, c, moments=None, count: int = 0, wait: bool = True):
         if c == ids[0]:
             old = box.pop("disk", None)
             if old is not None:
@@ -268,7 +271,7 @@ def storage_updater(options: StorageOptions, chunk_ids: Sequence[int], chunk_siz
             opt.begin_init(int(count))
         disk = box["disk"]
         m, v = (None, None) if moments is None else moments
-        disk.opt.init_chunk(disk.local[c], buf, m, v)
+        disk.opt.init_chunk(disk.local[c], buf, m, v, wait=wait)
         if c == ids[-1]:
             disk.opt.end_init()
         return disk, None

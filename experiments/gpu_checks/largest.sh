@@ -93,6 +93,22 @@
 #   host need 128.3e9 (pool 45.1e9), 4.35 s/step predicted:
 #   PREALLOC=false POOL15=42 EXTRA15="--host-budget 122e9" LIMIT=480 MEMLOG=$OUT/mem.log \
 #     bash experiments/gpu_checks/memwatch.sh bash experiments/gpu_checks/largest.sh <run> a
+# * Session 16 (/work/notes/gpu_s16, docs/setup_time.md): GPT3_15B host-only trained (3.91 s/step, plan 3.55; peak RSS
+#   129.7 GB, MemAvailable 3.6 GB left); GPT3_18B with the disk tier (pool 56, host 122e9, 95 storage chunks) ran out of
+#   host memory in its first step (MemAvailable 0.1-0.3 GB for 200 s: the trainer matched its plan, the worker's ~2.3 GB
+#   and the rest of the machine were not counted) after a ~375 s setup (plan + compile ~175 s, init ~200 s of which
+#   ~51 s idle on the storage chunks' first writes). Now the plan counts each near-storage worker (128 MiB + staging +
+#   4 message chunks) and 3 % of the need for the rest of the machine, and the init overlaps the storage writes with the
+#   host fill and draws leaves once where it can. CPU plan (largest_plan.py --model GPT3_18B --budget 138GiB --pool 56
+#   --host 117e9 --storage /tmp/d18 --disk-gb 68.67; 116e9 is refused, the floor is 116.26e9 with 108 chunks on disk):
+#   128 device / 129 host (all master-fetch) / 107 storage chunks, 32 programs; host need 127.71e9 (pool 60.13e9 +
+#   pageable 56.55e9 + process 7.31e9 incl. the worker + system 3.72e9): ~5.5 GB of MemAvailable left of the ~133.2e9
+#   the H200 has after planning; disk 136.0 GB/step, predicted 97.1 s/step. Predicted setup ~290 s (probe ~14 s, plan +
+#   compile ~175 s as in s16b, init ~100 s: device ~20, host fill and storage writes overlapped ~60, device params ~20),
+#   then 3 steps ~291 s: ~580 s of the 585, at the limit (run experiments/gpu_checks/init_speed.py first, < 3 min, to
+#   check the init's GB/s). The call:
+#   PREALLOC=false POOL18=56 B_STEPS=1 EXTRA18="--host-budget 117e9" LIMIT=585 MEMLOG=$OUT/mem.log \
+#     bash experiments/gpu_checks/memwatch.sh bash experiments/gpu_checks/largest.sh <run> b
 set -u
 RUN=${1:-largest}
 PART=${2:-a}
