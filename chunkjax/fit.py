@@ -310,6 +310,8 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
         params = jax.eval_shape(params)
     aparams = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
     rows = batch_rows(batch)
+    if rows == 0:  # a mean over no rows is NaN, and weight decay would still move every param
+        raise ValueError("the example batch has 0 rows: pass a batch of the shape every step takes (>= 1 example)")
     if rows % (n_ranks * micro_batches):
         raise ValueError(f"batch of {rows} rows does not split over {n_ranks} rank(s) x {micro_batches} micro-batches: "
                          f"use a multiple of {n_ranks * micro_batches}")
@@ -336,6 +338,9 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
     device_budget = None if device_budget is None else resolve_budget(device_budget)
     from chunkjax.storage.updater import disk_capacity, storage_options
     storage = storage_options(storage)
+    if storage is not None and host_optimizer is None:
+        raise ValueError("the disk tier updates on the host: pass a host optimizer such as "
+                         "chunkjax.host_update.AdamW(...) as tx, and a host_budget")
     check_host_lower_bound(layout, cb, platform, n_ranks, device_budget, None if storage else avail)
     if host_budget == "auto":
         host_budget = None
@@ -344,6 +349,10 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
             host_budget = max(0, int(HOST_HEADROOM * avail) - process_bytes(layout, platform) - on_cpu)
     elif host_budget is not None:
         host_budget = resolve_budget(host_budget, "host_budget")
+    if storage is not None and (host_budget is None or n_ranks != 1):
+        raise ValueError("the disk tier plans one device with a host budget: pass host_budget='64GiB' (what the "
+                         "host may hold) and no mesh" if n_ranks == 1 else "the disk tier plans one device: "
+                         "pass no mesh (or no storage)")
     if flops_per_step is None:
         flops_per_step = step_flops(loss_of, aparams, gbatch, tbatch, n_ranks * micro_batches)
     traces = trace_stages(stages, layout, tbatch, compute_dtype)

@@ -47,6 +47,7 @@ from chunkjax.schedule import STORAGE_UPDATE
 from chunkjax.storage.files import _CHUNK_RE, clear_run
 from chunkjax.storage.pool import SKIP_STEP
 from chunkjax.storage.trainer import validate_storage_dirs
+from chunkjax.storage.worker import exit_if_spawned_import
 from chunkjax.updaters import Updater
 
 __all__ = ["DiskState", "StorageOptions", "StorageRun", "check_step", "disk_capacity", "gradient_order",
@@ -110,7 +111,11 @@ class StorageOptions:
 
 def storage_options(storage) -> StorageOptions | None:
     """``storage`` as :class:`StorageOptions`: None, a :class:`StorageOptions`, a comma-separated
-    string of directories (``"/nvme0/cj,/nvme1/cj"``) or a sequence of directories."""
+    string of directories (``"/nvme0/cj,/nvme1/cj"``) or a sequence of directories. In a
+    spawned process still importing the main script (no ``__main__`` guard: the workers'
+    processes) this exits quietly (:func:`chunkjax.storage.worker.exit_if_spawned_import`)."""
+    if storage is not None:
+        exit_if_spawned_import()
     if storage is None or isinstance(storage, StorageOptions):
         return storage
     if isinstance(storage, (str, os.PathLike)):
@@ -264,6 +269,7 @@ def storage_updater(options: StorageOptions, chunk_ids: Sequence[int], chunk_siz
                                        io_mode=options.io_mode, fsync=options.fsync, timeout_s=options.timeout_s,
                                        param_dtype="float32" if f32 else "bfloat16",
                                        keep_previous=options.keep_previous, n_buffers=int(options.staging_buffers))
+            opt.resume_advice = STEP_RESUME
             box["disk"] = DiskState(opt, ids)
             opt.begin_init(int(count))
         disk = box["disk"]
@@ -301,6 +307,13 @@ def updates_early(step) -> bool:
     Decided once per step (``step.storage_early``)."""
     return step.storage_early
 
+
+#: What a storage failure of a :class:`chunkjax.ChunkedStep` (the front door's, a train job's)
+#: tells to do: its device and host chunks are already past the step the disk holds, so the
+#: step object cannot go on, and the directories alone cannot restart it.
+STEP_RESUME = ("this step object cannot continue (its other chunks are past that step; save_checkpoint "
+               "raises this too): restore your last checkpoint into a new step (chunkjax.restore_checkpoint; "
+               "a train job: --resume)")
 
 _SKIP = object()  # the pairs' end of an abandoned norm-free step
 
@@ -426,6 +439,7 @@ class StorageRun:
         self._handed = time.perf_counter()
         self._queue.put(None)
         work.submit(self._params_in.result)
+        work.watch(self.disk.opt.watch)  # a dead or stopped worker fails the wait early, named
 
 
 def wait_tail(step, state) -> None:
