@@ -336,11 +336,8 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
     platform = jax.default_backend()
     avail = available_for_plan(platform) if check_host else None
     device_budget = None if device_budget is None else resolve_budget(device_budget)
-    from chunkjax.storage.updater import disk_capacity, storage_options
+    from chunkjax.storage.updater import check_storage_inputs, disk_capacity, storage_options
     storage = storage_options(storage)
-    if storage is not None and host_optimizer is None:
-        raise ValueError("the disk tier updates on the host: pass a host optimizer such as "
-                         "chunkjax.host_update.AdamW(...) as tx, and a host_budget")
     check_host_lower_bound(layout, cb, platform, n_ranks, device_budget, None if storage else avail)
     if host_budget == "auto":
         host_budget = None
@@ -349,10 +346,7 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
             host_budget = max(0, int(HOST_HEADROOM * avail) - process_bytes(layout, platform) - on_cpu)
     elif host_budget is not None:
         host_budget = resolve_budget(host_budget, "host_budget")
-    if storage is not None and (host_budget is None or n_ranks != 1):
-        raise ValueError("the disk tier plans one device with a host budget: pass host_budget='64GiB' (what the "
-                         "host may hold) and no mesh" if n_ranks == 1 else "the disk tier plans one device: "
-                         "pass no mesh (or no storage)")
+    check_storage_inputs(storage, host_optimizer, host_budget, n_ranks)
     if flops_per_step is None:
         flops_per_step = step_flops(loss_of, aparams, gbatch, tbatch, n_ranks * micro_batches)
     traces = trace_stages(stages, layout, tbatch, compute_dtype)

@@ -563,3 +563,22 @@ def test_script_without_main_guard_and_orphaned_worker(tmp_path):
     r = _script(tmp_path, "orphan.py", _ORPHAN)
     assert r.returncode == -signal.SIGKILL
     assert "Traceback" not in r.stderr and "Error" not in r.stderr, r.stderr[-2000:]
+
+
+def test_storage_inputs_refused_in_the_callers_terms(setup, tmp_path):
+    """The front door's inputs with storage, each refused in one line before any file or process:
+    an optax tx (the disk tier updates on the host), an uncreatable directory (not a budget
+    error), an empty directory name, an example batch of 0 rows."""
+    cfg, params, batches, stages, *_ = setup
+    fit = lambda batch=batches[0], **kw: cj.fit_step(stages, params, batch, device_budget="1GiB", **kw)  # noqa: E731
+    cases = [(dict(tx=optax.adamw(1e-3), host_budget="1GiB", storage=[str(tmp_path / "a")]),
+              "the disk tier updates on the host: pass a host optimizer such as chunkjax.host_update.AdamW"),
+             (dict(host_optimizer=SPEC, host_budget="1GiB", storage=["/proc/x"]), "'/proc/x' cannot be created"),
+             (dict(host_optimizer=SPEC, host_budget="1GiB", storage=[""]), "is empty: give a directory path"),
+             (dict(host_optimizer=SPEC, host_budget="1GiB", storage=[str(tmp_path / "b")],
+                   batch=jnp.zeros((0, T + 1), jnp.int32)), "the example batch has 0 rows")]
+    for kw, want in cases:
+        with pytest.raises(ValueError) as e:
+            fit(**kw)
+        assert want in str(e.value) and "\n" not in str(e.value), str(e.value)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

@@ -50,7 +50,7 @@ from chunkjax.storage.trainer import validate_storage_dirs
 from chunkjax.storage.worker import exit_if_spawned_import
 from chunkjax.updaters import Updater
 
-__all__ = ["DiskState", "StorageOptions", "StorageRun", "check_step", "disk_capacity", "gradient_order",
+__all__ = ["DiskState", "StorageOptions", "StorageRun", "check_step", "check_storage_inputs", "disk_capacity", "gradient_order",
            "storage_chunks", "storage_options", "storage_updater", "updates_early", "updaters_of", "wait_tail"]
 
 
@@ -121,6 +121,26 @@ def storage_options(storage) -> StorageOptions | None:
     if isinstance(storage, (str, os.PathLike)):
         storage = [d for d in os.fspath(storage).split(",") if d]
     return StorageOptions(tuple(storage))
+
+
+def check_storage_inputs(storage: StorageOptions | None, host_optimizer, host_budget, n_ranks: int) -> None:
+    """What the disk tier needs of a fit (:func:`chunkjax.fit.prepare`), in the caller's terms:
+    a host optimizer (the storage chunks update on the host's kernels), a host budget (the
+    planner moves chunks to disk until the host fits it) and one device.
+
+    Raises:
+      ValueError: one line saying what to pass.
+    """
+    if storage is None:
+        return
+    if host_optimizer is None:
+        raise ValueError("the disk tier updates on the host: pass a host optimizer such as "
+                         "chunkjax.host_update.AdamW(...) as tx, and a host_budget")
+    if n_ranks != 1:
+        raise ValueError("the disk tier plans one device: pass no mesh (or no storage)")
+    if host_budget is None:
+        raise ValueError("the disk tier needs a host budget: pass host_budget='64GiB' (what the host may hold) "
+                         "or host_budget='auto'")
 
 
 def disk_capacity(options: StorageOptions) -> tuple[int, int]:
