@@ -499,7 +499,7 @@ def fit_problem(problem: FitProblem, device_budget="auto", *, policy: str = "tid
     problem, sched, host = fit_host(problem, sched, None if fixed else (lambda q: plan(q, effective, policy=policy)))
     history, notes, mem, floor_tried = [], [], None, False
     for attempt in range(MAX_REPLANS + 1):
-        host = dict(host, speculation_bytes=speculation_bytes(problem, host))
+        host = dict(host, speculation_bytes=speculation_bytes(problem, host, sched))
         step = build_step(problem, sched, host["speculation_bytes"])
         if not check_compiled:
             break
