@@ -333,7 +333,7 @@ def updates_early(step) -> bool:
 #: step object cannot go on, and the directories alone cannot restart it.
 STEP_RESUME = ("this step object cannot continue (its other chunks are past that step; save_checkpoint "
                "raises this too): restore your last checkpoint into a new step (chunkjax.restore_checkpoint; "
-               "a train job: --resume)")
+               "a train job: resume its run folder)")
 
 _SKIP = object()  # the pairs' end of an abandoned norm-free step
 
