@@ -83,13 +83,16 @@ class WorkerPool:
         to). ``final``: the waiter's deadline has passed: name what each worker still owes.
 
         Returns:
-          one line naming the worker(s) (index, pid, directory), what they owe and what to do,
-          or None when nothing is wrong (and not ``final``).
+          one line naming the worker (index, pid, directory), its state and what it owes (the
+          step's own error adds what to do), or None when nothing is wrong; with ``final``, None
+          also when no worker owes the step anything (the deadline was missed elsewhere).
         """
         if not getattr(self, "workers", None) or self._broken:
             return None
-        owing = [i for i in range(len(self.workers)) if i in self._waiting] or list(range(len(self.workers)))
-        for i in owing:
+        owing = [i for i in range(len(self.workers)) if i in self._waiting]
+        if final and not owing:  # the deadline was missed elsewhere (the host chunks): no worker to name
+            return None
+        for i in owing or range(len(self.workers)):
             p = self.workers[i]
             doing = self._waiting.get(i, "waiting for the step")
             if not p.is_alive():
