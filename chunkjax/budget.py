@@ -8,8 +8,9 @@ Spellings, the same everywhere:
 * a byte count: an int (``2**30``), a float with a whole value (``3.5e6``), or a string: a plain
   or exponent count (``"123456"``, ``"1e9"``) or a size with a unit (``"512MiB"``, ``"24GB"``,
   ``"2GiB"``: :func:`chunkjax.parse_bytes`); positive;
-* ``"auto"``: the budget the API finds itself (the front door and the fit path: the device's
-  free memory, :func:`chunkjax.fit.auto_budget`);
+* ``"auto"``: the budget the API finds itself (the front door and the fit path: the smallest
+  budget with every chunk offloaded plus a fifth of the model's chunk bytes,
+  :func:`chunkjax.fit.auto_budget`);
 * ``"min"``: the least budget the API's plan needs (the front door, the drop-in optimizers,
   the planner CLI).
 
@@ -66,5 +67,5 @@ def parse_budget(budget, *, takes=KEYWORDS, who: str = "device_budget", api: str
 
 def _why(key: str) -> str:
     if key == "auto":
-        return "'auto' is the free memory of the device that runs the whole step, which it does not see"
+        return "'auto' is planned from the whole step's chunks and activations, which it does not see"
     return "'min' is the least that a plan of the whole step needs, which it does not make"

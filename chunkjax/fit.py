@@ -313,6 +313,8 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
         params = jax.eval_shape(params)
     aparams = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
     rows = batch_rows(batch)
+    if rows == 0:  # a mean over no rows is NaN, and weight decay would still move every param
+        raise ValueError("the example batch has 0 rows: pass a batch of the shape every step takes (>= 1 example)")
     if rows % (n_ranks * micro_batches):
         raise ValueError(f"batch of {rows} rows does not split over {n_ranks} rank(s) x {micro_batches} micro-batches: "
                          f"use a multiple of {n_ranks * micro_batches}")
@@ -337,7 +339,7 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
     platform = jax.default_backend()
     avail = available_for_plan(platform) if check_host else None
     device_budget = None if device_budget is None else resolve_budget(device_budget)
-    from chunkjax.storage.updater import disk_capacity, storage_options
+    from chunkjax.storage.updater import check_storage_inputs, disk_capacity, storage_options
     storage = storage_options(storage)
     check_host_lower_bound(layout, cb, platform, n_ranks, device_budget, None if storage else avail)
     if host_budget == "auto":
@@ -347,6 +349,7 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
             host_budget = max(0, int(HOST_HEADROOM * avail) - process_bytes(layout, platform) - on_cpu)
     elif host_budget is not None:
         host_budget = resolve_budget(host_budget, "host_budget")
+    check_storage_inputs(storage, host_optimizer, host_budget, n_ranks)
     if flops_per_step is None:
         flops_per_step = step_flops(loss_of, aparams, gbatch, tbatch, n_ranks * micro_batches)
     traces = trace_stages(stages, layout, tbatch, compute_dtype)
@@ -505,7 +508,7 @@ def fit_problem(problem: FitProblem, device_budget="auto", *, policy: str = "tid
     problem, sched, host = fit_host(problem, sched, None if fixed else (lambda q: plan(q, effective, policy=policy)))
     history, notes, mem, floor_tried = [], [], None, False
     for attempt in range(MAX_REPLANS + 1):
-        host = dict(host, speculation_bytes=speculation_bytes(problem, host))
+        host = dict(host, speculation_bytes=speculation_bytes(problem, host, sched))
         step = build_step(problem, sched, host["speculation_bytes"])
         if not check_compiled:
             break

@@ -64,7 +64,7 @@ def host_bytes_of(problem):
 
 
 
-def speculation_bytes(problem, host: dict) -> int | None:
+def speculation_bytes(problem, host: dict, schedule=None) -> int | None:
     """The bound (bytes) of the speculative host updates' backup pool (:mod:`chunkjax.speculate`,
     used with clipping or a non-finite skip) for a plan whose host need is ``host`` (a
     :func:`check_host_memory` dict): :data:`SPECULATION_SHARE` of what the plan leaves of
@@ -73,14 +73,20 @@ def speculation_bytes(problem, host: dict) -> int | None:
     (the step's own default then). Was unbounded by the plan: on the H200 the 8B full
     fine-tuning's backups filled 10 GiB the host check had not counted. With rollback by
     inversion (the default) the same bound holds the kept gradients alone (no backups): a
-    conservative share there."""
+    conservative share there. With ``schedule``, also at most what its host-updated chunks can
+    hold (each chunk's backup and kept gradient): the pool cannot use more, and a bound of
+    gigabytes for a small model read as a need in the report (a fresh user's 2.77M-param model
+    showed 8.46e9)."""
     avail = host.get("available_bytes")
     if avail is None:
         return None
     spare = max(0, int(avail) - int(host["need_bytes"]))
     cb = problem.cb
     backup, grad = cb.master + cb.opt, cb.grad  # one chunk's float32 state, and its gradient kept for a redo
-    return int(min(DEFAULT_BACKUP_BYTES, SPECULATION_SHARE * spare * backup / max(1, backup + grad)))
+    most = DEFAULT_BACKUP_BYTES
+    if schedule is not None:
+        most = min(most, sum(u == "host" for u in schedule.update_locations) * (backup + grad))
+    return int(min(most, SPECULATION_SHARE * spare * backup / max(1, backup + grad)))
 
 
 def pinned_limit_error(problem, budget_bytes: int) -> HostBudgetError:

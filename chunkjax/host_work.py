@@ -39,9 +39,16 @@ HOST_DEADLINE_MIN_S = 300.0
 #: slow device step delays it too).
 HOST_DEADLINE_STEPS = 50.0
 
-_MSG_HOST_DEADLINE = ("the host-update thread did not finish {what} within {deadline:.0f} s ({done} of {n} batches "
+_MSG_HOST_DEADLINE = ("the host-update thread did not finish {what} within {deadline:.3g} s ({done} of {n} batches "
                       "of chunk updates done): the host is stalled or far slower than planned; the state "
                       "after the last completed step is in the last checkpoint (resume from it)")
+
+
+#: seconds between the watch polls of :meth:`HostWork.join` (only while it has watches)
+WATCH_POLL_S = 0.5
+#: seconds :meth:`HostWork.join` waits for the failing work to raise its own error once a watch
+#: has named a failure (else it raises the watch's line)
+WATCH_GRACE_S = 10.0
 
 
 class HostDeadlineError(TimeoutError):
@@ -183,6 +190,46 @@ class HostWork:
         self.backups = backups
         self.speculation = None
         self.order_log: list[int] = []
+        self._watches: list = []
+
+    def watch(self, fn) -> None:
+        """Poll ``fn(final: bool) -> str | None`` every :data:`WATCH_POLL_S` while :meth:`join`
+        waits: a line it returns names a failure of what the work waits on (a near-storage worker
+        that died or is stopped: :meth:`chunkjax.storage.pool.WorkerPool.watch`); the work's own
+        error is then raised at once instead of at the deadline. At the deadline it is called with
+        ``final=True`` and its line joins the :class:`HostDeadlineError`'s."""
+        self._watches.append(fn)
+
+    def _watched(self, final: bool) -> str | None:
+        for fn in self._watches:
+            line = fn(final)
+            if line:
+                return line
+        return None
+
+    def _wait_one(self, f, end, done: int) -> None:
+        """Wait for future ``f`` until ``end`` (monotonic s; None: forever), polling the watches.
+
+        Raises:
+          HostDeadlineError: ``f`` not done by ``end``, or a watch named a failure and ``f`` did not
+            end within :data:`WATCH_GRACE_S` (one line)."""
+        while True:
+            left = None if end is None else max(0.0, end - time.monotonic())
+            poll = left if not self._watches else WATCH_POLL_S if left is None else min(left, WATCH_POLL_S)
+            concurrent.futures.wait([f], timeout=poll)
+            if f.done():
+                return
+            final = left is not None and left <= poll
+            line = self._watched(final=final) if self._watches else None
+            if line and not final:  # the work raises its own error now
+                concurrent.futures.wait([f], timeout=WATCH_GRACE_S)
+                if f.done():
+                    return
+                raise HostDeadlineError(f"{line}; the step's host updates wait on it") from None
+            if final:
+                raise HostDeadlineError(_MSG_HOST_DEADLINE.format(
+                    what="this step's host updates", deadline=self.deadline_s, done=done,
+                    n=len(self._futures)) + (f"; {line}" if line else "")) from None
 
     def _put(self, chunk, grad, fn, args, jump=None) -> concurrent.futures.Future:
         if self._queue is None:
@@ -302,12 +349,7 @@ class HostWork:
             end = None if self.deadline_s is None else time.monotonic() + self.deadline_s
             spent, failed = [], None
             for i, f in enumerate(self._futures):
-                left = None if end is None else max(0.0, end - time.monotonic())
-                concurrent.futures.wait([f], timeout=left)
-                if not f.done():
-                    raise HostDeadlineError(_MSG_HOST_DEADLINE.format(
-                        what="this step's host updates", deadline=self.deadline_s, done=i,
-                        n=len(self._futures))) from None
+                self._wait_one(f, end, i)
                 if f.exception() is not None and failed is None:
                     failed = f.exception()
                 elif f.exception() is None:

@@ -26,7 +26,8 @@ import pathlib
 from typing import Mapping, Sequence
 
 from chunkjax.memory import DEVICE
-from chunkjax.schedule import DEVICE_UPDATE, HOST_UPDATE, NO_UPDATE, STREAMED_UPDATE, UPDATE_LOCATIONS, Schedule
+from chunkjax.schedule import (DEVICE_UPDATE, HOST_UPDATE, NO_UPDATE, STORAGE_UPDATE, STREAMED_UPDATE, UPDATE_LOCATIONS,
+                               Schedule)
 
 #: colour of each tide phase (bars of :func:`plot_tide`)
 PHASE_COLORS = {"forward": "tab:blue", "forward+backward": "tab:purple", "backward": "tab:orange"}
@@ -34,15 +35,16 @@ PHASE_COLORS = {"forward": "tab:blue", "forward+backward": "tab:purple", "backwa
 KIND_COLORS = {"resident model data": "tab:green", "non-model (tide)": "tab:blue",
                "gradients held": "tab:red", "fetched chunk buffers": "tab:orange"}
 #: colour of each update location (the strip beside :func:`plot_schedule`)
-UPDATE_COLORS = {DEVICE_UPDATE: "#546e7a", STREAMED_UPDATE: "#f9a825", HOST_UPDATE: "#1565c0", "storage": "#6a1b9a",
+UPDATE_COLORS = {DEVICE_UPDATE: "#546e7a", STREAMED_UPDATE: "#f9a825", HOST_UPDATE: "#1565c0", STORAGE_UPDATE: "#6a1b9a",
                  NO_UPDATE: "#e0e0e0"}
 #: colours of a residency image: not on the device, a fetched copy, placed on the device
 RESIDENCY_COLORS = ("white", "#b7e4a7", "#2e7d32")
 #: fetch marks are drawn this far (moments) left of their moment's centre, release marks right of it
 FETCH_EVICT_DX = 0.25
-#: the memory kinds of :func:`placement_bytes` and the chunk lists in each
-PLACEMENT_KINDS = ("device", "pinned_host", "host (pageable)")
-PLACEMENT_LISTS = ("compute params", "master params + optimizer state", "gradients")
+#: the memory kinds of :func:`placement_bytes` (``disk``: the storage directories) and the chunk
+#: lists in each (``disk staging``: the near-storage workers' staging buffers, host memory)
+PLACEMENT_KINDS = ("device", "pinned_host", "host (pageable)", "disk")
+PLACEMENT_LISTS = ("compute params", "master params + optimizer state", "gradients", "disk staging")
 
 
 # ---- inputs ----------------------------------------------------------------------------------
@@ -384,9 +386,11 @@ def placement_bytes(problem, s: Schedule) -> dict[str, dict[str, int]]:
     ``device``: compute params of device-kind chunks, master params + optimizer state of
     device-updated chunks (their sum is ``predicted.device_model_bytes``). ``pinned_host``: compute
     params of host-kind chunks, gradients of every chunk not updated on the device, state of
-    ``streamed`` chunks. ``host (pageable)``: state of ``host``-updated chunks (numpy). The two host
-    kinds sum to ``predicted.host_model_bytes``. A frozen chunk (update location ``none``) has
-    its params only, in their own dtype (``ChunkBytes.params_of``).
+    ``streamed`` chunks. ``host (pageable)``: state of ``host``-updated chunks (numpy) and the
+    near-storage workers' staging buffers (``predicted.disk_staging_bytes``). The two host kinds
+    sum to ``predicted.host_model_bytes``. ``disk``: master params + optimizer state of
+    ``storage``-updated chunks (one committed version; :mod:`chunkjax.plan_disk`). A frozen chunk
+    (update location ``none``) has its params only, in their own dtype (``ChunkBytes.params_of``).
     """
     cb = problem.cb_rank
     out = {k: dict.fromkeys(PLACEMENT_LISTS, 0) for k in PLACEMENT_KINDS}
@@ -394,10 +398,12 @@ def placement_bytes(problem, s: Schedule) -> dict[str, dict[str, int]]:
         out["device" if kind == DEVICE else "pinned_host"]["compute params"] += cb.params_of(c)
         if upd == NO_UPDATE:
             continue
-        state_kind = {DEVICE_UPDATE: "device", STREAMED_UPDATE: "pinned_host", HOST_UPDATE: "host (pageable)"}[upd]
+        state_kind = {DEVICE_UPDATE: "device", STREAMED_UPDATE: "pinned_host", HOST_UPDATE: "host (pageable)",
+                      STORAGE_UPDATE: "disk"}[upd]
         out[state_kind]["master params + optimizer state"] += cb.state
         if upd != DEVICE_UPDATE:
             out["pinned_host"]["gradients"] += cb.grad
+    out["host (pageable)"]["disk staging"] += int(getattr(s.predicted, "disk_staging_bytes", 0) or 0)
     return out
 
 
@@ -425,13 +431,13 @@ def plot_placement(obj, schedule: Schedule | None = None, *, path=None):
     fig, axes = _figure((11, 2.8), 1, 2, gridspec_kw={"width_ratios": [3, 2]})
     ax, ax2 = axes[0]
     left = [0.0] * len(PLACEMENT_KINDS)
-    for lst, c in zip(PLACEMENT_LISTS, ("tab:blue", "tab:green", "tab:red")):
+    for lst, c in zip(PLACEMENT_LISTS, ("tab:blue", "tab:green", "tab:red", "tab:purple")):
         w = [pb[kind][lst] / k for kind in PLACEMENT_KINDS]
         ax.barh(PLACEMENT_KINDS, w, left=left, color=c, label=lst)
         left = [a + b for a, b in zip(left, w)]
     ax.invert_yaxis()
     ax.set_xlabel(unit)
-    fig.legend(*ax.get_legend_handles_labels(), fontsize=7, loc="outside lower center", ncol=3)
+    fig.legend(*ax.get_legend_handles_labels(), fontsize=7, loc="outside lower center", ncol=len(PLACEMENT_LISTS))
     ax.set_title(f"model data and gradient buffers: {sum(left):.3g} {unit} ({s.n_chunks} chunks x {problem.layout.chunk_size} elements)",
                  fontsize=9)
     counts = s.counts()

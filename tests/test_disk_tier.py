@@ -200,6 +200,7 @@ def test_worker_stopped_or_killed_mid_step_then_resume(setup, tmp_path):
             os.kill(pid, signal.SIGCONT)
     msg = str(e.value)
     assert "\n" not in msg and f"worker 1 (pid {pid}" in msg and "last committed step 3" in msg, msg
+    assert "is stopped" in msg and "restore your last checkpoint" in msg and "NearStorageOptimizer" not in msg, msg
     assert committed_step([str(d) for d in dirs]) == 3
     with DiskTier(dirs, [layout.chunk_size] * len(disk_c)) as tier:  # a resume: step 3, the step-4 files gone
         assert tier.committed_step == 3
@@ -261,7 +262,14 @@ def test_full_disk_fails_the_step_in_one_line(setup, tmp_path, monkeypatch):
         step.wait(st)
     msg = str(e.value)
     assert "\n" not in msg and str(d) in msg and "full" in msg and "last committed step 1" in msg, msg
+    # what happened once, the advice of the API called (a ChunkedStep: restore a checkpoint)
+    assert "while writing chunk" in msg and "for step 2" in msg and msg.count("committed step") == 1, msg
+    assert "preparing" not in msg and "NearStorageOptimizer" not in msg and "restore your last checkpoint" in msg
     assert committed_step([str(d)]) == 1
+    # the step object is dead: a checkpoint of it raises the same line and writes nothing
+    with pytest.raises(StorageError, match="restore your last checkpoint"):
+        ck.save_checkpoint(tmp_path / "ckpt", 2, step, st)
+    assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").rglob("*.npy"))
     st.master[sched.update_locations.index("storage")].close()
 
 
@@ -480,3 +488,97 @@ def test_job_with_storage_samples_and_exports_as_without(tmp_path):
     assert sorted(a.entries) == sorted(b.entries)
     for n in a.entries:
         np.testing.assert_allclose(a.tensor(n).astype(np.float32), b.tensor(n).astype(np.float32), rtol=1e-5, atol=1e-6)
+
+
+def test_hung_worker_is_named_at_a_tiny_host_deadline(setup, tmp_path, monkeypatch):
+    """A worker that hangs mid-step (alive, not stopped: the tier's sleep hook) is named (index,
+    pid, directory) in the step's host deadline error, and the step's later calls fail with its
+    storage error (the host deadline set tiny after the first step)."""
+    cfg, params, batches, stages, layout, traces, cb = setup
+    sched = _three_tier_schedule(setup)
+    from chunkjax.storage import near
+    from chunkjax.updaters import HostDeadlineError
+    real = near.NearStorageOptimizer.__init__
+    marker = tmp_path / "hung"
+
+    def with_fault(self, *a, **kw):  # worker 0 sleeps after its first chunk of step 2
+        real(self, *a, _fault=dict(worker=0, step=2, after_chunks=1, marker=str(marker), sleep_s=3600), **kw)
+
+    monkeypatch.setattr(near.NearStorageOptimizer, "__init__", with_fault)
+    d = tmp_path / "h"
+    step = cj.make_chunked_step(stages, layout, sched, host_optimizer=SPEC, compute_dtype=jnp.float32,
+                                storage=StorageOptions((str(d),), fsync=False))
+    st = step.init(params)
+    st, _ = step(st, batches[0])
+    step.wait(st)
+    object.__setattr__(step, "host_deadline", 0.2)  # tiny: the hung worker cannot answer within it
+    pid = st.master[sched.update_locations.index("storage")].opt.worker_pids[0]
+    st, _ = step(st, batches[1])
+    with pytest.raises(HostDeadlineError) as e:
+        step.wait(st)
+    msg = str(e.value)
+    assert "\n" not in msg and f"near-storage worker 0 (pid {pid}, {d})" in msg and "has not answered" in msg, msg
+    with pytest.raises(StorageError, match=f"worker 0 \\(pid {pid}.*restore your last checkpoint"):
+        st.master[sched.update_locations.index("storage")].wait()
+    assert committed_step([str(d)]) == 1
+
+
+_UNGUARDED = """
+import numpy as np
+from chunkjax.host_update import AdamW
+from chunkjax.storage.near import NearStorageOptimizer
+opt = NearStorageOptimizer([{d!r}], [64], AdamW(1e-3), init_params=[np.zeros(64, np.float32)], fsync=False)
+"""
+_ORPHAN = """
+import os, signal
+import numpy as np
+from chunkjax.host_update import AdamW
+from chunkjax.storage.near import NearStorageOptimizer
+if __name__ == "__main__":
+    opt = NearStorageOptimizer([{d!r}], [64], AdamW(1e-3), init_params=[np.zeros(64, np.float32)], fsync=False)
+    opt.begin()  # the worker waits for this step's gradients when the trainer dies
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _script(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text.format(d=str(tmp_path / name.replace(".py", "_dir"))))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu")
+    import subprocess
+    import sys
+    return subprocess.run([sys.executable, str(path)], capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_script_without_main_guard_and_orphaned_worker(tmp_path):
+    """A script that starts the disk tier at import (no ``if __name__ == "__main__":``) fails in
+    one line saying to add the guard, without Python's bootstrapping RuntimeError; a worker whose
+    trainer was killed mid-step exits without a traceback."""
+    r = _script(tmp_path, "unguarded.py", _UNGUARDED)
+    assert r.returncode != 0
+    last = r.stderr.strip().splitlines()[-1]
+    assert 'put the training code under if __name__ == "__main__":' in last, r.stderr[-2000:]
+    assert "RuntimeError" not in r.stderr and "bootstrapping" not in r.stderr, r.stderr[-2000:]
+    r = _script(tmp_path, "orphan.py", _ORPHAN)
+    assert r.returncode == -signal.SIGKILL
+    assert "Traceback" not in r.stderr and "Error" not in r.stderr, r.stderr[-2000:]
+
+
+def test_storage_inputs_refused_in_the_callers_terms(setup, tmp_path):
+    """The front door's inputs with storage, each refused in one line before any file or process:
+    an optax tx (the disk tier updates on the host), an uncreatable directory (not a budget
+    error), an empty directory name, an example batch of 0 rows."""
+    cfg, params, batches, stages, *_ = setup
+    fit = lambda batch=batches[0], **kw: cj.fit_step(stages, params, batch, device_budget="1GiB", **kw)  # noqa: E731
+    cases = [(dict(tx=optax.adamw(1e-3), host_budget="1GiB", storage=[str(tmp_path / "a")]),
+              "the disk tier updates on the host: pass a host optimizer such as chunkjax.host_update.AdamW"),
+             (dict(host_optimizer=SPEC, host_budget="1GiB", storage=["/proc/x"]), "'/proc/x' cannot be created"),
+             (dict(host_optimizer=SPEC, host_budget="1GiB", storage=[""]), "is empty: give a directory path"),
+             (dict(host_optimizer=SPEC, host_budget="1GiB", storage=[str(tmp_path / "b")],
+                   batch=jnp.zeros((0, T + 1), jnp.int32)), "the example batch has 0 rows")]
+    for kw, want in cases:
+        with pytest.raises(ValueError) as e:
+            fit(**kw)
+        assert want in str(e.value) and "\n" not in str(e.value), str(e.value)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

@@ -187,6 +187,13 @@ def test_speculation_backups_bounded_by_what_the_plan_leaves(problem, monkeypatc
     monkeypatch.setattr(host_memory, "host_memory_available_bytes", lambda: need["need_bytes"])
     tight = fit.fit_problem(problem, budget, check_compiled=False)
     assert tight.report.host["speculation_bytes"] == 0 == tight.step.speculation_bytes  # nothing left: no speculation
+    # plenty of host memory: the bound is what the host-updated chunks can back up, not a share
+    # of the machine (a 2.77M-param model's report once said 8.46e9 bytes)
+    monkeypatch.setattr(host_memory, "host_memory_available_bytes", lambda: need["need_bytes"] + 2**40)
+    roomy = fit.fit_problem(problem, budget, check_compiled=False)
+    n_host = roomy.report.schedule.update_locations.count("host")
+    cb = problem.cb
+    assert 0 < roomy.report.host["speculation_bytes"] == n_host * (cb.master + cb.opt + cb.grad)
 
 
 def test_a_finer_cut_when_even_master_fetch_does_not_fit(monkeypatch):

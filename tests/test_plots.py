@@ -242,3 +242,25 @@ def test_frozen_chunks_of_a_lora_model():
     strip = fig.axes[1].images[0].get_array()[:, 0]
     assert [c for c, v in enumerate(strip) if UPDATE_LOCATIONS[int(v)] == "none"] == frozen
     assert "frozen (no update)" in [t.get_text() for t in fig.legends[0].get_texts()]
+
+
+def test_figures_of_a_plan_with_storage_chunks(fitted, tmp_path):
+    """A plan with disk chunks (the host budget below what the host-updated chunks need) plots and
+    saves every figure; the disk row holds the storage chunks' master params and state and the
+    host rows still sum to the prediction (the workers' staging buffers included)."""
+    cfg = gpt.get_config("micro")
+    f = cj.fit_step(gpt.gpt_stages(cfg), gpt.abstract_params(cfg), jax.ShapeDtypeStruct((4, 33), jnp.int32),
+                    host_optimizer=AdamW(3e-4), device_budget=BUDGET,
+                    host_budget=fitted.report.schedule.predicted.host_bytes // 2, storage=[str(tmp_path / "disk")])
+    s, p = f.report.schedule, f.problem
+    n_disk = s.update_locations.count("storage")
+    assert n_disk > 0
+    pb = plots.placement_bytes(p, s)
+    assert pb["disk"]["master params + optimizer state"] == n_disk * p.cb.state
+    assert sum(pb["pinned_host"].values()) + sum(pb["host (pageable)"].values()) == s.predicted.host_model_bytes
+    assert pb["host (pageable)"]["disk staging"] == s.predicted.disk_staging_bytes > 0
+    out = plots.save_figures(f, tmp_path / "figs")
+    assert sorted(out) == ["device_bytes", "placement", "schedule", "tide"]
+    for path in out.values():
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plots.plot_step_time(f).axes

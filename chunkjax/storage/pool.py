@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import multiprocessing
+import sys
 import time
 
 import ml_dtypes
 import numpy as np
 
 from chunkjax.storage.files import StorageError, committed_step
-from chunkjax.storage.worker import _worker_main
+from chunkjax.storage.worker import BOOTSTRAP_EXIT_CODE, _worker_main, exit_if_spawned_import
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -26,6 +27,24 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 #: the step unwritten (the caller failed midway): every worker drops the step and stays at the
 #: committed one.
 SKIP_STEP = ("skip", None)
+
+#: The resume advice of a failure seen through :class:`chunkjax.storage.near.NearStorageOptimizer`
+#: itself (its owner may set ``resume_advice`` to its own API's: :mod:`chunkjax.storage.updater`).
+OPTIMIZER_RESUME = "open a new NearStorageOptimizer on the same directories to resume from it"
+
+#: A worker seen stopped (``T`` in ``/proc/PID/stat``: SIGSTOP, a debugger) at this many watch
+#: polls in a row fails the step (one poll could fall between a job-control stop and its continue).
+STOPPED_POLLS = 2
+
+
+def _proc_state(pid: int) -> str:
+    """The one-letter state of a process (``/proc/PID/stat``: ``R``, ``S``, ``T`` stopped, ...);
+    ``"?"`` where ``/proc`` cannot say (not Linux, or gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "?"
 
 
 class WorkerPool:
@@ -36,8 +55,13 @@ class WorkerPool:
 
     def _start_workers(self, cfgs: list[dict]) -> None:
         """Spawn one worker per config (:func:`chunkjax.storage.worker._worker_main`) and wait for
-        each to be ready; ``io_mode`` collects their I/O modes."""
-        self._broken = None
+        each to be ready; ``io_mode`` collects their I/O modes. In a spawned process still
+        importing the main script (no ``__main__`` guard) this exits quietly instead
+        (:func:`chunkjax.storage.worker.exit_if_spawned_import`; the parent reports it)."""
+        exit_if_spawned_import()
+        self._broken = self._stop_reason = None
+        self._stopped_polls: dict[int, int] = {}
+        self._waiting: dict = {}  # worker -> what the trainer waits on it for (see watch())
         # sends run on this thread, so that a send blocked on a stopped worker has a deadline too
         self._sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="near_storage_send")
         ctx = multiprocessing.get_context("spawn")
@@ -51,6 +75,48 @@ class WorkerPool:
             self._conns.append(parent)
         for i in range(len(cfgs)):
             self.io_mode.update(self._expect(i, "ready", "starting")[2])
+
+    def watch(self, final: bool = False) -> str | None:
+        """Polled by the thread that waits on this step (``HostWork.join``): a worker that died or
+        is stopped (:data:`STOPPED_POLLS` polls in a row) makes the step fail now, not at the
+        deadline (the step's own thread raises the :class:`StorageError`; this call only asks it
+        to). ``final``: the waiter's deadline has passed: name what each worker still owes.
+
+        Returns:
+          one line naming the worker (index, pid, directory), its state and what it owes (the
+          step's own error adds what to do), or None when nothing is wrong; with ``final``, None
+          also when no worker owes the step anything (the deadline was missed elsewhere).
+        """
+        if not getattr(self, "workers", None) or self._broken:
+            return None
+        owing = [i for i in range(len(self.workers)) if i in self._waiting]
+        if final and not owing:  # the deadline was missed elsewhere (the host chunks): no worker to name
+            return None
+        for i in owing or range(len(self.workers)):
+            p = self.workers[i]
+            doing = self._waiting.get(i, "waiting for the step")
+            if not p.is_alive():
+                why = f"near-storage worker {i} (pid {p.pid}, {self.dirs[i]}) died (exit code {p.exitcode}) while {doing}"
+            elif _proc_state(p.pid) in ("T", "t"):
+                self._stopped_polls[i] = self._stopped_polls.get(i, 0) + 1
+                if self._stopped_polls[i] < STOPPED_POLLS and not final:
+                    continue
+                why = (f"near-storage worker {i} (pid {p.pid}, {self.dirs[i]}) is stopped (SIGSTOP or a debugger) "
+                       f"while {doing}")
+            else:
+                self._stopped_polls.pop(i, None)
+                if not final:
+                    continue
+                why = (f"near-storage worker {i} (pid {p.pid}, {self.dirs[i]}) has not answered while {doing} "
+                       f"(process state {_proc_state(p.pid)})")
+            self._stop_reason = why
+            return why
+        return None
+
+    def _check_stop(self) -> None:
+        """Fail here (the step's thread) when :meth:`watch` asked for it."""
+        if self._stop_reason and not self._broken:
+            raise self._fail(self._stop_reason)
 
     @property
     def worker_pids(self) -> list[int]:
@@ -88,6 +154,7 @@ class WorkerPool:
                 raise self._dead(i, doing) from None
             if not proc.is_alive():
                 raise self._dead(i, doing)
+            self._check_stop()
             if time.monotonic() > deadline:
                 size = f" ({nbytes} bytes)" if nbytes else ""
                 raise self._fail(f"near-storage worker {i} (pid {proc.pid}, {self.dirs[i]}) took no message within "
@@ -107,19 +174,37 @@ class WorkerPool:
             if not proc.is_alive() and not conn.poll(0):
                 msg = None
                 break
+            self._check_stop()
             if time.monotonic() > deadline:
                 raise self._fail(f"near-storage worker {i} (pid {proc.pid}, {self.dirs[i]}) gave no reply within "
                                  f"{self.timeout_s} s while {doing}")
         if msg is None:
             proc.join(1)
+            if doing == "starting" and proc.exitcode == BOOTSTRAP_EXIT_CODE:
+                self._kill_all()
+                main = getattr(sys.modules.get("__main__"), "__file__", None) or "your script"
+                raise StorageError(f"the near-storage workers are spawned processes that import {main} again, and "
+                                   "its training code ran there: put the training code under "
+                                   "if __name__ == \"__main__\": (docs/own_model.md)")
             raise self._fail(f"near-storage worker {i} (pid {proc.pid}, {self.dirs[i]}) died (exit code "
                              f"{proc.exitcode}) while {doing}")
         if msg[0] == "error":
-            raise StorageError(f"near-storage worker {i} ({self.dirs[i]}) failed while {doing}: {msg[1]}; "
-                               f"last committed step {getattr(self, '_step', None)}")
+            raise self._worker_error(i, doing, msg[1])
         if msg[0] != kind:
             raise self._fail(f"near-storage worker {i} answered {msg[0]!r}, expected {kind!r} while {doing}")
         return msg
+
+    def _worker_error(self, i: int, doing: str, text: str) -> StorageError:
+        """The error a worker reported (``text``: its exception, e.g. a full disk while writing a
+        chunk), in one line with what it was doing, the last committed step and what to do. The
+        workers stay up (the caller aborts the step); the state stays at the committed step."""
+        text = text.removeprefix("StorageError: ")
+        line = f"near-storage worker {i} (pid {self.workers[i].pid}) failed" + (
+            f" while {doing}: {text}" if " while " not in text else f": {text}")
+        if "committed step" not in text:
+            line += f" (last committed step {getattr(self, '_step', None)})"
+        advice = getattr(self, "resume_advice", None)
+        return StorageError(line + (f"; {advice}" if advice else ""))
 
     def _dead(self, i: int, doing: str) -> StorageError:
         proc = self.workers[i]
@@ -137,8 +222,8 @@ class WorkerPool:
             step = committed_step(self.dirs)
         except StorageError:
             step = getattr(self, "_step", None)
-        self._broken = (f"{why}; every shard is at the last committed step {step}: open a new "
-                        "NearStorageOptimizer on the same directories to resume")
+        advice = getattr(self, "resume_advice", None) or OPTIMIZER_RESUME
+        self._broken = f"{why}; the storage directories stay at the last committed step {step}: {advice}"
         return StorageError(self._broken)
 
     def _kill_all(self):
@@ -202,9 +287,13 @@ class WorkerPool:
         received, failure, n_in = 0, None, 0
         pending = {self._conns[i]: i for i in range(len(self.dirs))}
         deadline = time.monotonic() + self.timeout_s
-        doing = f"preparing step {step}"
+        doing = f"updating and writing the chunks of step {step}"
+        self._waiting = {i: doing for i in range(len(self.dirs))}
         while pending and not self._broken:
             ready = wait(list(pending), timeout=0.05)
+            if self._stop_reason and failure is None:
+                failure = self._fail(self._stop_reason)
+                break
             if sending is not None and sending.done() and sending.exception() is not None and failure is None:
                 e = sending.exception()
                 i = progress.get("worker")
@@ -259,17 +348,17 @@ class WorkerPool:
                     if progress is not None:
                         progress["ahead"] = progress.get("ahead", 0) + msg[4]
                     del pending[conn]
+                    self._waiting.pop(i, None)
                 elif msg[0] in ("skipped", "aborted") and progress is not None and progress.get("skipped"):
                     progress.setdefault("stopped", set()).add(i)
                     del pending[conn]
                 elif msg[0] == "error":
-                    failure = failure or StorageError(
-                        f"near-storage worker {i} ({self.dirs[i]}) failed while {doing}: {msg[1]}; "
-                        f"last committed step {self._step}")
+                    failure = failure or self._worker_error(i, doing, msg[1])
                     del pending[conn]
                 else:
                     failure = failure or self._fail(f"near-storage worker {i} answered {msg[0]!r}, "
                                                     f"expected 'param' or 'prepared' while {doing}")
+        self._waiting = {}
         return params, storage, received, failure
 
     def _stop_step(self, step: int, kind: str) -> None:
@@ -289,6 +378,7 @@ class WorkerPool:
         while not conn.poll(0.05):
             if not proc.is_alive() and not conn.poll(0):
                 raise self._dead(i, doing)
+            self._check_stop()
             if time.monotonic() > deadline:
                 raise self._fail(f"near-storage worker {i} (pid {proc.pid}, {self.dirs[i]}) gave no reply within "
                                  f"{self.timeout_s} s while {doing}")
@@ -297,6 +387,5 @@ class WorkerPool:
         except (EOFError, OSError):
             raise self._dead(i, doing) from None
         if msg[0] == "error":
-            raise StorageError(f"near-storage worker {i} ({self.dirs[i]}) failed while {doing}: {msg[1]}; "
-                               f"last committed step {self._step}")
+            raise self._worker_error(i, doing, msg[1])
         return msg

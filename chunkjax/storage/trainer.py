@@ -117,10 +117,12 @@ class TierTrainer:
 
 
 def validate_storage_dirs(dirs) -> None:
-    """Check a list of storage directories (one per storage device) before anything is created:
-    at least one, no two the same, each an existing directory or creatable (its nearest existing
-    parent is a writable directory), none a file (reported case 16: a bad offload target once
-    failed deep inside the first step).
+    """Check a list of storage directories (one per storage device) before any chunk file or
+    worker: at least one, none empty (``""``), no two the same, each an existing directory or
+    creatable, none a file (reported case 16: a bad offload target once failed deep inside the
+    first step). Writability is tried, not read from permission bits (as root ``os.access``
+    says yes to ``/proc``): a temporary directory is made and removed in each directory, or in
+    the nearest existing parent of one that does not exist yet.
 
     Raises:
       ValueError: one line naming the directory and what to change.
@@ -130,21 +132,31 @@ def validate_storage_dirs(dirs) -> None:
     dirs = [os.fspath(d) for d in dirs]
     if not dirs:
         raise ValueError("no storage directories: pass one per storage device")
+    for d in dirs:
+        if not str(d).strip():
+            raise ValueError(f"storage directory {d!r} is empty: give a directory path, e.g. storage=['/nvme/cj']")
     real = [os.path.realpath(d) for d in dirs]
     for i, r in enumerate(real):
         if r in real[:i]:
             raise ValueError(f"storage directory {dirs[i]!r} is given twice: give each storage device once")
     for d in dirs:
-        if os.path.exists(d):
-            if not os.path.isdir(d):
-                raise ValueError(f"storage directory {d!r} is a file: give a directory")
-            if not os.access(d, os.W_OK | os.X_OK):
-                raise ValueError(f"storage directory {d!r} is not writable: give a writable directory")
-            continue
-        parent = os.path.dirname(os.path.abspath(d))
-        while not os.path.exists(parent):
-            parent = os.path.dirname(parent)
-        if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-            raise ValueError(f"storage directory {d!r} cannot be created ({parent!r} is not a writable directory)")
+        if os.path.exists(d) and not os.path.isdir(d):
+            raise ValueError(f"storage directory {d!r} is a file: give a directory")
+        probe = os.path.abspath(d)
+        while not os.path.exists(probe):
+            probe = os.path.dirname(probe)
+        if not os.path.isdir(probe) or not _can_write(probe):
+            where = "is not writable" if probe == os.path.abspath(d) else f"cannot be created ({probe!r} is not writable)"
+            raise ValueError(f"storage directory {d!r} {where}: give a directory this process can write")
+
+
+def _can_write(directory: str) -> bool:
+    """Whether a directory can be made (and removed again) in ``directory``."""
+    import tempfile
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".chunkjax_probe_", dir=directory))
+    except OSError:
+        return False
+    return True
 
 

@@ -47,9 +47,10 @@ from chunkjax.schedule import STORAGE_UPDATE
 from chunkjax.storage.files import _CHUNK_RE, clear_run
 from chunkjax.storage.pool import SKIP_STEP
 from chunkjax.storage.trainer import validate_storage_dirs
+from chunkjax.storage.worker import exit_if_spawned_import
 from chunkjax.updaters import Updater
 
-__all__ = ["DiskState", "StorageOptions", "StorageRun", "check_step", "disk_capacity", "gradient_order",
+__all__ = ["DiskState", "StorageOptions", "StorageRun", "check_step", "check_storage_inputs", "disk_capacity", "gradient_order",
            "storage_chunks", "storage_options", "storage_updater", "updates_early", "updaters_of", "wait_tail"]
 
 
@@ -110,12 +111,36 @@ class StorageOptions:
 
 def storage_options(storage) -> StorageOptions | None:
     """``storage`` as :class:`StorageOptions`: None, a :class:`StorageOptions`, a comma-separated
-    string of directories (``"/nvme0/cj,/nvme1/cj"``) or a sequence of directories."""
+    string of directories (``"/nvme0/cj,/nvme1/cj"``) or a sequence of directories. In a
+    spawned process still importing the main script (no ``__main__`` guard: the workers'
+    processes) this exits quietly (:func:`chunkjax.storage.worker.exit_if_spawned_import`)."""
+    if storage is not None:
+        exit_if_spawned_import()
     if storage is None or isinstance(storage, StorageOptions):
         return storage
     if isinstance(storage, (str, os.PathLike)):
         storage = [d for d in os.fspath(storage).split(",") if d]
     return StorageOptions(tuple(storage))
+
+
+def check_storage_inputs(storage: StorageOptions | None, host_optimizer, host_budget, n_ranks: int) -> None:
+    """What the disk tier needs of a fit (:func:`chunkjax.fit.prepare`), in the caller's terms:
+    a host optimizer (the storage chunks update on the host's kernels), a host budget (the
+    planner moves chunks to disk until the host fits it) and one device.
+
+    Raises:
+      ValueError: one line saying what to pass.
+    """
+    if storage is None:
+        return
+    if host_optimizer is None:
+        raise ValueError("the disk tier updates on the host: pass a host optimizer such as "
+                         "chunkjax.host_update.AdamW(...) as tx, and a host_budget")
+    if n_ranks != 1:
+        raise ValueError("the disk tier plans one device: pass no mesh (or no storage)")
+    if host_budget is None:
+        raise ValueError("the disk tier needs a host budget: pass host_budget='64GiB' (what the host may hold) "
+                         "or host_budget='auto'")
 
 
 def disk_capacity(options: StorageOptions) -> tuple[int, int]:
@@ -267,6 +292,7 @@ def storage_updater(options: StorageOptions, chunk_ids: Sequence[int], chunk_siz
                                        io_mode=options.io_mode, fsync=options.fsync, timeout_s=options.timeout_s,
                                        param_dtype="float32" if f32 else "bfloat16",
                                        keep_previous=options.keep_previous, n_buffers=int(options.staging_buffers))
+            opt.resume_advice = STEP_RESUME
             box["disk"] = DiskState(opt, ids)
             opt.begin_init(int(count))
         disk = box["disk"]
@@ -304,6 +330,13 @@ def updates_early(step) -> bool:
     Decided once per step (``step.storage_early``)."""
     return step.storage_early
 
+
+#: What a storage failure of a :class:`chunkjax.ChunkedStep` (the front door's, a train job's)
+#: tells to do: its device and host chunks are already past the step the disk holds, so the
+#: step object cannot go on, and the directories alone cannot restart it.
+STEP_RESUME = ("this step object cannot continue (its other chunks are past that step; save_checkpoint "
+               "raises this too): restore your last checkpoint into a new step (chunkjax.restore_checkpoint; "
+               "a train job: resume its run folder)")
 
 _SKIP = object()  # the pairs' end of an abandoned norm-free step
 
@@ -429,6 +462,7 @@ class StorageRun:
         self._handed = time.perf_counter()
         self._queue.put(None)
         work.submit(self._params_in.result)
+        work.watch(self.disk.opt.watch)  # a dead or stopped worker fails the wait early, named
 
 
 def wait_tail(step, state) -> None:

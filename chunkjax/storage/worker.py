@@ -23,6 +23,21 @@ from chunkjax.storage.files import StorageError
 from chunkjax.storage.links import LinkModel
 from chunkjax.storage.tier import DiskTier
 
+#: A spawned process that reached the disk tier while importing the main script (the script has
+#: no ``if __name__ == "__main__":`` guard) exits with this code (``EX_CONFIG``);
+#: :class:`chunkjax.storage.pool.WorkerPool` turns it into one line saying to add the guard.
+BOOTSTRAP_EXIT_CODE = 78
+
+
+def exit_if_spawned_import() -> None:
+    """Exit quietly with :data:`BOOTSTRAP_EXIT_CODE` when called in a spawned process that is still
+    importing the parent's main script (multiprocessing's bootstrapping phase): the script's
+    training code runs at import, and starting the workers there would only print Python's
+    bootstrapping RuntimeError. No effect anywhere else."""
+    import multiprocessing.process as mp
+    if getattr(mp.current_process(), "_inheriting", False):
+        raise SystemExit(BOOTSTRAP_EXIT_CODE)
+
 
 def _bits_or_f32(values: np.ndarray) -> np.ndarray:
     """A gradient payload as the kernels read it: bf16 (ml_dtypes, or its bits as uint16) as uint16
@@ -79,7 +94,16 @@ class _Stop(Exception):
 
 
 def _worker_main(conn, cfg: dict):
-    """One storage directory's worker: owns its DiskTier and runs the optimizer step next to it."""
+    """One storage directory's worker: owns its DiskTier and runs the optimizer step next to it.
+    When the trainer is gone (its pipe closed: killed, or exited without closing) the worker ends
+    quietly; the chunk files stay at the last committed step."""
+    try:
+        _serve(conn, cfg)
+    except (EOFError, BrokenPipeError, ConnectionResetError):  # the trainer is gone: nothing to report to
+        pass
+
+
+def _serve(conn, cfg: dict):
     tier = None
     # the workers share the machine's cores: each kernel launch here uses this worker's share
     numba.set_num_threads(max(1, min(numba.config.NUMBA_NUM_THREADS, (os.cpu_count() or 1) // cfg["n_dirs"])))
@@ -96,6 +120,14 @@ def _worker_main(conn, cfg: dict):
     except Exception as e:  # noqa: BLE001 - reported to the trainer
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return
+    try:
+        _loop(conn, cfg, tier)
+    finally:
+        tier.close()
+
+
+def _loop(conn, cfg: dict, tier) -> None:
+    """Answer the trainer's messages until "close" or the end of the pipe."""
     fault = cfg.get("fault") or {}
     f32_params = cfg.get("param_dtype") == "float32"  # the new params as float32 (else bf16 bits)
     while True:
@@ -192,6 +224,7 @@ def _worker_main(conn, cfg: dict):
                 conn.send(("state", {c: tier.read_chunk(c) for c in tier.chunk_sizes}))
             else:
                 raise ValueError(f"unknown message {kind!r}")
+        except (EOFError, BrokenPipeError, ConnectionResetError):
+            raise  # the trainer is gone (_worker_main ends quietly)
         except Exception as e:  # noqa: BLE001 - reported to the trainer
             conn.send(("error", f"{type(e).__name__}: {e}"))
-    tier.close()
