@@ -387,7 +387,7 @@ def placement_bytes(problem, s: Schedule) -> dict[str, dict[str, int]]:
     device-updated chunks (their sum is ``predicted.device_model_bytes``). ``pinned_host``: compute
     params of host-kind chunks, gradients of every chunk not updated on the device, state of
     ``streamed`` chunks. ``host (pageable)``: state of ``host``-updated chunks (numpy) and the
-    near-storage workers' staging buffers (``predicted.disk_staging_bytes``). The two host kinds
+    near-storage workers' staging buffers (``predicted.storage_host_bytes``). The two host kinds
     sum to ``predicted.host_model_bytes``. ``disk``: master params + optimizer state of
     ``storage``-updated chunks (one committed version; :mod:`chunkjax.plan_disk`). A frozen chunk
     (update location ``none``) has its params only, in their own dtype (``ChunkBytes.params_of``).
@@ -403,7 +403,7 @@ def placement_bytes(problem, s: Schedule) -> dict[str, dict[str, int]]:
         out[state_kind]["master params + optimizer state"] += cb.state
         if upd != DEVICE_UPDATE:
             out["pinned_host"]["gradients"] += cb.grad
-    out["host (pageable)"]["disk staging"] += int(getattr(s.predicted, "disk_staging_bytes", 0) or 0)
+    out["host (pageable)"]["disk staging"] += int(s.predicted.storage_host_bytes or 0)
     return out
 
 

@@ -258,7 +258,7 @@ def test_figures_of_a_plan_with_storage_chunks(fitted, tmp_path):
     pb = plots.placement_bytes(p, s)
     assert pb["disk"]["master params + optimizer state"] == n_disk * p.cb.state
     assert sum(pb["pinned_host"].values()) + sum(pb["host (pageable)"].values()) == s.predicted.host_model_bytes
-    assert pb["host (pageable)"]["disk staging"] == s.predicted.disk_staging_bytes > 0
+    assert pb["host (pageable)"]["disk staging"] == s.predicted.storage_host_bytes > 0
     out = plots.save_figures(f, tmp_path / "figs")
     assert sorted(out) == ["device_bytes", "placement", "schedule", "tide"]
     for path in out.values():
