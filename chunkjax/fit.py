@@ -82,7 +82,8 @@ class FitProblem:
       storage: the disk tier (:class:`chunkjax.storage.updater.StorageOptions`) or None.
       storage_devices, disk_budget_bytes: its storage devices and the bytes they may hold.
       cross_step: plan (forward cuts, :func:`chunkjax.plan_schedule`) and build the step with
-        cross-step overlap (:mod:`chunkjax.cross_step`); False: the step joins each previous one.
+        cross-step overlap (:mod:`chunkjax.cross_step`; the default); False: the step joins each
+        previous one.
     """
 
     stages: tuple
@@ -108,7 +109,7 @@ class FitProblem:
     storage: Any = None
     storage_devices: int = 0
     disk_budget_bytes: int | None = None
-    cross_step: bool = False
+    cross_step: bool = True
 
     @property
     def n_ranks(self) -> int:
@@ -248,7 +249,7 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
             micro_batches: int = 1, nonfinite: str = "ignore", loss_scaling: bool = False, mesh=None,
             zero_stage: int = 0, flops_per_step: float | None = None, rates: Rates | None = None,
             host_budget="auto", device_budget=None, check_host: bool = True, check_tx: bool = True,
-            trainable=None, storage=None) -> FitProblem:
+            trainable=None, storage=None, cross_step: bool = True) -> FitProblem:
     """Layout and traces for a step (no allocation; the budget comes later).
 
     Args:
@@ -287,6 +288,9 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
         budget (``"auto"`` or bytes), chunks whose master params and optimizer state the host
         cannot hold update ``storage`` (:mod:`chunkjax.plan_disk`); needs an AdamW
         ``host_optimizer`` and one device.
+      cross_step: plan and run with cross-step overlap (:attr:`FitProblem.cross_step`, default
+        True: the next step waits per program only for the host chunks it reads; exact); False:
+        each step joins all of the previous step's host work.
 
     Raises:
       ValueError: no optimizer or both, a transformation that is not elementwise, a compute
@@ -354,7 +358,7 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
                       int(prefetch), segments, int(micro_batches), nonfinite, bool(loss_scaling), mesh, zero_stage,
                       float(flops_per_step) / n_ranks, rates or Rates(),
                       None if host_budget is None else int(host_budget), platform, storage,
-                      *(disk_capacity(storage) if storage else (0, None)))
+                      *(disk_capacity(storage) if storage else (0, None)), bool(cross_step))
 
 
 # ---- the one planning call -------------------------------------------------------------------

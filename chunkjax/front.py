@@ -414,7 +414,7 @@ def plan_offload(model, tx, loss_fn, batch, *, device_budget: int | str | None =
         the problem only).
       host_budget: bytes of host memory for model data, ``"auto"`` or None (default: no bound).
       **prepare_kw: the rest of :func:`chunkjax.fit.prepare` (chunk_size, min_chunks, prefetch,
-        flops_per_step, rates, check_host, ...).
+        flops_per_step, rates, check_host, cross_step, ...).
 
     Returns:
       an :class:`OffloadPlan`.
@@ -485,7 +485,9 @@ def offload(model, tx, loss_fn, batch, *, device_budget: int | str = "auto", hos
         rates, check_compiled, strict, ...): ``nonfinite="skip"`` leaves parameters and optimizer
         state of a step with non-finite gradients unchanged, while the non-parameter state the
         loss changes (counters, RNG counts) advances; ``check_tx=False`` skips the probe that
-        refuses a non-elementwise ``tx`` (only for one known elementwise). This is the fit path's
+        refuses a non-elementwise ``tx`` (only for one known elementwise); ``cross_step=False``
+        makes each step join all of the previous step's host work (default: cross-step overlap,
+        :mod:`chunkjax.cross_step`). This is the fit path's
         :func:`~chunkjax.fit.prepare` then :func:`~chunkjax.fit.fit_problem`.
 
     Returns:

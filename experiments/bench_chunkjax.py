@@ -74,8 +74,8 @@ class ChunkjaxSystem:
                                    prefetch=prefetch, segments=segments, mesh=self.mesh, zero_stage=self.zero_stage,
                                    micro_batches=micro_batches,
                                    flops_per_step=cfg.flops_per_token(seq) * batch * seq, rates=self.rates,
-                                   device_budget=self.budget, storage=storage or None, host_budget=host_budget)
-        self.problem = dataclasses.replace(self.problem, cross_step=self.cross_step)  # planned and run so
+                                   device_budget=self.budget, storage=storage or None, host_budget=host_budget,
+                                   cross_step=self.cross_step)  # planned and run so
         self.disk, self.disk_steps = None, []  # the disk tier: the storage chunks' DiskState, each step's result
         self.trace_s = time.perf_counter() - t0
         p = self.problem
