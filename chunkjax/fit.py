@@ -28,8 +28,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from chunkjax.cost import Rates, matmul_flops
+from chunkjax.cost import Rates
 from chunkjax.errors import HostBudgetError, PinnedLimitError, PlanError
+from chunkjax.fit_batch import batch_rows, rows_of, step_flops
 from chunkjax.fit_host import fit_host, host_bytes_of, pinned_limit_error, speculation_bytes
 from chunkjax.host_memory import available_for_plan, check_host_lower_bound, process_bytes
 from chunkjax.layout import ChunkLayout, build_layout, first_use_order
@@ -204,44 +205,6 @@ def resolve_budget(budget, who: str = "device_budget") -> int | str:
     """
     from chunkjax.budget import parse_budget
     return parse_budget(budget, takes=("auto",), who=who, api="the fit path (chunkjax.fit_step; chunkjax.offload takes 'min')")
-
-
-def batch_rows(batch) -> int:
-    """The rows of a batch: the leading size every leaf shares (arrays or ``ShapeDtypeStruct`` s).
-
-    Raises:
-      ValueError: no leaves, a single array that is not at least 2-D (tokens are (B, T+1)), a
-        scalar leaf, or leaves with different leading sizes (one line each).
-    """
-    leaves = jax.tree.leaves(batch)
-    if not leaves:
-        raise ValueError("the batch has no arrays: pass tokens (B, T+1) or a pytree of arrays with the batch axis "
-                         "first")
-    if not isinstance(batch, (tuple, list, dict)) and len(leaves) == 1 and len(leaves[0].shape) < 2:
-        raise ValueError(f"a batch of shape {tuple(leaves[0].shape)}: pass tokens as (B, T+1), or a dict/tuple of "
-                         "arrays whose first axis is the batch")
-    lead = {tuple(a.shape[:1]) for a in leaves}
-    if () in lead or len(lead) != 1:
-        raise ValueError(f"batch leaves have leading sizes {sorted(str(a.shape) for a in leaves)}: every leaf needs "
-                         "the batch axis first, of one size")
-    return int(next(iter(lead))[0])
-
-
-def rows_of(batch, rows: int):
-    """``batch`` (``ShapeDtypeStruct`` s) with ``rows`` rows."""
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct((rows,) + tuple(a.shape[1:]), a.dtype), batch)
-
-
-def step_flops(loss_of, aparams, gbatch, tbatch, parts: int) -> float:
-    """Training FLOPs of a whole step (all ranks): 6 x params x tokens for a token batch (one int
-    (B, T+1) array), else 3 x the forward's matrix-product FLOPs counted in the traced loss on
-    one rank's micro-batch (:func:`chunkjax.cost.matmul_flops`), times the ``parts`` (ranks x
-    micro-batches)."""
-    if not isinstance(gbatch, (tuple, list, dict)) and len(gbatch.shape) == 2 \
-            and jnp.issubdtype(gbatch.dtype, jnp.integer):
-        rows, t1 = gbatch.shape
-        return 6.0 * sum(math.prod(a.shape) for a in jax.tree.leaves(aparams)) * rows * (t1 - 1)
-    return 3.0 * matmul_flops(jax.make_jaxpr(loss_of)(aparams, tbatch)) * parts
 
 
 def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtype=jnp.bfloat16,

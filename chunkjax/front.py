@@ -34,7 +34,8 @@ import optax
 
 from chunkjax.discover import Discovery, discover, path_key
 from chunkjax.errors import PlanError
-from chunkjax.fit import HEADROOM, auto_budget, batch_rows, describe, fit_problem, plan, prepare, resolve_budget
+from chunkjax.fit import HEADROOM, auto_budget, describe, fit_problem, plan, prepare, resolve_budget
+from chunkjax.fit_batch import batch_rows
 from chunkjax.front_checkpoint import OffloadedChunkIO
 from chunkjax.memory import DEVICE
 from chunkjax.released import ReleasedParam, ReleasedParamsError, is_released, trim_host_heap
