@@ -532,7 +532,8 @@ def fit_step(stages, params, batch, *, device_budget="auto", policy: str = "tide
       policy, resident, check_compiled, strict: see :func:`fit_problem`.
       **prepare_kw: the rest of :func:`prepare` (tx, host_optimizer, compute_dtype, chunk_size,
         min_chunks, prefetch, segments, micro_batches, nonfinite, loss_scaling, mesh, zero_stage,
-        flops_per_step, rates, host_budget, trainable: the frozen leaves).
+        flops_per_step, rates, host_budget, trainable: the frozen leaves, cross_step: False for
+        the joined step).
 
     Example::
 
