@@ -28,8 +28,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from chunkjax.cost import Rates, matmul_flops
+from chunkjax.cost import Rates
 from chunkjax.errors import HostBudgetError, PinnedLimitError, PlanError
+from chunkjax.fit_batch import batch_rows, rows_of, step_flops
 from chunkjax.fit_host import fit_host, host_bytes_of, pinned_limit_error, speculation_bytes
 from chunkjax.host_memory import available_for_plan, check_host_lower_bound, process_bytes
 from chunkjax.layout import ChunkLayout, build_layout, first_use_order
@@ -82,7 +83,8 @@ class FitProblem:
       storage: the disk tier (:class:`chunkjax.storage.updater.StorageOptions`) or None.
       storage_devices, disk_budget_bytes: its storage devices and the bytes they may hold.
       cross_step: plan (forward cuts, :func:`chunkjax.plan_schedule`) and build the step with
-        cross-step overlap (:mod:`chunkjax.cross_step`); False: the step joins each previous one.
+        cross-step overlap (:mod:`chunkjax.cross_step`; the default); False: the step joins each
+        previous one.
     """
 
     stages: tuple
@@ -108,7 +110,7 @@ class FitProblem:
     storage: Any = None
     storage_devices: int = 0
     disk_budget_bytes: int | None = None
-    cross_step: bool = False
+    cross_step: bool = True
 
     @property
     def n_ranks(self) -> int:
@@ -205,50 +207,12 @@ def resolve_budget(budget, who: str = "device_budget") -> int | str:
     return parse_budget(budget, takes=("auto",), who=who, api="the fit path (chunkjax.fit_step; chunkjax.offload takes 'min')")
 
 
-def batch_rows(batch) -> int:
-    """The rows of a batch: the leading size every leaf shares (arrays or ``ShapeDtypeStruct`` s).
-
-    Raises:
-      ValueError: no leaves, a single array that is not at least 2-D (tokens are (B, T+1)), a
-        scalar leaf, or leaves with different leading sizes (one line each).
-    """
-    leaves = jax.tree.leaves(batch)
-    if not leaves:
-        raise ValueError("the batch has no arrays: pass tokens (B, T+1) or a pytree of arrays with the batch axis "
-                         "first")
-    if not isinstance(batch, (tuple, list, dict)) and len(leaves) == 1 and len(leaves[0].shape) < 2:
-        raise ValueError(f"a batch of shape {tuple(leaves[0].shape)}: pass tokens as (B, T+1), or a dict/tuple of "
-                         "arrays whose first axis is the batch")
-    lead = {tuple(a.shape[:1]) for a in leaves}
-    if () in lead or len(lead) != 1:
-        raise ValueError(f"batch leaves have leading sizes {sorted(str(a.shape) for a in leaves)}: every leaf needs "
-                         "the batch axis first, of one size")
-    return int(next(iter(lead))[0])
-
-
-def rows_of(batch, rows: int):
-    """``batch`` (``ShapeDtypeStruct`` s) with ``rows`` rows."""
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct((rows,) + tuple(a.shape[1:]), a.dtype), batch)
-
-
-def step_flops(loss_of, aparams, gbatch, tbatch, parts: int) -> float:
-    """Training FLOPs of a whole step (all ranks): 6 x params x tokens for a token batch (one int
-    (B, T+1) array), else 3 x the forward's matrix-product FLOPs counted in the traced loss on
-    one rank's micro-batch (:func:`chunkjax.cost.matmul_flops`), times the ``parts`` (ranks x
-    micro-batches)."""
-    if not isinstance(gbatch, (tuple, list, dict)) and len(gbatch.shape) == 2 \
-            and jnp.issubdtype(gbatch.dtype, jnp.integer):
-        rows, t1 = gbatch.shape
-        return 6.0 * sum(math.prod(a.shape) for a in jax.tree.leaves(aparams)) * rows * (t1 - 1)
-    return 3.0 * matmul_flops(jax.make_jaxpr(loss_of)(aparams, tbatch)) * parts
-
-
 def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtype=jnp.bfloat16,
             chunk_size: int | None = None, min_chunks: int = 8, prefetch: int = 1, segments="auto",
             micro_batches: int = 1, nonfinite: str = "ignore", loss_scaling: bool = False, mesh=None,
             zero_stage: int = 0, flops_per_step: float | None = None, rates: Rates | None = None,
             host_budget="auto", device_budget=None, check_host: bool = True, check_tx: bool = True,
-            trainable=None, storage=None) -> FitProblem:
+            trainable=None, storage=None, cross_step: bool = True) -> FitProblem:
     """Layout and traces for a step (no allocation; the budget comes later).
 
     Args:
@@ -287,6 +251,9 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
         budget (``"auto"`` or bytes), chunks whose master params and optimizer state the host
         cannot hold update ``storage`` (:mod:`chunkjax.plan_disk`); needs an AdamW
         ``host_optimizer`` and one device.
+      cross_step: plan and run with cross-step overlap (:attr:`FitProblem.cross_step`, default
+        True: the next step waits per program only for the host chunks it reads; exact); False:
+        each step joins all of the previous step's host work.
 
     Raises:
       ValueError: no optimizer or both, a transformation that is not elementwise, a compute
@@ -357,7 +324,7 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
                       int(prefetch), segments, int(micro_batches), nonfinite, bool(loss_scaling), mesh, zero_stage,
                       float(flops_per_step) / n_ranks, rates or Rates(),
                       None if host_budget is None else int(host_budget), platform, storage,
-                      *(disk_capacity(storage) if storage else (0, None)))
+                      *(disk_capacity(storage) if storage else (0, None)), bool(cross_step))
 
 
 # ---- the one planning call -------------------------------------------------------------------
@@ -568,7 +535,8 @@ def fit_step(stages, params, batch, *, device_budget="auto", policy: str = "tide
       policy, resident, check_compiled, strict: see :func:`fit_problem`.
       **prepare_kw: the rest of :func:`prepare` (tx, host_optimizer, compute_dtype, chunk_size,
         min_chunks, prefetch, segments, micro_batches, nonfinite, loss_scaling, mesh, zero_stage,
-        flops_per_step, rates, host_budget, trainable: the frozen leaves).
+        flops_per_step, rates, host_budget, trainable: the frozen leaves, cross_step: False for
+        the joined step).
 
     Example::
 

@@ -34,7 +34,8 @@ import optax
 
 from chunkjax.discover import Discovery, discover, path_key
 from chunkjax.errors import PlanError
-from chunkjax.fit import HEADROOM, auto_budget, batch_rows, describe, fit_problem, plan, prepare, resolve_budget
+from chunkjax.fit import HEADROOM, auto_budget, describe, fit_problem, plan, prepare, resolve_budget
+from chunkjax.fit_batch import batch_rows
 from chunkjax.front_checkpoint import OffloadedChunkIO
 from chunkjax.memory import DEVICE
 from chunkjax.released import ReleasedParam, ReleasedParamsError, is_released, trim_host_heap
@@ -414,7 +415,7 @@ def plan_offload(model, tx, loss_fn, batch, *, device_budget: int | str | None =
         the problem only).
       host_budget: bytes of host memory for model data, ``"auto"`` or None (default: no bound).
       **prepare_kw: the rest of :func:`chunkjax.fit.prepare` (chunk_size, min_chunks, prefetch,
-        flops_per_step, rates, check_host, ...).
+        flops_per_step, rates, check_host, cross_step, ...).
 
     Returns:
       an :class:`OffloadPlan`.
@@ -485,7 +486,9 @@ def offload(model, tx, loss_fn, batch, *, device_budget: int | str = "auto", hos
         rates, check_compiled, strict, ...): ``nonfinite="skip"`` leaves parameters and optimizer
         state of a step with non-finite gradients unchanged, while the non-parameter state the
         loss changes (counters, RNG counts) advances; ``check_tx=False`` skips the probe that
-        refuses a non-elementwise ``tx`` (only for one known elementwise). This is the fit path's
+        refuses a non-elementwise ``tx`` (only for one known elementwise); ``cross_step=False``
+        makes each step join all of the previous step's host work (default: cross-step overlap,
+        :mod:`chunkjax.cross_step`). This is the fit path's
         :func:`~chunkjax.fit.prepare` then :func:`~chunkjax.fit.fit_problem`.
 
     Returns:

@@ -56,7 +56,7 @@ from chunkjax.plan_disk import host_disk_error, place_on_disk
 from chunkjax.plan_memo import predictor
 from chunkjax.plan_split import NEAR_TIE, split_updates
 from chunkjax.program_cut import auto_segments, cut_and_start
-from chunkjax.predict import ChunkBytes
+from chunkjax.predict_zero import per_rank
 from chunkjax.schedule import DEVICE_UPDATE, HOST_UPDATE, NO_UPDATE, STREAMED_UPDATE, Placement, Schedule
 from chunkjax.tide import Tide, memory_tide
 from chunkjax.trace import StageTrace
@@ -173,7 +173,7 @@ def _frozen_none(layout: ChunkLayout, loc) -> tuple[str, ...]:
 
 # ---- the tide policy ----------------------------------------------------------------------------
 
-def _tide_one(layout: ChunkLayout, traces, tide: Tide, cb: ChunkBytes, budget: int, resident: set[int],
+def _tide_one(layout: ChunkLayout, traces, tide: Tide, cb: pr.ChunkBytes, budget: int, resident: set[int],
               host_update: bool, prefetch: int, segments: tuple[int, ...], rates: Rates, flops_per_step: float,
               split: bool = False, streamed_early: bool = False, reserve: int | None = None, micro_batches: int = 1,
               predict=pr.predict, grad_done: dict[int, int] | None = None):
@@ -268,7 +268,7 @@ def _host_error(host_budget: int, need: int, device_budget: int, ranks: int) -> 
     return HostBudgetError(msg, device_budget, False, need * ranks)
 
 
-def _tide_infeasible(one, offloaded_fits, n_chunks: int, tide: Tide, cb: ChunkBytes, budget: int, host_budget,
+def _tide_infeasible(one, offloaded_fits, n_chunks: int, tide: Tide, cb: pr.ChunkBytes, budget: int, host_budget,
                      ranks: int, host_bytes=None):
     """Raise the PlanError of a tide plan that found no candidate: the host budget needed when
     the device fits (``host_bytes(s)``, all ranks: as the plan compared it), else the smallest
@@ -412,7 +412,7 @@ def _optimizer_only(layout, traces, tide, cb, budget, rates, flops) -> Schedule:
 
 # ---- the entry point ----------------------------------------------------------------------------
 
-def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBytes, budget_bytes: int, *,
+def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: pr.ChunkBytes, budget_bytes: int, *,
                   policy: str = "tide", ranks: int = 1, zero_stage: int | None = None,
                   host_budget_bytes: int | None = None, prefetch: int = 1,
                   segments: Sequence[int] | str | None = "auto", flops_per_step: float = 0.0,
@@ -475,7 +475,7 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
 
     Returns:
       the :class:`~chunkjax.schedule.Schedule` with its :class:`~chunkjax.schedule.Prediction`
-      (one rank's figures under ZeRO; :func:`chunkjax.predict.collective_bytes` gives the rank's
+      (one rank's figures under ZeRO; :func:`chunkjax.predict_zero.collective_bytes` gives the rank's
       collective bytes).
 
     Raises:
@@ -517,7 +517,7 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: ChunkBy
     def finish(s: Schedule) -> Schedule:  # one rank's bytes moved and held under ZeRO
         if ranks == 1:
             return s
-        return dataclasses.replace(s, predicted=pr.per_rank(s.predicted, cb, ranks, stage, s.update_locations,
+        return dataclasses.replace(s, predicted=per_rank(s.predicted, cb, ranks, stage, s.update_locations,
                                                             s.param_kinds))
 
     def host_bytes(s: Schedule) -> int:

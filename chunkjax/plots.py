@@ -512,27 +512,42 @@ def plot_step_time(obj, schedule: Schedule | None = None, *, measured_s: Sequenc
       path: also save the figure there.
 
     Returns:
-      a Figure with one axes: a ``predicted`` bar stacked by forward, backward and device update,
-      then the exposed host update and the streamed update side by side (they run at once), so the
-      bar ends at ``predicted.time.step_s`` (seconds); with ``measured_s``, a ``measured`` bar at
-      their median.
+      a Figure with one axes: a ``predicted`` bar stacked by forward, backward (then the gradient
+      window's stall, when there is one) and device update, then the exposed host update and the
+      streamed update side by side (they run at once); with cross-step overlap
+      (``time.cross_step``) the device and streamed updates run beside the exposed host update
+      (the next forward's wait for the host tail), and a step bound by the host thread gets a
+      thin bar of its whole work. The bars end at ``predicted.time.step_s`` (seconds; a disk
+      tier's exposed part is not drawn); with ``measured_s``, a ``measured`` bar at their median.
     """
     import numpy as np
 
     _, s, _ = _parts(obj, schedule)
     t = _need_schedule(s, "plot_step_time").predicted.time
-    parts = {"forward": t.forward_s, "backward": t.backward_s, "device update": t.device_update_s}
     fig, axes = _figure((8, 1.9))
     ax = axes[0, 0]
     left = 0.0
-    for (name, v), c in zip(parts.items(), ("tab:blue", "tab:orange", "tab:green")):
+    for name, v, c in (("forward", t.forward_s, "tab:blue"), ("backward", t.backward_s, "tab:orange")):
         ax.barh(["predicted"], [v], left=left, color=c, label=f"{name} {v:.3g} s")
         left += v
-    # the host thread's exposed tail and the streamed updates run at once (cost.PipelinedStepTime):
-    # drawn side by side in half-height bars from the same start; the longer one ends the step
-    for name, v, c, dy in (("exposed host update", t.host_update_exposed_s, "tab:red", 0.2),
-                           ("streamed update", t.streamed_update_s, "tab:olive", -0.2)):
-        ax.barh([0 + dy], [v], left=left, height=0.4, color=c, label=f"{name} {v:.3g} s")
+    after_bwd, left, dev = left, left + t.window_stall_s, t.device_update_s
+    # what runs at once is drawn side by side in half-height bars (cost.PipelinedStepTime.step_s):
+    # joined, the device updates, then the host thread's exposed tail beside the streamed updates;
+    # cross-step, the device then the streamed updates beside the next forward's wait for the host tail
+    bars = ((("device update", dev, "tab:green", -0.2, 0.4, left),
+             ("exposed host update", t.host_update_exposed_s, "tab:red", 0.2, 0.4, left),
+             ("streamed update", t.streamed_update_s, "tab:olive", -0.2, 0.4, left + dev)) if t.cross_step else
+            (("device update", dev, "tab:green", 0.0, 0.8, left),
+             ("exposed host update", t.host_update_exposed_s, "tab:red", 0.2, 0.4, left + dev),
+             ("streamed update", t.streamed_update_s, "tab:olive", -0.2, 0.4, left + dev)))
+    for name, v, c, dy, h, x in bars:
+        ax.barh([0 + dy], [v], left=x, height=h, color=c, label=f"{name} {v:.3g} s")
+    if t.window_stall_s:
+        ax.barh([0], [t.window_stall_s], left=after_bwd, color="lightgray",
+                label=f"gradient window stall {t.window_stall_s:.3g} s")
+    if t.cross_step and t.host_update_s > max(x + v for _, v, _, _, _, x in bars):
+        ax.barh([0.45], [t.host_update_s], height=0.1, color="tab:red",
+                label=f"host thread's whole work {t.host_update_s:.3g} s (bounds the step)")
     if measured_s is not None and len(measured_s):
         m = float(np.median(measured_s))
         ax.barh(["measured"], [m], color="gray", label=f"measured median {m:.3g} s")

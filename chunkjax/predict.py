@@ -15,8 +15,8 @@ each moment are bounded:
   the stage's temporaries), PatrickStar's section 4.2 rule in its first, coarse form.
 
 ZeRO (Rajbhandari et al., SC 2020) is accounted per rank: :meth:`ChunkBytes.per_rank` gives one
-rank's chunk bytes for planning, :func:`per_rank` one rank's bytes moved and held, and
-:func:`collective_bytes` the all-gather / reduce-scatter / all-reduce bytes one rank sends.
+rank's chunk bytes for planning; :mod:`chunkjax.predict_zero` one rank's bytes moved and held and
+the collective bytes it sends.
 Pure functions of shapes: nothing is allocated.
 """
 from __future__ import annotations
@@ -127,13 +127,14 @@ class ChunkBytes:
         if ranks < 1 or zero_stage not in (1, 2, 3):
             raise ValueError(f"need ranks >= 1 and zero_stage in 1/2/3, got {ranks}, {zero_stage}")
         def params_bytes(b):
-            return b + _shard(b, ranks) if zero_stage == 3 else b
-        return ChunkBytes(params=params_bytes(self.params), grad=_shard(self.grad, ranks),
-                          master=_shard(self.master, ranks), opt=_shard(self.opt, ranks),
+            return b + shard_bytes(b, ranks) if zero_stage == 3 else b
+        return ChunkBytes(params=params_bytes(self.params), grad=shard_bytes(self.grad, ranks),
+                          master=shard_bytes(self.master, ranks), opt=shard_bytes(self.opt, ranks),
                           frozen=tuple((c, params_bytes(b)) for c, b in self.frozen))
 
 
-def _shard(b: int, ranks: int) -> int:
+def shard_bytes(b: int, ranks: int) -> int:
+    """One rank's bytes of ``b`` bytes split over ``ranks`` (rounded up)."""
     return -(-int(b) // ranks)
 
 
@@ -525,60 +526,6 @@ def predict_optimizer_only(chunk_size: int, cb: ChunkBytes, update_locations, *,
                       int(moved), 0, 0, (), time, host_bytes=int(moved),
                       host_bytes_per_param=moved / (n * chunk_size) if n else 0.0,
                       host_resident_bytes_per_param=moved / (n_str * chunk_size) if n_str else 0.0)
-
-
-def per_rank(pred: Prediction, cb: ChunkBytes, ranks: int, zero_stage: int, update_locations,
-             param_kinds=None) -> Prediction:
-    """One rank's bytes moved and held for a schedule planned with ``cb.per_rank(ranks, zero_stage)``
-    (whose peak and step time are already the rank's): a fetch moves the rank's shard (stage 3) or
-    the whole chunk (stages 1/2), an offloaded chunk's gradient leaves as the rank's shard, and
-    the host holds the rank's shard of state and gradient (bytes; ``cb`` is the whole chunk's).
-    A frozen chunk (update ``none``) holds its params' shard on the host when ``param_kinds``
-    puts them there."""
-    unit = _shard(cb.params, ranks) if zero_stage == 3 else cb.params
-    off = sum(u in (HOST_UPDATE, STREAMED_UPDATE) for u in update_locations)
-    frozen = sum((_shard(cb.params_of(c), ranks) if zero_stage == 3 else cb.params_of(c))
-                 for c, u in enumerate(update_locations)
-                 if u == NO_UPDATE and (param_kinds is None or param_kinds[c] == PINNED_HOST))
-    host = off * (unit + _shard(cb.state, ranks) + _shard(cb.grad, ranks)) + frozen
-    shard_elems, n = _shard(cb.master, ranks) // F32_BYTES, len(update_locations)
-    return dataclasses.replace(pred, h2d_bytes_per_step=pred.n_fetches * unit,
-                               fetch_bytes_per_step=pred.n_fetches * unit,
-                               d2h_bytes_per_step=off * _shard(cb.grad, ranks),
-                               host_model_bytes=host, host_bytes=host, host_working_bytes=0,  # every gradient counted
-                               host_bytes_per_param=host / (n * shard_elems) if n and shard_elems else 0.0,
-                               host_resident_bytes_per_param=(host - frozen) / (off * shard_elems) if off else 0.0)
-
-
-def collective_bytes(s: Schedule, traces: Sequence[StageTrace], tide: Tide, chunk_size: int, ranks: int,
-                     zero_stage: int = 3, itemsize: int = 2) -> dict[str, int]:
-    """Bytes one rank sends per step by collective for a ZeRO schedule, for ring algorithms (an
-    all-gather or reduce-scatter of a C-byte chunk moves ``(N-1)/N * C`` per rank, an all-reduce
-    twice that; scalar reductions left out). Stage 3 gathers a chunk at every fetch and a
-    device-resident chunk at every moment that reads it; stages 1/2 gather the new params of each
-    device- or streamed-updated chunk once. Every chunk a stage reads has its gradient
-    reduce-scattered (stages 2/3) or all-reduced (stage 1). Accounted, not timed.
-
-    Args:
-      s: the schedule; traces, tide: its stage traces and tide.
-      chunk_size: elements per chunk; ranks: N; zero_stage: 1, 2 or 3.
-      itemsize: bytes per compute-dtype element (bf16: 2).
-
-    Returns:
-      ``{"all_gather", "reduce_scatter", "all_reduce", "total"}`` (bytes per step per rank).
-    """
-    cbytes = chunk_size * itemsize
-    part = lambda k: (k * (ranks - 1) * cbytes) // ranks  # noqa: E731
-    if zero_stage == 3:
-        gathers = sum(sum(1 for c in m.chunks if s.param_kinds[c] == DEVICE) + len(s.fetch[t])
-                      for t, m in enumerate(tide.moments))
-    else:
-        gathers = sum(u in (DEVICE_UPDATE, STREAMED_UPDATE) for u in s.update_locations)
-    graded = len({c for t in traces for c in t.chunks if s.update_locations[c] != NO_UPDATE})
-    out = {"all_gather": part(gathers), "reduce_scatter": part(graded) if zero_stage != 1 else 0,
-           "all_reduce": 2 * part(graded) if zero_stage == 1 else 0}
-    out["total"] = sum(out.values())
-    return out
 
 
 def device_bytes_by_kind(s: Schedule, traces: Sequence[StageTrace], tide: Tide, cb: ChunkBytes) -> dict[str, list[int]]:

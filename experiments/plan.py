@@ -550,9 +550,9 @@ def zero_figures(r: dict, inp: PlanInputs, sched, zero_stage: int) -> dict:
     ``tokens_per_s`` (the rank's rows x seq / step)), ``node`` (``n_ranks`` x the per-rank bytes:
     ``host_bytes``, ``h2d_bytes_per_step``, ``d2h_bytes_per_step``, ``device_budget_bytes``; and
     ``tokens_per_s`` = global batch x seq / predicted step), ``collective_bytes_per_step_per_rank``
-    (:func:`chunkjax.predict.collective_bytes`, bf16 chunks) and ``predicted_time_note``.
+    (:func:`chunkjax.predict_zero.collective_bytes`, bf16 chunks) and ``predicted_time_note``.
     """
-    from chunkjax.predict import collective_bytes
+    from chunkjax.predict_zero import collective_bytes
 
     n, step = inp.n_ranks, r["predicted_step_s"]
     per = {"peak_device_bytes": r["predicted_peak_device_bytes"], "device_budget_bytes": r["device_budget_bytes"],

@@ -40,7 +40,7 @@ diverged state are deleted, and a kept folder's ``report.json`` says why (``stop
 Settings that change the training (model, init-from, steps, batch, seq, lr,
 warmup, weight decay, clip, seed, tokenizer, eval batches, compute dtype) must equal the
 checkpoint's: a difference exits with status 2, one line, and nothing written.
-``--device-budget``, ``--prefetch``, ``--micro-batches`` (which changes only the float summation
+``--device-budget``, ``--prefetch``, ``--cross-step``, ``--micro-batches`` (which changes only the float summation
 order), ``--nonfinite``, ``--skip-limit``, ``--chunk-size`` / ``--min-chunks`` and the output settings may differ:
 the checkpoint restores into any placement, and into another chunk layout by moving every leaf
 to its new chunk (:func:`chunkjax.checkpoint.restore_checkpoint`). A checkpoint that cannot be written (full disk) stops the run
@@ -98,6 +98,7 @@ class TrainConfig:
     chunk_size: int = config_field(0, 'elements per chunk; 0 searches (leaves larger than a chunk span chunks)')
     min_chunks: int = config_field(8, 'the search prefers sizes giving at least this many chunks')
     prefetch: int = config_field(1, 'fetch distance in stages')
+    cross_step: bool = config_field(True, 'cross-step overlap (chunkjax.cross_step): the next step waits per program only for the host chunks it reads, not for all of this step\'s host updates (exact: the same losses); --no-cross-step: each step joins the previous one\'s host work')
     compute_dtype: str = config_field("auto", 'bfloat16 | float32; auto: bfloat16 on GPU, float32 on CPU')
     tokenizer: str = config_field("gpt2", 'gpt2 | bpe<N>')
     data_cache: str = config_field(".cache/data", 'token arrays cached here (copy this folder to a machine without the data packages)')
@@ -195,7 +196,7 @@ class DivergenceWatch:
 
 
 #: Resolved settings that change the training: a checkpoint resumes only when they are equal.
-#: (device_budget, prefetch, micro_batches, chunk_size, min_chunks, eval_every, nonfinite, skip_limit,
+#: (device_budget, prefetch, cross_step, micro_batches, chunk_size, min_chunks, eval_every, nonfinite, skip_limit,
 #: checkpointing, sampling and output settings may differ: restore_checkpoint places the state
 #: into any placement and moves the leaves into another chunk layout.)
 RESUME_MUST_MATCH = ("model", "init_from", "data", "steps", "batch", "seq", "lr", "warmup", "weight_decay", "clip", "seed",
@@ -590,7 +591,7 @@ def fit_model(cfg: TrainConfig, model, *, compute_dtype, rates=None, resident=No
         return cj.fit_step(model.stages, model.abstract_params, jax.ShapeDtypeStruct((cfg.batch, cfg.seq + 1), jnp.int32),
                            device_budget=budget, resident=resident, host_optimizer=host_spec(cfg),
                            compute_dtype=compute_dtype, chunk_size=chunk_size, min_chunks=cfg.min_chunks,
-                           prefetch=cfg.prefetch, micro_batches=cfg.micro_batches,
+                           prefetch=cfg.prefetch, cross_step=cfg.cross_step, micro_batches=cfg.micro_batches,
                            nonfinite="skip" if cfg.nonfinite == "skip" else "ignore", mesh=mesh,
                            zero_stage=cfg.zero_stage, flops_per_step=model.flops_per_token(cfg.seq) * cfg.batch * cfg.seq,
                            rates=rates, trainable=model.trainable,

@@ -668,3 +668,50 @@ def test_chunkjax_init_params_losses_match_plain_jax_step_by_step():
     assert bench.compare_losses({"plain_jax": plain, "chunkjax": dict(rec, init="leafwise")}) == {}
     with pytest.raises(ValueError, match="init="):
         ChunkjaxSystem(CFG, 2_500_000, batch, seq, init="zeros")
+
+
+def test_unroll_micro_probe_trains_the_same_numbers(monkeypatch):
+    """bench ``--set unroll_micro=1`` (experiments.bench_chunkjax.unroll_micro_loops): the walker's
+    in-program micro-batch loops traced unrolled give the rolled loops' losses and master params
+    (fp32, 3 AdamW steps, 4 micro-batches), and the unrolled loops are what ran."""
+    import chunkjax as cj
+    from chunkjax import walker
+    from chunkjax.host_update import AdamW
+    from chunkjax.optim import state_bytes_per_chunk
+    from chunkjax.plan import plan_schedule
+    from experiments.bench_chunkjax import unroll_micro_loops
+
+    b, t = 2, 16
+    cfg = gpt.get_config("micro", n_layers=2)
+    rng = np.random.default_rng()
+    params = gpt.init_params(cfg, jax.random.key(int(rng.integers(1 << 30))))
+    batches = [jnp.asarray(rng.integers(0, cfg.vocab_size, (4 * b, t + 1)), jnp.int32) for _ in range(3)]
+    stages = gpt.gpt_stages(cfg)
+    order = cj.first_use_order(lambda p, x: cj.compose_loss(stages, p, x), params, batches[0][:b])
+    layout = cj.build_layout(params, None, order, min_chunks=6)
+    traces = cj.trace_stages(stages, layout, jax.ShapeDtypeStruct((b, t + 1), jnp.int32), jnp.float32)
+    spec = AdamW(3e-3, weight_decay=0.1)
+    cb = cj.chunk_bytes(layout, jnp.float32, state_bytes_per_chunk(spec.optax(), layout.chunk_size))
+    sched = plan_schedule(layout, traces, cb, 10**12, flops_per_step=1e6, resident=[0])
+
+    def run():
+        step = cj.make_chunked_step(stages, layout, sched, host_optimizer=spec, compute_dtype=jnp.float32,
+                                    micro_batches=4, accumulation="in_program")
+        state, losses = step.init(params), []
+        for x in batches:
+            state, m = step(state, x)
+            losses.append(float(m["loss"]))
+        step.wait(state)
+        return np.asarray(losses), [np.asarray(c) for c in state.master]
+
+    rolled = run()
+    unrolled_calls = []
+    scan = jax.lax.scan
+    monkeypatch.setattr(jax.lax, "scan", lambda *a, **kw: unrolled_calls.append(kw.get("unroll")) or scan(*a, **kw))
+    monkeypatch.setattr(walker, "jax", walker.jax)  # restored after the test
+    unroll_micro_loops()
+    unrolled = run()
+    assert unrolled_calls and all(u is True for u in unrolled_calls)
+    np.testing.assert_allclose(unrolled[0], rolled[0], rtol=1e-6)
+    for x, y in zip(unrolled[1], rolled[1]):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)

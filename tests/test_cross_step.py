@@ -360,3 +360,32 @@ def test_zero_mesh_matches_the_joined_step():
     for a, b in zip(jax.tree.leaves(on.master_params(s_on)), jax.tree.leaves(ref_p)):
         a, b = np.asarray(a), np.asarray(b)
         assert np.linalg.norm(a - b) / np.linalg.norm(b) < 3e-4  # tests/test_zero_schedule.py's bound
+
+
+def test_fit_path_plans_and_runs_cross_step_by_default(setup, speculate_always):
+    """The fit path (``fit.prepare``: the front door, ``fit_step``, the train job) plans and
+    builds the cross-step step unless ``cross_step=False`` (the train job's ``--no-cross-step``):
+    the default's plan is timed with the overlap and no slower than the joined one; both train
+    to optax's numbers, run without waiting between steps."""
+    from chunkjax import fit
+    from experiments import train
+    cfg, params, batches, stages = setup[:4]
+    spec = AdamW(3e-3, weight_decay=0.1, max_grad_norm=1.0)
+    rates = cost.Rates(matmul_flops_per_s=1e9, host_update_s_per_param=2e-7)  # the host the bottleneck
+    kw = dict(host_optimizer=spec, compute_dtype=jnp.float32, min_chunks=6, rates=rates, host_budget=None,
+              check_host=False, flops_per_step=cfg.flops_per_token(T) * B * T)
+    batch = jax.ShapeDtypeStruct((B, T + 1), jnp.int32)
+    on, off = fit.prepare(stages, params, batch, **kw), fit.prepare(stages, params, batch, cross_step=False, **kw)
+    assert on.cross_step and not off.cross_step
+    budget = fit.auto_budget(on)
+    s_on, s_off = fit.plan(on, budget), fit.plan(off, budget)
+    assert "host" in s_on.update_locations and "host" in s_off.update_locations
+    assert s_on.predicted.time.cross_step and not s_off.predicted.time.cross_step
+    assert s_on.predicted.time.step_s <= s_off.predicted.time.step_s
+    ref = micro_batch_reference(cfg, params, batches[:4], spec.optax(), 1, rows=B)
+    for problem, s in ((on, s_on), (off, s_off)):
+        step = fit.build_step(problem, s)
+        assert step.cross_step == problem.cross_step
+        state, losses, _, _ = _run(step, params, batches[:4])
+        _assert_optax(step, state, losses, ref)
+    assert train.parse_args([]).cross_step and not train.parse_args(["--no-cross-step"]).cross_step

@@ -1,6 +1,7 @@
 """chunkjax.plots (issue 22, item 5): the figures of a micro GPT's plan carry the plan's data
 (bar heights are the tide, the residency image is ``Schedule.residency()``, placement bytes sum to
 the prediction), they take what the fit path gives, and they save to a path."""
+import dataclasses
 import pathlib
 import subprocess
 import sys
@@ -149,6 +150,13 @@ def test_budget_sweep_and_step_time(fitted):
     assert [b.get_width() for b in bars[:5]] == pytest.approx(
         [t.forward_s, t.backward_s, t.device_update_s, t.host_update_exposed_s, t.streamed_update_s])
     assert bars[5].get_width() == pytest.approx(2e-4)
+    assert t.cross_step  # the fit path's default; the joined step's bars end at its own step time
+    joined = fit.plan(dataclasses.replace(p, cross_step=False), BUDGET)
+    tj, jbars = joined.predicted.time, plots.plot_step_time(joined).axes[0].patches
+    assert not tj.cross_step and tj.step_s > t.step_s
+    assert max(b.get_x() + b.get_width() for b in jbars[:5]) == pytest.approx(tj.step_s)
+    assert [b.get_width() for b in jbars[:5]] == pytest.approx(
+        [tj.forward_s, tj.backward_s, tj.device_update_s, tj.host_update_exposed_s, tj.streamed_update_s])
 
 
 def test_save_figures_and_inputs(fitted, tmp_path):

@@ -11,7 +11,11 @@
 #             plan without forward cuts: the session-14 engine, 0.673x);
 #   6b16_clip chunkjax, cross-step, clip_by_global_norm(1.0) (speculative host updates, validated as soon
 #             as the norm is known);
-#   6b16_mb4  chunkjax, cross-step, 4 micro-batches (the planner's accumulation).
+#   6b16_mb4  chunkjax, cross-step, 4 micro-batches (the planner's accumulation);
+#   6b16_mb4u only when named (not in "all"): 6b16_mb4 with the in-program micro-batch loops traced
+#             unrolled (bench --set unroll_micro=1, experiments.bench_chunkjax.unroll_micro_loops): do
+#             the backward programs' fetches then overlap the loop? e.g. with BASE_TPS / PLAIN_TPS of a
+#             previous call: bash experiments/gpu_checks/cross_step_6b.sh <run-id> 6b16_mb4,6b16_mb4u
 # Every run is experiments.bench (one subprocess per system, the matmul probe in each call, jax's persistent
 # compilation cache shared by the runs); 3 timed steps after one warm-up. Each run gets the time left of the
 # call's LIMIT (default 520 s); a run that would start with less than 60 s left is skipped and named in the
@@ -41,12 +45,13 @@ if [[ $PART != table ]]; then
   want 6b16_off && run 6b16_off $SIX --systems chunkjax --set cross_step=0
   want 6b16_clip && run 6b16_clip $SIX --systems chunkjax --set max_grad_norm=1.0
   want 6b16_mb4 && run 6b16_mb4 $SIX --systems chunkjax --set micro_batches=4
+  [[ ,$PART, == *,6b16_mb4u,* ]] && run 6b16_mb4u $SIX --systems chunkjax --set micro_batches=4 --set unroll_micro=1
 fi
-for t in 6b16 6b16_off 6b16_clip 6b16_mb4; do [ -f $OUT/$t.log ] && { echo "== $t"; tail -3 $OUT/$t.log; }; done
+for t in 6b16 6b16_off 6b16_clip 6b16_mb4 6b16_mb4u; do [ -f $OUT/$t.log ] && { echo "== $t"; tail -3 $OUT/$t.log; }; done
 python - "$RUN" <<'P'
 import json, os, sys
 O, run = os.environ["OUT"], sys.argv[1]
-TAGS = ("6b16", "6b16_off", "6b16_clip", "6b16_mb4")
+TAGS = ("6b16", "6b16_off", "6b16_clip", "6b16_mb4", "6b16_mb4u")
 rows, out = [], {"run_id": run}
 def load(tag):
     f = f"{O}/bench_{run}_{tag}.json"
@@ -61,6 +66,7 @@ for tag in TAGS:
                      "segments": e.get("segments"), "schedule_counts": e.get("schedule_counts"),
                      "update_s": s.get("update_s"), "model_tflops": s.get("model_tflops"),
                      "max_grad_norm": e.get("max_grad_norm"), "micro_batches": e.get("micro_batches"),
+                     "unroll_micro": e.get("unroll_micro"), "peak_device_bytes_measured": s.get("peak_device_bytes_measured"),
                      "speculation": e.get("speculation"),
                      "error": (s.get("error") or s.get("infeasible_reason") or "")[:300]})
 out["rows"] = rows
@@ -74,7 +80,9 @@ out["targets"] = {"6b16_cross_over_plain (>= 0.85)": ratio(tps.get("6b16"), plai
                   "6b16_off_over_plain (0.673 in session 14)": ratio(tps.get("6b16_off"), plain),
                   "6b16_cross_over_off": ratio(tps.get("6b16"), tps.get("6b16_off")),
                   "6b16_clip_over_cross (>= 0.95)": ratio(tps.get("6b16_clip"), tps.get("6b16")),
-                  "6b16_mb4_over_cross (>= 0.95)": ratio(tps.get("6b16_mb4"), tps.get("6b16"))}
+                  "6b16_mb4_over_cross (>= 0.95)": ratio(tps.get("6b16_mb4"), tps.get("6b16")),
+                  "6b16_mb4u_over_cross (>= 0.95)": ratio(tps.get("6b16_mb4u"), tps.get("6b16")),
+                  "6b16_mb4u_over_mb4": ratio(tps.get("6b16_mb4u"), tps.get("6b16_mb4"))}
 skipped = f"{O}/skipped.txt"
 out["skipped"] = open(skipped).read().split() if os.path.exists(skipped) else []
 json.dump(out, open(f"{O}/cross_step_6b_{run}.json", "w"), indent=1)
