@@ -79,6 +79,8 @@
 #   EXTRAMB="--host-budget 115e9" for a2 and 117.6e9 (b16's least) for b2. Time: s16a spent 296 s before its first
 #   step, s16b ~385 s; with steps of 100-107 s, LIMIT=585 (as s16b) gives a warm-up and one timed step (the profiled
 #   third of --largest-steps 1 is cut; the bench keeps the finished timed step); LIMIT 530-540 gives the warm-up only.
+#   Re-planned on the CPU after setup18's accounting (storage workers, 3 % system share), same settings: a2 (GPT3_15B
+#   b64, pool 44, host 115e9): 109 device / 103 host / 104 disk chunks, need 125.57e9 (system 3.66e9), 107.0 s/step. Re-plan b2 the same way before its call.
 #   PREALLOC=false POOL15MB=44 EXTRAMB="--host-budget 115e9" LIMIT=585 MEMLOG=$OUT/mem.log \
 #     bash experiments/gpu_checks/memwatch.sh bash experiments/gpu_checks/largest.sh <run> a2
 #   PREALLOC=false POOL18MB=56 EXTRAMB="--host-budget 117.6e9" LIMIT=585 MEMLOG=$OUT/mem.log \
