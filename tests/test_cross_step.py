@@ -23,6 +23,7 @@ from chunkjax.optim import state_bytes_per_chunk
 from chunkjax.plan import plan_schedule
 from models import gpt
 
+from _micro_setup import micro_gpt_setup
 from _optax_reference import micro_batch_reference
 
 B, T = 2, 16
@@ -31,15 +32,7 @@ STEPS = 20
 
 @pytest.fixture(scope="module")
 def setup():
-    cfg = gpt.get_config("micro", n_layers=2)
-    rng = np.random.default_rng(11)
-    params = gpt.init_params(cfg, jax.random.key(5))
-    batches = [jnp.asarray(rng.integers(0, cfg.vocab_size, (4 * B, T + 1)), jnp.int32) for _ in range(STEPS)]
-    stages = gpt.gpt_stages(cfg)
-    order = cj.first_use_order(lambda p, b: cj.compose_loss(stages, p, b), params, batches[0][:B])
-    layout = cj.build_layout(params, None, order, min_chunks=6)
-    traces = cj.trace_stages(stages, layout, jax.ShapeDtypeStruct((B, T + 1), jnp.int32), jnp.float32)
-    return cfg, params, batches, stages, layout, traces
+    return micro_gpt_setup(2, 11, 5, B, T, STEPS)
 
 
 def _schedule(setup, spec, window=None):

@@ -24,8 +24,8 @@ from chunkjax.host_update import AdamW
 from chunkjax.optim import state_bytes_per_chunk
 from chunkjax.plan import NEAR_TIE, plan_schedule
 from chunkjax.program_cut import auto_segments, uniform_segments
-from models import gpt
 
+from _micro_setup import micro_gpt_setup
 from _optax_reference import micro_batch_reference
 
 from _compiles import assert_compiles_only_first, count_compiles
@@ -36,15 +36,7 @@ STEPS = 20
 
 @pytest.fixture(scope="module")
 def setup():
-    cfg = gpt.get_config("micro", n_layers=2)  # 2 blocks: shorter compiles, still host and streamed chunks
-    rng = np.random.default_rng(7)
-    params = gpt.init_params(cfg, jax.random.key(3))
-    batches = [jnp.asarray(rng.integers(0, cfg.vocab_size, (4 * B, T + 1)), jnp.int32) for _ in range(STEPS)]
-    stages = gpt.gpt_stages(cfg)
-    order = cj.first_use_order(lambda p, b: cj.compose_loss(stages, p, b), params, batches[0][:B])
-    layout = cj.build_layout(params, None, order, min_chunks=6)
-    traces = cj.trace_stages(stages, layout, jax.ShapeDtypeStruct((B, T + 1), jnp.int32), jnp.float32)
-    return cfg, params, batches, stages, layout, traces
+    return micro_gpt_setup(2, 7, 3, B, T, STEPS)  # 2 blocks: shorter compiles, still host and streamed chunks
 
 
 def _schedule(setup, spec, mb=1):
