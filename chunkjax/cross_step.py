@@ -7,7 +7,7 @@ gradients came last (the first layers', whose backward ends the step) is exposed
 steps. With ``cross_step=True`` (the default) the call instead
 
 1. before dispatching program ``k``, waits until the host chunks program ``k`` takes
-   (:meth:`chunkjax.ChunkedStep._program_args`: the chunks it fetches and reads) are final in the
+   (:meth:`chunkjax.ChunkedStep.program`: the chunks it fetches and reads) are final in the
    previous step's work (:meth:`~chunkjax.host_work.HostWork.wait_chunks`: updated with the
    right factor, or validated when speculated: :mod:`chunkjax.speculate`), so no program reads
    a stale or half-written chunk;
@@ -58,25 +58,21 @@ def start(step, state, batch, cross: bool):
 
 def host_need(step, batch) -> dict[int, int]:
     """``{host chunk: index of the first program that takes it}`` for a (global) batch shape:
-    the order the next step reads them in (chunks no program takes: not listed). Cached on the
-    step per batch shape."""
-    import jax
-    key = ("host_need", str(jax.tree.map(lambda a: (a.shape, str(a.dtype)), batch)))
-    if key not in step._cache:
-        host, need = set(step.host_chunks), {}
-        for k, (t0, t1) in enumerate(step.program_bounds()):
-            for c in step._program_args(batch, t0, t1):
-                if c in host:
-                    need.setdefault(c, k)
-        step._cache[key] = need
-    return step._cache[key]
+    the order the next step reads them in (chunks no program takes: not listed), from the
+    step's programs (:meth:`chunkjax.ChunkedStep.program`, cached there per batch shape)."""
+    host, need = set(step.host_chunks), {}
+    for k in range(len(step.program_bounds())):
+        for c in step.program(batch, k)[1]:
+            if c in host:
+                need.setdefault(c, k)
+    return need
 
 
 def next_read_fractions(fetch, segments, prefetch: int, n_stages: int) -> dict[int, float]:
     """The cost model's view of :func:`host_need`: ``{chunk: fraction of the forward done when the
     first program taking it starts}`` (0 to 1; the fused head and the backward count as 1), from
     a schedule's fetches (per moment, the chunks fetched for it, issued ``prefetch`` moments
-    ahead, as :meth:`chunkjax.ChunkedStep._program_args` takes them) and program starts
+    ahead, as :meth:`chunkjax.ChunkedStep.program` takes them) and program starts
     ``segments``. Chunks never fetched (device-resident params) are not listed."""
     T, k = len(fetch), int(prefetch)
     bounds = list(segments) + [T]
