@@ -538,10 +538,8 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: pr.Chun
         T = len(tide.moments)
         segs = ((auto_segments(T, len(traces)) if host_update else (0,)) if segments == "auto"
                 else (0,) if segments is None else tuple(segments))
-
         workers = int(storage_devices if storage_workers is None else storage_workers)
         disk = (host_budget_bytes, disk_budget_bytes, int(storage_devices), disk_versions, workers) if storage_devices else None
-
         predict = predictor(cross_step=True, prefetch=prefetch) if cross_step else predictor()  # each once
         done = pr.grad_done_moments(traces, tide)
         placed: dict = {}  # (budget, resident set) -> the schedule of one(), each placement scheduled once
