@@ -81,7 +81,8 @@ class FitProblem:
       host_budget_bytes: host memory the model data of all ranks may use (planner bound), or None.
       platform: ``jax.default_backend()``.
       storage: the disk tier (:class:`chunkjax.storage.updater.StorageOptions`) or None.
-      storage_devices, disk_budget_bytes: its storage devices and the bytes they may hold.
+      storage_devices, disk_budget_bytes: its storage devices (distinct filesystems of its
+        directories, timed apart) and the bytes they may hold.
       cross_step: plan (forward cuts, :func:`chunkjax.plan_schedule`) and build the step with
         cross-step overlap (:mod:`chunkjax.cross_step`; the default); False: the step joins each
         previous one.
@@ -115,6 +116,12 @@ class FitProblem:
     @property
     def n_ranks(self) -> int:
         return 1 if self.mesh is None else int(self.mesh.size)
+
+    @property
+    def storage_dirs(self) -> int:
+        """The disk tier's storage directories: its near-storage worker processes, one each
+        (:class:`chunkjax.storage.near.NearStorageOptimizer`; ``storage_devices`` counts filesystems)."""
+        return len(self.storage.dirs) if self.storage is not None else 0
 
     @functools.cached_property
     def streamed_early(self) -> bool:
@@ -377,6 +384,7 @@ def _plan(p: FitProblem, budget_bytes: int, *, policy, resident, must_fit, split
                          host_update=p.host_optimizer is not None, resident=resident, must_fit=must_fit,
                          split=split, micro_batches=p.micro_batches, streamed_early=p.streamed_early,
                          storage_devices=p.storage_devices, disk_budget_bytes=p.disk_budget_bytes,
+                         storage_workers=p.storage_dirs,
                          disk_versions=p.storage.disk_versions if p.storage is not None else 2,
                          host_bytes_of=host_bytes_of(p) if p.n_ranks == 1 and p.host_budget_bytes is not None else None,
                          cross_step=p.cross_step)
@@ -571,5 +579,5 @@ def describe(report: FitReport, problem: FitProblem) -> str:
             f"MiB); predicted step "
             f"{p.time.step_s * 1e3:.1f} ms" + (" (the cost model's GPU rates: a CPU runs far slower)"
                                                 if problem.platform == "cpu" else "")
-            + "".join(f"; {x}" for x in [storage_line(s, problem.storage_devices, problem.host_budget_bytes),
+            + "".join(f"; {x}" for x in [storage_line(s, problem.storage_dirs, problem.host_budget_bytes),
                                          accumulation_line(s, problem.micro_batches)] if x))

@@ -419,7 +419,7 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: pr.Chun
                   rates: Rates = Rates(), host_update: bool = True, resident: Sequence[int] | None = None,
                   must_fit: bool = True, split: bool = True, micro_batches: int = 1,
                   streamed_early: bool = False, storage_devices: int = 0, disk_budget_bytes: int | None = None,
-                  disk_versions: int = 2, host_bytes_of=None, cross_step: bool = False) -> Schedule:
+                  disk_versions: int = 2, host_bytes_of=None, cross_step: bool = False, storage_workers=None) -> Schedule:
     """Plan one training step under a device budget: the one entry point for every policy.
 
     Args:
@@ -458,9 +458,10 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: pr.Chun
         its predicted peak exceeds the budgets (for reports that compare them).
       micro_batches: gradient accumulation of the step (its host working set).
       storage_devices: ``"tide"`` on one device with a host kernel and ``host_budget_bytes``:
-        storage directories of the disk tier (0: none). Offloaded chunks whose master params and
+        storage devices (filesystems) of the disk tier (0: none). Offloaded chunks whose master params and
         state the host budget cannot hold (after master-fetch) update ``storage``
         (:mod:`chunkjax.plan_disk`); a model that fits gets no storage chunk.
+      storage_workers: near-storage workers, one per storage directory (default ``storage_devices``): their host bytes.
       disk_budget_bytes: bytes the storage directories may hold (None: unbounded).
       disk_versions: versions of each chunk file on disk during a step (2: the crash-safe commit).
       host_bytes_of: ``schedule -> bytes`` compared with ``host_budget_bytes`` when choosing among
@@ -537,9 +538,8 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: pr.Chun
         T = len(tide.moments)
         segs = ((auto_segments(T, len(traces)) if host_update else (0,)) if segments == "auto"
                 else (0,) if segments is None else tuple(segments))
-
-        disk = (host_budget_bytes, disk_budget_bytes, int(storage_devices), disk_versions) if storage_devices else None
-
+        workers = int(storage_devices if storage_workers is None else storage_workers)
+        disk = (host_budget_bytes, disk_budget_bytes, int(storage_devices), disk_versions, workers) if storage_devices else None
         predict = predictor(cross_step=True, prefetch=prefetch) if cross_step else predictor()  # each once
         done = pr.grad_done_moments(traces, tide)
         placed: dict = {}  # (budget, resident set) -> the schedule of one(), each placement scheduled once
@@ -569,7 +569,7 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: pr.Chun
             least = min((s for s in (one(budget, set(range(k))) for k in range(layout.n_chunks + 1)) if s is not None),
                         key=host_bytes)
             raise host_disk_error(host_budget_bytes, host_bytes(least), least.predicted.storage_chunks,
-                                  int(storage_devices), disk_budget_bytes)
+                                  workers, disk_budget_bytes)
         if best is None:
             _tide_infeasible(one, offloaded_fits, layout.n_chunks, tide, plan_cb, budget, host_budget_bytes, ranks,
                              host_bytes)

@@ -406,7 +406,8 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
             rates: Rates = Rates(), forward_fetches: int | None = None, master_fetch=(),
             micro_batches: int = 1, streamed_early: bool = False, storage_devices: int = 1,
             storage_early: bool = False, staging_buffers: int = STORAGE_STAGING_BUFFERS,
-            window: int = GRAD_WINDOW_PROGRAMS, cross_step: bool = False, prefetch: int = 1) -> Prediction:
+            window: int = GRAD_WINDOW_PROGRAMS, cross_step: bool = False, prefetch: int = 1,
+            storage_workers: int | None = None) -> Prediction:
     """The :class:`~chunkjax.schedule.Prediction` of a schedule's decisions.
 
     Args:
@@ -433,8 +434,12 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
         gradient ends (:func:`chunkjax.streamed.starts_early`); their pipeline's bytes
         (:func:`streamed_pipeline_bytes`) are then on the device from that program's end. False:
         they start after the backward, when the global norm is known.
-      storage_devices: storage directories (devices) of the disk tier the ``storage`` chunks
-        are spread over.
+      storage_devices: storage devices (distinct filesystems) of the disk tier the ``storage``
+        chunks are spread over: their disk links are timed apart.
+      storage_workers: near-storage worker processes, one per storage directory (what
+        :class:`chunkjax.storage.near.NearStorageOptimizer` starts; two directories on one
+        filesystem are two workers): each holds ``staging_buffers`` files in host memory
+        (``storage_host_bytes``) and its process (``storage_workers``). Default ``storage_devices``.
       storage_early: the storage chunks update as their gradients complete (the update does not
         read the global norm, one micro-batch: :func:`chunkjax.storage.updater.updates_early`);
         else once the norm is known.
@@ -480,7 +485,8 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
     hf = host_figures(chunk_size, cb, param_kinds, update_locations, grad_done, segments, T, master_fetch=mf,
                       micro_batches=micro_batches, window=window)
     n_disk = sum(u == STORAGE_UPDATE for u in update_locations)
-    staging = storage_host_bytes(disk_file_bytes(cb), storage_devices, staging_buffers) if n_disk else 0
+    workers = storage_devices if storage_workers is None else storage_workers
+    staging = storage_host_bytes(disk_file_bytes(cb), workers, staging_buffers) if n_disk else 0
     if n_disk:  # storage chunks: gradients whole until the disk update, the workers' staging buffers
         hf["host_model_bytes"] += n_disk * cb.grad + staging
         hf["host_bytes"] += n_disk * cb.grad + staging
@@ -505,7 +511,7 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
     return Prediction(int(peak), int(model), hf.pop("host_model_bytes"), int(h2d), int(d2h), int(fetch_b),
                       int(passes * n_fetch), tuple(int(b) for b in moment_bytes), time, **hf,
                       disk_bytes_per_step=2 * n_disk * disk_file_bytes(cb), storage_chunks=n_disk,
-                      storage_host_bytes=staging, storage_workers=storage_devices if n_disk else 0)
+                      storage_host_bytes=staging, storage_workers=workers if n_disk else 0)
 
 
 def predict_optimizer_only(chunk_size: int, cb: ChunkBytes, update_locations, *, flops_per_step: float = 0.0,
