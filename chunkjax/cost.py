@@ -523,7 +523,7 @@ def predict_pipelined_step(flops_per_step: float, *, fwd_h2d: int, bwd_h2d: int,
         host_s[_program_index(ends, frac)] += params * r.host_update_s_per_param
     first_streamed = min((_program_index(ends, f) for f, _, _ in streamed), default=len(ends))
     hold = [streamed_early and k >= first_streamed for k in range(len(ends))]
-    times = program_timeline([fwd + bwd - last_bwd + f * last_bwd for f in ends], host_s, window=window,
+    times = program_timeline([fwd + bwd * (p - 1) / p + f * last_bwd for f in ends], host_s, window=window,
                              hold_one=hold)
     end = times[-1].end_s
     stall = max(0.0, end - (fwd + bwd))
