@@ -86,6 +86,8 @@ class FitProblem:
       cross_step: plan (forward cuts, :func:`chunkjax.plan_schedule`) and build the step with
         cross-step overlap (:mod:`chunkjax.cross_step`; the default); False: the step joins each
         previous one.
+      unroll_micro_batches: an in-program plan's micro-batch loops traced unrolled, and timed so
+        (:attr:`chunkjax.schedule.Schedule.unroll_micro_batches`); False: while loops.
     """
 
     stages: tuple
@@ -112,6 +114,7 @@ class FitProblem:
     storage_devices: int = 0
     disk_budget_bytes: int | None = None
     cross_step: bool = True
+    unroll_micro_batches: bool = False
 
     @property
     def n_ranks(self) -> int:
@@ -219,7 +222,8 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
             micro_batches: int = 1, nonfinite: str = "ignore", loss_scaling: bool = False, mesh=None,
             zero_stage: int = 0, flops_per_step: float | None = None, rates: Rates | None = None,
             host_budget="auto", device_budget=None, check_host: bool = True, check_tx: bool = True,
-            trainable=None, storage=None, cross_step: bool = True) -> FitProblem:
+            trainable=None, storage=None, cross_step: bool = True,
+            unroll_micro_batches: bool = False) -> FitProblem:
     """Layout and traces for a step (no allocation; the budget comes later).
 
     Args:
@@ -261,6 +265,8 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
       cross_step: plan and run with cross-step overlap (:attr:`FitProblem.cross_step`, default
         True: the next step waits per program only for the host chunks it reads; exact); False:
         each step joins all of the previous step's host work.
+      unroll_micro_batches: with ``micro_batches`` > 1, an in-program plan's loops traced
+        unrolled (:attr:`FitProblem.unroll_micro_batches`).
 
     Raises:
       ValueError: no optimizer or both, a transformation that is not elementwise, a compute
@@ -331,7 +337,8 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
                       int(prefetch), segments, int(micro_batches), nonfinite, bool(loss_scaling), mesh, zero_stage,
                       float(flops_per_step) / n_ranks, rates or Rates(),
                       None if host_budget is None else int(host_budget), platform, storage,
-                      *(disk_capacity(storage) if storage else (0, None)), bool(cross_step))
+                      *(disk_capacity(storage) if storage else (0, None)), bool(cross_step),
+                      bool(unroll_micro_batches))
 
 
 # ---- the one planning call -------------------------------------------------------------------

@@ -180,10 +180,10 @@ def _tide_one(layout: ChunkLayout, traces, tide: Tide, cb: pr.ChunkBytes, budget
     """Schedule one placement (``resident`` chunks fully on the device); None if it cannot fit.
     With ``streamed_early`` (and the split) also the placement whose chunk buffers leave the
     streamed pipeline's bytes free during the backward (``reserve``), the faster of the two.
-    With ``micro_batches`` > 1 the device-updated chunks' float32 sums are on the device
-    throughout (:func:`chunkjax.predict.waiting_grad_bytes`). ``predict``: :func:`chunkjax.predict.predict`
-    or the plan's memo of it (:func:`chunkjax.plan_memo.predictor`); ``grad_done``: the plan's
-    :func:`chunkjax.predict.grad_done_moments` (computed here when None)."""
+    With ``micro_batches`` > 1 the device-updated chunks' float32 sums are on the device throughout
+    (:func:`chunkjax.predict.waiting_grad_bytes`) and every prediction is of that many passes.
+    ``predict``: :func:`chunkjax.predict.predict` or its memo (:func:`chunkjax.plan_memo.predictor`);
+    ``grad_done``: :func:`chunkjax.predict.grad_done_moments` (computed here when None)."""
     if streamed_early and split and host_update and reserve is None:
         args = (layout, traces, tide, cb, budget, resident, host_update, prefetch, segments, rates, flops_per_step, split)
         late = _tide_one(*args, streamed_early=False, micro_batches=micro_batches, predict=predict, grad_done=grad_done)
@@ -193,8 +193,8 @@ def _tide_one(layout: ChunkLayout, traces, tide: Tide, cb: pr.ChunkBytes, budget
                 late is not None and late.predicted.time.step_s <= early.predicted.time.step_s):
             return late
         return early
-    n = layout.n_chunks
-    T = len(tide.moments)
+    predict = predict if micro_batches == 1 else (lambda f: lambda *a, **k: f(*a, micro_batches=micro_batches, **k))(predict)
+    n, T = layout.n_chunks, len(tide.moments)
     pk = tuple(DEVICE if c in resident else PINNED_HOST for c in range(n))
     loc = _frozen_none(layout, (DEVICE_UPDATE if c in resident else (HOST_UPDATE if host_update else STREAMED_UPDATE)
                                 for c in range(n)))

@@ -401,6 +401,13 @@ def streamed_early_extra(chunk_size: int, cb: ChunkBytes, traces, tide: Tide, pa
     return [early if t >= first else 0 for t in range(T)]
 
 
+def looped_fetch(traces: Sequence[StageTrace]) -> bool:
+    """The moments loop over micro-batches inside their programs as a while loop (in-program
+    traces, :func:`chunkjax.trace.in_program_traces`, not unrolled): the cost model's
+    ``looped_fetch`` (:func:`chunkjax.cost.predict_pipelined_step`)."""
+    return any(getattr(t, "micro_loop", 1) > 1 and not getattr(t, "loop_unrolled", False) for t in traces)
+
+
 def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: ChunkBytes, param_kinds,
             update_locations, fetch, segments, moment_bytes: Sequence[int], *, flops_per_step: float,
             rates: Rates = Rates(), forward_fetches: int | None = None, master_fetch=(),
@@ -428,8 +435,10 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
       micro_batches: gradient accumulation with every program run once per micro-batch
         (:func:`chunkjax.accumulate.mean_gradients`): the host working set holds float32 sums,
         and every fetch and offloaded gradient moves ``micro_batches`` times a step. A plan that
-        loops over the micro-batches inside each moment passes 1 with the traces of
-        :func:`chunkjax.trace.in_program_traces` (each chunk fetched once a step).
+        loops over the micro-batches inside each moment passes 1 (groups: the passes) with the
+        traces of :func:`chunkjax.trace.in_program_traces` (each chunk fetched once a pass; a
+        loop not unrolled times the backward's fetches after it: :func:`looped_fetch`). The
+        timeline is the last pass's (``passes`` of :func:`chunkjax.cost.predict_pipelined_step`).
       streamed_early: the step's streamed updates start as the program completing their
         gradient ends (:func:`chunkjax.streamed.starts_early`); their pipeline's bytes
         (:func:`streamed_pipeline_bytes`) are then on the device from that program's end. False:
@@ -507,7 +516,8 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
         disk_file_bytes=disk_file_bytes(cb), storage_params_per_chunk=chunk_size,
         storage_early=storage_early and micro_batches == 1, staging_buffers=staging_buffers, window=window,
         cross_step=cross_step, host_reads=[(f, chunk_size) for c, f in next_read_fractions(
-            fetch, segments, prefetch, n_stages).items() if update_locations[c] == HOST_UPDATE] if cross_step else ())
+            fetch, segments, prefetch, n_stages).items() if update_locations[c] == HOST_UPDATE] if cross_step else (),
+        passes=passes, looped_fetch=looped_fetch(traces))
     return Prediction(int(peak), int(model), hf.pop("host_model_bytes"), int(h2d), int(d2h), int(fetch_b),
                       int(passes * n_fetch), tuple(int(b) for b in moment_bytes), time, **hf,
                       disk_bytes_per_step=2 * n_disk * disk_file_bytes(cb), storage_chunks=n_disk,

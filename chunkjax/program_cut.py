@@ -125,8 +125,11 @@ def choose_program_cut(s: Schedule, cb: pr.ChunkBytes, *, chunk_size: int, trace
     host bytes). With ``split`` (and no master-fetch chunk) the update work is split again
     between host and streamed chunks for the best cut found
     (:func:`chunkjax.plan_split.split_updates`) and the cut searched once more. ``s`` itself
-    when no candidate is faster by :data:`CUT_GAIN`, or when it has no host chunk, a storage
-    chunk or micro-batches.
+    when no candidate is faster by :data:`CUT_GAIN`, or when it has no host chunk or a storage
+    chunk. Micro-batches run every program once per pass (``micro_batches`` passes: per
+    micro-batch, or in-program groups): the cut is chosen on the last pass's timeline and the
+    forward cuts shorten the wait of the next step's first pass
+    (:func:`chunkjax.cost.predict_pipelined_step` ``passes``).
 
     Args:
       s: the planned :class:`~chunkjax.schedule.Schedule`.
@@ -147,7 +150,7 @@ def choose_program_cut(s: Schedule, cb: pr.ChunkBytes, *, chunk_size: int, trace
       ``update_locations`` and the prediction redone).
     """
     host = [c for c, u in enumerate(s.update_locations) if u == HOST_UPDATE]
-    if not host or s.predicted.storage_chunks or micro_batches > 1:
+    if not host or s.predicted.storage_chunks:
         return s
     T, n = len(tide.moments), len(traces)
     done = pr.grad_done_moments(traces, tide)
@@ -177,12 +180,19 @@ def choose_program_cut(s: Schedule, cb: pr.ChunkBytes, *, chunk_size: int, trace
                         best, best_t = cand, pred.time.step_s
         return best, best_t
 
+    # ``s`` timed as the candidates are (its prediction may come from a re-plan without the
+    # cross-step overlap: the host forms' with micro-batches), so the first of equal times stays
+    s = dataclasses.replace(s, predicted=predict(
+        chunk_size, traces, tide, cb, s.param_kinds, s.update_locations, s.fetch, s.segments, base,
+        flops_per_step=flops_per_step, rates=rates, master_fetch=s.master_fetch, micro_batches=micro_batches,
+        streamed_early=s.streamed_early, window=s.grad_window))
     best, best_t = search(s, s, s.predicted.time.step_s * (1 - CUT_GAIN))
     if split and not s.master_fetch:
         loc0 = tuple(HOST_UPDATE if u == STREAMED_UPDATE else u for u in s.update_locations)
         loc, pred, early = split_updates(chunk_size, traces, tide, cb, s.budget_bytes, s.param_kinds, loc0, s.fetch,
                                          best.segments, base, rates=rates, flops_per_step=flops_per_step,
-                                         streamed_early=streamed_early, window=best.grad_window, predict=predict)
+                                         streamed_early=streamed_early, window=best.grad_window,
+                                         predict=lambda *a, **k: predict(*a, micro_batches=micro_batches, **k))
         again = dataclasses.replace(best, update_locations=loc, streamed_early=early, predicted=pred)
         if pred.peak_device_bytes <= s.budget_bytes and fits(again):
             if pred.time.step_s < best_t:

@@ -237,6 +237,12 @@ class Schedule:
         moments (micro-batch groups: the programs run ``micro_batches // micro_group`` passes a
         step, the passes' gradients summed as per micro-batch); None: all of the step's (one pass).
         :func:`micro_group_size`.
+      unroll_micro_batches: with ``"in_program"``: the moments' micro-batch loops are traced
+        unrolled (:class:`chunkjax.walker.Walk` ``unroll``: the same operations in the same
+        order, bit for bit the loop's results, one copy of a stage's code per micro-batch), so
+        XLA may overlap a moment's chunk fetches with them; False: while loops (``lax.scan``),
+        whose backward fetches the cost model times after the loop (the prediction assumes
+        the one the schedule names: :func:`chunkjax.predict.looped_fetch`).
 
     Raises:
       ValueError: per-chunk tuples of different lengths, an unknown update location or accumulation,
@@ -258,6 +264,7 @@ class Schedule:
     grad_window: int = GRAD_WINDOW_PROGRAMS
     accumulation: str = PER_MICRO_BATCH
     micro_group: int | None = None
+    unroll_micro_batches: bool = False
 
     def __post_init__(self):
         if self.accumulation not in ACCUMULATIONS:
@@ -320,7 +327,7 @@ class Schedule:
                 "budget_bytes": self.budget_bytes, "predicted": self.predicted.to_dict(),
                 "master_fetch": list(self.master_fetch), "streamed_early": self.streamed_early,
                 "grad_window": int(self.grad_window), "accumulation": self.accumulation,
-                "micro_group": self.micro_group}
+                "micro_group": self.micro_group, "unroll_micro_batches": bool(self.unroll_micro_batches)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Schedule":
@@ -330,4 +337,5 @@ class Schedule:
                    tuple(tuple(m) for m in d["moments"]), Prediction.from_dict(d["predicted"]),
                    int(d["budget_bytes"]), tuple(int(c) for c in d.get("master_fetch", ())),
                    bool(d.get("streamed_early", False)), int(d.get("grad_window", GRAD_WINDOW_PROGRAMS)),
-                   d.get("accumulation", PER_MICRO_BATCH), d.get("micro_group"))
+                   d.get("accumulation", PER_MICRO_BATCH), d.get("micro_group"),
+                   bool(d.get("unroll_micro_batches", False)))

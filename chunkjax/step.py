@@ -229,7 +229,8 @@ class ChunkedStep(StepChunkIO, StepUpdates, OnTopology):
         return Walk(self.stages, self.layout, self.topology, self.compute_dtype, self.prefetch,
                     self.placement.param_kinds, tuple(self.placement.grad_kind(c) for c in range(self.layout.n_chunks)),
                     self.reads, tuple(t.backward_chunks for t in self._traces_local(ab)),
-                    self._fetch_lists_local(ab), self.first_reader, self.micro_batches // self.passes)
+                    self._fetch_lists_local(ab), self.first_reader, self.micro_batches // self.passes,
+                    bool(getattr(self.schedule, "unroll_micro_batches", False)))  # the schedule's loops
 
     def program_bounds(self) -> list[tuple[int, int]]:
         """``[(first moment, end moment)]`` of each program (the schedule's segments)."""

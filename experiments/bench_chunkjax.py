@@ -32,7 +32,7 @@ class ChunkjaxSystem:
     def __init__(self, cfg, budget_bytes: int, batch: int, seq: int, lr: float = 1e-4,
                  segments="auto", host_update: bool = True, prefetch: int = 1, zero_stage: int = 0,
                  init: str = "leafwise", max_grad_norm: float | None = None, micro_batches: int = 1,
-                 storage=None, host_budget="auto", cross_step: bool = True):
+                 storage=None, host_budget="auto", cross_step: bool = True, unroll_micro_batches: bool = False):
         import jax
         import jax.numpy as jnp
 
@@ -75,7 +75,8 @@ class ChunkjaxSystem:
                                    micro_batches=micro_batches,
                                    flops_per_step=cfg.flops_per_token(seq) * batch * seq, rates=self.rates,
                                    device_budget=self.budget, storage=storage or None, host_budget=host_budget,
-                                   cross_step=self.cross_step)  # planned and run so
+                                   cross_step=self.cross_step,  # planned and run so
+                                   unroll_micro_batches=unroll_micro_batches)
         self.disk, self.disk_steps = None, []  # the disk tier: the storage chunks' DiskState, each step's result
         self.trace_s = time.perf_counter() - t0
         p = self.problem
@@ -246,14 +247,13 @@ def run_chunkjax(args) -> dict:
 
     cfg = gpt.get_config(args.model)
     segments = getattr(args, "segments", "auto")
-    if int(getattr(args, "unroll_micro", 0)):  # probe (--set unroll_micro=1): docs/design.md, cross-step overlap
-        unroll_micro_loops()
     sys_ = ChunkjaxSystem(cfg, args.budget_bytes, args.batch, args.seq, segments=segments,
                           zero_stage=getattr(args, "zero_stage", 0), init=getattr(args, "init", "leafwise"),
                           max_grad_norm=getattr(args, "max_grad_norm", None),
                           micro_batches=int(getattr(args, "micro_batches", 1)),
                           storage=_storage(args), host_budget=getattr(args, "host_budget", "auto"),
-                          cross_step=bool(int(getattr(args, "cross_step", 1))))
+                          cross_step=bool(int(getattr(args, "cross_step", 1))),
+                          unroll_micro_batches=bool(int(getattr(args, "unroll_micro_batches", 0))))
     try:
         rec = measure_system(sys_, args)
     except Exception as e:  # keep the plan next to the failure (e.g. out of memory at run time)
@@ -285,7 +285,8 @@ def run_chunkjax(args) -> dict:
         "schedule": sys_.schedule.to_dict(),
         "n_devices": sys_.n_ranks, "zero_stage": sys_.zero_stage, "init": sys_.init_rule,
         "max_grad_norm": sys_.spec.max_grad_norm, "micro_batches": sys_.problem.micro_batches,
-        "cross_step": sys_.step_fn.cross_step, "unroll_micro": bool(int(getattr(args, "unroll_micro", 0))),
+        "cross_step": sys_.step_fn.cross_step, "unroll_micro_batches": sys_.schedule.unroll_micro_batches,
+        "accumulation": sys_.schedule.accumulation, "micro_group": sys_.schedule.micro_group,
         "speculation": sys_.speculation, "host_ledger": sys_.ledger.to_dict(),
     })
     if sys_.zero_stage:  # bytes each rank sends through collectives per step (ring algorithms)
@@ -298,32 +299,6 @@ def run_chunkjax(args) -> dict:
     if rec.get("step_s_median") and p.time.step_s:
         rec["step_time_ratio_measured_over_predicted"] = rec["step_s_median"] / p.time.step_s
     return rec
-
-
-def unroll_micro_loops() -> None:
-    """Probe of this worker process (bench ``--set unroll_micro=1``): the in-program micro-batch
-    loops of :class:`chunkjax.walker.Walk` (``jax.lax.map`` in the forward, ``jax.lax.scan`` in the
-    head and the backward) traced unrolled (``scan(..., unroll=True)``: the same operations in the
-    same order, straight-line code). Hypothesis under test: XLA does not overlap a moment's chunk
-    fetches with a while loop, so the in-program backward programs of GPT3_6B b16 with 4
-    micro-batches ran ~30 ms each (about their fetch time) slower than the single batch's. Only
-    ``chunkjax.walker`` sees the unrolled loops; the device peak may differ (the compiled check
-    re-plans)."""
-    import types
-
-    import jax
-
-    from chunkjax import walker
-
-    def scan(f, init, xs, **kw):
-        return jax.lax.scan(f, init, xs, **(kw | {"unroll": True}))
-
-    def lax_map(f, xs):
-        return jax.lax.scan(lambda c, x: (c, f(x)), None, xs, unroll=True)[1]
-
-    lax = types.SimpleNamespace(**{k: getattr(jax.lax, k) for k in dir(jax.lax) if not k.startswith("__")})
-    lax.scan, lax.map = scan, lax_map
-    walker.jax = types.SimpleNamespace(**{k: getattr(jax, k) for k in dir(jax) if not k.startswith("__")} | {"lax": lax})
 
 
 def _storage(args):
