@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from chunkjax import clip_plan
 from chunkjax.cost import Rates
 from chunkjax.errors import HostBudgetError, PinnedLimitError, PlanError
 from chunkjax.fit_batch import batch_rows, rows_of, step_flops
@@ -85,6 +86,7 @@ class FitProblem:
       cross_step: plan (forward cuts, :func:`chunkjax.plan_schedule`) and build the step with
         cross-step overlap (:mod:`chunkjax.cross_step`; the default); False: the step joins each
         previous one.
+      clip_expect: ``"fires"`` or ``"rare"``, the clipping the plan expects (:mod:`chunkjax.clip_plan`).
     """
 
     stages: tuple
@@ -111,6 +113,7 @@ class FitProblem:
     storage_devices: int = 0
     disk_budget_bytes: int | None = None
     cross_step: bool = True
+    clip_expect: str = "rare"
 
     @property
     def n_ranks(self) -> int:
@@ -212,7 +215,7 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
             micro_batches: int = 1, nonfinite: str = "ignore", loss_scaling: bool = False, mesh=None,
             zero_stage: int = 0, flops_per_step: float | None = None, rates: Rates | None = None,
             host_budget="auto", device_budget=None, check_host: bool = True, check_tx: bool = True,
-            trainable=None, storage=None, cross_step: bool = True) -> FitProblem:
+            trainable=None, storage=None, cross_step: bool = True, clip_expect: str = "auto") -> FitProblem:
     """Layout and traces for a step (no allocation; the budget comes later).
 
     Args:
@@ -254,11 +257,14 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
       cross_step: plan and run with cross-step overlap (:attr:`FitProblem.cross_step`, default
         True: the next step waits per program only for the host chunks it reads; exact); False:
         each step joins all of the previous step's host work.
+      clip_expect: ``"auto"`` (``"fires"`` when ``host_optimizer`` clips by global norm, else
+        ``"rare"``), ``"fires"`` or ``"rare"``: the clipping the plan times the step for
+        (:mod:`chunkjax.clip_plan`: whether host updates overlap the backward or start at its end).
 
     Raises:
       ValueError: no optimizer or both, a transformation that is not elementwise, a compute
         dtype that is not floating, a last stage that returns neither a scalar nor a WeightedLoss, a bad ZeRO stage or mesh, a batch that does not split over
-        ranks x micro-batches, a chunk size below 1.
+        ranks x micro-batches, a chunk size below 1, an unknown ``clip_expect``.
       HostMemoryError: even the least host memory any plan needs exceeds what is available.
     """
     if (tx is None) == (host_optimizer is None):
@@ -271,6 +277,7 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
     if tx is not None and check_tx:
         check_elementwise(tx)
     tx = host_optimizer.optax() if tx is None else tx
+    clip_expect = clip_plan.resolve(clip_expect, host_optimizer)
     zero_stage = int(zero_stage or 0)
     if zero_stage not in (0, 1, 2, 3) or (zero_stage > 0) != (mesh is not None):
         raise ValueError(f"zero_stage={zero_stage} with mesh={mesh}: pass a data mesh and zero_stage 1, 2 or 3, "
@@ -324,7 +331,8 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
                       int(prefetch), segments, int(micro_batches), nonfinite, bool(loss_scaling), mesh, zero_stage,
                       float(flops_per_step) / n_ranks, rates or Rates(),
                       None if host_budget is None else int(host_budget), platform, storage,
-                      *(disk_capacity(storage) if storage else (0, None)), bool(cross_step))
+                      *(disk_capacity(storage) if storage else (0, None)), bool(cross_step),
+                      clip_expect)
 
 
 # ---- the one planning call -------------------------------------------------------------------
@@ -379,7 +387,7 @@ def _plan(p: FitProblem, budget_bytes: int, *, policy, resident, must_fit, split
                          storage_devices=p.storage_devices, disk_budget_bytes=p.disk_budget_bytes,
                          disk_versions=p.storage.disk_versions if p.storage is not None else 2,
                          host_bytes_of=host_bytes_of(p) if p.n_ranks == 1 and p.host_budget_bytes is not None else None,
-                         cross_step=p.cross_step)
+                         cross_step=p.cross_step, clip_expect=p.clip_expect)
 
 
 def build_step(problem: FitProblem, schedule, speculation_bytes: int | None = None):

@@ -12,6 +12,13 @@
 #   6b16_clip chunkjax, cross-step, clip_by_global_norm(1.0) (speculative host updates, validated as soon
 #             as the norm is known);
 #   6b16_mb4  chunkjax, cross-step, 4 micro-batches (the planner's accumulation);
+#   6b16u     only when named (not in "all"): chunkjax alone, cross-step, unclipped (6b16 without plain JAX);
+#   6b16_clipr only when named: 6b16_clip planned as if clipping were rare (--set clip_expect=rare: the plan
+#             before chunkjax.clip_plan, host updates timed overlapping the backward);
+#   clip      the three runs of the clipped plan's check in one call of < 5 min (issue 23, chunkjax.clip_plan:
+#             6b16_clip is now planned for clipping that fires, more chunks streamed):
+#             LIMIT=290 bash experiments/gpu_checks/cross_step_6b.sh <run-id> clip   (= 6b16u,6b16_clip,6b16_clipr;
+#             6b16_clipr is skipped when the first two leave it under 60 s)
 #   6b16_mb4u only when named (not in "all"): 6b16_mb4 with the in-program micro-batch loops traced
 #             unrolled (bench --set unroll_micro=1, experiments.bench_chunkjax.unroll_micro_loops): do
 #             the backward programs' fetches then overlap the loop? e.g. with BASE_TPS / PLAIN_TPS of a
@@ -39,19 +46,22 @@ run() {  # run <tag> <bench args...>: within the call's time left, else skipped
   timeout -k 10 $left $B --run-id ${RUN}_$tag --worker-timeout $left "$@" > $OUT/$tag.log 2>&1
   echo "$tag rc=$? $((SECONDS - t0)) s"
 }
+[[ $PART == clip ]] && PART=6b16u,6b16_clip,6b16_clipr
 want() { [[ $PART == all || ,$PART, == *,$1,* ]]; }
 if [[ $PART != table ]]; then
   want 6b16 && run 6b16 $SIX --systems plain_jax,chunkjax --system-budget plain_jax=$WHOLE
+  [[ ,$PART, == *,6b16u,* ]] && run 6b16u $SIX --systems chunkjax
   want 6b16_off && run 6b16_off $SIX --systems chunkjax --set cross_step=0
   want 6b16_clip && run 6b16_clip $SIX --systems chunkjax --set max_grad_norm=1.0
+  [[ ,$PART, == *,6b16_clipr,* ]] && run 6b16_clipr $SIX --systems chunkjax --set max_grad_norm=1.0 --set clip_expect=rare
   want 6b16_mb4 && run 6b16_mb4 $SIX --systems chunkjax --set micro_batches=4
   [[ ,$PART, == *,6b16_mb4u,* ]] && run 6b16_mb4u $SIX --systems chunkjax --set micro_batches=4 --set unroll_micro=1
 fi
-for t in 6b16 6b16_off 6b16_clip 6b16_mb4 6b16_mb4u; do [ -f $OUT/$t.log ] && { echo "== $t"; tail -3 $OUT/$t.log; }; done
+for t in 6b16 6b16u 6b16_off 6b16_clip 6b16_clipr 6b16_mb4 6b16_mb4u; do [ -f $OUT/$t.log ] && { echo "== $t"; tail -3 $OUT/$t.log; }; done
 python - "$RUN" <<'P'
 import json, os, sys
 O, run = os.environ["OUT"], sys.argv[1]
-TAGS = ("6b16", "6b16_off", "6b16_clip", "6b16_mb4", "6b16_mb4u")
+TAGS = ("6b16", "6b16u", "6b16_off", "6b16_clip", "6b16_clipr", "6b16_mb4", "6b16_mb4u")
 rows, out = [], {"run_id": run}
 def load(tag):
     f = f"{O}/bench_{run}_{tag}.json"
@@ -67,12 +77,15 @@ for tag in TAGS:
                      "update_s": s.get("update_s"), "model_tflops": s.get("model_tflops"),
                      "max_grad_norm": e.get("max_grad_norm"), "micro_batches": e.get("micro_batches"),
                      "unroll_micro": e.get("unroll_micro"), "peak_device_bytes_measured": s.get("peak_device_bytes_measured"),
-                     "speculation": e.get("speculation"),
+                     "speculation": e.get("speculation"), "clip_expect": e.get("clip_expect"),
+                     "step_s_predicted_if": e.get("step_s_predicted_if"),
                      "error": (s.get("error") or s.get("infeasible_reason") or "")[:300]})
 out["rows"] = rows
 plain = next((x["tokens_per_s"] for x in rows if x["run"] == "6b16" and x["system"] == "plain_jax"),
              float(os.environ["PLAIN_TPS"]) if os.environ.get("PLAIN_TPS") else None)
 tps = {x["run"]: x["tokens_per_s"] for x in rows if x["system"] == "chunkjax"}
+if "6b16" not in tps and "6b16u" in tps:  # chunkjax alone, unclipped, in this call
+    tps["6b16"] = tps["6b16u"]
 if "6b16" not in tps and os.environ.get("BASE_TPS"):  # a second call: the first call's cross-step chunkjax
     tps["6b16"] = float(os.environ["BASE_TPS"])
 ratio = lambda a, b: a / b if a and b else None  # noqa: E731
@@ -80,6 +93,8 @@ out["targets"] = {"6b16_cross_over_plain (>= 0.85)": ratio(tps.get("6b16"), plai
                   "6b16_off_over_plain (0.673 in session 14)": ratio(tps.get("6b16_off"), plain),
                   "6b16_cross_over_off": ratio(tps.get("6b16"), tps.get("6b16_off")),
                   "6b16_clip_over_cross (>= 0.95)": ratio(tps.get("6b16_clip"), tps.get("6b16")),
+                  "6b16_clipr_over_cross (0.577 in session 16)": ratio(tps.get("6b16_clipr"), tps.get("6b16")),
+                  "6b16_clip_over_clipr": ratio(tps.get("6b16_clip"), tps.get("6b16_clipr")),
                   "6b16_mb4_over_cross (>= 0.95)": ratio(tps.get("6b16_mb4"), tps.get("6b16")),
                   "6b16_mb4u_over_cross (>= 0.95)": ratio(tps.get("6b16_mb4u"), tps.get("6b16")),
                   "6b16_mb4u_over_mb4": ratio(tps.get("6b16_mb4u"), tps.get("6b16_mb4"))}
@@ -87,14 +102,16 @@ skipped = f"{O}/skipped.txt"
 out["skipped"] = open(skipped).read().split() if os.path.exists(skipped) else []
 json.dump(out, open(f"{O}/cross_step_6b_{run}.json", "w"), indent=1)
 f = lambda v, d=3: "-" if v is None else f"{v:,.{d}f}"  # noqa: E731
-print("| run | system | cross-step | tokens/s | ratio to plain JAX | step s | predicted s | host update s | programs | split | speculated/redone |")
-print("|---|---|---|---|---|---|---|---|---|---|---|")
+print("| run | system | cross-step | tokens/s | ratio to plain JAX | step s | predicted s | if fires / rare | "
+      "host update s | programs | split | speculated/redone | clip expected |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 for x in rows:
-    sp = x["speculation"] or {}
+    sp, both = x["speculation"] or {}, x["step_s_predicted_if"] or {}
     print(f"| {x['run']} | {x['system']} | {x['cross_step'] if x['system'] == 'chunkjax' else '-'} | "
           f"{f(x['tokens_per_s'], 0)} | {f(ratio(x['tokens_per_s'], plain))} | {f(x['step_s'])} | "
-          f"{f(x['step_s_predicted'])} | {f(x['update_s'])} | {len(x['segments'] or []) or '-'} | "
+          f"{f(x['step_s_predicted'])} | {f(both.get('fires'))} / {f(both.get('rare'))} | "
+          f"{f(x['update_s'])} | {len(x['segments'] or []) or '-'} | "
           f"{x['schedule_counts'] or '-'} | {sp.get('speculated_chunks', '-')}/{sp.get('redone_chunks', '-')} | "
-          + (x["error"].splitlines()[0] if x["error"] else ""))
+          f"{x['clip_expect'] or '-'} | " + (x["error"].splitlines()[0] if x["error"] else ""))
 print(json.dumps(out["targets"], indent=1), "skipped:", out["skipped"])
 P
