@@ -18,7 +18,10 @@
 #   clip      the three runs of the clipped plan's check in one call of < 5 min (issue 23, chunkjax.clip_plan:
 #             6b16_clip is now planned for clipping that fires, more chunks streamed):
 #             LIMIT=290 bash experiments/gpu_checks/cross_step_6b.sh <run-id> clip   (= 6b16u,6b16_clip,6b16_clipr;
-#             6b16_clipr is skipped when the first two leave it under 60 s)
+#             6b16_clipr is skipped when the first two leave it under 60 s). CLIP_EXTRA adds bench arguments to
+#             6b16_clip, e.g. CLIP_EXTRA="--host-budget 112e9" (the CPU plan: 8 streamed chunks, host need 106e9,
+#             instead of 34 streamed and 128.7e9 at the auto budget of ~123e9; the s16x runs' RSS peaked 13-20 GB
+#             above their plans' need: run the call under memwatch.sh)
 #   6b16_mb4u only when named (not in "all"): 6b16_mb4 with the in-program micro-batch loops traced
 #             unrolled (bench --set unroll_micro=1, experiments.bench_chunkjax.unroll_micro_loops): do
 #             the backward programs' fetches then overlap the loop? e.g. with BASE_TPS / PLAIN_TPS of a
@@ -52,7 +55,7 @@ if [[ $PART != table ]]; then
   want 6b16 && run 6b16 $SIX --systems plain_jax,chunkjax --system-budget plain_jax=$WHOLE
   [[ ,$PART, == *,6b16u,* ]] && run 6b16u $SIX --systems chunkjax
   want 6b16_off && run 6b16_off $SIX --systems chunkjax --set cross_step=0
-  want 6b16_clip && run 6b16_clip $SIX --systems chunkjax --set max_grad_norm=1.0
+  want 6b16_clip && run 6b16_clip $SIX --systems chunkjax --set max_grad_norm=1.0 ${CLIP_EXTRA:-}
   [[ ,$PART, == *,6b16_clipr,* ]] && run 6b16_clipr $SIX --systems chunkjax --set max_grad_norm=1.0 --set clip_expect=rare
   want 6b16_mb4 && run 6b16_mb4 $SIX --systems chunkjax --set micro_batches=4
   [[ ,$PART, == *,6b16_mb4u,* ]] && run 6b16_mb4u $SIX --systems chunkjax --set micro_batches=4 --set unroll_micro=1
@@ -103,14 +106,15 @@ out["skipped"] = open(skipped).read().split() if os.path.exists(skipped) else []
 json.dump(out, open(f"{O}/cross_step_6b_{run}.json", "w"), indent=1)
 f = lambda v, d=3: "-" if v is None else f"{v:,.{d}f}"  # noqa: E731
 print("| run | system | cross-step | tokens/s | ratio to plain JAX | step s | predicted s | if fires / rare | "
-      "host update s | programs | split | speculated/redone | clip expected |")
-print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+      "host update s (pred) | streamed tail s pred | programs | split | speculated/redone | clip expected |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 for x in rows:
-    sp, both = x["speculation"] or {}, x["step_s_predicted_if"] or {}
+    sp, both, pt = x["speculation"] or {}, x["step_s_predicted_if"] or {}, x["predicted_time"] or {}
     print(f"| {x['run']} | {x['system']} | {x['cross_step'] if x['system'] == 'chunkjax' else '-'} | "
           f"{f(x['tokens_per_s'], 0)} | {f(ratio(x['tokens_per_s'], plain))} | {f(x['step_s'])} | "
           f"{f(x['step_s_predicted'])} | {f(both.get('fires'))} / {f(both.get('rare'))} | "
-          f"{f(x['update_s'])} | {len(x['segments'] or []) or '-'} | "
+          f"{f(x['update_s'])} ({f(pt.get('host_update_s'))}) | {f(pt.get('streamed_update_s'))} | "
+          f"{len(x['segments'] or []) or '-'} | "
           f"{x['schedule_counts'] or '-'} | {sp.get('speculated_chunks', '-')}/{sp.get('redone_chunks', '-')} | "
           f"{x['clip_expect'] or '-'} | " + (x["error"].splitlines()[0] if x["error"] else ""))
 print(json.dumps(out["targets"], indent=1), "skipped:", out["skipped"])
