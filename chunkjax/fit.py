@@ -544,7 +544,7 @@ def fit_step(stages, params, batch, *, device_budget="auto", policy: str = "tide
       **prepare_kw: the rest of :func:`prepare` (tx, host_optimizer, compute_dtype, chunk_size,
         min_chunks, prefetch, segments, micro_batches, nonfinite, loss_scaling, mesh, zero_stage,
         flops_per_step, rates, host_budget, trainable: the frozen leaves, cross_step: False for
-        the joined step).
+        the joined step, clip_expect: the clipping the plan times, :mod:`chunkjax.clip_plan`).
 
     Example::
 

@@ -135,3 +135,15 @@ def test_clipped_step_of_the_fires_plan_equals_optax(setup, fires):
     np.testing.assert_allclose(np.asarray(losses), ref_l, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(step.master_params(state)), jax.tree.leaves(ref_p)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-6)
+
+
+def test_the_split_counts_a_host_bound_cross_step_steps_floor():
+    """The update split's crossing (:func:`chunkjax.plan_split._host_side`): with cross-step overlap
+    a step is never shorter than the host thread's work, so the host's share of the tail is also
+    the host work beyond forward + backward + stalls, even when the next forward hides its tail
+    (no exposed seconds); a joined step's share is its exposed tail."""
+    from chunkjax.plan_split import _host_side
+    t = cost.PipelinedStepTime(1.0, 3.0, 5.0, 0.0, 0.0, 0.0, 4.0, 0.0, window_stall_s=0.5, cross_step=True)
+    assert t.step_s == pytest.approx(5.0) and _host_side(t) == pytest.approx(0.5)
+    assert _host_side(dataclasses.replace(t, host_update_exposed_s=0.75)) == pytest.approx(0.75)
+    assert _host_side(dataclasses.replace(t, cross_step=False, host_update_exposed_s=0.25)) == 0.25
