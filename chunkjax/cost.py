@@ -150,6 +150,9 @@ class PipelinedStepTime:
         ``host_update_exposed_s`` is then the wait of the next step's forward after the backward's
         end for the host tail (:func:`cross_step_wait`), which runs beside the device updates and
         the streamed tail, and a step is never shorter than the host thread's whole work.
+      norm_wait: timed as a step whose host updates wait for the global norm (clipping fires,
+        no speculation: :mod:`chunkjax.clip_plan`): the host thread's whole work starts at the
+        backward's end, beside the streamed pipeline.
     """
 
     forward_s: float
@@ -166,6 +169,7 @@ class PipelinedStepTime:
     window_stall_s: float = 0.0
     window: int = 0
     cross_step: bool = False
+    norm_wait: bool = False
 
     @property
     def step_s(self) -> float:
@@ -455,7 +459,7 @@ def predict_pipelined_step(flops_per_step: float, *, fwd_h2d: int, bwd_h2d: int,
                            storage_early: bool = False, staging_buffers: int = 3,
                            window: int = GRAD_WINDOW_PROGRAMS, cross_step: bool = False,
                            host_reads: Sequence[tuple[float, int]] = (), passes: int = 1,
-                           looped_fetch: bool = False) -> PipelinedStepTime:
+                           looped_fetch: bool = False, norm_wait: bool = False) -> PipelinedStepTime:
     """Predict a pipelined step on one timeline (:func:`program_timeline`): forward, backward
     (with per-stage recompute: the forward's FLOPs again) cut into programs, a host thread that
     updates each program's host chunks once that program has finished (in program order, one at
@@ -507,6 +511,10 @@ def predict_pipelined_step(flops_per_step: float, *, fwd_h2d: int, bwd_h2d: int,
         GPT3_6B b16 with 4 micro-batches: backward programs with 1.18 GB of fetches ran 130-136 ms
         against 100-106 ms with one micro-batch, docs/design.md). The forward's fetches (measured
         nearly hidden) and the gradients' D2H stay overlapped.
+      norm_wait: the host updates wait for the global norm (the step's clipping fires and it does
+        not speculate): every host chunk is handed over at the backward's end, none holds the
+        backward back (:meth:`chunkjax.host_work.HostWork.hand_over` stops waiting once the
+        speculation stalls).
     """
     r = rates
     c_fwd = flops_per_step / 3 / r.matmul_flops_per_s
@@ -519,6 +527,8 @@ def predict_pipelined_step(flops_per_step: float, *, fwd_h2d: int, bwd_h2d: int,
     ends = sorted(set(program_ends) | {f for f, _ in host_ready} | {f for f, _, _ in streamed}
                   | {f for f, _ in storage} | {1.0})
     host_s = [0.0] * len(ends)
+    if norm_wait:  # the streamed chunks' update reads the norm too
+        host_ready, streamed_early = ([(1.0, sum(p for _, p in host_ready))] if host_ready else []), False
     for frac, params in host_ready:
         host_s[_program_index(ends, frac)] += params * r.host_update_s_per_param
     first_streamed = min((_program_index(ends, f) for f, _, _ in streamed), default=len(ends))
@@ -551,7 +561,8 @@ def predict_pipelined_step(flops_per_step: float, *, fwd_h2d: int, bwd_h2d: int,
             other_tail_s=dev_upd + max(exposed, streamed_s), rates=r)
     return PipelinedStepTime(fwd, bwd, host, exposed, dev_upd, streamed_s, c_fwd + c_bwd,
                              fwd_h2d / r.h2d_bytes_per_s + bwd_transfer, busy, disk_exposed,
-                             max(0.0, busy - disk_exposed), stall, int(window), bool(cross_step and host))
+                             max(0.0, busy - disk_exposed), stall, int(window), bool(cross_step and host),
+                             bool(norm_wait and host))
 
 
 def _dot_flops(eqn) -> float:

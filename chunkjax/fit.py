@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from chunkjax import clip_plan
 from chunkjax.cost import Rates
 from chunkjax.errors import HostBudgetError, PinnedLimitError, PlanError
 from chunkjax.fit_batch import batch_rows, rows_of, step_flops
@@ -88,6 +89,7 @@ class FitProblem:
         previous one.
       unroll_micro_batches: an in-program plan's micro-batch loops traced unrolled, and timed so
         (:attr:`chunkjax.schedule.Schedule.unroll_micro_batches`); False: while loops.
+      clip_expect: ``"fires"`` or ``"rare"``, the clipping the plan expects (:mod:`chunkjax.clip_plan`).
     """
 
     stages: tuple
@@ -115,6 +117,7 @@ class FitProblem:
     disk_budget_bytes: int | None = None
     cross_step: bool = True
     unroll_micro_batches: bool = False
+    clip_expect: str = "rare"
 
     @property
     def n_ranks(self) -> int:
@@ -223,7 +226,7 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
             zero_stage: int = 0, flops_per_step: float | None = None, rates: Rates | None = None,
             host_budget="auto", device_budget=None, check_host: bool = True, check_tx: bool = True,
             trainable=None, storage=None, cross_step: bool = True,
-            unroll_micro_batches: bool = False) -> FitProblem:
+            unroll_micro_batches: bool = False, clip_expect: str = "auto") -> FitProblem:
     """Layout and traces for a step (no allocation; the budget comes later).
 
     Args:
@@ -267,11 +270,14 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
         each step joins all of the previous step's host work.
       unroll_micro_batches: with ``micro_batches`` > 1, an in-program plan's loops traced
         unrolled (:attr:`FitProblem.unroll_micro_batches`).
+      clip_expect: ``"auto"`` (``"fires"`` when ``host_optimizer`` clips by global norm, else
+        ``"rare"``), ``"fires"`` or ``"rare"``: the clipping the plan times the step for
+        (:mod:`chunkjax.clip_plan`: whether host updates overlap the backward or start at its end).
 
     Raises:
       ValueError: no optimizer or both, a transformation that is not elementwise, a compute
         dtype that is not floating, a last stage that returns neither a scalar nor a WeightedLoss, a bad ZeRO stage or mesh, a batch that does not split over
-        ranks x micro-batches, a chunk size below 1.
+        ranks x micro-batches, a chunk size below 1, an unknown ``clip_expect``.
       HostMemoryError: even the least host memory any plan needs exceeds what is available.
     """
     if (tx is None) == (host_optimizer is None):
@@ -284,6 +290,7 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
     if tx is not None and check_tx:
         check_elementwise(tx)
     tx = host_optimizer.optax() if tx is None else tx
+    clip_expect = clip_plan.resolve(clip_expect, host_optimizer)
     zero_stage = int(zero_stage or 0)
     if zero_stage not in (0, 1, 2, 3) or (zero_stage > 0) != (mesh is not None):
         raise ValueError(f"zero_stage={zero_stage} with mesh={mesh}: pass a data mesh and zero_stage 1, 2 or 3, "
@@ -338,7 +345,7 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
                       float(flops_per_step) / n_ranks, rates or Rates(),
                       None if host_budget is None else int(host_budget), platform, storage,
                       *(disk_capacity(storage) if storage else (0, None)), bool(cross_step),
-                      bool(unroll_micro_batches))
+                      bool(unroll_micro_batches), clip_expect)
 
 
 # ---- the one planning call -------------------------------------------------------------------
@@ -394,7 +401,7 @@ def _plan(p: FitProblem, budget_bytes: int, *, policy, resident, must_fit, split
                          storage_workers=p.storage_dirs,
                          disk_versions=p.storage.disk_versions if p.storage is not None else 2,
                          host_bytes_of=host_bytes_of(p) if p.n_ranks == 1 and p.host_budget_bytes is not None else None,
-                         cross_step=p.cross_step)
+                         cross_step=p.cross_step, clip_expect=p.clip_expect)
 
 
 def build_step(problem: FitProblem, schedule, speculation_bytes: int | None = None):
@@ -551,7 +558,7 @@ def fit_step(stages, params, batch, *, device_budget="auto", policy: str = "tide
       **prepare_kw: the rest of :func:`prepare` (tx, host_optimizer, compute_dtype, chunk_size,
         min_chunks, prefetch, segments, micro_batches, nonfinite, loss_scaling, mesh, zero_stage,
         flops_per_step, rates, host_budget, trainable: the frozen leaves, cross_step: False for
-        the joined step).
+        the joined step, clip_expect: the clipping the plan times, :mod:`chunkjax.clip_plan`).
 
     Example::
 

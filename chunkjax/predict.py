@@ -414,7 +414,7 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
             micro_batches: int = 1, streamed_early: bool = False, storage_devices: int = 1,
             storage_early: bool = False, staging_buffers: int = STORAGE_STAGING_BUFFERS,
             window: int = GRAD_WINDOW_PROGRAMS, cross_step: bool = False, prefetch: int = 1,
-            storage_workers: int | None = None) -> Prediction:
+            storage_workers: int | None = None, norm_wait: bool = False) -> Prediction:
     """The :class:`~chunkjax.schedule.Prediction` of a schedule's decisions.
 
     Args:
@@ -461,6 +461,8 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
       cross_step, prefetch: the step runs with cross-step overlap (:mod:`chunkjax.cross_step`):
         its host tail is timed against the next forward's reads
         (:func:`chunkjax.cross_step.next_read_fractions` with the fetch distance ``prefetch``).
+      norm_wait: time the step whose clipping fires (:mod:`chunkjax.clip_plan`): the host
+        updates start at the backward's end and every host gradient of the step exists at once.
 
     Bytes moved per step: every fetch brings one chunk's compute params up; every chunk not
     updated on the device sends its gradient down during the backward (both once per pass of the
@@ -492,7 +494,7 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
         elif u == DEVICE_UPDATE and k == PINNED_HOST:
             d2h += cb.params
     hf = host_figures(chunk_size, cb, param_kinds, update_locations, grad_done, segments, T, master_fetch=mf,
-                      micro_batches=micro_batches, window=window)
+                      micro_batches=micro_batches, window=len(segments) if norm_wait else window)
     n_disk = sum(u == STORAGE_UPDATE for u in update_locations)
     workers = storage_devices if storage_workers is None else storage_workers
     staging = storage_host_bytes(disk_file_bytes(cb), workers, staging_buffers) if n_disk else 0
@@ -517,7 +519,7 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
         storage_early=storage_early and micro_batches == 1, staging_buffers=staging_buffers, window=window,
         cross_step=cross_step, host_reads=[(f, chunk_size) for c, f in next_read_fractions(
             fetch, segments, prefetch, n_stages).items() if update_locations[c] == HOST_UPDATE] if cross_step else (),
-        passes=passes, looped_fetch=looped_fetch(traces))
+        passes=passes, looped_fetch=looped_fetch(traces), norm_wait=norm_wait)
     return Prediction(int(peak), int(model), hf.pop("host_model_bytes"), int(h2d), int(d2h), int(fetch_b),
                       int(passes * n_fetch), tuple(int(b) for b in moment_bytes), time, **hf,
                       disk_bytes_per_step=2 * n_disk * disk_file_bytes(cb), storage_chunks=n_disk,

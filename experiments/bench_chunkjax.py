@@ -32,7 +32,8 @@ class ChunkjaxSystem:
     def __init__(self, cfg, budget_bytes: int, batch: int, seq: int, lr: float = 1e-4,
                  segments="auto", host_update: bool = True, prefetch: int = 1, zero_stage: int = 0,
                  init: str = "leafwise", max_grad_norm: float | None = None, micro_batches: int = 1,
-                 storage=None, host_budget="auto", cross_step: bool = True, unroll_micro_batches: bool = False):
+                 storage=None, host_budget="auto", cross_step: bool = True, unroll_micro_batches: bool = False,
+                 clip_expect: str = "auto"):
         import jax
         import jax.numpy as jnp
 
@@ -76,7 +77,8 @@ class ChunkjaxSystem:
                                    flops_per_step=cfg.flops_per_token(seq) * batch * seq, rates=self.rates,
                                    device_budget=self.budget, storage=storage or None, host_budget=host_budget,
                                    cross_step=self.cross_step,  # planned and run so
-                                   unroll_micro_batches=unroll_micro_batches)
+                                   unroll_micro_batches=unroll_micro_batches,
+                                   clip_expect=clip_expect)  # "auto": "fires" with max_grad_norm (chunkjax.clip_plan)
         self.disk, self.disk_steps = None, []  # the disk tier: the storage chunks' DiskState, each step's result
         self.trace_s = time.perf_counter() - t0
         p = self.problem
@@ -253,7 +255,8 @@ def run_chunkjax(args) -> dict:
                           micro_batches=int(getattr(args, "micro_batches", 1)),
                           storage=_storage(args), host_budget=getattr(args, "host_budget", "auto"),
                           cross_step=bool(int(getattr(args, "cross_step", 1))),
-                          unroll_micro_batches=bool(int(getattr(args, "unroll_micro_batches", 0))))
+                          unroll_micro_batches=bool(int(getattr(args, "unroll_micro_batches", 0))),
+                          clip_expect=str(getattr(args, "clip_expect", "auto")))
     try:
         rec = measure_system(sys_, args)
     except Exception as e:  # keep the plan next to the failure (e.g. out of memory at run time)
@@ -288,6 +291,7 @@ def run_chunkjax(args) -> dict:
         "cross_step": sys_.step_fn.cross_step, "unroll_micro_batches": sys_.schedule.unroll_micro_batches,
         "accumulation": sys_.schedule.accumulation, "micro_group": sys_.schedule.micro_group,
         "speculation": sys_.speculation, "host_ledger": sys_.ledger.to_dict(),
+        "clip_expect": sys_.problem.clip_expect, "step_s_predicted_if": _both_ways(sys_),
     })
     if sys_.zero_stage:  # bytes each rank sends through collectives per step (ring algorithms)
         import jax
@@ -299,6 +303,19 @@ def run_chunkjax(args) -> dict:
     if rec.get("step_s_median") and p.time.step_s:
         rec["step_time_ratio_measured_over_predicted"] = rec["step_s_median"] / p.time.step_s
     return rec
+
+
+def _both_ways(sys_) -> dict | None:
+    """The plan's predicted step if clipping fires and if it is rare (:func:`chunkjax.clip_plan.both_ways`;
+    one device without micro-batches or storage chunks, else None)."""
+    from chunkjax.clip_plan import both_ways
+    from chunkjax.tide import memory_tide
+    p, s = sys_.problem, sys_.schedule
+    if p.n_ranks > 1 or p.micro_batches > 1 or s.predicted.storage_chunks:
+        return None
+    return both_ways(s, p.cb_rank, chunk_size=p.layout.chunk_size, traces=p.traces,
+                     tide=memory_tide(p.traces, p.layout.chunk_size), rates=sys_.rates,
+                     flops_per_step=p.flops_per_step, cross_step=p.cross_step)
 
 
 def _storage(args):

@@ -696,7 +696,9 @@ def summary(r: dict) -> str:
                      f"{x['device_model_bytes'] / B:13.2f} {x['host_bytes'] / B:9.2f} "
                      f"{x['h2d_bytes_per_step'] / D:8.2f} {x['d2h_bytes_per_step'] / D:8.2f} "
                      f"{x['n_fetches']:7d} {x['predicted_step_s'] * k:8.3f}")
-    lines += ["", f"where the time goes ({tu}):"]
+    lines += ["", f"where the time goes ({tu})" + (", clipping expected to fire (host updates from the "
+                                                  "backward's end; baselines as if rare)" if r.get("clip_expect") ==
+                                                  "fires" else "") + ":"]
     lines += [f"  {name:13s} {_where(x['time'], k)}" for name, x in rows]
     counts = "; ".join(f"{v} with params on {c.split('/')[0][len('params_'):]}, update on "
                        f"{c.split('/')[1][len('update_'):]}" for c, v in r["placement_counts"].items())
@@ -734,6 +736,10 @@ def main(argv=None) -> int:
     ap.add_argument("--measured-rates", action="store_true", help="with --tide-from: the rates that run ran at "
                     "(the host kernel's inside its step: chunkjax.cost.Rates.from_record), not its start-up "
                     "calibration, so the plan's step time can be checked against its measured one")
+    ap.add_argument("--clip-expect", choices=("rare", "fires"), default="rare",
+                    help="time the step for global-norm clipping that rarely fires (default: host updates overlap "
+                         "the backward, as without clipping) or that fires on most steps (they start when the norm "
+                         "is known; more chunks stream through the device): chunkjax.clip_plan")
     ap.add_argument("--ranks", type=int, default=1,
                     help="GPUs of one node the step is split over with ZeRO (default 1: one device, no ZeRO)")
     ap.add_argument("--zero-stage", type=int, default=None, help="ZeRO stage 1, 2 or 3 with --ranks > 1 (default 3)")
@@ -763,6 +769,7 @@ def main(argv=None) -> int:
                       warn=lambda m: print(f"note: {m}", file=sys.stderr), n_ranks=a.ranks,
                       measured_rates=a.measured_rates, **step_options(a.compute_dtype, a.micro_batches, a.storage),
                       **({"host_budget": host} if a.storage else {}))  # the disk tier plans with a host budget
+        inp = dataclasses.replace(inp, problem=dataclasses.replace(inp.problem, clip_expect=a.clip_expect))
         if budget == "min":  # the least device budget the plan needs (what an infeasible plan names)
             try:
                 plan_report(a.model, 1, host, inp.batch, inp.seq, a.prefetch, inputs=inp, n_ranks=a.ranks,
@@ -774,7 +781,7 @@ def main(argv=None) -> int:
                 budget = e.min_budget_bytes
         r = plan_report(a.model, budget, host, inp.batch, inp.seq, a.prefetch, inputs=inp, n_ranks=a.ranks,
                         zero_stage=a.zero_stage)
-        r["plan_s"] = time.time() - t0
+        r["plan_s"], r["clip_expect"] = time.time() - t0, a.clip_expect
         if a.plots:
             from chunkjax import plots
             r["plots"] = {k: str(v) for k, v in plots.save_figures(

@@ -45,7 +45,7 @@ SHARED_SETUP = {
 FILE_SECONDS = {
     "train_job": 162, "lora": 162, "train_equivalence": 122, "schedule": 99, "front_door": 116,
     "finetune": 88, "disk_tier": 120, "host_bytes": 93, "flax_api": 87, "bench": 85, "notebooks": 86,
-    "zero_schedule": 85, "overlap": 90, "cross_step": 90, "checkpoint_memory": 64, "checkpoint_integrity": 64,
+    "zero_schedule": 85, "overlap": 90, "cross_step": 90, "clip_plan": 50, "checkpoint_memory": 64, "checkpoint_integrity": 64,
     "train_multiprocess": 61, "bench_storage": 58, "storage": 56, "checkpoint_multiprocess": 52,
     "plan_cli": 50, "checkpoint": 47, "speculation_resume": 45, "checkpoint_flax": 45, "checkpoint_async": 38, "hf": 43,
     "checkpoint_storage": 40, "layout": 38, "frozen": 38, "zero": 37, "host_update": 36, "cases": 33,
