@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 
 from chunkjax.errors import PlanError
+from chunkjax.fit_batch import batch_rows, rows_of
 from chunkjax.schedule import IN_PROGRAM, PER_MICRO_BATCH, micro_group_size
 from chunkjax.trace import in_program_traces
 
@@ -50,10 +51,11 @@ def group_sizes(micro_batches: int, n_ranks: int = 1) -> tuple[int, ...]:
 def grouped_problem(problem, group: int):
     """``problem`` (a :class:`chunkjax.fit.FitProblem` with ``micro_batches`` M > 1) as one pass
     of micro-batch groups of ``group`` G sees it: the traces of G micro-batches looped in-program
-    (:func:`chunkjax.trace.in_program_traces`) and ``micro_batches = M / G`` passes (1: no float32
+    (:func:`chunkjax.trace.in_program_traces`, each stage's loop compiled and measured) and ``micro_batches = M / G`` passes (1: no float32
     sums, each chunk fetched once; more: the per-pass path's sums and repeated fetches)."""
-    return dataclasses.replace(problem, traces=in_program_traces(problem.traces, group),
-                               micro_batches=problem.micro_batches // group)
+    one = rows_of(problem.batch, batch_rows(problem.batch) // (problem.n_ranks * problem.micro_batches))
+    traces = in_program_traces(problem.traces, group, problem.stages, problem.layout, one, problem.compute_dtype)
+    return dataclasses.replace(problem, traces=traces, micro_batches=problem.micro_batches // group)
 
 
 def in_program_plan(problem, budget_bytes: int, plan, refused: list | None = None, **kw):
