@@ -85,6 +85,9 @@ class FitProblem:
       cross_step: plan (forward cuts, :func:`chunkjax.plan_schedule`) and build the step with
         cross-step overlap (:mod:`chunkjax.cross_step`; the default); False: the step joins each
         previous one.
+      loop_traces: the in-program traces made so far (:func:`chunkjax.plan_micro.grouped_problem`:
+        each stage's micro-batch loop compiled once, not per plan), shared by the problems
+        ``dataclasses.replace`` makes of this one.
     """
 
     stages: tuple
@@ -111,6 +114,7 @@ class FitProblem:
     storage_devices: int = 0
     disk_budget_bytes: int | None = None
     cross_step: bool = True
+    loop_traces: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @property
     def n_ranks(self) -> int:

@@ -53,8 +53,14 @@ def grouped_problem(problem, group: int):
     of micro-batch groups of ``group`` G sees it: the traces of G micro-batches looped in-program
     (:func:`chunkjax.trace.in_program_traces`, each stage's loop compiled and measured) and ``micro_batches = M / G`` passes (1: no float32
     sums, each chunk fetched once; more: the per-pass path's sums and repeated fetches)."""
-    one = rows_of(problem.batch, batch_rows(problem.batch) // (problem.n_ranks * problem.micro_batches))
-    traces = in_program_traces(problem.traces, group, problem.stages, problem.layout, one, problem.compute_dtype)
+    memo = getattr(problem, "loop_traces", None)
+    key = (group, problem.micro_batches, problem.n_ranks, problem.traces)
+    traces = None if memo is None else memo.get(key)
+    if traces is None:
+        one = rows_of(problem.batch, batch_rows(problem.batch) // (problem.n_ranks * problem.micro_batches))
+        traces = in_program_traces(problem.traces, group, problem.stages, problem.layout, one, problem.compute_dtype)
+        if memo is not None:
+            memo[key] = traces
     return dataclasses.replace(problem, traces=traces, micro_batches=problem.micro_batches // group)
 
 

@@ -275,11 +275,10 @@ class ChunkedStep(StepChunkIO, StepUpdates, OnTopology):
             gk = {c: self.placement.grad_kind(c) for c in done}
             # the carry (saved activations, held chunks, gradient accumulators) is donated so that
             # XLA frees each piece after its last use. On one device the float32 accumulators
-            # (argument 3) are not donated to a program that emits a float32 gradient (float32
-            # compute) to another memory kind: jax would alias the donated device accumulator with
-            # that pinned_host output (GPU: "RuntimeProgramInputMismatch"; CPU: "PjRtBuffer's
-            # memory kind does not match"). Undonated, each accumulator passing through the program
-            # is held twice (argument and output: issue 24, the tied embedding's sums)
+            # (argument 3) are not donated to a program emitting a float32 gradient to another memory
+            # kind: jax would alias the donated accumulator with that pinned_host output (GPU:
+            # "RuntimeProgramInputMismatch"; CPU: "PjRtBuffer's memory kind does not match").
+            # Undonated, an accumulator passing through is held twice (issue 24)
             moved = (self.mesh is None and np.dtype(self.compute_dtype) == np.float32
                      and any(v != DEVICE for v in gk.values()))
             donate = ((2,) if moved else (2, 3)) if self._donates else ()
