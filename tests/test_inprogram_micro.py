@@ -230,7 +230,7 @@ def test_in_program_plan_compiles_within_its_accounting(micro_batches):
     estimated each stage's loop as one micro-batch's internals plus the stacked cotangents and
     missed the loop's own copies (its float32 carry beside the accumulators, the inputs XLA keeps
     for the loop) and the accumulators that a program emitting a host gradient held twice
-    (undonated): compiled 1.22x the accounted peak here, 1.07-1.10x on the H200's GPT3_15B b64."""
+    (undonated): compiled 1.23x the accounted peak here, 1.07-1.10x on the H200's GPT3_15B b64."""
     from chunkjax import fit
     cfg = dataclasses.replace(gpt.get_config("micro"), d_model=128, n_layers=2, vocab_size=1024, seq_len=64)
     batch = jax.ShapeDtypeStruct((micro_batches * 2, cfg.seq_len + 1), jnp.int32)
