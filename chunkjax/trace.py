@@ -6,7 +6,9 @@ from the compiled program's ``memory_analysis()`` (temporaries plus the gradient
 model memory is allocated. Identical stages (same function code and shapes, e.g. transformer
 blocks) are compiled once, and a stage program this process has compiled before (the same model
 prepared again: every ``fit_step`` / ``offload`` traces its stages afresh) is not compiled again
-(:func:`_temp_bytes`).
+(:func:`_temp_bytes`). With micro-batches looped inside each moment (in-program accumulation), each
+distinct stage's loop over the whole batch is compiled and measured the same way
+(:func:`in_program_traces`).
 """
 from __future__ import annotations
 
