@@ -90,6 +90,9 @@ class FitProblem:
       unroll_micro_batches: an in-program plan's micro-batch loops traced unrolled, and timed so
         (:attr:`chunkjax.schedule.Schedule.unroll_micro_batches`); False: while loops.
       clip_expect: ``"fires"`` or ``"rare"``, the clipping the plan expects (:mod:`chunkjax.clip_plan`).
+      loop_traces: the in-program traces made so far (:func:`chunkjax.plan_micro.grouped_problem`:
+        each stage's micro-batch loop compiled once, not per plan), shared by the problems
+        ``dataclasses.replace`` makes of this one.
     """
 
     stages: tuple
@@ -118,6 +121,7 @@ class FitProblem:
     cross_step: bool = True
     unroll_micro_batches: bool = False
     clip_expect: str = "rare"
+    loop_traces: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @property
     def n_ranks(self) -> int:

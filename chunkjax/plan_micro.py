@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 
 from chunkjax.errors import PlanError
+from chunkjax.fit_batch import batch_rows, rows_of
 from chunkjax.schedule import IN_PROGRAM, PER_MICRO_BATCH, micro_group_size
 from chunkjax.trace import in_program_traces
 
@@ -50,12 +51,20 @@ def group_sizes(micro_batches: int, n_ranks: int = 1) -> tuple[int, ...]:
 def grouped_problem(problem, group: int):
     """``problem`` (a :class:`chunkjax.fit.FitProblem` with ``micro_batches`` M > 1) as one pass
     of micro-batch groups of ``group`` G sees it: the traces of G micro-batches looped in-program
-    (:func:`chunkjax.trace.in_program_traces`) and ``micro_batches = M / G`` passes (1: no float32
+    (:func:`chunkjax.trace.in_program_traces`, each stage's loop compiled and measured) and ``micro_batches = M / G`` passes (1: no float32
     sums, each chunk fetched once; more: the per-pass path's sums and repeated fetches), the
     loops unrolled as ``problem.unroll_micro_batches`` says (False for an object without it)."""
     unroll = bool(getattr(problem, "unroll_micro_batches", False))
-    return dataclasses.replace(problem, traces=in_program_traces(problem.traces, group, unroll),
-                               micro_batches=problem.micro_batches // group)
+    memo = getattr(problem, "loop_traces", None)
+    key = (group, problem.micro_batches, problem.n_ranks, problem.traces, unroll)
+    traces = None if memo is None else memo.get(key)
+    if traces is None:
+        one = rows_of(problem.batch, batch_rows(problem.batch) // (problem.n_ranks * problem.micro_batches))
+        traces = in_program_traces(problem.traces, group, problem.stages, problem.layout, one, problem.compute_dtype,
+                                   unrolled=unroll)
+        if memo is not None:
+            memo[key] = traces
+    return dataclasses.replace(problem, traces=traces, micro_batches=problem.micro_batches // group)
 
 
 def in_program_plan(problem, budget_bytes: int, plan, refused: list | None = None, **kw):

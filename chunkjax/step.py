@@ -275,11 +275,13 @@ class ChunkedStep(StepChunkIO, StepUpdates, OnTopology):
             carry_out = () if last else ("x", "saved", "held", "issued") + ("loss_scale",) * self.loss_scaling
             gk = {c: self.placement.grad_kind(c) for c in done}
             # the carry (saved activations, held chunks, gradient accumulators) is donated so that
-            # XLA frees each piece after its last use. On one device the accumulators (argument 3)
-            # are not donated to a program that emits a gradient to another memory kind: jax
-            # would alias the donated device accumulator with that pinned_host output (GPU:
-            # "RuntimeProgramInputMismatch"; CPU: "PjRtBuffer's memory kind does not match")
-            moved = self.mesh is None and any(v != DEVICE for v in gk.values())
+            # XLA frees each piece after its last use. On one device the float32 accumulators
+            # (argument 3) are not donated to a program emitting a float32 gradient to another memory
+            # kind: jax would alias the donated accumulator with that pinned_host output (GPU:
+            # "RuntimeProgramInputMismatch"; CPU: "PjRtBuffer's memory kind does not match").
+            # Undonated, an accumulator passing through is held twice (issue 24)
+            moved = (self.mesh is None and np.dtype(self.compute_dtype) == np.float32
+                     and any(v != DEVICE for v in gk.values()))
             donate = ((2,) if moved else (2, 3)) if self._donates else ()
             fn = self.topology.jit_program(prog, carry_out=carry_out, grad_kinds=gk, donate=donate,
                                            name=f"chunkjax_program_{k}")

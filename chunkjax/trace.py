@@ -6,7 +6,9 @@ from the compiled program's ``memory_analysis()`` (temporaries plus the gradient
 model memory is allocated. Identical stages (same function code and shapes, e.g. transformer
 blocks) are compiled once, and a stage program this process has compiled before (the same model
 prepared again: every ``fit_step`` / ``offload`` traces its stages afresh) is not compiled again
-(:func:`_temp_bytes`).
+(:func:`_temp_bytes`). With micro-batches looped inside each moment (in-program accumulation), each
+distinct stage's loop over the whole batch is compiled and measured the same way
+(:func:`in_program_traces`).
 """
 from __future__ import annotations
 
@@ -223,20 +225,92 @@ def trace_stages(stages, layout: ChunkLayout, batch: jax.ShapeDtypeStruct, compu
     return tuple(out)
 
 
-def in_program_traces(traces: tuple[StageTrace, ...], micro_batches: int,
-                      unrolled: bool = False) -> tuple[StageTrace, ...]:
+def in_program_traces(traces: tuple[StageTrace, ...], micro_batches: int, stages=None, layout: ChunkLayout | None = None,
+                      batch=None, compute_dtype=None, unrolled: bool = False) -> tuple[StageTrace, ...]:
     """The traces of one micro-batch (:func:`trace_stages` on its rows) -> those of a step that
     loops over ``micro_batches`` M of them inside each moment (:class:`chunkjax.walker.Walk`
-    ``micro_batches``): the saved stage inputs are the whole batch's (``M * input_bytes``); a
-    stage's internals stay one micro-batch's, and the loop's whole-batch output and cotangents
-    add ``(M - 1) * (input_bytes + output_bytes)`` to its transient bytes (the forward's stacked
-    output; the backward's incoming cotangent and outgoing input cotangent). Chunk reads are
-    unchanged: each moment fetches its chunks once. The traces record the loop (``micro_loop`` M,
-    ``loop_unrolled``: the walker's ``unroll``) for the cost model."""
+    ``micro_batches``): the saved stage inputs are the whole batch's (``M * input_bytes``), the
+    stage's output too (``M * output_bytes``); chunk reads are unchanged (each moment fetches its
+    chunks once).
+
+    A stage's transient bytes: with ``stages``, ``layout``, ``batch`` (one micro-batch's rows,
+    as :func:`trace_stages` got) and ``compute_dtype``, measured as for one micro-batch, from the
+    compiled loop the walker runs (:func:`_loop_figures`: a ``jax.lax.scan`` of the stage's
+    recompute + vjp over the M parts of the whole batch, float32 gradient sums carried): what
+    the compiler keeps for the loop beyond one micro-batch's internals (the stacked cotangents,
+    its copies of the loop's inputs) is in it, plus the loop's float32 carry (4 bytes per element
+    of each trainable chunk the stage reads; the step's program holds it beside the accumulators
+    it takes and gives, which the tide counts). Without them, the estimate ``temp_bytes
+    + (M - 1) * (input_bytes + output_bytes)`` (the forward's stacked output; the backward's
+    incoming cotangent and outgoing input cotangent), which misses those copies (issue 24: 7-10 %
+    of GPT3_15B's device peak at 8 micro-batches). The traces record the loop (``micro_loop`` M,
+    ``loop_unrolled``: the walker's ``unroll``, ``unrolled``) for the cost model."""
     m = int(micro_batches)
     if m < 1:
         raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
-    return tuple(dataclasses.replace(t, input_bytes=m * t.input_bytes,
-                                     temp_bytes=t.temp_bytes + (m - 1) * (t.input_bytes + t.output_bytes),
-                                     output_bytes=m * t.output_bytes, micro_loop=m,
-                                     loop_unrolled=bool(unrolled)) for t in traces)
+    loop = dict(micro_loop=m, loop_unrolled=bool(unrolled))
+    if m == 1:
+        return tuple(dataclasses.replace(t, **loop) for t in traces)
+    if stages is None:
+        return tuple(dataclasses.replace(t, input_bytes=m * t.input_bytes,
+                                         temp_bytes=t.temp_bytes + (m - 1) * (t.input_bytes + t.output_bytes),
+                                         output_bytes=m * t.output_bytes, **loop) for t in traces)
+    whole = jax.tree.map(lambda a: jax.ShapeDtypeStruct((m * a.shape[0],) + tuple(a.shape[1:]), a.dtype), batch)
+    out, cache = [], {}
+    for i, (st, t, (p_sub, x)) in enumerate(zip(stages, traces, stage_inputs(stages, layout, whole, compute_dtype))):
+        mask = _trainable_mask(layout, st.param_keys)
+        head = i == len(stages) - 1
+        sig = _signature(st, p_sub, x, mask) + (head, m)
+        if sig not in cache:
+            cache[sig] = _loop_figures(st, p_sub, x, whole, head, mask, m)
+        # the loop's float32 carry: the stage's trainable chunks whole (the walker sums into chunk buffers)
+        carry = 4 * layout.chunk_size * sum(bool(layout.chunk_trainable[c]) for c in t.chunks)
+        out.append(dataclasses.replace(t, input_bytes=m * t.input_bytes, temp_bytes=cache[sig] + carry,
+                                       output_bytes=m * t.output_bytes, **loop))
+    return tuple(out)
+
+
+def _loop_fn(stage, head: bool, mask, m: int):
+    """``(p, x, ct, b) -> (sums, dx)``: the walker's in-program backward moment of ``stage`` over
+    ``m`` micro-batches (:meth:`chunkjax.walker.Walk._backward` / ``_head``): a ``jax.lax.scan``
+    over the parts of the whole batch (rows ``[i*k, (i+1)*k)``), each part's recompute + vjp,
+    its gradient added to float32 sums (the loop's carry), the input cotangents stacked; the
+    head's cotangent (the loss's) is the loop's constant and its ``dx`` is scaled by ``1/m`` in
+    float32, as the walker does."""
+    vjp = _vjp_fn(stage, head, mask)
+    f32 = jnp.float32
+
+    def parts(tree):
+        return jax.tree.map(lambda a: a.reshape((m, a.shape[0] // m) + a.shape[1:]), tree)
+
+    def loop(p, x, ct, b):
+        leaves = jax.tree.leaves(p)
+        keep = [True] * len(leaves) if mask is None else mask
+        zeros = [jnp.zeros(a.shape, f32) for a, k in zip(leaves, keep) if k]
+
+        def body(acc, part):
+            xi, ci, bi = part
+            dp, dx = vjp(p, xi, ct if head else ci, bi)
+            return [s + g.astype(f32) for s, g in zip(acc, jax.tree.leaves(dp))], dx
+
+        sums, dx = jax.lax.scan(body, zeros, parts((x, None if head else ct, b)))
+        if dx is not None:
+            if head:
+                dx = [(d.astype(f32) * f32(1.0 / m)).astype(d.dtype) for d in dx]
+            dx = jax.tree.map(lambda a: a.reshape((a.shape[0] * a.shape[1],) + a.shape[2:]), dx)
+        return sums, dx
+    return loop
+
+
+def _loop_figures(st, p_sub, x, whole, head: bool, mask, m: int) -> int:
+    """Transient bytes of ``stage``'s in-program backward moment over ``m`` micro-batches of the
+    ``whole`` batch (:func:`_loop_fn`), its float32 carry left out: the compiled loop's temporaries
+    plus its stacked input cotangent and the whole batch's output (the incoming cotangent's size),
+    as :func:`_stage_figures` counts one micro-batch's. The carry (float32 sums) is the caller's to
+    add: the walker's are whole chunks (:func:`in_program_traces`), kept in the step's program
+    beside the accumulators it takes and gives (the tide's)."""
+    out = jax.eval_shape(st.apply, p_sub, x, whole)
+    ct = _cotangent(st, p_sub, x, whole, head, out)
+    fn = _loop_fn(st, head, mask, m)
+    lowered = jax.jit(fn).trace(p_sub, x, ct, whole).lower()
+    return _temp_bytes(lowered) + _nbytes(jax.eval_shape(fn, p_sub, x, ct, whole)[1]) + _nbytes(out)

@@ -53,7 +53,7 @@ def _plan(setup, spec, group, unrolled=False, cross_step=True):
     cfg, params, batches, stages, layout, traces = setup
     cb, flops = _cb(setup, spec), cfg.flops_per_token(T) * B * T * M
     roomy = plan_schedule(layout, traces, cb, 10**12, flops_per_step=flops, resident=[0], rates=RATES)
-    tr = traces if group == 1 else in_program_traces(traces, group, unrolled)
+    tr = traces if group == 1 else in_program_traces(traces, group, unrolled=unrolled)
     s = plan_schedule(layout, tr, cb, roomy.predicted.peak_device_bytes, flops_per_step=flops, rates=RATES,
                       micro_batches=M // group, cross_step=cross_step, split=False)
     if group > 1:

@@ -81,9 +81,38 @@
 #   third of --largest-steps 1 is cut; the bench keeps the finished timed step); LIMIT 530-540 gives the warm-up only.
 #   Re-planned on the CPU after setup18's accounting (storage workers, 3 % system share), same settings: a2 (GPT3_15B
 #   b64, pool 44, host 115e9): 109 device / 103 host / 104 disk chunks, need 125.57e9 (system 3.66e9), 107.0 s/step. Re-plan b2 the same way before its call.
-#   PREALLOC=false POOL15MB=44 EXTRAMB="--host-budget 115e9" LIMIT=585 MEMLOG=$OUT/mem.log \
+#   Session 16's calls (superseded by session 17's below):
+#     PREALLOC=false POOL15MB=44 EXTRAMB="--host-budget 115e9" LIMIT=585 MEMLOG=$OUT/mem.log \
+#       bash experiments/gpu_checks/memwatch.sh bash experiments/gpu_checks/largest.sh <run> a2
+#     PREALLOC=false POOL18MB=56 EXTRAMB="--host-budget 117.6e9" LIMIT=585 MEMLOG=$OUT/mem.log \
+#       bash experiments/gpu_checks/memwatch.sh bash experiments/gpu_checks/largest.sh <run> b2
+#   Session 17 (s17a2, s17a2b on the H200): both a2 calls were refused by the fit's compiled check before training:
+#   compiled 142.60e9 vs 133.14e9 accounted (host 115e9), then after a re-plan 135.46e9 vs 123.69e9 (host 117.5e9),
+#   the re-plans' host needs above the budget. In-program accumulation's accounting missed each stage's loop copies
+#   (its float32 carry beside the accumulators, the loop's input copies) and accumulators held twice undonated; it now
+#   measures each stage's compiled loop and the programs donate the accumulators (docs/storage.md, "In-program device
+#   accounting"; experiments/gpu_checks/inprogram_gap.py prints the GPU's per-program compiled vs accounted peak, run it
+#   first: < 5 min, compiles only). The device now holds fewer chunks, so the host needs more. CPU re-plans
+#   (largest_plan.py, this code, 138GiB, one 64 GiB directory --disk-gb 68.67; the GPU plans on its own, smaller,
+#   traces, so it holds more on the device and needs less host than these):
+#   a2 GPT3_15B b64 (8 x 8 x 1024), pool 44: 115e9 and 115.5e9 refused (least 115.87e9 with 108 chunks on disk);
+#     --host-budget 116e9: in-program, 103 device / 105 host (copies) / 108 disk chunks, 8 programs; device accounted
+#     133.15e9; host measure 115.87e9, need 126.88e9 (pool 47.24e9 + pageable 68.63e9 + process 7.31e9 + system
+#     3.70e9); disk 137.3 GB/step; predicted 110.8 s/step.
+#   b2 GPT3_18B b16 (8 x 2 x 1024), pool 56: 117.6e9 refused (least 119.23e9); at 119.3e9: 121 / 135 (all
+#     master-fetch) / 108, need 130.33e9, 137.3 GB/step, 100.1 s/step: above the ~126e9 the host allows. Run b2 at
+#     batch 8 = 8 x 1 x 1024 (MB18_BATCH=8) instead: --host-budget 116e9: 132 / 127 (all master-fetch) / 105, 32
+#     programs; device accounted 132.97e9; host measure 115.84e9, need 126.84e9 (pool 60.13e9 + pageable 55.71e9 +
+#     process 7.31e9 + system 3.69e9); disk 133.4 GB/step; predicted 95.3 s/step.
+#     At --host-budget 115e9 (the call below): 132 / 125 / 107, host measure 114.99e9, need 125.97e9 (pageable
+#     54.86e9), disk 136.0 GB/step, predicted 97.1 s/step.
+#   First (compiles only, JSON $OUT/inprogram_gap.json; ratio <= ~1.0 for both rows says the check will pass):
+#   timeout 300 python experiments/gpu_checks/inprogram_gap.py
+#   The loops are compiled once per plan on the GPU (3 stage programs per micro-batch group tried): budget a minute
+#   more of setup (s16a 296 s, s16b ~385 s before the first step).
+#   PREALLOC=false POOL15MB=44 EXTRAMB="--host-budget 116e9" LIMIT=585 MEMLOG=$OUT/mem.log \
 #     bash experiments/gpu_checks/memwatch.sh bash experiments/gpu_checks/largest.sh <run> a2
-#   PREALLOC=false POOL18MB=56 EXTRAMB="--host-budget 117.6e9" LIMIT=585 MEMLOG=$OUT/mem.log \
+#   PREALLOC=false POOL18MB=56 MB18_BATCH=8 EXTRAMB="--host-budget 115e9" LIMIT=585 MEMLOG=$OUT/mem.log \
 #     bash experiments/gpu_checks/memwatch.sh bash experiments/gpu_checks/largest.sh <run> b2
 # * Session 13's part a (pool 38 preallocated) was killed by the kernel's OOM killer in its first step with shmem-rss
 #   (pinned) 79.7 GB against the 40.8 GB pool (experiments/results/largest_s13_15b_memory.json): PREALLOC=false runs

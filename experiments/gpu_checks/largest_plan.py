@@ -28,8 +28,10 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
-def prepare(model: str, batch: int, seq: int, micro_batches: int = 1, storage: str = "", keep_previous=False):
-    """The bench's fit problem for ``model`` (abstract shapes, no host check), as a GPU's."""
+def prepare(model: str, batch: int, seq: int, micro_batches: int = 1, storage: str = "", keep_previous=False,
+            host_budget: int | None = None):
+    """The bench's fit problem for ``model`` (abstract shapes, no host check), as a GPU's (the disk tier
+    needs ``host_budget``, bytes; :func:`plan_one` plans at its own)."""
     import jax
     import jax.numpy as jnp
 
@@ -42,7 +44,7 @@ def prepare(model: str, batch: int, seq: int, micro_batches: int = 1, storage: s
     p = fit.prepare(gpt.gpt_stages(cfg), gpt.abstract_params(cfg), jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32),
                     host_optimizer=AdamW(1e-4, weight_decay=1e-4), compute_dtype=jnp.bfloat16,
                     micro_batches=micro_batches, flops_per_step=float(cfg.flops_per_token(seq) * batch * seq),
-                    host_budget=None, check_host=False, storage=st)
+                    host_budget=host_budget, check_host=False, storage=st)
     return dataclasses.replace(p, platform="gpu"), cfg
 
 
@@ -93,7 +95,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     from chunkjax.plan import parse_bytes
-    p, cfg = prepare(a.model, a.batch, a.seq, a.micro_batches, a.storage)
+    p, cfg = prepare(a.model, a.batch, a.seq, a.micro_batches, a.storage, host_budget=int(a.host))
     rows = []
     for pool in (int(x) for x in a.pool.split(",")):
         r = plan_one(p, cfg, parse_bytes(a.budget), int(a.host), pool or None,
