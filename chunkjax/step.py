@@ -48,7 +48,7 @@ from chunkjax.topology import OnTopology, SingleDevice, make_topology
 from chunkjax.train_state import TrainState
 from chunkjax.speculate import check_options as check_speculation, for_step
 from chunkjax.updaters import host_deadline_s
-from chunkjax.walker import Walk, moments_of, rank_major
+from chunkjax.walker import Walk, kept_kinds, moments_of, rank_major
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,7 +229,8 @@ class ChunkedStep(StepChunkIO, StepUpdates, OnTopology):
         return Walk(self.stages, self.layout, self.topology, self.compute_dtype, self.prefetch,
                     self.placement.param_kinds, tuple(self.placement.grad_kind(c) for c in range(self.layout.n_chunks)),
                     self.reads, tuple(t.backward_chunks for t in self._traces_local(ab)),
-                    self._fetch_lists_local(ab), self.first_reader, self.micro_batches // self.passes)
+                    self._fetch_lists_local(ab), self.first_reader, self.micro_batches // self.passes,
+                    *((self.schedule.remat, self.schedule.remat_names) if self.schedule is not None else ()))
 
     def program_bounds(self) -> list[tuple[int, int]]:
         """``[(first moment, end moment)]`` of each program (the schedule's segments)."""
@@ -280,8 +281,9 @@ class ChunkedStep(StepChunkIO, StepUpdates, OnTopology):
             # "RuntimeProgramInputMismatch"; CPU: "PjRtBuffer's memory kind does not match")
             moved = self.mesh is None and any(v != DEVICE for v in gk.values())
             donate = ((2,) if moved else (2, 3)) if self._donates else ()
+            kept = kept_kinds(getattr(self.schedule, "remat", ()), self.moments, t1)  # chunkjax.remat
             fn = self.topology.jit_program(prog, carry_out=carry_out, grad_kinds=gk, donate=donate,
-                                           name=f"chunkjax_program_{k}")
+                                           name=f"chunkjax_program_{k}", kept_kinds=kept)
             self._cache[key] = (fn, args)
         return self._cache[key]
 

@@ -35,6 +35,9 @@ class StageTrace:
         an embedding lookup's gradient needs none). ``None`` means all of ``chunks``.
       output_bytes: bytes of the stage's output (the next stage's input; the head's loss), a
         part of ``temp_bytes`` (:func:`in_program_traces` scales it).
+      offload_bytes: activations the stage moves to pinned host memory in its forward and back in
+        its backward (remat ``"offload"``, :func:`chunkjax.remat.with_remat`; 0: none).
+      saved_flops: matmul FLOPs its backward does not recompute (remat ``"save"``/``"offload"``).
     """
 
     name: str
@@ -43,6 +46,8 @@ class StageTrace:
     temp_bytes: int
     bwd_chunks: tuple[int, ...] | None = None
     output_bytes: int = 0
+    offload_bytes: int = 0
+    saved_flops: float = 0.0
 
     @property
     def backward_chunks(self) -> tuple[int, ...]:

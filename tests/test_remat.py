@@ -1,0 +1,122 @@
+"""Selective activation checkpointing per stage (:mod:`chunkjax.remat`): a step whose blocks keep
+their named activations (on the device, ``"save"``, or in pinned host memory, ``"offload"``)
+instead of recomputing them trains exactly as the full-recompute step and plain optax; the figures
+the planner uses are those of the block's shapes; the fit path's planner keeps activations where
+it predicts a faster step within the budget and recomputes where it does not.
+"""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import chunkjax as cj
+from chunkjax import remat
+from chunkjax.optim import state_bytes_per_chunk
+from chunkjax.plan import plan_schedule
+from models import gpt
+
+from _micro_setup import micro_gpt_setup
+from _optax_reference import micro_batch_reference
+
+B, T = 2, 16
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def setup():
+    return micro_gpt_setup(2, 23, 7, B, T, STEPS)
+
+
+def _schedule(setup, tx):
+    """Chunk 0 resident, the rest fetched from pinned host memory and updated streamed; one
+    program per forward moment, the head alone, then the backward moments one program each (every
+    kept activation crosses a program boundary)."""
+    cfg, params, batches, stages, layout, traces = setup
+    cb = cj.chunk_bytes(layout, jnp.float32, state_bytes_per_chunk(tx, layout.chunk_size))
+    n = len(stages)
+    segs = tuple(range(2 * n - 1))
+    sched = plan_schedule(layout, traces, cb, 10**12, flops_per_step=cfg.flops_per_token(T) * B * T, resident=[0],
+                          host_update=False)
+    assert "pinned_host" in sched.param_kinds
+    return dataclasses.replace(sched, segments=segs)  # no host updates: planned as one program
+
+
+def _train(setup, sched, tx):
+    cfg, params, batches, stages, layout, traces = setup
+    step = cj.make_chunked_step(stages, layout, sched, tx=tx, compute_dtype=jnp.float32)
+    state, losses = step.init(params), []
+    for b in batches:
+        state, m = step(state, b[:B])
+        losses.append(float(m["loss"]))
+    return step.master_params(state), np.asarray(losses)
+
+
+@pytest.mark.parametrize("option", [remat.SAVE, remat.OFFLOAD, "mixed"])
+def test_kept_activations_train_as_full_recompute_and_optax(setup, option):
+    cfg, params, batches, stages, layout, traces = setup
+    tx = optax.adamw(1e-3)
+    full = _schedule(setup, tx)
+    n = len(stages)
+    opts = ((remat.SAVE, remat.OFFLOAD, remat.FULL)[:n - 1] + (remat.FULL,) * (n - 1))[:n] if option == "mixed" \
+        else (option,) * n
+    sched = dataclasses.replace(full, remat=opts, remat_names=gpt.REMAT_NAMES)
+    p_full, l_full = _train(setup, full, tx)
+    p_kept, l_kept = _train(setup, sched, tx)
+    p_ref, l_ref, _ = micro_batch_reference(cfg, params, batches, tx, rows=B)
+    np.testing.assert_allclose(l_kept, l_full, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(l_kept, l_ref, rtol=1e-5, atol=1e-5)
+    for a, b, c in zip(jax.tree.leaves(p_kept), jax.tree.leaves(p_full), jax.tree.leaves(p_ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=2e-4, atol=2e-6)
+
+
+def _carries_and_flops(step, layout, batch):
+    """Per program of ``step``, the carry it hands on (abstract, with shardings) and the matmul
+    FLOPs of its live equations (:func:`chunkjax.remat.live_matmul_flops`)."""
+    topo = step.topology
+    ab = jax.ShapeDtypeStruct(batch.shape, batch.dtype)
+    carry, out = {}, []
+    for k in range(len(step.program_bounds())):
+        fn, args = step.program(ab, k)
+        params = {c: jax.ShapeDtypeStruct((layout.chunk_size,), jnp.float32,
+                                          sharding=topo.param_sharding(step.placement.param_kinds[c])) for c in args}
+        acc = carry.pop("acc", {})
+        traced = fn.trace(params, ab, carry, acc)
+        res = jax.eval_shape(fn, params, ab, carry, acc)
+        carry = dict(res[0], acc=res[1])
+        out.append((res[0], remat.live_matmul_flops(traced.jaxpr)))
+    return out
+
+
+def test_kept_activations_cross_programs_in_their_kind_and_skip_the_recompute(setup):
+    """Offloaded activations leave their forward program in pinned host memory, saved ones on the
+    device; each block's backward program runs ``saved_flops`` fewer matmul FLOPs than with full
+    recompute (the figures of the block: its MLP input matmul, 2 * h * 4h per token)."""
+    cfg, params, batches, stages, layout, traces = setup
+    tx = optax.adamw(1e-3)
+    full = _schedule(setup, tx)
+    n = len(stages)
+    opts = (remat.FULL, remat.OFFLOAD, remat.SAVE, remat.FULL)
+    kept = dataclasses.replace(full, remat=opts, remat_names=gpt.REMAT_NAMES)
+    runs = {}
+    for name, sched in (("full", full), ("kept", kept)):
+        step = cj.make_chunked_step(stages, layout, sched, tx=tx, compute_dtype=jnp.float32)
+        runs[name] = _carries_and_flops(step, layout, batches[0][:B])
+    figs = remat.remat_figures(stages, layout, jax.ShapeDtypeStruct((B, T + 1), jnp.int32), jnp.float32,
+                               gpt.REMAT_NAMES)
+    h = cfg.d_model
+    for s in (1, 2):
+        assert figs[s].saved_bytes == B * T * 4 * h * 4
+        assert figs[s].saved_flops == 2 * B * T * h * 4 * h
+    # after the forward programs (moments 0..n-2): the blocks' kept activations, in their kinds
+    carry = runs["kept"][n - 2][0]
+    assert carry["kept"]["1"][0].sharding.memory_kind == "pinned_host"
+    assert carry["kept"]["2"][0].sharding.memory_kind == "device"
+    assert "kept" not in runs["full"][n - 2][0]
+    moments = full.moments
+    for s in (1, 2):
+        k = moments.index(("backward", s))  # one program per moment
+        assert runs["full"][k][1] - runs["kept"][k][1] == figs[s].saved_flops
