@@ -146,6 +146,9 @@ class PipelinedStepTime:
         ``forward_s + backward_s``.
       window: the gradient window the step was timed with (programs whose host gradients may
         exist at once; 0: unbounded).
+      activation_bytes: activations moved to pinned host memory in the forward and back in the
+        backward (remat ``"offload"``, :mod:`chunkjax.remat`; each way, in ``transfer_s``).
+      recompute_saved_s: recompute the kept activations remove from the backward (matmul rate).
       cross_step: timed with cross-step overlap (:mod:`chunkjax.cross_step`):
         ``host_update_exposed_s`` is then the wait of the next step's forward after the backward's
         end for the host tail (:func:`cross_step_wait`), which runs beside the device updates and
@@ -166,6 +169,8 @@ class PipelinedStepTime:
     window_stall_s: float = 0.0
     window: int = 0
     cross_step: bool = False
+    activation_bytes: int = 0
+    recompute_saved_s: float = 0.0
 
     @property
     def step_s(self) -> float:
@@ -189,6 +194,8 @@ class PipelinedStepTime:
         if not self.storage_update_s:
             for k in ("storage_update_s", "storage_exposed_s", "storage_hidden_s"):
                 del d[k]
+        if not self.activation_bytes and not self.recompute_saved_s:  # no remat: as recorded before it
+            del d["activation_bytes"], d["recompute_saved_s"]
         return d
 
 
@@ -454,7 +461,8 @@ def predict_pipelined_step(flops_per_step: float, *, fwd_h2d: int, bwd_h2d: int,
                            disk_file_bytes: int = 0, storage_params_per_chunk: int = 0,
                            storage_early: bool = False, staging_buffers: int = 3,
                            window: int = GRAD_WINDOW_PROGRAMS, cross_step: bool = False,
-                           host_reads: Sequence[tuple[float, int]] = ()) -> PipelinedStepTime:
+                           host_reads: Sequence[tuple[float, int]] = (), act_bytes: int = 0,
+                           saved_flops: float = 0.0) -> PipelinedStepTime:
     """Predict a pipelined step on one timeline (:func:`program_timeline`): forward, backward
     (with per-stage recompute: the forward's FLOPs again) cut into programs, a host thread that
     updates each program's host chunks once that program has finished (in program order, one at
@@ -494,12 +502,17 @@ def predict_pipelined_step(flops_per_step: float, *, fwd_h2d: int, bwd_h2d: int,
         :attr:`PipelinedStepTime.step_s`).
       host_reads: with ``cross_step``, per host chunk (fraction of the next forward done when the
         first program taking it starts, its parameters).
+      act_bytes: activations offloaded (remat ``"offload"``): down in the forward, beside its fetches,
+        and up in the backward, both at the one-program duplex rate.
+      saved_flops: recompute FLOPs the kept activations remove from the backward.
     """
     r = rates
     c_fwd = flops_per_step / 3 / r.matmul_flops_per_s
-    c_bwd = flops_per_step / r.matmul_flops_per_s  # 2/3 backward + 1/3 recompute
-    fwd = max(c_fwd, fwd_h2d / r.h2d_bytes_per_s)
-    bwd_transfer = (bwd_h2d + bwd_d2h) / r.one_program_duplex_bytes_per_s
+    c_bwd = max(0.0, flops_per_step - saved_flops) / r.matmul_flops_per_s  # 2/3 backward + 1/3 recompute
+    fwd_transfer = (fwd_h2d / r.h2d_bytes_per_s if not act_bytes
+                    else (fwd_h2d + act_bytes) / r.one_program_duplex_bytes_per_s)
+    fwd = max(c_fwd, fwd_transfer)
+    bwd_transfer = (bwd_h2d + bwd_d2h + act_bytes) / r.one_program_duplex_bytes_per_s
     bwd = max(c_bwd, bwd_transfer)
     ends = sorted(set(program_ends) | {f for f, _ in host_ready} | {f for f, _, _ in streamed}
                   | {f for f, _ in storage} | {1.0})
@@ -534,8 +547,9 @@ def predict_pipelined_step(flops_per_step: float, *, fwd_h2d: int, bwd_h2d: int,
             kernel_s=storage_params_per_chunk * r.host_update_s_per_param * n_dev, backward_end=end,
             other_tail_s=dev_upd + max(exposed, streamed_s), rates=r)
     return PipelinedStepTime(fwd, bwd, host, exposed, dev_upd, streamed_s, c_fwd + c_bwd,
-                             fwd_h2d / r.h2d_bytes_per_s + bwd_transfer, busy, disk_exposed,
-                             max(0.0, busy - disk_exposed), stall, int(window), bool(cross_step and host))
+                             fwd_transfer + bwd_transfer, busy, disk_exposed,
+                             max(0.0, busy - disk_exposed), stall, int(window), bool(cross_step and host),
+                             int(act_bytes), min(saved_flops, flops_per_step) / r.matmul_flops_per_s)
 
 
 def _dot_flops(eqn) -> float:

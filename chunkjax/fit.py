@@ -39,6 +39,8 @@ from chunkjax.optim import check_elementwise, state_bytes_per_chunk
 from chunkjax.plan import plan_schedule
 from chunkjax.plan_disk import storage_line
 from chunkjax.plan_micro import accumulation_line, passes_of, plan_micro_batches
+from chunkjax.plan_remat import remat_plan
+from chunkjax.remat import remat_figures
 from chunkjax.predict import ChunkBytes, chunk_bytes, device_model_bytes, update_phase_bytes
 from chunkjax.stages import check_param_keys, compose_loss, differentiated, split_loss
 from chunkjax.streamed import starts_early
@@ -85,6 +87,9 @@ class FitProblem:
       cross_step: plan (forward cuts, :func:`chunkjax.plan_schedule`) and build the step with
         cross-step overlap (:mod:`chunkjax.cross_step`; the default); False: the step joins each
         previous one.
+      remat, remat_names: which blocks keep their activations named ``remat_names`` instead of
+        recomputing them (:data:`chunkjax.plan_remat.REMAT_MODES`: ``"auto"`` the planner's choice,
+        :func:`chunkjax.plan_remat.plan_remat`); one device, one micro-batch; default ``"full"``.
     """
 
     stages: tuple
@@ -111,6 +116,8 @@ class FitProblem:
     storage_devices: int = 0
     disk_budget_bytes: int | None = None
     cross_step: bool = True
+    remat: str = "full"
+    remat_names: tuple = ()
 
     @property
     def n_ranks(self) -> int:
@@ -121,6 +128,11 @@ class FitProblem:
         """:func:`chunkjax.streamed.starts_early` for this problem's step (it traces ``tx``: once, not per plan)."""
         return starts_early(self.tx, skip=self.nonfinite == "skip" or self.loss_scaling, loss_scaling=self.loss_scaling,
                             micro_batches=self.micro_batches, n_ranks=self.n_ranks)
+
+    @functools.cached_property
+    def remat_figures(self) -> tuple:
+        """Per stage, :func:`chunkjax.remat.remat_figures` of the batch for ``remat_names``."""
+        return remat_figures(self.stages, self.layout, self.batch, self.compute_dtype, self.remat_names)
 
     @property
     def model_chunk_bytes(self) -> int:
@@ -351,6 +363,9 @@ def plan(problem: FitProblem, budget_bytes: int, *, policy: str = "tide", reside
     kw = dict(policy=policy, resident=resident, must_fit=must_fit, split=split)
     if problem.micro_batches > 1:
         return plan_micro_batches(problem, budget_bytes, _plan_passes, **kw)
+    if problem.remat != "full" and policy == "tide":  # kept activations: chunkjax.plan_remat
+        return remat_plan(problem, lambda tr: _plan_passes(dataclasses.replace(problem, traces=tr), budget_bytes,
+                                                           **kw))[0]
     return _plan_passes(problem, budget_bytes, **kw)
 
 

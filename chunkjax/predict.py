@@ -448,6 +448,10 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
         its host tail is timed against the next forward's reads
         (:func:`chunkjax.cross_step.next_read_fractions` with the fetch distance ``prefetch``).
 
+    Kept activations (remat, the traces of :func:`chunkjax.remat.with_remat`): their device bytes
+    are in the traces (the tide), their offloads (``StageTrace.offload_bytes``) move down in the
+    forward and up in the backward, and ``StageTrace.saved_flops`` leave the backward's recompute.
+
     Bytes moved per step: every fetch brings one chunk's compute params up; every chunk not
     updated on the device sends its gradient down during the backward (both once per pass of the
     programs: ``micro_batches`` passes); a host-updated chunk whose
@@ -469,7 +473,8 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
     passes = micro_batches  # the programs' passes per step: fetches and offloaded gradients repeat
     fetch_b = passes * sum(fetched(c) for f in fetch for c in f)
     off = [c for c, u in enumerate(update_locations) if u in (HOST_UPDATE, STREAMED_UPDATE, STORAGE_UPDATE)]
-    h2d, d2h = fetch_b, passes * len(off) * cb.grad
+    act = passes * sum(t.offload_bytes for t in traces)  # activations offloaded, each way
+    h2d, d2h = fetch_b + act, passes * len(off) * cb.grad + act
     for c, (k, u) in enumerate(zip(param_kinds, update_locations)):
         if u == HOST_UPDATE:
             h2d += cb.params if k == DEVICE else 0
@@ -501,7 +506,8 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
         disk_file_bytes=disk_file_bytes(cb), storage_params_per_chunk=chunk_size,
         storage_early=storage_early and micro_batches == 1, staging_buffers=staging_buffers, window=window,
         cross_step=cross_step, host_reads=[(f, chunk_size) for c, f in next_read_fractions(
-            fetch, segments, prefetch, n_stages).items() if update_locations[c] == HOST_UPDATE] if cross_step else ())
+            fetch, segments, prefetch, n_stages).items() if update_locations[c] == HOST_UPDATE] if cross_step else (),
+        act_bytes=act, saved_flops=passes * sum(t.saved_flops for t in traces))
     return Prediction(int(peak), int(model), hf.pop("host_model_bytes"), int(h2d), int(d2h), int(fetch_b),
                       int(passes * n_fetch), tuple(int(b) for b in moment_bytes), time, **hf,
                       disk_bytes_per_step=2 * n_disk * disk_file_bytes(cb), storage_chunks=n_disk,

@@ -32,7 +32,7 @@ class ChunkjaxSystem:
     def __init__(self, cfg, budget_bytes: int, batch: int, seq: int, lr: float = 1e-4,
                  segments="auto", host_update: bool = True, prefetch: int = 1, zero_stage: int = 0,
                  init: str = "leafwise", max_grad_norm: float | None = None, micro_batches: int = 1,
-                 storage=None, host_budget="auto", cross_step: bool = True):
+                 storage=None, host_budget="auto", cross_step: bool = True, remat: str = "full"):
         import jax
         import jax.numpy as jnp
 
@@ -76,6 +76,8 @@ class ChunkjaxSystem:
                                    flops_per_step=cfg.flops_per_token(seq) * batch * seq, rates=self.rates,
                                    device_budget=self.budget, storage=storage or None, host_budget=host_budget,
                                    cross_step=self.cross_step)  # planned and run so
+        if remat != "full":  # blocks keep their MLP activation (chunkjax.plan_remat; bench --set remat=auto|save|offload)
+            self.problem = dataclasses.replace(self.problem, remat=remat, remat_names=gpt.REMAT_NAMES)
         self.disk, self.disk_steps = None, []  # the disk tier: the storage chunks' DiskState, each step's result
         self.trace_s = time.perf_counter() - t0
         p = self.problem
@@ -253,7 +255,7 @@ def run_chunkjax(args) -> dict:
                           max_grad_norm=getattr(args, "max_grad_norm", None),
                           micro_batches=int(getattr(args, "micro_batches", 1)),
                           storage=_storage(args), host_budget=getattr(args, "host_budget", "auto"),
-                          cross_step=bool(int(getattr(args, "cross_step", 1))))
+                          cross_step=bool(int(getattr(args, "cross_step", 1))), remat=getattr(args, "remat", "full"))
     try:
         rec = measure_system(sys_, args)
     except Exception as e:  # keep the plan next to the failure (e.g. out of memory at run time)
@@ -288,6 +290,7 @@ def run_chunkjax(args) -> dict:
         "cross_step": sys_.step_fn.cross_step, "unroll_micro": bool(int(getattr(args, "unroll_micro", 0))),
         "speculation": sys_.speculation, "host_ledger": sys_.ledger.to_dict(),
     })
+    rec["remat"] = remat_record(sys_)
     if sys_.zero_stage:  # bytes each rank sends through collectives per step (ring algorithms)
         import jax
         import jax.numpy as jnp
@@ -298,6 +301,27 @@ def run_chunkjax(args) -> dict:
     if rec.get("step_s_median") and p.time.step_s:
         rec["step_time_ratio_measured_over_predicted"] = rec["step_s_median"] / p.time.step_s
     return rec
+
+
+def remat_record(sys_) -> dict:
+    """The schedule's remat choice (``"full"`` or blocks per option) and, with ``--set remat`` other than
+    ``full``, the plan's predicted step and peak at the run's effective budget for each mode
+    (:data:`chunkjax.plan_remat.REMAT_MODES`; ``auto``: the set it picks)."""
+    from chunkjax import fit
+    from chunkjax.plan_remat import REMAT_MODES, label
+    out = {"mode": sys_.problem.remat, "chosen": label(sys_.schedule.remat), "names": list(sys_.schedule.remat_names)}
+    if sys_.problem.remat == "full":
+        return out
+    for mode in REMAT_MODES:
+        try:
+            s = fit.plan(dataclasses.replace(sys_.problem, remat=mode), sys_.effective_budget)
+            out[mode] = {"remat": label(s.remat), "step_s_predicted": s.predicted.time.step_s,
+                         "peak_device_bytes_accounted": s.predicted.peak_device_bytes,
+                         "activation_bytes": s.predicted.time.activation_bytes,
+                         "recompute_saved_s": s.predicted.time.recompute_saved_s}
+        except Exception as e:  # a mode that does not fit: its one line
+            out[mode] = {"error": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
+    return out
 
 
 def unroll_micro_loops() -> None:

@@ -54,18 +54,24 @@ def _train(setup, sched, tx):
     return step.master_params(state), np.asarray(losses)
 
 
-@pytest.mark.parametrize("option", [remat.SAVE, remat.OFFLOAD, "mixed"])
-def test_kept_activations_train_as_full_recompute_and_optax(setup, option):
+@pytest.fixture(scope="module")
+def references(setup):
+    """(full-recompute step's (params, losses), optax's (params, losses)) over the batches."""
     cfg, params, batches, stages, layout, traces = setup
     tx = optax.adamw(1e-3)
-    full = _schedule(setup, tx)
-    n = len(stages)
-    opts = ((remat.SAVE, remat.OFFLOAD, remat.FULL)[:n - 1] + (remat.FULL,) * (n - 1))[:n] if option == "mixed" \
-        else (option,) * n
-    sched = dataclasses.replace(full, remat=opts, remat_names=gpt.REMAT_NAMES)
-    p_full, l_full = _train(setup, full, tx)
-    p_kept, l_kept = _train(setup, sched, tx)
     p_ref, l_ref, _ = micro_batch_reference(cfg, params, batches, tx, rows=B)
+    return _train(setup, _schedule(setup, tx), tx), (p_ref, l_ref)
+
+
+@pytest.mark.parametrize("option", [remat.SAVE, remat.OFFLOAD, "mixed"])
+def test_kept_activations_train_as_full_recompute_and_optax(setup, references, option):
+    cfg, params, batches, stages, layout, traces = setup
+    tx = optax.adamw(1e-3)
+    n = len(stages)
+    opts = (remat.FULL, remat.SAVE, remat.OFFLOAD, remat.FULL) if option == "mixed" else (option,) * n
+    sched = dataclasses.replace(_schedule(setup, tx), remat=opts, remat_names=gpt.REMAT_NAMES)
+    (p_full, l_full), (p_ref, l_ref) = references
+    p_kept, l_kept = _train(setup, sched, tx)
     np.testing.assert_allclose(l_kept, l_full, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(l_kept, l_ref, rtol=1e-5, atol=1e-5)
     for a, b, c in zip(jax.tree.leaves(p_kept), jax.tree.leaves(p_full), jax.tree.leaves(p_ref)):
@@ -120,3 +126,76 @@ def test_kept_activations_cross_programs_in_their_kind_and_skip_the_recompute(se
     for s in (1, 2):
         k = moments.index(("backward", s))  # one program per moment
         assert runs["full"][k][1] - runs["kept"][k][1] == figs[s].saved_flops
+
+
+def _problem(setup, remat_mode, rates):
+    from chunkjax import fit
+    cfg, params, batches, stages, layout, traces = setup
+    return fit.prepare(stages, params, jax.ShapeDtypeStruct((B, T + 1), jnp.int32), tx=optax.adamw(1e-3),
+                       compute_dtype=jnp.float32, rates=rates, host_budget=None, min_chunks=6,
+                       flops_per_step=cfg.flops_per_token(T) * B * T), remat_mode
+
+
+def test_planner_keeps_activations_where_faster_and_recomputes_where_they_do_not_fit(setup):
+    """``remat="auto"``: with slow matmuls and room in the budget the plan keeps activations
+    (faster predicted step than full recompute, within the budget) and the fit path's step trains
+    as optax; at the smallest budget full recompute fits, it recomputes. A forced ``"offload"``
+    over a slow link predicts a slower step than full recompute (and is run as asked)."""
+    from chunkjax import fit
+    from chunkjax.cost import Rates
+    from chunkjax.errors import PlanError
+    cfg, params, batches, stages, layout, traces = setup
+    slow = Rates(matmul_flops_per_s=1e9)
+    problem, _ = _problem(setup, "auto", slow)
+    full = fit.plan(problem, 10**12)
+    assert full.remat == ()
+    roomy = full.predicted.peak_device_bytes * 4
+    auto = fit.plan(dataclasses.replace(problem, remat="auto", remat_names=gpt.REMAT_NAMES), roomy)
+    assert set(auto.remat) - {remat.FULL} and auto.remat_names == gpt.REMAT_NAMES
+    assert auto.predicted.peak_device_bytes <= roomy
+    assert auto.predicted.time.step_s < fit.plan(problem, roomy).predicted.time.step_s
+    assert auto.predicted.time.recompute_saved_s > 0
+    # the smallest budget the full-recompute plan fits: keeping activations there does not
+    try:
+        fit.plan(problem, 1)
+        pytest.fail("a 1-byte budget planned")
+    except PlanError as e:
+        tight = e.min_budget_bytes
+    tight_auto = fit.plan(dataclasses.replace(problem, remat="auto", remat_names=gpt.REMAT_NAMES), tight)
+    assert tight_auto.remat == ()
+    # forced offload over a slow link: slower than recompute, planned as asked
+    p_off, _ = _problem(setup, "offload", Rates(matmul_flops_per_s=1e12, h2d_bytes_per_s=1e3, d2h_bytes_per_s=1e3,
+                                                one_program_duplex_bytes_per_s=1e3))
+    off = fit.plan(dataclasses.replace(p_off, remat="offload", remat_names=gpt.REMAT_NAMES), roomy)
+    assert set(off.remat) == {remat.FULL, remat.OFFLOAD} and off.predicted.time.activation_bytes > 0
+    assert off.predicted.time.step_s > fit.plan(p_off, roomy).predicted.time.step_s
+    assert fit.plan(dataclasses.replace(p_off, remat="auto", remat_names=gpt.REMAT_NAMES), tight).remat == ()
+    # the fit path's step runs the chosen remat and trains as optax
+    step = fit.build_step(dataclasses.replace(problem, remat="auto", remat_names=gpt.REMAT_NAMES), auto)
+    state, losses = step.init(params), []
+    for b in batches:
+        state, m = step(state, b[:B])
+        losses.append(float(m["loss"]))
+    p_ref, l_ref, _ = micro_batch_reference(cfg, params, batches, optax.adamw(1e-3), rows=B)
+    np.testing.assert_allclose(losses, l_ref, rtol=1e-5, atol=1e-5)
+    for a, c in zip(jax.tree.leaves(step.master_params(state)), jax.tree.leaves(p_ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=2e-4, atol=2e-6)
+
+
+def test_remat_refuses_what_it_cannot_run(setup):
+    cfg, params, batches, stages, layout, traces = setup
+    full = _schedule(setup, optax.adamw(1e-3))
+    n = len(stages)
+    with pytest.raises(ValueError, match="remat_names"):
+        dataclasses.replace(full, remat=(remat.SAVE,) * n)
+    with pytest.raises(ValueError, match="one option per stage"):
+        dataclasses.replace(full, remat=(remat.SAVE,), remat_names=gpt.REMAT_NAMES)
+    with pytest.raises(ValueError, match="not one of"):
+        dataclasses.replace(full, remat=("keep",) * n, remat_names=gpt.REMAT_NAMES)
+    from chunkjax import fit
+    from chunkjax.cost import Rates
+    problem, _ = _problem(setup, "auto", Rates())
+    with pytest.raises(ValueError, match="remat="):
+        fit.plan(dataclasses.replace(problem, remat="sometimes", remat_names=gpt.REMAT_NAMES), 10**12)
+    with pytest.raises(ValueError, match="needs remat_names"):
+        fit.plan(dataclasses.replace(problem, remat="auto"), 10**12)
