@@ -8,10 +8,12 @@ is planned by the one planner (the caller's ``plan_one``) on those traces, so th
 chunk buffers for kept activations within the same budget, and the set with the fastest predicted
 step wins (ties: the fewer kept activations).
 
-Option sets tried (``mode="auto"``), over the stages that keep anything (the blocks), in order:
-the first ``a`` offloaded (their activations wait longest, their fetch comes last in the
-backward), the last ``b`` saved on the device (their backward comes first, right after the head),
-``a`` and ``b`` from quarters of the blocks. ``mode="save"`` / ``"offload"``: every block so.
+Option sets (``mode="auto"``), over the stages that keep anything (the blocks): the first ``a``
+offloaded (their activations wait longest, their fetch comes last in the backward), the last ``b``
+saved on the device (their backward comes first, right after the head). The search
+(:func:`search_sets`): ``a`` over quarters of the blocks then halving steps around the best, then
+the largest ``b`` that fits beside it (bisection: device bytes grow with ``b``) and half of it.
+``mode="save"`` / ``"offload"``: every block so.
 """
 from __future__ import annotations
 
@@ -26,38 +28,59 @@ REMAT_MODES = ("full", "save", "offload", "auto")
 AUTO_STEPS = 4
 
 
-def option_sets(figures, mode: str) -> list[tuple[str, ...]]:
-    """The option sets (one option per stage) a ``mode`` plans, all-``"full"`` first.
+def _blocks(figures) -> list[int]:
+    return [s for s, f in enumerate(figures) if f.saved_bytes]
 
-    Args:
-      figures: per stage, :class:`chunkjax.remat.RematFigures`.
-      mode: one of :data:`REMAT_MODES`.
+
+def kept_set(figures, a: int, b: int) -> tuple[str, ...]:
+    """One option per stage: the first ``a`` blocks ``"offload"``, the last ``b`` ``"save"``."""
+    blocks = _blocks(figures)
+    opts = [FULL] * len(figures)
+    for s in blocks[:a]:
+        opts[s] = OFFLOAD
+    for s in blocks[len(blocks) - b:] if b else ():
+        opts[s] = SAVE
+    return tuple(opts)
+
+
+def option_sets(figures, mode: str) -> list[tuple[str, ...]]:
+    """The fixed option sets of a ``mode`` other than ``"auto"``: all-``"full"``, then (``"save"``,
+    ``"offload"``) that option on every block.
 
     Raises:
       ValueError: an unknown mode.
     """
     if mode not in REMAT_MODES:
         raise ValueError(f"remat={mode!r}: use one of {REMAT_MODES}")
-    n = len(figures)
-    blocks = [s for s, f in enumerate(figures) if f.saved_bytes]
-    full = (FULL,) * n
-    if mode == "full" or not blocks:
+    L = len(_blocks(figures))
+    full = (FULL,) * len(figures)
+    if mode in ("full", "auto") or not L:
         return [full]
-    if mode in (SAVE, OFFLOAD):
-        return [full, tuple(mode if s in blocks else FULL for s in range(n))]
-    L = len(blocks)
+    return [full, kept_set(figures, L, 0) if mode == OFFLOAD else kept_set(figures, 0, L)]
+
+
+def search_sets(figures, step_s) -> tuple[int, int]:
+    """``(a, b)`` of the ``"auto"`` search (module docstring); ``step_s(a, b)``: the predicted step
+    of :func:`kept_set` ``(a, b)``, None when it does not fit."""
+    L = len(_blocks(figures))
+    inf = float("inf")
+    t = lambda a, b: inf if step_s(a, b) is None else step_s(a, b)  # noqa: E731
+    if not L:
+        return 0, 0
     grid = sorted({L * k // AUTO_STEPS for k in range(AUTO_STEPS + 1)})
-    out = [full]
-    for a in grid:
-        for b in grid:
-            if 0 < a + b <= L:
-                opts = list(full)
-                for s in blocks[:a]:
-                    opts[s] = OFFLOAD
-                for s in blocks[L - b:]:
-                    opts[s] = SAVE
-                out.append(tuple(opts))
-    return out
+    a = min(grid, key=lambda x: (t(x, 0), x))
+    step = max(1, L // (2 * AUTO_STEPS))
+    while True:  # halving steps around the best offload count
+        a = min((x for x in (a - step, a, a + step) if 0 <= x <= L), key=lambda x: (t(x, 0), x))
+        if step == 1:
+            break
+        step = max(1, step // 2)
+    lo, hi = 0, L - a  # the largest b that fits beside a
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if step_s(a, mid) is not None else (lo, mid - 1)
+    b = min({0, lo // 2, lo}, key=lambda x: (t(a, x), x))
+    return a, b
 
 
 def label(opts) -> str:
@@ -87,10 +110,14 @@ def plan_remat(plan_one, traces, figures, mode: str, names) -> tuple:
     Raises:
       PlanError: no option set fits (the all-``"full"`` plan's error), or the forced one does not.
     """
-    best, rows, first_err = None, [], None
+    rows, planned, first_err = [], {}, None
     sets = option_sets(figures, mode)
     forced = sets[-1] if mode in (SAVE, OFFLOAD) and len(sets) > 1 else None
-    for opts in sets:
+
+    def plan(opts):
+        nonlocal first_err
+        if opts in planned:
+            return planned[opts]
         kept = any(o != FULL for o in opts)
         try:
             s = plan_one(with_remat(traces, figures, opts) if kept else tuple(traces))
@@ -99,14 +126,29 @@ def plan_remat(plan_one, traces, figures, mode: str, names) -> tuple:
                 raise
             first_err = first_err or e
             rows.append({"remat": label(opts), "error": str(e).splitlines()[0][:200]})
-            continue
+            planned[opts] = None
+            return None
         s = dataclasses.replace(s, remat=opts if kept else (), remat_names=tuple(names) if kept else ())
-        t = s.predicted.time.step_s
-        rows.append({"remat": label(opts), "step_s": t, "peak_device_bytes": s.predicted.peak_device_bytes})
-        if (best is None or t < best.predicted.time.step_s * (1 - 1e-9)) if forced is None else opts == forced:
-            best = s
-    if best is None:
+        rows.append({"remat": label(opts), "step_s": s.predicted.time.step_s,
+                     "peak_device_bytes": s.predicted.peak_device_bytes})
+        planned[opts] = s
+        return s
+
+    for opts in sets:
+        plan(opts)
+    if mode == "auto":
+        def step_s(a, b):
+            s = plan(kept_set(figures, a, b))
+            return None if s is None else s.predicted.time.step_s
+        search_sets(figures, step_s)
+    if forced is not None:
+        return planned[forced], rows
+    done = [s for s in planned.values() if s is not None]
+    if not done:
         raise first_err
+    full = planned.get((FULL,) * len(figures))
+    # ties: the fewer kept activations (all-"full" first)
+    best = min(done, key=lambda s: (s.predicted.time.step_s, s is not full, sum(o != FULL for o in s.remat)))
     return best, rows
 
 
