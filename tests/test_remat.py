@@ -128,6 +128,26 @@ def test_kept_activations_cross_programs_in_their_kind_and_skip_the_recompute(se
         assert runs["full"][k][1] - runs["kept"][k][1] == figs[s].saved_flops
 
 
+def test_compiled_programs_take_kept_activations_in_their_kinds(setup, monkeypatch):
+    """The fit path's compiled check lowers the programs in order and compiles them in threads,
+    with the carry's shardings as the programs leave them: kept activations in pinned host
+    memory too (no fall back to compiling one by one)."""
+    from chunkjax import footprint
+    cfg, params, batches, stages, layout, traces = setup
+    tx = optax.adamw(1e-3)
+    n = len(stages)
+    sched = dataclasses.replace(_schedule(setup, tx), remat=(remat.FULL, remat.OFFLOAD, remat.SAVE, remat.FULL),
+                                remat_names=gpt.REMAT_NAMES)
+    step = cj.make_chunked_step(stages, layout, sched, tx=tx, compute_dtype=jnp.float32)
+    calls = []
+    real = footprint.compiled_programs
+    monkeypatch.setattr(footprint, "compiled_programs", lambda *a, **k: calls.append(k) or real(*a, **k))
+    out = footprint.compiled_programs(step, jax.ShapeDtypeStruct((B, T + 1), jnp.int32), workers=2)
+    assert calls == [{"workers": 2}]  # no second, in-order pass
+    kept = out[n - 2].output_shardings[0]["kept"]
+    assert kept["1"][0].memory_kind == "pinned_host" and kept["2"][0].memory_kind == "device"
+
+
 def _problem(setup, remat_mode, rates):
     from chunkjax import fit
     cfg, params, batches, stages, layout, traces = setup
