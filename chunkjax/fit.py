@@ -224,7 +224,8 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
             micro_batches: int = 1, nonfinite: str = "ignore", loss_scaling: bool = False, mesh=None,
             zero_stage: int = 0, flops_per_step: float | None = None, rates: Rates | None = None,
             host_budget="auto", device_budget=None, check_host: bool = True, check_tx: bool = True,
-            trainable=None, storage=None, cross_step: bool = True) -> FitProblem:
+            trainable=None, storage=None, cross_step: bool = True, remat: str = "full",
+            remat_names=()) -> FitProblem:
     """Layout and traces for a step (no allocation; the budget comes later).
 
     Args:
@@ -266,6 +267,7 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
       cross_step: plan and run with cross-step overlap (:attr:`FitProblem.cross_step`, default
         True: the next step waits per program only for the host chunks it reads; exact); False:
         each step joins all of the previous step's host work.
+      remat, remat_names: kept activations (:attr:`FitProblem.remat`; e.g. ``"auto"``, ``models.gpt.REMAT_NAMES``).
 
     Raises:
       ValueError: no optimizer or both, a transformation that is not elementwise, a compute
@@ -336,7 +338,7 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
                       int(prefetch), segments, int(micro_batches), nonfinite, bool(loss_scaling), mesh, zero_stage,
                       float(flops_per_step) / n_ranks, rates or Rates(),
                       None if host_budget is None else int(host_budget), platform, storage,
-                      *(disk_capacity(storage) if storage else (0, None)), bool(cross_step))
+                      *(disk_capacity(storage) if storage else (0, None)), bool(cross_step), remat, tuple(remat_names))
 
 
 # ---- the one planning call -------------------------------------------------------------------

@@ -450,7 +450,8 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
 
     Kept activations (remat, the traces of :func:`chunkjax.remat.with_remat`): their device bytes
     are in the traces (the tide), their offloads (``StageTrace.offload_bytes``) move down in the
-    forward and up in the backward, and ``StageTrace.saved_flops`` leave the backward's recompute.
+    forward and up in the backward and are all in pinned host memory at the forward's end (in
+    ``host_working_bytes``), and ``StageTrace.saved_flops`` leave the backward's recompute.
 
     Bytes moved per step: every fetch brings one chunk's compute params up; every chunk not
     updated on the device sends its gradient down during the backward (both once per pass of the
@@ -484,6 +485,11 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
             d2h += cb.params
     hf = host_figures(chunk_size, cb, param_kinds, update_locations, grad_done, segments, T, master_fetch=mf,
                       micro_batches=micro_batches, window=window)
+    held_act = sum(t.offload_bytes for t in traces)  # offloaded activations, all in host memory at the forward's end
+    if held_act:
+        hf["host_working_bytes"] += held_act
+        hf["host_bytes"] += held_act
+        hf["host_bytes_per_param"] = hf["host_bytes"] / (len(param_kinds) * chunk_size)
     n_disk = sum(u == STORAGE_UPDATE for u in update_locations)
     staging = storage_host_bytes(disk_file_bytes(cb), storage_devices, staging_buffers) if n_disk else 0
     if n_disk:  # storage chunks: gradients whole until the disk update, the workers' staging buffers

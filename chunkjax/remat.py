@@ -32,6 +32,7 @@ planner and the cost model (:mod:`chunkjax.predict`) account it with everything 
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import jax
 import jax.extend.core as jex_core
@@ -103,8 +104,8 @@ def _saved_positions(pull, p, x, outer) -> list[int]:
     """Positions among ``pull``'s leaves of the saved activations: residuals that are neither an
     input, an array the function closes over (``outer``), nor a constant."""
     known = {id(a) for a in jax.tree.leaves((p, x, outer))}
-    return [i for i, a in enumerate(jax.tree.leaves(pull))
-            if isinstance(a, jax.core.Tracer) and id(a) not in known]
+    tracer = getattr(jax.core, "Tracer", object)  # constants are concrete (kept as saved where jax.core lacks it)
+    return [i for i, a in enumerate(jax.tree.leaves(pull)) if isinstance(a, tracer) and id(a) not in known]
 
 
 def forward_saving(fn, p, x, names, outer=()):
@@ -161,7 +162,7 @@ def live_matmul_flops(closed) -> float:
         if eqn.effects or any(v in used for v in eqn.outvars):
             used.update(v for v in eqn.invars if not isinstance(v, jex_core.Literal))
             live.append(eqn)
-    return matmul_flops(jaxpr.replace(eqns=live[::-1]))
+    return matmul_flops(types.SimpleNamespace(eqns=live[::-1]))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -255,7 +255,8 @@ def run_chunkjax(args) -> dict:
                           max_grad_norm=getattr(args, "max_grad_norm", None),
                           micro_batches=int(getattr(args, "micro_batches", 1)),
                           storage=_storage(args), host_budget=getattr(args, "host_budget", "auto"),
-                          cross_step=bool(int(getattr(args, "cross_step", 1))), remat=getattr(args, "remat", "full"))
+                          cross_step=bool(int(getattr(args, "cross_step", 1))),
+                          remat=getattr(args, "remat", "full"))
     try:
         rec = measure_system(sys_, args)
     except Exception as e:  # keep the plan next to the failure (e.g. out of memory at run time)

@@ -52,7 +52,8 @@ def run(model: str, batch: int, seq: int, device_budget: int, host_budget: int |
         t = s.predicted.time
         out["modes"][mode] = {"remat": label(s.remat), "step_s": t.step_s, "forward_s": t.forward_s,
                               "backward_s": t.backward_s, "activation_bytes": t.activation_bytes,
-                              "recompute_saved_s": t.recompute_saved_s, "peak_device_bytes": s.predicted.peak_device_bytes,
+                              "recompute_saved_s": t.recompute_saved_s,
+                              "peak_device_bytes": s.predicted.peak_device_bytes,
                               "model_tflops": model_flops / t.step_s / 1e12, "plan_s": time.perf_counter() - t1,
                               "counts": s.counts()}
     _, rows = remat_plan(dataclasses.replace(problem, remat="auto"),
@@ -64,12 +65,13 @@ def run(model: str, batch: int, seq: int, device_budget: int, host_budget: int |
 
 def table(out: dict) -> str:
     b = out["block"]
-    lines = [f"{out['model']} batch {out['batch']} x {out['seq']}, device budget {out['device_budget_bytes'] / 2**30:.2f} "
-             f"GiB; tide {out['tide_source']}; rates {out['rates_source']}",
+    lines = [f"{out['model']} batch {out['batch']} x {out['seq']}, device budget "
+             f"{out['device_budget_bytes'] / 2**30:.2f} GiB; tide {out['tide_source']}; rates {out['rates_source']}",
              f"block keeps {b['kept_bytes'] / 1e9:.3f} GB ({', '.join(out['names'])}); its backward: "
-             f"{b['recompute_flops'] / 1e12:.3f} TFLOP with full recompute, {b['saved_flops'] / 1e12:.3f} TFLOP removed; "
-             f"{b['blocks']} blocks",
-             "| mode | blocks | step s | fwd s | bwd s | act GB each way | recompute removed s | peak GiB | model TFLOP/s |",
+             f"{b['recompute_flops'] / 1e12:.3f} TFLOP with full recompute, {b['saved_flops'] / 1e12:.3f} TFLOP "
+             f"removed; {b['blocks']} blocks",
+             "| mode | blocks | step s | fwd s | bwd s | act GB each way | recompute removed s | peak GiB "
+             "| model TFLOP/s |",
              "|---|---|---|---|---|---|---|---|---|"]
     for mode, r in out["modes"].items():
         if "error" in r:

@@ -188,6 +188,11 @@ def test_planner_keeps_activations_where_faster_and_recomputes_where_they_do_not
                                                 one_program_duplex_bytes_per_s=1e3))
     off = fit.plan(dataclasses.replace(p_off, remat="offload", remat_names=gpt.REMAT_NAMES), roomy)
     assert set(off.remat) == {remat.FULL, remat.OFFLOAD} and off.predicted.time.activation_bytes > 0
+    # the offloaded activations are host bytes (pinned), all held at the forward's end
+    from chunkjax.host_memory import schedule_host_parts
+    parts = schedule_host_parts(off, p_off.cb)
+    assert parts["pinned_activations"] == off.predicted.time.activation_bytes
+    assert sum(v for k, v in parts.items() if k != "device_on_host") == off.predicted.host_bytes
     assert off.predicted.time.step_s > fit.plan(p_off, roomy).predicted.time.step_s
     assert fit.plan(dataclasses.replace(p_off, remat="auto", remat_names=gpt.REMAT_NAMES), tight).remat == ()
     # the fit path's step runs the chosen remat and trains as optax

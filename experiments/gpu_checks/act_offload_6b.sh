@@ -1,14 +1,16 @@
 # Issue 23, "GPT3_6B, batch 32 x 1024, 24 GiB: at least 500 model TFLOP/s": kept activations
 # (chunkjax.remat / chunkjax.plan_remat) against full recompute, in ONE call of < 9 min (one H200):
-#   bash experiments/gpu_checks/act_offload_6b.sh <run-id>                  # full, auto, offload, then the table
-#   bash experiments/gpu_checks/act_offload_6b.sh <run-id> full,offload     # only these runs
+#   bash experiments/gpu_checks/act_offload_6b.sh <run-id>                  # full and auto, then the table
+#   bash experiments/gpu_checks/act_offload_6b.sh <run-id> auto,offload     # only these runs
 #   bash experiments/gpu_checks/act_offload_6b.sh <run-id> table            # only the table of the runs under $OUT
 # Runs (each experiments.bench, chunkjax alone, one subprocess, the matmul probe in each, 3 timed steps):
 #   full     --set remat=full: every block recomputed in its backward (today's step, recorded 391-434 TFLOP/s);
 #   auto     --set remat=auto: the planner keeps the blocks' mlp_fc activations where it predicts a faster step
 #            (offloaded to pinned host memory for the first blocks, on the device for the last), else recomputes;
-#   offload  --set remat=offload: every block's mlp_fc offloaded (run as asked, whatever the prediction);
+#   offload  only when named: every block's mlp_fc offloaded, run as asked (at batch 32 the CPU planner refuses it:
+#            42.7 GB of activations beyond a ~114 GiB host budget);
 #   save     only when named: every block's kept on the device (does not fit 24 GiB at batch 32: a plan error).
+# CPU planner's predictions for the same setting: experiments/results/plan_remat_6b32_cpu.json (docs/design.md).
 # Each record's extra.remat gives every mode's predicted step at the run's effective budget. A run is skipped
 # when less than 60 s of the call's LIMIT (default 520 s) is left. JSON under $OUT: bench_<run>_<tag>.json per
 # run and act_offload_6b_<run>.json (rows + the target); the table (model TFLOP/s, predicted and measured step) last.
@@ -31,8 +33,8 @@ run() {  # run <tag> <bench args...>: within the call's time left, else skipped
 }
 want() { [[ $PART == all || ,$PART, == *,$1,* ]]; }
 if [[ $PART != table ]]; then
-  for mode in full auto offload; do want $mode && run $mode $SIX --set remat=$mode; done
-  [[ ,$PART, == *,save,* ]] && run save $SIX --set remat=save
+  for mode in full auto; do want $mode && run $mode $SIX --set remat=$mode; done
+  for mode in offload save; do [[ ,$PART, == *,$mode,* ]] && run $mode $SIX --set remat=$mode; done
 fi
 for t in full auto offload save; do [ -f $OUT/$t.log ] && { echo "== $t"; tail -3 $OUT/$t.log; }; done
 python - "$RUN" <<'P'
