@@ -224,3 +224,39 @@ def test_remat_refuses_what_it_cannot_run(setup):
         fit.plan(dataclasses.replace(problem, remat="sometimes", remat_names=gpt.REMAT_NAMES), 10**12)
     with pytest.raises(ValueError, match="needs remat_names"):
         fit.plan(dataclasses.replace(problem, remat="auto"), 10**12)
+
+
+def _exported_signatures(step, layout, batch):
+    """Per program of ``step`` exported for CUDA (``jax.export``, on the CPU): its @main line."""
+    from chunkjax.memory import sharding
+    ab = jax.ShapeDtypeStruct(batch.shape, batch.dtype, sharding=sharding("device"))
+    carry, out = {}, []
+    for k in range(len(step.program_bounds())):
+        fn, args = step.program(ab, k)
+        ps = {c: jax.ShapeDtypeStruct((layout.chunk_size,), jnp.bfloat16,
+                                      sharding=sharding(step.placement.param_kinds[c])) for c in args}
+        acc = carry.pop("acc", {})
+        txt = jax.export.export(fn, platforms=("cuda",))(ps, ab, carry, acc).mlir_module()
+        out.append(next(line for line in txt.splitlines() if "func.func public @main" in line))
+        res = jax.eval_shape(fn, ps, ab, carry, acc)
+        carry = dict(res[0], acc=res[1])
+    return out
+
+
+def test_offloaded_activations_lower_for_the_gpu(setup):
+    """Every program of a bf16 step with offloaded blocks lowers for CUDA; the forward programs of
+    the offloading blocks hand on one more pinned_host result each (the block's kept activation),
+    the backward programs take them as pinned_host arguments."""
+    cfg, params, batches, stages, layout, traces = setup
+    tx = optax.adamw(1e-3)
+    full = _schedule(setup, tx)
+    kept = dataclasses.replace(full, remat=(remat.FULL, remat.OFFLOAD, remat.OFFLOAD, remat.FULL),
+                               remat_names=gpt.REMAT_NAMES)
+    sig = {}
+    for name, sched in (("full", full), ("kept", kept)):
+        step = cj.make_chunked_step(stages, layout, sched, tx=tx, compute_dtype=jnp.bfloat16)
+        sig[name] = _exported_signatures(step, layout, batches[0][:B])
+    host = lambda line: line.count('"pinned_host"')  # noqa: E731
+    # program k = moment k: forward 0, 1, 2, head, backward 2, 1, 0; kept ones cross moments 1..4 / 2..3
+    extra = [host(a) - host(b) for a, b in zip(sig["kept"], sig["full"])]
+    assert extra == [0, 1, 3, 4, 3, 1, 0]  # results, then arguments + results, ...
