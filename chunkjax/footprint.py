@@ -74,10 +74,10 @@ def compiled_programs(step, batch, workers: int | None = None) -> list:
             if pool is not None:
                 pending.append(pool.submit(lowered.compile))
                 osh = jax.tree.map(lambda _: on_device, (res[0], res[1]))
-                if "kept" in res[0]:  # kept activations leave in their kinds (chunkjax.remat.kept_kinds)
-                    kinds = kept_kinds(step.schedule.remat, step.moments, step.program_bounds()[k][1])
-                    osh[0]["kept"] = {q: [sharding(kinds[q], next(iter(on_device.device_set))) for _ in v]
-                                      for q, v in res[0]["kept"].items()}
+                kinds = kept_kinds(getattr(step.schedule, "remat", ()), step.moments, step.program_bounds()[k][1])
+                for part, kk in kinds.items():  # kept activations leave in their kinds (chunkjax.remat)
+                    osh[0][part] = {q: [sharding(kk[q], next(iter(on_device.device_set))) for _ in v]
+                                    for q, v in res[0][part].items()}
             else:
                 pending.append(lowered.compile())
                 osh = pending[-1].output_shardings

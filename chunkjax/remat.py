@@ -63,18 +63,23 @@ def check_remat(remat, n_stages: int, names) -> tuple[str, ...]:
     return remat
 
 
-def kept_kinds(remat, moments, t1: int) -> dict[str, str]:
-    """The ``kept`` entries of the carry a program ending before moment ``t1`` hands on: per
-    ``"save"``/``"offload"`` stage whose forward ran before ``t1`` and whose backward runs at or
-    after it (keyed ``str(stage)``), the memory kind its kept activations are in (``device`` or
-    ``pinned_host``: the program's output shardings). ``moments``: ``(phase, stage)`` per moment."""
+def kept_kinds(remat, moments, t1: int) -> dict[str, dict[str, str]]:
+    """The kept activations in the carry a program ending before moment ``t1`` hands on, as
+    ``{"kept": {str(stage): kind}, "ahead": {str(stage): "device"}}`` (empty parts left out; the
+    program's output shardings). ``kept``: every ``"save"``/``"offload"`` stage whose forward ran
+    before ``t1`` and whose backward runs at or after it, in ``device`` or ``pinned_host``;
+    ``ahead``: an ``"offload"`` stage whose backward is moment ``t1``, fetched to the device by the
+    program's last moment. ``moments``: ``(phase, stage)`` per moment."""
     from chunkjax.memory import DEVICE, PINNED_HOST
-    out = {}
+    kept, ahead = {}, {}
     for t, (ph, s) in enumerate(moments):
         if ph == "forward" and t < t1 and remat and remat[s] != FULL:
-            if moments.index(("backward", s)) >= t1:
-                out[str(s)] = PINNED_HOST if remat[s] == OFFLOAD else DEVICE
-    return out
+            b = moments.index(("backward", s))
+            if b == t1 and t1 > 0 and moments[t1 - 1][0] != "forward" and remat[s] == OFFLOAD:
+                ahead[str(s)] = DEVICE
+            elif b >= t1:
+                kept[str(s)] = PINNED_HOST if remat[s] == OFFLOAD else DEVICE
+    return {k: v for k, v in (("kept", kept), ("ahead", ahead)) if v}
 
 
 def _vjp(fn, p, x, names, head: bool):

@@ -156,8 +156,8 @@ class SingleDevice:
         dev = sharding(DEVICE)
         prog.__name__ = prog.__qualname__ = name  # the XLA module is named after the program
         gsh = {c: sharding(k) for c, k in grad_kinds.items()}
-        carry = dev if not kept_kinds else dict({k: dev for k in carry_out},
-                                                kept={s: sharding(k) for s, k in kept_kinds.items()})
+        carry = dev if not kept_kinds else dict({k: dev for k in carry_out}, **{
+            part: {s: sharding(k) for s, k in kinds.items()} for part, kinds in kept_kinds.items()})
         return jax.jit(prog, out_shardings=(carry, dev, gsh, dev, dev), donate_argnums=donate)
 
     def jit_whole(self, fn, param_kinds, grad_kinds):

@@ -18,8 +18,8 @@ program (the step cuts the moments into programs at the schedule's segments):
 * a stage whose remat option (``remat``, :mod:`chunkjax.remat`) is ``"save"`` or ``"offload"``
   keeps its activations named ``remat_names`` from its forward (on the device, or moved to pinned
   host memory, each move tied to the next moment's activation) and its backward reads them instead
-  of recomputing them (an offloaded stage's arrays fetched one backward moment ahead within a
-  program, tied to the cotangent); one micro-batch per pass only;
+  of recomputing them (an offloaded stage's arrays fetched one backward moment ahead, tied to the
+  cotangent, carried into the next program when it starts there); one micro-batch per pass only;
 * in the backward, chunks whose values the stage's gradient does not need are not fetched
   (their slot holds zeros, which the compiler removes);
 * a master-fetch chunk (:mod:`chunkjax.host_forms`: a host chunk without a compute-dtype copy)
@@ -332,8 +332,7 @@ class Walk:
         """Stage ``s``'s kept activations on the device for its backward (None: it kept none): a
         copy fetched ahead, else fetched now, tied to ``anchor`` (an offloaded stage's), or as kept."""
         if s in ahead:
-            kept.pop(s, None)
-            return ahead.pop(s)
+            return ahead.pop(s) or None
         vals = kept.pop(s, None)
         if not vals:  # kept nothing: recompute as "full"
             return None
@@ -370,7 +369,8 @@ class Walk:
         issued = {tuple(int(v) for v in key.split(":")): a for key, a in carry.get("issued", {}).items()}
         loss_scale = carry.get("loss_scale")
         kept = {int(k): list(v) for k, v in carry.get("kept", {}).items()}
-        ahead, pending = {}, []  # kept activations fetched a moment ahead; offloads issued last moment
+        # kept activations fetched a moment ahead (also by the previous program); offloads issued last moment
+        ahead, pending = {int(k): list(v) for k, v in carry.get("ahead", {}).items()}, []
         grads, sq, loss, aux = {}, {}, None, None
         m = self.micro_batches
 
@@ -394,9 +394,10 @@ class Walk:
             self._issue(t, x, batch, params, issued, T)
             arrays = self._arrays(t, x, batch, params, held, issued)
             st = self.stages[s]
-            if ph != "forward" and s > 0 and t + 1 < t1 and self._keeps(s - 1) == OFFLOAD and kept.get(s - 1):
-                # the next backward moment's offloaded activations, fetched while this one computes
-                ahead[s - 1] = [self.topology.to_device(ordered_after(x, a)) for a in kept[s - 1]]
+            if ph != "forward" and s > 0 and self._keeps(s - 1) == OFFLOAD and s - 1 in kept:
+                # the next backward moment's offloaded activations, fetched while this one computes (in
+                # the next program's carry when it starts there: chunkjax.remat.kept_kinds)
+                ahead[s - 1] = [self.topology.to_device(ordered_after(x, a)) for a in kept.pop(s - 1)]
             if ph == "forward":
                 saved[s] = x
                 if m == 1 and self._keeps(s) != FULL:
@@ -441,6 +442,7 @@ class Walk:
                 if dp is not None:
                     add_grads(s, grads_tree(dp))
                 x = emit(s, dx)
+            pending = [q for q in pending if q in kept]  # (one fetched ahead already waits for its offload)
             if pending and x is not None:  # last moment's offloads complete with this moment's output
                 x, tied = jax.lax.optimization_barrier((x, [kept[q] for q in pending]))
                 kept.update(zip(pending, tied))
@@ -452,8 +454,9 @@ class Walk:
             return {}, grads, sq, loss
         out = {"x": x, "saved": saved, "acc": acc, "held": held,
                "issued": {f"{u}:{c}": a for (u, c), a in issued.items()}}
-        if kept:  # keys as chunkjax.remat.kept_kinds
-            out["kept"] = {str(q): v for q, v in kept.items()}
+        for key, d in (("kept", kept), ("ahead", ahead)):  # keys as chunkjax.remat.kept_kinds
+            if d:
+                out[key] = {str(q): v for q, v in d.items()}
         if loss_scale is not None:
             out["loss_scale"] = loss_scale
         return out, grads, sq, loss

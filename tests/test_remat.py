@@ -63,13 +63,18 @@ def references(setup):
     return _train(setup, _schedule(setup, tx), tx), (p_ref, l_ref)
 
 
-@pytest.mark.parametrize("option", [remat.SAVE, remat.OFFLOAD, "mixed"])
+@pytest.mark.parametrize("option", [remat.SAVE, remat.OFFLOAD, "mixed", "offload_one_program"])
 def test_kept_activations_train_as_full_recompute_and_optax(setup, references, option):
+    """Kept on the device, offloaded (a program per moment: every kept array crosses programs, and
+    one program: fetched ahead inside it), and mixed with full recompute."""
     cfg, params, batches, stages, layout, traces = setup
     tx = optax.adamw(1e-3)
     n = len(stages)
-    opts = (remat.FULL, remat.SAVE, remat.OFFLOAD, remat.FULL) if option == "mixed" else (option,) * n
+    opts = ((remat.FULL, remat.SAVE, remat.OFFLOAD, remat.FULL) if option == "mixed"
+            else (remat.OFFLOAD,) * n if option == "offload_one_program" else (option,) * n)
     sched = dataclasses.replace(_schedule(setup, tx), remat=opts, remat_names=gpt.REMAT_NAMES)
+    if option == "offload_one_program":
+        sched = dataclasses.replace(sched, segments=(0,))
     (p_full, l_full), (p_ref, l_ref) = references
     p_kept, l_kept = _train(setup, sched, tx)
     np.testing.assert_allclose(l_kept, l_full, rtol=1e-6, atol=1e-6)
@@ -244,9 +249,9 @@ def _exported_signatures(step, layout, batch):
 
 
 def test_offloaded_activations_lower_for_the_gpu(setup):
-    """Every program of a bf16 step with offloaded blocks lowers for CUDA; the forward programs of
-    the offloading blocks hand on one more pinned_host result each (the block's kept activation),
-    the backward programs take them as pinned_host arguments."""
+    """Every program of a bf16 step with offloaded blocks lowers for CUDA; a block's kept
+    activation is a pinned_host result of its forward program and argument of the programs it
+    crosses, until the program before its backward's fetches it ahead (a device result)."""
     cfg, params, batches, stages, layout, traces = setup
     tx = optax.adamw(1e-3)
     full = _schedule(setup, tx)
@@ -257,6 +262,8 @@ def test_offloaded_activations_lower_for_the_gpu(setup):
         step = cj.make_chunked_step(stages, layout, sched, tx=tx, compute_dtype=jnp.bfloat16)
         sig[name] = _exported_signatures(step, layout, batches[0][:B])
     host = lambda line: line.count('"pinned_host"')  # noqa: E731
-    # program k = moment k: forward 0, 1, 2, head, backward 2, 1, 0; kept ones cross moments 1..4 / 2..3
+    # program k = moment k: forward 0, 1, 2, head, backward 2, 1, 0. Block 1's activation leaves
+    # program 1 and crosses to program 4, whose last moment fetches it to the device for program 5;
+    # block 2's leaves program 2, the head (program 3) fetches it for program 4
     extra = [host(a) - host(b) for a, b in zip(sig["kept"], sig["full"])]
-    assert extra == [0, 1, 3, 4, 3, 1, 0]  # results, then arguments + results, ...
+    assert extra == [0, 1, 1 + 2, 2 + 1, 1 + 0, 0, 0]  # pinned_host arguments + results
