@@ -56,9 +56,8 @@ def run(model: str, batch: int, seq: int, device_budget: int, host_budget: int |
                               "peak_device_bytes": s.predicted.peak_device_bytes,
                               "model_tflops": model_flops / t.step_s / 1e12, "plan_s": time.perf_counter() - t1,
                               "counts": s.counts()}
-    _, rows = remat_plan(dataclasses.replace(problem, remat="auto"),
-                         lambda tr: fit._plan_passes(dataclasses.replace(problem, traces=tr), device_budget,
-                                                     policy="tide", resident=None, must_fit=True, split=True))
+    _, rows = remat_plan(dataclasses.replace(problem, remat="auto"),  # each option set on the one fit path
+                         lambda tr: fit.plan(dataclasses.replace(problem, traces=tr, remat="full"), device_budget))
     out["auto_rows"] = [dict(r, model_tflops=model_flops / r["step_s"] / 1e12) if "step_s" in r else r for r in rows]
     return out
 
