@@ -13,8 +13,9 @@ The defaults are the H200 figures measured on the lent machine; pass measured va
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Sequence
+
+from chunkjax.flops import matmul_flops  # noqa: F401 (re-exported: counted in chunkjax.flops)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +154,9 @@ class PipelinedStepTime:
         ``host_update_exposed_s`` is then the wait of the next step's forward after the backward's
         end for the host tail (:func:`cross_step_wait`), which runs beside the device updates and
         the streamed tail, and a step is never shorter than the host thread's whole work.
+      norm_wait: timed as a step whose host updates wait for the global norm (clipping fires,
+        no speculation: :mod:`chunkjax.clip_plan`): the host thread's whole work starts at the
+        backward's end, beside the streamed pipeline.
     """
 
     forward_s: float
@@ -171,6 +175,7 @@ class PipelinedStepTime:
     cross_step: bool = False
     activation_bytes: int = 0
     recompute_saved_s: float = 0.0
+    norm_wait: bool = False
 
     @property
     def step_s(self) -> float:
@@ -462,7 +467,8 @@ def predict_pipelined_step(flops_per_step: float, *, fwd_h2d: int, bwd_h2d: int,
                            storage_early: bool = False, staging_buffers: int = 3,
                            window: int = GRAD_WINDOW_PROGRAMS, cross_step: bool = False,
                            host_reads: Sequence[tuple[float, int]] = (), act_bytes: int = 0,
-                           saved_flops: float = 0.0) -> PipelinedStepTime:
+                           saved_flops: float = 0.0, passes: int = 1, looped_fetch: bool = False,
+                           norm_wait: bool = False) -> PipelinedStepTime:
     """Predict a pipelined step on one timeline (:func:`program_timeline`): forward, backward
     (with per-stage recompute: the forward's FLOPs again) cut into programs, a host thread that
     updates each program's host chunks once that program has finished (in program order, one at
@@ -505,6 +511,22 @@ def predict_pipelined_step(flops_per_step: float, *, fwd_h2d: int, bwd_h2d: int,
       act_bytes: activations offloaded (remat ``"offload"``): down in the forward, beside its fetches,
         and up in the backward, both at the one-program duplex rate.
       saved_flops: recompute FLOPs the kept activations remove from the backward.
+      passes: the programs run this many times a step (micro-batches per pass, or in-program
+        groups: :mod:`chunkjax.plan_micro`), each a ``1 / passes`` share of the forward and the
+        backward; the host hand-offs come in the last pass's backward (the earlier passes'
+        gradients are summed, :func:`chunkjax.accumulate.mean_gradients`), so the programs'
+        timeline is the last pass's, and with ``cross_step`` the next step's first pass's forward
+        is what overlaps the host tail (its first backward program joins the tail).
+      looped_fetch: the programs loop over micro-batches inside their moments as a while loop
+        (:class:`chunkjax.walker.Walk` without ``unroll``): the backward's fetches are timed
+        after the loop's compute, not under it (``c_bwd + bwd_h2d / h2d``; measured on the H200,
+        GPT3_6B b16 with 4 micro-batches: backward programs with 1.18 GB of fetches ran 130-136 ms
+        against 100-106 ms with one micro-batch, docs/design.md). The forward's fetches (measured
+        nearly hidden) and the gradients' D2H stay overlapped.
+      norm_wait: the host updates wait for the global norm (the step's clipping fires and it does
+        not speculate): every host chunk is handed over at the backward's end, none holds the
+        backward back (:meth:`chunkjax.host_work.HostWork.hand_over` stops waiting once the
+        speculation stalls).
     """
     r = rates
     c_fwd = flops_per_step / 3 / r.matmul_flops_per_s
@@ -513,22 +535,27 @@ def predict_pipelined_step(flops_per_step: float, *, fwd_h2d: int, bwd_h2d: int,
                     else (fwd_h2d + act_bytes) / r.one_program_duplex_bytes_per_s)
     fwd = max(c_fwd, fwd_transfer)
     bwd_transfer = (bwd_h2d + bwd_d2h + act_bytes) / r.one_program_duplex_bytes_per_s
-    bwd = max(c_bwd, bwd_transfer)
+    bwd = max(c_bwd + (bwd_h2d / r.h2d_bytes_per_s if looped_fetch else 0.0), bwd_transfer)
+    p = max(1, int(passes))
+    last_bwd = bwd / p  # the last pass's backward, after every other pass and the last forward
     ends = sorted(set(program_ends) | {f for f, _ in host_ready} | {f for f, _, _ in streamed}
                   | {f for f, _ in storage} | {1.0})
     host_s = [0.0] * len(ends)
+    if norm_wait:  # the streamed chunks' update reads the norm too
+        host_ready, streamed_early = ([(1.0, sum(p for _, p in host_ready))] if host_ready else []), False
     for frac, params in host_ready:
         host_s[_program_index(ends, frac)] += params * r.host_update_s_per_param
     first_streamed = min((_program_index(ends, f) for f, _, _ in streamed), default=len(ends))
     hold = [streamed_early and k >= first_streamed for k in range(len(ends))]
-    times = program_timeline([fwd + f * bwd for f in ends], host_s, window=window, hold_one=hold)
+    times = program_timeline([fwd + bwd * (p - 1) / p + f * last_bwd for f in ends], host_s, window=window,
+                             hold_one=hold)
     end = times[-1].end_s
     stall = max(0.0, end - (fwd + bwd))
     host = sum(host_s)
     t_host = max((t.host_end_s for t in times), default=0.0)
     exposed = max(0.0, t_host - end) if host else 0.0
     if cross_step and host:
-        exposed = cross_step_wait(exposed, [(n * r.host_update_s_per_param, f) for f, n in host_reads], fwd)
+        exposed = cross_step_wait(exposed, [(n * r.host_update_s_per_param, f) for f, n in host_reads], fwd / p)
     share = max(0.0, 1.0 - bwd_transfer / bwd) if bwd > 0 else 1.0
     last = streamed_pipeline_end([(times[_program_index(ends, f)].end_s if streamed_early else end, up, down)
                                   for f, up, down in streamed],
@@ -549,49 +576,5 @@ def predict_pipelined_step(flops_per_step: float, *, fwd_h2d: int, bwd_h2d: int,
     return PipelinedStepTime(fwd, bwd, host, exposed, dev_upd, streamed_s, c_fwd + c_bwd,
                              fwd_transfer + bwd_transfer, busy, disk_exposed,
                              max(0.0, busy - disk_exposed), stall, int(window), bool(cross_step and host),
-                             int(act_bytes), min(saved_flops, flops_per_step) / r.matmul_flops_per_s)
-
-
-def _dot_flops(eqn) -> float:
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    lhs, rhs = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
-    rhs_free = math.prod(d for i, d in enumerate(rhs) if i not in rc and i not in rb)
-    return 2.0 * math.prod(lhs) * rhs_free
-
-
-def _conv_flops(eqn) -> float:
-    rhs, out = eqn.invars[1].aval.shape, eqn.outvars[0].aval.shape
-    o = eqn.params["dimension_numbers"].rhs_spec[0]  # the kernel's output-feature axis
-    return 2.0 * math.prod(out) * math.prod(rhs) / rhs[o]
-
-
-def matmul_flops(jaxpr) -> float:
-    """FLOPs of the matrix products (``dot_general``, ``conv_general_dilated``: 2 per
-    multiply-add) that a (closed) jaxpr runs once, sub-programs included: a ``scan`` counts its
-    body ``length`` times, a ``cond`` its costliest branch, a ``while`` its body once (the trip
-    count is not known when tracing). Elementwise work is not counted: the cost model times FLOPs
-    at the matmul rate (:attr:`Rates.matmul_flops_per_s`).
-
-    Counted from the traced program, so it is the same on every backend: XLA's cost analysis of
-    a lowered program raises ``NotImplementedError`` on the GPU's PJRT plugin (``Lowered.cost_analysis``
-    then returns None), which gave the front door 0 FLOPs on the H200 and a predicted step of
-    transfers and updates only.
-    """
-    from jax.extend.core import jaxprs_in_params
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    total = 0.0
-    for e in jaxpr.eqns:
-        name = e.primitive.name
-        if name == "dot_general":
-            total += _dot_flops(e)
-        elif name == "conv_general_dilated":
-            total += _conv_flops(e)
-        elif name == "scan":
-            total += e.params["length"] * matmul_flops(e.params["jaxpr"])
-        elif name == "cond":
-            total += max(matmul_flops(b) for b in e.params["branches"])
-        elif name == "while":
-            total += matmul_flops(e.params["body_jaxpr"])
-        else:
-            total += sum(matmul_flops(j) for j in jaxprs_in_params(e.params))
-    return total
+                             int(act_bytes), min(saved_flops, flops_per_step) / r.matmul_flops_per_s,
+                             bool(norm_wait and host))

@@ -41,7 +41,8 @@ def start(step, state, batch, cross: bool):
     """The start of a :meth:`chunkjax.ChunkedStep.begin`: ``(state, work, previous)``, the step's
     new :class:`~chunkjax.host_work.HostWork` (its ``need`` from :func:`host_need` with
     cross-step overlap) and the previous step's :class:`~chunkjax.speculate.Speculation` (the
-    policy's input, read at the first update). Without cross-step overlap (``cross`` False: the
+    policy's input, read at the first update; after a restore the checkpoint's
+    :class:`~chunkjax.speculate.Resumed` outcome). Without cross-step overlap (``cross`` False: the
     step's ``cross_step=False``, or storage chunks, whose workers write the next params in place)
     the previous work is joined here and ``state.pending`` is None; with it ``state.pending``
     stays the previous work, which :meth:`chunkjax.ChunkedStep.run_programs` waits on per
@@ -50,10 +51,10 @@ def start(step, state, batch, cross: bool):
     prev = state.pending
     work = HostWork(step.host_deadline_s, getattr(prev, "backups", None), step.grad_window,
                     host_need(step, batch) if cross and step.host_chunks else None)
-    previous = getattr(prev, "speculation", None)
+    previous = getattr(prev, "speculation", None) if prev is not None else state.speculation  # restored: Resumed
     if prev is not None and not cross:  # the storage chunks' last writes and commit run on (StorageRun)
         prev.join()
-    return state._replace(pending=prev if cross else None), work, previous
+    return state._replace(pending=prev if cross else None, speculation=None), work, previous
 
 
 def host_need(step, batch) -> dict[int, int]:

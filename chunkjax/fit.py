@@ -28,17 +28,18 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from chunkjax import clip_plan
 from chunkjax.cost import Rates
 from chunkjax.errors import HostBudgetError, PinnedLimitError, PlanError
 from chunkjax.fit_batch import batch_rows, rows_of, step_flops
+from chunkjax.fit_report import FitReport, describe  # noqa: F401 (re-exported: chunkjax.fit.describe)
 from chunkjax.fit_host import fit_host, host_bytes_of, pinned_limit_error, speculation_bytes
 from chunkjax.host_memory import available_for_plan, check_host_lower_bound, process_bytes
 from chunkjax.layout import ChunkLayout, build_layout, first_use_order
 from chunkjax.loss_weight import check_scalar_loss
 from chunkjax.optim import check_elementwise, state_bytes_per_chunk
 from chunkjax.plan import plan_schedule
-from chunkjax.plan_disk import storage_line
-from chunkjax.plan_micro import accumulation_line, passes_of, plan_micro_batches
+from chunkjax.plan_micro import passes_of, plan_micro_batches
 from chunkjax.plan_remat import remat_plan
 from chunkjax.remat import remat_figures
 from chunkjax.predict import ChunkBytes, chunk_bytes, device_model_bytes, update_phase_bytes
@@ -83,13 +84,17 @@ class FitProblem:
       host_budget_bytes: host memory the model data of all ranks may use (planner bound), or None.
       platform: ``jax.default_backend()``.
       storage: the disk tier (:class:`chunkjax.storage.updater.StorageOptions`) or None.
-      storage_devices, disk_budget_bytes: its storage devices and the bytes they may hold.
+      storage_devices, disk_budget_bytes: its storage devices (distinct filesystems of its
+        directories, timed apart) and the bytes they may hold.
       cross_step: plan (forward cuts, :func:`chunkjax.plan_schedule`) and build the step with
         cross-step overlap (:mod:`chunkjax.cross_step`; the default); False: the step joins each
         previous one.
       remat, remat_names: which blocks keep their activations named ``remat_names`` instead of
         recomputing them (:data:`chunkjax.plan_remat.REMAT_MODES`: ``"auto"`` the planner's choice,
         :func:`chunkjax.plan_remat.plan_remat`); one device, one micro-batch; default ``"full"``.
+      unroll_micro_batches: an in-program plan's micro-batch loops traced unrolled, and timed so
+        (:attr:`chunkjax.schedule.Schedule.unroll_micro_batches`); False: while loops.
+      clip_expect: ``"fires"`` or ``"rare"``, the clipping the plan expects (:mod:`chunkjax.clip_plan`).
     """
 
     stages: tuple
@@ -118,10 +123,18 @@ class FitProblem:
     cross_step: bool = True
     remat: str = "full"
     remat_names: tuple = ()
+    unroll_micro_batches: bool = False
+    clip_expect: str = "rare"
 
     @property
     def n_ranks(self) -> int:
         return 1 if self.mesh is None else int(self.mesh.size)
+
+    @property
+    def storage_dirs(self) -> int:
+        """The disk tier's storage directories: its near-storage worker processes, one each
+        (:class:`chunkjax.storage.near.NearStorageOptimizer`; ``storage_devices`` counts filesystems)."""
+        return len(self.storage.dirs) if self.storage is not None else 0
 
     @functools.cached_property
     def streamed_early(self) -> bool:
@@ -148,54 +161,6 @@ class FitProblem:
         from jax.sharding import NamedSharding
         from jax.sharding import PartitionSpec as P
         return NamedSharding(self.mesh, P(self.mesh.axis_names[0]))
-
-
-@dataclasses.dataclass(frozen=True)
-class FitReport:
-    """What :func:`fit_problem` decided (bytes; ``_accounted`` = chunkjax's figures).
-
-    Attributes:
-      schedule: the :class:`chunkjax.schedule.Schedule` the step runs.
-      budget_bytes: the device budget in force (an ``"auto"`` one after any raise), per rank.
-      requested: the budget as given (``"auto"`` or bytes).
-      effective_budget_bytes: the budget the last plan was made for (below ``budget_bytes`` after
-        re-plans).
-      headroom: :data:`HEADROOM`.
-      compiled: the compiled check of the last plan (``peak_bytes``, ``programs``,
-        ``resident_state_bytes``, ``update_phase_bytes``), None when not compiled.
-      plans: one entry per plan tried (effective budget, predicted and compiled peak, counts).
-      host: :func:`chunkjax.fit_host.host_need` of the schedule plus ``available_bytes`` (None: unknown).
-      fits: the compiled step fits the headroom (True when not compiled).
-      why: when it does not, one line saying so.
-      notes: re-plans that failed, budgets raised.
-    """
-
-    schedule: Any
-    budget_bytes: int
-    requested: Any
-    effective_budget_bytes: int
-    headroom: float
-    compiled: dict | None
-    plans: tuple
-    host: dict
-    fits: bool
-    why: str | None
-    notes: tuple
-
-    @property
-    def predicted_peak_bytes(self) -> int:
-        return int(self.schedule.predicted.peak_device_bytes)
-
-    def to_dict(self) -> dict:
-        """JSON-ready: the plan's counts and predictions, the budgets and the compiled figures."""
-        p = self.schedule.predicted
-        return {"device_budget_bytes": self.budget_bytes, "device_budget_requested": self.requested,
-                "effective_budget_bytes": self.effective_budget_bytes, "headroom": self.headroom,
-                "peak_device_bytes_accounted": p.peak_device_bytes,
-                "compiled_peak_bytes": None if self.compiled is None else self.compiled["peak_bytes"],
-                "schedule_counts": self.schedule.counts(), "step_s_predicted": p.time.step_s,
-                "plans": list(self.plans), "host": dict(self.host), "fits": self.fits, "why": self.why,
-                "notes": list(self.notes), "disk_bytes_per_step_predicted": p.disk_bytes_per_step}
 
 
 class Fitted(NamedTuple):
@@ -225,7 +190,7 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
             zero_stage: int = 0, flops_per_step: float | None = None, rates: Rates | None = None,
             host_budget="auto", device_budget=None, check_host: bool = True, check_tx: bool = True,
             trainable=None, storage=None, cross_step: bool = True, remat: str = "full",
-            remat_names=()) -> FitProblem:
+            remat_names=(), unroll_micro_batches: bool = False, clip_expect: str = "auto") -> FitProblem:
     """Layout and traces for a step (no allocation; the budget comes later).
 
     Args:
@@ -268,11 +233,16 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
         True: the next step waits per program only for the host chunks it reads; exact); False:
         each step joins all of the previous step's host work.
       remat, remat_names: kept activations (:attr:`FitProblem.remat`; e.g. ``"auto"``, ``models.gpt.REMAT_NAMES``).
+      unroll_micro_batches: with ``micro_batches`` > 1, an in-program plan's loops traced
+        unrolled (:attr:`FitProblem.unroll_micro_batches`).
+      clip_expect: ``"auto"`` (``"fires"`` when ``host_optimizer`` clips by global norm, else
+        ``"rare"``), ``"fires"`` or ``"rare"``: the clipping the plan times the step for
+        (:mod:`chunkjax.clip_plan`: whether host updates overlap the backward or start at its end).
 
     Raises:
       ValueError: no optimizer or both, a transformation that is not elementwise, a compute
         dtype that is not floating, a last stage that returns neither a scalar nor a WeightedLoss, a bad ZeRO stage or mesh, a batch that does not split over
-        ranks x micro-batches, a chunk size below 1.
+        ranks x micro-batches, a chunk size below 1, an unknown ``clip_expect``.
       HostMemoryError: even the least host memory any plan needs exceeds what is available.
     """
     if (tx is None) == (host_optimizer is None):
@@ -285,6 +255,7 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
     if tx is not None and check_tx:
         check_elementwise(tx)
     tx = host_optimizer.optax() if tx is None else tx
+    clip_expect = clip_plan.resolve(clip_expect, host_optimizer)
     zero_stage = int(zero_stage or 0)
     if zero_stage not in (0, 1, 2, 3) or (zero_stage > 0) != (mesh is not None):
         raise ValueError(f"zero_stage={zero_stage} with mesh={mesh}: pass a data mesh and zero_stage 1, 2 or 3, "
@@ -338,7 +309,8 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
                       int(prefetch), segments, int(micro_batches), nonfinite, bool(loss_scaling), mesh, zero_stage,
                       float(flops_per_step) / n_ranks, rates or Rates(),
                       None if host_budget is None else int(host_budget), platform, storage,
-                      *(disk_capacity(storage) if storage else (0, None)), bool(cross_step), remat, tuple(remat_names))
+                      *(disk_capacity(storage) if storage else (0, None)), bool(cross_step), remat, tuple(remat_names),
+                      bool(unroll_micro_batches), clip_expect)
 
 
 # ---- the one planning call -------------------------------------------------------------------
@@ -394,9 +366,10 @@ def _plan(p: FitProblem, budget_bytes: int, *, policy, resident, must_fit, split
                          host_update=p.host_optimizer is not None, resident=resident, must_fit=must_fit,
                          split=split, micro_batches=p.micro_batches, streamed_early=p.streamed_early,
                          storage_devices=p.storage_devices, disk_budget_bytes=p.disk_budget_bytes,
+                         storage_workers=p.storage_dirs,
                          disk_versions=p.storage.disk_versions if p.storage is not None else 2,
                          host_bytes_of=host_bytes_of(p) if p.n_ranks == 1 and p.host_budget_bytes is not None else None,
-                         cross_step=p.cross_step)
+                         cross_step=p.cross_step, clip_expect=p.clip_expect)
 
 
 def build_step(problem: FitProblem, schedule, speculation_bytes: int | None = None):
@@ -553,7 +526,7 @@ def fit_step(stages, params, batch, *, device_budget="auto", policy: str = "tide
       **prepare_kw: the rest of :func:`prepare` (tx, host_optimizer, compute_dtype, chunk_size,
         min_chunks, prefetch, segments, micro_batches, nonfinite, loss_scaling, mesh, zero_stage,
         flops_per_step, rates, host_budget, trainable: the frozen leaves, cross_step: False for
-        the joined step).
+        the joined step, clip_expect: the clipping the plan times, :mod:`chunkjax.clip_plan`).
 
     Example::
 
@@ -568,25 +541,3 @@ def fit_step(stages, params, batch, *, device_budget="auto", policy: str = "tide
     problem = prepare(stages, params, batch, device_budget=device_budget, **prepare_kw)
     return fit_problem(problem, device_budget, policy=policy, resident=resident, check_compiled=check_compiled,
                        strict=strict)
-
-
-def describe(report: FitReport, problem: FitProblem) -> str:
-    """One line: chunks per (params kind, update location), param chunks off the device, the
-    predicted peak against the budget, model data on the device, bytes moved and step time."""
-    s, p = report.schedule, report.schedule.predicted
-    mib = lambda b: b / 2**20  # noqa: E731
-    off = sum(k != "device" for k in s.param_kinds)
-    comp = "" if report.compiled is None else f" (compiled {mib(report.compiled['peak_bytes']):.1f} MiB)"
-    ranks = f" per rank x {problem.n_ranks} (ZeRO-{problem.zero_stage})" if problem.zero_stage else ""
-    model = problem.cb_rank.model_bytes(problem.layout.n_chunks)  # one rank's
-    return (f"plan: {s.counts()}; {off} of {s.n_chunks} param chunks in pinned_host; accounted peak "
-            f"{mib(p.peak_device_bytes):.1f} MiB{comp} of budget {mib(report.budget_bytes):.1f} MiB{ranks}; model data "
-            f"on device {mib(p.device_model_bytes):.1f} of {mib(model):.1f} MiB; per step h2d "
-            f"{mib(p.h2d_bytes_per_step):.1f} MiB, d2h {mib(p.d2h_bytes_per_step):.1f} MiB; host "
-            f"{mib(p.host_bytes):.1f} MiB ({p.host_resident_bytes_per_param:.1f} B/param of host-resident chunks, "
-            f"{len(s.master_fetch)} without a compute copy, gradient working set {mib(p.host_working_bytes):.1f} "
-            f"MiB); predicted step "
-            f"{p.time.step_s * 1e3:.1f} ms" + (" (the cost model's GPU rates: a CPU runs far slower)"
-                                                if problem.platform == "cpu" else "")
-            + "".join(f"; {x}" for x in [storage_line(s, problem.storage_devices, problem.host_budget_bytes),
-                                         accumulation_line(s, problem.micro_batches)] if x))

@@ -75,6 +75,11 @@ class OffloadedChunkIO:
         return dict(info, saved_from=dict(info["saved_from"], step=type(self).__name__), needs_state=False,
                     meta={SIDE_STATE: side})
 
+    def checkpoint_state_meta(self, state=None) -> dict:
+        """The step's :meth:`chunkjax.ChunkedStep.checkpoint_state_meta` of the state it holds."""
+        del state
+        return self.step.checkpoint_state_meta(self._held())
+
     def checkpoint_arrays(self, c: int) -> dict:
         """``{name: ((chunk_size,), dtype)}`` of chunk ``c`` (the step's)."""
         return self.step.checkpoint_arrays(c)

@@ -67,7 +67,7 @@ def host_balanced_segments(n_moments: int, n_stages: int, done_moments, max_prog
 
 
 def assign_host_forms(s, cb, host_budget_bytes: int | None, *, chunk_size: int, traces, tide, rates,
-                      flops_per_step: float, micro_batches: int = 1, host_bytes_of=None):
+                      flops_per_step: float, micro_batches: int = 1, host_bytes_of=None, predict=pr.predict):
     """Choose the form of each host-updated chunk of schedule ``s`` (one device), after its update
     locations: a compute-dtype copy while the host budget allows, master-fetch for the rest.
 
@@ -90,6 +90,8 @@ def assign_host_forms(s, cb, host_budget_bytes: int | None, *, chunk_size: int, 
       micro_batches: gradient accumulation (float32 sums join the working set).
       host_bytes_of: ``schedule -> bytes`` compared with the budget (default
         ``predicted.host_bytes``; the planner's measure: the GPU's pinned pool as it grows).
+      predict: :func:`chunkjax.predict.predict` or the plan's memo of it (timed as the plan times
+        its step: cross-step, the clipping expected).
 
     Returns:
       the schedule with ``master_fetch`` set and its prediction redone (H2D bytes and step time
@@ -105,9 +107,9 @@ def assign_host_forms(s, cb, host_budget_bytes: int | None, *, chunk_size: int, 
 
     def with_forms(mf, segments):
         moments = [b + e for b, e in zip(device_part, pr.master_fetch_extra(cb, s.fetch, s.prefetch, mf))]
-        pred = pr.predict(chunk_size, traces, tide, cb, s.param_kinds, s.update_locations, s.fetch, segments,
-                          moments, flops_per_step=flops_per_step, rates=rates, master_fetch=mf,
-                          micro_batches=micro_batches, streamed_early=s.streamed_early)
+        pred = predict(chunk_size, traces, tide, cb, s.param_kinds, s.update_locations, s.fetch, segments,
+                       moments, flops_per_step=flops_per_step, rates=rates, master_fetch=mf,
+                       micro_batches=micro_batches, streamed_early=s.streamed_early)
         return dataclasses.replace(s, master_fetch=tuple(sorted(mf)), segments=tuple(segments), predicted=pred)
 
     hb = host_bytes_of or (lambda x: x.predicted.host_bytes)

@@ -321,10 +321,12 @@ class InitReserve:
     pool already resident (``RssShmem``), not the whole working set (issue 24: GPT3_15B's init was
     refused at its last host chunk for a first step whose 7.6 GiB of gradients its already-grown
     40 GiB pool held). ``pinned_cap``: the pool's cap (:func:`pinned_host_limit_bytes`), None on
-    the CPU."""
+    the CPU. ``platform``: where the run is; on a GPU the guard adds the rest of the system's
+    share of what it reserves (:meth:`need_bytes`), as the plan's need does (:func:`host_need`)."""
     pageable_bytes: int
     pinned_bytes: int = 0
     pinned_cap: int | None = None
+    platform: str = "cpu"
 
     def bytes_now(self, shmem_bytes: int | None = None) -> int:
         """The reserve now (bytes): ``pageable_bytes`` + the pinned pool's growth still possible
@@ -337,6 +339,15 @@ class InitReserve:
             if shm is not None:
                 grow = min(grow, max(0, self.pinned_cap - shm))
         return int(self.pageable_bytes + grow + INIT_MIN_FREE_BYTES)
+
+    def need_bytes(self, nbytes: int, shmem_bytes: int | None = None) -> int:
+        """``MemAvailable`` that placing ``nbytes`` more needs now (bytes), counted as the plan
+        counts a run's need (:func:`host_need`): the ``nbytes``, the reserve (:meth:`bytes_now`
+        less :data:`INIT_MIN_FREE_BYTES`) and the rest of the system's share of both
+        (:func:`system_host_bytes`: :data:`SYSTEM_HOST_SHARE` on a GPU), then
+        :data:`INIT_MIN_FREE_BYTES`."""
+        run = int(nbytes) + self.bytes_now(shmem_bytes) - INIT_MIN_FREE_BYTES
+        return int(run + system_host_bytes(run, self.platform) + INIT_MIN_FREE_BYTES)
 
 
 def _rss_shmem_bytes() -> int | None:
@@ -359,31 +370,31 @@ def init_reserve_bytes(schedule, platform: str, env=None) -> InitReserve | int:
         return 0
     pred = schedule.predicted
     if platform == "gpu":
-        return InitReserve(0, int(pred.host_working_bytes), pinned_host_limit_bytes(platform, env))
+        return InitReserve(0, int(pred.host_working_bytes), pinned_host_limit_bytes(platform, env), platform)
     return InitReserve(int(pred.host_working_bytes + (pred.peak_device_bytes if platform == "cpu" else 0)))
 
 
 def check_materialise(nbytes: int, reserve_bytes, what: str) -> None:
     """Refuse to touch ``nbytes`` more host bytes (``what``, e.g. one chunk's optimizer state)
     when ``MemAvailable`` would fall below ``reserve_bytes`` (bytes, or an :class:`InitReserve`
-    read now: :func:`init_reserve_bytes`): the state is made resident at init, so a plan that
+    read now: :func:`init_reserve_bytes`, with the system's share as the plan counts it:
+    :meth:`InitReserve.need_bytes`): the state is made resident at init, so a plan that
     over-commits the host stops here, in one line, instead of at the first step by the kernel's
     OOM killer.
 
     Raises:
-      HostMemoryError: ``MemAvailable - nbytes < reserve_bytes``.
+      HostMemoryError: ``MemAvailable`` below that need (``nbytes + reserve_bytes`` for bytes).
     """
-    if isinstance(reserve_bytes, InitReserve):
-        reserve_bytes = reserve_bytes.bytes_now()
+    need = reserve_bytes.need_bytes(nbytes) if isinstance(reserve_bytes, InitReserve) else int(nbytes) + int(reserve_bytes)
     avail = host_memory_available_bytes()
-    if avail is None or avail - int(nbytes) >= int(reserve_bytes):
+    if avail is None or avail >= need:
         return
     gib = lambda b: b / 2**30  # noqa: E731
     raise HostMemoryError(
-        f"host memory: initialising {what} needs {gib(nbytes):.2f} GiB more, and the first step {gib(reserve_bytes):.1f} "
-        f"GiB after it, but only {gib(avail):.1f} GiB is available (MemAvailable): the plan's host accounting missed "
-        "memory this process holds (see the host ledger); lower the host budget, give the device a larger budget or "
-        "storage directories, or free host memory", int(nbytes) + int(reserve_bytes), avail)
+        f"host memory: initialising {what} needs {gib(nbytes):.2f} GiB more, and the first step and the rest of the "
+        f"system {gib(need - int(nbytes)):.1f} GiB after it, but only {gib(avail):.1f} GiB is available (MemAvailable): "
+        "the plan's host accounting missed memory this process holds (see the host ledger); lower the host budget, give the device a larger budget or "
+        "storage directories, or free host memory", need, avail)
 
 
 def _refuse_host(need: dict, avail: int, what: str, fix: str):

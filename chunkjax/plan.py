@@ -46,15 +46,17 @@ import math
 from typing import Sequence
 
 from chunkjax import predict as pr
+from chunkjax.budget import parse_bytes  # noqa: F401 (re-exported: chunkjax.plan.parse_bytes)
 from chunkjax.cost import Rates
 from chunkjax.errors import HostBudgetError, PinnedLimitError, PlanError, format_bytes
 from chunkjax.eviction import CapacityError, belady
+from chunkjax.clip_plan import norm_wait
 from chunkjax.host_forms import assign_host_forms
 from chunkjax.layout import ChunkLayout
 from chunkjax.memory import DEVICE, PINNED_HOST
 from chunkjax.plan_disk import host_disk_error, place_on_disk
 from chunkjax.plan_memo import predictor
-from chunkjax.plan_split import NEAR_TIE, split_updates
+from chunkjax.plan_split import NEAR_TIE, split_schedule
 from chunkjax.program_cut import auto_segments, cut_and_start
 from chunkjax.predict_zero import per_rank
 from chunkjax.schedule import DEVICE_UPDATE, HOST_UPDATE, NO_UPDATE, STREAMED_UPDATE, Placement, Schedule
@@ -90,28 +92,6 @@ _MSG_UPDATE = ("device budget {budget} bytes is below the {need} bytes one chunk
                "{cs} elements): use a device budget >= {need} bytes or a smaller chunk_size")
 _WHY_ACT = "; activations alone exceed the budget"
 _FIX_ACT = " or lower the batch / sequence length (activations are checkpointed per block)"
-
-
-def parse_bytes(text: str) -> int:
-    """Parse ``"8GiB"``, ``"512MiB"``, ``"24GB"``, ``"1e9"`` or ``"123456"`` into bytes.
-
-    Raises:
-      ValueError: unparsable or not positive (one line naming the accepted forms).
-    """
-    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-    t = str(text).strip().lower().replace(" ", "")
-    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = t[len(num):]
-    try:
-        val = float(num)
-    except ValueError:
-        val = None
-    if val is None or unit not in units or not math.isfinite(val):
-        raise ValueError(f"cannot parse {text!r} as a byte size: use e.g. 8GiB, 512MiB, 24GB or a plain byte count")
-    if val <= 0:
-        raise ValueError(f"a byte size must be positive, got {text!r}: use e.g. 8GiB, 512MiB or 24GB")
-    return int(val * units[unit])
 
 
 def fetch_events(traces, placement: Placement, prefetch: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -167,8 +147,7 @@ def _frozen_none(layout: ChunkLayout, loc) -> tuple[str, ...]:
     planner reads only ``n_chunks``, ``chunk_size`` and this from a layout: a layout-like object
     without ``chunk_trainable`` (synthetic plans) has every chunk trainable."""
     trainable = getattr(layout, "chunk_trainable", None)
-    loc = tuple(loc)
-    return loc if trainable is None else tuple(u if t else NO_UPDATE for u, t in zip(loc, trainable))
+    return tuple(loc) if trainable is None else tuple(u if t else NO_UPDATE for u, t in zip(loc, trainable))
 
 
 # ---- the tide policy ----------------------------------------------------------------------------
@@ -176,25 +155,26 @@ def _frozen_none(layout: ChunkLayout, loc) -> tuple[str, ...]:
 def _tide_one(layout: ChunkLayout, traces, tide: Tide, cb: pr.ChunkBytes, budget: int, resident: set[int],
               host_update: bool, prefetch: int, segments: tuple[int, ...], rates: Rates, flops_per_step: float,
               split: bool = False, streamed_early: bool = False, reserve: int | None = None, micro_batches: int = 1,
-              predict=pr.predict, grad_done: dict[int, int] | None = None):
+              predict=pr.predict, grad_done: dict[int, int] | None = None, host_ok=None):
     """Schedule one placement (``resident`` chunks fully on the device); None if it cannot fit.
     With ``streamed_early`` (and the split) also the placement whose chunk buffers leave the
     streamed pipeline's bytes free during the backward (``reserve``), the faster of the two.
-    With ``micro_batches`` > 1 the device-updated chunks' float32 sums are on the device
-    throughout (:func:`chunkjax.predict.waiting_grad_bytes`). ``predict``: :func:`chunkjax.predict.predict`
-    or the plan's memo of it (:func:`chunkjax.plan_memo.predictor`); ``grad_done``: the plan's
-    :func:`chunkjax.predict.grad_done_moments` (computed here when None)."""
+    With ``micro_batches`` > 1 the device-updated chunks' float32 sums are on the device throughout
+    (:func:`chunkjax.predict.waiting_grad_bytes`) and every prediction is of that many passes.
+    ``predict``: :func:`chunkjax.predict.predict` or its memo (:func:`chunkjax.plan_memo.predictor`);
+    ``grad_done``: :func:`chunkjax.predict.grad_done_moments` (computed here when None); ``host_ok``: the
+    split's host check."""
     if streamed_early and split and host_update and reserve is None:
         args = (layout, traces, tide, cb, budget, resident, host_update, prefetch, segments, rates, flops_per_step, split)
-        late = _tide_one(*args, streamed_early=False, micro_batches=micro_batches, predict=predict, grad_done=grad_done)
-        early = _tide_one(*args, streamed_early=True, reserve=pr.streamed_pipeline_bytes(layout.chunk_size, cb),
-                          micro_batches=micro_batches, predict=predict, grad_done=grad_done)
+        kw = dict(micro_batches=micro_batches, predict=predict, grad_done=grad_done, host_ok=host_ok)
+        late = _tide_one(*args, streamed_early=False, **kw)
+        early = _tide_one(*args, streamed_early=True, reserve=pr.streamed_pipeline_bytes(layout.chunk_size, cb), **kw)
         if early is None or not early.streamed_early or (
                 late is not None and late.predicted.time.step_s <= early.predicted.time.step_s):
             return late
         return early
-    n = layout.n_chunks
-    T = len(tide.moments)
+    predict = predict if micro_batches == 1 else (lambda f: lambda *a, **k: f(*a, micro_batches=micro_batches, **k))(predict)
+    n, T = layout.n_chunks, len(tide.moments)
     pk = tuple(DEVICE if c in resident else PINNED_HOST for c in range(n))
     loc = _frozen_none(layout, (DEVICE_UPDATE if c in resident else (HOST_UPDATE if host_update else STREAMED_UPDATE)
                                 for c in range(n)))
@@ -223,13 +203,12 @@ def _tide_one(layout: ChunkLayout, traces, tide: Tide, cb: pr.ChunkBytes, budget
                    flops_per_step=flops_per_step, rates=rates)
     if pred.peak_device_bytes > budget:
         return None
-    early = False
+    s = Schedule(pk, loc, tuple(ev.fetch), tuple(_evictions(ev.fetch, accesses, T)), segments, prefetch,
+                 _moments(tide), pred, int(budget))
     if split and HOST_UPDATE in loc:
-        loc, pred, early = split_updates(layout.chunk_size, traces, tide, cb, budget, pk, loc, ev.fetch, segments,
-                                         per_moment, rates=rates, flops_per_step=flops_per_step,
-                                         streamed_early=streamed_early, predict=predict)
-    return Schedule(pk, loc, tuple(ev.fetch), tuple(_evictions(ev.fetch, accesses, T)), segments, prefetch,
-                    _moments(tide), pred, int(budget), streamed_early=early)
+        s = split_schedule(s, layout.chunk_size, traces, tide, cb, per_moment, rates=rates, flops_per_step=flops_per_step,
+                           streamed_early=streamed_early, predict=predict, fits=host_ok)
+    return s
 
 
 def _tide(one, n_chunks: int, budget: int, host_fits, resident) -> Schedule:
@@ -329,7 +308,6 @@ def _fixed(layout, traces, tide, cb, budget, prefetch, rates, flops) -> Schedule
     (which moves the chunk's update to the device: PatrickStar, section 5), chunk by chunk in
     first-use order, each kept while the peak fits."""
     n, cs = layout.n_chunks, layout.chunk_size
-
     trainable = getattr(layout, "chunk_trainable", None)
 
     def peak(pk, sk):
@@ -419,7 +397,8 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: pr.Chun
                   rates: Rates = Rates(), host_update: bool = True, resident: Sequence[int] | None = None,
                   must_fit: bool = True, split: bool = True, micro_batches: int = 1,
                   streamed_early: bool = False, storage_devices: int = 0, disk_budget_bytes: int | None = None,
-                  disk_versions: int = 2, host_bytes_of=None, cross_step: bool = False) -> Schedule:
+                  disk_versions: int = 2, host_bytes_of=None, cross_step: bool = False, storage_workers=None,
+                  clip_expect: str = "rare") -> Schedule:
     """Plan one training step under a device budget: the one entry point for every policy.
 
     Args:
@@ -458,15 +437,17 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: pr.Chun
         its predicted peak exceeds the budgets (for reports that compare them).
       micro_batches: gradient accumulation of the step (its host working set).
       storage_devices: ``"tide"`` on one device with a host kernel and ``host_budget_bytes``:
-        storage directories of the disk tier (0: none). Offloaded chunks whose master params and
+        storage devices (filesystems) of the disk tier (0: none). Offloaded chunks whose master params and
         state the host budget cannot hold (after master-fetch) update ``storage``
         (:mod:`chunkjax.plan_disk`); a model that fits gets no storage chunk.
+      storage_workers: near-storage workers, one per storage directory (default ``storage_devices``): their host bytes.
       disk_budget_bytes: bytes the storage directories may hold (None: unbounded).
       disk_versions: versions of each chunk file on disk during a step (2: the crash-safe commit).
       host_bytes_of: ``schedule -> bytes`` compared with ``host_budget_bytes`` when choosing among
         placements (default ``ranks * predicted.host_bytes``; :func:`chunkjax.fit.plan` passes the
         host memory the machine gives the run, its pinned pool as the runtime grows it).
       cross_step: ``"tide"``: time the step with cross-step overlap (:mod:`chunkjax.cross_step`), try forward cuts.
+      clip_expect: ``"tide"``: ``"rare"`` or ``"fires"``, when host updates start (:mod:`chunkjax.clip_plan`).
 
     Host-updated chunks of ``"tide"`` and ``"all_host"`` on one device keep a compute-dtype copy
     while ``host_budget_bytes`` allows and are master-fetch beyond
@@ -526,21 +507,22 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: pr.Chun
     def host_fits(s: Schedule) -> bool:
         return host_budget_bytes is None or host_bytes(s) <= host_budget_bytes
 
-    def forms(s: Schedule | None) -> Schedule | None:  # copy or master-fetch per host chunk (one device)
+    def forms(s: Schedule | None, predict=pr.predict) -> Schedule | None:  # copy or master-fetch per host chunk
         if s is None or ranks > 1:
             return s
         return assign_host_forms(s, plan_cb, host_budget_bytes, chunk_size=layout.chunk_size, traces=traces,
                                  tide=tide, rates=rates, flops_per_step=flops_per_step, micro_batches=micro_batches,
-                                 host_bytes_of=host_bytes_of)
+                                 host_bytes_of=host_bytes_of, predict=predict)
 
     if policy == "tide":
         T = len(tide.moments)
         segs = ((auto_segments(T, len(traces)) if host_update else (0,)) if segments == "auto"
                 else (0,) if segments is None else tuple(segments))
-
-        disk = (host_budget_bytes, disk_budget_bytes, int(storage_devices), disk_versions) if storage_devices else None
-
-        predict = predictor(cross_step=True, prefetch=prefetch) if cross_step else predictor()  # each once
+        workers = int(storage_devices if storage_workers is None else storage_workers)
+        disk = (host_budget_bytes, disk_budget_bytes, int(storage_devices), disk_versions, workers) if storage_devices else None
+        cross = dict(cross_step=True, prefetch=prefetch) if cross_step else {}
+        predict = predictor(norm_wait=norm_wait(clip_expect), **cross)  # each once, timed as the step runs
+        ok = (lambda x: host_fits(forms(x, predict))) if ranks == 1 else None  # the split's host check
         done = pr.grad_done_moments(traces, tide)
         placed: dict = {}  # (budget, resident set) -> the schedule of one(), each placement scheduled once
 
@@ -549,7 +531,7 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: pr.Chun
             if key not in placed:
                 s = forms(_tide_one(layout, traces, tide, plan_cb, b, res, host_update, prefetch, segs, rates,
                                     flops_per_step, split and resident is None, streamed_early,
-                                    micro_batches=micro_batches, predict=predict, grad_done=done))
+                                    micro_batches=micro_batches, predict=predict, grad_done=done, host_ok=ok), predict)
                 s = s if s is None or disk is None else place_on_disk(
                     s, plan_cb, chunk_size=layout.chunk_size, traces=traces, tide=tide, disk=disk, rates=rates,
                     flops_per_step=flops_per_step, micro_batches=micro_batches, streamed_early=streamed_early,
@@ -569,14 +551,14 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: pr.Chun
             least = min((s for s in (one(budget, set(range(k))) for k in range(layout.n_chunks + 1)) if s is not None),
                         key=host_bytes)
             raise host_disk_error(host_budget_bytes, host_bytes(least), least.predicted.storage_chunks,
-                                  int(storage_devices), disk_budget_bytes)
+                                  workers, disk_budget_bytes)
         if best is None:
             _tide_infeasible(one, offloaded_fits, layout.n_chunks, tide, plan_cb, budget, host_budget_bytes, ranks,
                              host_bytes)
         if segments == "auto" and ranks == 1 and disk is None:
             best = cut_and_start(best, lambda b, res, **kw: forms(_tide_one(
                 layout, traces, tide, plan_cb, b, res, host_update, prefetch, segs, rates, flops_per_step, **kw,
-                predict=predict, grad_done=done)),
+                predict=predict, grad_done=done, host_ok=ok), predict),
                 plan_cb, layout=layout, traces=traces, tide=tide, rates=rates, flops_per_step=flops_per_step,
                 fits=host_fits, micro_batches=micro_batches, streamed_early=streamed_early and split,
                 split=split and resident is None, predict=predict, cross_step=cross_step)

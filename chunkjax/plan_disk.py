@@ -47,10 +47,11 @@ def place_on_disk(s: Schedule, cb: pr.ChunkBytes, *, chunk_size: int, traces, ti
       cb: one chunk's bytes.
       chunk_size, traces, tide, rates, flops_per_step, micro_batches, streamed_early: as
         :func:`chunkjax.predict.predict`.
-      disk: ``(host_budget, disk_budget, storage_devices, disk_versions)``: host bytes for model
-        data and the working set; bytes the storage directories may hold (None: unbounded);
-        storage directories (>= 1); versions of each chunk file a step holds
-        (:data:`DISK_VERSIONS`, 1 with ``StorageOptions(keep_previous=False)``).
+      disk: ``(host_budget, disk_budget, storage_devices, disk_versions[, storage_workers])``:
+        host bytes for model data and the working set; bytes the storage directories may hold
+        (None: unbounded); storage devices (distinct filesystems, >= 1); versions of each chunk
+        file a step holds (:data:`DISK_VERSIONS`, 1 with ``StorageOptions(keep_previous=False)``);
+        near-storage workers, one per storage directory (default: ``storage_devices``).
       host_bytes_of: ``schedule -> bytes`` compared with the host budget (default
         ``predicted.host_bytes``; :func:`chunkjax.plan.plan_schedule`'s measure).
 
@@ -59,7 +60,8 @@ def place_on_disk(s: Schedule, cb: pr.ChunkBytes, *, chunk_size: int, traces, ti
       storage chunks that fits, or the one with the most the disk budget allows (the caller's
       host check refuses it).
     """
-    host_budget, disk_budget, devices, versions = disk
+    host_budget, disk_budget, devices, versions, *rest = disk
+    workers = rest[0] if rest and rest[0] is not None else devices
     hb = host_bytes_of or (lambda x: x.predicted.host_bytes)
     if host_budget is None or hb(s) <= host_budget:
         return s
@@ -82,10 +84,11 @@ def place_on_disk(s: Schedule, cb: pr.ChunkBytes, *, chunk_size: int, traces, ti
         moments = [b + e for b, e in zip(device_part, pr.master_fetch_extra(cb, s.fetch, s.prefetch, mf))]
         pred = pr.predict(chunk_size, traces, tide, cb, s.param_kinds, loc, s.fetch, s.segments, moments,
                           flops_per_step=flops_per_step, rates=rates, master_fetch=mf, micro_batches=micro_batches,
-                          streamed_early=streamed_early, storage_devices=devices, storage_early=streamed_early)
+                          streamed_early=streamed_early, storage_devices=devices, storage_early=streamed_early,
+                          storage_workers=workers)
         return dataclasses.replace(s, update_locations=loc, master_fetch=mf, predicted=pred)
 
-    staging = storage_host_bytes(pr.disk_file_bytes(cb), devices, pr.STORAGE_STAGING_BUFFERS)
+    staging = storage_host_bytes(pr.disk_file_bytes(cb), workers, pr.STORAGE_STAGING_BUFFERS)
     j = min(len(order), max(1, math.ceil((hb(s) + staging - host_budget) / max(1, cb.state))))
     out = at(j)
     while hb(out) > host_budget and j < len(order):

@@ -51,16 +51,19 @@ def grouped_problem(problem, group: int):
     """``problem`` (a :class:`chunkjax.fit.FitProblem` with ``micro_batches`` M > 1) as one pass
     of micro-batch groups of ``group`` G sees it: the traces of G micro-batches looped in-program
     (:func:`chunkjax.trace.in_program_traces`) and ``micro_batches = M / G`` passes (1: no float32
-    sums, each chunk fetched once; more: the per-pass path's sums and repeated fetches)."""
-    return dataclasses.replace(problem, traces=in_program_traces(problem.traces, group),
+    sums, each chunk fetched once; more: the per-pass path's sums and repeated fetches), the
+    loops unrolled as ``problem.unroll_micro_batches`` says (False for an object without it)."""
+    unroll = bool(getattr(problem, "unroll_micro_batches", False))
+    return dataclasses.replace(problem, traces=in_program_traces(problem.traces, group, unroll),
                                micro_batches=problem.micro_batches // group)
 
 
 def in_program_plan(problem, budget_bytes: int, plan, refused: list | None = None, **kw):
     """The in-program schedule of ``problem`` (a :class:`chunkjax.fit.FitProblem` with
     ``micro_batches`` > 1) with the largest micro-batch group (:func:`group_sizes`) whose plan
-    fits ``budget_bytes`` (bytes, per rank): ``accumulation="in_program"`` and ``micro_group``
-    None (all micro-batches in one pass) or G; None when no group fits.
+    fits ``budget_bytes`` (bytes, per rank): ``accumulation="in_program"``, ``micro_group``
+    None (all micro-batches in one pass) or G and ``unroll_micro_batches`` the problem's (its
+    loops traced unrolled, and so planned); None when no group fits.
     ``plan(problem, budget_bytes, **kw) -> Schedule`` plans one pass (:func:`chunkjax.fit.plan`'s
     per-pass planning, raising :class:`~chunkjax.errors.PlanError` when nothing fits) and is given
     :func:`grouped_problem`; ``refused`` (a list) gets ``(G, PlanError)`` of each group refused."""
@@ -73,7 +76,8 @@ def in_program_plan(problem, budget_bytes: int, plan, refused: list | None = Non
                 refused.append((g, e))
             continue
         if s.predicted.peak_device_bytes <= budget_bytes:
-            return dataclasses.replace(s, accumulation=IN_PROGRAM, micro_group=None if g == m else g)
+            return dataclasses.replace(s, accumulation=IN_PROGRAM, micro_group=None if g == m else g,
+                                       unroll_micro_batches=bool(getattr(problem, "unroll_micro_batches", False)))
     return None
 
 

@@ -4,6 +4,8 @@ the one planner (:func:`chunkjax.plan.plan_schedule`). Pure: nothing is allocate
 """
 from __future__ import annotations
 
+import dataclasses
+
 from chunkjax import predict as pr
 from chunkjax.cost import Rates
 from chunkjax.predict import ChunkBytes
@@ -16,7 +18,7 @@ NEAR_TIE = 0.02
 
 def split_updates(chunk_size: int, traces, tide: Tide, cb: ChunkBytes, budget: int, param_kinds, update_locations,
                   fetch, segments, moment_bytes, *, rates: Rates, flops_per_step: float, streamed_early: bool = False,
-                  window: int = pr.GRAD_WINDOW_PROGRAMS, predict=pr.predict):
+                  window: int = pr.GRAD_WINDOW_PROGRAMS, predict=pr.predict, fits=None):
     """Update placement by rate (ZeRO-Offload++ / ZenFlow's split of the update between GPU and
     CPU): move some host-updated chunks to ``streamed`` (state moved through the device by
     :mod:`chunkjax.streamed`, both PCIe directions in flight, while the host thread runs) in the
@@ -44,6 +46,9 @@ def split_updates(chunk_size: int, traces, tide: Tide, cb: ChunkBytes, budget: i
       window: the step's gradient window (``Schedule.grad_window``).
       predict: :func:`chunkjax.predict.predict` or the plan's memo of it
         (:func:`chunkjax.plan_memo.predictor`).
+      fits: ``(update_locations, prediction) -> bool``, the caller's host check (None: none): the
+        counts whose split it refuses are not taken (a streamed chunk's state is pinned and
+        written back beside the old one, so the host bytes grow with the count).
 
     Returns:
       ``(update_locations, prediction, early)`` of the fastest split (the input's when no chunk
@@ -59,14 +64,14 @@ def split_updates(chunk_size: int, traces, tide: Tide, cb: ChunkBytes, budget: i
     for early in (False, True) if streamed_early else (False,):
         for pick in picks:
             loc, pred = _split_one(chunk_size, traces, tide, cb, budget, param_kinds, update_locations, fetch, segments,
-                                   moment_bytes, m, pick, rates, flops_per_step, early, window, predict)
+                                   moment_bytes, m, pick, rates, flops_per_step, early, window, predict, fits)
             if best is None or pred.time.step_s < best[1].time.step_s:
                 best = loc, pred, early and STREAMED_UPDATE in loc
     return best
 
 
 def _split_one(chunk_size, traces, tide, cb, budget, param_kinds, update_locations, fetch, segments, moment_bytes,
-               m, pick, rates, flops_per_step, early, window=pr.GRAD_WINDOW_PROGRAMS, predict=pr.predict):
+               m, pick, rates, flops_per_step, early, window=pr.GRAD_WINDOW_PROGRAMS, predict=pr.predict, fits=None):
     """:func:`split_updates` for one way of choosing ``j`` of the ``m`` host chunks (``pick(j)``)
     and one way of running the streamed chunks."""
     memo: dict = {}
@@ -79,13 +84,17 @@ def _split_one(chunk_size, traces, tide, cb, budget, param_kinds, update_locatio
                                    flops_per_step=flops_per_step, rates=rates, streamed_early=early, window=window)
         return memo[j]
 
+    def ok(j):  # the device peak and the host bytes grow with j: the most chunks that fit
+        loc, pred = at(j)
+        return pred.peak_device_bytes <= budget and (fits is None or fits(loc, pred))
+
     base = at(0)
-    top = m  # the peak grows with j (earlier programs' chunks stream): the most chunks that fit
-    if top and at(top)[1].peak_device_bytes > budget:
+    top = m
+    if top and not ok(top):
         a, b = 0, top
         while a < b:
             mid = (a + b + 1) // 2
-            a, b = (mid, b) if at(mid)[1].peak_device_bytes <= budget else (a, mid - 1)
+            a, b = (mid, b) if ok(mid) else (a, mid - 1)
         top = a
     if top == 0:
         return base
@@ -93,7 +102,7 @@ def _split_one(chunk_size, traces, tide, cb, budget, param_kinds, update_locatio
     while lo < hi:
         mid = (lo + hi) // 2
         t = at(mid)[1].time
-        if t.streamed_update_s + (t.device_update_s if t.cross_step else 0.0) >= t.host_update_exposed_s:
+        if t.streamed_update_s + (t.device_update_s if t.cross_step else 0.0) >= _host_side(t):
             hi = mid
         else:
             lo = mid + 1
@@ -110,3 +119,27 @@ def _split_one(chunk_size, traces, tide, cb, budget, param_kinds, update_locatio
         else:
             a = mid + 1
     return at(a)
+
+
+def split_schedule(s, chunk_size: int, traces, tide: Tide, cb: ChunkBytes, moment_bytes, *, rates: Rates,
+                   flops_per_step: float, streamed_early: bool = False, predict=pr.predict, fits=None):
+    """:func:`split_updates` of a :class:`~chunkjax.schedule.Schedule` ``s`` (its placement, fetches,
+    cut, window and ``budget_bytes``; ``moment_bytes`` without the early pipeline's bytes): ``s``
+    with the fastest split's update locations, prediction and streamed start. ``fits``:
+    ``schedule -> bool``, the caller's host check of each count tried (None: none)."""
+    ok = None if fits is None else (lambda loc, pred: fits(dataclasses.replace(s, update_locations=loc, predicted=pred)))
+    loc, pred, early = split_updates(chunk_size, traces, tide, cb, s.budget_bytes, s.param_kinds, s.update_locations,
+                                     s.fetch, s.segments, moment_bytes, rates=rates, flops_per_step=flops_per_step,
+                                     streamed_early=streamed_early, window=s.grad_window, predict=predict, fits=ok)
+    return dataclasses.replace(s, update_locations=loc, predicted=pred, streamed_early=early)
+
+
+def _host_side(t) -> float:
+    """The host's share of a step's tail (:class:`chunkjax.cost.PipelinedStepTime`): its exposed
+    update and, with cross-step overlap, the seconds by which its whole work outlasts the forward,
+    the backward and the window's stalls (the step is never shorter than the host thread's work,
+    so a split that only hides the host tail behind the next forward still shortens a host-bound
+    step)."""
+    if not t.cross_step:
+        return t.host_update_exposed_s
+    return max(t.host_update_exposed_s, t.host_update_s - t.forward_s - t.backward_s - t.window_stall_s)

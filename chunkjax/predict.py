@@ -401,12 +401,20 @@ def streamed_early_extra(chunk_size: int, cb: ChunkBytes, traces, tide: Tide, pa
     return [early if t >= first else 0 for t in range(T)]
 
 
+def looped_fetch(traces: Sequence[StageTrace]) -> bool:
+    """The moments loop over micro-batches inside their programs as a while loop (in-program
+    traces, :func:`chunkjax.trace.in_program_traces`, not unrolled): the cost model's
+    ``looped_fetch`` (:func:`chunkjax.cost.predict_pipelined_step`)."""
+    return any(getattr(t, "micro_loop", 1) > 1 and not getattr(t, "loop_unrolled", False) for t in traces)
+
+
 def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: ChunkBytes, param_kinds,
             update_locations, fetch, segments, moment_bytes: Sequence[int], *, flops_per_step: float,
             rates: Rates = Rates(), forward_fetches: int | None = None, master_fetch=(),
             micro_batches: int = 1, streamed_early: bool = False, storage_devices: int = 1,
             storage_early: bool = False, staging_buffers: int = STORAGE_STAGING_BUFFERS,
-            window: int = GRAD_WINDOW_PROGRAMS, cross_step: bool = False, prefetch: int = 1) -> Prediction:
+            window: int = GRAD_WINDOW_PROGRAMS, cross_step: bool = False, prefetch: int = 1,
+            storage_workers: int | None = None, norm_wait: bool = False) -> Prediction:
     """The :class:`~chunkjax.schedule.Prediction` of a schedule's decisions.
 
     Args:
@@ -427,14 +435,20 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
       micro_batches: gradient accumulation with every program run once per micro-batch
         (:func:`chunkjax.accumulate.mean_gradients`): the host working set holds float32 sums,
         and every fetch and offloaded gradient moves ``micro_batches`` times a step. A plan that
-        loops over the micro-batches inside each moment passes 1 with the traces of
-        :func:`chunkjax.trace.in_program_traces` (each chunk fetched once a step).
+        loops over the micro-batches inside each moment passes 1 (groups: the passes) with the
+        traces of :func:`chunkjax.trace.in_program_traces` (each chunk fetched once a pass; a
+        loop not unrolled times the backward's fetches after it: :func:`looped_fetch`). The
+        timeline is the last pass's (``passes`` of :func:`chunkjax.cost.predict_pipelined_step`).
       streamed_early: the step's streamed updates start as the program completing their
         gradient ends (:func:`chunkjax.streamed.starts_early`); their pipeline's bytes
         (:func:`streamed_pipeline_bytes`) are then on the device from that program's end. False:
         they start after the backward, when the global norm is known.
-      storage_devices: storage directories (devices) of the disk tier the ``storage`` chunks
-        are spread over.
+      storage_devices: storage devices (distinct filesystems) of the disk tier the ``storage``
+        chunks are spread over: their disk links are timed apart.
+      storage_workers: near-storage worker processes, one per storage directory (what
+        :class:`chunkjax.storage.near.NearStorageOptimizer` starts; two directories on one
+        filesystem are two workers): each holds ``staging_buffers`` files in host memory
+        (``storage_host_bytes``) and its process (``storage_workers``). Default ``storage_devices``.
       storage_early: the storage chunks update as their gradients complete (the update does not
         read the global norm, one micro-batch: :func:`chunkjax.storage.updater.updates_early`);
         else once the norm is known.
@@ -447,6 +461,8 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
       cross_step, prefetch: the step runs with cross-step overlap (:mod:`chunkjax.cross_step`):
         its host tail is timed against the next forward's reads
         (:func:`chunkjax.cross_step.next_read_fractions` with the fetch distance ``prefetch``).
+      norm_wait: time the step whose clipping fires (:mod:`chunkjax.clip_plan`): the host
+        updates start at the backward's end and every host gradient of the step exists at once.
 
     Kept activations (remat, the traces of :func:`chunkjax.remat.with_remat`): their device bytes
     are in the traces (the tide), their offloads (``StageTrace.offload_bytes``) move down in the
@@ -484,14 +500,15 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
         elif u == DEVICE_UPDATE and k == PINNED_HOST:
             d2h += cb.params
     hf = host_figures(chunk_size, cb, param_kinds, update_locations, grad_done, segments, T, master_fetch=mf,
-                      micro_batches=micro_batches, window=window)
+                      micro_batches=micro_batches, window=len(segments) if norm_wait else window)
     held_act = sum(t.offload_bytes for t in traces)  # offloaded activations, all in host memory at the forward's end
     if held_act:
         hf["host_working_bytes"] += held_act
         hf["host_bytes"] += held_act
         hf["host_bytes_per_param"] = hf["host_bytes"] / (len(param_kinds) * chunk_size)
     n_disk = sum(u == STORAGE_UPDATE for u in update_locations)
-    staging = storage_host_bytes(disk_file_bytes(cb), storage_devices, staging_buffers) if n_disk else 0
+    workers = storage_devices if storage_workers is None else storage_workers
+    staging = storage_host_bytes(disk_file_bytes(cb), workers, staging_buffers) if n_disk else 0
     if n_disk:  # storage chunks: gradients whole until the disk update, the workers' staging buffers
         hf["host_model_bytes"] += n_disk * cb.grad + staging
         hf["host_bytes"] += n_disk * cb.grad + staging
@@ -513,11 +530,12 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
         storage_early=storage_early and micro_batches == 1, staging_buffers=staging_buffers, window=window,
         cross_step=cross_step, host_reads=[(f, chunk_size) for c, f in next_read_fractions(
             fetch, segments, prefetch, n_stages).items() if update_locations[c] == HOST_UPDATE] if cross_step else (),
-        act_bytes=act, saved_flops=passes * sum(t.saved_flops for t in traces))
+        act_bytes=act, saved_flops=passes * sum(t.saved_flops for t in traces),
+        passes=passes, looped_fetch=looped_fetch(traces), norm_wait=norm_wait)
     return Prediction(int(peak), int(model), hf.pop("host_model_bytes"), int(h2d), int(d2h), int(fetch_b),
                       int(passes * n_fetch), tuple(int(b) for b in moment_bytes), time, **hf,
                       disk_bytes_per_step=2 * n_disk * disk_file_bytes(cb), storage_chunks=n_disk,
-                      storage_host_bytes=staging, storage_workers=storage_devices if n_disk else 0)
+                      storage_host_bytes=staging, storage_workers=workers if n_disk else 0)
 
 
 def predict_optimizer_only(chunk_size: int, cb: ChunkBytes, update_locations, *, flops_per_step: float = 0.0,

@@ -125,8 +125,11 @@ def choose_program_cut(s: Schedule, cb: pr.ChunkBytes, *, chunk_size: int, trace
     host bytes). With ``split`` (and no master-fetch chunk) the update work is split again
     between host and streamed chunks for the best cut found
     (:func:`chunkjax.plan_split.split_updates`) and the cut searched once more. ``s`` itself
-    when no candidate is faster by :data:`CUT_GAIN`, or when it has no host chunk, a storage
-    chunk or micro-batches.
+    when no candidate is faster by :data:`CUT_GAIN`, or when it has no host chunk or a storage
+    chunk. Micro-batches run every program once per pass (``micro_batches`` passes: per
+    micro-batch, or in-program groups): the cut is chosen on the last pass's timeline and the
+    forward cuts shorten the wait of the next step's first pass
+    (:func:`chunkjax.cost.predict_pipelined_step` ``passes``).
 
     Args:
       s: the planned :class:`~chunkjax.schedule.Schedule`.
@@ -147,7 +150,7 @@ def choose_program_cut(s: Schedule, cb: pr.ChunkBytes, *, chunk_size: int, trace
       ``update_locations`` and the prediction redone).
     """
     host = [c for c, u in enumerate(s.update_locations) if u == HOST_UPDATE]
-    if not host or s.predicted.storage_chunks or micro_batches > 1:
+    if not host or s.predicted.storage_chunks:
         return s
     T, n = len(tide.moments), len(traces)
     done = pr.grad_done_moments(traces, tide)
@@ -177,12 +180,21 @@ def choose_program_cut(s: Schedule, cb: pr.ChunkBytes, *, chunk_size: int, trace
                         best, best_t = cand, pred.time.step_s
         return best, best_t
 
+    # ``s`` timed as the candidates are (its prediction may come from a re-plan without the
+    # cross-step overlap: the host forms' with micro-batches), so the first of equal times stays
+    s = dataclasses.replace(s, predicted=predict(
+        chunk_size, traces, tide, cb, s.param_kinds, s.update_locations, s.fetch, s.segments, base,
+        flops_per_step=flops_per_step, rates=rates, master_fetch=s.master_fetch, micro_batches=micro_batches,
+        streamed_early=s.streamed_early, window=s.grad_window))
     best, best_t = search(s, s, s.predicted.time.step_s * (1 - CUT_GAIN))
     if split and not s.master_fetch:
         loc0 = tuple(HOST_UPDATE if u == STREAMED_UPDATE else u for u in s.update_locations)
         loc, pred, early = split_updates(chunk_size, traces, tide, cb, s.budget_bytes, s.param_kinds, loc0, s.fetch,
                                          best.segments, base, rates=rates, flops_per_step=flops_per_step,
-                                         streamed_early=streamed_early, window=best.grad_window, predict=predict)
+                                         streamed_early=streamed_early, window=best.grad_window,
+                                         predict=lambda *a, **k: predict(*a, micro_batches=micro_batches, **k),
+                                         fits=lambda loc, pred: fits(dataclasses.replace(best, update_locations=loc,
+                                                                                         predicted=pred)))
         again = dataclasses.replace(best, update_locations=loc, streamed_early=early, predicted=pred)
         if pred.peak_device_bytes <= s.budget_bytes and fits(again):
             if pred.time.step_s < best_t:
@@ -235,11 +247,12 @@ def cut_and_start(best: Schedule, one, cb: pr.ChunkBytes, *, layout, traces, tid
 
 def retime(s: Schedule, cb: pr.ChunkBytes, *, chunk_size: int, traces, tide, rates, flops_per_step: float,
            micro_batches: int = 1, segments: Sequence[int] | None = None, window: int | None = None,
-           streamed_early: bool | None = None, cross_step: bool = False) -> pr.Prediction:
+           streamed_early: bool | None = None, cross_step: bool = False, norm_wait: bool = False) -> pr.Prediction:
     """The prediction of schedule ``s`` (one device) at other ``rates`` (e.g. a measured compute
     rate), and with another cut, window or streamed start where given (default: ``s``'s), with or
-    without cross-step overlap (:mod:`chunkjax.cross_step`). Everything else (placement, update
-    locations, host forms) is ``s``'s."""
+    without cross-step overlap (:mod:`chunkjax.cross_step`), with host updates from the backward's
+    end when ``norm_wait`` (clipping fires: :mod:`chunkjax.clip_plan`). Everything else
+    (placement, update locations, host forms) is ``s``'s."""
     early_x = pr.streamed_early_extra(chunk_size, cb, traces, tide, s.param_kinds, s.update_locations, s.segments,
                                       s.streamed_early)
     base = [b - e for b, e in zip(s.predicted.device_bytes_per_moment, early_x)]
@@ -248,4 +261,4 @@ def retime(s: Schedule, cb: pr.ChunkBytes, *, chunk_size: int, traces, tide, rat
                       rates=rates, master_fetch=s.master_fetch, micro_batches=micro_batches,
                       streamed_early=s.streamed_early if streamed_early is None else bool(streamed_early),
                       window=s.grad_window if window is None else int(window), cross_step=cross_step,
-                      prefetch=s.prefetch)
+                      prefetch=s.prefetch, norm_wait=norm_wait)

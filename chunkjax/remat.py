@@ -38,7 +38,7 @@ import jax
 import jax.extend.core as jex_core
 import jax.numpy as jnp
 
-from chunkjax.cost import matmul_flops
+from chunkjax.flops import matmul_flops
 
 FULL, SAVE, OFFLOAD = "full", "save", "offload"
 #: a stage's remat option (module docstring)
@@ -157,7 +157,7 @@ def backward_saved(fn, p, x, names, saved, outer=()):
 
 
 def live_matmul_flops(closed) -> float:
-    """Matmul FLOPs (:func:`chunkjax.cost.matmul_flops`) of the top-level equations of a jaxpr
+    """Matmul FLOPs (:func:`chunkjax.flops.matmul_flops`) of the top-level equations of a jaxpr
     that its outputs depend on (dead equations, e.g. a forward whose residuals were swapped for
     saved ones, are what XLA removes)."""
     jaxpr = closed.jaxpr

@@ -242,6 +242,12 @@ class Schedule:
         host memory); empty: every stage ``"full"``. The prediction accounts it (the traces it was
         planned with: :func:`chunkjax.remat.with_remat`).
       remat_names: the ``checkpoint_name`` names the ``"save"``/``"offload"`` stages keep.
+      unroll_micro_batches: with ``"in_program"``: the moments' micro-batch loops are traced
+        unrolled (:class:`chunkjax.walker.Walk` ``unroll``: the same operations in the same
+        order, bit for bit the loop's results, one copy of a stage's code per micro-batch), so
+        XLA may overlap a moment's chunk fetches with them; False: while loops (``lax.scan``),
+        whose backward fetches the cost model times after the loop (the prediction assumes
+        the one the schedule names: :func:`chunkjax.predict.looped_fetch`).
 
     Raises:
       ValueError: per-chunk tuples of different lengths, an unknown update location or accumulation,
@@ -265,6 +271,7 @@ class Schedule:
     micro_group: int | None = None
     remat: tuple[str, ...] = ()
     remat_names: tuple[str, ...] = ()
+    unroll_micro_batches: bool = False
 
     def __post_init__(self):
         from chunkjax.remat import check_remat
@@ -329,7 +336,8 @@ class Schedule:
                 "budget_bytes": self.budget_bytes, "predicted": self.predicted.to_dict(),
                 "master_fetch": list(self.master_fetch), "streamed_early": self.streamed_early,
                 "grad_window": int(self.grad_window), "accumulation": self.accumulation,
-                "micro_group": self.micro_group, "remat": list(self.remat), "remat_names": list(self.remat_names)}
+                "micro_group": self.micro_group, "remat": list(self.remat), "remat_names": list(self.remat_names),
+                "unroll_micro_batches": bool(self.unroll_micro_batches)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Schedule":
@@ -340,4 +348,4 @@ class Schedule:
                    int(d["budget_bytes"]), tuple(int(c) for c in d.get("master_fetch", ())),
                    bool(d.get("streamed_early", False)), int(d.get("grad_window", GRAD_WINDOW_PROGRAMS)),
                    d.get("accumulation", PER_MICRO_BATCH), d.get("micro_group"), tuple(d.get("remat", ())),
-                   tuple(d.get("remat_names", ())))
+                   tuple(d.get("remat_names", ())), bool(d.get("unroll_micro_batches", False)))

@@ -188,6 +188,39 @@ ROLLBACKS = ("invert", "backup")
 POLICIES = ("after_common", "always")
 
 
+#: meta.json key of the policy's input a checkpoint carries (:func:`policy_meta`).
+META_KEY = "speculation"
+
+
+@dataclasses.dataclass(frozen=True)
+class Resumed:
+    """The last step's outcome as the policy reads it, restored from a checkpoint
+    (:func:`resumed`; held in :attr:`chunkjax.TrainState.speculation` until the next step): the
+    first step after a restore decides as the uninterrupted run's step did.
+
+    Attributes:
+      fired: clipping fired on the last step before the save (:attr:`Speculation.fired`).
+      speculating: what a :class:`Speculation` reads of its previous step (a decision already taken).
+    """
+    fired: bool
+    speculating: bool = False
+
+
+def policy_meta(previous) -> dict:
+    """The meta.json entry ``{META_KEY: {"fired": bool}}`` of the last step's outcome
+    ``previous`` (a validated :class:`Speculation`, or a :class:`Resumed`); ``{}`` without one
+    (no step yet, or no host chunks)."""
+    return {} if previous is None else {META_KEY: {"fired": bool(previous.fired)}}
+
+
+def resumed(meta: dict) -> Resumed | None:
+    """The :class:`Resumed` outcome a checkpoint's ``meta`` (dict) carries; None without one (a
+    checkpoint saved before any step, without host chunks, or by an older chunkjax: the first
+    step after its restore then waits for the norm, as a process's first step does)."""
+    entry = meta.get(META_KEY)
+    return Resumed(bool(entry["fired"])) if isinstance(entry, dict) and "fired" in entry else None
+
+
 def check_options(rollback: str, policy: str) -> None:
     """Raises ValueError (one line) for a ``rollback`` not in :data:`ROLLBACKS` or a ``policy``
     not in :data:`POLICIES`."""
@@ -217,7 +250,8 @@ class Speculation:
       inverter: a :class:`chunkjax.updaters.HostInverter` (rollback by inversion), or None
         (every speculated chunk is backed up: ``rollback="backup"``).
       policy: one of :data:`POLICIES`.
-      previous: the previous step's :class:`Speculation` (None: none), read by the policy.
+      previous: the previous step's :class:`Speculation` or, after a restore, its :class:`Resumed`
+        outcome (None: none), read by the policy.
 
     Attributes:
       stalled: a Future done (with the chunk id) once an update waits for the norm (the pool or
@@ -255,7 +289,8 @@ class Speculation:
         """Whether this step speculates (the policy's decision, taken at the first update: with
         cross-step overlap the previous step's validation may end after this step began).
         "after_common": the previous step's factor was the common one; the first step of a process
-        waits (a resumed run then repeats what the uninterrupted one did after a step that clipped)."""
+        waits, unless its state was restored from a checkpoint that carries the last step's outcome
+        (:class:`Resumed`): then it decides as the uninterrupted run did."""
         with self._deciding:
             if self._speculating is None:
                 prev = self._previous

@@ -39,7 +39,7 @@ from chunkjax.memory import DEVICE, sharding
 from chunkjax.plan import Placement, fetch_events
 from chunkjax.schedule import ACCUMULATIONS, PER_MICRO_BATCH, check_trainable, micro_group_size
 from chunkjax.stages import first_readers, split_loss, stage_reads
-from chunkjax.step_checkpoint import StepChunkIO, restore_chunks
+from chunkjax.step_checkpoint import StepChunkIO, resumed_state
 from chunkjax.step_commit import PendingStep
 from chunkjax.step_init import init_state
 from chunkjax.storage import updater as disk
@@ -230,7 +230,7 @@ class ChunkedStep(StepChunkIO, StepUpdates, OnTopology):
                     self.placement.param_kinds, tuple(self.placement.grad_kind(c) for c in range(self.layout.n_chunks)),
                     self.reads, tuple(t.backward_chunks for t in self._traces_local(ab)),
                     self._fetch_lists_local(ab), self.first_reader, self.micro_batches // self.passes,
-                    *((self.schedule.remat, self.schedule.remat_names) if self.schedule is not None else ()))
+                    *((bool(s.unroll_micro_batches), s.remat, s.remat_names) if (s := self.schedule) is not None else ()))
 
     def program_bounds(self) -> list[tuple[int, int]]:
         """``[(first moment, end moment)]`` of each program (the schedule's segments)."""
@@ -513,8 +513,8 @@ class ChunkedStep(StepChunkIO, StepUpdates, OnTopology):
         return init_state(self, params)
 
     def checkpoint_restore(self, saved) -> TrainState:
-        """A state from a checkpoint (:mod:`chunkjax.checkpoint`; :func:`chunkjax.step_checkpoint.restore_chunks`)."""
-        return TrainState(*restore_chunks(self, saved))
+        """A state from a checkpoint (:mod:`chunkjax.checkpoint`; :func:`chunkjax.step_checkpoint.resumed_state`)."""
+        return resumed_state(self, saved)
 
     def master_params(self, state: TrainState):
         """The float32 master params as a pytree (frozen leaves: their params, in their dtype): on

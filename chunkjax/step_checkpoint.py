@@ -18,6 +18,8 @@ import numpy as np
 
 from chunkjax import optim, portable
 from chunkjax.checkpoint.protocol import CheckpointError
+from chunkjax.speculate import policy_meta, resumed
+from chunkjax.train_state import TrainState
 from chunkjax.updaters import pinned_master, warm_host_kernel
 
 
@@ -37,6 +39,14 @@ class StepChunkIO:
                 "needs_state": True,
                 "multiprocess": mesh is not None and any(d.process_index != jax.process_index()
                                                          for d in mesh.devices.flat)}
+
+    def checkpoint_state_meta(self, state) -> dict:
+        """meta.json entries read from ``state`` after :meth:`wait` (the checkpoint's
+        :class:`~chunkjax.checkpoint.job.SaveJob`): the speculation policy's input, the last step's
+        outcome (:func:`chunkjax.speculate.policy_meta`), so that the step after a restore
+        speculates as the uninterrupted run's did (:func:`resumed_state`)."""
+        prev = state.speculation if state.pending is None else getattr(state.pending, "speculation", None)
+        return policy_meta(prev)
 
     def checkpoint_arrays(self, c: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
         """``{name: ((chunk_size,), dtype)}`` of chunk ``c``'s portable arrays: compute-dtype
@@ -79,6 +89,13 @@ def _optax_template(step_fn):
     """``jax.eval_shape`` of a chunk's optax state under ``step_fn.tx``."""
     return jax.eval_shape(lambda m: optim.init_chunk_state(step_fn.tx, m),
                           jax.ShapeDtypeStruct((step_fn.layout.chunk_size,), jnp.float32))
+
+
+def resumed_state(step_fn, saved):
+    """The :class:`chunkjax.TrainState` of ``step_fn`` restored from ``saved``
+    (:func:`restore_chunks`), with the speculation policy's input the checkpoint carries
+    (:func:`chunkjax.speculate.resumed`; None for a checkpoint without it)."""
+    return TrainState(*restore_chunks(step_fn, saved), speculation=resumed(saved.meta))
 
 
 def restore_chunks(step_fn, saved) -> tuple[tuple, tuple, tuple]:

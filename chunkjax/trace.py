@@ -38,6 +38,11 @@ class StageTrace:
       offload_bytes: activations the stage moves to pinned host memory in its forward and back in
         its backward (remat ``"offload"``, :func:`chunkjax.remat.with_remat`; 0: none).
       saved_flops: matmul FLOPs its backward does not recompute (remat ``"save"``/``"offload"``).
+      micro_loop: micro-batches the moment loops over inside its program (1: none;
+        :func:`in_program_traces`).
+      loop_unrolled: that loop is traced unrolled (straight-line code: the cost model takes the
+        backward's fetches as overlapped with it; a while loop's are not:
+        :func:`chunkjax.cost.predict_pipelined_step` ``looped_fetch``).
     """
 
     name: str
@@ -48,6 +53,8 @@ class StageTrace:
     output_bytes: int = 0
     offload_bytes: int = 0
     saved_flops: float = 0.0
+    micro_loop: int = 1
+    loop_unrolled: bool = False
 
     @property
     def backward_chunks(self) -> tuple[int, ...]:
@@ -221,17 +228,20 @@ def trace_stages(stages, layout: ChunkLayout, batch: jax.ShapeDtypeStruct, compu
     return tuple(out)
 
 
-def in_program_traces(traces: tuple[StageTrace, ...], micro_batches: int) -> tuple[StageTrace, ...]:
+def in_program_traces(traces: tuple[StageTrace, ...], micro_batches: int,
+                      unrolled: bool = False) -> tuple[StageTrace, ...]:
     """The traces of one micro-batch (:func:`trace_stages` on its rows) -> those of a step that
     loops over ``micro_batches`` M of them inside each moment (:class:`chunkjax.walker.Walk`
     ``micro_batches``): the saved stage inputs are the whole batch's (``M * input_bytes``); a
     stage's internals stay one micro-batch's, and the loop's whole-batch output and cotangents
     add ``(M - 1) * (input_bytes + output_bytes)`` to its transient bytes (the forward's stacked
     output; the backward's incoming cotangent and outgoing input cotangent). Chunk reads are
-    unchanged: each moment fetches its chunks once."""
+    unchanged: each moment fetches its chunks once. The traces record the loop (``micro_loop`` M,
+    ``loop_unrolled``: the walker's ``unroll``) for the cost model."""
     m = int(micro_batches)
     if m < 1:
         raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
     return tuple(dataclasses.replace(t, input_bytes=m * t.input_bytes,
                                      temp_bytes=t.temp_bytes + (m - 1) * (t.input_bytes + t.output_bytes),
-                                     output_bytes=m * t.output_bytes) for t in traces)
+                                     output_bytes=m * t.output_bytes, micro_loop=m,
+                                     loop_unrolled=bool(unrolled)) for t in traces)

@@ -19,9 +19,12 @@ class TrainState(NamedTuple):
         or one per rank.
       pending: the host thread's work of the step that returned this state
         (:class:`chunkjax.updaters.HostWork`), or None.
+      speculation: a state restored from a checkpoint: the last step's outcome the speculation
+        policy reads (:class:`chunkjax.speculate.Resumed`), until the next step; else None.
     """
 
     params: tuple
     master: tuple
     opt_state: tuple
     pending: Any = None
+    speculation: Any = None

@@ -36,7 +36,11 @@ program (the step cuts the moments into programs at the schedule's segments):
   gradient chunks sum every micro-batch on the device to the mean and leave once, in the compute
   dtype, through the same ``reduce_grad`` and host hand-over (``1/M`` a power of two: the bits of
   :func:`chunkjax.accumulate.mean_gradients`' ``(sum * float32(1/M))``); the loss is the
-  micro-batches' mean (a weighted loss: its sums);
+  micro-batches' mean (a weighted loss: its sums); with ``unroll`` the loops are traced unrolled
+  (``scan(..., unroll=True)``: the same operations in the same order, straight-line code, bit
+  for bit the loop's results; the compiled program holds a copy of the stage per micro-batch), so
+  that XLA may overlap a moment's fetches with the micro-batches' compute (a while loop's it did
+  not overlap on the H200: docs/design.md, cross-step overlap);
 * frozen chunks (``layout.chunk_trainable`` False) are fetched like the others but stored in their
   leaves' dtype (floating ones cast to the compute dtype when read, integer ones stay integers);
   a frozen chunk resident on the device is tied to the reading moment's input (activation or
@@ -111,6 +115,7 @@ class Walk:
       first_reader: chunk -> the first stage reading it (its gradient completes there).
       micro_batches: M, the micro-batches looped over inside each moment (1: none). The batch
         and every activation leaf carry the rows first; M divides them.
+      unroll: trace those loops unrolled (:attr:`chunkjax.schedule.Schedule.unroll_micro_batches`).
       remat: per stage, its remat option (:data:`chunkjax.remat.REMAT_OPTIONS`; empty: all
         ``"full"``); remat_names: the ``checkpoint_name`` names a ``"save"``/``"offload"`` stage keeps.
 
@@ -131,6 +136,7 @@ class Walk:
     fetch: tuple
     first_reader: dict
     micro_batches: int = 1
+    unroll: bool = False
     remat: tuple = ()
     remat_names: tuple = ()
 
@@ -219,6 +225,14 @@ class Walk:
         m = self.micro_batches
         return jax.tree.map(lambda a: a.reshape((m, a.shape[0] // m) + a.shape[1:]), tree)
 
+    def _scan(self, body, init, xs):
+        """``jax.lax.scan`` over the micro-batches, unrolled with :attr:`unroll`."""
+        return jax.lax.scan(body, init, xs, unroll=True if self.unroll else 1)
+
+    def _map(self, fn, xs):
+        """``jax.lax.map`` over the micro-batches (unrolled with :attr:`unroll`: a scan without carry)."""
+        return self._scan(lambda c, x: (c, fn(x)), None, xs)[1] if self.unroll else jax.lax.map(fn, xs)
+
     @staticmethod
     def _whole(tree):
         """``[M, k, ...]`` leaves -> ``[M*k, ...]`` (the inverse of :meth:`_parts`)."""
@@ -269,7 +283,7 @@ class Walk:
             return self._add_grads(a, s, grads_tree(dp)), (loss, aux, dx, w)
 
         zeros = {c: jnp.zeros_like(v) for c, v in self._acc_of(acc, s).items()}
-        sums, (losses, aux, dx, w) = jax.lax.scan(body, zeros, self._parts((x, batch)))
+        sums, (losses, aux, dx, w) = self._scan(body, zeros, self._parts((x, batch)))
         if is_weighted(losses):
             inv = inverse_weight(jnp.sum(w))
             loss = WeightedLoss(jnp.sum(losses.total), jnp.sum(losses.weight))
@@ -291,7 +305,7 @@ class Walk:
             dp, dx = pull(ci)
             return self._add_grads(a, s, grads_tree(dp)), dx
 
-        a, dx = jax.lax.scan(body, self._acc_of(acc, s), self._parts((ct, x_in, batch)))
+        a, dx = self._scan(body, self._acc_of(acc, s), self._parts((ct, x_in, batch)))
         return {**acc, **a}, self._whole(dx)
 
     def _issue(self, t, anchor, batch, params, issued, horizon):
@@ -406,8 +420,8 @@ class Walk:
                     x = st.apply(self._sub(arrays, s), x, batch)
                 else:  # the stage per micro-batch; the fetched chunks are the loop's constants
                     sub = self._sub(arrays, s)
-                    x = self._whole(jax.lax.map(lambda part, sub=sub, st=st: st.apply(sub, *part),
-                                                self._parts((x, batch))))
+                    x = self._whole(self._map(lambda part, sub=sub, st=st: st.apply(sub, *part),
+                                              self._parts((x, batch))))
             elif ph == "forward+backward" and m > 1:
                 acc, loss, aux, dx = self._head(st, s, arrays, x, batch, loss_scale, acc)
                 x = emit(s, dx)

@@ -32,7 +32,8 @@ class ChunkjaxSystem:
     def __init__(self, cfg, budget_bytes: int, batch: int, seq: int, lr: float = 1e-4,
                  segments="auto", host_update: bool = True, prefetch: int = 1, zero_stage: int = 0,
                  init: str = "leafwise", max_grad_norm: float | None = None, micro_batches: int = 1,
-                 storage=None, host_budget="auto", cross_step: bool = True, remat: str = "full"):
+                 storage=None, host_budget="auto", cross_step: bool = True, remat: str = "full",
+                 unroll_micro_batches: bool = False, clip_expect: str = "auto"):
         import jax
         import jax.numpy as jnp
 
@@ -75,7 +76,9 @@ class ChunkjaxSystem:
                                    micro_batches=micro_batches,
                                    flops_per_step=cfg.flops_per_token(seq) * batch * seq, rates=self.rates,
                                    device_budget=self.budget, storage=storage or None, host_budget=host_budget,
-                                   cross_step=self.cross_step)  # planned and run so
+                                   cross_step=self.cross_step,  # planned and run so
+                                   unroll_micro_batches=unroll_micro_batches,
+                                   clip_expect=clip_expect)  # "auto": "fires" with max_grad_norm (chunkjax.clip_plan)
         if remat != "full":  # blocks keep their MLP activation (chunkjax.plan_remat; bench --set remat=auto|save|offload)
             self.problem = dataclasses.replace(self.problem, remat=remat, remat_names=gpt.REMAT_NAMES)
         self.disk, self.disk_steps = None, []  # the disk tier: the storage chunks' DiskState, each step's result
@@ -248,15 +251,15 @@ def run_chunkjax(args) -> dict:
 
     cfg = gpt.get_config(args.model)
     segments = getattr(args, "segments", "auto")
-    if int(getattr(args, "unroll_micro", 0)):  # probe (--set unroll_micro=1): docs/design.md, cross-step overlap
-        unroll_micro_loops()
     sys_ = ChunkjaxSystem(cfg, args.budget_bytes, args.batch, args.seq, segments=segments,
                           zero_stage=getattr(args, "zero_stage", 0), init=getattr(args, "init", "leafwise"),
                           max_grad_norm=getattr(args, "max_grad_norm", None),
                           micro_batches=int(getattr(args, "micro_batches", 1)),
                           storage=_storage(args), host_budget=getattr(args, "host_budget", "auto"),
                           cross_step=bool(int(getattr(args, "cross_step", 1))),
-                          remat=getattr(args, "remat", "full"))
+                          remat=getattr(args, "remat", "full"),
+                          unroll_micro_batches=bool(int(getattr(args, "unroll_micro_batches", 0))),
+                          clip_expect=str(getattr(args, "clip_expect", "auto")))
     try:
         rec = measure_system(sys_, args)
     except Exception as e:  # keep the plan next to the failure (e.g. out of memory at run time)
@@ -288,8 +291,10 @@ def run_chunkjax(args) -> dict:
         "schedule": sys_.schedule.to_dict(),
         "n_devices": sys_.n_ranks, "zero_stage": sys_.zero_stage, "init": sys_.init_rule,
         "max_grad_norm": sys_.spec.max_grad_norm, "micro_batches": sys_.problem.micro_batches,
-        "cross_step": sys_.step_fn.cross_step, "unroll_micro": bool(int(getattr(args, "unroll_micro", 0))),
+        "cross_step": sys_.step_fn.cross_step, "unroll_micro_batches": sys_.schedule.unroll_micro_batches,
+        "accumulation": sys_.schedule.accumulation, "micro_group": sys_.schedule.micro_group,
         "speculation": sys_.speculation, "host_ledger": sys_.ledger.to_dict(),
+        "clip_expect": sys_.problem.clip_expect, "step_s_predicted_if": _both_ways(sys_),
     })
     rec["remat"] = remat_record(sys_)
     if sys_.zero_stage:  # bytes each rank sends through collectives per step (ring algorithms)
@@ -325,30 +330,19 @@ def remat_record(sys_) -> dict:
     return out
 
 
-def unroll_micro_loops() -> None:
-    """Probe of this worker process (bench ``--set unroll_micro=1``): the in-program micro-batch
-    loops of :class:`chunkjax.walker.Walk` (``jax.lax.map`` in the forward, ``jax.lax.scan`` in the
-    head and the backward) traced unrolled (``scan(..., unroll=True)``: the same operations in the
-    same order, straight-line code). Hypothesis under test: XLA does not overlap a moment's chunk
-    fetches with a while loop, so the in-program backward programs of GPT3_6B b16 with 4
-    micro-batches ran ~30 ms each (about their fetch time) slower than the single batch's. Only
-    ``chunkjax.walker`` sees the unrolled loops; the device peak may differ (the compiled check
-    re-plans)."""
-    import types
-
-    import jax
-
-    from chunkjax import walker
-
-    def scan(f, init, xs, **kw):
-        return jax.lax.scan(f, init, xs, **(kw | {"unroll": True}))
-
-    def lax_map(f, xs):
-        return jax.lax.scan(lambda c, x: (c, f(x)), None, xs, unroll=True)[1]
-
-    lax = types.SimpleNamespace(**{k: getattr(jax.lax, k) for k in dir(jax.lax) if not k.startswith("__")})
-    lax.scan, lax.map = scan, lax_map
-    walker.jax = types.SimpleNamespace(**{k: getattr(jax, k) for k in dir(jax) if not k.startswith("__")} | {"lax": lax})
+def _both_ways(sys_) -> dict | None:
+    """The plan's predicted step if clipping fires and if it is rare (:func:`chunkjax.clip_plan.both_ways`;
+    one device without micro-batches or storage chunks, else None)."""
+    from chunkjax.clip_plan import both_ways
+    from chunkjax.remat import with_remat
+    from chunkjax.tide import memory_tide
+    p, s = sys_.problem, sys_.schedule
+    if p.n_ranks > 1 or p.micro_batches > 1 or s.predicted.storage_chunks:
+        return None
+    tr = with_remat(p.traces, p.remat_figures, s.remat) if s.remat else p.traces  # the traces it was planned with
+    return both_ways(s, p.cb_rank, chunk_size=p.layout.chunk_size, traces=tr,
+                     tide=memory_tide(tr, p.layout.chunk_size), rates=sys_.rates,
+                     flops_per_step=p.flops_per_step, cross_step=p.cross_step)
 
 
 def _storage(args):

@@ -3,7 +3,7 @@ partitions users know, all planned by the same engine on abstract shapes (runs o
 
     python -m experiments.plan --model GPT3_10B --device-budget 24GiB --host-budget 120GiB \\
         --batch 8 --seq 1024 [--json] [--tide-from RESULTS_JSON [--measured-rates]] \\
-        [--ranks N [--zero-stage 3]] [--plots DIR]
+        [--ranks N [--zero-stage 3]] [--plots DIR] [--compute-dtype DTYPE] [--micro-batches N] [--storage DIRS]
     python -m experiments.plan --model mypkg.mymodel:make --device-budget 2GiB --plots plots/
 
 ``--model`` is a name of models/gpt.py's table or your own model as ``module:factory``: the
@@ -16,6 +16,10 @@ The plan is the one fit path's, on abstract shapes: :func:`chunkjax.fit.prepare`
 order, layout, stage traces; no devices, no compile of the step, this machine's host memory not
 checked) then :func:`chunkjax.fit.plan` (``chunkjax.plan_schedule``, policy ``"tide"``) with the
 host AdamW kernel (offloaded chunks update in place on the host, overlapping the backward pass).
+``--compute-dtype`` (default ``auto``: what the API does with the same model, an NNX model's params
+dtype as :func:`chunkjax.offload`, else bfloat16 as :func:`chunkjax.fit.prepare`), ``--micro-batches``
+and ``--storage`` (the disk tier's directories, with ``--host-budget``) are :func:`chunkjax.fit.prepare`'s,
+so the plan is the one ``chunkjax.offload`` / ``chunkjax.fit_step`` makes for the same inputs.
 Baselines are the same planner's static policies (``must_fit=False``), scheduled over the same tide with the same accounting and cost
 model (:mod:`chunkjax.predict`):
 
@@ -216,7 +220,7 @@ def recorded_rates(path, measured: bool = False):
 
 
 def trace_inputs(model: str, batch: int, seq: int, *, chunk_size: int | None = None,
-                 min_chunks: int = 8, n_ranks: int = 1) -> PlanInputs:
+                 min_chunks: int = 8, n_ranks: int = 1, host_budget: int | None = None, **step_kw) -> PlanInputs:
     """Trace a model's stages for a batch shape on this backend (abstract shapes only) and build
     its tide, with the default rates.
 
@@ -228,6 +232,10 @@ def trace_inputs(model: str, batch: int, seq: int, *, chunk_size: int | None = N
       n_ranks: ZeRO ranks (> 1: the layout of :func:`chunkjax.topology.build_zero_layout`, each rank's
         ``batch / n_ranks`` rows traced and 1/n_ranks of the FLOPs, as
         experiments/bench_chunkjax.py plans a ZeRO run; no devices are needed).
+      **step_kw: ``compute_dtype`` (None: :func:`chunkjax.fit.prepare`'s bfloat16), ``micro_batches``
+        and ``storage`` (storage directories), as :func:`chunkjax.fit.prepare` takes them (:func:`step_options`).
+      host_budget: bytes, given to :func:`chunkjax.fit.prepare` (the disk tier needs one; the plan's
+        own comes with each plan, :func:`plan_problem`).
 
     Raises:
       ValueError: unknown model, ``seq`` beyond the model's positions, ``n_ranks < 1`` or a batch
@@ -254,8 +262,8 @@ def trace_inputs(model: str, batch: int, seq: int, *, chunk_size: int | None = N
     zero = dict(mesh=AbstractMesh((n_ranks,), (AXIS,)), zero_stage=3) if n_ranks > 1 else {}
     problem = fit_prepare(gpt.gpt_stages(cfg), gpt.abstract_params(cfg), jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32),
                           host_optimizer=AdamW(1e-4, weight_decay=1e-4),  # what experiments/bench.py's chunkjax system runs
-                          compute_dtype=jnp.bfloat16, chunk_size=chunk_size, min_chunks=min_chunks,
-                          flops_per_step=float(cfg.flops_per_token(seq) * batch * seq), host_budget=None,
+                          chunk_size=chunk_size, min_chunks=min_chunks, **step_options(**step_kw),
+                          flops_per_step=float(cfg.flops_per_token(seq) * batch * seq), host_budget=host_budget,
                           check_host=False, **zero)
     return PlanInputs(cfg, batch, seq, problem, memory_tide(problem.traces, problem.layout.chunk_size),
                       _traced_on(), RATES_DEFAULT, cfg.name, cfg.n_params)
@@ -348,10 +356,12 @@ def _is_nnx(x) -> bool:
 
 
 def trace_user_model(spec: str, batch: int, seq: int, *, chunk_size: int | None = None, min_chunks: int = 8,
-                     n_ranks: int = 1) -> PlanInputs:
+                     n_ranks: int = 1, host_budget: int | None = None, **step_kw) -> PlanInputs:
     """:func:`trace_inputs` for a user model given as ``module:factory`` (:func:`call_factory`):
-    the one fit path on abstract shapes with the host AdamW kernel and bf16 compute. The batch
-    shape is the one the factory returns (``batch`` and ``seq`` are what it was asked for).
+    the one fit path on abstract shapes with the host AdamW kernel. The batch shape is the one
+    the factory returns (``batch`` and ``seq`` are what it was asked for). ``step_kw``: as
+    :func:`trace_inputs`; compute_dtype None is what the API called with the same model does: an
+    NNX model's params dtype (:func:`chunkjax.offload`), stages' bfloat16 (:func:`chunkjax.fit.prepare`).
 
     Raises:
       ValueError: as :func:`call_factory`, :func:`check_ranks` and :func:`chunkjax.fit.prepare`.
@@ -369,16 +379,18 @@ def trace_user_model(spec: str, batch: int, seq: int, *, chunk_size: int | None 
     from chunkjax.topology import AXIS
 
     m = call_factory(spec, batch, seq)
-    spec_kw = dict(host_optimizer=AdamW(1e-4, weight_decay=1e-4), compute_dtype=jnp.bfloat16)
+    opts = step_options(**step_kw)
+    spec_kw = dict(host_optimizer=AdamW(1e-4, weight_decay=1e-4))
     zero = dict(mesh=AbstractMesh((n_ranks,), (AXIS,)), zero_stage=3) if n_ranks > 1 else {}
-    common = dict(chunk_size=chunk_size, min_chunks=min_chunks, host_budget=None, check_host=False, **zero)
+    common = dict(chunk_size=chunk_size, min_chunks=min_chunks, host_budget=host_budget, check_host=False, **zero,
+                  **{k: v for k, v in opts.items() if k != "compute_dtype"})
     if m.get("flops_per_step") is not None:
         common["flops_per_step"] = m["flops_per_step"]
     if "model" in m:  # the front door's discovery and fit problem (chunkjax.plan_offload)
         rows = int(jax.tree.leaves(m["batch"])[0].shape[0])
         check_ranks(rows, n_ranks)
         planned = plan_offload(m["model"], spec_kw["host_optimizer"], m["loss_fn"], m["batch"], blocks=m.get("blocks"),
-                               compute_dtype=jnp.bfloat16, **common)
+                               compute_dtype=opts.get("compute_dtype"), **common)
         problem, b = planned.problem, planned.discovery.example
         n_params = sum(math.prod(x.shape) for x in planned.discovery.param_avals.values())
     else:
@@ -387,12 +399,44 @@ def trace_user_model(spec: str, batch: int, seq: int, *, chunk_size: int | None 
         rows = int(jax.tree.leaves(b)[0].shape[0])
         check_ranks(rows, n_ranks)
         params = jax.eval_shape(m["params"]) if callable(m["params"]) else m["params"]
-        problem = fit_prepare(tuple(m["stages"]), abstract(params), b, **spec_kw, **common)
+        problem = fit_prepare(tuple(m["stages"]), abstract(params), b, **spec_kw, **common,
+                              **({"compute_dtype": opts["compute_dtype"]} if "compute_dtype" in opts else {}))
         n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
     first = jax.tree.leaves(b)[0]
     tokens = int(first.shape[1]) - 1 if first.ndim == 2 else seq  # a (rows, tokens + 1) batch, else as asked
     return PlanInputs(None, rows, tokens, problem, memory_tide(problem.traces, problem.layout.chunk_size),
                       _traced_on(), RATES_DEFAULT, str(m.get("name", spec)), int(n_params))
+
+
+#: ``--compute-dtype`` spellings (``auto``: what the API does with the same model, :func:`trace_user_model`)
+COMPUTE_DTYPES = {"auto": None, "bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32",
+                  "float16": "float16", "fp16": "float16"}
+
+
+def step_options(compute_dtype=None, micro_batches: int = 1, storage=None) -> dict:
+    """The :func:`chunkjax.fit.prepare` keywords of the step's options, only those given:
+    ``compute_dtype`` (a dtype or a :data:`COMPUTE_DTYPES` spelling; None / ``"auto"``: not
+    passed), ``micro_batches`` (gradient accumulation, >= 1) and ``storage`` (storage
+    directories: a list or a comma-separated string; the disk tier, planned with a host budget).
+
+    Raises:
+      ValueError: an unknown dtype spelling or ``micro_batches < 1`` (one line).
+    """
+    import jax.numpy as jnp
+    out = {}
+    if isinstance(compute_dtype, str):
+        if compute_dtype.lower() not in COMPUTE_DTYPES:
+            raise ValueError(f"--compute-dtype {compute_dtype!r}: use one of {', '.join(COMPUTE_DTYPES)}")
+        compute_dtype = COMPUTE_DTYPES[compute_dtype.lower()]
+    if compute_dtype is not None:
+        out["compute_dtype"] = jnp.dtype(compute_dtype)
+    if not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ValueError(f"--micro-batches must be >= 1, got {micro_batches}: use 1 for no gradient accumulation")
+    if micro_batches != 1:
+        out["micro_batches"] = micro_batches
+    if storage:
+        out["storage"] = [d for d in storage.split(",") if d] if isinstance(storage, str) else list(storage)
+    return out
 
 
 def check_ranks(batch: int, n_ranks: int, zero_stage: int = 3) -> None:
@@ -438,10 +482,11 @@ def with_recorded(inp: PlanInputs, path, warn=None, measured_rates: bool = False
 
 def prepare(model: str, batch: int, seq: int, *, chunk_size: int | None = None, min_chunks: int = 8,
             tide_from: str | None = None, warn=None, n_ranks: int = 1,
-            measured_rates: bool = False) -> PlanInputs:
+            measured_rates: bool = False, **step_kw) -> PlanInputs:
     """:func:`trace_inputs`, then :func:`with_recorded` when ``tide_from`` (a results JSON of a GPU
-    run of experiments/bench.py) is given (``measured_rates``: see there)."""
-    kw = {"n_ranks": n_ranks} if n_ranks != 1 else {}
+    run of experiments/bench.py) is given (``measured_rates``: see there). ``step_kw``:
+    ``compute_dtype``, ``micro_batches``, ``storage`` (:func:`step_options`) and ``host_budget``."""
+    kw = ({"n_ranks": n_ranks} if n_ranks != 1 else {}) | {k: v for k, v in step_kw.items() if v is not None}
     trace = trace_user_model if is_factory_spec(model) else trace_inputs
     inp = trace(model, batch, seq, chunk_size=chunk_size, min_chunks=min_chunks, **kw)
     return with_recorded(inp, tide_from, warn, measured_rates) if tide_from else inp
@@ -476,7 +521,8 @@ def plan_schedules(inp: PlanInputs, device_budget: int, host_budget: int | None 
     sched = plan(problem, device_budget, split=split)  # the tide plan, host AdamW kernel (split: the update split)
     if inp.n_ranks > 1:
         return sched, {}
-    base = dataclasses.replace(problem, host_budget_bytes=None)  # reported against the host budget, not planned in it
+    base = dataclasses.replace(problem, host_budget_bytes=None, storage=None, storage_devices=0,
+                               disk_budget_bytes=None)  # reported against the host budget, not planned in it
     return sched, {k: plan(base, device_budget, policy=k, must_fit=False) for k in BASELINES}
 
 
@@ -499,8 +545,9 @@ def figures(s, device_budget: int, host_budget: int | None, chunk_size: int) -> 
 def plan_report(model: str, device_budget: int, host_budget: int | None, batch: int, seq: int,
                 prefetch: int = 1, chunk_size: int | None = None, min_chunks: int = 8,
                 tide_from: str | None = None, inputs: PlanInputs | None = None, warn=None,
-                n_ranks: int = 1, zero_stage: int = 3, split: bool = True) -> dict:
-    """Plan a step and its baselines; returns the JSON report (bytes, seconds).
+                n_ranks: int = 1, zero_stage: int = 3, split: bool = True, **step_kw) -> dict:
+    """Plan a step and its baselines; returns the JSON report (bytes, seconds). ``step_kw``:
+    ``compute_dtype``, ``micro_batches``, ``storage`` (:func:`step_options`; with ``inputs``, theirs).
 
     ``inputs`` (from :func:`prepare`) skips the tracing (budget sweeps).
 
@@ -516,9 +563,12 @@ def plan_report(model: str, device_budget: int, host_budget: int | None, batch: 
       ValueError: unknown model, bad ranks / stage / batch split; chunkjax.PlanError: the budget
         cannot hold the step.
     """
+    import jax.numpy as jnp
+
+    from chunkjax.plan_disk import storage_line
     check_ranks(batch, n_ranks, zero_stage)
     inp = inputs or prepare(model, batch, seq, chunk_size=chunk_size, min_chunks=min_chunks,
-                            tide_from=tide_from, warn=warn, n_ranks=n_ranks)
+                            tide_from=tide_from, warn=warn, n_ranks=n_ranks, **step_kw)
     if inp.n_ranks != n_ranks:
         raise ValueError(f"inputs were traced for {inp.n_ranks} ranks, not {n_ranks}")
     sched, base = plan_schedules(inp, device_budget, host_budget, prefetch, zero_stage, split)
@@ -535,6 +585,9 @@ def plan_report(model: str, device_budget: int, host_budget: int | None, batch: 
                 "rates_source": inp.rates_source, "rates": dataclasses.asdict(inp.rates),
                 "stage_temp_bytes": {t.name: t.temp_bytes for t in inp.traces
                                      if inp.cfg is None or t.name in ("embed", _BLOCK_REF, "head")},
+                "compute_dtype": jnp.dtype(inp.problem.compute_dtype).name,
+                "micro_batches": inp.problem.micro_batches, "storage_dirs": inp.problem.storage_dirs,
+                "storage": storage_line(sched, inp.problem.storage_dirs, host_budget),
                 "schedule": sched.to_dict()})
     if n_ranks > 1:
         out.update(zero_figures(out, inp, sched, zero_stage))
@@ -643,11 +696,14 @@ def summary(r: dict) -> str:
                      f"{x['device_model_bytes'] / B:13.2f} {x['host_bytes'] / B:9.2f} "
                      f"{x['h2d_bytes_per_step'] / D:8.2f} {x['d2h_bytes_per_step'] / D:8.2f} "
                      f"{x['n_fetches']:7d} {x['predicted_step_s'] * k:8.3f}")
-    lines += ["", f"where the time goes ({tu}):"]
+    lines += ["", f"where the time goes ({tu})" + (", clipping expected to fire (host updates from the "
+                                                  "backward's end; baselines as if rare)" if r.get("clip_expect") ==
+                                                  "fires" else "") + ":"]
     lines += [f"  {name:13s} {_where(x['time'], k)}" for name, x in rows]
     counts = "; ".join(f"{v} with params on {c.split('/')[0][len('params_'):]}, update on "
                        f"{c.split('/')[1][len('update_'):]}" for c, v in r["placement_counts"].items())
     fb = r["first_backward_moment"]
+    lines += [f"chunkjax {r['storage']}"] if r.get("storage") else []
     lines += ["", f"chunkjax chunks: {counts}",
               f"chunkjax programs: {len(r['segments'])}, starting at moments {r['segments']} "
               f"(fused head at moment {fb - 1}, backward from {fb})"]
@@ -666,11 +722,24 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=8, help="rows per step (the global batch with --ranks)")
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--prefetch", type=int, default=1, help="moments between a fetch and its use")
+    ap.add_argument("--compute-dtype", default="auto", metavar="DTYPE",
+                    help="compute params and gradients: bfloat16, float32 or float16; auto (default): what the API "
+                         "does with the same model (an NNX model's params dtype, as chunkjax.offload; else bfloat16, "
+                         "as chunkjax.fit.prepare)")
+    ap.add_argument("--micro-batches", type=int, default=1,
+                    help="gradient accumulation: each step's --batch rows as this many micro-batches (default 1)")
+    ap.add_argument("--storage", default=None, metavar="DIRS",
+                    help="storage directories of the disk tier, comma-separated (needs --host-budget): chunks the "
+                         "host cannot hold keep their master params and optimizer state there")
     ap.add_argument("--tide-from", default=None, metavar="RESULTS_JSON",
                     help="stage temporaries (and calibrated rates) recorded by a GPU run of experiments/bench.py")
     ap.add_argument("--measured-rates", action="store_true", help="with --tide-from: the rates that run ran at "
                     "(the host kernel's inside its step: chunkjax.cost.Rates.from_record), not its start-up "
                     "calibration, so the plan's step time can be checked against its measured one")
+    ap.add_argument("--clip-expect", choices=("rare", "fires"), default="rare",
+                    help="time the step for global-norm clipping that rarely fires (default: host updates overlap "
+                         "the backward, as without clipping) or that fires on most steps (they start when the norm "
+                         "is known; more chunks stream through the device): chunkjax.clip_plan")
     ap.add_argument("--ranks", type=int, default=1,
                     help="GPUs of one node the step is split over with ZeRO (default 1: one device, no ZeRO)")
     ap.add_argument("--zero-stage", type=int, default=None, help="ZeRO stage 1, 2 or 3 with --ranks > 1 (default 3)")
@@ -698,7 +767,9 @@ def main(argv=None) -> int:
             raise ValueError("--measured-rates reads the rates of a recorded run: add --tide-from RESULTS_JSON")
         inp = prepare(a.model, a.batch, a.seq, tide_from=a.tide_from,
                       warn=lambda m: print(f"note: {m}", file=sys.stderr), n_ranks=a.ranks,
-                      measured_rates=a.measured_rates)
+                      measured_rates=a.measured_rates, **step_options(a.compute_dtype, a.micro_batches, a.storage),
+                      **({"host_budget": host} if a.storage else {}))  # the disk tier plans with a host budget
+        inp = dataclasses.replace(inp, problem=dataclasses.replace(inp.problem, clip_expect=a.clip_expect))
         if budget == "min":  # the least device budget the plan needs (what an infeasible plan names)
             try:
                 plan_report(a.model, 1, host, inp.batch, inp.seq, a.prefetch, inputs=inp, n_ranks=a.ranks,
@@ -710,7 +781,7 @@ def main(argv=None) -> int:
                 budget = e.min_budget_bytes
         r = plan_report(a.model, budget, host, inp.batch, inp.seq, a.prefetch, inputs=inp, n_ranks=a.ranks,
                         zero_stage=a.zero_stage)
-        r["plan_s"] = time.time() - t0
+        r["plan_s"], r["clip_expect"] = time.time() - t0, a.clip_expect
         if a.plots:
             from chunkjax import plots
             r["plots"] = {k: str(v) for k, v in plots.save_figures(

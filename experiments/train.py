@@ -34,8 +34,9 @@ exists, a run that fails (crash, SIGKILL, SIGTERM, Ctrl-C, a non-finite loss) ke
 place from the newest complete checkpoint: the data stream continues where it was and the losses
 equal those of an uninterrupted run (bit for bit on the CPU; so after a non-finite loss, resume
 with ``--nonfinite skip``). A run that diverges (:class:`DivergenceWatch`: a non-finite loss or
-gradient norm, ``--skip-limit`` skipped steps in a row, or a dead model) stops with one line and
-status 2; no checkpoint is saved while skipped or dead steps are running, the checkpoints of the
+gradient norm, ``--skip-limit`` skipped steps in a row, a dead model, or a finite loss that
+explodes: ``--explode-factor`` (4) x its running median, 3 steps in a row) stops with one line and
+status 2; no checkpoint is saved while skipped, dead or exploding steps are running, the checkpoints of the
 diverged state are deleted, and a kept folder's ``report.json`` says why (``stopped``).
 Settings that change the training (model, init-from, steps, batch, seq, lr,
 warmup, weight decay, clip, seed, tokenizer, eval batches, compute dtype) must equal the
@@ -56,6 +57,7 @@ import math
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -111,6 +113,7 @@ class TrainConfig:
     micro_batches: int = config_field(1, 'gradient accumulation: each step\'s --batch sequences run as this many equal micro-batches (activation memory of one micro-batch), one update')
     nonfinite: str = config_field("error", 'a NaN/inf loss or gradient: error (stop, say what to change) | skip (the step changes no state; counted in the report)')
     skip_limit: int = config_field(10, 'with --nonfinite skip: stop (exit 2) after this many skipped steps in a row (the model diverged, not one bad batch)')
+    explode_factor: float = config_field(4.0, 'stop (exit 2) when a finite loss stays above this many times the median of the last 50 healthy steps\' losses (and 1 nat above it) for 3 steps in a row, after 10 steps (the loss exploded); 0: off')
     checkpoint_every: int = config_field(-1, 'steps between checkpoints in <run folder>/checkpoints, plus one after the last step; -1: at each evaluation (--eval-every); 0: none')
     keep_checkpoints: int = config_field(2, 'newest checkpoints kept (older ones are deleted)')
     zero_stage: int = config_field(0, 'ZeRO stage 1 | 2 | 3 over all devices (every chunk split over them; --batch a multiple of the device count), those of all processes when started as several (srun, or JAX_COORDINATOR_ADDRESS + JAX_NUM_PROCESSES + JAX_PROCESS_ID: docs/multihost.md); 0: one device')
@@ -130,6 +133,12 @@ class JobFailed(Exception):
 #: model dead (diverged: lr 1e4 without clipping makes every hidden state overflow, so RMSNorm's
 #: mean square is inf, every normalised state 0, every prediction uniform: loss log V, gradient 0).
 DEAD_STEPS = 3
+#: The explosion check of :class:`DivergenceWatch` (``--explode-factor``, default 4): a finite loss
+#: above ``factor`` x the median of the last :data:`EXPLODE_WINDOW` healthy steps' losses and at least
+#: :data:`EXPLODE_MIN_EXCESS` nats above it is exploding; :data:`EXPLODE_STEPS` in a row stop, once
+#: :data:`EXPLODE_WARMUP` healthy losses are known (one spike is not a divergence; a loss at
+#: 0.02 nats that reaches 0.1 is noise, not an explosion).
+EXPLODE_WINDOW, EXPLODE_WARMUP, EXPLODE_STEPS, EXPLODE_MIN_EXCESS = 50, 10, 3, 1.0
 
 
 class Diverged(UsageError):
@@ -152,7 +161,10 @@ class DivergenceWatch:
     steps in a row with a gradient norm of exactly 0 at a positive loss stop (a loss of 0 means
     no target was scored). ``since``: the first step of the current run of suspect steps (skipped
     or dead; None when the last step was healthy): the state that produced it, the checkpoint of
-    step ``since - 1`` and later, is the diverged one.
+    step ``since - 1`` and later, is the diverged one. A finite loss that explodes (above
+    ``explode_factor`` x the running median of healthy losses: :data:`EXPLODE_WINDOW` and the
+    rest) :data:`EXPLODE_STEPS` times in a row stops too (``explode_factor`` 0: never);
+    :meth:`seed` gives a resumed run the losses before its checkpoint.
     """
 
     skip_limit: int
@@ -160,6 +172,18 @@ class DivergenceWatch:
     since: int | None = None
     kind: str | None = None
     count: int = 0
+    explode_factor: float = 4.0
+    healthy: list = dataclasses.field(default_factory=list)
+
+    def seed(self, losses) -> None:
+        """The healthy losses (nats) of the steps before a resume, oldest first."""
+        self.healthy = [float(x) for x in losses if x is not None and math.isfinite(x)][-EXPLODE_WINDOW:]
+
+    def _median(self) -> float | None:
+        """The running median the explosion check compares with (None: off, or too few losses yet)."""
+        if not self.explode_factor or len(self.healthy) < EXPLODE_WARMUP:
+            return None
+        return float(statistics.median(self.healthy))
 
     @property
     def suspect(self) -> bool:
@@ -178,10 +202,18 @@ class DivergenceWatch:
         if not skipped and not math.isfinite(grad_norm):
             self._stop(i, "nonfinite_grad", f"gradient norm became {grad_norm} at step {i} (loss {loss:.4f}): {fix}, "
                        "or --nonfinite skip to skip such steps", loss, grad_norm, i)
-        kind = "skipped" if skipped else "dead" if grad_norm == 0.0 and loss > 0 else None
+        med = self._median()
+        exploding = not skipped and med is not None and loss > self.explode_factor * med and loss - med > EXPLODE_MIN_EXCESS
+        kind = "skipped" if skipped else "dead" if grad_norm == 0.0 and loss > 0 else "exploding" if exploding else None
         if kind != self.kind:
             self.kind, self.since, self.count = kind, i if kind else None, 0
         self.count += kind is not None
+        if kind is None:
+            self.healthy = (self.healthy + [float(loss)])[-EXPLODE_WINDOW:]
+        if kind == "exploding" and self.count >= EXPLODE_STEPS:
+            self._stop(i, "exploded", f"the loss exploded: steps {self.since}-{i} had losses above {self.explode_factor:g} x "
+                       f"the median {med:.4f} of the last healthy steps (now {loss:.4f}): {fix}, then resume from the "
+                       "kept checkpoint (--explode-factor 0 turns this check off)", loss, grad_norm, self.since)
         if kind == "skipped" and self.count >= self.skip_limit:
             self._stop(i, "skip_limit", f"the model diverged: steps {self.since}-{i} all had non-finite gradients "
                        f"(--skip-limit {self.skip_limit} in a row skipped): {fix}", loss, grad_norm, self.since)
@@ -550,7 +582,8 @@ def drop_diverged_checkpoints(ckpt_dir, e: Diverged) -> list[int]:
     and its message with the deletion. Returns the deleted steps."""
     from chunkjax import checkpoint as ck
     since = e.record["since_step"]
-    dropped = [s for s in ck.all_steps(ckpt_dir) if e.record["why"] in ("skip_limit", "dead") and s >= since - 1]
+    dropped = [s for s in ck.all_steps(ckpt_dir) if e.record["why"] in ("skip_limit", "dead", "exploded")
+               and s >= since - 1]
     for s in dropped:
         ck.delete_checkpoint(ckpt_dir, s)
     e.record.update(checkpoints_dropped=dropped, checkpoints_kept=ck.all_steps(ckpt_dir))
@@ -686,6 +719,8 @@ def _validate(cfg: TrainConfig) -> None:
         raise UsageError(f"--nonfinite {cfg.nonfinite!r}: use error or skip")
     if cfg.skip_limit < 1:
         raise UsageError(f"--skip-limit must be >= 1, got {cfg.skip_limit}")
+    if not (cfg.explode_factor == 0 or cfg.explode_factor > 1):
+        raise UsageError(f"--explode-factor must be > 1 (times the running median loss) or 0 (off), got {cfg.explode_factor}")
     for name in ("warmup", "sample_tokens", "chunk_size"):
         if getattr(cfg, name) < 0:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(cfg, name)}")
@@ -907,7 +942,8 @@ def _train(cfg, model, fitted, td, folder, t_start, resolved, resume=None, setup
     skipped = [r["step"] for r in records if r.get("skipped")]
     bar = tqdm(range(start + 1, cfg.steps + 1), initial=start, total=cfg.steps, disable=not cfg.progress,
                unit="step", dynamic_ncols=True, file=sys.stdout)
-    watch, save_due = DivergenceWatch(cfg.skip_limit, cfg.lr), False  # Diverged: run() keeps the good checkpoints
+    watch, save_due = DivergenceWatch(cfg.skip_limit, cfg.lr, explode_factor=cfg.explode_factor), False
+    watch.seed(losses)  # a resumed run: the running median of the losses before its checkpoint
     with mf:
         for i in bar:
             nb = next(batches)

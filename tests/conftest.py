@@ -45,9 +45,9 @@ SHARED_SETUP = {
 FILE_SECONDS = {
     "train_job": 162, "lora": 162, "train_equivalence": 122, "schedule": 99, "front_door": 116,
     "finetune": 88, "disk_tier": 120, "host_bytes": 93, "flax_api": 87, "bench": 85, "notebooks": 86,
-    "zero_schedule": 85, "overlap": 90, "cross_step": 90, "checkpoint_memory": 64, "checkpoint_integrity": 64,
+    "zero_schedule": 85, "overlap": 90, "cross_step": 90, "clip_plan": 50, "checkpoint_memory": 64, "checkpoint_integrity": 64,
     "train_multiprocess": 61, "bench_storage": 58, "storage": 56, "checkpoint_multiprocess": 52,
-    "plan_cli": 50, "checkpoint": 47, "checkpoint_flax": 45, "checkpoint_async": 38, "hf": 43,
+    "plan_cli": 50, "checkpoint": 47, "speculation_resume": 45, "checkpoint_flax": 45, "checkpoint_async": 38, "hf": 43,
     "checkpoint_storage": 40, "layout": 38, "frozen": 38, "zero": 37, "host_update": 36, "cases": 33,
     "user_reports": 33, "sweep": 21, "zero_mixed_precision": 31, "checkpoint_zero": 27, "placement_export": 26,
     "host_deadline": 21, "gpt": 20, "plots": 13, "pretrained": 10, "fit_checks": 7, "peers": 3, "host_pool": 3,
@@ -62,6 +62,7 @@ FILE_SECONDS = {
     "compiled_check": 30, "plan_memo": 1,
     "micro_groups": 60,  # session 16, measured alone: 31-85 s (a shared box)
     "remat": 100,  # measured alone on a shared 2-core box: 86 s + the CUDA export test
+    "micro_cuts": 105,  # session 17, measured alone: 105 s
 }
 DEFAULT_FILE_SECONDS = 30
 

@@ -365,8 +365,10 @@ def test_fit_path_plans_and_runs_cross_step_by_default(setup, speculate_always):
     cfg, params, batches, stages = setup[:4]
     spec = AdamW(3e-3, weight_decay=0.1, max_grad_norm=1.0)
     rates = cost.Rates(matmul_flops_per_s=1e9, host_update_s_per_param=2e-7)  # the host the bottleneck
+    # clip_expect="rare": host updates overlapping the backward, the cross-step case under test (clipping
+    # expected to fire streams this host-bound step's updates instead: tests/test_clip_plan.py)
     kw = dict(host_optimizer=spec, compute_dtype=jnp.float32, min_chunks=6, rates=rates, host_budget=None,
-              check_host=False, flops_per_step=cfg.flops_per_token(T) * B * T)
+              check_host=False, flops_per_step=cfg.flops_per_token(T) * B * T, clip_expect="rare")
     batch = jax.ShapeDtypeStruct((B, T + 1), jnp.int32)
     on, off = fit.prepare(stages, params, batch, **kw), fit.prepare(stages, params, batch, cross_step=False, **kw)
     assert on.cross_step and not off.cross_step

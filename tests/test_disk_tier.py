@@ -582,3 +582,34 @@ def test_storage_inputs_refused_in_the_callers_terms(setup, tmp_path):
             fit(**kw)
         assert want in str(e.value) and "\n" not in str(e.value), str(e.value)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_plan_counts_one_worker_per_storage_directory(setup, tmp_path):
+    """The runtime starts one near-storage worker per storage directory, whatever filesystem
+    holds it; the plan counted the distinct filesystems (issue 24 host accounting). Two
+    directories on one filesystem: the plan's workers, their staging buffers and their process
+    bytes are two workers', and the step it builds starts exactly that many."""
+    from chunkjax import fit
+    from chunkjax.host_memory import schedule_host_need, storage_host_bytes, storage_process_bytes
+    from chunkjax.predict import STORAGE_STAGING_BUFFERS, disk_file_bytes
+    cfg, params, batches, stages, layout, traces, cb = setup
+    kw = dict(host_optimizer=SPEC, compute_dtype=jnp.float32, chunk_size=layout.chunk_size, check_host=False)
+    free = fit.plan(fit.prepare(stages, params, batches[0], host_budget=None, **kw), 10**12, resident=[0], split=False)
+    dirs = [str(tmp_path / "a"), str(tmp_path / "b")]  # one filesystem
+    problem = fit.prepare(stages, params, batches[0], host_budget=int(0.6 * free.predicted.host_bytes),
+                          storage=StorageOptions(tuple(dirs), fsync=False), **kw)
+    assert (problem.storage_devices, len(problem.storage.dirs), problem.storage_dirs) == (1, 2, 2)
+    s = fit.plan(problem, 10**12, resident=[0], split=False)
+    p = s.predicted
+    assert p.storage_chunks >= 1 and p.storage_workers == 2
+    assert p.storage_host_bytes == storage_host_bytes(disk_file_bytes(cb), 2, STORAGE_STAGING_BUFFERS)
+    need = schedule_host_need(s, cb, layout=layout, platform="cpu")
+    one = schedule_host_need(dataclasses.replace(s, predicted=dataclasses.replace(p, storage_workers=1)), cb,
+                             layout=layout, platform="cpu")
+    assert need["process_bytes"] - one["process_bytes"] == storage_process_bytes(2, cb.grad) - storage_process_bytes(
+        1, cb.grad) > 0
+    step = fit.build_step(problem, s)
+    state = step.init(params)
+    disk = state.master[s.update_locations.index("storage")]
+    assert len(disk.opt.workers) == p.storage_workers  # what the runtime started
+    disk.close()

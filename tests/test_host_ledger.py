@@ -213,3 +213,36 @@ def test_init_reserve_counts_only_the_pinned_pools_growth_still_possible(monkeyp
     monkeypatch.setattr(hm, "_rss_shmem_bytes", lambda: 20 * gib)
     with pytest.raises(hm.HostMemoryError, match="host chunk 313"):
         hm.check_materialise(int(0.4 * gib), r, "host chunk 313's optimizer state")
+
+
+def test_init_guard_needs_what_the_plan_needs(monkeypatch):
+    """The init's guard counts the need as the plan does (:func:`host_need`): on a GPU the rest of
+    the system grows by ``SYSTEM_HOST_SHARE`` of the run beside it, so what is placed and what the
+    first step still takes come with that share (the guard used to leave it out and let through
+    an init the plan's own accounting refuses); on the CPU there is no share."""
+    from chunkjax import host_memory as hm
+
+    gib = 2**30
+    env = {hm.PINNED_HOST_LIMIT_ENV: "40"}
+
+    class Sched:
+        class predicted:
+            host_working_bytes = 8 * gib
+            peak_device_bytes = 3 * gib
+
+    r = hm.init_reserve_bytes(Sched, "gpu", env)
+    run = gib + 8 * gib  # one chunk placed now, the whole working set still to come (the pool has 1 GiB)
+    plan_need = hm.host_need(0, run, 0, 0, "gpu", env, system=True)
+    assert plan_need["system_bytes"] == int(hm.SYSTEM_HOST_SHARE * run) > 0
+    assert r.need_bytes(gib, shmem_bytes=gib) == plan_need["need_bytes"] + hm.INIT_MIN_FREE_BYTES
+    cpu = hm.init_reserve_bytes(Sched, "cpu")
+    assert cpu.need_bytes(gib, shmem_bytes=gib) == gib + 11 * gib + hm.INIT_MIN_FREE_BYTES  # no share on the CPU
+    # available: all of it but half the system's share: the plan would refuse, so the guard does
+    monkeypatch.setattr(hm, "host_memory_available_bytes",
+                        lambda: run + hm.INIT_MIN_FREE_BYTES + plan_need["system_bytes"] // 2)
+    monkeypatch.setattr(hm, "_rss_shmem_bytes", lambda: gib)
+    with pytest.raises(hm.HostMemoryError, match="the first step and the rest of the system"):
+        hm.check_materialise(gib, r, "host chunk 7's optimizer state")
+    monkeypatch.setattr(hm, "host_memory_available_bytes",
+                        lambda: plan_need["need_bytes"] + hm.INIT_MIN_FREE_BYTES)
+    hm.check_materialise(gib, r, "host chunk 7's optimizer state")  # exactly the plan's need: placed

@@ -25,7 +25,8 @@ _trace = plan.trace_inputs
 def cached_trace(monkeypatch):
     """Trace each (model, batch, seq) once for the whole module (tracing is the slow part)."""
     def trace_inputs(model, batch, seq, **kw):
-        key = (model, batch, seq, kw.get("chunk_size"), kw.get("min_chunks", 8), kw.get("n_ranks", 1))
+        key = (model, batch, seq, kw.get("chunk_size"), kw.get("min_chunks", 8), kw.get("n_ranks", 1),
+               str(kw.get("compute_dtype")), kw.get("micro_batches", 1), str(kw.get("storage")))
         if key not in _CACHE:
             _CACHE[key] = _trace(model, batch, seq, **kw)
         return _CACHE[key]
@@ -528,7 +529,7 @@ def test_user_nnx_model_plans_as_offload_does(user_model, capsys):
     import chunkjax as cj
     from chunkjax.host_update import AdamW
 
-    args = ["--model", "my_user_model:make_nnx", "--batch", "2", "--seq", "16"]
+    args = ["--model", "my_user_model:make_nnx", "--batch", "2", "--seq", "16", "--compute-dtype", "bfloat16"]
     assert plan.main(args + ["--device-budget", "1KiB", "--json"]) == 2
     budget = json.loads(capsys.readouterr().out)["min_device_budget_bytes"] + 40_000
     assert plan.main(args + ["--device-budget", str(budget), "--json"]) == 0
@@ -564,3 +565,67 @@ def test_device_budget_spellings_are_the_front_doors(capsys):
     assert plan.main(MICRO + ["--device-budget", "auto"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "'auto' is not supported by the planner CLI" in err[0] and "'min'" in err[0], err
+
+
+def test_cli_plans_what_offload_plans_for_an_fp32_model(user_model, capsys):
+    """The CLI planned every model with bf16 compute, chunkjax.offload an fp32 model in float32
+    (its params' dtype): the same budget placed the chunks differently. --compute-dtype auto (the
+    default) is what the API does with the same model; bfloat16 asks for mixed precision."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import chunkjax as cj
+    from chunkjax.host_update import AdamW
+
+    args = ["--model", "my_user_model:make_nnx", "--batch", "2", "--seq", "16", "--json"]
+    model = nnx.eval_shape(lambda: user_model.TinyNNX(nnx.Rngs(0)))
+    batch = jax.ShapeDtypeStruct((2, 17), jnp.int32)
+    least = cj.plan_offload(model, AdamW(1e-4, weight_decay=1e-4), user_model.nnx_loss, batch, device_budget="min")
+    budget = least.budget_bytes + least.problem.cb.model_bytes(least.problem.layout.n_chunks) // 2
+    api = cj.plan_offload(model, AdamW(1e-4, weight_decay=1e-4), user_model.nnx_loss, batch, device_budget=budget)
+    assert jnp.dtype(api.problem.compute_dtype) == jnp.float32
+    assert plan.main(args + ["--device-budget", str(budget)]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["compute_dtype"] == "float32" and r["placement_counts"] == api.schedule.counts()
+    assert r["schedule"] == api.schedule.to_dict()
+    assert plan.main(args + ["--device-budget", str(budget), "--compute-dtype", "bfloat16"]) == 0
+    bf16 = json.loads(capsys.readouterr().out)
+    assert bf16["compute_dtype"] == "bfloat16" and bf16["placement_counts"] != r["placement_counts"]
+    assert plan.main(args + ["--device-budget", str(budget), "--compute-dtype", "int8"]) == 2
+    assert "--compute-dtype 'int8': use one of auto, bfloat16" in capsys.readouterr().err
+
+
+def test_cli_micro_batches_and_storage_plan_as_fit_does(user_model, tmp_path, capsys):
+    """--micro-batches and --storage (with --compute-dtype float32) give fit.prepare's problem, so the
+    CLI's schedule is fit.plan's for the same inputs: the accumulation, the disk tier's chunks and
+    workers, the counts."""
+    import jax.numpy as jnp
+
+    import chunkjax as cj
+    from chunkjax import fit
+    from chunkjax.front import smallest_budget
+    from chunkjax.host_update import AdamW
+
+    stages, params, batch = user_model.make(4, 16)
+    kw = dict(host_optimizer=AdamW(1e-4, weight_decay=1e-4), compute_dtype=jnp.float32, check_host=False)
+    args = ["--model", "my_user_model:make", "--batch", "4", "--seq", "16", "--json", "--compute-dtype", "float32"]
+    micro = fit.prepare(stages, params, batch, host_budget=None, micro_batches=2, **kw)
+    budget = smallest_budget(micro) + micro.cb.model_bytes(micro.layout.n_chunks) // 4
+    want = fit.plan(micro, budget)
+    assert plan.main(args + ["--micro-batches", "2", "--device-budget", str(budget)]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert (r["compute_dtype"], r["micro_batches"], r["storage_dirs"]) == ("float32", 2, 0)
+    assert r["placement_counts"] == want.counts() and r["schedule"] == want.to_dict()
+
+    dirs = [str(tmp_path / "a"), str(tmp_path / "b")]
+    with pytest.raises(cj.PlanError) as e:  # the least host the disk tier at its fullest allows
+        fit.plan(fit.prepare(stages, params, batch, host_budget=1, storage=dirs, **kw), budget)
+    host = e.value.host_need_bytes
+    want = fit.plan(fit.prepare(stages, params, batch, host_budget=host, storage=dirs, **kw), budget)
+    assert want.predicted.storage_chunks >= 1 and want.predicted.storage_workers == 2
+    assert plan.main(args + ["--storage", ",".join(dirs), "--host-budget", str(host), "--device-budget",
+                             str(budget)]) == 0, capsys.readouterr().err
+    r = json.loads(capsys.readouterr().out)
+    assert (r["micro_batches"], r["storage_dirs"]) == (1, 2) and "storage: " in r["storage"]
+    assert r["placement_counts"] == want.counts() and r["schedule"] == want.to_dict()

@@ -4,10 +4,12 @@ defaults under ``--init-from``, ``--storage`` directories checked only when the 
 and a diverged run ending with exit 0. (The tied/untied head of a Hugging Face folder:
 tests/test_hf.py.)"""
 import contextlib
+import dataclasses
 import io
 import os
 import pathlib
 
+import numpy as np
 import pytest
 
 from chunkjax.errors import format_bytes
@@ -101,6 +103,49 @@ def test_divergence_watch_rules():
     with pytest.raises(train.Diverged, match="gradient norm of 0 at loss 5.6600") as e:
         w.observe(train.DEAD_STEPS, 5.66, 0.0, False)
     assert e.value.record["why"] == "dead" and e.value.record["since_step"] == 1
+
+
+def test_divergence_watch_stops_a_finite_explosion():
+    """A loss that explodes but stays finite (lr too high with clipping: 3 nats to 15) used to run
+    on to the end. Now: --explode-factor (4) x the running median of the healthy losses, 1 nat
+    above it, 3 steps in a row stop in one line saying what to do; one spike does not, nor the
+    first steps (warm-up), a low loss's noise (0.02 -> 0.5 nats) or --explode-factor 0; a
+    resumed run's watch is seeded with the losses before its checkpoint."""
+    rng = np.random.default_rng(0)
+    calm = list(3.0 + 0.1 * rng.standard_normal(train.EXPLODE_WARMUP + 2))
+    w = train.DivergenceWatch(skip_limit=3, lr=0.1)
+    w.observe(1, 50.0, 1.0, False)  # before the warm-up: no median yet
+    for i, loss in enumerate(calm, 2):
+        w.observe(i, loss, 1.0, False)
+    i = len(calm) + 2
+    w.observe(i, 15.0, 1.0, False)  # one spike
+    assert w.suspect and w.kind == "exploding"
+    w.observe(i + 1, 3.0, 1.0, False)
+    assert not w.suspect
+    w.observe(i + 2, 14.0, 1.0, False)
+    w.observe(i + 3, 16.0, 1.0, False)
+    with pytest.raises(train.Diverged) as e:
+        w.observe(i + 4, 15.0, 1.0, False)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"the loss exploded: steps {i + 2}-{i + 4} had losses above 4 x the median")
+    assert "lower --lr (now 0.1)" in msg and "--explode-factor 0" in msg
+    assert e.value.record["why"] == "exploded" and e.value.record["since_step"] == i + 2
+    off = train.DivergenceWatch(skip_limit=3, lr=0.1, explode_factor=0)
+    low = train.DivergenceWatch(skip_limit=3, lr=0.1)
+    for k, loss in enumerate(calm + [15.0] * 5, 1):
+        off.observe(k, loss, 1.0, False)
+    for k, loss in enumerate([0.02] * 12 + [0.5] * 5, 1):
+        low.observe(k, loss, 1.0, False)
+    assert not low.suspect
+    resumed = train.DivergenceWatch(skip_limit=3, lr=0.1)
+    resumed.seed([None, *calm])
+    resumed.observe(1, 15.0, 1.0, False)
+    resumed.observe(2, 15.0, 1.0, False)
+    with pytest.raises(train.Diverged, match="the loss exploded: steps 1-3"):
+        resumed.observe(3, 15.0, 1.0, False)
+    for bad in (0.5, 1.0, -2.0):
+        with pytest.raises(train.UsageError, match="--explode-factor must be > 1"):
+            train._validate(dataclasses.replace(train.preset_config(), explode_factor=bad))
 
 
 def test_diverged_finetune_stops_and_keeps_the_good_checkpoint(tmp_path, capsys):

@@ -108,6 +108,8 @@ class SaveJob:
             os.makedirs(directory, exist_ok=True)
             files.remove_stale_temporaries(directory)
         engine.wait(state)
+        # entries read from the state once its pending work is done (a step: the speculation policy's input)
+        self.state_meta = dict(engine.checkpoint_state_meta(state)) if hasattr(engine, "checkpoint_state_meta") else {}
         self.tmp = files.tmp_dir(directory, step_number)
 
     def open(self) -> None:
@@ -134,7 +136,7 @@ class SaveJob:
                 "layout": files.layout_spec(lay), "layout_fingerprint": files.layout_fingerprint(lay),
                 "chunks": self.chunks_meta,
                 "optimizer": self.info["optimizer"], "saved_from": self.info["saved_from"],
-                "extra": self.extra_json, **self.info.get("meta", {})}
+                "extra": self.extra_json, **self.info.get("meta", {}), **self.state_meta}
         self.stage = f"writing {files.META}"
         files.write_meta(os.path.join(self.tmp, files.META), meta)
         self.stage = f"writing {files.CHECKSUMS}"

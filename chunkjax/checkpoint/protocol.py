@@ -66,7 +66,10 @@ class ChunkIO(Protocol):
     """An engine's chunked model data, as a checkpoint sees it.
 
     ``state`` is the engine's state object (:class:`chunkjax.TrainState` of a step); engines that
-    keep their state themselves (the drop-in optimizers, the storage tier) take ``None``.
+    keep their state themselves (the drop-in optimizers, the storage tier) take ``None``. An engine
+    may also have ``checkpoint_state_meta(state) -> dict``: further top-level meta.json entries read
+    from the state after :meth:`wait` (a step's speculation policy input:
+    :meth:`chunkjax.step_checkpoint.StepChunkIO.checkpoint_state_meta`).
 
     Attributes:
       layout: the :class:`~chunkjax.layout.ChunkLayout` (chunk_size elements, n_chunks, slots).

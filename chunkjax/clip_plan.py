@@ -1,0 +1,76 @@
+"""The clipping a plan expects: whether the step's host updates can overlap its backward.
+
+With global-norm clipping (``max_grad_norm`` of the host kernel spec) a host chunk's update
+needs the global gradient norm, known only at the end of the backward. The step speculates
+(:mod:`chunkjax.speculate`: update as if clipping does not fire, validate at the end), but
+under the default policy (``speculation_policy="after_common"``) only on a step after one whose
+clipping did not fire: when clipping fires on every step (GPT training from initialisation
+with ``clip_by_global_norm(1.0)``: every step of the recorded GPT3_6B runs) the host thread
+waits for the norm and its whole update starts at the backward's end, beside the streamed
+pipeline; the next step's forward then waits per program for the host chunks it reads
+(:mod:`chunkjax.cross_step`). The planner times the step under one expectation:
+
+``"rare"``
+    clipping (or a non-finite skip) rarely fires: the speculation holds and host chunks update
+    while the backward runs (:func:`chunkjax.cost.program_timeline`).
+``"fires"``
+    clipping fires on most steps: every host update starts at the backward's end
+    (``norm_wait`` of :func:`chunkjax.predict.predict` and :func:`chunkjax.cost.predict_pipelined_step`);
+    the update split (:func:`chunkjax.plan_split.split_updates`) then moves as many host
+    chunks to the streamed pipeline as shortens the work left after the norm is known: the
+    host kernel and the streamed chunks (both PCIe directions in flight) both run from there.
+``"auto"`` (the fit path's default)
+    ``"fires"`` when the host kernel clips by global norm, else ``"rare"``: a clipped run is
+    planned for the case in which the default policy never speculates (planned for ``"rare"``
+    it ran 2.06x slower than its plan: 2.96 s measured against 1.44 s, ``docs/benchmarks.md``).
+    Pass ``"rare"`` for a run whose clipping seldom fires (e.g. fine-tuning with small
+    gradients): its streamed chunks would otherwise lengthen every step whose speculation holds.
+
+Exactness is not affected: the expectation only changes where chunks update (device, host or
+streamed), and every location gives optax's result.
+"""
+from __future__ import annotations
+
+#: The expectations :func:`resolve` takes.
+CLIP_EXPECT = ("auto", "fires", "rare")
+
+
+def resolve(clip_expect: str, host_optimizer=None) -> str:
+    """``"fires"`` or ``"rare"`` for a requested expectation (module docstring).
+
+    Args:
+      clip_expect: one of :data:`CLIP_EXPECT`.
+      host_optimizer: the host kernel spec (:mod:`chunkjax.host_update`; its ``max_grad_norm``)
+        or None (no host kernel: nothing waits for the norm on the host).
+
+    Raises:
+      ValueError: an unknown expectation (one line naming the accepted ones).
+    """
+    if clip_expect not in CLIP_EXPECT:
+        raise ValueError(f"clip_expect={clip_expect!r}: use one of {', '.join(CLIP_EXPECT)}")
+    if clip_expect != "auto":
+        return clip_expect
+    return "fires" if getattr(host_optimizer, "max_grad_norm", None) is not None else "rare"
+
+
+def norm_wait(clip_expect: str) -> bool:
+    """Whether a plan for ``clip_expect`` (``"fires"`` or ``"rare"``) times the host updates at the
+    backward's end (:func:`chunkjax.predict.predict`'s ``norm_wait``).
+
+    Raises:
+      ValueError: not ``"fires"`` or ``"rare"`` (``"auto"`` is resolved by the fit path: :func:`resolve`).
+    """
+    if clip_expect not in ("fires", "rare"):
+        raise ValueError(f"clip_expect={clip_expect!r}: the planner takes 'fires' or 'rare' "
+                         "('auto' is resolved from the host optimizer by chunkjax.fit)")
+    return clip_expect == "fires"
+
+
+def both_ways(s, cb, *, chunk_size: int, traces, tide, rates, flops_per_step: float, micro_batches: int = 1,
+              cross_step: bool = False) -> dict[str, float]:
+    """Predicted seconds of schedule ``s`` (one device) if clipping fires and if it is rare,
+    whichever it was planned for: ``{"fires": s, "rare": s}`` (:func:`chunkjax.program_cut.retime`)."""
+    from chunkjax.program_cut import retime
+    return {k: retime(s, cb, chunk_size=chunk_size, traces=traces, tide=tide, rates=rates,
+                      flops_per_step=flops_per_step, micro_batches=micro_batches, cross_step=cross_step,
+                      norm_wait=k == "fires").time.step_s for k in ("fires", "rare")}

@@ -1,0 +1,149 @@
+"""Planning for the clipping a step expects (:mod:`chunkjax.clip_plan`, issue 23): when global-norm
+clipping fires the host updates start at the backward's end (``norm_wait``), the cost model times
+that step, and the planner moves host chunks to the streamed pipeline to shorten it. The plan
+changes where chunks update, never the numbers: the clipped step of a ``"fires"`` plan equals optax
+(fp32 tolerances of tests/test_overlap.py) on steps where clipping fires and where it does not.
+"""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from chunkjax import clip_plan, cost, fit
+from chunkjax.host_update import AdamW
+from chunkjax.program_cut import retime
+from chunkjax.tide import memory_tide
+
+from _micro_setup import micro_gpt_setup
+from _optax_reference import micro_batch_reference
+
+B, T = 2, 16
+STEPS = 8
+#: A step whose host is slower than its PCIe (micro GPT: 9 chunks of 16,512 elements): planned for
+#: "rare" every offloaded chunk updates on the host (overlapping the backward), for "fires" most stream.
+RATES = cost.Rates(matmul_flops_per_s=1e9, host_update_s_per_param=5e-8, h2d_bytes_per_s=1e9, d2h_bytes_per_s=1e9,
+                   duplex_bytes_per_s=2e9, one_program_duplex_bytes_per_s=1e9)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    return micro_gpt_setup(2, 11, 5, B, T, STEPS)
+
+
+def _problem(setup, spec, **kw):
+    cfg, params, batches, stages = setup[:4]
+    return fit.prepare(stages, params, jax.ShapeDtypeStruct((B, T + 1), jnp.int32), host_optimizer=spec,
+                       compute_dtype=jnp.float32, min_chunks=6, rates=RATES, host_budget=None, check_host=False,
+                       flops_per_step=cfg.flops_per_token(T) * B * T, **kw)
+
+
+def _both(problem, s) -> dict:
+    return clip_plan.both_ways(s, problem.cb_rank, chunk_size=problem.layout.chunk_size, traces=problem.traces,
+                               tide=memory_tide(problem.traces, problem.layout.chunk_size), rates=problem.rates,
+                               flops_per_step=problem.flops_per_step, cross_step=problem.cross_step)
+
+
+def test_norm_wait_times_the_host_update_from_the_backwards_end():
+    """Hand-computed timeline: 1 s forward, 3 s backward, 4 s of host work completed half at 1/3
+    of the backward and half at its end. Speculating, the host runs from 2 s on and leaves 1 s after
+    the backward; waiting for the norm, all 4 s run from the backward's end, beside the streamed
+    pipeline, and the next forward (read fractions 0, 1/4, 1/2, 3/4 of its 1 s) waits 3.25 s."""
+    rates = cost.Rates(matmul_flops_per_s=1e12, host_update_s_per_param=1e-9)
+    kw = dict(fwd_h2d=0, bwd_h2d=0, bwd_d2h=0, device_params=0, rates=rates, window=0,
+              host_ready=[(1 / 3, 2 * 10**9), (1.0, 2 * 10**9)])
+    spec = cost.predict_pipelined_step(3e12, **kw)
+    wait = cost.predict_pipelined_step(3e12, norm_wait=True, **kw)
+    assert (spec.forward_s, spec.backward_s, spec.host_update_s) == pytest.approx((1.0, 3.0, 4.0))
+    assert spec.host_update_exposed_s == pytest.approx(2.0) and not spec.norm_wait  # host 2..4 s, then 4..6 s
+    assert wait.norm_wait and wait.host_update_exposed_s == pytest.approx(4.0)
+    assert wait.step_s == pytest.approx(8.0) and spec.step_s == pytest.approx(6.0)
+    reads = [(f, 10**9) for f in (0.0, 0.25, 0.5, 0.75)]
+    cross = cost.predict_pipelined_step(3e12, norm_wait=True, cross_step=True, host_reads=reads, **kw)
+    assert cross.host_update_exposed_s == pytest.approx(3.25) and cross.step_s == pytest.approx(7.25)
+    # streamed chunks completed early still start at the backward's end: beside the host's tail
+    st = dict(kw, streamed=[(1 / 3, 10**9, 10**9)], params_per_chunk=10**6)
+    a = cost.predict_pipelined_step(3e12, norm_wait=True, **st)
+    assert a.streamed_update_s == pytest.approx(2 * 10**9 / min(rates.h2d_bytes_per_s, rates.duplex_bytes_per_s / 2)
+                                                + 10**6 * rates.device_update_s_per_param, rel=1e-3)
+    assert a.step_s == pytest.approx(4.0 + max(4.0, a.streamed_update_s))
+
+
+def test_the_plan_streams_more_when_clipping_fires_and_predicts_sanely(setup):
+    """The planner (``clip_expect``, default from the host kernel's clipping) moves host chunks to
+    the streamed pipeline when clipping is expected to fire (the pre-clip_plan planner had no such
+    option and planned every clipped step as if the speculation held); each plan is the faster in
+    the case it was made for; the fires step shortens as chunks move from the host to the pipeline
+    up to the plan's count and is never shorter than the host's or the pipeline's work after the
+    backward."""
+    clipped = AdamW(3e-3, weight_decay=0.1, max_grad_norm=1.0)
+    auto, rare = _problem(setup, clipped), _problem(setup, clipped, clip_expect="rare")
+    assert auto.clip_expect == "fires" and _problem(setup, AdamW(3e-3)).clip_expect == "rare"
+    with pytest.raises(ValueError, match="clip_expect"):
+        _problem(setup, clipped, clip_expect="often")
+    budget = fit.auto_budget(auto)
+    s_f, s_r = fit.plan(auto, budget), fit.plan(rare, budget)
+    n_streamed = [sum(u == "streamed" for u in s.update_locations) for s in (s_f, s_r)]
+    assert n_streamed[0] > n_streamed[1] and "host" in s_f.update_locations
+    assert s_f.predicted.time.norm_wait and not s_r.predicted.time.norm_wait
+    f, r = _both(auto, s_f), _both(rare, s_r)
+    assert f["fires"] == pytest.approx(s_f.predicted.time.step_s) and r["rare"] == pytest.approx(s_r.predicted.time.step_s)
+    assert f["fires"] < r["fires"] and r["rare"] <= f["rare"]
+    # the fires timeline of s_f's placement with its streamed chunks moved back to the host one by one
+    streamed = [c for c, u in enumerate(s_f.update_locations) if u == "streamed"]
+    steps, hosts, pipes = [], [], []
+    for j in range(len(streamed) + 1):
+        loc = tuple("host" if c in streamed[j:] else u for c, u in enumerate(s_f.update_locations))
+        t = retime(dataclasses.replace(s_f, update_locations=loc), auto.cb_rank,
+                   chunk_size=auto.layout.chunk_size, traces=auto.traces,
+                   tide=memory_tide(auto.traces, auto.layout.chunk_size), rates=RATES,
+                   flops_per_step=auto.flops_per_step, cross_step=True, norm_wait=True).time
+        steps.append(t.step_s)
+        hosts.append(t.host_update_s)
+        pipes.append(t.streamed_update_s)
+        assert t.step_s >= t.forward_s + t.backward_s + max(t.streamed_update_s + t.device_update_s,
+                                                            t.host_update_exposed_s) - 1e-12
+        assert t.step_s >= t.host_update_s
+    assert steps[-1] == pytest.approx(s_f.predicted.time.step_s) and steps[-1] < steps[0]
+    assert all(a > b for a, b in zip(hosts, hosts[1:])) and all(a < b for a, b in zip(pipes, pipes[1:]))
+    slower = fit.plan(dataclasses.replace(auto, rates=dataclasses.replace(
+        RATES, host_update_s_per_param=2 * RATES.host_update_s_per_param)), budget)
+    assert slower.predicted.time.step_s >= s_f.predicted.time.step_s  # a slower host never predicts a faster step
+
+
+@pytest.mark.parametrize("fires", ["some", "every"])
+def test_clipped_step_of_the_fires_plan_equals_optax(setup, fires):
+    """The ``"fires"`` plan's step (device, streamed and host chunks; cross-step), 8 steps with
+    clipping firing on some of them or on all: equal to optax at fp32 tolerance."""
+    cfg, params, batches = setup[:3]
+    free = micro_batch_reference(cfg, params, batches, AdamW(3e-3, weight_decay=0.1).optax(), 1, rows=B)[2]
+    clip = {"some": float(np.median(free)), "every": float(np.min(free)) / 4}[fires]
+    spec = AdamW(3e-3, weight_decay=0.1, max_grad_norm=clip)
+    ref_p, ref_l, norms = micro_batch_reference(cfg, params, batches, spec.optax(), 1, rows=B)
+    fired = norms >= clip
+    assert (0 < fired.sum() < STEPS) if fires == "some" else fired.all()
+    problem = _problem(setup, spec)
+    s = fit.plan(problem, fit.auto_budget(problem))
+    assert {"device", "streamed", "host"} <= set(s.update_locations) and s.predicted.time.norm_wait
+    step = fit.build_step(problem, s)
+    state, losses = step.init(params), []
+    for b in batches:
+        state, m = step(state, b[:B])
+        losses.append(float(m["loss"]))
+    step.wait(state)
+    np.testing.assert_allclose(np.asarray(losses), ref_l, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(step.master_params(state)), jax.tree.leaves(ref_p)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-6)
+
+
+def test_the_split_counts_a_host_bound_cross_step_steps_floor():
+    """The update split's crossing (:func:`chunkjax.plan_split._host_side`): with cross-step overlap
+    a step is never shorter than the host thread's work, so the host's share of the tail is also
+    the host work beyond forward + backward + stalls, even when the next forward hides its tail
+    (no exposed seconds); a joined step's share is its exposed tail."""
+    from chunkjax.plan_split import _host_side
+    t = cost.PipelinedStepTime(1.0, 3.0, 5.0, 0.0, 0.0, 0.0, 4.0, 0.0, window_stall_s=0.5, cross_step=True)
+    assert t.step_s == pytest.approx(5.0) and _host_side(t) == pytest.approx(0.5)
+    assert _host_side(dataclasses.replace(t, host_update_exposed_s=0.75)) == pytest.approx(0.75)
+    assert _host_side(dataclasses.replace(t, cross_step=False, host_update_exposed_s=0.25)) == 0.25
