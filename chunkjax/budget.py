@@ -26,6 +26,28 @@ import math
 KEYWORDS = ("auto", "min")
 
 
+def parse_bytes(text: str) -> int:
+    """Parse ``"8GiB"``, ``"512MiB"``, ``"24GB"``, ``"1e9"`` or ``"123456"`` into bytes.
+
+    Raises:
+      ValueError: unparsable or not positive (one line naming the accepted forms).
+    """
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+    t = str(text).strip().lower().replace(" ", "")
+    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = t[len(num):]
+    try:
+        val = float(num)
+    except ValueError:
+        val = None
+    if val is None or unit not in units or not math.isfinite(val):
+        raise ValueError(f"cannot parse {text!r} as a byte size: use e.g. 8GiB, 512MiB, 24GB or a plain byte count")
+    if val <= 0:
+        raise ValueError(f"a byte size must be positive, got {text!r}: use e.g. 8GiB, 512MiB or 24GB")
+    return int(val * units[unit])
+
+
 def spellings(takes) -> str:
     """The spellings an API taking the keywords ``takes`` accepts, for messages."""
     forms = ["bytes (an int, or a whole float such as 3.5e6)", "a size string such as '2GiB' or '1e9'"]
@@ -48,7 +70,6 @@ def parse_budget(budget, *, takes=KEYWORDS, who: str = "device_budget", api: str
         line naming what the API takes). TypeError: another type (a bool, None, a list...) or a
         float without a whole value.
     """
-    from chunkjax.plan import parse_bytes
     if isinstance(budget, str):
         key = budget.strip().lower()
         if key in KEYWORDS:

@@ -13,8 +13,9 @@ The defaults are the H200 figures measured on the lent machine; pass measured va
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Sequence
+
+from chunkjax.flops import matmul_flops  # noqa: F401 (re-exported: counted in chunkjax.flops)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +147,9 @@ class PipelinedStepTime:
         ``forward_s + backward_s``.
       window: the gradient window the step was timed with (programs whose host gradients may
         exist at once; 0: unbounded).
+      activation_bytes: activations moved to pinned host memory in the forward and back in the
+        backward (remat ``"offload"``, :mod:`chunkjax.remat`; each way, in ``transfer_s``).
+      recompute_saved_s: recompute the kept activations remove from the backward (matmul rate).
       cross_step: timed with cross-step overlap (:mod:`chunkjax.cross_step`):
         ``host_update_exposed_s`` is then the wait of the next step's forward after the backward's
         end for the host tail (:func:`cross_step_wait`), which runs beside the device updates and
@@ -169,6 +173,8 @@ class PipelinedStepTime:
     window_stall_s: float = 0.0
     window: int = 0
     cross_step: bool = False
+    activation_bytes: int = 0
+    recompute_saved_s: float = 0.0
     norm_wait: bool = False
 
     @property
@@ -193,6 +199,8 @@ class PipelinedStepTime:
         if not self.storage_update_s:
             for k in ("storage_update_s", "storage_exposed_s", "storage_hidden_s"):
                 del d[k]
+        if not self.activation_bytes and not self.recompute_saved_s:  # no remat: as recorded before it
+            del d["activation_bytes"], d["recompute_saved_s"]
         return d
 
 
@@ -458,8 +466,9 @@ def predict_pipelined_step(flops_per_step: float, *, fwd_h2d: int, bwd_h2d: int,
                            disk_file_bytes: int = 0, storage_params_per_chunk: int = 0,
                            storage_early: bool = False, staging_buffers: int = 3,
                            window: int = GRAD_WINDOW_PROGRAMS, cross_step: bool = False,
-                           host_reads: Sequence[tuple[float, int]] = (), passes: int = 1,
-                           looped_fetch: bool = False, norm_wait: bool = False) -> PipelinedStepTime:
+                           host_reads: Sequence[tuple[float, int]] = (), act_bytes: int = 0,
+                           saved_flops: float = 0.0, passes: int = 1, looped_fetch: bool = False,
+                           norm_wait: bool = False) -> PipelinedStepTime:
     """Predict a pipelined step on one timeline (:func:`program_timeline`): forward, backward
     (with per-stage recompute: the forward's FLOPs again) cut into programs, a host thread that
     updates each program's host chunks once that program has finished (in program order, one at
@@ -499,6 +508,9 @@ def predict_pipelined_step(flops_per_step: float, *, fwd_h2d: int, bwd_h2d: int,
         :attr:`PipelinedStepTime.step_s`).
       host_reads: with ``cross_step``, per host chunk (fraction of the next forward done when the
         first program taking it starts, its parameters).
+      act_bytes: activations offloaded (remat ``"offload"``): down in the forward, beside its fetches,
+        and up in the backward, both at the one-program duplex rate.
+      saved_flops: recompute FLOPs the kept activations remove from the backward.
       passes: the programs run this many times a step (micro-batches per pass, or in-program
         groups: :mod:`chunkjax.plan_micro`), each a ``1 / passes`` share of the forward and the
         backward; the host hand-offs come in the last pass's backward (the earlier passes'
@@ -518,9 +530,11 @@ def predict_pipelined_step(flops_per_step: float, *, fwd_h2d: int, bwd_h2d: int,
     """
     r = rates
     c_fwd = flops_per_step / 3 / r.matmul_flops_per_s
-    c_bwd = flops_per_step / r.matmul_flops_per_s  # 2/3 backward + 1/3 recompute
-    fwd = max(c_fwd, fwd_h2d / r.h2d_bytes_per_s)
-    bwd_transfer = (bwd_h2d + bwd_d2h) / r.one_program_duplex_bytes_per_s
+    c_bwd = max(0.0, flops_per_step - saved_flops) / r.matmul_flops_per_s  # 2/3 backward + 1/3 recompute
+    fwd_transfer = (fwd_h2d / r.h2d_bytes_per_s if not act_bytes
+                    else (fwd_h2d + act_bytes) / r.one_program_duplex_bytes_per_s)
+    fwd = max(c_fwd, fwd_transfer)
+    bwd_transfer = (bwd_h2d + bwd_d2h + act_bytes) / r.one_program_duplex_bytes_per_s
     bwd = max(c_bwd + (bwd_h2d / r.h2d_bytes_per_s if looped_fetch else 0.0), bwd_transfer)
     p = max(1, int(passes))
     last_bwd = bwd / p  # the last pass's backward, after every other pass and the last forward
@@ -560,51 +574,7 @@ def predict_pipelined_step(flops_per_step: float, *, fwd_h2d: int, bwd_h2d: int,
             kernel_s=storage_params_per_chunk * r.host_update_s_per_param * n_dev, backward_end=end,
             other_tail_s=dev_upd + max(exposed, streamed_s), rates=r)
     return PipelinedStepTime(fwd, bwd, host, exposed, dev_upd, streamed_s, c_fwd + c_bwd,
-                             fwd_h2d / r.h2d_bytes_per_s + bwd_transfer, busy, disk_exposed,
+                             fwd_transfer + bwd_transfer, busy, disk_exposed,
                              max(0.0, busy - disk_exposed), stall, int(window), bool(cross_step and host),
+                             int(act_bytes), min(saved_flops, flops_per_step) / r.matmul_flops_per_s,
                              bool(norm_wait and host))
-
-
-def _dot_flops(eqn) -> float:
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    lhs, rhs = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
-    rhs_free = math.prod(d for i, d in enumerate(rhs) if i not in rc and i not in rb)
-    return 2.0 * math.prod(lhs) * rhs_free
-
-
-def _conv_flops(eqn) -> float:
-    rhs, out = eqn.invars[1].aval.shape, eqn.outvars[0].aval.shape
-    o = eqn.params["dimension_numbers"].rhs_spec[0]  # the kernel's output-feature axis
-    return 2.0 * math.prod(out) * math.prod(rhs) / rhs[o]
-
-
-def matmul_flops(jaxpr) -> float:
-    """FLOPs of the matrix products (``dot_general``, ``conv_general_dilated``: 2 per
-    multiply-add) that a (closed) jaxpr runs once, sub-programs included: a ``scan`` counts its
-    body ``length`` times, a ``cond`` its costliest branch, a ``while`` its body once (the trip
-    count is not known when tracing). Elementwise work is not counted: the cost model times FLOPs
-    at the matmul rate (:attr:`Rates.matmul_flops_per_s`).
-
-    Counted from the traced program, so it is the same on every backend: XLA's cost analysis of
-    a lowered program raises ``NotImplementedError`` on the GPU's PJRT plugin (``Lowered.cost_analysis``
-    then returns None), which gave the front door 0 FLOPs on the H200 and a predicted step of
-    transfers and updates only.
-    """
-    from jax.extend.core import jaxprs_in_params
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    total = 0.0
-    for e in jaxpr.eqns:
-        name = e.primitive.name
-        if name == "dot_general":
-            total += _dot_flops(e)
-        elif name == "conv_general_dilated":
-            total += _conv_flops(e)
-        elif name == "scan":
-            total += e.params["length"] * matmul_flops(e.params["jaxpr"])
-        elif name == "cond":
-            total += max(matmul_flops(b) for b in e.params["branches"])
-        elif name == "while":
-            total += matmul_flops(e.params["body_jaxpr"])
-        else:
-            total += sum(matmul_flops(j) for j in jaxprs_in_params(e.params))
-    return total

@@ -43,7 +43,7 @@ import jax.extend.core as jcore
 import jax.numpy as jnp
 import numpy as np
 
-from chunkjax.cost import matmul_flops
+from chunkjax.flops import matmul_flops
 from chunkjax.loss_weight import check_scalar_loss
 from chunkjax.stages import Stage
 
@@ -332,7 +332,7 @@ class Discovery:
       loss_fn: the user's ``loss_fn(model, data)``.
       compute_dtype: dtype of floating params in the traced program.
       example: the example data (``ShapeDtypeStruct`` s) the stages were cut for.
-      forward_flops: matrix-product FLOPs of one forward on ``example`` (:func:`chunkjax.cost.matmul_flops`).
+      forward_flops: matrix-product FLOPs of one forward on ``example`` (:func:`chunkjax.flops.matmul_flops`).
     """
 
     graphdef: Any

@@ -32,14 +32,16 @@ from chunkjax import clip_plan
 from chunkjax.cost import Rates
 from chunkjax.errors import HostBudgetError, PinnedLimitError, PlanError
 from chunkjax.fit_batch import batch_rows, rows_of, step_flops
+from chunkjax.fit_report import FitReport, describe  # noqa: F401 (re-exported: chunkjax.fit.describe)
 from chunkjax.fit_host import fit_host, host_bytes_of, pinned_limit_error, speculation_bytes
 from chunkjax.host_memory import available_for_plan, check_host_lower_bound, process_bytes
 from chunkjax.layout import ChunkLayout, build_layout, first_use_order
 from chunkjax.loss_weight import check_scalar_loss
 from chunkjax.optim import check_elementwise, state_bytes_per_chunk
 from chunkjax.plan import plan_schedule
-from chunkjax.plan_disk import storage_line
-from chunkjax.plan_micro import accumulation_line, passes_of, plan_micro_batches
+from chunkjax.plan_micro import passes_of, plan_micro_batches
+from chunkjax.plan_remat import remat_plan
+from chunkjax.remat import remat_figures
 from chunkjax.predict import ChunkBytes, chunk_bytes, device_model_bytes, update_phase_bytes
 from chunkjax.stages import check_param_keys, compose_loss, differentiated, split_loss
 from chunkjax.streamed import starts_early
@@ -87,6 +89,9 @@ class FitProblem:
       cross_step: plan (forward cuts, :func:`chunkjax.plan_schedule`) and build the step with
         cross-step overlap (:mod:`chunkjax.cross_step`; the default); False: the step joins each
         previous one.
+      remat, remat_names: which blocks keep their activations named ``remat_names`` instead of
+        recomputing them (:data:`chunkjax.plan_remat.REMAT_MODES`: ``"auto"`` the planner's choice,
+        :func:`chunkjax.plan_remat.plan_remat`); one device, one micro-batch; default ``"full"``.
       unroll_micro_batches: an in-program plan's micro-batch loops traced unrolled, and timed so
         (:attr:`chunkjax.schedule.Schedule.unroll_micro_batches`); False: while loops.
       clip_expect: ``"fires"`` or ``"rare"``, the clipping the plan expects (:mod:`chunkjax.clip_plan`).
@@ -119,6 +124,8 @@ class FitProblem:
     storage_devices: int = 0
     disk_budget_bytes: int | None = None
     cross_step: bool = True
+    remat: str = "full"
+    remat_names: tuple = ()
     unroll_micro_batches: bool = False
     clip_expect: str = "rare"
     loop_traces: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
@@ -139,6 +146,11 @@ class FitProblem:
         return starts_early(self.tx, skip=self.nonfinite == "skip" or self.loss_scaling, loss_scaling=self.loss_scaling,
                             micro_batches=self.micro_batches, n_ranks=self.n_ranks)
 
+    @functools.cached_property
+    def remat_figures(self) -> tuple:
+        """Per stage, :func:`chunkjax.remat.remat_figures` of the batch for ``remat_names``."""
+        return remat_figures(self.stages, self.layout, self.batch, self.compute_dtype, self.remat_names)
+
     @property
     def model_chunk_bytes(self) -> int:
         """Compute params, master params and optimizer state of every chunk (padding included; frozen: params only)."""
@@ -153,54 +165,6 @@ class FitProblem:
         from jax.sharding import NamedSharding
         from jax.sharding import PartitionSpec as P
         return NamedSharding(self.mesh, P(self.mesh.axis_names[0]))
-
-
-@dataclasses.dataclass(frozen=True)
-class FitReport:
-    """What :func:`fit_problem` decided (bytes; ``_accounted`` = chunkjax's figures).
-
-    Attributes:
-      schedule: the :class:`chunkjax.schedule.Schedule` the step runs.
-      budget_bytes: the device budget in force (an ``"auto"`` one after any raise), per rank.
-      requested: the budget as given (``"auto"`` or bytes).
-      effective_budget_bytes: the budget the last plan was made for (below ``budget_bytes`` after
-        re-plans).
-      headroom: :data:`HEADROOM`.
-      compiled: the compiled check of the last plan (``peak_bytes``, ``programs``,
-        ``resident_state_bytes``, ``update_phase_bytes``), None when not compiled.
-      plans: one entry per plan tried (effective budget, predicted and compiled peak, counts).
-      host: :func:`chunkjax.fit_host.host_need` of the schedule plus ``available_bytes`` (None: unknown).
-      fits: the compiled step fits the headroom (True when not compiled).
-      why: when it does not, one line saying so.
-      notes: re-plans that failed, budgets raised.
-    """
-
-    schedule: Any
-    budget_bytes: int
-    requested: Any
-    effective_budget_bytes: int
-    headroom: float
-    compiled: dict | None
-    plans: tuple
-    host: dict
-    fits: bool
-    why: str | None
-    notes: tuple
-
-    @property
-    def predicted_peak_bytes(self) -> int:
-        return int(self.schedule.predicted.peak_device_bytes)
-
-    def to_dict(self) -> dict:
-        """JSON-ready: the plan's counts and predictions, the budgets and the compiled figures."""
-        p = self.schedule.predicted
-        return {"device_budget_bytes": self.budget_bytes, "device_budget_requested": self.requested,
-                "effective_budget_bytes": self.effective_budget_bytes, "headroom": self.headroom,
-                "peak_device_bytes_accounted": p.peak_device_bytes,
-                "compiled_peak_bytes": None if self.compiled is None else self.compiled["peak_bytes"],
-                "schedule_counts": self.schedule.counts(), "step_s_predicted": p.time.step_s,
-                "plans": list(self.plans), "host": dict(self.host), "fits": self.fits, "why": self.why,
-                "notes": list(self.notes), "disk_bytes_per_step_predicted": p.disk_bytes_per_step}
 
 
 class Fitted(NamedTuple):
@@ -229,8 +193,8 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
             micro_batches: int = 1, nonfinite: str = "ignore", loss_scaling: bool = False, mesh=None,
             zero_stage: int = 0, flops_per_step: float | None = None, rates: Rates | None = None,
             host_budget="auto", device_budget=None, check_host: bool = True, check_tx: bool = True,
-            trainable=None, storage=None, cross_step: bool = True,
-            unroll_micro_batches: bool = False, clip_expect: str = "auto") -> FitProblem:
+            trainable=None, storage=None, cross_step: bool = True, remat: str = "full",
+            remat_names=(), unroll_micro_batches: bool = False, clip_expect: str = "auto") -> FitProblem:
     """Layout and traces for a step (no allocation; the budget comes later).
 
     Args:
@@ -272,6 +236,7 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
       cross_step: plan and run with cross-step overlap (:attr:`FitProblem.cross_step`, default
         True: the next step waits per program only for the host chunks it reads; exact); False:
         each step joins all of the previous step's host work.
+      remat, remat_names: kept activations (:attr:`FitProblem.remat`; e.g. ``"auto"``, ``models.gpt.REMAT_NAMES``).
       unroll_micro_batches: with ``micro_batches`` > 1, an in-program plan's loops traced
         unrolled (:attr:`FitProblem.unroll_micro_batches`).
       clip_expect: ``"auto"`` (``"fires"`` when ``host_optimizer`` clips by global norm, else
@@ -348,7 +313,7 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
                       int(prefetch), segments, int(micro_batches), nonfinite, bool(loss_scaling), mesh, zero_stage,
                       float(flops_per_step) / n_ranks, rates or Rates(),
                       None if host_budget is None else int(host_budget), platform, storage,
-                      *(disk_capacity(storage) if storage else (0, None)), bool(cross_step),
+                      *(disk_capacity(storage) if storage else (0, None)), bool(cross_step), remat, tuple(remat_names),
                       bool(unroll_micro_batches), clip_expect)
 
 
@@ -376,6 +341,9 @@ def plan(problem: FitProblem, budget_bytes: int, *, policy: str = "tide", reside
     kw = dict(policy=policy, resident=resident, must_fit=must_fit, split=split)
     if problem.micro_batches > 1:
         return plan_micro_batches(problem, budget_bytes, _plan_passes, **kw)
+    if problem.remat != "full" and policy == "tide":  # kept activations: chunkjax.plan_remat
+        return remat_plan(problem, lambda tr: _plan_passes(dataclasses.replace(problem, traces=tr), budget_bytes,
+                                                           **kw))[0]
     return _plan_passes(problem, budget_bytes, **kw)
 
 
@@ -577,25 +545,3 @@ def fit_step(stages, params, batch, *, device_budget="auto", policy: str = "tide
     problem = prepare(stages, params, batch, device_budget=device_budget, **prepare_kw)
     return fit_problem(problem, device_budget, policy=policy, resident=resident, check_compiled=check_compiled,
                        strict=strict)
-
-
-def describe(report: FitReport, problem: FitProblem) -> str:
-    """One line: chunks per (params kind, update location), param chunks off the device, the
-    predicted peak against the budget, model data on the device, bytes moved and step time."""
-    s, p = report.schedule, report.schedule.predicted
-    mib = lambda b: b / 2**20  # noqa: E731
-    off = sum(k != "device" for k in s.param_kinds)
-    comp = "" if report.compiled is None else f" (compiled {mib(report.compiled['peak_bytes']):.1f} MiB)"
-    ranks = f" per rank x {problem.n_ranks} (ZeRO-{problem.zero_stage})" if problem.zero_stage else ""
-    model = problem.cb_rank.model_bytes(problem.layout.n_chunks)  # one rank's
-    return (f"plan: {s.counts()}; {off} of {s.n_chunks} param chunks in pinned_host; accounted peak "
-            f"{mib(p.peak_device_bytes):.1f} MiB{comp} of budget {mib(report.budget_bytes):.1f} MiB{ranks}; model data "
-            f"on device {mib(p.device_model_bytes):.1f} of {mib(model):.1f} MiB; per step h2d "
-            f"{mib(p.h2d_bytes_per_step):.1f} MiB, d2h {mib(p.d2h_bytes_per_step):.1f} MiB; host "
-            f"{mib(p.host_bytes):.1f} MiB ({p.host_resident_bytes_per_param:.1f} B/param of host-resident chunks, "
-            f"{len(s.master_fetch)} without a compute copy, gradient working set {mib(p.host_working_bytes):.1f} "
-            f"MiB); predicted step "
-            f"{p.time.step_s * 1e3:.1f} ms" + (" (the cost model's GPU rates: a CPU runs far slower)"
-                                                if problem.platform == "cpu" else "")
-            + "".join(f"; {x}" for x in [storage_line(s, problem.storage_dirs, problem.host_budget_bytes),
-                                         accumulation_line(s, problem.micro_batches)] if x))

@@ -13,7 +13,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from chunkjax.cost import matmul_flops
+from chunkjax.flops import matmul_flops
 
 
 def batch_rows(batch) -> int:
@@ -45,7 +45,7 @@ def rows_of(batch, rows: int):
 def step_flops(loss_of, aparams, gbatch, tbatch, parts: int) -> float:
     """Training FLOPs of a whole step (all ranks): 6 x params x tokens for a token batch (one int
     (B, T+1) array), else 3 x the forward's matrix-product FLOPs counted in the traced loss on
-    one rank's micro-batch (:func:`chunkjax.cost.matmul_flops`), times the ``parts`` (ranks x
+    one rank's micro-batch (:func:`chunkjax.flops.matmul_flops`), times the ``parts`` (ranks x
     micro-batches)."""
     if not isinstance(gbatch, (tuple, list, dict)) and len(gbatch.shape) == 2 \
             and jnp.issubdtype(gbatch.dtype, jnp.integer):

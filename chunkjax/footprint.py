@@ -15,6 +15,7 @@ import numpy as np
 
 from chunkjax import optim
 from chunkjax.memory import DEVICE, PINNED_HOST, sharding
+from chunkjax.remat import kept_kinds
 
 _MEM_FIELDS = ("argument", "output", "temp", "alias", "host_argument", "host_output", "host_temp")
 
@@ -73,6 +74,10 @@ def compiled_programs(step, batch, workers: int | None = None) -> list:
             if pool is not None:
                 pending.append(pool.submit(lowered.compile))
                 osh = jax.tree.map(lambda _: on_device, (res[0], res[1]))
+                kinds = kept_kinds(getattr(step.schedule, "remat", ()), step.moments, step.program_bounds()[k][1])
+                for part, kk in kinds.items():  # kept activations leave in their kinds (chunkjax.remat)
+                    osh[0][part] = {q: [sharding(kk[q], next(iter(on_device.device_set))) for _ in v]
+                                    for q, v in res[0][part].items()}
             else:
                 pending.append(lowered.compile())
                 osh = pending[-1].output_shardings
@@ -82,7 +87,8 @@ def compiled_programs(step, batch, workers: int | None = None) -> list:
     finally:
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
-    if pool is not None and any(_carry_shardings(c) - {on_device} for c in out[:-1]):
+    on_host = sharding(PINNED_HOST, next(iter(on_device.device_set))) if single else None
+    if pool is not None and any(_carry_shardings(c) - {on_device, on_host} for c in out[:-1]):
         return compiled_programs(step, batch, workers=1)  # a carry left device memory: in order
     for k, compiled in enumerate(out):
         step.runnable(batch, k, compiled)

@@ -213,7 +213,8 @@ def schedule_host_parts(schedule, cb, *, n_ranks: int = 1, zero_stage: int | Non
     :mod:`chunkjax.host_forms`), ``streamed_state`` (master params and optimizer state of
     ``streamed`` chunks), ``pinned_gradients`` (streamed and storage chunks' gradients, the
     host-updated chunks' gradient working set: :data:`chunkjax.predict.GRAD_WINDOW_PROGRAMS`
-    programs on one device, every one on a mesh). Pageable (numpy): ``host_masters`` (master
+    programs on one device, every one on a mesh), ``pinned_activations`` (remat ``"offload"``: the
+    activations offloaded in the forward, all held at its end). Pageable (numpy): ``host_masters`` (master
     params of copy-keeping host chunks), ``optimizer_state`` (of host-updated chunks: Adam m and
     v), ``micro_batch_sums`` (float32 sums of host, streamed and storage chunks with
     micro-batches), ``storage_workers`` (the near-storage workers' staging buffers:
@@ -229,8 +230,9 @@ def schedule_host_parts(schedule, cb, *, n_ranks: int = 1, zero_stage: int | Non
     """
     reps = n_ranks if zero_stage in (1, 2) else 1
     mf, pred = set(schedule.master_fetch), schedule.predicted
-    parts = dict.fromkeys(("pinned_params", "pinned_masters", "streamed_state", "pinned_gradients", "host_masters",
-                           "optimizer_state", "micro_batch_sums", "storage_workers", "device_on_host"), 0)
+    parts = dict.fromkeys(("pinned_params", "pinned_masters", "streamed_state", "pinned_gradients",
+                           "pinned_activations", "host_masters", "optimizer_state", "micro_batch_sums",
+                           "storage_workers", "device_on_host"), 0)
     n_host = 0
     for c, (k, u) in enumerate(zip(schedule.param_kinds, schedule.update_locations)):
         if u == "none":  # a frozen chunk: its params only
@@ -257,8 +259,10 @@ def schedule_host_parts(schedule, cb, *, n_ranks: int = 1, zero_stage: int | Non
     # each: chunkjax.accumulate.HostSums); on a mesh every host-updated chunk's gradient instead
     summed = sum(u in ("host", "streamed", "storage") for u in schedule.update_locations)
     sums = summed * cb.master if micro_batches > 1 else 0
-    if n_ranks == 1:
-        parts["pinned_gradients"] += max(0, pred.host_working_bytes - sums)
+    if n_ranks == 1:  # the working set less the offloaded activations (remat "offload": one pass's, held at once)
+        act = int(pred.time.activation_bytes) // max(1, micro_batches)
+        parts["pinned_gradients"] += max(0, pred.host_working_bytes - sums - act)
+        parts["pinned_activations"] = act
         parts["micro_batch_sums"] = sums
     else:
         parts["pinned_gradients"] += n_host * cb.grad
@@ -268,7 +272,7 @@ def schedule_host_parts(schedule, cb, *, n_ranks: int = 1, zero_stage: int | Non
 
 #: The parts of :func:`schedule_host_parts` held in pinned host memory (the rest is pageable,
 #: ``device_on_host`` aside).
-PINNED_PARTS = ("pinned_params", "pinned_masters", "streamed_state", "pinned_gradients")
+PINNED_PARTS = ("pinned_params", "pinned_masters", "streamed_state", "pinned_gradients", "pinned_activations")
 
 
 def schedule_host_need(schedule, cb, *, layout, n_ranks: int = 1, zero_stage: int | None = None,

@@ -46,6 +46,7 @@ import math
 from typing import Sequence
 
 from chunkjax import predict as pr
+from chunkjax.budget import parse_bytes  # noqa: F401 (re-exported: chunkjax.plan.parse_bytes)
 from chunkjax.cost import Rates
 from chunkjax.errors import HostBudgetError, PinnedLimitError, PlanError, format_bytes
 from chunkjax.eviction import CapacityError, belady
@@ -91,28 +92,6 @@ _MSG_UPDATE = ("device budget {budget} bytes is below the {need} bytes one chunk
                "{cs} elements): use a device budget >= {need} bytes or a smaller chunk_size")
 _WHY_ACT = "; activations alone exceed the budget"
 _FIX_ACT = " or lower the batch / sequence length (activations are checkpointed per block)"
-
-
-def parse_bytes(text: str) -> int:
-    """Parse ``"8GiB"``, ``"512MiB"``, ``"24GB"``, ``"1e9"`` or ``"123456"`` into bytes.
-
-    Raises:
-      ValueError: unparsable or not positive (one line naming the accepted forms).
-    """
-    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-    t = str(text).strip().lower().replace(" ", "")
-    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = t[len(num):]
-    try:
-        val = float(num)
-    except ValueError:
-        val = None
-    if val is None or unit not in units or not math.isfinite(val):
-        raise ValueError(f"cannot parse {text!r} as a byte size: use e.g. 8GiB, 512MiB, 24GB or a plain byte count")
-    if val <= 0:
-        raise ValueError(f"a byte size must be positive, got {text!r}: use e.g. 8GiB, 512MiB or 24GB")
-    return int(val * units[unit])
 
 
 def fetch_events(traces, placement: Placement, prefetch: int) -> tuple[list[list[int]], list[list[int]]]:

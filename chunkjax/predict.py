@@ -464,6 +464,11 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
       norm_wait: time the step whose clipping fires (:mod:`chunkjax.clip_plan`): the host
         updates start at the backward's end and every host gradient of the step exists at once.
 
+    Kept activations (remat, the traces of :func:`chunkjax.remat.with_remat`): their device bytes
+    are in the traces (the tide), their offloads (``StageTrace.offload_bytes``) move down in the
+    forward and up in the backward and are all in pinned host memory at the forward's end (in
+    ``host_working_bytes``), and ``StageTrace.saved_flops`` leave the backward's recompute.
+
     Bytes moved per step: every fetch brings one chunk's compute params up; every chunk not
     updated on the device sends its gradient down during the backward (both once per pass of the
     programs: ``micro_batches`` passes); a host-updated chunk whose
@@ -485,7 +490,8 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
     passes = micro_batches  # the programs' passes per step: fetches and offloaded gradients repeat
     fetch_b = passes * sum(fetched(c) for f in fetch for c in f)
     off = [c for c, u in enumerate(update_locations) if u in (HOST_UPDATE, STREAMED_UPDATE, STORAGE_UPDATE)]
-    h2d, d2h = fetch_b, passes * len(off) * cb.grad
+    act = passes * sum(t.offload_bytes for t in traces)  # activations offloaded, each way
+    h2d, d2h = fetch_b + act, passes * len(off) * cb.grad + act
     for c, (k, u) in enumerate(zip(param_kinds, update_locations)):
         if u == HOST_UPDATE:
             h2d += cb.params if k == DEVICE else 0
@@ -495,6 +501,11 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
             d2h += cb.params
     hf = host_figures(chunk_size, cb, param_kinds, update_locations, grad_done, segments, T, master_fetch=mf,
                       micro_batches=micro_batches, window=len(segments) if norm_wait else window)
+    held_act = sum(t.offload_bytes for t in traces)  # offloaded activations, all in host memory at the forward's end
+    if held_act:
+        hf["host_working_bytes"] += held_act
+        hf["host_bytes"] += held_act
+        hf["host_bytes_per_param"] = hf["host_bytes"] / (len(param_kinds) * chunk_size)
     n_disk = sum(u == STORAGE_UPDATE for u in update_locations)
     workers = storage_devices if storage_workers is None else storage_workers
     staging = storage_host_bytes(disk_file_bytes(cb), workers, staging_buffers) if n_disk else 0
@@ -519,6 +530,7 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
         storage_early=storage_early and micro_batches == 1, staging_buffers=staging_buffers, window=window,
         cross_step=cross_step, host_reads=[(f, chunk_size) for c, f in next_read_fractions(
             fetch, segments, prefetch, n_stages).items() if update_locations[c] == HOST_UPDATE] if cross_step else (),
+        act_bytes=act, saved_flops=passes * sum(t.saved_flops for t in traces),
         passes=passes, looped_fetch=looped_fetch(traces), norm_wait=norm_wait)
     return Prediction(int(peak), int(model), hf.pop("host_model_bytes"), int(h2d), int(d2h), int(fetch_b),
                       int(passes * n_fetch), tuple(int(b) for b in moment_bytes), time, **hf,

@@ -237,6 +237,11 @@ class Schedule:
         moments (micro-batch groups: the programs run ``micro_batches // micro_group`` passes a
         step, the passes' gradients summed as per micro-batch); None: all of the step's (one pass).
         :func:`micro_group_size`.
+      remat: per stage, its remat option (:data:`chunkjax.remat.REMAT_OPTIONS`: ``"full"``
+        recompute, ``"save"`` named activations kept on the device, ``"offload"`` kept in pinned
+        host memory); empty: every stage ``"full"``. The prediction accounts it (the traces it was
+        planned with: :func:`chunkjax.remat.with_remat`).
+      remat_names: the ``checkpoint_name`` names the ``"save"``/``"offload"`` stages keep.
       unroll_micro_batches: with ``"in_program"``: the moments' micro-batch loops are traced
         unrolled (:class:`chunkjax.walker.Walk` ``unroll``: the same operations in the same
         order, bit for bit the loop's results, one copy of a stage's code per micro-batch), so
@@ -264,9 +269,13 @@ class Schedule:
     grad_window: int = GRAD_WINDOW_PROGRAMS
     accumulation: str = PER_MICRO_BATCH
     micro_group: int | None = None
+    remat: tuple[str, ...] = ()
+    remat_names: tuple[str, ...] = ()
     unroll_micro_batches: bool = False
 
     def __post_init__(self):
+        from chunkjax.remat import check_remat
+        check_remat(self.remat, (len(self.moments) + 1) // 2, self.remat_names)
         if self.accumulation not in ACCUMULATIONS:
             raise ValueError(f"accumulation={self.accumulation!r}: use one of {ACCUMULATIONS}")
         if self.micro_group is not None:
@@ -327,7 +336,8 @@ class Schedule:
                 "budget_bytes": self.budget_bytes, "predicted": self.predicted.to_dict(),
                 "master_fetch": list(self.master_fetch), "streamed_early": self.streamed_early,
                 "grad_window": int(self.grad_window), "accumulation": self.accumulation,
-                "micro_group": self.micro_group, "unroll_micro_batches": bool(self.unroll_micro_batches)}
+                "micro_group": self.micro_group, "remat": list(self.remat), "remat_names": list(self.remat_names),
+                "unroll_micro_batches": bool(self.unroll_micro_batches)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Schedule":
@@ -337,5 +347,5 @@ class Schedule:
                    tuple(tuple(m) for m in d["moments"]), Prediction.from_dict(d["predicted"]),
                    int(d["budget_bytes"]), tuple(int(c) for c in d.get("master_fetch", ())),
                    bool(d.get("streamed_early", False)), int(d.get("grad_window", GRAD_WINDOW_PROGRAMS)),
-                   d.get("accumulation", PER_MICRO_BATCH), d.get("micro_group"),
-                   bool(d.get("unroll_micro_batches", False)))
+                   d.get("accumulation", PER_MICRO_BATCH), d.get("micro_group"), tuple(d.get("remat", ())),
+                   tuple(d.get("remat_names", ())), bool(d.get("unroll_micro_batches", False)))

@@ -48,7 +48,7 @@ from chunkjax.topology import OnTopology, SingleDevice, make_topology
 from chunkjax.train_state import TrainState
 from chunkjax.speculate import check_options as check_speculation, for_step
 from chunkjax.updaters import host_deadline_s
-from chunkjax.walker import Walk, moments_of, rank_major
+from chunkjax.walker import Walk, kept_kinds, moments_of, rank_major
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,7 +230,7 @@ class ChunkedStep(StepChunkIO, StepUpdates, OnTopology):
                     self.placement.param_kinds, tuple(self.placement.grad_kind(c) for c in range(self.layout.n_chunks)),
                     self.reads, tuple(t.backward_chunks for t in self._traces_local(ab)),
                     self._fetch_lists_local(ab), self.first_reader, self.micro_batches // self.passes,
-                    bool(getattr(self.schedule, "unroll_micro_batches", False)))  # the schedule's loops
+                    *((bool(s.unroll_micro_batches), s.remat, s.remat_names) if (s := self.schedule) is not None else ()))
 
     def program_bounds(self) -> list[tuple[int, int]]:
         """``[(first moment, end moment)]`` of each program (the schedule's segments)."""
@@ -283,8 +283,9 @@ class ChunkedStep(StepChunkIO, StepUpdates, OnTopology):
             moved = (self.mesh is None and np.dtype(self.compute_dtype) == np.float32
                      and any(v != DEVICE for v in gk.values()))
             donate = ((2,) if moved else (2, 3)) if self._donates else ()
+            kept = kept_kinds(getattr(self.schedule, "remat", ()), self.moments, t1)  # chunkjax.remat
             fn = self.topology.jit_program(prog, carry_out=carry_out, grad_kinds=gk, donate=donate,
-                                           name=f"chunkjax_program_{k}")
+                                           name=f"chunkjax_program_{k}", kept_kinds=kept)
             self._cache[key] = (fn, args)
         return self._cache[key]
 

@@ -149,13 +149,16 @@ class SingleDevice:
                              f"parts: use a batch size that is a multiple of {micro_batches}")
 
     # ---- programs -----------------------------------------------------------------------------------
-    def jit_program(self, prog, *, carry_out: tuple, grad_kinds: dict, donate: tuple, name: str):
-        """jit ``prog(params, batch, carry, acc) -> (carry, acc, grads, sq, loss)``."""
-        del carry_out
+    def jit_program(self, prog, *, carry_out: tuple, grad_kinds: dict, donate: tuple, name: str,
+                    kept_kinds: dict | None = None):
+        """jit ``prog(params, batch, carry, acc) -> (carry, acc, grads, sq, loss)``; ``kept_kinds``:
+        the memory kind of each stage's kept activations in the carry (:func:`chunkjax.remat.kept_kinds`)."""
         dev = sharding(DEVICE)
         prog.__name__ = prog.__qualname__ = name  # the XLA module is named after the program
         gsh = {c: sharding(k) for c, k in grad_kinds.items()}
-        return jax.jit(prog, out_shardings=(dev, dev, gsh, dev, dev), donate_argnums=donate)
+        carry = dev if not kept_kinds else dict({k: dev for k in carry_out}, **{
+            part: {s: sharding(k) for s, k in kinds.items()} for part, kinds in kept_kinds.items()})
+        return jax.jit(prog, out_shardings=(carry, dev, gsh, dev, dev), donate_argnums=donate)
 
     def jit_whole(self, fn, param_kinds, grad_kinds):
         """jit ``fn(params_tuple, batch) -> (loss, grads tuple, sq (n_chunks,))`` (one program)."""
@@ -336,10 +339,15 @@ class DataMesh:
                 "issued": P(AXIS) if self.zero_stage == 3 else P(), "loss_scale": P()}
         return {k: spec[k] for k in keys}
 
-    def jit_program(self, prog, *, carry_out: tuple, grad_kinds: dict, donate: tuple, name: str):
+    def jit_program(self, prog, *, carry_out: tuple, grad_kinds: dict, donate: tuple, name: str,
+                    kept_kinds: dict | None = None):
         """jit(shard_map) of ``prog(params, batch, carry, acc) -> (carry, acc, grads, sq, loss)``:
         params in their ZeRO spec, batch and accumulators ``P("data")``, gradients leave as each
-        rank's shard, squared norms and loss reduced once (:meth:`reduce_scalars`)."""
+        rank's shard, squared norms and loss reduced once (:meth:`reduce_scalars`).
+        ``kept_kinds`` must be empty (remat ``"save"``/``"offload"`` runs on one device)."""
+        if kept_kinds:
+            raise ValueError("remat 'save'/'offload' runs on one device: plan the mesh with remat 'full'")
+
         def program(params, batch, carry, acc):
             def local(params, batch, carry, acc):
                 c2, a2, g, q, loss = prog(params, batch, carry, acc)

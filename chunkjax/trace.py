@@ -37,6 +37,9 @@ class StageTrace:
         an embedding lookup's gradient needs none). ``None`` means all of ``chunks``.
       output_bytes: bytes of the stage's output (the next stage's input; the head's loss), a
         part of ``temp_bytes`` (:func:`in_program_traces` scales it).
+      offload_bytes: activations the stage moves to pinned host memory in its forward and back in
+        its backward (remat ``"offload"``, :func:`chunkjax.remat.with_remat`; 0: none).
+      saved_flops: matmul FLOPs its backward does not recompute (remat ``"save"``/``"offload"``).
       micro_loop: micro-batches the moment loops over inside its program (1: none;
         :func:`in_program_traces`).
       loop_unrolled: that loop is traced unrolled (straight-line code: the cost model takes the
@@ -50,6 +53,8 @@ class StageTrace:
     temp_bytes: int
     bwd_chunks: tuple[int, ...] | None = None
     output_bytes: int = 0
+    offload_bytes: int = 0
+    saved_flops: float = 0.0
     micro_loop: int = 1
     loop_unrolled: bool = False
 

@@ -15,6 +15,11 @@ program (the step cuts the moments into programs at the schedule's segments):
   topology's ``reduce_grad`` (one device: as is; a mesh: all-reduce or reduce-scatter), moved to
   pinned host memory at once when its update does not run on the device (tied to the next
   cotangent so it cannot be postponed);
+* a stage whose remat option (``remat``, :mod:`chunkjax.remat`) is ``"save"`` or ``"offload"``
+  keeps its activations named ``remat_names`` from its forward (on the device, or moved to pinned
+  host memory, each move tied to the next moment's activation) and its backward reads them instead
+  of recomputing them (an offloaded stage's arrays fetched one backward moment ahead, tied to the
+  cotangent, carried into the next program when it starts there); one micro-batch per pass only;
 * in the backward, chunks whose values the stage's gradient does not need are not fetched
   (their slot holds zeros, which the compiler removes);
 * a master-fetch chunk (:mod:`chunkjax.host_forms`: a host chunk without a compute-dtype copy)
@@ -63,6 +68,7 @@ import numpy as np
 from chunkjax.layout import ChunkLayout
 from chunkjax.memory import DEVICE, PINNED_HOST, ordered_after
 from chunkjax.loss_weight import WeightedLoss, as_float32, inverse_weight, is_weighted
+from chunkjax.remat import FULL, OFFLOAD, backward_saved, check_remat, forward_saving, kept_kinds  # noqa: F401
 from chunkjax.stages import split_loss, stage_vjp
 
 
@@ -110,6 +116,12 @@ class Walk:
       micro_batches: M, the micro-batches looped over inside each moment (1: none). The batch
         and every activation leaf carry the rows first; M divides them.
       unroll: trace those loops unrolled (:attr:`chunkjax.schedule.Schedule.unroll_micro_batches`).
+      remat: per stage, its remat option (:data:`chunkjax.remat.REMAT_OPTIONS`; empty: all
+        ``"full"``); remat_names: the ``checkpoint_name`` names a ``"save"``/``"offload"`` stage keeps.
+
+    Raises:
+      ValueError: a bad ``remat`` (:func:`chunkjax.remat.check_remat`), or ``"save"``/``"offload"``
+        with ``micro_batches`` > 1.
     """
 
     stages: tuple
@@ -125,6 +137,20 @@ class Walk:
     first_reader: dict
     micro_batches: int = 1
     unroll: bool = False
+    remat: tuple = ()
+    remat_names: tuple = ()
+
+    def __post_init__(self):
+        remat = check_remat(self.remat, len(self.stages), self.remat_names)
+        if any(r != FULL for r in remat) and self.micro_batches > 1:
+            raise ValueError("remat 'save'/'offload' runs one micro-batch per pass: use accumulation="
+                             "'per_micro_batch' or remat 'full' with in-program micro-batches")
+        if any(r != FULL for r in remat) and getattr(self.topology, "n_ranks", 1) > 1:
+            raise ValueError("remat 'save'/'offload' runs on one device: plan the mesh with remat 'full'")
+
+    def _keeps(self, s: int) -> str:
+        """Stage ``s``'s remat option."""
+        return self.remat[s] if self.remat else FULL
 
     @property
     def moments(self):
@@ -305,6 +331,29 @@ class Walk:
             else:
                 del held[c]
 
+    def _forward_keeping(self, st, s, arrays, x, batch, kept: dict):
+        """A forward moment of a ``"save"``/``"offload"`` stage (one micro-batch): its output; its
+        named activations go into ``kept[s]`` (moved to pinned host memory for ``"offload"``)."""
+        sub = self._sub(arrays, s)
+        tr, rebuild, _ = self._split(sub, s)
+        out, keep = forward_saving(lambda p, xx: st.apply(rebuild(p), xx, batch), tr, x, self.remat_names, (batch, sub))
+        # an entry even when empty (a stage naming none of the names): the carry's structure is the
+        # schedule's (chunkjax.remat.kept_kinds: the programs' output shardings)
+        kept[s] = [self.topology.to_host(a) for a in keep] if self._keeps(s) == OFFLOAD else keep
+        return out
+
+    def _kept_fetch(self, s, anchor, kept: dict, ahead: dict):
+        """Stage ``s``'s kept activations on the device for its backward (None: it kept none): a
+        copy fetched ahead, else fetched now, tied to ``anchor`` (an offloaded stage's), or as kept."""
+        if s in ahead:
+            return ahead.pop(s) or None
+        vals = kept.pop(s, None)
+        if not vals:  # kept nothing: recompute as "full"
+            return None
+        if self._keeps(s) == OFFLOAD:
+            return [self.topology.to_device(ordered_after(anchor, a)) for a in vals]
+        return vals
+
     def run(self, params: dict, batch, carry: dict, t0: int, t1: int):
         """Run moments [t0, t1) (inside a program; per-rank values on a mesh).
 
@@ -314,7 +363,8 @@ class Walk:
           carry: what crosses program boundaries: ``x`` (activation or cotangent), ``saved``
             stage inputs, ``acc`` float32 gradient accumulators, ``held`` fetched chunks kept on
             the device, ``issued`` prefetched chunks keyed ``"t:c"``, ``loss_scale`` (fp16 loss
-            scaling: the backward is seeded with it).
+            scaling: the backward is seeded with it), ``kept`` the named activations of
+            ``"save"``/``"offload"`` stages keyed by stage (lists; pinned host for ``"offload"``).
 
         Returns:
           ``(carry, grads {chunk: grad in its grad kind}, sq {chunk: () f32}, loss or None)``;
@@ -332,6 +382,9 @@ class Walk:
         held = dict(carry.get("held", {}))
         issued = {tuple(int(v) for v in key.split(":")): a for key, a in carry.get("issued", {}).items()}
         loss_scale = carry.get("loss_scale")
+        kept = {int(k): list(v) for k, v in carry.get("kept", {}).items()}
+        # kept activations fetched a moment ahead (also by the previous program); offloads issued last moment
+        ahead, pending = {int(k): list(v) for k, v in carry.get("ahead", {}).items()}, []
         grads, sq, loss, aux = {}, {}, None, None
         m = self.micro_batches
 
@@ -355,9 +408,15 @@ class Walk:
             self._issue(t, x, batch, params, issued, T)
             arrays = self._arrays(t, x, batch, params, held, issued)
             st = self.stages[s]
+            if ph != "forward" and s > 0 and self._keeps(s - 1) == OFFLOAD and s - 1 in kept:
+                # the next backward moment's offloaded activations, fetched while this one computes (in
+                # the next program's carry when it starts there: chunkjax.remat.kept_kinds)
+                ahead[s - 1] = [self.topology.to_device(ordered_after(x, a)) for a in kept.pop(s - 1)]
             if ph == "forward":
                 saved[s] = x
-                if m == 1:
+                if m == 1 and self._keeps(s) != FULL:
+                    x = self._forward_keeping(st, s, arrays, x, batch, kept)
+                elif m == 1:
                     x = st.apply(self._sub(arrays, s), x, batch)
                 else:  # the stage per micro-batch; the fetched chunks are the loop's constants
                     sub = self._sub(arrays, s)
@@ -379,10 +438,15 @@ class Walk:
                 # tie the recompute's inputs to the cotangent: otherwise XLA merges the recompute
                 # with the forward pass (common-subexpression elimination) and keeps every stage's
                 # internals alive, undoing the activation checkpointing (jax.checkpoint's prevent_cse)
-                x, x_in, arrays = jax.lax.optimization_barrier((x, saved.pop(s, None), arrays))
-                tr, rebuild, grads_tree = self._split(self._sub(arrays, s), s)
+                keep = self._kept_fetch(s, x, kept, ahead)
+                x, x_in, arrays, keep = jax.lax.optimization_barrier((x, saved.pop(s, None), arrays, keep))
+                sub = self._sub(arrays, s)
+                tr, rebuild, grads_tree = self._split(sub, s)
                 if s == 0 and not tr:  # a frozen first stage: nothing to differentiate
                     dp, dx = [], None
+                elif keep is not None:  # named activations read, not recomputed (chunkjax.remat)
+                    dp, dx = backward_saved(lambda p, xx: st.apply(rebuild(p), xx, batch), tr, x_in,
+                                            self.remat_names, keep, (batch, sub))(x)
                 elif m > 1:  # recompute + vjp per micro-batch, the float32 sums on the device
                     acc, dx = self._backward(st, s, tr, rebuild, grads_tree, x, x_in, batch, acc)
                     dp = None
@@ -392,6 +456,11 @@ class Walk:
                 if dp is not None:
                     add_grads(s, grads_tree(dp))
                 x = emit(s, dx)
+            pending = [q for q in pending if q in kept]  # (one fetched ahead already waits for its offload)
+            if pending and x is not None:  # last moment's offloads complete with this moment's output
+                x, tied = jax.lax.optimization_barrier((x, [kept[q] for q in pending]))
+                kept.update(zip(pending, tied))
+            pending = [s] if ph == "forward" and self._keeps(s) == OFFLOAD and kept.get(s) else []
             self._release(t, held, T)
         if aux is not None:  # the last stage's (loss, aux): aux leaves with the loss
             loss = (loss, aux)
@@ -399,6 +468,9 @@ class Walk:
             return {}, grads, sq, loss
         out = {"x": x, "saved": saved, "acc": acc, "held": held,
                "issued": {f"{u}:{c}": a for (u, c), a in issued.items()}}
+        for key, d in (("kept", kept), ("ahead", ahead)):  # keys as chunkjax.remat.kept_kinds
+            if d:
+                out[key] = {str(q): v for q, v in d.items()}
         if loss_scale is not None:
             out["loss_scale"] = loss_scale
         return out, grads, sq, loss

@@ -32,8 +32,8 @@ class ChunkjaxSystem:
     def __init__(self, cfg, budget_bytes: int, batch: int, seq: int, lr: float = 1e-4,
                  segments="auto", host_update: bool = True, prefetch: int = 1, zero_stage: int = 0,
                  init: str = "leafwise", max_grad_norm: float | None = None, micro_batches: int = 1,
-                 storage=None, host_budget="auto", cross_step: bool = True, unroll_micro_batches: bool = False,
-                 clip_expect: str = "auto"):
+                 storage=None, host_budget="auto", cross_step: bool = True, remat: str = "full",
+                 unroll_micro_batches: bool = False, clip_expect: str = "auto"):
         import jax
         import jax.numpy as jnp
 
@@ -79,6 +79,8 @@ class ChunkjaxSystem:
                                    cross_step=self.cross_step,  # planned and run so
                                    unroll_micro_batches=unroll_micro_batches,
                                    clip_expect=clip_expect)  # "auto": "fires" with max_grad_norm (chunkjax.clip_plan)
+        if remat != "full":  # blocks keep their MLP activation (chunkjax.plan_remat; bench --set remat=auto|save|offload)
+            self.problem = dataclasses.replace(self.problem, remat=remat, remat_names=gpt.REMAT_NAMES)
         self.disk, self.disk_steps = None, []  # the disk tier: the storage chunks' DiskState, each step's result
         self.trace_s = time.perf_counter() - t0
         p = self.problem
@@ -255,6 +257,7 @@ def run_chunkjax(args) -> dict:
                           micro_batches=int(getattr(args, "micro_batches", 1)),
                           storage=_storage(args), host_budget=getattr(args, "host_budget", "auto"),
                           cross_step=bool(int(getattr(args, "cross_step", 1))),
+                          remat=getattr(args, "remat", "full"),
                           unroll_micro_batches=bool(int(getattr(args, "unroll_micro_batches", 0))),
                           clip_expect=str(getattr(args, "clip_expect", "auto")))
     try:
@@ -293,6 +296,7 @@ def run_chunkjax(args) -> dict:
         "speculation": sys_.speculation, "host_ledger": sys_.ledger.to_dict(),
         "clip_expect": sys_.problem.clip_expect, "step_s_predicted_if": _both_ways(sys_),
     })
+    rec["remat"] = remat_record(sys_)
     if sys_.zero_stage:  # bytes each rank sends through collectives per step (ring algorithms)
         import jax
         import jax.numpy as jnp
@@ -305,16 +309,39 @@ def run_chunkjax(args) -> dict:
     return rec
 
 
+def remat_record(sys_) -> dict:
+    """The schedule's remat choice (``"full"`` or blocks per option) and, with ``--set remat`` other than
+    ``full``, the plan's predicted step and peak at the run's effective budget for each mode
+    (:data:`chunkjax.plan_remat.REMAT_MODES`; ``auto``: the set it picks)."""
+    from chunkjax import fit
+    from chunkjax.plan_remat import REMAT_MODES, label
+    out = {"mode": sys_.problem.remat, "chosen": label(sys_.schedule.remat), "names": list(sys_.schedule.remat_names)}
+    if sys_.problem.remat == "full":
+        return out
+    for mode in REMAT_MODES:
+        try:
+            s = fit.plan(dataclasses.replace(sys_.problem, remat=mode), sys_.effective_budget)
+            out[mode] = {"remat": label(s.remat), "step_s_predicted": s.predicted.time.step_s,
+                         "peak_device_bytes_accounted": s.predicted.peak_device_bytes,
+                         "activation_bytes": s.predicted.time.activation_bytes,
+                         "recompute_saved_s": s.predicted.time.recompute_saved_s}
+        except Exception as e:  # a mode that does not fit: its one line
+            out[mode] = {"error": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
+    return out
+
+
 def _both_ways(sys_) -> dict | None:
     """The plan's predicted step if clipping fires and if it is rare (:func:`chunkjax.clip_plan.both_ways`;
     one device without micro-batches or storage chunks, else None)."""
     from chunkjax.clip_plan import both_ways
+    from chunkjax.remat import with_remat
     from chunkjax.tide import memory_tide
     p, s = sys_.problem, sys_.schedule
     if p.n_ranks > 1 or p.micro_batches > 1 or s.predicted.storage_chunks:
         return None
-    return both_ways(s, p.cb_rank, chunk_size=p.layout.chunk_size, traces=p.traces,
-                     tide=memory_tide(p.traces, p.layout.chunk_size), rates=sys_.rates,
+    tr = with_remat(p.traces, p.remat_figures, s.remat) if s.remat else p.traces  # the traces it was planned with
+    return both_ways(s, p.cb_rank, chunk_size=p.layout.chunk_size, traces=tr,
+                     tide=memory_tide(tr, p.layout.chunk_size), rates=sys_.rates,
                      flops_per_step=p.flops_per_step, cross_step=p.cross_step)
 
 

@@ -1,0 +1,79 @@
+"""What the fit path decided: :class:`FitReport` (the schedule, the budgets, the compiled check)
+and its one-line summary (:func:`describe`), as :func:`chunkjax.fit.fit_problem` returns them."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from chunkjax.plan_disk import storage_line
+from chunkjax.plan_micro import accumulation_line
+
+
+@dataclasses.dataclass(frozen=True)
+class FitReport:
+    """What :func:`chunkjax.fit.fit_problem` decided (bytes; ``_accounted`` = chunkjax's figures).
+
+    Attributes:
+      schedule: the :class:`chunkjax.schedule.Schedule` the step runs.
+      budget_bytes: the device budget in force (an ``"auto"`` one after any raise), per rank.
+      requested: the budget as given (``"auto"`` or bytes).
+      effective_budget_bytes: the budget the last plan was made for (below ``budget_bytes`` after
+        re-plans).
+      headroom: :data:`chunkjax.fit.HEADROOM`.
+      compiled: the compiled check of the last plan (``peak_bytes``, ``programs``,
+        ``resident_state_bytes``, ``update_phase_bytes``), None when not compiled.
+      plans: one entry per plan tried (effective budget, predicted and compiled peak, counts).
+      host: :func:`chunkjax.fit_host.host_need` of the schedule plus ``available_bytes`` (None: unknown).
+      fits: the compiled step fits the headroom (True when not compiled).
+      why: when it does not, one line saying so.
+      notes: re-plans that failed, budgets raised.
+    """
+
+    schedule: Any
+    budget_bytes: int
+    requested: Any
+    effective_budget_bytes: int
+    headroom: float
+    compiled: dict | None
+    plans: tuple
+    host: dict
+    fits: bool
+    why: str | None
+    notes: tuple
+
+    @property
+    def predicted_peak_bytes(self) -> int:
+        return int(self.schedule.predicted.peak_device_bytes)
+
+    def to_dict(self) -> dict:
+        """JSON-ready: the plan's counts and predictions, the budgets and the compiled figures."""
+        p = self.schedule.predicted
+        return {"device_budget_bytes": self.budget_bytes, "device_budget_requested": self.requested,
+                "effective_budget_bytes": self.effective_budget_bytes, "headroom": self.headroom,
+                "peak_device_bytes_accounted": p.peak_device_bytes,
+                "compiled_peak_bytes": None if self.compiled is None else self.compiled["peak_bytes"],
+                "schedule_counts": self.schedule.counts(), "step_s_predicted": p.time.step_s,
+                "plans": list(self.plans), "host": dict(self.host), "fits": self.fits, "why": self.why,
+                "notes": list(self.notes), "disk_bytes_per_step_predicted": p.disk_bytes_per_step}
+
+
+def describe(report: FitReport, problem) -> str:
+    """One line: chunks per (params kind, update location), param chunks off the device, the
+    predicted peak against the budget, model data on the device, bytes moved and step time."""
+    s, p = report.schedule, report.schedule.predicted
+    mib = lambda b: b / 2**20  # noqa: E731
+    off = sum(k != "device" for k in s.param_kinds)
+    comp = "" if report.compiled is None else f" (compiled {mib(report.compiled['peak_bytes']):.1f} MiB)"
+    ranks = f" per rank x {problem.n_ranks} (ZeRO-{problem.zero_stage})" if problem.zero_stage else ""
+    model = problem.cb_rank.model_bytes(problem.layout.n_chunks)  # one rank's
+    return (f"plan: {s.counts()}; {off} of {s.n_chunks} param chunks in pinned_host; accounted peak "
+            f"{mib(p.peak_device_bytes):.1f} MiB{comp} of budget {mib(report.budget_bytes):.1f} MiB{ranks}; model data "
+            f"on device {mib(p.device_model_bytes):.1f} of {mib(model):.1f} MiB; per step h2d "
+            f"{mib(p.h2d_bytes_per_step):.1f} MiB, d2h {mib(p.d2h_bytes_per_step):.1f} MiB; host "
+            f"{mib(p.host_bytes):.1f} MiB ({p.host_resident_bytes_per_param:.1f} B/param of host-resident chunks, "
+            f"{len(s.master_fetch)} without a compute copy, gradient working set {mib(p.host_working_bytes):.1f} "
+            f"MiB); predicted step "
+            f"{p.time.step_s * 1e3:.1f} ms" + (" (the cost model's GPU rates: a CPU runs far slower)"
+                                                if problem.platform == "cpu" else "")
+            + "".join(f"; {x}" for x in [storage_line(s, problem.storage_dirs, problem.host_budget_bytes),
+                                         accumulation_line(s, problem.micro_batches)] if x))
