@@ -284,8 +284,8 @@ class ChunkedStep(StepChunkIO, StepUpdates, OnTopology):
                      and any(v != DEVICE for v in gk.values()))
             donate = ((2,) if moved else (2, 3)) if self._donates else ()
             kept = kept_kinds(getattr(self.schedule, "remat", ()), self.moments, t1)  # chunkjax.remat
-            fn = self.topology.jit_program(prog, carry_out=carry_out, grad_kinds=gk, donate=donate,
-                                           name=f"chunkjax_program_{k}", kept_kinds=kept)
+            fn = self.topology.jit_program(prog, carry_out=carry_out, grad_kinds=gk, donate=donate, kept_kinds=kept,
+                                           name=f"chunkjax_program_{k}")
             self._cache[key] = (fn, args)
         return self._cache[key]
 
@@ -299,8 +299,7 @@ class ChunkedStep(StepChunkIO, StepUpdates, OnTopology):
 
         Returns:
           (loss () f32, grads: per chunk the (rank's) gradient in ``placement.grad_kind(c)``,
-          grad_sq: (n_chunks,) f32 squared norms of the whole reduced gradients).
-        """
+          grad_sq: (n_chunks,) f32 squared norms of the whole reduced gradients)."""
         lay = self.layout
         _, grads, sq, loss = self.walk(batch).run(dict(enumerate(params_chunks)), batch, {}, 0, len(self.moments))
         for c in range(lay.n_chunks):  # chunks no stage reads: zero gradient
