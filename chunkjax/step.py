@@ -57,8 +57,8 @@ class ChunkedStep(StepChunkIO, StepUpdates, OnTopology):
 
     Build it with :func:`make_chunked_step`. ``step(state, batch) -> (state, metrics)``;
     ``metrics`` holds ``loss`` (float32 scalar, nats, mean over the whole batch, or over its scored
-    tokens: :class:`~chunkjax.loss_weight.WeightedLoss`), ``grad_norm`` (global,
-    float32) and ``aux`` of a last stage returning ``(loss, aux)`` (one device, one micro-batch).
+    tokens: :class:`~chunkjax.loss_weight.WeightedLoss`), ``grad_norm`` (global, float32) and ``aux``
+    of a last stage returning ``(loss, aux)`` (one device, one micro-batch).
     Checkpointable: the protocol's methods (:class:`~chunkjax.step_checkpoint.StepChunkIO`).
 
     Attributes:
@@ -68,9 +68,8 @@ class ChunkedStep(StepChunkIO, StepUpdates, OnTopology):
       tx: the optax transformation (elementwise) of device and streamed chunks.
       compute_dtype: dtype of compute params and gradients (bf16 for mixed precision).
       prefetch: fetch distance in moments (>= 1).
-      schedule: the :class:`~chunkjax.schedule.Schedule` run (fetches, programs, update
-        locations), or None: a placement's fixed fetch rule (:func:`chunkjax.plan.fetch_events`),
-        one program.
+      schedule: the :class:`~chunkjax.schedule.Schedule` run (fetches, programs, update locations),
+        or None: a placement's fixed fetch rule (:func:`chunkjax.plan.fetch_events`), one program.
       host_optimizer: the host kernel spec of ``host`` chunks.
       micro_batches: gradient accumulation: each call splits the batch's leading axis into this
         many equal micro-batches and applies one update with the mean gradient (the same update
