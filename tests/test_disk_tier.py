@@ -27,6 +27,8 @@ from chunkjax.storage.files import StorageError, committed_step
 from chunkjax.storage.updater import StorageOptions
 from models import gpt
 
+from _optax_reference import micro_batch_reference
+
 B, T = 2, 16
 STEPS = 20
 SPEC = AdamW(3e-3, weight_decay=0.1, max_grad_norm=0.05)  # clipping fires: the norm is global
@@ -61,19 +63,10 @@ def _three_tier_schedule(setup, host_fraction: float = 0.6):
 
 
 def _reference(cfg, params, batches):
-    tx = SPEC.optax()
-
-    @jax.jit
-    def step(p, o, b):
-        l, g = jax.value_and_grad(lambda p: gpt.loss_fn(cfg, p, b, jnp.float32))(p)
-        u, o = tx.update(g, o, p)
-        return optax.apply_updates(p, u), o, l
-
-    p, o, losses = params, tx.init(params), []
-    for b in batches:
-        p, o, l = step(p, o, b)
-        losses.append(float(l))
-    return p, np.asarray(losses)
+    """Plain optax (``SPEC.optax()``) on the device, fp32: final params and losses
+    (tests/_optax_reference.py: the loss and gradient program compiled once per process)."""
+    p, losses, _ = micro_batch_reference(cfg, params, batches, SPEC.optax())
+    return p, losses
 
 
 def test_device_host_and_storage_chunks_equal_optax(setup, tmp_path):

@@ -50,9 +50,17 @@ def _schedule(setup, spec, dtype=jnp.float32, master_fetch=True):
     return dataclasses.replace(sched, master_fetch=host if master_fetch else ())
 
 
+_REFERENCES = {}
+
+
 def _reference(cfg, params, batches, spec, micro_batches=1):
-    """Plain optax on the device (fp32), as tests/test_overlap.py."""
-    return micro_batch_reference(cfg, params, batches, spec.optax(), micro_batches, rows=B)
+    """Plain optax on the device (fp32), as tests/test_overlap.py: computed once per (spec,
+    micro-batches, number of batches) (every caller passes the module's setup params and a prefix
+    of its batches; the unclipped run is both a reference and the source of the clip thresholds)."""
+    key = (spec, micro_batches, len(batches))
+    if key not in _REFERENCES:
+        _REFERENCES[key] = micro_batch_reference(cfg, params, batches, spec.optax(), micro_batches, rows=B)
+    return _REFERENCES[key]
 
 def _train(step, params, batches, micro_batches=1):
     state, losses = step.init(params), []

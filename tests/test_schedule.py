@@ -21,6 +21,8 @@ from chunkjax.tide import memory_tide
 from chunkjax.trace import StageTrace
 from models import gpt
 
+from _optax_reference import micro_batch_reference
+
 B, T = 2, 16
 STEPS = 6
 
@@ -55,20 +57,8 @@ def _reference(cfg, params, batches, spec, dtype=jnp.bfloat16):
     key = (spec, jnp.dtype(dtype).name, len(batches))
     if key in _REFERENCES:
         return _REFERENCES[key]
-    tx = spec.optax()
-
-    @jax.jit
-    def step(p, o, b):
-        l, g = jax.value_and_grad(lambda p: gpt.loss_fn(cfg, p, b, dtype))(p)
-        u, o = tx.update(g, o, p)
-        return optax.apply_updates(p, u), o, l, optax.tree.norm(g)
-
-    p, o, losses, norms = params, tx.init(params), [], []
-    for b in batches:
-        p, o, l, n = step(p, o, b)
-        losses.append(float(l))
-        norms.append(float(n))
-    _REFERENCES[key] = p, np.asarray(losses), np.asarray(norms)
+    # tests/_optax_reference.py: the loss and gradient program compiled once per (dtype, process)
+    _REFERENCES[key] = micro_batch_reference(cfg, params, batches, spec.optax(), compute_dtype=dtype)
     return _REFERENCES[key]
 
 
