@@ -358,9 +358,10 @@ def test_case3_micro_batches_equal_one_big_batch(setup, where):
         return float(np.mean(np.abs(a - b) > 1e-6 + 1e-5 * np.abs(b))), float(np.max(np.abs(a - b)))
 
     # Adam normalises each gradient entry: where an entry is ~0 its rounding decides the update,
-    # so a few entries (~1e-3 of them) differ by a fraction of lr; a wrong accumulation moves most
+    # so a few entries (~1e-3 of them; 3.1e-3 seen on one fresh draw in session 17) differ by a
+    # fraction of lr; a wrong accumulation moves most (> 0.3, checked below)
     share, worst = off(s3, s1)
-    assert share < 2e-3 and worst < 2 * 3e-3 * len(big), (share, worst)
+    assert share < 6e-3 and worst < 2 * 3e-3 * len(big), (share, worst)
     s_ref, _ = _run(make(1), params, [batches[0], batches[3]])  # the first micro-batches only
     assert off(s3, s_ref)[0] > 0.3
     with pytest.raises(ValueError, match="does not split into micro_batches=3"):
