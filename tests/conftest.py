@@ -61,7 +61,7 @@ FILE_SECONDS = {
     # session 15, from a 2-worker run of the whole suite (its seconds / 1.3, that run's ratio to the listed ones)
     "compiled_check": 30, "plan_memo": 1,
     "micro_groups": 60,  # session 16, measured alone: 31-85 s (a shared box)
-    "remat": 100,  # measured alone on a shared 2-core box: 86 s + the CUDA export test
+    "remat": 110,  # measured alone on a shared 2-core box: 86 s + the CUDA export test + the tight host budget (~10 s)
     "micro_cuts": 105,  # session 17, measured alone: 105 s
 }
 DEFAULT_FILE_SECONDS = 30
