@@ -89,10 +89,16 @@ def pinned_pool_bytes(pinned_bytes: int, platform: str, env=None) -> int:
     On the CPU ``pinned_host`` is ordinary memory: ``pinned_bytes``. On a GPU the pool is a BFC
     allocator: preallocated, it holds its whole cap from the start; otherwise it grows by regions
     whose size doubles each time (2 MiB, 4 MiB, ...; a request larger than the next region gets
-    the next power of two above it) and never returns them, so it reaches the power of two at or
-    above the peak, capped by :func:`pinned_host_limit_bytes`. Measured on the lent H200: a 3B
-    decoder with 15.9 GiB of pinned chunks between steps and a larger in-step peak held a 32 GiB pool
-    (``experiments/results/host_growth_s10.json``).
+    the next power of two above it) and never returns them. The pool fragments
+    (:data:`PINNED_POOL_FRAGMENTATION`): a peak above that share of the pool does not fit in it and
+    the pool adds its next region, doubling. So it reaches the power of two at or above
+    ``pinned_bytes / (1 - PINNED_POOL_FRAGMENTATION)``, capped by :func:`pinned_host_limit_bytes`.
+    Measured on the lent H200: a 3B decoder with 15.9 GiB of pinned chunks between steps and a
+    larger in-step peak held a 32 GiB pool (``experiments/results/host_growth_s10.json``); GPT3_6B
+    with remat="auto" (30.6 GiB pinned peak, 17.7 GB of it offloaded activations, 95 % of its
+    32 GiB pool) was killed by the kernel in its first step, when the pool grew its next 32 GiB
+    region with 20.5 GB available (session 17, ``/work/notes/gpu_s17/r/auto.log``; the old model
+    rounded the bare peak and predicted 32 GiB).
     """
     pinned_bytes = int(pinned_bytes)
     if platform != "gpu":
@@ -100,7 +106,8 @@ def pinned_pool_bytes(pinned_bytes: int, platform: str, env=None) -> int:
     limit = pinned_host_limit_bytes(platform, env)
     if pinned_pool_preallocated(env):
         return max(limit, pinned_bytes)
-    pow2 = 1 << max(0, pinned_bytes - 1).bit_length() if pinned_bytes > 0 else 0
+    held = -(-pinned_bytes * 100 // round(100 * (1 - PINNED_POOL_FRAGMENTATION)))  # the pool it fits in
+    pow2 = 1 << max(0, held - 1).bit_length() if pinned_bytes > 0 else 0
     return max(pinned_bytes, min(limit, pow2))
 
 
@@ -434,7 +441,8 @@ def _host_fix(platform: str, need: dict | None = None, avail: int | None = None)
     fix = ("give the device a larger budget, give storage directories (the disk tier: master params and optimizer "
            "state of the chunks the host cannot hold), train a smaller model, or free host memory")
     if need and avail is not None and need.get("pinned_pool_bytes", 0) > need["pinned_host_bytes"]:
-        want = -(-int(need["pinned_host_bytes"] * 1.05) // 2**30)  # GiB, 5 % for the allocator's rounding
+        # GiB, what check_pinned_host lets the pinned bytes use (the pool fragments)
+        want = -(-int(need["pinned_host_bytes"] / (1 - PINNED_POOL_FRAGMENTATION)) // 2**30)
         if need["need_bytes"] - need["pinned_pool_bytes"] + want * 2**30 <= avail:
             fix = (f"start with {PINNED_HOST_PREALLOCATE_ENV}=true {PINNED_HOST_LIMIT_ENV}={want} (the pinned pool "
                    f"then holds {want} GiB from the start instead of growing by doubling), or " + fix)

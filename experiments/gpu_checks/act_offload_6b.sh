@@ -11,6 +11,22 @@
 #            42.7 GB of activations beyond a ~114 GiB host budget);
 #   save     only when named: every block's kept on the device (does not fit 24 GiB at batch 32: a plan error).
 # CPU planner's predictions for the same setting: experiments/results/plan_remat_6b32_cpu.json (docs/design.md).
+# HOST=<bytes> passes --host-budget to the bench (default: its "auto", 0.97 x MemAvailable less the process).
+#
+# Session 17 (s17r, H200): `auto` was killed by the kernel's OOM killer (-9) in its first step. Its plan (22 blocks
+# offloaded, 17.72 GB of activations) kept 30.6 GiB pinned: 95 % of the 32 GiB pinned pool it accounted. The pool
+# fragments (PINNED_POOL_FRAGMENTATION, 10 %), so it grew its next 32 GiB region with 20.5 GB available. The pool
+# model now rounds pinned / 0.9 up to a power of two (chunkjax.host_memory.pinned_pool_bytes), and
+# experiments.plan_remat plans with the GPU's host accounting (--platform gpu, the default). Re-planned on the CPU
+# (experiments/results/plan_remat_6b32_gpuhost_cpu.json):
+#   python -m experiments.plan_remat --model GPT3_6B --batch 32 --seq 1024 --device-budget 24GiB \
+#       --host-budget 114GiB --tide-from experiments/results/bench_s14c_6b32.json
+#   auto = offload 17 + save 10 (+ full 26), 13.7 GB of activations each way, predicted step 2.715 s (446 model
+#   TFLOP/s; full recompute 2.830 s, 428), device peak 23.85 GiB; host: 28.95 GB pinned (26.9 GiB, 84 % of a
+#   32 GiB pool = 34.36 GB) + 77.38 GB pageable + 6.22 process + 3.54 system = 121.5 GB needed
+#   (the H200 had 133.3 GB MemAvailable when planning; 114 GiB is its "auto" host budget, 0.97 x 133.3 GB less 6.2).
+#   Offloading 19, 26, 39 or 53 blocks is refused by the host budget (the pinned pool would double to 64 GiB).
+# Next session:  HOST=114GiB bash experiments/gpu_checks/act_offload_6b.sh s18r auto   (full too: drop "auto")
 # Each record's extra.remat gives every mode's predicted step at the run's effective budget. A run is skipped
 # when less than 60 s of the call's LIMIT (default 520 s) is left. JSON under $OUT: bench_<run>_<tag>.json per
 # run and act_offload_6b_<run>.json (rows + the target); the table (model TFLOP/s, predicted and measured step) last.
@@ -22,7 +38,7 @@ export PYTHONUNBUFFERED=1
 START=$SECONDS
 LIMIT=${LIMIT:-520}
 B="python -m experiments.bench --seq ${SEQ:-1024} --results-dir $OUT --steps ${STEPS:-3}"
-SIX="--model ${BIG:-GPT3_6B} --device-budget ${BUDGET:-24GiB} --batch ${BATCH:-32} --systems chunkjax"
+SIX="--model ${BIG:-GPT3_6B} --device-budget ${BUDGET:-24GiB} --batch ${BATCH:-32} --systems chunkjax${HOST:+ --host-budget $HOST}"
 run() {  # run <tag> <bench args...>: within the call's time left, else skipped
   local tag=$1; shift
   local left=$((LIMIT - (SECONDS - START)))

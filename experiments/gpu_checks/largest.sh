@@ -14,7 +14,8 @@
 #
 # Why these settings (CPU plans on CPU traces, the GPU's host measure: `python experiments/gpu_checks/largest_plan.py`):
 # * The GPU host measure is XLA's pinned pool + pageable bytes. Unpreallocated, the pool grows to the power of two
-#   above the pinned peak (capped by XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB): GPT3_15B's ~41 GB pinned (float32 masters
+#   above the pinned peak / 0.9 (the pool fragments: PINNED_POOL_FRAGMENTATION; s17r was OOM-killed with 95 % of
+#   its 32 GiB pool pinned) (capped by XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB): GPT3_15B's ~41 GB pinned (float32 masters
 #   of its master-fetch host chunks + the host gradients of two programs) became a 64 GiB pool, or the 110 GiB cap
 #   above 64 GiB, and 176 GB with the bench's 110 GiB preallocated. Preallocated at the pinned peak, the pool costs
 #   what is pinned: a host-resident chunk is 12 B/param (float32 master pinned, Adam m + v pageable) plus the
