@@ -401,6 +401,35 @@ def streamed_early_extra(chunk_size: int, cb: ChunkBytes, traces, tide: Tide, pa
     return [early if t >= first else 0 for t in range(T)]
 
 
+def loop_init_extra(traces: Sequence[StageTrace], tide: Tide, segments) -> list[int]:
+    """Device bytes at each moment that a program's later micro-batch loops hold before they run
+    (in-program accumulation looped as while loops: traces with ``micro_loop`` > 1, not
+    ``loop_unrolled``; zeros otherwise).
+
+    Each fused or backward moment's ``jax.lax.scan`` starts from buffers the compiler fills before
+    the loop (the float32 carry, ``StageTrace.loop_carry_bytes``, and the stacked input cotangent,
+    the whole batch's ``input_bytes``); XLA copies those fills into the loop's own buffers and
+    schedules the copies, which depend on nothing, at the program's start, so within one program
+    every later loop's carry and stacked cotangent are live from its first moment on (issue 24:
+    a program of 4 backward moments compiled 3.5e9 bytes over its accounting on the H200, 1.17 x
+    on the CPU; one moment a program: below it). At moment t of program ``[a, b)``: the sum of
+    those bytes over the fused and backward moments u, t < u < b (the tide counts moment u's own
+    from u on, in its ``temp_bytes``). A forward moment's map fills its stacked output the same
+    way; the forward moments' ``temp_bytes`` (their stage's recompute + vjp) cover it."""
+    T = len(tide.moments)
+    if not looped_fetch(traces):
+        return [0] * T
+    starts = sorted(set(int(a) for a in segments) | {0})
+    ends = starts[1:] + [T]
+    own = [0 if m.phase == "forward" else traces[m.stage].input_bytes + traces[m.stage].loop_carry_bytes
+           for m in tide.moments]
+    out = [0] * T
+    for a, b in zip(starts, ends):
+        for t in range(a, min(b, T)):
+            out[t] = sum(own[t + 1:b])
+    return out
+
+
 def looped_fetch(traces: Sequence[StageTrace]) -> bool:
     """The moments loop over micro-batches inside their programs as a while loop (in-program
     traces, :func:`chunkjax.trace.in_program_traces`, not unrolled): the cost model's
@@ -425,7 +454,7 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
       fetch: per moment, chunk ids fetched for it.
       segments: program starts (moments).
       moment_bytes: device bytes at each moment (:func:`tide_moment_bytes` or
-        :func:`fixed_rule_moment_bytes`).
+        :func:`fixed_rule_moment_bytes`); the prediction adds :func:`loop_init_extra`.
       flops_per_step: training FLOPs of one step.
       rates: cost-model rates.
       forward_fetches: fetches timed in the forward pass (default: those of forward moments;
@@ -481,8 +510,9 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
     model = device_model_bytes(cb, param_kinds, update_locations)
     grad_done = grad_done_moments(traces, tide)
     streamed, _ = _streamed_ready(cb, traces, T, param_kinds, update_locations, segments, grad_done)
-    moment_bytes = [b + e for b, e in zip(moment_bytes, streamed_early_extra(
-        chunk_size, cb, traces, tide, param_kinds, update_locations, segments, streamed_early))]
+    moment_bytes = [b + e + f for b, e, f in zip(moment_bytes, streamed_early_extra(
+        chunk_size, cb, traces, tide, param_kinds, update_locations, segments, streamed_early),
+        loop_init_extra(traces, tide, segments))]
     peak = max(max(moment_bytes, default=0), model + update_phase_bytes(chunk_size, cb, update_locations))
     n_fetch = sum(len(f) for f in fetch)
     mf = set(master_fetch)
