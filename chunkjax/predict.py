@@ -402,20 +402,14 @@ def streamed_early_extra(chunk_size: int, cb: ChunkBytes, traces, tide: Tide, pa
 
 
 def loop_init_extra(traces: Sequence[StageTrace], tide: Tide, segments) -> list[int]:
-    """Device bytes at each moment that a program's later micro-batch loops hold before they run
-    (in-program accumulation looped as while loops: traces with ``micro_loop`` > 1, not
-    ``loop_unrolled``; zeros otherwise).
-
-    Each fused or backward moment's ``jax.lax.scan`` starts from buffers the compiler fills before
-    the loop (the float32 carry, ``StageTrace.loop_carry_bytes``, and the stacked input cotangent,
-    the whole batch's ``input_bytes``); XLA copies those fills into the loop's own buffers and
-    schedules the copies, which depend on nothing, at the program's start, so within one program
-    every later loop's carry and stacked cotangent are live from its first moment on (issue 24:
-    a program of 4 backward moments compiled 3.5e9 bytes over its accounting on the H200, 1.17 x
-    on the CPU; one moment a program: below it). At moment t of program ``[a, b)``: the sum of
-    those bytes over the fused and backward moments u, t < u < b (the tide counts moment u's own
-    from u on, in its ``temp_bytes``). A forward moment's map fills its stacked output the same
-    way; the forward moments' ``temp_bytes`` (their stage's recompute + vjp) cover it."""
+    """Device bytes at each moment held by the same program's later micro-batch loops (traces with
+    ``micro_loop`` > 1 looped as while loops, not ``loop_unrolled``; else zeros): XLA fills each
+    fused or backward moment's ``lax.scan`` buffers (the float32 carry,
+    ``StageTrace.loop_carry_bytes``; the stacked input cotangent, ``input_bytes``) by copies it
+    schedules at the program's start (issue 24, ``docs/storage.md``). At moment t of program
+    ``[a, b)`` (t itself fused or backward): those bytes summed over the fused and backward moments
+    u, t < u < b (moment u's own are in its ``temp_bytes``); a forward moment's ``temp_bytes`` (its
+    stage's recompute + vjp) covers what the forward needs and the head's fills besides."""
     T = len(tide.moments)
     if not looped_fetch(traces):
         return [0] * T
@@ -426,7 +420,7 @@ def loop_init_extra(traces: Sequence[StageTrace], tide: Tide, segments) -> list[
     out = [0] * T
     for a, b in zip(starts, ends):
         for t in range(a, min(b, T)):
-            out[t] = sum(own[t + 1:b])
+            out[t] = 0 if tide.moments[t].phase == "forward" else sum(own[t + 1:b])
     return out
 
 
