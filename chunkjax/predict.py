@@ -414,11 +414,10 @@ def loop_init_extra(traces: Sequence[StageTrace], tide: Tide, segments) -> list[
     if not looped_fetch(traces):
         return [0] * T
     starts = sorted(set(int(a) for a in segments) | {0})
-    ends = starts[1:] + [T]
     own = [0 if m.phase == "forward" else traces[m.stage].input_bytes + traces[m.stage].loop_carry_bytes
            for m in tide.moments]
     out = [0] * T
-    for a, b in zip(starts, ends):
+    for a, b in zip(starts, starts[1:] + [T]):
         for t in range(a, min(b, T)):
             out[t] = 0 if tide.moments[t].phase == "forward" else sum(own[t + 1:b])
     return out
