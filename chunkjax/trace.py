@@ -45,6 +45,9 @@ class StageTrace:
       loop_unrolled: that loop is traced unrolled (straight-line code: the cost model takes the
         backward's fetches as overlapped with it; a while loop's are not:
         :func:`chunkjax.cost.predict_pipelined_step` ``looped_fetch``).
+      loop_carry_bytes: bytes of the loop's float32 carry (the sums of the trainable chunks the
+        stage reads, whole chunks; 0: no loop, or not known), a part of ``temp_bytes``
+        (:func:`chunkjax.predict.loop_init_extra`).
     """
 
     name: str
@@ -57,6 +60,7 @@ class StageTrace:
     saved_flops: float = 0.0
     micro_loop: int = 1
     loop_unrolled: bool = False
+    loop_carry_bytes: int = 0
 
     @property
     def backward_chunks(self) -> tuple[int, ...]:
@@ -244,8 +248,8 @@ def in_program_traces(traces: tuple[StageTrace, ...], micro_batches: int, stages
     recompute + vjp over the M parts of the whole batch, float32 gradient sums carried): what
     the compiler keeps for the loop beyond one micro-batch's internals (the stacked cotangents,
     its copies of the loop's inputs) is in it, plus the loop's float32 carry (4 bytes per element
-    of each trainable chunk the stage reads; the step's program holds it beside the accumulators
-    it takes and gives, which the tide counts). Without them, the estimate ``temp_bytes
+    of each trainable chunk the stage reads, ``loop_carry_bytes``; the step's program holds it beside
+    the accumulators it takes and gives, which the tide counts). Without them, the estimate ``temp_bytes
     + (M - 1) * (input_bytes + output_bytes)`` (the forward's stacked output; the backward's
     incoming cotangent and outgoing input cotangent), which misses those copies (issue 24: 7-10 %
     of GPT3_15B's device peak at 8 micro-batches). The traces record the loop (``micro_loop`` M,
@@ -271,7 +275,7 @@ def in_program_traces(traces: tuple[StageTrace, ...], micro_batches: int, stages
         # the loop's float32 carry: the stage's trainable chunks whole (the walker sums into chunk buffers)
         carry = 4 * layout.chunk_size * sum(bool(layout.chunk_trainable[c]) for c in t.chunks)
         out.append(dataclasses.replace(t, input_bytes=m * t.input_bytes, temp_bytes=cache[sig] + carry,
-                                       output_bytes=m * t.output_bytes, **loop))
+                                       output_bytes=m * t.output_bytes, loop_carry_bytes=carry, **loop))
     return tuple(out)
 
 

@@ -258,3 +258,32 @@ def test_in_program_plan_compiles_within_its_accounting(micro_batches):
         np.testing.assert_array_equal(runs[0][1], runs[1][1])
         for a, b in zip(jax.tree.leaves(runs[0][0]), jax.tree.leaves(runs[1][0]), strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_program_of_several_looped_backward_moments_compiles_within_its_accounting():
+    """Issue 24 on the H200: a program holding several in-program backward moments (each a
+    ``lax.scan``) compiled 3.5e9 bytes (18 %) over its accounting, its single-moment programs
+    below theirs. XLA fills each loop's float32 carry and stacked input cotangent before the loop
+    and schedules those copies at the program's start, so every later loop's buffers are live from
+    its first moment (:func:`chunkjax.predict.loop_init_extra`). Here the head and every backward
+    moment run in one program (forward in the other): without the extra the compiled peak is
+    1.1 x the accounted one."""
+    from chunkjax import fit
+    m = 8
+    cfg = dataclasses.replace(gpt.get_config("micro"), d_model=128, n_layers=3, vocab_size=1024, seq_len=64)
+    batch = jax.ShapeDtypeStruct((m * 2, cfg.seq_len + 1), jnp.int32)
+    n_fwd = len(gpt.gpt_stages(cfg)) - 1
+    problem = fit.prepare(gpt.gpt_stages(cfg), gpt.abstract_params(cfg), batch, host_optimizer=AdamW(1e-4),
+                          compute_dtype=jnp.bfloat16, micro_batches=m, host_budget=None, check_host=False)
+    problem = dataclasses.replace(problem, segments=(0, n_fwd))
+    with pytest.raises(cj.PlanError) as e:
+        fit.plan(problem, 1)
+    floor = e.value.min_budget_bytes
+    full = fit.plan(problem, 1 << 40).predicted.peak_device_bytes
+    sched = fit.plan(problem, int(floor + 0.6 * (full - floor)))
+    assert sched.accumulation == "in_program" and sched.micro_group is None
+    assert tuple(sched.segments) == (0, n_fwd) and "host" in sched.update_locations, (sched.segments, sched.counts())
+    step = dataclasses.replace(fit.build_step(problem, sched), donate=True)  # the GPU's donation
+    accounted = sched.predicted.peak_device_bytes
+    compiled = _compiled_peak(problem, step, sched, batch)
+    assert compiled <= 1.02 * accounted, (compiled, accounted, compiled / accounted)

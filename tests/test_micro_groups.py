@@ -221,7 +221,7 @@ def test_refusal_names_the_least_host_need(setup):
 
     with pytest.raises(cj.PlanError) as e:  # the in-program floor: every chunk offloaded
         fit._plan_passes(dataclasses.replace(grouped_problem(problem, M), host_budget_bytes=None), 1000, **kw)
-    budget = 3 * e.value.min_budget_bytes
+    budget = 2 * e.value.min_budget_bytes  # (3x: every chunk on the device fits since the loops' fills count)
     inner, per = refusal(grouped_problem(problem, M), budget), refusal(problem, budget)
     assert 1000 < inner.host_need_bytes < per.host_need_bytes  # the passes' float32 sums
     with pytest.raises(HostBudgetError) as e:
