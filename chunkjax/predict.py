@@ -1,11 +1,10 @@
 """The one accounting: what a schedule costs per step, in device bytes, bytes moved and seconds.
 
 Every policy of :func:`chunkjax.plan.plan_schedule` decides a :class:`~chunkjax.schedule.Schedule`
-(placement, fetches per moment, update locations, programs) and gets its
-:class:`~chunkjax.schedule.Prediction` from :func:`predict`, with the same rules for the model data
-on the device, the update phase, the bytes moved each way, the host bytes and the step time
-(:func:`chunkjax.cost.predict_pipelined_step`). Policies differ only in how the device bytes at
-each moment are bounded:
+(placement, fetches per moment, update locations, programs) and gets its :class:`~chunkjax.schedule.Prediction`
+from :func:`predict`, with the same rules for the model data on the device, the update phase, the bytes
+moved each way, the host bytes and the step time (:func:`chunkjax.cost.predict_pipelined_step`).
+Policies differ only in how the device bytes at each moment are bounded:
 
 * :func:`tide_moment_bytes`: model data on the device + the memory tide (:mod:`chunkjax.tide`) +
   gradients waiting on the device for their update + chunk buffers held or in flight (the tide
