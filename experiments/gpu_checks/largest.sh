@@ -107,6 +107,10 @@
 #     process 7.31e9 + system 3.69e9); disk 133.4 GB/step; predicted 95.3 s/step.
 #     At --host-budget 115e9 (the call below): 132 / 125 / 107, host measure 114.99e9, need 125.97e9 (pageable
 #     54.86e9), disk 136.0 GB/step, predicted 97.1 s/step.
+#   Then (s17g on the H200, experiments/results/inprogram_gap_s17g.json) the measured loops still compiled at 1.179x
+#   their accounting, all of it in one backward program of 4 moments (+3.50e9): XLA sets up every loop's float32 sums
+#   and stacked cotangent at the program's start (gapgpu: predict.loop_init_extra counts them; CPU 1.077x -> 0.886x).
+#   The re-plans above predate that change: re-plan a2 and b2 on the CPU (largest_plan.py) before their calls.
 #   First (compiles only, JSON $OUT/inprogram_gap.json; ratio <= ~1.0 for both rows says the check will pass):
 #   timeout 300 python experiments/gpu_checks/inprogram_gap.py
 #   The loops are compiled once per plan on the GPU (3 stage programs per micro-batch group tried): budget a minute
