@@ -86,22 +86,10 @@ def _vjp(fn, p, x, names, head: bool):
     """``(out, pull)`` of ``fn(p, x)`` under ``jax.checkpoint`` with the names saved: as
     :func:`chunkjax.stages.stage_vjp` (differentiated in ``p`` and the floating leaves of ``x``);
     ``pull`` is ``jax.vjp``'s function, a pytree whose leaves are its residuals."""
-    from chunkjax.stages import _floating, differentiated, split_loss
-    xs, tdef = jax.tree.flatten(x)
-    fi = [i for i, a in enumerate(xs) if _floating(a)]
-
-    def f(p, xf):
-        leaves = list(xs)
-        for i, v in zip(fi, xf):
-            leaves[i] = v
-        out = fn(p, jax.tree.unflatten(tdef, leaves))
-        if head:
-            out = split_loss(out)
-            return differentiated(out[0]), out
-        return [a for a in jax.tree.leaves(out) if _floating(a)], out
-
+    from chunkjax.stages import differentiable
+    f, xf = differentiable(fn, x, head=head)
     policy = jax.checkpoint_policies.save_only_these_names(*names)
-    _, pull, out = jax.vjp(jax.checkpoint(f, policy=policy), p, [xs[i] for i in fi], has_aux=True)
+    _, pull, out = jax.vjp(jax.checkpoint(f, policy=policy), p, xf, has_aux=True)
     return out, pull
 
 

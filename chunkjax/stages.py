@@ -66,17 +66,11 @@ def _floating(a) -> bool:
     return jnp.issubdtype(a.dtype, jnp.floating)
 
 
-def stage_vjp(fn, p, x, *, head: bool = False):
-    """``(out, pull)``: ``out = fn(p, x)`` (a stage's apply on its params ``p`` and activation
-    ``x``) differentiated in ``p`` and the floating leaves of ``x`` (integer leaves and typed keys
-    carry no cotangent).
-
-    ``pull(ct) -> (dp, dx)``: ``ct`` is the cotangent of the floating leaves of ``out`` (a list, in
-    ``jax.tree.leaves`` order) or, with ``head``, of the loss (a weighted loss's ``total``:
-    :mod:`chunkjax.loss_weight`); ``dx`` is a list over the floating
-    leaves of ``x`` (None when ``x`` is None). With ``head`` ``out`` is ``(loss, aux)``
-    (:func:`split_loss`) and ``aux`` gets no gradient.
-    """
+def differentiable(fn, x, *, head: bool = False):
+    """``(f, xf)``: ``fn(p, x)`` as ``f(p, xf) -> (differentiated, out)`` in ``p`` and ``xf``, the
+    floating leaves of ``x`` (the others stay fixed): ``differentiated`` is the floating leaves of
+    ``out``, or with ``head`` the loss (:func:`differentiated` of :func:`split_loss`'s first);
+    ``out`` is returned as ``jax.vjp``'s aux (:func:`stage_vjp`, :func:`chunkjax.remat.forward_saving`)."""
     xs, tdef = jax.tree.flatten(x)
     fi = [i for i, a in enumerate(xs) if _floating(a)]
 
@@ -89,8 +83,22 @@ def stage_vjp(fn, p, x, *, head: bool = False):
             out = split_loss(out)
             return differentiated(out[0]), out
         return [a for a in jax.tree.leaves(out) if _floating(a)], out
+    return f, [xs[i] for i in fi]
 
-    _, pull_, out = jax.vjp(f, p, [xs[i] for i in fi], has_aux=True)
+
+def stage_vjp(fn, p, x, *, head: bool = False):
+    """``(out, pull)``: ``out = fn(p, x)`` (a stage's apply on its params ``p`` and activation
+    ``x``) differentiated in ``p`` and the floating leaves of ``x`` (integer leaves and typed keys
+    carry no cotangent).
+
+    ``pull(ct) -> (dp, dx)``: ``ct`` is the cotangent of the floating leaves of ``out`` (a list, in
+    ``jax.tree.leaves`` order) or, with ``head``, of the loss (a weighted loss's ``total``:
+    :mod:`chunkjax.loss_weight`); ``dx`` is a list over the floating
+    leaves of ``x`` (None when ``x`` is None). With ``head`` ``out`` is ``(loss, aux)``
+    (:func:`split_loss`) and ``aux`` gets no gradient.
+    """
+    f, xf = differentiable(fn, x, head=head)
+    _, pull_, out = jax.vjp(f, p, xf, has_aux=True)
 
     def pull(ct):
         dp, dx = pull_(ct)
