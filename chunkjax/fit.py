@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 from typing import Any, NamedTuple
 
 import jax
@@ -264,6 +265,8 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
     if zero_stage not in (0, 1, 2, 3) or (zero_stage > 0) != (mesh is not None):
         raise ValueError(f"zero_stage={zero_stage} with mesh={mesh}: pass a data mesh and zero_stage 1, 2 or 3, "
                          "or neither")
+    if isinstance(micro_batches, bool) or not isinstance(micro_batches, numbers.Integral) or micro_batches < 1:
+        raise ValueError(f"micro_batches={micro_batches!r}: pass an int >= 1 (1: no accumulation)")
     n_ranks = 1 if mesh is None else int(mesh.size)
     if callable(params):
         params = jax.eval_shape(params)
