@@ -408,28 +408,25 @@ def trace_user_model(spec: str, batch: int, seq: int, *, chunk_size: int | None 
                       _traced_on(), RATES_DEFAULT, str(m.get("name", spec)), int(n_params))
 
 
-#: ``--compute-dtype`` spellings (``auto``: what the API does with the same model, :func:`trace_user_model`)
-COMPUTE_DTYPES = {"auto": None, "bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32",
-                  "float16": "float16", "fp16": "float16"}
-
-
 def step_options(compute_dtype=None, micro_batches: int = 1, storage=None) -> dict:
     """The :func:`chunkjax.fit.prepare` keywords of the step's options, only those given:
-    ``compute_dtype`` (a dtype or a :data:`COMPUTE_DTYPES` spelling; None / ``"auto"``: not
-    passed), ``micro_batches`` (gradient accumulation, >= 1) and ``storage`` (storage
-    directories: a list or a comma-separated string; the disk tier, planned with a host budget).
+    ``compute_dtype`` (a dtype or a spelling of :data:`chunkjax.dtypes.SPELLINGS`, as the API
+    takes; None / ``"auto"``: not passed, what the API does with the same model),
+    ``micro_batches`` (gradient accumulation, >= 1) and ``storage`` (storage directories: a list
+    or a comma-separated string; the disk tier, planned with a host budget).
 
     Raises:
       ValueError: an unknown dtype spelling or ``micro_batches < 1`` (one line).
     """
-    import jax.numpy as jnp
+    from chunkjax.dtypes import SPELLINGS, compute_dtype_of  # the API's parser: the same spellings
     out = {}
-    if isinstance(compute_dtype, str):
-        if compute_dtype.lower() not in COMPUTE_DTYPES:
-            raise ValueError(f"--compute-dtype {compute_dtype!r}: use one of {', '.join(COMPUTE_DTYPES)}")
-        compute_dtype = COMPUTE_DTYPES[compute_dtype.lower()]
+    if isinstance(compute_dtype, str) and compute_dtype.lower() == "auto":
+        compute_dtype = None
     if compute_dtype is not None:
-        out["compute_dtype"] = jnp.dtype(compute_dtype)
+        try:
+            out["compute_dtype"] = compute_dtype_of(compute_dtype)
+        except ValueError as e:
+            raise ValueError(f"--compute-dtype {compute_dtype!r}: use one of auto, {', '.join(SPELLINGS)}") from e
     if not isinstance(micro_batches, int) or micro_batches < 1:
         raise ValueError(f"--micro-batches must be >= 1, got {micro_batches}: use 1 for no gradient accumulation")
     if micro_batches != 1:

@@ -442,3 +442,20 @@ def test_checkpoint_directory_that_cannot_be_created_is_one_line(tmp_path):
             cj.save_checkpoint(where, 1, step)
         assert "\n" not in str(e.value)
     assert afile.read_text() == "x" and sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
+def test_compute_dtype_spellings_are_the_planner_clis(tmp_path):
+    """``compute_dtype="bf16"`` works in offload as ``--compute-dtype bf16`` does in the planner CLI
+    (one parser); an unknown spelling is one line listing the accepted ones."""
+    from flax import nnx
+    from experiments.plan import step_options
+    Net, loss_fn, batches = _tiny_nnx(dropout=False)
+    step = cj.offload(Net(nnx.Rngs(0)), optax.adam(1e-2), loss_fn, batches[0], device_budget="min",
+                      compute_dtype="bf16", check_compiled=False)
+    assert step.problem.compute_dtype == jnp.bfloat16 == step_options("bf16")["compute_dtype"]
+    assert np.isfinite(float(step(batches[0])))
+    with pytest.raises(ValueError, match=r"compute_dtype='bf61': use jnp.bfloat16, .*'bf16'") as e:
+        cj.offload(Net(nnx.Rngs(0)), optax.adam(1e-2), loss_fn, batches[0], device_budget="min", compute_dtype="bf61")
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match=r"--compute-dtype 'bf61': use one of auto, bfloat16, bf16,"):
+        step_options("bf61")
