@@ -143,6 +143,9 @@ class OffloadedStep(OffloadedChunkIO):
         if any(a.shape != b.shape or jax.dtypes.canonicalize_dtype(a.dtype) != b.dtype for a, b in pairs):
             want = [(tuple(b.shape), str(b.dtype)) for _, b in pairs]
             have = [(tuple(a.shape), str(a.dtype)) for a, _ in pairs]
+            if all(a.shape == b.shape for a, b in pairs):  # only the dtype differs
+                raise ValueError(f"batch dtypes {[d for _, d in have]} differ from the planned {[d for _, d in want]}: "
+                                 "pass batches of the example's dtype, e.g. batch.astype(...) (shapes match)")
             raise ValueError(f"batch shapes {have} differ from the planned {want}: pass batches of the example's "
                              "shape (or build another step with chunkjax.offload for this shape)")
         if all(a.dtype == b.dtype for a, b in pairs):
