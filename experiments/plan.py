@@ -408,6 +408,22 @@ def trace_user_model(spec: str, batch: int, seq: int, *, chunk_size: int | None 
                       _traced_on(), RATES_DEFAULT, str(m.get("name", spec)), int(n_params))
 
 
+def plots_dir(path: str) -> None:
+    """Create ``--plots``' directory ``path`` (and its parents) before planning.
+
+    Raises:
+      ValueError: ``path`` is a file or cannot be created (one line saying what to do).
+    """
+    p = pathlib.Path(path)
+    if p.exists() and not p.is_dir():
+        raise ValueError(f"--plots {path} is a file, not a directory: give a directory this process can write")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--plots {path}: the directory cannot be created ({e.strerror or type(e).__name__}): "
+                         "give a directory this process can write") from None
+
+
 def step_options(compute_dtype=None, micro_batches: int = 1, storage=None) -> dict:
     """The :func:`chunkjax.fit.prepare` keywords of the step's options, only those given:
     ``compute_dtype`` (a dtype or a spelling of :data:`chunkjax.dtypes.SPELLINGS`, as the API
@@ -751,6 +767,8 @@ def main(argv=None) -> int:
                              "add --ranks or drop --zero-stage")
         a.zero_stage = 3 if a.zero_stage is None else a.zero_stage
         check_ranks(a.batch, a.ranks, a.zero_stage)
+        if a.plots:
+            plots_dir(a.plots)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -635,3 +635,13 @@ def test_cli_micro_batches_and_storage_plan_as_fit_does(user_model, tmp_path, ca
         if n == 1:
             assert "storage: " in r["storage"] and want.predicted.storage_workers == 1
         assert r["placement_counts"] == want.counts() and r["schedule"] == want.to_dict()
+
+
+def test_plots_dir_that_cannot_be_created_is_one_line(tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for where, msg in ((afile, "is a file, not a directory"), (afile / "figs", "the directory cannot be created")):
+        assert plan.main(MICRO + ["--device-budget", "1GiB", "--plots", str(where)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and msg in err[0] and "give a directory this process can write" in err[0], err
+    assert afile.read_text() == "x" and [p.name for p in tmp_path.iterdir()] == ["afile"]
