@@ -408,6 +408,14 @@ def trace_user_model(spec: str, batch: int, seq: int, *, chunk_size: int | None 
                       _traced_on(), RATES_DEFAULT, str(m.get("name", spec)), int(n_params))
 
 
+def model_bytes_per_param(inp) -> int:
+    """Model data bytes per parameter of the planned step (AdamW, the planner's optimizer): the
+    compute params in the compute dtype (2 B for bf16, 4 B for float32), float32 master weights
+    (4 B) and the two float32 moments (8 B): 14 B with bf16 compute, 16 B with float32."""
+    import jax.numpy as jnp
+    return jnp.dtype(inp.problem.compute_dtype).itemsize + 12
+
+
 def plots_dir(path: str) -> None:
     """Create ``--plots``' directory ``path`` (and its parents) before planning.
 
@@ -592,7 +600,8 @@ def plan_report(model: str, device_budget: int, host_budget: int | None, batch: 
     out["baselines"] = {k: figures(b, device_budget, host_budget, cs)
                         for k, b in base.items()}
     out.update({"model": inp.name, "n_params": inp.n_params, "batch": inp.batch, "seq": inp.seq,
-                "host_budget_bytes": host_budget, "model_bytes": 14 * inp.n_params,
+                "host_budget_bytes": host_budget, "model_bytes": model_bytes_per_param(inp) * inp.n_params,
+                "model_bytes_per_param": model_bytes_per_param(inp),
                 "peak_non_model_bytes": inp.tide.peak_non_model_bytes, "n_moments": len(inp.tide.moments),
                 "first_backward_moment": len(inp.traces), "tide_source": inp.tide_source,
                 "rates_source": inp.rates_source, "rates": dataclasses.asdict(inp.rates),
@@ -661,7 +670,7 @@ def _summary_zero(r: dict) -> str:
                        f"{c.split('/')[1][len('update_'):]}" for c, v in r["placement_counts"].items())
     fb = r["first_backward_moment"]
     return "\n".join([
-        f"{r['model']}: N={r['n_params'] / 1e9:.3g}B, model data {r['model_bytes'] / B:.2f} {bu} (14 B/param), "
+        f"{r['model']}: N={r['n_params'] / 1e9:.3g}B, model data {r['model_bytes'] / B:.2f} {bu} ({r['model_bytes_per_param']} B/param), "
         f"{r['n_chunks']} chunks x {r['chunk_size']} elements, each split over {n} ranks",
         f"ZeRO-{r['zero_stage']} over {n} ranks (planned on abstract shapes, no devices used); global batch "
         f"{r['batch']}x{r['seq']} = {r['batch_per_rank']}x{r['seq']} per rank",
@@ -696,7 +705,7 @@ def summary(r: dict) -> str:
     tu, k = _time_unit(r["predicted_step_s"])
     hb = "unbounded" if r["host_budget_bytes"] is None else f"{r['host_budget_bytes'] / B:.2f} {bu}"
     lines = [f"{r['model']}: N={r['n_params'] / 1e9:.3g}B, model data {r['model_bytes'] / B:.2f} {bu} "
-             f"(14 B/param), {r['n_chunks']} chunks x {r['chunk_size']} elements; batch {r['batch']}x{r['seq']}",
+             f"({r['model_bytes_per_param']} B/param), {r['n_chunks']} chunks x {r['chunk_size']} elements; batch {r['batch']}x{r['seq']}",
              f"device budget {r['device_budget_bytes'] / B:.2f} {bu}, host budget {hb}",
              f"tide: peak non-model {r['peak_non_model_bytes'] / B:.2f} {bu} over {r['n_moments']} moments, "
              f"{r['tide_source']}; rates {r['rates_source']}",
