@@ -79,7 +79,6 @@ def run_save(job: "SaveJob", source: str) -> str:
     return job.final
 
 
-
 def make_directory(directory: str) -> None:
     """Create the checkpoint ``directory`` (and its parents) if missing.
 
@@ -96,6 +95,7 @@ def make_directory(directory: str) -> None:
         why = "a parent is a file" if isinstance(e, (FileExistsError, NotADirectoryError)) else files.one_line(e)
         raise CheckpointWriteError(e.errno or _errno.EIO, f"checkpoint directory {directory} cannot be created ({why}): "
                                    "give a directory this process can write") from None
+
 
 class SaveJob:
     """One save, in the pieces both :func:`save_checkpoint` and :func:`save_checkpoint_async`
