@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 from typing import Any, NamedTuple
 
 import jax
@@ -30,6 +31,7 @@ import jax.numpy as jnp
 
 from chunkjax import clip_plan
 from chunkjax.cost import Rates
+from chunkjax.dtypes import compute_dtype_of
 from chunkjax.errors import HostBudgetError, PinnedLimitError, PlanError
 from chunkjax.fit_batch import batch_rows, rows_of, step_flops
 from chunkjax.fit_report import FitReport, describe  # noqa: F401 (re-exported: chunkjax.fit.describe)
@@ -253,9 +255,8 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
         raise ValueError("pass either tx (an optax transformation: offloaded chunks update streamed through the "
                          "device) or host_optimizer (a chunkjax.host_update spec: they update on the host; its "
                          "optax() twin runs the device chunks), not " + ("neither" if tx is None else "both"))
-    if not jnp.issubdtype(jnp.dtype(compute_dtype), jnp.floating):
-        raise ValueError(f"compute_dtype={jnp.dtype(compute_dtype)}: use a floating dtype "
-                         "(jnp.bfloat16, jnp.float16 or jnp.float32)")
+    if compute_dtype is not None:  # "bf16" as the planner CLI; one line on a bad one
+        compute_dtype = compute_dtype_of(compute_dtype)
     if tx is not None and check_tx:
         check_elementwise(tx)
     tx = host_optimizer.optax() if tx is None else tx
@@ -264,6 +265,8 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
     if zero_stage not in (0, 1, 2, 3) or (zero_stage > 0) != (mesh is not None):
         raise ValueError(f"zero_stage={zero_stage} with mesh={mesh}: pass a data mesh and zero_stage 1, 2 or 3, "
                          "or neither")
+    if isinstance(micro_batches, bool) or not isinstance(micro_batches, numbers.Integral) or micro_batches < 1:
+        raise ValueError(f"micro_batches={micro_batches!r}: pass an int >= 1 (1: no accumulation)")
     n_ranks = 1 if mesh is None else int(mesh.size)
     if callable(params):
         params = jax.eval_shape(params)

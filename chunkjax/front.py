@@ -33,6 +33,7 @@ import numpy as np
 import optax
 
 from chunkjax.discover import Discovery, discover, path_key
+from chunkjax.dtypes import compute_dtype_of
 from chunkjax.errors import PlanError
 from chunkjax.fit import HEADROOM, auto_budget, describe, fit_problem, plan, prepare, resolve_budget
 from chunkjax.fit_batch import batch_rows
@@ -142,6 +143,9 @@ class OffloadedStep(OffloadedChunkIO):
         if any(a.shape != b.shape or jax.dtypes.canonicalize_dtype(a.dtype) != b.dtype for a, b in pairs):
             want = [(tuple(b.shape), str(b.dtype)) for _, b in pairs]
             have = [(tuple(a.shape), str(a.dtype)) for a, _ in pairs]
+            if all(a.shape == b.shape for a, b in pairs):  # only the dtype differs
+                raise ValueError(f"batch dtypes {[d for _, d in have]} differ from the planned {[d for _, d in want]}: "
+                                 "pass batches of the example's dtype, e.g. batch.astype(...) (shapes match)")
             raise ValueError(f"batch shapes {have} differ from the planned {want}: pass batches of the example's "
                              "shape (or build another step with chunkjax.offload for this shape)")
         if all(a.dtype == b.dtype for a, b in pairs):
@@ -363,7 +367,8 @@ def _discover(model, loss_fn, batch, *, wrt, blocks, compute_dtype, abstract_ok:
         rest = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype) if isinstance(a, jax.ShapeDtypeStruct) else a, rest)
         model = nnx.merge(graphdef, params, rest)
     batch_rows(_abstract(batch))  # a batch without a row axis: one line before tracing the loss
-    d = discover(model, loss_fn, batch, wrt=wrt, blocks=blocks, compute_dtype=compute_dtype)
+    d = discover(model, loss_fn, batch, wrt=wrt, blocks=blocks,
+                 compute_dtype=compute_dtype_of(compute_dtype))  # "bf16" as the planner CLI; one line on a bad one
     return model, d, jax.tree.leaves(nnx.split(model, d.wrt, ...)[1])
 
 

@@ -119,10 +119,13 @@ def plan_micro_batches(problem, budget_bytes: int, plan, **kw):
 def accumulation_line(schedule, micro_batches: int) -> str | None:
     """How ``schedule`` runs ``micro_batches`` micro-batches, for the plan's one-line summary:
     ``"accumulation in_program"``, ``"accumulation in_program over groups of G micro-batches
-    (P passes)"`` or ``"accumulation per_micro_batch"``; None for one micro-batch."""
+    (P passes)"`` (either with ``", loops unrolled"`` where the schedule's
+    ``unroll_micro_batches`` is on) or ``"accumulation per_micro_batch"`` (one pass per
+    micro-batch: no loop to unroll, whatever the flag); None for one micro-batch."""
     if micro_batches == 1:
         return None
     p = passes_of(schedule, micro_batches)
+    unrolled = ", loops unrolled" if schedule.accumulation == IN_PROGRAM and schedule.unroll_micro_batches else ""
     if schedule.accumulation == IN_PROGRAM and p > 1:
-        return f"accumulation in_program over groups of {micro_batches // p} micro-batches ({p} passes)"
-    return f"accumulation {schedule.accumulation}"
+        return f"accumulation in_program over groups of {micro_batches // p} micro-batches ({p} passes){unrolled}"
+    return f"accumulation {schedule.accumulation}{unrolled}"

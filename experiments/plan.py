@@ -408,28 +408,49 @@ def trace_user_model(spec: str, batch: int, seq: int, *, chunk_size: int | None 
                       _traced_on(), RATES_DEFAULT, str(m.get("name", spec)), int(n_params))
 
 
-#: ``--compute-dtype`` spellings (``auto``: what the API does with the same model, :func:`trace_user_model`)
-COMPUTE_DTYPES = {"auto": None, "bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32",
-                  "float16": "float16", "fp16": "float16"}
+def model_bytes_per_param(inp) -> int:
+    """Model data bytes per parameter of the planned step (AdamW, the planner's optimizer): the
+    compute params in the compute dtype (2 B for bf16, 4 B for float32), float32 master weights
+    (4 B) and the two float32 moments (8 B): 14 B with bf16 compute, 16 B with float32."""
+    import jax.numpy as jnp
+    return jnp.dtype(inp.problem.compute_dtype).itemsize + 12
+
+
+def plots_dir(path: str) -> None:
+    """Create ``--plots``' directory ``path`` (and its parents) before planning.
+
+    Raises:
+      ValueError: ``path`` is a file or cannot be created (one line saying what to do).
+    """
+    p = pathlib.Path(path)
+    if p.exists() and not p.is_dir():
+        raise ValueError(f"--plots {path} is a file, not a directory: give a directory this process can write")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--plots {path}: the directory cannot be created ({e.strerror or type(e).__name__}): "
+                         "give a directory this process can write") from None
 
 
 def step_options(compute_dtype=None, micro_batches: int = 1, storage=None) -> dict:
     """The :func:`chunkjax.fit.prepare` keywords of the step's options, only those given:
-    ``compute_dtype`` (a dtype or a :data:`COMPUTE_DTYPES` spelling; None / ``"auto"``: not
-    passed), ``micro_batches`` (gradient accumulation, >= 1) and ``storage`` (storage
-    directories: a list or a comma-separated string; the disk tier, planned with a host budget).
+    ``compute_dtype`` (a dtype or a spelling of :data:`chunkjax.dtypes.SPELLINGS`, as the API
+    takes; None / ``"auto"``: not passed, what the API does with the same model),
+    ``micro_batches`` (gradient accumulation, >= 1) and ``storage`` (storage directories: a list
+    or a comma-separated string; the disk tier, planned with a host budget).
 
     Raises:
       ValueError: an unknown dtype spelling or ``micro_batches < 1`` (one line).
     """
-    import jax.numpy as jnp
+    from chunkjax.dtypes import SPELLINGS, compute_dtype_of  # the API's parser: the same spellings
     out = {}
-    if isinstance(compute_dtype, str):
-        if compute_dtype.lower() not in COMPUTE_DTYPES:
-            raise ValueError(f"--compute-dtype {compute_dtype!r}: use one of {', '.join(COMPUTE_DTYPES)}")
-        compute_dtype = COMPUTE_DTYPES[compute_dtype.lower()]
+    if isinstance(compute_dtype, str) and compute_dtype.lower() == "auto":
+        compute_dtype = None
     if compute_dtype is not None:
-        out["compute_dtype"] = jnp.dtype(compute_dtype)
+        try:
+            out["compute_dtype"] = compute_dtype_of(compute_dtype)
+        except ValueError as e:
+            raise ValueError(f"--compute-dtype {compute_dtype!r}: use one of auto, {', '.join(SPELLINGS)}") from e
     if not isinstance(micro_batches, int) or micro_batches < 1:
         raise ValueError(f"--micro-batches must be >= 1, got {micro_batches}: use 1 for no gradient accumulation")
     if micro_batches != 1:
@@ -579,7 +600,8 @@ def plan_report(model: str, device_budget: int, host_budget: int | None, batch: 
     out["baselines"] = {k: figures(b, device_budget, host_budget, cs)
                         for k, b in base.items()}
     out.update({"model": inp.name, "n_params": inp.n_params, "batch": inp.batch, "seq": inp.seq,
-                "host_budget_bytes": host_budget, "model_bytes": 14 * inp.n_params,
+                "host_budget_bytes": host_budget, "model_bytes": model_bytes_per_param(inp) * inp.n_params,
+                "model_bytes_per_param": model_bytes_per_param(inp),
                 "peak_non_model_bytes": inp.tide.peak_non_model_bytes, "n_moments": len(inp.tide.moments),
                 "first_backward_moment": len(inp.traces), "tide_source": inp.tide_source,
                 "rates_source": inp.rates_source, "rates": dataclasses.asdict(inp.rates),
@@ -648,7 +670,7 @@ def _summary_zero(r: dict) -> str:
                        f"{c.split('/')[1][len('update_'):]}" for c, v in r["placement_counts"].items())
     fb = r["first_backward_moment"]
     return "\n".join([
-        f"{r['model']}: N={r['n_params'] / 1e9:.3g}B, model data {r['model_bytes'] / B:.2f} {bu} (14 B/param), "
+        f"{r['model']}: N={r['n_params'] / 1e9:.3g}B, model data {r['model_bytes'] / B:.2f} {bu} ({r['model_bytes_per_param']} B/param), "
         f"{r['n_chunks']} chunks x {r['chunk_size']} elements, each split over {n} ranks",
         f"ZeRO-{r['zero_stage']} over {n} ranks (planned on abstract shapes, no devices used); global batch "
         f"{r['batch']}x{r['seq']} = {r['batch_per_rank']}x{r['seq']} per rank",
@@ -683,7 +705,7 @@ def summary(r: dict) -> str:
     tu, k = _time_unit(r["predicted_step_s"])
     hb = "unbounded" if r["host_budget_bytes"] is None else f"{r['host_budget_bytes'] / B:.2f} {bu}"
     lines = [f"{r['model']}: N={r['n_params'] / 1e9:.3g}B, model data {r['model_bytes'] / B:.2f} {bu} "
-             f"(14 B/param), {r['n_chunks']} chunks x {r['chunk_size']} elements; batch {r['batch']}x{r['seq']}",
+             f"({r['model_bytes_per_param']} B/param), {r['n_chunks']} chunks x {r['chunk_size']} elements; batch {r['batch']}x{r['seq']}",
              f"device budget {r['device_budget_bytes'] / B:.2f} {bu}, host budget {hb}",
              f"tide: peak non-model {r['peak_non_model_bytes'] / B:.2f} {bu} over {r['n_moments']} moments, "
              f"{r['tide_source']}; rates {r['rates_source']}",
@@ -754,6 +776,8 @@ def main(argv=None) -> int:
                              "add --ranks or drop --zero-stage")
         a.zero_stage = 3 if a.zero_stage is None else a.zero_stage
         check_ranks(a.batch, a.ranks, a.zero_stage)
+        if a.plots:
+            plots_dir(a.plots)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

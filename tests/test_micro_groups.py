@@ -163,7 +163,11 @@ def test_planner_picks_the_largest_group_that_fits(setup):
     assert (fit_host.host_need(problem, s)["pageable_bytes"] - fit_host.host_need(problem, one_pass)["pageable_bytes"]
             == summed * problem.cb.master)
     line = fit.describe(fit.FitReport(s, mid, mid, mid, 0.9, None, (), {}, True, None, ()), problem)
-    assert "accumulation in_program over groups of 2 micro-batches (2 passes)" in line
+    assert "accumulation in_program over groups of 2 micro-batches (2 passes)" in line and "unrolled" not in line
+    for sched, says in ((dataclasses.replace(s, unroll_micro_batches=True), True),  # only an in-program plan unrolls
+                        (dataclasses.replace(per, unroll_micro_batches=True), False)):
+        line = fit.describe(fit.FitReport(sched, mid, mid, mid, 0.9, None, (), {}, True, None, ()), problem)
+        assert ("loops unrolled" in line) == says, line
     assert cj.Schedule.from_dict(s.to_dict()).micro_group == G
     for acc, passes in (("in_program", M // G), ("per_micro_batch", M)):  # the schedule's groups unless overridden
         assert cj.make_chunked_step(stages, problem.layout, s, host_optimizer=SPEC, compute_dtype=jnp.float32,

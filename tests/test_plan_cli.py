@@ -594,6 +594,11 @@ def test_cli_plans_what_offload_plans_for_an_fp32_model(user_model, capsys):
     assert bf16["compute_dtype"] == "bfloat16" and bf16["placement_counts"] != r["placement_counts"]
     assert plan.main(args + ["--device-budget", str(budget), "--compute-dtype", "int8"]) == 2
     assert "--compute-dtype 'int8': use one of auto, bfloat16" in capsys.readouterr().err
+    # the header's model data per param follows the compute dtype: 4-byte float32 compute params
+    assert (r["model_bytes_per_param"], bf16["model_bytes_per_param"]) == (16, 14)
+    assert r["model_bytes"] == 16 * r["n_params"] and bf16["model_bytes"] == 14 * bf16["n_params"]
+    assert plan.main(args[:-1] + ["--device-budget", str(budget)]) == 0
+    assert "(16 B/param)" in capsys.readouterr().out
 
 
 def test_cli_micro_batches_and_storage_plan_as_fit_does(user_model, tmp_path, capsys):
@@ -635,3 +640,13 @@ def test_cli_micro_batches_and_storage_plan_as_fit_does(user_model, tmp_path, ca
         if n == 1:
             assert "storage: " in r["storage"] and want.predicted.storage_workers == 1
         assert r["placement_counts"] == want.counts() and r["schedule"] == want.to_dict()
+
+
+def test_plots_dir_that_cannot_be_created_is_one_line(tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for where, msg in ((afile, "is a file, not a directory"), (afile / "figs", "the directory cannot be created")):
+        assert plan.main(MICRO + ["--device-budget", "1GiB", "--plots", str(where)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and msg in err[0] and "give a directory this process can write" in err[0], err
+    assert afile.read_text() == "x" and [p.name for p in tmp_path.iterdir()] == ["afile"]

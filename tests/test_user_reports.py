@@ -419,3 +419,43 @@ def test_offloaded_step_survives_ctrl_c_mid_step(monkeypatch):
     for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before), strict=True):
         np.testing.assert_array_equal(a, b)
     assert np.isfinite(float(st(batches[1])))
+
+
+def test_offload_micro_batches_below_one_is_one_line():
+    from flax import nnx
+    Net, loss_fn, batches = _tiny_nnx(dropout=False)
+    with pytest.raises(ValueError, match=r"micro_batches=0: pass an int >= 1") as e:
+        cj.offload(Net(nnx.Rngs(0)), optax.adam(1e-2), loss_fn, batches[0], device_budget="min", micro_batches=0)
+    assert "\n" not in str(e.value)
+
+
+def test_checkpoint_directory_that_cannot_be_created_is_one_line(tmp_path):
+    from flax import nnx
+    from chunkjax.checkpoint import CheckpointWriteError
+    Net, loss_fn, batches = _tiny_nnx()
+    step = cj.offload(Net(nnx.Rngs(0)), optax.adam(1e-2), loss_fn, batches[0], device_budget="min")
+    step(batches[0])
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for where, msg in ((afile, "is a file, not a directory"), (afile / "sub", "cannot be created")):
+        with pytest.raises(CheckpointWriteError, match=msg + ".*give a directory this process can write") as e:
+            cj.save_checkpoint(where, 1, step)
+        assert "\n" not in str(e.value)
+    assert afile.read_text() == "x" and sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
+def test_compute_dtype_spellings_are_the_planner_clis(tmp_path):
+    """``compute_dtype="bf16"`` works in offload as ``--compute-dtype bf16`` does in the planner CLI
+    (one parser); an unknown spelling is one line listing the accepted ones."""
+    from flax import nnx
+    from experiments.plan import step_options
+    Net, loss_fn, batches = _tiny_nnx(dropout=False)
+    step = cj.offload(Net(nnx.Rngs(0)), optax.adam(1e-2), loss_fn, batches[0], device_budget="min",
+                      compute_dtype="bf16", check_compiled=False)
+    assert step.problem.compute_dtype == jnp.bfloat16 == step_options("bf16")["compute_dtype"]
+    assert np.isfinite(float(step(batches[0])))
+    with pytest.raises(ValueError, match=r"compute_dtype='bf61': use jnp.bfloat16, .*'bf16'") as e:
+        cj.offload(Net(nnx.Rngs(0)), optax.adam(1e-2), loss_fn, batches[0], device_budget="min", compute_dtype="bf61")
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match=r"--compute-dtype 'bf61': use one of auto, bfloat16, bf16,"):
+        step_options("bf61")

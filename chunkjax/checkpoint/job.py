@@ -79,6 +79,24 @@ def run_save(job: "SaveJob", source: str) -> str:
     return job.final
 
 
+def make_directory(directory: str) -> None:
+    """Create the checkpoint ``directory`` (and its parents) if missing.
+
+    Raises:
+      CheckpointWriteError: ``directory`` (or a parent) is a regular file, or the filesystem
+        refuses to create it (one line; nothing written).
+    """
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise CheckpointWriteError(_errno.ENOTDIR, f"checkpoint directory {directory} is a file, not a directory: "
+                                   "give a directory this process can write")
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as e:
+        why = "a parent is a file" if isinstance(e, (FileExistsError, NotADirectoryError)) else files.one_line(e)
+        raise CheckpointWriteError(e.errno or _errno.EIO, f"checkpoint directory {directory} cannot be created ({why}): "
+                                   "give a directory this process can write") from None
+
+
 class SaveJob:
     """One save, in the pieces both :func:`save_checkpoint` and :func:`save_checkpoint_async`
     use: checks and the engine's ``wait(state)`` (constructor), ``open`` (temporary directory),
@@ -105,7 +123,7 @@ class SaveJob:
         self.ckptr = None
         self.stage = None  # set by finalize (the writer's stage)
         if writer:  # under jax.distributed only process 0 touches the directory
-            os.makedirs(directory, exist_ok=True)
+            make_directory(directory)
             files.remove_stale_temporaries(directory)
         engine.wait(state)
         # entries read from the state once its pending work is done (a step: the speculation policy's input)

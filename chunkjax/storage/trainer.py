@@ -141,12 +141,13 @@ def validate_storage_dirs(dirs) -> None:
             raise ValueError(f"storage directory {dirs[i]!r} is given twice: give each storage device once")
     for d in dirs:
         if os.path.exists(d) and not os.path.isdir(d):
-            raise ValueError(f"storage directory {d!r} is a file: give a directory")
+            raise ValueError(f"storage directory {d!r} is a file, not a directory: give a directory")
         probe = os.path.abspath(d)
         while not os.path.exists(probe):
             probe = os.path.dirname(probe)
         if not os.path.isdir(probe) or not _can_write(probe):
-            where = "is not writable" if probe == os.path.abspath(d) else f"cannot be created ({probe!r} is not writable)"
+            why = "is a file, not a directory" if not os.path.isdir(probe) else "is not writable"
+            where = why if probe == os.path.abspath(d) else f"cannot be created ({probe!r} {why})"
             raise ValueError(f"storage directory {d!r} {where}: give a directory this process can write")
 
 

@@ -1,0 +1,41 @@
+"""Compute-dtype spellings: one parser for the API (``compute_dtype=``) and the planner CLI
+(``--compute-dtype``), so that both accept the same names (section "mixed precision" of
+``docs/own_model.md``: bf16 compute params and gradients, float32 master weights)."""
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+
+#: accepted string spellings (case-insensitive) -> dtype name
+SPELLINGS = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32", "f32": "float32",
+             "float16": "float16", "fp16": "float16", "f16": "float16"}
+
+
+def compute_dtype_of(x: Any):
+    """The floating compute dtype that ``x`` names.
+
+    Args:
+      x: None (returned as None: the caller's default), a dtype or scalar type
+        (``jnp.bfloat16``, ``np.float32``...) or a string of :data:`SPELLINGS` (e.g. ``"bf16"``).
+
+    Returns:
+      ``jnp.dtype`` (bfloat16, float16 or float32, or another floating dtype given as a dtype), or None.
+
+    Raises:
+      ValueError: an unknown spelling or a non-floating dtype (one line listing the accepted spellings).
+    """
+    if x is None:
+        return None
+    accepted = "use jnp.bfloat16, jnp.float16, jnp.float32 or one of " + ", ".join(repr(s) for s in SPELLINGS)
+    if isinstance(x, str):
+        if x.lower() not in SPELLINGS:
+            raise ValueError(f"compute_dtype={x!r}: {accepted}")
+        return jnp.dtype(SPELLINGS[x.lower()])
+    try:
+        dt = jnp.dtype(x)
+    except TypeError:
+        raise ValueError(f"compute_dtype={x!r} is not a dtype: {accepted}") from None
+    if not jnp.issubdtype(dt, jnp.floating):
+        raise ValueError(f"compute_dtype={dt}: use a floating dtype ({accepted})")
+    return dt
