@@ -34,6 +34,7 @@ CHUNK = 10 * 2**20
 def test_ledger_marks_phases_and_reports_json():
     lines = []
     led = HostLedger(echo=lines.append)
+    release_free_heap()  # an earlier test's freed heap pages would be reused without growing the RSS
     led.mark("a")
     x = np.ones(CHUNK, np.float32)  # 40 MB written: resident
     led.mark("b")
@@ -50,6 +51,7 @@ def test_ledger_marks_phases_and_reports_json():
 def test_host_updater_init_makes_the_optimizer_state_resident():
     init = upd.host_updater(SingleDevice(), AdamW(1e-3), CHUNK, jnp.bfloat16).init
     buf = np.full(CHUNK, 0.5, np.float32)
+    release_free_heap()  # as above: the state's pages must be new ones
     before = rss_parts()["anon_bytes"]
     master, st = init(buf, 0)
     grown = rss_parts()["anon_bytes"] - before
@@ -114,12 +116,23 @@ def test_state_is_resident_at_init_and_rss_within_the_plan(run):
     assert run_growth <= accounted, (run_growth, led.to_dict())
 
 
+def _reset_peak_rss() -> None:
+    """Reset this process's ``VmHWM`` to its current RSS (Linux >= 4.0: ``clear_refs`` 5), as the
+    benchmark's fresh worker process starts; skip where the kernel refuses."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError as e:
+        pytest.skip(f"cannot reset the peak RSS here ({e}); the bench worker runs in a fresh process")
+
+
 def test_bench_worker_prints_the_plan_before_the_first_step(capsys):
     """The benchmark's chunkjax worker: the plan's host parts on stderr after compiling, before the
     init and the first step (a run the OOM killer ends has shown them), the ledger in its record."""
     import types
 
     from experiments import bench_chunkjax
+    _reset_peak_rss()  # VmHWM is the process's: an earlier test in this worker may have set it higher
     args = types.SimpleNamespace(worker="chunkjax", model="micro", batch=2, seq=32, steps=1, seed=0,
                                  budget_bytes=2**30, compile_only=False, zero_h2d_path=None, host_limit_gb=110,
                                  run_id="t")
