@@ -204,14 +204,14 @@ def remat_figures(stages, layout, batch, compute_dtype, names) -> tuple[RematFig
       compute_dtype: dtype of the compute params.
       names: ``checkpoint_name`` names.
     """
-    from chunkjax.trace import _signature, stage_inputs
+    from chunkjax.trace import stage_signature, stage_inputs
     out, cache = [], {}
     ins = stage_inputs(stages, layout, batch, compute_dtype)
     for i, (st, (p, x)) in enumerate(zip(stages, ins)):
         if i == len(stages) - 1 or not names:
             out.append(RematFigures(0, 0.0, 0.0))
             continue
-        sig = _signature(st, p, x)
+        sig = stage_signature(st, p, x)
         if sig not in cache:
             cache[sig] = _stage_figures(st, p, x, batch, tuple(names))
         out.append(cache[sig])

@@ -90,7 +90,7 @@ def _live_inputs(closed, n_inputs: int) -> list[bool]:
     return [v in used for v in jaxpr.invars[:n_inputs]]
 
 
-def _signature(st, p_sub, x, mask=None):
+def stage_signature(st, p_sub, x, mask=None):
     """Stages with equal signatures trace alike: identical blocks differ only in their top-level
     key (h_0, h_1, ...), so key on the function (or its ``trace_key``: :mod:`chunkjax.discover`),
     the values' structure and shapes and which leaves are trainable."""
@@ -164,7 +164,7 @@ def stage_inputs(stages, layout: ChunkLayout, batch, compute_dtype):
     for st in stages:
         p_sub = {k: params[k] for k in st.param_keys}
         out.append((p_sub, x))
-        sig = _signature(st, p_sub, x)
+        sig = stage_signature(st, p_sub, x)
         if sig not in shapes:
             shapes[sig] = jax.eval_shape(st.apply, p_sub, x, batch)
         x = shapes[sig]
@@ -224,7 +224,7 @@ def trace_stages(stages, layout: ChunkLayout, batch: jax.ShapeDtypeStruct, compu
     for i, (st, (p_sub, x)) in enumerate(zip(stages, stage_inputs(stages, layout, batch, compute_dtype))):
         mask = _trainable_mask(layout, st.param_keys)
         head = i == len(stages) - 1
-        sig = _signature(st, p_sub, x, mask) + (head,)
+        sig = stage_signature(st, p_sub, x, mask) + (head,)
         if sig not in cache:
             cache[sig] = _stage_figures(st, p_sub, x, batch, head, mask)
         temp, out_bytes, live = cache[sig]
@@ -269,7 +269,7 @@ def in_program_traces(traces: tuple[StageTrace, ...], micro_batches: int, stages
     for i, (st, t, (p_sub, x)) in enumerate(zip(stages, traces, stage_inputs(stages, layout, whole, compute_dtype))):
         mask = _trainable_mask(layout, st.param_keys)
         head = i == len(stages) - 1
-        sig = _signature(st, p_sub, x, mask) + (head, m)
+        sig = stage_signature(st, p_sub, x, mask) + (head, m)
         if sig not in cache:
             cache[sig] = _loop_figures(st, p_sub, x, whole, head, mask, m)
         # the loop's float32 carry: the stage's trainable chunks whole (the walker sums into chunk buffers)
