@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 
 def prepare(model: str, batch: int, seq: int, micro_batches: int = 1, storage: str = "", keep_previous=False,
-            host_budget: int | None = None):
+            host_budget: int | None = None, unroll: bool = False):
     """The bench's fit problem for ``model`` (abstract shapes, no host check), as a GPU's (the disk tier
     needs ``host_budget``, bytes; :func:`plan_one` plans at its own)."""
     import jax
@@ -44,7 +44,8 @@ def prepare(model: str, batch: int, seq: int, micro_batches: int = 1, storage: s
     p = fit.prepare(gpt.gpt_stages(cfg), gpt.abstract_params(cfg), jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32),
                     host_optimizer=AdamW(1e-4, weight_decay=1e-4), compute_dtype=jnp.bfloat16,
                     micro_batches=micro_batches, flops_per_step=float(cfg.flops_per_token(seq) * batch * seq),
-                    host_budget=host_budget, check_host=False, storage=st)
+                    host_budget=host_budget, check_host=False, storage=st,
+                    unroll_micro_batches=unroll)
     return dataclasses.replace(p, platform="gpu"), cfg
 
 
@@ -92,10 +93,12 @@ def main(argv=None) -> int:
     ap.add_argument("--micro-batches", type=int, default=1)
     ap.add_argument("--storage", default="", help="storage directories (the disk tier)")
     ap.add_argument("--disk-gb", type=float, default=None, help="disk budget (GB); default: the directories' free bytes")
+    ap.add_argument("--unroll", action="store_true", help="in-program micro-batch loops unrolled (the bench's "
+                    "--set unroll_micro_batches=1)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     from chunkjax.plan import parse_bytes
-    p, cfg = prepare(a.model, a.batch, a.seq, a.micro_batches, a.storage, host_budget=int(a.host))
+    p, cfg = prepare(a.model, a.batch, a.seq, a.micro_batches, a.storage, host_budget=int(a.host), unroll=a.unroll)
     rows = []
     for pool in (int(x) for x in a.pool.split(",")):
         r = plan_one(p, cfg, parse_bytes(a.budget), int(a.host), pool or None,
