@@ -1,16 +1,17 @@
 """The host optimizer kernel's rate beside a training step's other work (issue 23 item 1: the cost model's
 host term checked against the measured step).
 
-Inside a step the host thread's kernel (:func:`chunkjax.host_update.host_update_`) shares the host's memory with
-the step's PCIe transfers (the fetches read pinned host memory, the gradient offloads write it: DMA through the
-same memory controllers) while the device computes. Measured on the lent H200 host
-(``experiments/results/host_rate_probe_s18.json``, ``experiments/gpu_checks/host_rate_probe.py``): the kernel
-alone 0.170 / 0.240 ns/param on two machines; walked over the step's chunk layout (32 chunks of 39.3M params,
-20 GB) 0.170 / 0.240, so neither the working set beyond the last-level cache nor the layout slows it; beside the
-device's matmuls 1.09x / 1.01x; beside both PCIe directions moving at 71-80 GB/s and the matmuls 0.271 / 0.339
-ns/param, **1.60x / 1.41x**; fewer numba threads (15, 14) no faster. The recorded GPT3_6B b16 steps ran their
-host kernel at 0.271-0.331 ns/param against start-up calibrations (alone) of 0.214-0.232 (and 0.296 on a slow
-day whose step still ran at 0.298): the rate inside a step is the loaded one, not a multiple of the alone one.
+Inside a step the host thread's kernel (:func:`chunkjax.host_update.host_update_`) shares the host's memory with the
+step's PCIe transfers (the fetches read pinned host memory, the gradient offloads write it: DMA through the same
+memory controllers) while the device computes. Measured on three lent H200 machines
+(``experiments/results/host_rate_probe_s18.json``, ``experiments/gpu_checks/host_rate_probe.py``): the kernel alone
+0.170 / 0.240 / 0.200-0.216 ns/param; walked over the step's chunk layout (32 chunks of 39.3M params, 20 GB) 0.170 /
+0.240, so neither the working set beyond the last-level cache nor the layout slows it; beside the device's matmuls
+alone 1.09x / 1.01x, beside both PCIe directions alone (71-80 GB/s) 1.50x / 1.06x; beside both together 0.274 /
+0.359 / 0.281 ns/param (median; 1.6x / 1.5x / 1.4x); fewer numba threads (15, 14) no faster. The recorded GPT3_6B
+b16 steps ran their host kernel at 0.271-0.331 ns/param against start-up calibrations (alone) of 0.214-0.232, and
+0.296 on a day whose step still ran at 0.298: the rate inside a step is near the loaded one, not a fixed multiple of
+the alone one.
 
 :func:`measure_loaded_host_update_rate` times the kernel under that load at start-up (the
 ``host_update_loaded_s_per_param`` of :class:`chunkjax.cost.Rates`); :func:`step_host_s_per_param` is the rate
@@ -94,14 +95,16 @@ class _Load:
         return self.moved["up"] / dt, self.moved["down"] / dt
 
 
-def measure_loaded_host_update_rate(n: int = 2**26, repeats: int = 5, *, load_bytes: int = 2**28,
+def measure_loaded_host_update_rate(n: int = 2**26, repeats: int = 10, *, load_bytes: int = 2**28,
                                     matmul: int = 4096, settle_s: float = 0.2, stats: dict | None = None,
                                     device=None) -> float:
     """Seconds per parameter of the in-place AdamW kernel (bf16 gradient in, bf16 params out, all numba
     threads; as :func:`chunkjax.host_update.measure_host_update_rate`) while the device computes and both
     PCIe directions move data (what a training step does beside its host thread): the median of
     ``repeats`` timed calls after a warm-up call (the load's slowing is what is measured, so not the
-    fastest). Calibrates ``chunkjax.cost.Rates.host_update_loaded_s_per_param`` (module docstring).
+    fastest; on the H200 the median of 5 calls read 0.309 ns/param on one buffer set against 0.281 over
+    the step's layout, its fastest 0.268-0.295: hence 10). Calibrates
+    ``chunkjax.cost.Rates.host_update_loaded_s_per_param`` (module docstring).
 
     Meaningful on a GPU; on the CPU backend the transfers between memory kinds compile to nothing and the
     load is Python threads (tests run it small). Allocates about 16 bytes per parameter on the host

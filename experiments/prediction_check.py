@@ -21,11 +21,12 @@ the traces of this CPU: the timing reads only FLOPs, chunks and bytes, which mat
 - ``recorded``: its recorded rates (reproduces the recorded prediction where the mode is the planned one);
 - ``in-step``: the host kernel at the rate the step's host thread measured (:meth:`chunkjax.cost.Rates.from_record`):
   what a perfect host rate gives;
-- ``loaded p1`` / ``loaded p2``: the model of this session (:mod:`chunkjax.host_contention`): the step's host thread
-  at the kernel's rate beside the device's compute and both PCIe directions. The recorded runs did not measure it;
-  the two values are the ones measured on two lent H200 machines (``experiments/results/host_rate_probe_s18.json``,
-  "all", median of 4 passes, as the start-up measurement takes a median: 0.2742 and 0.3588 ns/param), so the two
-  columns show what the start-up measurement would have given on either machine.
+- ``loaded p1`` / ``p2`` / ``p3``: the model of this session (:mod:`chunkjax.host_contention`): the step's host
+  thread at the kernel's rate beside the device's compute and both PCIe directions. The recorded runs did not
+  measure it; the values are the ones measured on three lent H200 machines
+  (``experiments/results/host_rate_probe_s18.json``: p1, p2 over the step's layout, median of 4 passes, 0.2742
+  and 0.3588 ns/param; p3 by the start-up measurement's own method, 0.3088), so the columns show what the
+  start-up measurement would have given on each machine.
 """
 from __future__ import annotations
 
@@ -38,9 +39,10 @@ import pathlib
 import sys
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
-#: the kernel beside the device's matmuls and both PCIe directions ("all", median of 4 passes over the step's
-#: layout), measured on the lent H200 on two machines: experiments/results/host_rate_probe_s18.json
-PROBE_LOADED_S_PER_PARAM = {"loaded p1": 0.2742e-9, "loaded p2": 0.3588e-9}
+#: the kernel beside the device's matmuls and both PCIe directions, measured on three lent H200 machines
+#: (experiments/results/host_rate_probe_s18.json): p1, p2 "all", median of 4 passes over the step's layout; p3 the
+#: start-up measurement's method (one 1 GiB buffer set, median of 5 calls; its third repeat)
+PROBE_LOADED_S_PER_PARAM = {"loaded p1": 0.2742e-9, "loaded p2": 0.3588e-9, "loaded p3": 0.3088e-9}
 
 
 def _n_host(extra: dict) -> int:
@@ -49,8 +51,8 @@ def _n_host(extra: dict) -> int:
 
 def program_seconds(extra: dict) -> dict | None:
     """From a run's profiled step (``extra.transfer_phases``): device seconds of its forward programs (every
-    moment forward, or the forward and the fused head) and of the rest, and the seconds between programs (gaps: the device waiting for the host
-    thread or the main thread), or None without a profile."""
+    moment forward, or the forward and the fused head) and of the rest, and the seconds between programs (gaps:
+    the device waiting for the host thread or the main thread), or None without a profile."""
     tp, sched = extra.get("transfer_phases"), extra.get("schedule") or {}
     if not tp or not sched.get("moments"):
         return None
@@ -90,8 +92,9 @@ def recorded_rows(results=RESULTS) -> list[dict]:
             cal = (e.get("rates") or {}).get("host_update_s_per_param")
             sp = e.get("speculation") or {}
             rows.append({
-                "run": run, "model": d.get("model"), "batch": d.get("batch"), "micro_batches": e.get("micro_batches") or 1,
-                "clip": e.get("max_grad_norm"), "clip_fired": bool(e.get("max_grad_norm")) and sp.get("speculated_chunks") == 0,
+                "run": run, "model": d.get("model"), "batch": d.get("batch"),
+                "micro_batches": e.get("micro_batches") or 1, "clip": e.get("max_grad_norm"),
+                "clip_fired": bool(e.get("max_grad_norm")) and sp.get("speculated_chunks") == 0,
                 "clip_expect": e.get("clip_expect"), "cross_step": bool(e.get("cross_step")),
                 "step_s": s["step_s_median"], "predicted_s": e["step_s_predicted"],
                 "update_s": s.get("update_s"), "host_update_s": t.get("host_update_s"),
@@ -99,10 +102,11 @@ def recorded_rows(results=RESULTS) -> list[dict]:
                 "forward_s": t.get("forward_s"), "backward_s": t.get("backward_s"),
                 "in_step_ns": s["update_s"] / n_host * 1e9 if s.get("update_s") and n_host else None,
                 "calibrated_ns": cal * 1e9 if cal else None, "profile": program_seconds(e)})
-        for name, x in ((d.get("largest") or {}).get("chunkjax") or {}).get("tried", {}).items():
+        big = (d.get("largest") or {}).get("chunkjax") or {}
+        for name, x in (big.get("tried") or {}).items():
             if isinstance(x, dict) and x.get("step_s_median") and x.get("step_s_predicted"):
                 st = x.get("storage") or {}
-                rows.append({"run": run, "model": name, "batch": (d.get("largest") or {}).get("chunkjax", {}).get("batch"),
+                rows.append({"run": run, "model": name, "batch": big.get("batch"),
                              "micro_batches": x.get("micro_batches") or 1, "clip": None, "clip_fired": False,
                              "cross_step": None, "step_s": x["step_s_median"], "predicted_s": x["step_s_predicted"],
                              "update_s": None, "host_update_s": None,
@@ -206,9 +210,11 @@ def repredict_table(rows) -> str:
     out = ["| run | step s measured | predicted as planned (recorded) | " + " | ".join(
         f"{n}: step s (host s), measured / predicted" for n in names) + " |", "|---" * (3 + len(names)) + "|"]
     for r in rows:
-        cells = [f"{r[n]['step_s']:.3f} ({r[n]['host_update_s']:.3f}), {r['step_s'] / r[n]['step_s']:.3f}" for n in names]
+        cells = [f"{r[n]['step_s']:.3f} ({r[n]['host_update_s']:.3f}), {r['step_s'] / r[n]['step_s']:.3f}"
+                 for n in names]
         run = r["run"] + (" (clipping fired: timed with norm_wait)" if r["clip_fired"] else "")
-        out.append(f"| {run} | {r['step_s']:.3f} | {r['planned']:.3f} ({r['recorded_s']:.3f}) | " + " | ".join(cells) + " |")
+        out.append(f"| {run} | {r['step_s']:.3f} | {r['planned']:.3f} ({r['recorded_s']:.3f}) | "
+                   + " | ".join(cells) + " |")
     return "\n".join(out)
 
 

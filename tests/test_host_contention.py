@@ -80,3 +80,19 @@ def test_loaded_calibration_runs_its_load_and_reports_it():
     assert threading.active_count() == before
     with pytest.raises(ValueError, match="repeats >= 1"):
         measure_loaded_host_update_rate(2**12, 0)
+
+
+def test_prediction_check_reads_the_recorded_runs():
+    """experiments/prediction_check.py part 1 on the committed records: the s17m single micro-batch run's
+    measured and predicted step, its host kernel's rate in the step against its calibration, and its
+    profiled step's forward and backward programs (16 programs, 5 of them forward)."""
+    from experiments.prediction_check import recorded_rows, table
+    rows = {r["run"]: r for r in recorded_rows()}
+    r = rows["bench_s17m_6b16_one"]
+    assert (r["step_s"], r["predicted_s"]) == pytest.approx((1.6864, 1.4069), abs=1e-4)
+    assert r["in_step_ns"] == pytest.approx(1.4897 / (140 * 39321600) * 1e9, rel=1e-4) and r["cross_step"]
+    assert r["calibrated_ns"] == pytest.approx(0.2217, abs=1e-4)
+    assert (r["profile"]["forward_s"], r["profile"]["backward_s"]) == pytest.approx((0.381, 1.049), abs=2e-3)
+    assert rows["bench_s17m_6b16_clip"]["clip_fired"] and not rows["bench_s14a_6b16_clip"]["clip_fired"]
+    assert rows["bench_s17b_18b_disk"]["storage_update_s_predicted"] == pytest.approx(90.78, abs=0.01)
+    assert "| bench_s17m_6b16_one | GPT3_6B b16 (1) | cross-step | 1.686 | 1.407 | 1.199 |" in table(rows.values())
