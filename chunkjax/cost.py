@@ -16,6 +16,7 @@ import dataclasses
 from typing import Sequence
 
 from chunkjax.flops import matmul_flops  # noqa: F401 (re-exported: counted in chunkjax.flops)
+from chunkjax.host_contention import step_host_s_per_param
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +32,10 @@ class Rates:
       duplex_bytes_per_s: both directions at once by eager transfers from two threads, the
         streamed pipeline's (:mod:`chunkjax.streamed`; 94 GB/s in total).
       device_update_s_per_param: AdamW with state resident on the device (0.0074 ns).
-      host_update_s_per_param: in-place host AdamW on 16 cores (0.27 ns).
+      host_update_s_per_param: in-place host AdamW on 16 cores (0.27 ns), alone.
+      host_update_loaded_s_per_param: the same kernel beside the device's compute and both PCIe
+        directions (:func:`chunkjax.host_contention.measure_loaded_host_update_rate`); where > 0
+        the step's host thread is timed at it (:func:`chunkjax.host_contention.step_host_s_per_param`).
       disk_read_bytes_per_s / disk_write_bytes_per_s: one storage device, each way (the lent
         H200's local disk: 1.4 GB/s each way, ``dd`` with O_DIRECT). The disk tier's reads and
         writes of one device are timed one after the other (they share it).
@@ -44,6 +48,7 @@ class Rates:
     duplex_bytes_per_s: float = 94e9
     device_update_s_per_param: float = 0.0074e-9
     host_update_s_per_param: float = 0.27e-9
+    host_update_loaded_s_per_param: float = 0.0
     disk_read_bytes_per_s: float = 1.4e9
     disk_write_bytes_per_s: float = 1.4e9
 
@@ -543,8 +548,9 @@ def predict_pipelined_step(flops_per_step: float, *, fwd_h2d: int, bwd_h2d: int,
     host_s = [0.0] * len(ends)
     if norm_wait:  # the streamed chunks' update reads the norm too
         host_ready, streamed_early = ([(1.0, sum(p for _, p in host_ready))] if host_ready else []), False
+    host_rate = step_host_s_per_param(r)  # the kernel beside the step's transfers and compute
     for frac, params in host_ready:
-        host_s[_program_index(ends, frac)] += params * r.host_update_s_per_param
+        host_s[_program_index(ends, frac)] += params * host_rate
     first_streamed = min((_program_index(ends, f) for f, _, _ in streamed), default=len(ends))
     hold = [streamed_early and k >= first_streamed for k in range(len(ends))]
     times = program_timeline([fwd + bwd * (p - 1) / p + f * last_bwd for f in ends], host_s, window=window,
@@ -555,7 +561,7 @@ def predict_pipelined_step(flops_per_step: float, *, fwd_h2d: int, bwd_h2d: int,
     t_host = max((t.host_end_s for t in times), default=0.0)
     exposed = max(0.0, t_host - end) if host else 0.0
     if cross_step and host:
-        exposed = cross_step_wait(exposed, [(n * r.host_update_s_per_param, f) for f, n in host_reads], fwd / p)
+        exposed = cross_step_wait(exposed, [(n * host_rate, f) for f, n in host_reads], fwd / p)
     share = max(0.0, 1.0 - bwd_transfer / bwd) if bwd > 0 else 1.0
     last = streamed_pipeline_end([(times[_program_index(ends, f)].end_s if streamed_early else end, up, down)
                                   for f, up, down in streamed],

@@ -40,6 +40,7 @@ import optax
 from chunkjax import optim
 from chunkjax.cost import Rates
 from chunkjax.errors import PlanError
+from chunkjax.host_contention import step_host_s_per_param
 from chunkjax.layout import ChunkLayout, LeafSlot, Piece
 from chunkjax.memory import DEVICE, PINNED_HOST, sharding
 from chunkjax.plan import plan_schedule
@@ -93,7 +94,8 @@ def predict_update_parts(n_streamed: int, n_host: int, chunk_size: int, state_by
     down and get ``param_bytes`` back; each direction at most half of
     ``rates.duplex_bytes_per_s``, the two-thread duplex rate of :mod:`chunkjax.duplex`) and the
     host kernel's time (``chunk_size`` elements per host chunk at
-    ``rates.host_update_s_per_param``); the three run in parallel, so the update takes the
+    :func:`chunkjax.host_contention.step_host_s_per_param`: the kernel beside the transfers where
+    measured, else ``rates.host_update_s_per_param``); the three run in parallel, so the update takes the
     longest. With a pipeline of one chunk (``depth=1``) a streamed chunk's two directions take
     turns (counted in both directions' time).
 
@@ -112,7 +114,7 @@ def predict_update_parts(n_streamed: int, n_host: int, chunk_size: int, state_by
     if depth <= 1:  # no fetch while a write-back runs
         turns = n_streamed * state_bytes * (1 / rates.h2d_bytes_per_s + 1 / rates.d2h_bytes_per_s)
         h2d_s, d2h_s = max(h2d_s, turns), max(d2h_s, turns)
-    kernel_s = n_host * chunk_size * rates.host_update_s_per_param
+    kernel_s = n_host * chunk_size * step_host_s_per_param(rates)  # beside the transfers where measured so
     return UpdateTime(h2d_s, d2h_s, kernel_s, max(h2d_s, d2h_s, kernel_s))
 
 

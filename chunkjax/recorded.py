@@ -40,7 +40,9 @@ def recorded_rates(record, system: str | None, fields) -> dict:
     sum, and ``host_update_s_per_param``, the kernel's seconds inside the update per host-updated
     param. From a bench system: the rates it calibrated (``extra.rates``) with
     ``host_update_s_per_param`` its host thread's update seconds in the step (``update_s``) over
-    its host-updated params (``extra.schedule_counts`` x ``extra.chunk_size``) where recorded.
+    its host-updated params (``extra.schedule_counts`` x ``extra.chunk_size``) where recorded (then
+    without the start-up ``host_update_loaded_s_per_param``: the step is timed at the rate it ran at,
+    :func:`chunkjax.host_contention.step_host_s_per_param`).
 
     Args:
       record: a results JSON (path, or the parsed dict).
@@ -81,6 +83,7 @@ def recorded_rates(record, system: str | None, fields) -> dict:
     n_host = sum(n for k, n in (extra.get("schedule_counts") or {}).items() if k.endswith("update_host"))
     if s.get("update_s") and n_host and extra.get("chunk_size"):
         out["host_update_s_per_param"] = s["update_s"] / (n_host * extra["chunk_size"])
+        out.pop("host_update_loaded_s_per_param", None)  # the in-step rate is the loaded one: time the step at it
     return out
 
 

@@ -48,18 +48,24 @@ HOST_RATE_PARAMS = 2**26
 
 def calibrated_rates(host_stats: dict | None = None):
     """``(rates, matmul TFLOP/s)``: the planner's :class:`chunkjax.cost.Rates` calibrated on this
-    machine (the matmul probe and the host AdamW kernel's seconds per parameter) on a GPU; the
-    default rates and None elsewhere. The main job and the benchmark plan with the same rates.
-    ``host_stats``: filled with the host kernel timing's min, median and working set
-    (:func:`chunkjax.host_update.measure_host_update_rate`'s ``stats``) on a GPU."""
+    machine (the matmul probe and the host AdamW kernel's seconds per parameter, alone and beside the
+    device's compute and both PCIe directions, the rate a step's host thread runs at:
+    :mod:`chunkjax.host_contention`) on a GPU; the default rates and None elsewhere. The main job and
+    the benchmark plan with the same rates. ``host_stats``: filled with the host kernel timing's min,
+    median and working set (:func:`chunkjax.host_update.measure_host_update_rate`'s ``stats``) and
+    the loaded timing's ``loaded_*`` figures (:func:`chunkjax.host_contention.measure_loaded_host_update_rate`)
+    on a GPU."""
     import jax
 
     from chunkjax.cost import Rates
     if jax.default_backend() != "gpu":
         return Rates(), None
+    from chunkjax.host_contention import measure_loaded_host_update_rate
     from chunkjax.host_update import measure_host_update_rate
     tflops = matmul_tflops()
-    return Rates.calibrated(tflops * 1e12, measure_host_update_rate(HOST_RATE_PARAMS, stats=host_stats)), tflops
+    alone = measure_host_update_rate(HOST_RATE_PARAMS, stats=host_stats)
+    loaded = measure_loaded_host_update_rate(HOST_RATE_PARAMS, stats=host_stats)
+    return Rates.calibrated(tflops * 1e12, alone, host_update_loaded_s_per_param=loaded), tflops
 
 
 
