@@ -47,8 +47,7 @@ class StageTrace:
         backward's fetches as overlapped with it; a while loop's are not:
         :func:`chunkjax.cost.predict_pipelined_step` ``looped_fetch``).
       loop_carry_bytes: bytes of the loop's float32 carry (the sums of the trainable chunks the
-        stage reads, whole chunks; 0: no loop, or not known), a part of ``temp_bytes``
-        (:func:`chunkjax.predict.loop_init_extra`).
+        stage reads, whole chunks; 0: no loop, or not known), a part of ``temp_bytes``.
     """
 
     name: str

@@ -94,7 +94,8 @@ def main(argv=None) -> int:
     ap.add_argument("--segments", default="", help="program starts forced on the in-program plan, e.g. 0,3,6,10 "
                     "(several looped backward moments a program: where XLA used to fill later loops early)")
     ap.add_argument("--in-program-only", action="store_true", help="skip the one-micro-batch plan")
-    ap.add_argument("--no-loop-extra", action="store_true", help="account without predict.loop_init_extra (if any)")
+    ap.add_argument("--no-loop-extra", action="store_true", help="account without predict.loop_init_extra "
+                    "(the old code's; gone since the loops are tied)")
     a = ap.parse_args(argv)
     rows = run(a)
     out = os.environ.get("OUT")
