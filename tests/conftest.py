@@ -61,7 +61,7 @@ FILE_SECONDS = {
     "data": 4, "accumulate_memory": 4, "pretrained": 3, "tide_eviction": 1, "plan_memo": 1, "overlap_window": 1,
     # added after that run, measured alone on the shared box: clip_plan, speculation_resume, remat, micro_cuts;
     # inprogram_micro now compiles each stage's micro-batch loop (mb8gap)
-    "clip_plan": 50, "speculation_resume": 45, "remat": 110, "micro_cuts": 105,
+    "clip_plan": 50, "speculation_resume": 45, "remat": 110, "micro_cuts": 105, "tied_loop": 5,
 }
 DEFAULT_FILE_SECONDS = 30
 

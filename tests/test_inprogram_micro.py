@@ -102,6 +102,24 @@ def test_in_program_equals_optax_and_the_per_micro_batch_path(setup):
     _assert_close(p_new, l_new, p_old, l_old)
 
 
+def test_tied_loops_train_bit_for_bit_as_plain_scans(setup, monkeypatch):
+    """The walker's loops tied to their inputs (:func:`chunkjax.tied_loop.tied_scan`: zeros and
+    stacked outputs made after an optimization barrier, written in place) change no bit against
+    plain ``jax.lax.scan`` / ``lax.map`` loops: 3 steps, pinned-host params, host and streamed
+    updates, clipping."""
+    from chunkjax import walker
+    cfg, params, batches, stages, layout, traces = setup
+    spec = AdamW(3e-3, weight_decay=0.1, max_grad_norm=CLIP)
+    sched = _split_schedule(layout, traces, spec, cfg)
+    kw = dict(host_optimizer=spec, compute_dtype=jnp.float32, micro_batches=M, accumulation="in_program")
+    tied = _train(cj.make_chunked_step(stages, layout, sched, **kw), params, batches[:3])
+    monkeypatch.setattr(walker, "tied_scan", _plain_scan)
+    plain = _train(cj.make_chunked_step(stages, layout, sched, **kw), params, batches[:3])
+    np.testing.assert_array_equal(tied[1], plain[1])
+    for a, b in zip(jax.tree.leaves(tied[0]), jax.tree.leaves(plain[0]), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 # ---- the planner's choice ------------------------------------------------------------------------
 
 def test_planner_prefers_in_program_fetching_once_and_falls_back(setup):
