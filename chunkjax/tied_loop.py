@@ -8,13 +8,15 @@ program of several in-program moments (:mod:`chunkjax.plan_micro`) every later l
 sums and stacked cotangents were then live from the program's first moment (on the H200 +3.5e9 bytes,
 18 % of a backward program; ``docs/storage.md``).
 
-:func:`tied_scan` runs the same loop with every buffer derived from its inputs: one
-``jax.lax.optimization_barrier`` ties the carry, the scanned inputs and a scalar zero together; the
-fresh zeros (carry leaves given as ``jax.ShapeDtypeStruct``) and the stacked outputs' buffers are
-broadcasts of that tied zero, carried by the loop and written in place
-(``dynamic_update_index_in_dim``). Nothing of the loop can be computed before its inputs exist (for a
-backward moment: the incoming cotangent, the previous loop's output), so the scheduler cannot hoist
-it. The arithmetic is the scan's, in the same order: results are bit-identical.
+:func:`tied_scan` runs the same loop with every buffer it fills derived from its first scanned input:
+a float32 zero computed from that input's first element (:func:`tied_zero`), the fresh zeros (carry
+leaves given as ``jax.ShapeDtypeStruct``) and the stacked outputs' buffers broadcasts of it, carried
+by the loop and written in place (``dynamic_update_index_in_dim``). None of the loop's buffers can be
+filled before that input exists (for a backward moment: the incoming cotangent, the previous loop's
+output), so the scheduler cannot hoist them. The arithmetic is the scan's, in the same order: results
+are bit-identical. (An ``optimization_barrier`` tying the zero to the inputs did the same on the
+compile, but on the CPU, where the barriers are expanded before the last CSE, a donated step then
+returned a device buffer for a pinned_host gradient at run time.)
 """
 from __future__ import annotations
 
@@ -31,6 +33,15 @@ def _fill(zero, spec):
     return jnp.broadcast_to(zero.astype(spec.dtype), spec.shape)
 
 
+def tied_zero(x) -> jax.Array:
+    """A float32 scalar +0.0 that XLA cannot compute before ``x`` (an array) exists: ``|x[0]| * 0``
+    where that is finite, else 0 (exactly +0.0 for every value of ``x``; arithmetic the compiler
+    cannot fold, where an ``optimization_barrier`` on the CPU, expanded before its last CSE, let
+    a pinned_host output alias a device buffer at run time)."""
+    v = jnp.abs(x.reshape(-1)[0].astype(jnp.float32))
+    return jnp.where(jnp.isfinite(v), v * 0.0, 0.0).astype(jnp.float32)
+
+
 def tied_scan(body, init, xs, *, unroll: bool = False):
     """``jax.lax.scan(body, init, xs)`` whose buffers cannot be filled before its inputs exist.
 
@@ -39,7 +50,8 @@ def tied_scan(body, init, xs, *, unroll: bool = False):
       init: the initial carry (a pytree); a ``jax.ShapeDtypeStruct`` leaf stands for zeros of its
         shape and dtype, made after the tie (a ``jnp.zeros`` passed in is a constant XLA may fill at
         the program's start).
-      xs: the scanned inputs, leaves ``[M, ...]`` (M >= 1 the same for all).
+      xs: the scanned inputs, leaves ``[M, ...]`` (M >= 1 the same for all); the buffers wait for
+        the first leaf (put the loop's incoming cotangent or activation first).
       unroll: trace the loop unrolled (``jax.lax.scan(..., unroll=True)``: straight-line code, no
         loop buffers; the zeros are plain ``jnp.zeros``).
 
@@ -57,9 +69,8 @@ def tied_scan(body, init, xs, *, unroll: bool = False):
     m = leaves[0].shape[0]
     specs = jax.tree.map(lambda a: a if _is_spec(a) else jax.ShapeDtypeStruct(a.shape, a.dtype), init, is_leaf=_is_spec)
     _, y_spec = jax.eval_shape(body, specs, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), xs))
-    given = jax.tree.map(lambda a: None if _is_spec(a) else a, init, is_leaf=_is_spec)
-    zero, given, xs = jax.lax.optimization_barrier((jnp.zeros((), jnp.float32), given, xs))
-    carry = jax.tree.map(lambda s, g: _fill(zero, s) if _is_spec(s) else g, init, given, is_leaf=_is_spec)
+    zero = tied_zero(leaves[0])
+    carry = jax.tree.map(lambda a: _fill(zero, a) if _is_spec(a) else a, init, is_leaf=_is_spec)
     ys = jax.tree.map(lambda s: _fill(zero, jax.ShapeDtypeStruct((m,) + tuple(s.shape), s.dtype)), y_spec)
 
     def step(c, x):
