@@ -79,5 +79,5 @@ def tied_scan(body, init, xs, *, unroll: bool = False):
         ys = jax.tree.map(lambda b, v: jax.lax.dynamic_update_index_in_dim(b, v, i, 0), ys, y)
         return (i + 1, c, ys), None
 
-    (_, carry, ys), _ = jax.lax.scan(step, (jnp.zeros((), jnp.int32), carry, ys), xs)
+    (_, carry, ys), _ = jax.lax.scan(step, (jnp.zeros((), jnp.int32), carry, ys), xs, unroll=1)
     return carry, ys
