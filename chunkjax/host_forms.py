@@ -102,9 +102,8 @@ def assign_host_forms(s, cb, host_budget_bytes: int | None, *, chunk_size: int, 
             if u == HOST_UPDATE and k == PINNED_HOST]
     early = pr.streamed_early_extra(chunk_size, cb, traces, tide, s.param_kinds, s.update_locations, s.segments,
                                     s.streamed_early)  # predict adds it back (for the segments it is given)
-    device_part = [b - e - x - y for b, e, x, y in zip(s.predicted.device_bytes_per_moment,  # and the loops' fills
-                                                       pr.master_fetch_extra(cb, s.fetch, s.prefetch, s.master_fetch),
-                                                       early, pr.loop_init_extra(traces, tide, s.segments))]
+    device_part = [b - e - x for b, e, x in zip(s.predicted.device_bytes_per_moment,
+                                                pr.master_fetch_extra(cb, s.fetch, s.prefetch, s.master_fetch), early)]
 
     def with_forms(mf, segments):
         moments = [b + e for b, e in zip(device_part, pr.master_fetch_extra(cb, s.fetch, s.prefetch, mf))]

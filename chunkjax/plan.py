@@ -185,10 +185,9 @@ def _tide_one(layout: ChunkLayout, traces, tide: Tide, cb: pr.ChunkBytes, budget
     waiting = pr.waiting_grad_bytes(cb, loc, grad_done, T, micro_batches)
     accesses = [tuple(c for c in m.chunks if pk[c] == PINNED_HOST) for m in tide.moments]
     max_reads = max((len(a) for a in accesses), default=0)
-    loops = pr.loop_init_extra(traces, tide, segments)  # later in-program loops' buffers (issue 24)
     caps = []
     for t, m in enumerate(tide.moments):
-        avail = budget - model - m.non_model_bytes - waiting[t] - loops[t] - (reserve or 0) * (m.phase != "forward")
+        avail = budget - model - m.non_model_bytes - waiting[t] - (reserve or 0) * (m.phase != "forward")
         cap = math.floor(avail / cb.buffer) - prefetch * max_reads if cb.buffer else 0
         if cap < len(accesses[t]):
             return None

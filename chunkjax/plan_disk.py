@@ -74,9 +74,8 @@ def place_on_disk(s: Schedule, cb: pr.ChunkBytes, *, chunk_size: int, traces, ti
         order = order[:max(0, disk_budget // (versions * max(1, pr.disk_file_bytes(cb))))]
     if not order:
         return s
-    device_part = [b - e - x for b, e, x in zip(s.predicted.device_bytes_per_moment,  # predict adds the loops' back
-                                                pr.master_fetch_extra(cb, s.fetch, s.prefetch, s.master_fetch),
-                                                pr.loop_init_extra(traces, tide, s.segments))]
+    device_part = [b - e for b, e in zip(s.predicted.device_bytes_per_moment,
+                                         pr.master_fetch_extra(cb, s.fetch, s.prefetch, s.master_fetch))]
 
     def at(j):
         moved = set(order[:j])

@@ -400,28 +400,6 @@ def streamed_early_extra(chunk_size: int, cb: ChunkBytes, traces, tide: Tide, pa
     return [early if t >= first else 0 for t in range(T)]
 
 
-def loop_init_extra(traces: Sequence[StageTrace], tide: Tide, segments) -> list[int]:
-    """Device bytes at each moment held by the same program's later micro-batch loops (traces with
-    ``micro_loop`` > 1 looped as while loops, not ``loop_unrolled``; else zeros): XLA fills each
-    fused or backward moment's ``lax.scan`` buffers (the float32 carry,
-    ``StageTrace.loop_carry_bytes``; the stacked input cotangent, ``input_bytes``) by copies it
-    schedules at the program's start (issue 24, ``docs/storage.md``). At moment t of program
-    ``[a, b)`` (t itself fused or backward): those bytes summed over the fused and backward moments
-    u, t < u < b (moment u's own are in its ``temp_bytes``); a forward moment's ``temp_bytes`` (its
-    stage's recompute + vjp) covers what the forward needs and the head's fills besides."""
-    T = len(tide.moments)
-    if not looped_fetch(traces):
-        return [0] * T
-    starts = sorted(set(int(a) for a in segments) | {0})
-    own = [0 if m.phase == "forward" else traces[m.stage].input_bytes + traces[m.stage].loop_carry_bytes
-           for m in tide.moments]
-    out = [0] * T
-    for a, b in zip(starts, starts[1:] + [T]):
-        for t in range(a, min(b, T)):
-            out[t] = 0 if tide.moments[t].phase == "forward" else sum(own[t + 1:b])
-    return out
-
-
 def looped_fetch(traces: Sequence[StageTrace]) -> bool:
     """The moments loop over micro-batches inside their programs as a while loop (in-program
     traces, :func:`chunkjax.trace.in_program_traces`, not unrolled): the cost model's
@@ -446,7 +424,7 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
       fetch: per moment, chunk ids fetched for it.
       segments: program starts (moments).
       moment_bytes: device bytes at each moment (:func:`tide_moment_bytes` or
-        :func:`fixed_rule_moment_bytes`); the prediction adds :func:`loop_init_extra`.
+        :func:`fixed_rule_moment_bytes`).
       flops_per_step: training FLOPs of one step.
       rates: cost-model rates.
       forward_fetches: fetches timed in the forward pass (default: those of forward moments;
@@ -502,9 +480,8 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
     model = device_model_bytes(cb, param_kinds, update_locations)
     grad_done = grad_done_moments(traces, tide)
     streamed, _ = _streamed_ready(cb, traces, T, param_kinds, update_locations, segments, grad_done)
-    moment_bytes = [b + e + f for b, e, f in zip(moment_bytes, streamed_early_extra(
-        chunk_size, cb, traces, tide, param_kinds, update_locations, segments, streamed_early),
-        loop_init_extra(traces, tide, segments))]
+    moment_bytes = [b + e for b, e in zip(moment_bytes, streamed_early_extra(
+        chunk_size, cb, traces, tide, param_kinds, update_locations, segments, streamed_early))]
     peak = max(max(moment_bytes, default=0), model + update_phase_bytes(chunk_size, cb, update_locations))
     n_fetch = sum(len(f) for f in fetch)
     mf = set(master_fetch)

@@ -157,8 +157,7 @@ def choose_program_cut(s: Schedule, cb: pr.ChunkBytes, *, chunk_size: int, trace
     # the device bytes without the early pipeline's (predict adds them back for the cut it is given)
     early_x = pr.streamed_early_extra(chunk_size, cb, traces, tide, s.param_kinds, s.update_locations, s.segments,
                                       s.streamed_early)
-    base = [b - e - x for b, e, x in zip(s.predicted.device_bytes_per_moment, early_x,  # and the loops' fills
-                                         pr.loop_init_extra(traces, tide, s.segments))]
+    base = [b - e for b, e in zip(s.predicted.device_bytes_per_moment, early_x)]
 
     def search(x: Schedule, best: Schedule, best_t: float) -> tuple[Schedule, float]:
         has_streamed = STREAMED_UPDATE in x.update_locations
@@ -256,8 +255,7 @@ def retime(s: Schedule, cb: pr.ChunkBytes, *, chunk_size: int, traces, tide, rat
     (placement, update locations, host forms) is ``s``'s."""
     early_x = pr.streamed_early_extra(chunk_size, cb, traces, tide, s.param_kinds, s.update_locations, s.segments,
                                       s.streamed_early)
-    base = [b - e - x for b, e, x in zip(s.predicted.device_bytes_per_moment, early_x,  # and the loops' fills
-                                         pr.loop_init_extra(traces, tide, s.segments))]
+    base = [b - e for b, e in zip(s.predicted.device_bytes_per_moment, early_x)]
     return pr.predict(chunk_size, traces, tide, cb, s.param_kinds, s.update_locations, s.fetch,
                       s.segments if segments is None else tuple(segments), base, flops_per_step=flops_per_step,
                       rates=rates, master_fetch=s.master_fetch, micro_batches=micro_batches,

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from chunkjax.layout import ChunkLayout
 from chunkjax.stages import differentiated, split_loss, stage_vjp
+from chunkjax.tied_loop import tied_scan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,8 +47,7 @@ class StageTrace:
         backward's fetches as overlapped with it; a while loop's are not:
         :func:`chunkjax.cost.predict_pipelined_step` ``looped_fetch``).
       loop_carry_bytes: bytes of the loop's float32 carry (the sums of the trainable chunks the
-        stage reads, whole chunks; 0: no loop, or not known), a part of ``temp_bytes``
-        (:func:`chunkjax.predict.loop_init_extra`).
+        stage reads, whole chunks; 0: no loop, or not known), a part of ``temp_bytes``.
     """
 
     name: str
@@ -282,7 +282,8 @@ def in_program_traces(traces: tuple[StageTrace, ...], micro_batches: int, stages
 def _loop_fn(stage, head: bool, mask, m: int):
     """``(p, x, ct, b) -> (sums, dx)``: the walker's in-program backward moment of ``stage`` over
     ``m`` micro-batches (:meth:`chunkjax.walker.Walk._backward` / ``_head``): a ``jax.lax.scan``
-    over the parts of the whole batch (rows ``[i*k, (i+1)*k)``), each part's recompute + vjp,
+    over the parts of the whole batch (rows ``[i*k, (i+1)*k)``; :func:`chunkjax.tied_loop.tied_scan`
+    as the walker's), each part's recompute + vjp,
     its gradient added to float32 sums (the loop's carry), the input cotangents stacked; the
     head's cotangent (the loss's) is the loop's constant and its ``dx`` is scaled by ``1/m`` in
     float32, as the walker does."""
@@ -295,14 +296,14 @@ def _loop_fn(stage, head: bool, mask, m: int):
     def loop(p, x, ct, b):
         leaves = jax.tree.leaves(p)
         keep = [True] * len(leaves) if mask is None else mask
-        zeros = [jnp.zeros(a.shape, f32) for a, k in zip(leaves, keep) if k]
+        zeros = [jax.ShapeDtypeStruct(a.shape, f32) for a, k in zip(leaves, keep) if k]
 
         def body(acc, part):
             xi, ci, bi = part
             dp, dx = vjp(p, xi, ct if head else ci, bi)
             return [s + g.astype(f32) for s, g in zip(acc, jax.tree.leaves(dp))], dx
 
-        sums, dx = jax.lax.scan(body, zeros, parts((x, None if head else ct, b)))
+        sums, dx = tied_scan(body, zeros, parts((x, None if head else ct, b)))
         if dx is not None:
             if head:
                 dx = [(d.astype(f32) * f32(1.0 / m)).astype(d.dtype) for d in dx]

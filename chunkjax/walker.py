@@ -70,6 +70,7 @@ from chunkjax.memory import DEVICE, PINNED_HOST, ordered_after
 from chunkjax.loss_weight import WeightedLoss, as_float32, inverse_weight, is_weighted
 from chunkjax.remat import FULL, OFFLOAD, backward_saved, check_remat, forward_saving, kept_kinds  # noqa: F401
 from chunkjax.stages import split_loss, stage_vjp
+from chunkjax.tied_loop import tied_scan
 
 
 def rank_major(batch, micro_batches: int, n_ranks: int):
@@ -226,12 +227,14 @@ class Walk:
         return jax.tree.map(lambda a: a.reshape((m, a.shape[0] // m) + a.shape[1:]), tree)
 
     def _scan(self, body, init, xs):
-        """``jax.lax.scan`` over the micro-batches, unrolled with :attr:`unroll`."""
-        return jax.lax.scan(body, init, xs, unroll=True if self.unroll else 1)
+        """A scan over the micro-batches (unrolled with :attr:`unroll`) whose buffers are filled
+        only once its inputs exist (:func:`chunkjax.tied_loop.tied_scan`: untied, XLA fills every
+        loop of a program at its start, issue 24); ``ShapeDtypeStruct`` carry leaves: zeros."""
+        return tied_scan(body, init, xs, unroll=self.unroll)
 
     def _map(self, fn, xs):
-        """``jax.lax.map`` over the micro-batches (unrolled with :attr:`unroll`: a scan without carry)."""
-        return self._scan(lambda c, x: (c, fn(x)), None, xs)[1] if self.unroll else jax.lax.map(fn, xs)
+        """``jax.lax.map`` over the micro-batches: :meth:`_scan` without carry."""
+        return self._scan(lambda c, x: (c, fn(x)), None, xs)[1]
 
     @staticmethod
     def _whole(tree):
@@ -249,9 +252,11 @@ class Walk:
             acc[c] = self.layout.scatter_add(acc[c], c, dp)
         return acc
 
-    def _acc_of(self, acc: dict, s: int) -> dict:
-        """Stage ``s``'s trainable chunks' float32 accumulators (zeros where none yet): a loop's carry."""
-        return {c: acc[c] if c in acc else jnp.zeros((self.layout.chunk_size,), jnp.float32)
+    def _acc_of(self, acc: dict, s: int, fresh: bool = False) -> dict:
+        """Stage ``s``'s trainable chunks' float32 accumulators (zeros where none yet): a loop's carry;
+        with ``fresh`` the zeros as ``ShapeDtypeStruct`` s (:meth:`_scan` makes them after its tie)."""
+        z = jax.ShapeDtypeStruct if fresh else jnp.zeros
+        return {c: acc[c] if c in acc else z((self.layout.chunk_size,), jnp.float32)
                 for c in self.reads[s] if c not in self._frozen}
 
     def _head(self, st, s, arrays, x, batch, loss_scale, acc):
@@ -282,7 +287,7 @@ class Walk:
                 loss = as_float32(loss)
             return self._add_grads(a, s, grads_tree(dp)), (loss, aux, dx, w)
 
-        zeros = {c: jnp.zeros_like(v) for c, v in self._acc_of(acc, s).items()}
+        zeros = {c: jax.ShapeDtypeStruct((self.layout.chunk_size,), jnp.float32) for c in self._acc_of(acc, s)}
         sums, (losses, aux, dx, w) = self._scan(body, zeros, self._parts((x, batch)))
         if is_weighted(losses):
             inv = inverse_weight(jnp.sum(w))
@@ -305,7 +310,7 @@ class Walk:
             dp, dx = pull(ci)
             return self._add_grads(a, s, grads_tree(dp)), dx
 
-        a, dx = self._scan(body, self._acc_of(acc, s), self._parts((ct, x_in, batch)))
+        a, dx = self._scan(body, self._acc_of(acc, s, fresh=True), self._parts((ct, x_in, batch)))
         return {**acc, **a}, self._whole(dx)
 
     def _issue(self, t, anchor, batch, params, issued, horizon):

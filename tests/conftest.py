@@ -62,7 +62,7 @@ FILE_SECONDS = {
     # added after that run, measured alone on the shared box: clip_plan, speculation_resume, remat, micro_cuts,
     # host_contention (session 18: 5.8 s with its imports, 3 s of it tests);
     # inprogram_micro now compiles each stage's micro-batch loop (mb8gap)
-    "clip_plan": 50, "speculation_resume": 45, "remat": 110, "micro_cuts": 105, "host_contention": 3,
+    "clip_plan": 50, "speculation_resume": 45, "remat": 110, "micro_cuts": 105, "host_contention": 3, "tied_loop": 5,
 }
 DEFAULT_FILE_SECONDS = 30
 

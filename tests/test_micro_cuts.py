@@ -124,7 +124,7 @@ def test_the_planner_times_looped_and_unrolled_loops(setup):
     batch = jax.ShapeDtypeStruct((M * B, T + 1), jnp.int32)
     for unroll in (False, True):
         problem = fit.prepare(stages, params, batch, unroll_micro_batches=unroll, **kw)
-        s = fit.plan(problem, 2 * fit.auto_budget(problem))  # room for the loops' fills (predict.loop_init_extra)
+        s = fit.plan(problem, 2 * fit.auto_budget(problem))
         assert s.accumulation == IN_PROGRAM and s.unroll_micro_batches == unroll
         assert fit.build_step(problem, s).walk(problem.batch).unroll == unroll
 

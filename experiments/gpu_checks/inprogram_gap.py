@@ -13,6 +13,8 @@ also prints each stage's loop figure (:func:`chunkjax.trace.in_program_traces`, 
 estimate (one micro-batch's internals + (M - 1) x (input + output)). Before the fix the H200's GPT3_15B b64
 compiled 7.1-9.5 % over its accounting; one micro-batch plans compile within ~0.5 %. JSON: ``$OUT/inprogram_gap.json``.
 On the CPU compile with ``XLA_FLAGS=--xla_disable_hlo_passes=cse_barrier_expander`` (tests/test_lora.py says why).
+``--segments 0,3,6,10`` forces the in-program plan's programs (several looped backward moments in one: issue 24's
+hoisted loop buffers, gone since the loops are tied, :mod:`chunkjax.tied_loop`).
 """
 import argparse
 import dataclasses
@@ -27,21 +29,25 @@ def run(a) -> list:
     import jax
     import jax.numpy as jnp
 
-    from chunkjax import fit
+    from chunkjax import fit, predict
     from chunkjax.host_update import AdamW
     from chunkjax.plan_micro import grouped_problem
     from chunkjax.step import ChunkedStep
     from chunkjax.trace import in_program_traces
     from models import gpt
+    if a.no_loop_extra and hasattr(predict, "loop_init_extra"):
+        predict.loop_init_extra = lambda traces, tide, segments: [0] * len(tide.moments)
     if jax.default_backend() == "cpu":  # a GPU donates the programs' carries; the CPU does not by default
         ChunkedStep._donates = property(lambda self: True)
     cfg = dataclasses.replace(gpt.get_config("micro"), d_model=a.d, n_layers=a.layers, n_heads=a.heads,
                               vocab_size=a.vocab, seq_len=a.seq)
     rows = []
-    for m in (1, a.m):
+    for m in ((a.m,) if a.in_program_only else (1, a.m)):
         batch = jax.ShapeDtypeStruct((m * a.rows, a.seq + 1), jnp.int32)
         p = fit.prepare(gpt.gpt_stages(cfg), gpt.abstract_params(cfg), batch, host_optimizer=AdamW(1e-4),
                         compute_dtype=jnp.bfloat16, micro_batches=m, check_host=False, host_budget=None)
+        if a.segments and m > 1:
+            p = dataclasses.replace(p, segments=tuple(int(v) for v in a.segments.split(",")))
         try:
             fit.plan(p, 1)
             floor = 1
@@ -85,6 +91,11 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=8, help="rows per micro-batch")
     ap.add_argument("--m", type=int, default=8, help="micro-batches looped in-program")
     ap.add_argument("--frac", type=float, default=0.6)
+    ap.add_argument("--segments", default="", help="program starts forced on the in-program plan, e.g. 0,3,6,10 "
+                    "(several looped backward moments a program: where XLA used to fill later loops early)")
+    ap.add_argument("--in-program-only", action="store_true", help="skip the one-micro-batch plan")
+    ap.add_argument("--no-loop-extra", action="store_true", help="account without predict.loop_init_extra "
+                    "(the old code's; gone since the loops are tied)")
     a = ap.parse_args(argv)
     rows = run(a)
     out = os.environ.get("OUT")
