@@ -279,6 +279,12 @@ def run_chunkjax(args) -> dict:
         "h2d_bytes_per_step_accounted": p.h2d_bytes_per_step,
         "d2h_bytes_per_step_accounted": p.d2h_bytes_per_step,
         "step_s_predicted": p.time.step_s, "host_bytes_accounted": p.host_bytes,
+        # the plan's own bytes per parameter (issue 24 item 1): host bytes over every parameter, and
+        # over the host-resident chunks' (their master, state and the working set); model data per
+        # parameter as the plan counts it (compute params + master + optimizer state)
+        "host_bytes_per_param_accounted": p.host_bytes_per_param,
+        "host_resident_bytes_per_param": p.host_resident_bytes_per_param,
+        "model_bytes_per_param": (sys_.cb.params + sys_.cb.state) / sys_.layout.chunk_size,
         "predicted_time": p.time.to_dict(),
         "schedule_counts": sys_.schedule.counts(),
         "segments": list(sys_.schedule.segments),

@@ -360,15 +360,22 @@ def test_largest_mode_records_the_largest_ok_config(tmp_path):
             return {"rc": 0, "json": {"matmul_tflops": 10.0}, "stderr_tail": []}
         m = argv[argv.index("--model") + 1]
         rec = _fake_record("chunkjax", 10.0)
-        rec.update(losses=[6.0, 5.0] if ok[m] else [6.0, 7.0], losses_finite=True, loss_falling=ok[m])
+        rec.update(losses=[6.0, 5.0] if ok[m] else [6.0, 7.0], losses_finite=True, loss_falling=ok[m],
+                   model_bytes_per_param=16.0, host_bytes_accounted=5 * 2**30, host_resident_bytes_per_param=12.27)
         return {"rc": 0, "json": rec, "stderr_tail": []}
 
     argv = ["--largest", "--systems", "chunkjax", "--largest-models", "gpt2-small,micro,tiny", "--largest-seq", "16",
             "--run-id", "L", "--results-dir", str(tmp_path), "--largest-keep-going"]
     assert bench.main(argv, runner=runner) == 0
-    block = json.loads((tmp_path / "bench_L.json").read_text())["largest"]["chunkjax"]
-    assert block["largest"] == "tiny" and block["largest_n_params"] == gpt.get_config("tiny").n_params
+    res = json.loads((tmp_path / "bench_L.json").read_text())
+    block = res["largest"]["chunkjax"]
+    n = gpt.get_config("tiny").n_params
+    assert block["largest"] == "tiny" and block["largest_n_params"] == n
     assert set(block["tried"]) == {"micro", "tiny", "gpt2-small"} and not block["tried"]["gpt2-small"]["ok"]
+    # the plan's bytes per parameter, not a fixed 14 (issue 24 item 1: the plan reports its own)
+    assert block["largest_model_bytes"] == int(16 * n) and block["largest_host_resident_bytes_per_param"] == 12.27
+    md = bench.render_markdown(res, "bench_L.json", None)
+    assert f"(N = {n:,}, model data {16 * n / 2**30:.1f} GiB at 16 B/param, host 5.0 GiB planned (12.27 B/param" in md
 
 
 def test_bad_input_exits_2(tmp_path, capsys):
