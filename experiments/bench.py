@@ -87,7 +87,7 @@ ALL_KEYS = REQUIRED_KEYS + RUN_KEYS + EXTRA_KEYS + ANCHOR_KEYS
 #: Configs tried by ``--largest`` when ``--largest-models`` is not given (sorted by N there).
 DEFAULT_LARGEST_MODELS = ("GPT3_6B", "GPT3_8B", "GPT3_10B", "GPT3_12B", "GPT3_15B", "GPT3_18B")
 #: Tried after them with ``--storage`` (past host RAM: the disk tier), from models/gpt.py.
-STORAGE_LARGEST_MODELS = ("GPT3_20B", "GPT3_40B")
+STORAGE_LARGEST_MODELS = ("GPT3_19B", "GPT3_20B", "GPT3_40B")
 
 #: The plan's figures a ``--largest`` summary keeps beside the measured ones (from the chunkjax record).
 LARGEST_PLAN_KEYS = ("step_s_predicted", "peak_device_bytes_accounted", "host_bytes_accounted", "host_budget_bytes",
