@@ -29,9 +29,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 
 def prepare(model: str, batch: int, seq: int, micro_batches: int = 1, storage: str = "", keep_previous=False,
-            host_budget: int | None = None, unroll: bool = False):
+            host_budget: int | None = None, unroll: bool = False, chunk_size: int | None = None):
     """The bench's fit problem for ``model`` (abstract shapes, no host check), as a GPU's (the disk tier
-    needs ``host_budget``, bytes; :func:`plan_one` plans at its own)."""
+    needs ``host_budget``, bytes; :func:`plan_one` plans at its own; ``chunk_size``: elements, None:
+    the layout's search, as the bench's ``--set chunk_size=N``)."""
     import jax
     import jax.numpy as jnp
 
@@ -45,7 +46,7 @@ def prepare(model: str, batch: int, seq: int, micro_batches: int = 1, storage: s
                     host_optimizer=AdamW(1e-4, weight_decay=1e-4), compute_dtype=jnp.bfloat16,
                     micro_batches=micro_batches, flops_per_step=float(cfg.flops_per_token(seq) * batch * seq),
                     host_budget=host_budget, check_host=False, storage=st,
-                    unroll_micro_batches=unroll)
+                    unroll_micro_batches=unroll, chunk_size=chunk_size)
     return dataclasses.replace(p, platform="gpu"), cfg
 
 
@@ -128,13 +129,16 @@ def main(argv=None) -> int:
                     help="stage temporaries recorded on the GPU by a run of a model of the same width at the same "
                          "batch (e.g. experiments/results/bench_s8_largest_12b.json for the 4096-wide GPT3s at 8x1024) "
                          "in place of the CPU's traces")
+    ap.add_argument("--chunk-size", type=int, default=None,
+                    help="elements per chunk (default: the layout's search; the bench's --set chunk_size=N)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     from chunkjax.plan import parse_bytes
     hosts = [int(float(x)) for x in a.host.split(",")]
     rows = []
     for model in a.model.split(","):
-        p, cfg = prepare(model, a.batch, a.seq, a.micro_batches, a.storage, host_budget=hosts[0], unroll=a.unroll)
+        p, cfg = prepare(model, a.batch, a.seq, a.micro_batches, a.storage, host_budget=hosts[0], unroll=a.unroll,
+                         chunk_size=a.chunk_size)
         if a.gpu_temps:
             p = with_gpu_temps(p, cfg, a.gpu_temps, a.batch, a.seq)
         for host in hosts:
@@ -142,6 +146,8 @@ def main(argv=None) -> int:
                 r = plan_one(p, cfg, parse_bytes(a.budget), host, pool or None,
                              None if a.disk_gb is None else int(a.disk_gb * 1e9))
                 r["stage_temps"] = a.gpu_temps or "cpu traces"
+                r["chunk_size"], r["n_chunks"] = p.layout.chunk_size, p.layout.n_chunks
+                r["padding_elements"] = p.layout.n_chunks * p.layout.chunk_size - cfg.n_params
                 rows.append(r)
                 print(json.dumps(r, default=str), flush=True)
     if a.json:
