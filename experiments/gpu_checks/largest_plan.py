@@ -29,7 +29,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 
 def prepare(model: str, batch: int, seq: int, micro_batches: int = 1, storage: str = "", keep_previous=False,
-            host_budget: int | None = None, unroll: bool = False, chunk_size: int | None = None):
+            host_budget: int | None = None, unroll: bool = False, chunk_size: int | None = None,
+            n_layers: int | None = None):
     """The bench's fit problem for ``model`` (abstract shapes, no host check), as a GPU's (the disk tier
     needs ``host_budget``, bytes; :func:`plan_one` plans at its own; ``chunk_size``: elements, None:
     the layout's search, as the bench's ``--set chunk_size=N``)."""
@@ -40,7 +41,7 @@ def prepare(model: str, batch: int, seq: int, micro_batches: int = 1, storage: s
     from chunkjax.host_update import AdamW
     from chunkjax.storage.updater import StorageOptions
     from models import gpt
-    cfg = gpt.get_config(model)
+    cfg = gpt.get_config(model, **({"n_layers": n_layers} if n_layers else {}))
     st = StorageOptions(tuple(storage.split(",")), keep_previous=keep_previous) if storage else None
     p = fit.prepare(gpt.gpt_stages(cfg), gpt.abstract_params(cfg), jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32),
                     host_optimizer=AdamW(1e-4, weight_decay=1e-4), compute_dtype=jnp.bfloat16,
@@ -93,7 +94,7 @@ def plan_one(p, cfg, budget: int, host_budget: int, pool_gib: int | None, disk_b
                             **({"disk_budget_bytes": int(disk_bytes)} if disk_bytes else {}))
     eff = int(fit.HEADROOM * budget) - q.cb.params
     t0 = time.perf_counter()
-    out = {"model": cfg.name, "n_params": cfg.n_params, "device_budget_bytes": budget, "planned_at_bytes": eff,
+    out = {"model": cfg.name, "n_layers": cfg.n_layers, "n_params": cfg.n_params, "device_budget_bytes": budget, "planned_at_bytes": eff,
            "host_budget_bytes": int(host_budget), "pool_gib": pool_gib, "micro_batches": q.micro_batches}
     try:
         s = fit.plan(q, eff)
@@ -129,6 +130,7 @@ def main(argv=None) -> int:
                     help="stage temporaries recorded on the GPU by a run of a model of the same width at the same "
                          "batch (e.g. experiments/results/bench_s8_largest_12b.json for the 4096-wide GPT3s at 8x1024) "
                          "in place of the CPU's traces")
+    ap.add_argument("--layers", type=int, default=None, help="the configs' blocks, overridden (a size between two configs)")
     ap.add_argument("--chunk-size", type=int, default=None,
                     help="elements per chunk (default: the layout's search; the bench's --set chunk_size=N)")
     ap.add_argument("--json", default=None)
@@ -138,7 +140,7 @@ def main(argv=None) -> int:
     rows = []
     for model in a.model.split(","):
         p, cfg = prepare(model, a.batch, a.seq, a.micro_batches, a.storage, host_budget=hosts[0], unroll=a.unroll,
-                         chunk_size=a.chunk_size)
+                         chunk_size=a.chunk_size, n_layers=a.layers)
         if a.gpu_temps:
             p = with_gpu_temps(p, cfg, a.gpu_temps, a.batch, a.seq)
         for host in hosts:
