@@ -409,7 +409,7 @@ def auto_budget(problem: FitProblem, *, policy: str = "tide") -> int:
 def min_budget(problem: FitProblem, *, policy: str = "tide") -> int:
     """The ``"min"`` per-rank device budget (bytes), the one definition of the front door
     (:func:`chunkjax.offload`, :func:`chunkjax.plan_offload`) and the planner CLI
-    (``experiments/plan.py --device-budget min``): the least budget a run can be given. The
+    (``experiments/plan.py``'s device budget ``min``): the least budget a run can be given. The
     planner's smallest budget with every parameter chunk offloaded (its ``PlanError.min_budget_bytes``;
     1 when any budget plans) over :data:`HEADROOM`, rounded up: on an accelerator the fit path
     checks the compiled step against ``HEADROOM`` of the budget, and a plan filling the budget
