@@ -149,9 +149,10 @@
 # * Session 18 (docs/storage.md, "Beyond GPT3_18B"): largest_plan.py --gpu-temps experiments/results/bench_s8_largest_12b.json
 #   (GPT3_12B's GPU stage temporaries: same width and batch) reproduces s17b's GPU plan of GPT3_18B exactly (135 / 129 /
 #   100, 127.09 GB/step, 91.7 s/step, need 127.71e9). The layout search's chunk size for the 4096-wide GPT3s,
-#   52953088, pads 4.9 %; 50337792 pads 0.2 %. GPT3_19B (96 blocks, 19.54e9) at that size, pool 56, host 117e9, disk
-#   68.67e9: 140 device / 136 host (all master-fetch) / 113 disk chunks, need 127.68e9 (s17b's), 136.52 GB/step,
-#   predicted 98.6 s/step. 97 blocks are refused (docs/storage.md has the line). The call (part b19):
+#   52953088, pads 4.9 %; 50337792 pads 0.2 %. GPT3_19B (94 blocks, 19.14e9) at that size, pool 56, host 117e9, disk
+#   68.67e9: 142 device / 136 host (all master-fetch) / 103 disk chunks, need 127.68e9 (s17b's), 124.44 GB/step,
+#   predicted 89.9 s/step (CPU traces: 134 / 136 / 111, 96.9 s). 96 blocks plan with the GPU's temporaries only (disk
+#   full), 97 are refused (docs/storage.md has the lines). The call (part b19):
 #   PREALLOC=false POOL19=56 B_STEPS=1 LIMIT=585 MEMLOG=$OUT/mem.log \
 #     bash experiments/gpu_checks/memwatch.sh bash experiments/gpu_checks/largest.sh <run> b19
 set -u
