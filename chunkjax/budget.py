@@ -11,8 +11,9 @@ Spellings, the same everywhere:
 * ``"auto"``: the budget the API finds itself (the front door and the fit path: the smallest
   budget with every chunk offloaded plus a fifth of the model's chunk bytes,
   :func:`chunkjax.fit.auto_budget`);
-* ``"min"``: the least budget the API's plan needs (the front door, the drop-in optimizers,
-  the planner CLI).
+* ``"min"``: the least budget the API's plan needs (the front door and the planner CLI: the
+  same, :func:`chunkjax.fit.min_budget`, the least a run can be given, over the fit path's
+  compiled-step headroom; the drop-in optimizers: their plan's least).
 
 An API that cannot give a keyword a meaning (``"auto"`` for a drop-in optimizer, which does not
 see the training loop's own device memory; ``"auto"`` for the planner CLI, which plans for a

@@ -406,6 +406,23 @@ def auto_budget(problem: FitProblem, *, policy: str = "tide") -> int:
     return int(floor + AUTO_BUDGET_MODEL_FRACTION * cb.model_bytes(problem.layout.n_chunks))
 
 
+def min_budget(problem: FitProblem, *, policy: str = "tide") -> int:
+    """The ``"min"`` per-rank device budget (bytes), the one definition of the front door
+    (:func:`chunkjax.offload`, :func:`chunkjax.plan_offload`) and the planner CLI
+    (``experiments/plan.py``'s device budget ``min``): the least budget a run can be given. The
+    planner's smallest budget with every parameter chunk offloaded (its ``PlanError.min_budget_bytes``;
+    1 when any budget plans) over :data:`HEADROOM`, rounded up: on an accelerator the fit path
+    checks the compiled step against ``HEADROOM`` of the budget, and a plan filling the budget
+    fails that check. Raises what :func:`plan` raises other than a device refusal."""
+    try:
+        plan(problem, 1, policy=policy)
+        return 1
+    except PlanError as e:
+        if not e.min_budget_bytes:
+            raise
+        return int(math.ceil(e.min_budget_bytes / HEADROOM))
+
+
 # ---- checks ----------------------------------------------------------------------------------
 
 def compiled_peak(problem: FitProblem, step, schedule) -> dict:

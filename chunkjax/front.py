@@ -35,7 +35,7 @@ import optax
 from chunkjax.discover import Discovery, discover, path_key
 from chunkjax.dtypes import compute_dtype_of
 from chunkjax.errors import PlanError
-from chunkjax.fit import HEADROOM, auto_budget, describe, fit_problem, plan, prepare, resolve_budget
+from chunkjax.fit import auto_budget, describe, fit_problem, min_budget, plan, prepare, resolve_budget
 from chunkjax.fit_batch import batch_rows
 from chunkjax.front_checkpoint import OffloadedChunkIO
 from chunkjax.memory import DEVICE
@@ -568,13 +568,8 @@ def _check_fit_kw(fit_kw: dict, name: str, fit_args: bool = True) -> None:
 
 
 def smallest_budget(problem, policy: str = "tide") -> int:
-    """The smallest per-rank device budget ``problem`` plans for (every parameter chunk offloaded:
-    the planner's ``PlanError.min_budget_bytes``), over :data:`chunkjax.fit.HEADROOM`, in bytes."""
-    try:
-        plan(problem, 1, policy=policy)
-        return 1
-    except PlanError as e:
-        return int(math.ceil(e.min_budget_bytes / HEADROOM))
+    """The ``"min"`` device budget (bytes): :func:`chunkjax.fit.min_budget` (the planner CLI's too)."""
+    return min_budget(problem, policy=policy)
 
 
 def _trainable_mask(model, d: Discovery, trainable, params: dict) -> dict:

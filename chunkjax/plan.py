@@ -548,10 +548,13 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: pr.Chun
 
         best = _tide(one, layout.n_chunks, budget, host_fits, resident)
         if best is None and disk is not None and one(budget, set()) is not None:  # the device fits; the host does not
-            least = min((s for s in (one(budget, set(range(k))) for k in range(layout.n_chunks + 1)) if s is not None),
-                        key=host_bytes)
-            raise host_disk_error(host_budget_bytes, host_bytes(least), least.predicted.storage_chunks,
-                                  workers, disk_budget_bytes)
+            # each placement's least host need over the storage chunks tried (plan_disk.place_on_disk)
+            need, least = min(((host_bytes(s), s) for s in (one(budget, set(range(k))) for k in range(layout.n_chunks + 1))
+                               if s is not None), key=lambda x: (x[0], x[1].predicted.storage_chunks))
+            if need >= OVER_HOST_LIMIT:
+                raise PinnedLimitError(_MSG_HOST_LIMIT.format(dev=budget), budget, False)
+            held = None if disk_budget_bytes is None else disk_budget_bytes // (disk_versions * max(1, pr.disk_file_bytes(plan_cb)))
+            raise host_disk_error(host_budget_bytes, least, need, budget, workers, disk_budget_bytes, held)
         if best is None:
             _tide_infeasible(one, offloaded_fits, layout.n_chunks, tide, plan_cb, budget, host_budget_bytes, ranks,
                              host_bytes)

@@ -28,9 +28,13 @@ from chunkjax.schedule import HOST_UPDATE, STORAGE_UPDATE, STREAMED_UPDATE, Sche
 #: (``StorageOptions(keep_previous=False)``: once).
 DISK_VERSIONS = 2
 
-_MSG_HOST_DISK = ("host budget {host} bytes is below the {need} bytes the host must hold even with {n} chunks' "
-                  "master params and optimizer state on {d} storage director{ies} (disk budget {disk}): use "
-                  "host_budget >= {need_size}, more disk space or a larger device budget")
+_MSG_HOST_DISK = ("host budget {host} bytes is below the host need of every plan tried at a device budget of {dev} "
+                  "bytes with {d} storage director{ies} (disk budget {disk}); the least is {need} bytes, the plan of "
+                  "{tiers}{why}: use host_budget >= {need_size}, more storage directories or disk space, a larger "
+                  "device_budget, or more micro_batches (smaller activations leave the device room for more chunks)")
+#: Why a plan of least host need keeps no chunk on disk (appended to :data:`_MSG_HOST_DISK`).
+_WHY_NO_DISK = (" (moving chunks to disk does not lower it: the storage workers' staging buffers cost more host than "
+                "the chunks the disk budget holds save)")
 
 
 def place_on_disk(s: Schedule, cb: pr.ChunkBytes, *, chunk_size: int, traces, tide, disk: tuple, rates,
@@ -57,8 +61,10 @@ def place_on_disk(s: Schedule, cb: pr.ChunkBytes, *, chunk_size: int, traces, ti
 
     Returns:
       ``s`` when it fits the host (or has nothing to move), else the schedule with the fewest
-      storage chunks that fits, or the one with the most the disk budget allows (the caller's
-      host check refuses it).
+      storage chunks that fits; when none fits, the one of least host need among those tried
+      (``s`` itself included: the workers' staging buffers can cost more host than a few
+      storage chunks save, and the measure falls by steps), which the caller's host check
+      refuses and its error names (:func:`host_disk_error`).
     """
     host_budget, disk_budget, devices, versions, *rest = disk
     workers = rest[0] if rest and rest[0] is not None else devices
@@ -91,30 +97,60 @@ def place_on_disk(s: Schedule, cb: pr.ChunkBytes, *, chunk_size: int, traces, ti
     staging = storage_host_bytes(pr.disk_file_bytes(cb), workers, pr.STORAGE_STAGING_BUFFERS)
     j = min(len(order), max(1, math.ceil((hb(s) + staging - host_budget) / max(1, cb.state))))
     out = at(j)
-    while hb(out) > host_budget and j < len(order):
+    tried = [(hb(s), 0, s), (hb(out), j, out)]
+    while tried[-1][0] > host_budget and j < len(order):
         j += 1
         out = at(j)
-    if hb(out) <= host_budget:
-        # the fewest that fit: the estimate may overshoot when the measure falls by steps (the
-        # runtime's pinned pool halves as chunks leave it); the measure falls as j grows, so bisect
-        lo = 0
-        while j - lo > 1:
-            mid = (lo + j) // 2
-            cand = at(mid)
-            if hb(cand) <= host_budget:
-                j, out = mid, cand
-            else:
-                lo = mid
+        tried.append((hb(out), j, out))
+    if tried[-1][0] > host_budget:
+        return min(tried, key=lambda x: x[:2])[2]  # the least need, ties to the fewer storage chunks
+    # the fewest that fit: the estimate may overshoot when the measure falls by steps (the
+    # runtime's pinned pool halves as chunks leave it); the measure falls as j grows, so bisect
+    lo = 0
+    while j - lo > 1:
+        mid = (lo + j) // 2
+        cand = at(mid)
+        if hb(cand) <= host_budget:
+            j, out = mid, cand
+        else:
+            lo = mid
     return out
 
 
-def host_disk_error(host_budget: int, need: int, n_chunks: int, storage_devices: int,
-                    disk_budget: int | None) -> PlanError:
-    """The one-line error of a host budget too small even with the disk tier at its fullest."""
-    return PlanError(_MSG_HOST_DISK.format(host=host_budget, need=need, n=n_chunks, d=storage_devices,
-                                           ies="y" if storage_devices == 1 else "ies",
-                                           disk="unbounded" if disk_budget is None else f"{disk_budget} bytes",
-                                           need_size=format_bytes(need, up=True)), 0, False, int(need))
+def tiers_line(s: Schedule) -> str:
+    """Where ``s`` keeps its chunks' state, in words: ``"135 device / 129 host / 100 disk chunks"``
+    (``/ N streamed`` where some are streamed; frozen chunks not counted)."""
+    n = {u: sum(x == u for x in s.update_locations) for u in ("device", HOST_UPDATE, STREAMED_UPDATE, STORAGE_UPDATE)}
+    streamed = f" / {n[STREAMED_UPDATE]} streamed" if n[STREAMED_UPDATE] else ""
+    return f"{n['device']} device / {n[HOST_UPDATE]} host{streamed} / {n[STORAGE_UPDATE]} disk chunks"
+
+
+def host_disk_error(host_budget: int, least: Schedule, need: int, device_budget: int, storage_dirs: int,
+                    disk_budget: int | None, disk_chunks_max: int | None = None) -> PlanError:
+    """The one-line error of a host budget that no plan tried with the disk tier fits: the least
+    host need among them (``need``, bytes, the measure the plan compared with ``host_budget``), the
+    plan that needs it (``least``: its chunks per tier) and what to change.
+
+    Args:
+      host_budget, device_budget: the budgets planned for (bytes).
+      least: the plan of least host need; need: its host measure (bytes).
+      storage_dirs: storage directories (one near-storage worker each).
+      disk_budget: bytes the directories may hold (None: unbounded).
+      disk_chunks_max: chunk files the disk budget holds (None: unbounded), to say why the
+        least plan keeps no chunk on disk.
+
+    Returns:
+      a :class:`~chunkjax.errors.PlanError` with ``host_need_bytes`` = ``need``.
+    """
+    why = ""
+    if not least.predicted.storage_chunks:
+        why = (" (the disk budget holds no chunk file)" if disk_chunks_max == 0 else _WHY_NO_DISK)
+    msg = _MSG_HOST_DISK.format(host=host_budget, dev=device_budget, d=storage_dirs,
+                                ies="y" if storage_dirs == 1 else "ies",
+                                disk="unbounded" if disk_budget is None else f"{disk_budget} bytes",
+                                need=int(need), tiers=tiers_line(least), why=why,
+                                need_size=format_bytes(need, up=True))
+    return PlanError(msg, 0, False, int(need))
 
 
 def storage_line(schedule: Schedule, storage_devices: int, host_budget: int | None) -> str | None:

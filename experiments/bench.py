@@ -87,11 +87,12 @@ ALL_KEYS = REQUIRED_KEYS + RUN_KEYS + EXTRA_KEYS + ANCHOR_KEYS
 #: Configs tried by ``--largest`` when ``--largest-models`` is not given (sorted by N there).
 DEFAULT_LARGEST_MODELS = ("GPT3_6B", "GPT3_8B", "GPT3_10B", "GPT3_12B", "GPT3_15B", "GPT3_18B")
 #: Tried after them with ``--storage`` (past host RAM: the disk tier), from models/gpt.py.
-STORAGE_LARGEST_MODELS = ("GPT3_20B", "GPT3_40B")
+STORAGE_LARGEST_MODELS = ("GPT3_19B", "GPT3_20B", "GPT3_40B")
 
 #: The plan's figures a ``--largest`` summary keeps beside the measured ones (from the chunkjax record).
 LARGEST_PLAN_KEYS = ("step_s_predicted", "peak_device_bytes_accounted", "host_bytes_accounted", "host_budget_bytes",
-                     "effective_budget_bytes", "schedule_counts", "micro_batches", "segments")
+                     "effective_budget_bytes", "schedule_counts", "micro_batches", "segments",
+                     "host_bytes_per_param_accounted", "host_resident_bytes_per_param", "model_bytes_per_param")
 
 DEFAULT_HOST_LIMIT_GB = 110
 DEFAULT_MEM_FRACTION = 0.75  # XLA's default device pool fraction
@@ -539,7 +540,13 @@ def _summarize_largest(block: dict) -> None:
     best = max(ok, key=lambda m: gpt.get_config(m).n_params) if ok else None
     block["largest"] = best
     block["largest_n_params"] = gpt.get_config(best).n_params if best else None
-    block["largest_model_bytes"] = 14 * block["largest_n_params"] if best else None
+    # the plan's own figures (none for a system without a plan): model data at the plan's bytes
+    # per parameter, the host bytes it accounted and its host bytes per host-resident parameter
+    t = block["tried"][best] if best else {}
+    per = t.get("model_bytes_per_param")
+    block["largest_model_bytes"] = int(per * block["largest_n_params"]) if per else None
+    block["largest_host_bytes_accounted"] = t.get("host_bytes_accounted")
+    block["largest_host_resident_bytes_per_param"] = t.get("host_resident_bytes_per_param")
 
 
 def run_largest(args, runner, probe: dict, call: int) -> dict:
@@ -855,8 +862,7 @@ def render_markdown(results: dict, results_file: str, plot_file: str | None) -> 
         lines += ["", f"Largest model for `{system}` (batch {block.get('batch')} x {block.get('seq')}, "
                       f"{block.get('steps')} steps, budget {block.get('device_budget_bytes'):,} B"
                       f"{', compile only' if block.get('compile_only') else ''}): **{block.get('largest') or 'none'}**"
-                      + (f" (N = {block['largest_n_params']:,}, model data {block['largest_model_bytes'] / 2**30:.1f} GiB)"
-                         if block.get("largest") else ""),
+                      + (f" (N = {block['largest_n_params']:,}{_largest_plan_text(block)})" if block.get("largest") else ""),
                   "", "| model | N | ok | tokens/s | peak device GiB (measured) | compiled peak GiB | host GiB | "
                       "losses (first -> last) / reason |", "|---|---|---|---|---|---|---|---|"]
         from models import gpt
@@ -871,6 +877,18 @@ def render_markdown(results: dict, results_file: str, plot_file: str | None) -> 
                          f"| {_fmt(t.get('host_bytes'), 2**30)} | {info or '-'} |")
     lines += ["", "Commands:", "", "```", *results.get("commands", []), "```", f"<!-- bench:{rid}:end -->"]
     return "\n".join(lines) + "\n"
+
+
+def _largest_plan_text(block: dict) -> str:
+    """The plan's figures of a ``--largest`` block's largest model, for its heading (empty without a plan)."""
+    out, t = "", block["tried"][block["largest"]]
+    if block.get("largest_model_bytes"):
+        out += f", model data {block['largest_model_bytes'] / 2**30:.1f} GiB at {t['model_bytes_per_param']:.0f} B/param"
+    if block.get("largest_host_bytes_accounted") is not None:
+        out += f", host {block['largest_host_bytes_accounted'] / 2**30:.1f} GiB planned"
+        if block.get("largest_host_resident_bytes_per_param"):
+            out += f" ({block['largest_host_resident_bytes_per_param']:.2f} B/param of its host-resident chunks)"
+    return out
 
 
 def _phase_lines(sysd: dict, order) -> list[str]:

@@ -33,7 +33,7 @@ class ChunkjaxSystem:
                  segments="auto", host_update: bool = True, prefetch: int = 1, zero_stage: int = 0,
                  init: str = "leafwise", max_grad_norm: float | None = None, micro_batches: int = 1,
                  storage=None, host_budget="auto", cross_step: bool = True, remat: str = "full",
-                 unroll_micro_batches: bool = False, clip_expect: str = "auto"):
+                 unroll_micro_batches: bool = False, clip_expect: str = "auto", chunk_size: int | None = None):
         import jax
         import jax.numpy as jnp
 
@@ -78,7 +78,8 @@ class ChunkjaxSystem:
                                    device_budget=self.budget, storage=storage or None, host_budget=host_budget,
                                    cross_step=self.cross_step,  # planned and run so
                                    unroll_micro_batches=unroll_micro_batches,
-                                   clip_expect=clip_expect)  # "auto": "fires" with max_grad_norm (chunkjax.clip_plan)
+                                   clip_expect=clip_expect,  # "auto": "fires" with max_grad_norm (chunkjax.clip_plan)
+                                   chunk_size=chunk_size)  # None: chunkjax.layout.search_chunk_size
         if remat != "full":  # blocks keep their MLP activation (chunkjax.plan_remat; bench --set remat=auto|save|offload)
             self.problem = dataclasses.replace(self.problem, remat=remat, remat_names=gpt.REMAT_NAMES)
         self.disk, self.disk_steps = None, []  # the disk tier: the storage chunks' DiskState, each step's result
@@ -259,7 +260,8 @@ def run_chunkjax(args) -> dict:
                           cross_step=bool(int(getattr(args, "cross_step", 1))),
                           remat=getattr(args, "remat", "full"),
                           unroll_micro_batches=bool(int(getattr(args, "unroll_micro_batches", 0))),
-                          clip_expect=str(getattr(args, "clip_expect", "auto")))
+                          clip_expect=str(getattr(args, "clip_expect", "auto")),
+                          chunk_size=int(getattr(args, "chunk_size", 0) or 0) or None)  # --set chunk_size=N
     try:
         rec = measure_system(sys_, args)
     except Exception as e:  # keep the plan next to the failure (e.g. out of memory at run time)
@@ -279,6 +281,12 @@ def run_chunkjax(args) -> dict:
         "h2d_bytes_per_step_accounted": p.h2d_bytes_per_step,
         "d2h_bytes_per_step_accounted": p.d2h_bytes_per_step,
         "step_s_predicted": p.time.step_s, "host_bytes_accounted": p.host_bytes,
+        # the plan's own bytes per parameter (issue 24 item 1): host bytes over every parameter, and
+        # over the host-resident chunks' (their master, state and the working set); model data per
+        # parameter as the plan counts it (compute params + master + optimizer state)
+        "host_bytes_per_param_accounted": p.host_bytes_per_param,
+        "host_resident_bytes_per_param": p.host_resident_bytes_per_param,
+        "model_bytes_per_param": (sys_.cb.params + sys_.cb.state) / sys_.layout.chunk_size,
         "predicted_time": p.time.to_dict(),
         "schedule_counts": sys_.schedule.counts(),
         "segments": list(sys_.schedule.segments),

@@ -738,7 +738,9 @@ def main(argv=None) -> int:
                     help="a name of models/gpt.py's table (case-insensitive), or your model as module:factory "
                          "(factory(batch=, seq=) -> (nnx model, loss_fn, batch) or (stages, params, batch); see call_factory)")
     ap.add_argument("--device-budget", required=True,
-                    help="peak device bytes (per GPU with --ranks), e.g. 24GiB, 3.5e9, or min (the least the plan needs)")
+                    help="peak device bytes (per GPU with --ranks), e.g. 24GiB, 3.5e9, or min (the least budget a run can "
+                         "be given, chunkjax.offload's 'min': the least the plan needs over the fit path's "
+                         "compiled-step headroom, chunkjax.fit.min_budget)")
     ap.add_argument("--host-budget", default=None,
                     help="host memory for model data, bytes (the node's with --ranks; default: unbounded)")
     ap.add_argument("--batch", type=int, default=8, help="rows per step (the global batch with --ranks)")
@@ -794,15 +796,9 @@ def main(argv=None) -> int:
                       measured_rates=a.measured_rates, **step_options(a.compute_dtype, a.micro_batches, a.storage),
                       **({"host_budget": host} if a.storage else {}))  # the disk tier plans with a host budget
         inp = dataclasses.replace(inp, problem=dataclasses.replace(inp.problem, clip_expect=a.clip_expect))
-        if budget == "min":  # the least device budget the plan needs (what an infeasible plan names)
-            try:
-                plan_report(a.model, 1, host, inp.batch, inp.seq, a.prefetch, inputs=inp, n_ranks=a.ranks,
-                            zero_stage=a.zero_stage)
-                budget = 1
-            except cj.PlanError as e:
-                if not e.min_budget_bytes:
-                    raise
-                budget = e.min_budget_bytes
+        if budget == "min":  # the least device budget a run can be given: chunkjax.offload's "min"
+            from chunkjax.fit import min_budget
+            budget = min_budget(plan_problem(inp, host, a.prefetch, a.zero_stage))
         r = plan_report(a.model, budget, host, inp.batch, inp.seq, a.prefetch, inputs=inp, n_ranks=a.ranks,
                         zero_stage=a.zero_stage)
         r["plan_s"], r["clip_expect"] = time.time() - t0, a.clip_expect

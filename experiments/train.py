@@ -531,7 +531,8 @@ def run(cfg: TrainConfig) -> dict:
           + (f"; with clipping, speculative host updates may back up to {fb(h['speculation_bytes'])} "
              "of state beside it" if h.get("speculation_bytes") and "host" in fit_report.schedule.update_locations
              else "")
-          + f"; {(h['pinned_host_bytes'] + h['pageable_bytes']) / model.n_params:.2f} B/param of model data) of "
+          + f"; the plan's {schedule.predicted.host_bytes_per_param:.2f} B/param of the model, "
+            f"{schedule.predicted.host_resident_bytes_per_param:.2f} B/param of its host-resident chunks) of "
           + (f"{fb(h['available_bytes'])} available" if h.get("available_bytes") else "unknown available"),
           flush=True)
 
@@ -1037,7 +1038,8 @@ def _train(cfg, model, fitted, td, folder, t_start, resolved, resume=None, setup
         "device_budget_bytes": fit_report.budget_bytes,
         "peak_device_bytes_accounted": pred.peak_device_bytes, "peak_device_bytes_measured": peak_measured,
         "compiled_memory": fit_report.compiled,
-        "model_bytes": 14 * model.n_params,
+        # model data as the plan counts it: compute params + master + optimizer state per parameter
+        "model_bytes": int(model.n_params * (problem.cb.params + problem.cb.state) / layout.chunk_size),
         "device_chunk_bytes_accounted": pred.device_model_bytes,
         "chunk_bytes_accounted": problem.model_chunk_bytes,
         "h2d_bytes_per_step_accounted": pred.h2d_bytes_per_step,

@@ -96,6 +96,10 @@ _TABLE = {  # name: (hidden, layers, heads) -- PatrickStar's table, seq 1024
     "GPT3_12B": (4096, 60, 16),
     "GPT3_15B": (4096, 78, 16),
     "GPT3_18B": (4096, 90, 16),
+    # Between 18B and 20B (issue 24, "aim beyond"): the 4096-wide family with more blocks (each
+    # 201.3M params): 94 blocks, 19.14e9 params, the most that one H200 plans with its 64 GiB disk
+    # at batch 8 x 1024 on the CPU's traces (96 with the GPU's; docs/storage.md, "Beyond GPT3_18B").
+    "GPT3_19B": (4096, 94, 16),
     # Above 18B (issue 24): the shapes of ZeRO-Offload (Ren et al., USENIX ATC'21, the 20B and 40B
     # GPT-2-style models: hidden 8192, 25 / 50 layers), listed as GPT_DS_20B / GPT_DS_40B in
     # PatrickStar's examples/model_builder.py. 64 heads (head dim 128, cuDNN's fused attention)

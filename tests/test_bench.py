@@ -7,6 +7,7 @@ The worker subprocess is started when the module's first test runs and checked a
 its compile overlaps the in-process tests; the plain optax reference runs in this process (one
 Python + JAX start-up fewer).
 """
+import dataclasses
 import gzip
 import json
 import math
@@ -360,15 +361,22 @@ def test_largest_mode_records_the_largest_ok_config(tmp_path):
             return {"rc": 0, "json": {"matmul_tflops": 10.0}, "stderr_tail": []}
         m = argv[argv.index("--model") + 1]
         rec = _fake_record("chunkjax", 10.0)
-        rec.update(losses=[6.0, 5.0] if ok[m] else [6.0, 7.0], losses_finite=True, loss_falling=ok[m])
+        rec.update(losses=[6.0, 5.0] if ok[m] else [6.0, 7.0], losses_finite=True, loss_falling=ok[m],
+                   model_bytes_per_param=16.0, host_bytes_accounted=5 * 2**30, host_resident_bytes_per_param=12.27)
         return {"rc": 0, "json": rec, "stderr_tail": []}
 
     argv = ["--largest", "--systems", "chunkjax", "--largest-models", "gpt2-small,micro,tiny", "--largest-seq", "16",
             "--run-id", "L", "--results-dir", str(tmp_path), "--largest-keep-going"]
     assert bench.main(argv, runner=runner) == 0
-    block = json.loads((tmp_path / "bench_L.json").read_text())["largest"]["chunkjax"]
-    assert block["largest"] == "tiny" and block["largest_n_params"] == gpt.get_config("tiny").n_params
+    res = json.loads((tmp_path / "bench_L.json").read_text())
+    block = res["largest"]["chunkjax"]
+    n = gpt.get_config("tiny").n_params
+    assert block["largest"] == "tiny" and block["largest_n_params"] == n
     assert set(block["tried"]) == {"micro", "tiny", "gpt2-small"} and not block["tried"]["gpt2-small"]["ok"]
+    # the plan's bytes per parameter, not a fixed 14 (issue 24 item 1: the plan reports its own)
+    assert block["largest_model_bytes"] == int(16 * n) and block["largest_host_resident_bytes_per_param"] == 12.27
+    md = bench.render_markdown(res, "bench_L.json", None)
+    assert f"(N = {n:,}, model data {16 * n / 2**30:.1f} GiB at 16 B/param, host 5.0 GiB planned (12.27 B/param" in md
 
 
 def test_bad_input_exits_2(tmp_path, capsys):
@@ -669,3 +677,28 @@ def test_chunkjax_init_params_losses_match_plain_jax_step_by_step():
     with pytest.raises(ValueError, match="init="):
         ChunkjaxSystem(CFG, 2_500_000, batch, seq, init="zeros")
 
+
+
+def test_largest_plan_takes_a_gpu_runs_stage_temporaries(tmp_path):
+    """experiments/gpu_checks/largest_plan.py --gpu-temps: each stage's temporaries are those a GPU run
+    of a model of the same width, heads and vocabulary recorded at the same batch (blocks take its
+    h_0); a record of another width or batch is refused."""
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).parents[1] / "experiments" / "gpu_checks" / "largest_plan.py"
+    spec = importlib.util.spec_from_file_location("largest_plan", path)
+    lp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lp)
+    p, cfg = lp.prepare("micro", 2, 16)
+    temps = {"embed": 1111, "h_0": 2222, "head": 3333}
+    rec = tmp_path / "bench_x.json"
+    rec.write_text(json.dumps({"model": "micro", "batch": 2, "seq": 16,
+                               "systems": {"chunkjax": {"extra": {"stage_temp_bytes": temps}}}}))
+    q = lp.with_gpu_temps(p, cfg, str(rec), 2, 16)
+    names = [t.name for t in p.traces]
+    assert names[0] == "embed" and names[-1] == "head" and len(names) == cfg.n_layers + 2
+    assert [t.temp_bytes for t in q.traces] == [1111] + [2222] * cfg.n_layers + [3333]
+    assert [dataclasses.replace(t, temp_bytes=0) for t in q.traces] == [dataclasses.replace(t, temp_bytes=0)
+                                                                        for t in p.traces]
+    with pytest.raises(ValueError, match="not micro's width"):
+        lp.with_gpu_temps(p, cfg, str(rec), 4, 16)

@@ -132,7 +132,7 @@ def test_host_budget_too_small_even_with_disk_is_one_line(setup):
     half = fits.predicted.host_bytes // 2  # below every host chunk master-fetch: some chunks on disk
     s = plan_schedule(layout, traces, cb, floor, host_budget_bytes=half, **kw)
     assert s.predicted.storage_chunks >= 2 and s.predicted.host_bytes <= half
-    with pytest.raises(PlanError, match="even with 1 chunks'"):  # a disk that holds one chunk (two versions)
+    with pytest.raises(PlanError, match="the least is"):  # a disk that holds one chunk (two versions)
         plan_schedule(layout, traces, cb, floor, host_budget_bytes=half, disk_budget_bytes=2 * cb.state + 1, **kw)
     once = s.predicted.storage_chunks * cb.state + 1  # the state once on disk: half the space
     one = plan_schedule(layout, traces, cb, floor, host_budget_bytes=half, disk_budget_bytes=once, disk_versions=1,
@@ -140,6 +140,43 @@ def test_host_budget_too_small_even_with_disk_is_one_line(setup):
     assert one.predicted.storage_chunks == s.predicted.storage_chunks
     with pytest.raises(ValueError, match="policy='tide'"):
         plan_schedule(layout, traces, cb, 10**12, policy="fixed", host_budget_bytes=10**9, **kw)
+
+
+@pytest.mark.parametrize("dirs, disk_chunks, on_disk", [(1, 1, 0), (4, None, 24)])
+def test_host_refusal_names_the_least_host_need(setup, dirs, disk_chunks, on_disk):
+    """No plan fits the host budget: the error names the least host need among the plans tried,
+    not the disk-fullest plan's. With a disk budget of one chunk file, moving that chunk costs its
+    worker's staging buffers (3 chunk files) for the state of one chunk: the all-host plan needs
+    less (the error used to name the one-storage-chunk plan's need). With 4
+    directories and an unbounded disk the least is every chunk on disk. The number is the plans'
+    own: a host budget of it plans (``predicted.host_bytes`` equal to it, the chunks per tier the
+    message names), one byte less is refused; without storage directories the all-host plan's
+    refusal names the same need where the least keeps nothing on disk."""
+    import re
+    from chunkjax.plan_disk import tiers_line
+    cfg, params, batches, stages, layout, traces, cb = setup
+    kw = dict(flops_per_step=cfg.flops_per_token(T) * B * T)
+    with pytest.raises(PlanError) as e:
+        plan_schedule(layout, traces, cb, 1, **kw, host_budget_bytes=10**12, storage_devices=1)
+    floor = e.value.min_budget_bytes
+    half = plan_schedule(layout, traces, cb, floor, host_budget_bytes=10**12, **kw).predicted.host_bytes // 2
+    disk = dict(storage_devices=dirs, disk_budget_bytes=None if disk_chunks is None else 2 * disk_chunks * cb.state + 1)
+    with pytest.raises(PlanError) as e:
+        plan_schedule(layout, traces, cb, floor, host_budget_bytes=half, **disk, **kw)
+    msg, need = str(e.value), e.value.host_need_bytes
+    assert "\n" not in msg and f"host budget {half} bytes" in msg, msg
+    assert re.search(r"the least is (\d+) bytes", msg).group(1) == str(need), msg
+    assert "host_budget >=" in msg and "device_budget" in msg and "micro_batches" in msg and "storage directories" in msg
+    least = plan_schedule(layout, traces, cb, floor, host_budget_bytes=need, **disk, **kw)
+    assert least.predicted.host_bytes == need and least.predicted.storage_chunks == on_disk
+    assert f"the plan of {tiers_line(least)}" in msg, msg
+    with pytest.raises(PlanError):
+        plan_schedule(layout, traces, cb, floor, host_budget_bytes=need - 1, **disk, **kw)
+    if on_disk == 0:
+        assert "does not lower it" in msg, msg
+        with pytest.raises(PlanError) as e0:
+            plan_schedule(layout, traces, cb, floor, host_budget_bytes=half, **kw)
+        assert e0.value.host_need_bytes == need
 
 
 def _state_files(dirs):

@@ -554,14 +554,18 @@ def test_user_nnx_model_with_dropout_plans(user_model, capsys):
 
 
 def test_device_budget_spellings_are_the_front_doors(capsys):
-    """--device-budget takes the spellings of chunkjax.budget: 'min' plans at the least budget
-    (what an infeasible plan names), 'auto' is refused in one line
-    naming what the CLI takes."""
-    assert plan.main(MICRO + ["--device-budget", "100KiB", "--json"]) == 2
+    """--device-budget takes the spellings of chunkjax.budget: 'min' plans at the least budget a
+    run can be given (chunkjax.fit.min_budget: what an infeasible plan names over the fit path's
+    HEADROOM, as chunkjax.offload's 'min'), 'auto' is refused in one line naming what the CLI takes."""
+    import math
+
+    from chunkjax.fit import HEADROOM
+    assert plan.main(MICRO + ["--device-budget", "1", "--json"]) == 2
     need = json.loads(capsys.readouterr().out)["min_device_budget_bytes"]
     assert plan.main(MICRO + ["--device-budget", "min", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
-    assert r["feasible"] and 0 < r["device_budget_bytes"] <= need and r["predicted_peak_device_bytes"] <= r["device_budget_bytes"]
+    assert r["feasible"] and r["device_budget_bytes"] == math.ceil(need / HEADROOM) > need
+    assert r["predicted_peak_device_bytes"] <= r["device_budget_bytes"]
     assert plan.main(MICRO + ["--device-budget", "auto"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "'auto' is not supported by the planner CLI" in err[0] and "'min'" in err[0], err
@@ -582,6 +586,8 @@ def test_cli_plans_what_offload_plans_for_an_fp32_model(user_model, capsys):
     model = nnx.eval_shape(lambda: user_model.TinyNNX(nnx.Rngs(0)))
     batch = jax.ShapeDtypeStruct((2, 17), jnp.int32)
     least = cj.plan_offload(model, AdamW(1e-4, weight_decay=1e-4), user_model.nnx_loss, batch, device_budget="min")
+    assert plan.main(args + ["--device-budget", "min"]) == 0  # one "min": the front door's is the CLI's
+    assert json.loads(capsys.readouterr().out)["device_budget_bytes"] == least.budget_bytes
     budget = least.budget_bytes + least.problem.cb.model_bytes(least.problem.layout.n_chunks) // 2
     api = cj.plan_offload(model, AdamW(1e-4, weight_decay=1e-4), user_model.nnx_loss, batch, device_budget=budget)
     assert jnp.dtype(api.problem.compute_dtype) == jnp.float32

@@ -1,6 +1,7 @@
 # Issue 24 on the GPU: the largest models on one H200 (125.8 GiB host RAM, 64 GiB free disk), in parts of < 9 min.
 #   bash experiments/gpu_checks/largest.sh <run-id> a      # GPT3_15B host-only, batch 8 x 1024, 5 steps
 #   bash experiments/gpu_checks/largest.sh <run-id> b      # GPT3_18B with the disk tier, 5 steps (pool 56: see below)
+#   bash experiments/gpu_checks/largest.sh <run-id> b19    # GPT3_19B with the disk tier, chunks of a quarter block (below)
 #   bash experiments/gpu_checks/largest.sh <run-id> a2     # GPT3_15B, batch 64 = 8 micro-batches of 8 x 1024, disk tier
 #   bash experiments/gpu_checks/largest.sh <run-id> b2     # GPT3_18B, batch 16 = 8 micro-batches of 2 x 1024, disk tier
 #   bash experiments/gpu_checks/largest.sh <run-id> c      # GPT3_12B, 8 micro-batches: host only, then disk (host 110e9)
@@ -145,6 +146,15 @@
 #   check the init's GB/s). The call:
 #   PREALLOC=false POOL18=56 B_STEPS=1 EXTRA18="--host-budget 117e9" LIMIT=585 MEMLOG=$OUT/mem.log \
 #     bash experiments/gpu_checks/memwatch.sh bash experiments/gpu_checks/largest.sh <run> b
+# * Session 18 (docs/storage.md, "Beyond GPT3_18B"): largest_plan.py --gpu-temps experiments/results/bench_s8_largest_12b.json
+#   (GPT3_12B's GPU stage temporaries: same width and batch) reproduces s17b's GPU plan of GPT3_18B exactly (135 / 129 /
+#   100, 127.09 GB/step, 91.7 s/step, need 127.71e9). The layout search's chunk size for the 4096-wide GPT3s,
+#   52953088, pads 4.9 %; 50337792 pads 0.2 %. GPT3_19B (94 blocks, 19.14e9) at that size, pool 56, host 117e9, disk
+#   68.67e9: 142 device / 136 host (all master-fetch) / 103 disk chunks, need 127.68e9 (s17b's), 124.44 GB/step,
+#   predicted 89.9 s/step (CPU traces: 134 / 136 / 111, 96.9 s). 96 blocks plan with the GPU's temporaries only (disk
+#   full), 97 are refused (docs/storage.md has the lines). The call (part b19):
+#   PREALLOC=false POOL19=56 B_STEPS=1 LIMIT=585 MEMLOG=$OUT/mem.log \
+#     bash experiments/gpu_checks/memwatch.sh bash experiments/gpu_checks/largest.sh <run> b19
 set -u
 RUN=${1:-largest}
 PART=${2:-a}
@@ -179,6 +189,12 @@ if [[ $PART == b ]]; then
     ${EXTRA18:-}
   rm -rf "$DISK"
 fi
+if [[ $PART == b19 ]]; then  # past 18B: chunks of a quarter block and a LayerNorm scale (0.2 % padding; the search's 52953088 pads 4.9 %)
+  disk
+  run 19b_disk ${POOL19:-56} 120 --largest-models ${M19:-GPT3_19B} --largest-steps ${B_STEPS:-1} --storage "$DISK" \
+    --no-storage-keep-previous --set chunk_size=${CHUNK19:-50337792} ${EXTRA19:---host-budget 117e9}
+  rm -rf "$DISK"
+fi
 if [[ $PART == a2 || $PART == b2 ]]; then  # in-program accumulation where it fits (the plan line says which)
   if [[ $PART == a2 ]]; then tag=15b_disk_mb8; model=$M15; pool=${POOL15MB:-44}; batch=${MB15_BATCH:-64}
   else tag=18b_disk_mb8; model=$M18; pool=${POOL18MB:-56}; batch=${MB18_BATCH:-16}; fi
@@ -195,7 +211,7 @@ if [[ $PART == c ]]; then
     --set micro_batches=8 --host-budget ${HOST12:-110e9} --storage "$DISK" --no-storage-keep-previous
   rm -rf "$DISK"
 fi
-TAGS="15b 18b_disk 12b_mb8 12b_disk_mb8 15b_disk_mb8 18b_disk_mb8"
+TAGS="15b 18b_disk 19b_disk 12b_mb8 12b_disk_mb8 15b_disk_mb8 18b_disk_mb8"
 for t in $TAGS; do [ -f $OUT/$t.log ] && { echo "== $t"; tail -3 $OUT/$t.log; }; done
 python - "$RUN" $TAGS <<'P'
 import json, os, sys
