@@ -55,6 +55,14 @@ def _clip_and_resume_point(setup):
     return CLIP, k, fired
 
 
+@pytest.fixture(scope="module")
+def engine(setup):
+    """``(clip, k, fired, step)``: :func:`_clip_and_resume_point` and the step with that threshold,
+    built and compiled once for both tests (each starts from ``step.init``; a step keeps no state)."""
+    clip, k, fired = _clip_and_resume_point(setup)
+    return clip, k, fired, _step(setup, AdamW(3e-3, weight_decay=0.1, max_grad_norm=clip))
+
+
 def _step(setup, spec):
     cfg, params, batches, stages, layout, traces = setup
     cb = cj.chunk_bytes(layout, jnp.float32, state_bytes_per_chunk(spec.optax(), layout.chunk_size))
@@ -92,10 +100,9 @@ def _assert_same_bits(a, b):
             np.testing.assert_array_equal(xa[k], xb[k], err_msg=k)
 
 
-def test_resume_speculates_as_the_uninterrupted_run(setup, speculate_always, tmp_path):
+def test_resume_speculates_as_the_uninterrupted_run(setup, engine, speculate_always, tmp_path):
     cfg, params, batches, *_ = setup
-    clip, k, fired = _clip_and_resume_point(setup)
-    step = _step(setup, AdamW(3e-3, weight_decay=0.1, max_grad_norm=clip))
+    clip, k, fired, step = engine
     full, losses, spec = _run(step, step.init(params), batches)
     assert spec[k] and not spec[0], (spec, list(fired))  # the uninterrupted run speculates on step k + 1
     want = _bits(step, full)
@@ -114,12 +121,11 @@ def test_resume_speculates_as_the_uninterrupted_run(setup, speculate_always, tmp
     _assert_same_bits(_bits(step, state), want)
 
 
-def test_checkpoint_without_the_policy_input_still_restores(setup, speculate_always, tmp_path, monkeypatch):
+def test_checkpoint_without_the_policy_input_still_restores(setup, engine, speculate_always, tmp_path, monkeypatch):
     """An older checkpoint (no "speculation" entry in meta.json) restores and trains; its first
     step waits for the norm, as a process's first step does."""
     cfg, params, batches, *_ = setup
-    clip, k, _ = _clip_and_resume_point(setup)
-    step = _step(setup, AdamW(3e-3, weight_decay=0.1, max_grad_norm=clip))
+    clip, k, _, step = engine
     part, _, _ = _run(step, step.init(params), batches[:k])
     with monkeypatch.context() as m:  # saved as chunkjax did before the entry existed
         m.setattr(type(step), "checkpoint_state_meta", lambda self, state: {})
