@@ -25,13 +25,16 @@ import math
 
 #: The keyword spellings (lower case; matched case-insensitively, spaces stripped).
 KEYWORDS = ("auto", "min")
+#: The largest byte size taken (1 PiB): no accelerator, host or budget of this field is larger, so a
+#: bigger number is a typo (an exponent or a unit too many) rather than a budget.
+MAX_BYTES = 2**50
 
 
 def parse_bytes(text: str) -> int:
     """Parse ``"8GiB"``, ``"512MiB"``, ``"24GB"``, ``"1e9"`` or ``"123456"`` into bytes.
 
     Raises:
-      ValueError: unparsable or not positive (one line naming the accepted forms).
+      ValueError: unparsable, not positive or above :data:`MAX_BYTES` (one line naming the accepted forms).
     """
     units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
              "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -46,7 +49,14 @@ def parse_bytes(text: str) -> int:
         raise ValueError(f"cannot parse {text!r} as a byte size: use e.g. 8GiB, 512MiB, 24GB or a plain byte count")
     if val <= 0:
         raise ValueError(f"a byte size must be positive, got {text!r}: use e.g. 8GiB, 512MiB or 24GB")
-    return int(val * units[unit])
+    return _at_most_max(int(val * units[unit]), text)
+
+
+def _at_most_max(n: int, text) -> int:
+    if n > MAX_BYTES:
+        raise ValueError(f"{text!r} is {n:.3g} bytes, more than the {MAX_BYTES // 2**50} PiB any machine has: "
+                         "check the exponent and the unit (e.g. 24GiB, 2.4e10)")
+    return n
 
 
 def spellings(takes) -> str:
@@ -67,7 +77,7 @@ def parse_budget(budget, *, takes=KEYWORDS, who: str = "device_budget", api: str
       api: the API, for messages (``"the drop-in optimizer"``).
 
     Raises:
-      ValueError: an unparsable string, a size not positive, or a keyword not in ``takes`` (one
+      ValueError: an unparsable string, a size not positive or above :data:`MAX_BYTES`, or a keyword not in ``takes`` (one
         line naming what the API takes). TypeError: another type (a bool, None, a list...) or a
         float without a whole value.
     """
@@ -84,7 +94,7 @@ def parse_budget(budget, *, takes=KEYWORDS, who: str = "device_budget", api: str
         raise TypeError(f"{who} must be a whole number of bytes, got {budget!r}: pass {spellings(takes)}")
     if budget <= 0:
         raise ValueError(f"a byte size must be positive, got {budget!r}: use e.g. 8GiB, 512MiB or 24GB")
-    return int(budget)
+    return _at_most_max(int(budget), budget)
 
 
 def _why(key: str) -> str:

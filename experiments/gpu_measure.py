@@ -49,8 +49,8 @@ HOST_RATE_PARAMS = 2**26
 def calibrated_rates(host_stats: dict | None = None):
     """``(rates, matmul TFLOP/s)``: the planner's :class:`chunkjax.cost.Rates` calibrated on this
     machine (the matmul probe and the host AdamW kernel's seconds per parameter, alone and beside the
-    device's compute and both PCIe directions, the rate a step's host thread runs at:
-    :mod:`chunkjax.host_contention`) on a GPU; the default rates and None elsewhere. The main job and
+    device's compute and both PCIe directions, :mod:`chunkjax.host_contention`: recorded, not planned
+    with) on a GPU; the default rates and None elsewhere. The main job and
     the benchmark plan with the same rates. ``host_stats``: filled with the host kernel timing's min,
     median and working set (:func:`chunkjax.host_update.measure_host_update_rate`'s ``stats``) and
     the loaded timing's ``loaded_*`` figures (:func:`chunkjax.host_contention.measure_loaded_host_update_rate`)
@@ -64,8 +64,12 @@ def calibrated_rates(host_stats: dict | None = None):
     from chunkjax.host_update import measure_host_update_rate
     tflops = matmul_tflops()
     alone = measure_host_update_rate(HOST_RATE_PARAMS, stats=host_stats)
-    loaded = measure_loaded_host_update_rate(HOST_RATE_PARAMS, stats=host_stats)
-    return Rates.calibrated(tflops * 1e12, alone, host_update_loaded_s_per_param=loaded), tflops
+    # The loaded timing is recorded (host_stats' loaded_*), not planned with: on the H200 (s18x,
+    # docs/benchmarks.md "Eighteenth session") its median read 0.345 ns/param against the step's own
+    # 0.282, and the plan it chose (13 device / 10 streamed chunks) ran 1.876 s/step where the plan of
+    # the alone rate had run 1.686 s (s17m). The load is heavier than a step's (pred23's probe).
+    measure_loaded_host_update_rate(HOST_RATE_PARAMS, stats=host_stats)
+    return Rates.calibrated(tflops * 1e12, alone), tflops
 
 
 

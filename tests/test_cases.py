@@ -466,12 +466,23 @@ def test_parse_bytes(text, want):
     assert got == want and isinstance(got, int)
 
 
-@pytest.mark.parametrize("text", ["abc", "-1GiB", "8XB", "", "0", "GiB", "nan", "inf", "1e999GiB", "8 G i B x"])
+@pytest.mark.parametrize("text", ["abc", "-1GiB", "8XB", "", "0", "GiB", "nan", "inf", "1e999GiB", "8 G i B x", "1e99", "2000TiB"])
 def test_parse_bytes_rejects(text):
     with pytest.raises(ValueError) as ei:
         parse_bytes(text)
     msg = str(ei.value)
     assert "\n" not in msg and repr(text) in msg and "GiB" in msg
+
+
+def test_budget_above_any_machine_is_refused_not_planned():
+    """A fresh user's ``device_budget=1e99`` planned and trained, printing a 90-digit MiB count: a
+    number beyond :data:`chunkjax.budget.MAX_BYTES` is a typo, refused in one line; 1 PiB itself parses."""
+    from chunkjax.budget import MAX_BYTES, parse_budget
+    for bad in (1e99, 10**20, "1e99", MAX_BYTES + 1):
+        with pytest.raises(ValueError, match="PiB any machine has") as ei:
+            parse_budget(bad)
+        assert "\n" not in str(ei.value)
+    assert parse_budget(MAX_BYTES) == MAX_BYTES == parse_bytes("1024TiB")
 
 
 # ---- case 10: pinned host memory is budgeted, reported and checked against the runtime's cap -------
