@@ -299,7 +299,7 @@ def test_full_disk_fails_the_step_in_one_line(setup, tmp_path, monkeypatch):
     # the step object is dead: a checkpoint of it raises the same line and writes nothing
     with pytest.raises(StorageError, match="restore your last checkpoint"):
         ck.save_checkpoint(tmp_path / "ckpt", 2, step, st)
-    assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").rglob("*.npy"))
+    assert not (tmp_path / "ckpt").exists()  # not even an empty directory (a fresh user's session-18 report)
     st.master[sched.update_locations.index("storage")].close()
 
 

@@ -122,10 +122,10 @@ class SaveJob:
         self.sums: dict[str, list[int]] = {}  # every written file's [size, crc32] (checksums.json)
         self.ckptr = None
         self.stage = None  # set by finalize (the writer's stage)
+        engine.wait(state)  # a state whose pending work failed (a StorageError...) is refused before any directory exists
         if writer:  # under jax.distributed only process 0 touches the directory
             make_directory(directory)
             files.remove_stale_temporaries(directory)
-        engine.wait(state)
         # entries read from the state once its pending work is done (a step: the speculation policy's input)
         self.state_meta = dict(engine.checkpoint_state_meta(state)) if hasattr(engine, "checkpoint_state_meta") else {}
         self.tmp = files.tmp_dir(directory, step_number)
