@@ -112,6 +112,10 @@
 #   their accounting, all of it in one backward program of 4 moments (+3.50e9): XLA sets up every loop's float32 sums
 #   and stacked cotangent at the program's start (gapgpu: predict.loop_init_extra counts them; CPU 1.077x -> 0.886x).
 #   The re-plans above predate that change: re-plan a2 and b2 on the CPU (largest_plan.py) before their calls.
+#   Session 18: the loops are tied to their inputs (chunkjax.tied_loop) and loop_init_extra is deleted; the H200's gap
+#   is 0.994x (inprogram_gap_s18x.json). CPU re-plans: a2 at --host-budget 116e9 needs 126.88e9 (8 programs, 108 disk
+#   chunks, 111.0 s/step); b2 with MB18_BATCH=8 at 115e9 needs 125.97e9 (132 / 125 / 107, 98.0 s/step). Do not add
+#   --set unroll_micro_batches=1 here: s18b2's 32 unrolled programs compiled for 402 s and the call ended in the init.
 #   First (compiles only, JSON $OUT/inprogram_gap.json; ratio <= ~1.0 for both rows says the check will pass):
 #   timeout 300 python experiments/gpu_checks/inprogram_gap.py
 #   The loops are compiled once per plan on the GPU (3 stage programs per micro-batch group tried): budget a minute
