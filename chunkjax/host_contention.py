@@ -123,17 +123,8 @@ def measure_loaded_host_update_rate(n: int = 2**26, repeats: int = 10, *, load_b
     """
     if n < 1 or repeats < 1:
         raise ValueError(f"measure_loaded_host_update_rate(n={n}, repeats={repeats}): use n >= 1 and repeats >= 1")
-    import numpy as np
-
-    from chunkjax.host_update import AdamW, host_update_
-    from chunkjax.kernels import BF16_BITS_DTYPE, bf16_round_bits
-    rng = np.random.default_rng(0)
-    spec = AdamW(1e-3)
-    state = spec.host_state(n)
-    master = rng.standard_normal(n, dtype=np.float32)
-    grad = bf16_round_bits(rng.standard_normal(n, dtype=np.float32))
-    out = np.empty(n, BF16_BITS_DTYPE)
-    host_update_(spec, state, grad, master, out)  # compile and first-touch the pages
+    from chunkjax.host_update import host_update_, rate_problem
+    spec, state, grad, master, out = rate_problem(n)
     load = _Load(load_bytes, matmul, device)
     load.start()
     try:
@@ -146,7 +137,7 @@ def measure_loaded_host_update_rate(n: int = 2**26, repeats: int = 10, *, load_b
     finally:
         up, down = load.stop()
     if stats is not None:
-        stats.update(loaded_min_s_per_param=float(np.min(times)) / n,
+        stats.update(loaded_min_s_per_param=float(min(times)) / n,
                      loaded_median_s_per_param=float(statistics.median(times)) / n, loaded_n=int(n),
                      loaded_repeats=int(repeats), loaded_h2d_bytes_per_s=float(up), loaded_d2h_bytes_per_s=float(down))
     return float(statistics.median(times)) / n

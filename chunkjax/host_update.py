@@ -284,6 +284,21 @@ def writable_view(arr: jax.Array, dtype) -> np.ndarray:
     return np.frombuffer(buf, dtype=dtype)
 
 
+def rate_problem(n: int):
+    """``(spec, state, grad, master, out)``: an AdamW host update of ``n`` parameters (float32 master
+    and state, bf16-rounded gradient as uint16 bits, bf16 output bits), run once (numba compiled, pages
+    touched), for timing :func:`host_update_` on it (:func:`measure_host_update_rate`,
+    :func:`chunkjax.host_contention.measure_loaded_host_update_rate`). About 16 bytes per parameter."""
+    rng = np.random.default_rng(0)
+    spec = AdamW(1e-3)
+    state = spec.host_state(n)
+    master = rng.standard_normal(n, dtype=np.float32)
+    grad = bf16_round_bits(rng.standard_normal(n, dtype=np.float32))
+    out = np.empty(n, BF16_BITS_DTYPE)
+    host_update_(spec, state, grad, master, out)  # compile and first-touch the pages
+    return spec, state, grad, master, out
+
+
 def measure_host_update_rate(n: int = 2**24, repeats: int = 5, *, stats: dict | None = None) -> float:
     """Seconds per parameter of the in-place AdamW kernel on this machine (bf16 gradient in, bf16
     params out, all numba threads), the fastest of ``repeats`` timed calls after a warm-up call
@@ -305,13 +320,7 @@ def measure_host_update_rate(n: int = 2**24, repeats: int = 5, *, stats: dict | 
     """
     if n < 1 or repeats < 1:
         raise ValueError(f"measure_host_update_rate(n={n}, repeats={repeats}): use n >= 1 and repeats >= 1")
-    rng = np.random.default_rng(0)
-    spec = AdamW(1e-3)
-    state = spec.host_state(n)
-    master = rng.standard_normal(n, dtype=np.float32)
-    grad = bf16_round_bits(rng.standard_normal(n, dtype=np.float32))
-    out = np.empty(n, BF16_BITS_DTYPE)
-    host_update_(spec, state, grad, master, out)  # compile and first-touch the pages
+    spec, state, grad, master, out = rate_problem(n)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
