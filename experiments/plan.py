@@ -670,7 +670,7 @@ def _summary_zero(r: dict) -> str:
                        f"{c.split('/')[1][len('update_'):]}" for c, v in r["placement_counts"].items())
     fb = r["first_backward_moment"]
     return "\n".join([
-        f"{r['model']}: N={r['n_params'] / 1e9:.3g}B, model data {r['model_bytes'] / B:.2f} {bu} ({r['model_bytes_per_param']} B/param), "
+        f"{r['model']}: N={param_count(r['n_params'])}, model data {r['model_bytes'] / B:.2f} {bu} ({r['model_bytes_per_param']} B/param), "
         f"{r['n_chunks']} chunks x {r['chunk_size']} elements, each split over {n} ranks",
         f"ZeRO-{r['zero_stage']} over {n} ranks (planned on abstract shapes, no devices used); global batch "
         f"{r['batch']}x{r['seq']} = {r['batch_per_rank']}x{r['seq']} per rank",
@@ -704,7 +704,7 @@ def summary(r: dict) -> str:
     bu, B, du, D = ("GiB", 2**30, "GB", 1e9) if big else ("MiB", 2**20, "MB", 1e6)
     tu, k = _time_unit(r["predicted_step_s"])
     hb = "unbounded" if r["host_budget_bytes"] is None else f"{r['host_budget_bytes'] / B:.2f} {bu}"
-    lines = [f"{r['model']}: N={r['n_params'] / 1e9:.3g}B, model data {r['model_bytes'] / B:.2f} {bu} "
+    lines = [f"{r['model']}: N={param_count(r['n_params'])}, model data {r['model_bytes'] / B:.2f} {bu} "
              f"({r['model_bytes_per_param']} B/param), {r['n_chunks']} chunks x {r['chunk_size']} elements; batch {r['batch']}x{r['seq']}",
              f"device budget {r['device_budget_bytes'] / B:.2f} {bu}, host budget {hb}",
              f"tide: peak non-model {r['peak_non_model_bytes'] / B:.2f} {bu} over {r['n_moments']} moments, "
@@ -730,6 +730,14 @@ def summary(r: dict) -> str:
               f"chunkjax programs: {len(r['segments'])}, starting at moments {r['segments']} "
               f"(fused head at moment {fb - 1}, backward from {fb})"]
     return "\n".join(lines)
+
+
+def param_count(n: int) -> str:
+    """A parameter count as the field writes it: ``'921.2K'``, ``'6.16B'``, ``'1.3M'``."""
+    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            return f"{n / div:.3g}{unit}"
+    return str(int(n))
 
 
 def main(argv=None) -> int:

@@ -656,3 +656,9 @@ def test_plots_dir_that_cannot_be_created_is_one_line(tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and msg in err[0] and "give a directory this process can write" in err[0], err
     assert afile.read_text() == "x" and [p.name for p in tmp_path.iterdir()] == ["afile"]
+
+
+def test_parameter_count_is_written_in_the_fields_units():
+    """The plan CLI's header wrote a 921,216-parameter model as ``N=0.000921B`` (a fresh user's report)."""
+    from experiments.plan import param_count
+    assert [param_count(n) for n in (921_216, 6_160_057_344, 1_300_000, 12)] == ["921K", "6.16B", "1.3M", "12"]
