@@ -53,6 +53,18 @@ def setup():
             p, o, l = ref(p, o, b)
             ls.append(float(l))
         refs[dtype] = (p, np.asarray(ls))
+
+    @jax.jit
+    def ref_per_rank(p, o, b):  # the same float32 step, the gradient the mean of the N ranks' rows' gradients
+        g = jax.tree.map(lambda *h: sum(h[1:], h[0]) * (1.0 / N),
+                         *[jax.grad(lambda p: gpt.loss_fn(cfg, p, x, jnp.float32))(p) for x in jnp.split(b, N)])
+        u, o = tx.update(g, o, p)
+        return optax.apply_updates(p, u), o
+
+    p, o = params, tx.init(params)
+    for b in batches:
+        p, o = ref_per_rank(p, o, b)
+    refs["float32 per rank"] = p
     return cfg, params, batches, stages, layout, traces, cb, refs
 
 
@@ -112,10 +124,17 @@ def _check_equals_optax(setup, step, state, losses, dtype):
         np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
         # leaf-wise relative norm error: Adam divides by sqrt(v), so float32 summation-order
         # differences in tiny gradient entries grow; the single-device reference with its batch
-        # gradient summed per row differs from itself by up to 8.7e-5 this way (tests/test_zero.py)
-        for a, b in zip(jax.tree.leaves(step.master_params(state)), jax.tree.leaves(ref_p)):
-            a, b = np.asarray(a), np.asarray(b)
-            assert np.linalg.norm(a - b) / np.linalg.norm(b) < 3e-4
+        # gradient summed per row differs from itself by up to 8.7e-5 this way (tests/test_zero.py).
+        # Some random draws grow it further (session 18's clean clone: 4.8e-4 on wpe, the same for
+        # every ZeRO stage and placement): the bound is 3e-4 or 4x what the reference itself moves
+        # when its gradient is the mean of the N ranks' rows' gradients, as ZeRO's reduce-scatter
+        # sums them (measured on the same draw), whichever is larger.
+        halves = jax.tree.leaves(setup[-1]["float32 per rank"])
+        for a, b, h in zip(jax.tree.leaves(step.master_params(state)), jax.tree.leaves(ref_p), halves):
+            a, b, h = np.asarray(a), np.asarray(b), np.asarray(h)
+            own = np.linalg.norm(h - b) / np.linalg.norm(b)
+            err = np.linalg.norm(a - b) / np.linalg.norm(b)
+            assert err < max(3e-4, 4 * own), (err, own, b.shape)
     else:
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-2)
 
