@@ -437,7 +437,7 @@ def plan_offload(model, tx, loss_fn, batch, *, device_budget: int | str | None =
                        zero_stage, dict(prepare_kw))
     if device_budget is None:
         return OffloadPlan(d, problem, None, None)
-    budget = resolve_budget(device_budget) if not smallest else smallest_budget(problem, policy)
+    budget = resolve_budget(device_budget) if not smallest else min_budget(problem, policy=policy)
     budget = auto_budget(problem, policy=policy) if budget == "auto" else budget
     return OffloadPlan(d, problem, plan(problem, budget, policy=policy), int(budget))
 
@@ -466,7 +466,7 @@ def offload(model, tx, loss_fn, batch, *, device_budget: int | str = "auto", hos
       batch: an example batch, the planned shape: tokens (B, T+1) or any pytree of arrays with
         the batch axis first (e.g. ``{"images": (B, H, W, C), "labels": (B,)}``).
       device_budget: bytes per device for model data and activations: an int, ``"64MiB"``,
-        ``"auto"`` (:func:`chunkjax.fit.auto_budget`) or ``"min"`` (:func:`smallest_budget`: the
+        ``"auto"`` (:func:`chunkjax.fit.auto_budget`) or ``"min"`` (:func:`chunkjax.fit.min_budget`: the
         least the plan needs, every parameter chunk in pinned_host); ``host_budget``: bytes of
         host memory for model data, ``"auto"`` or None.
       wrt: nnx filter of the chunked leaves (default ``nnx.Param``); the rest of the model's
@@ -519,7 +519,7 @@ def offload(model, tx, loss_fn, batch, *, device_budget: int | str = "auto", hos
     smallest = _is_min(device_budget, none_ok=False)
     problem = _prepare(model, d, leaves, tx, None if smallest else device_budget, host_budget, trainable, mesh,
                        zero_stage, fit_kw)
-    fitted = fit_problem(problem, smallest_budget(problem, policy) if smallest else device_budget, policy=policy,
+    fitted = fit_problem(problem, min_budget(problem, policy=policy) if smallest else device_budget, policy=policy,
                          **fit_args)
     state = fitted.step.init(_leaf_source(d, leaves, fitted.step.layout))
     del leaves
@@ -565,11 +565,6 @@ def _check_fit_kw(fit_kw: dict, name: str, fit_args: bool = True) -> None:
     for k in fit_kw:
         if k not in known:
             raise TypeError(f"{name}() got an unexpected keyword argument {k!r}")
-
-
-def smallest_budget(problem, policy: str = "tide") -> int:
-    """The ``"min"`` device budget (bytes): :func:`chunkjax.fit.min_budget` (the planner CLI's too)."""
-    return min_budget(problem, policy=policy)
 
 
 def _trainable_mask(model, d: Discovery, trainable, params: dict) -> dict:

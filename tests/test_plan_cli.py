@@ -615,14 +615,14 @@ def test_cli_micro_batches_and_storage_plan_as_fit_does(user_model, tmp_path, ca
 
     import chunkjax as cj
     from chunkjax import fit
-    from chunkjax.front import smallest_budget
+    from chunkjax.fit import min_budget
     from chunkjax.host_update import AdamW
 
     stages, params, batch = user_model.make(4, 16)
     kw = dict(host_optimizer=AdamW(1e-4, weight_decay=1e-4), compute_dtype=jnp.float32, check_host=False)
     args = ["--model", "my_user_model:make", "--batch", "4", "--seq", "16", "--json", "--compute-dtype", "float32"]
     micro = fit.prepare(stages, params, batch, host_budget=None, micro_batches=2, **kw)
-    budget = smallest_budget(micro) + micro.cb.model_bytes(micro.layout.n_chunks) // 4
+    budget = min_budget(micro) + micro.cb.model_bytes(micro.layout.n_chunks) // 4
     want = fit.plan(micro, budget)
     assert plan.main(args + ["--micro-batches", "2", "--device-budget", str(budget)]) == 0
     r = json.loads(capsys.readouterr().out)
