@@ -3,9 +3,10 @@ batch, the gradient is the float32 mean of ``micro_batches`` equal parts' gradie
 order (as optax's ``MultiSteps`` inside one step), then ``tx`` updates the params.
 
 The loss and gradient program (the expensive compile: the whole model's forward and backward,
-unrolled over the micro-batches) is jitted once per (config, micro-batches, compute dtype) for the
-test process and shared by every reference run and test file that asks (only the small optax
-update is compiled per transformation)."""
+with several micro-batches one ``jax.lax.scan`` over them, the sum its carry: one forward and
+backward to trace and compile, not one per micro-batch) is jitted once per (config, micro-batches,
+compute dtype) for the test process and shared by every reference run and test file that asks
+(only the small optax update is compiled per transformation)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,12 +28,19 @@ def mean_grads(cfg, micro_batches=1, compute_dtype=jnp.float32):
 
         @jax.jit
         def grads(p, b):
-            ls, gs = zip(*[grads_of(p, x) for x in jnp.split(b, micro_batches)])
-            total = gs[0]
-            for g in gs[1:]:
-                total = jax.tree.map(jnp.add, total, g)
+            if micro_batches == 1:
+                l, total = grads_of(p, b)
+            else:  # the parts in order (jnp.split's rows), each gradient added to the float32 sum
+                def body(acc, x):
+                    l, g = grads_of(p, x)
+                    return jax.tree.map(jnp.add, acc, g), l
+
+                parts = b.reshape((micro_batches, b.shape[0] // micro_batches) + b.shape[1:])
+                zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), p)
+                total, ls = jax.lax.scan(body, zeros, parts)
+                l = jnp.mean(ls)
             g = jax.tree.map(lambda a: a * jnp.float32(1.0 / micro_batches), total)
-            return jnp.mean(jnp.stack(ls)), g, optax.tree.norm(g)
+            return l, g, optax.tree.norm(g)
 
         _GRADS[key] = grads
     return _GRADS[key]
