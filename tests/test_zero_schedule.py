@@ -28,13 +28,13 @@ SPEC = AdamW(2e-3, weight_decay=0.05)
 @pytest.fixture(scope="module")
 def setup():
     assert jax.device_count() >= N, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
-    cfg = gpt.get_config("micro", n_layers=3)
+    cfg = gpt.get_config("micro", n_layers=2)
     rng = np.random.default_rng(int(np.random.SeedSequence().entropy % (1 << 31)))
     params = gpt.init_params(cfg, jax.random.key(int(rng.integers(1 << 30))))
     batches = [jnp.asarray(rng.integers(0, cfg.vocab_size, (B, T + 1)), jnp.int32) for _ in range(STEPS)]
     stages = gpt.gpt_stages(cfg)
     order = cj.first_use_order(lambda p, b: cj.compose_loss(stages, p, b), params, batches[0])
-    # chunks of the wte leaf's size (what the search chose before leaves could span chunks): 8 chunks
+    # chunks of the wte leaf's size (what the search chose before leaves could span chunks): 6 chunks
     layout = build_zero_layout(params, N, cfg.vocab_size * cfg.d_model, order)
     ab = jax.ShapeDtypeStruct(batches[0].shape, jnp.int32)
     traces = cj.trace_stages(stages, layout, ab, jnp.bfloat16)
@@ -56,8 +56,11 @@ def setup():
 
     @jax.jit
     def ref_per_rank(p, o, b):  # the same float32 step, the gradient the mean of the N ranks' rows' gradients
-        g = jax.tree.map(lambda *h: sum(h[1:], h[0]) * (1.0 / N),
-                         *[jax.grad(lambda p: gpt.loss_fn(cfg, p, x, jnp.float32))(p) for x in jnp.split(b, N)])
+        def add_rank(total, x):  # rank by rank in order (jnp.split's rows): one gradient program, not N
+            return jax.tree.map(jnp.add, total, jax.grad(lambda p: gpt.loss_fn(cfg, p, x, jnp.float32))(p)), None
+
+        total, _ = jax.lax.scan(add_rank, jax.tree.map(jnp.zeros_like, p), b.reshape((N, B // N) + b.shape[1:]))
+        g = jax.tree.map(lambda h: h * (1.0 / N), total)
         u, o = tx.update(g, o, p)
         return optax.apply_updates(p, u), o
 
@@ -81,7 +84,7 @@ def _schedule(setup, placement):
     # mixed: one resident chunk, a budget tight enough for re-fetches, three programs
     segs = (0, len(stages) + 1, 2 * len(stages) - 2)
     roomy = plan_schedule(layout, traces, cb, 10**12, flops_per_step=1.0, resident=[0], segments=segs)
-    s = plan_schedule(layout, traces, cb, int(0.95 * roomy.predicted.peak_device_bytes), flops_per_step=1.0,
+    s = plan_schedule(layout, traces, cb, int(0.98 * roomy.predicted.peak_device_bytes), flops_per_step=1.0,
                       resident=[0], segments=segs)
     host = sum(u == "host" for u in s.update_locations)
     assert set(s.update_locations) == {"device", "host"} and len(s.segments) == 3
@@ -203,7 +206,9 @@ def test_bench_system_under_zero(monkeypatch):
     args = types.SimpleNamespace(worker="chunkjax", model="micro", batch=16, seq=16, steps=2, seed=0,
                                  budget_bytes=2**30, compile_only=False, zero_h2d_path=None, host_limit_gb=110,
                                  run_id="t", zero_stage=3)
-    rec = run_chunkjax(args)
+    from _shared_data import two_block_micro
+    with two_block_micro():  # the micro GPT with 2 blocks (the test's figures do not depend on the depth)
+        rec = run_chunkjax(args)
     assert rec["feasible"], rec.get("error")
     assert rec["losses_finite"] and rec["loss_falling"]
     assert rec["n_devices"] == N and rec["zero_stage"] == 3
