@@ -63,15 +63,16 @@ def references(setup):
     return _train(setup, _schedule(setup, tx), tx), (p_ref, l_ref)
 
 
-@pytest.mark.parametrize("option", [remat.SAVE, remat.OFFLOAD, "mixed", "offload_one_program"])
+@pytest.mark.parametrize("option", ["mixed", "offload_one_program"])
 def test_kept_activations_train_as_full_recompute_and_optax(setup, references, option):
-    """Kept on the device, offloaded (a program per moment: every kept array crosses programs, and
-    one program: fetched ahead inside it), and mixed with full recompute."""
+    """Kept on the device and offloaded, mixed with full recompute (a program per moment: every
+    kept array crosses programs, block 1's offloaded one from program 1 to 5, block 2's saved one
+    from 2 to 4), and every stage offloaded in one program (fetched ahead inside it). (Every block
+    saved, or every block offloaded, a program per moment: the paths of the mixed case's blocks.)"""
     cfg, params, batches, stages, layout, traces = setup
     tx = optax.adamw(1e-3)
     n = len(stages)
-    opts = ((remat.FULL, remat.SAVE, remat.OFFLOAD, remat.FULL) if option == "mixed"
-            else (remat.OFFLOAD,) * n if option == "offload_one_program" else (option,) * n)
+    opts = ((remat.FULL, remat.OFFLOAD, remat.SAVE, remat.FULL) if option == "mixed" else (remat.OFFLOAD,) * n)
     sched = dataclasses.replace(_schedule(setup, tx), remat=opts, remat_names=gpt.REMAT_NAMES)
     if option == "offload_one_program":
         sched = dataclasses.replace(sched, segments=(0,))
