@@ -156,21 +156,23 @@ def _assert_same(n_chunks, a, b):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-_REFS: dict = {}
+@pytest.fixture(scope="module")
+def clipped(setup):
+    """(AdamW whose clipping fires on some steps: the median of the unclipped reference's norms,
+    optax's (params, losses, norms) with it), on the mean gradient over ``M`` micro-batches."""
+    cfg, params, batches = setup[:3]
+    free = micro_batch_reference(cfg, params, batches, AdamW(3e-3, weight_decay=0.1).optax(), M)[2]
+    spec = AdamW(3e-3, weight_decay=0.1, max_grad_norm=float(np.median(free)))
+    return spec, micro_batch_reference(cfg, params, batches, spec.optax(), M)
 
 
 @pytest.mark.parametrize("group, unrolled", [(1, False), (2, False), (M, True)])
-def test_micro_batches_with_forward_cuts_equal_optax(setup, speculate_always, group, unrolled):
+def test_micro_batches_with_forward_cuts_equal_optax(setup, clipped, speculate_always, group, unrolled):
     """4 micro-batches per micro-batch, over groups of 2, and in-program with the loops unrolled,
     each planned with forward cuts and run with cross-step overlap and clipping that fires on
     some steps: equal to optax on the mean gradient over 6 steps, bit for bit the joined step."""
     cfg, params, batches, stages, layout, traces = setup
-    if "free" not in _REFS:
-        _REFS["free"] = micro_batch_reference(cfg, params, batches, AdamW(3e-3, weight_decay=0.1).optax(), M)[2]
-    spec = AdamW(3e-3, weight_decay=0.1, max_grad_norm=float(np.median(_REFS["free"])))
-    if "clip" not in _REFS:
-        _REFS["clip"] = micro_batch_reference(cfg, params, batches, spec.optax(), M)
-    ref_p, ref_l, _ = _REFS["clip"]
+    spec, (ref_p, ref_l, _) = clipped
     s, _ = _plan(setup, spec, group, unrolled)
     assert _forward_programs(s, len(stages)) > 1 and "host" in s.update_locations
     on = cj.make_chunked_step(stages, layout, s, host_optimizer=spec, compute_dtype=jnp.float32, micro_batches=M,
@@ -185,12 +187,13 @@ def test_micro_batches_with_forward_cuts_equal_optax(setup, speculate_always, gr
     _assert_same(layout.n_chunks, (s_on, l_on), _run(off, params, batches))
 
 
-def test_unrolled_loops_equal_the_while_loops_bit_for_bit(setup, monkeypatch):
+def test_unrolled_loops_equal_the_while_loops_bit_for_bit(setup, clipped, monkeypatch):
     """The in-program step with its micro-batch loops traced unrolled (``Schedule.
     unroll_micro_batches``) trains bit for bit as with ``lax.scan`` / ``lax.map`` while loops
-    (losses, params, master params, optimizer state over 3 steps), and unrolled is what ran."""
+    (losses, params, master params, optimizer state over 3 steps), and unrolled is what ran.
+    (The clipping of the equality test above: its unrolled step's programs, compiled once.)"""
     cfg, params, batches, stages, layout, traces = setup
-    spec = AdamW(3e-3, weight_decay=0.1, max_grad_norm=1.0)
+    spec = clipped[0]
     looped, _ = _plan(setup, spec, M)
     scan, seen = jax.lax.scan, []
     monkeypatch.setattr(jax.lax, "scan", lambda *a, **kw: seen.append(kw.get("unroll")) or scan(*a, **kw))
