@@ -251,7 +251,8 @@ def test_in_program_plan_compiles_within_its_accounting(micro_batches):
     for the loop) and the accumulators that a program emitting a host gradient held twice
     (undonated): compiled 1.23x the accounted peak here, 1.07-1.10x on the H200's GPT3_15B b64."""
     from chunkjax import fit
-    cfg = dataclasses.replace(gpt.get_config("micro"), d_model=128, n_layers=2, vocab_size=1024, seq_len=64)
+    # one block: the plan still has device, host and streamed chunks (the accounting is per stage)
+    cfg = dataclasses.replace(gpt.get_config("micro"), d_model=128, n_layers=1, vocab_size=1024, seq_len=64)
     batch = jax.ShapeDtypeStruct((micro_batches * 2, cfg.seq_len + 1), jnp.int32)
     problem = fit.prepare(gpt.gpt_stages(cfg), gpt.abstract_params(cfg), batch, host_optimizer=AdamW(1e-4),
                           compute_dtype=jnp.bfloat16, micro_batches=micro_batches, host_budget=None,
@@ -270,7 +271,7 @@ def test_in_program_plan_compiles_within_its_accounting(micro_batches):
     assert compiled <= 1.02 * accounted, (compiled, accounted, compiled / accounted)
     if micro_batches > 1:  # the donated float32 accumulators (bf16 gradients to host memory) change no bit
         rng = np.random.default_rng()
-        params = gpt.init_params(cfg, jax.random.key(int(rng.integers(1 << 30))))
+        params = jax.jit(gpt.init_params, static_argnums=0)(cfg, jax.random.key(int(rng.integers(1 << 30))))
         tokens = [jnp.asarray(rng.integers(0, cfg.vocab_size, batch.shape), jnp.int32) for _ in range(2)]
         runs = [_train(s, params, tokens) for s in (step, dataclasses.replace(step, donate=False))]
         np.testing.assert_array_equal(runs[0][1], runs[1][1])
