@@ -51,6 +51,21 @@ def _schedule(setup, spec, mb=1):
     return sched
 
 
+_PROGRAMS: dict = {}
+
+
+def _step(stages, layout, sched, **kw):
+    """``make_chunked_step``, its programs (traced, jitted and compiled per batch shape) those of
+    this module's earlier step of the same schedule and device-side options: the host-side ones
+    (the host optimizer, rollback, speculation bytes and policy) do not enter the programs (as
+    tests/test_micro_cuts.py shares them across ``cross_step``); built once, not per test."""
+    step = cj.make_chunked_step(stages, layout, sched, **kw)
+    host = ("host_optimizer", "rollback", "speculation_bytes", "speculation_policy")
+    key = (repr(sched), tuple(sorted((k, repr(v)) for k, v in kw.items() if k not in host)))
+    step.__dict__["_cache"] = _PROGRAMS.setdefault(key, step._cache)
+    return step
+
+
 @pytest.fixture
 def speculate_always(monkeypatch):
     """Every host chunk's update starts before the norm is known (the GPU's case)."""
@@ -117,8 +132,8 @@ def test_clipping_that_rarely_fires_equals_optax(setup, speculate_always, policy
     ref = _reference(cfg, params, batches, spec)
     fired = ref[2] >= clip
     assert 0 < fired.sum() <= 5
-    step = cj.make_chunked_step(stages, layout, _schedule(setup, spec), host_optimizer=spec,
-                                compute_dtype=jnp.float32, speculation_policy=policy)
+    step = _step(stages, layout, _schedule(setup, spec), host_optimizer=spec,
+                 compute_dtype=jnp.float32, speculation_policy=policy)
     state, losses, counts = _train(step, params, batches)
     _assert_equal_to_optax(step, state, losses, ref)
     _assert_policy(counts, fired, len(step.host_chunks), policy)
@@ -133,8 +148,8 @@ def test_clipping_that_always_fires_equals_optax(setup, speculate_always, rollba
     spec = AdamW(3e-3, weight_decay=0.1, max_grad_norm=1e-3)
     ref = _reference(cfg, params, batches[:6], spec)
     assert (ref[2] > 1e-3).all()
-    step = cj.make_chunked_step(stages, layout, _schedule(setup, spec), host_optimizer=spec,
-                                compute_dtype=jnp.float32, rollback=rollback, speculation_policy=policy)
+    step = _step(stages, layout, _schedule(setup, spec), host_optimizer=spec,
+                 compute_dtype=jnp.float32, rollback=rollback, speculation_policy=policy)
     state, losses, counts = _train(step, params, batches[:6])
     _assert_equal_to_optax(step, state, losses, ref)
     _assert_policy(counts, [True] * 6, len(step.host_chunks), policy)
@@ -150,8 +165,8 @@ def test_bounded_pool_and_no_speculation_are_bit_identical(setup, speculate_alwa
     sched = _schedule(setup, spec)
     out = {}
     for pool in (None, 12 * layout.chunk_size, 0):
-        step = cj.make_chunked_step(stages, layout, sched, host_optimizer=spec, compute_dtype=jnp.float32,
-                                    speculation_bytes=pool, rollback="backup", speculation_policy="always")
+        step = _step(stages, layout, sched, host_optimizer=spec, compute_dtype=jnp.float32,
+                     speculation_bytes=pool, rollback="backup", speculation_policy="always")
         state, losses, counts = _train(step, params, batches[:4])
         out[pool] = [np.asarray(m) for m in state.master], losses, counts
         assert state.pending.backups.peak_in_use_bytes <= (pool if pool is not None else 1 << 40)
@@ -165,8 +180,8 @@ def test_bounded_pool_and_no_speculation_are_bit_identical(setup, speculate_alwa
     # before the norm; the waiting chunks get the speculated chunks' arithmetic: the same bits
     inv = {}
     for bound in (None, 4 * layout.chunk_size, 0):
-        step = cj.make_chunked_step(stages, layout, sched, host_optimizer=spec, compute_dtype=jnp.float32,
-                                    speculation_bytes=bound, rollback="invert", speculation_policy="always")
+        step = _step(stages, layout, sched, host_optimizer=spec, compute_dtype=jnp.float32,
+                     speculation_bytes=bound, rollback="invert", speculation_policy="always")
         state, losses, counts = _train(step, params, batches[:4])
         inv[bound] = [np.asarray(m) for m in state.master], losses, counts
     assert [s for s, _ in inv[4 * layout.chunk_size][2]] == [1] * 4 and [s for s, _ in inv[0][2]] == [0] * 4
@@ -195,8 +210,8 @@ def test_nonfinite_step_restores_speculated_chunks(setup, speculate_always, roll
     cfg, params, batches, stages, layout, traces = setup
     spec = AdamW(3e-3, weight_decay=0.1, max_grad_norm=1.0)
     sched = _schedule(setup, spec)
-    step = cj.make_chunked_step(stages, layout, sched, host_optimizer=spec, compute_dtype=jnp.float32,
-                                nonfinite="skip", rollback=rollback, speculation_policy="always")
+    step = _step(stages, layout, sched, host_optimizer=spec, compute_dtype=jnp.float32,
+                 nonfinite="skip", rollback=rollback, speculation_policy="always")
     state, m = step(step.init(params), batches[0][:B])
     step.wait(state)
     before = [np.array(a, copy=True) for a in state.master]
@@ -217,8 +232,8 @@ def test_nonfinite_step_restores_speculated_chunks(setup, speculate_always, roll
         np.testing.assert_array_equal(state2.opt_state[c].v, v_)
         assert state2.opt_state[c].count == n_
         np.testing.assert_array_equal(np.asarray(state2.params[c]), before[c])
-    ref = cj.make_chunked_step(stages, layout, sched, host_optimizer=spec, compute_dtype=jnp.float32,
-                               rollback=rollback, speculation_policy="always")
+    ref = _step(stages, layout, sched, host_optimizer=spec, compute_dtype=jnp.float32,
+                rollback=rollback, speculation_policy="always")
     s_ref, _, _ = _train(ref, params, [batches[0], batches[2]])
     state3, _ = step(state2, batches[2][:B])
     step.wait(state3)
@@ -312,8 +327,8 @@ def test_mixed_host_and_streamed_step_equals_optax(setup, speculate_always):
     layout, traces, cb, budget, flops = _plan_inputs(setup, spec)
     sched = plan_schedule(layout, traces, cb, budget, flops_per_step=flops)
     assert set(sched.update_locations) == {"host", "streamed"}
-    step = cj.make_chunked_step(stages, layout, sched, host_optimizer=spec, compute_dtype=jnp.float32,
-                                speculation_policy="always")
+    step = _step(stages, layout, sched, host_optimizer=spec, compute_dtype=jnp.float32,
+                 speculation_policy="always")
     state, losses, counts = _train(step, params, batches[:8])
     ref = _reference(cfg, params, batches[:8], spec)
     _assert_equal_to_optax(step, state, losses, ref)
