@@ -50,6 +50,19 @@ def _schedule(setup, spec, dtype=jnp.float32, master_fetch=True):
     return dataclasses.replace(sched, master_fetch=host if master_fetch else ())
 
 
+_PROGRAMS: dict = {}
+
+
+def _step(stages, layout, sched, **kw):
+    """``make_chunked_step``, its programs (traced, jitted and compiled per batch shape) those of
+    this module's earlier step of the same schedule and device-side options: the host optimizer
+    does not enter them (as tests/test_overlap.py's ``_step``); built once, not per test."""
+    step = cj.make_chunked_step(stages, layout, sched, **kw)
+    key = (repr(sched), tuple(sorted((k, repr(v)) for k, v in kw.items() if k != "host_optimizer")))
+    step.__dict__["_cache"] = _PROGRAMS.setdefault(key, step._cache)
+    return step
+
+
 _REFERENCES = {}
 
 
@@ -83,8 +96,8 @@ def test_master_fetch_state_is_one_float32_buffer(setup):
     numpy master is a view of that buffer, no compute copy exists."""
     cfg, params, batches, stages, layout, traces = setup
     spec = AdamW(3e-3, weight_decay=0.1)
-    step = cj.make_chunked_step(stages, layout, _schedule(setup, spec, jnp.bfloat16), host_optimizer=spec,
-                                compute_dtype=jnp.bfloat16)
+    step = _step(stages, layout, _schedule(setup, spec, jnp.bfloat16), host_optimizer=spec,
+                 compute_dtype=jnp.bfloat16)
     state = step.init(params)
     for c in step.master_fetch_chunks:
         p, m = state.params[c], state.master[c]
@@ -103,8 +116,8 @@ def test_master_fetch_equals_optax(setup, speculate_always, clip):
         max_norm = float(np.sort(free)[-2])
     spec = AdamW(3e-3, weight_decay=0.1, max_grad_norm=max_norm)
     ref = _reference(cfg, params, batches, spec)
-    step = cj.make_chunked_step(stages, layout, _schedule(setup, spec), host_optimizer=spec,
-                                compute_dtype=jnp.float32)
+    step = _step(stages, layout, _schedule(setup, spec), host_optimizer=spec,
+                 compute_dtype=jnp.float32)
     state, losses = _train(step, params, batches)
     _assert_equal_to_optax(step, state, losses, ref)
 
@@ -115,8 +128,8 @@ def test_master_fetch_with_micro_batches_equals_optax(setup, speculate_always):
     _, _, free = _reference(cfg, params, batches, AdamW(3e-3), micro_batches=4)
     spec = AdamW(3e-3, max_grad_norm=float(np.sort(free)[-2]))
     ref = _reference(cfg, params, batches, spec, micro_batches=4)
-    step = cj.make_chunked_step(stages, layout, _schedule(setup, spec), host_optimizer=spec,
-                                compute_dtype=jnp.float32, micro_batches=4)
+    step = _step(stages, layout, _schedule(setup, spec), host_optimizer=spec,
+                 compute_dtype=jnp.float32, micro_batches=4)
     state, losses = _train(step, params, batches, micro_batches=4)
     _assert_equal_to_optax(step, state, losses, ref)
 
@@ -129,8 +142,8 @@ def test_master_fetch_bf16_is_bit_identical_to_the_copy(setup, speculate_always,
     spec = AdamW(3e-3, weight_decay=0.1, max_grad_norm=clip)
     out = []
     for mf in (False, True):
-        step = cj.make_chunked_step(stages, layout, _schedule(setup, spec, jnp.bfloat16, mf), host_optimizer=spec,
-                                    compute_dtype=jnp.bfloat16)
+        step = _step(stages, layout, _schedule(setup, spec, jnp.bfloat16, mf), host_optimizer=spec,
+                     compute_dtype=jnp.bfloat16)
         assert bool(step.master_fetch_chunks) == mf
         state, losses = _train(step, params, batches[:4])
         out.append((losses, [np.asarray(x) for x in jax.tree.leaves(step.master_params(state))]))
@@ -242,7 +255,7 @@ def test_master_fetch_state_bytes_and_gradient_working_set(setup, monkeypatch):
     measured = {}
     hand_over = updaters.HostWork.hand_over
     for name, sched in (("copy", s), ("master_fetch", least)):
-        step = cj.make_chunked_step(stages, layout, sched, host_optimizer=spec, compute_dtype=jnp.bfloat16)
+        step = _step(stages, layout, sched, host_optimizer=spec, compute_dtype=jnp.bfloat16)
         state = step.init(params)
         host = [c for c, u in enumerate(sched.update_locations) if u == "host"]
         measured[name] = _host_bytes_of_state(state, host) / (len(host) * layout.chunk_size)
@@ -272,8 +285,8 @@ def test_checkpoint_of_master_fetch_chunks_resumes_bit_for_bit(setup, tmp_path):
     spec = AdamW(3e-3, weight_decay=0.1)
     sched = _schedule(setup, spec, jnp.bfloat16)
     half = dataclasses.replace(sched, master_fetch=sched.master_fetch[::2])
-    make = lambda s: cj.make_chunked_step(stages, layout, s, host_optimizer=spec,  # noqa: E731
-                                          compute_dtype=jnp.bfloat16)
+    make = lambda s: _step(stages, layout, s, host_optimizer=spec,  # noqa: E731
+                           compute_dtype=jnp.bfloat16)
     step = make(half)
     state, _ = _train(step, params, batches[:2])
     ck.save_checkpoint(tmp_path, 2, step, state, {"data_position": 2})
