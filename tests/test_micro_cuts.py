@@ -191,7 +191,7 @@ def test_unrolled_loops_equal_the_while_loops_bit_for_bit(setup, clipped, monkey
     """The in-program step with its micro-batch loops traced unrolled (``Schedule.
     unroll_micro_batches``) trains bit for bit as with ``lax.scan`` / ``lax.map`` while loops
     (losses, params, master params, optimizer state over 3 steps), and unrolled is what ran.
-    (The clipping of the equality test above: its unrolled step's programs, compiled once.)"""
+    (The clipping of the equality test above, which fires on some steps: the module's spec.)"""
     cfg, params, batches, stages, layout, traces = setup
     spec = clipped[0]
     looped, _ = _plan(setup, spec, M)
