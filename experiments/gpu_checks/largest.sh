@@ -180,7 +180,7 @@ run() {  # run <tag> <pool GiB> <least s> <bench args...>: with at least <least 
   if (( left < least )); then echo "skip $tag (time)"; echo "$tag" >> $OUT/skipped.txt; return; fi
   local t0=$SECONDS
   XLA_PJRT_GPU_HOST_MEMORY_PREALLOCATE=${PREALLOC:-true} XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=$pool \
-    timeout -k 10 $left $B --run-id ${RUN}_$tag --worker-timeout $((left - 15)) "$@" > $OUT/$tag.log 2>&1
+    timeout -k 10 $left $B --run-id ${RUN}_$tag --time-limit $((left - 5)) "$@" > $OUT/$tag.log 2>&1
   echo "$tag rc=$? $((SECONDS - t0)) s"
 }
 disk() { rm -rf "$DISK"; mkdir -p "$DISK"; df -B1 --output=avail "$DISK" | tail -1 | sed 's/^/disk free bytes: /'; }
