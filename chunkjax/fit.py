@@ -39,6 +39,7 @@ from chunkjax.fit_host import fit_host, host_bytes_of, pinned_limit_error, specu
 from chunkjax.host_memory import available_for_plan, check_host_lower_bound, process_bytes
 from chunkjax.layout import ChunkLayout, build_layout, first_use_order
 from chunkjax.loss_weight import check_scalar_loss
+from chunkjax.nonfinite import skips as nonfinite_skips
 from chunkjax.optim import check_elementwise, state_bytes_per_chunk
 from chunkjax.plan import plan_schedule
 from chunkjax.plan_micro import passes_of, plan_micro_batches
@@ -145,7 +146,7 @@ class FitProblem:
     @functools.cached_property
     def streamed_early(self) -> bool:
         """:func:`chunkjax.streamed.starts_early` for this problem's step (it traces ``tx``: once, not per plan)."""
-        return starts_early(self.tx, skip=self.nonfinite == "skip" or self.loss_scaling, loss_scaling=self.loss_scaling,
+        return starts_early(self.tx, skip=nonfinite_skips(self.nonfinite) or self.loss_scaling, loss_scaling=self.loss_scaling,
                             micro_batches=self.micro_batches, n_ranks=self.n_ranks)
 
     @functools.cached_property
