@@ -91,7 +91,7 @@ class TrainConfig:
     seq: int = config_field(128, 'tokens per sequence')
     lr: float = config_field(3e-3, 'peak AdamW learning rate')
     warmup: int = config_field(30, 'linear warm-up steps, then cosine decay to lr/10')
-    weight_decay: float = config_field(0.0, 'AdamW weight decay')
+    weight_decay: float = config_field(0.0, 'AdamW decoupled weight decay, on every parameter: biases, LayerNorm scales and embeddings too (GPT-2/nanoGPT decay only 2-D weights; chunkjax has no per-leaf decay mask yet)')
     clip: float = config_field(1.0, 'global-norm clipping (0 disables)')
     device_budget: str = config_field("auto", 'peak device bytes per device ("8GiB", "512MiB", ...); auto: the smallest budget with every chunk offloaded + 20% of the model\'s chunk bytes (chunkjax.fit), raised on a GPU to what the compiled step needs')
     host_budget: str = config_field("auto", 'host bytes for model data ("100GiB", ...); auto: what MemAvailable leaves after the process (chunkjax.fit)')
