@@ -505,18 +505,20 @@ class quiet_orbax_failures:
         return self
 
     def __exit__(self, typ, exc, tb):
-        if typ is not None:  # the aborted write's threads: done before the caller removes its files
-            deadline = time.monotonic() + 30.0
-            for t in threading.enumerate():
-                if t not in self.before and type(t).__module__.startswith("orbax") and t is not threading.current_thread():
-                    t.join(max(0.0, deadline - time.monotonic()))
-            time.sleep(0.05)  # tensorstore's last callbacks into orbax's closed loop
-        with _quiet_lock:
-            _quiet["depth"] -= 1
-            if _quiet["depth"] == 0:
-                logging.getLogger("absl").removeFilter(_quiet["filter"])
-                if sys.unraisablehook is _drop_closed_loop:
-                    sys.unraisablehook = _quiet["prev_hook"]
+        try:
+            if typ is not None:  # the aborted write's threads: done before the caller removes its files
+                deadline = time.monotonic() + 30.0  # a second Ctrl-C ends the wait
+                for t in threading.enumerate():
+                    if t not in self.before and type(t).__module__.startswith("orbax") and t is not threading.current_thread():
+                        t.join(max(0.0, deadline - time.monotonic()))
+                time.sleep(0.05)  # tensorstore's last callbacks into orbax's closed loop
+        finally:
+            with _quiet_lock:
+                _quiet["depth"] -= 1
+                if _quiet["depth"] == 0:
+                    logging.getLogger("absl").removeFilter(_quiet["filter"])
+                    if sys.unraisablehook is _drop_closed_loop:
+                        sys.unraisablehook = _quiet["prev_hook"]
         return False
 
 
