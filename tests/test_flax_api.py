@@ -312,7 +312,13 @@ def test_leaf_larger_than_a_chunk_spans_chunks_and_equals_optax(name="clip+adam"
 def test_non_elementwise_tx_is_refused(tx):
     with pytest.raises(ValueError, match=r"not elementwise"):
         cj.ChunkedOptimizer({"w": jnp.zeros((3, 3))}, tx, device_budget="1GiB")
-    cj.ChunkedOptimizer({"w": jnp.zeros((3, 3))}, tx, device_budget="1GiB", check_tx=False)  # opt-out works
+    masked = any(isinstance(x, optax.MaskedState) for x in jax.tree.leaves(
+        tx.init({"w": jnp.zeros((3, 3))}), is_leaf=lambda x: isinstance(x, optax.MaskedState)))
+    if not masked:
+        cj.ChunkedOptimizer({"w": jnp.zeros((3, 3))}, tx, device_budget="1GiB", check_tx=False)  # opt-out works
+    else:  # session 19: a mask is refused even unchecked (it decayed no element at all: wrong numbers)
+        with pytest.raises(ValueError, match=r"per-leaf weight-decay masks are not supported yet: drop mask="):
+            cj.ChunkedOptimizer({"w": jnp.zeros((3, 3))}, tx, device_budget="1GiB", check_tx=False)
 
 
 def test_placement_is_the_optimizer_only_policy():
