@@ -49,8 +49,8 @@ SHARED_SETUP = {
 #: shared optax reference (tests/_optax_reference.py), measured back to back
 FILE_SECONDS = {
     "micro_groups": 81, "host_bytes": 101, "overlap": 73, "storage": 103, "zero_schedule": 103, "front_door": 100,
-    "checkpoint_memory": 95, "plan_cli": 91, "cases": 91, "cross_step": 90, "flax_api": 80, "schedule": 80,
-    "rollback": 80, "bench": 75, "checkpoint_flax": 69, "hf": 69, "bench_storage": 67, "checkpoint_multiprocess": 64,
+    "checkpoint_memory": 24, "plan_cli": 91, "cases": 80, "cross_step": 90, "flax_api": 71, "schedule": 78,
+    "rollback": 80, "bench": 66, "checkpoint_flax": 69, "hf": 69, "bench_storage": 67, "checkpoint_multiprocess": 64,
     "zero": 59, "user_reports": 57, "checkpoint": 60, "storage_host_memory": 56, "notebooks": 55, "layout": 53,
     "disk_tier": 51, "train_job": 58, "inprogram_micro": 80, "checkpoint_integrity": 50, "host_update": 48,
     "masked_loss": 47, "gpt": 42, "lora": 40, "plots": 39, "frozen": 39, "checkpoint_storage": 36,
@@ -67,6 +67,9 @@ FILE_SECONDS = {
     # alone (frozen, speculation_resume: no change measurable, kept)
     # session 19 (ux19): train_job +7 (extending a finished run: two short job runs, 13 s on the shared box),
     # checkpoint +3 (the orbax-noise worker subprocess, 7 s), front_door +5 (nonfinite="error" through offload)
+    # session 19 (suite19b): cases, flax_api, schedule, bench scaled by their after/before CPU seconds measured
+    # side by side alone (fresh compile caches); checkpoint_memory (I/O-bound: its junit seconds are wall) by
+    # its wall seconds, 58 -> 15 (CPU 31 -> 16)
 }
 DEFAULT_FILE_SECONDS = 30
 

@@ -348,8 +348,9 @@ def test_case3_micro_batches_equal_one_big_batch(setup, where):
         make = lambda n: cj.make_chunked_step(stages, layout, plan, spec.optax(), compute_dtype=jnp.float32,
                                               micro_batches=n)
     big = [jnp.concatenate(batches[i:i + 3]) for i in (0, 3)]  # 2 steps of 3 x B sequences
-    s1, l1 = _run(make(1), params, big)
-    s3, l3 = _run(make(3), params, big)
+    one, three = make(1), make(3)  # a step keeps no state: each run starts from init
+    s1, l1 = _run(one, params, big)
+    s3, l3 = _run(three, params, big)
     np.testing.assert_allclose(l3, l1, rtol=2e-6)
 
     def off(sa, sb):  # share of master params further apart than fp32 summation order explains
@@ -362,10 +363,10 @@ def test_case3_micro_batches_equal_one_big_batch(setup, where):
     # fraction of lr; a wrong accumulation moves most (> 0.3, checked below)
     share, worst = off(s3, s1)
     assert share < 6e-3 and worst < 2 * 3e-3 * len(big), (share, worst)
-    s_ref, _ = _run(make(1), params, [batches[0], batches[3]])  # the first micro-batches only
+    s_ref, _ = _run(one, params, [batches[0], batches[3]])  # the first micro-batches only
     assert off(s3, s_ref)[0] > 0.3
     with pytest.raises(ValueError, match="does not split into micro_batches=3"):
-        make(3)(s3, batches[0])
+        three(s3, batches[0])
     with pytest.raises(ValueError, match="micro_batches must be"):
         make(0)
 
