@@ -33,6 +33,7 @@ _EXPORTS = {
     "DynamicLossScale": "loss_scale",
     "WeightedLoss": "loss_weight",
     **dict.fromkeys(["DEVICE", "PINNED_HOST"], "memory"),
+    "NonFiniteError": "nonfinite",
     **dict.fromkeys(["init_chunk_state", "update_chunk"], "optim"),
     "PlanError": "errors",
     "parse_bytes": "budget",

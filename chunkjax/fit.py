@@ -39,7 +39,8 @@ from chunkjax.fit_host import fit_host, host_bytes_of, pinned_limit_error, specu
 from chunkjax.host_memory import available_for_plan, check_host_lower_bound, process_bytes
 from chunkjax.layout import ChunkLayout, build_layout, first_use_order
 from chunkjax.loss_weight import check_scalar_loss
-from chunkjax.optim import check_elementwise, state_bytes_per_chunk
+from chunkjax.nonfinite import skips as nonfinite_skips
+from chunkjax.optim import check_elementwise, refuse_masks, state_bytes_per_chunk
 from chunkjax.plan import plan_schedule
 from chunkjax.plan_micro import passes_of, plan_micro_batches
 from chunkjax.plan_remat import remat_plan
@@ -145,7 +146,7 @@ class FitProblem:
     @functools.cached_property
     def streamed_early(self) -> bool:
         """:func:`chunkjax.streamed.starts_early` for this problem's step (it traces ``tx``: once, not per plan)."""
-        return starts_early(self.tx, skip=self.nonfinite == "skip" or self.loss_scaling, loss_scaling=self.loss_scaling,
+        return starts_early(self.tx, skip=nonfinite_skips(self.nonfinite) or self.loss_scaling, loss_scaling=self.loss_scaling,
                             micro_batches=self.micro_batches, n_ranks=self.n_ranks)
 
     @functools.cached_property
@@ -257,8 +258,10 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
                          "optax() twin runs the device chunks), not " + ("neither" if tx is None else "both"))
     if compute_dtype is not None:  # "bf16" as the planner CLI; one line on a bad one
         compute_dtype = compute_dtype_of(compute_dtype)
-    if tx is not None and check_tx:
-        check_elementwise(tx)
+    if tx is not None:  # a mask is refused even unchecked: it would silently pick the wrong elements
+        refuse_masks(tx)
+        if check_tx:
+            check_elementwise(tx)
     tx = host_optimizer.optax() if tx is None else tx
     clip_expect = clip_plan.resolve(clip_expect, host_optimizer)
     zero_stage = int(zero_stage or 0)

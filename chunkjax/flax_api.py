@@ -176,8 +176,10 @@ class ChunkedOptimizer:
             if unknown:
                 raise ValueError(f"order names leaf {unknown[0]!r} that the params do not have: use leaf paths such "
                                  f"as {sorted(have)[0]!r} ({len(unknown)} unknown)")
-        if spec is None and check_tx:
-            optim.check_elementwise(tx)
+        if spec is None:  # a mask is refused even unchecked: it would silently pick the wrong elements
+            optim.refuse_masks(tx)
+            if check_tx:
+                optim.check_elementwise(tx)
         self.host_optimizer = spec
         self.host_threads = dropin.host_threads_for(host_threads) if spec is not None else None
         self.tx = tx = spec.optax() if spec is not None else tx

@@ -42,6 +42,7 @@ from chunkjax.memory import DEVICE
 from chunkjax.released import ReleasedParam, ReleasedParamsError, is_released, trim_host_heap
 from chunkjax.schedule import DEVICE_UPDATE, NO_UPDATE
 from chunkjax.step_commit import interrupts_deferred, recover
+from chunkjax import nonfinite
 
 
 def _abstract(tree):
@@ -189,6 +190,7 @@ class OffloadedStep(OffloadedChunkIO):
             self.state, metrics = pending.commit()
             self._side = tuple(metrics.pop("aux")) if self.discovery.mutable else self._side
             self.metrics = metrics
+        nonfinite.raise_if_nonfinite(self.step, self.state, metrics)  # nonfinite="error": nothing updated
         return metrics["loss"]
 
     def evaluate(self, batch):
@@ -489,7 +491,8 @@ def offload(model, tx, loss_fn, batch, *, device_budget: int | str = "auto", hos
       **fit_kw: the rest of :func:`chunkjax.fit_step` (chunk_size, min_chunks, prefetch,
         flops_per_step (default: 3 x the forward's matrix products counted in the traced loss),
         rates, check_compiled, strict, ...): ``nonfinite="skip"`` leaves parameters and optimizer
-        state of a step with non-finite gradients unchanged, while the non-parameter state the
+        state of a step with non-finite gradients unchanged (``"error"``: also raises
+        :class:`chunkjax.NonFiniteError` naming the step, the non-finite loss or norm), while the non-parameter state the
         loss changes (counters, RNG counts) advances; ``check_tx=False`` skips the probe that
         refuses a non-elementwise ``tx`` (only for one known elementwise); ``cross_step=False``
         makes each step join all of the previous step's host work (default: cross-step overlap,

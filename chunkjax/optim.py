@@ -101,6 +101,29 @@ _MSG_NOT_ELEMENTWISE = (
     "transformed updates such as chain(scale_by_adam(), clip_by_global_norm(...))); "
     "clip_by_global_norm of the incoming gradients is supported. pass check_tx=False to skip this check")
 
+_MSG_MASKED = (
+    "the optax transformation masks leaves (optax.masked, adamw(mask=...), multi_transform), so it is not "
+    "elementwise: chunkjax updates flat chunks of many leaves, which have no leaf names or shapes, so the mask would be applied "
+    "to the wrong elements (e.g. no weight decay at all); per-leaf weight-decay masks are not supported yet: "
+    "drop mask= (weight decay on every parameter, biases and norm scales too) or pass weight_decay=0")
+
+
+def refuse_masks(tx: optax.GradientTransformation) -> None:
+    """Refuse a masked optax transformation (``optax.masked``, ``adamw(mask=...)``,
+    ``multi_transform``/``partition``), even with ``check_tx=False``: a mask picks leaves by name or
+    shape, and a chunk (a flat array of many leaves) never gets what the user's tree would, so the
+    updates would be silently wrong. Found by the state's structure (:class:`optax.MaskedState`)
+    on a three-leaf probe tree, whatever the mask selects. Raises ValueError (one line, what to do)."""
+    params = {"a": jnp.zeros((2, 3), jnp.float32), "b": jnp.zeros((5,), jnp.float32), "c": jnp.zeros((4,), jnp.float32)}
+    try:
+        masked = any(isinstance(x, optax.MaskedState) for x in jax.tree_util.tree_leaves(
+            jax.eval_shape(tx.init, params), is_leaf=lambda x: isinstance(x, optax.MaskedState)))
+    except Exception:  # noqa: BLE001 - check_elementwise's probe reports a tx that fails on a foreign tree
+        masked = False
+    if masked:
+        raise ValueError(_MSG_MASKED)
+
+
 def check_elementwise(tx: optax.GradientTransformation) -> None:
     """Refuse an optax transformation that is not elementwise (definitions.md): every path that
     runs ``tx`` chunk by chunk calls this (the staged step through :func:`chunkjax.fit.prepare`,
@@ -142,18 +165,7 @@ def check_elementwise(tx: optax.GradientTransformation) -> None:
             chunked.append(row)
         return whole, chunked
 
-    # A mask (optax.masked, adamw(mask=...), multi_transform / partition) picks leaves by name or
-    # shape: on the probe tree it may pick the same leaves chunk by chunk as on the whole tree (a
-    # name the probe does not have), while a chunk, a flat array with no name, never gets what the
-    # user's tree would. Refused by the state's structure, whatever the mask selects.
-    try:
-        masked = any(isinstance(x, optax.MaskedState) for x in jax.tree_util.tree_leaves(
-            jax.eval_shape(tx.init, params), is_leaf=lambda x: isinstance(x, optax.MaskedState)))
-    except Exception:  # noqa: BLE001 - the probe below reports a tx that fails on a foreign tree
-        masked = False
-    if masked:
-        raise ValueError(_MSG_NOT_ELEMENTWISE.format(
-            why="it masks leaves (optax.masked, a mask= argument, multi_transform): a chunk has no leaf names"))
+    refuse_masks(tx)
     try:
         whole, chunked = jax.device_get(run(params, grads))
     except Exception as e:  # noqa: BLE001 - any failure on a foreign tree means tx reads structure

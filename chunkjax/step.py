@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from chunkjax import accumulate, cross_step, footprint, kept_programs, streamed
+from chunkjax import accumulate, cross_step, footprint, kept_programs, nonfinite, streamed
 from chunkjax import updaters as upd
 from chunkjax.layout import ChunkLayout
 from chunkjax.loss_weight import require_weight, token_mean
@@ -80,9 +80,8 @@ class ChunkedStep(StepChunkIO, StepUpdates, OnTopology):
         many micro-batches inside its moments, ``micro_batches // micro_group`` passes a step
         summed by :func:`chunkjax.accumulate.mean_gradients` (one device); None: all in one pass
         (:func:`chunkjax.schedule.micro_group_size`).
-      nonfinite: ``"ignore"`` (default: no check), or ``"skip"``: a step whose gradients hold a
-        NaN or inf changes no state and reports ``metrics["skipped"]`` True (host updates still
-        overlap the backward: :mod:`chunkjax.speculate`).
+      nonfinite: ``"ignore"`` (default: no check), ``"skip"`` (a step with NaN/inf gradients changes no
+        state, ``metrics["skipped"]``) or ``"error"`` (also raises ``NonFiniteError``): :mod:`chunkjax.nonfinite`.
       loss_scaling: fp16 dynamic loss scaling: each call takes ``loss_scale``, seeds the backward
         with it, unscales the gradients in the update and skips an overflowed step.
       donate: donate the programs' carries (and, on a mesh, the updates' inputs). None: on
@@ -138,8 +137,7 @@ class ChunkedStep(StepChunkIO, StepUpdates, OnTopology):
         if 1 < group < self.micro_batches and self.n_ranks > 1:
             raise ValueError(f"micro_group={group} of micro_batches={self.micro_batches} runs on one device: on a mesh "
                              "use accumulation='in_program' without micro_group, or 'per_micro_batch'")
-        if self.nonfinite not in ("ignore", "skip"):
-            raise ValueError(f"nonfinite={self.nonfinite!r}: use 'ignore' or 'skip'")
+        nonfinite.check_policy(self.nonfinite)
         if self.schedule is not None and self.schedule.placement != self.placement:
             raise ValueError("placement differs from schedule.placement: pass the schedule's")
         if self.master_fetch_chunks and self.mesh is not None:
@@ -254,8 +252,8 @@ class ChunkedStep(StepChunkIO, StepUpdates, OnTopology):
 
     @property
     def skips_nonfinite(self) -> bool:
-        """A step whose gradients are not finite changes no state (``nonfinite="skip"`` or loss scaling)."""
-        return self.nonfinite == "skip" or self.loss_scaling
+        """A step whose gradients are not finite changes no state (``nonfinite`` skip/error, loss scaling)."""
+        return nonfinite.skips(self.nonfinite) or self.loss_scaling
 
     def program(self, batch, k: int):
         """(jitted program k, param chunk ids it takes) for a (global) batch shape."""
@@ -371,8 +369,9 @@ class ChunkedStep(StepChunkIO, StepUpdates, OnTopology):
           ValueError: the batch does not split over the ranks and micro-batches or (a weighted loss)
             scores no token, or ``loss_scale`` given without ``loss_scaling`` (or missing with it).
           HostDeadlineError, or what the previous step's host update raised (before this commit).
+          NonFiniteError: ``nonfinite="error"``, a non-finite loss or gradient norm (:mod:`chunkjax.nonfinite`).
         """
-        return self.begin(state, batch, loss_scale).commit()
+        return nonfinite.checked(self, *self.begin(state, batch, loss_scale).commit())
 
     def begin(self, state: TrainState, batch, loss_scale=None) -> PendingStep:
         """The step (:meth:`__call__`) up to its commit, nothing of ``state`` donated yet (host
@@ -407,7 +406,7 @@ class ChunkedStep(StepChunkIO, StepUpdates, OnTopology):
                 if self.passes == 1 else accumulate.mean_gradients(self, state, batch, scale, on_host))
             (loss, aux), grad_sq = split_loss(loss), jnp.stack([sq[c] if c in sq else jnp.zeros((), jnp.float32)
                                                                 for c in range(self.layout.n_chunks)])  # frozen: none
-            norm = jnp.sqrt(jnp.sum(grad_sq))
+            grad_sq, norm, grad_norm = nonfinite.guard(self.nonfinite, grad_sq, token_mean(loss))
         finally:  # the host thread validates its speculation once the norm is known (None: abandoned)
             if spec is not None:
                 spec.set_norm(norm)
@@ -419,7 +418,7 @@ class ChunkedStep(StepChunkIO, StepUpdates, OnTopology):
         try:  # all that can fail before the commit donates the input state (chunkjax.step_commit)
             if stream.chunks:  # new buffers, the input's untouched; the host thread joins the last write-backs
                 work.submit(stream.finish(grads, params, master, opt))
-            metrics = {"loss": token_mean(loss), "grad_norm": norm * inv_arr, **({} if aux is None else {"aux": aux})}
+            metrics = {"loss": token_mean(loss), "grad_norm": grad_norm * inv_arr, **({} if aux is None else {"aux": aux})}
             if self.skips_nonfinite:
                 metrics["skipped"] = ~jnp.isfinite(jnp.sum(grad_sq))
         except BaseException:
@@ -566,7 +565,7 @@ def make_chunked_step(stages, layout: ChunkLayout, placement, tx: optax.Gradient
       prefetch: fetch distance (moments); defaults to the schedule's, else 1.
       host_optimizer: the host kernel spec (:mod:`chunkjax.host_update`) for ``host`` chunks.
       micro_batches: gradient accumulation over this many equal parts of each batch.
-      nonfinite: ``"ignore"`` or ``"skip"`` (a step with non-finite gradients changes no state).
+      nonfinite: ``"ignore"``, ``"skip"`` or ``"error"`` (:mod:`chunkjax.nonfinite`).
       loss_scaling: fp16 dynamic loss scaling (each call takes ``loss_scale``).
       mesh: a 1-D ``"data"`` mesh (:func:`chunkjax.topology.data_mesh`) for ZeRO data
         parallelism, in one process or across processes (``jax.distributed``); None: one device.

@@ -325,25 +325,54 @@ def worker_env(budget_bytes: int, card_bytes: int | None, host_limit_gb: int, pr
     return env
 
 
+def stream_process(cmd: list[str], env: dict | None, timeout: float | None, cwd: str | None = None,
+                   echo_prefixes: tuple[str, ...] = ()) -> tuple[int, str, str, bool]:
+    """Run ``cmd`` to completion or ``timeout`` seconds (then kill it); its stderr lines that start
+    with one of ``echo_prefixes`` are printed on this process's stdout as they arrive, so the
+    driver's log keeps a worker's progress even when the driver itself is killed. Returns
+    ``(rc, stdout, stderr, timed_out)``; rc 124 on a timeout. Never raises for the child's failure."""
+    import threading
+
+    p = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         errors="replace")
+    out_lines: list[str] = []
+    err_lines: list[str] = []
+
+    def read(stream, sink, echo):
+        for line in stream:
+            sink.append(line)
+            if echo and line.startswith(echo_prefixes):
+                print(line.rstrip("\n"), flush=True)
+
+    readers = [threading.Thread(target=read, args=(p.stdout, out_lines, False), daemon=True),
+               threading.Thread(target=read, args=(p.stderr, err_lines, bool(echo_prefixes)), daemon=True)]
+    for t in readers:
+        t.start()
+    timed_out = False
+    try:
+        rc = p.wait(timeout=timeout or None)
+    except subprocess.TimeoutExpired:
+        timed_out, rc = True, 124
+        p.kill()
+        p.wait()
+    for t in readers:
+        t.join(timeout=10)
+    return rc, "".join(out_lines), "".join(err_lines), timed_out
+
+
 def subprocess_runner(argv: list[str], env: dict, timeout: float | None) -> dict:
     """Run ``python -m experiments.bench <argv> --out FILE``; returns ``{"rc", "json" (the parsed
     FILE or None), "stderr_tail", "stdout_tail", "progress" (the worker's progress lines),
     "ledger" (its host-ledger lines: :class:`chunkjax.host_ledger.HostLedger`), "timed_out",
-    "wall_s"}``. Never raises for a failure of the child."""
+    "wall_s"}``. The progress and ledger lines are also echoed as they come (:func:`stream_process`).
+    Never raises for a failure of the child."""
     fd, out_path = tempfile.mkstemp(prefix="bench_", suffix=".json")
     os.close(fd)
     os.unlink(out_path)
     cmd = [sys.executable, "-m", "experiments.bench", *argv, "--out", out_path]
     t0 = time.time()
-    timed_out = False
-    try:
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout or None,
-                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        rc, out, err = p.returncode, p.stdout, p.stderr
-    except subprocess.TimeoutExpired as e:
-        timed_out, rc = True, 124
-        out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+    rc, out, err, timed_out = stream_process(cmd, env, timeout, os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                             echo_prefixes=(PROGRESS_TAG, LEDGER_TAG))
     data = None
     if os.path.exists(out_path):
         try:
@@ -357,6 +386,21 @@ def subprocess_runner(argv: list[str], env: dict, timeout: float | None) -> dict
             "progress": [l for l in err.splitlines() if l.startswith(PROGRESS_TAG)],
             "ledger": [l for l in err.splitlines() if l.startswith(LEDGER_TAG)],
             "timed_out": timed_out, "wall_s": time.time() - t0}
+
+
+#: Seconds a ``--time-limit`` keeps back from each worker for the driver to write its record.
+TIME_LIMIT_MARGIN_S = 10.0
+
+
+def worker_timeout(args) -> float | None:
+    """Seconds the next subprocess may run: ``--worker-timeout`` (0: none), cut to what is left of
+    ``--time-limit`` (measured from the driver's start, ``args.started_at``) less
+    :data:`TIME_LIMIT_MARGIN_S`, at least 1 s; None when neither is set."""
+    limits = [float(args.worker_timeout)] if args.worker_timeout else []
+    if getattr(args, "time_limit", 0):
+        left = args.time_limit - (time.monotonic() - args.started_at) - TIME_LIMIT_MARGIN_S
+        limits.append(max(1.0, left))
+    return min(limits) if limits else None
 
 
 def system_budget(args, system: str) -> int:
@@ -389,12 +433,13 @@ def _run_system(args, runner, probe: dict, system: str, model: str, batch: int, 
     env = worker_env(budget, probe.get("card_bytes"), args.host_limit_gb, getattr(args, "preallocate", False))
     print(f"[bench] {system}: {model} batch {batch} x {seq}, budget {budget} B, "
           f"fraction {env.get('XLA_PYTHON_CLIENT_MEM_FRACTION', '(default)')}", flush=True)
-    res = runner(_worker_argv(args, system, model, batch, seq, steps, compile_only), env, args.worker_timeout)
+    timeout = worker_timeout(args)
+    res = runner(_worker_argv(args, system, model, batch, seq, steps, compile_only), env, timeout)
     if res.get("json") is not None and res["rc"] == 0:
         rec = normalize_record(res["json"], system)
     else:
         rec = empty_record(system)
-        why = (f"worker timed out after {args.worker_timeout} s" if res.get("timed_out")
+        why = (f"worker timed out after {timeout:.0f} s" if res.get("timed_out")
                else f"worker exited with status {res['rc']}")
         if res.get("json") is not None:  # wrote a record, then died
             rec = normalize_record(res["json"], system)
@@ -403,7 +448,7 @@ def _run_system(args, runner, probe: dict, system: str, model: str, batch: int, 
         if part.get("tokens_per_s"):  # it trained: keep the steps it finished, say so
             rec.update(part, feasible=True)
             rec["notes"] = list(rec.get("notes") or []) + [
-                f"worker timed out after {args.worker_timeout} s having finished {len(part['step_s_all'])} timed "
+                f"worker timed out after {timeout:.0f} s having finished {len(part['step_s_all'])} timed "
                 "step(s): tokens/s from those; no profiled step (bytes moved, peak not measured)"]
         else:
             rec.update(part)
@@ -611,6 +656,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB for every system (default: the variable's value when set "
                          f"in the environment, else {DEFAULT_HOST_LIMIT_GB})")
     ap.add_argument("--worker-timeout", type=float, default=0, help="seconds per system subprocess, 0: none (default: 0)")
+    ap.add_argument("--time-limit", type=float, default=0,
+                    help="seconds for the whole call (probe and every system); each subprocess gets what is left less "
+                         f"{TIME_LIMIT_MARGIN_S:.0f} s, so a worker that runs out leaves its finished steps in the "
+                         "record (0: none; default: 0)")
     ap.add_argument("--preallocate", action="store_true",
                     help="reserve each worker's budget as one allocator region at start-up "
                          "(XLA_PYTHON_CLIENT_PREALLOCATE=true; default: grow on demand)")
@@ -713,7 +762,7 @@ def drive(args, argv: list[str], runner=subprocess_runner) -> dict:
     call = len(existing["calls"]) if existing else 0
     command = "python -m experiments.bench " + shlex.join(argv)
     print(f"[bench] run {args.run_id} call {call}: {command}", flush=True)
-    pres = runner(["--probe", "--matmul-n", str(args.matmul_n)], probe_env(), args.worker_timeout)
+    pres = runner(["--probe", "--matmul-n", str(args.matmul_n)], probe_env(), worker_timeout(args))
     probe = pres.get("json") or {}
     if not probe:
         print("[bench] matmul probe failed: " + "\n".join(pres.get("stderr_tail") or []), file=sys.stderr, flush=True)
@@ -747,6 +796,7 @@ def drive(args, argv: list[str], runner=subprocess_runner) -> dict:
 def main(argv=None, runner=subprocess_runner) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.started_at = time.monotonic()
     for kv in args.set:
         key, sep, val = kv.partition("=")
         if not sep or not key.isidentifier() or hasattr(args, key):

@@ -55,7 +55,7 @@ def _progress(**kw) -> None:
 
 def partial_from_progress(lines: list[str], batch: int, seq: int) -> dict:
     """What a timed-out worker measured, from its :func:`_progress` lines: ``compile_s``,
-    ``init_s``, the losses, and when at least one timed step finished, ``step_s_all``,
+    ``init_s``, ``warmup_s`` (the first step, not timed as the others), the losses, and when at least one timed step finished, ``step_s_all``,
     ``step_s_median``, ``tokens_per_s`` (batch * seq / median step seconds) and ``update_s``.
     Returns {} when no line is found."""
     rec: dict = {}
@@ -69,7 +69,7 @@ def partial_from_progress(lines: list[str], batch: int, seq: int) -> dict:
             continue
         if "loss" in d:
             losses.append(d["loss"])
-        if d.get("phase") in ("compile", "init"):
+        if d.get("phase") in ("compile", "init", "warmup") and "seconds" in d:
             rec[d["phase"] + "_s"] = d["seconds"]
         elif d.get("phase") == "step":
             steps.append(d["seconds"])
@@ -160,10 +160,12 @@ def measure_system(system, args) -> dict:
         rec["device_state_bytes"] = int(system.device_state_bytes(state))
 
     losses = []
+    t0 = time.perf_counter()
     state, loss = system.step(state, batch)  # warm-up
     jax.block_until_ready((state, loss))
     losses.append(float(loss))
-    _progress(phase="warmup", loss=losses[-1])
+    rec["warmup_s"] = time.perf_counter() - t0
+    _progress(phase="warmup", seconds=rec["warmup_s"], loss=losses[-1])
     step_s, update_s, timings = [], [], []
     for _ in range(args.steps):
         t0 = time.perf_counter()

@@ -38,9 +38,13 @@ gradient norm, ``--skip-limit`` skipped steps in a row, a dead model, or a finit
 explodes: ``--explode-factor`` (4) x its running median, 3 steps in a row) stops with one line and
 status 2; no checkpoint is saved while skipped, dead or exploding steps are running, the checkpoints of the
 diverged state are deleted, and a kept folder's ``report.json`` says why (``stopped``).
-Settings that change the training (model, init-from, steps, batch, seq, lr,
-warmup, weight decay, clip, seed, tokenizer, eval batches, compute dtype) must equal the
-checkpoint's: a difference exits with status 2, one line, and nothing written.
+Settings that change the training (model, init-from, batch, seq, lr, warmup, the schedule's
+length ``--lr-decay-steps``, weight decay, clip, seed, tokenizer, eval batches, compute dtype) must
+equal the checkpoint's: a difference exits with status 2, one line, and nothing written.
+``--steps`` may grow: ``--resume <a finished run folder> --steps M`` trains it on from its last
+checkpoint to step M in place (the folder keeps its name), with the learning-rate schedule of the
+run (``--lr-decay-steps`` defaults to the run's: a cosine that ended at its ``--steps`` stays at
+lr/10); its steps equal those of an uninterrupted M-step run with the same ``--lr-decay-steps``.
 ``--device-budget``, ``--prefetch``, ``--cross-step``, ``--micro-batches`` (which changes only the float summation
 order), ``--nonfinite``, ``--skip-limit``, ``--chunk-size`` / ``--min-chunks`` and the output settings may differ:
 the checkpoint restores into any placement, and into another chunk layout by moving every leaf
@@ -91,7 +95,8 @@ class TrainConfig:
     seq: int = config_field(128, 'tokens per sequence')
     lr: float = config_field(3e-3, 'peak AdamW learning rate')
     warmup: int = config_field(30, 'linear warm-up steps, then cosine decay to lr/10')
-    weight_decay: float = config_field(0.0, 'AdamW weight decay')
+    lr_decay_steps: int = config_field(0, 'the step at which the cosine reaches lr/10 (then held); 0: --steps, and on --resume the run\'s (so that a run extended with a larger --steps continues its schedule)')
+    weight_decay: float = config_field(0.0, 'AdamW decoupled weight decay, on every parameter: biases, LayerNorm scales and embeddings too (GPT-2/nanoGPT decay only 2-D weights; chunkjax has no per-leaf decay mask yet)')
     clip: float = config_field(1.0, 'global-norm clipping (0 disables)')
     device_budget: str = config_field("auto", 'peak device bytes per device ("8GiB", "512MiB", ...); auto: the smallest budget with every chunk offloaded + 20% of the model\'s chunk bytes (chunkjax.fit), raised on a GPU to what the compiled step needs')
     host_budget: str = config_field("auto", 'host bytes for model data ("100GiB", ...); auto: what MemAvailable leaves after the process (chunkjax.fit)')
@@ -231,7 +236,7 @@ class DivergenceWatch:
 #: (device_budget, prefetch, cross_step, micro_batches, chunk_size, min_chunks, eval_every, nonfinite, skip_limit,
 #: checkpointing, sampling and output settings may differ: restore_checkpoint places the state
 #: into any placement and moves the leaves into another chunk layout.)
-RESUME_MUST_MATCH = ("model", "init_from", "data", "steps", "batch", "seq", "lr", "warmup", "weight_decay", "clip", "seed",
+RESUME_MUST_MATCH = ("model", "init_from", "data", "lr_decay_steps", "batch", "seq", "lr", "warmup", "weight_decay", "clip", "seed",
                      "tokenizer", "eval_batches", "compute_dtype_resolved", "lora_rank", "lora_alpha", "lora_targets")
 CHECKPOINT_DIR = "checkpoints"
 
@@ -276,9 +281,6 @@ def find_resume_point(path: str) -> ResumePoint:
     extra = meta.get("extra", {})
     if not isinstance(extra.get("config"), dict) or "data_position" not in extra:
         raise UsageError(f"--resume {path}: checkpoint step {step} was not written by experiments.train")
-    if not run_dir.name.endswith(PARTIAL_SUFFIX):
-        raise UsageError(f"--resume {path}: {run_dir} is a finished run (checkpoint step {step} of "
-                         f"{extra['config'].get('steps')}): start a new run instead")
     if not (run_dir / "metrics.jsonl").is_file():
         raise UsageError(f"--resume {path}: {run_dir} has no metrics.jsonl: pass the run folder the checkpoints belong to")
     if not os.access(run_dir, os.W_OK) or not os.access(ckpt_dir, os.W_OK):
@@ -286,9 +288,32 @@ def find_resume_point(path: str) -> ResumePoint:
     return ResumePoint(run_dir, ckpt_dir, step, meta)
 
 
+def check_resume_steps(rp: ResumePoint, steps: int) -> None:
+    """A finished run (its folder committed, no ``.partial``) resumes only to train on: ``--steps``
+    above its last checkpoint's step. Raises UsageError (one line) otherwise."""
+    import pathlib
+
+    from experiments.report import PARTIAL_SUFFIX
+    if rp.step >= steps and not pathlib.Path(rp.run_dir).name.endswith(PARTIAL_SUFFIX):
+        raise UsageError(f"--resume {rp.run_dir}: it is a finished run (checkpoint step {rp.step}, --steps {steps}): "
+                         f"pass a larger --steps (e.g. --steps {2 * rp.step}) to train it on, or start a new run")
+
+
+def decay_steps_for(cfg: "TrainConfig", rp: ResumePoint | None) -> int:
+    """The resolved ``--lr-decay-steps``: the one given, else the resumed run's (its ``--steps``
+    for checkpoints older than the setting), else ``--steps``."""
+    if cfg.lr_decay_steps:
+        return cfg.lr_decay_steps
+    if rp is not None:
+        saved = rp.meta["extra"]["config"]
+        return int(saved.get("lr_decay_steps") or saved["steps"])
+    return cfg.steps
+
+
 def check_resume_config(rp: ResumePoint, resolved: dict) -> None:
     """Refuse (one line) when a setting in :data:`RESUME_MUST_MATCH` differs from the checkpoint's."""
-    saved = rp.meta["extra"]["config"]
+    saved = dict(rp.meta["extra"]["config"])
+    saved.setdefault("lr_decay_steps", saved.get("steps"))  # older checkpoints: the cosine ended at --steps
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}  # keys older checkpoints lack
     diffs = [f"--{k.replace('_resolved', '').replace('_', '-')} {resolved[k]} (checkpoint: {saved.get(k)})"
              for k in RESUME_MUST_MATCH if saved.get(k, defaults.get(k)) != resolved[k]]
@@ -465,7 +490,10 @@ def run(cfg: TrainConfig) -> dict:
     resume = None
     if cfg.resume:  # refuse a mismatch before anything is loaded or written
         resume = find_resume_point(cfg.resume)
+    cfg = dataclasses.replace(cfg, lr_decay_steps=decay_steps_for(cfg, resume))
+    if resume is not None:
         check_resume_config(resume, dataclasses.asdict(cfg) | {"compute_dtype_resolved": jnp.dtype(cdt).name})
+        check_resume_steps(resume, cfg.steps)
 
     try:
         if cfg.data:  # your own data, with the checkpoint's tokenizer
@@ -646,11 +674,14 @@ def storage_options(cfg: TrainConfig):
 
 
 def _resumed_folder(run_dir):
-    """The RunFolder of a ``.partial`` run folder being resumed (committed to its final name)."""
+    """The RunFolder of a ``.partial`` run folder being resumed (committed to its final name), or of
+    a finished one being trained on (written in place: its name stays)."""
     import pathlib
 
     from experiments.report import PARTIAL_SUFFIX, RunFolder
     path = pathlib.Path(run_dir)
+    if not path.name.endswith(PARTIAL_SUFFIX):
+        return RunFolder(path, path)
     base = path.with_name(path.name[:-len(PARTIAL_SUFFIX)])
     final, k = base, 1
     while final.exists():
@@ -722,7 +753,7 @@ def _validate(cfg: TrainConfig) -> None:
         raise UsageError(f"--skip-limit must be >= 1, got {cfg.skip_limit}")
     if not (cfg.explode_factor == 0 or cfg.explode_factor > 1):
         raise UsageError(f"--explode-factor must be > 1 (times the running median loss) or 0 (off), got {cfg.explode_factor}")
-    for name in ("warmup", "sample_tokens", "chunk_size"):
+    for name in ("warmup", "lr_decay_steps", "sample_tokens", "chunk_size"):
         if getattr(cfg, name) < 0:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(cfg, name)}")
     if not (math.isfinite(cfg.lr) and cfg.lr > 0):
@@ -813,10 +844,11 @@ def host_spec(cfg: TrainConfig):
     import optax
 
     from chunkjax.host_update import AdamW
+    horizon = cfg.lr_decay_steps or cfg.steps
     if cfg.warmup:
-        sched = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup, max(cfg.steps, cfg.warmup + 1), cfg.lr / 10)
+        sched = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup, max(horizon, cfg.warmup + 1), cfg.lr / 10)
     else:  # no warm-up: the first step at lr (a one-step ramp would give it lr 0; and --steps 1 no decay steps)
-        sched = optax.cosine_decay_schedule(cfg.lr, cfg.steps, alpha=0.1)
+        sched = optax.cosine_decay_schedule(cfg.lr, horizon, alpha=0.1)
     return AdamW(sched, weight_decay=cfg.weight_decay, max_grad_norm=cfg.clip if cfg.clip > 0 else None)
 
 

@@ -2,8 +2,8 @@
 fresh process (tests/test_checkpoint_memory.py); not a test itself.
 
 ``python tests/checkpoint_memory_worker.py CKPT_DIR`` with ``JAX_PLATFORMS=cpu``: builds a
-ChunkedStep over a GPT (d_model 1024, 6 blocks: 76M parameters, fp32 compute: 16 bytes per
-parameter, 1.5 GiB in 6 chunks of 16M elements, 256 MiB each), the first half device-updated
+ChunkedStep over a GPT (d_model 1024, 3 blocks: 38M parameters, fp32 compute: 16 bytes per
+parameter, 0.875 GiB in 7 chunks of 8M elements, 128 MiB each), the first half device-updated
 (optax state in jax arrays, host memory on the CPU),
 the rest host-updated (numpy master params and AdamW moments), then saves it (``save``), saves
 it asynchronously with ``max_inflight_bytes`` of one chunk (``async``), drops it and restores
@@ -19,7 +19,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CHUNK = 16 << 20  # elements
+CHUNK = 8 << 20  # elements
 
 
 def RESIDENT(n: int) -> list[int]:
@@ -53,7 +53,7 @@ def build():
     from chunkjax.plan import plan_schedule
     from chunkjax.schedule import Placement
     from models import gpt
-    cfg = gpt.get_config("micro", d_model=1024, n_layers=6, n_heads=8)
+    cfg = gpt.get_config("micro", d_model=1024, n_layers=3, n_heads=8)
     rng = np.random.default_rng(0)
     shapes = jax.eval_shape(lambda: gpt.init_params(cfg, jax.random.key(0)))
     params = jax.tree.map(lambda s: rng.random(s.shape, np.float32) * 0.02, shapes)

@@ -3,9 +3,9 @@ worker returns every key, an infeasible budget is refused before running, driver
 run_id merge, crashed workers are recorded, and the profiler-trace parser reads every format
 variant it claims to.
 
-The worker subprocess is started when the module's first test runs and checked at the end, so
-its compile overlaps the in-process tests; the plain optax reference runs in this process (one
-Python + JAX start-up fewer).
+The worker subprocess runs last, at the batch shape of the in-process baseline tests: its
+zero_offload_style programs are theirs, served by the persistent compilation cache; the plain optax
+reference runs in this process (one Python + JAX start-up fewer).
 """
 import dataclasses
 import gzip
@@ -28,21 +28,23 @@ from experiments import measure
 from models import gpt
 
 CFG = gpt.get_config("micro")
+CFG2 = gpt.get_config("micro", n_layers=2)  # the chunkjax system's tests: every chunk kind, fewer programs
 BATCH, SEQ = 8, 128  # activations outweigh a block's params: the per-layer memory test below can tell
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-# ---- the worker subprocess, started first (its compile overlaps the in-process tests) --------
+# ---- the worker subprocess, started by the last test -------------------------------------------
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="module")
 def subprocesses(tmp_path_factory):
-    """One worker (zero_offload_style on micro) in its own process, started before the in-process
-    tests run."""
+    """One worker (zero_offload_style on micro, the baseline tests' batch shape) in its own
+    process, started when the last test asks for it (after the in-process zero_offload_style test
+    compiled the same programs into the persistent cache)."""
     d = tmp_path_factory.mktemp("bench")
     worker_out = d / "worker.json"
     worker = subprocess.Popen([sys.executable, "-m", "experiments.bench", "--worker", "zero_offload_style", "--model",
-                               "micro", "--batch", "2", "--seq", "16", "--steps", "2", "--budget-bytes", str(2**30),
-                               "--out", str(worker_out)],
+                               "micro", "--batch", str(BATCH), "--seq", str(SEQ), "--steps", "2", "--budget-bytes",
+                               str(2**30), "--out", str(worker_out)],
                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     procs = {"worker": (worker, worker_out)}
     yield procs
@@ -67,7 +69,7 @@ def _batches():
 
 
 @pytest.mark.parametrize("name", bl.SYSTEMS)
-def test_baseline_matches_plain_optax_reference(name, subprocesses):
+def test_baseline_matches_plain_optax_reference(name):
     system = bl.build(name, CFG)
     state = system.init(jax.random.key(0))
     losses = []
@@ -532,7 +534,7 @@ def test_nvml_absent_is_reported_not_raised(monkeypatch):
     assert r["available"] is False and "pynvml" in r["error"]
 
 
-# ---- last: the worker subprocess started at the top ------------------------------------------
+# ---- last: the worker subprocess ------------------------------------------------------------------
 
 def test_worker_subprocess_returns_every_key(subprocesses):
     rec = json.loads(_wait(subprocesses, "worker").read_text())
@@ -554,7 +556,9 @@ def test_chunkjax_refuses_a_plan_over_its_headroom(monkeypatch):
     from chunkjax.fit import HEADROOM
     from chunkjax.step import ChunkedStep
     from experiments.bench_chunkjax import ChunkjaxSystem
-    system = ChunkjaxSystem(CFG, 2**30, BATCH, SEQ)
+    # the micro GPT with 2 blocks at 2 x 32 tokens (test_chunkjax_init_params_...'s model and batch): the
+    # check reads the compiled programs' peaks, whatever the model's size
+    system = ChunkjaxSystem(CFG2, 2**30, 2, 32)
     real = ChunkedStep.compiled_memory_programs
     # every program compiles to 2x the budget, and no smaller plan exists
     monkeypatch.setattr(ChunkedStep, "compiled_memory_programs",
@@ -569,7 +573,7 @@ def test_chunkjax_refuses_a_plan_over_its_headroom(monkeypatch):
 
     monkeypatch.setattr(fit, "plan", plan_once)
     system.init = system.step = None  # must not be reached
-    rec = measure.measure_system(system, _worker_args("chunkjax", 2**30))
+    rec = measure.measure_system(system, _worker_args("chunkjax", 2**30, batch=2, seq=32))
     assert rec["feasible"] is False
     assert f"exceeds {HEADROOM:.0%} of the budget" in rec["infeasible_reason"]
     assert "no smaller plan" in rec["infeasible_reason"]
@@ -653,20 +657,21 @@ def test_transfer_phases_from_hlo_module_tags():
 def test_chunkjax_init_params_losses_match_plain_jax_step_by_step():
     """``--set init=init_params``: chunkjax starts from the baselines' params, so its losses equal
     plain_jax's step by step (the GPU check of a big model's arithmetic, bench
-    ``losses_vs_plain_jax``); a budget that forces host chunks keeps the host update in the path."""
+    ``losses_vs_plain_jax``); a budget that forces host chunks keeps the host update in the path
+    (the micro GPT with 2 blocks: device, streamed and host chunks at 2.5 MB)."""
     from experiments.bench_chunkjax import ChunkjaxSystem
     batch, seq = 2, 32
 
     def losses(system):
-        b = measure.make_batch(CFG, batch, seq, 0, getattr(system, "dev_sh", None))
+        b = measure.make_batch(CFG2, batch, seq, 0, getattr(system, "dev_sh", None))
         state, out = system.init(jax.random.key(0)), []
         for _ in range(3):
             state, loss = system.step(state, b)
             out.append(float(loss))
         return out
 
-    plain = {"losses": losses(bl.build("plain_jax", CFG))}
-    system = ChunkjaxSystem(CFG, 2_500_000, batch, seq, init="init_params")
+    plain = {"losses": losses(bl.build("plain_jax", CFG2))}
+    system = ChunkjaxSystem(CFG2, 2_500_000, batch, seq, init="init_params")
     assert {"host", "device"} <= set(system.schedule.update_locations)
     rec = {"losses": losses(system), "init": system.init_rule}
     cmp = bench.compare_losses({"plain_jax": plain, "chunkjax": rec})
@@ -675,7 +680,7 @@ def test_chunkjax_init_params_losses_match_plain_jax_step_by_step():
     assert cmp["chunkjax"]["max_rel_diff"] < 5e-4, (plain["losses"], rec["losses"])
     assert bench.compare_losses({"plain_jax": plain, "chunkjax": dict(rec, init="leafwise")}) == {}
     with pytest.raises(ValueError, match="init="):
-        ChunkjaxSystem(CFG, 2_500_000, batch, seq, init="zeros")
+        ChunkjaxSystem(CFG2, 2_500_000, batch, seq, init="zeros")
 
 
 

@@ -267,6 +267,27 @@ def test_write_failure_keeps_previous(setup, mixed_run, tmp_path, monkeypatch, w
         ck.save_checkpoint(d, 1, step, st, {})
 
 
+def test_failed_save_prints_only_our_line(tmp_path):
+    """A fresh user's session-19 report: a full disk or Ctrl-C in the middle of a checkpoint save
+    printed our one-line error and then orbax's absl tracebacks (its background threads failing
+    on the removed temporary directory, tensorstore's ``Event loop is closed``). The worker
+    (tests/checkpoint_noise_worker.py) fails a save inside orbax itself (a file-size limit:
+    tensorstore's own writes fail, EFBIG) and interrupts one (SIGINT while orbax's background
+    writes are held): stderr is our two lines and nothing else, the errno is named, the first
+    checkpoint stays the latest and restores, and no temporary directory is left."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join([os.path.dirname(here), here, os.environ.get("PYTHONPATH", "")]))
+    res = subprocess.run([sys.executable, os.path.join(here, "checkpoint_noise_worker.py"), str(tmp_path / "ck")],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    err = res.stderr.strip().splitlines()
+    assert len(err) == 2 and err[1] == "interrupted", res.stderr[-3000:]
+    assert err[0].startswith("error: saving checkpoint step 2 ") and "[EFBIG]" in err[0], err[0]
+    assert "intact (latest: step 1)" in err[0] and "tensorstore" not in err[0], err[0]
+    assert res.stdout.strip().splitlines()[-1] == "OK 1 ['step_00000001']", res.stdout
+
+
 CHILD = """
 import os, sys, time
 sys.path[:0] = [{repo}, {tests}]

@@ -1,6 +1,7 @@
 """Host-memory bounds of checkpoints (issue 21, item 5), measured as peak RSS growth in a fresh
-process (tests/checkpoint_memory_worker.py: a 1.5 GiB ChunkedStep state in 6 chunks of 256 MiB,
-half device-, half host-updated) against the bounds documented in chunkjax/checkpoint (the package docstring):
+process (tests/checkpoint_memory_worker.py: a 0.875 GiB ChunkedStep state in 7 chunks of 128 MiB,
+half device-, half host-updated; chunks above glibc's 32 MiB mmap threshold, as the 256 MiB chunks of
+the 1.5 GiB state this file used before: the same growth in chunks, measured side by side) against the bounds documented in chunkjax/checkpoint (the package docstring):
 
 * save_checkpoint: at most two chunks beyond the state (a device chunk's host copy and orbax's
   encoded copy of it while it writes);
@@ -12,6 +13,7 @@ half device-, half host-updated) against the bounds documented in chunkjax/check
 
 Each bound is allowed half a chunk for what the C allocator keeps (measured growth above the
 bounds' own buffers: under a quarter of a chunk) and the interpreter's own small allocations.
+Measured with 128 MiB chunks: save 1.2 chunks, async 2.0, restore the state plus 1.0.
 """
 import json
 import os
@@ -33,7 +35,7 @@ def measured(tmp_path_factory):
                        timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert out["state_bytes"] >= 1.4 * 2**30 and out["n_chunks"] >= 6, out
+    assert out["state_bytes"] >= 0.85 * 2**30 and out["n_chunks"] >= 6, out
     return out
 
 

@@ -92,6 +92,30 @@ def test_non_elementwise_is_refused_in_one_line_on_every_path(micro, name):
         assert "\n" not in str(e.value), (path, str(e.value))
 
 
+def test_weight_decay_mask_is_refused_even_unchecked(micro):
+    """Session 19 (a fresh user): ``optax.adamw(..., mask=no_decay_on_1d)`` with ``check_tx=False``
+    was accepted and its mask, called on a chunk (a flat array), decayed no element at all: wrong
+    numbers. Every path refuses a mask in one line saying what to do, with or without the probe;
+    an unmasked adamw still passes unchecked."""
+    from flax import nnx
+    stages, params, batch = micro
+    tx = lambda: optax.adamw(1e-3, weight_decay=0.1, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p))
+    paths = {
+        "fit_step": lambda tx, **kw: cj.fit_step(stages, params, batch, tx=tx, device_budget="1GiB", **kw),
+        "ChunkedOptimizer": lambda tx, **kw: cj.ChunkedOptimizer({"a": jnp.zeros((3, 3)), "b": jnp.zeros((4,))}, tx,
+                                                                 device_budget="1GiB", **kw),
+        "NnxOptimizer": lambda tx, **kw: cj.NnxOptimizer(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), tx,
+                                                         device_budget="1GiB", **kw),
+    }
+    for path, make in paths.items():
+        for kw in ({}, {"check_tx": False}):
+            with pytest.raises(ValueError) as e:
+                make(tx(), **kw)
+            msg = str(e.value)
+            assert "\n" not in msg and "masks leaves" in msg and "drop mask=" in msg and "weight_decay=0" in msg, (path, msg)
+    paths["ChunkedOptimizer"](optax.adamw(1e-3, weight_decay=0.1), check_tx=False)
+
+
 def test_budgets_as_ints_or_strings_through_one_parser(micro):
     """fit_step and the drop-in take the same budget forms and refuse the same bad ones with the
     same message (chunkjax.fit.resolve_budget)."""

@@ -293,9 +293,14 @@ def test_leaf_larger_than_a_chunk_spans_chunks_and_equals_optax(name="clip+adam"
     big = {s.path: s for s in opt.layout.slots}["big"]
     assert [p.size for p in big.pieces] == [88, 128, 84] and len(set(big.chunks)) == 3  # after "b" (40)
     p, ph = params, params
+
+    @jax.jit
+    def ref_update(g, s, q):  # the plain optax step (one program, not op by op)
+        u, s = tx.update(jax.tree.map(lambda x: x.astype(jnp.float32), g), s, q)
+        return jax.tree.map(lambda a, b: (a.astype(jnp.float32) + b).astype(a.dtype), q, u), s
+
     for g in grads:
-        u, ref_s = tx.update(jax.tree.map(lambda x: x.astype(jnp.float32), g), ref_s, ref_p)
-        ref_p = jax.tree.map(lambda a, b: (a.astype(jnp.float32) + b).astype(a.dtype), ref_p, u)
+        ref_p, ref_s = ref_update(g, ref_s, ref_p)
         p, ph, pm = opt.update(g), host.update(g), mixed.update(g)
     for got in (p, ph, opt.master_params(), pm, mixed.master_params()):
         assert jax.tree.structure(got) == jax.tree.structure(params)
@@ -312,7 +317,13 @@ def test_leaf_larger_than_a_chunk_spans_chunks_and_equals_optax(name="clip+adam"
 def test_non_elementwise_tx_is_refused(tx):
     with pytest.raises(ValueError, match=r"not elementwise"):
         cj.ChunkedOptimizer({"w": jnp.zeros((3, 3))}, tx, device_budget="1GiB")
-    cj.ChunkedOptimizer({"w": jnp.zeros((3, 3))}, tx, device_budget="1GiB", check_tx=False)  # opt-out works
+    masked = any(isinstance(x, optax.MaskedState) for x in jax.tree.leaves(
+        tx.init({"w": jnp.zeros((3, 3))}), is_leaf=lambda x: isinstance(x, optax.MaskedState)))
+    if not masked:
+        cj.ChunkedOptimizer({"w": jnp.zeros((3, 3))}, tx, device_budget="1GiB", check_tx=False)  # opt-out works
+    else:  # session 19: a mask is refused even unchecked (it decayed no element at all: wrong numbers)
+        with pytest.raises(ValueError, match=r"per-leaf weight-decay masks are not supported yet: drop mask="):
+            cj.ChunkedOptimizer({"w": jnp.zeros((3, 3))}, tx, device_budget="1GiB", check_tx=False)
 
 
 def test_placement_is_the_optimizer_only_policy():
@@ -422,10 +433,15 @@ def test_host_chunks_checkpoint_and_restore(tmp_path):
     restored, _ = ck.restore_checkpoint(tmp_path, on_device)
     assert_trees_close(train(on_device, restored, 3), ref)
     plain = spec.optax()  # and all of it equals plain optax on the whole tree
+
+    @jax.jit
+    def plain_update(s, q):  # one program, not op by op
+        u, s = plain.update(grad_fn(q), s, q)
+        return s, optax.apply_updates(q, u)
+
     s, q = plain.init(params), params
     for _ in range(6):
-        u, s = plain.update(grad_fn(q), s, q)
-        q = optax.apply_updates(q, u)
+        s, q = plain_update(s, q)
     assert_trees_close(ref, q)
 
 

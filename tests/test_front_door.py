@@ -772,3 +772,26 @@ def test_bad_budget_names_every_spelling_the_front_door_takes():
             chunkjax.offload(Llama(rngs=nnx.Rngs(0)), optax.adam(1e-3), lm_loss, token_batches(n=1)[0],
                              device_budget=bad)
         assert "\n" not in str(e.value)
+
+
+def test_nonfinite_error_through_offload():
+    """Session 19: ``chunkjax.offload(..., nonfinite="error")`` (was refused: only "ignore"/"skip"):
+    a step whose loss is infinite raises one line naming step 2 and leaves every parameter as the
+    first step left it; the next finite step trains on."""
+    def loss(model, batch):
+        return lm_loss(model, batch["tokens"]) * jnp.mean(batch["scale"])  # a (B,) column
+
+    toks = token_batches(n=3)
+    model = LoRALM(rngs=nnx.Rngs(0, dropout=1))
+    step = chunkjax.offload(model, optax.adam(1e-3), loss, {"tokens": toks[0], "scale": jnp.ones((4,), jnp.float32)},
+                            nonfinite="error")
+    assert np.isfinite(float(step({"tokens": toks[0], "scale": jnp.ones((4,), jnp.float32)})))
+    step.sync(model)
+    before = [np.array(x, copy=True) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
+    with pytest.raises(chunkjax.NonFiniteError, match=r"^step 2: the loss and gradient norm is not finite") as e:
+        step({"tokens": toks[1], "scale": jnp.full((4,), np.inf, jnp.float32)})
+    assert "\n" not in str(e.value) and "nothing was updated" in str(e.value)
+    step.sync(model)
+    for a, b in zip(jax.tree.leaves(nnx.state(model, nnx.Param)), before):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    assert np.isfinite(float(step({"tokens": toks[2], "scale": jnp.ones((4,), jnp.float32)})))

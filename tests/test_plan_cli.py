@@ -19,19 +19,26 @@ KEYS = ["predicted_peak_device_bytes", "device_budget_bytes", "h2d_bytes_per_ste
 MICRO = ["--model", "micro", "--batch", "2", "--seq", "64"]
 _CACHE: dict = {}
 _trace = plan.trace_inputs
+_trace_user = plan.trace_user_model
 
 
 @pytest.fixture(autouse=True)
 def cached_trace(monkeypatch):
-    """Trace each (model, batch, seq) once for the whole module (tracing is the slow part)."""
-    def trace_inputs(model, batch, seq, **kw):
-        key = (model, batch, seq, kw.get("chunk_size"), kw.get("min_chunks", 8), kw.get("n_ranks", 1),
-               str(kw.get("compute_dtype")), kw.get("micro_batches", 1), str(kw.get("storage")))
-        if key not in _CACHE:
-            _CACHE[key] = _trace(model, batch, seq, **kw)
-        return _CACHE[key]
+    """Trace each (model, batch, seq) once for the whole module (tracing is the slow part): the
+    named models and the ``module:factory`` user models (tests/…/my_user_model.py, the same
+    source in every test; a factory that raises is not cached, so every bad spec still raises)."""
+    def cached(trace):
+        def traced(model, batch, seq, **kw):
+            key = (model, batch, seq, kw.get("chunk_size"), kw.get("min_chunks", 8), kw.get("n_ranks", 1),
+                   str(kw.get("compute_dtype")), kw.get("micro_batches", 1), str(kw.get("storage")),
+                   kw.get("host_budget"))
+            if key not in _CACHE:
+                _CACHE[key] = trace(model, batch, seq, **kw)
+            return _CACHE[key]
+        return traced
 
-    monkeypatch.setattr(plan, "trace_inputs", trace_inputs)
+    monkeypatch.setattr(plan, "trace_inputs", cached(_trace))
+    monkeypatch.setattr(plan, "trace_user_model", cached(_trace_user))
 
 
 def test_plan_json_and_baselines(capsys):

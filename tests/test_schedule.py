@@ -348,8 +348,9 @@ def test_case3_micro_batches_equal_one_big_batch(setup, where):
         make = lambda n: cj.make_chunked_step(stages, layout, plan, spec.optax(), compute_dtype=jnp.float32,
                                               micro_batches=n)
     big = [jnp.concatenate(batches[i:i + 3]) for i in (0, 3)]  # 2 steps of 3 x B sequences
-    s1, l1 = _run(make(1), params, big)
-    s3, l3 = _run(make(3), params, big)
+    one, three = make(1), make(3)  # a step keeps no state: each run starts from init
+    s1, l1 = _run(one, params, big)
+    s3, l3 = _run(three, params, big)
     np.testing.assert_allclose(l3, l1, rtol=2e-6)
 
     def off(sa, sb):  # share of master params further apart than fp32 summation order explains
@@ -362,10 +363,10 @@ def test_case3_micro_batches_equal_one_big_batch(setup, where):
     # fraction of lr; a wrong accumulation moves most (> 0.3, checked below)
     share, worst = off(s3, s1)
     assert share < 6e-3 and worst < 2 * 3e-3 * len(big), (share, worst)
-    s_ref, _ = _run(make(1), params, [batches[0], batches[3]])  # the first micro-batches only
+    s_ref, _ = _run(one, params, [batches[0], batches[3]])  # the first micro-batches only
     assert off(s3, s_ref)[0] > 0.3
     with pytest.raises(ValueError, match="does not split into micro_batches=3"):
-        make(3)(s3, batches[0])
+        three(s3, batches[0])
     with pytest.raises(ValueError, match="micro_batches must be"):
         make(0)
 
@@ -399,6 +400,56 @@ def test_nonfinite_skip_changes_no_state(setup):
     state3, m3 = step(state2, batches[2])
     assert float(m3["loss"]) == pytest.approx(l_ref[1], rel=1e-6)
     with pytest.raises(ValueError, match="nonfinite="):
+        cj.make_chunked_step(stages, layout, plan, host_optimizer=spec, nonfinite="raise")
+
+
+def test_nonfinite_error_names_the_step_and_updates_nothing(setup):
+    """nonfinite="error" (the main job's default policy, refused by the API before session 19): a
+    step with NaN gradients raises one line naming the step and what was non-finite; no master
+    params, optimizer state (host, device, step count) or compute params changed, and continuing
+    from the exception's state equals a run that never saw the bad step. A non-finite loss with
+    finite gradients is left out too (:func:`chunkjax.nonfinite.guard` folds it into the norm)."""
+    from chunkjax import nonfinite
+    cfg, params, batches, stages, layout, traces = setup
+    spec = AdamW(3e-3, weight_decay=0.1)
+    plan = _host_device_schedule(setup, spec)
+    step = cj.make_chunked_step(stages, layout, plan, host_optimizer=spec, compute_dtype=jnp.float32,
+                                nonfinite="error")
+    state, m = step(step.init(params), batches[0])
+    step.wait(state)
+    assert not bool(m["skipped"])
+    before = [np.array(a, copy=True) for a in state.master]
+    opt_before = [np.array(x, copy=True) for x in jax.tree.leaves(state.opt_state)]
+    dev = next(c for c, u in enumerate(plan.update_locations) if u == "device")
+    bad = list(state.params)
+    bad[dev] = jnp.full_like(bad[dev], jnp.nan)
+    with pytest.raises(cj.NonFiniteError) as e:
+        step(cj.TrainState(tuple(bad), state.master, state.opt_state), batches[1])
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("step 2: the loss and gradient norm is not finite"), msg
+    assert "nothing was updated" in msg and "nonfinite='skip'" in msg, msg
+    assert e.value.step == 2 and e.value.which == "loss and gradient norm" and bool(e.value.metrics["skipped"])
+    state2 = e.value.state
+    step.wait(state2)
+    for a, b in zip(state2.master, before):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    for a, b in zip(jax.tree.leaves(state2.opt_state), opt_before):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    np.testing.assert_array_equal(np.asarray(state2.params[dev]), before[dev])
+    ref = cj.make_chunked_step(stages, layout, plan, host_optimizer=spec, compute_dtype=jnp.float32)
+    _, l_ref = _run(ref, params, [batches[0], batches[2]])
+    state3, m3 = step(state2, batches[2])
+    assert float(m3["loss"]) == pytest.approx(l_ref[1], rel=1e-6)
+    # a non-finite loss beside finite gradients: every updater's skip sees a NaN total; the
+    # reported norm stays the gradient's, and the error names the loss alone
+    sq = jnp.asarray([1.0, 4.0], jnp.float32)
+    poisoned, norm, shown = nonfinite.guard("error", sq, jnp.float32(jnp.inf))
+    assert not np.isfinite(float(jnp.sum(poisoned))) and not np.isfinite(float(norm))
+    assert float(shown) == pytest.approx(5 ** 0.5)
+    assert nonfinite.guard("skip", sq, jnp.float32(jnp.inf))[1] == shown
+    with pytest.raises(cj.NonFiniteError, match=r"^step 3: the loss is not finite \(loss inf, gradient norm 2"):
+        nonfinite.raise_if_nonfinite(step, state3, {"loss": jnp.float32(jnp.inf), "grad_norm": shown})
+    with pytest.raises(ValueError, match="nonfinite='raise': use one of 'ignore', 'skip', 'error'"):
         cj.make_chunked_step(stages, layout, plan, host_optimizer=spec, nonfinite="raise")
 
 

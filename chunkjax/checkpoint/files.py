@@ -25,6 +25,9 @@ import logging
 import os
 import re
 import shutil
+import sys
+import threading
+import time
 import uuid
 import warnings
 import zlib
@@ -435,9 +438,88 @@ def checkpointer():
 
 
 def write_chunk(ckptr, path: str, arrays: dict[str, np.ndarray]) -> None:
-    """Write one chunk's arrays (numpy) as an orbax PyTree checkpoint at ``path``."""
+    """Write one chunk's arrays (numpy) as an orbax PyTree checkpoint at ``path``.
+
+    A failed or interrupted write (a full disk, Ctrl-C) raises here and nowhere else: orbax's
+    background threads of this write are joined before the exception leaves (so the caller's
+    removal of the temporary directory does not race them), and what they and tensorstore print
+    about the same failure (absl ``_SignalingThread.run() raised an exception`` tracebacks,
+    ``RuntimeError: Event loop is closed`` from callbacks of the aborted write) is dropped while
+    this call runs: :func:`quiet_orbax_failures`.
+
+    Raises:
+      OSError: with the errno tensorstore reports (``os_error_code``, e.g. ENOSPC: a full disk)
+        (the message names the chunk), instead of tensorstore's ValueError with its whole spec.
+      KeyboardInterrupt and any other exception of the write: unchanged.
+    """
     import orbax.checkpoint as ocp
-    ckptr.save(os.path.abspath(path), args=ocp.args.PyTreeSave(arrays))  # orbax refuses relative paths
+    with quiet_orbax_failures():
+        try:
+            ckptr.save(os.path.abspath(path), args=ocp.args.PyTreeSave(arrays))  # orbax refuses relative paths
+        except Exception as e:
+            code = _os_error_code(e)
+            if code is None:
+                raise
+            raise OSError(code, os.strerror(code)) from e
+
+
+def _os_error_code(e: BaseException) -> int | None:
+    """The errno of an OSError, or of tensorstore's ``[os_error_code='28']`` in its message."""
+    if isinstance(e, OSError) and e.errno:
+        return e.errno
+    m = re.search(r"os_error_code='?(\d+)", str(e))
+    return int(m.group(1)) if m else None
+
+
+class _OrbaxNoise(logging.Filter):
+    """Drops orbax's ERROR records (the absl logger), while a write is in flight."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and f"{os.sep}orbax{os.sep}" in record.pathname)
+
+
+_quiet_lock = threading.Lock()
+_quiet = {"depth": 0, "filter": _OrbaxNoise(), "prev_hook": None}  # process-wide hooks, refcounted
+
+
+def _drop_closed_loop(unraisable) -> None:
+    if unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is closed":
+        return  # a tensorstore callback of an aborted orbax write, after orbax closed its loop
+    _quiet["prev_hook"](unraisable)
+
+
+class quiet_orbax_failures:
+    """Context manager: while any chunk write is in flight, orbax's own reports of a failed write
+    (absl ERROR records with tracebacks from its threads; tensorstore's unraisable ``Event loop is
+    closed``) are dropped, since the failure reaches the caller as this write's exception. On an
+    exception, the orbax threads started inside are joined (up to 30 s) before it propagates, so
+    that nothing of the failed write runs or prints after the caller's one-line error."""
+
+    def __enter__(self):
+        with _quiet_lock:
+            if _quiet["depth"] == 0:
+                logging.getLogger("absl").addFilter(_quiet["filter"])
+                _quiet["prev_hook"], sys.unraisablehook = sys.unraisablehook, _drop_closed_loop
+            _quiet["depth"] += 1
+        self.before = set(threading.enumerate())
+        return self
+
+    def __exit__(self, typ, exc, tb):
+        try:
+            if typ is not None:  # the aborted write's threads: done before the caller removes its files
+                deadline = time.monotonic() + 30.0  # a second Ctrl-C ends the wait
+                for t in threading.enumerate():
+                    if t not in self.before and type(t).__module__.startswith("orbax") and t is not threading.current_thread():
+                        t.join(max(0.0, deadline - time.monotonic()))
+                time.sleep(0.05)  # tensorstore's last callbacks into orbax's closed loop
+        finally:
+            with _quiet_lock:
+                _quiet["depth"] -= 1
+                if _quiet["depth"] == 0:
+                    logging.getLogger("absl").removeFilter(_quiet["filter"])
+                    if sys.unraisablehook is _drop_closed_loop:
+                        sys.unraisablehook = _quiet["prev_hook"]
+        return False
 
 
 def read_chunk(ckptr, path: str, names) -> dict[str, np.ndarray]:

@@ -30,7 +30,11 @@ class CheckpointError(ValueError):
 class CheckpointWriteError(OSError):
     """Writing a checkpoint failed (full disk, I/O error, ...). The previous checkpoints are
     intact and the temporary directory of the failed save has been removed. ``errno`` is the
-    underlying error's, when it had one."""
+    underlying error's, when it had one; the message is the one line without OSError's
+    ``[Errno N]`` prefix (it names the errno itself)."""
+
+    def __str__(self) -> str:
+        return self.strerror if self.errno is not None and self.strerror else super().__str__()
 
 
 class SavedChunks(Protocol):

@@ -159,6 +159,21 @@
 #   full), 97 are refused (docs/storage.md has the lines). The call (part b19):
 #   PREALLOC=false POOL19=56 B_STEPS=1 LIMIT=585 MEMLOG=$OUT/mem.log \
 #     bash experiments/gpu_checks/memwatch.sh bash experiments/gpu_checks/largest.sh <run> b19
+# * Session 19 (docs/benchmarks.md "Nineteenth session"): a2 and b19 trained to their memory plateau (python RSS
+#   126-128 GB, 4.5-4.8 GB available) but recorded no step: the bench's worker was given the part's time *after* the
+#   ~20 s matmul probe, so the outer `timeout` killed the driver first. The bench now takes --time-limit (each worker
+#   gets what is left less 10 s; its finished steps, or its warm-up's seconds and loss, are kept) and echoes the
+#   worker's progress and host-ledger lines into $OUT/<tag>.log as they come. Seen from memwatch: a2 plan + compile
+#   ~200 s, init to ~340 s; b19 plan + compile ~210 s (s17b's GPT3_18B: 69 s), init to ~330 s. b2 (MB18_BATCH=8,
+#   host 115e9) planned in 91 s, then compiled its 32 in-program programs for ~380 s (s17b's one-micro-batch 32:
+#   34 s) and was refused: compiled 138.56e9 vs accounted 132.85e9 (1.043x); the re-plan at 127.54e9 of device needs
+#   117.11e9 of host. With that compile b2 cannot reach a step in one 600 s call: first find where the compile time
+#   goes (compiles only, ~5 min, JSON $OUT/inprogram_gap_<tag>.json with plan_s / compile_s per plan):
+#     for f in "" "--xla_gpu_autotune_level=0" "--xla_gpu_enable_while_loop_unrolling=WHILE_LOOP_UNROLLING_NO_UNROLL"; do
+#       XLA_FLAGS="$f" timeout 140 python experiments/gpu_checks/inprogram_gap.py --rows 1 --m 8 --layers 6 \
+#         --in-program-only --tag "s20${f:+_$(echo $f | tr -c 'a-z0-9' _ | cut -c1-30)}"; done
+#   then a2 and b19 as above (now with --time-limit: LIMIT=583 leaves the worker ~548 s after the probe; a2's warm-up
+#   ends near 450 s, a timed step near 560 s).
 set -u
 RUN=${1:-largest}
 PART=${2:-a}
@@ -180,7 +195,7 @@ run() {  # run <tag> <pool GiB> <least s> <bench args...>: with at least <least 
   if (( left < least )); then echo "skip $tag (time)"; echo "$tag" >> $OUT/skipped.txt; return; fi
   local t0=$SECONDS
   XLA_PJRT_GPU_HOST_MEMORY_PREALLOCATE=${PREALLOC:-true} XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=$pool \
-    timeout -k 10 $left $B --run-id ${RUN}_$tag --worker-timeout $((left - 15)) "$@" > $OUT/$tag.log 2>&1
+    timeout -k 10 $left $B --run-id ${RUN}_$tag --time-limit $((left - 5)) "$@" > $OUT/$tag.log 2>&1
   echo "$tag rc=$? $((SECONDS - t0)) s"
 }
 disk() { rm -rf "$DISK"; mkdir -p "$DISK"; df -B1 --output=avail "$DISK" | tail -1 | sed 's/^/disk free bytes: /'; }

@@ -31,7 +31,7 @@ run() {  # run <tag> <bench args...>: within the part's time left, else skipped
   local left=$((LIMIT - (SECONDS - START)))
   if (( left < 60 )); then echo "skip $tag (time)"; echo "$tag" >> $OUT/skipped.txt; return; fi
   local t0=$SECONDS
-  timeout -k 10 $left $B --run-id ${RUN}_$tag --worker-timeout $left "$@" > $OUT/$tag.log 2>&1
+  timeout -k 10 $left $B --run-id ${RUN}_$tag --time-limit $((left - 5)) "$@" > $OUT/$tag.log 2>&1
   echo "$tag rc=$? $((SECONDS - t0)) s"
 }
 if [[ $PART == all || $PART == a ]]; then

@@ -1,0 +1,56 @@
+"""The benchmark driver's time limit: a worker that runs out of time leaves what it measured.
+
+On the GPU a part of experiments/gpu_checks/largest.sh ran 583 s under an outer ``timeout`` while its
+worker had been given 568 s after a ~20 s matmul probe: the driver was killed first and the steps the
+worker had finished were lost. ``--time-limit`` gives each subprocess what is left of the call, and
+the worker's progress lines reach the driver's log as they are printed."""
+import sys
+import time
+import types
+
+from experiments import bench, measure
+
+
+def test_progress_lines_reach_the_log_live_and_survive_a_timeout(capsys):
+    line = measure.PROGRESS_TAG + ' {"phase": "init", "seconds": 1.5}'
+    code = (f"import sys, time; print({line!r}, file=sys.stderr, flush=True); "
+            "print('compiler noise', file=sys.stderr, flush=True); print('out', flush=True); time.sleep(60)")
+    t0 = time.monotonic()
+    rc, out, err, timed_out = bench.stream_process([sys.executable, "-c", code], None, 3.0,
+                                                   echo_prefixes=(measure.PROGRESS_TAG,))
+    wall = time.monotonic() - t0
+    assert timed_out and rc == 124 and wall < 30
+    echoed = capsys.readouterr().out
+    assert line in echoed and "compiler noise" not in echoed  # only progress lines are echoed
+    assert line in err and "compiler noise" in err and out == "out\n"  # and everything is kept
+
+
+def test_a_finished_child_keeps_its_status_and_output():
+    rc, out, err, timed_out = bench.stream_process(
+        [sys.executable, "-c", "import sys; print('a'); print('b', file=sys.stderr); sys.exit(3)"], None, 30.0)
+    assert (rc, out, err, timed_out) == (3, "a\n", "b\n", False)
+
+
+def test_worker_timeout_is_what_is_left_of_the_time_limit():
+    now = time.monotonic()
+    a = types.SimpleNamespace(worker_timeout=0, time_limit=100.0, started_at=now - 50.0)
+    left = bench.worker_timeout(a)
+    assert 100.0 - 50.0 - bench.TIME_LIMIT_MARGIN_S - 1.0 < left <= 100.0 - 50.0 - bench.TIME_LIMIT_MARGIN_S
+    a.worker_timeout = 20.0
+    assert bench.worker_timeout(a) == 20.0  # the smaller of the two
+    a.started_at = now - 500.0
+    assert bench.worker_timeout(a) == 1.0  # spent: the next child still starts and is stopped at once
+    assert bench.worker_timeout(types.SimpleNamespace(worker_timeout=0, time_limit=0, started_at=now)) is None
+
+
+def test_the_parser_takes_a_time_limit():
+    a = bench.build_parser().parse_args(["--time-limit", "570"])
+    assert a.time_limit == 570.0 and a.worker_timeout == 0
+
+
+def test_a_warm_up_without_a_timed_step_is_kept_as_such():
+    lines = [measure.PROGRESS_TAG + ' {"phase": "compile", "seconds": 200.0}',
+             measure.PROGRESS_TAG + ' {"phase": "init", "seconds": 120.0}',
+             measure.PROGRESS_TAG + ' {"phase": "warmup", "seconds": 118.5, "loss": 11.7}']
+    part = measure.partial_from_progress(lines, 8, 1024)
+    assert part == {"compile_s": 200.0, "init_s": 120.0, "warmup_s": 118.5, "losses": [11.7]}  # no tokens/s
