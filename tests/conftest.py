@@ -68,7 +68,7 @@ FILE_SECONDS = {
     # session 19 (ux19): train_job +7 (extending a finished run: two short job runs, 13 s on the shared box),
     # checkpoint +3 (the orbax-noise worker subprocess, 7 s), front_door +5 (nonfinite="error" through offload)
     # session 19 (fresh19): nonfinite_count, eager optax on a 4-element chunk, 4 s with its imports
-    "nonfinite_count": 2,
+    "nonfinite_count": 2,  # train_job_errors +1 (schedule_note: no jit)
 }
 DEFAULT_FILE_SECONDS = 30
 
