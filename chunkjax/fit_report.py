@@ -71,8 +71,8 @@ def describe(report: FitReport, problem) -> str:
             f"on device {mib(p.device_model_bytes):.1f} of {mib(model):.1f} MiB; per step h2d "
             f"{mib(p.h2d_bytes_per_step):.1f} MiB, d2h {mib(p.d2h_bytes_per_step):.1f} MiB; host "
             f"{mib(p.host_bytes):.1f} MiB ({p.host_resident_bytes_per_param:.1f} B/param of host-resident chunks, "
-            f"{len(s.master_fetch)} without a compute copy, gradient working set {mib(p.host_working_bytes):.1f} "
-            f"MiB); predicted step "
+            f"{len(s.master_fetch)} without a compute copy, working set {mib(p.host_working_bytes):.1f} MiB: "
+            f"host gradients in flight and streamed write-back); predicted step "
             f"{p.time.step_s * 1e3:.1f} ms" + (" (the cost model's GPU rates: a CPU runs far slower)"
                                                 if problem.platform == "cpu" else "")
             + "".join(f"; {x}" for x in [storage_line(s, problem.storage_dirs, problem.host_budget_bytes),

@@ -82,8 +82,9 @@ def steps_taken(state) -> int | None:
         for st in (opt if isinstance(opt, tuple) and not hasattr(opt, "_fields") else (opt,)):
             if st is None:
                 continue
-            if hasattr(st, "count") and np.ndim(st.count) == 0 and not hasattr(st, "_fields"):
-                return int(st.count)
+            count = getattr(st, "count", None)  # a plain tuple's count is its method: not a step count
+            if count is not None and not callable(count) and np.ndim(count) == 0 and not hasattr(st, "_fields"):
+                return int(count)
             for path, leaf in jax.tree_util.tree_flatten_with_path(st)[0]:
                 if any(getattr(k, "name", getattr(k, "key", None)) == "count" for k in path):
                     return int(np.asarray(leaf).ravel()[0])

@@ -542,6 +542,8 @@ def run(cfg: TrainConfig) -> dict:
     resolved = dataclasses.asdict(cfg) | {"device_budget_bytes": budget, "platform": platform,
                                           "n_devices": problem.n_ranks, "compute_dtype_resolved": jnp.dtype(cdt).name}
     print("config: " + " ".join(f"{k}={v}" for k, v in resolved.items()), flush=True)
+    if (note := schedule_note(cfg)):
+        print(note, flush=True)
     print(layout.summary().splitlines()[0], flush=True)
     for k, h in enumerate(fit_report.plans):
         print(f"compiled check {k}: plan for {fb(h['effective_budget_bytes'])} {h['counts']}: compiled peak "
@@ -834,6 +836,20 @@ def parse_budget(text: str, flag: str = "--device-budget") -> int:
         return cj.parse_bytes(text)
     except ValueError as e:
         raise UsageError(f"{flag}: {e}") from None
+
+
+def schedule_note(cfg: TrainConfig) -> str:
+    """A one-line note when the warm-up does not end before the cosine's horizon (``--lr-decay-steps``
+    or ``--steps``): :func:`host_spec` then stretches the cosine to ``warmup + 1`` steps, so the
+    learning rate rises for the whole run and never decays (e.g. ``--steps 20`` with the default
+    ``--warmup 30``); "" otherwise."""
+    horizon = cfg.lr_decay_steps or cfg.steps
+    if not cfg.warmup or cfg.warmup < horizon:
+        return ""
+    return (f"note: --warmup {cfg.warmup} >= {'--lr-decay-steps' if cfg.lr_decay_steps else '--steps'} {horizon}: "
+            f"the warm-up outlasts the cosine, so the learning rate still rises at step {horizon} "
+            f"({(horizon - 1) / cfg.warmup:.2g} x --lr) and decays only after step {cfg.warmup}; pass a smaller "
+            "--warmup to warm up and decay")
 
 
 def host_spec(cfg: TrainConfig):

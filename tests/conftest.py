@@ -24,7 +24,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _CACHE = tempfile.mkdtemp(prefix="chunkjax_test_xla_cache_")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE  # inherited by subprocesses and notebook kernels
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # every program: a repeat of a small one is a disk read
 else:
     _CACHE = None
 if "CHUNKJAX_TEST_SHARED_DIR" not in os.environ:  # set-ups built once per session (tests/_shared_data.py)
@@ -72,6 +72,8 @@ FILE_SECONDS = {
     # its wall seconds, 58 -> 15 (CPU 31 -> 16)
     # session 19 (suite19a): micro_groups, host_bytes, overlap, storage, zero_schedule, inprogram_micro, remat,
     # micro_cuts scaled likewise (each file alone, a fresh compilation cache, base and branch back to back)
+    # session 19 (fresh19): nonfinite_count, eager optax on a 4-element chunk, 4 s with its imports
+    "nonfinite_count": 2,  # train_job_errors +1 (schedule_note: no jit)
 }
 DEFAULT_FILE_SECONDS = 30
 

@@ -191,3 +191,17 @@ def test_library_errors_name_no_command_line_flags():
         "use --device-budget >= 2.000GiB or a larger --host-budget; chunk_size=128"
     assert with_flags("host_budget >= 3.000GiB, or storage directories (the disk tier)") == \
         "--host-budget >= 3.000GiB, or --storage DIR (the disk tier)"
+
+
+def test_summary_names_the_host_working_set_for_what_it_holds(micro):
+    """The plan's line said "gradient working set" for ``predicted.host_working_bytes``, which also
+    holds every streamed chunk's new params and state (written back beside the old until the step
+    returns: ``chunkjax.predict``), so a fresh user's 7.1 MiB "gradients" were 4.3 MiB of streamed
+    write-back (fresh19). The line now names both, with the same number."""
+    from chunkjax.fit_report import describe
+    stages, params, batch = micro
+    step, report, problem = cj.fit_step(stages, params, batch, host_optimizer=AdamW(3e-4), device_budget="auto")
+    line, p = describe(report, problem), report.schedule.predicted
+    assert "gradient working set" not in line, line
+    assert (f"working set {p.host_working_bytes / 2**20:.1f} MiB: host gradients in flight and streamed "
+            "write-back") in line, line

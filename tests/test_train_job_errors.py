@@ -180,3 +180,18 @@ def test_diverged_finetune_stops_and_keeps_the_good_checkpoint(tmp_path, capsys)
     assert sorted(os.listdir(run / "checkpoints")) == ["step_00000001", "step_00000002"]  # no temporaries
     steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == [0, 1, 2, 3, 4, 5]  # the step that stopped it is in the report, not the metrics
+
+
+def test_schedule_note_when_the_warmup_outlasts_the_horizon():
+    """--steps 20 with the default --warmup 30 (fresh19): host_spec stretches the cosine to warmup + 1
+    steps, so the whole run warms up; the job says so in one line, and the note's lr factor is the
+    schedule's own at the horizon's last step."""
+    cfg = dataclasses.replace(train.TrainConfig(), steps=20, warmup=30, lr_decay_steps=0)
+    note = train.schedule_note(cfg)
+    assert note.startswith("note: --warmup 30 >= --steps 20") and "\n" not in note
+    lr_last = float(train.host_spec(cfg).learning_rate(19))  # step 20 runs at count 19
+    assert f"({lr_last / cfg.lr:.2g} x --lr)" in note, (note, lr_last)
+    assert lr_last < cfg.lr  # the run never reached its peak: the note is true
+    assert "--lr-decay-steps 20" in train.schedule_note(dataclasses.replace(cfg, steps=40, lr_decay_steps=20))
+    for quiet in (dataclasses.replace(cfg, steps=400), dataclasses.replace(cfg, warmup=0)):
+        assert train.schedule_note(quiet) == ""
