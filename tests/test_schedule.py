@@ -371,15 +371,14 @@ def test_case3_micro_batches_equal_one_big_batch(setup, where):
         make(0)
 
 
-def test_nonfinite_skip_changes_no_state(setup):
-    """nonfinite="skip": a step whose gradients hold NaN changes no master params or optimizer
-    state (host, device and the step count) and says so; the next step is the one an
-    uninterrupted run would take."""
+def _poisoned_second_step(setup, nonfinite):
+    """One clean step of the host/device plan with ``nonfinite``, then its state with a device
+    chunk's compute params set to NaN: ``(step, plan, spec, state, master before, that chunk, bad state)``."""
     cfg, params, batches, stages, layout, traces = setup
     spec = AdamW(3e-3, weight_decay=0.1)
     plan = _host_device_schedule(setup, spec)
     step = cj.make_chunked_step(stages, layout, plan, host_optimizer=spec, compute_dtype=jnp.float32,
-                                nonfinite="skip")
+                                nonfinite=nonfinite)
     state, m = step(step.init(params), batches[0])
     step.wait(state)
     assert not bool(m["skipped"])
@@ -387,7 +386,26 @@ def test_nonfinite_skip_changes_no_state(setup):
     dev = next(c for c, u in enumerate(plan.update_locations) if u == "device")
     bad = list(state.params)
     bad[dev] = jnp.full_like(bad[dev], jnp.nan)
-    state2, m = step(cj.TrainState(tuple(bad), state.master, state.opt_state), batches[1])
+    return step, plan, spec, state, before, dev, cj.TrainState(tuple(bad), state.master, state.opt_state)
+
+
+def _continues_as_if_never_seen(setup, plan, spec, step, state2):
+    """The step after the refused one (batch 2) has the loss of a run that never saw it (batches 0, 2)."""
+    cfg, params, batches, stages, layout, traces = setup
+    ref = cj.make_chunked_step(stages, layout, plan, host_optimizer=spec, compute_dtype=jnp.float32)
+    _, l_ref = _run(ref, params, [batches[0], batches[2]])
+    state3, m3 = step(state2, batches[2])
+    assert float(m3["loss"]) == pytest.approx(l_ref[1], rel=1e-6)
+    return state3
+
+
+def test_nonfinite_skip_changes_no_state(setup):
+    """nonfinite="skip": a step whose gradients hold NaN changes no master params or optimizer
+    state (host, device and the step count) and says so; the next step is the one an
+    uninterrupted run would take."""
+    step, plan, spec, state, before, dev, bad = _poisoned_second_step(setup, "skip")
+    batches, stages, layout = setup[2], setup[3], setup[4]
+    state2, m = step(bad, batches[1])
     step.wait(state2)
     assert bool(m["skipped"]) and not np.isfinite(float(m["grad_norm"]))
     for a, b in zip(state2.master, before):
@@ -395,10 +413,7 @@ def test_nonfinite_skip_changes_no_state(setup):
     # the skipped step left the compute params of device chunks as the cast master params again
     np.testing.assert_array_equal(np.asarray(state2.params[dev]), before[dev])
     # continuing equals a run that never saw the bad step
-    ref = cj.make_chunked_step(stages, layout, plan, host_optimizer=spec, compute_dtype=jnp.float32)
-    _, l_ref = _run(ref, params, [batches[0], batches[2]])
-    state3, m3 = step(state2, batches[2])
-    assert float(m3["loss"]) == pytest.approx(l_ref[1], rel=1e-6)
+    _continues_as_if_never_seen(setup, plan, spec, step, state2)
     with pytest.raises(ValueError, match="nonfinite="):
         cj.make_chunked_step(stages, layout, plan, host_optimizer=spec, nonfinite="raise")
 
@@ -410,21 +425,11 @@ def test_nonfinite_error_names_the_step_and_updates_nothing(setup):
     from the exception's state equals a run that never saw the bad step. A non-finite loss with
     finite gradients is left out too (:func:`chunkjax.nonfinite.guard` folds it into the norm)."""
     from chunkjax import nonfinite
-    cfg, params, batches, stages, layout, traces = setup
-    spec = AdamW(3e-3, weight_decay=0.1)
-    plan = _host_device_schedule(setup, spec)
-    step = cj.make_chunked_step(stages, layout, plan, host_optimizer=spec, compute_dtype=jnp.float32,
-                                nonfinite="error")
-    state, m = step(step.init(params), batches[0])
-    step.wait(state)
-    assert not bool(m["skipped"])
-    before = [np.array(a, copy=True) for a in state.master]
+    step, plan, spec, state, before, dev, bad = _poisoned_second_step(setup, "error")
+    batches, stages, layout = setup[2], setup[3], setup[4]
     opt_before = [np.array(x, copy=True) for x in jax.tree.leaves(state.opt_state)]
-    dev = next(c for c, u in enumerate(plan.update_locations) if u == "device")
-    bad = list(state.params)
-    bad[dev] = jnp.full_like(bad[dev], jnp.nan)
     with pytest.raises(cj.NonFiniteError) as e:
-        step(cj.TrainState(tuple(bad), state.master, state.opt_state), batches[1])
+        step(bad, batches[1])
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith("step 2: the loss and gradient norm is not finite"), msg
     assert "nothing was updated" in msg and "nonfinite='skip'" in msg, msg
@@ -436,10 +441,7 @@ def test_nonfinite_error_names_the_step_and_updates_nothing(setup):
     for a, b in zip(jax.tree.leaves(state2.opt_state), opt_before):
         np.testing.assert_array_equal(np.asarray(a), b)
     np.testing.assert_array_equal(np.asarray(state2.params[dev]), before[dev])
-    ref = cj.make_chunked_step(stages, layout, plan, host_optimizer=spec, compute_dtype=jnp.float32)
-    _, l_ref = _run(ref, params, [batches[0], batches[2]])
-    state3, m3 = step(state2, batches[2])
-    assert float(m3["loss"]) == pytest.approx(l_ref[1], rel=1e-6)
+    state3 = _continues_as_if_never_seen(setup, plan, spec, step, state2)
     # a non-finite loss beside finite gradients: every updater's skip sees a NaN total; the
     # reported norm stays the gradient's, and the error names the loss alone
     sq = jnp.asarray([1.0, 4.0], jnp.float32)
