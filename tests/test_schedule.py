@@ -363,10 +363,10 @@ def test_case3_micro_batches_equal_one_big_batch(setup, where):
     # fraction of lr; a wrong accumulation moves most (> 0.3, checked below)
     share, worst = off(s3, s1)
     assert share < 6e-3 and worst < 2 * 3e-3 * len(big), (share, worst)
-    s_ref, _ = _run(one, params, [batches[0], batches[3]])  # the first micro-batches only
+    s_ref, _ = _run(make(1), params, [batches[0], batches[3]])  # the first micro-batches only (a fresh step)
     assert off(s3, s_ref)[0] > 0.3
     with pytest.raises(ValueError, match="does not split into micro_batches=3"):
-        three(s3, batches[0])
+        make(3)(s3, batches[0])
     with pytest.raises(ValueError, match="micro_batches must be"):
         make(0)
 
