@@ -39,10 +39,10 @@ from chunkjax.fit import auto_budget, describe, fit_problem, min_budget, plan, p
 from chunkjax.fit_batch import batch_rows
 from chunkjax.front_checkpoint import OffloadedChunkIO
 from chunkjax.memory import DEVICE
+from chunkjax.nonfinite import raise_if_nonfinite
 from chunkjax.released import ReleasedParam, ReleasedParamsError, is_released, trim_host_heap
 from chunkjax.schedule import DEVICE_UPDATE, NO_UPDATE
 from chunkjax.step_commit import interrupts_deferred, recover
-from chunkjax import nonfinite
 
 
 def _abstract(tree):
@@ -190,7 +190,7 @@ class OffloadedStep(OffloadedChunkIO):
             self.state, metrics = pending.commit()
             self._side = tuple(metrics.pop("aux")) if self.discovery.mutable else self._side
             self.metrics = metrics
-        nonfinite.raise_if_nonfinite(self.step, self.state, metrics)  # nonfinite="error": nothing updated
+        raise_if_nonfinite(self.step, self.state, metrics)  # nonfinite="error": nothing updated
         return metrics["loss"]
 
     def evaluate(self, batch):

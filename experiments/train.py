@@ -838,12 +838,17 @@ def parse_budget(text: str, flag: str = "--device-budget") -> int:
         raise UsageError(f"{flag}: {e}") from None
 
 
+def decay_horizon(cfg: TrainConfig) -> int:
+    """The step at which the cosine reaches lr/10: ``--lr-decay-steps``, or ``--steps`` when 0."""
+    return cfg.lr_decay_steps or cfg.steps
+
+
 def schedule_note(cfg: TrainConfig) -> str:
     """A one-line note when the warm-up does not end before the cosine's horizon (``--lr-decay-steps``
     or ``--steps``): :func:`host_spec` then stretches the cosine to ``warmup + 1`` steps, so the
     learning rate rises for the whole run and never decays (e.g. ``--steps 20`` with the default
     ``--warmup 30``); "" otherwise."""
-    horizon = cfg.lr_decay_steps or cfg.steps
+    horizon = decay_horizon(cfg)
     if not cfg.warmup or cfg.warmup < horizon:
         return ""
     return (f"note: --warmup {cfg.warmup} >= {'--lr-decay-steps' if cfg.lr_decay_steps else '--steps'} {horizon}: "
@@ -860,7 +865,7 @@ def host_spec(cfg: TrainConfig):
     import optax
 
     from chunkjax.host_update import AdamW
-    horizon = cfg.lr_decay_steps or cfg.steps
+    horizon = decay_horizon(cfg)
     if cfg.warmup:
         sched = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup, max(horizon, cfg.warmup + 1), cfg.lr / 10)
     else:  # no warm-up: the first step at lr (a one-step ramp would give it lr 0; and --steps 1 no decay steps)
