@@ -94,7 +94,7 @@ class TrainConfig:
     batch: int = config_field(8, 'sequences per step')
     seq: int = config_field(128, 'tokens per sequence')
     lr: float = config_field(3e-3, 'peak AdamW learning rate')
-    warmup: int = config_field(30, 'linear warm-up steps, then cosine decay to lr/10')
+    warmup: int = config_field(-1, 'learning-rate warm-up: steps of a linear rise from 0 to --lr, then the cosine decay to lr/10; -1: min(30, a tenth of the cosine\'s horizon --lr-decay-steps or --steps; so 30 at --steps 400, none below 10 steps), on --resume the run\'s; 0: none (step 1 at --lr)')
     lr_decay_steps: int = config_field(0, 'the step at which the cosine reaches lr/10 (then held); 0: --steps, and on --resume the run\'s (so that a run extended with a larger --steps continues its schedule)')
     weight_decay: float = config_field(0.0, 'AdamW decoupled weight decay, on every parameter: biases, LayerNorm scales and embeddings too (GPT-2/nanoGPT decay only 2-D weights; chunkjax has no per-leaf decay mask yet)')
     clip: float = config_field(1.0, 'global-norm clipping (0 disables)')
@@ -315,6 +315,7 @@ def check_resume_config(rp: ResumePoint, resolved: dict) -> None:
     saved = dict(rp.meta["extra"]["config"])
     saved.setdefault("lr_decay_steps", saved.get("steps"))  # older checkpoints: the cosine ended at --steps
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}  # keys older checkpoints lack
+    defaults["warmup"] = WARMUP_STEPS  # the default (30) before the automatic one
     diffs = [f"--{k.replace('_resolved', '').replace('_', '-')} {resolved[k]} (checkpoint: {saved.get(k)})"
              for k in RESUME_MUST_MATCH if saved.get(k, defaults.get(k)) != resolved[k]]
     if diffs:
@@ -491,6 +492,7 @@ def run(cfg: TrainConfig) -> dict:
     if cfg.resume:  # refuse a mismatch before anything is loaded or written
         resume = find_resume_point(cfg.resume)
     cfg = dataclasses.replace(cfg, lr_decay_steps=decay_steps_for(cfg, resume))
+    cfg = dataclasses.replace(cfg, warmup=warmup_for(cfg, resume))
     if resume is not None:
         check_resume_config(resume, dataclasses.asdict(cfg) | {"compute_dtype_resolved": jnp.dtype(cdt).name})
         check_resume_steps(resume, cfg.steps)
@@ -755,7 +757,9 @@ def _validate(cfg: TrainConfig) -> None:
         raise UsageError(f"--skip-limit must be >= 1, got {cfg.skip_limit}")
     if not (cfg.explode_factor == 0 or cfg.explode_factor > 1):
         raise UsageError(f"--explode-factor must be > 1 (times the running median loss) or 0 (off), got {cfg.explode_factor}")
-    for name in ("warmup", "lr_decay_steps", "sample_tokens", "chunk_size"):
+    if cfg.warmup < -1:
+        raise UsageError(f"--warmup must be >= 0 (steps; -1: the automatic default), got {cfg.warmup}")
+    for name in ("lr_decay_steps", "sample_tokens", "chunk_size"):
         if getattr(cfg, name) < 0:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(cfg, name)}")
     if not (math.isfinite(cfg.lr) and cfg.lr > 0):
@@ -843,12 +847,29 @@ def decay_horizon(cfg: TrainConfig) -> int:
     return cfg.lr_decay_steps or cfg.steps
 
 
+#: The most warm-up steps of the automatic ``--warmup`` (-1), and the value for checkpoints that lack the key.
+WARMUP_STEPS = 30
+
+
+def warmup_for(cfg: TrainConfig, rp: ResumePoint | None = None) -> int:
+    """The resolved ``--warmup`` (steps): the one given (>= 0); for -1 (the default), on
+    ``--resume`` the run's (so that its schedule continues), else ``min(30, horizon // 10)`` with
+    the cosine's horizon :func:`decay_horizon`: 30 for the 400-step demo, 2 at ``--steps 20``,
+    none below 10 steps (a 30-step warm-up left short runs at a fraction of ``--lr`` throughout)."""
+    if cfg.warmup >= 0:
+        return cfg.warmup
+    if rp is not None:
+        return int(rp.meta["extra"]["config"].get("warmup", WARMUP_STEPS))
+    return min(WARMUP_STEPS, decay_horizon(cfg) // 10)
+
+
 def schedule_note(cfg: TrainConfig) -> str:
     """A one-line note when the warm-up does not end before the cosine's horizon (``--lr-decay-steps``
     or ``--steps``): :func:`host_spec` then stretches the cosine to ``warmup + 1`` steps, so the
-    learning rate rises for the whole run and never decays (e.g. ``--steps 20`` with the default
-    ``--warmup 30``); "" otherwise."""
+    learning rate rises for the whole run and never decays (e.g. ``--steps 20`` with ``--warmup 30``,
+    the default before it became :func:`warmup_for`'s); "" otherwise."""
     horizon = decay_horizon(cfg)
+    cfg = dataclasses.replace(cfg, warmup=warmup_for(cfg))
     if not cfg.warmup or cfg.warmup < horizon:
         return ""
     return (f"note: --warmup {cfg.warmup} >= {'--lr-decay-steps' if cfg.lr_decay_steps else '--steps'} {horizon}: "
@@ -866,6 +887,7 @@ def host_spec(cfg: TrainConfig):
 
     from chunkjax.host_update import AdamW
     horizon = decay_horizon(cfg)
+    cfg = dataclasses.replace(cfg, warmup=warmup_for(cfg))
     if cfg.warmup:
         sched = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup, max(horizon, cfg.warmup + 1), cfg.lr / 10)
     else:  # no warm-up: the first step at lr (a one-step ramp would give it lr 0; and --steps 1 no decay steps)
