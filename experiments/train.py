@@ -492,6 +492,7 @@ def run(cfg: TrainConfig) -> dict:
     if cfg.resume:  # refuse a mismatch before anything is loaded or written
         resume = find_resume_point(cfg.resume)
     cfg = dataclasses.replace(cfg, lr_decay_steps=decay_steps_for(cfg, resume))
+    warmup_given = cfg.warmup >= 0
     cfg = dataclasses.replace(cfg, warmup=warmup_for(cfg, resume))
     if resume is not None:
         check_resume_config(resume, dataclasses.asdict(cfg) | {"compute_dtype_resolved": jnp.dtype(cdt).name})
@@ -543,7 +544,7 @@ def run(cfg: TrainConfig) -> dict:
 
     resolved = dataclasses.asdict(cfg) | {"device_budget_bytes": budget, "platform": platform,
                                           "n_devices": problem.n_ranks, "compute_dtype_resolved": jnp.dtype(cdt).name}
-    print("config: " + " ".join(f"{k}={v}" for k, v in resolved.items()), flush=True)
+    print(config_line(resolved, warmup_given), flush=True)
     if (note := schedule_note(cfg)):
         print(note, flush=True)
     print(layout.summary().splitlines()[0], flush=True)
@@ -861,6 +862,22 @@ def warmup_for(cfg: TrainConfig, rp: ResumePoint | None = None) -> int:
     if rp is not None:
         return int(rp.meta["extra"]["config"].get("warmup", WARMUP_STEPS))
     return min(WARMUP_STEPS, decay_horizon(cfg) // 10)
+
+
+def config_line(resolved: dict, warmup_given: bool = True) -> str:
+    """The ``config:`` line of every resolved setting (``key=value``, one space between), with
+    the sentinel values spelled out: ``checkpoint_every=each_eval(N)`` for -1 (a checkpoint at
+    each evaluation, every ``eval_every`` = N steps, and after the last step), ``=off`` for 0,
+    and ``warmup=N(auto)`` when ``--warmup`` was left to :func:`warmup_for`."""
+    shown = dict(resolved)
+    every = shown.get("checkpoint_every")
+    if every is not None and every < 0:
+        shown["checkpoint_every"] = f"each_eval({shown['eval_every']})"
+    elif every == 0:
+        shown["checkpoint_every"] = "off"
+    if not warmup_given:
+        shown["warmup"] = f"{shown['warmup']}(auto)"
+    return "config: " + " ".join(f"{k}={v}" for k, v in shown.items())
 
 
 def schedule_note(cfg: TrainConfig) -> str:

@@ -221,3 +221,15 @@ def test_default_warmup_fits_the_run(monkeypatch):
     monkeypatch.setenv("COLUMNS", "400")
     assert "-1: min(30, a tenth of the cosine's horizon --lr-decay-steps or --steps" in _help([])
 
+
+def test_config_line_spells_out_the_sentinels():
+    """The config line printed checkpoint_every=-1 (ux20): it now says what -1 and 0 mean, and
+    marks an automatic --warmup; every other setting as resolved."""
+    resolved = dataclasses.asdict(dataclasses.replace(train.TrainConfig(), warmup=2, eval_every=50))
+    line = train.config_line(resolved, warmup_given=False)
+    assert line.startswith("config: model=tiny ") and "\n" not in line
+    assert " checkpoint_every=each_eval(50) " in line and " warmup=2(auto) " in line and " eval_every=50 " in line
+    assert " checkpoint_every=off " in train.config_line(resolved | {"checkpoint_every": 0})
+    given = train.config_line(resolved | {"checkpoint_every": 7})
+    assert " checkpoint_every=7 " in given and " warmup=2 " in given
+    assert resolved["checkpoint_every"] == -1  # the report's config keeps the value itself
