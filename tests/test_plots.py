@@ -1,6 +1,7 @@
 """chunkjax.plots (issue 22, item 5): the figures of a micro GPT's plan carry the plan's data
 (bar heights are the tide, the residency image is ``Schedule.residency()``, placement bytes sum to
-the prediction), they take what the fit path gives, and they save to a path; and the main job's loss.png draws each series once (experiments.report)."""
+the prediction), they take what the fit path gives, and they save to a path; and the main job's
+loss.png draws each series once (experiments.report)."""
 import dataclasses
 import pathlib
 import subprocess
