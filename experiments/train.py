@@ -1112,6 +1112,15 @@ def _train(cfg, model, fitted, td, folder, t_start, resolved, resume=None, setup
             adapters_dir = str(folder.final / "adapters")
             print(f"LoRA adapters (PEFT layout): {adapters_dir}", flush=True)
         del tuned
+    disk = disk_bytes(schedule, state)
+    if disk["storage_chunks"]:
+        from chunkjax.errors import format_bytes as fb
+        measured = disk["disk_bytes_per_step_measured"]
+        print(f"disk: {disk['storage_chunks']} storage chunks, per step "
+              + ("no committed step measured" if measured is None else
+                 f"{fb(disk['disk_read_bytes_per_step_measured'])} read + "
+                 f"{fb(disk['disk_written_bytes_per_step_measured'])} written")
+              + f" (plan: {fb(disk['disk_bytes_per_step_accounted'])} read + written)", flush=True)
     tps = timed_steps * tokens_per_step / train_time if train_time else None
     vals = [r["val_loss"] for r in records if "val_loss" in r]
     ppl0, ppl1 = math.exp(vals[0]), math.exp(vals[-1])
@@ -1136,6 +1145,7 @@ def _train(cfg, model, fitted, td, folder, t_start, resolved, resume=None, setup
         "chunk_bytes_accounted": problem.model_chunk_bytes,
         "h2d_bytes_per_step_accounted": pred.h2d_bytes_per_step,
         "d2h_bytes_per_step_accounted": pred.d2h_bytes_per_step,
+        **disk,  # the disk tier's bytes per step (disk_bytes)
         "n_fetches_per_step_accounted": pred.n_fetches,
         "host_bytes_accounted": fit_report.host, "host_ledger": ledger.to_dict(),
         "host_bytes_per_param": pred.host_bytes_per_param,
@@ -1164,6 +1174,30 @@ def _train(cfg, model, fitted, td, folder, t_start, resolved, resume=None, setup
         "checkpoint_every": every, "checkpoints_kept": ck.all_steps(ckpt_dir),
         "checkpoints_saved": ckpt_saved, "checkpoint_save_s": ckpt_s, "setup_s": setup,
     }
+
+
+def disk_bytes(schedule, state) -> dict:
+    """The disk tier's bytes per step for ``report.json`` (bytes; 0 / None without storage chunks):
+    ``disk_bytes_per_step_accounted``, the plan's (every storage chunk's file read once and written
+    once: :attr:`chunkjax.schedule.Prediction.disk_bytes_per_step`); ``disk_read_bytes_per_step_measured``,
+    ``disk_written_bytes_per_step_measured`` and their sum ``disk_bytes_per_step_measured``, what the
+    near-storage workers' reads and writes of the chunk files completed in the last committed step
+    (:class:`chunkjax.storage.trainer.StepResult`; the benchmark's key; None when no step committed);
+    ``storage_chunks``. Waits for the last step's disk work."""
+    p = schedule.predicted
+    out = {"storage_chunks": p.storage_chunks, "disk_bytes_per_step_accounted": p.disk_bytes_per_step,
+           "disk_bytes_per_step_measured": None, "disk_read_bytes_per_step_measured": None,
+           "disk_written_bytes_per_step_measured": None}
+    if "storage" not in schedule.update_locations:
+        return out
+    tier = state.master[schedule.update_locations.index("storage")]  # a chunkjax.storage.updater.DiskState
+    tier.wait()
+    done = [r for r in tier.history if r is not None and not r.skipped and r.storage_read_bytes]
+    if done:
+        rd, wr = sum(done[-1].storage_read_bytes.values()), sum(done[-1].storage_written_bytes.values())
+        out.update(disk_bytes_per_step_measured=rd + wr, disk_read_bytes_per_step_measured=rd,
+                   disk_written_bytes_per_step_measured=wr)
+    return out
 
 
 def prune_checkpoints(ckpt_dir, keep: int) -> list[int]:

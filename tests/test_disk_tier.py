@@ -488,7 +488,8 @@ def test_job_with_storage_samples_and_exports_as_without(tmp_path):
     the master params (the sample before and after, the Hugging Face export) crashed on storage
     chunks (their master is in a file: ``TypeError ... numpy.ndarray`` in ``layout.unpack``). Right:
     the run samples and exports, and the export equals the same run's without the disk tier (fp32
-    tolerance: the near-storage worker runs the host kernel on the same inputs)."""
+    tolerance: the near-storage worker runs the host kernel on the same inputs). Its report.json
+    has the disk bytes per step, the plan's and the last step's read and written."""
     import json
     import shutil
 
@@ -514,6 +515,19 @@ def test_job_with_storage_samples_and_exports_as_without(tmp_path):
     assert disk_rep["placement_counts"].get("params_pinned_host/update_storage", 0) >= 1, disk_rep["placement_counts"]
     assert runs["host"][1]["placement_counts"].get("params_pinned_host/update_storage", 0) == 0
     assert disk_rep["sample_before"] and disk_rep["sample"]
+    # report.json's disk bytes (ux20: it had none): the plan's, every storage chunk's file (float32 master,
+    # m, v, each padded to 4096 bytes) read once and written once; and the last step's reads and writes
+    n_disk = disk_rep["placement_counts"]["params_pinned_host/update_storage"]
+    file_bytes = 3 * -(-disk_rep["chunk_size"] * 4 // 4096) * 4096
+    assert disk_rep["storage_chunks"] == n_disk
+    assert disk_rep["disk_bytes_per_step_accounted"] == 2 * n_disk * file_bytes == \
+        disk_rep["fit"]["disk_bytes_per_step_predicted"]
+    assert disk_rep["disk_read_bytes_per_step_measured"] == disk_rep["disk_written_bytes_per_step_measured"] \
+        == n_disk * file_bytes
+    assert disk_rep["disk_bytes_per_step_measured"] == disk_rep["disk_bytes_per_step_accounted"]
+    host_rep = runs["host"][1]
+    assert host_rep["storage_chunks"] == 0 and host_rep["disk_bytes_per_step_accounted"] == 0
+    assert host_rep["disk_bytes_per_step_measured"] is None and host_rep["disk_written_bytes_per_step_measured"] is None
     a, b = hf.open_hf_checkpoint(runs["disk"][0] / "hf"), hf.open_hf_checkpoint(runs["host"][0] / "hf")
     assert sorted(a.entries) == sorted(b.entries)
     for n in a.entries:
