@@ -1114,13 +1114,13 @@ def _train(cfg, model, fitted, td, folder, t_start, resolved, resume=None, setup
         del tuned
     disk = disk_bytes(schedule, state)
     if disk["storage_chunks"]:
-        from chunkjax.errors import format_bytes as fb
+        from chunkjax.errors import format_moved_bytes as moved
         measured = disk["disk_bytes_per_step_measured"]
         print(f"disk: {disk['storage_chunks']} storage chunks, per step "
               + ("no committed step measured" if measured is None else
-                 f"{fb(disk['disk_read_bytes_per_step_measured'])} read + "
-                 f"{fb(disk['disk_written_bytes_per_step_measured'])} written")
-              + f" (plan: {fb(disk['disk_bytes_per_step_accounted'])} read + written)", flush=True)
+                 f"{moved(disk['disk_read_bytes_per_step_measured'])} read + "
+                 f"{moved(disk['disk_written_bytes_per_step_measured'])} written")
+              + f" (plan: {moved(disk['disk_bytes_per_step_accounted'])} read + written)", flush=True)
     tps = timed_steps * tokens_per_step / train_time if train_time else None
     vals = [r["val_loss"] for r in records if "val_loss" in r]
     ppl0, ppl1 = math.exp(vals[0]), math.exp(vals[-1])

@@ -18,7 +18,7 @@ import pytest
 
 import chunkjax as cj
 from chunkjax import checkpoint as ck
-from chunkjax.errors import PlanError
+from chunkjax.errors import PlanError, format_bytes
 from chunkjax.host_update import AdamW
 from chunkjax.optim import state_bytes_per_chunk
 from chunkjax.plan import plan_schedule
@@ -110,6 +110,8 @@ def test_tiny_model_with_storage_is_planned_on_the_device(setup, tmp_path):
     assert s.predicted.disk_bytes_per_step == 0 and s.predicted.time.storage_update_s == 0
     line = cj.fit.describe(report, problem)
     assert "\n" not in line and "storage not needed: " in line, line
+    assert f"the plan's {format_bytes(s.predicted.host_bytes)} of host memory fits the host budget of 1.000GiB" \
+        in line, line
     assert not os.path.exists(tmp_path / "disk") or not os.listdir(tmp_path / "disk")
 
 

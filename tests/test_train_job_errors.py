@@ -12,7 +12,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from chunkjax.errors import format_bytes
+from chunkjax.errors import format_bytes, format_moved_bytes
 from chunkjax.plan import parse_bytes
 from experiments import train
 
@@ -27,6 +27,9 @@ def test_format_bytes_picks_the_unit_and_rounds_hints_up():
         text = format_bytes(n, up=True)
         assert parse_bytes(text) >= n and float(text.rstrip("BKMGTi")) >= 1, (n, text)  # a hint that works
     assert format_bytes(2**20 + 1, up=True) == "1.001MiB"
+    # bytes moved (per step, over a link) print in decimal units, as link rates and the benchmarks' GB/step
+    assert [format_moved_bytes(n) for n in (0, 999, 1000, 47185920, 1.2e9, 2**40)] == \
+        ["0B", "999B", "1.000kB", "47.186MB", "1.200GB", "1.100TB"]
 
 
 def _help(argv) -> str:
