@@ -32,6 +32,23 @@ def format_bytes(n: int | float, *, up: bool = False) -> str:
     return f"{sign}{math.ceil(n) if up else round(n)}B"
 
 
+#: Units of bytes *moved* (per step: h2d, d2h, disk), largest first: decimal (SI), as link rates
+#: (GB/s) and the benchmarks' ``GB/step`` columns are; bytes *held* (budgets, peaks, host memory)
+#: print in :data:`BYTE_UNITS`, as budgets are given.
+MOVED_UNITS = (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3))
+
+
+def format_moved_bytes(n: int | float) -> str:
+    """``n`` bytes moved (per step, over a link) in the largest decimal unit it reaches, 3
+    decimals, no space: ``"47.186MB"``, ``"1.200GB"``, ``"512B"``. Bytes held (a budget, a peak,
+    host memory) go through :func:`format_bytes` (binary units) instead."""
+    sign, n = ("-", -n) if n < 0 else ("", n)
+    for name, k in MOVED_UNITS:
+        if round(n * 1000 / k) >= 1000:
+            return f"{sign}{round(n * 1000 / k) / 1000:.3f}{name}"
+    return f"{sign}{round(n)}B"
+
+
 class PlanError(ValueError):
     """No placement fits the device (or host) budget.
 

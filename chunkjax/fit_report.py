@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from chunkjax.errors import format_bytes, format_moved_bytes
 from chunkjax.plan_disk import storage_line
 from chunkjax.plan_micro import accumulation_line
 
@@ -61,17 +62,17 @@ def describe(report: FitReport, problem) -> str:
     """One line: chunks per (params kind, update location), param chunks off the device, the
     predicted peak against the budget, model data on the device, bytes moved and step time."""
     s, p = report.schedule, report.schedule.predicted
-    mib = lambda b: b / 2**20  # noqa: E731
+    held, moved = format_bytes, format_moved_bytes  # bytes held in binary units, bytes moved in decimal
     off = sum(k != "device" for k in s.param_kinds)
-    comp = "" if report.compiled is None else f" (compiled {mib(report.compiled['peak_bytes']):.1f} MiB)"
+    comp = "" if report.compiled is None else f" (compiled {held(report.compiled['peak_bytes'])})"
     ranks = f" per rank x {problem.n_ranks} (ZeRO-{problem.zero_stage})" if problem.zero_stage else ""
     model = problem.cb_rank.model_bytes(problem.layout.n_chunks)  # one rank's
     return (f"plan: {s.counts()}; {off} of {s.n_chunks} param chunks in pinned_host; accounted peak "
-            f"{mib(p.peak_device_bytes):.1f} MiB{comp} of budget {mib(report.budget_bytes):.1f} MiB{ranks}; model data "
-            f"on device {mib(p.device_model_bytes):.1f} of {mib(model):.1f} MiB; per step h2d "
-            f"{mib(p.h2d_bytes_per_step):.1f} MiB, d2h {mib(p.d2h_bytes_per_step):.1f} MiB; host "
-            f"{mib(p.host_bytes):.1f} MiB ({p.host_resident_bytes_per_param:.1f} B/param of host-resident chunks, "
-            f"{len(s.master_fetch)} without a compute copy, working set {mib(p.host_working_bytes):.1f} MiB: "
+            f"{held(p.peak_device_bytes)}{comp} of budget {held(report.budget_bytes)}{ranks}; model data "
+            f"on device {held(p.device_model_bytes)} of {held(model)}; per step h2d "
+            f"{moved(p.h2d_bytes_per_step)}, d2h {moved(p.d2h_bytes_per_step)}; host "
+            f"{held(p.host_bytes)} ({p.host_resident_bytes_per_param:.1f} B/param of host-resident chunks, "
+            f"{len(s.master_fetch)} without a compute copy, working set {held(p.host_working_bytes)}: "
             f"host gradients in flight and streamed write-back); predicted step "
             f"{p.time.step_s * 1e3:.1f} ms" + (" (the cost model's GPU rates: a CPU runs far slower)"
                                                 if problem.platform == "cpu" else "")

@@ -168,20 +168,20 @@ class HostLedger:
 
     @staticmethod
     def line(s: RssSample) -> str:
-        """One line of a sample, in GB (1e9 bytes)."""
-        gb = lambda b: "n/a" if b is None else f"{b / 1e9:.2f}"  # noqa: E731
-        return (f"[host-ledger] {s.phase}: anon {gb(s.anon_bytes)} GB, shmem {gb(s.shmem_bytes)} GB, peak "
-                f"{gb(s.hwm_bytes)} GB, MemAvailable {gb(s.available_bytes)} GB ({s.t_s:.1f} s)")
+        """One line of a sample, in GiB (2**30 bytes: host memory held, the unit budgets are given in)."""
+        gib = lambda b: "n/a" if b is None else f"{b / 2**30:.2f}"  # noqa: E731
+        return (f"[host-ledger] {s.phase}: anon {gib(s.anon_bytes)} GiB, shmem {gib(s.shmem_bytes)} GiB, peak "
+                f"{gib(s.hwm_bytes)} GiB, MemAvailable {gib(s.available_bytes)} GiB ({s.t_s:.1f} s)")
 
     def accounted_line(self) -> str:
-        """The plan's host parts in one line, in GB (1e9 bytes), the total first."""
+        """The plan's host parts in one line, in GiB (2**30 bytes), the total first."""
         own = ("total_bytes", "held_when_planned", "predicted_peak_bytes")
-        parts = ", ".join(f"{k} {v / 1e9:.2f}" for k, v in self.accounted.items() if v and k not in own)
+        parts = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in self.accounted.items() if v and k not in own)
         total = self.accounted.get("total_bytes", sum(v for k, v in self.accounted.items() if k not in own))
         peak = self.accounted.get("predicted_peak_bytes")
-        return (f"[host-ledger] plan accounts {total / 1e9:.2f} GB of host: {parts}"
-                + (f"; with the {self.accounted['held_when_planned'] / 1e9:.2f} GB held when planned, a predicted "
-                   f"peak of {peak / 1e9:.2f} GB resident" if peak is not None else ""))
+        return (f"[host-ledger] plan accounts {total / 2**30:.2f} GiB of host: {parts}"
+                + (f"; with the {self.accounted['held_when_planned'] / 2**30:.2f} GiB held when planned, a predicted "
+                   f"peak of {peak / 2**30:.2f} GiB resident" if peak is not None else ""))
 
     def to_dict(self) -> dict:
         """``{"phases": [sample as dict ...], "accounted": {part: bytes}}`` (JSON-ready)."""

@@ -112,7 +112,7 @@ def raise_if_nonfinite(step, state, metrics) -> None:
     which = " and ".join(bad)
     where = f"step {n + 1}" if n is not None else "this step"
     raise NonFiniteError(
-        f"{where}: the {which} is not finite (loss {loss}, gradient norm {norm}); nothing was updated "
-        "(the exception's .state is the unchanged state): lower the learning rate, clip the gradients, check the "
-        "batch, or pass nonfinite='skip' to skip such steps",
+        f"{where}: the {which} {'are' if len(bad) > 1 else 'is'} not finite (loss {loss}, gradient norm {norm}), "
+        "so nothing was updated (the exception's .state is the unchanged state); lower the learning rate, clip the "
+        "gradients, check the batch, or pass nonfinite='skip' to skip such steps",
         step=None if n is None else n + 1, which=which, loss=loss, grad_norm=norm, state=state, metrics=metrics)

@@ -19,7 +19,7 @@ import dataclasses
 import math
 
 from chunkjax import predict as pr
-from chunkjax.errors import PlanError, format_bytes
+from chunkjax.errors import PlanError, format_bytes, format_moved_bytes
 from chunkjax.host_memory import storage_host_bytes
 from chunkjax.schedule import HOST_UPDATE, STORAGE_UPDATE, STREAMED_UPDATE, Schedule
 
@@ -160,14 +160,13 @@ def storage_line(schedule: Schedule, storage_devices: int, host_budget: int | No
     if not storage_devices:
         return None
     p = schedule.predicted
-    gb = lambda b: b / 1e9  # noqa: E731
     if not p.storage_chunks:
-        held = "an unbounded host budget" if host_budget is None else f"the host budget of {gb(host_budget):.2f} GB"
-        return (f"storage not needed: the plan's {gb(p.host_bytes):.2f} GB of host memory fits {held} "
+        held = "an unbounded host budget" if host_budget is None else f"the host budget of {format_bytes(host_budget)}"
+        return (f"storage not needed: the plan's {format_bytes(p.host_bytes)} of host memory fits {held} "
                 f"({schedule.counts()})")
     return (f"storage: {p.storage_chunks} of {schedule.n_chunks} chunks' master params and optimizer state on "
             f"{storage_devices} storage director{'y' if storage_devices == 1 else 'ies'}; disk "
-            f"{gb(p.disk_bytes_per_step):.2f} GB/step read+written, predicted disk time "
+            f"{format_moved_bytes(p.disk_bytes_per_step)}/step read+written, predicted disk time "
             f"{p.time.storage_update_s:.2f} s/step of which {p.time.storage_exposed_s:.2f} s after the backward "
             f"(the rest behind the step's and the next step's compute), a {p.time.step_s:.2f} s step; host memory "
-            f"{gb(p.host_bytes):.2f} GB")
+            f"{format_bytes(p.host_bytes)}")

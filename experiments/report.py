@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import pathlib
 import shutil
@@ -97,27 +98,45 @@ def _jsonable(x):
     return str(x)
 
 
+def loss_series(records: list[dict]) -> list[tuple[str, "np.ndarray", "np.ndarray"]]:
+    """The curves of :func:`plot_losses`, each once: ``[(label, tokens, nats), ...]`` from the
+    ``metrics.jsonl`` records: the per-step training loss; its running mean over ``k = len // 40``
+    steps only when ``k > 1`` (a 1-step mean is the per-step line again: short runs drew it twice);
+    the validation loss. Records without a loss (or with a non-finite one: a skipped step) are left out."""
+    import numpy as np
+
+    series = []
+    tr = [(r["tokens"], r["loss"]) for r in records if r.get("loss") is not None and math.isfinite(r["loss"])]
+    if tr:
+        t, l = map(np.asarray, zip(*tr))
+        series.append(("train (per step)", t, l))
+        k = len(l) // 40
+        if k > 1:
+            series.append((f"train ({k}-step mean)", t[k - 1:], np.convolve(l, np.ones(k) / k, mode="valid")))
+    va = [(r["tokens"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
+    if va:
+        series.append(("validation", *map(np.asarray, zip(*va))))
+    return series
+
+
 def plot_losses(png: os.PathLike, metrics_jsonl: os.PathLike, title: str = "") -> None:
-    """Training loss (raw and smoothed) and validation loss against tokens, as a PNG."""
+    """Training loss (per step, and its running mean on runs of 80 steps or more) and validation
+    loss against tokens, as a PNG: :func:`loss_series`, one line each."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
-    recs = [json.loads(l) for l in open(metrics_jsonl)]
-    tr = [(r["tokens"], r["loss"]) for r in recs if "loss" in r]
-    va = [(r["tokens"], r["val_loss"]) for r in recs if "val_loss" in r]
+    with open(metrics_jsonl) as fh:
+        series = loss_series([json.loads(line) for line in fh])
+    smoothed = any(label.endswith("-step mean)") for label, _, _ in series)
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
-    if tr:
-        t, l = map(np.asarray, zip(*tr))
-        ax.plot(t, l, color="tab:blue", alpha=0.25, lw=0.8, label="train (per step)")
-        k = max(1, len(l) // 40)
-        if len(l) > k:
-            sm = np.convolve(l, np.ones(k) / k, mode="valid")
-            ax.plot(t[k - 1:], sm, color="tab:blue", lw=1.8, label=f"train ({k}-step mean)")
-    if va:
-        t, l = map(np.asarray, zip(*va))
-        ax.plot(t, l, "o-", color="tab:orange", lw=1.8, label="validation")
+    for label, t, l in series:
+        if label == "validation":
+            ax.plot(t, l, "o-", color="tab:orange", lw=1.8, label=label)
+        elif label == "train (per step)" and smoothed:  # faint beneath its running mean
+            ax.plot(t, l, color="tab:blue", alpha=0.25, lw=0.8, label=label)
+        else:
+            ax.plot(t, l, color="tab:blue", lw=1.8 if smoothed else 1.2, label=label)
     ax.set_xlabel("tokens")
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.set_title(title)

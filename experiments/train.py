@@ -94,7 +94,7 @@ class TrainConfig:
     batch: int = config_field(8, 'sequences per step')
     seq: int = config_field(128, 'tokens per sequence')
     lr: float = config_field(3e-3, 'peak AdamW learning rate')
-    warmup: int = config_field(30, 'linear warm-up steps, then cosine decay to lr/10')
+    warmup: int = config_field(-1, 'learning-rate warm-up: steps of a linear rise from 0 to --lr, then the cosine decay to lr/10; -1: min(30, a tenth of the cosine\'s horizon --lr-decay-steps or --steps; so 30 at --steps 400, none below 10 steps), on --resume the run\'s; 0: none (step 1 at --lr)')
     lr_decay_steps: int = config_field(0, 'the step at which the cosine reaches lr/10 (then held); 0: --steps, and on --resume the run\'s (so that a run extended with a larger --steps continues its schedule)')
     weight_decay: float = config_field(0.0, 'AdamW decoupled weight decay, on every parameter: biases, LayerNorm scales and embeddings too (GPT-2/nanoGPT decay only 2-D weights; chunkjax has no per-leaf decay mask yet)')
     clip: float = config_field(1.0, 'global-norm clipping (0 disables)')
@@ -315,6 +315,7 @@ def check_resume_config(rp: ResumePoint, resolved: dict) -> None:
     saved = dict(rp.meta["extra"]["config"])
     saved.setdefault("lr_decay_steps", saved.get("steps"))  # older checkpoints: the cosine ended at --steps
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}  # keys older checkpoints lack
+    defaults["warmup"] = WARMUP_STEPS  # the default (30) before the automatic one
     diffs = [f"--{k.replace('_resolved', '').replace('_', '-')} {resolved[k]} (checkpoint: {saved.get(k)})"
              for k in RESUME_MUST_MATCH if saved.get(k, defaults.get(k)) != resolved[k]]
     if diffs:
@@ -491,6 +492,8 @@ def run(cfg: TrainConfig) -> dict:
     if cfg.resume:  # refuse a mismatch before anything is loaded or written
         resume = find_resume_point(cfg.resume)
     cfg = dataclasses.replace(cfg, lr_decay_steps=decay_steps_for(cfg, resume))
+    warmup_given = cfg.warmup >= 0
+    cfg = dataclasses.replace(cfg, warmup=warmup_for(cfg, resume))
     if resume is not None:
         check_resume_config(resume, dataclasses.asdict(cfg) | {"compute_dtype_resolved": jnp.dtype(cdt).name})
         check_resume_steps(resume, cfg.steps)
@@ -541,7 +544,7 @@ def run(cfg: TrainConfig) -> dict:
 
     resolved = dataclasses.asdict(cfg) | {"device_budget_bytes": budget, "platform": platform,
                                           "n_devices": problem.n_ranks, "compute_dtype_resolved": jnp.dtype(cdt).name}
-    print("config: " + " ".join(f"{k}={v}" for k, v in resolved.items()), flush=True)
+    print(config_line(resolved, warmup_given), flush=True)
     if (note := schedule_note(cfg)):
         print(note, flush=True)
     print(layout.summary().splitlines()[0], flush=True)
@@ -755,7 +758,9 @@ def _validate(cfg: TrainConfig) -> None:
         raise UsageError(f"--skip-limit must be >= 1, got {cfg.skip_limit}")
     if not (cfg.explode_factor == 0 or cfg.explode_factor > 1):
         raise UsageError(f"--explode-factor must be > 1 (times the running median loss) or 0 (off), got {cfg.explode_factor}")
-    for name in ("warmup", "lr_decay_steps", "sample_tokens", "chunk_size"):
+    if cfg.warmup < -1:
+        raise UsageError(f"--warmup must be >= 0 (steps; -1: the automatic default), got {cfg.warmup}")
+    for name in ("lr_decay_steps", "sample_tokens", "chunk_size"):
         if getattr(cfg, name) < 0:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(cfg, name)}")
     if not (math.isfinite(cfg.lr) and cfg.lr > 0):
@@ -843,12 +848,45 @@ def decay_horizon(cfg: TrainConfig) -> int:
     return cfg.lr_decay_steps or cfg.steps
 
 
+#: The most warm-up steps of the automatic ``--warmup`` (-1), and the value for checkpoints that lack the key.
+WARMUP_STEPS = 30
+
+
+def warmup_for(cfg: TrainConfig, rp: ResumePoint | None = None) -> int:
+    """The resolved ``--warmup`` (steps): the one given (>= 0); for -1 (the default), on
+    ``--resume`` the run's (so that its schedule continues), else ``min(30, horizon // 10)`` with
+    the cosine's horizon :func:`decay_horizon`: 30 for the 400-step demo, 2 at ``--steps 20``,
+    none below 10 steps (a 30-step warm-up left short runs at a fraction of ``--lr`` throughout)."""
+    if cfg.warmup >= 0:
+        return cfg.warmup
+    if rp is not None:
+        return int(rp.meta["extra"]["config"].get("warmup", WARMUP_STEPS))
+    return min(WARMUP_STEPS, decay_horizon(cfg) // 10)
+
+
+def config_line(resolved: dict, warmup_given: bool = True) -> str:
+    """The ``config:`` line of every resolved setting (``key=value``, one space between), with
+    the sentinel values spelled out: ``checkpoint_every=each_eval(N)`` for -1 (a checkpoint at
+    each evaluation, every ``eval_every`` = N steps, and after the last step), ``=off`` for 0,
+    and ``warmup=N(auto)`` when ``--warmup`` was left to :func:`warmup_for`."""
+    shown = dict(resolved)
+    every = shown.get("checkpoint_every")
+    if every is not None and every < 0:
+        shown["checkpoint_every"] = f"each_eval({shown['eval_every']})"
+    elif every == 0:
+        shown["checkpoint_every"] = "off"
+    if not warmup_given:
+        shown["warmup"] = f"{shown['warmup']}(auto)"
+    return "config: " + " ".join(f"{k}={v}" for k, v in shown.items())
+
+
 def schedule_note(cfg: TrainConfig) -> str:
     """A one-line note when the warm-up does not end before the cosine's horizon (``--lr-decay-steps``
     or ``--steps``): :func:`host_spec` then stretches the cosine to ``warmup + 1`` steps, so the
-    learning rate rises for the whole run and never decays (e.g. ``--steps 20`` with the default
-    ``--warmup 30``); "" otherwise."""
+    learning rate rises for the whole run and never decays (e.g. ``--steps 20`` with ``--warmup 30``,
+    the default before it became :func:`warmup_for`'s); "" otherwise."""
     horizon = decay_horizon(cfg)
+    cfg = dataclasses.replace(cfg, warmup=warmup_for(cfg))
     if not cfg.warmup or cfg.warmup < horizon:
         return ""
     return (f"note: --warmup {cfg.warmup} >= {'--lr-decay-steps' if cfg.lr_decay_steps else '--steps'} {horizon}: "
@@ -866,6 +904,7 @@ def host_spec(cfg: TrainConfig):
 
     from chunkjax.host_update import AdamW
     horizon = decay_horizon(cfg)
+    cfg = dataclasses.replace(cfg, warmup=warmup_for(cfg))
     if cfg.warmup:
         sched = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup, max(horizon, cfg.warmup + 1), cfg.lr / 10)
     else:  # no warm-up: the first step at lr (a one-step ramp would give it lr 0; and --steps 1 no decay steps)
@@ -1073,6 +1112,15 @@ def _train(cfg, model, fitted, td, folder, t_start, resolved, resume=None, setup
             adapters_dir = str(folder.final / "adapters")
             print(f"LoRA adapters (PEFT layout): {adapters_dir}", flush=True)
         del tuned
+    disk = disk_bytes(schedule, state)
+    if disk["storage_chunks"]:
+        from chunkjax.errors import format_moved_bytes as moved
+        measured = disk["disk_bytes_per_step_measured"]
+        print(f"disk: {disk['storage_chunks']} storage chunks, per step "
+              + ("no committed step measured" if measured is None else
+                 f"{moved(disk['disk_read_bytes_per_step_measured'])} read + "
+                 f"{moved(disk['disk_written_bytes_per_step_measured'])} written")
+              + f" (plan: {moved(disk['disk_bytes_per_step_accounted'])} read + written)", flush=True)
     tps = timed_steps * tokens_per_step / train_time if train_time else None
     vals = [r["val_loss"] for r in records if "val_loss" in r]
     ppl0, ppl1 = math.exp(vals[0]), math.exp(vals[-1])
@@ -1097,6 +1145,7 @@ def _train(cfg, model, fitted, td, folder, t_start, resolved, resume=None, setup
         "chunk_bytes_accounted": problem.model_chunk_bytes,
         "h2d_bytes_per_step_accounted": pred.h2d_bytes_per_step,
         "d2h_bytes_per_step_accounted": pred.d2h_bytes_per_step,
+        **disk,  # the disk tier's bytes per step (disk_bytes)
         "n_fetches_per_step_accounted": pred.n_fetches,
         "host_bytes_accounted": fit_report.host, "host_ledger": ledger.to_dict(),
         "host_bytes_per_param": pred.host_bytes_per_param,
@@ -1125,6 +1174,30 @@ def _train(cfg, model, fitted, td, folder, t_start, resolved, resume=None, setup
         "checkpoint_every": every, "checkpoints_kept": ck.all_steps(ckpt_dir),
         "checkpoints_saved": ckpt_saved, "checkpoint_save_s": ckpt_s, "setup_s": setup,
     }
+
+
+def disk_bytes(schedule, state) -> dict:
+    """The disk tier's bytes per step for ``report.json`` (bytes; 0 / None without storage chunks):
+    ``disk_bytes_per_step_accounted``, the plan's (every storage chunk's file read once and written
+    once: :attr:`chunkjax.schedule.Prediction.disk_bytes_per_step`); ``disk_read_bytes_per_step_measured``,
+    ``disk_written_bytes_per_step_measured`` and their sum ``disk_bytes_per_step_measured``, what the
+    near-storage workers' reads and writes of the chunk files completed in the last committed step
+    (:class:`chunkjax.storage.trainer.StepResult`; the benchmark's key; None when no step committed);
+    ``storage_chunks``. Waits for the last step's disk work."""
+    p = schedule.predicted
+    out = {"storage_chunks": p.storage_chunks, "disk_bytes_per_step_accounted": p.disk_bytes_per_step,
+           "disk_bytes_per_step_measured": None, "disk_read_bytes_per_step_measured": None,
+           "disk_written_bytes_per_step_measured": None}
+    if "storage" not in schedule.update_locations:
+        return out
+    tier = state.master[schedule.update_locations.index("storage")]  # a chunkjax.storage.updater.DiskState
+    tier.wait()
+    done = [r for r in tier.history if r is not None and not r.skipped and r.storage_read_bytes]
+    if done:
+        rd, wr = sum(done[-1].storage_read_bytes.values()), sum(done[-1].storage_written_bytes.values())
+        out.update(disk_bytes_per_step_measured=rd + wr, disk_read_bytes_per_step_measured=rd,
+                   disk_written_bytes_per_step_measured=wr)
+    return out
 
 
 def prune_checkpoints(ckpt_dir, keep: int) -> list[int]:

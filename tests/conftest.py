@@ -74,6 +74,8 @@ FILE_SECONDS = {
     # micro_cuts scaled likewise (each file alone, a fresh compilation cache, base and branch back to back)
     # session 19 (fresh19): nonfinite_count, eager optax on a 4-element chunk, 4 s with its imports
     "nonfinite_count": 2,  # train_job_errors +1 (schedule_note: no jit)
+    # session 20 (ux20): readme, the README's own-model block and its nnx.Optimizer twin, 14.6 s alone
+    "readme": 15,
 }
 DEFAULT_FILE_SECONDS = 30
 

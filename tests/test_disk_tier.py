@@ -18,7 +18,7 @@ import pytest
 
 import chunkjax as cj
 from chunkjax import checkpoint as ck
-from chunkjax.errors import PlanError
+from chunkjax.errors import PlanError, format_bytes
 from chunkjax.host_update import AdamW
 from chunkjax.optim import state_bytes_per_chunk
 from chunkjax.plan import plan_schedule
@@ -110,6 +110,8 @@ def test_tiny_model_with_storage_is_planned_on_the_device(setup, tmp_path):
     assert s.predicted.disk_bytes_per_step == 0 and s.predicted.time.storage_update_s == 0
     line = cj.fit.describe(report, problem)
     assert "\n" not in line and "storage not needed: " in line, line
+    assert f"the plan's {format_bytes(s.predicted.host_bytes)} of host memory fits the host budget of 1.000GiB" \
+        in line, line
     assert not os.path.exists(tmp_path / "disk") or not os.listdir(tmp_path / "disk")
 
 
@@ -488,7 +490,8 @@ def test_job_with_storage_samples_and_exports_as_without(tmp_path):
     the master params (the sample before and after, the Hugging Face export) crashed on storage
     chunks (their master is in a file: ``TypeError ... numpy.ndarray`` in ``layout.unpack``). Right:
     the run samples and exports, and the export equals the same run's without the disk tier (fp32
-    tolerance: the near-storage worker runs the host kernel on the same inputs)."""
+    tolerance: the near-storage worker runs the host kernel on the same inputs). Its report.json
+    has the disk bytes per step, the plan's and the last step's read and written."""
     import json
     import shutil
 
@@ -514,6 +517,19 @@ def test_job_with_storage_samples_and_exports_as_without(tmp_path):
     assert disk_rep["placement_counts"].get("params_pinned_host/update_storage", 0) >= 1, disk_rep["placement_counts"]
     assert runs["host"][1]["placement_counts"].get("params_pinned_host/update_storage", 0) == 0
     assert disk_rep["sample_before"] and disk_rep["sample"]
+    # report.json's disk bytes (ux20: it had none): the plan's, every storage chunk's file (float32 master,
+    # m, v, each padded to 4096 bytes) read once and written once; and the last step's reads and writes
+    n_disk = disk_rep["placement_counts"]["params_pinned_host/update_storage"]
+    file_bytes = 3 * -(-disk_rep["chunk_size"] * 4 // 4096) * 4096
+    assert disk_rep["storage_chunks"] == n_disk
+    assert disk_rep["disk_bytes_per_step_accounted"] == 2 * n_disk * file_bytes == \
+        disk_rep["fit"]["disk_bytes_per_step_predicted"]
+    assert disk_rep["disk_read_bytes_per_step_measured"] == disk_rep["disk_written_bytes_per_step_measured"] \
+        == n_disk * file_bytes
+    assert disk_rep["disk_bytes_per_step_measured"] == disk_rep["disk_bytes_per_step_accounted"]
+    host_rep = runs["host"][1]
+    assert host_rep["storage_chunks"] == 0 and host_rep["disk_bytes_per_step_accounted"] == 0
+    assert host_rep["disk_bytes_per_step_measured"] is None and host_rep["disk_written_bytes_per_step_measured"] is None
     a, b = hf.open_hf_checkpoint(runs["disk"][0] / "hf"), hf.open_hf_checkpoint(runs["host"][0] / "hf")
     assert sorted(a.entries) == sorted(b.entries)
     for n in a.entries:

@@ -198,10 +198,14 @@ def test_summary_names_the_host_working_set_for_what_it_holds(micro):
     holds every streamed chunk's new params and state (written back beside the old until the step
     returns: ``chunkjax.predict``), so a fresh user's 7.1 MiB "gradients" were 4.3 MiB of streamed
     write-back (fresh19). The line now names both, with the same number."""
+    from chunkjax.errors import format_bytes, format_moved_bytes
     from chunkjax.fit_report import describe
     stages, params, batch = micro
     step, report, problem = cj.fit_step(stages, params, batch, host_optimizer=AdamW(3e-4), device_budget="auto")
     line, p = describe(report, problem), report.schedule.predicted
     assert "gradient working set" not in line, line
-    assert (f"working set {p.host_working_bytes / 2**20:.1f} MiB: host gradients in flight and streamed "
+    assert (f"working set {format_bytes(p.host_working_bytes)}: host gradients in flight and streamed "
             "write-back") in line, line
+    # bytes held in binary units (as budgets are given), bytes moved per step in decimal ones (ux20)
+    assert (f"per step h2d {format_moved_bytes(p.h2d_bytes_per_step)}, d2h {format_moved_bytes(p.d2h_bytes_per_step)}; "
+            f"host {format_bytes(p.host_bytes)} (") in line and " MiB" not in line, line

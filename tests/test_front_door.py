@@ -788,7 +788,7 @@ def test_nonfinite_error_through_offload():
     assert np.isfinite(float(step({"tokens": toks[0], "scale": jnp.ones((4,), jnp.float32)})))
     step.sync(model)
     before = [np.array(x, copy=True) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
-    with pytest.raises(chunkjax.NonFiniteError, match=r"^step 2: the loss and gradient norm is not finite") as e:
+    with pytest.raises(chunkjax.NonFiniteError, match=r"^step 2: the loss and gradient norm are not finite") as e:
         step({"tokens": toks[1], "scale": jnp.full((4,), np.inf, jnp.float32)})
     assert "\n" not in str(e.value) and "nothing was updated" in str(e.value)
     step.sync(model)

@@ -42,6 +42,8 @@ def test_ledger_marks_phases_and_reports_json():
     g = led.growth("a", "b")
     assert g["anon_bytes"] >= 0.9 * x.nbytes
     assert len(lines) == 3 and lines[0].startswith("[host-ledger] a: anon") and "plan accounts" in lines[2]
+    assert " GB" not in "".join(lines) and lines[2].startswith(
+        f"[host-ledger] plan accounts {(8 * CHUNK + 2**30) / 2**30:.2f} GiB of host: "), lines  # GiB, as budgets (ux20)
     d = json.loads(json.dumps(led.to_dict()))
     assert [p["phase"] for p in d["phases"]] == ["a", "b"] and d["accounted"]["process"] == 2**30
     assert led.growth("a", "missing") is None

@@ -31,3 +31,18 @@ def test_error_names_the_step_with_a_clipped_chain():
     step = types.SimpleNamespace(nonfinite="error")
     with pytest.raises(NonFiniteError, match="^step 2: the loss"):
         raise_if_nonfinite(step, state, {"loss": np.float32(np.nan), "grad_norm": np.float32(1.0)})
+
+
+@pytest.mark.parametrize("loss,norm,said", [(np.nan, 1.0, "the loss is not finite"),
+                                            (1.0, np.inf, "the gradient norm is not finite"),
+                                            (np.nan, np.nan, "the loss and gradient norm are not finite")])
+def test_error_is_one_sentence_whose_verb_agrees(loss, norm, said):
+    """The NonFiniteError line: the verb agrees with what was non-finite ("is" for one, "are" for
+    both: a user report of session 19), one line, what happened, then what to do."""
+    state = _state(optax.adamw(1e-3), 4)
+    step = types.SimpleNamespace(nonfinite="error")
+    with pytest.raises(NonFiniteError) as e:
+        raise_if_nonfinite(step, state, {"loss": np.float32(loss), "grad_norm": np.float32(norm)})
+    msg = str(e.value)
+    assert msg.startswith(f"step 5: {said} (loss ") and "\n" not in msg, msg
+    assert ", so nothing was updated" in msg and msg.endswith("or pass nonfinite='skip' to skip such steps"), msg

@@ -1,6 +1,7 @@
 """chunkjax.plots (issue 22, item 5): the figures of a micro GPT's plan carry the plan's data
 (bar heights are the tide, the residency image is ``Schedule.residency()``, placement bytes sum to
-the prediction), they take what the fit path gives, and they save to a path."""
+the prediction), they take what the fit path gives, and they save to a path; and the main job's
+loss.png draws each series once (experiments.report)."""
 import dataclasses
 import pathlib
 import subprocess
@@ -272,3 +273,36 @@ def test_figures_of_a_plan_with_storage_chunks(fitted, tmp_path):
     for path in out.values():
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert plots.plot_step_time(f).axes
+
+
+@pytest.mark.parametrize("steps,labels", [
+    (3, ["train (per step)", "validation"]),  # ux20: a short run drew the per-step loss twice
+    (79, ["train (per step)", "validation"]),
+    (400, ["train (per step)", "train (10-step mean)", "validation"])])
+def test_loss_plot_draws_each_series_once(tmp_path, monkeypatch, steps, labels):
+    """experiments.report.plot_losses (the main job's loss.png): one line per series; the running
+    mean only where it averages more than one step. The figure's lines are counted as saved."""
+    import json
+
+    import matplotlib.pyplot as plt
+
+    from experiments.report import plot_losses
+    rng = np.random.default_rng(steps)
+    loss = 10 - np.cumsum(rng.uniform(0, 0.02, steps))
+    recs = [{"step": 0, "tokens": 0, "val_loss": 10.5}]
+    recs += [{"step": i, "tokens": 1024 * i, "loss": float(loss[i - 1]), "skipped": False}
+             | ({"val_loss": float(loss[i - 1]) + 0.1} if i % 2 == 0 or i == steps else {}) for i in range(1, steps + 1)]
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    closed = []
+    close = plt.close
+    monkeypatch.setattr(plt, "close", lambda fig=None: (closed.append(fig), close(fig)))
+    plot_losses(tmp_path / "loss.png", metrics, title="t")
+    assert (tmp_path / "loss.png").stat().st_size > 0 and len(closed) == 1
+    lines = closed[0].axes[0].get_lines()
+    assert [ln.get_label() for ln in lines] == labels
+    np.testing.assert_array_equal(lines[0].get_ydata(), loss)
+    n_val = 1 + steps // 2 + steps % 2
+    assert len(lines[-1].get_ydata()) == n_val and lines[-1].get_ydata()[0] == 10.5
+    if len(labels) == 3:
+        np.testing.assert_allclose(lines[1].get_ydata(), np.convolve(loss, np.ones(10) / 10, mode="valid"), rtol=1e-12)

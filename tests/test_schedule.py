@@ -431,7 +431,7 @@ def test_nonfinite_error_names_the_step_and_updates_nothing(setup):
     with pytest.raises(cj.NonFiniteError) as e:
         step(bad, batches[1])
     msg = str(e.value)
-    assert "\n" not in msg and msg.startswith("step 2: the loss and gradient norm is not finite"), msg
+    assert "\n" not in msg and msg.startswith("step 2: the loss and gradient norm are not finite"), msg
     assert "nothing was updated" in msg and "nonfinite='skip'" in msg, msg
     assert e.value.step == 2 and e.value.which == "loss and gradient norm" and bool(e.value.metrics["skipped"])
     state2 = e.value.state

@@ -322,6 +322,9 @@ def test_shared_link_accounting_and_baseline(tmp_path):
             assert r.shared_link_bytes_per_param == 4.0
             assert r.storage_link_bytes == {str(tmp_path / f"n{i}"): 24 * n_params // 2 for i in range(2)}
             assert r.storage_link_bytes_per_param == 24.0 and r.emulated is False
+            # its two directions: master, m, v read once and written once (12 bytes/param each way)
+            assert r.storage_read_bytes == r.storage_written_bytes == {str(tmp_path / f"n{i}"): 12 * n_params // 2
+                                                                       for i in range(2)}
         bad = _grads(sizes, 99, jnp.bfloat16)
         bad[4] = bad[4].at[7].set(jnp.inf)
         r_bad = ns.step(bad)  # overflow: skipped, nothing sent, nothing changed
@@ -332,6 +335,7 @@ def test_shared_link_accounting_and_baseline(tmp_path):
             rb = base.step(_grads(sizes, s, jnp.bfloat16))
             assert rb.shared_link_bytes_per_param >= 24.0
             assert sum(rb.storage_link_bytes.values()) == 24 * n_params
+            assert sum(rb.storage_read_bytes.values()) == sum(rb.storage_written_bytes.values()) == 12 * n_params
         base_state = base.read_state()
     for c in range(len(sizes)):  # same float32 kernel on the same bf16 gradients: identical bits
         assert all(same_bits(a, b) for a, b in zip(ns_state[c], base_state[c]))

@@ -12,7 +12,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from chunkjax.errors import format_bytes
+from chunkjax.errors import format_bytes, format_moved_bytes
 from chunkjax.plan import parse_bytes
 from experiments import train
 
@@ -27,6 +27,9 @@ def test_format_bytes_picks_the_unit_and_rounds_hints_up():
         text = format_bytes(n, up=True)
         assert parse_bytes(text) >= n and float(text.rstrip("BKMGTi")) >= 1, (n, text)  # a hint that works
     assert format_bytes(2**20 + 1, up=True) == "1.001MiB"
+    # bytes moved (per step, over a link) print in decimal units, as link rates and the benchmarks' GB/step
+    assert [format_moved_bytes(n) for n in (0, 999, 1000, 47185920, 1.2e9, 2**40)] == \
+        ["0B", "999B", "1.000kB", "47.186MB", "1.200GB", "1.100TB"]
 
 
 def _help(argv) -> str:
@@ -195,3 +198,41 @@ def test_schedule_note_when_the_warmup_outlasts_the_horizon():
     assert "--lr-decay-steps 20" in train.schedule_note(dataclasses.replace(cfg, steps=40, lr_decay_steps=20))
     for quiet in (dataclasses.replace(cfg, steps=400), dataclasses.replace(cfg, warmup=0)):
         assert train.schedule_note(quiet) == ""
+
+
+def test_default_warmup_fits_the_run(monkeypatch):
+    """--warmup defaulted to 30 steps whatever the run's length, so a short run (--steps 20) spent
+    all of it below --lr (ux20). The default (-1) is now min(30, a tenth of the cosine's horizon),
+    the run's own on --resume; values given are kept, and --help says what it is."""
+    base = train.TrainConfig()
+    assert base.warmup == -1 and train.parse_args([]).warmup == -1 and train.parse_args(["--warmup", "30"]).warmup == 30
+    auto = {steps: train.warmup_for(dataclasses.replace(base, steps=steps)) for steps in (400, 1000, 20, 9, 1)}
+    assert auto == {400: 30, 1000: 30, 20: 2, 9: 0, 1: 0}
+    assert train.warmup_for(dataclasses.replace(base, steps=20, lr_decay_steps=200)) == 20  # the horizon's tenth
+    for given in (0, 3, 30, 50):
+        assert train.warmup_for(dataclasses.replace(base, steps=20, warmup=given)) == given
+    rp = lambda saved: train.ResumePoint("r", "r/checkpoints", 5, {"extra": {"config": saved}})  # noqa: E731
+    assert train.warmup_for(dataclasses.replace(base, steps=80), rp({"warmup": 7, "steps": 20})) == 7
+    assert train.warmup_for(dataclasses.replace(base, steps=80), rp({"steps": 20})) == 30  # before the setting: 30
+    # the 20-step run now warms up in 2 steps and decays: peak lr at step 3, lr/10 at the horizon, no note
+    short = dataclasses.replace(base, steps=20, lr_decay_steps=0)
+    lr = train.host_spec(short).learning_rate
+    assert float(lr(0)) == 0.0 and float(lr(2)) == pytest.approx(short.lr) and float(lr(20)) == pytest.approx(short.lr / 10)
+    assert train.schedule_note(short) == ""
+    with pytest.raises(train.UsageError, match=r"^--warmup must be >= 0 .* got -2$"):
+        train._validate(dataclasses.replace(base, warmup=-2))
+    monkeypatch.setenv("COLUMNS", "400")
+    assert "-1: min(30, a tenth of the cosine's horizon --lr-decay-steps or --steps" in _help([])
+
+
+def test_config_line_spells_out_the_sentinels():
+    """The config line printed checkpoint_every=-1 (ux20): it now says what -1 and 0 mean, and
+    marks an automatic --warmup; every other setting as resolved."""
+    resolved = dataclasses.asdict(dataclasses.replace(train.TrainConfig(), warmup=2, eval_every=50))
+    line = train.config_line(resolved, warmup_given=False)
+    assert line.startswith("config: model=tiny ") and "\n" not in line
+    assert " checkpoint_every=each_eval(50) " in line and " warmup=2(auto) " in line and " eval_every=50 " in line
+    assert " checkpoint_every=off " in train.config_line(resolved | {"checkpoint_every": 0})
+    given = train.config_line(resolved | {"checkpoint_every": 7})
+    assert " checkpoint_every=7 " in given and " warmup=2 " in given
+    assert resolved["checkpoint_every"] == -1  # the report's config keeps the value itself

@@ -80,7 +80,8 @@ class BaselineOptimizer(TierTrainer):
         total = sum(storage.values())
         return StepResult(self.tier.committed_step, [params[c] for c in self.chunk_sizes], False, norm, total,
                           sum(io.read.values()), sum(io.written.values()), storage, time.perf_counter() - t0,
-                          self.n_params, self.link_model.emulated)
+                          self.n_params, self.link_model.emulated, storage_read_bytes=dict(io.read),
+                          storage_written_bytes=dict(io.written))
 
     def read_state(self):
         return {c: self.tier.read_chunk(c) for c in self.chunk_sizes}

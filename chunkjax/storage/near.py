@@ -543,7 +543,8 @@ class NearStorageOptimizer(TierTrainer, WorkerPool):
         return StepResult(step, None if on_param is not None else [params[c] for c in self.chunk_sizes], False, norm,
                           sent + received, sent, received,
                           storage, time.perf_counter() - t0, self.n_params, self.link_model.emulated,
-                          residual_bytes, progress.get("ahead", 0))
+                          residual_bytes, progress.get("ahead", 0), progress.get("read", {}),
+                          progress.get("written", {}))
 
     def read_state(self) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """``{c: (master, m, v)}`` float32 copies at the committed step, read by the workers."""

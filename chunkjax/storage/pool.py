@@ -280,7 +280,8 @@ class WorkerPool:
         ``on_params_in()`` is called once every chunk's params are back (the writes and the
         commit may still be under way).
         Returns ``(params, storage_bytes, received_bytes, failure)``; ``failure`` is the first
-        :class:`StorageError` (a worker's error, death or silence past ``timeout_s``)."""
+        :class:`StorageError` (a worker's error, death or silence past ``timeout_s``). The
+        directories' bytes read and written go into ``progress["read"]`` / ``["written"]``."""
         from multiprocessing.connection import wait
         params: dict[int, np.ndarray] = {}
         storage: dict[str, int] = {}
@@ -347,6 +348,8 @@ class WorkerPool:
                     storage.update({d: msg[2][d] + msg[3][d] for d in msg[2]})
                     if progress is not None:
                         progress["ahead"] = progress.get("ahead", 0) + msg[4]
+                        progress.setdefault("read", {}).update(msg[2])
+                        progress.setdefault("written", {}).update(msg[3])
                     del pending[conn]
                     self._waiting.pop(i, None)
                 elif msg[0] in ("skipped", "aborted") and progress is not None and progress.get("skipped"):

@@ -41,6 +41,9 @@ class StepResult:
       read_ahead_bytes: state bytes the workers had read into their staging buffers when the
         step's first message after the header came (the scalars or a gradient): the read-ahead,
         at most ``n_buffers - 1`` chunk files per worker.
+      storage_read_bytes / storage_written_bytes: per storage directory, the two directions of
+        ``storage_link_bytes``: bytes the chunk files' reads and writes completed (empty where not
+        split, as for a skipped step).
     """
 
     step: int
@@ -56,6 +59,8 @@ class StepResult:
     emulated: bool = False
     residual_bytes: int = 0
     read_ahead_bytes: int = 0
+    storage_read_bytes: dict = dataclasses.field(default_factory=dict)
+    storage_written_bytes: dict = dataclasses.field(default_factory=dict)
 
     @property
     def shared_link_bytes_per_param(self) -> float:
