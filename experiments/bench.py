@@ -481,13 +481,14 @@ def predicted_line(rec: dict) -> str:
            f"accounted {gb(ex.get('host_bytes_accounted'))})")
     st = ex.get("storage")
     if st and not st.get("storage_chunks"):
-        out += f"; {st['line']}"
+        out += f"; {st.get('line', 'no storage chunks')}"
     elif st:
         rates = st.get("disk_gb_per_s_measured") or []
         secs = st.get("storage_update_s_measured") or []
-        out += (f"; {st['line']}; disk {gb(st.get('disk_bytes_per_step_measured'))}/step (accounted "
-                f"{gb(st['disk_bytes_per_step_accounted'])}), update {secs[-1] if secs else float('nan'):.2f} s "
-                f"(predicted {st['storage_update_s_predicted']:.2f} s, exposed "
+        out += (f"; {st.get('line', str(st['storage_chunks']) + ' storage chunks')}; disk "
+                f"{gb(st.get('disk_bytes_per_step_measured'))}/step (accounted "
+                f"{gb(st.get('disk_bytes_per_step_accounted'))}), update {secs[-1] if secs else float('nan'):.2f} s "
+                f"(predicted {st.get('storage_update_s_predicted', float('nan')):.2f} s, exposed "
                 f"{(st.get('storage_exposed_s_measured') or [float('nan')])[-1]:.2f} s, predicted "
                 f"{st.get('storage_exposed_s_predicted', float('nan')):.2f} s) = "
                 f"{rates[-1] if rates else float('nan'):.2f} "

@@ -135,6 +135,22 @@ class ChunkjaxSystem:
         self.ledger.account(self.host_parts(rep.host), held_at="plan")  # printed before anything is initialised
         return out
 
+    def plan_progress(self) -> dict:
+        """The plan's predictions as plain numbers, printed by the worker right after the compiled
+        check (:func:`experiments.measure.run`), so that a worker stopped before its record keeps
+        them: step seconds, device and host bytes accounted, chunk counts, micro-batches, and with
+        the disk tier its accounted bytes per step and near-storage update seconds."""
+        p = self.schedule.predicted
+        out = {"step_s_predicted": p.time.step_s, "peak_device_bytes_accounted": int(p.peak_device_bytes),
+               "host_bytes_accounted": int(p.host_bytes), "host_budget_bytes": self.host_budget,
+               "effective_budget_bytes": self.effective_budget, "schedule_counts": self.schedule.counts(),
+               "micro_batches": self.problem.micro_batches, "accumulation": self.schedule.accumulation,
+               "compiled_peak_bytes": (getattr(self, "last_compiled_memory", None) or {}).get("peak_bytes")}
+        if self.problem.storage is not None:
+            out["storage"] = {"storage_chunks": p.storage_chunks, "disk_bytes_per_step_accounted": p.disk_bytes_per_step,
+                              "storage_update_s_predicted": p.time.storage_update_s}
+        return out
+
     def host_parts(self, host: dict | None = None) -> dict:
         """The plan's host bytes by part (:func:`chunkjax.host_ledger.plan_parts`; ``host``: the
         fit's host need, default the schedule's)."""

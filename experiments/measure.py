@@ -55,7 +55,9 @@ def _progress(**kw) -> None:
 
 def partial_from_progress(lines: list[str], batch: int, seq: int) -> dict:
     """What a timed-out worker measured, from its :func:`_progress` lines: ``compile_s``,
-    ``init_s``, ``warmup_s`` (the first step, not timed as the others), the losses, and when at least one timed step finished, ``step_s_all``,
+    ``init_s``, ``warmup_s`` (the first step, not timed as the others), the plan's predictions
+    (the ``plan`` line's keys, e.g. ``step_s_predicted``), the losses with ``losses_finite`` and
+    ``loss_falling``, and when at least one timed step finished, ``step_s_all``,
     ``step_s_median``, ``tokens_per_s`` (batch * seq / median step seconds) and ``update_s``.
     Returns {} when no line is found."""
     rec: dict = {}
@@ -69,7 +71,9 @@ def partial_from_progress(lines: list[str], batch: int, seq: int) -> dict:
             continue
         if "loss" in d:
             losses.append(d["loss"])
-        if d.get("phase") in ("compile", "init", "warmup") and "seconds" in d:
+        if d.get("phase") == "plan":  # the plan's predictions (the system's plan_progress), kept beside
+            rec.update({k: v for k, v in d.items() if k != "phase"})
+        elif d.get("phase") in ("compile", "init", "warmup") and "seconds" in d:
             rec[d["phase"] + "_s"] = d["seconds"]
         elif d.get("phase") == "step":
             steps.append(d["seconds"])
@@ -77,6 +81,8 @@ def partial_from_progress(lines: list[str], batch: int, seq: int) -> dict:
                 updates.append(d["update_s"])
     if losses:
         rec["losses"] = losses
+        rec["losses_finite"] = all(math.isfinite(x) for x in losses)
+        rec["loss_falling"] = bool(losses[-1] < losses[0]) if len(losses) > 1 else None
     if steps:
         med = statistics.median(steps)
         rec.update(step_s_all=steps, step_s_median=med, tokens_per_s=batch * seq / med,
@@ -133,6 +139,8 @@ def measure_system(system, args) -> dict:
     mem = system.compiled_memory(batch)
     rec["compile_s"] = time.perf_counter() - t0
     _progress(phase="compile", seconds=rec["compile_s"])
+    if hasattr(system, "plan_progress"):  # a killed worker's record keeps the plan it measured against
+        _progress(phase="plan", **system.plan_progress())
     rec["compiled_memory"] = mem
     rec["notes"] += list(getattr(system, "notes", []))
     if mem.get("fits") is False:  # the system's own check (e.g. chunkjax's headroom) failed

@@ -53,4 +53,40 @@ def test_a_warm_up_without_a_timed_step_is_kept_as_such():
              measure.PROGRESS_TAG + ' {"phase": "init", "seconds": 120.0}',
              measure.PROGRESS_TAG + ' {"phase": "warmup", "seconds": 118.5, "loss": 11.7}']
     part = measure.partial_from_progress(lines, 8, 1024)
-    assert part == {"compile_s": 200.0, "init_s": 120.0, "warmup_s": 118.5, "losses": [11.7]}  # no tokens/s
+    assert part == {"compile_s": 200.0, "init_s": 120.0, "warmup_s": 118.5, "losses": [11.7],
+                    "losses_finite": True, "loss_falling": None}  # no tokens/s
+
+
+def test_a_largest_run_stopped_after_a_timed_step_trains_beside_its_plan(tmp_path):
+    """s20a2 on the H200: GPT3_15B b64 finished its warm-up and one timed step, then the time limit
+    stopped the worker before its record. The largest block said ``ok: False`` (no ``loss_falling``
+    in the partial record) and kept no prediction. Now the partial record has both, and the plan's
+    line (step seconds, disk bytes) is kept beside the measured step."""
+    import json
+
+    def line(**kw):
+        return measure.PROGRESS_TAG + " " + json.dumps(kw)
+
+    plan = {"step_s_predicted": 101.5, "peak_device_bytes_accounted": 133_000, "host_bytes_accounted": 116_000,
+            "micro_batches": 8, "schedule_counts": {"update_storage": 3},
+            "storage": {"storage_chunks": 3, "disk_bytes_per_step_accounted": 1.2e11}}
+    tails = {"micro": [line(phase="compile", seconds=80.0), line(phase="plan", **plan),
+                       line(phase="init", seconds=110.0), line(phase="warmup", seconds=114.7, loss=11.65),
+                       line(phase="step", seconds=106.6, loss=11.55, update_s=94.7)],
+             "tiny": [line(phase="compile", seconds=80.0), line(phase="plan", **plan),
+                      line(phase="warmup", seconds=114.7, loss=11.65), line(phase="step", seconds=99.0, loss=float("nan"))]}
+
+    def runner(argv, env, timeout):
+        if "--probe" in argv:
+            return {"rc": 0, "json": {"matmul_tflops": 10.0}, "stderr_tail": []}
+        model = argv[argv.index("--model") + 1]
+        return {"rc": 124, "json": None, "timed_out": True, "stderr_tail": tails[model]}
+
+    assert bench.main(["--largest", "--largest-models", "micro,tiny", "--largest-keep-going", "--largest-batch", "4",
+                       "--largest-seq", "16", "--systems", "chunkjax", "--run-id", "T", "--results-dir", str(tmp_path),
+                       "--time-limit", "600"], runner=runner) == 0
+    tried = json.loads((tmp_path / "bench_T.json").read_text())["largest"]["chunkjax"]["tried"]
+    m = tried["micro"]
+    assert m["ok"] and m["losses"] == [11.65, 11.55] and m["step_s_median"] == 106.6
+    assert m["step_s_predicted"] == 101.5 and m["micro_batches"] == 8 and m["storage"]["storage_chunks"] == 3
+    assert not tried["tiny"]["ok"]  # a non-finite loss never counts as training
