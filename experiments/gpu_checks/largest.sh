@@ -174,7 +174,16 @@
 #         --in-program-only --tag "s20${f:+_$(echo $f | tr -c 'a-z0-9' _ | cut -c1-30)}"; done
 #   then a2 and b19 as above (now with --time-limit: LIMIT=583 leaves the worker ~548 s after the probe; a2's warm-up
 #   ends near 450 s, a timed step near 560 s).
+# * Session 20 (docs/benchmarks.md "Twentieth session"): the probe above showed nothing (6 layers, 8 x 1 x 1024:
+#   5 in-program programs compiled in 3.4 s under every flag, ratio 0.95; inprogram_gap_s20p*.json): b2's ~380 s is
+#   not the loops' XLA passes at that size. a2 trained (warm-up 114.7 s, one timed step 106.6 s, loss 11.653 ->
+#   11.546); b19 finished its warm-up (101.5 s, loss 11.630) at 491 s after plan 135 s + compile 135 s + init 120 s,
+#   too late for a timed step. The part now keeps jax's compilation cache in the repository's ignored .cache/ (kept
+#   on the device machine between calls while it is warm): run a part twice back to back (the second call within
+#   the 30 s idle release) and the second skips most of plan + compile (b19: ~270 s), leaving time for 3 steps.
+#   Next: b19 twice back to back; b2 (MB18_BATCH=8) twice with BUDGET=132GiB EXTRAMB="--host-budget 117.2e9".
 set -u
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$PWD/.cache/jax_gpu}
 RUN=${1:-largest}
 PART=${2:-a}
 export PYTHONUNBUFFERED=1
