@@ -33,7 +33,8 @@ class ChunkjaxSystem:
                  segments="auto", host_update: bool = True, prefetch: int = 1, zero_stage: int = 0,
                  init: str = "leafwise", max_grad_norm: float | None = None, micro_batches: int = 1,
                  storage=None, host_budget="auto", cross_step: bool = True, remat: str = "full",
-                 unroll_micro_batches: bool = False, clip_expect: str = "auto", chunk_size: int | None = None):
+                 unroll_micro_batches: bool = False, clip_expect: str = "auto", chunk_size: int | None = None,
+                 compiled_margin: int = 0):
         import jax
         import jax.numpy as jnp
 
@@ -52,6 +53,7 @@ class ChunkjaxSystem:
         if init not in ("leafwise", "init_params"):
             raise ValueError(f"init={init!r}: use 'leafwise' or 'init_params'")
         self.cfg, self.budget, self.notes, self.init_rule = cfg, int(budget_bytes), [], init
+        self.compiled_margin = int(compiled_margin)  # bytes the first plan leaves for the compiler (fit.fit_problem)
         # cross-step overlap (chunkjax.cross_step): planned for (forward cuts, the host tail timed against the
         # next forward's reads) and run; the previous step's host work is joined inside the next step
         self.cross_step, self._last_work = bool(cross_step), None
@@ -118,7 +120,7 @@ class ChunkjaxSystem:
         from chunkjax import fit
         del batch  # the fit path compiles for the problem's batch shape
         f = fit.fit_problem(self.problem, self.budget, schedule=None if self.replan else self.schedule,
-                            check_compiled=True, strict=False)
+                            check_compiled=True, strict=False, compiled_margin=self.compiled_margin)
         rep = f.report
         self.schedule, self.step_fn = rep.schedule, f.step
         self.effective_budget, self.plan_history = rep.effective_budget_bytes, list(rep.plans)
@@ -277,7 +279,8 @@ def run_chunkjax(args) -> dict:
                           remat=getattr(args, "remat", "full"),
                           unroll_micro_batches=bool(int(getattr(args, "unroll_micro_batches", 0))),
                           clip_expect=str(getattr(args, "clip_expect", "auto")),
-                          chunk_size=int(getattr(args, "chunk_size", 0) or 0) or None)  # --set chunk_size=N
+                          chunk_size=int(getattr(args, "chunk_size", 0) or 0) or None,  # --set chunk_size=N
+                          compiled_margin=int(float(getattr(args, "compiled_margin", 0) or 0)))  # --set compiled_margin=5.8e9
     try:
         rec = measure_system(sys_, args)
     except Exception as e:  # keep the plan next to the failure (e.g. out of memory at run time)

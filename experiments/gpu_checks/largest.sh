@@ -181,7 +181,13 @@
 #   too late for a timed step. The part now keeps jax's compilation cache in the repository's ignored .cache/ (kept
 #   on the device machine between calls while it is warm): run a part twice back to back (the second call within
 #   the 30 s idle release) and the second skips most of plan + compile (b19: ~270 s), leaving time for 3 steps.
-#   Next: b19 twice back to back; b2 (MB18_BATCH=8) twice with BUDGET=132GiB EXTRAMB="--host-budget 117.2e9".
+#   Next: b19 twice back to back (the second call: ~30 s of plan + compile from the cache, init ~120 s, then a warm-up
+#   and 2-3 steps of ~100 s). b2 in one plan: `--set compiled_margin=5.8e9` makes the fit's first plan leave s19b2's
+#   measured overshoot (138.56e9 compiled - 132.85e9 accounted) below the headroom, landing where its re-plan did
+#   (127.54e9 of device, host need 117.11e9), so its 32 programs compile once, not twice. Twice back to back:
+#   PREALLOC=false POOL18MB=56 MB18_BATCH=8 EXTRAMB="--host-budget 117.2e9 --set compiled_margin=5.8e9" LIMIT=583 \
+#     MEMLOG=$OUT/mem.log bash experiments/gpu_checks/memwatch.sh bash experiments/gpu_checks/largest.sh <run> b2
+#   (host need ~128e9: b19 ran at 127.68e9 accounted with 2.5 GB available at its peak; watch MemAvailable).
 set -u
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$PWD/.cache/jax_gpu}
 RUN=${1:-largest}
