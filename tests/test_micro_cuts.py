@@ -124,9 +124,20 @@ def test_the_planner_times_looped_and_unrolled_loops(setup):
     batch = jax.ShapeDtypeStruct((M * B, T + 1), jnp.int32)
     for unroll in (False, True):
         problem = fit.prepare(stages, params, batch, unroll_micro_batches=unroll, **kw)
-        s = fit.plan(problem, 2 * fit.auto_budget(problem))
+        s = fit.plan(problem, 2 * _auto_budget(problem))
         assert s.accumulation == IN_PROGRAM and s.unroll_micro_batches == unroll
         assert fit.build_step(problem, s).walk(problem.batch).unroll == unroll
+
+
+def _auto_budget(problem) -> int:
+    """``fit.auto_budget(problem)``: its floor (the per-micro-batch plan's refusal, below every
+    in-program group's floor: tests/test_micro_groups.py) found without ``fit.plan(problem, 1)``
+    compiling and measuring the loops of every micro-batch group first (as tests/test_inprogram_micro.py)."""
+    from chunkjax import fit
+    with pytest.raises(cj.PlanError) as e:
+        fit._plan_passes(problem, 1, policy="tide", resident=None, must_fit=True, split=True)
+    return int(e.value.min_budget_bytes
+               + fit.AUTO_BUDGET_MODEL_FRACTION * problem.cb_rank.model_bytes(problem.layout.n_chunks))
 
 
 def _run(step, params, batches):
