@@ -53,7 +53,7 @@ def test_host_sums_write_the_mean_over_the_sum(dtype, monkeypatch):
 @pytest.fixture(scope="module")
 def setup():
     cfg = gpt.get_config("micro", n_layers=3)
-    params = gpt.init_params(cfg, jax.random.key(24))
+    params = jax.jit(gpt.init_params, static_argnums=0)(cfg, jax.random.key(24))  # one program, not one per op
     batch = jnp.asarray(np.random.default_rng(24).integers(0, cfg.vocab_size, (B, T + 1)), jnp.int32)
     stages = gpt.gpt_stages(cfg)
     order = cj.first_use_order(lambda p, b: cj.compose_loss(stages, p, b), params, batch[:B // 2])

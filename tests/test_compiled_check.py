@@ -44,7 +44,8 @@ def test_fit_path_step_compiles_each_program_once(setup):
     assert lowered == list(range(n_programs)), lowered
 
     rng = np.random.default_rng()
-    state = step.init(gpt.init_params(cfg, jax.random.key(int(rng.integers(1 << 30)))))
+    # one jitted program, not an eager dispatch (and compile) per random op (tests/_micro_setup.py)
+    state = step.init(jax.jit(gpt.init_params, static_argnums=0)(cfg, jax.random.key(int(rng.integers(1 << 30)))))
     before = np.asarray(state.params[0]).copy()
     scale = {"loss_scale": 2.0 ** 8} if setup == "zero3_loss_scaling" else {}
     for i in range(2):

@@ -21,7 +21,6 @@ from chunkjax import cost, cross_step, host_work, speculate
 from chunkjax.host_update import AdamW
 from chunkjax.optim import state_bytes_per_chunk
 from chunkjax.plan import plan_schedule
-from models import gpt
 
 from _micro_setup import micro_gpt_setup
 from _optax_reference import micro_batch_reference
@@ -57,11 +56,21 @@ def speculate_always(monkeypatch):
     monkeypatch.setattr(speculate.Speculation, "_known", lambda self: self.certain)
 
 
+#: options of ``make_chunked_step`` that run on the host and enter no program
+_HOST_SIDE = ("rollback", "speculation_policy", "nonfinite")
+_PROGRAMS: dict = {}
+
+
 def _pair(setup, spec, window=None, **kw):
-    """(cross-step step, the same step joining at its start), sharing compiled programs."""
+    """(cross-step step, the same step joining at its start), sharing compiled programs; the
+    programs (traced, jitted and compiled per batch shape) are those of this module's earlier pair
+    of the same schedule and device-side options (the host optimizer, the speculation's rollback
+    and policy and the non-finite policy run on the host: as tests/test_host_bytes.py's ``_step``)."""
     cfg, params, batches, stages, layout, traces = setup
-    on = cj.make_chunked_step(stages, layout, _schedule(setup, spec, window), host_optimizer=spec,
-                              compute_dtype=jnp.float32, **kw)
+    sched = _schedule(setup, spec, window)
+    on = cj.make_chunked_step(stages, layout, sched, host_optimizer=spec, compute_dtype=jnp.float32, **kw)
+    key = (repr(sched), tuple(sorted((k, repr(v)) for k, v in kw.items() if k not in _HOST_SIDE)))
+    on.__dict__["_cache"] = _PROGRAMS.setdefault(key, on._cache)
     off = dataclasses.replace(on, cross_step=False)
     off.__dict__["_cache"] = on._cache  # the programs do not depend on cross_step
     assert on.cross_step and not off.cross_step
@@ -320,16 +329,15 @@ def test_cross_step_wait_and_the_planners_prediction(setup):
     assert cross.predicted.time.step_s >= cross.predicted.time.host_update_s
 
 
-def test_zero_mesh_matches_the_joined_step():
+def test_zero_mesh_matches_the_joined_step(setup):
     """ZeRO stage 3 on a 2-rank mesh, host chunks updated per rank slice, the forward cut into
-    programs: 6 steps without waiting are bit for bit the joined step's and equal optax."""
+    programs: 6 steps without waiting are bit for bit the joined step's and equal optax. (The
+    module's micro GPT and batches, ``B`` rows a step, one per rank: the optax reference's
+    gradient program is the one the other tests compiled.)"""
     from chunkjax.topology import build_zero_layout, data_mesh
-    n, rows = 2, 4
-    cfg = gpt.get_config("micro", n_layers=2)
-    rng = np.random.default_rng(13)
-    params = gpt.init_params(cfg, jax.random.key(7))
-    batches = [jnp.asarray(rng.integers(0, cfg.vocab_size, (rows, T + 1)), jnp.int32) for _ in range(6)]
-    stages = gpt.gpt_stages(cfg)
+    n, rows = 2, B
+    cfg, params, all_batches, stages = setup[:4]
+    batches = [b[:rows] for b in all_batches[:6]]
     order = cj.first_use_order(lambda p, b: cj.compose_loss(stages, p, b), params, batches[0])
     layout = build_zero_layout(params, n, cfg.vocab_size * cfg.d_model, order)
     traces = cj.trace_stages(stages, layout, jax.ShapeDtypeStruct((rows // n, T + 1), jnp.int32), jnp.float32)

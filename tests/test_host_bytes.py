@@ -17,6 +17,7 @@ from chunkjax import speculate, updaters
 from chunkjax.host_update import AdamW
 from chunkjax.optim import state_bytes_per_chunk
 from chunkjax.plan import plan_schedule
+from models import gpt
 
 from _micro_setup import micro_gpt_setup
 from _optax_reference import micro_batch_reference
@@ -27,7 +28,20 @@ STEPS = 6
 
 @pytest.fixture(scope="module")
 def setup():
-    return micro_gpt_setup(3, 7, 3, B, T, STEPS)
+    return micro_gpt_setup(2, 7, 3, B, T, STEPS)  # 2 blocks: shorter compiles, still 8 host chunks of 9
+
+
+@pytest.fixture(scope="module")
+def plan_setup():
+    """For the planning tests (nothing compiled or run): the micro GPT with 3 blocks, abstract
+    (``setup``'s tuple with no params or batches), its layout and float32 stage traces. With 3
+    blocks the all-host plan holds two of its programs' host gradients at once, not every one."""
+    cfg = gpt.get_config("micro", n_layers=3)
+    params, stages = gpt.abstract_params(cfg), gpt.gpt_stages(cfg)
+    ab = jax.ShapeDtypeStruct((B, T + 1), jnp.int32)
+    order = cj.first_use_order(lambda p, b: cj.compose_loss(stages, p, b), params, ab)
+    layout = cj.build_layout(params, None, order, min_chunks=6)
+    return cfg, None, None, stages, layout, cj.trace_stages(stages, layout, ab, jnp.float32)
 
 
 @pytest.fixture
@@ -161,27 +175,27 @@ def _all_host(setup, dtype=jnp.bfloat16, host_budget=None, micro_batches=1):
     return s, cb, layout
 
 
-def test_host_budget_chooses_copies_then_master_fetch(setup):
+def test_host_budget_chooses_copies_then_master_fetch(plan_setup):
     """Copies while the host budget holds them; below that the step is first re-cut so fewer host
     gradients exist at once, then the chunks fetched least lose their copies (master-fetch: a
     fetch moves the float32 master params, twice the bytes, in the predicted H2D bytes and step
     time); a budget below the all-master-fetch need is refused in one line naming the host
     budget needed."""
-    copies, cb, layout = _all_host(setup)
+    copies, cb, layout = _all_host(plan_setup)
     host = [c for c, u in enumerate(copies.update_locations) if u == "host"]
     assert copies.master_fetch == () and len(host) == layout.n_chunks
     p = copies.predicted
     assert p.host_bytes == len(host) * (cb.params + cb.state) + p.host_working_bytes
     assert p.host_model_bytes == len(host) * (cb.params + cb.state + cb.grad)  # every gradient moved counted
     assert 0 < p.host_working_bytes < len(host) * cb.grad  # two of the programs' gradients at once
-    assert _all_host(setup, host_budget=p.host_bytes)[0] == copies
-    cut = _all_host(setup, host_budget=p.host_bytes - 1)[0]  # re-cut: the gradients spread over the programs
+    assert _all_host(plan_setup, host_budget=p.host_bytes)[0] == copies
+    cut = _all_host(plan_setup, host_budget=p.host_bytes - 1)[0]  # re-cut: the gradients spread over the programs
     c = cut.predicted
     assert cut.master_fetch == () and cut.segments != copies.segments and len(cut.segments) <= 8
     assert c.host_working_bytes < p.host_working_bytes and c.host_bytes == p.host_bytes - (p.host_working_bytes
                                                                                         - c.host_working_bytes)
-    assert len(_all_host(setup, host_budget=c.host_bytes - 1)[0].master_fetch) == 1  # one copy fewer is enough
-    least = _all_host(setup, host_budget=c.host_bytes - len(host) * cb.params)[0]
+    assert len(_all_host(plan_setup, host_budget=c.host_bytes - 1)[0].master_fetch) == 1  # one copy fewer is enough
+    least = _all_host(plan_setup, host_budget=c.host_bytes - len(host) * cb.params)[0]
     assert least.master_fetch == tuple(host) and least.segments == cut.segments
     q = least.predicted
     assert q.host_bytes == len(host) * cb.state + q.host_working_bytes == c.host_bytes - len(host) * cb.params
@@ -197,12 +211,12 @@ def test_host_budget_chooses_copies_then_master_fetch(setup):
     assert p.host_resident_bytes_per_param == pytest.approx(state_per_param + 2 + p.host_working_bytes / per)
     # in between: the copies that fit go to the chunks fetched most
     k = 2
-    mid = _all_host(setup, host_budget=q.host_bytes + k * cb.params)[0]
+    mid = _all_host(plan_setup, host_budget=q.host_bytes + k * cb.params)[0]
     kept = [c for c in host if c not in mid.master_fetch]
     n_fetch = {c: sum(c in f for f in copies.fetch) for c in host}
     assert len(kept) == k and min(n_fetch[c] for c in kept) >= max(n_fetch[c] for c in mid.master_fetch)
     with pytest.raises(cj.PlanError) as e:
-        _all_host(setup, host_budget=q.host_bytes - 1)
+        _all_host(plan_setup, host_budget=q.host_bytes - 1)
     msg = str(e.value)
     assert "\n" not in msg and f"below the {q.host_bytes} bytes" in msg and "host_budget >=" in msg
 
@@ -220,11 +234,11 @@ def test_balanced_segments_spread_the_host_gradients():
     assert host_balanced_segments(40, 10, [5], max_programs=8) is None  # the head's only: nothing to cut
 
 
-def test_micro_batches_join_the_working_set(setup):
+def test_micro_batches_join_the_working_set(plan_setup):
     """With micro-batches, each host chunk's float32 sum joins the host working set (its mean is
     written over it: chunkjax.accumulate.mean_in_place; tests/test_accumulate_memory.py)."""
-    one, cb, layout = _all_host(setup)
-    four = _all_host(setup, micro_batches=4)[0]
+    one, cb, layout = _all_host(plan_setup)
+    four = _all_host(plan_setup, micro_batches=4)[0]
     n = layout.n_chunks
     assert four.predicted.host_working_bytes == one.predicted.host_working_bytes + n * cb.master
 

@@ -81,38 +81,48 @@ def _split_schedule(layout, traces, spec, cfg):
     return plan_schedule(layout, traces, cb, e.value.min_budget_bytes, flops_per_step=flops)
 
 
-def test_in_program_equals_optax_and_the_per_micro_batch_path(setup):
-    """4 micro-batches looped inside each moment, pinned-host params, host-updated and streamed
-    chunks, clipping firing on some steps: equals optax over 20 steps and today's path."""
+@pytest.fixture(scope="module")
+def in_program(setup):
+    """``(spec, schedule, step, its first 3 steps' (master params, losses))``: the in-program
+    step of the smallest budget's plan (4 micro-batches, clipping), compiled and run once for the
+    equality test and the tied-loop test."""
     cfg, params, batches, stages, layout, traces = setup
     spec = AdamW(3e-3, weight_decay=0.1, max_grad_norm=CLIP)
     sched = _split_schedule(layout, traces, spec, cfg)
+    step = cj.make_chunked_step(stages, layout, sched, host_optimizer=spec, compute_dtype=jnp.float32,
+                                micro_batches=M, accumulation="in_program")
+    return spec, sched, step, _train(step, params, batches[:3])
+
+
+def test_in_program_equals_optax_and_the_per_micro_batch_path(setup, in_program):
+    """4 micro-batches looped inside each moment, pinned-host params, host-updated and streamed
+    chunks, clipping firing on some steps: equals optax over 20 steps and today's path."""
+    cfg, params, batches, stages, layout, traces = setup
+    spec, sched, step, (p_new, l_new) = in_program
     assert set(sched.update_locations) == {"host", "streamed"} and set(sched.param_kinds) == {"pinned_host"}
     assert len(sched.segments) > 1  # the carry (whole-batch activations, float32 sums) crosses programs
     ref_p, ref_losses, norms = _reference(cfg, params, batches, spec.optax(), M)
     assert 0 < np.sum(norms > CLIP) < STEPS  # clipping fires on some steps
-    kw = dict(host_optimizer=spec, compute_dtype=jnp.float32, micro_batches=M)
-    step = cj.make_chunked_step(stages, layout, sched, accumulation="in_program", **kw)
-    assert step.walk(batches[0]).micro_batches == M
+    assert step.walk(batches[0]).micro_batches == M and step.accumulation == "in_program"
     p, losses = _train(step, params, batches)
     _assert_close(p, losses, ref_p, ref_losses)
     # today's path on the first steps: the same to fp32 rounding
-    old = cj.make_chunked_step(stages, layout, sched, accumulation="per_micro_batch", **kw)
-    (p_old, l_old), (p_new, l_new) = _train(old, params, batches[:3]), _train(step, params, batches[:3])
+    old = cj.make_chunked_step(stages, layout, sched, accumulation="per_micro_batch", host_optimizer=spec,
+                               compute_dtype=jnp.float32, micro_batches=M)
+    p_old, l_old = _train(old, params, batches[:3])
     _assert_close(p_new, l_new, p_old, l_old)
 
 
-def test_tied_loops_train_bit_for_bit_as_plain_scans(setup, monkeypatch):
+def test_tied_loops_train_bit_for_bit_as_plain_scans(setup, in_program, monkeypatch):
     """The walker's loops tied to their inputs (:func:`chunkjax.tied_loop.tied_scan`: zeros and
     stacked outputs made after an optimization barrier, written in place) change no bit against
     plain ``jax.lax.scan`` / ``lax.map`` loops: 3 steps, pinned-host params, host and streamed
-    updates, clipping."""
+    updates, clipping. (The tied step's 3 steps: the module's in-program step, traced with the
+    tied loops before the patch below.)"""
     from chunkjax import walker
     cfg, params, batches, stages, layout, traces = setup
-    spec = AdamW(3e-3, weight_decay=0.1, max_grad_norm=CLIP)
-    sched = _split_schedule(layout, traces, spec, cfg)
+    spec, sched, _, tied = in_program
     kw = dict(host_optimizer=spec, compute_dtype=jnp.float32, micro_batches=M, accumulation="in_program")
-    tied = _train(cj.make_chunked_step(stages, layout, sched, **kw), params, batches[:3])
     monkeypatch.setattr(walker, "tied_scan", _plain_scan)
     plain = _train(cj.make_chunked_step(stages, layout, sched, **kw), params, batches[:3])
     np.testing.assert_array_equal(tied[1], plain[1])
@@ -240,6 +250,18 @@ def _compiled_peak(problem, step, sched, batch) -> int:
     return max(p + b for p, b in zip(peaks, beside)) + resident
 
 
+def _floor(problem) -> int:
+    """The least budget a plan of ``problem`` fits: the per-micro-batch plan's (every chunk offloaded,
+    one micro-batch's stage inputs), below every in-program group's floor (tests/test_micro_groups.py
+    asserts the order), so ``fit.plan(problem, 1)``'s refusal names it too (checked on both models
+    here, 8 micro-batches) without compiling and measuring every group's loops first (8, 4 and 2
+    micro-batches: the plans below then measure only the 8 they choose)."""
+    from chunkjax import fit
+    with pytest.raises(cj.PlanError) as e:
+        fit._plan_passes(problem, 1, policy="tide", resident=None, must_fit=True, split=True)
+    return e.value.min_budget_bytes
+
+
 @pytest.mark.parametrize("micro_batches", [1, 8])
 def test_in_program_plan_compiles_within_its_accounting(micro_batches):
     """A bf16 plan with device, host and streamed chunks, its programs compiled with the GPU's
@@ -257,9 +279,7 @@ def test_in_program_plan_compiles_within_its_accounting(micro_batches):
     problem = fit.prepare(gpt.gpt_stages(cfg), gpt.abstract_params(cfg), batch, host_optimizer=AdamW(1e-4),
                           compute_dtype=jnp.bfloat16, micro_batches=micro_batches, host_budget=None,
                           check_host=False)
-    with pytest.raises(cj.PlanError) as e:
-        fit.plan(problem, 1)
-    floor = e.value.min_budget_bytes
+    floor = _floor(problem)
     full = fit.plan(problem, 1 << 40).predicted.peak_device_bytes
     sched = fit.plan(problem, int(floor + 0.6 * (full - floor)))
     assert sched.accumulation == ("in_program" if micro_batches > 1 else "per_micro_batch")
@@ -303,9 +323,7 @@ def test_program_of_several_looped_backward_moments_compiles_within_its_accounti
     problem = fit.prepare(gpt.gpt_stages(cfg), gpt.abstract_params(cfg), batch, host_optimizer=AdamW(1e-4),
                           compute_dtype=jnp.bfloat16, micro_batches=m, host_budget=None, check_host=False)
     problem = dataclasses.replace(problem, segments=(0, n_fwd))
-    with pytest.raises(cj.PlanError) as e:
-        fit.plan(problem, 1)
-    floor = e.value.min_budget_bytes
+    floor = _floor(problem)
     full = fit.plan(problem, 1 << 40).predicted.peak_device_bytes
     sched = fit.plan(problem, int(floor + 0.6 * (full - floor)))
     assert sched.accumulation == "in_program" and sched.micro_group is None

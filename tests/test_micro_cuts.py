@@ -124,9 +124,20 @@ def test_the_planner_times_looped_and_unrolled_loops(setup):
     batch = jax.ShapeDtypeStruct((M * B, T + 1), jnp.int32)
     for unroll in (False, True):
         problem = fit.prepare(stages, params, batch, unroll_micro_batches=unroll, **kw)
-        s = fit.plan(problem, 2 * fit.auto_budget(problem))
+        s = fit.plan(problem, 2 * _auto_budget(problem))
         assert s.accumulation == IN_PROGRAM and s.unroll_micro_batches == unroll
         assert fit.build_step(problem, s).walk(problem.batch).unroll == unroll
+
+
+def _auto_budget(problem) -> int:
+    """``fit.auto_budget(problem)``: its floor (the per-micro-batch plan's refusal, below every
+    in-program group's floor: tests/test_micro_groups.py) found without ``fit.plan(problem, 1)``
+    compiling and measuring the loops of every micro-batch group first (as tests/test_inprogram_micro.py)."""
+    from chunkjax import fit
+    with pytest.raises(cj.PlanError) as e:
+        fit._plan_passes(problem, 1, policy="tide", resident=None, must_fit=True, split=True)
+    return int(e.value.min_budget_bytes
+               + fit.AUTO_BUDGET_MODEL_FRACTION * problem.cb_rank.model_bytes(problem.layout.n_chunks))
 
 
 def _run(step, params, batches):
@@ -167,42 +178,37 @@ def clipped(setup):
 
 
 @pytest.mark.parametrize("group, unrolled", [(1, False), (2, False), (M, True)])
-def test_micro_batches_with_forward_cuts_equal_optax(setup, clipped, speculate_always, group, unrolled):
+def test_micro_batches_with_forward_cuts_equal_optax(setup, clipped, speculate_always, monkeypatch, group, unrolled):
     """4 micro-batches per micro-batch, over groups of 2, and in-program with the loops unrolled,
     each planned with forward cuts and run with cross-step overlap and clipping that fires on
-    some steps: equal to optax on the mean gradient over 6 steps, bit for bit the joined step."""
+    some steps: equal to optax on the mean gradient over 6 steps, bit for bit the joined step.
+
+    In-program, the step with its micro-batch loops traced unrolled (``Schedule.
+    unroll_micro_batches``) also trains bit for bit as the same schedule with ``lax.scan`` /
+    ``lax.map`` while loops (losses, params, master params, optimizer state over the 6 steps),
+    and each traced what it says (the loops' ``unroll`` seen by ``jax.lax.scan``)."""
     cfg, params, batches, stages, layout, traces = setup
     spec, (ref_p, ref_l, _) = clipped
     s, _ = _plan(setup, spec, group, unrolled)
     assert _forward_programs(s, len(stages)) > 1 and "host" in s.update_locations
-    on = cj.make_chunked_step(stages, layout, s, host_optimizer=spec, compute_dtype=jnp.float32, micro_batches=M,
-                              accumulation=PER_MICRO_BATCH if group == 1 else None)
+    kw = dict(host_optimizer=spec, compute_dtype=jnp.float32, micro_batches=M,
+              accumulation=PER_MICRO_BATCH if group == 1 else None)
+    on = cj.make_chunked_step(stages, layout, s, **kw)
     assert on.passes == M // group and on.cross_step
     off = dataclasses.replace(on, cross_step=False)
     off.__dict__["_cache"] = on._cache  # the programs do not depend on cross_step
+    scan, seen = jax.lax.scan, []
+    monkeypatch.setattr(jax.lax, "scan", lambda *a, **kw: seen.append(kw.get("unroll")) or scan(*a, **kw))
     s_on, l_on = _run(on, params, batches)
     np.testing.assert_allclose(l_on, ref_l, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(on.master_params(s_on)), jax.tree.leaves(ref_p)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-6)
     _assert_same(layout.n_chunks, (s_on, l_on), _run(off, params, batches))
-
-
-def test_unrolled_loops_equal_the_while_loops_bit_for_bit(setup, clipped, monkeypatch):
-    """The in-program step with its micro-batch loops traced unrolled (``Schedule.
-    unroll_micro_batches``) trains bit for bit as with ``lax.scan`` / ``lax.map`` while loops
-    (losses, params, master params, optimizer state over 3 steps), and unrolled is what ran.
-    (The clipping of the equality test above, which fires on some steps: the module's spec.)"""
-    cfg, params, batches, stages, layout, traces = setup
-    spec = clipped[0]
-    looped, _ = _plan(setup, spec, M)
-    scan, seen = jax.lax.scan, []
-    monkeypatch.setattr(jax.lax, "scan", lambda *a, **kw: seen.append(kw.get("unroll")) or scan(*a, **kw))
-    out = []
-    for s in (looped, dataclasses.replace(looped, unroll_micro_batches=True)):
-        seen.clear()
-        step = cj.make_chunked_step(stages, layout, s, host_optimizer=spec, compute_dtype=jnp.float32,
-                                    micro_batches=M)
-        assert step.passes == 1
-        out.append(_run(step, params, batches[:3]))
-        assert seen and set(seen) == {True if s.unroll_micro_batches else 1}, seen
-    _assert_same(layout.n_chunks, out[0], out[1])
+    if not unrolled:
+        return
+    assert seen and set(seen) == {True}, seen
+    seen.clear()
+    looped = cj.make_chunked_step(stages, layout, dataclasses.replace(s, unroll_micro_batches=False), **kw)
+    assert looped.passes == 1
+    _assert_same(layout.n_chunks, (s_on, l_on), _run(looped, params, batches))
+    assert seen and set(seen) == {1}, seen

@@ -31,7 +31,8 @@ STEPS = 6
 def setup():
     cfg = gpt.get_config("micro", n_layers=2)  # 2 blocks: shorter compiles, still re-fetches in 3 programs
     rng = np.random.default_rng(int(np.random.SeedSequence().entropy % (1 << 31)))
-    params = gpt.init_params(cfg, jax.random.key(int(rng.integers(1 << 30))))
+    # one jitted program, not an eager dispatch (and compile) per random op (tests/_micro_setup.py)
+    params = jax.jit(gpt.init_params, static_argnums=0)(cfg, jax.random.key(int(rng.integers(1 << 30))))
     batches = [jnp.asarray(rng.integers(0, cfg.vocab_size, (B, T + 1)), jnp.int32) for _ in range(STEPS)]
     stages = gpt.gpt_stages(cfg)
     order = cj.first_use_order(lambda p, b: cj.compose_loss(stages, p, b), params, batches[0])
@@ -41,6 +42,23 @@ def setup():
     ab = jax.ShapeDtypeStruct(batches[0].shape, jnp.int32)
     traces = cj.trace_stages(stages, layout, ab, jnp.bfloat16)
     return cfg, params, batches, stages, layout, traces
+
+
+#: options of ``make_chunked_step`` that run on the host and enter no program
+_HOST_SIDE = ("host_optimizer", "nonfinite")
+_PROGRAMS: dict = {}
+
+
+def _step(stages, layout, sched, **kw):
+    """``make_chunked_step`` with a host optimizer, its programs (traced, jitted and compiled per
+    batch shape) those of this module's earlier step of the same schedule and device-side options
+    (the host optimizer and the non-finite policy do not enter them: as tests/test_host_bytes.py's
+    ``_step``); built once, not per test. (A step keeps no training state: each run starts from
+    ``init``.)"""
+    step = cj.make_chunked_step(stages, layout, sched, **kw)
+    key = (repr(sched), tuple(sorted((k, repr(v)) for k, v in kw.items() if k not in _HOST_SIDE)))
+    step.__dict__["_cache"] = _PROGRAMS.setdefault(key, step._cache)
+    return step
 
 
 def _cb(layout, tx):
@@ -79,7 +97,7 @@ def test_pipelined_host_update_matches_optax(setup, spec, dtype):
     assert set(sched.update_locations) == {"device", "host"}
     assert len(sched.segments) == 3
     assert sched.predicted.n_fetches > len(sched.fetch[0])
-    step = cj.make_chunked_step(stages, layout, sched, host_optimizer=spec, compute_dtype=dtype)
+    step = _step(stages, layout, sched, host_optimizer=spec, compute_dtype=dtype)
     state = step.init(params)
     losses = []
     for b in batches:
@@ -341,8 +359,8 @@ def test_case3_micro_batches_equal_one_big_batch(setup, where):
     spec = AdamW(3e-3, weight_decay=0.1, max_grad_norm=0.05)
     if where == "host_and_device":
         plan = _host_device_schedule(setup, spec)
-        make = lambda n: cj.make_chunked_step(stages, layout, plan, host_optimizer=spec, compute_dtype=jnp.float32,
-                                              micro_batches=n)
+        make = lambda n: _step(stages, layout, plan, host_optimizer=spec, compute_dtype=jnp.float32,  # noqa: E731
+                               micro_batches=n)
     else:
         plan = cj.Placement.from_device_chunks(layout.n_chunks, range(0, layout.n_chunks, 2))
         make = lambda n: cj.make_chunked_step(stages, layout, plan, spec.optax(), compute_dtype=jnp.float32,
@@ -377,8 +395,7 @@ def _poisoned_second_step(setup, nonfinite):
     cfg, params, batches, stages, layout, traces = setup
     spec = AdamW(3e-3, weight_decay=0.1)
     plan = _host_device_schedule(setup, spec)
-    step = cj.make_chunked_step(stages, layout, plan, host_optimizer=spec, compute_dtype=jnp.float32,
-                                nonfinite=nonfinite)
+    step = _step(stages, layout, plan, host_optimizer=spec, compute_dtype=jnp.float32, nonfinite=nonfinite)
     state, m = step(step.init(params), batches[0])
     step.wait(state)
     assert not bool(m["skipped"])
@@ -392,7 +409,7 @@ def _poisoned_second_step(setup, nonfinite):
 def _continues_as_if_never_seen(setup, plan, spec, step, state2):
     """The step after the refused one (batch 2) has the loss of a run that never saw it (batches 0, 2)."""
     cfg, params, batches, stages, layout, traces = setup
-    ref = cj.make_chunked_step(stages, layout, plan, host_optimizer=spec, compute_dtype=jnp.float32)
+    ref = _step(stages, layout, plan, host_optimizer=spec, compute_dtype=jnp.float32)
     _, l_ref = _run(ref, params, [batches[0], batches[2]])
     state3, m3 = step(state2, batches[2])
     assert float(m3["loss"]) == pytest.approx(l_ref[1], rel=1e-6)
@@ -462,8 +479,7 @@ def test_fp16_dynamic_loss_scaling(setup):
     cfg, params, batches, stages, layout, traces = setup
     spec = AdamW(3e-3, weight_decay=0.1, max_grad_norm=1.0)
     plan = _host_device_schedule(setup, spec)
-    step = cj.make_chunked_step(stages, layout, plan, host_optimizer=spec, compute_dtype=jnp.float16,
-                                loss_scaling=True)
+    step = _step(stages, layout, plan, host_optimizer=spec, compute_dtype=jnp.float16, loss_scaling=True)
     ls = cj.DynamicLossScale(scale=2.0 ** 40, growth_interval=2)
     state = step.init(params)
     before = [np.array(a, copy=True) for a in state.master]
@@ -496,8 +512,10 @@ def test_fp16_dynamic_loss_scaling(setup):
     # SGD is not scale-invariant as Adam is: a missing unscale would take 1024x steps
     from chunkjax.host_update import SGDMomentum
     sgd = SGDMomentum(0.5, momentum=0.9)
-    plan = _host_device_schedule(setup, sgd)
-    step = cj.make_chunked_step(stages, layout, plan, host_optimizer=sgd, compute_dtype=jnp.float16, loss_scaling=True)
+    # the same host/device schedule (AdamW's plan: where each chunk updates does not depend on the
+    # optimizer's state bytes at this roomy budget), so the float16 programs above are reused
+    assert _host_device_schedule(setup, sgd).update_locations == plan.update_locations
+    step = _step(stages, layout, plan, host_optimizer=sgd, compute_dtype=jnp.float16, loss_scaling=True)
     state, losses, norms = step.init(params), [], []
     for b in batches[:3]:
         state, m = step(state, b, loss_scale=2.0 ** 10)

@@ -45,7 +45,7 @@ def setup():
     assert jax.device_count() >= N, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
     cfg = gpt.get_config("micro", n_layers=2)
     rng = np.random.default_rng()
-    params = gpt.init_params(cfg, jax.random.key(int(rng.integers(1 << 30))))
+    params = jax.jit(gpt.init_params, static_argnums=0)(cfg, jax.random.key(int(rng.integers(1 << 30))))  # one program
     batches = [jnp.asarray(rng.integers(0, cfg.vocab_size, (B, T + 1)), jnp.int32) for _ in range(2)]
     stages = gpt.gpt_stages(cfg)
     order = cj.first_use_order(lambda p, b: cj.compose_loss(stages, p, b), params, batches[0])
