@@ -49,7 +49,7 @@ SHARED_SETUP = {
 #: shared optax reference (tests/_optax_reference.py), measured back to back
 FILE_SECONDS = {
     "micro_groups": 63, "host_bytes": 72, "overlap": 54, "storage": 86, "zero_schedule": 71, "front_door": 100,
-    "checkpoint_memory": 24, "plan_cli": 91, "cases": 80, "cross_step": 77, "flax_api": 71, "schedule": 67,
+    "checkpoint_memory": 24, "plan_cli": 91, "cases": 80, "cross_step": 79, "flax_api": 71, "schedule": 67,
     "rollback": 80, "bench": 66, "checkpoint_flax": 69, "hf": 69, "bench_storage": 67, "checkpoint_multiprocess": 64,
     "zero": 59, "user_reports": 57, "checkpoint": 60, "storage_host_memory": 56, "notebooks": 55, "layout": 53,
     "disk_tier": 51, "train_job": 58, "inprogram_micro": 59, "checkpoint_integrity": 50, "host_update": 48,
