@@ -31,7 +31,13 @@ steps, and one steady update's event timeline; and each step's phases (the break
 fields: outside ``update()`` (the loop's grad dispatch), setup, backward wait, update, finish,
 model write; their sum is the step) as a table of milliseconds, with the loop's ``nnx.jit``
 dispatch time in the loop and alone (``grad_dispatch_s``, ``grad_dispatch_alone_s``) and Python's
-garbage-collector seconds per step (``gc_s``, ``gc_gen2_collections``).
+garbage-collector seconds per step (``gc_s``, ``gc_gen2_collections``). The ``front`` system
+records its plan (``front_plan``: host chunks and the program first taking each, program bounds,
+gradient window, predicted seconds, bytes each way per step, numba threads) and each step's phases
+(``front_phases``, one row per step from ``experiments/gpu_checks/front_door_3b.py``'s
+``PhaseClock``: the call, ``float(loss)`` after it, the waits for the previous step's host chunks
+and work, the gradient window, the commit, programs' ends, host kernel seconds, compiles, kept
+executables refused), printed one column per step (``docs/dropin.md``, "The front's steps 3+").
 
 Writes ``dropin_<run>.json`` (keys ``nnx_optimizer_tokens_per_s``, ``chunkjax_tokens_per_s`` (the
 ``chunk_host`` system), ``chunkjax_optax_tokens_per_s``, ``ratio``, ``n_params``,
@@ -45,6 +51,8 @@ device bytes, losses, the optimizer's summary and the update breakdowns) and pri
         --out experiments/results                                                 # the kernel's threads
     python experiments/gpu_checks/dropin.py --systems nnx,chunk_host --total 230 --run s16p \
         --out experiments/results                                                 # the step's phases (< 4 min)
+    python experiments/gpu_checks/dropin.py --systems front --front-budget 27900542976 --steps 8 --total 200 \
+        --timeout 190 --run s21f --out experiments/results                        # the front's phases (< 3 min)
     python experiments/gpu_checks/dropin.py --tiny --run cpu --out /tmp            # a CPU smoke run
 """
 from __future__ import annotations
