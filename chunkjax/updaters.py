@@ -260,7 +260,9 @@ def host_updater(topology, host_optimizer, chunk_size: int, compute_dtype, maste
                     hu.host_update_(host_optimizer, st, g_np.view(np.uint16), master, outs[0], grad_scale)
                 else:
                     hu.host_update_(host_optimizer, st, g_np.astype(np.float32, copy=False), master, None, grad_scale)
-                    np.copyto(outs[0], master.astype(compute_dtype).view(outs[0].dtype))
+                    # cast while copying (numpy's rounding, as astype): no temporary of the chunk's size
+                    # (float32 params: master.astype allocated, page-faulted and copied it every update)
+                    np.copyto(outs[0], master, casting="same_kind")
                 for o in outs[1:]:  # stages 1/2: the other replicas get the same slice
                     np.copyto(o, outs[0])
             g = g_r = g_np = None  # drop the references before the next chunk

@@ -49,10 +49,10 @@ SHARED_SETUP = {
 #: shared optax reference (tests/_optax_reference.py), measured back to back
 FILE_SECONDS = {
     "micro_groups": 63, "host_bytes": 72, "overlap": 54, "storage": 86, "zero_schedule": 71, "front_door": 100,
-    "checkpoint_memory": 24, "plan_cli": 91, "cases": 80, "cross_step": 77, "flax_api": 71, "schedule": 67,
+    "checkpoint_memory": 24, "plan_cli": 91, "cases": 80, "cross_step": 79, "flax_api": 71, "schedule": 67,
     "rollback": 80, "bench": 66, "checkpoint_flax": 69, "hf": 69, "bench_storage": 67, "checkpoint_multiprocess": 64,
     "zero": 59, "user_reports": 57, "checkpoint": 60, "storage_host_memory": 56, "notebooks": 55, "layout": 53,
-    "disk_tier": 51, "train_job": 58, "inprogram_micro": 59, "checkpoint_integrity": 50, "host_update": 48,
+    "disk_tier": 51, "train_job": 58, "inprogram_micro": 59, "checkpoint_integrity": 50, "host_update": 50,
     "masked_loss": 47, "gpt": 42, "lora": 40, "plots": 39, "frozen": 39, "checkpoint_storage": 36,
     "zero_mixed_precision": 32, "train_equivalence": 35, "checkpoint_zero": 32, "checkpoint_async": 31,
     "compiled_check": 27, "finetune": 29, "host_ledger": 27, "fit_checks": 24, "placement_export": 22,

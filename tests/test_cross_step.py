@@ -10,6 +10,7 @@ tests/test_overlap.py.
 """
 import dataclasses
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -392,3 +393,47 @@ def test_fit_path_plans_and_runs_cross_step_by_default(setup, speculate_always):
         state, losses, _, _ = _run(step, params, batches[:4])
         _assert_optax(step, state, losses, ref)
     assert train.parse_args([]).cross_step and not train.parse_args(["--no-cross-step"]).cross_step
+
+
+def test_phase_clock_shows_the_previous_steps_host_tail(setup, monkeypatch):
+    """experiments/gpu_checks/dropin.py's front phases (PhaseClock rows, ``front_phases``): with the
+    host update of the chunk updated last slowed (a 0.3 s sleep), steps 2 and 3 wait for the previous
+    step's host work before their backward (``wait_host_chunks_s`` + ``wait_host_s``), step 1 (whose
+    previous step was joined: a first step's long compile) does not: the "second step fast, the
+    later ones slow" signature of a host tail longer than the step. Nothing compiled after the
+    first step, no kept executable refused, the sleep counted in the host kernel seconds."""
+    from chunkjax import host_update
+    from experiments.gpu_checks.dropin import front_phases
+    from experiments.gpu_checks.front_door_3b import PhaseClock
+    cfg, params, batches = setup[:3]
+    on, _ = _pair(setup, AdamW(3e-3, weight_decay=0.1))
+    slow = {"n": 0}
+    real = host_update.host_update_
+
+    def host_update_(*a, **k):  # the last host chunk of each step's work: the tail
+        slow["n"] += 1
+        if slow["n"] % len(on.host_chunks) == 0:
+            time.sleep(0.3)
+        return real(*a, **k)
+    monkeypatch.setattr(host_update, "host_update_", host_update_)
+    holder = {"state": on.init(params)}
+
+    def run(b):
+        holder["state"], m = on(holder["state"], b)
+        return m["loss"]
+    times, works = [], []
+    with PhaseClock() as clock:
+        for i in range(4):
+            t0 = time.perf_counter()
+            float(clock.step(run, batches[i][:B]))
+            times.append(time.perf_counter() - t0)
+            works.append(holder["state"].pending)
+            if i == 0:
+                on.wait(holder["state"])  # as a first step's compile leaves it: its host work done
+        clock.finish(lambda: on.wait(holder["state"]))
+    rows = front_phases(clock.summary(), times, [w.seconds for w in works])
+    prev_wait = [r["wait_host_chunks_s"] + r["wait_host_s"] for r in rows]
+    assert prev_wait[1] < 0.05 and min(prev_wait[2:]) > 0.15, prev_wait
+    assert [r["compiles"] for r in rows[1:]] == [0, 0, 0] and all(r["kept_refused"] == [] for r in rows)
+    assert all(r["host_kernel_s"] >= 0.3 for r in rows[:3]) and all(r["step_s"] >= r["call_s"] for r in rows)
+    assert all(r["loss_wait_s"] >= 0 and r["backward_done_s"] >= r["forward_s"] for r in rows)

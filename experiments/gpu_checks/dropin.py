@@ -31,7 +31,13 @@ steps, and one steady update's event timeline; and each step's phases (the break
 fields: outside ``update()`` (the loop's grad dispatch), setup, backward wait, update, finish,
 model write; their sum is the step) as a table of milliseconds, with the loop's ``nnx.jit``
 dispatch time in the loop and alone (``grad_dispatch_s``, ``grad_dispatch_alone_s``) and Python's
-garbage-collector seconds per step (``gc_s``, ``gc_gen2_collections``).
+garbage-collector seconds per step (``gc_s``, ``gc_gen2_collections``). The ``front`` system
+records its plan (``front_plan``: host chunks and the program first taking each, program bounds,
+gradient window, predicted seconds, bytes each way per step, numba threads) and each step's phases
+(``front_phases``, one row per step from ``experiments/gpu_checks/front_door_3b.py``'s
+``PhaseClock``: the call, ``float(loss)`` after it, the waits for the previous step's host chunks
+and work, the gradient window, the commit, programs' ends, host kernel seconds, compiles, kept
+executables refused), printed one column per step (``docs/dropin.md``, "The front's steps 3+").
 
 Writes ``dropin_<run>.json`` (keys ``nnx_optimizer_tokens_per_s``, ``chunkjax_tokens_per_s`` (the
 ``chunk_host`` system), ``chunkjax_optax_tokens_per_s``, ``ratio``, ``n_params``,
@@ -45,6 +51,8 @@ device bytes, losses, the optimizer's summary and the update breakdowns) and pri
         --out experiments/results                                                 # the kernel's threads
     python experiments/gpu_checks/dropin.py --systems nnx,chunk_host --total 230 --run s16p \
         --out experiments/results                                                 # the step's phases (< 4 min)
+    python experiments/gpu_checks/dropin.py --systems front --front-budget 27900542976 --steps 8 --total 200 \
+        --timeout 190 --run s21f --out experiments/results                        # the front's phases (< 3 min)
     python experiments/gpu_checks/dropin.py --tiny --run cpu --out /tmp            # a CPU smoke run
 """
 from __future__ import annotations
@@ -135,6 +143,60 @@ class _GcClock:
         self._gc.callbacks.remove(self._cb)
 
 
+#: Per-step fields of the front system's phases (``front_phases``; PhaseClock's row keys plus the
+#: loop's): printed as a table of milliseconds, one column per step (``_front_table``).
+FRONT_PHASES = (("step_s", "the loop's step: the call + float(loss)"),
+                ("call_s", "in the step's call (opt(batch))"),
+                ("loss_wait_s", "float(loss) after the call returned"),
+                ("wait_host_chunks_s", "call: waits for the previous step's host chunks a program takes"),
+                ("wait_host_s", "call: join of the previous step's host work (first backward program)"),
+                ("wait_grad_window_s", "call: gradient window (host updates catching up)"),
+                ("commit_s", "call: commit (device updates dispatched)"),
+                ("python_s", "call: the rest (dispatch, bookkeeping)"),
+                ("forward_s", "program 0 done (from the call's start; the loss is ready then)"),
+                ("backward_done_s", "last program done (from the call's start)"),
+                ("host_kernel_s", "host kernel seconds of this step's host work"),
+                ("host_kernel_calls_s", "kernel calls inside this step's period (any step's work)"),
+                ("host_grad_wait_s", "host thread waiting for gradients inside this period"),
+                ("compile_s", "backend compiles inside this period"))
+
+
+def front_plan(opt, batch) -> dict:
+    """The front system's plan as the step runs it: chunk counts, the host chunks and the program
+    each is first taken by (the next step waits for it there: ``chunkjax.cross_step.host_need``),
+    the programs' moment bounds, the gradient window, the predicted seconds
+    (``Schedule.predicted.time``) and bytes moved per step each way (the fetches of pinned chunks up,
+    the offloaded chunks' gradients down: ``chunkjax.predict``), and numba's threads (the front's host kernel sets none: numba's default) and the host's cores."""
+    import numba
+
+    from chunkjax import cross_step
+    st, pr = opt.step, opt.schedule.predicted
+    need = cross_step.host_need(st, opt._step_batch(batch))
+    return {"n_chunks": st.layout.n_chunks, "chunk_size": st.layout.chunk_size,
+            "host_chunks": list(st.host_chunks), "host_first_program": {str(c): k for c, k in need.items()},
+            "program_bounds": [list(b) for b in st.program_bounds()], "grad_window": int(st.grad_window),
+            "cross_step": bool(st.cross_step), "numba_threads": numba.get_num_threads(), "cpu_count": os.cpu_count(),
+            "predicted": pr.time.to_dict(), "h2d_bytes_per_step": int(pr.h2d_bytes_per_step),
+            "d2h_bytes_per_step": int(pr.d2h_bytes_per_step), "n_fetches": int(pr.n_fetches)}
+
+
+def front_phases(rows: list[dict], times: list[float], kernel_s: list) -> list[dict]:
+    """PhaseClock's per-step rows (``experiments/gpu_checks/front_door_3b.py``) with the loop's
+    step seconds (``step_s``: the call and ``float(loss)``), the loss's wait after the call
+    (``loss_wait_s``), the last program's end from the call's start (``backward_done_s``) and the
+    step's own host kernel seconds (``host_kernel_s``: its HostWork, joined by the next step)."""
+    out = []
+    for i, r in enumerate(rows):
+        r = dict(r)
+        done = [x for x in r.get("programs_done_s") or [] if x is not None]
+        r["step_s"] = times[i] if i < len(times) else None
+        r["loss_wait_s"] = None if r["step_s"] is None or r.get("call_s") is None else round(r["step_s"] - r["call_s"], 5)
+        r["backward_done_s"] = max(done) if done else None
+        r["host_kernel_s"] = None if i >= len(kernel_s) or kernel_s[i] is None else round(kernel_s[i], 5)
+        out.append(r)
+    return out
+
+
 def _median(xs):
     xs = sorted(x for x in xs if x is not None)
     return xs[len(xs) // 2] if xs else None
@@ -201,10 +263,18 @@ def child(kind: str, cfg: dict) -> dict:
             return loss
         run = lambda t: step(model, opt, t)  # noqa: E731
     elif kind == "front":  # the loop handing over its loss: the update overlaps the backward
+        from experiments.gpu_checks.front_door_3b import PhaseClock
         opt = chunkjax.offload(model, AdamW(1e-4), loss_fn, toks[0], device_budget=cfg["FRONT_BUDGET"])
         out["summary"] = str(opt.report.schedule.counts())
         out["front_budget_bytes"] = cfg["FRONT_BUDGET"]
-        run = opt
+        out["front_plan"] = front_plan(opt, toks[0])
+        clock, works = PhaseClock().__enter__(), []
+
+        def run(t):  # the step's call under the phase clock; float(loss) after it is the loop's
+            loss = clock.step(opt, t)
+            works.append(opt.state.pending)  # its HostWork: kernel seconds once joined
+            update_call_s.append(clock.steps[-1]["call_s"])
+            return loss
     else:
         host, threads = host_threads_of(kind)
         tx = AdamW(1e-4) if host else optax.adamw(1e-4)  # the same math (weight decay 1e-4)
@@ -254,6 +324,11 @@ def child(kind: str, cfg: dict) -> dict:
         losses.append(loss)
     gc_clock.close()
     out["gc_s"], out["gc_gen2_collections"] = gc_s, gc_gen2  # Python's collector inside each step
+    if kind == "front":
+        clock.finish(opt.wait)
+        clock.__exit__()
+        out["front_phases"] = front_phases(clock.summary(), times, [w.seconds if w is not None else None
+                                                                     for w in works])
     if kind.startswith("chunk_"):
         opt.wait()
         breakdowns.append(opt.chunked.last_update)
@@ -363,6 +438,9 @@ def _table(res: dict, budget: int, path: str) -> None:
               f"in the update {f(_ns(v.get('host_update_s_per_param_in_update')), '.3f')}; numba threads "
               f"{v.get('host_threads')}")
         _phase_table(v, bd)
+    for k, v in s.items():
+        if v.get("front_phases"):
+            _front_table(k, v)
         own = v.get("own_rates_prediction")
         if own:
             print(f"    with its own rates (h2d {own['h2d_gb_per_s']:.1f}, d2h {own['d2h_gb_per_s']:.1f} GB/s, kernel "
@@ -370,6 +448,23 @@ def _table(res: dict, budget: int, path: str) -> None:
                   f"{own['measured_s']:.3f} measured; their split: {own['split_host_chunks_at_these_rates']} host chunks")
     print(f"n_params {res['n_params']}, device_budget {budget} bytes, matmul {f(res.get('matmul_tflops'), '.0f')} "
           f"TFLOP/s, ratio {f(res.get('ratio'), '.3f')} -> {path}")
+
+
+def _front_table(k: str, v: dict) -> None:
+    """The front system's steps phase by phase (ms, one column per step) and its plan's line."""
+    rows, plan = v["front_phases"], v.get("front_plan") or {}
+    ms = lambda x: f"{x * 1e3:8.1f}" if isinstance(x, (int, float)) else "       -"  # noqa: E731
+    pred = plan.get("predicted") or {}
+    print(f"  {k}: host chunks {plan.get('host_chunks')} first taken by programs {plan.get('host_first_program')} of "
+          f"{len(plan.get('program_bounds') or [])}; grad window {plan.get('grad_window')}; predicted step "
+          f"{ms(pred.get('step_s')).strip()} ms (host update {ms(pred.get('host_update_s')).strip()}, exposed "
+          f"{ms(pred.get('host_update_exposed_s')).strip()}); h2d {plan.get('h2d_bytes_per_step', 0) / 1e9:.2f} GB, "
+          f"d2h {plan.get('d2h_bytes_per_step', 0) / 1e9:.2f} GB per step")
+    print("    front step phases, ms (one column per step):")
+    for key, label in FRONT_PHASES:
+        print("      " + "".join(ms(r.get(key)) for r in rows) + f"  {label}")
+    print("      " + "".join(f"{r.get('compiles', 0):8d}" for r in rows) + "  compiles; kept executables refused: "
+          + str([r.get("kept_refused") for r in rows]))
 
 
 def _phase_table(v: dict, bd: dict) -> None:

@@ -307,10 +307,13 @@ class PhaseClock:
     the streamed write-back joins; inside them each wait for a gradient,
     :func:`chunkjax.updaters.wait_for_gradient`, and each kernel call), the streamed pipeline's
     fetches, update dispatches and write-backs, and the main thread's own waits: for the previous step's host updates
-    (``HostWork.join`` at the start of a step), the gradient window (``HostWork.hand_over``),
+    (``HostWork.join`` at the start of a step, or with cross-step overlap at the first backward program;
+    ``HostWork.wait_chunks`` before a program taking host chunks: ``wait_host_chunks``), the gradient window (``HostWork.hand_over``),
     the one program queued ahead of early streamed chunks (``StepStream.on_program``), the
     streamed pipeline's end (``StepStream.finish``) and the commit. ``python_s`` is the call's wall
-    time less those waits: dispatch and bookkeeping.
+    time less those waits: dispatch and bookkeeping. Also per step: jax's compiles (``jax.monitoring``'s
+    backend-compile events: count and seconds) and the programs whose kept executable refused its
+    arguments (:mod:`chunkjax.kept_programs`: the jitted fallback traces and compiles again).
     """
 
     def __init__(self):
@@ -432,7 +435,31 @@ class PhaseClock:
                 return wrapper
             return make
 
-        from chunkjax import host_update
+        def kept(orig):  # a kept executable that refuses its arguments leaves the step's cache
+            def wrapper(cache, fn, batch, k, compiled=None):
+                run = orig(cache, fn, batch, k, compiled)
+                key = kept_programs._key(batch, k)
+
+                def call(*a):
+                    had = key in cache
+                    out = run(*a)
+                    if had and key not in cache:
+                        clock._event("kept_refused", program=int(k))
+                    return out
+                return call
+            return wrapper
+
+        from chunkjax import host_update, host_work, kept_programs
+        self._patch(kept_programs, "runnable", kept)
+        self._patch(host_work.HostWork, "wait_chunks", lambda o: self._main_only(o, "wait_host_chunks"))
+        import jax
+        from jax._src.dispatch import BACKEND_COMPILE_EVENT
+
+        def on_compile(event, duration, **kw):
+            if event == BACKEND_COMPILE_EVENT:
+                clock._event("compile", s=round(float(duration), 5))
+        jax.monitoring.register_event_duration_secs_listener(on_compile)
+        self._undo.append((None, on_compile, None))
         self._patch(step_mod.ChunkedStep, "program", program)
         self._patch(updaters, "wait_for_gradient", host_part("host_grad_wait"))
         self._patch(host_update, "host_update_", host_part("host_kernel"))
@@ -467,8 +494,12 @@ class PhaseClock:
         return wrapper
 
     def __exit__(self, *exc):
+        import jax
         for owner, name, orig in reversed(self._undo):
-            setattr(owner, name, orig)
+            if owner is None:  # the compile listener
+                jax.monitoring.unregister_event_duration_listener(name)
+            else:
+                setattr(owner, name, orig)
         if self._thread is not None:
             self._watch.put(None)
             self._thread.join(timeout=60)
@@ -504,7 +535,8 @@ class PhaseClock:
             host = s.get("host_tasks", [])
             fetch, upd, store = (s.get(f"streamed_{k}", []) for k in ("fetch", "update", "store"))
             waits = {k: round(sum(e["end_s"] - e["start_s"] for e in s.get(k, [])), 5)
-                     for k in ("wait_host", "wait_grad_window", "wait_streamed_queue", "wait_streamed_finish", "commit")}
+                     for k in ("wait_host", "wait_host_chunks", "wait_grad_window", "wait_streamed_queue",
+                               "wait_streamed_finish", "commit")}
             # the previous step's host updates, waited for at this step's start, belong to the previous step
             end_wait = (nxt or {}).get("wait_host") or s.get("final_wait") or []
             bwd_end = max(done) if done else None
@@ -536,6 +568,8 @@ class PhaseClock:
                 "streamed_tail_after_backward_s": (None if streamed_end is None or bwd_end is None
                                                    else round(streamed_end - bwd_end, 5)),
                 "end_wait_s": round(sum(e["end_s"] - e["start_s"] for e in end_wait), 5),
+                "compiles": len(s.get("compile", [])), "compile_s": round(sum(e["s"] for e in s.get("compile", [])), 5),
+                "kept_refused": [e["program"] for e in s.get("kept_refused", [])],
                 **{f"{k}_s": v for k, v in waits.items()},
             }
             row["host_other_s"] = round(row["host_busy_s"] - row["host_grad_wait_s"] - row["host_kernel_calls_s"]
