@@ -41,8 +41,14 @@ def _run(ckpt, out, save_at=0, resume=False, timeout=300):
 
 
 def test_nnx_sigkill_after_save_then_resume_is_bit_exact(tmp_path):
+    """The uninterrupted reference runs the worker's ``main`` in this process (the same code and,
+    through the persistent compilation cache, the same compiled programs as a worker process: one
+    process start with jax, flax and chunkjax imports fewer); the killed and the resumed runs are
+    processes of their own."""
+    from checkpoint_nnx_worker import main as worker_main
     ckpt = tmp_path / "ckpt"
-    ref = _run(ckpt / "unused", tmp_path / "ref.npz")
+    worker_main(str(ckpt / "unused"), str(tmp_path / "ref.npz"), STEPS, 0, False)
+    ref = np.load(tmp_path / "ref.npz")
     proc = subprocess.Popen([sys.executable, WORKER, str(ckpt), str(tmp_path / "never.npz"), str(STEPS),
                              str(SAVE_AT), "0"], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
