@@ -76,6 +76,8 @@ FILE_SECONDS = {
     "nonfinite_count": 2,  # train_job_errors +1 (schedule_note: no jit)
     # session 20 (ux20): readme, the README's own-model block and its nnx.Optimizer twin, 14.6 s alone
     "readme": 15,
+    # session 20 (fresh20): front_numpy_batch, numpy int64/float64 batches through offload, 9 s alone
+    "front_numpy_batch": 9,
 }
 DEFAULT_FILE_SECONDS = 30
 
