@@ -563,7 +563,7 @@ def discover(model, loss_fn, data, *, wrt=None, blocks=None, compute_dtype=None)
             raise ValueError(f"block lists {names} hold equally many parameters: name the blocks, "
                              f"e.g. blocks={names[0]!r}")
         mode = "list"
-    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), data)
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jax.dtypes.canonicalize_dtype(a.dtype)), data)
     d = Discovery(graphdef, wrt, ptd, pkeys, pavals, std, tuple(path_key(p) for p, _ in sflat),
                   tuple(a for _, a in sflat), (), {}, path, mode, loss_fn, jnp.dtype(compute_dtype), abstract)
     closed, (loss, _) = jax.make_jaxpr(d.pure(False), return_shape=True)(*d.abstract_inputs(abstract))

@@ -46,7 +46,9 @@ from chunkjax.step_commit import interrupts_deferred, recover
 
 
 def _abstract(tree):
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), tree)
+    """``tree``'s leaves as ``ShapeDtypeStruct`` s of their own dtypes (a python scalar: numpy's)."""
+    return jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype if hasattr(a, "dtype") else np.result_type(a)), tree)
 
 
 def offloads_anything(schedule) -> bool:

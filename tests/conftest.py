@@ -84,6 +84,8 @@ FILE_SECONDS = {
     # (34.6 -> 31.3) scaled by their after/before CPU seconds (each file alone, a fresh compilation cache, base and
     # branch back to back on the shared box); train_job by its one changed test's 2.1 s (the file's 99.6 -> 92.1
     # is mostly the box's noise)
+    # session 20 (fresh20): front_numpy_batch, numpy int64/float64 batches through offload, 9 s alone
+    "front_numpy_batch": 9,
 }
 DEFAULT_FILE_SECONDS = 30
 
