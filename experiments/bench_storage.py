@@ -326,10 +326,9 @@ def links_table(res: dict) -> str:
 # ----------------------------------------------------------------------------------------------
 
 def _schedule(cfg):
-    """The main job's learning-rate schedule (as in ``experiments.train._optimizer``)."""
-    import optax
-    return optax.warmup_cosine_decay_schedule(0.0, cfg.lr, max(cfg.warmup, 1), max(cfg.steps, cfg.warmup + 1),
-                                              cfg.lr / 10)
+    """The main job's learning-rate schedule (``experiments.train.host_spec``'s, the optax reference's too)."""
+    from experiments.train import host_spec
+    return host_spec(cfg).learning_rate
 
 
 class _Model:
@@ -536,11 +535,12 @@ def run_near_storage_train(model: _Model, variant: str, args, root: str, compare
 def run_train(args) -> dict:
     import numpy as np
 
-    from experiments.train import TrainConfig
+    from experiments.train import TrainConfig, warmup_for
     over = {k: v for k, v in (("model", args.model), ("steps", args.steps), ("seq", args.seq), ("seed", args.seed),
                               ("batch", args.batch), ("tokenizer", args.tokenizer),
                               ("data_cache", args.data_cache)) if v is not None}
     cfg = dataclasses.replace(TrainConfig(), **over)
+    cfg = dataclasses.replace(cfg, warmup=warmup_for(cfg))  # the main job's default (-1) resolved, for both runs
     model = _Model(cfg)
     K = min(args.compare_steps, cfg.steps)
     root = tempfile.mkdtemp(prefix="bench_storage_train_", dir=args.storage_dir)
