@@ -40,7 +40,7 @@ from chunkjax.plan import Placement, fetch_events
 from chunkjax.schedule import ACCUMULATIONS, PER_MICRO_BATCH, check_trainable, micro_group_size
 from chunkjax.stages import first_readers, split_loss, stage_reads
 from chunkjax.step_checkpoint import StepChunkIO, resumed_state
-from chunkjax.step_commit import PendingStep
+from chunkjax.step_commit import PendingStep, hand_norm
 from chunkjax.step_init import init_state
 from chunkjax.storage import updater as disk
 from chunkjax.step_updates import StepUpdates
@@ -408,14 +408,10 @@ class ChunkedStep(StepChunkIO, StepUpdates, OnTopology):
                                                                 for c in range(self.layout.n_chunks)])  # frozen: none
             grad_sq, norm, grad_norm = nonfinite.guard(self.nonfinite, grad_sq, token_mean(loss))
         finally:  # the host thread validates its speculation once the norm is known (None: abandoned)
-            if spec is not None:
-                spec.set_norm(norm)
-                work.validate(spec.validate, state, ready=spec.known)
-            stream.set_grad_sq(None if norm is None else grad_sq)  # None: abandoned
-            on_disk.set_norm(norm)
-        on_disk.send(work, grads)  # storage chunks: beside the host thread and the device
+            hold = hand_norm(spec, work, state, stream, on_disk, norm, None if norm is None else grad_sq)
         params, master, opt = list(state.params), list(state.master), list(state.opt_state)
         try:  # all that can fail before the commit donates the input state (chunkjax.step_commit)
+            on_disk.send(work, grads)  # storage chunks: beside the host thread and the device
             if stream.chunks:  # new buffers, the input's untouched; the host thread joins the last write-backs
                 work.submit(stream.finish(grads, params, master, opt))
             metrics = {"loss": token_mean(loss), "grad_norm": grad_norm * inv_arr, **({} if aux is None else {"aux": aux})}
@@ -423,8 +419,10 @@ class ChunkedStep(StepChunkIO, StepUpdates, OnTopology):
                 metrics["skipped"] = ~jnp.isfinite(jnp.sum(grad_sq))
         except BaseException:
             stream.set_grad_sq(None)  # the pipeline stopped: no thread left waiting
+            hold.release()
             raise
-        return PendingStep(self, state._replace(pending=work), grads, grad_sq, inv_arr, (params, master, opt), metrics)
+        return PendingStep(self, state._replace(pending=work), grads, grad_sq, inv_arr, (params, master, opt), metrics,
+                           held=hold.stop())
 
     def _zeros_grad(self, c: int):
         """The gradient of a chunk no stage reads (outside programs)."""

@@ -70,6 +70,66 @@ def interrupts_deferred():
             signal.raise_signal(s)  # its own handler: KeyboardInterrupt for SIGINT by default
 
 
+class SignalHold:
+    """:data:`HELD_SIGNALS` held from :meth:`start` until :meth:`stop` (which hands the ones that
+    arrived to the caller, undelivered) or :meth:`release` (which delivers them). A step whose host
+    chunks are updated in place with the global norm (clipping, skip, loss scaling: the host thread
+    applies them once :meth:`chunkjax.speculate.Speculation.set_norm` has a norm) holds signals from
+    that moment to its commit, which delivers them (:meth:`PendingStep.commit`): a Ctrl-C then ends
+    the step as after it, never with host chunks updated and device chunks not. Outside the main
+    thread it does nothing (signals reach only the main thread)."""
+
+    def __init__(self):
+        self.got: list[int] = []
+        self._old: dict = {}
+
+    def start(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        try:
+            for s in HELD_SIGNALS:
+                self._old[s] = signal.signal(s, lambda signum, frame: self.got.append(signum))
+        except (ValueError, TypeError):  # no Python handler to swap: nothing held
+            self._restore()
+
+    def _restore(self) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+        self._old = {}
+
+    def stop(self) -> list[int]:
+        """Restore the handlers; the signals that arrived, each once (not delivered)."""
+        self._restore()
+        got, self.got = list(dict.fromkeys(self.got)), []
+        return got
+
+    def release(self) -> None:
+        """Restore the handlers and deliver the signals that arrived."""
+        for s in self.stop():
+            signal.raise_signal(s)
+
+
+def hand_norm(spec, work, state, stream, on_disk, norm, grad_sq) -> SignalHold:
+    """Hand a step's global norm (() float32, None: the step failed before it was known) to what
+    waits for it: the host thread's speculation (:mod:`chunkjax.speculate`: validated, or rolled
+    back on None), the streamed pipeline (the (n_chunks,) squared norms ``grad_sq``) and the
+    storage workers. Returns the :class:`SignalHold` started just before host chunks may take a
+    known norm in place (released here if handing over fails)."""
+    hold = SignalHold()
+    try:
+        if spec is not None:
+            if norm is not None:
+                hold.start()
+            spec.set_norm(norm)
+            work.validate(spec.validate, state, ready=spec.known)
+        stream.set_grad_sq(None if norm is None else grad_sq)  # None: abandoned
+        on_disk.set_norm(norm)
+    except BaseException:
+        hold.release()
+        raise
+    return hold
+
+
 class PendingStep:
     """One step call run up to its commit (:meth:`chunkjax.ChunkedStep.begin`): the gradients,
     norms, metrics and chunk lists, the streamed chunks' results already in them.
@@ -83,9 +143,9 @@ class PendingStep:
       metrics: the step's metrics (``loss``, ``grad_norm``, ...).
     """
 
-    def __init__(self, step, state, grads: dict, grad_sq, inv, lists: tuple, metrics: dict):
+    def __init__(self, step, state, grads: dict, grad_sq, inv, lists: tuple, metrics: dict, held=()):
         self.step, self.state, self.grads, self.grad_sq, self.inv = step, state, grads, grad_sq, inv
-        self.lists, self.metrics = lists, metrics
+        self.lists, self.metrics, self.held = lists, metrics, tuple(held)  # held: signals the commit delivers
 
     def commit(self):
         """Dispatch the device chunks' updates (donating the input state's device buffers) with
@@ -105,6 +165,8 @@ class PendingStep:
                     grads[c], master[c], opt[c], self.grad_sq, jnp.asarray(c, jnp.int32), params[c], self.inv)
             out = self.state._replace(params=tuple(params), master=tuple(master), opt_state=tuple(opt))
             self.state = self.grads = self.lists = None  # nothing of the step kept alive here
+            for sig in self.held:  # held since the host chunks took the norm (SignalHold): delivered as this ends
+                signal.raise_signal(sig)
             return out, self.metrics
 
 

@@ -459,3 +459,37 @@ def test_compute_dtype_spellings_are_the_planner_clis(tmp_path):
     assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match=r"--compute-dtype 'bf61': use one of auto, bfloat16, bf16,"):
         step_options("bf61")
+
+
+def test_ctrl_c_after_the_norm_with_host_clipping_ends_the_step_as_after_it(monkeypatch):
+    """fresh20: host AdamW with clipping (host chunks take the global norm in place once it is
+    known) and a Ctrl-C after the norm, before the commit, left host chunks updated and device
+    chunks not: parameters matching neither the state before the step nor after it, silently.
+    Right: from the moment host chunks may take the norm, the signal waits for the commit, so the
+    step ends as after it (equal to an uninterrupted twin, bit for bit) and then raises."""
+    import signal
+    from flax import nnx
+    from chunkjax.host_update import AdamW
+    from chunkjax.storage import updater as disk
+    Net, loss_fn, batches = _tiny_nnx(dropout=False)
+    spec = AdamW(1e-2, max_grad_norm=1e-3)  # clipping fires: the host updates depend on the norm
+    twin = cj.offload(Net(nnx.Rngs(3)), spec, loss_fn, batches[0], device_budget="min", chunk_size=32)
+    st = cj.offload(Net(nnx.Rngs(3)), spec, loss_fn, batches[0], device_budget="min", chunk_size=32)
+    assert st.step.host_chunks and (st.step.device_chunks or st.step.streamed_chunks), st.step.schedule.counts()
+    real_send = disk.StorageRun.send
+
+    def ctrl_c_after_the_norm(self, work, grads):
+        signal.raise_signal(signal.SIGINT)  # the norm is known and handed to the host thread
+        return real_send(self, work, grads)
+
+    twin(batches[1])
+    monkeypatch.setattr(disk.StorageRun, "send", ctrl_c_after_the_norm)
+    with pytest.raises(KeyboardInterrupt):
+        st(batches[1])
+    monkeypatch.setattr(disk.StorageRun, "send", real_send)
+    st.wait()
+    twin.wait()
+    got, want = (jax.tree.map(np.asarray, s.step.master_params(s.state)) for s in (st, twin))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert float(st(batches[2])) == float(twin(batches[2]))  # and it trains on
