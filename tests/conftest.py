@@ -159,3 +159,16 @@ def zero3_job_single_process(tmp_path_factory):
         assert train.main(_args(bpe512_cache(), out)) == 0
     (run,) = out.iterdir()
     return run
+
+
+@pytest.fixture
+def default_sigint():
+    """SIGINT as a fresh Python process has it (``KeyboardInterrupt``) for a test that raises it, or
+    that starts a subprocess which does (an ignored SIGINT is inherited across exec): in the
+    session-20 clean-clone runs the xdist worker had SIGINT changed by the time these tests ran
+    (what changed it is not found yet: docs/benchmarks.md, twentieth session); restored after."""
+    import signal
+    old = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)

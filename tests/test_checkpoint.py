@@ -267,7 +267,7 @@ def test_write_failure_keeps_previous(setup, mixed_run, tmp_path, monkeypatch, w
         ck.save_checkpoint(d, 1, step, st, {})
 
 
-def test_failed_save_prints_only_our_line(tmp_path):
+def test_failed_save_prints_only_our_line(tmp_path, default_sigint):
     """A fresh user's session-19 report: a full disk or Ctrl-C in the middle of a checkpoint save
     printed our one-line error and then orbax's absl tracebacks (its background threads failing
     on the removed temporary directory, tensorstore's ``Event loop is closed``). The worker

@@ -177,7 +177,7 @@ def test_offloaded_step_restore_of_another_checkpoint_is_one_line_and_changes_no
                 cj.restore_checkpoint(tmp_path / "nodrop", saved)
 
 
-def test_chunked_step_interrupted_before_or_during_its_commit_keeps_a_usable_state(monkeypatch):
+def test_chunked_step_interrupted_before_or_during_its_commit_keeps_a_usable_state(monkeypatch, default_sigint):
     """The main job's kind (a ChunkedStep called directly, ``state, m = step(state, b)``): Ctrl-C
     while the streamed pipeline finishes (after the backward) left the input state's device
     chunks donated and the pipeline's threads waiting. Right: the input state as it was, every
@@ -461,7 +461,7 @@ def test_compute_dtype_spellings_are_the_planner_clis(tmp_path):
         step_options("bf61")
 
 
-def test_ctrl_c_after_the_norm_with_host_clipping_ends_the_step_as_after_it(monkeypatch):
+def test_ctrl_c_after_the_norm_with_host_clipping_ends_the_step_as_after_it(monkeypatch, default_sigint):
     """fresh20: host AdamW with clipping (host chunks take the global norm in place once it is
     known) and a Ctrl-C after the norm, before the commit, left host chunks updated and device
     chunks not: parameters matching neither the state before the step nor after it, silently.
