@@ -5,7 +5,7 @@ with ``XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu``: j
 ``jax.distributed`` job, builds the micro GPT's ZeRO-3 state over the 8-device mesh of both
 processes (the model and step of tests/zero_multiprocess_worker.py; no training step runs), saves
 checkpoint 1 (every process calls save_checkpoint), then starts checkpoint 2 (peer deadline
-5 s), during which the last process SIGKILLs (HOW=kill) or SIGSTOPs (HOW=stop) itself as it
+:data:`PEER_TIMEOUT_S`), during which the last process SIGKILLs (HOW=kill) or SIGSTOPs (HOW=stop) itself as it
 reaches chunk 1's gather. Process 0 prints the one-line error of save_checkpoint after
 ``LOST:`` and writes the master params of checkpoint 1 to OUT.npz.
 """
@@ -16,6 +16,10 @@ import sys
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+#: the peer deadline of checkpoint 2 (seconds): process 0 waits it out once (HOW=kill: the meeting after
+#: Gloo's failure) or twice (HOW=stop: the gather, then that meeting); both processes reach each
+#: meeting before chunk 1 within milliseconds of each other (they have just left a collective)
+PEER_TIMEOUT_S = 3
 
 
 def main(pid: int, n_proc: int, port: int, seed: int, ckpt: str, out: str, how: str) -> None:
@@ -42,7 +46,7 @@ def main(pid: int, n_proc: int, port: int, seed: int, ckpt: str, out: str, how: 
             return real(job, c, copy)
         ck.job.SaveJob.snapshot = snapshot
     try:
-        ck.save_checkpoint(ckpt, 2, step, state, {"data_position": 2}, peer_timeout_s=5)
+        ck.save_checkpoint(ckpt, 2, step, state, {"data_position": 2}, peer_timeout_s=PEER_TIMEOUT_S)
     except ck.CheckpointWriteError as e:
         print(f"LOST: {e}", flush=True)
         os._exit(0)  # the job has lost a process: no orderly jax.distributed shutdown

@@ -25,8 +25,9 @@ from models import gpt
 
 def _host_step(host_deadline=None):
     cfg = gpt.get_config("micro", n_layers=2)
-    params = gpt.init_params(cfg, jax.random.key(int(np.random.default_rng().integers(1 << 30))))
-    batch = jnp.asarray(np.random.default_rng().integers(0, cfg.vocab_size, (2, 17)), jnp.int32)
+    rng = np.random.default_rng()  # numpy draws: no eager jax op to compile (the subprocess below starts cold)
+    params = jax.tree.map(lambda s: (0.02 * rng.standard_normal(s.shape)).astype(np.float32), gpt.abstract_params(cfg))
+    batch = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 17)), jnp.int32)
     stages = gpt.gpt_stages(cfg)
     layout = cj.build_layout(params, None, cj.first_use_order(lambda p, b: cj.compose_loss(stages, p, b), params, batch),
                              min_chunks=4)
