@@ -20,6 +20,9 @@ import pytest
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
                                    "--xla_cpu_multi_thread_eigen=false")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# checkpoint saves without their fsyncs (chunkjax/checkpoint/files.py: FSYNC_ENV), in this process and its
+# subprocesses: what a test kills is a process, whose writes the page cache keeps either way
+os.environ.setdefault("CHUNKJAX_CHECKPOINT_FSYNC", "0")
 
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _CACHE = tempfile.mkdtemp(prefix="chunkjax_test_xla_cache_")
