@@ -133,12 +133,14 @@ def test_bench_worker_prints_the_plan_before_the_first_step(capsys):
     init and the first step (a run the OOM killer ends has shown them), the ledger in its record."""
     import types
 
+    from _shared_data import two_block_micro
     from experiments import bench_chunkjax
     _reset_peak_rss()  # VmHWM is the process's: an earlier test in this worker may have set it higher
     args = types.SimpleNamespace(worker="chunkjax", model="micro", batch=2, seq=32, steps=1, seed=0,
                                  budget_bytes=2**30, compile_only=False, zero_h2d_path=None, host_limit_gb=110,
                                  run_id="t")
-    rec = bench_chunkjax.run_chunkjax(args)
+    with two_block_micro():  # the order of the worker's phases does not depend on the depth: smaller programs
+        rec = bench_chunkjax.run_chunkjax(args)
     assert rec["feasible"], rec.get("error")
     err = [l for l in capsys.readouterr().err.splitlines() if l.startswith("[host-ledger]")]
     first = lambda what: next(i for i, l in enumerate(err) if l.startswith(f"[host-ledger] {what}"))  # noqa: E731
