@@ -265,7 +265,7 @@ def test_bf16_sharded_checkpoint_lora_job(tmp_path):
 
 # ---- SmolLM2-135M on the Shakespeare plays: a full run and a LoRA run ----------------------------
 
-SMOL_ARGS = ["--init-from", "smollm2-135m", "--steps", "3", "--batch", "2", "--seq", "32", "--eval-every", "3",
+SMOL_ARGS = ["--init-from", "smollm2-135m", "--steps", "3", "--batch", "2", "--seq", "64", "--eval-every", "3",
              "--eval-batches", "2", "--sample-tokens", "0", "--warmup", "0",
              "--checkpoint-every", "0"]  # no checkpoint (the job's checkpoints: tests/test_train_job.py)
 #: SmolLM2's first blocks the CI runs train (the real embedding, tokenizer, plays and weights); 30:
