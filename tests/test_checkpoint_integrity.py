@@ -200,12 +200,10 @@ def test_resume_falls_back_to_the_previous_checkpoint(saved, tmp_path):
     assert rp.step == 1 and rp.meta["extra"]["data_position"] == 1
 
 
-def test_checksums_cost_little(saved, tmp_path, monkeypatch):
+def test_checksums_cost_little(saved, tmp_path):
     """Checksumming (crc32 of every file, read back from the page cache) is a small part of a
-    save (with its fsyncs, as a user's: the suite's other saves skip them): measured here on the
-    save's own files."""
+    save: measured here on the save's own files."""
     import time
-    monkeypatch.setenv(ck.files.FSYNC_ENV, "1")
     step, _, state = saved
     t = time.perf_counter()
     path = ck.save_checkpoint(tmp_path, 3, step, state, {})

@@ -37,8 +37,7 @@ asynchronous save with a one-chunk bound 1.8-2.2, restore 0.75-1.3 beyond the st
 allocator may keep up to about half a chunk more after a process's first save.
 
 **Atomicity and integrity**: :mod:`~chunkjax.checkpoint.job` (temporary directory renamed into
-place after an fsync of every file, unless ``CHUNKJAX_CHECKPOINT_FSYNC=0``, the test suite's
-setting; a crash leaves the previous checkpoints usable) and :mod:`~chunkjax.checkpoint.files`
+place; a crash leaves the previous checkpoints usable) and :mod:`~chunkjax.checkpoint.files`
 (checksums verified on every read; :func:`latest_step` skips a corrupt newest checkpoint with a
 warning).
 

@@ -365,8 +365,7 @@ def write_meta(path: str, meta: dict) -> None:
     with open(path, "w") as f:
         json.dump(meta, f)
         f.flush()
-        if fsync_on():
-            os.fsync(f.fileno())
+        os.fsync(f.fileno())
 
 
 def read_meta(directory, step_number: int | None = None) -> dict:
@@ -532,21 +531,7 @@ def read_chunk(ckptr, path: str, names) -> dict[str, np.ndarray]:
                          args=ocp.args.PyTreeRestore(item=item, restore_args=ra, partial_restore=True))
 
 
-#: Environment variable: ``0`` skips a save's fsyncs (its files, directories and ``meta.json``),
-#: for throwaway runs and the test suite (tests/conftest.py). A process that dies, even by
-#: SIGKILL, loses nothing written either way (the page cache outlives it); only a power loss or
-#: a kernel crash may. Unset or any other value: every save is fsynced before its rename.
-FSYNC_ENV = "CHUNKJAX_CHECKPOINT_FSYNC"
-
-
-def fsync_on() -> bool:
-    """Whether saves fsync what they write (:data:`FSYNC_ENV`, read at each call)."""
-    return os.environ.get(FSYNC_ENV, "1") != "0"
-
-
 def fsync_tree(root: str) -> None:
-    if not fsync_on():
-        return
     for d, _, files in os.walk(root):
         for f in files:
             fd = os.open(os.path.join(d, f), os.O_RDONLY)
@@ -558,8 +543,6 @@ def fsync_tree(root: str) -> None:
 
 
 def fsync_dir(d: str) -> None:
-    if not fsync_on():
-        return
     try:
         fd = os.open(d, os.O_RDONLY)
     except OSError:
