@@ -13,8 +13,9 @@ at one of PatrickStar's update locations (Fang et al., arXiv 2108.05818, section
   (``chunkjax.host_update.AdamW / Lion / SGDMomentum``) given as ``tx``.
 
 :func:`split_offloaded` divides the offloaded chunks between the two by rate
-(:func:`predict_update_s`: the PCIe bytes of each direction against the host kernel's time,
-the two running in parallel, ZeRO-Offload++ / ZenFlow's GPU-CPU split).
+(:func:`predict_update_s`: the PCIe bytes of each direction against the host kernel's time and
+the host memory's time, which the kernel and the DMA share, all running in parallel;
+ZeRO-Offload++ / ZenFlow's GPU-CPU split).
 
 One step runs both locations at once on :class:`chunkjax.duplex.DuplexUpdate`'s threads (one
 per PCIe direction, one for the host kernel): ``depth`` streamed chunks' state on the device at
@@ -53,6 +54,14 @@ _MSG_HOST_CHUNKS = ("host_chunks={n} but {have} chunk(s) have their state in pin
                     "use 0 <= host_chunks <= {have}")
 
 
+#: The drop-in's default rates (:class:`chunkjax.cost.Rates`, the H200's) with both PCIe directions
+#: together at 76 GB/s, the rate measured beside the host kernel (71-80 GB/s on three lent H200
+#: boxes, :mod:`chunkjax.host_contention`'s load probe), not the 94 of the two transfer threads
+#: alone: a drop-in update runs its kernel beside its transfers. With the host memory lane
+#: (``Rates.host_memory_bytes_per_s``) this splits the probe's 93 offloaded chunks 64 streamed /
+#: 29 host (``docs/dropin.md``, "Host memory bandwidth").
+DEFAULT_RATES = Rates(duplex_bytes_per_s=76e9)
+
 #: One chunk's device update may use at most this fraction of the budget when the chunk size is
 #: searched (room for resident chunks and a pipeline of a few streamed ones).
 CHUNK_BUDGET_FRACTION = 1 / 6
@@ -77,27 +86,42 @@ class UpdateTime(NamedTuple):
 
     Attributes:
       h2d_s, d2h_s: each PCIe direction's busy time (both directions in flight together).
-      kernel_s: the host kernel's time.
-      total_s: the update's time: the longest of the three (they run in parallel).
+      kernel_s: the host kernel's time (its arithmetic on its threads).
+      host_memory_s: the host memory's time: the kernel's bytes and both directions' DMA bytes at
+        ``rates.host_memory_bytes_per_s`` (0 when that rate is 0: not modelled).
+      total_s: the update's time: the longest of the four (they run in parallel).
     """
 
     h2d_s: float
     d2h_s: float
     kernel_s: float
+    host_memory_s: float
     total_s: float
 
 
+def host_kernel_bytes(state_bytes: int, grad_bytes: int, param_bytes: int, chunk_size: int) -> int:
+    """Host memory bytes of one host chunk's kernel step: its gradient read, its float32 master
+    and moments (``state_bytes``) read and written back, and for params narrower than float32 the
+    params buffer written (for float32 params the master is the params buffer): 28 bytes per
+    param for AdamW with float32 gradients and params (:func:`host_chunk_step`)."""
+    return int(grad_bytes + 2 * state_bytes + (param_bytes if param_bytes < 4 * chunk_size else 0))
+
+
 def predict_update_parts(n_streamed: int, n_host: int, chunk_size: int, state_bytes: int, grad_bytes: int,
-                         param_bytes: int, rates: Rates, depth: int = DEFAULT_PIPELINE_DEPTH) -> UpdateTime:
+                         param_bytes: int, rates: Rates, depth: int = DEFAULT_PIPELINE_DEPTH,
+                         streamed_bytes: int | None = None) -> UpdateTime:
     """Predicted seconds of the offloaded part of one update and its parts: each direction's
     PCIe time (streamed chunks move ``state_bytes`` each way; host chunks send ``grad_bytes``
     down and get ``param_bytes`` back; each direction at most half of
     ``rates.duplex_bytes_per_s``, the two-thread duplex rate of :mod:`chunkjax.duplex`) and the
     host kernel's time (``chunk_size`` elements per host chunk at
     :func:`chunkjax.host_contention.step_host_s_per_param`: the kernel beside the transfers where
-    measured, else ``rates.host_update_s_per_param``); the three run in parallel, so the update takes the
-    longest. With a pipeline of one chunk (``depth=1``) a streamed chunk's two directions take
-    turns (counted in both directions' time).
+    measured, else ``rates.host_update_s_per_param``) and the host memory's time (the kernel's
+    bytes, :func:`host_kernel_bytes`, and every DMA byte of both directions, at
+    ``rates.host_memory_bytes_per_s``: the kernel and the transfers share the host's memory, so a
+    host chunk costs 36 bytes of it per AdamW param and a streamed one 24); the four run in
+    parallel, so the update takes the longest. With a pipeline of one chunk (``depth=1``) a
+    streamed chunk's two directions take turns (counted in both directions' time).
 
     Args:
       n_streamed, n_host: chunks at each location.
@@ -106,36 +130,44 @@ def predict_update_parts(n_streamed: int, n_host: int, chunk_size: int, state_by
       grad_bytes, param_bytes: one chunk's gradient and compute params (bytes).
       rates: :class:`chunkjax.cost.Rates`.
       depth: the streamed pipeline's depth.
+      streamed_bytes: what a streamed chunk moves each way (default ``state_bytes``; the
+        optimizer state alone for float32 chunks, :func:`lean_chunks`).
     """
-    h2d = n_streamed * state_bytes + n_host * param_bytes
-    d2h = n_streamed * state_bytes + n_host * grad_bytes
+    moved = state_bytes if streamed_bytes is None else streamed_bytes
+    h2d = n_streamed * moved + n_host * param_bytes
+    d2h = n_streamed * moved + n_host * grad_bytes
     half = rates.duplex_bytes_per_s / 2  # both directions at once: each at most half the duplex total
     h2d_s, d2h_s = h2d / min(rates.h2d_bytes_per_s, half), d2h / min(rates.d2h_bytes_per_s, half)
     if depth <= 1:  # no fetch while a write-back runs
-        turns = n_streamed * state_bytes * (1 / rates.h2d_bytes_per_s + 1 / rates.d2h_bytes_per_s)
+        turns = n_streamed * moved * (1 / rates.h2d_bytes_per_s + 1 / rates.d2h_bytes_per_s)
         h2d_s, d2h_s = max(h2d_s, turns), max(d2h_s, turns)
     kernel_s = n_host * chunk_size * step_host_s_per_param(rates)  # beside the transfers where measured so
-    return UpdateTime(h2d_s, d2h_s, kernel_s, max(h2d_s, d2h_s, kernel_s))
+    bw = float(getattr(rates, "host_memory_bytes_per_s", 0.0) or 0.0)
+    mem_s = (n_host * host_kernel_bytes(state_bytes, grad_bytes, param_bytes, chunk_size) + h2d + d2h) / bw \
+        if bw > 0 else 0.0
+    return UpdateTime(h2d_s, d2h_s, kernel_s, mem_s, max(h2d_s, d2h_s, kernel_s, mem_s))
 
 
 def predict_update_s(n_streamed: int, n_host: int, chunk_size: int, state_bytes: int, grad_bytes: int,
-                     param_bytes: int, rates: Rates, depth: int = DEFAULT_PIPELINE_DEPTH) -> float:
+                     param_bytes: int, rates: Rates, depth: int = DEFAULT_PIPELINE_DEPTH,
+                     streamed_bytes: int | None = None) -> float:
     """Predicted seconds of the offloaded part of one update: :func:`predict_update_parts`'s
     ``total_s`` (same arguments)."""
     return predict_update_parts(n_streamed, n_host, chunk_size, state_bytes, grad_bytes, param_bytes, rates,
-                                depth).total_s
+                                depth, streamed_bytes).total_s
 
 
 def split_offloaded(offloaded: Sequence[int], chunk_size: int, state_bytes: int, grad_bytes: int,
                     param_bytes: int, rates: Rates | None = None, host_chunks: int | None = None,
-                    depth: int = DEFAULT_PIPELINE_DEPTH) -> tuple[tuple[int, ...], tuple[int, ...]]:
+                    depth: int = DEFAULT_PIPELINE_DEPTH,
+                    streamed_bytes: int | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Divide the chunks whose state is in pinned host memory between the streamed update and
     the host kernel.
 
     Args:
       offloaded: chunk ids (layout order).
-      chunk_size, state_bytes, grad_bytes, param_bytes: as :func:`predict_update_s`.
-      rates: measured rates (default :class:`chunkjax.cost.Rates`, the H200's).
+      chunk_size, state_bytes, grad_bytes, param_bytes, streamed_bytes: as :func:`predict_update_s`.
+      rates: measured rates (default :data:`DEFAULT_RATES`, the H200's beside the host kernel).
       host_chunks: how many chunks the host kernel updates; None picks the count with the
         least :func:`predict_update_s` (the fewest on a tie).
       depth: the streamed pipeline's depth.
@@ -147,11 +179,11 @@ def split_offloaded(offloaded: Sequence[int], chunk_size: int, state_bytes: int,
     Raises:
       ValueError: ``host_chunks`` outside ``[0, len(offloaded)]``.
     """
-    rates = rates or Rates()
+    rates = rates or DEFAULT_RATES
     n = len(offloaded)
     if host_chunks is None:
         host_chunks = min(range(n + 1), key=lambda h: (predict_update_s(
-            n - h, h, chunk_size, state_bytes, grad_bytes, param_bytes, rates, depth), h))
+            n - h, h, chunk_size, state_bytes, grad_bytes, param_bytes, rates, depth, streamed_bytes), h))
     elif isinstance(host_chunks, bool) or not isinstance(host_chunks, int) or not 0 <= host_chunks <= n:
         raise ValueError(_MSG_HOST_CHUNKS.format(n=host_chunks, have=n))
     return tuple(offloaded[:n - host_chunks]), tuple(offloaded[n - host_chunks:])
@@ -264,6 +296,25 @@ class ChunkPrograms:
 
         return jax.jit(upd, in_shardings=(dev, dev, dev, dev, dev), out_shardings=(dev, dev, dev),
                        donate_argnums=(1, 2))
+
+    @property
+    def update_lean(self):
+        """A float32 chunk's update without its master in the state that moves:
+        ``(grad leaves, param leaves, state, grad_sq, c) -> (new param leaves, state)``, state
+        donated. The master is packed inside the program from the params the optimizer returned
+        last (for float32 params they are the master, bit for bit: :func:`lean_chunks`), so a
+        streamed chunk moves its optimizer state only (8 of AdamW's 12 bytes per param each way)."""
+        dev = sharding(DEVICE)
+        sub, tx, cuts = self.sub, self.tx, self.cuts or (None,) * len(self.sub.slots)
+        dt = sub.chunk_dtypes[0]
+
+        def upd(grad_leaves, param_leaves, state, grad_sq, c):
+            g = sub.pack([cut(x, w) for x, w in zip(grad_leaves, cuts)], dtype=optim.MASTER_DTYPE)[0]
+            master = sub.pack([cut(x, w) for x, w in zip(param_leaves, cuts)], dtype=optim.MASTER_DTYPE)[0]
+            o = optim.update_chunk(tx, g, master, state, jnp.sum(grad_sq), grad_sq[c], dt)
+            return tuple(sub.unpack([o.params])), o.opt_state
+
+        return jax.jit(upd, in_shardings=(dev, dev, dev, dev, dev), out_shardings=(dev, dev), donate_argnums=(2,))
 
     @property
     def unpack(self):
@@ -514,13 +565,14 @@ class DropinPlan(NamedTuple):
     predicted_s: float
 
 
-def smallest_budget(lay: ChunkLayout, cb, depth: int, host: bool, host_chunks: int | None, rates: Rates | None) -> int:
+def smallest_budget(lay: ChunkLayout, cb, depth: int, host: bool, host_chunks: int | None, rates: Rates | None,
+                    lean: bool = False) -> int:
     """The least device budget (bytes) for which :func:`choose` finds a plan of ``lay``'s chunks
     (a drop-in's ``device_budget="min"``): the smallest of the plans' own minimums (the
     streamed pipeline's, :class:`chunkjax.PlanError` ``.min_budget_bytes``; with a host spec and
     an automatic split, one params chunk in flight for the all-host plan)."""
     try:
-        choose(lay, cb, 1, depth, host, host_chunks, rates)
+        choose(lay, cb, 1, depth, host, host_chunks, rates, lean)
         return 1
     except PlanError as e:
         need = e.min_budget_bytes
@@ -529,28 +581,43 @@ def smallest_budget(lay: ChunkLayout, cb, depth: int, host: bool, host_chunks: i
     return int(need)
 
 
+def lean_chunks(lay: ChunkLayout, streamed: Sequence[int]) -> frozenset:
+    """The streamed chunks whose master need not move (:attr:`ChunkPrograms.update_lean`): those of
+    float32 params, whose compute params are the float32 master bit for bit, so the params the
+    optimizer returned last (on the device) are the master."""
+    return frozenset(c for c in streamed if np.dtype(lay.chunk_dtypes[c]) == np.float32)
+
+
+def streamed_bytes(lay: ChunkLayout, cb, lean: bool) -> int:
+    """Bytes a streamed chunk moves each way: its optimizer state alone where ``lean`` and every
+    chunk is float32 (:func:`lean_chunks`), else its master + state (``cb.state``)."""
+    f32 = all(np.dtype(d) == np.float32 for d in lay.chunk_dtypes)
+    return int(cb.state - 4 * lay.chunk_size) if lean and f32 else int(cb.state)
+
+
 def choose(lay: ChunkLayout, cb, budget: int, depth: int, host: bool, host_chunks: int | None,
-           rates: Rates | None) -> DropinPlan:
+           rates: Rates | None, lean: bool = False) -> DropinPlan:
     """The drop-in's plan: the ``"optimizer_only"`` placement (:func:`place`) with the offloaded
     chunks split between the streamed pipeline and, if ``host``, the host kernel, with two or one
     host params chunks in flight where the budget has room; with an automatic split
     (``host_chunks=None``) also the plan that updates every chunk on the host kernel (no device
     update working set at all: it fits budgets below one chunk's update), the faster predicted
-    one wins.
+    one wins. ``lean``: float32 streamed chunks move their optimizer state only (:func:`lean_chunks`).
 
     Raises:
       chunkjax.PlanError: no plan fits ``budget`` (or ``host_chunks`` cannot be honoured).
       ValueError: ``host_chunks`` out of range.
     """
-    rates = rates or Rates()
+    rates = rates or DEFAULT_RATES
     n = lay.n_chunks
+    moved = streamed_bytes(lay, cb, lean)
     tries = ([(2, host_chunks), (1, host_chunks)] + ([(0, 0)] if not host_chunks else [])) if host else [(0, 0)]
     found, error = [], None
     for in_flight, n_host in tries:
         def split(offloaded, d, n_host=n_host):  # n_host None: by rate
             if n_host == 0:
                 return tuple(offloaded), ()
-            return split_offloaded(offloaded, lay.chunk_size, cb.state, cb.grad, cb.params, rates, n_host, d)
+            return split_offloaded(offloaded, lay.chunk_size, cb.state, cb.grad, cb.params, rates, n_host, d, moved)
         try:
             plan, d, streamed, on_host = place(lay, cb, budget, depth, split, in_flight * cb.params)
         except PlanError as e:
@@ -562,7 +629,8 @@ def choose(lay: ChunkLayout, cb, budget: int, depth: int, host: bool, host_chunk
             int(plan.predicted.peak_device_bytes - plan.predicted.device_model_bytes + (d - 1) * cb.state
                 + in_flight * cb.params),
             int(plan.predicted.device_model_bytes), int(plan.predicted.host_model_bytes),
-            predict_update_s(len(streamed), len(on_host), lay.chunk_size, cb.state, cb.grad, cb.params, rates, d)))
+            predict_update_s(len(streamed), len(on_host), lay.chunk_size, cb.state, cb.grad, cb.params, rates, d,
+                             moved)))
         break
     if host and host_chunks in (None, n):
         for in_flight in (2, 1):  # every chunk on the host kernel: only params chunks on their way back

@@ -115,7 +115,8 @@ def test_duplex_engine_order_bound_and_breakdown():
             assert [log.index((k, c)) for k in kinds] == sorted(log.index((k, c)) for k in kinds)
     assert peak[0] <= 2
     assert {c: x.tolist() for c, x in stored.items()} == {c: [c + 1.0] * 4 for c in [5, 1, 7, 2]}  # update's results
-    b = duplex.breakdown(run, step=0, n_device=0, predicted=cj.dropin.UpdateTime(1.0, 1.0, 0.5, 1.0))
+    b = duplex.breakdown(run, step=0, n_device=0, predicted=cj.dropin.UpdateTime(1.0, 1.0, 0.5, 0.75, 1.0))
+    assert b.predicted_host_memory_s == 0.75
     assert b.h2d_bytes == 4 * 16 + 3 * 12 and b.d2h_bytes == 4 * 16 + 3 * 8
     assert (b.n_streamed, b.n_host, b.predicted_s) == (4, 3, 1.0)
 
