@@ -88,7 +88,8 @@ class ChunkedOptimizer:
     Args:
       params: the trainable params pytree (linen ``variables["params"]``, an ``nnx.State``, any
         pytree of floating-point arrays, any shapes; bf16 / f16 / f32 leaves). Its values
-        initialise the float32 master params; the object keeps no reference to it.
+        initialise the float32 master params; the object keeps a reference only to the float32
+        leaves of lean streamed chunks (``lean_streamed``), as the device arrays they are.
       tx: an optax ``GradientTransformation``, or a host kernel spec
         (``chunkjax.host_update.AdamW / Lion / SGDMomentum``: its ``.optax()`` runs on the device,
         and part of the offloaded chunks is updated in place by the host kernel in parallel with

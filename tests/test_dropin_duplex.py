@@ -195,3 +195,48 @@ def test_host_threads_default_and_errors(monkeypatch):
     for bad in (0, top + 1, 1.5, True):
         with pytest.raises(ValueError, match="host_threads="):
             dropin.host_threads_for(bad)
+
+
+def test_lean_streamed_chunks_move_their_state_only():
+    """Float32 streamed chunks keep no master of their own (dropin.lean_chunks): each update packs
+    it from the params the optimizer returned last, inside the chunk's program, and moves only the
+    optimizer state each way (4 bytes per param less each way for AdamW). Over four steps the
+    params, master and state equal the optimizer that moves the master (bit for bit) and plain
+    optax (fp32 tolerance), with a leaf spanning chunks; bf16 params keep their master; returned
+    params that were deleted (donated) give the one-line error."""
+    rng = np.random.default_rng(11)
+    params = {k: jnp.asarray(rng.normal(size=(n,)), jnp.float32) for k, n in dict(a=100, b=40, c=70, d=30).items()}
+    target = jax.tree.map(lambda x: 0.5 * x + 1.0, params)
+    grad_fn = jax.jit(jax.grad(lambda p: sum(jnp.sum(jnp.sin(p[k] - target[k]) * (p[k] - target[k])) for k in p)))
+    tx = optax.adamw(1e-2, weight_decay=0.1)
+    probe = cj.ChunkedOptimizer(params, tx, device_budget="1GiB", chunk_size=64)
+    budget = probe.working_bytes + probe.device_state_bytes // probe.layout.n_chunks  # a pipeline of two
+    lean = cj.ChunkedOptimizer(params, tx, device_budget=budget, chunk_size=64)
+    full = cj.ChunkedOptimizer(params, tx, device_budget=budget, chunk_size=64, lean_streamed=False)
+    assert lean.streamed_chunks == full.streamed_chunks and len(lean.streamed_chunks) >= 3
+    assert lean.lean_chunks == frozenset(lean.streamed_chunks) and full.lean_chunks == frozenset()
+    assert any(len(s.pieces) > 1 for s in lean.layout.slots)  # a leaf spanning chunks
+    ref, s = params, tx.init(params)
+    p_lean = p_full = params
+    for _ in range(4):
+        u, s = tx.update(grad_fn(ref), s, ref)
+        ref = optax.apply_updates(ref, u)
+        p_lean, p_full = lean.update(grad_fn(p_lean)), full.update(grad_fn(p_full))
+    for k in params:
+        np.testing.assert_array_equal(np.asarray(p_lean[k]), np.asarray(p_full[k]), err_msg=k)
+        np.testing.assert_array_equal(np.asarray(lean.master_params()[k]), np.asarray(full.master_params()[k]))
+        np.testing.assert_allclose(np.asarray(p_lean[k]), np.asarray(ref[k]), rtol=2e-5, atol=2e-5, err_msg=k)
+    for a, b in zip(jax.tree.leaves(lean.opt_state), jax.tree.leaves(full.opt_state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    n, cs = len(lean.streamed_chunks), lean.layout.chunk_size
+    bl, bf = lean.last_update, full.last_update
+    assert (bl.h2d_bytes, bl.d2h_bytes) == (bf.h2d_bytes - 4 * cs * n, bf.d2h_bytes - 4 * cs * n)
+    assert lean.predicted_update.h2d_s < full.predicted_update.h2d_s
+    half = cj.ChunkedOptimizer(jax.tree.map(lambda x: x.astype(jnp.bfloat16), params), tx, device_budget=budget,
+                               chunk_size=64)
+    assert half.streamed_chunks and half.lean_chunks == frozenset()  # bf16 params are not the master
+    g = grad_fn(p_lean)
+    for x in jax.tree.leaves(p_lean):
+        x.delete()
+    with pytest.raises(ValueError, match="lean_streamed=False"):
+        lean.update(g)

@@ -420,14 +420,19 @@ def test_split_by_rate_with_host_memory():
     assert t(len(streamed), len(host)) == min(t(10 - h, h) for h in range(11))
     _, host_lanes = dropin.split_offloaded(list(range(10)), cs, state, grad, grad, lanes)
     assert len(host) < len(host_lanes)
-    # the probe's 93 offloaded chunks (1.28B params, 2 GiB): the default rates split them 64 / 29
-    # and predict the recorded 54-host split's update (0.332 s measured, session 20) at 0.334 s
+    # the probe's 93 offloaded chunks (1.28B params, 2 GiB): the default rates predict the recorded
+    # 54-host split's update (0.332 s measured, session 20) at 0.334 s and split them 64 / 29
+    # (0.299 s); with float32 streamed chunks moving their state only (8 of 12 bytes per param
+    # each way) 72 / 21 (0.222 s)
     C = 12756992
     probe = (C, 12 * C + 12, 4 * C, 4 * C)
+    assert dropin.predict_update_s(39, 54, *probe, dropin.DEFAULT_RATES) == pytest.approx(0.334, abs=0.002)
     streamed, host = dropin.split_offloaded(list(range(93)), *probe)
     assert (len(streamed), len(host)) == (64, 29)
-    assert dropin.predict_update_s(39, 54, *probe, dropin.DEFAULT_RATES) == pytest.approx(0.334, abs=0.002)
     assert dropin.predict_update_s(64, 29, *probe, dropin.DEFAULT_RATES) == pytest.approx(0.299, abs=0.002)
+    streamed, host = dropin.split_offloaded(list(range(93)), *probe, None, None, 3, 8 * C + 12)
+    assert (len(streamed), len(host)) == (72, 21)
+    assert dropin.predict_update_s(72, 21, *probe, dropin.DEFAULT_RATES, 3, 8 * C + 12) == pytest.approx(0.222, abs=0.002)
 
 
 def test_host_chunks_checkpoint_and_restore(tmp_path):
