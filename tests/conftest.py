@@ -57,7 +57,7 @@ FILE_SECONDS = {
     "zero_mixed_precision": 32, "train_equivalence": 35, "checkpoint_zero": 32, "checkpoint_async": 31,
     "compiled_check": 27, "finetune": 29, "host_ledger": 27, "fit_checks": 24, "placement_export": 22,
     "rates_record": 22, "host_deadline": 20, "train_multiprocess": 20, "live_device_bytes": 17, "sweep": 15,
-    "dropin_duplex": 14, "train_job_errors": 8, "init_state": 6, "peers": 6, "host_pool": 6, "zero_multiprocess": 4,
+    "dropin_duplex": 22, "train_job_errors": 8, "init_state": 6, "peers": 6, "host_pool": 6, "zero_multiprocess": 4,
     "data": 4, "accumulate_memory": 4, "pretrained": 3, "tide_eviction": 1, "plan_memo": 1, "overlap_window": 1,
     # added after that run, measured alone on the shared box: clip_plan, speculation_resume, remat, micro_cuts,
     # host_contention (session 18: 5.8 s with its imports, 3 s of it tests);
@@ -86,6 +86,7 @@ FILE_SECONDS = {
     # is mostly the box's noise)
     # session 20 (fresh20): front_numpy_batch, numpy int64/float64 batches through offload, 9 s alone
     "front_numpy_batch": 9,
+    # session 21 (drop21): dropin_duplex +8 (test_lean_streamed_chunks_move_their_state_only: 7.7 s alone)
 }
 DEFAULT_FILE_SECONDS = 30
 
