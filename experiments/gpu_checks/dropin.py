@@ -16,7 +16,11 @@ step). Each system runs in its own process (a clean peak):
   "what the loop allows": ``docs/dropin.md``);
 * ``chunk_optax``: the drop-in with ``optax.adamw(1e-4)`` (every offloaded chunk streamed).
 
-``--sweep-threads 16,12,8`` runs the ``chunk_host`` system once per numba thread count of its
+``--sweep-host-chunks 8,31`` runs the ``chunk_host`` system again once per forced split (systems
+``chunk_host_h8`` ..., ``host_chunks=N``, also nameable in ``--systems``; the JSON's
+``sweep_host_chunks`` compares update seconds with their predictions and the host memory moved:
+``docs/dropin.md``, "Host memory bandwidth"). ``--sweep-threads 16,12,8`` runs the ``chunk_host``
+system once per numba thread count of its
 host kernel (systems ``chunk_host_t16`` ..., ``NnxOptimizer(..., host_threads=N)``; the JSON's
 ``sweep_threads`` compares them); ``--rates recorded:<results json>`` splits by the rates a GPU run
 measured under contention (``chunkjax.cost.Rates.from_record``). Each host-kernel system's
@@ -53,6 +57,10 @@ device bytes, losses, the optimizer's summary and the update breakdowns) and pri
         --out experiments/results                                                 # the step's phases (< 4 min)
     python experiments/gpu_checks/dropin.py --systems front --front-budget 27900542976 --steps 8 --total 200 \
         --timeout 190 --run s21f --out experiments/results                        # the front's phases (< 3 min)
+    timeout 230 python experiments/gpu_checks/dropin.py --systems nnx,chunk_host --steps 6 --total 225 \
+        --run s21d --out $OUT                                                     # lean + host memory split (< 4 min)
+    timeout 230 python experiments/gpu_checks/dropin.py --systems chunk_host_h8,chunk_host_h31 --steps 6 \
+        --total 220 --run s21h --out $OUT                                         # the split's two sides (< 4 min)
     python experiments/gpu_checks/dropin.py --tiny --run cpu --out /tmp            # a CPU smoke run
 """
 from __future__ import annotations
