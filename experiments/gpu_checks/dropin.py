@@ -57,9 +57,9 @@ device bytes, losses, the optimizer's summary and the update breakdowns) and pri
         --out experiments/results                                                 # the step's phases (< 4 min)
     python experiments/gpu_checks/dropin.py --systems front --front-budget 27900542976 --steps 8 --total 200 \
         --timeout 190 --run s21f --out experiments/results                        # the front's phases (< 3 min)
-    timeout 230 python experiments/gpu_checks/dropin.py --systems nnx,chunk_host --steps 6 --total 225 \
+    timeout 230 python experiments/gpu_checks/dropin.py --systems nnx,chunk_host --steps 6 --total 225 \\
         --run s21d --out $OUT                                                     # lean + host memory split (< 4 min)
-    timeout 230 python experiments/gpu_checks/dropin.py --systems chunk_host_h8,chunk_host_h31 --steps 6 \
+    timeout 230 python experiments/gpu_checks/dropin.py --systems chunk_host_h8,chunk_host_h31 --steps 6 \\
         --total 220 --run s21h --out $OUT                                         # the split's two sides (< 4 min)
     python experiments/gpu_checks/dropin.py --tiny --run cpu --out /tmp            # a CPU smoke run
 """
