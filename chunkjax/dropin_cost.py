@@ -24,7 +24,8 @@ _MSG_HOST_CHUNKS = ("host_chunks={n} but {have} chunk(s) have their state in pin
 #: boxes, :mod:`chunkjax.host_contention`'s load probe), not the 94 of the two transfer threads
 #: alone: a drop-in update runs its kernel beside its transfers. With the host memory lane
 #: (``Rates.host_memory_bytes_per_s``) this splits the probe's 93 offloaded chunks 64 streamed /
-#: 29 host (``docs/dropin.md``, "Host memory bandwidth").
+#: 29 host, and 72 / 21 with streamed chunks moving their state only (``docs/dropin.md``, "Host
+#: memory bandwidth").
 DEFAULT_RATES = Rates(duplex_bytes_per_s=76e9)
 
 
@@ -137,7 +138,7 @@ def split_offloaded(offloaded: Sequence[int], chunk_size: int, state_bytes: int,
 
 
 def lean_chunks(lay: ChunkLayout, streamed: Sequence[int]) -> frozenset:
-    """The streamed chunks whose master need not move (:attr:`ChunkPrograms.update_lean`): those of
+    """The streamed chunks whose master need not move (:attr:`chunkjax.dropin.ChunkPrograms.update_lean`): those of
     float32 params, whose compute params are the float32 master bit for bit, so the params the
     optimizer returned last (on the device) are the master."""
     return frozenset(c for c in streamed if np.dtype(lay.chunk_dtypes[c]) == np.float32)
