@@ -21,6 +21,7 @@ from chunkjax import checkpoint as ck
 from chunkjax.errors import PlanError, format_bytes
 from chunkjax.host_update import AdamW
 from chunkjax.optim import state_bytes_per_chunk
+from chunkjax.storage.tier import IO_THREADS
 from chunkjax.plan import plan_schedule
 from chunkjax.storage import DiskTier
 from chunkjax.storage.files import StorageError, committed_step
@@ -136,7 +137,8 @@ def test_host_budget_too_small_even_with_disk_is_one_line(setup):
     assert s.predicted.storage_chunks >= 2 and s.predicted.host_bytes <= half
     with pytest.raises(PlanError, match="the least is"):  # a disk that holds one chunk (two versions)
         plan_schedule(layout, traces, cb, floor, host_budget_bytes=half, disk_budget_bytes=2 * cb.state + 1, **kw)
-    once = s.predicted.storage_chunks * cb.state + 1  # the state once on disk: half the space
+    # the state once on disk (half the space) and the worker's IO_THREADS new files beside their committed ones
+    once = (s.predicted.storage_chunks + IO_THREADS) * cb.state + 1
     one = plan_schedule(layout, traces, cb, floor, host_budget_bytes=half, disk_budget_bytes=once, disk_versions=1,
                         **kw)
     assert one.predicted.storage_chunks == s.predicted.storage_chunks
