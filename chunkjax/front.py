@@ -171,7 +171,9 @@ class OffloadedStep(OffloadedChunkIO):
         chunks' donating updates are dispatched last, with signals held; compute params an
         early-streamed chunk donated are rebuilt from its master params, the same bits), except
         host-updated chunks whose update does not wait for the global norm (updated in place
-        while the backward runs). Costs no device or host bytes.
+        while the backward runs). An exception after the global norm is known, with host-updated
+        chunks, cannot undo them: every later use of the state then raises
+        :class:`chunkjax.PartialStepError` (restore the last checkpoint). Costs no device or host bytes.
 
         ``batch``'s leaves of a dtype JAX canonicalises to the planned one (int64 or float64 with
         x64 off) are cast to it, as ``jnp.asarray`` would.
@@ -179,6 +181,7 @@ class OffloadedStep(OffloadedChunkIO):
         Raises:
           ValueError: the batch's pytree structure, shapes or dtypes differ from the example's.
           chunkjax.front_checkpoint.NoStateError: a restore failed after releasing the state.
+          chunkjax.PartialStepError: a step failed after its global norm, leaving the state half updated.
         """
         batch = self._check(batch)
         state = self._held()

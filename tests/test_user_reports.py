@@ -493,3 +493,56 @@ def test_ctrl_c_after_the_norm_with_host_clipping_ends_the_step_as_after_it(monk
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(a, b)
     assert float(st(batches[2])) == float(twin(batches[2]))  # and it trains on
+
+
+def test_error_after_the_norm_with_host_clipping_refuses_the_half_updated_state(monkeypatch, tmp_path):
+    """ux21: host AdamW with clipping (host chunks take the global norm in place once it is known)
+    and an exception (not a signal) after the norm, before the commit: host chunks were updated,
+    device chunks not, and the next step trained on that mix silently. Right: the step's error is
+    raised, then every use of the half-updated state (a step, a save, ``sync``, ``evaluate``)
+    raises PartialStepError, one line saying to restore the last checkpoint; restored, the run
+    continues equal to an untouched twin bit for bit. Both places the failure can come from are
+    tried: after the norm is handed over (``StorageRun.send``) and while it is
+    (``StorageRun.set_norm``, inside ``hand_norm``)."""
+    from flax import nnx
+    from chunkjax.host_update import AdamW
+    from chunkjax.storage import updater as disk
+    Net, loss_fn, batches = _tiny_nnx(dropout=False)
+    spec = AdamW(1e-2, max_grad_norm=1e-3)  # clipping fires: the host updates depend on the norm
+    twin = cj.offload(Net(nnx.Rngs(3)), spec, loss_fn, batches[0], device_budget="min", chunk_size=32)
+    st = cj.offload(Net(nnx.Rngs(3)), spec, loss_fn, batches[0], device_budget="min", chunk_size=32)
+    assert st.step.host_chunks and (st.step.device_chunks or st.step.streamed_chunks), st.step.schedule.counts()
+    assert float(st(batches[0])) == float(twin(batches[0]))
+    cj.save_checkpoint(tmp_path / "ck", 1, st)
+    want = float(twin(batches[1]))
+    real = {"send": disk.StorageRun.send, "set_norm": disk.StorageRun.set_norm}
+
+    def fails_send(self, work, grads):
+        raise OSError("injected: the disk went away")
+
+    def fails_set_norm(self, norm):
+        if norm is not None:  # the norm is known: the host thread already has it
+            raise OSError("injected: the disk went away")
+        return real["set_norm"](self, norm)
+
+    for name, broken in (("send", fails_send), ("set_norm", fails_set_norm)):
+        monkeypatch.setattr(disk.StorageRun, name, broken)
+        with pytest.raises(OSError, match="injected"):
+            st(batches[1])
+        monkeypatch.setattr(disk.StorageRun, name, real[name])
+        for use in (lambda: st(batches[1]), lambda: cj.save_checkpoint(tmp_path / "no", 2, st),
+                    lambda: st.sync(Net(nnx.Rngs(3))), lambda: st.evaluate(batches[1]),
+                    lambda: st.step.master_params(st.state)):
+            with pytest.raises(cj.PartialStepError, match=r"half updated: a step failed after its global norm was "
+                               r"known \(OSError: injected.*restore the last checkpoint") as e:
+                use()
+            assert "\n" not in str(e.value)
+        assert not (tmp_path / "no").exists()  # nothing half-written either
+        cj.restore_checkpoint(tmp_path / "ck", st)
+        assert float(st(batches[1])) == want  # as the twin's second step
+        cj.restore_checkpoint(tmp_path / "ck", st)  # back to step 1 for the next failure
+    st(batches[1])
+    got, ref = (jax.tree.map(np.asarray, s.step.master_params(s.state)) for s in (st, twin))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert float(st(batches[2])) == float(twin(batches[2]))  # and it trains on
