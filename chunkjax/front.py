@@ -495,7 +495,8 @@ def offload(model, tx, loss_fn, batch, *, device_budget: int | str = "auto", hos
         always.
       **fit_kw: the rest of :func:`chunkjax.fit_step` (chunk_size, min_chunks, prefetch,
         flops_per_step (default: 3 x the forward's matrix products counted in the traced loss),
-        rates, check_compiled, strict, ...): ``nonfinite="skip"`` leaves parameters and optimizer
+        rates, check_compiled, strict, ...): ``nonfinite`` defaults to ``"ignore"`` (no check: a
+        step with NaN/inf gradients is applied as it is); ``nonfinite="skip"`` leaves parameters and optimizer
         state of a step with non-finite gradients unchanged (``"error"``: also raises
         :class:`chunkjax.NonFiniteError` naming the step, the non-finite loss or norm), while the non-parameter state the
         loss changes (counters, RNG counts) advances; ``check_tx=False`` skips the probe that
