@@ -565,7 +565,8 @@ def run(cfg: TrainConfig) -> dict:
              "of state beside it" if h.get("speculation_bytes") and "host" in fit_report.schedule.update_locations
              else "")
           + f"; the plan's {schedule.predicted.host_bytes_per_param:.2f} B/param of the model, "
-            f"{schedule.predicted.host_resident_bytes_per_param:.2f} B/param of its host-resident chunks) of "
+          + (f"{schedule.predicted.host_resident_bytes_per_param:.2f} B/param of its host-resident chunks"
+             if schedule.predicted.host_resident_bytes_per_param else "no host-resident chunks") + ") of "
           + (f"{fb(h['available_bytes'])} available" if h.get("available_bytes") else "unknown available"),
           flush=True)
 
