@@ -467,7 +467,12 @@ def offload(model, tx, loss_fn, batch, *, device_budget: int | str = "auto", hos
         chunks update on the host, its ``optax()`` twin updates the device chunks).
       loss_fn: ``loss_fn(model, batch) -> () float``: the loss (a scalar; nnx's usual signature),
         nothing else: no ``(loss, aux)`` pair (:meth:`OffloadedStep.evaluate` gives the loss
-        without an update; other outputs come from the model's forward after a sync).
+        without an update; other outputs come from the model's forward after a sync), no
+        :class:`chunkjax.WeightedLoss` (ValueError; :func:`chunkjax.fit_step` takes one). With
+        ``micro_batches=M`` the objective is the mean of the P = M (x ranks on a mesh) parts'
+        losses: a masked mean becomes a mean of means; the whole batch's token mean is
+        ``sum(loss * mask) / batch["n_scored"][0] * P``, ``n_scored`` a batch leaf holding the
+        whole batch's count in every row.
         Blocks wrapped in ``nnx.remat`` (or calling ``jax.checkpoint`` inside) are found the same
         way; their rematerialisation coincides with the step's per-stage recompute.
       batch: an example batch, the planned shape: tokens (B, T+1) or any pytree of arrays with

@@ -546,3 +546,45 @@ def test_error_after_the_norm_with_host_clipping_refuses_the_half_updated_state(
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
         np.testing.assert_array_equal(a, b)
     assert float(st(batches[2])) == float(twin(batches[2]))  # and it trains on
+
+
+def test_offload_micro_batches_mean_the_parts_and_the_token_mean_recipe_equals_optax():
+    """ux21: with ``micro_batches`` a masked mean loss through ``offload`` is the mean of the
+    micro-batches' means (README, offload's docstring), not the mean over every scored row of the
+    batch (a WeightedLoss, which does that in chunkjax.fit_step, is refused by the front door).
+    The documented recipe, the masked sum over the whole batch's count (a batch leaf) times the
+    number of micro-batches, trains on the whole batch's mean: equal to optax on the full batch
+    at float32 tolerance; the plain masked mean's loss is the mean of the two halves' means."""
+    from flax import nnx
+    Net, _, batches = _tiny_nnx(dropout=False)
+    mask = jnp.asarray([1, 0, 0, 0, 1, 1, 1, 0], jnp.float32)  # 1 scored row in the first half, 3 in the second
+    data = [dict(b, mask=mask, n=jnp.full((8,), jnp.sum(mask))) for b in batches[:3]]
+
+    def sq(model, b):
+        return (model(b["x"]) - b["y"]) ** 2 * b["mask"]
+
+    def recipe(model, b):  # the mean over the whole batch's scored rows, whatever the micro-batches
+        return jnp.sum(sq(model, b)) / b["n"][0] * 2
+
+    def masked_mean(model, b):
+        return jnp.sum(sq(model, b)) / jnp.sum(b["mask"])
+
+    ref = Net(nnx.Rngs(5))
+    halves = [float(masked_mean(ref, jax.tree.map(lambda a: a[h], data[0]))) for h in (slice(0, 4), slice(4, 8))]
+    opt = nnx.Optimizer(ref, optax.adam(1e-2), wrt=nnx.Param)
+    want = []
+    for b in data:
+        loss, g = nnx.value_and_grad(masked_mean)(ref, b)
+        opt.update(ref, g)
+        want.append(float(loss))
+    kw = dict(device_budget="min", micro_batches=2, check_compiled=False)  # nothing to check on the CPU
+    st = cj.offload(Net(nnx.Rngs(5)), optax.adam(1e-2), recipe, data[0], **kw)
+    np.testing.assert_allclose([float(st(b)) for b in data], want, rtol=1e-5)
+    model = Net(nnx.Rngs(0))
+    st.sync(model)
+    for a, b in zip(jax.tree.leaves(nnx.state(model, nnx.Param)), jax.tree.leaves(nnx.state(ref, nnx.Param))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    plain = cj.offload(Net(nnx.Rngs(5)), optax.adam(1e-2), masked_mean, data[0], **kw)
+    got = float(plain(data[0]))
+    np.testing.assert_allclose(got, np.mean(halves), rtol=1e-5)
+    assert abs(got - want[0]) > 1e-3 * abs(want[0])  # a mean of means, not the whole batch's mean
