@@ -10,7 +10,8 @@ which write their results into new pinned host buffers and leave the input state
 and dispatches the donating updates last, in its *commit* (:meth:`PendingStep.commit`): a loop of
 dispatches and the new :class:`~chunkjax.step.TrainState`, with Ctrl-C (``SIGINT``) and
 ``SIGTERM`` held until it ends (:func:`interrupts_deferred`). An exception before the commit
-(before the global norm is known, with host chunks: below) leaves the caller's state as it was (the streamed pipeline stopped, its threads ended). A signal
+(with host chunks: before the global norm is known, below) leaves the caller's state as it was
+(the streamed pipeline stopped, its threads ended). A signal
 held during the commit is delivered as it ends, before a caller's ``state, m = step(state, b)``
 has stored the new state: a caller that keeps its state across Ctrl-C (the front door's
 :class:`chunkjax.OffloadedStep`) runs ``pending = step.begin(state, b)``, then commits and stores

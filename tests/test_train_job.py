@@ -371,7 +371,8 @@ def test_resume_alone_continues_the_run_as_configured(data_cache, tmp_path, caps
     out = capsys.readouterr().out
     line = next(l for l in out.splitlines() if l.startswith("config: "))
     for want in (" eval_every=3(run) ", " lr=0.01(run) ", " steps=6(run) ", " checkpoint_every=2(run) ",
-                 " model=micro(run) ", " keep_checkpoints=1 ", " seed=0 ", f" resume={part}(options-not-given:the-run's) "):
+                 " model=micro(run) ", " keep_checkpoints=1 ", " seed=0 ",
+                 f" resume={part}(options-not-given:the-run's) "):
         assert want in line, (want, line)  # seed: the run's is the default, unmarked
     assert re.search(r" out_dir=\S+\(run\) ", line), line
     run = _only(tmp_path / "runs")

@@ -413,8 +413,9 @@ def not_found(directory) -> str:
         return [os.path.join(folder, n) for n in names if not _STEP_RE.match(n) and all_steps(os.path.join(folder, n))]
     found = [r for r in dict.fromkeys(roots(d) + ([parent] if all_steps(parent) else []) + roots(parent))
              if os.path.abspath(r) != os.path.abspath(d)][:4]
-    where = ("; checkpoints found in " + ", ".join(f"{r} (steps {all_steps(r)})" for r in found) + ": pass one of them"
-             if found else "; pass the folder chunkjax.save_checkpoint(folder, n, step) wrote (it holds step_<N> folders)")
+    where = ("; checkpoints found in " + ", ".join(f"{r} (steps {all_steps(r)})" for r in found)
+             + ": pass one of them" if found
+             else "; pass the folder chunkjax.save_checkpoint(folder, n, step) wrote (it holds step_<N> folders)")
     return f"no complete checkpoint in {d}: it {what}{where}"
 
 
