@@ -34,6 +34,7 @@ _EXPORTS = {
     "WeightedLoss": "loss_weight",
     **dict.fromkeys(["DEVICE", "PINNED_HOST"], "memory"),
     "NonFiniteError": "nonfinite",
+    "PartialStepError": "step_commit",
     **dict.fromkeys(["init_chunk_state", "update_chunk"], "optim"),
     "PlanError": "errors",
     "parse_bytes": "budget",

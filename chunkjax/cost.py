@@ -36,6 +36,12 @@ class Rates:
       host_update_loaded_s_per_param: the same kernel beside the device's compute and both PCIe
         directions (:func:`chunkjax.host_contention.measure_loaded_host_update_rate`); where > 0
         the step's host thread is timed at it (:func:`chunkjax.host_contention.step_host_s_per_param`).
+      host_memory_bytes_per_s: the host's memory bandwidth that the host kernel's traffic and the
+        PCIe DMA share (the kernel reads and writes each host-updated param's master, moments and
+        gradient; every transferred byte is read or written in host memory once): 110 GB/s, the four
+        recorded drop-in updates on the lent H200 boxes (kernel + DMA bytes over the update's
+        seconds: 106-120 GB/s at 12-16 kernel threads, ``docs/dropin.md``, "Host memory bandwidth").
+        0: not modelled (the drop-in's lanes are then PCIe and kernel only).
       disk_read_bytes_per_s / disk_write_bytes_per_s: one storage device, each way (the lent
         H200's local disk: 1.4 GB/s each way, ``dd`` with O_DIRECT). The disk tier's reads and
         writes of one device are timed one after the other (they share it).
@@ -49,6 +55,7 @@ class Rates:
     device_update_s_per_param: float = 0.0074e-9
     host_update_s_per_param: float = 0.27e-9
     host_update_loaded_s_per_param: float = 0.0
+    host_memory_bytes_per_s: float = 110e9
     disk_read_bytes_per_s: float = 1.4e9
     disk_write_bytes_per_s: float = 1.4e9
 

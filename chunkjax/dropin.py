@@ -6,15 +6,18 @@ the device while they fit its budget (ZeRO-Offload's split, :func:`chunkjax.plan
 at one of PatrickStar's update locations (Fang et al., arXiv 2108.05818, section 5):
 
 * **streamed** (the device): master + state move to the device, the chunk is updated there by
-  the unchanged optax transformation (:func:`chunkjax.optim.update_chunk`) and moves back;
+  the unchanged optax transformation (:func:`chunkjax.optim.update_chunk`) and moves back; a
+  float32 chunk moves its state only, its master being the params the optimizer returned last
+  (:attr:`ChunkPrograms.update_lean`, :func:`lean_chunks`);
 * **host**: the numba kernel (:func:`host_chunk_step`, arithmetic of :mod:`chunkjax.kernels`)
   updates master and moments in place; only the gradient goes to the host and the new compute
   params come back. Only for a host kernel spec
   (``chunkjax.host_update.AdamW / Lion / SGDMomentum``) given as ``tx``.
 
-:func:`split_offloaded` divides the offloaded chunks between the two by rate
-(:func:`predict_update_s`: the PCIe bytes of each direction against the host kernel's time,
-the two running in parallel, ZeRO-Offload++ / ZenFlow's GPU-CPU split).
+:func:`split_offloaded` (:mod:`chunkjax.dropin_cost`, re-exported here) divides the offloaded
+chunks between the two by rate (:func:`predict_update_s`: the PCIe bytes of each direction
+against the host kernel's time and the host memory's time, which the kernel and the DMA share,
+all running in parallel; ZeRO-Offload++ / ZenFlow's GPU-CPU split).
 
 One step runs both locations at once on :class:`chunkjax.duplex.DuplexUpdate`'s threads (one
 per PCIe direction, one for the host kernel): ``depth`` streamed chunks' state on the device at
@@ -40,17 +43,15 @@ import optax
 from chunkjax import optim
 from chunkjax.cost import Rates
 from chunkjax.errors import PlanError
-from chunkjax.host_contention import step_host_s_per_param
 from chunkjax.layout import ChunkLayout, LeafSlot, Piece
 from chunkjax.memory import DEVICE, PINNED_HOST, sharding
 from chunkjax.plan import plan_schedule
-from chunkjax.duplex import DEFAULT_PIPELINE_DEPTH
+from chunkjax.dropin_cost import (DEFAULT_RATES, UpdateTime, host_kernel_bytes, lean_chunks,  # noqa: F401 (the drop-in's API)
+                                  predict_update_parts, predict_update_s, split_offloaded, streamed_bytes)
 
 
 _MSG_TX = ("tx must be an optax.GradientTransformation or a host kernel spec (chunkjax.host_update.AdamW / Lion / "
            "SGDMomentum), got {type}")
-_MSG_HOST_CHUNKS = ("host_chunks={n} but {have} chunk(s) have their state in pinned host memory: "
-                    "use 0 <= host_chunks <= {have}")
 
 
 #: One chunk's device update may use at most this fraction of the budget when the chunk size is
@@ -72,89 +73,6 @@ def min_chunks_for_budget(n_elements: int, state_bytes_per_element: float, budge
     return max(1, -(-int(n_elements) // cap))
 
 
-class UpdateTime(NamedTuple):
-    """Predicted seconds of the offloaded part of one update (:func:`predict_update_parts`).
-
-    Attributes:
-      h2d_s, d2h_s: each PCIe direction's busy time (both directions in flight together).
-      kernel_s: the host kernel's time.
-      total_s: the update's time: the longest of the three (they run in parallel).
-    """
-
-    h2d_s: float
-    d2h_s: float
-    kernel_s: float
-    total_s: float
-
-
-def predict_update_parts(n_streamed: int, n_host: int, chunk_size: int, state_bytes: int, grad_bytes: int,
-                         param_bytes: int, rates: Rates, depth: int = DEFAULT_PIPELINE_DEPTH) -> UpdateTime:
-    """Predicted seconds of the offloaded part of one update and its parts: each direction's
-    PCIe time (streamed chunks move ``state_bytes`` each way; host chunks send ``grad_bytes``
-    down and get ``param_bytes`` back; each direction at most half of
-    ``rates.duplex_bytes_per_s``, the two-thread duplex rate of :mod:`chunkjax.duplex`) and the
-    host kernel's time (``chunk_size`` elements per host chunk at
-    :func:`chunkjax.host_contention.step_host_s_per_param`: the kernel beside the transfers where
-    measured, else ``rates.host_update_s_per_param``); the three run in parallel, so the update takes the
-    longest. With a pipeline of one chunk (``depth=1``) a streamed chunk's two directions take
-    turns (counted in both directions' time).
-
-    Args:
-      n_streamed, n_host: chunks at each location.
-      chunk_size: elements per chunk.
-      state_bytes: one chunk's float32 master params + optimizer state (bytes).
-      grad_bytes, param_bytes: one chunk's gradient and compute params (bytes).
-      rates: :class:`chunkjax.cost.Rates`.
-      depth: the streamed pipeline's depth.
-    """
-    h2d = n_streamed * state_bytes + n_host * param_bytes
-    d2h = n_streamed * state_bytes + n_host * grad_bytes
-    half = rates.duplex_bytes_per_s / 2  # both directions at once: each at most half the duplex total
-    h2d_s, d2h_s = h2d / min(rates.h2d_bytes_per_s, half), d2h / min(rates.d2h_bytes_per_s, half)
-    if depth <= 1:  # no fetch while a write-back runs
-        turns = n_streamed * state_bytes * (1 / rates.h2d_bytes_per_s + 1 / rates.d2h_bytes_per_s)
-        h2d_s, d2h_s = max(h2d_s, turns), max(d2h_s, turns)
-    kernel_s = n_host * chunk_size * step_host_s_per_param(rates)  # beside the transfers where measured so
-    return UpdateTime(h2d_s, d2h_s, kernel_s, max(h2d_s, d2h_s, kernel_s))
-
-
-def predict_update_s(n_streamed: int, n_host: int, chunk_size: int, state_bytes: int, grad_bytes: int,
-                     param_bytes: int, rates: Rates, depth: int = DEFAULT_PIPELINE_DEPTH) -> float:
-    """Predicted seconds of the offloaded part of one update: :func:`predict_update_parts`'s
-    ``total_s`` (same arguments)."""
-    return predict_update_parts(n_streamed, n_host, chunk_size, state_bytes, grad_bytes, param_bytes, rates,
-                                depth).total_s
-
-
-def split_offloaded(offloaded: Sequence[int], chunk_size: int, state_bytes: int, grad_bytes: int,
-                    param_bytes: int, rates: Rates | None = None, host_chunks: int | None = None,
-                    depth: int = DEFAULT_PIPELINE_DEPTH) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Divide the chunks whose state is in pinned host memory between the streamed update and
-    the host kernel.
-
-    Args:
-      offloaded: chunk ids (layout order).
-      chunk_size, state_bytes, grad_bytes, param_bytes: as :func:`predict_update_s`.
-      rates: measured rates (default :class:`chunkjax.cost.Rates`, the H200's).
-      host_chunks: how many chunks the host kernel updates; None picks the count with the
-        least :func:`predict_update_s` (the fewest on a tie).
-      depth: the streamed pipeline's depth.
-
-    Returns:
-      ``(streamed, host)``: chunk ids; the host takes the last ``host_chunks`` of ``offloaded``
-      (the streamed ones go first: their update programs start while the host gradients travel).
-
-    Raises:
-      ValueError: ``host_chunks`` outside ``[0, len(offloaded)]``.
-    """
-    rates = rates or Rates()
-    n = len(offloaded)
-    if host_chunks is None:
-        host_chunks = min(range(n + 1), key=lambda h: (predict_update_s(
-            n - h, h, chunk_size, state_bytes, grad_bytes, param_bytes, rates, depth), h))
-    elif isinstance(host_chunks, bool) or not isinstance(host_chunks, int) or not 0 <= host_chunks <= n:
-        raise ValueError(_MSG_HOST_CHUNKS.format(n=host_chunks, have=n))
-    return tuple(offloaded[:n - host_chunks]), tuple(offloaded[n - host_chunks:])
 
 
 # ---- the drop-in's input checks ----------------------------------------------------------------
@@ -264,6 +182,25 @@ class ChunkPrograms:
 
         return jax.jit(upd, in_shardings=(dev, dev, dev, dev, dev), out_shardings=(dev, dev, dev),
                        donate_argnums=(1, 2))
+
+    @property
+    def update_lean(self):
+        """A float32 chunk's update without its master in the state that moves:
+        ``(grad leaves, param leaves, state, grad_sq, c) -> (new param leaves, state)``, state
+        donated. The master is packed inside the program from the params the optimizer returned
+        last (for float32 params they are the master, bit for bit: :func:`lean_chunks`), so a
+        streamed chunk moves its optimizer state only (8 of AdamW's 12 bytes per param each way)."""
+        dev = sharding(DEVICE)
+        sub, tx, cuts = self.sub, self.tx, self.cuts or (None,) * len(self.sub.slots)
+        dt = sub.chunk_dtypes[0]
+
+        def upd(grad_leaves, param_leaves, state, grad_sq, c):
+            g = sub.pack([cut(x, w) for x, w in zip(grad_leaves, cuts)], dtype=optim.MASTER_DTYPE)[0]
+            master = sub.pack([cut(x, w) for x, w in zip(param_leaves, cuts)], dtype=optim.MASTER_DTYPE)[0]
+            o = optim.update_chunk(tx, g, master, state, jnp.sum(grad_sq), grad_sq[c], dt)
+            return tuple(sub.unpack([o.params])), o.opt_state
+
+        return jax.jit(upd, in_shardings=(dev, dev, dev, dev, dev), out_shardings=(dev, dev), donate_argnums=(2,))
 
     @property
     def unpack(self):
@@ -514,13 +451,14 @@ class DropinPlan(NamedTuple):
     predicted_s: float
 
 
-def smallest_budget(lay: ChunkLayout, cb, depth: int, host: bool, host_chunks: int | None, rates: Rates | None) -> int:
+def smallest_budget(lay: ChunkLayout, cb, depth: int, host: bool, host_chunks: int | None, rates: Rates | None,
+                    lean: bool = False) -> int:
     """The least device budget (bytes) for which :func:`choose` finds a plan of ``lay``'s chunks
     (a drop-in's ``device_budget="min"``): the smallest of the plans' own minimums (the
     streamed pipeline's, :class:`chunkjax.PlanError` ``.min_budget_bytes``; with a host spec and
     an automatic split, one params chunk in flight for the all-host plan)."""
     try:
-        choose(lay, cb, 1, depth, host, host_chunks, rates)
+        choose(lay, cb, 1, depth, host, host_chunks, rates, lean)
         return 1
     except PlanError as e:
         need = e.min_budget_bytes
@@ -530,27 +468,28 @@ def smallest_budget(lay: ChunkLayout, cb, depth: int, host: bool, host_chunks: i
 
 
 def choose(lay: ChunkLayout, cb, budget: int, depth: int, host: bool, host_chunks: int | None,
-           rates: Rates | None) -> DropinPlan:
+           rates: Rates | None, lean: bool = False) -> DropinPlan:
     """The drop-in's plan: the ``"optimizer_only"`` placement (:func:`place`) with the offloaded
     chunks split between the streamed pipeline and, if ``host``, the host kernel, with two or one
     host params chunks in flight where the budget has room; with an automatic split
     (``host_chunks=None``) also the plan that updates every chunk on the host kernel (no device
     update working set at all: it fits budgets below one chunk's update), the faster predicted
-    one wins.
+    one wins. ``lean``: float32 streamed chunks move their optimizer state only (:func:`lean_chunks`).
 
     Raises:
       chunkjax.PlanError: no plan fits ``budget`` (or ``host_chunks`` cannot be honoured).
       ValueError: ``host_chunks`` out of range.
     """
-    rates = rates or Rates()
+    rates = rates or DEFAULT_RATES
     n = lay.n_chunks
+    moved = streamed_bytes(lay, cb, lean)
     tries = ([(2, host_chunks), (1, host_chunks)] + ([(0, 0)] if not host_chunks else [])) if host else [(0, 0)]
     found, error = [], None
     for in_flight, n_host in tries:
         def split(offloaded, d, n_host=n_host):  # n_host None: by rate
             if n_host == 0:
                 return tuple(offloaded), ()
-            return split_offloaded(offloaded, lay.chunk_size, cb.state, cb.grad, cb.params, rates, n_host, d)
+            return split_offloaded(offloaded, lay.chunk_size, cb.state, cb.grad, cb.params, rates, n_host, d, moved)
         try:
             plan, d, streamed, on_host = place(lay, cb, budget, depth, split, in_flight * cb.params)
         except PlanError as e:
@@ -562,7 +501,8 @@ def choose(lay: ChunkLayout, cb, budget: int, depth: int, host: bool, host_chunk
             int(plan.predicted.peak_device_bytes - plan.predicted.device_model_bytes + (d - 1) * cb.state
                 + in_flight * cb.params),
             int(plan.predicted.device_model_bytes), int(plan.predicted.host_model_bytes),
-            predict_update_s(len(streamed), len(on_host), lay.chunk_size, cb.state, cb.grad, cb.params, rates, d)))
+            predict_update_s(len(streamed), len(on_host), lay.chunk_size, cb.state, cb.grad, cb.params, rates, d,
+                             moved)))
         break
     if host and host_chunks in (None, n):
         for in_flight in (2, 1):  # every chunk on the host kernel: only params chunks on their way back

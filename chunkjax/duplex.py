@@ -326,7 +326,9 @@ class UpdateBreakdown:
       step: the update's index (0 for the first).
       n_device, n_streamed, n_host: chunks at each update location.
       predicted_s, predicted_h2d_s, predicted_d2h_s, predicted_kernel_s: the cost model's
-        update seconds and its three parts (each direction's PCIe time, the kernel's time).
+        update seconds and three of its parts (each direction's PCIe time, the kernel's time);
+        ``predicted_host_memory_s`` (with the caller's fields below) the fourth, the host memory's
+        time that the kernel and the DMA share.
       backward_wait_s: until the gradients existed (the user's backward still running when
         ``update()`` is called right after dispatching it).
       update_s: from the gradients' existence until ``update()`` returned: what ``predicted_s``
@@ -388,6 +390,7 @@ class UpdateBreakdown:
     model_update_s: float | None = None
     step_s: float | None = None
     grads_ready_s: float | None = None
+    predicted_host_memory_s: float | None = None
 
     def __repr__(self) -> str:
         """One short line (the events counted, not listed: :meth:`as_dict` has every field)."""
@@ -463,4 +466,5 @@ def breakdown(run: DuplexUpdate, *, step: int, n_device: int, predicted,
         tail_s=max(0.0, end - ret), h2d_bytes=h2d_b, d2h_bytes=d2h_b, h2d_busy_s=h2d_s, d2h_busy_s=d2h_s,
         both_busy_s=_overlap(up, down), h2d_gb_per_s=h2d_b / h2d_s / 1e9 if h2d_s > 0 else 0.0,
         d2h_gb_per_s=d2h_b / d2h_s / 1e9 if d2h_s > 0 else 0.0, kernel_s=kernel_s,
-        kernel_idle_s=max(0.0, span - kernel_s), events=tuple(ev), **caller)
+        kernel_idle_s=max(0.0, span - kernel_s), events=tuple(ev),
+        predicted_host_memory_s=getattr(predicted, "host_memory_s", None), **caller)

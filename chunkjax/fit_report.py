@@ -8,6 +8,8 @@ from typing import Any
 from chunkjax.errors import format_bytes, format_moved_bytes
 from chunkjax.plan_disk import storage_line
 from chunkjax.plan_micro import accumulation_line
+from chunkjax.predict import disk_file_bytes
+from chunkjax.schedule import HOST_UPDATE, STORAGE_UPDATE, STREAMED_UPDATE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,10 +73,26 @@ def describe(report: FitReport, problem) -> str:
             f"{held(p.peak_device_bytes)}{comp} of budget {held(report.budget_bytes)}{ranks}; model data "
             f"on device {held(p.device_model_bytes)} of {held(model)}; per step h2d "
             f"{moved(p.h2d_bytes_per_step)}, d2h {moved(p.d2h_bytes_per_step)}; host "
-            f"{held(p.host_bytes)} ({p.host_resident_bytes_per_param:.1f} B/param of host-resident chunks, "
+            f"{held(p.host_bytes)} ({resident_figures(s, problem.cb_rank)}, "
             f"{len(s.master_fetch)} without a compute copy, working set {held(p.host_working_bytes)}: "
             f"host gradients in flight and streamed write-back); predicted step "
             f"{p.time.step_s * 1e3:.1f} ms" + (" (the cost model's GPU rates: a CPU runs far slower)"
                                                 if problem.platform == "cpu" else "")
             + "".join(f"; {x}" for x in [storage_line(s, problem.storage_dirs, problem.host_budget_bytes),
                                          accumulation_line(s, problem.micro_batches)] if x))
+
+
+def resident_figures(schedule, cb) -> str:
+    """Where the model data off the device lives, per parameter: ``"X B/param of host-resident
+    chunks"`` (host and streamed chunks' state in host memory, with the working set:
+    ``host_resident_bytes_per_param``) or ``"no host-resident chunks"``, and for ``storage``
+    chunks ``"N storage chunks at Y B/param on disk"`` (their master params and optimizer state,
+    :func:`chunkjax.predict.disk_file_bytes` over a chunk's (rank's) elements). ``cb``: the
+    schedule's (one rank's) :class:`~chunkjax.predict.ChunkBytes`."""
+    p, locs = schedule.predicted, schedule.update_locations
+    out = (f"{p.host_resident_bytes_per_param:.1f} B/param of host-resident chunks"
+           if any(u in (HOST_UPDATE, STREAMED_UPDATE) for u in locs) else "no host-resident chunks")
+    n_disk = sum(u == STORAGE_UPDATE for u in locs)
+    if n_disk:
+        out += f", {n_disk} storage chunks at {disk_file_bytes(cb) / (cb.master // 4):.1f} B/param on disk"
+    return out

@@ -72,6 +72,9 @@ _MSG_STRUCTURE = "grads do not have the params' structure: {what}"
 _MSG_HOST_NEEDS_SPEC = ("host_chunks={n} needs tx given as a host kernel spec (chunkjax.host_update.AdamW / Lion / "
                         "SGDMomentum): an optax transformation runs on the device only")
 _MSG_DEPTH = "pipeline_depth must be an int >= 1, got {v!r}"
+_MSG_DELETED = ("the params this optimizer returned for leaf {path!r} were deleted (donated to a jitted step?): "
+                "float32 streamed chunks keep them as their master; keep them alive, or construct the optimizer "
+                "with lean_streamed=False")
 _MSG_TRACED = ("the optimizer's update got traced gradients: call opt.update(...) outside jax.jit / nnx.jit (it "
                "moves chunks between host and device memory and runs host threads, which a traced program cannot); "
                "jit only the function returning the gradients")
@@ -85,7 +88,8 @@ class ChunkedOptimizer:
     Args:
       params: the trainable params pytree (linen ``variables["params"]``, an ``nnx.State``, any
         pytree of floating-point arrays, any shapes; bf16 / f16 / f32 leaves). Its values
-        initialise the float32 master params; the object keeps no reference to it.
+        initialise the float32 master params; the object keeps a reference only to the float32
+        leaves of lean streamed chunks (``lean_streamed``), as the device arrays they are.
       tx: an optax ``GradientTransformation``, or a host kernel spec
         (``chunkjax.host_update.AdamW / Lion / SGDMomentum``: its ``.optax()`` runs on the device,
         and part of the offloaded chunks is updated in place by the host kernel in parallel with
@@ -117,10 +121,17 @@ class ChunkedOptimizer:
         (None: split by rate, :func:`chunkjax.dropin.split_offloaded`; 0: all streamed).
       pipeline_depth: streamed chunks whose state may be on the device at once (>= 1; 3 keeps
         both PCIe directions busy). A smaller depth is used when the budget has no room for it.
-      rates: :class:`chunkjax.cost.Rates` for the host/streamed split (default: the H200's;
+      rates: :class:`chunkjax.cost.Rates` for the host/streamed split (default:
+        :data:`chunkjax.dropin.DEFAULT_RATES`, the H200's with the kernel beside the transfers;
         :meth:`chunkjax.cost.Rates.from_record` reads the rates a GPU run measured).
       host_threads: numba threads of the host kernel (None: the cores less the transfer threads:
         :func:`chunkjax.dropin.host_threads_for`; ignored without a host kernel spec).
+      lean_streamed: float32 streamed chunks keep no master of their own (default True): their
+        master is the params this optimizer returned last (on the device; for float32 params the
+        master bit for bit), so they move their optimizer state only (8 of AdamW's 12 bytes per
+        param each way: :func:`chunkjax.dropin.lean_chunks`). The optimizer then keeps a
+        reference to the params it returned; a step that donates them (``donate_argnums``) gets a
+        one-line error at the next update: pass False for such a loop.
 
     Attributes:
       layout: the :class:`chunkjax.ChunkLayout` of ``params``.
@@ -157,7 +168,7 @@ class ChunkedOptimizer:
     def __init__(self, params, tx, *, device_budget: int | str, chunk_size: int | None = None,
                  min_chunks: int = DEFAULT_MIN_CHUNKS, order: list[str] | None = None, check_tx: bool = True,
                  host_chunks: int | None = None, pipeline_depth: int = duplex.DEFAULT_PIPELINE_DEPTH,
-                 rates: Rates | None = None, host_threads: int | None = None):
+                 rates: Rates | None = None, host_threads: int | None = None, lean_streamed: bool = True):
         budget = dropin.budget_bytes(device_budget)
         spec = dropin.host_spec(tx)
         if spec is None and host_chunks:
@@ -195,17 +206,20 @@ class ChunkedOptimizer:
         # host chunks' gradients travel to the host two at a time (the next one's transfer under this
         # one's kernel), or one at a time where the budget has no room for two (chunkjax.dropin.choose)
         if budget == "min":  # the least budget a plan of these chunks needs
-            budget = dropin.smallest_budget(lay, cb, pipeline_depth, spec is not None, host_chunks, rates)
+            budget = dropin.smallest_budget(lay, cb, pipeline_depth, spec is not None, host_chunks, rates,
+                                            bool(lean_streamed))
         self.device_budget = budget  # bytes (the least a plan needs for "min")
-        dp = dropin.choose(lay, cb, budget, pipeline_depth, spec is not None, host_chunks, rates)
+        dp = dropin.choose(lay, cb, budget, pipeline_depth, spec is not None, host_chunks, rates, bool(lean_streamed))
         self.pipeline_depth, self.streamed_chunks, self.host_chunks = dp.depth, dp.streamed, dp.host
         self._host_in_flight, self.placement = dp.in_flight, dp.placement
         self._state_bytes = cb.state
         self.working_bytes, self.device_state_bytes, self.host_state_bytes = (
             dp.working_bytes, dp.device_state_bytes, dp.host_state_bytes)
         self.predicted_update_s = dp.predicted_s
+        self.lean_chunks = dropin.lean_chunks(lay, dp.streamed) if lean_streamed else frozenset()
         self.predicted_update = dropin.predict_update_parts(
-            len(dp.streamed), len(dp.host), lay.chunk_size, cb.state, cb.grad, cb.params, rates or Rates(), dp.depth)
+            len(dp.streamed), len(dp.host), lay.chunk_size, cb.state, cb.grad, cb.params, rates or dropin.DEFAULT_RATES,
+            dp.depth, dropin.streamed_bytes(lay, cb, bool(lean_streamed)))
         kinds = self.placement.state_kinds
         # issue 21: refuse before allocating when host memory cannot hold the offloaded state (on
         # the CPU the device's share is host memory too); host chunks add a pinned params buffer
@@ -223,6 +237,8 @@ class ChunkedOptimizer:
             progs = programs.setdefault((sub, dropin.cuts_of(lay, c)), dropin.ChunkPrograms(sub, tx, dropin.cuts_of(lay, c)))
             if c in self.host_chunks:
                 self._unpack_of[c] = programs.setdefault(("unpack", sub), progs.unpack)
+            elif c in self.lean_chunks:
+                self._update_of[c] = programs.setdefault(("lean", progs), progs.update_lean)
             else:
                 self._update_of[c] = programs.setdefault(("update", progs), progs.update)
         self._sends = dropin.host_sends(lay, self.host_chunks)
@@ -247,9 +263,13 @@ class ChunkedOptimizer:
             else:
                 sk = sharding(kinds[c])
                 states.append(jax.device_put(init(m), sk))
-                masters.append(jax.device_put(m, sk))
+                masters.append(None if c in self.lean_chunks else jax.device_put(m, sk))
             del m
         self._master, self._opt_state = masters, states
+        # the lean chunks' master: the params returned last (first: the given ones, on the device)
+        lean_slots = {i for c in self.lean_chunks for i, _ in self._pieces[c]}
+        self._params_now = [jax.device_put(x, sharding(DEVICE)) if i in lean_slots else None
+                            for i, x in enumerate(leaves)]
         self._host_tokens: dict = {}  # per host chunk, the last update's unpack token (ChunkPrograms.unpack)
         self._pending: duplex.DuplexUpdate | None = None
         self._pending_phases: duplex.StepPhases | None = None
@@ -309,14 +329,21 @@ class ChunkedOptimizer:
         for s, g in zip(lay.slots, leaves):
             if tuple(np.shape(g)) != s.shape:
                 raise ValueError(f"gradient of {s.path!r} has shape {tuple(np.shape(g))}, the params' is {s.shape}")
+        for i, x in enumerate(self._params_now):
+            if x is not None and x.is_deleted():
+                raise ValueError(_MSG_DELETED.format(path=lay.slots[i].path))
         self._join()
         t0 = phases.mark("setup")
         grad_sq, cut, cast = self._prepare(leaves)
         out: list[Any] = [[] for _ in lay.slots]
         of = lambda c: tuple(leaves[i] for i, _ in self._pieces[c])  # noqa: E731  (whole leaves: cut in the program)
 
-        def update(c, master, state):
-            new, master, state = self._update_of[c](of(c), master, state, grad_sq, self._chunk_id[c])
+        def update(c, *fetched):
+            if c in self.lean_chunks:  # (state,): the master packed from the params returned last
+                new, state = self._update_of[c](of(c), self._lean_params(c), *fetched, grad_sq, self._chunk_id[c])
+                self._put(out, c, new)
+                return (state,)
+            new, master, state = self._update_of[c](of(c), *fetched, grad_sq, self._chunk_id[c])
             self._put(out, c, new)
             return master, state
 
@@ -379,27 +406,42 @@ class ChunkedOptimizer:
         self.step += 1
         # a leaf spanning chunks: its pieces joined in leaf order (the chunks update in another order)
         joined = iter(self._join_spanning([[y for _, y in sorted(x, key=lambda e: e[0])] for x in out if len(x) > 1]))
-        return [x[0][1] if len(x) == 1 else next(joined) for x in out]
+        new_leaves = [x[0][1] if len(x) == 1 else next(joined) for x in out]
+        self._params_now = [None if x is None else y for x, y in zip(self._params_now, new_leaves)]
+        return new_leaves
+
+    def _lean_params(self, c: int) -> tuple:
+        """A lean chunk's master as the whole param leaves of its pieces (cut in its program)."""
+        return tuple(self._params_now[i] for i, _ in self._pieces[c])
+
+    def _master_of(self, c: int):
+        """Chunk ``c``'s (chunk_size,) float32 master: its own, or a lean chunk's packed from the
+        params returned last (on the device)."""
+        if c not in self.lean_chunks:
+            return self._master[c]
+        return self.layout.pack_chunk(c, self._params_now, dtype=optim.MASTER_DTYPE)
 
     def _put(self, out: list, c: int, new) -> None:
         for (i, p), x in zip(self._pieces[c], new):
             out[i].append((p.leaf_offset, x))
 
     def _fetch(self, c: int):
-        return jax.block_until_ready(jax.device_put((self._master[c], self._opt_state[c]), sharding(DEVICE),
-                                                    may_alias=False))
+        moved = (self._opt_state[c],) if c in self.lean_chunks else (self._master[c], self._opt_state[c])
+        return jax.block_until_ready(jax.device_put(moved, sharding(DEVICE), may_alias=False))
 
-    def _store(self, c: int, master, state) -> None:
-        m, st = jax.device_put((master, state), sharding(PINNED_HOST), may_alias=False)
-        jax.block_until_ready((m, st))
-        self._master[c], self._opt_state[c] = m, st
+    def _store(self, c: int, *updated) -> None:
+        back = jax.block_until_ready(jax.device_put(updated, sharding(PINNED_HOST), may_alias=False))
+        if c in self.lean_chunks:
+            self._opt_state[c] = back[0]
+        else:
+            self._master[c], self._opt_state[c] = back
 
     # ---- state -----------------------------------------------------------------------------------
     def master_params(self):
         """The float32 master params as a pytree with the params' structure (on the device)."""
         self._join()
         dev = sharding(DEVICE)
-        return self.layout.unpack([jax.device_put(m, dev) for m in self._master])
+        return self.layout.unpack([jax.device_put(self._master_of(c), dev) for c in range(self.layout.n_chunks)])
 
     @property
     def opt_state(self) -> tuple:
@@ -457,7 +499,7 @@ class ChunkedOptimizer:
             master = self._master[c]
         else:
             count, moments, rest = portable.optax_to_portable(st, self.layout.chunk_size)
-            master = portable.host_value(self._master[c], np.float32)
+            master = portable.host_value(self._master_of(c), np.float32)
         arrays = {"params": master.astype(self.compute_dtype), "master": master, **moments}
         if copy:  # np.asarray of a jax array may be a view of its buffer, which the next update donates;
             # a host chunk's master and moments are updated in place by the next update
@@ -471,7 +513,7 @@ class ChunkedOptimizer:
         """Chunk ``c``'s (chunk_size,) float32 master params."""
         del state
         self._join()
-        return np.asarray(self._master[c], np.float32)
+        return np.asarray(self._master_of(c), np.float32)
 
     def checkpoint_restore(self, saved):
         """Replace the master params, optax state and step count with a checkpoint's (each chunk
@@ -504,7 +546,7 @@ class ChunkedOptimizer:
             else:
                 opt = portable.portable_to_optax(template, cm["count"], arrs, cm["rest"], c)
                 sk = sharding(self.placement.state_kinds[c])
-                masters.append(jax.device_put(master, sk))
+                masters.append(None if c in self.lean_chunks else jax.device_put(master, sk))
                 states.append(jax.device_put(opt, sk))
                 del opt
             count = cm["count"]
@@ -512,7 +554,9 @@ class ChunkedOptimizer:
         self._master, self._opt_state, self._host_params = masters, states, host_params
         self._host_tokens = {}
         self.step = int(saved.meta.get("optimizer_steps", count or 0))
-        return lay.unpack(params)
+        restored = lay.unpack(params)
+        self._params_now = [None if x is None else y for x, y in zip(self._params_now, lay.treedef.flatten_up_to(restored))]
+        return restored
 
     def summary(self) -> str:
         """One line: chunks, where their state lives, predicted bytes."""
@@ -520,7 +564,8 @@ class ChunkedOptimizer:
         return (f"ChunkedOptimizer: {self.layout.n_chunks} chunks x {self.layout.chunk_size} elements; "
                 f"state of {n_dev} on the device ({self.device_state_bytes / 2**20:.2f} MiB), "
                 f"{len(self.streamed_chunks)} in pinned host memory streamed through the device (pipeline depth "
-                f"{self.pipeline_depth}), {len(self.host_chunks)} updated by the host kernel"
+                f"{self.pipeline_depth}; {len(self.lean_chunks)} of them moving their optimizer state only), "
+                f"{len(self.host_chunks)} updated by the host kernel"
                 f"{f' (numba threads: {self.host_threads})' if self.host_threads else ''} "
                 f"({self.host_state_bytes / 2**20:.2f} MiB off the device); "
                 f"update working set {self.working_bytes / 2**20:.2f} MiB")

@@ -171,7 +171,9 @@ class OffloadedStep(OffloadedChunkIO):
         chunks' donating updates are dispatched last, with signals held; compute params an
         early-streamed chunk donated are rebuilt from its master params, the same bits), except
         host-updated chunks whose update does not wait for the global norm (updated in place
-        while the backward runs). Costs no device or host bytes.
+        while the backward runs). An exception after the global norm is known, with host-updated
+        chunks, cannot undo them: every later use of the state then raises
+        :class:`chunkjax.PartialStepError` (restore the last checkpoint). Costs no device or host bytes.
 
         ``batch``'s leaves of a dtype JAX canonicalises to the planned one (int64 or float64 with
         x64 off) are cast to it, as ``jnp.asarray`` would.
@@ -179,6 +181,7 @@ class OffloadedStep(OffloadedChunkIO):
         Raises:
           ValueError: the batch's pytree structure, shapes or dtypes differ from the example's.
           chunkjax.front_checkpoint.NoStateError: a restore failed after releasing the state.
+          chunkjax.PartialStepError: a step failed after its global norm, leaving the state half updated.
         """
         batch = self._check(batch)
         state = self._held()
@@ -464,7 +467,12 @@ def offload(model, tx, loss_fn, batch, *, device_budget: int | str = "auto", hos
         chunks update on the host, its ``optax()`` twin updates the device chunks).
       loss_fn: ``loss_fn(model, batch) -> () float``: the loss (a scalar; nnx's usual signature),
         nothing else: no ``(loss, aux)`` pair (:meth:`OffloadedStep.evaluate` gives the loss
-        without an update; other outputs come from the model's forward after a sync).
+        without an update; other outputs come from the model's forward after a sync), no
+        :class:`chunkjax.WeightedLoss` (ValueError; :func:`chunkjax.fit_step` takes one). With
+        ``micro_batches=M`` the objective is the mean of the P = M (x ranks on a mesh) parts'
+        losses: a masked mean becomes a mean of means; the whole batch's token mean is
+        ``sum(loss * mask) / batch["n_scored"][0] * P``, ``n_scored`` a batch leaf holding the
+        whole batch's count in every row.
         Blocks wrapped in ``nnx.remat`` (or calling ``jax.checkpoint`` inside) are found the same
         way; their rematerialisation coincides with the step's per-stage recompute.
       batch: an example batch, the planned shape: tokens (B, T+1) or any pytree of arrays with
@@ -492,7 +500,8 @@ def offload(model, tx, loss_fn, batch, *, device_budget: int | str = "auto", hos
         always.
       **fit_kw: the rest of :func:`chunkjax.fit_step` (chunk_size, min_chunks, prefetch,
         flops_per_step (default: 3 x the forward's matrix products counted in the traced loss),
-        rates, check_compiled, strict, ...): ``nonfinite="skip"`` leaves parameters and optimizer
+        rates, check_compiled, strict, ...): ``nonfinite`` defaults to ``"ignore"`` (no check: a
+        step with NaN/inf gradients is applied as it is); ``nonfinite="skip"`` leaves parameters and optimizer
         state of a step with non-finite gradients unchanged (``"error"``: also raises
         :class:`chunkjax.NonFiniteError` naming the step, the non-finite loss or norm), while the non-parameter state the
         loss changes (counters, RNG counts) advances; ``check_tx=False`` skips the probe that

@@ -25,13 +25,15 @@ the step has no state and says so in one line until a restore succeeds.
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from chunkjax.checkpoint.codec import encode
 from chunkjax.checkpoint.protocol import CheckpointError
 from chunkjax.nnx_side import side_by_key
 from chunkjax.step_checkpoint import check_moments
-from chunkjax.step_commit import interrupts_deferred
+from chunkjax.step_commit import PartialStepError, interrupts_deferred
 
 #: The meta.json entry of the non-parameter state.
 SIDE_STATE = "side_state"
@@ -130,7 +132,8 @@ class OffloadedChunkIO:
         check_moments(self.step, saved)
         saved.verify()
         if self.state is not None:
-            self.step.wait(self.state)
+            with contextlib.suppress(PartialStepError):  # a state a failed step left half updated: replaced
+                self.step.wait(self.state)
         try:
             with interrupts_deferred():
                 self.state, self._no_state = None, f"restoring {saved.where} did not finish"

@@ -25,7 +25,10 @@ global ``total_weights``; its gradient accumulation adds each micro-batch's grad
 A plain scalar loss runs exactly as before (seed 1, or ``1 / N`` over ``N`` ranks; the mean of the
 micro-batches' gradients). The front door (:func:`chunkjax.offload`) takes a scalar loss only (a
 ``loss_fn`` returning a :class:`WeightedLoss` is refused in one line): use
-:func:`chunkjax.fit_step` with stages.
+:func:`chunkjax.fit_step` with stages, or there normalise by the whole batch's count passed in
+the batch, times the number of parts (:func:`chunkjax.offload`'s ``loss_fn``). Supporting it in
+the front door would carry the weight out of the discovered loss as a second output through the
+stage cut (:mod:`chunkjax.discover`): not done yet.
 
 References: MaxText ``train.py``: ``loss_fn`` returns ``total_loss`` and ``total_weights``;
 ``train_step``'s gradient accumulation adds ``grad * total_weights`` per micro-batch and divides

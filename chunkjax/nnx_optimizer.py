@@ -31,7 +31,8 @@ class NnxOptimizer:
         :meth:`update` must have the structure of ``nnx.state(model, wrt)`` (what ``nnx.grad``
         returns for ``wrt=nnx.Param``).
       **kwargs: ``device_budget`` (required), ``chunk_size``, ``min_chunks``, ``order``,
-        ``check_tx``, ``host_chunks``, ``pipeline_depth``, ``rates``, ``host_threads``: as :class:`ChunkedOptimizer`.
+        ``check_tx``, ``host_chunks``, ``pipeline_depth``, ``rates``, ``host_threads``, ``lean_streamed``: as
+        :class:`ChunkedOptimizer`.
 
     Checkpoints (``chunkjax.save_checkpoint(dir, n, opt)`` / ``chunkjax.restore_checkpoint(dir,
     opt)``) hold the optimizer's chunks and the model's non-parameter state (every variable
@@ -54,15 +55,16 @@ class NnxOptimizer:
         from flax import nnx
         self.wrt = nnx.Param if wrt is None else wrt
         self.model = model
-        state = nnx.state(model, self.wrt)
-        self.chunked = ChunkedOptimizer(state, tx, **kwargs)
-        self._paths = nnx_write.variable_paths(state)  # per leaf, its Variable's path in the model
         # commit the params to the device now: update() returns committed arrays, and a jitted
         # step that first saw uncommitted ones would compile a second time; the model's other
-        # uncommitted arrays too (counters, constants: nnx.jit's outputs are committed)
+        # uncommitted arrays too (counters, constants: nnx.jit's outputs are committed). First, so
+        # that the optimizer's lean chunks take the model's own arrays as their master (no copy)
         nnx.update(model, jax.device_put(nnx.state(model, self.wrt), sharding(DEVICE)))
         nnx.update(model, jax.tree.map(lambda x: jax.device_put(x, sharding(DEVICE))
                                        if isinstance(x, jax.Array) and not x.committed else x, nnx.state(model)))
+        state = nnx.state(model, self.wrt)
+        self.chunked = ChunkedOptimizer(state, tx, **kwargs)
+        self._paths = nnx_write.variable_paths(state)  # per leaf, its Variable's path in the model
 
     @property
     def step(self) -> int:

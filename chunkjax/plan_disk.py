@@ -21,12 +21,36 @@ import math
 from chunkjax import predict as pr
 from chunkjax.errors import PlanError, format_bytes, format_moved_bytes
 from chunkjax.host_memory import storage_host_bytes
+from chunkjax.storage.tier import IO_THREADS
 from chunkjax.schedule import HOST_UPDATE, STORAGE_UPDATE, STREAMED_UPDATE, Schedule
 
 #: A step writes a new version of every storage chunk's file before the old one goes (the
 #: two-phase commit of :mod:`chunkjax.storage.files`): disk use is up to twice the state
 #: (``StorageOptions(keep_previous=False)``: once).
 DISK_VERSIONS = 2
+
+
+def disk_chunks_fit(disk_budget: int, file_bytes: int, versions: int, workers: int) -> int:
+    """Storage chunks whose files fit ``disk_budget`` bytes. With ``versions`` 2 (the two-phase
+    commit) every chunk's new file is written before its old one goes: ``versions`` files a chunk.
+    With 1 (``StorageOptions(keep_previous=False)``) each worker's :data:`~chunkjax.storage.tier.IO_THREADS`
+    writes in flight each hold a new file beside its committed one: those files are counted too
+    (session 21: GPT3_18B with 108 chunk files planned in exactly the directory's free bytes
+    stopped its first step with ENOSPC).
+
+    Args:
+      disk_budget: bytes the storage directories may hold.
+      file_bytes: one chunk file's bytes (:func:`chunkjax.predict.disk_file_bytes`).
+      versions: :data:`DISK_VERSIONS` or 1.
+      workers: near-storage worker processes (one :class:`~chunkjax.storage.tier.DiskTier` each).
+
+    Returns:
+      the number of chunks, >= 0."""
+    n = disk_budget // (versions * max(1, file_bytes))
+    if versions == 1:
+        n -= IO_THREADS * max(1, workers)
+    return max(0, int(n))
+
 
 _MSG_HOST_DISK = ("host budget {host} bytes is below the host need of every plan tried at a device budget of {dev} "
                   "bytes with {d} storage director{ies} (disk budget {disk}); the least is {need} bytes, the plan of "
@@ -77,7 +101,7 @@ def place_on_disk(s: Schedule, cb: pr.ChunkBytes, *, chunk_size: int, traces, ti
     order = sorted((c for c, u in enumerate(loc0) if u in (HOST_UPDATE, STREAMED_UPDATE)),
                    key=lambda c: (loc0[c] != STREAMED_UPDATE, -done.get(c, T), c))
     if disk_budget is not None:
-        order = order[:max(0, disk_budget // (versions * max(1, pr.disk_file_bytes(cb))))]
+        order = order[:disk_chunks_fit(disk_budget, pr.disk_file_bytes(cb), versions, workers)]
     if not order:
         return s
     device_part = [b - e for b, e in zip(s.predicted.device_bytes_per_moment,

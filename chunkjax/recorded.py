@@ -95,8 +95,11 @@ class RecordedUpdate(NamedTuple):
     Attributes:
       n_offloaded, n_host, depth, chunk_size: the split (``n_offloaded - n_host`` streamed).
       state_bytes, grad_bytes, param_bytes: per chunk, the bytes its timeline moved (a streamed
-        chunk's fetch; a host chunk's gradient and params, averaged over the host chunks).
+        chunk's fetch, plus its float32 master where the run's streamed chunks were lean, i.e.
+        moved their optimizer state only; a host chunk's gradient and params, averaged over the
+        host chunks).
       measured_s: the median ``update_s`` of the steady updates (:class:`chunkjax.duplex.UpdateBreakdown`).
+      streamed_bytes: a streamed chunk's fetch where it differs from ``state_bytes`` (lean), else None.
     """
 
     n_offloaded: int
@@ -107,6 +110,7 @@ class RecordedUpdate(NamedTuple):
     grad_bytes: float
     param_bytes: float
     measured_s: float
+    streamed_bytes: float | None = None
 
 
 def recorded_update(system: dict) -> RecordedUpdate:
@@ -122,6 +126,9 @@ def recorded_update(system: dict) -> RecordedUpdate:
     sp, ev = system["split"], system["timeline"]
     nb = lambda kind: [e[2] for e in ev if e[0] == kind]  # noqa: E731
     n_host, fetches = sp["host"], nb("fetch")
+    fetch = max(fetches) if fetches else 0.0
+    lean = bool(sp.get("lean"))  # (float32) streamed chunks moving their state only: the master is 4 B/param more
     return RecordedUpdate(sp["streamed"] + n_host, n_host, sp["depth"], sp["chunk_size"],
-                          max(fetches) if fetches else 0.0, sum(nb("grads")) / max(1, n_host),
-                          sum(nb("params")) / max(1, n_host), system["breakdown_median"]["update_s"])
+                          fetch + 4 * sp["chunk_size"] if lean else fetch, sum(nb("grads")) / max(1, n_host),
+                          sum(nb("params")) / max(1, n_host), system["breakdown_median"]["update_s"],
+                          fetch if lean else None)

@@ -6,16 +6,14 @@ One step is a short host-driven pipeline of jitted programs (definitions.md, "a 
    recompute) cut into programs at the schedule's segments (one program for a plain
    :class:`~chunkjax.plan.Placement`); gradient chunks leave each program as they complete,
    reduced over the ranks on a mesh, with their squared norms for global-norm clipping;
-2. updates (:mod:`chunkjax.updaters`): device chunks by one program each after the last program;
-   streamed (:mod:`chunkjax.streamed`) and host chunks (a host thread) as each program's gradients
-   complete, while the device runs the rest of the backward. The pending work is returned in the
-   state (:attr:`TrainState.pending`); :meth:`ChunkedStep.wait` joins it, the next call too, after
-   waiting per program for the host chunks it takes (cross-step overlap, :mod:`chunkjax.cross_step`).
+2. updates (:mod:`chunkjax.updaters`): device chunks by one program each after the last program; streamed
+   (:mod:`chunkjax.streamed`) and host chunks (a host thread) as each program's gradients complete, while the
+   device runs the rest of the backward. The pending work is returned in the state (:attr:`TrainState.pending`);
+   :meth:`ChunkedStep.wait` joins it, the next call per program for the chunks it takes (:mod:`chunkjax.cross_step`).
 
-The topology (:mod:`chunkjax.topology`: one device, or a ``data`` mesh with ZeRO stage 1/2/3, in
-one process or many through ``jax.distributed``) supplies the walker's hooks, the shardings and
-the ``shard_map`` wrapping. Gradient accumulation over micro-batches, the non-finite policy and
-fp16 loss scaling work the same in every topology.
+The topology (:mod:`chunkjax.topology`: one device, or a ``data`` mesh with ZeRO stage 1/2/3, in one process or
+many through ``jax.distributed``) supplies the walker's hooks, the shardings and the ``shard_map`` wrapping.
+Gradient accumulation over micro-batches, the non-finite policy and fp16 loss scaling work alike in every topology.
 
 References: PatrickStar (arXiv 2108.05818) sections 4-6 (chunks, fetch before use,
 device-aware update placement, data parallelism over chunks); ZeRO (Rajbhandari et al., SC 2020).
@@ -40,7 +38,7 @@ from chunkjax.plan import Placement, fetch_events
 from chunkjax.schedule import ACCUMULATIONS, PER_MICRO_BATCH, check_trainable, micro_group_size
 from chunkjax.stages import first_readers, split_loss, stage_reads
 from chunkjax.step_checkpoint import StepChunkIO, resumed_state
-from chunkjax.step_commit import PendingStep, hand_norm
+from chunkjax.step_commit import PendingStep, check_whole, hand_norm, spoil
 from chunkjax.step_init import init_state
 from chunkjax.storage import updater as disk
 from chunkjax.step_updates import StepUpdates
@@ -342,10 +340,11 @@ class ChunkedStep(StepChunkIO, StepUpdates, OnTopology):
 
     # ---- the step ----------------------------------------------------------------------------------
     def wait(self, state: TrainState) -> float | None:
-        """Block until the host updates of the step that returned ``state`` are done (before
-        reading its host chunks). Returns the seconds the host thread spent in the kernels (not
-        the waits for gradients), or None when it had nothing to do. Raises what the host thread
-        raised."""
+        """Block until the host updates of the step that returned ``state`` are done (before reading its
+        host chunks). Returns the seconds the host thread spent in the kernels (not the waits for gradients),
+        or None when it had nothing to do. Raises what the host thread raised; PartialStepError: a failed
+        step left ``state`` half updated (:mod:`chunkjax.step_commit`)."""
+        check_whole(self.host_chunks, state)
         out = state.pending.join() if state.pending is not None else None
         disk.wait_tail(self, state)  # the storage chunks' last writes and commit
         return out
@@ -368,7 +367,8 @@ class ChunkedStep(StepChunkIO, StepUpdates, OnTopology):
         Raises:
           ValueError: the batch does not split over the ranks and micro-batches or (a weighted loss)
             scores no token, or ``loss_scale`` given without ``loss_scaling`` (or missing with it).
-          HostDeadlineError, or what the previous step's host update raised (before this commit).
+          HostDeadlineError, or what the previous step's host update raised (before this commit); PartialStepError:
+            ``state`` was left half updated by a step that failed after its norm (:mod:`chunkjax.step_commit`).
           NonFiniteError: ``nonfinite="error"``, a non-finite loss or gradient norm (:mod:`chunkjax.nonfinite`).
         """
         return nonfinite.checked(self, *self.begin(state, batch, loss_scale).commit())
@@ -386,6 +386,7 @@ class ChunkedStep(StepChunkIO, StepUpdates, OnTopology):
         if len(lead) != 1:
             raise ValueError(f"batch leaves have leading sizes {sorted(lead)}: give every leaf the batch axis")
         self.topology.check_rows(next(iter(lead)), self.micro_batches)
+        check_whole(self.host_chunks, state)
         state, work, previous = cross_step.start(self, state, batch, self.cross_step and not disk.storage_chunks(self))
         try:
             return self._begin(state, batch, loss_scale, work, previous)
@@ -408,7 +409,8 @@ class ChunkedStep(StepChunkIO, StepUpdates, OnTopology):
                                                                 for c in range(self.layout.n_chunks)])  # frozen: none
             grad_sq, norm, grad_norm = nonfinite.guard(self.nonfinite, grad_sq, token_mean(loss))
         finally:  # the host thread validates its speculation once the norm is known (None: abandoned)
-            hold = hand_norm(spec, work, state, stream, on_disk, norm, None if norm is None else grad_sq)
+            hold = hand_norm(spec, work, state, stream, on_disk, norm, grad_sq if norm is not None else None,
+                             self.host_chunks)  # fails after the host took the norm: the state refused (spoil)
         params, master, opt = list(state.params), list(state.master), list(state.opt_state)
         try:  # all that can fail before the commit donates the input state (chunkjax.step_commit)
             on_disk.send(work, grads)  # storage chunks: beside the host thread and the device
@@ -417,8 +419,9 @@ class ChunkedStep(StepChunkIO, StepUpdates, OnTopology):
             metrics = {"loss": token_mean(loss), "grad_norm": grad_norm * inv_arr, **({} if aux is None else {"aux": aux})}
             if self.skips_nonfinite:
                 metrics["skipped"] = ~jnp.isfinite(jnp.sum(grad_sq))
-        except BaseException:
+        except BaseException as e:
             stream.set_grad_sq(None)  # the pipeline stopped: no thread left waiting
+            spoil(self.host_chunks, state, e)  # the host took the norm in place: the state refused
             hold.release()
             raise
         return PendingStep(self, state._replace(pending=work), grads, grad_sq, inv_arr, (params, master, opt), metrics,

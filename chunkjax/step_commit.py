@@ -10,7 +10,8 @@ which write their results into new pinned host buffers and leave the input state
 and dispatches the donating updates last, in its *commit* (:meth:`PendingStep.commit`): a loop of
 dispatches and the new :class:`~chunkjax.step.TrainState`, with Ctrl-C (``SIGINT``) and
 ``SIGTERM`` held until it ends (:func:`interrupts_deferred`). An exception before the commit
-leaves the caller's state as it was (the streamed pipeline stopped, its threads ended). A signal
+(with host chunks: before the global norm is known, below) leaves the caller's state as it was
+(the streamed pipeline stopped, its threads ended). A signal
 held during the commit is delivered as it ends, before a caller's ``state, m = step(state, b)``
 has stored the new state: a caller that keeps its state across Ctrl-C (the front door's
 :class:`chunkjax.OffloadedStep`) runs ``pending = step.begin(state, b)``, then commits and stores
@@ -19,6 +20,19 @@ of device or host memory; the device chunks' updates queue on the device behind 
 chunks' instead of before them (their few milliseconds no longer overlap the streamed
 pipeline's transfers).
 
+An exception (not a signal: those wait for the commit) after the global norm is known, with host
+chunks in the step, cannot leave the state as it was: from that moment the host thread updates
+host chunks in place with the norm (undoing them would need a copy of every host chunk's state,
+12 bytes per AdamW parameter of host memory and traffic every step; the speculation's backups
+cover only the chunks updated before the norm), while the device and streamed chunks keep the
+input's values. The step then marks its input state (:func:`spoil`) and raises its error; any
+later use of that state (the next step, ``step.wait``, ``master_params``, ``eval_loss``, a
+checkpoint save, the front door's ``sync`` and ``evaluate``) raises :class:`PartialStepError`,
+one line saying to restore the last checkpoint, instead of training on a mixed state. The same
+for an error of the device runtime inside the commit itself (its device buffers are donated).
+The mark costs nothing per step (an attribute of each host chunk's optimizer state object, shared
+by every holder of the state); a restored checkpoint is a new state, unmarked.
+
 Not covered (documented on :class:`chunkjax.ChunkedStep`): host chunks updated in place by the
 host thread while the backward runs, when their update does not depend on the global norm (no
 clipping, skip or loss scaling: no backup is kept, it would cost 12 bytes per AdamW parameter of
@@ -26,8 +40,7 @@ host memory and traffic every step; with speculation an interrupt before the nor
 restores them, :mod:`chunkjax.speculate`); streamed chunks updated early whose compute params
 live on the device (the old params are donated during the backward:
 :func:`recover` rebuilds them from the untouched master params, as the front door does); storage
-chunks (their workers commit steps themselves, :mod:`chunkjax.storage`); an error of the device
-runtime inside the commit itself.
+chunks (their workers commit steps themselves, :mod:`chunkjax.storage`).
 """
 from __future__ import annotations
 
@@ -109,22 +122,75 @@ class SignalHold:
             signal.raise_signal(s)
 
 
-def hand_norm(spec, work, state, stream, on_disk, norm, grad_sq) -> SignalHold:
+class PartialStepError(RuntimeError):
+    """The state was left half updated by a step that failed after its global norm was known: its
+    host chunks took the step's update in place, its device and streamed chunks did not
+    (module docstring). Restore the last checkpoint."""
+
+
+#: The attribute :func:`spoil` sets on a host chunk's optimizer state (``Host*State``,
+#: :mod:`chunkjax.kernels`): why the state is unusable (str).
+SPOILED_ATTR = "spoiled_by"
+
+
+def _host_states(host_chunks, state):
+    for c in host_chunks:
+        o = state.opt_state[c]
+        yield from (x for x in (o if isinstance(o, tuple) else (o,)) if x is not None)  # a mesh: one per rank
+
+
+def spoil(host_chunks, state, error: BaseException) -> None:
+    """Mark ``state`` (a :class:`~chunkjax.step.TrainState`) as left half updated by a step that
+    raised ``error`` after host chunks ``host_chunks`` may have taken its update in place: the mark
+    is on those chunks' optimizer state objects, which every holder of the state shares, so that
+    :func:`check_whole` refuses it wherever it is used next; ``error`` gets a note saying so.
+    Nothing is marked without host chunks."""
+    why = (f"{type(error).__name__}: {error}".splitlines() or [type(error).__name__])[0][:200]
+    marked = False
+    for x in _host_states(host_chunks, state):
+        setattr(x, SPOILED_ATTR, why)
+        marked = True
+    if marked and hasattr(error, "add_note"):
+        error.add_note("chunkjax: the step failed after its global norm was known: its host chunks were updated, "
+                       "its other chunks not; the state it was given is now refused (PartialStepError): restore the "
+                       "last checkpoint")
+
+
+def check_whole(host_chunks, state) -> None:
+    """Raise :class:`PartialStepError` (one line) when :func:`spoil` marked ``state``; else nothing
+    (a look at each host chunk's optimizer state object: no array is read)."""
+    for x in _host_states(host_chunks, state):
+        why = getattr(x, SPOILED_ATTR, None)
+        if why is not None:
+            raise PartialStepError(
+                f"this training state is half updated: a step failed after its global norm was known ({why}), so its "
+                "host-updated chunks took that step's update and its other chunks did not; restore the last "
+                "checkpoint (chunkjax.restore_checkpoint) and continue from there")
+
+
+def hand_norm(spec, work, state, stream, on_disk, norm, grad_sq, host_chunks=()) -> SignalHold:
     """Hand a step's global norm (() float32, None: the step failed before it was known) to what
     waits for it: the host thread's speculation (:mod:`chunkjax.speculate`: validated, or rolled
     back on None), the streamed pipeline (the (n_chunks,) squared norms ``grad_sq``) and the
     storage workers. Returns the :class:`SignalHold` started just before host chunks may take a
-    known norm in place (released here if handing over fails)."""
+    known norm in place (released here if handing over fails; ``state`` then marked by
+    :func:`spoil` for ``host_chunks`` once the speculation has the norm)."""
     hold = SignalHold()
+    taken = False
     try:
         if spec is not None:
             if norm is not None:
                 hold.start()
             spec.set_norm(norm)
+            taken = norm is not None
             work.validate(spec.validate, state, ready=spec.known)
         stream.set_grad_sq(None if norm is None else grad_sq)  # None: abandoned
         on_disk.set_norm(norm)
-    except BaseException:
+    except BaseException as e:
+        if taken:  # host chunks take the norm in place from now on: no way back
+            spoil(host_chunks, state, e)
+        with contextlib.suppress(Exception):
+            stream.set_grad_sq(None)  # the streamed pipeline stopped: no thread left waiting for the norm
         hold.release()
         raise
     return hold
@@ -154,15 +220,20 @@ class PendingStep:
         :func:`interrupts_deferred`: when that ends). Once only.
 
         Raises:
-          RuntimeError: committed already.
+          RuntimeError: committed already; what the device runtime raises (the input state then
+            refused: :func:`spoil`).
         """
         if self.lists is None:
             raise RuntimeError("this step is committed already: call the step again")
         step, grads, (params, master, opt) = self.step, self.grads, self.lists
         with interrupts_deferred():
-            for c in step.device_chunks:
-                params[c], master[c], opt[c] = step.updaters["device"].update(step.placement.param_kinds[c])(
-                    grads[c], master[c], opt[c], self.grad_sq, jnp.asarray(c, jnp.int32), params[c], self.inv)
+            try:
+                for c in step.device_chunks:
+                    params[c], master[c], opt[c] = step.updaters["device"].update(step.placement.param_kinds[c])(
+                        grads[c], master[c], opt[c], self.grad_sq, jnp.asarray(c, jnp.int32), params[c], self.inv)
+            except BaseException as e:  # the device runtime failed mid-commit: the input state is half donated
+                spoil(step.host_chunks, self.state, e)
+                raise
             out = self.state._replace(params=tuple(params), master=tuple(master), opt_state=tuple(opt))
             self.state = self.grads = self.lists = None  # nothing of the step kept alive here
             for sig in self.held:  # held since the host chunks took the norm (SignalHold): delivered as this ends

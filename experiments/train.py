@@ -22,7 +22,7 @@ input exits with status 2 and one line saying what to do.
 Checkpoints and resuming (for runs of days: crashes, full disks, bad steps):
 
     python -m experiments.train --checkpoint-every 500 --keep-checkpoints 3 ...
-    python -m experiments.train <the same settings> --resume runs/<time>-<model>.partial
+    python -m experiments.train --resume runs/<time>-<model>.partial
 
 ``--checkpoint-every N`` saves a chunkjax checkpoint (:mod:`chunkjax.checkpoint`: atomic, chunk by
 chunk) into ``<run folder>/checkpoints/`` every N steps and after the last step; the default (-1)
@@ -38,9 +38,12 @@ gradient norm, ``--skip-limit`` skipped steps in a row, a dead model, or a finit
 explodes: ``--explode-factor`` (4) x its running median, 3 steps in a row) stops with one line and
 status 2; no checkpoint is saved while skipped, dead or exploding steps are running, the checkpoints of the
 diverged state are deleted, and a kept folder's ``report.json`` says why (``stopped``).
-Settings that change the training (model, init-from, batch, seq, lr, warmup, the schedule's
-length ``--lr-decay-steps``, weight decay, clip, seed, tokenizer, eval batches, compute dtype) must
-equal the checkpoint's: a difference exits with status 2, one line, and nothing written.
+A resume continues the run as it was configured: every option not given on its command line
+takes the run's value (its checkpoint's settings; the ``config:`` line marks ``(run)`` those that
+differ from the defaults),
+options given win. Settings that change the training (model, init-from, batch, seq, lr, warmup, the schedule's
+length ``--lr-decay-steps``, weight decay, clip, seed, tokenizer, eval batches, compute dtype), when
+given, must equal the checkpoint's: a difference exits with status 2, one line, and nothing written.
 ``--steps`` may grow: ``--resume <a finished run folder> --steps M`` trains it on from its last
 checkpoint to step M in place (the folder keeps its name), with the learning-rate schedule of the
 run (``--lr-decay-steps`` defaults to the run's: a cosine that ended at its ``--steps`` stays at
@@ -122,7 +125,7 @@ class TrainConfig:
     checkpoint_every: int = config_field(-1, 'steps between checkpoints in <run folder>/checkpoints, plus one after the last step; -1: at each evaluation (--eval-every); 0: none')
     keep_checkpoints: int = config_field(2, 'newest checkpoints kept (older ones are deleted)')
     zero_stage: int = config_field(0, 'ZeRO stage 1 | 2 | 3 over all devices (every chunk split over them; --batch a multiple of the device count), those of all processes when started as several (srun, or JAX_COORDINATOR_ADDRESS + JAX_NUM_PROCESSES + JAX_PROCESS_ID: docs/multihost.md); 0: one device')
-    resume: str = config_field("", 'continue a run from its newest complete checkpoint: its run folder (runs/<name>.partial) or checkpoints folder; the settings that change training must be the run\'s')
+    resume: str = config_field("", 'continue a run from its newest complete checkpoint: its run folder (runs/<name>.partial) or checkpoints folder; every option not given takes the run\'s value, those given that change training must equal it')
 
 
 class UsageError(Exception):
@@ -349,6 +352,32 @@ def _preset(init_from: str, presets: dict) -> dict:
     return preset
 
 
+def given_options(argv=None) -> frozenset[str]:
+    """The :class:`TrainConfig` fields given on the command line ``argv`` (``sys.argv[1:]`` when
+    None), whatever their values (a flag given with its default value counts as given)."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--init-from", default="")
+    return frozenset(vars(arg_parser(pre.parse_known_args(argv)[0].init_from, defaults=False).parse_args(argv)))
+
+
+def resumed_settings(cfg: TrainConfig, given) -> tuple[TrainConfig, tuple[str, ...]]:
+    """``cfg`` with ``--resume``'s run settings: every field not in ``given`` (the options given on
+    the command line, :func:`given_options`) takes the value the run's newest checkpoint saved
+    (``extra["config"]``; a field an older checkpoint lacks keeps ``cfg``'s), so a resume continues
+    the run as configured. Returns ``(cfg, the fields whose run value replaced another default)``
+    (the others are the same either way); without ``--resume`` ``(cfg, ())``.
+
+    Raises:
+      UsageError: :func:`find_resume_point`'s (no such run folder, no complete checkpoint, ...).
+    """
+    if not cfg.resume:
+        return cfg, ()
+    saved = find_resume_point(cfg.resume).meta["extra"]["config"]
+    taken = {f.name: saved[f.name] for f in dataclasses.fields(TrainConfig)
+             if f.name != "resume" and f.name not in given and f.name in saved}
+    return dataclasses.replace(cfg, **taken), tuple(k for k, v in taken.items() if v != getattr(cfg, k))
+
+
 def parse_args(argv=None) -> TrainConfig:
     """Command line -> :class:`TrainConfig`; ``--init-from`` sets its preset's defaults first
     (flags given win), and ``--help`` shows the defaults that run (:func:`arg_parser`).
@@ -362,12 +391,13 @@ def parse_args(argv=None) -> TrainConfig:
     return TrainConfig(**vars(arg_parser(init_from).parse_args(argv)))
 
 
-def arg_parser(init_from: str = "") -> argparse.ArgumentParser:
+def arg_parser(init_from: str = "", defaults: bool = True) -> argparse.ArgumentParser:
     """The job's argument parser with the defaults of ``--init-from init_from`` (empty: a random
     init). Each flag's help says its default and, where ``--init-from`` changes it, the other
     defaults: without ``--init-from``, the Hugging Face folder preset's and each named preset's
     (:data:`experiments.job_model.FOLDER_PRESET`, :data:`~experiments.job_model.PRESETS`); with it,
-    that preset's value as the default and the random init's beside it.
+    that preset's value as the default and the random init's beside it. ``defaults=False``: no
+    default set (a parse holds only the options given: :func:`given_options`).
 
     Raises:
       UsageError: an unknown ``init_from`` name.
@@ -391,6 +421,7 @@ def arg_parser(init_from: str = "") -> argparse.ArgumentParser:
             default = preset.get(f.name, f.default)
             note = f"default: {default}" + (f"; with --init-from {', '.join(others)}" if others and not preset else "")
         help_ = f"{f.metadata['help']} ({note})".replace("%", "%%")
+        default = default if defaults else argparse.SUPPRESS
         if f.type in ("bool", bool):
             ap.add_argument(name, action=argparse.BooleanOptionalAction, default=default, help=help_)
         else:
@@ -439,8 +470,9 @@ def relaunch_with_budget(cfg: TrainConfig, budget_bytes: int | None) -> None:
 
 # ---- the job ---------------------------------------------------------------------------------
 
-def run(cfg: TrainConfig) -> dict:
-    """Train and write the run folder. Returns the report dict.
+def run(cfg: TrainConfig, from_run=()) -> dict:
+    """Train and write the run folder. Returns the report dict. ``from_run``: the settings
+    ``--resume`` took from the run (:func:`resumed_settings`), marked on the ``config:`` line.
 
     Raises:
       UsageError: bad model name, budget, data, or a non-finite loss.
@@ -544,7 +576,7 @@ def run(cfg: TrainConfig) -> dict:
 
     resolved = dataclasses.asdict(cfg) | {"device_budget_bytes": budget, "platform": platform,
                                           "n_devices": problem.n_ranks, "compute_dtype_resolved": jnp.dtype(cdt).name}
-    print(config_line(resolved, warmup_given), flush=True)
+    print(config_line(resolved, warmup_given, from_run), flush=True)
     if (note := schedule_note(cfg)):
         print(note, flush=True)
     print(layout.summary().splitlines()[0], flush=True)
@@ -565,7 +597,8 @@ def run(cfg: TrainConfig) -> dict:
              "of state beside it" if h.get("speculation_bytes") and "host" in fit_report.schedule.update_locations
              else "")
           + f"; the plan's {schedule.predicted.host_bytes_per_param:.2f} B/param of the model, "
-            f"{schedule.predicted.host_resident_bytes_per_param:.2f} B/param of its host-resident chunks) of "
+          + (f"{schedule.predicted.host_resident_bytes_per_param:.2f} B/param of its host-resident chunks"
+             if schedule.predicted.host_resident_bytes_per_param else "no host-resident chunks") + ") of "
           + (f"{fb(h['available_bytes'])} available" if h.get("available_bytes") else "unknown available"),
           flush=True)
 
@@ -864,11 +897,13 @@ def warmup_for(cfg: TrainConfig, rp: ResumePoint | None = None) -> int:
     return min(WARMUP_STEPS, decay_horizon(cfg) // 10)
 
 
-def config_line(resolved: dict, warmup_given: bool = True) -> str:
+def config_line(resolved: dict, warmup_given: bool = True, from_run=()) -> str:
     """The ``config:`` line of every resolved setting (``key=value``, one space between), with
     the sentinel values spelled out: ``checkpoint_every=each_eval(N)`` for -1 (a checkpoint at
     each evaluation, every ``eval_every`` = N steps, and after the last step), ``=off`` for 0,
-    and ``warmup=N(auto)`` when ``--warmup`` was left to :func:`warmup_for`."""
+    ``warmup=N(auto)`` when ``--warmup`` was left to :func:`warmup_for`, and on ``--resume``
+    ``resume=<folder>(options-not-given:the-run's)`` with ``key=value(run)`` for the settings
+    ``from_run`` whose run value replaced another default (:func:`resumed_settings`)."""
     shown = dict(resolved)
     every = shown.get("checkpoint_every")
     if every is not None and every < 0:
@@ -877,6 +912,11 @@ def config_line(resolved: dict, warmup_given: bool = True) -> str:
         shown["checkpoint_every"] = "off"
     if not warmup_given:
         shown["warmup"] = f"{shown['warmup']}(auto)"
+    for k in from_run:
+        if k in shown:
+            shown[k] = f"{shown[k]}(run)"
+    if shown.get("resume"):
+        shown["resume"] = f"{shown['resume']}(options-not-given:the-run's)"
     return "config: " + " ".join(f"{k}={v}" for k, v in shown.items())
 
 
@@ -1392,7 +1432,7 @@ def run_guarded(job) -> int:
 
 def main(argv=None) -> int:
     def job():
-        cfg = parse_args(argv)
+        cfg, from_run = resumed_settings(parse_args(argv), given_options(argv))  # --resume: the run's settings
         budget = None if cfg.device_budget == "auto" else parse_budget(cfg.device_budget)
         relaunch_with_budget(cfg, budget)
         from experiments import distributed
@@ -1400,7 +1440,7 @@ def main(argv=None) -> int:
             distributed.start(cfg.zero_stage)
         except ValueError as e:
             raise UsageError(str(e)) from None
-        run(cfg)
+        run(cfg, from_run)
 
     return run_guarded(job)
 

@@ -51,13 +51,13 @@ FILE_SECONDS = {
     "micro_groups": 63, "host_bytes": 72, "overlap": 54, "storage": 86, "zero_schedule": 71, "front_door": 90,
     "checkpoint_memory": 24, "plan_cli": 91, "cases": 80, "cross_step": 79, "flax_api": 71, "schedule": 67,
     "rollback": 80, "bench": 66, "checkpoint_flax": 62, "hf": 69, "bench_storage": 67, "checkpoint_multiprocess": 64,
-    "zero": 59, "user_reports": 57, "checkpoint": 60, "storage_host_memory": 51, "notebooks": 44, "layout": 53,
-    "disk_tier": 51, "train_job": 57, "inprogram_micro": 59, "checkpoint_integrity": 42, "host_update": 50,
+    "zero": 59, "user_reports": 75, "checkpoint": 60, "storage_host_memory": 51, "notebooks": 44, "layout": 53,
+    "disk_tier": 51, "train_job": 61, "inprogram_micro": 59, "checkpoint_integrity": 42, "host_update": 50,
     "masked_loss": 47, "gpt": 42, "lora": 40, "plots": 39, "frozen": 39, "checkpoint_storage": 36,
     "zero_mixed_precision": 32, "train_equivalence": 35, "checkpoint_zero": 32, "checkpoint_async": 31,
     "compiled_check": 27, "finetune": 29, "host_ledger": 25, "fit_checks": 24, "placement_export": 22,
     "rates_record": 22, "host_deadline": 17, "train_multiprocess": 20, "live_device_bytes": 17, "sweep": 15,
-    "dropin_duplex": 14, "train_job_errors": 8, "init_state": 6, "peers": 6, "host_pool": 6, "zero_multiprocess": 4,
+    "dropin_duplex": 22, "train_job_errors": 8, "init_state": 6, "peers": 6, "host_pool": 6, "zero_multiprocess": 4,
     "data": 4, "accumulate_memory": 4, "pretrained": 3, "tide_eviction": 1, "plan_memo": 1, "overlap_window": 1,
     # added after that run, measured alone on the shared box: clip_plan, speculation_resume, remat, micro_cuts,
     # host_contention (session 18: 5.8 s with its imports, 3 s of it tests);
@@ -86,6 +86,9 @@ FILE_SECONDS = {
     # is mostly the box's noise)
     # session 20 (fresh20): front_numpy_batch, numpy int64/float64 batches through offload, 9 s alone
     "front_numpy_batch": 9,
+    # session 21 (drop21): dropin_duplex +8 (test_lean_streamed_chunks_move_their_state_only: 7.7 s alone)
+    # session 21 (ux21): user_reports +18 (a step failing after the norm, 14 s alone; offload's micro-batch
+    # recipe against optax, two offload builds, 21-27 s alone), train_job +4 (a bare --resume, 7.6 s alone)
     # session 21 (suite21a): notebooks (CPU 62.0 -> 49.4 s), host_deadline (17.8 -> 14.8), host_ledger (its bench
     # worker test, junit 9.5 -> 8.0) scaled by their after/before seconds (each file alone, a fresh compilation
     # cache, base and branch back to back); checkpoint_integrity by the 6 s of peer deadlines no longer waited

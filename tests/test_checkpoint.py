@@ -518,3 +518,28 @@ def test_step_without_state_is_refused(mixed_run, tmp_path):
     with pytest.raises(TypeError, match="pass the state it returned"):
         ck.export_params(step)
     assert not os.listdir(tmp_path)
+
+
+def test_checkpoint_not_found_says_where_they_are(host_run, tmp_path):
+    """ux21: restoring from a folder with no checkpoint said only "no complete checkpoint in X".
+    Right: one line saying what X is (missing, one checkpoint's step folder, a folder holding the
+    checkpoint folder) and what to pass instead: the checkpoint folders found there or beside it,
+    with their steps, else the folder save_checkpoint wrote; a missing step names the steps there."""
+    import shutil
+    step, d = host_run[0], host_run[1]
+    ckpts = tmp_path / "run" / "checkpoints"
+    shutil.copytree(d, ckpts)
+    cases = [
+        (tmp_path / "run", rf"no complete checkpoint in {tmp_path / 'run'}: it holds no step_<N> folder; checkpoints "
+                           rf"found in {ckpts} \(steps \[{N}\]\): pass one of them"),
+        (ckpts / f"step_{N:08d}", rf"it is one checkpoint's step folder; pass the folder save_checkpoint wrote, "
+                                  rf"its parent: restore_checkpoint\('{ckpts}', ...\)"),
+        (tmp_path / "nope", r"it does not exist; pass the folder chunkjax.save_checkpoint\(folder, n, step\) wrote"),
+        (tmp_path / "run" / "checkpoint", rf"it does not exist; checkpoints found in {ckpts} \(steps \[{N}\]\)"),
+    ]
+    for where, needle in cases:
+        with pytest.raises(FileNotFoundError, match=needle) as e:
+            ck.restore_checkpoint(where, step)
+        assert "\n" not in str(e.value)
+    with pytest.raises(FileNotFoundError, match=rf"complete steps: \[{N}\]\): pass step_number= one of them"):
+        ck.restore_checkpoint(ckpts, step, step_number=N + 1)

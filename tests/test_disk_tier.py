@@ -21,6 +21,7 @@ from chunkjax import checkpoint as ck
 from chunkjax.errors import PlanError, format_bytes
 from chunkjax.host_update import AdamW
 from chunkjax.optim import state_bytes_per_chunk
+from chunkjax.storage.tier import IO_THREADS
 from chunkjax.plan import plan_schedule
 from chunkjax.storage import DiskTier
 from chunkjax.storage.files import StorageError, committed_step
@@ -110,9 +111,33 @@ def test_tiny_model_with_storage_is_planned_on_the_device(setup, tmp_path):
     assert s.predicted.disk_bytes_per_step == 0 and s.predicted.time.storage_update_s == 0
     line = cj.fit.describe(report, problem)
     assert "\n" not in line and "storage not needed: " in line, line
+    assert "(no host-resident chunks, " in line and "B/param" not in line, line  # ux21: was "0.0 B/param of ..."
     assert f"the plan's {format_bytes(s.predicted.host_bytes)} of host memory fits the host budget of 1.000GiB" \
         in line, line
     assert not os.path.exists(tmp_path / "disk") or not os.listdir(tmp_path / "disk")
+
+
+def test_summary_gives_disk_chunks_their_own_figure(setup):
+    """ux21: the plan's summary line said "0.0 B/param of host-resident chunks" when none were;
+    storage chunks got no figure of their own. Right: the host-resident figure only when there are
+    host or streamed chunks, and the storage chunks' count and bytes per parameter on disk (master
+    params and AdamW m, v: 12 B, the chunk a multiple of 1024 elements: no padding)."""
+    import types
+    cfg, params, batches, stages, layout, traces, cb = setup
+    sched = _three_tier_schedule(setup)
+    n_disk = sched.predicted.storage_chunks
+    report = cj.fit.FitReport(sched, 10**12, 10**12, 10**12, 0.9, None, (), {}, True, None, ())
+    problem = types.SimpleNamespace(cb_rank=cb, layout=layout, n_ranks=1, zero_stage=0, platform="cpu",
+                                    storage_dirs=1, host_budget_bytes=None, micro_batches=1)
+    line = cj.fit.describe(report, problem)
+    want = (f"({sched.predicted.host_resident_bytes_per_param:.1f} B/param of host-resident chunks, {n_disk} storage "
+            "chunks at 12.0 B/param on disk, ")
+    assert n_disk and "\n" not in line and want in line, line
+    host_only = dataclasses.replace(sched, update_locations=tuple("host" if u == "storage" else u
+                                                                  for u in sched.update_locations))
+    line = cj.fit.describe(dataclasses.replace(report, schedule=host_only), problem)
+    assert (f"B/param of host-resident chunks, {len(host_only.master_fetch)} without" in line
+            and "storage chunks at" not in line), line
 
 
 def test_host_budget_too_small_even_with_disk_is_one_line(setup):
@@ -136,7 +161,8 @@ def test_host_budget_too_small_even_with_disk_is_one_line(setup):
     assert s.predicted.storage_chunks >= 2 and s.predicted.host_bytes <= half
     with pytest.raises(PlanError, match="the least is"):  # a disk that holds one chunk (two versions)
         plan_schedule(layout, traces, cb, floor, host_budget_bytes=half, disk_budget_bytes=2 * cb.state + 1, **kw)
-    once = s.predicted.storage_chunks * cb.state + 1  # the state once on disk: half the space
+    # the state once on disk (half the space) and the worker's IO_THREADS new files beside their committed ones
+    once = (s.predicted.storage_chunks + IO_THREADS) * cb.state + 1
     one = plan_schedule(layout, traces, cb, floor, host_budget_bytes=half, disk_budget_bytes=once, disk_versions=1,
                         **kw)
     assert one.predicted.storage_chunks == s.predicted.storage_chunks

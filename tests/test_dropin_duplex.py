@@ -115,7 +115,8 @@ def test_duplex_engine_order_bound_and_breakdown():
             assert [log.index((k, c)) for k in kinds] == sorted(log.index((k, c)) for k in kinds)
     assert peak[0] <= 2
     assert {c: x.tolist() for c, x in stored.items()} == {c: [c + 1.0] * 4 for c in [5, 1, 7, 2]}  # update's results
-    b = duplex.breakdown(run, step=0, n_device=0, predicted=cj.dropin.UpdateTime(1.0, 1.0, 0.5, 1.0))
+    b = duplex.breakdown(run, step=0, n_device=0, predicted=cj.dropin.UpdateTime(1.0, 1.0, 0.5, 0.75, 1.0))
+    assert b.predicted_host_memory_s == 0.75
     assert b.h2d_bytes == 4 * 16 + 3 * 12 and b.d2h_bytes == 4 * 16 + 3 * 8
     assert (b.n_streamed, b.n_host, b.predicted_s) == (4, 3, 1.0)
 
@@ -194,3 +195,52 @@ def test_host_threads_default_and_errors(monkeypatch):
     for bad in (0, top + 1, 1.5, True):
         with pytest.raises(ValueError, match="host_threads="):
             dropin.host_threads_for(bad)
+
+
+def test_lean_streamed_chunks_move_their_state_only():
+    """Float32 streamed chunks keep no master of their own (dropin.lean_chunks): each update packs
+    it from the params the optimizer returned last, inside the chunk's program, and moves only the
+    optimizer state each way (4 bytes per param less each way for AdamW). Over three steps the
+    params, master and state equal the optimizer that moves the master (bit for bit) and plain
+    optax (fp32 tolerance), with a leaf spanning chunks; bf16 params keep their master; returned
+    params that were deleted (donated) give the one-line error."""
+    rng = np.random.default_rng(11)
+    params = {k: jnp.asarray(rng.normal(size=(n,)), jnp.float32) for k, n in dict(a=96, b=32, c=64, d=64).items()}
+    target = jax.tree.map(lambda x: 0.5 * x + 1.0, params)
+    grad_fn = jax.jit(jax.grad(lambda p: sum(jnp.sum(jnp.sin(p[k] - target[k]) * (p[k] - target[k])) for k in p)))
+    tx = optax.adamw(1e-2, weight_decay=0.1)
+    kw = dict(chunk_size=64, check_tx=False)  # (adamw is elementwise: no probe)
+    probe = cj.ChunkedOptimizer(params, tx, device_budget="1GiB", **kw)
+    budget = probe.working_bytes + probe.device_state_bytes // probe.layout.n_chunks  # a pipeline of two
+    lean = cj.ChunkedOptimizer(params, tx, device_budget=budget, **kw)
+    full = cj.ChunkedOptimizer(params, tx, device_budget=budget, lean_streamed=False, **kw)
+    assert lean.streamed_chunks == full.streamed_chunks and len(lean.streamed_chunks) >= 3
+    assert lean.lean_chunks == frozenset(lean.streamed_chunks) and full.lean_chunks == frozenset()
+    assert any(len(s.pieces) > 1 for s in lean.layout.slots)  # a leaf spanning chunks
+    @jax.jit
+    def ref_step(ref, s):  # plain optax on the whole tree
+        u, s = tx.update(grad_fn(ref), s, ref)
+        return optax.apply_updates(ref, u), s
+    ref, s = params, tx.init(params)
+    p_lean = p_full = params
+    for _ in range(3):
+        ref, s = ref_step(ref, s)
+        p_lean, p_full = lean.update(grad_fn(p_lean)), full.update(grad_fn(p_full))
+    for k in params:
+        np.testing.assert_array_equal(np.asarray(p_lean[k]), np.asarray(p_full[k]), err_msg=k)
+        np.testing.assert_array_equal(np.asarray(lean.master_params()[k]), np.asarray(full.master_params()[k]))
+        np.testing.assert_allclose(np.asarray(p_lean[k]), np.asarray(ref[k]), rtol=2e-5, atol=2e-5, err_msg=k)
+    for a, b in zip(jax.tree.leaves(lean.opt_state), jax.tree.leaves(full.opt_state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    n, cs = len(lean.streamed_chunks), lean.layout.chunk_size
+    bl, bf = lean.last_update, full.last_update
+    assert (bl.h2d_bytes, bl.d2h_bytes) == (bf.h2d_bytes - 4 * cs * n, bf.d2h_bytes - 4 * cs * n)
+    assert lean.predicted_update.h2d_s < full.predicted_update.h2d_s
+    half = cj.build_layout(jax.tree.map(lambda x: x.astype(jnp.bfloat16), params), 64)
+    assert dropin.lean_chunks(half, range(half.n_chunks)) == frozenset()  # bf16 params are not the master
+    assert dropin.lean_chunks(lean.layout, range(lean.layout.n_chunks)) == frozenset(range(lean.layout.n_chunks))
+    g = grad_fn(p_lean)
+    for x in jax.tree.leaves(p_lean):
+        x.delete()
+    with pytest.raises(ValueError, match="lean_streamed=False"):
+        lean.update(g)

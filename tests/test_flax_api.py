@@ -377,7 +377,8 @@ def test_split_by_rate():
     pipeline's order and bound: tests/test_dropin_duplex.py."""
     from chunkjax import dropin
     from chunkjax.cost import Rates
-    r = Rates(h2d_bytes_per_s=50e9, d2h_bytes_per_s=50e9, host_update_s_per_param=0.25e-9, duplex_bytes_per_s=100e9)
+    r = Rates(h2d_bytes_per_s=50e9, d2h_bytes_per_s=50e9, host_update_s_per_param=0.25e-9, duplex_bytes_per_s=100e9,
+              host_memory_bytes_per_s=0.0)  # the PCIe and kernel lanes alone (host memory: the next test)
     cs, state, grad = 10**7, 12 * 10**7, 4 * 10**7
     t = lambda s, h, d=3: dropin.predict_update_s(s, h, cs, state, grad, grad, r, d)  # noqa: E731
     assert t(10, 0) == pytest.approx(10 * state / 50e9)  # duplex: one direction's bytes
@@ -392,6 +393,46 @@ def test_split_by_rate():
     parts = dropin.predict_update_parts(4, 6, cs, state, grad, grad, r, 3)  # the parts the breakdown prints
     assert parts.h2d_s == parts.d2h_s == pytest.approx((4 * state + 6 * grad) / 50e9)
     assert parts.kernel_s == pytest.approx(6 * cs * 0.25e-9) and parts.total_s == max(parts)
+    assert parts.host_memory_s == 0.0
+
+
+def test_split_by_rate_with_host_memory():
+    """The host memory lane (dropin.predict_update_parts): the kernel's bytes (28 per AdamW param:
+    float32 gradient read, master and two moments read and written) and every DMA byte share
+    ``host_memory_bytes_per_s``; a host chunk costs 36 bytes of it per param, a streamed one 24, so
+    the lane moves chunks from the kernel to the stream, and the split is still the argmin."""
+    from chunkjax import dropin
+    from chunkjax.cost import Rates
+    cs, state, grad = 10**7, 12 * 10**7, 4 * 10**7
+    assert dropin.host_kernel_bytes(state, grad, grad, cs) == 28 * cs
+    assert dropin.host_kernel_bytes(state, grad, 2 * cs, cs) == 30 * cs  # bf16 params: the params buffer written too
+    lanes = Rates(h2d_bytes_per_s=50e9, d2h_bytes_per_s=50e9, host_update_s_per_param=0.25e-9,
+                  duplex_bytes_per_s=100e9, host_memory_bytes_per_s=0.0)
+    r = dataclasses.replace(lanes, host_memory_bytes_per_s=100e9)
+    parts = dropin.predict_update_parts(4, 6, cs, state, grad, grad, r, 3)
+    dma = 2 * (4 * state + 6 * grad)
+    assert parts.host_memory_s == pytest.approx((6 * 28 * cs + dma) / 100e9)
+    assert parts.total_s == max(parts) == parts.host_memory_s  # 0.0408 s against PCIe 0.0144, kernel 0.015
+    base = dropin.predict_update_parts(4, 6, cs, state, grad, grad, lanes, 3)  # the other lanes unchanged
+    assert (parts.h2d_s, parts.d2h_s, parts.kernel_s) == (base.h2d_s, base.d2h_s, base.kernel_s)
+    t = lambda s, h: dropin.predict_update_s(s, h, cs, state, grad, grad, r, 3)  # noqa: E731
+    streamed, host = dropin.split_offloaded(list(range(10)), cs, state, grad, grad, r)
+    assert t(len(streamed), len(host)) == min(t(10 - h, h) for h in range(11))
+    _, host_lanes = dropin.split_offloaded(list(range(10)), cs, state, grad, grad, lanes)
+    assert len(host) < len(host_lanes)
+    # the probe's 93 offloaded chunks (1.28B params, 2 GiB): the default rates predict the recorded
+    # 54-host split's update (0.332 s measured, session 20) at 0.334 s and split them 64 / 29
+    # (0.299 s); with float32 streamed chunks moving their state only (8 of 12 bytes per param
+    # each way) 72 / 21 (0.222 s)
+    C = 12756992
+    probe = (C, 12 * C + 12, 4 * C, 4 * C)
+    assert dropin.predict_update_s(39, 54, *probe, dropin.DEFAULT_RATES) == pytest.approx(0.334, abs=0.002)
+    streamed, host = dropin.split_offloaded(list(range(93)), *probe)
+    assert (len(streamed), len(host)) == (64, 29)
+    assert dropin.predict_update_s(64, 29, *probe, dropin.DEFAULT_RATES) == pytest.approx(0.299, abs=0.002)
+    streamed, host = dropin.split_offloaded(list(range(93)), *probe, None, None, 3, 8 * C + 12)
+    assert (len(streamed), len(host)) == (72, 21)
+    assert dropin.predict_update_s(72, 21, *probe, dropin.DEFAULT_RATES, 3, 8 * C + 12) == pytest.approx(0.222, abs=0.002)
 
 
 def test_host_chunks_checkpoint_and_restore(tmp_path):
@@ -457,10 +498,10 @@ def test_update_returns_before_the_write_backs_and_wait_joins(monkeypatch):
     assert opt.streamed_chunks == (0, 1, 2, 3) and opt.pipeline_depth == 2
     release, store, stored = threading.Event(), opt._store, []
 
-    def held_store(c, m, s):
+    def held_store(c, *updated):  # (state,) of a lean chunk (float32), else (master, state)
         if c >= 2:  # the last two chunks' write-backs wait
             release.wait()
-        store(c, m, s)
+        store(c, *updated)
         stored.append(c)
     monkeypatch.setattr(opt, "_store", held_store)
     new = opt.update({k: jnp.ones((32,), jnp.float32) for k in params})

@@ -358,6 +358,28 @@ def test_resume_with_other_settings_is_refused(data_cache, tmp_path, capsys, sto
     assert _snapshot(part) == before  # nothing written
 
 
+def test_resume_alone_continues_the_run_as_configured(data_cache, tmp_path, capsys, reference, stopped):
+    """ux21: ``--resume <folder>`` without the run's other options took the defaults for them: the
+    training settings were refused (``--lr 0.003 (checkpoint: 0.01)``), and ``--eval-every`` /
+    ``--out-dir`` would silently replace the run's. Right: every option not given takes the run's
+    value, marked ``(run)`` on the config line, options given win (``--keep-checkpoints 1``), and
+    the resumed steps equal the uninterrupted run's bit for bit."""
+    ref_run, ref_curve = reference
+    part = _resume_copy(stopped, tmp_path)
+    capsys.readouterr()
+    assert train.main(["--resume", str(part), "--keep-checkpoints", "1"]) == 0
+    out = capsys.readouterr().out
+    line = next(l for l in out.splitlines() if l.startswith("config: "))
+    for want in (" eval_every=3(run) ", " lr=0.01(run) ", " steps=6(run) ", " checkpoint_every=2(run) ",
+                 " model=micro(run) ", " keep_checkpoints=1 ", " seed=0 ",
+                 f" resume={part}(options-not-given:the-run's) "):
+        assert want in line, (want, line)  # seed: the run's is the default, unmarked
+    assert re.search(r" out_dir=\S+\(run\) ", line), line
+    run = _only(tmp_path / "runs")
+    assert _curve(run) == ref_curve and _ckpt_names(run) == ["step_00000006"]
+    assert train.given_options(["--resume", "x", "--eval-every", "100"]) == {"resume", "eval_every"}
+
+
 def test_resume_of_a_finished_run_or_no_checkpoint_is_refused(data_cache, tmp_path, capsys, reference):
     run, _ = reference
     _fails(capsys, _ck_args(data_cache, tmp_path / "o", "--resume", str(run)), tmp_path / "o", "finished run")

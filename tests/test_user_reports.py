@@ -493,3 +493,98 @@ def test_ctrl_c_after_the_norm_with_host_clipping_ends_the_step_as_after_it(monk
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(a, b)
     assert float(st(batches[2])) == float(twin(batches[2]))  # and it trains on
+
+
+def test_error_after_the_norm_with_host_clipping_refuses_the_half_updated_state(monkeypatch, tmp_path):
+    """ux21: host AdamW with clipping (host chunks take the global norm in place once it is known)
+    and an exception (not a signal) after the norm, before the commit: host chunks were updated,
+    device chunks not, and the next step trained on that mix silently. Right: the step's error is
+    raised, then every use of the half-updated state (a step, a save, ``sync``, ``evaluate``)
+    raises PartialStepError, one line saying to restore the last checkpoint; restored, the run
+    continues equal to an untouched twin bit for bit. Both places the failure can come from are
+    tried: after the norm is handed over (``StorageRun.send``) and while it is
+    (``StorageRun.set_norm``, inside ``hand_norm``)."""
+    from flax import nnx
+    from chunkjax.host_update import AdamW
+    from chunkjax.storage import updater as disk
+    Net, loss_fn, batches = _tiny_nnx(dropout=False)
+    spec = AdamW(1e-2, max_grad_norm=1e-3)  # clipping fires: the host updates depend on the norm
+    twin = cj.offload(Net(nnx.Rngs(3)), spec, loss_fn, batches[0], device_budget="min", chunk_size=32)
+    st = cj.offload(Net(nnx.Rngs(3)), spec, loss_fn, batches[0], device_budget="min", chunk_size=32)
+    assert st.step.host_chunks and (st.step.device_chunks or st.step.streamed_chunks), st.step.schedule.counts()
+    assert float(st(batches[0])) == float(twin(batches[0]))
+    cj.save_checkpoint(tmp_path / "ck", 1, st)
+    want = float(twin(batches[1]))
+    real = {"send": disk.StorageRun.send, "set_norm": disk.StorageRun.set_norm}
+
+    def fails_send(self, work, grads):
+        raise OSError("injected: the disk went away")
+
+    def fails_set_norm(self, norm):
+        if norm is not None:  # the norm is known: the host thread already has it
+            raise OSError("injected: the disk went away")
+        return real["set_norm"](self, norm)
+
+    for name, broken in (("send", fails_send), ("set_norm", fails_set_norm)):
+        monkeypatch.setattr(disk.StorageRun, name, broken)
+        with pytest.raises(OSError, match="injected"):
+            st(batches[1])
+        monkeypatch.setattr(disk.StorageRun, name, real[name])
+        for use in (lambda: st(batches[1]), lambda: cj.save_checkpoint(tmp_path / "no", 2, st),
+                    lambda: st.sync(Net(nnx.Rngs(3))), lambda: st.evaluate(batches[1]),
+                    lambda: st.step.master_params(st.state)):
+            with pytest.raises(cj.PartialStepError, match=r"half updated: a step failed after its global norm was "
+                               r"known \(OSError: injected.*restore the last checkpoint") as e:
+                use()
+            assert "\n" not in str(e.value)
+        assert not (tmp_path / "no").exists()  # nothing half-written either
+        cj.restore_checkpoint(tmp_path / "ck", st)
+        assert float(st(batches[1])) == want  # as the twin's second step
+        cj.restore_checkpoint(tmp_path / "ck", st)  # back to step 1 for the next failure
+    st(batches[1])
+    got, ref = (jax.tree.map(np.asarray, s.step.master_params(s.state)) for s in (st, twin))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert float(st(batches[2])) == float(twin(batches[2]))  # and it trains on
+
+
+def test_offload_micro_batches_mean_the_parts_and_the_token_mean_recipe_equals_optax():
+    """ux21: with ``micro_batches`` a masked mean loss through ``offload`` is the mean of the
+    micro-batches' means (README, offload's docstring), not the mean over every scored row of the
+    batch (a WeightedLoss, which does that in chunkjax.fit_step, is refused by the front door).
+    The documented recipe, the masked sum over the whole batch's count (a batch leaf) times the
+    number of micro-batches, trains on the whole batch's mean: equal to optax on the full batch
+    at float32 tolerance; the plain masked mean's loss is the mean of the two halves' means."""
+    from flax import nnx
+    Net, _, batches = _tiny_nnx(dropout=False)
+    mask = jnp.asarray([1, 0, 0, 0, 1, 1, 1, 0], jnp.float32)  # 1 scored row in the first half, 3 in the second
+    data = [dict(b, mask=mask, n=jnp.full((8,), jnp.sum(mask))) for b in batches[:3]]
+
+    def sq(model, b):
+        return (model(b["x"]) - b["y"]) ** 2 * b["mask"]
+
+    def recipe(model, b):  # the mean over the whole batch's scored rows, whatever the micro-batches
+        return jnp.sum(sq(model, b)) / b["n"][0] * 2
+
+    def masked_mean(model, b):
+        return jnp.sum(sq(model, b)) / jnp.sum(b["mask"])
+
+    ref = Net(nnx.Rngs(5))
+    halves = [float(masked_mean(ref, jax.tree.map(lambda a: a[h], data[0]))) for h in (slice(0, 4), slice(4, 8))]
+    opt = nnx.Optimizer(ref, optax.adam(1e-2), wrt=nnx.Param)
+    want = []
+    for b in data:
+        loss, g = nnx.value_and_grad(masked_mean)(ref, b)
+        opt.update(ref, g)
+        want.append(float(loss))
+    kw = dict(device_budget="min", micro_batches=2, check_compiled=False)  # nothing to check on the CPU
+    st = cj.offload(Net(nnx.Rngs(5)), optax.adam(1e-2), recipe, data[0], **kw)
+    np.testing.assert_allclose([float(st(b)) for b in data], want, rtol=1e-5)
+    model = Net(nnx.Rngs(0))
+    st.sync(model)
+    for a, b in zip(jax.tree.leaves(nnx.state(model, nnx.Param)), jax.tree.leaves(nnx.state(ref, nnx.Param))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    plain = cj.offload(Net(nnx.Rngs(5)), optax.adam(1e-2), masked_mean, data[0], **kw)
+    got = float(plain(data[0]))
+    np.testing.assert_allclose(got, np.mean(halves), rtol=1e-5)
+    assert abs(got - want[0]) > 1e-3 * abs(want[0])  # a mean of means, not the whole batch's mean

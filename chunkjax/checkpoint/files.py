@@ -387,8 +387,36 @@ def read_meta(directory, step_number: int | None = None) -> dict:
                     verify_checkpoint(directory, complete[-1])
                 except CheckpointError as e:
                     raise CheckpointError(f"no intact checkpoint in {os.fspath(directory)}: {e}") from None
-            raise FileNotFoundError(f"no complete checkpoint in {os.fspath(directory)}")
+            raise FileNotFoundError(not_found(directory))
     return load_meta(directory, step_number)[0]
+
+
+def not_found(directory) -> str:
+    """The one-line message for a ``directory`` holding no complete checkpoint: what it is (missing,
+    a file, one checkpoint's ``step_<N>`` folder, saves cut short) and where checkpoints are (the
+    checkpoint roots found in it, beside it or in its parent, with their steps), or to pass the
+    folder :func:`chunkjax.save_checkpoint` wrote."""
+    d = os.path.normpath(os.fspath(directory))
+    parent, name = os.path.split(os.path.abspath(d))
+    if _STEP_RE.match(name) and os.path.isdir(d):
+        return (f"no complete checkpoint in {d}: it is one checkpoint's step folder; pass the folder "
+                f"save_checkpoint wrote, its parent: restore_checkpoint({parent!r}, ...)")
+    what = ("does not exist" if not os.path.exists(d) else "is a file" if not os.path.isdir(d)
+            else f"holds saves cut short (steps without {META}: {_step_numbers(d)})" if _step_numbers(d)
+            else "holds no step_<N> folder")
+
+    def roots(folder):
+        try:
+            names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+        except OSError:
+            names = []
+        return [os.path.join(folder, n) for n in names if not _STEP_RE.match(n) and all_steps(os.path.join(folder, n))]
+    found = [r for r in dict.fromkeys(roots(d) + ([parent] if all_steps(parent) else []) + roots(parent))
+             if os.path.abspath(r) != os.path.abspath(d)][:4]
+    where = ("; checkpoints found in " + ", ".join(f"{r} (steps {all_steps(r)})" for r in found)
+             + ": pass one of them" if found
+             else "; pass the folder chunkjax.save_checkpoint(folder, n, step) wrote (it holds step_<N> folders)")
+    return f"no complete checkpoint in {d}: it {what}{where}"
 
 
 def load_meta(directory, step_number: int) -> tuple[dict, dict | None]:
@@ -398,7 +426,8 @@ def load_meta(directory, step_number: int) -> tuple[dict, dict | None]:
     if not os.path.isfile(path):
         have = all_steps(directory)
         raise FileNotFoundError(f"no complete checkpoint of step {step_number} in {os.fspath(directory)} "
-                                f"(complete steps: {have})")
+                                f"(complete steps: {have}): " + ("pass step_number= one of them, or None for the newest"
+                                                                  if have else not_found(directory)))
     sums = read_checksums(root)
     if sums is not None:
         verify_files(root, sums, META)

@@ -78,6 +78,12 @@ class StepIO:
         return sum(self.read.values()) + sum(self.written.values())
 
 
+#: I/O threads of a :class:`DiskTier` (the near-storage workers' default): the most chunk files
+#: written at once, each beside its committed file until written (``keep_previous=False``), which
+#: the planner counts in the disk budget (:func:`chunkjax.plan_disk.place_on_disk`).
+IO_THREADS = 2
+
+
 class DiskTier:
     """Chunked optimizer state on one or more storage directories, with a crash-safe step commit.
 
@@ -100,7 +106,8 @@ class DiskTier:
         an emulated 3 MB/s per directory and 16 MB/s shared (32 chunks, 4 directories, bound
         1.05 s) one step took 1.46 s with 3 buffers, 1.13 s with 6, and 1.6-2.0 s with 6-18
         buffers and read-ahead n_buffers - 2 (reads queue ahead of writes on each link).
-      io_threads: threads running reads and writes.
+      io_threads: threads running reads and writes (:data:`IO_THREADS`): with ``keep_previous=False``
+        at most this many new chunk files are on disk beside their committed ones at once.
       io_mode: 'auto' (O_DIRECT where the filesystem allows, else buffered), 'direct', 'buffered'.
       link_model: emulated rates; ``disk_bytes_per_s`` throttles each directory, and
         ``shared_bytes_per_s`` (if set) throttles all directories' traffic together (the
@@ -124,7 +131,7 @@ class DiskTier:
     def __init__(self, dirs: Sequence[str], chunk_sizes: Mapping[int, int] | Sequence[int], *, n_kinds: int = 3,
                  dir_indices: Sequence[int] | None = None, n_dirs_total: int | None = None, n_buffers: int = 3,
                  read_ahead: int = 1,
-                 io_threads: int = 2, io_mode: str = "auto", link_model: LinkModel | None = None,
+                 io_threads: int = IO_THREADS, io_mode: str = "auto", link_model: LinkModel | None = None,
                  fsync: bool = True, target_step: int | None = None, verify: bool = True, keep_previous: bool = True):
         dirs = [os.fspath(d) for d in dirs]
         if not dirs:

@@ -16,7 +16,11 @@ step). Each system runs in its own process (a clean peak):
   "what the loop allows": ``docs/dropin.md``);
 * ``chunk_optax``: the drop-in with ``optax.adamw(1e-4)`` (every offloaded chunk streamed).
 
-``--sweep-threads 16,12,8`` runs the ``chunk_host`` system once per numba thread count of its
+``--sweep-host-chunks 8,31`` runs the ``chunk_host`` system again once per forced split (systems
+``chunk_host_h8`` ..., ``host_chunks=N``, also nameable in ``--systems``; the JSON's
+``sweep_host_chunks`` compares update seconds with their predictions and the host memory moved:
+``docs/dropin.md``, "Host memory bandwidth"). ``--sweep-threads 16,12,8`` runs the ``chunk_host``
+system once per numba thread count of its
 host kernel (systems ``chunk_host_t16`` ..., ``NnxOptimizer(..., host_threads=N)``; the JSON's
 ``sweep_threads`` compares them); ``--rates recorded:<results json>`` splits by the rates a GPU run
 measured under contention (``chunkjax.cost.Rates.from_record``). Each host-kernel system's
@@ -53,6 +57,10 @@ device bytes, losses, the optimizer's summary and the update breakdowns) and pri
         --out experiments/results                                                 # the step's phases (< 4 min)
     python experiments/gpu_checks/dropin.py --systems front --front-budget 27900542976 --steps 8 --total 200 \
         --timeout 190 --run s21f --out experiments/results                        # the front's phases (< 3 min)
+    timeout 230 python experiments/gpu_checks/dropin.py --systems nnx,chunk_host --steps 6 --total 225 \\
+        --run s21d --out $OUT                                                     # lean + host memory split (< 4 min)
+    timeout 230 python experiments/gpu_checks/dropin.py --systems chunk_host_h8,chunk_host_h31 --steps 6 \\
+        --total 220 --run s21h --out $OUT                                         # the split's two sides (< 4 min)
     python experiments/gpu_checks/dropin.py --tiny --run cpu --out /tmp            # a CPU smoke run
 """
 from __future__ import annotations
@@ -73,7 +81,8 @@ SYSTEMS = ("nnx", "chunk_host", "front", "chunk_optax")
 
 
 #: Breakdown fields whose medians over the steady updates are recorded (chunkjax.duplex.UpdateBreakdown).
-BREAKDOWN_KEYS = ("predicted_s", "predicted_h2d_s", "predicted_d2h_s", "predicted_kernel_s", "backward_wait_s",
+BREAKDOWN_KEYS = ("predicted_s", "predicted_h2d_s", "predicted_d2h_s", "predicted_kernel_s", "predicted_host_memory_s",
+                  "backward_wait_s",
                   "update_s", "tail_s", "h2d_bytes", "d2h_bytes", "h2d_busy_s", "d2h_busy_s", "both_busy_s",
                   "h2d_gb_per_s", "d2h_gb_per_s", "kernel_s", "kernel_idle_s", "outside_s", "setup_s", "dispatch_s",
                   "finish_s", "model_update_s", "step_s", "grads_ready_s")
@@ -89,12 +98,19 @@ PHASES = (("outside_s", "outside update(): the loop's grad dispatch (nnx.jit), f
 
 def host_threads_of(kind: str) -> tuple[bool, int | None]:
     """``(host kernel spec?, numba threads or None)`` of a system name: ``chunk_host`` (the
-    optimizer's default threads), ``chunk_host_t<N>`` (``host_threads=N``: ``--sweep-threads``)."""
-    if kind == "chunk_host":
+    optimizer's default threads), ``chunk_host_t<N>`` (``host_threads=N``: ``--sweep-threads``),
+    ``chunk_host_h<N>`` (the default threads, ``host_chunks=N``: ``--sweep-host-chunks``)."""
+    if kind == "chunk_host" or host_chunks_of(kind) is not None:
         return True, None
     if kind.startswith("chunk_host_t") and kind[len("chunk_host_t"):].isdigit():
         return True, int(kind[len("chunk_host_t"):])
     return False, None
+
+
+def host_chunks_of(kind: str) -> int | None:
+    """``N`` of a ``chunk_host_h<N>`` system (``host_chunks=N``), else None."""
+    tail = kind[len("chunk_host_h"):] if kind.startswith("chunk_host_h") else ""
+    return int(tail) if tail.isdigit() else None
 
 
 def own_rates_prediction(v: dict) -> dict | None:
@@ -109,10 +125,11 @@ def own_rates_prediction(v: dict) -> dict | None:
     except (ValueError, KeyError):
         return None
     pred = dropin.predict_update_parts(ru.n_offloaded - ru.n_host, ru.n_host, ru.chunk_size, ru.state_bytes,
-                                       ru.grad_bytes, ru.param_bytes, rates, ru.depth)
+                                       ru.grad_bytes, ru.param_bytes, rates, ru.depth, ru.streamed_bytes)
     _, host = dropin.split_offloaded(range(ru.n_offloaded), ru.chunk_size, ru.state_bytes, ru.grad_bytes,
-                                     ru.param_bytes, rates, None, ru.depth)
+                                     ru.param_bytes, rates, None, ru.depth, ru.streamed_bytes)
     return {"predicted_s": pred.total_s, "h2d_s": pred.h2d_s, "d2h_s": pred.d2h_s, "kernel_s": pred.kernel_s,
+            "host_memory_s": pred.host_memory_s, "host_memory_gb_per_s": rates.host_memory_bytes_per_s / 1e9,
             "measured_s": ru.measured_s, "h2d_gb_per_s": rates.h2d_bytes_per_s / 1e9,
             "d2h_gb_per_s": rates.d2h_bytes_per_s / 1e9, "kernel_ns_per_param": rates.host_update_s_per_param * 1e9,
             "split_host_chunks_at_these_rates": len(host)}
@@ -210,6 +227,7 @@ def child(kind: str, cfg: dict) -> dict:
     from flax import nnx
 
     import chunkjax
+    from chunkjax import dropin
     from chunkjax.host_update import AdamW
 
     D, L, V, H, B, T, STEPS = (cfg[k] for k in ("D", "L", "V", "H", "B", "T", "STEPS"))
@@ -281,6 +299,8 @@ def child(kind: str, cfg: dict) -> dict:
         kw = dict(cfg.get("KWARGS", {}))
         if threads is not None:
             kw["host_threads"] = threads
+        if host_chunks_of(kind) is not None:
+            kw["host_chunks"] = host_chunks_of(kind)
         if host:  # the kernel alone on this host (against its seconds inside the update), on 1 GiB
             from chunkjax.cost import Rates
             from chunkjax.host_update import measure_host_update_rate
@@ -298,7 +318,10 @@ def child(kind: str, cfg: dict) -> dict:
         out["summary"] = opt.summary()
         out["host_threads"] = c.host_threads
         out["split"] = {"device": c.placement.state_kinds.count("device"), "streamed": len(c.streamed_chunks),
-                        "host": len(c.host_chunks), "depth": c.pipeline_depth, "chunk_size": c.layout.chunk_size}
+                        "host": len(c.host_chunks), "depth": c.pipeline_depth, "chunk_size": c.layout.chunk_size,
+                        "lean": len(c.lean_chunks)}
+        cs = c.layout.chunk_size  # the host kernel's host memory bytes per chunk (AdamW, float32 grads and params)
+        out["host_kernel_bytes_per_chunk"] = dropin.host_kernel_bytes(12 * cs, 4 * cs, 4 * cs, cs)
         out["host_bytes"] = int(c.host_state_bytes + len(c.host_chunks) * c.layout.chunk_size * 4)
         grad_fn = nnx.jit(nnx.value_and_grad(loss_fn))
 
@@ -337,6 +360,9 @@ def child(kind: str, cfg: dict) -> dict:
         out["breakdown_median"] = bd = {k: _median([getattr(b, k) for b in steady]) for k in BREAKDOWN_KEYS}
         if c.host_chunks and bd["kernel_s"]:  # the kernel's rate inside the update (beside the transfers)
             out["host_update_s_per_param_in_update"] = bd["kernel_s"] / (len(c.host_chunks) * c.layout.chunk_size)
+        if bd.get("update_s"):  # host memory moved by the kernel and the DMA over the update (docs/dropin.md)
+            moved = len(c.host_chunks) * out["host_kernel_bytes_per_chunk"] + bd["h2d_bytes"] + bd["d2h_bytes"]
+            out["host_memory_gb_per_s_in_update"] = moved / bd["update_s"] / 1e9
         if steady:  # one steady update's timeline: (kind, chunk, bytes, start s, end s)
             out["timeline"] = steady[len(steady) // 2].as_dict(events=True)["events"]
         gt, gd = [], []
@@ -390,6 +416,15 @@ def _summarise(res: dict) -> None:
             "h2d_gb_per_s": (v.get("breakdown_median") or {}).get("h2d_gb_per_s"),
             "d2h_gb_per_s": (v.get("breakdown_median") or {}).get("d2h_gb_per_s"),
             "split": v.get("split")} for v in sweep.values()}
+    hsweep = {k: v for k, v in s.items() if host_chunks_of(k) is not None and "error" not in v}
+    if hsweep:  # --sweep-host-chunks: per forced split, the update against its prediction
+        res["sweep_host_chunks"] = {host_chunks_of(k): {
+            "tokens_per_s": v.get("tokens_per_s"), "update_s": (v.get("breakdown_median") or {}).get("update_s"),
+            "predicted_s": (v.get("breakdown_median") or {}).get("predicted_s"),
+            "host_memory_gb_per_s_in_update": v.get("host_memory_gb_per_s_in_update"),
+            "h2d_gb_per_s": (v.get("breakdown_median") or {}).get("h2d_gb_per_s"),
+            "d2h_gb_per_s": (v.get("breakdown_median") or {}).get("d2h_gb_per_s"),
+            "split": v.get("split")} for k, v in hsweep.items()}
     res["chunkjax_optax_tokens_per_s"] = tps.get("chunk_optax")
     res["ratio"] = (tps["chunk_host"] / tps["nnx"]) if tps.get("chunk_host") and tps.get("nnx") else None
     res["ratio_optax"] = (tps["chunk_optax"] / tps["nnx"]) if tps.get("chunk_optax") and tps.get("nnx") else None
@@ -430,7 +465,8 @@ def _table(res: dict, budget: int, path: str) -> None:
         print(f"  {k}: {v.get('split')}; update s measured {f(bd['update_s'], '.3f')} (backward wait "
               f"{f(bd['backward_wait_s'], '.3f')}, tail {f(bd['tail_s'], '.3f')}) predicted {f(bd['predicted_s'], '.3f')} "
               f"(h2d {f(bd['predicted_h2d_s'], '.3f')}, d2h {f(bd['predicted_d2h_s'], '.3f')}, kernel "
-              f"{f(bd['predicted_kernel_s'], '.3f')})")
+              f"{f(bd['predicted_kernel_s'], '.3f')}, host memory {f(bd.get('predicted_host_memory_s'), '.3f')}); host "
+              f"memory moved at {f(v.get('host_memory_gb_per_s_in_update'), '.1f')} GB/s in the update")
         print(f"    h2d {f(gb(bd['h2d_bytes']), '.2f')} GB in {f(bd['h2d_busy_s'], '.3f')} s ({f(bd['h2d_gb_per_s'], '.1f')} GB/s), "
               f"d2h {f(gb(bd['d2h_bytes']), '.2f')} GB in {f(bd['d2h_busy_s'], '.3f')} s ({f(bd['d2h_gb_per_s'], '.1f')} GB/s), "
               f"both busy {f(bd['both_busy_s'], '.3f')} s; kernel {f(bd['kernel_s'], '.3f')} s (idle "
@@ -509,6 +545,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep-threads", default=None, metavar="N,N,...", help="run the chunk_host system once per "
                     "numba thread count of its host kernel (systems chunk_host_t<N>, in place of chunk_host), "
                     "e.g. 16,12,8")
+    ap.add_argument("--sweep-host-chunks", default=None, metavar="N,N,...", help="after the chunk_host system, run "
+                    "it once per forced split (systems chunk_host_h<N>, host_chunks=N), e.g. 12,30")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--cfg", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -526,7 +564,16 @@ def main(argv=None) -> int:
         at = systems.index("chunk_host") if "chunk_host" in systems else len(systems)
         systems = [k for k in systems[:at]] + [f"chunk_host_t{n}" for n in counts] + [
             k for k in systems[at + 1:]]
-    unknown = [k for k in systems if k not in SYSTEMS and not host_threads_of(k)[1]]
+    if a.sweep_host_chunks:
+        try:
+            splits = [int(x) for x in a.sweep_host_chunks.split(",")]
+        except ValueError:
+            splits = []
+        if not splits or min(splits) < 0:
+            ap.error(f"--sweep-host-chunks {a.sweep_host_chunks}: use host chunk counts >= 0, e.g. 12,30")
+        at = systems.index("chunk_host") + 1 if "chunk_host" in systems else len(systems)
+        systems = systems[:at] + [f"chunk_host_h{n}" for n in splits] + systems[at:]
+    unknown = [k for k in systems if k not in SYSTEMS and not host_threads_of(k)[1] and host_chunks_of(k) is None]
     if unknown:
         ap.error(f"--systems {unknown[0]}: use names of {','.join(SYSTEMS)}")
     if a.child:

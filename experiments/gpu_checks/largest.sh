@@ -188,6 +188,13 @@
 #   PREALLOC=false POOL18MB=56 MB18_BATCH=8 EXTRAMB="--host-budget 117.2e9 --set compiled_margin=5.8e9" LIMIT=583 \
 #     MEMLOG=$OUT/mem.log bash experiments/gpu_checks/memwatch.sh bash experiments/gpu_checks/largest.sh <run> b2
 #   (host need ~128e9: b19 ran at 127.68e9 accounted with 2.5 GB available at its peak; watch MemAvailable).
+# * Session 21 (docs/benchmarks.md "Twenty-first session"): s21b2 (the b2 command above) planned, compiled once (84 s,
+#   compiled 132.20e9 vs 127.13e9 accounted) and initialised (110 s, MemAvailable 5.16 GiB after), then its first step
+#   stopped with ENOSPC: 108 chunk files planned in exactly the directory's free bytes, and each worker writes up to
+#   IO_THREADS new files beside their committed ones (now counted: plan_disk.disk_chunks_fit). s21b2b (same command,
+#   106 disk chunks) planned in 118.9 s and its compile did not end before the worker's limit (552 s): the slow b2
+#   compile of s19b2 again, cause not found. Next: run b2 twice back to back (the first call's compile fills the
+#   cache), or find which of the 32 programs compiles slowly (inprogram_gap.py at 18B's 96 layers, compile only).
 set -u
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$PWD/.cache/jax_gpu}
 RUN=${1:-largest}
