@@ -43,7 +43,7 @@ def test_unknown_name_and_largest():
 def test_chunked_cross_entropy_equals_full():
     cfg = gpt.get_config("micro")
     rng = np.random.default_rng(7)
-    p = gpt.init_params(cfg, jax.random.key(int(rng.integers(1 << 30))))
+    p = jax.jit(gpt.init_params, static_argnums=0)(cfg, jax.random.key(int(rng.integers(1 << 30))))
     sub = {"ln_f": p["ln_f"], "wte": p["wte"]}
     x = jnp.asarray(rng.normal(size=(4, 64, cfg.d_model)), jnp.float32)
     t = jnp.asarray(rng.integers(0, cfg.vocab_size, (4, 64)), jnp.int32)
@@ -58,7 +58,7 @@ def test_chunked_cross_entropy_equals_full():
 def test_stages_compose_to_the_model_loss():
     cfg = gpt.get_config("micro")
     rng = np.random.default_rng(3)
-    p = gpt.init_params(cfg, jax.random.key(int(rng.integers(1 << 30))))
+    p = jax.jit(gpt.init_params, static_argnums=0)(cfg, jax.random.key(int(rng.integers(1 << 30))))
     b = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 17)), jnp.int32)
     stages = gpt.gpt_stages(cfg)
     assert [s.name for s in stages] == ["embed", "h_0", "h_1", "h_2", "h_3", "head"]
