@@ -20,6 +20,18 @@ def test_n_params_is_the_probe_formula_and_the_real_count(name):
     assert cfg.flops_per_token() == 6 * cfg.n_params + 12 * L * S * h
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_abstract_params_are_init_params_shapes(dtype):
+    """``abstract_params`` (one block's init traced, its shapes given to every block) is
+    ``jax.eval_shape`` of ``init_params``: the same tree, key order, shapes and dtypes, no node shared."""
+    cfg = gpt.get_config("micro", n_layers=3)
+    a = gpt.abstract_params(cfg, dtype)
+    b = jax.eval_shape(lambda: gpt.init_params(cfg, jax.random.key(0), dtype))
+    assert jax.tree.structure(a) == jax.tree.structure(b) and list(a) == list(b)
+    assert jax.tree.leaves(a) == jax.tree.leaves(b)
+    assert a["h_0"] is not a["h_1"] and a["h_0"]["attn_c_attn"] is not a["h_1"]["attn_c_attn"]
+
+
 def test_size_table_values():
     # PatrickStar's table (hidden, layers, heads)
     expect = {"GPT2_1B": (2048, 20, 16), "megatron_1.3B": (2048, 24, 32), "GPT2_2B": (2048, 40, 16),
