@@ -99,12 +99,28 @@ def plan_micro_batches(problem, budget_bytes: int, plan, **kw):
         for lack of host memory and the in-program group needs less host (no float32 sums
         across passes), that group's refusal (its host need, the group named: the least host
         budget that would let a plan through).
+
+    A budget of 1 byte or less (the floor probe of :func:`chunkjax.fit.auto_budget` and
+    :func:`chunkjax.fit.min_budget`) is planned per pass first: no plan's device peak is that small
+    (it holds a chunk's buffer and the batch), so every group is refused and the outcome is the
+    per-pass one unless it is a host-need refusal a group's may replace; only then are the groups'
+    loops compiled and planned (the same outcome as groups first, without compiling their loops).
     """
+    per_pass = None
+    if budget_bytes <= 1:  # the floor probe: the per-pass outcome, the groups planned only if it may be replaced
+        try:
+            return plan(problem, budget_bytes, **kw)
+        except PlanError as e:
+            if e.host_need_bytes is None:
+                raise
+            per_pass = e
     refused: list = []
     s = in_program_plan(problem, budget_bytes, plan, refused, **kw)
     if s is not None:
         return s
     try:
+        if per_pass is not None:
+            raise per_pass
         return plan(problem, budget_bytes, **kw)
     except PlanError as e:
         host = [(r.host_need_bytes, g, r) for g, r in refused if r.host_need_bytes is not None]

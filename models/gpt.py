@@ -353,8 +353,13 @@ def init_params(cfg: GPTConfig, key: jax.Array, dtype=jnp.float32) -> dict:
 
 
 def abstract_params(cfg: GPTConfig, dtype=jnp.float32) -> dict:
-    """``jax.ShapeDtypeStruct`` params (nothing allocated)."""
-    return jax.eval_shape(lambda: init_params(cfg, jax.random.key(0), dtype))
+    """``jax.ShapeDtypeStruct`` params (nothing allocated), those of :func:`init_params`: one block's
+    init traced and its shapes given to every block (the blocks are alike; tracing all L inits took
+    seconds for a GPT3 config)."""
+    one = jax.eval_shape(lambda: init_params(dataclasses.replace(cfg, n_layers=1), jax.random.key(0), dtype))
+    blocks = {f"h_{i}": one["h_0"] for i in range(cfg.n_layers)}
+    # a copy of every node, in the order jax.eval_shape gives (dict keys sorted)
+    return jax.tree.map(lambda x: x, {"wte": one["wte"], "wpe": one["wpe"], **blocks, "ln_f": one["ln_f"]})
 
 
 

@@ -39,7 +39,7 @@ SPEC = AdamW(3e-3, weight_decay=0.1, max_grad_norm=0.05)  # clipping fires: the 
 def setup():
     cfg = gpt.get_config("micro", n_layers=3)
     rng = np.random.default_rng(24)
-    params = gpt.init_params(cfg, jax.random.key(24))
+    params = jax.jit(gpt.init_params, static_argnums=0)(cfg, jax.random.key(24))  # one program, not an eager compile per op
     batches = [jnp.asarray(rng.integers(0, cfg.vocab_size, (B, T + 1)), jnp.int32) for _ in range(STEPS)]
     stages = gpt.gpt_stages(cfg)
     order = cj.first_use_order(lambda p, b: cj.compose_loss(stages, p, b), params, batches[0])

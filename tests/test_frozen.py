@@ -75,7 +75,7 @@ def micro():
     """Micro GPT (2 blocks) with a frozen bf16 ``wpe``, a frozen block ``h_1`` and an int32 leaf."""
     cfg = gpt.get_config("micro", n_layers=2)
     rng = np.random.default_rng(7)
-    params = gpt.init_params(cfg, jax.random.key(int(rng.integers(1 << 30))))
+    params = jax.jit(gpt.init_params, static_argnums=0)(cfg, jax.random.key(int(rng.integers(1 << 30))))  # one program, not an eager compile per op
     params["wpe"] = params["wpe"].astype(jnp.bfloat16)
     params["pos"] = jnp.asarray(rng.permutation(cfg.seq_len), jnp.int32)
     stages = (Stage("embed", ("wte", "wpe", "pos"), _embed),) + gpt.gpt_stages(cfg)[1:]

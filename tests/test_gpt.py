@@ -20,6 +20,18 @@ def test_n_params_is_the_probe_formula_and_the_real_count(name):
     assert cfg.flops_per_token() == 6 * cfg.n_params + 12 * L * S * h
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_abstract_params_are_init_params_shapes(dtype):
+    """``abstract_params`` (one block's init traced, its shapes given to every block) is
+    ``jax.eval_shape`` of ``init_params``: the same tree, key order, shapes and dtypes, no node shared."""
+    cfg = gpt.get_config("micro", n_layers=3)
+    a = gpt.abstract_params(cfg, dtype)
+    b = jax.eval_shape(lambda: gpt.init_params(cfg, jax.random.key(0), dtype))
+    assert jax.tree.structure(a) == jax.tree.structure(b) and list(a) == list(b)
+    assert jax.tree.leaves(a) == jax.tree.leaves(b)
+    assert a["h_0"] is not a["h_1"] and a["h_0"]["attn_c_attn"] is not a["h_1"]["attn_c_attn"]
+
+
 def test_size_table_values():
     # PatrickStar's table (hidden, layers, heads)
     expect = {"GPT2_1B": (2048, 20, 16), "megatron_1.3B": (2048, 24, 32), "GPT2_2B": (2048, 40, 16),
@@ -43,7 +55,7 @@ def test_unknown_name_and_largest():
 def test_chunked_cross_entropy_equals_full():
     cfg = gpt.get_config("micro")
     rng = np.random.default_rng(7)
-    p = gpt.init_params(cfg, jax.random.key(int(rng.integers(1 << 30))))
+    p = jax.jit(gpt.init_params, static_argnums=0)(cfg, jax.random.key(int(rng.integers(1 << 30))))
     sub = {"ln_f": p["ln_f"], "wte": p["wte"]}
     x = jnp.asarray(rng.normal(size=(4, 64, cfg.d_model)), jnp.float32)
     t = jnp.asarray(rng.integers(0, cfg.vocab_size, (4, 64)), jnp.int32)
@@ -58,7 +70,7 @@ def test_chunked_cross_entropy_equals_full():
 def test_stages_compose_to_the_model_loss():
     cfg = gpt.get_config("micro")
     rng = np.random.default_rng(3)
-    p = gpt.init_params(cfg, jax.random.key(int(rng.integers(1 << 30))))
+    p = jax.jit(gpt.init_params, static_argnums=0)(cfg, jax.random.key(int(rng.integers(1 << 30))))
     b = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 17)), jnp.int32)
     stages = gpt.gpt_stages(cfg)
     assert [s.name for s in stages] == ["embed", "h_0", "h_1", "h_2", "h_3", "head"]

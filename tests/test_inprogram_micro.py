@@ -253,12 +253,12 @@ def _compiled_peak(problem, step, sched, batch) -> int:
 def _floor(problem) -> int:
     """The least budget a plan of ``problem`` fits: the per-micro-batch plan's (every chunk offloaded,
     one micro-batch's stage inputs), below every in-program group's floor (tests/test_micro_groups.py
-    asserts the order), so ``fit.plan(problem, 1)``'s refusal names it too (checked on both models
-    here, 8 micro-batches) without compiling and measuring every group's loops first (8, 4 and 2
-    micro-batches: the plans below then measure only the 8 they choose)."""
+    asserts the order): ``fit.plan(problem, 1)``'s refusal, found per pass first without compiling and
+    measuring every group's loops (8, 4 and 2 micro-batches: the plans below then measure only the 8 they
+    choose; tests/test_micro_cuts.py checks that none is)."""
     from chunkjax import fit
     with pytest.raises(cj.PlanError) as e:
-        fit._plan_passes(problem, 1, policy="tide", resident=None, must_fit=True, split=True)
+        fit.plan(problem, 1)
     return e.value.min_budget_bytes
 
 

@@ -124,15 +124,19 @@ def test_the_planner_times_looped_and_unrolled_loops(setup):
     batch = jax.ShapeDtypeStruct((M * B, T + 1), jnp.int32)
     for unroll in (False, True):
         problem = fit.prepare(stages, params, batch, unroll_micro_batches=unroll, **kw)
-        s = fit.plan(problem, 2 * _auto_budget(problem))
+        auto = fit.auto_budget(problem)
+        assert auto == _per_pass_auto_budget(problem)  # the floor: the per-micro-batch plan's refusal,
+        assert not problem.loop_traces  # found without compiling and measuring any micro-batch group's loops
+        s = fit.plan(problem, 2 * auto)
         assert s.accumulation == IN_PROGRAM and s.unroll_micro_batches == unroll
         assert fit.build_step(problem, s).walk(problem.batch).unroll == unroll
 
 
-def _auto_budget(problem) -> int:
-    """``fit.auto_budget(problem)``: its floor (the per-micro-batch plan's refusal, below every
-    in-program group's floor: tests/test_micro_groups.py) found without ``fit.plan(problem, 1)``
-    compiling and measuring the loops of every micro-batch group first (as tests/test_inprogram_micro.py)."""
+def _per_pass_auto_budget(problem) -> int:
+    """``fit.auto_budget(problem)`` from the per-micro-batch plan's refusal at 1 byte (below every
+    in-program group's floor: tests/test_micro_groups.py), as ``fit.plan(problem, 1)`` finds it
+    (:func:`chunkjax.plan_micro.plan_micro_batches`: per pass first at a budget of 1 byte; before,
+    it compiled and measured the loops of every micro-batch group first)."""
     from chunkjax import fit
     with pytest.raises(cj.PlanError) as e:
         fit._plan_passes(problem, 1, policy="tide", resident=None, must_fit=True, split=True)

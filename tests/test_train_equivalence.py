@@ -22,7 +22,7 @@ B, T = 2, 16
 def setup():
     cfg = gpt.get_config("micro", n_layers=2)  # micro widths, 2 blocks: 4 stages keep compiles short
     rng = np.random.default_rng(1234)
-    params = gpt.init_params(cfg, jax.random.key(int(rng.integers(1 << 30))))
+    params = jax.jit(gpt.init_params, static_argnums=0)(cfg, jax.random.key(int(rng.integers(1 << 30))))  # one program, not an eager compile per op
     # four distinct random batches, cycled: the model can fit them, so the loss must fall
     distinct = [jnp.asarray(rng.integers(0, cfg.vocab_size, (B, T + 1)), jnp.int32) for _ in range(4)]
     batches = [distinct[i % 4] for i in range(STEPS)]
