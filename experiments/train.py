@@ -1053,7 +1053,7 @@ def _train(cfg, model, fitted, td, folder, t_start, resolved, resume=None, setup
             if isinstance(e.__cause__, (KeyboardInterrupt, _Terminated)):
                 raise e.__cause__ from None
             raise JobFailed(f"checkpoint of step {i} not written: {e}") from None
-        prune_checkpoints(ckpt_dir, cfg.keep_checkpoints)
+        ck.prune_checkpoints(ckpt_dir, cfg.keep_checkpoints)
         ckpt_s += time.perf_counter() - t0
         ckpt_saved += 1
 
@@ -1238,17 +1238,6 @@ def disk_bytes(schedule, state) -> dict:
         out.update(disk_bytes_per_step_measured=rd + wr, disk_read_bytes_per_step_measured=rd,
                    disk_written_bytes_per_step_measured=wr)
     return out
-
-
-def prune_checkpoints(ckpt_dir, keep: int) -> list[int]:
-    """Delete all but the newest ``keep`` complete checkpoints of ``ckpt_dir``
-    (:func:`chunkjax.checkpoint.delete_checkpoint`: a crash mid-delete leaves nothing that looks
-    complete and no orphan); returns the deleted steps."""
-    from chunkjax import checkpoint as ck
-    gone = ck.all_steps(ckpt_dir)[:-keep]
-    for s in gone:
-        ck.delete_checkpoint(ckpt_dir, s)
-    return gone
 
 
 def drop_skipped_checkpoints(ckpt_dir, start: int) -> list[int]:

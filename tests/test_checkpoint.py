@@ -543,3 +543,23 @@ def test_checkpoint_not_found_says_where_they_are(host_run, tmp_path):
         assert "\n" not in str(e.value)
     with pytest.raises(FileNotFoundError, match=rf"complete steps: \[{N}\]\): pass step_number= one of them"):
         ck.restore_checkpoint(ckpts, step, step_number=N + 1)
+
+
+def test_keep_deletes_all_but_the_newest(setup, mixed_run, tmp_path):
+    """``save_checkpoint(..., keep=k)`` keeps the newest k complete checkpoints (orbax's max_to_keep;
+    a fresh user's loop saving every 5 steps filled 676 MiB for a 130 KiB model): the older ones are
+    deleted once the new one is complete, the kept ones restore bit for bit; a bad ``keep`` writes
+    nothing."""
+    step, _, state, _, _ = mixed_run
+    d = tmp_path / "kept"
+    for n in (3, 5, 6):
+        ck.save_checkpoint(d, n, step, state, {"n": n}, keep=2)
+    assert ck.all_steps(d) == [5, 6] and sorted(os.listdir(d)) == ["step_00000005", "step_00000006"]
+    st, extra = ck.restore_checkpoint(d, step, 5)
+    assert extra == {"n": 5}
+    assert_trees(ck.export_params(step, st), ck.export_params(step, state))
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="keep must be an int >= 1"):
+            ck.save_checkpoint(d, 7, step, state, keep=bad)
+    assert ck.all_steps(d) == [5, 6] and sorted(os.listdir(d)) == ["step_00000005", "step_00000006"]
+    assert ck.prune_checkpoints(d, 1) == [5] and ck.all_steps(d) == [6]

@@ -59,7 +59,7 @@ Usage::
     params, extra = restore_checkpoint(ckpt_dir, opt)         # nnx.update(model, params) for NNX
 """
 from chunkjax.checkpoint.async_save import DEFAULT_MAX_INFLIGHT_BYTES, AsyncSave, save_checkpoint_async
-from chunkjax.checkpoint.files import (CHECKSUMS, FORMAT, META, VERSION, all_steps, delete_checkpoint,
+from chunkjax.checkpoint.files import (CHECKSUMS, FORMAT, META, VERSION, all_steps, delete_checkpoint, prune_checkpoints,
                                        latest_step, layout_fingerprint, layout_spec, read_meta,
                                        remove_stale_temporaries, verify_checkpoint)
 from chunkjax.checkpoint.peers import DEFAULT_PEER_TIMEOUT_S
@@ -69,6 +69,6 @@ from chunkjax.checkpoint.save import save_checkpoint, save_storage_checkpoint
 
 __all__ = ["AsyncSave", "CHECKSUMS", "CheckpointError", "CheckpointWriteError", "ChunkIO", "DEFAULT_MAX_INFLIGHT_BYTES",
            "DEFAULT_PEER_TIMEOUT_S", "FORMAT", "META", "SavedChunks", "SavedState", "VERSION", "all_steps",
-           "delete_checkpoint", "export_checkpoint_params", "export_params", "latest_step", "layout_fingerprint",
+           "delete_checkpoint", "prune_checkpoints", "export_checkpoint_params", "export_params", "latest_step", "layout_fingerprint",
            "layout_spec", "read_meta", "remove_stale_temporaries", "restore_checkpoint", "save_checkpoint",
            "save_checkpoint_async", "save_storage_checkpoint", "verify_checkpoint"]

@@ -3,15 +3,17 @@
 processes, every process calling it) and :func:`save_storage_checkpoint` of the storage tier."""
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from chunkjax.checkpoint.async_save import previous_save
+from chunkjax.checkpoint.files import check_keep, prune_checkpoints
 from chunkjax.checkpoint.job import SaveJob, engine_info, run_save
 from chunkjax.checkpoint.peers import save_multiprocess
 
 
 def save_checkpoint(directory, step_number: int, step_fn, state=None, extra: dict | None = None, *,
-                    peer_timeout_s: float | None = None) -> str:
+                    peer_timeout_s: float | None = None, keep: int | None = None) -> str:
     """Save the whole training state of ``step_fn`` as checkpoint ``step_number``, atomically.
 
     Waits for the engine's pending work (``step_fn.wait(state)``: a step's host updates), then
@@ -43,12 +45,16 @@ def save_checkpoint(directory, step_number: int, step_fn, state=None, extra: dic
       peer_timeout_s: under ``jax.distributed`` only: seconds each process waits at most for the
         others before each chunk's gather and before the outcome (None:
         :data:`DEFAULT_PEER_TIMEOUT_S`, or 60 s plus 1 s per 100 MiB of chunk if larger).
+      keep: once the save is complete, delete all but the newest ``keep`` checkpoints of
+        ``directory`` (:func:`chunkjax.checkpoint.prune_checkpoints`; orbax's ``max_to_keep``);
+        None (the default) keeps every one.
 
     Returns:
       The path of the new checkpoint directory.
 
     Raises:
       FileExistsError: a checkpoint of ``step_number`` already exists.
+      ValueError: ``keep`` is not None or an int >= 1 (before anything is written).
       TypeError: ``extra`` holds something that cannot be saved, or ``state`` is None for a step.
       CheckpointError: the optimizer state has no per-chunk form (not elementwise), the ranks of
         a ZeRO chunk hold different step counts, or ``step_fn`` is no ChunkIO engine.
@@ -59,11 +65,17 @@ def save_checkpoint(directory, step_number: int, step_fn, state=None, extra: dic
         :func:`save_checkpoint_async` into ``directory`` whose :meth:`AsyncSave.wait` was never
         called (nothing new is saved then).
     """
+    if keep is not None:
+        check_keep(keep)
     info = engine_info(step_fn, state)  # a ChunkIO engine (and its state), or one line
     previous_save(directory, step_fn)
     if info["multiprocess"]:
-        return save_multiprocess(directory, step_number, step_fn, state, extra, peer_timeout_s)
-    return run_save(SaveJob(directory, step_number, step_fn, state, extra), "the state")
+        path = save_multiprocess(directory, step_number, step_fn, state, extra, peer_timeout_s)
+    else:
+        path = run_save(SaveJob(directory, step_number, step_fn, state, extra), "the state")
+    if keep is not None and jax.process_index() == 0:  # the writer's directory (under jax.distributed: process 0)
+        prune_checkpoints(directory, keep)
+    return path
 
 
 def save_storage_checkpoint(directory, step_number: int, opt, layout, extra: dict | None = None, *,
