@@ -144,13 +144,16 @@ class OffloadedStep(OffloadedChunkIO):
                              f"{jax.tree.structure(ex)}: pass batches structured as the example")
         pairs = list(zip(jax.tree.leaves(got), jax.tree.leaves(ex)))
         if any(a.shape != b.shape or jax.dtypes.canonicalize_dtype(a.dtype) != b.dtype for a, b in pairs):
-            want = [(tuple(b.shape), str(b.dtype)) for _, b in pairs]
-            have = [(tuple(a.shape), str(a.dtype)) for a, _ in pairs]
-            if all(a.shape == b.shape for a, b in pairs):  # only the dtype differs
-                raise ValueError(f"batch dtypes {[d for _, d in have]} differ from the planned {[d for _, d in want]}: "
-                                 "pass batches of the example's dtype, e.g. batch.astype(...) (shapes match)")
-            raise ValueError(f"batch shapes {have} differ from the planned {want}: pass batches of the example's "
-                             "shape (or build another step with chunkjax.offload for this shape)")
+            names = [jax.tree_util.keystr(k) or "the batch" for k, _ in jax.tree_util.tree_flatten_with_path(ex)[0]]
+            bad = [(n, a, b) for n, (a, b) in zip(names, pairs)
+                   if a.shape != b.shape or jax.dtypes.canonicalize_dtype(a.dtype) != b.dtype]
+            if all(a.shape == b.shape for _, a, b in bad):  # only dtypes differ
+                raise ValueError("batch dtypes differ from the planned: " + ", ".join(
+                    f"{n} {a.dtype} (planned {b.dtype})" for n, a, b in bad) + ": pass batches of the example's dtype, "
+                    "e.g. x.astype(...) (shapes match)")
+            raise ValueError("batch shapes differ from the planned: " + ", ".join(
+                f"{n} {tuple(a.shape)} {a.dtype} (planned {tuple(b.shape)} {b.dtype})" for n, a, b in bad) +
+                ": pass batches of the example's shape (or build another step with chunkjax.offload for this shape)")
         if all(a.dtype == b.dtype for a, b in pairs):
             return batch
         return jax.tree.map(lambda a, b: a if a.dtype == b.dtype else jnp.asarray(a, b.dtype), batch, ex)

@@ -707,8 +707,8 @@ def test_batch_of_another_structure_or_x64_dtype(small_step):
         small_step.evaluate((batch,))
     assert "\n" not in str(e.value)
     assert float(small_step.evaluate(np.asarray(batch, np.int64))) == float(small_step.evaluate(batch))
-    with pytest.raises(ValueError, match=re.escape("batch dtypes ['float32'] differ from the planned ['int32']: "
-                                                   "pass batches of the example's dtype")) as e:
+    with pytest.raises(ValueError, match=re.escape("batch dtypes differ from the planned: the batch float32 (planned "
+                                                   "int32): pass batches of the example's dtype")) as e:
         small_step.evaluate(np.asarray(batch, np.float32))
     assert "\n" not in str(e.value)
 
