@@ -59,13 +59,13 @@ Usage::
     params, extra = restore_checkpoint(ckpt_dir, opt)         # nnx.update(model, params) for NNX
 """
 from chunkjax.checkpoint.async_save import DEFAULT_MAX_INFLIGHT_BYTES, AsyncSave, save_checkpoint_async
-from chunkjax.checkpoint.files import (CHECKSUMS, FORMAT, META, VERSION, all_steps, delete_checkpoint, prune_checkpoints,
+from chunkjax.checkpoint.files import (CHECKSUMS, FORMAT, META, VERSION, all_steps, delete_checkpoint,
                                        latest_step, layout_fingerprint, layout_spec, read_meta,
                                        remove_stale_temporaries, verify_checkpoint)
 from chunkjax.checkpoint.peers import DEFAULT_PEER_TIMEOUT_S
 from chunkjax.checkpoint.protocol import CheckpointError, CheckpointWriteError, ChunkIO, SavedChunks
 from chunkjax.checkpoint.restore import SavedState, export_checkpoint_params, export_params, restore_checkpoint
-from chunkjax.checkpoint.save import save_checkpoint, save_storage_checkpoint
+from chunkjax.checkpoint.save import prune_checkpoints, save_checkpoint, save_storage_checkpoint
 
 __all__ = ["AsyncSave", "CHECKSUMS", "CheckpointError", "CheckpointWriteError", "ChunkIO", "DEFAULT_MAX_INFLIGHT_BYTES",
            "DEFAULT_PEER_TIMEOUT_S", "FORMAT", "META", "SavedChunks", "SavedState", "VERSION", "all_steps",

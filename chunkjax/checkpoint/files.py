@@ -251,28 +251,6 @@ def delete_checkpoint(directory, step_number: int) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-def prune_checkpoints(directory, keep: int) -> list[int]:
-    """Delete all but the newest ``keep`` complete checkpoints of ``directory`` (each through
-    :func:`delete_checkpoint`: a crash mid-delete leaves nothing that looks complete and no
-    orphan); the retention of orbax's ``CheckpointManager(max_to_keep=...)``. Returns the deleted
-    steps, oldest first.
-
-    Raises:
-      ValueError: ``keep`` is not an int >= 1.
-    """
-    check_keep(keep)
-    gone = all_steps(directory)[:-keep]
-    for s in gone:
-        delete_checkpoint(directory, s)
-    return gone
-
-
-def check_keep(keep) -> None:
-    """``keep`` (checkpoints kept) is an int >= 1, else one-line ValueError."""
-    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-        raise ValueError(f"keep must be an int >= 1 (the newest checkpoints kept) or None (keep all), got {keep!r}")
-
-
 def remove_stale_temporaries(directory) -> list[str]:
     """Remove temporary directories of saves whose process has died (a crash mid-save).
 

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from chunkjax.checkpoint.async_save import previous_save
-from chunkjax.checkpoint.files import check_keep, prune_checkpoints
+import chunkjax.checkpoint.files as files
 from chunkjax.checkpoint.job import SaveJob, engine_info, run_save
 from chunkjax.checkpoint.peers import save_multiprocess
 
@@ -114,3 +114,25 @@ def save_storage_checkpoint(directory, step_number: int, opt, layout, extra: dic
         left behind: the partial write is removed first).
     """
     return run_save(SaveJob(directory, step_number, opt.chunk_io(layout, compute_dtype), None, extra), "storage")
+
+
+def prune_checkpoints(directory, keep: int) -> list[int]:
+    """Delete all but the newest ``keep`` complete checkpoints of ``directory`` (each through
+    :func:`~chunkjax.checkpoint.files.delete_checkpoint`: a crash mid-delete leaves nothing that looks complete and no
+    orphan); the retention of orbax's ``CheckpointManager(max_to_keep=...)``. Returns the deleted
+    steps, oldest first.
+
+    Raises:
+      ValueError: ``keep`` is not an int >= 1.
+    """
+    check_keep(keep)
+    gone = files.all_steps(directory)[:-keep]
+    for s in gone:
+        files.delete_checkpoint(directory, s)
+    return gone
+
+
+def check_keep(keep) -> None:
+    """``keep`` (checkpoints kept) is an int >= 1, else one-line ValueError."""
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ValueError(f"keep must be an int >= 1 (the newest checkpoints kept) or None (keep all), got {keep!r}")
