@@ -51,7 +51,7 @@ FILE_SECONDS = {
     "micro_groups": 63, "host_bytes": 72, "overlap": 54, "storage": 86, "zero_schedule": 71, "front_door": 90,
     "checkpoint_memory": 24, "plan_cli": 91, "cases": 80, "cross_step": 79, "flax_api": 71, "schedule": 67,
     "rollback": 80, "bench": 66, "checkpoint_flax": 62, "hf": 69, "bench_storage": 67, "checkpoint_multiprocess": 64,
-    "zero": 59, "user_reports": 75, "checkpoint": 60, "storage_host_memory": 51, "notebooks": 44, "layout": 53,
+    "zero": 59, "user_reports": 75, "checkpoint": 63, "storage_host_memory": 51, "notebooks": 44, "layout": 53,
     "disk_tier": 51, "train_job": 61, "inprogram_micro": 59, "checkpoint_integrity": 42, "host_update": 50,
     "masked_loss": 47, "gpt": 18, "lora": 40, "plots": 39, "frozen": 34, "checkpoint_storage": 36,
     "zero_mixed_precision": 32, "train_equivalence": 35, "checkpoint_zero": 32, "checkpoint_async": 31,
@@ -98,6 +98,7 @@ FILE_SECONDS = {
     # measurable on the shared box, kept
     # session 21 (lead): disk_budget, a real tier's files counted after every write, 4 s alone
     "disk_budget": 4,
+    # session 21 (lead): checkpoint +3 (save_checkpoint keep=: three saves and a restore, 3 s alone)
 }
 DEFAULT_FILE_SECONDS = 30
 

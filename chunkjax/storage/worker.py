@@ -191,8 +191,9 @@ def _loop(conn, cfg: dict, tier) -> None:
                     conn.send(("param", c, out))  # streamed back at once
                     done[0] += 1
                     if fault.get("step") == step and done[0] == fault.get("after_chunks", 1):
-                        with open(fault["marker"], "w") as f:  # test hook: wait here to be killed
+                        with open(fault["marker"] + ".tmp", "w") as f:  # test hook: wait here to be killed
                             f.write(str(os.getpid()))
+                        os.replace(fault["marker"] + ".tmp", fault["marker"])  # whole: a reader never sees it empty
                         time.sleep(fault.get("sleep_s", 3600))
 
                 if fault.get("fsize_limit_at_step") == step:  # test hook: a full disk from this step on
