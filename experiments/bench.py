@@ -326,11 +326,16 @@ def worker_env(budget_bytes: int, card_bytes: int | None, host_limit_gb: int, pr
 
 
 def stream_process(cmd: list[str], env: dict | None, timeout: float | None, cwd: str | None = None,
-                   echo_prefixes: tuple[str, ...] = ()) -> tuple[int, str, str, bool]:
-    """Run ``cmd`` to completion or ``timeout`` seconds (then kill it); its stderr lines that start
+                   echo_prefixes: tuple[str, ...] = (), log_path: str | None = None) -> tuple[int, str, str, bool]:
+    """Run ``cmd`` to completion or ``timeout`` seconds; its stderr lines that start
     with one of ``echo_prefixes`` are printed on this process's stdout as they arrive, so the
-    driver's log keeps a worker's progress even when the driver itself is killed. Returns
-    ``(rc, stdout, stderr, timed_out)``; rc 124 on a timeout. Never raises for the child's failure."""
+    driver's log keeps a worker's progress even when the driver itself is killed. ``log_path``:
+    every stderr line is also written there as it comes, prefixed with the seconds since the start.
+    On a timeout the child gets SIGABRT first (a worker has :mod:`faulthandler` on: its threads'
+    Python stacks land in stderr, so the log says where it was), then SIGKILL after
+    :data:`ABORT_GRACE_S`. Returns ``(rc, stdout, stderr, timed_out)``; rc 124 on a timeout. Never
+    raises for the child's failure."""
+    import signal
     import threading
 
     p = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -338,14 +343,19 @@ def stream_process(cmd: list[str], env: dict | None, timeout: float | None, cwd:
     out_lines: list[str] = []
     err_lines: list[str] = []
 
-    def read(stream, sink, echo):
+    t0 = time.monotonic()
+    log = open(log_path, "w", buffering=1) if log_path else None
+
+    def read(stream, sink, echo, log):
         for line in stream:
             sink.append(line)
+            if log is not None:
+                log.write(f"{time.monotonic() - t0:9.1f} {line}")
             if echo and line.startswith(echo_prefixes):
                 print(line.rstrip("\n"), flush=True)
 
-    readers = [threading.Thread(target=read, args=(p.stdout, out_lines, False), daemon=True),
-               threading.Thread(target=read, args=(p.stderr, err_lines, bool(echo_prefixes)), daemon=True)]
+    readers = [threading.Thread(target=read, args=(p.stdout, out_lines, False, None), daemon=True),
+               threading.Thread(target=read, args=(p.stderr, err_lines, bool(echo_prefixes), log), daemon=True)]
     for t in readers:
         t.start()
     timed_out = False
@@ -353,26 +363,36 @@ def stream_process(cmd: list[str], env: dict | None, timeout: float | None, cwd:
         rc = p.wait(timeout=timeout or None)
     except subprocess.TimeoutExpired:
         timed_out, rc = True, 124
-        p.kill()
-        p.wait()
+        p.send_signal(signal.SIGABRT)
+        try:
+            p.wait(timeout=ABORT_GRACE_S)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
     for t in readers:
         t.join(timeout=10)
+    if log is not None:
+        log.close()
     return rc, "".join(out_lines), "".join(err_lines), timed_out
 
 
-def subprocess_runner(argv: list[str], env: dict, timeout: float | None) -> dict:
+#: Seconds a timed-out child has after SIGABRT (its stacks written) before SIGKILL.
+ABORT_GRACE_S = 5.0
+
+
+def subprocess_runner(argv: list[str], env: dict, timeout: float | None, log_path: str | None = None) -> dict:
     """Run ``python -m experiments.bench <argv> --out FILE``; returns ``{"rc", "json" (the parsed
     FILE or None), "stderr_tail", "stdout_tail", "progress" (the worker's progress lines),
     "ledger" (its host-ledger lines: :class:`chunkjax.host_ledger.HostLedger`), "timed_out",
-    "wall_s"}``. The progress and ledger lines are also echoed as they come (:func:`stream_process`).
-    Never raises for a failure of the child."""
+    "wall_s"}``. The progress and ledger lines are also echoed as they come, and the whole stderr
+    goes to ``log_path`` when given (:func:`stream_process`). Never raises for a failure of the child."""
     fd, out_path = tempfile.mkstemp(prefix="bench_", suffix=".json")
     os.close(fd)
     os.unlink(out_path)
     cmd = [sys.executable, "-m", "experiments.bench", *argv, "--out", out_path]
     t0 = time.time()
     rc, out, err, timed_out = stream_process(cmd, env, timeout, os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                             echo_prefixes=(PROGRESS_TAG, LEDGER_TAG))
+                                             echo_prefixes=(PROGRESS_TAG, LEDGER_TAG), log_path=log_path)
     data = None
     if os.path.exists(out_path):
         try:
@@ -434,7 +454,9 @@ def _run_system(args, runner, probe: dict, system: str, model: str, batch: int, 
     print(f"[bench] {system}: {model} batch {batch} x {seq}, budget {budget} B, "
           f"fraction {env.get('XLA_PYTHON_CLIENT_MEM_FRACTION', '(default)')}", flush=True)
     timeout = worker_timeout(args)
-    res = runner(_worker_argv(args, system, model, batch, seq, steps, compile_only), env, timeout)
+    log_path = os.path.join(args.results_dir, f"{args.run_id}_{system}_{model}.stderr.log") if args.results_dir else None
+    argv = _worker_argv(args, system, model, batch, seq, steps, compile_only)
+    res = runner(argv, env, timeout, log_path)
     if res.get("json") is not None and res["rc"] == 0:
         rec = normalize_record(res["json"], system)
     else:
@@ -809,6 +831,8 @@ def main(argv=None, runner=subprocess_runner) -> int:
             setattr(args, key, val)
     if args.worker or args.probe:
         if args.worker:
+            import faulthandler
+            faulthandler.enable()  # a driver's SIGABRT at its time limit: the stacks go to stderr (stream_process)
             if args.budget_bytes is None:
                 args.budget_bytes = parse_bytes(args.device_budget)
             rec = run_worker(args)

@@ -243,7 +243,7 @@ def _fake_record(system, tps):
 
 
 def _fake_runner(rate, log):
-    def runner(argv, env, timeout):
+    def runner(argv, env, timeout, log_path=None):
         log.append((argv, env))
         if "--probe" in argv:
             return {"rc": 0, "json": {"matmul_tflops": rate, "card_bytes": 100 * 2**30, "device_kind": "fake",
@@ -339,7 +339,7 @@ def test_timed_out_worker_keeps_the_steps_it_finished(tmp_path):
                                                                          update_s=31.0), "Killed"],
              "maxtext_style": [line(phase="compile", seconds=9.0), "still compiling"]}
 
-    def runner(argv, env, timeout):
+    def runner(argv, env, timeout, log_path=None):
         if "--probe" in argv:
             return {"rc": 0, "json": {"matmul_tflops": 10.0}, "stderr_tail": []}
         system = argv[argv.index("--worker") + 1]
@@ -358,7 +358,7 @@ def test_timed_out_worker_keeps_the_steps_it_finished(tmp_path):
 def test_largest_mode_records_the_largest_ok_config(tmp_path):
     ok = {"micro": True, "tiny": True, "gpt2-small": False}
 
-    def runner(argv, env, timeout):
+    def runner(argv, env, timeout, log_path=None):
         if "--probe" in argv:
             return {"rc": 0, "json": {"matmul_tflops": 10.0}, "stderr_tail": []}
         m = argv[argv.index("--model") + 1]

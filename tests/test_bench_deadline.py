@@ -76,7 +76,7 @@ def test_a_largest_run_stopped_after_a_timed_step_trains_beside_its_plan(tmp_pat
              "tiny": [line(phase="compile", seconds=80.0), line(phase="plan", **plan),
                       line(phase="warmup", seconds=114.7, loss=11.65), line(phase="step", seconds=99.0, loss=float("nan"))]}
 
-    def runner(argv, env, timeout):
+    def runner(argv, env, timeout, log_path=None):
         if "--probe" in argv:
             return {"rc": 0, "json": {"matmul_tflops": 10.0}, "stderr_tail": []}
         model = argv[argv.index("--model") + 1]
@@ -90,3 +90,20 @@ def test_a_largest_run_stopped_after_a_timed_step_trains_beside_its_plan(tmp_pat
     assert m["ok"] and m["losses"] == [11.65, 11.55] and m["step_s_median"] == 106.6
     assert m["step_s_predicted"] == 101.5 and m["micro_batches"] == 8 and m["storage"]["storage_chunks"] == 3
     assert not tried["tiny"]["ok"]  # a non-finite loss never counts as training
+
+
+def test_a_timed_out_child_leaves_its_stack_and_whole_stderr_in_the_log(tmp_path):
+    """s22b2: the worker timed out and its last 40 stderr lines said only "Finished tracing ...": the
+    log keeps every line with its time, and the SIGABRT at the limit adds where the child was."""
+    log = tmp_path / "w.stderr.log"
+    code = ("import faulthandler, sys, time\nfaulthandler.enable()\n"
+            "for i in range(100): print(f'noise {i}', file=sys.stderr, flush=True)\n"
+            "def stuck_in_here():\n    time.sleep(60)\nstuck_in_here()\n")
+    t0 = time.monotonic()
+    rc, out, err, timed_out = bench.stream_process([sys.executable, "-c", code], None, 3.0, log_path=str(log))
+    assert timed_out and rc == 124 and time.monotonic() - t0 < 3.0 + bench.ABORT_GRACE_S + 10
+    text = log.read_text()
+    lines = text.splitlines()
+    assert lines[0].split(None, 1)[1] == "noise 0" and "noise 99" in text  # every line, not a tail
+    assert float(lines[0].split()[0]) < 3.0  # prefixed with the seconds since the start
+    assert "stuck_in_here" in text and "stuck_in_here" in err  # the stack at the limit

@@ -158,7 +158,7 @@ def test_bench_driver_keeps_a_killed_workers_ledger(tmp_path, capsys):
     lines = ["[host-ledger] plan accounts 118.54 GB of host: optimizer_state 76.0",
              "[host-ledger] step 1: anon 61.26 GB, shmem 40.25 GB, peak 101.5 GB, MemAvailable 0.20 GB (271.0 s)"]
 
-    def runner(argv, env, timeout):
+    def runner(argv, env, timeout, log_path=None):
         if "--probe" in argv:
             return {"rc": 0, "json": {"matmul_tflops": 10.0}, "stderr_tail": []}
         return {"rc": -9, "json": None, "stderr_tail": lines + ["Killed"], "ledger": lines}
