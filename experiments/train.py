@@ -30,7 +30,8 @@ saves at each evaluation (``--eval-every``) and at the end, 0 saves none. Only t
 ``--keep-checkpoints`` (default 2) are kept. A checkpoint holds the whole training state plus the
 data position, the RNG key, the settings and the report's running totals. Once a checkpoint
 exists, a run that fails (crash, SIGKILL, SIGTERM, Ctrl-C, a non-finite loss) keeps its
-``.partial`` folder, and ``--resume <that folder or its checkpoints folder>`` continues it in
+``.partial`` folder (a run started as a background job of a script ignores Ctrl-C, as the shell
+set: a ``note:`` line says so; SIGTERM stops it: :func:`run_guarded`), and ``--resume <that folder or its checkpoints folder>`` continues it in
 place from the newest complete checkpoint: the data stream continues where it was and the losses
 equal those of an uninterrupted run (bit for bit on the CPU; so after a non-finite loss, resume
 with ``--nonfinite skip``). A run that diverges (:class:`DivergenceWatch`: a non-finite loss or
