@@ -147,3 +147,46 @@ def test_every_test_that_raises_sigint_sets_its_handler():
         if rest and not _sets_sigint(tree):
             unguarded.append(f"{path.name} (outside a test function)")
     assert found >= 2 and not unguarded, f"these raise SIGINT whatever the launch ignored: {unguarded}"
+
+
+STORAGE_TRAINER = """
+import os, sys
+import numpy as np, optax
+from chunkjax.host_update import AdamW
+from chunkjax.storage.near import NearStorageOptimizer
+sizes = [1000, 513]
+opt = NearStorageOptimizer([os.path.join(sys.argv[1], "d0"), os.path.join(sys.argv[1], "d1")], sizes,
+                           AdamW(optax.constant_schedule(1e-2)), init_params=[np.ones(n, np.float32) for n in sizes],
+                           _fault=dict(worker=1, step=1, after_chunks=1, marker=sys.argv[2], sleep_s=120))
+try:
+    opt.step([np.full(n, 0.1, np.float32) for n in sizes])
+except KeyboardInterrupt:
+    print("trainer: KeyboardInterrupt", flush=True)
+print("workers:", [(w.join(30), w.exitcode)[1] for w in opt.workers], flush=True)
+opt.close()
+print("committed step", opt.committed_step, flush=True)
+"""
+
+
+def test_ctrl_c_at_a_terminal_stops_the_storage_workers_quietly(tmp_path, default_sigint):
+    """A Ctrl-C at a terminal reaches the whole foreground process group: the trainer and its
+    near-storage workers (multiprocessing children), one of them mid-step. The trainer gets its
+    KeyboardInterrupt; each worker exits with 130 and no traceback (each printed a KeyboardInterrupt
+    traceback before); the step is not committed."""
+    import time
+    marker = tmp_path / "worker1_in_step1"
+    proc = subprocess.Popen([sys.executable, "-c", STORAGE_TRAINER, str(tmp_path), str(marker)], cwd=ROOT, env=_env(),
+                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        t0 = time.monotonic()
+        while not marker.exists() and proc.poll() is None and time.monotonic() - t0 < 120:
+            time.sleep(0.05)
+        assert marker.exists(), proc.communicate(timeout=60)
+        os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0 and out.splitlines() == ["trainer: KeyboardInterrupt", "workers: [130, 130]",
+                                                          "committed step 0"], (out, err[-3000:])
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
