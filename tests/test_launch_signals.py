@@ -36,7 +36,7 @@ def _env() -> dict:
 
 
 def test_a_background_job_of_a_script_ignores_sigint_and_its_children_inherit_it(default_sigint):
-    """The premise of every test below: ``cmd &`` in ``sh -c`` ignores SIGINT (SIG_IGN, bit 2 of
+    """The premise of every test below: ``cmd &`` in ``sh -c`` ignores SIGINT (SIG_IGN, signal 2's bit in
     SigIgn) in the job and in the job's own subprocess; nothing blocks it (SigBlk 0); a foreground
     command gets Python's handler."""
     nested = f"import subprocess, sys; {SHOW}; sys.stdout.flush(); subprocess.run([sys.executable, '-c', {SHOW!r}])"
