@@ -30,7 +30,8 @@ saves at each evaluation (``--eval-every``) and at the end, 0 saves none. Only t
 ``--keep-checkpoints`` (default 2) are kept. A checkpoint holds the whole training state plus the
 data position, the RNG key, the settings and the report's running totals. Once a checkpoint
 exists, a run that fails (crash, SIGKILL, SIGTERM, Ctrl-C, a non-finite loss) keeps its
-``.partial`` folder, and ``--resume <that folder or its checkpoints folder>`` continues it in
+``.partial`` folder (a run started as a background job of a script ignores Ctrl-C, as the shell
+set: a ``note:`` line says so; SIGTERM stops it: :func:`run_guarded`), and ``--resume <that folder or its checkpoints folder>`` continues it in
 place from the newest complete checkpoint: the data stream continues where it was and the losses
 equal those of an uninterrupted run (bit for bit on the CPU; so after a non-finite loss, resume
 with ``--nonfinite skip``). A run that diverges (:class:`DivergenceWatch`: a non-finite loss or
@@ -578,6 +579,8 @@ def run(cfg: TrainConfig, from_run=()) -> dict:
                                           "n_devices": problem.n_ranks, "compute_dtype_resolved": jnp.dtype(cdt).name}
     print(config_line(resolved, warmup_given, from_run), flush=True)
     if (note := schedule_note(cfg)):
+        print(note, flush=True)
+    if (note := interrupt_note()):
         print(note, flush=True)
     print(layout.summary().splitlines()[0], flush=True)
     for k, h in enumerate(fit_report.plans):
@@ -1389,14 +1392,33 @@ def _on_signal(signum, frame):
     raise _Terminated(signal.Signals(signum).name)
 
 
+def interrupt_note() -> str | None:
+    """One line when this process ignores SIGINT (Ctrl-C, ``kill -INT``), else None. A
+    non-interactive shell starts a background job (``python -m experiments.train ... &`` in a
+    script, and what such a job starts) with SIGINT ignored, and Python then installs no
+    KeyboardInterrupt handler: the run is left so (the launcher's choice, as every Python program
+    leaves it), and this says how to stop it cleanly instead (SIGTERM, handled by
+    :func:`run_guarded` however the job was started)."""
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        return None
+    return (f"note: SIGINT (Ctrl-C, kill -INT) is ignored by this process (pid {os.getpid()}): the shell or launcher "
+            f"that started it set that (a background job of a script does); stop the run cleanly with SIGTERM: "
+            f"kill {os.getpid()}")
+
+
 def run_guarded(job) -> int:
     """Run ``job()`` (a whole run that writes its folder under ``.partial`` and renames it at the
     end) with SIGTERM/SIGHUP turned into an unwind; returns the exit status: 0 done, 2 bad input
     (one line on stderr), 1 failed (:class:`JobFailed`, one line), 130 interrupted, 143 terminated
-    (the partial folder removed by ``job``'s own cleanup, or kept when it holds a checkpoint)."""
+    (the partial folder removed by ``job``'s own cleanup, or kept when it holds a checkpoint).
+    SIGTERM (``kill``, a scheduler's stop) is always handled; SIGHUP only when this process was
+    not started ignoring it (``nohup``: the run goes on when its terminal closes); SIGINT is
+    Python's (KeyboardInterrupt, or ignored as inherited: :func:`interrupt_note`)."""
     handlers = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGHUP):
+            if sig == signal.SIGHUP and signal.getsignal(sig) is signal.SIG_IGN:
+                continue  # nohup's (or the launcher's) choice: hanging up does not stop the run
             handlers[sig] = signal.signal(sig, _on_signal)
     try:
         job()

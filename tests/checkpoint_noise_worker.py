@@ -11,6 +11,9 @@ the main job does; the test reads its stderr.
    ``interrupted``.
 
 Then it checks that step 1 is the latest checkpoint, restores it and prints ``OK <latest step>``.
+Its SIGINT is Python's KeyboardInterrupt whatever it inherited (a suite started as a background
+job of a script starts it with SIGINT ignored: tests/test_launch_signals.py); its first line says
+what it inherited (``inherited SIGINT: ignored`` or ``handled``).
 Usage: python checkpoint_noise_worker.py CKPT_DIR
 """
 import asyncio
@@ -28,6 +31,8 @@ from chunkjax import checkpoint as ck
 
 
 def main(ckpt: str) -> None:
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)  # step 3's SIGINT: a KeyboardInterrupt
+    print(f"inherited SIGINT: {'ignored' if inherited is signal.SIG_IGN else 'handled'}", flush=True)
     rng = np.random.default_rng(0)
     params = {"w": rng.standard_normal((64, 256)).astype(np.float32), "b": np.zeros(256, np.float32)}
     opt = cj.ChunkedOptimizer(params, optax.adamw(1e-3), device_budget="1MiB", chunk_size=4096)

@@ -27,6 +27,9 @@ from chunkjax.storage.tier import DiskTier
 #: no ``if __name__ == "__main__":`` guard) exits with this code (``EX_CONFIG``);
 #: :class:`chunkjax.storage.pool.WorkerPool` turns it into one line saying to add the guard.
 BOOTSTRAP_EXIT_CODE = 78
+#: A worker stopped by SIGINT (Ctrl-C reaches the trainer's whole process group) exits with this
+#: code, quietly, as a shell reports a command ended by SIGINT.
+INTERRUPTED_EXIT_CODE = 130
 
 
 def exit_if_spawned_import() -> None:
@@ -96,11 +99,16 @@ class _Stop(Exception):
 def _worker_main(conn, cfg: dict):
     """One storage directory's worker: owns its DiskTier and runs the optimizer step next to it.
     When the trainer is gone (its pipe closed: killed, or exited without closing) the worker ends
-    quietly; the chunk files stay at the last committed step."""
+    quietly; the chunk files stay at the last committed step. A Ctrl-C at a terminal (or a
+    notebook's interrupt) reaches the trainer's whole process group, these workers too: the worker
+    then exits with status :data:`INTERRUPTED_EXIT_CODE` and no traceback (the trainer, stopped by
+    the same SIGINT, reports it once; the chunk files stay at the last committed step)."""
     try:
         _serve(conn, cfg)
     except (EOFError, BrokenPipeError, ConnectionResetError):  # the trainer is gone: nothing to report to
         pass
+    except KeyboardInterrupt:
+        raise SystemExit(INTERRUPTED_EXIT_CODE) from None
 
 
 def _serve(conn, cfg: dict):
