@@ -1,0 +1,87 @@
+"""What a new user found bringing their own model (an encoder-decoder with a shared embedding, a
+frozen sub-module, a bf16 leaf and a masked loss) to chunkjax (helper ``fresh22``).
+
+Each test asserts the right value or behaviour against a reference (an uninterrupted twin, plain
+optax, float32 on the CPU)."""
+import signal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import chunkjax as cj
+
+
+def _tiny_nnx():
+    from flax import nnx
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.fc = nnx.Linear(8, 8, rngs=rngs)
+
+        def __call__(self, x):
+            return x + jnp.tanh(self.fc(x))
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.inp = nnx.Linear(4, 8, rngs=rngs)
+            self.blocks = nnx.List([Block(rngs) for _ in range(2)])
+            self.out = nnx.Linear(8, 1, rngs=rngs)
+
+        def __call__(self, x):
+            x = self.inp(x)
+            for b in self.blocks:
+                x = b(x)
+            return self.out(x)[:, 0]
+
+    def loss_fn(model, batch):
+        return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+    keys = jax.random.split(jax.random.key(1), 4)
+    batches = [{"x": jax.random.normal(k, (8, 4)), "y": jax.random.normal(k, (8,))} for k in keys]
+    return Net, loss_fn, batches
+
+
+def _masters(st):
+    return jax.tree.leaves(jax.tree.map(np.asarray, st.step.master_params(st.state)))
+
+
+def test_ctrl_c_as_the_step_hands_over_to_its_commit_ends_it_as_after_it(monkeypatch, default_sigint):
+    """Host AdamW with clipping: the host chunks take the global norm in place, and signals are held
+    from then on. But the hold ended as the engine's ``begin`` returned, before the caller's commit
+    held them again: a Ctrl-C in that gap (my loop, Ctrl-C at random times, 1 run in 3) raised
+    KeyboardInterrupt with the step's metrics and device chunks as before it, its host chunks
+    updated: retrying the batch then trained on a state that was neither (losses 5.009 against
+    5.032 uninterrupted, silently). Right: the signal waits for the commit, so the step ends as
+    after it (equal to an uninterrupted twin, bit for bit) and then raises, with ``metrics`` the
+    step's."""
+    from flax import nnx
+    from chunkjax.host_update import AdamW
+    from chunkjax.step import ChunkedStep
+    Net, loss_fn, batches = _tiny_nnx()
+    spec = AdamW(1e-2, max_grad_norm=1e-3)  # clipping fires: the host updates depend on the norm
+    twin = cj.offload(Net(nnx.Rngs(3)), spec, loss_fn, batches[0], device_budget="min", chunk_size=32)
+    st = cj.offload(Net(nnx.Rngs(3)), spec, loss_fn, batches[0], device_budget="min", chunk_size=32)
+    assert st.step.host_chunks and (st.step.device_chunks or st.step.streamed_chunks), st.step.schedule.counts()
+    assert float(st(batches[0])) == float(twin(batches[0]))
+    want = float(twin(batches[1]))
+    real_begin = ChunkedStep.begin
+
+    def begin_then_ctrl_c(self, *a, **k):
+        pending = real_begin(self, *a, **k)
+        signal.raise_signal(signal.SIGINT)  # Ctrl-C as begin returns, before the caller commits
+        return pending
+
+    before = st.metrics
+    monkeypatch.setattr(ChunkedStep, "begin", begin_then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        st(batches[1])
+    monkeypatch.setattr(ChunkedStep, "begin", real_begin)
+    assert st.metrics is not before and float(st.metrics["loss"]) == want  # the step committed
+    st.wait()
+    twin.wait()
+    for a, b in zip(_masters(st), _masters(twin), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert float(st(batches[2])) == float(twin(batches[2]))  # and it trains on
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # nothing left holding Ctrl-C
