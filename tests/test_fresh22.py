@@ -118,3 +118,26 @@ def test_chunks_inside_one_leaf_share_their_update_programs():
         fns = {id(opt._update_of[c]): opt._update_of[c] for c in inside}
         assert len(fns) == 1, len(fns)  # one program object for the chunks inside the leaf ...
         assert next(iter(fns.values()))._cache_size() == 1  # ... compiled once
+
+
+def test_resume_of_a_stopped_run_with_steps_below_its_checkpoint_is_one_line():
+    """``--resume runs/<name>.partial --steps 10`` on a run stopped at checkpoint step 25 of 300
+    trained nothing and finished the run as a 10-step one: the folder renamed as done, its report
+    saying steps 10, tokens 10240 (25 steps were trained) and the validation loss before training
+    as the last. Right: refused before anything is loaded (exit 2, one line saying which --steps
+    work); --steps equal to the checkpoint's still finishes the run, and a finished run still needs
+    more steps than its checkpoint."""
+    from experiments import train
+    meta = {"extra": {"config": {"steps": 300}}}
+    stopped = train.ResumePoint("runs/x.partial", "runs/x.partial/checkpoints", 25, meta)
+    with pytest.raises(train.UsageError, match=r"checkpoint step 25 is past --steps 10: leave --steps out "
+                                                r"\(the run's: 300\) or pass --steps >= 25$") as e:
+        train.check_resume_steps(stopped, 10)
+    assert "\n" not in str(e.value)
+    for steps in (25, 26, 300):
+        train.check_resume_steps(stopped, steps)  # finish, or train on
+    finished = train.ResumePoint("runs/x", "runs/x/checkpoints", 25, meta)
+    for steps in (10, 25):
+        with pytest.raises(train.UsageError, match="it is a finished run"):
+            train.check_resume_steps(finished, steps)
+    train.check_resume_steps(finished, 26)
