@@ -55,7 +55,8 @@ def test_ctrl_c_as_the_step_hands_over_to_its_commit_ends_it_as_after_it(monkeyp
     updated: retrying the batch then trained on a state that was neither (losses 5.009 against
     5.032 uninterrupted, silently). Right: the signal waits for the commit, so the step ends as
     after it (equal to an uninterrupted twin, bit for bit) and then raises, with ``metrics`` the
-    step's."""
+    step's and a note on the KeyboardInterrupt saying the step is applied (the loop must not repeat
+    its batch: nothing else told it so)."""
     from flax import nnx
     from chunkjax.host_update import AdamW
     from chunkjax.step import ChunkedStep
@@ -75,10 +76,11 @@ def test_ctrl_c_as_the_step_hands_over_to_its_commit_ends_it_as_after_it(monkeyp
 
     before = st.metrics
     monkeypatch.setattr(ChunkedStep, "begin", begin_then_ctrl_c)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt) as e:
         st(batches[1])
     monkeypatch.setattr(ChunkedStep, "begin", real_begin)
     assert st.metrics is not before and float(st.metrics["loss"]) == want  # the step committed
+    assert any("the step is applied" in n and "do not repeat its batch" in n for n in getattr(e.value, "__notes__", ()))
     st.wait()
     twin.wait()
     for a, b in zip(_masters(st), _masters(twin), strict=True):
