@@ -1396,6 +1396,17 @@ def _on_signal(signum, frame):
     raise _Terminated(signal.Signals(signum).name)
 
 
+def sigint_note() -> str:
+    """A ``note:`` line when this process ignores SIGINT (a job a shell script started in the
+    background with ``&``: a non-interactive shell starts those with Ctrl-C ignored, and Python then
+    never raises KeyboardInterrupt, so ``kill -INT`` does nothing), saying how to stop it instead;
+    else ``""``."""
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        return ""
+    return (f"note: this process ignores SIGINT (Ctrl-C, kill -INT), as a job started in the background by a shell "
+            f"script does: stop it with kill -TERM {os.getpid()} (it keeps its last checkpoint the same way)")
+
+
 def run_guarded(job) -> int:
     """Run ``job()`` (a whole run that writes its folder under ``.partial`` and renames it at the
     end) with SIGTERM/SIGHUP turned into an unwind; returns the exit status: 0 done, 2 bad input
@@ -1431,6 +1442,8 @@ def main(argv=None) -> int:
         cfg, from_run = resumed_settings(parse_args(argv), given_options(argv))  # --resume: the run's settings
         budget = None if cfg.device_budget == "auto" else parse_budget(cfg.device_budget)
         relaunch_with_budget(cfg, budget)
+        if note := sigint_note():
+            print(note, flush=True)
         from experiments import distributed
         try:  # several processes (srun, or JAX_COORDINATOR_ADDRESS ...): join them before any other JAX call
             distributed.start(cfg.zero_stage)

@@ -181,3 +181,18 @@ def test_mixed_dtype_model_refusal_says_what_each_compute_dtype_trains():
     got = [float(st(b)) for b in batches]
     want = [float(ref_step(ref, opt, b)) for b in batches]
     np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_train_job_started_with_sigint_ignored_says_how_to_stop_it(monkeypatch):
+    """``python -m experiments.train ... &`` from a shell script: the shell starts it with SIGINT
+    ignored, so ``kill -INT`` (what Ctrl-C sends) did nothing, silently; 20 s later it was still
+    training. Right: the job says at its start that it ignores SIGINT and to use ``kill -TERM <pid>``
+    (which keeps the checkpoint); with SIGINT as usual it says nothing."""
+    import os
+    from experiments import train
+    monkeypatch.setattr(signal, "getsignal", lambda s: signal.SIG_IGN if s == signal.SIGINT else signal.SIG_DFL)
+    note = train.sigint_note()
+    assert note.startswith("note: this process ignores SIGINT") and f"kill -TERM {os.getpid()}" in note
+    assert "\n" not in note
+    monkeypatch.setattr(signal, "getsignal", lambda s: signal.default_int_handler)
+    assert train.sigint_note() == ""
