@@ -43,6 +43,7 @@ import jax.extend.core as jcore
 import jax.numpy as jnp
 import numpy as np
 
+from chunkjax.dtypes import params_compute_dtype
 from chunkjax.flops import matmul_flops
 from chunkjax.loss_weight import check_scalar_loss
 from chunkjax.stages import Stage
@@ -536,11 +537,8 @@ def discover(model, loss_fn, data, *, wrt=None, blocks=None, compute_dtype=None)
     sflat, std = jax.tree_util.tree_flatten_with_path(side)
     pkeys = tuple(path_key(p) for p, _ in pflat)
     pavals = {k: jax.ShapeDtypeStruct(np.shape(a), a.dtype) for k, (_, a) in zip(pkeys, pflat)}
-    floats = {jnp.dtype(a.dtype) for a in pavals.values() if _floating(a)}
-    if compute_dtype is None:
-        if len(floats) > 1:
-            raise ValueError(f"the parameters have dtypes {sorted(map(str, floats))}: pass compute_dtype=")
-        compute_dtype = next(iter(floats), jnp.float32)
+    if compute_dtype is None:  # the params' one floating dtype; several: one line on what each choice trains
+        compute_dtype = params_compute_dtype(pavals)
     mode, path = "none", ()
     lists = block_lists(model, wrt)
     if blocks is not None:

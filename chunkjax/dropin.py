@@ -157,27 +157,51 @@ def cut(x, where):
     return jax.lax.slice(jnp.ravel(x), (off,), (off + n,))
 
 
+def program_key(layout: ChunkLayout, c: int) -> tuple:
+    """What chunk ``c``'s update programs are compiled for: its :func:`sub_layout` and, per piece,
+    None (a whole leaf) or the size of its flat run. The runs' leaf offsets are arguments
+    (:func:`chunk_ids`), not constants: the chunks inside one leaf that spans many (an embedding,
+    or any leaf at a small chunk size) share one program instead of compiling one each."""
+    return sub_layout(layout, c)[0], tuple(None if w is None else w[1] for w in cuts_of(layout, c))
+
+
+def chunk_ids(layout: ChunkLayout, c: int) -> np.ndarray:
+    """The ``c`` argument of chunk ``c``'s update programs (:class:`ChunkPrograms`): (1 + pieces,)
+    int32, the chunk's index, then each piece's leaf offset (0 for a whole leaf)."""
+    return np.asarray([c] + [0 if w is None else w[0] for w in cuts_of(layout, c)], np.int32)
+
+
+def cut_at(x, size, off):
+    """``x`` itself (``size`` None) or its flat run of ``size`` elements from ``off`` (a traced
+    int32: one program for every offset; fused into the consumer, nothing materialised)."""
+    return x if size is None else jax.lax.dynamic_slice_in_dim(jnp.ravel(x), off, size)
+
+
 @dataclasses.dataclass(frozen=True)
 class ChunkPrograms:
-    """The jitted programs of one chunk shape (one :func:`sub_layout` and its :func:`cuts_of`)."""
+    """The jitted programs of one chunk shape (one :func:`program_key`: its :func:`sub_layout` and
+    its pieces' run sizes, ``sizes``; the runs' leaf offsets come with the chunk index,
+    :func:`chunk_ids`)."""
 
     sub: ChunkLayout
     tx: Any
-    cuts: tuple = ()
+    sizes: tuple = ()
 
     @property
     def update(self):
-        """``(grad leaves, master, state, grad_sq, c) -> (new param leaves, master, state)``, all on
+        """``(grad leaves, master, state, grad_sq, ids) -> (new param leaves, master, state)``, all on
         the device, master and state donated (device-resident chunks, and streamed chunks once
-        fetched). The grad leaves are the whole leaves of the chunk's pieces (a leaf spanning
-        chunks is cut inside the program: no copy of its piece exists outside it)."""
+        fetched); ``ids``: the chunk's :func:`chunk_ids`. The grad leaves are the whole leaves of
+        the chunk's pieces (a leaf spanning chunks is cut inside the program: no copy of its piece
+        exists outside it)."""
         dev = sharding(DEVICE)
-        sub, tx, cuts = self.sub, self.tx, self.cuts or (None,) * len(self.sub.slots)
+        sub, tx, sizes = self.sub, self.tx, self.sizes or (None,) * len(self.sub.slots)
         dt = sub.chunk_dtypes[0]
 
-        def upd(grad_leaves, master, state, grad_sq, c):
-            g = sub.pack([cut(x, w) for x, w in zip(grad_leaves, cuts)], dtype=optim.MASTER_DTYPE)[0]
-            o = optim.update_chunk(tx, g, master, state, jnp.sum(grad_sq), grad_sq[c], dt)
+        def upd(grad_leaves, master, state, grad_sq, ids):
+            g = sub.pack([cut_at(x, n, ids[1 + k]) for k, (x, n) in enumerate(zip(grad_leaves, sizes))],
+                         dtype=optim.MASTER_DTYPE)[0]
+            o = optim.update_chunk(tx, g, master, state, jnp.sum(grad_sq), grad_sq[ids[0]], dt)
             return tuple(sub.unpack([o.params])), o.master, o.opt_state
 
         return jax.jit(upd, in_shardings=(dev, dev, dev, dev, dev), out_shardings=(dev, dev, dev),
@@ -191,13 +215,15 @@ class ChunkPrograms:
         last (for float32 params they are the master, bit for bit: :func:`lean_chunks`), so a
         streamed chunk moves its optimizer state only (8 of AdamW's 12 bytes per param each way)."""
         dev = sharding(DEVICE)
-        sub, tx, cuts = self.sub, self.tx, self.cuts or (None,) * len(self.sub.slots)
+        sub, tx, sizes = self.sub, self.tx, self.sizes or (None,) * len(self.sub.slots)
         dt = sub.chunk_dtypes[0]
 
-        def upd(grad_leaves, param_leaves, state, grad_sq, c):
-            g = sub.pack([cut(x, w) for x, w in zip(grad_leaves, cuts)], dtype=optim.MASTER_DTYPE)[0]
-            master = sub.pack([cut(x, w) for x, w in zip(param_leaves, cuts)], dtype=optim.MASTER_DTYPE)[0]
-            o = optim.update_chunk(tx, g, master, state, jnp.sum(grad_sq), grad_sq[c], dt)
+        def upd(grad_leaves, param_leaves, state, grad_sq, ids):
+            g = sub.pack([cut_at(x, n, ids[1 + k]) for k, (x, n) in enumerate(zip(grad_leaves, sizes))],
+                         dtype=optim.MASTER_DTYPE)[0]
+            master = sub.pack([cut_at(x, n, ids[1 + k]) for k, (x, n) in enumerate(zip(param_leaves, sizes))],
+                              dtype=optim.MASTER_DTYPE)[0]
+            o = optim.update_chunk(tx, g, master, state, jnp.sum(grad_sq), grad_sq[ids[0]], dt)
             return tuple(sub.unpack([o.params])), o.opt_state
 
         return jax.jit(upd, in_shardings=(dev, dev, dev, dev, dev), out_shardings=(dev, dev), donate_argnums=(2,))

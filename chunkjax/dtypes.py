@@ -39,3 +39,25 @@ def compute_dtype_of(x: Any):
     if not jnp.issubdtype(dt, jnp.floating):
         raise ValueError(f"compute_dtype={dt}: use a floating dtype ({accepted})")
     return dt
+
+
+def params_compute_dtype(avals: dict):
+    """The compute dtype of parameters ``avals`` (``{path: array or ShapeDtypeStruct}``) when none
+    is given: their one floating dtype (float32 without floating leaves).
+
+    Raises:
+      ValueError: the floating leaves have several dtypes (one line naming a leaf of each and what
+        each ``compute_dtype=`` choice then trains: the step computes in one dtype).
+    """
+    first: dict = {}
+    for k, a in avals.items():
+        if jnp.issubdtype(a.dtype, jnp.floating):
+            first.setdefault(jnp.dtype(a.dtype).name, k)
+    if len(first) > 1:
+        names = sorted(first)
+        raise ValueError(
+            f"the parameters have dtypes {names} ({', '.join(f'{first[n]} is {n}' for n in names)}) and the step "
+            "computes in one: pass compute_dtype=jnp.float32 (every leaf computed in float32, so the losses are "
+            "those of this model with all its leaves float32) or jnp.bfloat16 (every leaf rounded to bfloat16); "
+            "chunkjax.NnxOptimizer trains the model with each leaf in its own dtype")
+    return jnp.dtype(next(iter(first), "float32"))

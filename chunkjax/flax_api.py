@@ -234,7 +234,8 @@ class ChunkedOptimizer:
         programs: dict = {}  # one set of compiled programs per chunk shape (repeated blocks share them)
         self._update_of, self._unpack_of = {}, {}
         for c, (sub, _) in enumerate(subs):
-            progs = programs.setdefault((sub, dropin.cuts_of(lay, c)), dropin.ChunkPrograms(sub, tx, dropin.cuts_of(lay, c)))
+            key = dropin.program_key(lay, c)  # leaf offsets are arguments: chunks inside one leaf share programs
+            progs = programs.setdefault(key, dropin.ChunkPrograms(sub, tx, key[1]))
             if c in self.host_chunks:
                 self._unpack_of[c] = programs.setdefault(("unpack", sub), progs.unpack)
             elif c in self.lean_chunks:
@@ -242,7 +243,7 @@ class ChunkedOptimizer:
             else:
                 self._update_of[c] = programs.setdefault(("update", progs), progs.update)
         self._sends = dropin.host_sends(lay, self.host_chunks)
-        self._chunk_id = [jax.device_put(np.int32(c), sharding(DEVICE)) for c in range(lay.n_chunks)]
+        self._chunk_id = [jax.device_put(dropin.chunk_ids(lay, c), sharding(DEVICE)) for c in range(lay.n_chunks)]
         # the leaves spanning chunks, joined from their pieces in one program
         spanning = [i for i, sl in enumerate(lay.slots) if len(sl.pieces) > 1]
         self._join_spanning = jax.jit(lambda pieces: [jnp.concatenate(x).reshape(lay.slots[i].shape)

@@ -194,10 +194,15 @@ class OffloadedStep(OffloadedChunkIO):
             with contextlib.suppress(Exception):  # the step's own error is the one to raise
                 self.state = recover(self.step, state)  # early-streamed params it donated, rebuilt
             raise
-        with interrupts_deferred():  # a signal now is delivered once the new state is stored
-            self.state, metrics = pending.commit()
-            self._side = tuple(metrics.pop("aux")) if self.discovery.mutable else self._side
-            self.metrics = metrics
+        try:
+            with interrupts_deferred():  # a signal now is delivered once the new state is stored
+                self.state, metrics = pending.commit()
+                self._side = tuple(metrics.pop("aux")) if self.discovery.mutable else self._side
+                self.metrics = metrics
+        except KeyboardInterrupt as e:  # held until the step was stored: say so, its batch is done
+            e.add_note("chunkjax: Ctrl-C came as this step committed: the step is applied (step.metrics are its), "
+                       "do not repeat its batch")
+            raise
         raise_if_nonfinite(self.step, self.state, metrics)  # nonfinite="error": nothing updated
         return metrics["loss"]
 

@@ -425,7 +425,7 @@ class ChunkedStep(StepChunkIO, StepUpdates, OnTopology):
             hold.release()
             raise
         return PendingStep(self, state._replace(pending=work), grads, grad_sq, inv_arr, (params, master, opt), metrics,
-                           held=hold.stop())
+                           hold=hold)
 
     def _zeros_grad(self, c: int):
         """The gradient of a chunk no stage reads (outside programs)."""

@@ -56,70 +56,81 @@ import numpy as np
 HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
+#: The process's one hold of :data:`HELD_SIGNALS` (main thread only): how many holders are open,
+#: the handlers installed before the first, the signals that arrived meanwhile. One count, not a
+#: stack of swapped handlers, so that holders may end in any order: a step's hold opened in its
+#: engine's ``begin`` ends inside the caller's ``interrupts_deferred`` block, after the commit.
+_HOLD = {"depth": 0, "old": {}, "got": []}
+
+
+def _hold_enter() -> bool:
+    """Open one holder of the process's signal hold; False (nothing held) outside the main thread
+    or where no Python handler can be installed."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    if _HOLD["depth"] == 0:
+        old = {}
+        try:
+            for s in HELD_SIGNALS:
+                old[s] = signal.signal(s, lambda signum, frame: _HOLD["got"].append(signum))
+        except (ValueError, TypeError):  # not the main interpreter's main thread, or no Python handler to swap
+            for s, h in old.items():
+                signal.signal(s, h)
+            return False
+        _HOLD["old"] = old
+    _HOLD["depth"] += 1
+    return True
+
+
+def _hold_exit() -> None:
+    """Close one holder; the last restores the handlers and delivers the signals that arrived
+    (each once, to the handler installed before: KeyboardInterrupt for SIGINT by default)."""
+    _HOLD["depth"] -= 1
+    if _HOLD["depth"] > 0:
+        return
+    old, got = _HOLD["old"], list(dict.fromkeys(_HOLD["got"]))
+    _HOLD["old"], _HOLD["got"] = {}, []
+    for s, h in old.items():
+        signal.signal(s, h)
+    for s in got:
+        signal.raise_signal(s)
+
+
 @contextlib.contextmanager
 def interrupts_deferred():
     """Hold :data:`HELD_SIGNALS` while the block runs and deliver them (each once, to the handler
-    that was installed before) when it ends. Outside the main thread (where Python runs signal
-    handlers) it does nothing: signals reach only the main thread."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    got: list[int] = []
-    old = {}
-    try:
-        for s in HELD_SIGNALS:
-            old[s] = signal.signal(s, lambda signum, frame: got.append(signum))
-    except (ValueError, TypeError):  # not the main interpreter's main thread, or no Python handler to swap
-        for s, h in old.items():
-            signal.signal(s, h)
-        yield
-        return
+    that was installed before) when the last open hold ends (this block, or an enclosing one, or a
+    :class:`SignalHold` still open). Outside the main thread (where Python runs signal handlers) it
+    does nothing: signals reach only the main thread."""
+    held = _hold_enter()
     try:
         yield
     finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-        for s in dict.fromkeys(got):
-            signal.raise_signal(s)  # its own handler: KeyboardInterrupt for SIGINT by default
+        if held:
+            _hold_exit()
 
 
 class SignalHold:
-    """:data:`HELD_SIGNALS` held from :meth:`start` until :meth:`stop` (which hands the ones that
-    arrived to the caller, undelivered) or :meth:`release` (which delivers them). A step whose host
-    chunks are updated in place with the global norm (clipping, skip, loss scaling: the host thread
+    """:data:`HELD_SIGNALS` held from :meth:`start` until :meth:`release`, which delivers the ones
+    that arrived once no other hold is open (:func:`interrupts_deferred`). A step whose host chunks
+    are updated in place with the global norm (clipping, skip, loss scaling: the host thread
     applies them once :meth:`chunkjax.speculate.Speculation.set_norm` has a norm) holds signals from
-    that moment to its commit, which delivers them (:meth:`PendingStep.commit`): a Ctrl-C then ends
-    the step as after it, never with host chunks updated and device chunks not. Outside the main
-    thread it does nothing (signals reach only the main thread)."""
+    that moment to the end of its commit (:meth:`PendingStep.commit` releases it, inside the
+    caller's block): a Ctrl-C then ends the step as after it, never with host chunks updated and
+    device chunks not. Outside the main thread it does nothing (signals reach only the main
+    thread). Release it once; a second release does nothing."""
 
     def __init__(self):
-        self.got: list[int] = []
-        self._old: dict = {}
+        self._open = False
 
     def start(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        try:
-            for s in HELD_SIGNALS:
-                self._old[s] = signal.signal(s, lambda signum, frame: self.got.append(signum))
-        except (ValueError, TypeError):  # no Python handler to swap: nothing held
-            self._restore()
-
-    def _restore(self) -> None:
-        for s, h in self._old.items():
-            signal.signal(s, h)
-        self._old = {}
-
-    def stop(self) -> list[int]:
-        """Restore the handlers; the signals that arrived, each once (not delivered)."""
-        self._restore()
-        got, self.got = list(dict.fromkeys(self.got)), []
-        return got
+        self._open = _hold_enter()
 
     def release(self) -> None:
-        """Restore the handlers and deliver the signals that arrived."""
-        for s in self.stop():
-            signal.raise_signal(s)
+        """End this hold (delivering what arrived if it was the last one open)."""
+        if self._open:
+            self._open = False
+            _hold_exit()
 
 
 class PartialStepError(RuntimeError):
@@ -209,9 +220,9 @@ class PendingStep:
       metrics: the step's metrics (``loss``, ``grad_norm``, ...).
     """
 
-    def __init__(self, step, state, grads: dict, grad_sq, inv, lists: tuple, metrics: dict, held=()):
+    def __init__(self, step, state, grads: dict, grad_sq, inv, lists: tuple, metrics: dict, hold=None):
         self.step, self.state, self.grads, self.grad_sq, self.inv = step, state, grads, grad_sq, inv
-        self.lists, self.metrics, self.held = lists, metrics, tuple(held)  # held: signals the commit delivers
+        self.lists, self.metrics, self.hold = lists, metrics, hold  # hold: open until the commit ends
 
     def commit(self):
         """Dispatch the device chunks' updates (donating the input state's device buffers) with
@@ -234,10 +245,11 @@ class PendingStep:
             except BaseException as e:  # the device runtime failed mid-commit: the input state is half donated
                 spoil(step.host_chunks, self.state, e)
                 raise
+            finally:  # held since the host chunks took the norm: delivered as this block (or the caller's) ends
+                if self.hold is not None:
+                    self.hold.release()
             out = self.state._replace(params=tuple(params), master=tuple(master), opt_state=tuple(opt))
             self.state = self.grads = self.lists = None  # nothing of the step kept alive here
-            for sig in self.held:  # held since the host chunks took the norm (SignalHold): delivered as this ends
-                signal.raise_signal(sig)
             return out, self.metrics
 
 

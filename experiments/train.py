@@ -294,13 +294,20 @@ def find_resume_point(path: str) -> ResumePoint:
 
 def check_resume_steps(rp: ResumePoint, steps: int) -> None:
     """A finished run (its folder committed, no ``.partial``) resumes only to train on: ``--steps``
-    above its last checkpoint's step. Raises UsageError (one line) otherwise."""
+    above its last checkpoint's step; a stopped run (``.partial``) to at least that step (equal:
+    it only finishes, evaluating and writing its report). Raises UsageError (one line) otherwise:
+    a ``--steps`` below a stopped run's checkpoint used to finish it as a run of that many steps,
+    its report's steps, tokens and last validation loss wrong."""
     import pathlib
 
     from experiments.report import PARTIAL_SUFFIX
-    if rp.step >= steps and not pathlib.Path(rp.run_dir).name.endswith(PARTIAL_SUFFIX):
-        raise UsageError(f"--resume {rp.run_dir}: it is a finished run (checkpoint step {rp.step}, --steps {steps}): "
-                         f"pass a larger --steps (e.g. --steps {2 * rp.step}) to train it on, or start a new run")
+    if not pathlib.Path(rp.run_dir).name.endswith(PARTIAL_SUFFIX):
+        if rp.step >= steps:
+            raise UsageError(f"--resume {rp.run_dir}: it is a finished run (checkpoint step {rp.step}, --steps {steps}): "
+                             f"pass a larger --steps (e.g. --steps {2 * rp.step}) to train it on, or start a new run")
+    elif rp.step > steps:
+        raise UsageError(f"--resume {rp.run_dir}: its checkpoint step {rp.step} is past --steps {steps}: leave --steps "
+                         f"out (the run's: {rp.meta['extra']['config'].get('steps')}) or pass --steps >= {rp.step}")
 
 
 def decay_steps_for(cfg: "TrainConfig", rp: ResumePoint | None) -> int:
