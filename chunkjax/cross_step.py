@@ -34,6 +34,8 @@ PatrickStar (arXiv 2108.05818) section 5 (CPU updates overlapped with GPU work);
 """
 from __future__ import annotations
 
+import bisect
+
 import contextlib
 
 
@@ -82,10 +84,11 @@ def next_read_fractions(fetch, segments, prefetch: int, n_stages: int) -> dict[i
         for c in cs:
             first.setdefault(c, u)
     n_fwd = max(1, n_stages - 1)
+    ends = bounds[1:]
     out = {}
-    for c, u in first.items():
-        t0 = next((a for a, b in zip(bounds[:-1], bounds[1:]) if u < b + k), bounds[-2])
-        out[c] = min(1.0, t0 / n_fwd)
+    for c, u in first.items():  # the first program whose end + prefetch passes u (else the last)
+        i = bisect.bisect_right(ends, u - k)
+        out[c] = min(1.0, (bounds[i] if i < len(ends) else bounds[-2]) / n_fwd)
     return out
 
 

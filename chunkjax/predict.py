@@ -20,6 +20,8 @@ Pure functions of shapes: nothing is allocated.
 """
 from __future__ import annotations
 
+import bisect
+
 import dataclasses
 from typing import Sequence
 
@@ -69,7 +71,9 @@ def grad_window_bytes(done_moments: Sequence[int], program_starts: Sequence[int]
     starts = list(program_starts)
     per = [0] * len(starts)
     for t in done_moments:
-        k = max(i for i, s in enumerate(starts) if s <= t)
+        k = bisect.bisect_right(starts, t) - 1  # the last program starting at or before t
+        if k < 0:
+            raise ValueError(f"a gradient completes at moment {t}, before the first program ({starts[0]})")
         per[k] += grad_bytes
     w = max(1, min(window, len(per)))
     return int(max((sum(per[i:i + w]) for i in range(len(per) - w + 1)), default=0))
@@ -159,13 +163,14 @@ def chunk_bytes(layout, compute_dtype, opt_state_bytes: int) -> ChunkBytes:
 def grad_done_moments(traces: Sequence[StageTrace], tide: Tide) -> dict[int, int]:
     """Chunk id -> index of the moment its gradient is complete: the backward (or fused) moment
     of the first stage that reads it."""
-    first = first_readers([t.chunks for t in traces])
+    by_stage: dict[int, list[int]] = {}
+    for c, s in first_readers([t.chunks for t in traces]).items():
+        by_stage.setdefault(s, []).append(c)
     done = {}
-    for i, m in enumerate(tide.moments):
+    for i, m in enumerate(tide.moments):  # a stage's chunks, at its last backward moment
         if m.phase != "forward":
-            for c, s in first.items():
-                if s == m.stage:
-                    done[c] = i
+            for c in by_stage.get(m.stage, ()):
+                done[c] = i
     return done
 
 
@@ -350,26 +355,38 @@ def _program_ends(n_stages: int, n_moments: int, segments) -> list[tuple[int, in
 
 def _host_ready(chunk_size, traces, n_moments, update_locations, segments, grad_done):
     """Per program: (fraction of the backward done when it ends, host-updated params it completes)."""
-    out = []
-    for p0, p1, frac in _program_ends(len(traces), n_moments, segments):
-        params = sum(chunk_size for c, u in enumerate(update_locations)
-                     if u == HOST_UPDATE and p0 <= grad_done.get(c, n_moments - 1) < p1)
-        if params:
-            out.append((frac, params))
-    return out
+    ends = _program_ends(len(traces), n_moments, segments)
+    count = [0] * len(ends)
+    for c, u in enumerate(update_locations):
+        if u == HOST_UPDATE:
+            k = _program_of(ends, grad_done.get(c, n_moments - 1))
+            if k is not None:
+                count[k] += 1
+    return [(frac, n * chunk_size) for (_, _, frac), n in zip(ends, count) if n]
+
+
+def _program_of(ends, moment: int) -> int | None:
+    """The index of the program of :func:`_program_ends` ``ends`` whose moments hold ``moment``
+    (None: none)."""
+    k = bisect.bisect_right(ends, moment, key=lambda e: e[0]) - 1
+    return k if k >= 0 and ends[k][0] <= moment < ends[k][1] else None
 
 
 def _streamed_ready(cb: ChunkBytes, traces, n_moments, param_kinds, update_locations, segments, grad_done):
     """Per streamed chunk: (fraction of the backward done when the program completing its gradient
     ends, bytes up: gradient + master + state, bytes down: master + state + host-kind params),
     and the first moment after that program (the pipeline's bytes are on the device from there)."""
-    out, first = [], n_moments
-    for p0, p1, frac in _program_ends(len(traces), n_moments, segments):
-        for c, (k, u) in enumerate(zip(param_kinds, update_locations)):
-            if u == STREAMED_UPDATE and p0 <= grad_done.get(c, n_moments - 1) < p1:
-                out.append((frac, cb.grad + cb.state, cb.state + (cb.params if k == PINNED_HOST else 0)))
-                first = min(first, p1)
-    return out, first
+    ends = _program_ends(len(traces), n_moments, segments)
+    found = []  # (program, chunk) in the programs' order, then the chunks'
+    for c, u in enumerate(update_locations):
+        if u == STREAMED_UPDATE:
+            k = _program_of(ends, grad_done.get(c, n_moments - 1))
+            if k is not None:
+                found.append((k, c))
+    found.sort()
+    out = [(ends[k][2], cb.grad + cb.state, cb.state + (cb.params if param_kinds[c] == PINNED_HOST else 0))
+           for k, c in found]
+    return out, min((ends[k][1] for k, _ in found), default=n_moments)
 
 
 def _storage_ready(traces, n_moments, update_locations, segments, grad_done, storage_devices: int):
