@@ -195,6 +195,13 @@
 #   106 disk chunks) planned in 118.9 s and its compile did not end before the worker's limit (552 s): the slow b2
 #   compile of s19b2 again, cause not found. Next: run b2 twice back to back (the first call's compile fills the
 #   cache), or find which of the 32 programs compiles slowly (inprogram_gap.py at 18B's 96 layers, compile only).
+# * Session 22 (docs/benchmarks.md "Twenty-second session"): s22b2 (the command above) timed out again; s22b2d's whole
+#   stderr (the bench now keeps it, with the worker's Python stack at its limit) shows no slow compile: the fit planned
+#   each in-program micro-batch group in turn (8, then 4, then 2; ~80 s a plan on the H200's host), none fitting the
+#   117.2e9 host budget once the disk-budget fix moved 2 chunks from disk to host. The planner is ~2x faster now
+#   (predict's per-chunk lookups). Next: b2 at --host-budget 118.2e9, twice back to back:
+#   PREALLOC=false POOL18MB=56 MB18_BATCH=8 EXTRAMB="--host-budget 118.2e9 --set compiled_margin=5.8e9" LIMIT=583 \
+#     MEMLOG=$OUT/mem.log bash experiments/gpu_checks/memwatch.sh bash experiments/gpu_checks/largest.sh <run> b2
 set -u
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$PWD/.cache/jax_gpu}
 RUN=${1:-largest}
