@@ -574,6 +574,8 @@ def run_train(args) -> dict:
             "max_abs_loss_diff": float(np.max(np.abs(la - lb))),
             "losses_near_storage": la.tolist(), "losses_optax": lb.tolist(),
             "allclose_rtol1e-5_atol1e-6": bool(np.allclose(a, b, rtol=1e-5, atol=1e-6)),
+            "close_fraction_rtol1e-5_atol1e-6": float(np.mean(np.isclose(a, b, rtol=1e-5, atol=1e-6))),
+            "max_learning_rate": float(max(_schedule(model.cfg)(i) for i in range(K))),
         }
     return out
 

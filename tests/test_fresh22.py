@@ -183,7 +183,7 @@ def test_mixed_dtype_model_refusal_says_what_each_compute_dtype_trains():
     np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
-def test_train_job_started_with_sigint_ignored_says_how_to_stop_it(monkeypatch):
+def test_train_job_started_with_sigint_ignored_says_how_to_stop_it(monkeypatch, default_sigint):
     """``python -m experiments.train ... &`` from a shell script: the shell starts it with SIGINT
     ignored, so ``kill -INT`` (what Ctrl-C sends) did nothing, silently; 20 s later it was still
     training. Right: the job says at its start that it ignores SIGINT and to use ``kill -TERM <pid>``
