@@ -34,7 +34,7 @@ class ChunkjaxSystem:
                  init: str = "leafwise", max_grad_norm: float | None = None, micro_batches: int = 1,
                  storage=None, host_budget="auto", cross_step: bool = True, remat: str = "full",
                  unroll_micro_batches: bool = False, clip_expect: str = "auto", chunk_size: int | None = None,
-                 compiled_margin: int = 0):
+                 compiled_margin: int = 0, rates_from: str | None = None):
         import jax
         import jax.numpy as jnp
 
@@ -69,6 +69,9 @@ class ChunkjaxSystem:
         self.spec = AdamW(lr, weight_decay=1e-4, max_grad_norm=max_grad_norm)
         self.host_rate_calibration: dict = {}  # the host kernel timing's min and median (GPU only)
         self.rates, self.matmul_tflops = calibrated_rates(self.host_rate_calibration)
+        self.rates_from = rates_from
+        if rates_from:  # plan with the host kernel's rate inside a recorded run's step (issue 23 item 1)
+            self.rates = in_step_host_rate(self.rates, rates_from)
         t0 = time.perf_counter()
         self.problem = fit.prepare(gpt.gpt_stages(cfg), gpt.abstract_params(cfg),
                                    jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32),
@@ -261,6 +264,32 @@ class ChunkjaxSystem:
         return int(n + (pool.allocated_bytes if pool is not None else 0) + kept)
 
 
+def in_step_host_rate(rates, record):
+    """``rates`` (:class:`chunkjax.cost.Rates`) with the host AdamW kernel timed at the rate a recorded
+    bench run's host thread measured inside its step (:meth:`chunkjax.cost.Rates.from_record`: its
+    ``update_s`` over its host-updated params, seconds per param), in place of this call's start-up
+    calibration (``host_update_loaded_s_per_param`` dropped: the in-step rate is the loaded one); the
+    matmul and PCIe rates stay this call's. The bench's ``--set rates_from=RESULTS_JSON``.
+
+    Raises:
+      ValueError: the record has no ``chunkjax`` system with rates and a host update time.
+      OSError: the file cannot be read.
+    """
+    import json
+    import pathlib
+
+    from chunkjax.cost import Rates
+    rec = json.loads(pathlib.Path(record).read_text())
+    s = (rec.get("systems") or {}).get("chunkjax") or {}
+    counts = (s.get("extra") or {}).get("schedule_counts") or {}
+    if not s.get("update_s") or not any(n for k, n in counts.items() if k.endswith("update_host")):
+        raise ValueError(f"{record}: its chunkjax system records no host update time inside its step "
+                         "(update_s with host-updated chunks): pass a bench record of a run with host chunks")
+    r = Rates.from_record(rec, "chunkjax")
+    return dataclasses.replace(rates, host_update_s_per_param=r.host_update_s_per_param,
+                               host_update_loaded_s_per_param=0.0)
+
+
 def run_chunkjax(args) -> dict:
     """Measure chunkjax for ``args`` (model, batch, seq, steps, seed, budget_bytes, compile_only);
     returns the record of :func:`experiments.measure.measure_system` plus the schedule's
@@ -280,7 +309,8 @@ def run_chunkjax(args) -> dict:
                           unroll_micro_batches=bool(int(getattr(args, "unroll_micro_batches", 0))),
                           clip_expect=str(getattr(args, "clip_expect", "auto")),
                           chunk_size=int(getattr(args, "chunk_size", 0) or 0) or None,  # --set chunk_size=N
-                          compiled_margin=int(float(getattr(args, "compiled_margin", 0) or 0)))  # --set compiled_margin=5.8e9
+                          compiled_margin=int(float(getattr(args, "compiled_margin", 0) or 0)),  # --set compiled_margin=5.8e9
+                          rates_from=getattr(args, "rates_from", None) or None)  # --set rates_from=RESULTS_JSON
     try:
         rec = measure_system(sys_, args)
     except Exception as e:  # keep the plan next to the failure (e.g. out of memory at run time)
@@ -313,7 +343,7 @@ def run_chunkjax(args) -> dict:
         "n_fetches": p.n_fetches,
         "effective_budget_bytes": sys_.effective_budget, "host_budget_bytes": sys_.host_budget, "plan_history": sys_.plan_history,
         "trace_s": sys_.trace_s, "rates": dataclasses.asdict(sys_.rates),
-        "host_rate_calibration": getattr(sys_, "host_rate_calibration", {}),
+        "host_rate_calibration": getattr(sys_, "host_rate_calibration", {}), "rates_from": sys_.rates_from,
         "stage_temp_bytes": {t.name: t.temp_bytes for t in sys_.traces if t.name in ("embed", "h_0", "head")},
         "schedule": sys_.schedule.to_dict(),
         "n_devices": sys_.n_ranks, "zero_stage": sys_.zero_stage, "init": sys_.init_rule,

@@ -137,3 +137,30 @@ def test_recorded_chunked_step_retimed_at_the_measured_host_rate(capsys):
     assert abs(step_s(calibrated) - measured) > 0.15 * measured
     assert plan.main(["--model", "micro", "--device-budget", "64MiB", "--measured-rates"]) == 2
     assert "add --tide-from" in capsys.readouterr().err
+
+
+def test_bench_rates_from_takes_the_in_step_host_rate_only(tmp_path):
+    """``--set rates_from=RESULTS_JSON`` (experiments.bench_chunkjax.in_step_host_rate): the host kernel at
+    the recorded run's update seconds over its host-updated params; every other rate stays this call's;
+    a record without host chunks is refused with what to pass."""
+    import random
+
+    from experiments.bench_chunkjax import in_step_host_rate
+    rng = random.Random()
+    n_host, chunk, update_s = rng.randint(5, 200), rng.randint(1000, 10 ** 6), rng.uniform(0.2, 3.0)
+    counts = {"params_pinned_host/update_host": n_host, "params_device/update_device": rng.randint(0, 50),
+              "params_pinned_host/update_streamed": rng.randint(0, 9)}
+    rec = {"systems": {"chunkjax": {"update_s": update_s, "extra": {
+        "rates": {"matmul_flops_per_s": 1.0, "host_update_s_per_param": 9.0, "host_update_loaded_s_per_param": 8.0},
+        "schedule_counts": counts, "chunk_size": chunk}}}}
+    f = tmp_path / "rec.json"
+    f.write_text(json.dumps(rec))
+    mine = Rates(matmul_flops_per_s=rng.uniform(1e14, 6e14), host_update_loaded_s_per_param=0.4e-9)
+    got = in_step_host_rate(mine, str(f))
+    assert got.host_update_s_per_param == pytest.approx(update_s / (n_host * chunk), rel=1e-12)
+    assert got.host_update_loaded_s_per_param == 0.0
+    assert got.matmul_flops_per_s == mine.matmul_flops_per_s and got.h2d_bytes_per_s == mine.h2d_bytes_per_s
+    counts.pop("params_pinned_host/update_host")
+    f.write_text(json.dumps(rec))
+    with pytest.raises(ValueError, match="no host update time"):
+        in_step_host_rate(mine, str(f))
