@@ -202,6 +202,12 @@
 #   (predict's per-chunk lookups). Next: b2 at --host-budget 118.2e9, twice back to back:
 #   PREALLOC=false POOL18MB=56 MB18_BATCH=8 EXTRAMB="--host-budget 118.2e9 --set compiled_margin=5.8e9" LIMIT=583 \
 #     MEMLOG=$OUT/mem.log bash experiments/gpu_checks/memwatch.sh bash experiments/gpu_checks/largest.sh <run> b2
+# * Session 23 (docs/benchmarks.md "Twenty-third session"): the CPU plan (largest_plan.py, CPU traces) still refused
+#   118.2e9 (least host need 124.0e9 with the CPU's larger activations); on the GPU, b2 at --host-budget 119e9 planned in
+#   58.9 s, compiled once and trained in one call: 3 steps, losses 11.667 -> 11.077 -> 10.470, step 90.67 s against
+#   96.56 s planned, disk 1.46 GB/s, peak RSS 127.06 GB (MemAvailable 2.18 GiB at its lowest):
+#   PREALLOC=false POOL18MB=56 MB18_BATCH=8 EXTRAMB="--host-budget 119e9 --set compiled_margin=5.8e9" LIMIT=583 \
+#     MEMLOG=$OUT/mem.log bash experiments/gpu_checks/memwatch.sh bash experiments/gpu_checks/largest.sh <run> b2
 set -u
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$PWD/.cache/jax_gpu}
 RUN=${1:-largest}
