@@ -98,6 +98,10 @@ class FitProblem:
       unroll_micro_batches: an in-program plan's micro-batch loops traced unrolled, and timed so
         (:attr:`chunkjax.schedule.Schedule.unroll_micro_batches`); False: while loops.
       clip_expect: ``"fires"`` or ``"rare"``, the clipping the plan expects (:mod:`chunkjax.clip_plan`).
+      rollback: how a speculative host update is undone when clipping or a skip fires
+        (:mod:`chunkjax.speculate`): ``"backup"`` (default, bit-exact, a bounded pool of copies)
+        or ``"invert"`` (no copies, every host chunk can speculate, float32-exact), as
+        :func:`chunkjax.make_chunked_step`.
       loop_traces: the in-program traces made so far (:func:`chunkjax.plan_micro.grouped_problem`:
         each stage's micro-batch loop compiled once, not per plan), shared by the problems
         ``dataclasses.replace`` makes of this one.
@@ -131,6 +135,7 @@ class FitProblem:
     remat_names: tuple = ()
     unroll_micro_batches: bool = False
     clip_expect: str = "rare"
+    rollback: str = "backup"
     loop_traces: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -389,7 +394,7 @@ def build_step(problem: FitProblem, schedule, speculation_bytes: int | None = No
     p = problem
     kw = dict(host_optimizer=p.host_optimizer, tx=p.tx, compute_dtype=p.compute_dtype, micro_batches=p.micro_batches,
               nonfinite=p.nonfinite, loss_scaling=p.loss_scaling, storage=p.storage,
-              speculation_bytes=speculation_bytes, cross_step=p.cross_step)
+              speculation_bytes=speculation_bytes, cross_step=p.cross_step, rollback=p.rollback)
     from chunkjax.step import make_chunked_step
     if p.zero_stage:
         kw.update(mesh=p.mesh, zero_stage=p.zero_stage)

@@ -34,7 +34,7 @@ class ChunkjaxSystem:
                  init: str = "leafwise", max_grad_norm: float | None = None, micro_batches: int = 1,
                  storage=None, host_budget="auto", cross_step: bool = True, remat: str = "full",
                  unroll_micro_batches: bool = False, clip_expect: str = "auto", chunk_size: int | None = None,
-                 compiled_margin: int = 0, rates_from: str | None = None):
+                 compiled_margin: int = 0, rates_from: str | None = None, rollback: str = "backup"):
         import jax
         import jax.numpy as jnp
 
@@ -85,6 +85,8 @@ class ChunkjaxSystem:
                                    unroll_micro_batches=unroll_micro_batches,
                                    clip_expect=clip_expect,  # "auto": "fires" with max_grad_norm (chunkjax.clip_plan)
                                    chunk_size=chunk_size)  # None: chunkjax.layout.search_chunk_size
+        if rollback != "backup":  # speculative host updates undone by inversion (chunkjax.speculate; --set rollback=invert)
+            self.problem = dataclasses.replace(self.problem, rollback=rollback)
         if remat != "full":  # blocks keep their MLP activation (chunkjax.plan_remat; bench --set remat=auto|save|offload)
             self.problem = dataclasses.replace(self.problem, remat=remat, remat_names=gpt.REMAT_NAMES)
         self.disk, self.disk_steps = None, []  # the disk tier: the storage chunks' DiskState, each step's result
@@ -310,7 +312,8 @@ def run_chunkjax(args) -> dict:
                           clip_expect=str(getattr(args, "clip_expect", "auto")),
                           chunk_size=int(getattr(args, "chunk_size", 0) or 0) or None,  # --set chunk_size=N
                           compiled_margin=int(float(getattr(args, "compiled_margin", 0) or 0)),  # --set compiled_margin=5.8e9
-                          rates_from=getattr(args, "rates_from", None) or None)  # --set rates_from=RESULTS_JSON
+                          rates_from=getattr(args, "rates_from", None) or None,  # --set rates_from=RESULTS_JSON
+                          rollback=str(getattr(args, "rollback", "backup")))  # --set rollback=invert
     try:
         rec = measure_system(sys_, args)
     except Exception as e:  # keep the plan next to the failure (e.g. out of memory at run time)
@@ -351,7 +354,7 @@ def run_chunkjax(args) -> dict:
         "cross_step": sys_.step_fn.cross_step, "unroll_micro_batches": sys_.schedule.unroll_micro_batches,
         "accumulation": sys_.schedule.accumulation, "micro_group": sys_.schedule.micro_group,
         "speculation": sys_.speculation, "host_ledger": sys_.ledger.to_dict(),
-        "clip_expect": sys_.problem.clip_expect, "step_s_predicted_if": _both_ways(sys_),
+        "clip_expect": sys_.problem.clip_expect, "rollback": sys_.problem.rollback, "step_s_predicted_if": _both_ways(sys_),
     })
     rec["remat"] = remat_record(sys_)
     if sys_.zero_stage:  # bytes each rank sends through collectives per step (ring algorithms)
