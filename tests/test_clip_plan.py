@@ -155,3 +155,27 @@ def test_the_split_counts_a_host_bound_cross_step_steps_floor():
     assert t.step_s == pytest.approx(5.0) and _host_side(t) == pytest.approx(0.5)
     assert _host_side(dataclasses.replace(t, host_update_exposed_s=0.75)) == pytest.approx(0.75)
     assert _host_side(dataclasses.replace(t, cross_step=False, host_update_exposed_s=0.25)) == 0.25
+
+
+def test_fit_path_step_rolls_back_by_inversion_when_asked(setup, free_norms):
+    """``FitProblem.rollback="invert"`` reaches the step the fit path builds (the bench's
+    ``--set rollback=invert``): a ``"rare"`` plan whose host chunks speculate, clipping firing on
+    some of 8 steps, equals optax at the fp32 tolerances above."""
+    cfg, params, batches = setup[:3]
+    clip = float(np.median(free_norms))
+    spec = AdamW(3e-3, weight_decay=0.1, max_grad_norm=clip)
+    ref_p, ref_l, norms = micro_batch_reference(cfg, params, batches, spec.optax(), 1, rows=B)
+    assert 0 < (norms >= clip).sum() < STEPS
+    problem = dataclasses.replace(_problem(setup, spec, clip_expect="rare"), rollback="invert")
+    s = fit.plan(problem, fit.auto_budget(problem))
+    assert "host" in s.update_locations and not s.predicted.time.norm_wait
+    step = fit.build_step(problem, s)
+    assert step.rollback == "invert"
+    state, losses = step.init(params), []
+    for b in batches:
+        state, m = step(state, b[:B])
+        losses.append(float(m["loss"]))
+    step.wait(state)
+    np.testing.assert_allclose(np.asarray(losses), ref_l, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(step.master_params(state)), jax.tree.leaves(ref_p)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-6)
