@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 import threading
 
 import jax.numpy as jnp
@@ -112,19 +113,26 @@ def interrupts_deferred():
 
 class SignalHold:
     """:data:`HELD_SIGNALS` held from :meth:`start` until :meth:`release`, which delivers the ones
-    that arrived once no other hold is open (:func:`interrupts_deferred`). A step whose host chunks
-    are updated in place with the global norm (clipping, skip, loss scaling: the host thread
-    applies them once :meth:`chunkjax.speculate.Speculation.set_norm` has a norm) holds signals from
-    that moment to the end of its commit (:meth:`PendingStep.commit` releases it, inside the
-    caller's block): a Ctrl-C then ends the step as after it, never with host chunks updated and
-    device chunks not. Outside the main thread it does nothing (signals reach only the main
+    that arrived once no other hold is open (:func:`interrupts_deferred`). A step holds signals from
+    the moment its host chunks may take its update in place with no way back to the end of its
+    commit (:meth:`PendingStep.commit` releases it, inside the caller's block): with clipping, skip
+    or loss scaling once :meth:`chunkjax.speculate.Speculation.set_norm` has the norm
+    (:func:`hand_norm`); without them from its first host chunk handed to the host thread, in the
+    backward (:func:`in_place_updates`). A Ctrl-C then ends the step as after it, never with host
+    chunks updated and device chunks not; any other exception from then on spoils the input state
+    (:attr:`in_place`, :func:`spoil`). Outside the main thread it does nothing (signals reach only the main
     thread). Release it once; a second release does nothing."""
 
     def __init__(self):
         self._open = False
+        self.in_place = False  # host chunks may have taken the step in place: a failure spoils the state
 
     def start(self) -> None:
-        self._open = _hold_enter()
+        """Hold signals from now on (once: a second start while open does nothing); marks the step
+        as updating host chunks in place (:attr:`in_place`)."""
+        self.in_place = True
+        if not self._open:
+            self._open = _hold_enter()
 
     def release(self) -> None:
         """End this hold (delivering what arrived if it was the last one open)."""
@@ -179,31 +187,54 @@ def check_whole(host_chunks, state) -> None:
                 "checkpoint (chunkjax.restore_checkpoint) and continue from there")
 
 
-def hand_norm(spec, work, state, stream, on_disk, norm, grad_sq, host_chunks=()) -> SignalHold:
-    """Hand a step's global norm (() float32, None: the step failed before it was known) to what
-    waits for it: the host thread's speculation (:mod:`chunkjax.speculate`: validated, or rolled
-    back on None), the streamed pipeline (the (n_chunks,) squared norms ``grad_sq``) and the
-    storage workers. Returns the :class:`SignalHold` started just before host chunks may take a
-    known norm in place (released here if handing over fails; ``state`` then marked by
-    :func:`spoil` for ``host_chunks`` once the speculation has the norm)."""
+def in_place_updates(work, spec, state) -> tuple:
+    """``(on_host, hold)`` of one step with host chunks (``spec``: its
+    :class:`~chunkjax.speculate.Speculation`, None without host chunks): ``on_host({c: gradient})``
+    hands one program's host gradients to the host thread (``work``'s
+    :meth:`~chunkjax.host_work.HostWork.hand_over`), and ``hold``, the step's :class:`SignalHold`
+    for :func:`hand_norm`. When the host update does not wait for the global norm
+    (``spec.certain``: no clipping, skip or loss scaling, no backup kept) the first hand-over
+    starts the hold: from then on a Ctrl-C completes the step, and any other exception spoils
+    ``state`` (:func:`hand_norm`)."""
     hold = SignalHold()
-    taken = False
+    if spec is None:
+        return None, hold
+
+    def on_host(mine: dict) -> None:
+        if spec.certain:  # the host thread updates these in place now, with no way back
+            hold.start()
+        work.hand_over(spec.update, state, mine)
+    return on_host, hold
+
+
+def hand_norm(spec, work, state, stream, on_disk, norm, grad_sq, host_chunks=(), hold=None) -> SignalHold:
+    """Hand a step's global norm (() float32, None: the step failed before it was known, called
+    while its exception propagates) to what waits for it: the host thread's speculation
+    (:mod:`chunkjax.speculate`: validated, or rolled back on None), the streamed pipeline (the
+    (n_chunks,) squared norms ``grad_sq``) and the storage workers. Returns ``hold`` (the step's
+    :class:`SignalHold` from :func:`in_place_updates`; a new one if None), started just before
+    host chunks may take a known norm in place. When handing over fails, or the step failed
+    (``norm`` None) after host chunks took its update in place (``hold.in_place``), ``state`` is
+    marked by :func:`spoil` for ``host_chunks`` and the hold released."""
+    hold = SignalHold() if hold is None else hold
     try:
         if spec is not None:
             if norm is not None:
                 hold.start()
             spec.set_norm(norm)
-            taken = norm is not None
             work.validate(spec.validate, state, ready=spec.known)
         stream.set_grad_sq(None if norm is None else grad_sq)  # None: abandoned
         on_disk.set_norm(norm)
     except BaseException as e:
-        if taken:  # host chunks take the norm in place from now on: no way back
+        if hold.in_place:  # host chunks take the step in place: no way back
             spoil(host_chunks, state, e)
         with contextlib.suppress(Exception):
             stream.set_grad_sq(None)  # the streamed pipeline stopped: no thread left waiting for the norm
         hold.release()
         raise
+    if norm is None and hold.in_place:  # the step failed after host chunks took it in place
+        spoil(host_chunks, state, sys.exc_info()[1] or RuntimeError("the step failed"))
+        hold.release()
     return hold
 
 
