@@ -398,12 +398,12 @@ class ChunkedStep(StepChunkIO, StepUpdates, OnTopology):
         scale = None if loss_scale is None else jnp.asarray(loss_scale, jnp.float32)
         inv = 1.0 if loss_scale is None else 1.0 / float(loss_scale)
         spec = work.speculation = for_step(self, work, inv, previous) if self.host_chunks else None
-        norm, (on_host, hold) = None, in_place_updates(work, spec, state)  # hold: from the first in-place update
         stream = streamed.StepStream(self.stream_spec, state, inv_arr := jnp.asarray(inv, jnp.float32))
         on_disk = disk.StorageRun(self, state)  # storage chunks: the workers read their state from now on
+        norm, (on_host, on_prog, hold) = None, in_place_updates(work, spec, state, on_disk)  # hold: Ctrl-C, see there
         try:
             grads, sq, loss = (self.run_programs(state, self.topology.put_batch(rank_major(
-                batch, self.micro_batches, self.n_ranks)), scale, on_host, stream, on_disk.on_program, require_weight)
+                batch, self.micro_batches, self.n_ranks)), scale, on_host, stream, on_prog, require_weight)
                 if self.passes == 1 else accumulate.mean_gradients(self, state, batch, scale, on_host))
             (loss, aux), grad_sq = split_loss(loss), jnp.stack([sq[c] if c in sq else jnp.zeros((), jnp.float32)
                                                                 for c in range(self.layout.n_chunks)])  # frozen: none

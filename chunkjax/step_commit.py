@@ -187,24 +187,28 @@ def check_whole(host_chunks, state) -> None:
                 "checkpoint (chunkjax.restore_checkpoint) and continue from there")
 
 
-def in_place_updates(work, spec, state) -> tuple:
-    """``(on_host, hold)`` of one step with host chunks (``spec``: its
-    :class:`~chunkjax.speculate.Speculation`, None without host chunks): ``on_host({c: gradient})``
-    hands one program's host gradients to the host thread (``work``'s
-    :meth:`~chunkjax.host_work.HostWork.hand_over`), and ``hold``, the step's :class:`SignalHold`
-    for :func:`hand_norm`. When the host update does not wait for the global norm
-    (``spec.certain``: no clipping, skip or loss scaling, no backup kept) the first hand-over
-    starts the hold: from then on a Ctrl-C completes the step, and any other exception spoils
-    ``state`` (:func:`hand_norm`)."""
+def in_place_updates(work, spec, state, on_disk) -> tuple:
+    """``(on_host, on_program, hold)`` of one step: ``on_host({c: gradient})`` hands one program's
+    host gradients to the host thread (``work``'s :meth:`~chunkjax.host_work.HostWork.hand_over`;
+    None without host chunks: ``spec``, the step's :class:`~chunkjax.speculate.Speculation`, is
+    None), ``on_program({c: gradient})`` hands its storage gradients to ``on_disk`` (the step's
+    :class:`~chunkjax.storage.updater.StorageRun`), and ``hold``, the step's :class:`SignalHold`
+    for :func:`hand_norm`. When an update does not wait for the global norm (``spec.certain``: no
+    clipping, skip or loss scaling, no backup kept; storage chunks on the early path, whose new
+    params land in the state's pinned buffers) the first hand-over starts the hold: from then on a
+    Ctrl-C completes the step, and any other exception spoils ``state`` (:func:`hand_norm`)."""
     hold = SignalHold()
-    if spec is None:
-        return None, hold
 
     def on_host(mine: dict) -> None:
         if spec.certain:  # the host thread updates these in place now, with no way back
             hold.start()
         work.hand_over(spec.update, state, mine)
-    return on_host, hold
+
+    def on_program(grads: dict) -> None:
+        if on_disk.sends_early(grads):  # their new params go into the state's buffers
+            hold.start()
+        on_disk.on_program(grads)
+    return (None if spec is None else on_host), on_program, hold
 
 
 def hand_norm(spec, work, state, stream, on_disk, norm, grad_sq, host_chunks=(), hold=None) -> SignalHold:

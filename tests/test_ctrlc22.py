@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import chunkjax as cj
+from tests.test_disk_tier import setup  # noqa: F401 (the fixture: a 3-layer micro GPT)
 from tests.test_fresh22 import _masters, _tiny_nnx
 
 
@@ -95,3 +96,58 @@ def test_error_in_the_backward_after_an_in_place_host_update_refuses_the_state(m
     twin.wait()
     for a, b in zip(_masters(st), _masters(twin), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_ctrl_c_after_an_early_storage_send_completes_the_step(monkeypatch, default_sigint, tmp_path, setup):
+    """Storage chunks on the early path (AdamW without clipping) send their gradients to the
+    workers as the programs end, before the norm; the workers' new params land in the state's
+    pinned buffers while the files stay at the committed step until the step commits. A Ctrl-C
+    right after such a send raised from ``begin`` and abandoned the disk step, leaving host chunks
+    handed over and any storage params already written ahead of their files. Right: the signal
+    waits for the commit (a caller that stores inside ``interrupts_deferred``), the step ends as an
+    uninterrupted one: master params, the storage files and the next step equal a twin bit for bit."""
+    from chunkjax.host_update import AdamW
+    from chunkjax.storage.updater import StorageOptions, StorageRun
+    from chunkjax.step_commit import interrupts_deferred
+    from tests.test_disk_tier import _three_tier_schedule
+    cfg, params, batches, stages, layout, traces, cb = setup
+    sched = _three_tier_schedule(setup)
+    disk_c = [c for c, u in enumerate(sched.update_locations) if u == "storage"]
+    assert disk_c and "host" in sched.update_locations
+    spec = AdamW(3e-3, weight_decay=0.1)
+
+    def make(d):
+        step = cj.make_chunked_step(stages, layout, sched, host_optimizer=spec, compute_dtype=jax.numpy.float32,
+                                    storage=StorageOptions((str(d / "a"), str(d / "b")), fsync=False,
+                                                           early_updates=True))
+        st, _ = step(step.init(params), batches[0])
+        return step, st
+
+    (tw, tst), (step, st) = make(tmp_path / "t"), make(tmp_path / "i")
+    tst, tm = tw(tst, batches[1])
+    real, calls = StorageRun.on_program, []
+
+    def on_program(self, grads):
+        sent = self.sends_early(grads)
+        real(self, grads)
+        if sent and not calls:
+            calls.append(1)
+            signal.raise_signal(signal.SIGINT)  # Ctrl-C right after the first early storage send
+    monkeypatch.setattr(StorageRun, "on_program", on_program)
+    m = None
+    with pytest.raises(KeyboardInterrupt):
+        pending = step.begin(st, batches[1])
+        with interrupts_deferred():  # stores the new state before the held Ctrl-C is delivered
+            st, m = pending.commit()
+    monkeypatch.setattr(StorageRun, "on_program", real)
+    assert calls and m is not None and float(m["loss"]) == float(tm["loss"])  # the step committed
+    got, ref = (jax.tree.map(np.asarray, s.master_params(x)) for s, x in ((step, st), (tw, tst)))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_array_equal(a, b)
+    for c in disk_c:
+        for a, b in zip(st.master[c].read(c), tst.master[c].read(c), strict=True):
+            np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+    (st, m), (tst, tm) = step(st, batches[2]), tw(tst, batches[2])
+    assert float(m["loss"]) == float(tm["loss"])  # and it trains on
+    st.master[disk_c[0]].close()
+    tst.master[disk_c[0]].close()
