@@ -142,9 +142,10 @@ class SignalHold:
 
 
 class PartialStepError(RuntimeError):
-    """The state was left half updated by a step that failed after its global norm was known: its
-    host chunks took the step's update in place, its device and streamed chunks did not
-    (module docstring). Restore the last checkpoint."""
+    """The state was left half updated by a step that failed after chunks took its update in place
+    (host chunks once the global norm was known, or without clipping from the backward on; a
+    drop-in optimizer's update midway) and other chunks did not (module docstring). Restore the
+    last checkpoint."""
 
 
 #: The attribute :func:`spoil` sets on a host chunk's optimizer state (``Host*State``,
@@ -164,27 +165,53 @@ def spoil(host_chunks, state, error: BaseException) -> None:
     is on those chunks' optimizer state objects, which every holder of the state shares, so that
     :func:`check_whole` refuses it wherever it is used next; ``error`` gets a note saying so.
     Nothing is marked without host chunks."""
-    why = (f"{type(error).__name__}: {error}".splitlines() or [type(error).__name__])[0][:200]
+    why = spoiled_by(error)
     marked = False
     for x in _host_states(host_chunks, state):
         setattr(x, SPOILED_ATTR, why)
         marked = True
     if marked and hasattr(error, "add_note"):
-        error.add_note("chunkjax: the step failed after its global norm was known: its host chunks were updated, "
-                       "its other chunks not; the state it was given is now refused (PartialStepError): restore the "
-                       "last checkpoint")
+        error.add_note("chunkjax: the step failed after its host chunks took its update in place (with clipping: once "
+                       "its global norm was known): its other chunks were not updated; the state it was given is now "
+                       "refused (PartialStepError): restore the last checkpoint")
+
+
+def spoiled_by(error: BaseException) -> str:
+    """What :func:`spoil` records of ``error``: its type and first line (at most 200 characters)."""
+    return (f"{type(error).__name__}: {error}".splitlines() or [type(error).__name__])[0][:200]
+
+
+def refuse_partial(why: str | None, what: str = "a step failed after its global norm was known") -> None:
+    """Raise :class:`PartialStepError` (one line: restore the last checkpoint) when ``why`` (a
+    :func:`spoiled_by` record, None: whole) says the state is half updated; ``what`` failed."""
+    if why is not None:
+        raise PartialStepError(
+            f"this training state is half updated: {what} ({why}), so its chunks updated in place took that "
+            "step's update and its other chunks did not; restore the last checkpoint (chunkjax.restore_checkpoint) "
+            "and continue from there")
 
 
 def check_whole(host_chunks, state) -> None:
     """Raise :class:`PartialStepError` (one line) when :func:`spoil` marked ``state``; else nothing
     (a look at each host chunk's optimizer state object: no array is read)."""
     for x in _host_states(host_chunks, state):
-        why = getattr(x, SPOILED_ATTR, None)
-        if why is not None:
-            raise PartialStepError(
-                f"this training state is half updated: a step failed after its global norm was known ({why}), so its "
-                "host-updated chunks took that step's update and its other chunks did not; restore the last "
-                "checkpoint (chunkjax.restore_checkpoint) and continue from there")
+        refuse_partial(getattr(x, SPOILED_ATTR, None))
+
+
+@contextlib.contextmanager
+def applied_on_interrupt(hold: SignalHold, note: str):
+    """Release ``hold`` as the block ends (its held signals delivered then); a KeyboardInterrupt
+    raised so, after the hold started (:attr:`SignalHold.in_place`: the update was applied), gets
+    ``note`` (e.g. do not repeat the batch)."""
+    try:
+        try:
+            yield
+        finally:
+            hold.release()
+    except KeyboardInterrupt as e:
+        if hold.in_place and hasattr(e, "add_note"):
+            e.add_note(note)
+        raise
 
 
 def in_place_updates(work, spec, state, on_disk) -> tuple:

@@ -151,3 +151,123 @@ def test_ctrl_c_after_an_early_storage_send_completes_the_step(monkeypatch, defa
     assert float(m["loss"]) == float(tm["loss"])  # and it trains on
     st.master[disk_c[0]].close()
     tst.master[disk_c[0]].close()
+
+
+def _dropin_pair():
+    """Two equal ChunkedOptimizers with device, streamed and host chunks (host AdamW without
+    clipping), the params and a gradient function."""
+    import jax.numpy as jnp
+    from chunkjax.host_update import AdamW
+    rng = np.random.default_rng(22)
+    sizes = dict(a=150, b=40, c=100, d=64, e=30, f=128, g=90)
+    params = {k: jnp.asarray(rng.normal(size=(n,)), jnp.float32) for k, n in sizes.items()}
+    target = {k: jnp.asarray(rng.normal(size=(n,)), jnp.float32) for k, n in sizes.items()}
+    grad_fn = jax.jit(jax.grad(lambda p: sum(jnp.sum(jnp.sin(p[k] - target[k]) * (p[k] - target[k])) for k in p)))
+    spec = AdamW(1e-2, weight_decay=0.1)
+    probe = cj.ChunkedOptimizer(params, spec, device_budget="1GiB", chunk_size=64)
+    state = probe.device_state_bytes // probe.layout.n_chunks
+    make = lambda: cj.ChunkedOptimizer(params, spec, device_budget=probe.working_bytes + 2 * state + 2 * 4 * 64,  # noqa: E731
+                                       chunk_size=64, host_chunks=6, pipeline_depth=2)
+    a, b = make(), make()
+    assert a.host_chunks and a.streamed_chunks and a.placement.state_kinds.count("device") >= 1, a.summary()
+    return a, b, params, grad_fn
+
+
+def _patch_kernel(monkeypatch, act):
+    """``dropin.host_chunk_step`` (the host kernel, on the update's kernel thread) patched: its
+    first call updates its chunk, then runs ``act()``."""
+    from chunkjax import dropin
+    real, calls = dropin.host_chunk_step, []
+
+    def kernel(*a, **k):
+        real(*a, **k)
+        calls.append(1)
+        if len(calls) == 1:
+            act()
+    monkeypatch.setattr(dropin, "host_chunk_step", kernel)
+    return lambda: monkeypatch.setattr(dropin, "host_chunk_step", real)
+
+
+def _same_master(a, b):
+    for k, x in a.master_params().items():
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(b.master_params()[k]), err_msg=k)
+
+
+def test_dropin_ctrl_c_during_an_update_completes_it(monkeypatch, default_sigint):
+    """ChunkedOptimizer.update updates its chunks in place one after another (device chunks
+    donated, host chunks by the host kernel, streamed ones written back): a Ctrl-C midway left
+    some chunks updated, the others and the step count not, and the next update trained on that
+    mix silently. Right: the Ctrl-C waits for the whole update, then KeyboardInterrupt says the
+    update is applied; the master params equal an uninterrupted twin's bit for bit, and so do the
+    next updates."""
+    opt, twin, params, grad_fn = _dropin_pair()
+    p = opt.update(grad_fn(params))
+    assert all(np.array_equal(p[k], v) for k, v in twin.update(grad_fn(params)).items())
+    g = grad_fn(p)
+    q = twin.update(g)
+    undo = _patch_kernel(monkeypatch, lambda: signal.raise_signal(signal.SIGINT))
+    with pytest.raises(KeyboardInterrupt) as e:
+        opt.update(g)
+    undo()
+    assert opt.step == twin.step == 2
+    _same_master(opt, twin)
+    assert any("optimizer took the update" in n for n in getattr(e.value, "__notes__", ()))
+    p = opt.update(grad_fn(q))
+    q = twin.update(grad_fn(q))
+    for k in q:
+        np.testing.assert_array_equal(np.asarray(p[k]), np.asarray(q[k]), err_msg=k)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_dropin_error_during_an_update_refuses_the_optimizer(monkeypatch, tmp_path):
+    """The same update with an exception (not a signal) after the first host chunk's kernel ran:
+    some chunks updated, others not. Right: the error is raised, then every later use raises
+    PartialStepError (one line: restore the last checkpoint); restored, it equals the twin."""
+    from chunkjax import checkpoint as ck
+    opt, twin, params, grad_fn = _dropin_pair()
+    p = opt.update(grad_fn(params))
+    twin.update(grad_fn(params))
+    ck.save_checkpoint(tmp_path, 1, opt)
+    g = grad_fn(p)
+
+    def fail():
+        raise RuntimeError("injected: the kernel failed")
+    undo = _patch_kernel(monkeypatch, fail)
+    with pytest.raises(RuntimeError, match="injected"):
+        opt.update(g)
+    undo()
+    for use in (lambda: opt.update(g), opt.master_params, opt.wait, lambda: ck.save_checkpoint(tmp_path / "no", 2, opt)):
+        with pytest.raises(cj.PartialStepError, match=r"half updated: an update failed midway \(RuntimeError: "
+                                                      r"injected.*restore the last checkpoint") as e:
+            use()
+        assert "\n" not in str(e.value)
+    ck.restore_checkpoint(tmp_path, opt)
+    p, q = opt.update(g), twin.update(g)
+    for k in q:
+        np.testing.assert_array_equal(np.asarray(p[k]), np.asarray(q[k]), err_msg=k)
+    _same_master(opt, twin)
+
+
+def test_nnx_optimizer_ctrl_c_during_an_update_updates_the_model_too(monkeypatch, default_sigint):
+    """NnxOptimizer: the Ctrl-C held through the optimizer's update is delivered once the model
+    took the new params too (not between the two: the model would be a step behind its
+    optimizer). Its params then equal an uninterrupted twin's bit for bit."""
+    from flax import nnx
+    from chunkjax.host_update import AdamW
+    Net, loss_fn, batches = _tiny_nnx()
+    models = [Net(nnx.Rngs(3)) for _ in range(2)]
+    probe = cj.NnxOptimizer(Net(nnx.Rngs(3)), AdamW(1e-2, weight_decay=0.1), device_budget="1GiB", chunk_size=32).chunked
+    budget = probe.working_bytes + 2 * (probe.device_state_bytes // probe.layout.n_chunks) + 2 * 4 * 32
+    opts = [cj.NnxOptimizer(m, AdamW(1e-2, weight_decay=0.1), device_budget=budget, chunk_size=32, host_chunks=2)
+            for m in models]
+    assert opts[0].chunked.host_chunks and len(opts[0].chunked.host_chunks) < opts[0].chunked.layout.n_chunks
+    grads = nnx.grad(loss_fn)(models[1], batches[0])
+    opts[1].update(models[1], grads)
+    undo = _patch_kernel(monkeypatch, lambda: signal.raise_signal(signal.SIGINT))
+    with pytest.raises(KeyboardInterrupt) as e:
+        opts[0].update(models[0], nnx.grad(loss_fn)(models[0], batches[0]))
+    undo()
+    for a, b in zip(jax.tree.leaves(nnx.state(models[0], nnx.Param)), jax.tree.leaves(nnx.state(models[1], nnx.Param)),
+                    strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert any("model and the optimizer took it" in n for n in getattr(e.value, "__notes__", ()))
