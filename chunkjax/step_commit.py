@@ -33,14 +33,15 @@ for an error of the device runtime inside the commit itself (its device buffers 
 The mark costs nothing per step (an attribute of each host chunk's optimizer state object, shared
 by every holder of the state); a restored checkpoint is a new state, unmarked.
 
-Not covered (documented on :class:`chunkjax.ChunkedStep`): host chunks updated in place by the
-host thread while the backward runs, when their update does not depend on the global norm (no
-clipping, skip or loss scaling: no backup is kept, it would cost 12 bytes per AdamW parameter of
-host memory and traffic every step; with speculation an interrupt before the norm is known
-restores them, :mod:`chunkjax.speculate`); streamed chunks updated early whose compute params
-live on the device (the old params are donated during the backward:
-:func:`recover` rebuilds them from the untouched master params, as the front door does); storage
-chunks (their workers commit steps themselves, :mod:`chunkjax.storage`).
+Without clipping, skip or loss scaling, host chunks are updated in place by the host thread while
+the backward runs (no backup is kept: it would cost 12 bytes per AdamW parameter of host memory and
+traffic every step), and storage chunks on the early path send their gradients to their workers,
+whose new params land in the state's pinned buffers: the step's hold then starts at the first such
+hand-over (:func:`in_place_updates`), so a Ctrl-C completes the step, and any other exception from
+then on spoils the state as above. Not covered: streamed chunks updated early whose compute params
+live on the device (the old params are donated during the backward: :func:`recover` rebuilds them
+from the untouched master params, as the front door does); a step with storage chunks and no host
+chunks is not marked by :func:`spoil` (the mark lives on host chunks' optimizer states).
 """
 from __future__ import annotations
 
