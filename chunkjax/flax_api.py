@@ -398,10 +398,13 @@ class ChunkedOptimizer:
                                   update=update, store=self._store, send_grads=send_grads, kernel=kernel,
                                   send_params=send_params, ready=grad_sq.block_until_ready)
         run.t0 = t0
-        run.start()  # fetches first: they need no gradient
-        hold.start()  # chunks are updated in place from here (no copy kept): all of them, or the state refused
+        # chunks are updated in place from here (no copy kept): all of them, or the state refused. The
+        # hold starts before the threads do: the kernel thread updates host chunks as soon as their
+        # gradients land, and a Ctrl-C between its start and the hold left threads running (exit hung)
+        hold.start()
         try:
             try:
+                run.start()  # fetches first: they need no gradient
                 for c, k in enumerate(self.placement.state_kinds):
                     if k == DEVICE:
                         new, self._master[c], self._opt_state[c] = self._update_of[c](
