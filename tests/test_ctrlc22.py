@@ -81,10 +81,11 @@ def test_error_in_the_backward_after_an_in_place_host_update_refuses_the_state(m
 
     def fail():
         raise RuntimeError("injected: a program failed")
-    undo = _first_hand_over_then(monkeypatch, fail)
+    undo, term = _first_hand_over_then(monkeypatch, fail), signal.getsignal(signal.SIGTERM)
     with pytest.raises(RuntimeError, match="injected"):
         st(batches[1])
     undo()
+    assert signal.getsignal(signal.SIGTERM) is term  # the step's signal hold ended with the error
     for use in (lambda: st(batches[1]), lambda: st.sync(Net(nnx.Rngs(3))), lambda: st.evaluate(batches[1])):
         with pytest.raises(cj.PartialStepError, match=r"half updated.*RuntimeError: injected.*restore the last "
                                                       r"checkpoint") as e:
@@ -149,6 +150,7 @@ def test_ctrl_c_after_an_early_storage_send_completes_the_step(monkeypatch, defa
             np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
     (st, m), (tst, tm) = step(st, batches[2]), tw(tst, batches[2])
     assert float(m["loss"]) == float(tm["loss"])  # and it trains on
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # nothing left holding Ctrl-C
     st.master[disk_c[0]].close()
     tst.master[disk_c[0]].close()
 
@@ -175,17 +177,35 @@ def _dropin_pair():
 
 def _patch_kernel(monkeypatch, act):
     """``dropin.host_chunk_step`` (the host kernel, on the update's kernel thread) patched: its
-    first call updates its chunk, then runs ``act()``."""
-    from chunkjax import dropin
-    real, calls = dropin.host_chunk_step, []
+    first call updates its chunk, then runs ``act()``; and ``DuplexUpdate.start`` returns only once
+    that has happened (at most 60 s), so ``act`` lands at one point every run: after the update's
+    threads started and updated a host chunk, before the caller dispatched any other chunk's
+    update (session 22's failures: a Ctrl-C sent by the kernel thread landed before or after the
+    update's signal hold started, by timing)."""
+    import threading
+    from chunkjax import dropin, duplex
+    real, real_start, calls, acted = dropin.host_chunk_step, duplex.DuplexUpdate.start, [], threading.Event()
 
     def kernel(*a, **k):
         real(*a, **k)
         calls.append(1)
         if len(calls) == 1:
-            act()
+            try:
+                act()
+            finally:
+                acted.set()
+
+    def start(self):
+        out = real_start(self)
+        assert acted.wait(60), "the first host kernel did not run"
+        return out
     monkeypatch.setattr(dropin, "host_chunk_step", kernel)
-    return lambda: monkeypatch.setattr(dropin, "host_chunk_step", real)
+    monkeypatch.setattr(duplex.DuplexUpdate, "start", start)
+
+    def undo():
+        monkeypatch.setattr(dropin, "host_chunk_step", real)
+        monkeypatch.setattr(duplex.DuplexUpdate, "start", real_start)
+    return undo
 
 
 def _same_master(a, b):
@@ -232,10 +252,11 @@ def test_dropin_error_during_an_update_refuses_the_optimizer(monkeypatch, tmp_pa
 
     def fail():
         raise RuntimeError("injected: the kernel failed")
-    undo = _patch_kernel(monkeypatch, fail)
+    undo, term = _patch_kernel(monkeypatch, fail), signal.getsignal(signal.SIGTERM)
     with pytest.raises(RuntimeError, match="injected"):
         opt.update(g)
     undo()
+    assert signal.getsignal(signal.SIGTERM) is term  # the update's signal hold ended with the error
     for use in (lambda: opt.update(g), opt.master_params, opt.wait, lambda: ck.save_checkpoint(tmp_path / "no", 2, opt)):
         with pytest.raises(cj.PartialStepError, match=r"half updated: an update failed midway \(RuntimeError: "
                                                       r"injected.*restore the last checkpoint") as e:
@@ -271,3 +292,4 @@ def test_nnx_optimizer_ctrl_c_during_an_update_updates_the_model_too(monkeypatch
                     strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert any("model and the optimizer took it" in n for n in getattr(e.value, "__notes__", ()))
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # nothing left holding Ctrl-C
