@@ -55,7 +55,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from chunkjax import dropin, duplex, nnx_write, optim, portable
+from chunkjax import dropin, duplex, nnx_write, optim, portable, step_commit
 from chunkjax.cost import Rates
 from chunkjax.layout import ChunkLayout, build_layout
 from chunkjax.memory import DEVICE, PINNED_HOST, sharding
@@ -72,6 +72,9 @@ _MSG_STRUCTURE = "grads do not have the params' structure: {what}"
 _MSG_HOST_NEEDS_SPEC = ("host_chunks={n} needs tx given as a host kernel spec (chunkjax.host_update.AdamW / Lion / "
                         "SGDMomentum): an optax transformation runs on the device only")
 _MSG_DEPTH = "pipeline_depth must be an int >= 1, got {v!r}"
+_NOTE_APPLIED = ("chunkjax: Ctrl-C came during this update and was held until it ended: the optimizer took the "
+                 "update, but the new params were not returned: take them from master_params() (float32) and do not "
+                 "repeat the batch")
 _MSG_DELETED = ("the params this optimizer returned for leaf {path!r} were deleted (donated to a jitted step?): "
                 "float32 streamed chunks keep them as their master; keep them alive, or construct the optimizer "
                 "with lean_streamed=False")
@@ -273,6 +276,7 @@ class ChunkedOptimizer:
                             for i, x in enumerate(leaves)]
         self._host_tokens: dict = {}  # per host chunk, the last update's unpack token (ChunkPrograms.unpack)
         self._pending: duplex.DuplexUpdate | None = None
+        self._spoiled: str | None = None  # an update failed midway (step_commit.spoiled_by): refused
         self._pending_phases: duplex.StepPhases | None = None
         self._returned_at: float | None = None  # perf_counter() of the last update's return (StepPhases)
         self.last_update: duplex.UpdateBreakdown | None = None
@@ -313,12 +317,17 @@ class ChunkedOptimizer:
           TypeError: called inside ``jax.jit`` (traced gradients; one line).
           ValueError: ``grads`` has another structure or leaf shapes (one line naming the leaf).
         """
-        new_params = self.layout.treedef.unflatten(self._update_leaves(grads))
-        self._returned_at = self._pending_phases.mark("finish")
+        hold = step_commit.SignalHold()
+        with step_commit.applied_on_interrupt(hold, _NOTE_APPLIED):
+            new_params = self.layout.treedef.unflatten(self._update_leaves(grads, hold))
+            self._returned_at = self._pending_phases.mark("finish")
         return new_params
 
-    def _update_leaves(self, grads) -> list:
-        """:meth:`update`'s new params as the layout's list of leaves (``layout.treedef`` order)."""
+    def _update_leaves(self, grads, hold) -> list:
+        """:meth:`update`'s new params as the layout's list of leaves (``layout.treedef`` order).
+        ``hold`` (a :class:`chunkjax.step_commit.SignalHold`, released by the caller once it has
+        stored them) starts as the first chunk is updated: a Ctrl-C then waits for the whole update,
+        and any other exception from then on makes every later use raise PartialStepError."""
         phases = duplex.StepPhases(time.perf_counter(), self._returned_at)
         lay = self.layout
         if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(grads)):
@@ -389,26 +398,34 @@ class ChunkedOptimizer:
                                   update=update, store=self._store, send_grads=send_grads, kernel=kernel,
                                   send_params=send_params, ready=grad_sq.block_until_ready)
         run.t0 = t0
-        run.start()  # fetches first: they need no gradient
+        # chunks are updated in place from here (no copy kept): all of them, or the state refused. The
+        # hold starts before the threads do: the kernel thread updates host chunks as soon as their
+        # gradients land, and a Ctrl-C between its start and the hold left threads running (exit hung)
+        hold.start()
         try:
-            for c, k in enumerate(self.placement.state_kinds):
-                if k == DEVICE:
-                    new, self._master[c], self._opt_state[c] = self._update_of[c](
-                        of(c), self._master[c], self._opt_state[c], grad_sq, self._chunk_id[c])
-                    self._put(out, c, new)
-        except BaseException:
-            run.abort()
+            try:
+                run.start()  # fetches first: they need no gradient
+                for c, k in enumerate(self.placement.state_kinds):
+                    if k == DEVICE:
+                        new, self._master[c], self._opt_state[c] = self._update_of[c](
+                            of(c), self._master[c], self._opt_state[c], grad_sq, self._chunk_id[c])
+                        self._put(out, c, new)
+            except BaseException:
+                run.abort()
+                raise
+            phases.mark("dispatch")
+            self._pending, self._pending_phases = run.run(), phases
+            phases.mark("offloaded")
+            for c in self.host_chunks:
+                self._put(out, c, host_out.pop(c))
+            self.step += 1
+            # a leaf spanning chunks: its pieces joined in leaf order (the chunks update in another order)
+            joined = iter(self._join_spanning([[y for _, y in sorted(x, key=lambda e: e[0])] for x in out if len(x) > 1]))
+            new_leaves = [x[0][1] if len(x) == 1 else next(joined) for x in out]
+            self._params_now = [None if x is None else y for x, y in zip(self._params_now, new_leaves)]
+        except BaseException as e:
+            self._spoiled = step_commit.spoiled_by(e)
             raise
-        phases.mark("dispatch")
-        self._pending, self._pending_phases = run.run(), phases
-        phases.mark("offloaded")
-        for c in self.host_chunks:
-            self._put(out, c, host_out.pop(c))
-        self.step += 1
-        # a leaf spanning chunks: its pieces joined in leaf order (the chunks update in another order)
-        joined = iter(self._join_spanning([[y for _, y in sorted(x, key=lambda e: e[0])] for x in out if len(x) > 1]))
-        new_leaves = [x[0][1] if len(x) == 1 else next(joined) for x in out]
-        self._params_now = [None if x is None else y for x, y in zip(self._params_now, new_leaves)]
         return new_leaves
 
     def _lean_params(self, c: int) -> tuple:
@@ -461,10 +478,15 @@ class ChunkedOptimizer:
     def _join(self) -> None:
         """Join the last update's streamed write-backs (the rest is joined by update()) and keep
         its :class:`chunkjax.duplex.UpdateBreakdown` in :attr:`last_update`."""
+        step_commit.refuse_partial(self._spoiled, "an update failed midway")
         run, self._pending = self._pending, None
         if run is None:
             return
-        run.join()
+        try:
+            run.join()
+        except BaseException as e:  # write-backs lost: some streamed chunks kept the step before
+            self._spoiled = step_commit.spoiled_by(e)
+            raise
         self.last_update = duplex.breakdown(run, step=self.step - 1, n_device=self.placement.state_kinds.count(DEVICE),
                                             predicted=self.predicted_update, phases=self._pending_phases)
 
@@ -521,7 +543,11 @@ class ChunkedOptimizer:
         placed in its state memory kind) and return the new params pytree (params' structure and
         dtypes, on the device: what :meth:`update` returns). Raises CheckpointError for another
         optimizer (moments)."""
-        self.wait()
+        spoiled, self._spoiled = self._spoiled, None  # a restore is how a half-updated state is left
+        try:
+            self.wait()
+        finally:
+            self._spoiled = spoiled
         lay = self.layout
         template = jax.eval_shape(lambda m: optim.init_chunk_state(self.tx, m),
                                   jax.ShapeDtypeStruct((lay.chunk_size,), jnp.float32))
@@ -555,7 +581,7 @@ class ChunkedOptimizer:
         self._master, self._opt_state, self._host_params = masters, states, host_params
         self._host_tokens = {}
         self.step = int(saved.meta.get("optimizer_steps", count or 0))
-        restored = lay.unpack(params)
+        restored, self._spoiled = lay.unpack(params), None
         self._params_now = [None if x is None else y for x, y in zip(self._params_now, lay.treedef.flatten_up_to(restored))]
         return restored
 

@@ -172,10 +172,10 @@ class OffloadedStep(OffloadedChunkIO):
         All or nothing: an exception or Ctrl-C inside leaves ``state``, the non-parameter state
         and ``metrics`` as they were before the call (:mod:`chunkjax.step_commit`: the device
         chunks' donating updates are dispatched last, with signals held; compute params an
-        early-streamed chunk donated are rebuilt from its master params, the same bits), except
-        host-updated chunks whose update does not wait for the global norm (updated in place
-        while the backward runs). An exception after the global norm is known, with host-updated
-        chunks, cannot undo them: every later use of the state then raises
+        early-streamed chunk donated are rebuilt from its master params, the same bits). Host and
+        storage chunks updated in place (from the backward on without clipping, else once the
+        global norm is known) hold Ctrl-C until the commit (the step then completes); an exception
+        after they started cannot undo them: every later use of the state then raises
         :class:`chunkjax.PartialStepError` (restore the last checkpoint). Costs no device or host bytes.
 
         ``batch``'s leaves of a dtype JAX canonicalises to the planned one (int64 or float64 with
@@ -184,7 +184,7 @@ class OffloadedStep(OffloadedChunkIO):
         Raises:
           ValueError: the batch's pytree structure, shapes or dtypes differ from the example's.
           chunkjax.front_checkpoint.NoStateError: a restore failed after releasing the state.
-          chunkjax.PartialStepError: a step failed after its global norm, leaving the state half updated.
+          chunkjax.PartialStepError: a step failed after chunks took it in place, leaving the state half updated.
         """
         batch = self._check(batch)
         state = self._held()

@@ -13,6 +13,7 @@ from chunkjax import nnx_side, nnx_write
 from chunkjax.flax_api import ChunkedOptimizer
 from chunkjax.layout import ChunkLayout
 from chunkjax.memory import DEVICE, sharding
+from chunkjax.step_commit import SignalHold, applied_on_interrupt
 
 
 class NnxOptimizer:
@@ -83,11 +84,14 @@ class NnxOptimizer:
         from flax import nnx
         c = self.chunked
         self.model = model
-        leaves = c._update_leaves(grads)
-        c._pending_phases.mark("finish")  # the caller's clock (UpdateBreakdown)
-        if not nnx_write.write(model, self._paths, leaves):  # the variables at their paths, else nnx.update
-            nnx.update(model, c.layout.treedef.unflatten(leaves))
-        c._returned_at = c._pending_phases.mark("model_update")
+        hold = SignalHold()  # a Ctrl-C from the first chunk's update on waits for the model's update
+        with applied_on_interrupt(hold, "chunkjax: Ctrl-C came during this update and was held until it ended: the "
+                                        "model and the optimizer took it, do not repeat its batch"):
+            leaves = c._update_leaves(grads, hold)
+            c._pending_phases.mark("finish")  # the caller's clock (UpdateBreakdown)
+            if not nnx_write.write(model, self._paths, leaves):  # the variables at their paths, else nnx.update
+                nnx.update(model, c.layout.treedef.unflatten(leaves))
+            c._returned_at = c._pending_phases.mark("model_update")
 
     # ---- checkpoints: chunkjax.checkpoint.protocol.ChunkIO of the underlying ChunkedOptimizer ----
     @property

@@ -38,7 +38,7 @@ from chunkjax.plan import Placement, fetch_events
 from chunkjax.schedule import ACCUMULATIONS, PER_MICRO_BATCH, check_trainable, micro_group_size
 from chunkjax.stages import first_readers, split_loss, stage_reads
 from chunkjax.step_checkpoint import StepChunkIO, resumed_state
-from chunkjax.step_commit import PendingStep, check_whole, hand_norm, spoil
+from chunkjax.step_commit import PendingStep, check_whole, hand_norm, in_place_updates, spoil
 from chunkjax.step_init import init_state
 from chunkjax.storage import updater as disk
 from chunkjax.step_updates import StepUpdates
@@ -398,19 +398,19 @@ class ChunkedStep(StepChunkIO, StepUpdates, OnTopology):
         scale = None if loss_scale is None else jnp.asarray(loss_scale, jnp.float32)
         inv = 1.0 if loss_scale is None else 1.0 / float(loss_scale)
         spec = work.speculation = for_step(self, work, inv, previous) if self.host_chunks else None
-        norm, on_host = None, None if spec is None else (lambda mine: work.hand_over(spec.update, state, mine))
         stream = streamed.StepStream(self.stream_spec, state, inv_arr := jnp.asarray(inv, jnp.float32))
         on_disk = disk.StorageRun(self, state)  # storage chunks: the workers read their state from now on
+        norm, (on_host, on_prog, hold) = None, in_place_updates(work, spec, state, on_disk)  # hold: Ctrl-C, see there
         try:
             grads, sq, loss = (self.run_programs(state, self.topology.put_batch(rank_major(
-                batch, self.micro_batches, self.n_ranks)), scale, on_host, stream, on_disk.on_program, require_weight)
+                batch, self.micro_batches, self.n_ranks)), scale, on_host, stream, on_prog, require_weight)
                 if self.passes == 1 else accumulate.mean_gradients(self, state, batch, scale, on_host))
             (loss, aux), grad_sq = split_loss(loss), jnp.stack([sq[c] if c in sq else jnp.zeros((), jnp.float32)
                                                                 for c in range(self.layout.n_chunks)])  # frozen: none
             grad_sq, norm, grad_norm = nonfinite.guard(self.nonfinite, grad_sq, token_mean(loss))
         finally:  # the host thread validates its speculation once the norm is known (None: abandoned)
             hold = hand_norm(spec, work, state, stream, on_disk, norm, grad_sq if norm is not None else None,
-                             self.host_chunks)  # fails after the host took the norm: the state refused (spoil)
+                             self.host_chunks, hold)  # fails after host chunks took the step in place: spoil
         params, master, opt = list(state.params), list(state.master), list(state.opt_state)
         try:  # all that can fail before the commit donates the input state (chunkjax.step_commit)
             on_disk.send(work, grads)  # storage chunks: beside the host thread and the device

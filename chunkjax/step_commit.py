@@ -33,19 +33,21 @@ for an error of the device runtime inside the commit itself (its device buffers 
 The mark costs nothing per step (an attribute of each host chunk's optimizer state object, shared
 by every holder of the state); a restored checkpoint is a new state, unmarked.
 
-Not covered (documented on :class:`chunkjax.ChunkedStep`): host chunks updated in place by the
-host thread while the backward runs, when their update does not depend on the global norm (no
-clipping, skip or loss scaling: no backup is kept, it would cost 12 bytes per AdamW parameter of
-host memory and traffic every step; with speculation an interrupt before the norm is known
-restores them, :mod:`chunkjax.speculate`); streamed chunks updated early whose compute params
-live on the device (the old params are donated during the backward:
-:func:`recover` rebuilds them from the untouched master params, as the front door does); storage
-chunks (their workers commit steps themselves, :mod:`chunkjax.storage`).
+Without clipping, skip or loss scaling, host chunks are updated in place by the host thread while
+the backward runs (no backup is kept: it would cost 12 bytes per AdamW parameter of host memory and
+traffic every step), and storage chunks on the early path send their gradients to their workers,
+whose new params land in the state's pinned buffers: the step's hold then starts at the first such
+hand-over (:func:`in_place_updates`), so a Ctrl-C completes the step, and any other exception from
+then on spoils the state as above. Not covered: streamed chunks updated early whose compute params
+live on the device (the old params are donated during the backward: :func:`recover` rebuilds them
+from the untouched master params, as the front door does); a step with storage chunks and no host
+chunks is not marked by :func:`spoil` (the mark lives on host chunks' optimizer states).
 """
 from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 import threading
 
 import jax.numpy as jnp
@@ -112,19 +114,26 @@ def interrupts_deferred():
 
 class SignalHold:
     """:data:`HELD_SIGNALS` held from :meth:`start` until :meth:`release`, which delivers the ones
-    that arrived once no other hold is open (:func:`interrupts_deferred`). A step whose host chunks
-    are updated in place with the global norm (clipping, skip, loss scaling: the host thread
-    applies them once :meth:`chunkjax.speculate.Speculation.set_norm` has a norm) holds signals from
-    that moment to the end of its commit (:meth:`PendingStep.commit` releases it, inside the
-    caller's block): a Ctrl-C then ends the step as after it, never with host chunks updated and
-    device chunks not. Outside the main thread it does nothing (signals reach only the main
+    that arrived once no other hold is open (:func:`interrupts_deferred`). A step holds signals from
+    the moment its host chunks may take its update in place with no way back to the end of its
+    commit (:meth:`PendingStep.commit` releases it, inside the caller's block): with clipping, skip
+    or loss scaling once :meth:`chunkjax.speculate.Speculation.set_norm` has the norm
+    (:func:`hand_norm`); without them from its first host chunk handed to the host thread, in the
+    backward (:func:`in_place_updates`). A Ctrl-C then ends the step as after it, never with host
+    chunks updated and device chunks not; any other exception from then on spoils the input state
+    (:attr:`in_place`, :func:`spoil`). Outside the main thread it does nothing (signals reach only the main
     thread). Release it once; a second release does nothing."""
 
     def __init__(self):
         self._open = False
+        self.in_place = False  # host chunks may have taken the step in place: a failure spoils the state
 
     def start(self) -> None:
-        self._open = _hold_enter()
+        """Hold signals from now on (once: a second start while open does nothing); marks the step
+        as updating host chunks in place (:attr:`in_place`)."""
+        self.in_place = True
+        if not self._open:
+            self._open = _hold_enter()
 
     def release(self) -> None:
         """End this hold (delivering what arrived if it was the last one open)."""
@@ -134,9 +143,10 @@ class SignalHold:
 
 
 class PartialStepError(RuntimeError):
-    """The state was left half updated by a step that failed after its global norm was known: its
-    host chunks took the step's update in place, its device and streamed chunks did not
-    (module docstring). Restore the last checkpoint."""
+    """The state was left half updated by a step that failed after chunks took its update in place
+    (host chunks once the global norm was known, or without clipping from the backward on; a
+    drop-in optimizer's update midway) and other chunks did not (module docstring). Restore the
+    last checkpoint."""
 
 
 #: The attribute :func:`spoil` sets on a host chunk's optimizer state (``Host*State``,
@@ -156,54 +166,107 @@ def spoil(host_chunks, state, error: BaseException) -> None:
     is on those chunks' optimizer state objects, which every holder of the state shares, so that
     :func:`check_whole` refuses it wherever it is used next; ``error`` gets a note saying so.
     Nothing is marked without host chunks."""
-    why = (f"{type(error).__name__}: {error}".splitlines() or [type(error).__name__])[0][:200]
+    why = spoiled_by(error)
     marked = False
     for x in _host_states(host_chunks, state):
         setattr(x, SPOILED_ATTR, why)
         marked = True
     if marked and hasattr(error, "add_note"):
-        error.add_note("chunkjax: the step failed after its global norm was known: its host chunks were updated, "
-                       "its other chunks not; the state it was given is now refused (PartialStepError): restore the "
-                       "last checkpoint")
+        error.add_note("chunkjax: the step failed after its host chunks took its update in place (with clipping: once "
+                       "its global norm was known): its other chunks were not updated; the state it was given is now "
+                       "refused (PartialStepError): restore the last checkpoint")
+
+
+def spoiled_by(error: BaseException) -> str:
+    """What :func:`spoil` records of ``error``: its type and first line (at most 200 characters)."""
+    return (f"{type(error).__name__}: {error}".splitlines() or [type(error).__name__])[0][:200]
+
+
+def refuse_partial(why: str | None, what: str = "a step failed after its global norm was known") -> None:
+    """Raise :class:`PartialStepError` (one line: restore the last checkpoint) when ``why`` (a
+    :func:`spoiled_by` record, None: whole) says the state is half updated; ``what`` failed."""
+    if why is not None:
+        raise PartialStepError(
+            f"this training state is half updated: {what} ({why}), so its chunks updated in place took that "
+            "step's update and its other chunks did not; restore the last checkpoint (chunkjax.restore_checkpoint) "
+            "and continue from there")
 
 
 def check_whole(host_chunks, state) -> None:
     """Raise :class:`PartialStepError` (one line) when :func:`spoil` marked ``state``; else nothing
     (a look at each host chunk's optimizer state object: no array is read)."""
     for x in _host_states(host_chunks, state):
-        why = getattr(x, SPOILED_ATTR, None)
-        if why is not None:
-            raise PartialStepError(
-                f"this training state is half updated: a step failed after its global norm was known ({why}), so its "
-                "host-updated chunks took that step's update and its other chunks did not; restore the last "
-                "checkpoint (chunkjax.restore_checkpoint) and continue from there")
+        refuse_partial(getattr(x, SPOILED_ATTR, None))
 
 
-def hand_norm(spec, work, state, stream, on_disk, norm, grad_sq, host_chunks=()) -> SignalHold:
-    """Hand a step's global norm (() float32, None: the step failed before it was known) to what
-    waits for it: the host thread's speculation (:mod:`chunkjax.speculate`: validated, or rolled
-    back on None), the streamed pipeline (the (n_chunks,) squared norms ``grad_sq``) and the
-    storage workers. Returns the :class:`SignalHold` started just before host chunks may take a
-    known norm in place (released here if handing over fails; ``state`` then marked by
-    :func:`spoil` for ``host_chunks`` once the speculation has the norm)."""
+@contextlib.contextmanager
+def applied_on_interrupt(hold: SignalHold, note: str):
+    """Release ``hold`` as the block ends (its held signals delivered then); a KeyboardInterrupt
+    raised so, after the hold started (:attr:`SignalHold.in_place`: the update was applied), gets
+    ``note`` (e.g. do not repeat the batch)."""
+    try:
+        try:
+            yield
+        finally:
+            hold.release()
+    except KeyboardInterrupt as e:
+        if hold.in_place and hasattr(e, "add_note"):
+            e.add_note(note)
+        raise
+
+
+def in_place_updates(work, spec, state, on_disk) -> tuple:
+    """``(on_host, on_program, hold)`` of one step: ``on_host({c: gradient})`` hands one program's
+    host gradients to the host thread (``work``'s :meth:`~chunkjax.host_work.HostWork.hand_over`;
+    None without host chunks: ``spec``, the step's :class:`~chunkjax.speculate.Speculation`, is
+    None), ``on_program({c: gradient})`` hands its storage gradients to ``on_disk`` (the step's
+    :class:`~chunkjax.storage.updater.StorageRun`), and ``hold``, the step's :class:`SignalHold`
+    for :func:`hand_norm`. When an update does not wait for the global norm (``spec.certain``: no
+    clipping, skip or loss scaling, no backup kept; storage chunks on the early path, whose new
+    params land in the state's pinned buffers) the first hand-over starts the hold: from then on a
+    Ctrl-C completes the step, and any other exception spoils ``state`` (:func:`hand_norm`)."""
     hold = SignalHold()
-    taken = False
+
+    def on_host(mine: dict) -> None:
+        if spec.certain:  # the host thread updates these in place now, with no way back
+            hold.start()
+        work.hand_over(spec.update, state, mine)
+
+    def on_program(grads: dict) -> None:
+        if on_disk.sends_early(grads):  # their new params go into the state's buffers
+            hold.start()
+        on_disk.on_program(grads)
+    return (None if spec is None else on_host), on_program, hold
+
+
+def hand_norm(spec, work, state, stream, on_disk, norm, grad_sq, host_chunks=(), hold=None) -> SignalHold:
+    """Hand a step's global norm (() float32, None: the step failed before it was known, called
+    while its exception propagates) to what waits for it: the host thread's speculation
+    (:mod:`chunkjax.speculate`: validated, or rolled back on None), the streamed pipeline (the
+    (n_chunks,) squared norms ``grad_sq``) and the storage workers. Returns ``hold`` (the step's
+    :class:`SignalHold` from :func:`in_place_updates`; a new one if None), started just before
+    host chunks may take a known norm in place. When handing over fails, or the step failed
+    (``norm`` None) after host chunks took its update in place (``hold.in_place``), ``state`` is
+    marked by :func:`spoil` for ``host_chunks`` and the hold released."""
+    hold = SignalHold() if hold is None else hold
     try:
         if spec is not None:
             if norm is not None:
                 hold.start()
             spec.set_norm(norm)
-            taken = norm is not None
             work.validate(spec.validate, state, ready=spec.known)
         stream.set_grad_sq(None if norm is None else grad_sq)  # None: abandoned
         on_disk.set_norm(norm)
     except BaseException as e:
-        if taken:  # host chunks take the norm in place from now on: no way back
+        if hold.in_place:  # host chunks take the step in place: no way back
             spoil(host_chunks, state, e)
         with contextlib.suppress(Exception):
             stream.set_grad_sq(None)  # the streamed pipeline stopped: no thread left waiting for the norm
         hold.release()
         raise
+    if norm is None and hold.in_place:  # the step failed after host chunks took it in place
+        spoil(host_chunks, state, sys.exc_info()[1] or RuntimeError("the step failed"))
+        hold.release()
     return hold
 
 

@@ -427,6 +427,12 @@ class StorageRun:
             params_in.set_result(float(res.update_s))
         done.set_result(float(res.update_s))
 
+    def sends_early(self, grads: dict) -> bool:
+        """Whether :meth:`on_program` would send a gradient of ``grads`` (``{c: gradient}``) now:
+        the early path, a storage chunk not sent yet (its worker then updates it before the norm,
+        and its new params land in the state's pinned buffer)."""
+        return bool(self.ids) and self.early and any(c in grads and c not in self._sent for c in self.ids)
+
     def on_program(self, grads: dict) -> None:
         """After a program (one micro-batch): on the early path, its completed storage chunks'
         gradients ``{c: gradient}`` go to their workers now."""
