@@ -86,7 +86,10 @@ def _hold_enter() -> bool:
 
 def _hold_exit() -> None:
     """Close one holder; the last restores the handlers and delivers the signals that arrived
-    (each once, to the handler installed before: KeyboardInterrupt for SIGINT by default)."""
+    (each once, to the handler installed before: KeyboardInterrupt for SIGINT by default). Nothing
+    when none is open (a hold released after :func:`release_holds` closed it)."""
+    if _HOLD["depth"] <= 0:
+        return
     _HOLD["depth"] -= 1
     if _HOLD["depth"] > 0:
         return
@@ -96,6 +99,28 @@ def _hold_exit() -> None:
         signal.signal(s, h)
     for s in got:
         signal.raise_signal(s)
+
+
+def open_holds() -> int:
+    """How many holders of the process's signal hold are open (0: SIGINT and SIGTERM reach their
+    handlers at once). A step's hold opens in its engine's ``begin`` and closes at its commit, so a
+    value above 0 between steps means a pending step was dropped uncommitted (its signals stay held)."""
+    return int(_HOLD["depth"])
+
+
+def release_holds() -> int:
+    """Close every open holder of the process's signal hold (main thread only) and deliver the
+    signals that arrived meanwhile, as the last commit would: for a process that abandons its
+    pending steps (a notebook after an error, a test). Returns how many holders were open.
+
+    Raises:
+      RuntimeError: called outside the main thread while holders are open."""
+    n = open_holds()
+    if n and threading.current_thread() is not threading.main_thread():
+        raise RuntimeError("release_holds: call it from the main thread (signal handlers are restored there)")
+    for _ in range(n):
+        _hold_exit()
+    return n
 
 
 @contextlib.contextmanager

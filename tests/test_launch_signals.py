@@ -190,3 +190,24 @@ def test_ctrl_c_at_a_terminal_stops_the_storage_workers_quietly(tmp_path, defaul
     assert proc.returncode == 0 and out.splitlines() == ["trainer: KeyboardInterrupt", "workers: [130, 130]",
                                                           "committed step 0"], (out, err[-3000:])
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+
+
+def test_release_holds_closes_an_abandoned_hold_and_delivers_what_arrived(default_sigint):
+    """A hold left open (a pending step dropped uncommitted) keeps SIGINT from its handler;
+    ``release_holds`` closes it, delivers the held SIGINT once (KeyboardInterrupt), and the dropped
+    hold's own late release then does nothing (no count below zero)."""
+    import signal
+
+    import pytest
+    from chunkjax.step_commit import SignalHold, open_holds, release_holds
+    assert open_holds() == 0
+    hold = SignalHold()
+    hold.start()
+    assert open_holds() == 1
+    signal.raise_signal(signal.SIGINT)  # held: nothing raised here
+    with pytest.raises(KeyboardInterrupt):
+        release_holds()
+    assert open_holds() == 0 and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    hold.release()
+    assert open_holds() == 0
+    assert release_holds() == 0
