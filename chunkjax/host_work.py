@@ -146,7 +146,9 @@ class HostWork:
     (:meth:`wait_chunks`).
 
     The work runs on one daemon thread, so a stalled update can neither hang the caller past
-    ``deadline_s`` nor keep the process alive at exit. Chunk updates run in the order they are
+    ``deadline_s`` nor keep the process alive at exit; :meth:`join` ends and joins it (and the
+    backup pool's copy threads), and work nobody joined is finished at exit, within its
+    ``deadline_s`` (:func:`join_at_exit`). Chunk updates run in the order they are
     handed over, or with ``need`` by priority among those whose gradient is there: the chunk the
     next step reads first goes first (module docstring); the others wait, within the gradient
     window's bound (:meth:`hand_over`).
