@@ -396,9 +396,9 @@ class HostWork:
 #: The host threads started and not yet ended: ``{thread: (its queue, seconds to wait for it at exit)}``.
 _LIVE: dict = {}
 _LIVE_LOCK = threading.Lock()
-_MSG_AT_EXIT = ("chunkjax: {n} host-update thread(s) still running at exit after {s:.3g} s; call "
-                "step.wait(state) on the last state before the process exits (a daemon thread inside a "
-                "kernel or a JAX call when the interpreter finalizes aborts the process)")
+_MSG_AT_EXIT = ("chunkjax: {n} host-update thread(s) still running at exit after {s:.3g} s (an update stalled "
+                "past its deadline, or host work nobody joined: call step.wait(state) on the last state before "
+                "exiting); a daemon thread inside a kernel or a JAX call at finalization can abort the process")
 
 
 def _start(queue: _Queue, deadline_s: float | None) -> threading.Thread:
