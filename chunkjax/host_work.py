@@ -23,9 +23,11 @@ speculated chunk is final only after its validation).
 """
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import itertools
 import math
+import sys
 import threading
 import time
 
@@ -144,7 +146,9 @@ class HostWork:
     (:meth:`wait_chunks`).
 
     The work runs on one daemon thread, so a stalled update can neither hang the caller past
-    ``deadline_s`` nor keep the process alive at exit. Chunk updates run in the order they are
+    ``deadline_s`` nor keep the process alive at exit; :meth:`join` ends and joins it (and the
+    backup pool's copy threads), and work nobody joined is finished at exit, within its
+    ``deadline_s`` (:func:`join_at_exit`). Chunk updates run in the order they are
     handed over, or with ``need`` by priority among those whose gradient is there: the chunk the
     next step reads first goes first (module docstring); the others wait, within the gradient
     window's bound (:meth:`hand_over`).
@@ -191,6 +195,7 @@ class HostWork:
         self.speculation = None
         self.order_log: list[int] = []
         self._watches: list = []
+        self._thread: threading.Thread | None = None
 
     def watch(self, fn) -> None:
         """Poll ``fn(final: bool) -> str | None`` every :data:`WATCH_POLL_S` while :meth:`join`
@@ -234,7 +239,7 @@ class HostWork:
     def _put(self, chunk, grad, fn, args, jump=None) -> concurrent.futures.Future:
         if self._queue is None:
             self._queue = _Queue(self.need is not None)
-            threading.Thread(target=self._queue.serve, name="chunkjax-host-update", daemon=True).start()
+            self._thread = _start(self._queue, self.deadline_s)
         fut = concurrent.futures.Future()
         self._futures.append(fut)
         prio = math.inf if self.need is None or chunk is None else self.need.get(chunk, math.inf)
@@ -349,7 +354,11 @@ class HostWork:
             end = None if self.deadline_s is None else time.monotonic() + self.deadline_s
             spent, failed = [], None
             for i, f in enumerate(self._futures):
-                self._wait_one(f, end, i)
+                try:
+                    self._wait_one(f, end, i)
+                except HostDeadlineError:
+                    _give_up(self._thread)  # abandoned: not waited for again at exit
+                    raise
                 if f.exception() is not None and failed is None:
                     failed = f.exception()
                 elif f.exception() is None:
@@ -365,14 +374,88 @@ class HostWork:
         return self.seconds
 
     def _close(self) -> None:
+        """After every update ended: stop the host thread and join it, and release the backup
+        pool's copy threads (the next step starts its own): no thread of this work outlives
+        :meth:`join`."""
         if self._queue is not None:
             self._queue.close()
             self._queue = None
+        if self._thread is not None:
+            if self._thread is not threading.current_thread():
+                self._thread.join()  # its queue is empty and closed: it returns at once
+            self._thread = None
+        if self.backups is not None:
+            self.backups.close()
 
     def _settle(self, error) -> None:
         for fin in self._final.values():
             if not fin.done():
                 fin.set_exception(error) if error is not None else fin.set_result(None)
+
+
+#: The host threads started and not yet ended: ``{thread: (its queue, seconds to wait for it at exit)}``.
+_LIVE: dict = {}
+_LIVE_LOCK = threading.Lock()
+_MSG_AT_EXIT = ("chunkjax: {n} host-update thread(s) still running at exit after {s:.3g} s (an update stalled "
+                "past its deadline, or host work nobody joined: call step.wait(state) on the last state before "
+                "exiting); a daemon thread inside a kernel or a JAX call at finalization can abort the process")
+
+
+def _start(queue: _Queue, deadline_s: float | None) -> threading.Thread:
+    """Start the daemon thread serving ``queue``, registered for :func:`join_at_exit` until it ends."""
+    t = threading.Thread(target=_serve, args=(queue,), name="chunkjax-host-update", daemon=True)
+    with _LIVE_LOCK:
+        _LIVE[t] = (queue, HOST_DEADLINE_MIN_S if deadline_s is None else float(deadline_s))
+    t.start()
+    return t
+
+
+def _give_up(t: threading.Thread | None) -> None:
+    """A thread whose work missed its deadline: :func:`join_at_exit` does not wait for it."""
+    with _LIVE_LOCK:
+        if t in _LIVE:
+            _LIVE[t] = (_LIVE[t][0], 0.0)
+
+
+def _serve(queue: _Queue) -> None:
+    try:
+        queue.serve()
+    finally:
+        with _LIVE_LOCK:
+            _LIVE.pop(threading.current_thread(), None)
+
+
+def live_threads() -> list[threading.Thread]:
+    """The host-update threads of :class:`HostWork` s still running (none after their
+    :meth:`HostWork.join`; tests, diagnostics)."""
+    with _LIVE_LOCK:
+        return [t for t in _LIVE if t.is_alive()]
+
+
+def join_at_exit() -> int:
+    """Finish the host work nobody joined (the last step of a program that exits without
+    ``step.wait(state)``): close each live thread's queue, so that it runs what was handed over
+    and ends, and wait for it, at most its work's ``deadline_s`` (:data:`HOST_DEADLINE_MIN_S`
+    without one). Registered with :mod:`atexit`: the daemon threads would otherwise still run
+    kernels or JAX calls when the interpreter finalizes, which aborts the process
+    ("FATAL: exception not rethrown"). Prints one line to stderr for threads still running after
+    the wait. Returns how many are left running."""
+    with _LIVE_LOCK:
+        live = list(_LIVE.items())
+    for _, (queue, _) in live:
+        queue.close()
+    waited = 0.0
+    for t, (_, wait_s) in live:
+        t0 = time.monotonic()
+        t.join(wait_s)
+        waited += time.monotonic() - t0
+    left = sum(t.is_alive() for t, _ in live)
+    if left:
+        print(_MSG_AT_EXIT.format(n=left, s=waited), file=sys.stderr)
+    return left
+
+
+atexit.register(join_at_exit)
 
 
 jax.tree_util.register_pytree_node(HostWork, lambda h: ((), h), lambda h, _: h)

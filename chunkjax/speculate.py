@@ -98,17 +98,37 @@ class BackupPool:
         self.peak_in_use_bytes = 0
         self._threads = max(1, min(16, os.cpu_count() or 1))
         self._copiers = None  # threads for large copies (numpy releases the GIL while it copies)
+        self._copying = threading.Lock()  # one copy at a time; close() waits for it
 
     def copy(self, dst: np.ndarray, src: np.ndarray) -> None:
-        """``dst[:] = src`` on all cores (one thread copies ~18 GB/s, the host's memory ~100)."""
+        """``dst[:] = src`` on all cores (one thread copies ~18 GB/s, the host's memory ~100); the
+        copy threads start on first use and end at :meth:`close`."""
         n = src.size
         if n < _PARALLEL_COPY_MIN or self._threads == 1:
             np.copyto(dst, src)
             return
-        if self._copiers is None:
-            self._copiers = concurrent.futures.ThreadPoolExecutor(self._threads, thread_name_prefix="chunkjax-backup")
-        step = -(-n // self._threads)
-        list(self._copiers.map(lambda lo: np.copyto(dst[lo:lo + step], src[lo:lo + step]), range(0, n, step)))
+        with self._copying:
+            if self._copiers is None:
+                self._copiers = concurrent.futures.ThreadPoolExecutor(self._threads, thread_name_prefix="chunkjax-backup")
+            step = -(-n // self._threads)
+            futures = []
+            try:
+                for lo in range(0, n, step):
+                    futures.append(self._copiers.submit(np.copyto, dst[lo:lo + step], src[lo:lo + step]))
+            except RuntimeError:  # the interpreter is exiting (host_work.join_at_exit): no new work taken
+                concurrent.futures.wait(futures)
+                np.copyto(dst, src)
+                return
+            for f in futures:
+                f.result()
+
+    def close(self) -> None:
+        """End the copy threads (after the step's host work: :meth:`chunkjax.host_work.HostWork.join`);
+        the next copy starts them again. The buffers stay."""
+        with self._copying:
+            if self._copiers is not None:
+                self._copiers.shutdown(wait=True)
+                self._copiers = None
 
     def take(self, sizes) -> list[np.ndarray] | None:
         """(n,) float32 buffers of the given sizes, or None when they would pass the limit."""

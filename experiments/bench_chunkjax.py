@@ -231,6 +231,18 @@ class ChunkjaxSystem:
             self.ledger.mark(f"step {self.steps_done}")
         if "storage" in self.schedule.update_locations:  # the disk tier: each committed update's bytes and seconds
             self.disk = state.master[self.schedule.update_locations.index("storage")]
+        self._account(work)
+        return state, m["loss"]
+
+    def finish(self, state) -> None:
+        """The final wait (before the worker returns): join the last step's host work (with
+        cross-step overlap nothing joined it yet: its thread would still run at exit) and count
+        its speculation."""
+        self.step_fn.wait(state)
+        work, self._last_work = self._last_work, None
+        self._account(work)  # cross-step: the last step's work, joined only now (else step() counted it: None)
+
+    def _account(self, work) -> None:
         sp = getattr(work, "speculation", None)  # speculative host updates (chunkjax.speculate), of a joined step
         if sp is not None:
             self.speculation["steps"] += 1
@@ -240,7 +252,6 @@ class ChunkjaxSystem:
             self.speculation["pool_bytes"] = sp.pool.allocated_bytes
             self.speculation["kept_grad_bytes_peak"] = max(self.speculation["kept_grad_bytes_peak"],
                                                            getattr(sp, "kept_bytes_peak", 0))
-        return state, m["loss"]
 
     def host_bytes(self, state) -> int:
         import numpy as np

@@ -218,6 +218,8 @@ def measure_system(system, args) -> dict:
             "trace_file")}
         rec["transfer_detail"]["events"] = (prof.get("events") or [])[:4]
         rec["transfer_phases"] = prof.get("transfer_phases")  # GB/s per program, transfer-bound ones
+    if hasattr(system, "finish"):  # the final wait: no background work of the last step left running at exit
+        system.finish(state)
     rec["peak_device_bytes_measured"] = gm.peak_device_bytes()
     rec["host_rss_peak_bytes_measured"] = _host_rss_peak_bytes()
     rec["losses"] = losses
