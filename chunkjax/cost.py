@@ -1,9 +1,8 @@
 """A small step-time model, calibrated by measured rates (shared/guides/gpu_facts.md).
 
-Predicted step time = forward/backward time + update time, where the forward/backward is bound by
-whichever is slower of compute (training FLOPs plus the per-stage recompute, at the matmul rate)
-and the chunk traffic of that phase (PCIe, one direction at a time inside one program); the update
-phase moves streamed chunks' state both ways and updates every parameter where its chunk lives.
+The forward and the backward are each bound by whichever is slower of compute (training FLOPs
+plus the per-stage recompute, at the matmul rate) and the chunk traffic of that phase (PCIe, one
+direction at a time inside one program); every parameter updates where its chunk lives.
 The pipelined step (:func:`predict_pipelined_step`) is timed on one timeline of its programs
 (:func:`program_timeline`): the host thread's queue of hand-offs, the gradient window that holds
 the next program back until the host catches up, and the streamed pipeline from each program's
@@ -89,43 +88,6 @@ class Rates:
         """
         from chunkjax.recorded import recorded_rates
         return cls(**recorded_rates(record, system, {f.name for f in dataclasses.fields(cls)}))
-
-
-@dataclasses.dataclass(frozen=True)
-class StepTime:
-    """Predicted seconds per step and where they go."""
-
-    compute_s: float
-    fwd_bwd_transfer_s: float
-    update_transfer_s: float
-    update_compute_s: float
-
-    @property
-    def step_s(self) -> float:
-        return max(self.compute_s, self.fwd_bwd_transfer_s) + self.update_transfer_s + self.update_compute_s
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self) | {"step_s": self.step_s}
-
-
-def predict_step_time(flops_per_step: float, recompute_fraction: float, fwd_bwd_h2d: int, fwd_bwd_d2h: int,
-                      update_h2d: int, update_d2h: int, device_params: int, host_params: int,
-                      rates: Rates = Rates()) -> StepTime:
-    """Predict one step's time.
-
-    Args:
-      flops_per_step: training FLOPs (6N + 12LSh per token, times tokens).
-      recompute_fraction: extra forward FLOPs from per-stage recompute, as a fraction of
-        ``flops_per_step`` (about 1/3 with full recompute of every block).
-      fwd_bwd_h2d / fwd_bwd_d2h: bytes moved during forward/backward.
-      update_h2d / update_d2h: bytes moved by the update phase.
-      device_params / host_params: parameters updated on the device / on the host.
-    """
-    compute = flops_per_step * (1 + recompute_fraction) / rates.matmul_flops_per_s
-    fb = (fwd_bwd_h2d + fwd_bwd_d2h) / rates.one_program_duplex_bytes_per_s
-    up = update_h2d / rates.h2d_bytes_per_s + update_d2h / rates.d2h_bytes_per_s
-    upd = device_params * rates.device_update_s_per_param + host_params * rates.host_update_s_per_param
-    return StepTime(compute, fb, up, upd)
 
 
 @dataclasses.dataclass(frozen=True)
