@@ -432,6 +432,27 @@ def _program_index(ends: Sequence[float], frac: float) -> int:
     return len(ends) - 1
 
 
+def speculated_ready(host_ready: Sequence[tuple[float, int]], speculation_params: float | None
+                     ) -> list[tuple[float, int, bool]]:
+    """``host_ready`` (per program: fraction of the backward done when it ends, host-updated
+    parameters) under a speculation bound of ``speculation_params`` parameters (None: unbounded):
+    ``(fraction, parameters, speculated)`` in hand-over order (by fraction), the first
+    ``speculation_params`` parameters speculated at their program's fraction, the rest (not
+    speculated) at the backward's end (1.0), where the norm is known.
+
+    Raises:
+      ValueError: a negative bound.
+    """
+    if speculation_params is not None and speculation_params < 0:
+        raise ValueError(f"speculation_params={speculation_params!r}: pass parameters >= 0, or None (unbounded)")
+    left, out = float("inf") if speculation_params is None else float(speculation_params), []
+    for frac, params in sorted(host_ready, key=lambda x: x[0]):
+        n = int(min(params, left))
+        left -= n
+        out += [(frac, n, True)] * (n > 0) + [(1.0, params - n, False)] * (params > n)
+    return out
+
+
 def predict_pipelined_step(flops_per_step: float, *, fwd_h2d: int, bwd_h2d: int, bwd_d2h: int,
                            device_params: int, host_ready: Sequence[tuple[float, int]],
                            streamed: Sequence[tuple[float, int, int]] = (), params_per_chunk: int = 0,
@@ -442,7 +463,8 @@ def predict_pipelined_step(flops_per_step: float, *, fwd_h2d: int, bwd_h2d: int,
                            window: int = GRAD_WINDOW_PROGRAMS, cross_step: bool = False,
                            host_reads: Sequence[tuple[float, int]] = (), act_bytes: int = 0,
                            saved_flops: float = 0.0, passes: int = 1, looped_fetch: bool = False,
-                           norm_wait: bool = False) -> PipelinedStepTime:
+                           norm_wait: bool = False, speculation_params: float | None = None,
+                           backup_bytes_per_param: float = 0.0) -> PipelinedStepTime:
     """Predict a pipelined step on one timeline (:func:`program_timeline`): forward, backward
     (with per-stage recompute: the forward's FLOPs again) cut into programs, a host thread that
     updates each program's host chunks once that program has finished (in program order, one at
@@ -501,6 +523,15 @@ def predict_pipelined_step(flops_per_step: float, *, fwd_h2d: int, bwd_h2d: int,
         not speculate): every host chunk is handed over at the backward's end, none holds the
         backward back (:meth:`chunkjax.host_work.HostWork.hand_over` stops waiting once the
         speculation stalls).
+      speculation_params / backup_bytes_per_param: without ``norm_wait``, the speculation's bound
+        (SuperOffload's speculation-then-validation, :mod:`chunkjax.speculate`): at most this many
+        host-updated parameters (whole chunks: :func:`chunkjax.clip_plan.speculation_bound`) update
+        before the norm is known, in hand-over order; once it is full the host thread waits for the
+        norm (:meth:`chunkjax.speculate.Speculation.update`) and the rest update from the backward's
+        end. Each speculated parameter adds ``2 * backup_bytes_per_param`` bytes (read + write, a
+        rollback backup; 0 for inversion) of host memory traffic at ``host_memory_bytes_per_s``.
+        None (default): unbounded, every host chunk speculates (free of copies at 0 bytes: the
+        planner's view).
     """
     r = rates
     c_fwd = flops_per_step / 3 / r.matmul_flops_per_s
@@ -518,8 +549,11 @@ def predict_pipelined_step(flops_per_step: float, *, fwd_h2d: int, bwd_h2d: int,
     if norm_wait:  # the streamed chunks' update reads the norm too
         host_ready, streamed_early = ([(1.0, sum(p for _, p in host_ready))] if host_ready else []), False
     host_rate = step_host_s_per_param(r)  # the kernel beside the step's transfers and compute
-    for frac, params in host_ready:
-        host_s[_program_index(ends, frac)] += params * host_rate
+    copy_s = 2 * backup_bytes_per_param / r.host_memory_bytes_per_s if r.host_memory_bytes_per_s > 0 else 0.0
+    if not norm_wait and (speculation_params is not None or copy_s):
+        host_ready = speculated_ready(host_ready, speculation_params)
+    for frac, params, *spec in host_ready:  # a speculated share also copies its backup
+        host_s[_program_index(ends, frac)] += params * (host_rate + (copy_s if spec and spec[0] else 0.0))
     first_streamed = min((_program_index(ends, f) for f, _, _ in streamed), default=len(ends))
     hold = [streamed_early and k >= first_streamed for k in range(len(ends))]
     times = program_timeline([fwd + bwd * (p - 1) / p + f * last_bwd for f in ends], host_s, window=window,
