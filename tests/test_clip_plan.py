@@ -238,3 +238,38 @@ def test_fit_path_step_rolls_back_by_inversion_when_asked(setup, free_norms):
     np.testing.assert_allclose(np.asarray(losses), ref_l, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(step.master_params(state)), jax.tree.leaves(ref_p)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-6)
+
+
+def test_the_bench_reports_the_bounded_prediction_of_a_speculating_step():
+    """experiments/bench_chunkjax.py's reported prediction (``step_s_predicted``, ``predicted_time``,
+    ``step_s_predicted_if["rare"]``) of a ``"rare"`` plan with clipping (the micro GPT, host chunks):
+    the plan retimed with the built step's bound in whole chunks (the planner's own figure stays
+    ``step_s_planned``): no room: every host chunk from the backward's end, as when the norm is
+    waited for; the plan's own figure without clipping or for a ``"fires"`` plan."""
+    from experiments import bench_chunkjax as bc
+    from models import gpt
+    sys_ = bc.ChunkjaxSystem(gpt.get_config("micro", n_layers=2), 2_500_000, 2, 32, max_grad_norm=1.0,
+                             clip_expect="rare")
+    s, cs = sys_.schedule, sys_.layout.chunk_size
+    n_host = sum(u == "host" for u in s.update_locations)
+    assert n_host >= 2 and not s.predicted.time.norm_wait
+    kw = bc._retime_kw(sys_)
+    for k in (0, 1, n_host - 1, n_host, n_host + 3):
+        sys_.step_fn = dataclasses.replace(sys_.step_fn, speculation_bytes=k * 12 * cs + 12 * cs - 1)
+        rec, t = bc._bound_record(sys_), bc.reported_time(sys_)
+        assert (rec["chunks"], rec["params"], rec["backup_bytes_per_param"]) == (k, k * cs, 12.0)
+        assert t.to_dict() == retime(s, sys_.problem.cb_rank, speculation_params=k * cs, backup_bytes_per_param=12.0,
+                                     **kw).time.to_dict()
+        assert bc._both_ways(sys_)["rare"] == t.step_s and not t.norm_wait
+        if k == 0:
+            wait = retime(s, sys_.problem.cb_rank, norm_wait=True, **kw).time
+            assert (t.host_update_s, t.host_update_exposed_s) == pytest.approx((wait.host_update_s,
+                                                                                wait.host_update_exposed_s))
+        if k >= n_host:
+            assert t.host_update_s == pytest.approx(s.predicted.time.host_update_s + n_host * cs * 24
+                                                    / sys_.rates.host_memory_bytes_per_s)
+    sys_.step_fn = dataclasses.replace(sys_.step_fn, host_optimizer=AdamW(1e-4))  # no clipping: no speculation
+    assert bc._bound_record(sys_)["params"] is None and bc.reported_time(sys_) is s.predicted.time
+    sys_.step_fn = dataclasses.replace(sys_.step_fn, host_optimizer=sys_.spec)
+    sys_.problem = dataclasses.replace(sys_.problem, clip_expect="fires")
+    assert bc.reported_time(sys_) is s.predicted.time
