@@ -26,6 +26,13 @@ pipeline; the next step's forward then waits per program for the host chunks it 
     Pass ``"rare"`` for a run whose clipping seldom fires (e.g. fine-tuning with small
     gradients): its streamed chunks would otherwise lengthen every step whose speculation holds.
 
+A ``"rare"`` step speculates only as far as its bound lets it (the step's ``speculation_bytes``,
+:func:`chunkjax.fit_host.speculation_bytes`): :func:`speculation_bound` gives the bound in
+parameters, which the cost model's ``speculation_params`` times (the rest of the host chunks update
+from the backward's end, each speculated one also copies its backup). The planner does not use it
+(its search times every host chunk speculating); a built step's reported prediction does
+(``experiments/bench_chunkjax.py``).
+
 Exactness is not affected: the expectation only changes where chunks update (device, host or
 streamed), and every location gives optax's result.
 """
@@ -67,10 +74,42 @@ def norm_wait(clip_expect: str) -> bool:
 
 
 def both_ways(s, cb, *, chunk_size: int, traces, tide, rates, flops_per_step: float, micro_batches: int = 1,
-              cross_step: bool = False) -> dict[str, float]:
+              cross_step: bool = False, speculation_params: int | None = None,
+              backup_bytes_per_param: float = 0.0) -> dict[str, float]:
     """Predicted seconds of schedule ``s`` (one device) if clipping fires and if it is rare,
-    whichever it was planned for: ``{"fires": s, "rare": s}`` (:func:`chunkjax.program_cut.retime`)."""
+    whichever it was planned for: ``{"fires": s, "rare": s}`` (:func:`chunkjax.program_cut.retime`);
+    the rare case with the speculation bounded (:func:`speculation_bound`; None: unbounded)."""
     from chunkjax.program_cut import retime
+    bound = dict(speculation_params=speculation_params, backup_bytes_per_param=backup_bytes_per_param)
     return {k: retime(s, cb, chunk_size=chunk_size, traces=traces, tide=tide, rates=rates,
                       flops_per_step=flops_per_step, micro_batches=micro_batches, cross_step=cross_step,
-                      norm_wait=k == "fires").time.step_s for k in ("fires", "rare")}
+                      norm_wait=k == "fires", **({} if k == "fires" else bound)).time.step_s
+            for k in ("fires", "rare")}
+
+
+def speculation_bound(step, cb, chunk_size: int) -> tuple[int | None, float]:
+    """``(speculation_params, backup_bytes_per_param)`` of a built step's speculative host updates
+    (:mod:`chunkjax.speculate`), for the cost model (:func:`chunkjax.cost.predict_pipelined_step`)
+    on one device: ``(None, 0.0)`` when the step does not speculate (no clipping, no non-finite
+    skip: every host chunk updates as its gradient completes). Else the whole chunks the bound
+    (``step.speculation_bytes``; None: :func:`chunkjax.speculate.auto_backup_bytes`, read now) lets
+    speculate, in parameters: rollback ``"backup"``: the pool holds each chunk's backup alone
+    (:func:`chunkjax.speculate.backup_bytes_per_param` of the host kernel's state, 12 bytes per
+    AdamW parameter; :func:`chunkjax.fit_host.speculation_bytes` leaves the kept gradients out of
+    the bound), copied once a step; ``"invert"``: the bound holds the kept gradients
+    (``cb.grad`` bytes a chunk) and nothing is copied (0.0).
+
+    Args:
+      step: a :class:`chunkjax.ChunkedStep` (its ``host_optimizer``, ``skips_nonfinite``,
+        ``speculation_bytes`` and ``rollback``).
+      cb: one chunk's :class:`chunkjax.predict.ChunkBytes`. chunk_size: its elements.
+    """
+    spec = step.host_optimizer
+    if spec is None or (getattr(spec, "max_grad_norm", None) is None and not step.skips_nonfinite):
+        return None, 0.0
+    from chunkjax.speculate import auto_backup_bytes, backup_bytes_per_param
+    bound = auto_backup_bytes() if step.speculation_bytes is None else int(step.speculation_bytes)
+    if step.rollback == "invert":
+        return bound // max(1, cb.grad) * chunk_size, 0.0
+    per = backup_bytes_per_param(spec.host_state(1))
+    return bound // (per * chunk_size) * chunk_size, float(per)

@@ -1,9 +1,8 @@
 """A small step-time model, calibrated by measured rates (shared/guides/gpu_facts.md).
 
-Predicted step time = forward/backward time + update time, where the forward/backward is bound by
-whichever is slower of compute (training FLOPs plus the per-stage recompute, at the matmul rate)
-and the chunk traffic of that phase (PCIe, one direction at a time inside one program); the update
-phase moves streamed chunks' state both ways and updates every parameter where its chunk lives.
+The forward and the backward are each bound by whichever is slower of compute (training FLOPs
+plus the per-stage recompute, at the matmul rate) and the chunk traffic of that phase (PCIe, one
+direction at a time inside one program); every parameter updates where its chunk lives.
 The pipelined step (:func:`predict_pipelined_step`) is timed on one timeline of its programs
 (:func:`program_timeline`): the host thread's queue of hand-offs, the gradient window that holds
 the next program back until the host catches up, and the streamed pipeline from each program's
@@ -89,43 +88,6 @@ class Rates:
         """
         from chunkjax.recorded import recorded_rates
         return cls(**recorded_rates(record, system, {f.name for f in dataclasses.fields(cls)}))
-
-
-@dataclasses.dataclass(frozen=True)
-class StepTime:
-    """Predicted seconds per step and where they go."""
-
-    compute_s: float
-    fwd_bwd_transfer_s: float
-    update_transfer_s: float
-    update_compute_s: float
-
-    @property
-    def step_s(self) -> float:
-        return max(self.compute_s, self.fwd_bwd_transfer_s) + self.update_transfer_s + self.update_compute_s
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self) | {"step_s": self.step_s}
-
-
-def predict_step_time(flops_per_step: float, recompute_fraction: float, fwd_bwd_h2d: int, fwd_bwd_d2h: int,
-                      update_h2d: int, update_d2h: int, device_params: int, host_params: int,
-                      rates: Rates = Rates()) -> StepTime:
-    """Predict one step's time.
-
-    Args:
-      flops_per_step: training FLOPs (6N + 12LSh per token, times tokens).
-      recompute_fraction: extra forward FLOPs from per-stage recompute, as a fraction of
-        ``flops_per_step`` (about 1/3 with full recompute of every block).
-      fwd_bwd_h2d / fwd_bwd_d2h: bytes moved during forward/backward.
-      update_h2d / update_d2h: bytes moved by the update phase.
-      device_params / host_params: parameters updated on the device / on the host.
-    """
-    compute = flops_per_step * (1 + recompute_fraction) / rates.matmul_flops_per_s
-    fb = (fwd_bwd_h2d + fwd_bwd_d2h) / rates.one_program_duplex_bytes_per_s
-    up = update_h2d / rates.h2d_bytes_per_s + update_d2h / rates.d2h_bytes_per_s
-    upd = device_params * rates.device_update_s_per_param + host_params * rates.host_update_s_per_param
-    return StepTime(compute, fb, up, upd)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -470,6 +432,27 @@ def _program_index(ends: Sequence[float], frac: float) -> int:
     return len(ends) - 1
 
 
+def speculated_ready(host_ready: Sequence[tuple[float, int]], speculation_params: float | None
+                     ) -> list[tuple[float, int, bool]]:
+    """``host_ready`` (per program: fraction of the backward done when it ends, host-updated
+    parameters) under a speculation bound of ``speculation_params`` parameters (None: unbounded):
+    ``(fraction, parameters, speculated)`` in hand-over order (by fraction), the first
+    ``speculation_params`` parameters speculated at their program's fraction, the rest (not
+    speculated) at the backward's end (1.0), where the norm is known.
+
+    Raises:
+      ValueError: a negative bound.
+    """
+    if speculation_params is not None and speculation_params < 0:
+        raise ValueError(f"speculation_params={speculation_params!r}: pass parameters >= 0, or None (unbounded)")
+    left, out = float("inf") if speculation_params is None else float(speculation_params), []
+    for frac, params in sorted(host_ready, key=lambda x: x[0]):
+        n = int(min(params, left))
+        left -= n
+        out += [(frac, n, True)] * (n > 0) + [(1.0, params - n, False)] * (params > n)
+    return out
+
+
 def predict_pipelined_step(flops_per_step: float, *, fwd_h2d: int, bwd_h2d: int, bwd_d2h: int,
                            device_params: int, host_ready: Sequence[tuple[float, int]],
                            streamed: Sequence[tuple[float, int, int]] = (), params_per_chunk: int = 0,
@@ -480,7 +463,8 @@ def predict_pipelined_step(flops_per_step: float, *, fwd_h2d: int, bwd_h2d: int,
                            window: int = GRAD_WINDOW_PROGRAMS, cross_step: bool = False,
                            host_reads: Sequence[tuple[float, int]] = (), act_bytes: int = 0,
                            saved_flops: float = 0.0, passes: int = 1, looped_fetch: bool = False,
-                           norm_wait: bool = False) -> PipelinedStepTime:
+                           norm_wait: bool = False, speculation_params: float | None = None,
+                           backup_bytes_per_param: float = 0.0) -> PipelinedStepTime:
     """Predict a pipelined step on one timeline (:func:`program_timeline`): forward, backward
     (with per-stage recompute: the forward's FLOPs again) cut into programs, a host thread that
     updates each program's host chunks once that program has finished (in program order, one at
@@ -539,6 +523,15 @@ def predict_pipelined_step(flops_per_step: float, *, fwd_h2d: int, bwd_h2d: int,
         not speculate): every host chunk is handed over at the backward's end, none holds the
         backward back (:meth:`chunkjax.host_work.HostWork.hand_over` stops waiting once the
         speculation stalls).
+      speculation_params / backup_bytes_per_param: without ``norm_wait``, the speculation's bound
+        (SuperOffload's speculation-then-validation, :mod:`chunkjax.speculate`): at most this many
+        host-updated parameters (whole chunks: :func:`chunkjax.clip_plan.speculation_bound`) update
+        before the norm is known, in hand-over order; once it is full the host thread waits for the
+        norm (:meth:`chunkjax.speculate.Speculation.update`) and the rest update from the backward's
+        end. Each speculated parameter adds ``2 * backup_bytes_per_param`` bytes (read + write, a
+        rollback backup; 0 for inversion) of host memory traffic at ``host_memory_bytes_per_s``.
+        None (default): unbounded, every host chunk speculates (free of copies at 0 bytes: the
+        planner's view).
     """
     r = rates
     c_fwd = flops_per_step / 3 / r.matmul_flops_per_s
@@ -556,8 +549,11 @@ def predict_pipelined_step(flops_per_step: float, *, fwd_h2d: int, bwd_h2d: int,
     if norm_wait:  # the streamed chunks' update reads the norm too
         host_ready, streamed_early = ([(1.0, sum(p for _, p in host_ready))] if host_ready else []), False
     host_rate = step_host_s_per_param(r)  # the kernel beside the step's transfers and compute
-    for frac, params in host_ready:
-        host_s[_program_index(ends, frac)] += params * host_rate
+    copy_s = 2 * backup_bytes_per_param / r.host_memory_bytes_per_s if r.host_memory_bytes_per_s > 0 else 0.0
+    if not norm_wait and (speculation_params is not None or copy_s):
+        host_ready = speculated_ready(host_ready, speculation_params)
+    for frac, params, *spec in host_ready:  # a speculated share also copies its backup
+        host_s[_program_index(ends, frac)] += params * (host_rate + (copy_s if spec and spec[0] else 0.0))
     first_streamed = min((_program_index(ends, f) for f, _, _ in streamed), default=len(ends))
     hold = [streamed_early and k >= first_streamed for k in range(len(ends))]
     times = program_timeline([fwd + bwd * (p - 1) / p + f * last_bwd for f in ends], host_s, window=window,

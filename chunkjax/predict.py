@@ -430,7 +430,8 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
             micro_batches: int = 1, streamed_early: bool = False, storage_devices: int = 1,
             storage_early: bool = False, staging_buffers: int = STORAGE_STAGING_BUFFERS,
             window: int = GRAD_WINDOW_PROGRAMS, cross_step: bool = False, prefetch: int = 1,
-            storage_workers: int | None = None, norm_wait: bool = False) -> Prediction:
+            storage_workers: int | None = None, norm_wait: bool = False, speculation_params: float | None = None,
+            backup_bytes_per_param: float = 0.0) -> Prediction:
     """The :class:`~chunkjax.schedule.Prediction` of a schedule's decisions.
 
     Args:
@@ -479,6 +480,8 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
         (:func:`chunkjax.cross_step.next_read_fractions` with the fetch distance ``prefetch``).
       norm_wait: time the step whose clipping fires (:mod:`chunkjax.clip_plan`): the host
         updates start at the backward's end and every host gradient of the step exists at once.
+      speculation_params, backup_bytes_per_param: the speculation's bound (parameters; None:
+        unbounded) and backup bytes per parameter, :func:`chunkjax.cost.predict_pipelined_step`.
 
     Kept activations (remat, the traces of :func:`chunkjax.remat.with_remat`): their device bytes
     are in the traces (the tide), their offloads (``StageTrace.offload_bytes``) move down in the
@@ -547,7 +550,8 @@ def predict(chunk_size: int, traces: Sequence[StageTrace], tide: Tide, cb: Chunk
         cross_step=cross_step, host_reads=[(f, chunk_size) for c, f in next_read_fractions(
             fetch, segments, prefetch, n_stages).items() if update_locations[c] == HOST_UPDATE] if cross_step else (),
         act_bytes=act, saved_flops=passes * sum(t.saved_flops for t in traces),
-        passes=passes, looped_fetch=looped_fetch(traces), norm_wait=norm_wait)
+        passes=passes, looped_fetch=looped_fetch(traces), norm_wait=norm_wait,
+        speculation_params=speculation_params, backup_bytes_per_param=backup_bytes_per_param)
     return Prediction(int(peak), int(model), hf.pop("host_model_bytes"), int(h2d), int(d2h), int(fetch_b),
                       int(passes * n_fetch), tuple(int(b) for b in moment_bytes), time, **hf,
                       disk_bytes_per_step=2 * n_disk * disk_file_bytes(cb), storage_chunks=n_disk,

@@ -247,12 +247,15 @@ def cut_and_start(best: Schedule, one, cb: pr.ChunkBytes, *, layout, traces, tid
 
 def retime(s: Schedule, cb: pr.ChunkBytes, *, chunk_size: int, traces, tide, rates, flops_per_step: float,
            micro_batches: int = 1, segments: Sequence[int] | None = None, window: int | None = None,
-           streamed_early: bool | None = None, cross_step: bool = False, norm_wait: bool = False) -> pr.Prediction:
+           streamed_early: bool | None = None, cross_step: bool = False, norm_wait: bool = False,
+           speculation_params: float | None = None, backup_bytes_per_param: float = 0.0) -> pr.Prediction:
     """The prediction of schedule ``s`` (one device) at other ``rates`` (e.g. a measured compute
     rate), and with another cut, window or streamed start where given (default: ``s``'s), with or
     without cross-step overlap (:mod:`chunkjax.cross_step`), with host updates from the backward's
-    end when ``norm_wait`` (clipping fires: :mod:`chunkjax.clip_plan`). Everything else
-    (placement, update locations, host forms) is ``s``'s."""
+    end when ``norm_wait`` (clipping fires: :mod:`chunkjax.clip_plan`), else with the speculation
+    bounded to ``speculation_params`` parameters (None: unbounded) with ``backup_bytes_per_param``
+    (:func:`chunkjax.cost.predict_pipelined_step`). Everything else (placement, update locations,
+    host forms) is ``s``'s."""
     early_x = pr.streamed_early_extra(chunk_size, cb, traces, tide, s.param_kinds, s.update_locations, s.segments,
                                       s.streamed_early)
     base = [b - e for b, e in zip(s.predicted.device_bytes_per_moment, early_x)]
@@ -261,4 +264,5 @@ def retime(s: Schedule, cb: pr.ChunkBytes, *, chunk_size: int, traces, tide, rat
                       rates=rates, master_fetch=s.master_fetch, micro_batches=micro_batches,
                       streamed_early=s.streamed_early if streamed_early is None else bool(streamed_early),
                       window=s.grad_window if window is None else int(window), cross_step=cross_step,
-                      prefetch=s.prefetch, norm_wait=norm_wait)
+                      prefetch=s.prefetch, norm_wait=norm_wait, speculation_params=speculation_params,
+                      backup_bytes_per_param=backup_bytes_per_param)

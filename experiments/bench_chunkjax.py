@@ -148,7 +148,7 @@ class ChunkjaxSystem:
         them: step seconds, device and host bytes accounted, chunk counts, micro-batches, and with
         the disk tier its accounted bytes per step and near-storage update seconds."""
         p = self.schedule.predicted
-        out = {"step_s_predicted": p.time.step_s, "peak_device_bytes_accounted": int(p.peak_device_bytes),
+        out = {"step_s_predicted": reported_time(self).step_s, "peak_device_bytes_accounted": int(p.peak_device_bytes),
                "host_bytes_accounted": int(p.host_bytes), "host_budget_bytes": self.host_budget,
                "effective_budget_bytes": self.effective_budget, "schedule_counts": self.schedule.counts(),
                "micro_batches": self.problem.micro_batches, "accumulation": self.schedule.accumulation,
@@ -339,18 +339,20 @@ def run_chunkjax(args) -> dict:
             except Exception as e2:
                 rec["live_arrays_at_failure"] = {"error": f"{type(e2).__name__}: {e2}"}
     p = sys_.schedule.predicted
+    t = reported_time(sys_)  # the plan's, with a speculating step's bound (chunkjax.clip_plan.speculation_bound)
     rec.update({
         "peak_device_bytes_accounted": p.peak_device_bytes,
         "h2d_bytes_per_step_accounted": p.h2d_bytes_per_step,
         "d2h_bytes_per_step_accounted": p.d2h_bytes_per_step,
-        "step_s_predicted": p.time.step_s, "host_bytes_accounted": p.host_bytes,
+        "step_s_predicted": t.step_s, "step_s_planned": p.time.step_s, "speculation_bound": _bound_record(sys_),
+        "host_bytes_accounted": p.host_bytes,
         # the plan's own bytes per parameter (issue 24 item 1): host bytes over every parameter, and
         # over the host-resident chunks' (their master, state and the working set); model data per
         # parameter as the plan counts it (compute params + master + optimizer state)
         "host_bytes_per_param_accounted": p.host_bytes_per_param,
         "host_resident_bytes_per_param": p.host_resident_bytes_per_param,
         "model_bytes_per_param": (sys_.cb.params + sys_.cb.state) / sys_.layout.chunk_size,
-        "predicted_time": p.time.to_dict(),
+        "predicted_time": t.to_dict(),
         "schedule_counts": sys_.schedule.counts(),
         "segments": list(sys_.schedule.segments),
         "n_chunks": sys_.layout.n_chunks, "chunk_size": sys_.layout.chunk_size,
@@ -375,8 +377,8 @@ def run_chunkjax(args) -> dict:
         rec["comm_bytes_per_step_per_rank_accounted"] = sys_.step_fn.comm_bytes_per_step(ab)
     if sys_.problem.storage is not None:
         rec["storage"] = storage_record(sys_)
-    if rec.get("step_s_median") and p.time.step_s:
-        rec["step_time_ratio_measured_over_predicted"] = rec["step_s_median"] / p.time.step_s
+    if rec.get("step_s_median") and t.step_s:
+        rec["step_time_ratio_measured_over_predicted"] = rec["step_s_median"] / t.step_s
     return rec
 
 
@@ -401,19 +403,61 @@ def remat_record(sys_) -> dict:
     return out
 
 
-def _both_ways(sys_) -> dict | None:
-    """The plan's predicted step if clipping fires and if it is rare (:func:`chunkjax.clip_plan.both_ways`;
-    one device without micro-batches or storage chunks, else None)."""
-    from chunkjax.clip_plan import both_ways
+def _retime_kw(sys_) -> dict | None:
+    """The keywords that retime the plan as it was planned (:func:`chunkjax.program_cut.retime`, its
+    traces with remat): one device without micro-batches or storage chunks, else None."""
     from chunkjax.remat import with_remat
     from chunkjax.tide import memory_tide
     p, s = sys_.problem, sys_.schedule
     if p.n_ranks > 1 or p.micro_batches > 1 or s.predicted.storage_chunks:
         return None
     tr = with_remat(p.traces, p.remat_figures, s.remat) if s.remat else p.traces  # the traces it was planned with
-    return both_ways(s, p.cb_rank, chunk_size=p.layout.chunk_size, traces=tr,
-                     tide=memory_tide(tr, p.layout.chunk_size), rates=sys_.rates,
-                     flops_per_step=p.flops_per_step, cross_step=p.cross_step)
+    return dict(chunk_size=p.layout.chunk_size, traces=tr, tide=memory_tide(tr, p.layout.chunk_size),
+                rates=sys_.rates, flops_per_step=p.flops_per_step, cross_step=p.cross_step)
+
+
+def _bound(sys_) -> dict:
+    """``speculation_params`` and ``backup_bytes_per_param`` of the built step's speculation
+    (:func:`chunkjax.clip_plan.speculation_bound`; unbounded without a step or on several devices)."""
+    from chunkjax.clip_plan import speculation_bound
+    step, p = getattr(sys_, "step_fn", None), sys_.problem
+    n, bpp = (None, 0.0) if step is None or p.n_ranks > 1 else speculation_bound(step, p.cb_rank, p.layout.chunk_size)
+    return {"speculation_params": n, "backup_bytes_per_param": bpp}
+
+
+def _bound_record(sys_) -> dict:
+    """The record's ``speculation_bound``: the step's bound (bytes, None: its default), the chunks and
+    parameters it lets speculate (None: unbounded or no speculation) and the backup bytes per parameter."""
+    b, step = _bound(sys_), getattr(sys_, "step_fn", None)
+    n = b["speculation_params"]
+    return {"bytes": getattr(step, "speculation_bytes", None), "params": n, "rollback": getattr(step, "rollback", None),
+            "chunks": None if n is None else n // sys_.problem.layout.chunk_size,
+            "backup_bytes_per_param": b["backup_bytes_per_param"]}
+
+
+def reported_time(sys_):
+    """The run's predicted step (:class:`chunkjax.cost.PipelinedStepTime`): the plan's, except for a
+    plan timed with the speculation holding (``clip_expect`` ``"rare"``) whose step speculates
+    (clipping or a non-finite skip): that plan retimed with the step's bound
+    (:func:`chunkjax.clip_plan.speculation_bound`: only the chunks the backup pool or the kept
+    gradients' bound holds update before the norm is known, the rest after the backward). The
+    planner's own figure (every host chunk speculating, for free) is the record's ``step_s_planned``."""
+    from chunkjax.clip_plan import norm_wait
+    from chunkjax.program_cut import retime
+    p, s = sys_.problem, sys_.schedule
+    kw, b = _retime_kw(sys_), _bound(sys_)
+    if kw is None or norm_wait(p.clip_expect) or b["speculation_params"] is None:
+        return s.predicted.time
+    return retime(s, p.cb_rank, **kw, **b).time
+
+
+def _both_ways(sys_) -> dict | None:
+    """The plan's predicted step if clipping fires and if it is rare, the rare case with the step's
+    speculation bound (:func:`chunkjax.clip_plan.both_ways`; one device without micro-batches or
+    storage chunks, else None)."""
+    from chunkjax.clip_plan import both_ways
+    kw = _retime_kw(sys_)
+    return None if kw is None else both_ways(sys_.schedule, sys_.problem.cb_rank, **kw, **_bound(sys_))
 
 
 def _storage(args):

@@ -16,7 +16,7 @@ backward programs' device seconds and the gaps between programs against the pred
 Part 2 (``--repredict``) retimes each recorded GPT3_6B batch-16 schedule (:func:`chunkjax.program_cut.retime`,
 the traces of this CPU: the timing reads only FLOPs, chunks and bytes, which match the GPU's) in the mode it ran
 (cross-step as recorded; a clipped run whose clipping fired on every step, no chunk speculated, timed with
-``norm_wait``) with:
+``norm_wait``; a clipped run that speculated, with the bound its step ran under: :func:`speculated_bound`) with:
 
 - ``recorded``: its recorded rates (reproduces the recorded prediction where the mode is the planned one);
 - ``in-step``: the host kernel at the rate the step's host thread measured (:meth:`chunkjax.cost.Rates.from_record`):
@@ -160,6 +160,24 @@ def _problem(model, batch, seq, micro_batches, unroll):
     return grouped_problem(p, micro_batches) if micro_batches > 1 else p
 
 
+def speculated_bound(extra: dict, cb, chunk_size: int) -> dict:
+    """The speculation bound a recorded run's step ran under (the cost model's ``speculation_params``
+    and ``backup_bytes_per_param``, :func:`chunkjax.clip_plan.speculation_bound`), {} when it did not
+    speculate: the record's ``speculation_bound`` where written, else (older records) the chunks its
+    backup pool held (``speculation.pool_bytes``, 12 bytes an AdamW parameter) or its kept gradients'
+    peak (rollback by inversion)."""
+    sp, b = extra.get("speculation") or {}, extra.get("speculation_bound") or {}
+    if not (extra.get("max_grad_norm") and sp.get("speculated_chunks")):
+        return {}
+    if b.get("params") is not None:
+        return {"speculation_params": int(b["params"]), "backup_bytes_per_param": float(b["backup_bytes_per_param"])}
+    if sp.get("inverted_chunks"):
+        return {"speculation_params": int(sp.get("kept_grad_bytes_peak", 0)) // cb.grad * chunk_size,
+                "backup_bytes_per_param": 0.0}
+    return {"speculation_params": int(sp.get("pool_bytes", 0)) // (12 * chunk_size) * chunk_size,
+            "backup_bytes_per_param": 12.0}
+
+
 def repredict(results=RESULTS, runs=None) -> list[dict]:
     """Part 2: each recorded GPT3_6B batch-16 schedule retimed (module docstring), seconds per step."""
     from chunkjax.cost import Rates
@@ -197,8 +215,11 @@ def repredict(results=RESULTS, runs=None) -> list[dict]:
         cases = {"recorded": rec, "in-step": Rates.from_record(d)}
         cases.update({k: dataclasses.replace(rec, host_update_loaded_s_per_param=v)
                       for k, v in PROBE_LOADED_S_PER_PARAM.items()})
-        for name, rates in cases.items():
-            t = retime(sch, p.cb, rates=rates, norm_wait=fired or planned_nw, **kw).time
+        bound = {} if fired or planned_nw else speculated_bound(e, p.cb, p.layout.chunk_size)
+        row["speculation_params"] = bound.get("speculation_params")
+        for name, rates in cases.items():  # the in-step rate holds the backups' copies already
+            b = dict(bound, backup_bytes_per_param=0.0) if bound and name == "in-step" else bound
+            t = retime(sch, p.cb, rates=rates, norm_wait=fired or planned_nw, **kw, **b).time
             row[name] = {"step_s": t.step_s, "host_update_s": t.host_update_s,
                          "host_update_exposed_s": t.host_update_exposed_s, "window_stall_s": t.window_stall_s}
         out.append(row)
@@ -212,7 +233,9 @@ def repredict_table(rows) -> str:
     for r in rows:
         cells = [f"{r[n]['step_s']:.3f} ({r[n]['host_update_s']:.3f}), {r['step_s'] / r[n]['step_s']:.3f}"
                  for n in names]
-        run = r["run"] + (" (clipping fired: timed with norm_wait)" if r["clip_fired"] else "")
+        run = r["run"] + (" (clipping fired: timed with norm_wait)" if r["clip_fired"] else "") + (
+            f" (speculation bounded to {r['speculation_params']:,} params)" if r.get("speculation_params") is not None
+            else "")
         out.append(f"| {run} | {r['step_s']:.3f} | {r['planned']:.3f} ({r['recorded_s']:.3f}) | "
                    + " | ".join(cells) + " |")
     return "\n".join(out)

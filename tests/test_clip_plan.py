@@ -70,6 +70,65 @@ def test_norm_wait_times_the_host_update_from_the_backwards_end():
     assert a.step_s == pytest.approx(4.0 + max(4.0, a.streamed_update_s))
 
 
+def test_the_speculation_bound_times_the_rest_from_the_backwards_end():
+    """Hand-computed timelines of the setting above (1 s forward, 3 s backward, 2e9 host params at
+    1/3 of the backward and 2e9 at its end, 1 ns each) with the speculation bounded (SuperOffload's
+    speculation-then-validation, chunkjax.speculate: once the bound is full the host thread waits
+    for the norm): bound 0 times the host like the norm-waiting step (4 s from 4 s: 8 s); a bound
+    of every host param like no bound (6 s); 1e9 params: 1 s at 2..3 s, then 3 s from 4 s (7 s);
+    with 12 backup bytes a param at 12 GB/s (2 ns a param more) the speculated part takes
+    2..5 s and the rest 5..8 s (8 s, 6 s of host work)."""
+    rates = cost.Rates(matmul_flops_per_s=1e12, host_update_s_per_param=1e-9, host_memory_bytes_per_s=12e9)
+    kw = dict(fwd_h2d=0, bwd_h2d=0, bwd_d2h=0, device_params=0, rates=rates, window=0,
+              host_ready=[(1 / 3, 2 * 10**9), (1.0, 2 * 10**9)])
+    free, wait = cost.predict_pipelined_step(3e12, **kw), cost.predict_pipelined_step(3e12, norm_wait=True, **kw)
+    zero = cost.predict_pipelined_step(3e12, speculation_params=0, **kw)
+    assert not zero.norm_wait and (zero.host_update_s, zero.host_update_exposed_s, zero.step_s) == pytest.approx(
+        (wait.host_update_s, wait.host_update_exposed_s, wait.step_s))
+    assert (wait.host_update_exposed_s, wait.step_s) == pytest.approx((4.0, 8.0))
+    for bound in (4 * 10**9, 5 * 10**9):
+        t = cost.predict_pipelined_step(3e12, speculation_params=bound, **kw)
+        assert (t.host_update_s, t.host_update_exposed_s, t.step_s) == pytest.approx((4.0, 2.0, 6.0))
+        assert t.to_dict() == free.to_dict()
+    part = cost.predict_pipelined_step(3e12, speculation_params=10**9, **kw)
+    assert (part.host_update_s, part.host_update_exposed_s, part.step_s) == pytest.approx((4.0, 3.0, 7.0))
+    copied = cost.predict_pipelined_step(3e12, speculation_params=10**9, backup_bytes_per_param=12.0, **kw)
+    assert (copied.host_update_s, copied.host_update_exposed_s, copied.step_s) == pytest.approx((6.0, 4.0, 8.0))
+    # the bound does not apply when the step waits for the norm (it does not speculate)
+    w = cost.predict_pipelined_step(3e12, norm_wait=True, speculation_params=10**9, backup_bytes_per_param=12.0, **kw)
+    assert w.to_dict() == wait.to_dict()
+    assert cost.speculated_ready([(1.0, 5), (0.5, 3)], 4) == [(0.5, 3, True), (1.0, 1, True), (1.0, 4, False)]
+    with pytest.raises(ValueError, match="speculation_params"):
+        cost.speculated_ready([(0.5, 3)], -1)
+
+
+def test_speculation_bound_of_a_step():
+    """The bound in whole chunks of parameters (chunkjax.clip_plan.speculation_bound): backups hold
+    12 bytes an AdamW parameter (the host state's master and two moments: the pool's share), 8 for
+    Lion; inversion holds the compute-dtype gradient and copies nothing; no clipping and no skip:
+    no speculation (unbounded)."""
+    import types
+
+    from chunkjax.host_update import Lion
+    from chunkjax.predict import ChunkBytes
+    rng = np.random.default_rng()
+    n = int(rng.integers(1000, 10**6))
+    cb = ChunkBytes(params=2 * n, grad=2 * n, master=4 * n, opt=8 * n + 12)
+    k = int(rng.integers(0, 200))
+    extra = int(rng.integers(0, 12 * n))
+
+    def step(spec, bound, rollback="backup", skips=False):
+        return types.SimpleNamespace(host_optimizer=spec, speculation_bytes=bound, rollback=rollback,
+                                     skips_nonfinite=skips)
+    clipped = AdamW(1e-3, max_grad_norm=1.0)
+    assert clip_plan.speculation_bound(step(clipped, k * 12 * n + extra), cb, n) == (k * n, 12.0)
+    assert clip_plan.speculation_bound(step(Lion(1e-4, max_grad_norm=1.0), k * 8 * n), cb, n) == (k * n, 8.0)
+    assert clip_plan.speculation_bound(step(AdamW(1e-3), 10**12, skips=True), cb, n) == (10**12 // (12 * n) * n, 12.0)
+    assert clip_plan.speculation_bound(step(clipped, k * 2 * n + 1, "invert"), cb, n) == (k * n, 0.0)
+    assert clip_plan.speculation_bound(step(AdamW(1e-3), 0), cb, n) == (None, 0.0)
+    assert clip_plan.speculation_bound(step(None, 0, skips=True), cb, n) == (None, 0.0)
+
+
 def test_the_plan_streams_more_when_clipping_fires_and_predicts_sanely(setup):
     """The planner (``clip_expect``, default from the host kernel's clipping) moves host chunks to
     the streamed pipeline when clipping is expected to fire (the pre-clip_plan planner had no such
@@ -179,3 +238,38 @@ def test_fit_path_step_rolls_back_by_inversion_when_asked(setup, free_norms):
     np.testing.assert_allclose(np.asarray(losses), ref_l, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(step.master_params(state)), jax.tree.leaves(ref_p)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-6)
+
+
+def test_the_bench_reports_the_bounded_prediction_of_a_speculating_step():
+    """experiments/bench_chunkjax.py's reported prediction (``step_s_predicted``, ``predicted_time``,
+    ``step_s_predicted_if["rare"]``) of a ``"rare"`` plan with clipping (the micro GPT, host chunks):
+    the plan retimed with the built step's bound in whole chunks (the planner's own figure stays
+    ``step_s_planned``): no room: every host chunk from the backward's end, as when the norm is
+    waited for; the plan's own figure without clipping or for a ``"fires"`` plan."""
+    from experiments import bench_chunkjax as bc
+    from models import gpt
+    sys_ = bc.ChunkjaxSystem(gpt.get_config("micro", n_layers=2), 2_500_000, 2, 32, max_grad_norm=1.0,
+                             clip_expect="rare")
+    s, cs = sys_.schedule, sys_.layout.chunk_size
+    n_host = sum(u == "host" for u in s.update_locations)
+    assert n_host >= 2 and not s.predicted.time.norm_wait
+    kw = bc._retime_kw(sys_)
+    for k in (0, 1, n_host - 1, n_host, n_host + 3):
+        sys_.step_fn = dataclasses.replace(sys_.step_fn, speculation_bytes=k * 12 * cs + 12 * cs - 1)
+        rec, t = bc._bound_record(sys_), bc.reported_time(sys_)
+        assert (rec["chunks"], rec["params"], rec["backup_bytes_per_param"]) == (k, k * cs, 12.0)
+        assert t.to_dict() == retime(s, sys_.problem.cb_rank, speculation_params=k * cs, backup_bytes_per_param=12.0,
+                                     **kw).time.to_dict()
+        assert bc._both_ways(sys_)["rare"] == t.step_s and not t.norm_wait
+        if k == 0:
+            wait = retime(s, sys_.problem.cb_rank, norm_wait=True, **kw).time
+            assert (t.host_update_s, t.host_update_exposed_s) == pytest.approx((wait.host_update_s,
+                                                                                wait.host_update_exposed_s))
+        if k >= n_host:
+            assert t.host_update_s == pytest.approx(s.predicted.time.host_update_s + n_host * cs * 24
+                                                    / sys_.rates.host_memory_bytes_per_s)
+    sys_.step_fn = dataclasses.replace(sys_.step_fn, host_optimizer=AdamW(1e-4))  # no clipping: no speculation
+    assert bc._bound_record(sys_)["params"] is None and bc.reported_time(sys_) is s.predicted.time
+    sys_.step_fn = dataclasses.replace(sys_.step_fn, host_optimizer=sys_.spec)
+    sys_.problem = dataclasses.replace(sys_.problem, clip_expect="fires")
+    assert bc.reported_time(sys_) is s.predicted.time
