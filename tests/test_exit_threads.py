@@ -27,17 +27,25 @@ def _chunkjax_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("chunkjax") and t.is_alive()]
 
 
+def _backup_threads() -> set:
+    return {t for t in threading.enumerate() if t.name.startswith("chunkjax-backup") and t.is_alive()}
+
+
 def test_join_ends_the_host_thread():
     """After HostWork.join no host-update thread of it is alive (joined, not merely told to stop)."""
+    before = set(host_work.live_threads())  # idle threads of steps other tests of this worker left unjoined
     work = host_work.HostWork(deadline_s=60)
     done = []
     work.submit(lambda: (time.sleep(0.05), done.append(1), 0.25)[-1])
+    mine = set(host_work.live_threads()) - before
+    assert len(mine) == 1 and all(t.name == "chunkjax-host-update" for t in mine)
     assert work.join() == 0.25 and done == [1]
-    assert host_work.live_threads() == [] and "chunkjax-host-update" not in _chunkjax_threads()
+    assert set(host_work.live_threads()) - before == set() and not any(t.is_alive() for t in mine)
 
 
 def test_backup_pool_close_ends_its_copy_threads():
     """BackupPool.copy's threads end at close(); a later copy starts them again, equal bits."""
+    others = {t for t in threading.enumerate() if t.name.startswith("chunkjax-backup")}  # other tests' pools
     pool = speculate.BackupPool(1 << 30)
     rng = np.random.default_rng(0)
     src = rng.standard_normal((1 << 21) + 7).astype(np.float32)  # above the parallel copy's threshold
@@ -45,9 +53,9 @@ def test_backup_pool_close_ends_its_copy_threads():
     pool.copy(dst, src)
     np.testing.assert_array_equal(dst, src)
     if (os.cpu_count() or 1) > 1:  # one core: copied on the calling thread
-        assert any(n.startswith("chunkjax-backup") for n in _chunkjax_threads())
+        assert _backup_threads() - others
     pool.close()
-    assert not any(n.startswith("chunkjax-backup") for n in _chunkjax_threads())
+    assert not (_backup_threads() - others)
     src2 = rng.standard_normal(src.size).astype(np.float32)
     pool.copy(dst, src2)
     np.testing.assert_array_equal(dst, src2)
