@@ -29,8 +29,8 @@ demo: $(STAMP)
 # thread each. TEST_WORKERS=0 runs in one process.
 # XLA's LLVM-IR fusion emitter and whole-module codegen (tests/conftest.py's COMPILE_FLAGS, which it adds to any
 # XLA_FLAGS lacking them): session 23, each test file alone, main then the branch back to back, CPU seconds
-# (user+sys) of 8 of the heaviest files 538 -> 353 (remat 49 -> 31, front_door 137 -> 74, cross_step 83 -> 45;
-# storage and rollback, mostly numba and subprocesses, unchanged).
+# (user+sys) of 14 of the heaviest files 1,031 -> 630 (-39 %: schedule 122 -> 51, front_door 137 -> 74, flax_api
+# 80 -> 40; storage 73 -> 69, bench_storage 66 -> 60 and rollback 47 -> 50, mostly numba and subprocesses, little).
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	@XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 --xla_cpu_multi_thread_eigen=false --xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1" JAX_PLATFORMS=cpu $(PY) -m pytest -q --durations=15 \
