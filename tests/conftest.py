@@ -1,6 +1,7 @@
 """Test-wide settings: 8 forced host devices for multi-device logic (set before jax is imported),
-the CPU backend, and jax's persistent compilation cache in a fresh folder for this session only
-(many tests and their subprocesses compile the same programs; removed when the session ends), and
+the CPU backend, XLA CPU flags that cut compile time (:data:`COMPILE_FLAGS`), jax's persistent
+compilation cache in a fresh folder for this session only (many tests and their subprocesses
+compile the same programs; removed when the session ends), and
 a folder for set-ups built once per session and shared by the xdist workers
 (``CHUNKJAX_TEST_SHARED_DIR``: tests/_shared_data.py's bpe512 cache; removed likewise).
 
@@ -19,6 +20,17 @@ import pytest
 # 8 forced devices already use every core; 8-16 % less CPU time on the 2-core machine)
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
                                    "--xla_cpu_multi_thread_eigen=false")
+#: XLA CPU flags that cut the suite's compile time, added to XLA_FLAGS where it does not name them (so
+#: also under an explicit XLA_FLAGS, and inherited by subprocesses and notebook kernels): XLA's older
+#: LLVM-IR fusion emitter instead of the MLIR one (which builds an MLIR context and pass pipeline per
+#: fusion), and each program's LLVM module compiled whole instead of split for parallel codegen.
+#: Session 23: the programs test_remat compiles, recompiled alone, 24-28 -> 6.6 CPU-s; the suite's
+#: numbers are in the Makefile's note. Both programs of a comparison (library and optax reference)
+#: are compiled with the same flags.
+COMPILE_FLAGS = {"--xla_cpu_use_fusion_emitters": "false", "--xla_cpu_parallel_codegen_split_count": "1"}
+_flags = os.environ["XLA_FLAGS"].split()
+_named = {f.split("=", 1)[0] for f in _flags}
+os.environ["XLA_FLAGS"] = " ".join(_flags + [f"{k}={v}" for k, v in COMPILE_FLAGS.items() if k not in _named])
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
@@ -48,10 +60,10 @@ SHARED_SETUP = {
 #: overlap, micro_groups, host_bytes and inprogram_micro scaled by their after/before ratio of the
 #: shared optax reference (tests/_optax_reference.py), measured back to back
 FILE_SECONDS = {
-    "micro_groups": 63, "host_bytes": 72, "overlap": 54, "storage": 86, "zero_schedule": 71, "front_door": 90,
-    "checkpoint_memory": 24, "plan_cli": 91, "cases": 80, "cross_step": 79, "flax_api": 71, "schedule": 67,
-    "rollback": 80, "bench": 66, "checkpoint_flax": 62, "hf": 69, "bench_storage": 67, "checkpoint_multiprocess": 64,
-    "zero": 59, "user_reports": 75, "checkpoint": 63, "storage_host_memory": 51, "notebooks": 44, "layout": 53,
+    "micro_groups": 63, "host_bytes": 72, "overlap": 54, "storage": 81, "zero_schedule": 37, "front_door": 49,
+    "checkpoint_memory": 24, "plan_cli": 54, "cases": 47, "cross_step": 43, "flax_api": 35, "schedule": 28,
+    "rollback": 80, "bench": 66, "checkpoint_flax": 62, "hf": 34, "bench_storage": 61, "checkpoint_multiprocess": 64,
+    "zero": 59, "user_reports": 75, "checkpoint": 63, "storage_host_memory": 51, "notebooks": 28, "layout": 53,
     "disk_tier": 51, "train_job": 61, "inprogram_micro": 59, "checkpoint_integrity": 42, "host_update": 50,
     "masked_loss": 47, "gpt": 18, "lora": 40, "plots": 39, "frozen": 34, "checkpoint_storage": 36,
     "zero_mixed_precision": 32, "train_equivalence": 35, "checkpoint_zero": 32, "checkpoint_async": 31,
@@ -62,7 +74,7 @@ FILE_SECONDS = {
     # added after that run, measured alone on the shared box: clip_plan, speculation_resume, remat, micro_cuts,
     # host_contention (session 18: 5.8 s with its imports, 3 s of it tests);
     # inprogram_micro now compiles each stage's micro-batch loop (mb8gap)
-    "clip_plan": 45, "speculation_resume": 45, "remat": 82, "micro_cuts": 83, "host_contention": 3, "tied_loop": 5,
+    "clip_plan": 45, "speculation_resume": 45, "remat": 52, "micro_cuts": 41, "host_contention": 3, "tied_loop": 5,
     # session 18 (suite18): clip_plan, remat scaled by their after/before CPU seconds measured back to back
     # alone (frozen, speculation_resume: no change measurable, kept)
     # session 19 (ux19): train_job +7 (extending a finished run: two short job runs, 13 s on the shared box),
@@ -102,6 +114,10 @@ FILE_SECONDS = {
     # session 22 (ux22): launch_signals, scenarios started as background jobs of sh (small subprocesses, one a
     # pytest session) and a terminal Ctrl-C to a near-storage trainer and its workers, 8.8 s CPU / 12 s wall alone
     "launch_signals": 12,
+    # session 23 (suite23): XLA's LLVM-IR fusion emitter and whole-module codegen (COMPILE_FLAGS): remat, front_door,
+    # storage, micro_cuts, cases, cross_step, plan_cli, flax_api, hf, schedule, zero_schedule, notebooks, bench_storage
+    # scaled by their after/before CPU seconds (each file alone, main and the branch back to back, fresh caches);
+    # rollback (numba compiles, 47 -> 50) kept; the files not measured save likewise where they compile
 }
 DEFAULT_FILE_SECONDS = 30
 
