@@ -108,8 +108,10 @@ def test_main_job_signals_as_launched(default_sigint, launch, rc, went_on, last)
     it unless it was started ignoring it (``nohup``, which the job used to undo: a closed terminal
     stopped a nohup run); SIGTERM stops it however it was started. Every stop unwinds (exit
     130/143 and the job's one line), which is what keeps or removes the run folder."""
+    # the launcher starts with SIGHUP as a terminal's shell has it (default), even when this test session was
+    # itself started under nohup (SIGHUP ignored, inherited across exec: session 23's clean-clone run)
     res = subprocess.run([*launch, sys.executable, "-c", JOB], cwd=ROOT, env=_env(), capture_output=True,
-                         text=True, timeout=120)
+                         text=True, timeout=120, preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
     out, err = res.stdout.splitlines(), res.stderr.strip().splitlines()
     assert res.returncode == rc and err == [last], (res.returncode, res.stdout, res.stderr[-3000:])
     if launch is FOREGROUND:
