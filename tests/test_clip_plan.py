@@ -171,6 +171,18 @@ def test_the_plan_streams_more_when_clipping_fires_and_predicts_sanely(setup):
     assert slower.predicted.time.step_s >= s_f.predicted.time.step_s  # a slower host never predicts a faster step
 
 
+def _equals_optax(step, params, batches, ref_p, ref_l):
+    """Train ``step`` over ``batches`` and compare with optax's losses and params (fp32 tolerances)."""
+    state, losses = step.init(params), []
+    for b in batches:
+        state, m = step(state, b[:B])
+        losses.append(float(m["loss"]))
+    step.wait(state)
+    np.testing.assert_allclose(np.asarray(losses), ref_l, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(step.master_params(state)), jax.tree.leaves(ref_p)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-6)
+
+
 @pytest.fixture(scope="module")
 def free_norms(setup):
     """The global gradient norms of plain optax without clipping over the batches (steps,): the
@@ -194,14 +206,7 @@ def test_clipped_step_of_the_fires_plan_equals_optax(setup, free_norms, fires):
     s = fit.plan(problem, fit.auto_budget(problem))
     assert {"device", "streamed", "host"} <= set(s.update_locations) and s.predicted.time.norm_wait
     step = fit.build_step(problem, s)
-    state, losses = step.init(params), []
-    for b in batches:
-        state, m = step(state, b[:B])
-        losses.append(float(m["loss"]))
-    step.wait(state)
-    np.testing.assert_allclose(np.asarray(losses), ref_l, rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(step.master_params(state)), jax.tree.leaves(ref_p)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-6)
+    _equals_optax(step, params, batches, ref_p, ref_l)
 
 
 def test_the_split_counts_a_host_bound_cross_step_steps_floor():
@@ -230,14 +235,7 @@ def test_fit_path_step_rolls_back_by_inversion_when_asked(setup, free_norms):
     assert "host" in s.update_locations and not s.predicted.time.norm_wait
     step = fit.build_step(problem, s)
     assert step.rollback == "invert"
-    state, losses = step.init(params), []
-    for b in batches:
-        state, m = step(state, b[:B])
-        losses.append(float(m["loss"]))
-    step.wait(state)
-    np.testing.assert_allclose(np.asarray(losses), ref_l, rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(step.master_params(state)), jax.tree.leaves(ref_p)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-6)
+    _equals_optax(step, params, batches, ref_p, ref_l)
 
 
 def test_the_bench_reports_the_bounded_prediction_of_a_speculating_step():
