@@ -83,6 +83,7 @@ def run():
                                         device_budget="60MiB", chunk_size=CHUNK // 8)
     parts = schedule_host_parts(report.schedule, problem.cb, platform="cpu")
     led.account(dict(parts, process=report.host["process_bytes"]))
+    release_free_heap()  # what building freed goes back to the kernel: init's growth is not hidden by reuse
     led.mark("built")
     state = step.init(params)
     led.mark("init")
