@@ -102,6 +102,8 @@ class FitProblem:
         (:mod:`chunkjax.speculate`): ``"backup"`` (default, bit-exact, a bounded pool of copies)
         or ``"invert"`` (no copies, every host chunk can speculate, float32-exact), as
         :func:`chunkjax.make_chunked_step`.
+      turn_cut: with cross-step overlap, the planner also tries program cuts finer where the forward
+        ends and the backward begins (:func:`chunkjax.program_cut.turn_cut`); False: not (comparisons).
       loop_traces: the in-program traces made so far (:func:`chunkjax.plan_micro.grouped_problem`:
         each stage's micro-batch loop compiled once, not per plan), shared by the problems
         ``dataclasses.replace`` makes of this one.
@@ -136,6 +138,7 @@ class FitProblem:
     unroll_micro_batches: bool = False
     clip_expect: str = "rare"
     rollback: str = "backup"
+    turn_cut: bool = True
     loop_traces: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -384,7 +387,7 @@ def _plan(p: FitProblem, budget_bytes: int, *, policy, resident, must_fit, split
                          storage_workers=p.storage_dirs,
                          disk_versions=p.storage.disk_versions if p.storage is not None else 2,
                          host_bytes_of=host_bytes_of(p) if p.n_ranks == 1 and p.host_budget_bytes is not None else None,
-                         cross_step=p.cross_step, clip_expect=p.clip_expect)
+                         cross_step=p.cross_step, clip_expect=p.clip_expect, turn_cut=p.turn_cut)
 
 
 def build_step(problem: FitProblem, schedule, speculation_bytes: int | None = None):

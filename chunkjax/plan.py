@@ -398,7 +398,7 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: pr.Chun
                   must_fit: bool = True, split: bool = True, micro_batches: int = 1,
                   streamed_early: bool = False, storage_devices: int = 0, disk_budget_bytes: int | None = None,
                   disk_versions: int = 2, host_bytes_of=None, cross_step: bool = False, storage_workers=None,
-                  clip_expect: str = "rare") -> Schedule:
+                  clip_expect: str = "rare", turn_cut: bool = True) -> Schedule:
     """Plan one training step under a device budget: the one entry point for every policy.
 
     Args:
@@ -448,6 +448,8 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: pr.Chun
         host memory the machine gives the run, its pinned pool as the runtime grows it).
       cross_step: ``"tide"``: time the step with cross-step overlap (:mod:`chunkjax.cross_step`), try forward cuts.
       clip_expect: ``"tide"``: ``"rare"`` or ``"fires"``, when host updates start (:mod:`chunkjax.clip_plan`).
+      turn_cut: ``"tide"`` with ``cross_step``: also try the cuts finer at the forward's end and the
+        backward's start (:func:`chunkjax.program_cut.turn_cut`); False for comparisons.
 
     Host-updated chunks of ``"tide"`` and ``"all_host"`` on one device keep a compute-dtype copy
     while ``host_budget_bytes`` allows and are master-fetch beyond
@@ -564,7 +566,7 @@ def plan_schedule(layout: ChunkLayout, traces: Sequence[StageTrace], cb: pr.Chun
                 predict=predict, grad_done=done, host_ok=ok), predict),
                 plan_cb, layout=layout, traces=traces, tide=tide, rates=rates, flops_per_step=flops_per_step,
                 fits=host_fits, micro_batches=micro_batches, streamed_early=streamed_early and split,
-                split=split and resident is None, predict=predict, cross_step=cross_step)
+                split=split and resident is None, predict=predict, cross_step=cross_step, turn=turn_cut)
         return best
     if policy == "fixed":
         s = finish(_fixed(layout, traces, tide, plan_cb, budget, prefetch, rates, flops_per_step))

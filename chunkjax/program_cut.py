@@ -80,6 +80,43 @@ def forward_cut(segments: Sequence[int], n_stages: int, programs: int) -> tuple[
 
 #: Forward programs of the cuts tried with cross-step overlap (:func:`forward_cut`).
 FORWARD_PROGRAMS = (2, 4, 8)
+#: ``(forward, backward)`` levels of the turn cuts tried with cross-step overlap (:func:`turn_cut`).
+TURN_LEVELS = ((0, 1), (0, 2), (0, 3), (1, 0), (2, 0), (3, 0), (1, 1), (2, 2), (2, 3), (3, 3))
+
+
+def turn_cut(segments: Sequence[int], n_moments: int, n_stages: int, forward_levels: int,
+             backward_levels: int) -> tuple[int, ...]:
+    """``segments`` cut finer at the step's turn, where the forward ends and the backward begins:
+    the forward's last programs end in sizes 1, 2, 4, ... moments (``forward_levels`` new
+    starts; the fused head, moment ``n_stages - 1``, stays with the forward's last moment) and the
+    backward's first programs (from moment ``n_stages``) in sizes 1, 2, 4, ... (``backward_levels``
+    new starts).
+
+    Why (cross-step overlap, :mod:`chunkjax.cross_step`): when the host kernel is the bottleneck,
+    the host thread idles from its last update of a step (the chunks the next forward reads last)
+    until the next backward's first host gradients: the rest of the forward program that waited
+    for that update, the head, and the backward's first program. Small programs there shorten
+    that idle time; the cost model times it (:func:`chunkjax.cost.cross_step_wait`,
+    :func:`chunkjax.cost.program_timeline`), so the search keeps a turn cut only where it predicts
+    a faster step. PatrickStar (arXiv 2108.05818) section 5: the CPU's chunk updates overlap the
+    GPU's work.
+    """
+    extra = set()
+    end, size = n_stages - 1, 1
+    for _ in range(max(0, int(forward_levels))):
+        if end - size <= 0:
+            break
+        end -= size
+        extra.add(end)
+        size *= 2
+    start, size = n_stages, 1
+    for _ in range(max(0, int(backward_levels))):
+        start += size
+        if start >= n_moments:
+            break
+        extra.add(start)
+        size *= 2
+    return tuple(sorted(set(segments) | extra))
 
 
 def candidate_cuts(n_moments: int, n_stages: int, done_moments: Sequence[int],
@@ -117,7 +154,7 @@ def choose_program_cut(s: Schedule, cb: pr.ChunkBytes, *, chunk_size: int, trace
                        flops_per_step: float, fits: Callable[[Schedule], bool], micro_batches: int = 1,
                        streamed_early: bool = False, split: bool = False,
                        windows: Sequence[int] = range(2, MAX_WINDOW + 1), predict=pr.predict,
-                       cross_step: bool = False) -> Schedule:
+                       cross_step: bool = False, turn: bool = True) -> Schedule:
     """The schedule ``s`` (one device, its placement and host forms decided) with the program
     cut, gradient window and streamed start that the cost model predicts fastest
     (:mod:`chunkjax.program_cut`), among those whose device peak stays within
@@ -143,7 +180,9 @@ def choose_program_cut(s: Schedule, cb: pr.ChunkBytes, *, chunk_size: int, trace
         (:func:`chunkjax.plan_memo.predictor`).
       cross_step: the step runs with cross-step overlap: the best cut's forward is also tried cut
         into :data:`FORWARD_PROGRAMS` programs (:func:`forward_cut`; ``predict`` must time the
-        step that way).
+        step that way), then the best cut so far cut finer at the turn (:data:`TURN_LEVELS`,
+        :func:`turn_cut`) when ``turn``.
+      turn: try the turn cuts (with ``cross_step``; False: the cuts before them, for comparisons).
 
     Returns:
       a :class:`~chunkjax.schedule.Schedule` (``segments``, ``grad_window``, ``streamed_early``,
@@ -164,9 +203,16 @@ def choose_program_cut(s: Schedule, cb: pr.ChunkBytes, *, chunk_size: int, trace
         starts = sorted({bool(x.streamed_early), bool(streamed_early and has_streamed)})
         hosts = [c for c, u in enumerate(x.update_locations) if u == HOST_UPDATE]
         cuts = candidate_cuts(T, n, [done[c] for c in hosts if c in done])
-        for i, segs in enumerate(cuts + [None] * (len(FORWARD_PROGRAMS) if cross_step else 0)):
-            if segs is None:  # the forward of the best cut so far, cut (cross-step overlap)
+        n_turns = len(TURN_LEVELS) if cross_step and turn else 0
+        for i, segs in enumerate(cuts + [None] * (len(FORWARD_PROGRAMS) + n_turns if cross_step else 0)):
+            if segs is None and i - len(cuts) < len(FORWARD_PROGRAMS):  # the best cut's forward, cut
                 segs = forward_cut(best.segments, n, FORWARD_PROGRAMS[i - len(cuts)])
+            elif segs is None:  # the best cut so far, cut finer at the turn (cross-step overlap)
+                if i - len(cuts) == len(FORWARD_PROGRAMS):
+                    base_segs = best.segments
+                segs = turn_cut(base_segs, T, n, *TURN_LEVELS[i - len(cuts) - len(FORWARD_PROGRAMS)])
+                if segs == tuple(base_segs):
+                    continue
             for w in _windows_of(windows, len(segs)):
                 for early in starts:
                     pred = predict(chunk_size, traces, tide, cb, x.param_kinds, x.update_locations, x.fetch, segs,
@@ -205,7 +251,7 @@ def choose_program_cut(s: Schedule, cb: pr.ChunkBytes, *, chunk_size: int, trace
 
 def cut_and_start(best: Schedule, one, cb: pr.ChunkBytes, *, layout, traces, tide, rates, flops_per_step, fits,
                    micro_batches: int, streamed_early: bool, split: bool, predict=pr.predict,
-                   cross_step: bool = False) -> Schedule:
+                   cross_step: bool = False, turn: bool = True) -> Schedule:
     """``best`` (the planner's fastest tide schedule, one device) with the program cut and
     gradient window chosen on the step's timeline (:func:`choose_program_cut`); with
     ``streamed_early`` and ``split`` also the placements of ``best``'s resident count and the
@@ -224,12 +270,13 @@ def cut_and_start(best: Schedule, one, cb: pr.ChunkBytes, *, layout, traces, tid
       split: the update work may be re-split between host and streamed chunks.
       predict: :func:`chunkjax.predict.predict` or the plan's memo of it
         (:func:`chunkjax.plan_memo.predictor`).
-      cross_step: :func:`choose_program_cut`'s.
+      cross_step, turn: :func:`choose_program_cut`'s.
     """
     def cut(s):
         return choose_program_cut(s, cb, chunk_size=layout.chunk_size, traces=traces, tide=tide, rates=rates,
                                   flops_per_step=flops_per_step, fits=fits, micro_batches=micro_batches,
-                                  streamed_early=streamed_early, split=split, predict=predict, cross_step=cross_step)
+                                  streamed_early=streamed_early, split=split, predict=predict, cross_step=cross_step,
+                                  turn=turn)
     best = cut(best)
     if not (streamed_early and split) or best.streamed_early:
         return best

@@ -34,7 +34,8 @@ class ChunkjaxSystem:
                  init: str = "leafwise", max_grad_norm: float | None = None, micro_batches: int = 1,
                  storage=None, host_budget="auto", cross_step: bool = True, remat: str = "full",
                  unroll_micro_batches: bool = False, clip_expect: str = "auto", chunk_size: int | None = None,
-                 compiled_margin: int = 0, rates_from: str | None = None, rollback: str = "backup"):
+                 compiled_margin: int = 0, rates_from: str | None = None, rollback: str = "backup",
+                 turn_cut: bool = True):
         import jax
         import jax.numpy as jnp
 
@@ -87,6 +88,8 @@ class ChunkjaxSystem:
                                    chunk_size=chunk_size)  # None: chunkjax.layout.search_chunk_size
         if rollback != "backup":  # speculative host updates undone by inversion (chunkjax.speculate; --set rollback=invert)
             self.problem = dataclasses.replace(self.problem, rollback=rollback)
+        if not turn_cut:  # the program cuts before the turn cuts (chunkjax.program_cut.turn_cut; --set turn_cut=0)
+            self.problem = dataclasses.replace(self.problem, turn_cut=False)
         if remat != "full":  # blocks keep their MLP activation (chunkjax.plan_remat; bench --set remat=auto|save|offload)
             self.problem = dataclasses.replace(self.problem, remat=remat, remat_names=gpt.REMAT_NAMES)
         self.disk, self.disk_steps = None, []  # the disk tier: the storage chunks' DiskState, each step's result
@@ -324,7 +327,8 @@ def run_chunkjax(args) -> dict:
                           chunk_size=int(getattr(args, "chunk_size", 0) or 0) or None,  # --set chunk_size=N
                           compiled_margin=int(float(getattr(args, "compiled_margin", 0) or 0)),  # --set compiled_margin=5.8e9
                           rates_from=getattr(args, "rates_from", None) or None,  # --set rates_from=RESULTS_JSON
-                          rollback=str(getattr(args, "rollback", "backup")))  # --set rollback=invert
+                          rollback=str(getattr(args, "rollback", "backup")),  # --set rollback=invert
+                          turn_cut=bool(int(getattr(args, "turn_cut", 1))))  # --set turn_cut=0
     try:
         rec = measure_system(sys_, args)
     except Exception as e:  # keep the plan next to the failure (e.g. out of memory at run time)

@@ -14,7 +14,7 @@ import chunkjax as cj
 from chunkjax.cost import Rates, predict_pipelined_step, program_timeline
 from chunkjax.plan import plan_schedule
 from chunkjax.predict import ChunkBytes
-from chunkjax.program_cut import auto_segments, retime, uniform_segments
+from chunkjax.program_cut import TURN_LEVELS, auto_segments, retime, turn_cut, uniform_segments
 from chunkjax.tide import memory_tide
 from chunkjax.trace import StageTrace
 
@@ -95,3 +95,69 @@ def test_planner_chooses_a_finer_cut_when_the_host_is_the_bottleneck(plan_3b):
     assert d["grad_window"] == s.grad_window and d["predicted"]["time"]["window"] == s.grad_window
     assert cj.Schedule.from_dict(d) == s
     assert uniform_segments(T, len(traces), 10) == (0, 30, 40, 50)
+
+
+# ---- the turn cut (cross-step overlap) ------------------------------------------------------------
+
+def test_turn_cut_cuts_the_forward_end_and_the_backward_start_finer():
+    """Forward levels add starts 1, 2, 4 ... moments before the fused head's program ends (the
+    head stays with the forward's last moment); backward levels add starts 1, 2, 4 ... moments
+    after the backward's first; starts already there, or past either end, add nothing."""
+    base = (0, 5, 10, 13)  # 10 stages: forward moments 0-8, the head 9, the backward 10-18
+    assert turn_cut(base, 19, 10, 0, 0) == base
+    assert turn_cut(base, 19, 10, 3, 0) == (0, 2, 5, 6, 8, 10, 13)
+    assert turn_cut(base, 19, 10, 0, 3) == (0, 5, 10, 11, 13, 17)
+    assert turn_cut(base, 19, 10, 2, 1) == (0, 5, 6, 8, 10, 11, 13)
+    assert turn_cut(base, 19, 10, 9, 9) == (0, 2, 5, 6, 8, 10, 11, 13, 17)  # stops at both ends
+    assert turn_cut((0, 10), 12, 10, 0, 5) == (0, 10, 11)
+
+
+def _gpt3_6b_shaped():
+    """Stage traces shaped as GPT3_6B's at batch 16 x 1024 (the bench's layout: an embedding of 5
+    chunks, 53 blocks of 4 chunks of 39,321,600 elements sharing their boundary chunks, a tied
+    head), with the per-stage temporaries recorded on the H200 (``bench_s23c_6b16.json``)."""
+    act = 100663296
+    traces = ([StageTrace("embed", (0, 1, 2, 3, 4), 0, 416022528, bwd_chunks=(), output_bytes=act)]
+              + [StageTrace(f"h_{i}", tuple(range(4 + 3 * i, 8 + 3 * i)), act, 2643936544, output_bytes=act)
+                 for i in range(53)]
+              + [StageTrace("head", (0, 1, 2, 3, 163), act, 1175004732, output_bytes=4)])
+    cs = 39321600
+    layout = types.SimpleNamespace(n_chunks=164, chunk_size=cs)
+    return layout, traces, ChunkBytes(params=2 * cs, grad=2 * cs, master=4 * cs, opt=8 * cs + 12)
+
+
+def test_planner_cuts_the_turn_finer_when_the_host_is_the_bottleneck():
+    """GPT3_6B-shaped, 24 chunks resident, the rest host-updated at the host kernel's in-step
+    rate of s23c (0.266 ns/param), cross-step overlap: the host thread idles from its last update
+    (read by the next forward's last program) to the next backward's first host gradients. The
+    planner's cut with the turn cuts has a one-moment program at the backward's start and a
+    shorter program ending the forward, and is predicted faster than the best cut without them,
+    which it would retime to exactly (same placement); the cut is kept in the schedule's dict."""
+    layout, traces, cb = _gpt3_6b_shaped()
+    r = Rates(matmul_flops_per_s=616e12, host_update_s_per_param=2.66e-10)
+    kw = dict(flops_per_step=6 * 6.16e9 * 16 * 1024, rates=r, cross_step=True, resident=list(range(24)),
+              host_budget_bytes=121420359884)
+    turned = plan_schedule(layout, traces, cb, 23114180198, **kw)
+    before = plan_schedule(layout, traces, cb, 23114180198, turn_cut=False, **kw)
+    n, T = len(traces), len(turned.moments)
+    assert turned.update_locations == before.update_locations
+    assert {n, n + 1} <= set(turned.segments) and n + 1 not in before.segments
+    last_fwd = lambda s: n - max(x for x in s.segments if x < n)  # the forward's last program's moments
+    assert last_fwd(turned) < last_fwd(before)
+    assert turned.predicted.time.step_s < 0.98 * before.predicted.time.step_s
+    assert turned.predicted.time.host_update_s == pytest.approx(before.predicted.time.host_update_s)
+    opts = dict(chunk_size=layout.chunk_size, traces=traces, tide=memory_tide(traces, layout.chunk_size), rates=r,
+                flops_per_step=kw["flops_per_step"], cross_step=True)
+    assert retime(turned, cb, segments=before.segments, window=before.grad_window,
+                  streamed_early=before.streamed_early, **opts).time.step_s == pytest.approx(
+        before.predicted.time.step_s, rel=1e-12)
+    assert turned.segments == turn_cut(before.segments, T, n, *_levels(turned.segments, before.segments, T, n))
+    assert cj.Schedule.from_dict(turned.to_dict()) == turned
+
+
+def _levels(turned, before, T, n):
+    """The :data:`TURN_LEVELS` entry that makes ``turned`` from ``before`` (AssertionError: none)."""
+    for lv in TURN_LEVELS:
+        if turn_cut(before, T, n, *lv) == tuple(turned):
+            return lv
+    raise AssertionError(f"{turned} is no turn cut of {before}")
