@@ -30,8 +30,9 @@ A ``"rare"`` step speculates only as far as its bound lets it (the step's ``spec
 :func:`chunkjax.fit_host.speculation_bytes`): :func:`speculation_bound` gives the bound in
 parameters, which the cost model's ``speculation_params`` times (the rest of the host chunks update
 from the backward's end, each speculated one also copies its backup). The planner does not use it
-(its search times every host chunk speculating); a built step's reported prediction does
-(``experiments/bench_chunkjax.py``).
+(its search times every host chunk speculating, for free); a built step's reported prediction does
+(:func:`predicted_time`: the fit path's :class:`chunkjax.fit_report.FitReport` and
+``experiments/bench_chunkjax.py``, each keeping the planner's figure as ``step_s_planned``).
 
 Exactness is not affected: the expectation only changes where chunks update (device, host or
 streamed), and every location gives optax's result.
@@ -91,13 +92,9 @@ def speculation_bound(step, cb, chunk_size: int) -> tuple[int | None, float]:
     """``(speculation_params, backup_bytes_per_param)`` of a built step's speculative host updates
     (:mod:`chunkjax.speculate`), for the cost model (:func:`chunkjax.cost.predict_pipelined_step`)
     on one device: ``(None, 0.0)`` when the step does not speculate (no clipping, no non-finite
-    skip: every host chunk updates as its gradient completes). Else the whole chunks the bound
+    skip: every host chunk updates as its gradient completes). Else what its bound
     (``step.speculation_bytes``; None: :func:`chunkjax.speculate.auto_backup_bytes`, read now) lets
-    speculate, in parameters: rollback ``"backup"``: the pool holds each chunk's backup alone
-    (:func:`chunkjax.speculate.backup_bytes_per_param` of the host kernel's state, 12 bytes per
-    AdamW parameter; :func:`chunkjax.fit_host.speculation_bytes` leaves the kept gradients out of
-    the bound), copied once a step; ``"invert"``: the bound holds the kept gradients
-    (``cb.grad`` bytes a chunk) and nothing is copied (0.0).
+    speculate (:func:`params_within`).
 
     Args:
       step: a :class:`chunkjax.ChunkedStep` (its ``host_optimizer``, ``skips_nonfinite``,
@@ -107,9 +104,84 @@ def speculation_bound(step, cb, chunk_size: int) -> tuple[int | None, float]:
     spec = step.host_optimizer
     if spec is None or (getattr(spec, "max_grad_norm", None) is None and not step.skips_nonfinite):
         return None, 0.0
-    from chunkjax.speculate import auto_backup_bytes, backup_bytes_per_param
+    from chunkjax.speculate import auto_backup_bytes
     bound = auto_backup_bytes() if step.speculation_bytes is None else int(step.speculation_bytes)
-    if step.rollback == "invert":
-        return bound // max(1, cb.grad) * chunk_size, 0.0
-    per = backup_bytes_per_param(spec.host_state(1))
-    return bound // (per * chunk_size) * chunk_size, float(per)
+    return params_within(bound, spec, step.rollback, cb, chunk_size)
+
+
+def params_within(bound_bytes: int, host_optimizer, rollback: str, cb, chunk_size: int) -> tuple[int, float]:
+    """``(speculation_params, backup_bytes_per_param)`` of a speculation bounded by ``bound_bytes``:
+    the whole chunks the bound lets speculate, in parameters. Rollback ``"backup"``: the pool holds
+    each chunk's backup alone (:func:`chunkjax.speculate.backup_bytes_per_param` of the host
+    kernel's state, 12 bytes per AdamW parameter; :func:`chunkjax.fit_host.speculation_bytes`
+    leaves the kept gradients out of the bound), copied once a step; ``"invert"``: the bound holds
+    the kept gradients (``cb.grad`` bytes a chunk) and nothing is copied (0.0).
+
+    Args:
+      bound_bytes: the bound (bytes, >= 0). host_optimizer: the host kernel spec
+        (:mod:`chunkjax.host_update`). rollback: ``"backup"`` or ``"invert"``.
+      cb: one chunk's :class:`chunkjax.predict.ChunkBytes`. chunk_size: its elements.
+    """
+    if rollback == "invert":
+        return int(bound_bytes) // max(1, cb.grad) * chunk_size, 0.0
+    from chunkjax.speculate import backup_bytes_per_param
+    per = backup_bytes_per_param(host_optimizer.host_state(1))
+    return int(bound_bytes) // (per * chunk_size) * chunk_size, float(per)
+
+
+def retime_keywords(problem, schedule) -> dict | None:
+    """The keywords that retime ``schedule`` as the planner timed it (:func:`chunkjax.program_cut.retime`;
+    its traces with the schedule's remat): one device without micro-batches or storage chunks,
+    else None (retiming is not valid there).
+
+    Args:
+      problem: the plan's :class:`chunkjax.fit.FitProblem`. schedule: its
+        :class:`chunkjax.schedule.Schedule`.
+    """
+    if problem.n_ranks > 1 or problem.micro_batches > 1 or schedule.predicted.storage_chunks:
+        return None
+    from chunkjax.remat import with_remat
+    from chunkjax.tide import memory_tide
+    tr = with_remat(problem.traces, problem.remat_figures, schedule.remat) if schedule.remat else problem.traces
+    return dict(chunk_size=problem.layout.chunk_size, traces=tr, tide=memory_tide(tr, problem.layout.chunk_size),
+                rates=problem.rates, flops_per_step=problem.flops_per_step, cross_step=problem.cross_step)
+
+
+def bound_keywords(problem, step) -> dict:
+    """``{"speculation_params", "backup_bytes_per_param"}`` of a built ``step``'s speculation
+    (:func:`speculation_bound` with ``problem.cb_rank``); unbounded (``None, 0.0``) without a step
+    (None) or on several devices."""
+    n, bpp = (None, 0.0) if step is None or problem.n_ranks > 1 else speculation_bound(
+        step, problem.cb_rank, problem.layout.chunk_size)
+    return {"speculation_params": n, "backup_bytes_per_param": bpp}
+
+
+def bound_record(bound: dict, chunk_size: int, bound_bytes: int | None, rollback: str | None) -> dict:
+    """A report's ``speculation_bound``: the bound (``bound_bytes``, None: the step's default), the
+    chunks and parameters it lets speculate (None: unbounded or no speculation), the rollback and
+    the backup bytes copied per speculated parameter. ``bound``: :func:`bound_keywords`'s."""
+    n = bound["speculation_params"]
+    return {"bytes": bound_bytes, "params": n, "rollback": rollback, "chunks": None if n is None else n // chunk_size,
+            "backup_bytes_per_param": bound["backup_bytes_per_param"]}
+
+
+def predicted_time(problem, schedule, bound: dict):
+    """The predicted step a report gives (:class:`chunkjax.cost.PipelinedStepTime`, seconds):
+    ``schedule.predicted.time`` (the same object), except for a plan timed with the speculation
+    holding (``problem.clip_expect`` ``"rare"``) whose step speculates (``bound``'s
+    ``speculation_params`` not None: clipping or a non-finite skip) on one device without
+    micro-batches or storage chunks: that plan retimed with the bound
+    (:func:`chunkjax.program_cut.retime`: only the bound's chunks update before the norm is known,
+    each copying its backup; the rest after the backward). A report keeps the planner's own figure
+    (every host chunk speculating, for free) beside this one.
+
+    Args:
+      problem: the plan's :class:`chunkjax.fit.FitProblem`. schedule: its one-device
+        :class:`chunkjax.schedule.Schedule`. bound: :func:`bound_keywords` (or a dict of the same
+        keys from :func:`params_within`).
+    """
+    kw = retime_keywords(problem, schedule)
+    if kw is None or norm_wait(problem.clip_expect) or bound["speculation_params"] is None:
+        return schedule.predicted.time
+    from chunkjax.program_cut import retime
+    return retime(schedule, problem.cb_rank, **kw, **bound).time

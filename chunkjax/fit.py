@@ -34,7 +34,7 @@ from chunkjax.cost import Rates
 from chunkjax.dtypes import compute_dtype_of
 from chunkjax.errors import HostBudgetError, PinnedLimitError, PlanError
 from chunkjax.fit_batch import batch_rows, rows_of, step_flops
-from chunkjax.fit_report import FitReport, describe  # noqa: F401 (re-exported: chunkjax.fit.describe)
+from chunkjax.fit_report import FitReport, describe, with_speculation_bound  # noqa: F401 (describe re-exported)
 from chunkjax.fit_host import fit_host, host_bytes_of, pinned_limit_error, speculation_bytes
 from chunkjax.host_memory import available_for_plan, check_host_lower_bound, process_bytes
 from chunkjax.layout import ChunkLayout, build_layout, first_use_order
@@ -546,8 +546,8 @@ def fit_problem(problem: FitProblem, device_budget="auto", *, policy: str = "tid
             raise PlanError(f"{why}: raise the device budget or lower the batch",
                             int(math.ceil(mem["peak_bytes"] / HEADROOM)), False)
     report = FitReport(sched, int(budget), requested, int(effective), HEADROOM, mem, tuple(history), host, fits, why,
-                       tuple(notes))
-    return Fitted(step, report, problem)
+                       tuple(notes))  # its predicted step with a speculating step's bound (chunkjax.clip_plan)
+    return Fitted(step, with_speculation_bound(report, problem, step), problem)
 
 
 def fit_step(stages, params, batch, *, device_budget="auto", policy: str = "tide", resident=None,

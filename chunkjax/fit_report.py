@@ -1,10 +1,12 @@
-"""What the fit path decided: :class:`FitReport` (the schedule, the budgets, the compiled check)
-and its one-line summary (:func:`describe`), as :func:`chunkjax.fit.fit_problem` returns them."""
+"""What the fit path decided: :class:`FitReport` (the schedule, the budgets, the compiled check,
+the predicted step with a speculating step's bound: :func:`with_speculation_bound`) and its
+one-line summary (:func:`describe`), as :func:`chunkjax.fit.fit_problem` returns them."""
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
+from chunkjax import clip_plan
 from chunkjax.errors import format_bytes, format_moved_bytes
 from chunkjax.plan_disk import storage_line
 from chunkjax.plan_micro import accumulation_line
@@ -30,6 +32,10 @@ class FitReport:
       fits: the compiled step fits the headroom (True when not compiled).
       why: when it does not, one line saying so.
       notes: re-plans that failed, budgets raised.
+      step_time: the predicted step the report gives (:class:`chunkjax.cost.PipelinedStepTime`,
+        seconds; :func:`chunkjax.clip_plan.predicted_time`: a ``"rare"`` plan whose step speculates,
+        retimed with the step's bound); None: the schedule's own (``schedule.predicted.time``).
+      speculation_bound: :func:`chunkjax.clip_plan.bound_record` of the built step (None: not known).
     """
 
     schedule: Any
@@ -43,26 +49,39 @@ class FitReport:
     fits: bool
     why: str | None
     notes: tuple
+    step_time: Any = None
+    speculation_bound: dict | None = None
 
     @property
     def predicted_peak_bytes(self) -> int:
         return int(self.schedule.predicted.peak_device_bytes)
 
+    @property
+    def predicted_time(self):
+        """The predicted step (:class:`chunkjax.cost.PipelinedStepTime`, seconds): ``step_time``, else
+        the planner's (``schedule.predicted.time``)."""
+        return self.schedule.predicted.time if self.step_time is None else self.step_time
+
     def to_dict(self) -> dict:
-        """JSON-ready: the plan's counts and predictions, the budgets and the compiled figures."""
+        """JSON-ready: the plan's counts and predictions, the budgets and the compiled figures.
+        ``step_s_predicted`` (seconds) is :attr:`predicted_time`'s, ``step_s_planned`` the planner's
+        own (every host chunk speculating, for free; equal where no bound applies)."""
         p = self.schedule.predicted
         return {"device_budget_bytes": self.budget_bytes, "device_budget_requested": self.requested,
                 "effective_budget_bytes": self.effective_budget_bytes, "headroom": self.headroom,
                 "peak_device_bytes_accounted": p.peak_device_bytes,
                 "compiled_peak_bytes": None if self.compiled is None else self.compiled["peak_bytes"],
-                "schedule_counts": self.schedule.counts(), "step_s_predicted": p.time.step_s,
+                "schedule_counts": self.schedule.counts(), "step_s_predicted": self.predicted_time.step_s,
+                "step_s_planned": p.time.step_s, "speculation_bound": self.speculation_bound,
                 "plans": list(self.plans), "host": dict(self.host), "fits": self.fits, "why": self.why,
                 "notes": list(self.notes), "disk_bytes_per_step_predicted": p.disk_bytes_per_step}
 
 
 def describe(report: FitReport, problem) -> str:
     """One line: chunks per (params kind, update location), param chunks off the device, the
-    predicted peak against the budget, model data on the device, bytes moved and step time."""
+    predicted peak against the budget, model data on the device, bytes moved and step time (the
+    report's :attr:`FitReport.predicted_time`; where that is retimed with a speculating step's bound,
+    the planner's figure beside it)."""
     s, p = report.schedule, report.schedule.predicted
     held, moved = format_bytes, format_moved_bytes  # bytes held in binary units, bytes moved in decimal
     off = sum(k != "device" for k in s.param_kinds)
@@ -76,10 +95,31 @@ def describe(report: FitReport, problem) -> str:
             f"{held(p.host_bytes)} ({resident_figures(s, problem.cb_rank)}, "
             f"{len(s.master_fetch)} without a compute copy, working set {held(p.host_working_bytes)}: "
             f"host gradients in flight and streamed write-back); predicted step "
-            f"{p.time.step_s * 1e3:.1f} ms" + (" (the cost model's GPU rates: a CPU runs far slower)"
-                                                if problem.platform == "cpu" else "")
+            f"{report.predicted_time.step_s * 1e3:.1f} ms{_bounded(report)}"
+            + (" (the cost model's GPU rates: a CPU runs far slower)" if problem.platform == "cpu" else "")
             + "".join(f"; {x}" for x in [storage_line(s, problem.storage_dirs, problem.host_budget_bytes),
                                          accumulation_line(s, problem.micro_batches)] if x))
+
+
+def _bounded(report: FitReport) -> str:
+    """Which step figure is which, where the report's is retimed with the speculation bound."""
+    if report.step_time is None or report.step_time is report.schedule.predicted.time:
+        return ""
+    b = report.speculation_bound or {}
+    return (f" with the step's speculation bound (up to {b.get('chunks')} chunks; the planner's "
+            f"{report.schedule.predicted.time.step_s * 1e3:.1f} ms lets every host chunk speculate, for free)")
+
+
+def with_speculation_bound(report: FitReport, problem, step) -> FitReport:
+    """``report`` with the predicted step of ``step`` (the built :class:`chunkjax.ChunkedStep` of
+    ``report.schedule``) and its speculation bound: :func:`chunkjax.clip_plan.predicted_time` with
+    :func:`chunkjax.clip_plan.bound_keywords` (a ``"rare"`` plan whose step speculates, one device
+    without micro-batches or storage chunks: retimed with the bound; otherwise the plan's own).
+    ``problem``: the plan's :class:`chunkjax.fit.FitProblem`."""
+    bound = clip_plan.bound_keywords(problem, step)
+    record = clip_plan.bound_record(bound, problem.layout.chunk_size, step.speculation_bytes, step.rollback)
+    return dataclasses.replace(report, step_time=clip_plan.predicted_time(problem, report.schedule, bound),
+                               speculation_bound=record)
 
 
 def resident_figures(schedule, cb) -> str:

@@ -408,51 +408,39 @@ def remat_record(sys_) -> dict:
 
 
 def _retime_kw(sys_) -> dict | None:
-    """The keywords that retime the plan as it was planned (:func:`chunkjax.program_cut.retime`, its
-    traces with remat): one device without micro-batches or storage chunks, else None."""
-    from chunkjax.remat import with_remat
-    from chunkjax.tide import memory_tide
-    p, s = sys_.problem, sys_.schedule
-    if p.n_ranks > 1 or p.micro_batches > 1 or s.predicted.storage_chunks:
-        return None
-    tr = with_remat(p.traces, p.remat_figures, s.remat) if s.remat else p.traces  # the traces it was planned with
-    return dict(chunk_size=p.layout.chunk_size, traces=tr, tide=memory_tide(tr, p.layout.chunk_size),
-                rates=sys_.rates, flops_per_step=p.flops_per_step, cross_step=p.cross_step)
+    """The keywords that retime the plan as it was planned (:func:`chunkjax.clip_plan.retime_keywords`:
+    one device without micro-batches or storage chunks, else None)."""
+    from chunkjax.clip_plan import retime_keywords
+    return retime_keywords(sys_.problem, sys_.schedule)
 
 
 def _bound(sys_) -> dict:
     """``speculation_params`` and ``backup_bytes_per_param`` of the built step's speculation
-    (:func:`chunkjax.clip_plan.speculation_bound`; unbounded without a step or on several devices)."""
-    from chunkjax.clip_plan import speculation_bound
-    step, p = getattr(sys_, "step_fn", None), sys_.problem
-    n, bpp = (None, 0.0) if step is None or p.n_ranks > 1 else speculation_bound(step, p.cb_rank, p.layout.chunk_size)
-    return {"speculation_params": n, "backup_bytes_per_param": bpp}
+    (:func:`chunkjax.clip_plan.bound_keywords`; unbounded without a step or on several devices)."""
+    from chunkjax.clip_plan import bound_keywords
+    return bound_keywords(sys_.problem, getattr(sys_, "step_fn", None))
 
 
 def _bound_record(sys_) -> dict:
-    """The record's ``speculation_bound``: the step's bound (bytes, None: its default), the chunks and
-    parameters it lets speculate (None: unbounded or no speculation) and the backup bytes per parameter."""
-    b, step = _bound(sys_), getattr(sys_, "step_fn", None)
-    n = b["speculation_params"]
-    return {"bytes": getattr(step, "speculation_bytes", None), "params": n, "rollback": getattr(step, "rollback", None),
-            "chunks": None if n is None else n // sys_.problem.layout.chunk_size,
-            "backup_bytes_per_param": b["backup_bytes_per_param"]}
+    """The record's ``speculation_bound`` (:func:`chunkjax.clip_plan.bound_record`): the step's bound
+    (bytes, None: its default), the chunks and parameters it lets speculate (None: unbounded or no
+    speculation) and the backup bytes per parameter."""
+    from chunkjax.clip_plan import bound_record
+    step = getattr(sys_, "step_fn", None)
+    return bound_record(_bound(sys_), sys_.problem.layout.chunk_size, getattr(step, "speculation_bytes", None),
+                        getattr(step, "rollback", None))
 
 
 def reported_time(sys_):
-    """The run's predicted step (:class:`chunkjax.cost.PipelinedStepTime`): the plan's, except for a
+    """The run's predicted step (:class:`chunkjax.cost.PipelinedStepTime`,
+    :func:`chunkjax.clip_plan.predicted_time`, as the fit path's report): the plan's, except for a
     plan timed with the speculation holding (``clip_expect`` ``"rare"``) whose step speculates
     (clipping or a non-finite skip): that plan retimed with the step's bound
     (:func:`chunkjax.clip_plan.speculation_bound`: only the chunks the backup pool or the kept
     gradients' bound holds update before the norm is known, the rest after the backward). The
     planner's own figure (every host chunk speculating, for free) is the record's ``step_s_planned``."""
-    from chunkjax.clip_plan import norm_wait
-    from chunkjax.program_cut import retime
-    p, s = sys_.problem, sys_.schedule
-    kw, b = _retime_kw(sys_), _bound(sys_)
-    if kw is None or norm_wait(p.clip_expect) or b["speculation_params"] is None:
-        return s.predicted.time
-    return retime(s, p.cb_rank, **kw, **b).time
+    from chunkjax.clip_plan import predicted_time
+    return predicted_time(sys_.problem, sys_.schedule, _bound(sys_))
 
 
 def _both_ways(sys_) -> dict | None:

@@ -563,6 +563,33 @@ def figures(s, device_budget: int, host_budget: int | None, chunk_size: int) -> 
             "segments": list(s.segments)}
 
 
+def if_clipped(problem, sched) -> dict | None:
+    """The report's ``if_clipped``: the step of a ``"rare"`` plan (``problem.clip_expect``, one device)
+    if its host kernel clipped by global norm. The planner CLI plans with an unclipped AdamW, whose
+    host chunks update as their gradients complete (the table's step); a clipped step speculates
+    (:mod:`chunkjax.speculate`) only within its bound: here the step's default backup pool,
+    :data:`chunkjax.speculate.DEFAULT_BACKUP_BYTES` (no step is built: the run's machine is not this
+    one; a run gets at most that, less on a host with under twice it available or where the fit
+    path's host check leaves less), in whole chunks by the rollback's rule
+    (:func:`chunkjax.clip_plan.params_within`), and the plan retimed with it
+    (:func:`chunkjax.clip_plan.predicted_time`, as the fit path's report and the bench). Keys:
+    ``predicted_step_s`` (seconds), ``retimed`` (False with micro-batches or storage chunks: the
+    planner's figure, as if every host chunk speculates for free), ``host_chunks`` and
+    ``speculation_bound`` (:func:`chunkjax.clip_plan.bound_record`). None: a ``"fires"`` plan (it
+    waits for the norm), ZeRO, or no host kernel."""
+    from chunkjax.clip_plan import bound_record, norm_wait, params_within, predicted_time, retime_keywords
+    from chunkjax.speculate import DEFAULT_BACKUP_BYTES
+    if norm_wait(problem.clip_expect) or problem.n_ranks > 1 or problem.host_optimizer is None:
+        return None
+    cs = problem.layout.chunk_size
+    n, bpp = params_within(DEFAULT_BACKUP_BYTES, problem.host_optimizer, problem.rollback, problem.cb_rank, cs)
+    bound = {"speculation_params": n, "backup_bytes_per_param": bpp}
+    return {"predicted_step_s": predicted_time(problem, sched, bound).step_s,
+            "retimed": retime_keywords(problem, sched) is not None,
+            "host_chunks": sum(u == "host" for u in sched.update_locations),
+            "speculation_bound": bound_record(bound, cs, DEFAULT_BACKUP_BYTES, problem.rollback)}
+
+
 def plan_report(model: str, device_budget: int, host_budget: int | None, batch: int, seq: int,
                 prefetch: int = 1, chunk_size: int | None = None, min_chunks: int = 8,
                 tide_from: str | None = None, inputs: PlanInputs | None = None, warn=None,
@@ -610,7 +637,8 @@ def plan_report(model: str, device_budget: int, host_budget: int | None, batch: 
                 "compute_dtype": jnp.dtype(inp.problem.compute_dtype).name,
                 "micro_batches": inp.problem.micro_batches, "storage_dirs": inp.problem.storage_dirs,
                 "storage": storage_line(sched, inp.problem.storage_dirs, host_budget),
-                "schedule": sched.to_dict()})
+                "schedule": sched.to_dict(),
+                "if_clipped": if_clipped(plan_problem(inp, host_budget, prefetch, zero_stage), sched)})
     if n_ranks > 1:
         out.update(zero_figures(out, inp, sched, zero_stage))
     return out
@@ -722,6 +750,7 @@ def summary(r: dict) -> str:
                                                   "backward's end; baselines as if rare)" if r.get("clip_expect") ==
                                                   "fires" else "") + ":"]
     lines += [f"  {name:13s} {_where(x['time'], k)}" for name, x in rows]
+    lines += _clipped_line(r.get("if_clipped"), tu, k)
     counts = "; ".join(f"{v} with params on {c.split('/')[0][len('params_'):]}, update on "
                        f"{c.split('/')[1][len('update_'):]}" for c, v in r["placement_counts"].items())
     fb = r["first_backward_moment"]
@@ -730,6 +759,19 @@ def summary(r: dict) -> str:
               f"chunkjax programs: {len(r['segments'])}, starting at moments {r['segments']} "
               f"(fused head at moment {fb - 1}, backward from {fb})"]
     return "\n".join(lines)
+
+
+def _clipped_line(c: dict | None, tu: str, k: float) -> list[str]:
+    """The summary's line on a ``"rare"`` plan's step with clipping (:func:`if_clipped`)."""
+    if not c or not c["host_chunks"]:  # nothing speculates: the same step with clipping
+        return []
+    if not c["retimed"]:
+        return [f"with clipping (rare): the step above, if every host chunk speculates (not retimed with the "
+                f"speculation bound with micro-batches or storage chunks)"]
+    b = c["speculation_bound"]
+    return [f"with clipping (rare): speculation within the default backup pool ({b['bytes'] / 2**30:.2f} GiB: "
+            f"{min(b['chunks'], c['host_chunks'])} of {c['host_chunks']} host chunks), predicted step "
+            f"{c['predicted_step_s'] * k:.3f} {tu}; the table's step is without clipping"]
 
 
 def param_count(n: int) -> str:

@@ -1201,7 +1201,8 @@ def _train(cfg, model, fitted, td, folder, t_start, resolved, resume=None, setup
         "host_bytes_per_param": pred.host_bytes_per_param,
         "host_resident_bytes_per_param": pred.host_resident_bytes_per_param,
         "host_working_bytes_accounted": pred.host_working_bytes, "master_fetch_chunks": len(schedule.master_fetch),
-        "step_s_predicted": pred.time.step_s,
+        # with a speculating step's bound (chunkjax.clip_plan.predicted_time); the planner's own figure beside it
+        "step_s_predicted": fit_report.predicted_time.step_s, "step_s_planned": pred.time.step_s,
         "chunk_size": layout.chunk_size, "n_chunks": layout.n_chunks, "chunk_waste_bytes": layout.waste_bytes,
         "placement_counts": schedule.counts(), "update_locations": list(schedule.update_locations),
         "param_kinds": list(schedule.param_kinds),

@@ -271,3 +271,64 @@ def test_the_bench_reports_the_bounded_prediction_of_a_speculating_step():
     sys_.step_fn = dataclasses.replace(sys_.step_fn, host_optimizer=sys_.spec)
     sys_.problem = dataclasses.replace(sys_.problem, clip_expect="fires")
     assert bc.reported_time(sys_) is s.predicted.time
+
+
+def _retimed(problem, s, **kw):
+    """``s`` retimed on ``problem``'s traces and rates (one device, no remat, no micro-batches)."""
+    cs = problem.layout.chunk_size
+    return retime(s, problem.cb_rank, chunk_size=cs, traces=problem.traces, tide=memory_tide(problem.traces, cs),
+                  rates=problem.rates, flops_per_step=problem.flops_per_step, cross_step=problem.cross_step,
+                  **kw).time
+
+
+@pytest.mark.parametrize("chunks", [None, 0, 1])
+def test_the_fit_path_reports_the_bounded_prediction_of_a_speculating_step(setup, monkeypatch, chunks):
+    """The fit path's report (``FitReport.to_dict()["step_s_predicted"]``, ``describe``) of a
+    ``"rare"`` plan with clipping (the micro GPT, host chunks): the plan retimed with the built
+    step's speculation bound (:func:`chunkjax.clip_plan.speculation_bound`), never below the
+    planner's own figure (``step_s_planned``); the bound is the fit path's own (None) or one of
+    ``chunks`` backups. Bound 0 times the host as the norm-waiting step: slower than planned."""
+    spec = AdamW(3e-3, weight_decay=0.1, max_grad_norm=1.0)
+    problem = _problem(setup, spec, clip_expect="rare")
+    cs = problem.layout.chunk_size
+    if chunks is not None:  # the fit path's bound replaced by `chunks` backups (12 bytes an AdamW parameter)
+        monkeypatch.setattr(fit, "speculation_bytes", lambda *a: chunks * 12 * cs + 12 * cs - 1)
+    f = fit.fit_problem(problem, fit.auto_budget(problem), check_compiled=False)
+    assert f.step.speculation_bytes == f.report.host["speculation_bytes"] is not None
+    r, s = f.report, f.report.schedule
+    n_host = sum(u == "host" for u in s.update_locations)
+    assert n_host >= 2 and not s.predicted.time.norm_wait and f.step.host_optimizer.max_grad_norm == 1.0
+    n, bpp = clip_plan.speculation_bound(f.step, problem.cb_rank, cs)
+    assert n is not None and bpp == 12.0 and (chunks is None or n == chunks * cs)
+    want = _retimed(f.problem, s, speculation_params=n, backup_bytes_per_param=bpp)
+    d = r.to_dict()
+    assert r.step_time.to_dict() == want.to_dict() and d["step_s_predicted"] == want.step_s
+    assert d["step_s_planned"] == s.predicted.time.step_s
+    assert d["step_s_predicted"] >= d["step_s_planned"] * (1 - 1e-12)
+    assert (d["speculation_bound"]["chunks"], d["speculation_bound"]["params"]) == (n // cs, n)
+    if chunks == 0:
+        wait = _retimed(f.problem, s, norm_wait=True)
+        assert (want.host_update_s, want.host_update_exposed_s) == pytest.approx((wait.host_update_s,
+                                                                                  wait.host_update_exposed_s))
+        assert d["step_s_predicted"] > d["step_s_planned"]
+    line = fit.describe(r, f.problem)
+    assert f"predicted step {want.step_s * 1e3:.1f} ms with the step's speculation bound (up to {n // cs} " in line
+    assert f"the planner's {s.predicted.time.step_s * 1e3:.1f} ms lets every host chunk speculate" in line
+
+
+@pytest.mark.parametrize("clip", ["none", "fires"])
+def test_the_fit_path_reports_the_planners_figure_where_nothing_speculates_early(setup, clip):
+    """Without clipping (nothing to speculate) or for a ``"fires"`` plan (it waits for the norm) the
+    fit path's report gives the planner's figure unchanged, and ``describe`` names no bound."""
+    spec = AdamW(3e-3, weight_decay=0.1, max_grad_norm=None if clip == "none" else 1.0)
+    problem = _problem(setup, spec)
+    assert problem.clip_expect == {"none": "rare", "fires": "fires"}[clip]
+    f = fit.fit_problem(problem, fit.auto_budget(problem), check_compiled=False)
+    r, s = f.report, f.report.schedule
+    assert "host" in s.update_locations
+    assert r.predicted_time is s.predicted.time
+    d = r.to_dict()
+    assert d["step_s_predicted"] == d["step_s_planned"] == s.predicted.time.step_s
+    assert (d["speculation_bound"]["params"] is None) == (clip == "none")
+    line = fit.describe(r, f.problem)
+    assert f"predicted step {s.predicted.time.step_s * 1e3:.1f} ms" in line and "speculation bound" not in line

@@ -140,6 +140,43 @@ def test_plan_readable_summary():
         assert word in out, word
 
 
+def test_a_rare_plans_step_with_clipping_is_retimed_with_the_default_bound(capsys):
+    """The CLI plans an unclipped AdamW (its table's step); ``if_clipped`` gives the ``"rare"`` plan's
+    step if the host kernel clipped: retimed (chunkjax.program_cut.retime) with the step's default
+    backup pool (chunkjax.speculate.DEFAULT_BACKUP_BYTES, 12 bytes a speculated AdamW parameter in
+    whole chunks, each copied), never below the table's; the summary says which is which. None for
+    a "fires" plan; with micro-batches it is not retimed (the planner's figure, labelled)."""
+    import dataclasses
+
+    from chunkjax.program_cut import retime
+    from chunkjax.speculate import DEFAULT_BACKUP_BYTES
+    inp = plan.prepare("micro", 2, 64)
+    sched, _ = plan.plan_schedules(inp, 3 * 2**20)
+    problem = plan.plan_problem(inp)
+    cs, n_host = inp.layout.chunk_size, sum(u == HOST_UPDATE for u in sched.update_locations)
+    assert n_host >= 2 and problem.clip_expect == "rare" and problem.host_optimizer.max_grad_norm is None
+    c = plan.if_clipped(problem, sched)
+    n = DEFAULT_BACKUP_BYTES // (12 * cs) * cs
+    want = retime(sched, inp.cb, chunk_size=cs, traces=inp.traces, tide=inp.tide, rates=inp.problem.rates,
+                  flops_per_step=inp.problem.flops_per_step, cross_step=problem.cross_step,
+                  speculation_params=n, backup_bytes_per_param=12.0).time.step_s
+    assert c["retimed"] and c["host_chunks"] == n_host and c["predicted_step_s"] == want
+    assert want >= sched.predicted.time.step_s * (1 - 1e-12)
+    assert c["speculation_bound"] == {"bytes": DEFAULT_BACKUP_BYTES, "params": n, "rollback": "backup",
+                                      "chunks": n // cs, "backup_bytes_per_param": 12.0}
+    assert plan.main(MICRO + ["--device-budget", "3MiB", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["if_clipped"] == c
+    assert plan.main(MICRO + ["--device-budget", "3MiB"]) == 0
+    assert (f"with clipping (rare): speculation within the default backup pool (16.00 GiB: {n_host} of {n_host} "
+            f"host chunks), predicted step {want * 1e6:.3f} us; the table's step is without clipping"
+            in capsys.readouterr().out)
+    assert plan.if_clipped(dataclasses.replace(problem, clip_expect="fires"), sched) is None
+    micro = plan.if_clipped(dataclasses.replace(problem, micro_batches=2), sched)
+    assert not micro["retimed"] and micro["predicted_step_s"] == sched.predicted.time.step_s
+    assert "if every host chunk speculates" in plan.summary(dict(plan.plan_report("micro", 3 * 2**20, None, 2, 64,
+                                                                                  inputs=inp), if_clipped=micro))
+
+
 def _assert_recorded(got: dict, recorded: dict, inp, cb, cut_chosen: bool = False):
     """``got`` (a schedule's ``to_dict``) equals a recorded one in every recorded field; fields
     added after the recording keep their defaults (no master-fetch chunks, streamed updates after
