@@ -48,13 +48,21 @@ HOST_RATE_PARAMS = 2**26
 
 def calibrated_rates(host_stats: dict | None = None):
     """``(rates, matmul TFLOP/s)``: the planner's :class:`chunkjax.cost.Rates` calibrated on this
-    machine (the matmul probe and the host AdamW kernel's seconds per parameter, alone and beside the
-    device's compute and both PCIe directions, :mod:`chunkjax.host_contention`: recorded, not planned
-    with) on a GPU; the default rates and None elsewhere. The main job and
-    the benchmark plan with the same rates. ``host_stats``: filled with the host kernel timing's min,
-    median and working set (:func:`chunkjax.host_update.measure_host_update_rate`'s ``stats``) and
-    the loaded timing's ``loaded_*`` figures (:func:`chunkjax.host_contention.measure_loaded_host_update_rate`)
-    on a GPU."""
+    machine on a GPU (the matmul probe; the host AdamW kernel's seconds per parameter alone, and its
+    fastest call beside the device's compute and both PCIe directions as the step's host thread's
+    rate, ``host_update_loaded_s_per_param``: :mod:`chunkjax.host_contention`); the default rates and
+    None elsewhere. The main job and the benchmark plan with the same rates. ``host_stats``: filled
+    with the host kernel timing's min, median and working set
+    (:func:`chunkjax.host_update.measure_host_update_rate`'s ``stats``) and the loaded timing's
+    ``loaded_*`` figures (:func:`chunkjax.host_contention.measure_loaded_host_update_rate`) on a GPU.
+
+    Why the loaded *fastest* call: over the 15 GPT3_6B runs recorded on lent H200s with both timings
+    (sessions 18-24), the kernel's rate inside the step's host thread was 0.266-0.344 ns/param. The
+    alone rate was under it in every run (by 7-35 %: 0.183-0.270), so plans thought the host fast
+    and cut the forward coarsely; the loaded median was over it (0.331-0.446; planned with in s18x,
+    it streamed chunks that ran slower); the loaded fastest call was within -12..+21 % (mean -1 %).
+    ``docs/benchmarks.md``, "Twenty-fourth session".
+    """
     import jax
 
     from chunkjax.cost import Rates
@@ -62,15 +70,12 @@ def calibrated_rates(host_stats: dict | None = None):
         return Rates(), None
     from chunkjax.host_contention import measure_loaded_host_update_rate
     from chunkjax.host_update import measure_host_update_rate
+    stats = {} if host_stats is None else host_stats
     tflops = matmul_tflops()
-    alone = measure_host_update_rate(HOST_RATE_PARAMS, stats=host_stats)
-    # The loaded timing is recorded (host_stats' loaded_*), not planned with: on the H200 (s18x,
-    # docs/benchmarks.md "Eighteenth session") its median read 0.345 ns/param against the step's own
-    # 0.282, and the plan it chose (13 device / 10 streamed chunks) ran 1.876 s/step where the plan of
-    # the alone rate had run 1.686 s (s17m). The load is heavier than a step's (pred23's probe).
-    measure_loaded_host_update_rate(HOST_RATE_PARAMS, stats=host_stats)
-    return Rates.calibrated(tflops * 1e12, alone), tflops
-
+    alone = measure_host_update_rate(HOST_RATE_PARAMS, stats=stats)
+    measure_loaded_host_update_rate(HOST_RATE_PARAMS, stats=stats)
+    loaded = float(stats.get("loaded_min_s_per_param") or 0.0)
+    return Rates.calibrated(tflops * 1e12, alone, host_update_loaded_s_per_param=loaded), tflops
 
 
 def matmul_tflops(n: int = 8192, warmup: int = 3, reps: int = 10) -> float:

@@ -3,6 +3,8 @@ times the step's host thread at the loaded rate where it was measured, the recor
 it, and the start-up measurement runs its load and reports it."""
 import dataclasses
 
+import numpy as np
+
 import pytest
 
 from chunkjax import dropin
@@ -96,3 +98,35 @@ def test_prediction_check_reads_the_recorded_runs():
     assert rows["bench_s17m_6b16_clip"]["clip_fired"] and not rows["bench_s14a_6b16_clip"]["clip_fired"]
     assert rows["bench_s17b_18b_disk"]["storage_update_s_predicted"] == pytest.approx(90.78, abs=0.01)
     assert "| bench_s17m_6b16_one | GPT3_6B b16 (1) | cross-step | 1.686 | 1.407 | 1.199 |" in table(rows.values())
+
+
+def test_calibrated_rates_plan_the_step_host_thread_at_the_loaded_fastest_call(monkeypatch):
+    """On a GPU the planner's rates time the step's host thread at the loaded timing's fastest call
+    (``loaded_min_s_per_param``), the alone rate kept beside it, both recorded in the stats; on the
+    CPU the default rates (nothing measured)."""
+    import jax
+
+    from experiments import gpu_measure
+    from chunkjax import host_contention, host_update
+    assert gpu_measure.calibrated_rates() == (Rates(), None)
+    rng = np.random.default_rng()
+    alone, lo, med = sorted(rng.uniform(0.15e-9, 0.45e-9, 3))
+
+    def alone_rate(n, stats=None):
+        stats.update(min_s_per_param=alone, median_s_per_param=alone * 1.01)
+        return alone
+
+    def loaded_rate(n, stats=None):
+        stats.update(loaded_min_s_per_param=lo, loaded_median_s_per_param=med)
+        return med
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(gpu_measure, "matmul_tflops", lambda: 600.0)
+    monkeypatch.setattr(host_update, "measure_host_update_rate", alone_rate)
+    monkeypatch.setattr(host_contention, "measure_loaded_host_update_rate", loaded_rate)
+    stats = {}
+    r, tflops = gpu_measure.calibrated_rates(stats)
+    assert tflops == 600.0 and r.matmul_flops_per_s == pytest.approx(600e12 * 0.9)
+    assert (r.host_update_s_per_param, r.host_update_loaded_s_per_param) == (alone, lo)
+    assert step_host_s_per_param(r) == lo and stats["loaded_median_s_per_param"] == med
+    r2, _ = gpu_measure.calibrated_rates()  # without a stats dict
+    assert r2 == r
