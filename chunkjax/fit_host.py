@@ -71,21 +71,24 @@ def speculation_bytes(problem, host: dict, schedule=None) -> int | None:
     ``available_bytes``, less the speculated chunks' gradients kept beside the backups, at most
     :data:`chunkjax.speculate.DEFAULT_BACKUP_BYTES`; None when the available bytes are unknown
     (the step's own default then). Was unbounded by the plan: on the H200 the 8B full
-    fine-tuning's backups filled 10 GiB the host check had not counted. With rollback by
-    inversion (the default) the same bound holds the kept gradients alone (no backups): a
-    conservative share there. With ``schedule``, also at most what its host-updated chunks can
+    fine-tuning's backups filled 10 GiB the host check had not counted. With ``schedule``, also at most what its host-updated chunks can
     hold (each chunk's backup and kept gradient): the pool cannot use more, and a bound of
     gigabytes for a small model read as a need in the report (a fresh user's 2.77M-param model
-    showed 8.46e9)."""
+    showed 8.46e9). With ``problem.rollback == "invert"`` there are no backups: the bound is the
+    share of the spare bytes itself, at most the host-updated chunks' kept gradients (s23i, GPT3_6B
+    with clipping that never fired: the backups' split of the share let 107 of 140 host chunks
+    speculate; the rest waited for the norm, after the backward)."""
     avail = host.get("available_bytes")
     if avail is None:
         return None
     spare = max(0, int(avail) - int(host["need_bytes"]))
     cb = problem.cb
     backup, grad = cb.master + cb.opt, cb.grad  # one chunk's float32 state, and its gradient kept for a redo
-    most = DEFAULT_BACKUP_BYTES
-    if schedule is not None:
-        most = min(most, sum(u == "host" for u in schedule.update_locations) * (backup + grad))
+    n_host = None if schedule is None else sum(u == "host" for u in schedule.update_locations)
+    if getattr(problem, "rollback", "backup") == "invert":  # no backups: the bound holds the kept gradients alone
+        most = DEFAULT_BACKUP_BYTES if n_host is None else min(DEFAULT_BACKUP_BYTES, n_host * grad)
+        return int(min(most, SPECULATION_SHARE * spare))
+    most = DEFAULT_BACKUP_BYTES if n_host is None else min(DEFAULT_BACKUP_BYTES, n_host * (backup + grad))
     return int(min(most, SPECULATION_SHARE * spare * backup / max(1, backup + grad)))
 
 

@@ -10,6 +10,7 @@ pool's growth is what puts a plan over the machine.
 import dataclasses
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 import pytest
 
@@ -270,3 +271,29 @@ def test_the_bench_passes_the_environments_pinned_pool_cap_to_its_workers():
     assert bench.default_host_limit_gb({"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": "x"}) == bench.DEFAULT_HOST_LIMIT_GB
     env = bench.worker_env(2**30, None, bench.default_host_limit_gb({"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": "38"}))
     assert env["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] == "38"
+
+
+def test_speculation_bound_with_rollback_by_inversion_holds_kept_gradients_alone(problem, monkeypatch):
+    """Rollback by inversion keeps no backups, only the speculated chunks' gradients: its bound is
+    the share of the spare host bytes itself (not the backups' part of it, which let 107 of 140
+    GPT3_6B host chunks speculate in s23i), at most the host-updated chunks' gradients; the step
+    gets it. Backups (rollback "backup") keep the old bound."""
+    import dataclasses
+    inv = dataclasses.replace(problem, rollback="invert")
+    budget = _smallest(problem) + 2 * problem.cb.params
+    need = fit_host.host_need(inv, fit.plan(inv, budget))
+    spare = int(np.random.default_rng().integers(1, 3) * problem.cb.grad + problem.cb.grad // 3)
+    monkeypatch.setattr(host_memory, "host_memory_available_bytes", lambda: need["need_bytes"] + spare)
+    f_inv = fit.fit_problem(inv, budget, check_compiled=False)
+    f_bak = fit.fit_problem(problem, budget, check_compiled=False)
+    left = f_inv.report.host["available_bytes"] - f_inv.report.host["need_bytes"]
+    assert f_inv.report.host["speculation_bytes"] == int(fit_host.SPECULATION_SHARE * left)
+    assert f_inv.step.speculation_bytes == f_inv.report.host["speculation_bytes"] and f_inv.step.rollback == "invert"
+    cb = problem.cb
+    left_b = f_bak.report.host["available_bytes"] - f_bak.report.host["need_bytes"]
+    assert f_bak.report.host["speculation_bytes"] == int(
+        fit_host.SPECULATION_SHARE * left_b * (cb.master + cb.opt) / (cb.master + cb.opt + cb.grad))
+    monkeypatch.setattr(host_memory, "host_memory_available_bytes", lambda: need["need_bytes"] + 2**40)
+    roomy = fit.fit_problem(inv, budget, check_compiled=False)
+    n_host = roomy.report.schedule.update_locations.count("host")
+    assert 0 < roomy.report.host["speculation_bytes"] == n_host * cb.grad
