@@ -203,16 +203,17 @@ def choose_program_cut(s: Schedule, cb: pr.ChunkBytes, *, chunk_size: int, trace
         starts = sorted({bool(x.streamed_early), bool(streamed_early and has_streamed)})
         hosts = [c for c, u in enumerate(x.update_locations) if u == HOST_UPDATE]
         cuts = candidate_cuts(T, n, [done[c] for c in hosts if c in done])
-        n_turns = len(TURN_LEVELS) if cross_step and turn else 0
-        for i, segs in enumerate(cuts + [None] * (len(FORWARD_PROGRAMS) + n_turns if cross_step else 0)):
-            if segs is None and i - len(cuts) < len(FORWARD_PROGRAMS):  # the best cut's forward, cut
-                segs = forward_cut(best.segments, n, FORWARD_PROGRAMS[i - len(cuts)])
-            elif segs is None:  # the best cut so far, cut finer at the turn (cross-step overlap)
-                if i - len(cuts) == len(FORWARD_PROGRAMS):
-                    base_segs = best.segments
-                segs = turn_cut(base_segs, T, n, *TURN_LEVELS[i - len(cuts) - len(FORWARD_PROGRAMS)])
-                if segs == tuple(base_segs):
-                    continue
+
+        def candidates():  # read ``best`` as the search has it when each is made
+            yield from cuts
+            if cross_step:
+                for programs in FORWARD_PROGRAMS:  # the best cut so far, its forward cut
+                    yield forward_cut(best.segments, n, programs)
+                if turn:  # the best cut so far, cut finer at the turn
+                    base = tuple(best.segments)
+                    yield from (c for c in (turn_cut(base, T, n, *lv) for lv in TURN_LEVELS) if c != base)
+
+        for segs in candidates():
             for w in _windows_of(windows, len(segs)):
                 for early in starts:
                     pred = predict(chunk_size, traces, tide, cb, x.param_kinds, x.update_locations, x.fetch, segs,
