@@ -256,3 +256,34 @@ def test_peer_lost_during_two_process_save(tmp_path, how):
     got, ref = np.load(out), ck.export_checkpoint_params(ckpt, layout)
     for i, a in enumerate(jax.tree.leaves(ref)):
         np.testing.assert_array_equal(a, got[f"p{i}"])
+
+
+def test_saving_over_a_broken_step_sets_it_aside(saved, tmp_path):
+    """A fresh user's resumed run (session 24): the restore skipped the corrupt newest checkpoint
+    (step 2) and resumed from step 1, and the run's next save of step 2 stopped with
+    FileExistsError on the corrupt directory. Right: the save moves a corrupt or incomplete
+    directory aside (``step_00000002.broken``, then ``.broken.1``; its files kept byte for byte,
+    a warning naming both) and writes the step, which restores to the saved state bit for bit;
+    an intact checkpoint is still never overwritten."""
+    step, _, state = saved
+    d = _copy(saved, tmp_path)
+    root = d / "step_00000002"
+    rel = _files_by_kind(root)["ocdbt.process_0/d/<hash>"]
+    _flip(root / rel)
+    kept = (root / rel).read_bytes()
+    with pytest.warns(RuntimeWarning, match="skipped"):
+        assert ck.latest_step(d) == 1
+    with pytest.warns(RuntimeWarning, match=r"is corrupt .* moved to .*step_00000002\.broken"):
+        ck.save_checkpoint(d, 2, step, state, {"data_position": 2})
+    assert (d / "step_00000002.broken" / rel).read_bytes() == kept
+    assert ck.all_steps(d) == [1, 2] and ck.latest_step(d) == 2  # verified: the new one is intact
+    restored, extra = ck.restore_checkpoint(d, step)
+    assert extra["data_position"] == 2
+    tc.assert_trees(ck.export_params(step, restored), ck.export_params(step, state))
+    with pytest.raises(FileExistsError, match="already exists"):  # intact: refused, untouched
+        ck.save_checkpoint(d, 2, step, state)
+    os.remove(d / "step_00000002" / "meta.json")  # incomplete
+    with pytest.warns(RuntimeWarning, match=r"incomplete .* moved to .*step_00000002\.broken\.1"):
+        ck.save_checkpoint(d, 2, step, state, {"data_position": 2})
+    assert ck.latest_step(d) == 2 and sorted(p.name for p in d.iterdir() if p.name.startswith("step_")) == [
+        "step_00000001", "step_00000002", "step_00000002.broken", "step_00000002.broken.1"]

@@ -97,6 +97,38 @@ def make_directory(directory: str) -> None:
                                    "give a directory this process can write") from None
 
 
+def _set_aside_broken(directory, step_number: int) -> bool:
+    """Whether checkpoint ``step_number`` in ``directory`` is broken (incomplete: no ``meta.json``;
+    or corrupt: :func:`~chunkjax.checkpoint.files.verify_checkpoint` fails) and was renamed to
+    ``step_<N:08d>.broken`` (``.broken.1``, ... if taken; a name no listing or restore picks up), with
+    a ``RuntimeWarning`` naming both. Nothing is deleted: the files stay for inspection. A
+    restore that skipped the corrupt newest checkpoint (:func:`~chunkjax.checkpoint.latest_step`)
+    resumes from an earlier step, and the run's next save of that step number would otherwise
+    stop on the broken directory (a fresh user's resumed run, session 24). One process only: with
+    several, a directory that exists is left alone (False). An intact checkpoint: False."""
+    import warnings
+
+    import jax
+    final = files.step_dir(directory, step_number)
+    if jax.process_count() > 1:
+        return False
+    try:
+        files.verify_checkpoint(directory, step_number)
+        return False  # intact: never replaced
+    except FileNotFoundError:
+        why = f"incomplete (no {files.META})"
+    except CheckpointError as e:
+        why = f"corrupt ({e})"
+    aside, k = final + ".broken", 0
+    while os.path.exists(aside):
+        k += 1
+        aside = f"{final}.broken.{k}"
+    os.rename(final, aside)
+    warnings.warn(f"checkpoint step {step_number} at {final} is {why}: moved to {aside} to save this step",
+                  RuntimeWarning, stacklevel=3)
+    return True
+
+
 class SaveJob:
     """One save, in the pieces both :func:`save_checkpoint` and :func:`save_checkpoint_async`
     use: checks and the engine's ``wait(state)`` (constructor), ``open`` (temporary directory),
@@ -111,7 +143,7 @@ class SaveJob:
         self.key = os.path.realpath(directory)
         self.step_number = step_number
         self.final = files.step_dir(directory, step_number)
-        if os.path.exists(self.final):
+        if os.path.exists(self.final) and not (writer and _set_aside_broken(directory, step_number)):
             raise FileExistsError(f"checkpoint step {step_number} already exists at {self.final}: "
                                   "delete it or save another step")
         self.extra_json = encode(dict(extra or {}))  # fail on bad extra before writing anything
