@@ -541,10 +541,11 @@ def test_checkpoint_not_found_says_where_they_are(host_run, tmp_path):
         (tmp_path / "nope", r"it does not exist; pass the folder chunkjax.save_checkpoint\(folder, n, step\) wrote"),
         (tmp_path / "run" / "checkpoint", rf"it does not exist; checkpoints found in {ckpts} \(steps \[{N}\]\)"),
     ]
+    shutil.copytree(d, tmp_path / "someone_elses_job")  # beside "run" and "nope", unrelated: not suggested (fresh24)
     for where, needle in cases:
         with pytest.raises(FileNotFoundError, match=needle) as e:
             ck.restore_checkpoint(where, step)
-        assert "\n" not in str(e.value)
+        assert "\n" not in str(e.value) and "someone_elses_job" not in str(e.value)
     with pytest.raises(FileNotFoundError, match=rf"complete steps: \[{N}\]\): pass step_number= one of them"):
         ck.restore_checkpoint(ckpts, step, step_number=N + 1)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import difflib
 import os
 import re
 import shutil
@@ -394,8 +395,8 @@ def read_meta(directory, step_number: int | None = None) -> dict:
 def not_found(directory) -> str:
     """The one-line message for a ``directory`` holding no complete checkpoint: what it is (missing,
     a file, one checkpoint's ``step_<N>`` folder, saves cut short) and where checkpoints are (the
-    checkpoint roots found in it, beside it or in its parent, with their steps), or to pass the
-    folder :func:`chunkjax.save_checkpoint` wrote."""
+    checkpoint roots found in it, its parent, or beside it under a similar name, with their steps),
+    or to pass the folder :func:`chunkjax.save_checkpoint` wrote."""
     d = os.path.normpath(os.fspath(directory))
     parent, name = os.path.split(os.path.abspath(d))
     if _STEP_RE.match(name) and os.path.isdir(d):
@@ -411,7 +412,11 @@ def not_found(directory) -> str:
         except OSError:
             names = []
         return [os.path.join(folder, n) for n in names if not _STEP_RE.match(n) and all_steps(os.path.join(folder, n))]
-    found = [r for r in dict.fromkeys(roots(d) + ([parent] if all_steps(parent) else []) + roots(parent))
+    # beside it: only folders named like it (a typo: "checkpoint" for "checkpoints"), not every
+    # run in a shared folder such as /tmp (fresh23, fresh24: other users' runs were suggested)
+    near = difflib.get_close_matches(name, [os.path.basename(r) for r in roots(parent)], n=4, cutoff=0.6)
+    found = [r for r in dict.fromkeys(roots(d) + ([parent] if all_steps(parent) else [])
+                                      + [os.path.join(parent, n) for n in near])
              if os.path.abspath(r) != os.path.abspath(d)][:4]
     where = ("; checkpoints found in " + ", ".join(f"{r} (steps {all_steps(r)})" for r in found)
              + ": pass one of them" if found
