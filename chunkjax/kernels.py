@@ -18,17 +18,16 @@ no fused multiply-add): eager optax on the JAX CPU backend gives the same bits, 
 kernels). Jitted optax fuses a*b+c into FMAs and differs in the last bits, as optax on the GPU may.
 
 The kernels read the gradient as bf16 bits (``np.uint16``) or float32, optionally write the new
-params as bf16 bits (round to nearest even, NaN stays NaN), and release the GIL. Parallel launches
-are serialised by a lock (numba's ``workqueue`` threading layer aborts the process on concurrent
-ones; each launch already uses every numba thread). Imports numpy and numba only (``.optax()``
-imports optax when called): a near-storage worker imports no jax (docs/storage.md, "Worker
-start"). Kernels are compiled once per machine and cached in ``__pycache__`` (numba ``cache=True``).
+params as bf16 bits (round to nearest even, NaN stays NaN), and release the GIL. How they run on the
+threads (jit options, the launch lock, the dynamic division of a chunk): :mod:`chunkjax.kernel_threads`.
+Imports numpy and numba only (``.optax()`` imports optax when called): a near-storage
+worker imports no jax (docs/storage.md, "Worker start"). Kernels are compiled once per machine
+and cached in ``__pycache__`` (numba ``cache=True``).
 """
 from __future__ import annotations
 
 import dataclasses
 import numbers
-import threading
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -36,6 +35,11 @@ import numba
 import numpy as np
 from numba import prange, types
 from numba.extending import overload
+
+from chunkjax.kernel_threads import BLOCK as _BLOCK
+from chunkjax.kernel_threads import LAUNCH_LOCK as _LAUNCH_LOCK
+from chunkjax.kernel_threads import block_range, bounds_threads, claim, guided_bounds, n_blocks
+from chunkjax.kernel_threads import kernel_jit as _jit
 
 #: Master params and moments are float32 (mixed precision rule).
 MASTER_DTYPE = np.dtype(np.float32)
@@ -293,18 +297,6 @@ HostOptimizer = AdamW | Lion | SGDMomentum
 # numba kernels (float32 throughout: every scalar argument is passed as np.float32).
 
 
-def _jit(fn=None, *, parallel=True):
-    """njit with IEEE float semantics, no GIL, numpy error model (x/0 gives inf, not an exception);
-    cached in __pycache__ when a cache location is writable, else compiled per process."""
-    def deco(f):
-        opts = dict(parallel=parallel, nogil=True, fastmath=False, error_model="numpy")
-        try:
-            return numba.njit(cache=True, **opts)(f)
-        except RuntimeError:  # no writable cache location
-            return numba.njit(cache=False, **opts)(f)
-    return deco if fn is None else deco(fn)
-
-
 def _as_f32(x):
     """A gradient element as float32; implemented for numba below."""
     raise NotImplementedError
@@ -334,13 +326,10 @@ def _bf16_round_kernel(x, out):
         out[i] = _bf16_bits_of(x[i])
 
 
-# Each kernel splits the chunk into blocks over the numba threads and runs a per-range loop on each.
-# The loop is specialised on the gradient's dtype (uint16 bf16 bits or float32: a runtime branch
-# outside the loop picks one) and on ``out`` being an array or None (numba compiles a kernel per
-# case, lazily, and prunes the store for None). No flag is tested inside a loop: LLVM vectorised
-# only one case of a loop that tested flags (the others ran 2-3x slower). Loop indices are
-# unsigned so that numba emits no negative-index wraparound, which also blocks vectorisation.
-_BLOCK = 4096
+# Each kernel's threads claim ranges of blocks (chunkjax.kernel_threads) and run a per-range loop on each,
+# specialised on the gradient's dtype (a branch outside the loop) and on ``out`` being None (numba prunes
+# the store). No flag is tested inside a loop (LLVM vectorised only one case of such a loop); unsigned
+# indices: no negative-index wraparound, which also blocks vectorisation.
 
 
 @_jit(parallel=False)
@@ -363,14 +352,18 @@ def _adamw_range(lo, hi, master, m, v, grad, out, grad_scale, hp):
 
 
 @_jit
-def _adamw_kernel(master, m, v, grad_bits, grad_f32, is_bf16, out, grad_scale, hp):
+def _adamw_kernel(master, m, v, grad_bits, grad_f32, is_bf16, out, grad_scale, hp, threads, ctr):
     n = master.size
-    for blk in prange((n + _BLOCK - 1) // _BLOCK):
-        lo, hi = blk * _BLOCK, min(blk * _BLOCK + _BLOCK, n)
-        if is_bf16:
-            _adamw_range(lo, hi, master, m, v, grad_bits, out, grad_scale, hp)
-        else:
-            _adamw_range(lo, hi, master, m, v, grad_f32, out, grad_scale, hp)
+    bounds = guided_bounds(n_blocks(n), threads)
+    for _ in prange(bounds_threads(bounds, threads)):
+        k = claim(ctr)
+        while k < bounds.size - 1:
+            lo, hi = block_range(bounds, k, n)
+            if is_bf16:
+                _adamw_range(lo, hi, master, m, v, grad_bits, out, grad_scale, hp)
+            else:
+                _adamw_range(lo, hi, master, m, v, grad_f32, out, grad_scale, hp)
+            k = claim(ctr)
 
 
 @_jit(parallel=False)
@@ -392,14 +385,18 @@ def _lion_range(lo, hi, master, m, grad, out, grad_scale, hp):
 
 
 @_jit
-def _lion_kernel(master, m, grad_bits, grad_f32, is_bf16, out, grad_scale, hp):
+def _lion_kernel(master, m, grad_bits, grad_f32, is_bf16, out, grad_scale, hp, threads, ctr):
     n = master.size
-    for blk in prange((n + _BLOCK - 1) // _BLOCK):
-        lo, hi = blk * _BLOCK, min(blk * _BLOCK + _BLOCK, n)
-        if is_bf16:
-            _lion_range(lo, hi, master, m, grad_bits, out, grad_scale, hp)
-        else:
-            _lion_range(lo, hi, master, m, grad_f32, out, grad_scale, hp)
+    bounds = guided_bounds(n_blocks(n), threads)
+    for _ in prange(bounds_threads(bounds, threads)):
+        k = claim(ctr)
+        while k < bounds.size - 1:
+            lo, hi = block_range(bounds, k, n)
+            if is_bf16:
+                _lion_range(lo, hi, master, m, grad_bits, out, grad_scale, hp)
+            else:
+                _lion_range(lo, hi, master, m, grad_f32, out, grad_scale, hp)
+            k = claim(ctr)
 
 
 @_jit(parallel=False)
@@ -420,18 +417,19 @@ def _momentum_range(lo, hi, master, trace, grad, out, grad_scale, nesterov, hp):
 
 
 @_jit
-def _momentum_kernel(master, trace, grad_bits, grad_f32, is_bf16, out, grad_scale, nesterov, hp):
+def _momentum_kernel(master, trace, grad_bits, grad_f32, is_bf16, out, grad_scale, nesterov, hp, threads, ctr):
     n = master.size
-    for blk in prange((n + _BLOCK - 1) // _BLOCK):
-        lo, hi = blk * _BLOCK, min(blk * _BLOCK + _BLOCK, n)
-        if is_bf16:
-            _momentum_range(lo, hi, master, trace, grad_bits, out, grad_scale, nesterov, hp)
-        else:
-            _momentum_range(lo, hi, master, trace, grad_f32, out, grad_scale, nesterov, hp)
+    bounds = guided_bounds(n_blocks(n), threads)
+    for _ in prange(bounds_threads(bounds, threads)):
+        k = claim(ctr)
+        while k < bounds.size - 1:
+            lo, hi = block_range(bounds, k, n)
+            if is_bf16:
+                _momentum_range(lo, hi, master, trace, grad_bits, out, grad_scale, nesterov, hp)
+            else:
+                _momentum_range(lo, hi, master, trace, grad_f32, out, grad_scale, nesterov, hp)
+            k = claim(ctr)
 
-
-# Parallel launches are serialised: the 'workqueue' threading layer aborts on concurrent launches.
-_LAUNCH_LOCK = threading.Lock()
 
 # The per-step scalars (the one place they are computed) and the update.
 
@@ -557,14 +555,15 @@ def update_(hyper: StepHyper, master: np.ndarray, moments: tuple[np.ndarray, ...
         return
     is_bf16 = grad.dtype == BF16_BITS_DTYPE
     grads = (grad, np.empty(0, MASTER_DTYPE), True) if is_bf16 else (np.empty(0, BF16_BITS_DTYPE), grad, False)
+    threads, ctr = numba.get_num_threads(), np.zeros(1, np.int64)  # this thread's numba threads; the claims
     with _LAUNCH_LOCK:
         if isinstance(hyper, AdamWStep):
-            _adamw_kernel(master, *moments, *grads, params_bits_out, scale, tuple(hyper))
+            _adamw_kernel(master, *moments, *grads, params_bits_out, scale, tuple(hyper), threads, ctr)
         elif isinstance(hyper, LionStep):
-            _lion_kernel(master, *moments, *grads, params_bits_out, scale, tuple(hyper))
+            _lion_kernel(master, *moments, *grads, params_bits_out, scale, tuple(hyper), threads, ctr)
         else:
             _momentum_kernel(master, *moments, *grads, params_bits_out, scale, bool(hyper.nesterov),
-                             tuple(hyper)[:3])
+                             tuple(hyper)[:3], threads, ctr)
 
 
 def load_adamw_kernels(chunk_sizes=(1, _BLOCK + 1)) -> None:
