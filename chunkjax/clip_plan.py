@@ -156,6 +156,28 @@ def bound_keywords(problem, step) -> dict:
     return {"speculation_params": n, "backup_bytes_per_param": bpp}
 
 
+def planned_bound(problem) -> dict:
+    """:func:`bound_keywords` of a plan whose step is not built (:func:`chunkjax.plan_offload`, the
+    planner CLI on another machine's shapes): the step's default backup pool,
+    :data:`chunkjax.speculate.DEFAULT_BACKUP_BYTES` (the most a run's pool holds: a run gets less on
+    a host with under twice it available, or where the fit path's host check leaves less), in whole
+    chunks by the rollback's rule (:func:`params_within`); unbounded (``None, 0.0``) where nothing
+    speculates: several devices, no host kernel, or one that neither clips by global norm nor skips
+    non-finite steps (``problem.nonfinite``).
+
+    Args:
+      problem: the plan's :class:`chunkjax.fit.FitProblem`.
+    """
+    from chunkjax.nonfinite import skips
+    spec = problem.host_optimizer
+    if problem.n_ranks > 1 or spec is None or (getattr(spec, "max_grad_norm", None) is None
+                                               and not skips(problem.nonfinite)):
+        return {"speculation_params": None, "backup_bytes_per_param": 0.0}
+    from chunkjax.speculate import DEFAULT_BACKUP_BYTES
+    n, bpp = params_within(DEFAULT_BACKUP_BYTES, spec, problem.rollback, problem.cb_rank, problem.layout.chunk_size)
+    return {"speculation_params": n, "backup_bytes_per_param": bpp}
+
+
 def bound_record(bound: dict, chunk_size: int, bound_bytes: int | None, rollback: str | None) -> dict:
     """A report's ``speculation_bound``: the bound (``bound_bytes``, None: the step's default), the
     chunks and parameters it lets speculate (None: unbounded or no speculation), the rollback and

@@ -20,8 +20,10 @@ class FitReport:
 
     Attributes:
       schedule: the :class:`chunkjax.schedule.Schedule` the step runs.
-      budget_bytes: the device budget in force (an ``"auto"`` one after any raise), per rank.
-      requested: the budget as given (``"auto"`` or bytes).
+      budget_bytes: the device budget in force, per rank (bytes): the request resolved (an
+        ``"auto"`` one after any raise; ``"min"``: :func:`chunkjax.fit.min_budget`).
+      requested: the budget as the caller gave it: ``"auto"``, ``"min"`` (:func:`chunkjax.offload`)
+        or bytes.
       effective_budget_bytes: the budget the last plan was made for (below ``budget_bytes`` after
         re-plans).
       headroom: :data:`chunkjax.fit.HEADROOM`.
@@ -79,7 +81,9 @@ class FitReport:
 
 def describe(report: FitReport, problem) -> str:
     """One line: chunks per (params kind, update location), param chunks off the device, the
-    predicted peak against the budget, model data on the device, bytes moved and step time (the
+    predicted peak against the budget (the keyword it was resolved from, if any), model data on the
+    device of the model data in chunks (with padding; :func:`model_bytes_unpadded` beside it, without),
+    bytes moved and step time (the
     report's :attr:`FitReport.predicted_time`; where that is retimed with a speculating step's bound,
     the planner's figure beside it)."""
     s, p = report.schedule, report.schedule.predicted
@@ -87,10 +91,12 @@ def describe(report: FitReport, problem) -> str:
     off = sum(k != "device" for k in s.param_kinds)
     comp = "" if report.compiled is None else f" (compiled {held(report.compiled['peak_bytes'])})"
     ranks = f" per rank x {problem.n_ranks} (ZeRO-{problem.zero_stage})" if problem.zero_stage else ""
-    model = problem.cb_rank.model_bytes(problem.layout.n_chunks)  # one rank's
+    model = problem.cb_rank.model_bytes(problem.layout.n_chunks)  # one rank's, padding included
+    bare = model_bytes_unpadded(problem.cb_rank, problem.layout)
     return (f"plan: {s.counts()}; {off} of {s.n_chunks} param chunks in pinned_host; accounted peak "
-            f"{held(p.peak_device_bytes)}{comp} of budget {held(report.budget_bytes)}{ranks}; model data "
-            f"on device {held(p.device_model_bytes)} of {held(model)}; per step h2d "
+            f"{held(p.peak_device_bytes)}{comp} of budget {held(report.budget_bytes)}{_resolved(report)}{ranks}; "
+            f"model data on device {held(p.device_model_bytes)} of {held(model)} in chunks, with padding "
+            f"({held(bare)} without); per step h2d "
             f"{moved(p.h2d_bytes_per_step)}, d2h {moved(p.d2h_bytes_per_step)}; host "
             f"{held(p.host_bytes)} ({resident_figures(s, problem.cb_rank)}, "
             f"{len(s.master_fetch)} without a compute copy, working set {held(p.host_working_bytes)}: "
@@ -99,6 +105,21 @@ def describe(report: FitReport, problem) -> str:
             + (" (the cost model's GPU rates: a CPU runs far slower)" if problem.platform == "cpu" else "")
             + "".join(f"; {x}" for x in [storage_line(s, problem.storage_dirs, problem.host_budget_bytes),
                                          accumulation_line(s, problem.micro_batches)] if x))
+
+
+def _resolved(report: FitReport) -> str:
+    """Where the budget in force was resolved from a keyword (``"auto"``, ``"min"``): which one."""
+    return f" (resolved from {report.requested!r})" if isinstance(report.requested, str) else ""
+
+
+def model_bytes_unpadded(cb, layout) -> int:
+    """Model data of ``layout``'s parameters without the chunks' padding (bytes): each chunk's
+    bytes in ``cb`` (a :class:`chunkjax.predict.ChunkBytes`: compute params, master params and
+    optimizer state of a trainable chunk, a frozen one's params) times its share of real elements
+    (``layout.chunk_used / chunk_size``). :meth:`~chunkjax.predict.ChunkBytes.model_bytes` is the
+    same with the padding (whole chunks): the figure the planner places."""
+    per, frozen = cb.params + cb.state, dict(cb.frozen)
+    return sum(used * frozen.get(c, per) // layout.chunk_size for c, used in enumerate(layout.chunk_used))
 
 
 def _bounded(report: FitReport) -> str:

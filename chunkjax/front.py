@@ -40,6 +40,7 @@ from chunkjax.fit_batch import batch_rows
 from chunkjax.front_checkpoint import OffloadedChunkIO
 from chunkjax.memory import DEVICE
 from chunkjax.nonfinite import raise_if_nonfinite
+from chunkjax.offload_plan import OffloadPlan
 from chunkjax.released import ReleasedParam, ReleasedParamsError, is_released, trim_host_heap
 from chunkjax.schedule import DEVICE_UPDATE, NO_UPDATE
 from chunkjax.step_commit import interrupts_deferred, recover
@@ -334,35 +335,6 @@ def _optimizer_kw(tx) -> dict:
                     "spec (chunkjax.host_update.AdamW(...)) for updates on the host")
 
 
-@dataclasses.dataclass(frozen=True)
-class OffloadPlan:
-    """What :func:`plan_offload` found and planned for a model (nothing allocated or compiled).
-
-    Attributes:
-      discovery: the :class:`chunkjax.discover.Discovery` (stages, flat parameter keys).
-      problem: the :class:`chunkjax.fit.FitProblem` (layout, stage traces, FLOPs, rates).
-      schedule: the :class:`chunkjax.Schedule` planned for ``budget_bytes`` (None: no budget given).
-      budget_bytes: the per-rank device budget planned for (bytes; None without a budget).
-    """
-
-    discovery: Discovery
-    problem: Any
-    schedule: Any
-    budget_bytes: int | None
-
-    def summary(self) -> str:
-        """One line: stages, chunks, the plan's counts, predicted peak and step."""
-        names = [s.name for s in self.discovery.stages]
-        lay = self.problem.layout
-        head = (f"{len(names)} stages ({names[0]} .. {names[-1]}), {lay.n_chunks} chunks of {lay.chunk_size} "
-                f"elements; {self.problem.flops_per_step / 1e12:.1f} TFLOP per step")
-        if self.schedule is None:
-            return head
-        p = self.schedule.predicted
-        return (f"{head}; plan {self.schedule.counts()}; accounted peak {p.peak_device_bytes / 2**20:.1f} MiB of "
-                f"{self.budget_bytes / 2**20:.1f} MiB; predicted step {p.time.step_s * 1e3:.1f} ms")
-
-
 def _discover(model, loss_fn, batch, *, wrt, blocks, compute_dtype, abstract_ok: bool):
     """Discovery of ``model`` (an abstract one's non-parameter state replaced by zeros of its
     shapes: planning reads shapes only) and its parameter leaves."""
@@ -438,7 +410,8 @@ def plan_offload(model, tx, loss_fn, batch, *, device_budget: int | str | None =
         flops_per_step, rates, check_host, cross_step, ...).
 
     Returns:
-      an :class:`OffloadPlan`.
+      an :class:`chunkjax.offload_plan.OffloadPlan` (``budget_bytes`` the budget resolved,
+      ``requested`` as given; ``summary()`` in the terms of the built step's).
 
     Raises:
       TypeError, ValueError, chunkjax.PlanError: as :func:`offload` (a misspelt keyword: one
@@ -453,8 +426,9 @@ def plan_offload(model, tx, loss_fn, batch, *, device_budget: int | str | None =
     if device_budget is None:
         return OffloadPlan(d, problem, None, None)
     budget = resolve_budget(device_budget) if not smallest else min_budget(problem, policy=policy)
+    requested = "min" if smallest else budget  # as given: a keyword, else the bytes
     budget = auto_budget(problem, policy=policy) if budget == "auto" else budget
-    return OffloadPlan(d, problem, plan(problem, budget, policy=policy), int(budget))
+    return OffloadPlan(d, problem, plan(problem, budget, policy=policy), int(budget), requested)
 
 
 def offload(model, tx, loss_fn, batch, *, device_budget: int | str = "auto", host_budget: Any = "auto",
@@ -543,6 +517,8 @@ def offload(model, tx, loss_fn, batch, *, device_budget: int | str = "auto", hos
                        zero_stage, fit_kw)
     fitted = fit_problem(problem, min_budget(problem, policy=policy) if smallest else device_budget, policy=policy,
                          **fit_args)
+    if smallest:  # the report's request is what was asked; its budget_bytes the bytes "min" resolved to
+        fitted = fitted._replace(report=dataclasses.replace(fitted.report, requested="min"))
     state = fitted.step.init(_leaf_source(d, leaves, fitted.step.layout))
     del leaves
     out = OffloadedStep(d, fitted, state, d.example)

@@ -92,6 +92,18 @@ _MSG_UPDATE = ("device budget {budget} bytes is below the {need} bytes one chunk
                "{cs} elements): use a device budget >= {need} bytes or a smaller chunk_size")
 _WHY_ACT = "; activations alone exceed the budget"
 _FIX_ACT = " or lower the batch / sequence length (activations are checkpointed per block)"
+#: Where the bytes that do not shrink with the batch (chunk buffers, gradients) exceed the budget: only
+#: the budget named helps (a 1-byte budget was told to lower the batch); {0}: ``_WHY_ACT`` or "".
+_WHY_MODEL = "{0}; the chunk buffers alone ({1} bytes) exceed the budget at any batch size"
+
+
+def _hint(budget: int, act: int, model: int) -> tuple[str, str, bool]:
+    """``(why, fix, activations_alone)`` of an infeasible budget with ``act`` non-model bytes and
+    ``model`` bytes that no batch lowers: lowering the batch is suggested only where these fit."""
+    alone = act > budget
+    if budget < model:
+        return _WHY_MODEL.format(_WHY_ACT if alone else "", model), "", alone
+    return (_WHY_ACT, _FIX_ACT, alone) if alone else ("", "", alone)
 
 
 def fetch_events(traces, placement: Placement, prefetch: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -275,9 +287,10 @@ def _tide_infeasible(one, offloaded_fits, n_chunks: int, tide: Tide, cb: pr.Chun
     if s is not None and budget >= hi and host_budget is not None:
         raise _host_error(host_budget, host_bytes(s) // ranks, hi, ranks)
     act = tide.peak_non_model_bytes
-    alone = act > budget
-    msg = _MSG_OFFLOADED_INFEASIBLE.format(budget=budget, need=hi, act=act, why=_WHY_ACT if alone else "",
-                                           need_size=format_bytes(hi, up=True), fix=_FIX_ACT if alone else "")
+    # need - act <= the most model bytes of any moment (the bisection's tolerance off): no batch fits below it
+    why, fix, alone = _hint(budget, act, hi - act - max(1, cb.params // 64))
+    msg = _MSG_OFFLOADED_INFEASIBLE.format(budget=budget, need=hi, act=act, why=why,
+                                           need_size=format_bytes(hi, up=True), fix=fix)
     raise PlanError(msg, hi, alone)
 
 
@@ -317,10 +330,9 @@ def _fixed(layout, traces, tide, cb, budget, prefetch, rates, flops) -> Schedule
     need = peak(pk, sk)
     if need > budget:
         act = sum(t.input_bytes for t in traces[1:]) + max(t.temp_bytes for t in traces)
-        alone = act > budget
-        msg = _MSG_FIXED_INFEASIBLE.format(budget=budget, need=need, act=act, buf=need - act,
-                                           why=_WHY_ACT if alone else "", need_size=format_bytes(need, up=True),
-                                           fix=_FIX_ACT if alone else "")
+        why, fix, alone = _hint(budget, act, need - act)
+        msg = _MSG_FIXED_INFEASIBLE.format(budget=budget, need=need, act=act, buf=need - act, why=why,
+                                           need_size=format_bytes(need, up=True), fix=fix)
         raise PlanError(msg, need, alone)
     for kinds in (pk, sk):
         for c in range(n):

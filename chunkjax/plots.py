@@ -2,7 +2,7 @@
 
 Each function takes what the fit path gives (a :class:`chunkjax.fit.Fitted` from
 :func:`chunkjax.fit_step` or the step of :func:`chunkjax.offload`, its :class:`~chunkjax.fit.FitReport`, the
-:class:`~chunkjax.front.OffloadPlan` of :func:`chunkjax.plan_offload`, a
+:class:`~chunkjax.offload_plan.OffloadPlan` of :func:`chunkjax.plan_offload`, a
 :class:`~chunkjax.fit.FitProblem` from :func:`chunkjax.fit.prepare`, a
 :class:`~chunkjax.schedule.Schedule` from :func:`chunkjax.fit.plan`) and returns a
 ``matplotlib.figure.Figure`` (made without pyplot, so nothing global is kept; ``path=`` also
@@ -53,7 +53,7 @@ def _parts(obj, schedule=None):
     """(problem or None, schedule or None, budget in force or None) of a Fitted, FitReport,
     OffloadPlan, FitProblem or Schedule; ``schedule`` overrides the one found."""
     from chunkjax.fit import FitProblem, FitReport, Fitted
-    from chunkjax.front import OffloadPlan
+    from chunkjax.offload_plan import OffloadPlan
 
     problem = budget = found = None
     if isinstance(obj, Fitted) or (isinstance(getattr(obj, "report", None), FitReport)

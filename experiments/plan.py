@@ -15,7 +15,9 @@ update locations, the placement in bytes per memory kind).
 The plan is the one fit path's, on abstract shapes: :func:`chunkjax.fit.prepare` (first-use
 order, layout, stage traces; no devices, no compile of the step, this machine's host memory not
 checked) then :func:`chunkjax.fit.plan` (``chunkjax.plan_schedule``, policy ``"tide"``) with the
-host AdamW kernel (offloaded chunks update in place on the host, overlapping the backward pass).
+host AdamW kernel (offloaded chunks update in place on the host, overlapping the backward pass;
+``--max-grad-norm`` makes it clip by global norm, and ``--clip-expect`` (default ``auto``: ``fires``
+with clipping, else ``rare``, the rule of :func:`chunkjax.offload`) says what the step is timed for).
 ``--compute-dtype`` (default ``auto``: what the API does with the same model, an NNX model's params
 dtype as :func:`chunkjax.offload`, else bfloat16 as :func:`chunkjax.fit.prepare`), ``--micro-batches``
 and ``--storage`` (the disk tier's directories, with ``--host-budget``) are :func:`chunkjax.fit.prepare`'s,
@@ -416,6 +418,25 @@ def model_bytes_per_param(inp) -> int:
     return jnp.dtype(inp.problem.compute_dtype).itemsize + 12
 
 
+def with_clipping(inp: PlanInputs, clip_expect: str = "auto", max_grad_norm: float | None = None) -> PlanInputs:
+    """``inp`` planned for the run's clipping: its host AdamW (and the device chunks' optax twin)
+    clipping by global norm at ``max_grad_norm`` (None: not clipping), and the clipping the plan
+    expects resolved by the fit path's rule (:func:`chunkjax.clip_plan.resolve`: ``"auto"`` is
+    ``"fires"`` with clipping, else ``"rare"``, as :func:`chunkjax.offload` resolves it for a host spec).
+
+    Raises:
+      ValueError: ``max_grad_norm`` not positive, an unknown ``clip_expect`` (one line).
+    """
+    from chunkjax.clip_plan import resolve
+    spec = inp.problem.host_optimizer
+    if max_grad_norm is not None:
+        if not max_grad_norm > 0:
+            raise ValueError(f"--max-grad-norm {max_grad_norm}: give a global norm > 0, or leave it out for no clipping")
+        spec = dataclasses.replace(spec, max_grad_norm=float(max_grad_norm))
+    return dataclasses.replace(inp, problem=dataclasses.replace(inp.problem, host_optimizer=spec, tx=spec.optax(),
+                                                                clip_expect=resolve(clip_expect, spec)))
+
+
 def plots_dir(path: str) -> None:
     """Create ``--plots``' directory ``path`` (and its parents) before planning.
 
@@ -565,8 +586,9 @@ def figures(s, device_budget: int, host_budget: int | None, chunk_size: int) -> 
 
 def if_clipped(problem, sched) -> dict | None:
     """The report's ``if_clipped``: the step of a ``"rare"`` plan (``problem.clip_expect``, one device)
-    if its host kernel clipped by global norm. The planner CLI plans with an unclipped AdamW, whose
-    host chunks update as their gradients complete (the table's step); a clipped step speculates
+    if its host kernel clipped by global norm. The planner CLI plans with an AdamW unclipped unless
+    ``--max-grad-norm``, timed with every host chunk updating as its gradient completes (the
+    table's step); a clipped step speculates
     (:mod:`chunkjax.speculate`) only within its bound: here the step's default backup pool,
     :data:`chunkjax.speculate.DEFAULT_BACKUP_BYTES` (no step is built: the run's machine is not this
     one; a run gets at most that, less on a host with under twice it available or where the fit
@@ -629,6 +651,7 @@ def plan_report(model: str, device_budget: int, host_budget: int | None, batch: 
     out.update({"model": inp.name, "n_params": inp.n_params, "batch": inp.batch, "seq": inp.seq,
                 "host_budget_bytes": host_budget, "model_bytes": model_bytes_per_param(inp) * inp.n_params,
                 "model_bytes_per_param": model_bytes_per_param(inp),
+                "model_chunk_bytes": inp.problem.model_chunk_bytes,  # model_bytes with the chunks' padding
                 "peak_non_model_bytes": inp.tide.peak_non_model_bytes, "n_moments": len(inp.tide.moments),
                 "first_backward_moment": len(inp.traces), "tide_source": inp.tide_source,
                 "rates_source": inp.rates_source, "rates": dataclasses.asdict(inp.rates),
@@ -686,6 +709,19 @@ def _where(t: dict, k: float) -> str:
             f"{t['device_update_s'] * k:.3f}" + (f" + {other[0]} {other[1] * k:.3f}" if other[1] else ""))
 
 
+def _model_data(r: dict, B: float, bu: str) -> str:
+    """The header's model data: the parameters' own (``model_bytes``) and, labelled, the chunks'
+    with their padding (``model_chunk_bytes``, the figure chunkjax.offload's summary gives)."""
+    return (f"model data {r['model_bytes'] / B:.2f} {bu} ({r['model_bytes_per_param']} B/param; "
+            f"{r['model_chunk_bytes'] / B:.2f} {bu} in chunks, with padding)")
+
+
+def _resolved(r: dict) -> str:
+    """The keyword the report's device budget was resolved from (``device_budget_requested``), if any."""
+    asked = r.get("device_budget_requested")
+    return f" (resolved from {asked!r})" if isinstance(asked, str) else ""
+
+
 def _summary_zero(r: dict) -> str:
     """The readable form of a ZeRO :func:`plan_report` (``n_ranks`` > 1)."""
     big = r["device_budget_bytes"] >= 2**30
@@ -698,11 +734,11 @@ def _summary_zero(r: dict) -> str:
                        f"{c.split('/')[1][len('update_'):]}" for c, v in r["placement_counts"].items())
     fb = r["first_backward_moment"]
     return "\n".join([
-        f"{r['model']}: N={param_count(r['n_params'])}, model data {r['model_bytes'] / B:.2f} {bu} ({r['model_bytes_per_param']} B/param), "
+        f"{r['model']}: N={param_count(r['n_params'])}, {_model_data(r, B, bu)}, "
         f"{r['n_chunks']} chunks x {r['chunk_size']} elements, each split over {n} ranks",
         f"ZeRO-{r['zero_stage']} over {n} ranks (planned on abstract shapes, no devices used); global batch "
         f"{r['batch']}x{r['seq']} = {r['batch_per_rank']}x{r['seq']} per rank",
-        f"device budget {r['device_budget_bytes'] / B:.2f} {bu} per GPU, host budget {hb}",
+        f"device budget {r['device_budget_bytes'] / B:.2f} {bu} per GPU{_resolved(r)}, host budget {hb}",
         f"tide (per rank): peak non-model {r['peak_non_model_bytes'] / B:.2f} {bu} over {r['n_moments']} moments, "
         f"{r['tide_source']}; rates {r['rates_source']}",
         "",
@@ -732,9 +768,9 @@ def summary(r: dict) -> str:
     bu, B, du, D = ("GiB", 2**30, "GB", 1e9) if big else ("MiB", 2**20, "MB", 1e6)
     tu, k = _time_unit(r["predicted_step_s"])
     hb = "unbounded" if r["host_budget_bytes"] is None else f"{r['host_budget_bytes'] / B:.2f} {bu}"
-    lines = [f"{r['model']}: N={param_count(r['n_params'])}, model data {r['model_bytes'] / B:.2f} {bu} "
-             f"({r['model_bytes_per_param']} B/param), {r['n_chunks']} chunks x {r['chunk_size']} elements; batch {r['batch']}x{r['seq']}",
-             f"device budget {r['device_budget_bytes'] / B:.2f} {bu}, host budget {hb}",
+    lines = [f"{r['model']}: N={param_count(r['n_params'])}, {_model_data(r, B, bu)}, {r['n_chunks']} chunks x "
+             f"{r['chunk_size']} elements; batch {r['batch']}x{r['seq']}",
+             f"device budget {r['device_budget_bytes'] / B:.2f} {bu}{_resolved(r)}, host budget {hb}",
              f"tide: peak non-model {r['peak_non_model_bytes'] / B:.2f} {bu} over {r['n_moments']} moments, "
              f"{r['tide_source']}; rates {r['rates_source']}",
              "",
@@ -771,7 +807,8 @@ def _clipped_line(c: dict | None, tu: str, k: float) -> list[str]:
     b = c["speculation_bound"]
     return [f"with clipping (rare): speculation within the default backup pool ({b['bytes'] / 2**30:.2f} GiB: "
             f"{min(b['chunks'], c['host_chunks'])} of {c['host_chunks']} host chunks), predicted step "
-            f"{c['predicted_step_s'] * k:.3f} {tu}; the table's step is without clipping"]
+            f"{c['predicted_step_s'] * k:.3f} {tu}; the table's step is the planner's, every host chunk speculating "
+            "(as without clipping)"]
 
 
 def param_count(n: int) -> str:
@@ -810,10 +847,15 @@ def main(argv=None) -> int:
     ap.add_argument("--measured-rates", action="store_true", help="with --tide-from: the rates that run ran at "
                     "(the host kernel's inside its step: chunkjax.cost.Rates.from_record), not its start-up "
                     "calibration, so the plan's step time can be checked against its measured one")
-    ap.add_argument("--clip-expect", choices=("rare", "fires"), default="rare",
-                    help="time the step for global-norm clipping that rarely fires (default: host updates overlap "
-                         "the backward, as without clipping) or that fires on most steps (they start when the norm "
-                         "is known; more chunks stream through the device): chunkjax.clip_plan")
+    ap.add_argument("--max-grad-norm", type=float, default=None, metavar="NORM",
+                    help="the planned host AdamW clips gradients to this global L2 norm, as a host spec's "
+                         "max_grad_norm (chunkjax.host_update.AdamW; default: no clipping, as experiments/bench.py)")
+    ap.add_argument("--clip-expect", choices=("auto", "fires", "rare"), default="auto",
+                    help="time the step for global-norm clipping that fires on most steps (fires: host updates "
+                         "start when the norm is known; more chunks stream through the device) or rarely (rare: "
+                         "host updates overlap the backward, as without clipping); default auto: fires with "
+                         "--max-grad-norm, else rare, the rule chunkjax.offload and chunkjax.fit_step apply to a "
+                         "host spec (chunkjax.clip_plan.resolve)")
     ap.add_argument("--ranks", type=int, default=1,
                     help="GPUs of one node the step is split over with ZeRO (default 1: one device, no ZeRO)")
     ap.add_argument("--zero-stage", type=int, default=None, help="ZeRO stage 1, 2 or 3 with --ranks > 1 (default 3)")
@@ -845,13 +887,15 @@ def main(argv=None) -> int:
                       warn=lambda m: print(f"note: {m}", file=sys.stderr), n_ranks=a.ranks,
                       measured_rates=a.measured_rates, **step_options(a.compute_dtype, a.micro_batches, a.storage),
                       **({"host_budget": host} if a.storage else {}))  # the disk tier plans with a host budget
-        inp = dataclasses.replace(inp, problem=dataclasses.replace(inp.problem, clip_expect=a.clip_expect))
+        inp = with_clipping(inp, a.clip_expect, a.max_grad_norm)
+        asked = budget  # as given: "min" or bytes (the report's device_budget_requested)
         if budget == "min":  # the least device budget a run can be given: chunkjax.offload's "min"
             from chunkjax.fit import min_budget
             budget = min_budget(plan_problem(inp, host, a.prefetch, a.zero_stage))
         r = plan_report(a.model, budget, host, inp.batch, inp.seq, a.prefetch, inputs=inp, n_ranks=a.ranks,
                         zero_stage=a.zero_stage)
-        r["plan_s"], r["clip_expect"] = time.time() - t0, a.clip_expect
+        r["plan_s"], r["clip_expect"], r["max_grad_norm"] = time.time() - t0, inp.problem.clip_expect, a.max_grad_norm
+        r["device_budget_requested"] = asked
         if a.plots:
             from chunkjax import plots
             r["plots"] = {k: str(v) for k, v in plots.save_figures(

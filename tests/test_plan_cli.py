@@ -168,7 +168,8 @@ def test_a_rare_plans_step_with_clipping_is_retimed_with_the_default_bound(capsy
     assert json.loads(capsys.readouterr().out)["if_clipped"] == c
     assert plan.main(MICRO + ["--device-budget", "3MiB"]) == 0
     assert (f"with clipping (rare): speculation within the default backup pool (16.00 GiB: {n_host} of {n_host} "
-            f"host chunks), predicted step {want * 1e6:.3f} us; the table's step is without clipping"
+            f"host chunks), predicted step {want * 1e6:.3f} us; the table's step is the planner's, every host chunk "
+            "speculating (as without clipping)"
             in capsys.readouterr().out)
     assert plan.if_clipped(dataclasses.replace(problem, clip_expect="fires"), sched) is None
     micro = plan.if_clipped(dataclasses.replace(problem, micro_batches=2), sched)
@@ -609,6 +610,9 @@ def test_device_budget_spellings_are_the_front_doors(capsys):
     assert plan.main(MICRO + ["--device-budget", "min", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["feasible"] and r["device_budget_bytes"] == math.ceil(need / HEADROOM) > need
+    assert r["device_budget_requested"] == "min"  # the request as given, the bytes it resolved to beside it
+    assert plan.main(MICRO + ["--device-budget", "min"]) == 0
+    assert f"device budget {r['device_budget_bytes'] / 2**20:.2f} MiB (resolved from 'min')" in capsys.readouterr().out
     assert r["predicted_peak_device_bytes"] <= r["device_budget_bytes"]
     assert plan.main(MICRO + ["--device-budget", "auto"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -648,7 +652,7 @@ def test_cli_plans_what_offload_plans_for_an_fp32_model(user_model, capsys):
     assert (r["model_bytes_per_param"], bf16["model_bytes_per_param"]) == (16, 14)
     assert r["model_bytes"] == 16 * r["n_params"] and bf16["model_bytes"] == 14 * bf16["n_params"]
     assert plan.main(args[:-1] + ["--device-budget", str(budget)]) == 0
-    assert "(16 B/param)" in capsys.readouterr().out
+    assert "(16 B/param; " in capsys.readouterr().out
 
 
 def test_cli_micro_batches_and_storage_plan_as_fit_does(user_model, tmp_path, capsys):
@@ -706,3 +710,72 @@ def test_parameter_count_is_written_in_the_fields_units():
     """The plan CLI's header wrote a 921,216-parameter model as ``N=0.000921B`` (a fresh user's report)."""
     from experiments.plan import param_count
     assert [param_count(n) for n in (921_216, 6_160_057_344, 1_300_000, 12)] == ["921K", "6.16B", "1.3M", "12"]
+
+
+def test_model_data_header_says_which_figure_is_padded(user_model, capsys):
+    """The CLI printed "model data 0.01 MiB" and chunkjax.offload's summary another figure for one
+    model, neither saying which is which (session 24's trial). Right: the header gives the
+    parameters' own bytes and, labelled, the chunks' with their padding, the figure plan_offload's
+    problem places (``model_chunk_bytes``, a new key beside ``model_bytes``)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import chunkjax as cj
+    from chunkjax.host_update import AdamW
+
+    args = ["--model", "my_user_model:make_nnx", "--batch", "2", "--seq", "16", "--device-budget", "min"]
+    assert plan.main(args + ["--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    p = cj.plan_offload(nnx.eval_shape(lambda: user_model.TinyNNX(nnx.Rngs(0))), AdamW(1e-4, weight_decay=1e-4),
+                        user_model.nnx_loss, jax.ShapeDtypeStruct((2, 17), jnp.int32))
+    assert r["model_chunk_bytes"] == p.problem.model_chunk_bytes > r["model_bytes"] == 16 * r["n_params"]
+    assert plan.main(args) == 0
+    out = capsys.readouterr().out
+    assert (f"model data {r['model_bytes'] / 2**20:.2f} MiB (16 B/param; {r['model_chunk_bytes'] / 2**20:.2f} MiB in "
+            "chunks, with padding)") in out, out
+
+
+def test_clip_expect_defaults_to_the_front_doors_rule(user_model, capsys, monkeypatch):
+    """The CLI planned ``--clip-expect rare`` by default while chunkjax.offload plans ``"fires"`` for a
+    host spec that clips (its ``clip_expect="auto"``, the documented default). Right: ``auto`` here
+    too, with ``--max-grad-norm`` for a clipping host AdamW: the CLI's plan is then the fit path's for
+    that spec (fires), ``rare`` on request; the --help states the default."""
+    import jax.numpy as jnp
+
+    from chunkjax import fit
+    from chunkjax.host_update import AdamW
+
+    monkeypatch.setenv("COLUMNS", "1000")  # argparse's help on one line per option (no wrap at a hyphen)
+    with pytest.raises(SystemExit):
+        plan.main(["--help"])
+    assert "default auto: fires with --max-grad-norm, else rare" in capsys.readouterr().out
+    stages, params, batch = user_model.make(2, 16)
+    args = ["--model", "my_user_model:make", "--batch", "2", "--seq", "16", "--json"]
+    for norm, ask, want in ((None, [], "rare"), (1.0, [], "fires"), (1.0, ["--clip-expect", "rare"], "rare")):
+        spec = AdamW(1e-4, weight_decay=1e-4, max_grad_norm=norm)
+        problem = fit.prepare(stages, params, batch, host_optimizer=spec, compute_dtype=jnp.bfloat16, host_budget=None,
+                              check_host=False, **({"clip_expect": ask[1]} if ask else {}))
+        assert problem.clip_expect == want
+        budget = fit.min_budget(problem) + problem.model_chunk_bytes // 2
+        flags = ["--max-grad-norm", str(norm)] if norm else []
+        assert plan.main(args + flags + ask + ["--device-budget", str(budget)]) == 0
+        r = json.loads(capsys.readouterr().out)
+        assert (r["clip_expect"], r["max_grad_norm"]) == (want, norm)
+        assert r["schedule"] == fit.plan(problem, budget).to_dict()
+        assert (r["if_clipped"] is None) == (want == "fires")
+    assert plan.main(args + ["--max-grad-norm", "0", "--device-budget", "1MiB"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--max-grad-norm 0.0: give a global norm > 0" in err[0], err
+
+
+def test_a_budget_below_the_chunk_buffers_names_the_least_budget_not_the_batch(capsys):
+    """``--device-budget 1`` said "... or lower the batch": no batch fits 1 byte. Right: one line
+    naming the least budget (``min_device_budget_bytes``, in the unit that fits it), which plans."""
+    from chunkjax.errors import format_bytes
+    assert plan.main(MICRO + ["--device-budget", "1", "--json"]) == 2
+    cap = capsys.readouterr()
+    need, err = json.loads(cap.out)["min_device_budget_bytes"], cap.err.strip().splitlines()
+    assert len(err) == 1 and "lower the batch" not in err[0] and "chunk buffers alone" in err[0], err
+    assert err[0].endswith(f">= {format_bytes(need, up=True)}"), err
+    assert plan.main(MICRO + ["--device-budget", format_bytes(need, up=True), "--json"]) == 0
