@@ -42,7 +42,7 @@ from chunkjax.loss_weight import check_scalar_loss
 from chunkjax.nonfinite import skips as nonfinite_skips
 from chunkjax.optim import check_elementwise, refuse_masks, state_bytes_per_chunk
 from chunkjax.plan import plan_schedule
-from chunkjax.plan_micro import passes_of, plan_micro_batches
+from chunkjax.plan_micro import passes_of, plan_micro_batches, resolve_unroll
 from chunkjax.plan_remat import remat_plan
 from chunkjax.remat import remat_figures
 from chunkjax.predict import ChunkBytes, chunk_bytes, device_model_bytes, update_phase_bytes
@@ -205,7 +205,7 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
             zero_stage: int = 0, flops_per_step: float | None = None, rates: Rates | None = None,
             host_budget="auto", device_budget=None, check_host: bool = True, check_tx: bool = True,
             trainable=None, storage=None, cross_step: bool = True, remat: str = "full",
-            remat_names=(), unroll_micro_batches: bool = False, clip_expect: str = "auto") -> FitProblem:
+            remat_names=(), unroll_micro_batches: bool | str = "auto", clip_expect: str = "auto") -> FitProblem:
     """Layout and traces for a step (no allocation; the budget comes later).
 
     Args:
@@ -249,7 +249,9 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
         each step joins all of the previous step's host work.
       remat, remat_names: kept activations (:attr:`FitProblem.remat`; e.g. ``"auto"``, ``models.gpt.REMAT_NAMES``).
       unroll_micro_batches: with ``micro_batches`` > 1, an in-program plan's loops traced
-        unrolled (:attr:`FitProblem.unroll_micro_batches`).
+        unrolled (:attr:`FitProblem.unroll_micro_batches`); ``"auto"`` (default) unrolls up to
+        :data:`chunkjax.plan_micro.UNROLL_AUTO_MAX_MICRO_BATCHES` micro-batches
+        (:func:`chunkjax.plan_micro.resolve_unroll`).
       clip_expect: ``"auto"`` (``"fires"`` when ``host_optimizer`` clips by global norm, else
         ``"rare"``), ``"fires"`` or ``"rare"``: the clipping the plan times the step for
         (:mod:`chunkjax.clip_plan`: whether host updates overlap the backward or start at its end).
@@ -278,6 +280,7 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
                          "or neither")
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, numbers.Integral) or micro_batches < 1:
         raise ValueError(f"micro_batches={micro_batches!r}: pass an int >= 1 (1: no accumulation)")
+    unroll_micro_batches = resolve_unroll(unroll_micro_batches, micro_batches)
     n_ranks = 1 if mesh is None else int(mesh.size)
     if callable(params):
         params = jax.eval_shape(params)
@@ -328,7 +331,7 @@ def prepare(stages, params, batch, *, tx=None, host_optimizer=None, compute_dtyp
                       float(flops_per_step) / n_ranks, rates or Rates(),
                       None if host_budget is None else int(host_budget), platform, storage,
                       *(disk_capacity(storage) if storage else (0, None)), bool(cross_step), remat, tuple(remat_names),
-                      bool(unroll_micro_batches), clip_expect)
+                      unroll_micro_batches, clip_expect)
 
 
 # ---- the one planning call -------------------------------------------------------------------

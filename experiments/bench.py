@@ -12,8 +12,9 @@ Baseline knobs (``--set``): ``maxtext_donate=false`` (no state donation in maxte
 ``zero_grads_to_host=false`` (zero_offload_style's gradients leave the program in device memory
 and are copied afterwards). chunkjax knobs (``experiments.bench_chunkjax.run_chunkjax``):
 ``micro_batches=4``, ``max_grad_norm=1.0``, ``cross_step=0`` (the joined step), ``segments=N``,
-``unroll_micro_batches=1`` (an in-program plan's micro-batch loops traced unrolled and timed so:
-``chunkjax.schedule.Schedule.unroll_micro_batches``). ``BENCH_KEEP_TRACE_DIR=<dir>`` in the environment keeps each system's
+``unroll_micro_batches=1`` / ``=0`` (an in-program plan's micro-batch loops traced unrolled and timed
+so, or while loops: ``chunkjax.schedule.Schedule.unroll_micro_batches``; default ``"auto"``: unrolled
+up to ``chunkjax.plan_micro.UNROLL_AUTO_MAX_MICRO_BATCHES``). ``BENCH_KEEP_TRACE_DIR=<dir>`` in the environment keeps each system's
 profiler trace (``<system>_<model>_b<batch>.perfetto_trace.json.gz``) for inspection.
 
 The driver runs the matmul-rate probe in its own subprocess, then every system in its own

@@ -33,7 +33,7 @@ class ChunkjaxSystem:
                  segments="auto", host_update: bool = True, prefetch: int = 1, zero_stage: int = 0,
                  init: str = "leafwise", max_grad_norm: float | None = None, micro_batches: int = 1,
                  storage=None, host_budget="auto", cross_step: bool = True, remat: str = "full",
-                 unroll_micro_batches: bool = False, clip_expect: str = "auto", chunk_size: int | None = None,
+                 unroll_micro_batches: bool | str = "auto", clip_expect: str = "auto", chunk_size: int | None = None,
                  compiled_margin: int = 0, rates_from: str | None = None, rollback: str = "backup",
                  turn_cut: bool = True):
         import jax
@@ -306,6 +306,12 @@ def in_step_host_rate(rates, record):
                                host_update_loaded_s_per_param=0.0)
 
 
+def _unroll_arg(value):
+    """``--set unroll_micro_batches=`` as ``fit.prepare`` takes it: 1 / 0 (JSON ints or bools) as
+    True / False, ``"auto"`` (the default) as is."""
+    return value if isinstance(value, str) else bool(int(value))
+
+
 def run_chunkjax(args) -> dict:
     """Measure chunkjax for ``args`` (model, batch, seq, steps, seed, budget_bytes, compile_only);
     returns the record of :func:`experiments.measure.measure_system` plus the schedule's
@@ -322,7 +328,7 @@ def run_chunkjax(args) -> dict:
                           storage=_storage(args), host_budget=getattr(args, "host_budget", "auto"),
                           cross_step=bool(int(getattr(args, "cross_step", 1))),
                           remat=getattr(args, "remat", "full"),
-                          unroll_micro_batches=bool(int(getattr(args, "unroll_micro_batches", 0))),
+                          unroll_micro_batches=_unroll_arg(getattr(args, "unroll_micro_batches", "auto")),
                           clip_expect=str(getattr(args, "clip_expect", "auto")),
                           chunk_size=int(getattr(args, "chunk_size", 0) or 0) or None,  # --set chunk_size=N
                           compiled_margin=int(float(getattr(args, "compiled_margin", 0) or 0)),  # --set compiled_margin=5.8e9

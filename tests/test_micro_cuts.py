@@ -216,3 +216,29 @@ def test_micro_batches_with_forward_cuts_equal_optax(setup, clipped, speculate_a
     assert looped.passes == 1
     _assert_same(layout.n_chunks, (s_on, l_on), _run(looped, params, batches))
     assert seen and set(seen) == {1}, seen
+
+
+def test_unroll_auto_resolves_by_micro_batch_count_and_bad_values_say_what_to_pass():
+    """``unroll_micro_batches="auto"`` (fit.prepare's default) unrolls 2-4 micro-batches and loops more;
+    True / False stay as given; anything else is one line naming the choices."""
+    from chunkjax.plan_micro import UNROLL_AUTO_MAX_MICRO_BATCHES, resolve_unroll
+    assert UNROLL_AUTO_MAX_MICRO_BATCHES == 4
+    assert [resolve_unroll("auto", m) for m in (1, 2, 3, 4, 5, 8, 64)] == [False, True, True, True, False, False, False]
+    assert resolve_unroll(True, 8) and not resolve_unroll(False, 2) and resolve_unroll(1, 8)
+    for bad in ("yes", "AUTO", 2, None, 0.5):
+        with pytest.raises(ValueError, match="unroll_micro_batches=.*use True, False or 'auto'"):
+            resolve_unroll(bad, 4)
+
+
+def test_prepare_default_unrolls_four_micro_batches_and_loops_eight(setup):
+    from chunkjax import fit
+    cfg, params, batches, stages = setup[:4]
+    kw = dict(host_optimizer=AdamW(3e-3), compute_dtype=jnp.float32, min_chunks=6, rates=RATES, host_budget=None,
+              check_host=False)
+    for m, unrolled in ((1, False), (4, True), (8, False)):
+        batch = jax.ShapeDtypeStruct((m * B, T + 1), jnp.int32)
+        assert fit.prepare(stages, params, batch, micro_batches=m, **kw).unroll_micro_batches is unrolled
+    batch = jax.ShapeDtypeStruct((M * B, T + 1), jnp.int32)
+    assert fit.prepare(stages, params, batch, micro_batches=M, unroll_micro_batches=False, **kw).unroll_micro_batches is False
+    with pytest.raises(ValueError, match="use True, False or 'auto'"):
+        fit.prepare(stages, params, batch, micro_batches=M, unroll_micro_batches="sometimes", **kw)

@@ -140,7 +140,7 @@ def test_planner_picks_the_largest_group_that_fits(setup):
     cfg, params, batches, stages, layout, traces, cb = setup
     problem = fit.prepare(stages, params, jax.ShapeDtypeStruct((M * B, T + 1), jnp.int32), host_optimizer=SPEC,
                           compute_dtype=jnp.float32, micro_batches=M, chunk_size=layout.chunk_size,
-                          host_budget=None, check_host=False)
+                          host_budget=None, check_host=False, unroll_micro_batches=False)  # while loops: the line below
 
     def floor(p):
         with pytest.raises(cj.PlanError) as e:
