@@ -517,8 +517,12 @@ def test_job_with_storage_samples_and_exports_as_without(tmp_path):
     chunks (their master is in a file: ``TypeError ... numpy.ndarray`` in ``layout.unpack``). Right:
     the run samples and exports, and the export equals the same run's without the disk tier (fp32
     tolerance: the near-storage worker runs the host kernel on the same inputs). Its report.json
-    has the disk bytes per step, the plan's and the last step's read and written."""
+    has the disk bytes per step, the plan's and the last step's read and written. The job stops its
+    near-storage workers before it returns (with the garbage collector off: nothing else would stop
+    them before a later collection; session 25, a worker alive in a later test of the xdist worker)."""
+    import gc
     import json
+    import multiprocessing
     import shutil
 
     from experiments import train
@@ -531,11 +535,17 @@ def test_job_with_storage_samples_and_exports_as_without(tmp_path):
     runs = {}
     for name, extra in (("disk", ["--storage", str(tmp_path / "store"), "--host-budget", "200KiB"]), ("host", [])):
         out = tmp_path / name
-        rc = train.main(["--init-from", str(src), "--data", str(tmp_path / "t.txt"), "--steps", "3", "--batch", "2",
-                         "--seq", "32", "--eval-every", "3", "--eval-batches", "1", "--sample-tokens", "4",
-                         "--lr", "3e-3", "--warmup", "0", "--no-progress", "--out-dir", str(out),
-                         "--checkpoint-every", "0", "--compute-dtype", "float32"] + extra)
+        gc.disable()
+        try:
+            rc = train.main(["--init-from", str(src), "--data", str(tmp_path / "t.txt"), "--steps", "3", "--batch",
+                             "2", "--seq", "32", "--eval-every", "3", "--eval-batches", "1", "--sample-tokens", "4",
+                             "--lr", "3e-3", "--warmup", "0", "--no-progress", "--out-dir", str(out),
+                             "--checkpoint-every", "0", "--compute-dtype", "float32"] + extra)
+            alive = [p.pid for p in multiprocessing.active_children() if p.name.startswith("near_storage_")]
+        finally:
+            gc.enable()
         assert rc == 0
+        assert alive == [], f"near-storage workers {alive} alive after the {name} job returned"
         (run,) = out.iterdir()
         rep = json.loads((run / "report.json").read_text())
         runs[name] = (run, rep)
