@@ -223,3 +223,28 @@ def _no_signal_hold_left_open():
         n = sc.release_holds()  # the next tests run with signals delivered
         pytest.fail(f"{n} signal hold(s) of chunkjax.step_commit left open by this test: commit or close every "
                     "pending step (PendingStep) it began")
+
+
+@pytest.fixture(autouse=True)
+def _no_storage_worker_left_alive():
+    """Every test ends with no near-storage worker process (:mod:`chunkjax.storage.worker`) alive
+    that it started: whoever owns the workers (``NearStorageOptimizer.close``, ``DiskState.close``,
+    ``chunkjax.storage.updater.close_storage``) stops them on every path, success or failure (a clean
+    clone's ``make test``: a job's worker, freed only by a later garbage collection, was still alive
+    in a later test of the same xdist worker). Workers alive before the test (a module fixture's)
+    are not counted. Costs nothing where the storage pool was never imported."""
+    import multiprocessing
+    import sys
+
+    def workers():  # none without the pool (chunkjax.storage.pool starts them)
+        if "chunkjax.storage.pool" not in sys.modules:
+            return {}
+        return {p.pid: p for p in multiprocessing.active_children() if p.name.startswith("near_storage_")}
+
+    before = set(workers())
+    yield
+    left = [p for pid, p in workers().items() if pid not in before]
+    if left:
+        pytest.fail(f"{len(left)} near-storage worker process(es) left alive by this test (pids "
+                    f"{[p.pid for p in left]}): close the NearStorageOptimizer / DiskState (or the step's storage: "
+                    "chunkjax.storage.updater.close_storage) on every path")
