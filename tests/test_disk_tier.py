@@ -297,6 +297,29 @@ def test_worker_stopped_or_killed_mid_step_then_resume(setup, tmp_path):
     st.master[disk_c[0]].close()
 
 
+def test_failed_init_stops_the_storage_workers_it_started(setup, tmp_path):
+    """A ``step.init`` that fails after its storage chunks' workers started (here: the caller's
+    ``leaf_init`` raises once they run) stops them before it raises: no state holds them, so
+    nothing else would until a garbage collection (session 25)."""
+    import multiprocessing
+    cfg, params, batches, stages, layout, traces, cb = setup
+    sched = _three_tier_schedule(setup)
+    step = cj.make_chunked_step(stages, layout, sched, host_optimizer=SPEC, compute_dtype=jnp.float32,
+                                storage=StorageOptions((str(tmp_path / "s"),), fsync=False))
+    leaves, seen = jax.tree_util.tree_leaves(params), []
+
+    def leaf_init(i):
+        seen.extend(p.pid for p in multiprocessing.active_children() if p.name.startswith("near_storage_"))
+        if seen:
+            raise RuntimeError("leaf_init failed")
+        return leaves[i]
+
+    with pytest.raises(RuntimeError, match="leaf_init failed"):
+        step.init(leaf_init)
+    assert seen, "no storage worker started during the init"
+    assert [p.pid for p in multiprocessing.active_children() if p.pid in seen] == []
+
+
 def test_full_disk_fails_the_step_in_one_line(setup, tmp_path, monkeypatch):
     """A full disk (ENOSPC from the worker's writes: a tiny file-size limit in the worker) fails
     the step with one line naming the directory; the files stay at the last committed step."""
