@@ -57,7 +57,8 @@ def first_pass_order(locations) -> list[int]:
 
 
 def init_state(step, params) -> TrainState:
-    """:meth:`chunkjax.ChunkedStep.init` of ``step``: see there for ``params`` and the errors."""
+    """:meth:`chunkjax.ChunkedStep.init` of ``step``: see there for ``params`` and the errors. An
+    init that fails after its storage chunks' workers started stops them before it raises."""
     lay = step.layout
     if step.mesh is None:  # the GPU runtime's pinned-host pool is capped (64 GiB by default)
         check_pinned_host(step.pinned_host_bytes(), jax.default_backend())
@@ -77,19 +78,27 @@ def init_state(step, params) -> TrainState:
         return window.add(topo.put(buf if c in frozen else buf.astype(step.compute_dtype),
                                    topo.param_sharding(kinds[c])))
 
-    order = first_pass_order(locations)
-    for c, buf in zip(order, lay.host_chunks(leaf_at, dtypes, chunks=order)):
-        later = {"wait": False} if locations[c] == "storage" else {}  # its file written while we go on
-        m, o = (None, None) if c in frozen else window.add(step.updaters[locations[c]].init(buf, c, **later))
-        if c in fetch_master:  # the master params are the pinned params; master a view of them
-            ps[c], m = upd.pinned_master(topo, m, copy=False)
-        elif kinds[c] != DEVICE:  # compute params off the device: placed now, the leaves drawn once
+    started = False  # a storage chunk's init ran: the workers are this init's
+    try:
+        order = first_pass_order(locations)
+        for c, buf in zip(order, lay.host_chunks(leaf_at, dtypes, chunks=order)):
+            later = {"wait": False} if locations[c] == "storage" else {}  # its file written while we go on
+            started = started or bool(later)
+            m, o = (None, None) if c in frozen else window.add(step.updaters[locations[c]].init(buf, c, **later))
+            if c in fetch_master:  # the master params are the pinned params; master a view of them
+                ps[c], m = upd.pinned_master(topo, m, copy=False)
+            elif kinds[c] != DEVICE:  # compute params off the device: placed now, the leaves drawn once
+                ps[c] = params_of(c, buf)
+            ms[c], os_[c] = m, o
+            del buf, m, o
+        rest = [c for c in range(n) if c not in ps]  # device-resident compute params, after every temporary
+        for c, buf in zip(rest, lay.host_chunks(leaf_at, dtypes, chunks=rest)):
             ps[c] = params_of(c, buf)
-        ms[c], os_[c] = m, o
-        del buf, m, o
-    rest = [c for c in range(n) if c not in ps]  # device-resident compute params, after every temporary
-    for c, buf in zip(rest, lay.host_chunks(leaf_at, dtypes, chunks=rest)):
-        ps[c] = params_of(c, buf)
-    ps = [ps[c] for c in range(n)]
-    jax.block_until_ready((ps, [m for m in ms if isinstance(m, jax.Array)]))
-    return TrainState(tuple(ps), tuple(ms), tuple(os_))
+        ps = [ps[c] for c in range(n)]
+        jax.block_until_ready((ps, [m for m in ms if isinstance(m, jax.Array)]))
+        return TrainState(tuple(ps), tuple(ms), tuple(os_))
+    except BaseException:  # the storage workers this init started end with it (no state holds them)
+        if started:
+            from chunkjax.storage.updater import close_storage
+            close_storage(step)
+        raise

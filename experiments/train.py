@@ -647,6 +647,9 @@ def run(cfg: TrainConfig, from_run=()) -> dict:
             how = (f"{how} --nonfinite skip" if e.record["why"].startswith("nonfinite") else
                    "its report.json says why the run stopped")
         _note_kept(e, f"{folder.path} keeps checkpoint step {kept}: {how}")
+    finally:  # the disk tier's workers end with the run, on every path (else only a later garbage collection)
+        from chunkjax.storage.updater import close_storage
+        close_storage(fitted.step)
     print(f"run folder: {final}", flush=True)
     return report
 

@@ -297,6 +297,29 @@ def test_worker_stopped_or_killed_mid_step_then_resume(setup, tmp_path):
     st.master[disk_c[0]].close()
 
 
+def test_failed_init_stops_the_storage_workers_it_started(setup, tmp_path):
+    """A ``step.init`` that fails after its storage chunks' workers started (here: the caller's
+    ``leaf_init`` raises once they run) stops them before it raises: no state holds them, so
+    nothing else would until a garbage collection (session 25)."""
+    import multiprocessing
+    cfg, params, batches, stages, layout, traces, cb = setup
+    sched = _three_tier_schedule(setup)
+    step = cj.make_chunked_step(stages, layout, sched, host_optimizer=SPEC, compute_dtype=jnp.float32,
+                                storage=StorageOptions((str(tmp_path / "s"),), fsync=False))
+    leaves, seen = jax.tree_util.tree_leaves(params), []
+
+    def leaf_init(i):
+        seen.extend(p.pid for p in multiprocessing.active_children() if p.name.startswith("near_storage_"))
+        if seen:
+            raise RuntimeError("leaf_init failed")
+        return leaves[i]
+
+    with pytest.raises(RuntimeError, match="leaf_init failed"):
+        step.init(leaf_init)
+    assert seen, "no storage worker started during the init"
+    assert [p.pid for p in multiprocessing.active_children() if p.pid in seen] == []
+
+
 def test_full_disk_fails_the_step_in_one_line(setup, tmp_path, monkeypatch):
     """A full disk (ENOSPC from the worker's writes: a tiny file-size limit in the worker) fails
     the step with one line naming the directory; the files stay at the last committed step."""
@@ -517,8 +540,12 @@ def test_job_with_storage_samples_and_exports_as_without(tmp_path):
     chunks (their master is in a file: ``TypeError ... numpy.ndarray`` in ``layout.unpack``). Right:
     the run samples and exports, and the export equals the same run's without the disk tier (fp32
     tolerance: the near-storage worker runs the host kernel on the same inputs). Its report.json
-    has the disk bytes per step, the plan's and the last step's read and written."""
+    has the disk bytes per step, the plan's and the last step's read and written. The job stops its
+    near-storage workers before it returns (with the garbage collector off: nothing else would stop
+    them before a later collection; session 25, a worker alive in a later test of the xdist worker)."""
+    import gc
     import json
+    import multiprocessing
     import shutil
 
     from experiments import train
@@ -531,11 +558,17 @@ def test_job_with_storage_samples_and_exports_as_without(tmp_path):
     runs = {}
     for name, extra in (("disk", ["--storage", str(tmp_path / "store"), "--host-budget", "200KiB"]), ("host", [])):
         out = tmp_path / name
-        rc = train.main(["--init-from", str(src), "--data", str(tmp_path / "t.txt"), "--steps", "3", "--batch", "2",
-                         "--seq", "32", "--eval-every", "3", "--eval-batches", "1", "--sample-tokens", "4",
-                         "--lr", "3e-3", "--warmup", "0", "--no-progress", "--out-dir", str(out),
-                         "--checkpoint-every", "0", "--compute-dtype", "float32"] + extra)
+        gc.disable()
+        try:
+            rc = train.main(["--init-from", str(src), "--data", str(tmp_path / "t.txt"), "--steps", "3", "--batch",
+                             "2", "--seq", "32", "--eval-every", "3", "--eval-batches", "1", "--sample-tokens", "4",
+                             "--lr", "3e-3", "--warmup", "0", "--no-progress", "--out-dir", str(out),
+                             "--checkpoint-every", "0", "--compute-dtype", "float32"] + extra)
+            alive = [p.pid for p in multiprocessing.active_children() if p.name.startswith("near_storage_")]
+        finally:
+            gc.enable()
         assert rc == 0
+        assert alive == [], f"near-storage workers {alive} alive after the {name} job returned"
         (run,) = out.iterdir()
         rep = json.loads((run / "report.json").read_text())
         runs[name] = (run, rep)

@@ -588,6 +588,31 @@ def test_error_feedback_residuals_resume_exactly(tmp_path):
         NearStorageOptimizer(dirs, sizes, spec, **kw)                                   # worker starts
 
 
+def test_optimizer_dropped_without_close_stops_its_workers(tmp_path):
+    """An optimizer its owner never closed (no ``close``, no ``with``) stops its workers when it is
+    collected, before the collection returns (session 25: a dropped one's worker outlived its test
+    and was seen by a later one); the directories keep the committed step, where a new optimizer
+    resumes with the same master params."""
+    import gc
+    import multiprocessing
+    rng = np.random.default_rng()
+    sizes, spec = [64, 64], AdamW(1e-2)
+    init = [rng.normal(size=n).astype(np.float32) for n in sizes]
+    dirs = [tmp_path / "d0", tmp_path / "d1"]
+    opt = NearStorageOptimizer(dirs, sizes, spec, init_params=init, fsync=False)
+    opt.step([rng.normal(size=n).astype(np.float32) for n in sizes])
+    want, pids = opt.read_state(), set(opt.worker_pids)
+    del opt
+    gc.collect()
+    assert [p.pid for p in multiprocessing.active_children() if p.pid in pids] == []
+    with NearStorageOptimizer(dirs, sizes, spec, fsync=False) as again:
+        assert again.committed_step == 1
+        for c, (master, m, v) in again.read_state().items():
+            np.testing.assert_array_equal(master, want[c][0])
+            np.testing.assert_array_equal(m, want[c][1])
+            np.testing.assert_array_equal(v, want[c][2])
+
+
 def test_worker_killed_mid_step_then_resume(tmp_path):
     sizes = [1000, 1001, 513, 7]
     spec = AdamW(optax.linear_schedule(1e-2, 1e-3, 6), weight_decay=0.1, max_grad_norm=1.0)

@@ -14,6 +14,7 @@ import concurrent.futures
 import multiprocessing
 import sys
 import time
+import weakref
 
 import ml_dtypes
 import numpy as np
@@ -47,6 +48,20 @@ def _proc_state(pid: int) -> str:
         return "?"
 
 
+def _stop_dropped(workers: list, conns: list, sender) -> None:
+    """Stop the workers of a pool collected (or left at interpreter exit) without ``close``: end
+    their pipes (a worker then exits at its next receive, the committed state on storage), wait
+    briefly, kill what is left. Runs on whatever thread collects the pool: never joins a thread."""
+    for conn in conns:
+        conn.close()
+    for p in workers:
+        p.join(2)
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    sender.shutdown(wait=False)
+
+
 class WorkerPool:
     """The trainer's side of the workers (a mixin: the owner sets ``dirs``, ``timeout_s`` and
     calls :meth:`_start_workers`; ``_step`` is its last committed step). The messages of one step
@@ -66,6 +81,8 @@ class WorkerPool:
         self._sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="near_storage_send")
         ctx = multiprocessing.get_context("spawn")
         self.workers, self._conns, self.io_mode = [], [], {}
+        # a pool dropped without close (its owner never closed it) stops its workers once collected
+        self._dropped = weakref.finalize(self, _stop_dropped, self.workers, self._conns, self._sender)
         for i, cfg in enumerate(cfgs):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=_worker_main, args=(child, cfg), name=f"near_storage_{i}", daemon=True)
@@ -229,6 +246,8 @@ class WorkerPool:
     def _kill_all(self):
         """Kill every worker (SIGKILL also ends a stopped one, which unblocks a send to it), then
         close the pipes and the sender thread."""
+        if getattr(self, "_dropped", None) is not None:
+            self._dropped.detach()  # stopped here: nothing left for the collection
         for p in getattr(self, "workers", []):
             if p.is_alive():
                 p.kill()

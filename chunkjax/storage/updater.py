@@ -50,8 +50,9 @@ from chunkjax.storage.trainer import validate_storage_dirs
 from chunkjax.storage.worker import exit_if_spawned_import
 from chunkjax.updaters import Updater
 
-__all__ = ["DiskState", "StorageOptions", "StorageRun", "check_step", "check_storage_inputs", "disk_capacity", "gradient_order",
-           "storage_chunks", "storage_options", "storage_updater", "updates_early", "updaters_of", "wait_tail"]
+__all__ = ["DiskState", "StorageOptions", "StorageRun", "check_step", "check_storage_inputs", "close_storage",
+           "disk_capacity", "gradient_order", "storage_chunks", "storage_options", "storage_updater", "updates_early",
+           "updaters_of", "wait_tail"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,6 +272,9 @@ def storage_updater(options: StorageOptions, chunk_ids: Sequence[int], chunk_siz
     float32 for float32 compute params) go into
     ``state.params[c]``'s pinned buffer as each arrives. Returns the update's wall seconds.
 
+    ``init.close()`` stops the workers of the last ``init`` (:meth:`DiskState.close`; nothing when
+    none were started): :func:`close_storage`.
+
     Raises:
       StorageError: a worker died, stopped answering or failed (a full disk); the files stay at
         the last committed step.
@@ -309,7 +313,25 @@ def storage_updater(options: StorageOptions, chunk_ids: Sequence[int], chunk_siz
             np.copyto(topology.param_views(state.params[ids[k]], 0, np.float32 if f32 else np.uint16)[0], bits)
         return on_param
 
+    def close() -> None:
+        disk = box.pop("disk", None)
+        if disk is not None:
+            disk.close()
+
+    init.close = close
     return Updater(init, update)
+
+
+def close_storage(step) -> None:
+    """Stop the near-storage workers of ``step``'s storage chunks (a :class:`chunkjax.ChunkedStep`;
+    nothing without storage chunks or before its ``init``). The committed state stays in the
+    files; the state's :class:`DiskState` is then closed (a new ``step.init`` or checkpoint restore
+    starts new workers). Call it when a run ends, on every path (``try``/``finally``): the step
+    holds the workers until then, and only a later garbage collection would stop them. A failed
+    last step's error is not raised here (``step.wait`` raises it)."""
+    u = step.updaters.get(STORAGE_UPDATE) if storage_chunks(step) else None
+    if u is not None:
+        u.init.close()
 
 
 def gradient_order(step) -> tuple[int, ...]:
