@@ -36,8 +36,8 @@ def parse_bytes(text: str) -> int:
     Raises:
       ValueError: unparsable, not positive or above :data:`MAX_BYTES` (one line naming the accepted forms).
     """
-    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "pb": 10**15,
+             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "pib": 2**50}
     t = str(text).strip().lower().replace(" ", "")
     num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
     unit = t[len(num):]

@@ -52,10 +52,15 @@ def resolve(clip_expect: str, host_optimizer=None) -> str:
         or None (no host kernel: nothing waits for the norm on the host).
 
     Raises:
-      ValueError: an unknown expectation (one line naming the accepted ones).
+      ValueError: an unknown expectation (one line naming the accepted ones); ``"fires"`` for a
+        host spec that does not clip (its ``max_grad_norm`` None: nothing ever fires, and the plan
+        would make every host update wait for a norm no one needs).
     """
     if clip_expect not in CLIP_EXPECT:
         raise ValueError(f"clip_expect={clip_expect!r}: use one of {', '.join(CLIP_EXPECT)}")
+    if clip_expect == "fires" and host_optimizer is not None and getattr(host_optimizer, "max_grad_norm", None) is None:
+        raise ValueError(f"clip_expect='fires' with a host optimizer that does not clip ({type(host_optimizer).__name__}"
+                         "(max_grad_norm=None)): set its max_grad_norm, or use clip_expect='auto'")
     if clip_expect != "auto":
         return clip_expect
     return "fires" if getattr(host_optimizer, "max_grad_norm", None) is not None else "rare"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 #: accepted string spellings (case-insensitive) -> dtype name
@@ -23,7 +24,8 @@ def compute_dtype_of(x: Any):
       ``jnp.dtype`` (bfloat16, float16 or float32, or another floating dtype given as a dtype), or None.
 
     Raises:
-      ValueError: an unknown spelling or a non-floating dtype (one line listing the accepted spellings).
+      ValueError: an unknown spelling, a non-floating dtype, or a 64-bit one while
+        ``jax_enable_x64`` is off (one line listing the accepted spellings).
     """
     if x is None:
         return None
@@ -38,6 +40,9 @@ def compute_dtype_of(x: Any):
         raise ValueError(f"compute_dtype={x!r} is not a dtype: {accepted}") from None
     if not jnp.issubdtype(dt, jnp.floating):
         raise ValueError(f"compute_dtype={dt}: use a floating dtype ({accepted})")
+    if dt.itemsize > 4 and not jax.config.jax_enable_x64:  # JAX would compute it in float32, silently
+        raise ValueError(f"compute_dtype={dt} needs jax.config.update('jax_enable_x64', True) (off: JAX computes "
+                         f"in float32); or {accepted}")
     return dt
 
 

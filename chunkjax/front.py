@@ -339,6 +339,9 @@ def _discover(model, loss_fn, batch, *, wrt, blocks, compute_dtype, abstract_ok:
     """Discovery of ``model`` (an abstract one's non-parameter state replaced by zeros of its
     shapes: planning reads shapes only) and its parameter leaves."""
     from flax import nnx
+    if not isinstance(model, nnx.Module):
+        raise TypeError(f"model={type(model).__name__}: pass the flax nnx.Module to train (e.g. MyModel(rngs=nnx.Rngs(0))); "
+                        "for a params pytree and stage functions use chunkjax.fit_step (docs/own_model.md)")
     wrt_ = nnx.Param if wrt is None else wrt
     graphdef, params, rest = nnx.split(model, wrt_, ...)
     released = [a for a in jax.tree.leaves(params) if is_released(a)]
@@ -371,7 +374,8 @@ def _prepare(model, d: Discovery, leaves, tx, device_budget, host_budget, traina
         fit_kw["trainable"] = _trainable_mask(model, d, trainable, params)
         if not any(fit_kw["trainable"].values()):
             raise ValueError(f"trainable={trainable!r} matches no floating parameter of wrt={d.wrt!r}: nothing would "
-                             "train; pass a filter that matches some (e.g. nnx.LoRAParam) or leave trainable=None")
+                             "train; pass a filter that matches some of this model's parameters (a Variable type it "
+                             "has, or a path filter) or leave trainable=None")
     fit_kw.setdefault("flops_per_step", 3.0 * d.forward_flops)
     rows = jax.tree.leaves(d.example)[0].shape[0]
     side = tuple(jax.ShapeDtypeStruct((rows,) + tuple(np.shape(d.side_values[j])), d.side_values[j].dtype)

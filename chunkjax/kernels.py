@@ -60,9 +60,9 @@ _MSG_FIELD = "{cls}.{field} = {value!r}: {rule}"
 
 def _check_common(obj, learning_rate, max_grad_norm, weight_decay):
     cls = type(obj).__name__
-    if not (callable(learning_rate) or isinstance(learning_rate, numbers.Real)):
+    if not (callable(learning_rate) or (isinstance(learning_rate, numbers.Real) and abs(learning_rate) < float("inf"))):
         raise ValueError(_MSG_FIELD.format(cls=cls, field="learning_rate", value=learning_rate,
-                                           rule="must be a float or a schedule count -> lr"))
+                                           rule="must be a finite float or a schedule count -> lr"))
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise ValueError(_MSG_FIELD.format(cls=cls, field="max_grad_norm", value=max_grad_norm,
                                            rule="must be None or > 0"))

@@ -433,6 +433,9 @@ def with_clipping(inp: PlanInputs, clip_expect: str = "auto", max_grad_norm: flo
         if not max_grad_norm > 0:
             raise ValueError(f"--max-grad-norm {max_grad_norm}: give a global norm > 0, or leave it out for no clipping")
         spec = dataclasses.replace(spec, max_grad_norm=float(max_grad_norm))
+    elif clip_expect == "fires" and getattr(spec, "max_grad_norm", None) is None:
+        raise ValueError("--clip-expect fires needs clipping: add --max-grad-norm NORM (the clipping threshold), "
+                         "or use --clip-expect auto")
     return dataclasses.replace(inp, problem=dataclasses.replace(inp.problem, host_optimizer=spec, tx=spec.optax(),
                                                                 clip_expect=resolve(clip_expect, spec)))
 

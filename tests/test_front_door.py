@@ -800,3 +800,34 @@ def test_nonfinite_error_through_offload():
     for a, b in zip(jax.tree.leaves(nnx.state(model, nnx.Param)), before):
         np.testing.assert_array_equal(np.asarray(a), b)
     assert np.isfinite(float(step({"tokens": toks[2], "scale": jnp.ones((4,), jnp.float32)})))
+
+
+def test_fresh25_bad_inputs_are_one_line_errors_naming_what_to_pass():
+    """Session 25's fresh user: a None model, a trainable filter matching nothing, clip_expect='fires'
+    for a host spec that never clips, a float64 compute dtype without x64, a NaN learning rate, and
+    budgets in PiB (named by the too-large message, so parsed too)."""
+    from chunkjax.budget import MAX_BYTES, parse_bytes
+    from chunkjax.dtypes import compute_dtype_of
+    from chunkjax.host_update import AdamW
+    batch = token_batches(n=1)[0]
+    cases = [
+        (lambda: chunkjax.offload(None, optax.adam(1e-3), lm_loss, batch), TypeError, r"pass the flax nnx.Module"),
+        (lambda: chunkjax.offload(Llama(rngs=nnx.Rngs(0)), optax.adam(1e-3), lm_loss, batch, trainable=nnx.LoRAParam),
+         ValueError, r"matches no floating parameter.*a Variable type it has"),
+        (lambda: chunkjax.offload(Llama(rngs=nnx.Rngs(0)), AdamW(1e-3), lm_loss, batch, clip_expect="fires"),
+         ValueError, r"clip_expect='fires' with a host optimizer that does not clip .*set its max_grad_norm"),
+        (lambda: compute_dtype_of(jnp.float64), ValueError, r"float64 needs jax.config.update\('jax_enable_x64'"),
+        (lambda: AdamW(float("nan")), ValueError, r"learning_rate = nan: must be a finite float"),
+        (lambda: AdamW(float("inf")), ValueError, r"must be a finite float"),
+        (lambda: parse_bytes("1.5PiB"), ValueError, r"more than the 1 PiB"),
+    ]
+    for call, err, match in cases:
+        with pytest.raises(err, match=match) as e:
+            call()
+        assert "\n" not in str(e.value)
+    assert parse_bytes("1PiB") == MAX_BYTES and parse_bytes("0.5 pib") == 2**49 and parse_bytes("1PB") == 10**15
+    assert compute_dtype_of(jnp.float32) == jnp.float32 and compute_dtype_of("bf16") == jnp.bfloat16
+    # a clipping host spec may expect 'fires'; a non-clipping one plans 'rare' under 'auto'
+    from chunkjax import clip_plan
+    assert clip_plan.resolve("fires", AdamW(1e-3, max_grad_norm=1.0)) == "fires"
+    assert clip_plan.resolve("auto", AdamW(1e-3)) == "rare" and clip_plan.resolve("fires", None) == "fires"

@@ -767,6 +767,10 @@ def test_clip_expect_defaults_to_the_front_doors_rule(user_model, capsys, monkey
     assert plan.main(args + ["--max-grad-norm", "0", "--device-budget", "1MiB"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--max-grad-norm 0.0: give a global norm > 0" in err[0], err
+    # fires without clipping (fresh25: it planned a slower step for a norm nothing waits for)
+    assert plan.main(args + ["--clip-expect", "fires", "--device-budget", "1MiB"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--clip-expect fires needs clipping: add --max-grad-norm" in err[0], err
 
 
 def test_a_budget_below_the_chunk_buffers_names_the_least_budget_not_the_batch(capsys):
