@@ -256,8 +256,7 @@ def trace_inputs(model: str, batch: int, seq: int, *, chunk_size: int | None = N
     cfg = gpt.get_config(model)
     if seq > cfg.seq_len:
         raise ValueError(f"--seq {seq} exceeds the model's {cfg.seq_len} positions")
-    if batch < 1 or seq < 1:
-        raise ValueError("--batch and --seq must be >= 1")
+    check_shape(batch, seq)
     check_ranks(batch, n_ranks)
     # the one fit path on abstract shapes: ranks without devices, the target machine's host memory
     # is not this one's (the host budget is given per plan)
@@ -380,6 +379,7 @@ def trace_user_model(spec: str, batch: int, seq: int, *, chunk_size: int | None 
     from chunkjax.tide import memory_tide
     from chunkjax.topology import AXIS
 
+    check_shape(batch, seq)
     m = call_factory(spec, batch, seq)
     opts = step_options(**step_kw)
     spec_kw = dict(host_optimizer=AdamW(1e-4, weight_decay=1e-4))
@@ -479,6 +479,14 @@ def step_options(compute_dtype=None, micro_batches: int = 1, storage=None) -> di
     if storage:
         out["storage"] = [d for d in storage.split(",") if d] if isinstance(storage, str) else list(storage)
     return out
+
+
+def check_shape(batch: int, seq: int) -> None:
+    """Raise ValueError (one line) unless ``batch`` (rows) and ``seq`` (tokens per row) are >= 1:
+    checked for every model kind (named or ``module:factory``) before anything is built."""
+    if batch < 1 or seq < 1:
+        raise ValueError(f"--batch and --seq must be >= 1, got --batch {batch} --seq {seq}: give positive "
+                         "rows per step and tokens per row, e.g. --batch 8 --seq 1024")
 
 
 def check_ranks(batch: int, n_ranks: int, zero_stage: int = 3) -> None:
@@ -869,6 +877,7 @@ def main(argv=None) -> int:
             raise ValueError(f"--zero-stage {a.zero_stage} needs --ranks N > 1 (one GPU has nothing to shard): "
                              "add --ranks or drop --zero-stage")
         a.zero_stage = 3 if a.zero_stage is None else a.zero_stage
+        check_shape(a.batch, a.seq)  # every model kind, before a factory is called or a model traced
         check_ranks(a.batch, a.ranks, a.zero_stage)
         if a.plots:
             plots_dir(a.plots)

@@ -779,3 +779,23 @@ def test_a_budget_below_the_chunk_buffers_names_the_least_budget_not_the_batch(c
     assert len(err) == 1 and "lower the batch" not in err[0] and "chunk buffers alone" in err[0], err
     assert err[0].endswith(f">= {format_bytes(need, up=True)}"), err
     assert plan.main(MICRO + ["--device-budget", format_bytes(need, up=True), "--json"]) == 0
+
+
+@pytest.mark.parametrize("model", ["micro", "my_user_model:make", "my_user_model:make_nnx"])
+@pytest.mark.parametrize("shape", [["--batch", "-3", "--seq", "16"], ["--batch", "2", "--seq", "0"]])
+def test_batch_and_seq_below_1_exit_2_for_every_model_kind(model, shape, user_model, monkeypatch, capsys):
+    """--batch / --seq below 1 are refused with one line and exit 2 for named models and factories
+    alike (fresh25: a factory gave a raw JAX traceback for --batch -3 and planned --seq 0), before
+    a factory is called or a model traced."""
+    def never(*a, **k):
+        raise AssertionError("nothing is traced for a bad --batch / --seq")
+    monkeypatch.setattr(plan, "trace_inputs", never)
+    monkeypatch.setattr(plan, "trace_user_model", never)
+    monkeypatch.setattr(plan, "call_factory", never)
+    assert plan.main(["--model", model, "--device-budget", "min"] + shape) == 2
+    cap = capsys.readouterr()
+    err = cap.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --batch and --seq must be >= 1"), err
+    assert cap.out == ""
+    with pytest.raises(ValueError, match="--batch and --seq must be >= 1"):  # the library path too
+        (_trace_user if ":" in model else _trace)(model, int(shape[1]), int(shape[3]))
