@@ -224,6 +224,19 @@ def test_resume_falls_back_to_the_previous_checkpoint(saved, tmp_path):
     assert rp.step == 1 and rp.meta["extra"]["data_position"] == 1
 
 
+def test_resume_of_a_library_checkpoint_says_how_to_load_it(saved, tmp_path):
+    """--resume given a folder chunkjax.save_checkpoint wrote (no job settings in its extra): one
+    line saying it is not the job's and how such a checkpoint is loaded (fresh25)."""
+    from experiments import train
+    step, _, state = saved
+    ck.save_checkpoint(tmp_path / "mine", 3, step, state, {"note": "mine"})
+    with pytest.raises(train.UsageError) as err:
+        train.find_resume_point(str(tmp_path / "mine"))
+    msg = str(err.value)
+    assert "\n" not in msg and "was not written by experiments.train" in msg, msg
+    assert "chunkjax.restore_checkpoint(" in msg and "run folder" in msg, msg
+
+
 def test_checksums_cost_little(saved, tmp_path):
     """Checksumming (crc32 of every file, read back from the page cache) is a small part of a
     save: measured here on the save's own files."""
