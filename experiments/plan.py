@@ -794,7 +794,7 @@ def summary(r: dict) -> str:
                                                   "backward's end; baselines as if rare)" if r.get("clip_expect") ==
                                                   "fires" else "") + ":"]
     lines += [f"  {name:13s} {_where(x['time'], k)}" for name, x in rows]
-    lines += _clipped_line(r.get("if_clipped"), tu, k)
+    lines += _clipped_line(r.get("if_clipped"), tu, k, r.get("max_grad_norm") is not None)
     counts = "; ".join(f"{v} with params on {c.split('/')[0][len('params_'):]}, update on "
                        f"{c.split('/')[1][len('update_'):]}" for c, v in r["placement_counts"].items())
     fb = r["first_backward_moment"]
@@ -805,15 +805,18 @@ def summary(r: dict) -> str:
     return "\n".join(lines)
 
 
-def _clipped_line(c: dict | None, tu: str, k: float) -> list[str]:
-    """The summary's line on a ``"rare"`` plan's step with clipping (:func:`if_clipped`)."""
+def _clipped_line(c: dict | None, tu: str, k: float, clips: bool = False) -> list[str]:
+    """The summary's line on a ``"rare"`` plan's step with clipping (:func:`if_clipped`): ``clips``
+    (``--max-grad-norm`` given) says "with clipping", else the line is labelled as the step if
+    clipping were configured (the planned optimizer does not clip: fresh25)."""
     if not c or not c["host_chunks"]:  # nothing speculates: the same step with clipping
         return []
+    head = "with clipping (rare)" if clips else "if clipping were configured (--max-grad-norm, rare)"
     if not c["retimed"]:
-        return [f"with clipping (rare): the step above, if every host chunk speculates (not retimed with the "
+        return [f"{head}: the step above, if every host chunk speculates (not retimed with the "
                 f"speculation bound with micro-batches or storage chunks)"]
     b = c["speculation_bound"]
-    return [f"with clipping (rare): speculation within the default backup pool ({b['bytes'] / 2**30:.2f} GiB: "
+    return [f"{head}: speculation within the default backup pool ({b['bytes'] / 2**30:.2f} GiB: "
             f"{min(b['chunks'], c['host_chunks'])} of {c['host_chunks']} host chunks), predicted step "
             f"{c['predicted_step_s'] * k:.3f} {tu}; the table's step is the planner's, every host chunk speculating "
             "(as without clipping)"]

@@ -167,15 +167,22 @@ def test_a_rare_plans_step_with_clipping_is_retimed_with_the_default_bound(capsy
     assert plan.main(MICRO + ["--device-budget", "3MiB", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["if_clipped"] == c
     assert plan.main(MICRO + ["--device-budget", "3MiB"]) == 0
-    assert (f"with clipping (rare): speculation within the default backup pool (16.00 GiB: {n_host} of {n_host} "
-            f"host chunks), predicted step {want * 1e6:.3f} us; the table's step is the planner's, every host chunk "
-            "speculating (as without clipping)"
-            in capsys.readouterr().out)
+    line = (f"speculation within the default backup pool (16.00 GiB: {n_host} of {n_host} host chunks), predicted "
+            f"step {want * 1e6:.3f} us; the table's step is the planner's, every host chunk speculating (as without "
+            "clipping)")
+    out = capsys.readouterr().out  # the planned AdamW does not clip: the line says so (fresh25), not "with clipping"
+    assert f"if clipping were configured (--max-grad-norm, rare): {line}" in out and "with clipping (rare)" not in out
+    assert plan.main(MICRO + ["--device-budget", "3MiB", "--max-grad-norm", "1", "--clip-expect", "rare", "--json"]) == 0
+    clipped = json.loads(capsys.readouterr().out)["if_clipped"]
+    assert plan.main(MICRO + ["--device-budget", "3MiB", "--max-grad-norm", "1", "--clip-expect", "rare"]) == 0
+    out = capsys.readouterr().out
+    assert (f"with clipping (rare): speculation within the default backup pool" in out
+            and "if clipping were configured" not in out and clipped["host_chunks"] >= 2)
     assert plan.if_clipped(dataclasses.replace(problem, clip_expect="fires"), sched) is None
     micro = plan.if_clipped(dataclasses.replace(problem, micro_batches=2), sched)
     assert not micro["retimed"] and micro["predicted_step_s"] == sched.predicted.time.step_s
-    assert "if every host chunk speculates" in plan.summary(dict(plan.plan_report("micro", 3 * 2**20, None, 2, 64,
-                                                                                  inputs=inp), if_clipped=micro))
+    text = plan.summary(dict(plan.plan_report("micro", 3 * 2**20, None, 2, 64, inputs=inp), if_clipped=micro))
+    assert "if clipping were configured (--max-grad-norm, rare): the step above, if every host chunk speculates" in text
 
 
 def _assert_recorded(got: dict, recorded: dict, inp, cb, cut_chosen: bool = False):
