@@ -256,8 +256,7 @@ def trace_inputs(model: str, batch: int, seq: int, *, chunk_size: int | None = N
     cfg = gpt.get_config(model)
     if seq > cfg.seq_len:
         raise ValueError(f"--seq {seq} exceeds the model's {cfg.seq_len} positions")
-    if batch < 1 or seq < 1:
-        raise ValueError("--batch and --seq must be >= 1")
+    check_shape(batch, seq)
     check_ranks(batch, n_ranks)
     # the one fit path on abstract shapes: ranks without devices, the target machine's host memory
     # is not this one's (the host budget is given per plan)
@@ -380,6 +379,7 @@ def trace_user_model(spec: str, batch: int, seq: int, *, chunk_size: int | None 
     from chunkjax.tide import memory_tide
     from chunkjax.topology import AXIS
 
+    check_shape(batch, seq)
     m = call_factory(spec, batch, seq)
     opts = step_options(**step_kw)
     spec_kw = dict(host_optimizer=AdamW(1e-4, weight_decay=1e-4))
@@ -482,6 +482,14 @@ def step_options(compute_dtype=None, micro_batches: int = 1, storage=None) -> di
     if storage:
         out["storage"] = [d for d in storage.split(",") if d] if isinstance(storage, str) else list(storage)
     return out
+
+
+def check_shape(batch: int, seq: int) -> None:
+    """Raise ValueError (one line) unless ``batch`` (rows) and ``seq`` (tokens per row) are >= 1:
+    checked for every model kind (named or ``module:factory``) before anything is built."""
+    if batch < 1 or seq < 1:
+        raise ValueError(f"--batch and --seq must be >= 1, got --batch {batch} --seq {seq}: give positive "
+                         "rows per step and tokens per row, e.g. --batch 8 --seq 1024")
 
 
 def check_ranks(batch: int, n_ranks: int, zero_stage: int = 3) -> None:
@@ -789,7 +797,7 @@ def summary(r: dict) -> str:
                                                   "backward's end; baselines as if rare)" if r.get("clip_expect") ==
                                                   "fires" else "") + ":"]
     lines += [f"  {name:13s} {_where(x['time'], k)}" for name, x in rows]
-    lines += _clipped_line(r.get("if_clipped"), tu, k)
+    lines += _clipped_line(r.get("if_clipped"), tu, k, r.get("max_grad_norm") is not None)
     counts = "; ".join(f"{v} with params on {c.split('/')[0][len('params_'):]}, update on "
                        f"{c.split('/')[1][len('update_'):]}" for c, v in r["placement_counts"].items())
     fb = r["first_backward_moment"]
@@ -800,15 +808,18 @@ def summary(r: dict) -> str:
     return "\n".join(lines)
 
 
-def _clipped_line(c: dict | None, tu: str, k: float) -> list[str]:
-    """The summary's line on a ``"rare"`` plan's step with clipping (:func:`if_clipped`)."""
+def _clipped_line(c: dict | None, tu: str, k: float, clips: bool = False) -> list[str]:
+    """The summary's line on a ``"rare"`` plan's step with clipping (:func:`if_clipped`): ``clips``
+    (``--max-grad-norm`` given) says "with clipping", else the line is labelled as the step if
+    clipping were configured (the planned optimizer does not clip: fresh25)."""
     if not c or not c["host_chunks"]:  # nothing speculates: the same step with clipping
         return []
+    head = "with clipping (rare)" if clips else "if clipping were configured (--max-grad-norm, rare)"
     if not c["retimed"]:
-        return [f"with clipping (rare): the step above, if every host chunk speculates (not retimed with the "
+        return [f"{head}: the step above, if every host chunk speculates (not retimed with the "
                 f"speculation bound with micro-batches or storage chunks)"]
     b = c["speculation_bound"]
-    return [f"with clipping (rare): speculation within the default backup pool ({b['bytes'] / 2**30:.2f} GiB: "
+    return [f"{head}: speculation within the default backup pool ({b['bytes'] / 2**30:.2f} GiB: "
             f"{min(b['chunks'], c['host_chunks'])} of {c['host_chunks']} host chunks), predicted step "
             f"{c['predicted_step_s'] * k:.3f} {tu}; the table's step is the planner's, every host chunk speculating "
             "(as without clipping)"]
@@ -872,6 +883,7 @@ def main(argv=None) -> int:
             raise ValueError(f"--zero-stage {a.zero_stage} needs --ranks N > 1 (one GPU has nothing to shard): "
                              "add --ranks or drop --zero-stage")
         a.zero_stage = 3 if a.zero_stage is None else a.zero_stage
+        check_shape(a.batch, a.seq)  # every model kind, before a factory is called or a model traced
         check_ranks(a.batch, a.ranks, a.zero_stage)
         if a.plots:
             plots_dir(a.plots)

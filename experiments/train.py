@@ -284,7 +284,10 @@ def find_resume_point(path: str) -> ResumePoint:
         raise UsageError(f"--resume {path}: checkpoint step {step} cannot be read: {e}") from None
     extra = meta.get("extra", {})
     if not isinstance(extra.get("config"), dict) or "data_position" not in extra:
-        raise UsageError(f"--resume {path}: checkpoint step {step} was not written by experiments.train")
+        raise UsageError(f"--resume {path}: checkpoint step {step} was not written by experiments.train (its extra has "
+                         "no config and data_position): --resume takes the run folder of an experiments.train run; a "
+                         "chunkjax.save_checkpoint folder is loaded in Python with chunkjax.restore_checkpoint(folder, "
+                         "step_or_optimizer) into the step or optimizer of the model that saved it (docs/own_model.md)")
     if not (run_dir / "metrics.jsonl").is_file():
         raise UsageError(f"--resume {path}: {run_dir} has no metrics.jsonl: pass the run folder the checkpoints belong to")
     if not os.access(run_dir, os.W_OK) or not os.access(ckpt_dir, os.W_OK):

@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -116,11 +117,34 @@ def test_only_checkpoint_corrupt_is_one_line_naming_the_file(saved, tmp_path, ki
     bad = root / _files_by_kind(root)[kind]
     _flip(bad)
     for call in (lambda: ck.restore_checkpoint(d, step), lambda: ck.read_meta(d)):
-        with pytest.warns(RuntimeWarning), pytest.raises(ck.CheckpointError, match="no earlier checkpoint") as err:
+        with warnings.catch_warnings(record=True) as seen, \
+                pytest.raises(ck.CheckpointError, match="no earlier checkpoint") as err:
+            warnings.simplefilter("always")
             call()
+        assert not seen, [str(w.message) for w in seen]  # the one line alone, no "using an earlier step" first (fresh25)
         _assert_one_line_naming(err, bad)
         if kind.startswith("ocdbt"):
             assert "crc32" in str(err.value)
+
+
+def test_fallback_warning_names_the_step_restored_instead(saved, tmp_path):
+    """A corrupt newest checkpoint with an earlier one: the restore falls back, and its one warning
+    names the skipped step, its bad file and the step restored instead, without advising to
+    restore an earlier step explicitly, which it already did (fresh25)."""
+    step, _, _ = saved
+    d = _copy(saved, tmp_path)
+    root = d / "step_00000002"
+    bad = root / _files_by_kind(root)["ocdbt.process_0/d/<hash>"]
+    _flip(bad)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        _, extra = ck.restore_checkpoint(d, step)
+    assert extra["data_position"] == 1
+    msgs = [str(w.message) for w in seen if issubclass(w.category, RuntimeWarning)]
+    assert len(msgs) == 1 and "\n" not in msgs[0], msgs
+    assert msgs[0].startswith("checkpoint step 2 skipped: ") and str(bad) in msgs[0] and "crc32" in msgs[0], msgs
+    assert msgs[0].endswith("; using step 1 instead"), msgs
+    assert "step_number" not in msgs[0] and "explicitly" not in msgs[0], msgs
 
 
 def test_corrupt_step_names_how_to_restore_an_earlier_one(saved, tmp_path):
@@ -198,6 +222,19 @@ def test_resume_falls_back_to_the_previous_checkpoint(saved, tmp_path):
     with pytest.warns(RuntimeWarning, match=re.escape(str(bad))):
         rp = train.find_resume_point(str(run))
     assert rp.step == 1 and rp.meta["extra"]["data_position"] == 1
+
+
+def test_resume_of_a_library_checkpoint_says_how_to_load_it(saved, tmp_path):
+    """--resume given a folder chunkjax.save_checkpoint wrote (no job settings in its extra): one
+    line saying it is not the job's and how such a checkpoint is loaded (fresh25)."""
+    from experiments import train
+    step, _, state = saved
+    ck.save_checkpoint(tmp_path / "mine", 3, step, state, {"note": "mine"})
+    with pytest.raises(train.UsageError) as err:
+        train.find_resume_point(str(tmp_path / "mine"))
+    msg = str(err.value)
+    assert "\n" not in msg and "was not written by experiments.train" in msg, msg
+    assert "chunkjax.restore_checkpoint(" in msg and "run folder" in msg, msg
 
 
 def test_checksums_cost_little(saved, tmp_path):

@@ -167,15 +167,22 @@ def test_a_rare_plans_step_with_clipping_is_retimed_with_the_default_bound(capsy
     assert plan.main(MICRO + ["--device-budget", "3MiB", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["if_clipped"] == c
     assert plan.main(MICRO + ["--device-budget", "3MiB"]) == 0
-    assert (f"with clipping (rare): speculation within the default backup pool (16.00 GiB: {n_host} of {n_host} "
-            f"host chunks), predicted step {want * 1e6:.3f} us; the table's step is the planner's, every host chunk "
-            "speculating (as without clipping)"
-            in capsys.readouterr().out)
+    line = (f"speculation within the default backup pool (16.00 GiB: {n_host} of {n_host} host chunks), predicted "
+            f"step {want * 1e6:.3f} us; the table's step is the planner's, every host chunk speculating (as without "
+            "clipping)")
+    out = capsys.readouterr().out  # the planned AdamW does not clip: the line says so (fresh25), not "with clipping"
+    assert f"if clipping were configured (--max-grad-norm, rare): {line}" in out and "with clipping (rare)" not in out
+    assert plan.main(MICRO + ["--device-budget", "3MiB", "--max-grad-norm", "1", "--clip-expect", "rare", "--json"]) == 0
+    clipped = json.loads(capsys.readouterr().out)["if_clipped"]
+    assert plan.main(MICRO + ["--device-budget", "3MiB", "--max-grad-norm", "1", "--clip-expect", "rare"]) == 0
+    out = capsys.readouterr().out
+    assert (f"with clipping (rare): speculation within the default backup pool" in out
+            and "if clipping were configured" not in out and clipped["host_chunks"] >= 2)
     assert plan.if_clipped(dataclasses.replace(problem, clip_expect="fires"), sched) is None
     micro = plan.if_clipped(dataclasses.replace(problem, micro_batches=2), sched)
     assert not micro["retimed"] and micro["predicted_step_s"] == sched.predicted.time.step_s
-    assert "if every host chunk speculates" in plan.summary(dict(plan.plan_report("micro", 3 * 2**20, None, 2, 64,
-                                                                                  inputs=inp), if_clipped=micro))
+    text = plan.summary(dict(plan.plan_report("micro", 3 * 2**20, None, 2, 64, inputs=inp), if_clipped=micro))
+    assert "if clipping were configured (--max-grad-norm, rare): the step above, if every host chunk speculates" in text
 
 
 def _assert_recorded(got: dict, recorded: dict, inp, cb, cut_chosen: bool = False):
@@ -783,3 +790,23 @@ def test_a_budget_below_the_chunk_buffers_names_the_least_budget_not_the_batch(c
     assert len(err) == 1 and "lower the batch" not in err[0] and "chunk buffers alone" in err[0], err
     assert err[0].endswith(f">= {format_bytes(need, up=True)}"), err
     assert plan.main(MICRO + ["--device-budget", format_bytes(need, up=True), "--json"]) == 0
+
+
+@pytest.mark.parametrize("model", ["micro", "my_user_model:make", "my_user_model:make_nnx"])
+@pytest.mark.parametrize("shape", [["--batch", "-3", "--seq", "16"], ["--batch", "2", "--seq", "0"]])
+def test_batch_and_seq_below_1_exit_2_for_every_model_kind(model, shape, user_model, monkeypatch, capsys):
+    """--batch / --seq below 1 are refused with one line and exit 2 for named models and factories
+    alike (fresh25: a factory gave a raw JAX traceback for --batch -3 and planned --seq 0), before
+    a factory is called or a model traced."""
+    def never(*a, **k):
+        raise AssertionError("nothing is traced for a bad --batch / --seq")
+    monkeypatch.setattr(plan, "trace_inputs", never)
+    monkeypatch.setattr(plan, "trace_user_model", never)
+    monkeypatch.setattr(plan, "call_factory", never)
+    assert plan.main(["--model", model, "--device-budget", "min"] + shape) == 2
+    cap = capsys.readouterr()
+    err = cap.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --batch and --seq must be >= 1"), err
+    assert cap.out == ""
+    with pytest.raises(ValueError, match="--batch and --seq must be >= 1"):  # the library path too
+        (_trace_user if ":" in model else _trace)(model, int(shape[1]), int(shape[3]))

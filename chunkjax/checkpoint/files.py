@@ -46,15 +46,10 @@ FORMAT = "chunkjax-checkpoint"
 VERSION = 3
 
 META = "meta.json"
-
 CHECKSUMS = "checksums.json"
-
 _CHECKSUM_BLOCK = 256 << 10  # bytes read at a time when checksumming a file
-
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
-
 _TMP_PREFIX = ".tmp_step_"
-
 _TMP_RE = re.compile(r"^\.tmp_step_(\d+)_(\d+)_[0-9a-f]+$")
 _log = logging.getLogger(__name__)
 
@@ -84,26 +79,35 @@ def latest_step(directory, *, verify: bool = True) -> int | None:
     """The largest step number with a complete, intact checkpoint in ``directory``, or None.
 
     With ``verify`` (the default) the newest checkpoint is checked file by file
-    (:func:`verify_checkpoint`: reads every file once, 1-4 GB/s from the page cache); an
-    incomplete one (no ``meta.json``) or a corrupt one is skipped with a ``RuntimeWarning`` that
-    names it and the file at fault, and the one before it is tried. ``verify=False`` returns the
-    newest :func:`all_steps` entry unchecked.
-    """
+    (:func:`verify_checkpoint`: reads every file once, 1-4 GB/s from the page cache); an incomplete
+    (no ``meta.json``) or corrupt one is skipped, the one before it tried, with a ``RuntimeWarning``
+    naming it, the file at fault and the step used instead (or that none is left).
+    ``verify=False`` returns the newest :func:`all_steps` entry unchecked."""
+    step, skipped = _newest_intact(directory, verify)
+    _warn_skipped(directory, skipped, step)
+    return step
+
+
+def _newest_intact(directory, verify: bool) -> tuple[int | None, list[tuple[int, str]]]:
+    """(latest_step's step, [(newer step skipped, its defect without the earlier-step advice)]); no warning."""
+    skipped = []
     for s in reversed(_step_numbers(directory)):
         where = step_dir(directory, s)
-        if not os.path.isfile(os.path.join(where, META)):
-            warnings.warn(f"checkpoint step {s} at {where} is incomplete (no {META}): skipped, using an earlier step",
-                          RuntimeWarning, stacklevel=2)
-            continue
-        if not verify:
-            return s
         try:
-            verify_checkpoint(directory, s)
+            if not os.path.isfile(os.path.join(where, META)):
+                raise CheckpointError(f"{where} is incomplete (no {META})")
+            if verify:
+                verify_checkpoint(directory, s)
+            return s, skipped
         except CheckpointError as e:
-            warnings.warn(f"checkpoint step {s} skipped, using an earlier step: {e}", RuntimeWarning, stacklevel=2)
-            continue
-        return s
-    return None
+            skipped.append((s, str(e).replace(earlier_steps(where), "").rstrip(" :,")))
+    return None, skipped
+
+
+def _warn_skipped(directory, skipped: list[tuple[int, str]], used: int | None) -> None:
+    instead = f"using step {used} instead" if used is not None else f"no intact one left in {os.fspath(directory)}"
+    for s, why in skipped:
+        warnings.warn(f"checkpoint step {s} skipped: {why}; {instead}", RuntimeWarning, stacklevel=3)
 
 
 def earlier_steps(root: str) -> str:
@@ -380,8 +384,8 @@ def read_meta(directory, step_number: int | None = None) -> dict:
         and every complete checkpoint corrupt, the newest one's first bad file (size and crc32).
     """
     if step_number is None:
-        step_number = latest_step(directory)
-        if step_number is None:
+        step_number, skipped = _newest_intact(directory, True)
+        if step_number is None:  # no warning first: the error says it all (fresh25)
             complete = all_steps(directory)
             if complete:  # all corrupt: the newest one's fault, in one line (not FileNotFoundError)
                 try:
@@ -389,6 +393,7 @@ def read_meta(directory, step_number: int | None = None) -> dict:
                 except CheckpointError as e:
                     raise CheckpointError(f"no intact checkpoint in {os.fspath(directory)}: {e}") from None
             raise FileNotFoundError(not_found(directory))
+        _warn_skipped(directory, skipped, step_number)
     return load_meta(directory, step_number)[0]
 
 

@@ -62,8 +62,8 @@ def restore_checkpoint(directory, step_fn, step_number: int | None = None):
       CheckpointError: a file of the checkpoint missing, unreadable or corrupt (one line naming
         it, its size and crc32 against the saved ones, and the ``step_number=`` call restoring
         the newest earlier step, or that there is none; with ``step_number`` None such a newest
-        checkpoint is skipped with a warning, and if every complete one is corrupt the newest's
-        fault is raised),
+        checkpoint is skipped with a warning naming its fault and the step restored instead, and
+        if every complete one is corrupt the newest's fault is raised, with no warning first),
         another parameter tree (the one-line message names the first leaf that
         differs), optimizer moments that cannot be converted into this step's optimizer state,
         step counts that differ over the chunks when the layout changes, or an object that is
