@@ -16,34 +16,13 @@ from chunkjax.host_update import AdamW
 
 
 def _tiny_nnx():
-    """The fresh user's regression MLP (tests/test_fresh22.py's): an input layer, two residual
-    blocks in an ``nnx.List`` and an output layer, 8-row batches."""
+    """The fresh user's regression MLP (tests/test_fresh22.py's: an input layer, two residual blocks
+    in an ``nnx.List`` and an output layer) as ``(make, loss_fn, one 8-row batch)``."""
     from flax import nnx
 
-    class Block(nnx.Module):
-        def __init__(self, rngs):
-            self.fc = nnx.Linear(8, 8, rngs=rngs)
-
-        def __call__(self, x):
-            return x + jnp.tanh(self.fc(x))
-
-    class Net(nnx.Module):
-        def __init__(self, rngs):
-            self.inp = nnx.Linear(4, 8, rngs=rngs)
-            self.blocks = nnx.List([Block(rngs) for _ in range(2)])
-            self.out = nnx.Linear(8, 1, rngs=rngs)
-
-        def __call__(self, x):
-            x = self.inp(x)
-            for b in self.blocks:
-                x = b(x)
-            return self.out(x)[:, 0]
-
-    def loss_fn(model, batch):
-        return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
-
-    k = jax.random.key(1)
-    return (lambda: Net(nnx.Rngs(0))), loss_fn, {"x": jax.random.normal(k, (8, 4)), "y": jax.random.normal(k, (8,))}
+    from tests.test_fresh22 import _tiny_nnx as fresh22_model
+    Net, loss_fn, batches = fresh22_model()
+    return (lambda: Net(nnx.Rngs(0))), loss_fn, batches[0]
 
 
 def _n_params(model) -> int:
