@@ -131,7 +131,9 @@ class OffloadedStep(OffloadedChunkIO):
     def summary(self) -> str:
         """One line: stages, chunks and the plan (:func:`chunkjax.fit.describe`)."""
         names = [s.name for s in self.stages]
-        return (f"{len(names)} stages ({names[0]} .. {names[-1]}), {self.layout.n_chunks} chunks of "
+        cut = (f"({names[0]} .. {names[-1]})" if len(names) > 1
+               else f"({names[0]}: no block list found; blocks= names one, docs/own_model.md)")
+        return (f"{len(names)} stage{'s' * (len(names) > 1)} {cut}, {self.layout.n_chunks} chunks of "
                 f"{self.layout.chunk_size} elements; " + describe(self.report, self.problem))
 
     # ---- running ---------------------------------------------------------------------------------

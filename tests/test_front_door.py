@@ -827,6 +827,17 @@ def test_fresh25_bad_inputs_are_one_line_errors_naming_what_to_pass():
         assert "\n" not in str(e.value)
     assert parse_bytes("1PiB") == MAX_BYTES and parse_bytes("0.5 pib") == 2**49 and parse_bytes("1PB") == 10**15
     assert compute_dtype_of(jnp.float32) == jnp.float32 and compute_dtype_of("bf16") == jnp.bfloat16
+    # a model without a block list is one stage, and the summary says so (it read "1 stages (pre .. pre)")
+    class Mlp(nnx.Module):
+        def __init__(self, rngs):
+            self.a, self.b = nnx.Linear(8, 8, rngs=rngs), nnx.Linear(8, 1, rngs=rngs)
+
+        def __call__(self, x):
+            return self.b(jnp.tanh(self.a(x)))[:, 0]
+
+    line = chunkjax.offload(Mlp(nnx.Rngs(0)), optax.adam(1e-3), lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2),
+                            {"x": jnp.ones((4, 8)), "y": jnp.zeros((4,))}).summary()
+    assert line.startswith("1 stage (pre: no block list found; blocks= names one"), line
     # a clipping host spec may expect 'fires'; a non-clipping one plans 'rare' under 'auto'
     from chunkjax import clip_plan
     assert clip_plan.resolve("fires", AdamW(1e-3, max_grad_norm=1.0)) == "fires"
