@@ -94,7 +94,7 @@ def describe(report: FitReport, problem) -> str:
     model = problem.cb_rank.model_bytes(problem.layout.n_chunks)  # one rank's, padding included
     bare = model_bytes_unpadded(problem.cb_rank, problem.layout)
     return (f"plan: {s.counts()}; {off} of {s.n_chunks} param chunks in pinned_host; accounted peak "
-            f"{held(p.peak_device_bytes)}{comp} of budget {held(report.budget_bytes)}{_resolved(report)}{ranks}; "
+            f"{held(p.peak_device_bytes)}{comp} of budget {held(report.budget_bytes)}{resolved_from(report.requested)}{ranks}; "
             f"model data on device {held(p.device_model_bytes)} of {held(model)} in chunks, with padding "
             f"({held(bare)} without); per step h2d "
             f"{moved(p.h2d_bytes_per_step)}, d2h {moved(p.d2h_bytes_per_step)}; host "
@@ -107,9 +107,18 @@ def describe(report: FitReport, problem) -> str:
                                          accumulation_line(s, problem.micro_batches)] if x))
 
 
-def _resolved(report: FitReport) -> str:
-    """Where the budget in force was resolved from a keyword (``"auto"``, ``"min"``): which one."""
-    return f" (resolved from {report.requested!r})" if isinstance(report.requested, str) else ""
+def resolved_from(requested) -> str:
+    """`` (resolved from 'min')`` where a budget was requested as a keyword (``"auto"``, ``"min"``),
+    else ``""`` (bytes, or none): the suffix of a budget figure in a summary line."""
+    return f" (resolved from {requested!r})" if isinstance(requested, str) else ""
+
+
+def stages_line(names) -> str:
+    """``"24 stages (embed .. head)"``, or for one stage (no block list was found) ``"1 stage (pre:
+    no block list found; ...)"``: the head of a summary line (``names``: the stages' names, in order)."""
+    if len(names) > 1:
+        return f"{len(names)} stages ({names[0]} .. {names[-1]})"
+    return f"1 stage ({names[0]}: no block list found; blocks= names one, docs/own_model.md)"
 
 
 def model_bytes_unpadded(cb, layout) -> int:

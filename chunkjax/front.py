@@ -37,6 +37,7 @@ from chunkjax.dtypes import compute_dtype_of
 from chunkjax.errors import PlanError
 from chunkjax.fit import auto_budget, describe, fit_problem, min_budget, plan, prepare, resolve_budget
 from chunkjax.fit_batch import batch_rows
+from chunkjax.fit_report import stages_line
 from chunkjax.front_checkpoint import OffloadedChunkIO
 from chunkjax.memory import DEVICE
 from chunkjax.nonfinite import raise_if_nonfinite
@@ -131,9 +132,7 @@ class OffloadedStep(OffloadedChunkIO):
     def summary(self) -> str:
         """One line: stages, chunks and the plan (:func:`chunkjax.fit.describe`)."""
         names = [s.name for s in self.stages]
-        cut = (f"({names[0]} .. {names[-1]})" if len(names) > 1
-               else f"({names[0]}: no block list found; blocks= names one, docs/own_model.md)")
-        return (f"{len(names)} stage{'s' * (len(names) > 1)} {cut}, {self.layout.n_chunks} chunks of "
+        return (f"{stages_line(names)}, {self.layout.n_chunks} chunks of "
                 f"{self.layout.chunk_size} elements; " + describe(self.report, self.problem))
 
     # ---- running ---------------------------------------------------------------------------------

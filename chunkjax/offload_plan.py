@@ -10,7 +10,7 @@ from typing import Any
 
 from chunkjax import clip_plan
 from chunkjax.errors import format_bytes
-from chunkjax.fit_report import model_bytes_unpadded
+from chunkjax.fit_report import model_bytes_unpadded, resolved_from, stages_line
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +51,7 @@ class OffloadPlan:
         with the speculation bound, the planner's unbounded figure beside it, labelled)."""
         names = [s.name for s in self.discovery.stages]
         prob, lay, held = self.problem, self.problem.layout, format_bytes
-        head = (f"{len(names)} stages ({names[0]} .. {names[-1]}), {lay.n_chunks} chunks of {lay.chunk_size} "
+        head = (f"{stages_line(names)}, {lay.n_chunks} chunks of {lay.chunk_size} "
                 f"elements; {prob.flops_per_step / 1e12:.1f} TFLOP per step; model data "
                 f"{held(model_bytes_unpadded(prob.cb_rank, lay))} ({held(prob.cb_rank.model_bytes(lay.n_chunks))} "
                 "in chunks, with padding)" + (" per rank" if prob.n_ranks > 1 else ""))
@@ -59,7 +59,6 @@ class OffloadPlan:
             return head
         from chunkjax.speculate import DEFAULT_BACKUP_BYTES
         p, t = self.schedule.predicted, self.predicted_time
-        keyword = f" (resolved from {self.requested!r})" if isinstance(self.requested, str) else ""
         n_host = sum(u == "host" for u in self.schedule.update_locations)
         n_bound = clip_plan.planned_bound(prob)["speculation_params"]
         bounded = "" if t is p.time else (
@@ -67,6 +66,6 @@ class OffloadPlan:
             f"{min(n_host, n_bound // lay.chunk_size)} of {n_host} host chunks; the planner's "
             f"{p.time.step_s * 1e3:.1f} ms lets every host chunk speculate, for free)")
         return (f"{head}; plan {self.schedule.counts()}; accounted peak {held(p.peak_device_bytes)} of budget "
-                f"{held(self.budget_bytes)}{keyword}; predicted step {t.step_s * 1e3:.1f} ms{bounded}"
+                f"{held(self.budget_bytes)}{resolved_from(self.requested)}; predicted step {t.step_s * 1e3:.1f} ms{bounded}"
                 + (" (the cost model's GPU rates: a CPU runs far slower)" if prob.platform == "cpu" else ""))
 
