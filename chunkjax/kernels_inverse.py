@@ -44,9 +44,11 @@ import numba
 import numpy as np
 from numba import prange
 
-from chunkjax.kernels import (_BLOCK, _LAUNCH_LOCK, _MOMENTS, BF16_BITS_DTYPE, MASTER_DTYPE, AdamWStep, LionStep,
-                              MomentumStep, StepHyper, _as_f32, _bf16_bits_of, _check_distinct, _check_vec, _jit,
-                              _scale_factors)
+from chunkjax.kernel_threads import BLOCK as _BLOCK
+from chunkjax.kernel_threads import LAUNCH_LOCK as _LAUNCH_LOCK
+from chunkjax.kernel_threads import kernel_jit as _jit
+from chunkjax.kernels import (_MOMENTS, BF16_BITS_DTYPE, MASTER_DTYPE, AdamWStep, LionStep, MomentumStep, StepHyper,
+                              _as_f32, _bf16_bits_of, _check_distinct, _check_vec, _scale_factors)
 
 #: ``lr * weight_decay`` above this: the inverse divides by ``1 - lr wd`` < 1/2 (not inverted).
 MAX_LR_WD = 0.5
