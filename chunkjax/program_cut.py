@@ -31,7 +31,7 @@ from chunkjax.schedule import DEVICE_UPDATE, HOST_UPDATE, STREAMED_UPDATE, Sched
 #: Programs at most in a candidate cut (each program is one more compile and launch).
 MAX_PROGRAMS = 12
 #: Largest gradient window tried (programs).
-MAX_WINDOW = 4
+MAX_WINDOW = 8
 #: Resident counts below the fastest plan's tried with the early streamed pipeline's bytes
 #: reserved during the backward (:func:`cut_and_start`).
 EARLY_RESIDENT_STEPS = 3
