@@ -10,18 +10,45 @@ memory controllers) while the device computes. Measured on three lent H200 machi
 alone 1.09x / 1.01x, beside both PCIe directions alone (71-80 GB/s) 1.50x / 1.06x; beside both together 0.274 /
 0.359 / 0.281 ns/param (median; 1.6x / 1.5x / 1.4x); fewer numba threads (15, 14) no faster. The recorded GPT3_6B
 b16 steps ran their host kernel at 0.271-0.331 ns/param against start-up calibrations (alone) of 0.214-0.232, and
-0.296 on a day whose step still ran at 0.298: the rate inside a step is near the loaded one, not a fixed multiple of
-the alone one.
+0.296 on a day whose step still ran at 0.298. With the guided kernel (:mod:`chunkjax.kernel_threads`, session 25)
+the in-step rate became a steadier multiple of the alone one (1.18-1.30) than of the loaded timing (0.87-1.14).
 
-:func:`measure_loaded_host_update_rate` times the kernel under that load at start-up (the
-``host_update_loaded_s_per_param`` of :class:`chunkjax.cost.Rates`); :func:`step_host_s_per_param` is the rate
-the cost model times a step's host thread at.
+:func:`planned_step_rate` is the rate the GPU calibration plans a step's host thread at (the
+``host_update_loaded_s_per_param`` of :class:`chunkjax.cost.Rates`); :func:`measure_loaded_host_update_rate`
+times the kernel under that load (recorded beside it); :func:`step_host_s_per_param` is the rate the cost model
+times a step's host thread at.
 """
 from __future__ import annotations
 
 import statistics
 import threading
 import time
+
+#: The host kernel's seconds per parameter inside a training step over its seconds alone (the
+#: start-up calibration's fastest call, :func:`chunkjax.host_update.measure_host_update_rate`), for
+#: the guided kernel (:mod:`chunkjax.kernel_threads`): 1.18-1.30 over the six unclipped GPT3_6B b16
+#: runs of session 25 on the lent H200 (median 1.22; ``docs/benchmarks.md``, "Twenty-fifth
+#: session"), while the loaded calibration's fastest call was 0.87-1.14 of the in-step rate and
+#: once planned 8 streamed chunks too many. :func:`planned_step_rate` uses it.
+IN_STEP_OVER_ALONE = 1.22
+
+
+def planned_step_rate(alone_s_per_param: float) -> float:
+    """The host thread's seconds per parameter the planner times a training step at, from the
+    kernel's calibration alone on this machine: ``alone_s_per_param * IN_STEP_OVER_ALONE``
+    (:data:`IN_STEP_OVER_ALONE`; the value for ``Rates.host_update_loaded_s_per_param``).
+
+    Args:
+      alone_s_per_param: the kernel alone, seconds per parameter (> 0).
+
+    Raises:
+      ValueError: a rate that is not a positive finite number.
+    """
+    a = float(alone_s_per_param)
+    if not a > 0 or a == float("inf"):
+        raise ValueError(f"planned_step_rate({alone_s_per_param!r}): give the kernel's measured seconds per "
+                         "parameter alone, a positive finite number")
+    return a * IN_STEP_OVER_ALONE
 
 
 def step_host_s_per_param(rates) -> float:
@@ -143,4 +170,4 @@ def measure_loaded_host_update_rate(n: int = 2**26, repeats: int = 10, *, load_b
     return float(statistics.median(times)) / n
 
 
-__all__ = ["measure_loaded_host_update_rate", "step_host_s_per_param"]
+__all__ = ["IN_STEP_OVER_ALONE", "measure_loaded_host_update_rate", "planned_step_rate", "step_host_s_per_param"]

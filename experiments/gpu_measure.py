@@ -48,34 +48,36 @@ HOST_RATE_PARAMS = 2**26
 
 def calibrated_rates(host_stats: dict | None = None):
     """``(rates, matmul TFLOP/s)``: the planner's :class:`chunkjax.cost.Rates` calibrated on this
-    machine on a GPU (the matmul probe; the host AdamW kernel's seconds per parameter alone, and its
-    fastest call beside the device's compute and both PCIe directions as the step's host thread's
-    rate, ``host_update_loaded_s_per_param``: :mod:`chunkjax.host_contention`); the default rates and
-    None elsewhere. The main job and the benchmark plan with the same rates. ``host_stats``: filled
-    with the host kernel timing's min, median and working set
-    (:func:`chunkjax.host_update.measure_host_update_rate`'s ``stats``) and the loaded timing's
-    ``loaded_*`` figures (:func:`chunkjax.host_contention.measure_loaded_host_update_rate`) on a GPU.
+    machine on a GPU (the matmul probe; the host AdamW kernel's seconds per parameter alone, and the
+    step's host thread's rate ``host_update_loaded_s_per_param`` planned from it:
+    :func:`chunkjax.host_contention.planned_step_rate`); the default rates and None elsewhere. The
+    main job and the benchmark plan with the same rates. ``host_stats``: filled with the host kernel
+    timing's min, median and working set (:func:`chunkjax.host_update.measure_host_update_rate`'s
+    ``stats``), the kernel timed beside the device's compute and both PCIe directions (``loaded_*``,
+    :func:`chunkjax.host_contention.measure_loaded_host_update_rate`; recorded, not planned with) and
+    ``planned_step_s_per_param`` on a GPU.
 
-    Why the loaded *fastest* call: over the 15 GPT3_6B runs recorded on lent H200s with both timings
-    (sessions 18-24), the kernel's rate inside the step's host thread was 0.266-0.344 ns/param. The
-    alone rate was under it in every run (by 7-35 %: 0.183-0.270), so plans thought the host fast
-    and cut the forward coarsely; the loaded median was over it (0.331-0.446; planned with in s18x,
-    it streamed chunks that ran slower); the loaded fastest call was within -12..+21 % (mean -1 %).
-    ``docs/benchmarks.md``, "Twenty-fourth session".
+    Why the alone rate times a factor (session 26): with the guided kernel the in-step rate was
+    1.18-1.30x the alone rate over six GPT3_6B runs, the loaded fastest call 0.87-1.14x of it (one
+    plan at a loaded reading of 0.346 ns/param streamed 8 chunks too many and ran 15 % slower).
+    Before (sessions 24-25, the static kernel): the loaded fastest call, which was within -12..+21 %
+    over 15 runs where the alone rate was 7-35 % under. ``docs/design.md``, "The host rate the plan
+    assumes".
     """
     import jax
 
     from chunkjax.cost import Rates
     if jax.default_backend() != "gpu":
         return Rates(), None
-    from chunkjax.host_contention import measure_loaded_host_update_rate
+    from chunkjax.host_contention import measure_loaded_host_update_rate, planned_step_rate
     from chunkjax.host_update import measure_host_update_rate
     stats = {} if host_stats is None else host_stats
     tflops = matmul_tflops()
     alone = measure_host_update_rate(HOST_RATE_PARAMS, stats=stats)
     measure_loaded_host_update_rate(HOST_RATE_PARAMS, stats=stats)
-    loaded = float(stats.get("loaded_min_s_per_param") or 0.0)
-    return Rates.calibrated(tflops * 1e12, alone, host_update_loaded_s_per_param=loaded), tflops
+    planned = planned_step_rate(alone)
+    stats["planned_step_s_per_param"] = planned
+    return Rates.calibrated(tflops * 1e12, alone, host_update_loaded_s_per_param=planned), tflops
 
 
 def matmul_tflops(n: int = 8192, warmup: int = 3, reps: int = 10) -> float:

@@ -100,10 +100,11 @@ def test_prediction_check_reads_the_recorded_runs():
     assert "| bench_s17m_6b16_one | GPT3_6B b16 (1) | cross-step | 1.686 | 1.407 | 1.199 |" in table(rows.values())
 
 
-def test_calibrated_rates_plan_the_step_host_thread_at_the_loaded_fastest_call(monkeypatch):
-    """On a GPU the planner's rates time the step's host thread at the loaded timing's fastest call
-    (``loaded_min_s_per_param``), the alone rate kept beside it, both recorded in the stats; on the
-    CPU the default rates (nothing measured)."""
+def test_calibrated_rates_plan_the_step_host_thread_at_the_alone_rate_times_the_in_step_factor(monkeypatch):
+    """On a GPU the planner's rates time the step's host thread at the alone timing's fastest call
+    times :data:`~chunkjax.host_contention.IN_STEP_OVER_ALONE`, the alone rate kept beside it; the
+    loaded timing is still taken and recorded in the stats (not planned with); on the CPU the
+    default rates (nothing measured)."""
     import jax
 
     from experiments import gpu_measure
@@ -125,8 +126,19 @@ def test_calibrated_rates_plan_the_step_host_thread_at_the_loaded_fastest_call(m
     monkeypatch.setattr(host_contention, "measure_loaded_host_update_rate", loaded_rate)
     stats = {}
     r, tflops = gpu_measure.calibrated_rates(stats)
+    planned = alone * host_contention.IN_STEP_OVER_ALONE
     assert tflops == 600.0 and r.matmul_flops_per_s == pytest.approx(600e12 * 0.9)
-    assert (r.host_update_s_per_param, r.host_update_loaded_s_per_param) == (alone, lo)
-    assert step_host_s_per_param(r) == lo and stats["loaded_median_s_per_param"] == med
+    assert r.host_update_s_per_param == alone and r.host_update_loaded_s_per_param == pytest.approx(planned, rel=1e-15)
+    assert step_host_s_per_param(r) == r.host_update_loaded_s_per_param != lo
+    assert stats["loaded_min_s_per_param"] == lo and stats["loaded_median_s_per_param"] == med
+    assert stats["planned_step_s_per_param"] == r.host_update_loaded_s_per_param
     r2, _ = gpu_measure.calibrated_rates()  # without a stats dict
     assert r2 == r
+
+
+@pytest.mark.parametrize("bad", [0.0, -1e-10, float("nan"), float("inf")])
+def test_planned_step_rate_refuses_a_rate_that_is_not_positive(bad):
+    from chunkjax.host_contention import planned_step_rate
+    with pytest.raises(ValueError, match="positive finite"):
+        planned_step_rate(bad)
+    assert planned_step_rate(0.25e-9) == pytest.approx(0.25e-9 * 1.22, rel=1e-15)
