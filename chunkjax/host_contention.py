@@ -11,7 +11,8 @@ alone 1.09x / 1.01x, beside both PCIe directions alone (71-80 GB/s) 1.50x / 1.06
 0.359 / 0.281 ns/param (median; 1.6x / 1.5x / 1.4x); fewer numba threads (15, 14) no faster. The recorded GPT3_6B
 b16 steps ran their host kernel at 0.271-0.331 ns/param against start-up calibrations (alone) of 0.214-0.232, and
 0.296 on a day whose step still ran at 0.298. With the guided kernel (:mod:`chunkjax.kernel_threads`, session 25)
-the in-step rate became a steadier multiple of the alone one (1.18-1.30) than of the loaded timing (0.87-1.14).
+each timing alone erred by up to 14-24 % against the in-step rate, their combination (:func:`planned_step_rate`) by up
+to 9 %.
 
 :func:`planned_step_rate` is the rate the GPU calibration plans a step's host thread at (the
 ``host_update_loaded_s_per_param`` of :class:`chunkjax.cost.Rates`); :func:`measure_loaded_host_update_rate`
@@ -20,6 +21,7 @@ times a step's host thread at.
 """
 from __future__ import annotations
 
+import math
 import statistics
 import threading
 import time
@@ -28,27 +30,40 @@ import time
 #: start-up calibration's fastest call, :func:`chunkjax.host_update.measure_host_update_rate`), for
 #: the guided kernel (:mod:`chunkjax.kernel_threads`): 1.18-1.30 over the six unclipped GPT3_6B b16
 #: runs of session 25 on the lent H200 (median 1.22; ``docs/benchmarks.md``, "Twenty-fifth
-#: session"), while the loaded calibration's fastest call was 0.87-1.14 of the in-step rate and
-#: once planned 8 streamed chunks too many. :func:`planned_step_rate` uses it.
+#: session"). :func:`planned_step_rate` uses it.
 IN_STEP_OVER_ALONE = 1.22
 
 
-def planned_step_rate(alone_s_per_param: float) -> float:
+def planned_step_rate(alone_s_per_param: float, loaded_s_per_param: float = 0.0) -> float:
     """The host thread's seconds per parameter the planner times a training step at, from the
-    kernel's calibration alone on this machine: ``alone_s_per_param * IN_STEP_OVER_ALONE``
-    (:data:`IN_STEP_OVER_ALONE`; the value for ``Rates.host_update_loaded_s_per_param``).
+    kernel's start-up calibrations on this machine: the geometric mean of
+    ``alone_s_per_param * IN_STEP_OVER_ALONE`` and ``loaded_s_per_param`` (the fastest call beside
+    the device's compute and both PCIe directions, :func:`measure_loaded_host_update_rate`), or
+    ``alone_s_per_param * IN_STEP_OVER_ALONE`` where the loaded one is not given (<= 0). The value for
+    ``Rates.host_update_loaded_s_per_param``.
+
+    Why both: each is one short timing on a busy machine. Over the 12 GPT3_6B runs of sessions 25-26
+    with the guided kernel, against the rate the step's host thread then ran at, the alone one times
+    :data:`IN_STEP_OVER_ALONE` erred by -12..+24 % (rms 8.6 %), the loaded one by -12..+14 % (7.1 %),
+    their geometric mean by -8..+9 % (5.2 %); a reading 14-24 % slow planned 8-9 streamed chunks and a
+    step 8-15 % slower (``docs/design.md``, "The host rate the plan assumes").
 
     Args:
       alone_s_per_param: the kernel alone, seconds per parameter (> 0).
+      loaded_s_per_param: the kernel beside the step's kind of load (seconds per parameter; <= 0:
+        not measured).
 
     Raises:
-      ValueError: a rate that is not a positive finite number.
+      ValueError: a rate that is not a positive finite number (the alone one; the loaded one
+        when given).
     """
-    a = float(alone_s_per_param)
-    if not a > 0 or a == float("inf"):
-        raise ValueError(f"planned_step_rate({alone_s_per_param!r}): give the kernel's measured seconds per "
-                         "parameter alone, a positive finite number")
-    return a * IN_STEP_OVER_ALONE
+    a, lo = float(alone_s_per_param), float(loaded_s_per_param)
+    bad = [x for x in ((a,) if lo <= 0 else (a, lo)) if not (0 < x < float("inf"))]
+    if bad or lo != lo:
+        raise ValueError(f"planned_step_rate({alone_s_per_param!r}, {loaded_s_per_param!r}): give the kernel's "
+                         "measured seconds per parameter, positive finite numbers (the loaded one <= 0 when "
+                         "not measured)")
+    return math.sqrt(a * IN_STEP_OVER_ALONE * lo) if lo > 0 else a * IN_STEP_OVER_ALONE
 
 
 def step_host_s_per_param(rates) -> float:

@@ -49,20 +49,19 @@ HOST_RATE_PARAMS = 2**26
 def calibrated_rates(host_stats: dict | None = None):
     """``(rates, matmul TFLOP/s)``: the planner's :class:`chunkjax.cost.Rates` calibrated on this
     machine on a GPU (the matmul probe; the host AdamW kernel's seconds per parameter alone, and the
-    step's host thread's rate ``host_update_loaded_s_per_param`` planned from it:
+    step's host thread's rate ``host_update_loaded_s_per_param`` planned from it and from the kernel
+    timed beside the device's compute and both PCIe directions:
     :func:`chunkjax.host_contention.planned_step_rate`); the default rates and None elsewhere. The
     main job and the benchmark plan with the same rates. ``host_stats``: filled with the host kernel
     timing's min, median and working set (:func:`chunkjax.host_update.measure_host_update_rate`'s
-    ``stats``), the kernel timed beside the device's compute and both PCIe directions (``loaded_*``,
-    :func:`chunkjax.host_contention.measure_loaded_host_update_rate`; recorded, not planned with) and
+    ``stats``), the loaded timing's ``loaded_*`` figures
+    (:func:`chunkjax.host_contention.measure_loaded_host_update_rate`) and
     ``planned_step_s_per_param`` on a GPU.
 
-    Why the alone rate times a factor (session 26): with the guided kernel the in-step rate was
-    1.18-1.30x the alone rate over six GPT3_6B runs, the loaded fastest call 0.87-1.14x of it (one
-    plan at a loaded reading of 0.346 ns/param streamed 8 chunks too many and ran 15 % slower).
-    Before (sessions 24-25, the static kernel): the loaded fastest call, which was within -12..+21 %
-    over 15 runs where the alone rate was 7-35 % under. ``docs/design.md``, "The host rate the plan
-    assumes".
+    Why both timings (session 26): each is one short timing on a busy machine; against the rate the
+    step's host thread ran at over 12 GPT3_6B runs, the alone one (times 1.22) erred by up to 24 %,
+    the loaded fastest call by up to 14 %, their geometric mean by up to 9 %. Before (sessions
+    24-25): the loaded fastest call alone. ``docs/design.md``, "The host rate the plan assumes".
     """
     import jax
 
@@ -75,7 +74,7 @@ def calibrated_rates(host_stats: dict | None = None):
     tflops = matmul_tflops()
     alone = measure_host_update_rate(HOST_RATE_PARAMS, stats=stats)
     measure_loaded_host_update_rate(HOST_RATE_PARAMS, stats=stats)
-    planned = planned_step_rate(alone)
+    planned = planned_step_rate(alone, float(stats.get("loaded_min_s_per_param") or 0.0))
     stats["planned_step_s_per_param"] = planned
     return Rates.calibrated(tflops * 1e12, alone, host_update_loaded_s_per_param=planned), tflops
 

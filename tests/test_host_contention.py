@@ -100,10 +100,10 @@ def test_prediction_check_reads_the_recorded_runs():
     assert "| bench_s17m_6b16_one | GPT3_6B b16 (1) | cross-step | 1.686 | 1.407 | 1.199 |" in table(rows.values())
 
 
-def test_calibrated_rates_plan_the_step_host_thread_at_the_alone_rate_times_the_in_step_factor(monkeypatch):
-    """On a GPU the planner's rates time the step's host thread at the alone timing's fastest call
-    times :data:`~chunkjax.host_contention.IN_STEP_OVER_ALONE`, the alone rate kept beside it; the
-    loaded timing is still taken and recorded in the stats (not planned with); on the CPU the
+def test_calibrated_rates_plan_the_step_host_thread_from_both_timings(monkeypatch):
+    """On a GPU the planner's rates time the step's host thread at the geometric mean of the alone
+    timing's fastest call times :data:`~chunkjax.host_contention.IN_STEP_OVER_ALONE` and the loaded
+    timing's fastest call, the alone rate kept beside it, all recorded in the stats; on the CPU the
     default rates (nothing measured)."""
     import jax
 
@@ -126,19 +126,31 @@ def test_calibrated_rates_plan_the_step_host_thread_at_the_alone_rate_times_the_
     monkeypatch.setattr(host_contention, "measure_loaded_host_update_rate", loaded_rate)
     stats = {}
     r, tflops = gpu_measure.calibrated_rates(stats)
-    planned = alone * host_contention.IN_STEP_OVER_ALONE
+    planned = (alone * host_contention.IN_STEP_OVER_ALONE * lo) ** 0.5
     assert tflops == 600.0 and r.matmul_flops_per_s == pytest.approx(600e12 * 0.9)
     assert r.host_update_s_per_param == alone and r.host_update_loaded_s_per_param == pytest.approx(planned, rel=1e-15)
-    assert step_host_s_per_param(r) == r.host_update_loaded_s_per_param != lo
+    assert step_host_s_per_param(r) == r.host_update_loaded_s_per_param
     assert stats["loaded_min_s_per_param"] == lo and stats["loaded_median_s_per_param"] == med
     assert stats["planned_step_s_per_param"] == r.host_update_loaded_s_per_param
     r2, _ = gpu_measure.calibrated_rates()  # without a stats dict
     assert r2 == r
 
 
-@pytest.mark.parametrize("bad", [0.0, -1e-10, float("nan"), float("inf")])
+@pytest.mark.parametrize("bad", [(0.0, 0.0), (-1e-10, 0.3e-9), (float("nan"), 0.0), (float("inf"), 0.0),
+                                 (0.2e-9, float("inf")), (0.2e-9, float("nan"))])
 def test_planned_step_rate_refuses_a_rate_that_is_not_positive(bad):
     from chunkjax.host_contention import planned_step_rate
     with pytest.raises(ValueError, match="positive finite"):
-        planned_step_rate(bad)
-    assert planned_step_rate(0.25e-9) == pytest.approx(0.25e-9 * 1.22, rel=1e-15)
+        planned_step_rate(*bad)
+
+
+def test_planned_step_rate_is_the_geometric_mean_of_both_timings():
+    """Alone times the in-step factor, combined with the loaded timing by a geometric mean (it lies
+    between the two); the alone one times the factor where no loaded timing is given."""
+    from chunkjax.host_contention import IN_STEP_OVER_ALONE, planned_step_rate
+    rng = np.random.default_rng()
+    a, lo = rng.uniform(0.15e-9, 0.4e-9, 2)
+    p = planned_step_rate(a, lo)
+    assert p == pytest.approx(float(np.sqrt(np.float64(a) * IN_STEP_OVER_ALONE * np.float64(lo))), rel=1e-14)
+    assert min(a * IN_STEP_OVER_ALONE, lo) <= p <= max(a * IN_STEP_OVER_ALONE, lo)
+    assert planned_step_rate(a) == planned_step_rate(a, 0.0) == pytest.approx(a * IN_STEP_OVER_ALONE, rel=1e-15)
