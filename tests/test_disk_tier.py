@@ -628,6 +628,51 @@ def test_hung_worker_is_named_at_a_tiny_host_deadline(setup, tmp_path, monkeypat
     assert committed_step([str(d)]) == 1
 
 
+def test_close_names_disk_work_that_never_ends_and_kills_its_workers(tmp_path):
+    """DiskState.close waits for the last step's disk work at most the tier's ``timeout_s``
+    (StorageOptions.timeout_s): work that never ends (here a step begun whose gradients never
+    come: the worker waits in its step) is named in one RuntimeWarning line with what to do,
+    its worker is killed (the conftest checks that none is left) and the directory stays at the
+    last committed step. Before: close waited forever."""
+    import concurrent.futures
+    import threading
+    import warnings
+
+    from chunkjax.storage.near import NearStorageOptimizer
+    from chunkjax.storage.updater import DiskState
+    d = tmp_path / "w"
+    opt = NearStorageOptimizer([str(d)], [64], AdamW(1e-3), init_params=[np.zeros(64, np.float32)], fsync=False,
+                               timeout_s=60.0)
+    opt.timeout_s = 0.5  # the bound of close's wait (after the worker's start)
+    pids = opt.worker_pids
+    opt.begin()  # the worker reads ahead and waits for gradients that never come
+    disk = DiskState(opt, [0])
+    disk.tail = concurrent.futures.Future()  # the step's disk work: never ends
+    caught = []
+
+    def close():
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            disk.close()
+        caught.extend(w)
+
+    t0 = time.monotonic()
+    closer = threading.Thread(target=close, daemon=True)
+    closer.start()
+    closer.join(60)
+    if closer.is_alive():
+        for p in opt.workers:
+            p.kill()
+        pytest.fail("DiskState.close still waits for disk work that never ends after 60 s")
+    assert time.monotonic() - t0 < 30
+    assert [w.category for w in caught] == [RuntimeWarning], caught
+    msg = str(caught[0].message)
+    assert "\n" not in msg and "DiskState.close" in msg and "timeout_s=0.5 s" in msg and f"pids {pids}" in msg, msg
+    assert "last committed step 0" in msg and "NearStorageOptimizer" in msg, msg  # where a resume starts, how
+    assert not any(p.is_alive() for p in opt.workers)
+    assert committed_step([str(d)]) == 0
+
+
 _UNGUARDED = """
 import numpy as np
 from chunkjax.host_update import AdamW

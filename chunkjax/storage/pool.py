@@ -130,6 +130,14 @@ class WorkerPool:
             return why
         return None
 
+    def stop(self, why: str) -> StorageError:
+        """Kill every worker now (SIGKILL: a hung or stopped one too) and return the
+        :class:`StorageError` whose one line names ``why``, the last step every directory committed
+        and what to do (the owner's ``resume_advice``); every later call on the pool raises it.
+        For an owner whose own wait on the workers' work has passed its deadline
+        (:meth:`chunkjax.storage.updater.DiskState.close`)."""
+        return self._fail(why)
+
     def _check_stop(self) -> None:
         """Fail here (the step's thread) when :meth:`watch` asked for it."""
         if self._stop_reason and not self._broken:

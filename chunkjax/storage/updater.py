@@ -35,6 +35,7 @@ import os
 import queue
 import threading
 import time
+import warnings
 from typing import Sequence
 
 import jax
@@ -211,10 +212,24 @@ class DiskState:
 
     def close(self) -> None:
         """Stop the workers (the committed state stays in the files); a failed last step's error
-        is not raised here."""
-        if self.tail is not None:
-            concurrent.futures.wait([self.tail])
+        is not raised here.
+
+        The last step's disk work (:attr:`tail`) is waited for at most the optimizer's
+        ``timeout_s`` (:attr:`StorageOptions.timeout_s`, the tier's bound on every wait). Work
+        still running then (a hung worker, or a step that failed before handing over its
+        gradients) is not waited for again: the workers are killed, so that nothing hangs the
+        process at exit, and a :class:`RuntimeWarning` says so in one line (the directories stay
+        at the last committed step)."""
+        if self.tail is not None and not concurrent.futures.wait([self.tail], timeout=self.opt.timeout_s).done:
+            err = self.opt.stop(_MSG_CLOSE_HUNG.format(s=self.opt.timeout_s, pids=self.opt.worker_pids))
+            warnings.warn(f"chunkjax: {err}", RuntimeWarning, stacklevel=2)
         self.opt.close()
+
+
+#: :meth:`DiskState.close`'s warning (then the pool's last committed step and resume advice).
+_MSG_CLOSE_HUNG = ("DiskState.close: the last step's disk work (its gradients, writes and commit) did not end "
+                   "within timeout_s={s:g} s, so its near-storage workers (pids {pids}) were killed "
+                   "(StorageOptions(timeout_s=...) raises the bound for slow disks)")
 
 
 jax.tree_util.register_pytree_node(DiskState, lambda d: ((), d), lambda d, _: d)
