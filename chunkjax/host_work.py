@@ -103,6 +103,17 @@ class _Queue:
             self.stop = True
             self.cv.notify()
 
+    def abandon(self, error: BaseException) -> None:
+        """Stop taking work (a join past its deadline): the items not started fail with
+        ``error`` and are dropped; the thread ends once the item it runs, if any, returns."""
+        with self.cv:
+            items, self.items = self.items, []
+            self.stop = True
+            self.cv.notify()
+        for it in items:
+            if it.fut.set_running_or_notify_cancel():
+                it.fut.set_exception(error)
+
     def take(self) -> _Item | None:
         with self.cv:
             while not self.items and not self.stop:
@@ -348,7 +359,8 @@ class HostWork:
 
         Raises:
           HostDeadlineError: the work did not finish within ``deadline_s`` (one line; the thread
-            is abandoned, the state that held this work must not be used).
+            is abandoned: the updates it had not started fail with this error and it ends once
+            the one it runs returns; the state that held this work must not be used).
         """
         if self._futures:
             end = None if self.deadline_s is None else time.monotonic() + self.deadline_s
@@ -356,8 +368,11 @@ class HostWork:
             for i, f in enumerate(self._futures):
                 try:
                     self._wait_one(f, end, i)
-                except HostDeadlineError:
+                except HostDeadlineError as e:
                     _give_up(self._thread)  # abandoned: not waited for again at exit
+                    if self._queue is not None:  # ... and ends once its stalled item returns: nothing left idle
+                        self._queue.abandon(HostDeadlineError(str(e)))
+                        self._queue = None
                     raise
                 if f.exception() is not None and failed is None:
                     failed = f.exception()

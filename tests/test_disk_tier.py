@@ -598,11 +598,14 @@ def test_job_with_storage_samples_and_exports_as_without(tmp_path):
 def test_hung_worker_is_named_at_a_tiny_host_deadline(setup, tmp_path, monkeypatch):
     """A worker that hangs mid-step (alive, not stopped: the tier's sleep hook) is named (index,
     pid, directory) in the step's host deadline error, and the step's later calls fail with its
-    storage error (the host deadline set tiny after the first step)."""
+    storage error (the host deadline set tiny after the first step); no host-update thread of the
+    step is left running after them (session 25: one idled on forever)."""
     cfg, params, batches, stages, layout, traces, cb = setup
     sched = _three_tier_schedule(setup)
     from chunkjax.storage import near
     from chunkjax.updaters import HostDeadlineError
+    from chunkjax import host_work
+    before = set(host_work.live_threads())  # idle threads of steps other tests of this process left unjoined
     real = near.NearStorageOptimizer.__init__
     marker = tmp_path / "hung"
 
@@ -626,6 +629,10 @@ def test_hung_worker_is_named_at_a_tiny_host_deadline(setup, tmp_path, monkeypat
     with pytest.raises(StorageError, match=f"worker 0 \\(pid {pid}.*restore your last checkpoint"):
         st.master[sched.update_locations.index("storage")].wait()
     assert committed_step([str(d)]) == 1
+    left = set(host_work.live_threads()) - before  # the abandoned host thread ends once its wait failed
+    for t in left:
+        t.join(10)
+    assert not [t for t in left if t.is_alive()], "the step's host-update thread outlived its deadline error"
 
 
 def test_close_names_disk_work_that_never_ends_and_kills_its_workers(tmp_path):

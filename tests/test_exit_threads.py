@@ -17,6 +17,7 @@ import threading
 import time
 
 import numpy as np
+import pytest
 
 from chunkjax import host_work, speculate
 
@@ -41,6 +42,27 @@ def test_join_ends_the_host_thread():
     assert len(mine) == 1 and all(t.name == "chunkjax-host-update" for t in mine)
     assert work.join() == 0.25 and done == [1]
     assert set(host_work.live_threads()) - before == set() and not any(t.is_alive() for t in mine)
+
+
+def test_a_join_past_its_deadline_leaves_no_thread_behind():
+    """HostWork.join past its deadline raises at once; the update not started yet never runs (it
+    fails with the deadline's error), and the host thread ends once the stalled update returns
+    (before: it then waited forever on a queue nobody closed)."""
+    before = set(host_work.live_threads())
+    work = host_work.HostWork(deadline_s=0.2)
+    release, ran = threading.Event(), []
+    work.submit(lambda: (release.wait(30), 0.0)[-1])  # stalls past the deadline
+    later = work.submit(lambda: (ran.append(1), 1.0)[-1])
+    mine = set(host_work.live_threads()) - before
+    assert len(mine) == 1
+    with pytest.raises(host_work.HostDeadlineError, match="within 0.2 s"):
+        work.join()
+    assert isinstance(later.exception(timeout=5), host_work.HostDeadlineError)
+    release.set()
+    for t in mine:
+        t.join(10)
+    assert not any(t.is_alive() for t in mine) and ran == []
+    assert set(host_work.live_threads()) - before == set()
 
 
 def test_backup_pool_close_ends_its_copy_threads():
