@@ -1,7 +1,7 @@
 """Test-wide settings: 8 forced host devices for multi-device logic (set before jax is imported),
 the CPU backend, XLA CPU flags that cut compile time (:data:`COMPILE_FLAGS`), jax's persistent
 compilation cache in a fresh folder for this session only (many tests and their subprocesses
-compile the same programs; removed when the session ends), and
+compile the same programs; removed when the session ends, also one ended by SIGTERM: :func:`_terminated`), and
 a folder for set-ups built once per session and shared by the xdist workers
 (``CHUNKJAX_TEST_SHARED_DIR``: tests/_shared_data.py's bpe512 cache; removed likewise).
 
@@ -12,6 +12,7 @@ are handed out heaviest first (:data:`FILE_SECONDS`), so that the workers finish
 tests run is never changed, only their order and worker."""
 import os
 import shutil
+import signal
 import tempfile
 
 import pytest
@@ -44,6 +45,19 @@ if "CHUNKJAX_TEST_SHARED_DIR" not in os.environ:  # set-ups built once per sessi
     os.environ["CHUNKJAX_TEST_SHARED_DIR"] = _SHARED  # inherited by the xdist workers
 else:
     _SHARED = None
+
+
+def _terminated(signum, frame):
+    """SIGTERM (``kill``, ``timeout``, a CI runner's stop) ends the session as Ctrl-C does: pytest
+    unwinds the running test (its finalizers) and runs :func:`pytest_sessionfinish`, which removes
+    the two folders above (by default SIGTERM killed the process and left them in the temp
+    folder). A second SIGTERM kills at once (the default is back)."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    raise KeyboardInterrupt(f"terminated by {signal.Signals(signum).name}")
+
+
+if (_CACHE or _SHARED) and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # not where a launcher chose otherwise
+    signal.signal(signal.SIGTERM, _terminated)
 
 
 #: test files that share an expensive per-process set-up -> the one xdist unit they run in

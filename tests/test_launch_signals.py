@@ -81,6 +81,33 @@ def test_default_sigint_gives_a_keyboard_interrupt_in_a_suite_started_in_the_bac
     assert res.returncode == 0 and "4 passed" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
 
 
+def test_sigterm_ends_a_session_with_its_temp_folders_removed(tmp_path):
+    """SIGTERM to a pytest session (``kill``, ``timeout``, a CI runner's stop) ends it as Ctrl-C
+    does (exit status 2), and the folders tests/conftest.py made in the temp folder (the XLA
+    cache, the shared set-ups) are removed (session 26: a run so stopped left them in /tmp)."""
+    (tmp_path / "test_term.py").write_text(textwrap.dedent("""
+        import json, os, signal, time
+
+        def test_terminated():
+            made = [os.environ["JAX_COMPILATION_CACHE_DIR"], os.environ["CHUNKJAX_TEST_SHARED_DIR"]]
+            with open("made.json", "w") as f:
+                json.dump([m for m in made if os.path.isdir(m)], f)
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(60)
+    """))
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {k: v for k, v in _env().items() if k not in ("JAX_COMPILATION_CACHE_DIR", "CHUNKJAX_TEST_SHARED_DIR")}
+    env["TMPDIR"] = str(tmp)  # the session's folders: made by its conftest, here
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-p",
+                          "conftest", "--rootdir", str(tmp_path), str(tmp_path / "test_term.py")],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    made = json.loads((tmp_path / "made.json").read_text())
+    assert len(made) == 2 and all(m.startswith(str(tmp)) for m in made), made
+    assert res.returncode == 2 and "terminated by SIGTERM" in res.stdout, (res.returncode, res.stdout[-3000:])
+    assert [m for m in made if os.path.exists(m)] == []
+
+
 JOB = """
 import os, signal, sys, time
 from experiments import train
