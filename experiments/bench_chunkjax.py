@@ -235,6 +235,7 @@ class ChunkjaxSystem:
         if "storage" in self.schedule.update_locations:  # the disk tier: each committed update's bytes and seconds
             self.disk = state.master[self.schedule.update_locations.index("storage")]
         self._account(work)
+        self.last_grad_norm = m.get("grad_norm")  # the step's global gradient norm (bench ``grad_norms``)
         return state, m["loss"]
 
     def finish(self, state) -> None:

@@ -116,7 +116,9 @@ def measure_system(system, args) -> dict:
     exceeds ``args.budget_bytes`` (or after compiling when ``args.compile_only``). Otherwise
     ``init``, one warm-up step, ``args.steps`` timed steps (``block_until_ready`` each), then on a
     GPU one profiled step (bytes moved) and ``peak_bytes_in_use``. Returns a partial record
-    (keys of :data:`ALL_KEYS`); the caller normalises it.
+    (keys of :data:`ALL_KEYS`, and ``grad_norms``, the global gradient norm of the warm-up and each
+    timed step, read after its timing, for systems with a ``last_grad_norm``); the caller
+    normalises it.
 
     ``args`` needs: model, batch, seq, steps, seed, budget_bytes, compile_only (and optionally
     profile_on_cpu: run the profiled step on a CPU too, for tests).
@@ -173,6 +175,9 @@ def measure_system(system, args) -> dict:
     jax.block_until_ready((state, loss))
     losses.append(float(loss))
     rec["warmup_s"] = time.perf_counter() - t0
+    grad_norms = []  # read after each step's timing: the global norm clipping compares (systems that report it)
+    if getattr(system, "last_grad_norm", None) is not None:
+        grad_norms.append(float(system.last_grad_norm))
     _progress(phase="warmup", seconds=rec["warmup_s"], loss=losses[-1])
     step_s, update_s, timings = [], [], []
     for _ in range(args.steps):
@@ -181,6 +186,8 @@ def measure_system(system, args) -> dict:
         jax.block_until_ready((state, loss))
         step_s.append(time.perf_counter() - t0)
         losses.append(float(loss))
+        if getattr(system, "last_grad_norm", None) is not None:
+            grad_norms.append(float(system.last_grad_norm))
         if getattr(system, "last_update_s", None) is not None:
             update_s.append(system.last_update_s)
         if getattr(system, "last_timings", None):
@@ -189,6 +196,8 @@ def measure_system(system, args) -> dict:
     med = statistics.median(step_s)
     rec.update(step_s_all=step_s, step_s_median=med, tokens_per_s=args.batch * args.seq / med,
                update_s=statistics.median(update_s) if update_s else None)
+    if grad_norms:
+        rec["grad_norms"] = grad_norms
     if timings:
         rec["timings"] = {k: statistics.median(t[k] for t in timings) for k in timings[0]}
 

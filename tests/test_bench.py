@@ -18,6 +18,7 @@ import types
 
 import jax
 import jax.numpy as jnp
+import optax
 import numpy as np
 import pytest
 
@@ -662,18 +663,28 @@ def test_chunkjax_init_params_losses_match_plain_jax_step_by_step():
     from experiments.bench_chunkjax import ChunkjaxSystem
     batch, seq = 2, 32
 
-    def losses(system):
+    norms = {"plain_jax": [], "chunkjax": []}
+
+    def losses(system, name):
         b = measure.make_batch(CFG2, batch, seq, 0, getattr(system, "dev_sh", None))
         state, out = system.init(jax.random.key(0)), []
         for _ in range(3):
+            if name == "plain_jax":  # the reference norm: plain JAX's gradients at its params before its step
+                g = bl.loss_and_grads(CFG2, bl.to_compute(state["master"]), b)[1]
+                norms[name].append(float(optax.tree.norm(jax.tree.map(lambda a: a.astype(jnp.float32), g))))
             state, loss = system.step(state, b)
             out.append(float(loss))
+            if name == "chunkjax":
+                norms[name].append(float(system.last_grad_norm))  # what the bench records as grad_norms
         return out
 
-    plain = {"losses": losses(bl.build("plain_jax", CFG2))}
+    plain = {"losses": losses(bl.build("plain_jax", CFG2), "plain_jax")}
     system = ChunkjaxSystem(CFG2, 2_500_000, batch, seq, init="init_params")
     assert {"host", "device"} <= set(system.schedule.update_locations)
-    rec = {"losses": losses(system), "init": system.init_rule}
+    rec = {"losses": losses(system, "chunkjax"), "init": system.init_rule}
+    # bf16 gradients summed in float32: the global norm to bf16's rounding (8 mantissa bits)
+    np.testing.assert_allclose(norms["chunkjax"], norms["plain_jax"], rtol=1e-2)
+    assert min(norms["plain_jax"]) > 0
     cmp = bench.compare_losses({"plain_jax": plain, "chunkjax": rec})
     assert cmp["chunkjax"]["steps"] == 3 and plain["losses"][-1] < plain["losses"][0] - 0.05
     # bf16 compute: ~2e-5 relative; one skipped or doubled update moves the loss by ~1e-2

@@ -143,6 +143,9 @@ def test_bench_worker_prints_the_plan_before_the_first_step(capsys):
     with two_block_micro():  # the order of the worker's phases does not depend on the depth: smaller programs
         rec = bench_chunkjax.run_chunkjax(args)
     assert rec["feasible"], rec.get("error")
+    # the global gradient norm of the warm-up and the timed step (the step's own, checked against
+    # plain JAX's in test_bench), recorded beside the losses
+    assert len(rec["grad_norms"]) == len(rec["losses"]) == 2 and all(0 < g < float("inf") for g in rec["grad_norms"])
     err = [l for l in capsys.readouterr().err.splitlines() if l.startswith("[host-ledger]")]
     first = lambda what: next(i for i, l in enumerate(err) if l.startswith(f"[host-ledger] {what}"))  # noqa: E731
     assert first("plan accounts") < first("init") < first("step 1"), err
