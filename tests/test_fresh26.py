@@ -1,0 +1,102 @@
+"""What a new user found bringing their own model (a tied-embedding MoE-ish decoder, an
+ALBERT-style module shared by every block, an int32 Param, a scalar leaf) to chunkjax (helper
+``fresh26``; reproducers in ``notes/fresh26/``).
+
+Each test asserts the right value or behaviour against a reference (plain optax, float32 on the
+CPU) or the documented one-line error."""
+import multiprocessing
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import chunkjax as cj
+from chunkjax.host_update import AdamW
+
+
+class _Block(nnx.Module):
+    def __init__(self, rngs):
+        self.fc = nnx.Linear(64, 64, rngs=rngs)
+
+    def __call__(self, x):
+        return x + jnp.tanh(self.fc(x))
+
+
+class _Net(nnx.Module):
+    def __init__(self, rngs):
+        self.embed = nnx.Embed(32, 64, rngs=rngs)
+        self.blocks = nnx.List([_Block(rngs) for _ in range(3)])
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        for b in self.blocks:
+            x = b(x)
+        return self.embed.attend(x)  # tied head
+
+
+def _loss(model, batch):
+    logits = model(batch[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+
+
+def _batches(n):
+    return [jax.random.randint(k, (4, 9), 0, 32) for k in jax.random.split(jax.random.key(7), n)]
+
+
+def _workers():
+    return [p for p in multiprocessing.active_children() if p.name.startswith("near_storage_")]
+
+
+def test_close_storage_takes_the_front_doors_step_and_a_closed_step_says_so(tmp_path):
+    """docs/own_model.md: the disk tier's workers live "until
+    chunkjax.storage.updater.close_storage(step)". Given the step chunkjax.offload returns, it
+    raised AttributeError ('OffloadedStep' object has no attribute 'updaters'); and a step, sync
+    or save after closing (close_storage(step.step)) ran the forward and then failed in the
+    background with concurrent.futures' 'cannot schedule new futures after shutdown'. Right: the
+    front door's step closes, its workers are gone, and each later use raises one StorageError
+    line naming close_storage (a save: its CheckpointWriteError line holding it), with the step's
+    state as before (a restore brings it back)."""
+    from chunkjax.storage.files import StorageError
+    from chunkjax.storage.updater import close_storage
+
+    data = _batches(4)
+    spec = AdamW(3e-3)
+    ref = _Net(nnx.Rngs(0))
+    opt = nnx.Optimizer(ref, spec.optax(), wrt=nnx.Param)
+
+    @nnx.jit
+    def train(model, opt, b):
+        loss, g = nnx.value_and_grad(_loss)(model, b)
+        opt.update(model, g)
+        return loss
+
+    want = [float(train(ref, opt, b)) for b in data]
+    model = _Net(nnx.Rngs(0))
+    step = cj.offload(model, spec, _loss, data[0], device_budget="min", storage=[str(tmp_path / "disk")],
+                      host_budget="189KiB")
+    assert "storage" in step.schedule.update_locations, step.schedule.counts()
+    got = [float(step(b)) for b in data[:2]]
+    np.testing.assert_allclose(got, want[:2], rtol=2e-5)
+    cj.save_checkpoint(tmp_path / "ck", 2, step)
+    assert _workers()
+    close_storage(step)
+    assert not _workers()
+    close_storage(step)  # twice: nothing more to stop
+    from chunkjax.checkpoint.protocol import CheckpointWriteError
+    for use, err in ((lambda: step(data[2]), StorageError), (lambda: step.sync(model), StorageError),
+                     (lambda: cj.save_checkpoint(tmp_path / "ck2", 3, step), CheckpointWriteError)):
+        with pytest.raises(err) as e:
+            use()
+        msg = str(e.value)
+        assert "\n" not in msg and "close_storage" in msg and "restore_checkpoint" in msg, msg
+    cj.restore_checkpoint(tmp_path / "ck", step)  # new workers; the run goes on as the uninterrupted one
+    got += [float(step(b)) for b in data[2:]]
+    np.testing.assert_allclose(got, want, rtol=2e-5)
+    step.sync(model)
+    for (p, a), b in zip(jax.tree_util.tree_leaves_with_path(nnx.state(ref, nnx.Param)),
+                         jax.tree.leaves(nnx.state(model, nnx.Param))):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6, err_msg=str(p))
+    close_storage(step)
