@@ -100,3 +100,39 @@ def test_close_storage_takes_the_front_doors_step_and_a_closed_step_says_so(tmp_
                          jax.tree.leaves(nnx.state(model, nnx.Param))):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6, err_msg=str(p))
     close_storage(step)
+
+
+def test_placement_figure_labels_do_not_overlap():
+    """plots.plot_placement of a model with four placements (device-updated, frozen int leaf,
+    streamed, host-updated chunks): the count bars' labels ("params pinned_host / update streamed"
+    beside "params device / update none") were drawn over each other. Right: each label's box
+    is clear of the others, and the bars are the schedule's counts."""
+    import matplotlib
+    matplotlib.use("Agg")
+    from chunkjax import plots
+
+    class _WithInt(_Net):
+        def __init__(self, rngs):
+            super().__init__(rngs)
+            self.pos = nnx.Param(jnp.arange(8, dtype=jnp.int32))  # an int leaf: frozen, update "none"
+
+        def __call__(self, tokens):
+            return super().__call__(tokens + 0 * self.pos[: tokens.shape[1]])
+
+    data = _batches(1)
+    step = cj.offload(_WithInt(nnx.Rngs(0)), AdamW(1e-3), _loss, data[0], device_budget="min", min_chunks=12)
+    counts = step.schedule.counts()
+    assert len(counts) >= 4, counts
+    fig = plots.plot_placement(step)
+    ax2 = fig.axes[1]
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    r = canvas.get_renderer()
+    labels = [t for t in ax2.get_xticklabels() + ax2.get_yticklabels() if "update" in t.get_text()]
+    assert len(labels) == len(counts)
+    boxes = [t.get_window_extent(r) for t in labels]
+    for i in range(len(boxes)):
+        for j in range(i + 1, len(boxes)):
+            assert not boxes[i].overlaps(boxes[j]), (labels[i].get_text(), labels[j].get_text())
+    assert [b.get_width() for b in ax2.patches] == list(counts.values())
