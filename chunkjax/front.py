@@ -34,7 +34,7 @@ import optax
 
 from chunkjax.discover import Discovery, discover, path_key
 from chunkjax.dtypes import compute_dtype_of
-from chunkjax.errors import PlanError
+from chunkjax.errors import PlanError, complex_param_error
 from chunkjax.fit import auto_budget, describe, fit_problem, min_budget, plan, prepare, resolve_budget
 from chunkjax.fit_batch import batch_rows
 from chunkjax.fit_report import stages_line
@@ -574,5 +574,8 @@ def _trainable_mask(model, d: Discovery, trainable, params: dict) -> dict:
     """Flat parameter key -> bool: the floating leaves of ``wrt`` that match ``trainable``."""
     from flax import nnx
     keys = {"/".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(model, nnx.All(d.wrt, trainable)))}
+    for k in (kk for k in d.param_keys if k in keys for kk in d.per_layer.get(k, (k,))):
+        if jnp.issubdtype(params[k].dtype, jnp.complexfloating):  # the filter trains it: refused, not frozen
+            raise complex_param_error(k, np.dtype(params[k].dtype).name)
     return {kk: k in keys and jnp.issubdtype(params[kk].dtype, jnp.floating)
             for k in d.param_keys for kk in d.per_layer.get(k, (k,))}

@@ -136,3 +136,51 @@ def test_placement_figure_labels_do_not_overlap():
         for j in range(i + 1, len(boxes)):
             assert not boxes[i].overlaps(boxes[j]), (labels[i].get_text(), labels[j].get_text())
     assert [b.get_width() for b in ax2.patches] == list(counts.values())
+
+
+class _WithComplex(_Net):
+    def __init__(self, rngs):
+        super().__init__(rngs)
+        self.z = nnx.Param(jnp.full((32,), 0.5 + 0.5j, jnp.complex64))  # a learnable per-token gain |z|
+
+    def __call__(self, tokens):
+        return super().__call__(tokens) * jnp.abs(self.z[...])
+
+
+def test_a_complex_parameter_is_refused_not_silently_frozen():
+    """A complex64 nnx.Param that the loss reads: nnx.Optimizer trains it (JAX differentiates
+    complex leaves), but chunkjax.offload and fit_step froze it without a word (the leaf is not
+    floating), so the losses drifted from the plain loop's (1e-3 relative by step 10). Right: a
+    complex leaf left trainable is refused in one line naming it; frozen on purpose (a trainable=
+    filter without it) it trains the rest as nnx.Optimizer with the same filter does, and the
+    complex leaf comes back bit for bit."""
+    data = _batches(5)
+    with pytest.raises(ValueError) as e:
+        cj.offload(_WithComplex(nnx.Rngs(0)), optax.adam(1e-2), _loss, data[0], device_budget="min")
+    msg = str(e.value)
+    assert "\n" not in msg and "'z'" in msg and "complex64" in msg and "trainable" in msg, msg
+    with pytest.raises(ValueError, match="'z' is complex64"):  # an explicit filter matching it
+        cj.offload(_WithComplex(nnx.Rngs(0)), optax.adam(1e-2), _loss, data[0], device_budget="min",
+                   trainable=nnx.Param)
+    with pytest.raises(ValueError, match="is complex64"):  # the engine's own default (fit_step, stages)
+        cj.layout.build_layout({"w": jnp.ones((4,), jnp.float32), "z": jnp.ones((4,), jnp.complex64)}, 8)
+    real = nnx.All(nnx.Param, lambda path, v: not jnp.iscomplexobj(v[...]))
+    ref = _WithComplex(nnx.Rngs(0))
+    opt = nnx.Optimizer(ref, optax.adam(1e-2), wrt=real)
+
+    @nnx.jit
+    def train(model, opt, b):
+        loss, g = nnx.value_and_grad(_loss, argnums=nnx.DiffState(0, real))(model, b)
+        opt.update(model, g)
+        return loss
+
+    want = [float(train(ref, opt, b)) for b in data]
+    model = _WithComplex(nnx.Rngs(0))
+    z0 = np.asarray(model.z[...]).copy()
+    step = cj.offload(model, optax.adam(1e-2), _loss, data[0], device_budget="min", trainable=real)
+    got = [float(step(b)) for b in data]
+    np.testing.assert_allclose(got, want, rtol=2e-5)
+    step.sync(model)
+    np.testing.assert_array_equal(np.asarray(model.z[...]), z0)
+    np.testing.assert_allclose(np.asarray(model.embed.embedding[...]), np.asarray(ref.embed.embedding[...]),
+                               rtol=1e-4, atol=1e-6)
