@@ -184,3 +184,18 @@ def test_a_complex_parameter_is_refused_not_silently_frozen():
     np.testing.assert_array_equal(np.asarray(model.z[...]), z0)
     np.testing.assert_allclose(np.asarray(model.embed.embedding[...]), np.asarray(ref.embed.embedding[...]),
                                rtol=1e-4, atol=1e-6)
+
+
+def test_plan_cli_given_the_model_class_says_to_give_a_factory(tmp_path, monkeypatch):
+    """`python -m experiments.plan --model mymodel:TiedMoE` (the model's class where the docs ask
+    for a factory returning (model, loss_fn, batch)): the class was called with batch= and the
+    CLI died with flax's TypeError traceback (exit 1). Right: one line saying what to give."""
+    from experiments.plan import call_factory
+    (tmp_path / "fresh26_user_model.py").write_text(
+        "from flax import nnx\n\nclass Net(nnx.Module):\n    def __init__(self, d=4, *, rngs):\n"
+        "        self.fc = nnx.Linear(d, d, rngs=rngs)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError) as e:
+        call_factory("fresh26_user_model:Net", 8, 16)
+    msg = str(e.value)
+    assert "\n" not in msg and "is a class" in msg and "(model, loss_fn, batch)" in msg, msg
