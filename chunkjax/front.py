@@ -168,8 +168,10 @@ class OffloadedStep(OffloadedChunkIO):
         out = batch, tuple(jnp.broadcast_to(jnp.asarray(v)[None], (rows,) + tuple(np.shape(v))) for v in self._side)
         return out if self.step.mesh is not None else jax.device_put(out, self._batch_sharding)
 
-    def __call__(self, batch):
-        """One training step on ``batch`` (the planned shapes); returns its loss.
+    def __call__(self, batch, loss_scale=None):
+        """One training step on ``batch`` (the planned shapes); returns its loss. ``loss_scale``:
+        exactly when offloaded with ``loss_scaling=True`` (float16 compute), the scale of a
+        :class:`chunkjax.DynamicLossScale` (``s = s.adjust(not step.metrics["skipped"])``).
 
         All or nothing: an exception or Ctrl-C inside leaves ``state``, the non-parameter state
         and ``metrics`` as they were before the call (:mod:`chunkjax.step_commit`: the device
@@ -191,7 +193,7 @@ class OffloadedStep(OffloadedChunkIO):
         batch = self._check(batch)
         state = self._held()
         try:
-            pending = self.step.begin(state, self._step_batch(batch))
+            pending = self.step.begin(state, self._step_batch(batch), loss_scale)
         except BaseException:
             with contextlib.suppress(Exception):  # the step's own error is the one to raise
                 self.state = recover(self.step, state)  # early-streamed params it donated, rebuilt

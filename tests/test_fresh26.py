@@ -199,3 +199,45 @@ def test_plan_cli_given_the_model_class_says_to_give_a_factory(tmp_path, monkeyp
         call_factory("fresh26_user_model:Net", 8, 16)
     msg = str(e.value)
     assert "\n" not in msg and "is a class" in msg and "(model, loss_fn, batch)" in msg, msg
+
+
+def test_front_door_takes_a_loss_scale_for_float16():
+    """offload(..., compute_dtype=float16, loss_scaling=True) was accepted (fit_step's keyword),
+    but step(batch) then always raised 'pass loss_scale exactly when the step was built with
+    loss_scaling=True' and step() took no loss_scale: the option could not be used. Right:
+    step(batch, loss_scale=s.scale) with a chunkjax.DynamicLossScale; an overflowing scale skips
+    the step (no parameter changes) and halves the scale; a sane one trains like the float32
+    nnx.Optimizer loop to float16 rounding."""
+    data = _batches(6)
+    ref = _Net(nnx.Rngs(0))
+    opt = nnx.Optimizer(ref, optax.adam(1e-2), wrt=nnx.Param)
+
+    @nnx.jit
+    def train(model, opt, b):
+        loss, g = nnx.value_and_grad(_loss)(model, b)
+        opt.update(model, g)
+        return loss
+
+    want = [float(train(ref, opt, b)) for b in data]
+    model = _Net(nnx.Rngs(0))
+    step = cj.offload(model, optax.adam(1e-2), _loss, data[0], device_budget="min", compute_dtype=jnp.float16,
+                      loss_scaling=True)
+    with pytest.raises(ValueError, match="pass loss_scale"):
+        step(data[0])
+    s = cj.DynamicLossScale(scale=2.0 ** 40, growth_interval=100)
+    step.sync(model)
+    before = [np.asarray(x).copy() for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
+    step(data[0], loss_scale=s.scale)  # float16 gradients overflow: skipped
+    assert bool(step.metrics["skipped"])
+    s = s.adjust(not bool(step.metrics["skipped"]))
+    assert s.scale == 2.0 ** 39
+    step.sync(model)
+    for a, b in zip(jax.tree.leaves(nnx.state(model, nnx.Param)), before):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    s = cj.DynamicLossScale(scale=2.0 ** 10, growth_interval=100)
+    got = []
+    for b in data:
+        got.append(float(step(b, loss_scale=s.scale)))
+        assert not bool(step.metrics["skipped"])
+        s = s.adjust(True)
+    np.testing.assert_allclose(got, want, rtol=3e-3)
