@@ -42,6 +42,7 @@ from chunkjax.front_checkpoint import OffloadedChunkIO
 from chunkjax.memory import DEVICE
 from chunkjax.nonfinite import raise_if_nonfinite
 from chunkjax.offload_plan import OffloadPlan
+from chunkjax.optim import wrapper_hint
 from chunkjax.released import ReleasedParam, ReleasedParamsError, is_released, trim_host_heap
 from chunkjax.schedule import DEVICE_UPDATE, NO_UPDATE
 from chunkjax.step_commit import interrupts_deferred, recover
@@ -335,7 +336,7 @@ def _optimizer_kw(tx) -> dict:
     if callable(getattr(tx, "optax", None)):
         return {"host_optimizer": tx}
     raise TypeError(f"tx={type(tx).__name__}: pass an optax transformation (e.g. optax.adamw(1e-3)) or a host "
-                    "spec (chunkjax.host_update.AdamW(...)) for updates on the host")
+                    f"spec (chunkjax.host_update.AdamW(...)) for updates on the host{wrapper_hint(tx)}")
 
 
 def _discover(model, loss_fn, batch, *, wrt, blocks, compute_dtype, abstract_ok: bool):

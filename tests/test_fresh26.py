@@ -241,3 +241,21 @@ def test_front_door_takes_a_loss_scale_for_float16():
         assert not bool(step.metrics["skipped"])
         s = s.adjust(True)
     np.testing.assert_allclose(got, want, rtol=3e-3)
+
+
+def test_multisteps_wrapper_is_refused_with_what_to_pass():
+    """optax.MultiSteps (what an nnx.Optimizer loop passes for gradient accumulation) is a wrapper,
+    not a GradientTransformation: offload said "tx=MultiSteps: pass an optax transformation (e.g.
+    optax.adamw(1e-3))" (the user did pass optax), the drop-in "tx must be an
+    optax.GradientTransformation". Right: both name .gradient_transformation() (which runs chunk
+    by chunk: notes/fresh26/t26_apply_if_finite.py multigt) and micro_batches=."""
+    data = _batches(1)
+    tx = optax.MultiSteps(optax.adam(1e-3), every_k_schedule=2)
+    with pytest.raises(TypeError) as e:
+        cj.offload(_Net(nnx.Rngs(0)), tx, _loss, data[0], device_budget="min")
+    with pytest.raises(TypeError) as e2:
+        cj.NnxOptimizer(_Net(nnx.Rngs(0)), tx, device_budget="1MiB")
+    for msg in (str(e.value), str(e2.value)):
+        assert "\n" not in msg and "MultiSteps" in msg and ".gradient_transformation()" in msg, msg
+    with pytest.raises(TypeError, match="tx=str: pass an optax transformation"):  # unchanged for others
+        cj.offload(_Net(nnx.Rngs(0)), "adam", _loss, data[0], device_budget="min")
