@@ -259,3 +259,23 @@ def test_multisteps_wrapper_is_refused_with_what_to_pass():
         assert "\n" not in msg and "MultiSteps" in msg and ".gradient_transformation()" in msg, msg
     with pytest.raises(TypeError, match="tx=str: pass an optax transformation"):  # unchanged for others
         cj.offload(_Net(nnx.Rngs(0)), "adam", _loss, data[0], device_budget="min")
+
+
+def test_a_scalar_batch_leaf_is_named():
+    """A dict batch with a per-batch scalar (a loss weight, 1.0 or a () array) is refused, as
+    documented (every leaf needs the rows first), but the line listed bare shapes
+    ("batch leaves have leading sizes ['()', '(4, 9)']"), not which leaf. Right: it names the leaf
+    and says how to pass a scalar."""
+    data = _batches(1)
+
+    def loss(model, batch):
+        return _loss(model, batch["tokens"]) * jnp.mean(batch["w"])
+
+    for w in (1.0, jnp.float32(1.0)):
+        with pytest.raises(ValueError) as e:
+            cj.offload(_Net(nnx.Rngs(0)), optax.adam(1e-3), loss, {"tokens": data[0], "w": w}, device_budget="min")
+        msg = str(e.value)
+        assert "\n" not in msg and "'w' ()" in msg and "'tokens' (4, 9)" in msg and "every row" in msg, msg
+    step = cj.offload(_Net(nnx.Rngs(0)), optax.adam(1e-3), loss, {"tokens": data[0], "w": jnp.ones((4,))},
+                      device_budget="min")
+    assert np.isfinite(float(step({"tokens": data[0], "w": jnp.ones((4,))})))
