@@ -14,8 +14,8 @@ class MoEBlock(nnx.Module):
         self.norm = nnx.LayerNorm(d, rngs=rngs)
         self.router = nnx.Linear(d, n_experts, rngs=rngs)
         k1, k2 = jax.random.split(rngs.params())
-        self.w_in = nnx.Param(jax.random.normal(k1, (n_experts, d, h)) / jnp.sqrt(d))
-        self.w_out = nnx.Param(jax.random.normal(k2, (n_experts, h, d)) / jnp.sqrt(h))
+        self.w_in = nnx.Param((jax.random.normal(k1, (n_experts, d, h)) / jnp.sqrt(d)).astype(jnp.float32))
+        self.w_out = nnx.Param((jax.random.normal(k2, (n_experts, h, d)) / jnp.sqrt(h)).astype(jnp.float32))
 
     def __call__(self, x):
         y = self.norm(x)
@@ -30,7 +30,7 @@ class TiedMoE(nnx.Module):
         self.count = count
         self.embed = nnx.Embed(vocab, d, rngs=rngs)
         self.pos = nnx.Param(jnp.arange(16, dtype=jnp.int32))   # an int "param" buffer
-        self.pos_embed = nnx.Param(jax.random.normal(rngs.params(), (16, d)) * 0.02)
+        self.pos_embed = nnx.Param((jax.random.normal(rngs.params(), (16, d)) * 0.02).astype(jnp.float32))
         self.blocks = nnx.List([MoEBlock(d, h, n_experts, rngs) for _ in range(n_blocks)])
         self.final_norm = nnx.RMSNorm(d, rngs=rngs)
         self.temp = nnx.Param(jnp.asarray(1.0, jnp.float32))    # a scalar leaf

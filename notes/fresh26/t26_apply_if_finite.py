@@ -18,6 +18,7 @@ def lf(model, batch):
 kind = sys.argv[1]
 mk = {"aif": lambda: optax.apply_if_finite(optax.adam(3e-3), max_consecutive_errors=5),
       "multi": lambda: optax.MultiSteps(optax.adam(3e-3), every_k_schedule=2),
+      "plain": lambda: optax.adam(3e-3),
       "multigt": lambda: optax.MultiSteps(optax.adam(3e-3), every_k_schedule=2).gradient_transformation()}[kind]
 ref, ref_losses = reference(mk(), data, TiedMoE(rngs=nnx.Rngs(0), count=False), loss=lf)
 m = TiedMoE(rngs=nnx.Rngs(0), count=False)
