@@ -279,3 +279,19 @@ def test_a_scalar_batch_leaf_is_named():
     step = cj.offload(_Net(nnx.Rngs(0)), optax.adam(1e-3), loss, {"tokens": data[0], "w": jnp.ones((4,))},
                       device_budget="min")
     assert np.isfinite(float(step({"tokens": data[0], "w": jnp.ones((4,))})))
+
+
+def test_nnx_optimizer_names_itself_for_a_missing_or_misspelt_keyword():
+    """NnxOptimizer(model, tx) without device_budget, or with device_budjet=, raised
+    "ChunkedOptimizer.__init__() missing 1 required keyword-only argument" / "... got an unexpected
+    keyword argument": a class the user never called. Right: the line names NnxOptimizer, and
+    for the budget the spellings it takes; checked before the model is touched."""
+    model = _Net(nnx.Rngs(0))
+    with pytest.raises(TypeError) as e:
+        cj.NnxOptimizer(model, optax.adam(1e-3))
+    msg = str(e.value)
+    assert msg.startswith("NnxOptimizer() missing") and "device_budget" in msg and "'min'" in msg, msg
+    with pytest.raises(TypeError, match=r"^NnxOptimizer\(\) got an unexpected keyword argument 'device_budjet'"):
+        cj.NnxOptimizer(model, optax.adam(1e-3), device_budjet="1MiB")
+    opt = cj.NnxOptimizer(model, optax.adam(1e-3), device_budget="1MiB")
+    assert opt.chunked.layout.n_chunks >= 1
