@@ -295,3 +295,14 @@ def test_nnx_optimizer_names_itself_for_a_missing_or_misspelt_keyword():
         cj.NnxOptimizer(model, optax.adam(1e-3), device_budjet="1MiB")
     opt = cj.NnxOptimizer(model, optax.adam(1e-3), device_budget="1MiB")
     assert opt.chunked.layout.n_chunks >= 1
+
+
+def test_a_jitted_loss_is_refused_with_the_fix():
+    """Users jit their loss: offload(model, tx, nnx.jit(loss_fn), ...) was refused with "run inside
+    one jit/remat/scan equation: call each block at the top level of the loss", which does not
+    say that the fix is to pass loss_fn itself. Right: the line says so; the plain loss trains."""
+    data = _batches(1)
+    with pytest.raises(ValueError) as e:
+        cj.offload(_Net(nnx.Rngs(0)), optax.adam(1e-3), nnx.jit(_loss), data[0], device_budget="min")
+    msg = str(e.value)
+    assert "\n" not in msg and "not nnx.jit(loss_fn)" in msg, msg
