@@ -448,8 +448,8 @@ class Discovery:
         if self.mode == "list":
             counts = [_marks(e) for e in jaxpr.eqns]
             if any(c > 1 for c in counts):
-                raise ValueError(f"the calls of the blocks {where!r} run inside one jit/remat/scan equation: "
-                                 "call each block at the top level of the loss")
+                raise ValueError(f"the calls of the blocks {where!r} run inside one jit/remat/scan equation: call each "
+                                 "block at the top level of the loss (pass loss_fn, not nnx.jit(loss_fn): the step compiles it)")
             block_eqns = {k for k, c in enumerate(counts) if c}
             if not block_eqns:
                 raise ValueError(f"the loss never calls the blocks {where!r} (block(x)): pass blocks= naming the "

@@ -49,6 +49,15 @@ def format_moved_bytes(n: int | float) -> str:
     return f"{sign}{round(n)}B"
 
 
+def complex_param_error(name: str, dtype) -> ValueError:
+    """The one-line refusal of a complex leaf left trainable (the layout's default ``trainable``,
+    the front door's filter): chunks train real floating leaves only, and freezing it unasked would
+    train another model than the plain loop (which differentiates complex leaves) without a word."""
+    return ValueError(f"parameter '{name}' is {dtype}: chunkjax trains real floating parameters only (float32 "
+                      "master weights), so it would stay frozen while nnx.Optimizer trains it; hold it as two "
+                      "real parameters (real and imaginary parts), or leave it out of trainable= to freeze it")
+
+
 class PlanError(ValueError):
     """No placement fits the device (or host) budget.
 

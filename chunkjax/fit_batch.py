@@ -12,6 +12,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from chunkjax.flops import matmul_flops
 
@@ -30,10 +31,12 @@ def batch_rows(batch) -> int:
     if not isinstance(batch, (tuple, list, dict)) and len(leaves) == 1 and len(leaves[0].shape) < 2:
         raise ValueError(f"a batch of shape {tuple(leaves[0].shape)}: pass tokens as (B, T+1), or a dict/tuple of "
                          "arrays whose first axis is the batch")
-    lead = {tuple(a.shape[:1]) for a in leaves}
+    lead = {tuple(np.shape(a)[:1]) for a in leaves}
     if () in lead or len(lead) != 1:
-        raise ValueError(f"batch leaves have leading sizes {sorted(str(a.shape) for a in leaves)}: every leaf needs "
-                         "the batch axis first, of one size")
+        shapes = ", ".join(f"{jax.tree_util.keystr(p, simple=True, separator='/')!r} {tuple(np.shape(a))}"
+                           for p, a in jax.tree_util.tree_leaves_with_path(batch))
+        raise ValueError(f"batch leaves have shapes {shapes}: every leaf needs the batch axis first, of one size "
+                         "(a per-batch scalar: an array of it repeated in every row)")
     return int(next(iter(lead))[0])
 
 

@@ -34,7 +34,7 @@ import optax
 
 from chunkjax.discover import Discovery, discover, path_key
 from chunkjax.dtypes import compute_dtype_of
-from chunkjax.errors import PlanError
+from chunkjax.errors import PlanError, complex_param_error
 from chunkjax.fit import auto_budget, describe, fit_problem, min_budget, plan, prepare, resolve_budget
 from chunkjax.fit_batch import batch_rows
 from chunkjax.fit_report import stages_line
@@ -42,6 +42,7 @@ from chunkjax.front_checkpoint import OffloadedChunkIO
 from chunkjax.memory import DEVICE
 from chunkjax.nonfinite import raise_if_nonfinite
 from chunkjax.offload_plan import OffloadPlan
+from chunkjax.optim import wrapper_hint
 from chunkjax.released import ReleasedParam, ReleasedParamsError, is_released, trim_host_heap
 from chunkjax.schedule import DEVICE_UPDATE, NO_UPDATE
 from chunkjax.step_commit import interrupts_deferred, recover
@@ -168,8 +169,10 @@ class OffloadedStep(OffloadedChunkIO):
         out = batch, tuple(jnp.broadcast_to(jnp.asarray(v)[None], (rows,) + tuple(np.shape(v))) for v in self._side)
         return out if self.step.mesh is not None else jax.device_put(out, self._batch_sharding)
 
-    def __call__(self, batch):
-        """One training step on ``batch`` (the planned shapes); returns its loss.
+    def __call__(self, batch, loss_scale=None):
+        """One training step on ``batch`` (the planned shapes); returns its loss. ``loss_scale``:
+        exactly when offloaded with ``loss_scaling=True`` (float16 compute), the scale of a
+        :class:`chunkjax.DynamicLossScale` (``s = s.adjust(not step.metrics["skipped"])``).
 
         All or nothing: an exception or Ctrl-C inside leaves ``state``, the non-parameter state
         and ``metrics`` as they were before the call (:mod:`chunkjax.step_commit`: the device
@@ -191,7 +194,7 @@ class OffloadedStep(OffloadedChunkIO):
         batch = self._check(batch)
         state = self._held()
         try:
-            pending = self.step.begin(state, self._step_batch(batch))
+            pending = self.step.begin(state, self._step_batch(batch), loss_scale)
         except BaseException:
             with contextlib.suppress(Exception):  # the step's own error is the one to raise
                 self.state = recover(self.step, state)  # early-streamed params it donated, rebuilt
@@ -333,7 +336,7 @@ def _optimizer_kw(tx) -> dict:
     if callable(getattr(tx, "optax", None)):
         return {"host_optimizer": tx}
     raise TypeError(f"tx={type(tx).__name__}: pass an optax transformation (e.g. optax.adamw(1e-3)) or a host "
-                    "spec (chunkjax.host_update.AdamW(...)) for updates on the host")
+                    f"spec (chunkjax.host_update.AdamW(...)) for updates on the host{wrapper_hint(tx)}")
 
 
 def _discover(model, loss_fn, batch, *, wrt, blocks, compute_dtype, abstract_ok: bool):
@@ -574,5 +577,8 @@ def _trainable_mask(model, d: Discovery, trainable, params: dict) -> dict:
     """Flat parameter key -> bool: the floating leaves of ``wrt`` that match ``trainable``."""
     from flax import nnx
     keys = {"/".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(model, nnx.All(d.wrt, trainable)))}
+    for k in (kk for k in d.param_keys if k in keys for kk in d.per_layer.get(k, (k,))):
+        if jnp.issubdtype(params[k].dtype, jnp.complexfloating):  # the filter trains it: refused, not frozen
+            raise complex_param_error(k, np.dtype(params[k].dtype).name)
     return {kk: k in keys and jnp.issubdtype(params[kk].dtype, jnp.floating)
             for k in d.param_keys for kk in d.per_layer.get(k, (k,))}

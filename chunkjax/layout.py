@@ -36,6 +36,8 @@ import jax.extend.core as jex_core
 import jax.numpy as jnp
 import numpy as np
 
+from chunkjax.errors import complex_param_error
+
 #: Elements of one copy :meth:`ChunkLayout.host_chunks` hands a thread (16 MiB of float32).
 FILL_PIECE = 2**22
 #: Threads :meth:`ChunkLayout.host_chunks` fills a chunk with (at most the CPU count).
@@ -436,6 +438,8 @@ def _frozen_leaves(params, info, trainable) -> frozenset:
     non-floating leaves; else a pytree of bools with ``params``' structure."""
     floating = [jnp.issubdtype(dt, jnp.floating) for _, _, dt in info]
     if trainable is None:
+        for name, _, dt in (x for x in info if jnp.issubdtype(x[2], jnp.complexfloating)):
+            raise complex_param_error(name, dt.name)  # differentiable: not frozen unasked
         return frozenset(i for i, f in enumerate(floating) if not f)
     try:
         flags = jax.tree.structure(params).flatten_up_to(trainable)
@@ -537,7 +541,7 @@ def build_layout(params, chunk_size: int | None = None, order: Sequence[str] | N
         and filled in that order, so chunk 0 is needed first.
       min_chunks: passed to the search when ``chunk_size`` is None.
       trainable: which leaves are trained. ``None``: floating leaves are trainable, integer and
-        bool leaves frozen; or a pytree of bools with ``params``' structure (False = frozen: kept
+        bool leaves frozen (a complex leaf is refused: ValueError); or a pytree of bools with ``params``' structure (False = frozen: kept
         and fetched like a parameter, no master, optimizer state, gradient or update). Chunks
         hold only trainable or only frozen leaves (``ChunkLayout.chunk_trainable``).
 

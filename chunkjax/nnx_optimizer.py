@@ -16,6 +16,19 @@ from chunkjax.memory import DEVICE, sharding
 from chunkjax.step_commit import SignalHold, applied_on_interrupt
 
 
+def _check_kwargs(kwargs: dict) -> None:
+    """TypeError (one line, naming NnxOptimizer) for a keyword :class:`ChunkedOptimizer` does not
+    take, or no ``device_budget``: before the model is touched."""
+    import inspect
+    known = set(inspect.signature(ChunkedOptimizer.__init__).parameters) - {"self", "params", "tx"}
+    for k in kwargs:
+        if k not in known:
+            raise TypeError(f"NnxOptimizer() got an unexpected keyword argument {k!r}")
+    if "device_budget" not in kwargs:
+        raise TypeError("NnxOptimizer() missing required keyword argument 'device_budget': the device bytes of the "
+                        "optimizer's chunks, e.g. device_budget='2GiB' (bytes, a size string or 'min')")
+
+
 class NnxOptimizer:
     """Drop-in for ``nnx.Optimizer(model, tx, wrt=...)`` with the optimizer state chunked and
     offloaded (:class:`ChunkedOptimizer` over ``nnx.state(model, wrt)``).
@@ -54,6 +67,7 @@ class NnxOptimizer:
 
     def __init__(self, model, tx, *, wrt: Any = None, **kwargs):
         from flax import nnx
+        _check_kwargs(kwargs)
         self.wrt = nnx.Param if wrt is None else wrt
         self.model = model
         # commit the params to the device now: update() returns committed arrays, and a jitted

@@ -108,6 +108,15 @@ _MSG_MASKED = (
     "drop mask= (weight decay on every parameter, biases and norm scales too) or pass weight_decay=0")
 
 
+def wrapper_hint(tx) -> str:
+    """What to pass instead of an optax wrapper that is no ``GradientTransformation`` (``optax.MultiSteps``:
+    its ``.gradient_transformation()``), as a suffix for a refusal of ``tx``; ``""`` for anything else."""
+    if not callable(getattr(tx, "gradient_transformation", None)):
+        return ""
+    return (f"; {type(tx).__name__} is a wrapper, not a GradientTransformation: pass tx.gradient_transformation() "
+            "(or, for several micro-batches in one update, micro_batches=)")
+
+
 def refuse_masks(tx: optax.GradientTransformation) -> None:
     """Refuse a masked optax transformation (``optax.masked``, ``adamw(mask=...)``,
     ``multi_transform``/``partition``), even with ``check_tx=False``: a mask picks leaves by name or

@@ -418,7 +418,8 @@ def plot_placement(obj, schedule: Schedule | None = None, *, path=None):
     Returns:
       a Figure with two axes: horizontal bars, one row per kind of :data:`PLACEMENT_KINDS`, stacked
       by :data:`PLACEMENT_LISTS` (widths are :func:`placement_bytes` in the x label's unit); and one
-      bar per ``schedule.counts()`` key (chunks per params kind and update location).
+      horizontal bar per ``schedule.counts()`` key, in its order from the top (width: chunks per
+      params kind and update location).
 
     Raises:
       ValueError: no fit problem or no schedule given.
@@ -440,11 +441,12 @@ def plot_placement(obj, schedule: Schedule | None = None, *, path=None):
     fig.legend(*ax.get_legend_handles_labels(), fontsize=7, loc="outside lower center", ncol=len(PLACEMENT_LISTS))
     ax.set_title(f"model data and gradient buffers: {sum(left):.3g} {unit} ({s.n_chunks} chunks x {problem.layout.chunk_size} elements)",
                  fontsize=9)
-    counts = s.counts()
-    ax2.bar(range(len(counts)), list(counts.values()), color="gray")
-    ax2.set_xticks(range(len(counts)))
-    ax2.set_xticklabels([c.replace("params_", "params ").replace("/update_", "\nupdate ") for c in counts], fontsize=7)
-    ax2.set_ylabel("chunks")
+    counts = s.counts()  # one row each: side by side, labels as long as "params pinned_host" overlapped
+    ax2.barh(range(len(counts)), list(counts.values()), color="gray")
+    ax2.set_yticks(range(len(counts)))
+    ax2.set_yticklabels([c.replace("params_", "params ").replace("/update_", "\nupdate ") for c in counts], fontsize=7)
+    ax2.invert_yaxis()
+    ax2.set_xlabel("chunks")
     ax2.set_title("chunks per placement", fontsize=9)
     return _done(fig, path)
 

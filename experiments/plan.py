@@ -286,8 +286,8 @@ def load_factory(spec: str):
     ``sys.path``, which includes the current directory when run as ``python -m``).
 
     Raises:
-      ValueError: ``spec`` is not ``module:name``, the module cannot be imported, or it has no
-        such callable (one line each).
+      ValueError: ``spec`` is not ``module:name``, the module cannot be imported, it has no
+        such callable, or the callable is a class (one line each).
     """
     import importlib
 
@@ -302,6 +302,9 @@ def load_factory(spec: str):
     fn = getattr(mod, attr, None)
     if not callable(fn):
         raise ValueError(f"--model {spec!r}: {mod_name} has no callable {attr!r}")
+    if isinstance(fn, type):  # the model's class: called with batch=, it died in its own __init__
+        raise ValueError(f"--model {spec!r}: {attr} is a class; give a function that builds the model and returns "
+                         "(model, loss_fn, batch), e.g. def make(batch, seq) (docs/own_model.md)")
     return fn
 
 

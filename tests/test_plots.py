@@ -123,7 +123,7 @@ def test_placement_bytes_sum_to_the_prediction(fitted):
     widths = np.array([b.get_width() for b in ax.patches]).reshape(len(plots.PLACEMENT_LISTS), -1) * k
     want = np.array([[pb[kind][lst] for kind in plots.PLACEMENT_KINDS] for lst in plots.PLACEMENT_LISTS])
     assert widths == pytest.approx(want)
-    assert [b.get_height() for b in ax2.patches] == list(s.counts().values())
+    assert [b.get_width() for b in ax2.patches] == list(s.counts().values())
 
 
 def test_budget_sweep_and_step_time(fitted):

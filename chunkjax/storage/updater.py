@@ -181,6 +181,7 @@ class DiskState:
       exposed_s: per committed step, seconds from the moment every gradient and the norm were
         handed over to the moment the last new params were back (what the next step waits for:
         :attr:`chunkjax.cost.PipelinedStepTime.storage_exposed_s`).
+      closed: :meth:`close` stopped the workers; a step or a read then raises StorageError.
     """
 
     def __init__(self, opt, chunk_ids: Sequence[int]):
@@ -191,6 +192,13 @@ class DiskState:
         self.tail: concurrent.futures.Future | None = None
         self.sent_before_norm = 0
         self.exposed_s: list[float] = []
+        self.closed = False
+
+    def check_open(self) -> None:
+        """StorageError (one line, :data:`CLOSED`) once :meth:`close` stopped the workers."""
+        if self.closed:
+            from chunkjax.storage.files import StorageError
+            raise StorageError(CLOSED)
 
     def wait(self) -> None:
         """Wait for the last step's disk work (writes, commit); re-raise its
@@ -206,7 +214,8 @@ class DiskState:
 
     def read(self, c: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Chunk ``c``'s (master, m, v), (chunk_size,) float32 copies at the committed step (after
-        the last step's disk work)."""
+        the last step's disk work). Raises StorageError once closed."""
+        self.check_open()
         self.wait()
         return self.opt.read_chunk(self.local[c])
 
@@ -223,6 +232,7 @@ class DiskState:
         if self.tail is not None and not concurrent.futures.wait([self.tail], timeout=self.opt.timeout_s).done:
             err = self.opt.stop(_MSG_CLOSE_HUNG.format(s=self.opt.timeout_s, pids=self.opt.worker_pids))
             warnings.warn(f"chunkjax: {err}", RuntimeWarning, stacklevel=2)
+        self.closed = True
         self.opt.close()
 
 
@@ -338,12 +348,17 @@ def storage_updater(options: StorageOptions, chunk_ids: Sequence[int], chunk_siz
 
 
 def close_storage(step) -> None:
-    """Stop the near-storage workers of ``step``'s storage chunks (a :class:`chunkjax.ChunkedStep`;
-    nothing without storage chunks or before its ``init``). The committed state stays in the
-    files; the state's :class:`DiskState` is then closed (a new ``step.init`` or checkpoint restore
-    starts new workers). Call it when a run ends, on every path (``try``/``finally``): the step
-    holds the workers until then, and only a later garbage collection would stop them. A failed
-    last step's error is not raised here (``step.wait`` raises it)."""
+    """Stop the near-storage workers of ``step``'s storage chunks (a :class:`chunkjax.ChunkedStep`
+    or the step :func:`chunkjax.offload` returns; nothing without storage chunks, before its
+    ``init`` or when closed already). The committed state stays in the files; the state's
+    :class:`DiskState` is then closed: a later step, ``sync``, ``master_params`` or checkpoint save
+    raises StorageError (one line, :data:`CLOSED`) until a checkpoint restore (or a new
+    ``step.init``) starts new workers. Call it when a run ends, on every path
+    (``try``/``finally``), after the last sync or save: the step holds the workers until then, and
+    only a later garbage collection would stop them. A failed last step's error is not raised here
+    (``step.wait`` raises it)."""
+    if not hasattr(step, "updaters") and hasattr(step, "step"):
+        step = step.step  # the front door's OffloadedStep: its ChunkedStep
     u = step.updaters.get(STORAGE_UPDATE) if storage_chunks(step) else None
     if u is not None:
         u.init.close()
@@ -375,6 +390,11 @@ STEP_RESUME = ("this step object cannot continue (its other chunks are past that
                "raises this too): restore your last checkpoint into a new step (chunkjax.restore_checkpoint; "
                "a train job: resume its run folder)")
 
+#: What a step, sync, read or save of a state whose workers :func:`close_storage` stopped says.
+CLOSED = ("the near-storage workers of this step were stopped by chunkjax.storage.updater.close_storage: "
+          "call it after the last step, sync and save_checkpoint; to go on, restore a checkpoint into the step "
+          "(chunkjax.restore_checkpoint starts new workers)")
+
 _SKIP = object()  # the pairs' end of an abandoned norm-free step
 
 
@@ -401,6 +421,7 @@ class StorageRun:
         if not self.ids:
             return
         self.disk: DiskState = state.master[self.ids[0]]
+        self.disk.check_open()  # before this step starts anything: the state stays as it was
         self.order = gradient_order(step)
         self.early = updates_early(step)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
