@@ -1,6 +1,6 @@
 """What a new user found bringing their own model (a tied-embedding MoE-ish decoder, an
 ALBERT-style module shared by every block, an int32 Param, a scalar leaf) to chunkjax (helper
-``fresh26``; reproducers in ``notes/fresh26/``).
+``fresh26``, session 26).
 
 Each test asserts the right value or behaviour against a reference (plain optax, float32 on the
 CPU) or the documented one-line error."""
@@ -248,7 +248,7 @@ def test_multisteps_wrapper_is_refused_with_what_to_pass():
     not a GradientTransformation: offload said "tx=MultiSteps: pass an optax transformation (e.g.
     optax.adamw(1e-3))" (the user did pass optax), the drop-in "tx must be an
     optax.GradientTransformation". Right: both name .gradient_transformation() (which runs chunk
-    by chunk: notes/fresh26/t26_apply_if_finite.py multigt) and micro_batches=."""
+    by chunk, as the trial checked against nnx.Optimizer) and micro_batches=."""
     data = _batches(1)
     tx = optax.MultiSteps(optax.adam(1e-3), every_k_schedule=2)
     with pytest.raises(TypeError) as e:
