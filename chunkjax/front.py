@@ -9,9 +9,9 @@
     step.sync(model)                  # the trained params and state written back into the model
 
 Once the step holds the parameters in its chunks, the model's own parameter arrays are released
-(:mod:`chunkjax.released`: the model keeps shapes and dtypes, not the data) when the plan offloads
-anything, so the model is not held twice in memory; ``step.sync(model)`` brings them back, and the
-model's forward before it raises one line saying so (``keep_model=True`` keeps them).
+(:mod:`chunkjax.released`: the model keeps shapes and dtypes, not the data), so the model is not
+held twice in memory and never read stale; ``step.sync(model)`` brings them back, and the model's
+forward before it raises one line saying so (``keep_model=True`` keeps them).
 
 The model's stages are found by :mod:`chunkjax.discover` (a block list or a scanned block, the parts
 before and after as their own stages); the parameters, gradients and optimizer state are chunked
@@ -52,13 +52,6 @@ def _abstract(tree):
     """``tree``'s leaves as ``ShapeDtypeStruct`` s of their own dtypes (a python scalar: numpy's)."""
     return jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype if hasattr(a, "dtype") else np.result_type(a)), tree)
-
-
-def offloads_anything(schedule) -> bool:
-    """Some chunk's compute params live off the device between steps, or its update runs off the
-    device's own resident state (streamed, host or storage)."""
-    return any(k != DEVICE for k in schedule.param_kinds) or any(
-        u not in (DEVICE_UPDATE, NO_UPDATE) for u in schedule.update_locations)
 
 
 def release_params(model, wrt) -> int:
@@ -441,7 +434,7 @@ def plan_offload(model, tx, loss_fn, batch, *, device_budget: int | str | None =
 
 def offload(model, tx, loss_fn, batch, *, device_budget: int | str = "auto", host_budget: Any = "auto",
             wrt=None, trainable=None, blocks=None, compute_dtype=None, mesh=None, zero_stage: int = 0,
-            policy: str = "tide", keep_model: bool | None = None, **fit_kw) -> OffloadedStep:
+            policy: str = "tide", keep_model: bool = False, **fit_kw) -> OffloadedStep:
     """A chunked, offloaded train step for an NNX model.
 
     Args:
@@ -483,11 +476,12 @@ def offload(model, tx, loss_fn, batch, *, device_budget: int | str = "auto", hos
       mesh, zero_stage: a ``data`` mesh (:func:`chunkjax.data_mesh`) and ZeRO stage 1/2/3.
       policy: the planner's policy (default ``"tide"``).
       keep_model: keep the model's parameter arrays (a second copy of the parameters beside the
-        step's chunks, in the memory they were built in). None (default): keep them only when
-        the plan offloads nothing (every chunk's params and update on the device,
-        :func:`offloads_anything`); one offloads because memory is short, and the model held
-        twice is what fills it (a 3B float32 model: 11.2 GiB of host memory). False: release
-        always.
+        step's chunks, in the memory they were built in, holding the initial parameters until
+        :meth:`OffloadedStep.sync`: a loop that reads the model without a sync gets them, not
+        the trained ones). False (default): release them, whatever the plan offloads (before
+        session 26 they were kept when it offloaded nothing, and a forgotten sync read the
+        initial parameters without a word); one offloads because memory is short, and the
+        model held twice is what fills it (a 3B float32 model: 11.2 GiB of host memory).
       **fit_kw: the rest of :func:`chunkjax.fit_step` (chunk_size, min_chunks, prefetch,
         flops_per_step (default: 3 x the forward's matrix products counted in the traced loss),
         rates, check_compiled, strict, ...): ``nonfinite`` defaults to ``"ignore"`` (no check: a
@@ -530,7 +524,7 @@ def offload(model, tx, loss_fn, batch, *, device_budget: int | str = "auto", hos
     state = fitted.step.init(_leaf_source(d, leaves, fitted.step.layout))
     del leaves
     out = OffloadedStep(d, fitted, state, d.example)
-    if not (keep_model if keep_model is not None else not offloads_anything(out.schedule)):
+    if not keep_model:
         out.released_bytes = release_params(model, d.wrt)
     return out
 

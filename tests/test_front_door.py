@@ -621,16 +621,27 @@ def test_sync_brings_back_bit_identical_params_and_release_again(released):
         lm_loss(model, batch)
 
 
-def test_keep_model_keeps_the_arrays_and_the_default_follows_the_plan():
+def test_keep_model_keeps_the_arrays_and_the_default_releases_even_when_nothing_is_offloaded():
+    """keep_model=True keeps the model's arrays (its forward runs on the initial parameters); the
+    default releases them whatever the plan offloads: with a budget that keeps every chunk on the
+    device, a loop that forgot sync gets ReleasedParamsError, not the initial parameters
+    (before: kept, read stale without a word), and sync gives the trained ones."""
     model, batch = LoRALM(rngs=nnx.Rngs(0, dropout=1)), token_batches(n=1)[0]
     held = _param_bytes(model)
     step = chunkjax.offload(model, optax.adam(1e-3), lm_loss, batch, device_budget="min", keep_model=True)
     assert step.released_bytes == 0 and _param_bytes(model) == held
     float(lm_loss(model, batch))                   # the model's own forward still runs
-    abstract = nnx.eval_shape(lambda: LoRALM(rngs=nnx.Rngs(0, dropout=1)))
-    plans = {b: chunkjax.plan_offload(abstract, optax.adam(1e-3), lm_loss, batch, device_budget=b).schedule
-             for b in ("min", "1GiB")}
-    assert chunkjax.front.offloads_anything(plans["min"]) and not chunkjax.front.offloads_anything(plans["1GiB"])
+    roomy = LoRALM(rngs=nnx.Rngs(0, dropout=1))
+    params = lambda: [np.asarray(a) for a in jax.tree.leaves(nnx.state(roomy, nnx.Param))]  # noqa: E731
+    initial = params()
+    step = chunkjax.offload(roomy, optax.adam(1e-3), lm_loss, batch, device_budget="1GiB")
+    assert set(step.schedule.param_kinds) == {"device"} and step.released_bytes == held
+    step(batch)
+    with pytest.raises(chunkjax.released.ReleasedParamsError, match="sync"):
+        lm_loss(roomy, batch)
+    step.sync(roomy)
+    trained = params()  # the trained parameters, not the initial ones
+    assert len(trained) == len(initial) and any(not np.array_equal(a, b) for a, b in zip(trained, initial))
 
 
 def test_the_loop_released_the_model_until_sync(run):
