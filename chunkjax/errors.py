@@ -49,6 +49,21 @@ def format_moved_bytes(n: int | float) -> str:
     return f"{sign}{round(n)}B"
 
 
+def format_step_seconds(s: float) -> str:
+    """A predicted step or time in a summary line: milliseconds with one decimal (``"1523.4 ms"``),
+    microseconds below 0.05 ms (a small model's step: ``"37.2 µs"``, not ``"0.0 ms"``)."""
+    return f"{s * 1e3:.1f} ms" if abs(s) * 1e3 >= 0.05 else f"{s * 1e6:.1f} µs"
+
+
+def format_flops(f: float) -> str:
+    """FLOPs (per step) in the largest unit from TFLOP down that it reaches, one decimal:
+    ``"304.3 TFLOP"``, ``"12.6 MFLOP"`` (a small model's, not ``"0.0 TFLOP"``), ``"512 FLOP"``."""
+    for name, k in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)):
+        if abs(f) >= k * 0.95:
+            return f"{f / k:.1f} {name}"
+    return f"{f:.0f} FLOP"
+
+
 def complex_param_error(name: str, dtype) -> ValueError:
     """The one-line refusal of a complex leaf left trainable (the layout's default ``trainable``,
     the front door's filter): chunks train real floating leaves only, and freezing it unasked would

@@ -7,7 +7,7 @@ import dataclasses
 from typing import Any
 
 from chunkjax import clip_plan
-from chunkjax.errors import format_bytes, format_moved_bytes
+from chunkjax.errors import format_bytes, format_moved_bytes, format_step_seconds
 from chunkjax.plan_disk import storage_line
 from chunkjax.plan_micro import accumulation_line
 from chunkjax.predict import disk_file_bytes
@@ -101,7 +101,7 @@ def describe(report: FitReport, problem) -> str:
             f"{held(p.host_bytes)} ({resident_figures(s, problem.cb_rank)}, "
             f"{len(s.master_fetch)} without a compute copy, working set {held(p.host_working_bytes)}: "
             f"host gradients in flight and streamed write-back); predicted step "
-            f"{report.predicted_time.step_s * 1e3:.1f} ms{_bounded(report)}"
+            f"{format_step_seconds(report.predicted_time.step_s)}{_bounded(report)}"
             + (" (the cost model's GPU rates: a CPU runs far slower)" if problem.platform == "cpu" else "")
             + "".join(f"; {x}" for x in [storage_line(s, problem.storage_dirs, problem.host_budget_bytes),
                                          accumulation_line(s, problem.micro_batches)] if x))
@@ -137,7 +137,7 @@ def _bounded(report: FitReport) -> str:
         return ""
     b = report.speculation_bound or {}
     return (f" with the step's speculation bound (up to {b.get('chunks')} chunks; the planner's "
-            f"{report.schedule.predicted.time.step_s * 1e3:.1f} ms lets every host chunk speculate, for free)")
+            f"{format_step_seconds(report.schedule.predicted.time.step_s)} lets every host chunk speculate, for free)")
 
 
 def with_speculation_bound(report: FitReport, problem, step) -> FitReport:

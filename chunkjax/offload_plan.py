@@ -9,7 +9,7 @@ import dataclasses
 from typing import Any
 
 from chunkjax import clip_plan
-from chunkjax.errors import format_bytes
+from chunkjax.errors import format_bytes, format_flops, format_step_seconds
 from chunkjax.fit_report import model_bytes_unpadded, resolved_from, stages_line
 
 
@@ -52,7 +52,7 @@ class OffloadPlan:
         names = [s.name for s in self.discovery.stages]
         prob, lay, held = self.problem, self.problem.layout, format_bytes
         head = (f"{stages_line(names)}, {lay.n_chunks} chunks of {lay.chunk_size} "
-                f"elements; {prob.flops_per_step / 1e12:.1f} TFLOP per step; model data "
+                f"elements; {format_flops(prob.flops_per_step)} per step; model data "
                 f"{held(model_bytes_unpadded(prob.cb_rank, lay))} ({held(prob.cb_rank.model_bytes(lay.n_chunks))} "
                 "in chunks, with padding)" + (" per rank" if prob.n_ranks > 1 else ""))
         if self.schedule is None:
@@ -64,8 +64,8 @@ class OffloadPlan:
         bounded = "" if t is p.time else (
             f" with the default speculation bound ({held(DEFAULT_BACKUP_BYTES)} backup pool: "
             f"{min(n_host, n_bound // lay.chunk_size)} of {n_host} host chunks; the planner's "
-            f"{p.time.step_s * 1e3:.1f} ms lets every host chunk speculate, for free)")
+            f"{format_step_seconds(p.time.step_s)} lets every host chunk speculate, for free)")
         return (f"{head}; plan {self.schedule.counts()}; accounted peak {held(p.peak_device_bytes)} of budget "
-                f"{held(self.budget_bytes)}{resolved_from(self.requested)}; predicted step {t.step_s * 1e3:.1f} ms{bounded}"
+                f"{held(self.budget_bytes)}{resolved_from(self.requested)}; predicted step {format_step_seconds(t.step_s)}{bounded}"
                 + (" (the cost model's GPU rates: a CPU runs far slower)" if prob.platform == "cpu" else ""))
 

@@ -13,6 +13,7 @@ import pytest
 
 from chunkjax import clip_plan, cost, fit
 from chunkjax.host_update import AdamW
+from chunkjax.errors import format_step_seconds
 from chunkjax.program_cut import retime
 from chunkjax.tide import memory_tide
 
@@ -312,8 +313,8 @@ def test_the_fit_path_reports_the_bounded_prediction_of_a_speculating_step(setup
                                                                                   wait.host_update_exposed_s))
         assert d["step_s_predicted"] > d["step_s_planned"]
     line = fit.describe(r, f.problem)
-    assert f"predicted step {want.step_s * 1e3:.1f} ms with the step's speculation bound (up to {n // cs} " in line
-    assert f"the planner's {s.predicted.time.step_s * 1e3:.1f} ms lets every host chunk speculate" in line
+    assert f"predicted step {format_step_seconds(want.step_s)} with the step's speculation bound (up to {n // cs} " in line
+    assert f"the planner's {format_step_seconds(s.predicted.time.step_s)} lets every host chunk speculate" in line
 
 
 @pytest.mark.parametrize("clip", ["none", "fires"])
@@ -331,4 +332,4 @@ def test_the_fit_path_reports_the_planners_figure_where_nothing_speculates_early
     assert d["step_s_predicted"] == d["step_s_planned"] == s.predicted.time.step_s
     assert (d["speculation_bound"]["params"] is None) == (clip == "none")
     line = fit.describe(r, f.problem)
-    assert f"predicted step {s.predicted.time.step_s * 1e3:.1f} ms" in line and "speculation bound" not in line
+    assert f"predicted step {format_step_seconds(s.predicted.time.step_s)}" in line and "speculation bound" not in line

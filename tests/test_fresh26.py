@@ -306,3 +306,23 @@ def test_a_jitted_loss_is_refused_with_the_fix():
         cj.offload(_Net(nnx.Rngs(0)), optax.adam(1e-3), nnx.jit(_loss), data[0], device_budget="min")
     msg = str(e.value)
     assert "\n" not in msg and "not nnx.jit(loss_fn)" in msg, msg
+
+
+def test_a_small_models_summary_gives_its_step_and_flops_in_units_it_reaches():
+    """A tiny model's plan summary said "predicted step 0.0 ms" and "0.0 TFLOP per step". Right: the
+    step in microseconds below 0.05 ms, the FLOPs in the largest unit they reach, each equal to the
+    plan's own figure at that unit's rounding."""
+    from chunkjax.errors import format_flops, format_step_seconds
+    assert (format_step_seconds(1.5234), format_step_seconds(3.72e-5), format_step_seconds(0.0)) == (
+        "1523.4 ms", "37.2 µs", "0.0 µs")
+    assert (format_flops(304.3e12), format_flops(12.6e6), format_flops(2.4e9), format_flops(512)) == (
+        "304.3 TFLOP", "12.6 MFLOP", "2.4 GFLOP", "512 FLOP")
+    data = _batches(1)
+    plan = cj.plan_offload(nnx.eval_shape(lambda: _Net(nnx.Rngs(0))), optax.adam(1e-3), _loss, data[0],
+                           device_budget="min")
+    text = plan.summary()
+    step_s, flops = plan.predicted_time.step_s, plan.problem.flops_per_step
+    assert f"predicted step {format_step_seconds(step_s)}" in text and "0.0 ms" not in text, text
+    assert f"{format_flops(flops)} per step" in text and "0.0 TFLOP" not in text, text
+    unit, k = format_flops(flops).split()[1], {"TFLOP": 1e12, "GFLOP": 1e9, "MFLOP": 1e6, "kFLOP": 1e3, "FLOP": 1}
+    assert float(format_flops(flops).split()[0]) == pytest.approx(flops / k[unit], abs=0.05)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 import chunkjax as cj
-from chunkjax.errors import format_bytes
+from chunkjax.errors import format_bytes, format_step_seconds
 from chunkjax.host_update import AdamW
 
 
@@ -115,8 +115,9 @@ def test_plan_summary_gives_the_bounded_step_the_built_step_reports():
     n_host = sum(u == "host" for u in p.schedule.update_locations)
     assert n_host == 2 and step.report.speculation_bound["chunks"] >= n_host
     line = p.summary()
-    assert (f"predicted step {p.predicted_time.step_s * 1e3:.1f} ms with the default speculation bound "
-            f"(16.000GiB backup pool: {n_host} of {n_host} host chunks; the planner's {planned * 1e3:.1f} ms lets "
+    sec = format_step_seconds
+    assert (f"predicted step {sec(p.predicted_time.step_s)} with the default speculation bound "
+            f"(16.000GiB backup pool: {n_host} of {n_host} host chunks; the planner's {sec(planned)} lets "
             "every host chunk speculate, for free)") in line, line
     plain = cj.plan_offload(make(), AdamW(1e-3), loss_fn, batch, device_budget="min")
     assert plain.predicted_time is plain.schedule.predicted.time and "speculation bound" not in plain.summary()
