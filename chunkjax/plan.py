@@ -73,7 +73,7 @@ _MSG_FIXED_INFEASIBLE = (
     "use device_budget >= {need_size}{fix}")
 _MSG_OFFLOADED_INFEASIBLE = (
     "device budget {budget} bytes is below the {need} bytes this step needs with every chunk offloaded "
-    "(non-model peak {act} bytes){why}: use device_budget >= {need_size}{fix}")
+    "(found to within {tol} bytes; non-model peak {act} bytes){why}: use device_budget >= {need_size}{fix}")
 _MSG_STATIC_INFEASIBLE = ("the {policy} schedule needs {need} device bytes, above the budget of {budget} bytes: "
                           "use device_budget >= {need_size} or another policy")
 _MSG_HOST = ("host budget {host} bytes is below the {need} bytes of model data and gradient buffers the host "
@@ -289,7 +289,7 @@ def _tide_infeasible(one, offloaded_fits, n_chunks: int, tide: Tide, cb: pr.Chun
     act = tide.peak_non_model_bytes
     # need - act <= the most model bytes of any moment (the bisection's tolerance off): no batch fits below it
     why, fix, alone = _hint(budget, act, hi - act - max(1, cb.params // 64))
-    msg = _MSG_OFFLOADED_INFEASIBLE.format(budget=budget, need=hi, act=act, why=why,
+    msg = _MSG_OFFLOADED_INFEASIBLE.format(budget=budget, need=hi, act=act, why=why, tol=max(1, cb.params // 64),
                                            need_size=format_bytes(hi, up=True), fix=fix)
     raise PlanError(msg, hi, alone)
 

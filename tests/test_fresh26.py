@@ -326,3 +326,22 @@ def test_a_small_models_summary_gives_its_step_and_flops_in_units_it_reaches():
     assert f"{format_flops(flops)} per step" in text and "0.0 TFLOP" not in text, text
     unit, k = format_flops(flops).split()[1], {"TFLOP": 1e12, "GFLOP": 1e9, "MFLOP": 1e6, "kFLOP": 1e3, "FLOP": 1}
     assert float(format_flops(flops).split()[0]) == pytest.approx(flops / k[unit], abs=0.05)
+
+
+def test_a_budget_refusal_says_how_close_its_need_is():
+    """The refusal said "below the 726656 bytes this step needs" while 726655 bytes trained: the
+    figure is the least-budget search's upper end, within params/64 bytes of the need. Right: it
+    says so ("found to within T bytes"), the figure plans, and a budget T below it does not."""
+    import re
+    ab = nnx.eval_shape(lambda: _Net(nnx.Rngs(0)))
+    plan = lambda b: cj.plan_offload(ab, optax.adam(1e-3), _loss, _batches(1)[0], device_budget=b)  # noqa: E731
+    with pytest.raises(cj.PlanError) as e:
+        plan(1000)
+    m = re.search(r"below the (\d+) bytes this step needs with every chunk offloaded \(found to within (\d+) bytes",
+                  str(e.value))
+    assert m, str(e.value)
+    need, tol = int(m.group(1)), int(m.group(2))
+    assert 1 <= tol <= need // 64 + 1
+    assert plan(need).schedule is not None
+    with pytest.raises(cj.PlanError):
+        plan(need - tol)
