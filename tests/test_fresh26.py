@@ -46,6 +46,20 @@ def _batches(n):
     return [jax.random.randint(k, (4, 9), 0, 32) for k in jax.random.split(jax.random.key(7), n)]
 
 
+def _nnx_losses(tx, data):
+    """The plain loop's losses (``nnx.Optimizer`` on the device) and its model: the reference."""
+    ref = _Net(nnx.Rngs(0))
+    opt = nnx.Optimizer(ref, tx, wrt=nnx.Param)
+
+    @nnx.jit
+    def train(model, opt, b):
+        loss, g = nnx.value_and_grad(_loss)(model, b)
+        opt.update(model, g)
+        return loss
+
+    return [float(train(ref, opt, b)) for b in data], ref
+
+
 def _workers():
     return [p for p in multiprocessing.active_children() if p.name.startswith("near_storage_")]
 
@@ -64,16 +78,7 @@ def test_close_storage_takes_the_front_doors_step_and_a_closed_step_says_so(tmp_
 
     data = _batches(4)
     spec = AdamW(3e-3)
-    ref = _Net(nnx.Rngs(0))
-    opt = nnx.Optimizer(ref, spec.optax(), wrt=nnx.Param)
-
-    @nnx.jit
-    def train(model, opt, b):
-        loss, g = nnx.value_and_grad(_loss)(model, b)
-        opt.update(model, g)
-        return loss
-
-    want = [float(train(ref, opt, b)) for b in data]
+    want, ref = _nnx_losses(spec.optax(), data)
     model = _Net(nnx.Rngs(0))
     step = cj.offload(model, spec, _loss, data[0], device_budget="min", storage=[str(tmp_path / "disk")],
                       host_budget="189KiB")
@@ -209,16 +214,7 @@ def test_front_door_takes_a_loss_scale_for_float16():
     the step (no parameter changes) and halves the scale; a sane one trains like the float32
     nnx.Optimizer loop to float16 rounding."""
     data = _batches(6)
-    ref = _Net(nnx.Rngs(0))
-    opt = nnx.Optimizer(ref, optax.adam(1e-2), wrt=nnx.Param)
-
-    @nnx.jit
-    def train(model, opt, b):
-        loss, g = nnx.value_and_grad(_loss)(model, b)
-        opt.update(model, g)
-        return loss
-
-    want = [float(train(ref, opt, b)) for b in data]
+    want, _ = _nnx_losses(optax.adam(1e-2), data)
     model = _Net(nnx.Rngs(0))
     step = cj.offload(model, optax.adam(1e-2), _loss, data[0], device_budget="min", compute_dtype=jnp.float16,
                       loss_scaling=True)
