@@ -89,6 +89,23 @@ class PlanError(ValueError):
         self.activations_alone = activations_alone
         self.host_need_bytes = host_need_bytes
 
+    def at_headroom(self, headroom: float) -> "PlanError":
+        """This device refusal with the budget it tells the user to give raised to its need over
+        ``headroom`` (0 < headroom <= 1): the fit path's compiled check holds the compiled step to
+        that fraction of the budget (:data:`chunkjax.fit.HEADROOM`), so a budget at the planner's
+        need would fail it (:func:`chunkjax.fit.min_budget` gives the same figure). ``self`` where
+        it names no such figure (a host refusal, no known need); ``min_budget_bytes`` stays the
+        planner's need."""
+        if type(self) is not PlanError or not self.min_budget_bytes:
+            return self
+        old = f"use device_budget >= {format_bytes(self.min_budget_bytes, up=True)}"
+        if old not in str(self):
+            return self
+        fix = format_bytes(int(math.ceil(self.min_budget_bytes / headroom)), up=True)
+        return PlanError(str(self).replace(old, f"use device_budget >= {fix} (that need over the compiled check's "
+                                                f"{headroom:.0%} headroom; device_budget='min' gives it)"),
+                         self.min_budget_bytes, self.activations_alone, self.host_need_bytes)
+
 
 class HostBudgetError(PlanError):
     """No placement's host bytes fit the host budget (the device budget would fit one)."""

@@ -504,7 +504,12 @@ def fit_problem(problem: FitProblem, device_budget="auto", *, policy: str = "tid
         except PlanError:
             pass
     if effective == budget:
-        sched = schedule if schedule is not None else plan(problem, effective, policy=policy, resident=resident)
+        try:
+            sched = schedule if schedule is not None else plan(problem, effective, policy=policy, resident=resident)
+        except PlanError as e:
+            if not check_compiled or (over := e.at_headroom(HEADROOM)) is e:
+                raise
+            raise over from None
     problem, sched, host = fit_host(problem, sched, None if fixed else (lambda q: plan(q, effective, policy=policy)))
     history, notes, mem, floor_tried = [], [], None, False
     for attempt in range(MAX_REPLANS + 1):

@@ -341,3 +341,27 @@ def test_a_budget_refusal_says_how_close_its_need_is():
     assert plan(need).schedule is not None
     with pytest.raises(cj.PlanError):
         plan(need - tol)
+
+
+def test_with_the_compiled_check_the_refusal_names_the_need_over_its_headroom():
+    """On an accelerator the fit path holds the compiled step to HEADROOM of the budget, so the
+    planner's need itself (what the refusal named) fails there; "min" is that need over the
+    headroom. Right: with the compiled check (forced on here) the refusal names the need over
+    HEADROOM (whether a step at that budget then passes the check is for a GPU to show: on the CPU
+    the compiled sizes say nothing about a device); without it, the need itself."""
+    import math
+    import re
+
+    from chunkjax.errors import format_bytes
+    from chunkjax.fit import HEADROOM
+    data = _batches(2)
+    with pytest.raises(cj.PlanError) as e:
+        cj.offload(_Net(nnx.Rngs(0)), optax.adam(1e-3), _loss, data[0], device_budget=1000, check_compiled=True)
+    need = e.value.min_budget_bytes
+    m = re.search(r"use device_budget >= (\S+) \(that need over the compiled check's 90% headroom", str(e.value))
+    assert m and "\n" not in str(e.value), str(e.value)
+    fix = int(math.ceil(need / HEADROOM))
+    assert m.group(1) == format_bytes(fix, up=True) != format_bytes(need, up=True)
+    with pytest.raises(cj.PlanError) as e:
+        cj.offload(_Net(nnx.Rngs(0)), optax.adam(1e-3), _loss, data[0], device_budget=1000, check_compiled=False)
+    assert str(e.value).endswith(f"use device_budget >= {format_bytes(e.value.min_budget_bytes, up=True)}"), str(e.value)
