@@ -39,12 +39,10 @@ from chunkjax.fit import auto_budget, describe, fit_problem, min_budget, plan, p
 from chunkjax.fit_batch import batch_rows
 from chunkjax.fit_report import stages_line
 from chunkjax.front_checkpoint import OffloadedChunkIO
-from chunkjax.memory import DEVICE
 from chunkjax.nonfinite import raise_if_nonfinite
 from chunkjax.offload_plan import OffloadPlan
 from chunkjax.optim import wrapper_hint
 from chunkjax.released import ReleasedParam, ReleasedParamsError, is_released, trim_host_heap
-from chunkjax.schedule import DEVICE_UPDATE, NO_UPDATE
 from chunkjax.step_commit import interrupts_deferred, recover
 
 
@@ -571,8 +569,8 @@ def _trainable_mask(model, d: Discovery, trainable, params: dict) -> dict:
     """Flat parameter key -> bool: the floating leaves of ``wrt`` that match ``trainable``."""
     from flax import nnx
     keys = {"/".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(model, nnx.All(d.wrt, trainable)))}
-    for k in (kk for k in d.param_keys if k in keys for kk in d.per_layer.get(k, (k,))):
-        if jnp.issubdtype(params[k].dtype, jnp.complexfloating):  # the filter trains it: refused, not frozen
-            raise complex_param_error(k, np.dtype(params[k].dtype).name)
+    for leaf in (kk for k in d.param_keys if k in keys for kk in d.per_layer.get(k, (k,))):
+        if jnp.issubdtype(params[leaf].dtype, jnp.complexfloating):  # the filter trains it: refused, not frozen
+            raise complex_param_error(leaf, np.dtype(params[leaf].dtype).name)
     return {kk: k in keys and jnp.issubdtype(params[kk].dtype, jnp.floating)
             for k in d.param_keys for kk in d.per_layer.get(k, (k,))}

@@ -541,8 +541,8 @@ def build_layout(params, chunk_size: int | None = None, order: Sequence[str] | N
         and filled in that order, so chunk 0 is needed first.
       min_chunks: passed to the search when ``chunk_size`` is None.
       trainable: which leaves are trained. ``None``: floating leaves are trainable, integer and
-        bool leaves frozen (a complex leaf is refused: ValueError); or a pytree of bools with ``params``' structure (False = frozen: kept
-        and fetched like a parameter, no master, optimizer state, gradient or update). Chunks
+        bool leaves frozen, a complex leaf refused (ValueError); or a pytree of bools with
+        ``params``' structure (False = frozen: fetched as a parameter, no master, state or update). Chunks
         hold only trainable or only frozen leaves (``ChunkLayout.chunk_trainable``).
 
     Returns:
