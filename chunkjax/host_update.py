@@ -125,7 +125,8 @@ def host_update_(spec: HostOptimizer, state, grad: np.ndarray, master: np.ndarra
       master: (n,) np.float32 master params, updated in place.
       params_bits_out: (n,) np.uint16, receives the new params as bf16 bits (round to nearest
         even, as ``jnp.astype(jnp.bfloat16)``), e.g. a :func:`writable_view` of the chunk's bf16
-        pinned_host buffer; None to skip.
+        pinned_host buffer; or (n,) np.float32, receives them as they are (a float32 compute
+        copy, written in the kernel's one pass); None to skip.
       grad_scale: multiplies the gradient: 1.0; for clipping the pair
         ``chunkjax.kernels.clip_scale(spec.max_grad_norm, global_norm)`` (optax's rounding, the
         storage tier's arithmetic: bit-identical tiers), or one float such as

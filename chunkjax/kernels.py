@@ -18,7 +18,8 @@ no fused multiply-add): eager optax on the JAX CPU backend gives the same bits, 
 kernels). Jitted optax fuses a*b+c into FMAs and differs in the last bits, as optax on the GPU may.
 
 The kernels read the gradient as bf16 bits (``np.uint16``) or float32, optionally write the new
-params as bf16 bits (round to nearest even, NaN stays NaN), and release the GIL. How they run on the
+params as bf16 bits (round to nearest even, NaN stays NaN) or as float32 (a float32 compute copy,
+written in the same pass: no second pass over the chunk), and release the GIL. How they run on the
 threads (jit options, the launch lock, the dynamic division of a chunk): :mod:`chunkjax.kernel_threads`.
 Imports numpy and numba only (``.optax()`` imports optax when called): a near-storage
 worker imports no jax (docs/storage.md, "Worker start"). Kernels are compiled once per machine
@@ -320,6 +321,24 @@ def _bf16_bits_of(x):
     return np.uint16((b + 0x7FFF + ((b >> 16) & 1)) >> 16)
 
 
+def _param_out(out, p):
+    """The new param ``p`` (float32) as ``out`` stores it; implemented for numba below."""
+    raise NotImplementedError
+
+
+@overload(_param_out)
+def _param_out_impl(out, p):
+    if out.dtype == types.uint16:  # bf16 bits, round to nearest even
+        def bits(out, p):
+            return _bf16_bits_of(p)
+        return bits
+    if out.dtype == types.float32:  # float32 compute params: the master's own value
+        def same(out, p):
+            return p
+        return same
+    return None
+
+
 @_jit
 def _bf16_round_kernel(x, out):
     for i in prange(x.size):
@@ -348,7 +367,7 @@ def _adamw_range(lo, hi, master, m, v, grad, out, grad_scale, hp):
         v[i] = vi
         master[i] = p
         if out is not None:
-            out[i] = _bf16_bits_of(p)
+            out[i] = _param_out(out, p)
 
 
 @_jit
@@ -381,7 +400,7 @@ def _lion_range(lo, hi, master, m, grad, out, grad_scale, hp):
         p = p + neg_lr * u
         master[i] = p
         if out is not None:
-            out[i] = _bf16_bits_of(p)
+            out[i] = _param_out(out, p)
 
 
 @_jit
@@ -413,7 +432,7 @@ def _momentum_range(lo, hi, master, trace, grad, out, grad_scale, nesterov, hp):
         p = p + neg_lr * u
         master[i] = p
         if out is not None:
-            out[i] = _bf16_bits_of(p)
+            out[i] = _param_out(out, p)
 
 
 @_jit
@@ -522,7 +541,7 @@ def update_(hyper: StepHyper, master: np.ndarray, moments: tuple[np.ndarray, ...
         for Lion, ``(trace,)`` for SGD with momentum.
       grad: (n,) gradient, bf16 bits as np.uint16 or np.float32.
       params_bits_out: (n,) np.uint16, receives the new params as bf16 bits (round to nearest
-        even); None to skip.
+        even), or (n,) np.float32, receives them as they are; None to skip.
       grad_scale: multiplies every gradient element: a float (rounded to float32; 1.0 for none,
         or one factor with a loss-scale inverse folded in), or the two factors of
         :func:`clip_scale`, applied one after the other (optax's rounding).
@@ -541,7 +560,7 @@ def update_(hyper: StepHyper, master: np.ndarray, moments: tuple[np.ndarray, ...
     for name, a in zip(names, moments):
         _check_vec(name, a, [MASTER_DTYPE], n, True)
     if params_bits_out is not None:
-        _check_vec("params_bits_out", params_bits_out, [BF16_BITS_DTYPE], n, True)
+        _check_vec("params_bits_out", params_bits_out, [BF16_BITS_DTYPE, MASTER_DTYPE], n, True)
     _check_distinct({"master": master, **dict(zip(names, moments)), "grad": grad, "params_bits_out": params_bits_out})
     scale = _scale_factors(grad_scale)
     if n <= _BLOCK:  # one block: the per-range loop on this thread (a parallel launch costs more)

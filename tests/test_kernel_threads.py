@@ -82,3 +82,27 @@ def test_kernels_bit_identical_to_one_thread_loop(spec, fp32_grad):
             numba.set_num_threads(saved)
         for got, want in zip((master, *moments, out), (*ref, ref_out)):
             np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("fp32_grad", [False, True])
+@pytest.mark.parametrize("spec", [K.AdamW(3e-3, weight_decay=0.1), K.Lion(1e-3), K.SGDMomentum(1e-2, nesterov=True,
+                                                                                              weight_decay=1e-2)])
+def test_float32_params_out_is_the_new_master_in_one_pass(spec, fp32_grad):
+    """A float32 compute copy written by the kernel itself (the host updater's float32 params, one
+    pass instead of a copy after it): bit for bit the new master params, and the master and
+    moments bit for bit those of the same update without an output; on one block and on many."""
+    rng = np.random.default_rng()
+    for n in (int(rng.integers(2, BLOCK)), int(rng.integers(3 * BLOCK, 10 * BLOCK)) + 7):
+        (master, a, b), g = _problem(rng, n, fp32_grad)
+        hyper = K.step_hyper(spec, int(rng.integers(0, 100)), 1e-3)
+        scale = K.clip_scale(1.0, float(rng.uniform(1.5, 9.0)))
+        moments = (a, b) if isinstance(spec, K.AdamW) else (a,)
+        ref = [x.copy() for x in (master, *moments)]
+        before = master.copy()
+        K.update_(hyper, ref[0], tuple(ref[1:]), g, None, scale)
+        out = np.full(n, np.nan, np.float32)
+        K.update_(hyper, master, moments, g, out, scale)
+        for got, want in zip((master, *moments), ref):
+            np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+        np.testing.assert_array_equal(out.view(np.uint32), master.view(np.uint32))
+        assert not np.array_equal(master, before)  # the step moved the params
