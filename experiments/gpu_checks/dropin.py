@@ -77,7 +77,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 FULL = dict(D=2048, L=24, V=32768, H=16, B=8, T=1024, STEPS=6, BUDGET="2GiB")
 TINY = dict(D=64, L=2, V=256, H=4, B=2, T=32, STEPS=3, BUDGET="1MiB")
-SYSTEMS = ("nnx", "chunk_host", "front", "chunk_optax")
+SYSTEMS = ("nnx", "chunk_host", "front", "chunk_optax", "injit_tied", "injit_free", "injit_tied_nd")
 
 
 #: Breakdown fields whose medians over the steady updates are recorded (chunkjax.duplex.UpdateBreakdown).
@@ -280,6 +280,8 @@ def child(kind: str, cfg: dict) -> dict:
             opt.update(model, g)
             return loss
         run = lambda t: step(model, opt, t)  # noqa: E731
+    elif kind.startswith("injit_"):  # prototype: the update inside the user's one jitted step
+        run = injit_run(model, loss_fn, kind)
     elif kind == "front":  # the loop handing over its loss: the update overlaps the backward
         from experiments.gpu_checks.front_door_3b import PhaseClock
         opt = chunkjax.offload(model, AdamW(1e-4), loss_fn, toks[0], device_budget=cfg["FRONT_BUDGET"])
@@ -352,6 +354,10 @@ def child(kind: str, cfg: dict) -> dict:
         clock.__exit__()
         out["front_phases"] = front_phases(clock.summary(), times, [w.seconds if w is not None else None
                                                                      for w in works])
+        # two steady steps' raw events (PhaseClock: seconds from each call's start): the host thread's
+        # gradient waits and kernel calls against the programs' dispatches and the main thread's waits
+        out["front_events"] = [json.loads(json.dumps(clock.steps[i], default=str))
+                               for i in (len(clock.steps) - 3, len(clock.steps) - 2) if i >= 1]
     if kind.startswith("chunk_"):
         opt.wait()
         breakdowns.append(opt.chunked.last_update)
@@ -381,6 +387,59 @@ def child(kind: str, cfg: dict) -> dict:
                 "tokens_per_s": B * T / median, "first_step_s": times[0], "peak_device_bytes_measured": mem.get("peak_bytes_in_use"),
                 "update_call_s": update_call_s})
     return out
+
+
+def injit_run(model, loss_fn, kind: str):
+    """Prototype (session 27, not the library): AdamW(1e-4) with its moments (mu, nu) in
+    ``pinned_host``, updated inside the same ``jax.jit`` program as the gradients, as a
+    ``nnx.Optimizer`` loop does inside ``nnx.jit``; per param leaf the moments move to the device,
+    update there and move back, so XLA may overlap those transfers with the backward.
+
+    kind: ``injit_free`` (the moves as XLA schedules them), ``injit_tied`` (each leaf's fetch tied
+    to its gradient with ``optimization_barrier``: fetched when the backward has produced it),
+    ``injit_tied_nd`` (tied, the moments not donated). Returns the loop's step ``run(tok) -> loss``.
+    """
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from chunkjax.memory import DEVICE, PINNED_HOST, ordered_after, sharding
+
+    hs, ds = sharding(PINNED_HOST), sharding(DEVICE)
+    lr, b1, b2, eps, wd = 1e-4, 0.9, 0.999, 1e-8, 1e-4  # optax.adamw(1e-4)'s defaults
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    params = jax.device_put(params, ds)
+    zeros = [jnp.zeros(p.shape, jnp.float32) for p in jax.tree.leaves(params)]
+    state = {"mu": [jax.device_put(z, hs) for z in zeros], "nu": [jax.device_put(z, hs) for z in zeros],
+             "count": jax.device_put(jnp.zeros((), jnp.int32), ds)}
+    del zeros
+    tied = kind.startswith("injit_tied")
+
+    def step(params, state, rest, tok):
+        loss, g = jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p, rest), tok))(params)
+        gl, tree = jax.tree.flatten(g)
+        c = state["count"] + 1
+        bc1 = 1 - b1 ** c.astype(jnp.float32)
+        bc2 = 1 - b2 ** c.astype(jnp.float32)
+        new_p, new_mu, new_nu = [], [], []
+        for gi, pi, mh, vh in zip(gl, jax.tree.leaves(params), state["mu"], state["nu"]):
+            if tied:
+                mh, vh = ordered_after(gi, (mh, vh))
+            m = b1 * jax.device_put(mh, ds) + (1 - b1) * gi
+            v = b2 * jax.device_put(vh, ds) + (1 - b2) * gi * gi
+            u = (m / bc1) / (jnp.sqrt(v / bc2) + eps) + wd * pi
+            new_p.append(pi - lr * u)
+            new_mu.append(jax.device_put(m, hs))
+            new_nu.append(jax.device_put(v, hs))
+        return loss, jax.tree.unflatten(tree, new_p), {"mu": new_mu, "nu": new_nu, "count": c}
+
+    jstep = jax.jit(step, donate_argnums=(0,) if kind.endswith("_nd") else (0, 1))
+    box = {"params": params, "state": state}
+
+    def run(tok):
+        loss, box["params"], box["state"] = jstep(box["params"], box["state"], rest, tok)
+        return loss
+    return run
 
 
 def _summarise(res: dict) -> None:
