@@ -280,14 +280,17 @@ def child(kind: str, cfg: dict) -> dict:
             opt.update(model, g)
             return loss
         run = lambda t: step(model, opt, t)  # noqa: E731
+        out["host_bytes"] = 0  # everything on the device
     elif kind.startswith("injit_"):  # prototype: the update inside the user's one jitted step
         run = injit_run(model, loss_fn, kind)
+        out["host_bytes"] = 8 * sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))  # mu, nu
     elif kind == "front":  # the loop handing over its loss: the update overlaps the backward
         from experiments.gpu_checks.front_door_3b import PhaseClock
         opt = chunkjax.offload(model, AdamW(1e-4), loss_fn, toks[0], device_budget=cfg["FRONT_BUDGET"])
         out["summary"] = str(opt.report.schedule.counts())
         out["front_budget_bytes"] = cfg["FRONT_BUDGET"]
         out["front_plan"] = front_plan(opt, toks[0])
+        out["host_bytes"] = int(opt.schedule.predicted.host_bytes)  # the plan's host model data and working set
         clock, works = PhaseClock().__enter__(), []
 
         def run(t):  # the step's call under the phase clock; float(loss) after it is the loop's
@@ -459,7 +462,7 @@ def _summarise(res: dict) -> None:
             v["mfu"] = flops / (res["matmul_tflops"] * 1e12) if res["matmul_tflops"] else None
             v["mfu_datasheet"] = flops / DATASHEET_BF16_FLOPS
             v.update(anchor_units(v["tokens_per_s"], res["n_params"], matmul_tflops=res["matmul_tflops"],
-                                  host_bytes=v.get("host_bytes", 0)))
+                                  host_bytes=v.get("host_bytes")))  # null where a system did not record it
         if host_threads_of(k)[0] and "timeline" in v:
             v["own_rates_prediction"] = own_rates_prediction(v)
         bd, g = v.get("breakdown_median") or {}, v.get("grad_step_s")
