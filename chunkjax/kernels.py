@@ -34,13 +34,13 @@ from typing import NamedTuple
 
 import numba
 import numpy as np
-from numba import prange, types
-from numba.extending import overload
+from numba import prange
 
 from chunkjax.kernel_threads import BLOCK as _BLOCK
 from chunkjax.kernel_threads import LAUNCH_LOCK as _LAUNCH_LOCK
 from chunkjax.kernel_threads import block_range, bounds_threads, claim, guided_bounds, n_blocks
 from chunkjax.kernel_threads import kernel_jit as _jit
+from chunkjax.kernel_elements import as_f32, bf16_bits_of, param_out
 
 #: Master params and moments are float32 (mixed precision rule).
 MASTER_DTYPE = np.dtype(np.float32)
@@ -298,51 +298,10 @@ HostOptimizer = AdamW | Lion | SGDMomentum
 # numba kernels (float32 throughout: every scalar argument is passed as np.float32).
 
 
-def _as_f32(x):
-    """A gradient element as float32; implemented for numba below."""
-    raise NotImplementedError
-
-
-@overload(_as_f32)
-def _as_f32_impl(x):
-    if x == types.uint16:  # bf16 bits: widening is exact
-        return lambda x: np.uint32(np.uint32(x) << 16).view(np.float32)
-    if x == types.float32:
-        return lambda x: x
-    return None
-
-
-@_jit(parallel=False)
-def _bf16_bits_of(x):
-    """bf16 bits of float32 x, round to nearest even; NaN -> quiet NaN with x's sign (as XLA)."""
-    b = np.float32(x).view(np.uint32)
-    if x != x:
-        return np.uint16(((b >> 16) & 0x8000) | 0x7FC0)
-    return np.uint16((b + 0x7FFF + ((b >> 16) & 1)) >> 16)
-
-
-def _param_out(out, p):
-    """The new param ``p`` (float32) as ``out`` stores it; implemented for numba below."""
-    raise NotImplementedError
-
-
-@overload(_param_out)
-def _param_out_impl(out, p):
-    if out.dtype == types.uint16:  # bf16 bits, round to nearest even
-        def bits(out, p):
-            return _bf16_bits_of(p)
-        return bits
-    if out.dtype == types.float32:  # float32 compute params: the master's own value
-        def same(out, p):
-            return p
-        return same
-    return None
-
-
 @_jit
 def _bf16_round_kernel(x, out):
     for i in prange(x.size):
-        out[i] = _bf16_bits_of(x[i])
+        out[i] = bf16_bits_of(x[i])
 
 
 # Each kernel's threads claim ranges of blocks (chunkjax.kernel_threads) and run a per-range loop on each,
@@ -355,7 +314,7 @@ def _bf16_round_kernel(x, out):
 def _adamw_range(lo, hi, master, m, v, grad, out, grad_scale, hp):
     b1, one_minus_b1, b2, one_minus_b2, inv_bc1, inv_bc2, eps, wd, neg_lr = hp
     for i in range(np.uint64(lo), np.uint64(hi)):
-        g = (_as_f32(grad[i]) * grad_scale[0]) * grad_scale[1]
+        g = (as_f32(grad[i]) * grad_scale[0]) * grad_scale[1]
         mi = one_minus_b1 * g + b1 * m[i]
         vi = one_minus_b2 * (g * g) + b2 * v[i]
         u = (mi * inv_bc1) / (np.sqrt(vi * inv_bc2) + eps)
@@ -367,7 +326,7 @@ def _adamw_range(lo, hi, master, m, v, grad, out, grad_scale, hp):
         v[i] = vi
         master[i] = p
         if out is not None:
-            out[i] = _param_out(out, p)
+            out[i] = param_out(out, p)
 
 
 @_jit
@@ -389,7 +348,7 @@ def _adamw_kernel(master, m, v, grad_bits, grad_f32, is_bf16, out, grad_scale, h
 def _lion_range(lo, hi, master, m, grad, out, grad_scale, hp):
     b1, one_minus_b1, b2, one_minus_b2, wd, neg_lr = hp
     for i in range(np.uint64(lo), np.uint64(hi)):
-        g = (_as_f32(grad[i]) * grad_scale[0]) * grad_scale[1]
+        g = (as_f32(grad[i]) * grad_scale[0]) * grad_scale[1]
         mo = m[i]
         x = one_minus_b1 * g + b1 * mo
         u = np.float32(1.0) if x > 0 else (np.float32(-1.0) if x < 0 else x)  # jnp.sign (0, -0, NaN kept)
@@ -400,7 +359,7 @@ def _lion_range(lo, hi, master, m, grad, out, grad_scale, hp):
         p = p + neg_lr * u
         master[i] = p
         if out is not None:
-            out[i] = _param_out(out, p)
+            out[i] = param_out(out, p)
 
 
 @_jit
@@ -422,7 +381,7 @@ def _lion_kernel(master, m, grad_bits, grad_f32, is_bf16, out, grad_scale, hp, t
 def _momentum_range(lo, hi, master, trace, grad, out, grad_scale, nesterov, hp):
     momentum, wd, neg_lr = hp
     for i in range(np.uint64(lo), np.uint64(hi)):
-        g = (_as_f32(grad[i]) * grad_scale[0]) * grad_scale[1]
+        g = (as_f32(grad[i]) * grad_scale[0]) * grad_scale[1]
         p = master[i]
         if wd != 0:
             g = g + wd * p
@@ -432,7 +391,7 @@ def _momentum_range(lo, hi, master, trace, grad, out, grad_scale, nesterov, hp):
         p = p + neg_lr * u
         master[i] = p
         if out is not None:
-            out[i] = _param_out(out, p)
+            out[i] = param_out(out, p)
 
 
 @_jit

@@ -47,8 +47,9 @@ from numba import prange
 from chunkjax.kernel_threads import BLOCK as _BLOCK
 from chunkjax.kernel_threads import LAUNCH_LOCK as _LAUNCH_LOCK
 from chunkjax.kernel_threads import kernel_jit as _jit
+from chunkjax.kernel_elements import as_f32, bf16_bits_of
 from chunkjax.kernels import (_MOMENTS, BF16_BITS_DTYPE, MASTER_DTYPE, AdamWStep, LionStep, MomentumStep, StepHyper,
-                              _as_f32, _bf16_bits_of, _check_distinct, _check_vec, _scale_factors)
+                              _check_distinct, _check_vec, _scale_factors)
 
 #: ``lr * weight_decay`` above this: the inverse divides by ``1 - lr wd`` < 1/2 (not inverted).
 MAX_LR_WD = 0.5
@@ -138,7 +139,7 @@ def _momentum_inv(p1, t, g, nesterov, hp):
 @_jit(parallel=False)
 def _adamw_inv_range(lo, hi, master, m, v, grad, grad_scale, hp):
     for i in range(np.uint64(lo), np.uint64(hi)):
-        g = (_as_f32(grad[i]) * grad_scale[0]) * grad_scale[1]
+        g = (as_f32(grad[i]) * grad_scale[0]) * grad_scale[1]
         master[i], m[i], v[i] = _adamw_inv(master[i], m[i], v[i], g, hp)
 
 
@@ -146,17 +147,17 @@ def _adamw_inv_range(lo, hi, master, m, v, grad, grad_scale, hp):
 def _adamw_canon_range(lo, hi, master, m, v, grad, out, guess, right, final, hp):
     if final:
         for i in range(np.uint64(lo), np.uint64(hi)):
-            x = _as_f32(grad[i])
+            x = as_f32(grad[i])
             g = (x * guess[0]) * guess[1]
             p, mi, vi = _adamw_fwd(master[i], m[i], v[i], g, hp)
             p, mi, vi = _adamw_inv(p, mi, vi, g, hp)
             p, mi, vi = _adamw_fwd(p, mi, vi, (x * right[0]) * right[1], hp)
             master[i], m[i], v[i] = p, mi, vi
             if out is not None:
-                out[i] = _bf16_bits_of(p)
+                out[i] = bf16_bits_of(p)
     else:
         for i in range(np.uint64(lo), np.uint64(hi)):
-            g = (_as_f32(grad[i]) * guess[0]) * guess[1]
+            g = (as_f32(grad[i]) * guess[0]) * guess[1]
             p, mi, vi = _adamw_fwd(master[i], m[i], v[i], g, hp)
             master[i], m[i], v[i] = _adamw_inv(p, mi, vi, g, hp)
 
@@ -164,7 +165,7 @@ def _adamw_canon_range(lo, hi, master, m, v, grad, out, guess, right, final, hp)
 @_jit(parallel=False)
 def _lion_inv_range(lo, hi, master, m, grad, grad_scale, hp):
     for i in range(np.uint64(lo), np.uint64(hi)):
-        g = (_as_f32(grad[i]) * grad_scale[0]) * grad_scale[1]
+        g = (as_f32(grad[i]) * grad_scale[0]) * grad_scale[1]
         master[i], m[i] = _lion_inv(master[i], m[i], g, hp)
 
 
@@ -172,17 +173,17 @@ def _lion_inv_range(lo, hi, master, m, grad, grad_scale, hp):
 def _lion_canon_range(lo, hi, master, m, grad, out, guess, right, final, hp):
     if final:
         for i in range(np.uint64(lo), np.uint64(hi)):
-            x = _as_f32(grad[i])
+            x = as_f32(grad[i])
             g = (x * guess[0]) * guess[1]
             p, mi = _lion_fwd(master[i], m[i], g, hp)
             p, mi = _lion_inv(p, mi, g, hp)
             p, mi = _lion_fwd(p, mi, (x * right[0]) * right[1], hp)
             master[i], m[i] = p, mi
             if out is not None:
-                out[i] = _bf16_bits_of(p)
+                out[i] = bf16_bits_of(p)
     else:
         for i in range(np.uint64(lo), np.uint64(hi)):
-            g = (_as_f32(grad[i]) * guess[0]) * guess[1]
+            g = (as_f32(grad[i]) * guess[0]) * guess[1]
             p, mi = _lion_fwd(master[i], m[i], g, hp)
             master[i], m[i] = _lion_inv(p, mi, g, hp)
 
@@ -190,7 +191,7 @@ def _lion_canon_range(lo, hi, master, m, grad, out, guess, right, final, hp):
 @_jit(parallel=False)
 def _momentum_inv_range(lo, hi, master, trace, grad, grad_scale, nesterov, hp):
     for i in range(np.uint64(lo), np.uint64(hi)):
-        g = (_as_f32(grad[i]) * grad_scale[0]) * grad_scale[1]
+        g = (as_f32(grad[i]) * grad_scale[0]) * grad_scale[1]
         master[i], trace[i] = _momentum_inv(master[i], trace[i], g, nesterov, hp)
 
 
@@ -198,17 +199,17 @@ def _momentum_inv_range(lo, hi, master, trace, grad, grad_scale, nesterov, hp):
 def _momentum_canon_range(lo, hi, master, trace, grad, out, guess, right, final, nesterov, hp):
     if final:
         for i in range(np.uint64(lo), np.uint64(hi)):
-            x = _as_f32(grad[i])
+            x = as_f32(grad[i])
             g = (x * guess[0]) * guess[1]
             p, t = _momentum_fwd(master[i], trace[i], g, nesterov, hp)
             p, t = _momentum_inv(p, t, g, nesterov, hp)
             p, t = _momentum_fwd(p, t, (x * right[0]) * right[1], nesterov, hp)
             master[i], trace[i] = p, t
             if out is not None:
-                out[i] = _bf16_bits_of(p)
+                out[i] = bf16_bits_of(p)
     else:
         for i in range(np.uint64(lo), np.uint64(hi)):
-            g = (_as_f32(grad[i]) * guess[0]) * guess[1]
+            g = (as_f32(grad[i]) * guess[0]) * guess[1]
             p, t = _momentum_fwd(master[i], trace[i], g, nesterov, hp)
             master[i], trace[i] = _momentum_inv(p, t, g, nesterov, hp)
 
@@ -282,7 +283,7 @@ def _momentum_canon_kernel(master, trace, grad_bits, grad_f32, is_bf16, out, gue
 @_jit(parallel=False)
 def _finite_range(lo, hi, grad, grad_scale):
     for i in range(np.uint64(lo), np.uint64(hi)):
-        g = (_as_f32(grad[i]) * grad_scale[0]) * grad_scale[1]
+        g = (as_f32(grad[i]) * grad_scale[0]) * grad_scale[1]
         if not np.isfinite(g * g):
             return False
     return True
