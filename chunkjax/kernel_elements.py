@@ -55,4 +55,5 @@ def param_out_impl(out, p):
         return same
     return None
 
+
 __all__ = ["as_f32", "bf16_bits_of", "param_out"]

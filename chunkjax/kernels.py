@@ -36,11 +36,11 @@ import numba
 import numpy as np
 from numba import prange
 
+from chunkjax.kernel_elements import as_f32, bf16_bits_of, param_out
 from chunkjax.kernel_threads import BLOCK as _BLOCK
 from chunkjax.kernel_threads import LAUNCH_LOCK as _LAUNCH_LOCK
 from chunkjax.kernel_threads import block_range, bounds_threads, claim, guided_bounds, n_blocks
 from chunkjax.kernel_threads import kernel_jit as _jit
-from chunkjax.kernel_elements import as_f32, bf16_bits_of, param_out
 
 #: Master params and moments are float32 (mixed precision rule).
 MASTER_DTYPE = np.dtype(np.float32)
