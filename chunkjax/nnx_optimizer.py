@@ -16,6 +16,17 @@ from chunkjax.memory import DEVICE, sharding
 from chunkjax.step_commit import SignalHold, applied_on_interrupt
 
 
+_MSG_IN_JIT = ("chunkjax.NnxOptimizer cannot run inside nnx.jit / jax.jit ({how}): return the grads from the jitted "
+               "function and call optimizer.update(model, grads) outside jax.jit / nnx.jit (it moves chunks between host and "
+               "device memory), or use chunkjax.offload(model, tx, loss_fn, batch, device_budget=...) for one step")
+
+
+def _refuse_in_jit(opt):
+    """A pytree flatten of the optimizer: ``nnx.jit`` / ``jax.jit`` flatten their arguments, and
+    an optimizer passed to one would otherwise get JAX's many-line 'not a valid JAX type' error."""
+    raise TypeError(_MSG_IN_JIT.format(how="it was passed to the jitted function"))
+
+
 def _check_kwargs(kwargs: dict) -> None:
     """TypeError (one line, naming NnxOptimizer) for a keyword :class:`ChunkedOptimizer` does not
     take, or no ``device_budget``: before the model is touched."""
@@ -96,6 +107,8 @@ class NnxOptimizer:
           ValueError: ``grads`` has another structure or leaf shapes (one line naming the leaf).
         """
         from flax import nnx
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(grads)):
+            raise TypeError(_MSG_IN_JIT.format(how="update got traced gradients"))
         c = self.chunked
         self.model = model
         hold = SignalHold()  # a Ctrl-C from the first chunk's update on waits for the model's update
@@ -147,3 +160,6 @@ class NnxOptimizer:
 
     def summary(self) -> str:
         return self.chunked.summary()
+
+
+jax.tree_util.register_pytree_node(NnxOptimizer, _refuse_in_jit, lambda aux, children: None)
