@@ -16,15 +16,10 @@ from chunkjax.memory import DEVICE, sharding
 from chunkjax.step_commit import SignalHold, applied_on_interrupt
 
 
-_MSG_IN_JIT = ("chunkjax.NnxOptimizer cannot run inside nnx.jit / jax.jit ({how}): return the grads from the jitted "
-               "function and call optimizer.update(model, grads) outside jax.jit / nnx.jit (it moves chunks between host and "
-               "device memory), or use chunkjax.offload(model, tx, loss_fn, batch, device_budget=...) for one step")
-
-
-def _refuse_in_jit(opt):
-    """A pytree flatten of the optimizer: ``nnx.jit`` / ``jax.jit`` flatten their arguments, and
-    an optimizer passed to one would otherwise get JAX's many-line 'not a valid JAX type' error."""
-    raise TypeError(_MSG_IN_JIT.format(how="it was passed to the jitted function"))
+_MSG_IN_JIT = ("chunkjax.NnxOptimizer.update cannot run inside nnx.jit / jax.jit (it got traced gradients): return the "
+               "grads from the jitted function and call optimizer.update(model, grads) outside jax.jit / nnx.jit (it moves "
+               "chunks between host and device memory), or use chunkjax.offload(model, tx, loss_fn, batch, "
+               "device_budget=...) for one step")
 
 
 def _check_kwargs(kwargs: dict) -> None:
@@ -108,7 +103,7 @@ class NnxOptimizer:
         """
         from flax import nnx
         if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(grads)):
-            raise TypeError(_MSG_IN_JIT.format(how="update got traced gradients"))
+            raise TypeError(_MSG_IN_JIT)
         c = self.chunked
         self.model = model
         hold = SignalHold()  # a Ctrl-C from the first chunk's update on waits for the model's update
@@ -162,4 +157,7 @@ class NnxOptimizer:
         return self.chunked.summary()
 
 
-jax.tree_util.register_pytree_node(NnxOptimizer, _refuse_in_jit, lambda aux, children: None)
+# a pytree with no leaves, itself as its static part: passed to nnx.jit / jax.jit (the nnx.Optimizer habit) the
+# same object reaches the traced function, whose update() then refuses the traced gradients in one line (not
+# JAX's many-line 'not a valid JAX type'); as a static argument it stays usable, as before
+jax.tree_util.register_pytree_node(NnxOptimizer, lambda opt: ((), opt), lambda opt, _: opt)

@@ -90,3 +90,13 @@ def test_nnx_optimizer_inside_nnx_jit_one_line_then_trains_as_nnx_optimizer(how)
         np.testing.assert_allclose(float(loss), float(ref), rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6),
                  nnx.state(model, nnx.Param), nnx.state(ref_model, nnx.Param))
+
+
+def test_nnx_optimizer_as_static_jit_argument_still_works():
+    """An optimizer given to nnx.jit / jax.jit as a static argument (read, not updated, inside)
+    keeps working as before the in-jit refusal: the step count it reads is the optimizer's."""
+    model = _Net(nnx.Rngs(0))
+    opt = cj.NnxOptimizer(model, optax.adam(1e-3), device_budget="min")
+    f = lambda o, x: x * (o.step + 2)
+    np.testing.assert_array_equal(np.asarray(nnx.jit(f, static_argnums=0)(opt, jnp.ones(2))), [2.0, 2.0])
+    np.testing.assert_array_equal(np.asarray(jax.jit(f, static_argnums=0)(opt, jnp.ones(2))), [2.0, 2.0])
