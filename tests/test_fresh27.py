@@ -100,3 +100,38 @@ def test_nnx_optimizer_as_static_jit_argument_still_works():
     f = lambda o, x: x * (o.step + 2)
     np.testing.assert_array_equal(np.asarray(nnx.jit(f, static_argnums=0)(opt, jnp.ones(2))), [2.0, 2.0])
     np.testing.assert_array_equal(np.asarray(jax.jit(f, static_argnums=0)(opt, jnp.ones(2))), [2.0, 2.0])
+
+
+@pytest.mark.parametrize("api", ["NnxOptimizer", "ChunkedOptimizer"])
+def test_dropin_multisteps_refusal_advises_what_it_takes_and_that_trains_as_nnx_optimizer(api):
+    """optax.MultiSteps given to a drop-in optimizer: the one-line refusal names
+    tx.gradient_transformation() and no micro_batches= (which the drop-ins do not take: that advice
+    is the front door's), and what it advises trains as nnx.Optimizer with the MultiSteps does."""
+    tx = lambda: optax.MultiSteps(optax.adamw(1e-2), 2)
+    model = _Net(nnx.Rngs(0))
+    with pytest.raises(TypeError) as err:
+        if api == "NnxOptimizer":
+            cj.NnxOptimizer(model, tx(), device_budget="min")
+        else:
+            cj.ChunkedOptimizer(nnx.state(model, nnx.Param), tx(), device_budget="min")
+    msg = str(err.value)
+    assert "\n" not in msg and "tx.gradient_transformation()" in msg and "micro_batches" not in msg, msg
+
+    ref_model = _Net(nnx.Rngs(0))
+    ref_opt = nnx.Optimizer(ref_model, tx(), wrt=nnx.Param)
+    opt = cj.NnxOptimizer(model, tx().gradient_transformation(), device_budget="min")
+
+    @nnx.jit
+    def grad_step(model, batch):
+        return nnx.value_and_grad(_loss)(model, batch)
+
+    @nnx.jit
+    def ref_step(model, optimizer, batch):
+        loss, grads = nnx.value_and_grad(_loss)(model, batch)
+        optimizer.update(model, grads)
+        return loss
+
+    for i in range(6):
+        loss, grads = grad_step(model, _batch(i))
+        opt.update(model, grads)
+        np.testing.assert_allclose(float(loss), float(ref_step(ref_model, ref_opt, _batch(i))), rtol=1e-5)
