@@ -91,7 +91,7 @@ def host_spec(tx):
     from chunkjax.kernels import AdamW, Lion, SGDMomentum  # numba: loaded only when a spec is given
     if isinstance(tx, (AdamW, Lion, SGDMomentum)):
         return tx
-    raise TypeError(_MSG_TX.format(type=type(tx).__name__) + optim.wrapper_hint(tx))
+    raise TypeError(_MSG_TX.format(type=type(tx).__name__) + optim.wrapper_hint(tx, micro_batches=False))
 
 
 def _path_names(tree) -> list[str]:

@@ -16,6 +16,12 @@ from chunkjax.memory import DEVICE, sharding
 from chunkjax.step_commit import SignalHold, applied_on_interrupt
 
 
+_MSG_IN_JIT = ("chunkjax.NnxOptimizer.update cannot run inside nnx.jit / jax.jit (it got traced gradients): return the "
+               "grads from the jitted function and call optimizer.update(model, grads) outside jax.jit / nnx.jit (it moves "
+               "chunks between host and device memory), or use chunkjax.offload(model, tx, loss_fn, batch, "
+               "device_budget=...) for one step")
+
+
 def _check_kwargs(kwargs: dict) -> None:
     """TypeError (one line, naming NnxOptimizer) for a keyword :class:`ChunkedOptimizer` does not
     take, or no ``device_budget``: before the model is touched."""
@@ -96,6 +102,8 @@ class NnxOptimizer:
           ValueError: ``grads`` has another structure or leaf shapes (one line naming the leaf).
         """
         from flax import nnx
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(grads)):
+            raise TypeError(_MSG_IN_JIT)
         c = self.chunked
         self.model = model
         hold = SignalHold()  # a Ctrl-C from the first chunk's update on waits for the model's update
@@ -147,3 +155,9 @@ class NnxOptimizer:
 
     def summary(self) -> str:
         return self.chunked.summary()
+
+
+# a pytree with no leaves, itself as its static part: passed to nnx.jit / jax.jit (the nnx.Optimizer habit) the
+# same object reaches the traced function, whose update() then refuses the traced gradients in one line (not
+# JAX's many-line 'not a valid JAX type'); as a static argument it stays usable, as before
+jax.tree_util.register_pytree_node(NnxOptimizer, lambda opt: ((), opt), lambda opt, _: opt)

@@ -108,13 +108,14 @@ _MSG_MASKED = (
     "drop mask= (weight decay on every parameter, biases and norm scales too) or pass weight_decay=0")
 
 
-def wrapper_hint(tx) -> str:
+def wrapper_hint(tx, micro_batches: bool = True) -> str:
     """What to pass instead of an optax wrapper that is no ``GradientTransformation`` (``optax.MultiSteps``:
-    its ``.gradient_transformation()``), as a suffix for a refusal of ``tx``; ``""`` for anything else."""
+    its ``.gradient_transformation()``), as a suffix for a refusal of ``tx``; ``""`` for anything else.
+    ``micro_batches``: the refusing API takes ``micro_batches=`` (the drop-in optimizers do not)."""
     if not callable(getattr(tx, "gradient_transformation", None)):
         return ""
-    return (f"; {type(tx).__name__} is a wrapper, not a GradientTransformation: pass tx.gradient_transformation() "
-            "(or, for several micro-batches in one update, micro_batches=)")
+    return (f"; {type(tx).__name__} is a wrapper, not a GradientTransformation: pass tx.gradient_transformation()"
+            + (" (or, for several micro-batches in one update, micro_batches=)" if micro_batches else ""))
 
 
 def refuse_masks(tx: optax.GradientTransformation) -> None:
