@@ -33,6 +33,20 @@ def _batch(i):
     return jax.random.normal(k1, (8, 16)), jax.random.randint(k2, (8,), 0, 4)
 
 
+@nnx.jit
+def grad_step(model, batch):
+    """The README's drop-in loop: the jitted function returns the gradients."""
+    return nnx.value_and_grad(_loss)(model, batch)
+
+
+@nnx.jit
+def ref_step(model, optimizer, batch):
+    """The reference: nnx.Optimizer updated inside nnx.jit."""
+    loss, grads = nnx.value_and_grad(_loss)(model, batch)
+    optimizer.update(model, grads)
+    return loss
+
+
 def _one_line(err):
     msg = str(err.value)
     assert "\n" not in msg, msg
@@ -71,17 +85,7 @@ def test_nnx_optimizer_inside_nnx_jit_one_line_then_trains_as_nnx_optimizer(how)
     assert opt.step == 0
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), nnx.state(model, nnx.Param), before)
 
-    @nnx.jit
-    def grad_step(model, batch):
-        return nnx.value_and_grad(_loss)(model, batch)
-
     ref_opt = nnx.Optimizer(ref_model, tx, wrt=nnx.Param)
-
-    @nnx.jit
-    def ref_step(model, optimizer, batch):
-        loss, grads = nnx.value_and_grad(_loss)(model, batch)
-        optimizer.update(model, grads)
-        return loss
 
     for i in range(5):
         loss, grads = grad_step(model, _batch(i))
@@ -120,16 +124,6 @@ def test_dropin_multisteps_refusal_advises_what_it_takes_and_that_trains_as_nnx_
     ref_model = _Net(nnx.Rngs(0))
     ref_opt = nnx.Optimizer(ref_model, tx(), wrt=nnx.Param)
     opt = cj.NnxOptimizer(model, tx().gradient_transformation(), device_budget="min")
-
-    @nnx.jit
-    def grad_step(model, batch):
-        return nnx.value_and_grad(_loss)(model, batch)
-
-    @nnx.jit
-    def ref_step(model, optimizer, batch):
-        loss, grads = nnx.value_and_grad(_loss)(model, batch)
-        optimizer.update(model, grads)
-        return loss
 
     for i in range(6):
         loss, grads = grad_step(model, _batch(i))
